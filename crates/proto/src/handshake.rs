@@ -1,0 +1,615 @@
+//! The server side of the fixed newstyle handshake, as a state machine without I/O.
+//!
+//! The caller writes [`ServerHandshake::new`]'s greeting, then feeds received bytes to
+//! [`ServerHandshake::feed`], sends whatever it appended to `out`, and repeats until
+//! it gets [`Progress::Transmission`] (enter transmission phase with the negotiated
+//! [`Negotiated`]) or [`Progress::Abort`] (the client ended the session). An `Err`
+//! means the connection must be dropped. (proto.md "Newstyle negotiation",
+//! "Fixed newstyle negotiation", "Option types", "Option reply types")
+
+use crate::consts::*;
+use crate::export::ExportInfo;
+use crate::options::{parse_info_request, parse_meta_request, parse_string};
+use crate::reply::ReplyMode;
+use crate::request::{be32, be64, Session};
+
+/// Where the handshake finds exports.
+pub trait Catalog {
+    /// The export called `name` (`""` is the default export), if it exists.
+    fn export(&self, name: &str) -> Option<ExportInfo>;
+    /// Every export's name and description, for `NBD_OPT_LIST`.
+    fn list(&self) -> Vec<(String, String)>;
+}
+
+/// Why a handshake ended without reaching transmission: drop the connection.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HandshakeError {
+    #[error("client sent unknown client flags 0x{0:08x}")]
+    BadClientFlags(u32),
+    #[error("bad option magic 0x{0:016x}: client is not speaking NBD newstyle")]
+    BadOptionMagic(u64),
+    #[error("NBD_OPT_EXPORT_NAME asked for export {0:?}, which does not exist")]
+    UnknownExport(String),
+    #[error("NBD_OPT_EXPORT_NAME sent with an invalid name: {0}")]
+    BadExportName(String),
+    #[error("NBD_OPT_EXPORT_NAME used after extended headers were negotiated")]
+    ExportNameWithExtendedHeaders,
+    #[error("NBD_OPT_EXPORT_NAME data of {0} bytes is too long")]
+    ExportNameTooLong(u32),
+    #[error("bytes received after the handshake finished")]
+    Finished,
+}
+
+/// What the caller should do after a call to `feed`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Progress {
+    /// Send `out` (if not empty) and feed more bytes.
+    Continue,
+    /// The client sent `NBD_OPT_ABORT`: send `out`, then close.
+    Abort,
+    /// Send `out`, then enter the transmission phase.
+    Transmission(Box<Negotiated>),
+}
+
+/// Everything the transmission phase needs from the handshake.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Negotiated {
+    pub export: ExportInfo,
+    pub mode: ReplyMode,
+    /// Transmission flags sent to the client.
+    pub flags: u16,
+    /// Context id of `base:allocation` if the client selected it for this export.
+    pub meta_context: Option<u32>,
+}
+
+impl Negotiated {
+    pub fn session(&self) -> Session {
+        Session {
+            size: self.export.size,
+            flags: self.flags,
+            extended: self.mode == ReplyMode::Extended,
+            chunked: self.mode != ReplyMode::Simple,
+            meta_context: self.meta_context,
+            min_block: self.export.block_size.minimum,
+            max_payload: self.export.block_size.maximum,
+        }
+    }
+}
+
+/// The id ferry gives `base:allocation`.
+pub const BASE_ALLOCATION_ID: u32 = 1;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    ClientFlags,
+    Options,
+    /// Discarding the data of an oversized option, then answering `NBD_REP_ERR_TOO_BIG`.
+    Skipping {
+        opt: u32,
+        remaining: u64,
+    },
+    Done,
+}
+
+/// Server handshake state.
+#[derive(Debug, Clone)]
+pub struct ServerHandshake {
+    state: State,
+    no_zeroes: bool,
+    structured: bool,
+    extended: bool,
+    /// Export name for which `base:allocation` was selected by the last SET_META_CONTEXT.
+    meta_export: Option<String>,
+}
+
+/// Handshake flags ferry advertises.
+pub const SERVER_FLAGS: u16 = FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES;
+
+impl ServerHandshake {
+    /// Starts a handshake and appends the server greeting to `out`.
+    pub fn new(out: &mut Vec<u8>) -> Self {
+        out.extend_from_slice(&NBDMAGIC.to_be_bytes());
+        out.extend_from_slice(&IHAVEOPT.to_be_bytes());
+        out.extend_from_slice(&SERVER_FLAGS.to_be_bytes());
+        ServerHandshake {
+            state: State::ClientFlags,
+            no_zeroes: false,
+            structured: false,
+            extended: false,
+            meta_export: None,
+        }
+    }
+
+    /// Consumes at most one client message from the front of `input`, appending any reply
+    /// to `out`. Returns the number of bytes consumed (0: need more bytes).
+    pub fn feed(
+        &mut self,
+        input: &[u8],
+        catalog: &dyn Catalog,
+        out: &mut Vec<u8>,
+    ) -> Result<(usize, Progress), HandshakeError> {
+        match self.state {
+            State::Done => Err(HandshakeError::Finished),
+            State::ClientFlags => {
+                if input.len() < 4 {
+                    return Ok((0, Progress::Continue));
+                }
+                let flags = be32(&input[..4]);
+                if flags & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
+                    return Err(HandshakeError::BadClientFlags(flags));
+                }
+                self.no_zeroes = flags & FLAG_C_NO_ZEROES != 0;
+                self.state = State::Options;
+                Ok((4, Progress::Continue))
+            }
+            State::Skipping { opt, remaining } => {
+                let n = (input.len() as u64).min(remaining);
+                let remaining = remaining - n;
+                if remaining == 0 {
+                    self.state = State::Options;
+                    let msg =
+                        format!("option data is larger than the {MAX_OPTION_DATA}-byte limit");
+                    option_reply(out, opt, REP_ERR_TOO_BIG, msg.as_bytes());
+                } else {
+                    self.state = State::Skipping { opt, remaining };
+                }
+                Ok((n as usize, Progress::Continue))
+            }
+            State::Options => {
+                if input.len() < OPTION_HEADER_LEN {
+                    return Ok((0, Progress::Continue));
+                }
+                let magic = be64(&input[0..8]);
+                if magic != IHAVEOPT {
+                    return Err(HandshakeError::BadOptionMagic(magic));
+                }
+                let opt = be32(&input[8..12]);
+                let len = be32(&input[12..16]);
+                if len > MAX_OPTION_DATA {
+                    if opt == OPT_EXPORT_NAME {
+                        // No error reply exists for EXPORT_NAME: the spec says drop.
+                        return Err(HandshakeError::ExportNameTooLong(len));
+                    }
+                    self.state = State::Skipping {
+                        opt,
+                        remaining: u64::from(len),
+                    };
+                    return Ok((OPTION_HEADER_LEN, Progress::Continue));
+                }
+                let total = OPTION_HEADER_LEN + len as usize;
+                if input.len() < total {
+                    return Ok((0, Progress::Continue));
+                }
+                let data = &input[OPTION_HEADER_LEN..total];
+                let progress = self.option(opt, data, catalog, out)?;
+                Ok((total, progress))
+            }
+        }
+    }
+
+    /// Whether the handshake has finished.
+    pub fn is_done(&self) -> bool {
+        self.state == State::Done
+    }
+
+    fn mode(&self) -> ReplyMode {
+        if self.extended {
+            ReplyMode::Extended
+        } else if self.structured {
+            ReplyMode::Structured
+        } else {
+            ReplyMode::Simple
+        }
+    }
+
+    fn negotiated(&mut self, export: ExportInfo) -> Negotiated {
+        let mode = self.mode();
+        let flags = export.transmission_flags(mode != ReplyMode::Simple);
+        let meta_context = match &self.meta_export {
+            Some(name) if *name == export.name && mode != ReplyMode::Simple => {
+                Some(BASE_ALLOCATION_ID)
+            }
+            _ => None,
+        };
+        self.state = State::Done;
+        Negotiated {
+            export,
+            mode,
+            flags,
+            meta_context,
+        }
+    }
+
+    fn option(
+        &mut self,
+        opt: u32,
+        data: &[u8],
+        catalog: &dyn Catalog,
+        out: &mut Vec<u8>,
+    ) -> Result<Progress, HandshakeError> {
+        match opt {
+            OPT_EXPORT_NAME => {
+                if self.extended {
+                    return Err(HandshakeError::ExportNameWithExtendedHeaders);
+                }
+                let name =
+                    parse_string(data).map_err(|e| HandshakeError::BadExportName(e.to_string()))?;
+                let export = catalog
+                    .export(&name)
+                    .ok_or(HandshakeError::UnknownExport(name))?;
+                let n = self.negotiated(export);
+                out.extend_from_slice(&n.export.size.to_be_bytes());
+                out.extend_from_slice(&n.flags.to_be_bytes());
+                if !self.no_zeroes {
+                    out.extend_from_slice(&[0u8; 124]);
+                }
+                Ok(Progress::Transmission(Box::new(n)))
+            }
+            OPT_ABORT => {
+                option_reply(out, opt, REP_ACK, &[]);
+                self.state = State::Done;
+                Ok(Progress::Abort)
+            }
+            OPT_LIST => {
+                if !data.is_empty() {
+                    return Ok(invalid(out, opt, "NBD_OPT_LIST takes no data"));
+                }
+                for (name, desc) in catalog.list() {
+                    let mut d = Vec::with_capacity(4 + name.len() + desc.len());
+                    d.extend_from_slice(&(name.len() as u32).to_be_bytes());
+                    d.extend_from_slice(name.as_bytes());
+                    d.extend_from_slice(desc.as_bytes());
+                    option_reply(out, opt, REP_SERVER, &d);
+                }
+                option_reply(out, opt, REP_ACK, &[]);
+                Ok(Progress::Continue)
+            }
+            OPT_STARTTLS => {
+                option_reply(
+                    out,
+                    opt,
+                    REP_ERR_UNSUP,
+                    b"TLS is not supported by this ferry server",
+                );
+                Ok(Progress::Continue)
+            }
+            OPT_INFO | OPT_GO => {
+                let req = match parse_info_request(data) {
+                    Ok(r) => r,
+                    Err(e) => return Ok(invalid(out, opt, &e.to_string())),
+                };
+                let Some(export) = catalog.export(&req.name) else {
+                    let msg = format!("export {:?} does not exist on this server", req.name);
+                    option_reply(out, opt, REP_ERR_UNKNOWN, msg.as_bytes());
+                    return Ok(Progress::Continue);
+                };
+                let mode = self.mode();
+                let flags = export.transmission_flags(mode != ReplyMode::Simple);
+                let mut info = Vec::with_capacity(14);
+                info.extend_from_slice(&INFO_EXPORT.to_be_bytes());
+                info.extend_from_slice(&export.size.to_be_bytes());
+                info.extend_from_slice(&flags.to_be_bytes());
+                option_reply(out, opt, REP_INFO, &info);
+                if req.requests.contains(&INFO_NAME) {
+                    info.clear();
+                    info.extend_from_slice(&INFO_NAME.to_be_bytes());
+                    info.extend_from_slice(export.name.as_bytes());
+                    option_reply(out, opt, REP_INFO, &info);
+                }
+                if req.requests.contains(&INFO_DESCRIPTION) && !export.description.is_empty() {
+                    info.clear();
+                    info.extend_from_slice(&INFO_DESCRIPTION.to_be_bytes());
+                    info.extend_from_slice(export.description.as_bytes());
+                    option_reply(out, opt, REP_INFO, &info);
+                }
+                // Block sizes are always sent: clients ignore what they did not ask for.
+                let bs = export.block_size;
+                info.clear();
+                info.extend_from_slice(&INFO_BLOCK_SIZE.to_be_bytes());
+                info.extend_from_slice(&bs.minimum.to_be_bytes());
+                info.extend_from_slice(&bs.preferred.to_be_bytes());
+                info.extend_from_slice(&bs.maximum.to_be_bytes());
+                option_reply(out, opt, REP_INFO, &info);
+                option_reply(out, opt, REP_ACK, &[]);
+                if opt == OPT_GO {
+                    let n = self.negotiated(export);
+                    return Ok(Progress::Transmission(Box::new(n)));
+                }
+                Ok(Progress::Continue)
+            }
+            OPT_STRUCTURED_REPLY => {
+                if !data.is_empty() {
+                    return Ok(invalid(out, opt, "NBD_OPT_STRUCTURED_REPLY takes no data"));
+                }
+                if self.extended {
+                    option_reply(
+                        out,
+                        opt,
+                        REP_ERR_EXT_HEADER_REQD,
+                        b"extended headers are already negotiated",
+                    );
+                    return Ok(Progress::Continue);
+                }
+                self.structured = true;
+                option_reply(out, opt, REP_ACK, &[]);
+                Ok(Progress::Continue)
+            }
+            OPT_EXTENDED_HEADERS => {
+                if !data.is_empty() {
+                    return Ok(invalid(out, opt, "NBD_OPT_EXTENDED_HEADERS takes no data"));
+                }
+                self.extended = true;
+                option_reply(out, opt, REP_ACK, &[]);
+                Ok(Progress::Continue)
+            }
+            OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => {
+                let set = opt == OPT_SET_META_CONTEXT;
+                if set {
+                    // SET replaces earlier selections, even when it fails.
+                    self.meta_export = None;
+                }
+                if !self.structured && !self.extended {
+                    return Ok(invalid(
+                        out,
+                        opt,
+                        "negotiate structured replies or extended headers first",
+                    ));
+                }
+                let req = match parse_meta_request(data) {
+                    Ok(r) => r,
+                    Err(e) => return Ok(invalid(out, opt, &e.to_string())),
+                };
+                let Some(export) = catalog.export(&req.export) else {
+                    let msg = format!("export {:?} does not exist on this server", req.export);
+                    option_reply(out, opt, REP_ERR_UNKNOWN, msg.as_bytes());
+                    return Ok(Progress::Continue);
+                };
+                let selected = if set {
+                    req.queries.iter().any(|q| q == META_BASE_ALLOCATION)
+                } else {
+                    req.queries.is_empty()
+                        || req
+                            .queries
+                            .iter()
+                            .any(|q| q == "base:" || q == META_BASE_ALLOCATION)
+                };
+                if selected {
+                    let id = if set { BASE_ALLOCATION_ID } else { 0 };
+                    let mut d = Vec::with_capacity(4 + META_BASE_ALLOCATION.len());
+                    d.extend_from_slice(&id.to_be_bytes());
+                    d.extend_from_slice(META_BASE_ALLOCATION.as_bytes());
+                    option_reply(out, opt, REP_META_CONTEXT, &d);
+                    if set {
+                        // Canonical name, so "" and the default export's name agree.
+                        self.meta_export = Some(export.name);
+                    }
+                }
+                option_reply(out, opt, REP_ACK, &[]);
+                Ok(Progress::Continue)
+            }
+            _ => {
+                let msg = format!(
+                    "option {opt} ({}) is not supported by this server",
+                    option_name(opt)
+                );
+                option_reply(out, opt, REP_ERR_UNSUP, msg.as_bytes());
+                Ok(Progress::Continue)
+            }
+        }
+    }
+}
+
+fn invalid(out: &mut Vec<u8>, opt: u32, msg: &str) -> Progress {
+    option_reply(out, opt, REP_ERR_INVALID, msg.as_bytes());
+    Progress::Continue
+}
+
+/// Appends one fixed-newstyle option reply.
+pub fn option_reply(out: &mut Vec<u8>, opt: u32, reply: u32, data: &[u8]) {
+    out.extend_from_slice(&REPLY_MAGIC.to_be_bytes());
+    out.extend_from_slice(&opt.to_be_bytes());
+    out.extend_from_slice(&reply.to_be_bytes());
+    out.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    out.extend_from_slice(data);
+}
+
+/// Encodes a client option header and data (for clients, tests and fuzz seeds).
+pub fn encode_option(opt: u32, data: &[u8], out: &mut Vec<u8>) {
+    out.extend_from_slice(&IHAVEOPT.to_be_bytes());
+    out.extend_from_slice(&opt.to_be_bytes());
+    out.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    out.extend_from_slice(data);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::export::{BlockSize, Capabilities};
+    use crate::options::{encode_info_request, encode_meta_request};
+
+    struct One;
+    impl Catalog for One {
+        fn export(&self, name: &str) -> Option<ExportInfo> {
+            (name.is_empty() || name == "disk").then(|| ExportInfo {
+                name: "disk".into(),
+                description: "a test disk".into(),
+                size: 1 << 20,
+                caps: Capabilities {
+                    flush: true,
+                    trim: true,
+                    zero: true,
+                    extents: true,
+                    ..Default::default()
+                },
+                block_size: BlockSize::default(),
+            })
+        }
+        fn list(&self) -> Vec<(String, String)> {
+            vec![("disk".into(), "a test disk".into())]
+        }
+    }
+
+    /// Feeds everything, returning the server's bytes and the final progress.
+    fn run(input: &[u8]) -> (Vec<u8>, Result<Progress, HandshakeError>) {
+        let mut out = Vec::new();
+        let mut hs = ServerHandshake::new(&mut out);
+        let mut pos = 0;
+        loop {
+            match hs.feed(&input[pos..], &One, &mut out) {
+                Err(e) => return (out, Err(e)),
+                Ok((0, p)) => return (out, Ok(p)),
+                Ok((n, p)) => {
+                    pos += n;
+                    if p != Progress::Continue {
+                        return (out, Ok(p));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Splits server output after the 18-byte greeting into option replies (opt, type, data).
+    fn replies(out: &[u8]) -> Vec<(u32, u32, Vec<u8>)> {
+        let mut v = Vec::new();
+        let mut p = &out[18..];
+        while p.len() >= 20 {
+            assert_eq!(be64(&p[0..8]), REPLY_MAGIC);
+            let len = be32(&p[16..20]) as usize;
+            v.push((be32(&p[8..12]), be32(&p[12..16]), p[20..20 + len].to_vec()));
+            p = &p[20 + len..];
+        }
+        v
+    }
+
+    fn client_flags() -> Vec<u8> {
+        (FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES)
+            .to_be_bytes()
+            .to_vec()
+    }
+
+    #[test]
+    fn greeting() {
+        let mut out = Vec::new();
+        ServerHandshake::new(&mut out);
+        assert_eq!(&out[..8], b"NBDMAGIC");
+        assert_eq!(&out[8..16], b"IHAVEOPT");
+        assert_eq!(out.len(), 18);
+    }
+
+    #[test]
+    fn go_with_structured_and_meta() {
+        let mut i = client_flags();
+        encode_option(OPT_STRUCTURED_REPLY, &[], &mut i);
+        let mut m = Vec::new();
+        encode_meta_request("disk", &[META_BASE_ALLOCATION], &mut m);
+        encode_option(OPT_SET_META_CONTEXT, &m, &mut i);
+        let mut g = Vec::new();
+        encode_info_request(
+            "disk",
+            &[INFO_BLOCK_SIZE, INFO_NAME, INFO_DESCRIPTION],
+            &mut g,
+        );
+        encode_option(OPT_GO, &g, &mut i);
+        let (out, p) = run(&i);
+        let Ok(Progress::Transmission(n)) = p else {
+            panic!("{p:?}")
+        };
+        assert_eq!(n.mode, ReplyMode::Structured);
+        assert_eq!(n.meta_context, Some(BASE_ALLOCATION_ID));
+        assert_ne!(n.flags & FLAG_SEND_DF, 0);
+        let r = replies(&out);
+        assert_eq!(r[0], (OPT_STRUCTURED_REPLY, REP_ACK, vec![]));
+        assert_eq!(r[1].1, REP_META_CONTEXT);
+        assert_eq!(r[2].1, REP_ACK);
+        assert!(r
+            .iter()
+            .any(|x| x.1 == REP_INFO && x.2[..2] == INFO_DESCRIPTION.to_be_bytes()));
+        assert_eq!(r.last().unwrap().1, REP_ACK);
+    }
+
+    #[test]
+    fn meta_for_other_export_is_not_kept() {
+        let mut i = client_flags();
+        encode_option(OPT_EXTENDED_HEADERS, &[], &mut i);
+        let mut m = Vec::new();
+        encode_meta_request("disk", &[META_BASE_ALLOCATION], &mut m);
+        encode_option(OPT_SET_META_CONTEXT, &m, &mut i);
+        let mut g = Vec::new();
+        encode_info_request("", &[], &mut g);
+        encode_option(OPT_GO, &g, &mut i);
+        let (_, p) = run(&i);
+        let Ok(Progress::Transmission(n)) = p else {
+            panic!()
+        };
+        assert_eq!(n.mode, ReplyMode::Extended);
+        // the default export is canonically "disk" here, so the selection carries over
+        assert_eq!(n.meta_context, Some(BASE_ALLOCATION_ID));
+    }
+
+    #[test]
+    fn unknown_option_keeps_connection_usable() {
+        let mut i = client_flags();
+        encode_option(99, b"junk", &mut i);
+        encode_option(OPT_STARTTLS, &[], &mut i);
+        encode_option(OPT_LIST, &[], &mut i);
+        encode_option(OPT_ABORT, &[], &mut i);
+        let (out, p) = run(&i);
+        assert_eq!(p, Ok(Progress::Abort));
+        let r = replies(&out);
+        assert_eq!(r[0].1, REP_ERR_UNSUP);
+        assert_eq!(r[1].1, REP_ERR_UNSUP);
+        assert_eq!(r[2].1, REP_SERVER);
+        assert_eq!(r[3].1, REP_ACK);
+        assert_eq!(r[4], (OPT_ABORT, REP_ACK, vec![]));
+    }
+
+    #[test]
+    fn export_name_old_style() {
+        let mut i = FLAG_C_FIXED_NEWSTYLE.to_be_bytes().to_vec();
+        encode_option(OPT_EXPORT_NAME, b"", &mut i);
+        let (out, p) = run(&i);
+        assert!(matches!(p, Ok(Progress::Transmission(_))));
+        assert_eq!(out.len(), 18 + 8 + 2 + 124);
+        let mut i = client_flags();
+        encode_option(OPT_EXPORT_NAME, b"nope", &mut i);
+        assert_eq!(run(&i).1, Err(HandshakeError::UnknownExport("nope".into())));
+    }
+
+    #[test]
+    fn oversized_option_is_skipped_not_buffered() {
+        let mut i = client_flags();
+        i.extend_from_slice(&IHAVEOPT.to_be_bytes());
+        i.extend_from_slice(&OPT_GO.to_be_bytes());
+        i.extend_from_slice(&(MAX_OPTION_DATA + 10).to_be_bytes());
+        i.extend(std::iter::repeat(0u8).take(MAX_OPTION_DATA as usize + 10));
+        encode_option(OPT_ABORT, &[], &mut i);
+        let (out, p) = run(&i);
+        assert_eq!(p, Ok(Progress::Abort));
+        let r = replies(&out);
+        assert_eq!(r[0].1, REP_ERR_TOO_BIG);
+    }
+
+    #[test]
+    fn errors_and_bad_input() {
+        let mut i = client_flags();
+        let mut g = Vec::new();
+        encode_info_request("missing", &[], &mut g);
+        encode_option(OPT_GO, &g, &mut i);
+        encode_option(OPT_GO, &[1, 2, 3], &mut i);
+        let mut m = Vec::new();
+        encode_meta_request("", &[], &mut m);
+        encode_option(OPT_SET_META_CONTEXT, &m, &mut i);
+        encode_option(OPT_LIST, b"x", &mut i);
+        let (out, p) = run(&i);
+        assert_eq!(p, Ok(Progress::Continue));
+        let r = replies(&out);
+        assert_eq!(r[0].1, REP_ERR_UNKNOWN);
+        assert_eq!(r[1].1, REP_ERR_INVALID);
+        assert_eq!(r[2].1, REP_ERR_INVALID); // no structured replies yet
+        assert_eq!(r[3].1, REP_ERR_INVALID);
+        assert_eq!(run(&[0, 0, 0, 4]).1, Err(HandshakeError::BadClientFlags(4)));
+        let mut i = client_flags();
+        i.extend_from_slice(&[0u8; 16]);
+        assert!(matches!(run(&i).1, Err(HandshakeError::BadOptionMagic(0))));
+    }
+}
