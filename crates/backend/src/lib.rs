@@ -1,1 +1,223 @@
+//! Backends: where an export's bytes live.
+//!
+//! A backend declares what it can do ([`Capabilities`]) and implements the operations;
+//! the server derives the transmission flags from the declaration, validates every
+//! request once, and only then calls the backend. A backend never sees an offset
+//! outside `0..size()` or a flag it did not declare. Filters (such as [`ReadOnly`])
+//! wrap a backend and are backends themselves.
+#![forbid(unsafe_code)]
 
+mod file;
+mod memory;
+mod null;
+mod pattern;
+mod spec;
+
+pub use ferry_proto::reply::Extent;
+pub use ferry_proto::Capabilities;
+pub use file::FileBackend;
+pub use memory::MemoryBackend;
+pub use null::NullBackend;
+pub use pattern::PatternBackend;
+pub use spec::{open, parse_size, SpecError};
+
+use ferry_proto::consts::{NbdError, STATE_HOLE, STATE_ZERO};
+use std::io;
+use std::sync::Arc;
+
+/// What went wrong, in the terms a client can be told.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// The storage failed; the request failed, the connection is fine.
+    Io,
+    /// No space left (or quota, or file too big).
+    NoSpace,
+    /// The operation cannot be done fast (FAST_ZERO) or at all.
+    NotSupported,
+    /// The export is read-only.
+    ReadOnly,
+    /// The request makes no sense for this backend.
+    Invalid,
+}
+
+/// A backend error with the context needed to act on it: operation, range, cause.
+#[derive(Debug, thiserror::Error)]
+#[error("{op} of {length} bytes at offset {offset} failed: {}", match .source { Some(e) => e.to_string(), None => format!("{:?}", .kind) })]
+pub struct Error {
+    pub kind: ErrorKind,
+    pub op: &'static str,
+    pub offset: u64,
+    pub length: u64,
+    #[source]
+    pub source: Option<io::Error>,
+}
+
+impl Error {
+    pub fn new(kind: ErrorKind, op: &'static str, offset: u64, length: u64) -> Self {
+        Error {
+            kind,
+            op,
+            offset,
+            length,
+            source: None,
+        }
+    }
+
+    /// Wraps an OS error, classifying it by errno.
+    pub fn io(op: &'static str, offset: u64, length: u64, e: io::Error) -> Self {
+        let kind = match e.raw_os_error() {
+            Some(libc_enospc) if libc_enospc == rustix::io::Errno::NOSPC.raw_os_error() => {
+                ErrorKind::NoSpace
+            }
+            Some(c)
+                if c == rustix::io::Errno::DQUOT.raw_os_error()
+                    || c == rustix::io::Errno::FBIG.raw_os_error() =>
+            {
+                ErrorKind::NoSpace
+            }
+            Some(c)
+                if c == rustix::io::Errno::ROFS.raw_os_error()
+                    || c == rustix::io::Errno::PERM.raw_os_error() =>
+            {
+                ErrorKind::ReadOnly
+            }
+            Some(c) if c == rustix::io::Errno::OPNOTSUPP.raw_os_error() => ErrorKind::NotSupported,
+            _ => ErrorKind::Io,
+        };
+        Error {
+            kind,
+            op,
+            offset,
+            length,
+            source: Some(e),
+        }
+    }
+
+    /// The NBD error value for this failure (proto.md "Error values").
+    pub fn nbd_error(&self) -> NbdError {
+        match self.kind {
+            ErrorKind::Io => NbdError::Io,
+            ErrorKind::NoSpace => NbdError::NoSpc,
+            ErrorKind::NotSupported => NbdError::NotSup,
+            ErrorKind::ReadOnly => NbdError::Perm,
+            ErrorKind::Invalid => NbdError::Inval,
+        }
+    }
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// How WRITE_ZEROES may be carried out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ZeroMode {
+    /// The range may be deallocated (no `NBD_CMD_FLAG_NO_HOLE`).
+    pub may_trim: bool,
+    /// Fail with [`ErrorKind::NotSupported`] unless it is faster than writing zeroes.
+    pub fast: bool,
+}
+
+/// An export's storage. Implementations must be safe to call from many connections at once.
+pub trait Backend: Send + Sync {
+    /// Short description for logs, e.g. `memory:1G`.
+    fn describe(&self) -> String;
+    /// Size in bytes.
+    fn size(&self) -> u64;
+    /// What this backend can do.
+    fn caps(&self) -> Capabilities;
+    /// Fills `buf` with the bytes at `offset`.
+    fn read(&self, buf: &mut [u8], offset: u64) -> Result<()>;
+    /// Writes `buf` at `offset`; with `fua`, durably before returning.
+    fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()>;
+    /// Makes every completed write durable.
+    fn flush(&self) -> Result<()>;
+    /// Discards a range (advisory: contents become unspecified).
+    fn trim(&self, offset: u64, length: u64, fua: bool) -> Result<()>;
+    /// Makes a range read as zeroes.
+    fn zero(&self, offset: u64, length: u64, mode: ZeroMode, fua: bool) -> Result<()>;
+    /// Appends `base:allocation` extents covering `offset..` (at least one, at most `max`,
+    /// never past `offset + length`).
+    fn extents(&self, offset: u64, length: u64, max: usize, out: &mut Vec<Extent>) -> Result<()> {
+        let _ = max;
+        out.push(Extent { length, flags: 0 });
+        let _ = offset;
+        Ok(())
+    }
+    /// Hints that a range will be read soon.
+    fn cache(&self, _offset: u64, _length: u64) -> Result<()> {
+        Ok(())
+    }
+    /// Reads at least this long are checked for holes first, so holes go back as
+    /// OFFSET_HOLE chunks instead of zero bytes. `None`: never worth checking.
+    fn sparse_read_threshold(&self) -> Option<u64> {
+        None
+    }
+}
+
+/// An extent flagged as a hole that reads as zeroes.
+pub const HOLE: u32 = STATE_HOLE | STATE_ZERO;
+/// An extent holding data.
+pub const DATA: u32 = 0;
+
+/// Appends an extent, merging with the previous one when the flags match.
+pub fn push_extent(out: &mut Vec<Extent>, length: u64, flags: u32) {
+    if length == 0 {
+        return;
+    }
+    if let Some(last) = out.last_mut() {
+        if last.flags == flags {
+            last.length += length;
+            return;
+        }
+    }
+    out.push(Extent { length, flags });
+}
+
+/// A filter that makes any backend read-only.
+pub struct ReadOnly(pub Arc<dyn Backend>);
+
+impl Backend for ReadOnly {
+    fn describe(&self) -> String {
+        format!("{} (read-only)", self.0.describe())
+    }
+    fn size(&self) -> u64 {
+        self.0.size()
+    }
+    fn caps(&self) -> Capabilities {
+        Capabilities {
+            read_only: true,
+            trim: false,
+            zero: false,
+            fast_zero: false,
+            ..self.0.caps()
+        }
+    }
+    fn read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        self.0.read(buf, offset)
+    }
+    fn write(&self, buf: &[u8], offset: u64, _fua: bool) -> Result<()> {
+        Err(Error::new(
+            ErrorKind::ReadOnly,
+            "write",
+            offset,
+            buf.len() as u64,
+        ))
+    }
+    fn flush(&self) -> Result<()> {
+        self.0.flush()
+    }
+    fn trim(&self, offset: u64, length: u64, _fua: bool) -> Result<()> {
+        Err(Error::new(ErrorKind::ReadOnly, "trim", offset, length))
+    }
+    fn zero(&self, offset: u64, length: u64, _mode: ZeroMode, _fua: bool) -> Result<()> {
+        Err(Error::new(ErrorKind::ReadOnly, "zero", offset, length))
+    }
+    fn extents(&self, offset: u64, length: u64, max: usize, out: &mut Vec<Extent>) -> Result<()> {
+        self.0.extents(offset, length, max, out)
+    }
+    fn cache(&self, offset: u64, length: u64) -> Result<()> {
+        self.0.cache(offset, length)
+    }
+    fn sparse_read_threshold(&self) -> Option<u64> {
+        self.0.sparse_read_threshold()
+    }
+}

@@ -1,0 +1,61 @@
+#![no_main]
+//! The server handshake fed in pieces against a fixed two-export catalog.
+//! Input: one byte of split seed, then the client's byte stream.
+use ferry_proto::export::{BlockSize, Capabilities, ExportInfo};
+use ferry_proto::handshake::{Catalog, Progress, ServerHandshake};
+use libfuzzer_sys::fuzz_target;
+
+struct Two;
+impl Catalog for Two {
+    fn export(&self, name: &str) -> Option<ExportInfo> {
+        let (name, size, read_only) = match name {
+            "" | "disk" => ("disk", 1 << 20, false),
+            "ro" => ("ro", 4096, true),
+            _ => return None,
+        };
+        Some(ExportInfo {
+            name: name.into(),
+            description: format!("{name} export"),
+            size,
+            caps: Capabilities { read_only, flush: true, trim: true, zero: true, extents: true, ..Default::default() },
+            block_size: BlockSize { minimum: 512, ..BlockSize::default() },
+        })
+    }
+    fn list(&self) -> Vec<(String, String)> {
+        vec![("disk".into(), "disk export".into()), ("ro".into(), "ro export".into())]
+    }
+}
+
+fuzz_target!(|data: &[u8]| {
+    let Some((&seed, input)) = data.split_first() else { return };
+    let mut out = Vec::new();
+    let mut hs = ServerHandshake::new(&mut out);
+    assert_eq!(out.len(), 18);
+    // Short reads: the first byte bounds the piece size, the position varies it.
+    let max = usize::from(seed) + 1;
+    let (mut pos, mut avail) = (0, 0);
+    loop {
+        avail = (avail + 1 + (pos * 31 + avail) % max).min(input.len());
+        let before = out.clone();
+        let r = hs.feed(&input[pos..avail], &Two, &mut out);
+        assert!(out.starts_with(&before), "output only grows");
+        let Ok((n, p)) = r else { return };
+        assert!(n <= avail - pos, "consumed more than it was given");
+        pos += n;
+        assert_eq!(hs.is_done(), p != Progress::Continue);
+        if let Progress::Transmission(neg) = &p {
+            let s = neg.session();
+            assert!(s.size == 1 << 20 || s.size == 4096);
+            assert_eq!(s.min_block, 512);
+        }
+        if hs.is_done() {
+            // Finished: any further byte is an error and nothing more is sent.
+            let len = out.len();
+            assert!(hs.feed(&input[pos..], &Two, &mut out).is_err());
+            return assert_eq!(out.len(), len);
+        }
+        if n == 0 && avail == input.len() {
+            return; // no progress and nothing more to give
+        }
+    }
+});
