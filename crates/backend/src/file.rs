@@ -38,40 +38,20 @@ impl FileBackend {
         if !meta.is_file() && !block_device {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::InvalidInput,
-                format!(
-                    "{} is neither a regular file nor a block device",
-                    path.display()
-                ),
+                format!("{} is neither a regular file nor a block device", path.display()),
             ));
         }
-        let size = if block_device {
-            rustix::fs::seek(&file, SeekFrom::End(0))?
-        } else {
-            meta.len()
-        };
-        let seek_holes = !block_device
-            && rustix::fs::seek(&file, SeekFrom::Data(0))
-                .map_or_else(|e| e == Errno::NXIO, |_| true);
-        Ok(FileBackend {
-            file,
-            path: path.to_owned(),
-            size,
-            read_only,
-            seek_holes,
-            block_device,
-        })
+        let size = if block_device { rustix::fs::seek(&file, SeekFrom::End(0))? } else { meta.len() };
+        let seek_holes =
+            !block_device && rustix::fs::seek(&file, SeekFrom::Data(0)).map_or_else(|e| e == Errno::NXIO, |_| true);
+        Ok(FileBackend { file, path: path.to_owned(), size, read_only, seek_holes, block_device })
     }
 
     fn sync(&self, op: &'static str, offset: u64, length: u64) -> Result<()> {
         fdatasync(&self.file).map_err(|e| Error::io(op, offset, length, e.into()))
     }
 
-    fn fallocate(
-        &self,
-        flags: FallocateFlags,
-        offset: u64,
-        length: u64,
-    ) -> std::result::Result<(), Errno> {
+    fn fallocate(&self, flags: FallocateFlags, offset: u64, length: u64) -> std::result::Result<(), Errno> {
         fallocate(&self.file, flags, offset, length)
     }
 
@@ -80,9 +60,7 @@ impl FileBackend {
         let end = offset + length;
         while pos < end {
             let n = (end - pos).min(ZEROES.len() as u64) as usize;
-            self.file
-                .write_all_at(&ZEROES[..n], pos)
-                .map_err(|e| Error::io("zero", pos, n as u64, e))?;
+            self.file.write_all_at(&ZEROES[..n], pos).map_err(|e| Error::io("zero", pos, n as u64, e))?;
             pos += n as u64;
         }
         Ok(())
@@ -112,14 +90,10 @@ impl Backend for FileBackend {
         }
     }
     fn read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        self.file
-            .read_exact_at(buf, offset)
-            .map_err(|e| Error::io("read", offset, buf.len() as u64, e))
+        self.file.read_exact_at(buf, offset).map_err(|e| Error::io("read", offset, buf.len() as u64, e))
     }
     fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
-        self.file
-            .write_all_at(buf, offset)
-            .map_err(|e| Error::io("write", offset, buf.len() as u64, e))?;
+        self.file.write_all_at(buf, offset).map_err(|e| Error::io("write", offset, buf.len() as u64, e))?;
         if fua {
             self.sync("write", offset, buf.len() as u64)?;
         }
@@ -130,11 +104,7 @@ impl Backend for FileBackend {
     }
     fn trim(&self, offset: u64, length: u64, fua: bool) -> Result<()> {
         // Trim is advisory: a file system that cannot punch holes simply keeps the data.
-        match self.fallocate(
-            FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE,
-            offset,
-            length,
-        ) {
+        match self.fallocate(FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE, offset, length) {
             Ok(()) | Err(Errno::OPNOTSUPP) | Err(Errno::NOSYS) => {}
             Err(e) => return Err(Error::io("trim", offset, length, e.into())),
         }
@@ -146,35 +116,15 @@ impl Backend for FileBackend {
     fn zero(&self, offset: u64, length: u64, mode: ZeroMode, fua: bool) -> Result<()> {
         let mut done = false;
         if mode.may_trim && !self.block_device {
-            done = self
-                .fallocate(
-                    FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE,
-                    offset,
-                    length,
-                )
-                .is_ok();
+            done = self.fallocate(FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE, offset, length).is_ok();
         }
         if !done {
-            done = self
-                .fallocate(
-                    FallocateFlags::ZERO_RANGE | FallocateFlags::KEEP_SIZE,
-                    offset,
-                    length,
-                )
-                .is_ok();
+            done = self.fallocate(FallocateFlags::ZERO_RANGE | FallocateFlags::KEEP_SIZE, offset, length).is_ok();
         }
         if !done && !mode.may_trim && !self.block_device {
             // NO_HOLE on a file system without zero-range (tmpfs): punch, then allocate.
-            done = self
-                .fallocate(
-                    FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE,
-                    offset,
-                    length,
-                )
-                .is_ok()
-                && self
-                    .fallocate(FallocateFlags::KEEP_SIZE, offset, length)
-                    .is_ok();
+            done = self.fallocate(FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE, offset, length).is_ok()
+                && self.fallocate(FallocateFlags::KEEP_SIZE, offset, length).is_ok();
         }
         if !done {
             if mode.fast {
@@ -250,16 +200,7 @@ mod tests {
             assert_eq!(ex[0].flags, HOLE);
             assert!(ex.iter().any(|e| e.flags == DATA));
         }
-        b.zero(
-            1 << 20,
-            4096,
-            ZeroMode {
-                may_trim: false,
-                fast: false,
-            },
-            false,
-        )
-        .unwrap();
+        b.zero(1 << 20, 4096, ZeroMode { may_trim: false, fast: false }, false).unwrap();
         let mut buf = vec![1u8; 8192];
         b.read(&mut buf, 1 << 20).unwrap();
         assert!(buf[..4096].iter().all(|&x| x == 0));

@@ -54,43 +54,23 @@ pub struct Error {
 
 impl Error {
     pub fn new(kind: ErrorKind, op: &'static str, offset: u64, length: u64) -> Self {
-        Error {
-            kind,
-            op,
-            offset,
-            length,
-            source: None,
-        }
+        Error { kind, op, offset, length, source: None }
     }
 
     /// Wraps an OS error, classifying it by errno.
     pub fn io(op: &'static str, offset: u64, length: u64, e: io::Error) -> Self {
         let kind = match e.raw_os_error() {
-            Some(libc_enospc) if libc_enospc == rustix::io::Errno::NOSPC.raw_os_error() => {
+            Some(libc_enospc) if libc_enospc == rustix::io::Errno::NOSPC.raw_os_error() => ErrorKind::NoSpace,
+            Some(c) if c == rustix::io::Errno::DQUOT.raw_os_error() || c == rustix::io::Errno::FBIG.raw_os_error() => {
                 ErrorKind::NoSpace
             }
-            Some(c)
-                if c == rustix::io::Errno::DQUOT.raw_os_error()
-                    || c == rustix::io::Errno::FBIG.raw_os_error() =>
-            {
-                ErrorKind::NoSpace
-            }
-            Some(c)
-                if c == rustix::io::Errno::ROFS.raw_os_error()
-                    || c == rustix::io::Errno::PERM.raw_os_error() =>
-            {
+            Some(c) if c == rustix::io::Errno::ROFS.raw_os_error() || c == rustix::io::Errno::PERM.raw_os_error() => {
                 ErrorKind::ReadOnly
             }
             Some(c) if c == rustix::io::Errno::OPNOTSUPP.raw_os_error() => ErrorKind::NotSupported,
             _ => ErrorKind::Io,
         };
-        Error {
-            kind,
-            op,
-            offset,
-            length,
-            source: Some(e),
-        }
+        Error { kind, op, offset, length, source: Some(e) }
     }
 
     /// The NBD error value for this failure (proto.md "Error values").
@@ -183,24 +163,13 @@ impl Backend for ReadOnly {
         self.0.size()
     }
     fn caps(&self) -> Capabilities {
-        Capabilities {
-            read_only: true,
-            trim: false,
-            zero: false,
-            fast_zero: false,
-            ..self.0.caps()
-        }
+        Capabilities { read_only: true, trim: false, zero: false, fast_zero: false, ..self.0.caps() }
     }
     fn read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         self.0.read(buf, offset)
     }
     fn write(&self, buf: &[u8], offset: u64, _fua: bool) -> Result<()> {
-        Err(Error::new(
-            ErrorKind::ReadOnly,
-            "write",
-            offset,
-            buf.len() as u64,
-        ))
+        Err(Error::new(ErrorKind::ReadOnly, "write", offset, buf.len() as u64))
     }
     fn flush(&self) -> Result<()> {
         self.0.flush()

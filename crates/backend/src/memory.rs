@@ -44,18 +44,12 @@ fn pieces(offset: u64, len: u64) -> impl Iterator<Item = (u64, usize, usize)> {
 fn is_zero(b: &[u8]) -> bool {
     // Compare in 16-byte blocks; the compiler vectorises this well.
     let (head, rest) = b.split_at(b.len() % 16);
-    head.iter().all(|&x| x == 0)
-        && rest
-            .chunks_exact(16)
-            .all(|c| u128::from_ne_bytes(c.try_into().unwrap()) == 0)
+    head.iter().all(|&x| x == 0) && rest.chunks_exact(16).all(|c| u128::from_ne_bytes(c.try_into().unwrap()) == 0)
 }
 
 impl MemoryBackend {
     pub fn new(size: u64) -> Self {
-        MemoryBackend {
-            size,
-            shards: (0..SHARDS).map(|_| RwLock::new(BTreeMap::new())).collect(),
-        }
+        MemoryBackend { size, shards: (0..SHARDS).map(|_| RwLock::new(BTreeMap::new())).collect() }
     }
 
     fn shard(&self, idx: u64) -> &RwLock<BTreeMap<u64, Chunk>> {
@@ -63,32 +57,20 @@ impl MemoryBackend {
     }
 
     fn present(&self, idx: u64) -> bool {
-        self.shard(idx)
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .contains_key(&idx)
+        self.shard(idx).read().unwrap_or_else(|e| e.into_inner()).contains_key(&idx)
     }
 
     /// The first allocated chunk at or after `idx`, if any.
     fn next_present(&self, idx: u64) -> Option<u64> {
         self.shards
             .iter()
-            .filter_map(|s| {
-                s.read()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .range(idx..)
-                    .next()
-                    .map(|(k, _)| *k)
-            })
+            .filter_map(|s| s.read().unwrap_or_else(|e| e.into_inner()).range(idx..).next().map(|(k, _)| *k))
             .min()
     }
 
     /// Bytes of memory held by chunks (for tests and statistics).
     pub fn allocated_bytes(&self) -> u64 {
-        self.shards
-            .iter()
-            .map(|s| s.read().unwrap_or_else(|e| e.into_inner()).len() as u64 * CHUNK)
-            .sum()
+        self.shards.iter().map(|s| s.read().unwrap_or_else(|e| e.into_inner()).len() as u64 * CHUNK).sum()
     }
 
     fn zero_range(&self, offset: u64, length: u64) {
@@ -130,12 +112,7 @@ impl Backend for MemoryBackend {
         let mut at = 0;
         for (idx, within, n) in pieces(offset, buf.len() as u64) {
             let dst = &mut buf[at..at + n];
-            match self
-                .shard(idx)
-                .read()
-                .unwrap_or_else(|e| e.into_inner())
-                .get(&idx)
-            {
+            match self.shard(idx).read().unwrap_or_else(|e| e.into_inner()).get(&idx) {
                 Some(c) => dst.copy_from_slice(&c[within..within + n]),
                 None => dst.fill(0),
             }
@@ -186,9 +163,7 @@ impl Backend for MemoryBackend {
                 push_extent(out, chunk_end - pos, DATA);
                 pos = chunk_end;
             } else {
-                let next = self
-                    .next_present(idx + 1)
-                    .map_or(end, |n| (n * CHUNK).min(end));
+                let next = self.next_present(idx + 1).map_or(end, |n| (n * CHUNK).min(end));
                 push_extent(out, next - pos, HOLE);
                 pos = next;
             }
@@ -227,13 +202,7 @@ mod tests {
         assert_eq!(m.allocated_bytes(), 0);
         ex.clear();
         m.extents(1 << 39, 1 << 39, 100, &mut ex).unwrap();
-        assert_eq!(
-            ex,
-            vec![Extent {
-                length: 1 << 39,
-                flags: HOLE
-            }]
-        );
+        assert_eq!(ex, vec![Extent { length: 1 << 39, flags: HOLE }]);
     }
 
     #[test]

@@ -24,7 +24,7 @@ pub fn fill_pattern(buf: &mut [u8], offset: u64) {
     let mut pos = offset;
     let mut rest = &mut buf[..];
     // Unaligned head, byte by byte.
-    while pos % 8 != 0 && !rest.is_empty() {
+    while !pos.is_multiple_of(8) && !rest.is_empty() {
         rest[0] = PatternBackend::byte_at(pos);
         rest = &mut rest[1..];
         pos += 1;
@@ -48,25 +48,14 @@ impl Backend for PatternBackend {
         self.size
     }
     fn caps(&self) -> Capabilities {
-        Capabilities {
-            read_only: true,
-            flush: true,
-            multi_conn: true,
-            cache: true,
-            ..Default::default()
-        }
+        Capabilities { read_only: true, flush: true, multi_conn: true, cache: true, ..Default::default() }
     }
     fn read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         fill_pattern(buf, offset);
         Ok(())
     }
     fn write(&self, buf: &[u8], offset: u64, _fua: bool) -> Result<()> {
-        Err(Error::new(
-            ErrorKind::ReadOnly,
-            "write",
-            offset,
-            buf.len() as u64,
-        ))
+        Err(Error::new(ErrorKind::ReadOnly, "write", offset, buf.len() as u64))
     }
     fn flush(&self) -> Result<()> {
         Ok(())

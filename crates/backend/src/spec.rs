@@ -6,27 +6,23 @@ use std::path::Path;
 /// A spec that cannot be opened, with what to do about it.
 #[derive(Debug, thiserror::Error)]
 pub enum SpecError {
-    #[error("export spec {0:?} has no kind; write KIND:ARG, e.g. memory:1G, file:/path/disk.img, null:1T or pattern:1G")]
+    #[error(
+        "export spec {0:?} has no kind; write KIND:ARG, e.g. memory:1G, file:/path/disk.img, null:1T or pattern:1G"
+    )]
     NoKind(String),
     #[error("unknown export kind {0:?}; use memory, file, null or pattern")]
     UnknownKind(String),
     #[error("bad size {0:?}: {1}")]
     BadSize(String, &'static str),
     #[error("cannot open {path}: {source}")]
-    Open {
-        path: String,
-        source: std::io::Error,
-    },
+    Open { path: String, source: std::io::Error },
 }
 
 /// Parses a size such as `4096`, `512K`, `1G`, `1.5T` or `1GiB` (binary units).
 pub fn parse_size(s: &str) -> std::result::Result<u64, SpecError> {
     let bad = |why| SpecError::BadSize(s.to_string(), why);
     let t = s.trim();
-    let t = t
-        .strip_suffix("iB")
-        .or_else(|| t.strip_suffix('B'))
-        .unwrap_or(t);
+    let t = t.strip_suffix("iB").or_else(|| t.strip_suffix('B')).unwrap_or(t);
     let (num, shift) = match t.char_indices().last() {
         Some((i, c)) if c.is_ascii_alphabetic() => {
             let shift = match c.to_ascii_uppercase() {
@@ -46,10 +42,7 @@ pub fn parse_size(s: &str) -> std::result::Result<u64, SpecError> {
         return Err(bad("missing number"));
     }
     if let Ok(n) = num.parse::<u64>() {
-        return n
-            .checked_shl(shift)
-            .filter(|v| v >> shift == n)
-            .ok_or_else(|| bad("too large"));
+        return n.checked_shl(shift).filter(|v| v >> shift == n).ok_or_else(|| bad("too large"));
     }
     let f: f64 = num.parse().map_err(|_| bad("not a number"))?;
     let v = f * (1u64 << shift) as f64;
@@ -62,18 +55,14 @@ pub fn parse_size(s: &str) -> std::result::Result<u64, SpecError> {
 /// Opens the backend a spec names. With `read_only`, the backend is wrapped in the
 /// [`ReadOnly`] filter (and files are opened read-only).
 pub fn open(spec: &str, read_only: bool) -> std::result::Result<Arc<dyn Backend>, SpecError> {
-    let (kind, arg) = spec
-        .split_once(':')
-        .ok_or_else(|| SpecError::NoKind(spec.to_string()))?;
+    let (kind, arg) = spec.split_once(':').ok_or_else(|| SpecError::NoKind(spec.to_string()))?;
     let b: Arc<dyn Backend> = match kind {
         "memory" | "mem" => Arc::new(MemoryBackend::new(parse_size(arg)?)),
         "null" => Arc::new(NullBackend::new(parse_size(arg)?)),
         "pattern" => Arc::new(PatternBackend::new(parse_size(arg)?)),
         "file" => Arc::new(
-            FileBackend::open(Path::new(arg), read_only).map_err(|source| SpecError::Open {
-                path: arg.to_string(),
-                source,
-            })?,
+            FileBackend::open(Path::new(arg), read_only)
+                .map_err(|source| SpecError::Open { path: arg.to_string(), source })?,
         ),
         other => return Err(SpecError::UnknownKind(other.to_string())),
     };
@@ -106,14 +95,8 @@ mod tests {
         assert_eq!(open("memory:1T", false).unwrap().size(), 1 << 40);
         assert!(open("pattern:1M", false).unwrap().caps().read_only);
         assert!(open("null:1M", true).unwrap().caps().read_only);
-        assert!(matches!(
-            open("bogus:1", false),
-            Err(SpecError::UnknownKind(_))
-        ));
+        assert!(matches!(open("bogus:1", false), Err(SpecError::UnknownKind(_))));
         assert!(matches!(open("memory", false), Err(SpecError::NoKind(_))));
-        assert!(matches!(
-            open("file:/nonexistent/x", false),
-            Err(SpecError::Open { .. })
-        ));
+        assert!(matches!(open("file:/nonexistent/x", false), Err(SpecError::Open { .. })));
     }
 }

@@ -28,11 +28,7 @@ pub struct BlockSize {
 
 impl Default for BlockSize {
     fn default() -> Self {
-        BlockSize {
-            minimum: 1,
-            preferred: 4096,
-            maximum: MAX_PAYLOAD,
-        }
+        BlockSize { minimum: 1, preferred: 4096, maximum: MAX_PAYLOAD }
     }
 }
 
@@ -62,11 +58,7 @@ impl ExportInfo {
         set(&mut f, c.fua, FLAG_SEND_FUA);
         set(&mut f, c.trim && !c.read_only, FLAG_SEND_TRIM);
         set(&mut f, c.zero && !c.read_only, FLAG_SEND_WRITE_ZEROES);
-        set(
-            &mut f,
-            c.zero && c.fast_zero && !c.read_only,
-            FLAG_SEND_FAST_ZERO,
-        );
+        set(&mut f, c.zero && c.fast_zero && !c.read_only, FLAG_SEND_FAST_ZERO);
         set(&mut f, chunked_replies, FLAG_SEND_DF);
         set(&mut f, c.multi_conn, FLAG_CAN_MULTI_CONN);
         set(&mut f, c.cache, FLAG_SEND_CACHE);

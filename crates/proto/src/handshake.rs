@@ -147,8 +147,7 @@ impl ServerHandshake {
                 let remaining = remaining - n;
                 if remaining == 0 {
                     self.state = State::Options;
-                    let msg =
-                        format!("option data is larger than the {MAX_OPTION_DATA}-byte limit");
+                    let msg = format!("option data is larger than the {MAX_OPTION_DATA}-byte limit");
                     option_reply(out, opt, REP_ERR_TOO_BIG, msg.as_bytes());
                 } else {
                     self.state = State::Skipping { opt, remaining };
@@ -170,10 +169,7 @@ impl ServerHandshake {
                         // No error reply exists for EXPORT_NAME: the spec says drop.
                         return Err(HandshakeError::ExportNameTooLong(len));
                     }
-                    self.state = State::Skipping {
-                        opt,
-                        remaining: u64::from(len),
-                    };
+                    self.state = State::Skipping { opt, remaining: u64::from(len) };
                     return Ok((OPTION_HEADER_LEN, Progress::Continue));
                 }
                 let total = OPTION_HEADER_LEN + len as usize;
@@ -206,18 +202,11 @@ impl ServerHandshake {
         let mode = self.mode();
         let flags = export.transmission_flags(mode != ReplyMode::Simple);
         let meta_context = match &self.meta_export {
-            Some(name) if *name == export.name && mode != ReplyMode::Simple => {
-                Some(BASE_ALLOCATION_ID)
-            }
+            Some(name) if *name == export.name && mode != ReplyMode::Simple => Some(BASE_ALLOCATION_ID),
             _ => None,
         };
         self.state = State::Done;
-        Negotiated {
-            export,
-            mode,
-            flags,
-            meta_context,
-        }
+        Negotiated { export, mode, flags, meta_context }
     }
 
     fn option(
@@ -232,11 +221,8 @@ impl ServerHandshake {
                 if self.extended {
                     return Err(HandshakeError::ExportNameWithExtendedHeaders);
                 }
-                let name =
-                    parse_string(data).map_err(|e| HandshakeError::BadExportName(e.to_string()))?;
-                let export = catalog
-                    .export(&name)
-                    .ok_or(HandshakeError::UnknownExport(name))?;
+                let name = parse_string(data).map_err(|e| HandshakeError::BadExportName(e.to_string()))?;
+                let export = catalog.export(&name).ok_or(HandshakeError::UnknownExport(name))?;
                 let n = self.negotiated(export);
                 out.extend_from_slice(&n.export.size.to_be_bytes());
                 out.extend_from_slice(&n.flags.to_be_bytes());
@@ -265,12 +251,7 @@ impl ServerHandshake {
                 Ok(Progress::Continue)
             }
             OPT_STARTTLS => {
-                option_reply(
-                    out,
-                    opt,
-                    REP_ERR_UNSUP,
-                    b"TLS is not supported by this ferry server",
-                );
+                option_reply(out, opt, REP_ERR_UNSUP, b"TLS is not supported by this ferry server");
                 Ok(Progress::Continue)
             }
             OPT_INFO | OPT_GO => {
@@ -322,12 +303,7 @@ impl ServerHandshake {
                     return Ok(invalid(out, opt, "NBD_OPT_STRUCTURED_REPLY takes no data"));
                 }
                 if self.extended {
-                    option_reply(
-                        out,
-                        opt,
-                        REP_ERR_EXT_HEADER_REQD,
-                        b"extended headers are already negotiated",
-                    );
+                    option_reply(out, opt, REP_ERR_EXT_HEADER_REQD, b"extended headers are already negotiated");
                     return Ok(Progress::Continue);
                 }
                 self.structured = true;
@@ -349,11 +325,7 @@ impl ServerHandshake {
                     self.meta_export = None;
                 }
                 if !self.structured && !self.extended {
-                    return Ok(invalid(
-                        out,
-                        opt,
-                        "negotiate structured replies or extended headers first",
-                    ));
+                    return Ok(invalid(out, opt, "negotiate structured replies or extended headers first"));
                 }
                 let req = match parse_meta_request(data) {
                     Ok(r) => r,
@@ -367,11 +339,7 @@ impl ServerHandshake {
                 let selected = if set {
                     req.queries.iter().any(|q| q == META_BASE_ALLOCATION)
                 } else {
-                    req.queries.is_empty()
-                        || req
-                            .queries
-                            .iter()
-                            .any(|q| q == "base:" || q == META_BASE_ALLOCATION)
+                    req.queries.is_empty() || req.queries.iter().any(|q| q == "base:" || q == META_BASE_ALLOCATION)
                 };
                 if selected {
                     let id = if set { BASE_ALLOCATION_ID } else { 0 };
@@ -388,10 +356,7 @@ impl ServerHandshake {
                 Ok(Progress::Continue)
             }
             _ => {
-                let msg = format!(
-                    "option {opt} ({}) is not supported by this server",
-                    option_name(opt)
-                );
+                let msg = format!("option {opt} ({}) is not supported by this server", option_name(opt));
                 option_reply(out, opt, REP_ERR_UNSUP, msg.as_bytes());
                 Ok(Progress::Continue)
             }
@@ -434,13 +399,7 @@ mod tests {
                 name: "disk".into(),
                 description: "a test disk".into(),
                 size: 1 << 20,
-                caps: Capabilities {
-                    flush: true,
-                    trim: true,
-                    zero: true,
-                    extents: true,
-                    ..Default::default()
-                },
+                caps: Capabilities { flush: true, trim: true, zero: true, extents: true, ..Default::default() },
                 block_size: BlockSize::default(),
             })
         }
@@ -482,9 +441,7 @@ mod tests {
     }
 
     fn client_flags() -> Vec<u8> {
-        (FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES)
-            .to_be_bytes()
-            .to_vec()
+        (FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes().to_vec()
     }
 
     #[test]
@@ -504,16 +461,10 @@ mod tests {
         encode_meta_request("disk", &[META_BASE_ALLOCATION], &mut m);
         encode_option(OPT_SET_META_CONTEXT, &m, &mut i);
         let mut g = Vec::new();
-        encode_info_request(
-            "disk",
-            &[INFO_BLOCK_SIZE, INFO_NAME, INFO_DESCRIPTION],
-            &mut g,
-        );
+        encode_info_request("disk", &[INFO_BLOCK_SIZE, INFO_NAME, INFO_DESCRIPTION], &mut g);
         encode_option(OPT_GO, &g, &mut i);
         let (out, p) = run(&i);
-        let Ok(Progress::Transmission(n)) = p else {
-            panic!("{p:?}")
-        };
+        let Ok(Progress::Transmission(n)) = p else { panic!("{p:?}") };
         assert_eq!(n.mode, ReplyMode::Structured);
         assert_eq!(n.meta_context, Some(BASE_ALLOCATION_ID));
         assert_ne!(n.flags & FLAG_SEND_DF, 0);
@@ -521,9 +472,7 @@ mod tests {
         assert_eq!(r[0], (OPT_STRUCTURED_REPLY, REP_ACK, vec![]));
         assert_eq!(r[1].1, REP_META_CONTEXT);
         assert_eq!(r[2].1, REP_ACK);
-        assert!(r
-            .iter()
-            .any(|x| x.1 == REP_INFO && x.2[..2] == INFO_DESCRIPTION.to_be_bytes()));
+        assert!(r.iter().any(|x| x.1 == REP_INFO && x.2[..2] == INFO_DESCRIPTION.to_be_bytes()));
         assert_eq!(r.last().unwrap().1, REP_ACK);
     }
 
@@ -538,9 +487,7 @@ mod tests {
         encode_info_request("", &[], &mut g);
         encode_option(OPT_GO, &g, &mut i);
         let (_, p) = run(&i);
-        let Ok(Progress::Transmission(n)) = p else {
-            panic!()
-        };
+        let Ok(Progress::Transmission(n)) = p else { panic!() };
         assert_eq!(n.mode, ReplyMode::Extended);
         // the default export is canonically "disk" here, so the selection carries over
         assert_eq!(n.meta_context, Some(BASE_ALLOCATION_ID));

@@ -137,13 +137,7 @@ mod tests {
     fn info_round_trip() {
         let mut b = Vec::new();
         encode_info_request("disk", &[3, 1], &mut b);
-        assert_eq!(
-            parse_info_request(&b),
-            Ok(InfoRequest {
-                name: "disk".into(),
-                requests: vec![3, 1]
-            })
-        );
+        assert_eq!(parse_info_request(&b), Ok(InfoRequest { name: "disk".into(), requests: vec![3, 1] }));
         assert!(parse_info_request(&b[..b.len() - 1]).is_err());
         b.push(0);
         assert_eq!(parse_info_request(&b), Err(OptionError::Trailing(1)));

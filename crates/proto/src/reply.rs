@@ -44,15 +44,7 @@ impl ReplyWriter {
     }
 
     /// A chunk header (structured or extended). `req_offset` is echoed by extended headers.
-    fn chunk(
-        &self,
-        flags: u16,
-        ty: u16,
-        cookie: u64,
-        req_offset: u64,
-        len: u64,
-        out: &mut Vec<u8>,
-    ) {
+    fn chunk(&self, flags: u16, ty: u16, cookie: u64, req_offset: u64, len: u64, out: &mut Vec<u8>) {
         match self.mode {
             ReplyMode::Extended => {
                 out.extend_from_slice(&EXTENDED_REPLY_MAGIC.to_be_bytes());
@@ -83,9 +75,7 @@ impl ReplyWriter {
         match self.mode {
             // A simple reply is allowed after structured negotiation when there is no payload.
             ReplyMode::Simple | ReplyMode::Structured => Self::simple(0, cookie, out),
-            ReplyMode::Extended => {
-                self.chunk(REPLY_FLAG_DONE, REPLY_TYPE_NONE, cookie, req_offset, 0, out)
-            }
+            ReplyMode::Extended => self.chunk(REPLY_FLAG_DONE, REPLY_TYPE_NONE, cookie, req_offset, 0, out),
         }
     }
 
@@ -95,14 +85,7 @@ impl ReplyWriter {
             ReplyMode::Simple => Self::simple(err.code(), cookie, out),
             _ => {
                 let msg = clip(msg);
-                self.chunk(
-                    REPLY_FLAG_DONE,
-                    REPLY_TYPE_ERROR,
-                    cookie,
-                    req_offset,
-                    6 + msg.len() as u64,
-                    out,
-                );
+                self.chunk(REPLY_FLAG_DONE, REPLY_TYPE_ERROR, cookie, req_offset, 6 + msg.len() as u64, out);
                 out.extend_from_slice(&err.code().to_be_bytes());
                 out.extend_from_slice(&(msg.len() as u16).to_be_bytes());
                 out.extend_from_slice(msg.as_bytes());
@@ -111,27 +94,12 @@ impl ReplyWriter {
     }
 
     /// Failure at a given offset of a READ (chunked modes only; simple mode sends a plain error).
-    pub fn error_offset(
-        &self,
-        cookie: u64,
-        req_offset: u64,
-        err: NbdError,
-        msg: &str,
-        at: u64,
-        out: &mut Vec<u8>,
-    ) {
+    pub fn error_offset(&self, cookie: u64, req_offset: u64, err: NbdError, msg: &str, at: u64, out: &mut Vec<u8>) {
         if self.mode == ReplyMode::Simple {
             return Self::simple(err.code(), cookie, out);
         }
         let msg = clip(msg);
-        self.chunk(
-            REPLY_FLAG_DONE,
-            REPLY_TYPE_ERROR_OFFSET,
-            cookie,
-            req_offset,
-            14 + msg.len() as u64,
-            out,
-        );
+        self.chunk(REPLY_FLAG_DONE, REPLY_TYPE_ERROR_OFFSET, cookie, req_offset, 14 + msg.len() as u64, out);
         out.extend_from_slice(&err.code().to_be_bytes());
         out.extend_from_slice(&(msg.len() as u16).to_be_bytes());
         out.extend_from_slice(msg.as_bytes());
@@ -140,42 +108,19 @@ impl ReplyWriter {
 
     /// Header for `len` bytes of read data at `data_offset`; the caller sends the bytes next.
     /// In simple mode this is the whole-read reply header and must cover the whole request.
-    pub fn data(
-        &self,
-        cookie: u64,
-        req_offset: u64,
-        data_offset: u64,
-        len: usize,
-        done: bool,
-        out: &mut Vec<u8>,
-    ) {
+    pub fn data(&self, cookie: u64, req_offset: u64, data_offset: u64, len: usize, done: bool, out: &mut Vec<u8>) {
         match self.mode {
             ReplyMode::Simple => Self::simple(0, cookie, out),
             _ => {
                 let flags = if done { REPLY_FLAG_DONE } else { 0 };
-                self.chunk(
-                    flags,
-                    REPLY_TYPE_OFFSET_DATA,
-                    cookie,
-                    req_offset,
-                    8 + len as u64,
-                    out,
-                );
+                self.chunk(flags, REPLY_TYPE_OFFSET_DATA, cookie, req_offset, 8 + len as u64, out);
                 out.extend_from_slice(&data_offset.to_be_bytes());
             }
         }
     }
 
     /// A hole of `len` bytes at `hole_offset` (chunked modes only).
-    pub fn hole(
-        &self,
-        cookie: u64,
-        req_offset: u64,
-        hole_offset: u64,
-        len: u32,
-        done: bool,
-        out: &mut Vec<u8>,
-    ) {
+    pub fn hole(&self, cookie: u64, req_offset: u64, hole_offset: u64, len: u32, done: bool, out: &mut Vec<u8>) {
         debug_assert!(self.chunked());
         let flags = if done { REPLY_FLAG_DONE } else { 0 };
         self.chunk(flags, REPLY_TYPE_OFFSET_HOLE, cookie, req_offset, 12, out);
@@ -191,25 +136,11 @@ impl ReplyWriter {
     /// One status chunk (marked final) for `context_id`. Compact mode needs every
     /// extent length to fit 32 bits; the caller clips extents to the request, whose
     /// length is 32-bit in that mode.
-    pub fn block_status(
-        &self,
-        cookie: u64,
-        req_offset: u64,
-        context_id: u32,
-        extents: &[Extent],
-        out: &mut Vec<u8>,
-    ) {
+    pub fn block_status(&self, cookie: u64, req_offset: u64, context_id: u32, extents: &[Extent], out: &mut Vec<u8>) {
         debug_assert!(self.chunked());
         if self.mode == ReplyMode::Extended {
             let len = 8 + 16 * extents.len() as u64;
-            self.chunk(
-                REPLY_FLAG_DONE,
-                REPLY_TYPE_BLOCK_STATUS_EXT,
-                cookie,
-                req_offset,
-                len,
-                out,
-            );
+            self.chunk(REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS_EXT, cookie, req_offset, len, out);
             out.extend_from_slice(&context_id.to_be_bytes());
             out.extend_from_slice(&(extents.len() as u32).to_be_bytes());
             for e in extents {
@@ -218,14 +149,7 @@ impl ReplyWriter {
             }
         } else {
             let len = 4 + 8 * extents.len() as u64;
-            self.chunk(
-                REPLY_FLAG_DONE,
-                REPLY_TYPE_BLOCK_STATUS,
-                cookie,
-                req_offset,
-                len,
-                out,
-            );
+            self.chunk(REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, cookie, req_offset, len, out);
             out.extend_from_slice(&context_id.to_be_bytes());
             for e in extents {
                 out.extend_from_slice(&(e.length.min(u64::from(u32::MAX)) as u32).to_be_bytes());
@@ -287,16 +211,7 @@ mod tests {
 
     #[test]
     fn block_status_layouts() {
-        let ex = [
-            Extent {
-                length: 4096,
-                flags: 0,
-            },
-            Extent {
-                length: 8192,
-                flags: STATE_HOLE | STATE_ZERO,
-            },
-        ];
+        let ex = [Extent { length: 4096, flags: 0 }, Extent { length: 8192, flags: STATE_HOLE | STATE_ZERO }];
         let mut v = Vec::new();
         ReplyWriter::new(ReplyMode::Structured).block_status(1, 0, 1, &ex, &mut v);
         assert_eq!(v.len(), 20 + 4 + 16);

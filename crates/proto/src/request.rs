@@ -41,19 +41,11 @@ impl RequestHeader {
             return Ok(None);
         }
         let magic = be32(&buf[0..4]);
-        let expected = if extended {
-            EXTENDED_REQUEST_MAGIC
-        } else {
-            REQUEST_MAGIC
-        };
+        let expected = if extended { EXTENDED_REQUEST_MAGIC } else { REQUEST_MAGIC };
         if magic != expected {
             return Err(RequestError::BadMagic(magic));
         }
-        let length = if extended {
-            be64(&buf[24..32])
-        } else {
-            u64::from(be32(&buf[24..28]))
-        };
+        let length = if extended { be64(&buf[24..32]) } else { u64::from(be32(&buf[24..28])) };
         Ok(Some(RequestHeader {
             flags: be16(&buf[4..6]),
             cmd: be16(&buf[6..8]),
@@ -84,14 +76,12 @@ impl RequestHeader {
     /// Bytes of payload that follow this header on the wire, whatever the command's fate.
     /// Compact headers carry a payload only for WRITE; extended headers say so with
     /// `NBD_CMD_FLAG_PAYLOAD_LEN`.
+    ///
+    /// WRITE always carries its payload, with or without the flag: the extension text
+    /// asks clients to set it, but qemu (8.2 to 10) sends extended WRITEs without it,
+    /// and its own server reads the payload either way. ferry does the same.
     pub fn payload_len(&self, extended: bool) -> u64 {
-        if extended {
-            if self.flags & CMD_FLAG_PAYLOAD_LEN != 0 {
-                self.length
-            } else {
-                0
-            }
-        } else if self.cmd == CMD_WRITE {
+        if self.cmd == CMD_WRITE || (extended && self.flags & CMD_FLAG_PAYLOAD_LEN != 0) {
             self.length
         } else {
             0
@@ -142,39 +132,14 @@ pub struct Session {
 /// A request that passed validation. Offsets and lengths are in range, flags are known.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Command {
-    Read {
-        offset: u64,
-        length: u32,
-        df: bool,
-    },
-    Write {
-        offset: u64,
-        length: u32,
-        fua: bool,
-    },
+    Read { offset: u64, length: u32, df: bool },
+    Write { offset: u64, length: u32, fua: bool },
     Disc,
     Flush,
-    Trim {
-        offset: u64,
-        length: u64,
-        fua: bool,
-    },
-    Cache {
-        offset: u64,
-        length: u64,
-    },
-    WriteZeroes {
-        offset: u64,
-        length: u64,
-        fua: bool,
-        no_hole: bool,
-        fast: bool,
-    },
-    BlockStatus {
-        offset: u64,
-        length: u64,
-        req_one: bool,
-    },
+    Trim { offset: u64, length: u64, fua: bool },
+    Cache { offset: u64, length: u64 },
+    WriteZeroes { offset: u64, length: u64, fua: bool, no_hole: bool, fast: bool },
+    BlockStatus { offset: u64, length: u64, req_one: bool },
 }
 
 /// Result of validating a request: a command, or the error to reply with.
@@ -204,9 +169,6 @@ impl Session {
         if h.flags & !allowed != 0 {
             return Err(NbdError::Inval);
         }
-        if self.extended && h.cmd == CMD_WRITE && h.flags & CMD_FLAG_PAYLOAD_LEN == 0 {
-            return Err(NbdError::Inval);
-        }
         let writes = matches!(h.cmd, CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES);
         if writes && has(FLAG_READ_ONLY) {
             return Err(NbdError::Perm);
@@ -220,7 +182,7 @@ impl Session {
                 _ => return Err(err),
             }
             let mb = u64::from(self.min_block.max(1));
-            if h.offset % mb != 0 || h.length % mb != 0 {
+            if !h.offset.is_multiple_of(mb) || !h.length.is_multiple_of(mb) {
                 return Err(NbdError::Inval);
             }
             Ok(())
@@ -229,46 +191,27 @@ impl Session {
             CMD_READ => {
                 if h.length > u64::from(self.max_payload) {
                     // Structured clients may retry smaller (proto.md NBD_CMD_READ).
-                    return Err(if self.chunked {
-                        NbdError::Overflow
-                    } else {
-                        NbdError::Inval
-                    });
+                    return Err(if self.chunked { NbdError::Overflow } else { NbdError::Inval });
                 }
                 in_range(NbdError::Inval)?;
-                Ok(Command::Read {
-                    offset: h.offset,
-                    length: h.length as u32,
-                    df: h.flags & CMD_FLAG_DF != 0,
-                })
+                Ok(Command::Read { offset: h.offset, length: h.length as u32, df: h.flags & CMD_FLAG_DF != 0 })
             }
             CMD_WRITE => {
                 if h.length > u64::from(self.max_payload) {
                     return Err(NbdError::Inval);
                 }
                 in_range(NbdError::NoSpc)?;
-                Ok(Command::Write {
-                    offset: h.offset,
-                    length: h.length as u32,
-                    fua,
-                })
+                Ok(Command::Write { offset: h.offset, length: h.length as u32, fua })
             }
             CMD_DISC => Ok(Command::Disc),
             CMD_FLUSH if has(FLAG_SEND_FLUSH) => Ok(Command::Flush),
             CMD_TRIM if has(FLAG_SEND_TRIM) => {
                 in_range(NbdError::Inval)?;
-                Ok(Command::Trim {
-                    offset: h.offset,
-                    length: h.length,
-                    fua,
-                })
+                Ok(Command::Trim { offset: h.offset, length: h.length, fua })
             }
             CMD_CACHE if has(FLAG_SEND_CACHE) => {
                 in_range(NbdError::Inval)?;
-                Ok(Command::Cache {
-                    offset: h.offset,
-                    length: h.length,
-                })
+                Ok(Command::Cache { offset: h.offset, length: h.length })
             }
             CMD_WRITE_ZEROES if has(FLAG_SEND_WRITE_ZEROES) => {
                 in_range(NbdError::NoSpc)?;
@@ -329,24 +272,13 @@ mod tests {
     }
 
     fn hdr(cmd: u16, flags: u16, offset: u64, length: u64) -> RequestHeader {
-        RequestHeader {
-            flags,
-            cmd,
-            cookie: 7,
-            offset,
-            length,
-        }
+        RequestHeader { flags, cmd, cookie: 7, offset, length }
     }
 
     #[test]
     fn round_trip_both_header_forms() {
         for ext in [false, true] {
-            let h = hdr(
-                CMD_WRITE,
-                if ext { CMD_FLAG_PAYLOAD_LEN } else { 0 },
-                4096,
-                512,
-            );
+            let h = hdr(CMD_WRITE, if ext { CMD_FLAG_PAYLOAD_LEN } else { 0 }, 4096, 512);
             let mut b = Vec::new();
             h.encode(ext, &mut b);
             assert_eq!(b.len(), RequestHeader::wire_len(ext));
@@ -359,119 +291,49 @@ mod tests {
     #[test]
     fn bad_magic_is_fatal() {
         let b = [0u8; 28];
-        assert_eq!(
-            RequestHeader::parse(&b, false),
-            Err(RequestError::BadMagic(0))
-        );
+        assert_eq!(RequestHeader::parse(&b, false), Err(RequestError::BadMagic(0)));
     }
 
     #[test]
     fn validation() {
         let s = session();
-        assert_eq!(
-            s.validate(&hdr(CMD_READ, 0, 0, 4096)),
-            Ok(Command::Read {
-                offset: 0,
-                length: 4096,
-                df: false
-            })
-        );
-        assert_eq!(
-            s.validate(&hdr(CMD_READ, 0, (1 << 20) - 1, 2)),
-            Err(NbdError::Inval)
-        );
-        assert_eq!(
-            s.validate(&hdr(CMD_READ, 0, u64::MAX, 2)),
-            Err(NbdError::Inval)
-        );
-        assert_eq!(
-            s.validate(&hdr(CMD_WRITE, 0, (1 << 20) - 1, 2)),
-            Err(NbdError::NoSpc)
-        );
-        assert_eq!(
-            s.validate(&hdr(CMD_WRITE_ZEROES, 0, 1 << 20, 1)),
-            Err(NbdError::NoSpc)
-        );
-        assert_eq!(
-            s.validate(&hdr(CMD_READ, CMD_FLAG_REQ_ONE, 0, 1)),
-            Err(NbdError::Inval)
-        );
+        assert_eq!(s.validate(&hdr(CMD_READ, 0, 0, 4096)), Ok(Command::Read { offset: 0, length: 4096, df: false }));
+        assert_eq!(s.validate(&hdr(CMD_READ, 0, (1 << 20) - 1, 2)), Err(NbdError::Inval));
+        assert_eq!(s.validate(&hdr(CMD_READ, 0, u64::MAX, 2)), Err(NbdError::Inval));
+        assert_eq!(s.validate(&hdr(CMD_WRITE, 0, (1 << 20) - 1, 2)), Err(NbdError::NoSpc));
+        assert_eq!(s.validate(&hdr(CMD_WRITE_ZEROES, 0, 1 << 20, 1)), Err(NbdError::NoSpc));
+        assert_eq!(s.validate(&hdr(CMD_READ, CMD_FLAG_REQ_ONE, 0, 1)), Err(NbdError::Inval));
         assert_eq!(s.validate(&hdr(99, 0, 0, 1)), Err(NbdError::Inval));
         assert_eq!(s.validate(&hdr(CMD_READ, 0, 0, 0)), Err(NbdError::Inval));
-        assert_eq!(
-            s.validate(&hdr(CMD_READ, 0, 0, u64::from(MAX_PAYLOAD) + 1)),
-            Err(NbdError::Overflow)
-        );
+        assert_eq!(s.validate(&hdr(CMD_READ, 0, 0, u64::from(MAX_PAYLOAD) + 1)), Err(NbdError::Overflow));
         assert!(matches!(
-            s.validate(&hdr(
-                CMD_WRITE_ZEROES,
-                CMD_FLAG_FAST_ZERO | CMD_FLAG_NO_HOLE,
-                0,
-                10
-            )),
-            Ok(Command::WriteZeroes {
-                fast: true,
-                no_hole: true,
-                ..
-            })
+            s.validate(&hdr(CMD_WRITE_ZEROES, CMD_FLAG_FAST_ZERO | CMD_FLAG_NO_HOLE, 0, 10)),
+            Ok(Command::WriteZeroes { fast: true, no_hole: true, .. })
         ));
-        let ro = Session {
-            flags: s.flags | FLAG_READ_ONLY,
-            ..s
-        };
+        let ro = Session { flags: s.flags | FLAG_READ_ONLY, ..s };
         assert_eq!(ro.validate(&hdr(CMD_WRITE, 0, 0, 1)), Err(NbdError::Perm));
         assert_eq!(ro.validate(&hdr(CMD_TRIM, 0, 0, 1)), Err(NbdError::Perm));
-        let nometa = Session {
-            meta_context: None,
-            ..s
-        };
-        assert_eq!(
-            nometa.validate(&hdr(CMD_BLOCK_STATUS, 0, 0, 1)),
-            Err(NbdError::Inval)
-        );
-        let nofua = Session {
-            flags: s.flags & !FLAG_SEND_FUA,
-            ..s
-        };
-        assert_eq!(
-            nofua.validate(&hdr(CMD_WRITE, CMD_FLAG_FUA, 0, 1)),
-            Err(NbdError::Inval)
-        );
-        let aligned = Session {
-            min_block: 512,
-            ..s
-        };
-        assert_eq!(
-            aligned.validate(&hdr(CMD_READ, 0, 1, 512)),
-            Err(NbdError::Inval)
-        );
+        let nometa = Session { meta_context: None, ..s };
+        assert_eq!(nometa.validate(&hdr(CMD_BLOCK_STATUS, 0, 0, 1)), Err(NbdError::Inval));
+        let nofua = Session { flags: s.flags & !FLAG_SEND_FUA, ..s };
+        assert_eq!(nofua.validate(&hdr(CMD_WRITE, CMD_FLAG_FUA, 0, 1)), Err(NbdError::Inval));
+        let aligned = Session { min_block: 512, ..s };
+        assert_eq!(aligned.validate(&hdr(CMD_READ, 0, 1, 512)), Err(NbdError::Inval));
     }
 
     #[test]
-    fn extended_write_needs_payload_flag() {
-        let s = Session {
-            extended: true,
-            ..session()
-        };
-        assert_eq!(s.validate(&hdr(CMD_WRITE, 0, 0, 1)), Err(NbdError::Inval));
-        assert!(s
-            .validate(&hdr(CMD_WRITE, CMD_FLAG_PAYLOAD_LEN, 0, 1))
-            .is_ok());
-        assert_eq!(
-            s.validate(&hdr(CMD_READ, CMD_FLAG_PAYLOAD_LEN, 0, 1)),
-            Err(NbdError::Inval)
-        );
-        let big = hdr(
-            CMD_TRIM,
-            CMD_FLAG_PAYLOAD_LEN,
-            0,
-            u64::from(MAX_PAYLOAD) + 1,
-        );
+    fn extended_payloads() {
+        let s = Session { extended: true, ..session() };
+        // qemu sends extended WRITEs without PAYLOAD_LEN; the payload is there all the same.
+        assert!(s.validate(&hdr(CMD_WRITE, 0, 0, 1)).is_ok());
+        assert_eq!(hdr(CMD_WRITE, 0, 0, 9).payload_len(true), 9);
+        assert_eq!(hdr(CMD_TRIM, CMD_FLAG_PAYLOAD_LEN, 0, 9).payload_len(true), 9);
+        assert_eq!(hdr(CMD_TRIM, CMD_FLAG_PAYLOAD_LEN, 0, 9).payload_len(false), 0);
+        assert!(s.validate(&hdr(CMD_WRITE, CMD_FLAG_PAYLOAD_LEN, 0, 1)).is_ok());
+        assert_eq!(s.validate(&hdr(CMD_READ, CMD_FLAG_PAYLOAD_LEN, 0, 1)), Err(NbdError::Inval));
+        let big = hdr(CMD_TRIM, CMD_FLAG_PAYLOAD_LEN, 0, u64::from(MAX_PAYLOAD) + 1);
         assert!(big.check_payload(true).is_err());
         let big = hdr(CMD_WRITE, 0, 0, u64::from(MAX_PAYLOAD) + 1);
-        assert_eq!(
-            big.check_payload(false),
-            Ok(PayloadPlan::Drain(u64::from(MAX_PAYLOAD) + 1))
-        );
+        assert_eq!(big.check_payload(false), Ok(PayloadPlan::Drain(u64::from(MAX_PAYLOAD) + 1)));
     }
 }

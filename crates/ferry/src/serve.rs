@@ -1,0 +1,165 @@
+//! `ferry serve`: the NBD server's command line.
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use ferry_backend::parse_size;
+use ferry_server::{Config, Export, Exports, Server};
+use ferry_sock::{BufferConfig, Listener};
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// The default export: memory:SIZE (sparse RAM disk), file:PATH (file or block
+    /// device), null:SIZE (discards writes, reads zeroes) or pattern:SIZE (read-only;
+    /// each 8-byte word holds its offset). Sizes take K, M, G, T suffixes.
+    #[arg(value_name = "SPEC")]
+    spec: String,
+    /// Listen on this Unix socket instead of TCP.
+    #[arg(short = 'U', long = "unix", value_name = "PATH")]
+    unix: Option<PathBuf>,
+    /// TCP address to listen on.
+    #[arg(long, default_value = "127.0.0.1", value_name = "ADDR")]
+    bind: String,
+    /// TCP port to listen on (0 picks a free one).
+    #[arg(short, long, default_value_t = 10809)]
+    port: u16,
+    /// Serve every export read-only.
+    #[arg(short, long)]
+    read_only: bool,
+    /// Another export, by name, beside the default one (repeatable).
+    #[arg(long = "export", value_name = "NAME=SPEC")]
+    exports: Vec<String>,
+    /// Description of the default export, shown by `nbdinfo` and `NBD_OPT_LIST`.
+    #[arg(long, value_name = "TEXT")]
+    description: Option<String>,
+    /// Captive mode: run CMD with $uri, $unixsocket and $port set, stop when it exits,
+    /// and exit with its status.
+    #[arg(long, value_name = "CMD")]
+    run: Option<String>,
+    /// Connections beyond this many are closed at once.
+    #[arg(long, default_value_t = 100, value_name = "N")]
+    max_connections: usize,
+    /// Drop a client that has not finished the handshake after this many seconds.
+    #[arg(long, default_value_t = 10.0, value_name = "SECS")]
+    handshake_timeout: f64,
+    /// SO_SNDBUF for accepted sockets (default: 4M on Unix sockets, kernel autotuning on TCP).
+    #[arg(long, value_name = "BYTES")]
+    sndbuf: Option<String>,
+    /// SO_RCVBUF for accepted sockets (default: the kernel's).
+    #[arg(long, value_name = "BYTES")]
+    rcvbuf: Option<String>,
+}
+
+fn size_opt(v: &Option<String>, what: &str) -> Result<Option<usize>> {
+    v.as_deref().map(|s| parse_size(s).map(|n| n as usize).with_context(|| format!("--{what}"))).transpose()
+}
+
+pub fn run(args: ServeArgs) -> Result<i32> {
+    let mut exports = Exports::new();
+    let open = |spec: &str| ferry_backend::open(spec, args.read_only).with_context(|| format!("cannot serve {spec:?}"));
+    exports
+        .add(Export {
+            name: String::new(),
+            description: args.description.clone().unwrap_or_default(),
+            backend: open(&args.spec)?,
+        })
+        .map_err(anyhow::Error::msg)?;
+    for e in &args.exports {
+        let Some((name, spec)) = e.split_once('=') else {
+            bail!("--export {e:?}: write NAME=SPEC, e.g. --export disk2=memory:1G");
+        };
+        if name.is_empty() {
+            bail!("--export {e:?}: the name must not be empty (the positional SPEC is the default export)");
+        }
+        exports
+            .add(Export { name: name.to_string(), description: String::new(), backend: open(spec)? })
+            .map_err(anyhow::Error::msg)?;
+    }
+    if !(args.handshake_timeout > 0.0 && args.handshake_timeout.is_finite()) {
+        bail!("--handshake-timeout must be a positive number of seconds");
+    }
+    if args.max_connections == 0 {
+        bail!("--max-connections must be at least 1");
+    }
+    let explicit =
+        BufferConfig { sndbuf: size_opt(&args.sndbuf, "sndbuf")?, rcvbuf: size_opt(&args.rcvbuf, "rcvbuf")? };
+    let config = Config {
+        max_connections: args.max_connections,
+        handshake_timeout: Duration::from_secs_f64(args.handshake_timeout),
+        unix_buffers: BufferConfig::for_unix(explicit),
+        tcp_buffers: explicit,
+    };
+
+    let listeners = match ferry_sock::listen_fds().context("systemd socket activation")? {
+        Some(l) if !l.is_empty() => l,
+        _ => vec![match &args.unix {
+            Some(path) => Listener::bind_unix(path).with_context(|| format!("cannot listen on {}", path.display()))?,
+            None => {
+                let addr: SocketAddr = (args.bind.as_str(), args.port)
+                    .to_socket_addrs()
+                    .with_context(|| format!("--bind {}", args.bind))?
+                    .next()
+                    .with_context(|| format!("--bind {}: no address", args.bind))?;
+                Listener::bind_tcp(&addr).with_context(|| format!("cannot listen on {addr}"))?
+            }
+        }],
+    };
+    let (uri, unixsocket, port) = describe(&listeners[0]);
+    for e in exports.iter() {
+        let name = if e.name.is_empty() { "default export".to_string() } else { format!("export {:?}", e.name) };
+        log::info!("{name}: {} ({} bytes)", e.backend.describe(), e.backend.size());
+    }
+    log::info!("listening on {uri}");
+
+    let mut server = Server::new(exports, config)?;
+    let handle = server.shutdown_handle();
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::low_level::pipe::register(sig, handle.wake_fd()?).context("installing signal handlers")?;
+    }
+
+    let child = match &args.run {
+        Some(cmd) => {
+            let mut child = Command::new("/bin/sh")
+                .arg("-c")
+                .arg(cmd)
+                .env("uri", &uri)
+                .env("unixsocket", unixsocket.as_deref().unwrap_or(""))
+                .env("port", port.map(|p| p.to_string()).unwrap_or_default())
+                .spawn()
+                .with_context(|| format!("--run {cmd:?}"))?;
+            let h = handle.clone();
+            Some(std::thread::spawn(move || {
+                let status = child.wait();
+                h.shutdown();
+                status
+            }))
+        }
+        None => None,
+    };
+    server.run(&listeners)?;
+    drop(listeners);
+    match child {
+        None => Ok(0),
+        Some(t) => {
+            let status = t.join().map_err(|_| anyhow::anyhow!("--run waiter panicked"))??;
+            use std::os::unix::process::ExitStatusExt;
+            Ok(status.code().unwrap_or_else(|| 128 + status.signal().unwrap_or(0)))
+        }
+    }
+}
+
+/// The NBD URI, socket path and port of a listener, for logs and `--run`.
+fn describe(l: &Listener) -> (String, Option<String>, Option<u16>) {
+    if let Some(p) = l.unix_path() {
+        let s = p.display().to_string();
+        return (format!("nbd+unix:///?socket={s}"), Some(s), None);
+    }
+    match l.local_tcp_addr() {
+        Some(SocketAddr::V6(a)) => (format!("nbd://[{}]:{}", a.ip(), a.port()), None, Some(a.port())),
+        Some(a) => (format!("nbd://{}:{}", a.ip(), a.port()), None, Some(a.port())),
+        None => ("nbd://(socket activation)".into(), None, None),
+    }
+}

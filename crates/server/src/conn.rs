@@ -1,0 +1,481 @@
+//! One connection: the handshake, then the transmission loop.
+//!
+//! The transmission loop is built to make as few syscalls and copies as possible:
+//! - one `read` fills a large receive buffer; every complete request in it is parsed
+//!   and executed before the next `read`;
+//! - WRITE payloads already in the receive buffer go to the backend straight from it;
+//!   a payload larger than what arrived is received straight into a buffer the
+//!   backend then writes from;
+//! - READ data is read by the backend straight into an arena the reply is sent from;
+//! - replies are queued (headers in one arena, payloads in another) and go out in one
+//!   vectored send when the receive buffer is drained, or as soon as 256 KiB of
+//!   payload is queued, so small replies are grouped and large ones never wait.
+
+use crate::exports::{Export, Exports};
+use crate::server::Config;
+use ferry_backend::{Extent, ZeroMode};
+use ferry_proto::consts::{command_name, NbdError};
+use ferry_proto::handshake::{Progress, ServerHandshake};
+use ferry_proto::reply::ReplyWriter;
+use ferry_proto::request::{Command, PayloadPlan, RequestError, RequestHeader, Session};
+use ferry_sock::Stream;
+use std::io::{self, IoSlice, Read};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Why a connection ended early.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnError {
+    #[error("socket error: {0}")]
+    Io(#[from] io::Error),
+    #[error("handshake failed: {0}")]
+    Handshake(#[from] ferry_proto::HandshakeError),
+    #[error("handshake did not finish within {0:?}")]
+    HandshakeTimeout(std::time::Duration),
+    #[error("client closed the connection during the handshake")]
+    HandshakeEof,
+    #[error("{0}")]
+    Request(#[from] RequestError),
+}
+
+/// Receive buffer size: many requests (and small write payloads) per `read`.
+const RECV_BUF: usize = 512 * 1024;
+/// Send as soon as this much payload is queued.
+const FLUSH_BYTES: usize = 256 * 1024;
+/// Most extents returned for one BLOCK_STATUS (bounded reply size).
+const MAX_EXTENTS: usize = 64 * 1024;
+/// Handshake receive buffer: the largest option (64 KiB of data) plus its header.
+const HANDSHAKE_BUF: usize = ferry_proto::consts::MAX_OPTION_DATA as usize + 64;
+
+pub fn serve(mut stream: Stream, exports: &Exports, config: &Config) -> Result<(), ConnError> {
+    let Some((negotiated, leftover)) = handshake(&mut stream, exports, config)? else {
+        return Ok(());
+    };
+    let export = exports.get(&negotiated.export.name).expect("negotiated export exists").clone();
+    log::debug!(
+        "{}: export {:?} ({}), {:?} replies, flags 0x{:04x}",
+        stream.peer(),
+        export.name,
+        export.backend.describe(),
+        negotiated.mode,
+        negotiated.flags
+    );
+    let mut t = Transmission::new(stream, export, negotiated.session(), ReplyWriter::new(negotiated.mode));
+    t.rx[..leftover.len()].copy_from_slice(&leftover);
+    t.tail = leftover.len();
+    t.run()
+}
+
+/// Runs the handshake. `Ok(None)`: the client aborted cleanly.
+fn handshake(
+    stream: &mut Stream,
+    exports: &Exports,
+    config: &Config,
+) -> Result<Option<(ferry_proto::Negotiated, Vec<u8>)>, ConnError> {
+    let deadline = Instant::now() + config.handshake_timeout;
+    let mut out = Vec::new();
+    let mut hs = ServerHandshake::new(&mut out);
+    let mut buf = vec![0u8; HANDSHAKE_BUF];
+    let (mut head, mut tail) = (0usize, 0usize);
+    loop {
+        // Consume every complete message already received.
+        loop {
+            let (n, progress) = hs.feed(&buf[head..tail], exports, &mut out)?;
+            head += n;
+            match progress {
+                Progress::Continue if n > 0 => continue,
+                Progress::Continue => break,
+                Progress::Abort => {
+                    send_plain(stream, &out)?;
+                    return Ok(None);
+                }
+                Progress::Transmission(neg) => {
+                    send_plain(stream, &out)?;
+                    stream.set_read_timeout(None)?;
+                    return Ok(Some((*neg, buf[head..tail].to_vec())));
+                }
+            }
+        }
+        send_plain(stream, &out)?;
+        out.clear();
+        if head == tail {
+            head = 0;
+            tail = 0;
+        } else if tail == buf.len() {
+            buf.copy_within(head..tail, 0);
+            tail -= head;
+            head = 0;
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(ConnError::HandshakeTimeout(config.handshake_timeout));
+        }
+        stream.set_read_timeout(Some(left))?;
+        match stream.read(&mut buf[tail..]) {
+            Ok(0) => return Err(ConnError::HandshakeEof),
+            Ok(n) => tail += n,
+            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+                return Err(ConnError::HandshakeTimeout(config.handshake_timeout))
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+fn send_plain(stream: &mut Stream, out: &[u8]) -> io::Result<()> {
+    if !out.is_empty() {
+        stream.send_all(&mut [IoSlice::new(out)])?;
+    }
+    Ok(())
+}
+
+/// A piece of the next vectored send.
+#[derive(Clone, Copy)]
+enum Part {
+    /// Bytes `start..end` of the header arena.
+    Header(usize, usize),
+    /// Bytes `start..end` of the data arena.
+    Data(usize, usize),
+}
+
+/// Replies waiting to be sent: headers and read data in two arenas, and the order.
+struct SendQueue {
+    headers: Vec<u8>,
+    /// Read data; its length is its capacity, `used` is the fill level.
+    data: Vec<u8>,
+    used: usize,
+    parts: Vec<Part>,
+}
+
+impl SendQueue {
+    /// Records that header bytes from `start` to the arena's end belong next in line.
+    fn header_from(&mut self, start: usize) {
+        let end = self.headers.len();
+        if let Some(Part::Header(_, e)) = self.parts.last_mut() {
+            if *e == start {
+                *e = end;
+                return;
+            }
+        }
+        self.parts.push(Part::Header(start, end));
+    }
+
+    /// Reserves `n` bytes of the data arena (growing it only when one read needs more
+    /// than it ever had). The caller flushes first when the arena is partly used.
+    fn reserve(&mut self, n: usize) -> (usize, usize) {
+        let start = self.used;
+        if start + n > self.data.len() {
+            self.data.resize(start + n, 0);
+        }
+        self.used += n;
+        (start, start + n)
+    }
+
+    fn pending(&self) -> bool {
+        !self.parts.is_empty()
+    }
+}
+
+struct Transmission {
+    stream: Stream,
+    export: Arc<Export>,
+    session: Session,
+    writer: ReplyWriter,
+    rx: Vec<u8>,
+    head: usize,
+    tail: usize,
+    /// Buffer for WRITE payloads larger than what one `read` brought.
+    wbuf: Vec<u8>,
+    tx: SendQueue,
+    extents: Vec<Extent>,
+    sparse_threshold: Option<u64>,
+    disconnect: bool,
+}
+
+impl Transmission {
+    fn new(stream: Stream, export: Arc<Export>, session: Session, writer: ReplyWriter) -> Self {
+        let sparse_threshold = if writer.chunked() { export.backend.sparse_read_threshold() } else { None };
+        Transmission {
+            stream,
+            export,
+            session,
+            writer,
+            rx: vec![0u8; RECV_BUF],
+            head: 0,
+            tail: 0,
+            wbuf: Vec::new(),
+            tx: SendQueue {
+                headers: Vec::with_capacity(64 * 1024),
+                data: vec![0u8; 1 << 20],
+                used: 0,
+                parts: Vec::new(),
+            },
+            extents: Vec::new(),
+            sparse_threshold,
+            disconnect: false,
+        }
+    }
+
+    fn run(&mut self) -> Result<(), ConnError> {
+        let ext = self.session.extended;
+        let hlen = RequestHeader::wire_len(ext);
+        loop {
+            // Execute every complete request in the receive buffer.
+            while !self.disconnect {
+                let Some(h) = RequestHeader::parse(&self.rx[self.head..self.tail], ext)? else { break };
+                match h.check_payload(ext)? {
+                    PayloadPlan::Receive(n) => {
+                        let start = self.head + hlen;
+                        if self.tail - start >= n {
+                            self.head = start + n;
+                            self.request(&h, Some((start, start + n)))?;
+                        } else {
+                            self.receive_large_payload(start, n)?;
+                            self.request(&h, None)?;
+                        }
+                    }
+                    PayloadPlan::Drain(n) => {
+                        self.head += hlen;
+                        self.drain(n)?;
+                        let msg = format!("{} payload of {n} bytes exceeds the 32 MiB maximum", command_name(h.cmd));
+                        self.error(&h, NbdError::Inval, &msg);
+                    }
+                }
+                if self.tx.used >= FLUSH_BYTES {
+                    self.flush()?;
+                }
+            }
+            self.flush()?;
+            if self.disconnect {
+                return Ok(());
+            }
+            // Keep the partial header (under 32 bytes) at the front, then read more.
+            self.rx.copy_within(self.head..self.tail, 0);
+            self.tail -= self.head;
+            self.head = 0;
+            match self.stream.read(&mut self.rx[self.tail..]) {
+                Ok(0) => return Ok(()),
+                Ok(n) => self.tail += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Moves the part of a payload already received into `wbuf` and reads the rest
+    /// straight into it. Pending replies go out first: nothing waits behind a
+    /// blocking read.
+    fn receive_large_payload(&mut self, start: usize, n: usize) -> io::Result<()> {
+        self.flush()?;
+        if self.wbuf.len() < n {
+            self.wbuf.resize(n, 0);
+        }
+        let have = self.tail - start;
+        self.wbuf[..have].copy_from_slice(&self.rx[start..self.tail]);
+        self.head = self.tail;
+        self.stream.read_exact(&mut self.wbuf[have..n])
+    }
+
+    /// Reads and discards `n` payload bytes that are too large to accept.
+    fn drain(&mut self, mut n: u64) -> io::Result<()> {
+        let have = ((self.tail - self.head) as u64).min(n);
+        self.head += have as usize;
+        n -= have;
+        self.flush()?;
+        while n > 0 {
+            let want = n.min(self.rx.len() as u64) as usize;
+            let got = self.stream.read(&mut self.rx[..want])?;
+            if got == 0 {
+                return Err(io::ErrorKind::UnexpectedEof.into());
+            }
+            n -= got as u64;
+        }
+        self.head = 0;
+        self.tail = 0;
+        Ok(())
+    }
+
+    /// Sends every queued reply in one vectored send.
+    fn flush(&mut self) -> io::Result<()> {
+        if !self.tx.pending() {
+            return Ok(());
+        }
+        let tx = &self.tx;
+        let mut iov: Vec<IoSlice<'_>> = tx
+            .parts
+            .iter()
+            .map(|p| match *p {
+                Part::Header(a, b) => IoSlice::new(&tx.headers[a..b]),
+                Part::Data(a, b) => IoSlice::new(&tx.data[a..b]),
+            })
+            .collect();
+        self.stream.send_all(&mut iov)?;
+        self.tx.parts.clear();
+        self.tx.headers.clear();
+        self.tx.used = 0;
+        Ok(())
+    }
+
+    /// Validates and executes one request, queueing its reply. `payload` is the range of
+    /// the receive buffer holding the WRITE data, or `None` when it is in `wbuf`.
+    fn request(&mut self, h: &RequestHeader, payload: Option<(usize, usize)>) -> io::Result<()> {
+        let cmd = match self.session.validate(h) {
+            Ok(c) => c,
+            Err(err) => {
+                let msg = self.reject_message(h, err);
+                log::debug!("{}: {msg}", self.stream.peer());
+                self.error(h, err, &msg);
+                return Ok(());
+            }
+        };
+        let backend = &self.export.backend;
+        let result = match cmd {
+            Command::Read { offset, length, df } => return self.read(h, offset, length, df),
+            Command::Write { offset, length, fua } => {
+                let data = match payload {
+                    Some((a, b)) => &self.rx[a..b],
+                    None => &self.wbuf[..length as usize],
+                };
+                backend.write(data, offset, fua)
+            }
+            Command::Disc => {
+                self.disconnect = true;
+                return Ok(());
+            }
+            Command::Flush => backend.flush(),
+            Command::Trim { offset, length, fua } => backend.trim(offset, length, fua),
+            Command::Cache { offset, length } => backend.cache(offset, length),
+            Command::WriteZeroes { offset, length, fua, no_hole, fast } => {
+                backend.zero(offset, length, ZeroMode { may_trim: !no_hole, fast }, fua)
+            }
+            Command::BlockStatus { offset, length, req_one } => return self.block_status(h, offset, length, req_one),
+        };
+        match result {
+            Ok(()) => {
+                let s = self.tx.headers.len();
+                self.writer.ok(h.cookie, h.offset, &mut self.tx.headers);
+                self.tx.header_from(s);
+            }
+            Err(e) => {
+                log::debug!("{}: export {:?}: {e}", self.stream.peer(), self.export.name);
+                self.error(h, e.nbd_error(), &e.to_string());
+            }
+        }
+        Ok(())
+    }
+
+    fn error(&mut self, h: &RequestHeader, err: NbdError, msg: &str) {
+        let s = self.tx.headers.len();
+        self.writer.error(h.cookie, h.offset, err, msg, &mut self.tx.headers);
+        self.tx.header_from(s);
+    }
+
+    fn reject_message(&self, h: &RequestHeader, err: NbdError) -> String {
+        let what = format!("{} at offset {} length {}", command_name(h.cmd), h.offset, h.length);
+        match err {
+            NbdError::Perm => format!("{what}: export {:?} is read-only", self.export.name),
+            NbdError::NoSpc => format!("{what}: beyond the end of the {}-byte export", self.session.size),
+            NbdError::Overflow => {
+                format!("{what}: longer than the {}-byte maximum; retry smaller", self.session.max_payload)
+            }
+            _ if h.offset.checked_add(h.length).is_none_or(|e| e > self.session.size) => {
+                format!("{what}: beyond the end of the {}-byte export", self.session.size)
+            }
+            _ => format!("{what} (flags 0x{:x}): invalid request ({})", h.flags, err.text()),
+        }
+    }
+
+    fn read(&mut self, h: &RequestHeader, offset: u64, length: u32, df: bool) -> io::Result<()> {
+        let len = length as usize;
+        if self.tx.used > 0 && self.tx.used + len > self.tx.data.len() {
+            self.flush()?;
+        }
+        // Sparse read: holes go back as OFFSET_HOLE chunks, only data is read and sent.
+        if !df && self.sparse_threshold.is_some_and(|t| u64::from(length) >= t) {
+            self.extents.clear();
+            if self.export.backend.extents(offset, u64::from(length), 1024, &mut self.extents).is_ok()
+                && self.extents.iter().any(|e| e.flags & ferry_proto::consts::STATE_ZERO != 0)
+                && self.extents.iter().map(|e| e.length).sum::<u64>() == u64::from(length)
+            {
+                return self.read_sparse(h, offset);
+            }
+        }
+        let (a, b) = self.tx.reserve(len);
+        match self.export.backend.read(&mut self.tx.data[a..b], offset) {
+            Ok(()) => {
+                let s = self.tx.headers.len();
+                self.writer.data(h.cookie, h.offset, offset, len, true, &mut self.tx.headers);
+                self.tx.header_from(s);
+                self.tx.parts.push(Part::Data(a, b));
+            }
+            Err(e) => {
+                self.tx.used = a;
+                log::debug!("{}: export {:?}: {e}", self.stream.peer(), self.export.name);
+                let s = self.tx.headers.len();
+                self.writer.error_offset(
+                    h.cookie,
+                    h.offset,
+                    e.nbd_error(),
+                    &e.to_string(),
+                    offset,
+                    &mut self.tx.headers,
+                );
+                self.tx.header_from(s);
+            }
+        }
+        Ok(())
+    }
+
+    /// A read whose range holds holes (`self.extents` covers it exactly).
+    fn read_sparse(&mut self, h: &RequestHeader, offset: u64) -> io::Result<()> {
+        let extents = std::mem::take(&mut self.extents);
+        let mut pos = offset;
+        let last = extents.len() - 1;
+        for (i, e) in extents.iter().enumerate() {
+            let done = i == last;
+            let s = self.tx.headers.len();
+            if e.flags & ferry_proto::consts::STATE_ZERO != 0 {
+                self.writer.hole(h.cookie, h.offset, pos, e.length as u32, done, &mut self.tx.headers);
+                self.tx.header_from(s);
+            } else {
+                let (a, b) = self.tx.reserve(e.length as usize);
+                if let Err(err) = self.export.backend.read(&mut self.tx.data[a..b], pos) {
+                    self.tx.used = a;
+                    let msg = err.to_string();
+                    self.writer.error_offset(h.cookie, h.offset, err.nbd_error(), &msg, pos, &mut self.tx.headers);
+                    self.tx.header_from(s);
+                    break;
+                }
+                self.writer.data(h.cookie, h.offset, pos, e.length as usize, done, &mut self.tx.headers);
+                self.tx.header_from(s);
+                self.tx.parts.push(Part::Data(a, b));
+            }
+            pos += e.length;
+        }
+        self.extents = extents;
+        Ok(())
+    }
+
+    fn block_status(&mut self, h: &RequestHeader, offset: u64, length: u64, req_one: bool) -> io::Result<()> {
+        self.extents.clear();
+        let max = if req_one { 1 } else { MAX_EXTENTS };
+        let res = self.export.backend.extents(offset, length, max, &mut self.extents);
+        let s = self.tx.headers.len();
+        match res {
+            Ok(()) if !self.extents.is_empty() => {
+                if req_one {
+                    self.extents.truncate(1);
+                }
+                let id = self.session.meta_context.unwrap_or(0);
+                self.writer.block_status(h.cookie, h.offset, id, &self.extents, &mut self.tx.headers);
+            }
+            Ok(()) => {
+                self.writer.error(h.cookie, h.offset, NbdError::Io, "backend returned no extents", &mut self.tx.headers)
+            }
+            Err(e) => self.writer.error(h.cookie, h.offset, e.nbd_error(), &e.to_string(), &mut self.tx.headers),
+        }
+        self.tx.header_from(s);
+        Ok(())
+    }
+}
