@@ -130,7 +130,10 @@ def split(stream):
             hdr, payload = stream[p:p + 28], ln if cmd == 1 else 0
         elif magic == EXTENDED_REQUEST_MAGIC and p + 32 <= len(stream):
             flags, cmd, _cookie, _off, ln = struct.unpack_from(">HHQQQ", stream, p + 4)
-            hdr, payload = stream[p:p + 32], ln if flags & CMD_FLAG_PAYLOAD_LEN else 0
+            # qemu 10's client sends extended WRITEs *without* NBD_CMD_FLAG_PAYLOAD_LEN
+            # (qemu-nbd takes the payload anyway), so a WRITE always carries one here.
+            has = cmd == 1 or flags & CMD_FLAG_PAYLOAD_LEN
+            hdr, payload = stream[p:p + 32], ln if has else 0
         else:
             break
         reqs.append(bytes(hdr))
@@ -204,11 +207,12 @@ def main():
         uq = f"nbd+unix:///?socket={tmp}/qemu-proxy.sock"
 
         nbdsh_io = """
+h.add_meta_context(nbd.CONTEXT_BASE_ALLOCATION)
 h.connect_uri(URI)
 h.pwrite(b"\\x55" * 65536, 0)
 h.pwrite(b"\\x66" * 4096, 65536, nbd.CMD_FLAG_FUA)
 h.pread(4096, 0)
-h.pread(4096, 0, flags=nbd.CMD_FLAG_DF)
+h.pread_structured(4096, 0, lambda *a: 0, nbd.CMD_FLAG_DF)
 h.flush()
 h.trim(4096, 8192)
 h.zero(8192, 16384)
@@ -256,12 +260,14 @@ h.shutdown()
                                        os.path.join(tmp, "out.raw")]),
             (pq, "qemu-io", ["qemu-io", "-f", "raw", uq] + qemu_io),
         ]
+        # nbdsh runs `python3` from PATH and needs Debian's python3-libnbd.
+        env = dict(os.environ, PATH="/usr/bin:" + os.environ.get("PATH", ""))
         captures = []
         for proxy, label, cmd in runs:
             proxy.label = label
             before = len(proxy.captures)
             r = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                               timeout=60)
+                               timeout=60, env=env)
             proxy.wait()
             new = proxy.captures[before:]
             print(f"{label}: exit {r.returncode}, {len(new)} connection(s), "

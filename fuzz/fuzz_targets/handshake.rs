@@ -1,6 +1,7 @@
 #![no_main]
 //! The server handshake fed in pieces against a fixed two-export catalog.
 //! Input: one byte of split seed, then the client's byte stream.
+use ferry_proto::consts::{REPLY_MAGIC, REP_ACK};
 use ferry_proto::export::{BlockSize, Capabilities, ExportInfo};
 use ferry_proto::handshake::{Catalog, Progress, ServerHandshake};
 use libfuzzer_sys::fuzz_target;
@@ -26,8 +27,27 @@ impl Catalog for Two {
     }
 }
 
+/// What one `feed` sent: whole option replies, the last one final (ACK or an error),
+/// or the NBD_OPT_EXPORT_NAME answer (size, flags, maybe 124 zeroes).
+fn check_sent(mut b: &[u8], transmission: bool) {
+    if b.is_empty() || (transmission && !b.starts_with(&REPLY_MAGIC.to_be_bytes())) {
+        return assert!(b.is_empty() || b.len() == 10 || b.len() == 134, "EXPORT_NAME answer");
+    }
+    let mut last = 0;
+    while !b.is_empty() {
+        assert!(b.len() >= 20 && b.starts_with(&REPLY_MAGIC.to_be_bytes()), "reply framing");
+        last = u32::from_be_bytes(b[12..16].try_into().unwrap());
+        let len = u32::from_be_bytes(b[16..20].try_into().unwrap()) as usize;
+        assert!(b.len() >= 20 + len, "reply framing");
+        b = &b[20 + len..];
+    }
+    assert!(last == REP_ACK || last & 0x8000_0000 != 0, "answer ends with a final reply");
+}
+
 fuzz_target!(|data: &[u8]| {
-    let Some((&seed, input)) = data.split_first() else { return };
+    let Some((&seed, input)) = data.split_first() else {
+        return;
+    };
     let mut out = Vec::new();
     let mut hs = ServerHandshake::new(&mut out);
     assert_eq!(out.len(), 18);
@@ -43,6 +63,7 @@ fuzz_target!(|data: &[u8]| {
         assert!(n <= avail - pos, "consumed more than it was given");
         pos += n;
         assert_eq!(hs.is_done(), p != Progress::Continue);
+        check_sent(&out[before.len()..], matches!(p, Progress::Transmission(_)));
         if let Progress::Transmission(neg) = &p {
             let s = neg.session();
             assert!(s.size == 1 << 20 || s.size == 4096);

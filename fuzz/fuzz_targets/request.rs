@@ -6,9 +6,13 @@ use ferry_proto::request::{Command, PayloadPlan, RequestHeader, Session};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    let Some((&sel, buf)) = data.split_first() else { return };
+    let Some((&sel, buf)) = data.split_first() else {
+        return;
+    };
     let extended = sel & 1 != 0;
-    let Ok(Some(h)) = RequestHeader::parse(buf, extended) else { return };
+    let Ok(Some(h)) = RequestHeader::parse(buf, extended) else {
+        return;
+    };
     match h.check_payload(extended) {
         Ok(PayloadPlan::Receive(n)) => assert!(n as u64 <= u64::from(MAX_PAYLOAD)),
         Ok(PayloadPlan::Drain(n)) => assert!(!extended && n > u64::from(MAX_PAYLOAD)),

@@ -11,6 +11,7 @@ use rustix::io::Errno;
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 pub struct FileBackend {
     file: File,
@@ -20,6 +21,11 @@ pub struct FileBackend {
     /// SEEK_DATA/SEEK_HOLE work on this file.
     seek_holes: bool,
     block_device: bool,
+    /// The last range SEEK_HOLE proved to be data. On tmpfs one SEEK_HOLE scans every
+    /// page up to the next hole (about 1 ms per GiB), so the answer is remembered;
+    /// TRIM and WRITE_ZEROES forget it. A stale hint is harmless: a hole read as data
+    /// still reads as zeroes.
+    data_hint: Mutex<(u64, u64)>,
 }
 
 /// Reads shorter than this are not checked for holes: one lseek costs more than
@@ -44,7 +50,7 @@ impl FileBackend {
         let size = if block_device { rustix::fs::seek(&file, SeekFrom::End(0))? } else { meta.len() };
         let seek_holes =
             !block_device && rustix::fs::seek(&file, SeekFrom::Data(0)).map_or_else(|e| e == Errno::NXIO, |_| true);
-        Ok(FileBackend { file, path: path.to_owned(), size, read_only, seek_holes, block_device })
+        Ok(FileBackend { file, path: path.to_owned(), size, read_only, seek_holes, block_device, data_hint: Mutex::new((0, 0)) })
     }
 
     fn sync(&self, op: &'static str, offset: u64, length: u64) -> Result<()> {
@@ -53,6 +59,14 @@ impl FileBackend {
 
     fn fallocate(&self, flags: FallocateFlags, offset: u64, length: u64) -> std::result::Result<(), Errno> {
         fallocate(&self.file, flags, offset, length)
+    }
+
+    fn hint(&self) -> (u64, u64) {
+        *self.data_hint.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn set_hint(&self, start: u64, end: u64) {
+        *self.data_hint.lock().unwrap_or_else(|e| e.into_inner()) = (start, end);
     }
 
     fn write_zeroes(&self, offset: u64, length: u64) -> Result<()> {
@@ -103,6 +117,7 @@ impl Backend for FileBackend {
         self.sync("flush", 0, self.size)
     }
     fn trim(&self, offset: u64, length: u64, fua: bool) -> Result<()> {
+        self.set_hint(0, 0);
         // Trim is advisory: a file system that cannot punch holes simply keeps the data.
         match self.fallocate(FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE, offset, length) {
             Ok(()) | Err(Errno::OPNOTSUPP) | Err(Errno::NOSYS) => {}
@@ -114,6 +129,7 @@ impl Backend for FileBackend {
         Ok(())
     }
     fn zero(&self, offset: u64, length: u64, mode: ZeroMode, fua: bool) -> Result<()> {
+        self.set_hint(0, 0);
         let mut done = false;
         if mode.may_trim && !self.block_device {
             done = self.fallocate(FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE, offset, length).is_ok();
@@ -145,6 +161,12 @@ impl Backend for FileBackend {
         }
         let start_len = out.len();
         let mut pos = offset;
+        let (hs, he) = self.hint();
+        if hs <= pos && pos < he {
+            let h = he.min(end);
+            push_extent(out, h - pos, DATA);
+            pos = h;
+        }
         while pos < end && out.len() - start_len < max {
             let data = match rustix::fs::seek(&self.file, SeekFrom::Data(pos)) {
                 Ok(d) => d,
@@ -163,6 +185,7 @@ impl Backend for FileBackend {
                 Err(Errno::NXIO) => end,
                 Err(e) => return Err(Error::io("block status", pos, end - pos, e.into())),
             };
+            self.set_hint(pos, hole);
             let h = hole.clamp(pos + 1, end);
             push_extent(out, h - pos, DATA);
             pos = h;
@@ -207,6 +230,12 @@ mod tests {
         assert!(buf[4096..].iter().all(|&x| x == 7));
         b.trim(0, 4 << 20, false).unwrap();
         b.flush().unwrap();
+        if b.caps().extents {
+            // The data hint from the first query must not survive the trim.
+            ex.clear();
+            b.extents(1 << 20, 65536, 100, &mut ex).unwrap();
+            assert_eq!(ex, vec![Extent { length: 65536, flags: HOLE }]);
+        }
         let ro = FileBackend::open(&p, true).unwrap();
         assert!(ro.caps().read_only);
         assert!(FileBackend::open(&dir.path().join("missing"), false).is_err());
