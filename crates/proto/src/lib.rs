@@ -9,6 +9,7 @@
 //! extension (`NBD_OPT_EXTENDED_HEADERS`, 64-bit requests and replies).
 #![forbid(unsafe_code)]
 
+pub mod client;
 pub mod consts;
 pub mod export;
 pub mod handshake;

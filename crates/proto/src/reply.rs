@@ -221,3 +221,172 @@ mod tests {
         assert_eq!(&v[36..40], &2u32.to_be_bytes());
     }
 }
+
+/// A reply header as a client receives it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplyHeader {
+    /// Simple reply; READ data follows when `error == 0` (the client knows the length).
+    Simple { error: u32, cookie: u64 },
+    /// Structured or extended chunk; `length` payload bytes follow.
+    Chunk { flags: u16, ty: u16, cookie: u64, length: u64 },
+}
+
+/// A reply stream that cannot be parsed: the client must drop the connection.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ReplyError {
+    #[error("bad reply magic 0x{0:08x} from the server")]
+    BadMagic(u32),
+    #[error("server sent a {0}-byte reply chunk, larger than any reply ferry asked for")]
+    TooLong(u64),
+    #[error("malformed {0} chunk from the server")]
+    Malformed(&'static str),
+}
+
+impl ReplyHeader {
+    pub fn cookie(&self) -> u64 {
+        match *self {
+            ReplyHeader::Simple { cookie, .. } | ReplyHeader::Chunk { cookie, .. } => cookie,
+        }
+    }
+
+    /// Parses one reply header from the front of `buf`: `Ok(None)` means more bytes are
+    /// needed; otherwise the header and its length on the wire.
+    pub fn parse(buf: &[u8], mode: ReplyMode) -> Result<Option<(ReplyHeader, usize)>, ReplyError> {
+        use crate::request::{be16, be32, be64};
+        if buf.len() < 4 {
+            return Ok(None);
+        }
+        let magic = be32(&buf[..4]);
+        match (magic, mode) {
+            (SIMPLE_REPLY_MAGIC, ReplyMode::Simple | ReplyMode::Structured) => {
+                if buf.len() < SIMPLE_REPLY_LEN {
+                    return Ok(None);
+                }
+                Ok(Some((ReplyHeader::Simple { error: be32(&buf[4..8]), cookie: be64(&buf[8..16]) }, SIMPLE_REPLY_LEN)))
+            }
+            (STRUCTURED_REPLY_MAGIC, ReplyMode::Structured) => {
+                if buf.len() < STRUCTURED_REPLY_LEN {
+                    return Ok(None);
+                }
+                let h = ReplyHeader::Chunk {
+                    flags: be16(&buf[4..6]),
+                    ty: be16(&buf[6..8]),
+                    cookie: be64(&buf[8..16]),
+                    length: u64::from(be32(&buf[16..20])),
+                };
+                Ok(Some((h, STRUCTURED_REPLY_LEN)))
+            }
+            (EXTENDED_REPLY_MAGIC, ReplyMode::Extended) => {
+                if buf.len() < EXTENDED_REPLY_LEN {
+                    return Ok(None);
+                }
+                let length = be64(&buf[24..32]);
+                if length > u64::from(MAX_PAYLOAD) + 4096 {
+                    return Err(ReplyError::TooLong(length));
+                }
+                let h = ReplyHeader::Chunk {
+                    flags: be16(&buf[4..6]),
+                    ty: be16(&buf[6..8]),
+                    cookie: be64(&buf[8..16]),
+                    length,
+                };
+                Ok(Some((h, EXTENDED_REPLY_LEN)))
+            }
+            _ => Err(ReplyError::BadMagic(magic)),
+        }
+    }
+}
+
+/// The payload of an error chunk: error value, message, and offset for ERROR_OFFSET.
+pub fn parse_error_chunk(ty: u16, p: &[u8]) -> Result<(u32, String, Option<u64>), ReplyError> {
+    use crate::request::{be16, be32, be64};
+    if p.len() < 6 {
+        return Err(ReplyError::Malformed("error"));
+    }
+    let err = be32(&p[..4]);
+    let mlen = be16(&p[4..6]) as usize;
+    if 6 + mlen > p.len() {
+        return Err(ReplyError::Malformed("error"));
+    }
+    let msg = String::from_utf8_lossy(&p[6..6 + mlen]).into_owned();
+    let off = if ty == REPLY_TYPE_ERROR_OFFSET {
+        if p.len() < 6 + mlen + 8 {
+            return Err(ReplyError::Malformed("error offset"));
+        }
+        Some(be64(&p[6 + mlen..6 + mlen + 8]))
+    } else {
+        None
+    };
+    Ok((err, msg, off))
+}
+
+/// The payload of a block status chunk: context id and extents.
+pub fn parse_block_status(ty: u16, p: &[u8], out: &mut Vec<Extent>) -> Result<u32, ReplyError> {
+    use crate::request::{be32, be64};
+    match ty {
+        REPLY_TYPE_BLOCK_STATUS => {
+            if p.len() < 12 || (p.len() - 4) % 8 != 0 {
+                return Err(ReplyError::Malformed("block status"));
+            }
+            for d in p[4..].chunks_exact(8) {
+                out.push(Extent { length: u64::from(be32(&d[..4])), flags: be32(&d[4..8]) });
+            }
+            Ok(be32(&p[..4]))
+        }
+        REPLY_TYPE_BLOCK_STATUS_EXT => {
+            if p.len() < 24 || (p.len() - 8) % 16 != 0 || be32(&p[4..8]) as usize != (p.len() - 8) / 16 {
+                return Err(ReplyError::Malformed("extended block status"));
+            }
+            for d in p[8..].chunks_exact(16) {
+                out.push(Extent { length: be64(&d[..8]), flags: be64(&d[8..16]) as u32 });
+            }
+            Ok(be32(&p[..4]))
+        }
+        _ => Err(ReplyError::Malformed("block status")),
+    }
+}
+
+#[cfg(test)]
+mod client_tests {
+    use super::*;
+
+    #[test]
+    fn reply_headers_round_trip() {
+        for mode in [ReplyMode::Simple, ReplyMode::Structured, ReplyMode::Extended] {
+            let w = ReplyWriter::new(mode);
+            let mut v = Vec::new();
+            w.data(77, 0, 0, 4096, true, &mut v);
+            let (h, n) = ReplyHeader::parse(&v, mode).unwrap().unwrap();
+            assert_eq!(h.cookie(), 77);
+            match mode {
+                ReplyMode::Simple => assert_eq!((h, n), (ReplyHeader::Simple { error: 0, cookie: 77 }, 16)),
+                _ => assert!(matches!(
+                    h,
+                    ReplyHeader::Chunk { ty: REPLY_TYPE_OFFSET_DATA, length: 4104, flags: REPLY_FLAG_DONE, .. }
+                )),
+            }
+            assert_eq!(ReplyHeader::parse(&v[..n - 1], mode), Ok(None));
+        }
+        assert!(ReplyHeader::parse(&[0u8; 32], ReplyMode::Extended).is_err());
+    }
+
+    #[test]
+    fn error_and_status_payloads() {
+        let w = ReplyWriter::new(ReplyMode::Structured);
+        let mut v = Vec::new();
+        w.error_offset(1, 0, NbdError::Io, "disk on fire", 4096, &mut v);
+        let (err, msg, off) = parse_error_chunk(REPLY_TYPE_ERROR_OFFSET, &v[20..]).unwrap();
+        assert_eq!((err, msg.as_str(), off), (5, "disk on fire", Some(4096)));
+        for mode in [ReplyMode::Structured, ReplyMode::Extended] {
+            let ex = [Extent { length: 512, flags: 0 }, Extent { length: 1024, flags: STATE_HOLE }];
+            let mut v = Vec::new();
+            ReplyWriter::new(mode).block_status(1, 0, 9, &ex, &mut v);
+            let (h, n) = ReplyHeader::parse(&v, mode).unwrap().unwrap();
+            let ReplyHeader::Chunk { ty, .. } = h else { panic!() };
+            let mut out = Vec::new();
+            assert_eq!(parse_block_status(ty, &v[n..], &mut out), Ok(9));
+            assert_eq!(out, ex);
+        }
+        assert!(parse_block_status(REPLY_TYPE_BLOCK_STATUS, &[0; 5], &mut Vec::new()).is_err());
+    }
+}

@@ -1,0 +1,441 @@
+//! The client side of the fixed newstyle handshake, as a state machine without I/O.
+//!
+//! It haggles the way libnbd does: extended headers if wanted (falling back to structured
+//! replies), `base:allocation`, then `NBD_OPT_GO` with block sizes, name and description
+//! (falling back to `NBD_OPT_EXPORT_NAME` for servers that do not know GO), or
+//! `NBD_OPT_LIST` to list exports. (proto.md "Fixed newstyle negotiation", "Option types")
+
+use crate::consts::*;
+use crate::export::BlockSize;
+use crate::handshake::encode_option;
+use crate::options::{encode_info_request, encode_meta_request};
+use crate::reply::ReplyMode;
+use crate::request::{be16, be32, be64};
+
+/// What the client wants from the handshake.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientConfig {
+    pub export: String,
+    /// Ask for extended headers (then structured replies if refused).
+    pub extended: bool,
+    /// Ask for structured replies.
+    pub structured: bool,
+    /// Ask for `base:allocation`.
+    pub meta_context: bool,
+    /// List exports instead of connecting to one.
+    pub list: bool,
+}
+
+impl ClientConfig {
+    pub fn new(export: &str) -> Self {
+        ClientConfig { export: export.to_string(), extended: true, structured: true, meta_context: true, list: false }
+    }
+}
+
+/// What the handshake settled on.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ClientNegotiated {
+    pub size: u64,
+    pub flags: u16,
+    pub mode: Option<ReplyMode>,
+    pub meta_context: Option<u32>,
+    pub block_size: Option<BlockSize>,
+    pub name: Option<String>,
+    pub description: Option<String>,
+    /// The server answered GO (not only EXPORT_NAME).
+    pub used_go: bool,
+}
+
+impl ClientNegotiated {
+    pub fn reply_mode(&self) -> ReplyMode {
+        self.mode.unwrap_or(ReplyMode::Simple)
+    }
+}
+
+/// Why the handshake failed, in words for the user.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ClientError {
+    #[error("the peer is not an NBD server (bad greeting)")]
+    NotNbd,
+    #[error("the server only speaks the oldstyle handshake, which ferry does not support")]
+    Oldstyle,
+    #[error("the server does not support fixed newstyle negotiation")]
+    NotFixedNewstyle,
+    #[error("the server refused export {export:?}: {reason}")]
+    Refused { export: String, reason: String },
+    #[error("the server sent a malformed reply to {0}")]
+    Malformed(&'static str),
+    #[error("the server sent an option reply of {0} bytes, more than any reply should be")]
+    ReplyTooLong(u32),
+    #[error("the handshake is over")]
+    Finished,
+}
+
+/// What the caller should do after `feed`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClientProgress {
+    /// Send `out` and feed more bytes.
+    Continue,
+    /// Send `out`, then start the transmission phase.
+    Connected(Box<ClientNegotiated>),
+    /// Exports listed (`out` holds NBD_OPT_ABORT): send it and close.
+    Listed(Vec<(String, String)>),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Greeting,
+    /// Waiting for replies to this option.
+    Reply(u32),
+    ExportNameReply,
+    Done,
+}
+
+/// Largest option reply accepted (names and descriptions are at most 4 KiB).
+const MAX_REPLY: u32 = 64 * 1024;
+
+pub struct ClientHandshake {
+    cfg: ClientConfig,
+    state: State,
+    no_zeroes: bool,
+    n: ClientNegotiated,
+    list: Vec<(String, String)>,
+}
+
+fn reply_name(reply: u32) -> String {
+    match reply {
+        REP_ERR_UNSUP => "unsupported".into(),
+        REP_ERR_POLICY => "forbidden by server policy".into(),
+        REP_ERR_INVALID => "invalid request".into(),
+        REP_ERR_PLATFORM => "not supported on the server's platform".into(),
+        REP_ERR_TLS_REQD => "TLS is required".into(),
+        REP_ERR_UNKNOWN => "no such export".into(),
+        REP_ERR_SHUTDOWN => "server is shutting down".into(),
+        REP_ERR_BLOCK_SIZE_REQD => "block size negotiation required".into(),
+        REP_ERR_TOO_BIG => "request too big".into(),
+        REP_ERR_EXT_HEADER_REQD => "extended headers required".into(),
+        other => format!("error 0x{other:08x}"),
+    }
+}
+
+impl ClientHandshake {
+    pub fn new(cfg: ClientConfig) -> Self {
+        ClientHandshake {
+            cfg,
+            state: State::Greeting,
+            no_zeroes: false,
+            n: ClientNegotiated::default(),
+            list: Vec::new(),
+        }
+    }
+
+    /// Consumes at most one server message from `input`, appending what to send to `out`.
+    pub fn feed(&mut self, input: &[u8], out: &mut Vec<u8>) -> Result<(usize, ClientProgress), ClientError> {
+        match self.state {
+            State::Done => Err(ClientError::Finished),
+            State::Greeting => {
+                if input.len() < 16 {
+                    return Ok((0, ClientProgress::Continue));
+                }
+                if be64(&input[..8]) != NBDMAGIC {
+                    return Err(ClientError::NotNbd);
+                }
+                if be64(&input[8..16]) != IHAVEOPT {
+                    return Err(ClientError::Oldstyle);
+                }
+                if input.len() < 18 {
+                    return Ok((0, ClientProgress::Continue));
+                }
+                let flags = be16(&input[16..18]);
+                if flags & FLAG_FIXED_NEWSTYLE == 0 {
+                    return Err(ClientError::NotFixedNewstyle);
+                }
+                self.no_zeroes = flags & FLAG_NO_ZEROES != 0;
+                let mut cflags = FLAG_C_FIXED_NEWSTYLE;
+                if self.no_zeroes {
+                    cflags |= FLAG_C_NO_ZEROES;
+                }
+                out.extend_from_slice(&cflags.to_be_bytes());
+                if self.cfg.list {
+                    self.send(OPT_LIST, &[], out);
+                } else if self.cfg.extended {
+                    self.send(OPT_EXTENDED_HEADERS, &[], out);
+                } else {
+                    self.after_extended(out);
+                }
+                Ok((18, ClientProgress::Continue))
+            }
+            State::ExportNameReply => {
+                let need = if self.no_zeroes { 10 } else { 134 };
+                if input.len() < need {
+                    return Ok((0, ClientProgress::Continue));
+                }
+                self.n.size = be64(&input[..8]);
+                self.n.flags = be16(&input[8..10]);
+                self.state = State::Done;
+                Ok((need, ClientProgress::Connected(Box::new(self.n.clone()))))
+            }
+            State::Reply(opt) => {
+                if input.len() < 20 {
+                    return Ok((0, ClientProgress::Continue));
+                }
+                if be64(&input[..8]) != REPLY_MAGIC || be32(&input[8..12]) != opt {
+                    return Err(ClientError::Malformed(option_name(opt)));
+                }
+                let reply = be32(&input[12..16]);
+                let len = be32(&input[16..20]);
+                if len > MAX_REPLY {
+                    return Err(ClientError::ReplyTooLong(len));
+                }
+                let total = 20 + len as usize;
+                if input.len() < total {
+                    return Ok((0, ClientProgress::Continue));
+                }
+                let progress = self.reply(opt, reply, &input[20..total], out)?;
+                Ok((total, progress))
+            }
+        }
+    }
+
+    fn send(&mut self, opt: u32, data: &[u8], out: &mut Vec<u8>) {
+        encode_option(opt, data, out);
+        self.state = State::Reply(opt);
+    }
+
+    fn after_extended(&mut self, out: &mut Vec<u8>) {
+        if self.n.mode.is_none() && self.cfg.structured {
+            self.send(OPT_STRUCTURED_REPLY, &[], out);
+        } else {
+            self.after_structured(out);
+        }
+    }
+
+    fn after_structured(&mut self, out: &mut Vec<u8>) {
+        if self.cfg.meta_context && self.n.mode.is_some() {
+            let mut d = Vec::new();
+            encode_meta_request(&self.cfg.export, &[META_BASE_ALLOCATION], &mut d);
+            self.send(OPT_SET_META_CONTEXT, &d, out);
+        } else {
+            self.go(out);
+        }
+    }
+
+    fn go(&mut self, out: &mut Vec<u8>) {
+        let mut d = Vec::new();
+        encode_info_request(&self.cfg.export, &[INFO_BLOCK_SIZE, INFO_NAME, INFO_DESCRIPTION], &mut d);
+        self.send(OPT_GO, &d, out);
+    }
+
+    fn reply(&mut self, opt: u32, reply: u32, data: &[u8], out: &mut Vec<u8>) -> Result<ClientProgress, ClientError> {
+        let error_text = || {
+            let msg = String::from_utf8_lossy(data);
+            if msg.is_empty() {
+                reply_name(reply)
+            } else {
+                format!("{} ({msg})", reply_name(reply))
+            }
+        };
+        match opt {
+            OPT_EXTENDED_HEADERS => {
+                if reply == REP_ACK {
+                    self.n.mode = Some(ReplyMode::Extended);
+                }
+                self.after_extended(out);
+            }
+            OPT_STRUCTURED_REPLY => {
+                if reply == REP_ACK {
+                    self.n.mode = Some(ReplyMode::Structured);
+                }
+                self.after_structured(out);
+            }
+            OPT_SET_META_CONTEXT => match reply {
+                REP_META_CONTEXT => {
+                    if data.len() < 4 {
+                        return Err(ClientError::Malformed("NBD_OPT_SET_META_CONTEXT"));
+                    }
+                    if &data[4..] == META_BASE_ALLOCATION.as_bytes() {
+                        self.n.meta_context = Some(be32(&data[..4]));
+                    }
+                }
+                REP_ACK => self.go(out),
+                // A server without meta contexts: carry on without block status.
+                _ => {
+                    self.n.meta_context = None;
+                    self.go(out);
+                }
+            },
+            OPT_GO => match reply {
+                REP_INFO => self.info(data)?,
+                REP_ACK => {
+                    if self.n.flags & FLAG_HAS_FLAGS == 0 {
+                        return Err(ClientError::Malformed("NBD_OPT_GO (no NBD_INFO_EXPORT)"));
+                    }
+                    self.n.used_go = true;
+                    self.state = State::Done;
+                    return Ok(ClientProgress::Connected(Box::new(self.n.clone())));
+                }
+                REP_ERR_UNSUP if self.n.mode != Some(ReplyMode::Extended) => {
+                    // An old server: EXPORT_NAME can still reach the export.
+                    encode_option(OPT_EXPORT_NAME, self.cfg.export.as_bytes(), out);
+                    self.n.meta_context = None;
+                    self.state = State::ExportNameReply;
+                }
+                _ => return Err(ClientError::Refused { export: self.cfg.export.clone(), reason: error_text() }),
+            },
+            OPT_LIST => match reply {
+                REP_SERVER => {
+                    if data.len() < 4 || be32(&data[..4]) as usize > data.len() - 4 {
+                        return Err(ClientError::Malformed("NBD_OPT_LIST"));
+                    }
+                    let nlen = be32(&data[..4]) as usize;
+                    let name = String::from_utf8_lossy(&data[4..4 + nlen]).into_owned();
+                    let desc = String::from_utf8_lossy(&data[4 + nlen..]).into_owned();
+                    self.list.push((name, desc));
+                }
+                REP_ACK => {
+                    encode_option(OPT_ABORT, &[], out);
+                    self.state = State::Done;
+                    return Ok(ClientProgress::Listed(std::mem::take(&mut self.list)));
+                }
+                _ => {
+                    return Err(ClientError::Refused {
+                        export: String::new(),
+                        reason: format!("listing exports: {}", error_text()),
+                    })
+                }
+            },
+            _ => return Err(ClientError::Malformed(option_name(opt))),
+        }
+        Ok(ClientProgress::Continue)
+    }
+
+    fn info(&mut self, d: &[u8]) -> Result<(), ClientError> {
+        if d.len() < 2 {
+            return Err(ClientError::Malformed("NBD_REP_INFO"));
+        }
+        match be16(&d[..2]) {
+            INFO_EXPORT if d.len() == 12 => {
+                self.n.size = be64(&d[2..10]);
+                self.n.flags = be16(&d[10..12]);
+            }
+            INFO_EXPORT => return Err(ClientError::Malformed("NBD_INFO_EXPORT")),
+            INFO_BLOCK_SIZE if d.len() == 14 => {
+                self.n.block_size =
+                    Some(BlockSize { minimum: be32(&d[2..6]), preferred: be32(&d[6..10]), maximum: be32(&d[10..14]) });
+            }
+            INFO_NAME => self.n.name = Some(String::from_utf8_lossy(&d[2..]).into_owned()),
+            INFO_DESCRIPTION => self.n.description = Some(String::from_utf8_lossy(&d[2..]).into_owned()),
+            _ => {} // unknown information: ignored, as the spec says
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::export::{Capabilities, ExportInfo};
+    use crate::handshake::{Catalog, Progress, ServerHandshake};
+
+    struct Cat;
+    impl Catalog for Cat {
+        fn export(&self, name: &str) -> Option<ExportInfo> {
+            (name.is_empty() || name == "d").then(|| ExportInfo {
+                name: name.into(),
+                description: "desc".into(),
+                size: 12345,
+                caps: Capabilities { flush: true, extents: true, ..Default::default() },
+                block_size: BlockSize::default(),
+            })
+        }
+        fn list(&self) -> Vec<(String, String)> {
+            vec![("".into(), "desc".into()), ("d".into(), "".into())]
+        }
+    }
+
+    /// Runs ferry's client against ferry's server, in memory.
+    fn talk(cfg: ClientConfig) -> (Result<ClientProgress, ClientError>, Option<Progress>) {
+        let mut s2c = Vec::new();
+        let mut server = ServerHandshake::new(&mut s2c);
+        let mut client = ClientHandshake::new(cfg);
+        let mut c2s = Vec::new();
+        let mut server_done = None;
+        for _ in 0..100 {
+            let mut progressed = false;
+            loop {
+                match client.feed(&s2c, &mut c2s) {
+                    Err(e) => return (Err(e), server_done),
+                    Ok((0, _)) => break,
+                    Ok((n, p)) => {
+                        s2c.drain(..n);
+                        progressed = true;
+                        if p != ClientProgress::Continue {
+                            // let the server see the final bytes too
+                            let _ = server.feed(&c2s, &Cat, &mut Vec::new());
+                            return (Ok(p), server_done);
+                        }
+                    }
+                }
+            }
+            loop {
+                match server.feed(&c2s, &Cat, &mut s2c) {
+                    Ok((0, _)) => break,
+                    Ok((n, p)) => {
+                        c2s.drain(..n);
+                        progressed = true;
+                        if p != Progress::Continue {
+                            server_done = Some(p);
+                        }
+                    }
+                    Err(_) => break,
+                }
+            }
+            if !progressed {
+                break;
+            }
+        }
+        panic!("handshake stalled")
+    }
+
+    #[test]
+    fn connects_with_extended_headers_and_meta() {
+        let (p, _) = talk(ClientConfig::new("d"));
+        let Ok(ClientProgress::Connected(n)) = p else { panic!("{p:?}") };
+        assert_eq!(n.size, 12345);
+        assert_eq!(n.mode, Some(ReplyMode::Extended));
+        assert!(n.meta_context.is_some());
+        assert_eq!(n.description.as_deref(), Some("desc"));
+        assert!(n.used_go);
+    }
+
+    #[test]
+    fn structured_only_and_plain() {
+        let mut c = ClientConfig::new("");
+        c.extended = false;
+        let (p, _) = talk(c.clone());
+        let Ok(ClientProgress::Connected(n)) = p else { panic!() };
+        assert_eq!(n.mode, Some(ReplyMode::Structured));
+        c.structured = false;
+        let (p, _) = talk(c);
+        let Ok(ClientProgress::Connected(n)) = p else { panic!() };
+        assert_eq!(n.mode, None);
+        assert_eq!(n.meta_context, None);
+    }
+
+    #[test]
+    fn lists_and_refuses() {
+        let mut c = ClientConfig::new("");
+        c.list = true;
+        let (p, _) = talk(c);
+        assert_eq!(p, Ok(ClientProgress::Listed(vec![("".into(), "desc".into()), ("d".into(), "".into())])));
+        let (p, _) = talk(ClientConfig::new("nope"));
+        let Err(ClientError::Refused { reason, .. }) = p else { panic!("{p:?}") };
+        assert!(reason.contains("no such export"), "{reason}");
+    }
+
+    #[test]
+    fn rejects_non_nbd_peers() {
+        let mut h = ClientHandshake::new(ClientConfig::new(""));
+        assert_eq!(h.feed(b"HTTP/1.1 200 OK\r\n\r\n", &mut Vec::new()), Err(ClientError::NotNbd));
+    }
+}
