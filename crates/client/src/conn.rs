@@ -1,0 +1,606 @@
+//! One client connection: connect, handshake, submit requests, receive completions.
+
+use crate::uri::{Transport, Uri, UriError};
+use ferry_proto::client::{ClientConfig, ClientError, ClientHandshake, ClientNegotiated, ClientProgress};
+use ferry_proto::consts::*;
+use ferry_proto::reply::{parse_block_status, parse_error_chunk, Extent, ReplyError, ReplyHeader, ReplyMode};
+use ferry_proto::request::RequestHeader;
+use ferry_sock::{BufferConfig, Stream};
+use std::collections::HashMap;
+use std::io::{self, IoSlice, Read};
+use std::net::ToSocketAddrs;
+use std::os::fd::AsFd;
+use std::time::Duration;
+
+/// An error from the server for one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemoteError {
+    /// NBD error value (`NBD_EIO` = 5, ...).
+    pub errno: u32,
+    pub message: String,
+    /// Offset the error applies to, when the server said.
+    pub offset: Option<u64>,
+}
+
+impl std::fmt::Display for RemoteError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let name = match self.errno {
+            1 => "EPERM",
+            5 => "EIO",
+            12 => "ENOMEM",
+            22 => "EINVAL",
+            28 => "ENOSPC",
+            75 => "EOVERFLOW",
+            95 => "ENOTSUP",
+            108 => "ESHUTDOWN",
+            _ => "error",
+        };
+        write!(f, "server replied {name} ({})", self.errno)?;
+        if !self.message.is_empty() {
+            write!(f, ": {}", self.message)?;
+        }
+        Ok(())
+    }
+}
+
+/// Why a connection failed.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{0}")]
+    Uri(#[from] UriError),
+    #[error("cannot connect to {target}: {source}")]
+    Connect { target: String, source: io::Error },
+    #[error("socket error: {0}")]
+    Io(#[from] io::Error),
+    #[error("handshake: {0}")]
+    Handshake(#[from] ClientError),
+    #[error("the server closed the connection")]
+    Closed,
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    #[error("{0}")]
+    Reply(#[from] ReplyError),
+    #[error("{0}")]
+    Remote(RemoteError),
+}
+
+/// How to connect.
+#[derive(Debug, Clone)]
+pub struct ConnectOptions {
+    /// Ask for extended headers (64-bit requests and replies) when the server has them.
+    pub extended: bool,
+    /// Ask for structured replies.
+    pub structured: bool,
+    /// Ask for `base:allocation` block status.
+    pub meta_context: bool,
+    /// Socket buffers (default: 4 MiB send buffer on Unix sockets).
+    pub buffers: BufferConfig,
+    /// Give up on the handshake after this long.
+    pub handshake_timeout: Duration,
+}
+
+impl Default for ConnectOptions {
+    fn default() -> Self {
+        ConnectOptions {
+            extended: true,
+            structured: true,
+            meta_context: true,
+            buffers: BufferConfig::default(),
+            handshake_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// A request to submit. `slot` is the caller's tag, returned in the completion; for READ
+/// it also names the buffer (in the slice passed to [`Connection::receive`]) that
+/// receives the data, starting at index 0.
+#[derive(Debug, Clone, Copy)]
+pub struct Submit<'a> {
+    pub cmd: u16,
+    pub flags: u16,
+    pub offset: u64,
+    pub length: u64,
+    pub payload: Option<&'a [u8]>,
+    pub slot: usize,
+}
+
+/// A finished request.
+#[derive(Debug, Clone)]
+pub struct Completion {
+    pub cookie: u64,
+    pub cmd: u16,
+    pub offset: u64,
+    pub length: u64,
+    pub slot: usize,
+    pub result: Result<(), RemoteError>,
+    /// BLOCK_STATUS: the `base:allocation` extents.
+    pub extents: Vec<Extent>,
+    /// READ: bytes the server sent as holes (already zero-filled in the buffer).
+    pub hole_bytes: u64,
+}
+
+struct InFlight {
+    cmd: u16,
+    offset: u64,
+    length: u64,
+    slot: usize,
+    error: Option<RemoteError>,
+    extents: Vec<Extent>,
+    covered: u64,
+    hole_bytes: u64,
+}
+
+const RECV_BUF: usize = 256 * 1024;
+/// Largest non-data chunk payload accepted (block status of 2^20 extents, 16 bytes each).
+const MAX_META_CHUNK: u64 = 16 * 1024 * 1024 + 64;
+
+pub struct Connection {
+    stream: Stream,
+    info: ClientNegotiated,
+    mode: ReplyMode,
+    rx: Vec<u8>,
+    head: usize,
+    tail: usize,
+    next_cookie: u64,
+    inflight: HashMap<u64, InFlight>,
+    hdrs: Vec<u8>,
+    stash: Vec<Completion>,
+}
+
+fn open_stream(uri: &Uri, opts: &ConnectOptions) -> Result<Stream, Error> {
+    let stream = match &uri.transport {
+        Transport::Unix { path } => {
+            let s = Stream::connect_unix(path)
+                .map_err(|source| Error::Connect { target: path.display().to_string(), source })?;
+            s.apply(BufferConfig::for_unix(opts.buffers))?;
+            s
+        }
+        Transport::Tcp { host, port } => {
+            let target = format!("{host}:{port}");
+            let addrs = (host.as_str(), *port)
+                .to_socket_addrs()
+                .map_err(|source| Error::Connect { target: target.clone(), source })?;
+            let mut last = io::Error::new(io::ErrorKind::NotFound, "no address");
+            let mut found = None;
+            for a in addrs {
+                match Stream::connect_tcp(&a) {
+                    Ok(s) => {
+                        found = Some(s);
+                        break;
+                    }
+                    Err(e) => last = e,
+                }
+            }
+            let s = found.ok_or(Error::Connect { target, source: last })?;
+            s.apply(opts.buffers)?;
+            s
+        }
+    };
+    Ok(stream)
+}
+
+/// Runs a client handshake over `stream`. Returns the progress and any bytes that
+/// arrived after it.
+fn handshake(stream: &mut Stream, cfg: ClientConfig, timeout: Duration) -> Result<(ClientProgress, Vec<u8>), Error> {
+    stream.set_read_timeout(Some(timeout))?;
+    let mut hs = ClientHandshake::new(cfg);
+    let mut buf = vec![0u8; 128 * 1024];
+    let (mut head, mut tail) = (0, 0);
+    let mut out = Vec::new();
+    loop {
+        loop {
+            let (n, p) = hs.feed(&buf[head..tail], &mut out)?;
+            head += n;
+            if !out.is_empty() {
+                stream.send_all(&mut [IoSlice::new(&out)])?;
+                out.clear();
+            }
+            if p != ClientProgress::Continue {
+                stream.set_read_timeout(None)?;
+                return Ok((p, buf[head..tail].to_vec()));
+            }
+            if n == 0 {
+                break;
+            }
+        }
+        buf.copy_within(head..tail, 0);
+        tail -= head;
+        head = 0;
+        let n = match stream.read(&mut buf[tail..]) {
+            Ok(0) => return Err(Error::Closed),
+            Ok(n) => n,
+            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+                return Err(Error::Protocol(format!("the server did not finish the handshake within {timeout:?}")))
+            }
+            Err(e) => return Err(e.into()),
+        };
+        tail += n;
+    }
+}
+
+impl Connection {
+    /// Connects to the export a URI names.
+    pub fn connect(uri: &Uri, opts: &ConnectOptions) -> Result<Connection, Error> {
+        let mut stream = open_stream(uri, opts)?;
+        let cfg = ClientConfig {
+            export: uri.export.clone(),
+            extended: opts.extended,
+            structured: opts.structured,
+            meta_context: opts.meta_context,
+            list: false,
+        };
+        let (p, leftover) = handshake(&mut stream, cfg, opts.handshake_timeout)?;
+        let ClientProgress::Connected(info) = p else {
+            return Err(Error::Protocol("unexpected handshake result".into()));
+        };
+        let mut rx = vec![0u8; RECV_BUF];
+        rx[..leftover.len()].copy_from_slice(&leftover);
+        Ok(Connection {
+            stream,
+            mode: info.reply_mode(),
+            info: *info,
+            rx,
+            head: 0,
+            tail: leftover.len(),
+            next_cookie: 1,
+            inflight: HashMap::new(),
+            hdrs: Vec::with_capacity(4096),
+            stash: Vec::new(),
+        })
+    }
+
+    /// Lists the exports of the server a URI names: (name, description) pairs.
+    pub fn list(uri: &Uri, opts: &ConnectOptions) -> Result<Vec<(String, String)>, Error> {
+        let mut stream = open_stream(uri, opts)?;
+        let mut cfg = ClientConfig::new(&uri.export);
+        cfg.list = true;
+        match handshake(&mut stream, cfg, opts.handshake_timeout)?.0 {
+            ClientProgress::Listed(l) => Ok(l),
+            _ => Err(Error::Protocol("unexpected handshake result".into())),
+        }
+    }
+
+    pub fn info(&self) -> &ClientNegotiated {
+        &self.info
+    }
+    pub fn size(&self) -> u64 {
+        self.info.size
+    }
+    pub fn flags(&self) -> u16 {
+        self.info.flags
+    }
+    pub fn has_flag(&self, f: u16) -> bool {
+        self.info.flags & f != 0
+    }
+    pub fn mode(&self) -> ReplyMode {
+        self.mode
+    }
+    pub fn can_block_status(&self) -> bool {
+        self.info.meta_context.is_some()
+    }
+    /// Largest READ/WRITE payload the server accepts.
+    pub fn max_payload(&self) -> u32 {
+        self.info.block_size.map_or(MAX_PAYLOAD, |b| b.maximum.min(MAX_PAYLOAD)).max(512)
+    }
+    pub fn in_flight(&self) -> usize {
+        self.inflight.len()
+    }
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
+    /// Sends requests in one vectored send (headers and WRITE payloads interleaved).
+    /// Returns the cookie of the first; the others follow consecutively.
+    pub fn submit(&mut self, reqs: &[Submit<'_>]) -> Result<u64, Error> {
+        let extended = self.mode == ReplyMode::Extended;
+        let hlen = RequestHeader::wire_len(extended);
+        let first = self.next_cookie;
+        self.hdrs.clear();
+        for r in reqs {
+            let cookie = self.next_cookie;
+            self.next_cookie = self.next_cookie.wrapping_add(1).max(1);
+            let mut flags = r.flags;
+            let length = match r.payload {
+                Some(p) => {
+                    if extended {
+                        flags |= CMD_FLAG_PAYLOAD_LEN;
+                    }
+                    p.len() as u64
+                }
+                None => r.length,
+            };
+            RequestHeader { flags, cmd: r.cmd, cookie, offset: r.offset, length }.encode(extended, &mut self.hdrs);
+            self.inflight.insert(
+                cookie,
+                InFlight {
+                    cmd: r.cmd,
+                    offset: r.offset,
+                    length,
+                    slot: r.slot,
+                    error: None,
+                    extents: Vec::new(),
+                    covered: 0,
+                    hole_bytes: 0,
+                },
+            );
+        }
+        let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(reqs.len() * 2);
+        let mut last_hdr_end = 0usize;
+        for (i, r) in reqs.iter().enumerate() {
+            let end = (i + 1) * hlen;
+            if let Some(p) = r.payload.filter(|p| !p.is_empty()) {
+                iov.push(IoSlice::new(&self.hdrs[last_hdr_end..end]));
+                iov.push(IoSlice::new(p));
+                last_hdr_end = end;
+            }
+        }
+        if last_hdr_end < self.hdrs.len() {
+            iov.push(IoSlice::new(&self.hdrs[last_hdr_end..]));
+        }
+        self.stream.send_all(&mut iov)?;
+        Ok(first)
+    }
+
+    /// Makes sure at least `n` unparsed bytes are in the receive buffer.
+    fn fill(&mut self, n: usize) -> Result<(), Error> {
+        while self.tail - self.head < n {
+            if self.rx.len() - self.head < n {
+                self.rx.copy_within(self.head..self.tail, 0);
+                self.tail -= self.head;
+                self.head = 0;
+            }
+            match self.stream.read(&mut self.rx[self.tail..]) {
+                Ok(0) => return Err(Error::Closed),
+                Ok(k) => self.tail += k,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
+    }
+
+    /// Receives `dest.len()` payload bytes: what is buffered is copied, the rest is read
+    /// straight into `dest`.
+    fn recv_into(&mut self, dest: &mut [u8]) -> Result<(), Error> {
+        let have = (self.tail - self.head).min(dest.len());
+        dest[..have].copy_from_slice(&self.rx[self.head..self.head + have]);
+        self.head += have;
+        if have < dest.len() {
+            self.stream.read_exact(&mut dest[have..]).map_err(|e| {
+                if e.kind() == io::ErrorKind::UnexpectedEof {
+                    Error::Closed
+                } else {
+                    e.into()
+                }
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Receives a small chunk payload (status, hole, error) into an owned buffer.
+    fn recv_meta(&mut self, n: u64) -> Result<Vec<u8>, Error> {
+        if n > MAX_META_CHUNK {
+            return Err(Error::Protocol(format!("a {n}-byte reply chunk is too large")));
+        }
+        let mut v = vec![0u8; n as usize];
+        self.recv_into(&mut v)?;
+        Ok(v)
+    }
+
+    /// Whether a reply is already buffered or the socket is readable now.
+    pub fn readable(&self, timeout: Option<Duration>) -> io::Result<bool> {
+        if self.tail > self.head {
+            return Ok(true);
+        }
+        let mut fds = [rustix::event::PollFd::new(&self.stream, rustix::event::PollFlags::IN)];
+        let ts = timeout
+            .map(|d| rustix::event::Timespec { tv_sec: d.as_secs() as i64, tv_nsec: i64::from(d.subsec_nanos()) });
+        loop {
+            match rustix::event::poll(&mut fds, ts.as_ref()) {
+                Ok(n) => return Ok(n > 0),
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Waits for the next request to finish. READ data lands in `bufs[slot]`.
+    pub fn receive(&mut self, bufs: &mut [Vec<u8>]) -> Result<Completion, Error> {
+        if let Some(c) = self.stash.pop() {
+            return Ok(c);
+        }
+        loop {
+            self.fill(4)?;
+            let hdr = loop {
+                match ReplyHeader::parse(&self.rx[self.head..self.tail], self.mode)? {
+                    Some(h) => break h,
+                    None => {
+                        let need = self.tail - self.head + 1;
+                        self.fill(need)?;
+                    }
+                }
+            };
+            let (h, hlen) = hdr;
+            self.head += hlen;
+            let cookie = h.cookie();
+            let Some(mut f) = self.inflight.remove(&cookie) else {
+                return Err(Error::Protocol(format!("reply for unknown cookie {cookie}")));
+            };
+            let done = match h {
+                ReplyHeader::Simple { error, .. } => {
+                    if error != 0 {
+                        f.error = Some(RemoteError { errno: error, message: String::new(), offset: None });
+                    } else if f.cmd == CMD_READ {
+                        if self.mode != ReplyMode::Simple {
+                            return Err(Error::Protocol("simple reply with data to a structured READ".into()));
+                        }
+                        let dest = bufs
+                            .get_mut(f.slot)
+                            .and_then(|b| b.get_mut(..f.length as usize))
+                            .ok_or_else(|| Error::Protocol("READ buffer too small".into()))?;
+                        self.recv_into(dest)?;
+                        f.covered = f.length;
+                    }
+                    true
+                }
+                ReplyHeader::Chunk { flags, ty, length, .. } => {
+                    self.chunk(&mut f, ty, length, bufs)?;
+                    flags & REPLY_FLAG_DONE != 0
+                }
+            };
+            if !done {
+                self.inflight.insert(cookie, f);
+                continue;
+            }
+            if f.cmd == CMD_READ && f.error.is_none() && f.covered != f.length {
+                return Err(Error::Protocol(format!(
+                    "READ at offset {} of {} bytes: the server sent only {} bytes before finishing",
+                    f.offset, f.length, f.covered
+                )));
+            }
+            return Ok(Completion {
+                cookie,
+                cmd: f.cmd,
+                offset: f.offset,
+                length: f.length,
+                slot: f.slot,
+                result: f.error.map_or(Ok(()), Err),
+                extents: f.extents,
+                hole_bytes: f.hole_bytes,
+            });
+        }
+    }
+
+    fn chunk(&mut self, f: &mut InFlight, ty: u16, length: u64, bufs: &mut [Vec<u8>]) -> Result<(), Error> {
+        match ty {
+            REPLY_TYPE_NONE => {
+                if length != 0 {
+                    return Err(Error::Protocol("NONE chunk with a payload".into()));
+                }
+            }
+            REPLY_TYPE_OFFSET_DATA | REPLY_TYPE_OFFSET_HOLE if f.cmd == CMD_READ => {
+                let prefix = if ty == REPLY_TYPE_OFFSET_DATA { 8 } else { 12 };
+                if length < prefix || (ty == REPLY_TYPE_OFFSET_HOLE && length != 12) {
+                    return Err(ReplyError::Malformed("read").into());
+                }
+                self.fill(prefix as usize)?;
+                let p = &self.rx[self.head..self.head + prefix as usize];
+                let off = u64::from_be_bytes(p[..8].try_into().unwrap_or_default());
+                let n = if ty == REPLY_TYPE_OFFSET_DATA {
+                    length - 8
+                } else {
+                    u64::from(u32::from_be_bytes(p[8..12].try_into().unwrap_or_default()))
+                };
+                self.head += prefix as usize;
+                let rel = off.checked_sub(f.offset).filter(|r| r.checked_add(n).is_some_and(|e| e <= f.length));
+                let Some(rel) = rel else {
+                    return Err(Error::Protocol(format!(
+                        "server sent {n} bytes at offset {off}, outside the READ of {} bytes at {}",
+                        f.length, f.offset
+                    )));
+                };
+                let dest = bufs
+                    .get_mut(f.slot)
+                    .and_then(|b| b.get_mut(rel as usize..(rel + n) as usize))
+                    .ok_or_else(|| Error::Protocol("READ buffer too small".into()))?;
+                if ty == REPLY_TYPE_OFFSET_DATA {
+                    self.recv_into(dest)?;
+                } else {
+                    dest.fill(0);
+                    f.hole_bytes += n;
+                }
+                f.covered += n;
+            }
+            REPLY_TYPE_BLOCK_STATUS | REPLY_TYPE_BLOCK_STATUS_EXT if f.cmd == CMD_BLOCK_STATUS => {
+                let p = self.recv_meta(length)?;
+                let id = parse_block_status(ty, &p, &mut f.extents)?;
+                if Some(id) != self.info.meta_context {
+                    f.extents.clear();
+                }
+            }
+            t if t & 0x8000 != 0 => {
+                let p = self.recv_meta(length)?;
+                let (errno, message, offset) = parse_error_chunk(t, &p)?;
+                f.error.get_or_insert(RemoteError { errno, message, offset });
+            }
+            t => return Err(Error::Protocol(format!("unexpected reply chunk type {t} to {}", command_name(f.cmd)))),
+        }
+        Ok(())
+    }
+
+    /// Submits one request and waits for it (other completions are kept for `receive`).
+    fn call(&mut self, s: Submit<'_>, bufs: &mut [Vec<u8>]) -> Result<Completion, Error> {
+        let cookie = self.submit(&[s])?;
+        loop {
+            let c = self.receive(bufs)?;
+            if c.cookie == cookie {
+                return Ok(c);
+            }
+            self.stash.push(c);
+        }
+    }
+
+    fn simple(&mut self, cmd: u16, flags: u16, offset: u64, length: u64) -> Result<(), Error> {
+        let c = self.call(Submit { cmd, flags, offset, length, payload: None, slot: 0 }, &mut [])?;
+        c.result.map_err(Error::Remote)
+    }
+
+    /// Reads `buf.len()` bytes at `offset`.
+    pub fn pread(&mut self, buf: &mut Vec<u8>, offset: u64) -> Result<(), Error> {
+        let len = buf.len() as u64;
+        let c = self.call(
+            Submit { cmd: CMD_READ, flags: 0, offset, length: len, payload: None, slot: 0 },
+            std::slice::from_mut(buf),
+        )?;
+        c.result.map_err(Error::Remote)
+    }
+
+    /// Writes `data` at `offset`.
+    pub fn pwrite(&mut self, data: &[u8], offset: u64, fua: bool) -> Result<(), Error> {
+        let flags = if fua { CMD_FLAG_FUA } else { 0 };
+        let c = self.call(
+            Submit { cmd: CMD_WRITE, flags, offset, length: data.len() as u64, payload: Some(data), slot: 0 },
+            &mut [],
+        )?;
+        c.result.map_err(Error::Remote)
+    }
+
+    pub fn flush(&mut self) -> Result<(), Error> {
+        self.simple(CMD_FLUSH, 0, 0, 0)
+    }
+
+    pub fn trim(&mut self, offset: u64, length: u64) -> Result<(), Error> {
+        self.simple(CMD_TRIM, 0, offset, length)
+    }
+
+    pub fn zero(&mut self, offset: u64, length: u64, may_trim: bool) -> Result<(), Error> {
+        self.simple(CMD_WRITE_ZEROES, if may_trim { 0 } else { CMD_FLAG_NO_HOLE }, offset, length)
+    }
+
+    /// `base:allocation` extents from `offset` (at least one on success).
+    pub fn block_status(&mut self, offset: u64, length: u64) -> Result<Vec<Extent>, Error> {
+        let c =
+            self.call(Submit { cmd: CMD_BLOCK_STATUS, flags: 0, offset, length, payload: None, slot: 0 }, &mut [])?;
+        c.result.map_err(Error::Remote)?;
+        if c.extents.is_empty() {
+            return Err(Error::Protocol("block status reply without base:allocation extents".into()));
+        }
+        Ok(c.extents)
+    }
+
+    /// Ends the session cleanly (`NBD_CMD_DISC`).
+    pub fn disconnect(mut self) -> Result<(), Error> {
+        self.hdrs.clear();
+        let extended = self.mode == ReplyMode::Extended;
+        RequestHeader { flags: 0, cmd: CMD_DISC, cookie: 0, offset: 0, length: 0 }.encode(extended, &mut self.hdrs);
+        self.stream.send_all(&mut [IoSlice::new(&self.hdrs)])?;
+        let _ = self.stream.shutdown(std::net::Shutdown::Write);
+        Ok(())
+    }
+}
+
+impl AsFd for Connection {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.stream.as_fd()
+    }
+}
