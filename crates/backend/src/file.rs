@@ -50,7 +50,15 @@ impl FileBackend {
         let size = if block_device { rustix::fs::seek(&file, SeekFrom::End(0))? } else { meta.len() };
         let seek_holes =
             !block_device && rustix::fs::seek(&file, SeekFrom::Data(0)).map_or_else(|e| e == Errno::NXIO, |_| true);
-        Ok(FileBackend { file, path: path.to_owned(), size, read_only, seek_holes, block_device, data_hint: Mutex::new((0, 0)) })
+        Ok(FileBackend {
+            file,
+            path: path.to_owned(),
+            size,
+            read_only,
+            seek_holes,
+            block_device,
+            data_hint: Mutex::new((0, 0)),
+        })
     }
 
     fn sync(&self, op: &'static str, offset: u64, length: u64) -> Result<()> {

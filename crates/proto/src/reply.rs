@@ -325,7 +325,7 @@ pub fn parse_block_status(ty: u16, p: &[u8], out: &mut Vec<Extent>) -> Result<u3
     use crate::request::{be32, be64};
     match ty {
         REPLY_TYPE_BLOCK_STATUS => {
-            if p.len() < 12 || (p.len() - 4) % 8 != 0 {
+            if p.len() < 12 || !(p.len() - 4).is_multiple_of(8) {
                 return Err(ReplyError::Malformed("block status"));
             }
             for d in p[4..].chunks_exact(8) {
@@ -334,7 +334,7 @@ pub fn parse_block_status(ty: u16, p: &[u8], out: &mut Vec<Extent>) -> Result<u3
             Ok(be32(&p[..4]))
         }
         REPLY_TYPE_BLOCK_STATUS_EXT => {
-            if p.len() < 24 || (p.len() - 8) % 16 != 0 || be32(&p[4..8]) as usize != (p.len() - 8) / 16 {
+            if p.len() < 24 || !(p.len() - 8).is_multiple_of(16) || be32(&p[4..8]) as usize != (p.len() - 8) / 16 {
                 return Err(ReplyError::Malformed("extended block status"));
             }
             for d in p[8..].chunks_exact(16) {
