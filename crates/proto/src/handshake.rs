@@ -528,7 +528,7 @@ mod tests {
         i.extend_from_slice(&IHAVEOPT.to_be_bytes());
         i.extend_from_slice(&OPT_GO.to_be_bytes());
         i.extend_from_slice(&(MAX_OPTION_DATA + 10).to_be_bytes());
-        i.extend(std::iter::repeat(0u8).take(MAX_OPTION_DATA as usize + 10));
+        i.extend(std::iter::repeat_n(0u8, MAX_OPTION_DATA as usize + 10));
         encode_option(OPT_ABORT, &[], &mut i);
         let (out, p) = run(&i);
         assert_eq!(p, Ok(Progress::Abort));
