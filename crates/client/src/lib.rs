@@ -8,6 +8,7 @@
 #![forbid(unsafe_code)]
 
 pub mod conn;
+pub mod copy;
 pub mod uri;
 
 pub use conn::{Completion, ConnectOptions, Connection, Error, RemoteError, Submit};

@@ -1,5 +1,7 @@
 //! `ferry`: move block data over NBD at the speed of the machine.
 
+mod copy;
+mod info;
 mod serve;
 
 use clap::{Parser, Subcommand};
@@ -25,6 +27,10 @@ struct Cli {
 enum Command {
     /// Serve one or more exports over NBD.
     Serve(serve::ServeArgs),
+    /// Copy between NBD exports, files, block devices, stdin/stdout and null:.
+    Copy(copy::CopyArgs),
+    /// Show what an NBD export is and what it can do.
+    Info(info::InfoArgs),
 }
 
 fn main() {
@@ -41,6 +47,8 @@ fn main() {
         .init();
     let result = match cli.command {
         Command::Serve(args) => serve::run(args),
+        Command::Copy(args) => copy::run(args, cli.quiet),
+        Command::Info(args) => info::run(args),
     };
     match result {
         Ok(code) => std::process::exit(code),

@@ -1,0 +1,805 @@
+//! The copy engine behind `ferry copy`: NBD, local files and block devices, stdin/stdout
+//! and `null:`, in any combination.
+//!
+//! The source's allocation map is read first (NBD block status or SEEK_DATA/SEEK_HOLE),
+//! so holes are never read. Data is cut into requests of `request_size` bytes, handed
+//! out from a shared queue to `connections` workers; each worker keeps `requests` of
+//! them in flight on its own connections, reading into its own buffers and writing from
+//! the same buffers (no copy between source and destination). With `sparse`, blocks of
+//! zeroes are not written: the destination gets WRITE_ZEROES, or is left as a hole.
+
+use crate::conn::{Completion, ConnectOptions, Connection, Error as ConnError, Submit};
+use crate::uri::Uri;
+use ferry_proto::consts::*;
+use ferry_proto::reply::Extent;
+use rustix::event::{poll, PollFd, PollFlags};
+use std::fs::{File, OpenOptions};
+use std::io::{self, Read, Write};
+use std::os::unix::fs::{FileExt, FileTypeExt};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
+
+/// One end of a copy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Endpoint {
+    Nbd(Uri),
+    File(PathBuf),
+    /// `-`: stdin as a source, stdout as a destination (sequential).
+    Stdio,
+    /// `null:`: a destination that discards.
+    Null,
+}
+
+impl Endpoint {
+    pub fn parse(s: &str) -> Result<Endpoint, crate::uri::UriError> {
+        if s == "-" {
+            Ok(Endpoint::Stdio)
+        } else if s == "null:" {
+            Ok(Endpoint::Null)
+        } else if Uri::looks_like(s) {
+            Ok(Endpoint::Nbd(Uri::parse(s)?))
+        } else {
+            Ok(Endpoint::File(PathBuf::from(s)))
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct CopyOptions {
+    pub connections: usize,
+    pub requests: usize,
+    pub request_size: usize,
+    pub sparse: bool,
+    pub flush: bool,
+    pub connect: ConnectOptions,
+}
+
+impl Default for CopyOptions {
+    fn default() -> Self {
+        CopyOptions {
+            connections: 4,
+            requests: 64,
+            request_size: 256 * 1024,
+            sparse: true,
+            flush: false,
+            connect: ConnectOptions::default(),
+        }
+    }
+}
+
+/// Counters a progress display can read while the copy runs.
+#[derive(Debug, Default)]
+pub struct Progress {
+    /// Bytes of the source dealt with (written, zeroed or skipped as holes).
+    pub done: AtomicU64,
+    /// Source size, or 0 while unknown (stdin).
+    pub total: AtomicU64,
+}
+
+/// Why a copy failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CopyError {
+    #[error("{what}: {source}")]
+    Connect { what: &'static str, source: ConnError },
+    #[error("{0}")]
+    Setup(String),
+    #[error("{what} {path}: {source}")]
+    Local { what: &'static str, path: String, source: io::Error },
+    #[error("{op} at offset {offset} ({length} bytes) failed: {message}")]
+    Request { op: &'static str, offset: u64, length: u64, message: String },
+}
+
+/// What a finished copy did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct CopyReport {
+    pub bytes: u64,
+    /// Bytes read and written as data.
+    pub data_bytes: u64,
+    /// Bytes not read because the source said they were holes.
+    pub hole_bytes: u64,
+    /// Bytes read but found to be zero and not written as data.
+    pub zero_bytes: u64,
+    pub connections: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Data,
+    Zero,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Item {
+    offset: u64,
+    len: usize,
+    kind: Kind,
+}
+
+/// Hands out pieces of the source in order.
+struct Queue {
+    extents: Vec<(u64, u64, Kind)>,
+    idx: usize,
+    pos: u64,
+    request_size: u64,
+    /// Streaming source: hand out sequential data items until told to stop.
+    streaming: bool,
+    stream_end: bool,
+}
+
+/// WRITE_ZEROES pieces stay well inside a 32-bit length.
+const ZERO_CHUNK: u64 = 1 << 30;
+
+impl Queue {
+    fn next(&mut self) -> Option<Item> {
+        if self.streaming {
+            if self.stream_end {
+                return None;
+            }
+            let it = Item { offset: self.pos, len: self.request_size as usize, kind: Kind::Data };
+            self.pos += self.request_size;
+            return Some(it);
+        }
+        while self.idx < self.extents.len() {
+            let (start, len, kind) = self.extents[self.idx];
+            let end = start + len;
+            if self.pos < start {
+                self.pos = start;
+            }
+            if self.pos >= end {
+                self.idx += 1;
+                continue;
+            }
+            let max = if kind == Kind::Zero { ZERO_CHUNK } else { self.request_size };
+            let n = (end - self.pos).min(max);
+            let it = Item { offset: self.pos, len: n as usize, kind };
+            self.pos += n;
+            return Some(it);
+        }
+        None
+    }
+}
+
+enum Src {
+    Nbd(Connection),
+    File(File),
+    Stdin(io::Stdin),
+}
+
+enum Dst {
+    Nbd(Connection),
+    /// A file; `fresh` when it was just created or truncated (so holes need no writing).
+    File {
+        file: File,
+        fresh: bool,
+        block: bool,
+    },
+    Stdout(io::Stdout),
+    Null,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum SlotState {
+    Free,
+    Reading,
+    Full,
+    Writing,
+}
+
+struct Shared<'a> {
+    queue: Mutex<Queue>,
+    abort: AtomicBool,
+    error: Mutex<Option<CopyError>>,
+    progress: &'a Progress,
+    opts: &'a CopyOptions,
+    data_bytes: AtomicU64,
+    hole_bytes: AtomicU64,
+    zero_bytes: AtomicU64,
+    src_size: u64,
+}
+
+impl Shared<'_> {
+    fn fail(&self, e: CopyError) {
+        self.abort.store(true, Ordering::SeqCst);
+        let mut g = self.error.lock().unwrap_or_else(|e| e.into_inner());
+        if g.is_none() {
+            *g = Some(e);
+        }
+    }
+}
+
+fn is_zero(b: &[u8]) -> bool {
+    let (head, rest) = b.split_at(b.len() % 16);
+    head.iter().all(|&x| x == 0) && rest.chunks_exact(16).all(|c| u128::from_ne_bytes(c.try_into().unwrap()) == 0)
+}
+
+fn local<'p>(what: &'static str, path: &'p std::path::Path) -> impl FnOnce(io::Error) -> CopyError + 'p {
+    move |source| CopyError::Local { what, path: path.display().to_string(), source }
+}
+
+fn connect(uri: &Uri, opts: &ConnectOptions, what: &'static str) -> Result<Connection, CopyError> {
+    Connection::connect(uri, opts).map_err(|source| CopyError::Connect { what, source })
+}
+
+fn remote(op: &'static str, c: &Completion, e: impl std::fmt::Display) -> CopyError {
+    CopyError::Request { op, offset: c.offset, length: c.length, message: e.to_string() }
+}
+
+/// Allocation map of an NBD source: (start, length, kind) covering the export.
+fn nbd_map(c: &mut Connection, size: u64) -> Result<Vec<(u64, u64, Kind)>, CopyError> {
+    let mut out: Vec<(u64, u64, Kind)> = Vec::new();
+    let mut pos = 0;
+    // Compact headers carry 32-bit lengths: ask in pieces below 4 GiB.
+    let step = if c.mode() == ferry_proto::ReplyMode::Extended { u64::MAX } else { 0xFFFF_F000 };
+    while pos < size {
+        let len = (size - pos).min(step);
+        let ex = c.block_status(pos, len).map_err(|e| CopyError::Request {
+            op: "block status",
+            offset: pos,
+            length: len,
+            message: e.to_string(),
+        })?;
+        for Extent { length, flags } in ex {
+            let length = length.min(size - pos);
+            if length == 0 {
+                break;
+            }
+            let kind = if flags & STATE_ZERO != 0 { Kind::Zero } else { Kind::Data };
+            match out.last_mut() {
+                Some(last) if last.2 == kind && last.0 + last.1 == pos => last.1 += length,
+                _ => out.push((pos, length, kind)),
+            }
+            pos += length;
+        }
+    }
+    Ok(out)
+}
+
+/// Allocation map of a local file, from SEEK_DATA/SEEK_HOLE (all data where unsupported).
+fn file_map(f: &File, size: u64) -> Vec<(u64, u64, Kind)> {
+    use rustix::fs::{seek, SeekFrom};
+    let mut out = Vec::new();
+    let mut pos = 0;
+    while pos < size {
+        let data = match seek(f, SeekFrom::Data(pos)) {
+            Ok(d) => d.min(size),
+            Err(rustix::io::Errno::NXIO) => size,
+            Err(_) => return vec![(0, size, Kind::Data)],
+        };
+        if data > pos {
+            out.push((pos, data - pos, Kind::Zero));
+            pos = data;
+            continue;
+        }
+        let hole = match seek(f, SeekFrom::Hole(pos)) {
+            Ok(h) => h.clamp(pos + 1, size),
+            Err(_) => size,
+        };
+        out.push((pos, hole - pos, Kind::Data));
+        pos = hole;
+    }
+    out
+}
+
+/// Copies `src` to `dst`.
+pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progress) -> Result<CopyReport, CopyError> {
+    if opts.request_size == 0 || opts.requests == 0 || opts.connections == 0 {
+        return Err(CopyError::Setup("--connections, --requests and --request-size must be at least 1".into()));
+    }
+    // Open the source and learn its size.
+    let (first_src, src_size, multi_src) = match src {
+        Endpoint::Nbd(u) => {
+            let c = connect(u, &opts.connect, "source")?;
+            let (size, multi) = (c.size(), c.has_flag(FLAG_CAN_MULTI_CONN));
+            (Src::Nbd(c), Some(size), multi)
+        }
+        Endpoint::File(p) => {
+            let f = File::open(p).map_err(local("cannot open source", p))?;
+            let meta = f.metadata().map_err(local("cannot stat source", p))?;
+            let size = if meta.file_type().is_block_device() {
+                rustix::fs::seek(&f, rustix::fs::SeekFrom::End(0))
+                    .map_err(|e| local("cannot size source", p)(e.into()))?
+            } else {
+                meta.len()
+            };
+            (Src::File(f), Some(size), true)
+        }
+        Endpoint::Stdio => (Src::Stdin(io::stdin()), None, false),
+        Endpoint::Null => return Err(CopyError::Setup("null: can only be a destination".into())),
+    };
+    // Open the destination, check it can take the source.
+    let (first_dst, multi_dst) = match dst {
+        Endpoint::Nbd(u) => {
+            let c = connect(u, &opts.connect, "destination")?;
+            if c.has_flag(FLAG_READ_ONLY) {
+                return Err(CopyError::Setup(format!("destination {u} is read-only")));
+            }
+            if let Some(s) = src_size {
+                if c.size() < s {
+                    return Err(CopyError::Setup(format!(
+                        "destination {u} is {} bytes, smaller than the {s}-byte source; nothing was written",
+                        c.size()
+                    )));
+                }
+            }
+            let multi = c.has_flag(FLAG_CAN_MULTI_CONN);
+            (Dst::Nbd(c), multi)
+        }
+        Endpoint::File(p) => {
+            let exists = std::fs::metadata(p).ok();
+            let block = exists.as_ref().is_some_and(|m| m.file_type().is_block_device());
+            let file =
+                OpenOptions::new().write(true).create(!block).open(p).map_err(local("cannot open destination", p))?;
+            if block {
+                let dsize = rustix::fs::seek(&file, rustix::fs::SeekFrom::End(0))
+                    .map_err(|e| local("cannot size destination", p)(e.into()))?;
+                if let Some(s) = src_size.filter(|s| *s > dsize) {
+                    return Err(CopyError::Setup(format!(
+                        "destination {} is {dsize} bytes, smaller than the {s}-byte source; nothing was written",
+                        p.display()
+                    )));
+                }
+            } else {
+                // A copy makes the file exactly the source: empty it, then size it (all hole).
+                file.set_len(0).map_err(local("cannot truncate destination", p))?;
+                if let Some(s) = src_size {
+                    file.set_len(s).map_err(local("cannot size destination", p))?;
+                }
+            }
+            (Dst::File { file, fresh: !block, block }, true)
+        }
+        Endpoint::Stdio => (Dst::Stdout(io::stdout()), false),
+        Endpoint::Null => (Dst::Null, true),
+    };
+    let mut first_src = first_src;
+    let streaming = src_size.is_none();
+    let src_size = src_size.unwrap_or(0);
+    progress.total.store(src_size, Ordering::SeqCst);
+    let extents = match &mut first_src {
+        Src::Nbd(c) if opts.sparse && c.can_block_status() => nbd_map(c, src_size)?,
+        Src::File(f) if opts.sparse => file_map(f, src_size),
+        _ => vec![(0, src_size, Kind::Data)],
+    };
+    let workers = if matches!(first_dst, Dst::Stdout(_)) || streaming {
+        1
+    } else {
+        let mut n = opts.connections;
+        if matches!(first_src, Src::Nbd(_)) && !multi_src {
+            n = 1;
+        }
+        if matches!(first_dst, Dst::Nbd(_)) && !multi_dst {
+            n = 1;
+        }
+        n
+    };
+    let shared = Shared {
+        queue: Mutex::new(Queue {
+            extents,
+            idx: 0,
+            pos: 0,
+            request_size: opts.request_size as u64,
+            streaming,
+            stream_end: false,
+        }),
+        abort: AtomicBool::new(false),
+        error: Mutex::new(None),
+        progress,
+        opts,
+        data_bytes: AtomicU64::new(0),
+        hole_bytes: AtomicU64::new(0),
+        zero_bytes: AtomicU64::new(0),
+        src_size,
+    };
+    // Worker 0 uses the connections opened above; the others open their own.
+    let mut ends = vec![(first_src, first_dst)];
+    for _ in 1..workers {
+        let s = match (&ends[0].0, src) {
+            (Src::Nbd(_), Endpoint::Nbd(u)) => Src::Nbd(connect(u, &opts.connect, "source")?),
+            (Src::File(f), Endpoint::File(p)) => Src::File(f.try_clone().map_err(local("cannot reopen source", p))?),
+            _ => unreachable!("only NBD and file sources get several workers"),
+        };
+        let d = match (&ends[0].1, dst) {
+            (Dst::Nbd(_), Endpoint::Nbd(u)) => Dst::Nbd(connect(u, &opts.connect, "destination")?),
+            (Dst::File { file, fresh, block }, Endpoint::File(p)) => Dst::File {
+                file: file.try_clone().map_err(local("cannot reopen destination", p))?,
+                fresh: *fresh,
+                block: *block,
+            },
+            (Dst::Null, _) => Dst::Null,
+            _ => unreachable!("only NBD, file and null destinations get several workers"),
+        };
+        ends.push((s, d));
+    }
+    let mut finished: Vec<(Src, Dst, u64)> = Vec::new();
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = ends
+            .into_iter()
+            .map(|(s, d)| {
+                let shared = &shared;
+                scope.spawn(move || worker(s, d, shared))
+            })
+            .collect();
+        for h in handles {
+            match h.join() {
+                Ok(r) => finished.push(r),
+                Err(_) => shared.fail(CopyError::Setup("a copy worker panicked".into())),
+            }
+        }
+    });
+    if let Some(e) = shared.error.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        return Err(e);
+    }
+    let written: u64 = finished.iter().map(|f| f.2).sum();
+    if streaming {
+        if let Some((_, Dst::File { file, block: false, .. }, _)) = finished.first() {
+            let _ = file.set_len(written);
+        }
+    }
+    // Finish: flush once (FLUSH covers every connection of a multi-conn server), then
+    // disconnect cleanly.
+    for (i, (s, d, _)) in finished.into_iter().enumerate() {
+        match d {
+            Dst::Nbd(mut c) => {
+                if opts.flush && i == 0 {
+                    c.flush().map_err(|e| CopyError::Request {
+                        op: "flush",
+                        offset: 0,
+                        length: 0,
+                        message: e.to_string(),
+                    })?;
+                }
+                let _ = c.disconnect();
+            }
+            Dst::File { file, .. } if opts.flush && i == 0 => {
+                file.sync_all().map_err(|e| CopyError::Local {
+                    what: "cannot flush",
+                    path: "destination".into(),
+                    source: e,
+                })?;
+            }
+            Dst::Stdout(mut o) => {
+                let _ = o.flush();
+            }
+            _ => {}
+        }
+        if let Src::Nbd(c) = s {
+            let _ = c.disconnect();
+        }
+    }
+    let total = if streaming { written } else { src_size };
+    Ok(CopyReport {
+        bytes: total,
+        data_bytes: shared.data_bytes.load(Ordering::SeqCst),
+        hole_bytes: shared.hole_bytes.load(Ordering::SeqCst),
+        zero_bytes: shared.zero_bytes.load(Ordering::SeqCst),
+        connections: workers,
+    })
+}
+
+struct Slot {
+    state: SlotState,
+    item: Item,
+}
+
+/// One worker: keeps up to `requests` pieces moving from its source to its destination.
+/// Returns its endpoints (for the final flush) and the bytes it wrote.
+fn worker(mut src: Src, mut dst: Dst, sh: &Shared<'_>) -> (Src, Dst, u64) {
+    let q = sh.opts.requests;
+    let mut bufs: Vec<Vec<u8>> = (0..q).map(|_| Vec::new()).collect();
+    let mut slots: Vec<Slot> =
+        (0..q).map(|_| Slot { state: SlotState::Free, item: Item { offset: 0, len: 0, kind: Kind::Data } }).collect();
+    let mut no_more_work = false;
+    let mut next_out = 0u64; // stdout writes in order
+    let mut written = 0u64;
+    let mut subs: Vec<(usize, u64, usize)> = Vec::new();
+    loop {
+        if sh.abort.load(Ordering::SeqCst) {
+            break;
+        }
+        // 1. Start reading into free slots.
+        subs.clear();
+        if !no_more_work {
+            for (i, slot) in slots.iter_mut().enumerate() {
+                if slot.state != SlotState::Free {
+                    continue;
+                }
+                let Some(mut item) = sh.queue.lock().unwrap_or_else(|e| e.into_inner()).next() else {
+                    no_more_work = true;
+                    break;
+                };
+                if bufs[i].len() < item.len && item.kind == Kind::Data {
+                    bufs[i].resize(item.len, 0);
+                }
+                slot.item = item;
+                if item.kind == Kind::Zero {
+                    sh.hole_bytes.fetch_add(item.len as u64, Ordering::Relaxed);
+                    slot.state = SlotState::Full;
+                    continue;
+                }
+                match &mut src {
+                    Src::Nbd(_) => {
+                        subs.push((i, item.offset, item.len));
+                        slot.state = SlotState::Reading;
+                    }
+                    Src::File(f) => {
+                        if let Err(e) = f.read_exact_at(&mut bufs[i][..item.len], item.offset) {
+                            sh.fail(CopyError::Request {
+                                op: "read",
+                                offset: item.offset,
+                                length: item.len as u64,
+                                message: e.to_string(),
+                            });
+                            return (src, dst, written);
+                        }
+                        slot.state = SlotState::Full;
+                    }
+                    Src::Stdin(s) => {
+                        let mut got = 0;
+                        while got < item.len {
+                            match s.read(&mut bufs[i][got..item.len]) {
+                                Ok(0) => break,
+                                Ok(n) => got += n,
+                                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                                Err(e) => {
+                                    sh.fail(CopyError::Local { what: "reading", path: "stdin".into(), source: e });
+                                    return (src, dst, written);
+                                }
+                            }
+                        }
+                        if got < item.len {
+                            let mut qg = sh.queue.lock().unwrap_or_else(|e| e.into_inner());
+                            qg.stream_end = true;
+                            no_more_work = true;
+                        }
+                        if got == 0 {
+                            slot.state = SlotState::Free;
+                            break;
+                        }
+                        item.len = got;
+                        slot.item = item;
+                        slot.state = SlotState::Full;
+                        if no_more_work {
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        if let (Src::Nbd(c), false) = (&mut src, subs.is_empty()) {
+            let reqs: Vec<Submit<'_>> = subs
+                .iter()
+                .map(|&(slot, offset, len)| Submit {
+                    cmd: CMD_READ,
+                    flags: 0,
+                    offset,
+                    length: len as u64,
+                    payload: None,
+                    slot,
+                })
+                .collect();
+            if let Err(e) = c.submit(&reqs) {
+                sh.fail(CopyError::Request {
+                    op: "read",
+                    offset: subs[0].1,
+                    length: subs[0].2 as u64,
+                    message: e.to_string(),
+                });
+                return (src, dst, written);
+            }
+        }
+        // 2. Hand full slots to the destination.
+        let mut wsubs: Vec<Submit<'_>> = Vec::new();
+        loop {
+            let mut progressed = false;
+            for (i, slot) in slots.iter_mut().enumerate() {
+                if slot.state != SlotState::Full {
+                    continue;
+                }
+                let item = slot.item;
+                let data = &bufs[i][..if item.kind == Kind::Data { item.len } else { 0 }];
+                let zero = item.kind == Kind::Zero || (sh.opts.sparse && is_zero(data));
+                if zero && item.kind == Kind::Data {
+                    sh.zero_bytes.fetch_add(item.len as u64, Ordering::Relaxed);
+                } else if !zero {
+                    sh.data_bytes.fetch_add(item.len as u64, Ordering::Relaxed);
+                }
+                let res: io::Result<()> = match &mut dst {
+                    Dst::Null => Ok(()),
+                    Dst::File { file, fresh, block } => {
+                        if zero && *fresh {
+                            Ok(())
+                        } else if zero {
+                            zero_file(file, *block, item.offset, item.len as u64)
+                        } else {
+                            file.write_all_at(data, item.offset)
+                        }
+                    }
+                    Dst::Stdout(o) => {
+                        if item.offset != next_out {
+                            continue;
+                        }
+                        next_out += item.len as u64;
+                        if item.kind == Kind::Zero {
+                            write_zeroes_to(o, item.len as u64)
+                        } else {
+                            o.write_all(data)
+                        }
+                    }
+                    Dst::Nbd(_) => {
+                        let (cmd, payload, length) = if zero {
+                            (CMD_WRITE_ZEROES, None, item.len as u64)
+                        } else {
+                            (CMD_WRITE, Some(data), item.len as u64)
+                        };
+                        wsubs.push(Submit { cmd, flags: 0, offset: item.offset, length, payload, slot: i });
+                        slot.state = SlotState::Writing;
+                        continue;
+                    }
+                };
+                if let Err(e) = res {
+                    sh.fail(CopyError::Request {
+                        op: "write",
+                        offset: item.offset,
+                        length: item.len as u64,
+                        message: e.to_string(),
+                    });
+                    return (src, dst, written);
+                }
+                written += item.len as u64;
+                sh.progress.done.fetch_add(item.len as u64, Ordering::Relaxed);
+                slot.state = SlotState::Free;
+                progressed = true;
+            }
+            // Stdout may have released the slot that unblocks the next in order.
+            if !(progressed && matches!(dst, Dst::Stdout(_))) {
+                break;
+            }
+        }
+        if let (Dst::Nbd(c), false) = (&mut dst, wsubs.is_empty()) {
+            if let Err(e) = c.submit(&wsubs) {
+                sh.fail(CopyError::Request {
+                    op: "write",
+                    offset: wsubs[0].offset,
+                    length: wsubs[0].length,
+                    message: e.to_string(),
+                });
+                return (src, dst, written);
+            }
+        }
+        drop(wsubs);
+        // 3. Wait for the network.
+        let reading = slots.iter().any(|s| s.state == SlotState::Reading);
+        let writing = slots.iter().any(|s| s.state == SlotState::Writing);
+        if !reading && !writing {
+            if no_more_work && slots.iter().all(|s| s.state == SlotState::Free) {
+                break;
+            }
+            if slots.iter().all(|s| s.state != SlotState::Free) || no_more_work {
+                // Only Full slots waiting on ordered output: loop to flush them.
+                if slots.iter().any(|s| s.state == SlotState::Full) {
+                    continue;
+                }
+            }
+            continue;
+        }
+        let (src_ready, dst_ready) = match wait(&src, reading, &dst, writing) {
+            Ok(r) => r,
+            Err(e) => {
+                sh.fail(CopyError::Local { what: "poll", path: "sockets".into(), source: e });
+                break;
+            }
+        };
+        if src_ready {
+            if let Src::Nbd(c) = &mut src {
+                loop {
+                    match c.receive(&mut bufs) {
+                        Ok(done) => {
+                            if let Err(e) = &done.result {
+                                sh.fail(remote("read", &done, e));
+                                return (src, dst, written);
+                            }
+                            slots[done.slot].state = SlotState::Full;
+                        }
+                        Err(e) => {
+                            sh.fail(CopyError::Request { op: "read", offset: 0, length: 0, message: e.to_string() });
+                            return (src, dst, written);
+                        }
+                    }
+                    if c.in_flight() == 0 || !c.readable(Some(std::time::Duration::ZERO)).unwrap_or(false) {
+                        break;
+                    }
+                }
+            }
+        }
+        if dst_ready {
+            if let Dst::Nbd(c) = &mut dst {
+                loop {
+                    match c.receive(&mut []) {
+                        Ok(done) => {
+                            let op = if done.cmd == CMD_WRITE { "write" } else { "write zeroes" };
+                            if let Err(e) = &done.result {
+                                sh.fail(remote(op, &done, e));
+                                return (src, dst, written);
+                            }
+                            written += done.length;
+                            sh.progress.done.fetch_add(done.length, Ordering::Relaxed);
+                            slots[done.slot].state = SlotState::Free;
+                        }
+                        Err(e) => {
+                            sh.fail(CopyError::Request { op: "write", offset: 0, length: 0, message: e.to_string() });
+                            return (src, dst, written);
+                        }
+                    }
+                    if c.in_flight() == 0 || !c.readable(Some(std::time::Duration::ZERO)).unwrap_or(false) {
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    let _ = sh.src_size;
+    (src, dst, written)
+}
+
+/// Blocks until the source (if reading) or destination (if writing) has a reply.
+fn wait(src: &Src, reading: bool, dst: &Dst, writing: bool) -> io::Result<(bool, bool)> {
+    let s = match src {
+        Src::Nbd(c) if reading => Some(c),
+        _ => None,
+    };
+    let d = match dst {
+        Dst::Nbd(c) if writing => Some(c),
+        _ => None,
+    };
+    // Bytes already buffered count as ready without a syscall.
+    let sb = s.is_some_and(|c| c.readable(Some(std::time::Duration::ZERO)).unwrap_or(false));
+    let db = d.is_some_and(|c| c.readable(Some(std::time::Duration::ZERO)).unwrap_or(false));
+    if sb || db {
+        return Ok((sb, db));
+    }
+    let mut fds = Vec::with_capacity(2);
+    if let Some(c) = s {
+        fds.push(PollFd::new(c, PollFlags::IN));
+    }
+    if let Some(c) = d {
+        fds.push(PollFd::new(c, PollFlags::IN));
+    }
+    loop {
+        match poll(&mut fds, None) {
+            Ok(_) => break,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let mut it = fds.iter();
+    let sr = s.is_some() && !it.next().map(|f| f.revents().is_empty()).unwrap_or(true);
+    let dr = d.is_some() && !it.next().map(|f| f.revents().is_empty()).unwrap_or(true);
+    Ok((sr, dr))
+}
+
+static ZEROES: [u8; 1 << 20] = [0; 1 << 20];
+
+fn write_zeroes_to(o: &mut impl Write, mut n: u64) -> io::Result<()> {
+    while n > 0 {
+        let k = n.min(ZEROES.len() as u64) as usize;
+        o.write_all(&ZEROES[..k])?;
+        n -= k as u64;
+    }
+    Ok(())
+}
+
+/// Zeroes a range of an existing file or block device.
+fn zero_file(f: &File, block: bool, offset: u64, len: u64) -> io::Result<()> {
+    use rustix::fs::{fallocate, FallocateFlags};
+    let flags = if block { FallocateFlags::ZERO_RANGE } else { FallocateFlags::PUNCH_HOLE } | FallocateFlags::KEEP_SIZE;
+    if fallocate(f, flags, offset, len).is_ok() {
+        return Ok(());
+    }
+    let mut pos = offset;
+    while pos < offset + len {
+        let k = (offset + len - pos).min(ZEROES.len() as u64) as usize;
+        f.write_all_at(&ZEROES[..k], pos)?;
+        pos += k as u64;
+    }
+    Ok(())
+}

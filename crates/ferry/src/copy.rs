@@ -1,0 +1,123 @@
+//! `ferry copy SRC DST`.
+
+use anyhow::{Context, Result};
+use clap::Args;
+use ferry_backend::parse_size;
+use ferry_client::copy::{copy, CopyOptions, Endpoint, Progress};
+use ferry_client::ConnectOptions;
+use indicatif::{ProgressBar, ProgressStyle};
+use std::io::IsTerminal;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+#[derive(Args, Debug)]
+pub struct CopyArgs {
+    /// Source: an NBD URI (nbd://HOST[:PORT]/EXPORT, nbd+unix:///EXPORT?socket=PATH), a
+    /// file or block device, or `-` for stdin.
+    src: String,
+    /// Destination: an NBD URI, a file or block device, `-` for stdout, or `null:` to discard.
+    dst: String,
+    /// Connections to each NBD server (used only where the server allows multi-conn).
+    #[arg(short = 'C', long, default_value_t = 4, value_name = "N")]
+    connections: usize,
+    /// Requests in flight per connection.
+    #[arg(short = 'R', long, default_value_t = 64, value_name = "N")]
+    requests: usize,
+    /// Bytes per request (K, M suffixes; at most 32M).
+    #[arg(long, default_value = "256K", value_name = "BYTES")]
+    request_size: String,
+    /// Detect zeroes: zero blocks and source holes are not written as data (the
+    /// destination gets WRITE_ZEROES or holes). `--sparse=false` writes every byte.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    sparse: bool,
+    /// Flush the destination at the end (NBD FLUSH, or fsync).
+    #[arg(long)]
+    flush: bool,
+    /// Show progress: a bar with rate and ETA on a terminal, percentages otherwise.
+    #[arg(short, long)]
+    progress: bool,
+    /// Print a summary of what was copied.
+    #[arg(long)]
+    stats: bool,
+}
+
+pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
+    let src = Endpoint::parse(&args.src).with_context(|| format!("source {:?}", args.src))?;
+    let dst = Endpoint::parse(&args.dst).with_context(|| format!("destination {:?}", args.dst))?;
+    let request_size = parse_size(&args.request_size).context("--request-size")?;
+    if request_size == 0 || request_size > 32 << 20 {
+        anyhow::bail!("--request-size must be between 1 byte and 32M");
+    }
+    let opts = CopyOptions {
+        connections: args.connections,
+        requests: args.requests,
+        request_size: request_size as usize,
+        sparse: args.sparse,
+        flush: args.flush,
+        connect: ConnectOptions::default(),
+    };
+    let progress = Progress::default();
+    let start = Instant::now();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let report = std::thread::scope(|s| {
+        let shown = (args.progress && !quiet).then(|| s.spawn(|| show_progress(&progress, &stop)));
+        let r = copy(&src, &dst, &opts, &progress);
+        stop.store(true, Ordering::SeqCst);
+        if let Some(h) = shown {
+            let _ = h.join();
+        }
+        r
+    })?;
+    if args.stats && !quiet {
+        let secs = start.elapsed().as_secs_f64();
+        eprintln!(
+            "copied {} bytes in {:.3} s ({:.2} GiB/s) over {} connection(s): {} data, {} holes skipped, {} zeroes detected",
+            report.bytes,
+            secs,
+            report.bytes as f64 / secs / (1u64 << 30) as f64,
+            report.connections,
+            report.data_bytes,
+            report.hole_bytes,
+            report.zero_bytes
+        );
+    }
+    Ok(0)
+}
+
+fn show_progress(p: &Progress, stop: &std::sync::atomic::AtomicBool) {
+    let tty = std::io::stderr().is_terminal();
+    let bar = tty.then(|| {
+        let b = ProgressBar::new(0);
+        b.set_style(
+            ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {bytes_per_sec} ETA {eta}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+        b
+    });
+    let mut last_pct = u64::MAX;
+    loop {
+        let done = stop.load(Ordering::SeqCst);
+        let (d, t) = (p.done.load(Ordering::Relaxed), p.total.load(Ordering::Relaxed));
+        match &bar {
+            Some(b) => {
+                b.set_length(t);
+                b.set_position(d);
+            }
+            None if t > 0 => {
+                let pct = d * 100 / t;
+                if pct != last_pct {
+                    eprintln!("{pct}%");
+                    last_pct = pct;
+                }
+            }
+            None => {}
+        }
+        if done {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(if tty { 100 } else { 250 }));
+    }
+    if let Some(b) = bar {
+        b.finish();
+    }
+}

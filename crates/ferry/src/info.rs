@@ -1,0 +1,174 @@
+//! `ferry info URI`: what an export is and what it can do.
+//!
+//! `--json` uses the field names nbdinfo uses, so scripts can read either tool's output:
+//! `protocol`, `TLS`, `structured`, `extended_headers`, and per export `export-name`,
+//! `description`, `uri`, `contexts`, `is_rotational`, `is_read_only`, `can_cache`,
+//! `can_df`, `can_fast_zero`, `can_flush`, `can_fua`, `can_multi_conn`, `can_trim`,
+//! `can_zero`, `block_size_minimum`, `block_size_preferred`, `block_size_maximum`,
+//! `export-size`. `--map --json` gives `[{offset, length, type, description}]`.
+
+use anyhow::{Context, Result};
+use clap::Args;
+use ferry_client::{ConnectOptions, Connection, Uri};
+use ferry_proto::consts::*;
+use ferry_proto::ReplyMode;
+use serde_json::{json, Value};
+
+#[derive(Args, Debug)]
+pub struct InfoArgs {
+    /// NBD URI: nbd://HOST[:PORT]/EXPORT or nbd+unix:///EXPORT?socket=PATH.
+    uri: String,
+    /// Machine-readable output (nbdinfo's field names).
+    #[arg(long)]
+    json: bool,
+    /// Describe every export of the server.
+    #[arg(long)]
+    list: bool,
+    /// Print the allocation map (base:allocation block status).
+    #[arg(long)]
+    map: bool,
+    /// Print only the size in bytes.
+    #[arg(long)]
+    size: bool,
+}
+
+pub fn run(args: InfoArgs) -> Result<i32> {
+    let uri = Uri::parse(&args.uri)?;
+    let opts = ConnectOptions::default();
+    if args.size {
+        let c = Connection::connect(&uri, &opts)?;
+        println!("{}", c.size());
+        let _ = c.disconnect();
+        return Ok(0);
+    }
+    if args.map {
+        return map(&uri, &opts, args.json);
+    }
+    let names: Vec<(String, String)> = if args.list {
+        Connection::list(&uri, &opts).with_context(|| format!("listing exports of {uri}"))?
+    } else {
+        vec![(uri.export.clone(), String::new())]
+    };
+    let mut exports = Vec::new();
+    let mut mode = None;
+    for (name, _) in &names {
+        let u = Uri { export: name.clone(), ..uri.clone() };
+        let c = Connection::connect(&u, &opts).with_context(|| format!("connecting to {u}"))?;
+        mode = Some(c.mode());
+        exports.push(describe(&c, &u));
+        let _ = c.disconnect();
+    }
+    let mode = mode.unwrap_or(ReplyMode::Simple);
+    let doc = json!({
+        "protocol": "newstyle-fixed",
+        "TLS": false,
+        "structured": mode != ReplyMode::Simple,
+        "extended_headers": mode == ReplyMode::Extended,
+        "exports": exports,
+    });
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+    } else {
+        print_text(&doc);
+    }
+    Ok(0)
+}
+
+fn describe(c: &Connection, uri: &Uri) -> Value {
+    let i = c.info();
+    let f = |bit| c.has_flag(bit);
+    let mut e = json!({
+        "export-name": uri.export,
+        "uri": uri.to_string(),
+        "contexts": if c.can_block_status() { vec![META_BASE_ALLOCATION] } else { vec![] },
+        "is_rotational": f(FLAG_ROTATIONAL),
+        "is_read_only": f(FLAG_READ_ONLY),
+        "can_cache": f(FLAG_SEND_CACHE),
+        "can_df": f(FLAG_SEND_DF),
+        "can_fast_zero": f(FLAG_SEND_FAST_ZERO),
+        "can_flush": f(FLAG_SEND_FLUSH),
+        "can_fua": f(FLAG_SEND_FUA),
+        "can_multi_conn": f(FLAG_CAN_MULTI_CONN),
+        "can_trim": f(FLAG_SEND_TRIM),
+        "can_zero": f(FLAG_SEND_WRITE_ZEROES),
+        "export-size": i.size,
+    });
+    if let Some(d) = i.description.as_ref().filter(|d| !d.is_empty()) {
+        e["description"] = json!(d);
+    }
+    if let Some(b) = i.block_size {
+        e["block_size_minimum"] = json!(b.minimum);
+        e["block_size_preferred"] = json!(b.preferred);
+        e["block_size_maximum"] = json!(b.maximum);
+    }
+    e
+}
+
+fn print_text(doc: &Value) {
+    let features = match (doc["structured"].as_bool(), doc["extended_headers"].as_bool()) {
+        (_, Some(true)) => "extended headers",
+        (Some(true), _) => "structured replies",
+        _ => "simple replies",
+    };
+    println!("protocol: newstyle-fixed without TLS, using {features}");
+    for e in doc["exports"].as_array().into_iter().flatten() {
+        println!("export={:?}:", e["export-name"].as_str().unwrap_or(""));
+        if let Some(d) = e.get("description").and_then(Value::as_str) {
+            println!("\tdescription: {d}");
+        }
+        println!("\texport-size: {}", e["export-size"]);
+        println!("\turi: {}", e["uri"].as_str().unwrap_or(""));
+        println!("\tcontexts:");
+        for c in e["contexts"].as_array().into_iter().flatten() {
+            println!("\t\t{}", c.as_str().unwrap_or(""));
+        }
+        for (k, v) in e.as_object().into_iter().flatten() {
+            if k.starts_with("is_") || k.starts_with("can_") || k.starts_with("block_size") {
+                println!("\t{k}: {v}");
+            }
+        }
+    }
+}
+
+fn map(uri: &Uri, opts: &ConnectOptions, as_json: bool) -> Result<i32> {
+    let mut c = Connection::connect(uri, opts).with_context(|| format!("connecting to {uri}"))?;
+    if !c.can_block_status() {
+        anyhow::bail!("{uri} does not support base:allocation block status, so there is no map to show");
+    }
+    let size = c.size();
+    let step = if c.mode() == ReplyMode::Extended { u64::MAX } else { 0xFFFF_F000 };
+    let mut rows: Vec<(u64, u64, u32)> = Vec::new();
+    let mut pos = 0;
+    while pos < size {
+        for e in c.block_status(pos, (size - pos).min(step))? {
+            let len = e.length.min(size - pos);
+            match rows.last_mut() {
+                Some(r) if r.2 == e.flags => r.1 += len,
+                _ => rows.push((pos, len, e.flags)),
+            }
+            pos += len;
+            if pos >= size {
+                break;
+            }
+        }
+    }
+    let _ = c.disconnect();
+    let desc = |t: u32| match t & (STATE_HOLE | STATE_ZERO) {
+        0 => "data",
+        STATE_HOLE => "hole",
+        STATE_ZERO => "zero",
+        _ => "hole,zero",
+    };
+    if as_json {
+        let v: Vec<Value> = rows
+            .iter()
+            .map(|&(o, l, t)| json!({"offset": o, "length": l, "type": t, "description": desc(t)}))
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        for (o, l, t) in rows {
+            println!("{o:>10}  {l:>10}  {t:>3}  {}", desc(t));
+        }
+    }
+    Ok(0)
+}
