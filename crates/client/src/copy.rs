@@ -161,13 +161,13 @@ impl Queue {
 }
 
 enum Src {
-    Nbd(Connection),
+    Nbd(Box<Connection>),
     File(File),
     Stdin(io::Stdin),
 }
 
 enum Dst {
-    Nbd(Connection),
+    Nbd(Box<Connection>),
     /// A file; `fresh` when it was just created or truncated (so holes need no writing).
     File {
         file: File,
@@ -291,7 +291,7 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progr
         Endpoint::Nbd(u) => {
             let c = connect(u, &opts.connect, "source")?;
             let (size, multi) = (c.size(), c.has_flag(FLAG_CAN_MULTI_CONN));
-            (Src::Nbd(c), Some(size), multi)
+            (Src::Nbd(Box::new(c)), Some(size), multi)
         }
         Endpoint::File(p) => {
             let f = File::open(p).map_err(local("cannot open source", p))?;
@@ -323,7 +323,7 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progr
                 }
             }
             let multi = c.has_flag(FLAG_CAN_MULTI_CONN);
-            (Dst::Nbd(c), multi)
+            (Dst::Nbd(Box::new(c)), multi)
         }
         Endpoint::File(p) => {
             let exists = std::fs::metadata(p).ok();
@@ -394,12 +394,12 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progr
     let mut ends = vec![(first_src, first_dst)];
     for _ in 1..workers {
         let s = match (&ends[0].0, src) {
-            (Src::Nbd(_), Endpoint::Nbd(u)) => Src::Nbd(connect(u, &opts.connect, "source")?),
+            (Src::Nbd(_), Endpoint::Nbd(u)) => Src::Nbd(Box::new(connect(u, &opts.connect, "source")?)),
             (Src::File(f), Endpoint::File(p)) => Src::File(f.try_clone().map_err(local("cannot reopen source", p))?),
             _ => unreachable!("only NBD and file sources get several workers"),
         };
         let d = match (&ends[0].1, dst) {
-            (Dst::Nbd(_), Endpoint::Nbd(u)) => Dst::Nbd(connect(u, &opts.connect, "destination")?),
+            (Dst::Nbd(_), Endpoint::Nbd(u)) => Dst::Nbd(Box::new(connect(u, &opts.connect, "destination")?)),
             (Dst::File { file, fresh, block }, Endpoint::File(p)) => Dst::File {
                 file: file.try_clone().map_err(local("cannot reopen destination", p))?,
                 fresh: *fresh,
