@@ -208,6 +208,10 @@ impl Backend for FileBackend {
     fn sparse_read_threshold(&self) -> Option<u64> {
         self.seek_holes.then_some(SPARSE_READ_THRESHOLD)
     }
+    fn file_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        use std::os::fd::AsFd;
+        Some(self.file.as_fd())
+    }
 }
 
 #[cfg(test)]

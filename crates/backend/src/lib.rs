@@ -126,6 +126,11 @@ pub trait Backend: Send + Sync {
     fn cache(&self, _offset: u64, _length: u64) -> Result<()> {
         Ok(())
     }
+    /// A file holding the export's bytes at the same offsets, when reads may be served
+    /// straight from it with sendfile(2) instead of through a buffer.
+    fn file_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        None
+    }
     /// Reads at least this long are checked for holes first, so holes go back as
     /// OFFSET_HOLE chunks instead of zero bytes. `None`: never worth checking.
     fn sparse_read_threshold(&self) -> Option<u64> {
@@ -188,5 +193,8 @@ impl Backend for ReadOnly {
     }
     fn sparse_read_threshold(&self) -> Option<u64> {
         self.0.sparse_read_threshold()
+    }
+    fn file_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        self.0.file_fd()
     }
 }

@@ -51,6 +51,9 @@ pub struct ServeArgs {
     /// SO_RCVBUF for accepted sockets (default: the kernel's).
     #[arg(long, value_name = "BYTES")]
     rcvbuf: Option<String>,
+    /// Read file exports into a buffer and send it, instead of sendfile(2) from the page cache.
+    #[arg(long)]
+    no_sendfile: bool,
 }
 
 fn size_opt(v: &Option<String>, what: &str) -> Result<Option<usize>> {
@@ -91,6 +94,7 @@ pub fn run(args: ServeArgs) -> Result<i32> {
         handshake_timeout: Duration::from_secs_f64(args.handshake_timeout),
         unix_buffers: BufferConfig::for_unix(explicit),
         tcp_buffers: explicit,
+        sendfile: !args.no_sendfile,
     };
 
     let listeners = match ferry_sock::listen_fds().context("systemd socket activation")? {

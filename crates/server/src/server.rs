@@ -25,6 +25,9 @@ pub struct Config {
     pub unix_buffers: BufferConfig,
     /// Buffers for TCP connections (default: leave autotuning alone).
     pub tcp_buffers: BufferConfig,
+    /// Serve large reads of file exports with sendfile(2) (page cache to socket, no
+    /// copy through user space).
+    pub sendfile: bool,
 }
 
 impl Default for Config {
@@ -34,6 +37,7 @@ impl Default for Config {
             handshake_timeout: Duration::from_secs(10),
             unix_buffers: BufferConfig::for_unix(BufferConfig::default()),
             tcp_buffers: BufferConfig::default(),
+            sendfile: true,
         }
     }
 }

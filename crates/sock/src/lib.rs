@@ -126,6 +126,28 @@ impl Stream {
     }
 }
 
+impl Stream {
+    /// Sends `len` bytes of `file` from `offset` with sendfile(2): page-cache data goes to
+    /// the socket without passing through user space. Returns the syscalls made.
+    pub fn send_file(&mut self, file: BorrowedFd<'_>, offset: u64, len: usize) -> io::Result<u32> {
+        let mut off = offset;
+        let mut left = len;
+        let mut calls = 0;
+        while left > 0 {
+            match rustix::fs::sendfile(&*self, file, Some(&mut off), left) {
+                Ok(0) => {
+                    return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "file ended before the reply was sent"))
+                }
+                Ok(n) => left -= n,
+                Err(rustix::io::Errno::INTR) => {}
+                Err(e) => return Err(e.into()),
+            }
+            calls += 1;
+        }
+        Ok(calls)
+    }
+}
+
 impl Read for Stream {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         match self {
