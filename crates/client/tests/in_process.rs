@@ -25,16 +25,13 @@ impl Drop for Running {
 }
 
 fn serve(size: u64) -> Running {
-    let dir = tempfile::tempdir().unwrap();
+    serve_backend(Arc::new(MemoryBackend::new(size)), tempfile::tempdir().unwrap())
+}
+
+fn serve_backend(backend: Arc<dyn ferry_backend::Backend>, dir: tempfile::TempDir) -> Running {
     let path = dir.path().join("s");
     let mut exports = Exports::new();
-    exports
-        .add(Export {
-            name: String::new(),
-            description: "in-process".into(),
-            backend: Arc::new(MemoryBackend::new(size)),
-        })
-        .unwrap();
+    exports.add(Export { name: String::new(), description: "in-process".into(), backend }).unwrap();
     let mut server = Server::new(exports, Config::default()).unwrap();
     let handle = server.shutdown_handle();
     let listener = Listener::bind_unix(&path).unwrap();
@@ -134,4 +131,33 @@ fn list_and_unknown_export() {
     u.export = "missing".into();
     let e = Connection::connect(&u, &ConnectOptions::default()).err().unwrap().to_string();
     assert!(e.contains("no such export"), "{e}");
+}
+
+#[test]
+fn file_export_reads_with_sendfile_and_holes() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("img");
+    let mut content = vec![0u8; 4 << 20];
+    for (i, b) in content[1 << 20..(1 << 20) + 300_000].iter_mut().enumerate() {
+        *b = (i % 241) as u8 + 1;
+    }
+    for (i, b) in content[3 << 20..].iter_mut().enumerate() {
+        *b = (i % 13) as u8 + 7;
+    }
+    std::fs::write(&img, &content).unwrap();
+    // punch the zero ranges so the file really has holes
+    let f = std::fs::OpenOptions::new().write(true).open(&img).unwrap();
+    let punch = rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE;
+    let _ = rustix::fs::fallocate(&f, punch, 0, 1 << 20);
+    let _ = rustix::fs::fallocate(&f, punch, 2 << 20, 1 << 20);
+    let backend = Arc::new(ferry_backend::FileBackend::open(&img, false).unwrap());
+    let srv = serve_backend(backend, dir);
+    for opts in modes() {
+        let mut c = Connection::connect(&srv.uri, &opts).unwrap();
+        for (off, len) in [(0u64, 4usize << 20), (1 << 20, 300_000), (100, 70_000), ((3 << 20) + 5, 500_000)] {
+            let mut buf = vec![0xAAu8; len];
+            c.pread(&mut buf, off).unwrap();
+            assert!(buf == content[off as usize..off as usize + len], "mismatch at {off}+{len} with {opts:?}");
+        }
+    }
 }
