@@ -10,6 +10,7 @@
 
 use crate::conn::{Completion, ConnectOptions, Connection, Error as ConnError, Submit};
 use crate::uri::Uri;
+use ferry_hash::BlockHasher;
 use ferry_proto::consts::*;
 use ferry_proto::reply::Extent;
 use rustix::event::{poll, PollFd, PollFlags};
@@ -18,7 +19,7 @@ use std::io::{self, Read, Write};
 use std::os::unix::fs::{FileExt, FileTypeExt};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// One end of a copy.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,6 +54,8 @@ pub struct CopyOptions {
     pub sparse: bool,
     pub flush: bool,
     pub connect: ConnectOptions,
+    /// Compute a blkhash of the data on the way through (`ferry copy --hash`, `ferry hash`).
+    pub hash: Option<Arc<BlockHasher>>,
 }
 
 impl Default for CopyOptions {
@@ -64,6 +67,7 @@ impl Default for CopyOptions {
             sparse: true,
             flush: false,
             connect: ConnectOptions::default(),
+            hash: None,
         }
     }
 }
@@ -101,6 +105,8 @@ pub struct CopyReport {
     /// Bytes read but found to be zero and not written as data.
     pub zero_bytes: u64,
     pub connections: usize,
+    /// The blkhash of the data, when one was asked for.
+    pub digest: Option<Vec<u8>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -122,6 +128,7 @@ struct Queue {
     idx: usize,
     pos: u64,
     request_size: u64,
+    zero_chunk: u64,
     /// Streaming source: hand out sequential data items until told to stop.
     streaming: bool,
     stream_end: bool,
@@ -150,7 +157,7 @@ impl Queue {
                 self.idx += 1;
                 continue;
             }
-            let max = if kind == Kind::Zero { ZERO_CHUNK } else { self.request_size };
+            let max = if kind == Kind::Zero { self.zero_chunk } else { self.request_size };
             let n = (end - self.pos).min(max);
             let it = Item { offset: self.pos, len: n as usize, kind };
             self.pos += n;
@@ -253,6 +260,39 @@ fn nbd_map(c: &mut Connection, size: u64) -> Result<Vec<(u64, u64, Kind)>, CopyE
         }
     }
     Ok(out)
+}
+
+/// Rounds holes inward to whole hash blocks: a block that is partly data is read.
+fn align_extents(extents: Vec<(u64, u64, Kind)>, bs: u64) -> Vec<(u64, u64, Kind)> {
+    let end = extents.last().map_or(0, |e| e.0 + e.1);
+    let mut out: Vec<(u64, u64, Kind)> = Vec::new();
+    let push = |start: u64, stop: u64, kind: Kind, out: &mut Vec<(u64, u64, Kind)>| {
+        if stop <= start {
+            return;
+        }
+        match out.last_mut() {
+            Some(last) if last.2 == kind && last.0 + last.1 == start => last.1 += stop - start,
+            _ => out.push((start, stop - start, kind)),
+        }
+    };
+    for (start, len, kind) in extents {
+        let stop = start + len;
+        if kind == Kind::Data {
+            push(start, stop, Kind::Data, &mut out);
+            continue;
+        }
+        // A hole ending at the end of the disk keeps its partial last block.
+        let a = start.div_ceil(bs) * bs;
+        let b = if stop == end { stop } else { stop / bs * bs };
+        if a >= b {
+            push(start, stop, Kind::Data, &mut out);
+        } else {
+            push(start, a, Kind::Data, &mut out);
+            push(a, b, Kind::Zero, &mut out);
+            push(b, stop, Kind::Data, &mut out);
+        }
+    }
+    out
 }
 
 /// Allocation map of a local file, from SEEK_DATA/SEEK_HOLE (all data where unsupported).
@@ -360,6 +400,15 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progr
         Src::File(f) if opts.sparse => file_map(f, src_size),
         _ => vec![(0, src_size, Kind::Data)],
     };
+    let mut request_size = opts.request_size as u64;
+    let extents = match &opts.hash {
+        Some(h) => {
+            let bs = h.block_size() as u64;
+            request_size = request_size.div_ceil(bs) * bs;
+            align_extents(extents, bs)
+        }
+        None => extents,
+    };
     let workers = if matches!(first_dst, Dst::Stdout(_)) || streaming {
         1
     } else {
@@ -377,7 +426,12 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progr
             extents,
             idx: 0,
             pos: 0,
-            request_size: opts.request_size as u64,
+            request_size,
+            zero_chunk: opts
+                .hash
+                .as_ref()
+                .map_or(ZERO_CHUNK, |h| ZERO_CHUNK / h.block_size() as u64 * h.block_size() as u64)
+                .max(request_size),
             streaming,
             stream_end: false,
         }),
@@ -467,11 +521,21 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progr
         }
     }
     let total = if streaming { written } else { src_size };
+    let (data_bytes_total, hole_bytes_total, zero_bytes_total) = (
+        shared.data_bytes.load(Ordering::SeqCst),
+        shared.hole_bytes.load(Ordering::SeqCst),
+        shared.zero_bytes.load(Ordering::SeqCst),
+    );
+    let digest = match &opts.hash {
+        Some(h) => Some(h.finish(total).map_err(CopyError::Setup)?),
+        None => None,
+    };
     Ok(CopyReport {
+        digest,
         bytes: total,
-        data_bytes: shared.data_bytes.load(Ordering::SeqCst),
-        hole_bytes: shared.hole_bytes.load(Ordering::SeqCst),
-        zero_bytes: shared.zero_bytes.load(Ordering::SeqCst),
+        data_bytes: data_bytes_total,
+        hole_bytes: hole_bytes_total,
+        zero_bytes: zero_bytes_total,
         connections: workers,
     })
 }
@@ -479,6 +543,8 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progr
 struct Slot {
     state: SlotState,
     item: Item,
+    /// Counted (and hashed) already: stdout may visit a full slot several times.
+    counted: bool,
 }
 
 /// One worker: keeps up to `requests` pieces moving from its source to its destination.
@@ -486,8 +552,9 @@ struct Slot {
 fn worker(mut src: Src, mut dst: Dst, sh: &Shared<'_>) -> (Src, Dst, u64) {
     let q = sh.opts.requests;
     let mut bufs: Vec<Vec<u8>> = (0..q).map(|_| Vec::new()).collect();
-    let mut slots: Vec<Slot> =
-        (0..q).map(|_| Slot { state: SlotState::Free, item: Item { offset: 0, len: 0, kind: Kind::Data } }).collect();
+    let mut slots: Vec<Slot> = (0..q)
+        .map(|_| Slot { state: SlotState::Free, item: Item { offset: 0, len: 0, kind: Kind::Data }, counted: false })
+        .collect();
     let mut no_more_work = false;
     let mut next_out = 0u64; // stdout writes in order
     let mut written = 0u64;
@@ -511,6 +578,7 @@ fn worker(mut src: Src, mut dst: Dst, sh: &Shared<'_>) -> (Src, Dst, u64) {
                     bufs[i].resize(item.len, 0);
                 }
                 slot.item = item;
+                slot.counted = false;
                 if item.kind == Kind::Zero {
                     sh.hole_bytes.fetch_add(item.len as u64, Ordering::Relaxed);
                     slot.state = SlotState::Full;
@@ -598,10 +666,19 @@ fn worker(mut src: Src, mut dst: Dst, sh: &Shared<'_>) -> (Src, Dst, u64) {
                 let item = slot.item;
                 let data = &bufs[i][..if item.kind == Kind::Data { item.len } else { 0 }];
                 let zero = item.kind == Kind::Zero || (sh.opts.sparse && is_zero(data));
-                if zero && item.kind == Kind::Data {
-                    sh.zero_bytes.fetch_add(item.len as u64, Ordering::Relaxed);
-                } else if !zero {
-                    sh.data_bytes.fetch_add(item.len as u64, Ordering::Relaxed);
+                if !slot.counted {
+                    slot.counted = true;
+                    if item.kind == Kind::Data {
+                        let counter = if zero { &sh.zero_bytes } else { &sh.data_bytes };
+                        counter.fetch_add(item.len as u64, Ordering::Relaxed);
+                    }
+                    if let Some(h) = &sh.opts.hash {
+                        if zero {
+                            h.add_zeroes(item.offset, item.len as u64);
+                        } else {
+                            h.add(item.offset, data);
+                        }
+                    }
                 }
                 let res: io::Result<()> = match &mut dst {
                     Dst::Null => Ok(()),

@@ -39,6 +39,13 @@ pub struct CopyArgs {
     /// Print a summary of what was copied.
     #[arg(long)]
     stats: bool,
+    /// Also compute the blkhash of the data while copying (sha256 unless named:
+    /// sha512, sha1, md5, blake3) and print it like `ferry hash` does.
+    #[arg(long, value_name = "DIGEST", num_args = 0..=1, require_equals = true, default_missing_value = "sha256")]
+    hash: Option<ferry_hash::Algorithm>,
+    /// Block size of the blkhash.
+    #[arg(long, default_value = "64K", value_name = "BYTES")]
+    hash_block_size: String,
 }
 
 pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
@@ -55,6 +62,16 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
         sparse: args.sparse,
         flush: args.flush,
         connect: ConnectOptions::default(),
+        hash: match args.hash {
+            Some(alg) => {
+                let bs = parse_size(&args.hash_block_size).context("--hash-block-size")?;
+                if bs == 0 || bs > 64 << 20 {
+                    anyhow::bail!("--hash-block-size must be between 1 byte and 64M");
+                }
+                Some(std::sync::Arc::new(ferry_hash::BlockHasher::new(alg, bs as usize)))
+            }
+            None => None,
+        },
     };
     let progress = Progress::default();
     let start = Instant::now();
@@ -68,6 +85,9 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
         }
         r
     })?;
+    if let Some(d) = &report.digest {
+        println!("{}  {}", ferry_hash::hex(d), args.src);
+    }
     if args.stats && !quiet {
         let secs = start.elapsed().as_secs_f64();
         eprintln!(
@@ -84,7 +104,7 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
     Ok(0)
 }
 
-fn show_progress(p: &Progress, stop: &std::sync::atomic::AtomicBool) {
+pub(crate) fn show_progress(p: &Progress, stop: &std::sync::atomic::AtomicBool) {
     let tty = std::io::stderr().is_terminal();
     let bar = tty.then(|| {
         let b = ProgressBar::new(0);

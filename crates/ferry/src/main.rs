@@ -1,6 +1,7 @@
 //! `ferry`: move block data over NBD at the speed of the machine.
 
 mod copy;
+mod hash;
 mod info;
 mod serve;
 
@@ -31,6 +32,8 @@ enum Command {
     Copy(copy::CopyArgs),
     /// Show what an NBD export is and what it can do.
     Info(info::InfoArgs),
+    /// blkhash checksums of disks: files, block devices, NBD exports, stdin.
+    Hash(hash::HashArgs),
 }
 
 fn main() {
@@ -49,6 +52,7 @@ fn main() {
         Command::Serve(args) => serve::run(args),
         Command::Copy(args) => copy::run(args, cli.quiet),
         Command::Info(args) => info::run(args),
+        Command::Hash(args) => hash::run(args, cli.quiet),
     };
     match result {
         Ok(code) => std::process::exit(code),
