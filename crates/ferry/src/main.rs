@@ -1,5 +1,6 @@
 //! `ferry`: move block data over NBD at the speed of the machine.
 
+mod bench;
 mod copy;
 mod hash;
 mod info;
@@ -34,6 +35,8 @@ enum Command {
     Info(info::InfoArgs),
     /// blkhash checksums of disks: files, block devices, NBD exports, stdin.
     Hash(hash::HashArgs),
+    /// Measure: parallel NBD load (`bench nbd URI`).
+    Bench(bench::BenchArgs),
 }
 
 fn main() {
@@ -53,6 +56,7 @@ fn main() {
         Command::Copy(args) => copy::run(args, cli.quiet),
         Command::Info(args) => info::run(args),
         Command::Hash(args) => hash::run(args, cli.quiet),
+        Command::Bench(args) => bench::run(args),
     };
     match result {
         Ok(code) => std::process::exit(code),

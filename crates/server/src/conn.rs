@@ -8,7 +8,7 @@
 //!   backend then writes from;
 //! - READ data is read by the backend straight into an arena the reply is sent from;
 //! - replies are queued (headers in one arena, payloads in another) and go out in one
-//!   vectored send when the receive buffer is drained, or as soon as 256 KiB of
+//!   vectored send when the receive buffer is drained, or as soon as 64 KiB of
 //!   payload is queued, so small replies are grouped and large ones never wait.
 
 use crate::exports::{Export, Exports};
@@ -41,7 +41,11 @@ pub enum ConnError {
 /// Receive buffer size: many requests (and small write payloads) per `read`.
 const RECV_BUF: usize = 512 * 1024;
 /// Send as soon as this much payload is queued.
-const FLUSH_BYTES: usize = 256 * 1024;
+/// Small enough that a client with one connection gets replies (and sends new
+/// requests) while the server is still executing the rest of a batch; large enough
+/// that 4 KiB replies go 16 to a syscall. Measured with `ferry bench nbd`: see
+/// BENCHMARKING.md.
+const FLUSH_BYTES: usize = 64 * 1024;
 /// Reads this long or longer are sent with sendfile(2) when the export is a file:
 /// below it, one pread into the batch arena and one grouped writev cost less.
 const SENDFILE_MIN: usize = 64 * 1024;
