@@ -75,7 +75,7 @@ fn nbd(a: NbdArgs) -> Result<i32> {
     if a.read_percent > 100 {
         bail!("--read-percent must be 0 to 100");
     }
-    if a.requests == 0 || a.connections == 0 || !(a.duration > 0.0) {
+    if a.requests == 0 || a.connections == 0 || a.duration.is_nan() || a.duration <= 0.0 {
         bail!("--connections, --requests and --duration must be positive");
     }
     let opts = ConnectOptions::default();
