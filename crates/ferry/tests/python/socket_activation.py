@@ -6,6 +6,7 @@ The listening socket is created here, passed as fd 3, and LISTEN_PID/LISTEN_FDS 
 to the pid of the process that execs ferry (sh's $$ survives exec), as systemd does.
 """
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -14,6 +15,8 @@ import tempfile
 import nbd
 
 ferry = sys.argv[1]
+# A server that ignores the passed socket never answers: fail instead of hanging.
+signal.alarm(30)
 with tempfile.TemporaryDirectory() as d:
     path = os.path.join(d, "activated.sock")
     lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
