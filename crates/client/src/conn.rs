@@ -288,6 +288,10 @@ impl Connection {
     pub fn stream(&self) -> &Stream {
         &self.stream
     }
+    /// What this connection did on its socket.
+    pub fn stats(&self) -> ferry_sock::Counters {
+        self.stream.stats
+    }
 
     /// Sends requests in one vectored send (headers and WRITE payloads interleaved).
     /// Returns the cookie of the first; the others follow consecutively.
@@ -338,6 +342,7 @@ impl Connection {
             iov.push(IoSlice::new(&self.hdrs[last_hdr_end..]));
         }
         self.stream.send_all(&mut iov)?;
+        self.stream.stats.requests += reqs.len() as u64;
         Ok(first)
     }
 

@@ -107,6 +107,8 @@ pub struct CopyReport {
     pub connections: usize,
     /// The blkhash of the data, when one was asked for.
     pub digest: Option<Vec<u8>>,
+    /// Socket statistics summed over every NBD connection.
+    pub socket: ferry_sock::Counters,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -491,6 +493,15 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progr
     }
     // Finish: flush once (FLUSH covers every connection of a multi-conn server), then
     // disconnect cleanly.
+    let mut socket = ferry_sock::Counters::default();
+    for (s, d, _) in &finished {
+        if let Src::Nbd(c) = s {
+            socket.add(&c.stats());
+        }
+        if let Dst::Nbd(c) = d {
+            socket.add(&c.stats());
+        }
+    }
     for (i, (s, d, _)) in finished.into_iter().enumerate() {
         match d {
             Dst::Nbd(mut c) => {
@@ -532,6 +543,7 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progr
     };
     Ok(CopyReport {
         digest,
+        socket,
         bytes: total,
         data_bytes: data_bytes_total,
         hole_bytes: hole_bytes_total,

@@ -100,6 +100,7 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
             report.hole_bytes,
             report.zero_bytes
         );
+        eprintln!("sockets: {}", report.socket);
     }
     Ok(0)
 }

@@ -54,6 +54,9 @@ pub struct ServeArgs {
     /// Read file exports into a buffer and send it, instead of sendfile(2) from the page cache.
     #[arg(long)]
     no_sendfile: bool,
+    /// Log socket statistics: per connection when it closes, in total at exit and on SIGUSR1.
+    #[arg(long)]
+    stats: bool,
 }
 
 fn size_opt(v: &Option<String>, what: &str) -> Result<Option<usize>> {
@@ -95,6 +98,7 @@ pub fn run(args: ServeArgs) -> Result<i32> {
         unix_buffers: BufferConfig::for_unix(explicit),
         tcp_buffers: explicit,
         sendfile: !args.no_sendfile,
+        stats: args.stats,
     };
 
     let listeners = match ferry_sock::listen_fds().context("systemd socket activation")? {
@@ -121,8 +125,13 @@ pub fn run(args: ServeArgs) -> Result<i32> {
     let mut server = Server::new(exports, config)?;
     let handle = server.shutdown_handle();
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, handle.shutdown_flag()).context("installing signal handlers")?;
         signal_hook::low_level::pipe::register(sig, handle.wake_fd()?).context("installing signal handlers")?;
     }
+    // SIGUSR1 logs statistics (without --stats it is still handled: never a default kill).
+    signal_hook::flag::register(signal_hook::consts::SIGUSR1, handle.stats_flag()).context("installing SIGUSR1")?;
+    signal_hook::low_level::pipe::register(signal_hook::consts::SIGUSR1, handle.wake_fd()?)
+        .context("installing SIGUSR1")?;
 
     let child = match &args.run {
         Some(cmd) => {
@@ -145,6 +154,9 @@ pub fn run(args: ServeArgs) -> Result<i32> {
     };
     server.run(&listeners)?;
     drop(listeners);
+    if args.stats {
+        log::info!("total: {}", server.totals());
+    }
     match child {
         None => Ok(0),
         Some(t) => {

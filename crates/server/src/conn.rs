@@ -18,9 +18,9 @@ use ferry_proto::consts::{command_name, NbdError};
 use ferry_proto::handshake::{Progress, ServerHandshake};
 use ferry_proto::reply::ReplyWriter;
 use ferry_proto::request::{Command, PayloadPlan, RequestError, RequestHeader, Session};
-use ferry_sock::Stream;
+use ferry_sock::{Counters, Stream};
 use std::io::{self, IoSlice, Read};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 /// Why a connection ended early.
@@ -54,8 +54,28 @@ const MAX_EXTENTS: usize = 64 * 1024;
 /// Handshake receive buffer: the largest option (64 KiB of data) plus its header.
 const HANDSHAKE_BUF: usize = ferry_proto::consts::MAX_OPTION_DATA as usize + 64;
 
-pub fn serve(mut stream: Stream, exports: &Exports, config: &Config) -> Result<(), ConnError> {
-    let Some((negotiated, leftover)) = handshake(&mut stream, exports, config)? else {
+pub fn serve(
+    mut stream: Stream,
+    exports: &Exports,
+    config: &Config,
+    counters: &Mutex<Counters>,
+) -> Result<(), ConnError> {
+    let peer = stream.peer();
+    let result = serve_inner(&mut stream, exports, config, counters);
+    *counters.lock().unwrap_or_else(|e| e.into_inner()) = stream.stats;
+    if config.stats {
+        log::info!("{peer}: {}", stream.stats);
+    }
+    result
+}
+
+fn serve_inner(
+    stream: &mut Stream,
+    exports: &Exports,
+    config: &Config,
+    counters: &Mutex<Counters>,
+) -> Result<(), ConnError> {
+    let Some((negotiated, leftover)) = handshake(stream, exports, config)? else {
         return Ok(());
     };
     let export = exports.get(&negotiated.export.name).expect("negotiated export exists").clone();
@@ -67,7 +87,7 @@ pub fn serve(mut stream: Stream, exports: &Exports, config: &Config) -> Result<(
         negotiated.mode,
         negotiated.flags
     );
-    let mut t = Transmission::new(stream, export, negotiated.session(), ReplyWriter::new(negotiated.mode));
+    let mut t = Transmission::new(stream, counters, export, negotiated.session(), ReplyWriter::new(negotiated.mode));
     t.sendfile = config.sendfile && t.export.backend.file_fd().is_some();
     t.rx[..leftover.len()].copy_from_slice(&leftover);
     t.tail = leftover.len();
@@ -187,8 +207,10 @@ impl SendQueue {
     }
 }
 
-struct Transmission {
-    stream: Stream,
+struct Transmission<'a> {
+    stream: &'a mut Stream,
+    /// Where this connection publishes its statistics (read on SIGUSR1).
+    counters: &'a Mutex<Counters>,
     export: Arc<Export>,
     session: Session,
     writer: ReplyWriter,
@@ -207,11 +229,18 @@ struct Transmission {
     disconnect: bool,
 }
 
-impl Transmission {
-    fn new(stream: Stream, export: Arc<Export>, session: Session, writer: ReplyWriter) -> Self {
+impl<'a> Transmission<'a> {
+    fn new(
+        stream: &'a mut Stream,
+        counters: &'a Mutex<Counters>,
+        export: Arc<Export>,
+        session: Session,
+        writer: ReplyWriter,
+    ) -> Self {
         let sparse_threshold = if writer.chunked() { export.backend.sparse_read_threshold() } else { None };
         Transmission {
             stream,
+            counters,
             export,
             session,
             writer,
@@ -338,12 +367,14 @@ impl Transmission {
         self.tx.headers.clear();
         self.tx.used = 0;
         self.file_bytes = 0;
+        *self.counters.lock().unwrap_or_else(|e| e.into_inner()) = self.stream.stats;
         Ok(())
     }
 
     /// Validates and executes one request, queueing its reply. `payload` is the range of
     /// the receive buffer holding the WRITE data, or `None` when it is in `wbuf`.
     fn request(&mut self, h: &RequestHeader, payload: Option<(usize, usize)>) -> io::Result<()> {
+        self.stream.stats.requests += 1;
         let cmd = match self.session.validate(h) {
             Ok(c) => c,
             Err(err) => {

@@ -2,7 +2,7 @@
 
 use crate::conn;
 use crate::exports::Exports;
-use ferry_sock::{BufferConfig, Listener, Stream};
+use ferry_sock::{BufferConfig, Counters, Listener, Stream};
 use rustix::event::{poll, PollFd, PollFlags};
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
@@ -28,6 +28,8 @@ pub struct Config {
     /// Serve large reads of file exports with sendfile(2) (page cache to socket, no
     /// copy through user space).
     pub sendfile: bool,
+    /// Log each connection's socket statistics when it closes.
+    pub stats: bool,
 }
 
 impl Default for Config {
@@ -38,6 +40,7 @@ impl Default for Config {
             unix_buffers: BufferConfig::for_unix(BufferConfig::default()),
             tcp_buffers: BufferConfig::default(),
             sendfile: true,
+            stats: false,
         }
     }
 }
@@ -47,6 +50,7 @@ impl Default for Config {
 #[derive(Clone)]
 pub struct ShutdownHandle {
     flag: Arc<AtomicBool>,
+    stats_flag: Arc<AtomicBool>,
     wake: Arc<Mutex<UnixStream>>,
 }
 
@@ -56,8 +60,20 @@ impl ShutdownHandle {
         let _ = self.wake.lock().unwrap_or_else(|e| e.into_inner()).write(&[1]);
     }
 
-    /// A descriptor that stops the server when a byte is written to it (for signal
-    /// handlers, which may only write to a pipe).
+    /// The flag that means "stop": a signal handler sets it, then writes to [`wake_fd`].
+    ///
+    /// [`wake_fd`]: ShutdownHandle::wake_fd
+    pub fn shutdown_flag(&self) -> Arc<AtomicBool> {
+        self.flag.clone()
+    }
+
+    /// The flag that means "log statistics now" (SIGUSR1).
+    pub fn stats_flag(&self) -> Arc<AtomicBool> {
+        self.stats_flag.clone()
+    }
+
+    /// A descriptor that wakes the server when a byte is written to it (for signal
+    /// handlers, which may only write to a pipe); it then looks at the two flags.
     pub fn wake_fd(&self) -> io::Result<OwnedFd> {
         let s = self.wake.lock().unwrap_or_else(|e| e.into_inner()).try_clone()?;
         Ok(OwnedFd::from(s))
@@ -70,6 +86,20 @@ struct Registry {
     next: AtomicU64,
     active: AtomicUsize,
     streams: Mutex<HashMap<u64, Stream>>,
+    /// Counters of live connections (each published by its thread) ...
+    live: Mutex<HashMap<u64, Arc<Mutex<Counters>>>>,
+    /// ... and the sum over closed ones.
+    closed: Mutex<Counters>,
+}
+
+impl Registry {
+    fn totals(&self) -> Counters {
+        let mut t = *self.closed.lock().unwrap_or_else(|e| e.into_inner());
+        for c in self.live.lock().unwrap_or_else(|e| e.into_inner()).values() {
+            t.add(&c.lock().unwrap_or_else(|e| e.into_inner()));
+        }
+        t
+    }
 }
 
 /// Removes a connection from the registry when its thread ends, however it ends.
@@ -81,6 +111,9 @@ struct Slot {
 impl Drop for Slot {
     fn drop(&mut self) {
         self.reg.streams.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.id);
+        if let Some(c) = self.reg.live.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.id) {
+            self.reg.closed.lock().unwrap_or_else(|e| e.into_inner()).add(&c.lock().unwrap_or_else(|e| e.into_inner()));
+        }
         self.reg.active.fetch_sub(1, Ordering::SeqCst);
     }
 }
@@ -91,6 +124,7 @@ pub struct Server {
     flag: Arc<AtomicBool>,
     wake_rx: UnixStream,
     handle: ShutdownHandle,
+    totals: Counters,
 }
 
 impl Server {
@@ -98,8 +132,9 @@ impl Server {
         let (rx, tx) = UnixStream::pair()?;
         rx.set_nonblocking(true)?;
         let flag = Arc::new(AtomicBool::new(false));
-        let handle = ShutdownHandle { flag: flag.clone(), wake: Arc::new(Mutex::new(tx)) };
-        Ok(Server { exports: Arc::new(exports), config, flag, wake_rx: rx, handle })
+        let stats_flag = Arc::new(AtomicBool::new(false));
+        let handle = ShutdownHandle { flag: flag.clone(), stats_flag, wake: Arc::new(Mutex::new(tx)) };
+        Ok(Server { exports: Arc::new(exports), config, flag, wake_rx: rx, handle, totals: Counters::default() })
     }
 
     pub fn shutdown_handle(&self) -> ShutdownHandle {
@@ -108,6 +143,11 @@ impl Server {
 
     pub fn exports(&self) -> &Exports {
         &self.exports
+    }
+
+    /// Socket statistics summed over every connection of the last [`Server::run`].
+    pub fn totals(&self) -> Counters {
+        self.totals
     }
 
     /// Serves until shut down. Returns after every connection has finished.
@@ -130,7 +170,14 @@ impl Server {
             if ready[listeners.len()] {
                 let mut b = [0u8; 64];
                 while matches!((&self.wake_rx).read(&mut b), Ok(n) if n > 0) {}
-                break;
+                if self.handle.stats_flag.swap(false, Ordering::SeqCst) {
+                    let live = reg.active.load(Ordering::SeqCst);
+                    log::info!("statistics ({live} connections open): {}", reg.totals());
+                }
+                if self.flag.load(Ordering::SeqCst) {
+                    break;
+                }
+                continue;
             }
             for (l, _) in listeners.iter().zip(&ready).filter(|(_, r)| **r) {
                 loop {
@@ -159,6 +206,7 @@ impl Server {
         for t in threads {
             let _ = t.join();
         }
+        self.totals = reg.totals();
         for e in self.exports.iter() {
             if let Err(err) = e.backend.flush() {
                 log::error!("flushing export {:?} at shutdown: {err}", e.name);
@@ -182,6 +230,8 @@ impl Server {
         if let Ok(clone) = stream.try_clone() {
             reg.streams.lock().unwrap_or_else(|e| e.into_inner()).insert(id, clone);
         }
+        let counters = Arc::new(Mutex::new(Counters::default()));
+        reg.live.lock().unwrap_or_else(|e| e.into_inner()).insert(id, counters.clone());
         if self.flag.load(Ordering::SeqCst) {
             return None;
         }
@@ -195,7 +245,7 @@ impl Server {
             if let Err(e) = stream.apply(bufs) {
                 log::warn!("{peer}: cannot set socket buffers: {e}");
             }
-            match conn::serve(stream, &exports, &config) {
+            match conn::serve(stream, &exports, &config, &counters) {
                 Ok(()) => log::debug!("{peer}: connection closed"),
                 Err(e) => log::info!("{peer}: connection dropped: {e}"),
             }

@@ -36,28 +36,90 @@ impl BufferConfig {
     }
 }
 
-/// A connected stream socket, TCP or Unix.
+/// What a connection did on its socket, for `--stats`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// sendmsg/writev calls and the bytes and iovecs they carried.
+    pub sends: u64,
+    pub send_bytes: u64,
+    pub iovecs: u64,
+    /// sendfile calls and their bytes.
+    pub sendfiles: u64,
+    pub sendfile_bytes: u64,
+    /// read calls, their bytes, and how many returned less than asked.
+    pub recvs: u64,
+    pub recv_bytes: u64,
+    pub short_recvs: u64,
+    /// Requests handled (counted by the protocol layer above).
+    pub requests: u64,
+}
+
+impl Counters {
+    pub fn add(&mut self, o: &Counters) {
+        self.sends += o.sends;
+        self.send_bytes += o.send_bytes;
+        self.iovecs += o.iovecs;
+        self.sendfiles += o.sendfiles;
+        self.sendfile_bytes += o.sendfile_bytes;
+        self.recvs += o.recvs;
+        self.recv_bytes += o.recv_bytes;
+        self.short_recvs += o.short_recvs;
+        self.requests += o.requests;
+    }
+}
+
+impl std::fmt::Display for Counters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let per = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
+        write!(
+            f,
+            "{} requests; sent {} bytes in {} writev ({:.1} iovecs each) + {} bytes in {} sendfile; \
+             received {} bytes in {} reads ({:.1}% short)",
+            self.requests,
+            self.send_bytes,
+            self.sends,
+            per(self.iovecs, self.sends),
+            self.sendfile_bytes,
+            self.sendfiles,
+            self.recv_bytes,
+            self.recvs,
+            100.0 * per(self.short_recvs, self.recvs),
+        )
+    }
+}
+
 #[derive(Debug)]
-pub enum Stream {
+enum Inner {
     Tcp(TcpStream),
     Unix(UnixStream),
 }
 
+/// A connected stream socket, TCP or Unix, that counts what it does.
+#[derive(Debug)]
+pub struct Stream {
+    inner: Inner,
+    pub stats: Counters,
+}
+
 impl Stream {
+    fn new(inner: Inner) -> Stream {
+        Stream { inner, stats: Counters::default() }
+    }
+
     /// Connects to a Unix socket path.
     pub fn connect_unix(path: &Path) -> io::Result<Stream> {
-        Ok(Stream::Unix(UnixStream::connect(path)?))
+        Ok(Stream::new(Inner::Unix(UnixStream::connect(path)?)))
     }
 
     /// Connects to a TCP address, with TCP_NODELAY.
     pub fn connect_tcp(addr: &SocketAddr) -> io::Result<Stream> {
         let s = TcpStream::connect(addr)?;
         s.set_nodelay(true)?;
-        Ok(Stream::Tcp(s))
+        Ok(Stream::new(Inner::Tcp(s)))
     }
 
     pub fn is_unix(&self) -> bool {
-        matches!(self, Stream::Unix(_))
+        matches!(self.inner, Inner::Unix(_))
     }
 
     /// Applies buffer sizes; returns the send buffer the kernel actually gave (it
@@ -79,31 +141,32 @@ impl Stream {
     }
 
     pub fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
-        match self {
-            Stream::Tcp(s) => s.set_read_timeout(t),
-            Stream::Unix(s) => s.set_read_timeout(t),
+        match &self.inner {
+            Inner::Tcp(s) => s.set_read_timeout(t),
+            Inner::Unix(s) => s.set_read_timeout(t),
         }
     }
 
     pub fn shutdown(&self, how: Shutdown) -> io::Result<()> {
-        match self {
-            Stream::Tcp(s) => s.shutdown(how),
-            Stream::Unix(s) => s.shutdown(how),
+        match &self.inner {
+            Inner::Tcp(s) => s.shutdown(how),
+            Inner::Unix(s) => s.shutdown(how),
         }
     }
 
+    /// A second handle on the same socket (with its own counters).
     pub fn try_clone(&self) -> io::Result<Stream> {
-        Ok(match self {
-            Stream::Tcp(s) => Stream::Tcp(s.try_clone()?),
-            Stream::Unix(s) => Stream::Unix(s.try_clone()?),
-        })
+        Ok(Stream::new(match &self.inner {
+            Inner::Tcp(s) => Inner::Tcp(s.try_clone()?),
+            Inner::Unix(s) => Inner::Unix(s.try_clone()?),
+        }))
     }
 
     /// A short description of the peer for logs.
     pub fn peer(&self) -> String {
-        match self {
-            Stream::Tcp(s) => s.peer_addr().map_or_else(|_| "tcp:?".into(), |a| a.to_string()),
-            Stream::Unix(_) => "unix".into(),
+        match &self.inner {
+            Inner::Tcp(s) => s.peer_addr().map_or_else(|_| "tcp:?".into(), |a| a.to_string()),
+            Inner::Unix(_) => "unix".into(),
         }
     }
 
@@ -120,6 +183,7 @@ impl Stream {
                 Err(e) => return Err(e),
             };
             calls += 1;
+            self.stats.iovecs += n as u64;
             IoSlice::advance_slices(&mut bufs, written);
         }
         Ok(calls)
@@ -138,37 +202,47 @@ impl Stream {
                 Ok(0) => {
                     return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "file ended before the reply was sent"))
                 }
-                Ok(n) => left -= n,
+                Ok(n) => {
+                    left -= n;
+                    self.stats.sendfile_bytes += n as u64;
+                }
                 Err(rustix::io::Errno::INTR) => {}
                 Err(e) => return Err(e.into()),
             }
             calls += 1;
         }
+        self.stats.sendfiles += u64::from(calls);
         Ok(calls)
     }
 }
 
 impl Read for Stream {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        match self {
-            Stream::Tcp(s) => s.read(buf),
-            Stream::Unix(s) => s.read(buf),
+        let n = match &mut self.inner {
+            Inner::Tcp(s) => s.read(buf),
+            Inner::Unix(s) => s.read(buf),
+        }?;
+        self.stats.recvs += 1;
+        self.stats.recv_bytes += n as u64;
+        if n < buf.len() {
+            self.stats.short_recvs += 1;
         }
+        Ok(n)
     }
 }
 
 impl Write for Stream {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        match self {
-            Stream::Tcp(s) => s.write(buf),
-            Stream::Unix(s) => s.write(buf),
-        }
+        self.write_vectored(&[IoSlice::new(buf)])
     }
     fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
-        match self {
-            Stream::Tcp(s) => s.write_vectored(bufs),
-            Stream::Unix(s) => s.write_vectored(bufs),
-        }
+        let n = match &mut self.inner {
+            Inner::Tcp(s) => s.write_vectored(bufs),
+            Inner::Unix(s) => s.write_vectored(bufs),
+        }?;
+        self.stats.sends += 1;
+        self.stats.send_bytes += n as u64;
+        Ok(n)
     }
     fn flush(&mut self) -> io::Result<()> {
         Ok(())
@@ -177,9 +251,9 @@ impl Write for Stream {
 
 impl AsFd for Stream {
     fn as_fd(&self) -> BorrowedFd<'_> {
-        match self {
-            Stream::Tcp(s) => s.as_fd(),
-            Stream::Unix(s) => s.as_fd(),
+        match &self.inner {
+            Inner::Tcp(s) => s.as_fd(),
+            Inner::Unix(s) => s.as_fd(),
         }
     }
 }
@@ -224,12 +298,12 @@ impl Listener {
                 let (s, _) = l.accept()?;
                 s.set_nodelay(true)?;
                 s.set_nonblocking(false)?;
-                Ok(Stream::Tcp(s))
+                Ok(Stream::new(Inner::Tcp(s)))
             }
             Listener::Unix(l, _) => {
                 let (s, _) = l.accept()?;
                 s.set_nonblocking(false)?;
-                Ok(Stream::Unix(s))
+                Ok(Stream::new(Inner::Unix(s)))
             }
         }
     }
