@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::json::Json;
+use common::json::{Json, JsonExt};
 use common::*;
 use std::time::Duration;
 

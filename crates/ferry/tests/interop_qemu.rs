@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::json::Json;
+use common::json::{Json, JsonExt};
 use common::*;
 use std::fs;
 
