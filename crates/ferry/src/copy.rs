@@ -36,9 +36,11 @@ pub struct CopyArgs {
     /// Show progress: a bar with rate and ETA on a terminal, percentages otherwise.
     #[arg(short, long)]
     progress: bool,
-    /// Print a summary of what was copied.
+    /// Print a summary of what was copied, with socket statistics.
     #[arg(long)]
     stats: bool,
+    #[command(flatten)]
+    sockets: crate::sockopts::SocketArgs,
     /// Also compute the blkhash of the data while copying (sha256 unless named:
     /// sha512, sha1, md5, blake3) and print it like `ferry hash` does.
     #[arg(long, value_name = "DIGEST", num_args = 0..=1, require_equals = true, default_missing_value = "sha256")]
@@ -61,7 +63,7 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
         request_size: request_size as usize,
         sparse: args.sparse,
         flush: args.flush,
-        connect: ConnectOptions::default(),
+        connect: ConnectOptions { buffers: args.sockets.buffers()?, ..ConnectOptions::default() },
         hash: match args.hash {
             Some(alg) => {
                 let bs = parse_size(&args.hash_block_size).context("--hash-block-size")?;

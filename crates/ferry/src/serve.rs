@@ -2,7 +2,6 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use ferry_backend::parse_size;
 use ferry_server::{Config, Export, Exports, Server};
 use ferry_sock::{BufferConfig, Listener};
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -45,22 +44,14 @@ pub struct ServeArgs {
     /// Drop a client that has not finished the handshake after this many seconds.
     #[arg(long, default_value_t = 10.0, value_name = "SECS")]
     handshake_timeout: f64,
-    /// SO_SNDBUF for accepted sockets (default: 4M on Unix sockets, kernel autotuning on TCP).
-    #[arg(long, value_name = "BYTES")]
-    sndbuf: Option<String>,
-    /// SO_RCVBUF for accepted sockets (default: the kernel's).
-    #[arg(long, value_name = "BYTES")]
-    rcvbuf: Option<String>,
+    #[command(flatten)]
+    sockets: crate::sockopts::SocketArgs,
     /// Read file exports into a buffer and send it, instead of sendfile(2) from the page cache.
     #[arg(long)]
     no_sendfile: bool,
     /// Log socket statistics: per connection when it closes, in total at exit and on SIGUSR1.
     #[arg(long)]
     stats: bool,
-}
-
-fn size_opt(v: &Option<String>, what: &str) -> Result<Option<usize>> {
-    v.as_deref().map(|s| parse_size(s).map(|n| n as usize).with_context(|| format!("--{what}"))).transpose()
 }
 
 pub fn run(args: ServeArgs) -> Result<i32> {
@@ -90,8 +81,7 @@ pub fn run(args: ServeArgs) -> Result<i32> {
     if args.max_connections == 0 {
         bail!("--max-connections must be at least 1");
     }
-    let explicit =
-        BufferConfig { sndbuf: size_opt(&args.sndbuf, "sndbuf")?, rcvbuf: size_opt(&args.rcvbuf, "rcvbuf")? };
+    let explicit = args.sockets.buffers()?;
     let config = Config {
         max_connections: args.max_connections,
         handshake_timeout: Duration::from_secs_f64(args.handshake_timeout),
