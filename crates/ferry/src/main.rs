@@ -5,6 +5,7 @@ mod copy;
 mod hash;
 mod info;
 mod serve;
+mod sockopts;
 
 use clap::{Parser, Subcommand};
 
