@@ -33,6 +33,9 @@ fn fio(uri: &str, args: &[&str]) -> Output {
         ],
     );
     c.args(args);
+    // fio writes verify state files into its working directory: keep them out of the tree.
+    let scratch = tempfile::tempdir().unwrap();
+    c.current_dir(scratch.path());
     run_timeout(&mut c, Duration::from_secs(180))
 }
 
