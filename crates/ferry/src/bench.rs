@@ -24,6 +24,8 @@ pub struct BenchArgs {
 enum What {
     /// Parallel random I/O against an NBD export (like libnbd's aio-parallel-load).
     Nbd(NbdArgs),
+    /// Raw socket throughput sweep: read/write sizes, SO_SNDBUF, parallel streams.
+    Socket(crate::bench_socket::SocketArgs),
 }
 
 #[derive(Args, Debug)]
@@ -56,6 +58,7 @@ struct NbdArgs {
 pub fn run(args: BenchArgs) -> Result<i32> {
     match args.what {
         What::Nbd(a) => nbd(a),
+        What::Socket(a) => crate::bench_socket::run(a),
     }
 }
 
