@@ -48,7 +48,7 @@ for srv in ferry ferry-no-sendfile nbdkit qemu-nbd; do
     if [ $tr = unix ]; then wait_sock "$S"; U="nbd+unix:///?socket=$S"; else sleep 0.5; U="nbd://127.0.0.1:10811"; fi
     echo "| $srv | ferry copy | $tr | $(gibs "$FERRY" copy "$U" null:) |"
     echo "| $srv | nbdcopy | $tr | $(gibs nbdcopy "$U" null:) |"
-    kill %1; wait 2>/dev/null
+    kill $(jobs -p) 2>/dev/null; wait 2>/dev/null
   done
 done
 echo
@@ -67,7 +67,7 @@ for srv in ferry nbdkit qemu-nbd; do
   wait_sock "$S"; U="nbd+unix:///?socket=$S"
   echo "| $srv | ferry copy | $(gibs "$FERRY" copy "$W/img" "$U") |"
   echo "| $srv | nbdcopy | $(gibs nbdcopy "$W/img" "$U") |"
-  kill %1; wait 2>/dev/null
+  kill $(jobs -p) 2>/dev/null; wait 2>/dev/null
 done
 rm -f "$W/dst"
 echo
@@ -95,7 +95,7 @@ for srv in ferry-memory nbdkit-memory ferry-file nbdkit-file qemu-nbd-file; do
     wi=$(echo "$w" | python3 -c 'import json,sys; print(round(json.load(sys.stdin)["iops"]))')
     echo "| $srv | $c x 64 | $ri | $wi | $rp |"
   done
-  kill %1; wait 2>/dev/null
+  kill $(jobs -p) 2>/dev/null; wait 2>/dev/null
 done
 echo
 echo "## blkhash (sha256, 64 KiB blocks) of a random image in /dev/shm (s, median of 3)"
