@@ -6,7 +6,6 @@ use ferry_proto::consts::*;
 use ferry_proto::reply::{parse_block_status, parse_error_chunk, Extent, ReplyError, ReplyHeader, ReplyMode};
 use ferry_proto::request::RequestHeader;
 use ferry_sock::{BufferConfig, Stream};
-use std::collections::HashMap;
 use std::io::{self, IoSlice, Read};
 use std::net::ToSocketAddrs;
 use std::os::fd::AsFd;
@@ -141,8 +140,11 @@ pub struct Connection {
     rx: Vec<u8>,
     head: usize,
     tail: usize,
-    next_cookie: u64,
-    inflight: HashMap<u64, InFlight>,
+    /// Requests in flight, indexed by cookie - 1; freed indexes are reused, so cookies
+    /// stay small and a lookup is an index, not a hash.
+    inflight: Vec<Option<InFlight>>,
+    free: Vec<usize>,
+    in_flight: usize,
     hdrs: Vec<u8>,
     stash: Vec<Completion>,
     /// READs of at least [`LARGE_READ`] bytes in flight (see [`Connection::fill`]).
@@ -247,8 +249,9 @@ impl Connection {
             rx,
             head: 0,
             tail: leftover.len(),
-            next_cookie: 1,
-            inflight: HashMap::new(),
+            inflight: Vec::new(),
+            free: Vec::new(),
+            in_flight: 0,
             hdrs: Vec::with_capacity(4096),
             stash: Vec::new(),
             large_reads: 0,
@@ -289,7 +292,17 @@ impl Connection {
         self.info.block_size.map_or(MAX_PAYLOAD, |b| b.maximum.min(MAX_PAYLOAD)).max(512)
     }
     pub fn in_flight(&self) -> usize {
-        self.inflight.len()
+        self.in_flight
+    }
+
+    fn track(&mut self, f: InFlight) -> u64 {
+        let i = self.free.pop().unwrap_or_else(|| {
+            self.inflight.push(None);
+            self.inflight.len() - 1
+        });
+        self.inflight[i] = Some(f);
+        self.in_flight += 1;
+        i as u64 + 1
     }
     pub fn stream(&self) -> &Stream {
         &self.stream
@@ -300,15 +313,13 @@ impl Connection {
     }
 
     /// Sends requests in one vectored send (headers and WRITE payloads interleaved).
-    /// Returns the cookie of the first; the others follow consecutively.
+    /// Returns the cookie of the last one.
     pub fn submit(&mut self, reqs: &[Submit<'_>]) -> Result<u64, Error> {
         let extended = self.mode == ReplyMode::Extended;
         let hlen = RequestHeader::wire_len(extended);
-        let first = self.next_cookie;
+        let mut last = 0;
         self.hdrs.clear();
         for r in reqs {
-            let cookie = self.next_cookie;
-            self.next_cookie = self.next_cookie.wrapping_add(1).max(1);
             let mut flags = r.flags;
             let length = match r.payload {
                 Some(p) => {
@@ -319,23 +330,21 @@ impl Connection {
                 }
                 None => r.length,
             };
+            let cookie = self.track(InFlight {
+                cmd: r.cmd,
+                offset: r.offset,
+                length,
+                slot: r.slot,
+                error: None,
+                extents: Vec::new(),
+                covered: 0,
+                hole_bytes: 0,
+            });
+            last = cookie;
             RequestHeader { flags, cmd: r.cmd, cookie, offset: r.offset, length }.encode(extended, &mut self.hdrs);
             if r.cmd == CMD_READ && length >= LARGE_READ {
                 self.large_reads += 1;
             }
-            self.inflight.insert(
-                cookie,
-                InFlight {
-                    cmd: r.cmd,
-                    offset: r.offset,
-                    length,
-                    slot: r.slot,
-                    error: None,
-                    extents: Vec::new(),
-                    covered: 0,
-                    hole_bytes: 0,
-                },
-            );
         }
         let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(reqs.len() * 2);
         let mut last_hdr_end = 0usize;
@@ -352,7 +361,7 @@ impl Connection {
         }
         self.stream.send_all(&mut iov)?;
         self.stream.stats.requests += reqs.len() as u64;
-        Ok(first)
+        Ok(last)
     }
 
     /// Makes sure at least `n` unparsed bytes are in the receive buffer.
@@ -368,7 +377,7 @@ impl Connection {
                 self.tail -= self.head;
                 self.head = 0;
             }
-            let end = if self.large_reads > 0 && self.large_reads * 2 >= self.inflight.len() {
+            let end = if self.large_reads > 0 && self.large_reads * 2 >= self.in_flight {
                 // A whole header and a data chunk's offset, at most a few payload bytes.
                 (self.head + n).max(self.tail + 32).min(self.rx.len())
             } else {
@@ -412,6 +421,11 @@ impl Connection {
         Ok(v)
     }
 
+    /// Whether unparsed reply bytes are already in the receive buffer (no syscall).
+    pub fn buffered(&self) -> bool {
+        self.tail > self.head
+    }
+
     /// Whether a reply is already buffered or the socket is readable now.
     pub fn readable(&self, timeout: Option<Duration>) -> io::Result<bool> {
         if self.tail > self.head {
@@ -448,7 +462,8 @@ impl Connection {
             let (h, hlen) = hdr;
             self.head += hlen;
             let cookie = h.cookie();
-            let Some(mut f) = self.inflight.remove(&cookie) else {
+            let index = cookie.wrapping_sub(1) as usize;
+            let Some(mut f) = self.inflight.get_mut(index).and_then(Option::take) else {
                 return Err(Error::Protocol(format!("reply for unknown cookie {cookie}")));
             };
             let done = match h {
@@ -474,9 +489,11 @@ impl Connection {
                 }
             };
             if !done {
-                self.inflight.insert(cookie, f);
+                self.inflight[index] = Some(f);
                 continue;
             }
+            self.free.push(index);
+            self.in_flight -= 1;
             if f.cmd == CMD_READ && f.length >= LARGE_READ {
                 self.large_reads -= 1;
             }

@@ -794,7 +794,7 @@ fn worker(mut src: Src, mut dst: Dst, sh: &Shared<'_>) -> (Src, Dst, u64) {
                             return (src, dst, written);
                         }
                     }
-                    if c.in_flight() == 0 || !c.readable(Some(std::time::Duration::ZERO)).unwrap_or(false) {
+                    if c.in_flight() == 0 || !c.buffered() {
                         break;
                     }
                 }
@@ -819,7 +819,7 @@ fn worker(mut src: Src, mut dst: Dst, sh: &Shared<'_>) -> (Src, Dst, u64) {
                             return (src, dst, written);
                         }
                     }
-                    if c.in_flight() == 0 || !c.readable(Some(std::time::Duration::ZERO)).unwrap_or(false) {
+                    if c.in_flight() == 0 || !c.buffered() {
                         break;
                     }
                 }
@@ -841,8 +841,8 @@ fn wait(src: &Src, reading: bool, dst: &Dst, writing: bool) -> io::Result<(bool,
         _ => None,
     };
     // Bytes already buffered count as ready without a syscall.
-    let sb = s.is_some_and(|c| c.readable(Some(std::time::Duration::ZERO)).unwrap_or(false));
-    let db = d.is_some_and(|c| c.readable(Some(std::time::Duration::ZERO)).unwrap_or(false));
+    let sb = s.is_some_and(|c| c.buffered());
+    let db = d.is_some_and(|c| c.buffered());
     if sb || db {
         return Ok((sb, db));
     }

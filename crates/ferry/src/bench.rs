@@ -207,7 +207,7 @@ fn load(
                 st.writes += 1;
             }
             free.push(done.slot);
-            if c.in_flight() == 0 || !c.readable(Some(Duration::ZERO))? {
+            if c.in_flight() == 0 || !c.buffered() {
                 break;
             }
         }
