@@ -107,3 +107,28 @@ echo "|---|---|---|"
 echo "| 2 GiB random | $(printf %.2f "$(med3 "$FERRY" hash "$W/2g")") | $(printf %.2f "$(med3 sha256sum "$W/2g")") |"
 echo "| 1 GiB random | $(printf %.2f "$(med3 "$FERRY" hash "$W/1g")") | |"
 echo "| 100 GiB sparse, 1 GiB data | $(printf %.2f "$(med3 "$FERRY" hash "$W/sparse")") | |"
+echo
+echo "## Grouped replies (documents 001 and 004): 4 KiB random reads from memory:, 1 connection x 64, 5 s"
+echo
+echo "| transport | --send-batch | IOPS | read p99 us | server writev per request | iovecs per writev |"
+echo "|---|---|---|---|---|---|"
+for tr in unix tcp; do
+  for batch in 0 64K; do
+    rm -f "$S"
+    if [ $tr = unix ]; then
+      "$FERRY" serve --stats --send-batch $batch -U "$S" memory:1G 2>"$W/stats.log" & wait_sock "$S"; U="nbd+unix:///?socket=$S"
+    else
+      "$FERRY" serve --stats --send-batch $batch -p 10811 memory:1G 2>"$W/stats.log" & sleep 0.5; U="nbd://127.0.0.1:10811"
+    fi
+    "$FERRY" copy "$W/1g" "$U" >/dev/null 2>&1
+    r=$("$FERRY" bench nbd -C 1 -R 64 --duration 5 --json "$U")
+    kill $(jobs -p) 2>/dev/null; wait 2>/dev/null
+    line=$(grep 'total:' "$W/stats.log")
+    req=$(echo "$line" | sed 's/.*total: \([0-9]*\) requests.*/\1/')
+    wv=$(echo "$line" | sed 's/.* in \([0-9]*\) writev.*/\1/')
+    iov=$(echo "$line" | sed 's/.*writev (\([0-9.]*\) iovecs each).*/\1/')
+    ri=$(echo "$r" | python3 -c 'import json,sys; print(round(json.load(sys.stdin)["iops"]))')
+    rp=$(echo "$r" | python3 -c 'import json,sys; print(round(json.load(sys.stdin)["latency_us"]["p99"]))')
+    echo "| $tr | $batch | $ri | $rp | $(echo "scale=3; $wv / $req" | bc -l) | $iov |"
+  done
+done

@@ -677,7 +677,9 @@ fn worker(mut src: Src, mut dst: Dst, sh: &Shared<'_>) -> (Src, Dst, u64) {
                 }
                 let item = slot.item;
                 let data = &bufs[i][..if item.kind == Kind::Data { item.len } else { 0 }];
-                let zero = item.kind == Kind::Zero || (sh.opts.sparse && is_zero(data));
+                // Zero detection only where it changes what is written: `null:` discards
+                // anyway, and the hash finds zero blocks itself.
+                let zero = item.kind == Kind::Zero || (sh.opts.sparse && !matches!(dst, Dst::Null) && is_zero(data));
                 if !slot.counted {
                     slot.counted = true;
                     if item.kind == Kind::Data {

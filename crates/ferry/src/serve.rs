@@ -52,6 +52,10 @@ pub struct ServeArgs {
     /// Log socket statistics: per connection when it closes, in total at exit and on SIGUSR1.
     #[arg(long)]
     stats: bool,
+    /// Group replies into one send until this much payload is queued (0: send every
+    /// reply on its own, to measure what grouping is worth).
+    #[arg(long, default_value = "64K", value_name = "BYTES")]
+    send_batch: String,
 }
 
 pub fn run(args: ServeArgs) -> Result<i32> {
@@ -89,6 +93,7 @@ pub fn run(args: ServeArgs) -> Result<i32> {
         tcp_buffers: explicit,
         sendfile: !args.no_sendfile,
         stats: args.stats,
+        send_batch: ferry_backend::parse_size(&args.send_batch).context("--send-batch")? as usize,
     };
 
     let listeners = match ferry_sock::listen_fds().context("systemd socket activation")? {

@@ -41,11 +41,11 @@ pub enum ConnError {
 /// Receive buffer size: many requests (and small write payloads) per `read`.
 const RECV_BUF: usize = 512 * 1024;
 /// Send as soon as this much payload is queued.
-/// Small enough that a client with one connection gets replies (and sends new
-/// requests) while the server is still executing the rest of a batch; large enough
-/// that 4 KiB replies go 16 to a syscall. Measured with `ferry bench nbd`: see
-/// BENCHMARKING.md.
-const FLUSH_BYTES: usize = 64 * 1024;
+/// Default of [`Config::send_batch`]: small enough that a client with one connection
+/// gets replies (and sends new requests) while the server is still executing the rest
+/// of a batch; large enough that 4 KiB replies go 16 to a syscall. Measured with
+/// `ferry bench nbd`: see BENCHMARKING.md.
+pub const DEFAULT_SEND_BATCH: usize = 64 * 1024;
 /// Reads this long or longer are sent with sendfile(2) when the export is a file:
 /// below it, one pread into the batch arena and one grouped writev cost less.
 const SENDFILE_MIN: usize = 64 * 1024;
@@ -90,7 +90,10 @@ fn serve_inner(
         negotiated.flags
     );
     let mut t = Transmission::new(stream, counters, export, negotiated.session(), ReplyWriter::new(negotiated.mode));
-    t.sendfile = config.sendfile && t.export.backend.file_fd().is_some();
+    // sendfile pays on Unix sockets (one copy instead of two); on TCP loopback it measured
+    // slower than pread + writev (BENCHMARKING.md), so TCP keeps the buffered path.
+    t.sendfile = config.sendfile && t.stream.is_unix() && t.export.backend.file_fd().is_some();
+    t.flush_bytes = config.send_batch;
     t.rx[..leftover.len()].copy_from_slice(&leftover);
     t.tail = leftover.len();
     t.run()
@@ -226,6 +229,8 @@ struct Transmission<'a> {
     sparse_threshold: Option<u64>,
     /// The last request carried a payload of at least [`LARGE_PAYLOAD`] bytes.
     large_writes: bool,
+    /// Send queued replies once this much payload is queued (0: after every reply).
+    flush_bytes: usize,
     /// Data reads of at least [`SENDFILE_MIN`] bytes go out with sendfile(2).
     sendfile: bool,
     /// Bytes queued for sendfile since the last flush.
@@ -261,6 +266,7 @@ impl<'a> Transmission<'a> {
             extents: Vec::new(),
             sparse_threshold,
             large_writes: false,
+            flush_bytes: DEFAULT_SEND_BATCH,
             sendfile: false,
             file_bytes: 0,
             disconnect: false,
@@ -293,7 +299,7 @@ impl<'a> Transmission<'a> {
                         self.error(&h, NbdError::Inval, &msg);
                     }
                 }
-                if self.tx.used + self.file_bytes >= FLUSH_BYTES {
+                if self.tx.used + self.file_bytes >= self.flush_bytes {
                     self.flush()?;
                 }
             }

@@ -30,6 +30,10 @@ pub struct Config {
     pub sendfile: bool,
     /// Log each connection's socket statistics when it closes.
     pub stats: bool,
+    /// Replies are grouped into one vectored send until this much payload is queued or
+    /// no complete request is left to execute; 0 sends every reply on its own (for
+    /// measuring what grouping is worth).
+    pub send_batch: usize,
 }
 
 impl Default for Config {
@@ -41,6 +45,7 @@ impl Default for Config {
             tcp_buffers: BufferConfig::default(),
             sendfile: true,
             stats: false,
+            send_batch: crate::conn::DEFAULT_SEND_BATCH,
         }
     }
 }
