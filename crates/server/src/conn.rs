@@ -9,7 +9,8 @@
 //! - READ data is read by the backend straight into an arena the reply is sent from;
 //! - replies are queued (headers in one arena, payloads in another) and go out in one
 //!   vectored send when the receive buffer is drained, or as soon as 64 KiB of
-//!   payload is queued, so small replies are grouped and large ones never wait.
+//!   payload or 16 replies are queued, so small replies are grouped and nothing waits
+//!   behind a long batch.
 
 use crate::exports::{Export, Exports};
 use crate::server::Config;
@@ -46,6 +47,8 @@ const RECV_BUF: usize = 512 * 1024;
 /// of a batch; large enough that 4 KiB replies go 16 to a syscall. Measured with
 /// `ferry bench nbd`: see BENCHMARKING.md.
 pub const DEFAULT_SEND_BATCH: usize = 64 * 1024;
+/// Replies grouped into one send at most (with the default send batch).
+const SEND_BATCH_REPLIES: usize = 16;
 /// Reads this long or longer are sent with sendfile(2) when the export is a file:
 /// below it, one pread into the batch arena and one grouped writev cost less.
 const SENDFILE_MIN: usize = 64 * 1024;
@@ -94,6 +97,9 @@ fn serve_inner(
     // slower than pread + writev (BENCHMARKING.md), so TCP keeps the buffered path.
     t.sendfile = config.sendfile && t.stream.is_unix() && t.export.backend.file_fd().is_some();
     t.flush_bytes = config.send_batch;
+    if config.send_batch == 0 {
+        t.flush_replies = 1;
+    }
     t.rx[..leftover.len()].copy_from_slice(&leftover);
     t.tail = leftover.len();
     t.run()
@@ -229,8 +235,13 @@ struct Transmission<'a> {
     sparse_threshold: Option<u64>,
     /// The last request carried a payload of at least [`LARGE_PAYLOAD`] bytes.
     large_writes: bool,
-    /// Send queued replies once this much payload is queued (0: after every reply).
+    /// Send queued replies once this much payload is queued (0: after every reply) ...
     flush_bytes: usize,
+    /// ... or once this many replies are queued, so replies without payload (WRITE,
+    /// FLUSH) reach the client while the rest of a large batch is executed.
+    flush_replies: usize,
+    /// Replies queued since the last send.
+    queued: usize,
     /// Data reads of at least [`SENDFILE_MIN`] bytes go out with sendfile(2).
     sendfile: bool,
     /// Bytes queued for sendfile since the last flush.
@@ -267,6 +278,8 @@ impl<'a> Transmission<'a> {
             sparse_threshold,
             large_writes: false,
             flush_bytes: DEFAULT_SEND_BATCH,
+            flush_replies: SEND_BATCH_REPLIES,
+            queued: 0,
             sendfile: false,
             file_bytes: 0,
             disconnect: false,
@@ -299,7 +312,8 @@ impl<'a> Transmission<'a> {
                         self.error(&h, NbdError::Inval, &msg);
                     }
                 }
-                if self.tx.used + self.file_bytes >= self.flush_bytes {
+                self.queued += 1;
+                if self.tx.used + self.file_bytes >= self.flush_bytes || self.queued >= self.flush_replies {
                     self.flush()?;
                 }
             }
@@ -383,6 +397,7 @@ impl<'a> Transmission<'a> {
         self.tx.headers.clear();
         self.tx.used = 0;
         self.file_bytes = 0;
+        self.queued = 0;
         *self.counters.lock().unwrap_or_else(|e| e.into_inner()) = self.stream.stats;
         Ok(())
     }
