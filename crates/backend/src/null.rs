@@ -20,17 +20,7 @@ impl Backend for NullBackend {
         self.size
     }
     fn caps(&self) -> Capabilities {
-        Capabilities {
-            read_only: false,
-            flush: true,
-            fua: true,
-            trim: true,
-            zero: true,
-            fast_zero: true,
-            multi_conn: true,
-            cache: true,
-            extents: true,
-        }
+        Capabilities::everything()
     }
     fn read(&self, buf: &mut [u8], _offset: u64) -> Result<()> {
         buf.fill(0);

@@ -18,6 +18,23 @@ pub struct Capabilities {
     pub extents: bool,
 }
 
+impl Capabilities {
+    /// A writable export that can do every command, and fast (RAM disks, `null:`).
+    pub const fn everything() -> Self {
+        Capabilities {
+            read_only: false,
+            flush: true,
+            fua: true,
+            trim: true,
+            zero: true,
+            fast_zero: true,
+            multi_conn: true,
+            cache: true,
+            extents: true,
+        }
+    }
+}
+
 /// Size constraints advertised with `NBD_INFO_BLOCK_SIZE`. (proto.md "Size constraints")
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BlockSize {
