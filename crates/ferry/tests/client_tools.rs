@@ -252,11 +252,14 @@ fn errors_are_clear_and_nonzero() {
 #[test]
 fn server_dying_mid_copy_is_an_error() {
     let work = tempfile::tempdir().unwrap();
-    // Every read takes 20 ms, so the copy is still running when the server dies.
+    // Every read takes 20 ms; 64K requests, 4 at a time, make the copy last about 5 s, so
+    // it is still running when the server dies.
     let mut k = Peer::nbdkit(work.path(), &["--filter=delay", "pattern", "64M", "rdelay=20ms"]);
     let out = work.path().join("out.img");
-    let child =
-        ferry(&["copy", "-C", "1", "-R", "4", &k.uri(), out.to_str().unwrap()]).stderr(Stdio::piped()).spawn().unwrap();
+    let child = ferry(&["copy", "-C", "1", "-R", "4", "--request-size", "64K", &k.uri(), out.to_str().unwrap()])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     std::thread::sleep(Duration::from_millis(500));
     k.kill();
     let o = child.wait_with_output().unwrap();
