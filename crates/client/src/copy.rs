@@ -204,7 +204,6 @@ struct Shared<'a> {
     data_bytes: AtomicU64,
     hole_bytes: AtomicU64,
     zero_bytes: AtomicU64,
-    src_size: u64,
 }
 
 impl Shared<'_> {
@@ -444,7 +443,6 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progr
         data_bytes: AtomicU64::new(0),
         hole_bytes: AtomicU64::new(0),
         zero_bytes: AtomicU64::new(0),
-        src_size,
     };
     // Worker 0 uses the connections opened above; the others open their own.
     let mut ends = vec![(first_src, first_dst)];
@@ -782,54 +780,53 @@ fn worker(mut src: Src, mut dst: Dst, sh: &Shared<'_>) -> (Src, Dst, u64) {
         };
         if src_ready {
             if let Src::Nbd(c) = &mut src {
-                loop {
-                    match c.receive(&mut bufs) {
-                        Ok(done) => {
-                            if let Err(e) = &done.result {
-                                sh.fail(remote("read", &done, e));
-                                return (src, dst, written);
-                            }
-                            slots[done.slot].state = SlotState::Full;
-                        }
-                        Err(e) => {
-                            sh.fail(CopyError::Request { op: "read", offset: 0, length: 0, message: e.to_string() });
-                            return (src, dst, written);
-                        }
-                    }
-                    if c.in_flight() == 0 || !c.buffered() {
-                        break;
-                    }
+                let r = drain_completions(c, &mut bufs, "read", |done| {
+                    done.result.as_ref().map_err(|e| remote("read", &done, e))?;
+                    slots[done.slot].state = SlotState::Full;
+                    Ok(())
+                });
+                if let Err(e) = r {
+                    sh.fail(e);
+                    return (src, dst, written);
                 }
             }
         }
         if dst_ready {
             if let Dst::Nbd(c) = &mut dst {
-                loop {
-                    match c.receive(&mut []) {
-                        Ok(done) => {
-                            let op = if done.cmd == CMD_WRITE { "write" } else { "write zeroes" };
-                            if let Err(e) = &done.result {
-                                sh.fail(remote(op, &done, e));
-                                return (src, dst, written);
-                            }
-                            written += done.length;
-                            sh.progress.done.fetch_add(done.length, Ordering::Relaxed);
-                            slots[done.slot].state = SlotState::Free;
-                        }
-                        Err(e) => {
-                            sh.fail(CopyError::Request { op: "write", offset: 0, length: 0, message: e.to_string() });
-                            return (src, dst, written);
-                        }
-                    }
-                    if c.in_flight() == 0 || !c.buffered() {
-                        break;
-                    }
+                let r = drain_completions(c, &mut [], "write", |done| {
+                    let op = if done.cmd == CMD_WRITE { "write" } else { "write zeroes" };
+                    done.result.as_ref().map_err(|e| remote(op, &done, e))?;
+                    written += done.length;
+                    sh.progress.done.fetch_add(done.length, Ordering::Relaxed);
+                    slots[done.slot].state = SlotState::Free;
+                    Ok(())
+                });
+                if let Err(e) = r {
+                    sh.fail(e);
+                    return (src, dst, written);
                 }
             }
         }
     }
-    let _ = sh.src_size;
     (src, dst, written)
+}
+
+/// Receives every completion already at hand on `c` (at least one, blocking for it),
+/// handing each to `f`; a socket error is reported as a failed `op`.
+fn drain_completions(
+    c: &mut Connection,
+    bufs: &mut [Vec<u8>],
+    op: &'static str,
+    mut f: impl FnMut(Completion) -> Result<(), CopyError>,
+) -> Result<(), CopyError> {
+    loop {
+        let done =
+            c.receive(bufs).map_err(|e| CopyError::Request { op, offset: 0, length: 0, message: e.to_string() })?;
+        f(done)?;
+        if c.in_flight() == 0 || !c.buffered() {
+            return Ok(());
+        }
+    }
 }
 
 /// Blocks until the source (if reading) or destination (if writing) has a reply.
