@@ -94,6 +94,13 @@ pub enum CopyError {
     Request { op: &'static str, offset: u64, length: u64, message: String },
 }
 
+impl CopyError {
+    /// A failed request (or local read/write) of `length` bytes at `offset`.
+    fn request(op: &'static str, offset: u64, length: u64, e: impl std::fmt::Display) -> CopyError {
+        CopyError::Request { op, offset, length, message: e.to_string() }
+    }
+}
+
 /// What a finished copy did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct CopyReport {
@@ -230,7 +237,7 @@ fn connect(uri: &Uri, opts: &ConnectOptions, what: &'static str) -> Result<Conne
 }
 
 fn remote(op: &'static str, c: &Completion, e: impl std::fmt::Display) -> CopyError {
-    CopyError::Request { op, offset: c.offset, length: c.length, message: e.to_string() }
+    CopyError::request(op, c.offset, c.length, e)
 }
 
 /// Allocation map of an NBD source: (start, length, kind) covering the export.
@@ -241,12 +248,7 @@ fn nbd_map(c: &mut Connection, size: u64) -> Result<Vec<(u64, u64, Kind)>, CopyE
     let step = if c.mode() == ferry_proto::ReplyMode::Extended { u64::MAX } else { 0xFFFF_F000 };
     while pos < size {
         let len = (size - pos).min(step);
-        let ex = c.block_status(pos, len).map_err(|e| CopyError::Request {
-            op: "block status",
-            offset: pos,
-            length: len,
-            message: e.to_string(),
-        })?;
+        let ex = c.block_status(pos, len).map_err(|e| CopyError::request("block status", pos, len, e))?;
         for Extent { length, flags } in ex {
             let length = length.min(size - pos);
             if length == 0 {
@@ -504,12 +506,7 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progr
         match d {
             Dst::Nbd(mut c) => {
                 if opts.flush && i == 0 {
-                    c.flush().map_err(|e| CopyError::Request {
-                        op: "flush",
-                        offset: 0,
-                        length: 0,
-                        message: e.to_string(),
-                    })?;
+                    c.flush().map_err(|e| CopyError::request("flush", 0, 0, e))?;
                 }
                 let _ = c.disconnect();
             }
@@ -601,12 +598,7 @@ fn worker(mut src: Src, mut dst: Dst, sh: &Shared<'_>) -> (Src, Dst, u64) {
                     }
                     Src::File(f) => {
                         if let Err(e) = f.read_exact_at(&mut bufs[i][..item.len], item.offset) {
-                            sh.fail(CopyError::Request {
-                                op: "read",
-                                offset: item.offset,
-                                length: item.len as u64,
-                                message: e.to_string(),
-                            });
+                            sh.fail(CopyError::request("read", item.offset, item.len as u64, e));
                             return (src, dst, written);
                         }
                         slot.state = SlotState::Full;
@@ -656,12 +648,7 @@ fn worker(mut src: Src, mut dst: Dst, sh: &Shared<'_>) -> (Src, Dst, u64) {
                 })
                 .collect();
             if let Err(e) = c.submit(&reqs) {
-                sh.fail(CopyError::Request {
-                    op: "read",
-                    offset: subs[0].1,
-                    length: subs[0].2 as u64,
-                    message: e.to_string(),
-                });
+                sh.fail(CopyError::request("read", subs[0].1, subs[0].2 as u64, e));
                 return (src, dst, written);
             }
         }
@@ -726,12 +713,7 @@ fn worker(mut src: Src, mut dst: Dst, sh: &Shared<'_>) -> (Src, Dst, u64) {
                     }
                 };
                 if let Err(e) = res {
-                    sh.fail(CopyError::Request {
-                        op: "write",
-                        offset: item.offset,
-                        length: item.len as u64,
-                        message: e.to_string(),
-                    });
+                    sh.fail(CopyError::request("write", item.offset, item.len as u64, e));
                     return (src, dst, written);
                 }
                 written += item.len as u64;
@@ -746,12 +728,7 @@ fn worker(mut src: Src, mut dst: Dst, sh: &Shared<'_>) -> (Src, Dst, u64) {
         }
         if let (Dst::Nbd(c), false) = (&mut dst, wsubs.is_empty()) {
             if let Err(e) = c.submit(&wsubs) {
-                sh.fail(CopyError::Request {
-                    op: "write",
-                    offset: wsubs[0].offset,
-                    length: wsubs[0].length,
-                    message: e.to_string(),
-                });
+                sh.fail(CopyError::request("write", wsubs[0].offset, wsubs[0].length, e));
                 return (src, dst, written);
             }
         }
@@ -820,8 +797,7 @@ fn drain_completions(
     mut f: impl FnMut(Completion) -> Result<(), CopyError>,
 ) -> Result<(), CopyError> {
     loop {
-        let done =
-            c.receive(bufs).map_err(|e| CopyError::Request { op, offset: 0, length: 0, message: e.to_string() })?;
+        let done = c.receive(bufs).map_err(|e| CopyError::request(op, 0, 0, e))?;
         f(done)?;
         if c.in_flight() == 0 || !c.buffered() {
             return Ok(());
