@@ -6,6 +6,7 @@ use ferry_proto::consts::*;
 use ferry_proto::reply::{parse_block_status, parse_error_chunk, Extent, ReplyError, ReplyHeader, ReplyMode};
 use ferry_proto::request::RequestHeader;
 use ferry_sock::{BufferConfig, Stream};
+use ferry_tls::{ClientTls, TlsError, Transport as Channel};
 use std::io::{self, IoSlice, Read};
 use std::net::ToSocketAddrs;
 use std::os::fd::AsFd;
@@ -42,26 +43,40 @@ impl std::fmt::Display for RemoteError {
     }
 }
 
-/// Why a connection failed.
+/// Why a connection failed. Wrapped errors are part of the message, not a `source()`,
+/// so `{:#}` chains print each cause once.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error("{0}")]
-    Uri(#[from] UriError),
-    #[error("cannot connect to {target}: {source}")]
-    Connect { target: String, source: io::Error },
+    Uri(UriError),
+    #[error("cannot connect to {target}: {reason}")]
+    Connect { target: String, reason: io::Error },
     #[error("socket error: {0}")]
-    Io(#[from] io::Error),
+    Io(io::Error),
     #[error("handshake: {0}")]
-    Handshake(#[from] ClientError),
+    Handshake(ClientError),
     #[error("the server closed the connection")]
     Closed,
     #[error("protocol error: {0}")]
     Protocol(String),
     #[error("{0}")]
-    Reply(#[from] ReplyError),
+    Reply(ReplyError),
     #[error("{0}")]
     Remote(RemoteError),
+    #[error("TLS: {0}")]
+    Tls(TlsError),
 }
+
+macro_rules! wrap {
+    ($($from:ty => $variant:ident),*) => {$(
+        impl From<$from> for Error {
+            fn from(e: $from) -> Error {
+                Error::$variant(e)
+            }
+        }
+    )*};
+}
+wrap!(UriError => Uri, io::Error => Io, ClientError => Handshake, ReplyError => Reply, TlsError => Tls);
 
 /// How to connect.
 #[derive(Debug, Clone)]
@@ -134,7 +149,7 @@ const RECV_BUF: usize = 256 * 1024;
 const MAX_META_CHUNK: u64 = 16 * 1024 * 1024 + 64;
 
 pub struct Connection {
-    stream: Stream,
+    stream: Channel,
     info: ClientNegotiated,
     mode: ReplyMode,
     rx: Vec<u8>,
@@ -158,7 +173,7 @@ fn open_stream(uri: &Uri, opts: &ConnectOptions) -> Result<Stream, Error> {
     let stream = match &uri.transport {
         Transport::Unix { path } => {
             let s = Stream::connect_unix(path)
-                .map_err(|source| Error::Connect { target: path.display().to_string(), source })?;
+                .map_err(|source| Error::Connect { target: path.display().to_string(), reason: source })?;
             s.apply(BufferConfig::for_unix(opts.buffers))?;
             s
         }
@@ -166,7 +181,7 @@ fn open_stream(uri: &Uri, opts: &ConnectOptions) -> Result<Stream, Error> {
             let target = format!("{host}:{port}");
             let addrs = (host.as_str(), *port)
                 .to_socket_addrs()
-                .map_err(|source| Error::Connect { target: target.clone(), source })?;
+                .map_err(|reason| Error::Connect { target: target.clone(), reason })?;
             let mut last = io::Error::new(io::ErrorKind::NotFound, "no address");
             let mut found = None;
             for a in addrs {
@@ -178,7 +193,7 @@ fn open_stream(uri: &Uri, opts: &ConnectOptions) -> Result<Stream, Error> {
                     Err(e) => last = e,
                 }
             }
-            let s = found.ok_or(Error::Connect { target, source: last })?;
+            let s = found.ok_or(Error::Connect { target, reason: last })?;
             s.apply(opts.buffers)?;
             s
         }
@@ -186,9 +201,25 @@ fn open_stream(uri: &Uri, opts: &ConnectOptions) -> Result<Stream, Error> {
     Ok(stream)
 }
 
+/// Opens the socket a URI names and runs the handshake on it, upgrading to TLS when the
+/// URI asks for it. Returns the connection, the progress and any bytes that arrived
+/// after the handshake.
+fn open(uri: &Uri, opts: &ConnectOptions, mut cfg: ClientConfig) -> Result<(Channel, ClientProgress, Vec<u8>), Error> {
+    let tls = uri.tls.as_ref().map(ClientTls::new).transpose()?;
+    cfg.tls = tls.is_some();
+    let mut stream = Channel::from(open_stream(uri, opts)?);
+    let (p, leftover) = handshake(&mut stream, cfg, opts.handshake_timeout, tls.as_ref())?;
+    Ok((stream, p, leftover))
+}
+
 /// Runs a client handshake over `stream`. Returns the progress and any bytes that
 /// arrived after it.
-fn handshake(stream: &mut Stream, cfg: ClientConfig, timeout: Duration) -> Result<(ClientProgress, Vec<u8>), Error> {
+fn handshake(
+    stream: &mut Channel,
+    cfg: ClientConfig,
+    timeout: Duration,
+    tls: Option<&ClientTls>,
+) -> Result<(ClientProgress, Vec<u8>), Error> {
     stream.set_read_timeout(Some(timeout))?;
     let mut hs = ClientHandshake::new(cfg);
     let mut buf = vec![0u8; 128 * 1024];
@@ -201,6 +232,17 @@ fn handshake(stream: &mut Stream, cfg: ClientConfig, timeout: Duration) -> Resul
             if !out.is_empty() {
                 stream.send_all(&mut [IoSlice::new(&out)])?;
                 out.clear();
+            }
+            if p == ClientProgress::StartTls {
+                if head != tail {
+                    return Err(Error::Protocol("the server sent data after accepting STARTTLS, before TLS".into()));
+                }
+                (head, tail) = (0, 0);
+                stream.start_tls_client(tls.expect("STARTTLS is only sent with a TLS context"))?;
+                hs.tls_started(&mut out);
+                stream.send_all(&mut [IoSlice::new(&out)])?;
+                out.clear();
+                continue;
             }
             if p != ClientProgress::Continue {
                 stream.set_read_timeout(None)?;
@@ -228,15 +270,15 @@ fn handshake(stream: &mut Stream, cfg: ClientConfig, timeout: Duration) -> Resul
 impl Connection {
     /// Connects to the export a URI names.
     pub fn connect(uri: &Uri, opts: &ConnectOptions) -> Result<Connection, Error> {
-        let mut stream = open_stream(uri, opts)?;
         let cfg = ClientConfig {
             export: uri.export.clone(),
             extended: opts.extended,
             structured: opts.structured,
             meta_context: opts.meta_context,
             list: false,
+            tls: false,
         };
-        let (p, leftover) = handshake(&mut stream, cfg, opts.handshake_timeout)?;
+        let (stream, p, leftover) = open(uri, opts, cfg)?;
         let ClientProgress::Connected(info) = p else {
             return Err(Error::Protocol("unexpected handshake result".into()));
         };
@@ -260,10 +302,9 @@ impl Connection {
 
     /// Lists the exports of the server a URI names: (name, description) pairs.
     pub fn list(uri: &Uri, opts: &ConnectOptions) -> Result<Vec<(String, String)>, Error> {
-        let mut stream = open_stream(uri, opts)?;
         let mut cfg = ClientConfig::new(&uri.export);
         cfg.list = true;
-        match handshake(&mut stream, cfg, opts.handshake_timeout)?.0 {
+        match open(uri, opts, cfg)?.1 {
             ClientProgress::Listed(l) => Ok(l),
             _ => Err(Error::Protocol("unexpected handshake result".into())),
         }
@@ -304,12 +345,12 @@ impl Connection {
         self.in_flight += 1;
         i as u64 + 1
     }
-    pub fn stream(&self) -> &Stream {
+    pub fn stream(&self) -> &Channel {
         &self.stream
     }
     /// What this connection did on its socket.
     pub fn stats(&self) -> ferry_sock::Counters {
-        self.stream.stats
+        self.stream.stats()
     }
 
     /// Sends requests in one vectored send (headers and WRITE payloads interleaved).
@@ -360,7 +401,7 @@ impl Connection {
             iov.push(IoSlice::new(&self.hdrs[last_hdr_end..]));
         }
         self.stream.send_all(&mut iov)?;
-        self.stream.stats.requests += reqs.len() as u64;
+        self.stream.count_requests(reqs.len() as u64);
         Ok(last)
     }
 
@@ -421,14 +462,15 @@ impl Connection {
         Ok(v)
     }
 
-    /// Whether unparsed reply bytes are already in the receive buffer (no syscall).
+    /// Whether unparsed reply bytes are already in the receive buffer, or decrypted
+    /// bytes wait in the TLS layer (no syscall needed either way).
     pub fn buffered(&self) -> bool {
-        self.tail > self.head
+        self.tail > self.head || self.stream.buffered()
     }
 
     /// Whether a reply is already buffered or the socket is readable now.
     pub fn readable(&self, timeout: Option<Duration>) -> io::Result<bool> {
-        if self.tail > self.head {
+        if self.buffered() {
             return Ok(true);
         }
         let mut fds = [rustix::event::PollFd::new(&self.stream, rustix::event::PollFlags::IN)];

@@ -1,7 +1,10 @@
 //! NBD URIs, as the NBD project's `doc/uri.md` and libnbd define them:
-//! `nbd://host[:port]/export` and `nbd+unix:///export?socket=PATH` (and their `nbds`
-//! forms, which need TLS).
+//! `nbd://host[:port]/export` and `nbd+unix:///export?socket=PATH`, and their TLS forms
+//! `nbds://[identity@]host[:port]/export` and `nbds+unix:///export?socket=PATH` with the
+//! query parameters `tls-certificates=DIR`, `tls-psk-file=FILE`, `tls-hostname=NAME`
+//! and `tls-verify-peer=false`.
 
+use ferry_tls::ClientTlsConfig;
 use std::path::PathBuf;
 
 /// Where and how to connect.
@@ -16,8 +19,8 @@ pub enum Transport {
 pub struct Uri {
     pub transport: Transport,
     pub export: String,
-    /// `nbds` / `nbds+unix`: TLS is required.
-    pub tls: bool,
+    /// `nbds` / `nbds+unix`: TLS is required, with these credentials.
+    pub tls: Option<ClientTlsConfig>,
 }
 
 /// A URI ferry cannot honour, and why.
@@ -31,8 +34,10 @@ pub enum UriError {
     NoSocket(String),
     #[error("{0:?}: a TCP URI needs a host, e.g. nbd://localhost/")]
     NoHost(String),
-    #[error("{0:?}: TLS (nbds://, nbds+unix://) is not supported by this ferry yet")]
-    TlsUnsupported(String),
+    #[error("{0:?}: {1} only applies to TLS; use nbds:// or nbds+unix://")]
+    TlsParamWithoutTls(String, String),
+    #[error("{0:?}: tls-verify-peer={1:?} is not a boolean (true/false)")]
+    BadBool(String, String),
     #[error("{0:?}: export name is not valid UTF-8 after percent-decoding")]
     BadExport(String),
 }
@@ -49,7 +54,8 @@ impl Uri {
     }
 
     pub fn parse(s: &str) -> Result<Uri, UriError> {
-        let u = url::Url::parse(s).map_err(|e| UriError::Syntax(s.into(), e.to_string()))?;
+        let (parsed, unix_user) = split_unix_user(s);
+        let u = url::Url::parse(&parsed).map_err(|e| UriError::Syntax(s.into(), e.to_string()))?;
         let (unix, tls) = match u.scheme() {
             "nbd" | "nbd+tcp" => (false, false),
             "nbds" | "nbds+tcp" => (false, true),
@@ -57,8 +63,12 @@ impl Uri {
             "nbds+unix" => (true, true),
             other => return Err(UriError::Scheme(s.into(), other.into())),
         };
-        if tls {
-            return Err(UriError::TlsUnsupported(s.into()));
+        let param = |name: &str| u.query_pairs().find(|(k, _)| k == name).map(|(_, v)| v.into_owned());
+        let tls_params = ["tls-certificates", "tls-psk-file", "tls-hostname", "tls-verify-peer"];
+        if !tls {
+            if let Some(p) = tls_params.iter().find(|p| param(p).is_some()) {
+                return Err(UriError::TlsParamWithoutTls(s.into(), (*p).into()));
+            }
         }
         let path = u.path();
         let export = percent_encoding::percent_decode_str(path.strip_prefix('/').unwrap_or(path))
@@ -79,18 +89,55 @@ impl Uri {
             };
             Transport::Tcp { host, port: u.port().unwrap_or(NBD_PORT) }
         };
+        let tls = if tls {
+            let verify_peer = match param("tls-verify-peer").as_deref() {
+                None | Some("true" | "1" | "yes" | "on") => true,
+                Some("false" | "0" | "no" | "off") => false,
+                Some(other) => return Err(UriError::BadBool(s.into(), other.into())),
+            };
+            let user = unix_user.unwrap_or_else(|| u.username().to_string());
+            let user = percent_encoding::percent_decode_str(&user).decode_utf8_lossy().into_owned();
+            let hostname = param("tls-hostname").or(match &transport {
+                Transport::Tcp { host, .. } => Some(host.clone()),
+                Transport::Unix { .. } => None,
+            });
+            Some(ClientTlsConfig {
+                certificates: param("tls-certificates").map(PathBuf::from),
+                psk_file: param("tls-psk-file").map(PathBuf::from),
+                psk_identity: (!user.is_empty()).then_some(user),
+                hostname,
+                verify_peer,
+            })
+        } else {
+            None
+        };
         Ok(Uri { transport, export, tls })
     }
+}
+
+/// `nbds+unix://alice@/?socket=...` names a PSK identity without a host, which libnbd
+/// accepts and the `url` crate refuses ("empty host"): take the user out before parsing.
+fn split_unix_user(s: &str) -> (String, Option<String>) {
+    if let Some((scheme, rest)) = s.split_once("://") {
+        if scheme.ends_with("+unix") {
+            let end = rest.find(['/', '?']).unwrap_or(rest.len());
+            if let Some(user) = rest[..end].strip_suffix('@') {
+                return (format!("{scheme}://{}", &rest[end..]), Some(user.to_string()));
+            }
+        }
+    }
+    (s.to_string(), None)
 }
 
 impl std::fmt::Display for Uri {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let export: String =
             percent_encoding::utf8_percent_encode(&self.export, percent_encoding::NON_ALPHANUMERIC).to_string();
+        let s = if self.tls.is_some() { "s" } else { "" };
         match &self.transport {
-            Transport::Tcp { host, port } if host.contains(':') => write!(f, "nbd://[{host}]:{port}/{export}"),
-            Transport::Tcp { host, port } => write!(f, "nbd://{host}:{port}/{export}"),
-            Transport::Unix { path } => write!(f, "nbd+unix:///{export}?socket={}", path.display()),
+            Transport::Tcp { host, port } if host.contains(':') => write!(f, "nbd{s}://[{host}]:{port}/{export}"),
+            Transport::Tcp { host, port } => write!(f, "nbd{s}://{host}:{port}/{export}"),
+            Transport::Unix { path } => write!(f, "nbd{s}+unix:///{export}?socket={}", path.display()),
         }
     }
 }
@@ -120,10 +167,32 @@ mod tests {
     fn unusable_uris_say_why() {
         assert!(matches!(Uri::parse("nbd+unix:///disk"), Err(UriError::NoSocket(_))));
         assert!(matches!(Uri::parse("http://x/"), Err(UriError::Scheme(..))));
-        assert!(matches!(Uri::parse("nbds://x/"), Err(UriError::TlsUnsupported(_))));
+        assert!(matches!(Uri::parse("nbd://x/?tls-psk-file=k"), Err(UriError::TlsParamWithoutTls(..))));
+        assert!(matches!(Uri::parse("nbds://x/?tls-verify-peer=maybe"), Err(UriError::BadBool(..))));
         assert!(matches!(Uri::parse("not a uri"), Err(UriError::Syntax(..))));
         assert!(Uri::looks_like("nbd+unix:///?socket=x"));
         assert!(!Uri::looks_like("/tmp/file"));
+    }
+
+    #[test]
+    fn tls_uris_carry_credentials() {
+        let u = Uri::parse("nbds://alice@example.com/disk?tls-psk-file=/k.psk").unwrap();
+        let t = u.tls.unwrap();
+        assert_eq!(t.psk_identity.as_deref(), Some("alice"));
+        assert_eq!(t.psk_file, Some(PathBuf::from("/k.psk")));
+        assert_eq!(t.hostname.as_deref(), Some("example.com"));
+        assert!(t.verify_peer);
+        let u = Uri::parse("nbds+unix:///d?socket=/s&tls-certificates=/pki&tls-verify-peer=false").unwrap();
+        let t = u.tls.unwrap();
+        assert_eq!(t.certificates, Some(PathBuf::from("/pki")));
+        assert_eq!(t.hostname, None);
+        assert!(!t.verify_peer);
+        let u = Uri::parse("nbds+unix://bob@/d?socket=/s").unwrap();
+        assert_eq!(u.export, "d");
+        assert_eq!(u.tls.unwrap().psk_identity.as_deref(), Some("bob"));
+        let u = Uri::parse("nbds+unix:///d?socket=/s&tls-hostname=srv").unwrap();
+        assert_eq!(u.tls.unwrap().hostname.as_deref(), Some("srv"));
+        assert!(Uri::parse("nbd://x/").unwrap().tls.is_none());
     }
 
     #[test]

@@ -51,17 +51,19 @@ pub fn run(args: InfoArgs) -> Result<i32> {
     };
     let mut exports = Vec::new();
     let mut mode = None;
+    let mut tls = None;
     for (name, _) in &names {
         let u = Uri { export: name.clone(), ..uri.clone() };
         let c = Connection::connect(&u, &opts).with_context(|| format!("connecting to {u}"))?;
         mode = Some(c.mode());
+        tls = c.stream().tls_description();
         exports.push(describe(&c, &u));
         let _ = c.disconnect();
     }
     let mode = mode.unwrap_or(ReplyMode::Simple);
     let doc = json!({
         "protocol": "newstyle-fixed",
-        "TLS": false,
+        "TLS": tls.is_some(),
         "structured": mode != ReplyMode::Simple,
         "extended_headers": mode == ReplyMode::Extended,
         "exports": exports,
@@ -110,7 +112,8 @@ fn print_text(doc: &Value) {
         (Some(true), _) => "structured replies",
         _ => "simple replies",
     };
-    println!("protocol: newstyle-fixed without TLS, using {features}");
+    let tls = if doc["TLS"].as_bool() == Some(true) { "with" } else { "without" };
+    println!("protocol: newstyle-fixed {tls} TLS, using {features}");
     for e in doc["exports"].as_array().into_iter().flatten() {
         println!("export={:?}:", e["export-name"].as_str().unwrap_or(""));
         if let Some(d) = e.get("description").and_then(Value::as_str) {

@@ -2,8 +2,10 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use ferry_proto::TlsPolicy;
 use ferry_server::{Config, Export, Exports, Server};
 use ferry_sock::{BufferConfig, Listener};
+use ferry_tls::{ServerTls, ServerTlsConfig};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
 use std::process::Command;
@@ -56,6 +58,52 @@ pub struct ServeArgs {
     /// reply on its own, to measure what grouping is worth).
     #[arg(long, default_value = "64K", value_name = "BYTES")]
     send_batch: String,
+    /// TLS: off, on (offer STARTTLS, plaintext clients still served) or require
+    /// (nothing but STARTTLS is answered before TLS). Default: require when
+    /// credentials are given, else off.
+    #[arg(long, value_enum, value_name = "MODE")]
+    tls: Option<TlsMode>,
+    /// Directory with server-cert.pem, server-key.pem and ca-cert.pem (the layout of
+    /// nbdkit and qemu's tls-creds-x509).
+    #[arg(long, value_name = "DIR")]
+    tls_certificates: Option<PathBuf>,
+    /// Pre-shared keys, one IDENTITY:HEXKEY per line (psktool's format).
+    #[arg(long, value_name = "FILE")]
+    tls_psk: Option<PathBuf>,
+    /// Require client certificates signed by the CA in --tls-certificates.
+    #[arg(long)]
+    tls_verify_peer: bool,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum TlsMode {
+    Off,
+    On,
+    Require,
+}
+
+/// The TLS policy and context the options ask for.
+fn tls_config(args: &ServeArgs) -> Result<(TlsPolicy, Option<ServerTls>)> {
+    let creds = args.tls_certificates.is_some() || args.tls_psk.is_some();
+    let policy = match args.tls {
+        Some(TlsMode::Off) => TlsPolicy::Off,
+        Some(TlsMode::On) => TlsPolicy::On,
+        Some(TlsMode::Require) => TlsPolicy::Require,
+        None if creds => TlsPolicy::Require,
+        None => TlsPolicy::Off,
+    };
+    if policy == TlsPolicy::Off {
+        if creds || args.tls_verify_peer {
+            bail!("--tls=off contradicts --tls-certificates/--tls-psk/--tls-verify-peer");
+        }
+        return Ok((policy, None));
+    }
+    let cfg = ServerTlsConfig {
+        certificates: args.tls_certificates.clone(),
+        psk: args.tls_psk.clone(),
+        verify_peer: args.tls_verify_peer,
+    };
+    Ok((policy, Some(ServerTls::new(&cfg)?)))
 }
 
 pub fn run(args: ServeArgs) -> Result<i32> {
@@ -85,6 +133,7 @@ pub fn run(args: ServeArgs) -> Result<i32> {
     if args.max_connections == 0 {
         bail!("--max-connections must be at least 1");
     }
+    let (tls_policy, tls) = tls_config(&args)?;
     let explicit = args.sockets.buffers()?;
     let config = Config {
         max_connections: args.max_connections,
@@ -94,6 +143,8 @@ pub fn run(args: ServeArgs) -> Result<i32> {
         sendfile: !args.no_sendfile,
         stats: args.stats,
         send_batch: ferry_backend::parse_size(&args.send_batch).context("--send-batch")? as usize,
+        tls_policy,
+        tls,
     };
 
     let listeners = match ferry_sock::listen_fds().context("systemd socket activation")? {
@@ -110,12 +161,12 @@ pub fn run(args: ServeArgs) -> Result<i32> {
             }
         }],
     };
-    let (uri, unixsocket, port) = describe(&listeners[0]);
+    let (uri, unixsocket, port) = describe(&listeners[0], tls_policy == TlsPolicy::Require);
     for e in exports.iter() {
         let name = if e.name.is_empty() { "default export".to_string() } else { format!("export {:?}", e.name) };
         log::info!("{name}: {} ({} bytes)", e.backend.describe(), e.backend.size());
     }
-    log::info!("listening on {uri}");
+    log::info!("listening on {uri}{}", if tls_policy == TlsPolicy::On { " (TLS offered)" } else { "" });
 
     let mut server = Server::new(exports, config)?;
     let handle = server.shutdown_handle();
@@ -163,14 +214,16 @@ pub fn run(args: ServeArgs) -> Result<i32> {
 }
 
 /// The NBD URI, socket path and port of a listener, for logs and `--run`.
-fn describe(l: &Listener) -> (String, Option<String>, Option<u16>) {
+/// With `tls`, the scheme is `nbds`: the server requires TLS.
+fn describe(l: &Listener, tls: bool) -> (String, Option<String>, Option<u16>) {
+    let s = if tls { "s" } else { "" };
     if let Some(p) = l.unix_path() {
-        let s = p.display().to_string();
-        return (format!("nbd+unix:///?socket={s}"), Some(s), None);
+        let path = p.display().to_string();
+        return (format!("nbd{s}+unix:///?socket={path}"), Some(path), None);
     }
     match l.local_tcp_addr() {
-        Some(SocketAddr::V6(a)) => (format!("nbd://[{}]:{}", a.ip(), a.port()), None, Some(a.port())),
-        Some(a) => (format!("nbd://{}:{}", a.ip(), a.port()), None, Some(a.port())),
-        None => ("nbd://(socket activation)".into(), None, None),
+        Some(SocketAddr::V6(a)) => (format!("nbd{s}://[{}]:{}", a.ip(), a.port()), None, Some(a.port())),
+        Some(a) => (format!("nbd{s}://{}:{}", a.ip(), a.port()), None, Some(a.port())),
+        None => (format!("nbd{s}://(socket activation)"), None, None),
     }
 }

@@ -24,11 +24,20 @@ pub struct ClientConfig {
     pub meta_context: bool,
     /// List exports instead of connecting to one.
     pub list: bool,
+    /// Upgrade to TLS with `NBD_OPT_STARTTLS` before anything else.
+    pub tls: bool,
 }
 
 impl ClientConfig {
     pub fn new(export: &str) -> Self {
-        ClientConfig { export: export.to_string(), extended: true, structured: true, meta_context: true, list: false }
+        ClientConfig {
+            export: export.to_string(),
+            extended: true,
+            structured: true,
+            meta_context: true,
+            list: false,
+            tls: false,
+        }
     }
 }
 
@@ -67,6 +76,10 @@ pub enum ClientError {
     Malformed(&'static str),
     #[error("the server sent an option reply of {0} bytes, more than any reply should be")]
     ReplyTooLong(u32),
+    #[error("the server requires TLS: connect with an nbds:// or nbds+unix:// URI")]
+    TlsRequired,
+    #[error("TLS was asked for, but the server refused NBD_OPT_STARTTLS: {0}")]
+    TlsRefused(String),
     #[error("the handshake is over")]
     Finished,
 }
@@ -80,6 +93,10 @@ pub enum ClientProgress {
     Connected(Box<ClientNegotiated>),
     /// Exports listed (`out` holds NBD_OPT_ABORT): send it and close.
     Listed(Vec<(String, String)>),
+    /// The server accepted `NBD_OPT_STARTTLS`: run the TLS handshake as the client,
+    /// then call [`ClientHandshake::tls_started`] and go on over TLS. Bytes the server
+    /// sent in plaintext after its ACK must not be trusted: drop the connection.
+    StartTls,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,6 +105,8 @@ enum State {
     /// Waiting for replies to this option.
     Reply(u32),
     ExportNameReply,
+    /// STARTTLS accepted; waiting for the caller to finish the TLS handshake.
+    Tls,
     Done,
 }
 
@@ -133,6 +152,7 @@ impl ClientHandshake {
     pub fn feed(&mut self, input: &[u8], out: &mut Vec<u8>) -> Result<(usize, ClientProgress), ClientError> {
         match self.state {
             State::Done => Err(ClientError::Finished),
+            State::Tls => Err(ClientError::Malformed("NBD_OPT_STARTTLS (data before the TLS handshake)")),
             State::Greeting => {
                 if input.len() < 16 {
                     return Ok((0, ClientProgress::Continue));
@@ -156,12 +176,10 @@ impl ClientHandshake {
                     cflags |= FLAG_C_NO_ZEROES;
                 }
                 out.extend_from_slice(&cflags.to_be_bytes());
-                if self.cfg.list {
-                    self.send(OPT_LIST, &[], out);
-                } else if self.cfg.extended {
-                    self.send(OPT_EXTENDED_HEADERS, &[], out);
+                if self.cfg.tls {
+                    self.send(OPT_STARTTLS, &[], out);
                 } else {
-                    self.after_extended(out);
+                    self.first_option(out);
                 }
                 Ok((18, ClientProgress::Continue))
             }
@@ -194,6 +212,22 @@ impl ClientHandshake {
                 let progress = self.reply(opt, reply, &input[20..total], out)?;
                 Ok((total, progress))
             }
+        }
+    }
+
+    /// Call after the TLS handshake that followed [`ClientProgress::StartTls`]; appends
+    /// the first option to send over TLS.
+    pub fn tls_started(&mut self, out: &mut Vec<u8>) {
+        self.first_option(out);
+    }
+
+    fn first_option(&mut self, out: &mut Vec<u8>) {
+        if self.cfg.list {
+            self.send(OPT_LIST, &[], out);
+        } else if self.cfg.extended {
+            self.send(OPT_EXTENDED_HEADERS, &[], out);
+        } else {
+            self.after_extended(out);
         }
     }
 
@@ -235,7 +269,17 @@ impl ClientHandshake {
                 format!("{} ({msg})", reply_name(reply))
             }
         };
+        if reply == REP_ERR_TLS_REQD {
+            return Err(ClientError::TlsRequired);
+        }
         match opt {
+            OPT_STARTTLS => {
+                if reply != REP_ACK {
+                    return Err(ClientError::TlsRefused(error_text()));
+                }
+                self.state = State::Tls;
+                return Ok(ClientProgress::StartTls);
+            }
             OPT_EXTENDED_HEADERS => {
                 if reply == REP_ACK {
                     self.n.mode = Some(ReplyMode::Extended);
@@ -335,7 +379,7 @@ impl ClientHandshake {
 mod tests {
     use super::*;
     use crate::export::{Capabilities, ExportInfo};
-    use crate::handshake::{Catalog, Progress, ServerHandshake};
+    use crate::handshake::{Catalog, Progress, ServerHandshake, TlsPolicy};
 
     struct Cat;
     impl Catalog for Cat {
@@ -355,8 +399,13 @@ mod tests {
 
     /// Runs ferry's client against ferry's server, in memory.
     fn talk(cfg: ClientConfig) -> (Result<ClientProgress, ClientError>, Option<Progress>) {
+        talk_tls(cfg, TlsPolicy::Off)
+    }
+
+    /// As `talk`, with the server's TLS policy; the TLS handshake itself is assumed.
+    fn talk_tls(cfg: ClientConfig, policy: TlsPolicy) -> (Result<ClientProgress, ClientError>, Option<Progress>) {
         let mut s2c = Vec::new();
-        let mut server = ServerHandshake::new(&mut s2c);
+        let mut server = ServerHandshake::with_tls(&mut s2c, policy);
         let mut client = ClientHandshake::new(cfg);
         let mut c2s = Vec::new();
         let mut server_done = None;
@@ -366,6 +415,11 @@ mod tests {
                 match client.feed(&s2c, &mut c2s) {
                     Err(e) => return (Err(e), server_done),
                     Ok((0, _)) => break,
+                    Ok((n, ClientProgress::StartTls)) => {
+                        s2c.drain(..n);
+                        progressed = true;
+                        client.tls_started(&mut c2s);
+                    }
                     Ok((n, p)) => {
                         s2c.drain(..n);
                         progressed = true;
@@ -380,6 +434,11 @@ mod tests {
             loop {
                 match server.feed(&c2s, &Cat, &mut s2c) {
                     Ok((0, _)) => break,
+                    Ok((n, Progress::StartTls)) => {
+                        c2s.drain(..n);
+                        progressed = true;
+                        server.tls_started();
+                    }
                     Ok((n, p)) => {
                         c2s.drain(..n);
                         progressed = true;
@@ -431,6 +490,23 @@ mod tests {
         let (p, _) = talk(ClientConfig::new("nope"));
         let Err(ClientError::Refused { reason, .. }) = p else { panic!("{p:?}") };
         assert!(reason.contains("no such export"), "{reason}");
+    }
+
+    #[test]
+    fn starttls_first_and_clear_errors() {
+        let mut c = ClientConfig::new("d");
+        c.tls = true;
+        let (p, s) = talk_tls(c.clone(), TlsPolicy::Require);
+        let Ok(ClientProgress::Connected(n)) = p else { panic!("{p:?}") };
+        assert_eq!(n.mode, Some(ReplyMode::Extended));
+        assert!(matches!(s, Some(Progress::Transmission(_))));
+        let (p, _) = talk_tls(c, TlsPolicy::Off);
+        let Err(ClientError::TlsRefused(why)) = p else { panic!("{p:?}") };
+        assert!(why.contains("not enabled"), "{why}");
+        let (p, _) = talk_tls(ClientConfig::new("d"), TlsPolicy::Require);
+        assert_eq!(p, Err(ClientError::TlsRequired));
+        let (p, _) = talk_tls(ClientConfig::new("d"), TlsPolicy::On);
+        assert!(matches!(p, Ok(ClientProgress::Connected(_))), "{p:?}");
     }
 
     #[test]

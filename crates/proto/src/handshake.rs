@@ -38,6 +38,21 @@ pub enum HandshakeError {
     ExportNameTooLong(u32),
     #[error("bytes received after the handshake finished")]
     Finished,
+    #[error("the client asked for an export in plaintext, but this server requires TLS")]
+    TlsRequired,
+}
+
+/// Whether the server offers or insists on TLS (nbdkit's `--tls=off|on|require`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum TlsPolicy {
+    /// `NBD_OPT_STARTTLS` is refused.
+    #[default]
+    Off,
+    /// STARTTLS is offered; plaintext clients may still use every export.
+    On,
+    /// Nothing but STARTTLS and ABORT is answered before the upgrade, so not even the
+    /// export list leaks (`NBD_REP_ERR_TLS_REQD`).
+    Require,
 }
 
 /// What the caller should do after a call to `feed`.
@@ -49,6 +64,12 @@ pub enum Progress {
     Abort,
     /// Send `out`, then enter the transmission phase.
     Transmission(Box<Negotiated>),
+    /// Send `out` (the ACK of `NBD_OPT_STARTTLS`), run the TLS handshake as the server,
+    /// call [`ServerHandshake::tls_started`] and go on feeding bytes read through TLS.
+    /// Any plaintext bytes already received after the STARTTLS option must be
+    /// discarded with the connection: they were sent before the upgrade and could have
+    /// been injected by anyone on the path.
+    StartTls,
 }
 
 /// Everything the transmission phase needs from the handshake.
@@ -100,14 +121,22 @@ pub struct ServerHandshake {
     extended: bool,
     /// Export name for which `base:allocation` was selected by the last SET_META_CONTEXT.
     meta_export: Option<String>,
+    tls: TlsPolicy,
+    /// The TLS handshake has completed.
+    tls_active: bool,
 }
 
 /// Handshake flags ferry advertises.
 pub const SERVER_FLAGS: u16 = FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES;
 
 impl ServerHandshake {
-    /// Starts a handshake and appends the server greeting to `out`.
+    /// Starts a handshake without TLS and appends the server greeting to `out`.
     pub fn new(out: &mut Vec<u8>) -> Self {
+        Self::with_tls(out, TlsPolicy::Off)
+    }
+
+    /// Starts a handshake with a TLS policy and appends the server greeting to `out`.
+    pub fn with_tls(out: &mut Vec<u8>, tls: TlsPolicy) -> Self {
         out.extend_from_slice(&NBDMAGIC.to_be_bytes());
         out.extend_from_slice(&IHAVEOPT.to_be_bytes());
         out.extend_from_slice(&SERVER_FLAGS.to_be_bytes());
@@ -117,7 +146,24 @@ impl ServerHandshake {
             structured: false,
             extended: false,
             meta_export: None,
+            tls,
+            tls_active: false,
         }
+    }
+
+    /// Records that the TLS handshake after `NBD_OPT_STARTTLS` succeeded. What was
+    /// negotiated in plaintext is forgotten (proto.md: state from before the upgrade
+    /// must not carry over).
+    pub fn tls_started(&mut self) {
+        self.tls_active = true;
+        self.structured = false;
+        self.extended = false;
+        self.meta_export = None;
+    }
+
+    /// Whether the session runs over TLS.
+    pub fn tls_active(&self) -> bool {
+        self.tls_active
     }
 
     /// Consumes at most one client message from the front of `input`, appending any reply
@@ -216,6 +262,15 @@ impl ServerHandshake {
         catalog: &dyn Catalog,
         out: &mut Vec<u8>,
     ) -> Result<Progress, HandshakeError> {
+        if self.tls == TlsPolicy::Require && !self.tls_active && opt != OPT_STARTTLS && opt != OPT_ABORT {
+            if opt == OPT_EXPORT_NAME {
+                // EXPORT_NAME has no error reply: the only answer is to hang up.
+                return Err(HandshakeError::TlsRequired);
+            }
+            let msg = format!("this server requires TLS: send NBD_OPT_STARTTLS before {}", option_name(opt));
+            option_reply(out, opt, REP_ERR_TLS_REQD, msg.as_bytes());
+            return Ok(Progress::Continue);
+        }
         match opt {
             OPT_EXPORT_NAME => {
                 if self.extended {
@@ -251,8 +306,18 @@ impl ServerHandshake {
                 Ok(Progress::Continue)
             }
             OPT_STARTTLS => {
-                option_reply(out, opt, REP_ERR_UNSUP, b"TLS is not supported by this ferry server");
-                Ok(Progress::Continue)
+                if self.tls == TlsPolicy::Off {
+                    option_reply(out, opt, REP_ERR_UNSUP, b"TLS is not enabled on this server (ferry serve --tls=on)");
+                    return Ok(Progress::Continue);
+                }
+                if self.tls_active {
+                    return Ok(invalid(out, opt, "TLS is already active"));
+                }
+                if !data.is_empty() {
+                    return Ok(invalid(out, opt, "NBD_OPT_STARTTLS takes no data"));
+                }
+                option_reply(out, opt, REP_ACK, &[]);
+                Ok(Progress::StartTls)
             }
             OPT_INFO | OPT_GO => {
                 let req = match parse_info_request(data) {
@@ -412,6 +477,10 @@ mod tests {
     fn run(input: &[u8]) -> (Vec<u8>, Result<Progress, HandshakeError>) {
         let mut out = Vec::new();
         let mut hs = ServerHandshake::new(&mut out);
+        run_on(&mut hs, input, out)
+    }
+
+    fn run_on(hs: &mut ServerHandshake, input: &[u8], mut out: Vec<u8>) -> (Vec<u8>, Result<Progress, HandshakeError>) {
         let mut pos = 0;
         loop {
             match hs.feed(&input[pos..], &One, &mut out) {
@@ -508,6 +577,66 @@ mod tests {
         assert_eq!(r[2].1, REP_SERVER);
         assert_eq!(r[3].1, REP_ACK);
         assert_eq!(r[4], (OPT_ABORT, REP_ACK, vec![]));
+    }
+
+    #[test]
+    fn tls_require_answers_only_starttls_and_abort() {
+        let mut out = Vec::new();
+        let mut hs = ServerHandshake::with_tls(&mut out, TlsPolicy::Require);
+        let mut i = client_flags();
+        encode_option(OPT_LIST, &[], &mut i);
+        encode_option(OPT_STRUCTURED_REPLY, &[], &mut i);
+        let mut g = Vec::new();
+        encode_info_request("disk", &[], &mut g);
+        encode_option(OPT_INFO, &g, &mut i);
+        encode_option(OPT_STARTTLS, &[], &mut i);
+        let (out, p) = run_on(&mut hs, &i, out);
+        assert_eq!(p, Ok(Progress::StartTls));
+        let r = replies(&out);
+        assert_eq!(r.len(), 4);
+        for x in &r[..3] {
+            assert_eq!(x.1, REP_ERR_TLS_REQD, "{x:?}");
+        }
+        assert!(!r.iter().any(|x| x.1 == REP_SERVER || x.1 == REP_INFO), "nothing leaks before TLS");
+        assert_eq!(r[3], (OPT_STARTTLS, REP_ACK, vec![]));
+        // After the upgrade: everything works, plaintext state is forgotten, and a second
+        // STARTTLS is invalid.
+        hs.tls_started();
+        let mut i = Vec::new();
+        encode_option(OPT_STARTTLS, &[], &mut i);
+        encode_option(OPT_GO, &g, &mut i);
+        let (out, p) = run_on(&mut hs, &i, vec![0; 18]);
+        let Ok(Progress::Transmission(n)) = p else { panic!("{p:?}") };
+        assert_eq!(n.mode, ReplyMode::Simple);
+        assert_eq!(replies(&out)[0].1, REP_ERR_INVALID);
+        // EXPORT_NAME before TLS has no error reply: the connection is dropped.
+        let mut out = Vec::new();
+        let mut hs = ServerHandshake::with_tls(&mut out, TlsPolicy::Require);
+        let mut i = client_flags();
+        encode_option(OPT_EXPORT_NAME, b"disk", &mut i);
+        assert_eq!(run_on(&mut hs, &i, out).1, Err(HandshakeError::TlsRequired));
+    }
+
+    #[test]
+    fn tls_on_allows_plaintext_and_off_refuses_starttls() {
+        let mut out = Vec::new();
+        let mut hs = ServerHandshake::with_tls(&mut out, TlsPolicy::On);
+        let mut i = client_flags();
+        encode_option(OPT_LIST, &[], &mut i);
+        encode_option(OPT_STARTTLS, b"x", &mut i);
+        encode_option(OPT_STARTTLS, &[], &mut i);
+        let (out, p) = run_on(&mut hs, &i, out);
+        assert_eq!(p, Ok(Progress::StartTls));
+        let r = replies(&out);
+        assert_eq!(r[0].1, REP_SERVER);
+        assert_eq!(r[2].1, REP_ERR_INVALID);
+        assert_eq!(r[3], (OPT_STARTTLS, REP_ACK, vec![]));
+        let mut i = client_flags();
+        encode_option(OPT_STARTTLS, &[], &mut i);
+        encode_option(OPT_ABORT, &[], &mut i);
+        let (out, p) = run(&i);
+        assert_eq!(p, Ok(Progress::Abort));
+        assert_eq!(replies(&out)[0].1, REP_ERR_UNSUP);
     }
 
     #[test]

@@ -18,6 +18,6 @@ pub mod reply;
 pub mod request;
 
 pub use export::{BlockSize, Capabilities, ExportInfo};
-pub use handshake::{Catalog, HandshakeError, Negotiated, Progress, ServerHandshake};
+pub use handshake::{Catalog, HandshakeError, Negotiated, Progress, ServerHandshake, TlsPolicy};
 pub use reply::{ReplyMode, ReplyWriter};
 pub use request::{Command, RequestError, RequestHeader, Validated};

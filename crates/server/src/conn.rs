@@ -20,9 +20,10 @@ use ferry_proto::handshake::{Progress, ServerHandshake};
 use ferry_proto::reply::ReplyWriter;
 use ferry_proto::request::{Command, PayloadPlan, RequestError, RequestHeader, Session};
 use ferry_sock::{Counters, Stream};
+use ferry_tls::Transport;
 use std::io::{self, IoSlice, Read};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Why a connection ended early.
 #[derive(Debug, thiserror::Error)]
@@ -37,6 +38,10 @@ pub enum ConnError {
     HandshakeEof,
     #[error("{0}")]
     Request(#[from] RequestError),
+    #[error("{0}")]
+    Tls(#[from] ferry_tls::TlsError),
+    #[error("client sent {0} bytes after NBD_OPT_STARTTLS without waiting for the TLS handshake (dropped: they could have been injected)")]
+    DataAfterStartTls(usize),
 }
 
 /// Receive buffer size: many requests (and small write payloads) per `read`.
@@ -59,23 +64,22 @@ const MAX_EXTENTS: usize = 64 * 1024;
 /// Handshake receive buffer: the largest option (64 KiB of data) plus its header.
 const HANDSHAKE_BUF: usize = ferry_proto::consts::MAX_OPTION_DATA as usize + 64;
 
-pub fn serve(
-    mut stream: Stream,
-    exports: &Exports,
-    config: &Config,
-    counters: &Mutex<Counters>,
-) -> Result<(), ConnError> {
+pub fn serve(stream: Stream, exports: &Exports, config: &Config, counters: &Mutex<Counters>) -> Result<(), ConnError> {
     let peer = stream.peer();
+    let mut stream = Transport::from(stream);
     let result = serve_inner(&mut stream, exports, config, counters);
-    *counters.lock().unwrap_or_else(|e| e.into_inner()) = stream.stats;
+    if stream.is_tls() {
+        let _ = stream.shutdown(std::net::Shutdown::Both);
+    }
+    *counters.lock().unwrap_or_else(|e| e.into_inner()) = stream.stats();
     if config.stats {
-        log::info!("{peer}: {}", stream.stats);
+        log::info!("{peer}: {}", stream.stats());
     }
     result
 }
 
 fn serve_inner(
-    stream: &mut Stream,
+    stream: &mut Transport,
     exports: &Exports,
     config: &Config,
     counters: &Mutex<Counters>,
@@ -85,17 +89,19 @@ fn serve_inner(
     };
     let export = exports.get(&negotiated.export.name).expect("negotiated export exists").clone();
     log::debug!(
-        "{}: export {:?} ({}), {:?} replies, flags 0x{:04x}",
+        "{}: export {:?} ({}), {:?} replies, flags 0x{:04x}, {}",
         stream.peer(),
         export.name,
         export.backend.describe(),
         negotiated.mode,
-        negotiated.flags
+        negotiated.flags,
+        stream.tls_description().unwrap_or_else(|| "no TLS".into())
     );
     let mut t = Transmission::new(stream, counters, export, negotiated.session(), ReplyWriter::new(negotiated.mode));
     // sendfile pays on Unix sockets (one copy instead of two); on TCP loopback it measured
     // slower than pread + writev (BENCHMARKING.md), so TCP keeps the buffered path.
-    t.sendfile = config.sendfile && t.stream.is_unix() && t.export.backend.file_fd().is_some();
+    // Under TLS the bytes must pass through the cipher, so sendfile cannot apply.
+    t.sendfile = config.sendfile && t.stream.is_unix() && !t.stream.is_tls() && t.export.backend.file_fd().is_some();
     t.flush_bytes = config.send_batch;
     if config.send_batch == 0 {
         t.flush_replies = 1;
@@ -107,13 +113,13 @@ fn serve_inner(
 
 /// Runs the handshake. `Ok(None)`: the client aborted cleanly.
 fn handshake(
-    stream: &mut Stream,
+    stream: &mut Transport,
     exports: &Exports,
     config: &Config,
 ) -> Result<Option<(ferry_proto::Negotiated, Vec<u8>)>, ConnError> {
     let deadline = Instant::now() + config.handshake_timeout;
     let mut out = Vec::new();
-    let mut hs = ServerHandshake::new(&mut out);
+    let mut hs = ServerHandshake::with_tls(&mut out, config.tls_policy);
     let mut buf = vec![0u8; HANDSHAKE_BUF];
     let (mut head, mut tail) = (0usize, 0usize);
     loop {
@@ -132,6 +138,20 @@ fn handshake(
                     send_plain(stream, &out)?;
                     stream.set_read_timeout(None)?;
                     return Ok(Some((*neg, buf[head..tail].to_vec())));
+                }
+                Progress::StartTls => {
+                    send_plain(stream, &out)?;
+                    out.clear();
+                    if head != tail {
+                        return Err(ConnError::DataAfterStartTls(tail - head));
+                    }
+                    (head, tail) = (0, 0);
+                    let tls = config.tls.as_ref().expect("TLS policy on implies a TLS context");
+                    let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+                    stream.set_read_timeout(Some(left))?;
+                    stream.start_tls_server(tls)?;
+                    hs.tls_started();
+                    log::debug!("{}: TLS started: {}", stream.peer(), stream.tls_description().unwrap_or_default());
                 }
             }
         }
@@ -162,7 +182,7 @@ fn handshake(
     }
 }
 
-fn send_plain(stream: &mut Stream, out: &[u8]) -> io::Result<()> {
+fn send_plain(stream: &mut Transport, out: &[u8]) -> io::Result<()> {
     if !out.is_empty() {
         stream.send_all(&mut [IoSlice::new(out)])?;
     }
@@ -219,7 +239,7 @@ impl SendQueue {
 }
 
 struct Transmission<'a> {
-    stream: &'a mut Stream,
+    stream: &'a mut Transport,
     /// Where this connection publishes its statistics (read on SIGUSR1).
     counters: &'a Mutex<Counters>,
     export: Arc<Export>,
@@ -251,7 +271,7 @@ struct Transmission<'a> {
 
 impl<'a> Transmission<'a> {
     fn new(
-        stream: &'a mut Stream,
+        stream: &'a mut Transport,
         counters: &'a Mutex<Counters>,
         export: Arc<Export>,
         session: Session,
@@ -398,14 +418,14 @@ impl<'a> Transmission<'a> {
         self.tx.used = 0;
         self.file_bytes = 0;
         self.queued = 0;
-        *self.counters.lock().unwrap_or_else(|e| e.into_inner()) = self.stream.stats;
+        *self.counters.lock().unwrap_or_else(|e| e.into_inner()) = self.stream.stats();
         Ok(())
     }
 
     /// Validates and executes one request, queueing its reply. `payload` is the range of
     /// the receive buffer holding the WRITE data, or `None` when it is in `wbuf`.
     fn request(&mut self, h: &RequestHeader, payload: Option<(usize, usize)>) -> io::Result<()> {
-        self.stream.stats.requests += 1;
+        self.stream.count_requests(1);
         let cmd = match self.session.validate(h) {
             Ok(c) => c,
             Err(err) => {

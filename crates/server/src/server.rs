@@ -34,6 +34,10 @@ pub struct Config {
     /// no complete request is left to execute; 0 sends every reply on its own (for
     /// measuring what grouping is worth).
     pub send_batch: usize,
+    /// `--tls=off|on|require`.
+    pub tls_policy: ferry_proto::TlsPolicy,
+    /// Credentials; present whenever `tls_policy` is not `Off`.
+    pub tls: Option<ferry_tls::ServerTls>,
 }
 
 impl Default for Config {
@@ -46,6 +50,8 @@ impl Default for Config {
             sendfile: true,
             stats: false,
             send_batch: crate::conn::DEFAULT_SEND_BATCH,
+            tls_policy: ferry_proto::TlsPolicy::Off,
+            tls: None,
         }
     }
 }
