@@ -22,8 +22,8 @@ use std::time::Duration;
 use ferry_sock::{Counters, Stream};
 use openssl::error::ErrorStack;
 use openssl::ssl::{
-    HandshakeError, Ssl, SslConnector, SslContext, SslContextBuilder, SslFiletype, SslMethod, SslOptions, SslStream,
-    SslVerifyMode, SslVersion,
+    ErrorCode, HandshakeError, Ssl, SslConnector, SslContext, SslContextBuilder, SslFiletype, SslMethod, SslOptions,
+    SslStream, SslVerifyMode, SslVersion,
 };
 use openssl::x509::X509VerifyResult;
 
@@ -380,9 +380,34 @@ pub struct TlsStream {
     cork: Vec<u8>,
 }
 
+/// An OpenSSL error on an established session, as an I/O error that says it is TLS
+/// and, for the common case, what to do.
+fn session_error(e: openssl::ssl::Error) -> io::Error {
+    match e.into_io_error() {
+        Ok(io) => io,
+        Err(e) => {
+            let text = e.to_string();
+            let hint = if text.contains("certificate required") {
+                " (the server wants a client certificate: put client-cert.pem and client-key.pem \
+                 beside ca-cert.pem in the tls-certificates directory)"
+            } else {
+                ""
+            };
+            io::Error::other(format!("TLS: {text}{hint}"))
+        }
+    }
+}
+
 impl TlsStream {
-    fn plain(&mut self, buf: &[u8]) -> io::Result<()> {
-        self.ssl.write_all(buf)
+    fn plain(&mut self, mut buf: &[u8]) -> io::Result<()> {
+        while !buf.is_empty() {
+            match self.ssl.ssl_write(buf) {
+                Ok(n) => buf = &buf[n..],
+                Err(e) if e.code() == ErrorCode::WANT_WRITE && e.io_error().is_none() => {}
+                Err(e) => return Err(session_error(e)),
+            }
+        }
+        Ok(())
     }
 
     /// Encrypts `bufs` into as few records as possible and sends them, flushing at the
@@ -449,7 +474,15 @@ impl TlsStream {
 
 impl Read for TlsStream {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let n = self.ssl.read(buf)?;
+        let n = loop {
+            match self.ssl.ssl_read(buf) {
+                Ok(n) => break n,
+                Err(e) if e.code() == ErrorCode::ZERO_RETURN => return Ok(0),
+                Err(e) if e.code() == ErrorCode::SYSCALL && e.io_error().is_none() => return Ok(0),
+                Err(e) if e.code() == ErrorCode::WANT_READ && e.io_error().is_none() => {}
+                Err(e) => return Err(session_error(e)),
+            }
+        };
         // OpenSSL may answer something (a key update) while reading.
         if !self.ssl.get_ref().wbuf.is_empty() {
             self.ssl.get_mut().flush()?;

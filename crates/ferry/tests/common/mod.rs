@@ -58,6 +58,7 @@ fn package_of(tool: &str) -> &'static str {
         "qemu-img" | "qemu-io" | "qemu-nbd" => "qemu-utils",
         "nbdinfo" | "nbdcopy" | "nbdsh" => "libnbd-bin",
         "nbdkit" => "nbdkit",
+        "certtool" | "psktool" => "gnutls-bin",
         "fio" => "fio",
         "python3-libnbd" => "python3-libnbd",
         _ => "the package that provides it",
