@@ -1,8 +1,8 @@
 //! `ferry serve`: the NBD server's command line.
 
 use anyhow::{bail, Context, Result};
-use clap::Args;
-use ferry_server::{Config, Export, Exports, Server};
+use clap::{Args, ValueEnum};
+use ferry_server::{Config, Export, Exports, Server, ZeroCopy};
 use ferry_sock::{BufferConfig, Listener};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
@@ -56,6 +56,55 @@ pub struct ServeArgs {
     /// reply on its own, to measure what grouping is worth).
     #[arg(long, default_value = "64K", value_name = "BYTES")]
     send_batch: String,
+    /// MSG_ZEROCOPY for READ replies of 64 KiB or more over TCP. auto: on TCP, until the
+    /// kernel reports it copied the data anyway (always on loopback); on: always, and
+    /// refused at start where it cannot work (Unix socket, kernel without SO_ZEROCOPY);
+    /// off: plain copying sends.
+    #[arg(long, value_enum, default_value_t = ZeroCopyArg::Auto, value_name = "MODE")]
+    zerocopy: ZeroCopyArg,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum ZeroCopyArg {
+    Auto,
+    On,
+    Off,
+}
+
+impl From<ZeroCopyArg> for ZeroCopy {
+    fn from(a: ZeroCopyArg) -> ZeroCopy {
+        match a {
+            ZeroCopyArg::Auto => ZeroCopy::Auto,
+            ZeroCopyArg::On => ZeroCopy::On,
+            ZeroCopyArg::Off => ZeroCopy::Off,
+        }
+    }
+}
+
+/// Refuses, before anything is served, transport options the listeners cannot honour.
+/// Every check of a transport option against the sockets belongs here (TLS will add
+/// "--zerocopy=on with TLS": the kernel cannot zero-copy data that is encrypted in user
+/// space).
+fn check_transport(args: &ServeArgs, listeners: &[Listener]) -> Result<()> {
+    if args.zerocopy == ZeroCopyArg::On {
+        if let Some(l) = listeners.iter().find(|l| l.local_tcp_addr().is_none()) {
+            let what = l.unix_path().map_or_else(
+                || "a Unix socket passed by socket activation".to_string(),
+                |p| format!("the Unix socket {}", p.display()),
+            );
+            bail!(
+                "--zerocopy=on needs TCP, but ferry listens on {what}: MSG_ZEROCOPY does not exist for \
+                 Unix sockets. Use --zerocopy=auto or --zerocopy=off"
+            );
+        }
+        ferry_sock::zerocopy_supported().map_err(|e| {
+            anyhow::anyhow!(
+                "--zerocopy=on: this kernel does not support SO_ZEROCOPY on TCP sockets ({e}); \
+                 MSG_ZEROCOPY needs Linux 4.14 or later. Use --zerocopy=auto or --zerocopy=off"
+            )
+        })?;
+    }
+    Ok(())
 }
 
 pub fn run(args: ServeArgs) -> Result<i32> {
@@ -94,6 +143,7 @@ pub fn run(args: ServeArgs) -> Result<i32> {
         sendfile: !args.no_sendfile,
         stats: args.stats,
         send_batch: ferry_backend::parse_size(&args.send_batch).context("--send-batch")? as usize,
+        zerocopy: args.zerocopy.into(),
     };
 
     let listeners = match ferry_sock::listen_fds().context("systemd socket activation")? {
@@ -110,6 +160,7 @@ pub fn run(args: ServeArgs) -> Result<i32> {
             }
         }],
     };
+    check_transport(&args, &listeners)?;
     let (uri, unixsocket, port) = describe(&listeners[0]);
     for e in exports.iter() {
         let name = if e.name.is_empty() { "default export".to_string() } else { format!("export {:?}", e.name) };

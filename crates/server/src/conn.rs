@@ -14,6 +14,7 @@
 
 use crate::exports::{Export, Exports};
 use crate::server::Config;
+use crate::zerocopy::ZeroCopySender;
 use ferry_backend::{Extent, ZeroMode};
 use ferry_proto::consts::{command_name, NbdError};
 use ferry_proto::handshake::{Progress, ServerHandshake};
@@ -100,9 +101,14 @@ fn serve_inner(
     if config.send_batch == 0 {
         t.flush_replies = 1;
     }
+    t.zc = ZeroCopySender::new(config.zerocopy, t.stream)?;
     t.rx[..leftover.len()].copy_from_slice(&leftover);
     t.tail = leftover.len();
-    t.run()
+    let result = t.run();
+    if let Some(zc) = &mut t.zc {
+        zc.finish(t.stream);
+    }
+    result
 }
 
 /// Runs the handshake. `Ok(None)`: the client aborted cleanly.
@@ -246,6 +252,8 @@ struct Transmission<'a> {
     sendfile: bool,
     /// Bytes queued for sendfile since the last flush.
     file_bytes: usize,
+    /// Large batches go out with MSG_ZEROCOPY (`--zerocopy`, TCP only).
+    zc: Option<ZeroCopySender>,
     disconnect: bool,
 }
 
@@ -282,6 +290,7 @@ impl<'a> Transmission<'a> {
             queued: 0,
             sendfile: false,
             file_bytes: 0,
+            zc: None,
             disconnect: false,
         }
     }
@@ -377,6 +386,10 @@ impl<'a> Transmission<'a> {
         if !self.tx.pending() {
             return Ok(());
         }
+        let zerocopy = match &mut self.zc {
+            Some(zc) => zc.wants(self.stream, self.tx.used)?,
+            None => false,
+        };
         let tx = &self.tx;
         let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(tx.parts.len());
         for p in &tx.parts {
@@ -391,8 +404,18 @@ impl<'a> Transmission<'a> {
                 }
             }
         }
-        self.stream.send_all(&mut iov)?;
+        let zc_ticket = match &mut self.zc {
+            Some(zc) if zerocopy => Some(zc.send(self.stream, &mut iov)?),
+            _ => {
+                self.stream.send_all(&mut iov)?;
+                None
+            }
+        };
         drop(iov);
+        if let (Some(ticket), Some(zc)) = (zc_ticket, &mut self.zc) {
+            // The kernel holds the arenas just sent until `ticket` completes: swap in others.
+            zc.retire(self.stream, ticket, &mut self.tx.headers, &mut self.tx.data)?;
+        }
         self.tx.parts.clear();
         self.tx.headers.clear();
         self.tx.used = 0;

@@ -2,6 +2,7 @@
 
 use crate::conn;
 use crate::exports::Exports;
+use crate::zerocopy::ZeroCopy;
 use ferry_sock::{BufferConfig, Counters, Listener, Stream};
 use rustix::event::{poll, PollFd, PollFlags};
 use std::collections::HashMap;
@@ -34,6 +35,8 @@ pub struct Config {
     /// no complete request is left to execute; 0 sends every reply on its own (for
     /// measuring what grouping is worth).
     pub send_batch: usize,
+    /// MSG_ZEROCOPY for large READ replies on TCP (see [`ZeroCopy`]).
+    pub zerocopy: ZeroCopy,
 }
 
 impl Default for Config {
@@ -46,6 +49,7 @@ impl Default for Config {
             sendfile: true,
             stats: false,
             send_batch: crate::conn::DEFAULT_SEND_BATCH,
+            zerocopy: ZeroCopy::default(),
         }
     }
 }
