@@ -56,7 +56,7 @@ pub struct ServeArgs {
     /// reply on its own, to measure what grouping is worth).
     #[arg(long, default_value = "64K", value_name = "BYTES")]
     send_batch: String,
-    /// MSG_ZEROCOPY for READ replies of 64 KiB or more over TCP. auto: on TCP, until the
+    /// MSG_ZEROCOPY over TCP for batches of READ replies with 64 KiB of data or more. auto: until the
     /// kernel reports it copied the data anyway (always on loopback); on: always, and
     /// refused at start where it cannot work (Unix socket, kernel without SO_ZEROCOPY);
     /// off: plain copying sends.
