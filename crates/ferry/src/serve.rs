@@ -1,9 +1,9 @@
 //! `ferry serve`: the NBD server's command line.
 
 use anyhow::{bail, Context, Result};
-use clap::Args;
+use clap::{Args, ValueEnum};
 use ferry_proto::TlsPolicy;
-use ferry_server::{Config, Export, Exports, Server};
+use ferry_server::{Config, Export, Exports, Server, ZeroCopy};
 use ferry_sock::{BufferConfig, Listener};
 use ferry_tls::{ServerTls, ServerTlsConfig};
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -73,6 +73,12 @@ pub struct ServeArgs {
     /// Require client certificates signed by the CA in --tls-certificates.
     #[arg(long)]
     tls_verify_peer: bool,
+    /// MSG_ZEROCOPY over TCP for batches of READ replies with 64 KiB of data or more. auto: until the
+    /// kernel reports it copied the data anyway (always on loopback); on: always, and
+    /// refused at start where it cannot work (Unix socket, kernel without SO_ZEROCOPY);
+    /// off: plain copying sends.
+    #[arg(long, value_enum, default_value_t = ZeroCopyArg::Auto, value_name = "MODE")]
+    zerocopy: ZeroCopyArg,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -104,6 +110,57 @@ fn tls_config(args: &ServeArgs) -> Result<(TlsPolicy, Option<ServerTls>)> {
         verify_peer: args.tls_verify_peer,
     };
     Ok((policy, Some(ServerTls::new(&cfg)?)))
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum ZeroCopyArg {
+    Auto,
+    On,
+    Off,
+}
+
+impl From<ZeroCopyArg> for ZeroCopy {
+    fn from(a: ZeroCopyArg) -> ZeroCopy {
+        match a {
+            ZeroCopyArg::Auto => ZeroCopy::Auto,
+            ZeroCopyArg::On => ZeroCopy::On,
+            ZeroCopyArg::Off => ZeroCopy::Off,
+        }
+    }
+}
+
+/// Refuses, before anything is served, transport options the listeners cannot honour.
+/// Every check of a transport option against the sockets belongs here (TLS will add
+/// "--zerocopy=on with TLS": the kernel cannot zero-copy data that is encrypted in user
+/// space).
+fn check_transport(args: &ServeArgs, listeners: &[Listener]) -> Result<()> {
+    if args.zerocopy == ZeroCopyArg::On
+        && (args.tls.is_some_and(|t| t != TlsMode::Off) || args.tls_certificates.is_some() || args.tls_psk.is_some())
+    {
+        bail!(
+            "--zerocopy=on cannot work with TLS: the data is encrypted in user space, so the kernel \
+             has nothing to send without copying. Use --zerocopy=auto or --zerocopy=off"
+        );
+    }
+    if args.zerocopy == ZeroCopyArg::On {
+        if let Some(l) = listeners.iter().find(|l| l.local_tcp_addr().is_none()) {
+            let what = l.unix_path().map_or_else(
+                || "a Unix socket passed by socket activation".to_string(),
+                |p| format!("the Unix socket {}", p.display()),
+            );
+            bail!(
+                "--zerocopy=on needs TCP, but ferry listens on {what}: MSG_ZEROCOPY does not exist for \
+                 Unix sockets. Use --zerocopy=auto or --zerocopy=off"
+            );
+        }
+        ferry_sock::zerocopy_supported().map_err(|e| {
+            anyhow::anyhow!(
+                "--zerocopy=on: this kernel does not support SO_ZEROCOPY on TCP sockets ({e}); \
+                 MSG_ZEROCOPY needs Linux 4.14 or later. Use --zerocopy=auto or --zerocopy=off"
+            )
+        })?;
+    }
+    Ok(())
 }
 
 pub fn run(args: ServeArgs) -> Result<i32> {
@@ -145,6 +202,7 @@ pub fn run(args: ServeArgs) -> Result<i32> {
         send_batch: ferry_backend::parse_size(&args.send_batch).context("--send-batch")? as usize,
         tls_policy,
         tls,
+        zerocopy: args.zerocopy.into(),
     };
 
     let listeners = match ferry_sock::listen_fds().context("systemd socket activation")? {
@@ -161,6 +219,7 @@ pub fn run(args: ServeArgs) -> Result<i32> {
             }
         }],
     };
+    check_transport(&args, &listeners)?;
     let (uri, unixsocket, port) = describe(&listeners[0], tls_policy == TlsPolicy::Require);
     for e in exports.iter() {
         let name = if e.name.is_empty() { "default export".to_string() } else { format!("export {:?}", e.name) };

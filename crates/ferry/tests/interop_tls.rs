@@ -19,7 +19,7 @@ const REP_ACK: u32 = 1;
 
 fn certtool(dir: &Path, args: &[&str]) {
     require("certtool");
-    run_ok(&mut Command::new("certtool").current_dir(dir).args(args));
+    run_ok(Command::new("certtool").current_dir(dir).args(args));
 }
 
 /// A CA, a server certificate for localhost/127.0.0.1 and a client certificate, in the
@@ -80,7 +80,7 @@ fn make_pki(cn: &str) -> tempfile::TempDir {
 fn psk(identity: &str) -> tempfile::TempDir {
     require("psktool");
     let d = tempfile::tempdir().unwrap();
-    run_ok(&mut Command::new("psktool").args(["-u", identity, "-p"]).arg(d.path().join("keys.psk")));
+    run_ok(Command::new("psktool").args(["-u", identity, "-p"]).arg(d.path().join("keys.psk")));
     d
 }
 
@@ -124,13 +124,13 @@ fn x509_ferry_serve_with_libnbd_qemu_and_ferry() {
     let s = Server::tcp("memory:8M", &["--tls=require", "--tls-certificates", dir]);
     let Addr::Tcp(port) = s.addr else { unreachable!() };
     let uri = tls_uri(&s, None, &format!("tls-certificates={dir}"));
-    let out = run_ok(&mut Command::new("nbdinfo").arg(&uri));
+    let out = run_ok(Command::new("nbdinfo").arg(&uri));
     assert!(out.stdout.contains("with TLS"), "nbdinfo did not see TLS:\n{}", out.describe());
 
     let work = tempfile::tempdir().unwrap();
     let (src, data) = random_file(work.path(), 8 << 20, 1);
     // qemu-img writes through tls-creds-x509 (it also presents client-cert.pem).
-    run_ok(&mut Command::new("qemu-img").args([
+    run_ok(Command::new("qemu-img").args([
         "convert",
         "-n",
         "-f",
@@ -143,7 +143,7 @@ fn x509_ferry_serve_with_libnbd_qemu_and_ferry() {
     ]));
     // nbdcopy and ferry copy read it back.
     let back = work.path().join("back-nbdcopy.img");
-    run_ok(&mut Command::new("nbdcopy").arg(&uri).arg(&back));
+    run_ok(Command::new("nbdcopy").arg(&uri).arg(&back));
     assert_file_eq(&back, &data);
     let back = work.path().join("back-ferry.img");
     run_ok(&mut ferry(&["copy", &uri, back.to_str().unwrap()]));
@@ -169,10 +169,10 @@ fn psk_ferry_serve_over_unix_with_nbdcopy_qemu_and_ferry() {
     // A file export over a Unix socket: sendfile would apply without TLS.
     let s = Server::unix(&format!("file:{}", disk.display()), &["--tls-psk", keys(&k).to_str().unwrap()]);
     let uri = tls_uri(&s, Some("alice"), &format!("tls-psk-file={}", keys(&k).display()));
-    run_ok(&mut Command::new("nbdcopy").arg(&src).arg(&uri));
+    run_ok(Command::new("nbdcopy").arg(&src).arg(&uri));
     let Addr::Unix(sock) = &s.addr else { unreachable!() };
     let back = work.path().join("back-qemu.img");
-    run_ok(&mut Command::new("qemu-img").args([
+    run_ok(Command::new("qemu-img").args([
         "convert",
         "-O",
         "raw",
@@ -371,7 +371,7 @@ fn tls_refusals_are_clear_and_harm_nobody_else() {
     ok();
     // An identity the server does not know (libnbd's client, so the server decides).
     let mallory = psk("mallory");
-    let out = run_fails(&mut Command::new("nbdinfo").arg(tls_uri(
+    let out = run_fails(Command::new("nbdinfo").arg(tls_uri(
         &s,
         Some("mallory"),
         &format!("tls-psk-file={}", keys(&mallory).display()),
@@ -386,7 +386,7 @@ fn tls_refusals_are_clear_and_harm_nobody_else() {
     // Plaintext against require: nothing is answered, not even the list.
     let out = run_fails(&mut ferry(&["info", "--list", &s.uri()]));
     assert!(out.stderr.contains("requires TLS"), "{}", out.describe());
-    let out = run_fails(&mut Command::new("nbdinfo").arg("--list").arg(s.uri()));
+    let out = run_fails(Command::new("nbdinfo").arg("--list").arg(s.uri()));
     assert!(!out.stdout.contains("export="), "the export list leaked: {}", out.describe());
     ok();
     // A client that stops half way through the TLS handshake is dropped by the
@@ -448,6 +448,9 @@ fn tls_on_serves_both_and_verify_peer_wants_a_client_certificate() {
     // Start-up errors name the missing piece.
     let out = run_fails(&mut ferry(&["serve", "--tls=require", "memory:1M"]));
     assert!(out.stderr.contains("--tls-certificates DIR or --tls-psk FILE"), "{}", out.describe());
+    let k = psk("alice");
+    let out = run_fails(&mut ferry(&["serve", "--zerocopy=on", "--tls-psk", keys(&k).to_str().unwrap(), "memory:1M"]));
+    assert!(out.stderr.contains("--zerocopy=on cannot work with TLS"), "{}", out.describe());
     let empty = tempfile::tempdir().unwrap();
     let out = run_fails(&mut ferry(&["serve", "--tls-certificates", empty.path().to_str().unwrap(), "memory:1M"]));
     assert!(out.stderr.contains("server-cert.pem"), "{}", out.describe());

@@ -14,6 +14,7 @@
 
 use crate::exports::{Export, Exports};
 use crate::server::Config;
+use crate::zerocopy::ZeroCopySender;
 use ferry_backend::{Extent, ZeroMode};
 use ferry_proto::consts::{command_name, NbdError};
 use ferry_proto::handshake::{Progress, ServerHandshake};
@@ -106,9 +107,19 @@ fn serve_inner(
     if config.send_batch == 0 {
         t.flush_replies = 1;
     }
+    // Zero-copy needs the kernel to send the very bytes of the arena: never under TLS
+    // (`--zerocopy=on` with TLS is refused at start).
+    t.zc = match t.stream.plain_mut() {
+        Some(s) => ZeroCopySender::new(config.zerocopy, s)?,
+        None => None,
+    };
     t.rx[..leftover.len()].copy_from_slice(&leftover);
     t.tail = leftover.len();
-    t.run()
+    let result = t.run();
+    if let (Some(zc), Some(s)) = (&mut t.zc, t.stream.plain_mut()) {
+        zc.finish(s);
+    }
+    result
 }
 
 /// Runs the handshake. `Ok(None)`: the client aborted cleanly.
@@ -180,6 +191,11 @@ fn handshake(
             Err(e) => return Err(e.into()),
         }
     }
+}
+
+/// The plaintext socket under a transport that zero-copy is set up on.
+fn plain(t: &mut Transport) -> io::Result<&mut Stream> {
+    t.plain_mut().ok_or_else(|| io::Error::other("zero-copy on a TLS connection"))
 }
 
 fn send_plain(stream: &mut Transport, out: &[u8]) -> io::Result<()> {
@@ -266,6 +282,8 @@ struct Transmission<'a> {
     sendfile: bool,
     /// Bytes queued for sendfile since the last flush.
     file_bytes: usize,
+    /// Large batches go out with MSG_ZEROCOPY (`--zerocopy`, TCP only).
+    zc: Option<ZeroCopySender>,
     disconnect: bool,
 }
 
@@ -302,6 +320,7 @@ impl<'a> Transmission<'a> {
             queued: 0,
             sendfile: false,
             file_bytes: 0,
+            zc: None,
             disconnect: false,
         }
     }
@@ -397,6 +416,10 @@ impl<'a> Transmission<'a> {
         if !self.tx.pending() {
             return Ok(());
         }
+        let zerocopy = match &mut self.zc {
+            Some(zc) => zc.wants(plain(self.stream)?, self.tx.used)?,
+            None => false,
+        };
         let tx = &self.tx;
         let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(tx.parts.len());
         for p in &tx.parts {
@@ -411,8 +434,18 @@ impl<'a> Transmission<'a> {
                 }
             }
         }
-        self.stream.send_all(&mut iov)?;
+        let zc_ticket = match &mut self.zc {
+            Some(zc) if zerocopy => Some(zc.send(plain(self.stream)?, &mut iov)?),
+            _ => {
+                self.stream.send_all(&mut iov)?;
+                None
+            }
+        };
         drop(iov);
+        if let (Some(ticket), Some(zc)) = (zc_ticket, &mut self.zc) {
+            // The kernel holds the arenas just sent until `ticket` completes: swap in others.
+            zc.retire(plain(self.stream)?, ticket, &mut self.tx.headers, &mut self.tx.data)?;
+        }
         self.tx.parts.clear();
         self.tx.headers.clear();
         self.tx.used = 0;

@@ -5,6 +5,8 @@
 mod conn;
 mod exports;
 mod server;
+mod zerocopy;
 
 pub use exports::{Export, Exports};
 pub use server::{Config, Server, ShutdownHandle};
+pub use zerocopy::{ZeroCopy, ZEROCOPY_MIN};

@@ -2,6 +2,7 @@
 
 use crate::conn;
 use crate::exports::Exports;
+use crate::zerocopy::ZeroCopy;
 use ferry_sock::{BufferConfig, Counters, Listener, Stream};
 use rustix::event::{poll, PollFd, PollFlags};
 use std::collections::HashMap;
@@ -38,6 +39,8 @@ pub struct Config {
     pub tls_policy: ferry_proto::TlsPolicy,
     /// Credentials; present whenever `tls_policy` is not `Off`.
     pub tls: Option<ferry_tls::ServerTls>,
+    /// MSG_ZEROCOPY for large READ replies on TCP (see [`ZeroCopy`]).
+    pub zerocopy: ZeroCopy,
 }
 
 impl Default for Config {
@@ -52,6 +55,7 @@ impl Default for Config {
             send_batch: crate::conn::DEFAULT_SEND_BATCH,
             tls_policy: ferry_proto::TlsPolicy::Off,
             tls: None,
+            zerocopy: ZeroCopy::default(),
         }
     }
 }

@@ -530,6 +530,14 @@ impl Transport {
         }
     }
 
+    /// The plaintext socket, when there is no TLS (for zero-copy sends).
+    pub fn plain_mut(&mut self) -> Option<&mut Stream> {
+        match self {
+            Transport::Plain(s) => Some(s),
+            _ => None,
+        }
+    }
+
     pub fn is_tls(&self) -> bool {
         matches!(self, Transport::Tls(_))
     }
