@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # ferry hash against blksum (blkhash project) and sha256sum, in alternating rounds so each
 # tool gets the same conditions on a shared machine. Prints a markdown table of wall times
-# per round and the medians, and checks that ferry's and blksum's digests agree.
+# per round, the medians of wall and of CPU time (user + system), and checks that ferry's
+# and blksum's digests agree.
 #   BLKSUM=/path/to/blksum bench/hash-rounds.sh [ROUNDS]
 # Inputs, in /dev/shm: 2 GiB and 1 GiB of AES-CTR data, and a 100 GiB sparse file holding
 # that 1 GiB at offset 50 GiB. (blksum is not timed on the sparse file: it reads the holes,
@@ -19,7 +20,9 @@ head -c 1G "$W/2g" > "$W/1g"
 truncate -s 100G "$W/sparse"
 dd if="$W/1g" of="$W/sparse" bs=1M seek=$((50<<10)) conv=notrunc status=none
 
-secs() { local s e; s=$(date +%s.%N); "$@" >/dev/null 2>&1 || { echo FAIL; return; }; e=$(date +%s.%N); printf "%.3f" "$(echo "$e - $s" | bc -l)"; }
+# Wall seconds, then CPU seconds (user + system), of one run.
+secs() { local TIMEFORMAT='%3R %3U %3S' t; t=$( { time "$@" >/dev/null 2>&1; } 2>&1 ) || { echo "FAIL FAIL"; return; }
+  echo "$t" | awk '{printf "%.3f %.3f", $1, $2 + $3}'; }
 med() { sort -g | awk '{a[NR]=$1} END{print a[int((NR+1)/2)]}'; }
 
 for f in 2g 1g sparse; do
@@ -39,13 +42,14 @@ for r in $(seq "$ROUNDS"); do
       ferry) t=$(secs "$FERRY" hash "$f") ;;
       sha256sum) t=$(secs sha256sum "$f") ;;
     esac
-    echo "$t" >> "$W/t-$c"; row="$row | $t"
+    echo "${t% *}" >> "$W/t-$c"; echo "${t#* }" >> "$W/cpu-$c"; row="$row | ${t% *}"
   done
   echo "$row |"
 done
-row="| median"
-for c in $cols; do row="$row | $(med < "$W/t-$c")"; done
+row="| median"; cpu="| CPU s (median)"
+for c in $cols; do row="$row | $(med < "$W/t-$c")"; cpu="$cpu | $(med < "$W/cpu-$c")"; done
 echo "$row |"
+echo "$cpu |"
 b=$(med < "$W/t-blksum-2g"); f=$(med < "$W/t-ferry-2g"); one=$(med < "$W/t-ferry-1g"); sp=$(med < "$W/t-ferry-sparse")
 printf "\nferry is %.2fx faster than blksum on 2 GiB; sparse 100 GiB / plain 1 GiB = %.2f\n" \
   "$(echo "$b / $f" | bc -l)" "$(echo "$sp / $one" | bc -l)"
