@@ -1,9 +1,10 @@
 #![no_main]
 //! The server handshake fed in pieces against a fixed two-export catalog.
-//! Input: one byte of split seed, then the client's byte stream.
+//! Input: one byte choosing the TLS policy (seed % 3) and the read sizes (seed / 3),
+//! then the client's byte stream. STARTTLS is taken as a TLS handshake that succeeded.
 use ferry_proto::consts::{REPLY_MAGIC, REP_ACK};
 use ferry_proto::export::{BlockSize, Capabilities, ExportInfo};
-use ferry_proto::handshake::{Catalog, Progress, ServerHandshake};
+use ferry_proto::handshake::{Catalog, Progress, ServerHandshake, TlsPolicy};
 use libfuzzer_sys::fuzz_target;
 
 struct Two;
@@ -29,7 +30,7 @@ impl Catalog for Two {
 
 /// What one `feed` sent: whole option replies, the last one final (ACK or an error),
 /// or the NBD_OPT_EXPORT_NAME answer (size, flags, maybe 124 zeroes).
-fn check_sent(mut b: &[u8], transmission: bool) {
+fn check_sent(mut b: &[u8], transmission: bool, must_not_leak: bool) {
     if b.is_empty() || (transmission && !b.starts_with(&REPLY_MAGIC.to_be_bytes())) {
         return assert!(b.is_empty() || b.len() == 10 || b.len() == 134, "EXPORT_NAME answer");
     }
@@ -37,6 +38,8 @@ fn check_sent(mut b: &[u8], transmission: bool) {
     while !b.is_empty() {
         assert!(b.len() >= 20 && b.starts_with(&REPLY_MAGIC.to_be_bytes()), "reply framing");
         last = u32::from_be_bytes(b[12..16].try_into().unwrap());
+        // REP_SERVER, REP_INFO, REP_META_CONTEXT: what --tls=require hides before TLS.
+        assert!(!(must_not_leak && (2..=4).contains(&last)), "information leaked before TLS");
         let len = u32::from_be_bytes(b[16..20].try_into().unwrap()) as usize;
         assert!(b.len() >= 20 + len, "reply framing");
         b = &b[20 + len..];
@@ -49,10 +52,11 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     let mut out = Vec::new();
-    let mut hs = ServerHandshake::new(&mut out);
+    let policy = [TlsPolicy::Off, TlsPolicy::On, TlsPolicy::Require][usize::from(seed % 3)];
+    let mut hs = ServerHandshake::with_tls(&mut out, policy);
     assert_eq!(out.len(), 18);
     // Short reads: the first byte bounds the piece size, the position varies it.
-    let max = usize::from(seed) + 1;
+    let max = usize::from(seed / 3) + 1;
     let (mut pos, mut avail) = (0, 0);
     loop {
         avail = (avail + 1 + (pos * 31 + avail) % max).min(input.len());
@@ -62,8 +66,14 @@ fuzz_target!(|data: &[u8]| {
         let Ok((n, p)) = r else { return };
         assert!(n <= avail - pos, "consumed more than it was given");
         pos += n;
-        assert_eq!(hs.is_done(), p != Progress::Continue);
-        check_sent(&out[before.len()..], matches!(p, Progress::Transmission(_)));
+        assert_eq!(hs.is_done(), p != Progress::Continue && p != Progress::StartTls);
+        let must_not_leak = policy == TlsPolicy::Require && !hs.tls_active();
+        check_sent(&out[before.len()..], matches!(p, Progress::Transmission(_)), must_not_leak);
+        if p == Progress::StartTls {
+            assert_ne!(policy, TlsPolicy::Off, "STARTTLS accepted with TLS off");
+            assert!(!hs.tls_active(), "STARTTLS accepted twice");
+            hs.tls_started();
+        }
         if let Progress::Transmission(neg) = &p {
             let s = neg.session();
             assert!(s.size == 1 << 20 || s.size == 4096);
