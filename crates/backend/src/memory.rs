@@ -2,9 +2,13 @@
 //!
 //! Memory is held in 32 KiB chunks, allocated on the first write that is not all
 //! zeroes. Untouched, zeroed and trimmed chunks hold no memory and report as holes,
-//! so a 1 TiB disk starts instantly. Chunks live in 64 shards, each a `RwLock` over
-//! a `BTreeMap`, so connections on different cores rarely contend and the next
-//! allocated chunk after any offset is found without scanning.
+//! so a 1 TiB disk starts instantly. Chunks are spread over 64 shards by chunk index
+//! (neighbouring chunks under different locks, so connections on different cores rarely
+//! contend); each shard is a `RwLock` over an ordered map of leaves of 256 chunk slots.
+//! A lookup is one probe of a small map (256 times fewer entries than chunks, so it stays
+//! in cache) and one leaf slot; the next allocated chunk after any offset is still found
+//! without scanning holes. (A map of chunks cost three to four cache misses per 4 KiB
+//! read: a fifth of the server's time at 400k reads per second.)
 
 use crate::*;
 use std::collections::BTreeMap;
@@ -12,17 +16,44 @@ use std::sync::RwLock;
 
 /// Bytes per chunk.
 pub const CHUNK: u64 = 32 * 1024;
-const SHARDS: usize = 64;
+const SHARDS: u64 = 64;
+/// Chunk slots per leaf (of one shard).
+const LEAF: u64 = 256;
 
-type Chunk = Box<[u8]>;
+type Chunk = Box<[u8; CHUNK as usize]>;
+
+struct Leaf {
+    chunks: [Option<Chunk>; LEAF as usize],
+    /// Slots in use; an empty leaf is removed.
+    count: u32,
+}
+
+impl Leaf {
+    fn new() -> Box<Leaf> {
+        Box::new(Leaf { chunks: std::array::from_fn(|_| None), count: 0 })
+    }
+}
+
+type Shard = RwLock<BTreeMap<u64, Box<Leaf>>>;
 
 pub struct MemoryBackend {
     size: u64,
-    shards: Vec<RwLock<BTreeMap<u64, Chunk>>>,
+    shards: Vec<Shard>,
 }
 
-fn shard_of(idx: u64) -> usize {
-    (idx % SHARDS as u64) as usize
+/// Where chunk `idx` lives: (shard, leaf key, slot).
+fn place(idx: u64) -> (usize, u64, usize) {
+    let q = idx / SHARDS;
+    ((idx % SHARDS) as usize, q / LEAF, (q % LEAF) as usize)
+}
+
+/// The chunk index of a place.
+fn index_of(shard: usize, key: u64, slot: usize) -> u64 {
+    (key * LEAF + slot as u64) * SHARDS + shard as u64
+}
+
+fn new_chunk() -> Chunk {
+    vec![0u8; CHUNK as usize].into_boxed_slice().try_into().expect("CHUNK bytes")
 }
 
 /// Splits `offset..offset+len` into (chunk index, offset within chunk, length) pieces.
@@ -52,36 +83,55 @@ impl MemoryBackend {
         MemoryBackend { size, shards: (0..SHARDS).map(|_| RwLock::new(BTreeMap::new())).collect() }
     }
 
-    fn shard(&self, idx: u64) -> &RwLock<BTreeMap<u64, Chunk>> {
-        &self.shards[shard_of(idx)]
+    fn shard(&self, s: usize) -> &Shard {
+        &self.shards[s]
     }
 
     fn present(&self, idx: u64) -> bool {
-        self.shard(idx).read().unwrap_or_else(|e| e.into_inner()).contains_key(&idx)
+        let (s, key, slot) = place(idx);
+        self.shard(s).read().unwrap_or_else(|e| e.into_inner()).get(&key).is_some_and(|l| l.chunks[slot].is_some())
     }
 
     /// The first allocated chunk at or after `idx`, if any.
     fn next_present(&self, idx: u64) -> Option<u64> {
-        self.shards
-            .iter()
-            .filter_map(|s| s.read().unwrap_or_else(|e| e.into_inner()).range(idx..).next().map(|(k, _)| *k))
+        (0..SHARDS as usize)
+            .filter_map(|s| {
+                // The first index of this shard at or after idx.
+                let q0 = idx.saturating_sub(s as u64).div_ceil(SHARDS);
+                let (key0, slot0) = (q0 / LEAF, (q0 % LEAF) as usize);
+                let g = self.shard(s).read().unwrap_or_else(|e| e.into_inner());
+                g.range(key0..).find_map(|(&key, leaf)| {
+                    let from = if key == key0 { slot0 } else { 0 };
+                    (from..LEAF as usize).find(|&j| leaf.chunks[j].is_some()).map(|j| index_of(s, key, j))
+                })
+            })
             .min()
     }
 
     /// Bytes of memory held by chunks (for tests and statistics).
     pub fn allocated_bytes(&self) -> u64 {
-        self.shards.iter().map(|s| s.read().unwrap_or_else(|e| e.into_inner()).len() as u64 * CHUNK).sum()
+        self.shards
+            .iter()
+            .map(|s| s.read().unwrap_or_else(|e| e.into_inner()).values().map(|l| u64::from(l.count)).sum::<u64>())
+            .sum::<u64>()
+            * CHUNK
     }
 
     fn zero_range(&self, offset: u64, length: u64) {
         for (idx, within, n) in pieces(offset, length) {
-            let mut shard = self.shard(idx).write().unwrap_or_else(|e| e.into_inner());
-            if n as u64 == CHUNK {
-                shard.remove(&idx);
-            } else if let Some(c) = shard.get_mut(&idx) {
+            let (s, key, slot) = place(idx);
+            let mut g = self.shard(s).write().unwrap_or_else(|e| e.into_inner());
+            let Some(leaf) = g.get_mut(&key) else { continue };
+            let Some(c) = leaf.chunks[slot].as_deref_mut() else { continue };
+            let free = n as u64 == CHUNK || {
                 c[within..within + n].fill(0);
-                if is_zero(c) {
-                    shard.remove(&idx);
+                is_zero(c)
+            };
+            if free {
+                leaf.chunks[slot] = None;
+                leaf.count -= 1;
+                if leaf.count == 0 {
+                    g.remove(&key);
                 }
             }
         }
@@ -102,7 +152,9 @@ impl Backend for MemoryBackend {
         let mut at = 0;
         for (idx, within, n) in pieces(offset, buf.len() as u64) {
             let dst = &mut buf[at..at + n];
-            match self.shard(idx).read().unwrap_or_else(|e| e.into_inner()).get(&idx) {
+            let (s, key, slot) = place(idx);
+            let g = self.shard(s).read().unwrap_or_else(|e| e.into_inner());
+            match g.get(&key).and_then(|l| l.chunks[slot].as_deref()) {
                 Some(c) => dst.copy_from_slice(&c[within..within + n]),
                 None => dst.fill(0),
             }
@@ -115,17 +167,21 @@ impl Backend for MemoryBackend {
         for (idx, within, n) in pieces(offset, buf.len() as u64) {
             let src = &buf[at..at + n];
             at += n;
-            let mut shard = self.shard(idx).write().unwrap_or_else(|e| e.into_inner());
-            match shard.get_mut(&idx) {
-                Some(c) => c[within..within + n].copy_from_slice(src),
-                // Zeroes written to a hole stay a hole: no memory for them.
-                None if is_zero(src) => {}
-                None => {
-                    let mut c = vec![0u8; CHUNK as usize].into_boxed_slice();
-                    c[within..within + n].copy_from_slice(src);
-                    shard.insert(idx, c);
-                }
+            let (s, key, slot) = place(idx);
+            let mut g = self.shard(s).write().unwrap_or_else(|e| e.into_inner());
+            if let Some(c) = g.get_mut(&key).and_then(|l| l.chunks[slot].as_deref_mut()) {
+                c[within..within + n].copy_from_slice(src);
+                continue;
             }
+            // Zeroes written to a hole stay a hole: no memory for them.
+            if is_zero(src) {
+                continue;
+            }
+            let leaf = g.entry(key).or_insert_with(Leaf::new);
+            let mut c = new_chunk();
+            c[within..within + n].copy_from_slice(src);
+            leaf.chunks[slot] = Some(c);
+            leaf.count += 1;
         }
         Ok(())
     }
@@ -195,6 +251,34 @@ mod tests {
         ex.clear();
         m.extents(1 << 39, 1 << 39, 100, &mut ex).unwrap();
         assert_eq!(ex, vec![Extent { length: 1 << 39, flags: HOLE }]);
+    }
+
+    #[test]
+    fn next_present_finds_chunks_across_shards_and_leaves() {
+        let m = MemoryBackend::new(1 << 40);
+        // Chunk indexes in different shards, leaves and slots, and one far away.
+        let idxs = [3u64, 64, 65, 64 * 256 + 7, 64 * 256 * 5 + 64 * 3 + 1, 1 << 24];
+        for &i in &idxs {
+            m.write(&[9], i * CHUNK + 100, false).unwrap();
+        }
+        assert_eq!(m.allocated_bytes(), idxs.len() as u64 * CHUNK);
+        let mut from = 0;
+        for &i in &idxs {
+            assert_eq!(m.next_present(from), Some(i), "from {from}");
+            assert!(m.present(i));
+            from = i + 1;
+        }
+        assert_eq!(m.next_present(from), None);
+        let mut ex = Vec::new();
+        m.extents(0, 70 * CHUNK, 100, &mut ex).unwrap();
+        let kinds: Vec<(u64, u32)> = ex.iter().map(|e| (e.length / CHUNK, e.flags)).collect();
+        assert_eq!(kinds, vec![(3, HOLE), (1, DATA), (60, HOLE), (2, DATA), (4, HOLE)]);
+        for &i in &idxs {
+            m.trim(i * CHUNK, CHUNK, false).unwrap();
+        }
+        assert_eq!(m.allocated_bytes(), 0);
+        assert_eq!(m.next_present(0), None);
+        assert!(m.shards.iter().all(|s| s.read().unwrap().is_empty()), "empty leaves are freed");
     }
 
     #[test]
