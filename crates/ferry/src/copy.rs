@@ -18,8 +18,10 @@ pub struct CopyArgs {
     /// Destination: an NBD URI, a file or block device, `-` for stdout, or `null:` to discard.
     dst: String,
     /// Connections to each NBD server (used only where the server allows multi-conn).
-    #[arg(short = 'C', long, default_value_t = 4, value_name = "N")]
-    connections: usize,
+    /// Default: 4, or one per CPU core when there are fewer (each connection has its own
+    /// worker thread; more busy threads than cores measured slower).
+    #[arg(short = 'C', long, value_name = "N")]
+    connections: Option<usize>,
     /// Requests in flight per connection (default: 16 MiB worth, 64 of 256K).
     #[arg(short = 'R', long, value_name = "N")]
     requests: Option<usize>,
@@ -64,7 +66,7 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
         anyhow::bail!("--request-size must be between 1 byte and 32M");
     }
     let opts = CopyOptions {
-        connections: args.connections,
+        connections: args.connections.unwrap_or_else(default_connections),
         requests: args.requests.unwrap_or_else(|| ((16usize << 20) / request_size as usize).clamp(1, 64)),
         request_size: request_size as usize,
         sparse: args.sparse,
@@ -111,6 +113,11 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
         eprintln!("sockets: {}", report.socket);
     }
     Ok(0)
+}
+
+/// `-C` when not given: 4, but no more than the CPU cores this process may run on.
+fn default_connections() -> usize {
+    std::thread::available_parallelism().map_or(4, |n| n.get()).clamp(1, 4)
 }
 
 pub(crate) fn show_progress(p: &Progress, stop: &std::sync::atomic::AtomicBool) {

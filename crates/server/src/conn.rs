@@ -60,6 +60,8 @@ const SEND_BATCH_REPLIES: usize = 16;
 const SENDFILE_MIN: usize = 64 * 1024;
 /// WRITE payloads this large are received straight into the write buffer (see `run`).
 const LARGE_PAYLOAD: usize = 64 * 1024;
+/// Alignment of the start of `wbuf`'s payload.
+const WBUF_ALIGN: usize = 4096;
 /// Most extents returned for one BLOCK_STATUS (bounded reply size).
 const MAX_EXTENTS: usize = 64 * 1024;
 /// Handshake receive buffer: the largest option (64 KiB of data) plus its header.
@@ -264,8 +266,11 @@ struct Transmission<'a> {
     rx: Vec<u8>,
     head: usize,
     tail: usize,
-    /// Buffer for WRITE payloads larger than what one `read` brought.
+    /// Buffer for WRITE payloads larger than what one `read` brought; the payload starts
+    /// at `wbuf[woff]`, page-aligned (the kernel copies into and out of an aligned
+    /// buffer faster).
     wbuf: Vec<u8>,
+    woff: usize,
     tx: SendQueue,
     extents: Vec<Extent>,
     sparse_threshold: Option<u64>,
@@ -306,6 +311,7 @@ impl<'a> Transmission<'a> {
             head: 0,
             tail: 0,
             wbuf: Vec::new(),
+            woff: 0,
             tx: SendQueue {
                 headers: Vec::with_capacity(64 * 1024),
                 data: vec![0u8; 1 << 20],
@@ -382,13 +388,15 @@ impl<'a> Transmission<'a> {
     /// blocking read.
     fn receive_large_payload(&mut self, start: usize, n: usize) -> io::Result<()> {
         self.flush()?;
-        if self.wbuf.len() < n {
-            self.wbuf.resize(n, 0);
+        if self.wbuf.len() - self.woff < n {
+            self.wbuf = vec![0u8; n + WBUF_ALIGN - 1];
+            self.woff = self.wbuf.as_ptr().align_offset(WBUF_ALIGN).min(WBUF_ALIGN - 1);
         }
+        let w = self.woff;
         let have = self.tail - start;
-        self.wbuf[..have].copy_from_slice(&self.rx[start..self.tail]);
+        self.wbuf[w..w + have].copy_from_slice(&self.rx[start..self.tail]);
         self.head = self.tail;
-        self.stream.read_exact(&mut self.wbuf[have..n])
+        self.stream.read_exact(&mut self.wbuf[w + have..w + n])
     }
 
     /// Reads and discards `n` payload bytes that are too large to accept.
@@ -474,7 +482,7 @@ impl<'a> Transmission<'a> {
             Command::Write { offset, length, fua } => {
                 let data = match payload {
                     Some((a, b)) => &self.rx[a..b],
-                    None => &self.wbuf[..length as usize],
+                    None => &self.wbuf[self.woff..self.woff + length as usize],
                 };
                 backend.write(data, offset, fua)
             }
