@@ -15,11 +15,7 @@ W=$(mktemp -d /dev/shm/ferry-bench.XXXX)
 trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$W"' EXIT
 [ -x "$FERRY" ] || { echo "build ferry first: cargo build --release"; exit 1; }
 
-med() { sort -g | awk '{a[NR]=$1} END{print a[int((NR+1)/2)]}'; }
-secs() { local s e; s=$(date +%s.%N); "$@" >/dev/null 2>&1 || { echo FAIL; return; }; e=$(date +%s.%N); echo "$e - $s" | bc -l; }
-med3() { for i in 1 2 3; do secs "$@"; done | grep -v FAIL | med; }
-gibs() { local t; t=$(med3 "$@"); [ -z "$t" ] && { echo fail; return; }; printf "%.2f" "$(echo "$SIZE_G / $t" | bc -l)"; }
-wait_sock() { for i in $(seq 100); do [ -S "$1" ] && return; sleep 0.05; done; }
+. "$(dirname "$0")/lib.sh"
 
 openssl enc -aes-128-ctr -pass pass:ferry -nosalt -pbkdf2 </dev/zero 2>/dev/null | head -c $((SIZE_G<<30)) > "$W/img"
 cc -O2 -o "$W/rawsock" "$SHARED/rawsock.c"

@@ -14,12 +14,7 @@ W=$(mktemp -d /dev/shm/ferry-tls.XXXX)
 trap 'kill $(jobs -p) 2>/dev/null; wait 2>/dev/null; rm -rf "$W"' EXIT
 [ -x "$FERRY" ] || { echo "build ferry first: cargo build --release"; exit 1; }
 
-med() { sort -g | awk '{a[NR]=$1} END{print a[int((NR+1)/2)]}'; }
-secs() { local s e; s=$(date +%s.%N); "$@" >/dev/null 2>&1 || { echo FAIL; return; }; e=$(date +%s.%N); echo "$e - $s" | bc -l; }
-med3() { for i in 1 2 3; do secs "$@"; done | grep -v FAIL | med; }
-gibs() { local t; t=$(med3 "$@"); [ -z "$t" ] && { echo fail; return; }; printf "%.2f" "$(echo "$SIZE_G / $t" | bc -l)"; }
-wait_sock() { for i in $(seq 100); do [ -S "$1" ] && return; sleep 0.05; done; }
-wait_port() { for i in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/$1) 2>/dev/null && return; sleep 0.05; done; }
+. "$(dirname "$0")/lib.sh"
 json() { python3 -c "import json,sys; d=json.load(sys.stdin); print(round($1))"; }
 
 psktool -u bench -p "$W/keys.psk" >/dev/null 2>&1

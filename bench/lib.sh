@@ -1,0 +1,9 @@
+# Shared by ferry's bench scripts (source it; needs $SIZE_G for gibs).
+# med: median of numbers on stdin. secs CMD...: wall seconds of one run (FAIL if it
+# fails). med3: median of 3 runs. gibs: SIZE_G GiB over the median time, in GiB/s.
+med() { sort -g | awk '{a[NR]=$1} END{print a[int((NR+1)/2)]}'; }
+secs() { local s e; s=$(date +%s.%N); "$@" >/dev/null 2>&1 || { echo FAIL; return; }; e=$(date +%s.%N); echo "$e - $s" | bc -l; }
+med3() { for i in 1 2 3; do secs "$@"; done | grep -v FAIL | med; }
+gibs() { local t; t=$(med3 "$@"); [ -z "$t" ] && { echo fail; return; }; printf "%.2f" "$(echo "$SIZE_G / $t" | bc -l)"; }
+wait_sock() { for i in $(seq 100); do [ -S "$1" ] && return; sleep 0.05; done; }
+wait_port() { for i in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/$1) 2>/dev/null && return; sleep 0.05; done; }
