@@ -27,7 +27,7 @@ fn certtool(dir: &Path, args: &[&str]) {
 fn make_pki(cn: &str) -> tempfile::TempDir {
     let d = tempfile::tempdir().unwrap();
     let p = d.path();
-    fs::write(p.join("ca.info"), format!("cn = {cn}\nca\ncert_signing_key\nexpiration_days = 2\n")).unwrap();
+    fs::write(p.join("ca.info"), format!("cn = {cn}\nca\ncert_signing_key\ncrl_signing_key\nexpiration_days = 2\n")).unwrap();
     fs::write(
         p.join("server.info"),
         "organization = ferry tests\ncn = localhost\ndns_name = localhost\nip_address = 127.0.0.1\n\
@@ -422,6 +422,55 @@ fn tls_refusals_are_clear_and_harm_nobody_else() {
     let plain = Server::tcp("memory:1M", &[]);
     let out = run_fails(&mut ferry(&["info", &tls_uri(&plain, None, &format!("tls-certificates={dir}"))]));
     assert!(out.stderr.contains("refused NBD_OPT_STARTTLS"), "{}", out.describe());
+}
+
+/// Writes `ca-crl.pem` into `dir`, revoking `who`'s certificate (server or client).
+fn revoke(dir: &Path, who: &str) {
+    fs::write(dir.join("crl.info"), "crl_next_update = 2\ncrl_number = 1\n").unwrap();
+    let cert = format!("{who}-cert.pem");
+    certtool(
+        dir,
+        &[
+            "--generate-crl",
+            "--load-ca-privkey",
+            "ca-key.pem",
+            "--load-ca-certificate",
+            "ca-cert.pem",
+            "--load-certificate",
+            &cert,
+            "--template",
+            "crl.info",
+            "--outfile",
+            "ca-crl.pem",
+        ],
+    );
+}
+
+#[test]
+fn revoked_certificates_are_refused_on_both_sides() {
+    // The client reads ca-crl.pem from its tls-certificates directory: a revoked server
+    // certificate is refused, the same certificate without the CRL is accepted.
+    let pki = make_pki("CRL CA");
+    let dir = pki.path().to_str().unwrap();
+    let s = Server::tcp("memory:1M", &["--tls=require", "--tls-certificates", dir]);
+    let uri = tls_uri(&s, None, &format!("tls-certificates={dir}"));
+    run_ok(&mut ferry(&["info", "--size", &uri]));
+    revoke(pki.path(), "server");
+    let out = run_fails(&mut ferry(&["info", &uri]));
+    assert!(out.stderr.contains("certificate revoked"), "{}", out.describe());
+    fs::remove_file(pki.path().join("ca-crl.pem")).unwrap();
+
+    // The server reads it with --tls-verify-peer: a revoked client certificate is refused.
+    revoke(pki.path(), "client");
+    let s = Server::tcp("memory:1M", &["--tls=require", "--tls-certificates", dir, "--tls-verify-peer"]);
+    let client = tempfile::tempdir().unwrap();
+    for f in ["ca-cert.pem", "client-cert.pem", "client-key.pem"] {
+        fs::copy(pki.path().join(f), client.path().join(f)).unwrap();
+    }
+    let out =
+        run_fails(&mut ferry(&["info", &tls_uri(&s, None, &format!("tls-certificates={}", client.path().display()))]));
+    assert!(out.stderr.contains("TLS"), "{}", out.describe());
+    assert!(server_log_has(&s, "certificate revoked"), "server log: {}", s.stderr());
 }
 
 #[test]

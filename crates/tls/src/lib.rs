@@ -25,6 +25,8 @@ use openssl::ssl::{
     ErrorCode, HandshakeError, Ssl, SslConnector, SslContext, SslContextBuilder, SslFiletype, SslMethod, SslOptions,
     SslStream, SslVerifyMode, SslVersion,
 };
+use openssl::x509::store::X509Lookup;
+use openssl::x509::verify::X509VerifyFlags;
 use openssl::x509::X509VerifyResult;
 
 /// Plaintext bytes per TLS record (the protocol's maximum).
@@ -116,8 +118,8 @@ impl PskKeys {
 /// What `ferry serve --tls-*` configured.
 #[derive(Debug, Clone, Default)]
 pub struct ServerTlsConfig {
-    /// Directory with `server-cert.pem`, `server-key.pem` and `ca-cert.pem` (nbdkit's
-    /// and qemu's `tls-creds-x509` layout).
+    /// Directory with `server-cert.pem`, `server-key.pem`, `ca-cert.pem` and optionally
+    /// `ca-crl.pem` (nbdkit's and qemu's `tls-creds-x509` layout).
     pub certificates: Option<PathBuf>,
     /// psktool-format key file.
     pub psk: Option<PathBuf>,
@@ -145,6 +147,23 @@ fn pem(dir: &Path, name: &str, what: &'static str) -> Result<PathBuf, TlsError> 
 
 fn load<T>(what: &'static str, path: &Path, r: Result<T, ErrorStack>) -> Result<T, TlsError> {
     r.map_err(|e| TlsError::Load { what, path: path.into(), reason: e.to_string() })
+}
+
+/// Loads `ca-crl.pem` from a credentials directory when it is there (optional in the
+/// layout of nbdkit and qemu), and makes verification check it.
+fn load_crl(b: &mut SslContextBuilder, dir: &Path) -> Result<(), TlsError> {
+    let crl = dir.join("ca-crl.pem");
+    if !crl.exists() {
+        return Ok(());
+    }
+    let store = b.cert_store_mut();
+    load(
+        "certificate revocation list",
+        &crl,
+        store.add_lookup(X509Lookup::file()).and_then(|l| l.load_crl_file(&crl, SslFiletype::PEM)),
+    )?;
+    store.set_flags(X509VerifyFlags::CRL_CHECK)?;
+    Ok(())
 }
 
 fn common(b: &mut SslContextBuilder) -> Result<(), TlsError> {
@@ -178,6 +197,7 @@ impl ServerTls {
             if cfg.verify_peer {
                 let ca = pem(dir, "ca-cert.pem", "CA certificate")?;
                 load("CA certificate", &ca, b.set_ca_file(&ca))?;
+                load_crl(&mut b, dir)?;
                 b.set_verify(SslVerifyMode::PEER | SslVerifyMode::FAIL_IF_NO_PEER_CERT);
             }
         }
@@ -212,8 +232,9 @@ impl ServerTls {
 /// `tls-hostname=`, `tls-verify-peer=`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClientTlsConfig {
-    /// Directory with `ca-cert.pem`, and `client-cert.pem`/`client-key.pem` when the
-    /// server wants a client certificate. Without it, the system's CAs are used.
+    /// Directory with `ca-cert.pem`, optionally `ca-crl.pem`, and
+    /// `client-cert.pem`/`client-key.pem` when the server wants a client certificate.
+    /// Without it, the system's CAs are used.
     pub certificates: Option<PathBuf>,
     pub psk_file: Option<PathBuf>,
     /// PSK identity; defaults to the login name, as libnbd does.
@@ -253,6 +274,7 @@ impl ClientTls {
         if let Some(dir) = &cfg.certificates {
             let ca = pem(dir, "ca-cert.pem", "CA certificate")?;
             load("CA certificate", &ca, b.set_ca_file(&ca))?;
+            load_crl(&mut b, dir)?;
             let (cert, key) = (dir.join("client-cert.pem"), dir.join("client-key.pem"));
             if cert.exists() && key.exists() {
                 load("client certificate", &cert, b.set_certificate_chain_file(&cert))?;
