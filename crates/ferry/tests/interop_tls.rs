@@ -27,7 +27,8 @@ fn certtool(dir: &Path, args: &[&str]) {
 fn make_pki(cn: &str) -> tempfile::TempDir {
     let d = tempfile::tempdir().unwrap();
     let p = d.path();
-    fs::write(p.join("ca.info"), format!("cn = {cn}\nca\ncert_signing_key\ncrl_signing_key\nexpiration_days = 2\n")).unwrap();
+    fs::write(p.join("ca.info"), format!("cn = {cn}\nca\ncert_signing_key\ncrl_signing_key\nexpiration_days = 2\n"))
+        .unwrap();
     fs::write(
         p.join("server.info"),
         "organization = ferry tests\ncn = localhost\ndns_name = localhost\nip_address = 127.0.0.1\n\
