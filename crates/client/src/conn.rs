@@ -201,11 +201,25 @@ fn open_stream(uri: &Uri, opts: &ConnectOptions) -> Result<Stream, Error> {
     Ok(stream)
 }
 
+/// The TLS context for a URI's credentials, built once per process: a copy opens
+/// several connections to each end, and each would otherwise read and parse the same
+/// certificate, key and CA files again.
+fn client_tls(cfg: &ferry_tls::ClientTlsConfig) -> Result<ClientTls, TlsError> {
+    static CACHE: std::sync::Mutex<Vec<(ferry_tls::ClientTlsConfig, ClientTls)>> = std::sync::Mutex::new(Vec::new());
+    let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, t)) = cache.iter().find(|(c, _)| c == cfg) {
+        return Ok(t.clone());
+    }
+    let t = ClientTls::new(cfg)?;
+    cache.push((cfg.clone(), t.clone()));
+    Ok(t)
+}
+
 /// Opens the socket a URI names and runs the handshake on it, upgrading to TLS when the
 /// URI asks for it. Returns the connection, the progress and any bytes that arrived
 /// after the handshake.
 fn open(uri: &Uri, opts: &ConnectOptions, mut cfg: ClientConfig) -> Result<(Channel, ClientProgress, Vec<u8>), Error> {
-    let tls = uri.tls.as_ref().map(ClientTls::new).transpose()?;
+    let tls = uri.tls.as_ref().map(client_tls).transpose()?;
     cfg.tls = tls.is_some();
     let mut stream = Channel::from(open_stream(uri, opts)?);
     let (p, leftover) = handshake(&mut stream, cfg, opts.handshake_timeout, tls.as_ref())?;

@@ -456,19 +456,24 @@ fn join<T>(h: std::thread::ScopedJoinHandle<'_, io::Result<T>>) -> io::Result<T>
     h.join().unwrap_or_else(|_| Err(io::Error::other("benchmark thread panicked")))
 }
 
-/// Writes `total` bytes with write() calls of `buf.len()` bytes (less for the last one).
-fn writer(mut s: End, buf: &[u8], total: u64, barrier: &Barrier) -> io::Result<WriterStats> {
-    barrier.wait();
-    let start = Instant::now();
-    let (mut left, mut writes, mut short_writes) = (total, 0u64, 0u64);
+/// Moves `total` bytes with calls of `op(want)` for at most `size` bytes each (less for
+/// the last ones), retrying on EINTR. `op` returning 0 is the error `on_zero`. Returns
+/// the calls made and how many moved less than asked.
+fn pump(
+    total: u64,
+    size: usize,
+    on_zero: fn() -> io::Error,
+    mut op: impl FnMut(usize) -> io::Result<usize>,
+) -> io::Result<(u64, u64)> {
+    let (mut left, mut calls, mut short) = (total, 0u64, 0u64);
     while left > 0 {
-        let want = buf.len().min(usize::try_from(left).unwrap_or(usize::MAX));
-        match s.write(&buf[..want]) {
-            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+        let want = size.min(usize::try_from(left).unwrap_or(usize::MAX));
+        match op(want) {
+            Ok(0) => return Err(on_zero()),
             Ok(k) => {
-                writes += 1;
+                calls += 1;
                 if k < want {
-                    short_writes += 1;
+                    short += 1;
                 }
                 left -= k as u64;
             }
@@ -476,6 +481,15 @@ fn writer(mut s: End, buf: &[u8], total: u64, barrier: &Barrier) -> io::Result<W
             Err(e) => return Err(e),
         }
     }
+    Ok((calls, short))
+}
+
+/// Writes `total` bytes with write() calls of `buf.len()` bytes (less for the last one).
+fn writer(mut s: End, buf: &[u8], total: u64, barrier: &Barrier) -> io::Result<WriterStats> {
+    barrier.wait();
+    let start = Instant::now();
+    let (writes, short_writes) =
+        pump(total, buf.len(), || io::ErrorKind::WriteZero.into(), |want| s.write(&buf[..want]))?;
     let sndbuf_end = s.sock().send_buffer_size()?;
     Ok(WriterStats { start, writes, short_writes, sndbuf_end })
 }
@@ -486,22 +500,8 @@ fn reader(mut s: End, size: usize, total: u64, barrier: &Barrier) -> io::Result<
     // Touch the buffer first, so page faults are not measured.
     let mut buf = vec![1u8; size];
     barrier.wait();
-    let (mut left, mut reads, mut short_reads) = (total, 0u64, 0u64);
-    while left > 0 {
-        let want = size.min(usize::try_from(left).unwrap_or(usize::MAX));
-        match s.read(&mut buf[..want]) {
-            Ok(0) => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the writer closed early")),
-            Ok(k) => {
-                reads += 1;
-                if k < want {
-                    short_reads += 1;
-                }
-                left -= k as u64;
-            }
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e),
-        }
-    }
+    let eof = || io::Error::new(io::ErrorKind::UnexpectedEof, "the writer closed early");
+    let (reads, short_reads) = pump(total, size, eof, |want| s.read(&mut buf[..want]))?;
     Ok(ReaderStats { end: Instant::now(), reads, short_reads })
 }
 

@@ -510,6 +510,26 @@ mod tests {
     }
 
     #[test]
+    fn bytes_after_the_starttls_ack_are_refused() {
+        let mut cfg = ClientConfig::new("d");
+        cfg.tls = true;
+        let mut h = ClientHandshake::new(cfg);
+        let mut out = Vec::new();
+        let mut s2c = Vec::new();
+        ServerHandshake::new(&mut s2c);
+        let (n, _) = h.feed(&s2c, &mut out).unwrap();
+        assert_eq!(n, 18);
+        // The ACK, then plaintext a man in the middle could have added.
+        let mut ack = Vec::new();
+        crate::handshake::option_reply(&mut ack, OPT_STARTTLS, REP_ACK, &[]);
+        let injected = ack.len();
+        ack.extend_from_slice(b"injected");
+        let (n, p) = h.feed(&ack, &mut out).unwrap();
+        assert_eq!((n, p), (injected, ClientProgress::StartTls), "only the ACK is consumed");
+        assert!(matches!(h.feed(&ack[n..], &mut out), Err(ClientError::Malformed(_))));
+    }
+
+    #[test]
     fn rejects_non_nbd_peers() {
         let mut h = ClientHandshake::new(ClientConfig::new(""));
         assert_eq!(h.feed(b"HTTP/1.1 200 OK\r\n\r\n", &mut Vec::new()), Err(ClientError::NotNbd));

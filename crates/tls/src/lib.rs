@@ -432,6 +432,18 @@ impl TlsStream {
         Ok(())
     }
 
+    /// Encrypts what is corked (if anything) and empties the cork, keeping its memory.
+    fn uncork(&mut self) -> io::Result<()> {
+        if self.cork.is_empty() {
+            return Ok(());
+        }
+        let cork = std::mem::take(&mut self.cork);
+        let r = self.plain(&cork);
+        self.cork = cork;
+        self.cork.clear();
+        r
+    }
+
     /// Encrypts `bufs` into as few records as possible and sends them, flushing at the
     /// end: small pieces (headers, small payloads) share records; large payloads are
     /// encrypted from the caller's memory in whole records, after topping up the
@@ -447,11 +459,7 @@ impl TlsStream {
                 let take = RECORD - self.cork.len();
                 self.cork.extend_from_slice(&s[..take]);
                 s = &s[take..];
-                let cork = std::mem::take(&mut self.cork);
-                let r = self.plain(&cork);
-                self.cork = cork;
-                self.cork.clear();
-                r?;
+                self.uncork()?;
             }
             let whole = s.len() / RECORD * RECORD;
             if whole > 0 {
@@ -459,13 +467,7 @@ impl TlsStream {
             }
             self.cork.extend_from_slice(&s[whole..]);
         }
-        if !self.cork.is_empty() {
-            let cork = std::mem::take(&mut self.cork);
-            let r = self.plain(&cork);
-            self.cork = cork;
-            self.cork.clear();
-            r?;
-        }
+        self.uncork()?;
         self.ssl.get_mut().flush()
     }
 
