@@ -9,7 +9,7 @@ use ferry_sock::{BufferConfig, Stream};
 use ferry_tls::{ClientTls, TlsError, Transport as Channel};
 use std::io::{self, IoSlice, Read};
 use std::net::ToSocketAddrs;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::time::Duration;
 
 /// An error from the server for one request.
@@ -114,8 +114,34 @@ pub struct Submit<'a> {
     pub flags: u16,
     pub offset: u64,
     pub length: u64,
-    pub payload: Option<&'a [u8]>,
+    pub payload: Option<Payload<'a>>,
     pub slot: usize,
+}
+
+/// A WRITE payload.
+#[derive(Debug, Clone, Copy)]
+pub enum Payload<'a> {
+    Bytes(&'a [u8]),
+    /// `len` bytes of a file from `offset`, sent with sendfile(2): page-cache data goes to
+    /// the socket without passing through user space. Only on plaintext connections
+    /// (see [`Connection::can_send_file`]).
+    File {
+        fd: BorrowedFd<'a>,
+        offset: u64,
+        len: usize,
+    },
+}
+
+impl Payload<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            Payload::Bytes(b) => b.len(),
+            Payload::File { len, .. } => *len,
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// A finished request.
@@ -339,6 +365,10 @@ impl Connection {
     pub fn mode(&self) -> ReplyMode {
         self.mode
     }
+    /// WRITE payloads may be [`Payload::File`]: the connection is not encrypted.
+    pub fn can_send_file(&self) -> bool {
+        !self.stream.is_tls()
+    }
     pub fn can_block_status(&self) -> bool {
         self.info.meta_context.is_some()
     }
@@ -376,7 +406,7 @@ impl Connection {
         self.hdrs.clear();
         for r in reqs {
             let mut flags = r.flags;
-            let length = match r.payload {
+            let length = match &r.payload {
                 Some(p) => {
                     if extended {
                         flags |= CMD_FLAG_PAYLOAD_LEN;
@@ -405,10 +435,20 @@ impl Connection {
         let mut last_hdr_end = 0usize;
         for (i, r) in reqs.iter().enumerate() {
             let end = (i + 1) * hlen;
-            if let Some(p) = r.payload.filter(|p| !p.is_empty()) {
-                iov.push(IoSlice::new(&self.hdrs[last_hdr_end..end]));
-                iov.push(IoSlice::new(p));
-                last_hdr_end = end;
+            match r.payload.filter(|p| !p.is_empty()) {
+                Some(Payload::Bytes(p)) => {
+                    iov.push(IoSlice::new(&self.hdrs[last_hdr_end..end]));
+                    iov.push(IoSlice::new(p));
+                    last_hdr_end = end;
+                }
+                Some(Payload::File { fd, offset, len }) => {
+                    iov.push(IoSlice::new(&self.hdrs[last_hdr_end..end]));
+                    last_hdr_end = end;
+                    self.stream.send_all(&mut iov)?;
+                    iov.clear();
+                    self.stream.send_file(fd, offset, len)?;
+                }
+                None => {}
             }
         }
         if last_hdr_end < self.hdrs.len() {
@@ -679,7 +719,14 @@ impl Connection {
     pub fn pwrite(&mut self, data: &[u8], offset: u64, fua: bool) -> Result<(), Error> {
         let flags = if fua { CMD_FLAG_FUA } else { 0 };
         let c = self.call(
-            Submit { cmd: CMD_WRITE, flags, offset, length: data.len() as u64, payload: Some(data), slot: 0 },
+            Submit {
+                cmd: CMD_WRITE,
+                flags,
+                offset,
+                length: data.len() as u64,
+                payload: Some(Payload::Bytes(data)),
+                slot: 0,
+            },
             &mut [],
         )?;
         c.result.map_err(Error::Remote)

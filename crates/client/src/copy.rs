@@ -7,8 +7,13 @@
 //! them in flight on its own connections, reading into its own buffers and writing from
 //! the same buffers (no copy between source and destination). With `sparse`, blocks of
 //! zeroes are not written: the destination gets WRITE_ZEROES, or is left as a hole.
+//!
+//! From a local file to a plaintext NBD connection the data does not pass through user
+//! space at all: WRITE payloads go from the file's page cache to the socket with
+//! sendfile(2). Zero detection then reads only a request's first [`PROBE`] bytes, and
+//! reads the rest only when those are all zero.
 
-use crate::conn::{Completion, ConnectOptions, Connection, Error as ConnError, Submit};
+use crate::conn::{Completion, ConnectOptions, Connection, Error as ConnError, Payload, Submit};
 use crate::uri::Uri;
 use ferry_hash::BlockHasher;
 use ferry_proto::consts::*;
@@ -16,6 +21,7 @@ use ferry_proto::reply::Extent;
 use rustix::event::{poll, PollFd, PollFlags};
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Write};
+use std::os::fd::AsFd;
 use std::os::unix::fs::{FileExt, FileTypeExt};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -595,6 +601,8 @@ impl AsMut<[u8]> for Buf {
 struct Slot {
     state: SlotState,
     item: Item,
+    /// The data is still in the source file (sent with sendfile), not in the buffer.
+    in_file: bool,
     /// Counted (and hashed) already: stdout may visit a full slot several times.
     counted: bool,
 }
@@ -605,12 +613,19 @@ fn worker(mut src: Src, mut dst: Dst, sh: &Shared<'_>) -> (Src, Dst, u64) {
     let q = sh.opts.requests;
     let mut bufs: Vec<Buf> = (0..q).map(|_| Buf::default()).collect();
     let mut slots: Vec<Slot> = (0..q)
-        .map(|_| Slot { state: SlotState::Free, item: Item { offset: 0, len: 0, kind: Kind::Data }, counted: false })
+        .map(|_| Slot {
+            state: SlotState::Free,
+            item: Item { offset: 0, len: 0, kind: Kind::Data },
+            in_file: false,
+            counted: false,
+        })
         .collect();
     let mut no_more_work = false;
     let mut next_out = 0u64; // stdout writes in order
     let mut written = 0u64;
     let mut subs: Vec<(usize, u64, usize)> = Vec::new();
+    // File to plaintext NBD: payloads go with sendfile. The hash needs the bytes.
+    let send_file = matches!((&src, &dst), (Src::File(_), Dst::Nbd(c)) if c.can_send_file()) && sh.opts.hash.is_none();
     loop {
         if sh.abort.load(Ordering::SeqCst) {
             break;
@@ -631,6 +646,7 @@ fn worker(mut src: Src, mut dst: Dst, sh: &Shared<'_>) -> (Src, Dst, u64) {
                 }
                 slot.item = item;
                 slot.counted = false;
+                slot.in_file = false;
                 if item.kind == Kind::Zero {
                     sh.hole_bytes.fetch_add(item.len as u64, Ordering::Relaxed);
                     slot.state = SlotState::Full;
@@ -642,7 +658,12 @@ fn worker(mut src: Src, mut dst: Dst, sh: &Shared<'_>) -> (Src, Dst, u64) {
                         slot.state = SlotState::Reading;
                     }
                     Src::File(f) => {
-                        if let Err(e) = f.read_exact_at(&mut bufs[i][..item.len], item.offset) {
+                        let r = if send_file {
+                            probe(f, &mut bufs[i][..item.len], item.offset, sh.opts.sparse).map(|p| slot.in_file = p)
+                        } else {
+                            f.read_exact_at(&mut bufs[i][..item.len], item.offset)
+                        };
+                        if let Err(e) = r {
                             sh.fail(CopyError::request("read", item.offset, item.len as u64, e));
                             return (src, dst, written);
                         }
@@ -706,10 +727,12 @@ fn worker(mut src: Src, mut dst: Dst, sh: &Shared<'_>) -> (Src, Dst, u64) {
                     continue;
                 }
                 let item = slot.item;
-                let data = &bufs[i][..if item.kind == Kind::Data { item.len } else { 0 }];
+                let data = &bufs[i][..if item.kind == Kind::Data && !slot.in_file { item.len } else { 0 }];
                 // Zero detection only where it changes what is written: `null:` discards
-                // anyway, and the hash finds zero blocks itself.
-                let zero = item.kind == Kind::Zero || (sh.opts.sparse && !matches!(dst, Dst::Null) && is_zero(data));
+                // anyway, and the hash finds zero blocks itself. A probe found data in
+                // what is still in the file.
+                let zero = item.kind == Kind::Zero
+                    || (sh.opts.sparse && !slot.in_file && !matches!(dst, Dst::Null) && is_zero(data));
                 if !slot.counted {
                     slot.counted = true;
                     if item.kind == Kind::Data {
@@ -747,10 +770,13 @@ fn worker(mut src: Src, mut dst: Dst, sh: &Shared<'_>) -> (Src, Dst, u64) {
                         }
                     }
                     Dst::Nbd(_) => {
-                        let (cmd, payload, length) = if zero {
-                            (CMD_WRITE_ZEROES, None, item.len as u64)
-                        } else {
-                            (CMD_WRITE, Some(data), item.len as u64)
+                        let (cmd, payload, length) = match (&src, zero) {
+                            (_, true) => (CMD_WRITE_ZEROES, None, item.len as u64),
+                            (Src::File(f), false) if slot.in_file => {
+                                let p = Payload::File { fd: f.as_fd(), offset: item.offset, len: item.len };
+                                (CMD_WRITE, Some(p), item.len as u64)
+                            }
+                            (_, false) => (CMD_WRITE, Some(Payload::Bytes(data)), item.len as u64),
                         };
                         wsubs.push(Submit { cmd, flags: 0, offset: item.offset, length, payload, slot: i });
                         slot.state = SlotState::Writing;
@@ -831,6 +857,26 @@ fn worker(mut src: Src, mut dst: Dst, sh: &Shared<'_>) -> (Src, Dst, u64) {
         }
     }
     (src, dst, written)
+}
+
+/// Bytes of a request [`probe`] reads to tell data from zeroes.
+const PROBE: usize = 4096;
+
+/// Zero detection for data sent with sendfile: reads the first [`PROBE`] bytes of `buf`'s
+/// range at `offset` and, only if they are all zero, the rest. `Ok(true)`: the range
+/// holds data (or `sparse` is off) and is left in the file; `Ok(false)`: it is all in
+/// `buf`, to be checked and sent from there.
+fn probe(f: &File, buf: &mut [u8], offset: u64, sparse: bool) -> io::Result<bool> {
+    if !sparse {
+        return Ok(true);
+    }
+    let head = buf.len().min(PROBE);
+    f.read_exact_at(&mut buf[..head], offset)?;
+    if !is_zero(&buf[..head]) {
+        return Ok(true);
+    }
+    f.read_exact_at(&mut buf[head..], offset + head as u64)?;
+    Ok(false)
 }
 
 /// Receives every completion already at hand on `c` (at least one, blocking for it),

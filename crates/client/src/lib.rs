@@ -11,5 +11,5 @@ pub mod conn;
 pub mod copy;
 pub mod uri;
 
-pub use conn::{Completion, ConnectOptions, Connection, Error, RemoteError, Submit};
+pub use conn::{Completion, ConnectOptions, Connection, Error, Payload, RemoteError, Submit};
 pub use uri::{Transport, Uri, UriError};

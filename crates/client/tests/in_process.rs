@@ -2,7 +2,7 @@
 //! all three reply modes.
 
 use ferry_backend::MemoryBackend;
-use ferry_client::{ConnectOptions, Connection, Submit, Uri};
+use ferry_client::{ConnectOptions, Connection, Payload, Submit, Uri};
 use ferry_proto::consts::*;
 use ferry_server::{Config, Export, Exports, Server};
 use ferry_sock::Listener;
@@ -99,7 +99,7 @@ fn many_requests_in_flight() {
             flags: 0,
             offset: i as u64 * 65536,
             length: 0,
-            payload: Some(b),
+            payload: Some(Payload::Bytes(b)),
             slot: i,
         })
         .collect();
@@ -159,5 +159,64 @@ fn file_export_reads_with_sendfile_and_holes() {
             c.pread(&mut buf, off).unwrap();
             assert!(buf == content[off as usize..off as usize + len], "mismatch at {off}+{len} with {opts:?}");
         }
+    }
+}
+
+/// Large WRITEs into a file export are spliced from the socket into the file. One batch
+/// mixes what the splice path must get right: a small write whose successor's payload
+/// partly arrives in the same read, payloads from memory and from a file (sendfile),
+/// FUA, and a write past the end whose payload must still be consumed, so the requests
+/// after it stay in step.
+#[test]
+fn file_export_writes_with_splice_in_every_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("img");
+    let size = 4usize << 20;
+    std::fs::write(&img, vec![0u8; size]).unwrap();
+    let src_path = dir.path().join("src");
+    let src_bytes: Vec<u8> = (0..1_000_000u32).map(|i| (i % 239) as u8 + 3).collect();
+    std::fs::write(&src_path, &src_bytes).unwrap();
+    let src = std::fs::File::open(&src_path).unwrap();
+    let backend = Arc::new(ferry_backend::FileBackend::open(&img, false).unwrap());
+    let srv = serve_backend(backend, dir);
+    let mut want = vec![0u8; size];
+    for (round, opts) in modes().into_iter().enumerate() {
+        let mut c = Connection::connect(&srv.uri, &opts).unwrap();
+        assert!(c.can_send_file());
+        let fill = |n: usize, k: usize| -> Vec<u8> { (0..n).map(|i| ((i * 31 + k * 7 + round) % 251) as u8).collect() };
+        let small = fill(1000, 1);
+        let big = fill(700_000, 2);
+        let fua = fill(300_000, 3);
+        let past_end = fill(200_000, 4);
+        let after = fill(100_000, 5);
+        use std::os::fd::AsFd;
+        let file_payload = Payload::File { fd: src.as_fd(), offset: 12_345, len: 600_000 };
+        fn w(offset: u64, flags: u16, payload: Payload<'_>, slot: usize) -> Submit<'_> {
+            Submit { cmd: CMD_WRITE, flags, offset, length: payload.len() as u64, payload: Some(payload), slot }
+        }
+        let subs = vec![
+            w(10, 0, Payload::Bytes(&small), 0),
+            w(5000, 0, Payload::Bytes(&big), 1),
+            w(1 << 20, 0, file_payload, 2),
+            w(2 << 20, CMD_FLAG_FUA, Payload::Bytes(&fua), 3),
+            w(size as u64 - 100_000, 0, Payload::Bytes(&past_end), 4),
+            w(3 << 20, 0, Payload::Bytes(&after), 5),
+        ];
+        c.submit(&subs).unwrap();
+        let mut results = vec![None; subs.len()];
+        for _ in 0..subs.len() {
+            let done = c.receive(&mut []).unwrap();
+            results[done.slot] = Some(done.result.is_ok());
+        }
+        assert_eq!(results, [true, true, true, true, false, true].map(Some), "{opts:?}");
+        let mut expect = |offset: usize, bytes: &[u8]| want[offset..offset + bytes.len()].copy_from_slice(bytes);
+        expect(10, &small);
+        expect(5000, &big);
+        expect(1 << 20, &src_bytes[12_345..12_345 + 600_000]);
+        expect(2 << 20, &fua);
+        expect(3 << 20, &after);
+        let mut back = vec![0u8; size];
+        c.pread(&mut back, 0).unwrap();
+        assert!(back == want, "file contents differ with {opts:?}");
     }
 }

@@ -9,7 +9,7 @@
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 use ferry_backend::parse_size;
-use ferry_client::{ConnectOptions, Connection, Submit, Uri};
+use ferry_client::{ConnectOptions, Connection, Payload, Submit, Uri};
 use ferry_proto::consts::{CMD_READ, CMD_WRITE, FLAG_CAN_MULTI_CONN, FLAG_READ_ONLY};
 use serde_json::json;
 use std::time::{Duration, Instant};
@@ -184,7 +184,8 @@ fn load(
             for &slot in &free {
                 let offset = next() % blocks * bs as u64;
                 let read = (next() % 100) < u64::from(read_pct);
-                let (cmd, payload) = if read { (CMD_READ, None) } else { (CMD_WRITE, Some(&payload[..])) };
+                let (cmd, payload) =
+                    if read { (CMD_READ, None) } else { (CMD_WRITE, Some(Payload::Bytes(&payload[..]))) };
                 subs.push(Submit { cmd, flags: 0, offset, length: bs as u64, payload, slot });
                 started[slot] = now;
             }
