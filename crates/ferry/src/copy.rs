@@ -22,12 +22,12 @@ pub struct CopyArgs {
     /// worker thread; more busy threads than cores measured slower).
     #[arg(short = 'C', long, value_name = "N")]
     connections: Option<usize>,
-    /// Requests in flight per connection (default: 16 MiB worth, 64 of 256K).
+    /// Requests in flight per connection (default: 16 MiB worth, 16 of 1M).
     #[arg(short = 'R', long, value_name = "N")]
     requests: Option<usize>,
-    /// Bytes per request (K, M suffixes; at most 32M). Default: 1M when reading from an
-    /// NBD server into a file, stdout or null: (fewer, larger replies; measured faster),
-    /// 256K otherwise (finer zero detection when writing to NBD).
+    /// Bytes per request (K, M suffixes; at most 32M). Default: 1M (fewer, larger
+    /// requests and replies; measured faster). Zeroes are detected in blocks of 256K
+    /// within a request, or of 1/128 of the request when that is larger.
     #[arg(long, value_name = "BYTES")]
     request_size: Option<String>,
     /// Detect zeroes: zero blocks and source holes are not written as data (the
@@ -59,8 +59,7 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
     let dst = Endpoint::parse(&args.dst).with_context(|| format!("destination {:?}", args.dst))?;
     let request_size = match &args.request_size {
         Some(v) => parse_size(v).context("--request-size")?,
-        None if matches!(src, Endpoint::Nbd(_)) && !matches!(dst, Endpoint::Nbd(_)) => 1 << 20,
-        None => 256 << 10,
+        None => 1 << 20,
     };
     if request_size == 0 || request_size > 32 << 20 {
         anyhow::bail!("--request-size must be between 1 byte and 32M");
@@ -69,6 +68,7 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
         connections: args.connections.unwrap_or_else(default_connections),
         requests: args.requests.unwrap_or_else(|| ((16usize << 20) / request_size as usize).clamp(1, 64)),
         request_size: request_size as usize,
+        zero_block: ferry_client::copy::DEFAULT_ZERO_BLOCK,
         sparse: args.sparse,
         flush: args.flush,
         connect: ConnectOptions { buffers: args.sockets.buffers()?, ..ConnectOptions::default() },

@@ -48,6 +48,7 @@ pub fn run(args: HashArgs, quiet: bool) -> Result<i32> {
             flush: false,
             connect: ConnectOptions::default(),
             hash: Some(hasher),
+            ..CopyOptions::default()
         };
         let progress = Progress::default();
         let stop = std::sync::atomic::AtomicBool::new(false);
