@@ -369,6 +369,10 @@ impl Connection {
     pub fn can_send_file(&self) -> bool {
         !self.stream.is_tls()
     }
+    /// The connection is over a Unix socket.
+    pub fn is_unix(&self) -> bool {
+        self.stream.is_unix()
+    }
     pub fn can_block_status(&self) -> bool {
         self.info.meta_context.is_some()
     }

@@ -65,6 +65,8 @@ pub struct CopyOptions {
     /// larger).
     pub zero_block: usize,
     pub sparse: bool,
+    /// Send WRITE payloads from a local file with sendfile(2) where the connection allows.
+    pub send_file: bool,
     pub flush: bool,
     pub connect: ConnectOptions,
     /// Compute a blkhash of the data on the way through (`ferry copy --hash`, `ferry hash`).
@@ -79,6 +81,7 @@ impl Default for CopyOptions {
             request_size: 1 << 20,
             zero_block: DEFAULT_ZERO_BLOCK,
             sparse: true,
+            send_file: true,
             flush: false,
             connect: ConnectOptions::default(),
             hash: None,
@@ -642,8 +645,12 @@ fn worker(mut src: Src, mut dst: Dst, sh: &Shared<'_>) -> (Src, Dst, u64) {
     let mut next_out = 0u64; // stdout writes in order
     let mut written = 0u64;
     let mut subs: Vec<(usize, u64, usize)> = Vec::new();
-    // File to plaintext NBD: payloads go with sendfile. The hash needs the bytes.
-    let send_file = matches!((&src, &dst), (Src::File(_), Dst::Nbd(c)) if c.can_send_file()) && sh.opts.hash.is_none();
+    // File to plaintext NBD over a Unix socket: payloads go with sendfile. The hash needs
+    // the bytes. Over TCP loopback sendfile measured slower than read + send (2.64 against
+    // 2.89 GiB/s, BENCHMARKING.md), as it did for the server's reads.
+    let send_file = sh.opts.send_file
+        && sh.opts.hash.is_none()
+        && matches!((&src, &dst), (Src::File(_), Dst::Nbd(c)) if c.can_send_file() && c.is_unix());
     loop {
         if sh.abort.load(Ordering::SeqCst) {
             break;

@@ -34,6 +34,10 @@ pub struct CopyArgs {
     /// destination gets WRITE_ZEROES or holes). `--sparse=false` writes every byte.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     sparse: bool,
+    /// Read a local file's data into buffers and send them, instead of sendfile(2) from
+    /// the page cache to an NBD server.
+    #[arg(long)]
+    no_sendfile: bool,
     /// Flush the destination at the end (NBD FLUSH, or fsync).
     #[arg(long)]
     flush: bool,
@@ -70,6 +74,7 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
         request_size: request_size as usize,
         zero_block: ferry_client::copy::DEFAULT_ZERO_BLOCK,
         sparse: args.sparse,
+        send_file: !args.no_sendfile,
         flush: args.flush,
         connect: ConnectOptions { buffers: args.sockets.buffers()?, ..ConnectOptions::default() },
         hash: match args.hash {
