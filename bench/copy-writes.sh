@@ -1,16 +1,24 @@
 #!/usr/bin/env bash
 # Writes, file in /dev/shm -> each server's file export over a Unix socket: nbdcopy,
-# qemu-img convert and ferry copy, medians of 3 (GiB/s). Run from the project root.
+# qemu-img convert and ferry copy, medians of 3 (GiB/s), with the raw Unix-socket
+# ceiling (../shared/bench/rawsock.c, 4 MiB buffers, median of 3) before and after.
+# Then ferry copy into ferry serve with splice (server) and sendfile (client) on and
+# off, in ROUNDS alternating rounds. Run from the project root.
 set -u
+HERE=$(cd "$(dirname "$0")" && pwd)
+. "$HERE/lib.sh"
 FERRY=${FERRY:-$PWD/target/release/ferry}
 SIZE_G=${SIZE_G:-4}
+ROUNDS=${ROUNDS:-5}
 W=$(mktemp -d /dev/shm/cw.XXXX)
 trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$W"' EXIT
+cc -O2 -o "$W/rawsock" "$HERE/../../shared/bench/rawsock.c"
+raw() { for i in 1 2 3; do "$W/rawsock" 0 4194304 4194304 4096 4194304 | sed 's/.*: \([0-9.]*\) GiB.*/\1/'; done | med; }
 openssl enc -aes-128-ctr -pass pass:peers -nosalt -pbkdf2 </dev/zero 2>/dev/null | head -c $((SIZE_G<<30)) > "$W/img"
 cp "$W/img" "$W/dst"
 S=$W/s.sock; URI="nbd+unix:///?socket=$S"
-t() { local s e; s=$(date +%s.%N); "$@" >/dev/null 2>&1 || { echo FAIL; return; }; e=$(date +%s.%N); echo "$SIZE_G / ($e - $s)" | bc -l; }
-med() { grep -v FAIL | sort -g | awk '{a[NR]=$1} END{printf "%.2f", a[int((NR+1)/2)]}'; }
+echo "raw Unix socket ceiling before: $(raw) GiB/s"
+echo
 echo "| server | write: nbdcopy GiB/s | write: qemu-img GiB/s | write: ferry copy GiB/s |"
 echo "|---|---|---|---|"
 for s in nbdkit qemu-nbd ferry; do
@@ -20,13 +28,33 @@ for s in nbdkit qemu-nbd ferry; do
     qemu-nbd) qemu-nbd -t -e 0 -f raw -k "$S" "$W/dst" & ;;
     ferry) "$FERRY" serve --unix "$S" "file:$W/dst" 2>/dev/null & ;;
   esac
-  for i in $(seq 50); do [ -S "$S" ] && break; sleep 0.1; done
-  declare -A r=()
-  for i in 1 2 3; do
-    r[n]+="$(t nbdcopy "$W/img" "$URI")"$'\n'
-    r[q]+="$(t qemu-img convert -f raw -O raw -W -n -m 8 "$W/img" "$URI")"$'\n'
-    r[f]+="$(t "$FERRY" copy "$W/img" "$URI")"$'\n'
-  done
+  wait_sock "$S"
+  echo "| $s | $(gibs nbdcopy "$W/img" "$URI") | $(gibs qemu-img convert -f raw -O raw -W -n -m 8 "$W/img" "$URI") | $(gibs "$FERRY" copy "$W/img" "$URI") |"
   kill $(jobs -p) 2>/dev/null; wait 2>/dev/null
-  echo "| $s | $(echo "${r[n]}" | med) | $(echo "${r[q]}" | med) | $(echo "${r[f]}" | med) |"
 done
+echo
+echo "raw Unix socket ceiling after: $(raw) GiB/s"
+echo
+# splice x sendfile, alternating rounds (one round: raw, then each combination once).
+rm -f "$W/a.sock" "$W/b.sock"
+"$FERRY" serve --unix "$W/a.sock" "file:$W/dst" 2>/dev/null &
+"$FERRY" serve --unix "$W/b.sock" --no-splice "file:$W/dst" 2>/dev/null &
+wait_sock "$W/a.sock"; wait_sock "$W/b.sock"
+A="nbd+unix:///?socket=$W/a.sock"; B="nbd+unix:///?socket=$W/b.sock"
+declare -A r=()
+names=("raw socket" "splice + sendfile (default)" "splice, --no-sendfile" "--no-splice, sendfile" "--no-splice, --no-sendfile")
+for i in $(seq "$ROUNDS"); do
+  r[0]+="$("$W/rawsock" 0 4194304 4194304 4096 4194304 | sed 's/.*: \([0-9.]*\) GiB.*/\1/')"$'\n'
+  r[1]+="$(echo "$SIZE_G / $(secs "$FERRY" copy "$W/img" "$A")" | bc -l)"$'\n'
+  r[2]+="$(echo "$SIZE_G / $(secs "$FERRY" copy --no-sendfile "$W/img" "$A")" | bc -l)"$'\n'
+  r[3]+="$(echo "$SIZE_G / $(secs "$FERRY" copy "$W/img" "$B")" | bc -l)"$'\n'
+  r[4]+="$(echo "$SIZE_G / $(secs "$FERRY" copy --no-sendfile "$W/img" "$B")" | bc -l)"$'\n'
+done
+rawm=$(echo "${r[0]}" | grep . | med)
+echo "| ferry copy -> ferry serve ($ROUNDS rounds) | median GiB/s | of raw | rounds |"
+echo "|---|---|---|---|"
+for k in 0 1 2 3 4; do
+  m=$(echo "${r[$k]}" | grep . | med)
+  echo "| ${names[$k]} | $(printf %.2f "$m") | $(printf %.0f%% "$(echo "100 * $m / $rawm" | bc -l)") | $(echo "${r[$k]}" | grep . | xargs printf '%.2f ' ) |"
+done
+cmp -s "$W/img" "$W/dst" && echo "destination equals source" || echo "DESTINATION DIFFERS"

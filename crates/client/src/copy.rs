@@ -322,6 +322,15 @@ fn align_extents(extents: Vec<(u64, u64, Kind)>, bs: u64) -> Vec<(u64, u64, Kind
 /// Allocation map of a local file, from SEEK_DATA/SEEK_HOLE (all data where unsupported).
 fn file_map(f: &File, size: u64) -> Vec<(u64, u64, Kind)> {
     use rustix::fs::{seek, SeekFrom};
+    use std::os::unix::fs::MetadataExt;
+    // A regular file with as many bytes allocated as it is long has no holes: say so
+    // without asking, since on tmpfs one SEEK_HOLE scans every page up to the next hole
+    // (24 ms for 2 GiB, before the first byte could be copied). Were that wrong (blocks
+    // of metadata counted), a hole would only be read as zeroes, which zero detection
+    // still finds.
+    if f.metadata().is_ok_and(|m| m.is_file() && m.blocks().saturating_mul(512) >= size) {
+        return vec![(0, size, Kind::Data)];
+    }
     let mut out = Vec::new();
     let mut pos = 0;
     while pos < size {

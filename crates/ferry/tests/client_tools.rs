@@ -408,3 +408,30 @@ fn file_to_file_export_with_sendfile_and_splice_keeps_every_byte() {
         assert!(log.contains(" splice"), "tcp={tcp}: the server spliced nothing: {log}");
     }
 }
+
+/// A sparse local file's holes are never read (the allocation map skips them), and a
+/// fully allocated file is copied without asking for a map.
+#[test]
+fn local_holes_are_skipped_and_dense_files_need_no_map() {
+    let work = tempfile::tempdir().unwrap();
+    let sparse = work.path().join("sparse.img");
+    let f = fs::File::create(&sparse).unwrap();
+    f.set_len(64 * MIB).unwrap();
+    use std::os::unix::fs::FileExt;
+    f.write_all_at(&vec![7u8; MIB as usize], 10 * MIB).unwrap();
+    drop(f);
+    let dense = work.path().join("dense.img");
+    fs::write(&dense, pattern_bytes(0, 8 * MIB as usize)).unwrap();
+    for (src, holes) in [(&sparse, 63 * MIB), (&dense, 0)] {
+        let srv = Server::unix(&format!("memory:{}", 64 * MIB), &[]);
+        let out = run_ok(&mut ferry(&["copy", "--stats", src.to_str().unwrap(), &srv.uri()]));
+        assert!(out.stderr.contains(&format!(" {holes} holes skipped")), "{}", out.stderr);
+        let back = work.path().join("back.img");
+        run_ok(&mut ferry(&["copy", &srv.uri(), back.to_str().unwrap()]));
+        let want = fs::read(src).unwrap();
+        assert_file_eq(
+            &back,
+            &[want, vec![0u8; (64 * MIB) as usize - fs::metadata(src).unwrap().len() as usize]].concat(),
+        );
+    }
+}
