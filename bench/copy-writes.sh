@@ -2,8 +2,8 @@
 # Writes, file in /dev/shm -> each server's file export over a Unix socket: nbdcopy,
 # qemu-img convert and ferry copy, medians of 3 (GiB/s), with the raw Unix-socket
 # ceiling (../shared/bench/rawsock.c, 4 MiB buffers, median of 3) before and after.
-# Then ferry copy into ferry serve with splice (server) and sendfile (client) on and
-# off, in ROUNDS alternating rounds. Run from the project root.
+# Then ferry copy into ferry serve with and without sendfile on the client, in ROUNDS
+# alternating rounds. Run from the project root.
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 . "$HERE/lib.sh"
@@ -35,25 +35,21 @@ done
 echo
 echo "raw Unix socket ceiling after: $(raw) GiB/s"
 echo
-# splice x sendfile, alternating rounds (one round: raw, then each combination once).
-rm -f "$W/a.sock" "$W/b.sock"
-"$FERRY" serve --unix "$W/a.sock" "file:$W/dst" 2>/dev/null &
-"$FERRY" serve --unix "$W/b.sock" --no-splice "file:$W/dst" 2>/dev/null &
-wait_sock "$W/a.sock"; wait_sock "$W/b.sock"
-A="nbd+unix:///?socket=$W/a.sock"; B="nbd+unix:///?socket=$W/b.sock"
+# sendfile on and off, alternating rounds (one round: raw, then each once).
+rm -f "$S"
+"$FERRY" serve --unix "$S" "file:$W/dst" 2>/dev/null &
+wait_sock "$S"
 declare -A r=()
-names=("raw socket" "splice + sendfile (default)" "splice, --no-sendfile" "--no-splice, sendfile" "--no-splice, --no-sendfile")
+names=("raw socket" "ferry copy (sendfile, default)" "ferry copy --no-sendfile")
 for i in $(seq "$ROUNDS"); do
   r[0]+="$("$W/rawsock" 0 4194304 4194304 4096 4194304 | sed 's/.*: \([0-9.]*\) GiB.*/\1/')"$'\n'
-  r[1]+="$(echo "$SIZE_G / $(secs "$FERRY" copy "$W/img" "$A")" | bc -l)"$'\n'
-  r[2]+="$(echo "$SIZE_G / $(secs "$FERRY" copy --no-sendfile "$W/img" "$A")" | bc -l)"$'\n'
-  r[3]+="$(echo "$SIZE_G / $(secs "$FERRY" copy "$W/img" "$B")" | bc -l)"$'\n'
-  r[4]+="$(echo "$SIZE_G / $(secs "$FERRY" copy --no-sendfile "$W/img" "$B")" | bc -l)"$'\n'
+  r[1]+="$(echo "$SIZE_G / $(secs "$FERRY" copy "$W/img" "$URI")" | bc -l)"$'\n'
+  r[2]+="$(echo "$SIZE_G / $(secs "$FERRY" copy --no-sendfile "$W/img" "$URI")" | bc -l)"$'\n'
 done
 rawm=$(echo "${r[0]}" | grep . | med)
-echo "| ferry copy -> ferry serve ($ROUNDS rounds) | median GiB/s | of raw | rounds |"
+echo "| into ferry serve ($ROUNDS rounds) | median GiB/s | of raw | rounds |"
 echo "|---|---|---|---|"
-for k in 0 1 2 3 4; do
+for k in 0 1 2; do
   m=$(echo "${r[$k]}" | grep . | med)
   echo "| ${names[$k]} | $(printf %.2f "$m") | $(printf %.0f%% "$(echo "100 * $m / $rawm" | bc -l)") | $(echo "${r[$k]}" | grep . | xargs printf '%.2f ' ) |"
 done

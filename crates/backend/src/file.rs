@@ -212,10 +212,6 @@ impl Backend for FileBackend {
         use std::os::fd::AsFd;
         Some(self.file.as_fd())
     }
-    fn write_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
-        use std::os::fd::AsFd;
-        (!self.read_only).then(|| self.file.as_fd())
-    }
 }
 
 #[cfg(test)]

@@ -131,13 +131,6 @@ pub trait Backend: Send + Sync {
     fn file_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
         None
     }
-    /// A file that takes the export's writes at the same offsets, when WRITE payloads may
-    /// go into it straight from the socket with splice(2). Bytes put there are written
-    /// exactly as [`Backend::write`] would write them; FUA is then honoured by
-    /// [`Backend::flush`].
-    fn write_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
-        None
-    }
     /// Reads at least this long are checked for holes first, so holes go back as
     /// OFFSET_HOLE chunks instead of zero bytes. `None`: never worth checking.
     fn sparse_read_threshold(&self) -> Option<u64> {

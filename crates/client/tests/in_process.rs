@@ -162,13 +162,12 @@ fn file_export_reads_with_sendfile_and_holes() {
     }
 }
 
-/// Large WRITEs into a file export are spliced from the socket into the file. One batch
-/// mixes what the splice path must get right: a small write whose successor's payload
-/// partly arrives in the same read, payloads from memory and from a file (sendfile),
-/// FUA, and a write past the end whose payload must still be consumed, so the requests
-/// after it stay in step.
+/// Large WRITEs into a file export, in one batch: a small write whose successor's payload
+/// partly arrives in the same read, payloads from memory and from a file (sendfile), FUA,
+/// and a write past the end whose payload must still be consumed, so the requests after
+/// it stay in step.
 #[test]
-fn file_export_writes_with_splice_in_every_mode() {
+fn file_export_large_writes_in_every_mode() {
     let dir = tempfile::tempdir().unwrap();
     let img = dir.path().join("img");
     let size = 4usize << 20;

@@ -51,10 +51,6 @@ pub struct ServeArgs {
     /// Read file exports into a buffer and send it, instead of sendfile(2) from the page cache.
     #[arg(long)]
     no_sendfile: bool,
-    /// Receive large writes to file exports into a buffer and write it, instead of
-    /// splice(2) from the socket into the file.
-    #[arg(long)]
-    no_splice: bool,
     /// Log socket statistics: per connection when it closes, in total at exit and on SIGUSR1.
     #[arg(long)]
     stats: bool,
@@ -202,7 +198,6 @@ pub fn run(args: ServeArgs) -> Result<i32> {
         unix_buffers: BufferConfig::for_unix(explicit),
         tcp_buffers: explicit,
         sendfile: !args.no_sendfile,
-        splice: !args.no_splice,
         stats: args.stats,
         send_batch: ferry_backend::parse_size(&args.send_batch).context("--send-batch")? as usize,
         tls_policy,

@@ -4,9 +4,8 @@
 //! - one `read` fills a large receive buffer; every complete request in it is parsed
 //!   and executed before the next `read`;
 //! - WRITE payloads already in the receive buffer go to the backend straight from it;
-//!   a payload larger than what arrived is spliced from the socket into the export's
-//!   file when it has one, or else received straight into a buffer the backend then
-//!   writes from;
+//!   a payload larger than what arrived is received straight into a buffer the
+//!   backend then writes from;
 //! - READ data is read by the backend straight into an arena the reply is sent from;
 //! - replies are queued (headers in one arena, payloads in another) and go out in one
 //!   vectored send when the receive buffer is drained, or as soon as 64 KiB of
@@ -21,7 +20,7 @@ use ferry_proto::consts::{command_name, NbdError};
 use ferry_proto::handshake::{Progress, ServerHandshake};
 use ferry_proto::reply::ReplyWriter;
 use ferry_proto::request::{Command, PayloadPlan, RequestError, RequestHeader, Session};
-use ferry_sock::{Counters, SplicePipe, Spliced, Stream};
+use ferry_sock::{Counters, Stream};
 use ferry_tls::Transport;
 use std::io::{self, IoSlice, Read};
 use std::sync::{Arc, Mutex};
@@ -106,9 +105,6 @@ fn serve_inner(
     // slower than pread + writev (BENCHMARKING.md), so TCP keeps the buffered path.
     // Under TLS the bytes must pass through the cipher, so sendfile cannot apply.
     t.sendfile = config.sendfile && t.stream.is_unix() && !t.stream.is_tls() && t.export.backend.file_fd().is_some();
-    // splice moves the socket's pages into the file: one copy (into the page cache)
-    // instead of two, on TCP and Unix sockets alike. TLS must decrypt first.
-    t.splice = config.splice && !t.stream.is_tls() && t.export.backend.write_fd().is_some();
     t.flush_bytes = config.send_batch;
     if config.send_batch == 0 {
         t.flush_replies = 1;
@@ -211,17 +207,6 @@ fn send_plain(stream: &mut Transport, out: &[u8]) -> io::Result<()> {
     Ok(())
 }
 
-/// Where a request's payload is.
-#[derive(Clone, Copy)]
-enum Payload {
-    /// Bytes `start..end` of the receive buffer (also the empty payload of other commands).
-    Rx(usize, usize),
-    /// In `wbuf`, from `woff`.
-    Wbuf,
-    /// `rx[start..tail]` has arrived; the rest of the `n` bytes is still in the socket.
-    Socket { start: usize, n: usize },
-}
-
 /// A piece of the next vectored send.
 #[derive(Clone, Copy)]
 enum Part {
@@ -302,10 +287,6 @@ struct Transmission<'a> {
     sendfile: bool,
     /// Bytes queued for sendfile since the last flush.
     file_bytes: usize,
-    /// Large WRITE payloads are spliced from the socket into the export's file ...
-    splice: bool,
-    /// ... through this pipe, made at the first one.
-    pipe: Option<SplicePipe>,
     /// Large batches go out with MSG_ZEROCOPY (`--zerocopy`, TCP only).
     zc: Option<ZeroCopySender>,
     disconnect: bool,
@@ -345,8 +326,6 @@ impl<'a> Transmission<'a> {
             queued: 0,
             sendfile: false,
             file_bytes: 0,
-            splice: false,
-            pipe: None,
             zc: None,
             disconnect: false,
         }
@@ -365,12 +344,10 @@ impl<'a> Transmission<'a> {
                         let start = self.head + hlen;
                         if self.tail - start >= n {
                             self.head = start + n;
-                            self.request(&h, Payload::Rx(start, start + n))?;
-                        } else if self.splice && self.large_writes {
-                            self.request(&h, Payload::Socket { start, n })?;
+                            self.request(&h, Some((start, start + n)))?;
                         } else {
                             self.receive_large_payload(start, n)?;
-                            self.request(&h, Payload::Wbuf)?;
+                            self.request(&h, None)?;
                         }
                     }
                     PayloadPlan::Drain(n) => {
@@ -411,78 +388,15 @@ impl<'a> Transmission<'a> {
     /// blocking read.
     fn receive_large_payload(&mut self, start: usize, n: usize) -> io::Result<()> {
         self.flush()?;
-        self.reserve_wbuf(n);
+        if self.wbuf.len() - self.woff < n {
+            self.wbuf = vec![0u8; n + WBUF_ALIGN - 1];
+            self.woff = self.wbuf.as_ptr().align_offset(WBUF_ALIGN).min(WBUF_ALIGN - 1);
+        }
         let w = self.woff;
         let have = self.tail - start;
         self.wbuf[w..w + have].copy_from_slice(&self.rx[start..self.tail]);
         self.head = self.tail;
         self.stream.read_exact(&mut self.wbuf[w + have..w + n])
-    }
-
-    /// Makes `wbuf` hold at least `n` bytes from its aligned start.
-    fn reserve_wbuf(&mut self, n: usize) {
-        if self.wbuf.len() - self.woff < n {
-            self.wbuf = vec![0u8; n + WBUF_ALIGN - 1];
-            self.woff = self.wbuf.as_ptr().align_offset(WBUF_ALIGN).min(WBUF_ALIGN - 1);
-        }
-    }
-
-    /// Writes a WRITE payload whose first bytes (`rx[start..tail]`) have arrived and the
-    /// rest is still in the socket: the rest is spliced into the export's file. Pending
-    /// replies go out first. The outer error is the socket's, the inner the export's.
-    fn splice_write(
-        &mut self,
-        start: usize,
-        n: usize,
-        offset: u64,
-        fua: bool,
-    ) -> io::Result<ferry_backend::Result<()>> {
-        self.flush()?;
-        let export = Arc::clone(&self.export);
-        let backend = &export.backend;
-        let have = self.tail - start;
-        let mut result = if have > 0 { backend.write(&self.rx[start..self.tail], offset, false) } else { Ok(()) };
-        self.head = self.tail;
-        let (rest, at) = (n - have, offset + have as u64);
-        self.reserve_wbuf(rest);
-        let w = self.woff;
-        let fd = backend.write_fd().ok_or_else(|| io::Error::other("export has no file to splice into"))?;
-        if self.pipe.is_none() {
-            match SplicePipe::new() {
-                Ok(p) => self.pipe = Some(p),
-                Err(e) => {
-                    log::info!(
-                        "{}: cannot make a pipe for splice ({e}); receiving writes through a buffer",
-                        self.stream.peer()
-                    );
-                    self.splice = false;
-                    self.stream.read_exact(&mut self.wbuf[w..w + rest])?;
-                    let r = backend.write(&self.wbuf[w..w + rest], at, fua);
-                    return Ok(result.and(r));
-                }
-            }
-        }
-        let pipe = self.pipe.as_mut().expect("pipe made above");
-        let stream = self.stream.plain_mut().ok_or_else(|| io::Error::other("splice on a TLS connection"))?;
-        if let Spliced::Refused { written, error } =
-            stream.splice_to_file(pipe, fd, at, rest, &mut self.wbuf[w..w + rest])?
-        {
-            // Written the ordinary way, which reports a real error (ENOSPC, EIO) as usual.
-            use rustix::io::Errno;
-            if matches!(Errno::from_io_error(&error), Some(Errno::INVAL | Errno::NOSYS | Errno::OPNOTSUPP)) {
-                log::info!(
-                    "{}: the export's file refused splice ({error}); receiving writes through a buffer",
-                    self.stream.peer()
-                );
-                self.splice = false;
-            }
-            let r = backend.write(&self.wbuf[w..w + rest - written], at + written as u64, false);
-            result = result.and(r);
-        }
-        if fua && result.is_ok() {
-            result = backend.flush();
-        }
-        Ok(result)
     }
 
     /// Reads and discards `n` payload bytes that are too large to accept.
@@ -549,19 +463,11 @@ impl<'a> Transmission<'a> {
         Ok(())
     }
 
-    /// Validates and executes one request, queueing its reply.
-    fn request(&mut self, h: &RequestHeader, payload: Payload) -> io::Result<()> {
+    /// Validates and executes one request, queueing its reply. `payload` is the range of
+    /// the receive buffer holding the WRITE data, or `None` when it is in `wbuf`.
+    fn request(&mut self, h: &RequestHeader, payload: Option<(usize, usize)>) -> io::Result<()> {
         self.stream.count_requests(1);
-        let validated = self.session.validate(h);
-        // Only a valid WRITE is spliced; any other payload is received and then answered.
-        let payload = match (payload, &validated) {
-            (Payload::Socket { start, n }, r) if !matches!(r, Ok(Command::Write { .. })) => {
-                self.receive_large_payload(start, n)?;
-                Payload::Wbuf
-            }
-            (p, _) => p,
-        };
-        let cmd = match validated {
+        let cmd = match self.session.validate(h) {
             Ok(c) => c,
             Err(err) => {
                 let msg = self.reject_message(h, err);
@@ -573,11 +479,13 @@ impl<'a> Transmission<'a> {
         let backend = &self.export.backend;
         let result = match cmd {
             Command::Read { offset, length, df } => return self.read(h, offset, length, df),
-            Command::Write { offset, length, fua } => match payload {
-                Payload::Rx(a, b) => backend.write(&self.rx[a..b], offset, fua),
-                Payload::Wbuf => backend.write(&self.wbuf[self.woff..self.woff + length as usize], offset, fua),
-                Payload::Socket { start, n } => self.splice_write(start, n, offset, fua)?,
-            },
+            Command::Write { offset, length, fua } => {
+                let data = match payload {
+                    Some((a, b)) => &self.rx[a..b],
+                    None => &self.wbuf[self.woff..self.woff + length as usize],
+                };
+                backend.write(data, offset, fua)
+            }
             Command::Disc => {
                 self.disconnect = true;
                 return Ok(());

@@ -29,9 +29,6 @@ pub struct Config {
     /// Serve large reads of file exports with sendfile(2) (page cache to socket, no
     /// copy through user space).
     pub sendfile: bool,
-    /// Receive large WRITE payloads for file exports with splice(2) (socket to file, no
-    /// copy through user space).
-    pub splice: bool,
     /// Log each connection's socket statistics when it closes.
     pub stats: bool,
     /// Replies are grouped into one vectored send until this much payload is queued or
@@ -54,7 +51,6 @@ impl Default for Config {
             unix_buffers: BufferConfig::for_unix(BufferConfig::default()),
             tcp_buffers: BufferConfig::default(),
             sendfile: true,
-            splice: true,
             stats: false,
             send_batch: crate::conn::DEFAULT_SEND_BATCH,
             tls_policy: ferry_proto::TlsPolicy::Off,

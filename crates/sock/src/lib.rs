@@ -12,9 +12,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-mod splice;
 mod zerocopy;
-pub use splice::{SplicePipe, Spliced};
 pub use zerocopy::{zerocopy_supported, Reaped};
 
 /// Send buffer set on Unix stream sockets unless overridden (seed 000: the default
@@ -65,10 +63,6 @@ pub struct Counters {
     pub zc_copied: u64,
     /// Zero-copy sends refused with ENOBUFS (then retried after reaping completions).
     pub zc_nobufs: u64,
-    /// splice calls moving received payload from the socket into a pipe, and their bytes
-    /// (payloads that went to a file without passing through user space).
-    pub splices: u64,
-    pub splice_bytes: u64,
 }
 
 impl Counters {
@@ -86,8 +80,6 @@ impl Counters {
         self.zc_bytes += o.zc_bytes;
         self.zc_copied += o.zc_copied;
         self.zc_nobufs += o.zc_nobufs;
-        self.splices += o.splices;
-        self.splice_bytes += o.splice_bytes;
     }
 }
 
@@ -108,9 +100,6 @@ impl std::fmt::Display for Counters {
             self.recvs,
             100.0 * per(self.short_recvs, self.recvs),
         )?;
-        if self.splices > 0 {
-            write!(f, " + {} bytes in {} splice", self.splice_bytes, self.splices)?;
-        }
         if self.zc_sends > 0 || self.zc_nobufs > 0 {
             write!(
                 f,
@@ -135,12 +124,6 @@ pub struct Stream {
     pub stats: Counters,
     /// Zero-copy completion tracking, once `SO_ZEROCOPY` is set.
     zc: Option<zerocopy::Tracker>,
-}
-
-impl From<UnixStream> for Stream {
-    fn from(s: UnixStream) -> Stream {
-        Stream::new(Inner::Unix(s))
-    }
 }
 
 impl Stream {
