@@ -77,7 +77,7 @@ impl Default for CopyOptions {
     fn default() -> Self {
         CopyOptions {
             connections: 4,
-            requests: 64,
+            requests: 4,
             request_size: 1 << 20,
             zero_block: DEFAULT_ZERO_BLOCK,
             sparse: true,
@@ -792,11 +792,7 @@ fn worker(mut src: Src, mut dst: Dst, sh: &Shared<'_>) -> (Src, Dst, u64) {
                 let res: io::Result<()> = match &mut dst {
                     Dst::Null => Ok(()),
                     Dst::File { file, fresh, block } => {
-                        let runs: Vec<_> = match item.kind {
-                            Kind::Zero => vec![(0, item.len, true)],
-                            Kind::Data => runs(item.len, zb, slot.zeros).collect(),
-                        };
-                        runs.into_iter().try_for_each(|(a, b, zero)| match (zero, *fresh) {
+                        pieces(item, zb, slot.zeros).try_for_each(|(a, b, zero)| match (zero, *fresh) {
                             (true, true) => Ok(()),
                             (true, false) => zero_file(file, *block, item.offset + a as u64, (b - a) as u64),
                             (false, _) => file.write_all_at(&data[a..b], item.offset + a as u64),
@@ -814,11 +810,7 @@ fn worker(mut src: Src, mut dst: Dst, sh: &Shared<'_>) -> (Src, Dst, u64) {
                         }
                     }
                     Dst::Nbd(_) => {
-                        let runs: Vec<_> = match item.kind {
-                            Kind::Zero => vec![(0, item.len, true)],
-                            Kind::Data => runs(item.len, zb, slot.zeros).collect(),
-                        };
-                        for (a, b, zero) in runs {
+                        for (a, b, zero) in pieces(item, zb, slot.zeros) {
                             let (offset, len) = (item.offset + a as u64, b - a);
                             let (cmd, payload) = match &src {
                                 _ if zero => (CMD_WRITE_ZEROES, None),
@@ -936,6 +928,7 @@ fn all_zero(len: usize, zb: usize, zeros: u128) -> bool {
 
 /// The request's blocks as maximal runs of one kind: (start, end, all zeroes).
 fn runs(len: usize, zb: usize, zeros: u128) -> impl Iterator<Item = (usize, usize, bool)> {
+    assert!(len.div_ceil(zb) <= 128, "at most 128 blocks per request (see zero_block_size)");
     let mut a = 0;
     std::iter::from_fn(move || {
         if a >= len {
@@ -950,6 +943,12 @@ fn runs(len: usize, zb: usize, zeros: u128) -> impl Iterator<Item = (usize, usiz
         a = b;
         Some(run)
     })
+}
+
+/// What to write for an item: a hole is one run of zeroes, data its blocks' runs.
+fn pieces(item: Item, zb: usize, zeros: u128) -> impl Iterator<Item = (usize, usize, bool)> {
+    let zeros = if item.kind == Kind::Zero { u128::MAX } else { zeros };
+    runs(item.len, zb, zeros)
 }
 
 /// Zero detection for data sent with sendfile: for each `zb`-byte block of `buf`'s range
