@@ -225,7 +225,10 @@ impl Stream {
         while left > 0 {
             match rustix::fs::sendfile(&*self, file, Some(&mut off), left) {
                 Ok(0) => {
-                    return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "file ended before the reply was sent"))
+                    return Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "the file ended before the range being sent (was it truncated?)",
+                    ))
                 }
                 Ok(n) => {
                     left -= n;
