@@ -22,8 +22,8 @@ pub struct CopyArgs {
     /// worker thread; more busy threads than cores measured slower).
     #[arg(short = 'C', long, value_name = "N")]
     connections: Option<usize>,
-    /// Requests in flight per connection (default: 4 MiB worth, 4 of 1M, at most 64; more
-    /// measured slower on one machine, where less data in flight stays in cache).
+    /// Requests in flight per connection. Default: 4 MiB worth (4 of 1M), at most 64;
+    /// raise it for links with a long round trip (on loopback more measured slower).
     #[arg(short = 'R', long, value_name = "N")]
     requests: Option<usize>,
     /// Bytes per request (K, M suffixes; at most 32M). Default: 1M (fewer, larger
