@@ -659,7 +659,7 @@ fn worker(mut src: Src, mut dst: Dst, sh: &Shared<'_>) -> (Src, Dst, u64) {
     // 2.89 GiB/s, BENCHMARKING.md), as it did for the server's reads.
     let send_file = sh.opts.send_file
         && sh.opts.hash.is_none()
-        && matches!((&src, &dst), (Src::File(_), Dst::Nbd(c)) if c.can_send_file() && c.is_unix());
+        && matches!((&src, &dst), (Src::File(f), Dst::Nbd(c)) if c.can_send_file() && c.is_unix() && sendfile_works(f));
     loop {
         if sh.abort.load(Ordering::SeqCst) {
             break;
@@ -906,6 +906,13 @@ fn worker(mut src: Src, mut dst: Dst, sh: &Shared<'_>) -> (Src, Dst, u64) {
     (src, dst, written)
 }
 
+/// The source's file system can feed sendfile(2) (not all implement it): one byte is
+/// sent into a pipe to find out, before any request depends on it.
+fn sendfile_works(f: &File) -> bool {
+    let Ok((_r, w)) = rustix::pipe::pipe() else { return false };
+    rustix::fs::sendfile(&w, f, Some(&mut 0), 1).is_ok()
+}
+
 /// Bytes of a block [`probe`] reads to tell data from zeroes.
 const PROBE: usize = 4096;
 
@@ -1087,6 +1094,8 @@ mod tests {
         let mut buf = vec![0xEEu8; data.len()];
         assert_eq!(probe(&f, &mut buf, 1000, zb, true).unwrap(), want);
         assert_eq!(probe(&f, &mut buf, 1000, zb, false).unwrap(), 0);
+        assert!(sendfile_works(&f));
+        assert!(!sendfile_works(&File::open(std::env::temp_dir()).unwrap()), "a directory cannot feed sendfile");
         std::fs::remove_file(&dir).unwrap();
     }
 
