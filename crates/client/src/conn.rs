@@ -244,6 +244,35 @@ fn client_tls(cfg: &ferry_tls::ClientTlsConfig) -> Result<ClientTls, TlsError> {
 /// Opens the socket a URI names and runs the handshake on it, upgrading to TLS when the
 /// URI asks for it. Returns the connection, the progress and any bytes that arrived
 /// after the handshake.
+/// The sending half of [`Connection::submit`]: `hdrs` holds one `hlen`-byte header per
+/// request, in order.
+fn send_batch(stream: &mut Channel, hdrs: &[u8], hlen: usize, reqs: &[Submit<'_>]) -> io::Result<()> {
+    let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(reqs.len() * 2);
+    let mut last_hdr_end = 0usize;
+    for (i, r) in reqs.iter().enumerate() {
+        let end = (i + 1) * hlen;
+        match r.payload.filter(|p| !p.is_empty()) {
+            Some(Payload::Bytes(p)) => {
+                iov.push(IoSlice::new(&hdrs[last_hdr_end..end]));
+                iov.push(IoSlice::new(p));
+                last_hdr_end = end;
+            }
+            Some(Payload::File { fd, offset, len }) => {
+                iov.push(IoSlice::new(&hdrs[last_hdr_end..end]));
+                last_hdr_end = end;
+                stream.send_all(&mut iov)?;
+                iov.clear();
+                stream.send_file(fd, offset, len)?;
+            }
+            None => {}
+        }
+    }
+    if last_hdr_end < hdrs.len() {
+        iov.push(IoSlice::new(&hdrs[last_hdr_end..]));
+    }
+    stream.send_all(&mut iov)
+}
+
 fn open(uri: &Uri, opts: &ConnectOptions, mut cfg: ClientConfig) -> Result<(Channel, ClientProgress, Vec<u8>), Error> {
     let tls = uri.tls.as_ref().map(client_tls).transpose()?;
     cfg.tls = tls.is_some();
@@ -401,9 +430,17 @@ impl Connection {
         self.stream.stats()
     }
 
-    /// Sends requests in one vectored send (headers and WRITE payloads interleaved).
-    /// Returns the cookie of the last one.
+    /// Sends requests in one vectored send (headers and WRITE payloads interleaved; a
+    /// [`Payload::File`] goes with its own sendfile). Returns the cookie of the last one.
+    /// A send that fails part way leaves the stream out of step, so the connection is
+    /// then closed: every later call fails.
     pub fn submit(&mut self, reqs: &[Submit<'_>]) -> Result<u64, Error> {
+        if !self.can_send_file() && reqs.iter().any(|r| matches!(r.payload, Some(Payload::File { .. }))) {
+            return Err(Error::Io(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "a file payload needs a plaintext connection (TLS must see the bytes): send bytes instead",
+            )));
+        }
         let extended = self.mode == ReplyMode::Extended;
         let hlen = RequestHeader::wire_len(extended);
         let mut last = 0;
@@ -435,30 +472,10 @@ impl Connection {
                 self.large_reads += 1;
             }
         }
-        let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(reqs.len() * 2);
-        let mut last_hdr_end = 0usize;
-        for (i, r) in reqs.iter().enumerate() {
-            let end = (i + 1) * hlen;
-            match r.payload.filter(|p| !p.is_empty()) {
-                Some(Payload::Bytes(p)) => {
-                    iov.push(IoSlice::new(&self.hdrs[last_hdr_end..end]));
-                    iov.push(IoSlice::new(p));
-                    last_hdr_end = end;
-                }
-                Some(Payload::File { fd, offset, len }) => {
-                    iov.push(IoSlice::new(&self.hdrs[last_hdr_end..end]));
-                    last_hdr_end = end;
-                    self.stream.send_all(&mut iov)?;
-                    iov.clear();
-                    self.stream.send_file(fd, offset, len)?;
-                }
-                None => {}
-            }
+        if let Err(e) = send_batch(&mut self.stream, &self.hdrs, hlen, reqs) {
+            self.stream = Channel::Broken;
+            return Err(e.into());
         }
-        if last_hdr_end < self.hdrs.len() {
-            iov.push(IoSlice::new(&self.hdrs[last_hdr_end..]));
-        }
-        self.stream.send_all(&mut iov)?;
         self.stream.count_requests(reqs.len() as u64);
         Ok(last)
     }

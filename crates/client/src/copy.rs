@@ -323,12 +323,14 @@ fn align_extents(extents: Vec<(u64, u64, Kind)>, bs: u64) -> Vec<(u64, u64, Kind
 fn file_map(f: &File, size: u64) -> Vec<(u64, u64, Kind)> {
     use rustix::fs::{seek, SeekFrom};
     use std::os::unix::fs::MetadataExt;
-    // A regular file with as many bytes allocated as it is long has no holes: say so
-    // without asking, since on tmpfs one SEEK_HOLE scans every page up to the next hole
-    // (24 ms for 2 GiB, before the first byte could be copied). Were that wrong (blocks
-    // of metadata counted), a hole would only be read as zeroes, which zero detection
-    // still finds.
-    if f.metadata().is_ok_and(|m| m.is_file() && m.blocks().saturating_mul(512) >= size) {
+    // On tmpfs one SEEK_HOLE scans every page up to the next hole (24 ms for 2 GiB, all
+    // before the first byte is copied), so a tmpfs file with as many bytes allocated as it
+    // is long is taken as all data without asking. The one case that misses: fallocated
+    // pages never written read as zeroes, which zero detection then finds. Elsewhere
+    // (ext4, XFS: extent maps) asking is cheap, and preallocated files are common there.
+    const TMPFS_MAGIC: u64 = 0x0102_1994;
+    let tmpfs = rustix::fs::fstatfs(f).is_ok_and(|s| s.f_type as u64 == TMPFS_MAGIC);
+    if tmpfs && f.metadata().is_ok_and(|m| m.is_file() && m.blocks().saturating_mul(512) >= size) {
         return vec![(0, size, Kind::Data)];
     }
     let mut out = Vec::new();
@@ -654,6 +656,7 @@ fn worker(mut src: Src, mut dst: Dst, sh: &Shared<'_>) -> (Src, Dst, u64) {
     let mut next_out = 0u64; // stdout writes in order
     let mut written = 0u64;
     let mut subs: Vec<(usize, u64, usize)> = Vec::new();
+    let write_zeroes = matches!(&dst, Dst::Nbd(c) if c.has_flag(FLAG_SEND_WRITE_ZEROES));
     // File to plaintext NBD over a Unix socket: payloads go with sendfile. The hash needs
     // the bytes. Over TCP loopback sendfile measured slower than read + send (2.64 against
     // 2.89 GiB/s, BENCHMARKING.md), as it did for the server's reads.
@@ -693,7 +696,8 @@ fn worker(mut src: Src, mut dst: Dst, sh: &Shared<'_>) -> (Src, Dst, u64) {
                         slot.state = SlotState::Reading;
                     }
                     Src::File(f) => {
-                        let r = if send_file {
+                        // Small requests: one read costs less than a probe plus a sendfile.
+                        let r = if send_file && item.len >= SENDFILE_MIN {
                             slot.in_file = true;
                             let zb = zero_block_size(sh.opts.zero_block, item.len);
                             let buf = &mut bufs[i][..item.len];
@@ -812,6 +816,24 @@ fn worker(mut src: Src, mut dst: Dst, sh: &Shared<'_>) -> (Src, Dst, u64) {
                     Dst::Nbd(_) => {
                         for (a, b, zero) in pieces(item, zb, slot.zeros) {
                             let (offset, len) = (item.offset + a as u64, b - a);
+                            if zero && !write_zeroes {
+                                // The server has no WRITE_ZEROES: zeroes go as data.
+                                for at in (a..b).step_by(ZEROES.len()) {
+                                    let n = (b - at).min(ZEROES.len());
+                                    let payload = Some(Payload::Bytes(&ZEROES[..n]));
+                                    let at = item.offset + at as u64;
+                                    wsubs.push(Submit {
+                                        cmd: CMD_WRITE,
+                                        flags: 0,
+                                        offset: at,
+                                        length: n as u64,
+                                        payload,
+                                        slot: i,
+                                    });
+                                    slot.pending += 1;
+                                }
+                                continue;
+                            }
                             let (cmd, payload) = match &src {
                                 _ if zero => (CMD_WRITE_ZEROES, None),
                                 Src::File(f) if slot.in_file => {
@@ -842,7 +864,10 @@ fn worker(mut src: Src, mut dst: Dst, sh: &Shared<'_>) -> (Src, Dst, u64) {
         }
         if let (Dst::Nbd(c), false) = (&mut dst, wsubs.is_empty()) {
             if let Err(e) = c.submit(&wsubs) {
-                sh.fail(CopyError::request("write", wsubs[0].offset, wsubs[0].length, e));
+                // The batch's whole range: any of its requests may be the one that failed.
+                let start = wsubs.iter().map(|w| w.offset).min().unwrap_or(0);
+                let end = wsubs.iter().map(|w| w.offset + w.length).max().unwrap_or(0);
+                sh.fail(CopyError::request("write", start, end - start, e));
                 return (src, dst, written);
             }
         }
@@ -912,6 +937,9 @@ fn sendfile_works(f: &File) -> bool {
     let Ok((_r, w)) = rustix::pipe::pipe() else { return false };
     rustix::fs::sendfile(&w, f, Some(&mut 0), 1).is_ok()
 }
+
+/// Requests shorter than this are read into their buffer even where sendfile could send them.
+const SENDFILE_MIN: usize = 64 * 1024;
 
 /// Bytes of a block [`probe`] reads to tell data from zeroes.
 const PROBE: usize = 4096;

@@ -400,9 +400,9 @@ fn file_to_file_export_with_sendfile_keeps_every_byte() {
 }
 
 /// A sparse local file's holes are never read (the allocation map skips them), and a
-/// fully allocated file is copied without asking for a map.
+/// dense file is copied whole.
 #[test]
-fn local_holes_are_skipped_and_dense_files_need_no_map() {
+fn local_holes_are_skipped() {
     let work = tempfile::tempdir().unwrap();
     let sparse = work.path().join("sparse.img");
     let f = fs::File::create(&sparse).unwrap();
@@ -424,4 +424,64 @@ fn local_holes_are_skipped_and_dense_files_need_no_map() {
             &[want, vec![0u8; (64 * MIB) as usize - fs::metadata(src).unwrap().len() as usize]].concat(),
         );
     }
+}
+
+/// A server without WRITE_ZEROES (nbdkit's nozero filter) still gets an exact copy: the
+/// source's holes and zero blocks go as WRITEs of zeroes over what was there before.
+#[test]
+fn zeroes_go_as_data_to_a_server_without_write_zeroes() {
+    let work = tempfile::tempdir().unwrap();
+    let size = 8 * MIB as usize;
+    let mut peer = Peer::nbdkit(work.path(), &["--filter=nozero", "memory", "8M", "zeromode=none"]);
+    let info = run_ok(&mut ferry(&["info", "--json", &peer.uri()]));
+    assert!(!info.stdout.contains("\"can_zero\": true"), "the filter should hide WRITE_ZEROES: {}", info.stdout);
+    // Fill the export with data, then copy a source of holes, a zero block and data over it.
+    let full = work.path().join("full.img");
+    fs::write(&full, vec![0x5Au8; size]).unwrap();
+    run_ok(&mut ferry(&["copy", full.to_str().unwrap(), &peer.uri()]));
+    let src = work.path().join("sparse.img");
+    let f = fs::File::create(&src).unwrap();
+    f.set_len(size as u64).unwrap();
+    use std::os::unix::fs::FileExt;
+    let mut block = vec![9u8; 3 * MIB as usize];
+    block[MIB as usize..(MIB + 256 * 1024) as usize].fill(0); // a zero block inside the data
+    f.write_all_at(&block, 2 * MIB).unwrap();
+    drop(f);
+    let out = run_ok(&mut ferry(&["copy", "--stats", src.to_str().unwrap(), &peer.uri()]));
+    assert!(out.stderr.contains(" 262144 zeroes detected"), "{}", out.stderr);
+    let back = work.path().join("back.img");
+    run_ok(&mut ferry(&["copy", &peer.uri(), back.to_str().unwrap()]));
+    assert_file_eq(&back, &fs::read(&src).unwrap());
+    peer.kill();
+}
+
+/// A preallocated source (fallocate: space reserved, never written) is copied exactly.
+/// Where the file system reports unwritten space as holes (ext4, XFS), it is skipped
+/// without being read; on tmpfs ferry takes an allocated file as all data (there a hole
+/// search walks every page), and zero detection finds the same zeroes.
+#[test]
+fn preallocated_source_is_skipped_where_the_file_system_reports_holes() {
+    let work = tempfile::tempdir().unwrap();
+    let src = work.path().join("prealloc.img");
+    run_ok(&mut cmd("fallocate", ["-l", "64M", src.to_str().unwrap()]));
+    let f = fs::OpenOptions::new().write(true).open(&src).unwrap();
+    use std::os::unix::fs::FileExt;
+    f.write_all_at(&[7u8; 1000], 5 * MIB).unwrap();
+    drop(f);
+    let fstype = run_ok(&mut cmd("stat", ["-f", "-c", "%T", work.path().to_str().unwrap()])).stdout;
+    let srv = Server::unix(&format!("memory:{}", 64 * MIB), &[]);
+    let out = run_ok(&mut ferry(&["copy", "--stats", src.to_str().unwrap(), &srv.uri()]));
+    let count = |what: &str| -> u64 {
+        let before = out.stderr.split(what).next().unwrap_or("");
+        before.rsplit(' ').next().and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("{what}: {}", out.stderr))
+    };
+    let (holes, zeroes) = (count(" holes skipped"), count(" zeroes detected"));
+    if fstype.trim() == "tmpfs" {
+        assert!(holes + zeroes >= 63 * MIB, "{}", out.stderr);
+    } else {
+        assert!(holes >= 63 * MIB, "preallocated space on {fstype} was read, not skipped: {}", out.stderr);
+    }
+    let back = work.path().join("back.img");
+    run_ok(&mut ferry(&["copy", &srv.uri(), back.to_str().unwrap()]));
+    assert_file_eq(&back, &fs::read(&src).unwrap());
 }
