@@ -244,35 +244,6 @@ fn client_tls(cfg: &ferry_tls::ClientTlsConfig) -> Result<ClientTls, TlsError> {
 /// Opens the socket a URI names and runs the handshake on it, upgrading to TLS when the
 /// URI asks for it. Returns the connection, the progress and any bytes that arrived
 /// after the handshake.
-/// The sending half of [`Connection::submit`]: `hdrs` holds one `hlen`-byte header per
-/// request, in order.
-fn send_batch(stream: &mut Channel, hdrs: &[u8], hlen: usize, reqs: &[Submit<'_>]) -> io::Result<()> {
-    let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(reqs.len() * 2);
-    let mut last_hdr_end = 0usize;
-    for (i, r) in reqs.iter().enumerate() {
-        let end = (i + 1) * hlen;
-        match r.payload.filter(|p| !p.is_empty()) {
-            Some(Payload::Bytes(p)) => {
-                iov.push(IoSlice::new(&hdrs[last_hdr_end..end]));
-                iov.push(IoSlice::new(p));
-                last_hdr_end = end;
-            }
-            Some(Payload::File { fd, offset, len }) => {
-                iov.push(IoSlice::new(&hdrs[last_hdr_end..end]));
-                last_hdr_end = end;
-                stream.send_all(&mut iov)?;
-                iov.clear();
-                stream.send_file(fd, offset, len)?;
-            }
-            None => {}
-        }
-    }
-    if last_hdr_end < hdrs.len() {
-        iov.push(IoSlice::new(&hdrs[last_hdr_end..]));
-    }
-    stream.send_all(&mut iov)
-}
-
 fn open(uri: &Uri, opts: &ConnectOptions, mut cfg: ClientConfig) -> Result<(Channel, ClientProgress, Vec<u8>), Error> {
     let tls = uri.tls.as_ref().map(client_tls).transpose()?;
     cfg.tls = tls.is_some();
@@ -334,6 +305,35 @@ fn handshake(
         };
         tail += n;
     }
+}
+
+/// The sending half of [`Connection::submit`]: `hdrs` holds one `hlen`-byte header per
+/// request, in order.
+fn send_batch(stream: &mut Channel, hdrs: &[u8], hlen: usize, reqs: &[Submit<'_>]) -> io::Result<()> {
+    let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(reqs.len() * 2);
+    let mut last_hdr_end = 0usize;
+    for (i, r) in reqs.iter().enumerate() {
+        let end = (i + 1) * hlen;
+        match r.payload.filter(|p| !p.is_empty()) {
+            Some(Payload::Bytes(p)) => {
+                iov.push(IoSlice::new(&hdrs[last_hdr_end..end]));
+                iov.push(IoSlice::new(p));
+                last_hdr_end = end;
+            }
+            Some(Payload::File { fd, offset, len }) => {
+                iov.push(IoSlice::new(&hdrs[last_hdr_end..end]));
+                last_hdr_end = end;
+                stream.send_all(&mut iov)?;
+                iov.clear();
+                stream.send_file(fd, offset, len)?;
+            }
+            None => {}
+        }
+    }
+    if last_hdr_end < hdrs.len() {
+        iov.push(IoSlice::new(&hdrs[last_hdr_end..]));
+    }
+    stream.send_all(&mut iov)
 }
 
 impl Connection {

@@ -22,6 +22,7 @@ use crate::uri::Uri;
 use ferry_hash::BlockHasher;
 use ferry_proto::consts::*;
 use ferry_proto::reply::Extent;
+use ferry_sock::AlignedBuf;
 use rustix::event::{poll, PollFd, PollFlags};
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Write};
@@ -579,51 +580,6 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progr
     })
 }
 
-/// A buffer whose first byte is page-aligned: the kernel's copy from a socket (whose
-/// payload pages start page-aligned when the server sends from a file) measured faster
-/// into an aligned destination than into a heap block's usual 16-byte alignment.
-#[derive(Default)]
-struct Buf {
-    v: Vec<u8>,
-    off: usize,
-    len: usize,
-}
-
-const BUF_ALIGN: usize = 4096;
-
-impl Buf {
-    fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Grows the buffer to `len` bytes (zeroes; contents are not kept).
-    fn resize(&mut self, len: usize) {
-        let mut v = vec![0u8; len + BUF_ALIGN - 1];
-        let off = v.as_ptr().align_offset(BUF_ALIGN).min(BUF_ALIGN - 1);
-        v.truncate(off + len);
-        *self = Buf { v, off, len };
-    }
-}
-
-impl std::ops::Deref for Buf {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        &self.v[self.off..self.off + self.len]
-    }
-}
-
-impl std::ops::DerefMut for Buf {
-    fn deref_mut(&mut self) -> &mut [u8] {
-        &mut self.v[self.off..self.off + self.len]
-    }
-}
-
-impl AsMut<[u8]> for Buf {
-    fn as_mut(&mut self) -> &mut [u8] {
-        self
-    }
-}
-
 struct Slot {
     state: SlotState,
     item: Item,
@@ -641,7 +597,7 @@ struct Slot {
 /// Returns its endpoints (for the final flush) and the bytes it wrote.
 fn worker(mut src: Src, mut dst: Dst, sh: &Shared<'_>) -> (Src, Dst, u64) {
     let q = sh.opts.requests;
-    let mut bufs: Vec<Buf> = (0..q).map(|_| Buf::default()).collect();
+    let mut bufs: Vec<AlignedBuf> = (0..q).map(|_| AlignedBuf::default()).collect();
     let mut slots: Vec<Slot> = (0..q)
         .map(|_| Slot {
             state: SlotState::Free,
@@ -678,8 +634,8 @@ fn worker(mut src: Src, mut dst: Dst, sh: &Shared<'_>) -> (Src, Dst, u64) {
                     no_more_work = true;
                     break;
                 };
-                if bufs[i].len() < item.len && item.kind == Kind::Data {
-                    bufs[i].resize(item.len);
+                if item.kind == Kind::Data {
+                    bufs[i].reserve(item.len);
                 }
                 slot.item = item;
                 slot.counted = false;
@@ -818,15 +774,14 @@ fn worker(mut src: Src, mut dst: Dst, sh: &Shared<'_>) -> (Src, Dst, u64) {
                             let (offset, len) = (item.offset + a as u64, b - a);
                             if zero && !write_zeroes {
                                 // The server has no WRITE_ZEROES: zeroes go as data.
-                                for at in (a..b).step_by(ZEROES.len()) {
-                                    let n = (b - at).min(ZEROES.len());
+                                for (at, n) in zero_chunks(offset, len as u64) {
                                     let payload = Some(Payload::Bytes(&ZEROES[..n]));
-                                    let at = item.offset + at as u64;
+                                    let length = n as u64;
                                     wsubs.push(Submit {
                                         cmd: CMD_WRITE,
                                         flags: 0,
                                         offset: at,
-                                        length: n as u64,
+                                        length,
                                         payload,
                                         slot: i,
                                     });
@@ -909,7 +864,7 @@ fn worker(mut src: Src, mut dst: Dst, sh: &Shared<'_>) -> (Src, Dst, u64) {
         }
         if dst_ready {
             if let Dst::Nbd(c) = &mut dst {
-                let r = drain_completions(c, &mut [] as &mut [Buf], "write", |done| {
+                let r = drain_completions(c, &mut [] as &mut [AlignedBuf], "write", |done| {
                     let op = if done.cmd == CMD_WRITE { "write" } else { "write zeroes" };
                     done.result.as_ref().map_err(|e| remote(op, &done, e))?;
                     written += done.length;
@@ -1065,13 +1020,13 @@ fn wait(src: &Src, reading: bool, dst: &Dst, writing: bool) -> io::Result<(bool,
 
 static ZEROES: [u8; 1 << 20] = [0; 1 << 20];
 
-fn write_zeroes_to(o: &mut impl Write, mut n: u64) -> io::Result<()> {
-    while n > 0 {
-        let k = n.min(ZEROES.len() as u64) as usize;
-        o.write_all(&ZEROES[..k])?;
-        n -= k as u64;
-    }
-    Ok(())
+/// `start..start + len` in pieces of at most `ZEROES.len()` bytes: (offset, length).
+fn zero_chunks(start: u64, len: u64) -> impl Iterator<Item = (u64, usize)> {
+    (start..start + len).step_by(ZEROES.len()).map(move |at| (at, (start + len - at).min(ZEROES.len() as u64) as usize))
+}
+
+fn write_zeroes_to(o: &mut impl Write, n: u64) -> io::Result<()> {
+    zero_chunks(0, n).try_for_each(|(_, k)| o.write_all(&ZEROES[..k]))
 }
 
 /// Zeroes a range of an existing file or block device.
@@ -1081,13 +1036,7 @@ fn zero_file(f: &File, block: bool, offset: u64, len: u64) -> io::Result<()> {
     if fallocate(f, flags, offset, len).is_ok() {
         return Ok(());
     }
-    let mut pos = offset;
-    while pos < offset + len {
-        let k = (offset + len - pos).min(ZEROES.len() as u64) as usize;
-        f.write_all_at(&ZEROES[..k], pos)?;
-        pos += k as u64;
-    }
-    Ok(())
+    zero_chunks(offset, len).try_for_each(|(at, k)| f.write_all_at(&ZEROES[..k], at))
 }
 
 #[cfg(test)]
@@ -1125,17 +1074,5 @@ mod tests {
         assert!(sendfile_works(&f));
         assert!(!sendfile_works(&File::open(std::env::temp_dir()).unwrap()), "a directory cannot feed sendfile");
         std::fs::remove_file(&dir).unwrap();
-    }
-
-    #[test]
-    fn buffers_start_page_aligned_and_hold_their_length() {
-        let mut b = Buf::default();
-        for len in [1, 4095, 4096, 1 << 20, (2 << 20) + 3] {
-            b.resize(len);
-            assert_eq!(b.len(), len);
-            assert_eq!(b.as_ptr() as usize % super::BUF_ALIGN, 0, "length {len}");
-            b[len - 1] = 7;
-            assert_eq!(b.iter().filter(|&&x| x != 0).count(), 1);
-        }
     }
 }

@@ -20,7 +20,7 @@ use ferry_proto::consts::{command_name, NbdError};
 use ferry_proto::handshake::{Progress, ServerHandshake};
 use ferry_proto::reply::ReplyWriter;
 use ferry_proto::request::{Command, PayloadPlan, RequestError, RequestHeader, Session};
-use ferry_sock::{Counters, Stream};
+use ferry_sock::{AlignedBuf, Counters, Stream};
 use ferry_tls::Transport;
 use std::io::{self, IoSlice, Read};
 use std::sync::{Arc, Mutex};
@@ -60,8 +60,6 @@ const SEND_BATCH_REPLIES: usize = 16;
 const SENDFILE_MIN: usize = 64 * 1024;
 /// WRITE payloads this large are received straight into the write buffer (see `run`).
 const LARGE_PAYLOAD: usize = 64 * 1024;
-/// Alignment of the start of `wbuf`'s payload.
-const WBUF_ALIGN: usize = 4096;
 /// Most extents returned for one BLOCK_STATUS (bounded reply size).
 const MAX_EXTENTS: usize = 64 * 1024;
 /// Handshake receive buffer: the largest option (64 KiB of data) plus its header.
@@ -266,11 +264,9 @@ struct Transmission<'a> {
     rx: Vec<u8>,
     head: usize,
     tail: usize,
-    /// Buffer for WRITE payloads larger than what one `read` brought; the payload starts
-    /// at `wbuf[woff]`, page-aligned (the kernel copies into and out of an aligned
-    /// buffer faster).
-    wbuf: Vec<u8>,
-    woff: usize,
+    /// Buffer for WRITE payloads larger than what one `read` brought (page-aligned: the
+    /// kernel copies into and out of an aligned buffer faster).
+    wbuf: AlignedBuf,
     tx: SendQueue,
     extents: Vec<Extent>,
     sparse_threshold: Option<u64>,
@@ -310,8 +306,7 @@ impl<'a> Transmission<'a> {
             rx: vec![0u8; RECV_BUF],
             head: 0,
             tail: 0,
-            wbuf: Vec::new(),
-            woff: 0,
+            wbuf: AlignedBuf::default(),
             tx: SendQueue {
                 headers: Vec::with_capacity(64 * 1024),
                 data: vec![0u8; 1 << 20],
@@ -388,15 +383,11 @@ impl<'a> Transmission<'a> {
     /// blocking read.
     fn receive_large_payload(&mut self, start: usize, n: usize) -> io::Result<()> {
         self.flush()?;
-        if self.wbuf.len() - self.woff < n {
-            self.wbuf = vec![0u8; n + WBUF_ALIGN - 1];
-            self.woff = self.wbuf.as_ptr().align_offset(WBUF_ALIGN).min(WBUF_ALIGN - 1);
-        }
-        let w = self.woff;
+        self.wbuf.reserve(n);
         let have = self.tail - start;
-        self.wbuf[w..w + have].copy_from_slice(&self.rx[start..self.tail]);
+        self.wbuf[..have].copy_from_slice(&self.rx[start..self.tail]);
         self.head = self.tail;
-        self.stream.read_exact(&mut self.wbuf[w + have..w + n])
+        self.stream.read_exact(&mut self.wbuf[have..n])
     }
 
     /// Reads and discards `n` payload bytes that are too large to accept.
@@ -482,7 +473,7 @@ impl<'a> Transmission<'a> {
             Command::Write { offset, length, fua } => {
                 let data = match payload {
                     Some((a, b)) => &self.rx[a..b],
-                    None => &self.wbuf[self.woff..self.woff + length as usize],
+                    None => &self.wbuf[..length as usize],
                 };
                 backend.write(data, offset, fua)
             }
