@@ -219,3 +219,23 @@ fn file_export_large_writes_in_every_mode() {
         assert!(back == want, "file contents differ with {opts:?}");
     }
 }
+
+/// A file payload that cannot be sent whole (the file is shorter than the range) fails
+/// the submit, and the connection is closed rather than left out of step: the next call
+/// fails at once instead of the server taking it for payload bytes.
+#[test]
+fn a_failed_file_payload_closes_the_connection() {
+    let srv = serve(1 << 20);
+    let dir = tempfile::tempdir().unwrap();
+    let short = dir.path().join("short");
+    std::fs::write(&short, vec![1u8; 1000]).unwrap();
+    let f = std::fs::File::open(&short).unwrap();
+    let mut c = Connection::connect(&srv.uri, &ConnectOptions::default()).unwrap();
+    use std::os::fd::AsFd;
+    let payload = Payload::File { fd: f.as_fd(), offset: 0, len: 100_000 };
+    let w = Submit { cmd: CMD_WRITE, flags: 0, offset: 0, length: 100_000, payload: Some(payload), slot: 0 };
+    let e = c.submit(&[w]).unwrap_err().to_string();
+    assert!(e.contains("truncated"), "{e}");
+    let mut buf = vec![0u8; 4096];
+    assert!(c.pread(&mut buf, 0).is_err(), "a connection out of step was used again");
+}
