@@ -19,6 +19,7 @@
 
 use crate::conn::{Completion, ConnectOptions, Connection, Error as ConnError, Payload, Submit};
 use crate::uri::Uri;
+use ferry_backend::{Backend, ZeroMode};
 use ferry_hash::BlockHasher;
 use ferry_proto::consts::*;
 use ferry_proto::reply::Extent;
@@ -41,7 +42,59 @@ pub enum Endpoint {
     Stdio,
     /// `null:`: a destination that discards.
     Null,
+    /// Any [`Backend`] (a disk image format, a network store), opened by the caller.
+    Backend(BackendEndpoint),
 }
+
+/// A [`Backend`] as a copy source or destination, shared by every worker (backends are
+/// `Send + Sync`).
+///
+/// As a source its `extents` are the allocation map (holes and zero extents are not
+/// read); as a destination it must be at least as large as the source and writable, and
+/// zeroes go through `Backend::zero` where the backend declares it.
+#[derive(Clone)]
+pub struct BackendEndpoint {
+    name: String,
+    backend: Arc<dyn Backend>,
+    zeroed: bool,
+}
+
+impl BackendEndpoint {
+    /// `name` is what error messages call it (usually the path or spec it was opened from).
+    pub fn new(name: String, backend: Arc<dyn Backend>) -> BackendEndpoint {
+        BackendEndpoint { name, backend, zeroed: false }
+    }
+
+    /// Declares that the backend reads as zeroes everywhere (it was just created), so as a
+    /// destination its holes and zero blocks need no writing.
+    pub fn zeroed(mut self) -> BackendEndpoint {
+        self.zeroed = true;
+        self
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+}
+
+impl std::fmt::Debug for BackendEndpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BackendEndpoint").field("name", &self.name).field("backend", &self.backend.describe()).finish()
+    }
+}
+
+/// The same name and the same backend object.
+impl PartialEq for BackendEndpoint {
+    fn eq(&self, other: &Self) -> bool {
+        self.name == other.name && self.zeroed == other.zeroed && Arc::ptr_eq(&self.backend, &other.backend)
+    }
+}
+
+impl Eq for BackendEndpoint {}
 
 impl Endpoint {
     pub fn parse(s: &str) -> Result<Endpoint, crate::uri::UriError> {
@@ -202,6 +255,7 @@ enum Src {
     Nbd(Box<Connection>),
     File(File),
     Stdin(io::Stdin),
+    Backend(Arc<dyn Backend>),
 }
 
 enum Dst {
@@ -214,6 +268,7 @@ enum Dst {
     },
     Stdout(io::Stdout),
     Null,
+    Backend(BackendEndpoint),
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -276,12 +331,42 @@ fn nbd_map(c: &mut Connection, size: u64) -> Result<Vec<(u64, u64, Kind)>, CopyE
             if length == 0 {
                 break;
             }
-            let kind = if flags & STATE_ZERO != 0 { Kind::Zero } else { Kind::Data };
-            match out.last_mut() {
-                Some(last) if last.2 == kind && last.0 + last.1 == pos => last.1 += length,
-                _ => out.push((pos, length, kind)),
-            }
+            push_extent(&mut out, pos, length, flags);
             pos += length;
+        }
+    }
+    Ok(out)
+}
+
+/// Appends a `base:allocation` extent at `pos` to an allocation map, merging it with the
+/// previous one when both are of one kind.
+fn push_extent(out: &mut Vec<(u64, u64, Kind)>, pos: u64, length: u64, flags: u32) {
+    let kind = if flags & STATE_ZERO != 0 { Kind::Zero } else { Kind::Data };
+    match out.last_mut() {
+        Some(last) if last.2 == kind && last.0 + last.1 == pos => last.1 += length,
+        _ => out.push((pos, length, kind)),
+    }
+}
+
+/// Allocation map of a backend source, from its `extents`.
+fn backend_map(b: &dyn Backend, name: &str, size: u64) -> Result<Vec<(u64, u64, Kind)>, CopyError> {
+    let mut out = Vec::new();
+    let mut ex = Vec::new();
+    let mut pos = 0;
+    while pos < size {
+        ex.clear();
+        b.extents(pos, size - pos, 1 << 16, &mut ex).map_err(|e| CopyError::request("extents", pos, size - pos, e))?;
+        let before = pos;
+        for Extent { length, flags } in ex.drain(..) {
+            let length = length.min(size - pos);
+            if length == 0 {
+                break;
+            }
+            push_extent(&mut out, pos, length, flags);
+            pos += length;
+        }
+        if pos == before {
+            return Err(CopyError::Setup(format!("source {name} reported no extent at offset {pos}")));
         }
     }
     Ok(out)
@@ -382,6 +467,7 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progr
         }
         Endpoint::Stdio => (Src::Stdin(io::stdin()), None, false),
         Endpoint::Null => return Err(CopyError::Setup("null: can only be a destination".into())),
+        Endpoint::Backend(b) => (Src::Backend(b.backend.clone()), Some(b.backend.size()), true),
     };
     // Open the destination, check it can take the source.
     let (first_dst, multi_dst) = match dst {
@@ -426,6 +512,19 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progr
         }
         Endpoint::Stdio => (Dst::Stdout(io::stdout()), false),
         Endpoint::Null => (Dst::Null, true),
+        Endpoint::Backend(b) => {
+            let name = &b.name;
+            if b.backend.caps().read_only {
+                return Err(CopyError::Setup(format!("destination {name} is read-only")));
+            }
+            let dsize = b.backend.size();
+            if let Some(s) = src_size.filter(|s| *s > dsize) {
+                return Err(CopyError::Setup(format!(
+                    "destination {name} is {dsize} bytes, smaller than the {s}-byte source; nothing was written"
+                )));
+            }
+            (Dst::Backend(b.clone()), true)
+        }
     };
     let mut first_src = first_src;
     let streaming = src_size.is_none();
@@ -434,6 +533,13 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progr
     let extents = match &mut first_src {
         Src::Nbd(c) if opts.sparse && c.can_block_status() => nbd_map(c, src_size)?,
         Src::File(f) if opts.sparse => file_map(f, src_size),
+        Src::Backend(b) if opts.sparse => {
+            let name = match src {
+                Endpoint::Backend(e) => e.name.as_str(),
+                _ => "",
+            };
+            backend_map(&**b, name, src_size)?
+        }
         _ => vec![(0, src_size, Kind::Data)],
     };
     let mut request_size = opts.request_size as u64;
@@ -485,6 +591,7 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progr
         let s = match (&ends[0].0, src) {
             (Src::Nbd(_), Endpoint::Nbd(u)) => Src::Nbd(Box::new(connect(u, &opts.connect, "source")?)),
             (Src::File(f), Endpoint::File(p)) => Src::File(f.try_clone().map_err(local("cannot reopen source", p))?),
+            (Src::Backend(b), _) => Src::Backend(b.clone()),
             _ => unreachable!("only NBD and file sources get several workers"),
         };
         let d = match (&ends[0].1, dst) {
@@ -495,6 +602,7 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progr
                 block: *block,
             },
             (Dst::Null, _) => Dst::Null,
+            (Dst::Backend(b), _) => Dst::Backend(b.clone()),
             _ => unreachable!("only NBD, file and null destinations get several workers"),
         };
         ends.push((s, d));
@@ -552,6 +660,9 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progr
             }
             Dst::Stdout(mut o) => {
                 let _ = o.flush();
+            }
+            Dst::Backend(b) if opts.flush && i == 0 => {
+                b.backend.flush().map_err(|e| CopyError::request("flush", 0, 0, e))?;
             }
             _ => {}
         }
@@ -667,6 +778,13 @@ fn worker(mut src: Src, mut dst: Dst, sh: &Shared<'_>) -> (Src, Dst, u64) {
                         }
                         slot.state = SlotState::Full;
                     }
+                    Src::Backend(b) => {
+                        if let Err(e) = b.read(&mut bufs[i][..item.len], item.offset) {
+                            sh.fail(CopyError::request("read", item.offset, item.len as u64, e));
+                            return (src, dst, written);
+                        }
+                        slot.state = SlotState::Full;
+                    }
                     Src::Stdin(s) => {
                         let mut got = 0;
                         while got < item.len {
@@ -756,6 +874,21 @@ fn worker(mut src: Src, mut dst: Dst, sh: &Shared<'_>) -> (Src, Dst, u64) {
                             (true, true) => Ok(()),
                             (true, false) => zero_file(file, *block, item.offset + a as u64, (b - a) as u64),
                             (false, _) => file.write_all_at(&data[a..b], item.offset + a as u64),
+                        })
+                    }
+                    Dst::Backend(ep) => {
+                        let (be, zeroed) = (&ep.backend, ep.zeroed);
+                        let zero = be.caps().zero;
+                        let mode = ZeroMode { may_trim: true, fast: false };
+                        pieces(item, zb, slot.zeros).try_for_each(|(a, b, z)| {
+                            let (at, len) = (item.offset + a as u64, (b - a) as u64);
+                            match z {
+                                false => be.write(&data[a..b], at, false),
+                                true if zeroed => Ok(()),
+                                true if zero => be.zero(at, len, mode, false),
+                                true => zero_chunks(at, len).try_for_each(|(at, k)| be.write(&ZEROES[..k], at, false)),
+                            }
+                            .map_err(io::Error::other)
                         })
                     }
                     Dst::Stdout(o) => {
