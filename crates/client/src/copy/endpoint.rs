@@ -1,0 +1,185 @@
+//! The one interface every copy endpoint implements (nbdcopy's `rw_ops`).
+//!
+//! The worker in `mod.rs` moves buffers between two [`Ops`] and knows none of their
+//! kinds. Requests go in batches and come back through a `done(slot, bytes)` callback:
+//! a synchronous endpoint (file, pipe, backend, null) does the work inside
+//! [`Ops::read`]/[`Ops::write`] and calls `done` before returning; an asynchronous one
+//! (NBD: many requests in flight per connection) sends the whole batch at once (one
+//! writev) and calls `done` later, from [`Ops::complete`], after the worker's `poll` on
+//! [`Ops::poll_fd`] said a reply is there. The worker keeps every buffer; endpoints only
+//! borrow them for the length of a call.
+
+use super::CopyError;
+use ferry_sock::AlignedBuf;
+use std::fs::File;
+use std::os::fd::BorrowedFd;
+
+/// What a piece of the source holds, as far as its allocation map knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Data,
+    /// A hole or a range the source reports as reading zeroes: never read.
+    Zero,
+}
+
+/// An allocation map: (start, length, kind), in order, covering the source.
+pub(crate) type Map = Vec<(u64, u64, Kind)>;
+
+/// Appends a `base:allocation` extent at `pos` to a map (`STATE_ZERO`: a [`Kind::Zero`]
+/// range), merging it with the previous one when both are of one kind.
+pub(crate) fn push_extent(out: &mut Map, pos: u64, length: u64, flags: u32) {
+    let kind = if flags & ferry_proto::consts::STATE_ZERO != 0 { Kind::Zero } else { Kind::Data };
+    match out.last_mut() {
+        Some(last) if last.2 == kind && last.0 + last.1 == pos => last.1 += length,
+        _ => out.push((pos, length, kind)),
+    }
+}
+
+/// What an opened endpoint can do; the worker plans from this, never from the kind.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Caps {
+    /// Several workers may each have their own opening ([`Ops::reopen`]) at once: NBD
+    /// multi-conn, files, backends, null.
+    pub parallel: bool,
+    /// Bytes go strictly in order, through one worker (pipes).
+    pub in_order: bool,
+    /// Takes [`Data::Zero`]: zeroes cost no data (WRITE_ZEROES, fallocate,
+    /// `Backend::zero`) and may be deallocated, which is all the trimming a copy needs.
+    /// Otherwise the worker writes zeroes as data.
+    pub zero: bool,
+    /// Reads as zeroes everywhere already (a file just created): zero runs need no writing.
+    pub zeroed: bool,
+    /// Has an allocation map ([`Ops::extents`]): holes are not read.
+    pub extents: bool,
+    /// Takes [`Data::File`] payloads, sent with sendfile(2) (plaintext NBD over Unix).
+    pub file_payloads: bool,
+    /// Throws the data away: zero detection would change nothing.
+    pub discards: bool,
+    /// Refuses writes.
+    pub read_only: bool,
+}
+
+/// One read of a batch: `len` bytes at `offset` into the worker's buffer `slot`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Read {
+    pub slot: usize,
+    pub offset: u64,
+    pub len: usize,
+}
+
+/// What one write of a batch carries.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Data<'a> {
+    Bytes(&'a [u8]),
+    /// `len` bytes of the source file at the same offset (only to [`Caps::file_payloads`]).
+    File {
+        fd: BorrowedFd<'a>,
+        len: usize,
+    },
+    /// That many zero bytes (only to [`Caps::zero`]).
+    Zero(u64),
+}
+
+/// One write of a batch, for the worker's buffer `slot`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Write<'a> {
+    pub slot: usize,
+    pub offset: u64,
+    pub data: Data<'a>,
+}
+
+impl Write<'_> {
+    pub fn len(&self) -> u64 {
+        match self.data {
+            Data::Bytes(b) => b.len() as u64,
+            Data::File { len, .. } => len as u64,
+            Data::Zero(n) => n,
+        }
+    }
+}
+
+/// Called for each finished request: (slot, bytes done). A read shorter than asked
+/// means the end of a stream.
+pub(crate) type Done<'a> = dyn FnMut(usize, u64) + 'a;
+
+/// Synchronous reads: `read(buffer, offset)` for each request of the batch in turn, each
+/// finished at once.
+pub(crate) fn read_each<E: std::fmt::Display>(
+    reqs: &[Read],
+    bufs: &mut [AlignedBuf],
+    done: &mut Done<'_>,
+    mut read: impl FnMut(&mut [u8], u64) -> Result<(), E>,
+) -> Result<(), CopyError> {
+    for r in reqs {
+        read(&mut bufs[r.slot][..r.len], r.offset)
+            .map_err(|e| CopyError::request("read", r.offset, r.len as u64, e))?;
+        done(r.slot, r.len as u64);
+    }
+    Ok(())
+}
+
+/// Synchronous writes: `write(request)` for each request of the batch in turn, each
+/// finished at once.
+pub(crate) fn write_each<E: std::fmt::Display>(
+    reqs: &[Write<'_>],
+    done: &mut Done<'_>,
+    mut write: impl FnMut(&Write<'_>) -> Result<(), E>,
+) -> Result<(), CopyError> {
+    for w in reqs {
+        let op = if matches!(w.data, Data::Zero(_)) { "write zeroes" } else { "write" };
+        write(w).map_err(|e| CopyError::request(op, w.offset, w.len(), e))?;
+        done(w.slot, w.len());
+    }
+    Ok(())
+}
+
+/// One opened endpoint.
+pub(crate) trait Ops: Send {
+    /// What error messages call it: the URI, path or backend name.
+    fn name(&self) -> String;
+    /// Size in bytes; `None` for a stream (stdin) or a sink that takes any size.
+    fn size(&self) -> Option<u64>;
+    fn caps(&self) -> Caps;
+    /// Another opening of the same endpoint for another worker (only with
+    /// [`Caps::parallel`]).
+    fn reopen(&self) -> Result<Box<dyn Ops>, CopyError>;
+    /// The allocation map of `0..size` (only with [`Caps::extents`]).
+    fn extents(&mut self, size: u64) -> Result<Map, CopyError> {
+        Ok(vec![(0, size, Kind::Data)])
+    }
+    /// A file holding the bytes at the same offsets, to feed sendfile(2) payloads.
+    fn file(&self) -> Option<&File> {
+        None
+    }
+    /// Reads a batch into `bufs` (each buffer already holds at least `len` bytes).
+    fn read(&mut self, reqs: &[Read], bufs: &mut [AlignedBuf], done: &mut Done<'_>) -> Result<(), CopyError>;
+    /// Writes a batch.
+    fn write(&mut self, reqs: &[Write<'_>], done: &mut Done<'_>) -> Result<(), CopyError>;
+    /// Asynchronous endpoints: what to poll for replies while requests are in flight.
+    fn poll_fd(&self) -> Option<BorrowedFd<'_>> {
+        None
+    }
+    /// Replies already received: ready without polling.
+    fn buffered(&self) -> bool {
+        false
+    }
+    /// Asynchronous endpoints: receives the replies at hand (at least one, blocking for
+    /// it), READ data straight into `bufs`.
+    fn complete(&mut self, bufs: &mut [AlignedBuf], done: &mut Done<'_>) -> Result<(), CopyError> {
+        let _ = (bufs, done);
+        Ok(())
+    }
+    /// A streamed copy ended after `len` bytes: a destination made for it takes that size.
+    fn set_stream_length(&mut self, len: u64) -> Result<(), CopyError> {
+        let _ = len;
+        Ok(())
+    }
+    /// Makes every finished write durable.
+    fn flush(&mut self) -> Result<(), CopyError>;
+    /// Ends cleanly (NBD: disconnect). Errors no longer matter here.
+    fn close(self: Box<Self>) {}
+    /// Socket statistics, for NBD.
+    fn socket_stats(&self) -> Option<ferry_sock::Counters> {
+        None
+    }
+}

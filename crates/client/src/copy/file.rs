@@ -1,0 +1,156 @@
+//! Local files and block devices: positioned reads and writes, SEEK_DATA/SEEK_HOLE for
+//! the allocation map, fallocate for zeroes, and the file itself for sendfile payloads.
+
+use super::endpoint::{read_each, write_each, Caps, Data, Done, Kind, Map, Ops, Read, Write};
+use super::{zero_chunks, CopyError, ZEROES};
+use ferry_sock::AlignedBuf;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{FileExt, FileTypeExt};
+use std::path::{Path, PathBuf};
+
+pub(crate) struct FileEnd {
+    file: File,
+    path: PathBuf,
+    /// A block device (its size is fixed; zeroes are ZERO_RANGE, not holes).
+    block: bool,
+    /// Just created or emptied: every byte reads as zero already.
+    fresh: bool,
+    /// "source" or "destination", for messages.
+    what: &'static str,
+    size: Option<u64>,
+}
+
+fn local<'p>(what: &'static str, path: &'p Path) -> impl FnOnce(io::Error) -> CopyError + 'p {
+    move |source| CopyError::Local { what, path: path.display().to_string(), source }
+}
+
+/// The size of a block device (its metadata says 0).
+fn device_size(f: &File, what: &'static str, p: &Path) -> Result<u64, CopyError> {
+    rustix::fs::seek(f, rustix::fs::SeekFrom::End(0)).map_err(|e| local(what, p)(e.into()))
+}
+
+pub(crate) fn open_source(p: &Path) -> Result<FileEnd, CopyError> {
+    let file = File::open(p).map_err(local("cannot open source", p))?;
+    let meta = file.metadata().map_err(local("cannot stat source", p))?;
+    let block = meta.file_type().is_block_device();
+    let size = if block { device_size(&file, "cannot size source", p)? } else { meta.len() };
+    Ok(FileEnd { file, path: p.to_owned(), block, fresh: false, what: "source", size: Some(size) })
+}
+
+/// Opens (or creates) a destination for a source of `src_size` bytes: a regular file is
+/// emptied and sized to the source (all hole); a block device is used as it is.
+pub(crate) fn open_destination(p: &Path, src_size: Option<u64>) -> Result<FileEnd, CopyError> {
+    let exists = std::fs::metadata(p).ok();
+    let block = exists.as_ref().is_some_and(|m| m.file_type().is_block_device());
+    let file = OpenOptions::new().write(true).create(!block).open(p).map_err(local("cannot open destination", p))?;
+    let size = if block {
+        Some(device_size(&file, "cannot size destination", p)?)
+    } else {
+        // A copy makes the file exactly the source: empty it, then size it (all hole).
+        file.set_len(0).map_err(local("cannot truncate destination", p))?;
+        if let Some(s) = src_size {
+            file.set_len(s).map_err(local("cannot size destination", p))?;
+        }
+        src_size
+    };
+    Ok(FileEnd { file, path: p.to_owned(), block, fresh: !block, what: "destination", size })
+}
+
+impl Ops for FileEnd {
+    fn name(&self) -> String {
+        self.path.display().to_string()
+    }
+
+    fn size(&self) -> Option<u64> {
+        self.size
+    }
+
+    fn caps(&self) -> Caps {
+        Caps { parallel: true, zero: true, zeroed: self.fresh, extents: true, ..Caps::default() }
+    }
+
+    fn reopen(&self) -> Result<Box<dyn Ops>, CopyError> {
+        let what = if self.what == "source" { "cannot reopen source" } else { "cannot reopen destination" };
+        let file = self.file.try_clone().map_err(local(what, &self.path))?;
+        Ok(Box::new(FileEnd { file, path: self.path.clone(), ..*self }))
+    }
+
+    fn extents(&mut self, size: u64) -> Result<Map, CopyError> {
+        Ok(file_map(&self.file, size))
+    }
+
+    fn file(&self) -> Option<&File> {
+        Some(&self.file)
+    }
+
+    fn read(&mut self, reqs: &[Read], bufs: &mut [AlignedBuf], done: &mut Done<'_>) -> Result<(), CopyError> {
+        read_each(reqs, bufs, done, |buf, at| self.file.read_exact_at(buf, at))
+    }
+
+    fn write(&mut self, reqs: &[Write<'_>], done: &mut Done<'_>) -> Result<(), CopyError> {
+        write_each(reqs, done, |w| match w.data {
+            Data::Bytes(b) => self.file.write_all_at(b, w.offset),
+            Data::Zero(n) => zero_file(&self.file, self.block, w.offset, n),
+            Data::File { .. } => Err(io::Error::other("a file takes no file payloads")),
+        })
+    }
+
+    fn set_stream_length(&mut self, len: u64) -> Result<(), CopyError> {
+        if !self.block {
+            self.file.set_len(len).map_err(local("cannot size destination", &self.path))?;
+        }
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<(), CopyError> {
+        self.file.sync_all().map_err(|e| CopyError::Local { what: "cannot flush", path: self.name(), source: e })
+    }
+}
+
+/// Allocation map of a local file, from SEEK_DATA/SEEK_HOLE (all data where unsupported).
+fn file_map(f: &File, size: u64) -> Map {
+    use rustix::fs::{seek, SeekFrom};
+    use std::os::unix::fs::MetadataExt;
+    // On tmpfs one SEEK_HOLE scans every page up to the next hole (24 ms for 2 GiB, all
+    // before the first byte is copied), so a tmpfs file with as many bytes allocated as it
+    // is long is taken as all data without asking. The one case that misses: fallocated
+    // pages never written read as zeroes, which zero detection then finds. Elsewhere
+    // (ext4, XFS: extent maps) asking is cheap, and preallocated files are common there.
+    const TMPFS_MAGIC: u64 = 0x0102_1994;
+    let tmpfs = rustix::fs::fstatfs(f).is_ok_and(|s| s.f_type as u64 == TMPFS_MAGIC);
+    if tmpfs && f.metadata().is_ok_and(|m| m.is_file() && m.blocks().saturating_mul(512) >= size) {
+        return vec![(0, size, Kind::Data)];
+    }
+    let mut out = Vec::new();
+    let mut pos = 0;
+    while pos < size {
+        let data = match seek(f, SeekFrom::Data(pos)) {
+            Ok(d) => d.min(size),
+            Err(rustix::io::Errno::NXIO) => size,
+            Err(_) => return vec![(0, size, Kind::Data)],
+        };
+        if data > pos {
+            out.push((pos, data - pos, Kind::Zero));
+            pos = data;
+            continue;
+        }
+        let hole = match seek(f, SeekFrom::Hole(pos)) {
+            Ok(h) => h.clamp(pos + 1, size),
+            Err(_) => size,
+        };
+        out.push((pos, hole - pos, Kind::Data));
+        pos = hole;
+    }
+    out
+}
+
+/// Zeroes a range of an existing file or block device.
+fn zero_file(f: &File, block: bool, offset: u64, len: u64) -> io::Result<()> {
+    use rustix::fs::{fallocate, FallocateFlags};
+    let flags = if block { FallocateFlags::ZERO_RANGE } else { FallocateFlags::PUNCH_HOLE } | FallocateFlags::KEEP_SIZE;
+    if fallocate(f, flags, offset, len).is_ok() {
+        return Ok(());
+    }
+    zero_chunks(offset, len).try_for_each(|(at, k)| f.write_all_at(&ZEROES[..k], at))
+}

@@ -1,0 +1,801 @@
+//! The copy engine behind `ferry copy`: NBD, local files and block devices, stdin/stdout,
+//! `null:` and any [`ferry_backend::Backend`], in any combination.
+//!
+//! Each kind of endpoint is one file behind one interface ([`endpoint::Ops`]: size, what
+//! it can do, allocation map, batched reads and writes, flush), the way nbdcopy keeps
+//! its per-endpoint operations apart: `nbd.rs`, `file.rs` (files and block devices),
+//! `pipe.rs` (stdin/stdout), `null.rs` and `backend.rs`. This file plans the copy and runs
+//! the workers, which move buffers between two endpoints and know none of their kinds.
+//!
+//! The source's allocation map is read first (NBD block status, SEEK_DATA/SEEK_HOLE,
+//! `Backend::extents`), so holes are never read. Data is cut into requests of
+//! `request_size` bytes, handed out from a shared queue to `connections` workers; each
+//! worker keeps `requests` of them in flight on its own openings of both ends, reading
+//! into its own buffers and writing from the same buffers (no copy between source and
+//! destination). With `sparse`, blocks of zeroes are not written as data: the
+//! destination gets zero requests (WRITE_ZEROES, fallocate), or nothing at all when it
+//! reads as zeroes already (a new file).
+//!
+//! Zero detection works on blocks of `zero_block` bytes (256 KiB) inside each request, so
+//! requests can be large (1 MiB: fewer per-request costs on both sides) without writing
+//! zero blocks as data: a request becomes a run of WRITEs and WRITE_ZEROES.
+//!
+//! From a source that offers its file ([`endpoint::Ops::file`]) to a destination that
+//! takes file payloads (plaintext NBD over a Unix socket) the data does not pass through
+//! user space at all: WRITE payloads go from the file's page cache to the socket with
+//! sendfile(2). Zero detection then reads only each block's first [`PROBE`] bytes, and
+//! the rest of a block only when those are all zero.
+
+mod backend;
+mod endpoint;
+mod file;
+mod nbd;
+mod null;
+mod pipe;
+
+pub use backend::BackendEndpoint;
+
+use crate::conn::{ConnectOptions, Error as ConnError};
+use crate::uri::Uri;
+use endpoint::{Data, Kind, Map, Ops, Read, Write};
+use ferry_hash::BlockHasher;
+use ferry_sock::AlignedBuf;
+use rustix::event::{poll, PollFd, PollFlags};
+use std::fs::File;
+use std::io;
+use std::os::fd::AsFd;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// One end of a copy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Endpoint {
+    Nbd(Uri),
+    File(PathBuf),
+    /// `-`: stdin as a source, stdout as a destination (sequential).
+    Stdio,
+    /// `null:`: a destination that discards.
+    Null,
+    /// Any [`ferry_backend::Backend`] (a disk image format, a network store), opened by
+    /// the caller.
+    Backend(BackendEndpoint),
+}
+
+impl Endpoint {
+    pub fn parse(s: &str) -> Result<Endpoint, crate::uri::UriError> {
+        if s == "-" {
+            Ok(Endpoint::Stdio)
+        } else if s == "null:" {
+            Ok(Endpoint::Null)
+        } else if Uri::looks_like(s) {
+            Ok(Endpoint::Nbd(Uri::parse(s)?))
+        } else {
+            Ok(Endpoint::File(PathBuf::from(s)))
+        }
+    }
+
+    /// Opens the endpoint as the copy's source. The one place that knows the kinds.
+    fn open_source(&self, opts: &CopyOptions) -> Result<Box<dyn Ops>, CopyError> {
+        Ok(match self {
+            Endpoint::Nbd(u) => Box::new(nbd::open(u, &opts.connect, "source")?),
+            Endpoint::File(p) => Box::new(file::open_source(p)?),
+            Endpoint::Stdio => Box::new(pipe::stdin()),
+            Endpoint::Null => return Err(CopyError::Setup("null: can only be a destination".into())),
+            Endpoint::Backend(b) => Box::new(b.clone()),
+        })
+    }
+
+    /// Opens the endpoint as the destination of a source of `src_size` bytes (a new file
+    /// is made that size), then checks it can take the source: writable, large enough.
+    /// Nothing is written before these checks.
+    fn open_destination(&self, src_size: Option<u64>, opts: &CopyOptions) -> Result<Box<dyn Ops>, CopyError> {
+        let d: Box<dyn Ops> = match self {
+            Endpoint::Nbd(u) => Box::new(nbd::open(u, &opts.connect, "destination")?),
+            Endpoint::File(p) => Box::new(file::open_destination(p, src_size)?),
+            Endpoint::Stdio => Box::new(pipe::stdout()),
+            Endpoint::Null => Box::new(null::Null),
+            Endpoint::Backend(b) => Box::new(b.clone()),
+        };
+        if d.caps().read_only {
+            return Err(CopyError::Setup(format!("destination {} is read-only", d.name())));
+        }
+        if let (Some(s), Some(dsize)) = (src_size, d.size()) {
+            if dsize < s {
+                return Err(CopyError::Setup(format!(
+                    "destination {} is {dsize} bytes, smaller than the {s}-byte source; nothing was written",
+                    d.name()
+                )));
+            }
+        }
+        Ok(d)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct CopyOptions {
+    pub connections: usize,
+    pub requests: usize,
+    pub request_size: usize,
+    /// Zero detection granularity with `sparse` (raised to 1/128 of a request if that is
+    /// larger).
+    pub zero_block: usize,
+    pub sparse: bool,
+    /// Send WRITE payloads from a local file with sendfile(2) where the connection allows.
+    pub send_file: bool,
+    pub flush: bool,
+    pub connect: ConnectOptions,
+    /// Compute a blkhash of the data on the way through (`ferry copy --hash`, `ferry hash`).
+    pub hash: Option<Arc<BlockHasher>>,
+}
+
+impl Default for CopyOptions {
+    fn default() -> Self {
+        CopyOptions {
+            connections: 4,
+            requests: 4,
+            request_size: 1 << 20,
+            zero_block: DEFAULT_ZERO_BLOCK,
+            sparse: true,
+            send_file: true,
+            flush: false,
+            connect: ConnectOptions::default(),
+            hash: None,
+        }
+    }
+}
+
+/// Counters a progress display can read while the copy runs.
+#[derive(Debug, Default)]
+pub struct Progress {
+    /// Bytes of the source dealt with (written, zeroed or skipped as holes).
+    pub done: AtomicU64,
+    /// Source size, or 0 while unknown (stdin).
+    pub total: AtomicU64,
+}
+
+/// Why a copy failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CopyError {
+    #[error("{what}: {source}")]
+    Connect { what: &'static str, source: ConnError },
+    #[error("{0}")]
+    Setup(String),
+    #[error("{what} {path}: {source}")]
+    Local { what: &'static str, path: String, source: io::Error },
+    #[error("{op} at offset {offset} ({length} bytes) failed: {message}")]
+    Request { op: &'static str, offset: u64, length: u64, message: String },
+}
+
+impl CopyError {
+    /// A failed request (or local read/write) of `length` bytes at `offset`.
+    fn request(op: &'static str, offset: u64, length: u64, e: impl std::fmt::Display) -> CopyError {
+        CopyError::Request { op, offset, length, message: e.to_string() }
+    }
+}
+
+/// What a finished copy did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct CopyReport {
+    pub bytes: u64,
+    /// Bytes read and written as data.
+    pub data_bytes: u64,
+    /// Bytes not read because the source said they were holes.
+    pub hole_bytes: u64,
+    /// Bytes read but found to be zero and not written as data.
+    pub zero_bytes: u64,
+    pub connections: usize,
+    /// The blkhash of the data, when one was asked for.
+    pub digest: Option<Vec<u8>>,
+    /// Socket statistics summed over every NBD connection.
+    pub socket: ferry_sock::Counters,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Item {
+    offset: u64,
+    len: usize,
+    kind: Kind,
+}
+
+/// Hands out pieces of the source in order.
+struct Queue {
+    extents: Map,
+    idx: usize,
+    pos: u64,
+    request_size: u64,
+    zero_chunk: u64,
+    /// Streaming source: hand out sequential data items until told to stop.
+    streaming: bool,
+    stream_end: bool,
+}
+
+/// Default of [`CopyOptions::zero_block`]: nbdcopy's request size, whose requests of
+/// zeroes it skips.
+pub const DEFAULT_ZERO_BLOCK: usize = 256 * 1024;
+
+/// WRITE_ZEROES pieces stay well inside a 32-bit length.
+const ZERO_CHUNK: u64 = 1 << 30;
+
+impl Queue {
+    fn next(&mut self) -> Option<Item> {
+        if self.streaming {
+            if self.stream_end {
+                return None;
+            }
+            let it = Item { offset: self.pos, len: self.request_size as usize, kind: Kind::Data };
+            self.pos += self.request_size;
+            return Some(it);
+        }
+        while self.idx < self.extents.len() {
+            let (start, len, kind) = self.extents[self.idx];
+            let end = start + len;
+            if self.pos < start {
+                self.pos = start;
+            }
+            if self.pos >= end {
+                self.idx += 1;
+                continue;
+            }
+            let max = if kind == Kind::Zero { self.zero_chunk } else { self.request_size };
+            let n = (end - self.pos).min(max);
+            let it = Item { offset: self.pos, len: n as usize, kind };
+            self.pos += n;
+            return Some(it);
+        }
+        None
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum SlotState {
+    Free,
+    Reading,
+    Full,
+    Writing,
+}
+
+struct Shared<'a> {
+    queue: Mutex<Queue>,
+    abort: AtomicBool,
+    error: Mutex<Option<CopyError>>,
+    progress: &'a Progress,
+    opts: &'a CopyOptions,
+    data_bytes: AtomicU64,
+    hole_bytes: AtomicU64,
+    zero_bytes: AtomicU64,
+}
+
+impl Shared<'_> {
+    fn fail(&self, e: CopyError) {
+        self.abort.store(true, Ordering::SeqCst);
+        let mut g = self.error.lock().unwrap_or_else(|e| e.into_inner());
+        if g.is_none() {
+            *g = Some(e);
+        }
+    }
+}
+
+fn is_zero(b: &[u8]) -> bool {
+    let (head, rest) = b.split_at(b.len() % 16);
+    head.iter().all(|&x| x == 0) && rest.chunks_exact(16).all(|c| u128::from_ne_bytes(c.try_into().unwrap()) == 0)
+}
+
+/// Rounds holes inward to whole hash blocks: a block that is partly data is read.
+fn align_extents(extents: Map, bs: u64) -> Map {
+    let end = extents.last().map_or(0, |e| e.0 + e.1);
+    let mut out: Map = Vec::new();
+    let push = |start: u64, stop: u64, kind: Kind, out: &mut Map| {
+        if stop <= start {
+            return;
+        }
+        match out.last_mut() {
+            Some(last) if last.2 == kind && last.0 + last.1 == start => last.1 += stop - start,
+            _ => out.push((start, stop - start, kind)),
+        }
+    };
+    for (start, len, kind) in extents {
+        let stop = start + len;
+        if kind == Kind::Data {
+            push(start, stop, Kind::Data, &mut out);
+            continue;
+        }
+        // A hole ending at the end of the disk keeps its partial last block.
+        let a = start.div_ceil(bs) * bs;
+        let b = if stop == end { stop } else { stop / bs * bs };
+        if a >= b {
+            push(start, stop, Kind::Data, &mut out);
+        } else {
+            push(start, a, Kind::Data, &mut out);
+            push(a, b, Kind::Zero, &mut out);
+            push(b, stop, Kind::Data, &mut out);
+        }
+    }
+    out
+}
+
+/// Copies `src` to `dst`.
+pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progress) -> Result<CopyReport, CopyError> {
+    if opts.request_size == 0 || opts.requests == 0 || opts.connections == 0 {
+        return Err(CopyError::Setup("--connections, --requests and --request-size must be at least 1".into()));
+    }
+    let mut first_src = src.open_source(opts)?;
+    let src_size = first_src.size();
+    let first_dst = dst.open_destination(src_size, opts)?;
+    let (scaps, dcaps) = (first_src.caps(), first_dst.caps());
+    let streaming = src_size.is_none();
+    let src_size = src_size.unwrap_or(0);
+    progress.total.store(src_size, Ordering::SeqCst);
+    let extents = match opts.sparse && scaps.extents && !streaming {
+        true => first_src.extents(src_size)?,
+        false => vec![(0, src_size, Kind::Data)],
+    };
+    let mut request_size = opts.request_size as u64;
+    let extents = match &opts.hash {
+        Some(h) => {
+            let bs = h.block_size() as u64;
+            request_size = request_size.div_ceil(bs) * bs;
+            align_extents(extents, bs)
+        }
+        None => extents,
+    };
+    let one = streaming || scaps.in_order || dcaps.in_order || !scaps.parallel || !dcaps.parallel;
+    let workers = if one { 1 } else { opts.connections };
+    let shared = Shared {
+        queue: Mutex::new(Queue {
+            extents,
+            idx: 0,
+            pos: 0,
+            request_size,
+            zero_chunk: opts
+                .hash
+                .as_ref()
+                .map_or(ZERO_CHUNK, |h| ZERO_CHUNK / h.block_size() as u64 * h.block_size() as u64)
+                .max(request_size),
+            streaming,
+            stream_end: false,
+        }),
+        abort: AtomicBool::new(false),
+        error: Mutex::new(None),
+        progress,
+        opts,
+        data_bytes: AtomicU64::new(0),
+        hole_bytes: AtomicU64::new(0),
+        zero_bytes: AtomicU64::new(0),
+    };
+    // Worker 0 uses the endpoints opened above; the others open their own.
+    let mut ends = Vec::with_capacity(workers);
+    for _ in 1..workers {
+        ends.push((first_src.reopen()?, first_dst.reopen()?));
+    }
+    ends.insert(0, (first_src, first_dst));
+    let mut finished: Vec<Finished> = Vec::new();
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = ends
+            .into_iter()
+            .map(|(s, d)| {
+                let shared = &shared;
+                scope.spawn(move || worker(s, d, shared))
+            })
+            .collect();
+        for h in handles {
+            match h.join() {
+                Ok(r) => finished.push(r),
+                Err(_) => shared.fail(CopyError::Setup("a copy worker panicked".into())),
+            }
+        }
+    });
+    if let Some(e) = shared.error.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        return Err(e);
+    }
+    let written: u64 = finished.iter().map(|f| f.2).sum();
+    // Finish: flush once (FLUSH covers every connection of a multi-conn server), then
+    // disconnect cleanly.
+    let mut socket = ferry_sock::Counters::default();
+    for (s, d, _) in &finished {
+        for c in [s.socket_stats(), d.socket_stats()].into_iter().flatten() {
+            socket.add(&c);
+        }
+    }
+    for (i, (s, mut d, _)) in finished.into_iter().enumerate() {
+        if i == 0 {
+            if streaming {
+                d.set_stream_length(written)?;
+            }
+            if opts.flush {
+                d.flush()?;
+            }
+        }
+        d.close();
+        s.close();
+    }
+    let total = if streaming { written } else { src_size };
+    let digest = match &opts.hash {
+        Some(h) => Some(h.finish(total).map_err(CopyError::Setup)?),
+        None => None,
+    };
+    Ok(CopyReport {
+        digest,
+        socket,
+        bytes: total,
+        data_bytes: shared.data_bytes.load(Ordering::SeqCst),
+        hole_bytes: shared.hole_bytes.load(Ordering::SeqCst),
+        zero_bytes: shared.zero_bytes.load(Ordering::SeqCst),
+        connections: workers,
+    })
+}
+
+struct Slot {
+    state: SlotState,
+    item: Item,
+    /// The data is still in the source file (sent with sendfile), not in the buffer.
+    in_file: bool,
+    /// Which blocks of the request (see [`zero_block_size`]) are all zeroes.
+    zeros: u128,
+    /// Bytes of the request the destination has not finished yet.
+    remaining: u64,
+    /// Counted (and hashed) already: an in-order destination may leave a full slot
+    /// waiting for its turn.
+    counted: bool,
+}
+
+/// A worker's own state beside its endpoints and buffers.
+struct Worker<'s, 'a> {
+    sh: &'s Shared<'a>,
+    slots: Vec<Slot>,
+    no_more_work: bool,
+    /// Bytes finished at the destination.
+    written: u64,
+}
+
+impl Worker<'_, '_> {
+    /// A read finished with `got` bytes; fewer than asked is the end of a stream.
+    fn read_done(&mut self, i: usize, got: u64) {
+        let slot = &mut self.slots[i];
+        if got < slot.item.len as u64 {
+            self.sh.queue.lock().unwrap_or_else(|e| e.into_inner()).stream_end = true;
+            self.no_more_work = true;
+            slot.item.len = got as usize;
+        }
+        slot.state = if got == 0 { SlotState::Free } else { SlotState::Full };
+    }
+
+    /// The destination finished `n` bytes of slot `i`'s request.
+    fn write_done(&mut self, i: usize, n: u64) {
+        self.written += n;
+        self.sh.progress.done.fetch_add(n, Ordering::Relaxed);
+        let slot = &mut self.slots[i];
+        slot.remaining -= n;
+        if slot.remaining == 0 {
+            slot.state = SlotState::Free;
+        }
+    }
+
+    /// Counts a full slot's bytes and hashes them, once; finds its zero blocks where that
+    /// changes what is written.
+    fn count(&mut self, i: usize, buf: &[u8], detect: bool) {
+        let (sh, slot) = (self.sh, &mut self.slots[i]);
+        if slot.counted {
+            return;
+        }
+        slot.counted = true;
+        let item = slot.item;
+        let data = &buf[..if item.kind == Kind::Data && !slot.in_file { item.len } else { 0 }];
+        let zb = zero_block_size(sh.opts.zero_block, item.len);
+        // Data sent from the file was probed when it was read.
+        if item.kind == Kind::Data && !slot.in_file && sh.opts.sparse && detect {
+            slot.zeros = zero_blocks(data, zb);
+        }
+        if item.kind == Kind::Data {
+            for (a, b, zero) in runs(item.len, zb, slot.zeros) {
+                let counter = if zero { &sh.zero_bytes } else { &sh.data_bytes };
+                counter.fetch_add((b - a) as u64, Ordering::Relaxed);
+            }
+        }
+        if let Some(h) = &sh.opts.hash {
+            if item.kind == Kind::Zero || all_zero(item.len, zb, slot.zeros) {
+                h.add_zeroes(item.offset, item.len as u64);
+            } else {
+                h.add(item.offset, data);
+            }
+        }
+    }
+}
+
+/// A worker's endpoints when it is done, and the bytes it wrote.
+type Finished = (Box<dyn Ops>, Box<dyn Ops>, u64);
+
+/// One worker: keeps up to `requests` pieces moving from its source to its destination.
+/// Returns its endpoints (for the final flush) and the bytes it wrote.
+fn worker(mut src: Box<dyn Ops>, mut dst: Box<dyn Ops>, sh: &Shared<'_>) -> Finished {
+    let q = sh.opts.requests;
+    let mut bufs: Vec<AlignedBuf> = (0..q).map(|_| AlignedBuf::default()).collect();
+    let slot = Slot {
+        state: SlotState::Free,
+        item: Item { offset: 0, len: 0, kind: Kind::Data },
+        in_file: false,
+        zeros: 0,
+        remaining: 0,
+        counted: false,
+    };
+    let mut w = Worker { sh, slots: (0..q).map(|_| Slot { ..slot }).collect(), no_more_work: false, written: 0 };
+    let dcaps = dst.caps();
+    let mut next_out = 0u64; // where an in-order destination is
+    let mut reads: Vec<Read> = Vec::new();
+    // Data stays in the source's file and goes with sendfile where the destination takes
+    // file payloads. The hash needs the bytes.
+    let send_file =
+        sh.opts.send_file && sh.opts.hash.is_none() && dcaps.file_payloads && src.file().is_some_and(sendfile_works);
+    if let Err(e) = run(&mut w, &mut *src, &mut *dst, &mut bufs, &mut reads, &mut next_out, send_file) {
+        sh.fail(e);
+    }
+    (src, dst, w.written)
+}
+
+/// The worker's loop: read into free slots, write full ones, wait for replies.
+fn run(
+    w: &mut Worker<'_, '_>,
+    src: &mut dyn Ops,
+    dst: &mut dyn Ops,
+    bufs: &mut [AlignedBuf],
+    reads: &mut Vec<Read>,
+    next_out: &mut u64,
+    send_file: bool,
+) -> Result<(), CopyError> {
+    let sh = w.sh;
+    let dcaps = dst.caps();
+    loop {
+        if sh.abort.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        // 1. Start reading into free slots, one batch.
+        reads.clear();
+        for (i, slot) in w.slots.iter_mut().enumerate() {
+            if w.no_more_work || slot.state != SlotState::Free {
+                continue;
+            }
+            let Some(item) = sh.queue.lock().unwrap_or_else(|e| e.into_inner()).next() else {
+                w.no_more_work = true;
+                break;
+            };
+            *slot = Slot { state: SlotState::Full, item, in_file: false, zeros: 0, remaining: 0, counted: false };
+            if item.kind == Kind::Zero {
+                sh.hole_bytes.fetch_add(item.len as u64, Ordering::Relaxed);
+                continue;
+            }
+            bufs[i].reserve(item.len);
+            // Small requests: one read costs less than a probe plus a sendfile.
+            match src.file() {
+                Some(f) if send_file && item.len >= SENDFILE_MIN => {
+                    slot.in_file = true;
+                    let zb = zero_block_size(sh.opts.zero_block, item.len);
+                    slot.zeros = probe(f, &mut bufs[i][..item.len], item.offset, zb, sh.opts.sparse)
+                        .map_err(|e| CopyError::request("read", item.offset, item.len as u64, e))?;
+                }
+                _ => {
+                    slot.state = SlotState::Reading;
+                    reads.push(Read { slot: i, offset: item.offset, len: item.len });
+                }
+            }
+        }
+        src.read(reads, bufs, &mut |i, got| w.read_done(i, got))?;
+        // 2. Hand full slots to the destination, one batch (in order where it must be).
+        let mut order: Vec<usize> = Vec::new();
+        if dcaps.in_order {
+            while let Some(i) = w.slots.iter().position(|s| s.state == SlotState::Full && s.item.offset == *next_out) {
+                *next_out += w.slots[i].item.len as u64;
+                w.slots[i].state = SlotState::Writing;
+                order.push(i);
+            }
+        } else {
+            for (i, s) in w.slots.iter_mut().enumerate().filter(|(_, s)| s.state == SlotState::Full) {
+                s.state = SlotState::Writing;
+                order.push(i);
+            }
+        }
+        let mut writes: Vec<Write<'_>> = Vec::new();
+        let mut skipped: Vec<(usize, u64)> = Vec::new();
+        for &i in &order {
+            w.count(i, &bufs[i], !dcaps.discards);
+            let slot = &mut w.slots[i];
+            let item = slot.item;
+            slot.remaining = item.len as u64;
+            let zb = zero_block_size(sh.opts.zero_block, item.len);
+            for (a, b, zero) in pieces(item, zb, slot.zeros) {
+                let (offset, len) = (item.offset + a as u64, b - a);
+                let data = match (zero, src.file()) {
+                    (true, _) if dcaps.zeroed => {
+                        skipped.push((i, len as u64));
+                        continue;
+                    }
+                    (true, _) if dcaps.zero => Data::Zero(len as u64),
+                    (true, _) => {
+                        // Zeroes as data, from a static page of them.
+                        for (at, n) in zero_chunks(offset, len as u64) {
+                            writes.push(Write { slot: i, offset: at, data: Data::Bytes(&ZEROES[..n]) });
+                        }
+                        continue;
+                    }
+                    (false, Some(f)) if slot.in_file => Data::File { fd: f.as_fd(), len },
+                    (false, _) => Data::Bytes(&bufs[i][a..b]),
+                };
+                writes.push(Write { slot: i, offset, data });
+            }
+        }
+        for (i, n) in skipped {
+            w.write_done(i, n);
+        }
+        dst.write(&writes, &mut |i, n| w.write_done(i, n))?;
+        drop(writes);
+        // 3. Wait for replies.
+        let reading = w.slots.iter().any(|s| s.state == SlotState::Reading);
+        let writing = w.slots.iter().any(|s| s.state == SlotState::Writing);
+        if !reading && !writing {
+            if w.no_more_work && w.slots.iter().all(|s| s.state == SlotState::Free) {
+                return Ok(());
+            }
+            continue;
+        }
+        let (src_ready, dst_ready) = wait(src, reading, dst, writing).map_err(|e| CopyError::Local {
+            what: "poll",
+            path: "sockets".into(),
+            source: e,
+        })?;
+        if src_ready {
+            src.complete(bufs, &mut |i, got| w.read_done(i, got))?;
+        }
+        if dst_ready {
+            dst.complete(bufs, &mut |i, n| w.write_done(i, n))?;
+        }
+    }
+}
+
+/// The source's file system can feed sendfile(2) (not all implement it): one byte is
+/// sent into a pipe to find out, before any request depends on it.
+fn sendfile_works(f: &File) -> bool {
+    let Ok((_r, w)) = rustix::pipe::pipe() else { return false };
+    rustix::fs::sendfile(&w, f, Some(&mut 0), 1).is_ok()
+}
+
+/// Requests shorter than this are read into their buffer even where sendfile could send them.
+const SENDFILE_MIN: usize = 64 * 1024;
+
+/// Bytes of a block [`probe`] reads to tell data from zeroes.
+const PROBE: usize = 4096;
+
+/// The zero detection block size for a request of `len` bytes: `zero_block`, or larger
+/// so that a request has at most 128 blocks (one bit each in a `u128`).
+fn zero_block_size(zero_block: usize, len: usize) -> usize {
+    zero_block.max(len.div_ceil(128)).max(1)
+}
+
+/// Which `zb`-byte blocks of `data` are all zeroes (bit i: block i).
+fn zero_blocks(data: &[u8], zb: usize) -> u128 {
+    data.chunks(zb).enumerate().filter(|(_, c)| is_zero(c)).fold(0, |m, (i, _)| m | 1 << i)
+}
+
+/// Every block of a `len`-byte request is zero.
+fn all_zero(len: usize, zb: usize, zeros: u128) -> bool {
+    let n = len.div_ceil(zb);
+    n > 0 && zeros.count_ones() as usize == n
+}
+
+/// The request's blocks as maximal runs of one kind: (start, end, all zeroes).
+fn runs(len: usize, zb: usize, zeros: u128) -> impl Iterator<Item = (usize, usize, bool)> {
+    assert!(len.div_ceil(zb) <= 128, "at most 128 blocks per request (see zero_block_size)");
+    let mut a = 0;
+    std::iter::from_fn(move || {
+        if a >= len {
+            return None;
+        }
+        let zero = zeros >> (a / zb) & 1 == 1;
+        let mut b = a;
+        while b < len && (zeros >> (b / zb) & 1 == 1) == zero {
+            b = (b + zb).min(len);
+        }
+        let run = (a, b, zero);
+        a = b;
+        Some(run)
+    })
+}
+
+/// What to write for an item: a hole is one run of zeroes, data its blocks' runs.
+fn pieces(item: Item, zb: usize, zeros: u128) -> impl Iterator<Item = (usize, usize, bool)> {
+    let zeros = if item.kind == Kind::Zero { u128::MAX } else { zeros };
+    runs(item.len, zb, zeros)
+}
+
+/// Zero detection for data sent with sendfile: for each `zb`-byte block of `buf`'s range
+/// at `offset`, reads the first [`PROBE`] bytes and, only if they are all zero, the rest.
+/// Returns which blocks are all zeroes; the data itself stays in the file. Without
+/// `sparse`, reads nothing.
+fn probe(f: &File, buf: &mut [u8], offset: u64, zb: usize, sparse: bool) -> io::Result<u128> {
+    let mut zeros = 0;
+    if !sparse {
+        return Ok(zeros);
+    }
+    for (i, block) in buf.chunks_mut(zb).enumerate() {
+        let at = offset + (i * zb) as u64;
+        let head = block.len().min(PROBE);
+        f.read_exact_at(&mut block[..head], at)?;
+        if !is_zero(&block[..head]) {
+            continue;
+        }
+        f.read_exact_at(&mut block[head..], at + head as u64)?;
+        if is_zero(block) {
+            zeros |= 1 << i;
+        }
+    }
+    Ok(zeros)
+}
+
+static ZEROES: [u8; 1 << 20] = [0; 1 << 20];
+
+/// `start..start + len` in pieces of at most `ZEROES.len()` bytes: (offset, length).
+fn zero_chunks(start: u64, len: u64) -> impl Iterator<Item = (u64, usize)> {
+    (start..start + len).step_by(ZEROES.len()).map(move |at| (at, (start + len - at).min(ZEROES.len() as u64) as usize))
+}
+
+/// Blocks until the source (if reading) or destination (if writing) has a reply.
+fn wait(src: &dyn Ops, reading: bool, dst: &dyn Ops, writing: bool) -> io::Result<(bool, bool)> {
+    let s = if reading { src.poll_fd().map(|fd| (fd, src.buffered())) } else { None };
+    let d = if writing { dst.poll_fd().map(|fd| (fd, dst.buffered())) } else { None };
+    // Replies already buffered count as ready without a syscall.
+    let sb = s.is_some_and(|s| s.1);
+    let db = d.is_some_and(|d| d.1);
+    if sb || db {
+        return Ok((sb, db));
+    }
+    let ends = [s, d];
+    let mut fds: Vec<PollFd<'_>> = ends.iter().flatten().map(|(fd, _)| PollFd::new(fd, PollFlags::IN)).collect();
+    loop {
+        match poll(&mut fds, None) {
+            Ok(_) => break,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let mut it = fds.iter();
+    let sr = s.is_some() && !it.next().map(|f| f.revents().is_empty()).unwrap_or(true);
+    let dr = d.is_some() && !it.next().map(|f| f.revents().is_empty()).unwrap_or(true);
+    Ok((sr, dr))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_merge_blocks_of_a_kind_and_cover_the_request() {
+        let r: Vec<_> = runs(10, 3, 0b0110).collect();
+        assert_eq!(r, vec![(0, 3, false), (3, 9, true), (9, 10, false)]);
+        assert_eq!(runs(10, 3, 0).collect::<Vec<_>>(), vec![(0, 10, false)]);
+        assert_eq!(runs(10, 3, 0b1111).collect::<Vec<_>>(), vec![(0, 10, true)]);
+        assert!(all_zero(10, 3, 0b1111) && !all_zero(10, 3, 0b0111) && !all_zero(0, 3, 0));
+        assert_eq!(zero_block_size(256 << 10, 1 << 20), 256 << 10);
+        assert_eq!(zero_block_size(256 << 10, 64 << 20), 512 << 10);
+        assert_eq!(zero_block_size(4096, 100), 4096);
+    }
+
+    #[test]
+    fn zero_blocks_and_the_file_probe_agree() {
+        let zb = 16 * 1024;
+        let mut data = vec![0u8; 5 * zb + 100];
+        data[10] = 1; // block 0: data in its probe
+        data[zb + PROBE + 7] = 2; // block 1: data only after its probe
+        data[4 * zb + 1] = 3; // block 4: data; blocks 2 and 3 zero
+                              // block 5 (100 bytes) zero
+        let want = 0b101100u128;
+        assert_eq!(zero_blocks(&data, zb), want);
+        let dir = std::env::temp_dir().join(format!("ferry-probe-{}", std::process::id()));
+        std::fs::write(&dir, [vec![9u8; 1000], data.clone()].concat()).unwrap();
+        let f = File::open(&dir).unwrap();
+        let mut buf = vec![0xEEu8; data.len()];
+        assert_eq!(probe(&f, &mut buf, 1000, zb, true).unwrap(), want);
+        assert_eq!(probe(&f, &mut buf, 1000, zb, false).unwrap(), 0);
+        assert!(sendfile_works(&f));
+        assert!(!sendfile_works(&File::open(std::env::temp_dir()).unwrap()), "a directory cannot feed sendfile");
+        std::fs::remove_file(&dir).unwrap();
+    }
+}
