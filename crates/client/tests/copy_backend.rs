@@ -141,6 +141,20 @@ fn a_source_without_a_map_has_its_zeroes_detected() {
 }
 
 #[test]
+fn the_hash_of_a_backend_is_the_hash_of_its_bytes() {
+    let (src, want) = source();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("same.img");
+    std::fs::write(&file, &want).unwrap();
+    let hash = |e: &Endpoint| {
+        let h = Arc::new(ferry_hash::BlockHasher::new(ferry_hash::Algorithm::Sha256, 64 << 10));
+        let opts = CopyOptions { hash: Some(h), ..CopyOptions::default() };
+        copy(e, &Endpoint::Null, &opts, &Progress::default()).unwrap().digest.unwrap()
+    };
+    assert_eq!(hash(&ep("src", src)), hash(&Endpoint::File(file)));
+}
+
+#[test]
 fn a_zeroed_destination_gets_no_zeroes() {
     let (src, want) = source();
     let dst = counting(8 * MIB, true);
@@ -200,4 +214,46 @@ fn small_or_read_only_destinations_are_refused_untouched() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("ro.img is read-only"), "{e}");
+}
+
+/// Reads fail from 2 MiB on.
+struct FailingReads(MemoryBackend);
+
+impl Backend for FailingReads {
+    fn describe(&self) -> String {
+        "failing".into()
+    }
+    fn size(&self) -> u64 {
+        self.0.size()
+    }
+    fn caps(&self) -> Capabilities {
+        self.0.caps()
+    }
+    fn read(&self, buf: &mut [u8], offset: u64) -> ferry_backend::Result<()> {
+        if offset >= 2 * MIB {
+            return Err(ferry_backend::Error::new(ferry_backend::ErrorKind::Io, "read", offset, buf.len() as u64));
+        }
+        self.0.read(buf, offset)
+    }
+    fn write(&self, buf: &[u8], offset: u64, fua: bool) -> ferry_backend::Result<()> {
+        self.0.write(buf, offset, fua)
+    }
+    fn flush(&self) -> ferry_backend::Result<()> {
+        Ok(())
+    }
+    fn trim(&self, offset: u64, length: u64, fua: bool) -> ferry_backend::Result<()> {
+        self.0.trim(offset, length, fua)
+    }
+    fn zero(&self, offset: u64, length: u64, mode: ZeroMode, fua: bool) -> ferry_backend::Result<()> {
+        self.0.zero(offset, length, mode, fua)
+    }
+}
+
+#[test]
+fn a_failed_backend_read_names_its_range() {
+    let src = FailingReads(MemoryBackend::new(4 * MIB));
+    src.0.write(&vec![7u8; 4 * MIB as usize], 0, false).unwrap();
+    let opts = CopyOptions { connections: 1, requests: 1, ..CopyOptions::default() };
+    let e = copy(&ep("bad", Arc::new(src)), &Endpoint::Null, &opts, &Progress::default()).unwrap_err().to_string();
+    assert!(e.starts_with("read at offset 2097152 (1048576 bytes) failed"), "{e}");
 }

@@ -114,6 +114,18 @@ impl Ops for BackendEndpoint {
 
     fn write(&mut self, reqs: &[Write<'_>], done: &mut Done<'_>) -> Result<(), CopyError> {
         let b = &self.backend;
+        // A backend must never see a range past its end; only a stream (stdin, whose
+        // size is not known before) can get there.
+        let size = b.size();
+        if let Some(w) = reqs.iter().find(|w| w.offset.checked_add(w.len()).is_none_or(|end| end > size)) {
+            return Err(CopyError::Setup(format!(
+                "destination {} is {size} bytes; the input goes on past its end ({} bytes at offset {}): \
+                 make it larger",
+                self.name,
+                w.len(),
+                w.offset
+            )));
+        }
         write_each(reqs, done, |w| match w.data {
             Data::Bytes(d) => b.write(d, w.offset, false).map_err(|e| e.to_string()),
             Data::Zero(n) => {
@@ -125,5 +137,29 @@ impl Ops for BackendEndpoint {
 
     fn flush(&mut self) -> Result<(), CopyError> {
         self.backend.flush().map_err(|e| CopyError::request("flush", 0, 0, e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_backend::MemoryBackend;
+
+    #[test]
+    fn writes_past_the_end_are_refused_before_the_backend_sees_them() {
+        let mut b = BackendEndpoint::new("mem".into(), Arc::new(MemoryBackend::new(4096)));
+        let mut n = 0;
+        let data = [1u8; 512];
+        let ok = [Write { slot: 0, offset: 3584, data: Data::Bytes(&data) }];
+        b.write(&ok, &mut |_, k| n += k).unwrap();
+        assert_eq!(n, 512);
+        for w in [
+            Write { slot: 0, offset: 3585, data: Data::Bytes(&data) },
+            Write { slot: 0, offset: 4096, data: Data::Zero(1) },
+            Write { slot: 0, offset: u64::MAX, data: Data::Zero(2) },
+        ] {
+            let e = b.write(&[w], &mut |_, _| panic!("written")).unwrap_err().to_string();
+            assert!(e.contains("mem is 4096 bytes") && e.contains("make it larger"), "{e}");
+        }
     }
 }
