@@ -520,14 +520,13 @@ fn worker(mut src: Box<dyn Ops>, mut dst: Box<dyn Ops>, sh: &Shared<'_>) -> Fini
         counted: false,
     };
     let mut w = Worker { sh, slots: (0..q).map(|_| Slot { ..slot }).collect(), no_more_work: false, written: 0 };
-    let dcaps = dst.caps();
-    let mut next_out = 0u64; // where an in-order destination is
-    let mut reads: Vec<Read> = Vec::new();
     // Data stays in the source's file and goes with sendfile where the destination takes
     // file payloads. The hash needs the bytes.
-    let send_file =
-        sh.opts.send_file && sh.opts.hash.is_none() && dcaps.file_payloads && src.file().is_some_and(sendfile_works);
-    if let Err(e) = run(&mut w, &mut *src, &mut *dst, &mut bufs, &mut reads, &mut next_out, send_file) {
+    let send_file = sh.opts.send_file
+        && sh.opts.hash.is_none()
+        && dst.caps().file_payloads
+        && src.file().is_some_and(sendfile_works);
+    if let Err(e) = run(&mut w, &mut *src, &mut *dst, &mut bufs, send_file) {
         sh.fail(e);
     }
     (src, dst, w.written)
@@ -539,12 +538,12 @@ fn run(
     src: &mut dyn Ops,
     dst: &mut dyn Ops,
     bufs: &mut [AlignedBuf],
-    reads: &mut Vec<Read>,
-    next_out: &mut u64,
     send_file: bool,
 ) -> Result<(), CopyError> {
     let sh = w.sh;
     let dcaps = dst.caps();
+    let mut next_out = 0u64; // where an in-order destination is
+    let mut reads: Vec<Read> = Vec::new();
     loop {
         if sh.abort.load(Ordering::SeqCst) {
             return Ok(());
@@ -579,12 +578,12 @@ fn run(
                 }
             }
         }
-        src.read(reads, bufs, &mut |i, got| w.read_done(i, got))?;
+        src.read(&reads, bufs, &mut |i, got| w.read_done(i, got))?;
         // 2. Hand full slots to the destination, one batch (in order where it must be).
         let mut order: Vec<usize> = Vec::new();
         if dcaps.in_order {
-            while let Some(i) = w.slots.iter().position(|s| s.state == SlotState::Full && s.item.offset == *next_out) {
-                *next_out += w.slots[i].item.len as u64;
+            while let Some(i) = w.slots.iter().position(|s| s.state == SlotState::Full && s.item.offset == next_out) {
+                next_out += w.slots[i].item.len as u64;
                 w.slots[i].state = SlotState::Writing;
                 order.push(i);
             }
