@@ -1,21 +1,25 @@
 //! `ferry copy SRC DST`.
 
+use crate::image::Format;
 use anyhow::{Context, Result};
 use clap::Args;
 use ferry_backend::parse_size;
-use ferry_client::copy::{copy, CopyOptions, Endpoint, Progress};
+use ferry_client::copy::{copy, BackendEndpoint, CopyOptions, Endpoint, Progress};
 use ferry_client::ConnectOptions;
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::IsTerminal;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 #[derive(Args, Debug)]
 pub struct CopyArgs {
     /// Source: an NBD URI (nbd://HOST[:PORT]/EXPORT, nbd+unix:///EXPORT?socket=PATH), a
-    /// file or block device, or `-` for stdin.
+    /// file or block device (a qcow2 image is read through its format), qcow2:PATH,
+    /// raw:PATH, or `-` for stdin.
     src: String,
-    /// Destination: an NBD URI, a file or block device, `-` for stdout, or `null:` to discard.
+    /// Destination: an NBD URI, a file or block device (PATH.qcow2 or qcow2:PATH makes a new
+    /// qcow2 image; see --format), `-` for stdout, or `null:` to discard.
     dst: String,
     /// Connections to each NBD server (used only where the server allows multi-conn).
     /// Default: 4, or one per CPU core when there are fewer (each connection has its own
@@ -57,11 +61,60 @@ pub struct CopyArgs {
     /// Block size of the blkhash.
     #[arg(long, default_value = "64K", value_name = "BYTES")]
     hash_block_size: String,
+    /// Format of a local destination: raw, or qcow2 (a new image the source's size, 64 KiB
+    /// clusters). Default: qcow2 for `qcow2:PATH` and names ending in .qcow2, raw otherwise.
+    #[arg(long, value_name = "FORMAT")]
+    format: Option<crate::image::Format>,
+}
+
+/// A new qcow2 destination the source's size (the size must be known up front).
+fn qcow2_destination(src: &Endpoint, path: &str) -> Result<(Endpoint, Arc<ferry_qcow2::Qcow2>)> {
+    let size = source_size(src)?;
+    let q = Arc::new(
+        ferry_qcow2::Qcow2::create(std::path::Path::new(path), size, 64 << 10)
+            .with_context(|| format!("cannot create qcow2 image {path}"))?,
+    );
+    Ok((Endpoint::Backend(BackendEndpoint::new(path.to_string(), q.clone()).zeroed()), q))
+}
+
+fn source_size(src: &Endpoint) -> Result<u64> {
+    Ok(match src {
+        Endpoint::Backend(b) => b.backend().size(),
+        Endpoint::File(p) => {
+            use std::io::Seek;
+            let mut f = std::fs::File::open(p).with_context(|| format!("cannot open {}", p.display()))?;
+            f.seek(std::io::SeekFrom::End(0))?
+        }
+        Endpoint::Nbd(u) => {
+            let c = ferry_client::Connection::connect(u, &ConnectOptions::default())
+                .with_context(|| format!("connecting to {u}"))?;
+            let size = c.size();
+            let _ = c.disconnect();
+            size
+        }
+        Endpoint::Stdio | Endpoint::Null => {
+            anyhow::bail!("a qcow2 destination needs a source of known size, not a stream")
+        }
+    })
 }
 
 pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
-    let src = Endpoint::parse(&args.src).with_context(|| format!("source {:?}", args.src))?;
-    let dst = Endpoint::parse(&args.dst).with_context(|| format!("destination {:?}", args.dst))?;
+    let src = crate::image::source(&args.src).with_context(|| format!("source {:?}", args.src))?;
+    let mut dst = Endpoint::parse(&args.dst).with_context(|| format!("destination {:?}", args.dst))?;
+    let mut image = None;
+    if matches!(dst, Endpoint::File(_)) {
+        let (format, path) = crate::image::destination_format(&args.dst, args.format);
+        dst = match format {
+            Format::Qcow2 => {
+                let (d, q) = qcow2_destination(&src, &path)?;
+                image = Some(q);
+                d
+            }
+            Format::Raw => Endpoint::File(path.into()),
+        };
+    } else if args.format.is_some() {
+        anyhow::bail!("--format applies to local destinations only, not {:?}", args.dst);
+    }
     let request_size = match &args.request_size {
         Some(v) => parse_size(v).context("--request-size")?,
         None => 1 << 20,
@@ -101,6 +154,10 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
         }
         r
     })?;
+    if let Some(q) = image {
+        // The metadata of a new image goes to disk before we say it is done.
+        ferry_backend::Backend::flush(&*q).with_context(|| format!("cannot finish {}", args.dst))?;
+    }
     if let Some(d) = &report.digest {
         println!("{}  {}", ferry_hash::hex(d), args.src);
     }

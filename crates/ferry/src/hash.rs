@@ -10,7 +10,8 @@ use std::sync::Arc;
 
 #[derive(Args, Debug)]
 pub struct HashArgs {
-    /// Files, block devices, NBD URIs, or `-` for stdin.
+    /// Files, block devices, qcow2 images (the guest's content is hashed), NBD URIs, or
+    /// `-` for stdin.
     #[arg(required = true, value_name = "SRC")]
     sources: Vec<String>,
     /// Hash function: sha256, sha512, sha1, md5 or blake3.
@@ -34,9 +35,9 @@ pub fn run(args: HashArgs, quiet: bool) -> Result<i32> {
     }
     let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())).max(1);
     for src in &args.sources {
-        let endpoint = Endpoint::parse(src).with_context(|| format!("{src:?}"))?;
+        let endpoint = crate::image::source(src).with_context(|| format!("{src:?}"))?;
         let hasher = Arc::new(BlockHasher::new(args.digest, bs as usize));
-        let local = matches!(endpoint, Endpoint::File(_));
+        let local = matches!(endpoint, Endpoint::File(_) | Endpoint::Backend(_));
         let opts = CopyOptions {
             connections: threads,
             // Local reads are synchronous: one buffer per thread, read then hashed. 2 MiB

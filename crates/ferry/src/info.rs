@@ -16,7 +16,8 @@ use serde_json::{json, Value};
 
 #[derive(Args, Debug)]
 pub struct InfoArgs {
-    /// NBD URI: nbd://HOST[:PORT]/EXPORT or nbd+unix:///EXPORT?socket=PATH.
+    /// NBD URI (nbd://HOST[:PORT]/EXPORT or nbd+unix:///EXPORT?socket=PATH), or a local
+    /// disk image (qcow2 or raw; qcow2:PATH, raw:PATH).
     uri: String,
     /// Machine-readable output (nbdinfo's field names).
     #[arg(long)]
@@ -33,6 +34,9 @@ pub struct InfoArgs {
 }
 
 pub fn run(args: InfoArgs) -> Result<i32> {
+    if !Uri::looks_like(&args.uri) {
+        return local(&args);
+    }
     let uri = Uri::parse(&args.uri)?;
     let opts = ConnectOptions::default();
     if args.size {
@@ -171,6 +175,108 @@ fn map(uri: &Uri, opts: &ConnectOptions, as_json: bool) -> Result<i32> {
     } else {
         for (o, l, t) in rows {
             println!("{o:>10}  {l:>10}  {t:>3}  {}", desc(t));
+        }
+    }
+    Ok(0)
+}
+
+/// `ferry info PATH`: format, virtual size, cluster size, backing chain, allocation.
+fn local(args: &InfoArgs) -> Result<i32> {
+    use crate::image::{classify, open_qcow2, Spec};
+    use ferry_backend::{Backend, FileBackend};
+    if args.map || args.list {
+        anyhow::bail!(
+            "--map and --list need an NBD URI; serve the image (ferry serve {}) and ask the export",
+            args.uri
+        );
+    }
+    let doc = match classify(&args.uri) {
+        Spec::Qcow2(p) => {
+            let q = open_qcow2(&p, true)?;
+            let i = q.info();
+            let a = q.allocation().with_context(|| format!("reading the L2 tables of {}", p.display()))?;
+            let chain: Vec<Value> = i
+                .backing_chain
+                .iter()
+                .map(|c| json!({"filename": c.name, "path": c.path.display().to_string(), "format": c.format, "virtual-size": c.virtual_size}))
+                .collect();
+            json!({
+                "filename": p.display().to_string(),
+                "format": "qcow2",
+                "virtual-size": i.virtual_size,
+                "file-size": i.file_size,
+                "version": i.version,
+                "cluster-size": i.cluster_size,
+                "compression-type": i.compression,
+                "extended-l2": i.extended_l2,
+                "refcount-bits": i.refcount_bits,
+                "snapshots": i.snapshots,
+                "data-file": i.data_file,
+                "backing-chain": chain,
+                "allocation": {"data": a.data, "compressed": a.compressed, "zero": a.zero, "unallocated": a.unallocated},
+            })
+        }
+        Spec::Raw(p) => {
+            let f = FileBackend::open(&p, true).with_context(|| format!("cannot open {}", p.display()))?;
+            let mut ex = Vec::new();
+            let mut pos = 0;
+            while pos < f.size() {
+                let before = ex.len();
+                f.extents(pos, f.size() - pos, 1 << 16, &mut ex)?;
+                let got: u64 = ex[before..].iter().map(|e| e.length).sum();
+                if got == 0 {
+                    break;
+                }
+                pos += got;
+            }
+            let data: u64 = ex.iter().filter(|e| e.flags & STATE_HOLE == 0).map(|e| e.length).sum();
+            json!({
+                "filename": p.display().to_string(),
+                "format": "raw",
+                "virtual-size": f.size(),
+                "allocation": {"data": data, "unallocated": f.size() - data},
+            })
+        }
+        Spec::Backend(s) => anyhow::bail!("{s:?} is neither an NBD URI nor a local disk image"),
+    };
+    if args.size {
+        println!("{}", doc["virtual-size"]);
+        return Ok(0);
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+        return Ok(0);
+    }
+    println!("image: {}", doc["filename"].as_str().unwrap_or(""));
+    println!("format: {}", doc["format"].as_str().unwrap_or(""));
+    println!("virtual size: {} bytes", doc["virtual-size"]);
+    if doc["format"] == "qcow2" {
+        println!("version: {}", doc["version"]);
+        println!("cluster size: {} bytes", doc["cluster-size"]);
+        println!("compression type: {}", doc["compression-type"].as_str().unwrap_or(""));
+        if doc["extended-l2"] == true {
+            println!("extended L2: yes (32 subclusters per cluster)");
+        }
+        if let Some(d) = doc["data-file"].as_str() {
+            println!("data file: {d}");
+        }
+        if doc["snapshots"] != 0 {
+            println!("internal snapshots: {}", doc["snapshots"]);
+        }
+        for (n, c) in doc["backing-chain"].as_array().into_iter().flatten().enumerate() {
+            println!(
+                "backing file {}: {} (format: {}, {} bytes)",
+                n + 1,
+                c["path"].as_str().unwrap_or(""),
+                c["format"].as_str().unwrap_or(""),
+                c["virtual-size"]
+            );
+        }
+    }
+    let a = &doc["allocation"];
+    for k in ["data", "compressed", "zero", "unallocated"] {
+        if let Some(v) = a.get(k) {
+            println!("{k}: {v} bytes");
         }
     }
     Ok(0)

@@ -4,6 +4,7 @@ mod bench;
 mod bench_socket;
 mod copy;
 mod hash;
+mod image;
 mod info;
 mod serve;
 mod sockopts;

@@ -13,8 +13,9 @@ use std::time::Duration;
 
 #[derive(Args, Debug)]
 pub struct ServeArgs {
-    /// The default export: memory:SIZE (sparse RAM disk), file:PATH (file or block
-    /// device), null:SIZE (discards writes, reads zeroes) or pattern:SIZE (read-only;
+    /// The default export: a local PATH (a qcow2 image is served through its format, any
+    /// other file raw), qcow2:PATH, raw:PATH, memory:SIZE (sparse RAM disk), file:PATH (file or block
+    /// device, always raw), null:SIZE (discards writes, reads zeroes) or pattern:SIZE (read-only;
     /// each 8-byte word holds its offset). Sizes take K, M, G, T suffixes.
     #[arg(value_name = "SPEC")]
     spec: String,
@@ -165,7 +166,8 @@ fn check_transport(args: &ServeArgs, listeners: &[Listener]) -> Result<()> {
 
 pub fn run(args: ServeArgs) -> Result<i32> {
     let mut exports = Exports::new();
-    let open = |spec: &str| ferry_backend::open(spec, args.read_only).with_context(|| format!("cannot serve {spec:?}"));
+    let open =
+        |spec: &str| crate::image::open_backend(spec, args.read_only).with_context(|| format!("cannot serve {spec:?}"));
     exports
         .add(Export {
             name: String::new(),

@@ -1,0 +1,136 @@
+//! One opener for what `serve`, `copy`, `hash` and `info` are given: `qcow2:PATH`,
+//! `raw:PATH`, `file:PATH` (raw, with a warning when it holds a qcow2 image), a bare local
+//! path (probed: the qcow2 magic means the qcow2 layer, anything else is raw), and the
+//! backend specs (`memory:`, `null:`, `pattern:`).
+
+use anyhow::{Context, Result};
+use ferry_backend::{Backend, FileBackend, ReadOnly};
+use ferry_client::copy::{BackendEndpoint, Endpoint};
+use ferry_qcow2::{is_qcow2, Qcow2};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// What a spec names, before anything is opened.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Spec {
+    Qcow2(PathBuf),
+    Raw(PathBuf),
+    /// A backend spec for `ferry_backend::open` (`memory:1G`, `null:1T`, ...).
+    Backend(String),
+}
+
+/// Disk image formats a destination can be made in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    Raw,
+    Qcow2,
+}
+
+/// Whether the file at `p` starts with the qcow2 magic (false when it cannot be read).
+pub fn has_qcow2_magic(p: &Path) -> bool {
+    let mut magic = [0u8; 4];
+    std::fs::File::open(p).and_then(|f| f.read_at(&mut magic, 0)).is_ok_and(|n| is_qcow2(&magic[..n]))
+}
+
+/// Classifies a spec: explicit kinds first, then bare paths by their first bytes.
+pub fn classify(spec: &str) -> Spec {
+    let probe = |p: &Path| {
+        if has_qcow2_magic(p) {
+            Spec::Qcow2(p.to_path_buf())
+        } else {
+            Spec::Raw(p.to_path_buf())
+        }
+    };
+    match spec.split_once(':') {
+        Some(("qcow2", p)) => Spec::Qcow2(p.into()),
+        Some(("raw", p)) => Spec::Raw(p.into()),
+        Some(("file", p)) => {
+            if has_qcow2_magic(Path::new(p)) {
+                log::warn!(
+                    "{p} holds a qcow2 image but file: treats it as raw (its guest would see the qcow2 container); \
+                     use qcow2:{p} or the bare path to use the image, or raw:{p} to silence this warning"
+                );
+            }
+            Spec::Raw(p.into())
+        }
+        Some((kind, _)) if !Path::new(spec).exists() && !kind.contains('/') => Spec::Backend(spec.to_string()),
+        _ => probe(Path::new(spec)),
+    }
+}
+
+/// Opens a qcow2 image, with the path in every error.
+pub fn open_qcow2(p: &Path, read_only: bool) -> Result<Arc<Qcow2>> {
+    Ok(Arc::new(Qcow2::open(p, read_only).with_context(|| format!("cannot open qcow2 image {}", p.display()))?))
+}
+
+/// Opens a spec as a backend (what `ferry serve` exports).
+pub fn open_backend(spec: &str, read_only: bool) -> Result<Arc<dyn Backend>> {
+    let b: Arc<dyn Backend> = match classify(spec) {
+        Spec::Qcow2(p) => open_qcow2(&p, read_only)?,
+        Spec::Raw(p) => {
+            Arc::new(FileBackend::open(&p, read_only).with_context(|| format!("cannot open {}", p.display()))?)
+        }
+        Spec::Backend(s) => return Ok(ferry_backend::open(&s, read_only)?),
+    };
+    if read_only && !b.caps().read_only {
+        return Ok(Arc::new(ReadOnly(b)));
+    }
+    Ok(b)
+}
+
+/// A copy or hash source: NBD URIs, `-` and `null:` as the copy engine parses them, raw
+/// files as files (sendfile, SEEK_HOLE), qcow2 images and backend specs as backends.
+pub fn source(spec: &str) -> Result<Endpoint> {
+    let e = Endpoint::parse(spec)?;
+    if !matches!(e, Endpoint::File(_)) {
+        return Ok(e);
+    }
+    Ok(match classify(spec) {
+        Spec::Qcow2(p) => Endpoint::Backend(BackendEndpoint::new(p.display().to_string(), open_qcow2(&p, true)?)),
+        Spec::Raw(p) => Endpoint::File(p),
+        Spec::Backend(s) => Endpoint::Backend(BackendEndpoint::new(s.clone(), ferry_backend::open(&s, true)?)),
+    })
+}
+
+/// The format a destination is written in: `--format`, else `qcow2:`/`raw:`, else the
+/// extension (.qcow2, .qcow), else raw. Returns the path without the kind prefix.
+pub fn destination_format(spec: &str, format: Option<Format>) -> (Format, String) {
+    let (prefixed, path) = match spec.split_once(':') {
+        Some(("qcow2", p)) => (Some(Format::Qcow2), p),
+        Some(("raw", p)) | Some(("file", p)) => (Some(Format::Raw), p),
+        _ => (None, spec),
+    };
+    let by_ext = match Path::new(path).extension().and_then(|e| e.to_str()) {
+        Some("qcow2") | Some("qcow") => Format::Qcow2,
+        _ => Format::Raw,
+    };
+    (format.or(prefixed).unwrap_or(by_ext), path.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn specs_and_formats() {
+        let dir = tempfile::tempdir().unwrap();
+        let q = dir.path().join("a.img");
+        std::fs::write(&q, b"QFI\xfb\0\0\0\x03").unwrap();
+        let r = dir.path().join("b.img");
+        std::fs::write(&r, b"raw bytes").unwrap();
+        let qs = q.to_str().unwrap();
+        let rs = r.to_str().unwrap();
+        assert_eq!(classify(qs), Spec::Qcow2(q.clone()));
+        assert_eq!(classify(rs), Spec::Raw(r.clone()));
+        assert_eq!(classify(&format!("raw:{qs}")), Spec::Raw(q.clone()));
+        assert_eq!(classify(&format!("file:{qs}")), Spec::Raw(q.clone()));
+        assert_eq!(classify(&format!("qcow2:{rs}")), Spec::Qcow2(r.clone()));
+        assert_eq!(classify("memory:1G"), Spec::Backend("memory:1G".into()));
+        assert_eq!(destination_format("out.qcow2", None), (Format::Qcow2, "out.qcow2".into()));
+        assert_eq!(destination_format("out.qcow2", Some(Format::Raw)), (Format::Raw, "out.qcow2".into()));
+        assert_eq!(destination_format("out.img", Some(Format::Qcow2)), (Format::Qcow2, "out.img".into()));
+        assert_eq!(destination_format("qcow2:out.img", None), (Format::Qcow2, "out.img".into()));
+        assert_eq!(destination_format("out.img", None), (Format::Raw, "out.img".into()));
+    }
+}

@@ -1,0 +1,630 @@
+//! qcow2 disk images as [`Backend`]s: the format layer between a store (a file, or any
+//! backend) and the NBD server or the copy engine.
+//!
+//! Reading: versions 2 and 3, cluster sizes 512 B to 2 MiB, backing chains (relative
+//! names resolved against the image's directory, raw or qcow2 backing files,
+//! `backing_fmt` honoured), zero clusters, compressed clusters (deflate and zstd),
+//! extended L2 entries with subclusters, external data files. Block status comes from the
+//! L2 tables. Writing (version 3, 16-bit refcounts, no snapshots, no subclusters, no
+//! external data file): clusters are allocated at the end of the file, partial clusters
+//! are filled from the backing file, WRITE_ZEROES makes zero clusters, TRIM deallocates,
+//! and FLUSH writes data first, then metadata in dependency order, so a crash leaves at
+//! most leaked clusters.
+//!
+//! One mutex guards the metadata (L1, L2 cache, refcounts); data is read and written
+//! outside it, straight into and out of the caller's buffers.
+#![forbid(unsafe_code)]
+
+mod compressed;
+mod create;
+mod header;
+mod map;
+mod refcount;
+mod store;
+mod write;
+
+pub use header::{is_qcow2, Compression, Header, MAGIC};
+pub use map::Mapping;
+pub use store::{BackendStore, FileStore, Store};
+
+use ferry_backend::{push_extent, Backend, Capabilities, Error, ErrorKind, Extent, FileBackend, ZeroMode, DATA, HOLE};
+use map::{Geometry, L2Cache, L2Table, OFFSET_MASK};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// Backing chains deeper than this are refused (a loop would otherwise never end).
+const MAX_CHAIN: usize = 16;
+/// Clean L2 tables kept in memory, in bytes.
+const L2_CACHE_BYTES: usize = 64 << 20;
+
+/// Why an image cannot be opened or used.
+#[derive(Debug, thiserror::Error)]
+pub enum Qcow2Error {
+    #[error("not a qcow2 image (no QFI\\xfb magic)")]
+    NotQcow2,
+    #[error("not a valid qcow2 image: {0}")]
+    Invalid(String),
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    #[error("the image is corrupt: {0}; check it with qemu-img check")]
+    Corrupt(String),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> Qcow2Error {
+    let what = what.into();
+    move |source| Qcow2Error::Io { what, source }
+}
+
+/// One layer of a backing chain, as `ferry info` shows it.
+#[derive(Debug, Clone)]
+pub struct ChainEntry {
+    /// The name as written in the image that refers to it.
+    pub name: String,
+    /// The path it was opened from.
+    pub path: PathBuf,
+    pub format: String,
+    pub virtual_size: u64,
+}
+
+/// What an image is.
+#[derive(Debug, Clone)]
+pub struct Info {
+    pub version: u32,
+    pub virtual_size: u64,
+    pub cluster_size: u64,
+    pub compression: &'static str,
+    pub extended_l2: bool,
+    pub refcount_bits: u32,
+    pub snapshots: u32,
+    pub data_file: Option<String>,
+    /// The backing chain, nearest first.
+    pub backing_chain: Vec<ChainEntry>,
+    pub file_size: u64,
+}
+
+/// How the image's guest bytes are stored in this layer (not counting backing files).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Allocation {
+    pub data: u64,
+    pub compressed: u64,
+    pub zero: u64,
+    pub unallocated: u64,
+}
+
+struct State {
+    l1: Vec<u64>,
+    /// L1 entries changed since the last flush.
+    l1_dirty: std::collections::BTreeSet<usize>,
+    l2: L2Cache,
+    /// Present when the image is writable.
+    refs: Option<refcount::Refcounts>,
+}
+
+/// An open qcow2 image.
+pub struct Qcow2 {
+    name: String,
+    store: Arc<dyn Store>,
+    /// The store holding guest data: `store` itself, or the external data file.
+    data: Arc<dyn Store>,
+    backing: Option<Arc<dyn Backend>>,
+    header: Header,
+    geo: Geometry,
+    writable: bool,
+    state: Mutex<State>,
+    /// The last decompressed cluster: (host offset, bytes).
+    zcache: Mutex<Option<(u64, Arc<Vec<u8>>)>>,
+    info: Info,
+}
+
+impl Qcow2 {
+    /// Opens the image at `path` and its backing chain (always read-only).
+    pub fn open(path: &Path, read_only: bool) -> Result<Qcow2, Qcow2Error> {
+        Self::open_depth(path, read_only, 0)
+    }
+
+    fn open_depth(path: &Path, read_only: bool, depth: usize) -> Result<Qcow2, Qcow2Error> {
+        let store = FileStore::open(path, !read_only).map_err(io_err(format!("cannot open {}", path.display())))?;
+        let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
+        Self::open_store(Arc::new(store), path.display().to_string(), read_only, Some(&dir), depth)
+    }
+
+    /// Opens an image held by any backend (memory, a network store). Such an image cannot
+    /// name backing or external data files, and cannot grow past the backend's size.
+    pub fn open_on(store: Arc<dyn Backend>, read_only: bool) -> Result<Qcow2, Qcow2Error> {
+        let name = store.describe();
+        Self::open_store(Arc::new(BackendStore(store)), name, read_only, None, 0)
+    }
+
+    fn open_store(
+        store: Arc<dyn Store>,
+        name: String,
+        read_only: bool,
+        dir: Option<&Path>,
+        depth: usize,
+    ) -> Result<Qcow2, Qcow2Error> {
+        let file_len = store.size();
+        let first = (file_len.min(2 << 20)) as usize;
+        let mut buf = vec![0u8; first];
+        store.read_at(&mut buf, 0).map_err(io_err("cannot read the header"))?;
+        let header = Header::parse(&buf, file_len)?;
+        let cs = header.cluster_size() as usize;
+        buf.truncate(cs);
+        let header = Header::parse(&buf, file_len)?;
+        let geo = Geometry::new(&header);
+        let writable = !read_only;
+        if writable {
+            write::check_writable(&header)?;
+        }
+
+        let resolve = |what: &str, n: &str| -> Result<PathBuf, Qcow2Error> {
+            if n.contains("://") || n.starts_with("json:") {
+                return Err(Qcow2Error::Unsupported(format!("{what} {n:?} is not a local file")));
+            }
+            let p = Path::new(n);
+            match dir {
+                _ if p.is_absolute() => Ok(p.to_path_buf()),
+                Some(d) => Ok(d.join(p)),
+                None => Err(Qcow2Error::Unsupported(format!("{what} {n:?} of an image that is not in a file"))),
+            }
+        };
+
+        let data: Arc<dyn Store> = match &header.data_file {
+            Some(n) => {
+                let p = resolve("external data file", n)?;
+                Arc::new(
+                    FileStore::open(&p, writable)
+                        .map_err(io_err(format!("cannot open the external data file {}", p.display())))?,
+                )
+            }
+            None => store.clone(),
+        };
+
+        let mut chain = Vec::new();
+        let backing: Option<Arc<dyn Backend>> = match &header.backing_file {
+            Some(n) => {
+                if depth + 1 >= MAX_CHAIN {
+                    return Err(Qcow2Error::Unsupported(format!("backing chain longer than {MAX_CHAIN} images")));
+                }
+                let p = resolve("backing file", n)?;
+                let format = match header.backing_format.as_deref() {
+                    Some(f) => f.to_string(),
+                    None => {
+                        let mut magic = [0u8; 4];
+                        let f = std::fs::File::open(&p)
+                            .map_err(io_err(format!("cannot open backing file {}", p.display())))?;
+                        use std::os::unix::fs::FileExt;
+                        let n = f.read_at(&mut magic, 0).unwrap_or(0);
+                        if is_qcow2(&magic[..n]) { "qcow2" } else { "raw" }.to_string()
+                    }
+                };
+                let b: Arc<dyn Backend> = match format.as_str() {
+                    "qcow2" => {
+                        let q = Qcow2::open_depth(&p, true, depth + 1).map_err(|e| match e {
+                            Qcow2Error::Io { what, source } => {
+                                Qcow2Error::Io { what: format!("backing file: {what}"), source }
+                            }
+                            other => Qcow2Error::Invalid(format!("backing file {}: {other}", p.display())),
+                        })?;
+                        chain.push(ChainEntry { name: n.clone(), path: p.clone(), format, virtual_size: q.geo.size });
+                        chain.extend(q.info.backing_chain.iter().cloned());
+                        Arc::new(q)
+                    }
+                    "raw" | "file" => {
+                        let f = FileBackend::open(&p, true)
+                            .map_err(io_err(format!("cannot open backing file {}", p.display())))?;
+                        chain.push(ChainEntry {
+                            name: n.clone(),
+                            path: p.clone(),
+                            format: "raw".into(),
+                            virtual_size: f.size(),
+                        });
+                        Arc::new(f)
+                    }
+                    other => {
+                        return Err(Qcow2Error::Unsupported(format!(
+                            "backing file {} has format {other:?} (ferry reads qcow2 and raw backing files)",
+                            p.display()
+                        )))
+                    }
+                };
+                Some(b)
+            }
+            None => None,
+        };
+
+        let mut l1raw = vec![0u8; header.l1_size as usize * 8];
+        store.read_at(&mut l1raw, header.l1_table_offset).map_err(io_err("cannot read the L1 table"))?;
+        let l1: Vec<u64> = l1raw.chunks_exact(8).map(|c| u64::from_be_bytes(c.try_into().unwrap_or([0; 8]))).collect();
+        let refs = if writable { Some(refcount::Refcounts::load(&*store, &header)?) } else { None };
+        let info = Info {
+            version: header.version,
+            virtual_size: header.size,
+            cluster_size: geo.cluster_size,
+            compression: header.compression.name(),
+            extended_l2: geo.extended_l2,
+            refcount_bits: 1 << header.refcount_order,
+            snapshots: header.nb_snapshots,
+            data_file: header.data_file.clone(),
+            backing_chain: chain,
+            file_size: file_len,
+        };
+        Ok(Qcow2 {
+            name,
+            store,
+            data,
+            backing,
+            state: Mutex::new(State {
+                l1,
+                l1_dirty: Default::default(),
+                l2: L2Cache::new(L2_CACHE_BYTES / geo.cluster_size as usize),
+                refs,
+            }),
+            header,
+            geo,
+            writable,
+            zcache: Mutex::new(None),
+            info,
+        })
+    }
+
+    pub fn info(&self) -> &Info {
+        &self.info
+    }
+
+    pub fn header(&self) -> &Header {
+        &self.header
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Walks the mapping of `offset..offset + len`, calling `f(length, mapping)` for each
+    /// piece in order until it returns false.
+    fn walk(
+        &self,
+        st: &mut State,
+        offset: u64,
+        len: u64,
+        mut f: impl FnMut(u64, Mapping) -> bool,
+    ) -> Result<(), Qcow2Error> {
+        let geo = self.geo;
+        let span = geo.l2_span();
+        let end = offset + len;
+        let mut pos = offset;
+        while pos < end {
+            let l1_idx = (pos / span) as usize;
+            let table_end = end.min((l1_idx as u64 + 1) * span);
+            let l2_off = st.l1.get(l1_idx).copied().unwrap_or(0) & OFFSET_MASK;
+            if l2_off == 0 {
+                if !f(table_end - pos, Mapping::Unallocated) {
+                    return Ok(());
+                }
+                pos = table_end;
+                continue;
+            }
+            let table = self.l2_table(st, l2_off)?;
+            while pos < table_end {
+                let idx = ((pos >> geo.cluster_bits) & (geo.l2_entries - 1)) as usize;
+                let (e, bm) =
+                    if geo.extended_l2 { (table.raw[2 * idx], table.raw[2 * idx + 1]) } else { (table.raw[idx], 0) };
+                let (m, run) = geo.decode(e, bm, pos)?;
+                let n = run.min(table_end - pos);
+                if !f(n, m) {
+                    return Ok(());
+                }
+                pos += n;
+            }
+        }
+        Ok(())
+    }
+
+    /// The L2 table at host offset `l2_off`, read on a cache miss.
+    fn l2_table<'a>(&self, st: &'a mut State, l2_off: u64) -> Result<&'a mut L2Table, Qcow2Error> {
+        if l2_off & (self.geo.cluster_size - 1) != 0 {
+            return Err(Qcow2Error::Corrupt(format!("unaligned L2 table offset {l2_off:#x}")));
+        }
+        if st.l2.get(l2_off).is_none() {
+            let mut b = vec![0u8; self.geo.cluster_size as usize];
+            self.store.read_at(&mut b, l2_off).map_err(io_err(format!("cannot read the L2 table at {l2_off:#x}")))?;
+            st.l2.insert(l2_off, L2Table::from_bytes(&b));
+        }
+        st.l2.get(l2_off).ok_or_else(|| Qcow2Error::Corrupt("L2 cache lost a table".into()))
+    }
+
+    /// The mapping of a range as merged runs: (length, mapping).
+    fn runs(&self, offset: u64, len: u64) -> Result<Vec<(u64, Mapping)>, Qcow2Error> {
+        let mut out: Vec<(u64, Mapping)> = Vec::new();
+        let mut st = self.lock();
+        self.walk(&mut st, offset, len, |n, m| {
+            push_run(&mut out, n, m);
+            true
+        })?;
+        Ok(out)
+    }
+
+    fn read_impl(&self, buf: &mut [u8], offset: u64) -> Result<(), Qcow2Error> {
+        let runs = self.runs(offset, buf.len() as u64)?;
+        let mut pos = 0usize;
+        for (n, m) in runs {
+            let b = &mut buf[pos..pos + n as usize];
+            let guest = offset + pos as u64;
+            match m {
+                Mapping::Zero => b.fill(0),
+                Mapping::Unallocated => self.read_backing(b, guest)?,
+                Mapping::Data(host) => {
+                    self.data.read_at(b, host).map_err(io_err(format!("cannot read data at host offset {host:#x}")))?
+                }
+                Mapping::Compressed { host, len, skip } => self.read_compressed(host, len, skip, b)?,
+            }
+            pos += n as usize;
+        }
+        Ok(())
+    }
+
+    fn read_backing(&self, b: &mut [u8], guest: u64) -> Result<(), Qcow2Error> {
+        let Some(bk) = &self.backing else {
+            b.fill(0);
+            return Ok(());
+        };
+        let avail = bk.size().saturating_sub(guest).min(b.len() as u64) as usize;
+        let (head, tail) = b.split_at_mut(avail);
+        tail.fill(0);
+        if !head.is_empty() {
+            bk.read(head, guest)
+                .map_err(|e| Qcow2Error::Io { what: "backing file".into(), source: std::io::Error::other(e) })?;
+        }
+        Ok(())
+    }
+
+    /// Decompresses one cluster (or takes it from the one-cluster cache) and copies the
+    /// part wanted. Decompression runs outside every lock.
+    fn read_compressed(&self, host: u64, len: u64, skip: u64, b: &mut [u8]) -> Result<(), Qcow2Error> {
+        let cs = self.geo.cluster_size as usize;
+        {
+            let z = self.zcache.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some((h, data)) = z.as_ref() {
+                if *h == host {
+                    b.copy_from_slice(&data[skip as usize..skip as usize + b.len()]);
+                    return Ok(());
+                }
+            }
+        }
+        let mut input = vec![0u8; len as usize];
+        self.store.read_at(&mut input, host).map_err(io_err(format!("cannot read compressed cluster at {host:#x}")))?;
+        if skip == 0 && b.len() == cs {
+            return compressed::decompress(self.header.compression, &input, b)
+                .map_err(|e| Qcow2Error::Corrupt(format!("compressed cluster at host offset {host:#x}: {e}")));
+        }
+        let mut out = vec![0u8; cs];
+        compressed::decompress(self.header.compression, &input, &mut out)
+            .map_err(|e| Qcow2Error::Corrupt(format!("compressed cluster at host offset {host:#x}: {e}")))?;
+        b.copy_from_slice(&out[skip as usize..skip as usize + b.len()]);
+        *self.zcache.lock().unwrap_or_else(|e| e.into_inner()) = Some((host, Arc::new(out)));
+        Ok(())
+    }
+
+    fn extents_impl(&self, offset: u64, length: u64, max: usize, out: &mut Vec<Extent>) -> Result<(), Qcow2Error> {
+        let max = max.max(1);
+        let mut runs: Vec<(u64, Mapping)> = Vec::new();
+        {
+            let mut st = self.lock();
+            self.walk(&mut st, offset, length, |n, m| {
+                let m = match m {
+                    Mapping::Data(_) | Mapping::Compressed { .. } => Mapping::Data(0),
+                    other => other,
+                };
+                match runs.last_mut() {
+                    Some((l, last)) if *last == m => *l += n,
+                    _ => runs.push((n, m)),
+                }
+                runs.len() <= max
+            })?;
+        }
+        let start = out.len();
+        let mut pos = offset;
+        for (n, m) in runs {
+            if out.len() - start >= max {
+                break;
+            }
+            match (m, &self.backing) {
+                (Mapping::Unallocated, Some(bk)) => {
+                    let bsize = bk.size();
+                    let inside = bsize.saturating_sub(pos).min(n);
+                    if inside > 0 {
+                        let mut sub = Vec::new();
+                        bk.extents(pos, inside, max - (out.len() - start), &mut sub).map_err(|e| Qcow2Error::Io {
+                            what: "backing file".into(),
+                            source: std::io::Error::other(e),
+                        })?;
+                        let mut covered = 0;
+                        for e in sub {
+                            let l = e.length.min(inside - covered);
+                            push_extent(out, l, e.flags);
+                            covered += l;
+                            if covered == inside {
+                                break;
+                            }
+                        }
+                        if covered < inside {
+                            return Ok(());
+                        }
+                    }
+                    push_extent(out, n - inside, HOLE);
+                }
+                (Mapping::Unallocated | Mapping::Zero, _) => push_extent(out, n, HOLE),
+                _ => push_extent(out, n, DATA),
+            }
+            pos += n;
+        }
+        Ok(())
+    }
+
+    /// Counts how this layer stores the guest bytes (scans every L2 table).
+    pub fn allocation(&self) -> Result<Allocation, Qcow2Error> {
+        let mut a = Allocation::default();
+        let mut st = self.lock();
+        self.walk(&mut st, 0, self.geo.size, |n, m| {
+            match m {
+                Mapping::Unallocated => a.unallocated += n,
+                Mapping::Zero => a.zero += n,
+                Mapping::Data(_) => a.data += n,
+                Mapping::Compressed { .. } => a.compressed += n,
+            }
+            true
+        })?;
+        Ok(a)
+    }
+
+    fn to_backend_error(&self, op: &'static str, offset: u64, length: u64, e: Qcow2Error) -> Error {
+        let (kind, source) = match e {
+            Qcow2Error::Io { what, source } => {
+                let mut err = Error::io(op, offset, length, source);
+                let source = std::io::Error::new(
+                    err.source.as_ref().map_or(std::io::ErrorKind::Other, |s| s.kind()),
+                    format!("{}: {what}: {}", self.name, err.source.as_ref().map_or(String::new(), |s| s.to_string())),
+                );
+                err.source = Some(source);
+                return err;
+            }
+            Qcow2Error::Unsupported(m) => {
+                (ErrorKind::NotSupported, std::io::Error::other(format!("{}: {m}", self.name)))
+            }
+            other => (ErrorKind::Io, std::io::Error::other(format!("{}: {other}", self.name))),
+        };
+        Error { kind, op, offset, length, source: Some(source) }
+    }
+}
+
+/// Appends a run, merging it with the previous one when it continues it.
+fn push_run(out: &mut Vec<(u64, Mapping)>, n: u64, m: Mapping) {
+    if let Some((l, last)) = out.last_mut() {
+        let merge = match (*last, m) {
+            (Mapping::Zero, Mapping::Zero) | (Mapping::Unallocated, Mapping::Unallocated) => true,
+            (Mapping::Data(a), Mapping::Data(b)) => a + *l == b,
+            _ => false,
+        };
+        if merge {
+            *l += n;
+            return;
+        }
+    }
+    out.push((n, m));
+}
+
+impl Backend for Qcow2 {
+    fn describe(&self) -> String {
+        format!("qcow2:{}", self.name)
+    }
+    fn size(&self) -> u64 {
+        self.geo.size
+    }
+    fn caps(&self) -> Capabilities {
+        let rw = self.writable;
+        Capabilities {
+            read_only: !rw,
+            flush: true,
+            fua: rw,
+            trim: rw,
+            zero: rw,
+            fast_zero: false,
+            // One object shared by every connection: FLUSH on one covers all.
+            multi_conn: true,
+            cache: false,
+            extents: true,
+        }
+    }
+    fn read(&self, buf: &mut [u8], offset: u64) -> ferry_backend::Result<()> {
+        self.read_impl(buf, offset).map_err(|e| self.to_backend_error("read", offset, buf.len() as u64, e))
+    }
+    fn write(&self, buf: &[u8], offset: u64, fua: bool) -> ferry_backend::Result<()> {
+        self.write_impl(buf, offset, fua).map_err(|e| self.to_backend_error("write", offset, buf.len() as u64, e))
+    }
+    fn flush(&self) -> ferry_backend::Result<()> {
+        self.flush_impl().map_err(|e| self.to_backend_error("flush", 0, self.geo.size, e))
+    }
+    fn trim(&self, offset: u64, length: u64, fua: bool) -> ferry_backend::Result<()> {
+        self.discard_impl(offset, length, false, fua).map_err(|e| self.to_backend_error("trim", offset, length, e))
+    }
+    fn zero(&self, offset: u64, length: u64, _mode: ZeroMode, fua: bool) -> ferry_backend::Result<()> {
+        self.discard_impl(offset, length, true, fua).map_err(|e| self.to_backend_error("zero", offset, length, e))
+    }
+    fn extents(&self, offset: u64, length: u64, max: usize, out: &mut Vec<Extent>) -> ferry_backend::Result<()> {
+        self.extents_impl(offset, length, max, out)
+            .map_err(|e| self.to_backend_error("block status", offset, length, e))
+    }
+}
+
+impl Drop for Qcow2 {
+    fn drop(&mut self) {
+        if self.writable {
+            if let Err(e) = self.flush_impl() {
+                log::error!("{}: flushing metadata on close failed: {e}", self.name);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn create_write_read_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.qcow2");
+        let size = 3 << 20;
+        {
+            let q = Qcow2::create(&p, size, 4096).unwrap();
+            assert_eq!(q.size(), size);
+            q.write(&[7u8; 10000], 5000, false).unwrap();
+            q.write(&[9u8; 8192], 1 << 20, true).unwrap();
+            q.zero(1 << 20, 4096, ZeroMode::default(), false).unwrap();
+            let mut b = vec![1u8; 20000];
+            q.read(&mut b, 0).unwrap();
+            assert!(b[..5000].iter().all(|&x| x == 0));
+            assert!(b[5000..15000].iter().all(|&x| x == 7));
+            assert!(b[15000..].iter().all(|&x| x == 0));
+            let mut ex = Vec::new();
+            q.extents(0, size, 100, &mut ex).unwrap();
+            assert_eq!(ex.iter().map(|e| e.length).sum::<u64>(), size);
+            assert_eq!(ex[0], Extent { length: 4096, flags: HOLE });
+            assert_eq!(ex[1], Extent { length: 12288, flags: DATA });
+            q.flush().unwrap();
+        }
+        let q = Qcow2::open(&p, true).unwrap();
+        assert!(q.caps().read_only);
+        let mut b = vec![1u8; 8192];
+        q.read(&mut b, 1 << 20).unwrap();
+        assert!(b[..4096].iter().all(|&x| x == 0) && b[4096..].iter().all(|&x| x == 9));
+        assert_eq!(
+            q.allocation().unwrap(),
+            Allocation { data: 16384, compressed: 0, zero: 0, unallocated: size - 16384 }
+        );
+        assert!(q.write(&[1], 0, false).is_err());
+    }
+
+    #[test]
+    fn opens_from_any_backend() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.qcow2");
+        {
+            let q = Qcow2::create(&p, 1 << 20, 65536).unwrap();
+            q.write(&[3u8; 512], 70000, false).unwrap();
+        }
+        let bytes = std::fs::read(&p).unwrap();
+        let mem = Arc::new(ferry_backend::MemoryBackend::new(bytes.len() as u64));
+        mem.write(&bytes, 0, false).unwrap();
+        let q = Qcow2::open_on(mem, true).unwrap();
+        let mut b = vec![0u8; 1024];
+        q.read(&mut b, 69888).unwrap();
+        assert!(b[..112].iter().all(|&x| x == 0) && b[112..624].iter().all(|&x| x == 3));
+        assert!(Qcow2::open_on(Arc::new(ferry_backend::MemoryBackend::new(4096)), true).is_err());
+    }
+}

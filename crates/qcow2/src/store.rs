@@ -1,0 +1,124 @@
+//! Where an image's bytes live: a local file, or any [`Backend`] (an RBD image, memory).
+//!
+//! The format layer reads and writes its container through this trait only, so qcow2 on
+//! a file and qcow2 on another store are the same code. Reads past the end of the store
+//! read as zeroes (as qemu's file driver does), never as an error or a panic.
+
+use ferry_backend::Backend;
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+pub trait Store: Send + Sync {
+    /// Current length in bytes.
+    fn size(&self) -> u64;
+    /// Fills `buf` from `offset`; bytes past the end read as zeroes.
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
+    /// Writes `buf` at `offset`, growing the store when needed.
+    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()>;
+    /// Makes completed writes durable.
+    fn sync(&self) -> io::Result<()>;
+    /// Whether writes are allowed.
+    fn writable(&self) -> bool;
+    fn describe(&self) -> String;
+}
+
+/// A local file.
+pub struct FileStore {
+    file: File,
+    len: AtomicU64,
+    writable: bool,
+    name: String,
+}
+
+impl FileStore {
+    pub fn open(path: &std::path::Path, writable: bool) -> io::Result<FileStore> {
+        let file = std::fs::OpenOptions::new().read(true).write(writable).open(path)?;
+        let len = file.metadata()?.len();
+        Ok(FileStore { file, len: AtomicU64::new(len), writable, name: path.display().to_string() })
+    }
+
+    pub fn new(file: File, writable: bool, name: String) -> io::Result<FileStore> {
+        let len = file.metadata()?.len();
+        Ok(FileStore { file, len: AtomicU64::new(len), writable, name })
+    }
+}
+
+impl Store for FileStore {
+    fn size(&self) -> u64 {
+        self.len.load(Ordering::Acquire)
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        let len = self.size();
+        let avail = len.saturating_sub(offset).min(buf.len() as u64) as usize;
+        let (data, past) = buf.split_at_mut(avail);
+        past.fill(0);
+        if data.is_empty() {
+            return Ok(());
+        }
+        // The file may have been shortened behind our back: a short read is zeroes too.
+        let mut done = 0;
+        while done < data.len() {
+            match self.file.read_at(&mut data[done..], offset + done as u64) {
+                Ok(0) => {
+                    data[done..].fill(0);
+                    break;
+                }
+                Ok(n) => done += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        self.file.write_all_at(buf, offset)?;
+        self.len.fetch_max(offset + buf.len() as u64, Ordering::AcqRel);
+        Ok(())
+    }
+    fn sync(&self) -> io::Result<()> {
+        self.file.sync_data()
+    }
+    fn writable(&self) -> bool {
+        self.writable
+    }
+    fn describe(&self) -> String {
+        self.name.clone()
+    }
+}
+
+/// Any backend as a store. It cannot grow: allocating past its size fails with ENOSPC.
+pub struct BackendStore(pub Arc<dyn Backend>);
+
+impl Store for BackendStore {
+    fn size(&self) -> u64 {
+        self.0.size()
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        let len = self.size();
+        let avail = len.saturating_sub(offset).min(buf.len() as u64) as usize;
+        let (data, past) = buf.split_at_mut(avail);
+        past.fill(0);
+        if !data.is_empty() {
+            self.0.read(data, offset).map_err(io::Error::other)?;
+        }
+        Ok(())
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        if offset.checked_add(buf.len() as u64).is_none_or(|e| e > self.size()) {
+            return Err(io::Error::from_raw_os_error(28)); // ENOSPC: the store cannot grow
+        }
+        self.0.write(buf, offset, false).map_err(io::Error::other)
+    }
+    fn sync(&self) -> io::Result<()> {
+        self.0.flush().map_err(io::Error::other)
+    }
+    fn writable(&self) -> bool {
+        !self.0.caps().read_only
+    }
+    fn describe(&self) -> String {
+        self.0.describe()
+    }
+}
