@@ -69,6 +69,7 @@ fn images(dir: &Path, src: &Path) -> Vec<(String, PathBuf)> {
     out.push(conv("zstd", &["-c", "-o", "compression_type=zstd"]));
     out.push(conv("extl2", &["-o", "extended_l2=on"]));
     out.push(conv("prealloc", &["-o", "preallocation=metadata"]));
+    out.push(conv("prealloc-full", &["-o", "preallocation=full"]));
     let df = dir.join("ext.data");
     out.push(conv("datafile", &["-o", &format!("data_file={}", s(&df))]));
     // A chain of three with relative backing names, each layer changing some clusters;
@@ -81,7 +82,18 @@ fn images(dir: &Path, src: &Path) -> Vec<(String, PathBuf)> {
     qemu_img(&["create", "-f", "qcow2", "-o", "extended_l2=on", "-b", "mid.qcow2", "-F", "qcow2", s(&top)]);
     qemu_io("qcow2", s(&top), &["write -P 0xa5 1100k 5k", "write -z 0 64k", "write -P 7 7M 2k"]);
     out.push(base);
+    // A fourth layer committed into the top (qemu-img commit writes into it).
+    let over = dir.join("over-top.qcow2");
+    qemu_img(&["create", "-f", "qcow2", "-b", "top.qcow2", "-F", "qcow2", s(&over)]);
+    qemu_io("qcow2", s(&over), &["write -P 0x99 6M 70k"]);
+    qemu_img(&["commit", s(&over)]);
     out.push(("chain".into(), top));
+    // Rebased (safe mode: qemu-img copies what differs) from a qcow2 base onto a raw one.
+    let rebased = dir.join("rebased.qcow2");
+    qemu_img(&["create", "-f", "qcow2", "-b", "base.qcow2", "-F", "qcow2", s(&rebased)]);
+    qemu_io("qcow2", s(&rebased), &["write -P 0x66 2M 10k"]);
+    qemu_img(&["rebase", "-b", "src.raw", "-F", "raw", s(&rebased)]);
+    out.push(("rebased".into(), rebased));
     // A raw backing file, named without backing_fmt being qcow2.
     let over_raw = dir.join("over-raw.qcow2");
     qemu_img(&["create", "-f", "qcow2", "-b", "src.raw", "-F", "raw", s(&over_raw)]);
@@ -122,7 +134,7 @@ fn serves_copies_and_hashes_every_kind_of_image() {
         let uri = server.uri();
         let cmp = qemu_img(&["compare", "-F", "raw", s(&img), &uri]);
         assert!(cmp.stdout.contains("identical"), "{name}: {}", cmp.describe());
-        if !["prealloc", "datafile"].contains(&name.as_str()) {
+        if !["prealloc", "prealloc-full", "datafile"].contains(&name.as_str()) {
             assert_eq!(data_bytes_ferry(&uri), data_bytes_qemu(&img), "{name}: block status data bytes");
         }
         drop(server);
