@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Bounded fuzz smoke run of ferry-proto's cargo-fuzz targets (fuzz/fuzz_targets/*.rs).
+# Bounded fuzz smoke run of ferry's cargo-fuzz targets (fuzz/fuzz_targets/*.rs: the protocol and qcow2).
 #
 #   scripts/fuzz-smoke.sh [SECONDS_PER_TARGET]     (default 20)
 #
 # Works on a stable toolchain: with `--sanitizer none` cargo-fuzz passes no -Z flag
-# (libFuzzer's coverage instrumentation uses stable -C flags), and ferry-proto is
+# (libFuzzer's coverage instrumentation uses stable -C flags), and ferry-proto and ferry-qcow2 are
 # #![forbid(unsafe_code)], so AddressSanitizer would add little. Targets are built
 # optimised with debug assertions and overflow checks on (cargo-fuzz's default).
 #
