@@ -13,9 +13,11 @@ use std::time::{Duration, Instant};
 #[derive(Args, Debug)]
 pub struct CopyArgs {
     /// Source: an NBD URI (nbd://HOST[:PORT]/EXPORT, nbd+unix:///EXPORT?socket=PATH), a
-    /// file or block device, or `-` for stdin.
+    /// file or block device, `-` for stdin, or a Ceph RBD image
+    /// (rbd:POOL/IMAGE[@SNAP][?conf=PATH&id=USER&keyring=PATH]).
     src: String,
-    /// Destination: an NBD URI, a file or block device, `-` for stdout, or `null:` to discard.
+    /// Destination: an NBD URI, a file or block device, `-` for stdout, `null:` to discard,
+    /// or an RBD image (created with the source's size if it does not exist).
     dst: String,
     /// Connections to each NBD server (used only where the server allows multi-conn).
     /// Default: 4, or one per CPU core when there are fewer (each connection has its own
@@ -60,8 +62,14 @@ pub struct CopyArgs {
 }
 
 pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
-    let src = Endpoint::parse(&args.src).with_context(|| format!("source {:?}", args.src))?;
-    let dst = Endpoint::parse(&args.dst).with_context(|| format!("destination {:?}", args.dst))?;
+    let src = match crate::rbd_spec::source(&args.src)? {
+        Some(e) => e,
+        None => Endpoint::parse(&args.src).with_context(|| format!("source {:?}", args.src))?,
+    };
+    let dst = match crate::rbd_spec::destination(&args.dst, &src)? {
+        Some(e) => e,
+        None => Endpoint::parse(&args.dst).with_context(|| format!("destination {:?}", args.dst))?,
+    };
     let request_size = match &args.request_size {
         Some(v) => parse_size(v).context("--request-size")?,
         None => 1 << 20,
@@ -101,6 +109,10 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
         }
         r
     })?;
+    // A backend destination (an RBD image's write-back cache) is durable before success is reported.
+    if let Endpoint::Backend(b) = &dst {
+        b.backend().flush().with_context(|| format!("flushing {}", b.name()))?;
+    }
     if let Some(d) = &report.digest {
         println!("{}  {}", ferry_hash::hex(d), args.src);
     }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 #[derive(Args, Debug)]
 pub struct HashArgs {
-    /// Files, block devices, NBD URIs, or `-` for stdin.
+    /// Files, block devices, NBD URIs, RBD images (rbd:POOL/IMAGE[@SNAP]), or `-` for stdin.
     #[arg(required = true, value_name = "SRC")]
     sources: Vec<String>,
     /// Hash function: sha256, sha512, sha1, md5 or blake3.
@@ -34,7 +34,10 @@ pub fn run(args: HashArgs, quiet: bool) -> Result<i32> {
     }
     let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())).max(1);
     for src in &args.sources {
-        let endpoint = Endpoint::parse(src).with_context(|| format!("{src:?}"))?;
+        let endpoint = match crate::rbd_spec::source(src)? {
+            Some(e) => e,
+            None => Endpoint::parse(src).with_context(|| format!("{src:?}"))?,
+        };
         let hasher = Arc::new(BlockHasher::new(args.digest, bs as usize));
         let local = matches!(endpoint, Endpoint::File(_));
         let opts = CopyOptions {

@@ -16,7 +16,8 @@ use serde_json::{json, Value};
 
 #[derive(Args, Debug)]
 pub struct InfoArgs {
-    /// NBD URI: nbd://HOST[:PORT]/EXPORT or nbd+unix:///EXPORT?socket=PATH.
+    /// NBD URI: nbd://HOST[:PORT]/EXPORT or nbd+unix:///EXPORT?socket=PATH, or an RBD
+    /// image: rbd:POOL/IMAGE[@SNAP] (size, object size, features, snapshots).
     uri: String,
     /// Machine-readable output (nbdinfo's field names).
     #[arg(long)]
@@ -33,6 +34,9 @@ pub struct InfoArgs {
 }
 
 pub fn run(args: InfoArgs) -> Result<i32> {
+    if let Some(code) = crate::rbd_spec::info(&args.uri, args.json)? {
+        return Ok(code);
+    }
     let uri = Uri::parse(&args.uri)?;
     let opts = ConnectOptions::default();
     if args.size {

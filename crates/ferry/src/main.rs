@@ -5,6 +5,7 @@ mod bench_socket;
 mod copy;
 mod hash;
 mod info;
+mod rbd_spec;
 mod serve;
 mod sockopts;
 

@@ -14,8 +14,9 @@ use std::time::Duration;
 #[derive(Args, Debug)]
 pub struct ServeArgs {
     /// The default export: memory:SIZE (sparse RAM disk), file:PATH (file or block
-    /// device), null:SIZE (discards writes, reads zeroes) or pattern:SIZE (read-only;
-    /// each 8-byte word holds its offset). Sizes take K, M, G, T suffixes.
+    /// device), null:SIZE (discards writes, reads zeroes), pattern:SIZE (read-only;
+    /// each 8-byte word holds its offset) or rbd:POOL/IMAGE[@SNAP][?conf=PATH&id=USER&keyring=PATH]
+    /// (a Ceph RBD image; snapshots are read-only). Sizes take K, M, G, T suffixes.
     #[arg(value_name = "SPEC")]
     spec: String,
     /// Listen on this Unix socket instead of TCP.
@@ -165,7 +166,9 @@ fn check_transport(args: &ServeArgs, listeners: &[Listener]) -> Result<()> {
 
 pub fn run(args: ServeArgs) -> Result<i32> {
     let mut exports = Exports::new();
-    let open = |spec: &str| ferry_backend::open(spec, args.read_only).with_context(|| format!("cannot serve {spec:?}"));
+    let open = |spec: &str| {
+        crate::rbd_spec::open_backend(spec, args.read_only).with_context(|| format!("cannot serve {spec:?}"))
+    };
     exports
         .add(Export {
             name: String::new(),
