@@ -82,8 +82,10 @@ fn sparse_image_data(seed: u64) -> Vec<u8> {
 /// status and without client-side checks, so that every request reaches the server.
 fn nbdsh(uri: &str, code: &str) -> Output {
     require("python3-libnbd");
-    let prog = format!("import nbd, sys\nh = nbd.NBD()\nh.add_meta_context(nbd.CONTEXT_BASE_ALLOCATION)\n\
-         h.set_strict_mode(0)\nh.connect_uri(sys.argv[1])\n{code}h.shutdown()\n");
+    let prog = format!(
+        "import nbd, sys\nh = nbd.NBD()\nh.add_meta_context(nbd.CONTEXT_BASE_ALLOCATION)\n\
+         h.set_strict_mode(0)\nh.connect_uri(sys.argv[1])\n{code}h.shutdown()\n"
+    );
     run_ok(&mut cmd(SYSTEM_PYTHON, ["-c", prog.as_str(), uri]))
 }
 

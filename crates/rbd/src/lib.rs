@@ -99,6 +99,15 @@ fn connect(spec: &Spec) -> Result<ffi::IoCtx, RbdError> {
         // An OSD that does not answer fails the request (EIO to the client) after a
         // minute instead of hanging it forever.
         ("rados_osd_op_timeout", "60".to_string()),
+        // NBD clients make writes durable with FLUSH (and FUA), which ferry passes to
+        // librbd, so the write-back cache may work from the first write instead of only
+        // after the first flush (the guard librbd keeps for guests that never flush).
+        ("rbd_cache_writethrough_until_flush", "false".to_string()),
+        // A sequential reader on one connection (qemu-img convert) keeps librbd's
+        // read-ahead for the whole image instead of the first 50 MiB (the default
+        // assumes a guest kernel doing its own), a few objects ahead.
+        ("rbd_readahead_disable_after_bytes", "0".to_string()),
+        ("rbd_readahead_max_bytes", (8u64 << 20).to_string()),
     ];
     if let Some(k) = &spec.keyring {
         options.push(("keyring", k.clone()));
