@@ -6,6 +6,7 @@ mod copy;
 mod hash;
 mod image;
 mod info;
+mod rbd_spec;
 mod serve;
 mod sockopts;
 

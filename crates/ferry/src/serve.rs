@@ -15,8 +15,9 @@ use std::time::Duration;
 pub struct ServeArgs {
     /// The default export: a local PATH (a qcow2 image is served through its format, any
     /// other file raw), qcow2:PATH, raw:PATH, memory:SIZE (sparse RAM disk), file:PATH (file or block
-    /// device, always raw), null:SIZE (discards writes, reads zeroes) or pattern:SIZE (read-only;
-    /// each 8-byte word holds its offset). Sizes take K, M, G, T suffixes.
+    /// device, always raw), null:SIZE (discards writes, reads zeroes), pattern:SIZE (read-only;
+    /// each 8-byte word holds its offset) or rbd:POOL/IMAGE[@SNAP][?conf=PATH&id=USER&keyring=PATH]
+    /// (a Ceph RBD image; snapshots are read-only). Sizes take K, M, G, T suffixes.
     #[arg(value_name = "SPEC")]
     spec: String,
     /// Listen on this Unix socket instead of TCP.
