@@ -3,6 +3,9 @@
 //! at the end (also when a case fails). The cases run one after another in one test, so
 //! the cluster starts once; a failing case does not stop the others, and the test fails
 //! listing every case that failed.
+//!
+//! Built with the `rbd` feature, which scripts/test always turns on.
+#![cfg(feature = "rbd")]
 
 mod common;
 
