@@ -131,6 +131,13 @@ pub trait Backend: Send + Sync {
     fn file_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
         None
     }
+    /// Where `offset..offset + length` of the export lies in the file of
+    /// [`Backend::file_fd`], when it lies there in one piece: image formats map guest
+    /// offsets to other file offsets. `None`: read this range through [`Backend::read`].
+    /// Default: at the same offsets.
+    fn file_offset(&self, offset: u64, _length: u64) -> Option<u64> {
+        Some(offset)
+    }
     /// Reads at least this long are checked for holes first, so holes go back as
     /// OFFSET_HOLE chunks instead of zero bytes. `None`: never worth checking.
     fn sparse_read_threshold(&self) -> Option<u64> {
@@ -196,5 +203,8 @@ impl Backend for ReadOnly {
     }
     fn file_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
         self.0.file_fd()
+    }
+    fn file_offset(&self, offset: u64, length: u64) -> Option<u64> {
+        self.0.file_offset(offset, length)
     }
 }

@@ -589,6 +589,23 @@ impl Backend for Qcow2 {
         self.extents_impl(offset, length, max, out)
             .map_err(|e| self.to_backend_error("block status", offset, length, e))
     }
+    /// The data store's file: a range in one data cluster run goes out with sendfile(2).
+    fn file_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        self.data.fd()
+    }
+    fn file_offset(&self, offset: u64, length: u64) -> Option<u64> {
+        match self.runs(offset, length).ok()?.as_slice() {
+            // Only inside the file: sendfile stops short at its end.
+            [(_, Mapping::Data(host))] if host.checked_add(length).is_some_and(|e| e <= self.data.size()) => {
+                Some(*host)
+            }
+            _ => None,
+        }
+    }
+    /// Large reads ask the map first, so unallocated and zero clusters go back as holes.
+    fn sparse_read_threshold(&self) -> Option<u64> {
+        Some(64 << 10)
+    }
 }
 
 impl Drop for Qcow2 {

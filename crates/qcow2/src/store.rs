@@ -23,6 +23,10 @@ pub trait Store: Send + Sync {
     /// Whether writes are allowed.
     fn writable(&self) -> bool;
     fn describe(&self) -> String;
+    /// The file descriptor, for sendfile(2) of data clusters.
+    fn fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        None
+    }
 }
 
 /// A local file.
@@ -86,6 +90,10 @@ impl Store for FileStore {
     }
     fn describe(&self) -> String {
         self.name.clone()
+    }
+    fn fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        use std::os::fd::AsFd;
+        Some(self.file.as_fd())
     }
 }
 

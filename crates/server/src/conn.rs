@@ -539,11 +539,16 @@ impl<'a> Transmission<'a> {
                 return self.read_sparse(h, offset);
             }
         }
-        if self.sendfile && len >= SENDFILE_MIN {
+        let in_file = if self.sendfile && len >= SENDFILE_MIN {
+            self.export.backend.file_offset(offset, u64::from(length))
+        } else {
+            None
+        };
+        if let Some(at) = in_file {
             let s = self.tx.headers.len();
             self.writer.data(h.cookie, h.offset, offset, len, true, &mut self.tx.headers);
             self.tx.header_from(s);
-            self.tx.parts.push(Part::File(offset, len));
+            self.tx.parts.push(Part::File(at, len));
             self.file_bytes += len;
             return Ok(());
         }
@@ -584,10 +589,13 @@ impl<'a> Transmission<'a> {
             if e.flags & ferry_proto::consts::STATE_ZERO != 0 {
                 self.writer.hole(h.cookie, h.offset, pos, e.length as u32, done, &mut self.tx.headers);
                 self.tx.header_from(s);
-            } else if self.sendfile && e.length as usize >= SENDFILE_MIN {
+            } else if let Some(at) = (self.sendfile && e.length as usize >= SENDFILE_MIN)
+                .then(|| self.export.backend.file_offset(pos, e.length))
+                .flatten()
+            {
                 self.writer.data(h.cookie, h.offset, pos, e.length as usize, done, &mut self.tx.headers);
                 self.tx.header_from(s);
-                self.tx.parts.push(Part::File(pos, e.length as usize));
+                self.tx.parts.push(Part::File(at, e.length as usize));
                 self.file_bytes += e.length as usize;
             } else {
                 let (a, b) = self.tx.reserve(e.length as usize);
