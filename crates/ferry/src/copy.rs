@@ -25,7 +25,8 @@ pub struct CopyArgs {
     dst: String,
     /// Connections to each NBD server (used only where the server allows multi-conn).
     /// Default: 4, or one per CPU core when there are fewer (each connection has its own
-    /// worker thread; more busy threads than cores measured slower).
+    /// worker thread; more busy threads than cores measured slower); 8 when an end is an
+    /// RBD image (its workers wait for the cluster, not for a core).
     #[arg(short = 'C', long, value_name = "N")]
     connections: Option<usize>,
     /// Requests in flight per connection. Default: 4 MiB worth (4 of 1M), at most 64;
@@ -132,7 +133,10 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
         anyhow::bail!("--request-size must be between 1 byte and 32M");
     }
     let opts = CopyOptions {
-        connections: args.connections.unwrap_or_else(default_connections),
+        connections: args
+            .connections
+            .or_else(|| crate::rbd_spec::copy_workers(&args.src, &args.dst))
+            .unwrap_or_else(default_connections),
         requests: args.requests.unwrap_or_else(|| ((4usize << 20) / request_size as usize).clamp(1, 64)),
         request_size: request_size as usize,
         zero_block: ferry_client::copy::DEFAULT_ZERO_BLOCK,

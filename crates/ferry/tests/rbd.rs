@@ -212,7 +212,23 @@ fn copy_roundtrip(c: &Cluster, tmp: &Path) {
     let out2 = run_ok(&mut ferry(&["copy", "--hash", "rbd:rbd/copied", back.to_str().unwrap()]));
     assert_file_eq(&back, &data);
     assert_eq!(out.stdout.split_whitespace().next(), out2.stdout.split_whitespace().next(), "copy --hash both ways");
-    // rbd -> rbd, and through an NBD server of an RBD image.
+    // An image without object map and fast-diff: block status from per-object listings
+    // (whole objects here too: an object with no snapshot is reported whole).
+    let sdata = sparse_image_data(5);
+    let sfile = write_sparse_file(tmp, "plain-in.img", &sdata);
+    c.rbd(&["import", "--no-progress", "--image-feature", "layering", sfile.to_str().unwrap(), "rbd/plain"]);
+    let plain = tmp.join("plain.img");
+    run_ok(&mut ferry(&["copy", "rbd:rbd/plain", plain.to_str().unwrap()]));
+    assert_file_eq(&plain, &sdata);
+    let server = ServerBuilder::new("rbd:rbd/plain").read_only().start();
+    nbdsh(
+        &server.uri(),
+        "m = []\n\
+         h.block_status(24 << 20, 0, lambda ctx, off, ents, err: m.extend(ents) or 0)\n\
+         assert m[:4] == [4 << 20, 0, 4 << 20, 3], m\n",
+    );
+    drop(server);
+    // rbd -> rbd.
     run_ok(&mut ferry(&["copy", "rbd:rbd/copied", "rbd:rbd/copied2"]));
     assert_same_bytes(&c.export("rbd/copied2"), &data, "rbd export after ferry copy rbd->rbd");
     // A smaller existing destination is refused before anything is written.
@@ -289,7 +305,15 @@ fn errors(c: &Cluster, tmp: &Path) {
     assert_same_bytes(&c.export("rbd/copied"), &before, "locked image after a refused copy");
     // Read-only access still works while it is locked.
     run_ok(&mut ferry(&["hash", "rbd:rbd/copied"]));
+    // A server stopped with SIGTERM closes the image: the lock is released and the copy
+    // that was refused now goes through.
     drop(server);
+    run_ok(&mut ferry(&["copy", f.to_str().unwrap(), "rbd:rbd/copied"]));
+    assert_same_bytes(
+        &c.export("rbd/copied")[..1 << 20],
+        &vec![1u8; 1 << 20],
+        "rbd/copied after the lock was released",
+    );
 }
 
 fn kill_after_flush(c: &Cluster, tmp: &Path) {
