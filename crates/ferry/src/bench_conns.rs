@@ -192,9 +192,17 @@ pub fn run(a: ConnsArgs) -> Result<i32> {
         // Let the server close them before the next run alone.
         std::thread::sleep(Duration::from_secs(1));
     }
-    let alone = Report::median(alone);
+    // Paired ratios: each round's run beside the idle connections over the run alone
+    // just before it, so drift in the machine's load cancels out round by round.
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let iops_rounds: Vec<(f64, f64)> = alone.iter().zip(&beside).map(|(a, b)| (a.iops(), b.iops())).collect();
+    let iops_ratio = median(iops_rounds.iter().map(|(a, b)| b / a).collect());
+    let p99_ratio = median(alone.iter().zip(&beside).map(|(a, b)| b.pct(99.0) / a.pct(99.0)).collect());
+    let alone = Some(Report::median(alone));
     let beside = Report::median(beside);
-    let alone = Some(alone);
     if a.json {
         let rep = |r: &Report| {
             json!({"iops": r.iops(), "gib_per_s": r.gib_per_s(),
@@ -207,6 +215,8 @@ pub fn run(a: ConnsArgs) -> Result<i32> {
                 "uri": uri.to_string(), "idle": a.idle, "idle_closed_by_server": closed,
                 "open_seconds": open_secs, "connections": a.connections, "requests": a.requests,
                 "block_size": bs, "alone": alone.as_ref().map(rep), "beside_idle": rep(&beside),
+                "rounds": a.rounds, "iops_rounds": iops_rounds,
+                "paired_ratio": {"iops": iops_ratio, "p99": p99_ratio},
                 "server": {"before": st(before), "with_idle": st(with_idle), "after": st(after)},
             })
         );
@@ -220,14 +230,10 @@ pub fn run(a: ConnsArgs) -> Result<i32> {
             println!("{}", line("alone", r));
         }
         println!("{}", line(&format!("beside {} idle", a.idle), &beside));
-        if let Some(r) = &alone {
-            println!(
-                "ratio beside/alone: IOPS {:.3}, p50 {:.3}, p99 {:.3}",
-                beside.iops() / r.iops(),
-                beside.pct(50.0) / r.pct(50.0),
-                beside.pct(99.0) / r.pct(99.0)
-            );
-        }
+        let per_round: Vec<String> =
+            iops_rounds.iter().map(|(a, b)| format!("{:.0}k/{:.0}k", a / 1e3, b / 1e3)).collect();
+        println!("IOPS alone/beside per round: {}", per_round.join(" "));
+        println!("median of the rounds' ratios beside/alone: IOPS {iops_ratio:.3}, p99 {p99_ratio:.3}");
         println!("idle connections closed by the server meanwhile: {closed} of {} x {} rounds", a.idle, a.rounds);
     }
     Ok(0)
