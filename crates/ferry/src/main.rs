@@ -1,6 +1,7 @@
 //! `ferry`: move block data over NBD at the speed of the machine.
 
 mod bench;
+mod bench_conns;
 mod bench_socket;
 mod copy;
 mod hash;
