@@ -5,6 +5,9 @@
 //! `--read-percent` of them reads, the rest writes) and reports IOPS, throughput and
 //! latency percentiles. It works against any NBD server, so peers are measured with the
 //! same client.
+//!
+//! `ferry bench conns URI --idle N` runs that load alone and beside N idle connections
+//! (see `bench_conns.rs`).
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
@@ -26,6 +29,9 @@ enum What {
     Nbd(NbdArgs),
     /// Raw socket throughput sweep: read/write sizes, SO_SNDBUF, parallel streams.
     Socket(crate::bench_socket::SocketArgs),
+    /// A busy client alone, then beside N idle connections (`--idle N`), with the
+    /// server's memory and threads (`--server-pid`).
+    Conns(crate::bench_conns::ConnsArgs),
 }
 
 #[derive(Args, Debug)]
@@ -59,6 +65,7 @@ pub fn run(args: BenchArgs) -> Result<i32> {
     match args.what {
         What::Nbd(a) => nbd(a),
         What::Socket(a) => crate::bench_socket::run(a),
+        What::Conns(a) => crate::bench_conns::run(a),
     }
 }
 
@@ -69,30 +76,136 @@ struct Stats {
     lat: Vec<u32>,
 }
 
+/// One run of the load: where, how many connections and requests, what mix, how long.
+pub struct LoadSpec {
+    pub uri: Uri,
+    pub connections: usize,
+    pub requests: usize,
+    pub bs: usize,
+    pub read_percent: u32,
+    pub duration: Duration,
+    /// Only use the first BYTES of the export.
+    pub span: Option<u64>,
+}
+
+/// What a run measured.
+pub struct Report {
+    /// Connections actually used (1 if the server does not allow multi-conn).
+    pub connections: usize,
+    pub secs: f64,
+    pub reads: u64,
+    pub writes: u64,
+    pub bs: usize,
+    /// Latencies in nanoseconds, sorted.
+    lat: Vec<u32>,
+    /// p50, p99 and p99.9 in microseconds when this report stands for several runs.
+    fixed: Option<[f64; 3]>,
+}
+
+impl Report {
+    pub fn iops(&self) -> f64 {
+        (self.reads + self.writes) as f64 / self.secs
+    }
+
+    pub fn gib_per_s(&self) -> f64 {
+        self.iops() * self.bs as f64 / (1u64 << 30) as f64
+    }
+
+    /// The run with the median IOPS, with each latency percentile replaced by the
+    /// median of that percentile over the runs (so one noisy run moves neither).
+    pub fn median(mut runs: Vec<Report>) -> Report {
+        let mid = runs.len() / 2;
+        let pcts: Vec<[f64; 3]> = runs.iter().map(|r| [r.pct(50.0), r.pct(99.0), r.pct(99.9)]).collect();
+        let med = |i: usize| {
+            let mut v: Vec<f64> = pcts.iter().map(|p| p[i]).collect();
+            v.sort_by(f64::total_cmp);
+            v[mid]
+        };
+        let fixed = [med(0), med(1), med(2)];
+        runs.sort_by(|a, b| a.iops().total_cmp(&b.iops()));
+        let mut r = runs.swap_remove(mid);
+        r.fixed = Some(fixed);
+        r
+    }
+
+    /// The `p`th percentile latency in microseconds.
+    pub fn pct(&self, p: f64) -> f64 {
+        if let Some(f) = self.fixed {
+            if let Some(i) = [50.0, 99.0, 99.9].iter().position(|&q| q == p) {
+                return f[i];
+            }
+        }
+        if self.lat.is_empty() {
+            return 0.0;
+        }
+        let i = ((self.lat.len() as f64 * p / 100.0).ceil() as usize).clamp(1, self.lat.len()) - 1;
+        self.lat[i] as f64 / 1000.0
+    }
+}
+
 fn nbd(a: NbdArgs) -> Result<i32> {
     let uri = Uri::parse(&a.uri)?;
     let bs = parse_size(&a.block_size).context("--block-size")? as usize;
+    if a.duration.is_nan() || a.duration <= 0.0 {
+        bail!("--connections, --requests and --duration must be positive");
+    }
+    let span = a.span.as_deref().map(parse_size).transpose()?;
+    let spec = LoadSpec {
+        uri: uri.clone(),
+        connections: a.connections,
+        requests: a.requests,
+        bs,
+        read_percent: a.read_percent,
+        duration: Duration::from_secs_f64(a.duration),
+        span,
+    };
+    let r = run_load(&spec)?;
+    let (conns, secs, reads, writes) = (r.connections, r.secs, r.reads, r.writes);
+    let (iops, gibs) = (r.iops(), r.gib_per_s());
+    if a.json {
+        let v = json!({
+            "uri": uri.to_string(), "connections": conns, "requests": a.requests, "block_size": bs,
+            "read_percent": a.read_percent, "seconds": secs, "reads": reads, "writes": writes,
+            "iops": iops, "gib_per_s": gibs,
+            "latency_us": {"p50": r.pct(50.0), "p99": r.pct(99.0), "p99.9": r.pct(99.9)},
+        });
+        println!("{v}");
+    } else {
+        println!(
+            "{conns} connection(s) x {} in flight, {bs}-byte requests, {}% reads, {secs:.2} s",
+            a.requests, a.read_percent
+        );
+        println!("IOPS: {iops:.0}  ({reads} reads, {writes} writes)");
+        println!("throughput: {gibs:.3} GiB/s");
+        println!("latency us: p50 {:.1}  p99 {:.1}  p99.9 {:.1}", r.pct(50.0), r.pct(99.0), r.pct(99.9));
+    }
+    Ok(0)
+}
+
+/// Connects and runs the load of `spec`.
+pub fn run_load(spec: &LoadSpec) -> Result<Report> {
+    let (uri, bs) = (&spec.uri, spec.bs);
     if bs == 0 || bs > 32 << 20 {
         bail!("--block-size must be between 1 byte and 32M");
     }
-    if a.read_percent > 100 {
+    if spec.read_percent > 100 {
         bail!("--read-percent must be 0 to 100");
     }
-    if a.requests == 0 || a.connections == 0 || a.duration.is_nan() || a.duration <= 0.0 {
+    if spec.requests == 0 || spec.connections == 0 || spec.duration.is_zero() {
         bail!("--connections, --requests and --duration must be positive");
     }
     let opts = ConnectOptions::default();
-    let first = Connection::connect(&uri, &opts).with_context(|| format!("connecting to {uri}"))?;
-    if a.read_percent < 100 && first.has_flag(FLAG_READ_ONLY) {
+    let first = Connection::connect(uri, &opts).with_context(|| format!("connecting to {uri}"))?;
+    if spec.read_percent < 100 && first.has_flag(FLAG_READ_ONLY) {
         bail!("{uri} is read-only: use --read-percent 100");
     }
-    let mut conns = a.connections;
+    let mut conns = spec.connections;
     if conns > 1 && !first.has_flag(FLAG_CAN_MULTI_CONN) {
         eprintln!("ferry bench: the server does not allow multi-conn; using 1 connection");
         conns = 1;
     }
-    let span = match &a.span {
-        Some(s) => parse_size(s)?.min(first.size()),
+    let span = match spec.span {
+        Some(s) => s.min(first.size()),
         None => first.size(),
     };
     let blocks = span / bs as u64;
@@ -101,15 +214,15 @@ fn nbd(a: NbdArgs) -> Result<i32> {
     }
     let mut all = vec![first];
     for _ in 1..conns {
-        all.push(Connection::connect(&uri, &opts)?);
+        all.push(Connection::connect(uri, &opts)?);
     }
-    let duration = Duration::from_secs_f64(a.duration);
+    let (q, pct, duration) = (spec.requests, spec.read_percent, spec.duration);
     let start = Instant::now();
     let results: Vec<Result<Stats>> = std::thread::scope(|s| {
         let handles: Vec<_> = all
             .into_iter()
             .enumerate()
-            .map(|(i, c)| s.spawn(move || load(c, i as u64, bs, blocks, a.requests, a.read_percent, duration)))
+            .map(|(i, c)| s.spawn(move || load(c, i as u64, bs, blocks, q, pct, duration)))
             .collect();
         handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("worker panicked")))).collect()
     });
@@ -123,34 +236,7 @@ fn nbd(a: NbdArgs) -> Result<i32> {
         lat.extend(st.lat);
     }
     lat.sort_unstable();
-    let pct = |p: f64| -> f64 {
-        if lat.is_empty() {
-            return 0.0;
-        }
-        let i = ((lat.len() as f64 * p / 100.0).ceil() as usize).clamp(1, lat.len()) - 1;
-        lat[i] as f64 / 1000.0
-    };
-    let ops = reads + writes;
-    let iops = ops as f64 / secs;
-    let gibs = ops as f64 * bs as f64 / secs / (1u64 << 30) as f64;
-    if a.json {
-        let v = json!({
-            "uri": uri.to_string(), "connections": conns, "requests": a.requests, "block_size": bs,
-            "read_percent": a.read_percent, "seconds": secs, "reads": reads, "writes": writes,
-            "iops": iops, "gib_per_s": gibs,
-            "latency_us": {"p50": pct(50.0), "p99": pct(99.0), "p99.9": pct(99.9)},
-        });
-        println!("{v}");
-    } else {
-        println!(
-            "{conns} connection(s) x {} in flight, {bs}-byte requests, {}% reads, {secs:.2} s",
-            a.requests, a.read_percent
-        );
-        println!("IOPS: {iops:.0}  ({reads} reads, {writes} writes)");
-        println!("throughput: {gibs:.3} GiB/s");
-        println!("latency us: p50 {:.1}  p99 {:.1}  p99.9 {:.1}", pct(50.0), pct(99.0), pct(99.9));
-    }
-    Ok(0)
+    Ok(Report { connections: conns, secs, reads, writes, bs, lat, fixed: None })
 }
 
 /// One connection's load loop: keep `q` requests in flight until `duration` is over.

@@ -16,14 +16,17 @@ use std::time::{Duration, Instant};
 pub struct CopyArgs {
     /// Source: an NBD URI (nbd://HOST[:PORT]/EXPORT, nbd+unix:///EXPORT?socket=PATH), a
     /// file or block device (a qcow2 image is read through its format), qcow2:PATH,
-    /// raw:PATH, or `-` for stdin.
+    /// raw:PATH, a Ceph RBD image (rbd:POOL/IMAGE[@SNAP][?conf=PATH&id=USER&keyring=PATH]),
+    /// or `-` for stdin.
     src: String,
     /// Destination: an NBD URI, a file or block device (PATH.qcow2 or qcow2:PATH makes a new
-    /// qcow2 image; see --format), `-` for stdout, or `null:` to discard.
+    /// qcow2 image; see --format), an RBD image (created with the source's size if it does
+    /// not exist), `-` for stdout, or `null:` to discard.
     dst: String,
     /// Connections to each NBD server (used only where the server allows multi-conn).
     /// Default: 4, or one per CPU core when there are fewer (each connection has its own
-    /// worker thread; more busy threads than cores measured slower).
+    /// worker thread; more busy threads than cores measured slower); 8 when an end is an
+    /// RBD image (its workers wait for the cluster, not for a core).
     #[arg(short = 'C', long, value_name = "N")]
     connections: Option<usize>,
     /// Requests in flight per connection. Default: 4 MiB worth (4 of 1M), at most 64;
@@ -67,17 +70,30 @@ pub struct CopyArgs {
     format: Option<crate::image::Format>,
 }
 
-/// A new qcow2 destination the source's size (the size must be known up front).
-fn qcow2_destination(src: &Endpoint, path: &str) -> Result<(Endpoint, Arc<ferry_qcow2::Qcow2>)> {
-    let size = source_size(src)?;
-    let q = Arc::new(
-        ferry_qcow2::Qcow2::create(std::path::Path::new(path), size, 64 << 10)
-            .with_context(|| format!("cannot create qcow2 image {path}"))?,
-    );
-    Ok((Endpoint::Backend(BackendEndpoint::new(path.to_string(), q.clone()).zeroed()), q))
+/// A local destination: a new qcow2 image the source's size (which must be known up
+/// front), or a raw file or block device.
+fn local_destination(args: &CopyArgs, src: &Endpoint) -> Result<Endpoint> {
+    let dst = Endpoint::parse(&args.dst).with_context(|| format!("destination {:?}", args.dst))?;
+    if !matches!(dst, Endpoint::File(_)) {
+        if args.format.is_some() {
+            anyhow::bail!("--format applies to local destinations only, not {:?}", args.dst);
+        }
+        return Ok(dst);
+    }
+    let (format, path) = crate::image::destination_format(&args.dst, args.format);
+    Ok(match format {
+        Format::Qcow2 => {
+            let size = source_size(src)?;
+            let q = ferry_qcow2::Qcow2::create(std::path::Path::new(&path), size, 64 << 10)
+                .with_context(|| format!("cannot create qcow2 image {path}"))?;
+            Endpoint::Backend(BackendEndpoint::new(path, Arc::new(q)).zeroed())
+        }
+        Format::Raw => Endpoint::File(path.into()),
+    })
 }
 
-fn source_size(src: &Endpoint) -> Result<u64> {
+/// The size of a source, to create a destination image that does not exist yet.
+pub(crate) fn source_size(src: &Endpoint) -> Result<u64> {
     Ok(match src {
         Endpoint::Backend(b) => b.backend().size(),
         Endpoint::File(p) => {
@@ -93,28 +109,22 @@ fn source_size(src: &Endpoint) -> Result<u64> {
             size
         }
         Endpoint::Stdio | Endpoint::Null => {
-            anyhow::bail!("a qcow2 destination needs a source of known size, not a stream")
+            anyhow::bail!("a stream has no size to create an image with; create the destination first")
         }
     })
 }
 
 pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
     let src = crate::image::source(&args.src).with_context(|| format!("source {:?}", args.src))?;
-    let mut dst = Endpoint::parse(&args.dst).with_context(|| format!("destination {:?}", args.dst))?;
-    let mut image = None;
-    if matches!(dst, Endpoint::File(_)) {
-        let (format, path) = crate::image::destination_format(&args.dst, args.format);
-        dst = match format {
-            Format::Qcow2 => {
-                let (d, q) = qcow2_destination(&src, &path)?;
-                image = Some(q);
-                d
+    let dst = match crate::rbd_spec::destination(&args.dst, &src)? {
+        Some(e) => {
+            if args.format.is_some() {
+                anyhow::bail!("--format applies to local destinations only, not {:?}", args.dst);
             }
-            Format::Raw => Endpoint::File(path.into()),
-        };
-    } else if args.format.is_some() {
-        anyhow::bail!("--format applies to local destinations only, not {:?}", args.dst);
-    }
+            e
+        }
+        None => local_destination(&args, &src)?,
+    };
     let request_size = match &args.request_size {
         Some(v) => parse_size(v).context("--request-size")?,
         None => 1 << 20,
@@ -123,7 +133,10 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
         anyhow::bail!("--request-size must be between 1 byte and 32M");
     }
     let opts = CopyOptions {
-        connections: args.connections.unwrap_or_else(default_connections),
+        connections: args
+            .connections
+            .or_else(|| crate::rbd_spec::copy_workers(&args.src, &args.dst))
+            .unwrap_or_else(default_connections),
         requests: args.requests.unwrap_or_else(|| ((4usize << 20) / request_size as usize).clamp(1, 64)),
         request_size: request_size as usize,
         zero_block: ferry_client::copy::DEFAULT_ZERO_BLOCK,
@@ -154,9 +167,10 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
         }
         r
     })?;
-    if let Some(q) = image {
-        // The metadata of a new image goes to disk before we say it is done.
-        ferry_backend::Backend::flush(&*q).with_context(|| format!("cannot finish {}", args.dst))?;
+    // A backend destination (a new qcow2 image's metadata, an RBD image's write-back
+    // cache) is durable before success is reported.
+    if let Endpoint::Backend(b) = &dst {
+        b.backend().flush().with_context(|| format!("cannot finish {}", b.name()))?;
     }
     if let Some(d) = &report.digest {
         println!("{}  {}", ferry_hash::hex(d), args.src);

@@ -1,7 +1,8 @@
 //! One opener for what `serve`, `copy`, `hash` and `info` are given: `qcow2:PATH`,
 //! `raw:PATH`, `file:PATH` (raw, with a warning when it holds a qcow2 image), a bare local
 //! path (probed: the qcow2 magic means the qcow2 layer, anything else is raw), and the
-//! backend specs (`memory:`, `null:`, `pattern:`).
+//! backend specs (`memory:`, `null:`, `pattern:`), and Ceph RBD images (`rbd:`, in
+//! `rbd_spec`).
 
 use anyhow::{Context, Result};
 use ferry_backend::{Backend, FileBackend, ReadOnly};
@@ -66,6 +67,9 @@ pub fn open_qcow2(p: &Path, read_only: bool) -> Result<Arc<Qcow2>> {
 
 /// Opens a spec as a backend (what `ferry serve` exports).
 pub fn open_backend(spec: &str, read_only: bool) -> Result<Arc<dyn Backend>> {
+    if crate::rbd_spec::is_rbd(spec) {
+        return crate::rbd_spec::open_backend(spec, read_only);
+    }
     let b: Arc<dyn Backend> = match classify(spec) {
         Spec::Qcow2(p) => open_qcow2(&p, read_only)?,
         Spec::Raw(p) => {
@@ -82,6 +86,9 @@ pub fn open_backend(spec: &str, read_only: bool) -> Result<Arc<dyn Backend>> {
 /// A copy or hash source: NBD URIs, `-` and `null:` as the copy engine parses them, raw
 /// files as files (sendfile, SEEK_HOLE), qcow2 images and backend specs as backends.
 pub fn source(spec: &str) -> Result<Endpoint> {
+    if let Some(e) = crate::rbd_spec::source(spec)? {
+        return Ok(e);
+    }
     let e = Endpoint::parse(spec)?;
     if !matches!(e, Endpoint::File(_)) {
         return Ok(e);

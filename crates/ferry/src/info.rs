@@ -16,8 +16,9 @@ use serde_json::{json, Value};
 
 #[derive(Args, Debug)]
 pub struct InfoArgs {
-    /// NBD URI (nbd://HOST[:PORT]/EXPORT or nbd+unix:///EXPORT?socket=PATH), or a local
-    /// disk image (qcow2 or raw; qcow2:PATH, raw:PATH).
+    /// NBD URI (nbd://HOST[:PORT]/EXPORT or nbd+unix:///EXPORT?socket=PATH), a local disk
+    /// image (qcow2 or raw; qcow2:PATH, raw:PATH), or an RBD image: rbd:POOL/IMAGE[@SNAP]
+    /// (size, object size, features, snapshots).
     uri: String,
     /// Machine-readable output (nbdinfo's field names).
     #[arg(long)]
@@ -34,6 +35,9 @@ pub struct InfoArgs {
 }
 
 pub fn run(args: InfoArgs) -> Result<i32> {
+    if let Some(code) = crate::rbd_spec::info(&args.uri, args.json)? {
+        return Ok(code);
+    }
     if !Uri::looks_like(&args.uri) {
         return local(&args);
     }

@@ -1,11 +1,13 @@
 //! `ferry`: move block data over NBD at the speed of the machine.
 
 mod bench;
+mod bench_conns;
 mod bench_socket;
 mod copy;
 mod hash;
 mod image;
 mod info;
+mod rbd_spec;
 mod serve;
 mod sockopts;
 
@@ -38,7 +40,8 @@ enum Command {
     Info(info::InfoArgs),
     /// blkhash checksums of disks: files, block devices, NBD exports, stdin.
     Hash(hash::HashArgs),
-    /// Measure: parallel NBD load (`bench nbd URI`).
+    /// Measure: NBD load against a server (`bench nbd URI`), raw socket throughput
+    /// (`bench socket`).
     Bench(bench::BenchArgs),
 }
 
@@ -64,8 +67,41 @@ fn main() {
     match result {
         Ok(code) => std::process::exit(code),
         Err(e) => {
-            eprintln!("ferry: error: {e:#}");
+            eprintln!("ferry: error: {}", chain(&e));
             std::process::exit(1);
         }
+    }
+}
+
+/// The error and its causes, `: `-separated, each cause printed once: a cause whose text
+/// its wrapper already ends with (a `#[error("cannot open {path}: {source}")]` that also
+/// returns `source` from `source()`) is not repeated.
+fn chain(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if out.ends_with(&text) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&text);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::chain;
+
+    #[test]
+    fn each_cause_is_printed_once() {
+        let io = std::io::Error::from_raw_os_error(2);
+        let e = anyhow::Error::new(ferry_backend::SpecError::Open { path: "/x".into(), source: io })
+            .context("source \"/x\"");
+        assert_eq!(chain(&e), "source \"/x\": cannot open /x: No such file or directory (os error 2)");
+        let e = anyhow::anyhow!("inner").context("middle").context("outer");
+        assert_eq!(chain(&e), "outer: middle: inner");
     }
 }

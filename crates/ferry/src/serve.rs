@@ -15,8 +15,9 @@ use std::time::Duration;
 pub struct ServeArgs {
     /// The default export: a local PATH (a qcow2 image is served through its format, any
     /// other file raw), qcow2:PATH, raw:PATH, memory:SIZE (sparse RAM disk), file:PATH (file or block
-    /// device, always raw), null:SIZE (discards writes, reads zeroes) or pattern:SIZE (read-only;
-    /// each 8-byte word holds its offset). Sizes take K, M, G, T suffixes.
+    /// device, always raw), null:SIZE (discards writes, reads zeroes), pattern:SIZE (read-only;
+    /// each 8-byte word holds its offset) or rbd:POOL/IMAGE[@SNAP][?conf=PATH&id=USER&keyring=PATH]
+    /// (a Ceph RBD image; snapshots are read-only). Sizes take K, M, G, T suffixes.
     #[arg(value_name = "SPEC")]
     spec: String,
     /// Listen on this Unix socket instead of TCP.
@@ -41,9 +42,20 @@ pub struct ServeArgs {
     /// and exit with its status.
     #[arg(long, value_name = "CMD")]
     run: Option<String>,
-    /// Connections beyond this many are closed at once.
-    #[arg(long, default_value_t = 100, value_name = "N")]
-    max_connections: usize,
+    /// Connections beyond this many are closed at once (and logged). Default: as many
+    /// as the file-descriptor limit allows (ferry raises RLIMIT_NOFILE to its hard
+    /// limit at start and logs the figure). Idle connections hold no thread and no
+    /// buffer, so thousands cost little.
+    #[arg(long, value_name = "N")]
+    max_connections: Option<usize>,
+    /// Connections from one client IP address beyond this many are closed at once
+    /// (TCP; default: no per-client limit).
+    #[arg(long, value_name = "N")]
+    max_connections_per_client: Option<usize>,
+    /// Close connections that sent nothing for this many seconds, once everything they
+    /// asked for is answered (default: never; a paused VM keeps its connections).
+    #[arg(long, value_name = "SECS")]
+    idle_timeout: Option<f64>,
     /// Drop a client that has not finished the handshake after this many seconds.
     #[arg(long, default_value_t = 10.0, value_name = "SECS")]
     handshake_timeout: f64,
@@ -189,13 +201,37 @@ pub fn run(args: ServeArgs) -> Result<i32> {
     if !(args.handshake_timeout > 0.0 && args.handshake_timeout.is_finite()) {
         bail!("--handshake-timeout must be a positive number of seconds");
     }
-    if args.max_connections == 0 {
-        bail!("--max-connections must be at least 1");
+    if args.max_connections == Some(0) || args.max_connections_per_client == Some(0) {
+        bail!("--max-connections and --max-connections-per-client must be at least 1");
     }
+    let idle_timeout = match args.idle_timeout {
+        None => None,
+        Some(t) if t > 0.0 && t.is_finite() => Some(Duration::from_secs_f64(t)),
+        Some(_) => bail!("--idle-timeout must be a positive number of seconds"),
+    };
+    let nofile = ferry_server::raise_fd_limit();
+    let ceiling = ferry_server::connection_ceiling(nofile);
+    let max_connections = match args.max_connections {
+        Some(n) if n > ceiling => {
+            log::warn!(
+                "--max-connections {n} is more than RLIMIT_NOFILE={nofile} allows (one descriptor each, \
+                 {} kept for the server); raise the hard limit (ulimit -Hn, LimitNOFILE=) to accept that many",
+                ferry_server::RESERVED_FDS
+            );
+            n
+        }
+        Some(n) => n,
+        None => ceiling,
+    };
+    // Idle connections give their buffers back: make sure the allocator does too.
+    ferry_sock::return_large_frees_to_kernel();
     let (tls_policy, tls) = tls_config(&args)?;
     let explicit = args.sockets.buffers()?;
     let config = Config {
-        max_connections: args.max_connections,
+        max_connections,
+        max_connections_per_client: args.max_connections_per_client,
+        idle_timeout,
+        idle_grace: ferry_server::DEFAULT_IDLE_GRACE,
         handshake_timeout: Duration::from_secs_f64(args.handshake_timeout),
         unix_buffers: BufferConfig::for_unix(explicit),
         tcp_buffers: explicit,
@@ -228,6 +264,8 @@ pub fn run(args: ServeArgs) -> Result<i32> {
         log::info!("{name}: {} ({} bytes)", e.backend.describe(), e.backend.size());
     }
     log::info!("listening on {uri}{}", if tls_policy == TlsPolicy::On { " (TLS offered)" } else { "" });
+    let per_client = args.max_connections_per_client.map(|n| format!(", {n} per client address")).unwrap_or_default();
+    log::info!("accepting up to {max_connections} connections{per_client} (RLIMIT_NOFILE={nofile})");
 
     let mut server = Server::new(exports, config)?;
     let handle = server.shutdown_handle();

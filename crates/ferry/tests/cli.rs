@@ -203,3 +203,43 @@ fn read_only_file_export_leaves_file_untouched() {
     let out = run_ok(&mut cmd("nbdinfo", ["--json", &server.uri()]));
     assert!(out.stdout.contains("\"is_read_only\": true"), "{}", out.stdout);
 }
+
+/// An OS error is printed once, not once by the error that embeds it and again as its
+/// `source()` (issue 13: "No such file or directory (os error 2): No such file or
+/// directory (os error 2)").
+#[test]
+fn each_os_error_is_printed_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("nonexistent");
+    let missing = missing.to_str().unwrap();
+    let cases: [&[&str]; 3] = [
+        &["copy", missing, "null:"],
+        &["copy", "/dev/zero", &format!("{missing}/sub/dst.img")],
+        &["serve", &format!("file:{missing}")],
+    ];
+    for args in cases {
+        let out = ferry_fails(args);
+        let n = out.stderr.matches("No such file or directory").count();
+        assert_eq!(n, 1, "`ferry {}`: the OS error must appear exactly once\n{}", args.join(" "), out.describe());
+        assert!(out.stderr.contains(missing), "the message must name the path\n{}", out.describe());
+    }
+}
+
+/// `ferry --help` names every `bench` subcommand in its one-line summary.
+#[test]
+fn bench_summary_names_its_subcommands() {
+    let out = ferry_run(&["--help"]);
+    assert!(out.status.success(), "{}", out.describe());
+    let line = out.stdout.lines().find(|l| l.trim_start().starts_with("bench")).expect("bench in --help");
+    let subs = ferry_run(&["bench", "--help"]);
+    let mut named = 0;
+    for l in subs.stdout.lines().skip_while(|l| !l.starts_with("Commands:")).skip(1) {
+        let Some(sub) = l.split_whitespace().next() else { break };
+        if sub == "help" {
+            continue;
+        }
+        assert!(line.contains(&format!("bench {sub}")), "`ferry --help` line {line:?} must name `bench {sub}`");
+        named += 1;
+    }
+    assert!(named >= 2, "ferry bench --help lists its subcommands\n{}", subs.describe());
+}

@@ -396,15 +396,8 @@ fn max_connections_cap() {
     let server = Server::unix("memory:16M", &["--max-connections", "2"]);
     // The readiness probe's connection may take a moment to be forgotten.
     let connect_ok = || {
-        let mut got = None;
-        wait_until(Duration::from_secs(5), || match RawClient::try_handshake(&server) {
-            Ok(c) => {
-                got = Some(c.0);
-                true
-            }
-            Err(_) => false,
-        });
-        got.expect("could not connect within the connection cap")
+        RawClient::handshake_within(&server, Duration::from_secs(5))
+            .expect("could not connect within the connection cap")
     };
     let mut c1 = connect_ok();
     let mut c2 = connect_ok();

@@ -13,17 +13,18 @@
 //!   behind a long batch.
 
 use crate::exports::{Export, Exports};
-use crate::server::Config;
+use crate::server::{Config, Shared, Slot};
 use crate::zerocopy::ZeroCopySender;
 use ferry_backend::{Extent, ZeroMode};
 use ferry_proto::consts::{command_name, NbdError};
 use ferry_proto::handshake::{Progress, ServerHandshake};
 use ferry_proto::reply::ReplyWriter;
 use ferry_proto::request::{Command, PayloadPlan, RequestError, RequestHeader, Session};
-use ferry_sock::{AlignedBuf, Counters, Stream};
+use ferry_sock::{AlignedBuf, Stream};
 use ferry_tls::Transport;
 use std::io::{self, IoSlice, Read};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Why a connection ended early.
@@ -33,6 +34,8 @@ pub enum ConnError {
     Io(#[from] io::Error),
     #[error("handshake failed: {0}")]
     Handshake(#[from] ferry_proto::HandshakeError),
+    #[error("the server is shutting down")]
+    ShuttingDown,
     #[error("handshake did not finish within {0:?}")]
     HandshakeTimeout(std::time::Duration),
     #[error("client closed the connection during the handshake")]
@@ -62,43 +65,40 @@ const SENDFILE_MIN: usize = 64 * 1024;
 const LARGE_PAYLOAD: usize = 64 * 1024;
 /// Most extents returned for one BLOCK_STATUS (bounded reply size).
 const MAX_EXTENTS: usize = 64 * 1024;
-/// Handshake receive buffer: the largest option (64 KiB of data) plus its header.
+/// Handshake receive buffer at most: the largest option (64 KiB of data) plus its header.
 const HANDSHAKE_BUF: usize = ferry_proto::consts::MAX_OPTION_DATA as usize + 64;
+/// ... and at first: every option a real client sends fits.
+const HANDSHAKE_BUF_START: usize = 4096;
 
-pub fn serve(stream: Stream, exports: &Exports, config: &Config, counters: &Mutex<Counters>) -> Result<(), ConnError> {
+/// Serves a new connection on its own thread: the handshake, then requests until the
+/// client leaves or goes idle (then the connection is parked on the poller).
+pub(crate) fn serve(stream: Stream, slot: Slot, shared: Arc<Shared>) {
     let peer = stream.peer();
     let mut stream = Transport::from(stream);
-    let result = serve_inner(&mut stream, exports, config, counters);
-    if stream.is_tls() {
-        let _ = stream.shutdown(std::net::Shutdown::Both);
-    }
-    *counters.lock().unwrap_or_else(|e| e.into_inner()) = stream.stats();
-    if config.stats {
-        log::info!("{peer}: {}", stream.stats());
-    }
-    result
-}
-
-fn serve_inner(
-    stream: &mut Transport,
-    exports: &Exports,
-    config: &Config,
-    counters: &Mutex<Counters>,
-) -> Result<(), ConnError> {
-    let Some((negotiated, leftover)) = handshake(stream, exports, config)? else {
-        return Ok(());
+    let negotiated = match handshake(&mut stream, &shared.exports, &shared.config, &shared.stop) {
+        Ok(Some(n)) => n,
+        Ok(None) => return end(stream, &slot, &shared.config, Ok(())),
+        Err(e) => return end(stream, &slot, &shared.config, Err(e)),
     };
-    let export = exports.get(&negotiated.export.name).expect("negotiated export exists").clone();
+    let (negotiated, leftover) = negotiated;
+    let export = shared.exports.get(&negotiated.export.name).expect("negotiated export exists").clone();
     log::debug!(
-        "{}: export {:?} ({}), {:?} replies, flags 0x{:04x}, {}",
-        stream.peer(),
+        "{peer}: export {:?} ({}), {:?} replies, flags 0x{:04x}, {}",
         export.name,
         export.backend.describe(),
         negotiated.mode,
         negotiated.flags,
         stream.tls_description().unwrap_or_else(|| "no TLS".into())
     );
-    let mut t = Transmission::new(stream, counters, export, negotiated.session(), ReplyWriter::new(negotiated.mode));
+    let config = &shared.config;
+    let mut t = Box::new(Transmission::new(
+        stream,
+        slot,
+        shared.clone(),
+        export,
+        negotiated.session(),
+        ReplyWriter::new(negotiated.mode),
+    ));
     // sendfile pays on Unix sockets (one copy instead of two); on TCP loopback it measured
     // slower than pread + writev (BENCHMARKING.md), so TCP keeps the buffered path.
     // Under TLS the bytes must pass through the cipher, so sendfile cannot apply.
@@ -109,17 +109,65 @@ fn serve_inner(
     }
     // Zero-copy needs the kernel to send the very bytes of the arena: never under TLS
     // (`--zerocopy=on` with TLS is refused at start).
-    t.zc = match t.stream.plain_mut() {
-        Some(s) => ZeroCopySender::new(config.zerocopy, s)?,
-        None => None,
-    };
+    if let Some(s) = t.stream.plain_mut() {
+        match ZeroCopySender::new(config.zerocopy, s) {
+            Ok(zc) => t.zc = zc,
+            Err(e) => return t.close(Err(e.into())),
+        }
+    }
+    // Requests stay on this thread while they come; a read that waits longer than the
+    // idle grace period returns, and the connection is parked (see `Transmission::run`).
+    if let Err(e) = t.stream.set_read_timeout(Some(config.idle_grace)) {
+        return t.close(Err(e.into()));
+    }
+    t.acquire();
     t.rx[..leftover.len()].copy_from_slice(&leftover);
     t.tail = leftover.len();
-    let result = t.run();
-    if let (Some(zc), Some(s)) = (&mut t.zc, t.stream.plain_mut()) {
-        zc.finish(s);
+    drive(t);
+}
+
+/// Takes a parked connection back on a new thread (the poller saw its socket readable).
+pub(crate) fn resume(mut t: Box<Transmission>, _shared: Arc<Shared>) {
+    t.acquire();
+    drive(t);
+}
+
+/// Serves requests until the client leaves (the connection ends here) or goes idle
+/// (it is parked).
+fn drive(mut t: Box<Transmission>) {
+    match t.run() {
+        Ok(Step::Idle) => {
+            t.release();
+            let shared = t.shared.clone();
+            shared.poller.park(t);
+        }
+        Ok(Step::Closed) => t.close(Ok(())),
+        Err(e) => t.close(Err(e)),
     }
-    result
+}
+
+/// The end of a connection: statistics, the log line. The registry slot goes with it.
+fn end(mut stream: Transport, slot: &Slot, config: &Config, result: Result<(), ConnError>) {
+    let peer = stream.peer();
+    if stream.is_tls() {
+        let _ = stream.shutdown(std::net::Shutdown::Both);
+    }
+    *slot.counters.lock().unwrap_or_else(|e| e.into_inner()) = stream.stats();
+    if config.stats {
+        log::info!("{peer}: {}", stream.stats());
+    }
+    match result {
+        Ok(()) => log::debug!("{peer}: connection closed"),
+        Err(e) => log::info!("{peer}: connection dropped: {e}"),
+    }
+}
+
+/// Why [`Transmission::run`] returned.
+enum Step {
+    /// The client disconnected (or the server is stopping): close.
+    Closed,
+    /// Nothing came for the idle grace period and nothing is left to answer: park.
+    Idle,
 }
 
 /// Runs the handshake. `Ok(None)`: the client aborted cleanly.
@@ -127,11 +175,13 @@ fn handshake(
     stream: &mut Transport,
     exports: &Exports,
     config: &Config,
+    stop: &AtomicBool,
 ) -> Result<Option<(ferry_proto::Negotiated, Vec<u8>)>, ConnError> {
     let deadline = Instant::now() + config.handshake_timeout;
     let mut out = Vec::new();
     let mut hs = ServerHandshake::with_tls(&mut out, config.tls_policy);
-    let mut buf = vec![0u8; HANDSHAKE_BUF];
+    // Grows (up to the largest option) only when a message does not fit.
+    let mut buf = vec![0u8; HANDSHAKE_BUF_START];
     let (mut head, mut tail) = (0usize, 0usize);
     loop {
         // Consume every complete message already received.
@@ -171,22 +221,26 @@ fn handshake(
         if head == tail {
             head = 0;
             tail = 0;
-        } else if tail == buf.len() {
+        } else if tail == buf.len() && head > 0 {
             buf.copy_within(head..tail, 0);
             tail -= head;
             head = 0;
+        } else if tail == buf.len() {
+            buf.resize((buf.len() * 4).min(HANDSHAKE_BUF), 0);
         }
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return Err(ConnError::HandshakeTimeout(config.handshake_timeout));
         }
-        stream.set_read_timeout(Some(left))?;
+        if stop.load(Ordering::SeqCst) {
+            return Err(ConnError::ShuttingDown);
+        }
+        // Wake up at least once a grace period to see whether the server is stopping.
+        stream.set_read_timeout(Some(left.min(config.idle_grace)))?;
         match stream.read(&mut buf[tail..]) {
             Ok(0) => return Err(ConnError::HandshakeEof),
             Ok(n) => tail += n,
-            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
-                return Err(ConnError::HandshakeTimeout(config.handshake_timeout))
-            }
+            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {}
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e.into()),
         }
@@ -254,10 +308,16 @@ impl SendQueue {
     }
 }
 
-struct Transmission<'a> {
-    stream: &'a mut Transport,
-    /// Where this connection publishes its statistics (read on SIGUSR1).
-    counters: &'a Mutex<Counters>,
+/// A connection in the transmission phase: its socket, session and buffers. Buffers
+/// exist only while a thread serves it ([`Transmission::acquire`]); a parked
+/// connection is this struct with empty buffers.
+pub(crate) struct Transmission {
+    stream: Transport,
+    /// Its place in the registry, and where it publishes its statistics (read on SIGUSR1).
+    slot: Slot,
+    shared: Arc<Shared>,
+    /// When the client last sent something or was last answered (for `--idle-timeout`).
+    last_active: Instant,
     export: Arc<Export>,
     session: Session,
     writer: ReplyWriter,
@@ -288,10 +348,11 @@ struct Transmission<'a> {
     disconnect: bool,
 }
 
-impl<'a> Transmission<'a> {
+impl Transmission {
     fn new(
-        stream: &'a mut Transport,
-        counters: &'a Mutex<Counters>,
+        stream: Transport,
+        slot: Slot,
+        shared: Arc<Shared>,
         export: Arc<Export>,
         session: Session,
         writer: ReplyWriter,
@@ -299,20 +360,17 @@ impl<'a> Transmission<'a> {
         let sparse_threshold = if writer.chunked() { export.backend.sparse_read_threshold() } else { None };
         Transmission {
             stream,
-            counters,
+            slot,
+            shared,
+            last_active: Instant::now(),
             export,
             session,
             writer,
-            rx: vec![0u8; RECV_BUF],
+            rx: Vec::new(),
             head: 0,
             tail: 0,
             wbuf: AlignedBuf::default(),
-            tx: SendQueue {
-                headers: Vec::with_capacity(64 * 1024),
-                data: vec![0u8; 1 << 20],
-                used: 0,
-                parts: Vec::new(),
-            },
+            tx: SendQueue { headers: Vec::new(), data: Vec::new(), used: 0, parts: Vec::new() },
             extents: Vec::new(),
             sparse_threshold,
             large_writes: false,
@@ -326,7 +384,106 @@ impl<'a> Transmission<'a> {
         }
     }
 
-    fn run(&mut self) -> Result<(), ConnError> {
+    /// Allocates the buffers a thread serves the connection with.
+    fn acquire(&mut self) {
+        self.rx = vec![0u8; RECV_BUF];
+        self.tx.headers = Vec::with_capacity(64 * 1024);
+        self.tx.data = vec![0u8; 1 << 20];
+    }
+
+    /// Gives every buffer back before the connection is parked: nothing is queued and
+    /// no request is partly received (see `run`). Zero-copy arenas the kernel still
+    /// holds are waited for first.
+    fn release(&mut self) {
+        debug_assert!(self.head == self.tail && !self.tx.pending());
+        if let (Some(zc), Some(s)) = (&mut self.zc, self.stream.plain_mut()) {
+            zc.finish(s);
+        }
+        (self.rx, self.head, self.tail) = (Vec::new(), 0, 0);
+        self.wbuf = AlignedBuf::default();
+        self.tx.headers = Vec::new();
+        self.tx.data = Vec::new();
+        self.tx.parts = Vec::new();
+        self.extents = Vec::new();
+        self.stream.release_buffers();
+        self.publish();
+    }
+
+    /// Ends the connection.
+    fn close(mut self: Box<Self>, result: Result<(), ConnError>) {
+        if let (Some(zc), Some(s)) = (&mut self.zc, self.stream.plain_mut()) {
+            zc.finish(s);
+        }
+        let t = *self;
+        end(t.stream, &t.slot, &t.shared.config, result);
+    }
+
+    /// Publishes the socket statistics where SIGUSR1 and the totals read them.
+    fn publish(&self) {
+        *self.slot.counters.lock().unwrap_or_else(|e| e.into_inner()) = self.stream.stats();
+    }
+
+    pub(crate) fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.stream.as_fd()
+    }
+
+    pub(crate) fn id(&self) -> u64 {
+        self.slot.id()
+    }
+
+    pub(crate) fn peer(&self) -> String {
+        self.stream.peer()
+    }
+
+    pub(crate) fn last_active(&self) -> Instant {
+        self.last_active
+    }
+
+    /// `--idle-timeout` has passed since the client was last heard from or answered.
+    fn timed_out(&self) -> bool {
+        self.shared.config.idle_timeout.is_some_and(|t| self.last_active.elapsed() >= t)
+    }
+
+    /// Reads into `rx[tail..end]`. `Ok(None)`: nothing came within the idle grace period.
+    fn read_more(&mut self, end: usize) -> io::Result<Option<usize>> {
+        loop {
+            return match self.stream.read(&mut self.rx[self.tail..end]) {
+                Ok(n) => {
+                    self.last_active = Instant::now();
+                    Ok(Some(n))
+                }
+                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => Ok(None),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => Err(e),
+            };
+        }
+    }
+
+    /// Fills `buf` from the socket, however long the client takes (a payload in
+    /// flight is not idleness), unless the server is stopping.
+    fn read_full(stream: &mut Transport, stop: &AtomicBool, mut buf: &mut [u8]) -> io::Result<()> {
+        while !buf.is_empty() {
+            match stream.read(buf) {
+                Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Ok(n) => buf = &mut buf[n..],
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut | io::ErrorKind::Interrupted
+                    ) =>
+                {
+                    if stop.load(Ordering::SeqCst) {
+                        return Err(io::Error::other("the server is shutting down"));
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    fn run(&mut self) -> Result<Step, ConnError> {
         let ext = self.session.extended;
         let hlen = RequestHeader::wire_len(ext);
         loop {
@@ -358,8 +515,8 @@ impl<'a> Transmission<'a> {
                 }
             }
             self.flush()?;
-            if self.disconnect {
-                return Ok(());
+            if self.disconnect || self.shared.stop.load(Ordering::SeqCst) {
+                return Ok(Step::Closed);
             }
             // Keep the partial header (under 32 bytes) at the front, then read more.
             self.rx.copy_within(self.head..self.tail, 0);
@@ -369,11 +526,21 @@ impl<'a> Transmission<'a> {
             // then read straight into the write buffer instead of through `rx` (one copy
             // less per byte). Otherwise read as much as has arrived.
             let end = if self.large_writes { hlen.max(self.tail + 1) } else { self.rx.len() };
-            match self.stream.read(&mut self.rx[self.tail..end]) {
-                Ok(0) => return Ok(()),
-                Ok(n) => self.tail += n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e.into()),
+            match self.read_more(end)? {
+                Some(0) => return Ok(Step::Closed),
+                Some(n) => self.tail += n,
+                // The read waited the idle grace period. Everything received is answered.
+                None if self.timed_out() => {
+                    log::debug!(
+                        "{}: closing: no request for {:?} (--idle-timeout)",
+                        self.peer(),
+                        self.last_active.elapsed()
+                    );
+                    return Ok(Step::Closed);
+                }
+                // Part of a header, or plaintext OpenSSL holds: wait on this thread.
+                None if self.tail > 0 || self.stream.buffered() => {}
+                None => return Ok(Step::Idle),
             }
         }
     }
@@ -387,7 +554,9 @@ impl<'a> Transmission<'a> {
         let have = self.tail - start;
         self.wbuf[..have].copy_from_slice(&self.rx[start..self.tail]);
         self.head = self.tail;
-        self.stream.read_exact(&mut self.wbuf[have..n])
+        Self::read_full(&mut self.stream, &self.shared.stop, &mut self.wbuf[have..n])?;
+        self.last_active = Instant::now();
+        Ok(())
     }
 
     /// Reads and discards `n` payload bytes that are too large to accept.
@@ -398,11 +567,8 @@ impl<'a> Transmission<'a> {
         self.flush()?;
         while n > 0 {
             let want = n.min(self.rx.len() as u64) as usize;
-            let got = self.stream.read(&mut self.rx[..want])?;
-            if got == 0 {
-                return Err(io::ErrorKind::UnexpectedEof.into());
-            }
-            n -= got as u64;
+            Self::read_full(&mut self.stream, &self.shared.stop, &mut self.rx[..want])?;
+            n -= want as u64;
         }
         self.head = 0;
         self.tail = 0;
@@ -416,7 +582,7 @@ impl<'a> Transmission<'a> {
             return Ok(());
         }
         let zerocopy = match &mut self.zc {
-            Some(zc) => zc.wants(plain(self.stream)?, self.tx.used)?,
+            Some(zc) => zc.wants(plain(&mut self.stream)?, self.tx.used)?,
             None => false,
         };
         let tx = &self.tx;
@@ -434,7 +600,7 @@ impl<'a> Transmission<'a> {
             }
         }
         let zc_ticket = match &mut self.zc {
-            Some(zc) if zerocopy => Some(zc.send(plain(self.stream)?, &mut iov)?),
+            Some(zc) if zerocopy => Some(zc.send(plain(&mut self.stream)?, &mut iov)?),
             _ => {
                 self.stream.send_all(&mut iov)?;
                 None
@@ -443,14 +609,15 @@ impl<'a> Transmission<'a> {
         drop(iov);
         if let (Some(ticket), Some(zc)) = (zc_ticket, &mut self.zc) {
             // The kernel holds the arenas just sent until `ticket` completes: swap in others.
-            zc.retire(plain(self.stream)?, ticket, &mut self.tx.headers, &mut self.tx.data)?;
+            zc.retire(plain(&mut self.stream)?, ticket, &mut self.tx.headers, &mut self.tx.data)?;
         }
         self.tx.parts.clear();
         self.tx.headers.clear();
         self.tx.used = 0;
         self.file_bytes = 0;
         self.queued = 0;
-        *self.counters.lock().unwrap_or_else(|e| e.into_inner()) = self.stream.stats();
+        self.last_active = Instant::now();
+        self.publish();
         Ok(())
     }
 

@@ -1,25 +1,34 @@
-//! The accept loop: listeners, the connection cap, and clean shutdown.
+//! The accept loop: listeners, connection limits, and clean shutdown.
 
 use crate::conn;
 use crate::exports::Exports;
+use crate::poller::Poller;
 use crate::zerocopy::ZeroCopy;
 use ferry_sock::{BufferConfig, Counters, Listener, Stream};
 use rustix::event::{poll, PollFd, PollFlags};
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
-use std::net::Shutdown;
+use std::net::IpAddr;
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Server settings.
 #[derive(Debug, Clone)]
 pub struct Config {
-    /// Connections over this many are closed at once.
+    /// Connections over this many are closed at once (see [`connection_ceiling`]).
     pub max_connections: usize,
+    /// Connections from one client IP address over this many are closed at once
+    /// (TCP only; `None`: no per-client limit).
+    pub max_connections_per_client: Option<usize>,
+    /// Close a connection that sent nothing for this long, once everything it asked for
+    /// is answered (`None`: never).
+    pub idle_timeout: Option<Duration>,
+    /// A connection whose thread waited this long for a request gives its buffers back
+    /// and is parked on the poller thread until the socket is readable again.
+    pub idle_grace: Duration,
     /// A client that has not finished the handshake by then is dropped.
     pub handshake_timeout: Duration,
     /// Buffers for Unix-socket connections (see [`BufferConfig::for_unix`]).
@@ -43,10 +52,23 @@ pub struct Config {
     pub zerocopy: ZeroCopy,
 }
 
+/// Default of [`Config::idle_grace`]: long enough that a client with requests in flight
+/// or a short pause between bursts keeps its thread (parking and waking cost a thread
+/// start and a fresh buffer), short enough that thousands of idle connections hold
+/// neither threads nor buffers.
+pub const DEFAULT_IDLE_GRACE: Duration = Duration::from_millis(250);
+
+/// File descriptors kept out of the connection ceiling: stdio, listeners, export files,
+/// the poller's epoll and wake-up descriptors, log files, `--run`'s pipes.
+pub const RESERVED_FDS: u64 = 64;
+
 impl Default for Config {
     fn default() -> Self {
         Config {
-            max_connections: 100,
+            max_connections: 10_000,
+            max_connections_per_client: None,
+            idle_timeout: None,
+            idle_grace: DEFAULT_IDLE_GRACE,
             handshake_timeout: Duration::from_secs(10),
             unix_buffers: BufferConfig::for_unix(BufferConfig::default()),
             tcp_buffers: BufferConfig::default(),
@@ -58,6 +80,25 @@ impl Default for Config {
             zerocopy: ZeroCopy::default(),
         }
     }
+}
+
+/// Raises `RLIMIT_NOFILE`'s soft limit to its hard limit and returns the new soft limit
+/// (unchanged if it cannot be raised). Each connection holds one descriptor.
+pub fn raise_fd_limit() -> u64 {
+    use rustix::process::{getrlimit, setrlimit, Resource};
+    let lim = getrlimit(Resource::Nofile);
+    if lim.current.is_some() && lim.current != lim.maximum {
+        let raised = rustix::process::Rlimit { current: lim.maximum, maximum: lim.maximum };
+        if let Err(e) = setrlimit(Resource::Nofile, raised) {
+            log::debug!("cannot raise RLIMIT_NOFILE to its hard limit: {e}");
+        }
+    }
+    getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX)
+}
+
+/// How many connections `nofile` descriptors can hold, beside [`RESERVED_FDS`].
+pub fn connection_ceiling(nofile: u64) -> usize {
+    nofile.saturating_sub(RESERVED_FDS).max(1).min(usize::MAX as u64) as usize
 }
 
 /// Asks a running server to stop: stop accepting, let every connection finish the
@@ -95,12 +136,12 @@ impl ShutdownHandle {
     }
 }
 
-/// Live connections, so shutdown can stop them reading.
+/// Live connections: counts (in total and per client address) and statistics.
 #[derive(Default)]
-struct Registry {
+pub(crate) struct Registry {
     next: AtomicU64,
     active: AtomicUsize,
-    streams: Mutex<HashMap<u64, Stream>>,
+    per_client: Mutex<HashMap<IpAddr, usize>>,
     /// Counters of live connections (each published by its thread) ...
     live: Mutex<HashMap<u64, Arc<Mutex<Counters>>>>,
     /// ... and the sum over closed ones.
@@ -109,27 +150,101 @@ struct Registry {
 
 impl Registry {
     fn totals(&self) -> Counters {
-        let mut t = *self.closed.lock().unwrap_or_else(|e| e.into_inner());
-        for c in self.live.lock().unwrap_or_else(|e| e.into_inner()).values() {
-            t.add(&c.lock().unwrap_or_else(|e| e.into_inner()));
+        let mut t = *lock(&self.closed);
+        for c in lock(&self.live).values() {
+            t.add(&lock(c));
         }
         t
     }
 }
 
-/// Removes a connection from the registry when its thread ends, however it ends.
-struct Slot {
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A connection's place in the registry; dropping it (wherever the connection ends:
+/// its thread or the poller) removes the connection.
+pub(crate) struct Slot {
     id: u64,
+    ip: Option<IpAddr>,
     reg: Arc<Registry>,
+    pub(crate) counters: Arc<Mutex<Counters>>,
+}
+
+impl Slot {
+    pub(crate) fn id(&self) -> u64 {
+        self.id
+    }
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        self.reg.streams.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.id);
-        if let Some(c) = self.reg.live.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.id) {
-            self.reg.closed.lock().unwrap_or_else(|e| e.into_inner()).add(&c.lock().unwrap_or_else(|e| e.into_inner()));
+        if let Some(c) = lock(&self.reg.live).remove(&self.id) {
+            lock(&self.reg.closed).add(&lock(&c));
+        }
+        if let Some(ip) = self.ip {
+            let mut m = lock(&self.reg.per_client);
+            if let Some(n) = m.get_mut(&ip) {
+                *n -= 1;
+                if *n == 0 {
+                    m.remove(&ip);
+                }
+            }
         }
         self.reg.active.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// What every connection thread and the poller share.
+pub(crate) struct Shared {
+    pub(crate) exports: Arc<Exports>,
+    pub(crate) config: Config,
+    /// Set on shutdown: threads stop reading, the poller closes parked connections.
+    pub(crate) stop: Arc<AtomicBool>,
+    pub(crate) poller: Poller,
+}
+
+/// Stack of connection threads. Their deepest path is a backend call from the
+/// transmission loop (or OpenSSL's handshake) with every buffer on the heap; 256 KiB
+/// is several times what they touch, and only touched pages are resident.
+pub const CONN_STACK: usize = 256 * 1024;
+
+impl Shared {
+    /// Runs `f` on a new connection thread; `false` if no thread could be started (then
+    /// `f`, and the connection it owns, is dropped: the socket closes).
+    pub(crate) fn spawn(name: String, f: impl FnOnce() + Send + 'static) -> bool {
+        match std::thread::Builder::new().name(name).stack_size(CONN_STACK).spawn(f) {
+            Ok(_) => true,
+            Err(e) => {
+                log::error!("cannot start a connection thread: {e}");
+                false
+            }
+        }
+    }
+}
+
+/// A warning that is logged at most once per interval, with a count of the ones
+/// held back.
+struct RateLimited {
+    last: Option<Instant>,
+    held: u64,
+}
+
+impl RateLimited {
+    const INTERVAL: Duration = Duration::from_secs(5);
+
+    fn warn(&mut self, msg: std::fmt::Arguments<'_>) {
+        if self.last.is_some_and(|t| t.elapsed() < Self::INTERVAL) {
+            self.held += 1;
+            return;
+        }
+        if self.held > 0 {
+            log::warn!("{msg} ({} more like this in the last {} s)", self.held, Self::INTERVAL.as_secs());
+        } else {
+            log::warn!("{msg}");
+        }
+        self.last = Some(Instant::now());
+        self.held = 0;
     }
 }
 
@@ -171,7 +286,15 @@ impl Server {
             l.set_nonblocking(true)?;
         }
         let reg = Arc::new(Registry::default());
-        let mut threads: Vec<JoinHandle<()>> = Vec::new();
+        let shared = Arc::new(Shared {
+            exports: self.exports.clone(),
+            config: self.config.clone(),
+            stop: self.flag.clone(),
+            poller: Poller::new()?,
+        });
+        let poller = shared.poller.start(shared.clone())?;
+        let mut refusals = RateLimited { last: None, held: 0 };
+        let mut accept_errors = RateLimited { last: None, held: 0 };
         while !self.flag.load(Ordering::SeqCst) {
             let mut fds: Vec<PollFd> = listeners.iter().map(|l| PollFd::new(l, PollFlags::IN)).collect();
             fds.push(PollFd::new(&self.wake_rx, PollFlags::IN));
@@ -187,7 +310,8 @@ impl Server {
                 while matches!((&self.wake_rx).read(&mut b), Ok(n) if n > 0) {}
                 if self.handle.stats_flag.swap(false, Ordering::SeqCst) {
                     let live = reg.active.load(Ordering::SeqCst);
-                    log::info!("statistics ({live} connections open): {}", reg.totals());
+                    let parked = shared.poller.parked();
+                    log::info!("statistics ({live} connections open, {parked} of them idle): {}", reg.totals());
                 }
                 if self.flag.load(Ordering::SeqCst) {
                     break;
@@ -202,25 +326,30 @@ impl Server {
                         Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                         Err(e) => {
                             // EMFILE and friends: log, back off, keep serving the others.
-                            log::warn!("accept failed: {e}");
+                            let open = reg.active.load(Ordering::SeqCst);
+                            accept_errors.warn(format_args!(
+                                "accept failed with {open} connections open: {e} (raise the hard \
+                                 RLIMIT_NOFILE, or lower --max-connections)"
+                            ));
                             std::thread::sleep(Duration::from_millis(50));
                             break;
                         }
                     };
-                    if let Some(t) = self.spawn(stream, &reg) {
-                        threads.push(t);
+                    match self.admit(&stream, &reg) {
+                        Ok(slot) => self.spawn(stream, slot, &shared),
+                        Err(why) => refusals.warn(format_args!("refusing connection from {}: {why}", stream.peer())),
                     }
                 }
             }
-            threads.retain(|t| !t.is_finished());
         }
         log::info!("shutting down: finishing in-flight requests");
-        for s in reg.streams.lock().unwrap_or_else(|e| e.into_inner()).values() {
-            let _ = s.shutdown(Shutdown::Read);
+        shared.poller.wake();
+        // Threads see the flag within one idle grace period (their read timeout), or
+        // after answering what they are executing; the poller closes parked ones.
+        while reg.active.load(Ordering::SeqCst) > 0 {
+            std::thread::sleep(Duration::from_millis(10));
         }
-        for t in threads {
-            let _ = t.join();
-        }
+        let _ = poller.join();
         self.totals = reg.totals();
         for e in self.exports.iter() {
             if let Err(err) = e.backend.flush() {
@@ -230,47 +359,39 @@ impl Server {
         Ok(())
     }
 
-    fn spawn(&self, stream: Stream, reg: &Arc<Registry>) -> Option<JoinHandle<()>> {
-        let peer = stream.peer();
-        if reg.active.load(Ordering::SeqCst) >= self.config.max_connections {
-            log::warn!(
-                "refusing connection from {peer}: {} connections already open (--max-connections)",
-                self.config.max_connections
-            );
-            return None;
+    /// Counts a new connection in, or says which limit refuses it.
+    fn admit(&self, stream: &Stream, reg: &Arc<Registry>) -> Result<Slot, String> {
+        let max = self.config.max_connections;
+        if reg.active.load(Ordering::SeqCst) >= max {
+            return Err(format!("{max} connections already open (--max-connections)"));
+        }
+        let ip = stream.peer_ip();
+        if let (Some(ip), Some(limit)) = (ip, self.config.max_connections_per_client) {
+            let mut m = lock(&reg.per_client);
+            let n = m.entry(ip).or_insert(0);
+            if *n >= limit {
+                return Err(format!("{limit} connections from {ip} already open (--max-connections-per-client)"));
+            }
+            *n += 1;
+        } else if let Some(ip) = ip {
+            *lock(&reg.per_client).entry(ip).or_insert(0) += 1;
         }
         reg.active.fetch_add(1, Ordering::SeqCst);
         let id = reg.next.fetch_add(1, Ordering::SeqCst);
-        let slot = Slot { id, reg: reg.clone() };
-        if let Ok(clone) = stream.try_clone() {
-            reg.streams.lock().unwrap_or_else(|e| e.into_inner()).insert(id, clone);
-        }
         let counters = Arc::new(Mutex::new(Counters::default()));
-        reg.live.lock().unwrap_or_else(|e| e.into_inner()).insert(id, counters.clone());
-        if self.flag.load(Ordering::SeqCst) {
-            return None;
-        }
-        let exports = self.exports.clone();
-        let config = self.config.clone();
-        let peer2 = peer.clone();
-        let spawned = std::thread::Builder::new().name(format!("conn-{id}")).spawn(move || {
-            let _slot = slot;
-            let peer = peer2;
-            let bufs = if stream.is_unix() { config.unix_buffers } else { config.tcp_buffers };
+        lock(&reg.live).insert(id, counters.clone());
+        Ok(Slot { id, ip, reg: reg.clone(), counters })
+    }
+
+    fn spawn(&self, stream: Stream, slot: Slot, shared: &Arc<Shared>) {
+        let shared = shared.clone();
+        let name = format!("conn-{}", slot.id);
+        Shared::spawn(name, move || {
+            let bufs = if stream.is_unix() { shared.config.unix_buffers } else { shared.config.tcp_buffers };
             if let Err(e) = stream.apply(bufs) {
-                log::warn!("{peer}: cannot set socket buffers: {e}");
+                log::warn!("{}: cannot set socket buffers: {e}", stream.peer());
             }
-            match conn::serve(stream, &exports, &config, &counters) {
-                Ok(()) => log::debug!("{peer}: connection closed"),
-                Err(e) => log::info!("{peer}: connection dropped: {e}"),
-            }
+            conn::serve(stream, slot, shared);
         });
-        match spawned {
-            Ok(t) => Some(t),
-            Err(e) => {
-                log::error!("cannot start a thread for {peer}: {e}");
-                None
-            }
-        }
     }
 }

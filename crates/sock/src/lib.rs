@@ -195,6 +195,14 @@ impl Stream {
         }
     }
 
+    /// The peer's IP address (TCP only), for per-client limits.
+    pub fn peer_ip(&self) -> Option<std::net::IpAddr> {
+        match &self.inner {
+            Inner::Tcp(s) => s.peer_addr().ok().map(|a| a.ip()),
+            Inner::Unix(_) => None,
+        }
+    }
+
     /// Sends every byte of `bufs` in as few syscalls as possible: one writev per up to
     /// `IOV_MAX` slices, looping only on short writes. Returns the syscalls made.
     pub fn send_all(&mut self, mut bufs: &mut [IoSlice<'_>]) -> io::Result<u32> {
@@ -412,6 +420,28 @@ pub fn listen_fds() -> io::Result<Option<Vec<Listener>>> {
         out.push(listener);
     }
     Ok(Some(out))
+}
+
+/// Makes freed large buffers go back to the kernel at once.
+///
+/// glibc serves allocations of 128 KiB or more with their own `mmap` and unmaps them on
+/// `free`, but only until the first such block is freed: then it raises that threshold
+/// to the freed size, and later buffers of that size come from the heap, where a freed
+/// block in the middle stays resident. A server that gives the receive buffers and
+/// arenas of idle connections back (thousands of them, each up to 1.5 MiB) needs every
+/// such free to reach the kernel, so this fixes the threshold at 128 KiB. Call once at
+/// start, before other threads exist. Elsewhere than glibc it does nothing.
+pub fn return_large_frees_to_kernel() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: mallopt only changes allocator parameters (it takes glibc's arena
+        // lock); M_MMAP_THRESHOLD with a value below its 32 MiB maximum is valid, and
+        // a failure (return 0) leaves the allocator as it was.
+        let ok = unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, 128 * 1024) };
+        if ok == 0 {
+            log::debug!("mallopt(M_MMAP_THRESHOLD) refused: freed buffers may stay resident");
+        }
+    }
 }
 
 /// A byte buffer whose first byte is page-aligned, for payloads received from a socket:

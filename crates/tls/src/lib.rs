@@ -353,7 +353,9 @@ fn finish(r: Result<SslStream<Wire>, HandshakeError<Wire>>) -> Result<TlsStream,
 /// so the records of one batch leave in one syscall.
 struct Wire {
     stream: Stream,
-    rbuf: Box<[u8]>,
+    /// Ciphertext read ahead; empty while the connection is parked (allocated on the
+    /// next read).
+    rbuf: Vec<u8>,
     rpos: usize,
     rlen: usize,
     wbuf: Vec<u8>,
@@ -361,13 +363,16 @@ struct Wire {
 
 impl Wire {
     fn new(stream: Stream) -> Wire {
-        Wire { stream, rbuf: vec![0; WIRE_READ].into_boxed_slice(), rpos: 0, rlen: 0, wbuf: Vec::new() }
+        Wire { stream, rbuf: Vec::new(), rpos: 0, rlen: 0, wbuf: Vec::new() }
     }
 }
 
 impl Read for Wire {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         if self.rpos == self.rlen {
+            if self.rbuf.is_empty() {
+                self.rbuf = vec![0; WIRE_READ];
+            }
             self.rlen = self.stream.read(&mut self.rbuf)?;
             self.rpos = 0;
         }
@@ -475,6 +480,21 @@ impl TlsStream {
     pub fn buffered(&self) -> bool {
         let w = self.ssl.get_ref();
         self.ssl.ssl().pending() > 0 || w.rpos < w.rlen
+    }
+
+    /// Gives back the read-ahead, cork and write buffers while nothing is in them (an
+    /// idle connection); they are allocated again when needed.
+    pub fn release_buffers(&mut self) {
+        let w = self.ssl.get_mut();
+        if w.rpos == w.rlen {
+            (w.rbuf, w.rpos, w.rlen) = (Vec::new(), 0, 0);
+        }
+        if w.wbuf.is_empty() {
+            w.wbuf = Vec::new();
+        }
+        if self.cork.is_empty() {
+            self.cork = Vec::new();
+        }
     }
 
     /// Sends close_notify (best effort).
@@ -585,6 +605,13 @@ impl Transport {
         match self {
             Transport::Plain(s) => s.send_file(file, offset, len).map(drop),
             _ => Err(io::Error::new(io::ErrorKind::Unsupported, "sendfile cannot be used under TLS")),
+        }
+    }
+
+    /// Gives back buffers held between reads (see [`TlsStream::release_buffers`]).
+    pub fn release_buffers(&mut self) {
+        if let Transport::Tls(t) = self {
+            t.release_buffers();
         }
     }
 

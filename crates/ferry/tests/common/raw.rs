@@ -127,6 +127,19 @@ impl RawClient {
         Ok((c, size, flags))
     }
 
+    /// Like [`try_handshake`], retried for up to `timeout` (a connection that just left,
+    /// such as the readiness probe's, may take a moment to be forgotten by a limit).
+    pub fn handshake_within(server: &Server, timeout: Duration) -> Option<RawClient> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            match Self::try_handshake(server) {
+                Ok((c, _, _)) => return Some(c),
+                Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
+                Err(_) => return None,
+            }
+        }
+    }
+
     pub fn set_timeout(&self, d: Duration) {
         self.s.set_read_timeout(Some(d));
         self.s.set_write_timeout(Some(d));

@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# ferry and its peers on Ceph RBD, side by side in one run, on a throwaway single-node
+# cluster (scripts/ceph-cluster: one monitor, one memstore OSD, on the same cores as
+# everything else). Data: SIZE_G GiB of AES-CTR bytes in /dev/shm. Medians of 3 runs.
+#   serve:  ferry serve rbd:rbd/src  vs  qemu-nbd -f raw rbd:rbd/src (Unix sockets),
+#           read by nbdcopy -> null:, ferry copy -> null:, qemu-img convert -> /dev/shm,
+#           and fio 4k randread/randwrite (iodepth 32, one connection, FIO_SECS s)
+#   copy:   file -> rbd (a new image each time) and rbd -> file (/dev/shm):
+#           ferry copy vs qemu-img convert vs rbd import/export
+#   ceiling: rbd bench (librbd straight to the OSD, 16 threads)
+# Needs qemu's rbd driver: apt-get install -t bookworm-backports qemu-block-extra.
+# Run from the project root after `cargo build --release -p ferry`.
+set -u
+HERE=$(cd "$(dirname "$0")" && pwd)
+. "$HERE/lib.sh"
+FERRY=${FERRY:-$PWD/target/release/ferry}
+SIZE_G=${SIZE_G:-2}
+FIO_SECS=${FIO_SECS:-10}
+W=$(mktemp -d /dev/shm/rbdb.XXXX)
+C=$(mktemp -d /tmp/rbdb-cluster.XXXX)
+rmdir "$C"
+cleanup() {
+  kill $(jobs -p) 2>/dev/null
+  wait 2>/dev/null
+  "$HERE/../scripts/ceph-cluster" stop "$C"
+  rm -rf "$W"
+}
+trap cleanup EXIT
+CEPH_MEMSTORE_BYTES=$(((SIZE_G * 3 + 4) << 30)) "$HERE/../scripts/ceph-cluster" start "$C" >/dev/null || exit 1
+export CEPH_CONF=$C/ceph.conf
+openssl enc -aes-128-ctr -pass pass:rbd -nosalt -pbkdf2 </dev/zero 2>/dev/null | head -c $((SIZE_G << 30)) >"$W/img"
+rbd import --no-progress "$W/img" rbd/src
+rbd create --size 1G rbd/fio
+rbd bench --io-type write --io-size 4M --io-total 1G rbd/fio >/dev/null 2>&1
+
+echo "# $(date -u '+%Y-%m-%d %H:%M UTC'), SIZE_G=$SIZE_G, load: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "$(ceph --version | cut -d' ' -f1-3), $(qemu-img --version | head -1), $(nbdcopy --version | head -1), $(fio --version)"
+
+# ---- serving ---------------------------------------------------------------------
+serve() { # serve ferry|qemu IMAGE SOCKET
+  case $1 in
+  ferry) "$FERRY" serve -q --unix "$3" "rbd:rbd/$2" 2>/dev/null & ;;
+  qemu) qemu-nbd -f raw -t -e 16 --cache=writeback --socket="$3" "rbd:rbd/$2" 2>/dev/null & ;;
+  esac
+  SERVER=$!
+  wait_sock "$3"
+}
+fio_iops() { # fio_iops URI RW
+  fio --name=b --ioengine=nbd --uri="$1" --rw="$2" --bs=4k --size=1G --iodepth=32 --time_based \
+    --runtime="$FIO_SECS" --randrepeat=1 --output-format=terse 2>/dev/null |
+    awk -F';' -v rw="$2" '/^3;/ {print (rw == "randread") ? $8 : $49}'
+}
+echo
+echo "| serving rbd/src ($SIZE_G GiB) over a Unix socket | ferry serve | qemu-nbd | ferry/qemu-nbd |"
+echo "|---|---|---|---|"
+declare -A R
+for s in ferry qemu; do
+  serve $s src "$W/$s.sock"
+  U="nbd+unix:///?socket=$W/$s.sock"
+  R[$s,nbdcopy]=$(gibs nbdcopy "$U" null:)
+  R[$s,ferry]=$(gibs "$FERRY" copy "$U" null:)
+  R[$s,qemu]=$(gibs qemu-img convert -f raw -O raw "$U" "$W/out")
+  rm -f "$W/out"
+  kill $SERVER; wait $SERVER 2>/dev/null
+  serve $s fio "$W/$s.sock"
+  R[$s,rr]=$(fio_iops "$U" randread)
+  R[$s,rw]=$(fio_iops "$U" randwrite)
+  kill $SERVER; wait $SERVER 2>/dev/null
+done
+row() { printf "| %s | %s | %s | %.2f |\n" "$1" "${R[ferry,$2]}" "${R[qemu,$2]}" "$(echo "${R[ferry,$2]} / ${R[qemu,$2]}" | bc -l)"; }
+row "nbdcopy -> null: (GiB/s)" nbdcopy
+row "ferry copy -> null: (GiB/s)" ferry
+row "qemu-img convert -> /dev/shm file (GiB/s)" qemu
+row "fio 4k randread, iodepth 32 (IOPS)" rr
+row "fio 4k randwrite, iodepth 32 (IOPS)" rw
+
+# ---- copying ---------------------------------------------------------------------
+echo
+echo "| copy $SIZE_G GiB (GiB/s, median of 3) | ferry copy | qemu-img convert | rbd import/export |"
+echo "|---|---|---|---|"
+to_rbd() { # a new image each round
+  rbd rm --no-progress rbd/dst >/dev/null 2>&1
+  "$@"
+}
+a=$(gibs to_rbd "$FERRY" copy "$W/img" rbd:rbd/dst)
+b=$(gibs to_rbd qemu-img convert -f raw -O raw "$W/img" rbd:rbd/dst)
+c=$(gibs to_rbd rbd import --no-progress "$W/img" rbd/dst)
+echo "| file -> rbd (new image) | $a | $b | $c |"
+rbd rm --no-progress rbd/dst >/dev/null 2>&1
+from_rbd() { rm -f "$W/out"; "$@"; }
+a=$(gibs from_rbd "$FERRY" copy rbd:rbd/src "$W/out")
+b=$(gibs from_rbd qemu-img convert -f raw -O raw rbd:rbd/src "$W/out")
+c=$(gibs from_rbd rbd export --no-progress rbd/src "$W/out")
+cmp -s "$W/out" "$W/img" || echo "rbd export differs from the source!"
+rm -f "$W/out"
+"$FERRY" copy rbd:rbd/src "$W/out" && { cmp -s "$W/out" "$W/img" || echo "ferry copy differs from the source!"; }
+rm -f "$W/out"
+echo "| rbd -> file (/dev/shm) | $a | $b | $c |"
+
+# ---- the cluster's own ceiling -----------------------------------------------------
+echo
+echo "| rbd bench, 16 threads | result |"
+echo "|---|---|"
+bench() { rbd bench --io-threads 16 "$@" 2>&1 | awk '/elapsed/ {print}' | sed 's/  */ /g'; }
+echo "| write 4M seq, $SIZE_G GiB | $(bench --io-type write --io-size 4M --io-total ${SIZE_G}G rbd/src) |"
+echo "| read 4M seq, $SIZE_G GiB | $(bench --io-type read --io-size 4M --io-total ${SIZE_G}G rbd/src) |"
+echo "| write 4k rand, 256 MiB | $(bench --io-type write --io-size 4K --io-pattern rand --io-total 256M rbd/fio) |"
+echo "| read 4k rand, 256 MiB | $(bench --io-type read --io-size 4K --io-pattern rand --io-total 256M rbd/fio) |"

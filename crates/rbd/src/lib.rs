@@ -1,0 +1,342 @@
+//! Ceph RBD images as ferry backends, through Ceph's own client library (librbd).
+//!
+//! [`RbdImage`] implements [`ferry_backend::Backend`], so `ferry serve` exports an image
+//! and `ferry copy` reads from or writes into one like any other backend. The spec is
+//! `rbd:POOL[/NAMESPACE]/IMAGE[@SNAP][?conf=PATH&id=USER&keyring=PATH&timeout=SECS]`
+//! (qemu's `:key=value` form is accepted too); any other key is a Ceph option passed to
+//! librados (`mon_host=...`).
+//!
+//! The `Backend` trait is synchronous: the server calls it from each connection's thread
+//! and the copy engine from each worker. Inside one call, a read or write is cut at object
+//! boundaries and every piece is in flight at once through librbd's asynchronous API
+//! (one completion each, no thread per request); many calls are in flight at once
+//! through several connections or workers sharing one image handle.
+//!
+//! All `unsafe` code is in the `ffi` module.
+#![deny(unsafe_code)]
+
+mod ffi;
+mod spec;
+
+pub use spec::{is_rbd, Spec};
+
+use ferry_backend::{push_extent, Backend, Capabilities, Error, ErrorKind, Extent, ZeroMode, DATA, HOLE};
+use std::io;
+
+/// librados' errno values that get their own message.
+mod errno {
+    pub const EPERM: i32 = 1;
+    pub const ENOENT: i32 = 2;
+    pub const EIO: i32 = 5;
+    pub const EACCES: i32 = 13;
+    pub const EBUSY: i32 = 16;
+    pub const EEXIST: i32 = 17;
+    pub const EROFS: i32 = 30;
+    pub const ETIMEDOUT: i32 = 110;
+}
+
+/// Why an image could not be opened or created, with what to do about it.
+#[derive(Debug, thiserror::Error)]
+pub enum RbdError {
+    #[error("bad RBD spec {spec:?}: {why}; write rbd:POOL/IMAGE[@SNAP][?conf=PATH&id=USER&keyring=PATH]")]
+    BadSpec { spec: String, why: String },
+    #[error("{image}: cannot read the Ceph configuration{}: {err}; pass ?conf=PATH or set CEPH_CONF", .conf.as_ref().map(|c| format!(" {c}")).unwrap_or_default())]
+    Config { image: String, conf: Option<String>, err: io::Error },
+    #[error("{image}: bad Ceph option ({step}): {err}")]
+    Option { image: String, step: &'static str, err: io::Error },
+    #[error("{image}: no Ceph monitor at {mon_host} answered within {secs} s; check that the cluster is up and `mon host` in the configuration (or ?conf=PATH) is right")]
+    Unreachable { image: String, mon_host: String, secs: u64 },
+    #[error("{image}: the cluster refused client.{user} ({err}); check the keyring (?keyring=PATH) holds that user's key and its caps allow this pool (`ceph auth get client.{user}`)")]
+    Denied { image: String, user: String, err: io::Error },
+    #[error("{image}: pool {pool:?} does not exist; create it (`ceph osd pool create {pool}` and `rbd pool init {pool}`) or fix the spec")]
+    NoPool { image: String, pool: String },
+    #[error("{image}: no such image{}; check `rbd ls {pool}`{}", .snap.as_ref().map(|s| format!(" or no snapshot {s:?}")).unwrap_or_default(), .snap.as_ref().map(|_| " and `rbd snap ls`").unwrap_or_default())]
+    NoImage { image: String, pool: String, snap: Option<String> },
+    #[error("{image}: the image is locked by another client ({err}); stop that client (`rbd status {image_name}` lists it), or open a snapshot or read-only")]
+    Locked { image: String, image_name: String, err: io::Error },
+    #[error("{image}: already exists")]
+    Exists { image: String },
+    #[error("{image}: {step} failed: {err}")]
+    Other { image: String, step: &'static str, err: io::Error },
+}
+
+fn os(errno: i32) -> io::Error {
+    io::Error::from_raw_os_error(errno)
+}
+
+/// Facts about an image, for `ferry info`.
+#[derive(Debug, Clone)]
+pub struct Info {
+    pub size: u64,
+    pub object_size: u64,
+    pub order: u32,
+    pub features: Vec<&'static str>,
+    /// (name, size) of each snapshot, oldest first.
+    pub snapshots: Vec<(String, u64)>,
+    pub read_only: bool,
+    pub snapshot: Option<String>,
+}
+
+/// An open RBD image.
+pub struct RbdImage {
+    spec: Spec,
+    image: ffi::Image,
+    size: u64,
+    object_size: u64,
+    order: u32,
+    features: u64,
+    read_only: bool,
+}
+
+/// Connects to the cluster a spec names and opens its pool.
+fn connect(spec: &Spec) -> Result<ffi::IoCtx, RbdError> {
+    let image = spec.to_string();
+    let secs = spec.timeout.as_secs().max(1);
+    let mut options: Vec<(&str, String)> = vec![
+        // A cluster that does not answer fails the connect after `secs`, not never.
+        ("client_mount_timeout", secs.to_string()),
+        ("rados_mon_op_timeout", secs.to_string()),
+        // An OSD that does not answer fails the request (EIO to the client) after a
+        // minute instead of hanging it forever.
+        ("rados_osd_op_timeout", "60".to_string()),
+        // NBD clients make writes durable with FLUSH (and FUA), which ferry passes to
+        // librbd, so the write-back cache may work from the first write instead of only
+        // after the first flush (the guard librbd keeps for guests that never flush).
+        ("rbd_cache_writethrough_until_flush", "false".to_string()),
+        // A sequential reader on one connection (qemu-img convert) keeps librbd's
+        // read-ahead for the whole image instead of the first 50 MiB (the default
+        // assumes a guest kernel doing its own), a few objects ahead.
+        ("rbd_readahead_disable_after_bytes", "0".to_string()),
+        ("rbd_readahead_max_bytes", (8u64 << 20).to_string()),
+    ];
+    if let Some(k) = &spec.keyring {
+        options.push(("keyring", k.clone()));
+    }
+    for (k, v) in &spec.options {
+        options.push((k.as_str(), v.clone()));
+    }
+    let cluster = ffi::Cluster::create(&spec.user, spec.conf.as_deref(), &options).map_err(|(step, e)| match step {
+        "rados_conf_read_file" => RbdError::Config { image: image.clone(), conf: spec.conf.clone(), err: os(e) },
+        _ => RbdError::Option { image: image.clone(), step, err: os(e) },
+    })?;
+    cluster.connect().map_err(|e| match e {
+        errno::ETIMEDOUT => RbdError::Unreachable {
+            image: image.clone(),
+            mon_host: cluster
+                .conf_get("mon_host")
+                .filter(|m| !m.is_empty())
+                .unwrap_or_else(|| "(none configured)".into()),
+            secs,
+        },
+        errno::EACCES | errno::EPERM => RbdError::Denied { image: image.clone(), user: spec.user.clone(), err: os(e) },
+        errno::ENOENT => RbdError::Config { image: image.clone(), conf: spec.conf.clone(), err: os(e) },
+        _ => RbdError::Other { image: image.clone(), step: "connecting to the cluster", err: os(e) },
+    })?;
+    cluster.ioctx(&spec.pool, spec.namespace.as_deref()).map_err(|e| match e {
+        errno::ENOENT => RbdError::NoPool { image, pool: spec.pool.clone() },
+        errno::EACCES | errno::EPERM => RbdError::Denied { image, user: spec.user.clone(), err: os(e) },
+        _ => RbdError::Other { image, step: "opening the pool", err: os(e) },
+    })
+}
+
+impl RbdImage {
+    /// Opens the image a spec names; at a snapshot or with `read_only`, read-only.
+    /// A writable image with the exclusive-lock feature is locked for as long as it is
+    /// open: another client holding the lock is an error, not a silent hand-over.
+    pub fn open(spec: &str, read_only: bool) -> Result<RbdImage, RbdError> {
+        let spec = Spec::parse(spec)?;
+        let io = connect(&spec)?;
+        let read_only = read_only || spec.snap.is_some();
+        let name = spec.to_string();
+        let other = |step: &'static str, e: i32| RbdError::Other { image: name.clone(), step, err: os(e) };
+        let image = io.open(&spec.image, spec.snap.as_deref(), read_only).map_err(|e| match e {
+            errno::ENOENT => {
+                RbdError::NoImage { image: name.clone(), pool: spec.pool.clone(), snap: spec.snap.clone() }
+            }
+            errno::EACCES | errno::EPERM => {
+                RbdError::Denied { image: name.clone(), user: spec.user.clone(), err: os(e) }
+            }
+            _ => other("opening the image", e),
+        })?;
+        let st = image.stat().map_err(|e| other("rbd_stat", e))?;
+        let features = image.features().map_err(|e| other("rbd_get_features", e))?;
+        if !read_only && features & ffi::RBD_FEATURE_EXCLUSIVE_LOCK as u64 != 0 {
+            image.lock_exclusive().map_err(|e| match e {
+                errno::EROFS | errno::EBUSY | errno::ETIMEDOUT => {
+                    RbdError::Locked { image: name.clone(), image_name: spec.path(), err: os(e) }
+                }
+                _ => other("taking the exclusive lock", e),
+            })?;
+        }
+        Ok(RbdImage { spec, image, size: st.size, object_size: st.object_size, order: st.order, features, read_only })
+    }
+
+    /// Creates the image a spec names, `size` bytes with 4 MiB objects and the pool's
+    /// default features. An existing image is [`RbdError::Exists`].
+    pub fn create(spec: &str, size: u64) -> Result<(), RbdError> {
+        let spec = Spec::parse(spec)?;
+        let name = spec.to_string();
+        if spec.snap.is_some() {
+            return Err(RbdError::BadSpec { spec: name, why: "a snapshot cannot be created as an image".into() });
+        }
+        let io = connect(&spec)?;
+        io.create(&spec.image, size, 22).map_err(|e| match e {
+            errno::EEXIST => RbdError::Exists { image: name.clone() },
+            errno::EACCES | errno::EPERM => {
+                RbdError::Denied { image: name.clone(), user: spec.user.clone(), err: os(e) }
+            }
+            _ => RbdError::Other { image: name.clone(), step: "creating the image", err: os(e) },
+        })
+    }
+
+    /// The spec this image was opened from, without its options.
+    pub fn spec(&self) -> &Spec {
+        &self.spec
+    }
+
+    pub fn object_size(&self) -> u64 {
+        self.object_size
+    }
+
+    fn has(&self, feature: u32) -> bool {
+        self.features & feature as u64 != 0
+    }
+
+    /// Size, object size, features and snapshots.
+    pub fn info(&self) -> Result<Info, RbdError> {
+        let names = [
+            (ffi::RBD_FEATURE_LAYERING, "layering"),
+            (ffi::RBD_FEATURE_STRIPINGV2, "striping"),
+            (ffi::RBD_FEATURE_EXCLUSIVE_LOCK, "exclusive-lock"),
+            (ffi::RBD_FEATURE_OBJECT_MAP, "object-map"),
+            (ffi::RBD_FEATURE_FAST_DIFF, "fast-diff"),
+            (ffi::RBD_FEATURE_DEEP_FLATTEN, "deep-flatten"),
+            (ffi::RBD_FEATURE_JOURNALING, "journaling"),
+        ];
+        let snapshots = self.image.snapshots().map_err(|e| RbdError::Other {
+            image: self.spec.to_string(),
+            step: "listing snapshots",
+            err: os(e),
+        })?;
+        Ok(Info {
+            size: self.size,
+            object_size: self.object_size,
+            order: self.order,
+            features: names.iter().filter(|(f, _)| self.has(*f)).map(|(_, n)| *n).collect(),
+            snapshots: snapshots.into_iter().map(|(_, n, s)| (n, s)).collect(),
+            read_only: self.read_only,
+            snapshot: self.spec.snap.clone(),
+        })
+    }
+
+    fn err(op: &'static str, offset: u64, length: u64, e: i32) -> Error {
+        let e = if e == 0 { errno::EIO } else { e };
+        Error::io(op, offset, length, os(e))
+    }
+
+    fn flush_if(&self, fua: bool, op: &'static str, offset: u64, length: u64) -> ferry_backend::Result<()> {
+        if fua {
+            self.image.flush().map_err(|e| Self::err(op, offset, length, e))?;
+        }
+        Ok(())
+    }
+}
+
+impl Backend for RbdImage {
+    fn describe(&self) -> String {
+        self.spec.to_string()
+    }
+
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// Multi-conn is safe: every connection of one ferry server goes through this one
+    /// image handle (one librbd cache), so a FLUSH on any connection covers writes
+    /// completed on all of them. It says nothing about other processes: see
+    /// ARCHITECTURE.md on several servers in front of one pool.
+    fn caps(&self) -> Capabilities {
+        let w = !self.read_only;
+        Capabilities {
+            read_only: self.read_only,
+            flush: true,
+            fua: w,
+            trim: w,
+            zero: w,
+            fast_zero: false,
+            multi_conn: true,
+            cache: false,
+            extents: true,
+        }
+    }
+
+    fn read(&self, buf: &mut [u8], offset: u64) -> ferry_backend::Result<()> {
+        self.image.read(buf, offset, self.object_size).map_err(|e| Self::err("read", offset, buf.len() as u64, e))
+    }
+
+    fn write(&self, buf: &[u8], offset: u64, fua: bool) -> ferry_backend::Result<()> {
+        if self.read_only {
+            return Err(Error::new(ErrorKind::ReadOnly, "write", offset, buf.len() as u64));
+        }
+        self.image.write(buf, offset, self.object_size).map_err(|e| Self::err("write", offset, buf.len() as u64, e))?;
+        self.flush_if(fua, "write", offset, buf.len() as u64)
+    }
+
+    fn flush(&self) -> ferry_backend::Result<()> {
+        self.image.flush().map_err(|e| Self::err("flush", 0, 0, e))
+    }
+
+    fn trim(&self, offset: u64, length: u64, fua: bool) -> ferry_backend::Result<()> {
+        if self.read_only {
+            return Err(Error::new(ErrorKind::ReadOnly, "trim", offset, length));
+        }
+        self.image.discard(offset, length).map_err(|e| Self::err("trim", offset, length, e))?;
+        self.flush_if(fua, "trim", offset, length)
+    }
+
+    fn zero(&self, offset: u64, length: u64, mode: ZeroMode, fua: bool) -> ferry_backend::Result<()> {
+        if self.read_only {
+            return Err(Error::new(ErrorKind::ReadOnly, "zero", offset, length));
+        }
+        if mode.fast {
+            // Zeroing part of an object writes zeroes: not faster than a WRITE.
+            return Err(Error::new(ErrorKind::NotSupported, "zero", offset, length));
+        }
+        // librbd takes the length as size_t; cut very long ranges so it always fits.
+        let mut pos = offset;
+        let end = offset + length;
+        while pos < end {
+            let n = (end - pos).min(1 << 30);
+            self.image.write_zeroes(pos, n, !mode.may_trim).map_err(|e| Self::err("zero", pos, n, e))?;
+            pos += n;
+        }
+        self.flush_if(fua, "zero", offset, length)
+    }
+
+    /// From librbd's allocation data (`rbd_diff_iterate2` since creation): whole objects
+    /// from the object map where fast-diff is on, per-object listings otherwise (those
+    /// cost a round trip per object, so one call covers at most 256 objects).
+    fn extents(&self, offset: u64, length: u64, max: usize, out: &mut Vec<Extent>) -> ferry_backend::Result<()> {
+        let fast = self.has(ffi::RBD_FEATURE_FAST_DIFF);
+        let length = if fast { length } else { length.min(256 * self.object_size) };
+        let end = offset + length;
+        let found =
+            self.image.allocated(offset, length, fast).map_err(|e| Self::err("block status", offset, length, e))?;
+        let mut ex = Vec::new();
+        let mut pos = offset;
+        for (off, len, exists) in found {
+            let (a, b) = (off.max(pos), (off + len).min(end));
+            if b <= a {
+                continue;
+            }
+            push_extent(&mut ex, a - pos, HOLE);
+            push_extent(&mut ex, b - a, if exists { DATA } else { HOLE });
+            pos = b;
+        }
+        push_extent(&mut ex, end - pos, HOLE);
+        // Past `max`, the caller asks again from where the answer stopped.
+        ex.truncate(max.max(1));
+        out.extend(ex);
+        Ok(())
+    }
+}
