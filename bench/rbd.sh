@@ -76,26 +76,29 @@ row "fio 4k randwrite, iodepth 32 (IOPS)" rw
 
 # ---- copying ---------------------------------------------------------------------
 echo
-echo "| copy $SIZE_G GiB (GiB/s, median of 3) | ferry copy | qemu-img convert | rbd import/export |"
+echo "| copy $SIZE_G GiB (GiB/s, median of 3 interleaved rounds) | ferry copy | qemu-img convert | rbd import/export |"
 echo "|---|---|---|---|"
-to_rbd() { # a new image each round
-  rbd rm --no-progress rbd/dst >/dev/null 2>&1
-  "$@"
-}
-a=$(gibs to_rbd "$FERRY" copy "$W/img" rbd:rbd/dst)
-b=$(gibs to_rbd qemu-img convert -f raw -O raw "$W/img" rbd:rbd/dst)
-c=$(gibs to_rbd rbd import --no-progress "$W/img" rbd/dst)
-echo "| file -> rbd (new image) | $a | $b | $c |"
+# Round by round, each tool in turn, so a burst of load from elsewhere hits all three.
+declare -A T
+for round in 1 2 3; do
+  for t in ferry qemu rbd; do
+    rbd rm --no-progress rbd/dst >/dev/null 2>&1
+    rm -f "$W/out"
+    case $t in
+    ferry) in=("$FERRY" copy "$W/img" rbd:rbd/dst) out=("$FERRY" copy rbd:rbd/src "$W/out") ;;
+    qemu) in=(qemu-img convert -f raw -O raw "$W/img" rbd:rbd/dst) out=(qemu-img convert -f raw -O raw rbd:rbd/src "$W/out") ;;
+    rbd) in=(rbd import --no-progress "$W/img" rbd/dst) out=(rbd export --no-progress rbd/src "$W/out") ;;
+    esac
+    T[$t,in]+="$(secs "${in[@]}") "
+    T[$t,out]+="$(secs "${out[@]}") "
+    cmp -s "$W/out" "$W/img" || echo "$t: rbd -> file differs from the source!"
+  done
+done
+rm -f "$W/out"
 rbd rm --no-progress rbd/dst >/dev/null 2>&1
-from_rbd() { rm -f "$W/out"; "$@"; }
-a=$(gibs from_rbd "$FERRY" copy rbd:rbd/src "$W/out")
-b=$(gibs from_rbd qemu-img convert -f raw -O raw rbd:rbd/src "$W/out")
-c=$(gibs from_rbd rbd export --no-progress rbd/src "$W/out")
-cmp -s "$W/out" "$W/img" || echo "rbd export differs from the source!"
-rm -f "$W/out"
-"$FERRY" copy rbd:rbd/src "$W/out" && { cmp -s "$W/out" "$W/img" || echo "ferry copy differs from the source!"; }
-rm -f "$W/out"
-echo "| rbd -> file (/dev/shm) | $a | $b | $c |"
+rate() { local t; t=$(echo $1 | tr ' ' '\n' | grep -v FAIL | med); printf "%.2f" "$(echo "$SIZE_G / $t" | bc -l)"; }
+echo "| file -> rbd (new image) | $(rate "${T[ferry,in]}") | $(rate "${T[qemu,in]}") | $(rate "${T[rbd,in]}") |"
+echo "| rbd -> file (/dev/shm) | $(rate "${T[ferry,out]}") | $(rate "${T[qemu,out]}") | $(rate "${T[rbd,out]}") |"
 
 # ---- the cluster's own ceiling -----------------------------------------------------
 echo

@@ -68,19 +68,20 @@ mod imp {
     }
 
     pub fn source(spec: &str) -> Result<Endpoint> {
-        let img = RbdImage::open(spec, true)?;
+        let img = RbdImage::open_with(spec, true, false)?;
         Ok(Endpoint::Backend(BackendEndpoint::new(img.spec().to_string(), Arc::new(img))))
     }
 
     pub fn destination(spec: &str, src: &Endpoint) -> Result<Endpoint> {
-        match RbdImage::open(spec, false) {
+        // Without librbd's cache: see RbdImage::open_with.
+        match RbdImage::open_with(spec, false, false) {
             Ok(img) => Ok(Endpoint::Backend(BackendEndpoint::new(img.spec().to_string(), Arc::new(img)))),
             Err(RbdError::NoImage { snap: None, image, .. }) => {
                 let size = crate::copy::source_size(src)
                     .with_context(|| format!("{image} does not exist and must be created with the source's size"))?;
                 RbdImage::create(spec, size)?;
                 log::info!("created {image} ({size} bytes)");
-                let img = RbdImage::open(spec, false)?;
+                let img = RbdImage::open_with(spec, false, false)?;
                 Ok(Endpoint::Backend(BackendEndpoint::new(img.spec().to_string(), Arc::new(img)).zeroed()))
             }
             Err(e) => Err(e.into()),

@@ -339,6 +339,39 @@ fn kill_after_flush(c: &Cluster, tmp: &Path) {
     let _ = tmp;
 }
 
+/// Last, because it kills the OSD: a copy whose OSD dies fails within a bounded time
+/// (the OSD op timeout, 5 s here) with a message, instead of hanging. librbd's QoS limit
+/// slows the copy to 32 MiB/s so the OSD dies in the middle of it.
+fn osd_lost(c: &Cluster, tmp: &Path) {
+    let data = data_with_holes(96 << 20, 6);
+    let input = write_sparse_file(tmp, "lost.img", &data);
+    let spec = "rbd:rbd/lost?rados_osd_op_timeout=5&rbd_qos_write_bps_limit=33554432";
+    let t = Instant::now();
+    let mut child = ferry(&["copy", input.to_str().unwrap(), spec])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1000));
+    let pid = fs::read_to_string(c.dir.join("run/osd.0.pid")).unwrap().trim().to_string();
+    assert!(child.try_wait().unwrap().is_none(), "the copy finished before the OSD was killed");
+    run_ok(&mut cmd("kill", ["-9", pid.as_str()]));
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        if t.elapsed() > Duration::from_secs(100) {
+            let _ = child.kill();
+            panic!("ferry copy still running 100 s after its OSD was killed");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(!status.success() && err.contains("timed out"), "status {status}, stderr: {err}");
+    eprintln!("copy failed {:?} after the OSD was killed", t.elapsed() - Duration::from_secs(1));
+}
+
 #[test]
 fn rbd_cluster() {
     let t0 = Instant::now();
@@ -348,13 +381,14 @@ fn rbd_cluster() {
     std::env::set_var("CEPH_CONF", &cluster.conf);
     let tmp = tempfile::tempdir().unwrap();
     type Case = fn(&Cluster, &Path);
-    let cases: [(&str, Case); 6] = [
+    let cases: [(&str, Case); 7] = [
         ("import_serve_read", import_serve_read),
         ("write_through_nbd", write_through_nbd),
         ("copy_roundtrip", copy_roundtrip),
         ("snapshot_read_only", snapshot_read_only),
         ("errors", errors),
         ("kill_after_flush", kill_after_flush),
+        ("osd_lost", osd_lost),
     ];
     let mut failed = Vec::new();
     for (name, case) in cases {

@@ -88,8 +88,9 @@ pub struct RbdImage {
     read_only: bool,
 }
 
-/// Connects to the cluster a spec names and opens its pool.
-fn connect(spec: &Spec) -> Result<ffi::IoCtx, RbdError> {
+/// Connects to the cluster a spec names and opens its pool. Without `cache`, librbd's
+/// cache is off (the spec's own `rbd_cache=` still wins).
+fn connect(spec: &Spec, cache: bool) -> Result<ffi::IoCtx, RbdError> {
     let image = spec.to_string();
     let secs = spec.timeout.as_secs().max(1);
     let mut options: Vec<(&str, String)> = vec![
@@ -109,6 +110,9 @@ fn connect(spec: &Spec) -> Result<ffi::IoCtx, RbdError> {
         ("rbd_readahead_disable_after_bytes", "0".to_string()),
         ("rbd_readahead_max_bytes", (8u64 << 20).to_string()),
     ];
+    if !cache {
+        options.push(("rbd_cache", "false".to_string()));
+    }
     if let Some(k) = &spec.keyring {
         options.push(("keyring", k.clone()));
     }
@@ -144,8 +148,17 @@ impl RbdImage {
     /// A writable image with the exclusive-lock feature is locked for as long as it is
     /// open: another client holding the lock is an error, not a silent hand-over.
     pub fn open(spec: &str, read_only: bool) -> Result<RbdImage, RbdError> {
+        Self::open_with(spec, read_only, true)
+    }
+
+    /// [`RbdImage::open`] with librbd's cache on or off. Serving wants it (small writes
+    /// are merged until FLUSH); a copy does not: its writes are large, it flushes once at
+    /// the end, and with the cache on a write to an OSD that died waits forever instead of
+    /// failing after `rados_osd_op_timeout` (measured: still hung after 150 s; without
+    /// the cache the copy fails with ETIMEDOUT).
+    pub fn open_with(spec: &str, read_only: bool, cache: bool) -> Result<RbdImage, RbdError> {
         let spec = Spec::parse(spec)?;
-        let io = connect(&spec)?;
+        let io = connect(&spec, cache)?;
         let read_only = read_only || spec.snap.is_some();
         let name = spec.to_string();
         let other = |step: &'static str, e: i32| RbdError::Other { image: name.clone(), step, err: os(e) };
@@ -179,7 +192,7 @@ impl RbdImage {
         if spec.snap.is_some() {
             return Err(RbdError::BadSpec { spec: name, why: "a snapshot cannot be created as an image".into() });
         }
-        let io = connect(&spec)?;
+        let io = connect(&spec, false)?;
         io.create(&spec.image, size, 22).map_err(|e| match e {
             errno::EEXIST => RbdError::Exists { image: name.clone() },
             errno::EACCES | errno::EPERM => {
