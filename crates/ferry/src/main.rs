@@ -40,8 +40,8 @@ enum Command {
     Info(info::InfoArgs),
     /// blkhash checksums of disks: files, block devices, NBD exports, stdin.
     Hash(hash::HashArgs),
-    /// Measure: NBD load against a server (`bench nbd URI`), raw socket throughput
-    /// (`bench socket`).
+    /// Measure: NBD load against a server (`bench nbd URI`), a busy client beside many idle
+    /// connections (`bench conns URI`), raw socket throughput (`bench socket`).
     Bench(bench::BenchArgs),
 }
 
