@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Bounded fuzz smoke run of ferry-proto's cargo-fuzz targets (fuzz/fuzz_targets/*.rs).
+# Bounded fuzz smoke run of the cargo-fuzz targets (fuzz/fuzz_targets/*.rs): ferry-proto's
+# server-side and client-side parsers and ferry-client's URI parser.
 #
 #   scripts/fuzz-smoke.sh [SECONDS_PER_TARGET]     (default 20)
 #
