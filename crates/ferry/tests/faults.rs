@@ -375,7 +375,14 @@ fn truncated_while_served(tcp: bool) {
         // Past the new end, straddling it, and (for the first size) before it.
         for (off, len) in [(4 * MIB, 1u32 << 20), (new_len.saturating_sub(8192), 64 * 1024), (0, 128 * 1024)] {
             let before_end = off + u64::from(len) <= new_len;
-            match read_outcome(&mut c, off, len) {
+            let outcome = read_outcome(&mut c, off, len);
+            let seen = match &outcome {
+                Outcome::Data(_) => "data".to_string(),
+                Outcome::Error(e) => format!("errno {e}"),
+                Outcome::Closed(why) => format!("closed ({why})"),
+            };
+            eprintln!("{} truncated to {new_len}: READ {off}+{len}: {seen}", if tcp { "TCP" } else { "Unix" });
+            match outcome {
                 Outcome::Data(v) => {
                     let mut want = vec![0u8; len as usize];
                     let keep = new_len.saturating_sub(off).min(u64::from(len)) as usize;
