@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Bounded fuzz smoke run of ferry's cargo-fuzz targets (fuzz/fuzz_targets/*.rs: the protocol and qcow2).
+# Bounded fuzz smoke run of the cargo-fuzz targets (fuzz/fuzz_targets/*.rs): ferry-proto's
+# server-side and client-side parsers, ferry-client's URI parser, and the qcow2 format layer.
 #
 #   scripts/fuzz-smoke.sh [SECONDS_PER_TARGET]     (default 20)
 #

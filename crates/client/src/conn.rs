@@ -167,6 +167,9 @@ struct InFlight {
     error: Option<RemoteError>,
     extents: Vec<Extent>,
     covered: u64,
+    /// READ: the ranges (relative to `offset`) of chunks that covered only part of the
+    /// request, to catch overlapping chunks (a whole-request chunk needs no entry).
+    parts: Vec<(u64, u64)>,
     hole_bytes: u64,
 }
 
@@ -464,6 +467,7 @@ impl Connection {
                 error: None,
                 extents: Vec::new(),
                 covered: 0,
+                parts: Vec::new(),
                 hole_bytes: 0,
             });
             last = cookie;
@@ -680,6 +684,18 @@ impl Connection {
                         f.length, f.offset
                     )));
                 };
+                // Chunks must not overlap: otherwise the byte count could add up while
+                // part of the buffer was never written.
+                let overlaps = f.covered + n > f.length || f.parts.iter().any(|&(a, b)| rel < b && a < rel + n);
+                if overlaps {
+                    return Err(Error::Protocol(format!(
+                        "server sent {n} bytes at offset {off} twice in the READ of {} bytes at {}",
+                        f.length, f.offset
+                    )));
+                }
+                if n < f.length {
+                    f.parts.push((rel, rel + n));
+                }
                 let dest = bufs
                     .get_mut(f.slot)
                     .and_then(|b| b.as_mut().get_mut(rel as usize..(rel + n) as usize))
@@ -695,6 +711,12 @@ impl Connection {
             REPLY_TYPE_BLOCK_STATUS | REPLY_TYPE_BLOCK_STATUS_EXT if f.cmd == CMD_BLOCK_STATUS => {
                 let p = self.recv_meta(length)?;
                 let id = parse_block_status(ty, &p, &mut f.extents)?;
+                if f.extents.iter().any(|e| e.length == 0) {
+                    return Err(Error::Protocol(format!(
+                        "block status at offset {} has a zero-length extent",
+                        f.offset
+                    )));
+                }
                 if Some(id) != self.info.meta_context {
                     f.extents.clear();
                 }

@@ -14,23 +14,6 @@ use std::time::{Duration, Instant};
 
 const RSS_LIMIT: u64 = 200 * MIB;
 
-/// Writes then reads back 256 KiB at `offset` on an established raw connection.
-#[track_caller]
-fn io_roundtrip(c: &mut RawClient, offset: u64, seed: u64) {
-    let data = Rng::new(seed).bytes(256 * 1024);
-    assert_eq!(c.write(offset, &data, 0), 0, "write at {offset} failed");
-    let got = c.read(offset, data.len() as u32).unwrap_or_else(|e| panic!("read at {offset} failed: errno {e}"));
-    assert_same_bytes(&got, &data, "read back over a raw connection");
-}
-
-/// A fresh client completes the handshake and does I/O.
-#[track_caller]
-fn fresh_client_works(server: &Server, offset: u64, seed: u64) {
-    let (mut c, _, _) = RawClient::handshake(server);
-    io_roundtrip(&mut c, offset, seed);
-    c.disconnect();
-}
-
 /// Sends `bytes` after the greeting (or without reading it) and expects the server
 /// to close the connection, while `bystander` and fresh clients keep working.
 fn expect_dropped(

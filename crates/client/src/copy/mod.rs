@@ -164,6 +164,10 @@ pub enum CopyError {
     Setup(String),
     #[error("{what} {path}: {source}")]
     Local { what: &'static str, path: String, source: io::Error },
+    /// The connection to an NBD endpoint failed as a whole (the server broke the
+    /// protocol or went away): no single request is to blame.
+    #[error("{what} {name}: {error}")]
+    Peer { what: &'static str, name: String, error: ConnError },
     #[error("{op} at offset {offset} ({length} bytes) failed: {message}")]
     Request { op: &'static str, offset: u64, length: u64, message: String },
 }

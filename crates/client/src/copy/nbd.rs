@@ -128,8 +128,11 @@ impl Ops for Nbd {
     fn complete(&mut self, bufs: &mut [AlignedBuf], done: &mut Done<'_>) -> Result<(), CopyError> {
         let c = &mut self.conn;
         loop {
-            let op = if self.what == "source" { "read" } else { "write" };
-            let r: Completion = c.receive_into(bufs).map_err(|e| CopyError::request(op, 0, 0, e))?;
+            let r: Completion = c.receive_into(bufs).map_err(|error| CopyError::Peer {
+                what: self.what,
+                name: self.uri.to_string(),
+                error,
+            })?;
             let op = match r.cmd {
                 CMD_READ => "read",
                 CMD_WRITE_ZEROES => "write zeroes",

@@ -272,11 +272,19 @@ pub struct ServerBuilder {
     args: Vec<String>,
     tcp: bool,
     bind: Option<String>,
+    wrapper: Vec<String>,
 }
 
 impl ServerBuilder {
     pub fn new(spec: &str) -> Self {
-        ServerBuilder { spec: spec.to_string(), args: Vec::new(), tcp: false, bind: None }
+        ServerBuilder { spec: spec.to_string(), args: Vec::new(), tcp: false, bind: None, wrapper: Vec::new() }
+    }
+
+    /// Start the server as `ARGV... ferry serve ...` (e.g. under `unshare`); the wrapper
+    /// must `exec` the server, so the process id stays the server's.
+    pub fn wrapper(mut self, argv: &[&str]) -> Self {
+        self.wrapper = argv.iter().map(|s| s.to_string()).collect();
+        self
     }
 
     /// Listen on a free TCP port of 127.0.0.1 (default address) instead of a Unix socket.
@@ -314,7 +322,14 @@ impl ServerBuilder {
     pub fn start(self) -> Server {
         let dir = tempfile::Builder::new().prefix("ferry-it").tempdir().expect("tempdir");
         let addr = if self.tcp { Addr::Tcp(free_port()) } else { Addr::Unix(dir.path().join("nbd.sock")) };
-        let mut c = Command::new(ferry_bin());
+        let mut c = match self.wrapper.split_first() {
+            Some((prog, rest)) => {
+                let mut c = Command::new(prog);
+                c.args(rest).arg(ferry_bin());
+                c
+            }
+            None => Command::new(ferry_bin()),
+        };
         c.arg("serve");
         match &addr {
             Addr::Unix(p) => {

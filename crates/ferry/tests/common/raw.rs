@@ -2,7 +2,7 @@
 //! written here by hand (independently of ferry-proto, so a bug there cannot hide
 //! itself), including deliberately broken handshakes and requests.
 
-use super::{Server, Stream};
+use super::{assert_same_bytes, Rng, Server, Stream};
 use std::io::{ErrorKind, Read, Write};
 use std::time::{Duration, Instant};
 
@@ -351,4 +351,21 @@ pub fn wait_closed(s: &mut Stream, timeout: Duration) -> bool {
             Err(_) => return true, // reset by peer
         }
     }
+}
+
+/// Writes then reads back 256 KiB at `offset` on an established raw connection.
+#[track_caller]
+pub fn io_roundtrip(c: &mut RawClient, offset: u64, seed: u64) {
+    let data = Rng::new(seed).bytes(256 * 1024);
+    assert_eq!(c.write(offset, &data, 0), 0, "write at {offset} failed");
+    let got = c.read(offset, data.len() as u32).unwrap_or_else(|e| panic!("read at {offset} failed: errno {e}"));
+    assert_same_bytes(&got, &data, "read back over a raw connection");
+}
+
+/// A fresh client completes the handshake and does I/O.
+#[track_caller]
+pub fn fresh_client_works(server: &Server, offset: u64, seed: u64) {
+    let (mut c, _, _) = RawClient::handshake(server);
+    io_roundtrip(&mut c, offset, seed);
+    c.disconnect();
 }
