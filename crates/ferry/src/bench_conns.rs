@@ -65,6 +65,17 @@ fn proc_status(pid: u32) -> Result<(u64, u64)> {
     }
 }
 
+/// A process's CPU time (user + system) in seconds, from /proc/PID/stat.
+fn proc_cpu(pid: u32) -> Result<f64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // Fields after the command (which may hold spaces) start after the last ')'.
+    let rest = text.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the line, 12 and 13 after the ')'.
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).context("malformed /proc/PID/stat");
+    Ok((ticks(11)? + ticks(12)?) / 100.0)
+}
+
 /// Opens one connection and runs the handshake to the transmission phase.
 fn open_idle(uri: &Uri, tcp: Option<&SocketAddr>, buf: &mut Vec<u8>) -> Result<Stream> {
     let mut s = match (&uri.transport, tcp) {
@@ -167,9 +178,32 @@ pub fn run(a: ConnsArgs) -> Result<i32> {
     };
     let before = status("before")?;
     let (mut alone, mut beside) = (Vec::new(), Vec::new());
+    // Server CPU microseconds per request of each run (with --server-pid): unlike
+    // throughput, it hardly moves when other processes take the CPU away.
+    // The bench's own CPU per request too: if the idle connections slowed the client
+    // down, it would show there.
+    let (mut cpu_alone, mut cpu_beside) = (Vec::new(), Vec::new());
+    let (mut own_alone, mut own_beside) = (Vec::new(), Vec::new());
+    let me = std::process::id();
+    let measure = |cpu: &mut Vec<f64>, own: &mut Vec<f64>| -> Result<Report> {
+        let c0 = a.server_pid.map(proc_cpu).transpose()?;
+        let o0 = proc_cpu(me)?;
+        let r = run_load(&spec)?;
+        let n = (r.reads + r.writes).max(1) as f64;
+        own.push((proc_cpu(me)? - o0) * 1e6 / n);
+        if let (Some(c0), Some(pid)) = (c0, a.server_pid) {
+            cpu.push((proc_cpu(pid)? - c0) * 1e6 / n);
+        }
+        Ok(r)
+    };
     let (mut with_idle, mut after, mut closed, mut open_secs) = (None, None, 0, 0.0);
     for round in 1..=a.rounds {
-        alone.push(run_load(&spec)?);
+        // Odd rounds run alone first, even rounds last (A B, B A, ...): a machine whose
+        // load drifts during a round then favours neither side.
+        let alone_first = round % 2 == 1;
+        if alone_first {
+            alone.push(measure(&mut cpu_alone, &mut own_alone)?);
+        }
         let t0 = Instant::now();
         let mut idle = Vec::with_capacity(a.idle);
         let mut buf = Vec::new();
@@ -185,15 +219,18 @@ pub fn run(a: ConnsArgs) -> Result<i32> {
         // Let the server notice they are idle (its grace period is 250 ms).
         std::thread::sleep(Duration::from_secs(1));
         with_idle = status("with the idle connections")?;
-        beside.push(run_load(&spec)?);
+        beside.push(measure(&mut cpu_beside, &mut own_beside)?);
         after = status("after the busy load beside them")?;
         closed += closed_count(&idle)?;
         drop(idle);
         // Let the server close them before the next run alone.
         std::thread::sleep(Duration::from_secs(1));
+        if !alone_first {
+            alone.push(measure(&mut cpu_alone, &mut own_alone)?);
+        }
     }
-    // Paired ratios: each round's run beside the idle connections over the run alone
-    // just before it, so drift in the machine's load cancels out round by round.
+    // Paired ratios: each round's run beside the idle connections over its run alone,
+    // so drift in the machine's load cancels out round by round.
     let median = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
@@ -201,6 +238,12 @@ pub fn run(a: ConnsArgs) -> Result<i32> {
     let iops_rounds: Vec<(f64, f64)> = alone.iter().zip(&beside).map(|(a, b)| (a.iops(), b.iops())).collect();
     let iops_ratio = median(iops_rounds.iter().map(|(a, b)| b / a).collect());
     let p99_ratio = median(alone.iter().zip(&beside).map(|(a, b)| b.pct(99.0) / a.pct(99.0)).collect());
+    let cpu = (!cpu_alone.is_empty()).then(|| {
+        let ratio = median(cpu_alone.iter().zip(&cpu_beside).map(|(a, b)| b / a).collect());
+        (median(cpu_alone.clone()), median(cpu_beside.clone()), ratio)
+    });
+    let own_ratio = median(own_alone.iter().zip(&own_beside).map(|(a, b)| b / a).collect());
+    let own = (median(own_alone), median(own_beside), own_ratio);
     let alone = Some(Report::median(alone));
     let beside = Report::median(beside);
     if a.json {
@@ -217,6 +260,8 @@ pub fn run(a: ConnsArgs) -> Result<i32> {
                 "block_size": bs, "alone": alone.as_ref().map(rep), "beside_idle": rep(&beside),
                 "rounds": a.rounds, "iops_rounds": iops_rounds,
                 "paired_ratio": {"iops": iops_ratio, "p99": p99_ratio},
+                "server_cpu_us_per_request": cpu.map(|(a, b, r)| json!({"alone": a, "beside": b, "paired_ratio": r})),
+                "client_cpu_us_per_request": json!({"alone": own.0, "beside": own.1, "paired_ratio": own.2}),
                 "server": {"before": st(before), "with_idle": st(with_idle), "after": st(after)},
             })
         );
@@ -234,6 +279,10 @@ pub fn run(a: ConnsArgs) -> Result<i32> {
             iops_rounds.iter().map(|(a, b)| format!("{:.0}k/{:.0}k", a / 1e3, b / 1e3)).collect();
         println!("IOPS alone/beside per round: {}", per_round.join(" "));
         println!("median of the rounds' ratios beside/alone: IOPS {iops_ratio:.3}, p99 {p99_ratio:.3}");
+        if let Some((ca, cb, r)) = cpu {
+            println!("server CPU per request: alone {ca:.2} us, beside {cb:.2} us, paired ratio {r:.3}");
+        }
+        println!("bench CPU per request: alone {:.2} us, beside {:.2} us, paired ratio {:.3}", own.0, own.1, own.2);
         println!("idle connections closed by the server meanwhile: {closed} of {} x {} rounds", a.idle, a.rounds);
     }
     Ok(0)

@@ -409,8 +409,8 @@ impl Transmission {
         self.publish();
     }
 
-    /// Ends the connection.
-    fn close(mut self: Box<Self>, result: Result<(), ConnError>) {
+    /// Ends the connection (TLS close_notify, statistics, the log line).
+    pub(crate) fn close(mut self: Box<Self>, result: Result<(), ConnError>) {
         if let (Some(zc), Some(s)) = (&mut self.zc, self.stream.plain_mut()) {
             zc.finish(s);
         }

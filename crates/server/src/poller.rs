@@ -129,19 +129,21 @@ fn run(shared: &Arc<Shared>, rx: Receiver<Box<Transmission>>) {
         if let (Some(limit), Some(at), Some(tick)) = (idle_timeout, next_scan, tick) {
             let now = Instant::now();
             if now >= at {
-                let before = conns.len();
-                conns.retain(|_, t| {
-                    let keep = now.duration_since(t.last_active()) < limit;
-                    if !keep {
+                let silent: Vec<u64> = conns
+                    .iter()
+                    .filter(|(_, t)| now.duration_since(t.last_active()) >= limit)
+                    .map(|(k, _)| *k)
+                    .collect();
+                for key in &silent {
+                    if let Some(t) = conns.remove(key) {
                         log::debug!("{}: closing after {limit:?} without a request (--idle-timeout)", t.peer());
                         let _ = epoll::delete(&p.epoll, t.fd());
+                        t.close(Ok(()));
                     }
-                    keep
-                });
-                let closed = before - conns.len();
-                if closed > 0 {
-                    p.parked.fetch_sub(closed, Ordering::Relaxed);
-                    log::info!("closed {closed} connections idle for {limit:?} or more (--idle-timeout)");
+                }
+                if !silent.is_empty() {
+                    p.parked.fetch_sub(silent.len(), Ordering::Relaxed);
+                    log::info!("closed {} connections idle for {limit:?} or more (--idle-timeout)", silent.len());
                 }
                 next_scan = Some(now + tick);
             }
@@ -149,7 +151,9 @@ fn run(shared: &Arc<Shared>, rx: Receiver<Box<Transmission>>) {
     }
     // Shutdown: parked connections have nothing in flight; closing them is all there is.
     p.parked.fetch_sub(conns.len(), Ordering::Relaxed);
-    drop(conns);
+    for (_, t) in conns.drain() {
+        t.close(Ok(()));
+    }
     // Connections parked after this point find the receiver gone and close themselves.
     drop(rx);
 }
