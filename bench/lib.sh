@@ -7,3 +7,15 @@ med3() { for i in 1 2 3; do secs "$@"; done | grep -v FAIL | med; }
 gibs() { local t; t=$(med3 "$@"); [ -z "$t" ] && { echo fail; return; }; printf "%.2f" "$(echo "$SIZE_G / $t" | bc -l)"; }
 wait_sock() { for i in $(seq 100); do [ -S "$1" ] && return; sleep 0.05; done; }
 wait_port() { for i in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/$1) 2>/dev/null && return; sleep 0.05; done; }
+# qcow2_images DIR GIB: DIR/data.raw (GIB GiB of AES-CTR bytes), DIR/data.qcow2 (the same,
+# all allocated) and DIR/half.qcow2 (every other MiB of it, the rest unallocated); 64 KiB
+# clusters, made by qemu-img.
+qcow2_images() {
+  openssl enc -aes-128-ctr -pass pass:qcow2 -nosalt -pbkdf2 </dev/zero 2>/dev/null | head -c $(($2<<30)) > "$1/data.raw"
+  qemu-img convert -f raw -O qcow2 "$1/data.raw" "$1/data.qcow2"
+  truncate -s $(($2<<30)) "$1/half.raw"
+  for i in $(seq 0 2 $(( ($2<<10) - 1 ))); do
+    dd if="$1/data.raw" of="$1/half.raw" bs=1M skip="$i" seek="$i" count=1 conv=notrunc status=none
+  done
+  qemu-img convert -f raw -O qcow2 "$1/half.raw" "$1/half.qcow2"; rm -f "$1/half.raw"
+}

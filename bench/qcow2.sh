@@ -30,13 +30,7 @@ trap cleanup EXIT
 for t in qemu-img qemu-nbd nbdcopy fio; do command -v $t >/dev/null || { echo "missing $t"; exit 1; }; done
 
 echo "== making images in $W ($(date -u +%H:%M:%S))"
-openssl enc -aes-128-ctr -pass pass:qcow2 -nosalt -pbkdf2 </dev/zero 2>/dev/null | head -c $((SIZE_G<<30)) > "$W/data.raw"
-qemu-img convert -f raw -O qcow2 "$W/data.raw" "$W/data.qcow2"
-truncate -s $((SIZE_G<<30)) "$W/half.raw"
-for i in $(seq 0 2 $(( (SIZE_G<<10) - 1 ))); do
-  dd if="$W/data.raw" of="$W/half.raw" bs=1M skip="$i" seek="$i" count=1 conv=notrunc status=none
-done
-qemu-img convert -f raw -O qcow2 "$W/half.raw" "$W/half.qcow2"; rm -f "$W/half.raw"
+qcow2_images "$W" "$SIZE_G"
 # Compressible: hex text of random bytes (about 2:1 under zlib).
 openssl enc -aes-128-ctr -pass pass:comp -nosalt -pbkdf2 </dev/zero 2>/dev/null | head -c $((COMP_G<<29)) | od -An -v -tx1 -w32 | head -c $((COMP_G<<30)) > "$W/comp.raw"
 qemu-img convert -c -m 8 -W -f raw -O qcow2 "$W/comp.raw" "$W/comp.qcow2"; rm -f "$W/comp.raw"
