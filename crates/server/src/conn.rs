@@ -803,6 +803,7 @@ impl Transmission {
         }
         self.head = pos;
         self.stream.count_requests(batch.len() as u64);
+        log::trace!("{}: {} READs ({total} bytes) in one batch", self.stream.peer(), batch.len());
         if self.tx.used > 0 && self.tx.used + total > self.tx.data.len() {
             self.flush()?;
         }
