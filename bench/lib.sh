@@ -7,3 +7,21 @@ med3() { for i in 1 2 3; do secs "$@"; done | grep -v FAIL | med; }
 gibs() { local t; t=$(med3 "$@"); [ -z "$t" ] && { echo fail; return; }; printf "%.2f" "$(echo "$SIZE_G / $t" | bc -l)"; }
 wait_sock() { for i in $(seq 100); do [ -S "$1" ] && return; sleep 0.05; done; }
 wait_port() { for i in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/$1) 2>/dev/null && return; sleep 0.05; done; }
+# rbd_setup NAME MEMSTORE_GIB: a throwaway Ceph cluster (scripts/ceph-cluster, CEPH_CONF
+# exported) and $W/img, SIZE_G GiB of AES-CTR bytes in /dev/shm; sets W and C, and stops
+# the cluster, the script's jobs and $W on exit. Needs HERE (the bench directory).
+rbd_setup() {
+  W=$(mktemp -d "/dev/shm/$1.XXXX")
+  C=$(mktemp -d "/tmp/$1-cluster.XXXX")
+  rmdir "$C"
+  trap rbd_cleanup EXIT
+  CEPH_MEMSTORE_BYTES=$(($2 << 30)) "$HERE/../scripts/ceph-cluster" start "$C" >/dev/null || exit 1
+  export CEPH_CONF=$C/ceph.conf
+  openssl enc -aes-128-ctr -pass pass:rbd -nosalt -pbkdf2 </dev/zero 2>/dev/null | head -c $((SIZE_G << 30)) >"$W/img"
+}
+rbd_cleanup() {
+  kill $(jobs -p) 2>/dev/null
+  wait 2>/dev/null
+  "$HERE/../scripts/ceph-cluster" stop "$C"
+  rm -rf "$W"
+}

@@ -11,19 +11,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 FERRY=${FERRY:-$PWD/target/release/ferry}
 FERRY_BEFORE=${FERRY_BEFORE:-}
 SIZE_G=${SIZE_G:-1}
-W=$(mktemp -d /dev/shm/rbdi.XXXX)
-C=$(mktemp -d /tmp/rbdi-cluster.XXXX)
-rmdir "$C"
-cleanup() {
-  kill $(jobs -p) 2>/dev/null
-  wait 2>/dev/null
-  "$HERE/../scripts/ceph-cluster" stop "$C"
-  rm -rf "$W"
-}
-trap cleanup EXIT
-CEPH_MEMSTORE_BYTES=$(((SIZE_G * 2 + 4) << 30)) "$HERE/../scripts/ceph-cluster" start "$C" >/dev/null || exit 1
-export CEPH_CONF=$C/ceph.conf
-openssl enc -aes-128-ctr -pass pass:rbd -nosalt -pbkdf2 </dev/zero 2>/dev/null | head -c $((SIZE_G << 30)) >"$W/img"
+rbd_setup rbdi $((SIZE_G * 2 + 4))
 rbd import --no-progress "$W/img" rbd/src
 echo "# $(date -u '+%Y-%m-%d %H:%M UTC'), SIZE_G=$SIZE_G, load: $(cut -d' ' -f1-3 /proc/loadavg)"
 servers="ferry qemu"
@@ -53,7 +41,9 @@ for round in 1 2 3; do
 done
 rate() { printf "%.2f" "$(echo "$SIZE_G / $(echo ${T[$1,$2]} | tr ' ' '\n' | med)" | bc -l)"; }
 echo "| GiB/s, median of 3 | ${servers// / | } | ferry/qemu-nbd |"
-echo "|---|---|---|---|---|"
+sep="|---|---|"
+for s in $servers; do sep+="---|"; done
+echo "$sep"
 for c in qemu nbdcopy; do
   row="| $c |"
   for s in $servers; do row+=" $(rate $s $c) |"; done
