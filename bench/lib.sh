@@ -19,3 +19,21 @@ qcow2_images() {
   done
   qemu-img convert -f raw -O qcow2 "$1/half.raw" "$1/half.qcow2"; rm -f "$1/half.raw"
 }
+# rbd_setup NAME MEMSTORE_GIB: a throwaway Ceph cluster (scripts/ceph-cluster, CEPH_CONF
+# exported) and $W/img, SIZE_G GiB of AES-CTR bytes in /dev/shm; sets W and C, and stops
+# the cluster, the script's jobs and $W on exit. Needs HERE (the bench directory).
+rbd_setup() {
+  W=$(mktemp -d "/dev/shm/$1.XXXX")
+  C=$(mktemp -d "/tmp/$1-cluster.XXXX")
+  rmdir "$C"
+  trap rbd_cleanup EXIT
+  CEPH_MEMSTORE_BYTES=$(($2 << 30)) "$HERE/../scripts/ceph-cluster" start "$C" >/dev/null || exit 1
+  export CEPH_CONF=$C/ceph.conf
+  openssl enc -aes-128-ctr -pass pass:rbd -nosalt -pbkdf2 </dev/zero 2>/dev/null | head -c $((SIZE_G << 30)) >"$W/img"
+}
+rbd_cleanup() {
+  kill $(jobs -p) 2>/dev/null
+  wait 2>/dev/null
+  "$HERE/../scripts/ceph-cluster" stop "$C"
+  rm -rf "$W"
+}

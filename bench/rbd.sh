@@ -16,19 +16,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 FERRY=${FERRY:-$PWD/target/release/ferry}
 SIZE_G=${SIZE_G:-2}
 FIO_SECS=${FIO_SECS:-10}
-W=$(mktemp -d /dev/shm/rbdb.XXXX)
-C=$(mktemp -d /tmp/rbdb-cluster.XXXX)
-rmdir "$C"
-cleanup() {
-  kill $(jobs -p) 2>/dev/null
-  wait 2>/dev/null
-  "$HERE/../scripts/ceph-cluster" stop "$C"
-  rm -rf "$W"
-}
-trap cleanup EXIT
-CEPH_MEMSTORE_BYTES=$(((SIZE_G * 3 + 4) << 30)) "$HERE/../scripts/ceph-cluster" start "$C" >/dev/null || exit 1
-export CEPH_CONF=$C/ceph.conf
-openssl enc -aes-128-ctr -pass pass:rbd -nosalt -pbkdf2 </dev/zero 2>/dev/null | head -c $((SIZE_G << 30)) >"$W/img"
+rbd_setup rbdb $((SIZE_G * 3 + 4))
 rbd import --no-progress "$W/img" rbd/src
 rbd create --size 1G rbd/fio
 rbd bench --io-type write --io-size 4M --io-total 1G rbd/fio >/dev/null 2>&1

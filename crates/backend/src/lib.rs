@@ -106,6 +106,18 @@ pub trait Backend: Send + Sync {
     fn caps(&self) -> Capabilities;
     /// Fills `buf` with the bytes at `offset`.
     fn read(&self, buf: &mut [u8], offset: u64) -> Result<()>;
+    /// Reads issued together pay for this backend: each waits on the network and many in
+    /// flight cost about as long as one. The server then hands it every READ already
+    /// received on a connection in one [`Backend::read_batch`]. Default: no (local
+    /// storage keeps one read at a time).
+    fn batch_reads(&self) -> bool {
+        false
+    }
+    /// Fills each `(buf, offset)` of `reads`, all in flight at once where the backend can;
+    /// one result per read, in order. Default: one [`Backend::read`] after another.
+    fn read_batch(&self, reads: &mut [(&mut [u8], u64)]) -> Vec<Result<()>> {
+        reads.iter_mut().map(|(buf, offset)| self.read(buf, *offset)).collect()
+    }
     /// Writes `buf` at `offset`; with `fua`, durably before returning.
     fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()>;
     /// Makes every completed write durable.
@@ -179,6 +191,12 @@ impl Backend for ReadOnly {
     }
     fn read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         self.0.read(buf, offset)
+    }
+    fn batch_reads(&self) -> bool {
+        self.0.batch_reads()
+    }
+    fn read_batch(&self, reads: &mut [(&mut [u8], u64)]) -> Vec<Result<()>> {
+        self.0.read_batch(reads)
     }
     fn write(&self, buf: &[u8], offset: u64, _fua: bool) -> Result<()> {
         Err(Error::new(ErrorKind::ReadOnly, "write", offset, buf.len() as u64))

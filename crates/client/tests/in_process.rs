@@ -239,3 +239,105 @@ fn a_failed_file_payload_closes_the_connection() {
     let mut buf = vec![0u8; 4096];
     assert!(c.pread(&mut buf, 0).is_err(), "a connection out of step was used again");
 }
+
+/// Memory that asks for batched reads, records how many reads each batch held, and
+/// fails every read at [`Batching::BAD`].
+struct Batching {
+    inner: MemoryBackend,
+    batches: std::sync::Mutex<Vec<usize>>,
+}
+
+impl Batching {
+    const BAD: u64 = 3 << 16;
+}
+
+impl ferry_backend::Backend for Batching {
+    fn describe(&self) -> String {
+        "batching".into()
+    }
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+    fn caps(&self) -> ferry_backend::Capabilities {
+        self.inner.caps()
+    }
+    fn read(&self, buf: &mut [u8], offset: u64) -> ferry_backend::Result<()> {
+        if offset == Self::BAD {
+            return Err(ferry_backend::Error::new(ferry_backend::ErrorKind::Io, "read", offset, buf.len() as u64));
+        }
+        self.inner.read(buf, offset)
+    }
+    fn batch_reads(&self) -> bool {
+        true
+    }
+    fn read_batch(&self, reads: &mut [(&mut [u8], u64)]) -> Vec<ferry_backend::Result<()>> {
+        self.batches.lock().unwrap().push(reads.len());
+        reads.iter_mut().map(|(buf, offset)| self.read(buf, *offset)).collect()
+    }
+    fn write(&self, buf: &[u8], offset: u64, fua: bool) -> ferry_backend::Result<()> {
+        self.inner.write(buf, offset, fua)
+    }
+    fn flush(&self) -> ferry_backend::Result<()> {
+        self.inner.flush()
+    }
+    fn trim(&self, offset: u64, length: u64, fua: bool) -> ferry_backend::Result<()> {
+        self.inner.trim(offset, length, fua)
+    }
+    fn zero(&self, offset: u64, length: u64, mode: ferry_backend::ZeroMode, fua: bool) -> ferry_backend::Result<()> {
+        self.inner.zero(offset, length, mode, fua)
+    }
+}
+
+#[test]
+fn batched_reads_answer_every_request() {
+    let size = 1u64 << 20;
+    let backend = Arc::new(Batching { inner: MemoryBackend::new(size), batches: Default::default() });
+    let srv = serve_backend(backend.clone(), tempfile::tempdir().unwrap());
+    let image: Vec<u8> = (0..size as u32).map(|i| (i * 31 % 251) as u8).collect();
+    for opts in modes() {
+        let mut c = Connection::connect(&srv.uri, &opts).unwrap();
+        c.pwrite(&image, 0, false).unwrap();
+        backend.batches.lock().unwrap().clear();
+        // 8 reads, one failing in the backend, one past the end (refused before the
+        // backend), a WRITE in the middle (ends the run), lengths that differ.
+        let len = |i: usize| 1000 + i * 4096;
+        let mut subs: Vec<Submit> = (0..8)
+            .map(|i| Submit {
+                cmd: CMD_READ,
+                flags: 0,
+                offset: i as u64 * 65536,
+                length: len(i) as u64,
+                payload: None,
+                slot: i,
+            })
+            .collect();
+        subs.insert(5, Submit { cmd: CMD_READ, flags: 0, offset: size - 10, length: 20, payload: None, slot: 8 });
+        let patch = [7u8; 100];
+        subs.insert(
+            7,
+            Submit { cmd: CMD_WRITE, flags: 0, offset: 9, length: 100, payload: Some(Payload::Bytes(&patch)), slot: 9 },
+        );
+        c.submit(&subs).unwrap();
+        let mut bufs: Vec<Vec<u8>> = (0..9).map(|i| vec![0u8; if i < 8 { len(i) } else { 20 }]).collect();
+        let mut ok = [None; 10];
+        for _ in 0..subs.len() {
+            let done = c.receive(&mut bufs).unwrap();
+            ok[done.slot] = Some(done.result.is_ok());
+        }
+        for i in 0..8 {
+            let off = i * 65536;
+            if off as u64 == Batching::BAD {
+                assert_eq!(ok[i], Some(false), "{opts:?}");
+            } else {
+                assert_eq!(ok[i], Some(true), "{opts:?}");
+                assert!(bufs[i] == image[off..off + len(i)], "read {i} differs with {opts:?}");
+            }
+        }
+        assert_eq!(ok[8], Some(false), "past the end: {opts:?}");
+        assert_eq!(ok[9], Some(true), "{opts:?}");
+        let batches = backend.batches.lock().unwrap().clone();
+        assert_eq!(batches.iter().sum::<usize>(), 8, "{batches:?} {opts:?}");
+        assert!(batches.iter().any(|&n| n > 1), "no read was batched: {batches:?} {opts:?}");
+        c.pwrite(&image[9..109], 9, false).unwrap();
+    }
+}

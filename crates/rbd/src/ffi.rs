@@ -285,24 +285,32 @@ impl Image {
     /// path after submission, so no request outlives the buffer it points into.
     fn wait_all(pending: Vec<Pending>, mut first: Result<(), Errno>) -> Result<(), Errno> {
         for p in pending {
-            // SAFETY: `p.c` was created by rbd_aio_create_completion and submitted; waiting
-            // and then releasing it once is the documented life cycle.
-            let r = unsafe {
-                sys::rbd_aio_wait_for_complete(p.c);
-                let r = sys::rbd_aio_get_return_value(p.c);
-                sys::rbd_aio_release(p.c);
-                r
-            };
+            let r = Self::wait(p);
             if first.is_ok() {
-                if r < 0 {
-                    first = Err(-(r as i32));
-                } else if (r as usize) < p.len && r != 0 {
-                    // A short transfer inside the image: report it as an I/O error.
-                    first = Err(5);
-                }
+                first = r;
             }
         }
         first
+    }
+
+    /// Waits for one submitted request and releases its completion.
+    fn wait(p: Pending) -> Result<(), Errno> {
+        // SAFETY: `p.c` was created by rbd_aio_create_completion and submitted; waiting
+        // and then releasing it once is the documented life cycle.
+        let r = unsafe {
+            sys::rbd_aio_wait_for_complete(p.c);
+            let r = sys::rbd_aio_get_return_value(p.c);
+            sys::rbd_aio_release(p.c);
+            r
+        };
+        if r < 0 {
+            Err(-(r as i32))
+        } else if (r as usize) < p.len && r != 0 {
+            // A short transfer inside the image: report it as an I/O error.
+            Err(5)
+        } else {
+            Ok(())
+        }
     }
 
     fn completion() -> Result<sys::rbd_completion_t, Errno> {
@@ -319,32 +327,71 @@ impl Image {
         total: usize,
         offset: u64,
         piece: u64,
-        mut submit: impl FnMut(u64, usize, usize, sys::rbd_completion_t) -> c_int,
+        submit: impl FnMut(u64, usize, usize, sys::rbd_completion_t) -> c_int,
     ) -> Result<(), Errno> {
         let mut pending = Vec::new();
-        let mut res = Ok(());
+        let res = Self::submit_pieces(total, offset, piece, submit, &mut pending);
+        Self::wait_all(pending, res)
+    }
+
+    /// Submits as [`Image::pieces`] does, adding each submitted request to `pending`
+    /// without waiting. The caller must wait for all of `pending` (even on error) before
+    /// the buffers the requests point into are used again.
+    fn submit_pieces(
+        total: usize,
+        offset: u64,
+        piece: u64,
+        mut submit: impl FnMut(u64, usize, usize, sys::rbd_completion_t) -> c_int,
+        pending: &mut Vec<Pending>,
+    ) -> Result<(), Errno> {
         let mut done = 0usize;
         while done < total {
             let at = offset + done as u64;
             let len = ((piece - at % piece) as usize).min(total - done);
-            let c = match Self::completion() {
-                Ok(c) => c,
-                Err(e) => {
-                    res = Err(e);
-                    break;
-                }
-            };
+            let c = Self::completion()?;
             let r = submit(at, done, len, c);
             if r < 0 {
                 // SAFETY: never submitted, so released here once.
                 unsafe { sys::rbd_aio_release(c) };
-                res = Err(-r);
-                break;
+                return Err(-r);
             }
             pending.push(Pending { c, len });
             done += len;
         }
-        Self::wait_all(pending, res)
+        Ok(())
+    }
+
+    /// Reads every `(buf, offset)` of `reads`, each cut into pieces as [`Image::read`]
+    /// cuts it, every piece of every read in flight at once; one result per read.
+    pub fn read_many(&self, reads: &mut [(&mut [u8], u64)], piece: u64) -> Vec<Result<(), Errno>> {
+        let mut pending = Vec::new();
+        // Per read: where its requests end in `pending`, and how submitting went.
+        let mut submitted = Vec::with_capacity(reads.len());
+        for (buf, offset) in reads.iter_mut() {
+            let base = buf.as_mut_ptr();
+            let res = Self::submit_pieces(
+                buf.len(),
+                *offset,
+                piece,
+                |at, i, len, c| {
+                    // SAFETY: `i + len <= buf.len()`; every buffer of `reads` stays borrowed
+                    // mutably by this function until every request below has been waited for.
+                    unsafe { sys::rbd_aio_read(self.img, at, len, base.add(i).cast::<c_char>(), c) }
+                },
+                &mut pending,
+            );
+            submitted.push((pending.len(), res));
+        }
+        let mut pending = pending.into_iter();
+        let mut waited = 0;
+        submitted
+            .into_iter()
+            .map(|(end, res)| {
+                let mine = pending.by_ref().take(end - waited);
+                waited = end;
+                Self::wait_all(mine.collect(), res)
+            })
+            .collect()
     }
 
     /// Reads `buf.len()` bytes at `offset`, in pieces of at most `piece` bytes (objects),

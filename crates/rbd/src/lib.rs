@@ -9,7 +9,9 @@
 //! The `Backend` trait is synchronous: the server calls it from each connection's thread
 //! and the copy engine from each worker. Inside one call, a read or write is cut at object
 //! boundaries and every piece is in flight at once through librbd's asynchronous API
-//! (one completion each, no thread per request); many calls are in flight at once
+//! (one completion each, no thread per request). The server hands every READ already
+//! received on a connection to one `read_batch`, so a client with many reads in flight
+//! on one connection has them all in flight in librbd; many calls are in flight at once
 //! through several connections or workers sharing one image handle.
 //!
 //! All `unsafe` code is in the `ffi` module.
@@ -285,6 +287,22 @@ impl Backend for RbdImage {
 
     fn read(&self, buf: &mut [u8], offset: u64) -> ferry_backend::Result<()> {
         self.image.read(buf, offset, self.object_size).map_err(|e| Self::err("read", offset, buf.len() as u64, e))
+    }
+
+    /// Every read waits on an OSD round trip; many in flight cost about one.
+    fn batch_reads(&self) -> bool {
+        true
+    }
+
+    /// Every piece of every read in flight at once through librbd's asynchronous API.
+    fn read_batch(&self, reads: &mut [(&mut [u8], u64)]) -> Vec<ferry_backend::Result<()>> {
+        let spans: Vec<(u64, u64)> = reads.iter().map(|(b, o)| (*o, b.len() as u64)).collect();
+        self.image
+            .read_many(reads, self.object_size)
+            .into_iter()
+            .zip(spans)
+            .map(|(r, (offset, len))| r.map_err(|e| Self::err("read", offset, len, e)))
+            .collect()
     }
 
     fn write(&self, buf: &[u8], offset: u64, fua: bool) -> ferry_backend::Result<()> {

@@ -61,6 +61,10 @@ const SEND_BATCH_REPLIES: usize = 16;
 /// Reads this long or longer are sent with sendfile(2) when the export is a file:
 /// below it, one pread into the batch arena and one grouped writev cost less.
 const SENDFILE_MIN: usize = 64 * 1024;
+/// Most bytes of READ data handed to a backend in one [`ferry_backend::Backend::read_batch`]
+/// (the data arena grows to it for such backends only): 8 requests of 2 MiB, what
+/// `qemu-img convert` keeps in flight.
+const READ_BATCH_BYTES: usize = 16 << 20;
 /// WRITE payloads this large are received straight into the write buffer (see `run`).
 const LARGE_PAYLOAD: usize = 64 * 1024;
 /// Most extents returned for one BLOCK_STATUS (bounded reply size).
@@ -341,6 +345,9 @@ pub(crate) struct Transmission {
     queued: usize,
     /// Data reads of at least [`SENDFILE_MIN`] bytes go out with sendfile(2).
     sendfile: bool,
+    /// The backend wants consecutive READs in one `read_batch` (it never has holes
+    /// checked first: see [`Transmission::new`]).
+    batch_reads: bool,
     /// Bytes queued for sendfile since the last flush.
     file_bytes: usize,
     /// Large batches go out with MSG_ZEROCOPY (`--zerocopy`, TCP only).
@@ -358,6 +365,7 @@ impl Transmission {
         writer: ReplyWriter,
     ) -> Self {
         let sparse_threshold = if writer.chunked() { export.backend.sparse_read_threshold() } else { None };
+        let batch_reads = export.backend.batch_reads() && sparse_threshold.is_none();
         Transmission {
             stream,
             slot,
@@ -378,6 +386,7 @@ impl Transmission {
             flush_replies: SEND_BATCH_REPLIES,
             queued: 0,
             sendfile: false,
+            batch_reads,
             file_bytes: 0,
             zc: None,
             disconnect: false,
@@ -489,6 +498,12 @@ impl Transmission {
         loop {
             // Execute every complete request in the receive buffer.
             while !self.disconnect {
+                if self.batch_reads && !self.sendfile && self.read_batch(ext)? {
+                    if self.tx.used >= self.flush_bytes || self.queued >= self.flush_replies {
+                        self.flush()?;
+                    }
+                    continue;
+                }
                 let Some(h) = RequestHeader::parse(&self.rx[self.head..self.tail], ext)? else { break };
                 match h.check_payload(ext)? {
                     PayloadPlan::Receive(n) => {
@@ -720,17 +735,33 @@ impl Transmission {
             return Ok(());
         }
         let (a, b) = self.tx.reserve(len);
-        match self.export.backend.read(&mut self.tx.data[a..b], offset) {
+        let result = self.export.backend.read(&mut self.tx.data[a..b], offset);
+        if result.is_err() {
+            // Nothing of this read is sent: the next one may reuse its space.
+            self.tx.used = a;
+        }
+        self.read_reply(h, offset, (a, b), result);
+        Ok(())
+    }
+
+    /// Queues the reply to a READ whose data the backend put (or failed to put) in
+    /// `tx.data[a..b]`.
+    fn read_reply(
+        &mut self,
+        h: &RequestHeader,
+        offset: u64,
+        (a, b): (usize, usize),
+        result: ferry_backend::Result<()>,
+    ) {
+        let s = self.tx.headers.len();
+        match result {
             Ok(()) => {
-                let s = self.tx.headers.len();
-                self.writer.data(h.cookie, h.offset, offset, len, true, &mut self.tx.headers);
+                self.writer.data(h.cookie, h.offset, offset, b - a, true, &mut self.tx.headers);
                 self.tx.header_from(s);
                 self.tx.parts.push(Part::Data(a, b));
             }
             Err(e) => {
-                self.tx.used = a;
                 log::debug!("{}: export {:?}: {e}", self.stream.peer(), self.export.name);
-                let s = self.tx.headers.len();
                 self.writer.error_offset(
                     h.cookie,
                     h.offset,
@@ -742,7 +773,63 @@ impl Transmission {
                 self.tx.header_from(s);
             }
         }
-        Ok(())
+    }
+
+    /// Executes the run of valid READ requests at the front of the receive buffer (at
+    /// most [`READ_BATCH_BYTES`] of data and as many as may be queued before a send)
+    /// with one `read_batch`, queueing their replies in order. `false`: the next request
+    /// is not such a READ (or is incomplete), and nothing was done.
+    fn read_batch(&mut self, ext: bool) -> io::Result<bool> {
+        let hlen = RequestHeader::wire_len(ext);
+        let mut batch: Vec<(RequestHeader, u64, usize)> = Vec::new();
+        let mut pos = self.head;
+        let mut total = 0usize;
+        while batch.len() < self.flush_replies.saturating_sub(self.queued).max(1) {
+            let Ok(Some(h)) = RequestHeader::parse(&self.rx[pos..self.tail], ext) else { break };
+            if h.check_payload(ext) != Ok(PayloadPlan::Receive(0)) {
+                break;
+            }
+            let Ok(Command::Read { offset, length, .. }) = self.session.validate(&h) else { break };
+            let len = length as usize;
+            if !batch.is_empty() && total + len > READ_BATCH_BYTES {
+                break;
+            }
+            batch.push((h, offset, len));
+            total += len;
+            pos += hlen;
+        }
+        if batch.is_empty() {
+            return Ok(false);
+        }
+        self.head = pos;
+        self.stream.count_requests(batch.len() as u64);
+        log::trace!("{}: {} READs ({total} bytes) in one batch", self.stream.peer(), batch.len());
+        if self.tx.used > 0 && self.tx.used + total > self.tx.data.len() {
+            self.flush()?;
+        }
+        let (start, _) = self.tx.reserve(total);
+        let mut rest = &mut self.tx.data[start..start + total];
+        let mut reads: Vec<(&mut [u8], u64)> = Vec::with_capacity(batch.len());
+        for &(_, offset, len) in &batch {
+            let (buf, tail) = std::mem::take(&mut rest).split_at_mut(len);
+            reads.push((buf, offset));
+            rest = tail;
+        }
+        let results = self.export.backend.read_batch(&mut reads);
+        drop(reads);
+        // A backend that returned too few results still answers every request.
+        let mut results = results.into_iter();
+        let mut a = start;
+        for &(ref h, offset, len) in &batch {
+            let result = results.next().unwrap_or_else(|| {
+                Err(ferry_backend::Error::new(ferry_backend::ErrorKind::Io, "read", offset, len as u64))
+            });
+            self.read_reply(h, offset, (a, a + len), result);
+            a += len;
+        }
+        self.queued += batch.len();
+        self.large_writes = false;
+        Ok(true)
     }
 
     /// A read whose range holds holes (`self.extents` covers it exactly).
