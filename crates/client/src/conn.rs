@@ -710,8 +710,9 @@ impl Connection {
             }
             REPLY_TYPE_BLOCK_STATUS | REPLY_TYPE_BLOCK_STATUS_EXT if f.cmd == CMD_BLOCK_STATUS => {
                 let p = self.recv_meta(length)?;
+                let before = f.extents.len();
                 let id = parse_block_status(ty, &p, &mut f.extents)?;
-                if f.extents.iter().any(|e| e.length == 0) {
+                if f.extents[before..].iter().any(|e| e.length == 0) {
                     return Err(Error::Protocol(format!(
                         "block status at offset {} has a zero-length extent",
                         f.offset

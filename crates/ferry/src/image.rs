@@ -5,10 +5,9 @@
 //! `rbd_spec`).
 
 use anyhow::{Context, Result};
-use ferry_backend::{Backend, FileBackend, ReadOnly};
+use ferry_backend::{Backend, FileBackend};
 use ferry_client::copy::{BackendEndpoint, Endpoint};
-use ferry_qcow2::{is_qcow2, Qcow2};
-use std::os::unix::fs::FileExt;
+use ferry_qcow2::{has_qcow2_magic, Qcow2};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -26,12 +25,6 @@ pub enum Spec {
 pub enum Format {
     Raw,
     Qcow2,
-}
-
-/// Whether the file at `p` starts with the qcow2 magic (false when it cannot be read).
-pub fn has_qcow2_magic(p: &Path) -> bool {
-    let mut magic = [0u8; 4];
-    std::fs::File::open(p).and_then(|f| f.read_at(&mut magic, 0)).is_ok_and(|n| is_qcow2(&magic[..n]))
 }
 
 /// Classifies a spec: explicit kinds first, then bare paths by their first bytes.
@@ -77,9 +70,7 @@ pub fn open_backend(spec: &str, read_only: bool) -> Result<Arc<dyn Backend>> {
         }
         Spec::Backend(s) => return Ok(ferry_backend::open(&s, read_only)?),
     };
-    if read_only && !b.caps().read_only {
-        return Ok(Arc::new(ReadOnly(b)));
-    }
+    // Both open with `read_only`, so they declare it themselves.
     Ok(b)
 }
 

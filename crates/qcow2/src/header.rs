@@ -87,6 +87,13 @@ pub fn is_qcow2(first: &[u8]) -> bool {
     first.len() >= 4 && first[..4] == MAGIC
 }
 
+/// Whether the file at `p` starts with the qcow2 magic (false when it cannot be read).
+pub fn has_qcow2_magic(p: &std::path::Path) -> bool {
+    use std::os::unix::fs::FileExt;
+    let mut magic = [0u8; 4];
+    std::fs::File::open(p).and_then(|f| f.read_at(&mut magic, 0)).is_ok_and(|n| is_qcow2(&magic[..n]))
+}
+
 fn bad(why: String) -> Qcow2Error {
     Qcow2Error::Invalid(why)
 }

@@ -23,7 +23,7 @@ mod refcount;
 mod store;
 mod write;
 
-pub use header::{is_qcow2, Compression, Header, MAGIC};
+pub use header::{has_qcow2_magic, is_qcow2, Compression, Header, MAGIC};
 pub use map::Mapping;
 pub use store::{BackendStore, FileStore, Store};
 
@@ -134,11 +134,12 @@ impl Qcow2 {
         Self::open_store(Arc::new(store), path.display().to_string(), read_only, Some(&dir), depth)
     }
 
-    /// Opens an image held by any backend (memory, a network store). Such an image cannot
-    /// name backing or external data files, and cannot grow past the backend's size.
-    pub fn open_on(store: Arc<dyn Backend>, read_only: bool) -> Result<Qcow2, Qcow2Error> {
+    /// Opens an image held by any backend (memory, a network store), read-only. Such an
+    /// image cannot name backing or external data files. (Writing would need allocation
+    /// to start from the refcounts, not from the end of a store that cannot grow.)
+    pub fn open_on(store: Arc<dyn Backend>) -> Result<Qcow2, Qcow2Error> {
         let name = store.describe();
-        Self::open_store(Arc::new(BackendStore(store)), name, read_only, None, 0)
+        Self::open_store(Arc::new(BackendStore(store)), name, true, None, 0)
     }
 
     fn open_store(
@@ -195,12 +196,8 @@ impl Qcow2 {
                 let format = match header.backing_format.as_deref() {
                     Some(f) => f.to_string(),
                     None => {
-                        let mut magic = [0u8; 4];
-                        let f = std::fs::File::open(&p)
-                            .map_err(io_err(format!("cannot open backing file {}", p.display())))?;
-                        use std::os::unix::fs::FileExt;
-                        let n = f.read_at(&mut magic, 0).unwrap_or(0);
-                        if is_qcow2(&magic[..n]) { "qcow2" } else { "raw" }.to_string()
+                        std::fs::File::open(&p).map_err(io_err(format!("cannot open backing file {}", p.display())))?;
+                        if has_qcow2_magic(&p) { "qcow2" } else { "raw" }.to_string()
                     }
                 };
                 let b: Arc<dyn Backend> = match format.as_str() {
@@ -275,10 +272,6 @@ impl Qcow2 {
 
     pub fn info(&self) -> &Info {
         &self.info
-    }
-
-    pub fn header(&self) -> &Header {
-        &self.header
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -511,7 +504,7 @@ pub fn fuzz_image(data: &[u8]) {
     if mem.write(data, 0, false).is_err() {
         return;
     }
-    let Ok(q) = Qcow2::open_on(mem, true) else { return };
+    let Ok(q) = Qcow2::open_on(mem) else { return };
     let size = q.size();
     let mut buf = vec![0u8; 128 << 10];
     let window = 16u64 << 20;
@@ -686,7 +679,7 @@ mod tests {
         // The unmutated image reads whole.
         let mem = Arc::new(ferry_backend::MemoryBackend::new(good.len() as u64));
         mem.write(good, 0, false).unwrap();
-        let q = Qcow2::open_on(mem, true).unwrap();
+        let q = Qcow2::open_on(mem).unwrap();
         let mut all = vec![0u8; q.size() as usize];
         q.read(&mut all, 0).unwrap();
         assert!(all.iter().any(|&x| x != 0));
@@ -724,10 +717,10 @@ mod tests {
         let bytes = std::fs::read(&p).unwrap();
         let mem = Arc::new(ferry_backend::MemoryBackend::new(bytes.len() as u64));
         mem.write(&bytes, 0, false).unwrap();
-        let q = Qcow2::open_on(mem, true).unwrap();
+        let q = Qcow2::open_on(mem).unwrap();
         let mut b = vec![0u8; 1024];
         q.read(&mut b, 69888).unwrap();
         assert!(b[..112].iter().all(|&x| x == 0) && b[112..624].iter().all(|&x| x == 3));
-        assert!(Qcow2::open_on(Arc::new(ferry_backend::MemoryBackend::new(4096)), true).is_err());
+        assert!(Qcow2::open_on(Arc::new(ferry_backend::MemoryBackend::new(4096))).is_err());
     }
 }

@@ -20,9 +20,6 @@ pub trait Store: Send + Sync {
     fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()>;
     /// Makes completed writes durable.
     fn sync(&self) -> io::Result<()>;
-    /// Whether writes are allowed.
-    fn writable(&self) -> bool;
-    fn describe(&self) -> String;
     /// The file descriptor, for sendfile(2) of data clusters.
     fn fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
         None
@@ -33,20 +30,13 @@ pub trait Store: Send + Sync {
 pub struct FileStore {
     file: File,
     len: AtomicU64,
-    writable: bool,
-    name: String,
 }
 
 impl FileStore {
     pub fn open(path: &std::path::Path, writable: bool) -> io::Result<FileStore> {
         let file = std::fs::OpenOptions::new().read(true).write(writable).open(path)?;
         let len = file.metadata()?.len();
-        Ok(FileStore { file, len: AtomicU64::new(len), writable, name: path.display().to_string() })
-    }
-
-    pub fn new(file: File, writable: bool, name: String) -> io::Result<FileStore> {
-        let len = file.metadata()?.len();
-        Ok(FileStore { file, len: AtomicU64::new(len), writable, name })
+        Ok(FileStore { file, len: AtomicU64::new(len) })
     }
 }
 
@@ -85,19 +75,14 @@ impl Store for FileStore {
     fn sync(&self) -> io::Result<()> {
         self.file.sync_data()
     }
-    fn writable(&self) -> bool {
-        self.writable
-    }
-    fn describe(&self) -> String {
-        self.name.clone()
-    }
     fn fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
         use std::os::fd::AsFd;
         Some(self.file.as_fd())
     }
 }
 
-/// Any backend as a store. It cannot grow: allocating past its size fails with ENOSPC.
+/// Any backend as a store, for images opened read-only (`Qcow2::open_on`): it cannot grow,
+/// so a write past its size fails with ENOSPC.
 pub struct BackendStore(pub Arc<dyn Backend>);
 
 impl Store for BackendStore {
@@ -122,11 +107,5 @@ impl Store for BackendStore {
     }
     fn sync(&self) -> io::Result<()> {
         self.0.flush().map_err(io::Error::other)
-    }
-    fn writable(&self) -> bool {
-        !self.0.caps().read_only
-    }
-    fn describe(&self) -> String {
-        self.0.describe()
     }
 }

@@ -23,6 +23,8 @@ pub use sys::{
 
 /// A positive errno from a failed librados/librbd call.
 pub type Errno = i32;
+/// EIO, for a result librbd never gave.
+const EIO: Errno = 5;
 
 fn check(ret: c_int) -> Result<c_int, Errno> {
     if ret < 0 {
@@ -397,12 +399,8 @@ impl Image {
     /// Reads `buf.len()` bytes at `offset`, in pieces of at most `piece` bytes (objects),
     /// all in flight at once.
     pub fn read(&self, buf: &mut [u8], offset: u64, piece: u64) -> Result<(), Errno> {
-        let base = buf.as_mut_ptr();
-        Self::pieces(buf.len(), offset, piece, |at, i, len, c| {
-            // SAFETY: `i + len <= buf.len()`; `buf` stays borrowed mutably by this function
-            // until `pieces` has waited for every request.
-            unsafe { sys::rbd_aio_read(self.img, at, len, base.add(i).cast::<c_char>(), c) }
-        })
+        // `read_many` answers every read it is given: one here.
+        self.read_many(&mut [(buf, offset)], piece).pop().unwrap_or(Err(EIO))
     }
 
     /// Writes `buf` at `offset`, in pieces as [`Image::read`] reads.

@@ -296,12 +296,11 @@ impl Backend for RbdImage {
 
     /// Every piece of every read in flight at once through librbd's asynchronous API.
     fn read_batch(&self, reads: &mut [(&mut [u8], u64)]) -> Vec<ferry_backend::Result<()>> {
-        let spans: Vec<(u64, u64)> = reads.iter().map(|(b, o)| (*o, b.len() as u64)).collect();
-        self.image
-            .read_many(reads, self.object_size)
+        let results = self.image.read_many(reads, self.object_size);
+        results
             .into_iter()
-            .zip(spans)
-            .map(|(r, (offset, len))| r.map_err(|e| Self::err("read", offset, len, e)))
+            .zip(reads.iter())
+            .map(|(r, (buf, offset))| r.map_err(|e| Self::err("read", *offset, buf.len() as u64, e)))
             .collect()
     }
 

@@ -365,7 +365,8 @@ impl Server {
         if reg.active.load(Ordering::SeqCst) >= max {
             return Err(format!("{max} connections already open (--max-connections)"));
         }
-        let ip = stream.peer_ip();
+        // Clients are counted by address only where a per-client limit is set.
+        let ip = self.config.max_connections_per_client.and_then(|_| stream.peer_ip());
         if let (Some(ip), Some(limit)) = (ip, self.config.max_connections_per_client) {
             let mut m = lock(&reg.per_client);
             let n = m.entry(ip).or_insert(0);
@@ -373,8 +374,6 @@ impl Server {
                 return Err(format!("{limit} connections from {ip} already open (--max-connections-per-client)"));
             }
             *n += 1;
-        } else if let Some(ip) = ip {
-            *lock(&reg.per_client).entry(ip).or_insert(0) += 1;
         }
         reg.active.fetch_add(1, Ordering::SeqCst);
         let id = reg.next.fetch_add(1, Ordering::SeqCst);
