@@ -131,7 +131,7 @@ pub(crate) fn serve(stream: Stream, slot: Slot, shared: Arc<Shared>) {
 }
 
 /// Takes a parked connection back on a new thread (the poller saw its socket readable).
-pub(crate) fn resume(mut t: Box<Transmission>, _shared: Arc<Shared>) {
+pub(crate) fn resume(mut t: Box<Transmission>) {
     t.acquire();
     drive(t);
 }
@@ -140,6 +140,8 @@ pub(crate) fn resume(mut t: Box<Transmission>, _shared: Arc<Shared>) {
 /// (it is parked).
 fn drive(mut t: Box<Transmission>) {
     match t.run() {
+        // Shutting down: an idle connection has nothing in flight, so it ends here.
+        Ok(Step::Idle) if t.shared.stop.load(Ordering::SeqCst) => t.close(Ok(())),
         Ok(Step::Idle) => {
             t.release();
             let shared = t.shared.clone();

@@ -58,9 +58,11 @@ impl Poller {
     /// Hands an idle connection (buffers already released) to the poller thread.
     pub(crate) fn park(&self, t: Box<Transmission>) {
         self.parked.fetch_add(1, Ordering::Relaxed);
-        if self.tx.lock().unwrap_or_else(|e| e.into_inner()).send(t).is_err() {
-            // The poller has ended (shutdown): the connection is dropped, and closes.
+        let sent = self.tx.lock().unwrap_or_else(|e| e.into_inner()).send(t);
+        if let Err(std::sync::mpsc::SendError(t)) = sent {
+            // The poller has ended (shutdown): close it here, as the poller would have.
             self.parked.fetch_sub(1, Ordering::Relaxed);
+            t.close(Ok(()));
             return;
         }
         self.wake();
@@ -105,8 +107,7 @@ fn run(shared: &Arc<Shared>, rx: Receiver<Box<Transmission>>) {
             if let Some(t) = conns.remove(&key) {
                 p.parked.fetch_sub(1, Ordering::Relaxed);
                 let _ = epoll::delete(&p.epoll, t.fd());
-                let s = shared.clone();
-                Shared::spawn(format!("conn-{}", t.id()), move || crate::conn::resume(t, s));
+                Shared::spawn(format!("conn-{}", t.id()), move || crate::conn::resume(t));
             }
         }
         while let Ok(t) = rx.try_recv() {
@@ -154,6 +155,11 @@ fn run(shared: &Arc<Shared>, rx: Receiver<Box<Transmission>>) {
     for (_, t) in conns.drain() {
         t.close(Ok(()));
     }
-    // Connections parked after this point find the receiver gone and close themselves.
+    // Connections sent before the receiver goes are closed here; any parked after it find
+    // it gone and close themselves (`park`).
+    for t in rx.try_iter() {
+        p.parked.fetch_sub(1, Ordering::Relaxed);
+        t.close(Ok(()));
+    }
     drop(rx);
 }
