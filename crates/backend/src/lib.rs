@@ -96,6 +96,27 @@ pub struct ZeroMode {
     pub fast: bool,
 }
 
+/// Reads in flight for one connection (see [`Backend::read_queue`]). Reads complete in
+/// the order they were submitted; each buffer belongs to the queue from
+/// [`ReadQueue::submit`] until [`ReadQueue::complete`] hands it back, so no read can
+/// outlive the memory it fills. Dropping a queue waits for whatever is still in flight.
+pub trait ReadQueue: Send {
+    /// Starts filling `buf` (all of it) with the bytes at `offset`, a range already
+    /// validated against the size. A failure to start is reported by `complete`, in order.
+    fn submit(&mut self, buf: Vec<u8>, offset: u64);
+    /// Reads submitted and not yet handed back.
+    fn len(&self) -> usize;
+    /// No read is in flight.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The oldest read has finished: [`ReadQueue::complete`] returns without waiting.
+    fn oldest_done(&self) -> bool;
+    /// Waits for the oldest read and hands back its buffer with its result (`None` when
+    /// the queue is empty).
+    fn complete(&mut self) -> Option<(Vec<u8>, Result<()>)>;
+}
+
 /// An export's storage. Implementations must be safe to call from many connections at once.
 pub trait Backend: Send + Sync {
     /// Short description for logs, e.g. `memory:1G`.
@@ -106,17 +127,13 @@ pub trait Backend: Send + Sync {
     fn caps(&self) -> Capabilities;
     /// Fills `buf` with the bytes at `offset`.
     fn read(&self, buf: &mut [u8], offset: u64) -> Result<()>;
-    /// Reads issued together pay for this backend: each waits on the network and many in
-    /// flight cost about as long as one. The server then hands it every READ already
-    /// received on a connection in one [`Backend::read_batch`]. Default: no (local
-    /// storage keeps one read at a time).
-    fn batch_reads(&self) -> bool {
-        false
-    }
-    /// Fills each `(buf, offset)` of `reads`, all in flight at once where the backend can;
-    /// one result per read, in order. Default: one [`Backend::read`] after another.
-    fn read_batch(&self, reads: &mut [(&mut [u8], u64)]) -> Vec<Result<()>> {
-        reads.iter_mut().map(|(buf, offset)| self.read(buf, *offset)).collect()
+    /// A queue that keeps many READs of one connection in flight at once, for backends
+    /// whose reads each wait on the network and cost about as long together as one
+    /// (RBD). The server submits every READ it has received into it and answers each as
+    /// soon as it completes. `None` (the default): the server calls [`Backend::read`] on
+    /// the connection's thread, one read at a time (local storage).
+    fn read_queue(&self) -> Option<Box<dyn ReadQueue>> {
+        None
     }
     /// Writes `buf` at `offset`; with `fua`, durably before returning.
     fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()>;
@@ -192,11 +209,8 @@ impl Backend for ReadOnly {
     fn read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         self.0.read(buf, offset)
     }
-    fn batch_reads(&self) -> bool {
-        self.0.batch_reads()
-    }
-    fn read_batch(&self, reads: &mut [(&mut [u8], u64)]) -> Vec<Result<()>> {
-        self.0.read_batch(reads)
+    fn read_queue(&self) -> Option<Box<dyn ReadQueue>> {
+        self.0.read_queue()
     }
     fn write(&self, buf: &[u8], offset: u64, _fua: bool) -> Result<()> {
         Err(Error::new(ErrorKind::ReadOnly, "write", offset, buf.len() as u64))

@@ -240,20 +240,53 @@ fn a_failed_file_payload_closes_the_connection() {
     assert!(c.pread(&mut buf, 0).is_err(), "a connection out of step was used again");
 }
 
-/// Memory that asks for batched reads, records how many reads each batch held, and
-/// fails every read at [`Batching::BAD`].
-struct Batching {
-    inner: MemoryBackend,
-    batches: std::sync::Mutex<Vec<usize>>,
+/// Memory that keeps reads in a queue, records how many reads were in flight at each
+/// submission, and fails every read at [`Queued::BAD`]. Its queue does each read only
+/// when the server asks for the result, and never reports one done before that, so the
+/// server has to wait for every read it answers.
+struct Queued {
+    inner: Arc<MemoryBackend>,
+    depths: Arc<std::sync::Mutex<Vec<usize>>>,
 }
 
-impl Batching {
+impl Queued {
     const BAD: u64 = 3 << 16;
+
+    fn read_at(inner: &MemoryBackend, buf: &mut [u8], offset: u64) -> ferry_backend::Result<()> {
+        if offset == Self::BAD {
+            return Err(ferry_backend::Error::new(ferry_backend::ErrorKind::Io, "read", offset, buf.len() as u64));
+        }
+        ferry_backend::Backend::read(inner, buf, offset)
+    }
 }
 
-impl ferry_backend::Backend for Batching {
+struct LazyReads {
+    inner: Arc<MemoryBackend>,
+    depths: Arc<std::sync::Mutex<Vec<usize>>>,
+    reads: std::collections::VecDeque<(Vec<u8>, u64)>,
+}
+
+impl ferry_backend::ReadQueue for LazyReads {
+    fn submit(&mut self, buf: Vec<u8>, offset: u64) {
+        self.reads.push_back((buf, offset));
+        self.depths.lock().unwrap().push(self.reads.len());
+    }
+    fn len(&self) -> usize {
+        self.reads.len()
+    }
+    fn oldest_done(&self) -> bool {
+        false
+    }
+    fn complete(&mut self) -> Option<(Vec<u8>, ferry_backend::Result<()>)> {
+        let (mut buf, offset) = self.reads.pop_front()?;
+        let r = Queued::read_at(&self.inner, &mut buf, offset);
+        Some((buf, r))
+    }
+}
+
+impl ferry_backend::Backend for Queued {
     fn describe(&self) -> String {
-        "batching".into()
+        "queued".into()
     }
     fn size(&self) -> u64 {
         self.inner.size()
@@ -262,17 +295,10 @@ impl ferry_backend::Backend for Batching {
         self.inner.caps()
     }
     fn read(&self, buf: &mut [u8], offset: u64) -> ferry_backend::Result<()> {
-        if offset == Self::BAD {
-            return Err(ferry_backend::Error::new(ferry_backend::ErrorKind::Io, "read", offset, buf.len() as u64));
-        }
-        self.inner.read(buf, offset)
+        Self::read_at(&self.inner, buf, offset)
     }
-    fn batch_reads(&self) -> bool {
-        true
-    }
-    fn read_batch(&self, reads: &mut [(&mut [u8], u64)]) -> Vec<ferry_backend::Result<()>> {
-        self.batches.lock().unwrap().push(reads.len());
-        reads.iter_mut().map(|(buf, offset)| self.read(buf, *offset)).collect()
+    fn read_queue(&self) -> Option<Box<dyn ferry_backend::ReadQueue>> {
+        Some(Box::new(LazyReads { inner: self.inner.clone(), depths: self.depths.clone(), reads: Default::default() }))
     }
     fn write(&self, buf: &[u8], offset: u64, fua: bool) -> ferry_backend::Result<()> {
         self.inner.write(buf, offset, fua)
@@ -289,15 +315,15 @@ impl ferry_backend::Backend for Batching {
 }
 
 #[test]
-fn batched_reads_answer_every_request() {
+fn queued_reads_answer_every_request() {
     let size = 1u64 << 20;
-    let backend = Arc::new(Batching { inner: MemoryBackend::new(size), batches: Default::default() });
+    let backend = Arc::new(Queued { inner: Arc::new(MemoryBackend::new(size)), depths: Default::default() });
     let srv = serve_backend(backend.clone(), tempfile::tempdir().unwrap());
     let image: Vec<u8> = (0..size as u32).map(|i| (i * 31 % 251) as u8).collect();
     for opts in modes() {
         let mut c = Connection::connect(&srv.uri, &opts).unwrap();
         c.pwrite(&image, 0, false).unwrap();
-        backend.batches.lock().unwrap().clear();
+        backend.depths.lock().unwrap().clear();
         // 8 reads, one failing in the backend, one past the end (refused before the
         // backend), a WRITE in the middle (ends the run), lengths that differ.
         let len = |i: usize| 1000 + i * 4096;
@@ -326,7 +352,7 @@ fn batched_reads_answer_every_request() {
         }
         for i in 0..8 {
             let off = i * 65536;
-            if off as u64 == Batching::BAD {
+            if off as u64 == Queued::BAD {
                 assert_eq!(ok[i], Some(false), "{opts:?}");
             } else {
                 assert_eq!(ok[i], Some(true), "{opts:?}");
@@ -335,9 +361,9 @@ fn batched_reads_answer_every_request() {
         }
         assert_eq!(ok[8], Some(false), "past the end: {opts:?}");
         assert_eq!(ok[9], Some(true), "{opts:?}");
-        let batches = backend.batches.lock().unwrap().clone();
-        assert_eq!(batches.iter().sum::<usize>(), 8, "{batches:?} {opts:?}");
-        assert!(batches.iter().any(|&n| n > 1), "no read was batched: {batches:?} {opts:?}");
+        let depths = backend.depths.lock().unwrap().clone();
+        assert_eq!(depths.len(), 8, "every valid READ goes through the queue: {depths:?} {opts:?}");
+        assert!(depths.iter().any(|&n| n > 1), "no two reads were in flight together: {depths:?} {opts:?}");
         c.pwrite(&image[9..109], 9, false).unwrap();
     }
 }

@@ -223,8 +223,6 @@ pub fn run(args: ServeArgs) -> Result<i32> {
         Some(n) => n,
         None => ceiling,
     };
-    // Idle connections give their buffers back: make sure the allocator does too.
-    ferry_sock::return_large_frees_to_kernel();
     let (tls_policy, tls) = tls_config(&args)?;
     let explicit = args.sockets.buffers()?;
     let config = Config {

@@ -23,8 +23,6 @@ pub use sys::{
 
 /// A positive errno from a failed librados/librbd call.
 pub type Errno = i32;
-/// EIO, for a result librbd never gave.
-const EIO: Errno = 5;
 
 fn check(ret: c_int) -> Result<c_int, Errno> {
     if ret < 0 {
@@ -363,44 +361,21 @@ impl Image {
         Ok(())
     }
 
-    /// Reads every `(buf, offset)` of `reads`, each cut into pieces as [`Image::read`]
-    /// cuts it, every piece of every read in flight at once; one result per read.
-    pub fn read_many(&self, reads: &mut [(&mut [u8], u64)], piece: u64) -> Vec<Result<(), Errno>> {
-        let mut pending = Vec::new();
-        // Per read: where its requests end in `pending`, and how submitting went.
-        let mut submitted = Vec::with_capacity(reads.len());
-        for (buf, offset) in reads.iter_mut() {
-            let base = buf.as_mut_ptr();
-            let res = Self::submit_pieces(
-                buf.len(),
-                *offset,
-                piece,
-                |at, i, len, c| {
-                    // SAFETY: `i + len <= buf.len()`; every buffer of `reads` stays borrowed
-                    // mutably by this function until every request below has been waited for.
-                    unsafe { sys::rbd_aio_read(self.img, at, len, base.add(i).cast::<c_char>(), c) }
-                },
-                &mut pending,
-            );
-            submitted.push((pending.len(), res));
-        }
-        let mut pending = pending.into_iter();
-        let mut waited = 0;
-        submitted
-            .into_iter()
-            .map(|(end, res)| {
-                let mine = pending.by_ref().take(end - waited);
-                waited = end;
-                Self::wait_all(mine.collect(), res)
-            })
-            .collect()
+    /// Whether a submitted request has finished (its result is ready).
+    fn is_done(p: &Pending) -> bool {
+        // SAFETY: `p.c` is a live completion (created, submitted, not yet released).
+        unsafe { sys::rbd_aio_is_complete(p.c) != 0 }
     }
 
     /// Reads `buf.len()` bytes at `offset`, in pieces of at most `piece` bytes (objects),
     /// all in flight at once.
     pub fn read(&self, buf: &mut [u8], offset: u64, piece: u64) -> Result<(), Errno> {
-        // `read_many` answers every read it is given: one here.
-        self.read_many(&mut [(buf, offset)], piece).pop().unwrap_or(Err(EIO))
+        let base = buf.as_mut_ptr();
+        Self::pieces(buf.len(), offset, piece, |at, i, len, c| {
+            // SAFETY: `i + len <= buf.len()`; `buf` stays borrowed mutably by this function
+            // until `pieces` has waited for every request.
+            unsafe { sys::rbd_aio_read(self.img, at, len, base.add(i).cast::<c_char>(), c) }
+        })
     }
 
     /// Writes `buf` at `offset`, in pieces as [`Image::read`] reads.
@@ -467,5 +442,75 @@ impl Image {
         // Objects may be reported in any order when librbd asks the OSDs in parallel.
         v.sort_unstable_by_key(|e| e.0);
         Ok(v)
+    }
+}
+
+/// One read of a [`ReadQueue`]: the buffer its requests fill, and the requests.
+struct QueuedRead {
+    buf: Vec<u8>,
+    pending: Vec<Pending>,
+    /// How submitting its pieces went (a failure is reported once all are waited for).
+    submitted: Result<(), Errno>,
+}
+
+/// Reads in flight on one image, completed in submission order. Each read owns its
+/// buffer until [`ReadQueue::complete`] returns it, and dropping the queue waits for every
+/// request, so librbd never writes into memory that was freed or handed back.
+pub struct ReadQueue {
+    image: Arc<Image>,
+    piece: u64,
+    reads: std::collections::VecDeque<QueuedRead>,
+}
+
+// SAFETY: the completions are librbd handles that may be waited for and released from
+// any thread; the queue is used by one thread at a time (it is not Sync).
+unsafe impl Send for ReadQueue {}
+
+impl ReadQueue {
+    pub fn new(image: Arc<Image>, piece: u64) -> ReadQueue {
+        ReadQueue { image, piece, reads: Default::default() }
+    }
+
+    /// Starts reading `buf.len()` bytes at `offset` into `buf`, in pieces as
+    /// [`Image::read`] cuts them.
+    pub fn submit(&mut self, mut buf: Vec<u8>, offset: u64) {
+        let mut pending = Vec::new();
+        let base = buf.as_mut_ptr();
+        let img = self.image.img;
+        let submitted = Image::submit_pieces(
+            buf.len(),
+            offset,
+            self.piece,
+            |at, i, len, c| {
+                // SAFETY: `i + len <= buf.len()`. The buffer's heap memory does not move
+                // when the Vec is moved into the queue below, and the Vec is neither read,
+                // resized nor freed until every request of this read has been waited for
+                // (`complete` and `Drop` wait first).
+                unsafe { sys::rbd_aio_read(img, at, len, base.add(i).cast::<c_char>(), c) }
+            },
+            &mut pending,
+        );
+        self.reads.push_back(QueuedRead { buf, pending, submitted });
+    }
+
+    pub fn len(&self) -> usize {
+        self.reads.len()
+    }
+
+    pub fn oldest_done(&self) -> bool {
+        self.reads.front().is_some_and(|r| r.pending.iter().all(Image::is_done))
+    }
+
+    /// Waits for the oldest read; its buffer and result.
+    pub fn complete(&mut self) -> Option<(Vec<u8>, Result<(), Errno>)> {
+        let r = self.reads.pop_front()?;
+        let result = Image::wait_all(r.pending, r.submitted);
+        Some((r.buf, result))
+    }
+}
+
+impl Drop for ReadQueue {
+    fn drop(&mut self) {
+        while self.complete().is_some() {}
     }
 }

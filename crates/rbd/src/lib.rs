@@ -24,6 +24,7 @@ pub use spec::{is_rbd, Spec};
 
 use ferry_backend::{push_extent, Backend, Capabilities, Error, ErrorKind, Extent, ZeroMode, DATA, HOLE};
 use std::io;
+use std::sync::Arc;
 
 /// librados' errno values that get their own message.
 mod errno {
@@ -82,7 +83,7 @@ pub struct Info {
 /// An open RBD image.
 pub struct RbdImage {
     spec: Spec,
-    image: ffi::Image,
+    image: Arc<ffi::Image>,
     size: u64,
     object_size: u64,
     order: u32,
@@ -183,7 +184,15 @@ impl RbdImage {
                 _ => other("taking the exclusive lock", e),
             })?;
         }
-        Ok(RbdImage { spec, image, size: st.size, object_size: st.object_size, order: st.order, features, read_only })
+        Ok(RbdImage {
+            spec,
+            image: Arc::new(image),
+            size: st.size,
+            object_size: st.object_size,
+            order: st.order,
+            features,
+            read_only,
+        })
     }
 
     /// Creates the image a spec names, `size` bytes with 4 MiB objects and the pool's
@@ -289,19 +298,14 @@ impl Backend for RbdImage {
         self.image.read(buf, offset, self.object_size).map_err(|e| Self::err("read", offset, buf.len() as u64, e))
     }
 
-    /// Every read waits on an OSD round trip; many in flight cost about one.
-    fn batch_reads(&self) -> bool {
-        true
-    }
-
-    /// Every piece of every read in flight at once through librbd's asynchronous API.
-    fn read_batch(&self, reads: &mut [(&mut [u8], u64)]) -> Vec<ferry_backend::Result<()>> {
-        let results = self.image.read_many(reads, self.object_size);
-        results
-            .into_iter()
-            .zip(reads.iter())
-            .map(|(r, (buf, offset))| r.map_err(|e| Self::err("read", *offset, buf.len() as u64, e)))
-            .collect()
+    /// Every read waits on an OSD round trip; many in flight cost about one, so the
+    /// server keeps a connection's READs in flight together and answers each as it
+    /// completes.
+    fn read_queue(&self) -> Option<Box<dyn ferry_backend::ReadQueue>> {
+        Some(Box::new(Reads {
+            queue: ffi::ReadQueue::new(self.image.clone(), self.object_size),
+            offsets: Default::default(),
+        }))
     }
 
     fn write(&self, buf: &[u8], offset: u64, fua: bool) -> ferry_backend::Result<()> {
@@ -368,5 +372,35 @@ impl Backend for RbdImage {
         ex.truncate(max.max(1));
         out.extend(ex);
         Ok(())
+    }
+}
+
+/// [`ferry_backend::ReadQueue`] over librbd's asynchronous reads, with errors as the
+/// backend reports them.
+struct Reads {
+    queue: ffi::ReadQueue,
+    /// Offset of each read in flight, oldest first (for the error message).
+    offsets: std::collections::VecDeque<u64>,
+}
+
+impl ferry_backend::ReadQueue for Reads {
+    fn submit(&mut self, buf: Vec<u8>, offset: u64) {
+        self.offsets.push_back(offset);
+        self.queue.submit(buf, offset);
+    }
+
+    fn len(&self) -> usize {
+        self.queue.len()
+    }
+
+    fn oldest_done(&self) -> bool {
+        self.queue.oldest_done()
+    }
+
+    fn complete(&mut self) -> Option<(Vec<u8>, ferry_backend::Result<()>)> {
+        let (buf, r) = self.queue.complete()?;
+        let offset = self.offsets.pop_front().unwrap_or_default();
+        let r = r.map_err(|e| RbdImage::err("read", offset, buf.len() as u64, e));
+        Some((buf, r))
     }
 }

@@ -22,6 +22,7 @@ use ferry_proto::reply::ReplyWriter;
 use ferry_proto::request::{Command, PayloadPlan, RequestError, RequestHeader, Session};
 use ferry_sock::{AlignedBuf, Stream};
 use ferry_tls::Transport;
+use std::collections::VecDeque;
 use std::io::{self, IoSlice, Read};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -61,10 +62,12 @@ const SEND_BATCH_REPLIES: usize = 16;
 /// Reads this long or longer are sent with sendfile(2) when the export is a file:
 /// below it, one pread into the batch arena and one grouped writev cost less.
 const SENDFILE_MIN: usize = 64 * 1024;
-/// Most bytes of READ data handed to a backend in one [`ferry_backend::Backend::read_batch`]
-/// (the data arena grows to it for such backends only): 8 requests of 2 MiB, what
-/// `qemu-img convert` keeps in flight.
-const READ_BATCH_BYTES: usize = 16 << 20;
+/// Most bytes of READ data in flight at once on one connection whose backend keeps reads
+/// in flight ([`ferry_backend::Backend::read_queue`]); a single read of the maximum payload
+/// always fits.
+const READS_IN_FLIGHT_BYTES: usize = 32 << 20;
+/// Most READs in flight at once on such a connection.
+const READS_IN_FLIGHT: usize = 64;
 /// WRITE payloads this large are received straight into the write buffer (see `run`).
 const LARGE_PAYLOAD: usize = 64 * 1024;
 /// Most extents returned for one BLOCK_STATUS (bounded reply size).
@@ -274,15 +277,20 @@ enum Part {
     Data(usize, usize),
     /// `len` bytes of the export's file at `offset`, sent with sendfile(2).
     File(u64, usize),
+    /// All of `bufs[i]`: the buffer a queued read filled.
+    Buf(usize),
 }
 
 /// Replies waiting to be sent: headers and read data in two arenas, and the order.
 struct SendQueue {
     headers: Vec<u8>,
-    /// Read data; its length is its capacity, `used` is the fill level.
-    data: Vec<u8>,
+    /// Read data; `used` is the fill level.
+    data: AlignedBuf,
     used: usize,
     parts: Vec<Part>,
+    /// Buffers of completed queued reads, sent without a copy, and their total length.
+    bufs: Vec<Vec<u8>>,
+    buf_bytes: usize,
 }
 
 impl SendQueue {
@@ -303,7 +311,7 @@ impl SendQueue {
     fn reserve(&mut self, n: usize) -> (usize, usize) {
         let start = self.used;
         if start + n > self.data.len() {
-            self.data.resize(start + n, 0);
+            self.data.resize(start + n);
         }
         self.used += n;
         (start, start + n)
@@ -327,7 +335,7 @@ pub(crate) struct Transmission {
     export: Arc<Export>,
     session: Session,
     writer: ReplyWriter,
-    rx: Vec<u8>,
+    rx: AlignedBuf,
     head: usize,
     tail: usize,
     /// Buffer for WRITE payloads larger than what one `read` brought (page-aligned: the
@@ -347,9 +355,15 @@ pub(crate) struct Transmission {
     queued: usize,
     /// Data reads of at least [`SENDFILE_MIN`] bytes go out with sendfile(2).
     sendfile: bool,
-    /// The backend wants consecutive READs in one `read_batch` (it never has holes
-    /// checked first: see [`Transmission::new`]).
-    batch_reads: bool,
+    /// While a thread serves the connection, the queue that keeps its READs in flight,
+    /// when the backend has one ([`ferry_backend::Backend::read_queue`]) and no READ has
+    /// its holes checked first.
+    queue: Option<Box<dyn ferry_backend::ReadQueue>>,
+    /// The request and offset of each read in `queue`, oldest first, and their bytes.
+    in_flight: VecDeque<(RequestHeader, u64)>,
+    in_flight_bytes: usize,
+    /// Buffers of answered queued reads, for the next ones.
+    pool: Vec<Vec<u8>>,
     /// Bytes queued for sendfile since the last flush.
     file_bytes: usize,
     /// Large batches go out with MSG_ZEROCOPY (`--zerocopy`, TCP only).
@@ -367,7 +381,6 @@ impl Transmission {
         writer: ReplyWriter,
     ) -> Self {
         let sparse_threshold = if writer.chunked() { export.backend.sparse_read_threshold() } else { None };
-        let batch_reads = export.backend.batch_reads() && sparse_threshold.is_none();
         Transmission {
             stream,
             slot,
@@ -376,11 +389,18 @@ impl Transmission {
             export,
             session,
             writer,
-            rx: Vec::new(),
+            rx: AlignedBuf::default(),
             head: 0,
             tail: 0,
             wbuf: AlignedBuf::default(),
-            tx: SendQueue { headers: Vec::new(), data: Vec::new(), used: 0, parts: Vec::new() },
+            tx: SendQueue {
+                headers: Vec::new(),
+                data: AlignedBuf::default(),
+                used: 0,
+                parts: Vec::new(),
+                bufs: Vec::new(),
+                buf_bytes: 0,
+            },
             extents: Vec::new(),
             sparse_threshold,
             large_writes: false,
@@ -388,7 +408,10 @@ impl Transmission {
             flush_replies: SEND_BATCH_REPLIES,
             queued: 0,
             sendfile: false,
-            batch_reads,
+            queue: None,
+            in_flight: VecDeque::new(),
+            in_flight_bytes: 0,
+            pool: Vec::new(),
             file_bytes: 0,
             zc: None,
             disconnect: false,
@@ -397,24 +420,31 @@ impl Transmission {
 
     /// Allocates the buffers a thread serves the connection with.
     fn acquire(&mut self) {
-        self.rx = vec![0u8; RECV_BUF];
+        self.rx = AlignedBuf::zeroed(RECV_BUF);
         self.tx.headers = Vec::with_capacity(64 * 1024);
-        self.tx.data = vec![0u8; 1 << 20];
+        self.tx.data = AlignedBuf::zeroed(1 << 20);
+        if self.sparse_threshold.is_none() && !self.sendfile {
+            self.queue = self.export.backend.read_queue();
+        }
     }
 
     /// Gives every buffer back before the connection is parked: nothing is queued and
     /// no request is partly received (see `run`). Zero-copy arenas the kernel still
     /// holds are waited for first.
     fn release(&mut self) {
-        debug_assert!(self.head == self.tail && !self.tx.pending());
+        debug_assert!(self.head == self.tail && !self.tx.pending() && self.in_flight.is_empty());
         if let (Some(zc), Some(s)) = (&mut self.zc, self.stream.plain_mut()) {
             zc.finish(s);
         }
-        (self.rx, self.head, self.tail) = (Vec::new(), 0, 0);
+        (self.rx, self.head, self.tail) = (AlignedBuf::default(), 0, 0);
         self.wbuf = AlignedBuf::default();
         self.tx.headers = Vec::new();
-        self.tx.data = Vec::new();
+        self.tx.data = AlignedBuf::default();
         self.tx.parts = Vec::new();
+        self.tx.bufs = Vec::new();
+        self.queue = None;
+        self.in_flight = VecDeque::new();
+        self.pool = Vec::new();
         self.extents = Vec::new();
         self.stream.release_buffers();
         self.publish();
@@ -500,13 +530,13 @@ impl Transmission {
         loop {
             // Execute every complete request in the receive buffer.
             while !self.disconnect {
-                if self.batch_reads && !self.sendfile && self.read_batch(ext)? {
-                    if self.tx.used >= self.flush_bytes || self.queued >= self.flush_replies {
-                        self.flush()?;
-                    }
-                    continue;
+                if self.queue.is_some() {
+                    self.queue_reads(ext)?;
                 }
                 let Some(h) = RequestHeader::parse(&self.rx[self.head..self.tail], ext)? else { break };
+                // Whatever comes after reads in flight waits for them (a FLUSH covers
+                // only completed requests; replies stay simple to reason about).
+                self.answer_reads(usize::MAX)?;
                 match h.check_payload(ext)? {
                     PayloadPlan::Receive(n) => {
                         self.large_writes = n >= LARGE_PAYLOAD;
@@ -527,13 +557,21 @@ impl Transmission {
                     }
                 }
                 self.queued += 1;
-                if self.tx.used + self.file_bytes >= self.flush_bytes || self.queued >= self.flush_replies {
-                    self.flush()?;
-                }
+                self.flush_if_full()?;
             }
             self.flush()?;
             if self.disconnect || self.shared.stop.load(Ordering::SeqCst) {
                 return Ok(Step::Closed);
+            }
+            // Reads in flight: answer every one that has completed. Wait for the oldest
+            // only when the client has sent nothing new, so new requests join the reads in
+            // flight as soon as they arrive.
+            if !self.in_flight.is_empty() {
+                let done = self.queue.as_ref().is_some_and(|q| q.oldest_done());
+                if done || !self.readable_now() {
+                    self.answer_reads(if done { 0 } else { 1 })?;
+                    continue;
+                }
             }
             // Keep the partial header (under 32 bytes) at the front, then read more.
             self.rx.copy_within(self.head..self.tail, 0);
@@ -546,6 +584,8 @@ impl Transmission {
             match self.read_more(end)? {
                 Some(0) => return Ok(Step::Closed),
                 Some(n) => self.tail += n,
+                // Reads in flight are answered before anything else is decided.
+                None if !self.in_flight.is_empty() => {}
                 // The read waited the idle grace period. Everything received is answered.
                 None if self.timed_out() => {
                     log::debug!(
@@ -599,8 +639,9 @@ impl Transmission {
             return Ok(());
         }
         let zerocopy = match &mut self.zc {
-            Some(zc) => zc.wants(plain(&mut self.stream)?, self.tx.used)?,
-            None => false,
+            // Zero-copy sends only the data arena, whose retired copies it swaps in.
+            Some(zc) if self.tx.bufs.is_empty() => zc.wants(plain(&mut self.stream)?, self.tx.used)?,
+            _ => false,
         };
         let tx = &self.tx;
         let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(tx.parts.len());
@@ -608,6 +649,7 @@ impl Transmission {
             match *p {
                 Part::Header(a, b) => iov.push(IoSlice::new(&tx.headers[a..b])),
                 Part::Data(a, b) => iov.push(IoSlice::new(&tx.data[a..b])),
+                Part::Buf(i) => iov.push(IoSlice::new(&tx.bufs[i])),
                 Part::File(offset, len) => {
                     self.stream.send_all(&mut iov)?;
                     iov.clear();
@@ -631,6 +673,8 @@ impl Transmission {
         self.tx.parts.clear();
         self.tx.headers.clear();
         self.tx.used = 0;
+        self.pool.append(&mut self.tx.bufs);
+        self.tx.buf_bytes = 0;
         self.file_bytes = 0;
         self.queued = 0;
         self.last_active = Instant::now();
@@ -742,25 +786,26 @@ impl Transmission {
             // Nothing of this read is sent: the next one may reuse its space.
             self.tx.used = a;
         }
-        self.read_reply(h, offset, (a, b), result);
+        self.read_reply(h, offset, b - a, Part::Data(a, b), result);
         Ok(())
     }
 
-    /// Queues the reply to a READ whose data the backend put (or failed to put) in
-    /// `tx.data[a..b]`.
+    /// Queues the reply to a READ of `len` bytes whose data the backend put (or failed to
+    /// put) in `data`.
     fn read_reply(
         &mut self,
         h: &RequestHeader,
         offset: u64,
-        (a, b): (usize, usize),
+        len: usize,
+        data: Part,
         result: ferry_backend::Result<()>,
     ) {
         let s = self.tx.headers.len();
         match result {
             Ok(()) => {
-                self.writer.data(h.cookie, h.offset, offset, b - a, true, &mut self.tx.headers);
+                self.writer.data(h.cookie, h.offset, offset, len, true, &mut self.tx.headers);
                 self.tx.header_from(s);
-                self.tx.parts.push(Part::Data(a, b));
+                self.tx.parts.push(data);
             }
             Err(e) => {
                 log::debug!("{}: export {:?}: {e}", self.stream.peer(), self.export.name);
@@ -777,61 +822,84 @@ impl Transmission {
         }
     }
 
-    /// Executes the run of valid READ requests at the front of the receive buffer (at
-    /// most [`READ_BATCH_BYTES`] of data and as many as may be queued before a send)
-    /// with one `read_batch`, queueing their replies in order. `false`: the next request
-    /// is not such a READ (or is incomplete), and nothing was done.
-    fn read_batch(&mut self, ext: bool) -> io::Result<bool> {
+    /// Submits the run of valid READ requests at the front of the receive buffer to the
+    /// read queue, answering the oldest reads in flight whenever the next would not fit
+    /// ([`READS_IN_FLIGHT`], [`READS_IN_FLIGHT_BYTES`]). Stops at the first request that
+    /// is anything else (or incomplete), which the caller then handles.
+    fn queue_reads(&mut self, ext: bool) -> io::Result<()> {
         let hlen = RequestHeader::wire_len(ext);
-        let mut batch: Vec<(RequestHeader, u64, usize)> = Vec::new();
-        let mut pos = self.head;
-        let mut total = 0usize;
-        while batch.len() < self.flush_replies.saturating_sub(self.queued).max(1) {
-            let Ok(Some(h)) = RequestHeader::parse(&self.rx[pos..self.tail], ext) else { break };
+        loop {
+            let Ok(Some(h)) = RequestHeader::parse(&self.rx[self.head..self.tail], ext) else { return Ok(()) };
             if h.check_payload(ext) != Ok(PayloadPlan::Receive(0)) {
-                break;
+                return Ok(());
             }
-            let Ok(Command::Read { offset, length, .. }) = self.session.validate(&h) else { break };
+            let Ok(Command::Read { offset, length, .. }) = self.session.validate(&h) else { return Ok(()) };
             let len = length as usize;
-            if !batch.is_empty() && total + len > READ_BATCH_BYTES {
+            while !self.in_flight.is_empty()
+                && (self.in_flight.len() >= READS_IN_FLIGHT || self.in_flight_bytes + len > READS_IN_FLIGHT_BYTES)
+            {
+                self.answer_reads(1)?;
+            }
+            let Some(queue) = self.queue.as_mut() else { return Ok(()) };
+            self.head += hlen;
+            self.stream.count_requests(1);
+            let buf = match self.pool.pop() {
+                Some(mut b) if b.capacity() >= len => {
+                    b.resize(len, 0);
+                    b
+                }
+                _ => vec![0u8; len],
+            };
+            queue.submit(buf, offset);
+            self.in_flight.push_back((h, offset));
+            self.in_flight_bytes += len;
+            self.large_writes = false;
+        }
+    }
+
+    /// Queues the replies of every completed read in flight, and of the oldest `wait`
+    /// ones whether completed or not (waiting for them), sending as the batch fills.
+    fn answer_reads(&mut self, mut wait: usize) -> io::Result<()> {
+        while let Some(queue) = self.queue.as_mut() {
+            if queue.is_empty() || (wait == 0 && !queue.oldest_done()) {
                 break;
             }
-            batch.push((h, offset, len));
-            total += len;
-            pos += hlen;
+            wait = wait.saturating_sub(1);
+            let (Some((buf, result)), Some((h, offset))) = (queue.complete(), self.in_flight.pop_front()) else {
+                return Err(io::Error::other("the read queue is out of step with the requests in flight"));
+            };
+            let len = buf.len();
+            self.in_flight_bytes -= len;
+            if result.is_ok() {
+                self.tx.bufs.push(buf);
+                self.tx.buf_bytes += len;
+                self.read_reply(&h, offset, len, Part::Buf(self.tx.bufs.len() - 1), result);
+            } else {
+                self.pool.push(buf);
+                self.read_reply(&h, offset, len, Part::Buf(usize::MAX), result);
+            }
+            self.queued += 1;
+            self.flush_if_full()?;
         }
-        if batch.is_empty() {
-            return Ok(false);
-        }
-        self.head = pos;
-        self.stream.count_requests(batch.len() as u64);
-        log::trace!("{}: {} READs ({total} bytes) in one batch", self.stream.peer(), batch.len());
-        if self.tx.used > 0 && self.tx.used + total > self.tx.data.len() {
+        Ok(())
+    }
+
+    /// Sends the queued replies once the batch is full (bytes or replies).
+    fn flush_if_full(&mut self) -> io::Result<()> {
+        if self.tx.used + self.file_bytes + self.tx.buf_bytes >= self.flush_bytes || self.queued >= self.flush_replies {
             self.flush()?;
         }
-        let (start, _) = self.tx.reserve(total);
-        let mut rest = &mut self.tx.data[start..start + total];
-        let mut reads: Vec<(&mut [u8], u64)> = Vec::with_capacity(batch.len());
-        for &(_, offset, len) in &batch {
-            let (buf, tail) = std::mem::take(&mut rest).split_at_mut(len);
-            reads.push((buf, offset));
-            rest = tail;
+        Ok(())
+    }
+
+    /// The client has sent something not yet read (in the socket or the TLS layer).
+    fn readable_now(&self) -> bool {
+        use rustix::event::{poll, PollFd, PollFlags, Timespec};
+        if self.stream.buffered() {
+            return true;
         }
-        let results = self.export.backend.read_batch(&mut reads);
-        drop(reads);
-        // A backend that returned too few results still answers every request.
-        let mut results = results.into_iter();
-        let mut a = start;
-        for &(ref h, offset, len) in &batch {
-            let result = results.next().unwrap_or_else(|| {
-                Err(ferry_backend::Error::new(ferry_backend::ErrorKind::Io, "read", offset, len as u64))
-            });
-            self.read_reply(h, offset, (a, a + len), result);
-            a += len;
-        }
-        self.queued += batch.len();
-        self.large_writes = false;
-        Ok(true)
+        let mut fds = [PollFd::new(&self.stream, PollFlags::IN)];
+        matches!(poll(&mut fds, Some(&Timespec { tv_sec: 0, tv_nsec: 0 })), Ok(n) if n > 0)
     }
 
     /// A read whose range holds holes (`self.extents` covers it exactly).

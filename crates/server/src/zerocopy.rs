@@ -9,7 +9,7 @@
 //! queue until the oldest returns. The arenas the transmission loop writes into are
 //! therefore never in flight, and the ordinary (copying) path is untouched.
 
-use ferry_sock::Stream;
+use ferry_sock::{AlignedBuf, Stream};
 use std::collections::VecDeque;
 use std::io::{self, IoSlice};
 use std::time::Duration;
@@ -41,7 +41,7 @@ const MAX_IN_FLIGHT: usize = 8;
 const FINISH_WAIT: Duration = Duration::from_secs(5);
 
 /// The header and data arenas of one batch of replies.
-type Arenas = (Vec<u8>, Vec<u8>);
+type Arenas = (Vec<u8>, AlignedBuf);
 
 /// One connection's zero-copy sender.
 pub(crate) struct ZeroCopySender {
@@ -127,14 +127,14 @@ impl ZeroCopySender {
         stream: &mut Stream,
         ticket: u64,
         headers: &mut Vec<u8>,
-        data: &mut Vec<u8>,
+        data: &mut AlignedBuf,
     ) -> io::Result<()> {
         stream.reap_zerocopy()?;
         self.after_reap(stream);
         let fresh = match self.free.pop() {
             Some(pair) => pair,
             None if self.in_flight.len() < MAX_IN_FLIGHT => {
-                (Vec::with_capacity(headers.capacity()), vec![0; data.len()])
+                (Vec::with_capacity(headers.capacity()), AlignedBuf::zeroed(data.len()))
             }
             None => {
                 let oldest = self.in_flight.front().map_or(0, |(t, _)| *t);

@@ -422,37 +422,38 @@ pub fn listen_fds() -> io::Result<Option<Vec<Listener>>> {
     Ok(Some(out))
 }
 
-/// Makes freed large buffers go back to the kernel at once.
+/// A byte buffer in its own anonymous memory mapping: page-aligned, zeroed when made,
+/// and given back to the kernel when dropped or replaced.
 ///
-/// glibc serves allocations of 128 KiB or more with their own `mmap` and unmaps them on
-/// `free`, but only until the first such block is freed: then it raises that threshold
-/// to the freed size, and later buffers of that size come from the heap, where a freed
-/// block in the middle stays resident. A server that gives the receive buffers and
-/// arenas of idle connections back (thousands of them, each up to 1.5 MiB) needs every
-/// such free to reach the kernel, so this fixes the threshold at 128 KiB. Call once at
-/// start, before other threads exist. Elsewhere than glibc it does nothing.
-pub fn return_large_frees_to_kernel() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
-        // SAFETY: mallopt only changes allocator parameters (it takes glibc's arena
-        // lock); M_MMAP_THRESHOLD with a value below its 32 MiB maximum is valid, and
-        // a failure (return 0) leaves the allocator as it was.
-        let ok = unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, 128 * 1024) };
-        if ok == 0 {
-            log::debug!("mallopt(M_MMAP_THRESHOLD) refused: freed buffers may stay resident");
-        }
-    }
+/// Page alignment: the kernel's copy out of a socket (whose payload pages start
+/// page-aligned when the peer sends from a file) measured faster into an aligned
+/// destination than into a heap block's usual 16-byte alignment, and the copy out of it
+/// into the page cache too. Its own mapping: a connection that goes idle drops its
+/// buffers, and they must leave the process then (thousands of idle connections, each
+/// with up to 1.5 MiB of buffers), whatever glibc's allocator would do with a freed heap
+/// block. The allocator's own tuning is left alone, so libraries that allocate large
+/// buffers per request (librbd's messenger) keep glibc's adaptive reuse: fixing glibc's
+/// mmap threshold instead cost librbd a page fault per 4 KiB of every read (BENCHMARKING).
+#[derive(Debug)]
+pub struct AlignedBuf {
+    /// Start of the mapping (dangling when `cap` is 0).
+    ptr: std::ptr::NonNull<u8>,
+    /// Bytes mapped (a multiple of the page size).
+    cap: usize,
+    /// Bytes in use, at most `cap`.
+    len: usize,
 }
 
-/// A byte buffer whose first byte is page-aligned, for payloads received from a socket:
-/// the kernel's copy out of a socket (whose payload pages start page-aligned when the
-/// peer sends from a file) measured faster into an aligned destination than into a heap
-/// block's usual 16-byte alignment, and the copy out of it into the page cache too.
-#[derive(Debug, Default)]
-pub struct AlignedBuf {
-    v: Vec<u8>,
-    off: usize,
-    len: usize,
+// SAFETY: the buffer owns its mapping exclusively (no other pointer to it escapes except
+// through borrows of `self`), like a Vec<u8>.
+unsafe impl Send for AlignedBuf {}
+// SAFETY: shared access only reads, through `&[u8]`.
+unsafe impl Sync for AlignedBuf {}
+
+impl Default for AlignedBuf {
+    fn default() -> Self {
+        AlignedBuf { ptr: std::ptr::NonNull::dangling(), cap: 0, len: 0 }
+    }
 }
 
 impl AlignedBuf {
@@ -466,29 +467,95 @@ impl AlignedBuf {
         self.len == 0
     }
 
+    /// A zeroed buffer of `len` bytes.
+    pub fn zeroed(len: usize) -> AlignedBuf {
+        let mut b = AlignedBuf::default();
+        b.reserve(len);
+        b
+    }
+
     /// Makes the buffer at least `len` bytes long. When it has to grow, it is replaced
     /// by a zeroed one: the contents are not kept.
     pub fn reserve(&mut self, len: usize) {
         if self.len >= len {
             return;
         }
-        let mut v = vec![0u8; len + Self::ALIGN - 1];
-        let off = v.as_ptr().align_offset(Self::ALIGN).min(Self::ALIGN - 1);
-        v.truncate(off + len);
-        *self = AlignedBuf { v, off, len };
+        if self.cap < len {
+            *self = AlignedBuf::default();
+            let cap = len.div_ceil(Self::ALIGN) * Self::ALIGN;
+            // SAFETY: a new private anonymous mapping (no address hint, no file); the
+            // result is checked before use.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    cap,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            let layout = std::alloc::Layout::from_size_align(cap, Self::ALIGN);
+            match std::ptr::NonNull::new(p.cast::<u8>()) {
+                Some(ptr) if p != libc::MAP_FAILED => self.ptr = ptr,
+                _ => std::alloc::handle_alloc_error(layout.unwrap_or(std::alloc::Layout::new::<u8>())),
+            }
+            self.cap = cap;
+        }
+        // Bytes past the old length were zeroed when mapped or by `truncate`.
+        self.len = len;
+    }
+
+    /// Makes the buffer `len` bytes long, keeping its contents (up to `len`); new bytes
+    /// read as zero.
+    pub fn resize(&mut self, len: usize) {
+        if len <= self.len {
+            self.truncate(len);
+            return;
+        }
+        if len <= self.cap {
+            self.len = len;
+            return;
+        }
+        let mut bigger = AlignedBuf::zeroed(len.max(self.cap * 2));
+        bigger.len = len;
+        bigger[..self.len].copy_from_slice(self);
+        *self = bigger;
+    }
+
+    /// Shortens the buffer to `len` bytes, zeroing the bytes dropped so that growing it
+    /// again shows zeroes, as a new buffer would.
+    pub fn truncate(&mut self, len: usize) {
+        if len < self.len {
+            self[len..].fill(0);
+            self.len = len;
+        }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        if self.cap > 0 {
+            // SAFETY: `ptr..ptr+cap` is the mapping made in `reserve`, unmapped once here;
+            // no borrow of it outlives `self`.
+            unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.cap) };
+        }
     }
 }
 
 impl std::ops::Deref for AlignedBuf {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        &self.v[self.off..self.off + self.len]
+        // SAFETY: `ptr` is valid for `len <= cap` initialized (zero-filled or written)
+        // bytes, or dangling with `len == 0`, which a slice allows.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
 }
 
 impl std::ops::DerefMut for AlignedBuf {
     fn deref_mut(&mut self) -> &mut [u8] {
-        &mut self.v[self.off..self.off + self.len]
+        // SAFETY: as in `deref`, and `&mut self` makes the access exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
     }
 }
 
@@ -516,6 +583,21 @@ mod tests {
         b.reserve(100);
         b.reserve(10);
         assert_eq!(b.len(), 100, "a large enough buffer is kept");
+    }
+
+    #[test]
+    fn aligned_buffers_resize_keeping_contents() {
+        let mut b = AlignedBuf::zeroed(10);
+        b.copy_from_slice(b"0123456789");
+        b.resize(5000);
+        assert_eq!(&b[..10], b"0123456789");
+        assert!(b[10..].iter().all(|&x| x == 0));
+        b.resize(3 << 20);
+        assert_eq!(&b[..10], b"0123456789");
+        assert_eq!(b.len(), 3 << 20);
+        b.truncate(4);
+        b.resize(8);
+        assert_eq!(&b[..], b"0123\0\0\0\0", "truncated bytes read as zero again");
     }
 
     #[test]
