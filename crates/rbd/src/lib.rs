@@ -9,9 +9,10 @@
 //! The `Backend` trait is synchronous: the server calls it from each connection's thread
 //! and the copy engine from each worker. Inside one call, a read or write is cut at object
 //! boundaries and every piece is in flight at once through librbd's asynchronous API
-//! (one completion each, no thread per request). The server hands every READ already
-//! received on a connection to one `read_batch`, so a client with many reads in flight
-//! on one connection has them all in flight in librbd; many calls are in flight at once
+//! (one completion each, no thread per request). The server keeps every READ it has
+//! received on a connection in flight through [`Backend::read_queue`] and answers each as
+//! it completes, so a client with many reads in flight on one connection has them all in
+//! flight in librbd; many calls are in flight at once
 //! through several connections or workers sharing one image handle.
 //!
 //! All `unsafe` code is in the `ffi` module.
