@@ -325,7 +325,7 @@ fn queued_reads_answer_every_request() {
         c.pwrite(&image, 0, false).unwrap();
         backend.depths.lock().unwrap().clear();
         // 8 reads, one failing in the backend, one past the end (refused before the
-        // backend), a WRITE in the middle (ends the run), lengths that differ.
+        // backend), a WRITE in the middle (executed beside the reads), lengths that differ.
         let len = |i: usize| 1000 + i * 4096;
         let mut subs: Vec<Submit> = (0..8)
             .map(|i| Submit {
@@ -338,10 +338,19 @@ fn queued_reads_answer_every_request() {
             })
             .collect();
         subs.insert(5, Submit { cmd: CMD_READ, flags: 0, offset: size - 10, length: 20, payload: None, slot: 8 });
+        // The WRITE overlaps no read: requests in flight together have no order.
         let patch = [7u8; 100];
+        let at = 600_000;
         subs.insert(
             7,
-            Submit { cmd: CMD_WRITE, flags: 0, offset: 9, length: 100, payload: Some(Payload::Bytes(&patch)), slot: 9 },
+            Submit {
+                cmd: CMD_WRITE,
+                flags: 0,
+                offset: at,
+                length: 100,
+                payload: Some(Payload::Bytes(&patch)),
+                slot: 9,
+            },
         );
         c.submit(&subs).unwrap();
         let mut bufs: Vec<Vec<u8>> = (0..9).map(|i| vec![0u8; if i < 8 { len(i) } else { 20 }]).collect();
@@ -364,6 +373,9 @@ fn queued_reads_answer_every_request() {
         let depths = backend.depths.lock().unwrap().clone();
         assert_eq!(depths.len(), 8, "every valid READ goes through the queue: {depths:?} {opts:?}");
         assert!(depths.iter().any(|&n| n > 1), "no two reads were in flight together: {depths:?} {opts:?}");
-        c.pwrite(&image[9..109], 9, false).unwrap();
+        let mut got = vec![0u8; 100];
+        c.pread(&mut got, at).unwrap();
+        assert_eq!(got, patch, "{opts:?}");
+        c.pwrite(&image[at as usize..at as usize + 100], at, false).unwrap();
     }
 }

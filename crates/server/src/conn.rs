@@ -534,9 +534,12 @@ impl Transmission {
                     self.queue_reads(ext)?;
                 }
                 let Some(h) = RequestHeader::parse(&self.rx[self.head..self.tail], ext)? else { break };
-                // Whatever comes after reads in flight waits for them (a FLUSH covers
-                // only completed requests; replies stay simple to reason about).
-                self.answer_reads(usize::MAX)?;
+                // Other requests run beside the reads in flight: the protocol orders no
+                // two requests in flight (a FLUSH covers completed writes, not reads), and
+                // a client that interleaves BLOCK_STATUS with its reads (qemu-img
+                // convert) must not drain the queue each time. A disconnect is answered
+                // only after every read before it.
+                self.answer_reads(if h.cmd == ferry_proto::consts::CMD_DISC { usize::MAX } else { 0 })?;
                 match h.check_payload(ext)? {
                     PayloadPlan::Receive(n) => {
                         self.large_writes = n >= LARGE_PAYLOAD;
