@@ -30,7 +30,7 @@ const BATCH: usize = 256;
 pub(crate) struct Poller {
     epoll: OwnedFd,
     wake: OwnedFd,
-    tx: Mutex<Sender<Box<Transmission>>>,
+    tx: Sender<Box<Transmission>>,
     rx: Mutex<Option<Receiver<Box<Transmission>>>>,
     parked: AtomicUsize,
 }
@@ -41,7 +41,7 @@ impl Poller {
         let wake = eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?;
         epoll::add(&epoll, &wake, epoll::EventData::new_u64(WAKE), epoll::EventFlags::IN)?;
         let (tx, rx) = channel();
-        Ok(Poller { epoll, wake, tx: Mutex::new(tx), rx: Mutex::new(Some(rx)), parked: AtomicUsize::new(0) })
+        Ok(Poller { epoll, wake, tx, rx: Mutex::new(Some(rx)), parked: AtomicUsize::new(0) })
     }
 
     /// Connections parked now.
@@ -58,7 +58,7 @@ impl Poller {
     /// Hands an idle connection (buffers already released) to the poller thread.
     pub(crate) fn park(&self, t: Box<Transmission>) {
         self.parked.fetch_add(1, Ordering::Relaxed);
-        let sent = self.tx.lock().unwrap_or_else(|e| e.into_inner()).send(t);
+        let sent = self.tx.send(t);
         if let Err(std::sync::mpsc::SendError(t)) = sent {
             // The poller has ended (shutdown): close it here, as the poller would have.
             self.parked.fetch_sub(1, Ordering::Relaxed);
