@@ -8,7 +8,10 @@
 # allocated, AES-CTR bytes), half.qcow2 (every other MiB data, the rest unallocated),
 # data.raw. Prints the median GiB/s of the guest size per tool, and CPU seconds (user+sys,
 # from /usr/bin/time) beside it: on a shared machine the CPU a tool burns is steadier
-# than its wall time. EXTRA_FERRY="-C 8" adds a ferry row with those options.
+# than its wall time. EXTRA_FERRY="-C 8" adds a ferry row with those options. Before each
+# run the previous output is deleted and `sync` writes back what is dirty, so no tool pays
+# for another's writeback (on a disk file system; neither tool syncs its own output).
+# `qemu-img -C` is copy offloading (copy_file_range).
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 . "$HERE/lib.sh"
@@ -22,12 +25,13 @@ command -v qemu-img >/dev/null || { echo "missing qemu-img"; exit 1; }
 
 qcow2_images "$W" "$SIZE_G"
 
-tools=("ferry" "qemu-img" "qemu-img -m 8 -W")
+tools=("ferry" "qemu-img" "qemu-img -m 8 -W" "qemu-img -C")
 [ -n "${EXTRA_FERRY:-}" ] && tools+=("ferry $EXTRA_FERRY")
 cmd() { # TOOL SRC OUT FMT
   case $1 in
     ferry*) echo "$FERRY copy ${1#ferry} $2 $3" ;;
     "qemu-img -m 8 -W") echo "qemu-img convert -m 8 -W -O $4 $2 $3" ;;
+    "qemu-img -C") echo "qemu-img convert -C -O $4 $2 $3" ;;
     qemu-img) echo "qemu-img convert -O $4 $2 $3" ;;
   esac
 }
@@ -39,6 +43,7 @@ for r in $(seq "$ROUNDS"); do
     set -- $c
     for t in "${tools[@]}"; do
       rm -f "$W/$2"
+      sync
       /usr/bin/time -o "$W/t" -f "%e %U %S" $(cmd "$t" "$W/$1" "$W/$2" "$3") >/dev/null 2>&1 || { echo "FAIL: $t $c"; exit 1; }
       read -r e u s <"$W/t"
       T[$c|$t]+="$e "; C[$c|$t]+="$(echo "$u + $s" | bc -l) "
@@ -57,4 +62,10 @@ for c in "${convs[@]}"; do
     printf " %.2f (%.2f) |" "$(echo "$SIZE_G / $m" | bc -l)" "$cpu"
   done
   echo
+done
+echo "every run, wall seconds (CPU seconds):"
+for c in "${convs[@]}"; do
+  for t in "${tools[@]}"; do
+    printf "  %-26s %-18s" "${c% *}" "$t"; paste -d' ' <(tr ' ' '\n' <<<"${T[$c|$t]}" | grep .) <(tr ' ' '\n' <<<"${C[$c|$t]}" | grep .) | awk '{printf " %s(%s)", $1, $2}'; echo
+  done
 done

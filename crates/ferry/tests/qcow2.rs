@@ -179,11 +179,12 @@ fn info_describes_a_local_image() {
 fn copies_raw_to_qcow2_that_qemu_accepts() {
     let dir = tempfile::tempdir().unwrap();
     let (src, data) = source(dir.path());
-    // By extension, and with --format for another name.
+    // By extension, and with --format for another name; metadata written unsynced at the
+    // end, and with --flush synced.
     let a = dir.path().join("a.qcow2");
     run_ok(&mut ferry(&["copy", s(&src), s(&a)]));
     let b = dir.path().join("b.img");
-    run_ok(&mut ferry(&["copy", "--format", "qcow2", s(&src), s(&b)]));
+    run_ok(&mut ferry(&["copy", "--flush", "--format", "qcow2", s(&src), s(&b)]));
     for img in [&a, &b] {
         check_clean(img);
         let cmp = qemu_img(&["compare", "-f", "raw", s(&src), s(img)]);

@@ -116,6 +116,9 @@ pub struct Qcow2 {
     header: Header,
     geo: Geometry,
     writable: bool,
+    /// Closing syncs the data and each metadata step (see `write.rs`); off for a new
+    /// image whose writer did not ask for durability.
+    sync_on_close: bool,
     state: Mutex<State>,
     /// The last decompressed cluster: (host offset, bytes).
     zcache: Mutex<Option<(u64, Arc<Vec<u8>>)>>,
@@ -265,9 +268,25 @@ impl Qcow2 {
             header,
             geo,
             writable,
+            sync_on_close: true,
             zcache: Mutex::new(None),
             info,
         })
+    }
+
+    /// Closing writes the metadata in FLUSH's order but syncs nothing, as closing a raw
+    /// file does: for an image a copy writes without `--flush` (qemu-img convert does not
+    /// sync either). A FLUSH still syncs. Until the kernel has written it back, a crash
+    /// can leave such an image inconsistent, not just its data stale.
+    pub fn without_sync_on_close(mut self) -> Qcow2 {
+        self.sync_on_close = false;
+        self
+    }
+
+    /// Writes the dirty metadata as closing would (synced unless
+    /// [`Qcow2::without_sync_on_close`]), reporting failures that closing can only log.
+    pub fn finish(&self) -> Result<(), Qcow2Error> {
+        self.write_metadata(self.sync_on_close)
     }
 
     pub fn info(&self) -> &Info {
@@ -604,7 +623,7 @@ impl Backend for Qcow2 {
 impl Drop for Qcow2 {
     fn drop(&mut self) {
         if self.writable {
-            if let Err(e) = self.flush_impl() {
+            if let Err(e) = self.write_metadata(self.sync_on_close) {
                 log::error!("{}: flushing metadata on close failed: {e}", self.name);
             }
         }
@@ -614,6 +633,21 @@ impl Drop for Qcow2 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn closing_without_sync_still_writes_the_metadata() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.qcow2");
+        {
+            let q = Qcow2::create(&p, 4 << 20, 65536).unwrap().without_sync_on_close();
+            q.write(&[5u8; 200_000], 70_000, false).unwrap();
+        }
+        let q = Qcow2::open(&p, true).unwrap();
+        let mut b = vec![1u8; 300_000];
+        q.read(&mut b, 0).unwrap();
+        assert!(b[..70_000].iter().all(|&x| x == 0) && b[270_000..].iter().all(|&x| x == 0));
+        assert!(b[70_000..270_000].iter().all(|&x| x == 5));
+    }
 
     #[test]
     fn create_write_read_reopen() {

@@ -186,8 +186,12 @@ impl Refcounts {
     }
 
     /// Writes dirty refcount blocks and table entries; when the table moved, the whole
-    /// new table, then (after a sync) the header pointing at it.
-    pub fn write(&mut self, store: &dyn Store) -> Result<(), Qcow2Error> {
+    /// new table, then (after `sync`) the header pointing at it.
+    pub fn write(
+        &mut self,
+        store: &dyn Store,
+        sync: &dyn Fn(&str) -> Result<(), Qcow2Error>,
+    ) -> Result<(), Qcow2Error> {
         let cs = self.cs();
         for (idx, b) in self.blocks.iter_mut().filter(|(_, b)| b.dirty) {
             let off = self.table[*idx];
@@ -198,7 +202,7 @@ impl Refcounts {
         if let Some((old_off, old_clusters)) = self.table_moved {
             let bytes: Vec<u8> = self.table.iter().flat_map(|e| e.to_be_bytes()).collect();
             store.write_at(&bytes, self.table_offset).map_err(io_err("cannot write the refcount table"))?;
-            store.sync().map_err(io_err("cannot sync the refcount table"))?;
+            sync("the refcount table")?;
             let mut h = Vec::with_capacity(12);
             h.extend_from_slice(&self.table_offset.to_be_bytes());
             h.extend_from_slice(&((bytes.len() as u64 / cs) as u32).to_be_bytes());

