@@ -27,8 +27,11 @@ qcow2_images "$W" "$SIZE_G"
 
 tools=("ferry" "qemu-img" "qemu-img -m 8 -W" "qemu-img -C")
 [ -n "${EXTRA_FERRY:-}" ] && tools+=("ferry $EXTRA_FERRY")
+# FERRY_OLD=PATH: another ferry binary (an earlier build) as one more column.
+[ -n "${FERRY_OLD:-}" ] && tools+=("ferry-old")
 cmd() { # TOOL SRC OUT FMT
   case $1 in
+    ferry-old) echo "$FERRY_OLD copy $2 $3" ;;
     ferry*) echo "$FERRY copy ${1#ferry} $2 $3" ;;
     "qemu-img -m 8 -W") echo "qemu-img convert -m 8 -W -O $4 $2 $3" ;;
     "qemu-img -C") echo "qemu-img convert -C -O $4 $2 $3" ;;
@@ -38,10 +41,17 @@ cmd() { # TOOL SRC OUT FMT
 convs=("data.qcow2 out.raw raw" "half.qcow2 out.raw raw" "data.raw out.qcow2 qcow2")
 declare -A T=() C=()
 echo "== $(date -u +%H:%M:%S) load: $(cut -d' ' -f1-3 /proc/loadavg)"
+n=${#tools[@]}
 for r in $(seq "$ROUNDS"); do
   for c in "${convs[@]}"; do
     set -- $c
-    for t in "${tools[@]}"; do
+    # Untimed, so the first timed tool also follows an output of this conversion just
+    # deleted: on this VM the cost of a new file's pages depends on what was freed just
+    # before (BENCHMARKING 13). The order rotates each round for the same reason.
+    rm -f "$W/out.raw" "$W/out.qcow2"
+    qemu-img convert -C -O "$3" "$W/$1" "$W/$2" || { echo "FAIL: warm-up $c"; exit 1; }
+    for k in $(seq 0 $((n - 1))); do
+      t=${tools[$(((k + r) % n))]}
       rm -f "$W/$2"
       sync
       /usr/bin/time -o "$W/t" -f "%e %U %S" $(cmd "$t" "$W/$1" "$W/$2" "$3") >/dev/null 2>&1 || { echo "FAIL: $t $c"; exit 1; }
