@@ -20,10 +20,12 @@ qcow2_images() {
   qemu-img convert -f raw -O qcow2 "$1/half.raw" "$1/half.qcow2"; rm -f "$1/half.raw"
 }
 # rbd_setup NAME MEMSTORE_GIB: a throwaway Ceph cluster (scripts/ceph-cluster, CEPH_CONF
-# exported) and $W/img, SIZE_G GiB of AES-CTR bytes in /dev/shm; sets W and C, and stops
+# exported) and $W/img, SIZE_G GiB of AES-CTR bytes in $RBD_DIR (default /dev/shm: for
+# 4 GiB, a disk directory such as /var/tmp, since the memstore OSD holds the images in
+# memory too); sets W and C, and stops
 # the cluster, the script's jobs and $W on exit. Needs HERE (the bench directory).
 rbd_setup() {
-  W=$(mktemp -d "/dev/shm/$1.XXXX")
+  W=$(mktemp -d "${RBD_DIR:-/dev/shm}/$1.XXXX")
   C=$(mktemp -d "/tmp/$1-cluster.XXXX")
   rmdir "$C"
   trap rbd_cleanup EXIT
