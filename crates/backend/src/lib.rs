@@ -96,25 +96,70 @@ pub struct ZeroMode {
     pub fast: bool,
 }
 
-/// Reads in flight for one connection (see [`Backend::read_queue`]). Reads complete in
-/// the order they were submitted; each buffer belongs to the queue from
-/// [`ReadQueue::submit`] until [`ReadQueue::complete`] hands it back, so no read can
-/// outlive the memory it fills. Dropping a queue waits for whatever is still in flight.
-pub trait ReadQueue: Send {
+/// Reads and writes in flight for one connection (see [`Backend::io_queue`]). Requests
+/// complete in the order they were submitted; each buffer belongs to the queue from its
+/// submission until [`IoQueue::complete`] hands it back, so no request can outlive the
+/// memory it fills or sends. Dropping a queue waits for whatever is still in flight.
+pub trait IoQueue: Send {
     /// Starts filling `buf` (all of it) with the bytes at `offset`, a range already
     /// validated against the size. A failure to start is reported by `complete`, in order.
-    fn submit(&mut self, buf: Vec<u8>, offset: u64);
-    /// Reads submitted and not yet handed back.
+    fn submit_read(&mut self, buf: Vec<u8>, offset: u64);
+    /// Starts writing `buf` (all of it) at `offset`, a range already validated against
+    /// the size; it is durable after a later FLUSH, as [`Backend::write`] without FUA.
+    fn submit_write(&mut self, buf: Vec<u8>, offset: u64);
+    /// Requests submitted and not yet handed back.
     fn len(&self) -> usize;
-    /// No read is in flight.
+    /// No request is in flight.
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
-    /// The oldest read has finished: [`ReadQueue::complete`] returns without waiting.
+    /// The oldest request has finished: [`IoQueue::complete`] returns without waiting.
     fn oldest_done(&self) -> bool;
-    /// Waits for the oldest read and hands back its buffer with its result (`None` when
-    /// the queue is empty).
+    /// Waits for the oldest request and hands back its buffer with its result (`None`
+    /// when the queue is empty).
     fn complete(&mut self) -> Option<(Vec<u8>, Result<()>)>;
+}
+
+/// `inner` for reads, with each write answered in its turn by the error a read-only
+/// backend's [`Backend::write`] gives: the queue of a read-only backend.
+pub fn read_only_queue(inner: Box<dyn IoQueue>) -> Box<dyn IoQueue> {
+    Box::new(ReadOnlyQueue { inner, order: std::collections::VecDeque::new() })
+}
+
+struct ReadOnlyQueue {
+    inner: Box<dyn IoQueue>,
+    /// Per request in flight, oldest first: `None` for one in `inner`, or a refused
+    /// write's buffer and offset.
+    order: std::collections::VecDeque<Option<(Vec<u8>, u64)>>,
+}
+
+impl IoQueue for ReadOnlyQueue {
+    fn submit_read(&mut self, buf: Vec<u8>, offset: u64) {
+        self.inner.submit_read(buf, offset);
+        self.order.push_back(None);
+    }
+    fn submit_write(&mut self, buf: Vec<u8>, offset: u64) {
+        self.order.push_back(Some((buf, offset)));
+    }
+    fn len(&self) -> usize {
+        self.order.len()
+    }
+    fn oldest_done(&self) -> bool {
+        match self.order.front() {
+            Some(None) => self.inner.oldest_done(),
+            Some(Some(_)) => true,
+            None => false,
+        }
+    }
+    fn complete(&mut self) -> Option<(Vec<u8>, Result<()>)> {
+        match self.order.pop_front()? {
+            None => self.inner.complete(),
+            Some((buf, offset)) => {
+                let len = buf.len() as u64;
+                Some((buf, Err(Error::new(ErrorKind::ReadOnly, "write", offset, len))))
+            }
+        }
+    }
 }
 
 /// An export's storage. Implementations must be safe to call from many connections at once.
@@ -127,12 +172,12 @@ pub trait Backend: Send + Sync {
     fn caps(&self) -> Capabilities;
     /// Fills `buf` with the bytes at `offset`.
     fn read(&self, buf: &mut [u8], offset: u64) -> Result<()>;
-    /// A queue that keeps many READs of one connection in flight at once, for backends
-    /// whose reads each wait on the network and cost about as long together as one
-    /// (RBD). The server submits every READ it has received into it and answers each as
-    /// soon as it completes. `None` (the default): the server calls [`Backend::read`] on
-    /// the connection's thread, one read at a time (local storage).
-    fn read_queue(&self) -> Option<Box<dyn ReadQueue>> {
+    /// A queue that keeps many READs and WRITEs of one connection in flight at once, for
+    /// backends whose requests each wait on the network and cost about as long together
+    /// as one (RBD). The server submits every READ and WRITE (without FUA) it has received
+    /// into it and answers each as soon as it completes. `None` (the default): the server
+    /// calls the backend on the connection's thread, one request at a time (local storage).
+    fn io_queue(&self) -> Option<Box<dyn IoQueue>> {
         None
     }
     /// Writes `buf` at `offset`; with `fua`, durably before returning.
@@ -209,8 +254,9 @@ impl Backend for ReadOnly {
     fn read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         self.0.read(buf, offset)
     }
-    fn read_queue(&self) -> Option<Box<dyn ReadQueue>> {
-        self.0.read_queue()
+    /// The inner queue for reads; writes are refused in order, as [`Backend::write`] is.
+    fn io_queue(&self) -> Option<Box<dyn IoQueue>> {
+        Some(read_only_queue(self.0.io_queue()?))
     }
     fn write(&self, buf: &[u8], offset: u64, _fua: bool) -> Result<()> {
         Err(Error::new(ErrorKind::ReadOnly, "write", offset, buf.len() as u64))
@@ -238,5 +284,50 @@ impl Backend for ReadOnly {
     }
     fn file_offset(&self, offset: u64, length: u64) -> Option<u64> {
         self.0.file_offset(offset, length)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Reads of `fill`-valued bytes, completed at once, in order.
+    struct Filled(std::collections::VecDeque<Vec<u8>>);
+
+    impl IoQueue for Filled {
+        fn submit_read(&mut self, mut buf: Vec<u8>, _: u64) {
+            buf.fill(7);
+            self.0.push_back(buf);
+        }
+        fn submit_write(&mut self, buf: Vec<u8>, _: u64) {
+            self.0.push_back(buf);
+        }
+        fn len(&self) -> usize {
+            self.0.len()
+        }
+        fn oldest_done(&self) -> bool {
+            !self.0.is_empty()
+        }
+        fn complete(&mut self) -> Option<(Vec<u8>, Result<()>)> {
+            self.0.pop_front().map(|b| (b, Ok(())))
+        }
+    }
+
+    #[test]
+    fn a_read_only_queue_refuses_writes_in_their_turn() {
+        let mut q = read_only_queue(Box::new(Filled(Default::default())));
+        q.submit_read(vec![0; 3], 0);
+        q.submit_write(vec![1; 5], 4096);
+        q.submit_read(vec![0; 2], 0);
+        assert_eq!(q.len(), 3);
+        let (b, r) = q.complete().unwrap();
+        assert_eq!((b, r.is_ok()), (vec![7; 3], true));
+        assert!(q.oldest_done());
+        let (b, r) = q.complete().unwrap();
+        assert_eq!(b, vec![1; 5], "the refused write's buffer comes back");
+        assert_eq!(r.unwrap_err().kind, ErrorKind::ReadOnly);
+        let (b, r) = q.complete().unwrap();
+        assert_eq!((b, r.is_ok()), (vec![7; 2], true));
+        assert!(q.complete().is_none() && q.is_empty());
     }
 }

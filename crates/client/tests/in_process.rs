@@ -240,13 +240,15 @@ fn a_failed_file_payload_closes_the_connection() {
     assert!(c.pread(&mut buf, 0).is_err(), "a connection out of step was used again");
 }
 
-/// Memory that keeps reads in a queue, records how many reads were in flight at each
-/// submission, and fails every read at [`Queued::BAD`]. Its queue does each read only
-/// when the server asks for the result, and never reports one done before that, so the
-/// server has to wait for every read it answers.
+/// Memory behind a request queue that records how many reads were in flight at each
+/// submission and fails every read at [`Queued::BAD`]. Its queue carries out each request
+/// only when the server asks for the result, and never reports one done before that, so
+/// the server has to wait for every request it answers.
 struct Queued {
     inner: Arc<MemoryBackend>,
     depths: Arc<std::sync::Mutex<Vec<usize>>>,
+    /// WRITEs that went through the queue.
+    writes: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Queued {
@@ -263,23 +265,33 @@ impl Queued {
 struct LazyReads {
     inner: Arc<MemoryBackend>,
     depths: Arc<std::sync::Mutex<Vec<usize>>>,
-    reads: std::collections::VecDeque<(Vec<u8>, u64)>,
+    writes: Arc<std::sync::atomic::AtomicUsize>,
+    /// Buffer, offset, and whether it is a write.
+    reqs: std::collections::VecDeque<(Vec<u8>, u64, bool)>,
 }
 
-impl ferry_backend::ReadQueue for LazyReads {
-    fn submit(&mut self, buf: Vec<u8>, offset: u64) {
-        self.reads.push_back((buf, offset));
-        self.depths.lock().unwrap().push(self.reads.len());
+impl ferry_backend::IoQueue for LazyReads {
+    fn submit_read(&mut self, buf: Vec<u8>, offset: u64) {
+        self.reqs.push_back((buf, offset, false));
+        self.depths.lock().unwrap().push(self.reqs.len());
+    }
+    fn submit_write(&mut self, buf: Vec<u8>, offset: u64) {
+        self.reqs.push_back((buf, offset, true));
+        self.writes.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     }
     fn len(&self) -> usize {
-        self.reads.len()
+        self.reqs.len()
     }
     fn oldest_done(&self) -> bool {
         false
     }
     fn complete(&mut self) -> Option<(Vec<u8>, ferry_backend::Result<()>)> {
-        let (mut buf, offset) = self.reads.pop_front()?;
-        let r = Queued::read_at(&self.inner, &mut buf, offset);
+        let (mut buf, offset, write) = self.reqs.pop_front()?;
+        let r = if write {
+            ferry_backend::Backend::write(&*self.inner, &buf, offset, false)
+        } else {
+            Queued::read_at(&self.inner, &mut buf, offset)
+        };
         Some((buf, r))
     }
 }
@@ -297,8 +309,13 @@ impl ferry_backend::Backend for Queued {
     fn read(&self, buf: &mut [u8], offset: u64) -> ferry_backend::Result<()> {
         Self::read_at(&self.inner, buf, offset)
     }
-    fn read_queue(&self) -> Option<Box<dyn ferry_backend::ReadQueue>> {
-        Some(Box::new(LazyReads { inner: self.inner.clone(), depths: self.depths.clone(), reads: Default::default() }))
+    fn io_queue(&self) -> Option<Box<dyn ferry_backend::IoQueue>> {
+        Some(Box::new(LazyReads {
+            inner: self.inner.clone(),
+            depths: self.depths.clone(),
+            writes: self.writes.clone(),
+            reqs: Default::default(),
+        }))
     }
     fn write(&self, buf: &[u8], offset: u64, fua: bool) -> ferry_backend::Result<()> {
         self.inner.write(buf, offset, fua)
@@ -317,7 +334,11 @@ impl ferry_backend::Backend for Queued {
 #[test]
 fn queued_reads_answer_every_request() {
     let size = 1u64 << 20;
-    let backend = Arc::new(Queued { inner: Arc::new(MemoryBackend::new(size)), depths: Default::default() });
+    let backend = Arc::new(Queued {
+        inner: Arc::new(MemoryBackend::new(size)),
+        depths: Default::default(),
+        writes: Default::default(),
+    });
     let srv = serve_backend(backend.clone(), tempfile::tempdir().unwrap());
     let image: Vec<u8> = (0..size as u32).map(|i| (i * 31 % 251) as u8).collect();
     for opts in modes() {
@@ -376,6 +397,7 @@ fn queued_reads_answer_every_request() {
         let mut got = vec![0u8; 100];
         c.pread(&mut got, at).unwrap();
         assert_eq!(got, patch, "{opts:?}");
+        assert!(backend.writes.load(std::sync::atomic::Ordering::SeqCst) > 0, "the WRITE went through the queue");
         c.pwrite(&image[at as usize..at as usize + 100], at, false).unwrap();
     }
 }

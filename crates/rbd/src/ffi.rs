@@ -445,35 +445,35 @@ impl Image {
     }
 }
 
-/// One read of a [`ReadQueue`]: the buffer its requests fill, and the requests.
-struct QueuedRead {
+/// One request of an [`IoQueue`]: the buffer its pieces fill or send, and the pieces.
+struct Queued {
     buf: Vec<u8>,
     pending: Vec<Pending>,
     /// How submitting its pieces went (a failure is reported once all are waited for).
     submitted: Result<(), Errno>,
 }
 
-/// Reads in flight on one image, completed in submission order. Each read owns its
-/// buffer until [`ReadQueue::complete`] returns it, and dropping the queue waits for every
-/// request, so librbd never writes into memory that was freed or handed back.
-pub struct ReadQueue {
+/// Reads and writes in flight on one image, completed in submission order. Each request
+/// owns its buffer until [`IoQueue::complete`] returns it, and dropping the queue waits
+/// for every request, so librbd never reads or writes memory that was freed or handed back.
+pub struct IoQueue {
     image: Arc<Image>,
     piece: u64,
-    reads: std::collections::VecDeque<QueuedRead>,
+    reads: std::collections::VecDeque<Queued>,
 }
 
 // SAFETY: the completions are librbd handles that may be waited for and released from
 // any thread; the queue is used by one thread at a time (it is not Sync).
-unsafe impl Send for ReadQueue {}
+unsafe impl Send for IoQueue {}
 
-impl ReadQueue {
-    pub fn new(image: Arc<Image>, piece: u64) -> ReadQueue {
-        ReadQueue { image, piece, reads: Default::default() }
+impl IoQueue {
+    pub fn new(image: Arc<Image>, piece: u64) -> IoQueue {
+        IoQueue { image, piece, reads: Default::default() }
     }
 
-    /// Starts reading `buf.len()` bytes at `offset` into `buf`, in pieces as
-    /// [`Image::read`] cuts them.
-    pub fn submit(&mut self, mut buf: Vec<u8>, offset: u64) {
+    /// Starts reading `buf.len()` bytes at `offset` into `buf` (`write`: writing `buf`
+    /// at `offset`), in pieces as [`Image::read`] cuts them.
+    pub fn submit(&mut self, mut buf: Vec<u8>, offset: u64, write: bool) {
         let mut pending = Vec::new();
         let base = buf.as_mut_ptr();
         let img = self.image.img;
@@ -483,14 +483,21 @@ impl ReadQueue {
             self.piece,
             |at, i, len, c| {
                 // SAFETY: `i + len <= buf.len()`. The buffer's heap memory does not move
-                // when the Vec is moved into the queue below, and the Vec is neither read,
-                // resized nor freed until every request of this read has been waited for
-                // (`complete` and `Drop` wait first).
-                unsafe { sys::rbd_aio_read(img, at, len, base.add(i).cast::<c_char>(), c) }
+                // when the Vec is moved into the queue below, and the Vec is neither
+                // touched, resized nor freed until every piece of this request has been
+                // waited for (`complete` and `Drop` wait first).
+                unsafe {
+                    let p = base.add(i).cast::<c_char>();
+                    if write {
+                        sys::rbd_aio_write(img, at, len, p, c)
+                    } else {
+                        sys::rbd_aio_read(img, at, len, p, c)
+                    }
+                }
             },
             &mut pending,
         );
-        self.reads.push_back(QueuedRead { buf, pending, submitted });
+        self.reads.push_back(Queued { buf, pending, submitted });
     }
 
     pub fn len(&self) -> usize {
@@ -501,7 +508,7 @@ impl ReadQueue {
         self.reads.front().is_some_and(|r| r.pending.iter().all(Image::is_done))
     }
 
-    /// Waits for the oldest read; its buffer and result.
+    /// Waits for the oldest request; its buffer and result.
     pub fn complete(&mut self) -> Option<(Vec<u8>, Result<(), Errno>)> {
         let r = self.reads.pop_front()?;
         let result = Image::wait_all(r.pending, r.submitted);
@@ -509,7 +516,7 @@ impl ReadQueue {
     }
 }
 
-impl Drop for ReadQueue {
+impl Drop for IoQueue {
     fn drop(&mut self) {
         while self.complete().is_some() {}
     }

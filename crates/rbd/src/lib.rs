@@ -9,8 +9,8 @@
 //! The `Backend` trait is synchronous: the server calls it from each connection's thread
 //! and the copy engine from each worker. Inside one call, a read or write is cut at object
 //! boundaries and every piece is in flight at once through librbd's asynchronous API
-//! (one completion each, no thread per request). The server keeps every READ it has
-//! received on a connection in flight through [`Backend::read_queue`] and answers each as
+//! (one completion each, no thread per request). The server keeps every READ and WRITE it has
+//! received on a connection in flight through [`Backend::io_queue`] and answers each as
 //! it completes, so a client with many reads in flight on one connection has them all in
 //! flight in librbd; many calls are in flight at once
 //! through several connections or workers sharing one image handle.
@@ -299,14 +299,13 @@ impl Backend for RbdImage {
         self.image.read(buf, offset, self.object_size).map_err(|e| Self::err("read", offset, buf.len() as u64, e))
     }
 
-    /// Every read waits on an OSD round trip; many in flight cost about one, so the
-    /// server keeps a connection's READs in flight together and answers each as it
-    /// completes.
-    fn read_queue(&self) -> Option<Box<dyn ferry_backend::ReadQueue>> {
-        Some(Box::new(Reads {
-            queue: ffi::ReadQueue::new(self.image.clone(), self.object_size),
-            offsets: Default::default(),
-        }))
+    /// Every request waits on an OSD round trip; many in flight cost about one, so the
+    /// server keeps a connection's READs and WRITEs in flight together and answers each
+    /// as it completes. A read-only image's queue refuses writes, as `write` does.
+    fn io_queue(&self) -> Option<Box<dyn ferry_backend::IoQueue>> {
+        let q =
+            Box::new(Queue { queue: ffi::IoQueue::new(self.image.clone(), self.object_size), ops: Default::default() });
+        Some(if self.read_only { ferry_backend::read_only_queue(q) } else { q })
     }
 
     fn write(&self, buf: &[u8], offset: u64, fua: bool) -> ferry_backend::Result<()> {
@@ -376,18 +375,23 @@ impl Backend for RbdImage {
     }
 }
 
-/// [`ferry_backend::ReadQueue`] over librbd's asynchronous reads, with errors as the
-/// backend reports them.
-struct Reads {
-    queue: ffi::ReadQueue,
-    /// Offset of each read in flight, oldest first (for the error message).
-    offsets: std::collections::VecDeque<u64>,
+/// [`ferry_backend::IoQueue`] over librbd's asynchronous reads and writes, with errors as
+/// the backend reports them.
+struct Queue {
+    queue: ffi::IoQueue,
+    /// Per request in flight, oldest first: what it is and where (for the error message).
+    ops: std::collections::VecDeque<(&'static str, u64)>,
 }
 
-impl ferry_backend::ReadQueue for Reads {
-    fn submit(&mut self, buf: Vec<u8>, offset: u64) {
-        self.offsets.push_back(offset);
-        self.queue.submit(buf, offset);
+impl ferry_backend::IoQueue for Queue {
+    fn submit_read(&mut self, buf: Vec<u8>, offset: u64) {
+        self.ops.push_back(("read", offset));
+        self.queue.submit(buf, offset, false);
+    }
+
+    fn submit_write(&mut self, buf: Vec<u8>, offset: u64) {
+        self.ops.push_back(("write", offset));
+        self.queue.submit(buf, offset, true);
     }
 
     fn len(&self) -> usize {
@@ -400,8 +404,8 @@ impl ferry_backend::ReadQueue for Reads {
 
     fn complete(&mut self) -> Option<(Vec<u8>, ferry_backend::Result<()>)> {
         let (buf, r) = self.queue.complete()?;
-        let offset = self.offsets.pop_front().unwrap_or_default();
-        let r = r.map_err(|e| RbdImage::err("read", offset, buf.len() as u64, e));
+        let (op, offset) = self.ops.pop_front().unwrap_or(("read", 0));
+        let r = r.map_err(|e| RbdImage::err(op, offset, buf.len() as u64, e));
         Some((buf, r))
     }
 }

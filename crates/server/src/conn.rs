@@ -62,12 +62,12 @@ const SEND_BATCH_REPLIES: usize = 16;
 /// Reads this long or longer are sent with sendfile(2) when the export is a file:
 /// below it, one pread into the batch arena and one grouped writev cost less.
 const SENDFILE_MIN: usize = 64 * 1024;
-/// Most bytes of READ data in flight at once on one connection whose backend keeps reads
-/// in flight ([`ferry_backend::Backend::read_queue`]); a single read of the maximum payload
+/// Most bytes of READ and WRITE data in flight at once on one connection whose backend
+/// keeps requests in flight ([`ferry_backend::Backend::io_queue`]); a single read of the maximum payload
 /// always fits.
-const READS_IN_FLIGHT_BYTES: usize = 32 << 20;
-/// Most READs in flight at once on such a connection.
-const READS_IN_FLIGHT: usize = 64;
+const IN_FLIGHT_BYTES: usize = 32 << 20;
+/// Most requests in flight at once on such a connection.
+const IN_FLIGHT: usize = 64;
 /// WRITE payloads this large are received straight into the write buffer (see `run`).
 const LARGE_PAYLOAD: usize = 64 * 1024;
 /// Most extents returned for one BLOCK_STATUS (bounded reply size).
@@ -355,12 +355,13 @@ pub(crate) struct Transmission {
     queued: usize,
     /// Data reads of at least [`SENDFILE_MIN`] bytes go out with sendfile(2).
     sendfile: bool,
-    /// While a thread serves the connection, the queue that keeps its READs in flight,
-    /// when the backend has one ([`ferry_backend::Backend::read_queue`]) and no READ has
+    /// While a thread serves the connection, the queue that keeps its READs and WRITEs
+    /// (without FUA) in flight, when the backend has one ([`ferry_backend::Backend::io_queue`]) and no READ has
     /// its holes checked first.
-    queue: Option<Box<dyn ferry_backend::ReadQueue>>,
-    /// The request and offset of each read in `queue`, oldest first, and their bytes.
-    in_flight: VecDeque<(RequestHeader, u64)>,
+    queue: Option<Box<dyn ferry_backend::IoQueue>>,
+    /// The request, offset and kind (`true`: a WRITE) of each request in `queue`, oldest
+    /// first, and their bytes.
+    in_flight: VecDeque<(RequestHeader, u64, bool)>,
     in_flight_bytes: usize,
     /// Buffers of answered queued reads, for the next ones.
     pool: Vec<Vec<u8>>,
@@ -424,7 +425,7 @@ impl Transmission {
         self.tx.headers = Vec::with_capacity(64 * 1024);
         self.tx.data = AlignedBuf::zeroed(1 << 20);
         if self.sparse_threshold.is_none() && !self.sendfile {
-            self.queue = self.export.backend.read_queue();
+            self.queue = self.export.backend.io_queue();
         }
     }
 
@@ -539,7 +540,7 @@ impl Transmission {
                 // a client that interleaves BLOCK_STATUS with its reads (qemu-img
                 // convert) must not drain the queue each time. A disconnect is answered
                 // only after every read before it.
-                self.answer_reads(if h.cmd == ferry_proto::consts::CMD_DISC { usize::MAX } else { 0 })?;
+                self.answer_queued(if h.cmd == ferry_proto::consts::CMD_DISC { usize::MAX } else { 0 })?;
                 match h.check_payload(ext)? {
                     PayloadPlan::Receive(n) => {
                         self.large_writes = n >= LARGE_PAYLOAD;
@@ -572,7 +573,7 @@ impl Transmission {
             if !self.in_flight.is_empty() {
                 let done = self.queue.as_ref().is_some_and(|q| q.oldest_done());
                 if done || !self.readable_now() {
-                    self.answer_reads(if done { 0 } else { 1 })?;
+                    self.answer_queued(if done { 0 } else { 1 })?;
                     continue;
                 }
             }
@@ -698,6 +699,16 @@ impl Transmission {
                 return Ok(());
             }
         };
+        match cmd {
+            // A WRITE without FUA joins the requests in flight; its reply comes when it
+            // completes.
+            Command::Write { offset, length, fua: false } if self.queue.is_some() => {
+                return self.queue_write(h, payload, offset, length as usize);
+            }
+            // A FLUSH covers every write before it: answer those in flight first.
+            Command::Flush => self.answer_queued(usize::MAX)?,
+            _ => {}
+        }
         let backend = &self.export.backend;
         let result = match cmd {
             Command::Read { offset, length, df } => return self.read(h, offset, length, df),
@@ -720,6 +731,12 @@ impl Transmission {
             }
             Command::BlockStatus { offset, length, req_one } => return self.block_status(h, offset, length, req_one),
         };
+        self.reply(h, result);
+        Ok(())
+    }
+
+    /// Queues the reply to a request that carries no data back: success or its error.
+    fn reply(&mut self, h: &RequestHeader, result: ferry_backend::Result<()>) {
         match result {
             Ok(()) => {
                 let s = self.tx.headers.len();
@@ -731,7 +748,6 @@ impl Transmission {
                 self.error(h, e.nbd_error(), &e.to_string());
             }
         }
-        Ok(())
     }
 
     fn error(&mut self, h: &RequestHeader, err: NbdError, msg: &str) {
@@ -827,7 +843,7 @@ impl Transmission {
 
     /// Submits the run of valid READ requests at the front of the receive buffer to the
     /// read queue, answering the oldest reads in flight whenever the next would not fit
-    /// ([`READS_IN_FLIGHT`], [`READS_IN_FLIGHT_BYTES`]). Stops at the first request that
+    /// ([`IN_FLIGHT`], [`IN_FLIGHT_BYTES`]). Stops at the first request that
     /// is anything else (or incomplete), which the caller then handles.
     fn queue_reads(&mut self, ext: bool) -> io::Result<()> {
         let hlen = RequestHeader::wire_len(ext);
@@ -838,42 +854,72 @@ impl Transmission {
             }
             let Ok(Command::Read { offset, length, .. }) = self.session.validate(&h) else { return Ok(()) };
             let len = length as usize;
-            while !self.in_flight.is_empty()
-                && (self.in_flight.len() >= READS_IN_FLIGHT || self.in_flight_bytes + len > READS_IN_FLIGHT_BYTES)
-            {
-                self.answer_reads(1)?;
-            }
+            let buf = self.queue_buffer(len)?;
             let Some(queue) = self.queue.as_mut() else { return Ok(()) };
             self.head += hlen;
             self.stream.count_requests(1);
-            let buf = match self.pool.pop() {
-                Some(mut b) if b.capacity() >= len => {
-                    b.resize(len, 0);
-                    b
-                }
-                _ => vec![0u8; len],
-            };
-            queue.submit(buf, offset);
-            self.in_flight.push_back((h, offset));
+            queue.submit_read(buf, offset);
+            self.in_flight.push_back((h, offset, false));
             self.in_flight_bytes += len;
             self.large_writes = false;
         }
     }
 
+    /// Makes room for `len` more bytes in flight (answering the oldest requests until the
+    /// limits allow it) and returns a buffer of `len` bytes for them.
+    fn queue_buffer(&mut self, len: usize) -> io::Result<Vec<u8>> {
+        while !self.in_flight.is_empty()
+            && (self.in_flight.len() >= IN_FLIGHT || self.in_flight_bytes + len > IN_FLIGHT_BYTES)
+        {
+            self.answer_queued(1)?;
+        }
+        Ok(match self.pool.pop() {
+            Some(mut b) if b.capacity() >= len => {
+                b.resize(len, 0);
+                b
+            }
+            _ => vec![0u8; len],
+        })
+    }
+
+    /// Submits a validated WRITE (without FUA) to the queue, with a copy of its payload
+    /// (`payload` as in [`Transmission::request`]).
+    fn queue_write(
+        &mut self,
+        h: &RequestHeader,
+        payload: Option<(usize, usize)>,
+        offset: u64,
+        len: usize,
+    ) -> io::Result<()> {
+        let mut buf = self.queue_buffer(len)?;
+        buf.copy_from_slice(match payload {
+            Some((a, b)) => &self.rx[a..b],
+            None => &self.wbuf[..len],
+        });
+        let Some(queue) = self.queue.as_mut() else { return Err(io::Error::other("no queue to write through")) };
+        queue.submit_write(buf, offset);
+        self.in_flight.push_back((*h, offset, true));
+        self.in_flight_bytes += len;
+        Ok(())
+    }
+
     /// Queues the replies of every completed read in flight, and of the oldest `wait`
     /// ones whether completed or not (waiting for them), sending as the batch fills.
-    fn answer_reads(&mut self, mut wait: usize) -> io::Result<()> {
+    fn answer_queued(&mut self, mut wait: usize) -> io::Result<()> {
         while let Some(queue) = self.queue.as_mut() {
             if queue.is_empty() || (wait == 0 && !queue.oldest_done()) {
                 break;
             }
             wait = wait.saturating_sub(1);
-            let (Some((buf, result)), Some((h, offset))) = (queue.complete(), self.in_flight.pop_front()) else {
-                return Err(io::Error::other("the read queue is out of step with the requests in flight"));
+            let (Some((buf, result)), Some((h, offset, write))) = (queue.complete(), self.in_flight.pop_front()) else {
+                return Err(io::Error::other("the request queue is out of step with the requests in flight"));
             };
             let len = buf.len();
             self.in_flight_bytes -= len;
-            if result.is_ok() {
+            if write {
+                self.pool.push(buf);
+                self.reply(&h, result);
+            } else if result.is_ok() {
                 self.tx.bufs.push(buf);
                 self.tx.buf_bytes += len;
                 self.read_reply(&h, offset, len, Part::Buf(self.tx.bufs.len() - 1), result);
