@@ -262,7 +262,7 @@ impl Queued {
     }
 }
 
-struct LazyReads {
+struct LazyQueue {
     inner: Arc<MemoryBackend>,
     depths: Arc<std::sync::Mutex<Vec<usize>>>,
     writes: Arc<std::sync::atomic::AtomicUsize>,
@@ -270,7 +270,7 @@ struct LazyReads {
     reqs: std::collections::VecDeque<(Vec<u8>, u64, bool)>,
 }
 
-impl ferry_backend::IoQueue for LazyReads {
+impl ferry_backend::IoQueue for LazyQueue {
     fn submit_read(&mut self, buf: Vec<u8>, offset: u64) {
         self.reqs.push_back((buf, offset, false));
         self.depths.lock().unwrap().push(self.reqs.len());
@@ -310,7 +310,7 @@ impl ferry_backend::Backend for Queued {
         Self::read_at(&self.inner, buf, offset)
     }
     fn io_queue(&self) -> Option<Box<dyn ferry_backend::IoQueue>> {
-        Some(Box::new(LazyReads {
+        Some(Box::new(LazyQueue {
             inner: self.inner.clone(),
             depths: self.depths.clone(),
             writes: self.writes.clone(),

@@ -216,8 +216,9 @@ unsafe impl Sync for Image {}
 
 impl Drop for Image {
     fn drop(&mut self) {
-        // SAFETY: opened by rbd_open*, closed once; no I/O is in flight (every aio below is
-        // waited for before its function returns).
+        // SAFETY: opened by rbd_open*, closed once; no I/O is in flight: every aio below is
+        // waited for before its function returns, or by the `IoQueue` that submitted it,
+        // which holds an Arc to this image until then.
         unsafe { sys::rbd_close(self.img) };
     }
 }
@@ -459,7 +460,7 @@ struct Queued {
 pub struct IoQueue {
     image: Arc<Image>,
     piece: u64,
-    reads: std::collections::VecDeque<Queued>,
+    reqs: std::collections::VecDeque<Queued>,
 }
 
 // SAFETY: the completions are librbd handles that may be waited for and released from
@@ -468,7 +469,7 @@ unsafe impl Send for IoQueue {}
 
 impl IoQueue {
     pub fn new(image: Arc<Image>, piece: u64) -> IoQueue {
-        IoQueue { image, piece, reads: Default::default() }
+        IoQueue { image, piece, reqs: Default::default() }
     }
 
     /// Starts reading `buf.len()` bytes at `offset` into `buf` (`write`: writing `buf`
@@ -497,20 +498,20 @@ impl IoQueue {
             },
             &mut pending,
         );
-        self.reads.push_back(Queued { buf, pending, submitted });
+        self.reqs.push_back(Queued { buf, pending, submitted });
     }
 
     pub fn len(&self) -> usize {
-        self.reads.len()
+        self.reqs.len()
     }
 
     pub fn oldest_done(&self) -> bool {
-        self.reads.front().is_some_and(|r| r.pending.iter().all(Image::is_done))
+        self.reqs.front().is_some_and(|r| r.pending.iter().all(Image::is_done))
     }
 
     /// Waits for the oldest request; its buffer and result.
     pub fn complete(&mut self) -> Option<(Vec<u8>, Result<(), Errno>)> {
-        let r = self.reads.pop_front()?;
+        let r = self.reqs.pop_front()?;
         let result = Image::wait_all(r.pending, r.submitted);
         Some((r.buf, result))
     }

@@ -359,11 +359,11 @@ pub(crate) struct Transmission {
     /// (without FUA) in flight, when the backend has one ([`ferry_backend::Backend::io_queue`]) and no READ has
     /// its holes checked first.
     queue: Option<Box<dyn ferry_backend::IoQueue>>,
-    /// The request, offset and kind (`true`: a WRITE) of each request in `queue`, oldest
-    /// first, and their bytes.
-    in_flight: VecDeque<(RequestHeader, u64, bool)>,
+    /// The header of each request in `queue` (a READ or a WRITE), oldest first, and their
+    /// bytes.
+    in_flight: VecDeque<RequestHeader>,
     in_flight_bytes: usize,
-    /// Buffers of answered queued reads, for the next ones.
+    /// Buffers of answered queued requests, for the next ones.
     pool: Vec<Vec<u8>>,
     /// Bytes queued for sendfile since the last flush.
     file_bytes: usize,
@@ -535,11 +535,10 @@ impl Transmission {
                     self.queue_reads(ext)?;
                 }
                 let Some(h) = RequestHeader::parse(&self.rx[self.head..self.tail], ext)? else { break };
-                // Other requests run beside the reads in flight: the protocol orders no
-                // two requests in flight (a FLUSH covers completed writes, not reads), and
-                // a client that interleaves BLOCK_STATUS with its reads (qemu-img
-                // convert) must not drain the queue each time. A disconnect is answered
-                // only after every read before it.
+                // Other requests run beside those in flight: the protocol orders no two
+                // requests in flight, and a client that interleaves BLOCK_STATUS with its
+                // reads (qemu-img convert) must not drain the queue each time. A FLUSH
+                // (in `request`) and a disconnect are answered after everything before them.
                 self.answer_queued(if h.cmd == ferry_proto::consts::CMD_DISC { usize::MAX } else { 0 })?;
                 match h.check_payload(ext)? {
                     PayloadPlan::Receive(n) => {
@@ -567,8 +566,8 @@ impl Transmission {
             if self.disconnect || self.shared.stop.load(Ordering::SeqCst) {
                 return Ok(Step::Closed);
             }
-            // Reads in flight: answer every one that has completed. Wait for the oldest
-            // only when the client has sent nothing new, so new requests join the reads in
+            // Requests in flight: answer every one that has completed. Wait for the oldest
+            // only when the client has sent nothing new, so new requests join those in
             // flight as soon as they arrive.
             if !self.in_flight.is_empty() {
                 let done = self.queue.as_ref().is_some_and(|q| q.oldest_done());
@@ -588,7 +587,7 @@ impl Transmission {
             match self.read_more(end)? {
                 Some(0) => return Ok(Step::Closed),
                 Some(n) => self.tail += n,
-                // Reads in flight are answered before anything else is decided.
+                // Requests in flight are answered before anything else is decided.
                 None if !self.in_flight.is_empty() => {}
                 // The read waited the idle grace period. Everything received is answered.
                 None if self.timed_out() => {
@@ -702,8 +701,8 @@ impl Transmission {
         match cmd {
             // A WRITE without FUA joins the requests in flight; its reply comes when it
             // completes.
-            Command::Write { offset, length, fua: false } if self.queue.is_some() => {
-                return self.queue_write(h, payload, offset, length as usize);
+            Command::Write { length, fua: false, .. } if self.queue.is_some() => {
+                return self.queue_write(h, payload, length as usize);
             }
             // A FLUSH covers every write before it: answer those in flight first.
             Command::Flush => self.answer_queued(usize::MAX)?,
@@ -805,23 +804,16 @@ impl Transmission {
             // Nothing of this read is sent: the next one may reuse its space.
             self.tx.used = a;
         }
-        self.read_reply(h, offset, b - a, Part::Data(a, b), result);
+        self.read_reply(h, offset, b - a, result.map(|()| Part::Data(a, b)));
         Ok(())
     }
 
-    /// Queues the reply to a READ of `len` bytes whose data the backend put (or failed to
-    /// put) in `data`.
-    fn read_reply(
-        &mut self,
-        h: &RequestHeader,
-        offset: u64,
-        len: usize,
-        data: Part,
-        result: ferry_backend::Result<()>,
-    ) {
+    /// Queues the reply to a READ of `len` bytes at `offset`: its data (where the backend
+    /// put it), or the backend's error.
+    fn read_reply(&mut self, h: &RequestHeader, offset: u64, len: usize, result: ferry_backend::Result<Part>) {
         let s = self.tx.headers.len();
         match result {
-            Ok(()) => {
+            Ok(data) => {
                 self.writer.data(h.cookie, h.offset, offset, len, true, &mut self.tx.headers);
                 self.tx.header_from(s);
                 self.tx.parts.push(data);
@@ -842,7 +834,7 @@ impl Transmission {
     }
 
     /// Submits the run of valid READ requests at the front of the receive buffer to the
-    /// read queue, answering the oldest reads in flight whenever the next would not fit
+    /// queue, answering the oldest requests in flight whenever the next would not fit
     /// ([`IN_FLIGHT`], [`IN_FLIGHT_BYTES`]). Stops at the first request that
     /// is anything else (or incomplete), which the caller then handles.
     fn queue_reads(&mut self, ext: bool) -> io::Result<()> {
@@ -859,7 +851,7 @@ impl Transmission {
             self.head += hlen;
             self.stream.count_requests(1);
             queue.submit_read(buf, offset);
-            self.in_flight.push_back((h, offset, false));
+            self.in_flight.push_back(h);
             self.in_flight_bytes += len;
             self.large_writes = false;
         }
@@ -884,26 +876,20 @@ impl Transmission {
 
     /// Submits a validated WRITE (without FUA) to the queue, with a copy of its payload
     /// (`payload` as in [`Transmission::request`]).
-    fn queue_write(
-        &mut self,
-        h: &RequestHeader,
-        payload: Option<(usize, usize)>,
-        offset: u64,
-        len: usize,
-    ) -> io::Result<()> {
+    fn queue_write(&mut self, h: &RequestHeader, payload: Option<(usize, usize)>, len: usize) -> io::Result<()> {
         let mut buf = self.queue_buffer(len)?;
         buf.copy_from_slice(match payload {
             Some((a, b)) => &self.rx[a..b],
             None => &self.wbuf[..len],
         });
         let Some(queue) = self.queue.as_mut() else { return Err(io::Error::other("no queue to write through")) };
-        queue.submit_write(buf, offset);
-        self.in_flight.push_back((*h, offset, true));
+        queue.submit_write(buf, h.offset);
+        self.in_flight.push_back(*h);
         self.in_flight_bytes += len;
         Ok(())
     }
 
-    /// Queues the replies of every completed read in flight, and of the oldest `wait`
+    /// Queues the replies of every completed request in flight, and of the oldest `wait`
     /// ones whether completed or not (waiting for them), sending as the batch fills.
     fn answer_queued(&mut self, mut wait: usize) -> io::Result<()> {
         while let Some(queue) = self.queue.as_mut() {
@@ -911,21 +897,27 @@ impl Transmission {
                 break;
             }
             wait = wait.saturating_sub(1);
-            let (Some((buf, result)), Some((h, offset, write))) = (queue.complete(), self.in_flight.pop_front()) else {
+            let (Some((buf, result)), Some(h)) = (queue.complete(), self.in_flight.pop_front()) else {
                 return Err(io::Error::other("the request queue is out of step with the requests in flight"));
             };
             let len = buf.len();
             self.in_flight_bytes -= len;
-            if write {
+            if h.cmd == ferry_proto::consts::CMD_WRITE {
                 self.pool.push(buf);
                 self.reply(&h, result);
-            } else if result.is_ok() {
-                self.tx.bufs.push(buf);
-                self.tx.buf_bytes += len;
-                self.read_reply(&h, offset, len, Part::Buf(self.tx.bufs.len() - 1), result);
             } else {
-                self.pool.push(buf);
-                self.read_reply(&h, offset, len, Part::Buf(usize::MAX), result);
+                let data = match result {
+                    Ok(()) => {
+                        self.tx.bufs.push(buf);
+                        self.tx.buf_bytes += len;
+                        Ok(Part::Buf(self.tx.bufs.len() - 1))
+                    }
+                    Err(e) => {
+                        self.pool.push(buf);
+                        Err(e)
+                    }
+                };
+                self.read_reply(&h, h.offset, len, data);
             }
             self.queued += 1;
             self.flush_if_full()?;
