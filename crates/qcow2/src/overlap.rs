@@ -1,0 +1,558 @@
+//! What keeps a writable image's metadata safe from writes that would destroy it.
+//!
+//! * **The metadata map.** Every cluster holding metadata (header, L1 table, L2 tables,
+//!   refcount table and blocks, bitmap directory, tables and data) is claimed in an
+//!   ordered set, built at open from the L1 table, the refcount table and the bitmap
+//!   directory (no L2 table is read), and kept current through [`Store`]'s
+//!   `metadata_allocated` and `cluster_freed` hooks.
+//! * **The guard.** A writable image reads and writes its file through two [`Guard`]s:
+//!   one for guest data, one for metadata. Every write is checked against the map (one
+//!   ordered-set lookup): guest data must touch no metadata, and metadata must not touch
+//!   a cluster that two kinds of metadata claim (an L2 table where the refcount table
+//!   is, say). A write that fails the check is refused with EIO, the corrupt bit is set
+//!   in the header and the overlap logged, as qemu does ("Preventing invalid write on
+//!   metadata"), and from then on every write is refused while reads go on.
+//! * **The first write.** Before anything is written, the guard marks the persistent
+//!   bitmaps ferry would leave stale `in_use` and clears the autoclear bits ferry does
+//!   not maintain (`bitmaps.rs`), synced. A read-only open, or a writable one that never
+//!   writes, changes nothing.
+//! * **Clusters past the end of the file.** At open, L2 tables, refcount blocks, bitmap
+//!   clusters and the highest counted cluster are compared with the file's size (cheap:
+//!   no L2 table is read); an L2 table is checked for data clusters past the end when it
+//!   is loaded. Read-only, that is a warning; read-write it is refused unless the caller
+//!   allows it ([`crate::Options::allow_truncated`]), and a write through an L2 table that
+//!   maps clusters past the end marks the image corrupt.
+
+use crate::bitmaps::{self, Bitmap, FLAG_IN_USE};
+use crate::header::{Header, AUTOCLEAR_AT, AUTOCLEAR_BITMAPS, INCOMPATIBLE_AT, INCOMPAT_CORRUPT};
+use crate::map::{Geometry, OFFSET_MASK, OFLAG_COMPRESSED};
+use crate::store::Store;
+use crate::{io_err, Qcow2Error};
+use std::collections::BTreeSet;
+use std::io;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+/// A kind of metadata, as claimed in the map and named in errors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Metadata {
+    Header,
+    L1Table,
+    /// The L2 table of this L1 entry.
+    L2Table(u32),
+    RefcountTable,
+    /// The refcount block of this refcount table entry.
+    RefcountBlock(u32),
+    BitmapDirectory,
+    /// The table of the n-th bitmap in the directory.
+    BitmapTable(u32),
+    /// A data cluster of the n-th bitmap.
+    BitmapData(u32),
+}
+
+impl Metadata {
+    /// Structures of one kind may share clusters (two L1 entries, one L2 table); two
+    /// kinds never.
+    fn kind(self) -> u8 {
+        match self {
+            Metadata::Header => 0,
+            Metadata::L1Table => 1,
+            Metadata::L2Table(_) => 2,
+            Metadata::RefcountTable => 3,
+            Metadata::RefcountBlock(_) => 4,
+            Metadata::BitmapDirectory => 5,
+            Metadata::BitmapTable(_) => 6,
+            Metadata::BitmapData(_) => 7,
+        }
+    }
+}
+
+impl std::fmt::Display for Metadata {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Metadata::Header => write!(f, "the image header"),
+            Metadata::L1Table => write!(f, "the L1 table"),
+            Metadata::L2Table(i) => write!(f, "the L2 table of L1 entry {i}"),
+            Metadata::RefcountTable => write!(f, "the refcount table"),
+            Metadata::RefcountBlock(i) => write!(f, "refcount block {i}"),
+            Metadata::BitmapDirectory => write!(f, "the bitmap directory"),
+            Metadata::BitmapTable(i) => write!(f, "the table of bitmap {i}"),
+            Metadata::BitmapData(i) => write!(f, "a data cluster of bitmap {i}"),
+        }
+    }
+}
+
+/// Metadata clusters: (cluster index, what). A cluster two structures claim has two
+/// entries.
+#[derive(Default)]
+struct Claims {
+    set: BTreeSet<(u64, Metadata)>,
+    /// L2 tables (host offsets) found mapping clusters past the end of the file.
+    truncated_l2: BTreeSet<u64>,
+}
+
+/// Whom a guard writes for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    Data,
+    Metadata,
+}
+
+/// What the first write must do first.
+struct FirstWrite {
+    /// Bitmaps to mark in use: (file offset of the flags field, new flags, name).
+    in_use: Vec<(u64, u32, String)>,
+    /// The autoclear bits to keep, when some must be cleared.
+    autoclear: Option<u64>,
+}
+
+/// State shared by an image's two guards.
+pub struct Shared {
+    name: String,
+    inner: Arc<dyn Store>,
+    cluster_bits: u32,
+    incompatible: u64,
+    allow_truncated: bool,
+    claims: RwLock<Claims>,
+    corrupt: AtomicBool,
+    prepared: AtomicBool,
+    first_write: Mutex<Option<FirstWrite>>,
+}
+
+impl Shared {
+    fn claims(&self) -> std::sync::RwLockReadGuard<'_, Claims> {
+        self.claims.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn claims_mut(&self) -> std::sync::RwLockWriteGuard<'_, Claims> {
+        self.claims.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Marks the image corrupt (once: header bit, synced, and an error logged) and
+    /// returns the error for the write that found it.
+    fn corrupt(&self, what: String) -> Qcow2Error {
+        if !self.corrupt.swap(true, Ordering::AcqRel) {
+            log::error!(
+                "{}: {what}; the image is now marked corrupt: ferry refuses every further write to it \
+                 (reads go on); check and repair it with qemu-img check -r all",
+                self.name
+            );
+            let bits = (self.incompatible | INCOMPAT_CORRUPT).to_be_bytes();
+            if let Err(e) = self.inner.write_at(&bits, INCOMPATIBLE_AT).and_then(|()| self.inner.sync()) {
+                log::error!("{}: cannot set the corrupt bit in the header: {e}", self.name);
+            }
+        }
+        Qcow2Error::Corrupt(format!("{what}; the write was refused"))
+    }
+
+    fn refuse_if_corrupt(&self) -> Result<(), Qcow2Error> {
+        if self.corrupt.load(Ordering::Acquire) {
+            return Err(Qcow2Error::Corrupt(
+                "ferry marked the image corrupt after a write that would have overwritten its metadata, \
+                 and refuses every further write (reads go on)"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Checks a write of `len` bytes at `offset` against the map.
+    fn check(&self, role: Role, offset: u64, len: u64) -> Result<(), Qcow2Error> {
+        if len == 0 {
+            return Ok(());
+        }
+        let first = offset >> self.cluster_bits;
+        let last = (offset + len - 1) >> self.cluster_bits;
+        let claims = self.claims();
+        let mut hits = claims.set.range((first, Metadata::Header)..(last + 1, Metadata::Header));
+        let what = match role {
+            Role::Data => hits.next().map(|&(c, m)| (None, c, m)),
+            Role::Metadata => {
+                let mut prev: Option<(u64, Metadata)> = None;
+                let mut found = None;
+                for &(c, m) in hits {
+                    if let Some((pc, pm)) = prev {
+                        if pc == c && pm.kind() != m.kind() {
+                            found = Some((Some(pm), c, m));
+                            break;
+                        }
+                    }
+                    prev = Some((c, m));
+                }
+                found
+            }
+        };
+        let Some((mine, c, theirs)) = what else { return Ok(()) };
+        drop(claims);
+        let at = c << self.cluster_bits;
+        let what = match mine {
+            None => format!("refused a write of guest data at host offset {offset:#x} ({len} bytes): it overlaps {theirs} at {at:#x}"),
+            Some(m) => format!("refused a write of {m} at host offset {offset:#x}: {theirs} is at the same place ({at:#x})"),
+        };
+        Err(self.corrupt(what))
+    }
+
+    /// Marks bitmaps in use and clears autoclear bits, once, before the first write.
+    fn before_write(&self) -> Result<(), Qcow2Error> {
+        self.refuse_if_corrupt()?;
+        if self.prepared.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let mut pending = self.first_write.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(fw) = pending.as_ref() {
+            for (at, flags, _) in &fw.in_use {
+                self.inner
+                    .write_at(&flags.to_be_bytes(), *at)
+                    .map_err(io_err("cannot mark a persistent bitmap in use before the first write"))?;
+            }
+            if let Some(bits) = fw.autoclear {
+                self.inner
+                    .write_at(&bits.to_be_bytes(), AUTOCLEAR_AT)
+                    .map_err(io_err("cannot clear the autoclear feature bits before the first write"))?;
+            }
+            self.inner.sync().map_err(io_err("cannot sync the header before the first write"))?;
+            if !fw.in_use.is_empty() {
+                let names: Vec<String> = fw.in_use.iter().map(|(_, _, n)| format!("{n:?}")).collect();
+                log::warn!(
+                    "{}: marked the persistent dirty bitmap(s) {} in use: ferry does not record its writes in \
+                     them, so qemu now treats them as inconsistent (incremental backups from them are refused); \
+                     remove them with qemu-img bitmap --remove and start a new full backup",
+                    self.name,
+                    names.join(", ")
+                );
+            }
+            *pending = None;
+        }
+        self.prepared.store(true, Ordering::Release);
+        Ok(())
+    }
+}
+
+fn to_io(e: Qcow2Error) -> io::Error {
+    match e {
+        Qcow2Error::Io { what, source } => io::Error::new(source.kind(), format!("{what}: {source}")),
+        other => io::Error::other(other.to_string()),
+    }
+}
+
+/// A writable image's file, as the format layer writes it: every write checked (see
+/// the module's comment).
+pub struct Guard {
+    shared: Arc<Shared>,
+    role: Role,
+}
+
+impl Store for Guard {
+    fn size(&self) -> u64 {
+        self.shared.inner.size()
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        self.shared.inner.read_at(buf, offset)
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        self.shared.before_write().map_err(to_io)?;
+        self.shared.check(self.role, offset, buf.len() as u64).map_err(to_io)?;
+        self.shared.inner.write_at(buf, offset)
+    }
+    fn sync(&self) -> io::Result<()> {
+        self.shared.inner.sync()
+    }
+    fn fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        self.shared.inner.fd()
+    }
+    fn metadata_allocated(&self, what: Metadata, offset: u64, len: u64) {
+        let bits = self.shared.cluster_bits;
+        let mut claims = self.shared.claims_mut();
+        for c in offset >> bits..(offset + len.max(1)).div_ceil(1 << bits) {
+            claims.set.insert((c, what));
+        }
+    }
+    fn cluster_freed(&self, offset: u64) {
+        let c = offset >> self.shared.cluster_bits;
+        let mut claims = self.shared.claims_mut();
+        let gone: Vec<_> = claims.set.range((c, Metadata::Header)..(c + 1, Metadata::Header)).copied().collect();
+        for g in gone {
+            claims.set.remove(&g);
+        }
+    }
+}
+
+/// An image's safety state: the guards' shared part when it is writable.
+pub struct Safety {
+    shared: Option<Arc<Shared>>,
+    /// What past the end of the file was already warned about (once per image).
+    warned_past_eof: AtomicBool,
+}
+
+/// What [`survey`] found.
+struct Survey {
+    claims: BTreeSet<(u64, Metadata)>,
+    /// Descriptions of clusters past the end of the file (the first few).
+    past_eof: Vec<String>,
+    past_eof_count: usize,
+}
+
+impl Survey {
+    fn claim(&mut self, bits: u32, what: Metadata, offset: u64, len: u64, file_len: u64) {
+        for c in offset >> bits..(offset + len.max(1)).div_ceil(1 << bits) {
+            self.claims.insert((c, what));
+        }
+        if offset >= file_len {
+            self.past(format!("{what} at {offset:#x}"));
+        }
+    }
+
+    fn past(&mut self, what: String) {
+        if self.past_eof.len() < 4 {
+            self.past_eof.push(what);
+        }
+        self.past_eof_count += 1;
+    }
+}
+
+/// The highest cluster a refcount block counts, if any (any refcount width).
+fn highest_counted(block: &[u8], refcount_order: u32) -> Option<u64> {
+    let p = block.iter().rposition(|&b| b != 0)? as u64;
+    let bits = 1u64 << refcount_order;
+    Some(if bits >= 8 {
+        p / (bits / 8)
+    } else {
+        // Entries narrower than a byte fill it from the least significant bit.
+        let top = 7 - u64::from(block[p as usize].leading_zeros());
+        p * (8 / bits) + top / bits
+    })
+}
+
+/// Claims every metadata cluster found from the header, the L1 table, the refcount
+/// table and the bitmaps, and notes which lie past the end of the file.
+fn survey(
+    store: &dyn Store,
+    h: &Header,
+    l1: &[u64],
+    bitmaps: &[(Bitmap, Vec<u64>)],
+    bitmap_dir: Option<(u64, u64)>,
+) -> Result<Survey, Qcow2Error> {
+    let file_len = store.size();
+    let cs = h.cluster_size();
+    let bits = h.cluster_bits;
+    let mut s = Survey { claims: BTreeSet::new(), past_eof: Vec::new(), past_eof_count: 0 };
+    s.claim(bits, Metadata::Header, 0, cs, file_len);
+    s.claim(bits, Metadata::L1Table, h.l1_table_offset, u64::from(h.l1_size) * 8, file_len);
+    for (i, e) in l1.iter().enumerate() {
+        let off = e & OFFSET_MASK;
+        if off != 0 {
+            s.claim(bits, Metadata::L2Table(i as u32), off, cs, file_len);
+        }
+    }
+    let rt_bytes = u64::from(h.refcount_table_clusters) * cs;
+    s.claim(bits, Metadata::RefcountTable, h.refcount_table_offset, rt_bytes, file_len);
+    let mut raw = vec![0u8; rt_bytes as usize];
+    store.read_at(&mut raw, h.refcount_table_offset).map_err(io_err("cannot read the refcount table"))?;
+    let table: Vec<u64> =
+        raw.chunks_exact(8).map(|c| u64::from_be_bytes(c.try_into().unwrap_or([0; 8])) & OFFSET_MASK).collect();
+    for (i, &off) in table.iter().enumerate() {
+        if off != 0 {
+            s.claim(bits, Metadata::RefcountBlock(i as u32), off, cs, file_len);
+        }
+    }
+    // The highest counted cluster: from the last refcount block back (a few at most).
+    let per_block = (cs * 8) >> h.refcount_order;
+    let mut block = vec![0u8; cs as usize];
+    for (i, &off) in table.iter().enumerate().rev().filter(|(_, &o)| o != 0).take(16) {
+        store.read_at(&mut block, off).map_err(io_err(format!("cannot read the refcount block at {off:#x}")))?;
+        if let Some(top) = highest_counted(&block, h.refcount_order) {
+            let at = (i as u64 * per_block + top) << bits;
+            if at >= file_len {
+                s.past(format!("the refcounts count clusters up to {at:#x}"));
+            }
+            break;
+        }
+    }
+    if let Some((off, len)) = bitmap_dir {
+        s.claim(bits, Metadata::BitmapDirectory, off, len, file_len);
+    }
+    for (i, (b, data)) in bitmaps.iter().enumerate() {
+        if b.table_size > 0 {
+            s.claim(bits, Metadata::BitmapTable(i as u32), b.table_offset, u64::from(b.table_size) * 8, file_len);
+        }
+        for &d in data.iter().filter(|&&d| d != 0) {
+            s.claim(bits, Metadata::BitmapData(i as u32), d, cs, file_len);
+        }
+    }
+    Ok(s)
+}
+
+impl Safety {
+    /// Surveys an image at open. Writable: parses the bitmaps, builds the metadata map,
+    /// and refuses an image with clusters past the end of the file unless
+    /// `allow_truncated`. Read-only: warns about such clusters.
+    pub fn open(
+        name: &str,
+        store: &Arc<dyn Store>,
+        h: &Header,
+        l1: &[u64],
+        writable: bool,
+        allow_truncated: bool,
+    ) -> Result<Safety, Qcow2Error> {
+        let cs = h.cluster_size();
+        // Only a consistent bitmaps extension is read (qemu ignores the rest).
+        let ext = match &h.bitmaps {
+            Some(data) if writable && h.autoclear & AUTOCLEAR_BITMAPS != 0 => {
+                Some(bitmaps::Extension::parse(data, cs).map_err(cannot_mark)?)
+            }
+            _ => None,
+        };
+        let mut bms = Vec::new();
+        if let Some(x) = &ext {
+            let dir = bitmaps::read_directory(&**store, x, cs).map_err(cannot_mark)?;
+            let tables = bitmaps::read_tables(&**store, &dir).map_err(cannot_mark)?;
+            bms = dir.into_iter().zip(tables).collect();
+        }
+        let s = survey(&**store, h, l1, &bms, ext.map(|x| (x.directory_offset, x.directory_size)))?;
+        if s.past_eof_count > 0 {
+            let what = format!(
+                "{} metadata or counted cluster(s) lie past the end of the file ({} bytes): {}{}; the image was cut \
+                 short (an interrupted copy?) or is corrupt, and what is missing reads as zeroes",
+                s.past_eof_count,
+                store.size(),
+                s.past_eof.join(", "),
+                if s.past_eof_count > s.past_eof.len() { ", ..." } else { "" },
+            );
+            if writable && !allow_truncated {
+                return Err(Qcow2Error::Corrupt(format!(
+                    "{what}. ferry refuses to write to it: serve it --read-only, or pass --allow-truncated to \
+                     write to it anyway"
+                )));
+            }
+            log::warn!("{name}: {what}; check it with qemu-img check");
+        }
+        if !writable {
+            return Ok(Safety { shared: None, warned_past_eof: AtomicBool::new(false) });
+        }
+        let in_use: Vec<(u64, u32, String)> = bms
+            .iter()
+            .filter(|(b, _)| b.needs_in_use())
+            .map(|(b, _)| (b.flags_at, b.flags | FLAG_IN_USE, b.name.clone()))
+            .collect();
+        // Bit 0 stays when the bitmaps are kept consistent (in use where ferry would
+        // leave them stale); every other autoclear bit is one ferry does not maintain.
+        let keep = h.autoclear & if ext.is_some() { AUTOCLEAR_BITMAPS } else { 0 };
+        let first_write = FirstWrite { in_use, autoclear: (keep != h.autoclear).then_some(keep) };
+        let pending = !first_write.in_use.is_empty() || first_write.autoclear.is_some();
+        let shared = Shared {
+            name: name.to_string(),
+            inner: store.clone(),
+            cluster_bits: h.cluster_bits,
+            incompatible: h.incompatible,
+            allow_truncated,
+            claims: RwLock::new(Claims { set: s.claims, truncated_l2: BTreeSet::new() }),
+            corrupt: AtomicBool::new(false),
+            prepared: AtomicBool::new(!pending),
+            first_write: Mutex::new(pending.then_some(first_write)),
+        };
+        Ok(Safety { shared: Some(Arc::new(shared)), warned_past_eof: AtomicBool::new(false) })
+    }
+
+    /// The image's file for metadata and for guest data: checking guards when writable.
+    pub fn wrap(&self, store: Arc<dyn Store>, data: Arc<dyn Store>) -> (Arc<dyn Store>, Arc<dyn Store>) {
+        match &self.shared {
+            Some(sh) => (
+                Arc::new(Guard { shared: sh.clone(), role: Role::Metadata }),
+                Arc::new(Guard { shared: sh.clone(), role: Role::Data }),
+            ),
+            None => (store, data),
+        }
+    }
+
+    /// Refuses writes once the image was marked corrupt.
+    pub fn refuse_if_corrupt(&self) -> Result<(), Qcow2Error> {
+        self.shared.as_ref().map_or(Ok(()), |s| s.refuse_if_corrupt())
+    }
+
+    pub fn is_corrupt(&self) -> bool {
+        self.shared.as_ref().is_some_and(|s| s.corrupt.load(Ordering::Acquire))
+    }
+
+    /// A freshly read L2 table (`raw` words at host offset `l2_off`): clusters it maps
+    /// past the end of the data file are warned about (read-only, or allowed) or make
+    /// the table one no write may go through.
+    pub fn l2_loaded(&self, name: &str, geo: &Geometry, l2_off: u64, raw: &[u64], data_len: u64) {
+        let step = if geo.extended_l2 { 2 } else { 1 };
+        let past = raw.iter().step_by(step).find_map(|&e| {
+            let host = if e & OFLAG_COMPRESSED != 0 {
+                e & ((1u64 << (62 - (geo.cluster_bits - 8))) - 1)
+            } else {
+                e & OFFSET_MASK
+            };
+            (host != 0 && host >= data_len).then_some(host)
+        });
+        let Some(host) = past else { return };
+        match &self.shared {
+            Some(sh) if !sh.allow_truncated => {
+                sh.claims_mut().truncated_l2.insert(l2_off);
+                log::error!(
+                    "{name}: the L2 table at {l2_off:#x} maps guest data to {host:#x}, past the end of the file \
+                     ({data_len} bytes): it reads as zeroes, and writes through this table are refused"
+                );
+            }
+            _ => {
+                if !self.warned_past_eof.swap(true, Ordering::AcqRel) {
+                    log::warn!(
+                        "{name}: the L2 table at {l2_off:#x} maps guest data to {host:#x}, past the end of the file \
+                         ({data_len} bytes): it reads as zeroes; check the image with qemu-img check"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Before a write changes the L2 table at `l2_off` (of L1 entry `l1_index`): the
+    /// table must not share a cluster with other metadata nor map clusters past the end
+    /// of the file.
+    pub fn check_l2_write(&self, l1_index: usize, l2_off: u64, guest: u64) -> Result<(), Qcow2Error> {
+        let Some(sh) = &self.shared else { return Ok(()) };
+        sh.refuse_if_corrupt()?;
+        if sh.claims().truncated_l2.contains(&l2_off) {
+            return Err(sh.corrupt(format!(
+                "refused a write at guest offset {guest}: its L2 table at {l2_off:#x} maps clusters past the end of \
+                 the file"
+            )));
+        }
+        sh.check(Role::Metadata, l2_off, 1 << sh.cluster_bits).map_err(|e| match e {
+            Qcow2Error::Corrupt(m) => {
+                Qcow2Error::Corrupt(format!("at guest offset {guest} (L1 entry {l1_index}): {m}"))
+            }
+            other => other,
+        })
+    }
+}
+
+fn cannot_mark(e: Qcow2Error) -> Qcow2Error {
+    let e = match e {
+        Qcow2Error::Corrupt(m) => m,
+        other => other.to_string(),
+    };
+    Qcow2Error::Corrupt(format!(
+        "{e}; ferry must mark the image's dirty bitmaps in use before writing to it and cannot read them: serve it \
+         --read-only, or remove the bitmaps with qemu-img bitmap --remove"
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn highest_counted_cluster_of_any_width() {
+        let mut b = vec![0u8; 512];
+        assert_eq!(highest_counted(&b, 4), None);
+        b[7] = 1; // 16-bit entry 3
+        assert_eq!(highest_counted(&b, 4), Some(3));
+        assert_eq!(highest_counted(&b, 3), Some(7));
+        assert_eq!(highest_counted(&b, 6), Some(0));
+        b[7] = 0b0100_0000; // 1-bit entry 7*8+6, 2-bit entry 7*4+3, 4-bit entry 7*2+1
+        assert_eq!(highest_counted(&b, 0), Some(62));
+        assert_eq!(highest_counted(&b, 1), Some(31));
+        assert_eq!(highest_counted(&b, 2), Some(15));
+    }
+}
