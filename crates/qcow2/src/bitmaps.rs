@@ -13,6 +13,7 @@
 //! Only a writable open parses any of this; every size is checked against the spec's
 //! and qemu's limits before anything is allocated from it.
 
+use crate::header::{Header, AUTOCLEAR_BITMAPS};
 use crate::store::Store;
 use crate::{io_err, Qcow2Error};
 
@@ -169,6 +170,20 @@ pub fn read_tables(store: &dyn Store, bitmaps: &[Bitmap]) -> Result<Vec<Vec<u64>
         out.push(t);
     }
     Ok(out)
+}
+
+/// The bitmaps of an image whose bitmaps extension is consistent (autoclear bit 0; qemu
+/// ignores an inconsistent one), each with its data cluster offsets, and the extension.
+#[allow(clippy::type_complexity)]
+pub fn read_all(store: &dyn Store, h: &Header) -> Result<Option<(Extension, Vec<(Bitmap, Vec<u64>)>)>, Qcow2Error> {
+    let Some(data) = h.bitmaps.as_deref().filter(|_| h.autoclear & AUTOCLEAR_BITMAPS != 0) else {
+        return Ok(None);
+    };
+    let cs = h.cluster_size();
+    let ext = Extension::parse(data, cs)?;
+    let dir = read_directory(store, &ext, cs)?;
+    let tables = read_tables(store, &dir)?;
+    Ok(Some((ext, dir.into_iter().zip(tables).collect())))
 }
 
 #[cfg(test)]

@@ -11,6 +11,12 @@
 //! and FLUSH writes data first, then metadata in dependency order, so a crash leaves at
 //! most leaked clusters.
 //!
+//! A writable image's file is written through `overlap::Guard`s: a write that would
+//! overwrite metadata is refused and the image marked corrupt (as qemu does), dirty
+//! bitmaps ferry would leave stale are marked in use before the first write, and an
+//! image using clusters past the end of its file is not written unless
+//! [`Options::allow_truncated`].
+//!
 //! One mutex guards the metadata (L1, L2 cache, refcounts); data is read and written
 //! outside it, straight into and out of the caller's buffers.
 #![forbid(unsafe_code)]
@@ -576,6 +582,8 @@ pub fn fuzz_image(data: &[u8]) {
         }
     }
     let _ = q.info();
+    // What a writable open reads of the persistent bitmaps.
+    let _ = bitmaps::read_all(&*q.store, &q.header);
 }
 
 /// Appends a run, merging it with the previous one when it continues it.

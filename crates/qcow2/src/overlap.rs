@@ -148,48 +148,47 @@ impl Shared {
     fn refuse_if_corrupt(&self) -> Result<(), Qcow2Error> {
         if self.corrupt.load(Ordering::Acquire) {
             return Err(Qcow2Error::Corrupt(
-                "ferry marked the image corrupt after a write that would have overwritten its metadata, \
-                 and refuses every further write (reads go on)"
+                "an earlier write would have overwritten its metadata, so ferry refuses every further write \
+                 (reads go on)"
                     .into(),
             ));
         }
         Ok(())
     }
 
-    /// Checks a write of `len` bytes at `offset` against the map.
-    fn check(&self, role: Role, offset: u64, len: u64) -> Result<(), Qcow2Error> {
+    /// What a write of `len` bytes at `offset` would overwrite: for guest data, any
+    /// metadata; for metadata, a cluster two kinds of metadata claim. Returns the
+    /// cluster's offset and the metadata there (two for a shared cluster).
+    fn conflict(&self, role: Role, offset: u64, len: u64) -> Option<(u64, Metadata, Option<Metadata>)> {
         if len == 0 {
-            return Ok(());
+            return None;
         }
         let first = offset >> self.cluster_bits;
         let last = (offset + len - 1) >> self.cluster_bits;
         let claims = self.claims();
         let mut hits = claims.set.range((first, Metadata::Header)..(last + 1, Metadata::Header));
-        let what = match role {
-            Role::Data => hits.next().map(|&(c, m)| (None, c, m)),
+        let (c, a, b) = match role {
+            Role::Data => hits.next().map(|&(c, m)| (c, m, None))?,
             Role::Metadata => {
                 let mut prev: Option<(u64, Metadata)> = None;
-                let mut found = None;
-                for &(c, m) in hits {
-                    if let Some((pc, pm)) = prev {
-                        if pc == c && pm.kind() != m.kind() {
-                            found = Some((Some(pm), c, m));
-                            break;
-                        }
-                    }
+                hits.find_map(|&(c, m)| {
+                    let shared =
+                        prev.filter(|&(pc, pm)| pc == c && pm.kind() != m.kind()).map(|(_, pm)| (c, pm, Some(m)));
                     prev = Some((c, m));
-                }
-                found
+                    shared
+                })?
             }
         };
-        let Some((mine, c, theirs)) = what else { return Ok(()) };
-        drop(claims);
-        let at = c << self.cluster_bits;
-        let what = match mine {
-            None => format!("refused a write of guest data at host offset {offset:#x} ({len} bytes): it overlaps {theirs} at {at:#x}"),
-            Some(m) => format!("refused a write of {m} at host offset {offset:#x}: {theirs} is at the same place ({at:#x})"),
-        };
-        Err(self.corrupt(what))
+        Some((c << self.cluster_bits, a, b))
+    }
+
+    /// Refuses (marking the image corrupt) a write that fails the check.
+    fn check(&self, role: Role, offset: u64, len: u64) -> Result<(), Qcow2Error> {
+        let Some((at, a, b)) = self.conflict(role, offset, len) else { return Ok(()) };
+        Err(self.corrupt(match b {
+            None => format!("refused a write of guest data at host offset {offset:#x} ({len} bytes): it would overwrite {a} at {at:#x}"),
+            Some(b) => format!("refused a metadata write at host offset {offset:#x}: {a} and {b} share the cluster at {at:#x}"),
+        }))
     }
 
     /// Marks bitmaps in use and clears autoclear bits, once, before the first write.
@@ -394,29 +393,24 @@ impl Safety {
         writable: bool,
         allow_truncated: bool,
     ) -> Result<Safety, Qcow2Error> {
-        let cs = h.cluster_size();
-        // Only a consistent bitmaps extension is read (qemu ignores the rest).
-        let ext = match &h.bitmaps {
-            Some(data) if writable && h.autoclear & AUTOCLEAR_BITMAPS != 0 => {
-                Some(bitmaps::Extension::parse(data, cs).map_err(cannot_mark)?)
+        // Only a writable open needs the bitmaps.
+        let (ext, bms) = match writable {
+            true => {
+                bitmaps::read_all(&**store, h).map_err(cannot_mark)?.map_or((None, Vec::new()), |(x, b)| (Some(x), b))
             }
-            _ => None,
+            false => (None, Vec::new()),
         };
-        let mut bms = Vec::new();
-        if let Some(x) = &ext {
-            let dir = bitmaps::read_directory(&**store, x, cs).map_err(cannot_mark)?;
-            let tables = bitmaps::read_tables(&**store, &dir).map_err(cannot_mark)?;
-            bms = dir.into_iter().zip(tables).collect();
-        }
         let s = survey(&**store, h, l1, &bms, ext.map(|x| (x.directory_offset, x.directory_size)))?;
         if s.past_eof_count > 0 {
             let what = format!(
-                "{} metadata or counted cluster(s) lie past the end of the file ({} bytes): {}{}; the image was cut \
-                 short (an interrupted copy?) or is corrupt, and what is missing reads as zeroes",
-                s.past_eof_count,
+                "the image uses clusters past the end of its file ({} bytes): {}{}; the file was cut short (an \
+                 interrupted copy?) or the image is corrupt, and what is missing reads as zeroes",
                 store.size(),
                 s.past_eof.join(", "),
-                if s.past_eof_count > s.past_eof.len() { ", ..." } else { "" },
+                match s.past_eof_count - s.past_eof.len() {
+                    0 => String::new(),
+                    n => format!(" and {n} more"),
+                },
             );
             if writable && !allow_truncated {
                 return Err(Qcow2Error::Corrupt(format!(
@@ -518,12 +512,16 @@ impl Safety {
                  the file"
             )));
         }
-        sh.check(Role::Metadata, l2_off, 1 << sh.cluster_bits).map_err(|e| match e {
-            Qcow2Error::Corrupt(m) => {
-                Qcow2Error::Corrupt(format!("at guest offset {guest} (L1 entry {l1_index}): {m}"))
+        match sh.conflict(Role::Metadata, l2_off, 1 << sh.cluster_bits) {
+            None => Ok(()),
+            Some((at, a, b)) => {
+                let other = if matches!(a, Metadata::L2Table(_)) { b.unwrap_or(a) } else { a };
+                Err(sh.corrupt(format!(
+                    "refused a write at guest offset {guest}: its L2 table (L1 entry {l1_index}) at {l2_off:#x} would \
+                     overwrite {other} at {at:#x}"
+                )))
             }
-            other => other,
-        })
+        }
     }
 }
 
@@ -541,6 +539,64 @@ fn cannot_mark(e: Qcow2Error) -> Qcow2Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{Options, Qcow2};
+    use ferry_backend::Backend;
+
+    fn be64_at(b: &[u8], at: usize) -> u64 {
+        u64::from_be_bytes(b[at..at + 8].try_into().unwrap())
+    }
+
+    /// An image (4 KiB clusters, 2 MiB per L2 table) whose guest cluster 1 is mapped to
+    /// the cluster where the next allocation will go, just past the end of the file.
+    fn image_mapping_past_its_end(dir: &std::path::Path) -> std::path::PathBuf {
+        let p = dir.join("t.qcow2");
+        {
+            let q = Qcow2::create(&p, 8 << 20, 4096).unwrap();
+            q.write(&[1; 4096], 0, false).unwrap();
+        }
+        let mut b = std::fs::read(&p).unwrap();
+        let end = b.len() as u64;
+        let l2 = be64_at(&b, be64_at(&b, 40) as usize) & OFFSET_MASK;
+        b[l2 as usize + 8..l2 as usize + 16].copy_from_slice(&(end | crate::map::OFLAG_COPIED).to_be_bytes());
+        std::fs::write(&p, &b).unwrap();
+        p
+    }
+
+    fn corrupt_bit(p: &std::path::Path) -> bool {
+        std::fs::read(p).unwrap()[79] & 2 != 0
+    }
+
+    #[test]
+    fn writes_through_an_l2_table_mapping_past_the_end_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = image_mapping_past_its_end(dir.path());
+        let q = Qcow2::open(&p, false).unwrap();
+        let e = q.write(&[2; 4096], 8192, false).unwrap_err().to_string();
+        assert!(e.contains("past the end of the file"), "{e}");
+        let mut b = vec![0u8; 4096];
+        q.read(&mut b, 0).unwrap();
+        assert_eq!(b, [1; 4096]);
+        drop(q);
+        assert!(corrupt_bit(&p));
+    }
+
+    #[test]
+    fn metadata_allocated_while_writing_is_guarded() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = image_mapping_past_its_end(dir.path());
+        let q = Qcow2::open_with(&p, &Options { read_only: false, allow_truncated: true }).unwrap();
+        // L1 entry 1's new L2 table takes the cluster guest cluster 1 points at.
+        q.write(&[3; 4096], 2 << 20, false).unwrap();
+        let e = q.write(&[2; 4096], 4096, false).unwrap_err().to_string();
+        assert!(e.contains("would overwrite the L2 table of L1 entry 1"), "{e}");
+        // Reads go on; writes do not, even harmless ones.
+        let mut b = vec![0u8; 4096];
+        q.read(&mut b, 2 << 20).unwrap();
+        assert_eq!(b, [3; 4096]);
+        assert!(q.write(&[4; 512], 0, false).unwrap_err().to_string().contains("refuses every further write"));
+        drop(q);
+        assert!(corrupt_bit(&p));
+    }
 
     #[test]
     fn highest_counted_cluster_of_any_width() {

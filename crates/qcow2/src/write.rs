@@ -249,7 +249,6 @@ impl Qcow2 {
         if !self.writable {
             return Ok(());
         }
-        self.safety.refuse_if_corrupt()?;
         let mut st = self.lock();
         let st = &mut *st;
         if sync {
