@@ -384,7 +384,10 @@ impl Qcow2 {
             let mut b = vec![0u8; self.geo.cluster_size as usize];
             self.store.read_at(&mut b, l2_off).map_err(io_err(format!("cannot read the L2 table at {l2_off:#x}")))?;
             let t = L2Table::from_bytes(&b);
-            self.safety.l2_loaded(&self.name, &self.geo, l2_off, &t.raw, self.data.size());
+            // Writable: past every cluster counted or allocated (then a later allocation
+            // would hand out a cluster in use); read-only: past the end of the file.
+            let limit = st.refs.as_ref().map_or_else(|| self.data.size(), |r| r.high_water());
+            self.safety.l2_loaded(&self.name, &self.geo, l2_off, &t.raw, limit);
             st.l2.insert(l2_off, t);
         }
         st.l2.get(l2_off).ok_or_else(|| Qcow2Error::Corrupt("L2 cache lost a table".into()))

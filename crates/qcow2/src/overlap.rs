@@ -285,6 +285,8 @@ pub struct Safety {
 
 /// What [`survey`] found.
 struct Survey {
+    /// Built for writable images only.
+    build: bool,
     claims: BTreeSet<(u64, Metadata)>,
     /// Descriptions of clusters past the end of the file (the first few).
     past_eof: Vec<String>,
@@ -293,8 +295,10 @@ struct Survey {
 
 impl Survey {
     fn claim(&mut self, bits: u32, what: Metadata, offset: u64, len: u64, file_len: u64) {
-        for c in offset >> bits..(offset + len.max(1)).div_ceil(1 << bits) {
-            self.claims.insert((c, what));
+        if self.build {
+            for c in offset >> bits..(offset + len.max(1)).div_ceil(1 << bits) {
+                self.claims.insert((c, what));
+            }
         }
         if offset >= file_len {
             self.past(format!("{what} at {offset:#x}"));
@@ -330,11 +334,12 @@ fn survey(
     l1: &[u64],
     bitmaps: &[(Bitmap, Vec<u64>)],
     bitmap_dir: Option<(u64, u64)>,
+    build: bool,
 ) -> Result<Survey, Qcow2Error> {
     let file_len = store.size();
     let cs = h.cluster_size();
     let bits = h.cluster_bits;
-    let mut s = Survey { claims: BTreeSet::new(), past_eof: Vec::new(), past_eof_count: 0 };
+    let mut s = Survey { build, claims: BTreeSet::new(), past_eof: Vec::new(), past_eof_count: 0 };
     s.claim(bits, Metadata::Header, 0, cs, file_len);
     s.claim(bits, Metadata::L1Table, h.l1_table_offset, u64::from(h.l1_size) * 8, file_len);
     for (i, e) in l1.iter().enumerate() {
@@ -400,7 +405,7 @@ impl Safety {
             }
             false => (None, Vec::new()),
         };
-        let s = survey(&**store, h, l1, &bms, ext.map(|x| (x.directory_offset, x.directory_size)))?;
+        let s = survey(&**store, h, l1, &bms, ext.map(|x| (x.directory_offset, x.directory_size)), writable)?;
         if s.past_eof_count > 0 {
             let what = format!(
                 "the image uses clusters past the end of its file ({} bytes): {}{}; the file was cut short (an \
@@ -468,9 +473,10 @@ impl Safety {
     }
 
     /// A freshly read L2 table (`raw` words at host offset `l2_off`): clusters it maps
-    /// past the end of the data file are warned about (read-only, or allowed) or make
-    /// the table one no write may go through.
-    pub fn l2_loaded(&self, name: &str, geo: &Geometry, l2_off: u64, raw: &[u64], data_len: u64) {
+    /// at or past `limit` (the end of the data file; writable, the first cluster never
+    /// counted nor allocated) are warned about (read-only, or allowed) or make the table
+    /// one no write may go through.
+    pub fn l2_loaded(&self, name: &str, geo: &Geometry, l2_off: u64, raw: &[u64], limit: u64) {
         let step = if geo.extended_l2 { 2 } else { 1 };
         let past = raw.iter().step_by(step).find_map(|&e| {
             let host = if e & OFLAG_COMPRESSED != 0 {
@@ -478,22 +484,22 @@ impl Safety {
             } else {
                 e & OFFSET_MASK
             };
-            (host != 0 && host >= data_len).then_some(host)
+            (host != 0 && host >= limit).then_some(host)
         });
         let Some(host) = past else { return };
         match &self.shared {
             Some(sh) if !sh.allow_truncated => {
                 sh.claims_mut().truncated_l2.insert(l2_off);
                 log::error!(
-                    "{name}: the L2 table at {l2_off:#x} maps guest data to {host:#x}, past the end of the file \
-                     ({data_len} bytes): it reads as zeroes, and writes through this table are refused"
+                    "{name}: the L2 table at {l2_off:#x} maps guest data to {host:#x}, a cluster past the end of \
+                     the file that no refcount counts: it reads as zeroes, and writes through this table are refused"
                 );
             }
             _ => {
                 if !self.warned_past_eof.swap(true, Ordering::AcqRel) {
                     log::warn!(
                         "{name}: the L2 table at {l2_off:#x} maps guest data to {host:#x}, past the end of the file \
-                         ({data_len} bytes): it reads as zeroes; check the image with qemu-img check"
+                         ({limit:#x}): it reads as zeroes; check the image with qemu-img check"
                     );
                 }
             }

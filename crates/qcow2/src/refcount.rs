@@ -188,6 +188,12 @@ impl Refcounts {
         !self.pending_free.is_empty()
     }
 
+    /// Where the never-allocated clusters begin: nothing at or past it is counted, so
+    /// nothing may refer to it yet.
+    pub fn high_water(&self) -> u64 {
+        self.next_free
+    }
+
     /// Writes dirty refcount blocks and table entries; when the table moved, the whole
     /// new table, then (after `sync`) the header pointing at it.
     pub fn write(
