@@ -226,6 +226,42 @@ mod tests {
         assert_eq!((b[1].table_offset, b[1].table_size), (0x60000, 2));
     }
 
+    fn seed() -> Vec<u8> {
+        let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/seeds/qcow2/seed-bitmaps.qcow2");
+        std::fs::read(p).unwrap()
+    }
+
+    /// The seed qemu made: 512-byte clusters, an auto bitmap that recorded a write and
+    /// a disabled one.
+    #[test]
+    fn reads_the_bitmaps_qemu_wrote() {
+        let b = seed();
+        let mem = std::sync::Arc::new(ferry_backend::MemoryBackend::new(b.len() as u64));
+        ferry_backend::Backend::write(&*mem, &b, 0, false).unwrap();
+        let store = crate::store::BackendStore(mem);
+        let h = Header::parse(&b[..512], b.len() as u64).unwrap();
+        let (_, bms) = read_all(&store, &h).unwrap().unwrap();
+        let names: Vec<_> = bms.iter().map(|(b, _)| (b.name.as_str(), b.needs_in_use())).collect();
+        assert_eq!(names, [("b0", true), ("frozen", false)]);
+        assert!(bms[0].1.iter().any(|&d| d != 0), "b0 has a data cluster");
+    }
+
+    #[test]
+    fn a_writable_open_refuses_bitmaps_it_cannot_read() {
+        let mut b = seed();
+        let h = Header::parse(&b[..512], b.len() as u64).unwrap();
+        let x = Extension::parse(h.bitmaps.as_deref().unwrap(), 512).unwrap();
+        let name_size = x.directory_offset as usize + 18;
+        b[name_size..name_size + 2].copy_from_slice(&2000u16.to_be_bytes());
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.qcow2");
+        std::fs::write(&p, &b).unwrap();
+        let e = crate::Qcow2::open(&p, false).err().unwrap().to_string();
+        assert!(e.contains("a name of 2000 bytes") && e.contains("qemu-img bitmap --remove"), "{e}");
+        crate::Qcow2::open(&p, true).unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b);
+    }
+
     #[test]
     fn refuses_hostile_directories() {
         let err = |x: &[u8], dir: &[u8]| {

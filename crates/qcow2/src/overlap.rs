@@ -365,7 +365,7 @@ fn survey(
     for (i, &off) in table.iter().enumerate().rev().filter(|(_, &o)| o != 0).take(16) {
         store.read_at(&mut block, off).map_err(io_err(format!("cannot read the refcount block at {off:#x}")))?;
         if let Some(top) = highest_counted(&block, h.refcount_order) {
-            let at = (i as u64 * per_block + top) << bits;
+            let at = (i as u64 * per_block + top).saturating_mul(cs);
             if at >= file_len {
                 s.past(format!("the refcounts count clusters up to {at:#x}"));
             }
