@@ -55,16 +55,21 @@ pub fn classify(spec: &str) -> Spec {
 
 /// Opens a qcow2 image, with the path in every error.
 pub fn open_qcow2(p: &Path, read_only: bool) -> Result<Arc<Qcow2>> {
-    Ok(Arc::new(Qcow2::open(p, read_only).with_context(|| format!("cannot open qcow2 image {}", p.display()))?))
+    open_qcow2_with(p, &ferry_qcow2::Options { read_only, ..Default::default() })
 }
 
-/// Opens a spec as a backend (what `ferry serve` exports).
-pub fn open_backend(spec: &str, read_only: bool) -> Result<Arc<dyn Backend>> {
+fn open_qcow2_with(p: &Path, opts: &ferry_qcow2::Options) -> Result<Arc<Qcow2>> {
+    Ok(Arc::new(Qcow2::open_with(p, opts).with_context(|| format!("cannot open qcow2 image {}", p.display()))?))
+}
+
+/// Opens a spec as a backend (what `ferry serve` exports); `allow_truncated` lets a qcow2
+/// image with clusters past the end of its file be written.
+pub fn open_backend(spec: &str, read_only: bool, allow_truncated: bool) -> Result<Arc<dyn Backend>> {
     if crate::rbd_spec::is_rbd(spec) {
         return crate::rbd_spec::open_backend(spec, read_only);
     }
     let b: Arc<dyn Backend> = match classify(spec) {
-        Spec::Qcow2(p) => open_qcow2(&p, read_only)?,
+        Spec::Qcow2(p) => open_qcow2_with(&p, &ferry_qcow2::Options { read_only, allow_truncated })?,
         Spec::Raw(p) => {
             Arc::new(FileBackend::open(&p, read_only).with_context(|| format!("cannot open {}", p.display()))?)
         }

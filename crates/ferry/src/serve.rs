@@ -32,6 +32,11 @@ pub struct ServeArgs {
     /// Serve every export read-only.
     #[arg(short, long)]
     read_only: bool,
+    /// Serve a qcow2 image read-write even though clusters it uses lie past the end of
+    /// its file (a truncated image: what is missing reads as zeroes). Without it such an
+    /// image is refused read-write, and served read-only with a warning.
+    #[arg(long)]
+    allow_truncated: bool,
     /// Another export, by name, beside the default one (repeatable).
     #[arg(long = "export", value_name = "NAME=SPEC")]
     exports: Vec<String>,
@@ -178,8 +183,10 @@ fn check_transport(args: &ServeArgs, listeners: &[Listener]) -> Result<()> {
 
 pub fn run(args: ServeArgs) -> Result<i32> {
     let mut exports = Exports::new();
-    let open =
-        |spec: &str| crate::image::open_backend(spec, args.read_only).with_context(|| format!("cannot serve {spec:?}"));
+    let open = |spec: &str| {
+        crate::image::open_backend(spec, args.read_only, args.allow_truncated)
+            .with_context(|| format!("cannot serve {spec:?}"))
+    };
     exports
         .add(Export {
             name: String::new(),

@@ -18,14 +18,20 @@ pub const INCOMPAT_COMPRESSION: u64 = 1 << 3;
 pub const INCOMPAT_EXTL2: u64 = 1 << 4;
 const INCOMPAT_KNOWN: u64 =
     INCOMPAT_DIRTY | INCOMPAT_CORRUPT | INCOMPAT_DATA_FILE | INCOMPAT_COMPRESSION | INCOMPAT_EXTL2;
+/// Autoclear bit: the bitmaps extension's data is consistent.
+pub const AUTOCLEAR_BITMAPS: u64 = 1 << 0;
 /// Autoclear bit: the external data file is a valid raw image on its own.
 pub const AUTOCLEAR_DATA_FILE_RAW: u64 = 1 << 1;
+/// Byte offsets of header fields ferry rewrites in place.
+pub const INCOMPATIBLE_AT: u64 = 72;
+pub const AUTOCLEAR_AT: u64 = 88;
 
 const EXT_END: u32 = 0;
 const EXT_BACKING_FORMAT: u32 = 0xe279_2aca;
 const EXT_FEATURE_TABLE: u32 = 0x6803_f857;
 const EXT_ENCRYPTION: u32 = 0x0537_be77;
 const EXT_DATA_FILE: u32 = 0x4441_5441;
+const EXT_BITMAPS: u32 = 0x2385_2875;
 
 /// qemu's limits: an L1 table of at most 32 MiB, a refcount table of at most 8 MiB,
 /// backing file names of at most 1023 bytes.
@@ -72,6 +78,9 @@ pub struct Header {
     pub header_length: u32,
     pub compression: Compression,
     pub data_file: Option<String>,
+    /// The bitmaps extension's data (persistent dirty bitmaps), as found: only a
+    /// writable open parses it (`bitmaps.rs`), reading needs none of it.
+    pub bitmaps: Option<Vec<u8>>,
 }
 
 fn be32(b: &[u8], at: usize) -> u32 {
@@ -251,6 +260,7 @@ impl Header {
             header_length,
             compression,
             data_file: None,
+            bitmaps: None,
         };
         h.extensions(buf)?;
         if incompatible & INCOMPAT_DATA_FILE != 0 && h.data_file.is_none() {
@@ -282,6 +292,7 @@ impl Header {
             match typ {
                 EXT_BACKING_FORMAT => self.backing_format = Some(name(data, "backing format")?),
                 EXT_DATA_FILE => self.data_file = Some(name(data, "external data file name")?),
+                EXT_BITMAPS => self.bitmaps = Some(data.to_vec()),
                 EXT_ENCRYPTION => {
                     return Err(Qcow2Error::Unsupported(
                         "the image has an encryption header (LUKS); decrypt it first".into(),

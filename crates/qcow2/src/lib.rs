@@ -11,20 +11,29 @@
 //! and FLUSH writes data first, then metadata in dependency order, so a crash leaves at
 //! most leaked clusters.
 //!
+//! A writable image's file is written through `overlap::Guard`s: a write that would
+//! overwrite metadata is refused and the image marked corrupt (as qemu does), dirty
+//! bitmaps ferry would leave stale are marked in use before the first write, and an
+//! image using clusters past the end of its file is not written unless
+//! [`Options::allow_truncated`].
+//!
 //! One mutex guards the metadata (L1, L2 cache, refcounts); data is read and written
 //! outside it, straight into and out of the caller's buffers.
 #![forbid(unsafe_code)]
 
+mod bitmaps;
 mod compressed;
 mod create;
 mod header;
 mod map;
+mod overlap;
 mod refcount;
 mod store;
 mod write;
 
 pub use header::{has_qcow2_magic, is_qcow2, Compression, Header, MAGIC};
 pub use map::Mapping;
+pub use overlap::Metadata;
 pub use store::{BackendStore, FileStore, Store};
 
 use ferry_backend::{push_extent, Backend, Capabilities, Error, ErrorKind, Extent, FileBackend, ZeroMode, DATA, HOLE};
@@ -59,6 +68,16 @@ pub enum Qcow2Error {
 fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> Qcow2Error {
     let what = what.into();
     move |source| Qcow2Error::Io { what, source }
+}
+
+/// How an image is opened.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Options {
+    pub read_only: bool,
+    /// Write to an image even though clusters it uses lie past the end of its file (a
+    /// truncated image; the missing clusters read as zeroes). Without it such an image
+    /// opens read-only only (with a warning).
+    pub allow_truncated: bool,
 }
 
 /// One layer of a backing chain, as `ferry info` shows it.
@@ -123,18 +142,26 @@ pub struct Qcow2 {
     /// The last decompressed cluster: (host offset, bytes).
     zcache: Mutex<Option<(u64, Arc<Vec<u8>>)>>,
     info: Info,
+    /// The metadata map and the first-write duties of a writable image (`overlap.rs`).
+    safety: overlap::Safety,
 }
 
 impl Qcow2 {
     /// Opens the image at `path` and its backing chain (always read-only).
     pub fn open(path: &Path, read_only: bool) -> Result<Qcow2, Qcow2Error> {
-        Self::open_depth(path, read_only, 0)
+        Self::open_with(path, &Options { read_only, ..Options::default() })
     }
 
-    fn open_depth(path: &Path, read_only: bool, depth: usize) -> Result<Qcow2, Qcow2Error> {
+    /// Opens the image at `path` as `opts` say, and its backing chain (read-only).
+    pub fn open_with(path: &Path, opts: &Options) -> Result<Qcow2, Qcow2Error> {
+        Self::open_depth(path, opts, 0)
+    }
+
+    fn open_depth(path: &Path, opts: &Options, depth: usize) -> Result<Qcow2, Qcow2Error> {
+        let read_only = opts.read_only;
         let store = FileStore::open(path, !read_only).map_err(io_err(format!("cannot open {}", path.display())))?;
         let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
-        Self::open_store(Arc::new(store), path.display().to_string(), read_only, Some(&dir), depth)
+        Self::open_store(Arc::new(store), path.display().to_string(), opts, Some(&dir), depth)
     }
 
     /// Opens an image held by any backend (memory, a network store), read-only. Such an
@@ -142,16 +169,23 @@ impl Qcow2 {
     /// to start from the refcounts, not from the end of a store that cannot grow.)
     pub fn open_on(store: Arc<dyn Backend>) -> Result<Qcow2, Qcow2Error> {
         let name = store.describe();
-        Self::open_store(Arc::new(BackendStore(store)), name, true, None, 0)
+        Self::open_store(
+            Arc::new(BackendStore(store)),
+            name,
+            &Options { read_only: true, ..Options::default() },
+            None,
+            0,
+        )
     }
 
     fn open_store(
         store: Arc<dyn Store>,
         name: String,
-        read_only: bool,
+        opts: &Options,
         dir: Option<&Path>,
         depth: usize,
     ) -> Result<Qcow2, Qcow2Error> {
+        let read_only = opts.read_only;
         let file_len = store.size();
         let first = (file_len.min(2 << 20)) as usize;
         let mut buf = vec![0u8; first];
@@ -205,12 +239,13 @@ impl Qcow2 {
                 };
                 let b: Arc<dyn Backend> = match format.as_str() {
                     "qcow2" => {
-                        let q = Qcow2::open_depth(&p, true, depth + 1).map_err(|e| match e {
-                            Qcow2Error::Io { what, source } => {
-                                Qcow2Error::Io { what: format!("backing file: {what}"), source }
-                            }
-                            other => Qcow2Error::Invalid(format!("backing file {}: {other}", p.display())),
-                        })?;
+                        let q = Qcow2::open_depth(&p, &Options { read_only: true, ..Options::default() }, depth + 1)
+                            .map_err(|e| match e {
+                                Qcow2Error::Io { what, source } => {
+                                    Qcow2Error::Io { what: format!("backing file: {what}"), source }
+                                }
+                                other => Qcow2Error::Invalid(format!("backing file {}: {other}", p.display())),
+                            })?;
                         chain.push(ChainEntry { name: n.clone(), path: p.clone(), format, virtual_size: q.geo.size });
                         chain.extend(q.info.backing_chain.iter().cloned());
                         Arc::new(q)
@@ -242,6 +277,8 @@ impl Qcow2 {
         store.read_at(&mut l1raw, header.l1_table_offset).map_err(io_err("cannot read the L1 table"))?;
         let l1: Vec<u64> = l1raw.chunks_exact(8).map(|c| u64::from_be_bytes(c.try_into().unwrap_or([0; 8]))).collect();
         let refs = if writable { Some(refcount::Refcounts::load(&*store, &header)?) } else { None };
+        let safety = overlap::Safety::open(&name, &store, &header, &l1, writable, opts.allow_truncated)?;
+        let (store, data) = safety.wrap(store, data);
         let info = Info {
             version: header.version,
             virtual_size: header.size,
@@ -271,6 +308,7 @@ impl Qcow2 {
             sync_on_close: true,
             zcache: Mutex::new(None),
             info,
+            safety,
         })
     }
 
@@ -345,7 +383,12 @@ impl Qcow2 {
         if st.l2.get(l2_off).is_none() {
             let mut b = vec![0u8; self.geo.cluster_size as usize];
             self.store.read_at(&mut b, l2_off).map_err(io_err(format!("cannot read the L2 table at {l2_off:#x}")))?;
-            st.l2.insert(l2_off, L2Table::from_bytes(&b));
+            let t = L2Table::from_bytes(&b);
+            // Writable: past every cluster counted or allocated (then a later allocation
+            // would hand out a cluster in use); read-only: past the end of the file.
+            let limit = st.refs.as_ref().map_or_else(|| self.data.size(), |r| r.high_water());
+            self.safety.l2_loaded(&self.name, &self.geo, l2_off, &t.raw, limit);
+            st.l2.insert(l2_off, t);
         }
         st.l2.get(l2_off).ok_or_else(|| Qcow2Error::Corrupt("L2 cache lost a table".into()))
     }
@@ -542,6 +585,8 @@ pub fn fuzz_image(data: &[u8]) {
         }
     }
     let _ = q.info();
+    // What a writable open reads of the persistent bitmaps.
+    let _ = bitmaps::read_all(&*q.store, &q.header);
 }
 
 /// Appends a run, merging it with the previous one when it continues it.
@@ -622,7 +667,8 @@ impl Backend for Qcow2 {
 
 impl Drop for Qcow2 {
     fn drop(&mut self) {
-        if self.writable {
+        // A corrupt image takes no more writes (that was logged when it was marked).
+        if self.writable && !self.safety.is_corrupt() {
             if let Err(e) = self.write_metadata(self.sync_on_close) {
                 log::error!("{}: flushing metadata on close failed: {e}", self.name);
             }

@@ -4,6 +4,7 @@
 
 use crate::header::{Header, MAX_REFTABLE_BYTES, REFTABLE_OFFSET_AT};
 use crate::map::OFFSET_MASK;
+use crate::overlap::Metadata;
 use crate::store::Store;
 use crate::{io_err, Qcow2Error};
 use std::collections::{BTreeSet, HashMap};
@@ -100,11 +101,13 @@ impl Refcounts {
             let blk = blk as usize;
             if blk >= self.table.len() {
                 self.grow_table(blk + 1)?;
+                store.metadata_allocated(Metadata::RefcountTable, self.table_offset, self.table.len() as u64 * 8);
                 continue;
             }
             let at = self.next_free;
             self.next_free += cs;
             self.table[blk] = at;
+            store.metadata_allocated(Metadata::RefcountBlock(blk as u32), at, cs);
             self.table_dirty.insert(blk);
             self.blocks.insert(blk, Block { counts: vec![0; self.per_block() as usize], dirty: true });
         }
@@ -185,6 +188,12 @@ impl Refcounts {
         !self.pending_free.is_empty()
     }
 
+    /// Where the never-allocated clusters begin: nothing at or past it is counted, so
+    /// nothing may refer to it yet.
+    pub fn high_water(&self) -> u64 {
+        self.next_free
+    }
+
     /// Writes dirty refcount blocks and table entries; when the table moved, the whole
     /// new table, then (after `sync`) the header pointing at it.
     pub fn write(
@@ -226,13 +235,20 @@ impl Refcounts {
         let cs = self.cs();
         for off in std::mem::take(&mut self.pending_free) {
             let c = off / cs;
+            let mut now_free = false;
             self.set(store, c, |old| match old {
                 0 => {
                     log::error!("freeing cluster {c} whose refcount is already 0 (left as is)");
                     Ok(0)
                 }
-                n => Ok(n - 1),
+                n => {
+                    now_free = n == 1;
+                    Ok(n - 1)
+                }
             })?;
+            if now_free {
+                store.cluster_freed(off);
+            }
         }
         Ok(())
     }

@@ -4,6 +4,7 @@
 //! a file and qcow2 on another store are the same code. Reads past the end of the store
 //! read as zeroes (as qemu's file driver does), never as an error or a panic.
 
+use crate::overlap::Metadata;
 use ferry_backend::Backend;
 use std::fs::File;
 use std::io;
@@ -24,6 +25,11 @@ pub trait Store: Send + Sync {
     fn fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
         None
     }
+    /// The format layer put metadata `what` at `offset..offset + len`: a checking store
+    /// (a writable image's `overlap::Guard`) refuses guest data written there from now on.
+    fn metadata_allocated(&self, _what: Metadata, _offset: u64, _len: u64) {}
+    /// The cluster at `offset` was freed (its refcount fell to 0): it holds no metadata.
+    fn cluster_freed(&self, _offset: u64) {}
 }
 
 /// A local file.

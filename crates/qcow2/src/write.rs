@@ -12,6 +12,7 @@
 
 use crate::header::Header;
 use crate::map::{L2Table, Mapping, OFFSET_MASK, OFLAG_COMPRESSED, OFLAG_COPIED, OFLAG_ZERO};
+use crate::overlap::Metadata;
 use crate::{io_err, Qcow2, Qcow2Error, State};
 
 /// Refuses (before anything is written) images this layer cannot write safely.
@@ -50,10 +51,12 @@ impl Qcow2 {
         let off = e & OFFSET_MASK;
         if off != 0 {
             self.l2_table(st, off)?;
+            self.safety.check_l2_write(idx, off, guest)?;
             return Ok(off);
         }
         let refs = st.refs.as_mut().ok_or_else(not_writable)?;
         let off = refs.alloc(&*self.store, 1)?;
+        self.store.metadata_allocated(Metadata::L2Table(idx as u32), off, self.geo.cluster_size);
         st.l2.insert(off, L2Table::zeroed(self.geo.l2_entries as usize));
         st.l1[idx] = off | OFLAG_COPIED;
         st.l1_dirty.insert(idx);
@@ -95,6 +98,7 @@ impl Qcow2 {
         if !self.writable {
             return Err(not_writable());
         }
+        self.safety.refuse_if_corrupt()?;
         let cs = self.geo.cluster_size;
         let end = offset + buf.len() as u64;
         // (host offset, range of buf) written after the lock is released.
@@ -178,6 +182,7 @@ impl Qcow2 {
         if !self.writable {
             return Err(not_writable());
         }
+        self.safety.refuse_if_corrupt()?;
         let cs = self.geo.cluster_size;
         let end = offset + length;
         let first_full = offset.next_multiple_of(cs);
