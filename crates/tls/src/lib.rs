@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferry_sock::{Counters, Stream};
+use ferry_sock::{Counters, SendLimit, Stream};
 use openssl::error::ErrorStack;
 use openssl::ssl::{
     ErrorCode, HandshakeError, Ssl, SslConnector, SslContext, SslContextBuilder, SslFiletype, SslMethod, SslOptions,
@@ -608,6 +608,21 @@ impl Transport {
         }
     }
 
+    /// [`Transport::send_file`], adding the bytes sent to `sent` (see
+    /// [`Stream::send_file_counted`]).
+    pub fn send_file_counted(
+        &mut self,
+        file: BorrowedFd<'_>,
+        offset: u64,
+        len: usize,
+        sent: &mut usize,
+    ) -> io::Result<()> {
+        match self {
+            Transport::Plain(s) => s.send_file_counted(file, offset, len, sent).map(drop),
+            _ => Err(io::Error::new(io::ErrorKind::Unsupported, "sendfile cannot be used under TLS")),
+        }
+    }
+
     /// Gives back buffers held between reads (see [`TlsStream::release_buffers`]).
     pub fn release_buffers(&mut self) {
         if let Transport::Tls(t) = self {
@@ -648,6 +663,15 @@ impl Transport {
 
     pub fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
         self.stream().ok_or_else(broken)?.set_read_timeout(t)
+    }
+
+    /// Bounds every later send, TLS records included (see [`Stream::set_send_limit`]).
+    pub fn set_send_limit(&mut self, limit: SendLimit, tick: Duration) -> io::Result<()> {
+        match self {
+            Transport::Plain(s) => s.set_send_limit(limit, tick),
+            Transport::Tls(t) => t.ssl.get_mut().stream.set_send_limit(limit, tick),
+            Transport::Broken => Err(broken()),
+        }
     }
 
     /// Ends the session: close_notify under TLS, then shuts the socket down for `how`.
