@@ -764,6 +764,41 @@ mod tests {
         assert!(check_listening(u.as_raw_fd()).is_err());
     }
 
+    /// A peer that reads nothing: sends give up at the deadline, or once the stop flag
+    /// has been set for the grace period; without a limit they would block for ever.
+    #[test]
+    fn sends_to_a_peer_that_never_reads_give_up_at_the_limit() {
+        let (a, _peer) = UnixStream::pair().unwrap();
+        let mut s = Stream::new(Inner::Unix(a));
+        let big = vec![7u8; 1 << 20];
+        let tick = Duration::from_millis(20);
+        let t = Instant::now();
+        let limit = SendLimit { deadline: Some(t + Duration::from_millis(200)), stop: None };
+        s.set_send_limit(limit, tick).unwrap();
+        let e = loop {
+            if let Err(e) = s.send_all(&mut [IoSlice::new(&big)]) {
+                break e;
+            }
+        };
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+        let stop = Arc::new(AtomicBool::new(false));
+        s.set_send_limit(SendLimit { deadline: None, stop: Some((stop.clone(), Duration::from_millis(200))) }, tick)
+            .unwrap();
+        // Not stopping: a blocked send keeps waiting.
+        let flag = stop.clone();
+        let setter = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            flag.store(true, Ordering::SeqCst);
+        });
+        let t = Instant::now();
+        let e = s.send_all(&mut [IoSlice::new(&big)]).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
+        assert!(t.elapsed() >= Duration::from_millis(450), "gave up before stop + grace: {:?}", t.elapsed());
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+        setter.join().unwrap();
+    }
+
     #[test]
     fn unix_send_all_and_buffers() {
         let dir = std::env::temp_dir().join(format!("ferry-sock-test-{}", std::process::id()));
