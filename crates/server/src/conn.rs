@@ -346,7 +346,16 @@ fn file_failed(
     sent: usize,
     e: io::Error,
 ) -> io::Result<usize> {
-    if !writer.chunked() || e.kind() == io::ErrorKind::TimedOut {
+    // The socket failing (the client left, or stopped reading past the send limit) ends
+    // the connection; anything else is the file's failure.
+    let socket = matches!(
+        e.kind(),
+        io::ErrorKind::BrokenPipe
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::NotConnected
+            | io::ErrorKind::TimedOut
+    );
+    if !writer.chunked() || socket {
         return Err(e);
     }
     let msg = format!("reading {} bytes of the export's file at {} for sendfile: {e}", f.len, f.at);
