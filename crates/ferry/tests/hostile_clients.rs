@@ -87,6 +87,30 @@ fn sigterm_stops_the_server_within_the_grace_period_whatever_clients_do() {
     flood.join().unwrap();
 }
 
+/// SIGTERM while a client that sent NBD_OPT_STARTTLS stalls in the TLS handshake: the
+/// server does not wait for the handshake deadline.
+#[test]
+fn sigterm_stops_the_server_while_a_client_stalls_in_the_tls_handshake() {
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys.psk");
+    fs::write(&keys, "alice:00112233445566778899aabbccddeeff\n").unwrap();
+    let psk = ["--tls-psk", keys.to_str().unwrap(), "--tls", "on", "--handshake-timeout", "60"];
+    let mut server = Server::unix("memory:1M", &psk);
+    let mut c = RawClient::connect(&server);
+    c.set_timeout(Duration::from_secs(10));
+    c.read_greeting();
+    c.send_client_flags(CFLAG_FIXED_NEWSTYLE | CFLAG_NO_ZEROES);
+    c.send_option(OPT_STARTTLS, b"");
+    assert_eq!(c.read_opt_reply().typ, REP_ACK);
+    // No ClientHello follows.
+    thread::sleep(Duration::from_millis(500));
+    let t = Instant::now();
+    let st = server.signal_and_wait(libc::SIGTERM, Duration::from_secs(10));
+    let took = t.elapsed();
+    assert!(st.success(), "exit status after SIGTERM: {st}");
+    assert!(took < Duration::from_secs(3), "the server took {took:?} to stop");
+}
+
 /// One byte of a request header on an idle connection must not pin a thread: the
 /// connection is parked with the byte kept, and the request completes when the rest comes.
 #[test]

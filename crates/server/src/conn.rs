@@ -243,9 +243,12 @@ fn handshake(
                     }
                     (head, tail) = (0, 0);
                     let tls = config.tls.as_ref().expect("TLS policy on implies a TLS context");
+                    // Each wait ends within a grace period, to look at the deadline and at
+                    // the stop flag: a peer stalled in the TLS handshake holds neither the
+                    // handshake nor a shutdown beyond them.
                     let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-                    stream.set_read_timeout(Some(left))?;
-                    stream.start_tls_server(tls)?;
+                    stream.set_read_timeout(Some(left.min(config.idle_grace)))?;
+                    stream.start_tls_server(tls, || Instant::now() < deadline && !stop.load(Ordering::SeqCst))?;
                     hs.tls_started();
                     log::debug!("{}: TLS started: {}", stream.peer(), stream.tls_description().unwrap_or_default());
                 }

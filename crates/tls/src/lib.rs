@@ -220,11 +220,19 @@ impl ServerTls {
         Ok(ServerTls { ctx: Arc::new(b.build()) })
     }
 
-    /// Runs the server side of the TLS handshake on `stream`. The caller bounds it with
-    /// a read timeout on the socket.
-    pub fn accept(&self, stream: Stream) -> Result<TlsStream, TlsError> {
+    /// Runs the server side of the TLS handshake on `stream`. The caller bounds each wait
+    /// with a read timeout on the socket; when one passes, `go_on()` says whether to keep
+    /// waiting (so a stalled peer can be given up on for a deadline or a shutdown, each
+    /// looked at once per read timeout).
+    pub fn accept(&self, stream: Stream, mut go_on: impl FnMut() -> bool) -> Result<TlsStream, TlsError> {
         let ssl = Ssl::new(&self.ctx)?;
-        finish(ssl.accept(Wire::new(stream)))
+        let mut r = ssl.accept(Wire::new(stream));
+        loop {
+            r = match r {
+                Err(HandshakeError::WouldBlock(mid)) if go_on() => mid.handshake(),
+                r => return finish(r),
+            };
+        }
     }
 }
 
@@ -549,11 +557,12 @@ fn broken() -> io::Error {
 
 impl Transport {
     /// Upgrades a plaintext transport with the server side of a TLS handshake.
-    pub fn start_tls_server(&mut self, tls: &ServerTls) -> Result<(), TlsError> {
+    /// `go_on` as in [`ServerTls::accept`].
+    pub fn start_tls_server(&mut self, tls: &ServerTls, go_on: impl FnMut() -> bool) -> Result<(), TlsError> {
         let Transport::Plain(s) = std::mem::replace(self, Transport::Broken) else {
             return Err(TlsError::Config("TLS is already active".into()));
         };
-        *self = Transport::Tls(Box::new(tls.accept(s)?));
+        *self = Transport::Tls(Box::new(tls.accept(s, go_on)?));
         Ok(())
     }
 
