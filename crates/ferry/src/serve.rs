@@ -64,6 +64,10 @@ pub struct ServeArgs {
     /// Drop a client that has not finished the handshake after this many seconds.
     #[arg(long, default_value_t = 10.0, value_name = "SECS")]
     handshake_timeout: f64,
+    /// On SIGTERM/SIGINT, drop a client that reads nothing of its replies for this many
+    /// seconds, so the server stops within about this long whatever its clients do.
+    #[arg(long, default_value_t = 5.0, value_name = "SECS")]
+    shutdown_grace: f64,
     #[command(flatten)]
     sockets: crate::sockopts::SocketArgs,
     /// Read file exports into a buffer and send it, instead of sendfile(2) from the page cache.
@@ -182,6 +186,8 @@ fn check_transport(args: &ServeArgs, listeners: &[Listener]) -> Result<()> {
 }
 
 pub fn run(args: ServeArgs) -> Result<i32> {
+    // Before any export is opened: an overstated LISTEN_FDS must not reach its descriptors.
+    let activated = ferry_sock::listen_fds().context("systemd socket activation")?;
     let mut exports = Exports::new();
     let open = |spec: &str| {
         crate::image::open_backend(spec, args.read_only, args.allow_truncated)
@@ -207,6 +213,9 @@ pub fn run(args: ServeArgs) -> Result<i32> {
     }
     if !(args.handshake_timeout > 0.0 && args.handshake_timeout.is_finite()) {
         bail!("--handshake-timeout must be a positive number of seconds");
+    }
+    if !(args.shutdown_grace >= 0.0 && args.shutdown_grace.is_finite()) {
+        bail!("--shutdown-grace must be a number of seconds (0 or more)");
     }
     if args.max_connections == Some(0) || args.max_connections_per_client == Some(0) {
         bail!("--max-connections and --max-connections-per-client must be at least 1");
@@ -238,6 +247,7 @@ pub fn run(args: ServeArgs) -> Result<i32> {
         idle_timeout,
         idle_grace: ferry_server::DEFAULT_IDLE_GRACE,
         handshake_timeout: Duration::from_secs_f64(args.handshake_timeout),
+        shutdown_grace: Duration::from_secs_f64(args.shutdown_grace),
         unix_buffers: BufferConfig::for_unix(explicit),
         tcp_buffers: explicit,
         sendfile: !args.no_sendfile,
@@ -248,7 +258,7 @@ pub fn run(args: ServeArgs) -> Result<i32> {
         zerocopy: args.zerocopy.into(),
     };
 
-    let listeners = match ferry_sock::listen_fds().context("systemd socket activation")? {
+    let listeners = match activated {
         Some(l) if !l.is_empty() => l,
         _ => vec![match &args.unix {
             Some(path) => Listener::bind_unix(path).with_context(|| format!("cannot listen on {}", path.display()))?,

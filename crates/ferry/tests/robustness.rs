@@ -583,16 +583,7 @@ fn extended_headers_raw() {
     let (size, _) = c.go("").expect("GO");
     assert_eq!(size, 16 * MIB);
 
-    let ext_req = |flags: u16, typ: u16, cookie: u64, offset: u64, len: u64| {
-        let mut v = Vec::with_capacity(32);
-        v.extend_from_slice(&EXTENDED_REQUEST_MAGIC.to_be_bytes());
-        v.extend_from_slice(&flags.to_be_bytes());
-        v.extend_from_slice(&typ.to_be_bytes());
-        v.extend_from_slice(&cookie.to_be_bytes());
-        v.extend_from_slice(&offset.to_be_bytes());
-        v.extend_from_slice(&len.to_be_bytes());
-        v
-    };
+    let ext_req = RawClient::ext_request_bytes;
     let data = Rng::new(5).bytes(8192);
     let mut req = ext_req(0, CMD_WRITE, 7, 4096, 8192);
     req.extend(&data);

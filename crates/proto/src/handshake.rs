@@ -104,10 +104,12 @@ pub const BASE_ALLOCATION_ID: u32 = 1;
 enum State {
     ClientFlags,
     Options,
-    /// Discarding the data of an oversized option, then answering `NBD_REP_ERR_TOO_BIG`.
+    /// Discarding the data of an oversized option, then answering `NBD_REP_ERR_TOO_BIG`
+    /// (or `NBD_REP_ERR_TLS_REQD`, when TLS is required and not yet started).
     Skipping {
         opt: u32,
         remaining: u64,
+        tls_required: bool,
     },
     Done,
 }
@@ -188,15 +190,19 @@ impl ServerHandshake {
                 self.state = State::Options;
                 Ok((4, Progress::Continue))
             }
-            State::Skipping { opt, remaining } => {
+            State::Skipping { opt, remaining, tls_required } => {
                 let n = (input.len() as u64).min(remaining);
                 let remaining = remaining - n;
                 if remaining == 0 {
                     self.state = State::Options;
-                    let msg = format!("option data is larger than the {MAX_OPTION_DATA}-byte limit");
-                    option_reply(out, opt, REP_ERR_TOO_BIG, msg.as_bytes());
+                    if tls_required {
+                        self.tls_required_reply(opt, out);
+                    } else {
+                        let msg = format!("option data is larger than the {MAX_OPTION_DATA}-byte limit");
+                        option_reply(out, opt, REP_ERR_TOO_BIG, msg.as_bytes());
+                    }
                 } else {
-                    self.state = State::Skipping { opt, remaining };
+                    self.state = State::Skipping { opt, remaining, tls_required };
                 }
                 Ok((n as usize, Progress::Continue))
             }
@@ -211,11 +217,18 @@ impl ServerHandshake {
                 let opt = be32(&input[8..12]);
                 let len = be32(&input[12..16]);
                 if len > MAX_OPTION_DATA {
+                    let tls_required = self.tls_required_for(opt);
                     if opt == OPT_EXPORT_NAME {
                         // No error reply exists for EXPORT_NAME: the spec says drop.
-                        return Err(HandshakeError::ExportNameTooLong(len));
+                        return Err(if tls_required {
+                            HandshakeError::TlsRequired
+                        } else {
+                            HandshakeError::ExportNameTooLong(len)
+                        });
                     }
-                    self.state = State::Skipping { opt, remaining: u64::from(len) };
+                    // Before STARTTLS under `require`, every option is answered TLS_REQD,
+                    // whatever its size: the reply must not depend on anything but TLS.
+                    self.state = State::Skipping { opt, remaining: u64::from(len), tls_required };
                     return Ok((OPTION_HEADER_LEN, Progress::Continue));
                 }
                 let total = OPTION_HEADER_LEN + len as usize;
@@ -255,6 +268,17 @@ impl ServerHandshake {
         Negotiated { export, mode, flags, meta_context }
     }
 
+    /// Option `opt` may only be answered `NBD_REP_ERR_TLS_REQD` (under `--tls=require`,
+    /// before STARTTLS; ABORT and STARTTLS itself are served).
+    fn tls_required_for(&self, opt: u32) -> bool {
+        self.tls == TlsPolicy::Require && !self.tls_active && opt != OPT_STARTTLS && opt != OPT_ABORT
+    }
+
+    fn tls_required_reply(&self, opt: u32, out: &mut Vec<u8>) {
+        let msg = format!("this server requires TLS: send NBD_OPT_STARTTLS before {}", option_name(opt));
+        option_reply(out, opt, REP_ERR_TLS_REQD, msg.as_bytes());
+    }
+
     fn option(
         &mut self,
         opt: u32,
@@ -262,13 +286,12 @@ impl ServerHandshake {
         catalog: &dyn Catalog,
         out: &mut Vec<u8>,
     ) -> Result<Progress, HandshakeError> {
-        if self.tls == TlsPolicy::Require && !self.tls_active && opt != OPT_STARTTLS && opt != OPT_ABORT {
+        if self.tls_required_for(opt) {
             if opt == OPT_EXPORT_NAME {
                 // EXPORT_NAME has no error reply: the only answer is to hang up.
                 return Err(HandshakeError::TlsRequired);
             }
-            let msg = format!("this server requires TLS: send NBD_OPT_STARTTLS before {}", option_name(opt));
-            option_reply(out, opt, REP_ERR_TLS_REQD, msg.as_bytes());
+            self.tls_required_reply(opt, out);
             return Ok(Progress::Continue);
         }
         match opt {
@@ -663,6 +686,41 @@ mod tests {
         assert_eq!(p, Ok(Progress::Abort));
         let r = replies(&out);
         assert_eq!(r[0].1, REP_ERR_TOO_BIG);
+    }
+
+    #[test]
+    fn oversized_options_before_starttls_get_tls_reqd_under_require() {
+        let big = |opt: u32, i: &mut Vec<u8>| {
+            i.extend_from_slice(&IHAVEOPT.to_be_bytes());
+            i.extend_from_slice(&opt.to_be_bytes());
+            i.extend_from_slice(&(MAX_OPTION_DATA + 10).to_be_bytes());
+            i.extend(std::iter::repeat_n(0u8, MAX_OPTION_DATA as usize + 10));
+        };
+        let mut out = Vec::new();
+        let mut hs = ServerHandshake::with_tls(&mut out, TlsPolicy::Require);
+        let mut i = client_flags();
+        big(OPT_GO, &mut i);
+        big(OPT_LIST, &mut i);
+        big(OPT_STARTTLS, &mut i);
+        encode_option(OPT_ABORT, &[], &mut i);
+        let (out, p) = run_on(&mut hs, &i, out);
+        assert_eq!(p, Ok(Progress::Abort));
+        let r: Vec<(u32, u32)> = replies(&out).iter().map(|x| (x.0, x.1)).collect();
+        assert_eq!(
+            r,
+            vec![
+                (OPT_GO, REP_ERR_TLS_REQD),
+                (OPT_LIST, REP_ERR_TLS_REQD),
+                (OPT_STARTTLS, REP_ERR_TOO_BIG),
+                (OPT_ABORT, REP_ACK)
+            ]
+        );
+        // EXPORT_NAME: dropped for want of TLS, whatever its length.
+        let mut out = Vec::new();
+        let mut hs = ServerHandshake::with_tls(&mut out, TlsPolicy::Require);
+        let mut i = client_flags();
+        big(OPT_EXPORT_NAME, &mut i);
+        assert_eq!(run_on(&mut hs, &i, out).1, Err(HandshakeError::TlsRequired));
     }
 
     #[test]

@@ -95,11 +95,28 @@ impl ReplyWriter {
 
     /// Failure at a given offset of a READ (chunked modes only; simple mode sends a plain error).
     pub fn error_offset(&self, cookie: u64, req_offset: u64, err: NbdError, msg: &str, at: u64, out: &mut Vec<u8>) {
+        self.error_chunk_at(cookie, req_offset, err, msg, at, true, out)
+    }
+
+    /// [`ReplyWriter::error_offset`], with `done` saying whether it ends the reply (more
+    /// chunks of the same READ may follow an error chunk; the READ fails as a whole).
+    #[allow(clippy::too_many_arguments)]
+    pub fn error_chunk_at(
+        &self,
+        cookie: u64,
+        req_offset: u64,
+        err: NbdError,
+        msg: &str,
+        at: u64,
+        done: bool,
+        out: &mut Vec<u8>,
+    ) {
         if self.mode == ReplyMode::Simple {
             return Self::simple(err.code(), cookie, out);
         }
         let msg = clip(msg);
-        self.chunk(REPLY_FLAG_DONE, REPLY_TYPE_ERROR_OFFSET, cookie, req_offset, 14 + msg.len() as u64, out);
+        let flags = if done { REPLY_FLAG_DONE } else { 0 };
+        self.chunk(flags, REPLY_TYPE_ERROR_OFFSET, cookie, req_offset, 14 + msg.len() as u64, out);
         out.extend_from_slice(&err.code().to_be_bytes());
         out.extend_from_slice(&(msg.len() as u16).to_be_bytes());
         out.extend_from_slice(msg.as_bytes());

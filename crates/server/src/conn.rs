@@ -20,7 +20,7 @@ use ferry_proto::consts::{command_name, NbdError};
 use ferry_proto::handshake::{Progress, ServerHandshake};
 use ferry_proto::reply::ReplyWriter;
 use ferry_proto::request::{Command, PayloadPlan, RequestError, RequestHeader, Session};
-use ferry_sock::{AlignedBuf, Stream};
+use ferry_sock::{AlignedBuf, SendLimit, Stream};
 use ferry_tls::Transport;
 use std::collections::VecDeque;
 use std::io::{self, IoSlice, Read};
@@ -72,6 +72,9 @@ const IN_FLIGHT: usize = 64;
 const LARGE_PAYLOAD: usize = 64 * 1024;
 /// Most extents returned for one BLOCK_STATUS (bounded reply size).
 const MAX_EXTENTS: usize = 64 * 1024;
+/// The longest request header (extended): less than this is all a parked connection
+/// keeps of a request.
+const MAX_HEADER: usize = 32;
 /// Handshake receive buffer at most: the largest option (64 KiB of data) plus its header.
 const HANDSHAKE_BUF: usize = ferry_proto::consts::MAX_OPTION_DATA as usize + 64;
 /// ... and at first: every option a real client sends fits.
@@ -127,6 +130,12 @@ pub(crate) fn serve(stream: Stream, slot: Slot, shared: Arc<Shared>) {
     if let Err(e) = t.stream.set_read_timeout(Some(config.idle_grace)) {
         return t.close(Err(e.into()));
     }
+    // A client that stops reading replies holds this thread in a send, which looks at the
+    // stop flag once per idle grace period: after a shutdown, it gives up within the
+    // shutdown grace period.
+    if let Err(e) = t.stream.set_send_limit(shutdown_limit(&shared), config.idle_grace) {
+        return t.close(Err(e.into()));
+    }
     t.acquire();
     t.rx[..leftover.len()].copy_from_slice(&leftover);
     t.tail = leftover.len();
@@ -179,14 +188,31 @@ enum Step {
     Idle,
 }
 
+/// Sends during transmission give up once the server has been stopping for the shutdown
+/// grace period.
+fn shutdown_limit(shared: &Shared) -> SendLimit {
+    SendLimit { deadline: None, stop: Some((shared.stop.clone(), shared.config.shutdown_grace)) }
+}
+
 /// Runs the handshake. `Ok(None)`: the client aborted cleanly.
 fn handshake(
     stream: &mut Transport,
     exports: &Exports,
     config: &Config,
-    stop: &AtomicBool,
+    stop: &Arc<AtomicBool>,
 ) -> Result<Option<(ferry_proto::Negotiated, Vec<u8>)>, ConnError> {
     let deadline = Instant::now() + config.handshake_timeout;
+    // The deadline bounds sends too: a client that sends options and never reads the
+    // replies is dropped at the deadline, not left holding this thread in `send`.
+    let limit = SendLimit { deadline: Some(deadline), stop: Some((stop.clone(), config.shutdown_grace)) };
+    stream.set_send_limit(limit, config.idle_grace)?;
+    let timed_out = |e: io::Error| {
+        if e.kind() == io::ErrorKind::TimedOut && Instant::now() >= deadline {
+            ConnError::HandshakeTimeout(config.handshake_timeout)
+        } else {
+            ConnError::Io(e)
+        }
+    };
     let mut out = Vec::new();
     let mut hs = ServerHandshake::with_tls(&mut out, config.tls_policy);
     // Grows (up to the largest option) only when a message does not fit.
@@ -201,31 +227,34 @@ fn handshake(
                 Progress::Continue if n > 0 => continue,
                 Progress::Continue => break,
                 Progress::Abort => {
-                    send_plain(stream, &out)?;
+                    send_plain(stream, &out).map_err(timed_out)?;
                     return Ok(None);
                 }
                 Progress::Transmission(neg) => {
-                    send_plain(stream, &out)?;
+                    send_plain(stream, &out).map_err(timed_out)?;
                     stream.set_read_timeout(None)?;
                     return Ok(Some((*neg, buf[head..tail].to_vec())));
                 }
                 Progress::StartTls => {
-                    send_plain(stream, &out)?;
+                    send_plain(stream, &out).map_err(timed_out)?;
                     out.clear();
                     if head != tail {
                         return Err(ConnError::DataAfterStartTls(tail - head));
                     }
                     (head, tail) = (0, 0);
                     let tls = config.tls.as_ref().expect("TLS policy on implies a TLS context");
+                    // Each wait ends within a grace period, to look at the deadline and at
+                    // the stop flag: a peer stalled in the TLS handshake holds neither the
+                    // handshake nor a shutdown beyond them.
                     let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-                    stream.set_read_timeout(Some(left))?;
-                    stream.start_tls_server(tls)?;
+                    stream.set_read_timeout(Some(left.min(config.idle_grace)))?;
+                    stream.start_tls_server(tls, || Instant::now() < deadline && !stop.load(Ordering::SeqCst))?;
                     hs.tls_started();
                     log::debug!("{}: TLS started: {}", stream.peer(), stream.tls_description().unwrap_or_default());
                 }
             }
         }
-        send_plain(stream, &out)?;
+        send_plain(stream, &out).map_err(timed_out)?;
         out.clear();
         if head == tail {
             head = 0;
@@ -275,10 +304,82 @@ enum Part {
     Header(usize, usize),
     /// Bytes `start..end` of the data arena.
     Data(usize, usize),
-    /// `len` bytes of the export's file at `offset`, sent with sendfile(2).
-    File(u64, usize),
+    /// A READ's data sent from the export's file with sendfile(2).
+    File(FilePart),
     /// All of `bufs[i]`: the buffer a queued read filled.
     Buf(usize),
+}
+
+/// The data of a READ chunk that goes out with sendfile(2), and what a failure of the
+/// file under it (a read error, or the file cut short) turns into.
+///
+/// The chunk's header is out before sendfile reads the file, so with structured replies
+/// the data chunk never carries DONE: a NONE chunk follows it to end the reply (20 bytes,
+/// 32 with extended headers: the cost of sendfile per READ), and if the file fails, the
+/// data chunk is made up to the length it declared with zeroes and an EIO error chunk
+/// takes the NONE chunk's place. The client gets EIO and the connection goes on. With
+/// simple replies there is no way to report an error after the header: the connection is
+/// dropped, so the client never takes the zeroes for data.
+#[derive(Clone, Copy)]
+struct FilePart {
+    /// Where the data lies in the file, and its length.
+    at: u64,
+    len: usize,
+    /// The request and the export offset of the data, for the error chunk.
+    cookie: u64,
+    req_offset: u64,
+    pos: u64,
+    /// Bytes of the NONE chunk that follows this part in the header arena (0: none; other
+    /// chunks of the reply follow, or replies are simple).
+    trailer: usize,
+    /// The chunk ends the reply (the error chunk then carries DONE).
+    last: bool,
+}
+
+/// Zeroes to make up a data chunk whose file failed under sendfile.
+static ZEROES: [u8; 64 * 1024] = [0; 64 * 1024];
+
+/// Ends the reply of a READ whose file failed under sendfile after `sent` of its bytes
+/// (see [`FilePart`]). Returns how many bytes of the header arena to skip (the NONE
+/// chunk replaced by the error chunk), or the error when the connection must be dropped.
+fn file_failed(
+    stream: &mut Transport,
+    writer: &ReplyWriter,
+    f: &FilePart,
+    sent: usize,
+    e: io::Error,
+) -> io::Result<usize> {
+    // The socket failing (the client left, or stopped reading past the send limit) ends
+    // the connection; anything else is the file's failure.
+    let socket = matches!(
+        e.kind(),
+        io::ErrorKind::BrokenPipe
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::NotConnected
+            | io::ErrorKind::TimedOut
+    );
+    if !writer.chunked() || socket {
+        return Err(e);
+    }
+    let msg = format!("reading {} bytes of the export's file at {} for sendfile: {e}", f.len, f.at);
+    log::warn!("{}: {msg}; the client gets EIO for the READ at {}", stream.peer(), f.pos);
+    let mut left = f.len - sent;
+    while left > 0 {
+        let mut iov = Vec::new();
+        let mut batch = 0;
+        while batch < left && iov.len() < 64 {
+            let n = (left - batch).min(ZEROES.len());
+            iov.push(IoSlice::new(&ZEROES[..n]));
+            batch += n;
+        }
+        stream.send_all(&mut iov)?;
+        left -= batch;
+    }
+    let mut chunk = Vec::new();
+    let at = f.pos + sent as u64;
+    writer.error_chunk_at(f.cookie, f.req_offset, NbdError::Io, &msg, at, f.last, &mut chunk);
+    stream.send_all(&mut [IoSlice::new(&chunk)])?;
+    Ok(f.trailer)
 }
 
 /// Replies waiting to be sent: headers and read data in two arenas, and the order.
@@ -370,6 +471,10 @@ pub(crate) struct Transmission {
     /// Large batches go out with MSG_ZEROCOPY (`--zerocopy`, TCP only).
     zc: Option<ZeroCopySender>,
     disconnect: bool,
+    /// While parked: the start of a request header received before the client went
+    /// quiet (fewer bytes than a header), put back in front of the receive buffer when
+    /// a thread takes the connection again.
+    partial: Vec<u8>,
 }
 
 impl Transmission {
@@ -416,12 +521,16 @@ impl Transmission {
             file_bytes: 0,
             zc: None,
             disconnect: false,
+            partial: Vec::new(),
         }
     }
 
     /// Allocates the buffers a thread serves the connection with.
     fn acquire(&mut self) {
         self.rx = AlignedBuf::zeroed(RECV_BUF);
+        let partial = std::mem::take(&mut self.partial);
+        self.rx[..partial.len()].copy_from_slice(&partial);
+        (self.head, self.tail) = (0, partial.len());
         self.tx.headers = Vec::with_capacity(64 * 1024);
         self.tx.data = AlignedBuf::zeroed(1 << 20);
         if self.sparse_threshold.is_none() && !self.sendfile {
@@ -430,13 +539,14 @@ impl Transmission {
     }
 
     /// Gives every buffer back before the connection is parked: nothing is queued and
-    /// no request is partly received (see `run`). Zero-copy arenas the kernel still
-    /// holds are waited for first.
+    /// at most the start of a request header is received (see `run`), which is kept.
+    /// Zero-copy arenas the kernel still holds are waited for first.
     fn release(&mut self) {
-        debug_assert!(self.head == self.tail && !self.tx.pending() && self.in_flight.is_empty());
+        debug_assert!(self.tail - self.head < MAX_HEADER && !self.tx.pending() && self.in_flight.is_empty());
         if let (Some(zc), Some(s)) = (&mut self.zc, self.stream.plain_mut()) {
             zc.finish(s);
         }
+        self.partial = self.rx[self.head..self.tail].to_vec();
         (self.rx, self.head, self.tail) = (AlignedBuf::default(), 0, 0);
         self.wbuf = AlignedBuf::default();
         self.tx.headers = Vec::new();
@@ -598,8 +708,11 @@ impl Transmission {
                     );
                     return Ok(Step::Closed);
                 }
-                // Part of a header, or plaintext OpenSSL holds: wait on this thread.
-                None if self.tail > 0 || self.stream.buffered() => {}
+                // Plaintext OpenSSL holds: wait on this thread.
+                None if self.stream.buffered() => {}
+                // Nothing, or the start of a header (kept while parked, a few bytes):
+                // every request received is answered, so the connection is idle. A
+                // client that sends one byte must not pin a thread.
                 None => return Ok(Step::Idle),
             }
         }
@@ -648,16 +761,27 @@ impl Transmission {
         };
         let tx = &self.tx;
         let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(tx.parts.len());
+        // Header bytes not to send: a NONE chunk whose READ ended with an error chunk.
+        let mut skip = 0;
         for p in &tx.parts {
-            match *p {
-                Part::Header(a, b) => iov.push(IoSlice::new(&tx.headers[a..b])),
-                Part::Data(a, b) => iov.push(IoSlice::new(&tx.data[a..b])),
-                Part::Buf(i) => iov.push(IoSlice::new(&tx.bufs[i])),
-                Part::File(offset, len) => {
+            match p {
+                Part::Header(a, b) => {
+                    let a = (a + skip).min(*b);
+                    if a < *b {
+                        iov.push(IoSlice::new(&tx.headers[a..*b]));
+                    }
+                    skip = 0;
+                }
+                Part::Data(a, b) => iov.push(IoSlice::new(&tx.data[*a..*b])),
+                Part::Buf(i) => iov.push(IoSlice::new(&tx.bufs[*i])),
+                Part::File(f) => {
                     self.stream.send_all(&mut iov)?;
                     iov.clear();
                     let fd = self.export.backend.file_fd().ok_or_else(|| io::Error::other("export has no file"))?;
-                    self.stream.send_file(fd, offset, len)?;
+                    let mut sent = 0;
+                    if let Err(e) = self.stream.send_file_counted(fd, f.at, f.len, &mut sent) {
+                        skip = file_failed(&mut self.stream, &self.writer, f, sent, e)?;
+                    }
                 }
             }
         }
@@ -791,11 +915,7 @@ impl Transmission {
             None
         };
         if let Some(at) = in_file {
-            let s = self.tx.headers.len();
-            self.writer.data(h.cookie, h.offset, offset, len, true, &mut self.tx.headers);
-            self.tx.header_from(s);
-            self.tx.parts.push(Part::File(at, len));
-            self.file_bytes += len;
+            self.queue_file(h, offset, at, len, true);
             return Ok(());
         }
         let (a, b) = self.tx.reserve(len);
@@ -806,6 +926,25 @@ impl Transmission {
         }
         self.read_reply(h, offset, b - a, result.map(|()| Part::Data(a, b)));
         Ok(())
+    }
+
+    /// Queues a chunk of READ data (`len` bytes at export offset `pos`) that goes out with
+    /// sendfile from file offset `at`; `last`: it ends the reply (see [`FilePart`]).
+    fn queue_file(&mut self, h: &RequestHeader, pos: u64, at: u64, len: usize, last: bool) {
+        let s = self.tx.headers.len();
+        self.writer.data(h.cookie, h.offset, pos, len, false, &mut self.tx.headers);
+        self.tx.header_from(s);
+        let mut f = FilePart { at, len, cookie: h.cookie, req_offset: h.offset, pos, trailer: 0, last };
+        let i = self.tx.parts.len();
+        self.tx.parts.push(Part::File(f));
+        if last && self.writer.chunked() {
+            let t = self.tx.headers.len();
+            self.writer.done(h.cookie, h.offset, &mut self.tx.headers);
+            self.tx.header_from(t);
+            f.trailer = self.tx.headers.len() - t;
+            self.tx.parts[i] = Part::File(f);
+        }
+        self.file_bytes += len;
     }
 
     /// Queues the reply to a READ of `len` bytes at `offset`: its data (where the backend
@@ -958,10 +1097,7 @@ impl Transmission {
                 .then(|| self.export.backend.file_offset(pos, e.length))
                 .flatten()
             {
-                self.writer.data(h.cookie, h.offset, pos, e.length as usize, done, &mut self.tx.headers);
-                self.tx.header_from(s);
-                self.tx.parts.push(Part::File(at, e.length as usize));
-                self.file_bytes += e.length as usize;
+                self.queue_file(h, pos, at, e.length as usize, done);
             } else {
                 let (a, b) = self.tx.reserve(e.length as usize);
                 if let Err(err) = self.export.backend.read(&mut self.tx.data[a..b], pos) {

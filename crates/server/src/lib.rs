@@ -11,6 +11,7 @@ mod zerocopy;
 
 pub use exports::{Export, Exports};
 pub use server::{
-    connection_ceiling, raise_fd_limit, Config, Server, ShutdownHandle, CONN_STACK, DEFAULT_IDLE_GRACE, RESERVED_FDS,
+    connection_ceiling, raise_fd_limit, Config, Server, ShutdownHandle, CONN_STACK, DEFAULT_IDLE_GRACE,
+    DEFAULT_SHUTDOWN_GRACE, RESERVED_FDS,
 };
 pub use zerocopy::{ZeroCopy, ZEROCOPY_MIN};

@@ -29,8 +29,13 @@ pub struct Config {
     /// A connection whose thread waited this long for a request gives its buffers back
     /// and is parked on the poller thread until the socket is readable again.
     pub idle_grace: Duration,
-    /// A client that has not finished the handshake by then is dropped.
+    /// A client that has not finished the handshake by then is dropped (reading or
+    /// sending: a client that does not read the replies is dropped too).
     pub handshake_timeout: Duration,
+    /// After a shutdown is asked for, a connection whose client reads nothing of what is
+    /// sent to it for this long is dropped, so the server stops within about this
+    /// long whatever its peers do.
+    pub shutdown_grace: Duration,
     /// Buffers for Unix-socket connections (see [`BufferConfig::for_unix`]).
     pub unix_buffers: BufferConfig,
     /// Buffers for TCP connections (default: leave autotuning alone).
@@ -58,6 +63,9 @@ pub struct Config {
 /// neither threads nor buffers.
 pub const DEFAULT_IDLE_GRACE: Duration = Duration::from_millis(250);
 
+/// Default of [`Config::shutdown_grace`].
+pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
 /// File descriptors kept out of the connection ceiling: stdio, listeners, export files,
 /// the poller's epoll and wake-up descriptors, log files, `--run`'s pipes.
 pub const RESERVED_FDS: u64 = 64;
@@ -70,6 +78,7 @@ impl Default for Config {
             idle_timeout: None,
             idle_grace: DEFAULT_IDLE_GRACE,
             handshake_timeout: Duration::from_secs(10),
+            shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
             unix_buffers: BufferConfig::for_unix(BufferConfig::default()),
             tcp_buffers: BufferConfig::default(),
             sendfile: true,

@@ -10,7 +10,9 @@ use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 mod zerocopy;
 pub use zerocopy::{zerocopy_supported, Reaped};
@@ -117,6 +119,22 @@ enum Inner {
     Unix(UnixStream),
 }
 
+/// When a send that the peer does not let progress gives up (see
+/// [`Stream::set_send_limit`]). The default never gives up.
+#[derive(Debug, Clone, Default)]
+pub struct SendLimit {
+    /// Give up at this instant (a handshake's deadline).
+    pub deadline: Option<Instant>,
+    /// Give up once this flag (the server's "stop") has been seen set for this long.
+    pub stop: Option<(Arc<AtomicBool>, Duration)>,
+}
+
+impl SendLimit {
+    fn is_set(&self) -> bool {
+        self.deadline.is_some() || self.stop.is_some()
+    }
+}
+
 /// A connected stream socket, TCP or Unix, that counts what it does.
 #[derive(Debug)]
 pub struct Stream {
@@ -124,11 +142,67 @@ pub struct Stream {
     pub stats: Counters,
     /// Zero-copy completion tracking, once `SO_ZEROCOPY` is set.
     zc: Option<zerocopy::Tracker>,
+    /// The send limit, if any, and when a send first saw its stop flag set (boxed: most
+    /// streams have none, and the stream stays small).
+    limit: Option<Box<(SendLimit, Option<Instant>)>>,
 }
 
 impl Stream {
     fn new(inner: Inner) -> Stream {
-        Stream { inner, stats: Counters::default(), zc: None }
+        Stream { inner, stats: Counters::default(), zc: None, limit: None }
+    }
+
+    /// Bounds every later send (`send_all`, `send_file`, `send_zerocopy`, the wait for
+    /// zero-copy completions): a send the peer does not read fails with `TimedOut` once
+    /// `limit` says so, instead of blocking for as long as the peer likes. The socket
+    /// gets a send timeout of `tick` (`SO_SNDTIMEO`), so a blocked send looks at the
+    /// limit at least that often; a send that progresses costs nothing more than one
+    /// atomic load per call. `SendLimit::default()` removes the bound.
+    pub fn set_send_limit(&mut self, limit: SendLimit, tick: Duration) -> io::Result<()> {
+        let timeout = limit.is_set().then_some(tick.max(Duration::from_millis(1)));
+        match &self.inner {
+            Inner::Tcp(s) => s.set_write_timeout(timeout)?,
+            Inner::Unix(s) => s.set_write_timeout(timeout)?,
+        }
+        self.limit = limit.is_set().then(|| Box::new((limit, None)));
+        Ok(())
+    }
+
+    /// `Err(TimedOut)` once the send limit is reached; called before each send syscall
+    /// and after each one the socket's send timeout interrupted.
+    fn check_send_limit(&mut self) -> io::Result<()> {
+        let Some(b) = self.limit.as_deref_mut() else { return Ok(()) };
+        let (limit, stop_seen) = (&b.0, &mut b.1);
+        if let Some(d) = limit.deadline {
+            if Instant::now() >= d {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the peer did not read what was sent before the deadline",
+                ));
+            }
+        }
+        if let Some((flag, grace)) = &limit.stop {
+            if flag.load(Ordering::Relaxed) {
+                let seen = *stop_seen.get_or_insert_with(Instant::now);
+                if seen.elapsed() >= *grace {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        format!("the server is stopping and the peer read nothing for the {grace:?} grace period"),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// After a send failed with `e`: `Ok` to try again (it was interrupted, or the send
+    /// timeout passed within the send limit), else the error to return.
+    fn retry_send(&mut self, e: io::Error) -> io::Result<()> {
+        match e.kind() {
+            io::ErrorKind::Interrupted => Ok(()),
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut if self.limit.is_some() => self.check_send_limit(),
+            _ => Err(e),
+        }
     }
 
     /// Connects to a Unix socket path.
@@ -208,12 +282,15 @@ impl Stream {
     pub fn send_all(&mut self, mut bufs: &mut [IoSlice<'_>]) -> io::Result<u32> {
         let mut calls = 0;
         while !bufs.is_empty() {
+            self.check_send_limit()?;
             let n = bufs.len().min(IOV_MAX);
             let written = match self.write_vectored(&bufs[..n]) {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
                 Ok(w) => w,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(e),
+                Err(e) => {
+                    self.retry_send(e)?;
+                    continue;
+                }
             };
             calls += 1;
             self.stats.iovecs += n as u64;
@@ -227,10 +304,24 @@ impl Stream {
     /// Sends `len` bytes of `file` from `offset` with sendfile(2): page-cache data goes to
     /// the socket without passing through user space. Returns the syscalls made.
     pub fn send_file(&mut self, file: BorrowedFd<'_>, offset: u64, len: usize) -> io::Result<u32> {
+        self.send_file_counted(file, offset, len, &mut 0)
+    }
+
+    /// [`Stream::send_file`], adding the bytes sent to `sent` as they go: after an error
+    /// (the file ended early, a read error, the socket), it says how much of the range
+    /// the peer was sent.
+    pub fn send_file_counted(
+        &mut self,
+        file: BorrowedFd<'_>,
+        offset: u64,
+        len: usize,
+        sent: &mut usize,
+    ) -> io::Result<u32> {
         let mut off = offset;
         let mut left = len;
         let mut calls = 0;
         while left > 0 {
+            self.check_send_limit()?;
             match rustix::fs::sendfile(&*self, file, Some(&mut off), left) {
                 Ok(0) => {
                     return Err(io::Error::new(
@@ -240,10 +331,10 @@ impl Stream {
                 }
                 Ok(n) => {
                     left -= n;
+                    *sent += n;
                     self.stats.sendfile_bytes += n as u64;
                 }
-                Err(rustix::io::Errno::INTR) => {}
-                Err(e) => return Err(e.into()),
+                Err(e) => self.retry_send(e.into())?,
             }
             calls += 1;
         }
@@ -388,8 +479,46 @@ impl AsFd for Listener {
 /// The first file descriptor systemd passes (`SD_LISTEN_FDS_START`).
 const LISTEN_FDS_START: RawFd = 3;
 
+/// More sockets than any socket unit passes: a larger `LISTEN_FDS` is refused.
+const MAX_LISTEN_FDS: RawFd = 4096;
+
+/// Reads an integer `SOL_SOCKET` option of descriptor `fd`, which may be closed or not a
+/// socket (then the error says so).
+fn socket_option(fd: RawFd, name: libc::c_int) -> io::Result<libc::c_int> {
+    let mut value: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt only reads the descriptor number (EBADF or ENOTSOCK when it is
+    // not an open socket) and writes at most `len` bytes to `value`, a live c_int, and
+    // the length to `len`.
+    let r = unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, name, (&mut value as *mut libc::c_int).cast(), &mut len) };
+    if r == 0 {
+        Ok(value)
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Whether `fd` is a listening stream socket; if not, what it is instead.
+fn check_listening(fd: RawFd) -> Result<(), String> {
+    match socket_option(fd, libc::SO_ACCEPTCONN) {
+        Ok(0) => return Err("a socket that is not listening".into()),
+        Ok(_) => {}
+        Err(e) if e.raw_os_error() == Some(libc::EBADF) => return Err("not open".into()),
+        Err(e) if e.raw_os_error() == Some(libc::ENOTSOCK) => return Err("not a socket".into()),
+        Err(e) => return Err(format!("not usable as a listener ({e})")),
+    }
+    match socket_option(fd, libc::SO_TYPE) {
+        Ok(libc::SOCK_STREAM) => Ok(()),
+        Ok(t) => Err(format!("a listening socket of type {t}, not a stream socket")),
+        Err(e) => Err(format!("not usable as a listener ({e})")),
+    }
+}
+
 /// Listeners passed by systemd socket activation (`LISTEN_PID`, `LISTEN_FDS`), if this
 /// process was started that way. The variables are removed so children do not see them.
+/// Each descriptor must be a listening stream socket (`SO_ACCEPTCONN`), or none is taken
+/// and the error names the first that is not: call this before opening any file, so a
+/// count larger than what was passed cannot reach a descriptor of this process.
 pub fn listen_fds() -> io::Result<Option<Vec<Listener>>> {
     let pid = std::env::var("LISTEN_PID").ok();
     let fds = std::env::var("LISTEN_FDS").ok();
@@ -404,12 +533,34 @@ pub fn listen_fds() -> io::Result<Option<Vec<Listener>>> {
     std::env::remove_var("LISTEN_PID");
     std::env::remove_var("LISTEN_FDS");
     std::env::remove_var("LISTEN_FDNAMES");
+    if !(0..=MAX_LISTEN_FDS).contains(&n) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("LISTEN_FDS={n} is not a plausible number of sockets (0 to {MAX_LISTEN_FDS})"),
+        ));
+    }
+    // Every descriptor is checked before any is taken: a count larger than what was
+    // passed would otherwise make this process own (and later close) descriptors that
+    // are something else, such as a file opened since.
+    for fd in LISTEN_FDS_START..LISTEN_FDS_START + n {
+        check_listening(fd).map_err(|why| {
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "LISTEN_FDS={n}, but descriptor {fd} is {why}; the service manager must pass \
+                     exactly LISTEN_FDS listening stream sockets from descriptor 3 on"
+                ),
+            )
+        })?;
+    }
     let mut out = Vec::new();
     for fd in LISTEN_FDS_START..LISTEN_FDS_START + n {
         // SAFETY: under the socket-activation protocol the service manager hands this
         // process fds 3..3+LISTEN_FDS, open and owned by nobody else in it; LISTEN_PID
-        // matched our pid, and the variables were removed above so nothing else in the
-        // process takes ownership of the same fds.
+        // matched our pid, `check_listening` found each one a listening stream socket
+        // (so not a descriptor this process opened itself: it opens no listeners before
+        // this), and the variables were removed above so nothing else in the process
+        // takes ownership of the same fds.
         let owned = unsafe { OwnedFd::from_raw_fd(fd) };
         let sock = socket2::Socket::from(owned);
         let listener = match sock.local_addr()?.as_socket() {
@@ -598,6 +749,54 @@ mod tests {
         b.truncate(4);
         b.resize(8);
         assert_eq!(&b[..], b"0123\0\0\0\0", "truncated bytes read as zero again");
+    }
+
+    #[test]
+    fn only_listening_stream_sockets_pass_as_activated_listeners() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        assert_eq!(check_listening(l.as_raw_fd()), Ok(()));
+        let c = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        assert_eq!(check_listening(c.as_raw_fd()), Err("a socket that is not listening".into()));
+        let f = std::fs::File::open("/proc/self/status").unwrap();
+        assert_eq!(check_listening(f.as_raw_fd()), Err("not a socket".into()));
+        assert_eq!(check_listening(999_999), Err("not open".into()));
+        let u = std::os::unix::net::UnixDatagram::unbound().unwrap();
+        assert!(check_listening(u.as_raw_fd()).is_err());
+    }
+
+    /// A peer that reads nothing: sends give up at the deadline, or once the stop flag
+    /// has been set for the grace period; without a limit they would block for ever.
+    #[test]
+    fn sends_to_a_peer_that_never_reads_give_up_at_the_limit() {
+        let (a, _peer) = UnixStream::pair().unwrap();
+        let mut s = Stream::new(Inner::Unix(a));
+        let big = vec![7u8; 1 << 20];
+        let tick = Duration::from_millis(20);
+        let t = Instant::now();
+        let limit = SendLimit { deadline: Some(t + Duration::from_millis(200)), stop: None };
+        s.set_send_limit(limit, tick).unwrap();
+        let e = loop {
+            if let Err(e) = s.send_all(&mut [IoSlice::new(&big)]) {
+                break e;
+            }
+        };
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+        let stop = Arc::new(AtomicBool::new(false));
+        s.set_send_limit(SendLimit { deadline: None, stop: Some((stop.clone(), Duration::from_millis(200))) }, tick)
+            .unwrap();
+        // Not stopping: a blocked send keeps waiting.
+        let flag = stop.clone();
+        let setter = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            flag.store(true, Ordering::SeqCst);
+        });
+        let t = Instant::now();
+        let e = s.send_all(&mut [IoSlice::new(&big)]).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
+        assert!(t.elapsed() >= Duration::from_millis(450), "gave up before stop + grace: {:?}", t.elapsed());
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+        setter.join().unwrap();
     }
 
     #[test]

@@ -147,6 +147,7 @@ impl Stream {
             return Err(io::Error::other("send_zerocopy on a socket without SO_ZEROCOPY"));
         }
         while !bufs.is_empty() {
+            self.check_send_limit()?;
             let n = bufs.len().min(IOV_MAX);
             let msg = socket2::MsgHdr::new().with_buffers(&bufs[..n]);
             let written = match socket2::SockRef::from(&*self).sendmsg(&msg, libc::MSG_ZEROCOPY) {
@@ -161,7 +162,6 @@ impl Stream {
                     self.stats.send_bytes += w as u64;
                     w
                 }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => {
                     self.stats.zc_nobufs += 1;
                     if self.zerocopy_outstanding() > 0 {
@@ -173,11 +173,16 @@ impl Stream {
                     match self.write_vectored(&bufs[..n]) {
                         Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
                         Ok(w) => w,
-                        Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                        Err(e) => return Err(e),
+                        Err(e) => {
+                            self.retry_send(e)?;
+                            continue;
+                        }
                     }
                 }
-                Err(e) => return Err(e),
+                Err(e) => {
+                    self.retry_send(e)?;
+                    continue;
+                }
             };
             self.stats.iovecs += n as u64;
             IoSlice::advance_slices(&mut bufs, written);
@@ -192,8 +197,12 @@ impl Stream {
         if self.zc.is_none() {
             return Ok(total);
         }
-        // One cmsghdr (16 bytes) and one sock_extended_err (16 bytes), with room to spare.
-        let mut control = [MaybeUninit::<u8>::uninit(); 128];
+        // One cmsghdr (16 bytes), one sock_extended_err (16 bytes) and the offender's
+        // address (up to a 28-byte sockaddr_in6), with room to spare. Zeroed, because
+        // the length the kernel reports is not the length it wrote: on IPv6 it reports
+        // CMSG_SPACE (64 bytes) after writing CMSG_LEN (60), so the padding at the end
+        // would otherwise be read uninitialised.
+        let mut control = [MaybeUninit::new(0u8); 128];
         loop {
             let len = {
                 let mut msg = socket2::MsgHdrMut::new().with_control(&mut control);
@@ -205,8 +214,8 @@ impl Stream {
                     Err(e) => return Err(e),
                 }
             };
-            // SAFETY: recvmsg initialised the first `control_len` bytes of `control`
-            // (the kernel wrote them and reported their length in msg_controllen), and
+            // SAFETY: every byte of `control` was initialised (zeroed above, and the kernel
+            // writes only initialised bytes over them), `len` is clipped to its size, and
             // u8 has no invalid bit patterns.
             let bytes = unsafe { std::slice::from_raw_parts(control.as_ptr().cast::<u8>(), len.min(control.len())) };
             for ee in extended_errors(bytes) {
@@ -229,12 +238,18 @@ impl Stream {
     /// when it passes first.
     pub fn wait_zerocopy(&mut self, ticket: u64, timeout: Option<Duration>) -> io::Result<()> {
         let deadline = timeout.map(|t| Instant::now() + t);
+        // Under a send limit, look at it at least this often.
+        const TICK: Duration = Duration::from_millis(100);
         loop {
             self.reap_zerocopy()?;
             if self.zerocopy_done() >= ticket {
                 return Ok(());
             }
+            self.check_send_limit()?;
             let left = match deadline {
+                None if self.limit.is_some() => {
+                    Some(rustix::event::Timespec::try_from(TICK).map_err(io::Error::other)?)
+                }
                 None => None,
                 Some(d) => {
                     let left = d.saturating_duration_since(Instant::now());

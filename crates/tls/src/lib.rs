@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferry_sock::{Counters, Stream};
+use ferry_sock::{Counters, SendLimit, Stream};
 use openssl::error::ErrorStack;
 use openssl::ssl::{
     ErrorCode, HandshakeError, Ssl, SslConnector, SslContext, SslContextBuilder, SslFiletype, SslMethod, SslOptions,
@@ -220,11 +220,19 @@ impl ServerTls {
         Ok(ServerTls { ctx: Arc::new(b.build()) })
     }
 
-    /// Runs the server side of the TLS handshake on `stream`. The caller bounds it with
-    /// a read timeout on the socket.
-    pub fn accept(&self, stream: Stream) -> Result<TlsStream, TlsError> {
+    /// Runs the server side of the TLS handshake on `stream`. The caller bounds each wait
+    /// with a read timeout on the socket; when one passes, `go_on()` says whether to keep
+    /// waiting (so a stalled peer can be given up on for a deadline or a shutdown, each
+    /// looked at once per read timeout).
+    pub fn accept(&self, stream: Stream, mut go_on: impl FnMut() -> bool) -> Result<TlsStream, TlsError> {
         let ssl = Ssl::new(&self.ctx)?;
-        finish(ssl.accept(Wire::new(stream)))
+        let mut r = ssl.accept(Wire::new(stream));
+        loop {
+            r = match r {
+                Err(HandshakeError::WouldBlock(mid)) if go_on() => mid.handshake(),
+                r => return finish(r),
+            };
+        }
     }
 }
 
@@ -549,11 +557,12 @@ fn broken() -> io::Error {
 
 impl Transport {
     /// Upgrades a plaintext transport with the server side of a TLS handshake.
-    pub fn start_tls_server(&mut self, tls: &ServerTls) -> Result<(), TlsError> {
+    /// `go_on` as in [`ServerTls::accept`].
+    pub fn start_tls_server(&mut self, tls: &ServerTls, go_on: impl FnMut() -> bool) -> Result<(), TlsError> {
         let Transport::Plain(s) = std::mem::replace(self, Transport::Broken) else {
             return Err(TlsError::Config("TLS is already active".into()));
         };
-        *self = Transport::Tls(Box::new(tls.accept(s)?));
+        *self = Transport::Tls(Box::new(tls.accept(s, go_on)?));
         Ok(())
     }
 
@@ -608,6 +617,21 @@ impl Transport {
         }
     }
 
+    /// [`Transport::send_file`], adding the bytes sent to `sent` (see
+    /// [`Stream::send_file_counted`]).
+    pub fn send_file_counted(
+        &mut self,
+        file: BorrowedFd<'_>,
+        offset: u64,
+        len: usize,
+        sent: &mut usize,
+    ) -> io::Result<()> {
+        match self {
+            Transport::Plain(s) => s.send_file_counted(file, offset, len, sent).map(drop),
+            _ => Err(io::Error::new(io::ErrorKind::Unsupported, "sendfile cannot be used under TLS")),
+        }
+    }
+
     /// Gives back buffers held between reads (see [`TlsStream::release_buffers`]).
     pub fn release_buffers(&mut self) {
         if let Transport::Tls(t) = self {
@@ -648,6 +672,15 @@ impl Transport {
 
     pub fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
         self.stream().ok_or_else(broken)?.set_read_timeout(t)
+    }
+
+    /// Bounds every later send, TLS records included (see [`Stream::set_send_limit`]).
+    pub fn set_send_limit(&mut self, limit: SendLimit, tick: Duration) -> io::Result<()> {
+        match self {
+            Transport::Plain(s) => s.set_send_limit(limit, tick),
+            Transport::Tls(t) => t.ssl.get_mut().stream.set_send_limit(limit, tick),
+            Transport::Broken => Err(broken()),
+        }
     }
 
     /// Ends the session: close_notify under TLS, then shuts the socket down for `how`.

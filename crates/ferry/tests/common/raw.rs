@@ -260,6 +260,18 @@ impl RawClient {
         v
     }
 
+    /// A 32-byte request (after NBD_OPT_EXTENDED_HEADERS).
+    pub fn ext_request_bytes(flags: u16, typ: u16, cookie: u64, offset: u64, len: u64) -> Vec<u8> {
+        let mut v = Vec::with_capacity(32);
+        v.extend_from_slice(&EXTENDED_REQUEST_MAGIC.to_be_bytes());
+        v.extend_from_slice(&flags.to_be_bytes());
+        v.extend_from_slice(&typ.to_be_bytes());
+        v.extend_from_slice(&cookie.to_be_bytes());
+        v.extend_from_slice(&offset.to_be_bytes());
+        v.extend_from_slice(&len.to_be_bytes());
+        v
+    }
+
     pub fn send_request(&mut self, flags: u16, typ: u16, cookie: u64, offset: u64, len: u32) {
         let v = Self::request_bytes(flags, typ, cookie, offset, len);
         self.send(&v);
