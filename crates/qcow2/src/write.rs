@@ -253,7 +253,7 @@ impl Qcow2 {
         // The last cluster may be partial in the virtual size: it still counts as whole.
         let last_full = if end == self.geo.size { end.next_multiple_of(cs) } else { end & !(cs - 1) };
         let backing = self.backing.is_some();
-        // Where nothing is allocated and nothing shows through, there is nothing to do.
+        // What a whole cluster the image does not own (or may deallocate) becomes.
         let new_entry = if backing || !may_trim { OFLAG_ZERO } else { 0 };
         if first_full < last_full {
             let mut st = self.lock();
@@ -262,6 +262,7 @@ impl Qcow2 {
             while c < last_full {
                 let l1e = st.l1.get((c / span) as usize).copied().unwrap_or(0) & OFFSET_MASK;
                 let span_end = last_full.min((c / span + 1) * span);
+                // Where nothing is allocated and nothing shows through, there is nothing to do.
                 if l1e == 0 && !backing {
                     c = span_end;
                     continue;
