@@ -238,6 +238,28 @@ pub fn push_extent(out: &mut Vec<Extent>, length: u64, flags: u32) {
     out.push(Extent { length, flags });
 }
 
+/// The methods a filter that changes no read passes to its inner backend (`self.0`)
+/// unchanged: block status, cache hints and the sendfile hooks.
+macro_rules! forward_reads {
+    () => {
+        fn extents(&self, offset: u64, length: u64, max: usize, out: &mut Vec<Extent>) -> Result<()> {
+            self.0.extents(offset, length, max, out)
+        }
+        fn cache(&self, offset: u64, length: u64) -> Result<()> {
+            self.0.cache(offset, length)
+        }
+        fn sparse_read_threshold(&self) -> Option<u64> {
+            self.0.sparse_read_threshold()
+        }
+        fn file_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+            self.0.file_fd()
+        }
+        fn file_offset(&self, offset: u64, length: u64) -> Option<u64> {
+            self.0.file_offset(offset, length)
+        }
+    };
+}
+
 /// A filter that makes any backend read-only.
 pub struct ReadOnly(pub Arc<dyn Backend>);
 
@@ -270,26 +292,95 @@ impl Backend for ReadOnly {
     fn zero(&self, offset: u64, length: u64, _mode: ZeroMode, _fua: bool) -> Result<()> {
         Err(Error::new(ErrorKind::ReadOnly, "zero", offset, length))
     }
-    fn extents(&self, offset: u64, length: u64, max: usize, out: &mut Vec<Extent>) -> Result<()> {
-        self.0.extents(offset, length, max, out)
+    forward_reads!();
+}
+
+/// A filter that ignores discards, as qemu-nbd's `--discard=ignore`: TRIM succeeds and
+/// does nothing, and WRITE_ZEROES never deallocates (as with `NBD_CMD_FLAG_NO_HOLE`).
+pub struct IgnoreDiscard(pub Arc<dyn Backend>);
+
+impl Backend for IgnoreDiscard {
+    fn describe(&self) -> String {
+        self.0.describe()
     }
-    fn cache(&self, offset: u64, length: u64) -> Result<()> {
-        self.0.cache(offset, length)
+    fn size(&self) -> u64 {
+        self.0.size()
     }
-    fn sparse_read_threshold(&self) -> Option<u64> {
-        self.0.sparse_read_threshold()
+    fn caps(&self) -> Capabilities {
+        self.0.caps()
     }
-    fn file_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
-        self.0.file_fd()
+    fn read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        self.0.read(buf, offset)
     }
-    fn file_offset(&self, offset: u64, length: u64) -> Option<u64> {
-        self.0.file_offset(offset, length)
+    fn io_queue(&self) -> Option<Box<dyn IoQueue>> {
+        self.0.io_queue()
     }
+    fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+        self.0.write(buf, offset, fua)
+    }
+    fn flush(&self) -> Result<()> {
+        self.0.flush()
+    }
+    /// Advisory: doing nothing is a valid TRIM; with FUA, earlier writes are still made
+    /// durable as the client asked.
+    fn trim(&self, _offset: u64, _length: u64, fua: bool) -> Result<()> {
+        match fua {
+            true => self.0.flush(),
+            false => Ok(()),
+        }
+    }
+    fn zero(&self, offset: u64, length: u64, mode: ZeroMode, fua: bool) -> Result<()> {
+        self.0.zero(offset, length, ZeroMode { may_trim: false, ..mode }, fua)
+    }
+    forward_reads!();
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ignore_discard_keeps_data_and_never_lets_zero_deallocate() {
+        struct Spy(MemoryBackend, std::sync::Mutex<Vec<bool>>);
+        impl Backend for Spy {
+            fn describe(&self) -> String {
+                self.0.describe()
+            }
+            fn size(&self) -> u64 {
+                self.0.size()
+            }
+            fn caps(&self) -> Capabilities {
+                self.0.caps()
+            }
+            fn read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+                self.0.read(buf, offset)
+            }
+            fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+                self.0.write(buf, offset, fua)
+            }
+            fn flush(&self) -> Result<()> {
+                self.0.flush()
+            }
+            fn trim(&self, offset: u64, length: u64, fua: bool) -> Result<()> {
+                self.0.trim(offset, length, fua)
+            }
+            fn zero(&self, offset: u64, length: u64, mode: ZeroMode, fua: bool) -> Result<()> {
+                self.1.lock().unwrap().push(mode.may_trim);
+                self.0.zero(offset, length, mode, fua)
+            }
+        }
+        let spy = Arc::new(Spy(MemoryBackend::new(1 << 20), Default::default()));
+        let b = IgnoreDiscard(spy.clone());
+        b.write(&[7; 4096], 0, false).unwrap();
+        b.trim(0, 1 << 20, true).unwrap();
+        let mut buf = [0u8; 4096];
+        b.read(&mut buf, 0).unwrap();
+        assert_eq!(buf, [7; 4096]);
+        b.zero(0, 4096, ZeroMode { may_trim: true, fast: false }, false).unwrap();
+        b.read(&mut buf, 0).unwrap();
+        assert_eq!(buf, [0; 4096]);
+        assert_eq!(*spy.1.lock().unwrap(), [false]);
+    }
 
     /// Reads of `fill`-valued bytes, completed at once, in order.
     struct Filled(std::collections::VecDeque<Vec<u8>>);

@@ -73,6 +73,12 @@ pub struct ServeArgs {
     /// Read file exports into a buffer and send it, instead of sendfile(2) from the page cache.
     #[arg(long)]
     no_sendfile: bool,
+    /// What TRIM and WRITE_ZEROES do with storage (as qemu-nbd's --discard). unmap: give
+    /// it back (a file gets holes punched; a qcow2 image frees the clusters, punches them
+    /// out of its file and reuses them). ignore: TRIM does nothing and WRITE_ZEROES keeps
+    /// the storage allocated (as with NO_HOLE).
+    #[arg(long, value_enum, default_value_t = DiscardArg::Unmap, value_name = "MODE")]
+    discard: DiscardArg,
     /// Log socket statistics: per connection when it closes, in total at exit and on SIGUSR1.
     #[arg(long)]
     stats: bool,
@@ -135,6 +141,12 @@ fn tls_config(args: &ServeArgs) -> Result<(TlsPolicy, Option<ServerTls>)> {
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum DiscardArg {
+    Ignore,
+    Unmap,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 enum ZeroCopyArg {
     Auto,
     On,
@@ -189,9 +201,13 @@ pub fn run(args: ServeArgs) -> Result<i32> {
     // Before any export is opened: an overstated LISTEN_FDS must not reach its descriptors.
     let activated = ferry_sock::listen_fds().context("systemd socket activation")?;
     let mut exports = Exports::new();
-    let open = |spec: &str| {
-        crate::image::open_backend(spec, args.read_only, args.allow_truncated)
-            .with_context(|| format!("cannot serve {spec:?}"))
+    let open = |spec: &str| -> Result<std::sync::Arc<dyn ferry_backend::Backend>> {
+        let b = crate::image::open_backend(spec, args.read_only, args.allow_truncated)
+            .with_context(|| format!("cannot serve {spec:?}"))?;
+        Ok(match args.discard {
+            DiscardArg::Ignore => std::sync::Arc::new(ferry_backend::IgnoreDiscard(b)),
+            DiscardArg::Unmap => b,
+        })
     };
     exports
         .add(Export {

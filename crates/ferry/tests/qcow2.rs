@@ -348,25 +348,11 @@ fn crash_after_flush_keeps_flushed_writes_and_a_consistent_image() {
     let img = dir.path().join("crash.qcow2");
     qemu_img(&["create", "-f", "qcow2", "-o", "cluster_size=4096", s(&img), "64M"]);
     let mut server = ServerBuilder::new(s(&img)).start();
-    let mut py = Command::new(SYSTEM_PYTHON);
-    py.arg("-u").arg(python_script("qcow2_crash.py")).args([&server.uri(), "3"]);
-    py.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
-    let child = py.spawn().unwrap();
-    std::thread::sleep(std::time::Duration::from_millis(700));
-    server.signal_and_wait(libc::SIGKILL, std::time::Duration::from_secs(10));
-    let out = child.wait_with_output().unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let uri = server.uri();
     let flushed =
-        stdout.lines().filter_map(|l| l.strip_prefix("flushed ")).filter_map(|n| n.parse::<usize>().ok()).max();
+        kill_during_python(&mut server, "qcow2_crash.py", &[&uri, "3"], std::time::Duration::from_millis(700));
     let flushed = flushed.expect("no batch was flushed before the kill");
-    let check = run(&mut cmd("qemu-img", ["check", "--output=json", s(&img)]));
-    let v = Json::must_parse(&check.stdout);
-    assert_eq!(v.u64_at("check-errors"), 0, "{}", check.describe());
-    assert!(v.get("corruptions").is_none_or(|c| c == 0), "{}", check.describe());
-    let raw = dir.path().join("crash.raw");
-    qemu_img(&["convert", "-O", "raw", s(&img), s(&raw)]);
-    let got = fs::read(&raw).unwrap();
+    let got = crashed_qcow2_contents(&img);
     for k in 0..=flushed {
         let v = (k % 250) as u8 + 1;
         let base = k * 262144;

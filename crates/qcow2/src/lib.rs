@@ -6,10 +6,11 @@
 //! `backing_fmt` honoured), zero clusters, compressed clusters (deflate and zstd),
 //! extended L2 entries with subclusters, external data files. Block status comes from the
 //! L2 tables. Writing (version 3, 16-bit refcounts, no snapshots, no subclusters, no
-//! external data file): clusters are allocated at the end of the file, partial clusters
-//! are filled from the backing file, WRITE_ZEROES makes zero clusters, TRIM deallocates,
-//! and FLUSH writes data first, then metadata in dependency order, so a crash leaves at
-//! most leaked clusters.
+//! external data file): freed clusters are allocated again (else the file grows),
+//! partial clusters are filled from the backing file, WRITE_ZEROES makes zero clusters,
+//! TRIM deallocates (freed clusters are punched out of the file, free ones at its end cut
+//! off), and FLUSH writes data first, then metadata in dependency order, so a crash
+//! leaves at most leaked clusters.
 //!
 //! A writable image's file is written through `overlap::Guard`s: a write that would
 //! overwrite metadata is refused and the image marked corrupt (as qemu does), dirty
@@ -141,6 +142,9 @@ pub struct Qcow2 {
     state: Mutex<State>,
     /// The last decompressed cluster: (host offset, bytes).
     zcache: Mutex<Option<(u64, Arc<Vec<u8>>)>>,
+    /// Held shared by writes landing outside the metadata lock, exclusively while frees
+    /// are applied (see `write.rs`).
+    io_gate: std::sync::RwLock<()>,
     info: Info,
     /// The metadata map and the first-write duties of a writable image (`overlap.rs`).
     safety: overlap::Safety,
@@ -307,6 +311,7 @@ impl Qcow2 {
             writable,
             sync_on_close: true,
             zcache: Mutex::new(None),
+            io_gate: Default::default(),
             info,
             safety,
         })
@@ -637,10 +642,12 @@ impl Backend for Qcow2 {
         self.flush_impl().map_err(|e| self.to_backend_error("flush", 0, self.geo.size, e))
     }
     fn trim(&self, offset: u64, length: u64, fua: bool) -> ferry_backend::Result<()> {
-        self.discard_impl(offset, length, false, fua).map_err(|e| self.to_backend_error("trim", offset, length, e))
+        self.discard_impl(offset, length, false, true, fua)
+            .map_err(|e| self.to_backend_error("trim", offset, length, e))
     }
-    fn zero(&self, offset: u64, length: u64, _mode: ZeroMode, fua: bool) -> ferry_backend::Result<()> {
-        self.discard_impl(offset, length, true, fua).map_err(|e| self.to_backend_error("zero", offset, length, e))
+    fn zero(&self, offset: u64, length: u64, mode: ZeroMode, fua: bool) -> ferry_backend::Result<()> {
+        self.discard_impl(offset, length, true, mode.may_trim, fua)
+            .map_err(|e| self.to_backend_error("zero", offset, length, e))
     }
     fn extents(&self, offset: u64, length: u64, max: usize, out: &mut Vec<Extent>) -> ferry_backend::Result<()> {
         self.extents_impl(offset, length, max, out)
@@ -705,7 +712,7 @@ mod tests {
             assert_eq!(q.size(), size);
             q.write(&[7u8; 10000], 5000, false).unwrap();
             q.write(&[9u8; 8192], 1 << 20, true).unwrap();
-            q.zero(1 << 20, 4096, ZeroMode::default(), false).unwrap();
+            q.zero(1 << 20, 4096, ZeroMode { may_trim: true, fast: false }, false).unwrap();
             let mut b = vec![1u8; 20000];
             q.read(&mut b, 0).unwrap();
             assert!(b[..5000].iter().all(|&x| x == 0));

@@ -259,6 +259,19 @@ impl Store for Guard {
     fn fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
         self.shared.inner.fd()
     }
+    /// Freed clusters only: one that still holds metadata is never punched out.
+    fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.shared.check(Role::Data, offset, len).map_err(to_io)?;
+        self.shared.inner.discard(offset, len)
+    }
+    /// Free clusters at the end only: the file is never cut under metadata.
+    fn truncate(&self, len: u64) -> io::Result<()> {
+        let size = self.shared.inner.size();
+        if size > len {
+            self.shared.check(Role::Data, len, size - len).map_err(to_io)?;
+        }
+        self.shared.inner.truncate(len)
+    }
     fn metadata_allocated(&self, what: Metadata, offset: u64, len: u64) {
         let bits = self.shared.cluster_bits;
         let mut claims = self.shared.claims_mut();

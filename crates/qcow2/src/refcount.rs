@@ -1,6 +1,7 @@
 //! Refcounts (16-bit) for writable images: the refcount table, cached refcount blocks,
-//! allocation at the end of the file, and frees that are applied only after the
-//! metadata that stopped using a cluster is on disk.
+//! allocation (freed clusters first, found from a hint the way qemu's
+//! `free_cluster_index` does, else at the end of the allocated area), and frees that are
+//! applied only after the metadata that stopped using a cluster is on disk.
 
 use crate::header::{Header, MAX_REFTABLE_BYTES, REFTABLE_OFFSET_AT};
 use crate::map::OFFSET_MASK;
@@ -24,10 +25,16 @@ pub struct Refcounts {
     /// then the old table's clusters freed.
     table_moved: Option<(u64, u64)>,
     blocks: HashMap<usize, Block>,
-    /// Host offset of the first never-used cluster: every allocation goes here.
+    /// Host offset of the end of the allocated area: past every cluster in use (and
+    /// past the end of the file as opened). Allocations that find no freed cluster
+    /// below it go here.
     next_free: u64,
-    /// Clusters to decrement once the metadata no longer referring to them is on disk.
-    pending_free: Vec<u64>,
+    /// Cluster index below which no cluster is free (every scan for a free run starts
+    /// here; a free lowers it).
+    free_hint: u64,
+    /// Clusters to decrement once the metadata no longer referring to them is on disk:
+    /// (host offset, whether the file should be told to discard it once it is free).
+    pending_free: Vec<(u64, bool)>,
 }
 
 impl Refcounts {
@@ -49,6 +56,7 @@ impl Refcounts {
             table_moved: None,
             blocks: HashMap::new(),
             next_free: 0,
+            free_hint: 0,
             pending_free: Vec::new(),
         };
         // Allocate after the end of the file and after the last cluster in use (a
@@ -86,10 +94,64 @@ impl Refcounts {
         Ok(self.blocks.get_mut(&idx))
     }
 
-    /// Allocates `n` contiguous clusters with refcount 1 and returns the first's offset.
-    /// Refcount blocks (and a larger refcount table) needed to count them are allocated
-    /// first, just before them.
-    pub fn alloc(&mut self, store: &dyn Store, n: u64) -> Result<u64, Qcow2Error> {
+    /// Allocates up to `n` contiguous clusters with refcount 1: the first run of free
+    /// clusters below the end of the allocated area, else `n` at its end. Returns the
+    /// first one's offset and how many.
+    pub fn alloc(&mut self, store: &dyn Store, n: u64) -> Result<(u64, u64), Qcow2Error> {
+        if let Some((c, got)) = self.find_free(store, n)? {
+            for i in c..c + got {
+                self.set(store, i, |old| match old {
+                    0 => Ok(1),
+                    _ => Err(Qcow2Error::Corrupt(format!("free cluster {i} has refcount {old}"))),
+                })?;
+            }
+            self.free_hint = c + got;
+            return Ok((c << self.cluster_bits, got));
+        }
+        Ok((self.alloc_end(store, n)?, n))
+    }
+
+    /// Whether a free cluster lies below the end of the allocated area.
+    pub fn has_free(&mut self, store: &dyn Store) -> Result<bool, Qcow2Error> {
+        Ok(self.find_free(store, 1)?.is_some())
+    }
+
+    /// The first run (at most `n` long, inside one refcount block) of clusters with
+    /// refcount 0 at or after the hint and below the end of the allocated area. Moves
+    /// the hint to it, or to the end when there is none: each cluster in use is passed
+    /// over once between frees, not once per allocation.
+    fn find_free(&mut self, store: &dyn Store, n: u64) -> Result<Option<(u64, u64)>, Qcow2Error> {
+        let per = self.per_block();
+        let end = self.next_free >> self.cluster_bits;
+        let mut c = self.free_hint;
+        while c < end {
+            let idx = c / per;
+            let block_end = ((idx + 1) * per).min(end);
+            let found = match self.block(store, idx as usize)? {
+                // A range no refcount block counts is not known to be free.
+                None => None,
+                Some(b) => {
+                    let (lo, hi) = ((c - idx * per) as usize, (block_end - idx * per) as usize);
+                    b.counts[lo..hi].iter().position(|&x| x == 0).map(|i| {
+                        let len = b.counts[lo + i..hi].iter().take(n as usize).take_while(|&&x| x == 0).count();
+                        (c + i as u64, len as u64)
+                    })
+                }
+            };
+            if let Some((start, len)) = found {
+                self.free_hint = start;
+                return Ok(Some((start, len)));
+            }
+            c = block_end;
+        }
+        self.free_hint = end;
+        Ok(None)
+    }
+
+    /// Allocates `n` contiguous clusters at the end of the allocated area and returns the
+    /// first's offset. Refcount blocks (and a larger refcount table) needed to count them
+    /// are allocated first, just before them.
+    fn alloc_end(&mut self, store: &dyn Store, n: u64) -> Result<u64, Qcow2Error> {
         let cs = self.cs();
         let base = self.next_free;
         loop {
@@ -128,6 +190,9 @@ impl Refcounts {
             c += 1;
         }
         self.next_free = end;
+        if self.free_hint >= base >> self.cluster_bits {
+            self.free_hint = end >> self.cluster_bits;
+        }
         Ok(start)
     }
 
@@ -147,7 +212,7 @@ impl Refcounts {
         if self.table_moved.is_none() {
             self.table_moved = Some(old);
         } else {
-            self.pending_free.extend((0..old.1).map(|i| old.0 + i * cs));
+            self.pending_free.extend((0..old.1).map(|i| (old.0 + i * cs, false)));
         }
         self.table_offset = self.next_free;
         self.next_free += clusters * cs;
@@ -172,12 +237,18 @@ impl Refcounts {
         Ok(())
     }
 
-    /// Frees (decrements) every cluster that `host..host + len` touches, later.
-    pub fn free(&mut self, host: u64, len: u64) {
+    /// Frees (decrements) every cluster that `host..host + len` touches, later; with
+    /// `discard`, a cluster whose refcount reaches 0 is then discarded from the file.
+    pub fn free(&mut self, host: u64, len: u64, discard: bool) {
         let cs = self.cs();
         let first = host / cs;
         let last = (host + len.max(1) - 1) / cs;
-        self.pending_free.extend((first..=last).map(|c| c * cs));
+        self.pending_free.extend((first..=last).map(|c| (c * cs, discard)));
+    }
+
+    /// Bytes of clusters waiting to be freed.
+    pub fn pending_bytes(&self) -> u64 {
+        (self.pending_free.len() as u64) << self.cluster_bits
     }
 
     pub fn dirty(&self) -> bool {
@@ -218,7 +289,7 @@ impl Refcounts {
             store.write_at(&h, REFTABLE_OFFSET_AT).map_err(io_err("cannot write the header"))?;
             self.table_moved = None;
             self.table_dirty.clear();
-            self.pending_free.extend((0..old_clusters).map(|i| old_off + i * cs));
+            self.pending_free.extend((0..old_clusters).map(|i| (old_off + i * cs, false)));
         } else {
             for &i in &self.table_dirty {
                 store
@@ -230,10 +301,15 @@ impl Refcounts {
         Ok(())
     }
 
-    /// Applies the pending frees to the cached blocks (written by the next `write`).
-    pub fn apply_frees(&mut self, store: &dyn Store) -> Result<(), Qcow2Error> {
+    /// Applies the pending frees to the cached blocks (written by the next `write`); the
+    /// clusters they make free can be allocated again from now on. Returns the ranges
+    /// (offset, length) of those freed with `discard`, merged, for the file to discard.
+    pub fn apply_frees(&mut self, store: &dyn Store) -> Result<Vec<(u64, u64)>, Qcow2Error> {
         let cs = self.cs();
-        for off in std::mem::take(&mut self.pending_free) {
+        let mut pending = std::mem::take(&mut self.pending_free);
+        pending.sort_unstable();
+        let mut discard: Vec<(u64, u64)> = Vec::new();
+        for (off, wanted) in pending {
             let c = off / cs;
             let mut now_free = false;
             self.set(store, c, |old| match old {
@@ -248,8 +324,39 @@ impl Refcounts {
             })?;
             if now_free {
                 store.cluster_freed(off);
+                self.free_hint = self.free_hint.min(c);
+                if wanted {
+                    match discard.last_mut() {
+                        Some((o, l)) if *o + *l == off => *l += cs,
+                        _ => discard.push((off, cs)),
+                    }
+                }
             }
         }
-        Ok(())
+        Ok(discard)
+    }
+
+    /// Moves the end of the allocated area back over the free clusters just before it;
+    /// returns the new end when it moved (the file may be cut there).
+    pub fn shrink_end(&mut self, store: &dyn Store) -> Result<Option<u64>, Qcow2Error> {
+        let per = self.per_block();
+        let old = self.next_free >> self.cluster_bits;
+        let mut c = old;
+        while c > 0 {
+            let free = match self.block(store, ((c - 1) / per) as usize)? {
+                Some(b) => b.counts[((c - 1) % per) as usize] == 0,
+                None => false,
+            };
+            if !free {
+                break;
+            }
+            c -= 1;
+        }
+        if c == old {
+            return Ok(None);
+        }
+        self.next_free = c << self.cluster_bits;
+        self.free_hint = self.free_hint.min(c);
+        Ok(Some(self.next_free))
     }
 }

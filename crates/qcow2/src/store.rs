@@ -30,6 +30,15 @@ pub trait Store: Send + Sync {
     fn metadata_allocated(&self, _what: Metadata, _offset: u64, _len: u64) {}
     /// The cluster at `offset` was freed (its refcount fell to 0): it holds no metadata.
     fn cluster_freed(&self, _offset: u64) {}
+    /// Gives the space of a range no longer used back (its bytes become unspecified);
+    /// advisory: a store that cannot does nothing.
+    fn discard(&self, _offset: u64, _len: u64) -> io::Result<()> {
+        Ok(())
+    }
+    /// Cuts the store to `len` bytes, when it can shrink (nothing is used past `len`).
+    fn truncate(&self, _len: u64) -> io::Result<()> {
+        Ok(())
+    }
 }
 
 /// A local file.
@@ -91,6 +100,23 @@ impl Store for FileStore {
     fn fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
         use std::os::fd::AsFd;
         Some(self.file.as_fd())
+    }
+    /// Punches a hole (the file keeps its size); a file system without holes keeps the
+    /// bytes.
+    fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
+        use rustix::fs::{fallocate, FallocateFlags};
+        match fallocate(&self.file, FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE, offset, len) {
+            Ok(()) => Ok(()),
+            Err(e) if e == rustix::io::Errno::OPNOTSUPP || e == rustix::io::Errno::NOSYS => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+    fn truncate(&self, len: u64) -> io::Result<()> {
+        let turn = self.write_turn.lock().unwrap_or_else(|e| e.into_inner());
+        self.file.set_len(len)?;
+        self.len.store(len, Ordering::Release);
+        drop(turn);
+        Ok(())
     }
 }
 

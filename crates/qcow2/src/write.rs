@@ -1,19 +1,38 @@
 //! Writing: WRITE, WRITE_ZEROES, TRIM and FLUSH.
 //!
-//! A write to a cluster this image owns (COPIED) goes straight to its host offset. Any
-//! other cluster gets a new one at the end of the file; a partial write fills the rest
-//! of the new cluster from the old contents (backing file, zeroes, compressed or shared
-//! data), under the metadata lock so two partial writes cannot allocate the same cluster
-//! twice. Whole clusters are only mapped under the lock and written after it is released.
+//! A write to a cluster this image owns (COPIED) goes straight to its host offset, and so
+//! does one to a preallocated zero cluster (an owned cluster with the zero flag, left by
+//! WRITE_ZEROES with NO_HOLE). Any other cluster gets a new one: a freed cluster if one is
+//! free, else at the end of the allocated area; a partial write fills the rest of the new
+//! cluster from the old contents (backing file, zeroes, compressed or shared data), under
+//! the metadata lock so two partial writes cannot allocate the same cluster twice. Whole
+//! clusters are only mapped under the lock and written after it is released.
 //!
 //! FLUSH: sync the data, write the refcount increments, sync, write the L2 tables, sync,
 //! write the L1 entries, sync, and only then apply and write the frees, sync. A crash at
-//! any point leaves clusters counted but unused (leaks), never used but uncounted.
+//! any point leaves clusters counted but unused (leaks), never used but uncounted. A
+//! cluster becomes free (and can be allocated again) only at that last step, when no
+//! metadata on disk points at it any more; clusters freed by TRIM or WRITE_ZEROES are then
+//! punched out of the file (as qemu's `discard=unmap`), and free clusters at the end of
+//! the file are cut off. Writes land outside the lock, so that step first waits for those
+//! in flight: none can land in a cluster after it was given to another guest range.
+//! Frees wait for a FLUSH, but not forever: once [`COMMIT_FREES`] bytes wait and no freed
+//! cluster is left, a write that needs clusters writes the metadata first (with FLUSH's
+//! syncs), so a client that never flushes does not grow the file either.
 
 use crate::header::Header;
 use crate::map::{L2Table, Mapping, OFFSET_MASK, OFLAG_COMPRESSED, OFLAG_COPIED, OFLAG_ZERO};
 use crate::overlap::Metadata;
 use crate::{io_err, Qcow2, Qcow2Error, State};
+
+/// Waiting frees are applied without a FLUSH once this many bytes of them wait (or 16
+/// clusters, whichever is more) and a write finds no free cluster.
+pub const COMMIT_FREES: u64 = 8 << 20;
+
+/// A cluster this image owns outright: written in place.
+fn owned(e: u64) -> bool {
+    e & OFLAG_COPIED != 0 && e & OFLAG_COMPRESSED == 0 && e & OFFSET_MASK != 0
+}
 
 /// Refuses (before anything is written) images this layer cannot write safely.
 pub fn check_writable(h: &Header) -> Result<(), Qcow2Error> {
@@ -54,8 +73,7 @@ impl Qcow2 {
             self.safety.check_l2_write(idx, off, guest)?;
             return Ok(off);
         }
-        let refs = st.refs.as_mut().ok_or_else(not_writable)?;
-        let off = refs.alloc(&*self.store, 1)?;
+        let (off, _) = self.alloc(st, 1)?;
         self.store.metadata_allocated(Metadata::L2Table(idx as u32), off, self.geo.cluster_size);
         st.l2.insert(off, L2Table::zeroed(self.geo.l2_entries as usize));
         st.l1[idx] = off | OFLAG_COPIED;
@@ -82,16 +100,67 @@ impl Qcow2 {
         Ok(())
     }
 
-    /// What an L2 entry allocates in the file, to free when it is replaced.
-    fn release(&self, st: &mut State, entry: u64) {
+    /// Up to `n` contiguous new clusters: (host offset, how many).
+    fn alloc(&self, st: &mut State, n: u64) -> Result<(u64, u64), Qcow2Error> {
+        st.refs.as_mut().ok_or_else(not_writable)?.alloc(&*self.store, n)
+    }
+
+    /// Applies the waiting frees now (writing the metadata as FLUSH does) when they add
+    /// up to [`COMMIT_FREES`] and no freed cluster is left to allocate.
+    fn commit_frees_if_due(&self, st: &mut State) -> Result<(), Qcow2Error> {
+        let refs = st.refs.as_mut().ok_or_else(not_writable)?;
+        if refs.pending_bytes() < COMMIT_FREES.max(16 * self.geo.cluster_size) || refs.has_free(&*self.store)? {
+            return Ok(());
+        }
+        self.write_metadata_locked(st, self.sync_on_close)
+    }
+
+    /// What an L2 entry allocates in the file, to free when it is replaced; with
+    /// `discard` (TRIM, WRITE_ZEROES), the file is told to discard it once it is free.
+    fn release(&self, st: &mut State, entry: u64, discard: bool) {
         let Some(refs) = st.refs.as_mut() else { return };
         if entry & OFLAG_COMPRESSED != 0 {
             if let Ok((Mapping::Compressed { host, len, .. }, _)) = self.geo.decode(entry, 0, 0) {
-                refs.free(host, len);
+                refs.free(host, len, discard);
             }
         } else if entry & OFFSET_MASK != 0 {
-            refs.free(entry & OFFSET_MASK, self.geo.cluster_size);
+            refs.free(entry & OFFSET_MASK, self.geo.cluster_size, discard);
         }
+    }
+
+    /// Points guest cluster `gc` (L2 table at `l2_off`) at host cluster `h`, whose old
+    /// guest contents are given by `old`: a partial write merges them with the new bytes
+    /// and is written now (under the lock); a whole cluster is queued in `direct`.
+    #[allow(clippy::too_many_arguments)]
+    fn map_cluster(
+        &self,
+        st: &mut State,
+        l2_off: u64,
+        gc: u64,
+        old: u64,
+        h: u64,
+        buf: &[u8],
+        offset: u64,
+        direct: &mut Vec<(u64, usize, usize)>,
+    ) -> Result<(), Qcow2Error> {
+        let cs = self.geo.cluster_size;
+        let end = offset + buf.len() as u64;
+        let s = gc.max(offset);
+        let t = (gc + cs).min(end);
+        if t - s < cs {
+            let mut cl = vec![0u8; cs as usize];
+            self.old_cluster(old, gc, &mut cl)?;
+            cl[(s - gc) as usize..(t - gc) as usize]
+                .copy_from_slice(&buf[(s - offset) as usize..(t - offset) as usize]);
+            self.data.write_at(&cl, h).map_err(io_err(format!("cannot write data at {h:#x}")))?;
+        } else {
+            push_direct(direct, h, (s - offset) as usize, (t - offset) as usize);
+        }
+        let idx = self.entry_index(gc);
+        let table = self.l2_table(st, l2_off)?;
+        table.raw[idx] = h | OFLAG_COPIED;
+        table.dirty = true;
+        Ok(())
     }
 
     pub(crate) fn write_impl(&self, buf: &[u8], offset: u64, fua: bool) -> Result<(), Qcow2Error> {
@@ -103,8 +172,9 @@ impl Qcow2 {
         let end = offset + buf.len() as u64;
         // (host offset, range of buf) written after the lock is released.
         let mut direct: Vec<(u64, usize, usize)> = Vec::new();
-        {
+        let gate = {
             let mut st = self.lock();
+            self.commit_frees_if_due(&mut st)?;
             let mut pos = offset;
             while pos < end {
                 let l2_off = self.l2_for_write(&mut st, pos)?;
@@ -116,9 +186,10 @@ impl Qcow2 {
                 while c < span_end {
                     let idx = self.entry_index(c);
                     let e = self.l2_table(&mut st, l2_off)?.raw[idx];
-                    let owned =
-                        e & OFLAG_COPIED != 0 && e & (OFLAG_COMPRESSED | OFLAG_ZERO) == 0 && e & OFFSET_MASK != 0;
-                    if owned {
+                    if owned(e) && e & OFLAG_ZERO != 0 {
+                        // Preallocated zeroes: the cluster is ours, its bytes are not.
+                        self.map_cluster(&mut st, l2_off, c, OFLAG_ZERO, e & OFFSET_MASK, buf, offset, &mut direct)?;
+                    } else if owned(e) {
                         let s = c.max(first);
                         let t = (c + cs).min(span_end);
                         push_direct(
@@ -139,36 +210,25 @@ impl Qcow2 {
                     while j < need.len() && need[j].0 == need[j - 1].0 + cs {
                         j += 1;
                     }
-                    let refs = st.refs.as_mut().ok_or_else(not_writable)?;
-                    let host = refs.alloc(&*self.store, (j - i) as u64)?;
+                    // Freed clusters may come in shorter runs.
+                    let (host, got) = self.alloc(&mut st, (j - i) as u64)?;
+                    let j = i + got as usize;
                     for (k, &(gc, old)) in need[i..j].iter().enumerate() {
-                        let h = host + k as u64 * cs;
-                        let s = gc.max(offset);
-                        let t = (gc + cs).min(end);
-                        if t - s < cs {
-                            // Partial: old contents + new bytes, written now, under the lock.
-                            let mut cl = vec![0u8; cs as usize];
-                            self.old_cluster(old, gc, &mut cl)?;
-                            cl[(s - gc) as usize..(t - gc) as usize]
-                                .copy_from_slice(&buf[(s - offset) as usize..(t - offset) as usize]);
-                            self.data.write_at(&cl, h).map_err(io_err(format!("cannot write data at {h:#x}")))?;
-                        } else {
-                            push_direct(&mut direct, h, (s - offset) as usize, (t - offset) as usize);
-                        }
-                        let idx = self.entry_index(gc);
-                        let t = self.l2_table(&mut st, l2_off)?;
-                        t.raw[idx] = h | OFLAG_COPIED;
-                        t.dirty = true;
-                        self.release(&mut st, old);
+                        self.map_cluster(&mut st, l2_off, gc, old, host + k as u64 * cs, buf, offset, &mut direct)?;
+                        self.release(&mut st, old, false);
                     }
                     i = j;
                 }
                 pos = span_end;
             }
-        }
+            // Taken before the lock is released: no cluster written below is freed (and
+            // given to another range) until these writes have landed.
+            self.io_gate.read().unwrap_or_else(|e| e.into_inner())
+        };
         for (host, a, b) in direct {
             self.data.write_at(&buf[a..b], host).map_err(io_err(format!("cannot write data at {host:#x}")))?;
         }
+        drop(gate);
         if fua {
             self.flush_impl()?;
         }
@@ -177,8 +237,17 @@ impl Qcow2 {
 
     /// WRITE_ZEROES (`zero`) or TRIM: whole clusters become zero clusters (or, without a
     /// backing file, unallocated ones) and their storage is freed; the partial clusters
-    /// at the ends are written with zeroes (WRITE_ZEROES) or left alone (TRIM).
-    pub(crate) fn discard_impl(&self, offset: u64, length: u64, zero: bool, fua: bool) -> Result<(), Qcow2Error> {
+    /// at the ends are written with zeroes (WRITE_ZEROES) or left alone (TRIM). Without
+    /// `may_trim` (WRITE_ZEROES with NO_HOLE), clusters the image owns keep their storage
+    /// and get the zero flag (preallocated zeroes, as qemu does without MAY_UNMAP).
+    pub(crate) fn discard_impl(
+        &self,
+        offset: u64,
+        length: u64,
+        zero: bool,
+        may_trim: bool,
+        fua: bool,
+    ) -> Result<(), Qcow2Error> {
         if !self.writable {
             return Err(not_writable());
         }
@@ -188,7 +257,9 @@ impl Qcow2 {
         let first_full = offset.next_multiple_of(cs);
         // The last cluster may be partial in the virtual size: it still counts as whole.
         let last_full = if end == self.geo.size { end.next_multiple_of(cs) } else { end & !(cs - 1) };
-        let new_entry = if self.backing.is_some() { OFLAG_ZERO } else { 0 };
+        let backing = self.backing.is_some();
+        // What a whole cluster the image does not own (or may deallocate) becomes.
+        let new_entry = if backing || !may_trim { OFLAG_ZERO } else { 0 };
         if first_full < last_full {
             let mut st = self.lock();
             let span = self.geo.l2_span();
@@ -196,7 +267,8 @@ impl Qcow2 {
             while c < last_full {
                 let l1e = st.l1.get((c / span) as usize).copied().unwrap_or(0) & OFFSET_MASK;
                 let span_end = last_full.min((c / span + 1) * span);
-                if l1e == 0 && new_entry == 0 {
+                // Where nothing is allocated and nothing shows through, there is nothing to do.
+                if l1e == 0 && !backing {
                     c = span_end;
                     continue;
                 }
@@ -205,10 +277,17 @@ impl Qcow2 {
                     let idx = self.entry_index(c);
                     let t = self.l2_table(&mut st, l2_off)?;
                     let old = t.raw[idx];
-                    if old != new_entry {
-                        t.raw[idx] = new_entry;
+                    let (new, free) = match old {
+                        _ if !may_trim && owned(old) => ((old & OFFSET_MASK) | OFLAG_COPIED | OFLAG_ZERO, false),
+                        0 if !backing => (0, false),
+                        _ => (new_entry, true),
+                    };
+                    if old != new {
+                        t.raw[idx] = new;
                         t.dirty = true;
-                        self.release(&mut st, old);
+                        if free {
+                            self.release(&mut st, old, may_trim);
+                        }
                     }
                     c += cs;
                 }
@@ -249,8 +328,10 @@ impl Qcow2 {
         if !self.writable {
             return Ok(());
         }
-        let mut st = self.lock();
-        let st = &mut *st;
+        self.write_metadata_locked(&mut self.lock(), sync)
+    }
+
+    fn write_metadata_locked(&self, st: &mut State, sync: bool) -> Result<(), Qcow2Error> {
         if sync {
             self.data.sync().map_err(io_err("cannot sync data"))?;
         }
@@ -286,9 +367,23 @@ impl Qcow2 {
             sync("the L1 table")?;
         }
         if refs.has_frees() {
-            refs.apply_frees(store)?;
+            // Writes in flight outside the lock land first (see the module comment).
+            let _gate = self.io_gate.write().unwrap_or_else(|e| e.into_inner());
+            let discard = refs.apply_frees(store)?;
             refs.write(store, &sync)?;
             sync("refcounts")?;
+            // A freed compressed cluster's place may hold other bytes from now on.
+            *self.zcache.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            for (off, len) in discard {
+                if let Err(e) = self.data.discard(off, len) {
+                    log::warn!("{}: cannot discard {len} bytes at {off:#x} of the file: {e}", self.name);
+                }
+            }
+            if let Some(end) = refs.shrink_end(store)? {
+                if store.size() > end {
+                    store.truncate(end).map_err(io_err(format!("cannot cut the file to {end} bytes")))?;
+                }
+            }
         }
         Ok(())
     }
@@ -302,4 +397,101 @@ fn push_direct(v: &mut Vec<(u64, usize, usize)>, host: u64, a: usize, b: usize) 
         }
     }
     v.push((host, a, b));
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::Qcow2;
+    use ferry_backend::{Backend, ZeroMode};
+    use std::os::unix::fs::MetadataExt;
+
+    const CS: u64 = 65536;
+    const TRIM: ZeroMode = ZeroMode { may_trim: true, fast: false };
+
+    fn host(q: &Qcow2, guest: u64) -> u64 {
+        q.file_offset(guest, CS).expect("a data cluster")
+    }
+
+    /// A freed cluster is not given out again until the L2 entry that used it is on
+    /// disk (a FLUSH); then it is, before the file grows.
+    #[test]
+    fn freed_clusters_are_reused_only_after_the_flush() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.qcow2");
+        let q = Qcow2::create(&p, 64 << 20, CS).unwrap();
+        q.write(&[1u8; CS as usize * 4], 0, false).unwrap();
+        let old = host(&q, 0);
+        q.trim(0, CS, false).unwrap();
+        q.write(&[2u8; CS as usize], 8 * CS, false).unwrap();
+        assert_ne!(host(&q, 8 * CS), old, "reused before the trim was flushed");
+        q.flush().unwrap();
+        q.write(&[3u8; CS as usize], 9 * CS, false).unwrap();
+        assert_eq!(host(&q, 9 * CS), old, "the freed cluster was not reused");
+        let mut b = vec![0u8; CS as usize * 10];
+        q.read(&mut b, 0).unwrap();
+        assert!(b[..CS as usize].iter().all(|&x| x == 0));
+        assert!(b[CS as usize..4 * CS as usize].iter().all(|&x| x == 1));
+        assert!(b[8 * CS as usize..9 * CS as usize].iter().all(|&x| x == 2));
+        assert!(b[9 * CS as usize..].iter().all(|&x| x == 3));
+    }
+
+    /// Trimmed clusters are punched out of the file once free, and free clusters at the
+    /// end of the file are cut off.
+    #[test]
+    fn trim_punches_and_cuts_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.qcow2");
+        let q = Qcow2::create(&p, 64 << 20, CS).unwrap();
+        q.write(&vec![7u8; 16 << 20], 0, false).unwrap();
+        q.flush().unwrap();
+        let full = std::fs::metadata(&p).unwrap();
+        // The first half: holes in the middle of the file.
+        q.trim(0, 8 << 20, false).unwrap();
+        q.flush().unwrap();
+        let m = std::fs::metadata(&p).unwrap();
+        assert_eq!(m.len(), full.len());
+        assert!(m.blocks() * 512 <= full.blocks() * 512 - (8 << 20), "{} -> {}", full.blocks(), m.blocks());
+        // The rest: the file ends after its metadata again.
+        q.zero(8 << 20, 8 << 20, TRIM, false).unwrap();
+        q.flush().unwrap();
+        assert!(std::fs::metadata(&p).unwrap().len() <= 8 * CS);
+        // Allocation goes on from the new end.
+        q.write(&[9u8; 100], 20 << 20, true).unwrap();
+        assert!(host(&q, 20 << 20) < 8 * CS);
+    }
+
+    /// Without a FLUSH, waiting frees are applied once there are enough of them and the
+    /// image would otherwise grow.
+    #[test]
+    fn waiting_frees_are_applied_before_the_file_grows() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.qcow2");
+        let q = Qcow2::create(&p, 256 << 20, CS).unwrap();
+        let buf = vec![5u8; 16 << 20];
+        for i in 0..8u64 {
+            q.write(&buf, i * (16 << 20), false).unwrap();
+            q.trim(i * (16 << 20), 16 << 20, false).unwrap();
+        }
+        assert!(std::fs::metadata(&p).unwrap().len() < 40 << 20);
+    }
+
+    /// WRITE_ZEROES with NO_HOLE keeps an owned cluster (preallocated zeroes); writing
+    /// into it again uses it in place.
+    #[test]
+    fn no_hole_zeroes_keep_the_cluster() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.qcow2");
+        let q = Qcow2::create(&p, 4 << 20, CS).unwrap();
+        q.write(&[1u8; CS as usize], 0, false).unwrap();
+        let h = host(&q, 0);
+        q.zero(0, CS, ZeroMode::default(), false).unwrap();
+        let mut b = vec![1u8; CS as usize];
+        q.read(&mut b, 0).unwrap();
+        assert!(b.iter().all(|&x| x == 0));
+        q.write(&[2u8; 100], 1000, false).unwrap();
+        assert_eq!(host(&q, 0), h);
+        q.read(&mut b, 0).unwrap();
+        assert!(b[..1000].iter().all(|&x| x == 0) && b[1000..1100].iter().all(|&x| x == 2));
+        assert!(b[1100..].iter().all(|&x| x == 0));
+    }
 }

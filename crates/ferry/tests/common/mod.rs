@@ -238,6 +238,38 @@ pub fn run_python(script: &str, args: &[&str]) -> Output {
     run_ok(&mut c)
 }
 
+/// Runs tests/python/`script` with `args` while `server` serves for `run_for`, then kills
+/// the server with SIGKILL. Asserts the script then exits 0, and returns the largest `k`
+/// of the "flushed k" lines it printed (`None`: it printed none).
+pub fn kill_during_python(server: &mut Server, script: &str, args: &[&str], run_for: Duration) -> Option<usize> {
+    require("python3-libnbd");
+    let mut py = Command::new(SYSTEM_PYTHON);
+    py.arg("-u").arg(python_script(script)).args(args);
+    py.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let child = py.spawn().unwrap();
+    thread::sleep(run_for);
+    server.signal_and_wait(libc::SIGKILL, Duration::from_secs(10));
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    stdout.lines().filter_map(|l| l.strip_prefix("flushed ")?.parse::<usize>().ok()).max()
+}
+
+/// The guest bytes of a qcow2 image a killed server left (qemu-img convert to raw),
+/// once `qemu-img check` found no error and no corruption in it (leaked clusters are
+/// what a crash may leave).
+pub fn crashed_qcow2_contents(img: &Path) -> Vec<u8> {
+    require("qemu-img");
+    let check = run(&mut cmd("qemu-img", ["check", "--output=json", img.to_str().unwrap()]));
+    let v: serde_json::Value =
+        serde_json::from_str(&check.stdout).unwrap_or_else(|e| panic!("{e}: {}", check.describe()));
+    assert_eq!(v.get("check-errors").and_then(|c| c.as_u64()), Some(0), "{}", check.describe());
+    assert!(v.get("corruptions").is_none_or(|c| c == 0), "{}", check.describe());
+    let raw = img.with_extension("crash.raw");
+    run_ok(&mut cmd("qemu-img", ["convert", "-O", "raw", img.to_str().unwrap(), raw.to_str().unwrap()]));
+    fs::read(&raw).unwrap()
+}
+
 // ---------------------------------------------------------------------------------
 // The server under test
 // ---------------------------------------------------------------------------------
