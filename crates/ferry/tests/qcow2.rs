@@ -305,8 +305,7 @@ fn refuses_what_it_cannot_handle_naming_the_feature() {
     let dirty = patched("dirty.qcow2", 79, 1);
     let corrupt = patched("corrupt.qcow2", 79, 2);
     let unknown = patched("unknown.qcow2", 77, 1); // bit 16
-    for (img, feature) in [(&enc, "encrypted"), (&dirty, "dirty bit"), (&corrupt, "corrupt bit"), (&unknown, "bit 16")]
-    {
+    for (img, feature) in [(&enc, "encrypted"), (&dirty, "dirty bit"), (&unknown, "bit 16")] {
         let before = fs::read(img).unwrap();
         refused(&["serve", "-U", s(&d("x.sock")), s(img)], feature);
         refused(&["info", s(img)], feature);
@@ -315,6 +314,16 @@ fn refuses_what_it_cannot_handle_naming_the_feature() {
         refused(&["copy", s(img), s(&out)], feature);
         assert_eq!(fs::read(img).unwrap(), before, "{} was changed", img.display());
     }
+    // A corrupt image is read (to rescue its data, as qemu allows), never written.
+    let before = fs::read(&corrupt).unwrap();
+    refused(&["serve", "-U", s(&d("c.sock")), s(&corrupt)], "corrupt bit");
+    run_ok(&mut ferry(&["info", s(&corrupt)]));
+    run_ok(&mut ferry(&["hash", s(&corrupt)]));
+    run_ok(&mut ferry(&["copy", s(&corrupt), s(&d("rescued.raw"))]));
+    let server = ServerBuilder::new(s(&corrupt)).read_only().start();
+    run_ok(&mut ferry(&["info", "--size", &server.uri()]));
+    drop(server);
+    assert_eq!(fs::read(&corrupt).unwrap(), before, "the corrupt image was changed");
     // Writing is refused where ferry cannot write safely; reading works.
     let v2 = d("v2.qcow2");
     qemu_img(&["create", "-f", "qcow2", "-o", "compat=0.10", s(&v2), "1M"]);

@@ -163,11 +163,8 @@ impl Header {
                 "the image has the dirty bit set (it was not closed cleanly with lazy refcounts); repair it with qemu-img check -r all".into(),
             ));
         }
-        if incompatible & INCOMPAT_CORRUPT != 0 {
-            return Err(Qcow2Error::Unsupported(
-                "the image has the corrupt bit set (qemu found inconsistent metadata); repair it with qemu-img check -r all".into(),
-            ));
-        }
+        // The corrupt bit refuses writing only (`write::check_writable`): reading what is
+        // left is how a user rescues the data, as qemu allows.
         let unknown = incompatible & !INCOMPAT_KNOWN;
         if unknown != 0 {
             let list: Vec<String> = (0..64)
@@ -406,9 +403,12 @@ mod tests {
         let mut b = v3(1 << 28, 16);
         b[79] = 1;
         assert!(err(&b).contains("dirty bit"));
+        // The corrupt bit: read-only opens read what is left; writing is refused.
         let mut b = v3(1 << 28, 16);
         b[79] = 2;
-        assert!(err(&b).contains("corrupt bit"));
+        let h = Header::parse(&b, 1 << 20).expect("a corrupt image opens for reading");
+        let e = crate::write::check_writable(&h).unwrap_err().to_string();
+        assert!(e.contains("corrupt bit") && e.contains("read-only"), "{e}");
         let mut b = v3(1 << 28, 16);
         b[78] = 1; // bit 8
         assert!(err(&b).contains("unknown incompatible features: bit 8"), "{}", err(&b));

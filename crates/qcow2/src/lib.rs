@@ -202,6 +202,8 @@ impl Qcow2 {
         let writable = !read_only;
         if writable {
             write::check_writable(&header)?;
+        } else if header.incompatible & header::INCOMPAT_CORRUPT != 0 && depth == 0 {
+            log::warn!("the image has the corrupt bit set: it is read as it is, and may read wrong where its metadata is damaged; repair it with qemu-img check -r all");
         }
 
         let resolve = |what: &str, n: &str| -> Result<PathBuf, Qcow2Error> {

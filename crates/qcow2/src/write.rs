@@ -36,6 +36,13 @@ fn owned(e: u64) -> bool {
 
 /// Refuses (before anything is written) images this layer cannot write safely.
 pub fn check_writable(h: &Header) -> Result<(), Qcow2Error> {
+    if h.incompatible & crate::header::INCOMPAT_CORRUPT != 0 {
+        return Err(Qcow2Error::Unsupported(
+            "the image has the corrupt bit set (ferry or qemu found inconsistent metadata and stopped writing to it); \
+             open it read-only to rescue its data, or repair it with qemu-img check -r all"
+                .into(),
+        ));
+    }
     let why = if h.version < 3 {
         Some("it is a version 2 (compat=0.10) image".to_string())
     } else if h.extended_l2() {
