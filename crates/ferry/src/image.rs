@@ -5,7 +5,7 @@
 //! `rbd_spec`).
 
 use anyhow::{Context, Result};
-use ferry_backend::{Backend, FileBackend};
+use ferry_backend::{Access, Backend, FileBackend, FileId, ImageUse, OpenFile};
 use ferry_client::copy::{BackendEndpoint, Endpoint};
 use ferry_qcow2::{has_qcow2_magic, Qcow2};
 use std::path::{Path, PathBuf};
@@ -53,41 +53,78 @@ pub fn classify(spec: &str) -> Spec {
     }
 }
 
-/// Opens a qcow2 image, with the path in every error.
-pub fn open_qcow2(p: &Path, read_only: bool) -> Result<Arc<Qcow2>> {
-    Ok(Arc::new(Qcow2::open(p, read_only).with_context(|| format!("cannot open qcow2 image {}", p.display()))?))
+/// Opens a qcow2 image locked for `usage`, with the path in every error.
+pub fn open_qcow2(p: &Path, read_only: bool, usage: ImageUse) -> Result<Arc<Qcow2>> {
+    Ok(Arc::new(
+        Qcow2::open_for(p, read_only, usage).with_context(|| format!("cannot open qcow2 image {}", p.display()))?,
+    ))
 }
 
-/// Opens a spec as a backend (what `ferry serve` exports).
-pub fn open_backend(spec: &str, read_only: bool) -> Result<Arc<dyn Backend>> {
+/// Opens a spec as a backend (what `ferry serve` exports), with the local files it keeps
+/// open. Files are locked as qemu-nbd locks them; `force_share` (read-only only) ignores
+/// others' locks, as qemu-nbd's does.
+pub fn open_backend(spec: &str, read_only: bool, force_share: bool) -> Result<(Arc<dyn Backend>, Vec<OpenFile>)> {
     if crate::rbd_spec::is_rbd(spec) {
-        return crate::rbd_spec::open_backend(spec, read_only);
+        return Ok((crate::rbd_spec::open_backend(spec, read_only)?, Vec::new()));
     }
-    let b: Arc<dyn Backend> = match classify(spec) {
-        Spec::Qcow2(p) => open_qcow2(&p, read_only)?,
-        Spec::Raw(p) => {
-            Arc::new(FileBackend::open(&p, read_only).with_context(|| format!("cannot open {}", p.display()))?)
-        }
-        Spec::Backend(s) => return Ok(ferry_backend::open(&s, read_only)?),
-    };
+    let usage = ImageUse::serve(read_only).force_share(force_share);
     // Both open with `read_only`, so they declare it themselves.
-    Ok(b)
+    Ok(match classify(spec) {
+        Spec::Qcow2(p) => {
+            let q = open_qcow2(&p, read_only, usage)?;
+            let files = q.open_files().to_vec();
+            (q, files)
+        }
+        Spec::Raw(p) => {
+            let f = FileBackend::open_with(&p, read_only, usage.raw())
+                .with_context(|| format!("cannot open {}", p.display()))?;
+            let files = vec![f.open_file()?];
+            (Arc::new(f), files)
+        }
+        Spec::Backend(s) => (ferry_backend::open(&s, read_only)?, Vec::new()),
+    })
+}
+
+/// A copy or hash source, opened and locked for reading.
+pub struct Source {
+    pub endpoint: Endpoint,
+    /// The local files read: the image, its external data file, its backing chain.
+    pub files: Vec<OpenFile>,
+    /// The locks of a raw file, which the copy engine reads through an opening of its own.
+    _guard: Option<std::fs::File>,
 }
 
 /// A copy or hash source: NBD URIs, `-` and `null:` as the copy engine parses them, raw
 /// files as files (sendfile, SEEK_HOLE), qcow2 images and backend specs as backends.
-pub fn source(spec: &str) -> Result<Endpoint> {
+/// Local files are locked as qemu-img convert locks its source (writers are kept out
+/// while they are read, and a file being written is refused) unless `force_share`.
+pub fn source(spec: &str, force_share: bool) -> Result<Source> {
+    let plain = |endpoint| Source { endpoint, files: Vec::new(), _guard: None };
     if let Some(e) = crate::rbd_spec::source(spec)? {
-        return Ok(e);
+        return Ok(plain(e));
     }
     let e = Endpoint::parse(spec)?;
     if !matches!(e, Endpoint::File(_)) {
-        return Ok(e);
+        return Ok(plain(e));
     }
+    let usage = ImageUse::new(Access::Source).force_share(force_share);
     Ok(match classify(spec) {
-        Spec::Qcow2(p) => Endpoint::Backend(BackendEndpoint::new(p.display().to_string(), open_qcow2(&p, true)?)),
-        Spec::Raw(p) => Endpoint::File(p),
-        Spec::Backend(s) => Endpoint::Backend(BackendEndpoint::new(s.clone(), ferry_backend::open(&s, true)?)),
+        Spec::Qcow2(p) => {
+            let q = open_qcow2(&p, true, usage)?;
+            let files = q.open_files().to_vec();
+            Source {
+                endpoint: Endpoint::Backend(BackendEndpoint::new(p.display().to_string(), q)),
+                files,
+                _guard: None,
+            }
+        }
+        Spec::Raw(p) => {
+            let guard = ferry_backend::lock::lock_path(&p, usage.raw())
+                .with_context(|| format!("cannot open {}", p.display()))?;
+            let files = vec![OpenFile { id: FileId::of(&guard)?, path: p.clone(), writable: false }];
+            Source { endpoint: Endpoint::File(p), files, _guard: Some(guard) }
+        }
+        Spec::Backend(s) => plain(Endpoint::Backend(BackendEndpoint::new(s.clone(), ferry_backend::open(&s, true)?))),
     })
 }
 

@@ -27,7 +27,10 @@ pub use header::{has_qcow2_magic, is_qcow2, Compression, Header, MAGIC};
 pub use map::Mapping;
 pub use store::{BackendStore, FileStore, Store};
 
-use ferry_backend::{push_extent, Backend, Capabilities, Error, ErrorKind, Extent, FileBackend, ZeroMode, DATA, HOLE};
+use ferry_backend::{
+    push_extent, Access, Backend, Capabilities, Error, ErrorKind, Extent, FileBackend, ImageUse, OpenFile, ZeroMode,
+    DATA, HOLE,
+};
 use map::{Geometry, L2Cache, L2Table, OFFSET_MASK};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -123,18 +126,28 @@ pub struct Qcow2 {
     /// The last decompressed cluster: (host offset, bytes).
     zcache: Mutex<Option<(u64, Arc<Vec<u8>>)>>,
     info: Info,
+    /// The local files this image keeps open: its own, its data file, its backing chain's.
+    files: Vec<OpenFile>,
 }
 
 impl Qcow2 {
-    /// Opens the image at `path` and its backing chain (always read-only).
+    /// Opens the image at `path` and its backing chain (always read-only), locked as
+    /// `ferry serve` locks it (as qemu-nbd does).
     pub fn open(path: &Path, read_only: bool) -> Result<Qcow2, Qcow2Error> {
-        Self::open_depth(path, read_only, 0)
+        Self::open_for(path, read_only, ImageUse::serve(read_only))
     }
 
-    fn open_depth(path: &Path, read_only: bool, depth: usize) -> Result<Qcow2, Qcow2Error> {
-        let store = FileStore::open(path, !read_only).map_err(io_err(format!("cannot open {}", path.display())))?;
+    /// Opens the image at `path` and its backing chain, each file locked for `usage`
+    /// (see [`ferry_backend::lock`]) as long as the image is open.
+    pub fn open_for(path: &Path, read_only: bool, usage: ImageUse) -> Result<Qcow2, Qcow2Error> {
+        Self::open_depth(path, read_only, usage, 0)
+    }
+
+    fn open_depth(path: &Path, read_only: bool, usage: ImageUse, depth: usize) -> Result<Qcow2, Qcow2Error> {
+        let store = FileStore::open(path, !read_only, usage.qcow2())
+            .map_err(io_err(format!("cannot open {}", path.display())))?;
         let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
-        Self::open_store(Arc::new(store), path.display().to_string(), read_only, Some(&dir), depth)
+        Self::open_store(Arc::new(store), path.display().to_string(), read_only, usage, Some(&dir), depth)
     }
 
     /// Opens an image held by any backend (memory, a network store), read-only. Such an
@@ -142,13 +155,14 @@ impl Qcow2 {
     /// to start from the refcounts, not from the end of a store that cannot grow.)
     pub fn open_on(store: Arc<dyn Backend>) -> Result<Qcow2, Qcow2Error> {
         let name = store.describe();
-        Self::open_store(Arc::new(BackendStore(store)), name, true, None, 0)
+        Self::open_store(Arc::new(BackendStore(store)), name, true, ImageUse::new(Access::Export), None, 0)
     }
 
     fn open_store(
         store: Arc<dyn Store>,
         name: String,
         read_only: bool,
+        usage: ImageUse,
         dir: Option<&Path>,
         depth: usize,
     ) -> Result<Qcow2, Qcow2Error> {
@@ -182,12 +196,16 @@ impl Qcow2 {
             Some(n) => {
                 let p = resolve("external data file", n)?;
                 Arc::new(
-                    FileStore::open(&p, writable)
+                    FileStore::open(&p, writable, usage.data_file())
                         .map_err(io_err(format!("cannot open the external data file {}", p.display())))?,
                 )
             }
             None => store.clone(),
         };
+        let mut files: Vec<OpenFile> = store.open_file().into_iter().collect();
+        if header.data_file.is_some() {
+            files.extend(data.open_file());
+        }
 
         let mut chain = Vec::new();
         let backing: Option<Arc<dyn Backend>> = match &header.backing_file {
@@ -205,7 +223,7 @@ impl Qcow2 {
                 };
                 let b: Arc<dyn Backend> = match format.as_str() {
                     "qcow2" => {
-                        let q = Qcow2::open_depth(&p, true, depth + 1).map_err(|e| match e {
+                        let q = Qcow2::open_depth(&p, true, usage.backing(), depth + 1).map_err(|e| match e {
                             Qcow2Error::Io { what, source } => {
                                 Qcow2Error::Io { what: format!("backing file: {what}"), source }
                             }
@@ -213,11 +231,13 @@ impl Qcow2 {
                         })?;
                         chain.push(ChainEntry { name: n.clone(), path: p.clone(), format, virtual_size: q.geo.size });
                         chain.extend(q.info.backing_chain.iter().cloned());
+                        files.extend(q.files.iter().cloned());
                         Arc::new(q)
                     }
                     "raw" | "file" => {
-                        let f = FileBackend::open(&p, true)
+                        let f = FileBackend::open_with(&p, true, usage.backing().raw())
                             .map_err(io_err(format!("cannot open backing file {}", p.display())))?;
+                        files.extend(f.open_file().ok());
                         chain.push(ChainEntry {
                             name: n.clone(),
                             path: p.clone(),
@@ -271,6 +291,7 @@ impl Qcow2 {
             sync_on_close: true,
             zcache: Mutex::new(None),
             info,
+            files,
         })
     }
 
@@ -291,6 +312,12 @@ impl Qcow2 {
 
     pub fn info(&self) -> &Info {
         &self.info
+    }
+
+    /// The local files this image keeps open (its own first, then its external data
+    /// file and its backing chain's files), with whether each is written.
+    pub fn open_files(&self) -> &[OpenFile] {
+        &self.files
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
