@@ -177,12 +177,11 @@ pub struct OpenFile {
 #[derive(Debug, thiserror::Error)]
 pub enum LockError {
     #[error(
-        "{} is in use: {holder} {} (qemu-style lock byte {byte}); stop that user first{}",
-        path.display(),
+        "the file is in use: {holder} {} (lock byte {byte}). Stop that program first{}",
         if *theirs_held { format!("holds the {perm:?} permission, which this opening does not share") }
         else { format!("does not share the {perm:?} permission, which this opening needs") },
         if *read_only { ", or pass -U/--force-share to read it anyway (what is read may be inconsistent while it is written)" }
-        else { "; a writer cannot override this (-U/--force-share is for read-only opens)" }
+        else { "; only read-only openings can ignore the lock (-U/--force-share; ferry serve --read-only --force-share)" }
     )]
     Conflict { path: PathBuf, perm: &'static str, theirs_held: bool, byte: i64, holder: String, read_only: bool },
     #[error("cannot lock {} (byte {byte}): {source}; the file system may not support OFD locks", path.display())]

@@ -169,8 +169,15 @@ fn qemu_nbd_holding_an_image_keeps_ferry_out() {
             forced.insert(1, "--force-share");
             run_ok(&mut ferry(&forced));
         }
+        // A copy does not overwrite it, as a new qcow2 image or as raw bytes.
+        for dst in [q.to_string(), format!("raw:{q}")] {
+            assert_refused(&run_fails(&mut ferry(&["copy", s(&im.raw), &dst])), &im.qcow2, "qemu-nbd");
+        }
         h.alive();
     }
+    run_ok(&mut cmd("qemu-img", ["check", "-q", q]));
+    let out = run_ok(&mut cmd("qemu-io", ["-f", "qcow2", "-c", "read -P 0x5a 0 1M", q]));
+    assert!(!out.stdout.contains("failed"), "the image changed\n{}", out.describe());
     {
         // Read-only, it still keeps writers out.
         let _h = Holder::qemu_nbd(im.dir.path(), "qcow2", &im.qcow2, &["-r"]);
