@@ -176,14 +176,8 @@ pub struct OpenFile {
 /// Why an image's locks could not be taken.
 #[derive(Debug, thiserror::Error)]
 pub enum LockError {
-    #[error(
-        "the file is in use: {holder} {} (lock byte {byte}). Stop that program first{}",
-        if *theirs_held { format!("holds the {perm:?} permission, which this opening does not share") }
-        else { format!("does not share the {perm:?} permission, which this opening needs") },
-        if *read_only { ", or pass -U/--force-share to read it anyway (what is read may be inconsistent while it is written)" }
-        else { "; only read-only openings can ignore the lock (-U/--force-share; ferry serve --read-only --force-share)" }
-    )]
-    Conflict { path: PathBuf, perm: &'static str, theirs_held: bool, byte: i64, holder: String, read_only: bool },
+    #[error("{}", conflict_message(perm, *theirs_held, *byte, holder, *read_only))]
+    Conflict { path: PathBuf, perm: &'static str, theirs_held: bool, byte: i64, holder: Holder, read_only: bool },
     #[error("cannot lock {} (byte {byte}): {source}; the file system may not support OFD locks", path.display())]
     Os {
         path: PathBuf,
@@ -199,6 +193,46 @@ impl From<LockError> for io::Error {
             if matches!(e, LockError::Conflict { .. }) { io::ErrorKind::ResourceBusy } else { io::ErrorKind::Other };
         io::Error::new(kind, e)
     }
+}
+
+/// Who holds a conflicting lock, as far as /proc tells.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Holder {
+    /// Another opening in this process: the same image given twice, or as another
+    /// image's backing or data file.
+    ThisProcess,
+    Process {
+        pid: u32,
+        name: String,
+    },
+    Unknown,
+}
+
+fn conflict_message(perm: &str, theirs_held: bool, byte: i64, holder: &Holder, read_only: bool) -> String {
+    let who = match holder {
+        Holder::ThisProcess => {
+            "this ferry process has it open already (the same image given twice, or as another image's \
+             backing or data file), and that opening"
+                .to_string()
+        }
+        Holder::Process { pid, name } => format!("process {pid} ({name})"),
+        Holder::Unknown => "another process".to_string(),
+    };
+    let what = if theirs_held {
+        format!("holds the {perm:?} permission, which this opening does not share")
+    } else {
+        format!("does not share the {perm:?} permission, which this opening needs")
+    };
+    let todo = match (holder, read_only) {
+        (Holder::ThisProcess, _) => "Open each image once".to_string(),
+        (_, true) => "Stop that program first, or pass -U/--force-share to read it anyway (what is read may be \
+                      inconsistent while it is written)"
+            .to_string(),
+        (_, false) => "Stop that program first; only read-only openings can ignore the lock (-U/--force-share; \
+                       ferry serve --read-only --force-share)"
+            .to_string(),
+    };
+    format!("the file is in use: {who} {what} (lock byte {byte}). {todo}")
 }
 
 fn flock(l_type: libc::c_short, byte: i64) -> libc::flock {
@@ -250,8 +284,8 @@ pub fn lock_path(path: &Path, locking: Locking) -> io::Result<File> {
 /// Who holds a lock on `byte` of `file`, as far as /proc tells: OFD locks report no pid
 /// (-1) through F_OFD_GETLK and /proc/locks, but /proc/PID/fdinfo/FD lists the locks of
 /// each opening, so the processes this user may look into can be named.
-fn holder(file: &File, byte: i64) -> String {
-    let unknown = "another process".to_string();
+fn holder(file: &File, byte: i64) -> Holder {
+    let unknown = Holder::Unknown;
     let Ok(m) = file.metadata() else { return unknown };
     let dev = m.dev();
     let key = format!("{:02x}:{:02x}:{}", rustix::fs::major(dev), rustix::fs::minor(dev), m.ino());
@@ -271,13 +305,10 @@ fn holder(file: &File, byte: i64) -> String {
                 continue;
             }
             if pid == me {
-                return format!(
-                    "this ferry process (pid {me}) has it open already (the same image given twice, or as \
-                     another image's backing or data file), and"
-                );
+                return Holder::ThisProcess;
             }
             let comm = std::fs::read_to_string(p.path().join("comm")).unwrap_or_default();
-            return format!("process {pid} ({})", comm.trim());
+            return Holder::Process { pid, name: comm.trim().to_string() };
         }
     }
     unknown
@@ -317,7 +348,7 @@ mod tests {
         for other in [rw(Access::Write).qcow2(), rw(Access::Source).qcow2(), rw(Access::Inspect).qcow2()] {
             let e = open(&p, other).unwrap_err();
             assert!(matches!(e, LockError::Conflict { .. }), "{e}");
-            assert!(e.to_string().contains("this ferry process"), "{e}");
+            assert!(matches!(&e, LockError::Conflict { holder: Holder::ThisProcess, .. }), "{e}");
         }
         // ... except with force-share.
         open(&p, rw(Access::Source).force_share(true).qcow2()).unwrap();

@@ -34,7 +34,7 @@ pub fn check_destination(src: &Source, src_spec: &str, dst: &str) -> Result<Opti
         let what = if f.id == src.files[0].id {
             "the source itself".to_string()
         } else {
-            format!("{} in the source's backing chain (or its data file)", f.path.display())
+            format!("the file {} of the source's backing chain (or its data file)", f.path.display())
         };
         bail!(
             "destination {} is {what}: copying {src_spec} onto it would destroy the data being copied. \

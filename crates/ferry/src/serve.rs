@@ -193,7 +193,8 @@ fn check_shared_files(
         for f in files {
             if let Some(t) = theirs.iter().find(|t| t.id == f.id && (t.writable || f.writable)) {
                 bail!(
-                    "{} and {} both open {}{}, and one of them writes it: two openings of one image lose each                      other's writes. Serve the image once (clients can share one export), or serve both read-only",
+                    "{} and {} both open {}{}, and one of them writes it: two openings of one image lose each \
+                     other's writes. Serve the image once (clients can share one export), or serve both read-only",
                     label(other),
                     label(name),
                     t.path.display(),
