@@ -300,3 +300,54 @@ fn a_copy_onto_its_own_source_is_refused() {
     drop(server);
     assert_eq!(hash(&im.raw), before);
 }
+
+/// The OFD lock ranges every process holds on `p`, as /proc/locks lists them, sorted.
+fn lock_ranges(p: &Path) -> Vec<String> {
+    use std::os::unix::fs::MetadataExt;
+    let ino = format!(":{}", std::fs::metadata(p).unwrap().ino());
+    let mut v: Vec<String> = std::fs::read_to_string("/proc/locks")
+        .unwrap()
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let i = f.iter().position(|x| x.ends_with(&ino))?;
+            let range = format!("{}-{}", f.get(i + 1)?, f.get(i + 2)?);
+            (f.get(1) == Some(&"OFDLCK")).then_some(range)
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn ferry_serve_takes_the_lock_bytes_qemu_nbd_takes() {
+    let im = images();
+    let overlay = im.dir.path().join("overlay.qcow2");
+    run_ok(&mut cmd("qemu-img", ["create", "-q", "-f", "qcow2", "-b", s(&im.raw), "-F", "raw", s(&overlay)]));
+    let with_data = im.dir.path().join("ext.qcow2");
+    let data = im.dir.path().join("ext.data");
+    let opt = format!("data_file={},data_file_raw=on", s(&data));
+    run_ok(&mut cmd("qemu-img", ["create", "-q", "-f", "qcow2", "-o", &opt, s(&with_data), "1M"]));
+    // (image, format, files to compare, read-only)
+    let cases: [(&Path, &str, Vec<&Path>, bool); 7] = [
+        (&im.raw, "raw", vec![&im.raw], false),
+        (&im.raw, "raw", vec![&im.raw], true),
+        (&im.qcow2, "qcow2", vec![&im.qcow2], false),
+        (&im.qcow2, "qcow2", vec![&im.qcow2], true),
+        (&overlay, "qcow2", vec![&overlay, &im.raw], false),
+        (&overlay, "qcow2", vec![&overlay, &im.raw], true),
+        (&with_data, "qcow2", vec![&with_data, &data], true),
+    ];
+    for (img, fmt, files, ro) in cases {
+        let theirs = {
+            let _h = Holder::qemu_nbd(im.dir.path(), fmt, img, if ro { &["-r"] } else { &[] });
+            files.iter().map(|f| lock_ranges(f)).collect::<Vec<_>>()
+        };
+        let ours = {
+            let _server = Server::unix(&format!("{fmt}:{}", s(img)), if ro { &["--read-only"] } else { &[] });
+            files.iter().map(|f| lock_ranges(f)).collect::<Vec<_>>()
+        };
+        assert!(!theirs[0].is_empty(), "qemu-nbd locked nothing on {}", img.display());
+        assert_eq!(ours, theirs, "locks on {files:?} served {} (read-only: {ro})", img.display());
+    }
+}
