@@ -225,8 +225,8 @@ fn conflict_message(perm: &str, theirs_held: bool, byte: i64, holder: &Holder, r
     };
     let todo = match (holder, read_only) {
         (Holder::ThisProcess, _) => "Open each image once".to_string(),
-        (_, true) => "Stop that program first, or pass -U/--force-share to read it anyway (what is read may be \
-                      inconsistent while it is written)"
+        (_, true) => "Stop that program first, or pass --force-share to read it anyway (-U for ferry copy, \
+                      hash and info; what is read may be inconsistent while it is written)"
             .to_string(),
         (_, false) => "Stop that program first; only read-only openings can ignore the lock (-U/--force-share; \
                        ferry serve --read-only --force-share)"
