@@ -35,8 +35,15 @@ const SPARSE_READ_THRESHOLD: u64 = 64 * 1024;
 static ZEROES: [u8; 1 << 20] = [0; 1 << 20];
 
 impl FileBackend {
-    /// Opens `path` for reading and (unless `read_only`) writing. The file must exist.
+    /// Opens `path` for reading and (unless `read_only`) writing, locked as `ferry serve`
+    /// locks a raw image (as qemu-nbd does). The file must exist.
     pub fn open(path: &Path, read_only: bool) -> std::io::Result<Self> {
+        Self::open_with(path, read_only, crate::ImageUse::serve(read_only).raw())
+    }
+
+    /// Opens `path` with the locks `locking` (see [`crate::lock`]), held until the
+    /// backend is dropped.
+    pub fn open_with(path: &Path, read_only: bool, locking: crate::Locking) -> std::io::Result<Self> {
         let file = OpenOptions::new().read(true).write(!read_only).open(path)?;
         let meta = file.metadata()?;
         use std::os::unix::fs::FileTypeExt;
@@ -47,6 +54,7 @@ impl FileBackend {
                 format!("{} is neither a regular file nor a block device", path.display()),
             ));
         }
+        crate::lock::lock(&file, path, locking)?;
         let size = if block_device { rustix::fs::seek(&file, SeekFrom::End(0))? } else { meta.len() };
         let seek_holes =
             !block_device && rustix::fs::seek(&file, SeekFrom::Data(0)).map_or_else(|e| e == Errno::NXIO, |_| true);
@@ -59,6 +67,11 @@ impl FileBackend {
             block_device,
             data_hint: Mutex::new((0, 0)),
         })
+    }
+
+    /// The file, for telling two openings of one file apart.
+    pub fn open_file(&self) -> std::io::Result<crate::OpenFile> {
+        Ok(crate::OpenFile { id: crate::FileId::of(&self.file)?, path: self.path.clone(), writable: !self.read_only })
     }
 
     fn sync(&self, op: &'static str, offset: u64, length: u64) -> Result<()> {

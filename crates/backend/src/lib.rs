@@ -8,6 +8,7 @@
 #![forbid(unsafe_code)]
 
 mod file;
+pub mod lock;
 mod memory;
 mod null;
 mod pattern;
@@ -16,6 +17,7 @@ mod spec;
 pub use ferry_proto::reply::Extent;
 pub use ferry_proto::Capabilities;
 pub use file::FileBackend;
+pub use lock::{Access, FileId, Holder, ImageUse, LockError, Locking, OpenFile};
 pub use memory::MemoryBackend;
 pub use null::NullBackend;
 pub use pattern::PatternBackend;

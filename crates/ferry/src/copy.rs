@@ -69,6 +69,10 @@ pub struct CopyArgs {
     /// clusters). Default: qcow2 for `qcow2:PATH` and names ending in .qcow2, raw otherwise.
     #[arg(long, value_name = "FORMAT")]
     format: Option<crate::image::Format>,
+    /// Read a local source even while another program (qemu, ferry serve) writes it, as
+    /// qemu-img convert's -U does; the copy may then not match any state of the source.
+    #[arg(short = 'U', long)]
+    force_share: bool,
 }
 
 /// A local destination: a new qcow2 image the source's size (which must be known up
@@ -120,15 +124,17 @@ pub(crate) fn source_size(src: &Endpoint) -> Result<u64> {
 }
 
 pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
-    let src = crate::image::source(&args.src).with_context(|| format!("source {:?}", args.src))?;
-    let (dst, new_qcow2) = match crate::rbd_spec::destination(&args.dst, &src)? {
+    let source = crate::image::source(&args.src, args.force_share).with_context(|| format!("source {:?}", args.src))?;
+    let _dst_lock = crate::copy_guard::check_destination(&source, &args.src, &args.dst)?;
+    let src = &source.endpoint;
+    let (dst, new_qcow2) = match crate::rbd_spec::destination(&args.dst, src)? {
         Some(e) => {
             if args.format.is_some() {
                 anyhow::bail!("--format applies to local destinations only, not {:?}", args.dst);
             }
             (e, None)
         }
-        None => local_destination(&args, &src)?,
+        None => local_destination(&args, src)?,
     };
     let request_size = match &args.request_size {
         Some(v) => parse_size(v).context("--request-size")?,
@@ -165,7 +171,7 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
     let stop = std::sync::atomic::AtomicBool::new(false);
     let report = std::thread::scope(|s| {
         let shown = (args.progress && !quiet).then(|| s.spawn(|| show_progress(&progress, &stop)));
-        let r = copy(&src, &dst, &opts, &progress);
+        let r = copy(src, &dst, &opts, &progress);
         stop.store(true, Ordering::SeqCst);
         if let Some(h) = shown {
             let _ = h.join();

@@ -26,6 +26,10 @@ pub struct HashArgs {
     /// Show progress.
     #[arg(short, long)]
     progress: bool,
+    /// Read local images even while another program (qemu, ferry serve) writes them, as
+    /// qemu-img's -U does; the digest may then not match any state of the image.
+    #[arg(short = 'U', long)]
+    force_share: bool,
 }
 
 pub fn run(args: HashArgs, quiet: bool) -> Result<i32> {
@@ -35,7 +39,8 @@ pub fn run(args: HashArgs, quiet: bool) -> Result<i32> {
     }
     let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())).max(1);
     for src in &args.sources {
-        let endpoint = crate::image::source(src).with_context(|| format!("{src:?}"))?;
+        let source = crate::image::source(src, args.force_share).with_context(|| format!("{src:?}"))?;
+        let endpoint = &source.endpoint;
         let hasher = Arc::new(BlockHasher::new(args.digest, bs as usize));
         let local = matches!(endpoint, Endpoint::File(_) | Endpoint::Backend(_));
         let opts = CopyOptions {
@@ -55,7 +60,7 @@ pub fn run(args: HashArgs, quiet: bool) -> Result<i32> {
         let stop = std::sync::atomic::AtomicBool::new(false);
         let report = std::thread::scope(|s| {
             let shown = (args.progress && !quiet).then(|| s.spawn(|| crate::copy::show_progress(&progress, &stop)));
-            let r = copy(&endpoint, &Endpoint::Null, &opts, &progress);
+            let r = copy(endpoint, &Endpoint::Null, &opts, &progress);
             stop.store(true, std::sync::atomic::Ordering::SeqCst);
             if let Some(h) = shown {
                 let _ = h.join();

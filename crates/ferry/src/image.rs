@@ -5,7 +5,7 @@
 //! `rbd_spec`).
 
 use anyhow::{Context, Result};
-use ferry_backend::{Backend, FileBackend};
+use ferry_backend::{Access, Backend, FileBackend, FileId, ImageUse, OpenFile};
 use ferry_client::copy::{BackendEndpoint, Endpoint};
 use ferry_qcow2::{has_qcow2_magic, Qcow2};
 use std::path::{Path, PathBuf};
@@ -53,46 +53,90 @@ pub fn classify(spec: &str) -> Spec {
     }
 }
 
-/// Opens a qcow2 image, with the path in every error.
-pub fn open_qcow2(p: &Path, read_only: bool) -> Result<Arc<Qcow2>> {
-    open_qcow2_with(p, &ferry_qcow2::Options { read_only, ..Default::default() })
+/// Opens a qcow2 image locked for `usage`, with the path in every error.
+pub fn open_qcow2(p: &Path, read_only: bool, usage: ImageUse) -> Result<Arc<Qcow2>> {
+    open_qcow2_with(p, &ferry_qcow2::Options { read_only, ..Default::default() }, usage)
 }
 
-fn open_qcow2_with(p: &Path, opts: &ferry_qcow2::Options) -> Result<Arc<Qcow2>> {
-    Ok(Arc::new(Qcow2::open_with(p, opts).with_context(|| format!("cannot open qcow2 image {}", p.display()))?))
+fn open_qcow2_with(p: &Path, opts: &ferry_qcow2::Options, usage: ImageUse) -> Result<Arc<Qcow2>> {
+    Ok(Arc::new(Qcow2::open_for(p, opts, usage).with_context(|| format!("cannot open qcow2 image {}", p.display()))?))
 }
 
-/// Opens a spec as a backend (what `ferry serve` exports); `allow_truncated` lets a qcow2
-/// image with clusters past the end of its file be written.
-pub fn open_backend(spec: &str, read_only: bool, allow_truncated: bool) -> Result<Arc<dyn Backend>> {
+/// How `ferry serve` opens an export.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ServeOpen {
+    pub read_only: bool,
+    /// Read-only only: ignore others' locks, as qemu-nbd's --force-share does.
+    pub force_share: bool,
+    /// Write a qcow2 image even though clusters it uses lie past the end of its file.
+    pub allow_truncated: bool,
+}
+
+/// Opens a spec as a backend (what `ferry serve` exports), with the local files it keeps
+/// open. Files are locked as qemu-nbd locks them.
+pub fn open_backend(spec: &str, how: ServeOpen) -> Result<(Arc<dyn Backend>, Vec<OpenFile>)> {
+    let ServeOpen { read_only, force_share, allow_truncated } = how;
     if crate::rbd_spec::is_rbd(spec) {
-        return crate::rbd_spec::open_backend(spec, read_only);
+        return Ok((crate::rbd_spec::open_backend(spec, read_only)?, Vec::new()));
     }
-    let b: Arc<dyn Backend> = match classify(spec) {
-        Spec::Qcow2(p) => open_qcow2_with(&p, &ferry_qcow2::Options { read_only, allow_truncated })?,
-        Spec::Raw(p) => {
-            Arc::new(FileBackend::open(&p, read_only).with_context(|| format!("cannot open {}", p.display()))?)
-        }
-        Spec::Backend(s) => return Ok(ferry_backend::open(&s, read_only)?),
-    };
+    let usage = ImageUse::serve(read_only).force_share(force_share);
     // Both open with `read_only`, so they declare it themselves.
-    Ok(b)
+    Ok(match classify(spec) {
+        Spec::Qcow2(p) => {
+            let q = open_qcow2_with(&p, &ferry_qcow2::Options { read_only, allow_truncated }, usage)?;
+            let files = q.open_files().to_vec();
+            (q, files)
+        }
+        Spec::Raw(p) => {
+            let f = FileBackend::open_with(&p, read_only, usage.raw())
+                .with_context(|| format!("cannot open {}", p.display()))?;
+            let files = vec![f.open_file()?];
+            (Arc::new(f), files)
+        }
+        Spec::Backend(s) => (ferry_backend::open(&s, read_only)?, Vec::new()),
+    })
+}
+
+/// A copy or hash source, opened and locked for reading.
+pub struct Source {
+    pub endpoint: Endpoint,
+    /// The local files read: the image, its external data file, its backing chain.
+    pub files: Vec<OpenFile>,
+    /// The locks of a raw file, which the copy engine reads through an opening of its own.
+    _guard: Option<std::fs::File>,
 }
 
 /// A copy or hash source: NBD URIs, `-` and `null:` as the copy engine parses them, raw
 /// files as files (sendfile, SEEK_HOLE), qcow2 images and backend specs as backends.
-pub fn source(spec: &str) -> Result<Endpoint> {
+/// Local files are locked as qemu-img convert locks its source (writers are kept out
+/// while they are read, and a file being written is refused) unless `force_share`.
+pub fn source(spec: &str, force_share: bool) -> Result<Source> {
+    let plain = |endpoint| Source { endpoint, files: Vec::new(), _guard: None };
     if let Some(e) = crate::rbd_spec::source(spec)? {
-        return Ok(e);
+        return Ok(plain(e));
     }
     let e = Endpoint::parse(spec)?;
     if !matches!(e, Endpoint::File(_)) {
-        return Ok(e);
+        return Ok(plain(e));
     }
+    let usage = ImageUse::new(Access::Source).force_share(force_share);
     Ok(match classify(spec) {
-        Spec::Qcow2(p) => Endpoint::Backend(BackendEndpoint::new(p.display().to_string(), open_qcow2(&p, true)?)),
-        Spec::Raw(p) => Endpoint::File(p),
-        Spec::Backend(s) => Endpoint::Backend(BackendEndpoint::new(s.clone(), ferry_backend::open(&s, true)?)),
+        Spec::Qcow2(p) => {
+            let q = open_qcow2(&p, true, usage)?;
+            let files = q.open_files().to_vec();
+            Source {
+                endpoint: Endpoint::Backend(BackendEndpoint::new(p.display().to_string(), q)),
+                files,
+                _guard: None,
+            }
+        }
+        Spec::Raw(p) => {
+            let guard = ferry_backend::lock::lock_path(&p, usage.raw())
+                .with_context(|| format!("cannot open {}", p.display()))?;
+            let files = vec![OpenFile { id: FileId::of(&guard)?, path: p.clone(), writable: false }];
+            Source { endpoint: Endpoint::File(p), files, _guard: Some(guard) }
+        }
+        Spec::Backend(s) => plain(Endpoint::Backend(BackendEndpoint::new(s.clone(), ferry_backend::open(&s, true)?))),
     })
 }
 

@@ -32,6 +32,10 @@ pub struct InfoArgs {
     /// Print only the size in bytes.
     #[arg(long)]
     size: bool,
+    /// Open a local image even while another program (qemu, ferry serve) writes it, as
+    /// qemu-img info's -U does; what is shown may be stale.
+    #[arg(short = 'U', long)]
+    force_share: bool,
 }
 
 pub fn run(args: InfoArgs) -> Result<i32> {
@@ -187,7 +191,10 @@ fn map(uri: &Uri, opts: &ConnectOptions, as_json: bool) -> Result<i32> {
 /// `ferry info PATH`: format, virtual size, cluster size, backing chain, allocation.
 fn local(args: &InfoArgs) -> Result<i32> {
     use crate::image::{classify, open_qcow2, Spec};
-    use ferry_backend::{Backend, FileBackend};
+    use ferry_backend::{Access, Backend, FileBackend, ImageUse};
+    // Locked as qemu-img info locks: a qcow2 image being written is refused (its
+    // metadata may be half-written); a raw file takes no lock.
+    let usage = ImageUse::new(Access::Inspect).force_share(args.force_share);
     if args.map || args.list {
         anyhow::bail!(
             "--map and --list need an NBD URI; serve the image (ferry serve {}) and ask the export",
@@ -196,7 +203,7 @@ fn local(args: &InfoArgs) -> Result<i32> {
     }
     let doc = match classify(&args.uri) {
         Spec::Qcow2(p) => {
-            let q = open_qcow2(&p, true)?;
+            let q = open_qcow2(&p, true, usage)?;
             let i = q.info();
             let a = q.allocation().with_context(|| format!("reading the L2 tables of {}", p.display()))?;
             let chain: Vec<Value> = i
@@ -221,7 +228,8 @@ fn local(args: &InfoArgs) -> Result<i32> {
             })
         }
         Spec::Raw(p) => {
-            let f = FileBackend::open(&p, true).with_context(|| format!("cannot open {}", p.display()))?;
+            let f = FileBackend::open_with(&p, true, usage.raw())
+                .with_context(|| format!("cannot open {}", p.display()))?;
             let mut ex = Vec::new();
             let mut pos = 0;
             while pos < f.size() {

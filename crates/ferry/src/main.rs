@@ -4,6 +4,7 @@ mod bench;
 mod bench_conns;
 mod bench_socket;
 mod copy;
+mod copy_guard;
 mod hash;
 mod image;
 mod info;

@@ -37,6 +37,10 @@ pub struct ServeArgs {
     /// image is refused read-write, and served read-only with a warning.
     #[arg(long)]
     allow_truncated: bool,
+    /// With --read-only: serve images even while another program (qemu, another ferry)
+    /// writes them, as qemu-nbd's --force-share does (clients may read inconsistent data).
+    #[arg(long, requires = "read_only")]
+    force_share: bool,
     /// Another export, by name, beside the default one (repeatable).
     #[arg(long = "export", value_name = "NAME=SPEC")]
     exports: Vec<String>,
@@ -197,23 +201,57 @@ fn check_transport(args: &ServeArgs, listeners: &[Listener]) -> Result<()> {
     Ok(())
 }
 
+/// Refuses an export whose files another export already has open when either writes
+/// them: each opening would keep its own metadata (qcow2) or its own view of the image
+/// (a backing file written under its overlay), and writes would be lost.
+fn check_shared_files(
+    opened: &[(String, Vec<ferry_backend::OpenFile>)],
+    name: &str,
+    files: &[ferry_backend::OpenFile],
+) -> Result<()> {
+    let label = |n: &str| if n.is_empty() { "the default export".to_string() } else { format!("export {n:?}") };
+    for (other, theirs) in opened {
+        for f in files {
+            if let Some(t) = theirs.iter().find(|t| t.id == f.id && (t.writable || f.writable)) {
+                bail!(
+                    "{} and {} both open {}{}, and one of them writes it: two openings of one image lose each \
+                     other's writes. Serve the image once (clients can share one export), or serve both read-only",
+                    label(other),
+                    label(name),
+                    t.path.display(),
+                    if t.path == f.path { String::new() } else { format!(" (as {})", f.path.display()) },
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
 pub fn run(args: ServeArgs) -> Result<i32> {
     // Before any export is opened: an overstated LISTEN_FDS must not reach its descriptors.
     let activated = ferry_sock::listen_fds().context("systemd socket activation")?;
     let mut exports = Exports::new();
-    let open = |spec: &str| -> Result<std::sync::Arc<dyn ferry_backend::Backend>> {
-        let b = crate::image::open_backend(spec, args.read_only, args.allow_truncated)
-            .with_context(|| format!("cannot serve {spec:?}"))?;
-        Ok(match args.discard {
-            DiscardArg::Ignore => std::sync::Arc::new(ferry_backend::IgnoreDiscard(b)),
-            DiscardArg::Unmap => b,
+    // Each export's local files, to refuse one file opened twice with a writer.
+    let mut files = Vec::new();
+    let how = crate::image::ServeOpen {
+        read_only: args.read_only,
+        force_share: args.force_share,
+        allow_truncated: args.allow_truncated,
+    };
+    let mut open = |name: &str, spec: &str| {
+        let (backend, f) = crate::image::open_backend(spec, how).with_context(|| format!("cannot serve {spec:?}"))?;
+        check_shared_files(&files, name, &f)?;
+        files.push((name.to_string(), f));
+        anyhow::Ok(match args.discard {
+            DiscardArg::Ignore => std::sync::Arc::new(ferry_backend::IgnoreDiscard(backend)),
+            DiscardArg::Unmap => backend,
         })
     };
     exports
         .add(Export {
             name: String::new(),
             description: args.description.clone().unwrap_or_default(),
-            backend: open(&args.spec)?,
+            backend: open("", &args.spec)?,
         })
         .map_err(anyhow::Error::msg)?;
     for e in &args.exports {
@@ -224,7 +262,7 @@ pub fn run(args: ServeArgs) -> Result<i32> {
             bail!("--export {e:?}: the name must not be empty (the positional SPEC is the default export)");
         }
         exports
-            .add(Export { name: name.to_string(), description: String::new(), backend: open(spec)? })
+            .add(Export { name: name.to_string(), description: String::new(), backend: open(name, spec)? })
             .map_err(anyhow::Error::msg)?;
     }
     if !(args.handshake_timeout > 0.0 && args.handshake_timeout.is_finite()) {

@@ -3,6 +3,7 @@
 
 use crate::header::{encode_v3, MAX_L1_BYTES, MAX_REFTABLE_BYTES};
 use crate::{io_err, Qcow2, Qcow2Error};
+use ferry_backend::{Access, ImageUse};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
@@ -49,9 +50,13 @@ impl Qcow2 {
             .read(true)
             .write(true)
             .create(true)
-            .truncate(true)
+            .truncate(false)
             .open(path)
             .map_err(io_err(format!("cannot create {}", path.display())))?;
+        // Locked before it is emptied: a file another program holds is left alone.
+        ferry_backend::lock::lock(&f, path, ImageUse::new(Access::Destination).qcow2())
+            .map_err(|e| io_err(format!("cannot create {}", path.display()))(e.into()))?;
+        f.set_len(0).map_err(io_err(format!("cannot empty {}", path.display())))?;
         let w = |b: &[u8], at: u64| f.write_all_at(b, at).map_err(io_err(format!("cannot write {}", path.display())));
         f.set_len(total * cs).map_err(io_err(format!("cannot size {}", path.display())))?;
         w(&encode_v3(size, bits, l1_size as u32, l1_off, rt_off, rt as u32), 0)?;

@@ -37,7 +37,10 @@ pub use map::Mapping;
 pub use overlap::Metadata;
 pub use store::{BackendStore, FileStore, Store};
 
-use ferry_backend::{push_extent, Backend, Capabilities, Error, ErrorKind, Extent, FileBackend, ZeroMode, DATA, HOLE};
+use ferry_backend::{
+    push_extent, Access, Backend, Capabilities, Error, ErrorKind, Extent, FileBackend, ImageUse, OpenFile, ZeroMode,
+    DATA, HOLE,
+};
 use map::{Geometry, L2Cache, L2Table, OFFSET_MASK};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -148,24 +151,34 @@ pub struct Qcow2 {
     info: Info,
     /// The metadata map and the first-write duties of a writable image (`overlap.rs`).
     safety: overlap::Safety,
+    /// The local files this image keeps open: its own, its data file, its backing chain's.
+    files: Vec<OpenFile>,
 }
 
 impl Qcow2 {
-    /// Opens the image at `path` and its backing chain (always read-only).
+    /// Opens the image at `path` and its backing chain (always read-only), locked as
+    /// `ferry serve` locks it (as qemu-nbd does).
     pub fn open(path: &Path, read_only: bool) -> Result<Qcow2, Qcow2Error> {
-        Self::open_with(path, &Options { read_only, ..Options::default() })
+        Self::open_for(path, &Options { read_only, ..Options::default() }, ImageUse::serve(read_only))
     }
 
-    /// Opens the image at `path` as `opts` say, and its backing chain (read-only).
+    /// Opens the image at `path` as `opts` say, and its backing chain (read-only), locked
+    /// as `ferry serve` locks it (as qemu-nbd does).
     pub fn open_with(path: &Path, opts: &Options) -> Result<Qcow2, Qcow2Error> {
-        Self::open_depth(path, opts, 0)
+        Self::open_for(path, opts, ImageUse::serve(opts.read_only))
     }
 
-    fn open_depth(path: &Path, opts: &Options, depth: usize) -> Result<Qcow2, Qcow2Error> {
-        let read_only = opts.read_only;
-        let store = FileStore::open(path, !read_only).map_err(io_err(format!("cannot open {}", path.display())))?;
+    /// Opens the image at `path` as `opts` say, and its backing chain, each file locked
+    /// for `usage` (see [`ferry_backend::lock`]) as long as the image is open.
+    pub fn open_for(path: &Path, opts: &Options, usage: ImageUse) -> Result<Qcow2, Qcow2Error> {
+        Self::open_depth(path, opts, usage, 0)
+    }
+
+    fn open_depth(path: &Path, opts: &Options, usage: ImageUse, depth: usize) -> Result<Qcow2, Qcow2Error> {
+        let store = FileStore::open(path, !opts.read_only, usage.qcow2())
+            .map_err(io_err(format!("cannot open {}", path.display())))?;
         let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
-        Self::open_store(Arc::new(store), path.display().to_string(), opts, Some(&dir), depth)
+        Self::open_store(Arc::new(store), path.display().to_string(), opts, usage, Some(&dir), depth)
     }
 
     /// Opens an image held by any backend (memory, a network store), read-only. Such an
@@ -177,6 +190,7 @@ impl Qcow2 {
             Arc::new(BackendStore(store)),
             name,
             &Options { read_only: true, ..Options::default() },
+            ImageUse::new(Access::Export),
             None,
             0,
         )
@@ -186,6 +200,7 @@ impl Qcow2 {
         store: Arc<dyn Store>,
         name: String,
         opts: &Options,
+        usage: ImageUse,
         dir: Option<&Path>,
         depth: usize,
     ) -> Result<Qcow2, Qcow2Error> {
@@ -222,12 +237,16 @@ impl Qcow2 {
             Some(n) => {
                 let p = resolve("external data file", n)?;
                 Arc::new(
-                    FileStore::open(&p, writable)
+                    FileStore::open(&p, writable, usage.data_file())
                         .map_err(io_err(format!("cannot open the external data file {}", p.display())))?,
                 )
             }
             None => store.clone(),
         };
+        let mut files: Vec<OpenFile> = store.open_file().into_iter().collect();
+        if header.data_file.is_some() {
+            files.extend(data.open_file());
+        }
 
         let mut chain = Vec::new();
         let backing: Option<Arc<dyn Backend>> = match &header.backing_file {
@@ -245,20 +264,27 @@ impl Qcow2 {
                 };
                 let b: Arc<dyn Backend> = match format.as_str() {
                     "qcow2" => {
-                        let q = Qcow2::open_depth(&p, &Options { read_only: true, ..Options::default() }, depth + 1)
-                            .map_err(|e| match e {
-                                Qcow2Error::Io { what, source } => {
-                                    Qcow2Error::Io { what: format!("backing file: {what}"), source }
-                                }
-                                other => Qcow2Error::Invalid(format!("backing file {}: {other}", p.display())),
-                            })?;
+                        let q = Qcow2::open_depth(
+                            &p,
+                            &Options { read_only: true, ..Options::default() },
+                            usage.backing(),
+                            depth + 1,
+                        )
+                        .map_err(|e| match e {
+                            Qcow2Error::Io { what, source } => {
+                                Qcow2Error::Io { what: format!("backing file: {what}"), source }
+                            }
+                            other => Qcow2Error::Invalid(format!("backing file {}: {other}", p.display())),
+                        })?;
                         chain.push(ChainEntry { name: n.clone(), path: p.clone(), format, virtual_size: q.geo.size });
                         chain.extend(q.info.backing_chain.iter().cloned());
+                        files.extend(q.files.iter().cloned());
                         Arc::new(q)
                     }
                     "raw" | "file" => {
-                        let f = FileBackend::open(&p, true)
+                        let f = FileBackend::open_with(&p, true, usage.backing().raw())
                             .map_err(io_err(format!("cannot open backing file {}", p.display())))?;
+                        files.extend(f.open_file().ok());
                         chain.push(ChainEntry {
                             name: n.clone(),
                             path: p.clone(),
@@ -316,6 +342,7 @@ impl Qcow2 {
             io_gate: Default::default(),
             info,
             safety,
+            files,
         })
     }
 
@@ -336,6 +363,12 @@ impl Qcow2 {
 
     pub fn info(&self) -> &Info {
         &self.info
+    }
+
+    /// The local files this image keeps open (its own first, then its external data
+    /// file and its backing chain's files), with whether each is written.
+    pub fn open_files(&self) -> &[OpenFile] {
+        &self.files
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {

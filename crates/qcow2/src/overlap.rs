@@ -259,6 +259,9 @@ impl Store for Guard {
     fn fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
         self.shared.inner.fd()
     }
+    fn open_file(&self) -> Option<ferry_backend::OpenFile> {
+        self.shared.inner.open_file()
+    }
     /// Freed clusters only: one that still holds metadata is never punched out.
     fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
         self.shared.check(Role::Data, offset, len).map_err(to_io)?;

@@ -5,7 +5,7 @@
 //! read as zeroes (as qemu's file driver does), never as an error or a panic.
 
 use crate::overlap::Metadata;
-use ferry_backend::Backend;
+use ferry_backend::{Backend, FileId, Locking, OpenFile};
 use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
@@ -39,11 +39,17 @@ pub trait Store: Send + Sync {
     fn truncate(&self, _len: u64) -> io::Result<()> {
         Ok(())
     }
+    /// The local file, for telling two openings of one file apart.
+    fn open_file(&self) -> Option<OpenFile> {
+        None
+    }
 }
 
 /// A local file.
 pub struct FileStore {
     file: File,
+    path: std::path::PathBuf,
+    writable: bool,
     len: AtomicU64,
     /// Writes take turns here: the kernel runs one buffered write of a file at a time
     /// (the inode lock: ext4, XFS, tmpfs), and a writer queued there spins on a core
@@ -53,10 +59,13 @@ pub struct FileStore {
 }
 
 impl FileStore {
-    pub fn open(path: &std::path::Path, writable: bool) -> io::Result<FileStore> {
+    /// Opens `path` with the locks `locking` (see [`ferry_backend::lock`]), held as long
+    /// as the store.
+    pub fn open(path: &std::path::Path, writable: bool, locking: Locking) -> io::Result<FileStore> {
         let file = std::fs::OpenOptions::new().read(true).write(writable).open(path)?;
+        ferry_backend::lock::lock(&file, path, locking)?;
         let len = file.metadata()?.len();
-        Ok(FileStore { file, len: AtomicU64::new(len), write_turn: Mutex::new(()) })
+        Ok(FileStore { file, path: path.to_owned(), writable, len: AtomicU64::new(len), write_turn: Mutex::new(()) })
     }
 }
 
@@ -117,6 +126,10 @@ impl Store for FileStore {
         self.len.store(len, Ordering::Release);
         drop(turn);
         Ok(())
+    }
+    fn open_file(&self) -> Option<OpenFile> {
+        let id = FileId::of(&self.file).ok()?;
+        Some(OpenFile { id, path: self.path.clone(), writable: self.writable })
     }
 }
 
