@@ -80,7 +80,7 @@ impl Endpoint {
     fn open_source(&self, opts: &CopyOptions) -> Result<Box<dyn Ops>, CopyError> {
         Ok(match self {
             Endpoint::Nbd(u) => Box::new(nbd::open(u, &opts.connect, "source")?),
-            Endpoint::File(p) => Box::new(file::open_source(p)?),
+            Endpoint::File(p) => file::open_source(p)?,
             Endpoint::Stdio => Box::new(pipe::stdin()),
             Endpoint::Null => return Err(CopyError::Setup("null: can only be a destination".into())),
             Endpoint::Backend(b) => Box::new(b.clone()),
@@ -93,7 +93,7 @@ impl Endpoint {
     fn open_destination(&self, src_size: Option<u64>, opts: &CopyOptions) -> Result<Box<dyn Ops>, CopyError> {
         let d: Box<dyn Ops> = match self {
             Endpoint::Nbd(u) => Box::new(nbd::open(u, &opts.connect, "destination")?),
-            Endpoint::File(p) => Box::new(file::open_destination(p, src_size)?),
+            Endpoint::File(p) => file::open_destination(p, src_size)?,
             Endpoint::Stdio => Box::new(pipe::stdout()),
             Endpoint::Null => Box::new(null::Null),
             Endpoint::Backend(b) => Box::new(b.clone()),

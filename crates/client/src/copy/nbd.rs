@@ -47,8 +47,19 @@ impl Ops for Nbd {
         }
     }
 
+    /// Another connection to the same export, which must be the same size: the copy was
+    /// planned from the first connection's.
     fn reopen(&self) -> Result<Box<dyn Ops>, CopyError> {
-        Ok(Box::new(open(&self.uri, &self.opts, self.what)?))
+        let other = open(&self.uri, &self.opts, self.what)?;
+        let (a, b) = (self.conn.size(), other.conn.size());
+        if a != b {
+            return Err(CopyError::Setup(format!(
+                "{} {}: the export was {a} bytes on one connection and {b} on another; \
+                 nothing was copied (is it being resized? copy with -C 1 to use one connection)",
+                self.what, self.uri
+            )));
+        }
+        Ok(Box::new(other))
     }
 
     fn extents(&mut self, size: u64) -> Result<Map, CopyError> {
