@@ -513,6 +513,26 @@ fn duplicate_block_status_chunks_fail_the_copy() {
     copy_fails(&f, &data, "which was not negotiated");
 }
 
+/// An allocation map in 1-byte pieces (a block status reply of a million extents, again
+/// and again): the copy's map is coarsened, not grown by 24 bytes per byte of the export.
+#[test]
+fn fragmented_block_status_is_coarsened() {
+    let len = 40usize << 20;
+    let data: Arc<Vec<u8>> = Arc::new((0..len).map(|i| if i % 2 == 1 { 0 } else { (i % 251) as u8 + 1 }).collect());
+    let f = export(data.clone(), 0, |_, r, _| {
+        (r.cmd == CMD_BLOCK_STATUS).then(|| {
+            let n = (r.len as u64).min(1 << 20) as u32;
+            let ex: Vec<(u32, u32)> =
+                (0..n).map(|i| (1, if (r.offset + u64::from(i)) % 2 == 1 { STATE_ZERO } else { 0 })).collect();
+            status_chunk(REPLY_FLAG_DONE, r.cookie, META_ID, &ex)
+        })
+    });
+    let dst = f.path("dst.raw");
+    let out = ferry(&["copy", &f.uri(), dst.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", out.describe());
+    assert_file_eq(&dst, &data);
+}
+
 /// Each connection to a multi-conn export claims another size.
 #[test]
 fn export_size_that_changes_between_connections() {

@@ -1,7 +1,7 @@
 //! Local files and block devices: positioned reads and writes, SEEK_DATA/SEEK_HOLE for
 //! the allocation map, fallocate for zeroes, and the file itself for sendfile payloads.
 
-use super::endpoint::{read_each, write_each, Caps, Data, Done, Kind, Map, Ops, Read, Write};
+use super::endpoint::{push_range, read_each, write_each, Caps, Data, Done, Kind, Map, Ops, Read, Write};
 use super::{pipe, zero_chunks, CopyError, ZEROES};
 use ferry_sock::AlignedBuf;
 use std::fs::{File, OpenOptions};
@@ -180,7 +180,7 @@ fn file_map(f: &File, size: u64) -> Map {
             Err(_) => return vec![(0, size, Kind::Data)],
         };
         if data > pos {
-            out.push((pos, data - pos, Kind::Zero));
+            push_range(&mut out, pos, data - pos, Kind::Zero);
             pos = data;
             continue;
         }
@@ -188,7 +188,7 @@ fn file_map(f: &File, size: u64) -> Map {
             Ok(h) => h.clamp(pos + 1, size),
             Err(_) => size,
         };
-        out.push((pos, hole - pos, Kind::Data));
+        push_range(&mut out, pos, hole - pos, Kind::Data);
         pos = hole;
     }
     out

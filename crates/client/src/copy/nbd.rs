@@ -10,6 +10,9 @@ use ferry_proto::reply::Extent;
 use ferry_sock::AlignedBuf;
 use std::os::fd::{AsFd, BorrowedFd};
 
+/// Shortest zero run of a server's map that is not read.
+const MIN_ZERO_RUN: u64 = 4096;
+
 pub(crate) struct Nbd {
     conn: Box<Connection>,
     uri: Uri,
@@ -76,6 +79,10 @@ impl Ops for Nbd {
                 if length == 0 {
                     break;
                 }
+                // Zero runs shorter than a page are read as data (zero detection still
+                // finds them): a server answering in tiny pieces would otherwise cost a
+                // request per piece.
+                let flags = if length < MIN_ZERO_RUN { flags & !STATE_ZERO } else { flags };
                 push_extent(&mut out, pos, length, flags);
                 pos += length;
             }
