@@ -471,6 +471,16 @@ fn overlapping_and_outside_read_chunks_fail_the_copy() {
     copy_fails(&f, &data, "past the end of the request");
 }
 
+/// A reply for a request that was never made (regression: refused before this file).
+#[test]
+fn reply_for_an_unknown_cookie_fails_the_copy() {
+    let data = pattern(1 << 20);
+    let f = export(data.clone(), 0, |_, r, d| {
+        (r.cmd == CMD_READ).then(|| data_chunk(REPLY_FLAG_DONE, r.cookie + 1000, r.offset, d))
+    });
+    copy_fails(&f, &data, "reply for unknown cookie");
+}
+
 /// A reply that never ends: NONE chunks without DONE, and error chunks without DONE.
 #[test]
 fn replies_without_done_fail_the_copy() {
