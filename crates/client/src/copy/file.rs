@@ -43,8 +43,8 @@ pub(crate) fn open_source(p: &Path) -> Result<Box<dyn Ops>, CopyError> {
     let ty = std::fs::metadata(p).map_err(local("cannot open source", p))?.file_type();
     if ty.is_char_device() {
         return Err(CopyError::Setup(format!(
-            "source {} is a character device, which has no size to copy; give a stream on stdin \
-             (`ferry copy - DST < {0}`), limited to the bytes wanted (`head -c SIZE {0} | ferry copy - DST`)",
+            "source {} is a character device, which has no size (and may have no end); give it on stdin \
+             as `-`, limited to the bytes wanted: `head -c SIZE {0} | ferry copy - DST`",
             p.display()
         )));
     }

@@ -1,10 +1,11 @@
-//! The copy engine behind `ferry copy`: NBD, local files and block devices, stdin/stdout,
-//! `null:` and any [`ferry_backend::Backend`], in any combination.
+//! The copy engine behind `ferry copy`: NBD, local files and block devices, streams
+//! (stdin/stdout, FIFOs, character devices), `null:` and any [`ferry_backend::Backend`],
+//! in any combination.
 //!
 //! Each kind of endpoint is one file behind one interface ([`endpoint::Ops`]: size, what
 //! it can do, allocation map, batched reads and writes, flush), the way nbdcopy keeps
 //! its per-endpoint operations apart: `nbd.rs`, `file.rs` (files and block devices),
-//! `pipe.rs` (stdin/stdout), `null.rs` and `backend.rs`. This file plans the copy and runs
+//! `pipe.rs` (streams), `null.rs` and `backend.rs`. This file plans the copy and runs
 //! the workers, which move buffers between two endpoints and know none of their kinds.
 //!
 //! The source's allocation map is read first (NBD block status, SEEK_DATA/SEEK_HOLE,
