@@ -582,6 +582,44 @@ mod tests {
         assert!(matches!(h.feed(&ack[n..], &mut out), Err(ClientError::Malformed(_))));
     }
 
+    /// A client listing exports, past the greeting.
+    fn listing() -> ClientHandshake {
+        let mut cfg = ClientConfig::new("");
+        cfg.list = true;
+        let mut h = ClientHandshake::new(cfg);
+        let mut s2c = Vec::new();
+        ServerHandshake::new(&mut s2c);
+        assert_eq!(h.feed(&s2c, &mut Vec::new()).unwrap().0, 18);
+        h
+    }
+
+    fn server_reply(name: &[u8], desc: &[u8]) -> Vec<u8> {
+        let mut d = (name.len() as u32).to_be_bytes().to_vec();
+        d.extend_from_slice(name);
+        d.extend_from_slice(desc);
+        let mut r = Vec::new();
+        crate::handshake::option_reply(&mut r, OPT_LIST, REP_SERVER, &d);
+        r
+    }
+
+    #[test]
+    fn export_lists_and_strings_are_bounded() {
+        let mut h = listing();
+        let one = server_reply(b"x", b"");
+        for _ in 0..MAX_LIST_EXPORTS {
+            assert_eq!(h.feed(&one, &mut Vec::new()), Ok((one.len(), ClientProgress::Continue)));
+        }
+        let e = h.feed(&one, &mut Vec::new()).unwrap_err();
+        assert_eq!(e, ClientError::TooManyReplies { what: "exports in its list", limit: MAX_LIST_EXPORTS });
+        assert!(e.to_string().contains("more than 10000 exports"), "{e}");
+        for (name, desc) in [(vec![b'n'; MAX_STRING + 1], vec![]), (vec![], vec![b'd'; MAX_STRING + 1])] {
+            let e = listing().feed(&server_reply(&name, &desc), &mut Vec::new()).unwrap_err();
+            assert!(matches!(e, ClientError::StringTooLong { len: 4097, .. }), "{e:?}");
+        }
+        let ok = server_reply(&[b'n'; MAX_STRING], &[b'd'; MAX_STRING]);
+        assert!(listing().feed(&ok, &mut Vec::new()).is_ok());
+    }
+
     #[test]
     fn rejects_non_nbd_peers() {
         let mut h = ClientHandshake::new(ClientConfig::new(""));
