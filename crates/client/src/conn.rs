@@ -634,10 +634,7 @@ impl Connection {
                             .and_then(|b| b.as_mut().get_mut(..f.length as usize))
                             .ok_or_else(|| Error::Protocol("READ buffer too small".into()))?;
                         self.recv_into(dest)?;
-                        f.coverage = ReadCoverage::new();
-                        if f.length > 0 {
-                            let _ = f.coverage.add(0, f.length, f.length);
-                        }
+                        f.coverage = ReadCoverage::whole(f.length);
                     }
                     true
                 }

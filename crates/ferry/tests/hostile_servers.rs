@@ -592,6 +592,10 @@ fn copy_to_dev_null() {
     run_ok(&mut cmd("qemu-img", ["convert", "-f", "raw", "-O", "qcow2", raw.to_str().unwrap(), q.to_str().unwrap()]));
     let out = ferry(&["copy", q.to_str().unwrap(), "/dev/null"]);
     assert!(out.status.success(), "{}", out.describe());
+    // Another character device: /dev/full takes nothing, and says so.
+    let out = ferry(&["copy", raw.to_str().unwrap(), "/dev/full"]);
+    assert!(!out.status.success(), "{}", out.describe());
+    assert!(out.stderr.contains("No space left on device"), "{}", out.describe());
     // /dev/null itself is left a character device.
     use std::os::unix::fs::FileTypeExt;
     assert!(std::fs::metadata("/dev/null").unwrap().file_type().is_char_device());

@@ -382,6 +382,12 @@ impl ReadCoverage {
         Self::default()
     }
 
+    /// A request of `total` bytes answered in one piece (a simple reply).
+    pub fn whole(total: u64) -> Self {
+        let ranges = if total > 0 { vec![(0, total)] } else { Vec::new() };
+        ReadCoverage { ranges, covered: total }
+    }
+
     /// Bytes covered so far.
     pub fn covered(&self) -> u64 {
         self.covered
@@ -505,5 +511,8 @@ mod client_tests {
         }
         assert_eq!(c.add(total - 1, 1, total), Err(CoverageError::Scattered));
         c.add(1, 1, total).unwrap(); // joins two ranges: allowed
+        let mut c = ReadCoverage::whole(10);
+        assert_eq!((c.covered(), c.add(9, 1, 10)), (10, Err(CoverageError::Overlap)));
+        assert_eq!(ReadCoverage::whole(0), ReadCoverage::new());
     }
 }
