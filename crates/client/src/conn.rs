@@ -3,7 +3,9 @@
 use crate::uri::{Transport, Uri, UriError};
 use ferry_proto::client::{ClientConfig, ClientError, ClientHandshake, ClientNegotiated, ClientProgress};
 use ferry_proto::consts::*;
-use ferry_proto::reply::{parse_block_status, parse_error_chunk, Extent, ReplyError, ReplyHeader, ReplyMode};
+use ferry_proto::reply::{
+    parse_block_status, parse_error_chunk, Extent, ReadCoverage, ReplyError, ReplyHeader, ReplyMode,
+};
 use ferry_proto::request::RequestHeader;
 use ferry_sock::{BufferConfig, Stream};
 use ferry_tls::{ClientTls, TlsError, Transport as Channel};
@@ -166,12 +168,17 @@ struct InFlight {
     slot: usize,
     error: Option<RemoteError>,
     extents: Vec<Extent>,
-    covered: u64,
-    /// READ: the ranges (relative to `offset`) of chunks that covered only part of the
-    /// request, to catch overlapping chunks (a whole-request chunk needs no entry).
-    parts: Vec<(u64, u64)>,
+    /// BLOCK_STATUS: the `base:allocation` chunk arrived (a second one is an error).
+    status_seen: bool,
+    /// READ: which bytes of the request the chunks covered.
+    coverage: ReadCoverage,
     hole_bytes: u64,
+    /// Error chunks received (a server could send them forever without DONE).
+    errors: u32,
 }
+
+/// Error chunks taken for one request: a READ may get one per failed range.
+const MAX_ERROR_CHUNKS: u32 = 4096;
 
 const RECV_BUF: usize = 256 * 1024;
 /// Largest non-data chunk payload accepted (block status of 2^20 extents, 16 bytes each).
@@ -263,7 +270,7 @@ fn handshake(
     timeout: Duration,
     tls: Option<&ClientTls>,
 ) -> Result<(ClientProgress, Vec<u8>), Error> {
-    stream.set_read_timeout(Some(timeout))?;
+    let deadline = std::time::Instant::now() + timeout;
     let mut hs = ClientHandshake::new(cfg);
     let mut buf = vec![0u8; 128 * 1024];
     let (mut head, mut tail) = (0, 0);
@@ -298,6 +305,13 @@ fn handshake(
         buf.copy_within(head..tail, 0);
         tail -= head;
         head = 0;
+        // The timeout covers the whole handshake, not each read: a server trickling a
+        // byte now and then must not hold the client forever.
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Err(Error::Protocol(format!("the server did not finish the handshake within {timeout:?}")));
+        }
+        stream.set_read_timeout(Some(left))?;
         let n = match stream.read(&mut buf[tail..]) {
             Ok(0) => return Err(Error::Closed),
             Ok(n) => n,
@@ -466,9 +480,10 @@ impl Connection {
                 slot: r.slot,
                 error: None,
                 extents: Vec::new(),
-                covered: 0,
-                parts: Vec::new(),
+                status_seen: false,
+                coverage: ReadCoverage::new(),
                 hole_bytes: 0,
+                errors: 0,
             });
             last = cookie;
             RequestHeader { flags, cmd: r.cmd, cookie, offset: r.offset, length }.encode(extended, &mut self.hdrs);
@@ -619,12 +634,12 @@ impl Connection {
                             .and_then(|b| b.as_mut().get_mut(..f.length as usize))
                             .ok_or_else(|| Error::Protocol("READ buffer too small".into()))?;
                         self.recv_into(dest)?;
-                        f.covered = f.length;
+                        f.coverage = ReadCoverage::whole(f.length);
                     }
                     true
                 }
                 ReplyHeader::Chunk { flags, ty, length, .. } => {
-                    self.chunk(&mut f, ty, length, bufs)?;
+                    self.chunk(&mut f, flags, ty, length, bufs)?;
                     flags & REPLY_FLAG_DONE != 0
                 }
             };
@@ -637,10 +652,12 @@ impl Connection {
             if f.cmd == CMD_READ && f.length >= LARGE_READ {
                 self.large_reads -= 1;
             }
-            if f.cmd == CMD_READ && f.error.is_none() && f.covered != f.length {
+            if f.cmd == CMD_READ && f.error.is_none() && f.coverage.covered() != f.length {
                 return Err(Error::Protocol(format!(
                     "READ at offset {} of {} bytes: the server sent only {} bytes before finishing",
-                    f.offset, f.length, f.covered
+                    f.offset,
+                    f.length,
+                    f.coverage.covered()
                 )));
             }
             return Ok(Completion {
@@ -656,11 +673,18 @@ impl Connection {
         }
     }
 
-    fn chunk<B: AsMut<[u8]>>(&mut self, f: &mut InFlight, ty: u16, length: u64, bufs: &mut [B]) -> Result<(), Error> {
+    fn chunk<B: AsMut<[u8]>>(
+        &mut self,
+        f: &mut InFlight,
+        flags: u16,
+        ty: u16,
+        length: u64,
+        bufs: &mut [B],
+    ) -> Result<(), Error> {
         match ty {
             REPLY_TYPE_NONE => {
-                if length != 0 {
-                    return Err(Error::Protocol("NONE chunk with a payload".into()));
+                if length != 0 || flags & REPLY_FLAG_DONE == 0 {
+                    return Err(Error::Protocol("a NONE chunk must be empty and the last of its reply".into()));
                 }
             }
             REPLY_TYPE_OFFSET_DATA | REPLY_TYPE_OFFSET_HOLE if f.cmd == CMD_READ => {
@@ -677,24 +701,14 @@ impl Connection {
                     u64::from(u32::from_be_bytes(p[8..12].try_into().unwrap_or_default()))
                 };
                 self.head += prefix as usize;
-                let rel = off.checked_sub(f.offset).filter(|r| r.checked_add(n).is_some_and(|e| e <= f.length));
-                let Some(rel) = rel else {
+                // Every byte of the request exactly once: a chunk outside it, over bytes
+                // already sent, or of no bytes at all ends the connection.
+                let rel = off.checked_sub(f.offset).unwrap_or(u64::MAX);
+                if let Err(why) = f.coverage.add(rel, n, f.length) {
                     return Err(Error::Protocol(format!(
-                        "server sent {n} bytes at offset {off}, outside the READ of {} bytes at {}",
+                        "server sent {n} bytes at offset {off} for the READ of {} bytes at {}: {why}",
                         f.length, f.offset
                     )));
-                };
-                // Chunks must not overlap: otherwise the byte count could add up while
-                // part of the buffer was never written.
-                let overlaps = f.covered + n > f.length || f.parts.iter().any(|&(a, b)| rel < b && a < rel + n);
-                if overlaps {
-                    return Err(Error::Protocol(format!(
-                        "server sent {n} bytes at offset {off} twice in the READ of {} bytes at {}",
-                        f.length, f.offset
-                    )));
-                }
-                if n < f.length {
-                    f.parts.push((rel, rel + n));
                 }
                 let dest = bufs
                     .get_mut(f.slot)
@@ -706,23 +720,50 @@ impl Connection {
                     dest.fill(0);
                     f.hole_bytes += n;
                 }
-                f.covered += n;
             }
             REPLY_TYPE_BLOCK_STATUS | REPLY_TYPE_BLOCK_STATUS_EXT if f.cmd == CMD_BLOCK_STATUS => {
                 let p = self.recv_meta(length)?;
-                let before = f.extents.len();
-                let id = parse_block_status(ty, &p, &mut f.extents)?;
-                if f.extents[before..].iter().any(|e| e.length == 0) {
+                let mut extents = Vec::new();
+                let id = parse_block_status(ty, &p, &mut extents)?;
+                if Some(id) != self.info.meta_context {
+                    return Err(Error::Protocol(format!(
+                        "block status for context {id}, which was not negotiated (base:allocation is {})",
+                        self.info.meta_context.map_or("none".into(), |c| c.to_string())
+                    )));
+                }
+                if std::mem::replace(&mut f.status_seen, true) {
+                    return Err(Error::Protocol(format!(
+                        "two block status chunks for one context in the reply at offset {}",
+                        f.offset
+                    )));
+                }
+                if extents.iter().any(|e| e.length == 0) {
                     return Err(Error::Protocol(format!(
                         "block status at offset {} has a zero-length extent",
                         f.offset
                     )));
                 }
-                if Some(id) != self.info.meta_context {
-                    f.extents.clear();
+                // The final extent may run past the request (the spec allows it); what
+                // follows it is not what was asked for and is dropped.
+                let mut pos = 0u64;
+                for e in extents {
+                    if pos >= f.length {
+                        break;
+                    }
+                    let length = e.length.min(f.length - pos);
+                    f.extents.push(Extent { length, flags: e.flags });
+                    pos += length;
                 }
             }
             t if t & 0x8000 != 0 => {
+                f.errors += 1;
+                if f.errors > MAX_ERROR_CHUNKS {
+                    return Err(Error::Protocol(format!(
+                        "more than {MAX_ERROR_CHUNKS} error chunks for the {} at offset {}",
+                        command_name(f.cmd),
+                        f.offset
+                    )));
+                }
                 let p = self.recv_meta(length)?;
                 let (errno, message, offset) = parse_error_chunk(t, &p)?;
                 f.error.get_or_insert(RemoteError { errno, message, offset });

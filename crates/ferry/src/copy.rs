@@ -18,11 +18,13 @@ pub struct CopyArgs {
     /// Source: an NBD URI (nbd://HOST[:PORT]/EXPORT, nbd+unix:///EXPORT?socket=PATH), a
     /// file or block device (a qcow2 image is read through its format), qcow2:PATH,
     /// raw:PATH, a Ceph RBD image (rbd:POOL/IMAGE[@SNAP][?conf=PATH&id=USER&keyring=PATH]),
-    /// or `-` for stdin.
+    /// a FIFO (read to its end), or `-` for stdin. Character devices have no size and are
+    /// refused.
     src: String,
     /// Destination: an NBD URI, a file or block device (PATH.qcow2 or qcow2:PATH makes a new
     /// qcow2 image; see --format), an RBD image (created with the source's size if it does
-    /// not exist), `-` for stdout, or `null:` to discard.
+    /// not exist), a character device or FIFO (written in order, like a pipe: /dev/null,
+    /// a tape), `-` for stdout, or `null:` to discard.
     dst: String,
     /// Connections to each NBD server (used only where the server allows multi-conn).
     /// Default: 4, or one per CPU core when there are fewer (each connection has its own

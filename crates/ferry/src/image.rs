@@ -8,6 +8,7 @@ use anyhow::{Context, Result};
 use ferry_backend::{Access, Backend, FileBackend, FileId, ImageUse, OpenFile};
 use ferry_client::copy::{BackendEndpoint, Endpoint};
 use ferry_qcow2::{has_qcow2_magic, Qcow2};
+use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -29,8 +30,11 @@ pub enum Format {
 
 /// Classifies a spec: explicit kinds first, then bare paths by their first bytes.
 pub fn classify(spec: &str) -> Spec {
+    // Only files and block devices are probed: opening a FIFO to look would take (and
+    // lose) what its writer sends, and a character device has no first bytes to keep.
     let probe = |p: &Path| {
-        if has_qcow2_magic(p) {
+        let seekable = p.metadata().is_ok_and(|m| m.is_file() || m.file_type().is_block_device());
+        if seekable && has_qcow2_magic(p) {
             Spec::Qcow2(p.to_path_buf())
         } else {
             Spec::Raw(p.to_path_buf())

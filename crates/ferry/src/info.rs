@@ -129,7 +129,8 @@ fn print_text(doc: &Value) {
     for e in doc["exports"].as_array().into_iter().flatten() {
         println!("export={:?}:", e["export-name"].as_str().unwrap_or(""));
         if let Some(d) = e.get("description").and_then(Value::as_str) {
-            println!("\tdescription: {d}");
+            // The server's words: shown, never obeyed by the terminal.
+            println!("\tdescription: {}", ferry_proto::client::printable(d.as_bytes()));
         }
         println!("\texport-size: {}", e["export-size"]);
         println!("\turi: {}", e["uri"].as_str().unwrap_or(""));

@@ -212,9 +212,11 @@ fn each_os_error_is_printed_once() {
     let dir = tempfile::tempdir().unwrap();
     let missing = dir.path().join("nonexistent");
     let missing = missing.to_str().unwrap();
+    let src = dir.path().join("src.img");
+    std::fs::write(&src, [1u8; 4096]).unwrap();
     let cases: [&[&str]; 3] = [
         &["copy", missing, "null:"],
-        &["copy", "/dev/zero", &format!("{missing}/sub/dst.img")],
+        &["copy", src.to_str().unwrap(), &format!("{missing}/sub/dst.img")],
         &["serve", &format!("file:{missing}")],
     ];
     for args in cases {

@@ -76,6 +76,10 @@ pub enum ClientError {
     Malformed(&'static str),
     #[error("the server sent an option reply of {0} bytes, more than any reply should be")]
     ReplyTooLong(u32),
+    #[error("the server sent more than {limit} {what}; ferry stops there (a broken or hostile server)")]
+    TooManyReplies { what: &'static str, limit: usize },
+    #[error("the server sent {what} of {len} bytes, over the protocol's limit of {MAX_STRING} bytes")]
+    StringTooLong { what: &'static str, len: usize },
     #[error("the server requires TLS: connect with an nbds:// or nbds+unix:// URI")]
     TlsRequired,
     #[error("TLS was asked for, but the server refused NBD_OPT_STARTTLS: {0}")]
@@ -113,12 +117,23 @@ enum State {
 /// Largest option reply accepted (names and descriptions are at most 4 KiB).
 const MAX_REPLY: u32 = 64 * 1024;
 
+/// Most exports `NBD_OPT_LIST` takes: each holds up to two 4 KiB strings, so a listing
+/// stays under 80 MiB however the server pads it (nbdinfo keeps every one too).
+pub const MAX_LIST_EXPORTS: usize = 10_000;
+
+/// Most replies taken to any other option before its final one: `NBD_OPT_GO` answers
+/// with one `NBD_REP_INFO` per information type (four are defined), `SET_META_CONTEXT`
+/// with one reply per context matched (ferry asks for one).
+pub const MAX_OPTION_REPLIES: usize = 64;
+
 pub struct ClientHandshake {
     cfg: ClientConfig,
     state: State,
     no_zeroes: bool,
     n: ClientNegotiated,
     list: Vec<(String, String)>,
+    /// Replies taken so far to the option in flight.
+    replies: usize,
 }
 
 fn reply_name(reply: u32) -> String {
@@ -137,6 +152,29 @@ fn reply_name(reply: u32) -> String {
     }
 }
 
+/// A string the server sent: at most [`MAX_STRING`] bytes (checked before anything is
+/// copied), invalid UTF-8 replaced.
+fn string(what: &'static str, b: &[u8]) -> Result<String, ClientError> {
+    if b.len() > MAX_STRING {
+        return Err(ClientError::StringTooLong { what, len: b.len() });
+    }
+    Ok(String::from_utf8_lossy(b).into_owned())
+}
+
+/// Server text for a message: invalid UTF-8 replaced, control characters escaped (a
+/// server's words must not drive the user's terminal).
+pub fn printable(b: &[u8]) -> String {
+    let mut s = String::new();
+    for c in String::from_utf8_lossy(b).chars() {
+        if c.is_control() {
+            s.extend(c.escape_default());
+        } else {
+            s.push(c);
+        }
+    }
+    s
+}
+
 impl ClientHandshake {
     pub fn new(cfg: ClientConfig) -> Self {
         ClientHandshake {
@@ -145,6 +183,7 @@ impl ClientHandshake {
             no_zeroes: false,
             n: ClientNegotiated::default(),
             list: Vec::new(),
+            replies: 0,
         }
     }
 
@@ -234,6 +273,7 @@ impl ClientHandshake {
     fn send(&mut self, opt: u32, data: &[u8], out: &mut Vec<u8>) {
         encode_option(opt, data, out);
         self.state = State::Reply(opt);
+        self.replies = 0;
     }
 
     fn after_extended(&mut self, out: &mut Vec<u8>) {
@@ -262,13 +302,24 @@ impl ClientHandshake {
 
     fn reply(&mut self, opt: u32, reply: u32, data: &[u8], out: &mut Vec<u8>) -> Result<ClientProgress, ClientError> {
         let error_text = || {
-            let msg = String::from_utf8_lossy(data);
+            let msg = printable(&data[..data.len().min(MAX_STRING)]);
             if msg.is_empty() {
                 reply_name(reply)
             } else {
                 format!("{} ({msg})", reply_name(reply))
             }
         };
+        // Replies that are not the option's last one; a server could send them forever.
+        self.replies += 1;
+        let limit = if opt == OPT_LIST { MAX_LIST_EXPORTS } else { MAX_OPTION_REPLIES };
+        if self.replies > limit && matches!(reply, REP_SERVER | REP_INFO | REP_META_CONTEXT) {
+            let what = match opt {
+                OPT_LIST => "exports in its list",
+                OPT_GO => "NBD_REP_INFO replies to NBD_OPT_GO",
+                _ => "replies to one option",
+            };
+            return Err(ClientError::TooManyReplies { what, limit });
+        }
         if reply == REP_ERR_TLS_REQD {
             return Err(ClientError::TlsRequired);
         }
@@ -332,8 +383,8 @@ impl ClientHandshake {
                         return Err(ClientError::Malformed("NBD_OPT_LIST"));
                     }
                     let nlen = be32(&data[..4]) as usize;
-                    let name = String::from_utf8_lossy(&data[4..4 + nlen]).into_owned();
-                    let desc = String::from_utf8_lossy(&data[4 + nlen..]).into_owned();
+                    let name = string("an export name in its list", &data[4..4 + nlen])?;
+                    let desc = string("an export description in its list", &data[4 + nlen..])?;
                     self.list.push((name, desc));
                 }
                 REP_ACK => {
@@ -367,8 +418,10 @@ impl ClientHandshake {
                 self.n.block_size =
                     Some(BlockSize { minimum: be32(&d[2..6]), preferred: be32(&d[6..10]), maximum: be32(&d[10..14]) });
             }
-            INFO_NAME => self.n.name = Some(String::from_utf8_lossy(&d[2..]).into_owned()),
-            INFO_DESCRIPTION => self.n.description = Some(String::from_utf8_lossy(&d[2..]).into_owned()),
+            INFO_NAME => self.n.name = Some(string("an export name (NBD_INFO_NAME)", &d[2..])?),
+            INFO_DESCRIPTION => {
+                self.n.description = Some(string("an export description (NBD_INFO_DESCRIPTION)", &d[2..])?)
+            }
             _ => {} // unknown information: ignored, as the spec says
         }
         Ok(())
@@ -527,6 +580,44 @@ mod tests {
         let (n, p) = h.feed(&ack, &mut out).unwrap();
         assert_eq!((n, p), (injected, ClientProgress::StartTls), "only the ACK is consumed");
         assert!(matches!(h.feed(&ack[n..], &mut out), Err(ClientError::Malformed(_))));
+    }
+
+    /// A client listing exports, past the greeting.
+    fn listing() -> ClientHandshake {
+        let mut cfg = ClientConfig::new("");
+        cfg.list = true;
+        let mut h = ClientHandshake::new(cfg);
+        let mut s2c = Vec::new();
+        ServerHandshake::new(&mut s2c);
+        assert_eq!(h.feed(&s2c, &mut Vec::new()).unwrap().0, 18);
+        h
+    }
+
+    fn server_reply(name: &[u8], desc: &[u8]) -> Vec<u8> {
+        let mut d = (name.len() as u32).to_be_bytes().to_vec();
+        d.extend_from_slice(name);
+        d.extend_from_slice(desc);
+        let mut r = Vec::new();
+        crate::handshake::option_reply(&mut r, OPT_LIST, REP_SERVER, &d);
+        r
+    }
+
+    #[test]
+    fn export_lists_and_strings_are_bounded() {
+        let mut h = listing();
+        let one = server_reply(b"x", b"");
+        for _ in 0..MAX_LIST_EXPORTS {
+            assert_eq!(h.feed(&one, &mut Vec::new()), Ok((one.len(), ClientProgress::Continue)));
+        }
+        let e = h.feed(&one, &mut Vec::new()).unwrap_err();
+        assert_eq!(e, ClientError::TooManyReplies { what: "exports in its list", limit: MAX_LIST_EXPORTS });
+        assert!(e.to_string().contains("more than 10000 exports"), "{e}");
+        for (name, desc) in [(vec![b'n'; MAX_STRING + 1], vec![]), (vec![], vec![b'd'; MAX_STRING + 1])] {
+            let e = listing().feed(&server_reply(&name, &desc), &mut Vec::new()).unwrap_err();
+            assert!(matches!(e, ClientError::StringTooLong { len: 4097, .. }), "{e:?}");
+        }
+        let ok = server_reply(&[b'n'; MAX_STRING], &[b'd'; MAX_STRING]);
+        assert!(listing().feed(&ok, &mut Vec::new()).is_ok());
     }
 
     #[test]

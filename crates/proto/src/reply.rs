@@ -325,7 +325,8 @@ pub fn parse_error_chunk(ty: u16, p: &[u8]) -> Result<(u32, String, Option<u64>)
     if 6 + mlen > p.len() {
         return Err(ReplyError::Malformed("error"));
     }
-    let msg = String::from_utf8_lossy(&p[6..6 + mlen]).into_owned();
+    // The spec's limit is 4096 bytes; a longer message is cut, not copied whole.
+    let msg = crate::client::printable(&p[6..6 + mlen.min(MAX_STRING)]);
     let off = if ty == REPLY_TYPE_ERROR_OFFSET {
         if p.len() < 6 + mlen + 8 {
             return Err(ReplyError::Malformed("error offset"));
@@ -360,6 +361,85 @@ pub fn parse_block_status(ty: u16, p: &[u8], out: &mut Vec<Extent>) -> Result<u3
             Ok(be32(&p[..4]))
         }
         _ => Err(ReplyError::Malformed("block status")),
+    }
+}
+
+/// Which parts of a READ its chunks have covered, so that a reply finishes only when
+/// every byte arrived exactly once (a gap would leave stale bytes in the caller's buffer;
+/// an overlap could make the byte count add up with a gap elsewhere).
+///
+/// Ranges are kept merged: chunks sent in order (or in reverse) stay one range. A server
+/// scattering tiny chunks is stopped at [`ReadCoverage::MAX_RANGES`] separate ranges.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReadCoverage {
+    /// Disjoint, non-adjacent `(start, end)` ranges relative to the request, in order.
+    ranges: Vec<(u64, u64)>,
+    covered: u64,
+}
+
+/// Why a READ chunk does not fit the request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum CoverageError {
+    #[error("a chunk of no bytes")]
+    Empty,
+    #[error("a chunk past the end of the request")]
+    Outside,
+    #[error("a chunk over bytes already sent")]
+    Overlap,
+    #[error("more than {} separate pieces", ReadCoverage::MAX_RANGES)]
+    Scattered,
+}
+
+impl ReadCoverage {
+    /// Separate ranges kept at most (16 bytes each): far more than any server sends for
+    /// one READ (at most 32 MiB), and a bound on what a hostile one can make us keep.
+    pub const MAX_RANGES: usize = 65_536;
+
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A request of `total` bytes answered in one piece (a simple reply).
+    pub fn whole(total: u64) -> Self {
+        let ranges = if total > 0 { vec![(0, total)] } else { Vec::new() };
+        ReadCoverage { ranges, covered: total }
+    }
+
+    /// Bytes covered so far.
+    pub fn covered(&self) -> u64 {
+        self.covered
+    }
+
+    /// Records `len` bytes at `rel` (relative to the request start) of a request of
+    /// `total` bytes. Nothing is recorded on error.
+    pub fn add(&mut self, rel: u64, len: u64, total: u64) -> Result<(), CoverageError> {
+        if len == 0 {
+            return Err(CoverageError::Empty);
+        }
+        let end = rel.checked_add(len).filter(|&e| e <= total).ok_or(CoverageError::Outside)?;
+        // The first range that ends after `rel`: the only one that could overlap.
+        let i = self.ranges.partition_point(|&(_, e)| e <= rel);
+        if self.ranges.get(i).is_some_and(|&(s, _)| s < end) {
+            return Err(CoverageError::Overlap);
+        }
+        let joins_prev = i > 0 && self.ranges[i - 1].1 == rel;
+        let joins_next = self.ranges.get(i).is_some_and(|&(s, _)| s == end);
+        match (joins_prev, joins_next) {
+            (true, true) => {
+                self.ranges[i - 1].1 = self.ranges[i].1;
+                self.ranges.remove(i);
+            }
+            (true, false) => self.ranges[i - 1].1 = end,
+            (false, true) => self.ranges[i].0 = rel,
+            (false, false) => {
+                if self.ranges.len() >= Self::MAX_RANGES {
+                    return Err(CoverageError::Scattered);
+                }
+                self.ranges.insert(i, (rel, end));
+            }
+        }
+        self.covered += len;
+        Ok(())
     }
 }
 
@@ -405,5 +485,51 @@ mod client_tests {
             assert_eq!(out, ex);
         }
         assert!(parse_block_status(REPLY_TYPE_BLOCK_STATUS, &[0; 5], &mut Vec::new()).is_err());
+    }
+
+    #[test]
+    fn long_error_messages_are_cut_and_escaped() {
+        let mut p = 5u32.to_be_bytes().to_vec();
+        p.extend_from_slice(&10_000u16.to_be_bytes());
+        p.extend_from_slice(b"\x1b[2J");
+        p.resize(6 + 10_000, b'x');
+        let (_, msg, _) = parse_error_chunk(REPLY_TYPE_ERROR, &p).unwrap();
+        assert!(msg.starts_with("\\u{1b}[2J"), "{msg}");
+        assert!(msg.len() < MAX_STRING + 16);
+    }
+
+    #[test]
+    fn read_coverage_needs_every_byte_once() {
+        let mut c = ReadCoverage::new();
+        assert_eq!(c.add(0, 0, 100), Err(CoverageError::Empty));
+        assert_eq!(c.add(90, 11, 100), Err(CoverageError::Outside));
+        assert_eq!(c.add(u64::MAX, 2, 100), Err(CoverageError::Outside));
+        c.add(50, 10, 100).unwrap();
+        assert_eq!(c.add(55, 10, 100), Err(CoverageError::Overlap));
+        assert_eq!(c.add(45, 6, 100), Err(CoverageError::Overlap));
+        assert_eq!(c.add(0, 100, 100), Err(CoverageError::Overlap));
+        c.add(60, 40, 100).unwrap();
+        c.add(0, 20, 100).unwrap();
+        assert_eq!(c.covered(), 70);
+        c.add(20, 30, 100).unwrap();
+        assert_eq!(c.covered(), 100);
+        assert_eq!(c.ranges, vec![(0, 100)]);
+        // In order, one range however many chunks.
+        let mut c = ReadCoverage::new();
+        for i in 0..200_000 {
+            c.add(i, 1, 200_000).unwrap();
+        }
+        assert_eq!(c.ranges.len(), 1);
+        // Scattered: every other byte, until the limit.
+        let mut c = ReadCoverage::new();
+        let total = 4 * ReadCoverage::MAX_RANGES as u64;
+        for i in 0..ReadCoverage::MAX_RANGES as u64 {
+            c.add(2 * i, 1, total).unwrap();
+        }
+        assert_eq!(c.add(total - 1, 1, total), Err(CoverageError::Scattered));
+        c.add(1, 1, total).unwrap(); // joins two ranges: allowed
+        let mut c = ReadCoverage::whole(10);
+        assert_eq!((c.covered(), c.add(9, 1, 10)), (10, Err(CoverageError::Overlap)));
+        assert_eq!(ReadCoverage::whole(0), ReadCoverage::new());
     }
 }

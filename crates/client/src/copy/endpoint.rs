@@ -29,9 +29,41 @@ pub(crate) type Map = Vec<(u64, u64, Kind)>;
 /// range), merging it with the previous one when both are of one kind.
 pub(crate) fn push_extent(out: &mut Map, pos: u64, length: u64, flags: u32) {
     let kind = if flags & ferry_proto::consts::STATE_ZERO != 0 { Kind::Zero } else { Kind::Data };
+    push_range(out, pos, length, kind);
+}
+
+/// Most ranges a map keeps (24 bytes each): a source (or a hostile server) with more
+/// fragments than this gets a coarser map, not unbounded memory.
+pub(crate) const MAX_MAP_RANGES: usize = 1 << 20;
+
+/// Appends a range to a map, merging it with the previous one when both are of one
+/// kind; past [`MAX_MAP_RANGES`] the map is coarsened.
+pub(crate) fn push_range(out: &mut Map, pos: u64, length: u64, kind: Kind) {
     match out.last_mut() {
         Some(last) if last.2 == kind && last.0 + last.1 == pos => last.1 += length,
         _ => out.push((pos, length, kind)),
+    }
+    if out.len() > MAX_MAP_RANGES {
+        coarsen(out, MAX_MAP_RANGES / 2);
+    }
+}
+
+/// Makes a map at most `max` ranges long by reading its shortest zero runs as data
+/// (always safe: zero detection still finds them), runs under 4 KiB first, then under
+/// twice that, and so on.
+pub(crate) fn coarsen(map: &mut Map, max: usize) {
+    let mut min = 4096u64;
+    while map.len() > max {
+        let mut out: Map = Vec::with_capacity(map.len().min(max * 2));
+        for &(pos, len, kind) in map.iter() {
+            let kind = if kind == Kind::Zero && len < min { Kind::Data } else { kind };
+            match out.last_mut() {
+                Some(last) if last.2 == kind && last.0 + last.1 == pos => last.1 += len,
+                _ => out.push((pos, len, kind)),
+            }
+        }
+        *map = out;
+        min = min.saturating_mul(2);
     }
 }
 
@@ -181,5 +213,36 @@ pub(crate) trait Ops: Send {
     /// Socket statistics, for NBD.
     fn socket_stats(&self) -> Option<ferry_sock::Counters> {
         None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fragmented_maps_are_coarsened_not_grown() {
+        let mut m = Map::new();
+        let n = 3 * MAX_MAP_RANGES as u64;
+        for i in 0..n {
+            push_extent(&mut m, i * 512, 512, if i % 2 == 1 { ferry_proto::consts::STATE_ZERO } else { 0 });
+        }
+        assert!(m.len() <= MAX_MAP_RANGES, "{}", m.len());
+        // Still the whole range, in order, without gaps.
+        let mut pos = 0;
+        for &(p, len, _) in &m {
+            assert_eq!(p, pos);
+            pos += len;
+        }
+        assert_eq!(pos, n * 512);
+        // Large holes survive coarsening.
+        let mut m: Map =
+            (0..10).map(|i| (i << 20, 1 << 20, if i % 2 == 1 { Kind::Zero } else { Kind::Data })).collect();
+        m.push((10 << 20, 100, Kind::Zero));
+        m.push((10 << 20 | 100, 100, Kind::Data));
+        coarsen(&mut m, 11);
+        assert_eq!(m.len(), 11);
+        assert_eq!(m[1], (1 << 20, 1 << 20, Kind::Zero));
+        assert_eq!(m[10], (10 << 20, 200, Kind::Data));
     }
 }

@@ -1,8 +1,8 @@
 //! Local files and block devices: positioned reads and writes, SEEK_DATA/SEEK_HOLE for
 //! the allocation map, fallocate for zeroes, and the file itself for sendfile payloads.
 
-use super::endpoint::{read_each, write_each, Caps, Data, Done, Kind, Map, Ops, Read, Write};
-use super::{zero_chunks, CopyError, ZEROES};
+use super::endpoint::{push_range, read_each, write_each, Caps, Data, Done, Kind, Map, Ops, Read, Write};
+use super::{pipe, zero_chunks, CopyError, ZEROES};
 use ferry_sock::AlignedBuf;
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -36,19 +36,48 @@ fn device_size(f: &File, what: &'static str, p: &Path) -> Result<u64, CopyError>
     rustix::fs::seek(f, rustix::fs::SeekFrom::End(0)).map_err(|e| local(what, p)(e.into()))
 }
 
-pub(crate) fn open_source(p: &Path) -> Result<FileEnd, CopyError> {
+/// Opens a source: a regular file or block device, or a FIFO as a stream (read to its
+/// end, like stdin). A character device is refused: it has no size, and many never end
+/// (`/dev/zero`, `/dev/urandom`).
+pub(crate) fn open_source(p: &Path) -> Result<Box<dyn Ops>, CopyError> {
+    let ty = std::fs::metadata(p).map_err(local("cannot open source", p))?.file_type();
+    if ty.is_char_device() {
+        return Err(CopyError::Setup(format!(
+            "source {} is a character device, which has no size (and may have no end); give it on stdin \
+             as `-`, limited to the bytes wanted: `head -c SIZE {0} | ferry copy - DST`",
+            p.display()
+        )));
+    }
     let file = File::open(p).map_err(local("cannot open source", p))?;
+    if ty.is_fifo() {
+        return Ok(Box::new(pipe::reader(file, p.display().to_string())));
+    }
     let meta = file.metadata().map_err(local("cannot stat source", p))?;
     let block = meta.file_type().is_block_device();
     let size = if block { device_size(&file, "cannot size source", p)? } else { meta.len() };
-    Ok(FileEnd { file, path: p.to_owned(), block, fresh: false, what: "source", size: Some(size), write_lock: None })
+    Ok(Box::new(FileEnd {
+        file,
+        path: p.to_owned(),
+        block,
+        fresh: false,
+        what: "source",
+        size: Some(size),
+        write_lock: None,
+    }))
 }
 
 /// Opens (or creates) a destination for a source of `src_size` bytes: a regular file is
-/// emptied and sized to the source (all hole); a block device is used as it is.
-pub(crate) fn open_destination(p: &Path, src_size: Option<u64>) -> Result<FileEnd, CopyError> {
+/// emptied and sized to the source (all hole); a block device is used as it is; a
+/// character device or a FIFO is written as a stream (in order, zeroes as data, nothing
+/// sized, truncated or sought).
+pub(crate) fn open_destination(p: &Path, src_size: Option<u64>) -> Result<Box<dyn Ops>, CopyError> {
     let exists = std::fs::metadata(p).ok();
-    let block = exists.as_ref().is_some_and(|m| m.file_type().is_block_device());
+    let ty = exists.as_ref().map(|m| m.file_type());
+    if ty.is_some_and(|t| t.is_char_device() || t.is_fifo()) {
+        let file = OpenOptions::new().write(true).open(p).map_err(local("cannot open destination", p))?;
+        return Ok(Box::new(pipe::writer(file, p.display().to_string())));
+    }
+    let block = ty.is_some_and(|t| t.is_block_device());
     if !block {
         // A copy makes the file exactly the source: empty it (then size it, all hole).
         // Through an opening of its own: ext4 writes a file truncated to zero back when
@@ -71,7 +100,7 @@ pub(crate) fn open_destination(p: &Path, src_size: Option<u64>) -> Result<FileEn
         src_size
     };
     let write_lock = (!block).then(Arc::default);
-    Ok(FileEnd { file, path: p.to_owned(), block, fresh: !block, what: "destination", size, write_lock })
+    Ok(Box::new(FileEnd { file, path: p.to_owned(), block, fresh: !block, what: "destination", size, write_lock }))
 }
 
 impl Ops for FileEnd {
@@ -151,7 +180,7 @@ fn file_map(f: &File, size: u64) -> Map {
             Err(_) => return vec![(0, size, Kind::Data)],
         };
         if data > pos {
-            out.push((pos, data - pos, Kind::Zero));
+            push_range(&mut out, pos, data - pos, Kind::Zero);
             pos = data;
             continue;
         }
@@ -159,7 +188,7 @@ fn file_map(f: &File, size: u64) -> Map {
             Ok(h) => h.clamp(pos + 1, size),
             Err(_) => size,
         };
-        out.push((pos, hole - pos, Kind::Data));
+        push_range(&mut out, pos, hole - pos, Kind::Data);
         pos = hole;
     }
     out

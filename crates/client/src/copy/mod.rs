@@ -1,10 +1,11 @@
-//! The copy engine behind `ferry copy`: NBD, local files and block devices, stdin/stdout,
-//! `null:` and any [`ferry_backend::Backend`], in any combination.
+//! The copy engine behind `ferry copy`: NBD, local files and block devices, streams
+//! (stdin/stdout, FIFOs, character devices), `null:` and any [`ferry_backend::Backend`],
+//! in any combination.
 //!
 //! Each kind of endpoint is one file behind one interface ([`endpoint::Ops`]: size, what
 //! it can do, allocation map, batched reads and writes, flush), the way nbdcopy keeps
 //! its per-endpoint operations apart: `nbd.rs`, `file.rs` (files and block devices),
-//! `pipe.rs` (stdin/stdout), `null.rs` and `backend.rs`. This file plans the copy and runs
+//! `pipe.rs` (streams), `null.rs` and `backend.rs`. This file plans the copy and runs
 //! the workers, which move buffers between two endpoints and know none of their kinds.
 //!
 //! The source's allocation map is read first (NBD block status, SEEK_DATA/SEEK_HOLE,
@@ -80,7 +81,7 @@ impl Endpoint {
     fn open_source(&self, opts: &CopyOptions) -> Result<Box<dyn Ops>, CopyError> {
         Ok(match self {
             Endpoint::Nbd(u) => Box::new(nbd::open(u, &opts.connect, "source")?),
-            Endpoint::File(p) => Box::new(file::open_source(p)?),
+            Endpoint::File(p) => file::open_source(p)?,
             Endpoint::Stdio => Box::new(pipe::stdin()),
             Endpoint::Null => return Err(CopyError::Setup("null: can only be a destination".into())),
             Endpoint::Backend(b) => Box::new(b.clone()),
@@ -93,7 +94,7 @@ impl Endpoint {
     fn open_destination(&self, src_size: Option<u64>, opts: &CopyOptions) -> Result<Box<dyn Ops>, CopyError> {
         let d: Box<dyn Ops> = match self {
             Endpoint::Nbd(u) => Box::new(nbd::open(u, &opts.connect, "destination")?),
-            Endpoint::File(p) => Box::new(file::open_destination(p, src_size)?),
+            Endpoint::File(p) => file::open_destination(p, src_size)?,
             Endpoint::Stdio => Box::new(pipe::stdout()),
             Endpoint::Null => Box::new(null::Null),
             Endpoint::Backend(b) => Box::new(b.clone()),

@@ -10,6 +10,9 @@ use ferry_proto::reply::Extent;
 use ferry_sock::AlignedBuf;
 use std::os::fd::{AsFd, BorrowedFd};
 
+/// Shortest zero run of a server's map that is not read.
+const MIN_ZERO_RUN: u64 = 4096;
+
 pub(crate) struct Nbd {
     conn: Box<Connection>,
     uri: Uri,
@@ -47,8 +50,19 @@ impl Ops for Nbd {
         }
     }
 
+    /// Another connection to the same export, which must be the same size: the copy was
+    /// planned from the first connection's.
     fn reopen(&self) -> Result<Box<dyn Ops>, CopyError> {
-        Ok(Box::new(open(&self.uri, &self.opts, self.what)?))
+        let other = open(&self.uri, &self.opts, self.what)?;
+        let (a, b) = (self.conn.size(), other.conn.size());
+        if a != b {
+            return Err(CopyError::Setup(format!(
+                "{} {}: the export was {a} bytes on one connection and {b} on another; \
+                 nothing was copied (is it being resized? copy with -C 1 to use one connection)",
+                self.what, self.uri
+            )));
+        }
+        Ok(Box::new(other))
     }
 
     fn extents(&mut self, size: u64) -> Result<Map, CopyError> {
@@ -65,6 +79,10 @@ impl Ops for Nbd {
                 if length == 0 {
                     break;
                 }
+                // Zero runs shorter than a page are read as data (zero detection still
+                // finds them): a server answering in tiny pieces would otherwise cost a
+                // request per piece.
+                let flags = if length < MIN_ZERO_RUN { flags & !STATE_ZERO } else { flags };
                 push_extent(&mut out, pos, length, flags);
                 pos += length;
             }
