@@ -395,6 +395,21 @@ struct SendQueue {
 }
 
 impl SendQueue {
+    /// A zero-copy send (or the wait after it) failed part way: the kernel may still
+    /// hold pages of every buffer the batch named and send them later, so none of them
+    /// may be freed and reused (other data would go out to this peer). They are leaked;
+    /// the connection ends with `e`.
+    fn leak_to_kernel(&mut self, e: io::Error) -> io::Error {
+        let bytes = self.headers.capacity() + self.data.len() + self.buf_bytes;
+        std::mem::forget(std::mem::take(&mut self.headers));
+        std::mem::forget(std::mem::take(&mut self.data));
+        for b in self.bufs.drain(..) {
+            std::mem::forget(b);
+        }
+        log::debug!("a zero-copy send failed ({e}): {bytes} bytes of send buffers left to the kernel");
+        e
+    }
+
     /// Records that header bytes from `start` to the arena's end belong next in line.
     fn header_from(&mut self, start: usize) {
         let end = self.headers.len();
@@ -785,17 +800,26 @@ impl Transmission {
                 }
             }
         }
-        let zc_ticket = match &mut self.zc {
-            Some(zc) if zerocopy => Some(zc.send(plain(&mut self.stream)?, &mut iov)?),
+        let zc_sent = match &mut self.zc {
+            Some(zc) if zerocopy => Some(zc.send(plain(&mut self.stream)?, &mut iov)),
             _ => {
                 self.stream.send_all(&mut iov)?;
                 None
             }
         };
         drop(iov);
+        let zc_ticket = match zc_sent {
+            Some(Err(e)) => return Err(self.tx.leak_to_kernel(e)),
+            Some(Ok(t)) => Some(t),
+            None => None,
+        };
         if let (Some(ticket), Some(zc)) = (zc_ticket, &mut self.zc) {
             // The kernel holds the arenas just sent until `ticket` completes: swap in others.
-            zc.retire(plain(&mut self.stream)?, ticket, &mut self.tx.headers, &mut self.tx.data)?;
+            let retired =
+                plain(&mut self.stream).and_then(|s| zc.retire(s, ticket, &mut self.tx.headers, &mut self.tx.data));
+            if let Err(e) = retired {
+                return Err(self.tx.leak_to_kernel(e));
+            }
         }
         self.tx.parts.clear();
         self.tx.headers.clear();
