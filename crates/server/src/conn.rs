@@ -395,21 +395,6 @@ struct SendQueue {
 }
 
 impl SendQueue {
-    /// A zero-copy send (or the wait after it) failed part way: the kernel may still
-    /// hold pages of every buffer the batch named and send them later, so none of them
-    /// may be freed and reused (other data would go out to this peer). They are leaked;
-    /// the connection ends with `e`.
-    fn leak_to_kernel(&mut self, e: io::Error) -> io::Error {
-        let bytes = self.headers.capacity() + self.data.len() + self.buf_bytes;
-        std::mem::forget(std::mem::take(&mut self.headers));
-        std::mem::forget(std::mem::take(&mut self.data));
-        for b in self.bufs.drain(..) {
-            std::mem::forget(b);
-        }
-        log::debug!("a zero-copy send failed ({e}): {bytes} bytes of send buffers left to the kernel");
-        e
-    }
-
     /// Records that header bytes from `start` to the arena's end belong next in line.
     fn header_from(&mut self, start: usize) {
         let end = self.headers.len();
@@ -538,6 +523,26 @@ impl Transmission {
             disconnect: false,
             partial: Vec::new(),
         }
+    }
+
+    /// A zero-copy send (or the wait after it) failed part way: the kernel may still
+    /// hold pages of every buffer the batch named and send them later, so none may be
+    /// freed and reused (other data would go out to this peer). The arenas wait with
+    /// those in flight (freed once complete, at the latest when the connection closes;
+    /// leaked if never); read buffers of a request queue are leaked. The connection
+    /// ends with `e`.
+    fn abandon_batch(&mut self, e: io::Error) -> io::Error {
+        match (&mut self.zc, self.stream.plain_mut()) {
+            (Some(zc), Some(s)) => zc.abandon(s, &mut self.tx.headers, &mut self.tx.data),
+            _ => {
+                std::mem::forget(std::mem::take(&mut self.tx.headers));
+                std::mem::forget(std::mem::take(&mut self.tx.data));
+            }
+        }
+        for b in self.tx.bufs.drain(..) {
+            std::mem::forget(b);
+        }
+        e
     }
 
     /// Allocates the buffers a thread serves the connection with.
@@ -809,7 +814,7 @@ impl Transmission {
         };
         drop(iov);
         let zc_ticket = match zc_sent {
-            Some(Err(e)) => return Err(self.tx.leak_to_kernel(e)),
+            Some(Err(e)) => return Err(self.abandon_batch(e)),
             Some(Ok(t)) => Some(t),
             None => None,
         };
@@ -818,7 +823,7 @@ impl Transmission {
             let retired =
                 plain(&mut self.stream).and_then(|s| zc.retire(s, ticket, &mut self.tx.headers, &mut self.tx.data));
             if let Err(e) = retired {
-                return Err(self.tx.leak_to_kernel(e));
+                return Err(self.abandon_batch(e));
             }
         }
         self.tx.parts.clear();

@@ -151,6 +151,16 @@ impl ZeroCopySender {
         Ok(())
     }
 
+    /// A zero-copy send (or the wait after it) failed part way: the kernel may still
+    /// hold pages of `headers` and `data` from the sends it took, so they join the
+    /// arenas in flight (freed by [`Self::finish`] once complete, leaked if never)
+    /// instead of being freed and reused while queued data still points at them.
+    pub(crate) fn abandon(&mut self, stream: &Stream, headers: &mut Vec<u8>, data: &mut AlignedBuf) {
+        let ticket = stream.zerocopy_done() + stream.zerocopy_outstanding();
+        let pair = (std::mem::take(headers), std::mem::take(data));
+        self.in_flight.push_back((ticket, pair));
+    }
+
     /// After completions were reaped: frees arenas, and reacts to the first COPIED report.
     fn after_reap(&mut self, stream: &Stream) {
         self.collect(stream);
