@@ -34,7 +34,8 @@ pub struct ServeArgs {
     read_only: bool,
     /// Serve a qcow2 image read-write even though clusters it uses lie past the end of
     /// its file (a truncated image: what is missing reads as zeroes). Without it such an
-    /// image is refused read-write, and served read-only with a warning.
+    /// image is refused read-write, and served read-only with a warning. For rescue
+    /// only: the image's refcounts are incomplete, so prefer `qemu-img check -r all`.
     #[arg(long)]
     allow_truncated: bool,
     /// With --read-only: serve images even while another program (qemu, another ferry)
