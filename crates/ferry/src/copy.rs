@@ -109,6 +109,15 @@ pub(crate) fn source_size(src: &Endpoint) -> Result<u64> {
         Endpoint::Backend(b) => b.backend().size(),
         Endpoint::File(p) => {
             use std::io::Seek;
+            use std::os::unix::fs::FileTypeExt;
+            if std::fs::metadata(p).is_ok_and(|m| m.file_type().is_char_device()) {
+                anyhow::bail!(
+                    "{} is a character device: it has no size to create an image with; copy a known amount \
+                     with head -c SIZE {} | ferry copy - DST into an existing destination",
+                    p.display(),
+                    p.display()
+                );
+            }
             let mut f = std::fs::File::open(p).with_context(|| format!("cannot open {}", p.display()))?;
             f.seek(std::io::SeekFrom::End(0))?
         }

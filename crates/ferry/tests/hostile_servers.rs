@@ -651,4 +651,10 @@ fn copy_from_a_character_device_is_refused() {
     let out = ferry(&["copy", "/dev/zero", dst.to_str().unwrap()]);
     assert!(!out.status.success(), "{}", out.describe());
     assert!(out.stderr.contains("character device"), "{}", out.describe());
+    // Refused before a new image is made: no empty qcow2 is left behind.
+    let q = dir.path().join("out.qcow2");
+    let out = ferry(&["copy", "/dev/zero", q.to_str().unwrap()]);
+    assert!(!out.status.success(), "{}", out.describe());
+    assert!(out.stderr.contains("character device"), "{}", out.describe());
+    assert!(!q.exists(), "an image was created for a source that was refused");
 }
