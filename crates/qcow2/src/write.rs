@@ -149,12 +149,13 @@ impl Qcow2 {
         buf: &[u8],
         offset: u64,
         direct: &mut Vec<(u64, usize, usize)>,
-    ) -> Result<(), Qcow2Error> {
+    ) -> Result<bool, Qcow2Error> {
         let cs = self.geo.cluster_size;
         let end = offset + buf.len() as u64;
         let s = gc.max(offset);
         let t = (gc + cs).min(end);
-        if t - s < cs {
+        let later = t - s == cs;
+        if !later {
             let mut cl = vec![0u8; cs as usize];
             self.old_cluster(old, gc, &mut cl)?;
             cl[(s - gc) as usize..(t - gc) as usize]
@@ -167,6 +168,108 @@ impl Qcow2 {
         let table = self.l2_table(st, l2_off)?;
         table.raw[idx] = h | OFLAG_COPIED;
         table.dirty = true;
+        Ok(later)
+    }
+
+    /// A write failed after clusters were mapped for data that never landed (`fresh`:
+    /// guest cluster, host cluster, the entry to put back): each still mapped so becomes
+    /// what it was (preallocated zeroes) or a zero cluster, and a cluster taken for it is
+    /// freed. The range then reads zeroes, never stale bytes of another range, and no
+    /// counted cluster is left past the end of the file (ENOSPC).
+    fn undo_fresh(&self, st: &mut State, fresh: &[(u64, u64, u64)]) {
+        for &(gc, h, restore) in fresh {
+            let l2_off = st.l1.get((gc / self.geo.l2_span()) as usize).map_or(0, |e| e & OFFSET_MASK);
+            if l2_off == 0 {
+                continue;
+            }
+            let idx = self.entry_index(gc);
+            let Ok(table) = self.l2_table(st, l2_off) else { continue };
+            let e = table.raw[idx];
+            if e & OFFSET_MASK != h || e & OFLAG_ZERO != 0 {
+                continue; // rewritten since by another request
+            }
+            table.raw[idx] = restore;
+            table.dirty = true;
+            if restore & OFFSET_MASK != h {
+                if let Some(refs) = st.refs.as_mut() {
+                    refs.free(h, self.geo.cluster_size, false);
+                }
+            }
+        }
+    }
+
+    /// The part of a write done under the metadata lock: clusters looked up or allocated
+    /// and mapped, partial clusters written; whole clusters are left in `direct`, and
+    /// those mapped for them in `fresh`.
+    fn plan_write(
+        &self,
+        st: &mut State,
+        buf: &[u8],
+        offset: u64,
+        direct: &mut Vec<(u64, usize, usize)>,
+        fresh: &mut Vec<(u64, u64, u64)>,
+    ) -> Result<(), Qcow2Error> {
+        let cs = self.geo.cluster_size;
+        let end = offset + buf.len() as u64;
+        self.commit_frees_if_due(st)?;
+        let mut pos = offset;
+        while pos < end {
+            let l2_off = self.l2_for_write(st, pos)?;
+            let span_end = end.min((pos / self.geo.l2_span() + 1) * self.geo.l2_span());
+            // Classify the clusters of this L2 table's part of the range.
+            let first = pos;
+            let mut need: Vec<(u64, u64)> = Vec::new(); // (guest cluster start, old entry)
+            let mut c = pos & !(cs - 1);
+            while c < span_end {
+                let idx = self.entry_index(c);
+                let e = self.l2_table(st, l2_off)?.raw[idx];
+                if owned(e) && e & OFLAG_ZERO != 0 {
+                    // Preallocated zeroes: the cluster is ours, its bytes are not.
+                    let h = e & OFFSET_MASK;
+                    if self.map_cluster(st, l2_off, c, OFLAG_ZERO, h, buf, offset, direct)? {
+                        fresh.push((c, h, e));
+                    }
+                } else if owned(e) {
+                    let s = c.max(first);
+                    let t = (c + cs).min(span_end);
+                    push_direct(direct, (e & OFFSET_MASK) + (s - c), (s - offset) as usize, (t - offset) as usize);
+                } else {
+                    need.push((c, e));
+                }
+                c += cs;
+            }
+            // Allocate runs of consecutive clusters contiguously.
+            let mut i = 0;
+            while i < need.len() {
+                let mut j = i + 1;
+                while j < need.len() && need[j].0 == need[j - 1].0 + cs {
+                    j += 1;
+                }
+                // Freed clusters may come in shorter runs.
+                let (host, got) = self.alloc(st, (j - i) as u64)?;
+                let j = i + got as usize;
+                for (k, &(gc, old)) in need[i..j].iter().enumerate() {
+                    let h = host + k as u64 * cs;
+                    match self.map_cluster(st, l2_off, gc, old, h, buf, offset, direct) {
+                        Ok(later) => {
+                            if later {
+                                fresh.push((gc, h, OFLAG_ZERO));
+                            }
+                        }
+                        Err(e) => {
+                            // This cluster and the rest of the run were taken, not mapped.
+                            if let Some(refs) = st.refs.as_mut() {
+                                refs.free(h, (got - k as u64) * cs, false);
+                            }
+                            return Err(e);
+                        }
+                    }
+                    self.release(st, old, false);
+                }
+                i = j;
+            }
+            pos = span_end;
+        }
         Ok(())
     }
 
@@ -175,67 +278,34 @@ impl Qcow2 {
             return Err(not_writable());
         }
         self.safety.refuse_if_corrupt()?;
-        let cs = self.geo.cluster_size;
-        let end = offset + buf.len() as u64;
         // (host offset, range of buf) written after the lock is released.
         let mut direct: Vec<(u64, usize, usize)> = Vec::new();
+        // Clusters mapped for data still to land there (see `undo_fresh`).
+        let mut fresh: Vec<(u64, u64, u64)> = Vec::new();
         let gate = {
             let mut st = self.lock();
-            self.commit_frees_if_due(&mut st)?;
-            let mut pos = offset;
-            while pos < end {
-                let l2_off = self.l2_for_write(&mut st, pos)?;
-                let span_end = end.min((pos / self.geo.l2_span() + 1) * self.geo.l2_span());
-                // Classify the clusters of this L2 table's part of the range.
-                let first = pos;
-                let mut need: Vec<(u64, u64)> = Vec::new(); // (guest cluster start, old entry)
-                let mut c = pos & !(cs - 1);
-                while c < span_end {
-                    let idx = self.entry_index(c);
-                    let e = self.l2_table(&mut st, l2_off)?.raw[idx];
-                    if owned(e) && e & OFLAG_ZERO != 0 {
-                        // Preallocated zeroes: the cluster is ours, its bytes are not.
-                        self.map_cluster(&mut st, l2_off, c, OFLAG_ZERO, e & OFFSET_MASK, buf, offset, &mut direct)?;
-                    } else if owned(e) {
-                        let s = c.max(first);
-                        let t = (c + cs).min(span_end);
-                        push_direct(
-                            &mut direct,
-                            (e & OFFSET_MASK) + (s - c),
-                            (s - offset) as usize,
-                            (t - offset) as usize,
-                        );
-                    } else {
-                        need.push((c, e));
-                    }
-                    c += cs;
-                }
-                // Allocate runs of consecutive clusters contiguously.
-                let mut i = 0;
-                while i < need.len() {
-                    let mut j = i + 1;
-                    while j < need.len() && need[j].0 == need[j - 1].0 + cs {
-                        j += 1;
-                    }
-                    // Freed clusters may come in shorter runs.
-                    let (host, got) = self.alloc(&mut st, (j - i) as u64)?;
-                    let j = i + got as usize;
-                    for (k, &(gc, old)) in need[i..j].iter().enumerate() {
-                        self.map_cluster(&mut st, l2_off, gc, old, host + k as u64 * cs, buf, offset, &mut direct)?;
-                        self.release(&mut st, old, false);
-                    }
-                    i = j;
-                }
-                pos = span_end;
+            if let Err(e) = self.plan_write(&mut st, buf, offset, &mut direct, &mut fresh) {
+                self.undo_fresh(&mut st, &fresh);
+                return Err(e);
             }
             // Taken before the lock is released: no cluster written below is freed (and
             // given to another range) until these writes have landed.
             self.io_gate.read().unwrap_or_else(|e| e.into_inner())
         };
+        let mut failed = None;
         for (host, a, b) in direct {
-            self.data.write_at(&buf[a..b], host).map_err(io_err(format!("cannot write data at {host:#x}")))?;
+            if let Err(e) = self.data.write_at(&buf[a..b], host) {
+                failed = Some(io_err(format!("cannot write data at {host:#x}"))(e));
+                break;
+            }
         }
+        // The gate goes before the lock is taken again (a FLUSH holds the lock while it
+        // waits for the gate).
         drop(gate);
+        if let Some(e) = failed {
+            self.undo_fresh(&mut self.lock(), &fresh);
+            return Err(e);
+        }
         if fua {
             self.flush_impl()?;
         }
@@ -610,5 +680,80 @@ mod tests {
     fn a_flush_during_a_write_over_preallocated_zeroes_waits_for_its_data() {
         let v = run(true);
         assert!(v == 0 || v == 0xbb, "guest cluster 0 reads {v:#x} from disk (zeroed data resurrected)");
+    }
+
+    /// A store whose whole-cluster writes fail with ENOSPC while `fail` is set, and
+    /// which punches nothing (old bytes stay in freed clusters).
+    struct Full {
+        inner: crate::store::FileStore,
+        fail: std::sync::atomic::AtomicBool,
+    }
+    impl crate::store::Store for Full {
+        fn size(&self) -> u64 {
+            self.inner.size()
+        }
+        fn read_at(&self, b: &mut [u8], o: u64) -> std::io::Result<()> {
+            self.inner.read_at(b, o)
+        }
+        fn write_at(&self, b: &[u8], o: u64) -> std::io::Result<()> {
+            if (b.len() as u64).is_multiple_of(CS) && self.fail.load(std::sync::atomic::Ordering::SeqCst) {
+                return Err(std::io::Error::from_raw_os_error(28));
+            }
+            self.inner.write_at(b, o)
+        }
+        fn sync(&self) -> std::io::Result<()> {
+            self.inner.sync()
+        }
+        fn truncate(&self, l: u64) -> std::io::Result<()> {
+            self.inner.truncate(l)
+        }
+    }
+
+    /// A write whose data never lands (ENOSPC) leaves its range reading zeroes, not the
+    /// old bytes of the reused cluster it was given, and no counted cluster past the end
+    /// of the file: the image opens read-write again without --allow-truncated.
+    #[test]
+    fn a_failed_write_leaves_zeroes_and_no_cluster_past_the_end() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.qcow2");
+        {
+            let q = Qcow2::create(&p, 64 << 20, CS).unwrap();
+            q.write(&[0xaa; CS as usize], 0, false).unwrap();
+            // A cluster after it, so freeing guest 0's does not cut the file.
+            q.write(&[0x11; CS as usize], CS, false).unwrap();
+            q.flush().unwrap();
+        }
+        let full = std::sync::Arc::new(Full {
+            inner: crate::store::FileStore::open(&p, true, ferry_backend::ImageUse::serve(false).qcow2()).unwrap(),
+            fail: std::sync::atomic::AtomicBool::new(false),
+        });
+        let q = Qcow2::open_store(
+            full.clone(),
+            "t".into(),
+            &crate::Options::default(),
+            ferry_backend::ImageUse::serve(false),
+            Some(dir.path()),
+            0,
+        )
+        .unwrap();
+        // Guest 0's cluster (still holding 0xaa) is freed, then given to guest 5.
+        q.trim(0, CS, false).unwrap();
+        q.flush().unwrap();
+        full.fail.store(true, std::sync::atomic::Ordering::SeqCst);
+        assert!(q.write(&[0xbb; CS as usize], 5 * CS, false).is_err());
+        // And a run that needs new clusters at the end of the file.
+        assert!(q.write(&[0xcc; 2 * CS as usize], 8 * CS, false).is_err());
+        full.fail.store(false, std::sync::atomic::Ordering::SeqCst);
+        let mut b = vec![0u8; 4 * CS as usize];
+        q.read(&mut b, 5 * CS).unwrap();
+        assert!(b.iter().all(|&x| x == 0), "a failed write's range reads {:#x}", b.iter().find(|&&x| x != 0).unwrap());
+        q.read(&mut b, 8 * CS).unwrap();
+        assert!(b.iter().all(|&x| x == 0), "a failed write's range reads {:#x}", b.iter().find(|&&x| x != 0).unwrap());
+        q.flush().unwrap();
+        drop(q);
+        drop(full);
+        let q = Qcow2::open(&p, false).expect("reopened read-write without --allow-truncated");
+        q.read(&mut b, 5 * CS).unwrap();
+        assert!(b.iter().all(|&x| x == 0));
     }
 }
