@@ -93,7 +93,8 @@ impl Drop for Holder {
 
 /// `ferry serve ARGS... --run true`: exits 0 once it served, or fails to start.
 fn serve_once(args: &[&str]) -> Command {
-    let mut c = ferry(&["serve", "--run", "true"]);
+    // A free port each time: tests run in parallel.
+    let mut c = ferry(&["serve", "--port", "0", "--run", "true"]);
     c.args(args);
     c
 }
