@@ -42,13 +42,8 @@ pub fn check_destination(src: &Source, src_spec: &str, dst: &str) -> Result<Opti
             path.display()
         );
     }
-    // Only images take locks: a FIFO or character device is a stream (opening a FIFO to
-    // lock it would wait for a reader, or be its one writer).
-    let is_image = std::fs::metadata(path).is_ok_and(|m| {
-        use std::os::unix::fs::FileTypeExt;
-        m.file_type().is_file() || m.file_type().is_block_device()
-    });
-    if format == crate::image::Format::Raw && is_image {
+    // Only images take locks: a FIFO or character device is written as a stream.
+    if format == crate::image::Format::Raw && crate::image::is_image_file(path) {
         let locking = ImageUse::new(Access::Destination).raw();
         // A block device or file another program holds: refused before it is touched.
         let guard = ferry_backend::lock::lock_path(path, locking)

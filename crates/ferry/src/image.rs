@@ -28,13 +28,17 @@ pub enum Format {
     Qcow2,
 }
 
+/// Whether `p` is a regular file or a block device: something with an image in it that
+/// can be probed and locked. A FIFO or character device is a stream: opening it to look
+/// or to lock would take (and lose) what its writer sends, or wait for one.
+pub fn is_image_file(p: &Path) -> bool {
+    p.metadata().is_ok_and(|m| m.is_file() || m.file_type().is_block_device())
+}
+
 /// Classifies a spec: explicit kinds first, then bare paths by their first bytes.
 pub fn classify(spec: &str) -> Spec {
-    // Only files and block devices are probed: opening a FIFO to look would take (and
-    // lose) what its writer sends, and a character device has no first bytes to keep.
     let probe = |p: &Path| {
-        let seekable = p.metadata().is_ok_and(|m| m.is_file() || m.file_type().is_block_device());
-        if seekable && has_qcow2_magic(p) {
+        if is_image_file(p) && has_qcow2_magic(p) {
             Spec::Qcow2(p.to_path_buf())
         } else {
             Spec::Raw(p.to_path_buf())
@@ -134,6 +138,7 @@ pub fn source(spec: &str, force_share: bool) -> Result<Source> {
                 _guard: None,
             }
         }
+        Spec::Raw(p) if !is_image_file(&p) => plain(Endpoint::File(p)),
         Spec::Raw(p) => {
             let guard = ferry_backend::lock::lock_path(&p, usage.raw())
                 .with_context(|| format!("cannot open {}", p.display()))?;
