@@ -13,7 +13,7 @@
 //! Only a writable open parses any of this; every size is checked against the spec's
 //! and qemu's limits before anything is allocated from it.
 
-use crate::header::{Header, AUTOCLEAR_BITMAPS};
+use crate::header::{be32, be64, Header, AUTOCLEAR_BITMAPS};
 use crate::store::Store;
 use crate::{io_err, Qcow2Error};
 
@@ -32,14 +32,6 @@ const MAX_TABLES_BYTES: u64 = 64 << 20;
 const ENTRY_FIXED: usize = 24;
 /// Bits 9-55 of a bitmap table entry: a data cluster's offset.
 const TABLE_OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
-
-fn be32(b: &[u8], at: usize) -> u32 {
-    u32::from_be_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
-}
-
-fn be64(b: &[u8], at: usize) -> u64 {
-    (u64::from(be32(b, at)) << 32) | u64::from(be32(b, at + 4))
-}
 
 fn bad(why: String) -> Qcow2Error {
     Qcow2Error::Corrupt(format!("persistent bitmaps: {why}"))

@@ -159,7 +159,7 @@ impl Qcow2 {
     /// Opens the image at `path` and its backing chain (always read-only), locked as
     /// `ferry serve` locks it (as qemu-nbd does).
     pub fn open(path: &Path, read_only: bool) -> Result<Qcow2, Qcow2Error> {
-        Self::open_for(path, &Options { read_only, ..Options::default() }, ImageUse::serve(read_only))
+        Self::open_with(path, &Options { read_only, ..Options::default() })
     }
 
     /// Opens the image at `path` as `opts` say, and its backing chain (read-only), locked

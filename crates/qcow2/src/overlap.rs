@@ -283,10 +283,15 @@ impl Store for Guard {
         }
     }
     fn cluster_freed(&self, offset: u64) {
+        // Called for every freed cluster, nearly all guest data with no claim: a shared
+        // look first, the exclusive lock only for a cluster that held metadata.
         let c = offset >> self.shared.cluster_bits;
+        let span = (c, Metadata::Header)..(c + 1, Metadata::Header);
+        if self.shared.claims().set.range(span.clone()).next().is_none() {
+            return;
+        }
         let mut claims = self.shared.claims_mut();
-        let gone: Vec<_> = claims.set.range((c, Metadata::Header)..(c + 1, Metadata::Header)).copied().collect();
-        for g in gone {
+        while let Some(&g) = claims.set.range(span.clone()).next() {
             claims.set.remove(&g);
         }
     }
@@ -366,10 +371,7 @@ fn survey(
     }
     let rt_bytes = u64::from(h.refcount_table_clusters) * cs;
     s.claim(bits, Metadata::RefcountTable, h.refcount_table_offset, rt_bytes, file_len);
-    let mut raw = vec![0u8; rt_bytes as usize];
-    store.read_at(&mut raw, h.refcount_table_offset).map_err(io_err("cannot read the refcount table"))?;
-    let table: Vec<u64> =
-        raw.chunks_exact(8).map(|c| u64::from_be_bytes(c.try_into().unwrap_or([0; 8])) & OFFSET_MASK).collect();
+    let table: Vec<u64> = crate::refcount::read_table(store, h)?.into_iter().map(|e| e & OFFSET_MASK).collect();
     for (i, &off) in table.iter().enumerate() {
         if off != 0 {
             s.claim(bits, Metadata::RefcountBlock(i as u32), off, cs, file_len);
@@ -564,10 +566,6 @@ mod tests {
     use crate::{Options, Qcow2};
     use ferry_backend::Backend;
 
-    fn be64_at(b: &[u8], at: usize) -> u64 {
-        u64::from_be_bytes(b[at..at + 8].try_into().unwrap())
-    }
-
     /// An image (4 KiB clusters, 2 MiB per L2 table) whose guest cluster 1 is mapped to
     /// the cluster where the next allocation will go, just past the end of the file.
     fn image_mapping_past_its_end(dir: &std::path::Path) -> std::path::PathBuf {
@@ -578,7 +576,7 @@ mod tests {
         }
         let mut b = std::fs::read(&p).unwrap();
         let end = b.len() as u64;
-        let l2 = be64_at(&b, be64_at(&b, 40) as usize) & OFFSET_MASK;
+        let l2 = crate::header::be64(&b, crate::header::be64(&b, 40) as usize) & OFFSET_MASK;
         b[l2 as usize + 8..l2 as usize + 16].copy_from_slice(&(end | crate::map::OFLAG_COPIED).to_be_bytes());
         std::fs::write(&p, &b).unwrap();
         p

@@ -37,12 +37,17 @@ pub struct Refcounts {
     pending_free: Vec<(u64, bool)>,
 }
 
+/// The refcount table's entries as stored (unchecked).
+pub(crate) fn read_table(store: &dyn Store, h: &Header) -> Result<Vec<u64>, Qcow2Error> {
+    let mut raw = vec![0u8; (u64::from(h.refcount_table_clusters) * h.cluster_size()) as usize];
+    store.read_at(&mut raw, h.refcount_table_offset).map_err(io_err("cannot read the refcount table"))?;
+    Ok(raw.chunks_exact(8).map(|c| u64::from_be_bytes(c.try_into().unwrap_or([0; 8]))).collect())
+}
+
 impl Refcounts {
     pub fn load(store: &dyn Store, h: &Header) -> Result<Refcounts, Qcow2Error> {
         let cs = h.cluster_size();
-        let mut raw = vec![0u8; (u64::from(h.refcount_table_clusters) * cs) as usize];
-        store.read_at(&mut raw, h.refcount_table_offset).map_err(io_err("cannot read the refcount table"))?;
-        let table: Vec<u64> = raw.chunks_exact(8).map(|c| u64::from_be_bytes(c.try_into().unwrap_or([0; 8]))).collect();
+        let table = read_table(store, h)?;
         for (i, &e) in table.iter().enumerate() {
             if e & !OFFSET_MASK != 0 || e & (cs - 1) != 0 {
                 return Err(Qcow2Error::Corrupt(format!("refcount table entry {i} ({e:#x}) is not a cluster offset")));
@@ -341,16 +346,19 @@ impl Refcounts {
     pub fn shrink_end(&mut self, store: &dyn Store) -> Result<Option<u64>, Qcow2Error> {
         let per = self.per_block();
         let old = self.next_free >> self.cluster_bits;
+        // A refcount block at a time, scanning its counts backwards.
         let mut c = old;
         while c > 0 {
-            let free = match self.block(store, ((c - 1) / per) as usize)? {
-                Some(b) => b.counts[((c - 1) % per) as usize] == 0,
-                None => false,
-            };
-            if !free {
-                break;
+            let idx = (c - 1) / per;
+            let Some(b) = self.block(store, idx as usize)? else { break };
+            let hi = (c - idx * per) as usize;
+            match b.counts[..hi].iter().rposition(|&x| x != 0) {
+                Some(i) => {
+                    c = idx * per + i as u64 + 1;
+                    break;
+                }
+                None => c = idx * per,
             }
-            c -= 1;
         }
         if c == old {
             return Ok(None);
