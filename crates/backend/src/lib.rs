@@ -219,6 +219,46 @@ pub trait Backend: Send + Sync {
     fn sparse_read_threshold(&self) -> Option<u64> {
         None
     }
+    /// The metadata contexts this backend describes besides `base:allocation` (which
+    /// [`Backend::extents`] answers and [`BaseAllocation`] wraps): a qcow2 image offers
+    /// `qemu:allocation-depth` and a `qemu:dirty-bitmap:NAME` per consistent persistent
+    /// bitmap. Default: none. Filters pass their inner backend's on.
+    fn meta_contexts(self: Arc<Self>) -> Vec<Arc<dyn MetaContext>> {
+        Vec::new()
+    }
+}
+
+/// One NBD metadata context (`base:allocation`, `qemu:dirty-bitmap:NAME`,
+/// `qemu:allocation-depth`): a name and the extents it describes. The server offers
+/// each context an export has, answers BLOCK_STATUS from every one a client selected,
+/// and knows nothing of what a context means; a local copy reads them the same way.
+pub trait MetaContext: Send + Sync {
+    /// The full context name, e.g. `qemu:dirty-bitmap:b0`.
+    fn name(&self) -> &str;
+    /// Appends extents covering `offset..` (at least one, at most `max`, never past
+    /// `offset + length`; the range is already validated against the size), each with
+    /// this context's value in `flags` (base:allocation: HOLE/ZERO bits; a dirty bitmap:
+    /// STATE_DIRTY; allocation depth: the depth).
+    fn extents(&self, offset: u64, length: u64, max: usize, out: &mut Vec<Extent>) -> Result<()>;
+}
+
+/// `base:allocation` of any backend, as a [`MetaContext`].
+pub struct BaseAllocation(pub Arc<dyn Backend>);
+
+impl MetaContext for BaseAllocation {
+    fn name(&self) -> &str {
+        ferry_proto::consts::META_BASE_ALLOCATION
+    }
+    fn extents(&self, offset: u64, length: u64, max: usize, out: &mut Vec<Extent>) -> Result<()> {
+        self.0.extents(offset, length, max, out)
+    }
+}
+
+/// Every context of `backend`: `base:allocation` first, then the backend's own.
+pub fn all_meta_contexts(backend: &Arc<dyn Backend>) -> Vec<Arc<dyn MetaContext>> {
+    let mut v: Vec<Arc<dyn MetaContext>> = vec![Arc::new(BaseAllocation(backend.clone()))];
+    v.extend(backend.clone().meta_contexts());
+    v
 }
 
 /// An extent flagged as a hole that reads as zeroes.
@@ -258,6 +298,9 @@ macro_rules! forward_reads {
         }
         fn file_offset(&self, offset: u64, length: u64) -> Option<u64> {
             self.0.file_offset(offset, length)
+        }
+        fn meta_contexts(self: Arc<Self>) -> Vec<Arc<dyn MetaContext>> {
+            self.0.clone().meta_contexts()
         }
     };
 }

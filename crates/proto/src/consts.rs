@@ -122,6 +122,13 @@ pub const STATE_ZERO: u32 = 1 << 1;
 
 /// The one metadata context ferry serves.
 pub const META_BASE_ALLOCATION: &str = "base:allocation";
+/// Prefix of qemu's persistent/dirty bitmap contexts: `qemu:dirty-bitmap:NAME`.
+pub const META_DIRTY_BITMAP_PREFIX: &str = "qemu:dirty-bitmap:";
+/// qemu's allocation depth context: each extent's value is the layer of the backing
+/// chain that holds it (0 unallocated anywhere, 1 the image itself, 2 its backing file...).
+pub const META_ALLOCATION_DEPTH: &str = "qemu:allocation-depth";
+/// Flag of a `qemu:dirty-bitmap:` extent that changed since the bitmap was cleared.
+pub const STATE_DIRTY: u32 = 1 << 0;
 
 /// Error values. (proto.md "Error values")
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
