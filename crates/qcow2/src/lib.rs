@@ -25,6 +25,7 @@
 mod bitmaps;
 mod compressed;
 mod create;
+mod depth;
 mod header;
 mod map;
 mod overlap;
@@ -136,6 +137,8 @@ pub struct Qcow2 {
     /// The store holding guest data: `store` itself, or the external data file.
     data: Arc<dyn Store>,
     backing: Option<Arc<dyn Backend>>,
+    /// The backing file when it is a qcow2 image (for `qemu:allocation-depth`).
+    backing_image: Option<Arc<Qcow2>>,
     header: Header,
     geo: Geometry,
     writable: bool,
@@ -249,6 +252,7 @@ impl Qcow2 {
         }
 
         let mut chain = Vec::new();
+        let mut backing_image = None;
         let backing: Option<Arc<dyn Backend>> = match &header.backing_file {
             Some(n) => {
                 if depth + 1 >= MAX_CHAIN {
@@ -279,7 +283,9 @@ impl Qcow2 {
                         chain.push(ChainEntry { name: n.clone(), path: p.clone(), format, virtual_size: q.geo.size });
                         chain.extend(q.info.backing_chain.iter().cloned());
                         files.extend(q.files.iter().cloned());
-                        Arc::new(q)
+                        let q = Arc::new(q);
+                        backing_image = Some(q.clone());
+                        q
                     }
                     "raw" | "file" => {
                         let f = FileBackend::open_with(&p, true, usage.backing().raw())
@@ -328,6 +334,7 @@ impl Qcow2 {
             store,
             data,
             backing,
+            backing_image,
             state: Mutex::new(State {
                 l1,
                 l1_dirty: Default::default(),
