@@ -369,6 +369,35 @@ pub fn encode_v3(
     h
 }
 
+/// Adds a backing file to a header from [`encode_v3`]: the backing format extension and
+/// the end of the extensions after the 112 header bytes, then the name, which the header
+/// points to. All of it must fit in the first cluster (`cluster_size` bytes).
+pub fn encode_backing(h: &mut Vec<u8>, name: &str, format: &str, cluster_size: u64) -> Result<(), Qcow2Error> {
+    if name.is_empty() || name.len() > MAX_NAME as usize || name.contains('\0') {
+        return Err(bad(format!("backing file name {name:?} must be 1 to {MAX_NAME} bytes without NUL")));
+    }
+    if format.is_empty() || format.len() > 16 || format.contains('\0') {
+        return Err(bad(format!("backing format {format:?} must be 1 to 16 bytes without NUL")));
+    }
+    h.truncate(V3_HEADER_LEN as usize);
+    h.extend_from_slice(&EXT_BACKING_FORMAT.to_be_bytes());
+    h.extend_from_slice(&(format.len() as u32).to_be_bytes());
+    h.extend_from_slice(format.as_bytes());
+    h.resize(h.len().next_multiple_of(8), 0);
+    h.extend_from_slice(&[0u8; 8]); // EXT_END
+    let at = h.len() as u64;
+    h.extend_from_slice(name.as_bytes());
+    if h.len() as u64 > cluster_size {
+        return Err(bad(format!(
+            "the backing file name ({} bytes) does not fit in the header's {cluster_size}-byte cluster; use larger clusters",
+            name.len()
+        )));
+    }
+    h[8..16].copy_from_slice(&at.to_be_bytes());
+    h[16..20].copy_from_slice(&(name.len() as u32).to_be_bytes());
+    Ok(())
+}
+
 /// Byte offsets of the refcount table fields, rewritten when the table moves.
 pub const REFTABLE_OFFSET_AT: u64 = 48;
 
@@ -450,6 +479,22 @@ mod tests {
         let mut b = v3(1 << 28, 16);
         b[104] = 1;
         assert!(err(&b, 1 << 20).contains("disagree"));
+    }
+
+    #[test]
+    fn encoded_backing_parses_back() {
+        let mut b = encode_v3(1 << 28, 16, 1, 3 << 16, 1 << 16, 1);
+        encode_backing(&mut b, "../base/disk.raw", "raw", 65536).unwrap();
+        b.resize(65536, 0);
+        let h = Header::parse(&b, 4 << 16).unwrap();
+        assert_eq!(h.backing_file.as_deref(), Some("../base/disk.raw"));
+        assert_eq!(h.backing_format.as_deref(), Some("raw"));
+        let mut b = encode_v3(1 << 20, 9, 1, 3 << 9, 1 << 9, 1);
+        let long = "x".repeat(400);
+        assert!(encode_backing(&mut b, &long, "qcow2", 512).unwrap_err().to_string().contains("does not fit"));
+        assert!(encode_backing(&mut b, "", "qcow2", 512).is_err());
+        assert!(encode_backing(&mut b, &"y".repeat(1024), "qcow2", 65536).is_err());
+        assert!(encode_backing(&mut b, "a\0b", "qcow2", 65536).is_err());
     }
 
     #[test]

@@ -33,6 +33,7 @@ mod refcount;
 mod store;
 mod write;
 
+pub use create::Backing;
 pub use header::{has_qcow2_magic, is_qcow2, Compression, Header, MAGIC};
 pub use map::Mapping;
 pub use overlap::Metadata;
