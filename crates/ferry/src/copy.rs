@@ -3,7 +3,7 @@
 use crate::image::Format;
 use anyhow::{Context, Result};
 use clap::Args;
-use ferry_backend::parse_size;
+use ferry_backend::{parse_size, Backend};
 use ferry_client::copy::{copy, BackendEndpoint, CopyOptions, Endpoint, Progress};
 use ferry_client::ConnectOptions;
 use ferry_qcow2::Qcow2;
@@ -71,6 +71,12 @@ pub struct CopyArgs {
     /// clusters). Default: qcow2 for `qcow2:PATH` and names ending in .qcow2, raw otherwise.
     #[arg(long, value_name = "FORMAT")]
     format: Option<crate::image::Format>,
+    /// Make the destination a new qcow2 overlay of FILE (a qcow2 or raw image of the
+    /// source's size, named in the overlay relative to its directory): the overlay holds
+    /// only what the copy writes (source holes become zero clusters), anything never
+    /// written reads FILE. FILE is locked as a backing file: no one may write it meanwhile.
+    #[arg(long, value_name = "FILE")]
+    backing: Option<std::path::PathBuf>,
     /// Read a local source even while another program (qemu, ferry serve) writes it, as
     /// qemu-img convert's -U does; the copy may then not match any state of the source.
     #[arg(short = 'U', long)]
@@ -85,10 +91,22 @@ fn local_destination(args: &CopyArgs, src: &Endpoint) -> Result<(Endpoint, Optio
         if args.format.is_some() {
             anyhow::bail!("--format applies to local destinations only, not {:?}", args.dst);
         }
+        if args.backing.is_some() {
+            anyhow::bail!("--backing makes a new local qcow2 image, not {:?}", args.dst);
+        }
         return Ok((dst, None));
     }
     let (format, path) = crate::image::destination_format(&args.dst, args.format);
     Ok(match format {
+        Format::Qcow2 if args.backing.is_some() => {
+            let q = overlay_destination(args, src, &path)?;
+            // Not `zeroed`: unwritten clusters read the backing file, so the source's
+            // holes and zero blocks must be written (as zero clusters).
+            (Endpoint::Backend(BackendEndpoint::new(path, q.clone())), Some(q))
+        }
+        Format::Raw if args.backing.is_some() => anyhow::bail!(
+            "--backing makes a qcow2 overlay: name the destination qcow2:PATH or PATH.qcow2, or add --format qcow2"
+        ),
         Format::Qcow2 => {
             let size = source_size(src)?;
             let q = Qcow2::create(std::path::Path::new(&path), size, 64 << 10)
@@ -101,6 +119,34 @@ fn local_destination(args: &CopyArgs, src: &Endpoint) -> Result<(Endpoint, Optio
         }
         Format::Raw => (Endpoint::File(path.into()), None),
     })
+}
+
+/// A new qcow2 image at `path` over `--backing FILE`, which must be the source's size.
+fn overlay_destination(args: &CopyArgs, src: &Endpoint, path: &str) -> Result<Arc<Qcow2>> {
+    let file = args.backing.as_deref().context("--backing")?;
+    let size = source_size(src)?;
+    let backing = ferry_qcow2::Backing::for_image(file, std::path::Path::new(path))
+        .with_context(|| format!("--backing {}", file.display()))?;
+    // Opened (and locked as a backing file) to learn its size before anything is created.
+    let usage = ferry_backend::ImageUse::new(ferry_backend::Access::Backing);
+    let backing_size = if backing.format == "qcow2" {
+        crate::image::open_qcow2(file, true, usage)?.size()
+    } else {
+        ferry_backend::FileBackend::open_with(file, true, usage.raw())
+            .with_context(|| format!("cannot open backing file {}", file.display()))?
+            .size()
+    };
+    if backing_size != size {
+        anyhow::bail!(
+            "backing file {} ({}) is {backing_size} bytes but the source is {size} bytes: an overlay must have \
+             its backing file's size",
+            file.display(),
+            backing.format
+        );
+    }
+    let q = Qcow2::create_with(std::path::Path::new(path), size, 64 << 10, Some(&backing))
+        .with_context(|| format!("cannot create qcow2 image {path} over {}", file.display()))?;
+    Ok(Arc::new(if args.flush { q } else { q.without_sync_on_close() }))
 }
 
 /// The size of a source, to create a destination image that does not exist yet.
@@ -140,8 +186,8 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
     let src = &source.endpoint;
     let (dst, new_qcow2) = match crate::rbd_spec::destination(&args.dst, src)? {
         Some(e) => {
-            if args.format.is_some() {
-                anyhow::bail!("--format applies to local destinations only, not {:?}", args.dst);
+            if args.format.is_some() || args.backing.is_some() {
+                anyhow::bail!("--format and --backing apply to local destinations only, not {:?}", args.dst);
             }
             (e, None)
         }
