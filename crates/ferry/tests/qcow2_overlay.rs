@@ -109,7 +109,8 @@ fn copy_backing_qcow2_image() {
     // A qcow2 spec destination without the extension.
     run_ok(&mut ferry(dir, &["copy", "--backing", "base.qcow2", "src.qcow2", "qcow2:plain.img"]));
     check_clean(&dir.join("plain.img"));
-    let cmp = qemu_img(&["compare", "-f", "qcow2", "-F", "qcow2", "src.qcow2", s(&dir.join("plain.img"))]);
+    let cmp =
+        qemu_img(&["compare", "-f", "qcow2", "-F", "qcow2", s(&dir.join("src.qcow2")), s(&dir.join("plain.img"))]);
     assert!(cmp.stdout.contains("identical"), "{}", cmp.describe());
 }
 
