@@ -2,12 +2,15 @@
 //! extent against what `qemu-nbd -A` serves (read with nbdinfo). Needs qemu-utils and
 //! libnbd-bin; a missing tool fails the test.
 
+use ferry_backend::Backend;
 use ferry_backend::Extent;
-use ferry_qcow2::Qcow2;
+use ferry_qcow2::{Backing, Qcow2};
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+const M: u64 = 1 << 20;
 
 fn run(dir: &Path, args: &[&str]) {
     let out = Command::new(args[0])
@@ -79,7 +82,7 @@ fn compare(dir: &Path, img: &str) {
     let want = qemu_depth(dir, img, "qcow2");
     assert!(want.len() >= 3, "{img}: {want:?}");
     let q = Arc::new(Qcow2::open(&dir.join(img), true).unwrap());
-    let size = ferry_backend::Backend::size(&*q);
+    let size = q.size();
     assert_eq!(ours(&q, 0, size, 10_000), want, "{img}");
     for max in 1..want.len() {
         assert_eq!(ours(&q, 0, size, max), want[..max], "{img} max {max}");
@@ -157,7 +160,18 @@ fn depth_matches_qemu_nbd() {
         ],
     );
     run(dir, &["qemu-io", "-c", "write -P 9 8k 4k", "-c", "write -z 1M 8k", "-c", "write -P 9 3M 4k", "sub.qcow2"]);
-    for img in ["top.qcow2", "mid.qcow2", "nob.qcow2", "t2.qcow2", "short.qcow2", "sub.qcow2"] {
+    // Overlays ferry makes: longer than a raw base, and over the qcow2 chain.
+    let zero = ferry_backend::ZeroMode { may_trim: true, fast: false };
+    for (name, over, size, cs) in [("f1.qcow2", "base.raw", 6 * M, 4096), ("f2.qcow2", "top.qcow2", 6 * M, 65536)] {
+        let b = Backing::for_image(&dir.join(over), &dir.join(name)).unwrap();
+        let q = Qcow2::create_with(&dir.join(name), size, cs, Some(&b)).unwrap();
+        q.write(&[1u8; 5000], 300_000, false).unwrap();
+        q.zero(2 * M, 256 * 1024, zero, false).unwrap();
+        q.zero(5 * M + 100, 200_000, zero, false).unwrap();
+        q.write(&[2u8; 4096], 3 * M + 8192, false).unwrap();
+        q.finish().unwrap();
+    }
+    for img in ["top.qcow2", "mid.qcow2", "nob.qcow2", "t2.qcow2", "short.qcow2", "sub.qcow2", "f1.qcow2", "f2.qcow2"] {
         compare(dir, img);
     }
 }
