@@ -63,6 +63,9 @@ pub enum Qcow2Error {
     Unsupported(String),
     #[error("the image is corrupt: {0}; check it with qemu-img check")]
     Corrupt(String),
+    /// A bitmap operation that cannot be done (no such bitmap, an inconsistent one).
+    #[error("{0}")]
+    Bitmap(String),
     #[error("{what}: {source}")]
     Io {
         what: String,

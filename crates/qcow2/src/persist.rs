@@ -23,7 +23,7 @@ use std::sync::Arc;
 const EXT_BITMAPS: u32 = 0x2385_2875;
 
 fn invalid(m: String) -> Qcow2Error {
-    Qcow2Error::Invalid(m)
+    Qcow2Error::Bitmap(m)
 }
 
 impl Qcow2 {
