@@ -738,7 +738,8 @@ mod tests {
         .unwrap();
         let (d, t) = first_entry(&good);
         let l1 = be64(&good, 40);
-        let cases: Vec<(Box<dyn Fn(&mut Vec<u8>)>, &str)> = vec![
+        type Patch = Box<dyn Fn(&mut Vec<u8>)>;
+        let cases: Vec<(Patch, &str)> = vec![
             (Box::new(move |b| b[d..d + 8].copy_from_slice(&l1.to_be_bytes())), "overlaps the L1 table"),
             (Box::new(move |b| b[d + 8..d + 12].copy_from_slice(&7u32.to_be_bytes())), "a table of 7 entries"),
             (Box::new(move |b| b[d..d + 8].copy_from_slice(&(1u64 << 40).to_be_bytes())), "past the end of the file"),
