@@ -13,10 +13,14 @@
 //! leaves at most leaked clusters.
 //!
 //! A writable image's file is written through `overlap::Guard`s: a write that would
-//! overwrite metadata is refused and the image marked corrupt (as qemu does), dirty
-//! bitmaps ferry would leave stale are marked in use before the first write, and an
-//! image using clusters past the end of its file is not written unless
-//! [`Options::allow_truncated`].
+//! overwrite metadata is refused and the image marked corrupt (as qemu does), enabled
+//! dirty bitmaps are marked in use before the first write, and an image using clusters
+//! past the end of its file is not written unless [`Options::allow_truncated`].
+//!
+//! Persistent dirty bitmaps stay true: loaded at open (`bitmaps.rs`), every WRITE,
+//! WRITE_ZEROES and TRIM recorded in the enabled ones, written back with `in_use`
+//! cleared on a clean close (`persist.rs`), offered as `qemu:dirty-bitmap:NAME`
+//! metadata contexts, and managed with [`Qcow2::bitmap_add`] and its siblings.
 //!
 //! One mutex guards the metadata (L1, L2 cache, refcounts); data is read and written
 //! outside it, straight into and out of the caller's buffers.

@@ -12,10 +12,11 @@
 //!   is, say). A write that fails the check is refused with EIO, the corrupt bit is set
 //!   in the header and the overlap logged, as qemu does ("Preventing invalid write on
 //!   metadata"), and from then on every write is refused while reads go on.
-//! * **The first write.** Before anything is written, the guard marks the persistent
-//!   bitmaps ferry would leave stale `in_use` and clears the autoclear bits ferry does
-//!   not maintain (`bitmaps.rs`), synced. A read-only open, or a writable one that never
-//!   writes, changes nothing.
+//! * **The first write.** Before anything is written (and before a write is recorded
+//!   in them), the guard marks the enabled persistent bitmaps `in_use` and clears the
+//!   autoclear bits ferry does not maintain, synced; a clean close writes the bitmaps
+//!   back and clears `in_use` (`persist.rs`), so only a crash leaves them in use. A
+//!   read-only open, or a writable one that never writes, changes nothing.
 //! * **Clusters past the end of the file.** At open, L2 tables, refcount blocks, bitmap
 //!   clusters and the highest counted cluster are compared with the file's size (cheap:
 //!   no L2 table is read); an L2 table is checked for data clusters past the end when it
