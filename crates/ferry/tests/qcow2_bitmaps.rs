@@ -151,6 +151,8 @@ fn kill_9_leaves_the_bitmap_in_use() {
     server.signal_and_wait(15, Duration::from_secs(20));
     assert!(bitmaps(&a).iter().any(|(n, _, f)| n == "b0" && f.contains(&"in-use".to_string())));
     check_clean(&a);
+    let e = ferry(&["bitmap", "--clear", s(&a), "b0"]);
+    assert!(!e.status.success() && e.stderr.contains("inconsistent"), "{}", e.describe());
     // Removing it is how a user starts over.
     ferry_ok(&["bitmap", "--remove", s(&a), "b0"]);
     check_clean(&a);

@@ -344,24 +344,39 @@ impl Bits {
 
     /// The data bytes `at..at + buf.len()` of the bitmap as stored.
     pub fn read_data(&self, at: u64, buf: &mut [u8]) {
-        for (i, b) in buf.iter_mut().enumerate() {
+        let mut i = 0usize;
+        while i < buf.len() {
             let k = at + i as u64;
-            *b = self.words.get((k / 8) as usize).map_or(0, |w| (w.load(Ordering::Relaxed) >> ((k % 8) * 8)) as u8);
+            let first = (k % 8) as usize;
+            let n = (8 - first).min(buf.len() - i);
+            let v = self.words.get((k / 8) as usize).map_or(0, |w| w.load(Ordering::Relaxed));
+            let bytes = v.to_le_bytes();
+            buf[i..i + n].copy_from_slice(&bytes[first..first + n]);
+            i += n;
         }
     }
 
     /// ORs stored data bytes in at byte `at`; bits past the last granule are ignored.
     pub fn or_data(&self, at: u64, data: &[u8]) {
-        for (i, &b) in data.iter().enumerate().filter(|(_, &b)| b != 0) {
+        let mut i = 0usize;
+        while i < data.len() {
             let k = at + i as u64;
-            if let Some(w) = self.words.get((k / 8) as usize) {
-                let mut v = u64::from(b) << ((k % 8) * 8);
-                let last = (k / 8) * 64;
-                if last + 64 > self.count {
-                    v &= (1u64 << (self.count - last)) - 1;
+            let first = (k % 8) as usize;
+            let n = (8 - first).min(data.len() - i);
+            let mut bytes = [0u8; 8];
+            bytes[first..first + n].copy_from_slice(&data[i..i + n]);
+            let mut v = u64::from_le_bytes(bytes);
+            let w = k / 8;
+            if v != 0 {
+                if let Some(word) = self.words.get(w as usize) {
+                    let base = w * 64;
+                    if base + 64 > self.count {
+                        v &= (1u64 << (self.count - base)) - 1;
+                    }
+                    word.fetch_or(v, Ordering::Relaxed);
                 }
-                w.fetch_or(v, Ordering::Relaxed);
             }
+            i += n;
         }
     }
 
