@@ -224,3 +224,37 @@ fn ferry_bitmap_manages_as_qemu_img_does() {
     check_clean(&a);
     assert!(qemu_map(&a, "again").unwrap().contains("\"offset\": 1048576, \"length\": 65536, \"type\": 1"));
 }
+
+/// Writes on several connections at once (nbdcopy, 4 connections) are all recorded:
+/// the same copy into a qemu-nbd twin records the same bitmaps.
+#[test]
+fn multi_conn_writes_are_all_recorded() {
+    require("nbdcopy");
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = twins(dir.path());
+    // A sparse source: data here and there, holes between.
+    let src = dir.path().join("src.raw");
+    let f = std::fs::File::create(&src).unwrap();
+    f.set_len(64 << 20).unwrap();
+    use std::os::unix::fs::FileExt;
+    for i in 0..40u64 {
+        let at = i * 1_600_007 % (63 << 20);
+        f.write_all_at(&vec![i as u8 + 1; 5000 + (i as usize * 777) % 90_000], at).unwrap();
+    }
+    drop(f);
+    let copy = |dst: &[&str]| {
+        let mut c = cmd("nbdcopy", ["--connections=4", "--requests=16", "--destination-is-zero", s(&src)]);
+        c.args(dst);
+        let o = run_timeout(&mut c, Duration::from_secs(60));
+        assert!(o.status.success(), "{}", o.describe());
+    };
+    let server = ServerBuilder::new(s(&a)).start();
+    copy(&[&server.uri()]);
+    drop(server);
+    copy(&["--", "[", "qemu-nbd", "-f", "qcow2", s(&b), "]"]);
+    check_clean(&a);
+    for bm in ["b0", "fine", "coarse", "frozen"] {
+        assert_eq!(qemu_map(&a, bm).unwrap(), qemu_map(&b, bm).unwrap(), "bitmap {bm}");
+    }
+    assert!(qemu_map(&a, "fine").unwrap().matches("\"type\": 1").count() >= 20);
+}
