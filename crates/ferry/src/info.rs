@@ -212,9 +212,25 @@ fn local(args: &InfoArgs) -> Result<i32> {
                 .iter()
                 .map(|c| json!({"filename": c.name, "path": c.path.display().to_string(), "format": c.format, "virtual-size": c.virtual_size}))
                 .collect();
+            // As qemu-img info lists them.
+            let bitmaps: Vec<Value> = q
+                .bitmaps()
+                .iter()
+                .map(|b| {
+                    let mut flags = Vec::new();
+                    if b.in_use {
+                        flags.push("in-use");
+                    }
+                    if b.auto {
+                        flags.push("auto");
+                    }
+                    json!({"flags": flags, "name": b.name, "granularity": b.granularity})
+                })
+                .collect();
             json!({
                 "filename": p.display().to_string(),
                 "format": "qcow2",
+                "bitmaps": bitmaps,
                 "virtual-size": i.virtual_size,
                 "file-size": i.file_size,
                 "version": i.version,
@@ -275,6 +291,15 @@ fn local(args: &InfoArgs) -> Result<i32> {
         }
         if doc["snapshots"] != 0 {
             println!("internal snapshots: {}", doc["snapshots"]);
+        }
+        for b in doc["bitmaps"].as_array().into_iter().flatten() {
+            let flags: Vec<&str> = b["flags"].as_array().into_iter().flatten().filter_map(|f| f.as_str()).collect();
+            println!(
+                "bitmap {}: granularity {} bytes{}",
+                b["name"],
+                b["granularity"],
+                if flags.is_empty() { String::new() } else { format!(", flags: {}", flags.join(", ")) }
+            );
         }
         for (n, c) in doc["backing-chain"].as_array().into_iter().flatten().enumerate() {
             println!(

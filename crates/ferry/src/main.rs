@@ -3,6 +3,7 @@
 mod bench;
 mod bench_conns;
 mod bench_socket;
+mod bitmap;
 mod copy;
 mod copy_guard;
 mod hash;
@@ -44,6 +45,8 @@ enum Command {
     /// Measure: NBD load against a server (`bench nbd URI`), a busy client beside many idle
     /// connections (`bench conns URI`), raw socket throughput (`bench socket`).
     Bench(bench::BenchArgs),
+    /// Manage the persistent dirty bitmaps of a qcow2 image (qemu-img bitmap's spelling).
+    Bitmap(bitmap::BitmapArgs),
 }
 
 fn main() {
@@ -64,6 +67,7 @@ fn main() {
         Command::Info(args) => info::run(args),
         Command::Hash(args) => hash::run(args, cli.quiet),
         Command::Bench(args) => bench::run(args),
+        Command::Bitmap(args) => bitmap::run(args),
     };
     match result {
         Ok(code) => std::process::exit(code),

@@ -13,10 +13,14 @@
 //! leaves at most leaked clusters.
 //!
 //! A writable image's file is written through `overlap::Guard`s: a write that would
-//! overwrite metadata is refused and the image marked corrupt (as qemu does), dirty
-//! bitmaps ferry would leave stale are marked in use before the first write, and an
-//! image using clusters past the end of its file is not written unless
-//! [`Options::allow_truncated`].
+//! overwrite metadata is refused and the image marked corrupt (as qemu does), enabled
+//! dirty bitmaps are marked in use before the first write, and an image using clusters
+//! past the end of its file is not written unless [`Options::allow_truncated`].
+//!
+//! Persistent dirty bitmaps stay true: loaded at open (`bitmaps.rs`), every WRITE,
+//! WRITE_ZEROES and TRIM recorded in the enabled ones, written back with `in_use`
+//! cleared on a clean close (`persist.rs`), offered as `qemu:dirty-bitmap:NAME`
+//! metadata contexts, and managed with [`Qcow2::bitmap_add`] and its siblings.
 //!
 //! One mutex guards the metadata (L1, L2 cache, refcounts); data is read and written
 //! outside it, straight into and out of the caller's buffers.
@@ -29,10 +33,12 @@ mod depth;
 mod header;
 mod map;
 mod overlap;
+mod persist;
 mod refcount;
 mod store;
 mod write;
 
+pub use bitmaps::{BitmapInfo, Bits};
 pub use create::Backing;
 pub use header::{has_qcow2_magic, is_qcow2, Compression, Header, MAGIC};
 pub use map::Mapping;
@@ -63,6 +69,9 @@ pub enum Qcow2Error {
     Unsupported(String),
     #[error("the image is corrupt: {0}; check it with qemu-img check")]
     Corrupt(String),
+    /// A bitmap operation that cannot be done (no such bitmap, an inconsistent one).
+    #[error("{0}")]
+    Bitmap(String),
     #[error("{what}: {source}")]
     Io {
         what: String,
@@ -157,6 +166,12 @@ pub struct Qcow2 {
     safety: overlap::Safety,
     /// The local files this image keeps open: its own, its data file, its backing chain's.
     files: Vec<OpenFile>,
+    /// The persistent dirty bitmaps (`bitmaps.rs`, `persist.rs`).
+    bitmaps: Mutex<bitmaps::Set>,
+    /// The enabled ones' bits, where writes are recorded (writable images only).
+    recording: std::sync::RwLock<Vec<Arc<bitmaps::Bits>>>,
+    /// A bitmap was added, removed, enabled or disabled since the directory was written.
+    bitmaps_changed: std::sync::atomic::AtomicBool,
 }
 
 impl Qcow2 {
@@ -316,7 +331,23 @@ impl Qcow2 {
         store.read_at(&mut l1raw, header.l1_table_offset).map_err(io_err("cannot read the L1 table"))?;
         let l1: Vec<u64> = l1raw.chunks_exact(8).map(|c| u64::from_be_bytes(c.try_into().unwrap_or([0; 8]))).collect();
         let refs = if writable { Some(refcount::Refcounts::load(&*store, &header)?) } else { None };
-        let safety = overlap::Safety::open(&name, &store, &header, &l1, writable, opts.allow_truncated)?;
+        // The bitmaps of the image itself (a backing file's are never used).
+        let set = match depth {
+            0 => match bitmaps::load(&*store, &header) {
+                Ok(s) => s,
+                Err(e) if writable => return Err(overlap::cannot_mark(e)),
+                Err(e) => {
+                    log::warn!("{name}: {e}; its persistent dirty bitmaps are not offered");
+                    bitmaps::Set::default()
+                }
+            },
+            _ => bitmaps::Set::default(),
+        };
+        let safety = overlap::Safety::open(&name, &store, &header, &l1, writable, opts.allow_truncated, &set)?;
+        let recording = match writable {
+            true => set.list.iter().filter(|l| l.enabled()).filter_map(|l| l.bits.clone()).collect(),
+            false => Vec::new(),
+        };
         let (store, data) = safety.wrap(store, data);
         let info = Info {
             version: header.version,
@@ -351,6 +382,9 @@ impl Qcow2 {
             info,
             safety,
             files,
+            bitmaps: Mutex::new(set),
+            recording: std::sync::RwLock::new(recording),
+            bitmaps_changed: Default::default(),
         })
     }
 
@@ -363,10 +397,11 @@ impl Qcow2 {
         self
     }
 
-    /// Writes the dirty metadata as closing would (synced unless
-    /// [`Qcow2::without_sync_on_close`]), reporting failures that closing can only log.
+    /// Writes the dirty metadata and the persistent bitmaps as closing would (synced
+    /// unless [`Qcow2::without_sync_on_close`]), reporting failures that closing can only
+    /// log.
     pub fn finish(&self) -> Result<(), Qcow2Error> {
-        self.write_metadata(self.sync_on_close)
+        self.close_inner()
     }
 
     pub fn info(&self) -> &Info {
@@ -633,9 +668,11 @@ pub fn fuzz_image(data: &[u8]) {
         }
     }
     let _ = q.info();
-    // What a writable open reads of the persistent bitmaps.
-    let _ = bitmaps::read_all(&*q.store, &q.header);
+    let _ = q.bitmaps();
+    bitmaps::fuzz_bitmaps(data);
 }
+
+pub use bitmaps::fuzz_bitmaps;
 
 /// Appends a run, merging it with the previous one when it continues it.
 fn push_run(out: &mut Vec<(u64, Mapping)>, n: u64, m: Mapping) {
@@ -713,15 +750,28 @@ impl Backend for Qcow2 {
     fn sparse_read_threshold(&self) -> Option<u64> {
         Some(64 << 10)
     }
+    /// `qemu:dirty-bitmap:NAME` for each consistent persistent bitmap (and
+    /// `qemu:allocation-depth`).
+    fn meta_contexts(self: Arc<Self>) -> Vec<Arc<dyn ferry_backend::MetaContext>> {
+        let mut v: Vec<Arc<dyn ferry_backend::MetaContext>> = vec![self.allocation_depth()];
+        let set = self.bitmaps.lock().unwrap_or_else(|e| e.into_inner());
+        for l in &set.list {
+            if let Some(b) = &l.bits {
+                v.push(Arc::new(bitmaps::DirtyContext {
+                    name: format!("qemu:dirty-bitmap:{}", l.entry.name),
+                    bits: b.clone(),
+                }));
+            }
+        }
+        v
+    }
 }
 
 impl Drop for Qcow2 {
     fn drop(&mut self) {
         // A corrupt image takes no more writes (that was logged when it was marked).
-        if self.writable && !self.safety.is_corrupt() {
-            if let Err(e) = self.write_metadata(self.sync_on_close) {
-                log::error!("{}: flushing metadata on close failed: {e}", self.name);
-            }
+        if let Err(e) = self.close_inner() {
+            log::error!("{}: writing metadata and bitmaps on close failed: {e}", self.name);
         }
     }
 }

@@ -12,10 +12,11 @@
 //!   is, say). A write that fails the check is refused with EIO, the corrupt bit is set
 //!   in the header and the overlap logged, as qemu does ("Preventing invalid write on
 //!   metadata"), and from then on every write is refused while reads go on.
-//! * **The first write.** Before anything is written, the guard marks the persistent
-//!   bitmaps ferry would leave stale `in_use` and clears the autoclear bits ferry does
-//!   not maintain (`bitmaps.rs`), synced. A read-only open, or a writable one that never
-//!   writes, changes nothing.
+//! * **The first write.** Before anything is written (and before a write is recorded
+//!   in them), the guard marks the enabled persistent bitmaps `in_use` and clears the
+//!   autoclear bits ferry does not maintain, synced; a clean close writes the bitmaps
+//!   back and clears `in_use` (`persist.rs`), so only a crash leaves them in use. A
+//!   read-only open, or a writable one that never writes, changes nothing.
 //! * **Clusters past the end of the file.** At open, L2 tables, refcount blocks, bitmap
 //!   clusters and the highest counted cluster are compared with the file's size (cheap:
 //!   no L2 table is read); an L2 table is checked for data clusters past the end when it
@@ -23,7 +24,7 @@
 //!   allows it ([`crate::Options::allow_truncated`]), and a write through an L2 table that
 //!   maps clusters past the end marks the image corrupt.
 
-use crate::bitmaps::{self, Bitmap, FLAG_IN_USE};
+use crate::bitmaps::{self, FLAG_IN_USE};
 use crate::header::{Header, AUTOCLEAR_AT, AUTOCLEAR_BITMAPS, INCOMPATIBLE_AT, INCOMPAT_CORRUPT};
 use crate::map::{Geometry, OFFSET_MASK, OFLAG_COMPRESSED};
 use crate::store::Store;
@@ -117,6 +118,8 @@ pub struct Shared {
     corrupt: AtomicBool,
     prepared: AtomicBool,
     first_write: Mutex<Option<FirstWrite>>,
+    /// The first-write hook marked bitmaps in use on disk.
+    marked: AtomicBool,
 }
 
 impl Shared {
@@ -211,14 +214,7 @@ impl Shared {
             }
             self.inner.sync().map_err(io_err("cannot sync the header before the first write"))?;
             if !fw.in_use.is_empty() {
-                let names: Vec<String> = fw.in_use.iter().map(|(_, _, n)| format!("{n:?}")).collect();
-                log::warn!(
-                    "{}: marked the persistent dirty bitmap(s) {} in use: ferry does not record its writes in \
-                     them, so qemu now treats them as inconsistent (incremental backups from them are refused); \
-                     remove them with qemu-img bitmap --remove and start a new full backup",
-                    self.name,
-                    names.join(", ")
-                );
+                self.marked.store(true, Ordering::Release);
             }
             *pending = None;
         }
@@ -353,7 +349,7 @@ fn survey(
     store: &dyn Store,
     h: &Header,
     l1: &[u64],
-    bitmaps: &[(Bitmap, Vec<u64>)],
+    bitmaps: &[bitmaps::Loaded],
     bitmap_dir: Option<(u64, u64)>,
     build: bool,
 ) -> Result<Survey, Qcow2Error> {
@@ -393,11 +389,12 @@ fn survey(
     if let Some((off, len)) = bitmap_dir {
         s.claim(bits, Metadata::BitmapDirectory, off, len, file_len);
     }
-    for (i, (b, data)) in bitmaps.iter().enumerate() {
+    for (i, l) in bitmaps.iter().enumerate() {
+        let b = &l.entry;
         if b.table_size > 0 {
             s.claim(bits, Metadata::BitmapTable(i as u32), b.table_offset, u64::from(b.table_size) * 8, file_len);
         }
-        for &d in data.iter().filter(|&&d| d != 0) {
+        for d in l.table.iter().map(|&e| e & bitmaps::TABLE_OFFSET_MASK).filter(|&d| d != 0) {
             s.claim(bits, Metadata::BitmapData(i as u32), d, cs, file_len);
         }
     }
@@ -415,15 +412,11 @@ impl Safety {
         l1: &[u64],
         writable: bool,
         allow_truncated: bool,
+        set: &bitmaps::Set,
     ) -> Result<Safety, Qcow2Error> {
-        // Only a writable open needs the bitmaps.
-        let (ext, bms) = match writable {
-            true => {
-                bitmaps::read_all(&**store, h).map_err(cannot_mark)?.map_or((None, Vec::new()), |(x, b)| (Some(x), b))
-            }
-            false => (None, Vec::new()),
-        };
-        let s = survey(&**store, h, l1, &bms, ext.map(|x| (x.directory_offset, x.directory_size)), writable)?;
+        let ext = set.ext;
+        let bms = &set.list;
+        let s = survey(&**store, h, l1, bms, ext.map(|x| (x.directory_offset, x.directory_size)), writable)?;
         if s.past_eof_count > 0 {
             let what = format!(
                 "the image uses clusters past the end of its file ({} bytes): {}{}; the file was cut short (an \
@@ -448,8 +441,9 @@ impl Safety {
         }
         let in_use: Vec<(u64, u32, String)> = bms
             .iter()
-            .filter(|(b, _)| b.needs_in_use())
-            .map(|(b, _)| (b.flags_at, b.flags | FLAG_IN_USE, b.name.clone()))
+            .map(|l| &l.entry)
+            .filter(|b| b.needs_in_use())
+            .map(|b| (b.flags_at, b.flags | FLAG_IN_USE, b.name.clone()))
             .collect();
         // Bit 0 stays when the bitmaps are kept consistent (in use where ferry would
         // leave them stale); every other autoclear bit is one ferry does not maintain.
@@ -466,6 +460,7 @@ impl Safety {
             corrupt: AtomicBool::new(false),
             prepared: AtomicBool::new(!pending),
             first_write: Mutex::new(pending.then_some(first_write)),
+            marked: AtomicBool::new(false),
         };
         Ok(Safety { shared: Some(Arc::new(shared)), warned_past_eof: AtomicBool::new(false) })
     }
@@ -484,6 +479,29 @@ impl Safety {
     /// Refuses writes once the image was marked corrupt.
     pub fn refuse_if_corrupt(&self) -> Result<(), Qcow2Error> {
         self.shared.as_ref().map_or(Ok(()), |s| s.refuse_if_corrupt())
+    }
+
+    /// Runs the first-write hook now (before a write is recorded in the bitmaps).
+    pub fn before_write(&self) -> Result<(), Qcow2Error> {
+        self.shared.as_ref().map_or(Ok(()), |s| s.before_write())
+    }
+
+    /// After the bitmaps were written back (not in use on disk any more): the next write
+    /// marks `in_use` (file offset of the flags, new flags, name) first again.
+    pub fn rearm_in_use(&self, in_use: Vec<(u64, u32, String)>) {
+        let Some(sh) = &self.shared else { return };
+        let mut pending = sh.first_write.lock().unwrap_or_else(|e| e.into_inner());
+        sh.marked.store(false, Ordering::Release);
+        if !in_use.is_empty() {
+            *pending = Some(FirstWrite { in_use, autoclear: None });
+            sh.prepared.store(false, Ordering::Release);
+        }
+    }
+
+    /// Whether the first-write hook marked bitmaps in use on disk (they must be written
+    /// back and the mark cleared at close).
+    pub fn bitmaps_marked(&self) -> bool {
+        self.shared.as_ref().is_some_and(|s| s.marked.load(Ordering::Acquire))
     }
 
     pub fn is_corrupt(&self) -> bool {
@@ -549,13 +567,13 @@ impl Safety {
     }
 }
 
-fn cannot_mark(e: Qcow2Error) -> Qcow2Error {
+pub(crate) fn cannot_mark(e: Qcow2Error) -> Qcow2Error {
     let e = match e {
         Qcow2Error::Corrupt(m) => m,
         other => other.to_string(),
     };
     Qcow2Error::Corrupt(format!(
-        "{e}; ferry must mark the image's dirty bitmaps in use before writing to it and cannot read them: serve it \
+        "{e}; ferry must keep the image's dirty bitmaps true when writing to it and cannot read them: serve it \
          --read-only, or remove the bitmaps with qemu-img bitmap --remove"
     ))
 }

@@ -273,11 +273,25 @@ impl Qcow2 {
         Ok(())
     }
 
+    /// Records a change of guest bytes in the enabled persistent bitmaps, after they
+    /// were marked in use on disk (the first-write hook).
+    fn record(&self, offset: u64, len: u64) -> Result<(), Qcow2Error> {
+        let rec = self.recording.read().unwrap_or_else(|e| e.into_inner());
+        if !rec.is_empty() {
+            self.safety.before_write()?;
+            for b in rec.iter() {
+                b.mark(offset, len);
+            }
+        }
+        Ok(())
+    }
+
     pub(crate) fn write_impl(&self, buf: &[u8], offset: u64, fua: bool) -> Result<(), Qcow2Error> {
         if !self.writable {
             return Err(not_writable());
         }
         self.safety.refuse_if_corrupt()?;
+        self.record(offset, buf.len() as u64)?;
         // (host offset, range of buf) written after the lock is released.
         let mut direct: Vec<(u64, usize, usize)> = Vec::new();
         // Clusters mapped for data still to land there (see `undo_fresh`).
@@ -329,6 +343,7 @@ impl Qcow2 {
             return Err(not_writable());
         }
         self.safety.refuse_if_corrupt()?;
+        self.record(offset, length)?;
         let cs = self.geo.cluster_size;
         let end = offset + length;
         let first_full = offset.next_multiple_of(cs);
@@ -408,7 +423,7 @@ impl Qcow2 {
         self.write_metadata_locked(&mut self.lock(), sync)
     }
 
-    fn write_metadata_locked(&self, st: &mut State, sync: bool) -> Result<(), Qcow2Error> {
+    pub(crate) fn write_metadata_locked(&self, st: &mut State, sync: bool) -> Result<(), Qcow2Error> {
         // Writes in flight outside the lock land first: no metadata (an L2 entry, a
         // refcount) reaches the disk before the data it describes, and no cluster is freed
         // (and given to another range) under a write still to land.
