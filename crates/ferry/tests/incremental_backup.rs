@@ -1,0 +1,715 @@
+//! Incremental backup end to end: a full backup and two incrementals, each restored with
+//! `qemu-img convert` and compared byte for byte with the guest-visible content saved at
+//! its backup point, every file passing `qemu-img check`.
+//!
+//! Two ways of getting at the changed blocks, as users do:
+//!
+//! * **A stopped VM's image** (KubeVirt's offline backups, virtnbdbackup's offline mode):
+//!   a qcow2 image with a persistent bitmap (`qemu-img bitmap --add b0`), changed with
+//!   `qemu-io` (scattered writes, write-zeroes over data, discards), exported with
+//!   `qemu-nbd -r -B b0` or `ferry serve -r -B b0` (or read directly from the image);
+//!   `qemu-img bitmap --clear b0` after each backup.
+//! * **libvirt's pull mode**: `qemu-storage-daemon` driven over QMP as libvirt drives
+//!   qemu: a file and a qcow2 node, `nbd-server-start` on a Unix socket, a writable
+//!   export the "guest" writes through, and at each backup point a `transaction` that adds
+//!   the next persistent bitmap and disables the previous one, then a read-only export
+//!   with `bitmaps: [previous]` that the backup reads.
+//!
+//! Each scenario runs with two tools: ferry (`ferry copy SRC full.qcow2`, `ferry copy
+//! --dirty-bitmap NAME --backing PREV SRC incN.qcow2`), and the reference, qemu's tools and
+//! bench/nbd_incremental.py (libnbd Python, the way virtnbdbackup copies: dirty map first,
+//! then pread/pwrite of each dirty extent into a `qemu-img create -b PREV` overlay served by
+//! qemu-nbd). The reference runs prove the harness itself; the ferry runs prove ferry.
+//!
+//! Besides restoring exactly, an incremental must be thin: every cluster allocated in its
+//! top layer lies in a range the bitmap marked dirty, a dirty range that reads as zeroes
+//! is stored as zeroes (never as data), and its backing file is the previous backup, by a
+//! name relative to it.
+
+mod common;
+
+use common::json::{Json, JsonExt};
+use common::*;
+use std::fs;
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
+
+/// Virtual size of every test image.
+const SIZE: u64 = 64 * MIB;
+/// Cluster size of the qcow2 backups (ferry's and qemu-img's default) and the bitmaps'
+/// granularity (qemu's default for a 64 KiB-cluster image).
+const CLUSTER: u64 = 64 * KIB;
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Tool {
+    Ferry,
+    Reference,
+}
+
+// ---------------------------------------------------------------------------------
+// Tools
+// ---------------------------------------------------------------------------------
+
+fn qemu_img(args: &[&str]) -> Output {
+    require("qemu-img");
+    run_ok(&mut cmd("qemu-img", args))
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// Runs qemu-io commands on `target` (`-f FMT` file or NBD URI); every command must work.
+fn qemu_io(fmt: &str, target: &str, cmds: &[String]) {
+    require("qemu-io");
+    let mut c = cmd("qemu-io", ["-f", fmt]);
+    for x in cmds {
+        c.arg("-c").arg(x);
+    }
+    c.arg(target);
+    let out = run_ok(&mut c);
+    assert!(
+        !out.stdout.contains("failed") && !out.stderr.contains("failed"),
+        "qemu-io reported a failure\n{}",
+        out.describe()
+    );
+}
+
+fn ferry(args: &[&str]) -> Output {
+    run_ok(Command::new(ferry_bin()).args(args))
+}
+
+fn unix_uri(sock: &Path, export: &str) -> String {
+    format!("nbd+unix:///{export}?socket={}", sock.display())
+}
+
+/// A daemon this test started (qemu-nbd, qemu-storage-daemon): SIGTERM on drop, SIGKILL
+/// if it lingers; its stderr is shown when the test fails.
+struct Daemon {
+    child: Option<Child>,
+    log: PathBuf,
+    what: String,
+}
+
+impl Daemon {
+    fn spawn(mut c: Command, log: PathBuf) -> Daemon {
+        let what = format!("{c:?}");
+        let f = fs::File::create(&log).unwrap();
+        c.stdin(Stdio::null()).stdout(f.try_clone().unwrap()).stderr(f);
+        let child = c.spawn().unwrap_or_else(|e| panic!("cannot start {what}: {e}"));
+        Daemon { child: Some(child), log, what }
+    }
+
+    fn log(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits until `sock` accepts connections (the daemon is up).
+    fn wait_socket(&mut self, sock: &Path) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(st) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!("{} exited with {st} before listening\n{}", self.what, self.log());
+            }
+            if UnixStream::connect(sock).is_ok() {
+                return;
+            }
+            assert!(Instant::now() < deadline, "{} did not listen on {}\n{}", self.what, sock.display(), self.log());
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// SIGTERM and wait for a clean exit (qemu-nbd stores the bitmaps and the image then).
+    fn stop(&mut self) {
+        let Some(mut child) = self.child.take() else { return };
+        unsafe {
+            libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
+        }
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(st) = child.try_wait().unwrap() {
+                assert!(
+                    st.success() || st.code().is_none() || st.code() == Some(0),
+                    "{} exited with {st}\n{}",
+                    self.what,
+                    self.log()
+                );
+                return;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("{} did not exit within 20 s of SIGTERM\n{}", self.what, self.log());
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Waits for the daemon to exit on its own (after QMP `quit`).
+    fn wait_exit(&mut self) {
+        let Some(mut child) = self.child.take() else { return };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(st) = child.try_wait().unwrap() {
+                assert!(st.success(), "{} exited with {st}\n{}", self.what, self.log());
+                return;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("{} did not exit within 20 s\n{}", self.what, self.log());
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            unsafe {
+                libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
+            }
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = child.try_wait() {
+                    break;
+                }
+                thread::sleep(Duration::from_millis(20));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        if thread::panicking() {
+            eprintln!("--- {} ---\n{}", self.what, self.log());
+        }
+    }
+}
+
+/// An NBD server for an image: qemu-nbd or ferry serve, on a Unix socket.
+struct Export {
+    daemon: Daemon,
+    sock: PathBuf,
+}
+
+impl Export {
+    /// `qemu-nbd -t [-r] [-B BITMAP] -f FMT IMAGE` on `dir/NAME.sock`.
+    fn qemu_nbd(dir: &Path, name: &str, image: &Path, fmt: &str, read_only: bool, bitmap: Option<&str>) -> Export {
+        require("qemu-nbd");
+        let sock = dir.join(format!("{name}.sock"));
+        let mut c = Command::new("qemu-nbd");
+        c.args(["-t", "-f", fmt, "-k"]).arg(&sock);
+        if read_only {
+            c.arg("-r");
+        }
+        if let Some(b) = bitmap {
+            c.args(["-B", b]);
+        }
+        c.arg(image);
+        let mut daemon = Daemon::spawn(c, dir.join(format!("{name}.log")));
+        daemon.wait_socket(&sock);
+        Export { daemon, sock }
+    }
+
+    /// `ferry serve -U SOCK [-r] [-B BITMAP] IMAGE`.
+    fn ferry(dir: &Path, name: &str, image: &Path, read_only: bool, bitmap: Option<&str>) -> Export {
+        let sock = dir.join(format!("{name}.sock"));
+        let mut c = Command::new(ferry_bin());
+        c.arg("serve").arg("-U").arg(&sock);
+        if read_only {
+            c.arg("-r");
+        }
+        if let Some(b) = bitmap {
+            c.args(["-B", b]);
+        }
+        c.arg(image);
+        let mut daemon = Daemon::spawn(c, dir.join(format!("{name}.log")));
+        daemon.wait_socket(&sock);
+        Export { daemon, sock }
+    }
+
+    fn uri(&self) -> String {
+        unix_uri(&self.sock, "")
+    }
+
+    fn stop(mut self) {
+        self.daemon.stop();
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// QMP (qemu-storage-daemon)
+// ---------------------------------------------------------------------------------
+
+/// A QMP connection: one command at a time, events skipped.
+struct Qmp {
+    w: UnixStream,
+    r: BufReader<UnixStream>,
+}
+
+impl Qmp {
+    fn connect(sock: &Path) -> Qmp {
+        let w = UnixStream::connect(sock).unwrap();
+        w.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let r = BufReader::new(w.try_clone().unwrap());
+        let mut q = Qmp { w, r };
+        let greeting = q.read();
+        assert!(greeting.get("QMP").is_some(), "not a QMP greeting: {greeting}");
+        q.exec("qmp_capabilities", serde_json::json!({}));
+        q
+    }
+
+    fn read(&mut self) -> Json {
+        let mut line = String::new();
+        let n = self.r.read_line(&mut line).expect("reading QMP");
+        assert!(n > 0, "QMP connection closed");
+        Json::must_parse(&line)
+    }
+
+    /// Runs `command` with `arguments`; returns its `return` value, failing on `error`.
+    fn exec(&mut self, command: &str, arguments: Json) -> Json {
+        let req = serde_json::json!({ "execute": command, "arguments": arguments });
+        writeln!(self.w, "{req}").unwrap();
+        loop {
+            let v = self.read();
+            if v.get("event").is_some() {
+                continue;
+            }
+            if let Some(e) = v.get("error") {
+                panic!("QMP {req} failed: {e}");
+            }
+            return v.at("return").clone();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// Workloads: what the "guest" writes between backups
+// ---------------------------------------------------------------------------------
+
+/// qemu-io commands of round `round`: scattered writes of odd sizes, write-zeroes over
+/// data, discards, writes at the end of the disk; 40 scattered 4 KiB writes.
+fn workload(round: u32) -> Vec<String> {
+    let m = MIB;
+    let mut v: Vec<String> = match round {
+        0 => vec![
+            format!("write -P 0x11 0 {}", 8 * m),
+            format!("write -P 0x22 {} {}", 20 * m, 4 * m),
+            format!("write -P 0x23 {} 65536", 40 * m),
+            format!("write -P 0x24 {} {}", 44 * m, 2 * m),
+        ],
+        1 => vec![
+            format!("write -P 0x33 {} 102400", m),
+            format!("write -z {} {}", 20 * m, m),
+            format!("discard {} {}", 2 * m, 2 * m),
+            format!("write -P 0x44 {} 3000", 50 * m),
+            format!("write -P 0x45 {} {}", 63 * m, m),
+            "write -P 0x46 123392 1024".to_string(),
+            format!("write -z {} {}", 44 * m, 512 * KIB),
+        ],
+        _ => vec![
+            format!("write -P 0x55 {} 65536", m),
+            format!("write -P 0x56 {} {}", 30 * m, 2 * m),
+            "write -z 0 524288".to_string(),
+            format!("discard {} 65536", 50 * m),
+            format!("write -P 0x57 {} 65536", 21 * m),
+            format!("write -z {} {}", 46 * m, m),
+        ],
+    };
+    let mut rng = Rng::new(0x1ac0 + round as u64);
+    for i in 0..40 {
+        let off = rng.below(SIZE / 4096) * 4096;
+        v.push(format!("write -P {} {off} 4096", 0x60 + i));
+    }
+    v
+}
+
+// ---------------------------------------------------------------------------------
+// Backups and their checks
+// ---------------------------------------------------------------------------------
+
+/// The guest-visible content of `src` (a file of format `fmt`, or an NBD URI: `fmt` raw)
+/// saved as a raw file.
+fn snapshot(src: &str, fmt: &str, out: &Path) -> Vec<u8> {
+    qemu_img(&["convert", "-f", fmt, "-O", "raw", src, s(out)]);
+    let data = fs::read(out).unwrap();
+    assert_eq!(data.len() as u64, SIZE);
+    data
+}
+
+/// A full backup of `src` (a local image or an NBD URI) into the new qcow2 `dst`.
+fn full_backup(tool: Tool, src: &str, src_fmt: &str, dst: &Path) {
+    match tool {
+        Tool::Ferry => {
+            ferry(&["copy", src, s(dst)]);
+        }
+        Tool::Reference => {
+            qemu_img(&["convert", "-f", src_fmt, "-O", "qcow2", src, s(dst)]);
+        }
+    }
+}
+
+/// Dirty ranges `[start, end)` of `qemu:dirty-bitmap:BITMAP` on the export `uri`, as
+/// nbdinfo reports them.
+fn dirty_map(uri: &str, bitmap: &str) -> Vec<(u64, u64)> {
+    require("nbdinfo");
+    let out = run_ok(&mut cmd("nbdinfo", ["--json", &format!("--map=qemu:dirty-bitmap:{bitmap}"), uri]));
+    let v = Json::must_parse(&out.stdout);
+    let arr = v.as_array().unwrap_or_else(|| panic!("nbdinfo --map --json is not an array: {v}"));
+    let mut ranges: Vec<(u64, u64)> = Vec::new();
+    for e in arr {
+        let (off, len, ty) = (e.u64_at("offset"), e.u64_at("length"), e.u64_at("type"));
+        if ty & 1 == 0 {
+            continue;
+        }
+        match ranges.last_mut() {
+            Some(last) if last.1 == off => last.1 = off + len,
+            _ => ranges.push((off, off + len)),
+        }
+    }
+    ranges
+}
+
+/// An incremental backup of the extents `bitmap` marks dirty in `src` (an NBD URI or,
+/// for ferry, a local qcow2 image) into the new qcow2 `dst` backed by `backing` (same
+/// directory).
+fn incremental_backup(tool: Tool, bitmap: &str, src: &str, backing: &Path, dst: &Path) {
+    let dir = dst.parent().unwrap();
+    match tool {
+        Tool::Ferry => {
+            ferry(&["copy", "--dirty-bitmap", bitmap, "--backing", s(backing), src, s(dst)]);
+        }
+        Tool::Reference => {
+            assert!(src.starts_with("nbd"), "the reference reads NBD exports only");
+            let name = backing.file_name().unwrap().to_str().unwrap();
+            qemu_img(&["create", "-q", "-f", "qcow2", "-b", name, "-F", "qcow2", s(dst), &SIZE.to_string()]);
+            let out = Export::qemu_nbd(dir, "overlay", dst, "qcow2", false, None);
+            require("python3-libnbd");
+            let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../bench/nbd_incremental.py");
+            run_ok(Command::new(SYSTEM_PYTHON).arg(&script).args(["--bitmap", bitmap, "--flush", src, &out.uri()]));
+            out.stop();
+        }
+    }
+}
+
+/// `qemu-img check` finds nothing wrong with `img`.
+fn check_clean(img: &Path) {
+    let out = run(&mut cmd("qemu-img", ["check", "--output=json", s(img)]));
+    assert!(out.status.success(), "qemu-img check {}\n{}", img.display(), out.describe());
+    let v = Json::must_parse(&out.stdout);
+    assert_eq!(v.get("check-errors").and_then(Json::as_u64), Some(0), "{}", out.describe());
+    for k in ["corruptions", "leaks"] {
+        assert!(v.get(k).is_none_or(|c| c == 0), "{k} in {}\n{}", img.display(), out.describe());
+    }
+}
+
+/// `img` restores (qemu-img convert to raw) to exactly `want`, and `qemu-img compare` agrees.
+fn assert_restores(img: &Path, want_raw: &Path, want: &[u8]) {
+    check_clean(img);
+    let restored = img.with_extension("restored.raw");
+    qemu_img(&["convert", "-O", "raw", s(img), s(&restored)]);
+    let got = fs::read(&restored).unwrap();
+    assert_same_bytes(&got, want, &format!("{} restored", img.display()));
+    qemu_img(&["compare", "-F", "raw", s(img), s(want_raw)]);
+    fs::remove_file(&restored).unwrap();
+}
+
+/// `inc` is a thin overlay on `backing`: backing file named relative to `inc`, every
+/// cluster of its top layer inside a dirty range, and a dirty range that reads as zeroes
+/// never stored as data.
+fn assert_thin(inc: &Path, backing: &Path, dirty: &[(u64, u64)], content: &[u8]) {
+    let info = Json::must_parse(&qemu_img(&["info", "--output=json", s(inc)]).stdout);
+    let want_name = backing.file_name().unwrap().to_str().unwrap();
+    assert_eq!(
+        info.at("backing-filename").as_str(),
+        Some(want_name),
+        "{} should name its backing file relative to itself: {info}",
+        inc.display()
+    );
+    assert_eq!(info.u64_at("virtual-size"), SIZE);
+    let map = Json::must_parse(&qemu_img(&["map", "--output=json", s(inc)]).stdout);
+    let mut top = 0u64;
+    for e in map.as_array().unwrap() {
+        if e.u64_at("depth") != 0 {
+            continue;
+        }
+        let (start, len) = (e.u64_at("start"), e.u64_at("length"));
+        let present = e.bool_at("data") || e.bool_at("zero");
+        if !present {
+            continue;
+        }
+        top += len;
+        let end = start + len;
+        let mut o = start;
+        while o < end {
+            let inside = dirty.iter().any(|&(a, b)| a <= o && o < b);
+            assert!(inside, "{}: cluster at {o} is allocated in the top layer but was clean: {map}", inc.display());
+            o += CLUSTER.min(end - o);
+        }
+        if e.bool_at("data") {
+            // Stored as data: some cluster of it holds a non-zero byte.
+            let mut c = start;
+            while c < end {
+                let ce = (c + CLUSTER).min(end);
+                assert!(
+                    content[c as usize..ce as usize].iter().any(|&b| b != 0),
+                    "{}: the zero range {c}..{ce} is stored as data",
+                    inc.display()
+                );
+                c = ce;
+            }
+        }
+    }
+    let dirty_bytes: u64 = dirty.iter().map(|(a, b)| b - a).sum();
+    assert!(dirty_bytes > 0 && dirty_bytes < SIZE / 2, "implausible dirty map {dirty:?}");
+    assert!(top > 0, "{} has nothing in its top layer: {map}", inc.display());
+}
+
+// ---------------------------------------------------------------------------------
+// (a) A stopped VM's image
+// ---------------------------------------------------------------------------------
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Source {
+    /// `qemu-nbd -r -B b0` of the image.
+    QemuNbd,
+    /// `ferry serve -r -B b0` of the image.
+    FerryServe,
+    /// The local image itself (ferry reads qcow2 bitmaps directly).
+    LocalImage,
+}
+
+fn stopped_vm(tool: Tool, source: Source) {
+    require("qemu-img");
+    let dir = tempfile::Builder::new().prefix("ferry-incr").tempdir().unwrap();
+    let d = dir.path();
+    let img = d.join("vm.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&img), &SIZE.to_string()]);
+    qemu_io("qcow2", s(&img), &workload(0));
+    qemu_img(&["bitmap", "--add", s(&img), "b0"]);
+
+    // Full backup, straight from the image (nobody holds it).
+    let snap0 = d.join("snap0.raw");
+    let want0 = snapshot(s(&img), "qcow2", &snap0);
+    let full = d.join("full.qcow2");
+    full_backup(tool, s(&img), "qcow2", &full);
+    assert_restores(&full, &snap0, &want0);
+
+    let mut prev = full.clone();
+    let mut chain = vec![(full.clone(), snap0.clone(), want0)];
+    for round in 1..=2u32 {
+        qemu_io("qcow2", s(&img), &workload(round));
+        let snap = d.join(format!("snap{round}.raw"));
+        let want = snapshot(s(&img), "qcow2", &snap);
+        let inc = d.join(format!("inc{round}.qcow2"));
+
+        // The dirty map, as qemu reports it, for the thinness check.
+        let q = Export::qemu_nbd(d, "map", &img, "qcow2", true, Some("b0"));
+        let dirty = dirty_map(&q.uri(), "b0");
+        q.stop();
+
+        match source {
+            Source::QemuNbd => {
+                let e = Export::qemu_nbd(d, "src", &img, "qcow2", true, Some("b0"));
+                incremental_backup(tool, "b0", &e.uri(), &prev, &inc);
+                e.stop();
+            }
+            Source::FerryServe => {
+                let e = Export::ferry(d, "src", &img, true, Some("b0"));
+                incremental_backup(tool, "b0", &e.uri(), &prev, &inc);
+                e.stop();
+            }
+            Source::LocalImage => incremental_backup(tool, "b0", s(&img), &prev, &inc),
+        }
+        assert_restores(&inc, &snap, &want);
+        assert_thin(&inc, &prev, &dirty, &want);
+        qemu_img(&["bitmap", "--clear", s(&img), "b0"]);
+        chain.push((inc.clone(), snap, want));
+        prev = inc;
+    }
+
+    // Each backup of the chain still restores to its own point.
+    for (img, snap, want) in &chain {
+        assert_restores(img, snap, want);
+    }
+    // The backups never touched the image or its bitmap.
+    check_clean(&img);
+    let info = Json::must_parse(&qemu_img(&["info", "--output=json", s(&img)]).stdout);
+    let bitmaps = info.at("format-specific").at("data").array_at("bitmaps");
+    assert_eq!(bitmaps.len(), 1, "{info}");
+    assert_eq!(bitmaps[0].at("name").as_str(), Some("b0"));
+    assert_eq!(bitmaps[0].array_at("flags"), [Json::from("auto")], "{info}");
+}
+
+#[test]
+fn stopped_vm_reference_qemu_nbd() {
+    stopped_vm(Tool::Reference, Source::QemuNbd);
+}
+
+#[test]
+fn stopped_vm_ferry_copy_from_qemu_nbd() {
+    stopped_vm(Tool::Ferry, Source::QemuNbd);
+}
+
+#[test]
+fn stopped_vm_ferry_copy_from_ferry_serve() {
+    stopped_vm(Tool::Ferry, Source::FerryServe);
+}
+
+#[test]
+fn stopped_vm_reference_from_ferry_serve() {
+    stopped_vm(Tool::Reference, Source::FerryServe);
+}
+
+#[test]
+fn stopped_vm_ferry_copy_from_local_image() {
+    stopped_vm(Tool::Ferry, Source::LocalImage);
+}
+
+// ---------------------------------------------------------------------------------
+// (b) libvirt's pull mode against qemu-storage-daemon
+// ---------------------------------------------------------------------------------
+
+struct Qsd {
+    daemon: Daemon,
+    qmp: Qmp,
+    nbd_sock: PathBuf,
+}
+
+impl Qsd {
+    /// qemu-storage-daemon with QMP on `dir/qmp.sock`, `image` opened as node `disk0`
+    /// (qcow2 on a file node, discards passed down), an NBD server on `dir/nbd.sock`, and
+    /// the writable export `guest` the guest's writes go through.
+    fn start(dir: &Path, image: &Path) -> Qsd {
+        require("qemu-storage-daemon");
+        let qmp_sock = dir.join("qmp.sock");
+        let mut c = Command::new("qemu-storage-daemon");
+        c.arg("--chardev")
+            .arg(format!("socket,path={},server=on,wait=off,id=qmp0", qmp_sock.display()))
+            .args(["--monitor", "chardev=qmp0"]);
+        let mut daemon = Daemon::spawn(c, dir.join("qsd.log"));
+        daemon.wait_socket(&qmp_sock);
+        let mut qmp = Qmp::connect(&qmp_sock);
+        qmp.exec(
+            "blockdev-add",
+            serde_json::json!({"driver": "file", "node-name": "file0", "filename": s(image), "discard": "unmap"}),
+        );
+        qmp.exec(
+            "blockdev-add",
+            serde_json::json!({"driver": "qcow2", "node-name": "disk0", "file": "file0", "discard": "unmap"}),
+        );
+        let nbd_sock = dir.join("nbd.sock");
+        qmp.exec("nbd-server-start", serde_json::json!({"addr": {"type": "unix", "data": {"path": s(&nbd_sock)}}}));
+        qmp.exec(
+            "block-export-add",
+            serde_json::json!({"type": "nbd", "id": "guest", "node-name": "disk0", "name": "guest", "writable": true}),
+        );
+        Qsd { daemon, qmp, nbd_sock }
+    }
+
+    fn uri(&self, export: &str) -> String {
+        unix_uri(&self.nbd_sock, export)
+    }
+
+    /// The backup point: one transaction adds the persistent bitmap `new` and disables
+    /// `old` (libvirt's checkpoint), then a read-only export `name` of the node offers
+    /// `old` (`qemu:dirty-bitmap:old`) to the backup.
+    fn begin_backup(&mut self, name: &str, old: Option<&str>, new: &str) {
+        let mut actions = vec![serde_json::json!({
+            "type": "block-dirty-bitmap-add",
+            "data": {"node": "disk0", "name": new, "persistent": true}
+        })];
+        if let Some(old) = old {
+            actions.push(serde_json::json!({
+                "type": "block-dirty-bitmap-disable",
+                "data": {"node": "disk0", "name": old}
+            }));
+        }
+        self.qmp.exec("transaction", serde_json::json!({ "actions": actions }));
+        let bitmaps: Vec<&str> = old.into_iter().collect();
+        self.qmp.exec(
+            "block-export-add",
+            serde_json::json!({"type": "nbd", "id": name, "node-name": "disk0", "name": name, "bitmaps": bitmaps}),
+        );
+    }
+
+    fn end_backup(&mut self, name: &str) {
+        self.qmp.exec("block-export-del", serde_json::json!({ "id": name }));
+    }
+
+    /// QMP `quit`: a clean exit that stores the persistent bitmaps in the image.
+    fn quit(mut self) {
+        self.qmp.exec("quit", serde_json::json!({}));
+        self.daemon.wait_exit();
+    }
+}
+
+fn pull_mode(tool: Tool) {
+    require("qemu-img");
+    let dir = tempfile::Builder::new().prefix("ferry-pull").tempdir().unwrap();
+    let d = dir.path();
+    let img = d.join("disk.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&img), &SIZE.to_string()]);
+    let mut qsd = Qsd::start(d, &img);
+    let guest = qsd.uri("guest");
+    qemu_io("raw", &guest, &workload(0));
+
+    // Backup 0: full, and the first checkpoint b0.
+    qsd.begin_backup("backup0", None, "b0");
+    let src = qsd.uri("backup0");
+    let snap0 = d.join("snap0.raw");
+    let want0 = snapshot(&src, "raw", &snap0);
+    let full = d.join("full.qcow2");
+    full_backup(tool, &src, "raw", &full);
+    qsd.end_backup("backup0");
+    assert_restores(&full, &snap0, &want0);
+
+    let mut prev = full.clone();
+    let mut chain = vec![(full.clone(), snap0.clone(), want0)];
+    for round in 1..=2u32 {
+        qemu_io("raw", &guest, &workload(round));
+        let (old, new) = (format!("b{}", round - 1), format!("b{round}"));
+        let name = format!("backup{round}");
+        qsd.begin_backup(&name, Some(&old), &new);
+        let src = qsd.uri(&name);
+        let snap = d.join(format!("snap{round}.raw"));
+        let want = snapshot(&src, "raw", &snap);
+        let dirty = dirty_map(&src, &old);
+        let inc = d.join(format!("inc{round}.qcow2"));
+        incremental_backup(tool, &old, &src, &prev, &inc);
+        qsd.end_backup(&name);
+        assert_restores(&inc, &snap, &want);
+        assert_thin(&inc, &prev, &dirty, &want);
+        chain.push((inc.clone(), snap, want));
+        prev = inc;
+    }
+    qsd.quit();
+
+    for (img, snap, want) in &chain {
+        assert_restores(img, snap, want);
+    }
+    // The checkpoints are in the image: b0 and b1 disabled, b2 recording.
+    check_clean(&img);
+    let info = Json::must_parse(&qemu_img(&["info", "--output=json", s(&img)]).stdout);
+    let bitmaps = info.at("format-specific").at("data").array_at("bitmaps");
+    let mut names: Vec<(&str, bool)> = bitmaps
+        .iter()
+        .map(|b| (b.at("name").as_str().unwrap(), b.array_at("flags").contains(&Json::from("auto"))))
+        .collect();
+    names.sort();
+    assert_eq!(names, [("b0", false), ("b1", false), ("b2", true)], "{info}");
+}
+
+#[test]
+fn pull_mode_reference_qemu_storage_daemon() {
+    pull_mode(Tool::Reference);
+}
+
+#[test]
+fn pull_mode_ferry_copy_from_qemu_storage_daemon() {
+    pull_mode(Tool::Ferry);
+}
