@@ -713,3 +713,46 @@ fn pull_mode_reference_qemu_storage_daemon() {
 fn pull_mode_ferry_copy_from_qemu_storage_daemon() {
     pull_mode(Tool::Ferry);
 }
+
+// ---------------------------------------------------------------------------------
+// The checks themselves
+// ---------------------------------------------------------------------------------
+
+/// The checks above catch a backup that misses a change and one that is not thin: an
+/// incremental taken after the bitmap was cleared restores to the old content, and an
+/// overlay holding a full copy allocates clean clusters.
+#[test]
+fn harness_catches_missed_and_fat_backups() {
+    require("qemu-img");
+    let dir = tempfile::Builder::new().prefix("ferry-incr").tempdir().unwrap();
+    let d = dir.path();
+    let img = d.join("vm.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&img), &SIZE.to_string()]);
+    qemu_io("qcow2", s(&img), &workload(0));
+    qemu_img(&["bitmap", "--add", s(&img), "b0"]);
+    let full = d.join("full.qcow2");
+    full_backup(Tool::Reference, s(&img), "qcow2", &full);
+    qemu_io("qcow2", s(&img), &workload(1));
+    let snap = d.join("snap1.raw");
+    let want = snapshot(s(&img), "qcow2", &snap);
+
+    // Missed: the bitmap was cleared before the backup, so nothing is copied.
+    let e = Export::qemu_nbd(d, "src", &img, "qcow2", true, Some("b0"));
+    let dirty = dirty_map(&e.uri(), "b0");
+    e.stop();
+    qemu_img(&["bitmap", "--clear", s(&img), "b0"]);
+    let e = Export::qemu_nbd(d, "src", &img, "qcow2", true, Some("b0"));
+    let missed = d.join("missed.qcow2");
+    incremental_backup(Tool::Reference, "b0", &e.uri(), &full, &missed);
+    e.stop();
+    let r = std::panic::catch_unwind(|| assert_restores(&missed, &snap, &want));
+    assert!(r.is_err(), "a backup that missed the changes passed the restore check");
+
+    // Fat: every cluster of the image copied into the overlay.
+    let fat = d.join("fat.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", "-b", "full.qcow2", "-F", "qcow2", s(&fat), &SIZE.to_string()]);
+    qemu_img(&["convert", "-n", "-f", "qcow2", "-O", "qcow2", s(&img), s(&fat)]);
+    assert_restores(&fat, &snap, &want);
+    let r = std::panic::catch_unwind(|| assert_thin(&fat, &full, &dirty, &want));
+    assert!(r.is_err(), "an overlay holding a full copy passed the thinness check");
+}
