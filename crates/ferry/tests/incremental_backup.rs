@@ -483,7 +483,32 @@ enum Source {
     LocalImage,
 }
 
+/// Who writes the image between backups (the "VM").
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Writer {
+    /// qemu-io on the image file.
+    QemuIo,
+    /// qemu-io through `ferry serve IMAGE` (read-write), stopped with SIGTERM after each
+    /// round: ferry records the writes in the image's bitmaps and stores them on close.
+    FerryServe,
+}
+
+fn write_round(writer: Writer, dir: &Path, img: &Path, round: u32) {
+    match writer {
+        Writer::QemuIo => qemu_io("qcow2", s(img), &workload(round)),
+        Writer::FerryServe => {
+            let e = Export::ferry(dir, "vm", img, false, None);
+            qemu_io("raw", &e.uri(), &workload(round));
+            e.stop();
+        }
+    }
+}
+
 fn stopped_vm(tool: Tool, source: Source) {
+    stopped_vm_written_by(tool, source, Writer::QemuIo)
+}
+
+fn stopped_vm_written_by(tool: Tool, source: Source, writer: Writer) {
     require("qemu-img");
     let dir = tempfile::Builder::new().prefix("ferry-incr").tempdir().unwrap();
     let d = dir.path();
@@ -502,7 +527,7 @@ fn stopped_vm(tool: Tool, source: Source) {
     let mut prev = full.clone();
     let mut chain = vec![(full.clone(), snap0.clone(), want0)];
     for round in 1..=2u32 {
-        qemu_io("qcow2", s(&img), &workload(round));
+        write_round(writer, d, &img, round);
         let snap = d.join(format!("snap{round}.raw"));
         let want = snapshot(s(&img), "qcow2", &snap);
         let inc = d.join(format!("inc{round}.qcow2"));
@@ -568,6 +593,19 @@ fn stopped_vm_reference_from_ferry_serve() {
 #[test]
 fn stopped_vm_ferry_copy_from_local_image() {
     stopped_vm(Tool::Ferry, Source::LocalImage);
+}
+
+/// ferry is the "VM": the guest's writes go through `ferry serve`, which keeps b0; qemu
+/// reads the bitmap ferry stored (qemu-nbd -B, refused if ferry left it inconsistent).
+#[test]
+fn stopped_vm_written_through_ferry_serve_reference_backup() {
+    stopped_vm_written_by(Tool::Reference, Source::QemuNbd, Writer::FerryServe);
+}
+
+/// All ferry: writes through `ferry serve`, backups read from `ferry serve -r -B b0`.
+#[test]
+fn stopped_vm_written_through_ferry_serve_ferry_backup() {
+    stopped_vm_written_by(Tool::Ferry, Source::FerryServe, Writer::FerryServe);
 }
 
 // ---------------------------------------------------------------------------------
