@@ -89,6 +89,8 @@ EOF
 serve_qemu() { qemu-nbd -t -r -B b0 -f qcow2 -k "$W/$1.sock" "$2" 2>"$W/$1.log" & pids+=($!); wait_sock "$W/$1.sock"; }
 serve_ferry() { "$FERRY" serve -r -B b0 -U "$W/$1.sock" "$2" 2>"$W/$1.log" & pids+=($!); wait_sock "$W/$1.sock"; }
 uri() { echo "nbd+unix:///?socket=$W/$1.sock"; }
+# med_of "T1 T2 FAIL ...": median of the times that did not fail, 3 decimals (or FAIL).
+med_of() { local m; m=$(echo "$1" | tr ' ' '\n' | grep -v '^$' | grep -v FAIL | med); [ -n "$m" ] && printf "%.3f\n" "$m" || echo FAIL; }
 stop_all() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; pids=(); }
 
 if [[ " $PARTS " == *" 1 "* ]]; then
@@ -117,7 +119,6 @@ same() { # CLIENT: both servers gave this client the same map, with EXTENTS dirt
   if cmp -s "$W/map.q:$1" "$W/map.f:$1" && [ "$(dirty_lines "$W/map.q:$1")" = "$EXTENTS" ]; then echo yes
   else echo "no (qemu-nbd: $(dirty_lines "$W/map.q:$1"), ferry: $(dirty_lines "$W/map.f:$1") dirty lines)"; fi
 }
-med_of() { local m; m=$(echo "$1" | tr ' ' '\n' | grep -v '^$' | grep -v FAIL | med); [ -n "$m" ] && printf "%.3f\n" "$m" || echo FAIL; }
 echo
 echo "| client \\ server | qemu-nbd -r -B b0 (s) | ferry serve -r -B b0 (s) | same map |"
 echo "|---|---|---|---|"

@@ -11,9 +11,11 @@
 //!   `qemu-img bitmap --clear b0` after each backup.
 //! * **libvirt's pull mode**: `qemu-storage-daemon` driven over QMP as libvirt drives
 //!   qemu: a file and a qcow2 node, `nbd-server-start` on a Unix socket, a writable
-//!   export the "guest" writes through, and at each backup point a `transaction` that adds
-//!   the next persistent bitmap and disables the previous one, then a read-only export
-//!   with `bitmaps: [previous]` that the backup reads.
+//!   export the "guest" writes through, and at each backup point a fleecing image and a
+//!   `transaction` that adds the next persistent bitmap, disables the previous one and
+//!   starts a `blockdev-backup sync=none` job (copy-before-write into the fleecing image),
+//!   then a read-only export of the fleecing node with `bitmaps: [previous]` that the
+//!   backup reads while the guest keeps writing.
 //!
 //! Each scenario runs with two tools: ferry (`ferry copy SRC full.qcow2`, `ferry copy
 //! --dirty-bitmap NAME --backing PREV SRC incN.qcow2`), and the reference, qemu's tools and
@@ -245,10 +247,11 @@ impl Export {
 // QMP (qemu-storage-daemon)
 // ---------------------------------------------------------------------------------
 
-/// A QMP connection: one command at a time, events skipped.
+/// A QMP connection: one command at a time; events are kept for [`Qmp::wait_event`].
 struct Qmp {
     w: UnixStream,
     r: BufReader<UnixStream>,
+    events: Vec<Json>,
 }
 
 impl Qmp {
@@ -256,7 +259,7 @@ impl Qmp {
         let w = UnixStream::connect(sock).unwrap();
         w.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
         let r = BufReader::new(w.try_clone().unwrap());
-        let mut q = Qmp { w, r };
+        let mut q = Qmp { w, r, events: Vec::new() };
         let greeting = q.read();
         assert!(greeting.get("QMP").is_some(), "not a QMP greeting: {greeting}");
         q.exec("qmp_capabilities", serde_json::json!({}));
@@ -277,12 +280,33 @@ impl Qmp {
         loop {
             let v = self.read();
             if v.get("event").is_some() {
+                self.events.push(v);
                 continue;
             }
             if let Some(e) = v.get("error") {
                 panic!("QMP {req} failed: {e}");
             }
             return v.at("return").clone();
+        }
+    }
+
+    /// Waits for (and consumes) the event `name` whose `data.KEY` is `value`, also if it
+    /// came while a command was running.
+    fn wait_event(&mut self, name: &str, key: &str, value: &str) {
+        let matches = |v: &Json| {
+            v.get("event").and_then(Json::as_str) == Some(name)
+                && v.get("data").and_then(|d| d.get(key)).and_then(Json::as_str) == Some(value)
+        };
+        if let Some(i) = self.events.iter().position(matches) {
+            self.events.remove(i);
+            return;
+        }
+        loop {
+            let v = self.read();
+            if matches(&v) {
+                return;
+            }
+            self.events.push(v);
         }
     }
 }
@@ -326,6 +350,20 @@ fn workload(round: u32) -> Vec<String> {
         v.push(format!("write -P {} {off} 4096", 0x60 + i));
     }
     v
+}
+
+/// What the guest writes while backup `round` runs (pull mode): over ranges that round
+/// changed and beside them, so a backup that reads the live disk instead of the
+/// point-in-time view, or a next incremental that misses them, restores wrong bytes.
+fn during_backup(round: u32) -> Vec<String> {
+    let p = 0x90 + round;
+    vec![
+        format!("write -P {p:#x} {} 65536", MIB),
+        format!("write -P {p:#x} {} 131072", 33 * MIB + 4096 * round as u64),
+        format!("write -z {} 65536", 22 * MIB),
+        format!("discard {} 65536", 45 * MIB),
+        format!("write -P {p:#x} {} 65536", 63 * MIB),
+    ]
 }
 
 // ---------------------------------------------------------------------------------
@@ -653,10 +691,21 @@ impl Qsd {
         unix_uri(&self.nbd_sock, export)
     }
 
-    /// The backup point: one transaction adds the persistent bitmap `new` and disables
-    /// `old` (libvirt's checkpoint), then a read-only export `name` of the node offers
-    /// `old` (`qemu:dirty-bitmap:old`) to the backup.
-    fn begin_backup(&mut self, name: &str, old: Option<&str>, new: &str) {
+    /// The backup point, as libvirt's pull mode makes it: a fleecing image `NAME.qcow2`
+    /// (backed by the disk) is added, then one transaction adds the persistent bitmap
+    /// `new` (the next checkpoint), disables `old` and starts a `blockdev-backup` job with
+    /// `sync: none` from the disk into the fleecing image (copy-before-write: the guest's
+    /// later writes first copy the old data there). The read-only export `NAME` of the
+    /// fleecing node shows the disk frozen at this point and offers `old`
+    /// (`qemu:dirty-bitmap:OLD`, a bitmap of the disk node).
+    fn begin_backup(&mut self, dir: &Path, name: &str, old: Option<&str>, new: &str) {
+        let fleece = dir.join(format!("{name}.fleece.qcow2"));
+        qemu_img(&["create", "-q", "-f", "qcow2", s(&fleece), &SIZE.to_string()]);
+        self.qmp.exec(
+            "blockdev-add",
+            serde_json::json!({"driver": "qcow2", "node-name": name, "backing": "disk0",
+                "file": {"driver": "file", "filename": s(&fleece)}}),
+        );
         let mut actions = vec![serde_json::json!({
             "type": "block-dirty-bitmap-add",
             "data": {"node": "disk0", "name": new, "persistent": true}
@@ -667,16 +716,25 @@ impl Qsd {
                 "data": {"node": "disk0", "name": old}
             }));
         }
+        actions.push(serde_json::json!({
+            "type": "blockdev-backup",
+            "data": {"job-id": name, "device": "disk0", "target": name, "sync": "none"}
+        }));
         self.qmp.exec("transaction", serde_json::json!({ "actions": actions }));
-        let bitmaps: Vec<&str> = old.into_iter().collect();
+        let bitmaps: Vec<Json> = old.iter().map(|b| serde_json::json!({"node": "disk0", "name": b})).collect();
         self.qmp.exec(
             "block-export-add",
-            serde_json::json!({"type": "nbd", "id": name, "node-name": "disk0", "name": name, "bitmaps": bitmaps}),
+            serde_json::json!({"type": "nbd", "id": name, "node-name": name, "name": name, "bitmaps": bitmaps}),
         );
     }
 
+    /// Ends the backup: export removed, fleecing job cancelled, fleecing node deleted.
     fn end_backup(&mut self, name: &str) {
         self.qmp.exec("block-export-del", serde_json::json!({ "id": name }));
+        self.qmp.wait_event("BLOCK_EXPORT_DELETED", "id", name);
+        self.qmp.exec("block-job-cancel", serde_json::json!({ "device": name }));
+        self.qmp.wait_event("BLOCK_JOB_CANCELLED", "device", name);
+        self.qmp.exec("blockdev-del", serde_json::json!({ "node-name": name }));
     }
 
     /// QMP `quit`: a clean exit that stores the persistent bitmaps in the image.
@@ -697,10 +755,12 @@ fn pull_mode(tool: Tool) {
     qemu_io("raw", &guest, &workload(0));
 
     // Backup 0: full, and the first checkpoint b0.
-    qsd.begin_backup("backup0", None, "b0");
+    qsd.begin_backup(d, "backup0", None, "b0");
     let src = qsd.uri("backup0");
     let snap0 = d.join("snap0.raw");
     let want0 = snapshot(&src, "raw", &snap0);
+    // The guest writes on while the backup runs; the backup must not see it.
+    qemu_io("raw", &guest, &during_backup(0));
     let full = d.join("full.qcow2");
     full_backup(tool, &src, "raw", &full);
     qsd.end_backup("backup0");
@@ -712,10 +772,11 @@ fn pull_mode(tool: Tool) {
         qemu_io("raw", &guest, &workload(round));
         let (old, new) = (format!("b{}", round - 1), format!("b{round}"));
         let name = format!("backup{round}");
-        qsd.begin_backup(&name, Some(&old), &new);
+        qsd.begin_backup(d, &name, Some(&old), &new);
         let src = qsd.uri(&name);
         let snap = d.join(format!("snap{round}.raw"));
         let want = snapshot(&src, "raw", &snap);
+        qemu_io("raw", &guest, &during_backup(round));
         let dirty = dirty_map(&src, &old);
         let inc = d.join(format!("inc{round}.qcow2"));
         incremental_backup(tool, &old, &src, &prev, &inc);
