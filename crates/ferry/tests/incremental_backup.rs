@@ -412,6 +412,22 @@ fn dirty_map(uri: &str, bitmap: &str) -> Vec<(u64, u64)> {
     ranges
 }
 
+/// `ferry info --map=qemu:dirty-bitmap:BITMAP URI` prints what nbdinfo prints (the same
+/// lines, field for field), so scripts switch by changing the program name.
+fn assert_ferry_map_matches_nbdinfo(uri: &str, bitmap: &str) {
+    let arg = format!("--map=qemu:dirty-bitmap:{bitmap}");
+    let theirs = run_ok(&mut cmd("nbdinfo", [arg.as_str(), uri])).stdout;
+    let ours = ferry(&["info", &arg, uri]).stdout;
+    let fields = |t: &str| -> Vec<Vec<String>> {
+        t.lines()
+            .map(|l| l.split_whitespace().map(str::to_string).collect())
+            .filter(|v: &Vec<String>| !v.is_empty())
+            .collect()
+    };
+    assert_eq!(fields(&ours), fields(&theirs), "ferry info {arg}:\n{ours}\nnbdinfo {arg}:\n{theirs}");
+    assert!(theirs.contains("dirty"), "no dirty extent in {uri}: {theirs}");
+}
+
 /// An incremental backup of the extents `bitmap` marks dirty in `src` (an NBD URI or,
 /// for ferry, a local qcow2 image) into the new qcow2 `dst` backed by `backing` (same
 /// directory).
@@ -573,6 +589,9 @@ fn stopped_vm_written_by(tool: Tool, source: Source, writer: Writer) {
         // The dirty map, as qemu reports it, for the thinness check.
         let q = Export::qemu_nbd(d, "map", &img, "qcow2", true, Some("b0"));
         let dirty = dirty_map(&q.uri(), "b0");
+        if tool == Tool::Ferry {
+            assert_ferry_map_matches_nbdinfo(&q.uri(), "b0");
+        }
         q.stop();
 
         match source {
@@ -778,6 +797,9 @@ fn pull_mode(tool: Tool) {
         let want = snapshot(&src, "raw", &snap);
         qemu_io("raw", &guest, &during_backup(round));
         let dirty = dirty_map(&src, &old);
+        if tool == Tool::Ferry {
+            assert_ferry_map_matches_nbdinfo(&src, &old);
+        }
         let inc = d.join(format!("inc{round}.qcow2"));
         incremental_backup(tool, &old, &src, &prev, &inc);
         qsd.end_backup(&name);
