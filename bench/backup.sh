@@ -16,7 +16,8 @@
 #    --map=qemu:dirty-bitmap:b0`. 4 cells, RUNS repetitions interleaved (every cell once per
 #    round), median wall seconds of the client (the server's start is not counted). The
 #    "same" column says whether the client printed the same map from both servers, and
-#    whether it has EXTENTS dirty lines.
+#    whether it has EXTENTS dirty lines. A last row times each server cold: from its start
+#    (opening the image and loading b0) to the end of the first full nbdinfo map.
 # 2. Incremental backup of a SIZE_G GiB image (all allocated, incompressible data) with
 #    DIRTY_PCT % of its 64 KiB granules dirty, scattered (a 4 KiB write in each, random
 #    granules), from `qemu-nbd -r -B b0` on a Unix socket; every copy writes a qcow2 file
@@ -127,7 +128,26 @@ for cl in nbdinfo ferry; do
   printf "| %s --map=qemu:dirty-bitmap:b0 | %s | %s | %s |\n" "$name" "$(med_of "${T[q:$cl]}")" "$(med_of "${T[f:$cl]}")" "$(same $cl)"
 done
 stop_all
-rm -f "$W/big.qcow2" "$W"/map.*
+# Cold: server start (opening the image, loading b0) to the end of the first nbdinfo map.
+cold() { # qemu|ferry
+  local sock=$W/cold.sock p i
+  rm -f "$sock"
+  case $1 in
+    qemu) qemu-nbd -t -r -B b0 -f qcow2 -k "$sock" "$W/big.qcow2" 2>/dev/null & p=$! ;;
+    ferry) "$FERRY" serve -r -B b0 -U "$sock" "$W/big.qcow2" 2>/dev/null & p=$! ;;
+  esac
+  for i in $(seq 2000); do
+    nbdinfo --map=qemu:dirty-bitmap:b0 "nbd+unix:///?socket=$sock" >"$W/cold.map" 2>/dev/null && break
+    kill -0 $p 2>/dev/null || break
+    sleep 0.01
+  done
+  kill $p 2>/dev/null; wait $p 2>/dev/null
+  [ "$(dirty_lines "$W/cold.map")" = "$EXTENTS" ]
+}
+declare -A C
+for r in $(seq "$RUNS"); do for k in qemu ferry; do C[$k]+="$(secs cold $k) "; done; done
+printf "| server start + first nbdinfo --map (cold) | %s | %s | |\n" "$(med_of "${C[qemu]}")" "$(med_of "${C[ferry]}")"
+rm -f "$W/big.qcow2" "$W"/map.* "$W/cold.map"
 fi
 [[ " $PARTS " == *" 2 "* ]] || exit 0
 
