@@ -379,14 +379,24 @@ fn snapshot(src: &str, fmt: &str, out: &Path) -> Vec<u8> {
     data
 }
 
-/// A full backup of `src` (a local image or an NBD URI) into the new qcow2 `dst`.
+/// The format of a backup file: raw when named `*.raw`, else qcow2.
+fn format_of(p: &Path) -> &'static str {
+    if p.extension().is_some_and(|e| e == "raw") {
+        "raw"
+    } else {
+        "qcow2"
+    }
+}
+
+/// A full backup of `src` (a local image or an NBD URI) into the new file `dst` (qcow2,
+/// or raw when named `*.raw`).
 fn full_backup(tool: Tool, src: &str, src_fmt: &str, dst: &Path) {
     match tool {
         Tool::Ferry => {
             ferry(&["copy", src, s(dst)]);
         }
         Tool::Reference => {
-            qemu_img(&["convert", "-f", src_fmt, "-O", "qcow2", src, s(dst)]);
+            qemu_img(&["convert", "-f", src_fmt, "-O", format_of(dst), src, s(dst)]);
         }
     }
 }
@@ -440,7 +450,7 @@ fn incremental_backup(tool: Tool, bitmap: &str, src: &str, backing: &Path, dst: 
         Tool::Reference => {
             assert!(src.starts_with("nbd"), "the reference reads NBD exports only");
             let name = backing.file_name().unwrap().to_str().unwrap();
-            qemu_img(&["create", "-q", "-f", "qcow2", "-b", name, "-F", "qcow2", s(dst), &SIZE.to_string()]);
+            qemu_img(&["create", "-q", "-f", "qcow2", "-b", name, "-F", format_of(backing), s(dst), &SIZE.to_string()]);
             let out = Export::qemu_nbd(dir, "overlay", dst, "qcow2", false, None);
             require("python3-libnbd");
             let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../bench/nbd_incremental.py");
@@ -450,8 +460,13 @@ fn incremental_backup(tool: Tool, bitmap: &str, src: &str, backing: &Path, dst: 
     }
 }
 
-/// `qemu-img check` finds nothing wrong with `img`.
+/// `qemu-img check` finds nothing wrong with `img` (a raw file: `qemu-img info` says raw).
 fn check_clean(img: &Path) {
+    if format_of(img) == "raw" {
+        let info = Json::must_parse(&qemu_img(&["info", "--output=json", s(img)]).stdout);
+        assert_eq!(info.at("format").as_str(), Some("raw"), "{info}");
+        return;
+    }
     let out = run(&mut cmd("qemu-img", ["check", "--output=json", s(img)]));
     assert!(out.status.success(), "qemu-img check {}\n{}", img.display(), out.describe());
     let v = Json::must_parse(&out.stdout);
@@ -468,7 +483,7 @@ fn assert_restores(img: &Path, want_raw: &Path, want: &[u8]) {
     qemu_img(&["convert", "-O", "raw", s(img), s(&restored)]);
     let got = fs::read(&restored).unwrap();
     assert_same_bytes(&got, want, &format!("{} restored", img.display()));
-    qemu_img(&["compare", "-F", "raw", s(img), s(want_raw)]);
+    qemu_img(&["compare", "-f", format_of(img), "-F", "raw", s(img), s(want_raw)]);
     fs::remove_file(&restored).unwrap();
 }
 
@@ -484,6 +499,9 @@ fn assert_thin(inc: &Path, backing: &Path, dirty: &[(u64, u64)], content: &[u8])
         "{} should name its backing file relative to itself: {info}",
         inc.display()
     );
+    if let Some(f) = info.get("backing-filename-format") {
+        assert_eq!(f.as_str(), Some(format_of(backing)), "backing format of {}: {info}", inc.display());
+    }
     assert_eq!(info.u64_at("virtual-size"), SIZE);
     let map = Json::must_parse(&qemu_img(&["map", "--output=json", s(inc)]).stdout);
     let mut top = 0u64;
@@ -559,10 +577,15 @@ fn write_round(writer: Writer, dir: &Path, img: &Path, round: u32) {
 }
 
 fn stopped_vm(tool: Tool, source: Source) {
-    stopped_vm_written_by(tool, source, Writer::QemuIo)
+    stopped_vm_with(tool, source, Writer::QemuIo, "full.qcow2")
 }
 
 fn stopped_vm_written_by(tool: Tool, source: Source, writer: Writer) {
+    stopped_vm_with(tool, source, writer, "full.qcow2")
+}
+
+/// Full backup to `full_name` (qcow2, or raw if `*.raw`), then two incrementals.
+fn stopped_vm_with(tool: Tool, source: Source, writer: Writer, full_name: &str) {
     require("qemu-img");
     let dir = tempfile::Builder::new().prefix("ferry-incr").tempdir().unwrap();
     let d = dir.path();
@@ -574,7 +597,7 @@ fn stopped_vm_written_by(tool: Tool, source: Source, writer: Writer) {
     // Full backup, straight from the image (nobody holds it).
     let snap0 = d.join("snap0.raw");
     let want0 = snapshot(s(&img), "qcow2", &snap0);
-    let full = d.join("full.qcow2");
+    let full = d.join(full_name);
     full_backup(tool, s(&img), "qcow2", &full);
     assert_restores(&full, &snap0, &want0);
 
@@ -643,7 +666,7 @@ fn stopped_vm_ferry_copy_from_ferry_serve() {
 }
 
 #[test]
-fn stopped_vm_reference_from_ferry_serve() {
+fn stopped_vm_ferry_serve_read_by_nbd_incremental_py() {
     stopped_vm(Tool::Reference, Source::FerryServe);
 }
 
@@ -652,10 +675,22 @@ fn stopped_vm_ferry_copy_from_local_image() {
     stopped_vm(Tool::Ferry, Source::LocalImage);
 }
 
+/// The full backup is a raw file; the first incremental is a qcow2 overlay on it
+/// (`backing_fmt=raw`).
+#[test]
+fn stopped_vm_raw_full_reference() {
+    stopped_vm_with(Tool::Reference, Source::QemuNbd, Writer::QemuIo, "full.raw");
+}
+
+#[test]
+fn stopped_vm_raw_full_ferry_copy() {
+    stopped_vm_with(Tool::Ferry, Source::QemuNbd, Writer::QemuIo, "full.raw");
+}
+
 /// ferry is the "VM": the guest's writes go through `ferry serve`, which keeps b0; qemu
 /// reads the bitmap ferry stored (qemu-nbd -B, refused if ferry left it inconsistent).
 #[test]
-fn stopped_vm_written_through_ferry_serve_reference_backup() {
+fn stopped_vm_written_through_ferry_serve_qemu_backup() {
     stopped_vm_written_by(Tool::Reference, Source::QemuNbd, Writer::FerryServe);
 }
 
