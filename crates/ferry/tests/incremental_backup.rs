@@ -629,6 +629,11 @@ fn stopped_vm_with(tool: Tool, source: Source, writer: Writer, full_name: &str) 
         }
         assert_restores(&inc, &snap, &want);
         assert_thin(&inc, &prev, &dirty, &want);
+        // The backup left b0 as it was (consistent, same map): a failed backup can be
+        // taken again, and only a successful one clears the bitmap.
+        let q = Export::qemu_nbd(d, "map", &img, "qcow2", true, Some("b0"));
+        assert_eq!(dirty_map(&q.uri(), "b0"), dirty, "the backup changed b0");
+        q.stop();
         qemu_img(&["bitmap", "--clear", s(&img), "b0"]);
         chain.push((inc.clone(), snap, want));
         prev = inc;
