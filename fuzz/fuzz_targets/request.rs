@@ -32,7 +32,7 @@ fuzz_target!(|data: &[u8]| {
         flags: u16::from_be_bytes([b[8], b[9]]),
         extended,
         chunked: extended || sw & 1 != 0,
-        meta_context: (sw & 2 != 0).then_some(1),
+        meta_contexts: if sw & 2 != 0 { vec![(1, 0)] } else { Vec::new() },
         min_block: 1 << (sw >> 4 & 0xf).min(12),
         max_payload: MAX_PAYLOAD,
     };
