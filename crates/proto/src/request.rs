@@ -134,17 +134,43 @@ pub struct Session {
 /// A request that passed validation. Offsets and lengths are in range, flags are known.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Command {
-    Read { offset: u64, length: u32, df: bool },
-    Write { offset: u64, length: u32, fua: bool },
+    Read {
+        offset: u64,
+        length: u32,
+        df: bool,
+    },
+    Write {
+        offset: u64,
+        length: u32,
+        fua: bool,
+    },
     Disc,
     Flush,
-    Trim { offset: u64, length: u64, fua: bool },
-    Cache { offset: u64, length: u64 },
-    WriteZeroes { offset: u64, length: u64, fua: bool, no_hole: bool, fast: bool },
+    Trim {
+        offset: u64,
+        length: u64,
+        fua: bool,
+    },
+    Cache {
+        offset: u64,
+        length: u64,
+    },
+    WriteZeroes {
+        offset: u64,
+        length: u64,
+        fua: bool,
+        no_hole: bool,
+        fast: bool,
+    },
     /// `length` is the effect length (from the payload when the client sent a context
     /// filter). `filtered`: the payload names the contexts to answer (see
     /// [`block_status_filter`]); otherwise every selected context is answered.
-    BlockStatus { offset: u64, length: u64, req_one: bool, filtered: bool },
+    BlockStatus {
+        offset: u64,
+        length: u64,
+        req_one: bool,
+        filtered: bool,
+    },
 }
 
 /// The context ids of a BLOCK_STATUS payload that [`Session::validate_with`] accepted
