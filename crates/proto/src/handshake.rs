@@ -12,6 +12,7 @@ use crate::export::ExportInfo;
 use crate::options::{parse_info_request, parse_meta_request, parse_string};
 use crate::reply::ReplyMode;
 use crate::request::{be32, be64, Session};
+use std::collections::HashSet;
 
 /// Where the handshake finds exports.
 pub trait Catalog {
@@ -109,14 +110,6 @@ impl Negotiated {
 /// after it, by the same or a later `SET_META_CONTEXT`, gets the next one, so no id is
 /// ever reused on a connection.
 pub const FIRST_CONTEXT_ID: u32 = 1;
-
-/// Whether metadata context `name` answers `query`. An exact name always does; in
-/// `NBD_OPT_LIST_META_CONTEXT` (`list`), a query ending in `:` is a prefix: `base:`
-/// and `qemu:` list their namespace, `qemu:dirty-bitmap:` every bitmap (as qemu
-/// does). `SET_META_CONTEXT` selects exact names only. (proto.md "Metadata querying")
-pub fn query_matches(query: &str, name: &str, list: bool) -> bool {
-    query == name || (list && query.ends_with(':') && name.starts_with(query))
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
@@ -463,15 +456,20 @@ impl ServerHandshake {
                 };
                 let contexts = catalog.contexts(&export.name);
                 // In the export's order, each context once however many queries name it;
-                // unknown names select nothing. LIST without queries lists everything.
-                let chosen: Vec<usize> = contexts
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, name)| {
-                        (!set && req.queries.is_empty()) || req.queries.iter().any(|q| query_matches(q, name, !set))
-                    })
-                    .map(|(i, _)| i)
-                    .collect();
+                // unknown names select nothing. An exact name always matches; in LIST, a
+                // query ending in `:` is a namespace (`base:`, `qemu:`) or, as qemu
+                // answers, `qemu:dirty-bitmap:` for every bitmap; LIST without queries
+                // lists everything. (proto.md "Metadata querying")
+                // Looked up by hash, per `:` of each name: no queries x contexts product.
+                let queries: HashSet<&str> = req.queries.iter().map(String::as_str).collect();
+                let wanted = |name: &str| {
+                    queries.contains(name)
+                        || (!set
+                            && (queries.is_empty()
+                                || name.match_indices(':').any(|(i, _)| queries.contains(&name[..=i]))))
+                };
+                let chosen: Vec<usize> =
+                    contexts.iter().enumerate().filter(|(_, name)| wanted(name)).map(|(i, _)| i).collect();
                 if set && u64::from(self.next_id) + chosen.len() as u64 > u64::from(u32::MAX) {
                     return Ok(invalid(out, opt, "no context ids left on this connection"));
                 }

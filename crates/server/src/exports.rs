@@ -56,10 +56,9 @@ impl Exports {
         if self.by_name.contains_key(&export.name) {
             return Err(format!("export {:?} is defined twice", export.name));
         }
-        for (i, c) in contexts.iter().enumerate() {
-            if contexts[..i].iter().any(|d| d.name() == c.name()) {
-                return Err(format!("export {:?} offers metadata context {:?} twice", export.name, c.name()));
-            }
+        let mut seen = std::collections::HashSet::with_capacity(contexts.len());
+        if let Some(c) = contexts.iter().find(|c| !seen.insert(c.name())) {
+            return Err(format!("export {:?} offers metadata context {:?} twice", export.name, c.name()));
         }
         self.by_name.insert(export.name.clone(), Entry { export: Arc::new(export), contexts });
         Ok(())
