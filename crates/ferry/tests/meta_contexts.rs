@@ -14,7 +14,7 @@ fn s(p: &Path) -> &str {
 }
 
 /// `nbdinfo ARGS -- [ SERVER... ]`, its stdout.
-fn nbdinfo_captive(args: &[&str], server: &[&str]) -> String {
+fn nbdinfo_captive<S: AsRef<std::ffi::OsStr>>(args: &[&str], server: &[S]) -> String {
     require("nbdinfo");
     let mut c = cmd("nbdinfo", args);
     c.arg("--").arg("[").args(server).arg("]");
