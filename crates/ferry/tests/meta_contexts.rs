@@ -1,8 +1,9 @@
 //! `ferry serve` metadata contexts: `-B/--bitmap` and `-A/--allocation-depth`, and the
 //! maps nbdinfo reads through them, compared with qemu-nbd's on the same qcow2 image.
 //!
-//! Both servers run under nbdinfo's captive mode (`nbdinfo ... -- [ SERVER ... ]`,
-//! systemd socket activation): no port, no socket path, nothing left running.
+//! qemu-nbd runs under nbdinfo's captive mode (`nbdinfo ... -- [ qemu-nbd ... ]`): it
+//! exits with its only client. ferry is started and stopped by the test harness (a
+//! captive ferry outlives an nbdinfo that fails).
 
 mod common;
 
@@ -13,18 +14,32 @@ fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
-/// `nbdinfo ARGS -- [ SERVER... ]`, its stdout.
-fn nbdinfo_captive<S: AsRef<std::ffi::OsStr>>(args: &[&str], server: &[S]) -> String {
+/// `nbdinfo ARGS -- [ qemu-nbd -r -f qcow2 QEMU_ARGS... ]`, its stdout.
+fn nbdinfo_qemu(args: &[&str], qemu_args: &[&str]) -> String {
     require("nbdinfo");
+    require("qemu-nbd");
     let mut c = cmd("nbdinfo", args);
-    c.arg("--").arg("[").args(server).arg("]");
+    c.args(["--", "[", "qemu-nbd", "-r", "-f", "qcow2"]).args(qemu_args).arg("]");
     run_ok(&mut c).stdout
 }
 
-fn ferry_serve(args: &[&str]) -> Vec<String> {
-    let mut v = vec![ferry_bin().to_str().unwrap().to_string(), "serve".to_string()];
-    v.extend(args.iter().map(|s| s.to_string()));
-    v
+/// `nbdinfo ARGS URI` against a ferry server, its stdout.
+fn nbdinfo_ferry(args: &[&str], server: &Server) -> String {
+    require("nbdinfo");
+    run_ok(cmd("nbdinfo", args).arg(server.uri())).stdout
+}
+
+/// `ferry serve -r ARGS SPEC`, running until dropped.
+fn ferry_serve(args: &[&str], spec: &str) -> Server {
+    ServerBuilder::new(spec).read_only().args(args).start()
+}
+
+/// The contexts nbdinfo --json lists, sorted.
+fn contexts(json: &str) -> Vec<String> {
+    let v: serde_json::Value = serde_json::from_str(json).unwrap();
+    let mut got: Vec<String> = serde_json::from_value(v["exports"][0]["contexts"].clone()).unwrap();
+    got.sort();
+    got
 }
 
 /// A qcow2 image made by qemu: 64 MiB, persistent bitmaps b0 (recording the writes
@@ -95,18 +110,16 @@ fn a_bitmap_not_offered_is_an_error_at_start() {
 fn contexts_offered_follow_the_flags() {
     // A memory disk has base:allocation only, with or without -A.
     for extra in [&[][..], &["-A"][..]] {
-        let mut args = vec!["-r"];
-        args.extend_from_slice(extra);
-        args.push("memory:1M");
-        let out = nbdinfo_captive(&["--json"], &ferry_serve(&args));
-        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-        assert_eq!(v["exports"][0]["contexts"], serde_json::json!(["base:allocation"]), "{out}");
+        let srv = ferry_serve(extra, "memory:1M");
+        assert_eq!(contexts(&nbdinfo_ferry(&["--json"], &srv)), ["base:allocation"]);
     }
     // base:allocation maps the same through ferry and qemu-nbd.
     let dir = tempfile::tempdir().unwrap();
     let img = image(dir.path());
-    let ferry = nbdinfo_captive(&["--map"], &ferry_serve(&["-r", s(&img)]));
-    let qemu = nbdinfo_captive(&["--map"], &["qemu-nbd", "-r", "-f", "qcow2", s(&img)]);
+    let srv = ferry_serve(&[], s(&img));
+    let ferry = nbdinfo_ferry(&["--map"], &srv);
+    drop(srv);
+    let qemu = nbdinfo_qemu(&["--map"], &[s(&img)]);
     assert_eq!(ferry, qemu, "nbdinfo --map: ferry (left) and qemu-nbd (right) differ");
 }
 
@@ -116,24 +129,25 @@ fn contexts_offered_follow_the_flags() {
 fn maps_match_qemu_nbd() {
     let dir = tempfile::tempdir().unwrap();
     let img = image(dir.path());
-    let ferry = ferry_serve(&["-r", "-B", "b0", "-A", s(&img)]);
-    let qemu = ["qemu-nbd", "-r", "-B", "b0", "-A", "-f", "qcow2", s(&img)];
     for map in ["--map=qemu:dirty-bitmap:b0", "--map=qemu:allocation-depth", "--map"] {
-        let f = nbdinfo_captive(&[map], &ferry);
-        let q = nbdinfo_captive(&[map], &qemu);
+        let srv = ferry_serve(&["-B", "b0", "-A"], s(&img));
+        let f = nbdinfo_ferry(&[map], &srv);
+        drop(srv);
+        let q = nbdinfo_qemu(&[map], &["-B", "b0", "-A", s(&img)]);
         assert!(!q.is_empty());
         assert_eq!(f, q, "nbdinfo {map}: ferry (left) and qemu-nbd (right) differ");
     }
     // Offered: base:allocation, allocation depth, b0 (not b1: -B names b0 only).
-    let out = nbdinfo_captive(&["--json"], &ferry);
-    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-    let mut got: Vec<String> = serde_json::from_value(v["exports"][0]["contexts"].clone()).unwrap();
-    got.sort();
-    assert_eq!(got, ["base:allocation", "qemu:allocation-depth", "qemu:dirty-bitmap:b0"]);
+    let srv = ferry_serve(&["-B", "b0", "-A"], s(&img));
+    assert_eq!(
+        contexts(&nbdinfo_ferry(&["--json"], &srv)),
+        ["base:allocation", "qemu:allocation-depth", "qemu:dirty-bitmap:b0"]
+    );
+    drop(srv);
     // Without flags: every bitmap, no allocation depth.
-    let out = nbdinfo_captive(&["--json"], &ferry_serve(&["-r", s(&img)]));
-    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-    let mut got: Vec<String> = serde_json::from_value(v["exports"][0]["contexts"].clone()).unwrap();
-    got.sort();
-    assert_eq!(got, ["base:allocation", "qemu:dirty-bitmap:b0", "qemu:dirty-bitmap:b1"]);
+    let srv = ferry_serve(&[], s(&img));
+    assert_eq!(
+        contexts(&nbdinfo_ferry(&["--json"], &srv)),
+        ["base:allocation", "qemu:dirty-bitmap:b0", "qemu:dirty-bitmap:b1"]
+    );
 }
