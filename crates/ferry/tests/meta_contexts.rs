@@ -34,6 +34,15 @@ fn ferry_serve(args: &[&str], spec: &str) -> Server {
     ServerBuilder::new(spec).read_only().args(args).start()
 }
 
+/// A child process killed when dropped (a failing assertion leaves nothing running).
+struct Kill(std::process::Child);
+impl Drop for Kill {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// The contexts nbdinfo --json lists, sorted.
 fn contexts(json: &str) -> Vec<String> {
     let v: serde_json::Value = serde_json::from_str(json).unwrap();
@@ -129,6 +138,31 @@ fn contexts_offered_follow_the_flags() {
 fn maps_match_qemu_nbd() {
     let dir = tempfile::tempdir().unwrap();
     let img = image(dir.path());
+    // qemu as the client (extended headers, base:allocation and the bitmap selected
+    // together): the same map from either server.
+    let map = |sock: &Path| {
+        let opts = format!("driver=nbd,server.type=unix,server.path={},x-dirty-bitmap=qemu:dirty-bitmap:b0", s(sock));
+        run_ok(&mut cmd("qemu-img", ["map", "--output=json", "--image-opts", &opts])).stdout
+    };
+    let srv = ferry_serve(&["-B", "b0"], s(&img));
+    let Addr::Unix(sock) = &srv.addr else { unreachable!() };
+    let f = map(sock);
+    drop(srv);
+    let qsock = dir.path().join("q.sock");
+    let qemu = Kill(
+        std::process::Command::new("qemu-nbd")
+            .args(["-r", "-f", "qcow2", "-B", "b0", "-t", "-k", s(&qsock), s(&img)])
+            .spawn()
+            .expect("start qemu-nbd"),
+    );
+    let t = std::time::Instant::now();
+    // -t: the probe is not its last client.
+    while std::os::unix::net::UnixStream::connect(&qsock).is_err() && t.elapsed().as_secs() < 10 {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let q = map(&qsock);
+    drop(qemu);
+    assert_eq!(f, q, "qemu-img map with x-dirty-bitmap: ferry (left) and qemu-nbd (right) differ");
     for map in ["--map=qemu:dirty-bitmap:b0", "--map=qemu:allocation-depth", "--map"] {
         let srv = ferry_serve(&["-B", "b0", "-A"], s(&img));
         let f = nbdinfo_ferry(&[map], &srv);
