@@ -26,6 +26,11 @@ impl Catalog for Two {
     fn list(&self) -> Vec<(String, String)> {
         vec![("disk".into(), "disk export".into()), ("ro".into(), "ro export".into())]
     }
+    fn contexts(&self, name: &str) -> Vec<String> {
+        let all = ["base:allocation", "qemu:allocation-depth", "qemu:dirty-bitmap:b0", "qemu:dirty-bitmap:b1"];
+        let n = if name == "disk" { all.len() } else { 1 };
+        all[..n].iter().map(|s| s.to_string()).collect()
+    }
 }
 
 /// What one `feed` sent: whole option replies, the last one final (ACK or an error),
@@ -77,6 +82,12 @@ fuzz_target!(|data: &[u8]| {
         if let Progress::Transmission(neg) = &p {
             let s = neg.session();
             assert!(s.size == 1 << 20 || s.size == 4096);
+            // Selected contexts: real indexes of this export's list, ids never repeated.
+            let n = Two.contexts(&neg.export.name).len();
+            for (i, &(id, idx)) in neg.meta_contexts.iter().enumerate() {
+                assert!(idx < n, "context index out of range");
+                assert!(neg.meta_contexts[..i].iter().all(|&(d, j)| d != id && j != idx), "duplicate context");
+            }
             assert_eq!(s.min_block, 512);
         }
         if hs.is_done() {

@@ -32,11 +32,13 @@ fuzz_target!(|data: &[u8]| {
         flags: u16::from_be_bytes([b[8], b[9]]),
         extended,
         chunked: extended || sw & 1 != 0,
-        meta_context: (sw & 2 != 0).then_some(1),
+        meta_contexts: if sw & 2 != 0 { vec![(1, 0), (2, 1), (5, 2)] } else { Vec::new() },
         min_block: 1 << (sw >> 4 & 0xf).min(12),
         max_payload: MAX_PAYLOAD,
     };
-    if let Ok(cmd) = session.validate(&h) {
+    // What follows the session bytes is the payload (a BLOCK_STATUS context filter).
+    let payload = s.get(11..).unwrap_or_default();
+    if let Ok(cmd) = session.validate_with(&h, payload) {
         let (off, len) = match cmd {
             Command::Read { offset, length, .. } | Command::Write { offset, length, .. } => {
                 assert!(length <= session.max_payload);

@@ -2,6 +2,8 @@
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
+use ferry_backend::{Backend, MetaContext};
+use ferry_proto::consts::{META_ALLOCATION_DEPTH, META_DIRTY_BITMAP_PREFIX};
 use ferry_proto::TlsPolicy;
 use ferry_server::{Config, Export, Exports, Server, ZeroCopy};
 use ferry_sock::{BufferConfig, Listener};
@@ -9,6 +11,7 @@ use ferry_tls::{ServerTls, ServerTlsConfig};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
 use std::process::Command;
+use std::sync::Arc;
 use std::time::Duration;
 
 #[derive(Args, Debug)]
@@ -45,6 +48,17 @@ pub struct ServeArgs {
     /// Another export, by name, beside the default one (repeatable).
     #[arg(long = "export", value_name = "NAME=SPEC")]
     exports: Vec<String>,
+    /// Offer only this persistent dirty bitmap of the default export, as the metadata
+    /// context `qemu:dirty-bitmap:NAME` (repeatable; qemu-nbd's spelling). Without it,
+    /// every bitmap the image has that is consistent is offered. A bitmap that is not
+    /// offered (missing, or inconsistent: in use by a program that did not close it) is
+    /// an error at start.
+    #[arg(short = 'B', long = "bitmap", value_name = "NAME")]
+    bitmaps: Vec<String>,
+    /// Offer the metadata context `qemu:allocation-depth` on every export that has it
+    /// (qcow2: 0 unallocated, 1 in the image itself, 2 in its backing file, ...).
+    #[arg(short = 'A', long)]
+    allocation_depth: bool,
     /// Description of the default export, shown by `nbdinfo` and `NBD_OPT_LIST`.
     #[arg(long, value_name = "TEXT")]
     description: Option<String>,
@@ -228,6 +242,37 @@ fn check_shared_files(
     Ok(())
 }
 
+/// The metadata contexts an export offers, in the backend's order after
+/// `base:allocation`: its dirty bitmaps (only those named in `bitmaps`, when some
+/// are), `qemu:allocation-depth` only with `depth`, and any other context it has.
+/// A named bitmap the backend does not offer is an error.
+fn offered_contexts(
+    backend: &Arc<dyn Backend>,
+    bitmaps: &[String],
+    depth: bool,
+    spec: &str,
+) -> Result<Vec<Arc<dyn MetaContext>>> {
+    let all = ferry_backend::all_meta_contexts(backend);
+    let bitmap_of = |c: &Arc<dyn MetaContext>| c.name().strip_prefix(META_DIRTY_BITMAP_PREFIX).map(str::to_string);
+    for name in bitmaps {
+        if !all.iter().any(|c| bitmap_of(c).as_deref() == Some(name.as_str())) {
+            let offered: Vec<String> = all.iter().filter_map(bitmap_of).collect();
+            bail!(
+                "--bitmap {name}: {spec:?} offers no bitmap {name:?}: missing, or inconsistent: in use by a \
+                 program that did not close it (`qemu-img info` shows an image's bitmaps; bitmaps offered: {})",
+                if offered.is_empty() { "none".to_string() } else { offered.join(", ") }
+            );
+        }
+    }
+    Ok(all
+        .into_iter()
+        .filter(|c| match bitmap_of(c) {
+            Some(b) => bitmaps.is_empty() || bitmaps.contains(&b),
+            None => depth || c.name() != META_ALLOCATION_DEPTH,
+        })
+        .collect())
+}
+
 pub fn run(args: ServeArgs) -> Result<i32> {
     // Before any export is opened: an overstated LISTEN_FDS must not reach its descriptors.
     let activated = ferry_sock::listen_fds().context("systemd socket activation")?;
@@ -248,13 +293,10 @@ pub fn run(args: ServeArgs) -> Result<i32> {
             DiscardArg::Unmap => backend,
         })
     };
-    exports
-        .add(Export {
-            name: String::new(),
-            description: args.description.clone().unwrap_or_default(),
-            backend: open("", &args.spec)?,
-        })
-        .map_err(anyhow::Error::msg)?;
+    let backend = open("", &args.spec)?;
+    let contexts = offered_contexts(&backend, &args.bitmaps, args.allocation_depth, &args.spec)?;
+    let default = Export { name: String::new(), description: args.description.clone().unwrap_or_default(), backend };
+    exports.add_with_contexts(default, contexts).map_err(anyhow::Error::msg)?;
     for e in &args.exports {
         let Some((name, spec)) = e.split_once('=') else {
             bail!("--export {e:?}: write NAME=SPEC, e.g. --export disk2=memory:1G");
@@ -262,9 +304,11 @@ pub fn run(args: ServeArgs) -> Result<i32> {
         if name.is_empty() {
             bail!("--export {e:?}: the name must not be empty (the positional SPEC is the default export)");
         }
-        exports
-            .add(Export { name: name.to_string(), description: String::new(), backend: open(name, spec)? })
-            .map_err(anyhow::Error::msg)?;
+        let backend = open(name, spec)?;
+        // -B names the default export's bitmaps; the others offer all of theirs.
+        let contexts = offered_contexts(&backend, &[], args.allocation_depth, spec)?;
+        let export = Export { name: name.to_string(), description: String::new(), backend };
+        exports.add_with_contexts(export, contexts).map_err(anyhow::Error::msg)?;
     }
     if !(args.handshake_timeout > 0.0 && args.handshake_timeout.is_finite()) {
         bail!("--handshake-timeout must be a positive number of seconds");
@@ -331,7 +375,8 @@ pub fn run(args: ServeArgs) -> Result<i32> {
     let (uri, unixsocket, port) = describe(&listeners[0], tls_policy == TlsPolicy::Require);
     for e in exports.iter() {
         let name = if e.name.is_empty() { "default export".to_string() } else { format!("export {:?}", e.name) };
-        log::info!("{name}: {} ({} bytes)", e.backend.describe(), e.backend.size());
+        let contexts: Vec<&str> = exports.meta_contexts(&e.name).iter().map(|c| c.name()).collect();
+        log::info!("{name}: {} ({} bytes; contexts: {})", e.backend.describe(), e.backend.size(), contexts.join(", "));
     }
     log::info!("listening on {uri}{}", if tls_policy == TlsPolicy::On { " (TLS offered)" } else { "" });
     let per_client = args.max_connections_per_client.map(|n| format!(", {n} per client address")).unwrap_or_default();

@@ -12,6 +12,7 @@ use crate::export::ExportInfo;
 use crate::options::{parse_info_request, parse_meta_request, parse_string};
 use crate::reply::ReplyMode;
 use crate::request::{be32, be64, Session};
+use std::collections::HashSet;
 
 /// Where the handshake finds exports.
 pub trait Catalog {
@@ -19,6 +20,13 @@ pub trait Catalog {
     fn export(&self, name: &str) -> Option<ExportInfo>;
     /// Every export's name and description, for `NBD_OPT_LIST`.
     fn list(&self) -> Vec<(String, String)>;
+    /// The metadata contexts the export called `name` (its canonical name, as in its
+    /// [`ExportInfo`]) offers, in the order the server keeps them: `SET_META_CONTEXT`
+    /// records indexes into this list. Default: `base:allocation` alone.
+    fn contexts(&self, name: &str) -> Vec<String> {
+        let _ = name;
+        vec![META_BASE_ALLOCATION.to_string()]
+    }
 }
 
 /// Why a handshake ended without reaching transmission: drop the connection.
@@ -79,8 +87,9 @@ pub struct Negotiated {
     pub mode: ReplyMode,
     /// Transmission flags sent to the client.
     pub flags: u16,
-    /// Context id of `base:allocation` if the client selected it for this export.
-    pub meta_context: Option<u32>,
+    /// The metadata contexts the client selected for this export: (context id, index
+    /// in [`Catalog::contexts`]), in that list's order. Empty without chunked replies.
+    pub meta_contexts: Vec<(u32, usize)>,
 }
 
 impl Negotiated {
@@ -90,15 +99,17 @@ impl Negotiated {
             flags: self.flags,
             extended: self.mode == ReplyMode::Extended,
             chunked: self.mode != ReplyMode::Simple,
-            meta_context: self.meta_context,
+            meta_contexts: self.meta_contexts.clone(),
             min_block: self.export.block_size.minimum,
             max_payload: self.export.block_size.maximum,
         }
     }
 }
 
-/// The id ferry gives `base:allocation`.
-pub const BASE_ALLOCATION_ID: u32 = 1;
+/// The id ferry gives the first context a connection selects; each context selected
+/// after it, by the same or a later `SET_META_CONTEXT`, gets the next one, so no id is
+/// ever reused on a connection.
+pub const FIRST_CONTEXT_ID: u32 = 1;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
@@ -121,8 +132,11 @@ pub struct ServerHandshake {
     no_zeroes: bool,
     structured: bool,
     extended: bool,
-    /// Export name for which `base:allocation` was selected by the last SET_META_CONTEXT.
-    meta_export: Option<String>,
+    /// What the last SET_META_CONTEXT selected: the export (canonical name) and its
+    /// contexts as (id, index in [`Catalog::contexts`]).
+    meta: Option<(String, Vec<(u32, usize)>)>,
+    /// The id the next selected context gets.
+    next_id: u32,
     tls: TlsPolicy,
     /// The TLS handshake has completed.
     tls_active: bool,
@@ -147,7 +161,8 @@ impl ServerHandshake {
             no_zeroes: false,
             structured: false,
             extended: false,
-            meta_export: None,
+            meta: None,
+            next_id: FIRST_CONTEXT_ID,
             tls,
             tls_active: false,
         }
@@ -160,7 +175,7 @@ impl ServerHandshake {
         self.tls_active = true;
         self.structured = false;
         self.extended = false;
-        self.meta_export = None;
+        self.meta = None;
     }
 
     /// Whether the session runs over TLS.
@@ -257,15 +272,31 @@ impl ServerHandshake {
         }
     }
 
+    /// The contexts selected for `export`, if chunked replies make them usable.
+    fn selected(&self, export: &ExportInfo) -> &[(u32, usize)] {
+        match &self.meta {
+            Some((name, sel)) if *name == export.name && self.mode() != ReplyMode::Simple => sel,
+            _ => &[],
+        }
+    }
+
+    /// Transmission flags for `export`: with extended headers and contexts selected,
+    /// BLOCK_STATUS may carry a context filter (`NBD_FLAG_BLOCK_STATUS_PAYLOAD`).
+    fn flags_for(&self, export: &ExportInfo) -> u16 {
+        let mode = self.mode();
+        let mut flags = export.transmission_flags(mode != ReplyMode::Simple);
+        if mode == ReplyMode::Extended && !self.selected(export).is_empty() {
+            flags |= FLAG_BLOCK_STATUS_PAYLOAD;
+        }
+        flags
+    }
+
     fn negotiated(&mut self, export: ExportInfo) -> Negotiated {
         let mode = self.mode();
-        let flags = export.transmission_flags(mode != ReplyMode::Simple);
-        let meta_context = match &self.meta_export {
-            Some(name) if *name == export.name && mode != ReplyMode::Simple => Some(BASE_ALLOCATION_ID),
-            _ => None,
-        };
+        let flags = self.flags_for(&export);
+        let meta_contexts = self.selected(&export).to_vec();
         self.state = State::Done;
-        Negotiated { export, mode, flags, meta_context }
+        Negotiated { export, mode, flags, meta_contexts }
     }
 
     /// Option `opt` may only be answered `NBD_REP_ERR_TLS_REQD` (under `--tls=require`,
@@ -352,8 +383,7 @@ impl ServerHandshake {
                     option_reply(out, opt, REP_ERR_UNKNOWN, msg.as_bytes());
                     return Ok(Progress::Continue);
                 };
-                let mode = self.mode();
-                let flags = export.transmission_flags(mode != ReplyMode::Simple);
+                let flags = self.flags_for(&export);
                 let mut info = Vec::with_capacity(14);
                 info.extend_from_slice(&INFO_EXPORT.to_be_bytes());
                 info.extend_from_slice(&export.size.to_be_bytes());
@@ -410,7 +440,7 @@ impl ServerHandshake {
                 let set = opt == OPT_SET_META_CONTEXT;
                 if set {
                     // SET replaces earlier selections, even when it fails.
-                    self.meta_export = None;
+                    self.meta = None;
                 }
                 if !self.structured && !self.extended {
                     return Ok(invalid(out, opt, "negotiate structured replies or extended headers first"));
@@ -424,21 +454,42 @@ impl ServerHandshake {
                     option_reply(out, opt, REP_ERR_UNKNOWN, msg.as_bytes());
                     return Ok(Progress::Continue);
                 };
-                let selected = if set {
-                    req.queries.iter().any(|q| q == META_BASE_ALLOCATION)
-                } else {
-                    req.queries.is_empty() || req.queries.iter().any(|q| q == "base:" || q == META_BASE_ALLOCATION)
+                let contexts = catalog.contexts(&export.name);
+                // In the export's order, each context once however many queries name it;
+                // unknown names select nothing. An exact name always matches; in LIST, a
+                // query ending in `:` is a namespace (`base:`, `qemu:`) or, as qemu
+                // answers, `qemu:dirty-bitmap:` for every bitmap; LIST without queries
+                // lists everything. (proto.md "Metadata querying")
+                // Looked up by hash, per `:` of each name: no queries x contexts product.
+                let queries: HashSet<&str> = req.queries.iter().map(String::as_str).collect();
+                let wanted = |name: &str| {
+                    queries.contains(name)
+                        || (!set
+                            && (queries.is_empty()
+                                || name.match_indices(':').any(|(i, _)| queries.contains(&name[..=i]))))
                 };
-                if selected {
-                    let id = if set { BASE_ALLOCATION_ID } else { 0 };
-                    let mut d = Vec::with_capacity(4 + META_BASE_ALLOCATION.len());
+                let chosen: Vec<usize> =
+                    contexts.iter().enumerate().filter(|(_, name)| wanted(name)).map(|(i, _)| i).collect();
+                if set && u64::from(self.next_id) + chosen.len() as u64 > u64::from(u32::MAX) {
+                    return Ok(invalid(out, opt, "no context ids left on this connection"));
+                }
+                let mut selected = Vec::with_capacity(if set { chosen.len() } else { 0 });
+                for i in chosen {
+                    let name = &contexts[i];
+                    // LIST answers with id 0: ids mean something only once selected.
+                    let id = if set { self.next_id } else { 0 };
+                    let mut d = Vec::with_capacity(4 + name.len());
                     d.extend_from_slice(&id.to_be_bytes());
-                    d.extend_from_slice(META_BASE_ALLOCATION.as_bytes());
+                    d.extend_from_slice(name.as_bytes());
                     option_reply(out, opt, REP_META_CONTEXT, &d);
                     if set {
-                        // Canonical name, so "" and the default export's name agree.
-                        self.meta_export = Some(export.name);
+                        selected.push((id, i));
+                        self.next_id += 1;
                     }
+                }
+                if set {
+                    // Canonical name, so "" and the default export's name agree.
+                    self.meta = Some((export.name, selected));
                 }
                 option_reply(out, opt, REP_ACK, &[]);
                 Ok(Progress::Continue)
@@ -558,8 +609,9 @@ mod tests {
         let (out, p) = run(&i);
         let Ok(Progress::Transmission(n)) = p else { panic!("{p:?}") };
         assert_eq!(n.mode, ReplyMode::Structured);
-        assert_eq!(n.meta_context, Some(BASE_ALLOCATION_ID));
+        assert_eq!(n.meta_contexts, vec![(FIRST_CONTEXT_ID, 0)]);
         assert_ne!(n.flags & FLAG_SEND_DF, 0);
+        assert_eq!(n.flags & FLAG_BLOCK_STATUS_PAYLOAD, 0, "compact headers: no context filter");
         let r = replies(&out);
         assert_eq!(r[0], (OPT_STRUCTURED_REPLY, REP_ACK, vec![]));
         assert_eq!(r[1].1, REP_META_CONTEXT);
@@ -582,7 +634,176 @@ mod tests {
         let Ok(Progress::Transmission(n)) = p else { panic!() };
         assert_eq!(n.mode, ReplyMode::Extended);
         // the default export is canonically "disk" here, so the selection carries over
-        assert_eq!(n.meta_context, Some(BASE_ALLOCATION_ID));
+        assert_eq!(n.meta_contexts, vec![(FIRST_CONTEXT_ID, 0)]);
+        assert_ne!(n.flags & FLAG_BLOCK_STATUS_PAYLOAD, 0);
+    }
+
+    /// An export with several contexts, like a qcow2 image with two bitmaps.
+    struct Many;
+    const MANY: [&str; 4] =
+        [META_BASE_ALLOCATION, "qemu:allocation-depth", "qemu:dirty-bitmap:b0", "qemu:dirty-bitmap:b1"];
+    impl Catalog for Many {
+        fn export(&self, name: &str) -> Option<ExportInfo> {
+            One.export(name)
+        }
+        fn list(&self) -> Vec<(String, String)> {
+            One.list()
+        }
+        fn contexts(&self, name: &str) -> Vec<String> {
+            assert_eq!(name, "disk", "contexts are asked by canonical name");
+            MANY.iter().map(|s| s.to_string()).collect()
+        }
+    }
+
+    fn run_many(input: &[u8]) -> (Vec<u8>, Result<Progress, HandshakeError>) {
+        let mut out = Vec::new();
+        let mut hs = ServerHandshake::new(&mut out);
+        let mut pos = 0;
+        loop {
+            match hs.feed(&input[pos..], &Many, &mut out) {
+                Err(e) => return (out, Err(e)),
+                Ok((0, p)) => return (out, Ok(p)),
+                Ok((n, p)) => {
+                    pos += n;
+                    if p != Progress::Continue {
+                        return (out, Ok(p));
+                    }
+                }
+            }
+        }
+    }
+
+    /// The (id, name) of each REP_META_CONTEXT of option `opt`, up to its ACK, in order.
+    fn contexts_of(r: &[(u32, u32, Vec<u8>)], opt: u32) -> Vec<Vec<(u32, String)>> {
+        let mut all = Vec::new();
+        let mut cur = Vec::new();
+        for (o, ty, d) in r {
+            if *o != opt {
+                continue;
+            }
+            match *ty {
+                REP_META_CONTEXT => cur.push((be32(&d[..4]), String::from_utf8(d[4..].to_vec()).unwrap())),
+                _ => all.push(std::mem::take(&mut cur)),
+            }
+        }
+        all
+    }
+
+    fn meta(opt: u32, export: &str, queries: &[&str], i: &mut Vec<u8>) {
+        let mut m = Vec::new();
+        encode_meta_request(export, queries, &mut m);
+        encode_option(opt, &m, i);
+    }
+
+    #[test]
+    fn list_meta_contexts_with_prefixes_and_unknown_names() {
+        let mut i = client_flags();
+        encode_option(OPT_STRUCTURED_REPLY, &[], &mut i);
+        meta(OPT_LIST_META_CONTEXT, "", &[], &mut i);
+        meta(OPT_LIST_META_CONTEXT, "disk", &["base:"], &mut i);
+        meta(OPT_LIST_META_CONTEXT, "disk", &["qemu:"], &mut i);
+        meta(OPT_LIST_META_CONTEXT, "disk", &["qemu:dirty-bitmap:", "qemu:dirty-bitmap:b0"], &mut i);
+        meta(OPT_LIST_META_CONTEXT, "disk", &["qemu:dirty-bitmap:b1", "nope:x", "qemu:dirty-bitmap:b9"], &mut i);
+        meta(OPT_LIST_META_CONTEXT, "disk", &["qemu:dirty-bitmap:b", "qemu", "other:"], &mut i);
+        encode_option(OPT_ABORT, &[], &mut i);
+        let (out, p) = run_many(&i);
+        assert_eq!(p, Ok(Progress::Abort));
+        let lists = contexts_of(&replies(&out), OPT_LIST_META_CONTEXT);
+        let names = |l: &Vec<(u32, String)>| -> Vec<String> {
+            assert!(l.iter().all(|(id, _)| *id == 0), "LIST gives id 0");
+            l.iter().map(|(_, n)| n.clone()).collect()
+        };
+        assert_eq!(names(&lists[0]), MANY);
+        assert_eq!(names(&lists[1]), [META_BASE_ALLOCATION]);
+        assert_eq!(names(&lists[2]), MANY[1..]);
+        assert_eq!(names(&lists[3]), MANY[2..], "each context once, however many queries match");
+        assert_eq!(names(&lists[4]), ["qemu:dirty-bitmap:b1"]);
+        assert!(lists[5].is_empty(), "no partial names, no namespace without its colon");
+    }
+
+    #[test]
+    fn set_meta_contexts_selects_several_with_unique_ids() {
+        let mut i = client_flags();
+        encode_option(OPT_EXTENDED_HEADERS, &[], &mut i);
+        // Prefixes select nothing in SET; unknown names are skipped.
+        meta(OPT_SET_META_CONTEXT, "", &["qemu:", "base:", "qemu:dirty-bitmap:b0"], &mut i);
+        meta(
+            OPT_SET_META_CONTEXT,
+            "disk",
+            &["qemu:dirty-bitmap:b1", "nope", META_BASE_ALLOCATION, "qemu:dirty-bitmap:b1"],
+            &mut i,
+        );
+        let mut g = Vec::new();
+        encode_info_request("", &[], &mut g);
+        encode_option(OPT_GO, &g, &mut i);
+        let (out, p) = run_many(&i);
+        let Ok(Progress::Transmission(n)) = p else { panic!("{p:?}") };
+        let sets = contexts_of(&replies(&out), OPT_SET_META_CONTEXT);
+        assert_eq!(sets[0], vec![(1, "qemu:dirty-bitmap:b0".to_string())]);
+        // In the export's order, new ids: never one given before on this connection.
+        assert_eq!(sets[1], vec![(2, META_BASE_ALLOCATION.to_string()), (3, "qemu:dirty-bitmap:b1".to_string())]);
+        assert_eq!(n.meta_contexts, vec![(2, 0), (3, 3)]);
+        assert_ne!(n.flags & FLAG_BLOCK_STATUS_PAYLOAD, 0);
+        assert_eq!(n.session().meta_contexts, n.meta_contexts);
+    }
+
+    #[test]
+    fn set_meta_context_edge_cases() {
+        // No queries: nothing selected. A failed SET forgets the previous selection.
+        let mut i = client_flags();
+        encode_option(OPT_STRUCTURED_REPLY, &[], &mut i);
+        meta(OPT_SET_META_CONTEXT, "disk", &[META_BASE_ALLOCATION], &mut i);
+        meta(OPT_SET_META_CONTEXT, "missing", &[META_BASE_ALLOCATION], &mut i);
+        let mut g = Vec::new();
+        encode_info_request("disk", &[], &mut g);
+        encode_option(OPT_GO, &g, &mut i);
+        let (out, p) = run_many(&i);
+        let Ok(Progress::Transmission(n)) = p else { panic!("{p:?}") };
+        assert!(n.meta_contexts.is_empty());
+        assert_eq!(n.flags & FLAG_BLOCK_STATUS_PAYLOAD, 0);
+        let r = replies(&out);
+        assert_eq!(r[3].1, REP_ERR_UNKNOWN);
+        let mut i = client_flags();
+        encode_option(OPT_EXTENDED_HEADERS, &[], &mut i);
+        meta(OPT_SET_META_CONTEXT, "disk", &[], &mut i);
+        encode_option(OPT_GO, &g, &mut i);
+        let (out, p) = run_many(&i);
+        let Ok(Progress::Transmission(n)) = p else { panic!("{p:?}") };
+        assert!(n.meta_contexts.is_empty());
+        assert_eq!(contexts_of(&replies(&out), OPT_SET_META_CONTEXT), vec![vec![]]);
+    }
+
+    #[test]
+    fn meta_context_limits() {
+        let mut i = client_flags();
+        encode_option(OPT_STRUCTURED_REPLY, &[], &mut i);
+        // A query longer than 4096 bytes, a count larger than the data, trailing bytes.
+        let long = "q".repeat(MAX_STRING + 1);
+        meta(OPT_LIST_META_CONTEXT, "disk", &[&long], &mut i);
+        let mut m = Vec::new();
+        encode_meta_request("disk", &[], &mut m);
+        m[8..12].copy_from_slice(&u32::MAX.to_be_bytes());
+        encode_option(OPT_SET_META_CONTEXT, &m, &mut i);
+        let mut m = Vec::new();
+        encode_meta_request("disk", &[META_BASE_ALLOCATION], &mut m);
+        m.push(0);
+        encode_option(OPT_SET_META_CONTEXT, &m, &mut i);
+        // Thousands of queries in the 64 KiB an option may hold: fine, each context once.
+        let many: Vec<&str> = std::iter::repeat_n(META_BASE_ALLOCATION, 3000).collect();
+        meta(OPT_SET_META_CONTEXT, "disk", &many, &mut i);
+        encode_option(OPT_ABORT, &[], &mut i);
+        let (out, p) = run_many(&i);
+        assert_eq!(p, Ok(Progress::Abort));
+        let r = replies(&out);
+        assert_eq!(r[1].1, REP_ERR_INVALID);
+        assert_eq!(r[2].1, REP_ERR_INVALID);
+        assert_eq!(r[3].1, REP_ERR_INVALID);
+        assert_eq!(contexts_of(&r, OPT_SET_META_CONTEXT).last().unwrap(), &vec![(1, META_BASE_ALLOCATION.to_string())]);
+        // Before structured replies: refused.
+        let mut i = client_flags();
+        meta(OPT_LIST_META_CONTEXT, "disk", &[], &mut i);
+        let (out, _) = run_many(&i);
+        assert_eq!(replies(&out)[0].1, REP_ERR_INVALID);
     }
 
     #[test]

@@ -154,10 +154,25 @@ impl ReplyWriter {
     /// extent length to fit 32 bits; the caller clips extents to the request, whose
     /// length is 32-bit in that mode.
     pub fn block_status(&self, cookie: u64, req_offset: u64, context_id: u32, extents: &[Extent], out: &mut Vec<u8>) {
+        self.block_status_chunk(cookie, req_offset, context_id, extents, true, out)
+    }
+
+    /// One status chunk for `context_id`; `done` on the last context's chunk of the
+    /// reply (a BLOCK_STATUS answers every selected context, one chunk each).
+    pub fn block_status_chunk(
+        &self,
+        cookie: u64,
+        req_offset: u64,
+        context_id: u32,
+        extents: &[Extent],
+        done: bool,
+        out: &mut Vec<u8>,
+    ) {
         debug_assert!(self.chunked());
+        let flags = if done { REPLY_FLAG_DONE } else { 0 };
         if self.mode == ReplyMode::Extended {
             let len = 8 + 16 * extents.len() as u64;
-            self.chunk(REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS_EXT, cookie, req_offset, len, out);
+            self.chunk(flags, REPLY_TYPE_BLOCK_STATUS_EXT, cookie, req_offset, len, out);
             out.extend_from_slice(&context_id.to_be_bytes());
             out.extend_from_slice(&(extents.len() as u32).to_be_bytes());
             for e in extents {
@@ -166,7 +181,7 @@ impl ReplyWriter {
             }
         } else {
             let len = 4 + 8 * extents.len() as u64;
-            self.chunk(REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, cookie, req_offset, len, out);
+            self.chunk(flags, REPLY_TYPE_BLOCK_STATUS, cookie, req_offset, len, out);
             out.extend_from_slice(&context_id.to_be_bytes());
             for e in extents {
                 out.extend_from_slice(&(e.length.min(u64::from(u32::MAX)) as u32).to_be_bytes());
@@ -236,6 +251,16 @@ mod tests {
         ReplyWriter::new(ReplyMode::Extended).block_status(1, 0, 1, &ex, &mut v);
         assert_eq!(v.len(), 32 + 8 + 32);
         assert_eq!(&v[36..40], &2u32.to_be_bytes());
+        // One chunk per context: only the last is marked DONE.
+        for mode in [ReplyMode::Structured, ReplyMode::Extended] {
+            let w = ReplyWriter::new(mode);
+            v.clear();
+            w.block_status_chunk(1, 0, 3, &ex, false, &mut v);
+            assert_eq!(&v[4..6], &0u16.to_be_bytes());
+            let first = v.len();
+            w.block_status_chunk(1, 0, 4, &ex[..1], true, &mut v);
+            assert_eq!(&v[first + 4..first + 6], &REPLY_FLAG_DONE.to_be_bytes());
+        }
     }
 }
 

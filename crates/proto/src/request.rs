@@ -114,7 +114,7 @@ pub enum PayloadPlan {
 }
 
 /// What the transmission phase knows about the negotiated session.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Session {
     pub size: u64,
     /// Transmission flags sent to the client.
@@ -123,8 +123,10 @@ pub struct Session {
     pub extended: bool,
     /// Structured or extended replies: chunks may be sent.
     pub chunked: bool,
-    /// The id of `base:allocation`, when it was selected for this export.
-    pub meta_context: Option<u32>,
+    /// The metadata contexts the client selected for this export, in the export's
+    /// order: (context id, index in the export's list of contexts). Empty: BLOCK_STATUS
+    /// is refused.
+    pub meta_contexts: Vec<(u32, usize)>,
     pub min_block: u32,
     pub max_payload: u32,
 }
@@ -132,14 +134,49 @@ pub struct Session {
 /// A request that passed validation. Offsets and lengths are in range, flags are known.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Command {
-    Read { offset: u64, length: u32, df: bool },
-    Write { offset: u64, length: u32, fua: bool },
+    Read {
+        offset: u64,
+        length: u32,
+        df: bool,
+    },
+    Write {
+        offset: u64,
+        length: u32,
+        fua: bool,
+    },
     Disc,
     Flush,
-    Trim { offset: u64, length: u64, fua: bool },
-    Cache { offset: u64, length: u64 },
-    WriteZeroes { offset: u64, length: u64, fua: bool, no_hole: bool, fast: bool },
-    BlockStatus { offset: u64, length: u64, req_one: bool },
+    Trim {
+        offset: u64,
+        length: u64,
+        fua: bool,
+    },
+    Cache {
+        offset: u64,
+        length: u64,
+    },
+    WriteZeroes {
+        offset: u64,
+        length: u64,
+        fua: bool,
+        no_hole: bool,
+        fast: bool,
+    },
+    /// `length` is the effect length (from the payload when the client sent a context
+    /// filter). `filtered`: the payload names the contexts to answer (see
+    /// [`block_status_filter`]); otherwise every selected context is answered.
+    BlockStatus {
+        offset: u64,
+        length: u64,
+        req_one: bool,
+        filtered: bool,
+    },
+}
+
+/// The context ids of a BLOCK_STATUS payload that [`Session::validate_with`] accepted
+/// (`NBD_CMD_FLAG_PAYLOAD_LEN`: a 64-bit effect length, then 32-bit ids).
+pub fn block_status_filter(payload: &[u8]) -> impl Iterator<Item = u32> + '_ {
+    payload.get(8..).unwrap_or_default().chunks_exact(4).map(be32)
 }
 
 /// Result of validating a request: a command, or the error to reply with.
@@ -149,6 +186,43 @@ impl Session {
     /// Validates a request header against the session, once, at the boundary.
     /// The payload (if any) has been received or drained by the caller.
     pub fn validate(&self, h: &RequestHeader) -> Validated {
+        self.validate_with(h, &[])
+    }
+
+    /// [`Session::validate`] for a request whose payload was received: a BLOCK_STATUS
+    /// with `NBD_CMD_FLAG_PAYLOAD_LEN` (extended headers, `NBD_FLAG_BLOCK_STATUS_PAYLOAD`
+    /// advertised) carries its effect length and the ids of the contexts to answer,
+    /// each a selected context, none twice. (proto.md "NBD_CMD_BLOCK_STATUS")
+    pub fn validate_with(&self, h: &RequestHeader, payload: &[u8]) -> Validated {
+        let filtered = h.cmd == CMD_BLOCK_STATUS && self.extended && h.flags & CMD_FLAG_PAYLOAD_LEN != 0;
+        if filtered {
+            if self.flags & FLAG_BLOCK_STATUS_PAYLOAD == 0 || payload.len() as u64 != h.length {
+                return Err(NbdError::Inval);
+            }
+            let ids = payload.len().checked_sub(8).ok_or(NbdError::Inval)?;
+            // At least one id, whole ids, and no more than were selected (so no
+            // duplicate can hide in a long list).
+            if ids == 0 || !ids.is_multiple_of(4) || ids / 4 > self.meta_contexts.len() {
+                return Err(NbdError::Inval);
+            }
+            for (i, id) in block_status_filter(payload).enumerate() {
+                let selected = self.meta_contexts.iter().any(|&(c, _)| c == id);
+                if !selected || block_status_filter(payload).take(i).any(|earlier| earlier == id) {
+                    return Err(NbdError::Inval);
+                }
+            }
+            let effect = RequestHeader { length: be64(&payload[..8]), flags: h.flags & !CMD_FLAG_PAYLOAD_LEN, ..*h };
+            return match self.validate_header(&effect) {
+                Ok(Command::BlockStatus { offset, length, req_one, .. }) => {
+                    Ok(Command::BlockStatus { offset, length, req_one, filtered: true })
+                }
+                other => other,
+            };
+        }
+        self.validate_header(h)
+    }
+
+    fn validate_header(&self, h: &RequestHeader) -> Validated {
         let has = |bit: u16| self.flags & bit != 0;
         let fua = h.flags & CMD_FLAG_FUA != 0;
         // Flags each command may carry. FUA is accepted on every command when
@@ -223,12 +297,13 @@ impl Session {
                     fast: h.flags & CMD_FLAG_FAST_ZERO != 0,
                 })
             }
-            CMD_BLOCK_STATUS if self.chunked && self.meta_context.is_some() => {
+            CMD_BLOCK_STATUS if self.chunked && !self.meta_contexts.is_empty() => {
                 in_range(NbdError::Inval)?;
                 Ok(Command::BlockStatus {
                     offset: h.offset,
                     length: h.length,
                     req_one: h.flags & CMD_FLAG_REQ_ONE != 0,
+                    filtered: false,
                 })
             }
             _ => Err(NbdError::Inval),
@@ -265,7 +340,7 @@ mod tests {
                 | FLAG_SEND_CACHE,
             extended: false,
             chunked: true,
-            meta_context: Some(1),
+            meta_contexts: vec![(1, 0)],
             min_block: 1,
             max_payload: MAX_PAYLOAD,
         }
@@ -310,15 +385,62 @@ mod tests {
             s.validate(&hdr(CMD_WRITE_ZEROES, CMD_FLAG_FAST_ZERO | CMD_FLAG_NO_HOLE, 0, 10)),
             Ok(Command::WriteZeroes { fast: true, no_hole: true, .. })
         ));
-        let ro = Session { flags: s.flags | FLAG_READ_ONLY, ..s };
+        let ro = Session { flags: s.flags | FLAG_READ_ONLY, ..s.clone() };
         assert_eq!(ro.validate(&hdr(CMD_WRITE, 0, 0, 1)), Err(NbdError::Perm));
         assert_eq!(ro.validate(&hdr(CMD_TRIM, 0, 0, 1)), Err(NbdError::Perm));
-        let nometa = Session { meta_context: None, ..s };
+        let nometa = Session { meta_contexts: vec![], ..s.clone() };
         assert_eq!(nometa.validate(&hdr(CMD_BLOCK_STATUS, 0, 0, 1)), Err(NbdError::Inval));
-        let nofua = Session { flags: s.flags & !FLAG_SEND_FUA, ..s };
+        let nofua = Session { flags: s.flags & !FLAG_SEND_FUA, ..s.clone() };
         assert_eq!(nofua.validate(&hdr(CMD_WRITE, CMD_FLAG_FUA, 0, 1)), Err(NbdError::Inval));
         let aligned = Session { min_block: 512, ..s };
         assert_eq!(aligned.validate(&hdr(CMD_READ, 0, 1, 512)), Err(NbdError::Inval));
+    }
+
+    #[test]
+    fn block_status_context_filter() {
+        let s = Session {
+            extended: true,
+            flags: session().flags | FLAG_BLOCK_STATUS_PAYLOAD,
+            meta_contexts: vec![(4, 0), (5, 2), (9, 3)],
+            ..session()
+        };
+        let payload = |effect: u64, ids: &[u32]| {
+            let mut p = effect.to_be_bytes().to_vec();
+            for id in ids {
+                p.extend_from_slice(&id.to_be_bytes());
+            }
+            p
+        };
+        let bs = |p: &[u8], flags: u16| hdr(CMD_BLOCK_STATUS, CMD_FLAG_PAYLOAD_LEN | flags, 4096, p.len() as u64);
+        let p = payload(8192, &[9, 4]);
+        assert_eq!(
+            s.validate_with(&bs(&p, CMD_FLAG_REQ_ONE), &p),
+            Ok(Command::BlockStatus { offset: 4096, length: 8192, req_one: true, filtered: true })
+        );
+        assert_eq!(block_status_filter(&p).collect::<Vec<_>>(), vec![9, 4]);
+        // Without a payload: every context, the header's length.
+        assert_eq!(
+            s.validate(&hdr(CMD_BLOCK_STATUS, 0, 0, 10)),
+            Ok(Command::BlockStatus { offset: 0, length: 10, req_one: false, filtered: false })
+        );
+        for bad in [
+            payload(8192, &[]),           // no id
+            payload(8192, &[4, 4]),       // twice
+            payload(8192, &[7]),          // not selected
+            payload(8192, &[4, 5, 9, 4]), // more ids than selected
+            payload(0, &[4]),             // empty effect
+            payload(1 << 20, &[4]),       // past the end
+            payload(8192, &[4])[..10].to_vec(),
+            vec![0; 4],
+        ] {
+            assert_eq!(s.validate_with(&bs(&bad, 0), &bad), Err(NbdError::Inval), "{bad:?}");
+        }
+        // The payload must be what the header announced.
+        let p = payload(512, &[5]);
+        assert_eq!(s.validate_with(&hdr(CMD_BLOCK_STATUS, CMD_FLAG_PAYLOAD_LEN, 0, 99), &p), Err(NbdError::Inval));
+        // Not advertised (no extended headers or no contexts): refused.
+        let compact = Session { flags: s.flags & !FLAG_BLOCK_STATUS_PAYLOAD, ..s.clone() };
+        assert_eq!(compact.validate_with(&bs(&p, 0), &p), Err(NbdError::Inval));
     }
 
     #[test]

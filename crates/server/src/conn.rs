@@ -15,11 +15,11 @@
 use crate::exports::{Export, Exports};
 use crate::server::{Config, Shared, Slot};
 use crate::zerocopy::ZeroCopySender;
-use ferry_backend::{Extent, ZeroMode};
-use ferry_proto::consts::{command_name, NbdError};
+use ferry_backend::{Extent, MetaContext, ZeroMode};
+use ferry_proto::consts::{command_name, NbdError, CMD_BLOCK_STATUS, CMD_FLAG_PAYLOAD_LEN};
 use ferry_proto::handshake::{Progress, ServerHandshake};
 use ferry_proto::reply::ReplyWriter;
-use ferry_proto::request::{Command, PayloadPlan, RequestError, RequestHeader, Session};
+use ferry_proto::request::{block_status_filter, Command, PayloadPlan, RequestError, RequestHeader, Session};
 use ferry_sock::{AlignedBuf, SendLimit, Stream};
 use ferry_tls::Transport;
 use std::collections::VecDeque;
@@ -70,7 +70,8 @@ const IN_FLIGHT_BYTES: usize = 32 << 20;
 const IN_FLIGHT: usize = 64;
 /// WRITE payloads this large are received straight into the write buffer (see `run`).
 const LARGE_PAYLOAD: usize = 64 * 1024;
-/// Most extents returned for one BLOCK_STATUS (bounded reply size).
+/// Most extents returned for one BLOCK_STATUS, shared among the contexts it answers
+/// (bounded reply size).
 const MAX_EXTENTS: usize = 64 * 1024;
 /// The longest request header (extended): less than this is all a parked connection
 /// keeps of a request.
@@ -92,6 +93,10 @@ pub(crate) fn serve(stream: Stream, slot: Slot, shared: Arc<Shared>) {
     };
     let (negotiated, leftover) = negotiated;
     let export = shared.exports.get(&negotiated.export.name).expect("negotiated export exists").clone();
+    // The selected contexts, by the indexes the handshake recorded into this export's list.
+    let offered = shared.exports.meta_contexts(&export.name);
+    let contexts: Vec<(u32, Arc<dyn MetaContext>)> =
+        negotiated.meta_contexts.iter().filter_map(|&(id, i)| offered.get(i).map(|c| (id, c.clone()))).collect();
     log::debug!(
         "{peer}: export {:?} ({}), {:?} replies, flags 0x{:04x}, {}",
         export.name,
@@ -108,6 +113,7 @@ pub(crate) fn serve(stream: Stream, slot: Slot, shared: Arc<Shared>) {
         export,
         negotiated.session(),
         ReplyWriter::new(negotiated.mode),
+        contexts,
     ));
     // sendfile pays on Unix sockets (one copy instead of two); on TCP loopback it measured
     // slower than pread + writev (BENCHMARKING.md), so TCP keeps the buffered path.
@@ -444,6 +450,11 @@ pub(crate) struct Transmission {
     wbuf: AlignedBuf,
     tx: SendQueue,
     extents: Vec<Extent>,
+    /// The metadata contexts the client selected: (context id, context), in the
+    /// export's order; BLOCK_STATUS answers each (or those its payload names).
+    contexts: Vec<(u32, Arc<dyn MetaContext>)>,
+    /// The context ids of the current BLOCK_STATUS's filter payload.
+    filter: Vec<u32>,
     sparse_threshold: Option<u64>,
     /// The last request carried a payload of at least [`LARGE_PAYLOAD`] bytes.
     large_writes: bool,
@@ -485,6 +496,7 @@ impl Transmission {
         export: Arc<Export>,
         session: Session,
         writer: ReplyWriter,
+        contexts: Vec<(u32, Arc<dyn MetaContext>)>,
     ) -> Self {
         let sparse_threshold = if writer.chunked() { export.backend.sparse_read_threshold() } else { None };
         Transmission {
@@ -508,6 +520,8 @@ impl Transmission {
                 buf_bytes: 0,
             },
             extents: Vec::new(),
+            contexts,
+            filter: Vec::new(),
             sparse_threshold,
             large_writes: false,
             flush_bytes: DEFAULT_SEND_BATCH,
@@ -842,7 +856,22 @@ impl Transmission {
     /// the receive buffer holding the WRITE data, or `None` when it is in `wbuf`.
     fn request(&mut self, h: &RequestHeader, payload: Option<(usize, usize)>) -> io::Result<()> {
         self.stream.count_requests(1);
-        let cmd = match self.session.validate(h) {
+        let validated = if h.cmd == CMD_BLOCK_STATUS && h.flags & CMD_FLAG_PAYLOAD_LEN != 0 {
+            // A context filter: checked whole here, its ids kept for the reply.
+            let data = match payload {
+                Some((a, b)) => &self.rx[a..b],
+                None => self.wbuf.get(..h.length as usize).unwrap_or_default(),
+            };
+            let v = self.session.validate_with(h, data);
+            self.filter.clear();
+            if let Ok(Command::BlockStatus { filtered: true, .. }) = v {
+                self.filter.extend(block_status_filter(data));
+            }
+            v
+        } else {
+            self.session.validate(h)
+        };
+        let cmd = match validated {
             Ok(c) => c,
             Err(err) => {
                 let msg = self.reject_message(h, err);
@@ -881,7 +910,9 @@ impl Transmission {
             Command::WriteZeroes { offset, length, fua, no_hole, fast } => {
                 backend.zero(offset, length, ZeroMode { may_trim: !no_hole, fast }, fua)
             }
-            Command::BlockStatus { offset, length, req_one } => return self.block_status(h, offset, length, req_one),
+            Command::BlockStatus { offset, length, req_one, filtered } => {
+                return self.block_status(h, offset, length, req_one, filtered)
+            }
         };
         self.reply(h, result);
         Ok(())
@@ -1146,25 +1177,82 @@ impl Transmission {
         Ok(())
     }
 
-    fn block_status(&mut self, h: &RequestHeader, offset: u64, length: u64, req_one: bool) -> io::Result<()> {
-        self.extents.clear();
-        let max = if req_one { 1 } else { MAX_EXTENTS };
-        let res = self.export.backend.extents(offset, length, max, &mut self.extents);
+    /// Answers a BLOCK_STATUS from every selected context (or those its filter names):
+    /// one chunk each, DONE on the last. A context that fails ends the reply with an
+    /// error chunk (the chunks before it are void).
+    fn block_status(
+        &mut self,
+        h: &RequestHeader,
+        offset: u64,
+        length: u64,
+        req_one: bool,
+        filtered: bool,
+    ) -> io::Result<()> {
+        let wanted = |filter: &[u32], id: u32| !filtered || filter.contains(&id);
+        let answered = self.contexts.iter().filter(|(id, _)| wanted(&self.filter, *id)).count();
         let s = self.tx.headers.len();
-        match res {
-            Ok(()) if !self.extents.is_empty() => {
-                if req_one {
-                    self.extents.truncate(1);
+        let Some(last) = self.contexts.iter().rposition(|(id, _)| wanted(&self.filter, *id)) else {
+            // Validation lets no BLOCK_STATUS through without a context to answer.
+            self.writer.error(
+                h.cookie,
+                h.offset,
+                NbdError::Inval,
+                "no metadata context selected",
+                &mut self.tx.headers,
+            );
+            self.tx.header_from(s);
+            return Ok(());
+        };
+        let max = if req_one { 1 } else { (MAX_EXTENTS / answered.max(1)).max(1) };
+        for i in 0..=last {
+            let (id, ctx) = (self.contexts[i].0, self.contexts[i].1.clone());
+            if !wanted(&self.filter, id) {
+                continue;
+            }
+            self.extents.clear();
+            match ctx.extents(offset, length, max, &mut self.extents) {
+                Ok(()) => {
+                    clip_extents(&mut self.extents, length, max);
+                    if self.extents.is_empty() {
+                        let msg = format!("metadata context {} returned no extents", ctx.name());
+                        self.writer.error(h.cookie, h.offset, NbdError::Io, &msg, &mut self.tx.headers);
+                        break;
+                    }
+                    self.writer.block_status_chunk(
+                        h.cookie,
+                        h.offset,
+                        id,
+                        &self.extents,
+                        i == last,
+                        &mut self.tx.headers,
+                    );
                 }
-                let id = self.session.meta_context.unwrap_or(0);
-                self.writer.block_status(h.cookie, h.offset, id, &self.extents, &mut self.tx.headers);
+                Err(e) => {
+                    log::debug!("{}: export {:?}: {}: {e}", self.stream.peer(), self.export.name, ctx.name());
+                    let msg = format!("{}: {e}", ctx.name());
+                    self.writer.error(h.cookie, h.offset, e.nbd_error(), &msg, &mut self.tx.headers);
+                    break;
+                }
             }
-            Ok(()) => {
-                self.writer.error(h.cookie, h.offset, NbdError::Io, "backend returned no extents", &mut self.tx.headers)
-            }
-            Err(e) => self.writer.error(h.cookie, h.offset, e.nbd_error(), &e.to_string(), &mut self.tx.headers),
         }
         self.tx.header_from(s);
         Ok(())
     }
+}
+
+/// Keeps a context's answer within the request: no empty extent, nothing past
+/// `length` bytes (so compact replies' 32-bit lengths hold), at most `max` extents.
+fn clip_extents(extents: &mut Vec<Extent>, length: u64, max: usize) {
+    extents.retain(|e| e.length > 0);
+    let mut left = length;
+    let mut keep = 0;
+    for e in extents.iter_mut() {
+        if left == 0 || keep == max {
+            break;
+        }
+        e.length = e.length.min(left);
+        left -= e.length;
+        keep += 1;
+    }
+    extents.truncate(keep);
 }

@@ -1,6 +1,6 @@
 //! The set of exports a server offers, seen by the handshake as a [`Catalog`].
 
-use ferry_backend::Backend;
+use ferry_backend::{Backend, MetaContext};
 use ferry_proto::{BlockSize, Catalog, ExportInfo};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -24,10 +24,16 @@ impl Export {
     }
 }
 
+/// An export and the metadata contexts it offers.
+struct Entry {
+    export: Arc<Export>,
+    contexts: Vec<Arc<dyn MetaContext>>,
+}
+
 /// All exports, by name. The default export is the one named `""`.
 #[derive(Default)]
 pub struct Exports {
-    by_name: BTreeMap<String, Arc<Export>>,
+    by_name: BTreeMap<String, Entry>,
 }
 
 impl Exports {
@@ -35,21 +41,40 @@ impl Exports {
         Self::default()
     }
 
-    /// Adds an export; a second export with the same name is an error.
+    /// Adds an export offering every metadata context its backend has
+    /// ([`ferry_backend::all_meta_contexts`]); a second export with the same name is an
+    /// error.
     pub fn add(&mut self, export: Export) -> Result<(), String> {
+        let contexts = ferry_backend::all_meta_contexts(&export.backend);
+        self.add_with_contexts(export, contexts)
+    }
+
+    /// Adds an export offering exactly `contexts` (`ferry serve -B/-A` choose among
+    /// the backend's), in this order. Names must be unique and `base:allocation`, when
+    /// offered, should come first, as clients expect.
+    pub fn add_with_contexts(&mut self, export: Export, contexts: Vec<Arc<dyn MetaContext>>) -> Result<(), String> {
         if self.by_name.contains_key(&export.name) {
             return Err(format!("export {:?} is defined twice", export.name));
         }
-        self.by_name.insert(export.name.clone(), Arc::new(export));
+        let mut seen = std::collections::HashSet::with_capacity(contexts.len());
+        if let Some(c) = contexts.iter().find(|c| !seen.insert(c.name())) {
+            return Err(format!("export {:?} offers metadata context {:?} twice", export.name, c.name()));
+        }
+        self.by_name.insert(export.name.clone(), Entry { export: Arc::new(export), contexts });
         Ok(())
     }
 
     pub fn get(&self, name: &str) -> Option<&Arc<Export>> {
-        self.by_name.get(name)
+        self.by_name.get(name).map(|e| &e.export)
+    }
+
+    /// The metadata contexts export `name` offers, in the order of [`Catalog::contexts`].
+    pub fn meta_contexts(&self, name: &str) -> &[Arc<dyn MetaContext>] {
+        self.by_name.get(name).map_or(&[], |e| &e.contexts)
     }
 
     pub fn iter(&self) -> impl Iterator<Item = &Arc<Export>> {
-        self.by_name.values()
+        self.by_name.values().map(|e| &e.export)
     }
 }
 
@@ -58,6 +83,9 @@ impl Catalog for Exports {
         self.get(name).map(|e| e.info())
     }
     fn list(&self) -> Vec<(String, String)> {
-        self.by_name.values().map(|e| (e.name.clone(), e.description.clone())).collect()
+        self.by_name.values().map(|e| (e.export.name.clone(), e.export.description.clone())).collect()
+    }
+    fn contexts(&self, name: &str) -> Vec<String> {
+        self.meta_contexts(name).iter().map(|c| c.name().to_string()).collect()
     }
 }
