@@ -20,8 +20,11 @@ pub struct ClientConfig {
     pub extended: bool,
     /// Ask for structured replies.
     pub structured: bool,
-    /// Ask for `base:allocation`.
+    /// Ask for the metadata contexts in `contexts` (with structured replies only).
     pub meta_context: bool,
+    /// The metadata contexts to select with `NBD_OPT_SET_META_CONTEXT`, by exact name
+    /// (default: `base:allocation`). At most [`MAX_CONTEXTS`].
+    pub contexts: Vec<String>,
     /// List exports instead of connecting to one.
     pub list: bool,
     /// Upgrade to TLS with `NBD_OPT_STARTTLS` before anything else.
@@ -35,11 +38,16 @@ impl ClientConfig {
             extended: true,
             structured: true,
             meta_context: true,
+            contexts: vec![META_BASE_ALLOCATION.to_string()],
             list: false,
             tls: false,
         }
     }
 }
+
+/// Most metadata contexts a client asks for at once (each answer is one option reply,
+/// and [`MAX_OPTION_REPLIES`] bounds those).
+pub const MAX_CONTEXTS: usize = 32;
 
 /// What the handshake settled on.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -47,7 +55,11 @@ pub struct ClientNegotiated {
     pub size: u64,
     pub flags: u16,
     pub mode: Option<ReplyMode>,
+    /// The id of `base:allocation`, when the server granted it.
     pub meta_context: Option<u32>,
+    /// Every context the server granted: (id, name), in the order it answered. Only
+    /// names the client asked for; ids unique.
+    pub contexts: Vec<(u32, String)>,
     pub block_size: Option<BlockSize>,
     pub name: Option<String>,
     pub description: Option<String>,
@@ -58,6 +70,16 @@ pub struct ClientNegotiated {
 impl ClientNegotiated {
     pub fn reply_mode(&self) -> ReplyMode {
         self.mode.unwrap_or(ReplyMode::Simple)
+    }
+
+    /// The name of a granted context id.
+    pub fn context_name(&self, id: u32) -> Option<&str> {
+        self.contexts.iter().find(|c| c.0 == id).map(|c| c.1.as_str())
+    }
+
+    /// The id of a granted context, by name.
+    pub fn context_id(&self, name: &str) -> Option<u32> {
+        self.contexts.iter().find(|c| c.1 == name).map(|c| c.0)
     }
 }
 
@@ -285,9 +307,10 @@ impl ClientHandshake {
     }
 
     fn after_structured(&mut self, out: &mut Vec<u8>) {
-        if self.cfg.meta_context && self.n.mode.is_some() {
+        if self.cfg.meta_context && self.n.mode.is_some() && !self.cfg.contexts.is_empty() {
             let mut d = Vec::new();
-            encode_meta_request(&self.cfg.export, &[META_BASE_ALLOCATION], &mut d);
+            let names: Vec<&str> = self.cfg.contexts.iter().take(MAX_CONTEXTS).map(String::as_str).collect();
+            encode_meta_request(&self.cfg.export, &names, &mut d);
             self.send(OPT_SET_META_CONTEXT, &d, out);
         } else {
             self.go(out);
@@ -348,14 +371,27 @@ impl ClientHandshake {
                     if data.len() < 4 {
                         return Err(ClientError::Malformed("NBD_OPT_SET_META_CONTEXT"));
                     }
-                    if &data[4..] == META_BASE_ALLOCATION.as_bytes() {
-                        self.n.meta_context = Some(be32(&data[..4]));
+                    let id = be32(&data[..4]);
+                    let name = &data[4..];
+                    // Only names asked for count; a name or id granted twice is the
+                    // server's mistake (block status could not be told apart).
+                    if let Some(n) = self.cfg.contexts.iter().take(MAX_CONTEXTS).find(|c| c.as_bytes() == name) {
+                        if self.n.contexts.iter().any(|c| c.0 == id || c.1 == *n) {
+                            return Err(ClientError::Malformed(
+                                "NBD_OPT_SET_META_CONTEXT (a context id or name twice)",
+                            ));
+                        }
+                        self.n.contexts.push((id, n.clone()));
+                        if n == META_BASE_ALLOCATION {
+                            self.n.meta_context = Some(id);
+                        }
                     }
                 }
                 REP_ACK => self.go(out),
                 // A server without meta contexts: carry on without block status.
                 _ => {
                     self.n.meta_context = None;
+                    self.n.contexts.clear();
                     self.go(out);
                 }
             },
@@ -373,6 +409,7 @@ impl ClientHandshake {
                     // An old server: EXPORT_NAME can still reach the export.
                     encode_option(OPT_EXPORT_NAME, self.cfg.export.as_bytes(), out);
                     self.n.meta_context = None;
+                    self.n.contexts.clear();
                     self.state = State::ExportNameReply;
                 }
                 _ => return Err(ClientError::Refused { export: self.cfg.export.clone(), reason: error_text() }),
