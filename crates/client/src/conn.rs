@@ -374,6 +374,7 @@ impl Connection {
             meta_context: opts.meta_context,
             contexts: opts.contexts.clone(),
             list: false,
+            list_contexts: false,
             tls: false,
         };
         let (stream, p, leftover) = open(uri, opts, cfg)?;
@@ -404,6 +405,18 @@ impl Connection {
         cfg.list = true;
         match open(uri, opts, cfg)?.1 {
             ClientProgress::Listed(l) => Ok(l),
+            _ => Err(Error::Protocol("unexpected handshake result".into())),
+        }
+    }
+
+    /// The metadata contexts the export a URI names offers (`NBD_OPT_LIST_META_CONTEXT`
+    /// with no query), for messages naming what a server has.
+    pub fn list_contexts(uri: &Uri, opts: &ConnectOptions) -> Result<Vec<String>, Error> {
+        let mut cfg = ClientConfig::new(&uri.export);
+        cfg.list_contexts = true;
+        cfg.extended = opts.extended;
+        match open(uri, opts, cfg)?.1 {
+            ClientProgress::ContextsListed(l) => Ok(l),
             _ => Err(Error::Protocol("unexpected handshake result".into())),
         }
     }

@@ -27,6 +27,9 @@ pub struct ClientConfig {
     pub contexts: Vec<String>,
     /// List exports instead of connecting to one.
     pub list: bool,
+    /// List the export's metadata contexts (`NBD_OPT_LIST_META_CONTEXT` with no query:
+    /// all of them) instead of connecting.
+    pub list_contexts: bool,
     /// Upgrade to TLS with `NBD_OPT_STARTTLS` before anything else.
     pub tls: bool,
 }
@@ -40,6 +43,7 @@ impl ClientConfig {
             meta_context: true,
             contexts: vec![META_BASE_ALLOCATION.to_string()],
             list: false,
+            list_contexts: false,
             tls: false,
         }
     }
@@ -119,6 +123,8 @@ pub enum ClientProgress {
     Connected(Box<ClientNegotiated>),
     /// Exports listed (`out` holds NBD_OPT_ABORT): send it and close.
     Listed(Vec<(String, String)>),
+    /// The export's metadata contexts listed (`out` holds NBD_OPT_ABORT): send it and close.
+    ContextsListed(Vec<String>),
     /// The server accepted `NBD_OPT_STARTTLS`: run the TLS handshake as the client,
     /// then call [`ClientHandshake::tls_started`] and go on over TLS. Bytes the server
     /// sent in plaintext after its ACK must not be trusted: drop the connection.
@@ -307,7 +313,11 @@ impl ClientHandshake {
     }
 
     fn after_structured(&mut self, out: &mut Vec<u8>) {
-        if self.cfg.meta_context && self.n.mode.is_some() && !self.cfg.contexts.is_empty() {
+        if self.cfg.list_contexts {
+            let mut d = Vec::new();
+            encode_meta_request(&self.cfg.export, &[], &mut d);
+            self.send(OPT_LIST_META_CONTEXT, &d, out);
+        } else if self.cfg.meta_context && self.n.mode.is_some() && !self.cfg.contexts.is_empty() {
             let mut d = Vec::new();
             let names: Vec<&str> = self.cfg.contexts.iter().take(MAX_CONTEXTS).map(String::as_str).collect();
             encode_meta_request(&self.cfg.export, &names, &mut d);
@@ -334,10 +344,11 @@ impl ClientHandshake {
         };
         // Replies that are not the option's last one; a server could send them forever.
         self.replies += 1;
-        let limit = if opt == OPT_LIST { MAX_LIST_EXPORTS } else { MAX_OPTION_REPLIES };
+        let limit = if matches!(opt, OPT_LIST | OPT_LIST_META_CONTEXT) { MAX_LIST_EXPORTS } else { MAX_OPTION_REPLIES };
         if self.replies > limit && matches!(reply, REP_SERVER | REP_INFO | REP_META_CONTEXT) {
             let what = match opt {
                 OPT_LIST => "exports in its list",
+                OPT_LIST_META_CONTEXT => "metadata contexts in its list",
                 OPT_GO => "NBD_REP_INFO replies to NBD_OPT_GO",
                 _ => "replies to one option",
             };
@@ -413,6 +424,27 @@ impl ClientHandshake {
                     self.state = State::ExportNameReply;
                 }
                 _ => return Err(ClientError::Refused { export: self.cfg.export.clone(), reason: error_text() }),
+            },
+            OPT_LIST_META_CONTEXT => match reply {
+                REP_META_CONTEXT => {
+                    if data.len() < 4 {
+                        return Err(ClientError::Malformed("NBD_OPT_LIST_META_CONTEXT"));
+                    }
+                    let name = string("a metadata context name", &data[4..])?;
+                    self.list.push((name, String::new()));
+                }
+                REP_ACK => {
+                    encode_option(OPT_ABORT, &[], out);
+                    self.state = State::Done;
+                    let names = std::mem::take(&mut self.list).into_iter().map(|(n, _)| n).collect();
+                    return Ok(ClientProgress::ContextsListed(names));
+                }
+                _ => {
+                    return Err(ClientError::Refused {
+                        export: self.cfg.export.clone(),
+                        reason: format!("listing metadata contexts: {}", error_text()),
+                    })
+                }
             },
             OPT_LIST => match reply {
                 REP_SERVER => {
@@ -655,6 +687,85 @@ mod tests {
         }
         let ok = server_reply(&[b'n'; MAX_STRING], &[b'd'; MAX_STRING]);
         assert!(listing().feed(&ok, &mut Vec::new()).is_ok());
+    }
+
+    /// A client asking for `contexts`, past the greeting and the option negotiation up
+    /// to SET_META_CONTEXT (structured replies accepted).
+    fn setting(contexts: &[&str]) -> ClientHandshake {
+        let mut cfg = ClientConfig::new("d");
+        cfg.extended = false;
+        cfg.contexts = contexts.iter().map(|c| c.to_string()).collect();
+        let mut h = ClientHandshake::new(cfg);
+        let mut s2c = Vec::new();
+        ServerHandshake::new(&mut s2c);
+        assert_eq!(h.feed(&s2c, &mut Vec::new()).unwrap().0, 18);
+        let mut ack = Vec::new();
+        crate::handshake::option_reply(&mut ack, OPT_STRUCTURED_REPLY, REP_ACK, &[]);
+        let mut out = Vec::new();
+        assert_eq!(h.feed(&ack, &mut out).unwrap().0, ack.len());
+        assert_eq!(be32(&out[8..12]), OPT_SET_META_CONTEXT);
+        h
+    }
+
+    fn meta_reply(opt: u32, id: u32, name: &str) -> Vec<u8> {
+        let mut d = id.to_be_bytes().to_vec();
+        d.extend_from_slice(name.as_bytes());
+        let mut r = Vec::new();
+        crate::handshake::option_reply(&mut r, opt, REP_META_CONTEXT, &d);
+        r
+    }
+
+    #[test]
+    fn several_contexts_are_recorded_by_id() {
+        let mut h = setting(&["base:allocation", "qemu:dirty-bitmap:b0", "qemu:allocation-depth"]);
+        let mut out = Vec::new();
+        for (id, name) in [(7, "qemu:dirty-bitmap:b0"), (3, "base:allocation"), (9, "not:asked")] {
+            assert!(h.feed(&meta_reply(OPT_SET_META_CONTEXT, id, name), &mut out).is_ok());
+        }
+        let mut ack = Vec::new();
+        crate::handshake::option_reply(&mut ack, OPT_SET_META_CONTEXT, REP_ACK, &[]);
+        h.feed(&ack, &mut out).unwrap();
+        assert_eq!(h.n.contexts, vec![(7, "qemu:dirty-bitmap:b0".to_string()), (3, "base:allocation".to_string())]);
+        assert_eq!(h.n.meta_context, Some(3));
+        assert_eq!(h.n.context_name(7), Some("qemu:dirty-bitmap:b0"));
+        assert_eq!(h.n.context_id("qemu:allocation-depth"), None);
+        // One id for two contexts, or one context twice: refused.
+        for second in [(7, "base:allocation"), (8, "qemu:dirty-bitmap:b0")] {
+            let mut h = setting(&["base:allocation", "qemu:dirty-bitmap:b0"]);
+            h.feed(&meta_reply(OPT_SET_META_CONTEXT, 7, "qemu:dirty-bitmap:b0"), &mut out).unwrap();
+            let e = h.feed(&meta_reply(OPT_SET_META_CONTEXT, second.0, second.1), &mut out).unwrap_err();
+            assert!(matches!(e, ClientError::Malformed(_)), "{e:?}");
+        }
+        // Truncated reply.
+        let mut r = Vec::new();
+        crate::handshake::option_reply(&mut r, OPT_SET_META_CONTEXT, REP_META_CONTEXT, &[0, 0]);
+        assert!(setting(&["base:allocation"]).feed(&r, &mut out).is_err());
+    }
+
+    #[test]
+    fn contexts_are_listed() {
+        let mut cfg = ClientConfig::new("d");
+        cfg.list_contexts = true;
+        cfg.extended = false;
+        let mut h = ClientHandshake::new(cfg);
+        let mut s2c = Vec::new();
+        ServerHandshake::new(&mut s2c);
+        h.feed(&s2c, &mut Vec::new()).unwrap();
+        let mut ack = Vec::new();
+        crate::handshake::option_reply(&mut ack, OPT_STRUCTURED_REPLY, REP_ACK, &[]);
+        let mut out = Vec::new();
+        h.feed(&ack, &mut out).unwrap();
+        assert_eq!(be32(&out[8..12]), OPT_LIST_META_CONTEXT);
+        for (id, n) in [(1, "base:allocation"), (2, "qemu:dirty-bitmap:b1")] {
+            h.feed(&meta_reply(OPT_LIST_META_CONTEXT, id, n), &mut out).unwrap();
+        }
+        let mut ack = Vec::new();
+        crate::handshake::option_reply(&mut ack, OPT_LIST_META_CONTEXT, REP_ACK, &[]);
+        let (_, p) = h.feed(&ack, &mut out).unwrap();
+        assert_eq!(
+            p,
+            ClientProgress::ContextsListed(vec!["base:allocation".into(), "qemu:dirty-bitmap:b1".into()])
+        );
     }
 
     #[test]
