@@ -762,10 +762,7 @@ mod tests {
         let mut ack = Vec::new();
         crate::handshake::option_reply(&mut ack, OPT_LIST_META_CONTEXT, REP_ACK, &[]);
         let (_, p) = h.feed(&ack, &mut out).unwrap();
-        assert_eq!(
-            p,
-            ClientProgress::ContextsListed(vec!["base:allocation".into(), "qemu:dirty-bitmap:b1".into()])
-        );
+        assert_eq!(p, ClientProgress::ContextsListed(vec!["base:allocation".into(), "qemu:dirty-bitmap:b1".into()]));
     }
 
     #[test]

@@ -28,6 +28,7 @@
 //! the rest of a block only when those are all zero.
 
 mod backend;
+pub mod contexts;
 mod endpoint;
 mod file;
 mod nbd;
