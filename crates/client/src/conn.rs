@@ -908,6 +908,16 @@ impl Connection {
         Ok(out)
     }
 
+    /// Ends the session now, keeping the object: `NBD_CMD_DISC` is sent and the socket
+    /// closed; every later call fails.
+    pub fn close(&mut self) {
+        self.hdrs.clear();
+        let extended = self.mode == ReplyMode::Extended;
+        RequestHeader { flags: 0, cmd: CMD_DISC, cookie: 0, offset: 0, length: 0 }.encode(extended, &mut self.hdrs);
+        let _ = self.stream.send_all(&mut [IoSlice::new(&self.hdrs)]);
+        self.stream = Channel::Broken;
+    }
+
     /// Ends the session cleanly (`NBD_CMD_DISC`).
     pub fn disconnect(mut self) -> Result<(), Error> {
         self.hdrs.clear();

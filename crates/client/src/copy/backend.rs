@@ -2,7 +2,7 @@
 //! destination. Backends are `Send + Sync`, so every worker shares the one object.
 
 use super::endpoint::{push_extent, read_each, write_each, Caps, Data, Done, Map, Ops, Read, Write};
-use super::CopyError;
+use super::{contexts, CopyError};
 use ferry_backend::{Backend, Extent, ZeroMode};
 use ferry_sock::AlignedBuf;
 use std::sync::Arc;
@@ -106,6 +106,17 @@ impl Ops for BackendEndpoint {
             }
         }
         Ok(out)
+    }
+
+    fn select(&mut self, context: &str, mask: u32, size: u64) -> Result<Map, CopyError> {
+        let names = [ferry_proto::consts::META_BASE_ALLOCATION.to_string(), context.to_string()];
+        let reader = contexts::ContextReader::local(&self.backend, &self.name, &names)
+            .map_err(|e| CopyError::Setup(format!("source {e}")))?;
+        let contexts::ContextReader::Local { contexts: ctxs, .. } = reader else {
+            return Err(CopyError::Setup("not a local context reader".into()));
+        };
+        contexts::select_map(size, u64::MAX, true, mask, |pos, len| contexts::local_fetch(&ctxs, pos, len))
+            .map_err(|e| CopyError::Setup(format!("source {}: {context}: {e}", self.name)))
     }
 
     fn read(&mut self, reqs: &[Read], bufs: &mut [AlignedBuf], done: &mut Done<'_>) -> Result<(), CopyError> {

@@ -7,9 +7,11 @@
 //! with the same values merged. `ferry info --map` prints those rows; `ferry copy
 //! --dirty-bitmap` turns them into the ranges it copies.
 
+use super::endpoint::{Kind, Map};
 use crate::conn::{ConnectOptions, Connection, Error as ConnError};
 use crate::uri::Uri;
 use ferry_backend::{Backend, MetaContext};
+use ferry_proto::consts::STATE_ZERO;
 use ferry_proto::reply::Extent;
 use std::sync::Arc;
 
@@ -189,6 +191,68 @@ pub(crate) fn missing(uri: &Uri, opts: &ConnectOptions, name: String) -> Context
     ContextError::Missing { what: uri.to_string(), name, offered }
 }
 
+/// Most separate ranges a selection keeps (24 bytes each).
+pub const MAX_SELECTED_RANGES: usize = 1 << 22;
+
+/// Appends a selected range, merging it with the previous one when they touch and are
+/// of one kind; more than [`MAX_SELECTED_RANGES`] is an error (a selection cannot be
+/// coarsened: what lies between its ranges must not be touched).
+pub(crate) fn push_selected(out: &mut Map, pos: u64, length: u64, kind: Kind) -> Result<(), String> {
+    match out.last_mut() {
+        Some(last) if last.2 == kind && last.0 + last.1 == pos => last.1 += length,
+        _ => {
+            if out.len() >= MAX_SELECTED_RANGES {
+                return Err(format!("more than {MAX_SELECTED_RANGES} separate ranges to copy"));
+            }
+            out.push((pos, length, kind))
+        }
+    }
+    Ok(())
+}
+
+/// The copy plan of a selection: walks `[context]` or `[base:allocation, context]`
+/// (`with_base`) and keeps the ranges where the context has a bit of `mask`, as data, or
+/// as zeroes where base:allocation says they read as zeroes (never read then).
+pub(crate) fn select_map(
+    size: u64,
+    step: u64,
+    with_base: bool,
+    mask: u32,
+    fetch: impl FnMut(u64, u64) -> Result<Vec<Vec<Extent>>, String>,
+) -> Result<Map, String> {
+    let mut out = Map::new();
+    let n = if with_base { 2 } else { 1 };
+    walk(size, step, n, fetch, |pos, len, v| {
+        if v[n - 1] & mask == 0 {
+            return Ok(());
+        }
+        let zero = with_base && v[0] & STATE_ZERO != 0;
+        push_selected(&mut out, pos, len, if zero { Kind::Zero } else { Kind::Data })
+    })?;
+    Ok(out)
+}
+
+/// `map` (an allocation map covering the source) cut down to `ranges` (sorted, disjoint).
+pub(crate) fn restrict(map: &Map, ranges: &[(u64, u64)]) -> Result<Map, String> {
+    let mut out = Map::new();
+    let mut j = 0;
+    for &(s, l) in ranges {
+        let e = s.saturating_add(l);
+        while j < map.len() && map[j].0 + map[j].1 <= s {
+            j += 1;
+        }
+        let mut k = j;
+        while k < map.len() && map[k].0 < e {
+            let (a, b) = (s.max(map[k].0), e.min(map[k].0 + map[k].1));
+            if a < b {
+                push_selected(&mut out, a, b - a, map[k].2)?;
+            }
+            k += 1;
+        }
+    }
+    Ok(out)
+}
+
 /// One BLOCK_STATUS for every selected context, in the order of `ids`.
 pub(crate) fn nbd_fetch(conn: &mut Connection, ids: &[u32], pos: u64, len: u64) -> Result<Vec<Vec<Extent>>, String> {
     let mut all = conn.block_status_all(pos, len).map_err(|e| format!("block status at offset {pos}: {e}"))?;
@@ -265,6 +329,28 @@ mod tests {
         let r = rows(40, 16, &a, &b).unwrap();
         assert_eq!(r, vec![(0, 10, vec![0, 0]), (10, 10, vec![3, 1]), (20, 5, vec![0, 1]), (25, 15, vec![0, 0])]);
         assert_eq!(r.iter().map(|r| r.1).sum::<u64>(), 40);
+    }
+
+    #[test]
+    fn selections_keep_only_marked_ranges_with_their_kind() {
+        // base: data 0..20, zero 20..40; bitmap: dirty 10..30.
+        let fetch = |pos: u64, len: u64| {
+            let cut = |l: &[(u64, u64, u32)]| {
+                l.iter()
+                    .filter(|x| x.1 > pos && x.0 < pos + len)
+                    .map(|x| Extent { length: x.1.min(pos + len) - x.0.max(pos), flags: x.2 })
+                    .collect::<Vec<_>>()
+            };
+            Ok(vec![cut(&[(0, 20, 0), (20, 40, 3)]), cut(&[(0, 10, 0), (10, 30, 1), (30, 40, 0)])])
+        };
+        let m = select_map(40, 7, true, 1, fetch).unwrap();
+        assert_eq!(m, vec![(10, 10, Kind::Data), (20, 10, Kind::Zero)]);
+        let map: Map = vec![(0, 20, Kind::Data), (20, 20, Kind::Zero)];
+        assert_eq!(
+            restrict(&map, &[(5, 5), (15, 10), (39, 1)]).unwrap(),
+            vec![(5, 5, Kind::Data), (15, 5, Kind::Data), (20, 5, Kind::Zero), (39, 1, Kind::Zero)]
+        );
+        assert_eq!(restrict(&map, &[]).unwrap(), vec![]);
     }
 
     #[test]
