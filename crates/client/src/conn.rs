@@ -962,3 +962,23 @@ impl AsFd for Connection {
         self.stream.as_fd()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ex(v: &[u64]) -> Vec<Extent> {
+        v.iter().map(|&length| Extent { length, flags: 0 }).collect()
+    }
+
+    #[test]
+    fn extents_must_advance_and_stay_in_the_request() {
+        assert_eq!(check_extents(&ex(&[10, 20, 70]), 100), Ok(3));
+        // The last one may run past the end (clipped by the caller).
+        assert_eq!(check_extents(&ex(&[10, 1000]), 100), Ok(2));
+        assert!(check_extents(&ex(&[]), 100).unwrap_err().contains("no extents"));
+        assert!(check_extents(&ex(&[10, 0, 90]), 100).unwrap_err().contains("zero-length"));
+        assert!(check_extents(&ex(&[100, 1]), 100).unwrap_err().contains("past the end"));
+        assert!(check_extents(&ex(&[u64::MAX, u64::MAX]), 100).unwrap_err().contains("past the end"));
+    }
+}

@@ -523,6 +523,45 @@ fn duplicate_block_status_chunks_fail_the_copy() {
     copy_fails(&f, &data, "which was not negotiated");
 }
 
+/// Block status extents of no length (which would never advance a map) or starting past
+/// the end of the request: the server's fault, named, for a copy and for `info --map`.
+#[test]
+fn empty_and_overlong_block_status_extents_are_refused() {
+    let data = pattern(1 << 20);
+    let zero_len = export(data.clone(), 0, |_, r, _| {
+        (r.cmd == CMD_BLOCK_STATUS)
+            .then(|| status_chunk(REPLY_FLAG_DONE, r.cookie, META_ID, &[(4096, 0), (0, 0), (r.len - 4096, 0)]))
+    });
+    copy_fails(&zero_len, &data, "zero-length extent");
+    fails_saying(&["info", "--map", &zero_len.uri()], "zero-length extent");
+    let past = export(data.clone(), 0, |_, r, _| {
+        (r.cmd == CMD_BLOCK_STATUS).then(|| status_chunk(REPLY_FLAG_DONE, r.cookie, META_ID, &[(r.len, 0), (4096, 3)]))
+    });
+    copy_fails(&past, &data, "goes past the end");
+    fails_saying(&["info", "--map", "--json", &past.uri()], "goes past the end");
+    // Only the last extent may run past the request: it is clipped.
+    let long_last = export(data.clone(), 0, |_, r, _| {
+        (r.cmd == CMD_BLOCK_STATUS).then(|| status_chunk(REPLY_FLAG_DONE, r.cookie, META_ID, &[(r.len + 4096, 0)]))
+    });
+    let out = run_timeout(&mut ferry_capped(&["info", "--map", &long_last.uri()]), LIMIT);
+    assert!(out.status.success(), "{}", out.describe());
+    assert_eq!(out.stdout, format!("{:>10}  {:>10}  {:>3}  data\n", 0, 1 << 20, 0));
+}
+
+/// A context the server did not grant: named, with what the server says it offers
+/// (this one cannot list them), never a map of something else.
+#[test]
+fn contexts_the_server_does_not_grant_are_named() {
+    let data = pattern(1 << 20);
+    let f = export(data.clone(), 0, |_, _, _| None);
+    let out = fails_saying(&["info", "--map=qemu:dirty-bitmap:b0", &f.uri()], "qemu:dirty-bitmap:b0");
+    assert!(out.stderr.contains("does not offer"), "{}", out.describe());
+    let dst = f.path("dst.raw");
+    std::fs::write(&dst, vec![9u8; data.len()]).unwrap();
+    fails_saying(&["copy", "--dirty-bitmap", "b0", &f.uri(), dst.to_str().unwrap()], "does not offer");
+    assert_eq!(std::fs::read(&dst).unwrap(), vec![9u8; data.len()], "nothing written");
+}
+
 /// An allocation map in 1-byte pieces (a block status reply of a million extents, again
 /// and again): the copy's map is coarsened, not grown by 24 bytes per byte of the export.
 #[test]
