@@ -295,3 +295,36 @@ fn extents_from_files() {
     assert!(!out.status.success() && out.stderr.contains("past the end"), "{}", out.describe());
     assert_eq!(std::fs::read(&dst).unwrap(), std::fs::read(&after).unwrap(), "refused copies wrote nothing");
 }
+
+/// The same from qemu-storage-daemon exporting the bitmap (`bitmaps.0=b0`), which also
+/// speaks extended headers.
+#[test]
+fn dirty_bitmap_copy_from_qemu_storage_daemon() {
+    require("qemu-storage-daemon");
+    let (dir, before, after, bm, _) = images();
+    let sock = dir.path().join("qsd.sock");
+    let child = Command::new("qemu-storage-daemon")
+        .arg("--blockdev")
+        .arg(format!("driver=file,node-name=f0,filename={},read-only=on", bm.display()))
+        .args(["--blockdev", "driver=qcow2,node-name=q0,file=f0,read-only=on"])
+        .arg("--nbd-server")
+        .arg(format!("addr.type=unix,addr.path={}", sock.display()))
+        .args(["--export", "type=nbd,id=e0,node-name=q0,name=disk,bitmaps.0=b0"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("qemu-storage-daemon");
+    let _qsd = QemuNbd { child, sock: sock.clone(), trace: dir.path().join("none") };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !sock.exists() {
+        assert!(Instant::now() < deadline, "qemu-storage-daemon did not create {}", sock.display());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let u = format!("nbd+unix:///disk?socket={}", sock.display());
+    let want = nbdinfo(&["--map=qemu:dirty-bitmap:b0", &u]);
+    assert_eq!(ferry_ok(&["info", "--map=qemu:dirty-bitmap:b0", &u]).stdout, want);
+    let dst = dir.path().join("dst.raw");
+    std::fs::copy(&before, &dst).unwrap();
+    ferry_ok(&["copy", "--dirty-bitmap", "b0", &u, dst.to_str().unwrap()]);
+    assert_eq!(std::fs::read(&dst).unwrap(), std::fs::read(&after).unwrap());
+}
