@@ -86,8 +86,19 @@ pub fn run(args: InfoArgs) -> Result<i32> {
         let c = Connection::connect(&u, &opts).with_context(|| format!("connecting to {u}"))?;
         mode = Some(c.mode());
         tls = c.stream().tls_description();
-        exports.push(describe(&c, &u));
+        let mut e = describe(&c, &u);
+        let meta = c.can_block_status();
         let _ = c.disconnect();
+        // Every context the export offers (dirty bitmaps, allocation depth), as nbdinfo
+        // lists them; asked after disconnecting, for servers that take one client at a time.
+        if meta {
+            if let Ok(l) = Connection::list_contexts(&u, &opts) {
+                if !l.is_empty() {
+                    e["contexts"] = json!(l);
+                }
+            }
+        }
+        exports.push(e);
     }
     let mode = mode.unwrap_or(ReplyMode::Simple);
     let doc = json!({
