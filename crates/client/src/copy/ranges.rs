@@ -22,8 +22,8 @@ use std::path::Path;
 
 /// Largest JSON map read (a million rows of nbdinfo's output is about 80 MiB).
 pub const MAX_JSON_BYTES: u64 = 256 << 20;
-/// Largest raw bitmap read: 2^32 granules.
-pub const MAX_BITMAP_BYTES: u64 = 512 << 20;
+/// Largest raw bitmap read: 2^30 granules (64 TiB at 64 KiB granularity).
+pub const MAX_BITMAP_BYTES: u64 = 128 << 20;
 
 #[derive(Deserialize)]
 struct Row {
