@@ -164,6 +164,15 @@ fn map_matches_nbdinfo_byte_for_byte() {
             assert_eq!(got, want, "ferry info {args:?} differs from nbdinfo");
         }
     }
+    // A local image gives what a server gives for it.
+    for json in [None, Some("--json")] {
+        let mut args = vec!["--map", &u];
+        args.extend(json);
+        let want = nbdinfo(&args);
+        let mut fargs = vec!["info", "--map", bm.to_str().unwrap()];
+        fargs.extend(json);
+        assert_eq!(ferry_ok(&fargs).stdout, want, "ferry info --map of the local image");
+    }
     // Allocation depth of an overlay.
     let srv2 = QemuNbd::start(dir.path(), "ov", &["-A"], &ov);
     let u2 = srv2.uri();
