@@ -18,7 +18,8 @@
 //! `--map` given several times reads the contexts side by side, in lock step: a row per
 //! range over which no context changes, rows alike merged. Text: `offset length`, then
 //! for each context in the order given two spaces, its type (width 3), two spaces and
-//! its description (padded to the context's widest, except the last column). JSON: an
+//! its description (padded to the widest the context has: 9 for base:allocation, 5 for
+//! a dirty bitmap, 16 for allocation depth; the last column unpadded). JSON: an
 //! array of `{ "offset", "length", "contexts": [{ "name", "type", "description" }, ...] }`.
 
 use anyhow::{Context, Result};
@@ -210,67 +211,73 @@ fn json_str(s: &str) -> String {
 
 /// Prints the map of `contexts` (see the module's words for the formats).
 fn map(mut reader: ContextReader, contexts: &[String], as_json: bool) -> Result<i32> {
-    let mut rows: Vec<(u64, u64, Vec<u32>)> = Vec::new();
+    use std::fmt::Write as _;
+    use std::io::Write as _;
+    let desc = |i: usize, t: u32| describe_value(&contexts[i], t);
+    // Descriptions padded per column so the columns line up: to the widest the context
+    // has (known in advance: rows are printed as they come, never all kept in memory).
+    let widths: Vec<usize> = contexts
+        .iter()
+        .map(|c| match c.as_str() {
+            META_BASE_ALLOCATION => "hole,zero".len(),
+            META_ALLOCATION_DEPTH => "backing depth 99".len(),
+            c if c.starts_with(META_DIRTY_BITMAP_PREFIX) => "clean".len(),
+            _ => 0,
+        })
+        .collect();
+    let mut so = std::io::BufWriter::with_capacity(1 << 16, std::io::stdout().lock());
+    let mut line = String::new();
+    let mut first = true;
+    if as_json {
+        so.write_all(b"[\n")?;
+    }
     reader
         .walk(|o, l, v| {
-            rows.push((o, l, v.to_vec()));
-            Ok(())
+            line.clear();
+            if as_json {
+                if !std::mem::take(&mut first) {
+                    line.push_str(",\n");
+                }
+                let _ = write!(line, "{{ \"offset\": {o}, \"length\": {l}, ");
+                if let [t] = v[..] {
+                    let _ = write!(line, "\"type\": {t}");
+                    if let Some(d) = desc(0, t) {
+                        let _ = write!(line, ", \"description\": {}", json_str(&d));
+                    }
+                } else {
+                    line.push_str("\"contexts\": [");
+                    for (i, &t) in v.iter().enumerate() {
+                        let sep = if i > 0 { ", " } else { "" };
+                        let _ = write!(line, "{sep}{{ \"name\": {}, \"type\": {t}", json_str(&contexts[i]));
+                        if let Some(d) = desc(i, t) {
+                            let _ = write!(line, ", \"description\": {}", json_str(&d));
+                        }
+                        line.push('}');
+                    }
+                    line.push(']');
+                }
+                line.push('}');
+            } else {
+                let _ = write!(line, "{o:>10}  {l:>10}");
+                for (i, &t) in v.iter().enumerate() {
+                    let _ = write!(line, "  {t:>3}");
+                    let d = desc(i, t);
+                    if i + 1 < v.len() {
+                        let _ = write!(line, "  {:<w$}", d.unwrap_or_default(), w = widths[i]);
+                    } else if let Some(d) = d {
+                        let _ = write!(line, "  {d}");
+                    }
+                }
+                line.truncate(line.trim_end().len());
+                line.push('\n');
+            }
+            so.write_all(line.as_bytes()).map_err(|e| format!("writing the map: {e}"))
         })
         .context("reading the map")?;
     reader.close();
-    let desc = |i: usize, t: u32| describe_value(&contexts[i], t);
-    let mut out = String::new();
-    use std::fmt::Write;
     if as_json {
-        out.push_str("[\n");
-        for (k, (o, l, v)) in rows.iter().enumerate() {
-            if k > 0 {
-                out.push_str(",\n");
-            }
-            let _ = write!(out, "{{ \"offset\": {o}, \"length\": {l}, ");
-            if let [t] = v[..] {
-                let _ = write!(out, "\"type\": {t}");
-                if let Some(d) = desc(0, t) {
-                    let _ = write!(out, ", \"description\": {}", json_str(&d));
-                }
-            } else {
-                out.push_str("\"contexts\": [");
-                for (i, &t) in v.iter().enumerate() {
-                    let sep = if i > 0 { ", " } else { "" };
-                    let _ = write!(out, "{sep}{{ \"name\": {}, \"type\": {t}", json_str(&contexts[i]));
-                    if let Some(d) = desc(i, t) {
-                        let _ = write!(out, ", \"description\": {}", json_str(&d));
-                    }
-                    out.push('}');
-                }
-                out.push(']');
-            }
-            out.push('}');
-        }
-        out.push_str("\n]\n");
-    } else {
-        // Descriptions padded per column so the columns line up.
-        let widths: Vec<usize> = (0..contexts.len())
-            .map(|i| rows.iter().map(|r| desc(i, r.2[i]).map_or(0, |d| d.len())).max().unwrap_or(0))
-            .collect();
-        for (o, l, v) in &rows {
-            let mut line = format!("{o:>10}  {l:>10}");
-            for (i, &t) in v.iter().enumerate() {
-                let _ = write!(line, "  {t:>3}");
-                let d = desc(i, t);
-                if i + 1 < v.len() {
-                    let _ = write!(line, "  {:<w$}", d.unwrap_or_default(), w = widths[i]);
-                } else if let Some(d) = d {
-                    let _ = write!(line, "  {d}");
-                }
-            }
-            out.push_str(line.trim_end());
-            out.push('\n');
-        }
+        so.write_all(b"\n]\n")?;
     }
-    use std::io::Write as _;
-    let mut so = std::io::stdout().lock();
-    so.write_all(out.as_bytes())?;
     so.flush()?;
     Ok(0)
 }
