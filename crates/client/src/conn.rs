@@ -87,8 +87,11 @@ pub struct ConnectOptions {
     pub extended: bool,
     /// Ask for structured replies.
     pub structured: bool,
-    /// Ask for `base:allocation` block status.
+    /// Ask for the metadata contexts in `contexts` (block status).
     pub meta_context: bool,
+    /// The metadata contexts to select, by exact name (default: `base:allocation`); see
+    /// [`Connection::contexts`] for which the server granted.
+    pub contexts: Vec<String>,
     /// Socket buffers (default: 4 MiB send buffer on Unix sockets).
     pub buffers: BufferConfig,
     /// Give up on the handshake after this long.
@@ -101,6 +104,7 @@ impl Default for ConnectOptions {
             extended: true,
             structured: true,
             meta_context: true,
+            contexts: vec![META_BASE_ALLOCATION.to_string()],
             buffers: BufferConfig::default(),
             handshake_timeout: Duration::from_secs(30),
         }
@@ -157,6 +161,9 @@ pub struct Completion {
     pub result: Result<(), RemoteError>,
     /// BLOCK_STATUS: the `base:allocation` extents.
     pub extents: Vec<Extent>,
+    /// BLOCK_STATUS: the extents of every other context that answered, by context id
+    /// (each checked like `extents`: in the request, none empty, one chunk per context).
+    pub status: Vec<(u32, Vec<Extent>)>,
     /// READ: bytes the server sent as holes (already zero-filled in the buffer).
     pub hole_bytes: u64,
 }
@@ -167,9 +174,11 @@ struct InFlight {
     length: u64,
     slot: usize,
     error: Option<RemoteError>,
-    extents: Vec<Extent>,
-    /// BLOCK_STATUS: the `base:allocation` chunk arrived (a second one is an error).
-    status_seen: bool,
+    /// BLOCK_STATUS: the extents of each context that answered (a second chunk for one
+    /// context is an error).
+    status: Vec<(u32, Vec<Extent>)>,
+    /// BLOCK_STATUS: extents kept so far over every context (bounded).
+    status_extents: usize,
     /// READ: which bytes of the request the chunks covered.
     coverage: ReadCoverage,
     hole_bytes: u64,
@@ -183,6 +192,8 @@ const MAX_ERROR_CHUNKS: u32 = 4096;
 const RECV_BUF: usize = 256 * 1024;
 /// Largest non-data chunk payload accepted (block status of 2^20 extents, 16 bytes each).
 const MAX_META_CHUNK: u64 = 16 * 1024 * 1024 + 64;
+/// Most extents kept for one BLOCK_STATUS reply over all its contexts (16 bytes each).
+pub const MAX_STATUS_EXTENTS: usize = 4 << 20;
 
 pub struct Connection {
     stream: Channel,
@@ -361,7 +372,9 @@ impl Connection {
             extended: opts.extended,
             structured: opts.structured,
             meta_context: opts.meta_context,
+            contexts: opts.contexts.clone(),
             list: false,
+            list_contexts: false,
             tls: false,
         };
         let (stream, p, leftover) = open(uri, opts, cfg)?;
@@ -396,6 +409,18 @@ impl Connection {
         }
     }
 
+    /// The metadata contexts the export a URI names offers (`NBD_OPT_LIST_META_CONTEXT`
+    /// with no query), for messages naming what a server has.
+    pub fn list_contexts(uri: &Uri, opts: &ConnectOptions) -> Result<Vec<String>, Error> {
+        let mut cfg = ClientConfig::new(&uri.export);
+        cfg.list_contexts = true;
+        cfg.extended = opts.extended;
+        match open(uri, opts, cfg)?.1 {
+            ClientProgress::ContextsListed(l) => Ok(l),
+            _ => Err(Error::Protocol("unexpected handshake result".into())),
+        }
+    }
+
     pub fn info(&self) -> &ClientNegotiated {
         &self.info
     }
@@ -419,8 +444,22 @@ impl Connection {
     pub fn is_unix(&self) -> bool {
         self.stream.is_unix()
     }
+    /// `base:allocation` was granted.
     pub fn can_block_status(&self) -> bool {
         self.info.meta_context.is_some()
+    }
+    /// Every metadata context the server granted: (id, name).
+    pub fn contexts(&self) -> &[(u32, String)] {
+        &self.info.contexts
+    }
+    /// Largest length one BLOCK_STATUS may ask about: the whole export with extended
+    /// headers, just under 4 GiB (32-bit lengths) otherwise.
+    pub fn max_status_length(&self) -> u64 {
+        if self.mode == ReplyMode::Extended {
+            u64::MAX
+        } else {
+            0xFFFF_F000
+        }
     }
     /// Largest READ/WRITE payload the server accepts.
     pub fn max_payload(&self) -> u32 {
@@ -479,8 +518,8 @@ impl Connection {
                 length,
                 slot: r.slot,
                 error: None,
-                extents: Vec::new(),
-                status_seen: false,
+                status: Vec::new(),
+                status_extents: 0,
                 coverage: ReadCoverage::new(),
                 hole_bytes: 0,
                 errors: 0,
@@ -667,7 +706,11 @@ impl Connection {
                 length: f.length,
                 slot: f.slot,
                 result: f.error.map_or(Ok(()), Err),
-                extents: f.extents,
+                extents: match f.status.iter().position(|c| Some(c.0) == self.info.meta_context) {
+                    Some(i) => f.status.swap_remove(i).1,
+                    None => Vec::new(),
+                },
+                status: f.status,
                 hole_bytes: f.hole_bytes,
             });
         }
@@ -725,35 +768,35 @@ impl Connection {
                 let p = self.recv_meta(length)?;
                 let mut extents = Vec::new();
                 let id = parse_block_status(ty, &p, &mut extents)?;
-                if Some(id) != self.info.meta_context {
+                let at = f.offset;
+                let Some(name) = self.info.context_name(id) else {
                     return Err(Error::Protocol(format!(
-                        "block status for context {id}, which was not negotiated (base:allocation is {})",
-                        self.info.meta_context.map_or("none".into(), |c| c.to_string())
+                        "the server sent block status at offset {at} for context {id}, which was not negotiated \
+                         (granted: {})",
+                        granted(&self.info.contexts)
+                    )));
+                };
+                if f.status.iter().any(|c| c.0 == id) {
+                    return Err(Error::Protocol(format!(
+                        "the server sent two block status chunks for one context ({name}) in the reply at offset {at}"
                     )));
                 }
-                if std::mem::replace(&mut f.status_seen, true) {
+                let kept = check_extents(&extents, f.length).map_err(|why| {
+                    Error::Protocol(format!("the server's block status for {name} at offset {at} {why}"))
+                })?;
+                // The last extent may run past the request: clipped to it.
+                let before: u64 = extents[..kept - 1].iter().map(|e| e.length).sum();
+                extents.truncate(kept);
+                if let Some(last) = extents.last_mut() {
+                    last.length = last.length.min(f.length - before);
+                }
+                f.status_extents += extents.len();
+                if f.status_extents > MAX_STATUS_EXTENTS {
                     return Err(Error::Protocol(format!(
-                        "two block status chunks for one context in the reply at offset {}",
-                        f.offset
+                        "the server sent more than {MAX_STATUS_EXTENTS} extents for the block status at offset {at}"
                     )));
                 }
-                if extents.iter().any(|e| e.length == 0) {
-                    return Err(Error::Protocol(format!(
-                        "block status at offset {} has a zero-length extent",
-                        f.offset
-                    )));
-                }
-                // The final extent may run past the request (the spec allows it); what
-                // follows it is not what was asked for and is dropped.
-                let mut pos = 0u64;
-                for e in extents {
-                    if pos >= f.length {
-                        break;
-                    }
-                    let length = e.length.min(f.length - pos);
-                    f.extents.push(Extent { length, flags: e.flags });
-                    pos += length;
-                }
+                f.status.push((id, extents));
             }
             t if t & 0x8000 != 0 => {
                 f.errors += 1;
@@ -840,6 +883,41 @@ impl Connection {
         Ok(c.extents)
     }
 
+    /// The extents of every granted context from `offset` (at most `length` bytes, each
+    /// list at least one extent), in the order of [`Connection::contexts`]. A context the
+    /// server left out of a successful reply is an error.
+    pub fn block_status_all(&mut self, offset: u64, length: u64) -> Result<Vec<(u32, Vec<Extent>)>, Error> {
+        let c =
+            self.call(Submit { cmd: CMD_BLOCK_STATUS, flags: 0, offset, length, payload: None, slot: 0 }, &mut [])?;
+        c.result.map_err(Error::Remote)?;
+        let mut status = c.status;
+        if let Some(id) = self.info.meta_context {
+            status.push((id, c.extents));
+        }
+        let mut out = Vec::with_capacity(self.info.contexts.len());
+        for (id, name) in &self.info.contexts {
+            match status.iter().position(|s| s.0 == *id) {
+                Some(i) if !status[i].1.is_empty() => out.push(status.swap_remove(i)),
+                _ => {
+                    return Err(Error::Protocol(format!(
+                        "the server's block status reply at offset {offset} has no extents for {name}"
+                    )))
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Ends the session now, keeping the object: `NBD_CMD_DISC` is sent and the socket
+    /// closed; every later call fails.
+    pub fn close(&mut self) {
+        self.hdrs.clear();
+        let extended = self.mode == ReplyMode::Extended;
+        RequestHeader { flags: 0, cmd: CMD_DISC, cookie: 0, offset: 0, length: 0 }.encode(extended, &mut self.hdrs);
+        let _ = self.stream.send_all(&mut [IoSlice::new(&self.hdrs)]);
+        self.stream = Channel::Broken;
+    }
+
     /// Ends the session cleanly (`NBD_CMD_DISC`).
     pub fn disconnect(mut self) -> Result<(), Error> {
         self.hdrs.clear();
@@ -851,8 +929,56 @@ impl Connection {
     }
 }
 
+/// Granted contexts for a message: "base:allocation (1), ...".
+fn granted(contexts: &[(u32, String)]) -> String {
+    if contexts.is_empty() {
+        return "none".into();
+    }
+    contexts.iter().map(|(id, n)| format!("{n} ({id})")).collect::<Vec<_>>().join(", ")
+}
+
+/// Checks a context's extents against a request of `length` bytes: none empty, and none
+/// starting at or past the request's end (the last one may run past it: the spec allows
+/// that, and it is clipped). Returns how many to keep, or what is wrong.
+pub fn check_extents(extents: &[Extent], length: u64) -> Result<usize, String> {
+    if extents.is_empty() {
+        return Err("has no extents".into());
+    }
+    let mut pos = 0u64;
+    for (i, e) in extents.iter().enumerate() {
+        if e.length == 0 {
+            return Err(format!("has a zero-length extent (extent {i}), which does not advance"));
+        }
+        if pos >= length {
+            return Err(format!("goes past the end of the {length}-byte request (extent {i} starts at +{pos})"));
+        }
+        pos = pos.saturating_add(e.length);
+    }
+    Ok(extents.len())
+}
+
 impl AsFd for Connection {
     fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
         self.stream.as_fd()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ex(v: &[u64]) -> Vec<Extent> {
+        v.iter().map(|&length| Extent { length, flags: 0 }).collect()
+    }
+
+    #[test]
+    fn extents_must_advance_and_stay_in_the_request() {
+        assert_eq!(check_extents(&ex(&[10, 20, 70]), 100), Ok(3));
+        // The last one may run past the end (clipped by the caller).
+        assert_eq!(check_extents(&ex(&[10, 1000]), 100), Ok(2));
+        assert!(check_extents(&ex(&[]), 100).unwrap_err().contains("no extents"));
+        assert!(check_extents(&ex(&[10, 0, 90]), 100).unwrap_err().contains("zero-length"));
+        assert!(check_extents(&ex(&[100, 1]), 100).unwrap_err().contains("past the end"));
+        assert!(check_extents(&ex(&[u64::MAX, u64::MAX]), 100).unwrap_err().contains("past the end"));
     }
 }

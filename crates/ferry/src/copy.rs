@@ -6,6 +6,7 @@ use clap::Args;
 use ferry_backend::{parse_size, Backend};
 use ferry_client::copy::{copy, BackendEndpoint, CopyOptions, Endpoint, Progress};
 use ferry_client::ConnectOptions;
+use ferry_proto::consts::META_DIRTY_BITMAP_PREFIX;
 use ferry_qcow2::Qcow2;
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::IsTerminal;
@@ -81,6 +82,20 @@ pub struct CopyArgs {
     /// qemu-img convert's -U does; the copy may then not match any state of the source.
     #[arg(short = 'U', long)]
     force_share: bool,
+    /// Incremental copy: only the ranges the source's dirty bitmap NAME marks dirty
+    /// (its qemu:dirty-bitmap:NAME context: qemu-nbd -B NAME, qemu-storage-daemon,
+    /// ferry serve, or a local qcow2 image). Dirty data is read and written, dirty ranges
+    /// that read as zeroes are written as zeroes without being read, clean ranges are
+    /// neither read nor written. DST is the earlier full copy, updated in place (same
+    /// size), or a new overlay.
+    #[arg(long, value_name = "NAME", conflicts_with_all = ["hash", "extents_from"])]
+    dirty_bitmap: Option<String>,
+    /// Incremental copy of the ranges listed in FILE (as --dirty-bitmap copies): the JSON
+    /// of `nbdinfo --map=qemu:dirty-bitmap:NAME --json` (rows whose type has bit 0 set),
+    /// of `qemu-img map --output=json` (rows present at depth 0: what an overlay holds),
+    /// or bitmap:GRANULARITY:FILE, a raw bitmap (bit i, LSB first, set: granule i changed).
+    #[arg(long, value_name = "FILE", conflicts_with = "hash")]
+    extents_from: Option<String>,
 }
 
 /// A local destination: a new qcow2 image the source's size (which must be known up
@@ -149,6 +164,24 @@ fn overlay_destination(args: &CopyArgs, src: &Endpoint, path: &str) -> Result<Ar
     Ok(Arc::new(if args.flush { q } else { q.without_sync_on_close() }))
 }
 
+/// An incremental copy onto an existing local qcow2 image updates it in place (opened
+/// read-write, never taken for zeroed); `None` for anything else.
+fn existing_qcow2(args: &CopyArgs) -> Result<Option<Endpoint>> {
+    if !matches!(Endpoint::parse(&args.dst), Ok(Endpoint::File(_))) {
+        return Ok(None);
+    }
+    let (format, path) = crate::image::destination_format(&args.dst, args.format);
+    let exists = std::path::Path::new(&path).exists();
+    let is_qcow2 = format == Format::Qcow2
+        || (exists && matches!(crate::image::classify(&args.dst), crate::image::Spec::Qcow2(_)));
+    if !is_qcow2 || !exists {
+        return Ok(None);
+    }
+    let how = crate::image::ServeOpen { read_only: false, ..Default::default() };
+    let (b, _) = crate::image::open_backend(&path, how)?;
+    Ok(Some(Endpoint::Backend(BackendEndpoint::new(path, b))))
+}
+
 /// The size of a source, to create a destination image that does not exist yet.
 pub(crate) fn source_size(src: &Endpoint) -> Result<u64> {
     Ok(match src {
@@ -184,14 +217,27 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
     let source = crate::image::source(&args.src, args.force_share).with_context(|| format!("source {:?}", args.src))?;
     let _dst_lock = crate::copy_guard::check_destination(&source, &args.src, &args.dst)?;
     let src = &source.endpoint;
-    let (dst, new_qcow2) = match crate::rbd_spec::destination(&args.dst, src)? {
-        Some(e) => {
-            if args.format.is_some() || args.backing.is_some() {
-                anyhow::bail!("--format and --backing apply to local destinations only, not {:?}", args.dst);
+    let ranges = match &args.extents_from {
+        Some(f) => Some(Arc::new(
+            ferry_client::copy::ranges::parse_extents_from(f).map_err(|e| anyhow::anyhow!("--extents-from: {e}"))?,
+        )),
+        None => None,
+    };
+    let selective = ranges.is_some() || args.dirty_bitmap.is_some();
+    // An incremental copy onto an existing qcow2 updates it; with --backing the
+    // destination is a new overlay instead.
+    let in_place = if selective && args.backing.is_none() { existing_qcow2(&args)? } else { None };
+    let (dst, new_qcow2) = match in_place {
+        Some(e) => (e, None),
+        None => match crate::rbd_spec::destination(&args.dst, src)? {
+            Some(e) => {
+                if args.format.is_some() || args.backing.is_some() {
+                    anyhow::bail!("--format and --backing apply to local destinations only, not {:?}", args.dst);
+                }
+                (e, None)
             }
-            (e, None)
-        }
-        None => local_destination(&args, src)?,
+            None => local_destination(&args, src)?,
+        },
     };
     let request_size = match &args.request_size {
         Some(v) => parse_size(v).context("--request-size")?,
@@ -222,6 +268,8 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
             }
             None => None,
         },
+        select_context: args.dirty_bitmap.as_ref().map(|n| format!("{META_DIRTY_BITMAP_PREFIX}{n}")),
+        ranges,
     };
     let progress = Progress::default();
     let start = Instant::now();
@@ -243,6 +291,15 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
         q.finish().with_context(|| format!("cannot finish {}", args.dst))?;
     } else if let Endpoint::Backend(b) = &dst {
         b.backend().flush().with_context(|| format!("cannot finish {}", b.name()))?;
+    }
+    if let (Some(sel), false) = (report.selected_bytes, quiet) {
+        let zeroed = report.hole_bytes + report.zero_bytes;
+        eprintln!(
+            "{sel} bytes of {} {}: {} copied as data, {zeroed} written as zeroes",
+            report.bytes,
+            if args.dirty_bitmap.is_some() { "dirty" } else { "changed" },
+            report.data_bytes
+        );
     }
     if let Some(d) = &report.digest {
         println!("{}  {}", ferry_hash::hex(d), args.src);

@@ -5,10 +5,26 @@
 //! `description`, `uri`, `contexts`, `is_rotational`, `is_read_only`, `can_cache`,
 //! `can_df`, `can_fast_zero`, `can_flush`, `can_fua`, `can_multi_conn`, `can_trim`,
 //! `can_zero`, `block_size_minimum`, `block_size_preferred`, `block_size_maximum`,
-//! `export-size`. `--map --json` gives `[{offset, length, type, description}]`.
+//! `export-size`.
+//!
+//! `--map[=CONTEXT]` prints a metadata context's map (`--map` alone: `base:allocation`;
+//! `qemu:dirty-bitmap:NAME`, `qemu:allocation-depth`, any name the export offers), of an
+//! NBD export or of a local image (whose contexts are what `ferry serve` would offer).
+//! With one context the output is nbdinfo's, byte for byte: a line per extent of
+//! `offset length type description` (widths 10, 10 and 3, two spaces apart; the
+//! description only for values nbdinfo names), or with `--json` nbdinfo's array of
+//! `{ "offset", "length", "type", "description" }` objects, one per line.
+//!
+//! `--map` given several times reads the contexts side by side, in lock step: a row per
+//! range over which no context changes, rows alike merged. Text: `offset length`, then
+//! for each context in the order given two spaces, its type (width 3), two spaces and
+//! its description (padded to the widest the context has: 9 for base:allocation, 5 for
+//! a dirty bitmap, 16 for allocation depth; the last column unpadded). JSON: an
+//! array of `{ "offset", "length", "contexts": [{ "name", "type", "description" }, ...] }`.
 
 use anyhow::{Context, Result};
 use clap::Args;
+use ferry_client::copy::contexts::ContextReader;
 use ferry_client::{ConnectOptions, Connection, Uri};
 use ferry_proto::consts::*;
 use ferry_proto::ReplyMode;
@@ -26,9 +42,10 @@ pub struct InfoArgs {
     /// Describe every export of the server.
     #[arg(long)]
     list: bool,
-    /// Print the allocation map (base:allocation block status).
-    #[arg(long)]
-    map: bool,
+    /// Print the map of a metadata context: base:allocation (the default),
+    /// qemu:dirty-bitmap:NAME, qemu:allocation-depth. Repeat it to see several side by side.
+    #[arg(long, value_name = "CONTEXT", num_args = 0..=1, require_equals = true, default_missing_value = META_BASE_ALLOCATION)]
+    map: Vec<String>,
     /// Print only the size in bytes.
     #[arg(long)]
     size: bool,
@@ -53,8 +70,9 @@ pub fn run(args: InfoArgs) -> Result<i32> {
         let _ = c.disconnect();
         return Ok(0);
     }
-    if args.map {
-        return map(&uri, &opts, args.json);
+    if !args.map.is_empty() {
+        let reader = ContextReader::nbd(&uri, &opts, &args.map)?;
+        return map(reader, &args.map, args.json);
     }
     let names: Vec<(String, String)> = if args.list {
         Connection::list(&uri, &opts).with_context(|| format!("listing exports of {uri}"))?
@@ -69,8 +87,19 @@ pub fn run(args: InfoArgs) -> Result<i32> {
         let c = Connection::connect(&u, &opts).with_context(|| format!("connecting to {u}"))?;
         mode = Some(c.mode());
         tls = c.stream().tls_description();
-        exports.push(describe(&c, &u));
+        let mut e = describe(&c, &u);
+        let meta = c.can_block_status();
         let _ = c.disconnect();
+        // Every context the export offers (dirty bitmaps, allocation depth), as nbdinfo
+        // lists them; asked after disconnecting, for servers that take one client at a time.
+        if meta {
+            if let Ok(l) = Connection::list_contexts(&u, &opts) {
+                if !l.is_empty() {
+                    e["contexts"] = json!(l);
+                }
+            }
+        }
+        exports.push(e);
     }
     let mode = mode.unwrap_or(ReplyMode::Simple);
     let doc = json!({
@@ -146,46 +175,110 @@ fn print_text(doc: &Value) {
     }
 }
 
-fn map(uri: &Uri, opts: &ConnectOptions, as_json: bool) -> Result<i32> {
-    let mut c = Connection::connect(uri, opts).with_context(|| format!("connecting to {uri}"))?;
-    if !c.can_block_status() {
-        anyhow::bail!("{uri} does not support base:allocation block status, so there is no map to show");
+/// nbdinfo's words for a context's value, where it has any.
+fn describe_value(context: &str, t: u32) -> Option<String> {
+    if context == META_BASE_ALLOCATION {
+        return match t {
+            0 => Some("data".into()),
+            STATE_HOLE => Some("hole".into()),
+            STATE_ZERO => Some("zero".into()),
+            3 => Some("hole,zero".into()),
+            _ => None,
+        };
     }
-    let size = c.size();
-    let step = if c.mode() == ReplyMode::Extended { u64::MAX } else { 0xFFFF_F000 };
-    let mut rows: Vec<(u64, u64, u32)> = Vec::new();
-    let mut pos = 0;
-    while pos < size {
-        for e in c.block_status(pos, (size - pos).min(step))? {
-            let len = e.length.min(size - pos);
-            match rows.last_mut() {
-                Some(r) if r.2 == e.flags => r.1 += len,
-                _ => rows.push((pos, len, e.flags)),
-            }
-            pos += len;
-            if pos >= size {
-                break;
-            }
-        }
+    if context.starts_with(META_DIRTY_BITMAP_PREFIX) {
+        return match t {
+            0 => Some("clean".into()),
+            STATE_DIRTY => Some("dirty".into()),
+            _ => None,
+        };
     }
-    let _ = c.disconnect();
-    let desc = |t: u32| match t & (STATE_HOLE | STATE_ZERO) {
-        0 => "data",
-        STATE_HOLE => "hole",
-        STATE_ZERO => "zero",
-        _ => "hole,zero",
-    };
+    if context == META_ALLOCATION_DEPTH {
+        return Some(match t {
+            0 => "absent".into(),
+            1 => "local".into(),
+            n => format!("backing depth {n}"),
+        });
+    }
+    None
+}
+
+/// A JSON string (descriptions and context names are the user's or ours, but quoted
+/// properly all the same).
+fn json_str(s: &str) -> String {
+    serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into())
+}
+
+/// Prints the map of `contexts` (see the module's words for the formats).
+fn map(mut reader: ContextReader, contexts: &[String], as_json: bool) -> Result<i32> {
+    use std::fmt::Write as _;
+    use std::io::Write as _;
+    let desc = |i: usize, t: u32| describe_value(&contexts[i], t);
+    // Descriptions padded per column so the columns line up: to the widest the context
+    // has (known in advance: rows are printed as they come, never all kept in memory).
+    let widths: Vec<usize> = contexts
+        .iter()
+        .map(|c| match c.as_str() {
+            META_BASE_ALLOCATION => "hole,zero".len(),
+            META_ALLOCATION_DEPTH => "backing depth 99".len(),
+            c if c.starts_with(META_DIRTY_BITMAP_PREFIX) => "clean".len(),
+            _ => 0,
+        })
+        .collect();
+    let mut so = std::io::BufWriter::with_capacity(1 << 16, std::io::stdout().lock());
+    let mut line = String::new();
+    let mut first = true;
     if as_json {
-        let v: Vec<Value> = rows
-            .iter()
-            .map(|&(o, l, t)| json!({"offset": o, "length": l, "type": t, "description": desc(t)}))
-            .collect();
-        println!("{}", serde_json::to_string_pretty(&v)?);
-    } else {
-        for (o, l, t) in rows {
-            println!("{o:>10}  {l:>10}  {t:>3}  {}", desc(t));
-        }
+        so.write_all(b"[\n")?;
     }
+    reader
+        .walk(|o, l, v| {
+            line.clear();
+            if as_json {
+                if !std::mem::take(&mut first) {
+                    line.push_str(",\n");
+                }
+                let _ = write!(line, "{{ \"offset\": {o}, \"length\": {l}, ");
+                if let [t] = v[..] {
+                    let _ = write!(line, "\"type\": {t}");
+                    if let Some(d) = desc(0, t) {
+                        let _ = write!(line, ", \"description\": {}", json_str(&d));
+                    }
+                } else {
+                    line.push_str("\"contexts\": [");
+                    for (i, &t) in v.iter().enumerate() {
+                        let sep = if i > 0 { ", " } else { "" };
+                        let _ = write!(line, "{sep}{{ \"name\": {}, \"type\": {t}", json_str(&contexts[i]));
+                        if let Some(d) = desc(i, t) {
+                            let _ = write!(line, ", \"description\": {}", json_str(&d));
+                        }
+                        line.push('}');
+                    }
+                    line.push(']');
+                }
+                line.push('}');
+            } else {
+                let _ = write!(line, "{o:>10}  {l:>10}");
+                for (i, &t) in v.iter().enumerate() {
+                    let _ = write!(line, "  {t:>3}");
+                    let d = desc(i, t);
+                    if i + 1 < v.len() {
+                        let _ = write!(line, "  {:<w$}", d.unwrap_or_default(), w = widths[i]);
+                    } else if let Some(d) = d {
+                        let _ = write!(line, "  {d}");
+                    }
+                }
+                line.truncate(line.trim_end().len());
+                line.push('\n');
+            }
+            so.write_all(line.as_bytes()).map_err(|e| format!("writing the map: {e}"))
+        })
+        .context("reading the map")?;
+    reader.close();
+    if as_json {
+        so.write_all(b"\n]\n")?;
+    }
+    so.flush()?;
     Ok(0)
 }
 
@@ -196,11 +289,14 @@ fn local(args: &InfoArgs) -> Result<i32> {
     // Locked as qemu-img info locks: a qcow2 image being written is refused (its
     // metadata may be half-written); a raw file takes no lock.
     let usage = ImageUse::new(Access::Inspect).force_share(args.force_share);
-    if args.map || args.list {
-        anyhow::bail!(
-            "--map and --list need an NBD URI; serve the image (ferry serve {}) and ask the export",
-            args.uri
-        );
+    if args.list {
+        anyhow::bail!("--list needs an NBD URI; serve the image (ferry serve {}) and ask the export", args.uri);
+    }
+    if !args.map.is_empty() {
+        let how = crate::image::ServeOpen { read_only: true, force_share: args.force_share, ..Default::default() };
+        let (backend, _files) = crate::image::open_backend(&args.uri, how)?;
+        let reader = ContextReader::local(&backend, &args.uri, &args.map)?;
+        return map(reader, &args.map, args.json);
     }
     let doc = match classify(&args.uri) {
         Spec::Qcow2(p) => {

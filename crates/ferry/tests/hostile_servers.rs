@@ -155,6 +155,10 @@ fn info_export(size: u64, flags: u16) -> Vec<u8> {
     [&be16(0)[..], &be64(size), &be16(flags)].concat()
 }
 
+/// A dirty bitmap context [`negotiate`] grants when asked for it, and its id.
+const GRANTED: &str = "qemu:dirty-bitmap:granted";
+const GRANTED_ID: u32 = META_ID + 2;
+
 /// A well-behaved handshake up to GO, with structured replies and `base:allocation`
 /// (extended headers refused); `extra_info` goes out with GO's replies before the ACK.
 /// Answers LIST with `list`'s bytes. Returns false if the client did not go on to
@@ -170,13 +174,21 @@ fn negotiate(
         return false;
     }
     loop {
-        let Ok((opt, _)) = read_option(s) else { return false };
+        let Ok((opt, data)) = read_option(s) else { return false };
         let r = match opt {
             OPT_STRUCTURED_REPLY => option_reply(opt, REP_ACK, &[]),
             OPT_SET_META_CONTEXT => {
                 let mut m = be32(META_ID).to_vec();
                 m.extend_from_slice(b"base:allocation");
-                [option_reply(opt, REP_META_CONTEXT, &m), option_reply(opt, REP_ACK, &[])].concat()
+                let mut r = option_reply(opt, REP_META_CONTEXT, &m);
+                // A second context, granted only to a client asking for it.
+                if data.windows(GRANTED.len()).any(|w| w == GRANTED.as_bytes()) {
+                    let mut m = be32(GRANTED_ID).to_vec();
+                    m.extend_from_slice(GRANTED.as_bytes());
+                    r.extend(option_reply(opt, REP_META_CONTEXT, &m));
+                }
+                r.extend(option_reply(opt, REP_ACK, &[]));
+                r
             }
             OPT_GO => {
                 let mut r = option_reply(opt, REP_INFO, &info_export(size, flags | TFLAG_HAS_FLAGS));
@@ -521,6 +533,100 @@ fn duplicate_block_status_chunks_fail_the_copy() {
         (r.cmd == CMD_BLOCK_STATUS).then(|| status_chunk(REPLY_FLAG_DONE, r.cookie, META_ID + 1, &[(r.len, 0)]))
     });
     copy_fails(&f, &data, "which was not negotiated");
+}
+
+/// Block status extents of no length (which would never advance a map) or starting past
+/// the end of the request: the server's fault, named, for a copy and for `info --map`.
+#[test]
+fn empty_and_overlong_block_status_extents_are_refused() {
+    let data = pattern(1 << 20);
+    let zero_len = export(data.clone(), 0, |_, r, _| {
+        (r.cmd == CMD_BLOCK_STATUS)
+            .then(|| status_chunk(REPLY_FLAG_DONE, r.cookie, META_ID, &[(4096, 0), (0, 0), (r.len - 4096, 0)]))
+    });
+    copy_fails(&zero_len, &data, "zero-length extent");
+    fails_saying(&["info", "--map", &zero_len.uri()], "zero-length extent");
+    let past = export(data.clone(), 0, |_, r, _| {
+        (r.cmd == CMD_BLOCK_STATUS).then(|| status_chunk(REPLY_FLAG_DONE, r.cookie, META_ID, &[(r.len, 0), (4096, 3)]))
+    });
+    copy_fails(&past, &data, "goes past the end");
+    fails_saying(&["info", "--map", "--json", &past.uri()], "goes past the end");
+    // Only the last extent may run past the request: it is clipped.
+    let long_last = export(data.clone(), 0, |_, r, _| {
+        (r.cmd == CMD_BLOCK_STATUS).then(|| status_chunk(REPLY_FLAG_DONE, r.cookie, META_ID, &[(r.len + 4096, 0)]))
+    });
+    let out = run_timeout(&mut ferry_capped(&["info", "--map", &long_last.uri()]), LIMIT);
+    assert!(out.status.success(), "{}", out.describe());
+    assert_eq!(out.stdout, format!("{:>10}  {:>10}  {:>3}  data\n", 0, 1 << 20, 0));
+}
+
+/// A context the server did not grant: named, with what the server says it offers
+/// (this one cannot list them), never a map of something else.
+#[test]
+fn contexts_the_server_does_not_grant_are_named() {
+    let data = pattern(1 << 20);
+    let f = export(data.clone(), 0, |_, _, _| None);
+    let out = fails_saying(&["info", "--map=qemu:dirty-bitmap:b0", &f.uri()], "qemu:dirty-bitmap:b0");
+    assert!(out.stderr.contains("does not offer"), "{}", out.describe());
+    let dst = f.path("dst.raw");
+    std::fs::write(&dst, vec![9u8; data.len()]).unwrap();
+    fails_saying(&["copy", "--dirty-bitmap", "b0", &f.uri(), dst.to_str().unwrap()], "does not offer");
+    assert_eq!(std::fs::read(&dst).unwrap(), vec![9u8; data.len()], "nothing written");
+}
+
+/// Several contexts in one reply: each checked on its own (a missing one, one sent
+/// twice, one with a bad extent: named), and read side by side when they are right.
+#[test]
+fn several_contexts_are_each_checked() {
+    let data = pattern(1 << 20);
+    let both = |bitmap: Vec<Vec<u8>>| {
+        let bitmap = Arc::new(bitmap);
+        export(data.clone(), 0, move |_, r, _| {
+            (r.cmd == CMD_BLOCK_STATUS).then(|| {
+                let mut v = status_chunk(0, r.cookie, META_ID, &[(r.len / 2, 0), (r.len / 2, 3)]);
+                for c in bitmap.iter() {
+                    v.extend_from_slice(c);
+                }
+                v.extend(chunk(REPLY_FLAG_DONE, REPLY_TYPE_NONE, r.cookie, &[]));
+                v
+            })
+        })
+    };
+    let dirty = |c: u64, ex: &[(u32, u32)]| status_chunk(0, c, GRANTED_ID, ex);
+    let map = ["info", "--map", "--map=qemu:dirty-bitmap:granted"];
+    // The cookie of the first BLOCK_STATUS is 1 (ferry's cookies count from 1).
+    let ok = both(vec![dirty(1, &[(4096, 0), ((1 << 20) - 4096, 1)])]);
+    let mut args = map.to_vec();
+    let uri = ok.uri();
+    args.push(&uri);
+    let out = run_timeout(&mut ferry_capped(&args), LIMIT);
+    assert!(out.status.success(), "{}", out.describe());
+    let want = [
+        format!("{:>10}  {:>10}  {:>3}  {:<9}  {:>3}  clean", 0, 4096, 0, "data", 0),
+        format!("{:>10}  {:>10}  {:>3}  {:<9}  {:>3}  dirty", 4096, (1 << 19) - 4096, 0, "data", 1),
+        format!("{:>10}  {:>10}  {:>3}  {:<9}  {:>3}  dirty", 1 << 19, 1 << 19, 3, "hole,zero", 1),
+    ]
+    .join("\n")
+        + "\n";
+    assert_eq!(out.stdout, want);
+    for (chunks, why) in [
+        (vec![], "no extents for qemu:dirty-bitmap:granted"),
+        (
+            vec![dirty(1, &[(1 << 20, 1)]), dirty(1, &[(1 << 20, 1)])],
+            "two block status chunks for one context (qemu:dirty-bitmap:granted)",
+        ),
+        (
+            vec![dirty(1, &[(4096, 1), (0, 1)])],
+            "block status for qemu:dirty-bitmap:granted at offset 0 has a zero-length extent",
+        ),
+        (vec![status_chunk(0, 1, GRANTED_ID + 1, &[(1 << 20, 1)])], "which was not negotiated"),
+    ] {
+        let f = both(chunks);
+        let uri = f.uri();
+        let mut args = map.to_vec();
+        args.push(&uri);
+        fails_saying(&args, why);
+    }
 }
 
 /// An allocation map in 1-byte pieces (a block status reply of a million extents, again

@@ -20,10 +20,16 @@ pub struct ClientConfig {
     pub extended: bool,
     /// Ask for structured replies.
     pub structured: bool,
-    /// Ask for `base:allocation`.
+    /// Ask for the metadata contexts in `contexts` (with structured replies only).
     pub meta_context: bool,
+    /// The metadata contexts to select with `NBD_OPT_SET_META_CONTEXT`, by exact name
+    /// (default: `base:allocation`). At most [`MAX_CONTEXTS`].
+    pub contexts: Vec<String>,
     /// List exports instead of connecting to one.
     pub list: bool,
+    /// List the export's metadata contexts (`NBD_OPT_LIST_META_CONTEXT` with no query:
+    /// all of them) instead of connecting.
+    pub list_contexts: bool,
     /// Upgrade to TLS with `NBD_OPT_STARTTLS` before anything else.
     pub tls: bool,
 }
@@ -35,11 +41,17 @@ impl ClientConfig {
             extended: true,
             structured: true,
             meta_context: true,
+            contexts: vec![META_BASE_ALLOCATION.to_string()],
             list: false,
+            list_contexts: false,
             tls: false,
         }
     }
 }
+
+/// Most metadata contexts a client asks for at once (each answer is one option reply,
+/// and [`MAX_OPTION_REPLIES`] bounds those).
+pub const MAX_CONTEXTS: usize = 32;
 
 /// What the handshake settled on.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -47,7 +59,11 @@ pub struct ClientNegotiated {
     pub size: u64,
     pub flags: u16,
     pub mode: Option<ReplyMode>,
+    /// The id of `base:allocation`, when the server granted it.
     pub meta_context: Option<u32>,
+    /// Every context the server granted: (id, name), in the order it answered. Only
+    /// names the client asked for; ids unique.
+    pub contexts: Vec<(u32, String)>,
     pub block_size: Option<BlockSize>,
     pub name: Option<String>,
     pub description: Option<String>,
@@ -58,6 +74,16 @@ pub struct ClientNegotiated {
 impl ClientNegotiated {
     pub fn reply_mode(&self) -> ReplyMode {
         self.mode.unwrap_or(ReplyMode::Simple)
+    }
+
+    /// The name of a granted context id.
+    pub fn context_name(&self, id: u32) -> Option<&str> {
+        self.contexts.iter().find(|c| c.0 == id).map(|c| c.1.as_str())
+    }
+
+    /// The id of a granted context, by name.
+    pub fn context_id(&self, name: &str) -> Option<u32> {
+        self.contexts.iter().find(|c| c.1 == name).map(|c| c.0)
     }
 }
 
@@ -97,6 +123,8 @@ pub enum ClientProgress {
     Connected(Box<ClientNegotiated>),
     /// Exports listed (`out` holds NBD_OPT_ABORT): send it and close.
     Listed(Vec<(String, String)>),
+    /// The export's metadata contexts listed (`out` holds NBD_OPT_ABORT): send it and close.
+    ContextsListed(Vec<String>),
     /// The server accepted `NBD_OPT_STARTTLS`: run the TLS handshake as the client,
     /// then call [`ClientHandshake::tls_started`] and go on over TLS. Bytes the server
     /// sent in plaintext after its ACK must not be trusted: drop the connection.
@@ -285,9 +313,14 @@ impl ClientHandshake {
     }
 
     fn after_structured(&mut self, out: &mut Vec<u8>) {
-        if self.cfg.meta_context && self.n.mode.is_some() {
+        if self.cfg.list_contexts {
             let mut d = Vec::new();
-            encode_meta_request(&self.cfg.export, &[META_BASE_ALLOCATION], &mut d);
+            encode_meta_request(&self.cfg.export, &[], &mut d);
+            self.send(OPT_LIST_META_CONTEXT, &d, out);
+        } else if self.cfg.meta_context && self.n.mode.is_some() && !self.cfg.contexts.is_empty() {
+            let mut d = Vec::new();
+            let names: Vec<&str> = self.cfg.contexts.iter().take(MAX_CONTEXTS).map(String::as_str).collect();
+            encode_meta_request(&self.cfg.export, &names, &mut d);
             self.send(OPT_SET_META_CONTEXT, &d, out);
         } else {
             self.go(out);
@@ -311,10 +344,11 @@ impl ClientHandshake {
         };
         // Replies that are not the option's last one; a server could send them forever.
         self.replies += 1;
-        let limit = if opt == OPT_LIST { MAX_LIST_EXPORTS } else { MAX_OPTION_REPLIES };
+        let limit = if matches!(opt, OPT_LIST | OPT_LIST_META_CONTEXT) { MAX_LIST_EXPORTS } else { MAX_OPTION_REPLIES };
         if self.replies > limit && matches!(reply, REP_SERVER | REP_INFO | REP_META_CONTEXT) {
             let what = match opt {
                 OPT_LIST => "exports in its list",
+                OPT_LIST_META_CONTEXT => "metadata contexts in its list",
                 OPT_GO => "NBD_REP_INFO replies to NBD_OPT_GO",
                 _ => "replies to one option",
             };
@@ -348,14 +382,27 @@ impl ClientHandshake {
                     if data.len() < 4 {
                         return Err(ClientError::Malformed("NBD_OPT_SET_META_CONTEXT"));
                     }
-                    if &data[4..] == META_BASE_ALLOCATION.as_bytes() {
-                        self.n.meta_context = Some(be32(&data[..4]));
+                    let id = be32(&data[..4]);
+                    let name = &data[4..];
+                    // Only names asked for count; a name or id granted twice is the
+                    // server's mistake (block status could not be told apart).
+                    if let Some(n) = self.cfg.contexts.iter().take(MAX_CONTEXTS).find(|c| c.as_bytes() == name) {
+                        if self.n.contexts.iter().any(|c| c.0 == id || c.1 == *n) {
+                            return Err(ClientError::Malformed(
+                                "NBD_OPT_SET_META_CONTEXT (a context id or name twice)",
+                            ));
+                        }
+                        self.n.contexts.push((id, n.clone()));
+                        if n == META_BASE_ALLOCATION {
+                            self.n.meta_context = Some(id);
+                        }
                     }
                 }
                 REP_ACK => self.go(out),
                 // A server without meta contexts: carry on without block status.
                 _ => {
                     self.n.meta_context = None;
+                    self.n.contexts.clear();
                     self.go(out);
                 }
             },
@@ -373,9 +420,31 @@ impl ClientHandshake {
                     // An old server: EXPORT_NAME can still reach the export.
                     encode_option(OPT_EXPORT_NAME, self.cfg.export.as_bytes(), out);
                     self.n.meta_context = None;
+                    self.n.contexts.clear();
                     self.state = State::ExportNameReply;
                 }
                 _ => return Err(ClientError::Refused { export: self.cfg.export.clone(), reason: error_text() }),
+            },
+            OPT_LIST_META_CONTEXT => match reply {
+                REP_META_CONTEXT => {
+                    if data.len() < 4 {
+                        return Err(ClientError::Malformed("NBD_OPT_LIST_META_CONTEXT"));
+                    }
+                    let name = string("a metadata context name", &data[4..])?;
+                    self.list.push((name, String::new()));
+                }
+                REP_ACK => {
+                    encode_option(OPT_ABORT, &[], out);
+                    self.state = State::Done;
+                    let names = std::mem::take(&mut self.list).into_iter().map(|(n, _)| n).collect();
+                    return Ok(ClientProgress::ContextsListed(names));
+                }
+                _ => {
+                    return Err(ClientError::Refused {
+                        export: self.cfg.export.clone(),
+                        reason: format!("listing metadata contexts: {}", error_text()),
+                    })
+                }
             },
             OPT_LIST => match reply {
                 REP_SERVER => {
@@ -618,6 +687,82 @@ mod tests {
         }
         let ok = server_reply(&[b'n'; MAX_STRING], &[b'd'; MAX_STRING]);
         assert!(listing().feed(&ok, &mut Vec::new()).is_ok());
+    }
+
+    /// A client asking for `contexts`, past the greeting and the option negotiation up
+    /// to SET_META_CONTEXT (structured replies accepted).
+    fn setting(contexts: &[&str]) -> ClientHandshake {
+        let mut cfg = ClientConfig::new("d");
+        cfg.extended = false;
+        cfg.contexts = contexts.iter().map(|c| c.to_string()).collect();
+        let mut h = ClientHandshake::new(cfg);
+        let mut s2c = Vec::new();
+        ServerHandshake::new(&mut s2c);
+        assert_eq!(h.feed(&s2c, &mut Vec::new()).unwrap().0, 18);
+        let mut ack = Vec::new();
+        crate::handshake::option_reply(&mut ack, OPT_STRUCTURED_REPLY, REP_ACK, &[]);
+        let mut out = Vec::new();
+        assert_eq!(h.feed(&ack, &mut out).unwrap().0, ack.len());
+        assert_eq!(be32(&out[8..12]), OPT_SET_META_CONTEXT);
+        h
+    }
+
+    fn meta_reply(opt: u32, id: u32, name: &str) -> Vec<u8> {
+        let mut d = id.to_be_bytes().to_vec();
+        d.extend_from_slice(name.as_bytes());
+        let mut r = Vec::new();
+        crate::handshake::option_reply(&mut r, opt, REP_META_CONTEXT, &d);
+        r
+    }
+
+    #[test]
+    fn several_contexts_are_recorded_by_id() {
+        let mut h = setting(&["base:allocation", "qemu:dirty-bitmap:b0", "qemu:allocation-depth"]);
+        let mut out = Vec::new();
+        for (id, name) in [(7, "qemu:dirty-bitmap:b0"), (3, "base:allocation"), (9, "not:asked")] {
+            assert!(h.feed(&meta_reply(OPT_SET_META_CONTEXT, id, name), &mut out).is_ok());
+        }
+        let mut ack = Vec::new();
+        crate::handshake::option_reply(&mut ack, OPT_SET_META_CONTEXT, REP_ACK, &[]);
+        h.feed(&ack, &mut out).unwrap();
+        assert_eq!(h.n.contexts, vec![(7, "qemu:dirty-bitmap:b0".to_string()), (3, "base:allocation".to_string())]);
+        assert_eq!(h.n.meta_context, Some(3));
+        assert_eq!(h.n.context_name(7), Some("qemu:dirty-bitmap:b0"));
+        assert_eq!(h.n.context_id("qemu:allocation-depth"), None);
+        // One id for two contexts, or one context twice: refused.
+        for second in [(7, "base:allocation"), (8, "qemu:dirty-bitmap:b0")] {
+            let mut h = setting(&["base:allocation", "qemu:dirty-bitmap:b0"]);
+            h.feed(&meta_reply(OPT_SET_META_CONTEXT, 7, "qemu:dirty-bitmap:b0"), &mut out).unwrap();
+            let e = h.feed(&meta_reply(OPT_SET_META_CONTEXT, second.0, second.1), &mut out).unwrap_err();
+            assert!(matches!(e, ClientError::Malformed(_)), "{e:?}");
+        }
+        // Truncated reply.
+        let mut r = Vec::new();
+        crate::handshake::option_reply(&mut r, OPT_SET_META_CONTEXT, REP_META_CONTEXT, &[0, 0]);
+        assert!(setting(&["base:allocation"]).feed(&r, &mut out).is_err());
+    }
+
+    #[test]
+    fn contexts_are_listed() {
+        let mut cfg = ClientConfig::new("d");
+        cfg.list_contexts = true;
+        cfg.extended = false;
+        let mut h = ClientHandshake::new(cfg);
+        let mut s2c = Vec::new();
+        ServerHandshake::new(&mut s2c);
+        h.feed(&s2c, &mut Vec::new()).unwrap();
+        let mut ack = Vec::new();
+        crate::handshake::option_reply(&mut ack, OPT_STRUCTURED_REPLY, REP_ACK, &[]);
+        let mut out = Vec::new();
+        h.feed(&ack, &mut out).unwrap();
+        assert_eq!(be32(&out[8..12]), OPT_LIST_META_CONTEXT);
+        for (id, n) in [(1, "base:allocation"), (2, "qemu:dirty-bitmap:b1")] {
+            h.feed(&meta_reply(OPT_LIST_META_CONTEXT, id, n), &mut out).unwrap();
+        }
+        let mut ack = Vec::new();
+        crate::handshake::option_reply(&mut ack, OPT_LIST_META_CONTEXT, REP_ACK, &[]);
+        let (_, p) = h.feed(&ack, &mut out).unwrap();
+        assert_eq!(p, ClientProgress::ContextsListed(vec!["base:allocation".into(), "qemu:dirty-bitmap:b1".into()]));
     }
 
     #[test]

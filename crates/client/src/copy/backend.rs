@@ -2,7 +2,7 @@
 //! destination. Backends are `Send + Sync`, so every worker shares the one object.
 
 use super::endpoint::{push_extent, read_each, write_each, Caps, Data, Done, Map, Ops, Read, Write};
-use super::CopyError;
+use super::{contexts, CopyError};
 use ferry_backend::{Backend, Extent, ZeroMode};
 use ferry_sock::AlignedBuf;
 use std::sync::Arc;
@@ -108,6 +108,17 @@ impl Ops for BackendEndpoint {
         Ok(out)
     }
 
+    fn select(&mut self, context: &str, mask: u32, size: u64) -> Result<Map, CopyError> {
+        let names = [ferry_proto::consts::META_BASE_ALLOCATION.to_string(), context.to_string()];
+        let reader = contexts::ContextReader::local(&self.backend, &self.name, &names)
+            .map_err(|e| CopyError::Setup(format!("source {e}")))?;
+        let contexts::ContextReader::Local { contexts: ctxs, .. } = reader else {
+            return Err(CopyError::Setup("not a local context reader".into()));
+        };
+        contexts::select_map(size, u64::MAX, true, mask, |pos, len| contexts::local_fetch(&ctxs, pos, len))
+            .map_err(|e| CopyError::Setup(format!("source {}: {context}: {e}", self.name)))
+    }
+
     fn read(&mut self, reqs: &[Read], bufs: &mut [AlignedBuf], done: &mut Done<'_>) -> Result<(), CopyError> {
         read_each(reqs, bufs, done, |buf, at| self.backend.read(buf, at))
     }
@@ -143,7 +154,128 @@ impl Ops for BackendEndpoint {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ferry_backend::MemoryBackend;
+    use ferry_backend::{MemoryBackend, MetaContext};
+    use std::sync::Mutex;
+
+    const K: u64 = 1024;
+
+    /// 1 MiB: data in the first half, a hole in the second; a dirty bitmap `t` marks
+    /// 64K..128K (data) and 600K..700K (hole). Every read is recorded.
+    struct Marked {
+        mem: MemoryBackend,
+        reads: Mutex<Vec<(u64, u64)>>,
+    }
+
+    struct Dirty;
+    impl MetaContext for Dirty {
+        fn name(&self) -> &str {
+            "qemu:dirty-bitmap:t"
+        }
+        fn extents(&self, offset: u64, length: u64, _max: usize, out: &mut Vec<Extent>) -> ferry_backend::Result<()> {
+            // Answers in small pieces, to make the walk step.
+            let layout = [
+                (0, 64 * K, 0),
+                (64 * K, 128 * K, 1),
+                (128 * K, 600 * K, 0),
+                (600 * K, 700 * K, 1),
+                (700 * K, 1024 * K, 0),
+            ];
+            let &(_, e, f) = layout.iter().find(|l| l.0 <= offset && offset < l.1).unwrap();
+            out.push(Extent { length: (e - offset).min(length), flags: f });
+            Ok(())
+        }
+    }
+
+    impl Backend for Marked {
+        fn describe(&self) -> String {
+            "marked".into()
+        }
+        fn size(&self) -> u64 {
+            self.mem.size()
+        }
+        fn caps(&self) -> ferry_backend::Capabilities {
+            self.mem.caps()
+        }
+        fn read(&self, buf: &mut [u8], offset: u64) -> ferry_backend::Result<()> {
+            self.reads.lock().unwrap().push((offset, buf.len() as u64));
+            self.mem.read(buf, offset)
+        }
+        fn write(&self, buf: &[u8], offset: u64, fua: bool) -> ferry_backend::Result<()> {
+            self.mem.write(buf, offset, fua)
+        }
+        fn flush(&self) -> ferry_backend::Result<()> {
+            Ok(())
+        }
+        fn trim(&self, offset: u64, length: u64, fua: bool) -> ferry_backend::Result<()> {
+            self.mem.trim(offset, length, fua)
+        }
+        fn zero(&self, offset: u64, length: u64, mode: ZeroMode, fua: bool) -> ferry_backend::Result<()> {
+            self.mem.zero(offset, length, mode, fua)
+        }
+        fn extents(&self, offset: u64, length: u64, _max: usize, out: &mut Vec<Extent>) -> ferry_backend::Result<()> {
+            let half = 512 * K;
+            if offset < half {
+                out.push(Extent { length: (half - offset).min(length), flags: 0 });
+            } else {
+                out.push(Extent { length, flags: ferry_backend::HOLE });
+            }
+            Ok(())
+        }
+        fn meta_contexts(self: Arc<Self>) -> Vec<Arc<dyn MetaContext>> {
+            vec![Arc::new(Dirty)]
+        }
+    }
+
+    #[test]
+    fn selected_copies_touch_only_the_selection_and_read_only_its_data() {
+        use crate::copy::{copy, CopyOptions, Endpoint, Progress};
+        let src = Arc::new(Marked { mem: MemoryBackend::new(1024 * K), reads: Mutex::new(Vec::new()) });
+        let data: Vec<u8> = (0..512 * K).map(|i| (i % 251) as u8 + 1).collect();
+        src.mem.write(&data, 0, false).unwrap();
+        let by_bitmap = CopyOptions { select_context: Some("qemu:dirty-bitmap:t".into()), ..CopyOptions::default() };
+        let by_list = CopyOptions {
+            ranges: Some(Arc::new(vec![(64 * K, 64 * K), (600 * K, 100 * K)])),
+            ..CopyOptions::default()
+        };
+        for opts in [by_bitmap, by_list] {
+            src.reads.lock().unwrap().clear();
+            let dst = Arc::new(MemoryBackend::new(1024 * K));
+            dst.write(&vec![0xAA; 1024 * K as usize], 0, false).unwrap();
+            let s = Endpoint::Backend(BackendEndpoint::new("src".into(), src.clone()));
+            // Declared zeroed: a selection must not believe it.
+            let d = Endpoint::Backend(BackendEndpoint::new("dst".into(), dst.clone()).zeroed());
+            let r = copy(&s, &d, &opts, &Progress::default()).unwrap();
+            assert_eq!(r.selected_bytes, Some(164 * K));
+            assert_eq!(r.data_bytes, 64 * K);
+            let mut got = vec![0u8; 1024 * K as usize];
+            dst.read(&mut got, 0).unwrap();
+            for (i, &b) in got.iter().enumerate() {
+                let i = i as u64;
+                let want = if (64 * K..128 * K).contains(&i) {
+                    data[i as usize]
+                } else if (600 * K..700 * K).contains(&i) {
+                    0
+                } else {
+                    0xAA
+                };
+                assert_eq!(b, want, "byte {i}");
+            }
+            for &(o, l) in src.reads.lock().unwrap().iter() {
+                assert!(o >= 64 * K && o + l <= 128 * K, "read {l} bytes at {o}");
+            }
+        }
+        // A context the source does not have: named, with what it has.
+        let opts = CopyOptions { select_context: Some("qemu:dirty-bitmap:x".into()), ..CopyOptions::default() };
+        let s = Endpoint::Backend(BackendEndpoint::new("src".into(), src.clone()));
+        let d = Endpoint::Backend(BackendEndpoint::new("dst".into(), Arc::new(MemoryBackend::new(1024 * K))));
+        let e = copy(&s, &d, &opts, &Progress::default()).unwrap_err().to_string();
+        assert!(e.contains("qemu:dirty-bitmap:x") && e.contains("base:allocation, qemu:dirty-bitmap:t"), "{e}");
+        // Ranges out of order or past the end.
+        for bad in [vec![(128 * K, 4096), (0, 4096)], vec![(1024 * K, 1)], vec![(0, 0)]] {
+            let opts = CopyOptions { ranges: Some(Arc::new(bad)), ..CopyOptions::default() };
+            assert!(copy(&s, &d, &opts, &Progress::default()).is_err());
+        }
+    }
 
     #[test]
     fn writes_past_the_end_are_refused_before_the_backend_sees_them() {

@@ -179,6 +179,17 @@ pub(crate) trait Ops: Send {
     fn extents(&mut self, size: u64) -> Result<Map, CopyError> {
         Ok(vec![(0, size, Kind::Data)])
     }
+    /// The ranges of `0..size` where the metadata context `context` (e.g.
+    /// `qemu:dirty-bitmap:NAME`) has a bit of `mask` set, each as data or, where
+    /// base:allocation says it reads as zeroes, as zeroes (written, never read). Sources
+    /// without metadata contexts refuse.
+    fn select(&mut self, context: &str, mask: u32, size: u64) -> Result<Map, CopyError> {
+        let _ = (mask, size);
+        Err(CopyError::Setup(format!(
+            "source {} has no metadata contexts, so it cannot offer {context} (an NBD export or a qcow2 image can)",
+            self.name()
+        )))
+    }
     /// A file holding the bytes at the same offsets, to feed sendfile(2) payloads.
     fn file(&self) -> Option<&File> {
         None

@@ -70,8 +70,30 @@ pub(crate) fn open_source(p: &Path) -> Result<Box<dyn Ops>, CopyError> {
 /// emptied and sized to the source (all hole); a block device is used as it is; a
 /// character device or a FIFO is written as a stream (in order, zeroes as data, nothing
 /// sized, truncated or sought).
-pub(crate) fn open_destination(p: &Path, src_size: Option<u64>) -> Result<Box<dyn Ops>, CopyError> {
+pub(crate) fn open_destination(p: &Path, src_size: Option<u64>, in_place: bool) -> Result<Box<dyn Ops>, CopyError> {
     let exists = std::fs::metadata(p).ok();
+    if in_place {
+        // Selected ranges update the previous copy: it must be there, and is kept.
+        if exists.is_none() {
+            return Err(CopyError::Setup(format!(
+                "destination {} does not exist: a copy of selected ranges updates an earlier full copy in place",
+                p.display()
+            )));
+        }
+        let file = OpenOptions::new().write(true).open(p).map_err(local("cannot open destination", p))?;
+        let block = ty_is_block(&exists);
+        let size = device_size(&file, "cannot size destination", p)?;
+        let write_lock = (!block).then(Arc::default);
+        return Ok(Box::new(FileEnd {
+            file,
+            path: p.to_owned(),
+            block,
+            fresh: false,
+            what: "destination",
+            size: Some(size),
+            write_lock,
+        }));
+    }
     let ty = exists.as_ref().map(|m| m.file_type());
     if ty.is_some_and(|t| t.is_char_device() || t.is_fifo()) {
         let file = OpenOptions::new().write(true).open(p).map_err(local("cannot open destination", p))?;
@@ -101,6 +123,10 @@ pub(crate) fn open_destination(p: &Path, src_size: Option<u64>) -> Result<Box<dy
     };
     let write_lock = (!block).then(Arc::default);
     Ok(Box::new(FileEnd { file, path: p.to_owned(), block, fresh: !block, what: "destination", size, write_lock }))
+}
+
+fn ty_is_block(m: &Option<std::fs::Metadata>) -> bool {
+    m.as_ref().is_some_and(|m| m.file_type().is_block_device())
 }
 
 impl Ops for FileEnd {

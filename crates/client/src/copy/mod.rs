@@ -28,11 +28,13 @@
 //! the rest of a block only when those are all zero.
 
 mod backend;
+pub mod contexts;
 mod endpoint;
 mod file;
 mod nbd;
 mod null;
 mod pipe;
+pub mod ranges;
 
 pub use backend::BackendEndpoint;
 
@@ -80,7 +82,14 @@ impl Endpoint {
     /// Opens the endpoint as the copy's source. The one place that knows the kinds.
     fn open_source(&self, opts: &CopyOptions) -> Result<Box<dyn Ops>, CopyError> {
         Ok(match self {
-            Endpoint::Nbd(u) => Box::new(nbd::open(u, &opts.connect, "source")?),
+            Endpoint::Nbd(u) => {
+                // The context a selection reads is asked for with the others.
+                let mut c = opts.connect.clone();
+                if let Some(ctx) = opts.select_context.as_ref().filter(|x| !c.contexts.contains(x)) {
+                    c.contexts.push(ctx.clone());
+                }
+                Box::new(nbd::open(u, &c, "source")?)
+            }
             Endpoint::File(p) => file::open_source(p)?,
             Endpoint::Stdio => Box::new(pipe::stdin()),
             Endpoint::Null => return Err(CopyError::Setup("null: can only be a destination".into())),
@@ -94,13 +103,22 @@ impl Endpoint {
     fn open_destination(&self, src_size: Option<u64>, opts: &CopyOptions) -> Result<Box<dyn Ops>, CopyError> {
         let d: Box<dyn Ops> = match self {
             Endpoint::Nbd(u) => Box::new(nbd::open(u, &opts.connect, "destination")?),
-            Endpoint::File(p) => file::open_destination(p, src_size)?,
+            Endpoint::File(p) => file::open_destination(p, src_size, opts.selective())?,
             Endpoint::Stdio => Box::new(pipe::stdout()),
             Endpoint::Null => Box::new(null::Null),
             Endpoint::Backend(b) => Box::new(b.clone()),
         };
         if d.caps().read_only {
             return Err(CopyError::Setup(format!("destination {} is read-only", d.name())));
+        }
+        if let (Some(s), Some(dsize), true) = (src_size, d.size(), opts.selective()) {
+            if dsize != s {
+                return Err(CopyError::Setup(format!(
+                    "destination {} is {dsize} bytes, the source {s}: a copy of selected ranges goes onto a copy \
+                     of the same size; nothing was written",
+                    d.name()
+                )));
+            }
         }
         if let (Some(s), Some(dsize)) = (src_size, d.size()) {
             if dsize < s {
@@ -129,6 +147,24 @@ pub struct CopyOptions {
     pub connect: ConnectOptions,
     /// Compute a blkhash of the data on the way through (`ferry copy --hash`, `ferry hash`).
     pub hash: Option<Arc<BlockHasher>>,
+    /// Copy only the ranges the source's metadata context of this name marks dirty
+    /// ([`ferry_proto::consts::STATE_DIRTY`]), e.g. `qemu:dirty-bitmap:NAME`
+    /// (`ferry copy --dirty-bitmap`). See [`CopyOptions::ranges`] for what that means.
+    pub select_context: Option<String>,
+    /// Copy only these ranges of the source: (offset, length), sorted, disjoint, inside
+    /// the source (`ferry copy --extents-from`). The destination is touched nowhere else
+    /// (it is never taken for zeroed: it holds the previous copy, or is an overlay); in
+    /// the ranges, data is read and written, and what the source's allocation map says
+    /// reads as zeroes is written as zeroes without being read.
+    pub ranges: Option<Arc<Vec<(u64, u64)>>>,
+}
+
+impl CopyOptions {
+    /// Only selected ranges are copied ([`CopyOptions::select_context`],
+    /// [`CopyOptions::ranges`]).
+    pub fn selective(&self) -> bool {
+        self.select_context.is_some() || self.ranges.is_some()
+    }
 }
 
 impl Default for CopyOptions {
@@ -143,6 +179,8 @@ impl Default for CopyOptions {
             flush: false,
             connect: ConnectOptions::default(),
             hash: None,
+            select_context: None,
+            ranges: None,
         }
     }
 }
@@ -193,6 +231,10 @@ pub struct CopyReport {
     pub connections: usize,
     /// The blkhash of the data, when one was asked for.
     pub digest: Option<Vec<u8>>,
+    /// With a selection ([`CopyOptions::select_context`], [`CopyOptions::ranges`]): the
+    /// bytes selected (dirty, changed); `data_bytes` of them were copied as data, and
+    /// `hole_bytes` + `zero_bytes` written as zeroes.
+    pub selected_bytes: Option<u64>,
     /// Socket statistics summed over every NBD connection.
     pub socket: ferry_sock::Counters,
 }
@@ -267,6 +309,8 @@ struct Shared<'a> {
     error: Mutex<Option<CopyError>>,
     progress: &'a Progress,
     opts: &'a CopyOptions,
+    /// Only selected ranges are copied: the destination is not taken for zeroed.
+    selective: bool,
     data_bytes: AtomicU64,
     hole_bytes: AtomicU64,
     zero_bytes: AtomicU64,
@@ -320,6 +364,28 @@ fn align_extents(extents: Map, bs: u64) -> Map {
     out
 }
 
+/// Checks a list of ranges against a source of `size` bytes: sorted, disjoint, none
+/// empty, inside the source.
+pub fn check_ranges(r: &[(u64, u64)], size: u64) -> Result<(), CopyError> {
+    let mut end = 0u64;
+    for (i, &(s, l)) in r.iter().enumerate() {
+        let e = s.checked_add(l).filter(|&e| e <= size).ok_or_else(|| {
+            CopyError::Setup(format!("range {i} ({l} bytes at offset {s}) goes past the end of the {size}-byte source"))
+        })?;
+        if l == 0 {
+            return Err(CopyError::Setup(format!("range {i} (at offset {s}) is empty")));
+        }
+        if i > 0 && s < end {
+            return Err(CopyError::Setup(format!(
+                "range {i} (offset {s}) overlaps or comes before the one before it (which ends at {end}): \
+                 ranges must be sorted and disjoint"
+            )));
+        }
+        end = e;
+    }
+    Ok(())
+}
+
 /// Copies `src` to `dst`.
 pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progress) -> Result<CopyReport, CopyError> {
     if opts.request_size == 0 || opts.requests == 0 || opts.connections == 0 {
@@ -332,10 +398,37 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progr
     let streaming = src_size.is_none();
     let src_size = src_size.unwrap_or(0);
     progress.total.store(src_size, Ordering::SeqCst);
-    let extents = match opts.sparse && scaps.extents && !streaming {
-        true => first_src.extents(src_size)?,
-        false => vec![(0, src_size, Kind::Data)],
+    let selective = opts.selective();
+    if selective {
+        if streaming {
+            return Err(CopyError::Setup("a stream cannot be copied in selected ranges: it has no offsets".into()));
+        }
+        if opts.hash.is_some() {
+            return Err(CopyError::Setup("a hash needs every byte of the source, not selected ranges".into()));
+        }
+        if opts.select_context.is_some() && opts.ranges.is_some() {
+            return Err(CopyError::Setup("select ranges by a metadata context or by a list, not both".into()));
+        }
+    }
+    let extents = if let Some(ctx) = &opts.select_context {
+        first_src.select(ctx, ferry_proto::consts::STATE_DIRTY, src_size)?
+    } else {
+        let map = match opts.sparse && scaps.extents && !streaming {
+            true => first_src.extents(src_size)?,
+            false => vec![(0, src_size, Kind::Data)],
+        };
+        match &opts.ranges {
+            Some(r) => {
+                check_ranges(r, src_size)?;
+                contexts::restrict(&map, r).map_err(CopyError::Setup)?
+            }
+            None => map,
+        }
     };
+    let selected_bytes = selective.then(|| extents.iter().map(|e| e.1).sum::<u64>());
+    if let Some(n) = selected_bytes {
+        progress.total.store(n, Ordering::SeqCst);
+    }
     let mut request_size = opts.request_size as u64;
     let extents = match &opts.hash {
         Some(h) => {
@@ -365,6 +458,7 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progr
         error: Mutex::new(None),
         progress,
         opts,
+        selective,
         data_bytes: AtomicU64::new(0),
         hole_bytes: AtomicU64::new(0),
         zero_bytes: AtomicU64::new(0),
@@ -422,6 +516,7 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progr
     };
     Ok(CopyReport {
         digest,
+        selected_bytes,
         socket,
         bytes: total,
         data_bytes: shared.data_bytes.load(Ordering::SeqCst),
@@ -546,7 +641,9 @@ fn run(
     send_file: bool,
 ) -> Result<(), CopyError> {
     let sh = w.sh;
-    let dcaps = dst.caps();
+    let mut dcaps = dst.caps();
+    // Outside the selected ranges the destination holds anything: never skip zeroes.
+    dcaps.zeroed &= !sh.selective;
     let mut next_out = 0u64; // where an in-order destination is
     let mut reads: Vec<Read> = Vec::new();
     loop {

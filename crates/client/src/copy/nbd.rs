@@ -2,7 +2,7 @@
 //! where the server allows multi-conn.
 
 use super::endpoint::{push_extent, Caps, Data, Done, Map, Ops, Read, Write};
-use super::CopyError;
+use super::{contexts, CopyError};
 use crate::conn::{Completion, ConnectOptions, Connection, Payload, Submit};
 use crate::uri::Uri;
 use ferry_proto::consts::*;
@@ -88,6 +88,23 @@ impl Ops for Nbd {
             }
         }
         Ok(out)
+    }
+
+    fn select(&mut self, context: &str, mask: u32, size: u64) -> Result<Map, CopyError> {
+        let c = &mut self.conn;
+        let ids = match contexts::granted_ids(c, &[context.to_string()]) {
+            Ok(ids) => ids,
+            Err(name) => {
+                // Closed first: a server taking one client at a time answers the listing.
+                c.close();
+                return Err(CopyError::Setup(contexts::missing(&self.uri, &self.opts, name).to_string()));
+            }
+        };
+        let ids: Vec<u32> = c.info().meta_context.into_iter().chain(ids).collect();
+        let with_base = ids.len() == 2;
+        let step = c.max_status_length();
+        contexts::select_map(size, step, with_base, mask, |pos, len| contexts::nbd_fetch(c, &ids, pos, len))
+            .map_err(|e| CopyError::Setup(format!("{} {}: {context}: {e}", self.what, self.uri)))
     }
 
     /// Sends the batch of READs in one writev; the data arrives in [`Ops::complete`].
