@@ -259,6 +259,17 @@ pub fn lock(file: &File, path: &Path, locking: Locking) -> Result<(), LockError>
     for (bit, byte, theirs_held) in checks {
         let mut probe = flock(libc::F_WRLCK as libc::c_short, byte);
         fcntl(file.as_fd(), FcntlArg::F_OFD_GETLK(&mut probe)).map_err(os(byte))?;
+        // A conflict may be an opening this process closed that a child still shares
+        // for the instant between fork and exec (any thread's spawn copies every
+        // descriptor): look again a few times over 100 ms before naming a holder.
+        for _ in 0..20 {
+            if probe.l_type == libc::F_UNLCK as libc::c_short {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+            probe = flock(libc::F_WRLCK as libc::c_short, byte);
+            fcntl(file.as_fd(), FcntlArg::F_OFD_GETLK(&mut probe)).map_err(os(byte))?;
+        }
         if probe.l_type != libc::F_UNLCK as libc::c_short {
             return Err(LockError::Conflict {
                 path: path.to_owned(),

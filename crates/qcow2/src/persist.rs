@@ -420,8 +420,20 @@ mod tests {
     use std::path::{Path, PathBuf};
     use std::process::Command;
 
+    /// Runs a command, spawned while no other test thread is between fork and exec (a
+    /// child shares every descriptor until it execs, so an image another test just
+    /// closed would briefly still hold its locks against qemu-img).
     fn run(args: &[&str]) -> String {
-        let o = Command::new(args[0]).args(&args[1..]).output().unwrap_or_else(|e| panic!("{}: {e}", args[0]));
+        static SPAWN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let child = {
+            let _one = SPAWN.lock().unwrap_or_else(|e| e.into_inner());
+            Command::new(args[0])
+                .args(&args[1..])
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+        };
+        let o = child.and_then(|c| c.wait_with_output()).unwrap_or_else(|e| panic!("{}: {e}", args[0]));
         assert!(
             o.status.success(),
             "{args:?}: {}{}",

@@ -159,16 +159,22 @@ fn collect(rx: &mpsc::Receiver<Vec<u8>>, wait: Duration) -> String {
 /// Runs `cmd` (stdin closed) and returns what it printed; panics if it runs longer
 /// than `timeout`. The command runs in its own process group, and on timeout the
 /// whole group is killed (so e.g. the child of `ferry serve --run` goes too).
+/// Spawns `cmd` while no other thread of this test binary is between fork and exec: a
+/// child holds a copy of every descriptor until it execs, so an image a test just closed
+/// would otherwise still hold its locks for that instant and a qemu-img run right after
+/// could find it "in use".
+pub fn spawn_serialized(cmd: &mut Command) -> std::io::Result<std::process::Child> {
+    static SPAWN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = SPAWN.lock().unwrap_or_else(|e| e.into_inner());
+    cmd.spawn()
+}
+
 pub fn run_timeout(cmd: &mut Command, timeout: Duration) -> Output {
     use std::os::unix::process::CommandExt;
     let what = describe_cmd(cmd);
-    let mut child = cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0)
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot start `{what}`: {e}"));
+    let mut child =
+        spawn_serialized(cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).process_group(0))
+            .unwrap_or_else(|e| panic!("cannot start `{what}`: {e}"));
     let to = drain(child.stdout.take().unwrap());
     let te = drain(child.stderr.take().unwrap());
     let deadline = Instant::now() + timeout;
