@@ -33,8 +33,10 @@ mod file;
 mod nbd;
 mod null;
 mod pipe;
+mod verify;
 
 pub use backend::BackendEndpoint;
+pub use verify::{first_difference, hash_range};
 
 use crate::conn::{ConnectOptions, Error as ConnError};
 use crate::uri::Uri;
