@@ -67,6 +67,22 @@ pub struct CopyArgs {
     /// Block size of the blkhash.
     #[arg(long, default_value = "64K", value_name = "BYTES")]
     hash_block_size: String,
+    /// After the copy, read the destination back and compare its blkhash with the
+    /// source's (computed on the way): both digests are printed like `ferry hash`, and a
+    /// mismatch fails (exit 1) naming the first block that differs. The read-back trusts
+    /// the destination's allocation map, as `ferry hash` does. Not for streams or null:.
+    #[arg(long)]
+    verify: bool,
+    /// Fail (exit 1) unless the source's blkhash (see --digest, --hash-block-size) is
+    /// DIGEST (hex). On a mismatch a destination file or qcow2 image the copy created is
+    /// removed; any other destination (an existing file, a device, an NBD or RBD image)
+    /// is left as written and named as not to be trusted.
+    #[arg(long, value_name = "DIGEST")]
+    expect_hash: Option<String>,
+    /// Hash function of --verify and --expect-hash: sha256 (default), sha512, sha1, md5
+    /// or blake3, as `ferry hash --digest` spells it. Alone, it is --hash=ALG.
+    #[arg(long, value_name = "ALG")]
+    digest: Option<ferry_hash::Algorithm>,
     /// Format of a local destination: raw, or qcow2 (a new image the source's size, 64 KiB
     /// clusters). Default: qcow2 for `qcow2:PATH` and names ending in .qcow2, raw otherwise.
     #[arg(long, value_name = "FORMAT")]
@@ -184,6 +200,9 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
     let source = crate::image::source(&args.src, args.force_share).with_context(|| format!("source {:?}", args.src))?;
     let _dst_lock = crate::copy_guard::check_destination(&source, &args.src, &args.dst)?;
     let src = &source.endpoint;
+    // Whether a local destination is new, before anything creates it (see --expect-hash).
+    let local_dst = std::path::PathBuf::from(crate::image::destination_format(&args.dst, args.format).1);
+    let local_dst_existed = local_dst.symlink_metadata().is_ok();
     let (dst, new_qcow2) = match crate::rbd_spec::destination(&args.dst, src)? {
         Some(e) => {
             if args.format.is_some() || args.backing.is_some() {
@@ -193,6 +212,12 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
         }
         None => local_destination(&args, src)?,
     };
+    let created = match &dst {
+        Endpoint::File(p) if !local_dst_existed && *p == local_dst => Some(local_dst.clone()),
+        Endpoint::Backend(_) if new_qcow2.is_some() && !local_dst_existed => Some(local_dst.clone()),
+        _ => None,
+    };
+    let proof = Proof::from_args(&args, &dst, created)?;
     let request_size = match &args.request_size {
         Some(v) => parse_size(v).context("--request-size")?,
         None => 1 << 20,
@@ -212,7 +237,7 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
         send_file: !args.no_sendfile,
         flush: args.flush,
         connect: ConnectOptions { buffers: args.sockets.buffers()?, ..ConnectOptions::default() },
-        hash: match args.hash {
+        hash: match proof.algorithm {
             Some(alg) => {
                 let bs = parse_size(&args.hash_block_size).context("--hash-block-size")?;
                 if bs == 0 || bs > 64 << 20 {
@@ -246,6 +271,7 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
     }
     if let Some(d) = &report.digest {
         println!("{}  {}", ferry_hash::hex(d), args.src);
+        proof.check(&args, src, &dst, &opts, &report, d)?;
     }
     if args.stats && !quiet {
         let secs = start.elapsed().as_secs_f64();
@@ -262,6 +288,119 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
         eprintln!("sockets: {}", report.socket);
     }
     Ok(0)
+}
+
+/// What `--verify` and `--expect-hash` need, settled before anything is copied.
+struct Proof {
+    /// The hash of the copy, if any is computed (`--hash`, `--verify`, `--expect-hash`).
+    algorithm: Option<ferry_hash::Algorithm>,
+    /// `--expect-hash`, lower-case.
+    expect: Option<String>,
+    /// The destination is a local file that does not exist yet: the copy creates it.
+    created: Option<std::path::PathBuf>,
+}
+
+impl Proof {
+    fn from_args(args: &CopyArgs, dst: &Endpoint, created: Option<std::path::PathBuf>) -> Result<Proof> {
+        let algorithm = match (args.hash, args.digest) {
+            (Some(a), Some(b)) if a != b => {
+                anyhow::bail!("--hash={a:?} and --digest {b:?} name different hash functions: give one")
+            }
+            (a, b) => a.or(b),
+        };
+        let wanted = args.verify || args.expect_hash.is_some();
+        let algorithm = match (algorithm, wanted) {
+            (Some(a), _) => Some(a),
+            (None, true) => Some(ferry_hash::Algorithm::Sha256),
+            (None, false) => None,
+        };
+        let expect = match &args.expect_hash {
+            Some(h) => {
+                let h = h.trim().to_ascii_lowercase();
+                let want = algorithm.map_or(0, |a| a.digest_len() * 2);
+                if h.len() != want || !h.bytes().all(|b| b.is_ascii_hexdigit()) {
+                    anyhow::bail!(
+                        "--expect-hash must be {want} hex digits (a {:?} digest, as `ferry hash --digest` prints it), \
+                         not {h:?}",
+                        algorithm.unwrap_or(ferry_hash::Algorithm::Sha256)
+                    );
+                }
+                Some(h)
+            }
+            None => None,
+        };
+        if args.verify {
+            let stream = match dst {
+                Endpoint::Stdio | Endpoint::Null => true,
+                Endpoint::File(p) => std::fs::metadata(p).is_ok_and(|m| {
+                    use std::os::unix::fs::FileTypeExt;
+                    m.file_type().is_char_device() || m.file_type().is_fifo()
+                }),
+                _ => false,
+            };
+            if stream {
+                anyhow::bail!(
+                    "--verify reads the destination back: {:?} is a stream or null: and cannot be read",
+                    args.dst
+                );
+            }
+        }
+        Ok(Proof { algorithm, expect, created })
+    }
+
+    /// After the copy, with the source's digest: `--expect-hash`, then `--verify`.
+    fn check(
+        &self,
+        args: &CopyArgs,
+        src: &Endpoint,
+        dst: &Endpoint,
+        opts: &CopyOptions,
+        report: &ferry_client::copy::CopyReport,
+        digest: &[u8],
+    ) -> Result<()> {
+        let hex = ferry_hash::hex(digest);
+        if let Some(want) = &self.expect {
+            if *want != hex {
+                let fate = match &self.created {
+                    Some(p) => match std::fs::remove_file(p) {
+                        Ok(()) => format!("{} (created by this copy) was removed", p.display()),
+                        Err(e) => format!("{} could not be removed ({e}) and must not be trusted", p.display()),
+                    },
+                    None => format!("{} was written but must not be trusted", args.dst),
+                };
+                anyhow::bail!(
+                    "the source's digest {hex} is not the expected {want} (--expect-hash): the source is not what \
+                     was expected; the destination {fate}"
+                );
+            }
+        }
+        if !args.verify {
+            return Ok(());
+        }
+        let Some(h) = &opts.hash else { anyhow::bail!("--verify: no digest computed") };
+        let back = ferry_hash::BlockHasher::new(h.algorithm(), h.block_size());
+        let got = ferry_client::copy::hash_range(dst, report.bytes, &back, opts)
+            .with_context(|| format!("--verify: reading {} back", args.dst))?;
+        println!("{}  {}", ferry_hash::hex(&got), args.dst);
+        if got == digest {
+            return Ok(());
+        }
+        let bs = h.block_size() as u64;
+        let place = if matches!(src, Endpoint::Stdio) {
+            "the source was a stream and cannot be read again to find the first differing block".to_string()
+        } else {
+            match ferry_client::copy::first_difference(src, dst, report.bytes, bs as usize, opts) {
+                Ok(Some(b)) => format!("first differing block: {b} (offset {}, {bs}-byte blocks)", b * bs),
+                Ok(None) => "yet a byte-by-byte comparison now finds no difference (did either end change?)".into(),
+                Err(e) => format!("the comparison to find the first differing block failed: {e}"),
+            }
+        };
+        anyhow::bail!(
+            "--verify failed: the destination {} reads back with digest {} but the source's is {hex}; {place}",
+            args.dst,
+            ferry_hash::hex(&got)
+        );
+    }
 }
 
 /// `-C` when not given: 4, but no more than the CPU cores this process may run on.
