@@ -97,6 +97,46 @@ pub struct CopyArgs {
     /// qemu-img convert's -U does; the copy may then not match any state of the source.
     #[arg(short = 'U', long)]
     force_share: bool,
+    /// Retries of a failed NBD request or connection (0 to 100; 0: the first error ends
+    /// the copy). An EIO or ESHUTDOWN reply sends the request again; a connection that
+    /// drops or times out is reopened (same URI, TLS, export; it must be the same size)
+    /// and what was in flight on it is sent again. ENOSPC, EPERM, EINVAL, a changed size
+    /// and local errors are never retried. Each retry is logged; --stats counts them.
+    #[arg(long, value_name = "N", default_value_t = ferry_client::copy::DEFAULT_RETRIES,
+          value_parser = clap::value_parser!(u32).range(0..=ferry_client::copy::MAX_RETRIES as i64))]
+    retries: u32,
+    /// Seconds before the first retry, doubled for each further one (at most 60 s
+    /// between two). 0 to 60.
+    #[arg(long, value_name = "SECS", default_value = "0.5", value_parser = parse_retry_delay)]
+    retry_delay: Duration,
+    /// Seconds an NBD request may go without a reply before its connection counts as
+    /// failed (and is reopened under --retries). More than 0, at most 3600. Default: no limit.
+    #[arg(long, value_name = "SECS", value_parser = parse_request_timeout)]
+    request_timeout: Option<Duration>,
+}
+
+fn parse_secs(s: &str) -> std::result::Result<Duration, String> {
+    let v: f64 = s.trim().parse().map_err(|_| format!("{s:?} is not a number of seconds"))?;
+    if !v.is_finite() || v < 0.0 {
+        return Err(format!("{s:?} is not a number of seconds"));
+    }
+    Duration::try_from_secs_f64(v).map_err(|e| e.to_string())
+}
+
+fn parse_retry_delay(s: &str) -> std::result::Result<Duration, String> {
+    let d = parse_secs(s)?;
+    if d > ferry_client::copy::MAX_DELAY {
+        return Err("at most 60 seconds".into());
+    }
+    Ok(d)
+}
+
+fn parse_request_timeout(s: &str) -> std::result::Result<Duration, String> {
+    let d = parse_secs(s)?;
+    if d.is_zero() || d > ferry_client::copy::MAX_TIMEOUT {
+        return Err("more than 0 and at most 3600 seconds".into());
+    }
+    Ok(d)
 }
 
 /// A local destination: a new qcow2 image the source's size (which must be known up
@@ -247,6 +287,11 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
             }
             None => None,
         },
+        retry: ferry_client::copy::RetryPolicy {
+            retries: args.retries,
+            delay: args.retry_delay,
+            request_timeout: args.request_timeout,
+        },
     };
     let progress = Progress::default();
     let start = Instant::now();
@@ -286,6 +331,7 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
             report.zero_bytes
         );
         eprintln!("sockets: {}", report.socket);
+        eprintln!("retries: {}", report.retries);
     }
     Ok(0)
 }
