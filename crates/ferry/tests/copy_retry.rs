@@ -120,10 +120,12 @@ fn permanent_errors_are_not_retried() {
     let dir = tempfile::tempdir().unwrap();
     let src = dir.path().join("src.img");
     std::fs::write(&src, pattern(4 << 20)).unwrap();
-    let k = Nbdkit::start(dir.path(), &["--filter=error", "memory", "4M", "error-pwrite=ENOSPC", "error-pwrite-rate=100%"]);
+    let k =
+        Nbdkit::start(dir.path(), &["--filter=error", "memory", "4M", "error-pwrite=ENOSPC", "error-pwrite-rate=100%"]);
     let t = Instant::now();
     // A long delay: were ENOSPC retried, this would take minutes.
-    let out = run_fails(&mut ferry(&["copy", "--retries", "5", "--retry-delay", "30", src.to_str().unwrap(), &k.uri()]));
+    let out =
+        run_fails(&mut ferry(&["copy", "--retries", "5", "--retry-delay", "30", src.to_str().unwrap(), &k.uri()]));
     assert!(t.elapsed() < Duration::from_secs(20), "{}", out.describe());
     assert!(out.stderr.contains("ENOSPC") && out.stderr.contains("offset"), "{}", out.describe());
     assert!(!out.stderr.contains("retry"), "{}", out.describe());
