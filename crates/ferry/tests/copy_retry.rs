@@ -213,3 +213,48 @@ fn out_of_range_retry_settings_are_refused_at_parse_time() {
         assert!(!dst.exists());
     }
 }
+
+/// The destination (nbdkit's file plugin: what it acknowledged is in the page cache and
+/// survives the process) killed with -9 in the middle of a copy and started again on its
+/// socket a second later: the writes in flight go again and the result is exact.
+#[test]
+fn a_destination_killed_and_restarted_on_its_socket_does_not_end_the_copy() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src.img");
+    let data = pattern(16 << 20);
+    std::fs::write(&src, &data).unwrap();
+    let img = dir.path().join("dst.img");
+    std::fs::write(&img, vec![0u8; 16 << 20]).unwrap();
+    let sock = dir.path().join("dst.sock");
+    let img_arg = img.to_str().unwrap().to_string();
+    let args = ["--filter=delay", "file", &img_arg, "wdelay=20ms"];
+    let mut k = Nbdkit::start_at(&sock, &args);
+    let child = ferry(&[
+        "copy",
+        "--stats",
+        "-C",
+        "1",
+        "-R",
+        "4",
+        "--request-size",
+        "64K",
+        "--retry-delay",
+        "1",
+        "--flush",
+        src.to_str().unwrap(),
+        &k.uri(),
+    ])
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(700));
+    k.kill9();
+    std::thread::sleep(Duration::from_secs(1));
+    let _k2 = Nbdkit::start_at(&sock, &args);
+    let o = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    assert!(retries_in(&stderr) > 0, "{stderr}");
+    assert!(std::fs::read(&img).unwrap() == data, "the destination differs from the source");
+}
