@@ -113,6 +113,19 @@ pub struct CopyArgs {
     /// failed (and is reopened under --retries). More than 0, at most 3600. Default: no limit.
     #[arg(long, value_name = "SECS", value_parser = parse_request_timeout)]
     request_timeout: Option<Duration>,
+    /// Most bytes of data per second, over all connections together (K, M, G suffixes;
+    /// 1K to 1T). Holes and ranges the source reports as zeroes are free; --verify's
+    /// read-back keeps to the same rate.
+    #[arg(long, value_name = "BYTES_PER_SEC", value_parser = parse_rate)]
+    rate: Option<u64>,
+}
+
+fn parse_rate(s: &str) -> std::result::Result<u64, String> {
+    let v = parse_size(s).map_err(|e| e.to_string())?;
+    if !(ferry_client::copy::MIN_RATE..=ferry_client::copy::MAX_RATE).contains(&v) {
+        return Err("between 1K and 1T bytes per second".into());
+    }
+    Ok(v)
 }
 
 fn parse_secs(s: &str) -> std::result::Result<Duration, String> {
@@ -292,6 +305,7 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
             delay: args.retry_delay,
             request_timeout: args.request_timeout,
         },
+        rate: args.rate,
     };
     let progress = Progress::default();
     let start = Instant::now();

@@ -33,10 +33,12 @@ mod file;
 mod nbd;
 mod null;
 mod pipe;
+mod rate;
 mod retry;
 mod verify;
 
 pub use backend::BackendEndpoint;
+pub use rate::{MAX_RATE, MIN_RATE};
 pub use retry::{RetryPolicy, DEFAULT_DELAY, DEFAULT_RETRIES, MAX_DELAY, MAX_RETRIES, MAX_TIMEOUT};
 pub use verify::{first_difference, hash_range};
 
@@ -135,6 +137,8 @@ pub struct CopyOptions {
     pub hash: Option<Arc<BlockHasher>>,
     /// Retries of failed NBD requests and connections (none by default).
     pub retry: RetryPolicy,
+    /// Most bytes of data read per second, over all connections (`--rate`); holes are free.
+    pub rate: Option<u64>,
 }
 
 impl Default for CopyOptions {
@@ -150,6 +154,7 @@ impl Default for CopyOptions {
             connect: ConnectOptions::default(),
             hash: None,
             retry: RetryPolicy::default(),
+            rate: None,
         }
     }
 }
@@ -283,6 +288,7 @@ struct Shared<'a> {
     hole_bytes: AtomicU64,
     zero_bytes: AtomicU64,
     retries: AtomicU64,
+    rate: Option<rate::RateLimit>,
 }
 
 impl Shared<'_> {
@@ -382,6 +388,7 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progr
         hole_bytes: AtomicU64::new(0),
         zero_bytes: AtomicU64::new(0),
         retries: AtomicU64::new(0),
+        rate: opts.rate.map(rate::RateLimit::new),
     };
     // Worker 0 uses the endpoints opened above; the others open their own.
     let mut ends = Vec::with_capacity(workers);
@@ -595,6 +602,9 @@ fn run(
             if item.kind == Kind::Zero {
                 sh.hole_bytes.fetch_add(item.len as u64, Ordering::Relaxed);
                 continue;
+            }
+            if let Some(r) = &sh.rate {
+                r.take(item.len as u64);
             }
             bufs[i].reserve(item.len);
             // Small requests: one read costs less than a probe plus a sendfile.

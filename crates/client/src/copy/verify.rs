@@ -89,11 +89,12 @@ pub fn hash_range(e: &Endpoint, length: u64, hasher: &BlockHasher, opts: &CopyOp
     }
     let abort = AtomicBool::new(false);
     let error: Mutex<Option<CopyError>> = Mutex::new(None);
+    let rate = opts.rate.map(super::rate::RateLimit::new);
     std::thread::scope(|s| {
         for mut end in ends {
-            let (queue, abort, error) = (&queue, &abort, &error);
+            let (queue, abort, error, rate) = (&queue, &abort, &error, rate.as_ref());
             s.spawn(move || {
-                let r = hash_worker(&mut *end, queue, abort, hasher, opts.requests.max(1));
+                let r = hash_worker(&mut *end, queue, abort, hasher, opts.requests.max(1), rate);
                 if let Err(e) = r {
                     abort.store(true, Ordering::SeqCst);
                     error.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(e);
@@ -116,6 +117,7 @@ fn hash_worker(
     abort: &AtomicBool,
     hasher: &BlockHasher,
     requests: usize,
+    rate: Option<&super::rate::RateLimit>,
 ) -> Result<(), CopyError> {
     let mut bufs: Vec<AlignedBuf> = (0..requests).map(|_| AlignedBuf::default()).collect();
     loop {
@@ -140,6 +142,9 @@ fn hash_worker(
             if it.kind == Kind::Zero {
                 hasher.add_zeroes(it.offset, it.len as u64);
             } else {
+                if let Some(r) = rate {
+                    r.take(it.len as u64);
+                }
                 bufs[slot].reserve(it.len);
                 reqs.push(Read { slot, offset: it.offset, len: it.len });
             }
