@@ -260,3 +260,38 @@ fn a_destination_killed_and_restarted_on_its_socket_does_not_end_the_copy() {
     assert!(retries_in(&stderr) > 0, "{stderr}");
     assert!(std::fs::read(&img).unwrap() == data, "the destination differs from the source");
 }
+
+/// A source that comes back with another size is not the same source: the copy ends at
+/// once instead of mixing two disks.
+#[test]
+fn a_source_that_comes_back_with_another_size_ends_the_copy() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("src.sock");
+    let mut k = Nbdkit::start_at(&sock, &["--filter=delay", "pattern", "16M", "rdelay=20ms"]);
+    let dst = dir.path().join("dst.img");
+    let child = ferry(&[
+        "copy",
+        "-C",
+        "1",
+        "-R",
+        "4",
+        "--request-size",
+        "64K",
+        "--retry-delay",
+        "1",
+        &k.uri(),
+        dst.to_str().unwrap(),
+    ])
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    k.kill9();
+    let _k2 = Nbdkit::start_at(&sock, &["--filter=delay", "pattern", "8M", "rdelay=20ms"]);
+    let o = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{stderr}");
+    assert!(stderr.contains("16777216") && stderr.contains("8388608"), "names both sizes: {stderr}");
+    assert_eq!(stderr.matches("reconnecting").count(), 1, "not retried: {stderr}");
+}

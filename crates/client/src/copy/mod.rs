@@ -817,11 +817,17 @@ fn recover(
             // Every request in flight on the connection counts an attempt, so a server
             // that fails each connection after a while still ends the copy.
             let busy = if end == End::Src { SlotState::Reading } else { SlotState::Writing };
-            let mut most = 0;
+            let (mut most, mut lo, mut hi) = (0, u64::MAX, 0);
             for s in w.slots.iter_mut().filter(|s| s.state == busy) {
                 s.attempts += 1;
                 most = most.max(s.attempts);
+                lo = lo.min(s.item.offset);
+                hi = hi.max(s.item.offset + s.item.len as u64);
             }
+            let inflight = match lo < hi {
+                true => format!("; in flight: {lo}..{hi} ({} bytes at most)", hi - lo),
+                false => String::new(),
+            };
             if most > policy.retries {
                 return Err(gave_up(e, policy.retries));
             }
@@ -834,7 +840,12 @@ fn recover(
                     return Err(CopyError::Setup(format!("{e}{why} (after {} retries)", policy.retries)));
                 }
                 let what = last.as_ref().unwrap_or(&e);
-                log::warn!("{} reconnecting, attempt {} of {}: {what}", end.what(), *reconnects, policy.retries);
+                log::warn!(
+                    "{} reconnecting, attempt {} of {}: {what}{inflight}",
+                    end.what(),
+                    *reconnects,
+                    policy.retries
+                );
                 sh.retries.fetch_add(1, Ordering::Relaxed);
                 std::thread::sleep(policy.backoff(*reconnects));
                 let old: &dyn Ops = if end == End::Src { &**src } else { &**dst };

@@ -83,11 +83,10 @@ pub(crate) fn classify(e: &CopyError, reconnects: bool) -> Failure {
         },
         // Sending a batch failed: the socket is gone.
         CopyError::Request { .. } => Failure::Connection,
-        // Reopening failed to connect: the server may be back in a moment.
+        // Reopening failed to connect: the server may be back in a moment. A server that
+        // answers but refuses the export (it is gone) or breaks the handshake is final.
         CopyError::Connect { source, .. } => match source {
-            ConnError::Closed | ConnError::Io(_) | ConnError::Connect { .. } | ConnError::Handshake(_) => {
-                Failure::Connection
-            }
+            ConnError::Closed | ConnError::Io(_) | ConnError::Connect { .. } => Failure::Connection,
             _ => Failure::Permanent,
         },
         CopyError::Setup(_) | CopyError::Local { .. } => Failure::Permanent,
@@ -119,5 +118,10 @@ mod tests {
         let peer = CopyError::Peer { what: "source", name: "x".into(), error: ConnError::Closed };
         assert_eq!(classify(&peer, true), Failure::Connection);
         assert_eq!(classify(&CopyError::Setup("size changed".into()), true), Failure::Permanent);
+        let refused = ferry_proto::client::ClientError::Refused { export: "x".into(), reason: "unknown".into() };
+        let gone = CopyError::Connect { what: "source", source: ConnError::Handshake(refused) };
+        assert_eq!(classify(&gone, true), Failure::Permanent, "an export that is gone");
+        let down = CopyError::Connect { what: "source", source: ConnError::Closed };
+        assert_eq!(classify(&down, true), Failure::Connection, "a server not back yet");
     }
 }
