@@ -574,8 +574,6 @@ fn run(
     let dcaps = dst.caps();
     let mut next_out = 0u64; // where an in-order destination is
     let mut reads: Vec<Read> = Vec::new();
-    // Attempts of the current reconnection.
-    let mut reconnects = 0u32;
     loop {
         if sh.abort.load(Ordering::SeqCst) {
             return Ok(());
@@ -622,7 +620,7 @@ fn run(
             }
         }
         if let Err(e) = src.read(&reads, bufs, &mut |i, got| w.read_done(i, got)) {
-            recover(w, End::Src, e, src, dst, bufs, &mut reconnects)?;
+            recover(w, End::Src, e, src, dst, bufs)?;
         }
         // 2. Hand full slots to the destination, one batch (in order where it must be).
         let mut order: Vec<usize> = Vec::new();
@@ -652,7 +650,7 @@ fn run(
         let sent = dst.write(&writes, &mut |i, n| w.write_done(i, n));
         drop(writes);
         if let Err(e) = sent {
-            recover(w, End::Dst, e, src, dst, bufs, &mut reconnects)?;
+            recover(w, End::Dst, e, src, dst, bufs)?;
         }
         // 3. Wait for replies.
         let reading = w.slots.iter().any(|s| s.state == SlotState::Reading);
@@ -676,7 +674,7 @@ fn run(
                             format!("no reply within the request timeout ({} s)", t.as_secs_f64()),
                         ));
                         let e = CopyError::Peer { what: end.what(), name: ops.name(), error };
-                        recover(w, end, e, src, dst, bufs, &mut reconnects)?;
+                        recover(w, end, e, src, dst, bufs)?;
                     }
                 }
                 continue;
@@ -685,12 +683,12 @@ fn run(
         };
         if src_ready {
             if let Err(e) = src.complete(bufs, &mut |i, got| w.read_done(i, got)) {
-                recover(w, End::Src, e, src, dst, bufs, &mut reconnects)?;
+                recover(w, End::Src, e, src, dst, bufs)?;
             }
         }
         if dst_ready {
             if let Err(e) = dst.complete(bufs, &mut |i, n| w.write_done(i, n)) {
-                recover(w, End::Dst, e, src, dst, bufs, &mut reconnects)?;
+                recover(w, End::Dst, e, src, dst, bufs)?;
             }
         }
     }
@@ -760,7 +758,6 @@ fn recover(
     src: &mut Box<dyn Ops>,
     dst: &mut Box<dyn Ops>,
     bufs: &mut [AlignedBuf],
-    reconnects: &mut u32,
 ) -> Result<(), CopyError> {
     let sh = w.sh;
     let policy = sh.opts.retry;
@@ -810,7 +807,7 @@ fn recover(
             };
             match r {
                 Ok(()) => Ok(()),
-                Err(e) => recover(w, end, e, src, dst, bufs, reconnects),
+                Err(e) => recover(w, end, e, src, dst, bufs),
             }
         }
         retry::Failure::Connection => {
@@ -832,10 +829,10 @@ fn recover(
                 return Err(gave_up(e, policy.retries));
             }
             let mut last = None;
-            *reconnects = 0;
+            let mut reconnects = 0;
             let fresh = loop {
-                *reconnects += 1;
-                if *reconnects > policy.retries {
+                reconnects += 1;
+                if reconnects > policy.retries {
                     let why = last.map_or(String::new(), |l: CopyError| format!("; reopening it failed: {l}"));
                     return Err(CopyError::Setup(format!("{e}{why} (after {} retries)", policy.retries)));
                 }
@@ -843,11 +840,11 @@ fn recover(
                 log::warn!(
                     "{} reconnecting, attempt {} of {}: {what}{inflight}",
                     end.what(),
-                    *reconnects,
+                    reconnects,
                     policy.retries
                 );
                 sh.retries.fetch_add(1, Ordering::Relaxed);
-                std::thread::sleep(policy.backoff(*reconnects));
+                std::thread::sleep(policy.backoff(reconnects));
                 let old: &dyn Ops = if end == End::Src { &**src } else { &**dst };
                 match old.reopen() {
                     Ok(o) => break o,
@@ -901,7 +898,7 @@ fn recover(
             };
             match r {
                 Ok(()) => Ok(()),
-                Err(e) => recover(w, end, e, src, dst, bufs, reconnects),
+                Err(e) => recover(w, end, e, src, dst, bufs),
             }
         }
     }
