@@ -68,6 +68,22 @@ pub struct CopyArgs {
     /// Block size of the blkhash.
     #[arg(long, default_value = "64K", value_name = "BYTES")]
     hash_block_size: String,
+    /// After the copy, read the destination back and compare its blkhash with the
+    /// source's (computed on the way): both digests are printed like `ferry hash`, and a
+    /// mismatch fails (exit 1) naming the first block that differs. The read-back trusts
+    /// the destination's allocation map, as `ferry hash` does. Not for streams or null:.
+    #[arg(long)]
+    verify: bool,
+    /// Fail (exit 1) unless the source's blkhash (see --digest, --hash-block-size) is
+    /// DIGEST (hex). On a mismatch a destination file or qcow2 image the copy created is
+    /// removed; any other destination (an existing file, a device, an NBD or RBD image)
+    /// is left as written and named as not to be trusted.
+    #[arg(long, value_name = "DIGEST")]
+    expect_hash: Option<String>,
+    /// Hash function of --verify and --expect-hash: sha256 (default), sha512, sha1, md5
+    /// or blake3, as `ferry hash --digest` spells it. Alone, it is --hash=ALG.
+    #[arg(long, value_name = "ALG")]
+    digest: Option<ferry_hash::Algorithm>,
     /// Format of a local destination: raw, or qcow2 (a new image the source's size, 64 KiB
     /// clusters). Default: qcow2 for `qcow2:PATH` and names ending in .qcow2, raw otherwise.
     #[arg(long, value_name = "FORMAT")]
@@ -96,6 +112,59 @@ pub struct CopyArgs {
     /// or bitmap:GRANULARITY:FILE, a raw bitmap (bit i, LSB first, set: granule i changed).
     #[arg(long, value_name = "FILE", conflicts_with = "hash")]
     extents_from: Option<String>,
+    /// Retries of a failed NBD request or connection (0 to 100; 0: the first error ends
+    /// the copy). An EIO or ESHUTDOWN reply sends the request again; a connection that
+    /// drops or times out is reopened (same URI, TLS, export; it must be the same size)
+    /// and what was in flight on it is sent again. ENOSPC, EPERM, EINVAL, a changed size
+    /// and local errors are never retried. Each retry is logged; --stats counts them.
+    #[arg(long, value_name = "N", default_value_t = ferry_client::copy::DEFAULT_RETRIES,
+          value_parser = clap::value_parser!(u32).range(0..=ferry_client::copy::MAX_RETRIES as i64))]
+    retries: u32,
+    /// Seconds before the first retry, doubled for each further one (at most 60 s
+    /// between two). 0 to 60.
+    #[arg(long, value_name = "SECS", default_value = "0.5", value_parser = parse_retry_delay)]
+    retry_delay: Duration,
+    /// Seconds an NBD request may go without a reply before its connection counts as
+    /// failed (and is reopened under --retries). More than 0, at most 3600. Default: no limit.
+    #[arg(long, value_name = "SECS", value_parser = parse_request_timeout)]
+    request_timeout: Option<Duration>,
+    /// Most bytes of data per second, over all connections together (K, M, G suffixes;
+    /// 1K to 1T). Holes and ranges the source reports as zeroes are free; --verify's
+    /// read-back keeps to the same rate.
+    #[arg(long, value_name = "BYTES_PER_SEC", value_parser = parse_rate)]
+    rate: Option<u64>,
+}
+
+fn parse_rate(s: &str) -> std::result::Result<u64, String> {
+    let v = parse_size(s).map_err(|e| e.to_string())?;
+    if !(ferry_client::copy::MIN_RATE..=ferry_client::copy::MAX_RATE).contains(&v) {
+        return Err("between 1K and 1T bytes per second".into());
+    }
+    Ok(v)
+}
+
+fn parse_secs(s: &str) -> std::result::Result<Duration, String> {
+    let v: f64 = s.trim().parse().map_err(|_| format!("{s:?} is not a number of seconds"))?;
+    if !v.is_finite() || v < 0.0 {
+        return Err(format!("{s:?} is not a number of seconds"));
+    }
+    Duration::try_from_secs_f64(v).map_err(|e| e.to_string())
+}
+
+fn parse_retry_delay(s: &str) -> std::result::Result<Duration, String> {
+    let d = parse_secs(s)?;
+    if d > ferry_client::copy::MAX_DELAY {
+        return Err("at most 60 seconds".into());
+    }
+    Ok(d)
+}
+
+fn parse_request_timeout(s: &str) -> std::result::Result<Duration, String> {
+    let d = parse_secs(s)?;
+    if d.is_zero() || d > ferry_client::copy::MAX_TIMEOUT {
+        return Err("more than 0 and at most 3600 seconds".into());
+    }
+    Ok(d)
 }
 
 /// A local destination: a new qcow2 image the source's size (which must be known up
@@ -217,6 +286,9 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
     let source = crate::image::source(&args.src, args.force_share).with_context(|| format!("source {:?}", args.src))?;
     let _dst_lock = crate::copy_guard::check_destination(&source, &args.src, &args.dst)?;
     let src = &source.endpoint;
+    // Whether a local destination is new, before anything creates it (see --expect-hash).
+    let local_dst = std::path::PathBuf::from(crate::image::destination_format(&args.dst, args.format).1);
+    let local_dst_existed = local_dst.symlink_metadata().is_ok();
     let ranges = match &args.extents_from {
         Some(f) => Some(Arc::new(
             ferry_client::copy::ranges::parse_extents_from(f).map_err(|e| anyhow::anyhow!("--extents-from: {e}"))?,
@@ -239,6 +311,12 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
             None => local_destination(&args, src)?,
         },
     };
+    let created = match &dst {
+        Endpoint::File(p) if !local_dst_existed && *p == local_dst => Some(local_dst.clone()),
+        Endpoint::Backend(_) if new_qcow2.is_some() && !local_dst_existed => Some(local_dst.clone()),
+        _ => None,
+    };
+    let proof = Proof::from_args(&args, &dst, created)?;
     let request_size = match &args.request_size {
         Some(v) => parse_size(v).context("--request-size")?,
         None => 1 << 20,
@@ -258,7 +336,7 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
         send_file: !args.no_sendfile,
         flush: args.flush,
         connect: ConnectOptions { buffers: args.sockets.buffers()?, ..ConnectOptions::default() },
-        hash: match args.hash {
+        hash: match proof.algorithm {
             Some(alg) => {
                 let bs = parse_size(&args.hash_block_size).context("--hash-block-size")?;
                 if bs == 0 || bs > 64 << 20 {
@@ -270,6 +348,12 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
         },
         select_context: args.dirty_bitmap.as_ref().map(|n| format!("{META_DIRTY_BITMAP_PREFIX}{n}")),
         ranges,
+        retry: ferry_client::copy::RetryPolicy {
+            retries: args.retries,
+            delay: args.retry_delay,
+            request_timeout: args.request_timeout,
+        },
+        rate: args.rate,
     };
     let progress = Progress::default();
     let start = Instant::now();
@@ -303,6 +387,7 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
     }
     if let Some(d) = &report.digest {
         println!("{}  {}", ferry_hash::hex(d), args.src);
+        proof.check(&args, src, &dst, &opts, &report, d)?;
     }
     if args.stats && !quiet {
         let secs = start.elapsed().as_secs_f64();
@@ -317,8 +402,122 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
             report.zero_bytes
         );
         eprintln!("sockets: {}", report.socket);
+        eprintln!("retries: {}", report.retries);
     }
     Ok(0)
+}
+
+/// What `--verify` and `--expect-hash` need, settled before anything is copied.
+struct Proof {
+    /// The hash of the copy, if any is computed (`--hash`, `--verify`, `--expect-hash`).
+    algorithm: Option<ferry_hash::Algorithm>,
+    /// `--expect-hash`, lower-case.
+    expect: Option<String>,
+    /// The destination is a local file that does not exist yet: the copy creates it.
+    created: Option<std::path::PathBuf>,
+}
+
+impl Proof {
+    fn from_args(args: &CopyArgs, dst: &Endpoint, created: Option<std::path::PathBuf>) -> Result<Proof> {
+        let algorithm = match (args.hash, args.digest) {
+            (Some(a), Some(b)) if a != b => {
+                anyhow::bail!("--hash={a:?} and --digest {b:?} name different hash functions: give one")
+            }
+            (a, b) => a.or(b),
+        };
+        let wanted = args.verify || args.expect_hash.is_some();
+        let algorithm = match (algorithm, wanted) {
+            (Some(a), _) => Some(a),
+            (None, true) => Some(ferry_hash::Algorithm::Sha256),
+            (None, false) => None,
+        };
+        let expect = match &args.expect_hash {
+            Some(h) => {
+                let h = h.trim().to_ascii_lowercase();
+                let want = algorithm.map_or(0, |a| a.digest_len() * 2);
+                if h.len() != want || !h.bytes().all(|b| b.is_ascii_hexdigit()) {
+                    anyhow::bail!(
+                        "--expect-hash must be {want} hex digits (a {:?} digest, as `ferry hash --digest` prints it), \
+                         not {h:?}",
+                        algorithm.unwrap_or(ferry_hash::Algorithm::Sha256)
+                    );
+                }
+                Some(h)
+            }
+            None => None,
+        };
+        if args.verify {
+            let stream = match dst {
+                Endpoint::Stdio | Endpoint::Null => true,
+                Endpoint::File(p) => std::fs::metadata(p).is_ok_and(|m| {
+                    use std::os::unix::fs::FileTypeExt;
+                    m.file_type().is_char_device() || m.file_type().is_fifo()
+                }),
+                _ => false,
+            };
+            if stream {
+                anyhow::bail!(
+                    "--verify reads the destination back: {:?} is a stream or null: and cannot be read",
+                    args.dst
+                );
+            }
+        }
+        Ok(Proof { algorithm, expect, created })
+    }
+
+    /// After the copy, with the source's digest: `--expect-hash`, then `--verify`.
+    fn check(
+        &self,
+        args: &CopyArgs,
+        src: &Endpoint,
+        dst: &Endpoint,
+        opts: &CopyOptions,
+        report: &ferry_client::copy::CopyReport,
+        digest: &[u8],
+    ) -> Result<()> {
+        let hex = ferry_hash::hex(digest);
+        if let Some(want) = &self.expect {
+            if *want != hex {
+                let fate = match &self.created {
+                    Some(p) => match std::fs::remove_file(p) {
+                        Ok(()) => format!("{} (created by this copy) was removed", p.display()),
+                        Err(e) => format!("{} could not be removed ({e}) and must not be trusted", p.display()),
+                    },
+                    None => format!("{} was written but must not be trusted", args.dst),
+                };
+                anyhow::bail!(
+                    "the source's digest {hex} is not the expected {want} (--expect-hash): the source is not what \
+                     was expected; the destination {fate}"
+                );
+            }
+        }
+        if !args.verify {
+            return Ok(());
+        }
+        let Some(h) = &opts.hash else { anyhow::bail!("--verify: no digest computed") };
+        let back = ferry_hash::BlockHasher::new(h.algorithm(), h.block_size());
+        let got = ferry_client::copy::hash_range(dst, report.bytes, &back, opts)
+            .with_context(|| format!("--verify: reading {} back", args.dst))?;
+        println!("{}  {}", ferry_hash::hex(&got), args.dst);
+        if got == digest {
+            return Ok(());
+        }
+        let bs = h.block_size() as u64;
+        let place = if matches!(src, Endpoint::Stdio) {
+            "the source was a stream and cannot be read again to find the first differing block".to_string()
+        } else {
+            match ferry_client::copy::first_difference(src, dst, report.bytes, bs as usize, opts) {
+                Ok(Some(b)) => format!("first differing block: {b} (offset {}, {bs}-byte blocks)", b * bs),
+                Ok(None) => "yet a byte-by-byte comparison now finds no difference (did either end change?)".into(),
+                Err(e) => format!("the comparison to find the first differing block failed: {e}"),
+            }
+        };
+        anyhow::bail!(
+            "--verify failed: the destination {} reads back with digest {} but the source's is {hex}; {place}",
+            args.dst,
+            ferry_hash::hex(&got)
+        );
+    }
 }
 
 /// `-C` when not given: 4, but no more than the CPU cores this process may run on.

@@ -225,6 +225,11 @@ pub(crate) trait Ops: Send {
     fn socket_stats(&self) -> Option<ferry_sock::Counters> {
         None
     }
+    /// A lost connection can be opened again with [`Ops::reopen`] and failed requests
+    /// sent again (NBD): see `retry.rs`.
+    fn reconnects(&self) -> bool {
+        false
+    }
 }
 
 #[cfg(test)]

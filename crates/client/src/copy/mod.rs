@@ -35,8 +35,14 @@ mod nbd;
 mod null;
 mod pipe;
 pub mod ranges;
+mod rate;
+mod retry;
+mod verify;
 
 pub use backend::BackendEndpoint;
+pub use rate::{MAX_RATE, MIN_RATE};
+pub use retry::{RetryPolicy, DEFAULT_DELAY, DEFAULT_RETRIES, MAX_DELAY, MAX_RETRIES, MAX_TIMEOUT};
+pub use verify::{first_difference, hash_range};
 
 use crate::conn::{ConnectOptions, Error as ConnError};
 use crate::uri::Uri;
@@ -157,6 +163,10 @@ pub struct CopyOptions {
     /// the ranges, data is read and written, and what the source's allocation map says
     /// reads as zeroes is written as zeroes without being read.
     pub ranges: Option<Arc<Vec<(u64, u64)>>>,
+    /// Retries of failed NBD requests and connections (none by default).
+    pub retry: RetryPolicy,
+    /// Most bytes of data read per second, over all connections (`--rate`); holes are free.
+    pub rate: Option<u64>,
 }
 
 impl CopyOptions {
@@ -181,6 +191,8 @@ impl Default for CopyOptions {
             hash: None,
             select_context: None,
             ranges: None,
+            retry: RetryPolicy::default(),
+            rate: None,
         }
     }
 }
@@ -209,6 +221,9 @@ pub enum CopyError {
     Peer { what: &'static str, name: String, error: ConnError },
     #[error("{op} at offset {offset} ({length} bytes) failed: {message}")]
     Request { op: &'static str, offset: u64, length: u64, message: String },
+    /// An NBD server's error reply to one request (`errno`: the NBD error value).
+    #[error("{op} at offset {offset} ({length} bytes) failed: {message}")]
+    Remote { op: &'static str, offset: u64, length: u64, errno: u32, message: String },
 }
 
 impl CopyError {
@@ -237,6 +252,8 @@ pub struct CopyReport {
     pub selected_bytes: Option<u64>,
     /// Socket statistics summed over every NBD connection.
     pub socket: ferry_sock::Counters,
+    /// Requests sent again and connections reopened after failures.
+    pub retries: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -314,6 +331,8 @@ struct Shared<'a> {
     data_bytes: AtomicU64,
     hole_bytes: AtomicU64,
     zero_bytes: AtomicU64,
+    retries: AtomicU64,
+    rate: Option<rate::RateLimit>,
 }
 
 impl Shared<'_> {
@@ -462,6 +481,8 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progr
         data_bytes: AtomicU64::new(0),
         hole_bytes: AtomicU64::new(0),
         zero_bytes: AtomicU64::new(0),
+        retries: AtomicU64::new(0),
+        rate: opts.rate.map(rate::RateLimit::new),
     };
     // Worker 0 uses the endpoints opened above; the others open their own.
     let mut ends = Vec::with_capacity(workers);
@@ -523,6 +544,7 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progr
         hole_bytes: shared.hole_bytes.load(Ordering::SeqCst),
         zero_bytes: shared.zero_bytes.load(Ordering::SeqCst),
         connections: workers,
+        retries: shared.retries.load(Ordering::SeqCst),
     })
 }
 
@@ -538,6 +560,8 @@ struct Slot {
     /// Counted (and hashed) already: an in-order destination may leave a full slot
     /// waiting for its turn.
     counted: bool,
+    /// Retries of this slot's requests so far.
+    attempts: u32,
 }
 
 /// A worker's own state beside its endpoints and buffers.
@@ -618,6 +642,7 @@ fn worker(mut src: Box<dyn Ops>, mut dst: Box<dyn Ops>, sh: &Shared<'_>) -> Fini
         zeros: 0,
         remaining: 0,
         counted: false,
+        attempts: 0,
     };
     let mut w = Worker { sh, slots: (0..q).map(|_| Slot { ..slot }).collect(), no_more_work: false, written: 0 };
     // Data stays in the source's file and goes with sendfile where the destination takes
@@ -626,7 +651,7 @@ fn worker(mut src: Box<dyn Ops>, mut dst: Box<dyn Ops>, sh: &Shared<'_>) -> Fini
         && sh.opts.hash.is_none()
         && dst.caps().file_payloads
         && src.file().is_some_and(sendfile_works);
-    if let Err(e) = run(&mut w, &mut *src, &mut *dst, &mut bufs, send_file) {
+    if let Err(e) = run(&mut w, &mut src, &mut dst, &mut bufs, send_file) {
         sh.fail(e);
     }
     (src, dst, w.written)
@@ -635,8 +660,8 @@ fn worker(mut src: Box<dyn Ops>, mut dst: Box<dyn Ops>, sh: &Shared<'_>) -> Fini
 /// The worker's loop: read into free slots, write full ones, wait for replies.
 fn run(
     w: &mut Worker<'_, '_>,
-    src: &mut dyn Ops,
-    dst: &mut dyn Ops,
+    src: &mut Box<dyn Ops>,
+    dst: &mut Box<dyn Ops>,
     bufs: &mut [AlignedBuf],
     send_file: bool,
 ) -> Result<(), CopyError> {
@@ -660,10 +685,21 @@ fn run(
                 w.no_more_work = true;
                 break;
             };
-            *slot = Slot { state: SlotState::Full, item, in_file: false, zeros: 0, remaining: 0, counted: false };
+            *slot = Slot {
+                state: SlotState::Full,
+                item,
+                in_file: false,
+                zeros: 0,
+                remaining: 0,
+                counted: false,
+                attempts: 0,
+            };
             if item.kind == Kind::Zero {
                 sh.hole_bytes.fetch_add(item.len as u64, Ordering::Relaxed);
                 continue;
+            }
+            if let Some(r) = &sh.rate {
+                r.take(item.len as u64);
             }
             bufs[i].reserve(item.len);
             // Small requests: one read costs less than a probe plus a sendfile.
@@ -680,7 +716,9 @@ fn run(
                 }
             }
         }
-        src.read(&reads, bufs, &mut |i, got| w.read_done(i, got))?;
+        if let Err(e) = src.read(&reads, bufs, &mut |i, got| w.read_done(i, got)) {
+            recover(w, End::Src, e, src, dst, bufs)?;
+        }
         // 2. Hand full slots to the destination, one batch (in order where it must be).
         let mut order: Vec<usize> = Vec::new();
         if dcaps.in_order {
@@ -700,35 +738,17 @@ fn run(
         for &i in &order {
             w.count(i, &bufs[i], !dcaps.discards);
             let slot = &mut w.slots[i];
-            let item = slot.item;
-            slot.remaining = item.len as u64;
-            let zb = zero_block_size(sh.opts.zero_block, item.len);
-            for (a, b, zero) in pieces(item, zb, slot.zeros) {
-                let (offset, len) = (item.offset + a as u64, b - a);
-                let data = match (zero, src.file()) {
-                    (true, _) if dcaps.zeroed => {
-                        skipped.push((i, len as u64));
-                        continue;
-                    }
-                    (true, _) if dcaps.zero => Data::Zero(len as u64),
-                    (true, _) => {
-                        // Zeroes as data, from a static page of them.
-                        for (at, n) in zero_chunks(offset, len as u64) {
-                            writes.push(Write { slot: i, offset: at, data: Data::Bytes(&ZEROES[..n]) });
-                        }
-                        continue;
-                    }
-                    (false, Some(f)) if slot.in_file => Data::File { fd: f.as_fd(), len },
-                    (false, _) => Data::Bytes(&bufs[i][a..b]),
-                };
-                writes.push(Write { slot: i, offset, data });
-            }
+            slot.remaining = slot.item.len as u64;
+            slot_writes(i, slot, bufs, src.file(), dcaps, sh.opts.zero_block, &mut writes, &mut skipped);
         }
         for (i, n) in skipped {
             w.write_done(i, n);
         }
-        dst.write(&writes, &mut |i, n| w.write_done(i, n))?;
+        let sent = dst.write(&writes, &mut |i, n| w.write_done(i, n));
         drop(writes);
+        if let Err(e) = sent {
+            recover(w, End::Dst, e, src, dst, bufs)?;
+        }
         // 3. Wait for replies.
         let reading = w.slots.iter().any(|s| s.state == SlotState::Reading);
         let writing = w.slots.iter().any(|s| s.state == SlotState::Writing);
@@ -738,17 +758,259 @@ fn run(
             }
             continue;
         }
-        let (src_ready, dst_ready) = wait(src, reading, dst, writing).map_err(|e| CopyError::Local {
-            what: "poll",
-            path: "sockets".into(),
-            source: e,
-        })?;
+        let (src_ready, dst_ready) = match wait(&**src, reading, &**dst, writing, sh.opts.retry.request_timeout) {
+            Ok(r) => r,
+            Err(e) if e.kind() == io::ErrorKind::TimedOut => {
+                // No reply in time: the connections waited on are dropped and reopened.
+                let t = sh.opts.retry.request_timeout.unwrap_or_default();
+                for (end, busy) in [(End::Src, reading), (End::Dst, writing)] {
+                    let ops = if end == End::Src { &**src } else { &**dst };
+                    if busy && ops.poll_fd().is_some() {
+                        let error = crate::conn::Error::Io(io::Error::new(
+                            io::ErrorKind::TimedOut,
+                            format!("no reply within the request timeout ({} s)", t.as_secs_f64()),
+                        ));
+                        let e = CopyError::Peer { what: end.what(), name: ops.name(), error };
+                        recover(w, end, e, src, dst, bufs)?;
+                    }
+                }
+                continue;
+            }
+            Err(e) => return Err(CopyError::Local { what: "poll", path: "sockets".into(), source: e }),
+        };
         if src_ready {
-            src.complete(bufs, &mut |i, got| w.read_done(i, got))?;
+            if let Err(e) = src.complete(bufs, &mut |i, got| w.read_done(i, got)) {
+                recover(w, End::Src, e, src, dst, bufs)?;
+            }
         }
         if dst_ready {
-            dst.complete(bufs, &mut |i, n| w.write_done(i, n))?;
+            if let Err(e) = dst.complete(bufs, &mut |i, n| w.write_done(i, n)) {
+                recover(w, End::Dst, e, src, dst, bufs)?;
+            }
         }
+    }
+}
+
+/// Appends the writes of slot `i`'s item to `writes` (data, zeroes, or file payloads),
+/// and to `skipped` the bytes a zeroed destination needs no write for.
+#[allow(clippy::too_many_arguments)]
+fn slot_writes<'b>(
+    i: usize,
+    slot: &Slot,
+    bufs: &'b [AlignedBuf],
+    file: Option<&'b File>,
+    dcaps: endpoint::Caps,
+    zero_block: usize,
+    writes: &mut Vec<Write<'b>>,
+    skipped: &mut Vec<(usize, u64)>,
+) {
+    let item = slot.item;
+    let zb = zero_block_size(zero_block, item.len);
+    for (a, b, zero) in pieces(item, zb, slot.zeros) {
+        let (offset, len) = (item.offset + a as u64, b - a);
+        let data = match (zero, file) {
+            (true, _) if dcaps.zeroed => {
+                skipped.push((i, len as u64));
+                continue;
+            }
+            (true, _) if dcaps.zero => Data::Zero(len as u64),
+            (true, _) => {
+                // Zeroes as data, from a static page of them.
+                for (at, n) in zero_chunks(offset, len as u64) {
+                    writes.push(Write { slot: i, offset: at, data: Data::Bytes(&ZEROES[..n]) });
+                }
+                continue;
+            }
+            (false, Some(f)) if slot.in_file => Data::File { fd: f.as_fd(), len },
+            (false, _) => Data::Bytes(&bufs[i][a..b]),
+        };
+        writes.push(Write { slot: i, offset, data });
+    }
+}
+
+/// Which end of a worker failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum End {
+    Src,
+    Dst,
+}
+
+impl End {
+    fn what(self) -> &'static str {
+        if self == End::Src {
+            "source"
+        } else {
+            "destination"
+        }
+    }
+}
+
+/// Deals with a failure `e` of the worker's end `end` under `--retries`: sends one
+/// failed request again, or reopens a lost connection and sends again everything that
+/// was in flight on it. Returns the error when it is permanent or the retries are spent.
+fn recover(
+    w: &mut Worker<'_, '_>,
+    end: End,
+    e: CopyError,
+    src: &mut Box<dyn Ops>,
+    dst: &mut Box<dyn Ops>,
+    bufs: &mut [AlignedBuf],
+) -> Result<(), CopyError> {
+    let sh = w.sh;
+    let policy = sh.opts.retry;
+    if policy.retries == 0 || sh.abort.load(Ordering::SeqCst) {
+        return Err(e);
+    }
+    let ops: &dyn Ops = if end == End::Src { &**src } else { &**dst };
+    match retry::classify(&e, ops.reconnects()) {
+        retry::Failure::Permanent => Err(e),
+        retry::Failure::Request { offset } => {
+            let found = w.slots.iter().position(|s| {
+                let (a, b) = (s.item.offset, s.item.offset + s.item.len as u64);
+                match end {
+                    End::Src => s.state == SlotState::Reading && a == offset,
+                    End::Dst => s.state == SlotState::Writing && a <= offset && offset < b,
+                }
+            });
+            let Some(i) = found else { return Err(e) };
+            w.slots[i].attempts += 1;
+            let attempt = w.slots[i].attempts;
+            if attempt > policy.retries {
+                return Err(gave_up(e, policy.retries));
+            }
+            log::warn!("{} retry {attempt} of {}: {e}", end.what(), policy.retries);
+            sh.retries.fetch_add(1, Ordering::Relaxed);
+            std::thread::sleep(policy.backoff(attempt));
+            let r = match end {
+                End::Src => {
+                    let item = w.slots[i].item;
+                    src.read(&[Read { slot: i, offset, len: item.len }], bufs, &mut |i, got| w.read_done(i, got))
+                }
+                End::Dst => {
+                    let (mut writes, mut skipped) = (Vec::new(), Vec::new());
+                    slot_writes(
+                        i,
+                        &w.slots[i],
+                        bufs,
+                        src.file(),
+                        dst.caps(),
+                        sh.opts.zero_block,
+                        &mut writes,
+                        &mut skipped,
+                    );
+                    writes.retain(|x| x.offset == offset);
+                    dst.write(&writes, &mut |i, n| w.write_done(i, n))
+                }
+            };
+            match r {
+                Ok(()) => Ok(()),
+                Err(e) => recover(w, end, e, src, dst, bufs),
+            }
+        }
+        retry::Failure::Connection => {
+            // Every request in flight on the connection counts an attempt, so a server
+            // that fails each connection after a while still ends the copy.
+            let busy = if end == End::Src { SlotState::Reading } else { SlotState::Writing };
+            let (mut most, mut lo, mut hi) = (0, u64::MAX, 0);
+            for s in w.slots.iter_mut().filter(|s| s.state == busy) {
+                s.attempts += 1;
+                most = most.max(s.attempts);
+                lo = lo.min(s.item.offset);
+                hi = hi.max(s.item.offset + s.item.len as u64);
+            }
+            let inflight = match lo < hi {
+                true => format!("; in flight: {lo}..{hi} ({} bytes at most)", hi - lo),
+                false => String::new(),
+            };
+            if most > policy.retries {
+                return Err(gave_up(e, policy.retries));
+            }
+            let mut last = None;
+            let mut reconnects = 0;
+            let fresh = loop {
+                reconnects += 1;
+                if reconnects > policy.retries {
+                    let why = last.map_or(String::new(), |l: CopyError| format!("; reopening it failed: {l}"));
+                    return Err(CopyError::Setup(format!("{e}{why} (after {} retries)", policy.retries)));
+                }
+                let what = last.as_ref().unwrap_or(&e);
+                log::warn!(
+                    "{} reconnecting, attempt {} of {}: {what}{inflight}",
+                    end.what(),
+                    reconnects,
+                    policy.retries
+                );
+                sh.retries.fetch_add(1, Ordering::Relaxed);
+                std::thread::sleep(policy.backoff(reconnects));
+                let old: &dyn Ops = if end == End::Src { &**src } else { &**dst };
+                match old.reopen() {
+                    Ok(o) => break o,
+                    Err(e2) if retry::classify(&e2, true) == retry::Failure::Connection => last = Some(e2),
+                    Err(e2) => return Err(e2),
+                }
+            };
+            let old = if end == End::Src { std::mem::replace(src, fresh) } else { std::mem::replace(dst, fresh) };
+            drop(old);
+            // Everything in flight on the lost connection goes again.
+            let r = match end {
+                End::Src => {
+                    let reads: Vec<Read> = w
+                        .slots
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, s)| s.state == SlotState::Reading)
+                        .map(|(i, s)| Read { slot: i, offset: s.item.offset, len: s.item.len })
+                        .collect();
+                    src.read(&reads, bufs, &mut |i, got| w.read_done(i, got))
+                }
+                End::Dst => {
+                    let (mut writes, mut skipped) = (Vec::new(), Vec::new());
+                    let dcaps = dst.caps();
+                    for i in 0..w.slots.len() {
+                        if w.slots[i].state != SlotState::Writing {
+                            continue;
+                        }
+                        // Written again in full: what was counted as done is not.
+                        let slot = &mut w.slots[i];
+                        let done = slot.item.len as u64 - slot.remaining;
+                        slot.remaining = slot.item.len as u64;
+                        w.written -= done;
+                        sh.progress.done.fetch_sub(done, Ordering::Relaxed);
+                        slot_writes(
+                            i,
+                            &w.slots[i],
+                            bufs,
+                            src.file(),
+                            dcaps,
+                            sh.opts.zero_block,
+                            &mut writes,
+                            &mut skipped,
+                        );
+                    }
+                    for (i, n) in skipped {
+                        w.write_done(i, n);
+                    }
+                    dst.write(&writes, &mut |i, n| w.write_done(i, n))
+                }
+            };
+            match r {
+                Ok(()) => Ok(()),
+                Err(e) => recover(w, end, e, src, dst, bufs),
+            }
+        }
+    }
+}
+
+/// The error that ended a copy after `retries` retries.
+fn gave_up(e: CopyError, retries: u32) -> CopyError {
+    match e {
+        CopyError::Remote { op, offset, length, errno, message } => {
+            CopyError::Remote { op, offset, length, errno, message: format!("{message} (after {retries} retries)") }
+        }
+        CopyError::Request { op, offset, length, message } => {
+            CopyError::Request { op, offset, length, message: format!("{message} (after {retries} retries)") }
+        }
+        e => CopyError::Setup(format!("{e} (after {retries} retries)")),
     }
 }
 
@@ -839,7 +1101,13 @@ fn zero_chunks(start: u64, len: u64) -> impl Iterator<Item = (u64, usize)> {
 }
 
 /// Blocks until the source (if reading) or destination (if writing) has a reply.
-fn wait(src: &dyn Ops, reading: bool, dst: &dyn Ops, writing: bool) -> io::Result<(bool, bool)> {
+fn wait(
+    src: &dyn Ops,
+    reading: bool,
+    dst: &dyn Ops,
+    writing: bool,
+    timeout: Option<std::time::Duration>,
+) -> io::Result<(bool, bool)> {
     let s = if reading { src.poll_fd().map(|fd| (fd, src.buffered())) } else { None };
     let d = if writing { dst.poll_fd().map(|fd| (fd, dst.buffered())) } else { None };
     // Replies already buffered count as ready without a syscall.
@@ -850,8 +1118,13 @@ fn wait(src: &dyn Ops, reading: bool, dst: &dyn Ops, writing: bool) -> io::Resul
     }
     let ends = [s, d];
     let mut fds: Vec<PollFd<'_>> = ends.iter().flatten().map(|(fd, _)| PollFd::new(fd, PollFlags::IN)).collect();
+    let deadline = timeout.map(|t| std::time::Instant::now() + t);
     loop {
-        match poll(&mut fds, None) {
+        let left = deadline.map(|d| d.saturating_duration_since(std::time::Instant::now()));
+        let ts = left.map(|l| rustix::event::Timespec { tv_sec: l.as_secs() as i64, tv_nsec: l.subsec_nanos() as i64 });
+        match poll(&mut fds, ts.as_ref()) {
+            Ok(0) if fds.is_empty() => break,
+            Ok(0) if left.is_some() => return Err(io::Error::new(io::ErrorKind::TimedOut, "no reply in time")),
             Ok(_) => break,
             Err(rustix::io::Errno::INTR) => continue,
             Err(e) => return Err(e.into()),

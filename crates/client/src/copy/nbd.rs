@@ -173,7 +173,13 @@ impl Ops for Nbd {
                 CMD_WRITE_ZEROES => "write zeroes",
                 _ => "write",
             };
-            r.result.as_ref().map_err(|e| CopyError::request(op, r.offset, r.length, e))?;
+            r.result.as_ref().map_err(|e| CopyError::Remote {
+                op,
+                offset: r.offset,
+                length: r.length,
+                errno: e.errno,
+                message: e.to_string(),
+            })?;
             done(r.slot, r.length);
             if c.in_flight() == 0 || !c.buffered() {
                 return Ok(());
@@ -188,6 +194,10 @@ impl Ops for Nbd {
 
     fn close(self: Box<Self>) {
         let _ = self.conn.disconnect();
+    }
+
+    fn reconnects(&self) -> bool {
+        true
     }
 
     fn socket_stats(&self) -> Option<ferry_sock::Counters> {
