@@ -12,8 +12,9 @@
 #    EXTENTS equal stripes at a random 64 KiB-aligned offset (no two adjacent, so exactly
 #    EXTENTS dirty extents), then qemu-nbd stops cleanly (SIGTERM) and stores b0.
 #    Servers: `qemu-nbd -r -B b0` and `ferry serve -r -B b0`, both up for the whole run on
-#    Unix sockets. Clients: `nbdinfo --map=qemu:dirty-bitmap:b0` and `ferry info
-#    --map=qemu:dirty-bitmap:b0`. 4 cells, RUNS repetitions interleaved (every cell once per
+#    Unix sockets. Clients: `nbdinfo --map=qemu:dirty-bitmap:b0`, `ferry info
+#    --map=qemu:dirty-bitmap:b0`, and bench/nbd_map_query.py (libnbd Python sending
+#    nbdinfo's requests without printing: mostly the server's time). 6 cells, RUNS repetitions interleaved (every cell once per
 #    round), median wall seconds of the client (the server's start is not counted). The
 #    "same" column says whether the client printed the same map from both servers, and
 #    whether it has EXTENTS dirty lines. A last row times each server cold: from its start
@@ -103,11 +104,12 @@ echo "made in ${t}s: $(du -h "$W/big.qcow2" | cut -f1) on disk"
 serve_qemu q "$W/big.qcow2"
 [ -x "$FERRY" ] && serve_ferry f "$W/big.qcow2"
 declare -A T
-cells="q:nbdinfo f:nbdinfo q:ferry f:ferry"
+cells="q:nbdinfo f:nbdinfo q:ferry f:ferry q:py f:py"
 query() { # SERVER CLIENT OUT
   case $2 in
     nbdinfo) nbdinfo --map=qemu:dirty-bitmap:b0 "$(uri "$1")" >"$3" ;;
     ferry) "$FERRY" info --map=qemu:dirty-bitmap:b0 "$(uri "$1")" >"$3" ;;
+    py) $PY "$HERE/nbd_map_query.py" "$(uri "$1")" >"$3" ;;
   esac
 }
 for r in $(seq "$RUNS"); do
@@ -115,7 +117,10 @@ for r in $(seq "$RUNS"); do
     T[$c]+="$(secs query "${c%%:*}" "${c##*:}" "$W/map.$c") "
   done
 done
-dirty_lines() { awk '$3 == 1' "$1" 2>/dev/null | wc -l; }
+dirty_lines() { # a map, or nbd_map_query.py's summary
+  if grep -q '^extents=' "$1" 2>/dev/null; then sed 's/.*dirty=\([0-9]*\).*/\1/' "$1"
+  else awk '$3 == 1' "$1" 2>/dev/null | wc -l; fi
+}
 same() { # CLIENT: both servers gave this client the same map, with EXTENTS dirty lines
   if cmp -s "$W/map.q:$1" "$W/map.f:$1" && [ "$(dirty_lines "$W/map.q:$1")" = "$EXTENTS" ]; then echo yes
   else echo "no (qemu-nbd: $(dirty_lines "$W/map.q:$1"), ferry: $(dirty_lines "$W/map.f:$1") dirty lines)"; fi
@@ -123,9 +128,13 @@ same() { # CLIENT: both servers gave this client the same map, with EXTENTS dirt
 echo
 echo "| client \\ server | qemu-nbd -r -B b0 (s) | ferry serve -r -B b0 (s) | same map |"
 echo "|---|---|---|---|"
-for cl in nbdinfo ferry; do
-  [ $cl = ferry ] && name="ferry info" || name=nbdinfo
-  printf "| %s --map=qemu:dirty-bitmap:b0 | %s | %s | %s |\n" "$name" "$(med_of "${T[q:$cl]}")" "$(med_of "${T[f:$cl]}")" "$(same $cl)"
+for cl in nbdinfo ferry py; do
+  case $cl in
+    ferry) name="ferry info --map=qemu:dirty-bitmap:b0" ;;
+    nbdinfo) name="nbdinfo --map=qemu:dirty-bitmap:b0" ;;
+    py) name="libnbd Python block_status loop, no printing (nbd_map_query.py)" ;;
+  esac
+  printf "| %s | %s | %s | %s |\n" "$name" "$(med_of "${T[q:$cl]}")" "$(med_of "${T[f:$cl]}")" "$(same $cl)"
 done
 stop_all
 # Cold: server start (opening the image, loading b0) to the end of the first nbdinfo map.

@@ -28,8 +28,11 @@ fuzz_target!(|data: &[u8]| {
         meta_context: sw & 4 != 0,
         list: sw & 8 != 0,
         tls: sw & 16 != 0,
+        // Several contexts (ids and names the server grants are checked), or a listing.
+        contexts: vec![META_BASE_ALLOCATION.into(), format!("{META_DIRTY_BITMAP_PREFIX}b0")],
+        list_contexts: sw & 32 != 0,
     };
-    let max = usize::from(sw >> 5) * 7 + 1;
+    let max = usize::from(sw >> 6) * 7 + 1;
     let mut hs = ClientHandshake::new(cfg.clone());
     let mut out = Vec::new();
     let (mut pos, mut avail) = (0, 0);
@@ -67,7 +70,18 @@ fuzz_target!(|data: &[u8]| {
                     None => {}
                 }
                 assert!(neg.meta_context.is_none() || (cfg.meta_context && neg.mode.is_some()));
+                // Every granted context was asked for, each id and each name once.
+                for (i, (id, name)) in neg.contexts.iter().enumerate() {
+                    assert!(cfg.contexts.contains(name), "granted a context not asked for");
+                    assert!(neg.contexts[..i].iter().all(|(j, n)| j != id && n != name), "granted twice");
+                }
                 assert!(hs.feed(&input[pos..], &mut Vec::new()).is_err(), "bytes after the handshake");
+                return;
+            }
+            ClientProgress::ContextsListed(names) => {
+                assert!(cfg.list_contexts);
+                assert!(names.len() <= 65536, "unbounded listing");
+                assert!(hs.feed(&input[pos..], &mut Vec::new()).is_err(), "bytes after the listing");
                 return;
             }
             ClientProgress::Listed(_) => {
