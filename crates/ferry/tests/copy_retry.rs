@@ -218,9 +218,17 @@ fn out_of_range_retry_settings_are_refused_at_parse_time() {
 
 /// The destination (nbdkit's file plugin: what it acknowledged is in the page cache and
 /// survives the process) killed with -9 in the middle of a copy and started again on its
-/// socket a second later: the writes in flight go again and the result is exact.
+/// socket a second later: the writes in flight go again and the result is exact. With
+/// --verify the copy proves it and succeeds; without, it cannot know that the restarted
+/// server kept what it had acknowledged, and says so with a non-zero exit.
 #[test]
 fn a_destination_killed_and_restarted_on_its_socket_does_not_end_the_copy() {
+    for verify in [true, false] {
+        destination_restarted(verify);
+    }
+}
+
+fn destination_restarted(verify: bool) {
     let dir = tempfile::tempdir().unwrap();
     let src = dir.path().join("src.img");
     let data = pattern(16 << 20);
@@ -231,33 +239,27 @@ fn a_destination_killed_and_restarted_on_its_socket_does_not_end_the_copy() {
     let img_arg = img.to_str().unwrap().to_string();
     let args = ["--filter=delay", "file", &img_arg, "wdelay=20ms"];
     let mut k = Nbdkit::start_at(&sock, &args);
-    let child = ferry(&[
-        "copy",
-        "--stats",
-        "-C",
-        "1",
-        "-R",
-        "4",
-        "--request-size",
-        "64K",
-        "--retry-delay",
-        "1",
-        "--flush",
-        src.to_str().unwrap(),
-        &k.uri(),
-    ])
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped())
-    .spawn()
-    .unwrap();
+    let uri = k.uri();
+    let mut cmd =
+        vec!["copy", "--stats", "-C", "1", "-R", "4", "--request-size", "64K", "--retry-delay", "1", "--flush"];
+    if verify {
+        cmd.push("--verify");
+    }
+    cmd.extend([src.to_str().unwrap(), uri.as_str()]);
+    let child = ferry(&cmd).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
     std::thread::sleep(Duration::from_millis(700));
     k.kill9();
     std::thread::sleep(Duration::from_secs(1));
     let _k2 = Nbdkit::start_at(&sock, &args);
     let o = child.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "{stderr}");
-    assert!(retries_in(&stderr) > 0, "{stderr}");
+    assert!(retries_in(&stderr) > 0 || !verify, "{stderr}");
+    if verify {
+        assert!(o.status.success(), "{stderr}");
+    } else {
+        assert!(!o.status.success(), "an unproven copy after a destination restart must not succeed: {stderr}");
+        assert!(stderr.contains("not known to be complete") && stderr.contains("--verify"), "{stderr}");
+    }
     assert!(std::fs::read(&img).unwrap() == data, "the destination differs from the source");
 }
 

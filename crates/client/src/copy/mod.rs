@@ -254,6 +254,10 @@ pub struct CopyReport {
     pub socket: ferry_sock::Counters,
     /// Requests sent again and connections reopened after failures.
     pub retries: u64,
+    /// Times the destination's connection was lost and reopened. Writes it acknowledged
+    /// before that are only there if the server kept them (a restarted server that had
+    /// them in its own memory did not), so such a copy is proven only by reading back.
+    pub dst_reconnects: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -332,6 +336,7 @@ struct Shared<'a> {
     hole_bytes: AtomicU64,
     zero_bytes: AtomicU64,
     retries: AtomicU64,
+    dst_reconnects: AtomicU64,
     rate: Option<rate::RateLimit>,
 }
 
@@ -482,6 +487,7 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progr
         hole_bytes: AtomicU64::new(0),
         zero_bytes: AtomicU64::new(0),
         retries: AtomicU64::new(0),
+        dst_reconnects: AtomicU64::new(0),
         rate: opts.rate.map(rate::RateLimit::new),
     };
     // Worker 0 uses the endpoints opened above; the others open their own.
@@ -545,6 +551,7 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progr
         zero_bytes: shared.zero_bytes.load(Ordering::SeqCst),
         connections: workers,
         retries: shared.retries.load(Ordering::SeqCst),
+        dst_reconnects: shared.dst_reconnects.load(Ordering::SeqCst),
     })
 }
 
@@ -949,6 +956,9 @@ fn recover(
                     Err(e2) => return Err(e2),
                 }
             };
+            if end == End::Dst {
+                sh.dst_reconnects.fetch_add(1, Ordering::Relaxed);
+            }
             let old = if end == End::Src { std::mem::replace(src, fresh) } else { std::mem::replace(dst, fresh) };
             drop(old);
             // Everything in flight on the lost connection goes again.
