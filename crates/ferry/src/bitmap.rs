@@ -101,8 +101,9 @@ fn parse(args: &[String]) -> Result<Parsed> {
     Ok(Parsed { ops, granularity, disabled, source_image, image: PathBuf::from(image), bitmap })
 }
 
+/// The same file (device and inode: hard links and other spellings too).
 fn same_file(a: &Path, b: &Path) -> bool {
-    match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
+    match (ferry_backend::FileId::of_path(a), ferry_backend::FileId::of_path(b)) {
         (Ok(x), Ok(y)) => x == y,
         _ => a == b,
     }

@@ -6,42 +6,7 @@ mod common;
 
 use common::*;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::Duration;
-
-/// An nbdkit server on a Unix socket, killed when dropped.
-struct Nbdkit {
-    child: Child,
-    sock: PathBuf,
-}
-
-impl Nbdkit {
-    fn start(dir: &Path, args: &[&str]) -> Nbdkit {
-        require("nbdkit");
-        let sock = dir.join("nbdkit.sock");
-        let child = Command::new("nbdkit")
-            .args(["-f", "--exit-with-parent", "-U"])
-            .arg(&sock)
-            .args(args)
-            .stdin(Stdio::null())
-            .spawn()
-            .expect("start nbdkit");
-        let ok = wait_until(Duration::from_secs(10), || std::os::unix::net::UnixStream::connect(&sock).is_ok());
-        assert!(ok, "nbdkit did not start listening on {}", sock.display());
-        Nbdkit { child, sock }
-    }
-
-    fn uri(&self) -> String {
-        format!("nbd+unix:///?socket={}", self.sock.display())
-    }
-}
-
-impl Drop for Nbdkit {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+use std::process::Command;
 
 /// `len` bytes: `zero_blocks` 64 KiB blocks of zeroes, then data that is never zero.
 fn source(dir: &Path, len: usize, zero_blocks: usize) -> PathBuf {

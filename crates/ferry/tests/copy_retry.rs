@@ -6,51 +6,8 @@
 mod common;
 
 use common::*;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-
-struct Nbdkit {
-    child: Child,
-    sock: PathBuf,
-}
-
-impl Nbdkit {
-    fn start_at(sock: &Path, args: &[&str]) -> Nbdkit {
-        require("nbdkit");
-        let _ = std::fs::remove_file(sock);
-        let child = Command::new("nbdkit")
-            .args(["-f", "--exit-with-parent", "-U"])
-            .arg(sock)
-            .args(args)
-            .stdin(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start nbdkit");
-        let ok = wait_until(Duration::from_secs(10), || std::os::unix::net::UnixStream::connect(sock).is_ok());
-        assert!(ok, "nbdkit did not start listening on {}", sock.display());
-        Nbdkit { child, sock: sock.to_owned() }
-    }
-
-    fn start(dir: &Path, args: &[&str]) -> Nbdkit {
-        Nbdkit::start_at(&dir.join("nbdkit.sock"), args)
-    }
-
-    fn uri(&self) -> String {
-        format!("nbd+unix:///?socket={}", self.sock.display())
-    }
-
-    fn kill9(&mut self) {
-        let _ = self.child.kill(); // SIGKILL
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Nbdkit {
-    fn drop(&mut self) {
-        self.kill9();
-    }
-}
 
 fn ferry(args: &[&str]) -> Command {
     let mut c = Command::new(ferry_bin());

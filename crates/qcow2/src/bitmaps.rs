@@ -31,7 +31,7 @@ pub const MIN_GRANULARITY_BITS: u32 = 9;
 pub const MAX_GRANULARITY_BITS: u32 = 31;
 /// Bits held in memory in all (every bitmap of an image): 512 MiB of them, a 1 TiB disk
 /// at 512 B granularity twice over.
-const MAX_BITS_BYTES: u64 = 512 << 20;
+pub(crate) const MAX_BITS_BYTES: u64 = 512 << 20;
 /// qemu's limits: 65535 bitmaps, names of at most 1023 bytes, a directory of at most
 /// 1 KiB per bitmap.
 pub const MAX_BITMAPS: u32 = 65535;
@@ -288,7 +288,10 @@ impl Bits {
         let first = offset >> self.granularity_bits;
         let last = (offset.saturating_add(len) - 1) >> self.granularity_bits;
         self.set_range(first, last + 1);
-        self.changed.store(true, Ordering::Release);
+        // Stored only when it changes: every writer reads this cache line.
+        if !self.changed.load(Ordering::Relaxed) {
+            self.changed.store(true, Ordering::Release);
+        }
     }
 
     /// Clears every bit.
@@ -448,6 +451,13 @@ pub struct Set {
     pub list: Vec<Loaded>,
     /// Removed since the directory was written: their clusters are freed then.
     pub removed: Vec<Loaded>,
+}
+
+impl Set {
+    /// The bits of the enabled bitmaps: where writes are recorded.
+    pub fn recording(&self) -> Vec<Arc<Bits>> {
+        self.list.iter().filter(|l| l.enabled()).filter_map(|l| l.bits.clone()).collect()
+    }
 }
 
 /// Loads the bitmaps of an image of `size` guest bytes: directory, tables, and the bits

@@ -170,6 +170,9 @@ pub struct Qcow2 {
     bitmaps: Mutex<bitmaps::Set>,
     /// The enabled ones' bits, where writes are recorded (writable images only).
     recording: std::sync::RwLock<Vec<Arc<bitmaps::Bits>>>,
+    /// `recording` is not empty: checked first, so a write to an image without enabled
+    /// bitmaps (the usual case) takes no lock shared by every connection.
+    recording_any: std::sync::atomic::AtomicBool,
     /// A bitmap was added, removed, enabled or disabled since the directory was written.
     bitmaps_changed: std::sync::atomic::AtomicBool,
 }
@@ -345,7 +348,7 @@ impl Qcow2 {
         };
         let safety = overlap::Safety::open(&name, &store, &header, &l1, writable, opts.allow_truncated, &set)?;
         let recording = match writable {
-            true => set.list.iter().filter(|l| l.enabled()).filter_map(|l| l.bits.clone()).collect(),
+            true => set.recording(),
             false => Vec::new(),
         };
         let (store, data) = safety.wrap(store, data);
@@ -383,6 +386,7 @@ impl Qcow2 {
             safety,
             files,
             bitmaps: Mutex::new(set),
+            recording_any: std::sync::atomic::AtomicBool::new(!recording.is_empty()),
             recording: std::sync::RwLock::new(recording),
             bitmaps_changed: Default::default(),
         })

@@ -60,8 +60,9 @@ impl Qcow2 {
         let mut set = self.bitmap_set();
         f(&mut set)?;
         self.bitmaps_changed.store(true, Ordering::Release);
-        *self.recording.write().unwrap_or_else(|e| e.into_inner()) =
-            set.list.iter().filter(|l| l.enabled()).filter_map(|l| l.bits.clone()).collect();
+        let mut rec = self.recording.write().unwrap_or_else(|e| e.into_inner());
+        *rec = set.recording();
+        self.recording_any.store(!rec.is_empty(), Ordering::Release);
         Ok(())
     }
 
@@ -92,9 +93,10 @@ impl Qcow2 {
                 .map(|l| Bits::data_bytes(size, l.entry.granularity_bits))
                 .sum::<u64>()
                 + Bits::data_bytes(size, bits);
-            if memory > 512 << 20 {
+            if memory > bitmaps::MAX_BITS_BYTES {
                 return Err(invalid(format!(
-                    "bitmap {name:?}: the bitmaps would need {memory} bytes of memory (ferry holds up to 512 MiB)"
+                    "bitmap {name:?}: the bitmaps would need {memory} bytes of memory (ferry holds up to {})",
+                    bitmaps::MAX_BITS_BYTES
                 )));
             }
             let b = Bits::new(size, bits);

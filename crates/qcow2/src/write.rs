@@ -276,6 +276,9 @@ impl Qcow2 {
     /// Records a change of guest bytes in the enabled persistent bitmaps, after they
     /// were marked in use on disk (the first-write hook).
     fn record(&self, offset: u64, len: u64) -> Result<(), Qcow2Error> {
+        if !self.recording_any.load(std::sync::atomic::Ordering::Acquire) {
+            return Ok(());
+        }
         let rec = self.recording.read().unwrap_or_else(|e| e.into_inner());
         if !rec.is_empty() {
             self.safety.before_write()?;

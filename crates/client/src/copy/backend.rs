@@ -110,11 +110,8 @@ impl Ops for BackendEndpoint {
 
     fn select(&mut self, context: &str, mask: u32, size: u64) -> Result<Map, CopyError> {
         let names = [ferry_proto::consts::META_BASE_ALLOCATION.to_string(), context.to_string()];
-        let reader = contexts::ContextReader::local(&self.backend, &self.name, &names)
+        let ctxs = contexts::local_contexts(&self.backend, &self.name, &names)
             .map_err(|e| CopyError::Setup(format!("source {e}")))?;
-        let contexts::ContextReader::Local { contexts: ctxs, .. } = reader else {
-            return Err(CopyError::Setup("not a local context reader".into()));
-        };
         contexts::select_map(size, u64::MAX, true, mask, |pos, len| contexts::local_fetch(&ctxs, pos, len))
             .map_err(|e| CopyError::Setup(format!("source {}: {context}: {e}", self.name)))
     }

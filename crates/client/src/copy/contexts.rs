@@ -127,21 +127,7 @@ impl ContextReader {
 
     /// `names` among `backend`'s contexts; `what` names it in errors.
     pub fn local(backend: &Arc<dyn Backend>, what: &str, names: &[String]) -> Result<ContextReader, ContextError> {
-        let all = ferry_backend::all_meta_contexts(backend);
-        let mut contexts = Vec::new();
-        for n in names {
-            match all.iter().find(|c| c.name() == n) {
-                Some(c) => contexts.push(c.clone()),
-                None => {
-                    return Err(ContextError::Missing {
-                        what: what.to_string(),
-                        name: n.clone(),
-                        offered: all.iter().map(|c| c.name().to_string()).collect::<Vec<_>>().join(", "),
-                    })
-                }
-            }
-        }
-        Ok(ContextReader::Local { contexts, size: backend.size() })
+        Ok(ContextReader::Local { contexts: local_contexts(backend, what, names)?, size: backend.size() })
     }
 
     pub fn size(&self) -> u64 {
@@ -278,6 +264,30 @@ pub(crate) fn local_fetch(contexts: &[Arc<dyn MetaContext>], pos: u64, len: u64)
         out.push(ex.into_iter().map(|e| Extent { length: e.length, flags: e.flags }).collect());
     }
     Ok(out)
+}
+
+/// `names` among `backend`'s metadata contexts, in that order; `what` names the backend
+/// in errors.
+pub(crate) fn local_contexts(
+    backend: &Arc<dyn Backend>,
+    what: &str,
+    names: &[String],
+) -> Result<Vec<Arc<dyn MetaContext>>, ContextError> {
+    let all = ferry_backend::all_meta_contexts(backend);
+    let mut contexts = Vec::new();
+    for n in names {
+        match all.iter().find(|c| c.name() == n) {
+            Some(c) => contexts.push(c.clone()),
+            None => {
+                return Err(ContextError::Missing {
+                    what: what.to_string(),
+                    name: n.clone(),
+                    offered: all.iter().map(|c| c.name().to_string()).collect::<Vec<_>>().join(", "),
+                })
+            }
+        }
+    }
+    Ok(contexts)
 }
 
 #[cfg(test)]

@@ -673,9 +673,7 @@ fn run(
     send_file: bool,
 ) -> Result<(), CopyError> {
     let sh = w.sh;
-    let mut dcaps = dst.caps();
-    // Outside the selected ranges the destination holds anything: never skip zeroes.
-    dcaps.zeroed &= !sh.selective;
+    let dcaps = write_caps(sh, &**dst);
     let mut next_out = 0u64; // where an in-order destination is
     let mut reads: Vec<Read> = Vec::new();
     loop {
@@ -855,6 +853,15 @@ impl End {
 /// Deals with a failure `e` of the worker's end `end` under `--retries`: sends one
 /// failed request again, or reopens a lost connection and sends again everything that
 /// was in flight on it. Returns the error when it is permanent or the retries are spent.
+/// The destination's capabilities as writes use them, first sends and retries alike:
+/// outside the selected ranges of a selective copy the destination holds anything, so it
+/// is never taken for zeroed.
+fn write_caps(sh: &Shared<'_>, dst: &dyn Ops) -> endpoint::Caps {
+    let mut caps = dst.caps();
+    caps.zeroed &= !sh.selective;
+    caps
+}
+
 fn recover(
     w: &mut Worker<'_, '_>,
     end: End,
@@ -900,7 +907,7 @@ fn recover(
                         &w.slots[i],
                         bufs,
                         src.file(),
-                        dst.caps(),
+                        write_caps(sh, &**dst),
                         sh.opts.zero_block,
                         &mut writes,
                         &mut skipped,
@@ -975,7 +982,7 @@ fn recover(
                 }
                 End::Dst => {
                     let (mut writes, mut skipped) = (Vec::new(), Vec::new());
-                    let dcaps = dst.caps();
+                    let dcaps = write_caps(sh, &**dst);
                     for i in 0..w.slots.len() {
                         if w.slots[i].state != SlotState::Writing {
                             continue;

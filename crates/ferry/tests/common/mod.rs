@@ -752,3 +752,49 @@ pub fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
         thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// An nbdkit server on a Unix socket (stderr discarded), killed with -9 when dropped.
+pub struct Nbdkit {
+    child: Child,
+    sock: PathBuf,
+}
+
+impl Nbdkit {
+    /// `nbdkit -f -U SOCK ARGS...`, once it accepts connections (a stale SOCK is removed).
+    pub fn start_at(sock: &Path, args: &[&str]) -> Nbdkit {
+        require("nbdkit");
+        let _ = fs::remove_file(sock);
+        let child = spawn_serialized(
+            Command::new("nbdkit")
+                .args(["-f", "--exit-with-parent", "-U"])
+                .arg(sock)
+                .args(args)
+                .stdin(Stdio::null())
+                .stderr(Stdio::null()),
+        )
+        .expect("start nbdkit");
+        let ok = wait_until(Duration::from_secs(10), || UnixStream::connect(sock).is_ok());
+        assert!(ok, "nbdkit did not start listening on {}", sock.display());
+        Nbdkit { child, sock: sock.to_owned() }
+    }
+
+    /// The same on `DIR/nbdkit.sock`.
+    pub fn start(dir: &Path, args: &[&str]) -> Nbdkit {
+        Nbdkit::start_at(&dir.join("nbdkit.sock"), args)
+    }
+
+    pub fn uri(&self) -> String {
+        format!("nbd+unix:///?socket={}", self.sock.display())
+    }
+
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill(); // SIGKILL
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Nbdkit {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
