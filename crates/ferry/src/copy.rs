@@ -1,13 +1,12 @@
 //! `ferry copy SRC DST`.
 
-use crate::image::Format;
 use anyhow::{Context, Result};
 use clap::Args;
-use ferry_backend::{parse_size, Backend};
-use ferry_client::copy::{copy, BackendEndpoint, CopyOptions, Endpoint, Progress};
+use ferry_backend::parse_size;
+use ferry_client::copy::{copy, CopyOptions, Endpoint, Progress};
 use ferry_client::ConnectOptions;
+use ferry_open::{DestinationOptions, Format, Location};
 use ferry_proto::consts::META_DIRTY_BITMAP_PREFIX;
-use ferry_qcow2::Qcow2;
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::IsTerminal;
 use std::sync::atomic::Ordering;
@@ -87,7 +86,7 @@ pub struct CopyArgs {
     /// Format of a local destination: raw, or qcow2 (a new image the source's size, 64 KiB
     /// clusters). Default: qcow2 for `qcow2:PATH` and names ending in .qcow2, raw otherwise.
     #[arg(long, value_name = "FORMAT")]
-    format: Option<crate::image::Format>,
+    format: Option<Format>,
     /// Make the destination a new qcow2 overlay of FILE (a qcow2 or raw image of the
     /// source's size, named in the overlay relative to its directory): the overlay holds
     /// only what the copy writes (source holes become zero clusters), anything never
@@ -167,128 +166,12 @@ fn parse_request_timeout(s: &str) -> std::result::Result<Duration, String> {
     Ok(d)
 }
 
-/// A local destination: a new qcow2 image the source's size (which must be known up
-/// front, and which is also returned for finishing), or a raw file or block device.
-fn local_destination(args: &CopyArgs, src: &Endpoint) -> Result<(Endpoint, Option<Arc<Qcow2>>)> {
-    let dst = Endpoint::parse(&args.dst).with_context(|| format!("destination {:?}", args.dst))?;
-    if !matches!(dst, Endpoint::File(_)) {
-        if args.format.is_some() {
-            anyhow::bail!("--format applies to local destinations only, not {:?}", args.dst);
-        }
-        if args.backing.is_some() {
-            anyhow::bail!("--backing makes a new local qcow2 image, not {:?}", args.dst);
-        }
-        return Ok((dst, None));
-    }
-    let (format, path) = crate::image::destination_format(&args.dst, args.format);
-    Ok(match format {
-        Format::Qcow2 if args.backing.is_some() => {
-            let q = overlay_destination(args, src, &path)?;
-            // Not `zeroed`: unwritten clusters read the backing file, so the source's
-            // holes and zero blocks must be written (as zero clusters).
-            (Endpoint::Backend(BackendEndpoint::new(path, q.clone())), Some(q))
-        }
-        Format::Raw if args.backing.is_some() => anyhow::bail!(
-            "--backing makes a qcow2 overlay: name the destination qcow2:PATH or PATH.qcow2, or add --format qcow2"
-        ),
-        Format::Qcow2 => {
-            let size = source_size(src)?;
-            let q = Qcow2::create(std::path::Path::new(&path), size, 64 << 10)
-                .with_context(|| format!("cannot create qcow2 image {path}"))?;
-            // Without --flush nothing is synced, as for a raw destination: the metadata
-            // is written and left to the kernel (on ext4 a sync of the whole new image at
-            // the end measured about 40% of a conversion's time).
-            let q = Arc::new(if args.flush { q } else { q.without_sync_on_close() });
-            (Endpoint::Backend(BackendEndpoint::new(path, q.clone()).zeroed()), Some(q))
-        }
-        Format::Raw => (Endpoint::File(path.into()), None),
-    })
-}
-
-/// A new qcow2 image at `path` over `--backing FILE`, which must be the source's size.
-fn overlay_destination(args: &CopyArgs, src: &Endpoint, path: &str) -> Result<Arc<Qcow2>> {
-    let file = args.backing.as_deref().context("--backing")?;
-    let size = source_size(src)?;
-    let backing = ferry_qcow2::Backing::for_image(file, std::path::Path::new(path))
-        .with_context(|| format!("--backing {}", file.display()))?;
-    // Opened (and locked as a backing file) to learn its size before anything is created.
-    let usage = ferry_backend::ImageUse::new(ferry_backend::Access::Backing);
-    let backing_size = if backing.format == "qcow2" {
-        crate::image::open_qcow2(file, true, usage)?.size()
-    } else {
-        ferry_backend::FileBackend::open_with(file, true, usage.raw())
-            .with_context(|| format!("cannot open backing file {}", file.display()))?
-            .size()
-    };
-    if backing_size != size {
-        anyhow::bail!(
-            "backing file {} ({}) is {backing_size} bytes but the source is {size} bytes: an overlay must have \
-             its backing file's size",
-            file.display(),
-            backing.format
-        );
-    }
-    let q = Qcow2::create_with(std::path::Path::new(path), size, 64 << 10, Some(&backing))
-        .with_context(|| format!("cannot create qcow2 image {path} over {}", file.display()))?;
-    Ok(Arc::new(if args.flush { q } else { q.without_sync_on_close() }))
-}
-
-/// An incremental copy onto an existing local qcow2 image updates it in place (opened
-/// read-write, never taken for zeroed); `None` for anything else.
-fn existing_qcow2(args: &CopyArgs) -> Result<Option<Endpoint>> {
-    if !matches!(Endpoint::parse(&args.dst), Ok(Endpoint::File(_))) {
-        return Ok(None);
-    }
-    let (format, path) = crate::image::destination_format(&args.dst, args.format);
-    let exists = std::path::Path::new(&path).exists();
-    let is_qcow2 = format == Format::Qcow2
-        || (exists && matches!(crate::image::classify(&args.dst), crate::image::Spec::Qcow2(_)));
-    if !is_qcow2 || !exists {
-        return Ok(None);
-    }
-    let how = crate::image::ServeOpen { read_only: false, ..Default::default() };
-    let (b, _) = crate::image::open_backend(&path, how)?;
-    Ok(Some(Endpoint::Backend(BackendEndpoint::new(path, b))))
-}
-
-/// The size of a source, to create a destination image that does not exist yet.
-pub(crate) fn source_size(src: &Endpoint) -> Result<u64> {
-    Ok(match src {
-        Endpoint::Backend(b) => b.backend().size(),
-        Endpoint::File(p) => {
-            use std::io::Seek;
-            use std::os::unix::fs::FileTypeExt;
-            if std::fs::metadata(p).is_ok_and(|m| m.file_type().is_char_device()) {
-                anyhow::bail!(
-                    "{} is a character device: it has no size to create an image with; copy a known amount \
-                     with head -c SIZE {} | ferry copy - DST into an existing destination",
-                    p.display(),
-                    p.display()
-                );
-            }
-            let mut f = std::fs::File::open(p).with_context(|| format!("cannot open {}", p.display()))?;
-            f.seek(std::io::SeekFrom::End(0))?
-        }
-        Endpoint::Nbd(u) => {
-            let c = ferry_client::Connection::connect(u, &ConnectOptions::default())
-                .with_context(|| format!("connecting to {u}"))?;
-            let size = c.size();
-            let _ = c.disconnect();
-            size
-        }
-        Endpoint::Stdio | Endpoint::Null => {
-            anyhow::bail!("a stream has no size to create an image with; create the destination first")
-        }
-    })
-}
-
 pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
-    let source = crate::image::source(&args.src, args.force_share).with_context(|| format!("source {:?}", args.src))?;
-    let _dst_lock = crate::copy_guard::check_destination(&source, &args.src, &args.dst)?;
+    let src_loc = Location::parse(&args.src).with_context(|| format!("source {:?}", args.src))?;
+    let dst_loc = Location::parse(&args.dst).with_context(|| format!("destination {:?}", args.dst))?;
+    let source = ferry_open::source(&src_loc, args.force_share).with_context(|| format!("source {:?}", args.src))?;
+    let _dst_lock = crate::copy_guard::check_destination(&source, &args.src, &dst_loc, &args.dst)?;
     let src = &source.endpoint;
-    // Whether a local destination is new, before anything creates it (see --expect-hash).
-    let local_dst = std::path::PathBuf::from(crate::image::destination_format(&args.dst, args.format).1);
-    let local_dst_existed = local_dst.symlink_metadata().is_ok();
     let ranges = match &args.extents_from {
         Some(f) => Some(Arc::new(
             ferry_client::copy::ranges::parse_extents_from(f).map_err(|e| anyhow::anyhow!("--extents-from: {e}"))?,
@@ -296,27 +179,12 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
         None => None,
     };
     let selective = ranges.is_some() || args.dirty_bitmap.is_some();
-    // An incremental copy onto an existing qcow2 updates it; with --backing the
-    // destination is a new overlay instead.
-    let in_place = if selective && args.backing.is_none() { existing_qcow2(&args)? } else { None };
-    let (dst, new_qcow2) = match in_place {
-        Some(e) => (e, None),
-        None => match crate::rbd_spec::destination(&args.dst, src)? {
-            Some(e) => {
-                if args.format.is_some() || args.backing.is_some() {
-                    anyhow::bail!("--format and --backing apply to local destinations only, not {:?}", args.dst);
-                }
-                (e, None)
-            }
-            None => local_destination(&args, src)?,
-        },
-    };
-    let created = match &dst {
-        Endpoint::File(p) if !local_dst_existed && *p == local_dst => Some(local_dst.clone()),
-        Endpoint::Backend(_) if new_qcow2.is_some() && !local_dst_existed => Some(local_dst.clone()),
-        _ => None,
-    };
-    let proof = Proof::from_args(&args, &dst, created)?;
+    let how = DestinationOptions { format: args.format, backing: args.backing.clone(), flush: args.flush, selective };
+    let destination =
+        ferry_open::destination(&dst_loc, src, &how).with_context(|| format!("destination {:?}", args.dst))?;
+    let dst = &destination.endpoint;
+    let created = destination.created.clone();
+    let proof = Proof::from_args(&args, dst, created)?;
     let request_size = match &args.request_size {
         Some(v) => parse_size(v).context("--request-size")?,
         None => 1 << 20,
@@ -327,7 +195,7 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
     let opts = CopyOptions {
         connections: args
             .connections
-            .or_else(|| crate::rbd_spec::copy_workers(&args.src, &args.dst))
+            .or_else(|| ferry_open::copy_workers(&src_loc, &dst_loc))
             .unwrap_or_else(default_connections),
         requests: args.requests.unwrap_or_else(|| ((4usize << 20) / request_size as usize).clamp(1, 64)),
         request_size: request_size as usize,
@@ -360,22 +228,14 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
     let stop = std::sync::atomic::AtomicBool::new(false);
     let report = std::thread::scope(|s| {
         let shown = (args.progress && !quiet).then(|| s.spawn(|| show_progress(&progress, &stop)));
-        let r = copy(src, &dst, &opts, &progress);
+        let r = copy(src, dst, &opts, &progress);
         stop.store(true, Ordering::SeqCst);
         if let Some(h) = shown {
             let _ = h.join();
         }
         r
     })?;
-    // Nothing a backend destination holds in this process (a new qcow2 image's
-    // metadata, an RBD image's write-back cache) is lost when it exits, and failures are
-    // reported: a new qcow2 image is finished (synced only with --flush), any other
-    // backend flushed.
-    if let Some(q) = &new_qcow2 {
-        q.finish().with_context(|| format!("cannot finish {}", args.dst))?;
-    } else if let Endpoint::Backend(b) = &dst {
-        b.backend().flush().with_context(|| format!("cannot finish {}", b.name()))?;
-    }
+    destination.finish()?;
     if let (Some(sel), false) = (report.selected_bytes, quiet) {
         let zeroed = report.hole_bytes + report.zero_bytes;
         eprintln!(
@@ -387,7 +247,7 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
     }
     if let Some(d) = &report.digest {
         println!("{}  {}", ferry_hash::hex(d), args.src);
-        proof.check(&args, src, &dst, &opts, &report, d)?;
+        proof.check(&args, src, dst, &opts, &report, d)?;
     }
     // Writes the destination acknowledged before its connection was lost may be gone
     // with the server that held them: never report such a copy as done unproven.

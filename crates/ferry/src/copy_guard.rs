@@ -3,32 +3,31 @@
 //! is refused, and an existing raw destination is locked as qemu-img convert locks its
 //! target, so no copy overwrites an image another program holds.
 
-use crate::image::{destination_format, Source};
 use anyhow::{bail, Result};
 use ferry_backend::{Access, FileId, ImageUse};
 use ferry_client::copy::Endpoint;
 use ferry_client::uri::Transport;
 use ferry_client::Uri;
+use ferry_open::{destination_format, Format, Location, Source};
 use std::net::ToSocketAddrs;
-use std::path::Path;
 
 /// Refuses a destination that would overwrite what the copy reads, then locks a local
 /// raw destination that exists (a new qcow2 image is locked as it is created). The
 /// returned file holds the locks until the copy ends.
-pub fn check_destination(src: &Source, src_spec: &str, dst: &str) -> Result<Option<std::fs::File>> {
-    let Ok(dst_end) = Endpoint::parse(dst) else { return Ok(None) };
-    match (&src.endpoint, &dst_end) {
-        (Endpoint::Nbd(a), Endpoint::Nbd(b)) if same_export(a, b) => {
+pub fn check_destination(src: &Source, src_spec: &str, dst_loc: &Location, dst: &str) -> Result<Option<std::fs::File>> {
+    let path = match (&src.endpoint, dst_loc) {
+        (Endpoint::Nbd(a), Location::Nbd(b)) if same_export(a, b) => {
             bail!(
                 "{dst:?} is the source's own export: the copy would overwrite what it reads. Copy to another \
                  export or file"
             )
         }
-        (_, Endpoint::File(_)) if !crate::rbd_spec::is_rbd(dst) => {}
-        _ => return Ok(None),
-    }
-    let (format, path) = destination_format(dst, None);
-    let path = Path::new(&path);
+        (_, l) => match destination_format(l, None) {
+            Some((_, p)) => p,
+            None => return Ok(None),
+        },
+    };
+    let format = destination_format(dst_loc, None).map(|(f, _)| f);
     let Ok(id) = FileId::of_path(path) else { return Ok(None) };
     if let Some(f) = src.files.iter().find(|f| f.id == id) {
         let what = if f.id == src.files[0].id {
@@ -43,7 +42,7 @@ pub fn check_destination(src: &Source, src_spec: &str, dst: &str) -> Result<Opti
         );
     }
     // Only images take locks: a FIFO or character device is written as a stream.
-    if format == crate::image::Format::Raw && crate::image::is_image_file(path) {
+    if format == Some(Format::Raw) && ferry_open::is_image_file(path) {
         let locking = ImageUse::new(Access::Destination).raw();
         // A block device or file another program holds: refused before it is touched.
         let guard = ferry_backend::lock::lock_path(path, locking)

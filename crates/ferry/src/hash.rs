@@ -39,7 +39,8 @@ pub fn run(args: HashArgs, quiet: bool) -> Result<i32> {
     }
     let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())).max(1);
     for src in &args.sources {
-        let source = crate::image::source(src, args.force_share).with_context(|| format!("{src:?}"))?;
+        let loc = ferry_open::Location::parse(src).with_context(|| format!("{src:?}"))?;
+        let source = ferry_open::source(&loc, args.force_share).with_context(|| format!("{src:?}"))?;
         let endpoint = &source.endpoint;
         let hasher = Arc::new(BlockHasher::new(args.digest, bs as usize));
         let local = matches!(endpoint, Endpoint::File(_) | Endpoint::Backend(_));

@@ -56,13 +56,16 @@ pub struct InfoArgs {
 }
 
 pub fn run(args: InfoArgs) -> Result<i32> {
-    if let Some(code) = crate::rbd_spec::info(&args.uri, args.json)? {
-        return Ok(code);
+    let loc = ferry_open::Location::parse(&args.uri)?;
+    if args.map.is_empty() && !args.size {
+        if let Some(code) = ferry_open::rbd_info(&loc, args.json)? {
+            return Ok(code);
+        }
     }
-    if !Uri::looks_like(&args.uri) {
-        return local(&args);
-    }
-    let uri = Uri::parse(&args.uri)?;
+    let uri = match loc {
+        ferry_open::Location::Nbd(u) => u,
+        loc => return local(&args, &loc),
+    };
     let opts = ConnectOptions::default();
     if args.size {
         let c = Connection::connect(&uri, &opts)?;
@@ -283,9 +286,9 @@ fn map(mut reader: ContextReader, contexts: &[String], as_json: bool) -> Result<
 }
 
 /// `ferry info PATH`: format, virtual size, cluster size, backing chain, allocation.
-fn local(args: &InfoArgs) -> Result<i32> {
-    use crate::image::{classify, open_qcow2, Spec};
+fn local(args: &InfoArgs, loc: &ferry_open::Location) -> Result<i32> {
     use ferry_backend::{Access, Backend, FileBackend, ImageUse};
+    use ferry_open::{open_qcow2, Format, Location, StoreImage};
     // Locked as qemu-img info locks: a qcow2 image being written is refused (its
     // metadata may be half-written); a raw file takes no lock.
     let usage = ImageUse::new(Access::Inspect).force_share(args.force_share);
@@ -293,16 +296,31 @@ fn local(args: &InfoArgs) -> Result<i32> {
         anyhow::bail!("--list needs an NBD URI; serve the image (ferry serve {}) and ask the export", args.uri);
     }
     if !args.map.is_empty() {
-        let how = crate::image::ServeOpen { read_only: true, force_share: args.force_share, ..Default::default() };
-        let (backend, _files) = crate::image::open_backend(&args.uri, how)?;
+        let how = ferry_open::ServeOpen { read_only: true, force_share: args.force_share, ..Default::default() };
+        let (backend, _files) = ferry_open::open_backend(loc, how)?;
         let reader = ContextReader::local(&backend, &args.uri, &args.map)?;
         return map(reader, &args.map, args.json);
     }
-    let doc = match classify(&args.uri) {
-        Spec::Qcow2(p) => {
-            let q = open_qcow2(&p, true, usage)?;
+    let image = match loc {
+        Location::Image { store: ferry_open::Store::File(p), .. } => match ferry_open::local_format_of(loc) {
+            Some(Format::Qcow2) => Image::Qcow2(p.display().to_string(), open_qcow2(p, true, usage)?),
+            _ => Image::Raw(p),
+        },
+        Location::Image { store, format, .. } => match ferry_open::open_on_store(store, *format, true)? {
+            StoreImage::Qcow2(q) => Image::Qcow2(q.describe(), q),
+            StoreImage::Raw(b) => Image::Store(b),
+        },
+        _ => anyhow::bail!("{:?} is neither an NBD URI nor a disk image", args.uri),
+    };
+    enum Image<'a> {
+        Qcow2(String, std::sync::Arc<ferry_qcow2::Qcow2>),
+        Raw(&'a std::path::Path),
+        Store(std::sync::Arc<dyn Backend>),
+    }
+    let doc = match image {
+        Image::Qcow2(p, q) => {
             let i = q.info();
-            let a = q.allocation().with_context(|| format!("reading the L2 tables of {}", p.display()))?;
+            let a = q.allocation().with_context(|| format!("reading the L2 tables of {p}"))?;
             let chain: Vec<Value> = i
                 .backing_chain
                 .iter()
@@ -324,7 +342,7 @@ fn local(args: &InfoArgs) -> Result<i32> {
                 })
                 .collect();
             json!({
-                "filename": p.display().to_string(),
+                "filename": p,
                 "format": "qcow2",
                 "bitmaps": bitmaps,
                 "virtual-size": i.virtual_size,
@@ -340,9 +358,10 @@ fn local(args: &InfoArgs) -> Result<i32> {
                 "allocation": {"data": a.data, "compressed": a.compressed, "zero": a.zero, "unallocated": a.unallocated},
             })
         }
-        Spec::Raw(p) => {
-            let f = FileBackend::open_with(&p, true, usage.raw())
-                .with_context(|| format!("cannot open {}", p.display()))?;
+        Image::Store(b) => json!({"filename": b.describe(), "format": "raw", "virtual-size": b.size()}),
+        Image::Raw(p) => {
+            let f =
+                FileBackend::open_with(p, true, usage.raw()).with_context(|| format!("cannot open {}", p.display()))?;
             let mut ex = Vec::new();
             let mut pos = 0;
             while pos < f.size() {
@@ -362,7 +381,6 @@ fn local(args: &InfoArgs) -> Result<i32> {
                 "allocation": {"data": data, "unallocated": f.size() - data},
             })
         }
-        Spec::Backend(s) => anyhow::bail!("{s:?} is neither an NBD URI nor a local disk image"),
     };
     if args.size {
         println!("{}", doc["virtual-size"]);

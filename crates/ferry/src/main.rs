@@ -7,9 +7,7 @@ mod bitmap;
 mod copy;
 mod copy_guard;
 mod hash;
-mod image;
 mod info;
-mod rbd_spec;
 mod serve;
 mod sockopts;
 

@@ -279,13 +279,14 @@ pub fn run(args: ServeArgs) -> Result<i32> {
     let mut exports = Exports::new();
     // Each export's local files, to refuse one file opened twice with a writer.
     let mut files = Vec::new();
-    let how = crate::image::ServeOpen {
+    let how = ferry_open::ServeOpen {
         read_only: args.read_only,
         force_share: args.force_share,
         allow_truncated: args.allow_truncated,
     };
     let mut open = |name: &str, spec: &str| {
-        let (backend, f) = crate::image::open_backend(spec, how).with_context(|| format!("cannot serve {spec:?}"))?;
+        let loc = ferry_open::Location::parse(spec).with_context(|| format!("cannot serve {spec:?}"))?;
+        let (backend, f) = ferry_open::open_backend(&loc, how).with_context(|| format!("cannot serve {spec:?}"))?;
         check_shared_files(&files, name, &f)?;
         files.push((name.to_string(), f));
         anyhow::Ok(match args.discard {
