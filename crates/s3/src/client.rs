@@ -1,0 +1,305 @@
+//! The requests ferry-s3 sends itself (everything but the data reads): one `ureq` agent
+//! with kept-alive connections, presigned URLs from `rusty-s3`, retries of what may pass.
+
+use crate::{S3Config, S3Error, S3Url};
+use ferry_http::HttpOptions;
+use rusty_s3::{Bucket, Credentials, UrlStyle};
+use std::io::Read;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How long a presigned URL stays valid: one request, with room for a slow upload and a
+/// clock a little off.
+pub(crate) const SIGN_FOR: Duration = Duration::from_secs(3600);
+/// The most of an answer's body kept (S3's XML answers are small; a ListParts page of
+/// 1000 parts is about 250 KiB).
+const MAX_ANSWER_BYTES: u64 = 4 << 20;
+/// The largest CA file read.
+const MAX_CA_BYTES: u64 = 16 << 20;
+/// The longest wait between two tries.
+const MAX_RETRY_DELAY: Duration = Duration::from_secs(30);
+
+pub(crate) enum Method {
+    Get,
+    Head,
+    Put,
+    Post,
+    Delete,
+}
+
+/// A successful answer.
+pub(crate) struct Answer {
+    pub status: u16,
+    pub etag: Option<String>,
+    pub content_length: Option<u64>,
+    pub body: String,
+}
+
+/// A bucket, an object and who to be: everything a request needs.
+pub(crate) struct Client {
+    agent: ureq::Agent,
+    pub bucket: Bucket,
+    pub creds: Credentials,
+    pub url: S3Url,
+    /// The server, for messages: the endpoint or `AWS (REGION)`.
+    pub server: String,
+    pub credentials_from: String,
+    pub retries: u32,
+    pub retry_delay: Duration,
+    headers: Vec<(String, String)>,
+}
+
+impl Client {
+    pub(crate) fn new(url: &S3Url, cfg: &S3Config, http: &HttpOptions) -> Result<Client, S3Error> {
+        let (endpoint, style, server) = match &cfg.endpoint {
+            Some(e) => {
+                let u = crate::config::check_endpoint(e)
+                    .map_err(|why| S3Error::Config(format!("endpoint {e:?}: {why}")))?;
+                (u, UrlStyle::Path, e.trim_end_matches('/').to_string())
+            }
+            None => {
+                let e = format!("https://s3.{}.amazonaws.com", cfg.region);
+                let u =
+                    url::Url::parse(&e).map_err(|err| S3Error::Config(format!("region {:?}: {err}", cfg.region)))?;
+                // Names with dots do not match AWS's certificates as host names, and
+                // legacy names with capitals or '_' are not host names at all.
+                let virtual_ok = url.bucket.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-');
+                let style = if virtual_ok { UrlStyle::VirtualHost } else { UrlStyle::Path };
+                (u, style, format!("AWS ({})", cfg.region))
+            }
+        };
+        let bucket = Bucket::new(endpoint, style, url.bucket.clone(), cfg.region.clone())
+            .map_err(|e| S3Error::Config(format!("cannot address the bucket {} at {server}: {e:?}", url.bucket)))?;
+        let creds = match &cfg.session_token {
+            Some(t) => Credentials::new_with_token(&cfg.access_key_id, &cfg.secret_access_key, t),
+            None => Credentials::new(&cfg.access_key_id, &cfg.secret_access_key),
+        };
+        Ok(Client {
+            agent: agent(http)?,
+            bucket,
+            creds,
+            url: url.clone(),
+            server,
+            credentials_from: cfg.credentials_from.clone(),
+            retries: http.retries,
+            retry_delay: http.retry_delay,
+            headers: http.headers.clone(),
+        })
+    }
+
+    /// Sends a request signed afresh for each try by `sign`, with `headers` (which the
+    /// signature covers, when `sign` put them in) and `body`, and tries again after a
+    /// dropped connection, a timeout, a 5xx, 429 or S3's RequestTimeout/SlowDown, waiting
+    /// `retry_delay` doubled each time. An answer of 300 or more is an error.
+    pub(crate) fn send(
+        &self,
+        op: &str,
+        sign: &dyn Fn() -> url::Url,
+        method: Method,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> Result<Answer, S3Error> {
+        let mut attempt = 0u32;
+        loop {
+            let err = match self.once(sign(), &method, headers, body) {
+                Ok(a) if a.status < 300 => return Ok(a),
+                Ok(a) => {
+                    let code = xml_text(&a.body, "Code");
+                    let message = xml_text(&a.body, "Message").unwrap_or_default();
+                    let transient = a.status >= 500
+                        || a.status == 429
+                        || matches!(code.as_deref(), Some("RequestTimeout" | "SlowDown" | "InternalError"));
+                    let e = self.service_error(op, a.status, code, message);
+                    (e, transient)
+                }
+                Err(e) => {
+                    let permanent = matches!(e, ureq::Error::HostNotFound | ureq::Error::BadUri(_));
+                    let e = S3Error::Transport {
+                        target: self.url.to_string(),
+                        op: op.to_string(),
+                        message: format!("no answer from {}: {e}", self.server),
+                    };
+                    (e, !permanent)
+                }
+            };
+            let (e, transient) = err;
+            if !transient || attempt >= self.retries {
+                if attempt > 0 {
+                    return Err(e.after_tries(attempt + 1));
+                }
+                return Err(e);
+            }
+            let delay = self.retry_delay.saturating_mul(1u32 << attempt.min(16)).min(MAX_RETRY_DELAY);
+            log::warn!("{e}; trying again in {delay:?} ({} of {} retries)", attempt + 1, self.retries);
+            std::thread::sleep(delay);
+            attempt += 1;
+        }
+    }
+
+    fn once(
+        &self,
+        url: url::Url,
+        method: &Method,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> Result<Answer, ureq::Error> {
+        let u = url.as_str();
+        let extra = self.headers.iter().map(|(k, v)| (k.as_str(), v.as_str())).chain(headers.iter().copied());
+        let mut resp = match method {
+            Method::Get | Method::Head | Method::Delete => {
+                let mut r = match method {
+                    Method::Get => self.agent.get(u),
+                    Method::Head => self.agent.head(u),
+                    _ => self.agent.delete(u),
+                };
+                for (k, v) in extra {
+                    r = r.header(k, v);
+                }
+                r.call()?
+            }
+            Method::Put | Method::Post => {
+                let mut r = match method {
+                    Method::Put => self.agent.put(u),
+                    _ => self.agent.post(u),
+                };
+                for (k, v) in extra {
+                    r = r.header(k, v);
+                }
+                r.send(body)?
+            }
+        };
+        let h = |name: &str| resp.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_string);
+        let etag = h("etag");
+        let content_length = h("content-length").and_then(|v| v.parse().ok());
+        let status = resp.status().as_u16();
+        let mut raw = Vec::new();
+        if !matches!(method, Method::Head) {
+            resp.body_mut().as_reader().take(MAX_ANSWER_BYTES).read_to_end(&mut raw)?;
+        }
+        Ok(Answer { status, etag, content_length, body: String::from_utf8_lossy(&raw).into_owned() })
+    }
+
+    /// The error for an answer with `status` and S3's error `code`, saying what to do.
+    pub(crate) fn service_error(&self, op: &str, status: u16, code: Option<String>, message: String) -> S3Error {
+        let (bucket, target) = (&self.url.bucket, self.url.to_string());
+        let creds = &self.credentials_from;
+        let hint = match code.as_deref() {
+            Some("NoSuchKey") => format!("{target} does not exist: check the key (keys are case-sensitive)"),
+            None if status == 404 && op.starts_with("HeadObject") => {
+                format!("{target} does not exist (or the bucket does not): check the name")
+            }
+            Some("NoSuchBucket") => {
+                format!("the bucket {bucket} does not exist at {}: check its name, the endpoint and the region", self.server)
+            }
+            Some("NoSuchUpload") => {
+                "the multipart upload is gone (aborted, completed, or expired by a lifecycle rule): start the copy again"
+                    .into()
+            }
+            Some("InvalidAccessKeyId") => {
+                format!("{} does not know the access key ID from {creds}: check the key ID (and the endpoint)", self.server)
+            }
+            Some("SignatureDoesNotMatch") => {
+                format!("the secret access key from {creds} does not match its key ID: check the secret key")
+            }
+            Some("ExpiredToken" | "TokenRefreshRequired" | "InvalidToken") => {
+                format!("the session token from {creds} is expired or invalid: get new temporary credentials")
+            }
+            Some("AccessDenied") => format!(
+                "access denied: the credentials from {creds} are not allowed to do {} on {target}; ask for the permission",
+                op.split_whitespace().next().unwrap_or(op)
+            ),
+            Some("PermanentRedirect" | "AuthorizationHeaderMalformed" | "IllegalLocationConstraintException") => {
+                format!("the bucket {bucket} is not in region {}: set AWS_REGION to its region", self.bucket.region())
+            }
+            Some("RequestTimeTooSkewed") => "this machine's clock is too far off the server's: set the time".into(),
+            Some("EntityTooSmall") => "a part was smaller than S3's 5 MiB minimum".into(),
+            Some("EntityTooLarge") => "the object or a part is larger than the server allows".into(),
+            Some("BadDigest" | "InvalidDigest") => "the bytes arrived damaged (Content-MD5 did not match)".into(),
+            Some("InvalidPart" | "InvalidPartOrder") => "the server does not have every part the upload lists".into(),
+            Some("SlowDown") => "the server asks to slow down: retry later or with fewer workers".into(),
+            Some(other) => format!("S3 error {other}"),
+            None if status == 403 => format!("access denied (HTTP 403): check the credentials from {creds}"),
+            None => format!("HTTP {status}"),
+        };
+        S3Error::Service { target, op: op.to_string(), status, code, message, hint }
+    }
+}
+
+fn agent(http: &HttpOptions) -> Result<ureq::Agent, S3Error> {
+    use ureq::tls::{RootCerts, TlsConfig, TlsProvider};
+    let mut tls = TlsConfig::builder().provider(TlsProvider::NativeTls).root_certs(RootCerts::PlatformVerifier);
+    if let Some(ca) = &http.ca {
+        let err = |why: String| S3Error::Config(format!("CA file {}: {why}", ca.display()));
+        let meta = std::fs::metadata(ca).map_err(|e| err(e.to_string()))?;
+        if meta.len() > MAX_CA_BYTES {
+            return Err(err(format!("{} bytes is too large for a PEM file of certificates", meta.len())));
+        }
+        let pem = std::fs::read(ca).map_err(|e| err(e.to_string()))?;
+        let mut certs = Vec::new();
+        for item in ureq::tls::parse_pem(&pem) {
+            if let ureq::tls::PemItem::Certificate(c) = item.map_err(|e| err(e.to_string()))? {
+                certs.push(c);
+            }
+        }
+        if certs.is_empty() {
+            return Err(err("no certificate in it (expected PEM, -----BEGIN CERTIFICATE-----)".into()));
+        }
+        tls = tls.root_certs(RootCerts::Specific(Arc::new(certs)));
+    }
+    if http.insecure {
+        log::warn!("S3: the server's certificate is NOT verified (--insecure): anyone on the path can read and change the data");
+        tls = tls.disable_verification(true);
+    }
+    let t = http.timeout;
+    Ok(ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .tls_config(tls.build())
+        .timeout_connect(t)
+        .timeout_per_read(t)
+        .timeout_per_write(t)
+        .max_idle_connections(64)
+        .max_idle_connections_per_host(64)
+        .user_agent(concat!("ferry/", env!("CARGO_PKG_VERSION")))
+        .build()
+        .new_agent())
+}
+
+/// The text of the first `<tag>...</tag>` in `xml`, with the five XML entities decoded.
+/// Enough for S3's flat answers (`<Error><Code>`, `<UploadId>`); not a general parser.
+pub(crate) fn xml_text(xml: &str, tag: &str) -> Option<String> {
+    xml_texts(xml, tag).into_iter().next()
+}
+
+/// Every `<tag>...</tag>` text in `xml`, in order.
+pub(crate) fn xml_texts(xml: &str, tag: &str) -> Vec<String> {
+    let (open, close) = (format!("<{tag}>"), format!("</{tag}>"));
+    let mut out = Vec::new();
+    let mut rest = xml;
+    while let Some(start) = rest.find(&open) {
+        let after = &rest[start + open.len()..];
+        let Some(end) = after.find(&close) else { break };
+        out.push(unescape(&after[..end]));
+        rest = &after[end + close.len()..];
+    }
+    out
+}
+
+fn unescape(s: &str) -> String {
+    s.replace("&quot;", "\"").replace("&apos;", "'").replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn xml_texts_of_flat_answers() {
+        let x =
+            "<?xml version=\"1.0\"?><Error><Code>NoSuchKey</Code><Message>The key &amp; &lt;it&gt;</Message></Error>";
+        assert_eq!(xml_text(x, "Code").as_deref(), Some("NoSuchKey"));
+        assert_eq!(xml_text(x, "Message").as_deref(), Some("The key & <it>"));
+        assert_eq!(xml_text(x, "UploadId"), None);
+        let x = "<U><UploadId>a</UploadId><UploadId>b</UploadId><UploadId>c";
+        assert_eq!(xml_texts(x, "UploadId"), ["a", "b"]);
+    }
+}
