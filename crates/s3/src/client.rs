@@ -3,7 +3,7 @@
 
 use crate::{S3Config, S3Error, S3Url};
 use ferry_http::HttpOptions;
-use rusty_s3::{Bucket, Credentials, UrlStyle};
+use rusty_s3::{Bucket, Credentials, S3Action, UrlStyle};
 use std::io::Read;
 use std::sync::Arc;
 use std::time::Duration;
@@ -85,6 +85,98 @@ impl Client {
             retry_delay: http.retry_delay,
             headers: http.headers.clone(),
         })
+    }
+
+    /// A presigned GET of the bucket with `query` (sorted by name), for the actions
+    /// rusty-s3 has no type for (ListMultipartUploads).
+    pub(crate) fn sign_bucket_get(&self, query: &[(&str, &str)]) -> url::Url {
+        let secs = SIGN_FOR.as_secs();
+        rusty_s3::signing::sign(
+            &jiff::Timestamp::now(),
+            rusty_s3::Method::Get,
+            self.bucket.base_url().clone(),
+            self.creds.key(),
+            self.creds.secret(),
+            self.creds.token(),
+            self.bucket.region(),
+            secs,
+            query.iter().copied(),
+            std::iter::empty(),
+        )
+    }
+
+    /// The IDs of the multipart uploads in progress for this object, oldest first
+    /// (ListMultipartUploads, following its pages).
+    pub(crate) fn pending_uploads(&self) -> Result<Vec<String>, S3Error> {
+        let mut ids = Vec::new();
+        let (mut key_marker, mut id_marker) = (String::new(), String::new());
+        for _page in 0..1000 {
+            let mut query = vec![("prefix", self.url.key.as_str())];
+            if !key_marker.is_empty() {
+                query = vec![("key-marker", key_marker.as_str()), ("prefix", self.url.key.as_str())];
+                if !id_marker.is_empty() {
+                    query.push(("upload-id-marker", id_marker.as_str()));
+                }
+            }
+            query.push(("uploads", ""));
+            let sign = || self.sign_bucket_get(&query);
+            let a = self.send("ListMultipartUploads", &sign, Method::Get, &[], &[])?;
+            for upload in xml_blocks(&a.body, "Upload") {
+                if xml_text(upload, "Key").as_deref() == Some(self.url.key.as_str()) {
+                    ids.extend(xml_text(upload, "UploadId"));
+                }
+            }
+            if xml_text(&a.body, "IsTruncated").as_deref() != Some("true") {
+                return Ok(ids);
+            }
+            let next_key = xml_text(&a.body, "NextKeyMarker").unwrap_or_default();
+            let next_id = xml_text(&a.body, "NextUploadIdMarker").unwrap_or_default();
+            if next_key.is_empty() || (next_key == key_marker && next_id == id_marker) {
+                return Ok(ids);
+            }
+            (key_marker, id_marker) = (next_key, next_id);
+        }
+        Ok(ids)
+    }
+
+    /// The parts of upload `upload_id` stored so far: (number, ETag, length), following
+    /// ListParts' pages.
+    pub(crate) fn list_parts(&self, upload_id: &str) -> Result<Vec<(u16, String, u64)>, S3Error> {
+        let mut out = Vec::new();
+        let mut marker: Option<u16> = None;
+        for _page in 0..100 {
+            let sign = || {
+                let mut a = self.bucket.list_parts(Some(&self.creds), &self.url.key, upload_id);
+                if let Some(m) = marker {
+                    a.set_part_number_marker(m);
+                }
+                a.sign(SIGN_FOR)
+            };
+            let a = self.send("ListParts", &sign, Method::Get, &[], &[])?;
+            // Read tag by tag: servers differ in the root's name (ListPartsResult or
+            // ...Response) and rusty-s3's typed parser insists on AWS's.
+            for part in xml_blocks(&a.body, "Part") {
+                let number = xml_text(part, "PartNumber").and_then(|n| n.parse::<u16>().ok());
+                let size = xml_text(part, "Size").and_then(|n| n.parse::<u64>().ok());
+                match (number, xml_text(part, "ETag"), size) {
+                    (Some(n), Some(etag), Some(size)) => out.push((n, etag, size)),
+                    _ => {
+                        return Err(S3Error::Object {
+                            target: self.url.to_string(),
+                            message: format!("ListParts answered a part without number, ETag or size: {part:?}"),
+                        })
+                    }
+                }
+            }
+            let next = xml_text(&a.body, "NextPartNumberMarker").and_then(|n| n.parse::<u16>().ok());
+            match next {
+                Some(m) if xml_text(&a.body, "IsTruncated").as_deref() == Some("true") && Some(m) != marker => {
+                    marker = Some(m)
+                }
+                _ => return Ok(out),
+            }
+        }
+        Ok(out)
     }
 
     /// Sends a request signed afresh for each try by `sign`, with `headers` (which the
@@ -272,13 +364,18 @@ pub(crate) fn xml_text(xml: &str, tag: &str) -> Option<String> {
 
 /// Every `<tag>...</tag>` text in `xml`, in order.
 pub(crate) fn xml_texts(xml: &str, tag: &str) -> Vec<String> {
+    xml_blocks(xml, tag).into_iter().map(unescape).collect()
+}
+
+/// Every `<tag>...</tag>` content in `xml` as it stands (for nested elements).
+pub(crate) fn xml_blocks<'a>(xml: &'a str, tag: &str) -> Vec<&'a str> {
     let (open, close) = (format!("<{tag}>"), format!("</{tag}>"));
     let mut out = Vec::new();
     let mut rest = xml;
     while let Some(start) = rest.find(&open) {
         let after = &rest[start + open.len()..];
         let Some(end) = after.find(&close) else { break };
-        out.push(unescape(&after[..end]));
+        out.push(&after[..end]);
         rest = &after[end + close.len()..];
     }
     out

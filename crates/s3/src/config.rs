@@ -134,13 +134,15 @@ impl S3Config {
                             shown(conf_path.as_deref())
                         )))
                     }
-                    (None, None) => return Err(S3Error::Config(format!(
+                    (None, None) => {
+                        return Err(S3Error::Config(format!(
                         "no S3 credentials: looked in the environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY), \
                              in [{profile}] of {} and in [{}] of {}; set the variables or run `aws configure`",
                         shown(cred_path.as_deref()),
                         if profile == "default" { "default".to_string() } else { format!("profile {profile}") },
                         shown(conf_path.as_deref())
-                    ))),
+                    )))
+                    }
                 },
             };
         let region = var("AWS_REGION")

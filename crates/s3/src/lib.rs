@@ -128,6 +128,56 @@ impl Locator for S3Locator {
     }
 }
 
+/// An object of no bytes: nothing to read, nothing to ask the server.
+struct EmptyObject(String);
+
+impl Backend for EmptyObject {
+    fn describe(&self) -> String {
+        self.0.clone()
+    }
+    fn size(&self) -> u64 {
+        0
+    }
+    fn caps(&self) -> ferry_backend::Capabilities {
+        ferry_backend::Capabilities {
+            read_only: true,
+            flush: false,
+            fua: false,
+            trim: false,
+            zero: false,
+            fast_zero: false,
+            multi_conn: true,
+            cache: false,
+            extents: false,
+        }
+    }
+    fn read(&self, buf: &mut [u8], offset: u64) -> ferry_backend::Result<()> {
+        match buf.len() {
+            0 => Ok(()),
+            n => Err(ferry_backend::Error::new(ferry_backend::ErrorKind::Invalid, "read", offset, n as u64)),
+        }
+    }
+    fn write(&self, buf: &[u8], offset: u64, _fua: bool) -> ferry_backend::Result<()> {
+        Err(ferry_backend::Error::new(ferry_backend::ErrorKind::ReadOnly, "write", offset, buf.len() as u64))
+    }
+    fn flush(&self) -> ferry_backend::Result<()> {
+        Ok(())
+    }
+    fn trim(&self, offset: u64, length: u64, _fua: bool) -> ferry_backend::Result<()> {
+        Err(ferry_backend::Error::new(ferry_backend::ErrorKind::ReadOnly, "trim", offset, length))
+    }
+    fn zero(&self, offset: u64, length: u64, _mode: ferry_backend::ZeroMode, _fua: bool) -> ferry_backend::Result<()> {
+        Err(ferry_backend::Error::new(ferry_backend::ErrorKind::ReadOnly, "zero", offset, length))
+    }
+}
+
+/// The IDs of the multipart uploads of `url` in progress (started, neither completed
+/// nor aborted), oldest first: what [`S3Writer::resume`] continues, and what is left
+/// behind when an upload is neither completed nor aborted.
+pub fn pending_uploads(url: &S3Url, cfg: &S3Config, http: &HttpOptions) -> Result<Vec<String>, S3Error> {
+    Client::new(url, cfg, http)?.pending_uploads()
+}
+
 /// Opens `url` for reading: a read-only backend of the object's bytes.
 ///
 /// First one signed GET of the object's first byte (with this crate's own client), so
@@ -139,8 +189,16 @@ pub fn open_source(url: &S3Url, cfg: &S3Config, http: &HttpOptions) -> Result<Ar
     let sign = || client.bucket.get_object(Some(&client.creds), &url.key).sign(SIGN_FOR);
     match client.send("GetObject", &sign, Method::Get, &[("range", "bytes=0-0")], &[]) {
         Ok(_) => {}
-        // An empty object cannot serve byte 0; it exists all the same.
-        Err(S3Error::Service { status: 416, .. }) => {}
+        // An empty object has no byte 0 to serve (servers differ in how they say so, and
+        // in whether they give its size): ask for its length.
+        Err(e @ S3Error::Service { status: 416, .. }) => {
+            let head = || client.bucket.head_object(Some(&client.creds), &url.key).sign(SIGN_FOR);
+            let a = client.send("HeadObject", &head, Method::Head, &[], &[])?;
+            if a.content_length == Some(0) {
+                return Ok(Arc::new(EmptyObject(url.to_string())));
+            }
+            return Err(e);
+        }
         Err(e) => return Err(e),
     }
     let loc = Arc::new(S3Locator::new(url, cfg)?);

@@ -190,28 +190,26 @@ impl S3Writer {
         size: u64,
         opts: &WriterOptions,
     ) -> Result<S3Writer, S3Error> {
-        let fail = |message: String| S3Error::Object { target: url.to_string(), message };
-        let part_size = match opts.part_size {
-            None => part_size_for(size).map_err(fail)?,
-            Some(p) => {
-                if !(S3_MIN_PART..=MAX_PART_SIZE).contains(&p) {
-                    return Err(fail(format!("a part size of {p} bytes is outside S3's 5 MiB to 5 GiB")));
-                }
-                if size > MAX_OBJECT_SIZE || size.div_ceil(p) > MAX_PARTS {
-                    return Err(fail(format!(
-                        "{size} bytes in parts of {p} bytes is more than S3's {MAX_PARTS} parts or 5 TiB: \
-                         use larger parts"
-                    )));
-                }
-                p
-            }
-        };
-        let nparts = usize::try_from(size.div_ceil(part_size)).map_err(|_| fail("too many parts".into()))?;
+        checked_part_size(url, size, opts)?;
         let client = Client::new(url, cfg, http)?;
         let upload_id = match size {
             0 => None,
             _ => Some(create_upload(&client)?),
         };
+        S3Writer::with_upload(client, size, opts, upload_id)
+    }
+
+    /// A writer of the upload `upload_id` (already started).
+    fn with_upload(
+        client: Client,
+        size: u64,
+        opts: &WriterOptions,
+        upload_id: Option<String>,
+    ) -> Result<S3Writer, S3Error> {
+        let url = client.url.clone();
+        let part_size = checked_part_size(&url, size, opts)?;
+        let nparts = usize::try_from(size.div_ceil(part_size))
+            .map_err(|_| S3Error::Object { target: url.to_string(), message: "too many parts".into() })?;
         log::debug!("{url}: multipart upload of {size} bytes in {nparts} parts of {part_size} bytes");
         let mut parts = Vec::new();
         parts.resize_with(nparts, || Part::Empty);
@@ -226,6 +224,70 @@ impl S3Writer {
             changed: Condvar::new(),
             zeros: OnceLock::new(),
         })
+    }
+
+    /// Continues the newest multipart upload of `url` in progress (one an earlier copy
+    /// left, interrupted), or starts one when there is none: the parts already stored
+    /// (ListParts) count as written, and later writes into them are dropped, so the
+    /// source must be the same as the first time. The size must be the same too, and so
+    /// must the part size, which is checked against every stored part's length.
+    pub fn resume(
+        url: &S3Url,
+        cfg: &S3Config,
+        http: &HttpOptions,
+        size: u64,
+        opts: &WriterOptions,
+    ) -> Result<S3Writer, S3Error> {
+        let client = Client::new(url, cfg, http)?;
+        let Some(upload_id) = client.pending_uploads()?.pop() else {
+            log::info!("{url}: no interrupted upload to resume: starting one");
+            return S3Writer::create_with(url, cfg, http, size, opts);
+        };
+        let mut w = S3Writer::with_upload(client, size, opts, Some(upload_id.clone()))?;
+        let stored = w.client.list_parts(&upload_id)?;
+        let st = w.state.get_mut().unwrap_or_else(|p| p.into_inner());
+        let mut kept = 0;
+        for (number, etag, len) in stored {
+            let idx = usize::from(number).saturating_sub(1);
+            let fail = |why: String| {
+                S3Error::Object {
+                target: url.to_string(),
+                message: format!(
+                    "cannot resume upload {upload_id}: {why}; abort it (`aws s3api abort-multipart-upload`) and copy afresh"
+                ),
+            }
+            };
+            if number == 0 || idx >= st.parts.len() {
+                return Err(fail(format!("it has part {number}, past the {} parts of {size} bytes", st.parts.len())));
+            }
+            let expected = w.part_size.min(size - idx as u64 * w.part_size);
+            if len != expected {
+                return Err(fail(format!(
+                    "its part {number} is {len} bytes where this copy's parts are {expected} (another size or part size)"
+                )));
+            }
+            st.parts[idx] = Part::Done { etag };
+            kept += 1;
+        }
+        log::info!("{url}: resuming upload {upload_id}: {kept} of {} parts already stored", st.parts.len());
+        Ok(w)
+    }
+
+    /// The byte ranges of the object already stored (uploaded parts), in order: after
+    /// [`S3Writer::resume`], what a copy need not send again.
+    pub fn stored_ranges(&self) -> Vec<std::ops::Range<u64>> {
+        let st = self.lock();
+        let mut out: Vec<std::ops::Range<u64>> = Vec::new();
+        for (idx, p) in st.parts.iter().enumerate() {
+            if let Part::Done { .. } = p {
+                let (s, len) = self.part_range(idx);
+                match out.last_mut() {
+                    Some(last) if last.end == s => last.end = s + len,
+                    _ => out.push(s..s + len),
+                }
+            }
+        }
+        out
     }
 
     /// The object written.
@@ -554,12 +616,14 @@ impl S3Writer {
             let message = xml_text(&answer.body, "Message").unwrap_or_default();
             return Err(c.service_error("CompleteMultipartUpload", answer.status, code, message));
         }
-        if !answer.body.contains("CompleteMultipartUploadResult") {
+        // The root is CompleteMultipartUploadResult (AWS); some servers say ...Response.
+        if !answer.body.contains("<CompleteMultipartUpload") {
             return Err(S3Error::Object {
                 target: self.target(),
                 message: format!(
-                    "CompleteMultipartUpload answered {} without a result; the object may not exist: check it",
-                    answer.status
+                    "CompleteMultipartUpload answered {} without a result ({:?}); the object may not exist: check it",
+                    answer.status,
+                    answer.body.chars().take(200).collect::<String>()
                 ),
             });
         }
@@ -611,6 +675,25 @@ impl S3Writer {
             _ => ErrorKind::Io,
         };
         Error { kind, op, offset, length, source: Some(std::io::Error::other(e.to_string())) }
+    }
+}
+
+/// The part size of `opts` for `size` bytes, checked against S3's limits.
+fn checked_part_size(url: &S3Url, size: u64, opts: &WriterOptions) -> Result<u64, S3Error> {
+    let fail = |message: String| S3Error::Object { target: url.to_string(), message };
+    match opts.part_size {
+        None => part_size_for(size).map_err(fail),
+        Some(p) => {
+            if !(S3_MIN_PART..=MAX_PART_SIZE).contains(&p) {
+                return Err(fail(format!("a part size of {p} bytes is outside S3's 5 MiB to 5 GiB")));
+            }
+            if size > MAX_OBJECT_SIZE || size.div_ceil(p) > MAX_PARTS {
+                return Err(fail(format!(
+                    "{size} bytes in parts of {p} bytes is more than S3's {MAX_PARTS} parts or 5 TiB: use larger parts"
+                )));
+            }
+            Ok(p)
+        }
     }
 }
 
