@@ -51,33 +51,11 @@ pub(crate) struct Client {
 
 impl Client {
     pub(crate) fn new(url: &S3Url, cfg: &S3Config, http: &HttpOptions) -> Result<Client, S3Error> {
-        let (endpoint, style, server) = match &cfg.endpoint {
-            Some(e) => {
-                let u = crate::config::check_endpoint(e)
-                    .map_err(|why| S3Error::Config(format!("endpoint {e:?}: {why}")))?;
-                (u, UrlStyle::Path, e.trim_end_matches('/').to_string())
-            }
-            None => {
-                let e = format!("https://s3.{}.amazonaws.com", cfg.region);
-                let u =
-                    url::Url::parse(&e).map_err(|err| S3Error::Config(format!("region {:?}: {err}", cfg.region)))?;
-                // Names with dots do not match AWS's certificates as host names, and
-                // legacy names with capitals or '_' are not host names at all.
-                let virtual_ok = url.bucket.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-');
-                let style = if virtual_ok { UrlStyle::VirtualHost } else { UrlStyle::Path };
-                (u, style, format!("AWS ({})", cfg.region))
-            }
-        };
-        let bucket = Bucket::new(endpoint, style, url.bucket.clone(), cfg.region.clone())
-            .map_err(|e| S3Error::Config(format!("cannot address the bucket {} at {server}: {e:?}", url.bucket)))?;
-        let creds = match &cfg.session_token {
-            Some(t) => Credentials::new_with_token(&cfg.access_key_id, &cfg.secret_access_key, t),
-            None => Credentials::new(&cfg.access_key_id, &cfg.secret_access_key),
-        };
+        let (bucket, server) = address(url, cfg)?;
         Ok(Client {
             agent: agent(http)?,
             bucket,
-            creds,
+            creds: credentials(cfg),
             url: url.clone(),
             server,
             credentials_from: cfg.credentials_from.clone(),
@@ -194,7 +172,8 @@ impl Client {
         let mut attempt = 0u32;
         loop {
             let err = match self.once(sign(), &method, headers, body) {
-                Ok(a) if a.status < 300 => return Ok(a),
+                // S3 may answer 200 and tell of a failure in the body (CompleteMultipartUpload).
+                Ok(a) if a.status < 300 && !is_error_body(&a.body) => return Ok(a),
                 Ok(a) => {
                     let code = xml_text(&a.body, "Code");
                     let message = xml_text(&a.body, "Message").unwrap_or_default();
@@ -317,6 +296,36 @@ impl Client {
     }
 }
 
+/// The bucket of `url` as `cfg` reaches it, and the server's name for messages.
+pub(crate) fn address(url: &S3Url, cfg: &S3Config) -> Result<(Bucket, String), S3Error> {
+    let (endpoint, style, server) = match &cfg.endpoint {
+        Some(e) => {
+            let u =
+                crate::config::check_endpoint(e).map_err(|why| S3Error::Config(format!("endpoint {e:?}: {why}")))?;
+            (u, UrlStyle::Path, e.trim_end_matches('/').to_string())
+        }
+        None => {
+            let e = format!("https://s3.{}.amazonaws.com", cfg.region);
+            let u = url::Url::parse(&e).map_err(|err| S3Error::Config(format!("region {:?}: {err}", cfg.region)))?;
+            // Names with dots do not match AWS's certificates as host names, and legacy
+            // names with capitals or '_' are not host names at all: those go path-style.
+            let virtual_ok = url.bucket.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-');
+            let style = if virtual_ok { UrlStyle::VirtualHost } else { UrlStyle::Path };
+            (u, style, format!("AWS ({})", cfg.region))
+        }
+    };
+    let bucket = Bucket::new(endpoint, style, url.bucket.clone(), cfg.region.clone())
+        .map_err(|e| S3Error::Config(format!("cannot address the bucket {} at {server}: {e:?}", url.bucket)))?;
+    Ok((bucket, server))
+}
+
+pub(crate) fn credentials(cfg: &S3Config) -> Credentials {
+    match &cfg.session_token {
+        Some(t) => Credentials::new_with_token(&cfg.access_key_id, &cfg.secret_access_key, t),
+        None => Credentials::new(&cfg.access_key_id, &cfg.secret_access_key),
+    }
+}
+
 fn agent(http: &HttpOptions) -> Result<ureq::Agent, S3Error> {
     use ureq::tls::{RootCerts, TlsConfig, TlsProvider};
     let mut tls = TlsConfig::builder().provider(TlsProvider::NativeTls).root_certs(RootCerts::PlatformVerifier);
@@ -356,6 +365,15 @@ fn agent(http: &HttpOptions) -> Result<ureq::Agent, S3Error> {
         .new_agent())
 }
 
+/// `body` is an S3 `<Error>` document.
+fn is_error_body(body: &str) -> bool {
+    let mut b = body.trim_start();
+    if b.starts_with("<?xml") {
+        b = b.find("?>").map_or("", |end| b[end + 2..].trim_start());
+    }
+    b.starts_with("<Error>") || b.starts_with("<Error ")
+}
+
 /// The text of the first `<tag>...</tag>` in `xml`, with the five XML entities decoded.
 /// Enough for S3's flat answers (`<Error><Code>`, `<UploadId>`); not a general parser.
 pub(crate) fn xml_text(xml: &str, tag: &str) -> Option<String> {
@@ -390,12 +408,37 @@ mod tests {
     use super::*;
 
     #[test]
+    fn aws_addressing() {
+        let cfg = S3Config {
+            access_key_id: "K".into(),
+            secret_access_key: "S".into(),
+            session_token: None,
+            region: "eu-west-1".into(),
+            endpoint: None,
+            credentials_from: "test".into(),
+        };
+        let (b, server) = address(&S3Url::parse("s3://my-bucket/a b/c").unwrap(), &cfg).unwrap();
+        assert_eq!(b.object_url("a b/c").as_str(), "https://my-bucket.s3.eu-west-1.amazonaws.com/a%20b/c");
+        assert_eq!(server, "AWS (eu-west-1)");
+        let (b, _) = address(&S3Url::parse("s3://my.bucket/k").unwrap(), &cfg).unwrap();
+        assert_eq!(b.object_url("k").as_str(), "https://s3.eu-west-1.amazonaws.com/my.bucket/k");
+        let cfg = S3Config { endpoint: Some("http://127.0.0.1:7480/".into()), ..cfg };
+        let (b, server) = address(&S3Url::parse("s3://bk/x/y").unwrap(), &cfg).unwrap();
+        assert_eq!(b.object_url("x/y").as_str(), "http://127.0.0.1:7480/bk/x/y");
+        assert_eq!(server, "http://127.0.0.1:7480");
+    }
+
+    #[test]
     fn xml_texts_of_flat_answers() {
         let x =
             "<?xml version=\"1.0\"?><Error><Code>NoSuchKey</Code><Message>The key &amp; &lt;it&gt;</Message></Error>";
         assert_eq!(xml_text(x, "Code").as_deref(), Some("NoSuchKey"));
         assert_eq!(xml_text(x, "Message").as_deref(), Some("The key & <it>"));
         assert_eq!(xml_text(x, "UploadId"), None);
+        assert!(is_error_body("<?xml version=\"1.0\"?>\n  <Error><Code>InternalError</Code></Error>"));
+        assert!(is_error_body("<Error>"));
+        assert!(!is_error_body("<?xml?><CompleteMultipartUploadResult><Error>no</Error>"));
+        assert!(!is_error_body(""));
         let x = "<U><UploadId>a</UploadId><UploadId>b</UploadId><UploadId>c";
         assert_eq!(xml_texts(x, "UploadId"), ["a", "b"]);
     }

@@ -111,8 +111,8 @@ pub struct S3Locator {
 
 impl S3Locator {
     pub fn new(url: &S3Url, cfg: &S3Config) -> Result<S3Locator, S3Error> {
-        let c = Client::new(url, cfg, &HttpOptions::default())?;
-        Ok(S3Locator { bucket: c.bucket, creds: c.creds, key: url.key.clone(), name: url.to_string() })
+        let (bucket, _) = client::address(url, cfg)?;
+        Ok(S3Locator { bucket, creds: client::credentials(cfg), key: url.key.clone(), name: url.to_string() })
     }
 }
 

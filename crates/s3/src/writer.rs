@@ -359,7 +359,6 @@ impl S3Writer {
     fn fill(&self, idx: usize, lo: u64, hi: u64, src: Src<'_>) -> Result<(), S3Error> {
         let plen = self.part_range(idx).1;
         let mut st = self.lock();
-        let mut waited_since: Option<u64> = None;
         loop {
             if st.phase != Phase::Open {
                 return Err(self.refused(st.phase));
@@ -409,7 +408,18 @@ impl S3Writer {
                     let mut st = self.lock();
                     st.parts[idx] = match &r {
                         Ok(etag) => Part::Done { etag: etag.clone() },
-                        // The bytes were the caller's: a retried write brings them again.
+                        // Keep the bytes (they were the caller's) for the next try, memory
+                        // allowing; else a retried write brings them again.
+                        Err(_) if st.phase == Phase::Open && st.held + plen <= self.memory_limit => {
+                            st.held += plen;
+                            let mut have = Ranges::default();
+                            have.insert(0, plen);
+                            let buf = match src {
+                                Src::Bytes(b) => b.to_vec(),
+                                Src::Zero => vec![0; plen as usize],
+                            };
+                            Part::Filling { buf, have }
+                        }
                         Err(_) => Part::Empty,
                     };
                     st.progress += 1;
@@ -419,7 +429,6 @@ impl S3Writer {
                 Part::Empty => {
                     if st.held + plen > self.memory_limit {
                         let seen = st.progress;
-                        let since = *waited_since.get_or_insert(seen);
                         let (guard, timeout) =
                             self.changed.wait_timeout(st, self.stall_timeout).unwrap_or_else(|p| p.into_inner());
                         st = guard;
@@ -427,9 +436,8 @@ impl S3Writer {
                             return Err(S3Error::Object {
                                 target: self.target(),
                                 message: format!(
-                                    "{} MiB of part buffers (the limit) wait for bytes that have not come for {:?} \
-                                     (since progress mark {since}); writes arrive too far out of order: use fewer \
-                                     workers or requests in flight",
+                                    "{} MiB of part buffers (the limit) wait for bytes that have not come for {:?}; \
+                                     writes arrive too far out of order: use fewer workers or requests in flight",
                                     st.held >> 20,
                                     self.stall_timeout
                                 ),
