@@ -211,13 +211,22 @@ fn parallel_out_of_order_writes_with_zeros_and_duplicates_make_the_object() {
 fn an_object_of_one_short_part_and_an_empty_one() {
     make_bucket("small");
     let data = pattern(1000, 3);
-    let u = url("small", "one");
+    // A key that needs escaping in a URL, taken literally (no percent-decoding).
+    let key = "dir one/ü+%41 &=?#.img";
+    let u = url("small", key);
+    assert_eq!(u.key, key);
     let w = S3Writer::create(&u, &config(), &http(), 1000).unwrap();
     assert_eq!((w.part_size(), w.parts()), (8 * MIB, 1));
     w.write(&data[500..], 500, false).unwrap();
     w.write(&data[..500], 0, false).unwrap();
     w.complete().unwrap();
-    assert_eq!(get("small", "one").unwrap(), data);
+    assert_eq!(get("small", key).unwrap(), data);
+    assert_eq!(get("small", "dir one/ü+A &=?#.img"), Err(404), "%41 is not decoded");
+    let src = open_source(&u, &config(), &http()).unwrap();
+    let mut buf = vec![0; 1000];
+    src.read(&mut buf, 0).unwrap();
+    assert_eq!(buf, data);
+    assert!(src.describe().contains(key), "{}", src.describe());
 
     let u = url("small", "empty");
     let w = S3Writer::create(&u, &config(), &http(), 0).unwrap();
