@@ -52,7 +52,7 @@ pub struct WriterOptions {
     /// for an upload to free one.
     pub memory_limit: u64,
     /// How long a write may wait for memory while nothing moves (no buffer filled, no part
-    /// uploaded) before it fails: writes arriving so far out of order that every buffer
+    /// being uploaded) before it fails: writes arriving so far out of order that every buffer
     /// waits for bytes that only waiting writers hold would otherwise wait forever.
     pub stall_timeout: Duration,
 }
@@ -432,7 +432,10 @@ impl S3Writer {
                         let (guard, timeout) =
                             self.changed.wait_timeout(st, self.stall_timeout).unwrap_or_else(|p| p.into_inner());
                         st = guard;
-                        if timeout.timed_out() && st.progress == seen {
+                        // An upload in flight will free memory (or fail) within its own
+                        // timeouts: only a wait with none and no bytes arriving is stuck.
+                        let uploading = st.parts.iter().any(|p| matches!(p, Part::Uploading));
+                        if timeout.timed_out() && st.progress == seen && !uploading {
                             return Err(S3Error::Object {
                                 target: self.target(),
                                 message: format!(

@@ -2,7 +2,8 @@
 //! started once for this test binary on 127.0.0.1 and a free port, and stopped when the
 //! binary exits (a shell holds its PID and kills it once our end of its stdin closes).
 
-use ferry_backend::{Backend, ZeroMode};
+use ferry_backend::{Backend, MemoryBackend, ZeroMode};
+use ferry_client::copy::{copy, BackendEndpoint, CopyOptions, Endpoint, Progress};
 use ferry_http::HttpOptions;
 use ferry_s3::{open_source, pending_uploads, S3Config, S3Error, S3Url, S3Writer, WriterOptions};
 use rusty_s3::{Bucket, Credentials, S3Action, UrlStyle};
@@ -303,13 +304,23 @@ fn writes_too_far_out_of_order_for_the_memory_limit_fail_clearly() {
     let e = w.write(&[1; 10], 3 * PART, false).unwrap_err().to_string();
     assert!(t.elapsed() >= Duration::from_millis(500));
     assert!(e.contains("out of order") && e.contains("s3://memory/m"), "{e}");
+    w.abort().unwrap();
     // A waiting write goes on once another write completes a part.
-    let w = Arc::new(w);
+    let o = WriterOptions { stall_timeout: Duration::from_secs(60), ..o };
+    let w = Arc::new(S3Writer::create_with(&u, &config(), &http(), 5 * PART, &o).unwrap());
+    for p in 0..3 {
+        w.write(&[1; 10], p * PART, false).unwrap();
+    }
+    let rest = pattern(PART as usize - 10, 5);
     let w2 = w.clone();
-    let waiter = std::thread::spawn(move || w2.write(&[2; 10], 4 * PART, false));
-    std::thread::sleep(Duration::from_millis(100));
-    w.write(&pattern(PART as usize - 10, 5), 10, false).unwrap(); // completes part 1
-    waiter.join().unwrap().unwrap();
+    let waiter = std::thread::spawn(move || {
+        let t = Instant::now();
+        w2.write(&[2; 10], 3 * PART, false).map(|_| t.elapsed())
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    w.write(&rest, 10, false).unwrap(); // completes part 1, which frees its buffer
+    let waited = waiter.join().unwrap().unwrap();
+    assert!(waited >= Duration::from_millis(250), "the fourth part waited for memory ({waited:?})");
     w.abort().unwrap();
 }
 
@@ -370,4 +381,63 @@ fn an_unreachable_endpoint_is_named() {
     assert!(matches!(e, S3Error::Transport { .. }), "{e:?}");
     let m = e.to_string();
     assert!(m.contains(&format!("127.0.0.1:{port}")) && m.contains("after 3 tries"), "{m}");
+}
+
+/// A source of `size` bytes: pattern data with zero stretches (one a whole part).
+fn source(size: u64) -> (Arc<MemoryBackend>, Vec<u8>) {
+    let mut data = pattern(size as usize, 21);
+    data[(PART + 4096) as usize..(2 * PART) as usize].fill(0);
+    data[(3 * PART) as usize..(4 * PART) as usize].fill(0);
+    let m = Arc::new(MemoryBackend::new(size));
+    m.write(&data, 0, false).unwrap();
+    (m, data)
+}
+
+#[test]
+fn the_copy_engine_fills_an_s3_writer() {
+    make_bucket("engine");
+    let size = 5 * PART + 777;
+    let (src, data) = source(size);
+    let u = url("engine", "copied.img");
+    let w = Arc::new(S3Writer::create_with(&u, &config(), &http(), size, &opts()).unwrap());
+    let s = Endpoint::Backend(BackendEndpoint::new("mem".into(), src));
+    // Not `.zeroed()`: an object has no holes, every byte must be written.
+    let d = Endpoint::Backend(BackendEndpoint::new(u.to_string(), w.clone()));
+    let o = CopyOptions { connections: 4, requests: 4, request_size: 1 << 20, ..CopyOptions::default() };
+    let r = copy(&s, &d, &o, &Progress::default()).unwrap();
+    assert_eq!(r.bytes, size);
+    assert!(r.zero_bytes + r.hole_bytes >= PART, "zero stretches went as zero requests: {r:?}");
+    w.complete().unwrap();
+    assert!(get("engine", "copied.img").unwrap() == data);
+}
+
+#[test]
+fn a_resumed_upload_is_finished_by_a_copy_of_the_ranges_not_stored() {
+    make_bucket("engine-resume");
+    let size = 5 * PART + 777;
+    let (src, data) = source(size);
+    let u = url("engine-resume", "r.img");
+    let first = S3Writer::create_with(&u, &config(), &http(), size, &opts()).unwrap();
+    first.write(&data[..PART as usize], 0, false).unwrap();
+    first.write(&data[(4 * PART) as usize..(5 * PART) as usize], 4 * PART, false).unwrap();
+    std::mem::forget(first); // interrupted
+    let w = Arc::new(S3Writer::resume(&u, &config(), &http(), size, &opts()).unwrap());
+    let stored = w.stored_ranges();
+    assert_eq!(stored, [0..PART, 4 * PART..5 * PART]);
+    let mut todo = Vec::new();
+    let mut at = 0;
+    for r in stored.iter().chain([size..size].iter()) {
+        if r.start > at {
+            todo.push((at, r.start - at));
+        }
+        at = r.end;
+    }
+    assert_eq!(todo, [(PART, 3 * PART), (5 * PART, 777)]);
+    let s = Endpoint::Backend(BackendEndpoint::new("mem".into(), src));
+    let d = Endpoint::Backend(BackendEndpoint::new(u.to_string(), w.clone()));
+    let o = CopyOptions { ranges: Some(Arc::new(todo)), ..CopyOptions::default() };
+    let r = copy(&s, &d, &o, &Progress::default()).unwrap();
+    assert_eq!(r.selected_bytes, Some(3 * PART + 777));
+    w.complete().unwrap();
+    assert!(get("engine-resume", "r.img").unwrap() == data);
 }
