@@ -290,6 +290,21 @@ impl S3Writer {
         out
     }
 
+    /// The rest: `(offset, length)` of each stretch not yet stored, in order, the form
+    /// of the copy engine's `CopyOptions::ranges`. After [`S3Writer::resume`], a copy of
+    /// these ranges finishes the object.
+    pub fn unstored_ranges(&self) -> Vec<(u64, u64)> {
+        let mut out = Vec::new();
+        let mut at = 0;
+        for r in self.stored_ranges().into_iter().chain(std::iter::once(self.size..self.size)) {
+            if r.start > at {
+                out.push((at, r.start - at));
+            }
+            at = r.end;
+        }
+        out
+    }
+
     /// The object written.
     pub fn url(&self) -> &S3Url {
         &self.client.url

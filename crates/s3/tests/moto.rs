@@ -424,14 +424,7 @@ fn a_resumed_upload_is_finished_by_a_copy_of_the_ranges_not_stored() {
     let w = Arc::new(S3Writer::resume(&u, &config(), &http(), size, &opts()).unwrap());
     let stored = w.stored_ranges();
     assert_eq!(stored, [0..PART, 4 * PART..5 * PART]);
-    let mut todo = Vec::new();
-    let mut at = 0;
-    for r in stored.iter().chain([size..size].iter()) {
-        if r.start > at {
-            todo.push((at, r.start - at));
-        }
-        at = r.end;
-    }
+    let todo = w.unstored_ranges();
     assert_eq!(todo, [(PART, 3 * PART), (5 * PART, 777)]);
     let s = Endpoint::Backend(BackendEndpoint::new("mem".into(), src));
     let d = Endpoint::Backend(BackendEndpoint::new(u.to_string(), w.clone()));
