@@ -243,33 +243,38 @@ impl S3Writer {
             log::info!("{url}: no interrupted upload to resume: starting one");
             return S3Writer::create_with(url, cfg, http, size, opts);
         };
-        let mut w = S3Writer::with_upload(client, size, opts, Some(upload_id.clone()))?;
-        let stored = w.client.list_parts(&upload_id)?;
-        let st = w.state.get_mut().unwrap_or_else(|p| p.into_inner());
-        let mut kept = 0;
-        for (number, etag, len) in stored {
-            let idx = usize::from(number).saturating_sub(1);
-            let fail = |why: String| {
-                S3Error::Object {
+        // Checked before the writer exists: a writer dropped on an error would abort an
+        // upload that another try, with the right size, could still resume.
+        let part_size = checked_part_size(url, size, opts)?;
+        let nparts = size.div_ceil(part_size);
+        let mut done = Vec::new();
+        for (number, etag, len) in client.list_parts(&upload_id)? {
+            let fail = |why: String| S3Error::Object {
                 target: url.to_string(),
                 message: format!(
-                    "cannot resume upload {upload_id}: {why}; abort it (`aws s3api abort-multipart-upload`) and copy afresh"
+                    "cannot resume upload {upload_id}: {why}; resume with the size and part size it was started \
+                     with, or abort it (`aws s3api abort-multipart-upload`) and copy afresh"
                 ),
-            }
             };
-            if number == 0 || idx >= st.parts.len() {
-                return Err(fail(format!("it has part {number}, past the {} parts of {size} bytes", st.parts.len())));
+            let idx = u64::from(number).wrapping_sub(1);
+            if idx >= nparts {
+                return Err(fail(format!("it has part {number}, not one of the {nparts} parts of {size} bytes")));
             }
-            let expected = w.part_size.min(size - idx as u64 * w.part_size);
+            let expected = part_size.min(size - idx * part_size);
             if len != expected {
                 return Err(fail(format!(
-                    "its part {number} is {len} bytes where this copy's parts are {expected} (another size or part size)"
+                    "its part {number} is {len} bytes where this copy's is {expected} (another size or part size)"
                 )));
             }
-            st.parts[idx] = Part::Done { etag };
-            kept += 1;
+            done.push((idx as usize, etag));
         }
-        log::info!("{url}: resuming upload {upload_id}: {kept} of {} parts already stored", st.parts.len());
+        let mut w = S3Writer::with_upload(client, size, opts, Some(upload_id.clone()))?;
+        let st = w.state.get_mut().unwrap_or_else(|p| p.into_inner());
+        let kept = done.len();
+        for (idx, etag) in done {
+            st.parts[idx] = Part::Done { etag };
+        }
+        log::info!("{url}: resuming upload {upload_id}: {kept} of {nparts} parts already stored");
         Ok(w)
     }
 

@@ -351,6 +351,11 @@ fn resume_keeps_the_parts_already_stored() {
     let o = WriterOptions { part_size: Some(2 * PART), ..WriterOptions::default() };
     let e = S3Writer::resume(&u, &config(), &http(), size, &o).err().unwrap().to_string();
     assert!(e.contains("cannot resume") && e.contains("part 1"), "{e}");
+    // ...and the upload is left for a try with the right options.
+    assert_eq!(pending_uploads(&u, &config(), &http()).unwrap().len(), 1);
+    let w = S3Writer::resume(&u, &config(), &http(), size, &opts()).unwrap();
+    assert_eq!(w.unstored_ranges(), [(PART, size - PART)]);
+    w.abort().unwrap();
     for id in pending_uploads(&u, &config(), &http()).unwrap() {
         let url = bucket_of("resume").abort_multipart_upload(Some(&creds()), "r", &id).sign(Duration::from_secs(60));
         ureq::delete(url.as_str()).call().unwrap();
