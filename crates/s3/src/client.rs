@@ -253,11 +253,12 @@ impl Client {
     /// The error for an answer with `status` and S3's error `code`, saying what to do.
     pub(crate) fn service_error(&self, op: &str, status: u16, code: Option<String>, message: String) -> S3Error {
         let (bucket, target) = (&self.url.bucket, self.url.to_string());
+        // `target` starts the message (see S3Error::Service); the hint says what to do.
         let creds = &self.credentials_from;
         let hint = match code.as_deref() {
-            Some("NoSuchKey") => format!("{target} does not exist: check the key (keys are case-sensitive)"),
+            Some("NoSuchKey") => "the object does not exist: check the key (keys are case-sensitive)".to_string(),
             None if status == 404 && op.starts_with("HeadObject") => {
-                format!("{target} does not exist (or the bucket does not): check the name")
+                "the object does not exist (or its bucket does not): check the name".to_string()
             }
             Some("NoSuchBucket") => {
                 format!("the bucket {bucket} does not exist at {}: check its name, the endpoint and the region", self.server)
