@@ -1,11 +1,11 @@
-//! The requests ferry-s3 sends itself (everything but the data reads): one `ureq` agent
+//! The requests ferry-s3 sends itself (everything but the data reads): one `ureq` agent,
+//! made by `ferry_http::agent` so trust, timeouts and proxies are the reads',
 //! with kept-alive connections, presigned URLs from `rusty-s3`, retries of what may pass.
 
 use crate::{S3Config, S3Error, S3Url};
 use ferry_http::HttpOptions;
 use rusty_s3::{Bucket, Credentials, S3Action, UrlStyle};
 use std::io::Read;
-use std::sync::Arc;
 use std::time::Duration;
 
 /// How long a presigned URL stays valid: one request, with room for a slow upload and a
@@ -14,8 +14,6 @@ pub(crate) const SIGN_FOR: Duration = Duration::from_secs(3600);
 /// The most of an answer's body kept (S3's XML answers are small; a ListParts page of
 /// 1000 parts is about 250 KiB).
 const MAX_ANSWER_BYTES: u64 = 4 << 20;
-/// The largest CA file read.
-const MAX_CA_BYTES: u64 = 16 << 20;
 /// The longest wait between two tries.
 const MAX_RETRY_DELAY: Duration = Duration::from_secs(30);
 
@@ -38,6 +36,8 @@ pub(crate) struct Answer {
 /// A bucket, an object and who to be: everything a request needs.
 pub(crate) struct Client {
     agent: ureq::Agent,
+    /// The environment's proxy for the server (`https_proxy`, ... as ferry-http reads it).
+    proxy: Option<ureq::Proxy>,
     pub bucket: Bucket,
     pub creds: Credentials,
     pub url: S3Url,
@@ -53,7 +53,10 @@ impl Client {
     pub(crate) fn new(url: &S3Url, cfg: &S3Config, http: &HttpOptions) -> Result<Client, S3Error> {
         let (bucket, server) = address(url, cfg)?;
         Ok(Client {
-            agent: agent(http)?,
+            // ferry-http's client: the same trust (--ca, --insecure, SSL_CERT_FILE),
+            // timeouts and connection pool as the reads.
+            agent: ferry_http::agent(http)?,
+            proxy: ferry_http::proxy_for(bucket.base_url(), &url.to_string())?,
             bucket,
             creds: credentials(cfg),
             url: url.clone(),
@@ -226,6 +229,9 @@ impl Client {
                 for (k, v) in extra {
                     r = r.header(k, v);
                 }
+                if let Some(p) = &self.proxy {
+                    r = r.config().proxy(Some(p.clone())).build();
+                }
                 r.call()?
             }
             Method::Put | Method::Post => {
@@ -235,6 +241,9 @@ impl Client {
                 };
                 for (k, v) in extra {
                     r = r.header(k, v);
+                }
+                if let Some(p) = &self.proxy {
+                    r = r.config().proxy(Some(p.clone())).build();
                 }
                 r.send(body)?
             }
@@ -301,8 +310,10 @@ impl Client {
 pub(crate) fn address(url: &S3Url, cfg: &S3Config) -> Result<(Bucket, String), S3Error> {
     let (endpoint, style, server) = match &cfg.endpoint {
         Some(e) => {
-            let u =
-                crate::config::check_endpoint(e).map_err(|why| S3Error::Config(format!("endpoint {e:?}: {why}")))?;
+            let u = crate::config::check_endpoint(e).map_err(|why| {
+                let shown = if e.contains('@') { "(not shown: it holds an '@')".to_string() } else { format!("{e:?}") };
+                S3Error::Config(format!("endpoint {shown}: {why}"))
+            })?;
             (u, UrlStyle::Path, e.trim_end_matches('/').to_string())
         }
         None => {
@@ -325,45 +336,6 @@ pub(crate) fn credentials(cfg: &S3Config) -> Credentials {
         Some(t) => Credentials::new_with_token(&cfg.access_key_id, &cfg.secret_access_key, t),
         None => Credentials::new(&cfg.access_key_id, &cfg.secret_access_key),
     }
-}
-
-fn agent(http: &HttpOptions) -> Result<ureq::Agent, S3Error> {
-    use ureq::tls::{RootCerts, TlsConfig, TlsProvider};
-    let mut tls = TlsConfig::builder().provider(TlsProvider::NativeTls).root_certs(RootCerts::PlatformVerifier);
-    if let Some(ca) = &http.ca {
-        let err = |why: String| S3Error::Config(format!("CA file {}: {why}", ca.display()));
-        let meta = std::fs::metadata(ca).map_err(|e| err(e.to_string()))?;
-        if meta.len() > MAX_CA_BYTES {
-            return Err(err(format!("{} bytes is too large for a PEM file of certificates", meta.len())));
-        }
-        let pem = std::fs::read(ca).map_err(|e| err(e.to_string()))?;
-        let mut certs = Vec::new();
-        for item in ureq::tls::parse_pem(&pem) {
-            if let ureq::tls::PemItem::Certificate(c) = item.map_err(|e| err(e.to_string()))? {
-                certs.push(c);
-            }
-        }
-        if certs.is_empty() {
-            return Err(err("no certificate in it (expected PEM, -----BEGIN CERTIFICATE-----)".into()));
-        }
-        tls = tls.root_certs(RootCerts::Specific(Arc::new(certs)));
-    }
-    if http.insecure {
-        log::warn!("S3: the server's certificate is NOT verified (--insecure): anyone on the path can read and change the data");
-        tls = tls.disable_verification(true);
-    }
-    let t = http.timeout;
-    Ok(ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .tls_config(tls.build())
-        .timeout_connect(t)
-        .timeout_per_read(t)
-        .timeout_per_write(t)
-        .max_idle_connections(64)
-        .max_idle_connections_per_host(64)
-        .user_agent(concat!("ferry/", env!("CARGO_PKG_VERSION")))
-        .build()
-        .new_agent())
 }
 
 /// `body` is an S3 `<Error>` document.

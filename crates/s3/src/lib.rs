@@ -19,8 +19,9 @@
 //!   builds and parses the multipart XML. It does no I/O, so the HTTP client is ours, and
 //!   it is small (a few thousand lines) where the AWS SDK for Rust would bring tokio,
 //!   hyper, the smithy runtime and hundreds of crates into a blocking, thread-based tool.
-//! - **ureq 3** (with native-tls, i.e. the OpenSSL ferry already links) sends the requests
-//!   this crate makes itself (everything but the data reads), as `ferry-http` does.
+//! - **ureq 3** sends the requests this crate makes itself (everything but the data
+//!   reads) through `ferry_http::agent`, so uploads trust, time out and go through proxies
+//!   exactly as the reads do (native-tls, i.e. the OpenSSL ferry already links).
 //! - **md-5** and **base64** make each part's `Content-MD5`, so S3 checks every part's
 //!   bytes on arrival (`BadDigest` otherwise).
 //!
