@@ -749,7 +749,14 @@ impl Drop for S3Writer {
         if phase == Phase::Open && self.upload_id.is_some() {
             log::warn!("{}: the upload was not completed: aborting it", self.target());
             if let Err(e) = self.abort() {
-                log::error!("{e}; the parts uploaded so far stay (and are billed) until aborted: `aws s3api abort-multipart-upload`");
+                let u = &self.client.url;
+                log::error!(
+                    "{e}; the parts uploaded so far stay (and are billed) until the upload is aborted: \
+                     `aws s3api abort-multipart-upload --bucket {} --key '{}' --upload-id {}`",
+                    u.bucket,
+                    u.key,
+                    self.upload_id.as_deref().unwrap_or_default()
+                );
             }
         }
     }
