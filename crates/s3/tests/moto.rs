@@ -36,7 +36,7 @@ fn moto() -> &'static Moto {
         let mut child = Command::new("sh")
             .args([
                 "-c",
-                "moto_server -H 127.0.0.1 -p \"$1\" >\"$2\" 2>&1 & pid=$!; read _; kill $pid; wait $pid",
+                "moto_server -H 127.0.0.1 -p \"$1\" >\"$2\" 2>&1 & pid=$!; read _; kill $pid; wait $pid; rm -f \"$2\"",
                 "sh",
                 &port.to_string(),
                 log.to_str().unwrap(),
