@@ -188,10 +188,15 @@ impl Client {
                 }
                 Err(e) => {
                     let permanent = matches!(e, ureq::Error::HostNotFound | ureq::Error::BadUri(_));
+                    // A bad URI's text would be the presigned URL, signature and all.
+                    let why = match e {
+                        ureq::Error::BadUri(_) => "the request's URL is not valid".to_string(),
+                        e => e.to_string(),
+                    };
                     let e = S3Error::Transport {
                         target: self.url.to_string(),
                         op: op.to_string(),
-                        message: format!("no answer from {}: {e}", self.server),
+                        message: format!("no answer from {}: {why}", self.server),
                     };
                     (e, !permanent)
                 }

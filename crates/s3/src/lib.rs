@@ -15,10 +15,13 @@
 //!   dropping an unfinished writer) leaves nothing behind.
 //!
 //! Crates, and why:
-//! - **rusty-s3** signs requests (SigV4 presigned URLs, computed locally with HMAC) and
-//!   builds and parses the multipart XML. It does no I/O, so the HTTP client is ours, and
-//!   it is small (a few thousand lines) where the AWS SDK for Rust would bring tokio,
-//!   hyper, the smithy runtime and hundreds of crates into a blocking, thread-based tool.
+//! - **rusty-s3** signs requests (SigV4 presigned URLs, computed locally with HMAC; `jiff`
+//!   gives it the time), builds CompleteMultipartUpload's XML and reads
+//!   CreateMultipartUpload's answer. It does no I/O, so the HTTP client is ours, and it is
+//!   small (a few thousand lines) where the AWS SDK for Rust would bring tokio, hyper, the
+//!   smithy runtime and hundreds of crates into a blocking, thread-based tool. Other
+//!   answers (errors, ListParts, ListMultipartUploads) are read tag by tag, because S3
+//!   servers differ in their root elements' names.
 //! - **ureq 3** sends the requests this crate makes itself (everything but the data
 //!   reads) through `ferry_http::agent`, so uploads trust, time out and go through proxies
 //!   exactly as the reads do (native-tls, i.e. the OpenSSL ferry already links).
