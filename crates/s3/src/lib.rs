@@ -14,6 +14,38 @@
 //!   arrived, and [`S3Writer::complete`] makes the object appear; [`S3Writer::abort`] (or
 //!   dropping an unfinished writer) leaves nothing behind.
 //!
+//! A copy to S3, as the CLI does it (the destination must not be declared zeroed: an
+//! object has no holes, so every byte, zeroes too, has to be written):
+//!
+//! ```no_run
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use ferry_backend::Backend;
+//! use ferry_client::copy::{copy, BackendEndpoint, CopyOptions, Endpoint, Progress};
+//! use ferry_s3::{S3Config, S3Url, S3Writer};
+//! use std::sync::Arc;
+//!
+//! let src: Arc<dyn Backend> = Arc::new(ferry_backend::MemoryBackend::new(1 << 30));
+//! let url: S3Url = "s3://bucket/images/disk.raw".parse()?;
+//! let (cfg, http) = (S3Config::from_env()?, ferry_http::HttpOptions::default());
+//! let w = Arc::new(S3Writer::create(&url, &cfg, &http, src.size())?);
+//! let (s, d) = (
+//!     Endpoint::Backend(BackendEndpoint::new("source".into(), src.clone())),
+//!     Endpoint::Backend(BackendEndpoint::new(url.to_string(), w.clone())),
+//! );
+//! match copy(&s, &d, &CopyOptions::default(), &Progress::default()) {
+//!     Ok(_) => w.complete()?,
+//!     Err(e) => {
+//!         w.abort()?; // (dropping the last reference to `w` would abort too)
+//!         return Err(e.into());
+//!     }
+//! }
+//! // Reading it back: a read-only backend over ferry-http.
+//! let back = ferry_s3::open_source(&url, &cfg, &http)?;
+//! assert_eq!(back.size(), src.size());
+//! # Ok(())
+//! # }
+//! ```
+//!
 //! Crates, and why:
 //! - **rusty-s3** signs requests (SigV4 presigned URLs, computed locally with HMAC; `jiff`
 //!   gives it the time), builds CompleteMultipartUpload's XML and reads
