@@ -1,11 +1,43 @@
 //! HTTP(S) images as read-only [`ferry_backend::Backend`]s.
 //!
-//! Interface shared with `ferry-s3` (which reads objects through presigned GETs) and the
-//! opener. The implementation fills in `HttpBackend`.
+//! An image on a web server (or an S3 object through presigned URLs, see `ferry-s3`) is
+//! read with ranged GETs: the first one (`Range: bytes=0-65535`) tells the size from its
+//! `Content-Range` and keeps the image's head, so probing a qcow2 header costs nothing
+//! more; every later read is one ranged GET of exactly that range, its body read straight
+//! into the caller's buffer, over a pool of kept-alive connections so many workers can
+//! each have a request in flight. A server that ignores ranges (a `200` answer) is read
+//! as one sequential stream instead ([`HttpBackend`] documents how).
+//!
+//! Crates, and why:
+//! - **ureq 3** is the HTTP client: blocking (ferry's copy engine runs plain threads, and
+//!   reqwest's blocking client would bring a tokio runtime along), small, kept up, and it
+//!   checks what a hostile server can make it do: response headers are limited (64 KiB),
+//!   bodies are bounded by their `Content-Length`, a connection is reused only when its
+//!   body was read to the end. Its agent pools connections, follows redirects and speaks
+//!   to HTTP and HTTPS (CONNECT) proxies.
+//! - **native-tls** (OpenSSL on Linux) is its TLS: ferry already links OpenSSL for NBD
+//!   TLS (`ferry-tls`), so HTTPS costs no second TLS stack or crypto build (rustls would
+//!   bring ring or aws-lc-rs). OpenSSL's default verify paths honour `SSL_CERT_FILE` and
+//!   `SSL_CERT_DIR` exactly as curl and `openssl s_client` do, and fall back to the system
+//!   store; `--ca FILE` replaces the store with that file's certificates.
+//! - **url** and **percent-encoding** parse URLs and decode `user:password@` credentials.
+//!
+//! Nothing here prints a URL's userinfo or query string: a presigned URL carries its
+//! signature in the query, so logs and errors name objects by [`Locator::describe`].
+#![forbid(unsafe_code)]
+
+mod backend;
+mod wire;
+
+pub use backend::{HttpBackend, UrlLocator, HEAD_BYTES, STREAM_WINDOW};
+pub use ureq::Agent;
 
 use std::ops::Range;
 use std::path::PathBuf;
 use std::time::Duration;
+use ureq::tls::{RootCerts, TlsConfig, TlsProvider};
+use ureq::typestate::WithoutBody;
+use ureq::RequestBuilder;
 
 /// How to reach a server: trust, authentication, retries, parallelism.
 #[derive(Debug, Clone)]
@@ -50,4 +82,158 @@ pub trait Locator: Send + Sync + 'static {
 pub enum HttpError {
     #[error("{url}: {message}")]
     Other { url: String, message: String },
+    /// The server answered with a status that retrying cannot change (401, 403, 404, ...).
+    #[error("HTTP {status} {reason} for {url}: {advice}")]
+    Status { url: String, status: u16, reason: String, advice: String },
+}
+
+impl HttpError {
+    pub(crate) fn other(url: &str, message: impl Into<String>) -> Self {
+        HttpError::Other { url: url.to_string(), message: message.into() }
+    }
+
+    /// The HTTP status of a [`HttpError::Status`].
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            HttpError::Status { status, .. } => Some(*status),
+            HttpError::Other { .. } => None,
+        }
+    }
+}
+
+/// The longest response header ferry accepts (ureq refuses longer ones).
+pub const MAX_HEADER_BYTES: usize = 64 * 1024;
+/// Idle connections kept per host: enough for 16 workers with a request each in flight.
+pub const POOL_PER_HOST: usize = 32;
+/// Redirects followed before giving up.
+pub const MAX_REDIRECTS: u32 = 10;
+
+/// The client every request of one backend goes through: a pool of kept-alive connections
+/// (up to [`POOL_PER_HOST`] idle per host), redirects followed (up to [`MAX_REDIRECTS`],
+/// `Authorization` kept only to the same host), timeouts from `opts.timeout` (connecting,
+/// and each read or write of the socket: a request fails once it has made no progress for
+/// that long), and trust from `opts.ca` / `opts.insecure` / `SSL_CERT_FILE` /
+/// `SSL_CERT_DIR` / the system store. Statuses are returned, not turned into errors.
+/// Proxies are chosen per request by [`get`] (they depend on each URL's scheme and host).
+pub fn agent(opts: &HttpOptions) -> Result<Agent, HttpError> {
+    let mut tls = TlsConfig::builder().provider(TlsProvider::NativeTls);
+    if opts.insecure {
+        log::warn!(
+            "INSECURE: the HTTPS server's certificate and name are NOT verified (--insecure): \
+             anyone on the network path can read and alter the image"
+        );
+        tls = tls.disable_verification(true);
+    } else if let Some(ca) = &opts.ca {
+        let pem = std::fs::read(ca).map_err(|e| {
+            HttpError::other(&ca.display().to_string(), format!("cannot read the CA file: {e}"))
+        })?;
+        let mut certs = Vec::new();
+        for item in ureq::tls::parse_pem(&pem) {
+            match item {
+                Ok(ureq::tls::PemItem::Certificate(c)) => certs.push(c),
+                Ok(_) => {}
+                Err(e) => {
+                    return Err(HttpError::other(
+                        &ca.display().to_string(),
+                        format!("the CA file is not valid PEM ({e}): give a file of PEM certificates"),
+                    ))
+                }
+            }
+        }
+        if certs.is_empty() {
+            return Err(HttpError::other(
+                &ca.display().to_string(),
+                "the CA file holds no certificate: give a file of PEM certificates (BEGIN CERTIFICATE)",
+            ));
+        }
+        tls = tls.root_certs(RootCerts::new_with_certs(&certs));
+    } else {
+        // native-tls's built-in roots: OpenSSL's default paths, SSL_CERT_FILE / SSL_CERT_DIR.
+        tls = tls.root_certs(RootCerts::PlatformVerifier);
+    }
+    let config = Agent::config_builder()
+        .tls_config(tls.build())
+        .http_status_as_error(false)
+        .max_redirects(MAX_REDIRECTS)
+        .redirect_auth_headers(ureq::config::RedirectAuthHeaders::SameHost)
+        .max_idle_connections(2 * POOL_PER_HOST)
+        .max_idle_connections_per_host(POOL_PER_HOST)
+        .max_response_header_size(MAX_HEADER_BYTES)
+        .input_buffer_size(256 * 1024)
+        .user_agent(concat!("ferry/", env!("CARGO_PKG_VERSION")))
+        .accept_encoding(ureq::config::AutoHeaderValue::None)
+        .proxy(None)
+        .timeout_connect(opts.timeout)
+        .timeout_per_read(opts.timeout)
+        .timeout_per_write(opts.timeout)
+        .build();
+    Ok(Agent::new_with_config(config))
+}
+
+/// A GET of `url` through `agent`, ready for `call()`: `user:password@` in the URL becomes
+/// `Authorization: Basic` (and leaves the URL), `headers` are added (an `Authorization`
+/// among them wins over the URL's), and the proxy is the environment's for this URL
+/// ([`proxy_for`]). `describe` names the URL in errors.
+pub fn get(
+    agent: &Agent,
+    url: &str,
+    headers: &[(String, String)],
+    describe: &str,
+) -> Result<RequestBuilder<WithoutBody>, HttpError> {
+    let mut parsed = url::Url::parse(url)
+        .map_err(|e| HttpError::other(describe, format!("not a valid URL ({e}): give an http:// or https:// URL")))?;
+    if parsed.scheme() != "http" && parsed.scheme() != "https" {
+        return Err(HttpError::other(describe, "only http:// and https:// URLs can be read"));
+    }
+    let basic = basic_auth(&parsed);
+    if basic.is_some() {
+        let _ = parsed.set_username("");
+        let _ = parsed.set_password(None);
+    }
+    let proxy = proxy_for(&parsed, describe)?;
+    let mut req = agent.get(parsed.as_str());
+    let has_auth = headers.iter().any(|(n, _)| n.eq_ignore_ascii_case("authorization"));
+    if let (Some(b), false) = (basic, has_auth) {
+        req = req.header("Authorization", b);
+    }
+    for (n, v) in headers {
+        req = req.header(n.as_str(), v.as_str());
+    }
+    if let Some(p) = proxy {
+        req = req.config().proxy(Some(p)).build();
+    }
+    Ok(req)
+}
+
+/// `Basic base64(user:password)` from a URL's userinfo, percent-decoded.
+fn basic_auth(url: &url::Url) -> Option<String> {
+    if url.username().is_empty() && url.password().is_none() {
+        return None;
+    }
+    let mut creds: Vec<u8> = percent_encoding::percent_decode_str(url.username()).collect();
+    creds.push(b':');
+    creds.extend(percent_encoding::percent_decode_str(url.password().unwrap_or("")));
+    Some(format!("Basic {}", wire::base64(&creds)))
+}
+
+/// The proxy for `url` from the environment, as curl chooses it: `https_proxy` /
+/// `HTTPS_PROXY` for https URLs, `http_proxy` / `HTTP_PROXY` for http ones, else
+/// `all_proxy` / `ALL_PROXY`; none when the host is in `no_proxy` / `NO_PROXY`.
+pub fn proxy_for(url: &url::Url, describe: &str) -> Result<Option<ureq::Proxy>, HttpError> {
+    let var = |names: &[&str]| {
+        names.iter().find_map(|n| std::env::var(n).ok().filter(|v| !v.trim().is_empty()))
+    };
+    let proxy = match url.scheme() {
+        "https" => var(&["https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"]),
+        _ => var(&["http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"]),
+    };
+    let Some(proxy) = proxy else { return Ok(None) };
+    if let (Some(np), Some(host)) = (var(&["no_proxy", "NO_PROXY"]), url.host_str()) {
+        if wire::no_proxy_matches(&np, host) {
+            return Ok(None);
+        }
+    }
+    ureq::Proxy::new(proxy.trim()).map(Some).map_err(|e| {
+        HttpError::other(describe, format!("the proxy in the environment is not usable ({e}): fix https_proxy/http_proxy"))
+    })
 }

@@ -1,0 +1,398 @@
+//! Where the credentials, region and endpoint come from: the environment and the AWS
+//! CLI's shared files, looked up in the order the AWS tools use.
+
+use crate::S3Error;
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+/// The largest shared config or credentials file read (they are a few lines long).
+const MAX_FILE_BYTES: u64 = 1 << 20;
+
+/// How to reach S3 and who to be there.
+///
+/// Built by [`S3Config::from_env`] (or [`S3Config::load`], its pure form):
+///
+/// - credentials: `AWS_ACCESS_KEY_ID` + `AWS_SECRET_ACCESS_KEY` (+ `AWS_SESSION_TOKEN`),
+///   else the profile's `aws_access_key_id` / `aws_secret_access_key` /
+///   `aws_session_token` in the credentials file (`[NAME]` sections), else in the config
+///   file (`[profile NAME]`, or `[default]`);
+/// - the profile: `AWS_PROFILE`, else `default`;
+/// - the files: `AWS_SHARED_CREDENTIALS_FILE` (else `~/.aws/credentials`) and
+///   `AWS_CONFIG_FILE` (else `~/.aws/config`);
+/// - the region: `AWS_REGION`, else `AWS_DEFAULT_REGION`, else the profile's `region`,
+///   else `us-east-1`;
+/// - the endpoint: `AWS_ENDPOINT_URL_S3`, else `AWS_ENDPOINT_URL`, else the profile's
+///   `endpoint_url`. With an endpoint (radosgw, MinIO, a test server) requests use
+///   path-style URLs (`ENDPOINT/BUCKET/KEY`); without one, AWS's virtual-hosted URLs
+///   (`https://BUCKET.s3.REGION.amazonaws.com/KEY`).
+///
+/// `Debug` and every error leave the secret key and the session token out.
+#[derive(Clone)]
+pub struct S3Config {
+    pub access_key_id: String,
+    pub secret_access_key: String,
+    pub session_token: Option<String>,
+    pub region: String,
+    /// `http(s)://host[:port][/prefix]` of an S3-compatible server; `None`: AWS.
+    pub endpoint: Option<String>,
+    /// Where the credentials were found, for messages (e.g. `the environment`).
+    pub credentials_from: String,
+}
+
+impl fmt::Debug for S3Config {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("S3Config")
+            .field("access_key_id", &self.access_key_id)
+            .field("secret_access_key", &"<redacted>")
+            .field("session_token", &self.session_token.as_ref().map(|_| "<redacted>"))
+            .field("region", &self.region)
+            .field("endpoint", &self.endpoint)
+            .field("credentials_from", &self.credentials_from)
+            .finish()
+    }
+}
+
+impl S3Config {
+    /// A configuration for an S3-compatible server at `endpoint` with these credentials.
+    pub fn with_endpoint(endpoint: &str, access_key_id: &str, secret_access_key: &str, region: &str) -> S3Config {
+        S3Config {
+            access_key_id: access_key_id.into(),
+            secret_access_key: secret_access_key.into(),
+            session_token: None,
+            region: region.into(),
+            endpoint: Some(endpoint.into()),
+            credentials_from: "the caller".into(),
+        }
+    }
+
+    /// Reads the process environment and `$HOME/.aws` (see [`S3Config`]).
+    pub fn from_env() -> Result<S3Config, S3Error> {
+        let home = std::env::var_os("HOME").map(PathBuf::from);
+        S3Config::load(&|name| std::env::var(name).ok(), home.as_deref())
+    }
+
+    /// As [`S3Config::from_env`], with the environment given as a lookup function and the
+    /// home directory as a path, so tests need not change the process's environment.
+    /// Empty variables count as unset.
+    pub fn load(env: &dyn Fn(&str) -> Option<String>, home: Option<&Path>) -> Result<S3Config, S3Error> {
+        let var = |name: &str| env(name).map(|v| v.trim().to_string()).filter(|v| !v.is_empty());
+        let profile = var("AWS_PROFILE").unwrap_or_else(|| "default".into());
+        let aws_dir = home.map(|h| h.join(".aws"));
+        let cred_path = var("AWS_SHARED_CREDENTIALS_FILE")
+            .map(PathBuf::from)
+            .or_else(|| aws_dir.as_ref().map(|d| d.join("credentials")));
+        let conf_path =
+            var("AWS_CONFIG_FILE").map(PathBuf::from).or_else(|| aws_dir.as_ref().map(|d| d.join("config")));
+        let cred_file = cred_path.as_deref().map(read_ini).transpose()?.flatten();
+        let conf_file = conf_path.as_deref().map(read_ini).transpose()?.flatten();
+        // [NAME] in credentials; [profile NAME] in config, where the default profile is [default].
+        let cred_section = cred_file.as_ref().and_then(|f| f.section(&profile));
+        let conf_section = conf_file.as_ref().and_then(|f| {
+            f.section(&format!("profile {profile}")).or_else(|| {
+                if profile == "default" {
+                    f.section("default")
+                } else {
+                    None
+                }
+            })
+        });
+        if profile != "default" && var("AWS_PROFILE").is_some() && cred_section.is_none() && conf_section.is_none() {
+            return Err(S3Error::Config(format!(
+                "AWS_PROFILE names the profile {profile:?}, which is neither [{profile}] in {} nor [profile {profile}] in {}: \
+                 fix AWS_PROFILE or add the profile",
+                shown(cred_path.as_deref()),
+                shown(conf_path.as_deref())
+            )));
+        }
+        let from_profile = |key: &str| {
+            cred_section.and_then(|s| s.get(key)).or_else(|| conf_section.and_then(|s| s.get(key))).map(str::to_string)
+        };
+
+        let (access_key_id, secret_access_key, session_token, credentials_from) =
+            match (var("AWS_ACCESS_KEY_ID"), var("AWS_SECRET_ACCESS_KEY")) {
+                (Some(id), Some(secret)) => (id, secret, var("AWS_SESSION_TOKEN"), "the environment".to_string()),
+                (Some(_), None) | (None, Some(_)) => {
+                    return Err(S3Error::Config(
+                        "only one of AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY is set: set both, or neither to use \
+                         the shared credentials file"
+                            .into(),
+                    ))
+                }
+                (None, None) => match (from_profile("aws_access_key_id"), from_profile("aws_secret_access_key")) {
+                    (Some(id), Some(secret)) => {
+                        let place = match cred_section.and_then(|s| s.get("aws_access_key_id")) {
+                            Some(_) => format!("profile {profile} in {}", shown(cred_path.as_deref())),
+                            None => format!("profile {profile} in {}", shown(conf_path.as_deref())),
+                        };
+                        (id, secret, from_profile("aws_session_token"), place)
+                    }
+                    (Some(_), None) | (None, Some(_)) => {
+                        return Err(S3Error::Config(format!(
+                            "profile {profile} has only one of aws_access_key_id and aws_secret_access_key \
+                             (in {} / {}): give it both",
+                            shown(cred_path.as_deref()),
+                            shown(conf_path.as_deref())
+                        )))
+                    }
+                    (None, None) => {
+                        return Err(S3Error::Config(format!(
+                        "no S3 credentials: looked in the environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY), \
+                             in [{profile}] of {} and in [{}] of {}; set the variables or run `aws configure`",
+                        shown(cred_path.as_deref()),
+                        if profile == "default" { "default".to_string() } else { format!("profile {profile}") },
+                        shown(conf_path.as_deref())
+                    )))
+                    }
+                },
+            };
+        let region = var("AWS_REGION")
+            .or_else(|| var("AWS_DEFAULT_REGION"))
+            .or_else(|| conf_section.and_then(|s| s.get("region")).map(str::to_string))
+            .unwrap_or_else(|| "us-east-1".into());
+        let (endpoint, endpoint_from) = match (var("AWS_ENDPOINT_URL_S3"), var("AWS_ENDPOINT_URL")) {
+            (Some(e), _) => (Some(e), "AWS_ENDPOINT_URL_S3".to_string()),
+            (None, Some(e)) => (Some(e), "AWS_ENDPOINT_URL".to_string()),
+            (None, None) => (
+                conf_section.and_then(|s| s.get("endpoint_url")).map(str::to_string),
+                format!("endpoint_url of profile {profile} in {}", shown(conf_path.as_deref())),
+            ),
+        };
+        if let Some(e) = &endpoint {
+            check_endpoint(e).map_err(|why| {
+                let shown = if e.contains('@') { "(not shown: it holds an '@')".to_string() } else { format!("{e:?}") };
+                S3Error::Config(format!("{endpoint_from} = {shown}: {why}"))
+            })?;
+        }
+        if region.is_empty() || !region.chars().all(|c| c.is_ascii_alphanumeric() || c == '-') {
+            return Err(S3Error::Config(format!("the region {region:?} is not a region name (such as eu-west-1)")));
+        }
+        Ok(S3Config { access_key_id, secret_access_key, session_token, region, endpoint, credentials_from })
+    }
+}
+
+/// Why `endpoint` cannot be an S3 endpoint, if it cannot.
+pub(crate) fn check_endpoint(endpoint: &str) -> Result<url::Url, String> {
+    let u = url::Url::parse(endpoint).map_err(|e| format!("not a URL ({e}); write http(s)://HOST[:PORT]"))?;
+    if !matches!(u.scheme(), "http" | "https") {
+        return Err("the endpoint must be an http:// or https:// URL".into());
+    }
+    if u.host_str().is_none_or(str::is_empty) {
+        return Err("the endpoint has no host".into());
+    }
+    if !u.username().is_empty() || u.password().is_some() {
+        return Err("the endpoint must not carry credentials: use AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY".into());
+    }
+    Ok(u)
+}
+
+fn shown(p: Option<&Path>) -> String {
+    match p {
+        Some(p) => p.display().to_string(),
+        None => "(no home directory)".into(),
+    }
+}
+
+/// An INI file as the AWS CLI writes it: `[section]`, `key = value`, `#`/`;` comments;
+/// the indented sub-keys of a nested setting (`s3 =` then indented lines) are skipped.
+#[derive(Debug, Default)]
+pub(crate) struct Ini {
+    sections: Vec<(String, Vec<(String, String)>)>,
+}
+
+#[derive(Clone, Copy)]
+pub(crate) struct Section<'a>(&'a [(String, String)]);
+
+impl<'a> Section<'a> {
+    pub(crate) fn get(self, key: &str) -> Option<&'a str> {
+        self.0.iter().rev().find(|(k, _)| k.eq_ignore_ascii_case(key)).map(|(_, v)| v.as_str())
+    }
+}
+
+impl Ini {
+    pub(crate) fn parse(text: &str) -> Ini {
+        let mut ini = Ini::default();
+        let mut nested = false;
+        for line in text.lines() {
+            let indented = line.starts_with([' ', '\t']);
+            let line = line.trim();
+            if line.is_empty() || line.starts_with(['#', ';']) {
+                continue;
+            }
+            if let Some(name) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+                let name = name.split_whitespace().collect::<Vec<_>>().join(" ");
+                ini.sections.push((name, Vec::new()));
+                nested = false;
+                continue;
+            }
+            if indented && nested {
+                continue;
+            }
+            let Some((k, v)) = line.split_once('=') else { continue };
+            let (k, v) = (k.trim(), v.trim());
+            nested = v.is_empty();
+            if let Some((_, entries)) = ini.sections.last_mut() {
+                if !nested {
+                    entries.push((k.to_string(), v.to_string()));
+                }
+            }
+        }
+        ini
+    }
+
+    pub(crate) fn section(&self, name: &str) -> Option<Section<'_>> {
+        self.sections.iter().rev().find(|(n, _)| n == name).map(|(_, e)| Section(e))
+    }
+}
+
+/// The file parsed, `None` when it does not exist.
+fn read_ini(path: &Path) -> Result<Option<Ini>, S3Error> {
+    let err = |e: std::io::Error| S3Error::Config(format!("cannot read {}: {e}", path.display()));
+    let meta = match std::fs::metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(err(e)),
+    };
+    if meta.len() > MAX_FILE_BYTES {
+        return Err(S3Error::Config(format!(
+            "{} is {} bytes; an AWS config or credentials file is expected to be under {MAX_FILE_BYTES}",
+            path.display(),
+            meta.len()
+        )));
+    }
+    let text = std::fs::read_to_string(path).map_err(err)?;
+    Ok(Some(Ini::parse(&text)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn load(vars: &[(&str, &str)], home: Option<&Path>) -> Result<S3Config, S3Error> {
+        let map: HashMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        S3Config::load(&|k| map.get(k).cloned(), home)
+    }
+
+    fn home_with(credentials: &str, config: &str) -> tempfile::TempDir {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::create_dir(d.path().join(".aws")).unwrap();
+        std::fs::write(d.path().join(".aws/credentials"), credentials).unwrap();
+        std::fs::write(d.path().join(".aws/config"), config).unwrap();
+        d
+    }
+
+    #[test]
+    fn the_environment_comes_first() {
+        let home = home_with("[default]\naws_access_key_id = FILEKEY\naws_secret_access_key = filesecret\n", "");
+        let c = load(
+            &[
+                ("AWS_ACCESS_KEY_ID", "ENVKEY"),
+                ("AWS_SECRET_ACCESS_KEY", "envsecret"),
+                ("AWS_SESSION_TOKEN", "tok"),
+                ("AWS_DEFAULT_REGION", "eu-west-3"),
+                ("AWS_ENDPOINT_URL", "http://127.0.0.1:9000"),
+            ],
+            Some(home.path()),
+        )
+        .unwrap();
+        assert_eq!((c.access_key_id.as_str(), c.secret_access_key.as_str()), ("ENVKEY", "envsecret"));
+        assert_eq!(c.session_token.as_deref(), Some("tok"));
+        assert_eq!(c.region, "eu-west-3");
+        assert_eq!(c.endpoint.as_deref(), Some("http://127.0.0.1:9000"));
+        assert_eq!(c.credentials_from, "the environment");
+        let dbg = format!("{c:?}");
+        assert!(!dbg.contains("envsecret") && !dbg.contains("tok\""), "{dbg}");
+        // AWS_REGION beats AWS_DEFAULT_REGION; the S3-specific endpoint beats the general one.
+        let c = load(
+            &[
+                ("AWS_ACCESS_KEY_ID", "K"),
+                ("AWS_SECRET_ACCESS_KEY", "S"),
+                ("AWS_REGION", "ap-south-1"),
+                ("AWS_DEFAULT_REGION", "eu-west-3"),
+                ("AWS_ENDPOINT_URL", "http://a:1"),
+                ("AWS_ENDPOINT_URL_S3", "https://b:2/prefix"),
+            ],
+            None,
+        )
+        .unwrap();
+        assert_eq!(c.region, "ap-south-1");
+        assert_eq!(c.endpoint.as_deref(), Some("https://b:2/prefix"));
+        let c = load(&[("AWS_ACCESS_KEY_ID", "K"), ("AWS_SECRET_ACCESS_KEY", "S")], None).unwrap();
+        assert_eq!((c.region.as_str(), c.endpoint), ("us-east-1", None));
+    }
+
+    #[test]
+    fn profiles_from_the_shared_files() {
+        let home = home_with(
+            "# comment\n[default]\naws_access_key_id = DEFKEY\naws_secret_access_key = defsecret\n\n\
+             [work]\naws_access_key_id=WORKKEY\naws_secret_access_key=worksecret\naws_session_token = wtok\n",
+            "[default]\nregion = eu-central-1\n\n[profile work]\nregion = us-west-2\ns3 =\n  endpoint_url = http://nested:1\n\
+             endpoint_url = http://127.0.0.1:7480\n[profile cfgonly]\naws_access_key_id = CK\naws_secret_access_key = CS\n",
+        );
+        let c = load(&[], Some(home.path())).unwrap();
+        assert_eq!(
+            (c.access_key_id.as_str(), c.region.as_str(), c.endpoint.as_deref()),
+            ("DEFKEY", "eu-central-1", None)
+        );
+        assert!(c.credentials_from.contains(".aws/credentials"), "{}", c.credentials_from);
+        let c = load(&[("AWS_PROFILE", "work")], Some(home.path())).unwrap();
+        assert_eq!(c.access_key_id, "WORKKEY");
+        assert_eq!(c.secret_access_key, "worksecret");
+        assert_eq!(c.session_token.as_deref(), Some("wtok"));
+        assert_eq!(c.region, "us-west-2");
+        assert_eq!(c.endpoint.as_deref(), Some("http://127.0.0.1:7480"), "nested s3 keys are skipped");
+        let c = load(&[("AWS_PROFILE", "cfgonly")], Some(home.path())).unwrap();
+        assert_eq!(c.access_key_id, "CK");
+        assert!(c.credentials_from.contains(".aws/config"));
+        // The region variable beats the profile's.
+        let c = load(&[("AWS_PROFILE", "work"), ("AWS_REGION", "sa-east-1")], Some(home.path())).unwrap();
+        assert_eq!(c.region, "sa-east-1");
+        let e = load(&[("AWS_PROFILE", "nope")], Some(home.path())).unwrap_err().to_string();
+        assert!(e.contains("\"nope\"") && e.contains(".aws/credentials"), "{e}");
+    }
+
+    #[test]
+    fn file_paths_can_be_moved() {
+        let d = tempfile::tempdir().unwrap();
+        let cred = d.path().join("c");
+        let conf = d.path().join("f");
+        std::fs::write(&cred, "[p]\naws_access_key_id = MK\naws_secret_access_key = MS\n").unwrap();
+        std::fs::write(&conf, "[profile p]\nregion = eu-north-1\n").unwrap();
+        let c = load(
+            &[
+                ("AWS_PROFILE", "p"),
+                ("AWS_SHARED_CREDENTIALS_FILE", cred.to_str().unwrap()),
+                ("AWS_CONFIG_FILE", conf.to_str().unwrap()),
+            ],
+            None,
+        )
+        .unwrap();
+        assert_eq!((c.access_key_id.as_str(), c.region.as_str()), ("MK", "eu-north-1"));
+    }
+
+    #[test]
+    fn missing_or_half_credentials_say_where_they_were_looked_for() {
+        let home = home_with("", "");
+        let e = load(&[], Some(home.path())).unwrap_err().to_string();
+        assert!(e.contains("AWS_ACCESS_KEY_ID") && e.contains(".aws/credentials") && e.contains(".aws/config"), "{e}");
+        let e = load(&[("AWS_ACCESS_KEY_ID", "K")], None).unwrap_err().to_string();
+        assert!(e.contains("only one of"), "{e}");
+        let home = home_with("[default]\naws_secret_access_key = hidden\n", "");
+        let e = load(&[], Some(home.path())).unwrap_err().to_string();
+        assert!(e.contains("only one of") && !e.contains("hidden"), "{e}");
+    }
+
+    #[test]
+    fn bad_endpoints_and_regions_are_refused() {
+        let base = [("AWS_ACCESS_KEY_ID", "K"), ("AWS_SECRET_ACCESS_KEY", "S")];
+        for (ep, why) in [("ftp://x", "http://"), ("localhost:9000", "URL"), ("http://u:p@h", "credentials")] {
+            let mut v = base.to_vec();
+            v.push(("AWS_ENDPOINT_URL", ep));
+            let e = load(&v, None).unwrap_err().to_string();
+            assert!(e.contains("AWS_ENDPOINT_URL") && e.contains(why) && !e.contains("u:p"), "{ep}: {e}");
+        }
+        let mut v = base.to_vec();
+        v.push(("AWS_REGION", "eu west"));
+        assert!(load(&v, None).unwrap_err().to_string().contains("region"));
+    }
+}
