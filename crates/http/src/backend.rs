@@ -189,13 +189,9 @@ impl HttpBackend {
         b.size = size;
         b.head = head;
         if let Some(body) = body {
-            log::info!(
-                "{}: the server does not serve byte ranges: reading it as one stream, in order",
-                b.name
-            );
+            log::info!("{}: the server does not serve byte ranges: reading it as one stream, in order", b.name);
             let pos = b.head.len() as u64;
-            b.stream =
-                Some(Mutex::new(Stream { body: Some(body), pos, kept: VecDeque::new(), kept_bytes: 0 }));
+            b.stream = Some(Mutex::new(Stream { body: Some(body), pos, kept: VecDeque::new(), kept_bytes: 0 }));
         }
         log::debug!("{}: {} bytes, {} mode", b.name, b.size, if b.stream.is_some() { "stream" } else { "ranged" });
         Ok(b)
@@ -216,7 +212,8 @@ impl HttpBackend {
         self.retried.load(Ordering::Relaxed)
     }
 
-    /// In stream mode, how often a read behind the stream made it GET the object again.
+    /// In stream mode, how often the object was read again from the start (a read behind
+    /// the stream and its window, or a failure in the middle of the stream).
     pub fn stream_restarts(&self) -> u64 {
         self.restarts.load(Ordering::Relaxed)
     }
@@ -257,7 +254,7 @@ impl HttpBackend {
                 Ok((total, head, None))
             }
             200 => {
-                let Some(size) = resp.body().content_length() else {
+                let Some(size) = header_u64(&resp, "content-length") else {
                     return Err(Fail::Fatal(HttpError::other(
                         &self.name,
                         "the server ignores Range requests and sends no Content-Length, so the \
@@ -309,9 +306,9 @@ impl HttpBackend {
             E::TooManyRedirects => fatal(format!("more than {} redirects: check the URL", crate::MAX_REDIRECTS)),
             E::RedirectFailed => fatal("a redirect could not be followed (bad or missing Location)".into()),
             E::BadUri(_) => fatal("the URL (or a redirect's target) is not valid".into()),
-            E::LargeResponseHeader(_, limit) => fatal(format!(
-                "the server's response header is longer than {limit} bytes: refusing it"
-            )),
+            E::LargeResponseHeader(_, limit) => {
+                fatal(format!("the server's response header is longer than {limit} bytes: refusing it"))
+            }
             E::NativeTls(e) => fatal(format!(
                 "TLS failed ({e}): if the server's certificate is signed by a private CA, give \
                  that CA with --ca FILE or SSL_CERT_FILE; --insecure skips the check (unsafe)"
@@ -330,8 +327,10 @@ impl HttpBackend {
         let reason = status.canonical_reason().unwrap_or("").to_string();
         let advice = match code {
             500..=599 | 408 | 429 | 416 => return Fail::Retry(format!("HTTP {code} {reason}")),
-            401 => "the server wants credentials: put them in the URL (https://user:password@host/...) \
-                    or pass an Authorization header",
+            401 => {
+                "the server wants credentials: put them in the URL (https://user:password@host/...) \
+                    or pass an Authorization header"
+            }
             403 => "access denied: check the credentials or the presigned URL's expiry",
             404 => "the object does not exist",
             410 => "the object was removed",
@@ -425,7 +424,7 @@ impl HttpBackend {
         if resp.status().as_u16() != 200 {
             return Err(self.status_fail(&resp));
         }
-        match resp.body().content_length() {
+        match header_u64(&resp, "content-length") {
             Some(n) if n != self.size => return Err(self.size_changed(n)),
             _ => {}
         }
@@ -466,16 +465,17 @@ impl HttpBackend {
                 *done += n;
                 continue;
             }
-            if cur < st.pos && st.body.is_some() {
+            if cur < st.pos {
                 log::info!(
                     "{}: a read at offset {cur} is behind the stream (at {}): reading the object again from the start",
                     self.name,
                     st.pos
                 );
-                self.restarts.fetch_add(1, Ordering::Relaxed);
                 st.body = None;
+                st.pos = 0;
             }
             if st.body.is_none() {
+                self.restarts.fetch_add(1, Ordering::Relaxed);
                 st.body = Some(self.open_stream()?);
                 st.pos = 0;
             }
@@ -505,6 +505,11 @@ impl HttpBackend {
     }
 }
 
+/// A header holding a decimal number; `None` when absent or not a number.
+fn header_u64(resp: &Response<Body>, name: &str) -> Option<u64> {
+    crate::wire::parse_u64(resp.headers().get(name)?.to_str().ok()?.trim())
+}
+
 fn content_range(resp: &Response<Body>) -> Option<ContentRange> {
     parse_content_range(resp.headers().get("content-range")?.to_str().ok()?)
 }
@@ -520,7 +525,7 @@ fn raw_range(resp: &Response<Body>) -> String {
 
 /// A `Content-Length`, when given, must be the length asked for.
 fn check_length(resp: &Response<Body>, len: u64) -> std::result::Result<(), Fail> {
-    match resp.body().content_length() {
+    match header_u64(resp, "content-length") {
         Some(n) if n != len => Err(Fail::Retry(format!("asked for {len} bytes, the server announced {n}"))),
         _ => Ok(()),
     }

@@ -124,9 +124,8 @@ pub fn agent(opts: &HttpOptions) -> Result<Agent, HttpError> {
         );
         tls = tls.disable_verification(true);
     } else if let Some(ca) = &opts.ca {
-        let pem = std::fs::read(ca).map_err(|e| {
-            HttpError::other(&ca.display().to_string(), format!("cannot read the CA file: {e}"))
-        })?;
+        let pem = std::fs::read(ca)
+            .map_err(|e| HttpError::other(&ca.display().to_string(), format!("cannot read the CA file: {e}")))?;
         let mut certs = Vec::new();
         for item in ureq::tls::parse_pem(&pem) {
             match item {
@@ -220,9 +219,7 @@ fn basic_auth(url: &url::Url) -> Option<String> {
 /// `HTTPS_PROXY` for https URLs, `http_proxy` / `HTTP_PROXY` for http ones, else
 /// `all_proxy` / `ALL_PROXY`; none when the host is in `no_proxy` / `NO_PROXY`.
 pub fn proxy_for(url: &url::Url, describe: &str) -> Result<Option<ureq::Proxy>, HttpError> {
-    let var = |names: &[&str]| {
-        names.iter().find_map(|n| std::env::var(n).ok().filter(|v| !v.trim().is_empty()))
-    };
+    let var = |names: &[&str]| names.iter().find_map(|n| std::env::var(n).ok().filter(|v| !v.trim().is_empty()));
     let proxy = match url.scheme() {
         "https" => var(&["https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"]),
         _ => var(&["http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"]),
@@ -234,6 +231,9 @@ pub fn proxy_for(url: &url::Url, describe: &str) -> Result<Option<ureq::Proxy>, 
         }
     }
     ureq::Proxy::new(proxy.trim()).map(Some).map_err(|e| {
-        HttpError::other(describe, format!("the proxy in the environment is not usable ({e}): fix https_proxy/http_proxy"))
+        HttpError::other(
+            describe,
+            format!("the proxy in the environment is not usable ({e}): fix https_proxy/http_proxy"),
+        )
     })
 }
