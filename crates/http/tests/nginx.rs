@@ -322,31 +322,107 @@ fn https_with_the_ca_option() {
     assert_eq!(read_all(&b, 4, 1 << 20).unwrap(), n.img);
 }
 
-#[test]
-fn https_with_ssl_cert_file() {
-    // SSL_CERT_FILE is read by OpenSSL for the whole process: set it in a child only.
-    let n = nginx();
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "ssl_cert_file_child", "--ignored", "--nocapture", "--test-threads=1"])
-        .env("SSL_CERT_FILE", n.ca())
-        .env("FERRY_HTTP_CHILD_URL", n.https_url("img"))
-        .output()
-        .unwrap();
+/// Runs `env_child` in a child process with `env` set (SSL_CERT_FILE and the proxy
+/// variables are read for the whole process) and asserts that it passed.
+fn in_child(mode: &str, url: &str, env: &[(&str, String)]) {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args(["--exact", "env_child", "--ignored", "--nocapture", "--test-threads=1"]);
+    for v in ["SSL_CERT_FILE", "SSL_CERT_DIR", "http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY"] {
+        cmd.env_remove(v);
+    }
+    for v in ["all_proxy", "ALL_PROXY", "no_proxy", "NO_PROXY"] {
+        cmd.env_remove(v);
+    }
+    cmd.env("FERRY_HTTP_CHILD_MODE", mode).env("FERRY_HTTP_CHILD_URL", url);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().unwrap();
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success() && text.contains("1 passed"), "child failed:\n{text}");
+    assert!(out.status.success() && text.contains("1 passed"), "child {mode} failed:\n{text}");
 }
 
-/// Run by `https_with_ssl_cert_file` in a child process with SSL_CERT_FILE set.
+/// Run by the tests that need a process-wide environment, in a child process.
 #[test]
-#[ignore = "run by https_with_ssl_cert_file"]
-fn ssl_cert_file_child() {
-    let url = std::env::var("FERRY_HTTP_CHILD_URL").expect("run by https_with_ssl_cert_file");
-    assert!(std::env::var_os("SSL_CERT_FILE").is_some());
-    let b = HttpBackend::open(&url, &opts()).unwrap();
-    assert_eq!(b.size(), IMG_LEN as u64);
-    let mut buf = vec![0; 100_000];
-    b.read(&mut buf, 1_000_000).unwrap();
-    assert!(buf == pattern(IMG_LEN, 1)[1_000_000..1_100_000]);
+#[ignore = "run in a child process by in_child()"]
+fn env_child() {
+    let mode = std::env::var("FERRY_HTTP_CHILD_MODE").expect("run by in_child()");
+    let url = std::env::var("FERRY_HTTP_CHILD_URL").unwrap();
+    let opened = HttpBackend::open(&url, &HttpOptions { retries: 0, ..opts() });
+    match mode.as_str() {
+        "works" => {
+            let b = opened.unwrap();
+            assert_eq!(b.size(), IMG_LEN as u64);
+            let mut buf = vec![0; 100_000];
+            b.read(&mut buf, 1_000_000).unwrap();
+            assert!(buf == pattern(IMG_LEN, 1)[1_000_000..1_100_000]);
+        }
+        "fails" => {
+            let e = opened.err().expect("opening should fail").to_string();
+            assert!(e.contains(&url), "{e}");
+        }
+        m => panic!("unknown mode {m}"),
+    }
+}
+
+#[test]
+fn https_with_ssl_cert_file() {
+    let n = nginx();
+    in_child("works", &n.https_url("img"), &[("SSL_CERT_FILE", n.ca().display().to_string())]);
+}
+
+#[test]
+fn proxies_from_the_environment() {
+    let n = nginx();
+    // The faulty proxy with no fault forwards absolute-form requests to nginx, which
+    // serves them: it is an HTTP proxy for any URL. Port 9 (discard) has no server here.
+    let (port, count) = faulty_proxy(n.http, Fault::Status503, u64::MAX);
+    let proxy = format!("http://127.0.0.1:{port}");
+    let url = "http://127.0.0.1:9/img";
+    in_child("works", url, &[("http_proxy", proxy.clone())]);
+    assert!(count.load(Ordering::SeqCst) >= 2, "the requests went through the proxy");
+    in_child("works", url, &[("HTTP_PROXY", proxy.clone())]);
+    in_child("works", url, &[("all_proxy", proxy.clone())]);
+    let before = count.load(Ordering::SeqCst);
+    in_child("fails", url, &[("http_proxy", proxy.clone()), ("no_proxy", "localhost, 127.0.0.1".into())]);
+    in_child("fails", url, &[("https_proxy", proxy.clone())]);
+    assert_eq!(count.load(Ordering::SeqCst), before, "no_proxy and https_proxy bypass the proxy for this URL");
+}
+
+/// Where every GET goes through a fresh "signature" in the query, as presigned S3 URLs do.
+struct Signed {
+    base: String,
+    signed: AtomicU64,
+}
+
+impl ferry_http::Locator for Signed {
+    fn get(
+        &self,
+        range: Option<std::ops::Range<u64>>,
+    ) -> Result<(String, Vec<(String, String)>), ferry_http::HttpError> {
+        let n = self.signed.fetch_add(1, Ordering::SeqCst);
+        let hdr = match range {
+            Some(r) => vec![("Range".to_string(), format!("bytes={}-{}", r.start, r.end - 1))],
+            None => Vec::new(),
+        };
+        Ok((format!("{}?X-Signature=secret{n}", self.base), hdr))
+    }
+    fn describe(&self) -> String {
+        format!("s3://bucket/{}", self.base.rsplit('/').next().unwrap_or(""))
+    }
+}
+
+#[test]
+fn a_locator_signs_each_get() {
+    let n = nginx();
+    let loc = Arc::new(Signed { base: n.url("img"), signed: AtomicU64::new(0) });
+    let b = HttpBackend::open_located(loc.clone(), &opts()).unwrap();
+    assert_eq!(b.describe(), "s3://bucket/img");
+    check_random_reads(&b, &n.img, 20, 21);
+    assert_eq!(loc.signed.load(Ordering::SeqCst), b.requests());
+    let loc = Arc::new(Signed { base: n.url("nothing"), signed: AtomicU64::new(0) });
+    let e = HttpBackend::open_located(loc, &opts()).err().unwrap().to_string();
+    assert_eq!(e, "HTTP 404 Not Found for s3://bucket/nothing: the object does not exist");
 }
 
 #[test]
@@ -447,6 +523,12 @@ enum Fault {
 /// A proxy in front of nginx, one thread per connection, that spoils every `every`-th
 /// request (counting from 1) with `fault`. Returns its port and the request counter.
 fn faulty_proxy(upstream: u16, fault: Fault, every: u64) -> (u16, Arc<AtomicU64>) {
+    faulty_proxy_limited(upstream, fault, every, u64::MAX)
+}
+
+/// [`faulty_proxy`] that spoils at most `max_faults` requests.
+fn faulty_proxy_limited(upstream: u16, fault: Fault, every: u64, max_faults: u64) -> (u16, Arc<AtomicU64>) {
+    let faults = Arc::new(AtomicU64::new(max_faults));
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
     let count = Arc::new(AtomicU64::new(0));
@@ -454,9 +536,9 @@ fn faulty_proxy(upstream: u16, fault: Fault, every: u64) -> (u16, Arc<AtomicU64>
     std::thread::spawn(move || {
         for client in listener.incoming() {
             let Ok(client) = client else { return };
-            let c = c.clone();
+            let (c, faults) = (c.clone(), faults.clone());
             std::thread::spawn(move || {
-                let _ = serve_proxied(client, upstream, fault, every, &c);
+                let _ = serve_proxied(client, upstream, fault, every, &c, &faults);
             });
         }
     });
@@ -485,15 +567,29 @@ fn header(head: &str, name: &str) -> Option<String> {
     })
 }
 
-fn serve_proxied(client: TcpStream, upstream: u16, fault: Fault, every: u64, count: &AtomicU64) -> std::io::Result<()> {
+fn serve_proxied(
+    client: TcpStream,
+    upstream: u16,
+    fault: Fault,
+    every: u64,
+    count: &AtomicU64,
+    faults: &AtomicU64,
+) -> std::io::Result<()> {
     let mut reader = BufReader::new(client.try_clone()?);
     let mut client = client;
     let up = TcpStream::connect(("127.0.0.1", upstream))?;
     let mut up_reader = BufReader::new(up.try_clone()?);
     let mut up = up;
     while let Some(req) = read_head(&mut reader)? {
+        if req.starts_with("CONNECT ") {
+            // A tunnel (ureq reaches http:// URLs through a proxy with CONNECT too): the
+            // requests inside it go to nginx like the others.
+            client.write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")?;
+            continue;
+        }
         let n = count.fetch_add(1, Ordering::SeqCst) + 1;
-        let bad = n.is_multiple_of(every);
+        let bad = n.is_multiple_of(every)
+            && faults.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |f| f.checked_sub(1)).is_ok();
         match fault {
             Fault::Status503 if bad => {
                 client.write_all(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 4\r\n\r\nbusy")?;
@@ -549,6 +645,18 @@ fn transient_failures_are_retried() {
             Ok(b) => read_all(&b, 1, 256 << 10).err().unwrap_or_default(),
         };
         assert!(e.contains(&url) && e.contains("failed"), "{fault:?}: {e}");
+    }
+    // In stream mode a failure in the middle of the body reads the object again.
+    for fault in [Fault::ShortBody, Fault::Drop, Fault::Status503] {
+        let (port, _) = faulty_proxy_limited(n.http, fault, 1, 1);
+        let url = format!("http://127.0.0.1:{port}/noranges/img");
+        let b = HttpBackend::open(&url, &opts()).unwrap_or_else(|e| panic!("{fault:?}: {e}"));
+        assert!(b.is_stream());
+        assert_eq!(read_all(&b, 2, 1 << 20).unwrap_or_else(|e| panic!("{fault:?}: {e}")), n.img, "{fault:?}");
+        assert!(b.retries_done() >= 1, "{fault:?}");
+        if let Fault::ShortBody = fault {
+            assert!(b.stream_restarts() >= 1, "the first body was cut in the middle");
+        }
     }
 }
 
