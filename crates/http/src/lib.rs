@@ -70,6 +70,11 @@ impl Default for HttpOptions {
 }
 
 /// Where each GET of an object goes: a plain URL, or one signed per request (S3).
+///
+/// [`HttpBackend`] asks for a URL before every GET (retries included) and adds
+/// `Range: bytes=START-(END-1)` itself unless the returned headers already hold a `Range`
+/// (a signer that signs the header returns it). The URL's userinfo becomes Basic auth; its
+/// query string is never logged: errors name the object by [`Locator::describe`].
 pub trait Locator: Send + Sync + 'static {
     /// The URL and extra headers of a GET of `range` (`None`: the whole object).
     fn get(&self, range: Option<Range<u64>>) -> Result<(String, Vec<(String, String)>), HttpError>;
@@ -114,7 +119,9 @@ pub const MAX_REDIRECTS: u32 = 10;
 /// and each read or write of the socket: a request fails once it has made no progress for
 /// that long), and trust from `opts.ca` / `opts.insecure` / `SSL_CERT_FILE` /
 /// `SSL_CERT_DIR` / the system store. Statuses are returned, not turned into errors.
-/// Proxies are chosen per request by [`get`] (they depend on each URL's scheme and host).
+/// Proxies are chosen per request by [`get`] (they depend on each URL's scheme and host);
+/// ureq reaches http:// URLs through an HTTP proxy with a CONNECT tunnel as well, so the
+/// proxy must allow CONNECT to the server's port.
 pub fn agent(opts: &HttpOptions) -> Result<Agent, HttpError> {
     let mut tls = TlsConfig::builder().provider(TlsProvider::NativeTls);
     if opts.insecure {

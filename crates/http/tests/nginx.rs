@@ -713,6 +713,22 @@ fn hostile_servers_give_errors_not_panics() {
         (b"HTTP/1.1 200 OK\r\n\r\nabc".to_vec(), "Content-Length"),
         (b"garbage\r\n\r\n".to_vec(), "failed"),
     ];
+    // A server that accepts and then says nothing: the timeout ends each attempt.
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for c in listener.incoming().take(4) {
+            held.push(c);
+        }
+        std::thread::sleep(Duration::from_secs(30));
+    });
+    let t = Instant::now();
+    let o = HttpOptions { retries: 1, timeout: Some(Duration::from_millis(300)), ..opts() };
+    let e = HttpBackend::open(&format!("http://127.0.0.1:{port}/x"), &o).err().unwrap().to_string();
+    assert!(e.contains("timed out") && e.contains("after 1 retries"), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+
     for (reply, want) in cases {
         let port = raw_server(reply);
         let url = format!("http://127.0.0.1:{port}/x?secret=1");
@@ -722,33 +738,9 @@ fn hostile_servers_give_errors_not_panics() {
     }
 }
 
-/// Throughput against `curl -o /dev/null` (and nbdkit-curl + nbdcopy when present):
-/// `FERRY_HTTP_BENCH_MIB=4096 cargo test --release -p ferry-http --test nginx -- --ignored bench --nocapture`
-#[test]
-#[ignore = "a benchmark: run by hand"]
-fn bench() {
-    let n = nginx();
-    let mib: u64 = std::env::var("FERRY_HTTP_BENCH_MIB").ok().and_then(|v| v.parse().ok()).unwrap_or(1024);
-    let threads: usize = std::env::var("FERRY_HTTP_BENCH_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(4);
-    let path = n.dir.join("data/big");
-    if std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0) != mib << 20 {
-        let mut f = std::fs::File::create(&path).unwrap();
-        let block = pattern(1 << 20, 9);
-        for _ in 0..mib {
-            f.write_all(&block).unwrap();
-        }
-    }
-    // Warm the page cache.
-    let _ = Command::new("cat").arg(&path).stdout(Stdio::null()).status();
-    let mbs = |secs: f64| (mib << 20) as f64 / secs / 1e6;
-
-    let t = Instant::now();
-    let st = Command::new("curl").args(["-s", "-o", "/dev/null", &n.url("big")]).status().unwrap();
-    assert!(st.success());
-    let curl = t.elapsed().as_secs_f64();
-    println!("curl -o /dev/null: {:.2} s, {:.0} MB/s", curl, mbs(curl));
-
-    let b = HttpBackend::open(&n.url("big"), &opts()).unwrap();
+/// Reads all of `b` in 1 MiB requests from `threads` threads (the copy engine's pattern,
+/// into a reused buffer and no further); the seconds it took.
+fn timed_read(b: &HttpBackend, threads: usize) -> f64 {
     let t = Instant::now();
     let next = AtomicU64::new(0);
     std::thread::scope(|s| {
@@ -766,8 +758,48 @@ fn bench() {
             });
         }
     });
-    let ours = t.elapsed().as_secs_f64();
-    println!("ferry-http {threads} threads x 1 MiB: {:.2} s, {:.0} MB/s ({} requests)", ours, mbs(ours), b.requests());
+    t.elapsed().as_secs_f64()
+}
+
+/// Throughput against `curl -o /dev/null` (and nbdkit-curl + nbdcopy when present), over
+/// HTTP and HTTPS:
+/// `FERRY_HTTP_BENCH_MIB=4096 cargo test --release -p ferry-http --test nginx -- --ignored --exact bench --nocapture`
+#[test]
+#[ignore = "a benchmark: run by hand"]
+fn bench() {
+    let n = nginx();
+    let mib: u64 = std::env::var("FERRY_HTTP_BENCH_MIB").ok().and_then(|v| v.parse().ok()).unwrap_or(1024);
+    let threads: usize = std::env::var("FERRY_HTTP_BENCH_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(4);
+    let path = n.dir.join("data/big");
+    if std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0) != mib << 20 {
+        let mut f = std::fs::File::create(&path).unwrap();
+        let block = pattern(1 << 20, 9);
+        for _ in 0..mib {
+            f.write_all(&block).unwrap();
+        }
+    }
+    // Warm the page cache.
+    let _ = Command::new("cat").arg(&path).stdout(Stdio::null()).status();
+    let mbs = |secs: f64| (mib << 20) as f64 / secs / 1e6;
+    let curl = |args: &[&str]| {
+        let t = Instant::now();
+        let st = Command::new("curl").args(["-s", "-o", "/dev/null"]).args(args).status().unwrap();
+        assert!(st.success());
+        t.elapsed().as_secs_f64()
+    };
+
+    let secs = curl(&[&n.url("big")]);
+    println!("HTTP  curl -o /dev/null: {secs:.2} s, {:.0} MB/s", mbs(secs));
+    let b = HttpBackend::open(&n.url("big"), &opts()).unwrap();
+    let secs = timed_read(&b, threads);
+    println!("HTTP  ferry-http {threads} threads x 1 MiB: {secs:.2} s, {:.0} MB/s ({} GETs)", mbs(secs), b.requests());
+
+    let ca = n.ca().display().to_string();
+    let secs = curl(&["--cacert", &ca, &n.https_url("big")]);
+    println!("HTTPS curl -o /dev/null: {secs:.2} s, {:.0} MB/s", mbs(secs));
+    let b = HttpBackend::open(&n.https_url("big"), &HttpOptions { ca: Some(n.ca()), ..opts() }).unwrap();
+    let secs = timed_read(&b, threads);
+    println!("HTTPS ferry-http {threads} threads x 1 MiB: {secs:.2} s, {:.0} MB/s", mbs(secs));
 
     if Command::new("nbdkit").arg("--version").output().is_ok() {
         let t = Instant::now();
@@ -775,7 +807,7 @@ fn bench() {
             .args(["-U", "-", "curl", &n.url("big"), "--run", "nbdcopy \"$uri\" null:"])
             .status()
             .unwrap();
-        let nbd = t.elapsed().as_secs_f64();
-        println!("nbdkit curl + nbdcopy: {:.2} s, {:.0} MB/s (ok: {})", nbd, mbs(nbd), st.success());
+        let secs = t.elapsed().as_secs_f64();
+        println!("HTTP  nbdkit curl + nbdcopy: {secs:.2} s, {:.0} MB/s (ok: {})", mbs(secs), st.success());
     }
 }
