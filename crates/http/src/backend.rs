@@ -202,6 +202,11 @@ impl HttpBackend {
         &self.name
     }
 
+    /// Where the GETs go.
+    pub fn locator(&self) -> &Arc<dyn Locator> {
+        &self.loc
+    }
+
     /// The server does not serve ranges: reads come from one sequential stream.
     pub fn is_stream(&self) -> bool {
         self.stream.is_some()

@@ -36,7 +36,7 @@ use std::ops::Range;
 use std::path::PathBuf;
 use std::time::Duration;
 use ureq::tls::{RootCerts, TlsConfig, TlsProvider};
-use ureq::typestate::WithoutBody;
+use ureq::typestate::{WithBody, WithoutBody};
 use ureq::RequestBuilder;
 
 /// How to reach a server: trust, authentication, retries, parallelism.
@@ -186,10 +186,49 @@ pub fn get(
     headers: &[(String, String)],
     describe: &str,
 ) -> Result<RequestBuilder<WithoutBody>, HttpError> {
+    prepare(url, headers, describe, |u| agent.get(u))
+}
+
+/// A DELETE, prepared as [`get`] prepares a GET.
+pub fn delete(
+    agent: &Agent,
+    url: &str,
+    headers: &[(String, String)],
+    describe: &str,
+) -> Result<RequestBuilder<WithoutBody>, HttpError> {
+    prepare(url, headers, describe, |u| agent.delete(u))
+}
+
+/// A PUT (its body given to `send`), prepared as [`get`] prepares a GET.
+pub fn put(
+    agent: &Agent,
+    url: &str,
+    headers: &[(String, String)],
+    describe: &str,
+) -> Result<RequestBuilder<WithBody>, HttpError> {
+    prepare(url, headers, describe, |u| agent.put(u))
+}
+
+/// A POST (its body given to `send`), prepared as [`get`] prepares a GET.
+pub fn post(
+    agent: &Agent,
+    url: &str,
+    headers: &[(String, String)],
+    describe: &str,
+) -> Result<RequestBuilder<WithBody>, HttpError> {
+    prepare(url, headers, describe, |u| agent.post(u))
+}
+
+fn prepare<B>(
+    url: &str,
+    headers: &[(String, String)],
+    describe: &str,
+    start: impl FnOnce(&str) -> RequestBuilder<B>,
+) -> Result<RequestBuilder<B>, HttpError> {
     let mut parsed = url::Url::parse(url)
         .map_err(|e| HttpError::other(describe, format!("not a valid URL ({e}): give an http:// or https:// URL")))?;
     if parsed.scheme() != "http" && parsed.scheme() != "https" {
-        return Err(HttpError::other(describe, "only http:// and https:// URLs can be read"));
+        return Err(HttpError::other(describe, "only http:// and https:// URLs can be used"));
     }
     let basic = basic_auth(&parsed);
     if basic.is_some() {
@@ -197,7 +236,7 @@ pub fn get(
         let _ = parsed.set_password(None);
     }
     let proxy = proxy_for(&parsed, describe)?;
-    let mut req = agent.get(parsed.as_str());
+    let mut req = start(parsed.as_str());
     let has_auth = headers.iter().any(|(n, _)| n.eq_ignore_ascii_case("authorization"));
     if let (Some(b), false) = (basic, has_auth) {
         req = req.header("Authorization", b);
