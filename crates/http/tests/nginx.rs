@@ -5,7 +5,8 @@
 //! configuration, certificates and logs in a temporary directory, on two free loopback
 //! ports (HTTP and HTTPS). It runs in the foreground (`daemon off`) under a tiny `sh`
 //! wrapper whose standard input is a pipe this process holds: when the test process ends
-//! in any way, the pipe closes, the wrapper's `cat` returns, and it kills nginx by its PID.
+//! in any way, the pipe closes, the wrapper's `cat` returns, and it kills nginx by its PID
+//! and removes the temporary directory.
 
 use ferry_backend::Backend;
 use ferry_http::{HttpBackend, HttpOptions};
@@ -171,7 +172,7 @@ http {{
         );
         std::fs::write(dir.join("nginx.conf"), conf).unwrap();
         let script = format!(
-            "{bin} -c {conf} -p {dir} -g 'daemon off;' & pid=$!; cat >/dev/null; kill $pid; wait $pid",
+            "{bin} -c {conf} -p {dir} -g 'daemon off;' & pid=$!; cat >/dev/null; kill $pid; wait $pid; rm -rf {dir}",
             conf = dir.join("nginx.conf").display(),
             dir = dir.display()
         );
