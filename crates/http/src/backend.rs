@@ -8,10 +8,10 @@ use std::collections::VecDeque;
 use std::io::{self, Read};
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 use ureq::http::Response;
-use ureq::{Body, BodyReader};
+use ureq::{Body, BodyReader, ResponseExt};
 
 /// Bytes asked for by the first GET, kept as a cache of the image's head (qcow2 and
 /// partition-table probes read there).
@@ -120,6 +120,17 @@ pub struct HttpBackend {
     retried: AtomicU64,
     restarts: AtomicU64,
     gets: AtomicU64,
+    /// Remember where the URL redirects to (plain URLs; a locator's URLs are each new).
+    cache_redirects: bool,
+    redirect: RwLock<Option<Redirect>>,
+}
+
+/// Where a URL's redirects led.
+#[derive(Clone)]
+struct Redirect {
+    url: String,
+    /// Same scheme, host and port as the URL: its credentials may go along.
+    same_origin: bool,
 }
 
 /// The one body of stream mode and what was read past.
@@ -165,13 +176,28 @@ impl Stream {
 impl HttpBackend {
     /// Opens `url` (http:// or https://, optionally with `user:password@`), reading its
     /// size with the first ranged GET.
+    ///
+    /// When the URL redirects, later GETs go straight to where the redirect led, with the
+    /// URL's credentials and `Authorization` headers only when that is on the same scheme,
+    /// host and port; when that target fails, the next GET asks `url` again.
     pub fn open(url: &str, opts: &HttpOptions) -> std::result::Result<HttpBackend, HttpError> {
-        HttpBackend::open_located(Arc::new(UrlLocator::new(url)?), opts)
+        HttpBackend::open_with(Arc::new(UrlLocator::new(url)?), opts, true)
     }
 
     /// Opens the object that `loc` gives URLs for (a presigned S3 URL per request, say).
+    /// Every GET asks `loc` for its URL (redirects are followed each time).
     pub fn open_located(loc: Arc<dyn Locator>, opts: &HttpOptions) -> std::result::Result<HttpBackend, HttpError> {
+        HttpBackend::open_with(loc, opts, false)
+    }
+
+    fn open_with(
+        loc: Arc<dyn Locator>,
+        opts: &HttpOptions,
+        cache_redirects: bool,
+    ) -> std::result::Result<HttpBackend, HttpError> {
         let mut b = HttpBackend {
+            cache_redirects,
+            redirect: RwLock::new(None),
             name: loc.describe(),
             loc,
             agent: agent(opts)?,
@@ -286,11 +312,65 @@ impl HttpBackend {
 
     /// One GET of `range` (`None`: all of it).
     fn send(&self, range: Option<Range<u64>>) -> std::result::Result<Response<Body>, Fail> {
+        let cached = match self.cache_redirects {
+            true => self.redirect.read().unwrap_or_else(|p| p.into_inner()).clone(),
+            false => None,
+        };
+        if let Some(r) = cached {
+            let mut headers = self.headers.clone();
+            if !r.same_origin {
+                headers.retain(|(n, _)| !n.eq_ignore_ascii_case("authorization"));
+            }
+            match self.call(&r.url, headers, range.clone()) {
+                Ok(resp) if matches!(resp.status().as_u16(), 200 | 206) => return Ok(resp),
+                failed => {
+                    let why = match failed {
+                        Ok(resp) => format!("HTTP {}", resp.status()),
+                        Err(Fail::Retry(m)) => m,
+                        Err(Fail::Fatal(e)) => e.to_string(),
+                    };
+                    log::info!("{}: the redirect's target failed ({why}): asking the URL itself again", self.name);
+                    *self.redirect.write().unwrap_or_else(|p| p.into_inner()) = None;
+                }
+            }
+        }
         let (url, extra) = self.loc.get(range.clone()).map_err(Fail::Fatal)?;
         let mut headers = self.headers.clone();
         headers.extend(extra);
+        let resp = self.call(&url, headers, range)?;
+        if self.cache_redirects && matches!(resp.status().as_u16(), 200 | 206) {
+            self.remember_redirect(&url, &resp.get_uri().to_string());
+        }
+        Ok(resp)
+    }
+
+    /// Notes where `url` led when that is elsewhere.
+    fn remember_redirect(&self, url: &str, final_uri: &str) {
+        let (Ok(asked), Ok(mut got)) = (url::Url::parse(url), url::Url::parse(final_uri)) else { return };
+        let mut plain = asked.clone();
+        let _ = plain.set_username("");
+        let _ = plain.set_password(None);
+        if plain == got {
+            return;
+        }
+        let same_origin = asked.origin() == got.origin();
+        if same_origin {
+            let _ = got.set_username(asked.username());
+            let _ = got.set_password(asked.password());
+        }
+        log::debug!("{}: redirected to {}; reading from there", self.name, crate::backend::redact(final_uri));
+        *self.redirect.write().unwrap_or_else(|p| p.into_inner()) = Some(Redirect { url: got.into(), same_origin });
+    }
+
+    /// One request to `url`.
+    fn call(
+        &self,
+        url: &str,
+        headers: Vec<(String, String)>,
+        range: Option<Range<u64>>,
+    ) -> std::result::Result<Response<Body>, Fail> {
         let has_range = headers.iter().any(|(n, _)| n.eq_ignore_ascii_case("range"));
-        let mut req = get(&self.agent, &url, &headers, &self.name).map_err(Fail::Fatal)?;
+        let mut req = get(&self.agent, url, &headers, &self.name).map_err(Fail::Fatal)?;
         if let (Some(r), false) = (range, has_range) {
             req = req.header("Range", format!("bytes={}-{}", r.start, r.end - 1));
         }

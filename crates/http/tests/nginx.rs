@@ -462,8 +462,47 @@ fn redirects_are_followed() {
     let b = HttpBackend::open(&n.url("moved/img"), &opts()).unwrap();
     assert_eq!(b.size(), IMG_LEN as u64);
     check_random_reads(&b, &n.img, 10, 9);
+    let log = std::fs::read_to_string(n.dir.join("logs/access.log")).unwrap();
+    assert_eq!(log.lines().filter(|l| l.contains(" 302 GET /moved/img ")).count(), 1, "{log}");
     let e = HttpBackend::open(&n.url("loop"), &opts()).err().unwrap().to_string();
     assert!(e.contains("redirects") && e.contains(&n.url("loop")), "{e}");
+}
+
+/// A server that answers its `i`-th request (from 0) with a 302 to `targets[i]` (the last
+/// one for every later request); returns its port and how many it answered.
+fn redirector(targets: Vec<String>) -> (u16, Arc<AtomicU64>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let count = Arc::new(AtomicU64::new(0));
+    let c = count.clone();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { return };
+            let Ok(Some(_)) = read_head(&mut BufReader::new(conn.try_clone().unwrap())) else { continue };
+            let i = c.fetch_add(1, Ordering::SeqCst) as usize;
+            let to = &targets[i.min(targets.len() - 1)];
+            let _ =
+                write!(conn, "HTTP/1.1 302 Found\r\nLocation: {to}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+        }
+    });
+    (port, count)
+}
+
+#[test]
+fn a_redirect_is_remembered_until_its_target_fails() {
+    let n = nginx();
+    for f in ["copy1", "copy2"] {
+        std::fs::hard_link(n.dir.join("data/img"), n.dir.join("data").join(f)).unwrap();
+    }
+    let (port, asked) = redirector(vec![n.url("copy1"), n.url("copy2")]);
+    let b = HttpBackend::open(&format!("http://127.0.0.1:{port}/img"), &opts()).unwrap();
+    check_random_reads(&b, &n.img, 10, 23);
+    assert_eq!(asked.load(Ordering::SeqCst), 1, "later GETs go straight to the redirect's target");
+    std::fs::remove_file(n.dir.join("data/copy1")).unwrap();
+    check_random_reads(&b, &n.img, 10, 29);
+    assert_eq!(asked.load(Ordering::SeqCst), 2, "the URL is asked again once its target fails");
+    assert_eq!(b.retries_done(), 0);
+    std::fs::remove_file(n.dir.join("data/copy2")).unwrap();
 }
 
 #[test]
