@@ -17,9 +17,12 @@
 //!   to HTTP and HTTPS (CONNECT) proxies.
 //! - **native-tls** (OpenSSL on Linux) is its TLS: ferry already links OpenSSL for NBD
 //!   TLS (`ferry-tls`), so HTTPS costs no second TLS stack or crypto build (rustls would
-//!   bring ring or aws-lc-rs). OpenSSL's default verify paths honour `SSL_CERT_FILE` and
-//!   `SSL_CERT_DIR` exactly as curl and `openssl s_client` do, and fall back to the system
-//!   store; `--ca FILE` replaces the store with that file's certificates.
+//!   bring ring or aws-lc-rs). Trust is the system store plus `SSL_CERT_FILE` and
+//!   `SSL_CERT_DIR`, as with curl and `openssl s_client`: OpenSSL's default verify paths
+//!   read both variables, and native-tls also loads what `openssl-probe` finds (those
+//!   variables, then the usual Debian/Red Hat/... locations), so a vendored OpenSSL whose
+//!   compiled-in paths point nowhere still finds the system store. `--ca FILE`
+//!   ([`HttpOptions::ca`]) replaces all of that with the file's certificates.
 //! - **url** and **percent-encoding** parse URLs and decode `user:password@` credentials.
 //!
 //! Nothing here prints a URL's userinfo or query string: a presigned URL carries its
