@@ -222,11 +222,7 @@ fn ranges(len: u64, count: usize, seed: u64) -> Vec<(u64, usize)> {
 }
 
 fn check_random_reads(b: &HttpBackend, want: &[u8], count: usize, seed: u64) {
-    for (o, l) in ranges(want.len() as u64, count, seed) {
-        let mut buf = vec![0; l];
-        b.read(&mut buf, o).unwrap_or_else(|e| panic!("read of {l} at {o}: {e}"));
-        assert!(buf == want[o as usize..o as usize + l], "bytes differ at {o}+{l}");
-    }
+    check_random_reads_of(b, want, count, seed)
 }
 
 /// Reads all of `b` in `chunk`-byte requests from `threads` threads taking the next chunk
@@ -547,6 +543,46 @@ fn a_server_without_ranges_is_read_as_a_stream() {
     assert!(buf == n.img[1_000_000..1_300_000]);
     assert!(b.stream_restarts() >= 1);
     check_random_reads(&b, &n.img, 20, 17);
+}
+
+#[test]
+fn a_qcow2_image_over_http() {
+    let n = nginx();
+    which("qemu-img", "qemu-utils");
+    let raw = n.dir.join("data/q.raw");
+    // Data with holes: every other MiB stays zero, so the image has unallocated clusters.
+    let mut want = pattern(6 << 20, 31);
+    for chunk in want.chunks_mut(2 << 20) {
+        chunk[1 << 20..].fill(0);
+    }
+    std::fs::write(&raw, &want).unwrap();
+    let qcow2 = n.dir.join("data/q.qcow2");
+    run(Command::new("qemu-img").args(["convert", "-f", "raw", "-O", "qcow2"]).arg(&raw).arg(&qcow2));
+    let http = Arc::new(HttpBackend::open(&n.url("q.qcow2"), &opts()).unwrap());
+    let img = ferry_qcow2::Qcow2::open_on(http.clone()).unwrap();
+    assert_eq!(img.size(), want.len() as u64);
+    let mut got = vec![0; want.len()];
+    for (i, chunk) in got.chunks_mut(1 << 20).enumerate() {
+        img.read(chunk, (i as u64) << 20).unwrap();
+    }
+    assert!(got == want, "the qcow2 image read over HTTP differs from its raw source");
+    check_random_reads_of(&img, &want, 20, 37);
+}
+
+fn which(program: &str, package: &str) {
+    let found = Command::new("sh").args(["-c", &format!("command -v {program}")]).output();
+    assert!(
+        found.is_ok_and(|o| o.status.success()),
+        "{program} is not installed: apt-get install {package} (scripts/test installs it)"
+    );
+}
+
+fn check_random_reads_of(b: &dyn Backend, want: &[u8], count: usize, seed: u64) {
+    for (o, l) in ranges(want.len() as u64, count, seed) {
+        let mut buf = vec![0; l];
+        b.read(&mut buf, o).unwrap_or_else(|e| panic!("read of {l} at {o}: {e}"));
+        assert!(buf == want[o as usize..o as usize + l], "bytes differ at {o}+{l}");
+    }
 }
 
 /// What the faulty proxy does to every `every`-th request.
