@@ -163,6 +163,7 @@ http {{
         location /reuse/ {{ alias {dir}/data/; access_log {dir}/logs/reuse.log conn; }}
         location = /moved/img {{ return 302 /img; }}
         location = /loop {{ return 302 /loop; }}
+        location /forbidden/ {{ deny all; }}
         location /auth/ {{ alias {dir}/data/; auth_basic "ferry"; auth_basic_user_file {dir}/htpasswd; }}
     }}
 }}
@@ -450,6 +451,13 @@ fn not_found_is_a_clear_error_and_not_retried() {
     assert_eq!(e.status(), Some(404));
     assert_eq!(e.to_string(), format!("HTTP 404 Not Found for {url}: the object does not exist"));
     assert!(t.elapsed() < Duration::from_secs(4), "a 404 must not be retried");
+
+    let url = n.url("forbidden/img");
+    let e = HttpBackend::open(&url, &HttpOptions { retry_delay: Duration::from_secs(5), ..opts() }).err().unwrap();
+    assert_eq!(
+        e.to_string(),
+        format!("HTTP 403 Forbidden for {url}: access denied: check the credentials or the presigned URL's expiry")
+    );
 }
 
 #[test]
