@@ -32,7 +32,7 @@
 mod backend;
 mod wire;
 
-pub use backend::{HttpBackend, UrlLocator, HEAD_BYTES, STREAM_WINDOW};
+pub use backend::{redact, HttpBackend, UrlLocator, HEAD_BYTES, STREAM_WINDOW};
 pub use ureq::Agent;
 
 use std::ops::Range;
