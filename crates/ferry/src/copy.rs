@@ -60,6 +60,8 @@ pub struct CopyArgs {
     stats: bool,
     #[command(flatten)]
     sockets: crate::sockopts::SocketArgs,
+    #[command(flatten)]
+    remote: crate::remote_args::RemoteArgs,
     /// Also compute the blkhash of the data while copying (sha256 unless named:
     /// sha512, sha1, md5, blake3) and print it like `ferry hash` does.
     #[arg(long, value_name = "DIGEST", num_args = 0..=1, require_equals = true, default_missing_value = "sha256")]
@@ -169,7 +171,16 @@ fn parse_request_timeout(s: &str) -> std::result::Result<Duration, String> {
 pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
     let src_loc = Location::parse(&args.src).with_context(|| format!("source {:?}", args.src))?;
     let dst_loc = Location::parse(&args.dst).with_context(|| format!("destination {:?}", args.dst))?;
-    let source = ferry_open::source(&src_loc, args.force_share).with_context(|| format!("source {:?}", args.src))?;
+    // HTTP and S3 requests retry as NBD requests do (--retries, --retry-delay,
+    // --request-timeout).
+    let mut remote = args.remote.remote();
+    remote.http.retries = args.retries;
+    remote.http.retry_delay = args.retry_delay;
+    if let Some(t) = args.request_timeout {
+        remote.http.timeout = Some(t);
+    }
+    let source =
+        ferry_open::source(&src_loc, args.force_share, &remote).with_context(|| format!("source {:?}", args.src))?;
     let _dst_lock = crate::copy_guard::check_destination(&source, &args.src, &dst_loc, &args.dst)?;
     let src = &source.endpoint;
     let ranges = match &args.extents_from {
@@ -181,7 +192,7 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
     let selective = ranges.is_some() || args.dirty_bitmap.is_some();
     let how = DestinationOptions { format: args.format, backing: args.backing.clone(), flush: args.flush, selective };
     let destination =
-        ferry_open::destination(&dst_loc, src, &how).with_context(|| format!("destination {:?}", args.dst))?;
+        ferry_open::destination(&dst_loc, src, &how, &remote).with_context(|| format!("destination {:?}", args.dst))?;
     let dst = &destination.endpoint;
     let created = destination.created.clone();
     let proof = Proof::from_args(&args, dst, created)?;
