@@ -191,7 +191,7 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
     };
     let selective = ranges.is_some() || args.dirty_bitmap.is_some();
     let how = DestinationOptions { format: args.format, backing: args.backing.clone(), flush: args.flush, selective };
-    let destination =
+    let mut destination =
         ferry_open::destination(&dst_loc, src, &how, &remote).with_context(|| format!("destination {:?}", args.dst))?;
     let dst = &destination.endpoint;
     let created = destination.created.clone();
@@ -246,7 +246,14 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
         }
         r
     })?;
-    destination.finish()?;
+    // --expect-hash before the destination is finished: a mismatch never completes an
+    // upload (no object appears).
+    if let Some(d) = &report.digest {
+        println!("{}  {}", ferry_hash::hex(d), args.src);
+        proof.check_expected(&args, &mut destination, d)?;
+    }
+    destination.finish(&remote)?;
+    let dst = &destination.endpoint;
     if let (Some(sel), false) = (report.selected_bytes, quiet) {
         let zeroed = report.hole_bytes + report.zero_bytes;
         eprintln!(
@@ -257,8 +264,7 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
         );
     }
     if let Some(d) = &report.digest {
-        println!("{}  {}", ferry_hash::hex(d), args.src);
-        proof.check(&args, src, dst, &opts, &report, d)?;
+        proof.verify(&args, src, dst, &opts, &report, d)?;
     }
     // Writes the destination acknowledged before its connection was lost may be gone
     // with the server that held them: never report such a copy as done unproven.
@@ -346,8 +352,38 @@ impl Proof {
         Ok(Proof { algorithm, expect, created })
     }
 
-    /// After the copy, with the source's digest: `--expect-hash`, then `--verify`.
-    fn check(
+    /// After the copy, before the destination is finished: `--expect-hash`.
+    fn check_expected(&self, args: &CopyArgs, dst: &mut ferry_open::Destination, digest: &[u8]) -> Result<()> {
+        let hex = ferry_hash::hex(digest);
+        if let Some(want) = &self.expect {
+            if *want != hex {
+                let fate = if dst.is_upload() {
+                    match dst.abort() {
+                        Ok(()) => format!("upload to {} was aborted: no object was made", args.dst),
+                        Err(e) => {
+                            format!("upload to {} could not be aborted ({e:#}) and must not be trusted", args.dst)
+                        }
+                    }
+                } else {
+                    match &self.created {
+                        Some(p) => match std::fs::remove_file(p) {
+                            Ok(()) => format!("{} (created by this copy) was removed", p.display()),
+                            Err(e) => format!("{} could not be removed ({e}) and must not be trusted", p.display()),
+                        },
+                        None => format!("{} was written but must not be trusted", args.dst),
+                    }
+                };
+                anyhow::bail!(
+                    "the source's digest {hex} is not the expected {want} (--expect-hash): the source is not what \
+                     was expected; the destination {fate}"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// After the copy, once the destination is finished: `--verify`.
+    fn verify(
         &self,
         args: &CopyArgs,
         src: &Endpoint,
@@ -357,21 +393,6 @@ impl Proof {
         digest: &[u8],
     ) -> Result<()> {
         let hex = ferry_hash::hex(digest);
-        if let Some(want) = &self.expect {
-            if *want != hex {
-                let fate = match &self.created {
-                    Some(p) => match std::fs::remove_file(p) {
-                        Ok(()) => format!("{} (created by this copy) was removed", p.display()),
-                        Err(e) => format!("{} could not be removed ({e}) and must not be trusted", p.display()),
-                    },
-                    None => format!("{} was written but must not be trusted", args.dst),
-                };
-                anyhow::bail!(
-                    "the source's digest {hex} is not the expected {want} (--expect-hash): the source is not what \
-                     was expected; the destination {fate}"
-                );
-            }
-        }
         if !args.verify {
             return Ok(());
         }

@@ -285,14 +285,35 @@ impl Destination {
     /// new qcow2 image's metadata, an RBD image's write-back cache) is lost when it
     /// exits, and failures are reported. A new qcow2 image is finished (synced only
     /// with --flush), any other backend flushed.
-    pub fn finish(&self) -> Result<()> {
-        if let Some(w) = &self.upload {
-            return w.complete().with_context(|| format!("cannot finish the upload to {}", w.url()));
+    /// An S3 object is completed (it appears only now) and reopened for reading, so
+    /// `endpoint` can be read back (`--verify`).
+    pub fn finish(&mut self, remote: &Remote) -> Result<()> {
+        if let Some(w) = self.upload.take() {
+            w.complete().with_context(|| format!("cannot finish the upload to {}", w.url()))?;
+            let name = w.url().to_string();
+            drop(w);
+            self.endpoint = Endpoint::Backend(BackendEndpoint::new(name.clone(), s3::open(&name, &remote.http)?));
+            return Ok(());
         }
         match (&self.new_qcow2, &self.endpoint) {
             (Some(q), _) => q.finish().with_context(|| format!("cannot finish {}", q.describe())),
             (None, Endpoint::Backend(b)) => b.backend().flush().with_context(|| format!("cannot finish {}", b.name())),
             _ => Ok(()),
+        }
+    }
+
+    /// Whether the destination is an object being uploaded (nothing of it exists until
+    /// [`Destination::finish`]).
+    pub fn is_upload(&self) -> bool {
+        self.upload.is_some()
+    }
+
+    /// Gives up an upload: nothing is left at the destination. (Dropping an unfinished
+    /// destination does the same.)
+    pub fn abort(&mut self) -> Result<()> {
+        match self.upload.take() {
+            Some(w) => w.abort().with_context(|| format!("cannot abort the upload to {}", w.url())),
+            None => Ok(()),
         }
     }
 }
