@@ -340,13 +340,26 @@ fn ferry_serve_takes_the_lock_bytes_qemu_nbd_takes() {
         (&with_data, "qcow2", vec![&with_data, &data], true),
     ];
     for (img, fmt, files, ro) in cases {
+        // Every file of these images is locked by both servers; on a loaded machine a
+        // server's socket can appear before its last file is opened, so look until all are.
+        let settled = || {
+            let mut v = Vec::new();
+            for _ in 0..50 {
+                v = files.iter().map(|f| lock_ranges(f)).collect::<Vec<_>>();
+                if v.iter().all(|l| !l.is_empty()) {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+            v
+        };
         let theirs = {
             let _h = Holder::qemu_nbd(im.dir.path(), fmt, img, if ro { &["-r"] } else { &[] });
-            files.iter().map(|f| lock_ranges(f)).collect::<Vec<_>>()
+            settled()
         };
         let ours = {
             let _server = Server::unix(&format!("{fmt}:{}", s(img)), if ro { &["--read-only"] } else { &[] });
-            files.iter().map(|f| lock_ranges(f)).collect::<Vec<_>>()
+            settled()
         };
         assert!(!theirs[0].is_empty(), "qemu-nbd locked nothing on {}", img.display());
         assert_eq!(ours, theirs, "locks on {files:?} served {} (read-only: {ro})", img.display());

@@ -31,6 +31,8 @@
 
 mod backend;
 mod wire;
+#[doc(hidden)]
+pub use wire::fuzz;
 
 pub use backend::{redact, HttpBackend, UrlLocator, HEAD_BYTES, STREAM_WINDOW};
 pub use ureq::Agent;

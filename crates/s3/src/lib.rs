@@ -241,3 +241,18 @@ pub fn open_source(url: &S3Url, cfg: &S3Config, http: &HttpOptions) -> Result<Ar
     let backend = ferry_http::HttpBackend::open_located(loc, http)?;
     Ok(Arc::new(backend))
 }
+
+/// The parsers of what users and servers send, for the fuzz target
+/// (`fuzz/fuzz_targets/remote.rs`): `s3://` URLs, the AWS CLI's INI files, the tags of
+/// S3's XML answers. None may panic on any input.
+#[doc(hidden)]
+pub fn fuzz(text: &str) {
+    let _ = S3Url::parse(text);
+    let ini = config::Ini::parse(text);
+    if let Some(s) = ini.section("default") {
+        let _ = s.get("region");
+    }
+    let _ = client::xml_texts(text, "Code");
+    let _ = client::xml_blocks(text, "Part");
+    let _ = config::check_endpoint(text);
+}
