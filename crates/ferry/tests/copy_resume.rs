@@ -349,3 +349,22 @@ fn journal_only_with_resume_and_gone_after_completion() {
     let (ok, err) = run_copy(&["--resume", "-", d]);
     assert!(!ok && err.contains("stream"), "{err}");
 }
+
+#[test]
+fn a_resumed_copy_verifies_and_hashes_the_whole_source() {
+    let dir = tempfile::tempdir().unwrap();
+    let (src, dst, j) = interrupted(dir.path());
+    let (s, d) = (src.to_str().unwrap(), dst.to_str().unwrap());
+    let out = Command::new(ferry_bin()).args(["copy", "--resume", "--verify", s, d]).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(!j.exists());
+    let digests: Vec<&str> = stdout.lines().map(|l| l.split_whitespace().next().unwrap_or("")).collect();
+    assert_eq!(digests.len(), 2, "{stdout}");
+    let whole = Command::new(ferry_bin()).args(["hash", s]).output().unwrap();
+    let whole = String::from_utf8_lossy(&whole.stdout).split_whitespace().next().unwrap_or("").to_string();
+    assert!(
+        digests[0] == whole && digests[1] == whole,
+        "resumed copy printed {digests:?}, `ferry hash` of the source {whole}"
+    );
+}
