@@ -114,6 +114,12 @@ impl Prepared {
             }
             return Ok(None);
         }
+        if args.dirty_bitmap.is_some() || args.extents_from.is_some() {
+            bail!(
+                "--resume cannot be combined with --dirty-bitmap or --extents-from: run the incremental copy again \
+                 without --resume (it rewrites only the selected ranges)"
+            );
+        }
         if matches!(dst_loc, Location::Stdio | Location::Null) {
             bail!("--resume: the destination {:?} is a stream or null:, which cannot be resumed", args.dst);
         }

@@ -263,12 +263,17 @@ fn sync_dir(path: &Path) -> io::Result<()> {
     std::fs::File::open(dir)?.sync_all()
 }
 
+/// The temporary file a store writes before renaming it over the journal.
+fn tmp_path(path: &Path) -> PathBuf {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    PathBuf::from(tmp)
+}
+
 /// Writes `record` to `path` atomically: temporary file, fsync, rename, fsync of the directory.
 pub fn store(path: &Path, record: &Record) -> Result<(), JournalError> {
     let err = |source| JournalError::Io { path: path.display().to_string(), source };
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let tmp = PathBuf::from(tmp);
+    let tmp = tmp_path(path);
     let write = || -> io::Result<()> {
         let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).open(&tmp)?;
         f.write_all(&record.encode())?;
@@ -346,7 +351,7 @@ impl Journal {
         self.resumed.as_ref().map(|r| (r.watermark, r.destination_zeroed))
     }
 
-    /// The key's source identity and size, to check against the opened source.
+    /// The source size the journal is keyed by, to check against the opened source.
     pub fn source_size(&self) -> u64 {
         self.key.source_size
     }
@@ -376,6 +381,8 @@ impl Journal {
 
     /// The copy is complete and flushed: the journal goes.
     pub(crate) fn finish(&self) -> Result<(), JournalError> {
+        // A store killed half-way leaves its temporary file; it goes too.
+        let _ = std::fs::remove_file(tmp_path(&self.path));
         remove(&self.path)
     }
 }

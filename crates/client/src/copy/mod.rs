@@ -1297,6 +1297,7 @@ fn wait(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     #[test]
     fn runs_merge_blocks_of_a_kind_and_cover_the_request() {
@@ -1308,6 +1309,44 @@ mod tests {
         assert_eq!(zero_block_size(256 << 10, 1 << 20), 256 << 10);
         assert_eq!(zero_block_size(256 << 10, 64 << 20), 512 << 10);
         assert_eq!(zero_block_size(4096, 100), 4096);
+    }
+
+    #[test]
+    fn a_resumed_copy_skips_the_source_below_the_watermark() {
+        let dir = tempfile::tempdir().unwrap();
+        let (src, dst, j) = (dir.path().join("src"), dir.path().join("dst"), dir.path().join("dst.ferry-resume"));
+        let size = 8usize << 20;
+        let data: Vec<u8> = (0..size).map(|i| (i * 7 % 251) as u8 + 1).collect();
+        std::fs::write(&src, &data).unwrap();
+        // What a first run left: 0xAA stands for what it wrote below the watermark.
+        std::fs::write(&dst, vec![0xAAu8; size]).unwrap();
+        let key = journal::Record {
+            ferry_version: "t".into(),
+            source: "s".into(),
+            destination: "d".into(),
+            options: "o".into(),
+            source_size: size as u64,
+            watermark: 0,
+            destination_zeroed: false,
+        };
+        let w = 3u64 << 20;
+        journal::store(&j, &journal::Record { watermark: w, ..key.clone() }).unwrap();
+        let jn = journal::Journal::open(j.clone(), key.clone(), false).unwrap().interval(1, Duration::from_millis(1));
+        assert_eq!(jn.resumed(), Some((w, false)));
+        let opts = CopyOptions { connections: 2, requests: 2, journal: Some(Arc::new(jn)), ..Default::default() };
+        let progress = Progress::default();
+        copy(&Endpoint::File(src.clone()), &Endpoint::File(dst.clone()), &opts, &progress).unwrap();
+        let got = std::fs::read(&dst).unwrap();
+        assert!(got[..w as usize].iter().all(|&b| b == 0xAA), "the part below the watermark was written again");
+        assert!(got[w as usize..] == data[w as usize..], "the part above the watermark was not copied");
+        assert!(!j.exists(), "the journal outlived the copy");
+        // A first run (no journal stored) with a store after every byte: same result.
+        let jn = journal::Journal::open(j.clone(), key, false).unwrap().interval(1, Duration::from_millis(1));
+        assert_eq!(jn.resumed(), None);
+        let opts = CopyOptions { journal: Some(Arc::new(jn)), request_size: 64 << 10, ..opts };
+        copy(&Endpoint::File(src), &Endpoint::File(dst.clone()), &opts, &Progress::default()).unwrap();
+        assert!(std::fs::read(&dst).unwrap() == data);
+        assert!(!j.exists());
     }
 
     #[test]
