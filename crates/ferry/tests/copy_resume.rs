@@ -103,6 +103,27 @@ fn kill_after(args: &[&str], after: Duration) {
     child.wait().unwrap();
 }
 
+/// Starts `ferry copy ARGS`, waits until its journal has a watermark of at least `at`,
+/// then `jitter` more, and kills it with SIGKILL. Progress, not time, picks the moment,
+/// so a loaded machine does not move it.
+fn kill_at_progress(args: &[&str], journal: &dyn Fn() -> PathBuf, at: u64, jitter: Duration) {
+    let mut child = ferry_copy(args).stderr(Stdio::null()).spawn().expect("start ferry");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let w = std::fs::read(journal()).ok().and_then(|b| Record::decode(&b).ok()).map_or(0, |r| r.watermark);
+        if w >= at {
+            break;
+        }
+        let done = child.try_wait().unwrap();
+        assert!(done.is_none(), "the copy ended ({done:?}) before its watermark reached {at}: slow it down");
+        assert!(std::time::Instant::now() < deadline, "the watermark stayed at {w}, below {at}, for 60 s");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(jitter);
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
+
 /// Runs `ferry copy ARGS` to its end; (exit success, stderr).
 fn run_copy(args: &[&str]) -> (bool, String) {
     let out = ferry_copy(args).output().expect("run ferry");
@@ -118,13 +139,13 @@ fn watermark(journal: &Path) -> u64 {
 fn kill_three_times_then_finish(args: &[&str], journal: &dyn Fn() -> PathBuf, seed: u64) -> Vec<u64> {
     let mut rng = Rng::new(seed);
     let mut marks = Vec::new();
-    // About 10%, 40% and 80% of a 4-second copy (each resumed run has less to do, so
-    // each kill comes sooner), jittered.
-    for ms in [400u64, 1200, 800] {
-        let after = Duration::from_millis(ms + rng.below(200));
-        kill_after(args, after);
+    // Once 10%, 40% and 80% of the source is flushed, plus 0-300 ms (up to 2.4 MiB more
+    // at the rate), so the kill lands at a random place between two journal stores.
+    for pct in [10u64, 40, 80] {
+        let jitter = Duration::from_millis(rng.below(300));
+        kill_at_progress(args, journal, SIZE * pct / 100, jitter);
         let j = journal();
-        assert!(j.exists(), "a --resume copy killed after {after:?} left no journal at {}", j.display());
+        assert!(j.exists(), "a --resume copy killed past {pct}% left no journal at {}", j.display());
         marks.push(watermark(&j));
     }
     let (ok, err) = run_copy(args);
@@ -170,7 +191,7 @@ fn nbd_to_file_killed_at_random_moments_resumes_byte_identical() {
     ];
     let jpath = dir.path().join("dst.img.ferry-resume");
     let marks = kill_three_times_then_finish(&args, &|| jpath.clone(), 1);
-    assert!(marks.iter().any(|&w| w > 0), "no kill left a watermark above 0: {marks:?}");
+    assert!(marks.windows(2).all(|m| m[0] <= m[1]), "a resumed run's watermark went back: {marks:?}");
     assert!(std::fs::read(&dst).unwrap() == pattern(SIZE), "the destination differs from the source");
     kit.stop();
     assert_reread_bound(stats_read_bytes(&stats), 3);
@@ -203,13 +224,15 @@ fn nbd_to_nbd_killed_at_random_moments_resumes_byte_identical() {
         &du,
     ];
     let journal = || {
-        let found: Vec<PathBuf> =
-            std::fs::read_dir(&state).map_or(Vec::new(), |r| r.map(|e| e.unwrap().path()).collect());
+        // A store in progress has its temporary file beside the journal.
+        let found: Vec<PathBuf> = std::fs::read_dir(&state).map_or(Vec::new(), |r| {
+            r.map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|x| x == "ferry-resume")).collect()
+        });
         assert!(found.len() <= 1, "more than one journal: {found:?}");
         found.into_iter().next().unwrap_or_else(|| state.join("missing"))
     };
     let marks = kill_three_times_then_finish(&args, &journal, 2);
-    assert!(marks.iter().any(|&w| w > 0), "no kill left a watermark above 0: {marks:?}");
+    assert!(marks.windows(2).all(|m| m[0] <= m[1]), "a resumed run's watermark went back: {marks:?}");
     let back = dir.path().join("back.img");
     let (ok, err) = run_copy(&[&du, back.to_str().unwrap()]);
     assert!(ok, "reading the destination back: {err}");
@@ -234,7 +257,7 @@ fn file_to_new_qcow2_killed_and_resumed_compares_equal() {
     let args = ["--resume", "--resume-interval", "2M", "--rate", RATE, "-C", "2", "-R", "2", &s, &d];
     let jpath = dir.path().join("dst.qcow2.ferry-resume");
     let marks = kill_three_times_then_finish(&args, &|| jpath.clone(), 3);
-    assert!(marks.iter().any(|&w| w > 0), "no kill left a watermark above 0: {marks:?}");
+    assert!(marks.windows(2).all(|m| m[0] <= m[1]), "a resumed run's watermark went back: {marks:?}");
     run_ok(Command::new("qemu-img").args(["compare", "-f", "raw", "-F", "qcow2", &s, &d]));
     run_ok(Command::new("qemu-img").args(["check", &d]));
 }
@@ -247,9 +270,9 @@ fn interrupted(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
     let dst = dir.join("dst.img");
     let args = resumable(&src, &dst);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    kill_after(&args, Duration::from_millis(1500));
     let j = dir.join("dst.img.ferry-resume");
-    assert!(watermark(&j) > 0, "the killed copy stored no watermark above 0");
+    kill_at_progress(&args, &|| j.clone(), 4 * MIB, Duration::from_millis(100));
+    assert!(watermark(&j) >= 4 * MIB, "the killed copy's watermark went back");
     (src, dst, j)
 }
 
@@ -340,7 +363,7 @@ fn journal_only_with_resume_and_gone_after_completion() {
     // rewrites the destination, so that journal would lie).
     let args = resumable(&src, &dst);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    kill_after(&args, Duration::from_millis(800));
+    kill_at_progress(&args, &|| j.clone(), 1, Duration::ZERO);
     assert!(j.exists());
     let (ok, err) = run_copy(&[s, d]);
     assert!(ok, "{err}");
