@@ -13,6 +13,9 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+#[path = "copy_resume.rs"]
+mod resume;
+
 #[derive(Args, Debug)]
 pub struct CopyArgs {
     /// Source: an NBD URI (nbd://HOST[:PORT]/EXPORT, nbd+unix:///EXPORT?socket=PATH), a
@@ -134,6 +137,39 @@ pub struct CopyArgs {
     /// read-back keeps to the same rate.
     #[arg(long, value_name = "BYTES_PER_SEC", value_parser = parse_rate)]
     rate: Option<u64>,
+    /// Journal the copy so that, interrupted (killed, power lost, a permanent error), the
+    /// same command continues where it stopped; the first run must have --resume too.
+    /// The journal (what is written and flushed at the destination) is DST.ferry-resume
+    /// beside a destination file, else in --resume-dir; it is removed when the copy
+    /// completes. A journal of another source or destination, of a source changed since,
+    /// of other options or another ferry version is refused (see --restart).
+    #[arg(long)]
+    resume: bool,
+    /// With --resume: delete the journal of an earlier, unfinished copy onto DST and
+    /// copy from the beginning (implies --resume).
+    #[arg(long)]
+    restart: bool,
+    /// Where the journals of --resume for destinations other than local files are
+    /// kept. Default: $XDG_STATE_HOME/ferry/resume (~/.local/state/ferry/resume).
+    #[arg(long, value_name = "DIR")]
+    resume_dir: Option<std::path::PathBuf>,
+    /// With --resume: store the journal after this much of the source is done (K, M, G;
+    /// default 256M) or --resume-seconds, whichever comes first. Each store flushes the
+    /// destination; a resumed copy reads again at most this plus what was in flight.
+    #[arg(long, value_name = "BYTES", value_parser = parse_size_arg)]
+    resume_interval: Option<u64>,
+    /// With --resume: store the journal at least this often while the copy advances
+    /// (default 5).
+    #[arg(long, value_name = "SECS", value_parser = parse_secs)]
+    resume_seconds: Option<Duration>,
+}
+
+fn parse_size_arg(s: &str) -> std::result::Result<u64, String> {
+    match parse_size(s) {
+        Ok(0) => Err("must be at least 1 byte".into()),
+        Ok(v) => Ok(v),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 fn parse_rate(s: &str) -> std::result::Result<u64, String> {
@@ -190,12 +226,6 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
         None => None,
     };
     let selective = ranges.is_some() || args.dirty_bitmap.is_some();
-    let how = DestinationOptions { format: args.format, backing: args.backing.clone(), flush: args.flush, selective };
-    let mut destination =
-        ferry_open::destination(&dst_loc, src, &how, &remote).with_context(|| format!("destination {:?}", args.dst))?;
-    let dst = &destination.endpoint;
-    let created = destination.created.clone();
-    let proof = Proof::from_args(&args, dst, created)?;
     let request_size = match &args.request_size {
         Some(v) => parse_size(v).context("--request-size")?,
         None => 1 << 20,
@@ -203,6 +233,23 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
     if request_size == 0 || request_size > 32 << 20 {
         anyhow::bail!("--request-size must be between 1 byte and 32M");
     }
+    let resume = resume::Prepared::new(&args, &source, &dst_loc, request_size)?;
+    let how = DestinationOptions {
+        format: args.format,
+        backing: args.backing.clone(),
+        flush: args.flush,
+        selective,
+        resume: resume.as_ref().is_some_and(|r| r.resuming()),
+    };
+    let mut destination =
+        ferry_open::destination(&dst_loc, src, &how, &remote).with_context(|| format!("destination {:?}", args.dst))?;
+    let dst = &destination.endpoint;
+    let journal = match resume {
+        Some(r) => Some(Arc::new(r.open(&args, dst)?)),
+        None => None,
+    };
+    let created = destination.created.clone();
+    let proof = Proof::from_args(&args, dst, created)?;
     let opts = CopyOptions {
         connections: args
             .connections
@@ -233,6 +280,7 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
             request_timeout: args.request_timeout,
         },
         rate: args.rate,
+        journal,
     };
     let progress = Progress::default();
     let start = Instant::now();

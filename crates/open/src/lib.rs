@@ -266,6 +266,10 @@ pub struct DestinationOptions {
     /// The copy writes selected ranges only (`--dirty-bitmap`, `--extents-from`): an
     /// existing local qcow2 image is updated in place.
     pub selective: bool,
+    /// `--resume` of a journalled copy: an existing destination is reopened, never made
+    /// anew (a local qcow2 image is opened read-write; a raw file is not emptied, which
+    /// the copy engine sees to).
+    pub resume: bool,
 }
 
 /// A copy destination, opened (and created when it did not exist).
@@ -360,7 +364,7 @@ pub fn destination(loc: &Location, src: &Endpoint, opts: &DestinationOptions, re
     let name = path.display().to_string();
     let is_qcow2 =
         format == Format::Qcow2 || existed && opts.format.is_none() && local_format_of(loc) == Some(Format::Qcow2);
-    if opts.selective && opts.backing.is_none() && existed && is_qcow2 {
+    if (opts.selective && opts.backing.is_none() || opts.resume) && existed && is_qcow2 {
         // An incremental copy onto an existing qcow2 image updates it in place (opened
         // read-write, never taken for zeroed).
         let how = ServeOpen { read_only: false, ..Default::default() };

@@ -31,6 +31,7 @@ mod backend;
 pub mod contexts;
 mod endpoint;
 mod file;
+pub mod journal;
 mod nbd;
 mod null;
 mod pipe;
@@ -106,10 +107,22 @@ impl Endpoint {
     /// Opens the endpoint as the destination of a source of `src_size` bytes (a new file
     /// is made that size), then checks it can take the source: writable, large enough.
     /// Nothing is written before these checks.
-    fn open_destination(&self, src_size: Option<u64>, opts: &CopyOptions) -> Result<Box<dyn Ops>, CopyError> {
+    fn open_destination(
+        &self,
+        src_size: Option<u64>,
+        opts: &CopyOptions,
+        resumed: bool,
+    ) -> Result<Box<dyn Ops>, CopyError> {
         let d: Box<dyn Ops> = match self {
             Endpoint::Nbd(u) => Box::new(nbd::open(u, &opts.connect, "destination")?),
-            Endpoint::File(p) => file::open_destination(p, src_size, opts.selective())?,
+            Endpoint::File(p) if resumed && std::fs::symlink_metadata(p).is_err() => {
+                return Err(CopyError::Setup(format!(
+                    "destination {} is gone, so the copy its resume journal records cannot be resumed; use \
+                     --restart to copy from the beginning",
+                    p.display()
+                )))
+            }
+            Endpoint::File(p) => file::open_destination(p, src_size, opts.selective() || resumed)?,
             Endpoint::Stdio => Box::new(pipe::stdout()),
             Endpoint::Null => Box::new(null::Null),
             Endpoint::Backend(b) => Box::new(b.clone()),
@@ -167,6 +180,12 @@ pub struct CopyOptions {
     pub retry: RetryPolicy,
     /// Most bytes of data read per second, over all connections (`--rate`); holes are free.
     pub rate: Option<u64>,
+    /// `ferry copy --resume`: the journal of how much is written and flushed (see
+    /// [`journal`]). A stored watermark W is resumed: the source below W is neither read
+    /// nor written. While the copy runs, a worker flushes the destination and stores a
+    /// new W every journal interval; the journal is removed once the copy is complete
+    /// and flushed. Without it nothing is journalled.
+    pub journal: Option<Arc<journal::Journal>>,
 }
 
 impl CopyOptions {
@@ -193,6 +212,7 @@ impl Default for CopyOptions {
             ranges: None,
             retry: RetryPolicy::default(),
             rate: None,
+            journal: None,
         }
     }
 }
@@ -277,6 +297,9 @@ struct Queue {
     /// Streaming source: hand out sequential data items until told to stop.
     streaming: bool,
     stream_end: bool,
+    /// With a journal: the offsets of the items handed out and not yet finished at the
+    /// destination (the lowest is the watermark).
+    pending: Option<std::collections::BTreeSet<u64>>,
 }
 
 /// Default of [`CopyOptions::zero_block`]: nbdcopy's request size, whose requests of
@@ -310,9 +333,18 @@ impl Queue {
             let n = (end - self.pos).min(max);
             let it = Item { offset: self.pos, len: n as usize, kind };
             self.pos += n;
+            if let Some(p) = &mut self.pending {
+                p.insert(it.offset);
+            }
             return Some(it);
         }
         None
+    }
+
+    /// Every byte below this is finished at the destination: the lowest unfinished item,
+    /// or where the next one starts.
+    fn watermark(&self) -> u64 {
+        self.pending.as_ref().and_then(|p| p.first().copied()).unwrap_or(self.pos)
     }
 }
 
@@ -338,6 +370,10 @@ struct Shared<'a> {
     retries: AtomicU64,
     dst_reconnects: AtomicU64,
     rate: Option<rate::RateLimit>,
+    /// A resumed copy's destination read as zeroes when its first run began.
+    resumed_zeroed: bool,
+    /// A worker is storing a journal watermark.
+    checkpointing: AtomicBool,
 }
 
 impl Shared<'_> {
@@ -415,14 +451,66 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progr
     if opts.request_size == 0 || opts.requests == 0 || opts.connections == 0 {
         return Err(CopyError::Setup("--connections, --requests and --request-size must be at least 1".into()));
     }
+    let resumed = opts.journal.as_ref().and_then(|j| j.resumed());
+    if let (Some(h), Some((w, _))) = (&opts.hash, resumed) {
+        if w > 0 {
+            // The source below the watermark is not read again, so its hash cannot be
+            // computed on the way: the whole source is hashed once the copy is done.
+            let inner = CopyOptions { hash: None, ..opts.clone() };
+            let mut report = copy(src, dst, &inner, progress)?;
+            let fresh = BlockHasher::new(h.algorithm(), h.block_size());
+            report.digest = Some(hash_range(src, report.bytes, &fresh, &inner)?);
+            return Ok(report);
+        }
+    }
     let mut first_src = src.open_source(opts)?;
     let src_size = first_src.size();
-    let first_dst = dst.open_destination(src_size, opts)?;
+    if let Some(j) = &opts.journal {
+        if opts.selective() {
+            return Err(CopyError::Setup(
+                "--resume cannot be combined with --dirty-bitmap or --extents-from: run the incremental copy again \
+                 without --resume (it rewrites only the selected ranges)"
+                    .into(),
+            ));
+        }
+        match src_size {
+            None => {
+                return Err(CopyError::Setup(format!(
+                    "--resume needs a source with offsets: {} is a stream, which cannot be read from the middle",
+                    first_src.name()
+                )))
+            }
+            Some(s) if s != j.source_size() => {
+                return Err(CopyError::Setup(format!(
+                    "source {} is {s} bytes, but the resume journal {} was made for {} bytes; use --restart to copy \
+                     from the beginning",
+                    first_src.name(),
+                    j.path().display(),
+                    j.source_size()
+                )))
+            }
+            Some(_) => {}
+        }
+    }
+    // A resumed destination is opened as it is (never emptied again).
+    let first_dst = dst.open_destination(src_size, opts, resumed.is_some())?;
     let (scaps, dcaps) = (first_src.caps(), first_dst.caps());
+    if opts.journal.is_some() && (dcaps.in_order || scaps.in_order) {
+        return Err(CopyError::Setup(format!(
+            "--resume needs ends with offsets: {} is written (or {} read) in order, as a stream, and cannot be resumed",
+            first_dst.name(),
+            first_src.name()
+        )));
+    }
     let streaming = src_size.is_none();
     let src_size = src_size.unwrap_or(0);
     progress.total.store(src_size, Ordering::SeqCst);
     let selective = opts.selective();
+    let (start, resumed_zeroed) = resumed.unwrap_or((0, false));
+    if start > 0 {
+        log::info!("resuming at offset {start} of {src_size}: the source below it is written and flushed");
+    }
+    progress.done.store(start, Ordering::SeqCst);
     if selective {
         if streaming {
             return Err(CopyError::Setup("a stream cannot be copied in selected ranges: it has no offsets".into()));
@@ -468,7 +556,7 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progr
         queue: Mutex::new(Queue {
             extents,
             idx: 0,
-            pos: 0,
+            pos: start,
             request_size,
             zero_chunk: opts
                 .hash
@@ -477,6 +565,7 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progr
                 .max(request_size),
             streaming,
             stream_end: false,
+            pending: opts.journal.as_ref().map(|_| Default::default()),
         }),
         abort: AtomicBool::new(false),
         error: Mutex::new(None),
@@ -489,7 +578,14 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progr
         retries: AtomicU64::new(0),
         dst_reconnects: AtomicU64::new(0),
         rate: opts.rate.map(rate::RateLimit::new),
+        resumed_zeroed,
+        checkpointing: AtomicBool::new(false),
     };
+    if let (Some(j), None) = (&opts.journal, resumed) {
+        // The first run: the destination is open (a new file emptied, a new image made),
+        // nothing is written yet. From now on the copy can be resumed.
+        j.store(0, write_caps(&shared, &*first_dst).zeroed, 0).map_err(|e| CopyError::Setup(e.to_string()))?;
+    }
     // Worker 0 uses the endpoints opened above; the others open their own.
     let mut ends = Vec::with_capacity(workers);
     for _ in 1..workers {
@@ -529,8 +625,12 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progr
             if streaming {
                 d.set_stream_length(written)?;
             }
-            if opts.flush {
+            if opts.flush || opts.journal.is_some() {
                 d.flush()?;
+            }
+            if let Some(j) = &opts.journal {
+                // Complete and flushed: nothing left to resume.
+                j.finish().map_err(|e| CopyError::Setup(e.to_string()))?;
             }
         }
         d.close();
@@ -578,6 +678,8 @@ struct Worker<'s, 'a> {
     no_more_work: bool,
     /// Bytes finished at the destination.
     written: u64,
+    /// Taking no new work until the slots are empty, to store a journal watermark.
+    draining: bool,
 }
 
 impl Worker<'_, '_> {
@@ -600,6 +702,12 @@ impl Worker<'_, '_> {
         slot.remaining -= n;
         if slot.remaining == 0 {
             slot.state = SlotState::Free;
+            if self.sh.opts.journal.is_some() {
+                let mut q = self.sh.queue.lock().unwrap_or_else(|e| e.into_inner());
+                if let Some(p) = &mut q.pending {
+                    p.remove(&slot.item.offset);
+                }
+            }
         }
     }
 
@@ -651,7 +759,13 @@ fn worker(mut src: Box<dyn Ops>, mut dst: Box<dyn Ops>, sh: &Shared<'_>) -> Fini
         counted: false,
         attempts: 0,
     };
-    let mut w = Worker { sh, slots: (0..q).map(|_| Slot { ..slot }).collect(), no_more_work: false, written: 0 };
+    let mut w = Worker {
+        sh,
+        slots: (0..q).map(|_| Slot { ..slot }).collect(),
+        no_more_work: false,
+        written: 0,
+        draining: false,
+    };
     // Data stays in the source's file and goes with sendfile where the destination takes
     // file payloads. The hash needs the bytes.
     let send_file = sh.opts.send_file
@@ -680,10 +794,26 @@ fn run(
         if sh.abort.load(Ordering::SeqCst) {
             return Ok(());
         }
+        // 0. A journal watermark due: one worker empties its slots (the others go on),
+        // flushes and stores it.
+        if let Some(j) = &sh.opts.journal {
+            if !w.draining
+                && j.due(sh.progress.done.load(Ordering::Relaxed))
+                && !sh.checkpointing.swap(true, Ordering::SeqCst)
+            {
+                w.draining = true;
+            }
+            if w.draining && w.slots.iter().all(|s| s.state == SlotState::Free) {
+                let r = checkpoint(sh, j, &mut **dst);
+                w.draining = false;
+                sh.checkpointing.store(false, Ordering::SeqCst);
+                r?;
+            }
+        }
         // 1. Start reading into free slots, one batch.
         reads.clear();
         for (i, slot) in w.slots.iter_mut().enumerate() {
-            if w.no_more_work || slot.state != SlotState::Free {
+            if w.no_more_work || w.draining || slot.state != SlotState::Free {
                 continue;
             }
             let Some(item) = sh.queue.lock().unwrap_or_else(|e| e.into_inner()).next() else {
@@ -796,6 +926,17 @@ fn run(
     }
 }
 
+/// Stores a journal watermark: every item below it is finished (its writes replied to,
+/// on whichever connection), so one flush here covers them (NBD multi-conn: a FLUSH
+/// covers the writes every connection had replied to; a file's fsync covers every
+/// opening of it), and then the watermark is stored.
+fn checkpoint(sh: &Shared<'_>, j: &journal::Journal, dst: &mut dyn Ops) -> Result<(), CopyError> {
+    let done = sh.progress.done.load(Ordering::Relaxed);
+    let w = sh.queue.lock().unwrap_or_else(|e| e.into_inner()).watermark();
+    dst.flush()?;
+    j.store(w, write_caps(sh, dst).zeroed, done).map_err(|e| CopyError::Setup(e.to_string()))
+}
+
 /// Appends the writes of slot `i`'s item to `writes` (data, zeroes, or file payloads),
 /// and to `skipped` the bytes a zeroed destination needs no write for.
 #[allow(clippy::too_many_arguments)]
@@ -858,7 +999,7 @@ impl End {
 /// is never taken for zeroed.
 fn write_caps(sh: &Shared<'_>, dst: &dyn Ops) -> endpoint::Caps {
     let mut caps = dst.caps();
-    caps.zeroed &= !sh.selective;
+    caps.zeroed = (caps.zeroed || sh.resumed_zeroed) && !sh.selective;
     caps
 }
 
@@ -1156,6 +1297,7 @@ fn wait(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     #[test]
     fn runs_merge_blocks_of_a_kind_and_cover_the_request() {
@@ -1167,6 +1309,44 @@ mod tests {
         assert_eq!(zero_block_size(256 << 10, 1 << 20), 256 << 10);
         assert_eq!(zero_block_size(256 << 10, 64 << 20), 512 << 10);
         assert_eq!(zero_block_size(4096, 100), 4096);
+    }
+
+    #[test]
+    fn a_resumed_copy_skips_the_source_below_the_watermark() {
+        let dir = tempfile::tempdir().unwrap();
+        let (src, dst, j) = (dir.path().join("src"), dir.path().join("dst"), dir.path().join("dst.ferry-resume"));
+        let size = 8usize << 20;
+        let data: Vec<u8> = (0..size).map(|i| (i * 7 % 251) as u8 + 1).collect();
+        std::fs::write(&src, &data).unwrap();
+        // What a first run left: 0xAA stands for what it wrote below the watermark.
+        std::fs::write(&dst, vec![0xAAu8; size]).unwrap();
+        let key = journal::Record {
+            ferry_version: "t".into(),
+            source: "s".into(),
+            destination: "d".into(),
+            options: "o".into(),
+            source_size: size as u64,
+            watermark: 0,
+            destination_zeroed: false,
+        };
+        let w = 3u64 << 20;
+        journal::store(&j, &journal::Record { watermark: w, ..key.clone() }).unwrap();
+        let jn = journal::Journal::open(j.clone(), key.clone(), false).unwrap().interval(1, Duration::from_millis(1));
+        assert_eq!(jn.resumed(), Some((w, false)));
+        let opts = CopyOptions { connections: 2, requests: 2, journal: Some(Arc::new(jn)), ..Default::default() };
+        let progress = Progress::default();
+        copy(&Endpoint::File(src.clone()), &Endpoint::File(dst.clone()), &opts, &progress).unwrap();
+        let got = std::fs::read(&dst).unwrap();
+        assert!(got[..w as usize].iter().all(|&b| b == 0xAA), "the part below the watermark was written again");
+        assert!(got[w as usize..] == data[w as usize..], "the part above the watermark was not copied");
+        assert!(!j.exists(), "the journal outlived the copy");
+        // A first run (no journal stored) with a store after every byte: same result.
+        let jn = journal::Journal::open(j.clone(), key, false).unwrap().interval(1, Duration::from_millis(1));
+        assert_eq!(jn.resumed(), None);
+        let opts = CopyOptions { journal: Some(Arc::new(jn)), request_size: 64 << 10, ..opts };
+        copy(&Endpoint::File(src), &Endpoint::File(dst.clone()), &opts, &Progress::default()).unwrap();
+        assert!(std::fs::read(&dst).unwrap() == data);
+        assert!(!j.exists());
     }
 
     #[test]

@@ -80,6 +80,7 @@ pub fn hash_range(e: &Endpoint, length: u64, hasher: &BlockHasher, opts: &CopyOp
         zero_chunk: (ZERO_CHUNK / bs * bs).max(request_size),
         streaming: false,
         stream_end: false,
+        pending: None,
     });
     let workers = if caps.parallel { opts.connections.max(1) } else { 1 };
     let mut ends = vec![first];

@@ -1,0 +1,467 @@
+//! The resume journal of `ferry copy --resume`: one small text file saying how much of
+//! a copy is known to be written *and flushed* at the destination.
+//!
+//! ```text
+//! ferry-resume 1
+//! ferry-version 0.1.0
+//! source file:/data/src.img size=… dev=… ino=… mtime=…
+//! destination file:/data/dst.img dev=… ino=…
+//! options request-size=1048576 sparse=true
+//! source-size 4294967296
+//! watermark 1073741824
+//! destination-zeroed 1
+//! crc32 1a2b3c4d
+//! ```
+//!
+//! `watermark` W: every byte of the source below W is at the destination and flushed.
+//! `destination-zeroed`: the first run found (or made) the destination reading as zeroes
+//! everywhere (a file or qcow2 image it created), so above W it holds either zeroes or
+//! the source's own bytes, and a resumed copy may still skip writing zeroes there. The
+//! identities are strings the caller builds (kind, canonical spec, and for local files
+//! device, inode and, for a source, mtime): a journal whose identities, options, source
+//! size or ferry version differ from the copy being started is refused, as is one whose
+//! checksum (CRC-32 of every line before it) does not match (torn or edited).
+//!
+//! Every store writes a temporary file beside the journal, syncs it, renames it over the
+//! journal and syncs the directory, so a crash leaves the old or the new journal, whole.
+
+use std::fmt::Write as _;
+use std::io::{self, Write as _};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// Format version of the journal file.
+pub const FORMAT: u32 = 1;
+
+/// The first word of a journal file.
+const MAGIC: &str = "ferry-resume";
+
+/// A journal is a few hundred bytes; anything larger than this is not one.
+pub const MAX_JOURNAL_BYTES: u64 = 64 * 1024;
+
+/// Longest identity or options string a journal keeps.
+pub const MAX_FIELD_BYTES: usize = 16 * 1024;
+
+/// Default bytes of completed source between two journal updates.
+pub const DEFAULT_INTERVAL_BYTES: u64 = 256 << 20;
+
+/// Default longest time between two journal updates while the copy advances.
+pub const DEFAULT_INTERVAL_TIME: Duration = Duration::from_secs(5);
+
+/// What a journal records.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    /// The ferry that wrote it (`CARGO_PKG_VERSION`).
+    pub ferry_version: String,
+    pub source: String,
+    pub destination: String,
+    /// The copy options that change what is written (request size, sparse...).
+    pub options: String,
+    pub source_size: u64,
+    /// Every byte below this is written and flushed at the destination.
+    pub watermark: u64,
+    /// The destination read as zeroes everywhere when the first run began writing it.
+    pub destination_zeroed: bool,
+}
+
+/// Why a journal cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum JournalError {
+    #[error("resume journal {path}: {source}")]
+    Io { path: String, source: io::Error },
+    /// Not a journal, torn, or edited.
+    #[error("resume journal {path} is not usable: {why}; use --restart to copy from the beginning")]
+    Corrupt { path: String, why: String },
+    /// A valid journal of another copy (or of this copy before something changed).
+    #[error("resume journal {path} does not match this copy: {why}; use --restart to copy from the beginning")]
+    Mismatch { path: String, why: String },
+}
+
+/// CRC-32 (IEEE 802.3, reflected, as zlib computes it).
+pub fn crc32(data: &[u8]) -> u32 {
+    const TABLE: [u32; 256] = {
+        let mut t = [0u32; 256];
+        let mut i = 0;
+        while i < 256 {
+            let mut c = i as u32;
+            let mut k = 0;
+            while k < 8 {
+                c = if c & 1 != 0 { 0xEDB8_8320 ^ (c >> 1) } else { c >> 1 };
+                k += 1;
+            }
+            t[i] = c;
+            i += 1;
+        }
+        t
+    };
+    let mut c = !0u32;
+    for &b in data {
+        c = TABLE[((c ^ b as u32) & 0xFF) as usize] ^ (c >> 8);
+    }
+    !c
+}
+
+/// A value on one line: backslashes and line ends escaped.
+fn escape(s: &str) -> String {
+    s.replace('\\', "\\\\").replace('\n', "\\n").replace('\r', "\\r")
+}
+
+fn unescape(s: &str) -> Option<String> {
+    let mut out = String::with_capacity(s.len());
+    let mut it = s.chars();
+    while let Some(c) = it.next() {
+        if c != '\\' {
+            out.push(c);
+            continue;
+        }
+        match it.next()? {
+            '\\' => out.push('\\'),
+            'n' => out.push('\n'),
+            'r' => out.push('\r'),
+            _ => return None,
+        }
+    }
+    Some(out)
+}
+
+impl Record {
+    /// The file's bytes, checksum line included.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut s = String::new();
+        let _ = writeln!(s, "{MAGIC} {FORMAT}");
+        let _ = writeln!(s, "ferry-version {}", escape(&self.ferry_version));
+        let _ = writeln!(s, "source {}", escape(&self.source));
+        let _ = writeln!(s, "destination {}", escape(&self.destination));
+        let _ = writeln!(s, "options {}", escape(&self.options));
+        let _ = writeln!(s, "source-size {}", self.source_size);
+        let _ = writeln!(s, "watermark {}", self.watermark);
+        let _ = writeln!(s, "destination-zeroed {}", u8::from(self.destination_zeroed));
+        let crc = crc32(s.as_bytes());
+        let _ = writeln!(s, "crc32 {crc:08x}");
+        s.into_bytes()
+    }
+
+    /// Parses a journal file's bytes; the error says what is wrong with them.
+    pub fn decode(bytes: &[u8]) -> Result<Record, String> {
+        let text = std::str::from_utf8(bytes).map_err(|_| "it is not text".to_string())?;
+        let Some(body_end) = text.rfind("crc32 ") else {
+            return Err("it has no checksum line (truncated?)".into());
+        };
+        if body_end != 0 && !text[..body_end].ends_with('\n') {
+            return Err("its checksum line is damaged".into());
+        }
+        let (body, tail) = text.split_at(body_end);
+        let crc_text = tail["crc32 ".len()..].strip_suffix('\n').ok_or("its checksum line is truncated")?;
+        let want = u32::from_str_radix(crc_text, 16).map_err(|_| format!("its checksum {crc_text:?} is not hex"))?;
+        let got = crc32(body.as_bytes());
+        if got != want || crc_text != format!("{want:08x}") {
+            return Err(format!("its checksum does not match its contents (stored {crc_text}, computed {got:08x})"));
+        }
+        let mut lines = body.lines();
+        let mut field = |name: &str| -> Result<String, String> {
+            let line = lines.next().ok_or_else(|| format!("its {name} line is missing"))?;
+            let v = line.strip_prefix(name).and_then(|r| r.strip_prefix(' ')).ok_or_else(|| {
+                format!("expected its {name} line, found {:?}", line.chars().take(40).collect::<String>())
+            })?;
+            if v.len() > MAX_FIELD_BYTES {
+                return Err(format!("its {name} line is longer than {MAX_FIELD_BYTES} bytes"));
+            }
+            unescape(v).ok_or_else(|| format!("its {name} line has a bad escape"))
+        };
+        let format =
+            field(MAGIC).map_err(|_| "it does not start with \"ferry-resume\": not a ferry journal".to_string())?;
+        if format != FORMAT.to_string() {
+            return Err(format!("it is in journal format {format:?}, this ferry reads format {FORMAT}"));
+        }
+        let ferry_version = field("ferry-version")?;
+        let source = field("source")?;
+        let destination = field("destination")?;
+        let options = field("options")?;
+        let num = |name: &str, v: String| v.parse::<u64>().map_err(|_| format!("its {name} {v:?} is not a number"));
+        let source_size = num("source-size", field("source-size")?)?;
+        let watermark = num("watermark", field("watermark")?)?;
+        let destination_zeroed = match field("destination-zeroed")?.as_str() {
+            "0" => false,
+            "1" => true,
+            v => return Err(format!("its destination-zeroed {v:?} is not 0 or 1")),
+        };
+        if lines.next().is_some() {
+            return Err("it has lines after its last field".into());
+        }
+        if watermark > source_size {
+            return Err(format!("its watermark {watermark} is past the end of its {source_size}-byte source"));
+        }
+        Ok(Record { ferry_version, source, destination, options, source_size, watermark, destination_zeroed })
+    }
+
+    /// What differs between this stored record and the copy being started (`now`), in
+    /// words; `None` when it is the same copy. Watermark and zeroed flag are state, not key.
+    pub fn differs(&self, now: &Record) -> Option<String> {
+        let mut what = Vec::new();
+        if self.ferry_version != now.ferry_version {
+            what.push(format!("it was written by ferry {}, this is ferry {}", self.ferry_version, now.ferry_version));
+        }
+        if self.source != now.source {
+            what.push(format!(
+                "the source is not the same (or changed since): journal has {:?}, now {:?}",
+                self.source, now.source
+            ));
+        }
+        if self.source_size != now.source_size {
+            what.push(format!("the source was {} bytes, now {}", self.source_size, now.source_size));
+        }
+        if self.destination != now.destination {
+            what.push(format!(
+                "the destination is not the same: journal has {:?}, now {:?}",
+                self.destination, now.destination
+            ));
+        }
+        if self.options != now.options {
+            what.push(format!("the copy options differ: journal has {:?}, now {:?}", self.options, now.options));
+        }
+        (!what.is_empty()).then(|| what.join("; "))
+    }
+}
+
+/// Reads the journal at `path`: `None` when there is none.
+pub fn load(path: &Path) -> Result<Option<Record>, JournalError> {
+    let name = path.display().to_string();
+    let io = |source| JournalError::Io { path: name.clone(), source };
+    let f = match std::fs::File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(io(e)),
+    };
+    let len = f.metadata().map_err(io)?.len();
+    if len > MAX_JOURNAL_BYTES {
+        return Err(JournalError::Corrupt {
+            path: name,
+            why: format!("it is {len} bytes, more than a journal's {MAX_JOURNAL_BYTES}"),
+        });
+    }
+    let mut bytes = Vec::with_capacity(len as usize);
+    io::Read::read_to_end(&mut io::Read::take(f, MAX_JOURNAL_BYTES + 1), &mut bytes).map_err(io)?;
+    Record::decode(&bytes).map(Some).map_err(|why| JournalError::Corrupt { path: name, why })
+}
+
+/// Removes the journal at `path`, if there is one.
+pub fn remove(path: &Path) -> Result<(), JournalError> {
+    match std::fs::remove_file(path) {
+        Ok(()) => sync_dir(path).map_err(|source| JournalError::Io { path: path.display().to_string(), source }),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(source) => Err(JournalError::Io { path: path.display().to_string(), source }),
+    }
+}
+
+fn sync_dir(path: &Path) -> io::Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    std::fs::File::open(dir)?.sync_all()
+}
+
+/// The temporary file a store writes before renaming it over the journal.
+fn tmp_path(path: &Path) -> PathBuf {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    PathBuf::from(tmp)
+}
+
+/// Writes `record` to `path` atomically: temporary file, fsync, rename, fsync of the directory.
+pub fn store(path: &Path, record: &Record) -> Result<(), JournalError> {
+    let err = |source| JournalError::Io { path: path.display().to_string(), source };
+    let tmp = tmp_path(path);
+    let write = || -> io::Result<()> {
+        let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).open(&tmp)?;
+        f.write_all(&record.encode())?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)?;
+        sync_dir(path)
+    };
+    write().map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        err(e)
+    })
+}
+
+/// A copy's journal as the engine keeps it: where it is, the key it was opened with,
+/// where a resumed copy starts, and when to store the next watermark.
+#[derive(Debug)]
+pub struct Journal {
+    path: PathBuf,
+    key: Record,
+    /// The stored record this copy resumes (watermark, zeroed flag), if any.
+    resumed: Option<Record>,
+    every_bytes: u64,
+    every_time: Duration,
+    /// Watermark last stored, and when; progress bytes then.
+    last: Mutex<(u64, Instant)>,
+    last_done: AtomicU64,
+}
+
+impl Journal {
+    /// A journal at `path` for the copy `key` (its watermark and zeroed flag are
+    /// ignored): reads a stored one, which must be of the same copy, to resume from.
+    /// `restart` deletes a stored one first.
+    pub fn open(path: PathBuf, key: Record, restart: bool) -> Result<Journal, JournalError> {
+        if restart {
+            remove(&path)?;
+        }
+        let resumed = match load(&path)? {
+            Some(r) => {
+                if let Some(why) = r.differs(&key) {
+                    return Err(JournalError::Mismatch { path: path.display().to_string(), why });
+                }
+                Some(r)
+            }
+            None => None,
+        };
+        Ok(Journal::with(path, key, resumed))
+    }
+
+    fn with(path: PathBuf, key: Record, resumed: Option<Record>) -> Journal {
+        Journal {
+            path,
+            key,
+            every_bytes: DEFAULT_INTERVAL_BYTES,
+            every_time: DEFAULT_INTERVAL_TIME,
+            last: Mutex::new((resumed.as_ref().map_or(0, |r| r.watermark), Instant::now())),
+            last_done: AtomicU64::new(resumed.as_ref().map_or(0, |r| r.watermark)),
+            resumed,
+        }
+    }
+
+    /// Stores a new watermark after at least `bytes` of progress or `time`, whichever
+    /// comes first (at least 1 byte; the time at least 1 ms).
+    pub fn interval(mut self, bytes: u64, time: Duration) -> Journal {
+        self.every_bytes = bytes.max(1);
+        self.every_time = time.max(Duration::from_millis(1));
+        self
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The stored journal this copy continues: (watermark, destination zeroed).
+    pub fn resumed(&self) -> Option<(u64, bool)> {
+        self.resumed.as_ref().map(|r| (r.watermark, r.destination_zeroed))
+    }
+
+    /// The source size the journal is keyed by, to check against the opened source.
+    pub fn source_size(&self) -> u64 {
+        self.key.source_size
+    }
+
+    /// Whether a watermark is due, given the progress counter.
+    pub(crate) fn due(&self, done: u64) -> bool {
+        let last = self.last_done.load(Ordering::Relaxed);
+        if done.saturating_sub(last) >= self.every_bytes {
+            return true;
+        }
+        done != last && self.last.lock().unwrap_or_else(|e| e.into_inner()).1.elapsed() >= self.every_time
+    }
+
+    /// Stores watermark `w` (every byte below it flushed at the destination).
+    pub(crate) fn store(&self, w: u64, zeroed: bool, done: u64) -> Result<(), JournalError> {
+        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        self.last_done.store(done, Ordering::Relaxed);
+        last.1 = Instant::now();
+        if w < last.0 || (w == last.0 && w != 0) {
+            return Ok(());
+        }
+        let r = Record { watermark: w, destination_zeroed: zeroed, ..self.key.clone() };
+        store(&self.path, &r)?;
+        last.0 = w;
+        Ok(())
+    }
+
+    /// The copy is complete and flushed: the journal goes.
+    pub(crate) fn finish(&self) -> Result<(), JournalError> {
+        // A store killed half-way leaves its temporary file; it goes too.
+        let _ = std::fs::remove_file(tmp_path(&self.path));
+        remove(&self.path)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec() -> Record {
+        Record {
+            ferry_version: "0.1.0".into(),
+            source: "file:/a b\\c\nd size=5".into(),
+            destination: "nbd://h/x".into(),
+            options: "request-size=1048576 sparse=true".into(),
+            source_size: 1 << 30,
+            watermark: 4 << 20,
+            destination_zeroed: true,
+        }
+    }
+
+    #[test]
+    fn crc32_check_value() {
+        assert_eq!(crc32(b"123456789"), 0xCBF4_3926);
+        assert_eq!(crc32(b""), 0);
+    }
+
+    #[test]
+    fn records_round_trip_and_damage_is_found() {
+        let r = rec();
+        let b = r.encode();
+        assert_eq!(Record::decode(&b).unwrap(), r);
+        // Every single flipped bit and every truncation is refused.
+        for i in 0..b.len() {
+            for bit in 0..8 {
+                let mut c = b.clone();
+                c[i] ^= 1 << bit;
+                assert!(Record::decode(&c).is_err(), "flip of bit {bit} of byte {i} not detected");
+            }
+            assert!(Record::decode(&b[..i]).is_err(), "truncation to {i} bytes not detected");
+        }
+        assert!(Record::decode(b"").unwrap_err().contains("checksum"));
+        let mut past = r.clone();
+        past.watermark = past.source_size + 1;
+        assert!(Record::decode(&past.encode()).unwrap_err().contains("past the end"));
+    }
+
+    #[test]
+    fn differences_are_named() {
+        let r = rec();
+        assert_eq!(r.differs(&Record { watermark: 0, destination_zeroed: false, ..r.clone() }), None);
+        let v = r.differs(&Record { ferry_version: "9.9.9".into(), ..r.clone() }).unwrap();
+        assert!(v.contains("ferry 0.1.0") && v.contains("9.9.9"), "{v}");
+        let s = r.differs(&Record { source: "other".into(), options: "x".into(), ..r.clone() }).unwrap();
+        assert!(s.contains("source") && s.contains("options"), "{s}");
+    }
+
+    #[test]
+    fn store_load_open_remove() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("j");
+        assert!(load(&p).unwrap().is_none());
+        let key = Record { watermark: 0, destination_zeroed: false, ..rec() };
+        let j = Journal::open(p.clone(), key.clone(), false).unwrap();
+        assert_eq!(j.resumed(), None);
+        j.store(0, true, 0).unwrap();
+        j.store(8 << 20, true, 8 << 20).unwrap();
+        assert!(!dir.path().join("j.tmp").exists());
+        let j2 = Journal::open(p.clone(), key.clone(), false).unwrap();
+        assert_eq!(j2.resumed(), Some((8 << 20, true)));
+        let other = Record { destination: "elsewhere".into(), ..key.clone() };
+        let e = Journal::open(p.clone(), other.clone(), false).unwrap_err().to_string();
+        assert!(e.contains("does not match") && e.contains("--restart"), "{e}");
+        let j3 = Journal::open(p.clone(), other, true).unwrap();
+        assert_eq!(j3.resumed(), None);
+        assert!(!p.exists());
+        std::fs::write(&p, vec![b'x'; MAX_JOURNAL_BYTES as usize + 1]).unwrap();
+        let e = load(&p).unwrap_err().to_string();
+        assert!(e.contains("more than a journal"), "{e}");
+        j2.finish().unwrap();
+        assert!(!p.exists());
+    }
+}

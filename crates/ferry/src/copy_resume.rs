@@ -1,0 +1,206 @@
+//! `ferry copy --resume`: where a copy's journal lives and the identities that key it
+//! (the journal itself and how the engine keeps it: `ferry_client::copy::journal`).
+//!
+//! A local destination file has its journal beside it (`DST.ferry-resume`); any other
+//! destination (NBD, RBD, a block device) has it in the state directory (`--resume-dir`,
+//! else `$XDG_STATE_HOME/ferry/resume`, else `~/.local/state/ferry/resume`), named by a
+//! hash of the destination's spec. The source is identified by its spec and, for each
+//! local file read (the image, its backing chain), device, inode, size and mtime, so a
+//! source changed since the first run is refused; the destination by its spec and, for a
+//! local file, device and inode.
+
+use super::CopyArgs;
+use anyhow::{bail, Context, Result};
+use ferry_client::copy::journal::{self, Journal, Record};
+use ferry_client::copy::Endpoint;
+use ferry_open::{Location, Source, Store};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+/// A `--resume` copy before its destination is opened: the journal's place, the key
+/// without the destination's identity, and the journal found there (already checked for
+/// everything but the destination).
+pub struct Prepared {
+    path: PathBuf,
+    key: Record,
+    stored: Option<Record>,
+}
+
+/// The local file a destination location names, if any.
+fn local_path(loc: &Location) -> Option<&Path> {
+    match loc {
+        Location::Image { store: Store::File(p), .. } => Some(p),
+        _ => None,
+    }
+}
+
+/// The state directory for journals of destinations other than local files.
+fn state_dir(args: &CopyArgs) -> Result<PathBuf> {
+    if let Some(d) = &args.resume_dir {
+        return Ok(d.clone());
+    }
+    let base = match (std::env::var_os("XDG_STATE_HOME"), std::env::var_os("HOME")) {
+        (Some(x), _) if Path::new(&x).is_absolute() => PathBuf::from(x),
+        (_, Some(h)) if !h.is_empty() => Path::new(&h).join(".local/state"),
+        _ => bail!("--resume: neither XDG_STATE_HOME nor HOME is set; name a directory with --resume-dir"),
+    };
+    Ok(base.join("ferry/resume"))
+}
+
+/// Where the journal of a copy onto `dst_loc` is: beside a regular (or new) local file,
+/// else in the state directory.
+fn journal_path(args: &CopyArgs, dst_loc: &Location) -> Result<PathBuf> {
+    if let Some(p) = local_path(dst_loc) {
+        let regular = std::fs::metadata(p).map_or(true, |m| m.is_file());
+        if regular {
+            let mut s = p.as_os_str().to_owned();
+            s.push(".ferry-resume");
+            return Ok(PathBuf::from(s));
+        }
+    }
+    let mut digest = [0u8; 32];
+    ferry_hash::Algorithm::Sha256.digest_into(args.dst.as_bytes(), &mut digest);
+    Ok(state_dir(args)?.join(format!("{}.ferry-resume", ferry_hash::hex(&digest[..16]))))
+}
+
+/// Device, inode, size and mtime of a local file.
+fn file_identity(p: &Path, with_time: bool) -> Result<String> {
+    let m = std::fs::metadata(p).with_context(|| format!("--resume: cannot look at {}", p.display()))?;
+    let canon = std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
+    let mut s = format!("file:{} dev={} ino={}", canon.display(), m.dev(), m.ino());
+    if m.file_type().is_file() && with_time {
+        s += &format!(" size={} mtime={}.{:09}", m.size(), m.mtime(), m.mtime_nsec());
+    }
+    if !m.file_type().is_file() {
+        s += &format!(" rdev={}", m.rdev());
+    }
+    Ok(s)
+}
+
+/// The source's identity: its spec, and every local file it reads.
+fn source_identity(args: &CopyArgs, source: &Source) -> Result<String> {
+    if matches!(source.endpoint, Endpoint::Stdio) {
+        bail!("--resume: the source {:?} is a stream, which cannot be read from the middle", args.src);
+    }
+    if source.files.is_empty() {
+        return match &source.endpoint {
+            Endpoint::File(p) => file_identity(p, true),
+            _ => Ok(args.src.clone()),
+        };
+    }
+    // A local image: its files, however the spec names them.
+    let ids: Result<Vec<String>> = source.files.iter().map(|f| file_identity(&f.path, true)).collect();
+    Ok(ids?.join(" + "))
+}
+
+impl Prepared {
+    /// `--resume`/`--restart`: finds the journal and checks a stored one against this
+    /// copy (all but the destination's identity). Without them: `None`, and a journal
+    /// left by an earlier `--resume` copy onto the same destination is removed, since
+    /// this copy rewrites what it recorded.
+    pub fn new(args: &CopyArgs, source: &Source, dst_loc: &Location, request_size: u64) -> Result<Option<Prepared>> {
+        if !args.resume && !args.restart {
+            if args.resume_dir.is_some() || args.resume_interval.is_some() || args.resume_seconds.is_some() {
+                bail!("--resume-dir, --resume-interval and --resume-seconds go with --resume");
+            }
+            if let Ok(p) = journal_path(args, dst_loc) {
+                if p.exists() {
+                    log::warn!(
+                        "removing the resume journal {} of an earlier copy: this copy is not --resume",
+                        p.display()
+                    );
+                    journal::remove(&p)?;
+                }
+            }
+            return Ok(None);
+        }
+        if args.dirty_bitmap.is_some() || args.extents_from.is_some() {
+            bail!(
+                "--resume cannot be combined with --dirty-bitmap or --extents-from: run the incremental copy again \
+                 without --resume (it rewrites only the selected ranges)"
+            );
+        }
+        if matches!(dst_loc, Location::Stdio | Location::Null) {
+            bail!("--resume: the destination {:?} is a stream or null:, which cannot be resumed", args.dst);
+        }
+        // An interrupted upload's parts live in the store, not in a journal; a new
+        // upload would miss what the first run sent, so it is refused, not guessed.
+        if matches!(dst_loc, Location::Image { store: Store::S3(_) | Store::Http(_), .. }) {
+            bail!(
+                "--resume: an upload to {:?} cannot be resumed by ferry copy yet; run the copy again without \
+                 --resume (a failed upload leaves no object behind)",
+                args.dst
+            );
+        }
+        let path = journal_path(args, dst_loc)?;
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).with_context(|| format!("--resume: cannot create {}", dir.display()))?;
+        }
+        if args.restart {
+            journal::remove(&path)?;
+        }
+        let key = Record {
+            ferry_version: env!("CARGO_PKG_VERSION").to_string(),
+            source: source_identity(args, source)?,
+            destination: String::new(),
+            options: format!("request-size={request_size} sparse={}", args.sparse),
+            source_size: ferry_open::source_size(&source.endpoint).context("--resume: the source's size")?,
+            watermark: 0,
+            destination_zeroed: false,
+        };
+        let stored = journal::load(&path)?;
+        if let Some(r) = &stored {
+            // Everything but the destination, before it is opened.
+            if let Some(why) = r.differs(&Record { destination: r.destination.clone(), ..key.clone() }) {
+                return Err(journal::JournalError::Mismatch { path: path.display().to_string(), why }.into());
+            }
+        }
+        Ok(Some(Prepared { path, key, stored }))
+    }
+
+    /// A stored journal of this copy is resumed: the destination must be reopened.
+    pub fn resuming(&self) -> bool {
+        self.stored.is_some()
+    }
+
+    /// With the destination open (or made): its identity completes the key, and the
+    /// journal is opened (a stored one must name this destination).
+    pub fn open(self, args: &CopyArgs, dst: &Endpoint) -> Result<Journal> {
+        let destination = match dst {
+            Endpoint::File(p) => {
+                if self.stored.is_none() && std::fs::symlink_metadata(p).is_err() {
+                    // The copy makes the file: made here (empty), so that its identity
+                    // is known before the first journal names it.
+                    std::fs::OpenOptions::new()
+                        .write(true)
+                        .create_new(true)
+                        .open(p)
+                        .with_context(|| format!("cannot create destination {}", p.display()))?;
+                }
+                file_identity(p, false)?
+            }
+            Endpoint::Backend(b) => match local_file_of(args) {
+                Some(p) => format!("{} [{}]", b.name(), file_identity(&p, false)?),
+                None => b.name().to_string(),
+            },
+            Endpoint::Nbd(_) => args.dst.clone(),
+            Endpoint::Stdio | Endpoint::Null => {
+                bail!("--resume: the destination {:?} is a stream or null:, which cannot be resumed", args.dst)
+            }
+        };
+        let key = Record { destination, ..self.key };
+        let mut j = Journal::open(self.path, key, false)?;
+        if let Some(b) = args.resume_interval {
+            j = j.interval(b, args.resume_seconds.unwrap_or(journal::DEFAULT_INTERVAL_TIME));
+        } else if let Some(t) = args.resume_seconds {
+            j = j.interval(journal::DEFAULT_INTERVAL_BYTES, t);
+        }
+        Ok(j)
+    }
+}
+
+/// The local file behind a destination spec (a qcow2 image), if it is one.
+fn local_file_of(args: &CopyArgs) -> Option<PathBuf> {
+    let loc = Location::parse(&args.dst).ok()?;
+    local_path(&loc).filter(|p| p.exists()).map(Path::to_path_buf)
+}
