@@ -372,6 +372,35 @@ fn osd_lost(c: &Cluster, tmp: &Path) {
     eprintln!("copy failed {:?} after the OSD was killed", t.elapsed() - Duration::from_secs(1));
 }
 
+/// A qcow2 image kept in an RBD image (`qcow2:rbd:...`): the format layer on the RBD store,
+/// read-only, for copy, hash, info and serve.
+fn qcow2_on_rbd(_c: &Cluster, tmp: &Path) {
+    let data = data_with_holes(8 << 20, 7);
+    let raw = write_sparse_file(tmp, "q-guest.img", &data);
+    let q = tmp.join("q.qcow2");
+    run_ok(&mut cmd("qemu-img", ["convert", "-f", "raw", "-O", "qcow2", raw.to_str().unwrap(), q.to_str().unwrap()]));
+    // The container's bytes go into the RBD image, as they are.
+    run_ok(&mut ferry(&["copy", &format!("raw:{}", q.display()), "rbd:rbd/qimg"]));
+    let info = run_ok(&mut ferry(&["info", "--json", "qcow2:rbd:rbd/qimg"])).stdout;
+    assert!(
+        info.contains("\"format\": \"qcow2\"") && info.contains(&format!("\"virtual-size\": {}", 8 << 20)),
+        "{info}"
+    );
+    let out = tmp.join("q-out.img");
+    run_ok(&mut ferry(&["copy", "qcow2:rbd:rbd/qimg", out.to_str().unwrap()]));
+    assert_file_eq(&out, &data);
+    let h = |spec: &str| run_ok(&mut ferry(&["hash", spec])).stdout.split_whitespace().next().unwrap().to_string();
+    assert_eq!(h("qcow2:rbd:rbd/qimg"), h(raw.to_str().unwrap()), "ferry hash of qcow2 on rbd vs the guest data");
+    let server = ServerBuilder::new("qcow2:rbd:rbd/qimg").read_only().start();
+    run_ok(&mut cmd("qemu-img", ["compare", "-f", "raw", "-F", "raw", &server.uri(), raw.to_str().unwrap()]));
+    drop(server);
+    // Writing a qcow2 image on a store that cannot grow is refused, with the way out.
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("s.sock");
+    let out = run_fails(&mut ferry(&["serve", "--unix", sock.to_str().unwrap(), "qcow2:rbd:rbd/qimg"]));
+    assert!(out.stderr.contains("--read-only"), "{}", out.describe());
+}
+
 #[test]
 fn rbd_cluster() {
     let t0 = Instant::now();
@@ -381,13 +410,14 @@ fn rbd_cluster() {
     std::env::set_var("CEPH_CONF", &cluster.conf);
     let tmp = tempfile::tempdir().unwrap();
     type Case = fn(&Cluster, &Path);
-    let cases: [(&str, Case); 7] = [
+    let cases: [(&str, Case); 8] = [
         ("import_serve_read", import_serve_read),
         ("write_through_nbd", write_through_nbd),
         ("copy_roundtrip", copy_roundtrip),
         ("snapshot_read_only", snapshot_read_only),
         ("errors", errors),
         ("kill_after_flush", kill_after_flush),
+        ("qcow2_on_rbd", qcow2_on_rbd),
         ("osd_lost", osd_lost),
     ];
     let mut failed = Vec::new();
