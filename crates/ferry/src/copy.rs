@@ -1,5 +1,6 @@
 //! `ferry copy SRC DST`.
 
+use crate::remote_args::shown;
 use anyhow::{Context, Result};
 use clap::Args;
 use ferry_backend::parse_size;
@@ -205,8 +206,8 @@ fn parse_request_timeout(s: &str) -> std::result::Result<Duration, String> {
 }
 
 pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
-    let src_loc = Location::parse(&args.src).with_context(|| format!("source {:?}", args.src))?;
-    let dst_loc = Location::parse(&args.dst).with_context(|| format!("destination {:?}", args.dst))?;
+    let src_loc = Location::parse(&args.src).with_context(|| format!("source {:?}", shown(&args.src)))?;
+    let dst_loc = Location::parse(&args.dst).with_context(|| format!("destination {:?}", shown(&args.dst)))?;
     // HTTP and S3 requests retry as NBD requests do (--retries, --retry-delay,
     // --request-timeout).
     let mut remote = args.remote.remote();
@@ -215,9 +216,9 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
     if let Some(t) = args.request_timeout {
         remote.http.timeout = Some(t);
     }
-    let source =
-        ferry_open::source(&src_loc, args.force_share, &remote).with_context(|| format!("source {:?}", args.src))?;
-    let _dst_lock = crate::copy_guard::check_destination(&source, &args.src, &dst_loc, &args.dst)?;
+    let source = ferry_open::source(&src_loc, args.force_share, &remote)
+        .with_context(|| format!("source {:?}", shown(&args.src)))?;
+    let _dst_lock = crate::copy_guard::check_destination(&source, &shown(&args.src), &dst_loc, &shown(&args.dst))?;
     let src = &source.endpoint;
     let ranges = match &args.extents_from {
         Some(f) => Some(Arc::new(
@@ -241,8 +242,8 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
         selective,
         resume: resume.as_ref().is_some_and(|r| r.resuming()),
     };
-    let mut destination =
-        ferry_open::destination(&dst_loc, src, &how, &remote).with_context(|| format!("destination {:?}", args.dst))?;
+    let mut destination = ferry_open::destination(&dst_loc, src, &how, &remote)
+        .with_context(|| format!("destination {:?}", shown(&args.dst)))?;
     let dst = &destination.endpoint;
     let journal = match resume {
         Some(r) => Some(Arc::new(r.open(&args, dst)?)),
@@ -297,7 +298,7 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
     // --expect-hash before the destination is finished: a mismatch never completes an
     // upload (no object appears).
     if let Some(d) = &report.digest {
-        println!("{}  {}", ferry_hash::hex(d), args.src);
+        println!("{}  {}", ferry_hash::hex(d), shown(&args.src));
         proof.check_expected(&args, &mut destination, d)?;
     }
     destination.finish(&remote)?;
@@ -393,7 +394,7 @@ impl Proof {
             if stream {
                 anyhow::bail!(
                     "--verify reads the destination back: {:?} is a stream or null: and cannot be read",
-                    args.dst
+                    shown(&args.dst)
                 );
             }
         }
@@ -407,9 +408,12 @@ impl Proof {
             if *want != hex {
                 let fate = if dst.is_upload() {
                     match dst.abort() {
-                        Ok(()) => format!("upload to {} was aborted: no object was made", args.dst),
+                        Ok(()) => format!("upload to {} was aborted: no object was made", shown(&args.dst)),
                         Err(e) => {
-                            format!("upload to {} could not be aborted ({e:#}) and must not be trusted", args.dst)
+                            format!(
+                                "upload to {} could not be aborted ({e:#}) and must not be trusted",
+                                shown(&args.dst)
+                            )
                         }
                     }
                 } else {
@@ -418,7 +422,7 @@ impl Proof {
                             Ok(()) => format!("{} (created by this copy) was removed", p.display()),
                             Err(e) => format!("{} could not be removed ({e}) and must not be trusted", p.display()),
                         },
-                        None => format!("{} was written but must not be trusted", args.dst),
+                        None => format!("{} was written but must not be trusted", shown(&args.dst)),
                     }
                 };
                 anyhow::bail!(
@@ -447,8 +451,8 @@ impl Proof {
         let Some(h) = &opts.hash else { anyhow::bail!("--verify: no digest computed") };
         let back = ferry_hash::BlockHasher::new(h.algorithm(), h.block_size());
         let got = ferry_client::copy::hash_range(dst, report.bytes, &back, opts)
-            .with_context(|| format!("--verify: reading {} back", args.dst))?;
-        println!("{}  {}", ferry_hash::hex(&got), args.dst);
+            .with_context(|| format!("--verify: reading {} back", shown(&args.dst)))?;
+        println!("{}  {}", ferry_hash::hex(&got), shown(&args.dst));
         if got == digest {
             return Ok(());
         }
@@ -464,7 +468,7 @@ impl Proof {
         };
         anyhow::bail!(
             "--verify failed: the destination {} reads back with digest {} but the source's is {hex}; {place}",
-            args.dst,
+            shown(&args.dst),
             ferry_hash::hex(&got)
         );
     }

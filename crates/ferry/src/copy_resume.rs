@@ -129,7 +129,7 @@ impl Prepared {
             bail!(
                 "--resume: an upload to {:?} cannot be resumed by ferry copy yet; run the copy again without \
                  --resume (a failed upload leaves no object behind)",
-                args.dst
+                crate::remote_args::shown(&args.dst)
             );
         }
         let path = journal_path(args, dst_loc)?;

@@ -41,9 +41,11 @@ pub fn run(args: HashArgs, quiet: bool) -> Result<i32> {
     }
     let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())).max(1);
     let remote = args.remote.remote();
+    use crate::remote_args::shown;
     for src in &args.sources {
-        let loc = ferry_open::Location::parse(src).with_context(|| format!("{src:?}"))?;
-        let source = ferry_open::source(&loc, args.force_share, &remote).with_context(|| format!("{src:?}"))?;
+        let loc = ferry_open::Location::parse(src).with_context(|| format!("{:?}", shown(src)))?;
+        let source =
+            ferry_open::source(&loc, args.force_share, &remote).with_context(|| format!("{:?}", shown(src)))?;
         let endpoint = &source.endpoint;
         let hasher = Arc::new(BlockHasher::new(args.digest, bs as usize));
         let local = matches!(endpoint, Endpoint::File(_) | Endpoint::Backend(_));
@@ -71,9 +73,9 @@ pub fn run(args: HashArgs, quiet: bool) -> Result<i32> {
             }
             r
         })
-        .with_context(|| format!("hashing {src}"))?;
+        .with_context(|| format!("hashing {}", shown(src)))?;
         let digest = report.digest.context("no digest computed")?;
-        println!("{}  {src}", hex(&digest));
+        println!("{}  {}", hex(&digest), shown(src));
     }
     Ok(0)
 }

@@ -288,9 +288,10 @@ pub fn run(args: ServeArgs) -> Result<i32> {
     };
     let remote = args.remote.remote();
     let mut open = |name: &str, spec: &str| {
-        let loc = ferry_open::Location::parse(spec).with_context(|| format!("cannot serve {spec:?}"))?;
-        let (backend, f) =
-            ferry_open::open_backend(&loc, how, &remote).with_context(|| format!("cannot serve {spec:?}"))?;
+        let loc = ferry_open::Location::parse(spec)
+            .with_context(|| format!("cannot serve {:?}", crate::remote_args::shown(spec)))?;
+        let (backend, f) = ferry_open::open_backend(&loc, how, &remote)
+            .with_context(|| format!("cannot serve {:?}", crate::remote_args::shown(spec)))?;
         check_shared_files(&files, name, &f)?;
         files.push((name.to_string(), f));
         anyhow::Ok(match args.discard {

@@ -1,0 +1,748 @@
+//! `ferry copy/hash/info/serve` on images that live on HTTP(S) servers and in S3, driving the
+//! release binary against real servers:
+//!
+//! * one nginx (Debian package `nginx`) for this test binary, on two free loopback ports
+//!   (HTTP and HTTPS with a test CA made by the `openssl` CLI), serving a raw image with
+//!   holes, a qcow2 made from it by qemu-img and a zstd-compressed qcow2; a Basic-auth area;
+//! * a flaky proxy thread in front of nginx (503, 416 and dropped connections now and then);
+//! * one moto_server (`pip install 'moto[server]'`) as the S3 API, buckets made and listed
+//!   through boto3 (installed with moto).
+//!
+//! Both servers run under a small `sh` wrapper holding a pipe from this process: when the
+//! test binary ends in any way the pipe closes and the wrapper kills the server.
+
+mod common;
+
+use common::json::{Json, JsonExt};
+use common::*;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// The guest data: not a multiple of the qcow2 cluster size, but of 512 (qemu-img rounds
+/// a raw file's size up to sectors, so the qcow2 would otherwise be larger).
+const DISK_LEN: usize = 13 * MIB as usize + 192 * 1024 + 512;
+
+/// The Basic-auth user and password nginx accepts under /auth/.
+const AUTH_USER: &str = "ferry";
+const AUTH_PASS: &str = "Corr3ct-h0rse";
+/// A wrong password that must never be printed.
+const WRONG_PASS: &str = "Wr0ng-b4ttery";
+
+struct Nginx {
+    dir: PathBuf,
+    http: u16,
+    https: u16,
+    /// The guest data, also in data/disk.raw.
+    disk: Vec<u8>,
+    _wrapper: Mutex<Child>,
+}
+
+impl Nginx {
+    fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}/{path}", self.http)
+    }
+    fn https_url(&self, path: &str) -> String {
+        format!("https://127.0.0.1:{}/{path}", self.https)
+    }
+    fn ca(&self) -> PathBuf {
+        self.dir.join("ca.pem")
+    }
+    fn raw_path(&self) -> PathBuf {
+        self.dir.join("data/disk.raw")
+    }
+}
+
+/// The three images nginx serves, all holding the same guest data.
+const IMAGES: [(&str, &str); 3] = [("disk.raw", "raw"), ("disk.qcow2", "qcow2"), ("disk-zstd.qcow2", "qcow2")];
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+fn nginx() -> &'static Nginx {
+    static NGINX: OnceLock<Nginx> = OnceLock::new();
+    NGINX.get_or_init(start_nginx)
+}
+
+fn start_nginx() -> Nginx {
+    let bin = ["/usr/sbin/nginx", "/usr/bin/nginx"].into_iter().find(|p| Path::new(p).exists()).unwrap_or_else(|| {
+        panic!("nginx is not installed: these tests need it (Debian: apt-get install nginx; scripts/test installs it)")
+    });
+    require("qemu-img");
+    assert!(
+        which("openssl").is_some(),
+        "the openssl command is missing: install the Debian package openssl (apt-get install openssl)"
+    );
+    let dir = tempfile::Builder::new().prefix("ferry-remote-nginx").tempdir().unwrap().keep();
+    let data = dir.join("data");
+    for sub in ["data", "tmp", "logs"] {
+        std::fs::create_dir_all(dir.join(sub)).unwrap();
+    }
+    let disk = data_with_holes(DISK_LEN, 0x5eed);
+    let raw = write_sparse_file(&data, "disk.raw", &disk);
+    run_ok(&mut cmd("qemu-img", ["convert", "-f", "raw", "-O", "qcow2", s(&raw), s(&data.join("disk.qcow2"))]));
+    run_ok(&mut cmd(
+        "qemu-img",
+        [
+            "convert",
+            "-f",
+            "raw",
+            "-O",
+            "qcow2",
+            "-c",
+            "-o",
+            "compression_type=zstd",
+            s(&raw),
+            s(&data.join("disk-zstd.qcow2")),
+        ],
+    ));
+
+    // A CA and a server certificate for 127.0.0.1 signed by it.
+    let d = |f: &str| dir.join(f).display().to_string();
+    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
+    run_ok(Command::new("openssl").args(["req", "-x509"]).args(ec).args([
+        "-keyout",
+        &d("ca.key"),
+        "-out",
+        &d("ca.pem"),
+        "-days",
+        "3",
+        "-subj",
+        "/CN=ferry remote-images test CA",
+    ]));
+    run_ok(Command::new("openssl").args(["req"]).args(ec).args([
+        "-keyout",
+        &d("srv.key"),
+        "-out",
+        &d("srv.csr"),
+        "-subj",
+        "/CN=127.0.0.1",
+    ]));
+    std::fs::write(dir.join("ext"), "subjectAltName=IP:127.0.0.1,DNS:localhost\n").unwrap();
+    run_ok(Command::new("openssl").args([
+        "x509",
+        "-req",
+        "-in",
+        &d("srv.csr"),
+        "-CA",
+        &d("ca.pem"),
+        "-CAkey",
+        &d("ca.key"),
+        "-CAcreateserial",
+        "-out",
+        &d("srv.pem"),
+        "-days",
+        "3",
+        "-extfile",
+        &d("ext"),
+    ]));
+    let hash = run_ok(&mut cmd("openssl", ["passwd", "-apr1", AUTH_PASS]));
+    std::fs::write(dir.join("htpasswd"), format!("{AUTH_USER}:{}\n", hash.stdout.trim())).unwrap();
+
+    use std::os::unix::fs::MetadataExt;
+    let root = std::fs::metadata("/proc/self").map(|m| m.uid() == 0).unwrap_or(false);
+    for _ in 0..5 {
+        let (http, https) = (free_port(), free_port());
+        let conf = format!(
+            r#"{user}
+worker_processes 2;
+pid {dir}/nginx.pid;
+error_log {dir}/logs/error.log;
+events {{ worker_connections 512; }}
+http {{
+    default_type application/octet-stream;
+    access_log off;
+    client_body_temp_path {dir}/tmp/body;
+    proxy_temp_path {dir}/tmp/proxy;
+    fastcgi_temp_path {dir}/tmp/fastcgi;
+    uwsgi_temp_path {dir}/tmp/uwsgi;
+    scgi_temp_path {dir}/tmp/scgi;
+    sendfile on;
+    keepalive_requests 1000000;
+    server {{
+        listen 127.0.0.1:{http};
+        listen 127.0.0.1:{https} ssl;
+        ssl_certificate {dir}/srv.pem;
+        ssl_certificate_key {dir}/srv.key;
+        root {dir}/data;
+        location /auth/ {{ alias {dir}/data/; auth_basic "ferry"; auth_basic_user_file {dir}/htpasswd; }}
+    }}
+}}
+"#,
+            user = if root { "user root;" } else { "" },
+            dir = dir.display(),
+        );
+        std::fs::write(dir.join("nginx.conf"), conf).unwrap();
+        let script = format!(
+            "{bin} -c {conf} -p {dir} -g 'daemon off;' & pid=$!; cat >/dev/null; kill $pid; wait $pid; rm -rf {dir}",
+            conf = dir.join("nginx.conf").display(),
+            dir = dir.display()
+        );
+        let mut child = Command::new("sh")
+            .args(["-c", &script])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("cannot run sh");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if TcpStream::connect(("127.0.0.1", http)).is_ok() && TcpStream::connect(("127.0.0.1", https)).is_ok() {
+                return Nginx { dir, http, https, disk, _wrapper: Mutex::new(child) };
+            }
+            if let Ok(Some(_)) = child.try_wait() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        drop(child.stdin.take());
+        let _ = child.wait();
+        eprintln!(
+            "nginx did not start on ports {http}/{https}: {}",
+            std::fs::read_to_string(dir.join("logs/error.log")).unwrap_or_default()
+        );
+    }
+    panic!("nginx did not start (see the error log above)");
+}
+
+/// `ferry ARGS...` with the TLS trust variables cleared (tests that want them set them).
+fn ferry<I, S>(args: I) -> Command
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<std::ffi::OsStr>,
+{
+    let mut c = Command::new(ferry_bin());
+    c.args(args);
+    for v in ["SSL_CERT_FILE", "SSL_CERT_DIR", "http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy"] {
+        c.env_remove(v);
+    }
+    c.env_remove("ALL_PROXY");
+    c
+}
+
+/// The digest line `ferry hash` prints (its first word).
+fn digest_of(out: &Output) -> String {
+    out.stdout.split_whitespace().next().unwrap_or_else(|| panic!("no digest printed:\n{}", out.describe())).to_string()
+}
+
+fn local_hash() -> &'static str {
+    static H: OnceLock<String> = OnceLock::new();
+    H.get_or_init(|| digest_of(&run_ok(&mut ferry(["hash", s(&nginx().raw_path())]))))
+}
+
+/// Asserts a failed command named `what` and printed none of `secrets`.
+#[track_caller]
+fn assert_clear_error(out: &Output, what: &str, secrets: &[&str]) {
+    assert!(!out.status.success(), "should have failed:\n{}", out.describe());
+    let all = format!("{}{}", out.stdout, out.stderr);
+    assert!(all.contains(what), "the error does not name {what}:\n{}", out.describe());
+    assert!(!all.contains("panicked"), "a panic:\n{}", out.describe());
+    for secret in secrets {
+        assert!(!all.contains(secret), "a credential ({secret}) was printed:\n{}", out.describe());
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// HTTP(S) images
+// ---------------------------------------------------------------------------------
+
+#[test]
+fn copy_over_http_and_https_equals_the_raw_image() {
+    let n = nginx();
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, _) in IMAGES {
+        for (scheme, url) in [("http", n.url(name)), ("https", n.https_url(name))] {
+            let out = tmp.path().join(format!("{scheme}-{name}.out"));
+            let mut c = ferry(["copy", &url, s(&out)]);
+            if scheme == "https" {
+                c.arg("--ca").arg(n.ca());
+            }
+            run_ok(&mut c);
+            assert_file_eq(&out, &n.disk);
+        }
+        // The system trust store replaced by SSL_CERT_FILE, as for curl.
+        let out = tmp.path().join(format!("env-{name}.out"));
+        run_ok(ferry(["copy", &n.https_url(name), s(&out)]).env("SSL_CERT_FILE", n.ca()));
+        assert_file_eq(&out, &n.disk);
+    }
+    // Forced formats: raw: of a qcow2 URL gives the image file itself.
+    let out = tmp.path().join("forced-raw.out");
+    run_ok(&mut ferry(["copy", &format!("raw:{}", n.url("disk.qcow2")), s(&out)]));
+    assert_file_eq(&out, &std::fs::read(n.dir.join("data/disk.qcow2")).unwrap());
+    let out = tmp.path().join("forced-qcow2.out");
+    run_ok(&mut ferry(["copy", &format!("qcow2:{}", n.url("disk-zstd.qcow2")), s(&out)]));
+    assert_file_eq(&out, &n.disk);
+}
+
+#[test]
+fn hash_of_a_url_equals_the_hash_of_the_local_raw_file() {
+    let n = nginx();
+    let want = local_hash();
+    for (name, _) in IMAGES {
+        let got = digest_of(&run_ok(&mut ferry(["hash", &n.url(name)])));
+        assert_eq!(got, want, "ferry hash {}", n.url(name));
+        let got = digest_of(&run_ok(ferry(["hash", &n.https_url(name), "--ca"]).arg(n.ca())));
+        assert_eq!(got, want, "ferry hash {}", n.https_url(name));
+    }
+}
+
+#[test]
+fn info_names_format_and_virtual_size() {
+    let n = nginx();
+    for (name, format) in IMAGES {
+        let url = n.url(name);
+        let text = run_ok(&mut ferry(["info", &url])).stdout;
+        assert!(text.contains(format), "ferry info {url} does not say {format}:\n{text}");
+        assert!(text.contains(&DISK_LEN.to_string()), "ferry info {url} does not give the size {DISK_LEN}:\n{text}");
+        let json = Json::must_parse(&run_ok(&mut ferry(["info", "--json", &url])).stdout);
+        assert_eq!(json.at("format").as_str(), Some(format), "ferry info --json {url}: {json}");
+        assert_eq!(json.u64_at("virtual-size"), DISK_LEN as u64, "ferry info --json {url}: {json}");
+        let https = n.https_url(name);
+        let json = Json::must_parse(&run_ok(ferry(["info", "--json", &https, "--ca"]).arg(n.ca())).stdout);
+        assert_eq!(json.at("format").as_str(), Some(format), "ferry info --json {https}: {json}");
+        assert_eq!(json.u64_at("virtual-size"), DISK_LEN as u64, "ferry info --json {https}: {json}");
+    }
+}
+
+#[test]
+fn copy_a_qcow2_url_to_a_new_qcow2_image() {
+    let n = nginx();
+    let tmp = tempfile::tempdir().unwrap();
+    for name in ["disk.qcow2", "disk-zstd.qcow2"] {
+        let out = tmp.path().join(format!("{name}.copy.qcow2"));
+        run_ok(&mut ferry(["copy", &n.url(name), s(&out)]));
+        run_ok(&mut cmd("qemu-img", ["check", "-f", "qcow2", s(&out)]));
+        run_ok(&mut cmd("qemu-img", ["compare", "-f", "qcow2", "-F", "raw", s(&out), s(&n.raw_path())]));
+    }
+}
+
+#[test]
+fn serve_read_only_a_url() {
+    let n = nginx();
+    require("nbdinfo");
+    for (name, format) in IMAGES {
+        for (url, extra) in
+            [(n.url(name), vec![]), (n.https_url(name), vec!["--ca".to_string(), s(&n.ca()).to_string()])]
+        {
+            let mut b = ServerBuilder::new(&url).read_only();
+            for a in &extra {
+                b = b.arg(a);
+            }
+            let server = b.start();
+            run_ok(&mut cmd("qemu-img", ["compare", "-f", "raw", "-F", "raw", &server.uri(), s(&n.raw_path())]));
+            let info = Json::must_parse(&run_ok(&mut cmd("nbdinfo", ["--json", &server.uri()])).stdout);
+            let exports = info.array_at("exports");
+            assert_eq!(exports[0].u64_at("export-size"), DISK_LEN as u64, "{url} ({format})");
+            assert!(exports[0].bool_at("is_read_only"), "{url}");
+        }
+    }
+}
+
+#[test]
+fn serve_a_url_without_read_only_is_refused() {
+    let n = nginx();
+    let url = n.url("disk.raw");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = run(ferry(["serve", "--unix"]).arg(tmp.path().join("s.sock")).arg(&url));
+    assert_clear_error(&out, &url, &[]);
+    let text = format!("{}{}", out.stdout, out.stderr).to_lowercase();
+    assert!(text.contains("read-only") || text.contains("read only"), "{}", out.describe());
+}
+
+#[test]
+fn errors_name_the_url_and_never_the_password() {
+    let n = nginx();
+    let tmp = tempfile::tempdir().unwrap();
+    let out_file = tmp.path().join("out");
+
+    // 404.
+    let url = n.url("no-such-image");
+    for sub in [&["copy", &url, s(&out_file)][..], &["hash", &url], &["info", &url]] {
+        let out = run(&mut ferry(sub));
+        assert_clear_error(&out, &url, &[]);
+        assert!(out.stderr.contains("404"), "{}", out.describe());
+    }
+    assert!(!out_file.exists(), "a failed copy left {}", out_file.display());
+
+    // A certificate nobody trusts (no --ca, no SSL_CERT_FILE).
+    let url = n.https_url("disk.raw");
+    let out = run(&mut ferry(["copy", &url, s(&out_file)]));
+    assert_clear_error(&out, &url, &[]);
+    let text = out.stderr.to_lowercase();
+    assert!(text.contains("certificate") || text.contains("--ca"), "{}", out.describe());
+    // --insecure reads it anyway.
+    run_ok(&mut ferry(["copy", "--insecure", &url, s(&out_file)]));
+    assert_file_eq(&out_file, &n.disk);
+    std::fs::remove_file(&out_file).unwrap();
+
+    // Basic authentication in the URL: the right password works, a wrong one is an error
+    // that names the URL without the password.
+    let good = format!("http://{AUTH_USER}:{AUTH_PASS}@127.0.0.1:{}/auth/disk.raw", n.http);
+    let got = digest_of(&run_ok(&mut ferry(["hash", &good])));
+    assert_eq!(got, local_hash());
+    let bad = format!("http://{AUTH_USER}:{WRONG_PASS}@127.0.0.1:{}/auth/disk.raw", n.http);
+    let shown = format!("127.0.0.1:{}/auth/disk.raw", n.http);
+    // Every command is tried before the test fails, so the report lists all that leak.
+    let mut leaks = Vec::new();
+    for sub in [&["copy", &bad, s(&out_file)][..], &["hash", &bad], &["info", &bad]] {
+        let out = run(&mut ferry(sub));
+        assert!(out.stderr.contains("401"), "{}", out.describe());
+        if format!("{}{}", out.stdout, out.stderr).contains(WRONG_PASS) {
+            leaks.push(out.describe());
+        }
+        assert_clear_error(&out, &shown, &[]);
+    }
+    assert!(leaks.is_empty(), "the password in the URL was printed:\n{}", leaks.join("\n"));
+    // Without credentials.
+    let out = run(&mut ferry(["info", &n.url("auth/disk.raw")]));
+    assert_clear_error(&out, &shown, &[]);
+    // A password in a failing serve (read-write refused) is not printed either.
+    let out = run(ferry(["serve", "--unix"]).arg(tmp.path().join("s.sock")).arg(&good));
+    assert_clear_error(&out, &shown, &[AUTH_PASS]);
+
+    // A URL as the destination of a copy.
+    let dst = n.url("upload.raw");
+    let out = run(&mut ferry(["copy", s(&n.raw_path()), &dst]));
+    assert_clear_error(&out, &dst, &[]);
+    let dst = format!("http://{AUTH_USER}:{AUTH_PASS}@127.0.0.1:{}/auth/upload.raw", n.http);
+    let out = run(&mut ferry(["copy", s(&n.raw_path()), &dst]));
+    assert_clear_error(&out, "/auth/upload.raw", &[AUTH_PASS]);
+    assert!(!n.dir.join("data/upload.raw").exists());
+}
+
+// ---------------------------------------------------------------------------------
+// A flaky proxy in front of nginx
+// ---------------------------------------------------------------------------------
+
+/// Reads a header block (through the blank line).
+fn read_head(r: &mut impl BufRead) -> std::io::Result<Option<String>> {
+    let mut head = String::new();
+    loop {
+        let mut line = String::new();
+        if r.read_line(&mut line)? == 0 {
+            return Ok(None);
+        }
+        head.push_str(&line);
+        if line == "\r\n" {
+            return Ok(Some(head));
+        }
+    }
+}
+
+fn header(head: &str, name: &str) -> Option<String> {
+    head.lines().find_map(|l| {
+        let (n, v) = l.split_once(':')?;
+        n.eq_ignore_ascii_case(name).then(|| v.trim().to_string())
+    })
+}
+
+/// A proxy to nginx (one thread per connection) that answers every `every`-th request
+/// (counted from 1 over all connections) with a fault, in turn: 503, 416, a dropped
+/// connection. Returns its port, the request count and the fault count.
+fn flaky_proxy(upstream: u16, every: u64) -> (u16, Arc<AtomicU64>, Arc<AtomicU64>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let count = Arc::new(AtomicU64::new(0));
+    let faults = Arc::new(AtomicU64::new(0));
+    let (c, f) = (count.clone(), faults.clone());
+    std::thread::spawn(move || {
+        for client in listener.incoming() {
+            let Ok(client) = client else { return };
+            let (c, f) = (c.clone(), f.clone());
+            std::thread::spawn(move || {
+                let _ = proxy_connection(client, upstream, every, &c, &f);
+            });
+        }
+    });
+    (port, count, faults)
+}
+
+fn proxy_connection(
+    client: TcpStream,
+    upstream: u16,
+    every: u64,
+    count: &AtomicU64,
+    faults: &AtomicU64,
+) -> std::io::Result<()> {
+    let mut reader = BufReader::new(client.try_clone()?);
+    let mut client = client;
+    let up = TcpStream::connect(("127.0.0.1", upstream))?;
+    let mut up_reader = BufReader::new(up.try_clone()?);
+    let mut up = up;
+    while let Some(req) = read_head(&mut reader)? {
+        let n = count.fetch_add(1, Ordering::SeqCst) + 1;
+        if n.is_multiple_of(every) {
+            match faults.fetch_add(1, Ordering::SeqCst) % 3 {
+                0 => {
+                    client.write_all(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 4\r\n\r\nbusy")?;
+                    continue;
+                }
+                1 => {
+                    client.write_all(b"HTTP/1.1 416 Range Not Satisfiable\r\nContent-Length: 0\r\n\r\n")?;
+                    continue;
+                }
+                _ => return Ok(()),
+            }
+        }
+        up.write_all(req.as_bytes())?;
+        let head = read_head(&mut up_reader)?.ok_or(std::io::ErrorKind::UnexpectedEof)?;
+        let len: usize = if req.starts_with("HEAD ") {
+            0
+        } else {
+            header(&head, "content-length").and_then(|v| v.parse().ok()).unwrap_or(0)
+        };
+        let mut body = vec![0; len];
+        up_reader.read_exact(&mut body)?;
+        client.write_all(head.as_bytes())?;
+        client.write_all(&body)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn copy_through_a_flaky_proxy_retries_and_equals_the_source() {
+    let n = nginx();
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, _) in IMAGES {
+        let (port, count, faults) = flaky_proxy(n.http, 4);
+        let url = format!("http://127.0.0.1:{port}/{name}");
+        let out = tmp.path().join(format!("{name}.out"));
+        run_ok(&mut ferry(["copy", "--retry-delay", "0.01", &url, s(&out)]));
+        assert_file_eq(&out, &n.disk);
+        assert!(
+            faults.load(Ordering::SeqCst) >= 3,
+            "{url}: only {} requests, no faults seen",
+            count.load(Ordering::SeqCst)
+        );
+        let got = digest_of(&run_ok(&mut ferry(["hash", &url])));
+        assert_eq!(got, local_hash(), "ferry hash {url}");
+
+        // Without retries the first fault ends the copy, naming the URL.
+        let (port, _, faults) = flaky_proxy(n.http, 2);
+        let url = format!("http://127.0.0.1:{port}/{name}");
+        let out_file = tmp.path().join(format!("{name}.noretry"));
+        let out = run(&mut ferry(["copy", "--retries", "0", &url, s(&out_file)]));
+        assert_clear_error(&out, &url, &[]);
+        assert!(faults.load(Ordering::SeqCst) >= 1);
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// S3 (moto_server)
+// ---------------------------------------------------------------------------------
+
+struct Moto {
+    endpoint: String,
+    _child: Child,
+    /// Never written: when the test binary exits it closes, and the shell kills moto.
+    _stdin: Mutex<ChildStdin>,
+}
+
+const KEY_ID: &str = "AKIDFERRYTEST";
+const SECRET: &str = "ferry-secret-never-printed";
+
+fn boto3_python() -> &'static str {
+    "python3"
+}
+
+fn moto() -> &'static Moto {
+    static MOTO: OnceLock<Moto> = OnceLock::new();
+    MOTO.get_or_init(|| {
+        assert!(
+            which("moto_server").is_some(),
+            "moto_server is not installed: install it with `pip install 'moto[server]'` (scripts/test does)"
+        );
+        let port = free_port();
+        let log = std::env::temp_dir().join(format!("ferry-remote-moto-{}.log", std::process::id()));
+        let mut child = Command::new("sh")
+            .args([
+                "-c",
+                "moto_server -H 127.0.0.1 -p \"$1\" >\"$2\" 2>&1 & pid=$!; read _; kill $pid; wait $pid; rm -f \"$2\"",
+                "sh",
+                &port.to_string(),
+                log.to_str().unwrap(),
+            ])
+            .stdin(Stdio::piped())
+            .spawn()
+            .expect("cannot run sh to start moto_server");
+        let stdin = child.stdin.take().unwrap();
+        let endpoint = format!("http://127.0.0.1:{port}");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Ok(mut c) = TcpStream::connect(("127.0.0.1", port)) {
+                let _ = c.write_all(b"GET / HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
+                let mut first = [0u8; 12];
+                if c.read_exact(&mut first).is_ok() && first.starts_with(b"HTTP/") {
+                    break;
+                }
+            }
+            if Instant::now() > deadline || child.try_wait().ok().flatten().is_some() {
+                let out = std::fs::read_to_string(&log).unwrap_or_default();
+                panic!("moto_server did not come up on port {port} within 60 s; its output:\n{out}");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Moto { endpoint, _child: child, _stdin: Mutex::new(stdin) }
+    })
+}
+
+/// Sets the AWS_* environment for moto on `c`.
+fn aws(c: &mut Command) -> &mut Command {
+    for v in
+        ["AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE", "AWS_DEFAULT_REGION"]
+    {
+        c.env_remove(v);
+    }
+    c.env("AWS_ENDPOINT_URL", &moto().endpoint)
+        .env("AWS_ACCESS_KEY_ID", KEY_ID)
+        .env("AWS_SECRET_ACCESS_KEY", SECRET)
+        .env("AWS_REGION", "us-east-1")
+}
+
+fn s3ferry<I, S>(args: I) -> Command
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<std::ffi::OsStr>,
+{
+    let mut c = ferry(args);
+    aws(&mut c);
+    c
+}
+
+/// Runs a boto3 snippet against moto (`s3` is a client) and returns what it printed.
+fn boto3(code: &str) -> String {
+    let script = format!(
+        "import boto3\ns3 = boto3.client('s3', endpoint_url='{}', aws_access_key_id='{KEY_ID}', \
+         aws_secret_access_key='{SECRET}', region_name='us-east-1')\n{code}\n",
+        moto().endpoint
+    );
+    let mut c = cmd(boto3_python(), ["-c", &script]);
+    let out = run(&mut c);
+    assert!(out.status.success(), "boto3 failed (it comes with `pip install 'moto[server]'`):\n{}", out.describe());
+    out.stdout
+}
+
+fn make_bucket(name: &str) {
+    boto3(&format!("s3.create_bucket(Bucket='{name}')"));
+}
+
+/// The keys in `bucket`, by a signed ListObjectsV2.
+fn keys(bucket: &str) -> Vec<String> {
+    boto3(&format!("for o in s3.list_objects_v2(Bucket='{bucket}').get('Contents', []): print(o['Key'])"))
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+/// A file in `dir` holding `data` (sparse).
+fn local_image(dir: &Path, name: &str, data: &[u8]) -> PathBuf {
+    write_sparse_file(dir, name, data)
+}
+
+#[test]
+fn s3_upload_download_hash_and_verify() {
+    moto();
+    make_bucket("rt-bkt");
+    let tmp = tempfile::tempdir().unwrap();
+    // 13 MiB and a bit: three 5 MiB parts at the default part size or more.
+    let data = data_with_holes(DISK_LEN, 77);
+    let src = local_image(tmp.path(), "src.raw", &data);
+    let want = digest_of(&run_ok(&mut ferry(["hash", s(&src)])));
+
+    run_ok(&mut s3ferry(["copy", s(&src), "s3://rt-bkt/disk.raw"]));
+    assert_eq!(keys("rt-bkt"), ["disk.raw"]);
+    let out = tmp.path().join("back.raw");
+    run_ok(&mut s3ferry(["copy", "s3://rt-bkt/disk.raw", s(&out)]));
+    assert_file_eq(&out, &data);
+    assert_eq!(digest_of(&run_ok(&mut s3ferry(["hash", "s3://rt-bkt/disk.raw"]))), want);
+    let info = run_ok(&mut s3ferry(["info", "s3://rt-bkt/disk.raw"])).stdout;
+    assert!(info.contains(&DISK_LEN.to_string()), "{info}");
+
+    // --verify both ways, with the digests printed.
+    let v = run_ok(&mut s3ferry(["copy", "--verify", s(&src), "s3://rt-bkt/verified"]));
+    assert!(format!("{}{}", v.stdout, v.stderr).contains(&want), "{}", v.describe());
+    let out2 = tmp.path().join("verified.raw");
+    let v = run_ok(&mut s3ferry(["copy", "--verify", "s3://rt-bkt/verified", s(&out2)]));
+    assert!(format!("{}{}", v.stdout, v.stderr).contains(&want), "{}", v.describe());
+    assert_file_eq(&out2, &data);
+
+    // --expect-hash right: the object appears; wrong: exit 1 and no object.
+    run_ok(&mut s3ferry(["copy", "--expect-hash", &want, s(&src), "s3://rt-bkt/expected"]));
+    let wrong = "0".repeat(want.len());
+    let out = run(&mut s3ferry(["copy", "--expect-hash", &wrong, s(&src), "s3://rt-bkt/wrong"]));
+    assert_eq!(out.status.code(), Some(1), "{}", out.describe());
+    assert_clear_error(&out, "s3://rt-bkt/wrong", &[SECRET]);
+    let mut k = keys("rt-bkt");
+    k.sort();
+    assert_eq!(k, ["disk.raw", "expected", "verified"], "the mismatched upload left an object");
+    let out = run(&mut s3ferry(["info", "s3://rt-bkt/wrong"]));
+    assert_clear_error(&out, "s3://rt-bkt/wrong", &[SECRET]);
+    let pending = boto3("print(len(s3.list_multipart_uploads(Bucket='rt-bkt').get('Uploads', [])))");
+    assert_eq!(pending.trim(), "0", "an aborted upload is still pending");
+}
+
+#[test]
+fn s3_errors_are_clear() {
+    moto();
+    make_bucket("err-bkt");
+    let tmp = tempfile::tempdir().unwrap();
+    let src = local_image(tmp.path(), "src.raw", &data_with_holes(3 * MIB as usize, 5));
+    let out_file = tmp.path().join("out");
+    for url in ["s3://no-such-bkt/key", "s3://err-bkt/no-such-key"] {
+        for sub in [&["copy", url, s(&out_file)][..], &["hash", url], &["info", url]] {
+            let out = run(&mut s3ferry(sub));
+            assert_clear_error(&out, url, &[SECRET]);
+        }
+        assert!(!out_file.exists());
+    }
+    let out = run(&mut s3ferry(["copy", s(&src), "s3://no-such-bkt/key"]));
+    assert_clear_error(&out, "s3://no-such-bkt/key", &[SECRET]);
+    // No credentials at all.
+    let mut c = ferry(["info", "s3://err-bkt/key"]);
+    c.env("AWS_ENDPOINT_URL", &moto().endpoint).env_remove("AWS_ACCESS_KEY_ID").env_remove("AWS_SECRET_ACCESS_KEY");
+    let out = run(&mut c);
+    assert_clear_error(&out, "s3://err-bkt/key", &[SECRET]);
+}
+
+#[test]
+fn s3_serve_read_only_and_qcow2_uploaded_raw() {
+    moto();
+    make_bucket("srv-bkt");
+    let tmp = tempfile::tempdir().unwrap();
+    let data = data_with_holes(DISK_LEN, 99);
+    let raw = local_image(tmp.path(), "d.raw", &data);
+    let qcow2 = tmp.path().join("d.qcow2");
+    run_ok(&mut cmd("qemu-img", ["convert", "-f", "raw", "-O", "qcow2", s(&raw), s(&qcow2)]));
+    run_ok(&mut s3ferry(["copy", s(&raw), "s3://srv-bkt/r"]));
+    // The qcow2 file itself, byte for byte.
+    run_ok(&mut s3ferry(["copy", &format!("raw:{}", s(&qcow2)), "s3://srv-bkt/q"]));
+    let out = tmp.path().join("q.out");
+    run_ok(&mut s3ferry(["copy", "raw:s3://srv-bkt/q", s(&out)]));
+    assert_file_eq(&out, &std::fs::read(&qcow2).unwrap());
+
+    // Read back as qcow2: the guest data.
+    let out = tmp.path().join("guest.raw");
+    run_ok(&mut s3ferry(["copy", "s3://srv-bkt/q", s(&out)]));
+    assert_file_eq(&out, &data);
+    let info = run_ok(&mut s3ferry(["info", "s3://srv-bkt/q"])).stdout;
+    assert!(info.contains("qcow2") && info.contains(&DISK_LEN.to_string()), "{info}");
+
+    for key in ["s3://srv-bkt/r", "s3://srv-bkt/q"] {
+        let mut b = ServerBuilder::new(key).read_only();
+        // ServerBuilder has no env: pass the AWS settings through `env` as a wrapper.
+        let endpoint = format!("AWS_ENDPOINT_URL={}", moto().endpoint);
+        let (id, secret) = (format!("AWS_ACCESS_KEY_ID={KEY_ID}"), format!("AWS_SECRET_ACCESS_KEY={SECRET}"));
+        b = b.wrapper(&["env", &endpoint, &id, &secret, "AWS_REGION=us-east-1"]);
+        let server = b.start();
+        run_ok(&mut cmd("qemu-img", ["compare", "-f", "raw", "-F", "raw", &server.uri(), s(&raw)]));
+    }
+    // Without -r: refused, naming the object.
+    let mut c = s3ferry(["serve", "--unix"]);
+    c.arg(tmp.path().join("s.sock")).arg("s3://srv-bkt/r");
+    let out = run(&mut c);
+    assert_clear_error(&out, "s3://srv-bkt/r", &[SECRET]);
+}
