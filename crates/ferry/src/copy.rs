@@ -60,6 +60,8 @@ pub struct CopyArgs {
     stats: bool,
     #[command(flatten)]
     sockets: crate::sockopts::SocketArgs,
+    #[command(flatten)]
+    remote: crate::remote_args::RemoteArgs,
     /// Also compute the blkhash of the data while copying (sha256 unless named:
     /// sha512, sha1, md5, blake3) and print it like `ferry hash` does.
     #[arg(long, value_name = "DIGEST", num_args = 0..=1, require_equals = true, default_missing_value = "sha256")]
@@ -169,7 +171,16 @@ fn parse_request_timeout(s: &str) -> std::result::Result<Duration, String> {
 pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
     let src_loc = Location::parse(&args.src).with_context(|| format!("source {:?}", args.src))?;
     let dst_loc = Location::parse(&args.dst).with_context(|| format!("destination {:?}", args.dst))?;
-    let source = ferry_open::source(&src_loc, args.force_share).with_context(|| format!("source {:?}", args.src))?;
+    // HTTP and S3 requests retry as NBD requests do (--retries, --retry-delay,
+    // --request-timeout).
+    let mut remote = args.remote.remote();
+    remote.http.retries = args.retries;
+    remote.http.retry_delay = args.retry_delay;
+    if let Some(t) = args.request_timeout {
+        remote.http.timeout = Some(t);
+    }
+    let source =
+        ferry_open::source(&src_loc, args.force_share, &remote).with_context(|| format!("source {:?}", args.src))?;
     let _dst_lock = crate::copy_guard::check_destination(&source, &args.src, &dst_loc, &args.dst)?;
     let src = &source.endpoint;
     let ranges = match &args.extents_from {
@@ -180,8 +191,8 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
     };
     let selective = ranges.is_some() || args.dirty_bitmap.is_some();
     let how = DestinationOptions { format: args.format, backing: args.backing.clone(), flush: args.flush, selective };
-    let destination =
-        ferry_open::destination(&dst_loc, src, &how).with_context(|| format!("destination {:?}", args.dst))?;
+    let mut destination =
+        ferry_open::destination(&dst_loc, src, &how, &remote).with_context(|| format!("destination {:?}", args.dst))?;
     let dst = &destination.endpoint;
     let created = destination.created.clone();
     let proof = Proof::from_args(&args, dst, created)?;
@@ -235,7 +246,14 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
         }
         r
     })?;
-    destination.finish()?;
+    // --expect-hash before the destination is finished: a mismatch never completes an
+    // upload (no object appears).
+    if let Some(d) = &report.digest {
+        println!("{}  {}", ferry_hash::hex(d), args.src);
+        proof.check_expected(&args, &mut destination, d)?;
+    }
+    destination.finish(&remote)?;
+    let dst = &destination.endpoint;
     if let (Some(sel), false) = (report.selected_bytes, quiet) {
         let zeroed = report.hole_bytes + report.zero_bytes;
         eprintln!(
@@ -246,8 +264,7 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
         );
     }
     if let Some(d) = &report.digest {
-        println!("{}  {}", ferry_hash::hex(d), args.src);
-        proof.check(&args, src, dst, &opts, &report, d)?;
+        proof.verify(&args, src, dst, &opts, &report, d)?;
     }
     // Writes the destination acknowledged before its connection was lost may be gone
     // with the server that held them: never report such a copy as done unproven.
@@ -335,8 +352,38 @@ impl Proof {
         Ok(Proof { algorithm, expect, created })
     }
 
-    /// After the copy, with the source's digest: `--expect-hash`, then `--verify`.
-    fn check(
+    /// After the copy, before the destination is finished: `--expect-hash`.
+    fn check_expected(&self, args: &CopyArgs, dst: &mut ferry_open::Destination, digest: &[u8]) -> Result<()> {
+        let hex = ferry_hash::hex(digest);
+        if let Some(want) = &self.expect {
+            if *want != hex {
+                let fate = if dst.is_upload() {
+                    match dst.abort() {
+                        Ok(()) => format!("upload to {} was aborted: no object was made", args.dst),
+                        Err(e) => {
+                            format!("upload to {} could not be aborted ({e:#}) and must not be trusted", args.dst)
+                        }
+                    }
+                } else {
+                    match &self.created {
+                        Some(p) => match std::fs::remove_file(p) {
+                            Ok(()) => format!("{} (created by this copy) was removed", p.display()),
+                            Err(e) => format!("{} could not be removed ({e}) and must not be trusted", p.display()),
+                        },
+                        None => format!("{} was written but must not be trusted", args.dst),
+                    }
+                };
+                anyhow::bail!(
+                    "the source's digest {hex} is not the expected {want} (--expect-hash): the source is not what \
+                     was expected; the destination {fate}"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// After the copy, once the destination is finished: `--verify`.
+    fn verify(
         &self,
         args: &CopyArgs,
         src: &Endpoint,
@@ -346,21 +393,6 @@ impl Proof {
         digest: &[u8],
     ) -> Result<()> {
         let hex = ferry_hash::hex(digest);
-        if let Some(want) = &self.expect {
-            if *want != hex {
-                let fate = match &self.created {
-                    Some(p) => match std::fs::remove_file(p) {
-                        Ok(()) => format!("{} (created by this copy) was removed", p.display()),
-                        Err(e) => format!("{} could not be removed ({e}) and must not be trusted", p.display()),
-                    },
-                    None => format!("{} was written but must not be trusted", args.dst),
-                };
-                anyhow::bail!(
-                    "the source's digest {hex} is not the expected {want} (--expect-hash): the source is not what \
-                     was expected; the destination {fate}"
-                );
-            }
-        }
         if !args.verify {
             return Ok(());
         }

@@ -30,6 +30,8 @@ pub struct HashArgs {
     /// qemu-img's -U does; the digest may then not match any state of the image.
     #[arg(short = 'U', long)]
     force_share: bool,
+    #[command(flatten)]
+    remote: crate::remote_args::RemoteArgs,
 }
 
 pub fn run(args: HashArgs, quiet: bool) -> Result<i32> {
@@ -38,9 +40,10 @@ pub fn run(args: HashArgs, quiet: bool) -> Result<i32> {
         anyhow::bail!("--block-size must be between 1 byte and 64M");
     }
     let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())).max(1);
+    let remote = args.remote.remote();
     for src in &args.sources {
         let loc = ferry_open::Location::parse(src).with_context(|| format!("{src:?}"))?;
-        let source = ferry_open::source(&loc, args.force_share).with_context(|| format!("{src:?}"))?;
+        let source = ferry_open::source(&loc, args.force_share, &remote).with_context(|| format!("{src:?}"))?;
         let endpoint = &source.endpoint;
         let hasher = Arc::new(BlockHasher::new(args.digest, bs as usize));
         let local = matches!(endpoint, Endpoint::File(_) | Endpoint::Backend(_));

@@ -53,6 +53,8 @@ pub struct InfoArgs {
     /// qemu-img info's -U does; what is shown may be stale.
     #[arg(short = 'U', long)]
     force_share: bool,
+    #[command(flatten)]
+    remote: crate::remote_args::RemoteArgs,
 }
 
 pub fn run(args: InfoArgs) -> Result<i32> {
@@ -297,7 +299,7 @@ fn local(args: &InfoArgs, loc: &ferry_open::Location) -> Result<i32> {
     }
     if !args.map.is_empty() {
         let how = ferry_open::ServeOpen { read_only: true, force_share: args.force_share, ..Default::default() };
-        let (backend, _files) = ferry_open::open_backend(loc, how)?;
+        let (backend, _files) = ferry_open::open_backend(loc, how, &args.remote.remote())?;
         let reader = ContextReader::local(&backend, &args.uri, &args.map)?;
         return map(reader, &args.map, args.json);
     }
@@ -306,10 +308,12 @@ fn local(args: &InfoArgs, loc: &ferry_open::Location) -> Result<i32> {
             Some(Format::Qcow2) => Image::Qcow2(p.display().to_string(), open_qcow2(p, true, usage)?),
             _ => Image::Raw(p),
         },
-        Location::Image { store, format, .. } => match ferry_open::open_on_store(store, *format, true)? {
-            StoreImage::Qcow2(q) => Image::Qcow2(q.describe(), q),
-            StoreImage::Raw(b) => Image::Store(b),
-        },
+        Location::Image { store, format, .. } => {
+            match ferry_open::open_on_store(store, *format, true, &args.remote.remote())? {
+                StoreImage::Qcow2(q) => Image::Qcow2(q.describe(), q),
+                StoreImage::Raw(b) => Image::Store(b),
+            }
+        }
         _ => anyhow::bail!("{:?} is neither an NBD URI nor a disk image", args.uri),
     };
     enum Image<'a> {

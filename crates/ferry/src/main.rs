@@ -8,6 +8,7 @@ mod copy;
 mod copy_guard;
 mod hash;
 mod info;
+mod remote_args;
 mod serve;
 mod sockopts;
 

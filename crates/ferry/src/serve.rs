@@ -45,6 +45,8 @@ pub struct ServeArgs {
     /// writes them, as qemu-nbd's --force-share does (clients may read inconsistent data).
     #[arg(long, requires = "read_only")]
     force_share: bool,
+    #[command(flatten)]
+    remote: crate::remote_args::RemoteArgs,
     /// Another export, by name, beside the default one (repeatable).
     #[arg(long = "export", value_name = "NAME=SPEC")]
     exports: Vec<String>,
@@ -284,9 +286,11 @@ pub fn run(args: ServeArgs) -> Result<i32> {
         force_share: args.force_share,
         allow_truncated: args.allow_truncated,
     };
+    let remote = args.remote.remote();
     let mut open = |name: &str, spec: &str| {
         let loc = ferry_open::Location::parse(spec).with_context(|| format!("cannot serve {spec:?}"))?;
-        let (backend, f) = ferry_open::open_backend(&loc, how).with_context(|| format!("cannot serve {spec:?}"))?;
+        let (backend, f) =
+            ferry_open::open_backend(&loc, how, &remote).with_context(|| format!("cannot serve {spec:?}"))?;
         check_shared_files(&files, name, &f)?;
         files.push((name.to_string(), f));
         anyhow::Ok(match args.discard {

@@ -8,10 +8,10 @@ use std::collections::VecDeque;
 use std::io::{self, Read};
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 use ureq::http::Response;
-use ureq::{Body, BodyReader};
+use ureq::{Body, BodyReader, ResponseExt};
 
 /// Bytes asked for by the first GET, kept as a cache of the image's head (qcow2 and
 /// partition-table probes read there).
@@ -120,6 +120,17 @@ pub struct HttpBackend {
     retried: AtomicU64,
     restarts: AtomicU64,
     gets: AtomicU64,
+    /// Remember where the URL redirects to (plain URLs; a locator's URLs are each new).
+    cache_redirects: bool,
+    redirect: RwLock<Option<Redirect>>,
+}
+
+/// Where a URL's redirects led.
+#[derive(Clone)]
+struct Redirect {
+    url: String,
+    /// Same scheme, host and port as the URL: its credentials may go along.
+    same_origin: bool,
 }
 
 /// The one body of stream mode and what was read past.
@@ -165,13 +176,28 @@ impl Stream {
 impl HttpBackend {
     /// Opens `url` (http:// or https://, optionally with `user:password@`), reading its
     /// size with the first ranged GET.
+    ///
+    /// When the URL redirects, later GETs go straight to where the redirect led, with the
+    /// URL's credentials and `Authorization` headers only when that is on the same scheme,
+    /// host and port; when that target fails, the next GET asks `url` again.
     pub fn open(url: &str, opts: &HttpOptions) -> std::result::Result<HttpBackend, HttpError> {
-        HttpBackend::open_located(Arc::new(UrlLocator::new(url)?), opts)
+        HttpBackend::open_with(Arc::new(UrlLocator::new(url)?), opts, true)
     }
 
     /// Opens the object that `loc` gives URLs for (a presigned S3 URL per request, say).
+    /// Every GET asks `loc` for its URL (redirects are followed each time).
     pub fn open_located(loc: Arc<dyn Locator>, opts: &HttpOptions) -> std::result::Result<HttpBackend, HttpError> {
+        HttpBackend::open_with(loc, opts, false)
+    }
+
+    fn open_with(
+        loc: Arc<dyn Locator>,
+        opts: &HttpOptions,
+        cache_redirects: bool,
+    ) -> std::result::Result<HttpBackend, HttpError> {
         let mut b = HttpBackend {
+            cache_redirects,
+            redirect: RwLock::new(None),
             name: loc.describe(),
             loc,
             agent: agent(opts)?,
@@ -189,13 +215,9 @@ impl HttpBackend {
         b.size = size;
         b.head = head;
         if let Some(body) = body {
-            log::info!(
-                "{}: the server does not serve byte ranges: reading it as one stream, in order",
-                b.name
-            );
+            log::info!("{}: the server does not serve byte ranges: reading it as one stream, in order", b.name);
             let pos = b.head.len() as u64;
-            b.stream =
-                Some(Mutex::new(Stream { body: Some(body), pos, kept: VecDeque::new(), kept_bytes: 0 }));
+            b.stream = Some(Mutex::new(Stream { body: Some(body), pos, kept: VecDeque::new(), kept_bytes: 0 }));
         }
         log::debug!("{}: {} bytes, {} mode", b.name, b.size, if b.stream.is_some() { "stream" } else { "ranged" });
         Ok(b)
@@ -204,6 +226,11 @@ impl HttpBackend {
     /// The object, as errors and logs name it (no credentials, no query string).
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// Where the GETs go.
+    pub fn locator(&self) -> &Arc<dyn Locator> {
+        &self.loc
     }
 
     /// The server does not serve ranges: reads come from one sequential stream.
@@ -216,7 +243,8 @@ impl HttpBackend {
         self.retried.load(Ordering::Relaxed)
     }
 
-    /// In stream mode, how often a read behind the stream made it GET the object again.
+    /// In stream mode, how often the object was read again from the start (a read behind
+    /// the stream and its window, or a failure in the middle of the stream).
     pub fn stream_restarts(&self) -> u64 {
         self.restarts.load(Ordering::Relaxed)
     }
@@ -257,7 +285,7 @@ impl HttpBackend {
                 Ok((total, head, None))
             }
             200 => {
-                let Some(size) = resp.body().content_length() else {
+                let Some(size) = header_u64(&resp, "content-length") else {
                     return Err(Fail::Fatal(HttpError::other(
                         &self.name,
                         "the server ignores Range requests and sends no Content-Length, so the \
@@ -284,11 +312,65 @@ impl HttpBackend {
 
     /// One GET of `range` (`None`: all of it).
     fn send(&self, range: Option<Range<u64>>) -> std::result::Result<Response<Body>, Fail> {
+        let cached = match self.cache_redirects {
+            true => self.redirect.read().unwrap_or_else(|p| p.into_inner()).clone(),
+            false => None,
+        };
+        if let Some(r) = cached {
+            let mut headers = self.headers.clone();
+            if !r.same_origin {
+                headers.retain(|(n, _)| !n.eq_ignore_ascii_case("authorization"));
+            }
+            match self.call(&r.url, headers, range.clone()) {
+                Ok(resp) if matches!(resp.status().as_u16(), 200 | 206) => return Ok(resp),
+                failed => {
+                    let why = match failed {
+                        Ok(resp) => format!("HTTP {}", resp.status()),
+                        Err(Fail::Retry(m)) => m,
+                        Err(Fail::Fatal(e)) => e.to_string(),
+                    };
+                    log::info!("{}: the redirect's target failed ({why}): asking the URL itself again", self.name);
+                    *self.redirect.write().unwrap_or_else(|p| p.into_inner()) = None;
+                }
+            }
+        }
         let (url, extra) = self.loc.get(range.clone()).map_err(Fail::Fatal)?;
         let mut headers = self.headers.clone();
         headers.extend(extra);
+        let resp = self.call(&url, headers, range)?;
+        if self.cache_redirects && matches!(resp.status().as_u16(), 200 | 206) {
+            self.remember_redirect(&url, &resp.get_uri().to_string());
+        }
+        Ok(resp)
+    }
+
+    /// Notes where `url` led when that is elsewhere.
+    fn remember_redirect(&self, url: &str, final_uri: &str) {
+        let (Ok(asked), Ok(mut got)) = (url::Url::parse(url), url::Url::parse(final_uri)) else { return };
+        let mut plain = asked.clone();
+        let _ = plain.set_username("");
+        let _ = plain.set_password(None);
+        if plain == got {
+            return;
+        }
+        let same_origin = asked.origin() == got.origin();
+        if same_origin {
+            let _ = got.set_username(asked.username());
+            let _ = got.set_password(asked.password());
+        }
+        log::debug!("{}: redirected to {}; reading from there", self.name, crate::backend::redact(final_uri));
+        *self.redirect.write().unwrap_or_else(|p| p.into_inner()) = Some(Redirect { url: got.into(), same_origin });
+    }
+
+    /// One request to `url`.
+    fn call(
+        &self,
+        url: &str,
+        headers: Vec<(String, String)>,
+        range: Option<Range<u64>>,
+    ) -> std::result::Result<Response<Body>, Fail> {
         let has_range = headers.iter().any(|(n, _)| n.eq_ignore_ascii_case("range"));
-        let mut req = get(&self.agent, &url, &headers, &self.name).map_err(Fail::Fatal)?;
+        let mut req = get(&self.agent, url, &headers, &self.name).map_err(Fail::Fatal)?;
         if let (Some(r), false) = (range, has_range) {
             req = req.header("Range", format!("bytes={}-{}", r.start, r.end - 1));
         }
@@ -309,9 +391,9 @@ impl HttpBackend {
             E::TooManyRedirects => fatal(format!("more than {} redirects: check the URL", crate::MAX_REDIRECTS)),
             E::RedirectFailed => fatal("a redirect could not be followed (bad or missing Location)".into()),
             E::BadUri(_) => fatal("the URL (or a redirect's target) is not valid".into()),
-            E::LargeResponseHeader(_, limit) => fatal(format!(
-                "the server's response header is longer than {limit} bytes: refusing it"
-            )),
+            E::LargeResponseHeader(_, limit) => {
+                fatal(format!("the server's response header is longer than {limit} bytes: refusing it"))
+            }
             E::NativeTls(e) => fatal(format!(
                 "TLS failed ({e}): if the server's certificate is signed by a private CA, give \
                  that CA with --ca FILE or SSL_CERT_FILE; --insecure skips the check (unsafe)"
@@ -330,8 +412,10 @@ impl HttpBackend {
         let reason = status.canonical_reason().unwrap_or("").to_string();
         let advice = match code {
             500..=599 | 408 | 429 | 416 => return Fail::Retry(format!("HTTP {code} {reason}")),
-            401 => "the server wants credentials: put them in the URL (https://user:password@host/...) \
-                    or pass an Authorization header",
+            401 => {
+                "the server wants credentials: put them in the URL (https://user:password@host/...) \
+                    or pass an Authorization header"
+            }
             403 => "access denied: check the credentials or the presigned URL's expiry",
             404 => "the object does not exist",
             410 => "the object was removed",
@@ -425,7 +509,7 @@ impl HttpBackend {
         if resp.status().as_u16() != 200 {
             return Err(self.status_fail(&resp));
         }
-        match resp.body().content_length() {
+        match header_u64(&resp, "content-length") {
             Some(n) if n != self.size => return Err(self.size_changed(n)),
             _ => {}
         }
@@ -466,16 +550,17 @@ impl HttpBackend {
                 *done += n;
                 continue;
             }
-            if cur < st.pos && st.body.is_some() {
+            if cur < st.pos {
                 log::info!(
                     "{}: a read at offset {cur} is behind the stream (at {}): reading the object again from the start",
                     self.name,
                     st.pos
                 );
-                self.restarts.fetch_add(1, Ordering::Relaxed);
                 st.body = None;
+                st.pos = 0;
             }
             if st.body.is_none() {
+                self.restarts.fetch_add(1, Ordering::Relaxed);
                 st.body = Some(self.open_stream()?);
                 st.pos = 0;
             }
@@ -505,6 +590,11 @@ impl HttpBackend {
     }
 }
 
+/// A header holding a decimal number; `None` when absent or not a number.
+fn header_u64(resp: &Response<Body>, name: &str) -> Option<u64> {
+    crate::wire::parse_u64(resp.headers().get(name)?.to_str().ok()?.trim())
+}
+
 fn content_range(resp: &Response<Body>) -> Option<ContentRange> {
     parse_content_range(resp.headers().get("content-range")?.to_str().ok()?)
 }
@@ -520,7 +610,7 @@ fn raw_range(resp: &Response<Body>) -> String {
 
 /// A `Content-Length`, when given, must be the length asked for.
 fn check_length(resp: &Response<Body>, len: u64) -> std::result::Result<(), Fail> {
-    match resp.body().content_length() {
+    match header_u64(resp, "content-length") {
         Some(n) if n != len => Err(Fail::Retry(format!("asked for {len} bytes, the server announced {n}"))),
         _ => Ok(()),
     }

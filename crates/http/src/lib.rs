@@ -17,9 +17,12 @@
 //!   to HTTP and HTTPS (CONNECT) proxies.
 //! - **native-tls** (OpenSSL on Linux) is its TLS: ferry already links OpenSSL for NBD
 //!   TLS (`ferry-tls`), so HTTPS costs no second TLS stack or crypto build (rustls would
-//!   bring ring or aws-lc-rs). OpenSSL's default verify paths honour `SSL_CERT_FILE` and
-//!   `SSL_CERT_DIR` exactly as curl and `openssl s_client` do, and fall back to the system
-//!   store; `--ca FILE` replaces the store with that file's certificates.
+//!   bring ring or aws-lc-rs). Trust is the system store plus `SSL_CERT_FILE` and
+//!   `SSL_CERT_DIR`, as with curl and `openssl s_client`: OpenSSL's default verify paths
+//!   read both variables, and native-tls also loads what `openssl-probe` finds (those
+//!   variables, then the usual Debian/Red Hat/... locations), so a vendored OpenSSL whose
+//!   compiled-in paths point nowhere still finds the system store. `--ca FILE`
+//!   ([`HttpOptions::ca`]) replaces all of that with the file's certificates.
 //! - **url** and **percent-encoding** parse URLs and decode `user:password@` credentials.
 //!
 //! Nothing here prints a URL's userinfo or query string: a presigned URL carries its
@@ -29,14 +32,14 @@
 mod backend;
 mod wire;
 
-pub use backend::{HttpBackend, UrlLocator, HEAD_BYTES, STREAM_WINDOW};
+pub use backend::{redact, HttpBackend, UrlLocator, HEAD_BYTES, STREAM_WINDOW};
 pub use ureq::Agent;
 
 use std::ops::Range;
 use std::path::PathBuf;
 use std::time::Duration;
 use ureq::tls::{RootCerts, TlsConfig, TlsProvider};
-use ureq::typestate::WithoutBody;
+use ureq::typestate::{WithBody, WithoutBody};
 use ureq::RequestBuilder;
 
 /// How to reach a server: trust, authentication, retries, parallelism.
@@ -70,6 +73,11 @@ impl Default for HttpOptions {
 }
 
 /// Where each GET of an object goes: a plain URL, or one signed per request (S3).
+///
+/// [`HttpBackend`] asks for a URL before every GET (retries included) and adds
+/// `Range: bytes=START-(END-1)` itself unless the returned headers already hold a `Range`
+/// (a signer that signs the header returns it). The URL's userinfo becomes Basic auth; its
+/// query string is never logged: errors name the object by [`Locator::describe`].
 pub trait Locator: Send + Sync + 'static {
     /// The URL and extra headers of a GET of `range` (`None`: the whole object).
     fn get(&self, range: Option<Range<u64>>) -> Result<(String, Vec<(String, String)>), HttpError>;
@@ -114,7 +122,9 @@ pub const MAX_REDIRECTS: u32 = 10;
 /// and each read or write of the socket: a request fails once it has made no progress for
 /// that long), and trust from `opts.ca` / `opts.insecure` / `SSL_CERT_FILE` /
 /// `SSL_CERT_DIR` / the system store. Statuses are returned, not turned into errors.
-/// Proxies are chosen per request by [`get`] (they depend on each URL's scheme and host).
+/// Proxies are chosen per request by [`get`] (they depend on each URL's scheme and host);
+/// ureq reaches http:// URLs through an HTTP proxy with a CONNECT tunnel as well, so the
+/// proxy must allow CONNECT to the server's port.
 pub fn agent(opts: &HttpOptions) -> Result<Agent, HttpError> {
     let mut tls = TlsConfig::builder().provider(TlsProvider::NativeTls);
     if opts.insecure {
@@ -124,9 +134,8 @@ pub fn agent(opts: &HttpOptions) -> Result<Agent, HttpError> {
         );
         tls = tls.disable_verification(true);
     } else if let Some(ca) = &opts.ca {
-        let pem = std::fs::read(ca).map_err(|e| {
-            HttpError::other(&ca.display().to_string(), format!("cannot read the CA file: {e}"))
-        })?;
+        let pem = std::fs::read(ca)
+            .map_err(|e| HttpError::other(&ca.display().to_string(), format!("cannot read the CA file: {e}")))?;
         let mut certs = Vec::new();
         for item in ureq::tls::parse_pem(&pem) {
             match item {
@@ -180,10 +189,49 @@ pub fn get(
     headers: &[(String, String)],
     describe: &str,
 ) -> Result<RequestBuilder<WithoutBody>, HttpError> {
+    prepare(url, headers, describe, |u| agent.get(u))
+}
+
+/// A DELETE, prepared as [`get`] prepares a GET.
+pub fn delete(
+    agent: &Agent,
+    url: &str,
+    headers: &[(String, String)],
+    describe: &str,
+) -> Result<RequestBuilder<WithoutBody>, HttpError> {
+    prepare(url, headers, describe, |u| agent.delete(u))
+}
+
+/// A PUT (its body given to `send`), prepared as [`get`] prepares a GET.
+pub fn put(
+    agent: &Agent,
+    url: &str,
+    headers: &[(String, String)],
+    describe: &str,
+) -> Result<RequestBuilder<WithBody>, HttpError> {
+    prepare(url, headers, describe, |u| agent.put(u))
+}
+
+/// A POST (its body given to `send`), prepared as [`get`] prepares a GET.
+pub fn post(
+    agent: &Agent,
+    url: &str,
+    headers: &[(String, String)],
+    describe: &str,
+) -> Result<RequestBuilder<WithBody>, HttpError> {
+    prepare(url, headers, describe, |u| agent.post(u))
+}
+
+fn prepare<B>(
+    url: &str,
+    headers: &[(String, String)],
+    describe: &str,
+    start: impl FnOnce(&str) -> RequestBuilder<B>,
+) -> Result<RequestBuilder<B>, HttpError> {
     let mut parsed = url::Url::parse(url)
         .map_err(|e| HttpError::other(describe, format!("not a valid URL ({e}): give an http:// or https:// URL")))?;
     if parsed.scheme() != "http" && parsed.scheme() != "https" {
-        return Err(HttpError::other(describe, "only http:// and https:// URLs can be read"));
+        return Err(HttpError::other(describe, "only http:// and https:// URLs can be used"));
     }
     let basic = basic_auth(&parsed);
     if basic.is_some() {
@@ -191,7 +239,7 @@ pub fn get(
         let _ = parsed.set_password(None);
     }
     let proxy = proxy_for(&parsed, describe)?;
-    let mut req = agent.get(parsed.as_str());
+    let mut req = start(parsed.as_str());
     let has_auth = headers.iter().any(|(n, _)| n.eq_ignore_ascii_case("authorization"));
     if let (Some(b), false) = (basic, has_auth) {
         req = req.header("Authorization", b);
@@ -220,9 +268,7 @@ fn basic_auth(url: &url::Url) -> Option<String> {
 /// `HTTPS_PROXY` for https URLs, `http_proxy` / `HTTP_PROXY` for http ones, else
 /// `all_proxy` / `ALL_PROXY`; none when the host is in `no_proxy` / `NO_PROXY`.
 pub fn proxy_for(url: &url::Url, describe: &str) -> Result<Option<ureq::Proxy>, HttpError> {
-    let var = |names: &[&str]| {
-        names.iter().find_map(|n| std::env::var(n).ok().filter(|v| !v.trim().is_empty()))
-    };
+    let var = |names: &[&str]| names.iter().find_map(|n| std::env::var(n).ok().filter(|v| !v.trim().is_empty()));
     let proxy = match url.scheme() {
         "https" => var(&["https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"]),
         _ => var(&["http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"]),
@@ -234,6 +280,9 @@ pub fn proxy_for(url: &url::Url, describe: &str) -> Result<Option<ureq::Proxy>, 
         }
     }
     ureq::Proxy::new(proxy.trim()).map(Some).map_err(|e| {
-        HttpError::other(describe, format!("the proxy in the environment is not usable ({e}): fix https_proxy/http_proxy"))
+        HttpError::other(
+            describe,
+            format!("the proxy in the environment is not usable ({e}): fix https_proxy/http_proxy"),
+        )
     })
 }

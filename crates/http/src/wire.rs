@@ -78,8 +78,9 @@ pub(crate) fn no_proxy_matches(no_proxy: &str, host: &str) -> bool {
         if host.eq_ignore_ascii_case(entry) {
             return true;
         }
+        let (host, entry) = (host.as_bytes(), entry.as_bytes());
         host.len() > entry.len()
-            && host.as_bytes()[host.len() - entry.len() - 1] == b'.'
+            && host[host.len() - entry.len() - 1] == b'.'
             && host[host.len() - entry.len()..].eq_ignore_ascii_case(entry)
     })
 }
@@ -157,5 +158,7 @@ mod tests {
         assert!(!no_proxy_matches("", "example.com"));
         assert!(!no_proxy_matches(" , .", "example.com"));
         assert!(!no_proxy_matches("127.0.0.1", "127.0.0.10"));
+        assert!(no_proxy_matches("é", "x.é"));
+        assert!(!no_proxy_matches("éé", "aé"));
     }
 }

@@ -3,7 +3,7 @@
 //!
 //! A location is a format on a store, as qemu's block layer puts qcow2 on file, rbd or
 //! curl. Each store is one module: local files (here), Ceph RBD (`rbd.rs`), HTTP(S)
-//! and S3 (`remote.rs`, on the `ferry-http` and `ferry-s3` crates). A format sits on
+//! (`ferry-http`) and S3 (`s3.rs`, on `ferry-s3`). A format sits on
 //! any store: raw is the store itself, qcow2 is `ferry_qcow2::Qcow2` opened on a local
 //! file (read-write, with its backing chain and locks) or on any other store as a
 //! [`Backend`] (read-only). NBD URIs, streams and `null:` go to the copy engine's own
@@ -11,6 +11,7 @@
 
 pub mod location;
 mod rbd;
+mod s3;
 
 pub use location::{Format, Location, ParseError, Store};
 
@@ -77,12 +78,32 @@ fn open_qcow2_with(p: &Path, opts: &ferry_qcow2::Options, usage: ImageUse) -> Re
     Ok(Arc::new(Qcow2::open_for(p, opts, usage).with_context(|| format!("cannot open qcow2 image {}", p.display()))?))
 }
 
-/// A store other than a local file, opened raw: what a format sits on.
-fn open_store(store: &Store, read_only: bool) -> Result<Arc<dyn Backend>> {
+/// How to reach images on network stores: HTTP trust, headers and retries (S3 takes its
+/// credentials, region and endpoint from the environment, as the AWS tools do).
+#[derive(Debug, Clone, Default)]
+pub struct Remote {
+    pub http: ferry_http::HttpOptions,
+}
+
+/// A store other than a local file, opened raw: what a format sits on. HTTP and S3
+/// objects are read-only.
+fn open_store(store: &Store, read_only: bool, remote: &Remote) -> Result<Arc<dyn Backend>> {
     match store {
         Store::File(p) => bail!("{} is a local file: it is opened with its locks", p.display()),
         Store::Rbd(spec) => rbd::open(spec, read_only),
-        Store::Http(_) | Store::S3(_) => bail!("HTTP and S3 images are not supported by this build yet"),
+        Store::Http(_) | Store::S3(_) if !read_only => bail!(
+            "{} is read-only over HTTP: serve it with --read-only (an S3 object can be a copy destination)",
+            ferry_http::redact(store_name(store))
+        ),
+        Store::Http(url) => Ok(Arc::new(ferry_http::HttpBackend::open(url, &remote.http)?)),
+        Store::S3(url) => s3::open(url, &remote.http),
+    }
+}
+
+fn store_name(store: &Store) -> &str {
+    match store {
+        Store::Rbd(s) | Store::Http(s) | Store::S3(s) => s,
+        Store::File(p) => p.to_str().unwrap_or("a local file"),
     }
 }
 
@@ -103,11 +124,11 @@ impl StoreImage {
 
 /// A format on a store other than a local file. qcow2 there is read-only: writing needs
 /// an image that can grow, with its clusters allocated from its refcounts.
-pub fn open_on_store(store: &Store, format: Option<Format>, read_only: bool) -> Result<StoreImage> {
+pub fn open_on_store(store: &Store, format: Option<Format>, read_only: bool, remote: &Remote) -> Result<StoreImage> {
     if matches!(store, Store::File(_)) {
         bail!("open_on_store is for stores other than local files");
     }
-    let raw = open_store(store, read_only && format != Some(Format::Qcow2))?;
+    let raw = open_store(store, read_only || format == Some(Format::Qcow2), remote)?;
     match store_format(store, raw.as_ref(), format)? {
         Format::Raw => Ok(StoreImage::Raw(raw)),
         Format::Qcow2 if !read_only => bail!(
@@ -123,8 +144,13 @@ pub fn open_on_store(store: &Store, format: Option<Format>, read_only: bool) -> 
     }
 }
 
-fn format_on_store(store: &Store, format: Option<Format>, read_only: bool) -> Result<Arc<dyn Backend>> {
-    open_on_store(store, format, read_only).map(StoreImage::backend)
+fn format_on_store(
+    store: &Store,
+    format: Option<Format>,
+    read_only: bool,
+    remote: &Remote,
+) -> Result<Arc<dyn Backend>> {
+    open_on_store(store, format, read_only, remote).map(StoreImage::backend)
 }
 
 /// How `ferry serve` opens an export.
@@ -139,7 +165,7 @@ pub struct ServeOpen {
 
 /// Opens a location as a backend (what `ferry serve` exports, what `ferry info` maps),
 /// with the local files it keeps open. Files are locked as qemu-nbd locks them.
-pub fn open_backend(loc: &Location, how: ServeOpen) -> Result<(Arc<dyn Backend>, Vec<OpenFile>)> {
+pub fn open_backend(loc: &Location, how: ServeOpen, remote: &Remote) -> Result<(Arc<dyn Backend>, Vec<OpenFile>)> {
     let ServeOpen { read_only, force_share, allow_truncated } = how;
     let usage = ImageUse::serve(read_only).force_share(force_share);
     Ok(match loc {
@@ -159,10 +185,11 @@ pub fn open_backend(loc: &Location, how: ServeOpen) -> Result<(Arc<dyn Backend>,
                 }
             }
         }
-        Location::Image { store, format, .. } => (format_on_store(store, *format, read_only)?, Vec::new()),
+        Location::Image { store, format, .. } => (format_on_store(store, *format, read_only, remote)?, Vec::new()),
         Location::Spec(s) => (ferry_backend::open(s, read_only)?, Vec::new()),
         Location::Nbd(u) => bail!("{u} is an NBD export: it cannot be opened as a local image (copy from it instead)"),
-        Location::Stdio | Location::Null => bail!("a stream or null: cannot be opened as an image"),
+        Location::Null => bail!("null: needs a size to be an image: null:SIZE, e.g. null:1T"),
+        Location::Stdio => bail!("- (stdin or stdout) is a stream: it cannot be opened as an image"),
     })
 }
 
@@ -179,7 +206,7 @@ pub struct Source {
 /// files (sendfile, SEEK_HOLE), qcow2 images, stores and backend specs as backends.
 /// Local files are locked as qemu-img convert locks its source (writers are kept out
 /// while they are read, and a file being written is refused) unless `force_share`.
-pub fn source(loc: &Location, force_share: bool) -> Result<Source> {
+pub fn source(loc: &Location, force_share: bool, remote: &Remote) -> Result<Source> {
     let plain = |endpoint| Source { endpoint, files: Vec::new(), _guard: None };
     let usage = ImageUse::new(Access::Source).force_share(force_share);
     Ok(match loc {
@@ -209,7 +236,7 @@ pub fn source(loc: &Location, force_share: bool) -> Result<Source> {
         }
         Location::Image { store: Store::Rbd(spec), format: None | Some(Format::Raw), .. } => plain(rbd::source(spec)?),
         Location::Image { store, format, .. } => {
-            let b = format_on_store(store, *format, true)?;
+            let b = format_on_store(store, *format, true, remote)?;
             plain(Endpoint::Backend(BackendEndpoint::new(b.describe(), b)))
         }
     })
@@ -248,6 +275,9 @@ pub struct Destination {
     pub created: Option<PathBuf>,
     /// A new qcow2 image, finished when the copy is done.
     new_qcow2: Option<Arc<Qcow2>>,
+    /// An S3 object being uploaded: it appears when the copy is done (and is aborted,
+    /// leaving nothing, if the copy fails).
+    upload: Option<Arc<ferry_s3::S3Writer>>,
 }
 
 impl Destination {
@@ -255,18 +285,42 @@ impl Destination {
     /// new qcow2 image's metadata, an RBD image's write-back cache) is lost when it
     /// exits, and failures are reported. A new qcow2 image is finished (synced only
     /// with --flush), any other backend flushed.
-    pub fn finish(&self) -> Result<()> {
+    /// An S3 object is completed (it appears only now) and reopened for reading, so
+    /// `endpoint` can be read back (`--verify`).
+    pub fn finish(&mut self, remote: &Remote) -> Result<()> {
+        if let Some(w) = self.upload.take() {
+            w.complete().with_context(|| format!("cannot finish the upload to {}", w.url()))?;
+            let name = w.url().to_string();
+            drop(w);
+            self.endpoint = Endpoint::Backend(BackendEndpoint::new(name.clone(), s3::open(&name, &remote.http)?));
+            return Ok(());
+        }
         match (&self.new_qcow2, &self.endpoint) {
             (Some(q), _) => q.finish().with_context(|| format!("cannot finish {}", q.describe())),
             (None, Endpoint::Backend(b)) => b.backend().flush().with_context(|| format!("cannot finish {}", b.name())),
             _ => Ok(()),
         }
     }
+
+    /// Whether the destination is an object being uploaded (nothing of it exists until
+    /// [`Destination::finish`]).
+    pub fn is_upload(&self) -> bool {
+        self.upload.is_some()
+    }
+
+    /// Gives up an upload: nothing is left at the destination. (Dropping an unfinished
+    /// destination does the same.)
+    pub fn abort(&mut self) -> Result<()> {
+        match self.upload.take() {
+            Some(w) => w.abort().with_context(|| format!("cannot abort the upload to {}", w.url())),
+            None => Ok(()),
+        }
+    }
 }
 
 /// Opens (or creates) the destination of a copy from `src`.
-pub fn destination(loc: &Location, src: &Endpoint, opts: &DestinationOptions) -> Result<Destination> {
-    let plain = |endpoint| Destination { endpoint, created: None, new_qcow2: None };
+pub fn destination(loc: &Location, src: &Endpoint, opts: &DestinationOptions, remote: &Remote) -> Result<Destination> {
+    let plain = |endpoint| Destination { endpoint, created: None, new_qcow2: None, upload: None };
     let Some((format, path)) = destination_format(loc, opts.format) else {
         if opts.format.is_some() || opts.backing.is_some() {
             bail!("--format and --backing apply to local destinations only");
@@ -281,10 +335,25 @@ pub fn destination(loc: &Location, src: &Endpoint, opts: &DestinationOptions) ->
             Location::Image { store: Store::Rbd(spec), format: None | Some(Format::Raw), .. } => {
                 plain(rbd::destination(spec, || source_size(src))?)
             }
-            Location::Image { store, format: Some(Format::Qcow2), .. } => {
-                bail!("a qcow2 image on {store:?} cannot be a copy destination: write it raw, or to a local qcow2 file")
+            Location::Image { store: Store::S3(url), format: None | Some(Format::Raw), .. } => {
+                let w = s3::writer(url, source_size(src)?, &remote.http)?;
+                let e = Endpoint::Backend(BackendEndpoint::new(w.url().to_string(), w.clone()));
+                Destination { endpoint: e, created: None, new_qcow2: None, upload: Some(w) }
             }
-            Location::Image { store, .. } => bail!("{store:?} cannot be a copy destination in this build"),
+            Location::Image { store: Store::Http(url), .. } => bail!(
+                "{} cannot be a copy destination: HTTP images are read-only (copy to a file, an NBD export, \
+                 an RBD image or s3://BUCKET/KEY)",
+                ferry_http::redact(url)
+            ),
+            Location::Image { store, format: Some(Format::Qcow2), .. } => {
+                bail!(
+                    "a qcow2 image on {} cannot be a copy destination: write it raw, or to a local qcow2 file",
+                    ferry_http::redact(store_name(store))
+                )
+            }
+            Location::Image { store, .. } => {
+                bail!("{} cannot be a copy destination", ferry_http::redact(store_name(store)))
+            }
         });
     };
     let existed = path.symlink_metadata().is_ok();
@@ -298,6 +367,7 @@ pub fn destination(loc: &Location, src: &Endpoint, opts: &DestinationOptions) ->
         let (b, _) = open_backend(
             &Location::Image { store: Store::File(path.into()), format: Some(Format::Qcow2), file_prefix: false },
             how,
+            remote,
         )?;
         return Ok(plain(Endpoint::Backend(BackendEndpoint::new(name, b))));
     }
@@ -320,12 +390,14 @@ pub fn destination(loc: &Location, src: &Endpoint, opts: &DestinationOptions) ->
             // the source's holes and zero blocks must be written (as zero clusters).
             let e = BackendEndpoint::new(name, q.clone());
             let e = if opts.backing.is_some() { e } else { e.zeroed() };
-            Destination { endpoint: Endpoint::Backend(e), created, new_qcow2: Some(q) }
+            Destination { endpoint: Endpoint::Backend(e), created, new_qcow2: Some(q), upload: None }
         }
         Format::Raw if opts.backing.is_some() => bail!(
             "--backing makes a qcow2 overlay: name the destination qcow2:PATH or PATH.qcow2, or add --format qcow2"
         ),
-        Format::Raw => Destination { endpoint: Endpoint::File(path.to_path_buf()), created, new_qcow2: None },
+        Format::Raw => {
+            Destination { endpoint: Endpoint::File(path.to_path_buf()), created, new_qcow2: None, upload: None }
+        }
     })
 }
 

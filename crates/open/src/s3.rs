@@ -1,0 +1,38 @@
+//! `s3://BUCKET/KEY` objects: a store on ferry-s3. Credentials, region and endpoint come
+//! from where the AWS tools look (AWS_* variables, ~/.aws/credentials and ~/.aws/config).
+
+use anyhow::{Context, Result};
+use ferry_backend::Backend;
+use ferry_http::HttpOptions;
+use ferry_s3::{S3Config, S3Url, S3Writer};
+use std::sync::Arc;
+
+/// S3 signs each request itself: an extra `Authorization` header would clash with it.
+fn http_for_s3(http: &HttpOptions) -> Result<HttpOptions> {
+    if http.headers.iter().any(|(n, _)| n.eq_ignore_ascii_case("authorization")) {
+        anyhow::bail!(
+            "--header Authorization cannot go with s3:// (requests are signed with the AWS credentials): \
+             set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY or a profile instead"
+        );
+    }
+    Ok(http.clone())
+}
+
+fn parse(url: &str) -> Result<(S3Url, S3Config)> {
+    let u = S3Url::parse(url)?;
+    let cfg = S3Config::from_env().with_context(|| format!("cannot reach {u}"))?;
+    Ok((u, cfg))
+}
+
+/// An object opened for reading (parallel ranged GETs through ferry-http).
+pub fn open(url: &str, http: &HttpOptions) -> Result<Arc<dyn Backend>> {
+    let (u, cfg) = parse(url)?;
+    Ok(ferry_s3::open_source(&u, &cfg, &http_for_s3(http)?)?)
+}
+
+/// A new object of `size` bytes, written as a multipart upload that appears only when
+/// `complete` is called (dropping the writer unfinished aborts the upload).
+pub fn writer(url: &str, size: u64, http: &HttpOptions) -> Result<Arc<S3Writer>> {
+    let (u, cfg) = parse(url)?;
+    Ok(Arc::new(S3Writer::create(&u, &cfg, &http_for_s3(http)?, size)?))
+}
