@@ -9,6 +9,7 @@
 #             compared with the source by cmp)
 # boto3 with its default TransferConfig (8 MiB parts, 10 threads) and client settings (since
 # botocore 1.36 a CRC32 of each part is sent); ferry with its defaults (an MD5 of each part).
+# FERRY_EXTRA="-C 8" adds a column: ferry copy with those options too.
 # Medians of 3 rounds; the order of the tools rotates each round. MB/s: 10^6 bytes/s.
 # Needs radosgw and boto3: apt-get install radosgw python3-boto3 (or pip install boto3).
 # Run from the project root after `cargo build --release -p ferry`.
@@ -18,6 +19,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 FERRY=${FERRY:-$PWD/target/release/ferry}
 SIZE_G=${SIZE_G:-4}
 PY=${PYTHON:-python3}
+read -r -a EXTRA <<<"${FERRY_EXTRA:-}"
 [ -x "$FERRY" ] || { echo "no ferry binary at $FERRY: cargo build --release -p ferry, or set FERRY" >&2; exit 1; }
 command -v radosgw >/dev/null || { echo "radosgw is not installed: apt-get install radosgw" >&2; exit 1; }
 "$PY" -c 'import boto3' 2>/dev/null || { echo "$PY has no boto3: apt-get install python3-boto3 (or pip install boto3)" >&2; exit 1; }
@@ -73,10 +75,13 @@ echo "$(ceph --version | cut -d' ' -f1-3), boto3 $("$PY" -c 'import boto3, botoc
 
 declare -A T
 order=(ferry boto3)
+tools=(ferry boto3)
+((${#EXTRA[@]})) && order=(ferry ferryx boto3) tools=(ferry ferryx boto3)
 for round in 1 2 3; do
   for t in "${order[@]}"; do
     case $t in
     ferry) up=("$FERRY" copy "$W/img" s3://bench/up) down=("$FERRY" copy s3://bench/src "$W/out") ;;
+    ferryx) up=("$FERRY" copy "${EXTRA[@]}" "$W/img" s3://bench/up) down=("$FERRY" copy "${EXTRA[@]}" s3://bench/src "$W/out") ;;
     boto3) up=(boto3 up "$W/img" bench up) down=(boto3 down bench src "$W/out") ;;
     esac
     rm_object up
@@ -101,26 +106,40 @@ for round in 1 2 3; do
   order=("${order[@]:1}" "${order[0]}")
 done
 
-# One uploaded object, checked byte for byte (each tool's, read back by the other).
+# ferry's upload read back by boto3 and compared byte for byte (the downloads above
+# compare boto3's upload of src, read by each tool).
 rm_object up
-"$FERRY" copy "$W/img" s3://bench/up >/dev/null 2>&1 && boto3 down bench up "$W/out" &&
-  { cmp -s "$W/out" "$W/img" || echo "ferry's upload, read by boto3, differs from the source!"; }
+if "$FERRY" copy "$W/img" s3://bench/up >/dev/null 2>&1 && boto3 down bench up "$W/out"; then
+  cmp -s "$W/out" "$W/img" || echo "ferry's upload, read by boto3, differs from the source!"
+else
+  echo "ferry's upload read back by boto3: FAILED"
+fi
 rm -f "$W/out"
 
 t_of() { echo ${T[$1]} | tr ' ' '\n' | grep -v FAIL | med; }
+mbs() { printf "%.0f" "$(echo "($SIZE_G * 1073741824 / 1000000) / $1" | bc -l)"; }
+label() { case $1 in ferry) echo "ferry copy" ;; ferryx) echo "ferry copy ${EXTRA[*]}" ;; boto3) echo "boto3" ;; esac; }
 echo
-echo "| $SIZE_G GiB to and from radosgw (median of 3) | ferry s | ferry MB/s | boto3 s | boto3 MB/s | ferry/boto3 (speed) |"
-echo "|---|---|---|---|---|---|"
+head="| $SIZE_G GiB to and from radosgw (median of 3) |"
+rule="|---|"
+for t in "${tools[@]}"; do
+  head+=" $(label $t) s | MB/s |"
+  rule+="---|---|"
+  [ $t = boto3 ] || { head+=" $(label $t) / boto3 (speed) |"; rule+="---|"; }
+done
+echo "$head"
+echo "$rule"
 for dir in up down; do
-  f=$(t_of ferry,$dir)
+  row="| $([ $dir = up ] && echo "upload: file -> s3://bench/up" || echo "download: s3://bench/src -> file") |"
   b=$(t_of boto3,$dir)
-  name=$([ $dir = up ] && echo "upload: file -> s3://bench/up" || echo "download: s3://bench/src -> file")
-  if [ -z "$f" ] || [ -z "$b" ]; then
-    echo "| $name | ${f:-fail} | | ${b:-fail} | | |"
-    continue
-  fi
-  mbs() { printf "%.0f" "$(echo "($SIZE_G * 1073741824 / 1000000) / $1" | bc -l)"; }
-  printf "| %s | %.2f | %s | %.2f | %s | %.2f |\n" "$name" "$f" "$(mbs "$f")" "$b" "$(mbs "$b")" "$(echo "$b / $f" | bc -l)"
+  for t in "${tools[@]}"; do
+    v=$(t_of $t,$dir)
+    if [ -z "$v" ]; then row+=" fail | |"; else row+=" $(printf %.2f "$v") | $(mbs "$v") |"; fi
+    if [ $t != boto3 ]; then
+      if [ -n "$v" ] && [ -n "$b" ]; then row+=" $(printf %.2f "$(echo "$b / $v" | bc -l)") |"; else row+=" |"; fi
+    fi
+  done
+  echo "$row"
 done
 echo
-echo "all runs (s): ferry up ${T[ferry,up]}| boto3 up ${T[boto3,up]}| ferry down ${T[ferry,down]}| boto3 down ${T[boto3,down]}"
+for t in "${tools[@]}"; do echo "all runs (s), $(label $t): up ${T[$t,up]}| down ${T[$t,down]}"; done
