@@ -2,22 +2,21 @@
 //! started once for this test binary on 127.0.0.1 and a free port, and stopped when the
 //! binary exits (a shell holds its PID and kills it once our end of its stdin closes).
 
+mod common;
+
+use common::{http, pattern, url, S3Server, MIB};
 use ferry_backend::{Backend, MemoryBackend, ZeroMode};
 use ferry_client::copy::{copy, BackendEndpoint, CopyOptions, Endpoint, Progress};
-use ferry_http::HttpOptions;
-use ferry_s3::{open_source, pending_uploads, S3Config, S3Error, S3Url, S3Writer, WriterOptions};
-use rusty_s3::{Bucket, Credentials, S3Action, UrlStyle};
-use std::io::Read;
+use ferry_s3::{open_source, pending_uploads, S3Config, S3Error, S3Writer, WriterOptions};
 use std::net::{TcpListener, TcpStream};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-const MIB: u64 = 1 << 20;
 const PART: u64 = 5 * MIB;
 
 struct Moto {
-    endpoint: String,
+    s3: S3Server,
     _child: Child,
     /// Never written: when the test binary exits it closes, and the shell kills moto.
     _stdin: Mutex<ChildStdin>,
@@ -57,63 +56,21 @@ fn moto() -> &'static Moto {
             }
             std::thread::sleep(Duration::from_millis(100));
         }
-        Moto { endpoint, _child: child, _stdin: Mutex::new(stdin) }
+        let s3 = S3Server { endpoint, access_key_id: "testing-key".into(), secret_access_key: "testing-secret".into() };
+        Moto { s3, _child: child, _stdin: Mutex::new(stdin) }
     })
 }
 
 fn config() -> S3Config {
-    S3Config::with_endpoint(&moto().endpoint, "testing-key", "testing-secret", "us-east-1")
+    moto().s3.config()
 }
 
-fn http() -> HttpOptions {
-    HttpOptions { retries: 2, retry_delay: Duration::from_millis(50), ..HttpOptions::default() }
-}
-
-fn bucket_of(name: &str) -> Bucket {
-    Bucket::new(moto().endpoint.parse().unwrap(), UrlStyle::Path, name.to_string(), "us-east-1").unwrap()
-}
-
-fn creds() -> Credentials {
-    Credentials::new("testing-key", "testing-secret")
-}
-
-/// Creates bucket `name` with a signed PUT.
 fn make_bucket(name: &str) {
-    let b = bucket_of(name);
-    let url = b.create_bucket(&creds()).sign(Duration::from_secs(600));
-    let r = ureq::put(url.as_str()).send_empty().expect("CreateBucket");
-    assert_eq!(r.status(), 200, "CreateBucket {name}");
+    moto().s3.make_bucket(name)
 }
 
-/// The object's bytes by a plain signed GET, or its HTTP status.
 fn get(bucket: &str, key: &str) -> Result<Vec<u8>, u16> {
-    let b = bucket_of(bucket);
-    let url = b.get_object(Some(&creds()), key).sign(Duration::from_secs(600));
-    let agent = ureq::Agent::config_builder().http_status_as_error(false).build().new_agent();
-    let mut r = agent.get(url.as_str()).call().expect("GET");
-    if r.status() != 200 {
-        return Err(r.status().as_u16());
-    }
-    let mut v = Vec::new();
-    r.body_mut().as_reader().read_to_end(&mut v).unwrap();
-    Ok(v)
-}
-
-fn url(bucket: &str, key: &str) -> S3Url {
-    S3Url::parse(&format!("s3://{bucket}/{key}")).unwrap()
-}
-
-/// Deterministic bytes that differ at every offset.
-fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
+    moto().s3.get(bucket, key)
 }
 
 fn opts() -> WriterOptions {
@@ -357,8 +314,7 @@ fn resume_keeps_the_parts_already_stored() {
     assert_eq!(w.unstored_ranges(), [(PART, size - PART)]);
     w.abort().unwrap();
     for id in pending_uploads(&u, &config(), &http()).unwrap() {
-        let url = bucket_of("resume").abort_multipart_upload(Some(&creds()), "r", &id).sign(Duration::from_secs(60));
-        ureq::delete(url.as_str()).call().unwrap();
+        moto().s3.abort_upload("resume", "r", &id);
     }
 }
 
