@@ -85,6 +85,20 @@ pub(crate) fn no_proxy_matches(no_proxy: &str, host: &str) -> bool {
     })
 }
 
+/// The parsers above, for the fuzz target (`fuzz/fuzz_targets/remote.rs`): none may
+/// panic on any input, and what they accept must be self-consistent.
+#[doc(hidden)]
+pub fn fuzz(text: &str) {
+    if let Some(ContentRange::Bytes { first, last, total }) = parse_content_range(text) {
+        assert!(first <= last && total.is_none_or(|t| last < t));
+    }
+    let _ = parse_u64(text);
+    let _ = base64(text.as_bytes());
+    if let Some((list, host)) = text.split_once('\n') {
+        let _ = no_proxy_matches(list, host);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -160,19 +174,5 @@ mod tests {
         assert!(!no_proxy_matches("127.0.0.1", "127.0.0.10"));
         assert!(no_proxy_matches("é", "x.é"));
         assert!(!no_proxy_matches("éé", "aé"));
-    }
-}
-
-/// The parsers above, for the fuzz target (`fuzz/fuzz_targets/remote.rs`): none may
-/// panic on any input, and what they accept must be self-consistent.
-#[doc(hidden)]
-pub fn fuzz(text: &str) {
-    if let Some(ContentRange::Bytes { first, last, total }) = parse_content_range(text) {
-        assert!(first <= last && total.is_none_or(|t| last < t));
-    }
-    let _ = parse_u64(text);
-    let _ = base64(text.as_bytes());
-    if let Some((list, host)) = text.split_once('\n') {
-        let _ = no_proxy_matches(list, host);
     }
 }
