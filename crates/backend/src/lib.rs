@@ -182,14 +182,22 @@ pub trait Backend: Send + Sync {
     fn io_queue(&self) -> Option<Box<dyn IoQueue>> {
         None
     }
-    /// Writes `buf` at `offset`; with `fua`, durably before returning.
-    fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()>;
+    /// Writes `buf` at `offset`; with `fua`, durably before returning. By default
+    /// refused as read-only: a read-only backend (`caps().read_only`) needs no write path.
+    fn write(&self, buf: &[u8], offset: u64, _fua: bool) -> Result<()> {
+        Err(Error::new(ErrorKind::ReadOnly, "write", offset, buf.len() as u64))
+    }
     /// Makes every completed write durable.
     fn flush(&self) -> Result<()>;
-    /// Discards a range (advisory: contents become unspecified).
-    fn trim(&self, offset: u64, length: u64, fua: bool) -> Result<()>;
-    /// Makes a range read as zeroes.
-    fn zero(&self, offset: u64, length: u64, mode: ZeroMode, fua: bool) -> Result<()>;
+    /// Discards a range (advisory: contents become unspecified). Refused by default, as
+    /// `write`.
+    fn trim(&self, offset: u64, length: u64, _fua: bool) -> Result<()> {
+        Err(Error::new(ErrorKind::ReadOnly, "trim", offset, length))
+    }
+    /// Makes a range read as zeroes. Refused by default, as `write`.
+    fn zero(&self, offset: u64, length: u64, _mode: ZeroMode, _fua: bool) -> Result<()> {
+        Err(Error::new(ErrorKind::ReadOnly, "zero", offset, length))
+    }
     /// Appends `base:allocation` extents covering `offset..` (at least one, at most `max`,
     /// never past `offset + length`).
     fn extents(&self, offset: u64, length: u64, max: usize, out: &mut Vec<Extent>) -> Result<()> {

@@ -54,17 +54,8 @@ impl Backend for PatternBackend {
         fill_pattern(buf, offset);
         Ok(())
     }
-    fn write(&self, buf: &[u8], offset: u64, _fua: bool) -> Result<()> {
-        Err(Error::new(ErrorKind::ReadOnly, "write", offset, buf.len() as u64))
-    }
     fn flush(&self) -> Result<()> {
         Ok(())
-    }
-    fn trim(&self, offset: u64, length: u64, _fua: bool) -> Result<()> {
-        Err(Error::new(ErrorKind::ReadOnly, "trim", offset, length))
-    }
-    fn zero(&self, offset: u64, length: u64, _mode: ZeroMode, _fua: bool) -> Result<()> {
-        Err(Error::new(ErrorKind::ReadOnly, "zero", offset, length))
     }
 }
 

@@ -245,3 +245,28 @@ fn bench_summary_names_its_subcommands() {
     }
     assert!(named >= 2, "ferry bench --help lists its subcommands\n{}", subs.describe());
 }
+
+/// Refusals of S3 specs that need no server: they come before any request is sent.
+#[test]
+fn s3_refusals_before_any_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src.img");
+    std::fs::write(&src, vec![7u8; 4096]).unwrap();
+    // An unreachable endpoint: a refusal that got as far as a request would say so instead.
+    let s3 = |args: &[&str]| {
+        let mut c = ferry(args);
+        c.env("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+            .env("AWS_ACCESS_KEY_ID", "k")
+            .env("AWS_SECRET_ACCESS_KEY", "s")
+            .env("AWS_REGION", "us-east-1");
+        let out = run_timeout(&mut c, Duration::from_secs(15));
+        assert!(!out.status.success(), "`ferry {}` must fail\n{}", args.join(" "), out.describe());
+        out
+    };
+    // S3 signs its requests: an Authorization header would clash.
+    let out = s3(&["hash", "--header", "Authorization: Bearer t", "s3://bkt/key"]);
+    assert!(out.stderr.contains("--header Authorization cannot go with s3://"), "{}", out.describe());
+    // An upload cannot be resumed by ferry copy: refused, not restarted half empty.
+    let out = s3(&["copy", "--resume", src.to_str().unwrap(), "s3://bkt/key"]);
+    assert!(out.stderr.contains("cannot be resumed"), "{}", out.describe());
+}

@@ -3,7 +3,7 @@
 
 use crate::wire::{parse_content_range, ContentRange};
 use crate::{agent, get, Agent, HttpError, HttpOptions, Locator};
-use ferry_backend::{Backend, Capabilities, Error, ErrorKind, Result, ZeroMode};
+use ferry_backend::{Backend, Capabilities, Error, ErrorKind, Result};
 use std::collections::VecDeque;
 use std::io::{self, Read};
 use std::ops::Range;
@@ -690,17 +690,8 @@ impl Backend for HttpBackend {
         }
         .map_err(|e| to_backend(e, offset, len))
     }
-    fn write(&self, buf: &[u8], offset: u64, _fua: bool) -> Result<()> {
-        Err(Error::new(ErrorKind::ReadOnly, "write", offset, buf.len() as u64))
-    }
     fn flush(&self) -> Result<()> {
         Ok(())
-    }
-    fn trim(&self, offset: u64, length: u64, _fua: bool) -> Result<()> {
-        Err(Error::new(ErrorKind::ReadOnly, "trim", offset, length))
-    }
-    fn zero(&self, offset: u64, length: u64, _mode: ZeroMode, _fua: bool) -> Result<()> {
-        Err(Error::new(ErrorKind::ReadOnly, "zero", offset, length))
     }
 }
 

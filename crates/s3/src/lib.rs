@@ -193,17 +193,8 @@ impl Backend for EmptyObject {
             n => Err(ferry_backend::Error::new(ferry_backend::ErrorKind::Invalid, "read", offset, n as u64)),
         }
     }
-    fn write(&self, buf: &[u8], offset: u64, _fua: bool) -> ferry_backend::Result<()> {
-        Err(ferry_backend::Error::new(ferry_backend::ErrorKind::ReadOnly, "write", offset, buf.len() as u64))
-    }
     fn flush(&self) -> ferry_backend::Result<()> {
         Ok(())
-    }
-    fn trim(&self, offset: u64, length: u64, _fua: bool) -> ferry_backend::Result<()> {
-        Err(ferry_backend::Error::new(ferry_backend::ErrorKind::ReadOnly, "trim", offset, length))
-    }
-    fn zero(&self, offset: u64, length: u64, _mode: ferry_backend::ZeroMode, _fua: bool) -> ferry_backend::Result<()> {
-        Err(ferry_backend::Error::new(ferry_backend::ErrorKind::ReadOnly, "zero", offset, length))
     }
 }
 
