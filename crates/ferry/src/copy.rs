@@ -143,11 +143,12 @@ pub struct CopyArgs {
     /// The journal (what is written and flushed at the destination) is DST.ferry-resume
     /// beside a destination file, else in --resume-dir; it is removed when the copy
     /// completes. A journal of another source or destination, of a source changed since,
-    /// of other options or another ferry version is refused (see --restart).
+    /// of other options or another ferry version is refused (see --restart). An upload
+    /// to s3:// that does not finish is kept, and continued from the parts already stored.
     #[arg(long)]
     resume: bool,
-    /// With --resume: delete the journal of an earlier, unfinished copy onto DST and
-    /// copy from the beginning (implies --resume).
+    /// With --resume: delete the journal of an earlier, unfinished copy onto DST (and
+    /// abort the S3 upload it kept) and copy from the beginning (implies --resume).
     #[arg(long)]
     restart: bool,
     /// Where the journals of --resume for destinations other than local files are
@@ -234,20 +235,50 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
     if request_size == 0 || request_size > 32 << 20 {
         anyhow::bail!("--request-size must be between 1 byte and 32M");
     }
-    let resume = resume::Prepared::new(&args, &source, &dst_loc, request_size)?;
+    let resume = resume::Prepared::new(&args, &source, &dst_loc, request_size, &remote.http)?;
     let how = DestinationOptions {
         format: args.format,
         backing: args.backing.clone(),
         flush: args.flush,
         selective,
         resume: resume.as_ref().is_some_and(|r| r.resuming()),
+        upload: resume.as_ref().and_then(|r| r.upload(&dst_loc)),
     };
     let mut destination = ferry_open::destination(&dst_loc, src, &how, &remote)
         .with_context(|| format!("destination {:?}", shown(&args.dst)))?;
     let dst = &destination.endpoint;
-    let journal = match resume {
-        Some(r) => Some(Arc::new(r.open(&args, dst)?)),
-        None => None,
+    // An upload to S3 is resumed from the parts the store holds, not from a watermark:
+    // its journal stays out of the engine, which copies just the parts not yet stored.
+    let (journal, upload_journal, ranges) = match (resume, destination.upload()) {
+        (Some(r), Some(w)) => {
+            let resuming = r.resuming();
+            let id = w.upload_id().unwrap_or_default().to_string();
+            let j = match r.open_upload(&args, &id) {
+                Ok(j) => j,
+                Err(e) => {
+                    // A new upload no journal names would never be completed nor
+                    // aborted: it goes now (a continued one stays for another try).
+                    if !resuming {
+                        destination.abort()?;
+                    }
+                    return Err(e);
+                }
+            };
+            let Some(w) = destination.upload() else { unreachable!("matched above") };
+            let left = w.unstored_ranges();
+            if resuming {
+                eprintln!(
+                    "resuming the upload to {}: {} of {} bytes already stored, {} to copy",
+                    shown(&args.dst),
+                    w.stored_ranges().iter().map(|r| r.end - r.start).sum::<u64>(),
+                    ferry_backend::Backend::size(w),
+                    left.iter().map(|r| r.1).sum::<u64>()
+                );
+            }
+            (None, Some(j), resuming.then(|| Arc::new(left)))
+        }
+        (Some(r), None) => (Some(Arc::new(r.open(&args, dst)?)), None, ranges),
+        (None, _) => (None, None, ranges),
     };
     let created = destination.created.clone();
     let proof = Proof::from_args(&args, dst, created)?;
@@ -288,20 +319,54 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
     let stop = std::sync::atomic::AtomicBool::new(false);
     let report = std::thread::scope(|s| {
         let shown = (args.progress && !quiet).then(|| s.spawn(|| show_progress(&progress, &stop)));
-        let r = copy(src, dst, &opts, &progress);
+        let r = match (&opts.ranges, &opts.hash, &upload_journal) {
+            // A resumed upload copies only the parts not stored; the digest needs every
+            // byte of the source, so it is computed once the copy is done.
+            (Some(_), Some(h), Some(_)) => {
+                let inner = CopyOptions { hash: None, ..opts.clone() };
+                copy(src, dst, &inner, &progress).and_then(|mut report| {
+                    let fresh = ferry_hash::BlockHasher::new(h.algorithm(), h.block_size());
+                    report.digest = Some(ferry_client::copy::hash_range(src, report.bytes, &fresh, &inner)?);
+                    Ok(report)
+                })
+            }
+            _ => copy(src, dst, &opts, &progress),
+        };
         stop.store(true, Ordering::SeqCst);
         if let Some(h) = shown {
             let _ = h.join();
         }
         r
-    })?;
+    });
+    let report = match report {
+        Ok(r) => r,
+        Err(e) => {
+            if let Some(w) = destination.upload().filter(|_| upload_journal.is_some()) {
+                eprintln!(
+                    "the upload {} to {} is kept: run the same command again to continue it, or with --restart to \
+                     abort it and start over",
+                    w.upload_id().unwrap_or_default(),
+                    shown(&args.dst)
+                );
+            }
+            return Err(e.into());
+        }
+    };
     // --expect-hash before the destination is finished: a mismatch never completes an
     // upload (no object appears).
     if let Some(d) = &report.digest {
         println!("{}  {}", ferry_hash::hex(d), shown(&args.src));
-        proof.check_expected(&args, &mut destination, d)?;
+        let checked = proof.check_expected(&args, &mut destination, d);
+        if let (Err(_), Some(j)) = (&checked, &upload_journal) {
+            // The upload was aborted: nothing is left to resume.
+            j.finish()?;
+        }
+        checked?;
     }
     destination.finish(&remote)?;
+    if let Some(j) = &upload_journal {
+        j.finish()?;
+    }
     let dst = &destination.endpoint;
     if let (Some(sel), false) = (report.selected_bytes, quiet) {
         let zeroed = report.hole_bytes + report.zero_bytes;

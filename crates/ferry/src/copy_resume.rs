@@ -8,12 +8,19 @@
 //! local file read (the image, its backing chain), device, inode, size and mtime, so a
 //! source changed since the first run is refused; the destination by its spec and, for a
 //! local file, device and inode.
+//!
+//! An upload to S3 keeps no watermark: parts are durable once stored, and the store
+//! itself lists them (ListParts). Its journal keys the copy as any other does and names
+//! the multipart upload (`s3://BUCKET/KEY upload=ID`); a resumed run continues that
+//! upload and copies only what no stored part holds. `--restart`, or a copy onto the
+//! same object without `--resume`, aborts the upload a journal names before removing it.
 
 use super::CopyArgs;
 use anyhow::{bail, Context, Result};
 use ferry_client::copy::journal::{self, Journal, Record};
 use ferry_client::copy::Endpoint;
-use ferry_open::{Location, Source, Store};
+use ferry_http::HttpOptions;
+use ferry_open::{Location, ResumableUpload, Source, Store};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
@@ -24,6 +31,36 @@ pub struct Prepared {
     path: PathBuf,
     key: Record,
     stored: Option<Record>,
+}
+
+/// How a journal's destination names the S3 upload it continues.
+const UPLOAD_TAG: &str = " upload=";
+
+/// The multipart upload a journal of a copy onto `dst_loc` names, if it is an S3 one.
+fn upload_of<'a>(dst_loc: &Location, r: &'a Record) -> Option<&'a str> {
+    matches!(dst_loc, Location::Image { store: Store::S3(_), .. })
+        .then(|| r.destination.rsplit_once(UPLOAD_TAG).map(|(_, id)| id))
+        .flatten()
+        .filter(|id| !id.is_empty())
+}
+
+/// Removes the journal at `path` of an earlier copy onto `dst_loc`, first aborting the
+/// S3 upload it names (whose parts nothing would ever complete or delete otherwise).
+fn discard(args: &CopyArgs, dst_loc: &Location, path: &Path, http: &HttpOptions) -> Result<()> {
+    // A journal that cannot be read names nothing to abort.
+    if let Ok(Some(r)) = journal::load(path) {
+        if let Some(id) = upload_of(dst_loc, &r) {
+            match ferry_open::abort_upload(&args.dst, id, http) {
+                Ok(()) => log::warn!("aborted the upload {id} an earlier --resume copy kept"),
+                Err(e) => log::warn!(
+                    "{e:#}: its parts stay (and are billed) until it is aborted \
+                     (`aws s3api abort-multipart-upload ... --upload-id {id}`)"
+                ),
+            }
+        }
+    }
+    journal::remove(path)?;
+    Ok(())
 }
 
 /// The local file a destination location names, if any.
@@ -98,7 +135,13 @@ impl Prepared {
     /// copy (all but the destination's identity). Without them: `None`, and a journal
     /// left by an earlier `--resume` copy onto the same destination is removed, since
     /// this copy rewrites what it recorded.
-    pub fn new(args: &CopyArgs, source: &Source, dst_loc: &Location, request_size: u64) -> Result<Option<Prepared>> {
+    pub fn new(
+        args: &CopyArgs,
+        source: &Source,
+        dst_loc: &Location,
+        request_size: u64,
+        http: &HttpOptions,
+    ) -> Result<Option<Prepared>> {
         if !args.resume && !args.restart {
             if args.resume_dir.is_some() || args.resume_interval.is_some() || args.resume_seconds.is_some() {
                 bail!("--resume-dir, --resume-interval and --resume-seconds go with --resume");
@@ -109,7 +152,7 @@ impl Prepared {
                         "removing the resume journal {} of an earlier copy: this copy is not --resume",
                         p.display()
                     );
-                    journal::remove(&p)?;
+                    discard(args, dst_loc, &p, http)?;
                 }
             }
             return Ok(None);
@@ -123,21 +166,12 @@ impl Prepared {
         if matches!(dst_loc, Location::Stdio | Location::Null) {
             bail!("--resume: the destination {:?} is a stream or null:, which cannot be resumed", args.dst);
         }
-        // An interrupted upload's parts live in the store, not in a journal; a new
-        // upload would miss what the first run sent, so it is refused, not guessed.
-        if matches!(dst_loc, Location::Image { store: Store::S3(_) | Store::Http(_), .. }) {
-            bail!(
-                "--resume: an upload to {:?} cannot be resumed by ferry copy yet; run the copy again without \
-                 --resume (a failed upload leaves no object behind)",
-                crate::remote_args::shown(&args.dst)
-            );
-        }
         let path = journal_path(args, dst_loc)?;
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).with_context(|| format!("--resume: cannot create {}", dir.display()))?;
         }
         if args.restart {
-            journal::remove(&path)?;
+            discard(args, dst_loc, &path, http)?;
         }
         let key = Record {
             ferry_version: env!("CARGO_PKG_VERSION").to_string(),
@@ -156,6 +190,30 @@ impl Prepared {
             }
         }
         Ok(Some(Prepared { path, key, stored }))
+    }
+
+    /// For an S3 destination: keep the upload if this run does not finish it, and
+    /// continue the one a stored journal names.
+    pub fn upload(&self, dst_loc: &Location) -> Option<ResumableUpload> {
+        matches!(dst_loc, Location::Image { store: Store::S3(_), .. }).then(|| ResumableUpload {
+            continue_id: self.stored.as_ref().and_then(|r| upload_of(dst_loc, r)).map(str::to_string),
+        })
+    }
+
+    /// With the upload open (`upload_id`: its ID): the journal that keys this copy and
+    /// names the upload, stored now by a first run (before any part is sent), checked
+    /// against this copy by a resumed one.
+    pub fn open_upload(self, args: &CopyArgs, upload_id: &str) -> Result<UploadJournal> {
+        let record = Record { destination: format!("{}{UPLOAD_TAG}{upload_id}", args.dst), ..self.key };
+        match &self.stored {
+            Some(r) => {
+                if let Some(why) = r.differs(&record) {
+                    return Err(journal::JournalError::Mismatch { path: self.path.display().to_string(), why }.into());
+                }
+            }
+            None => journal::store(&self.path, &record)?,
+        }
+        Ok(UploadJournal { path: self.path })
     }
 
     /// A stored journal of this copy is resumed: the destination must be reopened.
@@ -203,4 +261,16 @@ impl Prepared {
 fn local_file_of(args: &CopyArgs) -> Option<PathBuf> {
     let loc = Location::parse(&args.dst).ok()?;
     local_path(&loc).filter(|p| p.exists()).map(Path::to_path_buf)
+}
+
+/// The journal of a `--resume` upload to S3 (see the module's notes).
+pub struct UploadJournal {
+    path: PathBuf,
+}
+
+impl UploadJournal {
+    /// The upload is complete, or aborted: nothing is left to resume.
+    pub fn finish(&self) -> Result<()> {
+        Ok(journal::remove(&self.path)?)
+    }
 }

@@ -1,9 +1,7 @@
 //! `ferry copy`, `ferry info` and `ferry hash` against three servers: ferry serve,
 //! nbdkit and qemu-nbd, with data checked byte for byte.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

@@ -1,10 +1,8 @@
 //! Connections at scale: thousands of idle clients cost the server neither threads nor
 //! buffers, do not lock anyone out, and the limits that exist say so in the log.
 
-mod common;
-
-use common::raw::*;
-use common::*;
+use crate::common::raw::*;
+use crate::common::*;
 use std::io::{Read, Write};
 use std::thread;
 use std::time::{Duration, Instant};

@@ -2,9 +2,7 @@
 //! against real destinations, one of which loses writes (nbdkit's null plugin accepts
 //! every write and keeps nothing).
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 

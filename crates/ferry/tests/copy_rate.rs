@@ -1,9 +1,7 @@
 //! `ferry copy --rate` (issue 21): the data rate over all connections stays near the
 //! limit, holes are free. Timings are checked loosely (the machine is shared).
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use std::process::Command;
 use std::time::{Duration, Instant};
 

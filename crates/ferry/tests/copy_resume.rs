@@ -4,9 +4,7 @@
 //! corrupt, truncated, of a changed source or of another ferry version are refused
 //! without writing anything, and --restart then copies from the beginning.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use ferry_client::copy::journal::Record;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

@@ -3,9 +3,7 @@
 //! filter (a server slower than the timeout), and an nbdkit source killed with -9 in the
 //! middle of a copy and started again on the same socket.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 

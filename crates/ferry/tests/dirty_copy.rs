@@ -11,9 +11,7 @@
 //! - `ferry copy --extents-from` with nbdinfo's JSON, qemu-img map's JSON of an overlay
 //!   holding the same writes, and a raw bitmap, gives the same result.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};

@@ -5,10 +5,8 @@
 //! stops with an error instead of hanging or leaving a copy that looks complete.
 //! Every wait is bounded; the whole file runs in well under a minute.
 
-mod common;
-
-use common::raw::*;
-use common::*;
+use crate::common::raw::*;
+use crate::common::*;
 use std::fs;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};

@@ -4,10 +4,8 @@
 //! overstates LISTEN_FDS, and ranges that cost time in proportion to their length.
 //! Every byte on the wire is written by hand (common/raw.rs); every wait is bounded.
 
-mod common;
-
-use common::raw::*;
-use common::*;
+use crate::common::raw::*;
+use crate::common::*;
 use std::fs;
 use std::io::{ErrorKind, Write};
 use std::process::Command;

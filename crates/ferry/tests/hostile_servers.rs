@@ -4,9 +4,7 @@
 //! never write garbage to a destination. Also: copies to and from streams (character
 //! devices, FIFOs).
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};

@@ -28,10 +28,8 @@
 //! is stored as zeroes (never as data), and its backing file is the previous backup, by a
 //! name relative to it.
 
-mod common;
-
-use common::json::{Json, JsonExt};
-use common::*;
+use crate::common::json::{Json, JsonExt};
+use crate::common::*;
 use std::fs;
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;

@@ -1,9 +1,7 @@
 //! ferry under fio's nbd engine (libnbd inside fio) with data verification.
 
-mod common;
-
-use common::json::{Json, JsonExt};
-use common::*;
+use crate::common::json::{Json, JsonExt};
+use crate::common::*;
 use std::time::Duration;
 
 /// Runs fio with `args` against `uri`, JSON output; asserts success and no job error.

@@ -1,10 +1,8 @@
 //! ferry against libnbd's clients: nbdcopy, nbdinfo and the Python bindings (the
 //! scripts in tests/python, run with /usr/bin/python3).
 
-mod common;
-
-use common::json::{Json, JsonExt};
-use common::*;
+use crate::common::json::{Json, JsonExt};
+use crate::common::*;
 use std::fs;
 
 fn nbdcopy(args: &[&str]) -> Output {

@@ -1,10 +1,8 @@
 //! ferry against QEMU's NBD client (qemu-img, qemu-io). QEMU 10 negotiates extended
 //! headers, structured replies and base:allocation when the server offers them.
 
-mod common;
-
-use common::json::{Json, JsonExt};
-use common::*;
+use crate::common::json::{Json, JsonExt};
+use crate::common::*;
 use std::fs;
 
 fn qemu_img(args: &[&str]) -> Output {

@@ -5,10 +5,8 @@
 //! lists: wrong CA, wrong key, unknown identity, plaintext against `require`, TLS
 //! against `off`, a client that stops half way, and bytes injected after STARTTLS.
 
-mod common;
-
-use common::raw::RawClient;
-use common::*;
+use crate::common::raw::RawClient;
+use crate::common::*;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

@@ -2,9 +2,7 @@
 //! 200+perm not shared), so ferry and qemu-nbd, qemu-io, qemu-img see each other, and
 //! ferry refuses to open one image twice or to copy an image onto itself.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};

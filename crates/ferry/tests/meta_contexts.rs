@@ -5,9 +5,7 @@
 //! exits with its only client. ferry is started and stopped by the test harness (a
 //! captive ferry outlives an nbdinfo that fails).
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use std::path::{Path, PathBuf};
 
 fn s(p: &Path) -> &str {

@@ -1,10 +1,8 @@
 //! qcow2 images made by qemu-img: ferry serves, copies, hashes and describes them, and
 //! qemu reads (and `qemu-img check`s) every image ferry wrote.
 
-mod common;
-
-use common::json::{Json, JsonExt};
-use common::*;
+use crate::common::json::{Json, JsonExt};
+use crate::common::*;
 use std::fs;
 use std::path::{Path, PathBuf};
 

@@ -4,10 +4,8 @@
 //! them); kill -9 leaves them in use (qemu-nbd -B refuses them). `ferry bitmap` manages
 //! them as qemu-img bitmap does, and `ferry info` lists them.
 
-mod common;
-
-use common::json::{Json, JsonExt};
-use common::*;
+use crate::common::json::{Json, JsonExt};
+use crate::common::*;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 

@@ -3,10 +3,8 @@
 //! cut off, and `--discard=ignore` keeps everything allocated as qemu-nbd's does. Each
 //! test checks the data against a reference and `qemu-img check` (no leaks) as well.
 
-mod common;
-
-use common::json::{Json, JsonExt};
-use common::*;
+use crate::common::json::{Json, JsonExt};
+use crate::common::*;
 use std::fs;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};

@@ -3,10 +3,8 @@
 //! compares them with the source; a zero range of the source becomes zero clusters in
 //! the overlay (never the backing file's data), and what is never written reads FILE.
 
-mod common;
-
-use common::json::{Json, JsonExt};
-use common::*;
+use crate::common::json::{Json, JsonExt};
+use crate::common::*;
 use ferry_backend::Backend;
 use ferry_qcow2::{Backing, Qcow2};
 use std::fs;

@@ -3,10 +3,8 @@
 //! image marked corrupt, as qemu does), and images with clusters past the end of their
 //! file are not written unless asked for.
 
-mod common;
-
-use common::json::{Json, JsonExt};
-use common::*;
+use crate::common::json::{Json, JsonExt};
+use crate::common::*;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::time::Duration;

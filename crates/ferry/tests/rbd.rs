@@ -7,9 +7,7 @@
 //! Built with the `rbd` feature, which scripts/test always turns on.
 #![cfg(feature = "rbd")]
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;

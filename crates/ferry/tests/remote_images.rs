@@ -11,10 +11,8 @@
 //! Both servers run under a small `sh` wrapper holding a pipe from this process: when the
 //! test binary ends in any way the pipe closes and the wrapper kills the server.
 
-mod common;
-
-use common::json::{Json, JsonExt};
-use common::*;
+use crate::common::json::{Json, JsonExt};
+use crate::common::*;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -745,4 +743,174 @@ fn s3_serve_read_only_and_qcow2_uploaded_raw() {
     c.arg(tmp.path().join("s.sock")).arg("s3://srv-bkt/r");
     let out = run(&mut c);
     assert_clear_error(&out, "s3://srv-bkt/r", &[SECRET]);
+}
+
+/// The multipart uploads of `bucket/key` in progress: (upload ID, parts stored).
+fn pending_uploads(bucket: &str, key: &str) -> Vec<(String, usize)> {
+    boto3(&format!(
+        "for u in s3.list_multipart_uploads(Bucket='{bucket}', Prefix='{key}').get('Uploads', []):\n    \
+         print(u['UploadId'], len(s3.list_parts(Bucket='{bucket}', Key='{key}', UploadId=u['UploadId']).get('Parts', [])))"
+    ))
+    .lines()
+    .filter_map(|l| l.split_once(' ').map(|(id, n)| (id.to_string(), n.parse().unwrap())))
+    .collect()
+}
+
+/// The resume journals in `dir`.
+fn journals(dir: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(dir).map_or(Vec::new(), |d| d.flatten().map(|e| e.path()).collect())
+}
+
+/// Waits (up to 60 s, polling in one Python process) until an upload of `bucket/key` has
+/// at least `parts` parts stored: its ID, or `None`.
+fn wait_for_parts(bucket: &str, key: &str, parts: usize) -> Option<String> {
+    let out = boto3(&format!(
+        "import time\nend = time.time() + 60\nwhile time.time() < end:\n    \
+         ups = s3.list_multipart_uploads(Bucket='{bucket}', Prefix='{key}').get('Uploads', [])\n    \
+         done = [u['UploadId'] for u in ups if len(s3.list_parts(Bucket='{bucket}', Key='{key}', \
+         UploadId=u['UploadId']).get('Parts', [])) >= {parts}]\n    \
+         if done:\n        print(done[0])\n        break\n    time.sleep(0.05)"
+    ));
+    out.lines().next().map(str::to_string)
+}
+
+/// Runs `ferry copy ARGS` (slowed down with --rate) and kills it with -9 once the upload
+/// of `bucket/key` has at least `parts` parts stored: the upload ID.
+fn kill_upload_after(args: &[&str], bucket: &str, key: &str, parts: usize) -> String {
+    let mut c = s3ferry(args);
+    let mut child = c.stdout(Stdio::null()).stderr(Stdio::null()).spawn().expect("run ferry copy");
+    let found = wait_for_parts(bucket, key, parts);
+    let _ = child.kill(); // SIGKILL: nothing in ferry runs on the way out
+    let status = child.wait().unwrap();
+    found.unwrap_or_else(|| panic!("no upload with {parts} parts stored came before ferry ended ({status})"))
+}
+
+#[test]
+fn s3_upload_killed_with_resume_continues_from_the_stored_parts() {
+    moto();
+    make_bucket("resume-bkt");
+    let tmp = tempfile::tempdir().unwrap();
+    // Six parts of 8 MiB, the last one short.
+    let data = data_with_holes(40 * MIB as usize + 4096, 31);
+    let src = local_image(tmp.path(), "src.raw", &data);
+    let want = digest_of(&run_ok(&mut ferry(["hash", s(&src)])));
+    let state = tmp.path().join("state");
+    let url = "s3://resume-bkt/disk.raw";
+    let resume = |extra: &[&str]| {
+        let mut a = vec!["copy", "--resume", "--resume-dir", s(&state)];
+        a.extend_from_slice(extra);
+        a.extend_from_slice(&[s(&src), url]);
+        s3ferry(a)
+    };
+
+    let args = ["copy", "--resume", "--resume-dir", s(&state), "--rate", "3M", s(&src), url];
+    let id = kill_upload_after(&args, "resume-bkt", "disk.raw", 2);
+    assert!(keys("resume-bkt").is_empty(), "a killed upload made an object");
+    assert_eq!(journals(&state).len(), 1, "the first run keeps a journal naming its upload");
+    let stored = pending_uploads("resume-bkt", "disk.raw");
+    assert_eq!(stored.len(), 1, "{stored:?}");
+    assert!(stored[0].1 < 6, "the whole object was stored before the kill: nothing left to resume ({stored:?})");
+
+    // A source changed since the first run is refused, and the upload stays.
+    let mtime_of_src = tmp.path().join("mtime");
+    std::fs::write(&mtime_of_src, b"").unwrap();
+    run_ok(&mut cmd("touch", ["-r", s(&src), s(&mtime_of_src)]));
+    run_ok(&mut cmd("touch", ["-d", "2001-02-03", s(&src)]));
+    let out = run_fails(&mut resume(&[]));
+    assert!(out.stderr.contains("does not match") && out.stderr.contains("--restart"), "{}", out.describe());
+    assert_eq!(pending_uploads("resume-bkt", "disk.raw"), stored, "a refused resume touched the upload");
+    run_ok(&mut cmd("touch", ["-r", s(&mtime_of_src), s(&src)]));
+
+    // The same command continues the same upload, sends only the parts not stored, and
+    // proves the result.
+    let out = run_ok(&mut resume(&["--verify"]));
+    let stored_bytes = stored[0].1 as u64 * 8 * MIB;
+    assert!(
+        out.stderr
+            .contains(&format!("resuming the upload to {url}: {stored_bytes} of {} bytes already stored", data.len())),
+        "{}",
+        out.describe()
+    );
+    assert!(out.stdout.matches(&want).count() >= 2, "--verify on a resumed upload\n{}", out.describe());
+    assert_eq!(keys("resume-bkt"), ["disk.raw"]);
+    assert!(pending_uploads("resume-bkt", "disk.raw").is_empty(), "the upload {id} was not completed");
+    assert!(journals(&state).is_empty(), "the journal outlived the copy");
+    let back = tmp.path().join("back.raw");
+    run_ok(&mut s3ferry(["copy", url, s(&back)]));
+    assert_file_eq(&back, &data);
+}
+
+#[test]
+fn s3_failed_resumable_upload_is_kept_until_resumed_restarted_or_replaced() {
+    moto();
+    make_bucket("kept-bkt");
+    let tmp = tempfile::tempdir().unwrap();
+    // nbdkit's pattern, whose reads fail once the trigger file exists.
+    let trigger = tmp.path().join("fail-now");
+    let trigger_arg = format!("error-pread-file={}", trigger.display());
+    let kit = Nbdkit::start(
+        tmp.path(),
+        &["--filter=error", "pattern", "40M", "error-pread=EIO", "error-pread-rate=100%", &trigger_arg],
+    );
+    let src = kit.uri();
+    let want = digest_of(&run_ok(&mut ferry(["hash", &src])));
+    let state = tmp.path().join("state");
+    let url = "s3://kept-bkt/disk.raw";
+    let copy = |extra: &[&str]| {
+        let mut a = vec!["copy", "--retries", "0", "--resume-dir", s(&state)];
+        a.extend_from_slice(extra);
+        a.extend_from_slice(&[&src, url]);
+        s3ferry(a)
+    };
+    // A --resume copy that fails (the source breaks after two parts): the upload is
+    // kept, and ferry says so.
+    let fail_after_two_parts = |extra: &[&str]| {
+        let _ = std::fs::remove_file(&trigger);
+        let mut c = copy(extra);
+        let child = c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+        let ok = wait_for_parts("kept-bkt", "disk.raw", 2).is_some();
+        std::fs::write(&trigger, b"").unwrap();
+        let o = child.wait_with_output().unwrap();
+        let out = Output {
+            what: "ferry copy of a source that breaks".into(),
+            status: o.status,
+            stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
+        };
+        assert!(ok, "no two parts stored\n{}", out.describe());
+        assert!(!out.status.success(), "{}", out.describe());
+        assert!(out.stderr.contains("is kept") && out.stderr.contains("--restart"), "{}", out.describe());
+        let _ = std::fs::remove_file(&trigger);
+        let p = pending_uploads("kept-bkt", "disk.raw");
+        assert_eq!(p.len(), 1, "the failed --resume upload was not kept: {p:?}");
+        p[0].0.clone()
+    };
+
+    // 1. Kept, then the upload vanishes (aborted elsewhere): --resume says so.
+    let id = fail_after_two_parts(&["--resume", "--rate", "4M"]);
+    boto3(&format!("s3.abort_multipart_upload(Bucket='kept-bkt', Key='disk.raw', UploadId='{id}')"));
+    let out = run_fails(&mut copy(&["--resume"]));
+    assert!(out.stderr.contains("no longer exists"), "{}", out.describe());
+    assert!(keys("kept-bkt").is_empty());
+
+    // 2. --restart aborts the kept upload and copies afresh.
+    run_ok(&mut copy(&["--restart"]));
+    let id = fail_after_two_parts(&["--resume", "--rate", "4M"]);
+    let out = run_ok(&mut copy(&["--restart"]));
+    assert!(pending_uploads("kept-bkt", "disk.raw").is_empty(), "--restart left upload {id}\n{}", out.describe());
+    assert_eq!(digest_of(&run_ok(&mut s3ferry(["hash", url]))), want);
+    assert!(journals(&state).is_empty());
+
+    // 3. A copy without --resume aborts the kept upload it replaces.
+    let id = fail_after_two_parts(&["--resume", "--rate", "4M"]);
+    let out = run_ok(&mut copy(&[]));
+    assert!(out.stderr.contains(&format!("aborted the upload {id}")), "{}", out.describe());
+    assert!(pending_uploads("kept-bkt", "disk.raw").is_empty());
+    assert!(journals(&state).is_empty());
+    assert_eq!(digest_of(&run_ok(&mut s3ferry(["hash", url]))), want);
+
+    // Without --resume a failing upload leaves nothing at all.
+    std::fs::write(&trigger, b"").unwrap();
+    run_fails(&mut copy(&[]));
+    assert!(pending_uploads("kept-bkt", "disk.raw").is_empty());
 }

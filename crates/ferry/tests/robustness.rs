@@ -2,10 +2,8 @@
 //! must drop (only) the offending connection, never buffer what a client claims it
 //! will send, enforce its limits, and keep serving everyone else.
 
-mod common;
-
-use common::raw::*;
-use common::*;
+use crate::common::raw::*;
+use crate::common::*;
 use std::io::{ErrorKind, Read, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

@@ -3,9 +3,7 @@
 //! kernel's first COPIED report (always on loopback), and `on` is refused where it
 //! cannot work.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use std::process::Command;
 use std::time::Duration;
 

@@ -14,6 +14,7 @@ mod rbd;
 mod s3;
 
 pub use location::{Format, Location, ParseError, Store};
+pub use s3::abort_upload;
 
 use anyhow::{bail, Context, Result};
 use ferry_backend::{Access, Backend, FileBackend, FileId, ImageUse, OpenFile};
@@ -270,6 +271,17 @@ pub struct DestinationOptions {
     /// anew (a local qcow2 image is opened read-write; a raw file is not emptied, which
     /// the copy engine sees to).
     pub resume: bool,
+    /// An S3 destination of a `--resume` copy: an upload the copy does not finish is
+    /// kept for a later run (not aborted), and `Some(ID)` continues the upload an earlier
+    /// run kept, its stored parts counting as written.
+    pub upload: Option<ResumableUpload>,
+}
+
+/// How a `--resume` copy uploads to S3 ([`DestinationOptions::upload`]).
+#[derive(Debug, Clone, Default)]
+pub struct ResumableUpload {
+    /// The multipart upload an earlier run kept; `None`: a new one.
+    pub continue_id: Option<String>,
 }
 
 /// A copy destination, opened (and created when it did not exist).
@@ -312,6 +324,12 @@ impl Destination {
         self.upload.is_some()
     }
 
+    /// The object being uploaded, until [`Destination::finish`] or
+    /// [`Destination::abort`].
+    pub fn upload(&self) -> Option<&ferry_s3::S3Writer> {
+        self.upload.as_deref()
+    }
+
     /// Gives up an upload: nothing is left at the destination. (Dropping an unfinished
     /// destination does the same.)
     pub fn abort(&mut self) -> Result<()> {
@@ -340,7 +358,14 @@ pub fn destination(loc: &Location, src: &Endpoint, opts: &DestinationOptions, re
                 plain(rbd::destination(spec, || source_size(src))?)
             }
             Location::Image { store: Store::S3(url), format: None | Some(Format::Raw), .. } => {
-                let w = s3::writer(url, source_size(src)?, &remote.http)?;
+                let size = source_size(src)?;
+                let w = match &opts.upload {
+                    Some(ResumableUpload { continue_id: Some(id) }) => s3::resume_writer(url, size, id, &remote.http)?,
+                    _ => s3::writer(url, size, &remote.http)?,
+                };
+                if opts.upload.is_some() {
+                    w.keep_unfinished();
+                }
                 let e = Endpoint::Backend(BackendEndpoint::new(w.url().to_string(), w.clone()));
                 Destination { endpoint: e, created: None, new_qcow2: None, upload: Some(w) }
             }

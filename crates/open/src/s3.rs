@@ -4,7 +4,7 @@
 use anyhow::{Context, Result};
 use ferry_backend::Backend;
 use ferry_http::HttpOptions;
-use ferry_s3::{S3Config, S3Url, S3Writer};
+use ferry_s3::{S3Config, S3Url, S3Writer, WriterOptions};
 use std::sync::Arc;
 
 /// S3 signs each request itself: an extra `Authorization` header would clash with it.
@@ -35,4 +35,19 @@ pub fn open(url: &str, http: &HttpOptions) -> Result<Arc<dyn Backend>> {
 pub fn writer(url: &str, size: u64, http: &HttpOptions) -> Result<Arc<S3Writer>> {
     let (u, cfg) = parse(url)?;
     Ok(Arc::new(S3Writer::create(&u, &cfg, &http_for_s3(http)?, size)?))
+}
+
+/// The upload `upload_id` of `url` (of an object of `size` bytes) that an earlier copy
+/// kept, continued: its stored parts count as written.
+pub fn resume_writer(url: &str, size: u64, upload_id: &str, http: &HttpOptions) -> Result<Arc<S3Writer>> {
+    let (u, cfg) = parse(url)?;
+    let w = S3Writer::resume_upload(&u, &cfg, &http_for_s3(http)?, size, &WriterOptions::default(), upload_id)?;
+    Ok(Arc::new(w))
+}
+
+/// Aborts the upload `upload_id` of `url` that an earlier copy kept.
+pub fn abort_upload(url: &str, upload_id: &str, http: &HttpOptions) -> Result<()> {
+    let (u, cfg) = parse(url)?;
+    ferry_s3::abort_upload(&u, &cfg, &http_for_s3(http)?, upload_id)
+        .with_context(|| format!("cannot abort the upload {upload_id} of {u}"))
 }

@@ -120,6 +120,17 @@ impl Client {
         Ok(ids)
     }
 
+    /// Aborts multipart upload `upload_id`: its stored parts are deleted. An upload that
+    /// is already gone (aborted, completed, expired) counts as aborted.
+    pub(crate) fn abort_upload(&self, upload_id: &str) -> Result<(), S3Error> {
+        let sign = || self.bucket.abort_multipart_upload(Some(&self.creds), &self.url.key, upload_id).sign(SIGN_FOR);
+        match self.send("AbortMultipartUpload", &sign, Method::Delete, &[], &[]) {
+            Ok(_) => Ok(()),
+            Err(e) if e.code() == Some("NoSuchUpload") => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
     /// The parts of upload `upload_id` stored so far: (number, ETag, length), following
     /// ListParts' pages.
     pub(crate) fn list_parts(&self, upload_id: &str) -> Result<Vec<(u16, String, u64)>, S3Error> {

@@ -8,6 +8,7 @@ use ferry_http::HttpOptions;
 use md5::{Digest, Md5};
 use rusty_s3::actions::{CompleteMultipartUpload, CreateMultipartUpload};
 use rusty_s3::S3Action;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
@@ -173,6 +174,9 @@ pub struct S3Writer {
     state: Mutex<State>,
     changed: Condvar,
     zeros: OnceLock<(Vec<u8>, String)>,
+    /// Dropped unfinished, leave the upload for a later [`S3Writer::resume_upload`]
+    /// instead of aborting it ([`S3Writer::keep_unfinished`]).
+    keep: AtomicBool,
 }
 
 impl S3Writer {
@@ -223,6 +227,7 @@ impl S3Writer {
             state: Mutex::new(State { parts, held: 0, progress: 0, phase: Phase::Open }),
             changed: Condvar::new(),
             zeros: OnceLock::new(),
+            keep: AtomicBool::new(false),
         })
     }
 
@@ -243,12 +248,48 @@ impl S3Writer {
             log::info!("{url}: no interrupted upload to resume: starting one");
             return S3Writer::create_with(url, cfg, http, size, opts);
         };
+        S3Writer::continue_upload(client, size, opts, upload_id)
+    }
+
+    /// Continues the multipart upload `upload_id` of `url`, as [`S3Writer::resume`] does
+    /// the newest one: its stored parts count as written. An upload that no longer exists
+    /// (aborted, completed, or expired by a lifecycle rule) is an error that says so.
+    pub fn resume_upload(
+        url: &S3Url,
+        cfg: &S3Config,
+        http: &HttpOptions,
+        size: u64,
+        opts: &WriterOptions,
+        upload_id: &str,
+    ) -> Result<S3Writer, S3Error> {
+        let client = Client::new(url, cfg, http)?;
+        S3Writer::continue_upload(client, size, opts, upload_id.to_string())
+    }
+
+    fn continue_upload(
+        client: Client,
+        size: u64,
+        opts: &WriterOptions,
+        upload_id: String,
+    ) -> Result<S3Writer, S3Error> {
+        let url = client.url.clone();
+        let url = &url;
         // Checked before the writer exists: a writer dropped on an error would abort an
         // upload that another try, with the right size, could still resume.
         let part_size = checked_part_size(url, size, opts)?;
         let nparts = size.div_ceil(part_size);
         let mut done = Vec::new();
-        for (number, etag, len) in client.list_parts(&upload_id)? {
+        let stored = client.list_parts(&upload_id).map_err(|e| match e.code() {
+            Some("NoSuchUpload") => S3Error::Object {
+                target: url.to_string(),
+                message: format!(
+                    "the interrupted upload {upload_id} no longer exists (it was aborted, completed or expired): \
+                     nothing is left to resume; start the upload afresh (`ferry copy --restart`)"
+                ),
+            },
+            _ => e,
+        })?;
+        for (number, etag, len) in stored {
             let fail = |why: String| S3Error::Object {
                 target: url.to_string(),
                 message: format!(
@@ -308,6 +349,14 @@ impl S3Writer {
             at = r.end;
         }
         out
+    }
+
+    /// A resumable copy (`ferry copy --resume`): if this writer is dropped before
+    /// [`S3Writer::complete`], the upload and the parts stored so far are kept (and
+    /// billed) for a later run to continue with [`S3Writer::resume_upload`], instead of
+    /// being aborted. [`S3Writer::abort`] still aborts.
+    pub fn keep_unfinished(&self) {
+        self.keep.store(true, Ordering::SeqCst);
     }
 
     /// The object written.
@@ -689,13 +738,7 @@ impl S3Writer {
         st.held = 0;
         drop(st);
         let Some(upload_id) = &self.upload_id else { return Ok(()) };
-        let c = &self.client;
-        let sign = || c.bucket.abort_multipart_upload(Some(&c.creds), &c.url.key, upload_id).sign(SIGN_FOR);
-        match c.send("AbortMultipartUpload", &sign, Method::Delete, &[], &[]) {
-            Ok(_) => {}
-            Err(e) if e.code() == Some("NoSuchUpload") => {}
-            Err(e) => return Err(e),
-        }
+        self.client.abort_upload(upload_id)?;
         log::info!("{}: upload aborted", self.target());
         Ok(())
     }
@@ -746,7 +789,16 @@ fn content_md5(bytes: &[u8]) -> String {
 impl Drop for S3Writer {
     fn drop(&mut self) {
         let phase = self.lock().phase;
-        if phase == Phase::Open && self.upload_id.is_some() {
+        if phase == Phase::Open && self.upload_id.is_some() && self.keep.load(Ordering::SeqCst) {
+            // Parts in flight are done: writes return only once their part is stored.
+            let stored = self.lock().parts.iter().filter(|p| matches!(p, Part::Done { .. })).count();
+            log::info!(
+                "{}: the upload {} was not completed; it is kept for a resumed copy ({stored} of {} parts stored)",
+                self.target(),
+                self.upload_id.as_deref().unwrap_or_default(),
+                self.parts()
+            );
+        } else if phase == Phase::Open && self.upload_id.is_some() {
             log::warn!("{}: the upload was not completed: aborting it", self.target());
             if let Err(e) = self.abort() {
                 let u = &self.client.url;

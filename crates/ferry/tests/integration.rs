@@ -1,0 +1,38 @@
+//! ferry's integration tests, one module per file, built as one test binary: one
+//! compile and link (with the release profile's LTO) instead of one for every file,
+//! which took most of the suite's build time.
+//!
+//! Run one file's tests with its module name as the filter:
+//! `cargo test --release -p ferry --test integration copy_resume::`.
+
+mod common;
+
+mod activation;
+mod bench_socket;
+mod cli;
+mod client_tools;
+mod conns;
+mod copy_proof;
+mod copy_rate;
+mod copy_resume;
+mod copy_retry;
+mod dirty_copy;
+mod faults;
+mod hostile_clients;
+mod hostile_servers;
+mod incremental_backup;
+mod interop_fio;
+mod interop_libnbd;
+mod interop_qemu;
+mod interop_tls;
+mod locking;
+mod meta_contexts;
+mod qcow2;
+mod qcow2_bitmaps;
+mod qcow2_compact;
+mod qcow2_overlay;
+mod qcow2_safety;
+mod rbd;
+mod remote_images;
+mod robustness;
+mod zerocopy;
