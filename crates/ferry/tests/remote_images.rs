@@ -8,18 +8,18 @@
 //! * one moto_server (`pip install 'moto[server]'`) as the S3 API, buckets made and listed
 //!   through boto3 (installed with moto).
 //!
-//! Both servers run under a small `sh` wrapper holding a pipe from this process: when the
-//! test binary ends in any way the pipe closes and the wrapper kills the server.
+//! Both servers are ferry-testsupport's harnesses: started once per test binary, stopped
+//! when it ends in any way.
 
 use crate::common::json::{Json, JsonExt};
 use crate::common::*;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
+use ferry_testsupport::http::{proxy, Verdict};
+use ferry_testsupport::moto::moto;
+use ferry_testsupport::nginx::{Nginx, NginxConf, NginxSetup};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, OnceLock};
 
 /// The guest data: not a multiple of the qcow2 cluster size, but of 512 (qemu-img rounds
 /// a raw file's size up to sectors, so the qcow2 would otherwise be larger).
@@ -31,28 +31,15 @@ const AUTH_PASS: &str = "Corr3ct-h0rse";
 /// A wrong password that must never be printed.
 const WRONG_PASS: &str = "Wr0ng-b4ttery";
 
-struct Nginx {
-    dir: PathBuf,
-    http: u16,
-    https: u16,
-    /// The guest data, also in data/disk.raw.
-    disk: Vec<u8>,
-    _wrapper: Mutex<Child>,
+/// The guest data nginx serves, also in data/disk.raw.
+fn disk() -> &'static [u8] {
+    static DISK: OnceLock<Vec<u8>> = OnceLock::new();
+    DISK.get_or_init(|| data_with_holes(DISK_LEN, 0x5eed))
 }
 
-impl Nginx {
-    fn url(&self, path: &str) -> String {
-        format!("http://127.0.0.1:{}/{path}", self.http)
-    }
-    fn https_url(&self, path: &str) -> String {
-        format!("https://127.0.0.1:{}/{path}", self.https)
-    }
-    fn ca(&self) -> PathBuf {
-        self.dir.join("ca.pem")
-    }
-    fn raw_path(&self) -> PathBuf {
-        self.dir.join("data/disk.raw")
-    }
+/// data/disk.raw in nginx's directory.
+fn raw_path() -> PathBuf {
+    nginx().dir.join("data/disk.raw")
 }
 
 /// The three images nginx serves, all holding the same guest data.
@@ -68,21 +55,10 @@ fn nginx() -> &'static Nginx {
 }
 
 fn start_nginx() -> Nginx {
-    let bin = ["/usr/sbin/nginx", "/usr/bin/nginx"].into_iter().find(|p| Path::new(p).exists()).unwrap_or_else(|| {
-        panic!("nginx is not installed: these tests need it (Debian: apt-get install nginx; scripts/test installs it)")
-    });
     require("qemu-img");
-    assert!(
-        which("openssl").is_some(),
-        "the openssl command is missing: install the Debian package openssl (apt-get install openssl)"
-    );
-    let dir = tempfile::Builder::new().prefix("ferry-remote-nginx").tempdir().unwrap().keep();
-    let data = dir.join("data");
-    for sub in ["data", "tmp", "logs"] {
-        std::fs::create_dir_all(dir.join(sub)).unwrap();
-    }
-    let disk = data_with_holes(DISK_LEN, 0x5eed);
-    let raw = write_sparse_file(&data, "disk.raw", &disk);
+    let setup = NginxSetup::new("ferry-remote-nginx");
+    let data = setup.data();
+    let raw = write_sparse_file(&data, "disk.raw", disk());
     run_ok(&mut cmd("qemu-img", ["convert", "-f", "raw", "-O", "qcow2", s(&raw), s(&data.join("disk.qcow2"))]));
     run_ok(&mut cmd(
         "qemu-img",
@@ -99,112 +75,12 @@ fn start_nginx() -> Nginx {
             s(&data.join("disk-zstd.qcow2")),
         ],
     ));
-
-    // A CA and a server certificate for 127.0.0.1 signed by it.
-    let d = |f: &str| dir.join(f).display().to_string();
-    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
-    run_ok(Command::new("openssl").args(["req", "-x509"]).args(ec).args([
-        "-keyout",
-        &d("ca.key"),
-        "-out",
-        &d("ca.pem"),
-        "-days",
-        "3",
-        "-subj",
-        "/CN=ferry remote-images test CA",
-    ]));
-    run_ok(Command::new("openssl").args(["req"]).args(ec).args([
-        "-keyout",
-        &d("srv.key"),
-        "-out",
-        &d("srv.csr"),
-        "-subj",
-        "/CN=127.0.0.1",
-    ]));
-    std::fs::write(dir.join("ext"), "subjectAltName=IP:127.0.0.1,DNS:localhost\n").unwrap();
-    run_ok(Command::new("openssl").args([
-        "x509",
-        "-req",
-        "-in",
-        &d("srv.csr"),
-        "-CA",
-        &d("ca.pem"),
-        "-CAkey",
-        &d("ca.key"),
-        "-CAcreateserial",
-        "-out",
-        &d("srv.pem"),
-        "-days",
-        "3",
-        "-extfile",
-        &d("ext"),
-    ]));
-    let hash = run_ok(&mut cmd("openssl", ["passwd", "-apr1", AUTH_PASS]));
-    std::fs::write(dir.join("htpasswd"), format!("{AUTH_USER}:{}\n", hash.stdout.trim())).unwrap();
-
-    use std::os::unix::fs::MetadataExt;
-    let root = std::fs::metadata("/proc/self").map(|m| m.uid() == 0).unwrap_or(false);
-    for _ in 0..5 {
-        let (http, https) = (free_port(), free_port());
-        let conf = format!(
-            r#"{user}
-worker_processes 2;
-pid {dir}/nginx.pid;
-error_log {dir}/logs/error.log;
-events {{ worker_connections 512; }}
-http {{
-    default_type application/octet-stream;
-    access_log off;
-    client_body_temp_path {dir}/tmp/body;
-    proxy_temp_path {dir}/tmp/proxy;
-    fastcgi_temp_path {dir}/tmp/fastcgi;
-    uwsgi_temp_path {dir}/tmp/uwsgi;
-    scgi_temp_path {dir}/tmp/scgi;
-    sendfile on;
-    keepalive_requests 1000000;
-    server {{
-        listen 127.0.0.1:{http};
-        listen 127.0.0.1:{https} ssl;
-        ssl_certificate {dir}/srv.pem;
-        ssl_certificate_key {dir}/srv.key;
-        root {dir}/data;
-        location /auth/ {{ alias {dir}/data/; auth_basic "ferry"; auth_basic_user_file {dir}/htpasswd; }}
-    }}
-}}
-"#,
-            user = if root { "user root;" } else { "" },
-            dir = dir.display(),
-        );
-        std::fs::write(dir.join("nginx.conf"), conf).unwrap();
-        let script = format!(
-            "{bin} -c {conf} -p {dir} -g 'daemon off;' & pid=$!; cat >/dev/null; kill $pid; wait $pid; rm -rf {dir}",
-            conf = dir.join("nginx.conf").display(),
-            dir = dir.display()
-        );
-        let mut child = Command::new("sh")
-            .args(["-c", &script])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("cannot run sh");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if TcpStream::connect(("127.0.0.1", http)).is_ok() && TcpStream::connect(("127.0.0.1", https)).is_ok() {
-                return Nginx { dir, http, https, disk, _wrapper: Mutex::new(child) };
-            }
-            if let Ok(Some(_)) = child.try_wait() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        drop(child.stdin.take());
-        let _ = child.wait();
-        eprintln!(
-            "nginx did not start on ports {http}/{https}: {}",
-            std::fs::read_to_string(dir.join("logs/error.log")).unwrap_or_default()
-        );
-    }
-    panic!("nginx did not start (see the error log above)");
+    setup.htpasswd(AUTH_USER, AUTH_PASS);
+    let dir = setup.dir().display();
+    let server =
+        format!("location /auth/ {{ alias {dir}/data/; auth_basic \"ferry\"; auth_basic_user_file {dir}/htpasswd; }}");
+    let conf = NginxConf { ca_name: "ferry remote-images test CA", http: "access_log off;", server: &server };
+    setup.start(&conf)
 }
 
 /// `ferry ARGS...` with the TLS trust variables cleared (tests that want them set them).
@@ -229,7 +105,7 @@ fn digest_of(out: &Output) -> String {
 
 fn local_hash() -> &'static str {
     static H: OnceLock<String> = OnceLock::new();
-    H.get_or_init(|| digest_of(&run_ok(&mut ferry(["hash", s(&nginx().raw_path())]))))
+    H.get_or_init(|| digest_of(&run_ok(&mut ferry(["hash", s(&raw_path())]))))
 }
 
 /// Asserts a failed command named `what` and printed none of `secrets`.
@@ -260,12 +136,12 @@ fn copy_over_http_and_https_equals_the_raw_image() {
                 c.arg("--ca").arg(n.ca());
             }
             run_ok(&mut c);
-            assert_file_eq(&out, &n.disk);
+            assert_file_eq(&out, disk());
         }
         // The system trust store replaced by SSL_CERT_FILE, as for curl.
         let out = tmp.path().join(format!("env-{name}.out"));
         run_ok(ferry(["copy", &n.https_url(name), s(&out)]).env("SSL_CERT_FILE", n.ca()));
-        assert_file_eq(&out, &n.disk);
+        assert_file_eq(&out, disk());
     }
     // Forced formats: raw: of a qcow2 URL gives the image file itself.
     let out = tmp.path().join("forced-raw.out");
@@ -273,7 +149,7 @@ fn copy_over_http_and_https_equals_the_raw_image() {
     assert_file_eq(&out, &std::fs::read(n.dir.join("data/disk.qcow2")).unwrap());
     let out = tmp.path().join("forced-qcow2.out");
     run_ok(&mut ferry(["copy", &format!("qcow2:{}", n.url("disk-zstd.qcow2")), s(&out)]));
-    assert_file_eq(&out, &n.disk);
+    assert_file_eq(&out, disk());
 }
 
 #[test]
@@ -314,7 +190,7 @@ fn copy_a_qcow2_url_to_a_new_qcow2_image() {
         let out = tmp.path().join(format!("{name}.copy.qcow2"));
         run_ok(&mut ferry(["copy", &n.url(name), s(&out)]));
         run_ok(&mut cmd("qemu-img", ["check", "-f", "qcow2", s(&out)]));
-        run_ok(&mut cmd("qemu-img", ["compare", "-f", "qcow2", "-F", "raw", s(&out), s(&n.raw_path())]));
+        run_ok(&mut cmd("qemu-img", ["compare", "-f", "qcow2", "-F", "raw", s(&out), s(&raw_path())]));
     }
 }
 
@@ -331,7 +207,7 @@ fn serve_read_only_a_url() {
                 b = b.arg(a);
             }
             let server = b.start();
-            run_ok(&mut cmd("qemu-img", ["compare", "-f", "raw", "-F", "raw", &server.uri(), s(&n.raw_path())]));
+            run_ok(&mut cmd("qemu-img", ["compare", "-f", "raw", "-F", "raw", &server.uri(), s(&raw_path())]));
             let info = Json::must_parse(&run_ok(&mut cmd("nbdinfo", ["--json", &server.uri()])).stdout);
             let exports = info.array_at("exports");
             assert_eq!(exports[0].u64_at("export-size"), DISK_LEN as u64, "{url} ({format})");
@@ -374,7 +250,7 @@ fn errors_name_the_url_and_never_the_password() {
     assert!(text.contains("certificate") || text.contains("--ca"), "{}", out.describe());
     // --insecure reads it anyway.
     run_ok(&mut ferry(["copy", "--insecure", &url, s(&out_file)]));
-    assert_file_eq(&out_file, &n.disk);
+    assert_file_eq(&out_file, disk());
     std::fs::remove_file(&out_file).unwrap();
 
     // Basic authentication in the URL: the right password works, a wrong one is an error
@@ -404,10 +280,10 @@ fn errors_name_the_url_and_never_the_password() {
 
     // A URL as the destination of a copy.
     let dst = n.url("upload.raw");
-    let out = run(&mut ferry(["copy", s(&n.raw_path()), &dst]));
+    let out = run(&mut ferry(["copy", s(&raw_path()), &dst]));
     assert_clear_error(&out, &dst, &[]);
     let dst = format!("http://{AUTH_USER}:{AUTH_PASS}@127.0.0.1:{}/auth/upload.raw", n.http);
-    let out = run(&mut ferry(["copy", s(&n.raw_path()), &dst]));
+    let out = run(&mut ferry(["copy", s(&raw_path()), &dst]));
     assert_clear_error(&out, "/auth/upload.raw", &[AUTH_PASS]);
     assert!(!n.dir.join("data/upload.raw").exists());
 }
@@ -416,89 +292,21 @@ fn errors_name_the_url_and_never_the_password() {
 // A flaky proxy in front of nginx
 // ---------------------------------------------------------------------------------
 
-/// Reads a header block (through the blank line).
-fn read_head(r: &mut impl BufRead) -> std::io::Result<Option<String>> {
-    let mut head = String::new();
-    loop {
-        let mut line = String::new();
-        if r.read_line(&mut line)? == 0 {
-            return Ok(None);
-        }
-        head.push_str(&line);
-        if line == "\r\n" {
-            return Ok(Some(head));
-        }
-    }
-}
-
-fn header(head: &str, name: &str) -> Option<String> {
-    head.lines().find_map(|l| {
-        let (n, v) = l.split_once(':')?;
-        n.eq_ignore_ascii_case(name).then(|| v.trim().to_string())
-    })
-}
-
-/// A proxy to nginx (one thread per connection) that answers every `every`-th request
-/// (counted from 1 over all connections) with a fault, in turn: 503, 416, a dropped
-/// connection. Returns its port, the request count and the fault count.
+/// A proxy to nginx that answers every `every`-th request (counted from 1 over all
+/// connections) with a fault, in turn: 503, 416, a dropped connection. Returns its port,
+/// the request count and the fault count.
 fn flaky_proxy(upstream: u16, every: u64) -> (u16, Arc<AtomicU64>, Arc<AtomicU64>) {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
     let count = Arc::new(AtomicU64::new(0));
     let faults = Arc::new(AtomicU64::new(0));
     let (c, f) = (count.clone(), faults.clone());
-    std::thread::spawn(move || {
-        for client in listener.incoming() {
-            let Ok(client) = client else { return };
-            let (c, f) = (c.clone(), f.clone());
-            std::thread::spawn(move || {
-                let _ = proxy_connection(client, upstream, every, &c, &f);
-            });
+    let port = proxy(upstream, move |_| {
+        let n = c.fetch_add(1, Ordering::SeqCst) + 1;
+        if !n.is_multiple_of(every) {
+            return Verdict::Forward;
         }
+        [Verdict::Status503, Verdict::Status416, Verdict::Drop][(f.fetch_add(1, Ordering::SeqCst) % 3) as usize]
     });
     (port, count, faults)
-}
-
-fn proxy_connection(
-    client: TcpStream,
-    upstream: u16,
-    every: u64,
-    count: &AtomicU64,
-    faults: &AtomicU64,
-) -> std::io::Result<()> {
-    let mut reader = BufReader::new(client.try_clone()?);
-    let mut client = client;
-    let up = TcpStream::connect(("127.0.0.1", upstream))?;
-    let mut up_reader = BufReader::new(up.try_clone()?);
-    let mut up = up;
-    while let Some(req) = read_head(&mut reader)? {
-        let n = count.fetch_add(1, Ordering::SeqCst) + 1;
-        if n.is_multiple_of(every) {
-            match faults.fetch_add(1, Ordering::SeqCst) % 3 {
-                0 => {
-                    client.write_all(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 4\r\n\r\nbusy")?;
-                    continue;
-                }
-                1 => {
-                    client.write_all(b"HTTP/1.1 416 Range Not Satisfiable\r\nContent-Length: 0\r\n\r\n")?;
-                    continue;
-                }
-                _ => return Ok(()),
-            }
-        }
-        up.write_all(req.as_bytes())?;
-        let head = read_head(&mut up_reader)?.ok_or(std::io::ErrorKind::UnexpectedEof)?;
-        let len: usize = if req.starts_with("HEAD ") {
-            0
-        } else {
-            header(&head, "content-length").and_then(|v| v.parse().ok()).unwrap_or(0)
-        };
-        let mut body = vec![0; len];
-        up_reader.read_exact(&mut body)?;
-        client.write_all(head.as_bytes())?;
-        client.write_all(&body)?;
-    }
-    Ok(())
 }
 
 #[test]
@@ -510,7 +318,7 @@ fn copy_through_a_flaky_proxy_retries_and_equals_the_source() {
         let url = format!("http://127.0.0.1:{port}/{name}");
         let out = tmp.path().join(format!("{name}.out"));
         run_ok(&mut ferry(["copy", "--retry-delay", "0.01", &url, s(&out)]));
-        assert_file_eq(&out, &n.disk);
+        assert_file_eq(&out, disk());
         assert!(
             faults.load(Ordering::SeqCst) >= 3,
             "{url}: only {} requests, no faults seen",
@@ -533,59 +341,11 @@ fn copy_through_a_flaky_proxy_retries_and_equals_the_source() {
 // S3 (moto_server)
 // ---------------------------------------------------------------------------------
 
-struct Moto {
-    endpoint: String,
-    _child: Child,
-    /// Never written: when the test binary exits it closes, and the shell kills moto.
-    _stdin: Mutex<ChildStdin>,
-}
-
 const KEY_ID: &str = "AKIDFERRYTEST";
 const SECRET: &str = "ferry-secret-never-printed";
 
 fn boto3_python() -> &'static str {
     "python3"
-}
-
-fn moto() -> &'static Moto {
-    static MOTO: OnceLock<Moto> = OnceLock::new();
-    MOTO.get_or_init(|| {
-        assert!(
-            which("moto_server").is_some(),
-            "moto_server is not installed: install it with `pip install 'moto[server]'` (scripts/test does)"
-        );
-        let port = free_port();
-        let log = std::env::temp_dir().join(format!("ferry-remote-moto-{}.log", std::process::id()));
-        let mut child = Command::new("sh")
-            .args([
-                "-c",
-                "moto_server -H 127.0.0.1 -p \"$1\" >\"$2\" 2>&1 & pid=$!; read _; kill $pid; wait $pid; rm -f \"$2\"",
-                "sh",
-                &port.to_string(),
-                log.to_str().unwrap(),
-            ])
-            .stdin(Stdio::piped())
-            .spawn()
-            .expect("cannot run sh to start moto_server");
-        let stdin = child.stdin.take().unwrap();
-        let endpoint = format!("http://127.0.0.1:{port}");
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if let Ok(mut c) = TcpStream::connect(("127.0.0.1", port)) {
-                let _ = c.write_all(b"GET / HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
-                let mut first = [0u8; 12];
-                if c.read_exact(&mut first).is_ok() && first.starts_with(b"HTTP/") {
-                    break;
-                }
-            }
-            if Instant::now() > deadline || child.try_wait().ok().flatten().is_some() {
-                let out = std::fs::read_to_string(&log).unwrap_or_default();
-                panic!("moto_server did not come up on port {port} within 60 s; its output:\n{out}");
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        Moto { endpoint, _child: child, _stdin: Mutex::new(stdin) }
-    })
 }
 
 /// Sets the AWS_* environment for moto on `c`.

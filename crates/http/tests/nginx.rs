@@ -1,19 +1,19 @@
 //! ferry-http against a real nginx (Debian package `nginx`), plus a small faulty proxy in
 //! front of it and a hostile raw server.
 //!
-//! One nginx serves every test of this binary: started lazily (a `OnceLock`) with its own
-//! configuration, certificates and logs in a temporary directory, on two free loopback
-//! ports (HTTP and HTTPS). It runs in the foreground (`daemon off`) under a tiny `sh`
-//! wrapper whose standard input is a pipe this process holds: when the test process ends
-//! in any way, the pipe closes, the wrapper's `cat` returns, and it kills nginx by its PID
-//! and removes the temporary directory.
+//! One nginx serves every test of this binary: started lazily (a `OnceLock`) by
+//! ferry-testsupport's harness, with its own configuration, certificates and logs in a
+//! temporary directory, on two free loopback ports (HTTP and HTTPS), and stopped when the
+//! test process ends in any way.
 
 use ferry_backend::Backend;
 use ferry_http::{HttpBackend, HttpOptions};
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use ferry_testsupport::http::{proxy, read_head, Verdict as Fault};
+use ferry_testsupport::nginx::{Nginx, NginxConf, NginxSetup};
+use ferry_testsupport::{installed, run};
+use std::io::{BufReader, Write};
+use std::net::TcpListener;
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -21,23 +21,16 @@ use std::time::{Duration, Instant};
 const IMG_LEN: usize = 5 * 1024 * 1024 + 12345;
 const SMALL_LEN: usize = 1000;
 
-struct Nginx {
-    dir: PathBuf,
-    http: u16,
-    https: u16,
+/// The nginx of this binary and the image it serves as `img`.
+struct Served {
+    nginx: Nginx,
     img: Vec<u8>,
-    _wrapper: Mutex<Child>,
 }
 
-impl Nginx {
-    fn url(&self, path: &str) -> String {
-        format!("http://127.0.0.1:{}/{path}", self.http)
-    }
-    fn https_url(&self, path: &str) -> String {
-        format!("https://127.0.0.1:{}/{path}", self.https)
-    }
-    fn ca(&self) -> PathBuf {
-        self.dir.join("ca.pem")
+impl std::ops::Deref for Served {
+    type Target = Nginx;
+    fn deref(&self) -> &Nginx {
+        &self.nginx
     }
 }
 
@@ -55,152 +48,33 @@ fn pattern(len: usize, seed: u64) -> Vec<u8> {
     v
 }
 
-fn run(cmd: &mut Command) {
-    let out = cmd.output().unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
-    assert!(out.status.success(), "{cmd:?} failed: {}", String::from_utf8_lossy(&out.stderr));
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-fn nginx() -> &'static Nginx {
-    static NGINX: OnceLock<Nginx> = OnceLock::new();
+fn nginx() -> &'static Served {
+    static NGINX: OnceLock<Served> = OnceLock::new();
     NGINX.get_or_init(start_nginx)
 }
 
-fn start_nginx() -> Nginx {
-    let bin = ["/usr/sbin/nginx", "/usr/bin/nginx"].into_iter().find(|p| Path::new(p).exists()).unwrap_or_else(|| {
-        panic!("nginx is not installed: these tests need it (Debian: apt-get install nginx; scripts/test installs it)")
-    });
-    Command::new("openssl")
-        .arg("version")
-        .output()
-        .unwrap_or_else(|e| panic!("the openssl command is missing ({e}): apt-get install openssl"));
-    let dir = tempfile::Builder::new().prefix("ferry-http-nginx").tempdir().unwrap().keep();
-    let data = dir.join("data");
-    std::fs::create_dir_all(&data).unwrap();
+fn start_nginx() -> Served {
+    let setup = NginxSetup::new("ferry-http-nginx");
+    let (dir, data) = (setup.dir().display().to_string(), setup.data());
     let img = pattern(IMG_LEN, 1);
     std::fs::write(data.join("img"), &img).unwrap();
     std::fs::write(data.join("small"), pattern(SMALL_LEN, 2)).unwrap();
     std::fs::write(data.join("empty"), b"").unwrap();
-    for sub in ["tmp", "logs"] {
-        std::fs::create_dir_all(dir.join(sub)).unwrap();
-    }
-
-    // A CA and a server certificate for 127.0.0.1 signed by it.
-    let d = |f: &str| dir.join(f).display().to_string();
-    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
-    run(Command::new("openssl").args(["req", "-x509"]).args(ec).args([
-        "-keyout",
-        &d("ca.key"),
-        "-out",
-        &d("ca.pem"),
-        "-days",
-        "3",
-        "-subj",
-        "/CN=ferry-http test CA",
-    ]));
-    run(Command::new("openssl").args(["req"]).args(ec).args([
-        "-keyout",
-        &d("srv.key"),
-        "-out",
-        &d("srv.csr"),
-        "-subj",
-        "/CN=127.0.0.1",
-    ]));
-    std::fs::write(dir.join("ext"), "subjectAltName=IP:127.0.0.1,DNS:localhost\n").unwrap();
-    run(Command::new("openssl").args([
-        "x509",
-        "-req",
-        "-in",
-        &d("srv.csr"),
-        "-CA",
-        &d("ca.pem"),
-        "-CAkey",
-        &d("ca.key"),
-        "-CAcreateserial",
-        "-out",
-        &d("srv.pem"),
-        "-days",
-        "3",
-        "-extfile",
-        &d("ext"),
-    ]));
-    let hash = Command::new("openssl").args(["passwd", "-apr1", "s3cr:t p"]).output().unwrap();
-    assert!(hash.status.success());
-    let hash = String::from_utf8(hash.stdout).unwrap();
-    std::fs::write(dir.join("htpasswd"), format!("ferry:{}\n", hash.trim())).unwrap();
-
-    use std::os::unix::fs::MetadataExt;
-    let root = std::fs::metadata("/proc/self").map(|m| m.uid() == 0).unwrap_or(false);
-    for _ in 0..5 {
-        let (http, https) = (free_port(), free_port());
-        let conf = format!(
-            r#"{user}
-worker_processes 2;
-pid {dir}/nginx.pid;
-error_log {dir}/logs/error.log;
-events {{ worker_connections 512; }}
-http {{
-    default_type application/octet-stream;
-    log_format conn '$connection $status $request';
-    access_log {dir}/logs/access.log conn;
-    client_body_temp_path {dir}/tmp/body;
-    proxy_temp_path {dir}/tmp/proxy;
-    fastcgi_temp_path {dir}/tmp/fastcgi;
-    uwsgi_temp_path {dir}/tmp/uwsgi;
-    scgi_temp_path {dir}/tmp/scgi;
-    sendfile on;
-    keepalive_requests 1000000;
-    server {{
-        listen 127.0.0.1:{http};
-        listen 127.0.0.1:{https} ssl;
-        ssl_certificate {dir}/srv.pem;
-        ssl_certificate_key {dir}/srv.key;
-        root {dir}/data;
-        location /noranges/ {{ alias {dir}/data/; max_ranges 0; }}
-        location /reuse/ {{ alias {dir}/data/; access_log {dir}/logs/reuse.log conn; }}
-        location = /moved/img {{ return 302 /img; }}
-        location = /loop {{ return 302 /loop; }}
-        location /forbidden/ {{ deny all; }}
-        location /auth/ {{ alias {dir}/data/; auth_basic "ferry"; auth_basic_user_file {dir}/htpasswd; }}
-    }}
-}}
-"#,
-            user = if root { "user root;" } else { "" },
-            dir = dir.display(),
-        );
-        std::fs::write(dir.join("nginx.conf"), conf).unwrap();
-        let script = format!(
-            "{bin} -c {conf} -p {dir} -g 'daemon off;' & pid=$!; cat >/dev/null; kill $pid; wait $pid; rm -rf {dir}",
-            conf = dir.join("nginx.conf").display(),
-            dir = dir.display()
-        );
-        let mut child = Command::new("sh")
-            .args(["-c", &script])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("cannot run sh");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if TcpStream::connect(("127.0.0.1", http)).is_ok() && TcpStream::connect(("127.0.0.1", https)).is_ok() {
-                return Nginx { dir, http, https, img, _wrapper: Mutex::new(child) };
-            }
-            if let Ok(Some(_)) = child.try_wait() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        drop(child.stdin.take());
-        let _ = child.wait();
-        eprintln!(
-            "nginx did not start on ports {http}/{https}: {}",
-            std::fs::read_to_string(dir.join("logs/error.log")).unwrap_or_default()
-        );
-    }
-    panic!("nginx did not start (see the error log above)");
+    setup.htpasswd("ferry", "s3cr:t p");
+    let http = format!(
+        "log_format conn '$connection $status $request';\n\
+         access_log {dir}/logs/access.log conn;"
+    );
+    let server = format!(
+        "location /noranges/ {{ alias {dir}/data/; max_ranges 0; }}\n\
+         location /reuse/ {{ alias {dir}/data/; access_log {dir}/logs/reuse.log conn; }}\n\
+         location = /moved/img {{ return 302 /img; }}\n\
+         location = /loop {{ return 302 /loop; }}\n\
+         location /forbidden/ {{ deny all; }}\n\
+         location /auth/ {{ alias {dir}/data/; auth_basic \"ferry\"; auth_basic_user_file {dir}/htpasswd; }}"
+    );
+    let nginx = setup.start(&NginxConf { ca_name: "ferry-http test CA", http: &http, server: &server });
+    Served { nginx, img }
 }
 
 fn opts() -> HttpOptions {
@@ -578,11 +452,7 @@ fn a_qcow2_image_over_http() {
 }
 
 fn which(program: &str, package: &str) {
-    let found = Command::new("sh").args(["-c", &format!("command -v {program}")]).output();
-    assert!(
-        found.is_ok_and(|o| o.status.success()),
-        "{program} is not installed: apt-get install {package} (scripts/test installs it)"
-    );
+    assert!(installed(program), "{program} is not installed: apt-get install {package} (scripts/test installs it)");
 }
 
 fn check_random_reads_of(b: &dyn Backend, want: &[u8], count: usize, seed: u64) {
@@ -593,117 +463,29 @@ fn check_random_reads_of(b: &dyn Backend, want: &[u8], count: usize, seed: u64) 
     }
 }
 
-/// What the faulty proxy does to every `every`-th request.
-#[derive(Clone, Copy, Debug)]
-enum Fault {
-    Status503,
-    Status416,
-    Drop,
-    ShortBody,
-    /// Says the object is one byte longer than it is.
-    SizeChange,
-}
-
-/// A proxy in front of nginx, one thread per connection, that spoils every `every`-th
-/// request (counting from 1) with `fault`. Returns its port and the request counter.
+/// A proxy in front of nginx that spoils every `every`-th request (counting from 1) with
+/// `fault` (`Fault::SizeChange` says the object is one byte longer than it is). Returns
+/// its port and the request counter.
 fn faulty_proxy(upstream: u16, fault: Fault, every: u64) -> (u16, Arc<AtomicU64>) {
     faulty_proxy_limited(upstream, fault, every, u64::MAX)
 }
 
 /// [`faulty_proxy`] that spoils at most `max_faults` requests.
 fn faulty_proxy_limited(upstream: u16, fault: Fault, every: u64, max_faults: u64) -> (u16, Arc<AtomicU64>) {
-    let faults = Arc::new(AtomicU64::new(max_faults));
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
+    let faults = AtomicU64::new(max_faults);
     let count = Arc::new(AtomicU64::new(0));
     let c = count.clone();
-    std::thread::spawn(move || {
-        for client in listener.incoming() {
-            let Ok(client) = client else { return };
-            let (c, faults) = (c.clone(), faults.clone());
-            std::thread::spawn(move || {
-                let _ = serve_proxied(client, upstream, fault, every, &c, &faults);
-            });
+    let port = proxy(upstream, move |_| {
+        let n = c.fetch_add(1, Ordering::SeqCst) + 1;
+        let bad = n.is_multiple_of(every)
+            && faults.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |f| f.checked_sub(1)).is_ok();
+        if bad {
+            fault
+        } else {
+            Fault::Forward
         }
     });
     (port, count)
-}
-
-/// Reads a header block (through the blank line) from `r`.
-fn read_head(r: &mut impl BufRead) -> std::io::Result<Option<String>> {
-    let mut head = String::new();
-    loop {
-        let mut line = String::new();
-        if r.read_line(&mut line)? == 0 {
-            return Ok(None);
-        }
-        head.push_str(&line);
-        if line == "\r\n" {
-            return Ok(Some(head));
-        }
-    }
-}
-
-fn header(head: &str, name: &str) -> Option<String> {
-    head.lines().find_map(|l| {
-        let (n, v) = l.split_once(':')?;
-        n.eq_ignore_ascii_case(name).then(|| v.trim().to_string())
-    })
-}
-
-fn serve_proxied(
-    client: TcpStream,
-    upstream: u16,
-    fault: Fault,
-    every: u64,
-    count: &AtomicU64,
-    faults: &AtomicU64,
-) -> std::io::Result<()> {
-    let mut reader = BufReader::new(client.try_clone()?);
-    let mut client = client;
-    let up = TcpStream::connect(("127.0.0.1", upstream))?;
-    let mut up_reader = BufReader::new(up.try_clone()?);
-    let mut up = up;
-    while let Some(req) = read_head(&mut reader)? {
-        if req.starts_with("CONNECT ") {
-            // A tunnel (ureq reaches http:// URLs through a proxy with CONNECT too): the
-            // requests inside it go to nginx like the others.
-            client.write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")?;
-            continue;
-        }
-        let n = count.fetch_add(1, Ordering::SeqCst) + 1;
-        let bad = n.is_multiple_of(every)
-            && faults.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |f| f.checked_sub(1)).is_ok();
-        match fault {
-            Fault::Status503 if bad => {
-                client.write_all(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 4\r\n\r\nbusy")?;
-                continue;
-            }
-            Fault::Status416 if bad => {
-                client.write_all(b"HTTP/1.1 416 Range Not Satisfiable\r\nContent-Length: 0\r\n\r\n")?;
-                continue;
-            }
-            Fault::Drop if bad => return Ok(()),
-            _ => {}
-        }
-        up.write_all(req.as_bytes())?;
-        let mut head = read_head(&mut up_reader)?.ok_or(std::io::ErrorKind::UnexpectedEof)?;
-        let len: usize = header(&head, "content-length").and_then(|v| v.parse().ok()).unwrap_or(0);
-        let mut body = vec![0; len];
-        up_reader.read_exact(&mut body)?;
-        if let (Fault::SizeChange, true, Some(cr)) = (fault, bad, header(&head, "content-range")) {
-            let (range, total) = cr.rsplit_once('/').unwrap();
-            let total: u64 = total.parse().unwrap();
-            head = head.replace(&cr, &format!("{range}/{}", total + 1));
-        }
-        client.write_all(head.as_bytes())?;
-        if let (Fault::ShortBody, true) = (fault, bad) {
-            client.write_all(&body[..len / 2])?;
-            return Ok(());
-        }
-        client.write_all(&body)?;
-    }
-    Ok(())
 }
 
 #[test]

@@ -1,6 +1,6 @@
 //! ferry-s3 against a real S3 API: moto's `moto_server` (`pip install 'moto[server]'`),
-//! started once for this test binary on 127.0.0.1 and a free port, and stopped when the
-//! binary exits (a shell holds its PID and kills it once our end of its stdin closes).
+//! started once for this test binary on 127.0.0.1 and a free port by ferry-testsupport,
+//! and stopped when the binary exits.
 
 mod common;
 
@@ -8,8 +8,7 @@ use common::{http, pattern, url, S3Server, MIB};
 use ferry_backend::{Backend, MemoryBackend, ZeroMode};
 use ferry_client::copy::{copy, BackendEndpoint, CopyOptions, Endpoint, Progress};
 use ferry_s3::{open_source, pending_uploads, S3Config, S3Error, S3Writer, WriterOptions};
-use std::net::{TcpListener, TcpStream};
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::net::TcpListener;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -17,47 +16,14 @@ const PART: u64 = 5 * MIB;
 
 struct Moto {
     s3: S3Server,
-    _child: Child,
-    /// Never written: when the test binary exits it closes, and the shell kills moto.
-    _stdin: Mutex<ChildStdin>,
 }
 
 fn moto() -> &'static Moto {
     static MOTO: OnceLock<Moto> = OnceLock::new();
     MOTO.get_or_init(|| {
-        let found = Command::new("sh").args(["-c", "command -v moto_server"]).output().map(|o| o.status.success());
-        assert!(
-            found.unwrap_or(false),
-            "moto_server is not installed: install it with `pip install 'moto[server]'` (scripts/test does)"
-        );
-        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let log = std::env::temp_dir().join(format!("ferry-s3-moto-{}.log", std::process::id()));
-        let mut child = Command::new("sh")
-            .args([
-                "-c",
-                "moto_server -H 127.0.0.1 -p \"$1\" >\"$2\" 2>&1 & pid=$!; read _; kill $pid; wait $pid; rm -f \"$2\"",
-                "sh",
-                &port.to_string(),
-                log.to_str().unwrap(),
-            ])
-            .stdin(Stdio::piped())
-            .spawn()
-            .expect("cannot run sh to start moto_server");
-        let stdin = child.stdin.take().unwrap();
-        let endpoint = format!("http://127.0.0.1:{port}");
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if TcpStream::connect(("127.0.0.1", port)).is_ok() && ureq::get(&format!("{endpoint}/")).call().is_ok() {
-                break;
-            }
-            if Instant::now() > deadline || child.try_wait().ok().flatten().is_some() {
-                let out = std::fs::read_to_string(&log).unwrap_or_default();
-                panic!("moto_server did not come up on port {port} within 60 s; its output:\n{out}");
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        let endpoint = ferry_testsupport::moto::moto().endpoint.clone();
         let s3 = S3Server { endpoint, access_key_id: "testing-key".into(), secret_access_key: "testing-secret".into() };
-        Moto { s3, _child: child, _stdin: Mutex::new(stdin) }
+        Moto { s3 }
     })
 }
 

@@ -19,14 +19,13 @@
 pub mod json;
 pub mod raw;
 
-use std::collections::HashSet;
 use std::fs;
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::{mpsc, Mutex};
+use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -287,23 +286,9 @@ pub enum Addr {
     Tcp(u16),
 }
 
-static PORTS_GIVEN: Mutex<Option<HashSet<u16>>> = Mutex::new(None);
-
-/// A TCP port on 127.0.0.1 that was free a moment ago (bound to :0 and released);
-/// never the same one twice in one test process.
-pub fn free_port() -> u16 {
-    let mut given = PORTS_GIVEN.lock().unwrap_or_else(|e| e.into_inner());
-    let given = given.get_or_insert_with(HashSet::new);
-    for _ in 0..100 {
-        let l = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
-        let port = l.local_addr().unwrap().port();
-        drop(l);
-        if given.insert(port) {
-            return port;
-        }
-    }
-    panic!("no free TCP port found");
-}
+/// A TCP port on 127.0.0.1 that was free a moment ago, never the same one twice in one
+/// test process (shared with the nginx and moto harnesses of ferry-testsupport).
+pub use ferry_testsupport::free_port;
 
 pub struct ServerBuilder {
     spec: String,
