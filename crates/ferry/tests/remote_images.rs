@@ -563,7 +563,9 @@ fn s3_upload_killed_with_resume_continues_from_the_stored_parts() {
         s3ferry(a)
     };
 
-    let args = ["copy", "--resume", "--resume-dir", s(&state), "--rate", "3M", s(&src), url];
+    // Slow, and with few requests in flight, so that parts are stored one after another.
+    let args =
+        ["copy", "--resume", "--resume-dir", s(&state), "--rate", "3M", "-C", "2", "--requests", "1", s(&src), url];
     let id = kill_upload_after(&args, "resume-bkt", "disk.raw", 2);
     assert!(keys("resume-bkt").is_empty(), "a killed upload made an object");
     assert_eq!(journals(&state).len(), 1, "the first run keeps a journal naming its upload");
@@ -614,13 +616,18 @@ fn s3_failed_resumable_upload_is_kept_until_resumed_restarted_or_replaced() {
     );
     let src = kit.uri();
     let want = digest_of(&run_ok(&mut ferry(["hash", &src])));
-    let state = tmp.path().join("state");
+    // Journals in the default place (under XDG_STATE_HOME), where a copy without
+    // --resume looks for one to discard.
+    let xdg = tmp.path().join("xdg");
+    let state = xdg.join("ferry/resume");
     let url = "s3://kept-bkt/disk.raw";
     let copy = |extra: &[&str]| {
-        let mut a = vec!["copy", "--retries", "0", "--resume-dir", s(&state)];
+        let mut a = vec!["copy", "--retries", "0"];
         a.extend_from_slice(extra);
         a.extend_from_slice(&[&src, url]);
-        s3ferry(a)
+        let mut c = s3ferry(a);
+        c.env("XDG_STATE_HOME", &xdg);
+        c
     };
     // A --resume copy that fails (the source breaks after two parts): the upload is
     // kept, and ferry says so.
@@ -647,7 +654,7 @@ fn s3_failed_resumable_upload_is_kept_until_resumed_restarted_or_replaced() {
     };
 
     // 1. Kept, then the upload vanishes (aborted elsewhere): --resume says so.
-    let id = fail_after_two_parts(&["--resume", "--rate", "4M"]);
+    let id = fail_after_two_parts(&["--resume", "--rate", "4M", "-C", "2", "--requests", "1"]);
     boto3(&format!("s3.abort_multipart_upload(Bucket='kept-bkt', Key='disk.raw', UploadId='{id}')"));
     let out = run_fails(&mut copy(&["--resume"]));
     assert!(out.stderr.contains("no longer exists"), "{}", out.describe());
@@ -655,14 +662,14 @@ fn s3_failed_resumable_upload_is_kept_until_resumed_restarted_or_replaced() {
 
     // 2. --restart aborts the kept upload and copies afresh.
     run_ok(&mut copy(&["--restart"]));
-    let id = fail_after_two_parts(&["--resume", "--rate", "4M"]);
+    let id = fail_after_two_parts(&["--resume", "--rate", "4M", "-C", "2", "--requests", "1"]);
     let out = run_ok(&mut copy(&["--restart"]));
     assert!(pending_uploads("kept-bkt", "disk.raw").is_empty(), "--restart left upload {id}\n{}", out.describe());
     assert_eq!(digest_of(&run_ok(&mut s3ferry(["hash", url]))), want);
     assert!(journals(&state).is_empty());
 
     // 3. A copy without --resume aborts the kept upload it replaces.
-    let id = fail_after_two_parts(&["--resume", "--rate", "4M"]);
+    let id = fail_after_two_parts(&["--resume", "--rate", "4M", "-C", "2", "--requests", "1"]);
     let out = run_ok(&mut copy(&[]));
     assert!(out.stderr.contains(&format!("aborted the upload {id}")), "{}", out.describe());
     assert!(pending_uploads("kept-bkt", "disk.raw").is_empty());
