@@ -11,6 +11,8 @@
 # botocore 1.36 a CRC32 of each part is sent); ferry with its defaults (an MD5 of each part).
 # FERRY_EXTRA="-C 8" adds a column: ferry copy with those options too.
 # Medians of 3 rounds; the order of the tools rotates each round. MB/s: 10^6 bytes/s.
+# A second table gives the CPU seconds of each run: the client's (user+sys) and the
+# cluster's (radosgw, the OSD and the monitor) over the same time, from /proc.
 # Needs radosgw and boto3: apt-get install radosgw python3-boto3 (or pip install boto3).
 # Run from the project root after `cargo build --release -p ferry`.
 set -u
@@ -73,7 +75,29 @@ boto3 up "$W/img" bench src || { echo "cannot upload the source object" >&2; exi
 echo "# $(date -u '+%Y-%m-%d %H:%M UTC'), SIZE_G=$SIZE_G, load: $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "$(ceph --version | cut -d' ' -f1-3), boto3 $("$PY" -c 'import boto3, botocore; print(boto3.__version__ + ", botocore " + botocore.__version__)'), $("$FERRY" --version 2>/dev/null | head -1)"
 
-declare -A T
+# The CPU seconds (user + system) radosgw, the OSD and the monitor have used so far.
+tick=$(getconf CLK_TCK)
+server_cpu() {
+  local t=0 f p st
+  for f in "$C"/run/*.pid; do
+    p=$(cat "$f")
+    read -r -a st <"/proc/$p/stat" 2>/dev/null || continue
+    t=$((t + st[13] + st[14]))
+  done
+  echo "scale=2; $t / $tick" | bc -l
+}
+# timed CMD...: "WALL CLIENT SERVER" seconds of one run (FAIL if it fails): the wall time,
+# the client's user+system CPU (its children included), and the cluster's CPU meanwhile.
+timed() {
+  local b out rc
+  b=$(server_cpu)
+  out=$({ TIMEFORMAT='%R %U %S'; time "$@" >/dev/null 2>&1; } 2>&1) && rc=0 || rc=1
+  [ $rc = 0 ] || { echo FAIL; return; }
+  read -r wall u s <<<"$out"
+  echo "$wall $(echo "$u + $s" | bc -l) $(echo "$(server_cpu) - $b" | bc -l)"
+}
+
+declare -A T CU SV
 order=(ferry boto3)
 tools=(ferry boto3)
 ((${#EXTRA[@]})) && order=(ferry ferryx boto3) tools=(ferry ferryx boto3)
@@ -85,8 +109,9 @@ for round in 1 2 3; do
     boto3) up=(boto3 up "$W/img" bench up) down=(boto3 down bench src "$W/out") ;;
     esac
     rm_object up
-    u=$(secs "${up[@]}")
+    read -r u cu sv <<<"$(timed "${up[@]}")"
     T[$t,up]+="$u "
+    [ "$u" = FAIL ] || { CU[$t,up]+="$cu "; SV[$t,up]+="$sv "; }
     if [ "$u" = FAIL ]; then
       echo "$t: upload FAILED (exit status non-zero)"
     elif [ "$(boto3 size bench up)" != $((SIZE_G << 30)) ]; then
@@ -94,8 +119,9 @@ for round in 1 2 3; do
     fi
     rm_object up
     rm -f "$W/out"
-    d=$(secs "${down[@]}")
+    read -r d cu sv <<<"$(timed "${down[@]}")"
     T[$t,down]+="$d "
+    [ "$d" = FAIL ] || { CU[$t,down]+="$cu "; SV[$t,down]+="$sv "; }
     if [ "$d" = FAIL ]; then
       echo "$t: download FAILED (exit status non-zero)"
     elif ! cmp -s "$W/out" "$W/img"; then
@@ -143,3 +169,15 @@ for dir in up down; do
 done
 echo
 for t in "${tools[@]}"; do echo "all runs (s), $(label $t): up ${T[$t,up]}| down ${T[$t,down]}"; done
+echo
+# Where the CPU went: the two cores are shared by the client and the cluster.
+echo "| CPU seconds (user+sys), median of 3 | client | radosgw + OSD + monitor | total |"
+echo "|---|---|---|---|"
+for dir in up down; do
+  for t in "${tools[@]}"; do
+    c=$(echo ${CU[$t,$dir]:-} | tr ' ' '\n' | med)
+    v=$(echo ${SV[$t,$dir]:-} | tr ' ' '\n' | med)
+    [ -n "$c" ] && [ -n "$v" ] || continue
+    printf "| %s, %s | %.1f | %.1f | %.1f |\n" "$dir" "$(label $t)" "$c" "$v" "$(echo "$c + $v" | bc -l)"
+  done
+done
