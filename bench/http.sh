@@ -31,7 +31,8 @@ if ((${#missing[@]})); then
 fi
 if ! ls /usr/lib/*/qemu/block-curl.so >/dev/null 2>&1; then
   # The same mirror as the system's bookworm sources.
-  mirror=$(grep -rhoE 'https?://[^ ]+/debian/?' /etc/apt/sources.list /etc/apt/sources.list.d/ 2>/dev/null | grep -v security | head -1)
+  mirror=$(grep -rhE '^[^#]*https?://' /etc/apt/sources.list /etc/apt/sources.list.d/ 2>/dev/null |
+    grep -oE 'https?://[^ ]+/debian/?' | grep -v security | head -1)
   echo "deb ${mirror:-http://deb.debian.org/debian} bookworm-backports main" |
     $SUDO tee /etc/apt/sources.list.d/bookworm-backports.list >/dev/null
   $SUDO apt-get update -qq
