@@ -249,17 +249,20 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
     let dst = &destination.endpoint;
     // An upload to S3 is resumed from the parts the store holds, not from a watermark:
     // its journal stays out of the engine, which copies just the parts not yet stored.
+    let upload_id = destination.upload().and_then(|w| w.upload_id()).unwrap_or_default().to_string();
     let (journal, upload_journal, ranges) = match (resume, destination.upload()) {
-        (Some(r), Some(w)) => {
+        (Some(r), Some(_)) => {
             let resuming = r.resuming();
-            let id = w.upload_id().unwrap_or_default().to_string();
+            let id = upload_id.clone();
             let j = match r.open_upload(&args, &id) {
                 Ok(j) => j,
                 Err(e) => {
                     // A new upload no journal names would never be completed nor
                     // aborted: it goes now (a continued one stays for another try).
                     if !resuming {
-                        destination.abort()?;
+                        if let Err(a) = destination.abort() {
+                            log::error!("{a:#}: abort the upload {id} yourself (`aws s3api abort-multipart-upload`)");
+                        }
                     }
                     return Err(e);
                 }
@@ -341,11 +344,10 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
     let report = match report {
         Ok(r) => r,
         Err(e) => {
-            if let Some(w) = destination.upload().filter(|_| upload_journal.is_some()) {
+            if destination.is_upload() && upload_journal.is_some() {
                 eprintln!(
-                    "the upload {} to {} is kept: run the same command again to continue it, or with --restart to \
-                     abort it and start over",
-                    w.upload_id().unwrap_or_default(),
+                    "the upload {upload_id} to {} is kept: run the same command again to continue it, or with \
+                     --restart to abort it and start over",
                     shown(&args.dst)
                 );
             }
@@ -358,17 +360,31 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
         println!("{}  {}", ferry_hash::hex(d), shown(&args.src));
         let checked = proof.check_expected(&args, &mut destination, d);
         if let (Err(_), Some(j)) = (&checked, &upload_journal) {
-            // The upload was aborted: nothing is left to resume.
-            j.finish()?;
+            // The upload was aborted: nothing is left to resume. The journal goes only
+            // once the upload is known to be gone (an abort that failed is tried again).
+            if ferry_open::abort_upload(&args.dst, &upload_id, &remote.http).is_ok() {
+                j.finish()?;
+            }
         }
         checked?;
     }
-    destination.finish(&remote)?;
+    let finished = destination.finish(&remote);
     if let Some(j) = &upload_journal {
-        j.finish()?;
+        if destination.is_upload() {
+            // Not completed: the upload stays for the journal's next run.
+            eprintln!(
+                "the upload {upload_id} to {} is kept: run the same command again to complete it, or with --restart \
+                 to abort it and start over",
+                shown(&args.dst)
+            );
+        } else {
+            // Completed, even if reading it back cannot start: nothing is left to resume.
+            j.finish()?;
+        }
     }
+    finished?;
     let dst = &destination.endpoint;
-    if let (Some(sel), false) = (report.selected_bytes, quiet) {
+    if let (Some(sel), false, true) = (report.selected_bytes, quiet, selective) {
         let zeroed = report.hole_bytes + report.zero_bytes;
         eprintln!(
             "{sel} bytes of {} {}: {} copied as data, {zeroed} written as zeroes",

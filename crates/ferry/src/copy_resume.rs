@@ -45,18 +45,22 @@ fn upload_of<'a>(dst_loc: &Location, r: &'a Record) -> Option<&'a str> {
 }
 
 /// Removes the journal at `path` of an earlier copy onto `dst_loc`, first aborting the
-/// S3 upload it names (whose parts nothing would ever complete or delete otherwise).
+/// S3 upload it names (whose parts nothing would ever complete or delete otherwise). An
+/// upload that cannot be aborted keeps its journal, and the copy stops: the journal is
+/// the only record of it.
 fn discard(args: &CopyArgs, dst_loc: &Location, path: &Path, http: &HttpOptions) -> Result<()> {
     // A journal that cannot be read names nothing to abort.
     if let Ok(Some(r)) = journal::load(path) {
         if let Some(id) = upload_of(dst_loc, &r) {
-            match ferry_open::abort_upload(&args.dst, id, http) {
-                Ok(()) => log::warn!("aborted the upload {id} an earlier --resume copy kept"),
-                Err(e) => log::warn!(
-                    "{e:#}: its parts stay (and are billed) until it is aborted \
-                     (`aws s3api abort-multipart-upload ... --upload-id {id}`)"
-                ),
-            }
+            ferry_open::abort_upload(&args.dst, id, http).with_context(|| {
+                format!(
+                    "the resume journal {} names the upload {id} an earlier --resume copy kept, and it could not be \
+                     aborted: try again, or abort it yourself (`aws s3api abort-multipart-upload --upload-id {id} \
+                     ...`) and delete the journal",
+                    path.display()
+                )
+            })?;
+            log::warn!("aborted the upload {id} an earlier --resume copy kept");
         }
     }
     journal::remove(path)?;

@@ -507,12 +507,21 @@ fn s3_serve_read_only_and_qcow2_uploaded_raw() {
 
 /// The multipart uploads of `bucket/key` in progress: (upload ID, parts stored).
 fn pending_uploads(bucket: &str, key: &str) -> Vec<(String, usize)> {
+    pending_with_bytes(bucket, key).into_iter().map(|(id, n, _)| (id, n)).collect()
+}
+
+/// The same, with the bytes each upload has stored.
+fn pending_with_bytes(bucket: &str, key: &str) -> Vec<(String, usize, u64)> {
     boto3(&format!(
         "for u in s3.list_multipart_uploads(Bucket='{bucket}', Prefix='{key}').get('Uploads', []):\n    \
-         print(u['UploadId'], len(s3.list_parts(Bucket='{bucket}', Key='{key}', UploadId=u['UploadId']).get('Parts', [])))"
+         p = s3.list_parts(Bucket='{bucket}', Key='{key}', UploadId=u['UploadId']).get('Parts', [])\n    \
+         print(u['UploadId'], len(p), sum(x['Size'] for x in p))"
     ))
     .lines()
-    .filter_map(|l| l.split_once(' ').map(|(id, n)| (id.to_string(), n.parse().unwrap())))
+    .filter_map(|l| {
+        let f: Vec<&str> = l.split(' ').collect();
+        (f.len() == 3).then(|| (f[0].to_string(), f[1].parse().unwrap(), f[2].parse().unwrap()))
+    })
     .collect()
 }
 
@@ -565,7 +574,7 @@ fn s3_upload_killed_with_resume_continues_from_the_stored_parts() {
 
     // Slow, and with few requests in flight, so that parts are stored one after another.
     let args =
-        ["copy", "--resume", "--resume-dir", s(&state), "--rate", "3M", "-C", "2", "--requests", "1", s(&src), url];
+        ["copy", "--resume", "--resume-dir", s(&state), "--rate", "2M", "-C", "2", "--requests", "1", s(&src), url];
     let id = kill_upload_after(&args, "resume-bkt", "disk.raw", 2);
     assert!(keys("resume-bkt").is_empty(), "a killed upload made an object");
     assert_eq!(journals(&state).len(), 1, "the first run keeps a journal naming its upload");
@@ -585,8 +594,8 @@ fn s3_upload_killed_with_resume_continues_from_the_stored_parts() {
 
     // The same command continues the same upload, sends only the parts not stored, and
     // proves the result.
-    let out = run_ok(&mut resume(&["--verify"]));
-    let stored_bytes = stored[0].1 as u64 * 8 * MIB;
+    let stored_bytes = pending_with_bytes("resume-bkt", "disk.raw")[0].2;
+    let out = run_ok(&mut resume(&["--verify", "--stats"]));
     assert!(
         out.stderr
             .contains(&format!("resuming the upload to {url}: {stored_bytes} of {} bytes already stored", data.len())),
@@ -594,6 +603,19 @@ fn s3_upload_killed_with_resume_continues_from_the_stored_parts() {
         out.describe()
     );
     assert!(out.stdout.matches(&want).count() >= 2, "--verify on a resumed upload\n{}", out.describe());
+    // What was copied is exactly what no stored part held: data, holes and zeroes of the
+    // unstored ranges add up to the rest of the object.
+    let stats = out.stderr.lines().find(|l| l.starts_with("copied ")).unwrap_or_else(|| panic!("{}", out.describe()));
+    let n = |what: &str| -> u64 {
+        let at = stats.find(what).unwrap_or_else(|| panic!("{what} in {stats}"));
+        stats[..at].trim_end().rsplit([' ', ',', ':']).next().unwrap().parse().unwrap()
+    };
+    assert_eq!(
+        n(" data") + n(" holes skipped") + n(" zeroes detected"),
+        data.len() as u64 - stored_bytes,
+        "the resumed copy read more than the parts not stored\n{}",
+        out.describe()
+    );
     assert_eq!(keys("resume-bkt"), ["disk.raw"]);
     assert!(pending_uploads("resume-bkt", "disk.raw").is_empty(), "the upload {id} was not completed");
     assert!(journals(&state).is_empty(), "the journal outlived the copy");
@@ -622,7 +644,7 @@ fn s3_failed_resumable_upload_is_kept_until_resumed_restarted_or_replaced() {
     let state = xdg.join("ferry/resume");
     let url = "s3://kept-bkt/disk.raw";
     let copy = |extra: &[&str]| {
-        let mut a = vec!["copy", "--retries", "0"];
+        let mut a = vec!["copy"];
         a.extend_from_slice(extra);
         a.extend_from_slice(&[&src, url]);
         let mut c = s3ferry(a);
@@ -654,7 +676,7 @@ fn s3_failed_resumable_upload_is_kept_until_resumed_restarted_or_replaced() {
     };
 
     // 1. Kept, then the upload vanishes (aborted elsewhere): --resume says so.
-    let id = fail_after_two_parts(&["--resume", "--rate", "4M", "-C", "2", "--requests", "1"]);
+    let id = fail_after_two_parts(&["--resume", "--rate", "3M", "-C", "2", "--requests", "1", "--retries", "0"]);
     boto3(&format!("s3.abort_multipart_upload(Bucket='kept-bkt', Key='disk.raw', UploadId='{id}')"));
     let out = run_fails(&mut copy(&["--resume"]));
     assert!(out.stderr.contains("no longer exists"), "{}", out.describe());
@@ -662,14 +684,15 @@ fn s3_failed_resumable_upload_is_kept_until_resumed_restarted_or_replaced() {
 
     // 2. --restart aborts the kept upload and copies afresh.
     run_ok(&mut copy(&["--restart"]));
-    let id = fail_after_two_parts(&["--resume", "--rate", "4M", "-C", "2", "--requests", "1"]);
+    let id = fail_after_two_parts(&["--resume", "--rate", "3M", "-C", "2", "--requests", "1", "--retries", "0"]);
     let out = run_ok(&mut copy(&["--restart"]));
+    assert!(out.stderr.contains(&format!("aborted the upload {id}")), "{}", out.describe());
     assert!(pending_uploads("kept-bkt", "disk.raw").is_empty(), "--restart left upload {id}\n{}", out.describe());
     assert_eq!(digest_of(&run_ok(&mut s3ferry(["hash", url]))), want);
     assert!(journals(&state).is_empty());
 
     // 3. A copy without --resume aborts the kept upload it replaces.
-    let id = fail_after_two_parts(&["--resume", "--rate", "4M", "-C", "2", "--requests", "1"]);
+    let id = fail_after_two_parts(&["--resume", "--rate", "3M", "-C", "2", "--requests", "1", "--retries", "0"]);
     let out = run_ok(&mut copy(&[]));
     assert!(out.stderr.contains(&format!("aborted the upload {id}")), "{}", out.describe());
     assert!(pending_uploads("kept-bkt", "disk.raw").is_empty());
@@ -678,6 +701,6 @@ fn s3_failed_resumable_upload_is_kept_until_resumed_restarted_or_replaced() {
 
     // Without --resume a failing upload leaves nothing at all.
     std::fs::write(&trigger, b"").unwrap();
-    run_fails(&mut copy(&[]));
+    run_fails(&mut copy(&["--retries", "0"]));
     assert!(pending_uploads("kept-bkt", "disk.raw").is_empty());
 }

@@ -304,10 +304,11 @@ impl Destination {
     /// An S3 object is completed (it appears only now) and reopened for reading, so
     /// `endpoint` can be read back (`--verify`).
     pub fn finish(&mut self, remote: &Remote) -> Result<()> {
-        if let Some(w) = self.upload.take() {
+        if let Some(w) = &self.upload {
+            // Still `upload` while completing fails: the caller can tell (is_upload).
             w.complete().with_context(|| format!("cannot finish the upload to {}", w.url()))?;
             let name = w.url().to_string();
-            drop(w);
+            self.upload = None;
             self.endpoint = Endpoint::Backend(BackendEndpoint::new(name.clone(), s3::open(&name, &remote.http)?));
             return Ok(());
         }

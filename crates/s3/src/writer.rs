@@ -683,8 +683,17 @@ impl S3Writer {
         let answer = match c.send("CompleteMultipartUpload", &sign, Method::Post, &[], body.as_bytes()) {
             Ok(a) => a,
             // A retry after a completion whose answer was lost finds no upload: the
-            // object is there if it has our size.
-            Err(e) if e.code() == Some("NoSuchUpload") && self.object_size() == Some(self.size) => {
+            // object is there if it has our size and, where the parts' ETags are their
+            // MD5s (S3 without KMS, radosgw, MinIO), the multipart ETag they make; not an
+            // older object of the same size left at the key.
+            Err(e)
+                if e.code() == Some("NoSuchUpload")
+                    && self.object_head().is_some_and(|(size, etag)| {
+                        size == Some(self.size)
+                            && multipart_etag(etags)
+                                .is_none_or(|want| etag.as_deref().map(unquote) == Some(want.as_str()))
+                    }) =>
+            {
                 log::info!("{}: the upload was already complete (an earlier answer was lost)", self.target());
                 return Ok(());
             }
@@ -710,11 +719,12 @@ impl S3Writer {
         Ok(())
     }
 
-    /// The object's size by HeadObject, `None` when it cannot be had.
-    fn object_size(&self) -> Option<u64> {
+    /// The object's size and ETag by HeadObject, `None` when it cannot be had.
+    fn object_head(&self) -> Option<(Option<u64>, Option<String>)> {
         let c = &self.client;
         let sign = || c.bucket.head_object(Some(&c.creds), &c.url.key).sign(SIGN_FOR);
-        c.send("HeadObject", &sign, Method::Head, &[], &[]).ok()?.content_length
+        let a = c.send("HeadObject", &sign, Method::Head, &[], &[]).ok()?;
+        Some((a.content_length, a.etag))
     }
 
     /// Abandons the upload: the parts sent so far are deleted and no object appears.
@@ -779,6 +789,28 @@ fn create_upload(c: &Client) -> Result<String, S3Error> {
         message: format!("CreateMultipartUpload answered something that is not an upload ID ({e})"),
     })?;
     Ok(parsed.upload_id().to_string())
+}
+
+fn unquote(etag: &str) -> &str {
+    etag.trim().trim_matches('"')
+}
+
+/// The ETag S3 gives an object completed from parts with these ETags, when each is a hex
+/// MD5: the MD5 of the parts' binary MD5s, in hex, then `-` and the number of parts.
+/// `None` when a part's ETag is not an MD5 (encrypted uploads), so nothing can be predicted.
+fn multipart_etag(etags: &[String]) -> Option<String> {
+    let mut all = Md5::new();
+    for e in etags {
+        let hex = unquote(e);
+        if hex.len() != 32 {
+            return None;
+        }
+        for i in (0..32).step_by(2) {
+            all.update([u8::from_str_radix(hex.get(i..i + 2)?, 16).ok()?]);
+        }
+    }
+    let digest = all.finalize();
+    Some(format!("{}-{}", digest.iter().map(|b| format!("{b:02x}")).collect::<String>(), etags.len()))
 }
 
 /// `Content-MD5` of `bytes`: their MD5, base64.
@@ -923,6 +955,18 @@ mod tests {
         assert!(!r.insert(1 << 40, (1 << 40) + 1), "one piece too many");
         assert!(r.insert(1, 2), "a write joining pieces is still taken");
         assert_eq!(r.0.len(), MAX_PIECES - 1);
+    }
+
+    #[test]
+    fn multipart_etags() {
+        // Two parts: MD5("a") and MD5("b"); S3's ETag is MD5 of the two binary digests, "-2".
+        let a = format!("\"{:x}\"", Md5::digest(b"a"));
+        let b = format!("{:x}", Md5::digest(b"b"));
+        let mut both = Md5::digest(b"a").to_vec();
+        both.extend_from_slice(&Md5::digest(b"b"));
+        assert_eq!(multipart_etag(&[a.clone(), b]).unwrap(), format!("{:x}-2", Md5::digest(&both)));
+        assert_eq!(multipart_etag(&[a.clone(), "\"not-an-md5\"".into()]), None);
+        assert_eq!(multipart_etag(&[a, "zz".repeat(16)]), None);
     }
 
     #[test]
