@@ -250,32 +250,38 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
     // An upload to S3 is resumed from the parts the store holds, not from a watermark:
     // its journal stays out of the engine, which copies just the parts not yet stored.
     let upload_id = destination.upload().and_then(|w| w.upload_id()).unwrap_or_default().to_string();
-    let (journal, upload_journal, ranges) = match (resume, destination.upload()) {
-        (Some(r), Some(_)) => {
+    let unstored = destination.upload().map(|w| (w.unstored_ranges(), ferry_backend::Backend::size(w)));
+    let kept_note = || {
+        eprintln!(
+            "the upload {upload_id} to {} is kept: run the same command again to continue it, or with --restart to \
+             abort it and start over",
+            shown(&args.dst)
+        )
+    };
+    let (journal, upload_journal, ranges) = match (resume, unstored) {
+        (Some(r), Some((left, size))) => {
             let resuming = r.resuming();
-            let id = upload_id.clone();
-            let j = match r.open_upload(&args, &id) {
+            let j = match r.open_upload(&args, &upload_id) {
                 Ok(j) => j,
                 Err(e) => {
                     // A new upload no journal names would never be completed nor
                     // aborted: it goes now (a continued one stays for another try).
                     if !resuming {
                         if let Err(a) = destination.abort() {
-                            log::error!("{a:#}: abort the upload {id} yourself (`aws s3api abort-multipart-upload`)");
+                            log::error!(
+                                "{a:#}: abort the upload {upload_id} yourself (`aws s3api abort-multipart-upload`)"
+                            );
                         }
                     }
                     return Err(e);
                 }
             };
-            let Some(w) = destination.upload() else { unreachable!("matched above") };
-            let left = w.unstored_ranges();
             if resuming {
+                let to_copy = left.iter().map(|r| r.1).sum::<u64>();
                 eprintln!(
-                    "resuming the upload to {}: {} of {} bytes already stored, {} to copy",
+                    "resuming the upload to {}: {} of {size} bytes already stored, {to_copy} to copy",
                     shown(&args.dst),
-                    w.stored_ranges().iter().map(|r| r.end - r.start).sum::<u64>(),
-                    ferry_backend::Backend::size(w),
-                    left.iter().map(|r| r.1).sum::<u64>()
+                    size - to_copy
                 );
             }
             (None, Some(j), resuming.then(|| Arc::new(left)))
@@ -322,17 +328,10 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
     let stop = std::sync::atomic::AtomicBool::new(false);
     let report = std::thread::scope(|s| {
         let shown = (args.progress && !quiet).then(|| s.spawn(|| show_progress(&progress, &stop)));
-        let r = match (&opts.ranges, &opts.hash, &upload_journal) {
-            // A resumed upload copies only the parts not stored; the digest needs every
-            // byte of the source, so it is computed once the copy is done.
-            (Some(_), Some(h), Some(_)) => {
-                let inner = CopyOptions { hash: None, ..opts.clone() };
-                copy(src, dst, &inner, &progress).and_then(|mut report| {
-                    let fresh = ferry_hash::BlockHasher::new(h.algorithm(), h.block_size());
-                    report.digest = Some(ferry_client::copy::hash_range(src, report.bytes, &fresh, &inner)?);
-                    Ok(report)
-                })
-            }
+        let r = match (&opts.ranges, &upload_journal) {
+            // A resumed upload copies only the parts not stored; a digest needs every
+            // byte of the source.
+            (Some(_), Some(_)) => ferry_client::copy::copy_then_hash(src, dst, &opts, &progress),
             _ => copy(src, dst, &opts, &progress),
         };
         stop.store(true, Ordering::SeqCst);
@@ -345,11 +344,7 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
         Ok(r) => r,
         Err(e) => {
             if destination.is_upload() && upload_journal.is_some() {
-                eprintln!(
-                    "the upload {upload_id} to {} is kept: run the same command again to continue it, or with \
-                     --restart to abort it and start over",
-                    shown(&args.dst)
-                );
+                kept_note();
             }
             return Err(e.into());
         }
@@ -361,8 +356,8 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
         let checked = proof.check_expected(&args, &mut destination, d);
         if let (Err(_), Some(j)) = (&checked, &upload_journal) {
             // The upload was aborted: nothing is left to resume. The journal goes only
-            // once the upload is known to be gone (an abort that failed is tried again).
-            if ferry_open::abort_upload(&args.dst, &upload_id, &remote.http).is_ok() {
+            // once the upload is known to be gone.
+            if !destination.is_upload() {
                 j.finish()?;
             }
         }
@@ -372,11 +367,7 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
     if let Some(j) = &upload_journal {
         if destination.is_upload() {
             // Not completed: the upload stays for the journal's next run.
-            eprintln!(
-                "the upload {upload_id} to {} is kept: run the same command again to complete it, or with --restart \
-                 to abort it and start over",
-                shown(&args.dst)
-            );
+            kept_note();
         } else {
             // Completed, even if reading it back cannot start: nothing is left to resume.
             j.finish()?;

@@ -332,12 +332,13 @@ impl Destination {
     }
 
     /// Gives up an upload: nothing is left at the destination. (Dropping an unfinished
-    /// destination does the same.)
+    /// destination does the same.) An abort that fails leaves `is_upload` true: the
+    /// upload may still exist.
     pub fn abort(&mut self) -> Result<()> {
-        match self.upload.take() {
-            Some(w) => w.abort().with_context(|| format!("cannot abort the upload to {}", w.url())),
-            None => Ok(()),
-        }
+        let Some(w) = &self.upload else { return Ok(()) };
+        w.abort().with_context(|| format!("cannot abort the upload to {}", w.url()))?;
+        self.upload = None;
+        Ok(())
     }
 }
 

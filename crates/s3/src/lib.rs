@@ -205,16 +205,6 @@ pub fn pending_uploads(url: &S3Url, cfg: &S3Config, http: &HttpOptions) -> Resul
     Client::new(url, cfg, http)?.pending_uploads()
 }
 
-/// The parts of upload `upload_id` of `url` stored so far: (part number, ETag, bytes).
-pub fn stored_parts(
-    url: &S3Url,
-    cfg: &S3Config,
-    http: &HttpOptions,
-    upload_id: &str,
-) -> Result<Vec<(u16, String, u64)>, S3Error> {
-    Client::new(url, cfg, http)?.list_parts(upload_id)
-}
-
 /// Aborts the multipart upload `upload_id` of `url` (one an interrupted copy kept):
 /// its parts are deleted. An upload already gone counts as aborted.
 pub fn abort_upload(url: &S3Url, cfg: &S3Config, http: &HttpOptions, upload_id: &str) -> Result<(), S3Error> {

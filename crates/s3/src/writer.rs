@@ -272,8 +272,7 @@ impl S3Writer {
         opts: &WriterOptions,
         upload_id: String,
     ) -> Result<S3Writer, S3Error> {
-        let url = client.url.clone();
-        let url = &url;
+        let url = &client.url.clone();
         // Checked before the writer exists: a writer dropped on an error would abort an
         // upload that another try, with the right size, could still resume.
         let part_size = checked_part_size(url, size, opts)?;

@@ -446,21 +446,35 @@ pub fn check_ranges(r: &[(u64, u64)], size: u64) -> Result<(), CopyError> {
     Ok(())
 }
 
+/// Copies `src` to `dst` without hashing on the way, then hashes the whole source with
+/// `opts.hash` (if any) for the report's digest: for copies that skip part of the source
+/// (a resumed copy), whose digest must still cover every byte.
+pub fn copy_then_hash(
+    src: &Endpoint,
+    dst: &Endpoint,
+    opts: &CopyOptions,
+    progress: &Progress,
+) -> Result<CopyReport, CopyError> {
+    let inner = CopyOptions { hash: None, ..opts.clone() };
+    let mut report = copy(src, dst, &inner, progress)?;
+    if let Some(h) = &opts.hash {
+        let fresh = BlockHasher::new(h.algorithm(), h.block_size());
+        report.digest = Some(hash_range(src, report.bytes, &fresh, &inner)?);
+    }
+    Ok(report)
+}
+
 /// Copies `src` to `dst`.
 pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progress) -> Result<CopyReport, CopyError> {
     if opts.request_size == 0 || opts.requests == 0 || opts.connections == 0 {
         return Err(CopyError::Setup("--connections, --requests and --request-size must be at least 1".into()));
     }
     let resumed = opts.journal.as_ref().and_then(|j| j.resumed());
-    if let (Some(h), Some((w, _))) = (&opts.hash, resumed) {
+    if let (Some(_), Some((w, _))) = (&opts.hash, resumed) {
         if w > 0 {
             // The source below the watermark is not read again, so its hash cannot be
-            // computed on the way: the whole source is hashed once the copy is done.
-            let inner = CopyOptions { hash: None, ..opts.clone() };
-            let mut report = copy(src, dst, &inner, progress)?;
-            let fresh = BlockHasher::new(h.algorithm(), h.block_size());
-            report.digest = Some(hash_range(src, report.bytes, &fresh, &inner)?);
-            return Ok(report);
+            // computed on the way.
+            return copy_then_hash(src, dst, opts, progress);
         }
     }
     let mut first_src = src.open_source(opts)?;
