@@ -603,6 +603,7 @@ fn s3_upload_killed_with_resume_continues_from_the_stored_parts() {
         out.describe()
     );
     assert!(out.stdout.matches(&want).count() >= 2, "--verify on a resumed upload\n{}", out.describe());
+    assert!(!out.stderr.contains(" changed: "), "a resumed upload is no incremental copy\n{}", out.describe());
     // What was copied is exactly what no stored part held: data, holes and zeroes of the
     // unstored ranges add up to the rest of the object.
     let stats = out.stderr.lines().find(|l| l.starts_with("copied ")).unwrap_or_else(|| panic!("{}", out.describe()));
@@ -698,6 +699,19 @@ fn s3_failed_resumable_upload_is_kept_until_resumed_restarted_or_replaced() {
     assert!(pending_uploads("kept-bkt", "disk.raw").is_empty());
     assert!(journals(&state).is_empty());
     assert_eq!(digest_of(&run_ok(&mut s3ferry(["hash", url]))), want);
+
+    // 4. A kept upload that cannot be aborted (the server is unreachable) keeps its
+    // journal, the only record of it, and the copy stops naming it; a later --restart
+    // aborts it.
+    let id = fail_after_two_parts(&["--resume", "--rate", "3M", "-C", "2", "--requests", "1", "--retries", "0"]);
+    let mut c = copy(&["--restart", "--retries", "0"]);
+    c.env("AWS_ENDPOINT_URL", "http://127.0.0.1:9");
+    let out = run_fails(&mut c);
+    assert!(out.stderr.contains(&format!("names the upload {id}")), "{}", out.describe());
+    assert_eq!(journals(&state).len(), 1, "the journal of an upload that could not be aborted was removed");
+    let out = run_ok(&mut copy(&["--restart"]));
+    assert!(out.stderr.contains(&format!("aborted the upload {id}")), "{}", out.describe());
+    assert!(pending_uploads("kept-bkt", "disk.raw").is_empty());
 
     // Without --resume a failing upload leaves nothing at all.
     std::fs::write(&trigger, b"").unwrap();

@@ -92,7 +92,11 @@ fn connection(conn: TcpStream, seen: &Mutex<Vec<Req>>, answer: &(dyn Fn(&Req, us
             s.len() - 1
         };
         let Some((status, headers, body)) = answer(&req, n) else { return };
-        let mut out = format!("HTTP/1.1 {status} X\r\nContent-Length: {}\r\n", body.len());
+        // An answer may give its own Content-Length (a HEAD's, with no body).
+        let mut out = format!("HTTP/1.1 {status} X\r\n");
+        if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("content-length")) {
+            out += &format!("Content-Length: {}\r\n", body.len());
+        }
         for (k, v) in headers {
             out += &format!("{k}: {v}\r\n");
         }
@@ -294,4 +298,43 @@ fn objects_too_large_for_s3_are_refused_before_any_request() {
     let e = w.write(&[0; 4], 8, false).unwrap_err().to_string();
     assert!(e.contains("past the object's end"), "{e}");
     assert!(w.read(&mut [0; 4], 0).is_err());
+}
+
+#[test]
+fn a_lost_completion_counts_only_for_an_object_with_our_multipart_etag() {
+    use md5::Digest as _;
+    let body = [3u8; 10];
+    let part = md5::Md5::digest(body);
+    let ours = format!("{:x}-1", md5::Md5::digest(part));
+    // CompleteMultipartUpload finds no upload (an earlier completion whose answer was
+    // lost, or another's abort), and the key holds an object of our size: ours only if
+    // its ETag is the one our parts make.
+    for (etag, ours_expected) in [(ours.clone(), true), ("0123456789abcdef0123456789abcdef-1".to_string(), false)] {
+        let part_etag = format!("\"{part:x}\"");
+        let head_etag = format!("\"{etag}\"");
+        let f = serve(move |r, _| {
+            if r.method == "POST" && r.target.contains("uploads") {
+                ok(INITIATED)
+            } else if r.method == "PUT" {
+                Some((200, vec![("ETag".into(), part_etag.clone())], String::new()))
+            } else if r.method == "POST" {
+                error(404, "NoSuchUpload")
+            } else if r.method == "HEAD" {
+                Some((
+                    200,
+                    vec![("Content-Length".into(), "10".into()), ("ETag".into(), head_etag.clone())],
+                    String::new(),
+                ))
+            } else {
+                Some((204, Vec::new(), String::new()))
+            }
+        });
+        let w = S3Writer::create(&url(), &config(&f), &http(), 10).unwrap();
+        w.write(&body, 0, false).unwrap();
+        let r = w.complete();
+        assert_eq!(r.is_ok(), ours_expected, "HEAD ETag {etag}: {r:?}");
+        if let Err(e) = r {
+            assert_eq!(e.code(), Some("NoSuchUpload"), "{e}");
+        }
+    }
 }
