@@ -234,6 +234,14 @@ pub trait Backend: Send + Sync {
     fn meta_contexts(self: Arc<Self>) -> Vec<Arc<dyn MetaContext>> {
         Vec::new()
     }
+    /// What pins this backend's content for a resumed copy, without any secret: for a
+    /// remote object the redacted URL, its size and its validator (strong ETag,
+    /// Last-Modified, S3 version id). A resumed copy whose source gives another identity
+    /// is refused. `None` (the default): the caller identifies the source otherwise (a
+    /// local file by device, inode and mtime). Filters and formats pass their store's on.
+    fn identity(&self) -> Option<String> {
+        None
+    }
 }
 
 /// One NBD metadata context (`base:allocation`, `qemu:dirty-bitmap:NAME`,
@@ -309,6 +317,9 @@ macro_rules! forward_reads {
         }
         fn meta_contexts(self: Arc<Self>) -> Vec<Arc<dyn MetaContext>> {
             self.0.clone().meta_contexts()
+        }
+        fn identity(&self) -> Option<String> {
+            self.0.identity()
         }
     };
 }

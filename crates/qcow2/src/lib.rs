@@ -698,6 +698,9 @@ impl Backend for Qcow2 {
     fn describe(&self) -> String {
         format!("qcow2:{}", self.name)
     }
+    fn identity(&self) -> Option<String> {
+        self.store.identity().map(|id| format!("qcow2 on {id}"))
+    }
     fn size(&self) -> u64 {
         self.geo.size
     }

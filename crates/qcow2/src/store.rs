@@ -25,6 +25,10 @@ pub trait Store: Send + Sync {
     fn fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
         None
     }
+    /// The store's content identity ([`Backend::identity`]), for a resumed copy.
+    fn identity(&self) -> Option<String> {
+        None
+    }
     /// The format layer put metadata `what` at `offset..offset + len`: a checking store
     /// (a writable image's `overlap::Guard`) refuses guest data written there from now on.
     fn metadata_allocated(&self, _what: Metadata, _offset: u64, _len: u64) {}
@@ -138,6 +142,9 @@ impl Store for FileStore {
 pub struct BackendStore(pub Arc<dyn Backend>);
 
 impl Store for BackendStore {
+    fn identity(&self) -> Option<String> {
+        self.0.identity()
+    }
     fn size(&self) -> u64 {
         self.0.size()
     }
