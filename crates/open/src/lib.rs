@@ -139,7 +139,11 @@ pub fn open_on_store(store: &Store, format: Option<Format>, read_only: bool, rem
         ),
         Format::Qcow2 => {
             let name = raw.describe();
-            let q = Qcow2::open_on(raw).with_context(|| format!("cannot open the qcow2 image on {name}"))?;
+            let q = Qcow2::open_on(raw).map_err(|e| match e {
+                // It names the image already.
+                e @ ferry_qcow2::Qcow2Error::Refused(_) => anyhow::Error::new(e),
+                e => anyhow::Error::new(e).context(format!("cannot open the qcow2 image on {name}")),
+            })?;
             Ok(StoreImage::Qcow2(Arc::new(q)))
         }
     }

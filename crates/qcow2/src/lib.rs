@@ -92,7 +92,7 @@ fn remote_names_file(image: &str, what: &str, n: &str) -> Qcow2Error {
     Qcow2Error::Refused(format!(
         "the qcow2 image on {image} names {what} {shown:?}{cut}: an image that is not in a local file may not \
          name backing or data files (its author would choose which local file ferry reads); copy the image \
-         and the files it needs to local files and open it there, or read its container with raw:"
+         and the files it needs to local files and open it there (raw:URL reads its container as it is)"
     ))
 }
 
