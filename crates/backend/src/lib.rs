@@ -399,6 +399,126 @@ impl Backend for IgnoreDiscard {
     forward_reads!();
 }
 
+/// A filter for a writable image whose raw format was guessed (no `raw:` named it): a
+/// write that would make its first bytes look like another format to the next probe
+/// (`ferry serve/copy/info PATH`, qemu) is refused with EPERM and logged, as qemu
+/// restricts writes to block 0 of a "probed raw" image. Otherwise a guest could write a
+/// qcow2 header naming any local file as its backing file into sector 0 of its disk, and
+/// the next opening of the path would serve that file's bytes. Writes that leave the
+/// first bytes raw (a partition table, a boot sector) pass.
+///
+/// Only requests reaching into the first `head` bytes are checked (the fast path costs
+/// one comparison); such requests take turns, each checked against the bytes the one
+/// before it left, so two partial writes cannot build a header between them. WRITE_ZEROES
+/// and TRIM (whose range may read as zeroes after) are checked as writes of zeroes.
+/// Requests are made on the connection's thread ([`Backend::io_queue`] is `None`).
+pub struct GuessedRaw(Arc<dyn Backend>, Sector0);
+
+struct Sector0 {
+    /// The image in logs and errors (its path).
+    name: String,
+    /// What the probe takes the first bytes for, when not raw (a format name).
+    probe: fn(&[u8]) -> Option<&'static str>,
+    /// How many first bytes the probe looks at.
+    head: u64,
+    /// Checked requests take turns here.
+    turn: std::sync::Mutex<()>,
+    /// Requests refused so far: only the first few are logged as warnings.
+    refused: std::sync::atomic::AtomicU64,
+}
+
+/// Refusals logged as warnings; later ones are logged at debug level.
+const GUESSED_RAW_WARNINGS: u64 = 8;
+
+impl GuessedRaw {
+    /// Guards `inner` (the image `name`, for logs): `probe` says what format its first
+    /// `head` bytes would be taken for, `None` for raw.
+    pub fn new(inner: Arc<dyn Backend>, name: String, probe: fn(&[u8]) -> Option<&'static str>, head: u64) -> Self {
+        let s = Sector0 { name, probe, head, turn: Default::default(), refused: Default::default() };
+        GuessedRaw(inner, s)
+    }
+
+    /// Runs `op` (a request writing `data` at `offset`, `None`: zeroes) unless it would
+    /// make the first bytes probe as another format. The caller checked `offset < head`.
+    fn checked(
+        &self,
+        what: &'static str,
+        offset: u64,
+        length: u64,
+        data: Option<&[u8]>,
+        op: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
+        let s = &self.1;
+        let _turn = s.turn.lock().unwrap_or_else(|e| e.into_inner());
+        let len = s.head.min(self.0.size()) as usize;
+        let mut first = vec![0u8; len];
+        let covered = offset == 0 && length >= len as u64;
+        if !covered {
+            self.0.read(&mut first, 0)?;
+        }
+        let end = offset.saturating_add(length).min(len as u64) as usize;
+        let start = offset as usize;
+        if start < end {
+            match data {
+                Some(d) => first[start..end].copy_from_slice(&d[..end - start]),
+                None => first[start..end].fill(0),
+            }
+        }
+        let Some(format) = (s.probe)(&first) else { return op() };
+        let n = s.refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        let msg = format!(
+            "{}: refused a {what} of {length} bytes at offset {offset}: it would make the image start like a \
+             {format} image, and its raw format was only guessed (the next opening would take it for {format}); \
+             serve it as raw:{} to allow such writes",
+            s.name, s.name
+        );
+        match n {
+            ..GUESSED_RAW_WARNINGS => log::warn!("{msg}"),
+            GUESSED_RAW_WARNINGS => log::warn!("{msg} (further refusals are logged at debug level)"),
+            _ => log::debug!("{msg}"),
+        }
+        let e = io::Error::new(io::ErrorKind::PermissionDenied, msg);
+        Err(Error { kind: ErrorKind::ReadOnly, op: what, offset, length, source: Some(e) })
+    }
+}
+
+impl Backend for GuessedRaw {
+    fn describe(&self) -> String {
+        self.0.describe()
+    }
+    fn size(&self) -> u64 {
+        self.0.size()
+    }
+    fn caps(&self) -> Capabilities {
+        self.0.caps()
+    }
+    fn read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        self.0.read(buf, offset)
+    }
+    fn write(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+        if offset >= self.1.head {
+            return self.0.write(buf, offset, fua);
+        }
+        self.checked("write", offset, buf.len() as u64, Some(buf), || self.0.write(buf, offset, fua))
+    }
+    fn flush(&self) -> Result<()> {
+        self.0.flush()
+    }
+    fn trim(&self, offset: u64, length: u64, fua: bool) -> Result<()> {
+        if offset >= self.1.head {
+            return self.0.trim(offset, length, fua);
+        }
+        self.checked("trim", offset, length, None, || self.0.trim(offset, length, fua))
+    }
+    fn zero(&self, offset: u64, length: u64, mode: ZeroMode, fua: bool) -> Result<()> {
+        if offset >= self.1.head {
+            return self.0.zero(offset, length, mode, fua);
+        }
+        self.checked("zero", offset, length, None, || self.0.zero(offset, length, mode, fua))
+    }
+    forward_reads!();
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -444,6 +564,60 @@ mod tests {
         b.read(&mut buf, 0).unwrap();
         assert_eq!(buf, [0; 4096]);
         assert_eq!(*spy.1.lock().unwrap(), [false]);
+    }
+
+    fn qcow2_probe(first: &[u8]) -> Option<&'static str> {
+        first.starts_with(b"QFI\xfb").then_some("qcow2")
+    }
+
+    #[test]
+    fn a_guessed_raw_image_takes_no_header_of_another_format() {
+        let mem = Arc::new(MemoryBackend::new(1 << 20));
+        let b = GuessedRaw::new(mem.clone(), "disk.img".into(), qcow2_probe, 4);
+        let head = |mem: &MemoryBackend| {
+            let mut h = [0u8; 4];
+            mem.read(&mut h, 0).unwrap();
+            h
+        };
+        // A whole header in one write: refused with EPERM, naming the image and raw:.
+        let mut sector = vec![0u8; 512];
+        sector[..8].copy_from_slice(b"QFI\xfb\0\0\0\x03");
+        let e = b.write(&sector, 0, false).unwrap_err();
+        assert_eq!((e.kind, e.nbd_error()), (ErrorKind::ReadOnly, NbdError::Perm));
+        assert!(e.to_string().contains("raw:disk.img") && e.to_string().contains("qcow2"), "{e}");
+        assert_eq!(head(&mem), [0; 4]);
+        // A partition table in sector 0 passes.
+        let mut mbr = vec![0u8; 512];
+        mbr[..3].copy_from_slice(b"\xebZ\x90");
+        mbr[510..].copy_from_slice(&[0x55, 0xaa]);
+        b.write(&mbr, 0, false).unwrap();
+        assert_eq!(head(&mem), [0xeb, b'Z', 0x90, 0]);
+        // A header built from two writes: the second one is checked against the first.
+        b.write(b"QFI", 0, false).unwrap();
+        let e = b.write(b"\xfb", 3, false).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::ReadOnly);
+        assert_eq!(head(&mem), *b"QFI\0");
+        // ... and the other way round.
+        b.write(b"x", 0, false).unwrap();
+        mem.write(b"\xfb", 3, false).unwrap();
+        assert!(b.write(b"QFI", 0, false).is_err());
+        assert!(b.write(b"Q", 0, false).is_err());
+        b.write(b"P", 0, false).unwrap();
+        // Past the first bytes anything goes, zeroing and trimming the start too.
+        b.write(&sector, 4096, false).unwrap();
+        b.write(&sector[..8], 4, false).unwrap();
+        b.zero(0, 4096, ZeroMode::default(), false).unwrap();
+        b.trim(0, 4096, false).unwrap();
+        assert_eq!(head(&mem), [0; 4]);
+        // A probe that would take zeroes for a format refuses zeroing and trimming them in.
+        mem.write(b"abcd", 0, false).unwrap();
+        let zeroes = GuessedRaw::new(mem.clone(), "z".into(), |f| (f == [0; 4]).then_some("zeroes"), 4);
+        assert!(zeroes.zero(0, 512, ZeroMode::default(), false).is_err());
+        assert!(zeroes.trim(2, 2, false).is_ok(), "ab\\0\\0 is not all zeroes");
+        assert!(zeroes.trim(0, 2, false).is_err());
+        // An image shorter than the probe's head: nothing it can be written to probes.
+        let tiny = GuessedRaw::new(Arc::new(MemoryBackend::new(3)), "t".into(), qcow2_probe, 4);
+        tiny.write(b"QFI", 0, false).unwrap();
     }
 
     /// Reads of `fill`-valued bytes, completed at once, in order.

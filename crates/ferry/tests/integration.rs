@@ -35,4 +35,5 @@ mod qcow2_safety;
 mod rbd;
 mod remote_images;
 mod robustness;
+mod untrusted_images;
 mod zerocopy;

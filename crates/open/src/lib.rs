@@ -139,7 +139,11 @@ pub fn open_on_store(store: &Store, format: Option<Format>, read_only: bool, rem
         ),
         Format::Qcow2 => {
             let name = raw.describe();
-            let q = Qcow2::open_on(raw).with_context(|| format!("cannot open the qcow2 image on {name}"))?;
+            let q = Qcow2::open_on(raw).map_err(|e| match e {
+                // It names the image already.
+                e @ ferry_qcow2::Qcow2Error::Refused(_) => anyhow::Error::new(e),
+                e => anyhow::Error::new(e).context(format!("cannot open the qcow2 image on {name}")),
+            })?;
             Ok(StoreImage::Qcow2(Arc::new(q)))
         }
     }
@@ -152,6 +156,22 @@ fn format_on_store(
     remote: &Remote,
 ) -> Result<Arc<dyn Backend>> {
     open_on_store(store, format, read_only, remote).map(StoreImage::backend)
+}
+
+/// A writable local file whose raw format was guessed (no `raw:`, `file:` or `qcow2:`),
+/// guarded so that its writers cannot turn it into a qcow2 image (see
+/// [`ferry_backend::GuessedRaw`]), with a warning: probing an image a guest writes is
+/// dangerous, as qemu warns.
+fn guard_guessed_raw(p: &Path, b: Arc<dyn Backend>) -> Arc<dyn Backend> {
+    log::warn!(
+        "{0}: its format was guessed (raw, as it holds no qcow2 header) and it is written: writes that would \
+         make its first sector look like a qcow2 image are refused, or the next opening of {0} would read it \
+         as one (a guest could name any local file as its backing file). Name it raw:{0} to serve it as \
+         raw without this guard",
+        p.display()
+    );
+    let probe = |first: &[u8]| ferry_qcow2::is_qcow2(first).then_some("qcow2");
+    Arc::new(ferry_backend::GuessedRaw::new(b, p.display().to_string(), probe, MAGIC.len() as u64))
 }
 
 /// How `ferry serve` opens an export.
@@ -182,7 +202,11 @@ pub fn open_backend(loc: &Location, how: ServeOpen, remote: &Remote) -> Result<(
                     let f = FileBackend::open_with(p, read_only, usage.raw())
                         .with_context(|| format!("cannot open {}", p.display()))?;
                     let files = vec![f.open_file()?];
-                    (Arc::new(f), files)
+                    let b: Arc<dyn Backend> = Arc::new(f);
+                    match format {
+                        None if !read_only => (guard_guessed_raw(p, b), files),
+                        _ => (b, files),
+                    }
                 }
             }
         }
@@ -391,7 +415,17 @@ pub fn destination(loc: &Location, src: &Endpoint, opts: &DestinationOptions, re
     let name = path.display().to_string();
     let is_qcow2 =
         format == Format::Qcow2 || existed && opts.format.is_none() && local_format_of(loc) == Some(Format::Qcow2);
-    if (opts.selective && opts.backing.is_none() || opts.resume) && existed && is_qcow2 {
+    let updated = (opts.selective && opts.backing.is_none() || opts.resume) && existed;
+    if updated && is_qcow2 && format != Format::Qcow2 {
+        // Only the bytes say qcow2, and they may be a guest's (a raw backup of its disk):
+        // opened as qcow2, they would choose the backing file this copy reads.
+        bail!(
+            "{name} starts with a qcow2 header, but neither its name nor the command says it is one (its bytes \
+             may be a guest's, so ferry does not guess): name it qcow2:{name} or add --format qcow2 to update the \
+             qcow2 image, or name it raw:{name} to write its bytes as raw"
+        );
+    }
+    if updated && is_qcow2 {
         // An incremental copy onto an existing qcow2 image updates it in place (opened
         // read-write, never taken for zeroed).
         let how = ServeOpen { read_only: false, ..Default::default() };

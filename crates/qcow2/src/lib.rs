@@ -69,6 +69,9 @@ pub enum Qcow2Error {
     Unsupported(String),
     #[error("the image is corrupt: {0}; check it with qemu-img check")]
     Corrupt(String),
+    /// An image that may not be opened as it is (it names files it may not name).
+    #[error("{0}")]
+    Refused(String),
     /// A bitmap operation that cannot be done (no such bitmap, an inconsistent one).
     #[error("{0}")]
     Bitmap(String),
@@ -78,6 +81,19 @@ pub enum Qcow2Error {
         #[source]
         source: std::io::Error,
     },
+}
+
+/// The refusal of an image on a store other than a local file that names a file
+/// (`what`: "a backing file", "an external data file") as `n`.
+fn remote_names_file(image: &str, what: &str, n: &str) -> Qcow2Error {
+    // Names are at most a cluster long, but a log line need not carry all of one.
+    let shown: String = n.chars().take(256).collect();
+    let cut = if shown.len() < n.len() { "..." } else { "" };
+    Qcow2Error::Refused(format!(
+        "the qcow2 image on {image} names {what} {shown:?}{cut}: an image that is not in a local file may not \
+         name backing or data files (its author would choose which local file ferry reads); copy the image \
+         and the files it needs to local files and open it there (raw:URL reads its container as it is)"
+    ))
 }
 
 fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> Qcow2Error {
@@ -204,8 +220,11 @@ impl Qcow2 {
     }
 
     /// Opens an image held by any backend (memory, a network store), read-only. Such an
-    /// image cannot name backing or external data files. (Writing would need allocation
-    /// to start from the refcounts, not from the end of a store that cannot grow.)
+    /// image may not name backing or external data files, absolute, relative or `json:`:
+    /// one that does is refused ([`Qcow2Error::Refused`]) before any file is opened, as
+    /// its author, not the user, would choose which local file is read. (Writing would
+    /// need allocation to start from the refcounts, not from the end of a store that
+    /// cannot grow.)
     pub fn open_on(store: Arc<dyn Backend>) -> Result<Qcow2, Qcow2Error> {
         let name = store.describe();
         Self::open_store(
@@ -243,15 +262,26 @@ impl Qcow2 {
             log::warn!("the image has the corrupt bit set: it is read as it is, and may read wrong where its metadata is damaged; repair it with qemu-img check -r all");
         }
 
+        // An image that is not in a local file (HTTP, S3, RBD, memory) names no file at
+        // all: whoever wrote it would otherwise choose a local file (a secret, a block
+        // device) for ferry to read and serve. Checked before anything is opened.
+        if dir.is_none() {
+            if let Some(n) = &header.data_file {
+                return Err(remote_names_file(&name, "an external data file", n));
+            }
+            if let Some(n) = &header.backing_file {
+                return Err(remote_names_file(&name, "a backing file", n));
+            }
+        }
         let resolve = |what: &str, n: &str| -> Result<PathBuf, Qcow2Error> {
             if n.contains("://") || n.starts_with("json:") {
                 return Err(Qcow2Error::Unsupported(format!("{what} {n:?} is not a local file")));
             }
             let p = Path::new(n);
             match dir {
-                _ if p.is_absolute() => Ok(p.to_path_buf()),
+                Some(_) if p.is_absolute() => Ok(p.to_path_buf()),
                 Some(d) => Ok(d.join(p)),
-                None => Err(Qcow2Error::Unsupported(format!("{what} {n:?} of an image that is not in a file"))),
+                None => Err(remote_names_file(&name, what, n)),
             }
         };
 
@@ -282,7 +312,20 @@ impl Qcow2 {
                     Some(f) => f.to_string(),
                     None => {
                         std::fs::File::open(&p).map_err(io_err(format!("cannot open backing file {}", p.display())))?;
-                        if has_qcow2_magic(&p) { "qcow2" } else { "raw" }.to_string()
+                        if has_qcow2_magic(&p) {
+                            // As qemu probes; but a raw backing file a guest wrote could
+                            // hold a header of its own choosing.
+                            log::warn!(
+                                "{name}: backing file {} has no recorded format and starts with a qcow2 header: \
+                                 read as qcow2; if it is a raw disk, record that with \
+                                 qemu-img rebase -u -b {n:?} -F raw {name}",
+                                p.display()
+                            );
+                            "qcow2"
+                        } else {
+                            "raw"
+                        }
+                        .to_string()
                     }
                 };
                 let b: Arc<dyn Backend> = match format.as_str() {
@@ -753,9 +796,12 @@ impl Backend for Qcow2 {
             _ => None,
         }
     }
-    /// Large reads ask the map first, so unallocated and zero clusters go back as holes.
+    /// Every read asks the map first, so zero clusters and unallocated ones (where the
+    /// backing chain has none) go back as holes at any read size, as qemu-nbd answers.
+    /// The map is in memory: the lookup costs far less than a raw file's SEEK_HOLE,
+    /// which is why raw files check only large reads.
     fn sparse_read_threshold(&self) -> Option<u64> {
-        Some(64 << 10)
+        Some(0)
     }
     /// `qemu:dirty-bitmap:NAME` for each consistent persistent bitmap (and
     /// `qemu:allocation-depth`).
@@ -909,5 +955,56 @@ mod tests {
         q.read(&mut b, 69888).unwrap();
         assert!(b[..112].iter().all(|&x| x == 0) && b[112..624].iter().all(|&x| x == 3));
         assert!(Qcow2::open_on(Arc::new(ferry_backend::MemoryBackend::new(4096))).is_err());
+    }
+
+    /// Reads of any size are checked for holes (the server then sends zero and
+    /// unallocated clusters as hole chunks), and the map says which small ranges are.
+    #[test]
+    fn small_reads_of_zero_and_unallocated_clusters_are_holes() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.qcow2");
+        let q = Qcow2::create(&p, 1 << 20, 65536).unwrap();
+        q.write(&[9u8; 65536], 0, false).unwrap();
+        q.write(&[9u8; 65536], 65536, false).unwrap();
+        q.zero(65536, 65536, ZeroMode::default(), false).unwrap();
+        for len in [512u64, 4096, 32768] {
+            assert!(q.sparse_read_threshold().is_some_and(|t| len >= t), "a {len}-byte read is not checked");
+            for (at, flags) in [(0, DATA), (65536, HOLE), (4 * 65536, HOLE)] {
+                let mut out = Vec::new();
+                q.extents(at + 512, len, 1024, &mut out).unwrap();
+                assert_eq!(out, [Extent { length: len, flags }], "{len} bytes at {}", at + 512);
+            }
+        }
+    }
+
+    /// An image on another store (HTTP, S3, RBD: here memory) that names a backing file,
+    /// absolute or relative, is refused, naming the image and the name, and the file is
+    /// never read.
+    #[test]
+    fn an_image_not_in_a_file_names_no_backing_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let secret = dir.path().join("secret");
+        std::fs::write(&secret, vec![0x5a; 1 << 20]).unwrap();
+        let abs = secret.to_str().unwrap().to_string();
+        std::fs::create_dir(dir.path().join("sub")).unwrap();
+        for name in [abs.as_str(), "../secret"] {
+            let p = dir.path().join("sub/overlay.qcow2");
+            let _ = std::fs::remove_file(&p);
+            let backing = Backing { name: name.into(), format: "raw".into() };
+            drop(Qcow2::create_with(&p, 1 << 20, 65536, Some(&backing)).unwrap());
+            // The same image in a file reads its backing file (a relative name from its
+            // directory).
+            let mut b = [0u8; 16];
+            Qcow2::open(&p, true).unwrap().read(&mut b, 0).unwrap();
+            assert_eq!(b, [0x5a; 16]);
+            let bytes = std::fs::read(&p).unwrap();
+            let mem = Arc::new(ferry_backend::MemoryBackend::new(bytes.len() as u64));
+            mem.write(&bytes, 0, false).unwrap();
+            let e = Qcow2::open_on(mem).err().expect("an image in memory naming a backing file must be refused");
+            assert!(matches!(e, Qcow2Error::Refused(_)), "{e}");
+            let msg = e.to_string();
+            assert!(msg.contains(&format!("{name:?}")) && msg.contains("backing file"), "{msg}");
+            assert!(msg.contains("copy the image"), "{msg}");
+        }
     }
 }
