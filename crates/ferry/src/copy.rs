@@ -207,6 +207,9 @@ fn parse_request_timeout(s: &str) -> std::result::Result<Duration, String> {
 }
 
 pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
+    // From here a signal ends the copy through the failure path below (an upload is
+    // aborted or kept, a journal kept), not by killing the process.
+    let cancel = crate::interrupt::install()?;
     let src_loc = Location::parse(&args.src).with_context(|| format!("source {:?}", shown(&args.src)))?;
     let dst_loc = Location::parse(&args.dst).with_context(|| format!("destination {:?}", shown(&args.dst)))?;
     // HTTP and S3 requests retry as NBD requests do (--retries, --retry-delay,
@@ -322,6 +325,7 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
         },
         rate: args.rate,
         journal,
+        cancel: Some(cancel),
     };
     let progress = Progress::default();
     let start = Instant::now();
@@ -340,11 +344,23 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
         }
         r
     });
+    // A signal after the last batch still stops the copy before an upload is completed.
+    let report =
+        report.and_then(|r| if opts.cancelled() { Err(ferry_client::copy::CopyError::Interrupted) } else { Ok(r) });
     let report = match report {
         Ok(r) => r,
         Err(e) => {
             if destination.is_upload() && upload_journal.is_some() {
                 kept_note();
+            } else if destination.is_upload() {
+                // Said here, not left to the upload's drop: no billed parts stay behind.
+                match destination.abort() {
+                    Ok(()) => eprintln!("the upload to {} was aborted: no object was made", shown(&args.dst)),
+                    Err(a) => log::error!(
+                        "{a:#}: the parts uploaded so far stay (and are billed) until the upload {upload_id} is \
+                         aborted (`aws s3api abort-multipart-upload`)"
+                    ),
+                }
             }
             return Err(e.into());
         }
