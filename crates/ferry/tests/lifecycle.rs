@@ -137,3 +137,83 @@ fn a_second_signal_exits_at_once() {
     assert!(took < Duration::from_secs(2), "{}", out.describe());
     drop(silent);
 }
+
+/// Whether process `pid` is gone (or a zombie nobody has reaped yet).
+fn gone(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('Z') || rest.starts_with('X')),
+    }
+}
+
+#[test]
+fn serve_with_exit_with_parent_follows_its_parent() {
+    use std::io::BufRead;
+    let tmp = tempfile::tempdir().unwrap();
+    let sock = tmp.path().join("nbd.sock");
+    // A shell starts the server in the background, says its pid, and waits: killing the
+    // shell (with -9: it cannot pass anything on) leaves the server an orphan.
+    let script = format!(
+        "{} serve --exit-with-parent -U {} memory:1M </dev/null >/dev/null 2>&1 & echo $!; wait",
+        ferry_bin().display(),
+        s(&sock)
+    );
+    let mut shell = spawn_serialized(Command::new("sh").args(["-c", &script]).stdout(Stdio::piped())).unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(shell.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let pid: u32 = line.trim().parse().unwrap();
+    assert!(wait_until(Duration::from_secs(10), || std::os::unix::net::UnixStream::connect(&sock).is_ok()));
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(!gone(pid), "the server ended before its parent did");
+    shell.kill().unwrap();
+    shell.wait().unwrap();
+    let exited = wait_until(Duration::from_secs(3), || gone(pid));
+    if !exited {
+        // SAFETY: kill(2) on the server this test started.
+        unsafe {
+            libc::kill(pid as libc::pid_t, libc::SIGKILL);
+        }
+    }
+    assert!(exited, "ferry serve --exit-with-parent outlived its parent by 3 s");
+}
+
+#[test]
+fn export_name_names_the_positional_export() {
+    let tmp = tempfile::tempdir().unwrap();
+    let img = write_sparse_file(tmp.path(), "disk.raw", &Rng::new(5).bytes(MIB as usize));
+    // The image is offered as "disk", beside a named scratch export: one opening of it.
+    let mut srv = ServerBuilder::new(s(&img)).args(&["-x", "disk", "--export", "scratch=memory:2M"]).start();
+    let out = run_ok(&mut Command::new(ferry_bin()).args(["info", "--list", "--json", &srv.uri()]));
+    let names: Vec<String> = serde_json::from_str::<serde_json::Value>(&out.stdout).unwrap()["exports"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{}", out.describe()))
+        .iter()
+        .map(|e| e["export-name"].as_str().unwrap_or_default().to_string())
+        .collect();
+    let mut sorted = names.clone();
+    sorted.sort();
+    assert_eq!(sorted, ["disk", "scratch"], "{}", out.describe());
+    if which("qemu-img").is_some() {
+        let out = run_ok(&mut cmd("qemu-img", ["info", "--output=json", &srv.uri_export("disk")]));
+        assert!(out.stdout.contains("\"virtual-size\": 1048576"), "{}", out.describe());
+    }
+    let back = tmp.path().join("back.raw");
+    run_ok(&mut Command::new(ferry_bin()).args(["copy", &srv.uri_export("disk"), s(&back)]));
+    assert_eq!(std::fs::read(&back).unwrap(), std::fs::read(&img).unwrap());
+    // No export is served for "": -x renames the default one, as qemu-nbd's -x does.
+    run_fails(&mut Command::new(ferry_bin()).args(["info", &srv.uri()]));
+    srv.stop();
+
+    // --run's $uri names the export.
+    let out = run_ok(&mut Command::new(ferry_bin()).args([
+        "serve",
+        "-U",
+        s(&tmp.path().join("run.sock")),
+        "-x",
+        "disk",
+        "pattern:1M",
+        "--run",
+        "echo \"$uri\"",
+    ]));
+    assert!(out.stdout.trim_end().starts_with("nbd+unix:///disk?socket="), "{}", out.describe());
+}
