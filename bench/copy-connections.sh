@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # ferry copy's default connection count (issue 28) against fixed ones: ferry serve of
 # pattern:SIZE_G G (data everywhere, no holes, nothing on disk) on a Unix socket, copied to
-# null: with the default -C and with -C 4, 8 and 16, in ROUNDS rounds (the -C values
+# null: with the default -C and with -C 2 (the default before issue 28 on two cores), 4, 8 and 16, in ROUNDS rounds (the -C values
 # alternating inside each round). Prints each run's GiB/s from --stats and the median per
 # column. Run from the project root after `cargo build --release -p ferry`.
 set -u
@@ -15,7 +15,7 @@ trap cleanup EXIT
 for i in $(seq 100); do [ -S "$W/s.sock" ] && break; sleep 0.05; done
 URI="nbd+unix:///?socket=$W/s.sock"
 echo "cores: $(nproc); load: $(cut -d' ' -f1-3 /proc/loadavg); ferry: $("$FERRY" --version)"
-cols=(default 4 8 16)
+cols=(default 2 4 8 16)
 for r in $(seq "$ROUNDS"); do
   for c in "${cols[@]}"; do
     opt=(); [ "$c" = default ] || opt=(-C "$c")
