@@ -578,18 +578,6 @@ fn connections_for(cores: usize) -> usize {
     cores.clamp(MIN_CONNECTIONS, MAX_CONNECTIONS)
 }
 
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn default_connections_follow_the_cores_within_bounds() {
-        assert_eq!(super::connections_for(1), 4);
-        assert_eq!(super::connections_for(2), 4);
-        assert_eq!(super::connections_for(8), 8);
-        assert_eq!(super::connections_for(16), 16);
-        assert_eq!(super::connections_for(128), 16);
-    }
-}
-
 pub(crate) fn show_progress(p: &Progress, stop: &std::sync::atomic::AtomicBool) {
     let tty = std::io::stderr().is_terminal();
     let bar = tty.then(|| {
@@ -625,5 +613,17 @@ pub(crate) fn show_progress(p: &Progress, stop: &std::sync::atomic::AtomicBool) 
     }
     if let Some(b) = bar {
         b.finish();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn default_connections_follow_the_cores_within_bounds() {
+        assert_eq!(super::connections_for(1), 4);
+        assert_eq!(super::connections_for(2), 4);
+        assert_eq!(super::connections_for(8), 8);
+        assert_eq!(super::connections_for(16), 16);
+        assert_eq!(super::connections_for(128), 16);
     }
 }

@@ -183,7 +183,7 @@ fn export_name_names_the_positional_export() {
     let img = write_sparse_file(tmp.path(), "disk.raw", &Rng::new(5).bytes(MIB as usize));
     // The image is offered as "disk", beside a named scratch export: one opening of it.
     let mut srv = ServerBuilder::new(s(&img)).args(&["-x", "disk", "--export", "scratch=memory:2M"]).start();
-    let out = run_ok(&mut Command::new(ferry_bin()).args(["info", "--list", "--json", &srv.uri()]));
+    let out = run_ok(Command::new(ferry_bin()).args(["info", "--list", "--json", &srv.uri()]));
     let names: Vec<String> = serde_json::from_str::<serde_json::Value>(&out.stdout).unwrap()["exports"]
         .as_array()
         .unwrap_or_else(|| panic!("{}", out.describe()))
@@ -198,14 +198,14 @@ fn export_name_names_the_positional_export() {
         assert!(out.stdout.contains("\"virtual-size\": 1048576"), "{}", out.describe());
     }
     let back = tmp.path().join("back.raw");
-    run_ok(&mut Command::new(ferry_bin()).args(["copy", &srv.uri_export("disk"), s(&back)]));
+    run_ok(Command::new(ferry_bin()).args(["copy", &srv.uri_export("disk"), s(&back)]));
     assert_eq!(std::fs::read(&back).unwrap(), std::fs::read(&img).unwrap());
     // No export is served for "": -x renames the default one, as qemu-nbd's -x does.
-    run_fails(&mut Command::new(ferry_bin()).args(["info", &srv.uri()]));
+    run_fails(Command::new(ferry_bin()).args(["info", &srv.uri()]));
     srv.stop();
 
     // --run's $uri names the export.
-    let out = run_ok(&mut Command::new(ferry_bin()).args([
+    let out = run_ok(Command::new(ferry_bin()).args([
         "serve",
         "-U",
         s(&tmp.path().join("run.sock")),
