@@ -181,6 +181,9 @@ pub fn first_difference(
         if pos >= length {
             break Ok(None);
         }
+        if opts.cancelled() {
+            break Err(CopyError::Interrupted);
+        }
         let len = (length - pos).min(chunk) as usize;
         ba[0].reserve(len);
         bb[0].reserve(len);
