@@ -30,10 +30,16 @@ if ((${#missing[@]})); then
   $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 if ! ls /usr/lib/*/qemu/block-curl.so >/dev/null 2>&1; then
-  # The same mirror as the system's bookworm sources.
+  # The mirror of the system's own Debian sources (one-line or deb822): no host is named here.
   mirror=$(grep -rhE '^[^#]*https?://' /etc/apt/sources.list /etc/apt/sources.list.d/ 2>/dev/null |
     grep -oE 'https?://[^ ]+/debian/?' | grep -v security | head -1)
-  echo "deb ${mirror:-http://deb.debian.org/debian} bookworm-backports main" |
+  if [ -z "$mirror" ]; then
+    echo "bench/http.sh: qemu's curl driver (qemu-block-extra from bookworm-backports) is missing, and no" >&2
+    echo "Debian mirror was found in /etc/apt/sources.list{,.d/} to add bookworm-backports from." >&2
+    echo "Install qemu-block-extra yourself (a version matching qemu-utils), then run this again." >&2
+    exit 1
+  fi
+  echo "deb $mirror bookworm-backports main" |
     $SUDO tee /etc/apt/sources.list.d/bookworm-backports.list >/dev/null
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq -t bookworm-backports qemu-block-extra >/dev/null

@@ -41,6 +41,7 @@ pub fn run(args: HashArgs, quiet: bool) -> Result<i32> {
     }
     let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())).max(1);
     let remote = args.remote.remote();
+    let cancel = crate::interrupt::install()?;
     use crate::remote_args::shown;
     for src in &args.sources {
         let loc = ferry_open::Location::parse(src).with_context(|| format!("{:?}", shown(src)))?;
@@ -60,6 +61,7 @@ pub fn run(args: HashArgs, quiet: bool) -> Result<i32> {
             flush: false,
             connect: ConnectOptions::default(),
             hash: Some(hasher),
+            cancel: Some(cancel.clone()),
             ..CopyOptions::default()
         };
         let progress = Progress::default();

@@ -8,6 +8,7 @@ mod copy;
 mod copy_guard;
 mod hash;
 mod info;
+mod interrupt;
 mod remote_args;
 mod serve;
 mod sockopts;
@@ -70,10 +71,17 @@ fn main() {
     };
     match result {
         Ok(code) => std::process::exit(code),
-        Err(e) => {
-            eprintln!("ferry: error: {}", chain(&e));
-            std::process::exit(1);
-        }
+        Err(e) => match interrupt::received() {
+            // 128 + N, as a shell reports a command a signal ended.
+            Some(sig) => {
+                eprintln!("ferry: error: interrupted by {}: {}", interrupt::name(sig), chain(&e));
+                std::process::exit(128 + sig);
+            }
+            None => {
+                eprintln!("ferry: error: {}", chain(&e));
+                std::process::exit(1);
+            }
+        },
     }
 }
 

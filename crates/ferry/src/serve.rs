@@ -50,6 +50,16 @@ pub struct ServeArgs {
     /// Another export, by name, beside the default one (repeatable).
     #[arg(long = "export", value_name = "NAME=SPEC")]
     exports: Vec<String>,
+    /// Offer SPEC under this name instead of as the default export "" (qemu-nbd's -x):
+    /// clients then ask for NAME (nbd://HOST/NAME), and none is served for "". The
+    /// image is opened once, whatever its name.
+    #[arg(short = 'x', long = "export-name", value_name = "NAME")]
+    export_name: Option<String>,
+    /// Exit (as on SIGTERM) when the process that started ferry exits, as nbdkit's
+    /// --exit-with-parent: for a server started in the background by a script or a
+    /// program that may die without stopping it. Linux only.
+    #[arg(long)]
+    exit_with_parent: bool,
     /// Offer only this persistent dirty bitmap of the default export, as the metadata
     /// context `qemu:dirty-bitmap:NAME` (repeatable; qemu-nbd's spelling). Without it,
     /// every bitmap the image has that is consistent is offered. A bitmap that is not
@@ -275,7 +285,24 @@ fn offered_contexts(
         .collect())
 }
 
+/// `--exit-with-parent`: the kernel sends SIGTERM when the parent exits (its handler
+/// then stops the server as usual). A parent gone before that was asked for is noticed
+/// by the parent process ID having changed since `parent`.
+fn exit_with_parent(parent: Option<rustix::process::Pid>) -> Result<()> {
+    rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::TERM))
+        .context("--exit-with-parent: prctl(PR_SET_PDEATHSIG)")?;
+    if rustix::process::getppid() != parent {
+        bail!("--exit-with-parent: the process that started ferry has exited already");
+    }
+    Ok(())
+}
+
 pub fn run(args: ServeArgs) -> Result<i32> {
+    if args.exit_with_parent {
+        // Before anything slow: the parent may go at any moment.
+        exit_with_parent(rustix::process::getppid())?;
+    }
+    let default_name = args.export_name.clone().unwrap_or_default();
     // Before any export is opened: an overstated LISTEN_FDS must not reach its descriptors.
     let activated = ferry_sock::listen_fds().context("systemd socket activation")?;
     let mut exports = Exports::new();
@@ -299,9 +326,10 @@ pub fn run(args: ServeArgs) -> Result<i32> {
             DiscardArg::Unmap => backend,
         })
     };
-    let backend = open("", &args.spec)?;
+    let backend = open(&default_name, &args.spec)?;
     let contexts = offered_contexts(&backend, &args.bitmaps, args.allocation_depth, &args.spec)?;
-    let default = Export { name: String::new(), description: args.description.clone().unwrap_or_default(), backend };
+    let default =
+        Export { name: default_name.clone(), description: args.description.clone().unwrap_or_default(), backend };
     exports.add_with_contexts(default, contexts).map_err(anyhow::Error::msg)?;
     for e in &args.exports {
         let Some((name, spec)) = e.split_once('=') else {
@@ -378,7 +406,7 @@ pub fn run(args: ServeArgs) -> Result<i32> {
         }],
     };
     check_transport(&args, &listeners)?;
-    let (uri, unixsocket, port) = describe(&listeners[0], tls_policy == TlsPolicy::Require);
+    let (uri, unixsocket, port) = describe(&listeners[0], tls_policy == TlsPolicy::Require, &default_name);
     for e in exports.iter() {
         let name = if e.name.is_empty() { "default export".to_string() } else { format!("export {:?}", e.name) };
         let contexts: Vec<&str> = exports.meta_contexts(&e.name).iter().map(|c| c.name()).collect();
@@ -433,17 +461,35 @@ pub fn run(args: ServeArgs) -> Result<i32> {
     }
 }
 
-/// The NBD URI, socket path and port of a listener, for logs and `--run`.
-/// With `tls`, the scheme is `nbds`: the server requires TLS.
-fn describe(l: &Listener, tls: bool) -> (String, Option<String>, Option<u16>) {
+/// The NBD URI, socket path and port of a listener, for logs and `--run`, naming the
+/// export `name` (the positional one). With `tls`, the scheme is `nbds`: the server
+/// requires TLS.
+fn describe(l: &Listener, tls: bool, name: &str) -> (String, Option<String>, Option<u16>) {
     let s = if tls { "s" } else { "" };
+    let path = uri_path(name);
+    // TCP URIs of the default export end at the port, as they always did.
+    let name = if name.is_empty() { String::new() } else { format!("/{path}") };
     if let Some(p) = l.unix_path() {
-        let path = p.display().to_string();
-        return (format!("nbd{s}+unix:///?socket={path}"), Some(path), None);
+        let socket = p.display().to_string();
+        return (format!("nbd{s}+unix:///{path}?socket={socket}"), Some(socket), None);
     }
     match l.local_tcp_addr() {
-        Some(SocketAddr::V6(a)) => (format!("nbd{s}://[{}]:{}", a.ip(), a.port()), None, Some(a.port())),
-        Some(a) => (format!("nbd{s}://{}:{}", a.ip(), a.port()), None, Some(a.port())),
-        None => (format!("nbd{s}://(socket activation)"), None, None),
+        Some(SocketAddr::V6(a)) => (format!("nbd{s}://[{}]:{}{name}", a.ip(), a.port()), None, Some(a.port())),
+        Some(a) => (format!("nbd{s}://{}:{}{name}", a.ip(), a.port()), None, Some(a.port())),
+        None => (format!("nbd{s}://(socket activation){name}"), None, None),
     }
+}
+
+/// An export name as the path of an NBD URI: bytes other than RFC 3986's unreserved
+/// ones (and `/`) percent-encoded.
+fn uri_path(name: &str) -> String {
+    let mut out = String::with_capacity(name.len());
+    for b in name.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~/".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
 }

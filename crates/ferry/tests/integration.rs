@@ -25,6 +25,7 @@ mod interop_fio;
 mod interop_libnbd;
 mod interop_qemu;
 mod interop_tls;
+mod lifecycle;
 mod locking;
 mod meta_contexts;
 mod qcow2;

@@ -361,7 +361,7 @@ fn aws(c: &mut Command) -> &mut Command {
         .env("AWS_REGION", "us-east-1")
 }
 
-fn s3ferry<I, S>(args: I) -> Command
+pub(crate) fn s3ferry<I, S>(args: I) -> Command
 where
     I: IntoIterator<Item = S>,
     S: AsRef<std::ffi::OsStr>,
@@ -384,12 +384,12 @@ fn boto3(code: &str) -> String {
     out.stdout
 }
 
-fn make_bucket(name: &str) {
+pub(crate) fn make_bucket(name: &str) {
     boto3(&format!("s3.create_bucket(Bucket='{name}')"));
 }
 
 /// The keys in `bucket`, by a signed ListObjectsV2.
-fn keys(bucket: &str) -> Vec<String> {
+pub(crate) fn keys(bucket: &str) -> Vec<String> {
     boto3(&format!("for o in s3.list_objects_v2(Bucket='{bucket}').get('Contents', []): print(o['Key'])"))
         .lines()
         .map(str::to_string)
@@ -506,7 +506,7 @@ fn s3_serve_read_only_and_qcow2_uploaded_raw() {
 }
 
 /// The multipart uploads of `bucket/key` in progress: (upload ID, parts stored).
-fn pending_uploads(bucket: &str, key: &str) -> Vec<(String, usize)> {
+pub(crate) fn pending_uploads(bucket: &str, key: &str) -> Vec<(String, usize)> {
     pending_with_bytes(bucket, key).into_iter().map(|(id, n, _)| (id, n)).collect()
 }
 
@@ -526,13 +526,13 @@ fn pending_with_bytes(bucket: &str, key: &str) -> Vec<(String, usize, u64)> {
 }
 
 /// The resume journals in `dir`.
-fn journals(dir: &Path) -> Vec<PathBuf> {
+pub(crate) fn journals(dir: &Path) -> Vec<PathBuf> {
     std::fs::read_dir(dir).map_or(Vec::new(), |d| d.flatten().map(|e| e.path()).collect())
 }
 
 /// Waits (up to 60 s, polling in one Python process) until an upload of `bucket/key` has
 /// at least `parts` parts stored: its ID, or `None`.
-fn wait_for_parts(bucket: &str, key: &str, parts: usize) -> Option<String> {
+pub(crate) fn wait_for_parts(bucket: &str, key: &str, parts: usize) -> Option<String> {
     let out = boto3(&format!(
         "import time\nend = time.time() + 60\nwhile time.time() < end:\n    \
          ups = s3.list_multipart_uploads(Bucket='{bucket}', Prefix='{key}').get('Uploads', [])\n    \

@@ -186,9 +186,19 @@ pub struct CopyOptions {
     /// new W every journal interval; the journal is removed once the copy is complete
     /// and flushed. Without it nothing is journalled.
     pub journal: Option<Arc<journal::Journal>>,
+    /// Set from outside (a signal handler) to stop the copy: each worker checks it between
+    /// batches, so what is in flight finishes and the copy fails with
+    /// [`CopyError::Interrupted`] soon after (nothing is flushed, no journal watermark
+    /// stored beyond the last one).
+    pub cancel: Option<Arc<AtomicBool>>,
 }
 
 impl CopyOptions {
+    /// [`CopyOptions::cancel`] is set.
+    pub fn cancelled(&self) -> bool {
+        self.cancel.as_ref().is_some_and(|c| c.load(Ordering::SeqCst))
+    }
+
     /// Only selected ranges are copied ([`CopyOptions::select_context`],
     /// [`CopyOptions::ranges`]).
     pub fn selective(&self) -> bool {
@@ -213,6 +223,7 @@ impl Default for CopyOptions {
             retry: RetryPolicy::default(),
             rate: None,
             journal: None,
+            cancel: None,
         }
     }
 }
@@ -244,6 +255,9 @@ pub enum CopyError {
     /// An NBD server's error reply to one request (`errno`: the NBD error value).
     #[error("{op} at offset {offset} ({length} bytes) failed: {message}")]
     Remote { op: &'static str, offset: u64, length: u64, errno: u32, message: String },
+    /// [`CopyOptions::cancel`] was set: the copy stopped before it was complete.
+    #[error("stopped before the end (interrupted)")]
+    Interrupted,
 }
 
 impl CopyError {
@@ -305,6 +319,9 @@ struct Queue {
 /// Default of [`CopyOptions::zero_block`]: nbdcopy's request size, whose requests of
 /// zeroes it skips.
 pub const DEFAULT_ZERO_BLOCK: usize = 256 * 1024;
+
+/// How often a copy waiting for replies looks at [`CopyOptions::cancel`].
+const CANCEL_CHECK: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// WRITE_ZEROES pieces stay well inside a 32-bit length.
 const ZERO_CHUNK: u64 = 1 << 30;
@@ -444,6 +461,18 @@ pub fn check_ranges(r: &[(u64, u64)], size: u64) -> Result<(), CopyError> {
         end = e;
     }
     Ok(())
+}
+
+/// Sleeps for `d`, or less if `stop()` turns true meanwhile (checked every 50 ms).
+fn nap(d: std::time::Duration, stop: impl Fn() -> bool) {
+    let end = std::time::Instant::now() + d;
+    loop {
+        let now = std::time::Instant::now();
+        if now >= end || stop() {
+            return;
+        }
+        std::thread::sleep((end - now).min(std::time::Duration::from_millis(50)));
+    }
 }
 
 /// Copies `src` to `dst` without hashing on the way, then hashes the whole source with
@@ -808,6 +837,9 @@ fn run(
         if sh.abort.load(Ordering::SeqCst) {
             return Ok(());
         }
+        if sh.opts.cancelled() {
+            return Err(CopyError::Interrupted);
+        }
         // 0. A journal watermark due: one worker empties its slots (the others go on),
         // flushes and stores it.
         if let Some(j) = &sh.opts.journal {
@@ -848,7 +880,7 @@ fn run(
                 continue;
             }
             if let Some(r) = &sh.rate {
-                r.take(item.len as u64);
+                r.take(item.len as u64, || sh.opts.cancelled());
             }
             bufs[i].reserve(item.len);
             // Small requests: one read costs less than a probe plus a sendfile.
@@ -907,8 +939,11 @@ fn run(
             }
             continue;
         }
-        let (src_ready, dst_ready) = match wait(&**src, reading, &**dst, writing, sh.opts.retry.request_timeout) {
+        let cancel = sh.opts.cancel.as_deref();
+        let (src_ready, dst_ready) = match wait(&**src, reading, &**dst, writing, sh.opts.retry.request_timeout, cancel)
+        {
             Ok(r) => r,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => return Err(CopyError::Interrupted),
             Err(e) if e.kind() == io::ErrorKind::TimedOut => {
                 // No reply in time: the connections waited on are dropped and reopened.
                 let t = sh.opts.retry.request_timeout.unwrap_or_default();
@@ -1027,6 +1062,9 @@ fn recover(
 ) -> Result<(), CopyError> {
     let sh = w.sh;
     let policy = sh.opts.retry;
+    if sh.opts.cancelled() {
+        return Err(CopyError::Interrupted);
+    }
     if policy.retries == 0 || sh.abort.load(Ordering::SeqCst) {
         return Err(e);
     }
@@ -1049,7 +1087,7 @@ fn recover(
             }
             log::warn!("{} retry {attempt} of {}: {e}", end.what(), policy.retries);
             sh.retries.fetch_add(1, Ordering::Relaxed);
-            std::thread::sleep(policy.backoff(attempt));
+            nap(policy.backoff(attempt), || sh.opts.cancelled());
             let r = match end {
                 End::Src => {
                     let item = w.slots[i].item;
@@ -1110,7 +1148,7 @@ fn recover(
                     policy.retries
                 );
                 sh.retries.fetch_add(1, Ordering::Relaxed);
-                std::thread::sleep(policy.backoff(reconnects));
+                nap(policy.backoff(reconnects), || sh.opts.cancelled());
                 let old: &dyn Ops = if end == End::Src { &**src } else { &**dst };
                 match old.reopen() {
                     Ok(o) => break o,
@@ -1279,6 +1317,7 @@ fn wait(
     dst: &dyn Ops,
     writing: bool,
     timeout: Option<std::time::Duration>,
+    cancel: Option<&AtomicBool>,
 ) -> io::Result<(bool, bool)> {
     let s = if reading { src.poll_fd().map(|fd| (fd, src.buffered())) } else { None };
     let d = if writing { dst.poll_fd().map(|fd| (fd, dst.buffered())) } else { None };
@@ -1291,14 +1330,27 @@ fn wait(
     let ends = [s, d];
     let mut fds: Vec<PollFd<'_>> = ends.iter().flatten().map(|(fd, _)| PollFd::new(fd, PollFlags::IN)).collect();
     let deadline = timeout.map(|t| std::time::Instant::now() + t);
+    // With a cancel flag, the wait is cut into slices so that a stop is seen while the
+    // replies are slow (the signal that sets it interrupts one thread's poll at most).
+    let slice = cancel.map(|_| CANCEL_CHECK);
+    let cancelled = || cancel.is_some_and(|c| c.load(Ordering::SeqCst));
     loop {
         let left = deadline.map(|d| d.saturating_duration_since(std::time::Instant::now()));
-        let ts = left.map(|l| rustix::event::Timespec { tv_sec: l.as_secs() as i64, tv_nsec: l.subsec_nanos() as i64 });
+        let wait = match (left, slice) {
+            (Some(l), Some(s)) => Some(l.min(s)),
+            (l, s) => l.or(s),
+        };
+        let ts = wait.map(|l| rustix::event::Timespec { tv_sec: l.as_secs() as i64, tv_nsec: l.subsec_nanos() as i64 });
         match poll(&mut fds, ts.as_ref()) {
             Ok(0) if fds.is_empty() => break,
-            Ok(0) if left.is_some() => return Err(io::Error::new(io::ErrorKind::TimedOut, "no reply in time")),
+            Ok(0) if left.is_some_and(|l| l.is_zero() || Some(l) == wait) => {
+                return Err(io::Error::new(io::ErrorKind::TimedOut, "no reply in time"))
+            }
+            Ok(0) | Err(rustix::io::Errno::INTR) if cancelled() => {
+                return Err(io::Error::new(io::ErrorKind::Interrupted, "stopped"))
+            }
+            Ok(0) | Err(rustix::io::Errno::INTR) => continue,
             Ok(_) => break,
-            Err(rustix::io::Errno::INTR) => continue,
             Err(e) => return Err(e.into()),
         }
     }

@@ -37,12 +37,12 @@ impl RateLimit {
         start
     }
 
-    /// Waits for `bytes`' turn.
-    pub fn take(&self, bytes: u64) {
+    /// Waits for `bytes`' turn, or until `stop()` says to give up.
+    pub fn take(&self, bytes: u64, stop: impl Fn() -> bool) {
         let now = Instant::now();
         let start = self.reserve(bytes, now);
         if start > now {
-            std::thread::sleep(start - now);
+            super::nap(start - now, stop);
         }
     }
 }

@@ -89,7 +89,7 @@ pub(crate) fn classify(e: &CopyError, reconnects: bool) -> Failure {
             ConnError::Closed | ConnError::Io(_) | ConnError::Connect { .. } => Failure::Connection,
             _ => Failure::Permanent,
         },
-        CopyError::Setup(_) | CopyError::Local { .. } => Failure::Permanent,
+        CopyError::Setup(_) | CopyError::Local { .. } | CopyError::Interrupted => Failure::Permanent,
     }
 }
 

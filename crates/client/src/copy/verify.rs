@@ -95,7 +95,7 @@ pub fn hash_range(e: &Endpoint, length: u64, hasher: &BlockHasher, opts: &CopyOp
         for mut end in ends {
             let (queue, abort, error, rate) = (&queue, &abort, &error, rate.as_ref());
             s.spawn(move || {
-                let r = hash_worker(&mut *end, queue, abort, hasher, opts.requests.max(1), rate);
+                let r = hash_worker(&mut *end, queue, abort, hasher, opts, rate);
                 if let Err(e) = r {
                     abort.store(true, Ordering::SeqCst);
                     error.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(e);
@@ -117,13 +117,17 @@ fn hash_worker(
     queue: &Mutex<Queue>,
     abort: &AtomicBool,
     hasher: &BlockHasher,
-    requests: usize,
+    opts: &CopyOptions,
     rate: Option<&super::rate::RateLimit>,
 ) -> Result<(), CopyError> {
+    let requests = opts.requests.max(1);
     let mut bufs: Vec<AlignedBuf> = (0..requests).map(|_| AlignedBuf::default()).collect();
     loop {
         if abort.load(Ordering::SeqCst) {
             return Ok(());
+        }
+        if opts.cancelled() {
+            return Err(CopyError::Interrupted);
         }
         let mut items: Vec<Item> = Vec::with_capacity(requests);
         {
@@ -144,7 +148,7 @@ fn hash_worker(
                 hasher.add_zeroes(it.offset, it.len as u64);
             } else {
                 if let Some(r) = rate {
-                    r.take(it.len as u64);
+                    r.take(it.len as u64, || opts.cancelled());
                 }
                 bufs[slot].reserve(it.len);
                 reqs.push(Read { slot, offset: it.offset, len: it.len });
@@ -176,6 +180,9 @@ pub fn first_difference(
     let result = loop {
         if pos >= length {
             break Ok(None);
+        }
+        if opts.cancelled() {
+            break Err(CopyError::Interrupted);
         }
         let len = (length - pos).min(chunk) as usize;
         ba[0].reserve(len);
