@@ -13,8 +13,9 @@
 //!   reqwest's blocking client would bring a tokio runtime along), small, kept up, and it
 //!   checks what a hostile server can make it do: response headers are limited (64 KiB),
 //!   bodies are bounded by their `Content-Length`, a connection is reused only when its
-//!   body was read to the end. Its agent pools connections, follows redirects and speaks
-//!   to HTTP and HTTPS (CONNECT) proxies.
+//!   body was read to the end. Its agent pools connections and speaks to HTTP and HTTPS
+//!   (CONNECT) proxies; redirects are followed by [`HttpBackend`] itself, which decides
+//!   by origin what goes along.
 //! - **native-tls** (OpenSSL on Linux) is its TLS: ferry already links OpenSSL for NBD
 //!   TLS (`ferry-tls`), so HTTPS costs no second TLS stack or crypto build (rustls would
 //!   bring ring or aws-lc-rs). Trust is the system store plus `SSL_CERT_FILE` and

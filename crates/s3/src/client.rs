@@ -49,6 +49,8 @@ pub(crate) struct Client {
     pub credentials_from: String,
     pub retries: u32,
     pub retry_delay: Duration,
+    /// The longest a GET, HEAD or DELETE may take, answer and all (`--request-timeout`).
+    timeout: Option<Duration>,
     headers: Vec<(String, String)>,
 }
 
@@ -67,6 +69,7 @@ impl Client {
             credentials_from: cfg.credentials_from.clone(),
             retries: http.retries,
             retry_delay: http.retry_delay,
+            timeout: http.timeout,
             headers: http.headers.clone(),
         })
     }
@@ -241,6 +244,8 @@ impl Client {
                 if let Some(p) = &self.proxy {
                     r = r.config().proxy(Some(p.clone())).build();
                 }
+                // A small answer: a server trickling it cannot hold the request longer.
+                r = r.config().timeout_global(self.timeout).build();
                 r.call()?
             }
             Method::Put | Method::Post => {
