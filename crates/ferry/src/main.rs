@@ -58,6 +58,8 @@ fn main() {
         _ => "trace",
     };
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or(level))
+        // ureq's (and ureq_proto's) trace prints whole URLs, a presigned one's signature too.
+        .filter_module("ureq", log::LevelFilter::Debug)
         .format_target(false)
         .format_timestamp(None)
         .init();

@@ -19,6 +19,7 @@ mod copy_retry;
 mod dirty_copy;
 mod faults;
 mod hostile_clients;
+mod hostile_remotes;
 mod hostile_servers;
 mod incremental_backup;
 mod interop_fio;

@@ -1,17 +1,17 @@
 //! [`HttpBackend`]: an object read with ranged GETs, or as one stream when the server
 //! ignores ranges.
 
-use crate::wire::{parse_content_range, ContentRange};
-use crate::{agent, get, Agent, HttpError, HttpOptions, Locator};
+use crate::wire::{parse_content_range, ContentRange, Validators};
+use crate::{agent, get, is_credential_header, Agent, HttpError, HttpOptions, Locator, MAX_REDIRECTS};
 use ferry_backend::{Backend, Capabilities, Error, ErrorKind, Result};
 use std::collections::VecDeque;
 use std::io::{self, Read};
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use ureq::http::Response;
-use ureq::{Body, BodyReader, ResponseExt};
+use ureq::{Body, BodyReader};
 
 /// Bytes asked for by the first GET, kept as a cache of the image's head (qcow2 and
 /// partition-table probes read there).
@@ -56,7 +56,19 @@ impl Locator for UrlLocator {
 /// `url` without what may be secret: the userinfo, the query string (a presigned URL's
 /// signature) and the fragment. Text that does not parse as a URL is cut at the first
 /// `?` and `#`, and at the last `@` before the path.
+///
+/// An `s3://BUCKET/KEY` spec is kept as written, less any userinfo: its `?` and `#` are
+/// part of the key (as the AWS CLI reads it), and it holds no secret, so messages name
+/// exactly the object that is read or written.
 pub fn redact(url: &str) -> String {
+    if url.get(..5).is_some_and(|p| p.eq_ignore_ascii_case("s3://")) {
+        let rest = &url[5..];
+        let authority_end = rest.find('/').unwrap_or(rest.len());
+        return match rest[..authority_end].rfind('@') {
+            Some(at) => format!("{}{}", &url[..5], &rest[at + 1..]),
+            None => url.to_string(),
+        };
+    }
     if let Ok(mut u) = url::Url::parse(url) {
         let _ = u.set_username("");
         let _ = u.set_password(None);
@@ -105,7 +117,25 @@ enum Fail {
 /// Every GET is retried ([`HttpOptions::retries`], delays doubling from
 /// [`HttpOptions::retry_delay`]) after a 5xx, 408, 429 or 416 answer, a failed or dropped
 /// connection, a timeout, a short body or a `Content-Range` that is not the one asked for;
-/// never after another 4xx, a TLS failure or a change of the object's size.
+/// never after another 4xx, a TLS failure or a change of the object.
+///
+/// **Pinning.** The first answer's validators (its `ETag`, `Last-Modified` and S3's
+/// `x-amz-version-id`) pin the object: every later GET (ranged, or a stream's restart)
+/// carries `If-Match` with a strong ETag, else `If-Unmodified-Since` with the date, and
+/// every answer's validators must be the first one's. A `412` or another validator is a
+/// permanent error, "changed while it was read", so the bytes of two versions are never
+/// mixed, even from a server that ignores the condition. [`Backend::identity`] names the
+/// object by its redacted URL, size and validators.
+///
+/// **Redirects** are followed here (up to [`MAX_REDIRECTS`]), decided by origin as curl
+/// does since CVE-2022-27776: once a redirect leaves the URL's scheme, host and port, the
+/// URL's `user:password`, `Authorization`, `Cookie`, `Proxy-Authorization` and every
+/// header of [`HttpOptions::headers`] stay behind, for that GET and for the later ones
+/// that go straight to the remembered target.
+///
+/// **Timeouts.** [`HttpOptions::timeout`] bounds a whole GET: its headers, then its body
+/// (a server that trickles a byte a second fails it too); in stream mode, the headers and
+/// then each piece read.
 pub struct HttpBackend {
     loc: Arc<dyn Locator>,
     agent: Agent,
@@ -113,8 +143,11 @@ pub struct HttpBackend {
     headers: Vec<(String, String)>,
     retries: u32,
     retry_delay: Duration,
+    timeout: Option<Duration>,
     size: u64,
     head: Vec<u8>,
+    /// The first answer's validators, which every later answer must match.
+    pin: Validators,
     /// `Some` in stream mode.
     stream: Option<Mutex<Stream>>,
     retried: AtomicU64,
@@ -128,9 +161,10 @@ pub struct HttpBackend {
 /// Where a URL's redirects led.
 #[derive(Clone)]
 struct Redirect {
-    url: String,
-    /// Same scheme, host and port as the URL: its credentials may go along.
-    same_origin: bool,
+    /// The target, without userinfo.
+    url: url::Url,
+    /// The way there left the URL's origin: no credentials or user headers go along.
+    crossed: bool,
 }
 
 /// The one body of stream mode and what was read past.
@@ -178,8 +212,8 @@ impl HttpBackend {
     /// size with the first ranged GET.
     ///
     /// When the URL redirects, later GETs go straight to where the redirect led, with the
-    /// URL's credentials and `Authorization` headers only when that is on the same scheme,
-    /// host and port; when that target fails, the next GET asks `url` again.
+    /// URL's credentials and the user's headers only when the way there stayed on the same
+    /// scheme, host and port; when that target fails, the next GET asks `url` again.
     pub fn open(url: &str, opts: &HttpOptions) -> std::result::Result<HttpBackend, HttpError> {
         HttpBackend::open_with(Arc::new(UrlLocator::new(url)?), opts, true)
     }
@@ -204,16 +238,26 @@ impl HttpBackend {
             headers: opts.headers.clone(),
             retries: opts.retries,
             retry_delay: opts.retry_delay,
+            timeout: opts.timeout,
             size: 0,
             head: Vec::new(),
+            pin: Validators::default(),
             stream: None,
             retried: AtomicU64::new(0),
             restarts: AtomicU64::new(0),
             gets: AtomicU64::new(0),
         };
-        let (size, head, body) = b.retrying(0, HEAD_BYTES, || b.probe())?;
+        let (size, head, body, pin) = b.retrying(0, HEAD_BYTES, || b.probe())?;
         b.size = size;
         b.head = head;
+        b.pin = pin;
+        if b.pin.is_empty() && size > b.head.len() as u64 {
+            log::info!(
+                "{}: the server sends no ETag or Last-Modified: a change of the object while it is read cannot be \
+                 detected",
+                b.name
+            );
+        }
         if let Some(body) = body {
             log::info!("{}: the server does not serve byte ranges: reading it as one stream, in order", b.name);
             let pos = b.head.len() as u64;
@@ -254,10 +298,13 @@ impl HttpBackend {
         self.gets.load(Ordering::Relaxed)
     }
 
-    /// The first GET: size, head bytes, and the rest of the body when the server ignored
-    /// the range.
-    fn probe(&self) -> std::result::Result<(u64, Vec<u8>, Option<BodyReader<'static>>), Fail> {
+    /// The first GET: size, head bytes, the rest of the body when the server ignored
+    /// the range, and the object's validators.
+    #[allow(clippy::type_complexity)]
+    fn probe(&self) -> std::result::Result<(u64, Vec<u8>, Option<BodyReader<'static>>, Validators), Fail> {
+        let deadline = self.deadline();
         let mut resp = self.send(Some(0..HEAD_BYTES))?;
+        let pin = validators(&resp);
         match resp.status().as_u16() {
             206 => {
                 let (first, last, total) = match content_range(&resp) {
@@ -280,9 +327,9 @@ impl HttpBackend {
                 let mut head = vec![0; (last + 1) as usize];
                 check_length(&resp, last + 1)?;
                 let mut r = resp.body_mut().as_reader();
-                read_full(&mut r, &mut head)?;
+                read_full(&mut r, &mut head, deadline)?;
                 finish(&mut r)?;
-                Ok((total, head, None))
+                Ok((total, head, None, pin))
             }
             200 => {
                 let Some(size) = header_u64(&resp, "content-length") else {
@@ -295,37 +342,39 @@ impl HttpBackend {
                 };
                 let mut head = vec![0; size.min(HEAD_BYTES) as usize];
                 let mut r = resp.into_body().into_reader();
-                read_full(&mut r, &mut head)?;
+                read_full(&mut r, &mut head, deadline)?;
                 if head.len() as u64 == size {
                     finish(&mut r)?;
-                    return Ok((size, head, None));
+                    return Ok((size, head, None, pin));
                 }
-                Ok((size, head, Some(r)))
+                Ok((size, head, Some(r), pin))
             }
             416 => match content_range(&resp) {
-                Some(ContentRange::Unsatisfied { total: 0 }) => Ok((0, Vec::new(), None)),
+                Some(ContentRange::Unsatisfied { total: 0 }) => Ok((0, Vec::new(), None, pin)),
                 _ => Err(self.status_fail(&resp)),
             },
             _ => Err(self.status_fail(&resp)),
         }
     }
 
-    /// One GET of `range` (`None`: all of it).
+    /// When a GET started now must be over.
+    fn deadline(&self) -> Option<Instant> {
+        self.timeout.and_then(|t| Instant::now().checked_add(t))
+    }
+
+    /// One GET of `range` (`None`: all of it), redirects followed.
     fn send(&self, range: Option<Range<u64>>) -> std::result::Result<Response<Body>, Fail> {
+        let (url, extra) = self.loc.get(range.clone()).map_err(Fail::Fatal)?;
         let cached = match self.cache_redirects {
             true => self.redirect.read().unwrap_or_else(|p| p.into_inner()).clone(),
             false => None,
         };
         if let Some(r) = cached {
-            let mut headers = self.headers.clone();
-            if !r.same_origin {
-                headers.retain(|(n, _)| !n.eq_ignore_ascii_case("authorization"));
-            }
-            match self.call(&r.url, headers, range.clone()) {
-                Ok(resp) if matches!(resp.status().as_u16(), 200 | 206) => return Ok(resp),
+            match self.fetch(&url, Some(r), extra.clone(), range.clone()) {
+                Ok((resp, ..)) if matches!(resp.status().as_u16(), 200 | 206) => return Ok(resp),
                 failed => {
                     let why = match failed {
-                        Ok(resp) => format!("HTTP {}", resp.status()),
+                        Ok((resp, ..)) => format!("HTTP {}", resp.status()),
                         Err(Fail::Retry(m)) => m,
                         Err(Fail::Fatal(e)) => e.to_string(),
                     };
@@ -334,32 +383,87 @@ impl HttpBackend {
                 }
             }
         }
-        let (url, extra) = self.loc.get(range.clone()).map_err(Fail::Fatal)?;
-        let mut headers = self.headers.clone();
-        headers.extend(extra);
-        let resp = self.call(&url, headers, range)?;
-        if self.cache_redirects && matches!(resp.status().as_u16(), 200 | 206) {
-            self.remember_redirect(&url, &resp.get_uri().to_string());
+        let (resp, target) = self.fetch(&url, None, extra, range)?;
+        if let (true, Some(target)) = (self.cache_redirects && matches!(resp.status().as_u16(), 200 | 206), target) {
+            log::debug!("{}: redirected to {}; reading from there", self.name, redact(target.url.as_str()));
+            *self.redirect.write().unwrap_or_else(|p| p.into_inner()) = Some(target);
         }
         Ok(resp)
     }
 
-    /// Notes where `url` led when that is elsewhere.
-    fn remember_redirect(&self, url: &str, final_uri: &str) {
-        let (Ok(asked), Ok(mut got)) = (url::Url::parse(url), url::Url::parse(final_uri)) else { return };
-        let mut plain = asked.clone();
-        let _ = plain.set_username("");
-        let _ = plain.set_password(None);
-        if plain == got {
-            return;
+    /// A GET of `url`, starting at `from` (a remembered redirect's target) when given, and
+    /// following redirects: the answer, and where it came from when that is not `url`.
+    ///
+    /// The URL's `user:password` (as Basic authentication) and the user's headers go to
+    /// `url`'s origin only: from the first redirect to another scheme, host or port on,
+    /// they stay behind, and so do `Authorization`, `Cookie` and `Proxy-Authorization`
+    /// among the locator's headers. A redirect's own userinfo is never used.
+    fn fetch(
+        &self,
+        url: &str,
+        from: Option<Redirect>,
+        extra: Vec<(String, String)>,
+        range: Option<Range<u64>>,
+    ) -> std::result::Result<(Response<Body>, Option<Redirect>), Fail> {
+        let fatal = |m: String| Fail::Fatal(HttpError::other(&self.name, m));
+        let mut first = url::Url::parse(url)
+            .map_err(|e| fatal(format!("not a valid URL ({e}): give an http:// or https:// URL")))?;
+        let basic = crate::basic_auth(&first);
+        let _ = first.set_username("");
+        let _ = first.set_password(None);
+        let origin = first.origin();
+        let user_auth = self.headers.iter().any(|(n, _)| n.eq_ignore_ascii_case("authorization"));
+        let (mut cur, mut crossed) = match from {
+            Some(r) => (r.url, r.crossed),
+            None => (first.clone(), false),
+        };
+        for hop in 0..=MAX_REDIRECTS {
+            let mut headers = Vec::new();
+            if !crossed {
+                if let (Some(b), false) = (&basic, user_auth) {
+                    headers.push(("Authorization".to_string(), b.clone()));
+                }
+                headers.extend(self.headers.iter().cloned());
+            }
+            headers.extend(extra.iter().filter(|(n, _)| !crossed || !is_credential_header(n)).cloned());
+            if let Some((n, v)) = self.pin.condition() {
+                headers.push((n.to_string(), v));
+            }
+            let resp = self.call(cur.as_str(), headers, range.clone())?;
+            let location = match resp.status().as_u16() {
+                301 | 302 | 303 | 307 | 308 => resp.headers().get("location").and_then(|v| v.to_str().ok()),
+                _ => None,
+            };
+            // Not a redirect, or one without a usable Location (which status_fail names).
+            let Some(location) = location else {
+                let target = (cur != first).then_some(Redirect { url: cur, crossed });
+                return Ok((resp, target));
+            };
+            if hop == MAX_REDIRECTS {
+                break;
+            }
+            let mut next = cur
+                .join(location.trim())
+                .map_err(|_| fatal("a redirect's Location is not a valid URL: check the URL".into()))?;
+            if next.scheme() != "http" && next.scheme() != "https" {
+                return Err(fatal(format!(
+                    "a redirect leads to a {}: URL; only http and https redirects are followed",
+                    next.scheme()
+                )));
+            }
+            let _ = next.set_username("");
+            let _ = next.set_password(None);
+            if !crossed && next.origin() != origin {
+                crossed = true;
+                log::debug!(
+                    "{}: redirected to another origin ({}): its credentials and headers stay behind",
+                    self.name,
+                    redact(next.as_str())
+                );
+            }
+            cur = next;
         }
-        let same_origin = asked.origin() == got.origin();
-        if same_origin {
-            let _ = got.set_username(asked.username());
-            let _ = got.set_password(asked.password());
-        }
-        log::debug!("{}: redirected to {}; reading from there", self.name, crate::backend::redact(final_uri));
-        *self.redirect.write().unwrap_or_else(|p| p.into_inner()) = Some(Redirect { url: got.into(), same_origin });
+        Err(fatal(format!("more than {MAX_REDIRECTS} redirects: check the URL")))
     }
 
     /// One request to `url`.
@@ -376,6 +480,25 @@ impl HttpBackend {
         }
         self.gets.fetch_add(1, Ordering::Relaxed);
         req.call().map_err(|e| self.classify(e))
+    }
+
+    /// The object changed between the first answer and this one.
+    fn changed(&self, why: &str) -> Fail {
+        Fail::Fatal(HttpError::other(
+            &self.name,
+            format!(
+                "the object changed while it was read ({why}): what was read would mix two versions of it; \
+                 read it again once it is stable"
+            ),
+        ))
+    }
+
+    /// An answer's validators must be the first answer's.
+    fn check_pin(&self, resp: &Response<Body>) -> std::result::Result<(), Fail> {
+        match self.pin.change(&validators(resp)) {
+            Some(why) => Err(self.changed(&why)),
+            None => Ok(()),
+        }
     }
 
     fn classify(&self, e: ureq::Error) -> Fail {
@@ -418,6 +541,9 @@ impl HttpBackend {
             }
             403 => "access denied: check the credentials or the presigned URL's expiry",
             404 => "the object does not exist",
+            412 if self.pin.condition().is_some() => {
+                return self.changed("the server answered 412 Precondition Failed to the first answer's validator")
+            }
             410 => "the object was removed",
             300..=399 => "a redirect without a usable Location",
             _ => "the server refused the request",
@@ -465,6 +591,7 @@ impl HttpBackend {
     /// One ranged GET of exactly `buf.len()` bytes at `offset`, into `buf`.
     fn get_range(&self, buf: &mut [u8], offset: u64) -> std::result::Result<(), Fail> {
         let len = buf.len() as u64;
+        let deadline = self.deadline();
         let mut resp = self.send(Some(offset..offset + len))?;
         match resp.status().as_u16() {
             206 => match content_range(&resp) {
@@ -486,9 +613,10 @@ impl HttpBackend {
             200 => return Err(Fail::Retry("the server answered a ranged GET with the whole object (200)".into())),
             _ => return Err(self.status_fail(&resp)),
         }
+        self.check_pin(&resp)?;
         check_length(&resp, len)?;
         let mut r = resp.body_mut().as_reader();
-        read_full(&mut r, buf)?;
+        read_full(&mut r, buf, deadline)?;
         finish(&mut r)
     }
 
@@ -509,6 +637,7 @@ impl HttpBackend {
         if resp.status().as_u16() != 200 {
             return Err(self.status_fail(&resp));
         }
+        self.check_pin(&resp)?;
         match header_u64(&resp, "content-length") {
             Some(n) if n != self.size => return Err(self.size_changed(n)),
             _ => {}
@@ -569,7 +698,7 @@ impl HttpBackend {
                 let keep = cur - st.pos <= STREAM_WINDOW as u64;
                 let mut piece = vec![0; if keep { n } else { n.min(64 * 1024) }];
                 let body = st.body.as_mut().ok_or_else(|| Fail::Retry("the stream is closed".into()))?;
-                read_full(body, &mut piece)?;
+                read_full(body, &mut piece, self.deadline())?;
                 let at = st.pos;
                 st.pos += piece.len() as u64;
                 if keep {
@@ -577,7 +706,7 @@ impl HttpBackend {
                 }
             }
             let body = st.body.as_mut().ok_or_else(|| Fail::Retry("the stream is closed".into()))?;
-            read_full(body, &mut buf[*done..])?;
+            read_full(body, &mut buf[*done..], self.deadline())?;
             st.pos += (buf.len() - *done) as u64;
             *done = buf.len();
             if st.pos == self.size {
@@ -588,6 +717,12 @@ impl HttpBackend {
         }
         Ok(())
     }
+}
+
+/// An answer's validators: `ETag`, `Last-Modified`, `x-amz-version-id`.
+fn validators(resp: &Response<Body>) -> Validators {
+    let h = |name: &str| resp.headers().get(name).and_then(|v| v.to_str().ok());
+    Validators::new(h("etag"), h("last-modified"), h("x-amz-version-id"))
 }
 
 /// A header holding a decimal number; `None` when absent or not a number.
@@ -616,10 +751,17 @@ fn check_length(resp: &Response<Body>, len: u64) -> std::result::Result<(), Fail
     }
 }
 
-/// Fills `buf` from `r`; a body that ends early is a failure worth retrying.
-fn read_full(r: &mut impl Read, buf: &mut [u8]) -> std::result::Result<(), Fail> {
+/// Fills `buf` from `r`; a body that ends early, or is not all there by `deadline`, is a
+/// failure worth retrying.
+fn read_full(r: &mut impl Read, buf: &mut [u8], deadline: Option<Instant>) -> std::result::Result<(), Fail> {
     let mut done = 0;
     while done < buf.len() {
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return Err(Fail::Retry(format!(
+                "timed out: {done} of {} bytes of the body arrived within the request timeout",
+                buf.len()
+            )));
+        }
         match r.read(&mut buf[done..]) {
             Ok(0) => {
                 return Err(Fail::Retry(format!("the body ended after {done} of {} bytes", buf.len())));
@@ -693,6 +835,11 @@ impl Backend for HttpBackend {
     fn flush(&self) -> Result<()> {
         Ok(())
     }
+    /// The redacted URL (for S3: the `s3://` spec), the size, and the strong ETag (else
+    /// the Last-Modified date) and version id of the first answer.
+    fn identity(&self) -> Option<String> {
+        Some(format!("{} size={}{}", self.name, self.size, self.pin.identity()))
+    }
 }
 
 #[cfg(test)]
@@ -708,6 +855,10 @@ mod tests {
         assert_eq!(redact("http://host/x"), "http://host/x");
         assert_eq!(redact("ht!tp://u:p@h/x?sig"), "ht!tp://h/x");
         assert!(!redact("u:p@h/x?sig").contains("sig"));
+        // An s3:// spec is shown as written: `?`, `#` and dots are part of its key.
+        assert_eq!(redact("s3://b/q?x=1#f"), "s3://b/q?x=1#f");
+        assert_eq!(redact("S3://b/a/../k"), "S3://b/a/../k");
+        assert_eq!(redact("s3://u:p@b/k?x"), "s3://b/k?x");
     }
 
     #[test]

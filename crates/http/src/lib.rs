@@ -13,8 +13,9 @@
 //!   reqwest's blocking client would bring a tokio runtime along), small, kept up, and it
 //!   checks what a hostile server can make it do: response headers are limited (64 KiB),
 //!   bodies are bounded by their `Content-Length`, a connection is reused only when its
-//!   body was read to the end. Its agent pools connections, follows redirects and speaks
-//!   to HTTP and HTTPS (CONNECT) proxies.
+//!   body was read to the end. Its agent pools connections and speaks to HTTP and HTTPS
+//!   (CONNECT) proxies; redirects are followed by [`HttpBackend`] itself, which decides
+//!   by origin what goes along.
 //! - **native-tls** (OpenSSL on Linux) is its TLS: ferry already links OpenSSL for NBD
 //!   TLS (`ferry-tls`), so HTTPS costs no second TLS stack or crypto build (rustls would
 //!   bring ring or aws-lc-rs). Trust is the system store plus `SSL_CERT_FILE` and
@@ -57,7 +58,9 @@ pub struct HttpOptions {
     pub retries: u32,
     /// Delay before the first retry, doubled for each further one.
     pub retry_delay: Duration,
-    /// Time a request may go without progress before it counts as failed.
+    /// The longest a GET may take, its answer's headers and body together (in stream mode:
+    /// the headers, then each piece read), before it counts as failed; also the connect
+    /// timeout and, for the requests `ferry-s3` sends, how long an answer's headers may take.
     pub timeout: Option<Duration>,
 }
 
@@ -118,12 +121,21 @@ pub const POOL_PER_HOST: usize = 32;
 /// Redirects followed before giving up.
 pub const MAX_REDIRECTS: u32 = 10;
 
+/// Request headers that carry credentials: never sent past a change of origin.
+const CREDENTIAL_HEADERS: [&str; 3] = ["authorization", "cookie", "proxy-authorization"];
+
+/// Whether header `name` carries credentials (`Authorization`, `Cookie`, `Proxy-Authorization`).
+pub fn is_credential_header(name: &str) -> bool {
+    CREDENTIAL_HEADERS.iter().any(|c| name.eq_ignore_ascii_case(c))
+}
+
 /// The client every request of one backend goes through: a pool of kept-alive connections
-/// (up to [`POOL_PER_HOST`] idle per host), redirects followed (up to [`MAX_REDIRECTS`],
-/// `Authorization` kept only to the same host), timeouts from `opts.timeout` (connecting,
-/// and each read or write of the socket: a request fails once it has made no progress for
-/// that long), and trust from `opts.ca` / `opts.insecure` / `SSL_CERT_FILE` /
-/// `SSL_CERT_DIR` / the system store. Statuses are returned, not turned into errors.
+/// (up to [`POOL_PER_HOST`] idle per host), timeouts from `opts.timeout` (connecting, the
+/// answer's headers, and each read or write of the socket), and trust from `opts.ca` /
+/// `opts.insecure` / `SSL_CERT_FILE` / `SSL_CERT_DIR` / the system store. Statuses are
+/// returned, not turned into errors, and so are redirects: the agent follows none, since
+/// ureq would send user headers to any host a redirect names. [`HttpBackend`] follows them
+/// itself, deciding by origin (scheme, host and port) what may go along.
 /// Proxies are chosen per request by [`get`] (they depend on each URL's scheme and host);
 /// ureq reaches http:// URLs through an HTTP proxy with a CONNECT tunnel as well, so the
 /// proxy must allow CONNECT to the server's port.
@@ -165,8 +177,8 @@ pub fn agent(opts: &HttpOptions) -> Result<Agent, HttpError> {
     let config = Agent::config_builder()
         .tls_config(tls.build())
         .http_status_as_error(false)
-        .max_redirects(MAX_REDIRECTS)
-        .redirect_auth_headers(ureq::config::RedirectAuthHeaders::SameHost)
+        .max_redirects(0)
+        .redirect_auth_headers(ureq::config::RedirectAuthHeaders::Never)
         .max_idle_connections(2 * POOL_PER_HOST)
         .max_idle_connections_per_host(POOL_PER_HOST)
         .max_response_header_size(MAX_HEADER_BYTES)
@@ -175,6 +187,7 @@ pub fn agent(opts: &HttpOptions) -> Result<Agent, HttpError> {
         .accept_encoding(ureq::config::AutoHeaderValue::None)
         .proxy(None)
         .timeout_connect(opts.timeout)
+        .timeout_recv_response(opts.timeout)
         .timeout_per_read(opts.timeout)
         .timeout_per_write(opts.timeout)
         .build();
@@ -256,7 +269,7 @@ fn prepare<B>(
 }
 
 /// `Basic base64(user:password)` from a URL's userinfo, percent-decoded.
-fn basic_auth(url: &url::Url) -> Option<String> {
+pub(crate) fn basic_auth(url: &url::Url) -> Option<String> {
     if url.username().is_empty() && url.password().is_none() {
         return None;
     }

@@ -85,6 +85,82 @@ pub(crate) fn no_proxy_matches(no_proxy: &str, host: &str) -> bool {
     })
 }
 
+/// The longest validator (`ETag`, `Last-Modified`, `x-amz-version-id`) kept: real ones
+/// are under 100 bytes; a longer one is ignored, not stored.
+pub(crate) const MAX_VALIDATOR_BYTES: usize = 256;
+
+/// What pins an object's content (RFC 9110 section 8.8): its `ETag`, `Last-Modified` and,
+/// from S3, `x-amz-version-id`, as the first answer gave them. Later answers must carry
+/// the same ones, and later requests ask for them (`If-Match`, else
+/// `If-Unmodified-Since`), so bytes of two versions of an object are never mixed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Validators {
+    pub etag: Option<String>,
+    pub last_modified: Option<String>,
+    pub version: Option<String>,
+}
+
+impl Validators {
+    /// From raw header values (`None`: absent or not text); values that are empty, too
+    /// long or hold anything but visible ASCII and spaces are ignored.
+    pub(crate) fn new(etag: Option<&str>, last_modified: Option<&str>, version: Option<&str>) -> Validators {
+        let keep = |v: Option<&str>| {
+            v.map(str::trim)
+                .filter(|v| {
+                    !v.is_empty() && v.len() <= MAX_VALIDATOR_BYTES && v.bytes().all(|b| (b' '..=b'~').contains(&b))
+                })
+                .map(str::to_string)
+        };
+        Validators { etag: keep(etag), last_modified: keep(last_modified), version: keep(version) }
+    }
+
+    /// The ETag when it is strong (not `W/"..."`): only a strong one may go in `If-Match`.
+    pub(crate) fn strong_etag(&self) -> Option<&str> {
+        self.etag.as_deref().filter(|e| !e.starts_with("W/"))
+    }
+
+    /// No validator at all: a change of the object cannot be detected.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.etag.is_none() && self.last_modified.is_none() && self.version.is_none()
+    }
+
+    /// The conditional header later requests carry: `If-Match` with a strong ETag, else
+    /// `If-Unmodified-Since` with the Last-Modified date, else none.
+    pub(crate) fn condition(&self) -> Option<(&'static str, String)> {
+        match (self.strong_etag(), &self.last_modified) {
+            (Some(e), _) => Some(("If-Match", e.to_string())),
+            (None, Some(lm)) => Some(("If-Unmodified-Since", lm.clone())),
+            (None, None) => None,
+        }
+    }
+
+    /// How a later answer's validators differ from these (a validator absent from either
+    /// side is not compared); `None` when they agree.
+    pub(crate) fn change(&self, now: &Validators) -> Option<String> {
+        let pairs = [("ETag", &self.etag, &now.etag), ("Last-Modified", &self.last_modified, &now.last_modified)];
+        let version = [("version id", &self.version, &now.version)];
+        pairs.iter().chain(version.iter()).find_map(|(what, was, is)| match (was, is) {
+            (Some(was), Some(is)) if was != is => Some(format!("its {what} was {was}, the server now sends {is}")),
+            _ => None,
+        })
+    }
+
+    /// The part of a resume identity these make: the strong ETag, else the Last-Modified
+    /// date; and the version id. Empty when there is none.
+    pub(crate) fn identity(&self) -> String {
+        let mut out = String::new();
+        match (self.strong_etag(), &self.last_modified) {
+            (Some(e), _) => out.push_str(&format!(" etag={e}")),
+            (None, Some(lm)) => out.push_str(&format!(" last-modified={lm}")),
+            (None, None) => {}
+        }
+        if let Some(v) = &self.version {
+            out.push_str(&format!(" version={v}"));
+        }
+        out
+    }
+}
+
 /// The parsers above, for the fuzz target (`fuzz/fuzz_targets/remote.rs`): none may
 /// panic on any input, and what they accept must be self-consistent.
 #[doc(hidden)]
@@ -97,6 +173,8 @@ pub fn fuzz(text: &str) {
     if let Some((list, host)) = text.split_once('\n') {
         let _ = no_proxy_matches(list, host);
     }
+    let v = Validators::new(Some(text), Some(text), None);
+    let _ = (v.condition(), v.change(&Validators::default()), v.identity());
 }
 
 #[cfg(test)]
@@ -156,6 +234,31 @@ mod tests {
         }
         assert_eq!(base64(b"Aladdin:open sesame"), "QWxhZGRpbjpvcGVuIHNlc2FtZQ==");
         assert_eq!(base64(&[0xff, 0xfe, 0xfd]), "//79");
+    }
+
+    #[test]
+    fn validators_pin_an_object() {
+        let v = Validators::new(Some(" \"abc\" "), Some("Wed, 21 Oct 2015 07:28:00 GMT"), Some("v1"));
+        assert_eq!(v.strong_etag(), Some("\"abc\""));
+        assert_eq!(v.condition(), Some(("If-Match", "\"abc\"".to_string())));
+        assert_eq!(v.identity(), " etag=\"abc\" version=v1");
+        assert_eq!(v.change(&v), None);
+        assert_eq!(v.change(&Validators::default()), None, "an answer without validators is not compared");
+        let other = Validators::new(Some("\"def\""), None, None);
+        assert!(v.change(&other).unwrap().contains("ETag was \"abc\""));
+        let other = Validators::new(None, None, Some("v2"));
+        assert!(v.change(&other).unwrap().contains("version id"));
+
+        // A weak ETag is compared, never sent in If-Match: Last-Modified is the condition.
+        let weak = Validators::new(Some("W/\"x\""), Some("Thu, 01 Jan 2026 00:00:00 GMT"), None);
+        assert_eq!(weak.strong_etag(), None);
+        assert_eq!(weak.condition(), Some(("If-Unmodified-Since", "Thu, 01 Jan 2026 00:00:00 GMT".to_string())));
+        assert_eq!(weak.identity(), " last-modified=Thu, 01 Jan 2026 00:00:00 GMT");
+        assert!(weak.change(&Validators::new(Some("W/\"y\""), None, None)).is_some());
+
+        let none = Validators::new(None, Some(""), Some(&"x".repeat(MAX_VALIDATOR_BYTES + 1)));
+        assert!(none.is_empty() && none.condition().is_none() && none.identity().is_empty());
+        assert!(Validators::new(Some("\"a\r\nX: y\""), None, None).is_empty(), "no control characters");
     }
 
     #[test]

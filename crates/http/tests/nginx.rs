@@ -346,6 +346,30 @@ fn redirects_are_followed() {
     assert!(e.contains("redirects") && e.contains(&n.url("loop")), "{e}");
 }
 
+#[test]
+fn identity_is_the_redacted_url_size_and_etag_and_a_replaced_file_is_refused() {
+    let n = nginx();
+    std::fs::write(n.dir.join("data/replaced"), &n.img).unwrap();
+    let url = format!("http://ferry:s3cr%3At%20p@127.0.0.1:{}/auth/replaced?sig=1", n.http);
+    let b = HttpBackend::open(&url, &opts()).unwrap();
+    let id = b.identity().unwrap();
+    let prefix = format!("{} size={IMG_LEN} etag=\"", n.url("auth/replaced"));
+    assert!(id.starts_with(&prefix) && id.ends_with('"'), "{id}");
+    assert!(!id.contains("s3cr") && !id.contains("sig"), "{id}");
+    check_random_reads(&b, &n.img, 5, 3);
+    // Same size, other bytes and so another ETag (nginx's is mtime and size): nginx
+    // answers If-Match with 412.
+    let mut other = n.img.clone();
+    other[IMG_LEN - 1] ^= 0xff;
+    std::thread::sleep(Duration::from_millis(1100));
+    std::fs::write(n.dir.join("data/replaced"), &other).unwrap();
+    let mut buf = vec![0; 100_000];
+    let e = b.read(&mut buf, 100_000).unwrap_err().to_string();
+    assert!(e.contains("changed while it was read") && e.contains(&n.url("auth/replaced")), "{e}");
+    assert_eq!(b.retries_done(), 0, "a change is not retried");
+    std::fs::remove_file(n.dir.join("data/replaced")).unwrap();
+}
+
 /// A server that answers its `i`-th request (from 0) with a 302 to `targets[i]` (the last
 /// one for every later request); returns its port and how many it answered.
 fn redirector(targets: Vec<String>) -> (u16, Arc<AtomicU64>) {

@@ -159,11 +159,12 @@ fn store(s: &str) -> Result<Option<Store>, ParseError> {
         return Ok(Some(Store::Http(s.to_string())));
     }
     if lower.starts_with("s3://") {
-        let rest = &s[5..];
-        match rest.split_once('/') {
-            Some((b, k)) if !b.is_empty() && !k.is_empty() => return Ok(Some(Store::S3(s.to_string()))),
-            _ => return Err(ParseError(format!("{s:?} is not s3://BUCKET/KEY"))),
-        }
+        // Checked whole here (a key with a `.` or `..` segment is refused before anything
+        // is opened or created), and kept as written: `?` and `#` are part of the key.
+        return match ferry_s3::S3Url::parse(s) {
+            Ok(_) => Ok(Some(Store::S3(s.to_string()))),
+            Err(e) => Err(ParseError(e.to_string())),
+        };
     }
     if s.starts_with("rbd:") {
         return Ok(Some(Store::Rbd(s.to_string())));
@@ -207,6 +208,11 @@ mod tests {
         assert_eq!(p("s3://b/k/x").unwrap(), image(Store::S3("s3://b/k/x".into()), None));
         assert!(p("s3://b").is_err());
         assert!(p("s3:///k").is_err());
+        assert_eq!(p("s3://b/q?x=1#f").unwrap(), image(Store::S3("s3://b/q?x=1#f".into()), None));
+        for dots in ["s3://a/../b/k", "raw:s3://b/d/./s/../k", "s3://b/..", "s3://b/%2e%2e/k"] {
+            let e = p(dots).unwrap_err().to_string();
+            assert!(e.contains("segment"), "{dots}: {e}");
+        }
         assert!(p("").is_err());
         assert!(p("qcow2:").is_err());
         assert!(p("qcow2:-").is_err());

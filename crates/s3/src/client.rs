@@ -14,6 +14,9 @@ pub(crate) const SIGN_FOR: Duration = Duration::from_secs(3600);
 /// The most of an answer's body kept (S3's XML answers are small; a ListParts page of
 /// 1000 parts is about 250 KiB).
 const MAX_ANSWER_BYTES: u64 = 4 << 20;
+/// The longest part ETag kept from ListParts (S3's are 34 bytes; a longer one is refused,
+/// so a hostile answer cannot make ferry hold more than 10,000 of these).
+pub(crate) const MAX_PART_ETAG_BYTES: usize = 128;
 /// The longest wait between two tries.
 const MAX_RETRY_DELAY: Duration = Duration::from_secs(30);
 
@@ -46,6 +49,8 @@ pub(crate) struct Client {
     pub credentials_from: String,
     pub retries: u32,
     pub retry_delay: Duration,
+    /// The longest a GET, HEAD or DELETE may take, answer and all (`--request-timeout`).
+    timeout: Option<Duration>,
     headers: Vec<(String, String)>,
 }
 
@@ -64,6 +69,7 @@ impl Client {
             credentials_from: cfg.credentials_from.clone(),
             retries: http.retries,
             retry_delay: http.retry_delay,
+            timeout: http.timeout,
             headers: http.headers.clone(),
         })
     }
@@ -131,10 +137,13 @@ impl Client {
         }
     }
 
-    /// The parts of upload `upload_id` stored so far: (number, ETag, length), following
-    /// ListParts' pages.
-    pub(crate) fn list_parts(&self, upload_id: &str) -> Result<Vec<(u16, String, u64)>, S3Error> {
-        let mut out = Vec::new();
+    /// The parts of upload `upload_id` stored so far: (number, ETag, length), by number,
+    /// following ListParts' pages. The upload has `max_parts` parts: a part numbered
+    /// outside `1..=max_parts`, or with an ETag over [`MAX_PART_ETAG_BYTES`], is an error,
+    /// and a number listed twice counts once (the later one), so at most `max_parts`
+    /// short entries are kept whatever the server sends.
+    pub(crate) fn list_parts(&self, upload_id: &str, max_parts: u64) -> Result<Vec<(u16, String, u64)>, S3Error> {
+        let mut out = std::collections::BTreeMap::new();
         let mut marker: Option<u16> = None;
         for _page in 0..100 {
             let sign = || {
@@ -145,30 +154,17 @@ impl Client {
                 a.sign(SIGN_FOR)
             };
             let a = self.send("ListParts", &sign, Method::Get, &[], &[])?;
-            // Read tag by tag: servers differ in the root's name (ListPartsResult or
-            // ...Response) and rusty-s3's typed parser insists on AWS's.
-            for part in xml_blocks(&a.body, "Part") {
-                let number = xml_text(part, "PartNumber").and_then(|n| n.parse::<u16>().ok());
-                let size = xml_text(part, "Size").and_then(|n| n.parse::<u64>().ok());
-                match (number, xml_text(part, "ETag"), size) {
-                    (Some(n), Some(etag), Some(size)) => out.push((n, etag, size)),
-                    _ => {
-                        return Err(S3Error::Object {
-                            target: self.url.to_string(),
-                            message: format!("ListParts answered a part without number, ETag or size: {part:?}"),
-                        })
-                    }
-                }
-            }
+            parse_parts(&a.body, max_parts, &mut out)
+                .map_err(|message| S3Error::Object { target: self.url.to_string(), message })?;
             let next = xml_text(&a.body, "NextPartNumberMarker").and_then(|n| n.parse::<u16>().ok());
             match next {
                 Some(m) if xml_text(&a.body, "IsTruncated").as_deref() == Some("true") && Some(m) != marker => {
                     marker = Some(m)
                 }
-                _ => return Ok(out),
+                _ => break,
             }
         }
-        Ok(out)
+        Ok(out.into_iter().map(|(n, (etag, size))| (n, etag, size)).collect())
     }
 
     /// Sends a request signed afresh for each try by `sign`, with `headers` (which the
@@ -248,6 +244,8 @@ impl Client {
                 if let Some(p) = &self.proxy {
                     r = r.config().proxy(Some(p.clone())).build();
                 }
+                // A small answer: a server trickling it cannot hold the request longer.
+                r = r.config().timeout_global(self.timeout).build();
                 r.call()?
             }
             Method::Put | Method::Post => {
@@ -305,7 +303,12 @@ impl Client {
                 "access denied: the credentials from {creds} are not allowed to do {} on {target}; ask for the permission",
                 op.split_whitespace().next().unwrap_or(op)
             ),
-            Some("PermanentRedirect" | "AuthorizationHeaderMalformed" | "IllegalLocationConstraintException") => {
+            Some(
+                "PermanentRedirect"
+                | "TemporaryRedirect"
+                | "AuthorizationHeaderMalformed"
+                | "IllegalLocationConstraintException",
+            ) => {
                 format!("the bucket {bucket} is not in region {}: set AWS_REGION to its region", self.bucket.region())
             }
             Some("RequestTimeTooSkewed") => "this machine's clock is too far off the server's: set the time".into(),
@@ -316,6 +319,10 @@ impl Client {
             Some("SlowDown") => "the server asks to slow down: retry later or with fewer workers".into(),
             Some(other) => format!("S3 error {other}"),
             None if status == 403 => format!("access denied (HTTP 403): check the credentials from {creds}"),
+            None if (300..400).contains(&status) => format!(
+                "the server answered with a redirect (HTTP {status}), which signed requests do not follow: \
+                 check AWS_ENDPOINT_URL and AWS_REGION"
+            ),
             None => format!("HTTP {status}"),
         };
         S3Error::Service { target, op: op.to_string(), status, code, message, hint }
@@ -352,6 +359,36 @@ pub(crate) fn credentials(cfg: &S3Config) -> Credentials {
         Some(t) => Credentials::new_with_token(&cfg.access_key_id, &cfg.secret_access_key, t),
         None => Credentials::new(&cfg.access_key_id, &cfg.secret_access_key),
     }
+}
+
+/// The `<Part>`s of one ListParts page, into `out` by number: (ETag, size). Read tag by
+/// tag: servers differ in the root's name (ListPartsResult or ...Response) and rusty-s3's
+/// typed parser insists on AWS's. Numbers outside `1..=max_parts` and ETags over
+/// [`MAX_PART_ETAG_BYTES`] are errors; what `out` holds stays within `max_parts` entries.
+pub(crate) fn parse_parts(
+    body: &str,
+    max_parts: u64,
+    out: &mut std::collections::BTreeMap<u16, (String, u64)>,
+) -> Result<(), String> {
+    let shown = |part: &str| format!("{:?}", part.chars().take(200).collect::<String>());
+    for part in xml_blocks(body, "Part") {
+        let number = xml_text(part, "PartNumber").and_then(|n| n.parse::<u16>().ok());
+        let size = xml_text(part, "Size").and_then(|n| n.parse::<u64>().ok());
+        let (Some(n), Some(etag), Some(size)) = (number, xml_text(part, "ETag"), size) else {
+            return Err(format!("ListParts answered a part without number, ETag or size: {}", shown(part)));
+        };
+        if n == 0 || u64::from(n) > max_parts {
+            return Err(format!("ListParts answered part {n}, but the upload has parts 1 to {max_parts} only"));
+        }
+        if etag.len() > MAX_PART_ETAG_BYTES {
+            return Err(format!(
+                "ListParts answered part {n} with an ETag of {} bytes (at most {MAX_PART_ETAG_BYTES} are expected)",
+                etag.len()
+            ));
+        }
+        out.insert(n, (etag, size));
+    }
+    Ok(())
 }
 
 /// `body` is an S3 `<Error>` document.
@@ -430,5 +467,39 @@ mod tests {
         assert!(!is_error_body(""));
         let x = "<U><UploadId>a</UploadId><UploadId>b</UploadId><UploadId>c";
         assert_eq!(xml_texts(x, "UploadId"), ["a", "b"]);
+    }
+
+    fn part(n: &str, etag: &str) -> String {
+        format!("<Part><PartNumber>{n}</PartNumber><ETag>{etag}</ETag><Size>5</Size></Part>")
+    }
+
+    #[test]
+    fn list_parts_keeps_only_the_uploads_parts() {
+        let mut out = std::collections::BTreeMap::new();
+        let page = format!(
+            "<ListPartsResult>{}{}{}</ListPartsResult>",
+            part("2", "\"b\""),
+            part("1", "\"a\""),
+            part("2", "\"c\"")
+        );
+        parse_parts(&page, 3, &mut out).unwrap();
+        assert_eq!(out.len(), 2, "a number listed twice counts once");
+        assert_eq!(out[&2], ("\"c\"".to_string(), 5));
+        for bad in ["0", "4", "65535"] {
+            let e = parse_parts(&part(bad, "\"x\""), 3, &mut out).unwrap_err();
+            assert!(e.contains(&format!("part {bad}")) && e.contains("1 to 3"), "{e}");
+        }
+        assert!(parse_parts(&part("99999", "\"x\""), 3, &mut out).unwrap_err().contains("without number"));
+        let e = parse_parts(&part("1", &"e".repeat(MAX_PART_ETAG_BYTES + 1)), 3, &mut out).unwrap_err();
+        assert!(e.contains("ETag of 129 bytes"), "{e}");
+        parse_parts(&part("1", &"e".repeat(MAX_PART_ETAG_BYTES)), 3, &mut out).unwrap();
+
+        // A hostile page of 10,000 repeats of one huge part keeps nothing of it; one of
+        // many small repeats keeps one entry.
+        let huge = part("1", &"e".repeat(100_000)).repeat(40);
+        assert!(parse_parts(&huge, 10_000, &mut std::collections::BTreeMap::new()).is_err());
+        let mut out = std::collections::BTreeMap::new();
+        parse_parts(&part("7", "\"x\"").repeat(10_000), 10_000, &mut out).unwrap();
+        assert_eq!(out.len(), 1);
     }
 }

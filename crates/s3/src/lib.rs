@@ -196,6 +196,9 @@ impl Backend for EmptyObject {
     fn flush(&self) -> ferry_backend::Result<()> {
         Ok(())
     }
+    fn identity(&self) -> Option<String> {
+        Some(format!("{} size=0", self.0))
+    }
 }
 
 /// The IDs of the multipart uploads of `url` in progress (started, neither completed
@@ -216,7 +219,10 @@ pub fn abort_upload(url: &S3Url, cfg: &S3Config, http: &HttpOptions, upload_id: 
 /// First one signed GET of the object's first byte (with this crate's own client), so
 /// that a missing object or bucket, refused credentials or a wrong region come back as
 /// S3's reason and what to do; then `ferry_http::HttpBackend::open_located` with an
-/// [`S3Locator`] does the reading.
+/// [`S3Locator`] does the reading, pinned to the object's ETag (and version id) as its
+/// first answer gave them: `If-Match` on every later GET, and an object replaced while it
+/// is read is an error ("changed while it was read"), never a mix of two versions. Its
+/// [`Backend::identity`] is the `s3://` spec, the size and those validators.
 pub fn open_source(url: &S3Url, cfg: &S3Config, http: &HttpOptions) -> Result<Arc<dyn Backend>, S3Error> {
     let client = Client::new(url, cfg, http)?;
     let sign = || client.bucket.get_object(Some(&client.creds), &url.key).sign(SIGN_FOR);

@@ -12,8 +12,11 @@ pub const MAX_KEY_BYTES: usize = 1024;
 /// may contain further `/`, and it is **not** percent-decoded (`s3://b/a%20b` names the
 /// key `a%20b`, as the AWS CLI reads it), so every key S3 can hold can be written down.
 /// Characters that need escaping in a URL (space, `%`, `?`, `#`, non-ASCII) are escaped
-/// when requests are signed. The key must be non-empty, at most 1024 bytes, and free of
-/// control characters; the bucket is 1 to 255 characters of `A-Z a-z 0-9 . - _` (AWS is
+/// when requests are signed, so `s3://b/q?x=1#f` is the key `q?x=1#f`. The key must be
+/// non-empty, at most 1024 bytes, free of control characters, and free of `.` and `..`
+/// segments, percent-encoded or not (`a/./b`, `../k`, `a/%2e%2e/b`): URL code resolves
+/// those (`s3://a/../b/k` would write to bucket `b`), so no such key is sent anywhere;
+/// the bucket is the bucket is 1 to 255 characters of `A-Z a-z 0-9 . - _` (AWS is
 /// stricter, 3-63 lowercase; other S3 servers and old AWS buckets are not, so the server
 /// has the last word).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -54,8 +57,40 @@ impl S3Url {
         if key.chars().any(|c| c.is_control()) {
             return Err(bad("the key contains a control character".into()));
         }
+        if let Some(seg) = dot_segment(key) {
+            return Err(bad(format!(
+                "the key has a {seg:?} path segment, which URLs resolve to another object (or bucket): \
+                 ferry refuses such keys; rename the object without '.' or '..' segments"
+            )));
+        }
         Ok(S3Url { bucket: bucket.to_string(), key: key.to_string() })
     }
+}
+
+/// The first `.` or `..` segment of `key` (split at `/`), after percent-decoding (so
+/// `%2e%2E` and `a%2f..` count too).
+fn dot_segment(key: &str) -> Option<&'static str> {
+    let bytes = key.as_bytes();
+    let mut decoded = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| char::from(b).to_digit(16);
+        match (bytes[i], bytes.get(i + 1).and_then(|&b| hex(b)), bytes.get(i + 2).and_then(|&b| hex(b))) {
+            (b'%', Some(h), Some(l)) => {
+                decoded.push((h * 16 + l) as u8);
+                i += 3;
+            }
+            (b, _, _) => {
+                decoded.push(b);
+                i += 1;
+            }
+        }
+    }
+    decoded.split(|&b| b == b'/').find_map(|seg| match seg {
+        b"." => Some("."),
+        b".." => Some(".."),
+        _ => None,
+    })
 }
 
 /// `s` with whatever stands before an `@` in its authority replaced, so a URL someone
@@ -110,6 +145,23 @@ mod tests {
             let e = S3Url::parse(s).unwrap_err().to_string();
             assert!(e.contains(why), "{s}: {e}");
             assert!(!e.contains("pw"), "{e}");
+        }
+        for s in [
+            "s3://a/../b/k",
+            "s3://b/..",
+            "s3://b/.",
+            "s3://b/d/./s/../k",
+            "s3://b/k/..",
+            "s3://b/%2e%2e/k",
+            "s3://b/%2E/k",
+            "s3://b/.%2e",
+            "s3://b/a%2f..%2Fb",
+        ] {
+            let e = S3Url::parse(s).unwrap_err().to_string();
+            assert!(e.contains("segment") && e.contains(s), "{s}: {e}");
+        }
+        for ok in ["s3://b/...", "s3://b/.hidden", "s3://b/a./b", "s3://b/..k", "s3://b/%2e%2ex", "s3://b/%zz/.k"] {
+            assert!(S3Url::parse(ok).is_ok(), "{ok}");
         }
         let long = format!("s3://b/{}", "k".repeat(1025));
         assert!(S3Url::parse(&long).unwrap_err().to_string().contains("at most 1024"));

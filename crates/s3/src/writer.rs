@@ -42,6 +42,14 @@ pub fn part_size_for(size: u64) -> Result<u64, String> {
     Ok(part)
 }
 
+/// The most bytes of part buffers a writer holds: `memory_limit`, raised to three parts
+/// (so parts can fill while others upload). With the default 512 MiB that is 512 MiB for
+/// parts up to 128 MiB (objects up to 1.2 TiB), then 768 MiB, 1.5 GiB and, for 1 GiB
+/// parts (objects over 4.9 TiB), 3 GiB.
+pub(crate) fn held_limit(memory_limit: u64, part_size: u64) -> u64 {
+    memory_limit.max(part_size.saturating_mul(3))
+}
+
 /// How an [`S3Writer`] sizes its parts and its memory.
 #[derive(Debug, Clone)]
 pub struct WriterOptions {
@@ -221,7 +229,7 @@ impl S3Writer {
             client,
             size,
             part_size,
-            memory_limit: opts.memory_limit.max(part_size.saturating_mul(3)),
+            memory_limit: held_limit(opts.memory_limit, part_size),
             stall_timeout: opts.stall_timeout,
             upload_id,
             state: Mutex::new(State { parts, held: 0, progress: 0, phase: Phase::Open }),
@@ -278,12 +286,20 @@ impl S3Writer {
         let part_size = checked_part_size(url, size, opts)?;
         let nparts = size.div_ceil(part_size);
         let mut done = Vec::new();
-        let stored = client.list_parts(&upload_id).map_err(|e| match e.code() {
-            Some("NoSuchUpload") => S3Error::Object {
+        let stored = client.list_parts(&upload_id, nparts).map_err(|e| match e {
+            e if e.code() == Some("NoSuchUpload") => S3Error::Object {
                 target: url.to_string(),
                 message: format!(
                     "the interrupted upload {upload_id} no longer exists (it was aborted, completed or expired): \
                      nothing is left to resume; start the upload afresh (`ferry copy --restart`)"
+                ),
+            },
+            // A part this upload cannot have (another size or part size), or a hostile answer.
+            S3Error::Object { target, message } => S3Error::Object {
+                target,
+                message: format!(
+                    "cannot resume upload {upload_id}: {message}; resume with the size and part size it was \
+                     started with, or abort it (`aws s3api abort-multipart-upload`) and copy afresh"
                 ),
             },
             _ => e,
@@ -919,6 +935,22 @@ mod tests {
             let p = part_size_for(size).unwrap();
             assert!(size.div_ceil(p) <= MAX_PARTS && p.is_power_of_two() && p >= MIN_PART_SIZE, "{size}");
         }
+    }
+
+    #[test]
+    fn buffered_bytes_for_every_object_size() {
+        let limit = WriterOptions::default().memory_limit;
+        assert_eq!(limit, 512 * MIB);
+        let held = |size: u64| held_limit(limit, part_size_for(size).unwrap());
+        // README: at most 512 MiB up to 1.2 TiB (parts up to 128 MiB) ...
+        for size in [0, 1, GIB, 100 * GIB, 10_000 * 128 * MIB] {
+            assert_eq!(held(size), 512 * MIB, "{size}");
+        }
+        // ... then three parts: 768 MiB, 1.5 GiB, and 3 GiB at 5 TiB.
+        assert_eq!(held(10_000 * 128 * MIB + 1), 768 * MIB);
+        assert_eq!(held(10_000 * 256 * MIB + 1), 1536 * MIB);
+        assert_eq!(held(10_000 * 512 * MIB + 1), 3 * GIB);
+        assert_eq!(held(MAX_OBJECT_SIZE), 3 * GIB);
     }
 
     #[test]
