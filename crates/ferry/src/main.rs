@@ -49,6 +49,32 @@ enum Command {
     Bitmap(bitmap::BitmapArgs),
 }
 
+/// The logger with the HTTP library's trace taken out, whatever `RUST_LOG` says: ureq's
+/// (and ureq_proto's) trace prints whole requests, a presigned URL's signature and
+/// security token and an `Authorization` header among them. Its debug lines carry no
+/// secret and stay.
+struct NoHttpTrace(env_logger::Logger);
+
+impl NoHttpTrace {
+    fn hidden(meta: &log::Metadata) -> bool {
+        meta.level() == log::Level::Trace && meta.target().starts_with("ureq")
+    }
+}
+
+impl log::Log for NoHttpTrace {
+    fn enabled(&self, meta: &log::Metadata) -> bool {
+        !Self::hidden(meta) && self.0.enabled(meta)
+    }
+    fn log(&self, record: &log::Record) {
+        if !Self::hidden(record.metadata()) {
+            self.0.log(record);
+        }
+    }
+    fn flush(&self) {
+        self.0.flush();
+    }
+}
+
 fn main() {
     let cli = Cli::parse();
     let level = match (cli.quiet, cli.verbose) {
@@ -57,12 +83,15 @@ fn main() {
         (false, 1) => "debug",
         _ => "trace",
     };
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or(level))
-        // ureq's (and ureq_proto's) trace prints whole URLs, a presigned one's signature too.
-        .filter_module("ureq", log::LevelFilter::Debug)
+    let logger = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or(level))
         .format_target(false)
         .format_timestamp(None)
-        .init();
+        .build();
+    let max = logger.filter();
+    // A failed init means a logger is already set (never, in this binary): keep that one.
+    if log::set_boxed_logger(Box::new(NoHttpTrace(logger))).is_ok() {
+        log::set_max_level(max);
+    }
     let result = match cli.command {
         Command::Serve(args) => serve::run(args),
         Command::Copy(args) => copy::run(args, cli.quiet),
