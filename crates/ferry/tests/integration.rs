@@ -34,5 +34,6 @@ mod qcow2_overlay;
 mod qcow2_safety;
 mod rbd;
 mod remote_images;
+mod resume_safety;
 mod robustness;
 mod zerocopy;
