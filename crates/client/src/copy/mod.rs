@@ -1476,6 +1476,45 @@ mod tests {
     }
 
     #[test]
+    fn a_rewound_queue_hands_out_again_and_its_watermark_waits_for_it() {
+        let mut q = Queue {
+            extents: vec![(0, 4 << 20, Kind::Data), (4 << 20, 4 << 20, Kind::Zero)],
+            idx: 0,
+            pos: 0,
+            request_size: 1 << 20,
+            zero_chunk: 1 << 30,
+            streaming: false,
+            stream_end: false,
+            pending: Some(Default::default()),
+            high: 0,
+        };
+        let first: Vec<Item> = (0..3).map(|_| q.next().unwrap()).collect();
+        assert!(first.iter().all(|i| !i.again));
+        q.finished(0);
+        q.finished(1 << 20);
+        assert_eq!(q.watermark(), 2 << 20);
+        // A destination reconnect: what was flushed ends at 1 MiB.
+        q.rewind(1 << 20);
+        assert_eq!(q.watermark(), 1 << 20, "the watermark may not pass what goes again");
+        let again = q.next().unwrap();
+        assert_eq!((again.offset, again.again), (1 << 20, true));
+        let dup = q.next().unwrap();
+        assert_eq!((dup.offset, dup.again), (2 << 20, true), "the item still out is handed out again too");
+        // The lost connection's late reply for the first hand-out of 2 MiB does not
+        // finish its second.
+        q.finished(1 << 20);
+        q.finished(2 << 20);
+        assert_eq!(q.watermark(), 2 << 20);
+        q.finished(2 << 20);
+        assert_eq!(q.watermark(), 3 << 20);
+        let fresh = q.next().unwrap();
+        assert_eq!((fresh.offset, fresh.again), (3 << 20, false));
+        let zero = q.next().unwrap();
+        assert_eq!((zero.offset, zero.kind, zero.again), (4 << 20, Kind::Zero, false));
+        assert!(q.next().is_none());
+    }
+
+    #[test]
     fn zero_blocks_and_the_file_probe_agree() {
         let zb = 16 * 1024;
         let mut data = vec![0u8; 5 * zb + 100];
