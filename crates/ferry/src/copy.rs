@@ -405,13 +405,14 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
         proof.verify(&args, src, dst, &opts, &report, d)?;
     }
     // Writes the destination acknowledged before its connection was lost may be gone
-    // with the server that held them: never report such a copy as done unproven.
-    if report.dst_reconnects > 0 && !args.verify {
+    // with the server that held them: never report such a copy as done unproven (a
+    // --resume copy sent again everything acknowledged since the last flush).
+    if report.dst_reconnects_unproven > 0 && !args.verify {
         anyhow::bail!(
             "the destination's connection was lost and reopened {} time(s): writes it had acknowledged \
              before may be lost if the server did not keep them, so this copy is not known to be complete; \
              check it with `ferry hash`, or run the copy again with --verify (which proves the result)",
-            report.dst_reconnects
+            report.dst_reconnects_unproven
         );
     }
     if args.stats && !quiet {

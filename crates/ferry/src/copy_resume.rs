@@ -4,10 +4,21 @@
 //! A local destination file has its journal beside it (`DST.ferry-resume`); any other
 //! destination (NBD, RBD, a block device) has it in the state directory (`--resume-dir`,
 //! else `$XDG_STATE_HOME/ferry/resume`, else `~/.local/state/ferry/resume`), named by a
-//! hash of the destination's spec. The source is identified by its spec and, for each
-//! local file read (the image, its backing chain), device, inode, size and mtime, so a
-//! source changed since the first run is refused; the destination by its spec and, for a
-//! local file, device and inode.
+//! hash of the destination's spec (without a password or query string, so that a
+//! re-signed URL finds its journal). The state directory is made 0700, journals are 0600.
+//!
+//! What identifies the source, so that one changed since the first run is refused:
+//! * each local file read (the image, its backing chain): device, inode, size and mtime;
+//! * a block device: its node (device number), size, what backs it (a loop device's
+//!   backing file with that file's device, inode, size and mtime; a device-mapper
+//!   device's UUID, which a re-created LVM snapshot does not keep) and a SHA-256 of 16
+//!   blocks of 4 KiB sampled across it (first and last included), read again on resume;
+//! * a remote object: what its backend says ([`ferry_backend::Backend::identity`]: the
+//!   URL without secrets, size and validator), else its spec without secrets.
+//!
+//! The destination is identified by its spec (without secrets) and, for a local file,
+//! device and inode. No identity holds a password, a query string or a token, and
+//! errors show identities redacted.
 //!
 //! An upload to S3 keeps no watermark: parts are durable once stored, and the store
 //! itself lists them (ListParts). Its journal keys the copy as any other does and names
@@ -16,12 +27,13 @@
 //! same object without `--resume`, aborts the upload a journal names before removing it.
 
 use super::CopyArgs;
+use crate::remote_args::shown;
 use anyhow::{bail, Context, Result};
 use ferry_client::copy::journal::{self, Journal, Record};
 use ferry_client::copy::Endpoint;
 use ferry_http::HttpOptions;
 use ferry_open::{Location, ResumableUpload, Source, Store};
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
 /// A `--resume` copy before its destination is opened: the journal's place, the key
@@ -99,34 +111,99 @@ fn journal_path(args: &CopyArgs, dst_loc: &Location) -> Result<PathBuf> {
             return Ok(PathBuf::from(s));
         }
     }
+    // Without secrets: a URL signed again names the same destination and journal.
     let mut digest = [0u8; 32];
-    ferry_hash::Algorithm::Sha256.digest_into(args.dst.as_bytes(), &mut digest);
+    ferry_hash::Algorithm::Sha256.digest_into(shown(&args.dst).as_bytes(), &mut digest);
     Ok(state_dir(args)?.join(format!("{}.ferry-resume", ferry_hash::hex(&digest[..16]))))
 }
 
-/// Device, inode, size and mtime of a local file.
-fn file_identity(p: &Path, with_time: bool) -> Result<String> {
+/// Device, inode, size and mtime of a local file; of a block device source (`content`)
+/// what backs it and a fingerprint of its content too (see the module's notes).
+fn file_identity(p: &Path, content: bool) -> Result<String> {
     let m = std::fs::metadata(p).with_context(|| format!("--resume: cannot look at {}", p.display()))?;
     let canon = std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
     let mut s = format!("file:{} dev={} ino={}", canon.display(), m.dev(), m.ino());
-    if m.file_type().is_file() && with_time {
+    if m.file_type().is_file() && content {
         s += &format!(" size={} mtime={}.{:09}", m.size(), m.mtime(), m.mtime_nsec());
     }
     if !m.file_type().is_file() {
         s += &format!(" rdev={}", m.rdev());
     }
+    if content && std::os::unix::fs::FileTypeExt::is_block_device(&m.file_type()) {
+        s += &device_identity(p, m.rdev())?;
+    }
+    Ok(s)
+}
+
+/// Blocks of [`FINGERPRINT_BLOCK`] bytes a block device's fingerprint samples.
+const FINGERPRINT_BLOCKS: u64 = 16;
+const FINGERPRINT_BLOCK: u64 = 4096;
+
+/// What pins a block device's content beyond its node, which a loop device or an LVM
+/// snapshot re-created with other contents keeps: its size, its backing (a loop device's
+/// file: path, device, inode, size, mtime; a device-mapper UUID) and a SHA-256 of 16
+/// sampled 4 KiB blocks at fixed places (first and last included).
+fn device_identity(p: &Path, rdev: u64) -> Result<String> {
+    let f = std::fs::File::open(p).with_context(|| format!("--resume: cannot open {} to identify it", p.display()))?;
+    let size = std::io::Seek::seek(&mut &f, std::io::SeekFrom::End(0))
+        .with_context(|| format!("--resume: the size of {}", p.display()))?;
+    let mut s = format!(" size={size}");
+    // Linux's dev_t: major in bits 8-19 and 32-63, minor in bits 0-7 and 20-31.
+    let (major, minor) = (((rdev >> 8) & 0xfff) | ((rdev >> 32) & !0xfff), (rdev & 0xff) | ((rdev >> 12) & !0xff));
+    let sys = PathBuf::from(format!("/sys/dev/block/{major}:{minor}"));
+    let read = |rel: &str| std::fs::read_to_string(sys.join(rel)).ok().map(|t| t.trim_end_matches('\n').to_string());
+    if let Some(backing) = read("loop/backing_file") {
+        s += &format!(" loop-backing={backing:?}");
+        let file = backing.strip_suffix(" (deleted)").unwrap_or(&backing);
+        match std::fs::metadata(file) {
+            Ok(b) => {
+                s += &format!(
+                    " backing-dev={} backing-ino={} backing-size={} backing-mtime={}.{:09}",
+                    b.dev(),
+                    b.ino(),
+                    b.size(),
+                    b.mtime(),
+                    b.mtime_nsec()
+                )
+            }
+            Err(_) => s += " backing-gone",
+        }
+        if let Some(off) = read("loop/offset") {
+            s += &format!(" loop-offset={off}");
+        }
+    }
+    if let Some(uuid) = read("dm/uuid").filter(|u| !u.is_empty()) {
+        s += &format!(" dm-uuid={uuid}");
+    }
+    // The fingerprint: whole blocks at fixed places, the last one ending at the end.
+    let mut sample = Vec::with_capacity((FINGERPRINT_BLOCKS * FINGERPRINT_BLOCK) as usize);
+    let mut buf = vec![0u8; FINGERPRINT_BLOCK as usize];
+    let last = size.saturating_sub(FINGERPRINT_BLOCK);
+    for i in 0..FINGERPRINT_BLOCKS {
+        let at = last / (FINGERPRINT_BLOCKS - 1) * i;
+        let at = if i == FINGERPRINT_BLOCKS - 1 { last } else { at / FINGERPRINT_BLOCK * FINGERPRINT_BLOCK };
+        let n = FINGERPRINT_BLOCK.min(size - at.min(size)) as usize;
+        f.read_exact_at(&mut buf[..n], at)
+            .with_context(|| format!("--resume: cannot read {} at offset {at} to identify it", p.display()))?;
+        sample.extend_from_slice(&buf[..n]);
+    }
+    let mut digest = [0u8; 32];
+    ferry_hash::Algorithm::Sha256.digest_into(&sample, &mut digest);
+    s += &format!(" sampled-sha256={}", ferry_hash::hex(&digest));
     Ok(s)
 }
 
 /// The source's identity: its spec, and every local file it reads.
 fn source_identity(args: &CopyArgs, source: &Source) -> Result<String> {
     if matches!(source.endpoint, Endpoint::Stdio) {
-        bail!("--resume: the source {:?} is a stream, which cannot be read from the middle", args.src);
+        bail!("--resume: the source {:?} is a stream, which cannot be read from the middle", shown(&args.src));
     }
     if source.files.is_empty() {
         return match &source.endpoint {
             Endpoint::File(p) => file_identity(p, true),
-            _ => Ok(args.src.clone()),
+            // A remote object: its validator where the backend has one; never a secret.
+            Endpoint::Backend(b) => Ok(b.backend().identity().unwrap_or_else(|| shown(&args.src))),
+            _ => Ok(shown(&args.src)),
         };
     }
     // A local image: its files, however the spec names them.
@@ -168,11 +245,14 @@ impl Prepared {
             );
         }
         if matches!(dst_loc, Location::Stdio | Location::Null) {
-            bail!("--resume: the destination {:?} is a stream or null:, which cannot be resumed", args.dst);
+            bail!("--resume: the destination {:?} is a stream or null:, which cannot be resumed", shown(&args.dst));
         }
         let path = journal_path(args, dst_loc)?;
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).with_context(|| format!("--resume: cannot create {}", dir.display()))?;
+            // The state directory: its owner's only (a journal names what is copied).
+            std::os::unix::fs::DirBuilderExt::mode(std::fs::DirBuilder::new().recursive(true), 0o700)
+                .create(dir)
+                .with_context(|| format!("--resume: cannot create {}", dir.display()))?;
         }
         if args.restart {
             discard(args, dst_loc, &path, http)?;
@@ -208,7 +288,7 @@ impl Prepared {
     /// names the upload, stored now by a first run (before any part is sent), checked
     /// against this copy by a resumed one.
     pub fn open_upload(self, args: &CopyArgs, upload_id: &str) -> Result<UploadJournal> {
-        let record = Record { destination: format!("{}{UPLOAD_TAG}{upload_id}", args.dst), ..self.key };
+        let record = Record { destination: format!("{}{UPLOAD_TAG}{upload_id}", shown(&args.dst)), ..self.key };
         match &self.stored {
             Some(r) => {
                 if let Some(why) = r.differs(&record) {
@@ -242,12 +322,12 @@ impl Prepared {
                 file_identity(p, false)?
             }
             Endpoint::Backend(b) => match local_file_of(args) {
-                Some(p) => format!("{} [{}]", b.name(), file_identity(&p, false)?),
-                None => b.name().to_string(),
+                Some(p) => format!("{} [{}]", shown(b.name()), file_identity(&p, false)?),
+                None => shown(b.name()),
             },
-            Endpoint::Nbd(_) => args.dst.clone(),
+            Endpoint::Nbd(_) => shown(&args.dst),
             Endpoint::Stdio | Endpoint::Null => {
-                bail!("--resume: the destination {:?} is a stream or null:, which cannot be resumed", args.dst)
+                bail!("--resume: the destination {:?} is a stream or null:, which cannot be resumed", shown(&args.dst))
             }
         };
         let key = Record { destination, ..self.key };

@@ -20,19 +20,19 @@ const IN_FLIGHT: u64 = 2 * REQUEST;
 const RATE: &str = "8M";
 
 /// What nbdkit's `pattern` plugin serves: each 8-byte word is its own offset, big-endian.
-fn pattern(size: u64) -> Vec<u8> {
+pub(crate) fn pattern(size: u64) -> Vec<u8> {
     (0..size / 8).flat_map(|i| (i * 8).to_be_bytes()).collect()
 }
 
 /// An nbdkit of our own (not [`Nbdkit`]): stopped with SIGTERM so that the stats filter
 /// writes its file.
-struct Kit {
+pub(crate) struct Kit {
     child: Child,
     sock: PathBuf,
 }
 
 impl Kit {
-    fn start(sock: &Path, args: &[&str]) -> Kit {
+    pub(crate) fn start(sock: &Path, args: &[&str]) -> Kit {
         require("nbdkit");
         let _ = std::fs::remove_file(sock);
         let child = Command::new("nbdkit")
@@ -51,12 +51,18 @@ impl Kit {
         Kit { child, sock: sock.to_owned() }
     }
 
-    fn uri(&self) -> String {
+    pub(crate) fn uri(&self) -> String {
         format!("nbd+unix:///?socket={}", self.sock.display())
     }
 
+    /// SIGKILL, and waits for the exit: what the server had not written goes with it.
+    pub(crate) fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
     /// SIGTERM, and waits for the exit (the stats file is written then).
-    fn stop(&mut self) {
+    pub(crate) fn stop(&mut self) {
         let _ = Command::new("kill").arg(self.child.id().to_string()).status();
         let _ = self.child.wait();
     }
@@ -85,7 +91,7 @@ fn stats_read_bytes(file: &Path) -> u64 {
     (num.parse::<f64>().unwrap() * mult) as u64
 }
 
-fn ferry_copy(args: &[&str]) -> Command {
+pub(crate) fn ferry_copy(args: &[&str]) -> Command {
     let mut c = Command::new(ferry_bin());
     c.arg("copy").args(args).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
     c
@@ -123,7 +129,7 @@ fn kill_at_progress(args: &[&str], journal: &dyn Fn() -> PathBuf, at: u64, jitte
 }
 
 /// Runs `ferry copy ARGS` to its end; (exit success, stderr).
-fn run_copy(args: &[&str]) -> (bool, String) {
+pub(crate) fn run_copy(args: &[&str]) -> (bool, String) {
     let out = ferry_copy(args).output().expect("run ferry");
     (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
 }

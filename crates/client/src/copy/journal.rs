@@ -24,9 +24,16 @@
 //!
 //! Every store writes a temporary file beside the journal, syncs it, renames it over the
 //! journal and syncs the directory, so a crash leaves the old or the new journal, whole.
+//! The temporary file has a random name and is made with `O_CREAT | O_EXCL | O_NOFOLLOW`
+//! and mode 0600 (nothing planted under its name is written through, and the journal is
+//! readable by its owner only); a journal is opened with `O_NOFOLLOW`, so a symbolic link
+//! planted at its path is refused, never read or written through. The identities hold
+//! no secret (the caller redacts them: no password, no query string), and every message
+//! that shows one redacts it again ([`redacted`]), for journals written before.
 
 use std::fmt::Write as _;
 use std::io::{self, Write as _};
+use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -126,6 +133,28 @@ fn unescape(s: &str) -> Option<String> {
     Some(out)
 }
 
+/// `identity` as messages show it: every word that is a URL (`SCHEME://...`) without its
+/// userinfo (`user:password@`), query string and fragment, where a password, a
+/// presigned signature or a token would be. Identities ferry builds hold none; this
+/// covers journals written before they were redacted.
+pub fn redacted(identity: &str) -> String {
+    identity
+        .split(' ')
+        .map(|word| {
+            let Some(at) = word.find("://") else { return word.to_string() };
+            let (scheme, rest) = (&word[..at + 3], &word[at + 3..]);
+            let rest = &rest[..rest.find(['?', '#']).unwrap_or(rest.len())];
+            let host_end = rest.find('/').unwrap_or(rest.len());
+            let rest = match rest[..host_end].rfind('@') {
+                Some(i) => &rest[i + 1..],
+                None => rest,
+            };
+            format!("{scheme}{rest}")
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 impl Record {
     /// The file's bytes, checksum line included.
     pub fn encode(&self) -> Vec<u8> {
@@ -163,7 +192,7 @@ impl Record {
         let mut field = |name: &str| -> Result<String, String> {
             let line = lines.next().ok_or_else(|| format!("its {name} line is missing"))?;
             let v = line.strip_prefix(name).and_then(|r| r.strip_prefix(' ')).ok_or_else(|| {
-                format!("expected its {name} line, found {:?}", line.chars().take(40).collect::<String>())
+                format!("expected its {name} line, found {:?}", redacted(&line.chars().take(40).collect::<String>()))
             })?;
             if v.len() > MAX_FIELD_BYTES {
                 return Err(format!("its {name} line is longer than {MAX_FIELD_BYTES} bytes"));
@@ -206,7 +235,8 @@ impl Record {
         if self.source != now.source {
             what.push(format!(
                 "the source is not the same (or changed since): journal has {:?}, now {:?}",
-                self.source, now.source
+                redacted(&self.source),
+                redacted(&now.source)
             ));
         }
         if self.source_size != now.source_size {
@@ -215,7 +245,8 @@ impl Record {
         if self.destination != now.destination {
             what.push(format!(
                 "the destination is not the same: journal has {:?}, now {:?}",
-                self.destination, now.destination
+                redacted(&self.destination),
+                redacted(&now.destination)
             ));
         }
         if self.options != now.options {
@@ -229,12 +260,22 @@ impl Record {
 pub fn load(path: &Path) -> Result<Option<Record>, JournalError> {
     let name = path.display().to_string();
     let io = |source| JournalError::Io { path: name.clone(), source };
-    let f = match std::fs::File::open(path) {
+    let f = match std::fs::OpenOptions::new().read(true).custom_flags(nofollow()).open(path) {
         Ok(f) => f,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) if e.raw_os_error() == Some(rustix::io::Errno::LOOP.raw_os_error()) => {
+            return Err(JournalError::Corrupt {
+                path: name,
+                why: "it is a symbolic link, which ferry never makes (and does not follow); remove it".into(),
+            })
+        }
         Err(e) => return Err(io(e)),
     };
-    let len = f.metadata().map_err(io)?.len();
+    let meta = f.metadata().map_err(io)?;
+    if !meta.is_file() {
+        return Err(JournalError::Corrupt { path: name, why: "it is not a regular file".into() });
+    }
+    let len = meta.len();
     if len > MAX_JOURNAL_BYTES {
         return Err(JournalError::Corrupt {
             path: name,
@@ -246,8 +287,10 @@ pub fn load(path: &Path) -> Result<Option<Record>, JournalError> {
     Record::decode(&bytes).map(Some).map_err(|why| JournalError::Corrupt { path: name, why })
 }
 
-/// Removes the journal at `path`, if there is one.
+/// Removes the journal at `path`, if there is one (a link there goes, not what it
+/// points at), and what stores killed half-way left beside it.
 pub fn remove(path: &Path) -> Result<(), JournalError> {
+    remove_tmp_files(path);
     match std::fs::remove_file(path) {
         Ok(()) => sync_dir(path).map_err(|source| JournalError::Io { path: path.display().to_string(), source }),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
@@ -263,19 +306,75 @@ fn sync_dir(path: &Path) -> io::Result<()> {
     std::fs::File::open(dir)?.sync_all()
 }
 
-/// The temporary file a store writes before renaming it over the journal.
+/// `O_NOFOLLOW`: a symbolic link at the path fails the open.
+fn nofollow() -> i32 {
+    rustix::fs::OFlags::NOFOLLOW.bits() as i32
+}
+
+/// A name for a temporary file beside the journal: `JOURNAL.RANDOM.tmp`. The random part
+/// comes from the standard library's per-process hash keys (seeded by the OS), the time
+/// and a counter; `O_EXCL` makes a name that exists anyway fail, and another is tried.
 fn tmp_path(path: &Path) -> PathBuf {
+    use std::hash::{BuildHasher, Hasher};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+    h.write_u32(std::process::id());
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
     let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
+    tmp.push(format!(".{:016x}.tmp", h.finish()));
     PathBuf::from(tmp)
 }
 
-/// Writes `record` to `path` atomically: temporary file, fsync, rename, fsync of the directory.
+/// Whether `p` is a temporary file of a store of the journal at `path`.
+fn is_tmp_of(path: &Path, p: &Path) -> bool {
+    let (Some(name), Some(other)) = (path.file_name(), p.file_name()) else { return false };
+    let (name, other) = (name.to_string_lossy(), other.to_string_lossy());
+    other
+        .strip_prefix(name.as_ref())
+        .and_then(|r| r.strip_prefix('.'))
+        .and_then(|r| r.strip_suffix(".tmp"))
+        .is_some_and(|r| r.len() == 16 && r.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
+/// Removes what stores killed half-way left beside the journal at `path` (regular files
+/// only; a link planted under such a name goes, not what it points at).
+fn remove_tmp_files(path: &Path) {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for e in entries.flatten() {
+        if is_tmp_of(path, &e.path()) {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
+/// Writes `record` to `path` atomically: a new temporary file (random name, `O_EXCL`,
+/// `O_NOFOLLOW`, mode 0600), fsync, rename over the journal (which replaces a link there
+/// rather than writing through it), fsync of the directory.
 pub fn store(path: &Path, record: &Record) -> Result<(), JournalError> {
     let err = |source| JournalError::Io { path: path.display().to_string(), source };
-    let tmp = tmp_path(path);
-    let write = || -> io::Result<()> {
-        let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).open(&tmp)?;
+    let (tmp, mut f) = {
+        let mut tries = 0;
+        loop {
+            let tmp = tmp_path(path);
+            match std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .custom_flags(nofollow())
+                .open(&tmp)
+            {
+                Ok(f) => break (tmp, f),
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists && tries < 8 => tries += 1,
+                Err(e) => return Err(err(e)),
+            }
+        }
+    };
+    let mut write = || -> io::Result<()> {
         f.write_all(&record.encode())?;
         f.sync_all()?;
         std::fs::rename(&tmp, path)?;
@@ -381,8 +480,6 @@ impl Journal {
 
     /// The copy is complete and flushed: the journal goes.
     pub(crate) fn finish(&self) -> Result<(), JournalError> {
-        // A store killed half-way leaves its temporary file; it goes too.
-        let _ = std::fs::remove_file(tmp_path(&self.path));
         remove(&self.path)
     }
 }
@@ -440,6 +537,41 @@ mod tests {
     }
 
     #[test]
+    fn identities_are_shown_without_secrets() {
+        assert_eq!(
+            redacted("http://u:pa%40ss@h:8/a/b.raw?X-Amz-Signature=s#f size=5 etag=\"x\""),
+            "http://h:8/a/b.raw size=5 etag=\"x\""
+        );
+        assert_eq!(redacted("file:/a?b dev=1 ino=2"), "file:/a?b dev=1 ino=2");
+        assert_eq!(redacted("s3://bucket/key upload=ID"), "s3://bucket/key upload=ID");
+        let r = Record { source: "https://u:secret@h/x?tok=secret".into(), ..rec() };
+        let d = r.differs(&Record { source: "https://h/y".into(), ..rec() }).unwrap();
+        assert!(!d.contains("secret") && d.contains("https://h/x"), "{d}");
+    }
+
+    #[test]
+    fn links_at_the_journal_path_are_neither_followed_nor_written_through() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("target");
+        std::fs::write(&target, b"precious").unwrap();
+        let p = dir.path().join("j");
+        std::os::unix::fs::symlink(&target, &p).unwrap();
+        let e = load(&p).unwrap_err().to_string();
+        assert!(e.contains("symbolic link"), "{e}");
+        let e = Journal::open(p.clone(), rec(), false).unwrap_err().to_string();
+        assert!(e.contains("symbolic link"), "{e}");
+        store(&p, &rec()).unwrap();
+        assert_eq!(std::fs::read(&target).unwrap(), b"precious", "written through the link");
+        assert!(!std::fs::symlink_metadata(&p).unwrap().file_type().is_symlink());
+        assert_eq!(load(&p).unwrap(), Some(rec()));
+        // A link planted where a temporary file of a store could be is not written either.
+        std::os::unix::fs::symlink(&target, dir.path().join("j.0123456789abcdef.tmp")).unwrap();
+        remove(&p).unwrap();
+        assert_eq!(std::fs::read(&target).unwrap(), b"precious");
+        assert!(!dir.path().join("j.0123456789abcdef.tmp").exists());
+    }
+
+    #[test]
     fn store_load_open_remove() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("j");
@@ -449,7 +581,10 @@ mod tests {
         assert_eq!(j.resumed(), None);
         j.store(0, true, 0).unwrap();
         j.store(8 << 20, true, 8 << 20).unwrap();
-        assert!(!dir.path().join("j.tmp").exists());
+        let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(left, vec![std::ffi::OsString::from("j")], "temporary files left");
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(std::fs::metadata(&p).unwrap().permissions().mode() & 0o777, 0o600);
         let j2 = Journal::open(p.clone(), key.clone(), false).unwrap();
         assert_eq!(j2.resumed(), Some((8 << 20, true)));
         let other = Record { destination: "elsewhere".into(), ..key.clone() };

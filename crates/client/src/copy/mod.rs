@@ -290,8 +290,15 @@ pub struct CopyReport {
     pub retries: u64,
     /// Times the destination's connection was lost and reopened. Writes it acknowledged
     /// before that are only there if the server kept them (a restarted server that had
-    /// them in its own memory did not), so such a copy is proven only by reading back.
+    /// them in its own memory did not).
     pub dst_reconnects: u64,
+    /// Of those, the reconnects after which what the lost connection may have lost was
+    /// not sent again: a copy without a journal does not know what was flushed, so it is
+    /// proven only by reading back. A journalled copy (`--resume`) sends everything
+    /// acknowledged since the last flush again (`dst_resent` bytes) and counts none here.
+    pub dst_reconnects_unproven: u64,
+    /// Bytes sent again after destination reconnects (see `dst_reconnects_unproven`).
+    pub dst_resent: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -299,6 +306,9 @@ struct Item {
     offset: u64,
     len: usize,
     kind: Kind,
+    /// Handed out again after a destination reconnect (see [`Queue::rewind`]): counted
+    /// and hashed the first time already.
+    again: bool,
 }
 
 /// Hands out pieces of the source in order.
@@ -312,8 +322,11 @@ struct Queue {
     streaming: bool,
     stream_end: bool,
     /// With a journal: the offsets of the items handed out and not yet finished at the
-    /// destination (the lowest is the watermark).
-    pending: Option<std::collections::BTreeSet<u64>>,
+    /// destination, each with how many times it is out (an item handed out again after a
+    /// rewind may still be finishing on a lost connection); the lowest is the watermark.
+    pending: Option<std::collections::BTreeMap<u64, u32>>,
+    /// The furthest `pos` has been: items below it were handed out before.
+    high: u64,
 }
 
 /// Default of [`CopyOptions::zero_block`]: nbdcopy's request size, whose requests of
@@ -332,7 +345,7 @@ impl Queue {
             if self.stream_end {
                 return None;
             }
-            let it = Item { offset: self.pos, len: self.request_size as usize, kind: Kind::Data };
+            let it = Item { offset: self.pos, len: self.request_size as usize, kind: Kind::Data, again: false };
             self.pos += self.request_size;
             return Some(it);
         }
@@ -348,10 +361,11 @@ impl Queue {
             }
             let max = if kind == Kind::Zero { self.zero_chunk } else { self.request_size };
             let n = (end - self.pos).min(max);
-            let it = Item { offset: self.pos, len: n as usize, kind };
+            let it = Item { offset: self.pos, len: n as usize, kind, again: self.pos < self.high };
             self.pos += n;
+            self.high = self.high.max(self.pos);
             if let Some(p) = &mut self.pending {
-                p.insert(it.offset);
+                *p.entry(it.offset).or_insert(0) += 1;
             }
             return Some(it);
         }
@@ -359,9 +373,33 @@ impl Queue {
     }
 
     /// Every byte below this is finished at the destination: the lowest unfinished item,
-    /// or where the next one starts.
+    /// or where the next one starts, whichever is lower (after a rewind, items above
+    /// `pos` may still be out).
     fn watermark(&self) -> u64 {
-        self.pending.as_ref().and_then(|p| p.first().copied()).unwrap_or(self.pos)
+        let first = self.pending.as_ref().and_then(|p| p.keys().next().copied());
+        first.map_or(self.pos, |f| f.min(self.pos))
+    }
+
+    /// An item handed out at `offset` is finished at the destination.
+    fn finished(&mut self, offset: u64) {
+        if let Some(p) = &mut self.pending {
+            if let Some(n) = p.get_mut(&offset) {
+                *n -= 1;
+                if *n == 0 {
+                    p.remove(&offset);
+                }
+            }
+        }
+    }
+
+    /// Hands the source from `to` (an item boundary: a watermark) on out again: what
+    /// the destination acknowledged above it may be lost.
+    fn rewind(&mut self, to: u64) {
+        if to < self.pos {
+            self.high = self.high.max(self.pos);
+            self.pos = to;
+            self.idx = 0;
+        }
     }
 }
 
@@ -391,6 +429,13 @@ struct Shared<'a> {
     resumed_zeroed: bool,
     /// A worker is storing a journal watermark.
     checkpointing: AtomicBool,
+    /// With a journal: the watermark of the last successful flush of the destination
+    /// (every byte below it was acknowledged before that flush, so it is stable). A
+    /// destination reconnect hands everything above it out again: the lost server may
+    /// have acknowledged writes it never flushed.
+    flushed: AtomicU64,
+    /// Bytes handed out again after destination reconnects.
+    resent: AtomicU64,
 }
 
 impl Shared<'_> {
@@ -609,6 +654,7 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progr
             streaming,
             stream_end: false,
             pending: opts.journal.as_ref().map(|_| Default::default()),
+            high: start,
         }),
         abort: AtomicBool::new(false),
         error: Mutex::new(None),
@@ -623,6 +669,8 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progr
         rate: opts.rate.map(rate::RateLimit::new),
         resumed_zeroed,
         checkpointing: AtomicBool::new(false),
+        flushed: AtomicU64::new(start),
+        resent: AtomicU64::new(0),
     };
     if let (Some(j), None) = (&opts.journal, resumed) {
         // The first run: the destination is open (a new file emptied, a new image made),
@@ -663,19 +711,19 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progr
             socket.add(&c);
         }
     }
-    for (i, (s, mut d, _)) in finished.into_iter().enumerate() {
-        if i == 0 {
-            if streaming {
-                d.set_stream_length(written)?;
-            }
-            if opts.flush || opts.journal.is_some() {
-                d.flush()?;
-            }
-            if let Some(j) = &opts.journal {
-                // Complete and flushed: nothing left to resume.
-                j.finish().map_err(|e| CopyError::Setup(e.to_string()))?;
-            }
+    if let Some(((_, d0, _), rest)) = finished.split_first_mut() {
+        if streaming {
+            d0.set_stream_length(written)?;
         }
+        if opts.flush || opts.journal.is_some() {
+            final_flush(d0, rest, opts)?;
+        }
+        if let Some(j) = &opts.journal {
+            // Complete and flushed: nothing left to resume.
+            j.finish().map_err(|e| CopyError::Setup(e.to_string()))?;
+        }
+    }
+    for (s, d, _) in finished {
         d.close();
         s.close();
     }
@@ -695,7 +743,35 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progr
         connections: workers,
         retries: shared.retries.load(Ordering::SeqCst),
         dst_reconnects: shared.dst_reconnects.load(Ordering::SeqCst),
+        dst_reconnects_unproven: match opts.journal {
+            Some(_) => 0,
+            None => shared.dst_reconnects.load(Ordering::SeqCst),
+        },
+        dst_resent: shared.resent.load(Ordering::SeqCst),
     })
+}
+
+/// The last flush of a copy, on the first worker's destination. A journalled copy whose
+/// first connection was lost after its worker finished tries the others': one opened
+/// after a reconnect reaches the server that holds everything (each reconnect sent again
+/// what the lost server had not flushed).
+fn final_flush(d0: &mut Box<dyn Ops>, rest: &mut [Finished], opts: &CopyOptions) -> Result<(), CopyError> {
+    let e = match d0.flush() {
+        Ok(()) => return Ok(()),
+        Err(e) => e,
+    };
+    if opts.journal.is_none()
+        || opts.retry.retries == 0
+        || retry::classify(&e, d0.reconnects()) != retry::Failure::Connection
+    {
+        return Err(e);
+    }
+    for (_, d, _) in rest {
+        if d.flush().is_ok() {
+            return Ok(());
+        }
+    }
+    Err(e)
 }
 
 struct Slot {
@@ -746,10 +822,7 @@ impl Worker<'_, '_> {
         if slot.remaining == 0 {
             slot.state = SlotState::Free;
             if self.sh.opts.journal.is_some() {
-                let mut q = self.sh.queue.lock().unwrap_or_else(|e| e.into_inner());
-                if let Some(p) = &mut q.pending {
-                    p.remove(&slot.item.offset);
-                }
+                self.sh.queue.lock().unwrap_or_else(|e| e.into_inner()).finished(slot.item.offset);
             }
         }
     }
@@ -795,7 +868,7 @@ fn worker(mut src: Box<dyn Ops>, mut dst: Box<dyn Ops>, sh: &Shared<'_>) -> Fini
     let mut bufs: Vec<AlignedBuf> = (0..q).map(|_| AlignedBuf::default()).collect();
     let slot = Slot {
         state: SlotState::Free,
-        item: Item { offset: 0, len: 0, kind: Kind::Data },
+        item: Item { offset: 0, len: 0, kind: Kind::Data, again: false },
         in_file: false,
         zeros: 0,
         remaining: 0,
@@ -853,7 +926,11 @@ fn run(
                 let r = checkpoint(sh, j, &mut **dst);
                 w.draining = false;
                 sh.checkpointing.store(false, Ordering::SeqCst);
-                r?;
+                if let Err(e) = r {
+                    // A flush on a lost connection: reconnect (which rewinds), and the
+                    // next watermark is stored later.
+                    recover(w, End::Dst, e, src, dst, bufs)?;
+                }
             }
         }
         // 1. Start reading into free slots, one batch.
@@ -872,11 +949,14 @@ fn run(
                 in_file: false,
                 zeros: 0,
                 remaining: 0,
-                counted: false,
+                // Sent again after a destination reconnect: counted and hashed before.
+                counted: item.again,
                 attempts: 0,
             };
             if item.kind == Kind::Zero {
-                sh.hole_bytes.fetch_add(item.len as u64, Ordering::Relaxed);
+                if !item.again {
+                    sh.hole_bytes.fetch_add(item.len as u64, Ordering::Relaxed);
+                }
                 continue;
             }
             if let Some(r) = &sh.rate {
@@ -979,11 +1059,42 @@ fn run(
 /// on whichever connection), so one flush here covers them (NBD multi-conn: a FLUSH
 /// covers the writes every connection had replied to; a file's fsync covers every
 /// opening of it), and then the watermark is stored.
+///
+/// A watermark is stored only after a flush on a connection that is still up: the
+/// writes below it were acknowledged by the server that flushed them, or, acknowledged by
+/// a server lost since, handed out again (see [`rewind`]) and not finished yet, so that
+/// the watermark stays below them.
 fn checkpoint(sh: &Shared<'_>, j: &journal::Journal, dst: &mut dyn Ops) -> Result<(), CopyError> {
     let done = sh.progress.done.load(Ordering::Relaxed);
     let w = sh.queue.lock().unwrap_or_else(|e| e.into_inner()).watermark();
     dst.flush()?;
+    sh.flushed.fetch_max(w, Ordering::SeqCst);
     j.store(w, write_caps(sh, dst).zeroed, done).map_err(|e| CopyError::Setup(e.to_string()))
+}
+
+/// After a destination reconnect of a journalled copy: the lost server may have
+/// acknowledged writes it never flushed (a write-back cache, a server that keeps them in
+/// memory), so everything above the last flushed watermark is handed out again, and the
+/// watermark cannot pass it until it is written again. The worker takes work again even
+/// if it had run out.
+fn rewind(w: &mut Worker<'_, '_>) {
+    let sh = w.sh;
+    if sh.opts.journal.is_none() {
+        return;
+    }
+    let to = sh.flushed.load(Ordering::SeqCst);
+    let mut q = sh.queue.lock().unwrap_or_else(|e| e.into_inner());
+    if to < q.pos {
+        log::warn!(
+            "destination reconnected: sending {}..{} again, which the lost connection acknowledged after the last \
+             flush",
+            to,
+            q.pos
+        );
+        sh.resent.fetch_add(q.pos - to, Ordering::Relaxed);
+        q.rewind(to);
+        w.no_more_work = false;
+    }
 }
 
 /// Appends the writes of slot `i`'s item to `writes` (data, zeroes, or file payloads),
@@ -1158,6 +1269,7 @@ fn recover(
             };
             if end == End::Dst {
                 sh.dst_reconnects.fetch_add(1, Ordering::Relaxed);
+                rewind(w);
             }
             let old = if end == End::Src { std::mem::replace(src, fresh) } else { std::mem::replace(dst, fresh) };
             drop(old);
@@ -1413,6 +1525,45 @@ mod tests {
         copy(&Endpoint::File(src), &Endpoint::File(dst.clone()), &opts, &Progress::default()).unwrap();
         assert!(std::fs::read(&dst).unwrap() == data);
         assert!(!j.exists());
+    }
+
+    #[test]
+    fn a_rewound_queue_hands_out_again_and_its_watermark_waits_for_it() {
+        let mut q = Queue {
+            extents: vec![(0, 4 << 20, Kind::Data), (4 << 20, 4 << 20, Kind::Zero)],
+            idx: 0,
+            pos: 0,
+            request_size: 1 << 20,
+            zero_chunk: 1 << 30,
+            streaming: false,
+            stream_end: false,
+            pending: Some(Default::default()),
+            high: 0,
+        };
+        let first: Vec<Item> = (0..3).map(|_| q.next().unwrap()).collect();
+        assert!(first.iter().all(|i| !i.again));
+        q.finished(0);
+        q.finished(1 << 20);
+        assert_eq!(q.watermark(), 2 << 20);
+        // A destination reconnect: what was flushed ends at 1 MiB.
+        q.rewind(1 << 20);
+        assert_eq!(q.watermark(), 1 << 20, "the watermark may not pass what goes again");
+        let again = q.next().unwrap();
+        assert_eq!((again.offset, again.again), (1 << 20, true));
+        let dup = q.next().unwrap();
+        assert_eq!((dup.offset, dup.again), (2 << 20, true), "the item still out is handed out again too");
+        // The lost connection's late reply for the first hand-out of 2 MiB does not
+        // finish its second.
+        q.finished(1 << 20);
+        q.finished(2 << 20);
+        assert_eq!(q.watermark(), 2 << 20);
+        q.finished(2 << 20);
+        assert_eq!(q.watermark(), 3 << 20);
+        let fresh = q.next().unwrap();
+        assert_eq!((fresh.offset, fresh.again), (3 << 20, false));
+        let zero = q.next().unwrap();
+        assert_eq!((zero.offset, zero.kind, zero.again), (4 << 20, Kind::Zero, false));
+        assert!(q.next().is_none());
     }
 
     #[test]

@@ -81,6 +81,7 @@ pub fn hash_range(e: &Endpoint, length: u64, hasher: &BlockHasher, opts: &CopyOp
         streaming: false,
         stream_end: false,
         pending: None,
+        high: 0,
     });
     let workers = if caps.parallel { opts.connections.max(1) } else { 1 };
     let mut ends = vec![first];
