@@ -367,3 +367,37 @@ fn a_link_planted_at_the_journal_path_is_not_followed() {
     assert!(std::fs::symlink_metadata(&journal).is_err(), "the journal outlived the copy");
     assert!(std::fs::read(&dst).unwrap() == std::fs::read(&src).unwrap());
 }
+
+/// An object replaced between a killed `--resume` copy and its rerun (same size, new
+/// content, so a new ETag): the resumed copy is refused, since its first part came from
+/// the old object; `--restart` then copies the new one whole.
+#[test]
+fn a_resumed_copy_of_a_replaced_http_object_is_refused() {
+    let n = nginx();
+    let object = n.dir.join("data/replaced.raw");
+    let old = Rng::new(0x01d).bytes(16 * MIB as usize);
+    std::fs::write(&object, &old).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let dst = dir.path().join("dst.img");
+    let journal = dir.path().join("dst.img.ferry-resume");
+    let src = url(USER1, "replaced.raw", SIG);
+    let (s, d) = (src.as_str(), dst.to_str().unwrap());
+    let args = ["--resume", "--resume-interval", "1M", "--rate", "4M", "-C", "1", "--request-size", "256K", s, d];
+    let mut child = ferry_copy(&args).spawn().expect("start ferry");
+    let j = journal.clone();
+    wait_watermark(&mut child, &|| Some(j.clone()), 2 * MIB);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let text = std::fs::read_to_string(&journal).unwrap();
+    assert!(text.contains("etag="), "the journal does not pin the object's version:\n{text}");
+    // nginx's ETag is the mtime and size: replace the object with another mtime.
+    let new = Rng::new(0x4e3).bytes(16 * MIB as usize);
+    std::fs::write(&object, &new).unwrap();
+    run_ok(&mut cmd("touch", ["-d", "2001-01-01 00:00:00", object.to_str().unwrap()]));
+    let (ok, err) = run_copy(&["--resume", "--request-size", "256K", s, d]);
+    assert!(!ok && err.contains("does not match"), "a replaced object was resumed into: {err}");
+    assert_no_secret("the refusal", &err);
+    let (ok, err) = run_copy(&["--restart", "--request-size", "256K", s, d]);
+    assert!(ok, "{err}");
+    assert!(std::fs::read(&dst).unwrap() == new, "--restart did not copy the new object");
+}
