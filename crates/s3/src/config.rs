@@ -12,10 +12,24 @@ const MAX_FILE_BYTES: u64 = 1 << 20;
 ///
 /// Built by [`S3Config::from_env`] (or [`S3Config::load`], its pure form):
 ///
-/// - credentials: `AWS_ACCESS_KEY_ID` + `AWS_SECRET_ACCESS_KEY` (+ `AWS_SESSION_TOKEN`),
-///   else the profile's `aws_access_key_id` / `aws_secret_access_key` /
-///   `aws_session_token` in the credentials file (`[NAME]` sections), else in the config
-///   file (`[profile NAME]`, or `[default]`);
+/// - credentials, from the first source set up, in the AWS SDKs' order:
+///   1. `AWS_ACCESS_KEY_ID` + `AWS_SECRET_ACCESS_KEY` (+ `AWS_SESSION_TOKEN`);
+///   2. web identity: `AWS_WEB_IDENTITY_TOKEN_FILE` + `AWS_ROLE_ARN` (+
+///      `AWS_ROLE_SESSION_NAME`), else the profile's `web_identity_token_file` +
+///      `role_arn`, exchanged by AssumeRoleWithWebIdentity at STS (`AWS_ENDPOINT_URL_STS`,
+///      else `AWS_ENDPOINT_URL`, else `https://sts.REGION.amazonaws.com`);
+///   3. the profile's `aws_access_key_id` / `aws_secret_access_key` /
+///      `aws_session_token` in the credentials file (`[NAME]` sections), else in the
+///      config file (`[profile NAME]`, or `[default]`);
+///   4. the profile's `credential_process`;
+///   5. the EC2 instance metadata service, IMDSv2 (`AWS_EC2_METADATA_SERVICE_ENDPOINT` or
+///      the profile's `ec2_metadata_service_endpoint`, else `http://169.254.169.254`;
+///      none with `AWS_EC2_METADATA_DISABLED=true`).
+///
+///   A source set up that fails is an error (with its reason); none set up is an error
+///   that lists each source tried. Temporary credentials are not refreshed: see
+///   [`S3Config::expiration`];
+/// - the CA bundle: `AWS_CA_BUNDLE`, else the profile's `ca_bundle`;
 /// - the profile: `AWS_PROFILE`, else `default`;
 /// - the files: `AWS_SHARED_CREDENTIALS_FILE` (else `~/.aws/credentials`) and
 ///   `AWS_CONFIG_FILE` (else `~/.aws/config`);
@@ -83,7 +97,8 @@ impl S3Config {
 
     /// As [`S3Config::from_env`], with the environment given as a lookup function and the
     /// home directory as a path, so tests need not change the process's environment.
-    /// Empty variables count as unset.
+    /// Empty variables count as unset. Where the chain gets to them, this runs
+    /// `credential_process` and asks STS or the instance metadata service.
     pub fn load(env: &dyn Fn(&str) -> Option<String>, home: Option<&Path>) -> Result<S3Config, S3Error> {
         let var = |name: &str| env(name).map(|v| v.trim().to_string()).filter(|v| !v.is_empty());
         let profile = var("AWS_PROFILE").unwrap_or_else(|| "default".into());

@@ -246,7 +246,7 @@ pub fn open_source(url: &S3Url, cfg: &S3Config, http: &HttpOptions) -> Result<Ar
 
 /// The parsers of what users and servers send, for the fuzz target
 /// (`fuzz/fuzz_targets/remote.rs`): `s3://` URLs, the AWS CLI's INI files, the tags of
-/// S3's XML answers. None may panic on any input.
+/// S3's XML answers, `credential_process` command lines. None may panic on any input.
 #[doc(hidden)]
 pub fn fuzz(text: &str) {
     let _ = S3Url::parse(text);
@@ -257,4 +257,5 @@ pub fn fuzz(text: &str) {
     let _ = client::xml_texts(text, "Code");
     let _ = client::xml_blocks(text, "Part");
     let _ = config::check_endpoint(text);
+    let _ = credentials::shell_split(text);
 }
