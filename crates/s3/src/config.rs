@@ -10,7 +10,8 @@ const MAX_FILE_BYTES: u64 = 1 << 20;
 
 /// How to reach S3 and who to be there.
 ///
-/// Built by [`S3Config::from_env`] (or [`S3Config::load`], its pure form):
+/// Built by [`S3Config::from_env`] (or [`S3Config::load`], which takes the environment
+/// and home directory as arguments):
 ///
 /// - credentials, from the first source set up, in the AWS SDKs' order:
 ///   1. `AWS_ACCESS_KEY_ID` + `AWS_SECRET_ACCESS_KEY` (+ `AWS_SESSION_TOKEN`);
@@ -193,14 +194,12 @@ impl S3Config {
                     let f = credentials::web_identity(Path::new(&file), &arn, &session, &sts, ca_bundle.as_deref())?;
                     break 'chain Found::fetched(f, format!("web identity ({web_from}; role {arn})"));
                 }
-                // A profile's role_arn alone is an assumed role (with source_profile), which
-                // ferry does not do: on to the profile's keys.
-                (None, Some(_)) if !env_web => {
-                    tried.push(format!("web identity ({web_from}): no web_identity_token_file"))
-                }
-                (Some(_), None) | (None, Some(_)) => {
+                // A role ARN alone is not web identity (in a profile, with source_profile, it
+                // is an assumed role, which ferry does not do), as in the SDKs: on to the next.
+                (None, Some(_)) => tried.push(format!("web identity ({web_from}): no token file")),
+                (Some(_), None) => {
                     return Err(S3Error::Config(format!(
-                        "web identity: only one of {web_from} is set: set both (the token file and the role to assume)"
+                        "web identity: a token file is set but no role ARN ({web_from}): set the role to assume"
                     )))
                 }
                 (None, None) => tried.push(format!(

@@ -132,9 +132,12 @@ fn web_identity_at_motos_sts() {
     .to_string();
     assert!(e.contains("no answer from STS") && e.contains(arn), "{e}");
     assert!(!e.contains("eyJ"), "the token is not shown: {e}");
-    // Half set up is an error, not a fall-through.
-    let e = load(&[("AWS_ROLE_ARN", arn)], home.path()).unwrap_err().to_string();
-    assert!(e.contains("only one of AWS_WEB_IDENTITY_TOKEN_FILE and AWS_ROLE_ARN"), "{e}");
+    // A token without a role is an error, not a fall-through.
+    let e = load(&[vars[0]], home.path()).unwrap_err().to_string();
+    assert!(e.contains("a token file is set but no role ARN (AWS_WEB_IDENTITY_TOKEN_FILE"), "{e}");
+    // A role ARN alone is not web identity: the chain goes on (and says so).
+    let e = load(&[vars[1]], home.path()).unwrap_err().to_string();
+    assert!(e.contains("web identity (AWS_WEB_IDENTITY_TOKEN_FILE and AWS_ROLE_ARN): no token file"), "{e}");
 }
 
 /// A fake EC2 instance metadata service (IMDSv2) on 127.0.0.1: it hands out a session
