@@ -258,8 +258,9 @@ pub(crate) fn process(command: &str, profile: &str) -> Result<Fetched, S3Error> 
 }
 
 /// The role credentials of the EC2 instance metadata service at `endpoint` (IMDSv2: a
-/// session token first, then the role's name and its credentials). `Ok(None)` with the
-/// reason when nothing answers there (not on EC2, or no role attached).
+/// session token first, then the role's name and its credentials). `Ok(Err(reason))` when
+/// nothing answers there (not on EC2) or no role is attached: the chain's last source
+/// found nothing. An error when the service gives a role whose credentials are unusable.
 pub(crate) fn imds(endpoint: &str) -> Result<Result<Fetched, String>, S3Error> {
     let what = format!("the EC2 instance metadata service at {endpoint}");
     let base = endpoint.trim_end_matches('/');
