@@ -10,6 +10,8 @@
 # boto3 with its default TransferConfig (8 MiB parts, 10 threads) and client settings (since
 # botocore 1.36 a CRC32 of each part is sent); ferry with its defaults (an MD5 of each part).
 # FERRY_EXTRA="-C 8" adds a column: ferry copy with those options too.
+# FERRY_BASE=/path/to/other/ferry adds a column: that binary (e.g. main's, to compare a
+# change with what it changes, in the same run).
 # Medians of 3 rounds; the order of the tools rotates each round. MB/s: 10^6 bytes/s.
 # A second table gives the CPU seconds of each run: the client's (user+sys) and the
 # cluster's (radosgw, the OSD and the monitor) over the same time, from /proc.
@@ -22,6 +24,8 @@ FERRY=${FERRY:-$PWD/target/release/ferry}
 SIZE_G=${SIZE_G:-4}
 PY=${PYTHON:-python3}
 read -r -a EXTRA <<<"${FERRY_EXTRA:-}"
+BASE=${FERRY_BASE:-}
+[ -z "$BASE" ] || [ -x "$BASE" ] || { echo "FERRY_BASE=$BASE is not an executable" >&2; exit 1; }
 [ -x "$FERRY" ] || { echo "no ferry binary at $FERRY: cargo build --release -p ferry, or set FERRY" >&2; exit 1; }
 command -v radosgw >/dev/null || { echo "radosgw is not installed: apt-get install radosgw" >&2; exit 1; }
 "$PY" -c 'import boto3' 2>/dev/null || { echo "$PY has no boto3: apt-get install python3-boto3 (or pip install boto3)" >&2; exit 1; }
@@ -101,11 +105,13 @@ declare -A T CU SV
 order=(ferry boto3)
 tools=(ferry boto3)
 ((${#EXTRA[@]})) && order=(ferry ferryx boto3) tools=(ferry ferryx boto3)
+[ -n "$BASE" ] && order=("${order[@]}" ferryb) tools=(ferry ferryb "${tools[@]:1}")
 for round in 1 2 3; do
   for t in "${order[@]}"; do
     case $t in
     ferry) up=("$FERRY" copy "$W/img" s3://bench/up) down=("$FERRY" copy s3://bench/src "$W/out") ;;
     ferryx) up=("$FERRY" copy "${EXTRA[@]}" "$W/img" s3://bench/up) down=("$FERRY" copy "${EXTRA[@]}" s3://bench/src "$W/out") ;;
+    ferryb) up=("$BASE" copy "$W/img" s3://bench/up) down=("$BASE" copy s3://bench/src "$W/out") ;;
     boto3) up=(boto3 up "$W/img" bench up) down=(boto3 down bench src "$W/out") ;;
     esac
     rm_object up
@@ -144,7 +150,7 @@ rm -f "$W/out"
 
 t_of() { echo ${T[$1]} | tr ' ' '\n' | grep -v FAIL | med; }
 mbs() { printf "%.0f" "$(echo "($SIZE_G * 1073741824 / 1000000) / $1" | bc -l)"; }
-label() { case $1 in ferry) echo "ferry copy" ;; ferryx) echo "ferry copy ${EXTRA[*]}" ;; boto3) echo "boto3" ;; esac; }
+label() { case $1 in ferry) echo "ferry copy" ;; ferryx) echo "ferry copy ${EXTRA[*]}" ;; ferryb) echo "ferry copy (FERRY_BASE)" ;; boto3) echo "boto3" ;; esac; }
 echo
 head="| $SIZE_G GiB to and from radosgw (median of 3) |"
 rule="|---|"
@@ -171,13 +177,18 @@ echo
 for t in "${tools[@]}"; do echo "all runs (s), $(label $t): up ${T[$t,up]}| down ${T[$t,down]}"; done
 echo
 # Where the CPU went: the two cores are shared by the client and the cluster.
-echo "| CPU seconds (user+sys), median of 3 | client | radosgw + OSD + monitor | total |"
-echo "|---|---|---|---|"
+# Client CPU per GiB moved, and as a share of boto3's in the same direction.
+echo "| CPU seconds (user+sys), median of 3 | client | client s/GiB | client / boto3's | radosgw + OSD + monitor | total |"
+echo "|---|---|---|---|---|---|"
 for dir in up down; do
+  cb=$(echo ${CU[boto3,$dir]:-} | tr ' ' '\n' | med)
   for t in "${tools[@]}"; do
     c=$(echo ${CU[$t,$dir]:-} | tr ' ' '\n' | med)
     v=$(echo ${SV[$t,$dir]:-} | tr ' ' '\n' | med)
     [ -n "$c" ] && [ -n "$v" ] || continue
-    printf "| %s, %s | %.1f | %.1f | %.1f |\n" "$dir" "$(label $t)" "$c" "$v" "$(echo "$c + $v" | bc -l)"
+    share=""
+    [ -n "$cb" ] && [ "$(echo "$cb > 0" | bc -l)" = 1 ] && share=$(printf %.2f "$(echo "$c / $cb" | bc -l)")
+    printf "| %s, %s | %.1f | %.2f | %s | %.1f | %.1f |\n" "$dir" "$(label $t)" "$c" "$(echo "$c / $SIZE_G" | bc -l)" \
+      "$share" "$v" "$(echo "$c + $v" | bc -l)"
   done
 done

@@ -57,6 +57,7 @@ pub(crate) struct Client {
 impl Client {
     pub(crate) fn new(url: &S3Url, cfg: &S3Config, http: &HttpOptions) -> Result<Client, S3Error> {
         let (bucket, server) = address(url, cfg)?;
+        let http = &crate::config::http_with_ca(cfg, http);
         Ok(Client {
             // ferry-http's client: the same trust (--ca, --insecure, SSL_CERT_FILE),
             // timeouts and connection pool as the reads.
@@ -179,9 +180,25 @@ impl Client {
         headers: &[(&str, &str)],
         body: &[u8],
     ) -> Result<Answer, S3Error> {
+        self.send_with(op, &|| (sign(), Vec::new()), method, headers, body)
+    }
+
+    /// As [`Client::send`], where `sign` gives, for each try, the URL and the headers
+    /// that sign it (SigV4 in the `Authorization` header: [`crate::sigv4`]).
+    pub(crate) fn send_with(
+        &self,
+        op: &str,
+        sign: &dyn Fn() -> (url::Url, Vec<(String, String)>),
+        method: Method,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> Result<Answer, S3Error> {
         let mut attempt = 0u32;
         loop {
-            let err = match self.once(sign(), &method, headers, body) {
+            let (url, auth) = sign();
+            let signed: Vec<(&str, &str)> =
+                auth.iter().map(|(k, v)| (k.as_str(), v.as_str())).chain(headers.iter().copied()).collect();
+            let err = match self.once(url, &method, &signed, body) {
                 // S3 may answer 200 and tell of a failure in the body (CompleteMultipartUpload).
                 Ok(a) if a.status < 300 && !is_error_body(&a.body) => return Ok(a),
                 Ok(a) => {
@@ -315,6 +332,7 @@ impl Client {
             Some("EntityTooSmall") => "a part was smaller than S3's 5 MiB minimum".into(),
             Some("EntityTooLarge") => "the object or a part is larger than the server allows".into(),
             Some("BadDigest" | "InvalidDigest") => "the bytes arrived damaged (Content-MD5 did not match)".into(),
+            Some("XAmzContentSHA256Mismatch") => "the bytes arrived damaged (their signed SHA-256 did not match)".into(),
             Some("InvalidPart" | "InvalidPartOrder") => "the server does not have every part the upload lists".into(),
             Some("SlowDown") => "the server asks to slow down: retry later or with fewer workers".into(),
             Some(other) => format!("S3 error {other}"),
@@ -442,6 +460,8 @@ mod tests {
             region: "eu-west-1".into(),
             endpoint: None,
             credentials_from: "test".into(),
+            ca_bundle: None,
+            expiration: None,
         };
         let (b, server) = address(&S3Url::parse("s3://my-bucket/a b/c").unwrap(), &cfg).unwrap();
         assert_eq!(b.object_url("a b/c").as_str(), "https://my-bucket.s3.eu-west-1.amazonaws.com/a%20b/c");

@@ -1,7 +1,7 @@
 //! Where the credentials, region and endpoint come from: the environment and the AWS
 //! CLI's shared files, looked up in the order the AWS tools use.
 
-use crate::S3Error;
+use crate::{credentials, S3Error};
 use std::fmt;
 use std::path::{Path, PathBuf};
 
@@ -10,12 +10,27 @@ const MAX_FILE_BYTES: u64 = 1 << 20;
 
 /// How to reach S3 and who to be there.
 ///
-/// Built by [`S3Config::from_env`] (or [`S3Config::load`], its pure form):
+/// Built by [`S3Config::from_env`] (or [`S3Config::load`], which takes the environment
+/// and home directory as arguments):
 ///
-/// - credentials: `AWS_ACCESS_KEY_ID` + `AWS_SECRET_ACCESS_KEY` (+ `AWS_SESSION_TOKEN`),
-///   else the profile's `aws_access_key_id` / `aws_secret_access_key` /
-///   `aws_session_token` in the credentials file (`[NAME]` sections), else in the config
-///   file (`[profile NAME]`, or `[default]`);
+/// - credentials, from the first source set up, in the AWS SDKs' order:
+///   1. `AWS_ACCESS_KEY_ID` + `AWS_SECRET_ACCESS_KEY` (+ `AWS_SESSION_TOKEN`);
+///   2. web identity: `AWS_WEB_IDENTITY_TOKEN_FILE` + `AWS_ROLE_ARN` (+
+///      `AWS_ROLE_SESSION_NAME`), else the profile's `web_identity_token_file` +
+///      `role_arn`, exchanged by AssumeRoleWithWebIdentity at STS (`AWS_ENDPOINT_URL_STS`,
+///      else `AWS_ENDPOINT_URL`, else `https://sts.REGION.amazonaws.com`);
+///   3. the profile's `aws_access_key_id` / `aws_secret_access_key` /
+///      `aws_session_token` in the credentials file (`[NAME]` sections), else in the
+///      config file (`[profile NAME]`, or `[default]`);
+///   4. the profile's `credential_process`;
+///   5. the EC2 instance metadata service, IMDSv2 (`AWS_EC2_METADATA_SERVICE_ENDPOINT` or
+///      the profile's `ec2_metadata_service_endpoint`, else `http://169.254.169.254`;
+///      none with `AWS_EC2_METADATA_DISABLED=true`).
+///
+///   A source set up that fails is an error (with its reason); none set up is an error
+///   that lists each source tried. Temporary credentials are not refreshed: see
+///   [`S3Config::expiration`];
+/// - the CA bundle: `AWS_CA_BUNDLE`, else the profile's `ca_bundle`;
 /// - the profile: `AWS_PROFILE`, else `default`;
 /// - the files: `AWS_SHARED_CREDENTIALS_FILE` (else `~/.aws/credentials`) and
 ///   `AWS_CONFIG_FILE` (else `~/.aws/config`);
@@ -37,6 +52,12 @@ pub struct S3Config {
     pub endpoint: Option<String>,
     /// Where the credentials were found, for messages (e.g. `the environment`).
     pub credentials_from: String,
+    /// A PEM file of CA certificates to trust for S3 (and STS): `AWS_CA_BUNDLE`, else the
+    /// profile's `ca_bundle`. `--ca` wins over it.
+    pub ca_bundle: Option<PathBuf>,
+    /// When temporary credentials (web identity, credential_process, instance metadata)
+    /// expire. ferry gets credentials once: a copy running past this fails.
+    pub expiration: Option<jiff::Timestamp>,
 }
 
 impl fmt::Debug for S3Config {
@@ -48,6 +69,8 @@ impl fmt::Debug for S3Config {
             .field("region", &self.region)
             .field("endpoint", &self.endpoint)
             .field("credentials_from", &self.credentials_from)
+            .field("ca_bundle", &self.ca_bundle)
+            .field("expiration", &self.expiration)
             .finish()
     }
 }
@@ -62,6 +85,8 @@ impl S3Config {
             region: region.into(),
             endpoint: Some(endpoint.into()),
             credentials_from: "the caller".into(),
+            ca_bundle: None,
+            expiration: None,
         }
     }
 
@@ -73,7 +98,8 @@ impl S3Config {
 
     /// As [`S3Config::from_env`], with the environment given as a lookup function and the
     /// home directory as a path, so tests need not change the process's environment.
-    /// Empty variables count as unset.
+    /// Empty variables count as unset. Where the chain gets to them, this runs
+    /// `credential_process` and asks STS or the instance metadata service.
     pub fn load(env: &dyn Fn(&str) -> Option<String>, home: Option<&Path>) -> Result<S3Config, S3Error> {
         let var = |name: &str| env(name).map(|v| v.trim().to_string()).filter(|v| !v.is_empty());
         let profile = var("AWS_PROFILE").unwrap_or_else(|| "default".into());
@@ -107,48 +133,139 @@ impl S3Config {
         let from_profile = |key: &str| {
             cred_section.and_then(|s| s.get(key)).or_else(|| conf_section.and_then(|s| s.get(key))).map(str::to_string)
         };
+        let from_config = |key: &str| conf_section.and_then(|s| s.get(key)).map(str::to_string);
+        let region = var("AWS_REGION")
+            .or_else(|| var("AWS_DEFAULT_REGION"))
+            .or_else(|| from_config("region"))
+            .unwrap_or_else(|| "us-east-1".into());
+        if region.is_empty() || !region.chars().all(|c| c.is_ascii_alphanumeric() || c == '-') {
+            return Err(S3Error::Config(format!("the region {region:?} is not a region name (such as eu-west-1)")));
+        }
+        let ca_bundle = var("AWS_CA_BUNDLE").or_else(|| from_config("ca_bundle")).map(PathBuf::from);
+        let config_place = if profile == "default" { "[default]".to_string() } else { format!("[profile {profile}]") };
 
-        let (access_key_id, secret_access_key, session_token, credentials_from) =
+        // The AWS SDKs' default chain, in order; each source not set up says so in `tried`,
+        // for the error when none gives credentials. A source set up that fails is an
+        // error at once (as in the SDKs): falling through would hide its reason.
+        let mut tried: Vec<String> = Vec::new();
+        let found: Found = 'chain: {
+            // 1. The environment.
             match (var("AWS_ACCESS_KEY_ID"), var("AWS_SECRET_ACCESS_KEY")) {
-                (Some(id), Some(secret)) => (id, secret, var("AWS_SESSION_TOKEN"), "the environment".to_string()),
+                (Some(key), Some(secret)) => {
+                    break 'chain Found::fixed(key, secret, var("AWS_SESSION_TOKEN"), "the environment".into())
+                }
                 (Some(_), None) | (None, Some(_)) => {
                     return Err(S3Error::Config(
                         "only one of AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY is set: set both, or neither to use \
-                         the shared credentials file"
+                         the other credential sources"
                             .into(),
                     ))
                 }
-                (None, None) => match (from_profile("aws_access_key_id"), from_profile("aws_secret_access_key")) {
-                    (Some(id), Some(secret)) => {
-                        let place = match cred_section.and_then(|s| s.get("aws_access_key_id")) {
-                            Some(_) => format!("profile {profile} in {}", shown(cred_path.as_deref())),
-                            None => format!("profile {profile} in {}", shown(conf_path.as_deref())),
-                        };
-                        (id, secret, from_profile("aws_session_token"), place)
-                    }
-                    (Some(_), None) | (None, Some(_)) => {
-                        return Err(S3Error::Config(format!(
-                            "profile {profile} has only one of aws_access_key_id and aws_secret_access_key \
-                             (in {} / {}): give it both",
-                            shown(cred_path.as_deref()),
-                            shown(conf_path.as_deref())
-                        )))
-                    }
-                    (None, None) => {
-                        return Err(S3Error::Config(format!(
-                        "no S3 credentials: looked in the environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY), \
-                             in [{profile}] of {} and in [{}] of {}; set the variables or run `aws configure`",
+                (None, None) => {
+                    tried.push("the environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY): not set".into())
+                }
+            }
+            // 2. A web identity token (as Kubernetes gives a pod: IRSA).
+            let env_web = var("AWS_WEB_IDENTITY_TOKEN_FILE").is_some() || var("AWS_ROLE_ARN").is_some();
+            let (token_file, role_arn, session, web_from) = if env_web {
+                (
+                    var("AWS_WEB_IDENTITY_TOKEN_FILE"),
+                    var("AWS_ROLE_ARN"),
+                    var("AWS_ROLE_SESSION_NAME"),
+                    "AWS_WEB_IDENTITY_TOKEN_FILE and AWS_ROLE_ARN".to_string(),
+                )
+            } else {
+                (
+                    from_config("web_identity_token_file"),
+                    from_config("role_arn"),
+                    from_config("role_session_name"),
+                    format!(
+                        "web_identity_token_file and role_arn of {config_place} in {}",
+                        shown(conf_path.as_deref())
+                    ),
+                )
+            };
+            match (token_file, role_arn) {
+                (Some(file), Some(arn)) => {
+                    let session = session.unwrap_or_else(|| format!("ferry-{}", jiff::Timestamp::now().as_second()));
+                    let sts = var("AWS_ENDPOINT_URL_STS")
+                        .or_else(|| var("AWS_ENDPOINT_URL"))
+                        .unwrap_or_else(|| format!("https://sts.{region}.amazonaws.com"));
+                    let f = credentials::web_identity(Path::new(&file), &arn, &session, &sts, ca_bundle.as_deref())?;
+                    break 'chain Found::fetched(f, format!("web identity ({web_from}; role {arn})"));
+                }
+                // A role ARN alone is not web identity (in a profile, with source_profile, it
+                // is an assumed role, which ferry does not do), as in the SDKs: on to the next.
+                (None, Some(_)) => tried.push(format!("web identity ({web_from}): no token file")),
+                (Some(_), None) => {
+                    return Err(S3Error::Config(format!(
+                        "web identity: a token file is set but no role ARN ({web_from}): set the role to assume"
+                    )))
+                }
+                (None, None) => tried.push(format!(
+                    "web identity (AWS_WEB_IDENTITY_TOKEN_FILE and AWS_ROLE_ARN, or {web_from}): not set"
+                )),
+            }
+            // 3. The profile's keys, in the credentials file, then the config file.
+            match (from_profile("aws_access_key_id"), from_profile("aws_secret_access_key")) {
+                (Some(key), Some(secret)) => {
+                    let place = match cred_section.and_then(|s| s.get("aws_access_key_id")) {
+                        Some(_) => format!("profile {profile} in {}", shown(cred_path.as_deref())),
+                        None => format!("profile {profile} in {}", shown(conf_path.as_deref())),
+                    };
+                    break 'chain Found::fixed(key, secret, from_profile("aws_session_token"), place);
+                }
+                (Some(_), None) | (None, Some(_)) => {
+                    return Err(S3Error::Config(format!(
+                        "profile {profile} has only one of aws_access_key_id and aws_secret_access_key \
+                         (in {} / {}): give it both",
                         shown(cred_path.as_deref()),
-                        if profile == "default" { "default".to_string() } else { format!("profile {profile}") },
                         shown(conf_path.as_deref())
                     )))
-                    }
-                },
-            };
-        let region = var("AWS_REGION")
-            .or_else(|| var("AWS_DEFAULT_REGION"))
-            .or_else(|| conf_section.and_then(|s| s.get("region")).map(str::to_string))
-            .unwrap_or_else(|| "us-east-1".into());
+                }
+                (None, None) => {
+                    tried.push(format!("[{profile}] of {}: no aws_access_key_id", shown(cred_path.as_deref())));
+                    tried.push(format!("{config_place} of {}: no aws_access_key_id", shown(conf_path.as_deref())));
+                }
+            }
+            // 4. The profile's credential_process.
+            match from_profile("credential_process") {
+                Some(command) => {
+                    let f = credentials::process(&command, &profile)?;
+                    break 'chain Found::fetched(f, format!("credential_process of profile {profile}"));
+                }
+                None => tried.push(format!("credential_process of profile {profile}: not set")),
+            }
+            // 5. The EC2 instance metadata service.
+            let imds = var("AWS_EC2_METADATA_SERVICE_ENDPOINT")
+                .or_else(|| from_config("ec2_metadata_service_endpoint"))
+                .unwrap_or_else(|| match var("AWS_EC2_METADATA_SERVICE_ENDPOINT_MODE") {
+                    Some(m) if m.eq_ignore_ascii_case("ipv6") => "http://[fd00:ec2::254]".into(),
+                    _ => "http://169.254.169.254".into(),
+                });
+            if var("AWS_EC2_METADATA_DISABLED").is_some_and(|v| v.eq_ignore_ascii_case("true")) {
+                tried.push(format!("the EC2 instance metadata service at {imds}: off (AWS_EC2_METADATA_DISABLED)"));
+            } else {
+                match credentials::imds(&imds)? {
+                    Ok(f) => break 'chain Found::fetched(f, format!("the EC2 instance metadata service at {imds}")),
+                    Err(why) => tried.push(format!("the EC2 instance metadata service at {imds}: {why}")),
+                }
+            }
+            let list: Vec<String> = tried.iter().enumerate().map(|(i, t)| format!("{}. {t}", i + 1)).collect();
+            return Err(S3Error::Config(format!(
+                "no S3 credentials; tried, in order: {}; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, run \
+                 `aws configure`, or set up one of the other sources",
+                list.join("; ")
+            )));
+        };
+        let Found { access_key_id, secret_access_key, session_token, expiration, credentials_from } = found;
+        log::debug!("S3 credentials from {credentials_from}: access key ID {access_key_id}");
+        if let Some(t) = expiration {
+            log::info!(
+                "the S3 credentials from {credentials_from} are temporary and expire at {t}: a copy still running \
+                 then fails (ferry gets credentials once, at the start)"
+            );
+        }
         let (endpoint, endpoint_from) = match (var("AWS_ENDPOINT_URL_S3"), var("AWS_ENDPOINT_URL")) {
             (Some(e), _) => (Some(e), "AWS_ENDPOINT_URL_S3".to_string()),
             (None, Some(e)) => (Some(e), "AWS_ENDPOINT_URL".to_string()),
@@ -163,11 +280,58 @@ impl S3Config {
                 S3Error::Config(format!("{endpoint_from} = {shown}: {why}"))
             })?;
         }
-        if region.is_empty() || !region.chars().all(|c| c.is_ascii_alphanumeric() || c == '-') {
-            return Err(S3Error::Config(format!("the region {region:?} is not a region name (such as eu-west-1)")));
-        }
-        Ok(S3Config { access_key_id, secret_access_key, session_token, region, endpoint, credentials_from })
+        Ok(S3Config {
+            access_key_id,
+            secret_access_key,
+            session_token,
+            region,
+            endpoint,
+            credentials_from,
+            ca_bundle,
+            expiration,
+        })
     }
+}
+
+/// Credentials as a source gave them.
+struct Found {
+    access_key_id: String,
+    secret_access_key: String,
+    session_token: Option<String>,
+    expiration: Option<jiff::Timestamp>,
+    credentials_from: String,
+}
+
+impl Found {
+    fn fixed(key: String, secret: String, token: Option<String>, from: String) -> Found {
+        Found {
+            access_key_id: key,
+            secret_access_key: secret,
+            session_token: token,
+            expiration: None,
+            credentials_from: from,
+        }
+    }
+    fn fetched(f: credentials::Fetched, from: String) -> Found {
+        Found {
+            access_key_id: f.key,
+            secret_access_key: f.secret,
+            session_token: f.token,
+            expiration: f.expiration,
+            credentials_from: from,
+        }
+    }
+}
+
+/// `http` with the CA bundle of `cfg` (`AWS_CA_BUNDLE`, the profile's `ca_bundle`) as
+/// its trust, unless `http` names one already (`--ca` wins, as `--ca-bundle` does in
+/// the AWS CLI).
+pub(crate) fn http_with_ca(cfg: &S3Config, http: &ferry_http::HttpOptions) -> ferry_http::HttpOptions {
+    let mut h = http.clone();
+    if h.ca.is_none() {
+        h.ca.clone_from(&cfg.ca_bundle);
+    }
+    h
 }
 
 /// Why `endpoint` cannot be an S3 endpoint, if it cannot.

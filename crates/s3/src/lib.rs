@@ -57,8 +57,11 @@
 //! - **ureq 3** sends the requests this crate makes itself (everything but the data
 //!   reads) through `ferry_http::agent`, so uploads trust, time out and go through proxies
 //!   exactly as the reads do (native-tls, i.e. the OpenSSL ferry already links).
-//! - **md-5** and **base64** make each part's `Content-MD5`, so S3 checks every part's
-//!   bytes on arrival (`BadDigest` otherwise).
+//! - **sha2** and **hmac** sign each UploadPart in its `Authorization` header with the
+//!   part's SHA-256 (`x-amz-content-sha256`), so the server checks every part's bytes on
+//!   arrival (`XAmzContentSHA256Mismatch` otherwise); SHA-256 costs far less CPU than the
+//!   `Content-MD5` sent before (see `writer.rs` for which servers check what). **md-5**
+//!   only predicts a multipart object's ETag from its parts' ETags.
 //!
 //! Nothing here is specific to one S3 server: the same code runs against AWS, Ceph's
 //! radosgw, MinIO or moto. No error or log line carries the secret key, the session token
@@ -67,6 +70,8 @@
 
 mod client;
 mod config;
+mod credentials;
+mod sigv4;
 mod url;
 mod writer;
 
@@ -241,13 +246,13 @@ pub fn open_source(url: &S3Url, cfg: &S3Config, http: &HttpOptions) -> Result<Ar
         Err(e) => return Err(e),
     }
     let loc = Arc::new(S3Locator::new(url, cfg)?);
-    let backend = ferry_http::HttpBackend::open_located(loc, http)?;
+    let backend = ferry_http::HttpBackend::open_located(loc, &config::http_with_ca(cfg, http))?;
     Ok(Arc::new(backend))
 }
 
 /// The parsers of what users and servers send, for the fuzz target
 /// (`fuzz/fuzz_targets/remote.rs`): `s3://` URLs, the AWS CLI's INI files, the tags of
-/// S3's XML answers. None may panic on any input.
+/// S3's XML answers, `credential_process` command lines. None may panic on any input.
 #[doc(hidden)]
 pub fn fuzz(text: &str) {
     let _ = S3Url::parse(text);
@@ -258,4 +263,5 @@ pub fn fuzz(text: &str) {
     let _ = client::xml_texts(text, "Code");
     let _ = client::xml_blocks(text, "Part");
     let _ = config::check_endpoint(text);
+    let _ = credentials::shell_split(text);
 }
