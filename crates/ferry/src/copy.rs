@@ -42,7 +42,7 @@ pub struct CopyArgs {
     #[arg(short = 'R', long, value_name = "N")]
     requests: Option<usize>,
     /// Bytes per request (K, M suffixes; at most 32M). Default: 1M (fewer, larger
-    /// requests and replies; measured faster). Zeroes are detected in blocks of 256K
+    /// requests and replies; measured faster), 8M onto s3:// (a part's size). Zeroes are detected in blocks of 256K
     /// within a request, or of 1/128 of the request when that is larger.
     #[arg(long, value_name = "BYTES")]
     request_size: Option<String>,
@@ -234,6 +234,10 @@ pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
     let selective = ranges.is_some() || args.dirty_bitmap.is_some();
     let request_size = match &args.request_size {
         Some(v) => parse_size(v).context("--request-size")?,
+        // An upload's smallest part: a write that fills a part whole is sent as it is,
+        // without a copy into a part buffer (BENCHMARKING 20: client CPU 0.49 of boto3's
+        // against 0.55 with 1M requests).
+        None if matches!(dst_loc, Location::Image { store: ferry_open::Store::S3(_), .. }) => 8 << 20,
         None => 1 << 20,
     };
     if request_size == 0 || request_size > 32 << 20 {
