@@ -21,7 +21,7 @@ pub use lock::{Access, FileId, Holder, ImageUse, LockError, Locking, OpenFile};
 pub use memory::MemoryBackend;
 pub use null::NullBackend;
 pub use pattern::PatternBackend;
-pub use spec::{open, parse_size, SpecError};
+pub use spec::{open, parse_size, redact_rbd, SpecError};
 
 use ferry_proto::consts::{NbdError, STATE_HOLE, STATE_ZERO};
 use std::io;

@@ -52,6 +52,34 @@ pub fn parse_size(s: &str) -> std::result::Result<u64, SpecError> {
     Ok(v as u64)
 }
 
+/// An `rbd:` spec with the values of options that may be secret (`key`, and any whose
+/// name holds `secret`, `password` or `token`) shown as `***`: librados takes a user's
+/// key as `rbd:POOL/IMAGE?key=...` or qemu's `rbd:POOL/IMAGE:key=...`, and a spec is
+/// printed in errors and kept in resume journals. Other specs come back unchanged.
+pub fn redact_rbd(spec: &str) -> String {
+    let Some(rest) = spec.strip_prefix("rbd:") else {
+        return spec.to_string();
+    };
+    // Options after '?' (separated by '&') or after the first ':' (separated by ':').
+    let (path, sep, opts) = match (rest.find('?'), rest.find(':')) {
+        (Some(q), _) => (&rest[..q], '&', &rest[q + 1..]),
+        (None, Some(c)) => (&rest[..c], ':', &rest[c + 1..]),
+        (None, None) => return spec.to_string(),
+    };
+    let secret = |k: &str| {
+        let k = k.to_ascii_lowercase();
+        k == "key" || ["secret", "password", "token"].iter().any(|w| k.contains(w))
+    };
+    let shown: Vec<String> = opts
+        .split(sep)
+        .map(|kv| match kv.split_once('=') {
+            Some((k, _)) if secret(k) => format!("{k}=***"),
+            _ => kv.to_string(),
+        })
+        .collect();
+    format!("rbd:{path}{}{}", if sep == '&' { '?' } else { ':' }, shown.join(&sep.to_string()))
+}
+
 /// Opens the backend a spec names. With `read_only`, the backend is wrapped in the
 /// [`ReadOnly`] filter (and files are opened read-only).
 pub fn open(spec: &str, read_only: bool) -> std::result::Result<Arc<dyn Backend>, SpecError> {
@@ -75,6 +103,16 @@ pub fn open(spec: &str, read_only: bool) -> std::result::Result<Arc<dyn Backend>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rbd_keys_are_not_shown() {
+        assert_eq!(redact_rbd("rbd:p/i?key=AQBsecret&conf=/c"), "rbd:p/i?key=***&conf=/c");
+        assert_eq!(redact_rbd("rbd:p/i@s:id=u:key=AQBsecret:mon_host=h"), "rbd:p/i@s:id=u:key=***:mon_host=h");
+        assert_eq!(redact_rbd("rbd:p/i?client_secret=x"), "rbd:p/i?client_secret=***");
+        for kept in ["rbd:p/i", "rbd:p/ns/i@snap", "/tmp/rbd:x", "memory:1G"] {
+            assert_eq!(redact_rbd(kept), kept);
+        }
+    }
 
     #[test]
     fn sizes() {

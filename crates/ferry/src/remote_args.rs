@@ -45,6 +45,7 @@ pub fn shown(spec: &str) -> String {
     let scheme = rest.split_once("://").map(|(s, _)| s.to_ascii_lowercase());
     match scheme.as_deref() {
         Some("http" | "https" | "s3") => format!("{prefix}{}", ferry_http::redact(rest)),
+        _ if rest.starts_with("rbd:") => format!("{prefix}{}", ferry_backend::redact_rbd(rest)),
         _ => spec.to_string(),
     }
 }
@@ -84,6 +85,7 @@ mod tests {
         assert_eq!(shown("raw:https://u:pw@h/q.qcow2"), "raw:https://h/q.qcow2");
         assert_eq!(shown("qcow2:HTTPS://u:pw@h/q"), "qcow2:https://h/q");
         assert_eq!(shown("s3://bkt/key"), "s3://bkt/key");
+        assert_eq!(shown("qcow2:rbd:p/i:key=AQB1:id=u"), "qcow2:rbd:p/i:key=***:id=u");
         for kept in ["/tmp/a?b@c", "raw:/x?y", "nbd+unix:///e?socket=/s", "null:", "-", "rbd:p/i?conf=/c"] {
             assert_eq!(shown(kept), kept);
         }

@@ -371,6 +371,8 @@ fn s3_keys_with_dot_segments_are_refused() {
         "s3://hr-dots/../hr-other/k",
         "s3://hr-dots/d/./s/../k",
         "s3://hr-dots/k/..",
+        "s3://../hr-other/k",
+        "s3://./hr-other/k",
         "s3://hr-dots/%2e%2e/hr-other/k",
         "s3://hr-dots/a/%2E/k",
     ] {

@@ -272,6 +272,13 @@ impl Backend for RbdImage {
         self.spec.to_string()
     }
 
+    /// The image's name (pool, namespace, image, snapshot: no option, so no key) and size,
+    /// for a resumed copy. An image deleted and made again under the same name and size
+    /// is not told apart: resume from a snapshot (`@SNAP`) to be sure.
+    fn identity(&self) -> Option<String> {
+        Some(format!("{} size={}", self.spec, self.size))
+    }
+
     fn size(&self) -> u64 {
         self.size
     }

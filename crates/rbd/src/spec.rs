@@ -29,7 +29,7 @@ pub fn is_rbd(spec: &str) -> bool {
 
 impl Spec {
     pub fn parse(s: &str) -> Result<Spec, RbdError> {
-        let bad = |why: &str| RbdError::BadSpec { spec: s.to_string(), why: why.to_string() };
+        let bad = |why: &str| RbdError::BadSpec { spec: ferry_backend::redact_rbd(s), why: why.to_string() };
         let rest = s.strip_prefix("rbd:").ok_or_else(|| bad("it does not start with rbd:"))?;
         let rest = rest.strip_prefix("//").unwrap_or(rest);
         // Options: after '?' (URI style, percent-encoded) or after the first ':' (qemu style).

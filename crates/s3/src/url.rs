@@ -16,9 +16,9 @@ pub const MAX_KEY_BYTES: usize = 1024;
 /// non-empty, at most 1024 bytes, free of control characters, and free of `.` and `..`
 /// segments, percent-encoded or not (`a/./b`, `../k`, `a/%2e%2e/b`): URL code resolves
 /// those (`s3://a/../b/k` would write to bucket `b`), so no such key is sent anywhere;
-/// the bucket is the bucket is 1 to 255 characters of `A-Z a-z 0-9 . - _` (AWS is
+/// the bucket is 1 to 255 characters of `A-Z a-z 0-9 . - _` (AWS is
 /// stricter, 3-63 lowercase; other S3 servers and old AWS buckets are not, so the server
-/// has the last word).
+/// has the last word), and neither `.` nor `..` for the same reason.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct S3Url {
     pub bucket: String,
@@ -46,6 +46,12 @@ impl S3Url {
             return Err(bad(format!(
                 "the bucket name contains {c:?}; bucket names are letters, digits, '.', '-' and '_' \
                  (credentials go in the environment or ~/.aws, never in the URL)"
+            )));
+        }
+        if bucket == "." || bucket == ".." {
+            return Err(bad(format!(
+                "the bucket name is {bucket:?}, a path segment URLs resolve to another bucket: no S3 bucket \
+                 has that name; write s3://BUCKET/KEY"
             )));
         }
         if key.is_empty() {
@@ -160,7 +166,20 @@ mod tests {
             let e = S3Url::parse(s).unwrap_err().to_string();
             assert!(e.contains("segment") && e.contains(s), "{s}: {e}");
         }
-        for ok in ["s3://b/...", "s3://b/.hidden", "s3://b/a./b", "s3://b/..k", "s3://b/%2e%2ex", "s3://b/%zz/.k"] {
+        for s in ["s3://../b/k", "s3://./b/k", "s3://../k"] {
+            let e = S3Url::parse(s).unwrap_err().to_string();
+            assert!(e.contains("segment") && e.contains(s), "{s}: {e}");
+        }
+        for ok in [
+            "s3://b/...",
+            "s3://.../k",
+            "s3://a..b/k",
+            "s3://b/.hidden",
+            "s3://b/a./b",
+            "s3://b/..k",
+            "s3://b/%2e%2ex",
+            "s3://b/%zz/.k",
+        ] {
             assert!(S3Url::parse(ok).is_ok(), "{ok}");
         }
         let long = format!("s3://b/{}", "k".repeat(1025));

@@ -275,6 +275,22 @@ pub fn load(path: &Path) -> Result<Option<Record>, JournalError> {
     if !meta.is_file() {
         return Err(JournalError::Corrupt { path: name, why: "it is not a regular file".into() });
     }
+    // A journal says how much of the destination is done: one that another user could
+    // have written (planted beside a destination in /tmp, or made writable to others)
+    // would make a copy skip what it never wrote. ferry makes journals 0600, its own.
+    use std::os::unix::fs::MetadataExt;
+    let me = rustix::process::geteuid().as_raw();
+    if meta.uid() != me || meta.mode() & 0o022 != 0 {
+        return Err(JournalError::Corrupt {
+            path: name,
+            why: format!(
+                "it is owned by uid {} with mode {:o}, where ferry makes journals its user's own (uid {me}, 0600): \
+                 another user could have written it; remove it (or --restart) if it is yours",
+                meta.uid(),
+                meta.mode() & 0o7777
+            ),
+        });
+    }
     let len = meta.len();
     if len > MAX_JOURNAL_BYTES {
         return Err(JournalError::Corrupt {
@@ -594,9 +610,33 @@ mod tests {
         assert_eq!(j3.resumed(), None);
         assert!(!p.exists());
         std::fs::write(&p, vec![b'x'; MAX_JOURNAL_BYTES as usize + 1]).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
         let e = load(&p).unwrap_err().to_string();
         assert!(e.contains("more than a journal"), "{e}");
         j2.finish().unwrap();
         assert!(!p.exists());
+    }
+
+    /// A journal another user could have written is not trusted: writable by group or
+    /// others, or owned by another user (a file planted beside a destination in /tmp).
+    #[test]
+    fn a_journal_others_could_write_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("j");
+        let key = Record { watermark: 0, destination_zeroed: false, ..rec() };
+        Journal::open(p.clone(), key.clone(), false).unwrap().store(8 << 20, true, 8 << 20).unwrap();
+        assert!(load(&p).unwrap().is_some());
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o622)).unwrap();
+        let e = load(&p).unwrap_err().to_string();
+        assert!(e.contains("another user could have written it"), "{e}");
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert!(load(&p).unwrap().is_some());
+        // Owned by someone else (the suite runs as root, which can give it away).
+        if rustix::process::geteuid().is_root() {
+            std::os::unix::fs::chown(&p, Some(65534), None).unwrap();
+            let e = load(&p).unwrap_err().to_string();
+            assert!(e.contains("owned by uid 65534"), "{e}");
+        }
     }
 }
