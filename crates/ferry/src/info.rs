@@ -290,7 +290,7 @@ fn map(mut reader: ContextReader, contexts: &[String], as_json: bool) -> Result<
 /// `ferry info PATH`: format, virtual size, cluster size, backing chain, allocation.
 fn local(args: &InfoArgs, loc: &ferry_open::Location) -> Result<i32> {
     use ferry_backend::{Access, Backend, FileBackend, ImageUse};
-    use ferry_open::{open_qcow2, Format, Location, StoreImage};
+    use ferry_open::{Format, Location, StoreImage};
     // Locked as qemu-img info locks: a qcow2 image being written is refused (its
     // metadata may be half-written); a raw file takes no lock.
     let usage = ImageUse::new(Access::Inspect).force_share(args.force_share);
@@ -305,7 +305,9 @@ fn local(args: &InfoArgs, loc: &ferry_open::Location) -> Result<i32> {
     }
     let image = match loc {
         Location::Image { store: ferry_open::Store::File(p), .. } => match ferry_open::local_format_of(loc) {
-            Some(Format::Qcow2) => Image::Qcow2(p.display().to_string(), open_qcow2(p, true, usage)?),
+            Some(Format::Qcow2) => {
+                Image::Qcow2(p.display().to_string(), ferry_open::open_local_qcow2_image(loc, usage)?)
+            }
             _ => Image::Raw(p),
         },
         Location::Image { store, format, .. } => {

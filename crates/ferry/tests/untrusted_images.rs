@@ -7,6 +7,7 @@
 //! * a guest writing a qcow2 header into the first sector of its disk, served from a file
 //!   whose raw format ferry guessed: the write fails with EPERM and is logged, other
 //!   writes to the sector pass, and `raw:PATH` lifts the guard;
+//! * a local image taken for qcow2 by its bytes alone, naming a local file;
 //! * an existing copy destination that only its bytes say is qcow2;
 //! * small reads of zero and unallocated qcow2 clusters answered with hole chunks.
 
@@ -257,4 +258,57 @@ fn small_reads_of_qcow2_holes_are_hole_chunks() {
     ));
     let server = Server::unix(s(&img), &["-r"]);
     run_python("small_holes.py", &[&server.uri()]);
+}
+
+/// A raw disk whose guest wrote a qcow2 header naming a local file (through a hypervisor
+/// without ferry's guard): read by its bare name, its format is only guessed, so ferry
+/// opens no file it names, whatever the command; named `qcow2:PATH` or `*.qcow2`, the
+/// format is the user's word and the chain is read.
+#[test]
+fn a_qcow2_image_guessed_from_its_bytes_names_no_file() {
+    require("nbdcopy");
+    let tmp = tempfile::tempdir().unwrap();
+    let secret = tmp.path().join("secret.raw");
+    std::fs::write(&secret, secret_bytes()).unwrap();
+    let disk = zeroed_disk(tmp.path());
+    qcow2_header(tmp.path(), &secret);
+    // The header cluster, with the backing file's name in it.
+    let head = std::fs::read(tmp.path().join("hostile.qcow2")).unwrap()[..64 << 10].to_vec();
+    std::os::unix::fs::FileExt::write_all_at(&std::fs::File::options().write(true).open(&disk).unwrap(), &head, 0)
+        .unwrap();
+    let out_file = tmp.path().join("out.raw");
+    let got = tmp.path().join("served.raw");
+    let sock = tmp.path().join("s.sock");
+    let client = format!("nbdcopy \"$uri\" {}", s(&got));
+    let commands: [&[&str]; 6] = [
+        &["copy", s(&disk), s(&out_file)],
+        &["hash", s(&disk)],
+        &["info", s(&disk)],
+        &["info", "--json", s(&disk)],
+        &["serve", "-r", "--unix", s(&sock), "--run", &client, s(&disk)],
+        &["serve", "--unix", s(&sock), "--run", &client, s(&disk)],
+    ];
+    for args in commands {
+        let out = run(&mut ferry(args));
+        assert!(!out.status.success(), "should have been refused:\n{}", out.describe());
+        let all = format!("{}{}", out.stdout, out.stderr);
+        assert!(!all.contains(MARKER) && !all.contains("panicked"), "{}", out.describe());
+        for want in ["from its first bytes alone", s(&secret), "qcow2:", "raw:"] {
+            assert!(all.contains(want), "the error does not say {want:?}:\n{}", out.describe());
+        }
+        for f in [&out_file, &got] {
+            assert!(!f.exists() || !leaks(&std::fs::read(f).unwrap()), "{args:?} leaked into {}", f.display());
+        }
+    }
+    // Named by the user: qcow2:PATH, or a .qcow2 name, reads the chain it names.
+    run_ok(&mut ferry(["copy", &format!("qcow2:{}", s(&disk)), s(&out_file)]));
+    assert!(leaks(&std::fs::read(&out_file).unwrap()), "qcow2:PATH did not read its backing file");
+    let named = tmp.path().join("disk.qcow2");
+    std::fs::copy(&disk, &named).unwrap();
+    std::fs::remove_file(&out_file).unwrap();
+    run_ok(&mut ferry(["copy", s(&named), s(&out_file)]));
+    assert!(leaks(&std::fs::read(&out_file).unwrap()), "a .qcow2 name did not read its backing file");
+    // raw:PATH is the disk as it is.
+    run_ok(&mut ferry(["copy", &format!("raw:{}", s(&disk)), s(&out_file)]));
+    assert!(std::fs::read(&out_file).unwrap()[..head.len()] == head[..]);
 }

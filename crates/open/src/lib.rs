@@ -45,6 +45,14 @@ fn local_format(p: &Path, format: Option<Format>, file_prefix: bool) -> Format {
     format.unwrap_or_else(|| if is_image_file(p) && has_qcow2_magic(p) { Format::Qcow2 } else { Format::Raw })
 }
 
+/// Whether a local file is qcow2 by its bytes alone: no format named (`qcow2:`,
+/// `--format`), not `file:`, and no `.qcow2`/`.qcow` name. Such an image may not name
+/// other files ([`ferry_qcow2::Options::guessed`]).
+fn guessed(p: &Path, format: Option<Format>, file_prefix: bool) -> bool {
+    let named = p.extension().is_some_and(|e| e.eq_ignore_ascii_case("qcow2") || e.eq_ignore_ascii_case("qcow"));
+    format.is_none() && !file_prefix && !named
+}
+
 /// The format of a local file image (probed, as every opener here probes it); `None`
 /// for other locations.
 pub fn local_format_of(loc: &Location) -> Option<Format> {
@@ -73,6 +81,29 @@ fn store_format(store: &Store, backend: &dyn Backend, format: Option<Format>) ->
 /// Opens a qcow2 image locked for `usage`, with the path in every error.
 pub fn open_qcow2(p: &Path, read_only: bool, usage: ImageUse) -> Result<Arc<Qcow2>> {
     open_qcow2_with(p, &ferry_qcow2::Options { read_only, ..Default::default() }, usage)
+}
+
+/// A local qcow2 image as `loc` names it (`ferry info`), read-only: refused as
+/// [`ferry_qcow2::Options::guessed`] says when its format was only probed.
+pub fn open_local_qcow2_image(loc: &Location, usage: ImageUse) -> Result<Arc<Qcow2>> {
+    match loc {
+        Location::Image { store: Store::File(p), format, file_prefix } => {
+            let opts = ferry_qcow2::Options { read_only: true, ..Default::default() };
+            open_local_qcow2(p, *format, *file_prefix, opts, usage)
+        }
+        _ => bail!("open_local_qcow2_image is for local files"),
+    }
+}
+
+/// A local qcow2 image named as `format` (`None`: its format was probed).
+fn open_local_qcow2(
+    p: &Path,
+    format: Option<Format>,
+    file_prefix: bool,
+    opts: ferry_qcow2::Options,
+    usage: ImageUse,
+) -> Result<Arc<Qcow2>> {
+    open_qcow2_with(p, &ferry_qcow2::Options { guessed: guessed(p, format, file_prefix), ..opts }, usage)
 }
 
 fn open_qcow2_with(p: &Path, opts: &ferry_qcow2::Options, usage: ImageUse) -> Result<Arc<Qcow2>> {
@@ -194,7 +225,8 @@ pub fn open_backend(loc: &Location, how: ServeOpen, remote: &Remote) -> Result<(
             match local_format(p, *format, *file_prefix) {
                 // Both open with `read_only`, so they declare it themselves.
                 Format::Qcow2 => {
-                    let q = open_qcow2_with(p, &ferry_qcow2::Options { read_only, allow_truncated }, usage)?;
+                    let opts = ferry_qcow2::Options { read_only, allow_truncated, ..Default::default() };
+                    let q = open_local_qcow2(p, *format, *file_prefix, opts, usage)?;
                     let files = q.open_files().to_vec();
                     (q, files)
                 }
@@ -242,7 +274,8 @@ pub fn source(loc: &Location, force_share: bool, remote: &Remote) -> Result<Sour
         Location::Image { store: Store::File(p), format, file_prefix } => {
             match local_format(p, *format, *file_prefix) {
                 Format::Qcow2 => {
-                    let q = open_qcow2(p, true, usage)?;
+                    let opts = ferry_qcow2::Options { read_only: true, ..Default::default() };
+                    let q = open_local_qcow2(p, *format, *file_prefix, opts, usage)?;
                     let files = q.open_files().to_vec();
                     Source {
                         endpoint: Endpoint::Backend(BackendEndpoint::new(p.display().to_string(), q)),

@@ -109,6 +109,11 @@ pub struct Options {
     /// truncated image; the missing clusters read as zeroes). Without it such an image
     /// opens read-only only (with a warning).
     pub allow_truncated: bool,
+    /// The image was taken for qcow2 from its first bytes only (the user named no
+    /// format). Such an image that names a backing or external data file is refused
+    /// ([`Qcow2Error::Refused`]): a raw disk's guest can write a qcow2 header naming any
+    /// file, and the next probe would read that file.
+    pub guessed: bool,
 }
 
 /// One layer of a backing chain, as `ferry info` shows it.
@@ -265,6 +270,22 @@ impl Qcow2 {
         // An image that is not in a local file (HTTP, S3, RBD, memory) names no file at
         // all: whoever wrote it would otherwise choose a local file (a secret, a block
         // device) for ferry to read and serve. Checked before anything is opened.
+        if opts.guessed && dir.is_some() {
+            if let Some((what, n)) = header
+                .data_file
+                .as_deref()
+                .map(|n| ("an external data file", n))
+                .or(header.backing_file.as_deref().map(|n| ("a backing file", n)))
+            {
+                let shown: String = n.chars().take(256).collect();
+                return Err(Qcow2Error::Refused(format!(
+                    "{name} was taken for a qcow2 image from its first bytes alone, and it names {what} {shown:?}: \
+                     the guest of a raw disk can write such a header to make ferry read any file, so ferry opens \
+                     files named by an image only when its format was named: write qcow2:{name} (or name the \
+                     file *.qcow2) if it is a qcow2 image you trust, or raw:{name} if it is a raw disk"
+                )));
+            }
+        }
         if dir.is_none() {
             if let Some(n) = &header.data_file {
                 return Err(remote_names_file(&name, "an external data file", n));

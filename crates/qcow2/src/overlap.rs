@@ -622,7 +622,8 @@ mod tests {
     fn metadata_allocated_while_writing_is_guarded() {
         let dir = tempfile::tempdir().unwrap();
         let p = image_mapping_past_its_end(dir.path());
-        let q = Qcow2::open_with(&p, &Options { read_only: false, allow_truncated: true }).unwrap();
+        let q =
+            Qcow2::open_with(&p, &Options { read_only: false, allow_truncated: true, ..Options::default() }).unwrap();
         // L1 entry 1's new L2 table takes the cluster guest cluster 1 points at.
         q.write(&[3; 4096], 2 << 20, false).unwrap();
         let e = q.write(&[2; 4096], 4096, false).unwrap_err().to_string();
