@@ -370,8 +370,8 @@ fn the_users_x_amz_headers_are_signed_on_upload_part() {
     );
 }
 
-/// A server that answers CreateMultipartUpload at once, or (with `trickle_create`) one
-/// byte a second, and every UploadPart one byte a second.
+/// A server that answers CreateMultipartUpload at once, or (with `trickle_create`) with
+/// its body one byte a second, and every UploadPart with its body one byte a second.
 fn trickling(trickle_create: bool) -> String {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let endpoint = format!("http://{}", l.local_addr().unwrap());
@@ -411,7 +411,13 @@ fn trickling(trickle_create: bool) -> String {
                         }
                         continue;
                     }
-                    for b in answer.as_bytes() {
+                    // The head at once (`timeout_recv_response` bounds that), the body
+                    // trickled.
+                    let (head, body) = answer.split_at(answer.find("\r\n\r\n").unwrap() + 4);
+                    if w.write_all(head.as_bytes()).is_err() {
+                        return;
+                    }
+                    for b in body.as_bytes() {
                         if w.write_all(&[*b]).is_err() {
                             return;
                         }
