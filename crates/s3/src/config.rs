@@ -260,8 +260,9 @@ impl S3Config {
             let keys: Vec<&str> = cred_section.iter().chain(conf_section.iter()).flat_map(|s| s.keys()).collect();
             if let Some(what) = unsupported_profile_source(&from_profile, &keys) {
                 return Err(S3Error::Config(format!(
-                    "profile {profile} ({config_place} in {} / {}) gets its credentials {what}, which ferry does not \
-                     support yet (it would not use the EC2 instance role instead): export the credentials first, \
+                    "profile {profile} (in {} or {}) gets its credentials {what}, which ferry does not support yet \
+                     (and it does not run as another identity, such as the EC2 instance's role, instead): export the \
+                     credentials first, \
                      e.g. `eval \"$(aws configure export-credentials --profile {profile} --format env)\"`, or give \
                      the profile a credential_process",
                     shown(cred_path.as_deref()),

@@ -278,7 +278,7 @@ fn assume_role_and_sso_profiles_are_refused_not_the_instance_role() {
         };
         assert!(e.contains(&format!("profile {profile} ")) && e.contains(says), "{e}");
         assert!(e.contains(&format!("aws configure export-credentials --profile {profile} --format env")), "{e}");
-        assert!(e.contains("credential_process"), "{e}");
+        assert!(e.contains("credential_process") && e.contains("instance's role"), "{e}");
     }
     assert!(imds.log.lock().unwrap().is_empty(), "the instance metadata service was asked");
     // A profile's own keys still come first.
