@@ -1,5 +1,6 @@
 //! `s3://BUCKET/KEY` objects: a store on ferry-s3. Credentials, region and endpoint come
-//! from where the AWS tools look (AWS_* variables, ~/.aws/credentials and ~/.aws/config).
+//! from where the AWS tools look (AWS_* variables, ~/.aws/credentials and ~/.aws/config),
+//! once per process (`S3Config::from_env` keeps them), however many objects a command opens.
 
 use anyhow::{Context, Result};
 use ferry_backend::Backend;

@@ -17,6 +17,12 @@ const MAX_ANSWER_BYTES: u64 = 4 << 20;
 /// The longest part ETag kept from ListParts (S3's are 34 bytes; a longer one is refused,
 /// so a hostile answer cannot make ferry hold more than 10,000 of these).
 pub(crate) const MAX_PART_ETAG_BYTES: usize = 128;
+/// The slowest a request's body may go before the request counts as timed out: a PUT
+/// or POST of N bytes may take `--request-timeout` plus N at this rate, answer and all.
+pub(crate) const MIN_SEND_RATE: u64 = 1 << 20;
+/// The least time a CompleteMultipartUpload may take: S3 assembles the object before it
+/// answers (sending blanks meanwhile), which may take minutes for a large one.
+pub(crate) const COMPLETE_AT_LEAST: Duration = Duration::from_secs(300);
 /// The longest wait between two tries.
 const MAX_RETRY_DELAY: Duration = Duration::from_secs(30);
 
@@ -49,7 +55,8 @@ pub(crate) struct Client {
     pub credentials_from: String,
     pub retries: u32,
     pub retry_delay: Duration,
-    /// The longest a GET, HEAD or DELETE may take, answer and all (`--request-timeout`).
+    /// `--request-timeout`: the longest a GET, HEAD or DELETE may take, answer and all;
+    /// see [`deadline`] for a PUT or POST.
     timeout: Option<Duration>,
     headers: Vec<(String, String)>,
 }
@@ -73,6 +80,13 @@ impl Client {
             timeout: http.timeout,
             headers: http.headers.clone(),
         })
+    }
+
+    /// The user's headers (`--header`) that a header-signed request must sign, since
+    /// [`Client::send`] adds them to every request: every `x-amz-*` one (S3 refuses an
+    /// unsigned one), and `content-md5` and `content-type`.
+    pub(crate) fn headers_to_sign(&self) -> Vec<(&str, &str)> {
+        headers_to_sign(&self.headers)
     }
 
     /// A presigned GET of the bucket with `query` (sorted by name), for the actions
@@ -198,7 +212,7 @@ impl Client {
             let (url, auth) = sign();
             let signed: Vec<(&str, &str)> =
                 auth.iter().map(|(k, v)| (k.as_str(), v.as_str())).chain(headers.iter().copied()).collect();
-            let err = match self.once(url, &method, &signed, body) {
+            let err = match self.once(op, url, &method, &signed, body) {
                 // S3 may answer 200 and tell of a failure in the body (CompleteMultipartUpload).
                 Ok(a) if a.status < 300 && !is_error_body(&a.body) => return Ok(a),
                 Ok(a) => {
@@ -241,6 +255,7 @@ impl Client {
 
     fn once(
         &self,
+        op: &str,
         url: url::Url,
         method: &Method,
         headers: &[(&str, &str)],
@@ -276,6 +291,9 @@ impl Client {
                 if let Some(p) = &self.proxy {
                     r = r.config().proxy(Some(p.clone())).build();
                 }
+                // Each read and write has `timeout`; this bounds the whole exchange, so a
+                // server taking the body or trickling its answer cannot hold it longer.
+                r = r.config().timeout_global(deadline(self.timeout, op, body.len())).build();
                 r.send(body)?
             }
         };
@@ -347,6 +365,28 @@ impl Client {
     }
 }
 
+/// See [`Client::headers_to_sign`].
+pub(crate) fn headers_to_sign(headers: &[(String, String)]) -> Vec<(&str, &str)> {
+    let signed = |name: &str| {
+        let n = name.to_ascii_lowercase();
+        n.starts_with("x-amz-") || n == "content-md5" || n == "content-type"
+    };
+    headers.iter().filter(|(k, _)| signed(k)).map(|(k, v)| (k.as_str(), v.as_str())).collect()
+}
+
+/// The longest the PUT or POST `op` with a body of `len` bytes may take, answer and all,
+/// where `timeout` is `--request-timeout` (none: no bound): `timeout` plus the body at
+/// [`MIN_SEND_RATE`], and for CompleteMultipartUpload at least [`COMPLETE_AT_LEAST`].
+pub(crate) fn deadline(timeout: Option<Duration>, op: &str, len: usize) -> Option<Duration> {
+    let t = timeout?;
+    let sending = Duration::from_secs_f64(len as f64 / MIN_SEND_RATE as f64);
+    let t = t.saturating_add(sending);
+    match op.starts_with("CompleteMultipartUpload") {
+        true => Some(t.max(COMPLETE_AT_LEAST)),
+        false => Some(t),
+    }
+}
+
 /// The bucket of `url` as `cfg` reaches it, and the server's name for messages.
 pub(crate) fn address(url: &S3Url, cfg: &S3Config) -> Result<(Bucket, String), S3Error> {
     let (endpoint, style, server) = match &cfg.endpoint {
@@ -358,7 +398,9 @@ pub(crate) fn address(url: &S3Url, cfg: &S3Config) -> Result<(Bucket, String), S
             (u, UrlStyle::Path, e.trim_end_matches('/').to_string())
         }
         None => {
-            let e = format!("https://s3.{}.amazonaws.com", cfg.region);
+            // China's regions (cn-*) are under amazonaws.com.cn.
+            let suffix = if cfg.region.starts_with("cn-") { ".cn" } else { "" };
+            let e = format!("https://s3.{}.amazonaws.com{suffix}", cfg.region);
             let u = url::Url::parse(&e).map_err(|err| S3Error::Config(format!("region {:?}: {err}", cfg.region)))?;
             // Names with dots do not match AWS's certificates as host names, and legacy
             // names with capitals or '_' are not host names at all: those go path-style.
@@ -468,10 +510,35 @@ mod tests {
         assert_eq!(server, "AWS (eu-west-1)");
         let (b, _) = address(&S3Url::parse("s3://my.bucket/k").unwrap(), &cfg).unwrap();
         assert_eq!(b.object_url("k").as_str(), "https://s3.eu-west-1.amazonaws.com/my.bucket/k");
+        let cn = S3Config { region: "cn-north-1".into(), ..cfg.clone() };
+        let (b, _) = address(&S3Url::parse("s3://bk/k").unwrap(), &cn).unwrap();
+        assert_eq!(b.object_url("k").as_str(), "https://bk.s3.cn-north-1.amazonaws.com.cn/k");
+        assert_eq!(crate::config::sts_endpoint("cn-northwest-1"), "https://sts.cn-northwest-1.amazonaws.com.cn");
+        assert_eq!(crate::config::sts_endpoint("eu-west-1"), "https://sts.eu-west-1.amazonaws.com");
         let cfg = S3Config { endpoint: Some("http://127.0.0.1:7480/".into()), ..cfg };
         let (b, server) = address(&S3Url::parse("s3://bk/x/y").unwrap(), &cfg).unwrap();
         assert_eq!(b.object_url("x/y").as_str(), "http://127.0.0.1:7480/bk/x/y");
         assert_eq!(server, "http://127.0.0.1:7480");
+    }
+
+    #[test]
+    fn put_and_post_deadlines() {
+        let t = Some(Duration::from_secs(60));
+        assert_eq!(deadline(None, "UploadPart 1", 8 << 20), None);
+        assert_eq!(deadline(t, "CreateMultipartUpload", 0), t);
+        assert_eq!(deadline(t, "UploadPart 3", 8 << 20), Some(Duration::from_secs(68)));
+        assert_eq!(deadline(t, "CompleteMultipartUpload", 1000), Some(COMPLETE_AT_LEAST));
+        let long = Some(Duration::from_secs(600));
+        assert_eq!(deadline(long, "CompleteMultipartUpload", 0), long);
+    }
+
+    #[test]
+    fn the_users_x_amz_headers_are_to_be_signed() {
+        let h: Vec<(String, String)> = [("X-Amz-Meta-A", "1"), ("Content-MD5", "m"), ("X-Other", "o"), ("accept", "a")]
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        assert_eq!(headers_to_sign(&h), [("X-Amz-Meta-A", "1"), ("Content-MD5", "m")]);
     }
 
     #[test]

@@ -18,7 +18,8 @@ const MAX_FILE_BYTES: u64 = 1 << 20;
 ///   2. web identity: `AWS_WEB_IDENTITY_TOKEN_FILE` + `AWS_ROLE_ARN` (+
 ///      `AWS_ROLE_SESSION_NAME`), else the profile's `web_identity_token_file` +
 ///      `role_arn`, exchanged by AssumeRoleWithWebIdentity at STS (`AWS_ENDPOINT_URL_STS`,
-///      else `AWS_ENDPOINT_URL`, else `https://sts.REGION.amazonaws.com`);
+///      else `AWS_ENDPOINT_URL`, else `https://sts.REGION.amazonaws.com`, `.com.cn` in
+///      China's `cn-*` regions);
 ///   3. the profile's `aws_access_key_id` / `aws_secret_access_key` /
 ///      `aws_session_token` in the credentials file (`[NAME]` sections), else in the
 ///      config file (`[profile NAME]`, or `[default]`);
@@ -26,6 +27,12 @@ const MAX_FILE_BYTES: u64 = 1 << 20;
 ///   5. the EC2 instance metadata service, IMDSv2 (`AWS_EC2_METADATA_SERVICE_ENDPOINT` or
 ///      the profile's `ec2_metadata_service_endpoint`, else `http://169.254.169.254`;
 ///      none with `AWS_EC2_METADATA_DISABLED=true`).
+///
+///   A profile that assumes a role (`role_arn` with `source_profile` or
+///   `credential_source`, without a web identity token file), has a `credential_source`
+///   or signs in with IAM Identity Center (`sso_*` keys), and has no keys or
+///   `credential_process`, is an error: ferry does not do those yet, and never uses
+///   another identity (the instance's role) instead.
 ///
 ///   A source set up that fails is an error (with its reason); none set up is an error
 ///   that lists each source tried. Temporary credentials are not refreshed: see
@@ -90,10 +97,21 @@ impl S3Config {
         }
     }
 
-    /// Reads the process environment and `$HOME/.aws` (see [`S3Config`]).
+    /// Reads the process environment and `$HOME/.aws` (see [`S3Config`]), once per
+    /// process: later calls give the first call's configuration or error again, so a
+    /// command that opens S3 twice (a copy from S3 to S3, a writer and its abort) runs a
+    /// `credential_process` (which may prompt for an MFA code), STS or the instance
+    /// metadata service once.
     pub fn from_env() -> Result<S3Config, S3Error> {
-        let home = std::env::var_os("HOME").map(PathBuf::from);
-        S3Config::load(&|name| std::env::var(name).ok(), home.as_deref())
+        static LOADED: std::sync::OnceLock<Result<S3Config, String>> = std::sync::OnceLock::new();
+        let loaded = LOADED.get_or_init(|| {
+            let home = std::env::var_os("HOME").map(PathBuf::from);
+            S3Config::load(&|name| std::env::var(name).ok(), home.as_deref()).map_err(|e| match e {
+                S3Error::Config(m) => m,
+                e => e.to_string(),
+            })
+        });
+        loaded.clone().map_err(S3Error::Config)
     }
 
     /// As [`S3Config::from_env`], with the environment given as a lookup function and the
@@ -190,12 +208,12 @@ impl S3Config {
                     let session = session.unwrap_or_else(|| format!("ferry-{}", jiff::Timestamp::now().as_second()));
                     let sts = var("AWS_ENDPOINT_URL_STS")
                         .or_else(|| var("AWS_ENDPOINT_URL"))
-                        .unwrap_or_else(|| format!("https://sts.{region}.amazonaws.com"));
+                        .unwrap_or_else(|| sts_endpoint(&region));
                     let f = credentials::web_identity(Path::new(&file), &arn, &session, &sts, ca_bundle.as_deref())?;
                     break 'chain Found::fetched(f, format!("web identity ({web_from}; role {arn})"));
                 }
-                // A role ARN alone is not web identity (in a profile, with source_profile, it
-                // is an assumed role, which ferry does not do), as in the SDKs: on to the next.
+                // A role ARN alone is not web identity: on to the next (a profile's role_arn,
+                // an assumed role, is refused below, after its keys and credential_process).
                 (None, Some(_)) => tried.push(format!("web identity ({web_from}): no token file")),
                 (Some(_), None) => {
                     return Err(S3Error::Config(format!(
@@ -235,6 +253,21 @@ impl S3Config {
                     break 'chain Found::fetched(f, format!("credential_process of profile {profile}"));
                 }
                 None => tried.push(format!("credential_process of profile {profile}: not set")),
+            }
+            // A profile that says to assume a role (role_arn with source_profile or
+            // credential_source) or to sign in with SSO has no keys of its own: the SDKs
+            // assume the role or fail, and never use another identity, so neither does ferry.
+            let keys: Vec<&str> = cred_section.iter().chain(conf_section.iter()).flat_map(|s| s.keys()).collect();
+            if let Some(what) = unsupported_profile_source(&from_profile, &keys) {
+                return Err(S3Error::Config(format!(
+                    "profile {profile} (in {} or {}) gets its credentials {what}, which ferry does not support yet \
+                     (and it does not run as another identity, such as the EC2 instance's role, instead): export the \
+                     credentials first, \
+                     e.g. `eval \"$(aws configure export-credentials --profile {profile} --format env)\"`, or give \
+                     the profile a credential_process",
+                    shown(cred_path.as_deref()),
+                    shown(conf_path.as_deref())
+                )));
             }
             // 5. The EC2 instance metadata service.
             let imds = var("AWS_EC2_METADATA_SERVICE_ENDPOINT")
@@ -349,6 +382,36 @@ pub(crate) fn check_endpoint(endpoint: &str) -> Result<url::Url, String> {
     Ok(u)
 }
 
+/// STS's regional endpoint: China's regions (`cn-*`) are under `amazonaws.com.cn`.
+pub(crate) fn sts_endpoint(region: &str) -> String {
+    match region.starts_with("cn-") {
+        true => format!("https://sts.{region}.amazonaws.com.cn"),
+        false => format!("https://sts.{region}.amazonaws.com"),
+    }
+}
+
+/// How a profile without keys, credential_process or web identity says to get
+/// credentials, where ferry does not do it: an assumed role (`role_arn`, with
+/// `source_profile` or `credential_source`) or AWS IAM Identity Center (`sso_*` keys).
+fn unsupported_profile_source(get: &dyn Fn(&str) -> Option<String>, keys: &[&str]) -> Option<String> {
+    if let Some(arn) = get("role_arn") {
+        let via = match (get("source_profile"), get("credential_source")) {
+            (Some(p), _) => format!(" with the credentials of profile {p}"),
+            (None, Some(c)) => format!(" with the credentials of {c}"),
+            (None, None) => String::new(),
+        };
+        return Some(format!("by assuming the role {arn}{via} (role_arn)"));
+    }
+    if let Some(c) = get("credential_source") {
+        return Some(format!("from {c} (credential_source)"));
+    }
+    let sso: Vec<&str> = keys.iter().copied().filter(|k| k.to_ascii_lowercase().starts_with("sso_")).collect();
+    if !sso.is_empty() {
+        return Some(format!("by AWS IAM Identity Center sign-in ({})", sso.join(", ")));
+    }
+    None
+}
+
 fn shown(p: Option<&Path>) -> String {
     match p {
         Some(p) => p.display().to_string(),
@@ -367,6 +430,10 @@ pub(crate) struct Ini {
 pub(crate) struct Section<'a>(&'a [(String, String)]);
 
 impl<'a> Section<'a> {
+    pub(crate) fn keys(self) -> impl Iterator<Item = &'a str> {
+        self.0.iter().map(|(k, _)| k.as_str())
+    }
+
     pub(crate) fn get(self, key: &str) -> Option<&'a str> {
         self.0.iter().rev().find(|(k, _)| k.eq_ignore_ascii_case(key)).map(|(_, v)| v.as_str())
     }

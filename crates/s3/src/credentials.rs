@@ -17,6 +17,9 @@ const MAX_BYTES: u64 = 1 << 20;
 /// answers at 169.254.169.254, and ferry must not hang on it.
 const IMDS_CONNECT: Duration = Duration::from_secs(1);
 const IMDS_ANSWER: Duration = Duration::from_secs(3);
+/// STS: the longest an AssumeRoleWithWebIdentity exchange may take, answer and all, so
+/// that a server trickling its answer cannot hold ferry (each read has 30 s besides).
+const STS_ANSWER: Duration = Duration::from_secs(60);
 /// The lifetime asked for an IMDSv2 session token (the SDKs' default, 6 hours).
 const IMDS_TOKEN_TTL: &str = "21600";
 
@@ -96,7 +99,10 @@ pub(crate) fn web_identity(
     let mut req = agent(ca, false)?
         .post(url.as_str())
         .header("content-type", "application/x-www-form-urlencoded; charset=utf-8")
-        .header("accept", "application/xml");
+        .header("accept", "application/xml")
+        .config()
+        .timeout_global(Some(STS_ANSWER))
+        .build();
     if let Some(p) = ferry_http::proxy_for(&url, sts_endpoint)? {
         req = req.config().proxy(Some(p)).build();
     }
@@ -134,17 +140,19 @@ fn read_small(path: &Path) -> std::io::Result<String> {
     Ok(s)
 }
 
-/// `command` split into words as the AWS CLI does (POSIX shell rules, as Python's
-/// `shlex.split`): blanks separate words; `'...'` is literal; `"..."` keeps blanks and
-/// takes `\` before `"`, `\`, `$` and `` ` ``; a `\` outside quotes takes the next
-/// character. No shell runs: `$VAR`, globs and pipes are not expanded.
+/// `command` split into words as the AWS CLI does on Linux and macOS (botocore's
+/// `compat_shell_split` is Python's `shlex.split` there, POSIX mode): space, tab, CR and
+/// LF separate words; `'...'` is literal; `"..."` keeps blanks and takes `\` only before
+/// `"` and `\` (before anything else, `$` and `` ` `` included, the `\` stays); a `\`
+/// outside quotes takes the next character, a newline included. No shell runs: `$VAR`,
+/// globs and pipes are not expanded.
 pub(crate) fn shell_split(command: &str) -> Result<Vec<String>, &'static str> {
     let mut words = Vec::new();
     let mut word: Option<String> = None;
     let mut chars = command.chars();
     while let Some(c) = chars.next() {
         match c {
-            c if c.is_whitespace() => {
+            ' ' | '\t' | '\r' | '\n' => {
                 if let Some(w) = word.take() {
                     words.push(w);
                 }
@@ -165,8 +173,7 @@ pub(crate) fn shell_split(command: &str) -> Result<Vec<String>, &'static str> {
                     match chars.next() {
                         Some('"') => break,
                         Some('\\') => match chars.next() {
-                            Some(c @ ('"' | '\\' | '$' | '`')) => w.push(c),
-                            Some('\n') => {}
+                            Some(c @ ('"' | '\\')) => w.push(c),
                             Some(c) => {
                                 w.push('\\');
                                 w.push(c);
@@ -179,7 +186,6 @@ pub(crate) fn shell_split(command: &str) -> Result<Vec<String>, &'static str> {
                 }
             }
             '\\' => match chars.next() {
-                Some('\n') => {}
                 Some(c) => word.get_or_insert_with(String::new).push(c),
                 None => return Err("it ends with a \\"),
             },
@@ -317,7 +323,11 @@ mod tests {
     fn commands_split_as_the_aws_cli_splits_them() {
         let w = |s: &str| shell_split(s).unwrap();
         assert_eq!(w("  /bin/get-creds --profile  x "), ["/bin/get-creds", "--profile", "x"]);
-        assert_eq!(w(r#"a 'b c' "d \"e\" \$f \g" h\ i"#), ["a", "b c", r#"d "e" $f \g"#, "h i"]);
+        // What python3 -c 'import shlex; print(shlex.split(...))' gives.
+        assert_eq!(w(r#"a 'b c' "d \"e\" \$f \g" h\ i"#), ["a", "b c", r#"d "e" \$f \g"#, "h i"]);
+        assert_eq!(w(r#""\`g \\h" a\$b"#), [r#"\`g \h"#, "a$b"]);
+        assert_eq!(w("a \\\nb \"c\\\nd\""), ["a", "\nb", "c\\\nd"]);
+        assert_eq!(w("x#y #z a\u{a0}b"), ["x#y", "#z", "a\u{a0}b"]);
         assert_eq!(w("'' x\"\"y"), ["", "xy"]);
         assert_eq!(w("echo $HOME | cat"), ["echo", "$HOME", "|", "cat"], "no shell");
         assert!(shell_split("a 'b").is_err() && shell_split("a \"b").is_err() && shell_split("a\\").is_err());

@@ -74,7 +74,16 @@ impl Signer<'_> {
         let mut headers: Vec<(String, String)> = vec![("host".into(), host)];
         headers.extend(signed.iter().map(|(k, v)| (k.to_ascii_lowercase(), v.trim().to_string())));
         headers.extend(out.iter().cloned());
-        headers.sort();
+        // A name given twice is one canonical header, its values joined by commas in
+        // the order given (the sort is stable).
+        headers.sort_by(|a, b| a.0.cmp(&b.0));
+        headers.dedup_by(|later, first| {
+            let same = later.0 == first.0;
+            if same {
+                first.1 = format!("{},{}", first.1, later.1);
+            }
+            same
+        });
         let signed_names = headers.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>().join(";");
         let mut canonical = format!("{method}\n{}\n{}\n", url.path(), url.query().unwrap_or(""));
         for (k, v) in &headers {
@@ -149,6 +158,23 @@ mod tests {
             .unwrap()
             .1
             .contains("SignedHeaders=host;x-amz-content-sha256;x-amz-date;x-amz-security-token"));
+    }
+
+    #[test]
+    fn headers_given_are_signed_and_a_repeated_name_is_one_header() {
+        let s = Signer { key: "K", secret: "S", token: None, region: "us-east-1" };
+        let url = url::Url::parse("http://127.0.0.1:9000/b/k?partNumber=1&uploadId=u").unwrap();
+        let now: jiff::Timestamp = "2013-05-24T00:00:00Z".parse().unwrap();
+        let given = [("X-Amz-Meta-A", " 2 "), ("content-md5", "bWQ1"), ("x-amz-meta-a", "1")];
+        let h = s.sign("PUT", &url, &given, &payload_sha256(b""), &now);
+        let auth = &h.last().unwrap().1;
+        assert!(
+            auth.contains("SignedHeaders=content-md5;host;x-amz-content-sha256;x-amz-date;x-amz-meta-a,"),
+            "{auth}"
+        );
+        // The values joined in the order given: the same signature as one header "2,1".
+        let one = s.sign("PUT", &url, &[("content-md5", "bWQ1"), ("x-amz-meta-a", "2,1")], &payload_sha256(b""), &now);
+        assert_eq!(auth, &one.last().unwrap().1);
     }
 
     #[test]

@@ -612,8 +612,11 @@ impl S3Writer {
             token: c.creds.token(),
             region: c.bucket.region(),
         };
+        // The user's x-amz-* headers (`--header`, e.g. SSE-C's keys), which the client
+        // adds to every request, are signed as SigV4 requires.
+        let user = c.headers_to_sign();
         let sign = || {
-            let headers = signer.sign("PUT", &url, &[], &sha, &jiff::Timestamp::now());
+            let headers = signer.sign("PUT", &url, &user, &sha, &jiff::Timestamp::now());
             (url.clone(), headers)
         };
         let op = format!("UploadPart {number}");

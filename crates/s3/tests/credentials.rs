@@ -245,6 +245,47 @@ fn the_instance_metadata_service_last() {
     assert_eq!(imds.log.lock().unwrap().len(), 3);
 }
 
+/// A profile that assumes a role or signs in with SSO has no keys of its own: ferry
+/// refuses it, saying how to export credentials, and never runs as the instance's role.
+#[test]
+fn assume_role_and_sso_profiles_are_refused_not_the_instance_role() {
+    let home = tempfile::tempdir().unwrap();
+    let imds = fake_imds();
+    write_file(
+        &home.path().join(".aws/credentials"),
+        "[base]\naws_access_key_id = BASEKEY\naws_secret_access_key = s\n",
+    );
+    write_file(
+        &home.path().join(".aws/config"),
+        "[profile assume]\nrole_arn = arn:aws:iam::123456789012:role/r\nsource_profile = base\n\
+         [profile ec2]\nrole_arn = arn:aws:iam::123456789012:role/r\ncredential_source = Ec2InstanceMetadata\n\
+         [profile src]\ncredential_source = Environment\n\
+         [profile sso]\nsso_session = corp\nsso_account_id = 123456789012\nsso_role_name = Admin\n\
+         [profile legacy-sso]\nsso_start_url = https://corp.awsapps.com/start\nsso_region = us-east-1\n\
+         [profile keys]\naws_access_key_id = OWNKEY\naws_secret_access_key = s\nrole_arn = arn:aws:iam::1:role/x\n",
+    );
+    for (profile, says) in [
+        ("assume", "role arn:aws:iam::123456789012:role/r with the credentials of profile base"),
+        ("ec2", "with the credentials of Ec2InstanceMetadata"),
+        ("src", "from Environment (credential_source)"),
+        ("sso", "sso_session, sso_account_id, sso_role_name"),
+        ("legacy-sso", "sso_start_url, sso_region"),
+    ] {
+        let vars = [("AWS_EC2_METADATA_SERVICE_ENDPOINT", imds.endpoint.as_str()), ("AWS_PROFILE", profile)];
+        let e = match load(&vars, home.path()) {
+            Ok(cfg) => panic!("profile {profile} got credentials from {}", cfg.credentials_from),
+            Err(e) => e.to_string(),
+        };
+        assert!(e.contains(&format!("profile {profile} ")) && e.contains(says), "{e}");
+        assert!(e.contains(&format!("aws configure export-credentials --profile {profile} --format env")), "{e}");
+        assert!(e.contains("credential_process") && e.contains("instance's role"), "{e}");
+    }
+    assert!(imds.log.lock().unwrap().is_empty(), "the instance metadata service was asked");
+    // A profile's own keys still come first.
+    let vars = [("AWS_EC2_METADATA_SERVICE_ENDPOINT", imds.endpoint.as_str()), ("AWS_PROFILE", "keys")];
+    assert_eq!(load(&vars, home.path()).unwrap().access_key_id, "OWNKEY");
+}
+
 #[test]
 fn no_credentials_lists_every_source_tried() {
     let home = tempfile::tempdir().unwrap();

@@ -343,3 +343,105 @@ fn a_lost_completion_counts_only_for_an_object_with_our_multipart_etag() {
         }
     }
 }
+
+#[test]
+fn the_users_x_amz_headers_are_signed_on_upload_part() {
+    let f = uploads(|_| ok(""), |_| ok(COMPLETED));
+    let mut http = http();
+    http.headers = vec![
+        ("X-Amz-Server-Side-Encryption-Customer-Algorithm".into(), "AES256".into()),
+        ("x-amz-server-side-encryption-customer-key-MD5".into(), "bWQ1".into()),
+        ("X-Not-Amz".into(), "unsigned".into()),
+    ];
+    let w = S3Writer::create(&url(), &config(&f), &http, 100).unwrap();
+    w.write(&[5; 100], 0, false).unwrap();
+    w.complete().unwrap();
+    let seen = f.seen.lock().unwrap();
+    let put = seen.iter().find(|r| r.method == "PUT").unwrap();
+    assert_eq!(put.header("x-amz-server-side-encryption-customer-algorithm"), Some("AES256"));
+    assert_eq!(put.header("x-not-amz"), Some("unsigned"));
+    let auth = put.header("authorization").unwrap_or_default();
+    assert!(
+        auth.contains(
+            "SignedHeaders=host;x-amz-content-sha256;x-amz-date;x-amz-server-side-encryption-customer-algorithm;\
+             x-amz-server-side-encryption-customer-key-md5,"
+        ),
+        "{auth}"
+    );
+}
+
+/// A server that answers CreateMultipartUpload at once, or (with `trickle_create`) with
+/// its body one byte a second, and every UploadPart with its body one byte a second.
+fn trickling(trickle_create: bool) -> String {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = format!("http://{}", l.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for conn in l.incoming() {
+            let Ok(conn) = conn else { break };
+            std::thread::spawn(move || {
+                let mut r = BufReader::new(conn.try_clone().unwrap());
+                let mut w = conn;
+                loop {
+                    let (mut first, mut len) = (String::new(), 0usize);
+                    if r.read_line(&mut first).unwrap_or(0) == 0 {
+                        return;
+                    }
+                    loop {
+                        let mut h = String::new();
+                        if r.read_line(&mut h).unwrap_or(0) == 0 || h.trim().is_empty() {
+                            break;
+                        }
+                        if let Some((k, v)) = h.split_once(':') {
+                            if k.trim().eq_ignore_ascii_case("content-length") {
+                                len = v.trim().parse().unwrap_or(0);
+                            }
+                        }
+                    }
+                    let mut body = vec![0; len];
+                    if r.read_exact(&mut body).is_err() {
+                        return;
+                    }
+                    let answer = format!(
+                        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nETag: \"e\"\r\n\r\n{INITIATED}",
+                        INITIATED.len()
+                    );
+                    if first.starts_with("POST") && !trickle_create {
+                        if w.write_all(answer.as_bytes()).is_err() {
+                            return;
+                        }
+                        continue;
+                    }
+                    // The head at once (`timeout_recv_response` bounds that), the body
+                    // trickled.
+                    let (head, body) = answer.split_at(answer.find("\r\n\r\n").unwrap() + 4);
+                    if w.write_all(head.as_bytes()).is_err() {
+                        return;
+                    }
+                    for b in body.as_bytes() {
+                        if w.write_all(&[*b]).is_err() {
+                            return;
+                        }
+                        std::thread::sleep(Duration::from_secs(1));
+                    }
+                }
+            });
+        }
+    });
+    endpoint
+}
+
+#[test]
+fn answers_trickled_a_byte_a_second_end_within_the_request_timeout() {
+    let http = HttpOptions { retries: 0, timeout: Some(Duration::from_secs(2)), ..HttpOptions::default() };
+    let cfg = |e: &str| S3Config::with_endpoint(e, "AKIDEXAMPLE", "very-secret-value", "us-east-1");
+    let started = std::time::Instant::now();
+    let e = S3Writer::create(&url(), &cfg(&trickling(true)), &http, 100).err().unwrap().to_string();
+    assert!(e.contains("CreateMultipartUpload"), "{e}");
+    assert!(started.elapsed() < Duration::from_secs(5), "CreateMultipartUpload took {:?}", started.elapsed());
+
+    let w = S3Writer::create(&url(), &cfg(&trickling(false)), &http, 100).unwrap();
+    let started = std::time::Instant::now();
+    let e = w.write(&[5; 100], 0, false).unwrap_err().to_string();
+    assert!(e.contains("UploadPart 1"), "{e}");
+    assert!(started.elapsed() < Duration::from_secs(5), "UploadPart took {:?}", started.elapsed());
+}
