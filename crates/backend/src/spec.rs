@@ -60,24 +60,56 @@ pub fn redact_rbd(spec: &str) -> String {
     let Some(rest) = spec.strip_prefix("rbd:") else {
         return spec.to_string();
     };
-    // Options after '?' (separated by '&') or after the first ':' (separated by ':').
-    let (path, sep, opts) = match (rest.find('?'), rest.find(':')) {
-        (Some(q), _) => (&rest[..q], '&', &rest[q + 1..]),
-        (None, Some(c)) => (&rest[..c], ':', &rest[c + 1..]),
-        (None, None) => return spec.to_string(),
-    };
+    // As the RBD parser reads names: `?` options percent-decoded (`%6Bey` is `key`).
     let secret = |k: &str| {
-        let k = k.to_ascii_lowercase();
+        let k = percent_decode(k).to_ascii_lowercase();
         k == "key" || ["secret", "password", "token"].iter().any(|w| k.contains(w))
     };
-    let shown: Vec<String> = opts
-        .split(sep)
-        .map(|kv| match kv.split_once('=') {
-            Some((k, _)) if secret(k) => format!("{k}=***"),
-            _ => kv.to_string(),
-        })
-        .collect();
-    format!("rbd:{path}{}{}", if sep == '&' { '?' } else { ':' }, shown.join(&sep.to_string()))
+    let hide = |opts: &str, sep: char| -> String {
+        let shown: Vec<String> = opts
+            .split(sep)
+            .map(|kv| match kv.split_once('=') {
+                Some((k, _)) if secret(k) => format!("{k}=***"),
+                _ => kv.to_string(),
+            })
+            .collect();
+        shown.join(&sep.to_string())
+    };
+    // qemu's `:`-separated options before any `?` (whatever the parser makes of them),
+    // the URI form's `&`-separated ones after it.
+    let (head, query) = match rest.split_once('?') {
+        Some((h, q)) => (h, Some(q)),
+        None => (rest, None),
+    };
+    let head = match head.split_once(':') {
+        Some((path, opts)) => format!("{path}:{}", hide(opts, ':')),
+        None => head.to_string(),
+    };
+    match query {
+        Some(q) => format!("rbd:{head}?{}", hide(q, '&')),
+        None => format!("rbd:{head}"),
+    }
+}
+
+/// `%XX` escapes decoded (others kept as they are), lossily as UTF-8.
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = |c: u8| char::from(c).to_digit(16);
+        match (b[i], b.get(i + 1).and_then(|&c| hex(c)), b.get(i + 2).and_then(|&c| hex(c))) {
+            (b'%', Some(h), Some(l)) => {
+                out.push((h * 16 + l) as u8);
+                i += 3;
+            }
+            (c, _, _) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Opens the backend a spec names. With `read_only`, the backend is wrapped in the
@@ -109,6 +141,8 @@ mod tests {
         assert_eq!(redact_rbd("rbd:p/i?key=AQBsecret&conf=/c"), "rbd:p/i?key=***&conf=/c");
         assert_eq!(redact_rbd("rbd:p/i@s:id=u:key=AQBsecret:mon_host=h"), "rbd:p/i@s:id=u:key=***:mon_host=h");
         assert_eq!(redact_rbd("rbd:p/i?client_secret=x"), "rbd:p/i?client_secret=***");
+        assert_eq!(redact_rbd("rbd:p/i?%6Bey=AQBsecret"), "rbd:p/i?%6Bey=***");
+        assert_eq!(redact_rbd("rbd:p/i:key=AQBsecret:conf=/x?y=1"), "rbd:p/i:key=***:conf=/x?y=1");
         for kept in ["rbd:p/i", "rbd:p/ns/i@snap", "/tmp/rbd:x", "memory:1G"] {
             assert_eq!(redact_rbd(kept), kept);
         }

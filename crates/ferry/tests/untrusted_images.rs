@@ -312,3 +312,37 @@ fn a_qcow2_image_guessed_from_its_bytes_names_no_file() {
     run_ok(&mut ferry(["copy", &format!("raw:{}", s(&disk)), s(&out_file)]));
     assert!(std::fs::read(&out_file).unwrap()[..head.len()] == head[..]);
 }
+
+/// A trusted image whose backing file has no recorded format, and whose backing file
+/// (a raw disk a guest wrote) starts with a qcow2 header naming a local file: the
+/// backing file is probed, so it too names no file.
+#[test]
+fn a_probed_backing_file_names_no_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let secret = tmp.path().join("secret.raw");
+    std::fs::write(&secret, secret_bytes()).unwrap();
+    qcow2_header(tmp.path(), &secret);
+    let base = zeroed_disk(tmp.path());
+    let head = std::fs::read(tmp.path().join("hostile.qcow2")).unwrap()[..64 << 10].to_vec();
+    std::os::unix::fs::FileExt::write_all_at(&std::fs::File::options().write(true).open(&base).unwrap(), &head, 0)
+        .unwrap();
+    let top = tmp.path().join("top.qcow2");
+    run_ok(&mut cmd(
+        "qemu-img",
+        ["create", "-f", "qcow2", "-b", s(&base), "-F", "raw", s(&top), &IMAGE_LEN.to_string()],
+    ));
+    // qemu-img records a format always now: turn its backing-format extension
+    // (0xe2792aca) into an unknown one, as an image made by an older qemu has none.
+    let mut img = std::fs::read(&top).unwrap();
+    let at = img.windows(4).position(|w| w == [0xe2, 0x79, 0x2a, 0xca]).expect("a backing format extension");
+    img[at..at + 4].copy_from_slice(&[0x0b, 0xad, 0xf0, 0x0d]);
+    std::fs::write(&top, &img).unwrap();
+    let out_file = tmp.path().join("out.raw");
+    let out = run(&mut ferry(["copy", s(&top), s(&out_file)]));
+    assert!(!out.status.success(), "should have been refused:\n{}", out.describe());
+    for want in ["from its first bytes alone", s(&secret), "record its format"] {
+        assert!(out.stderr.contains(want), "the error does not say {want:?}:\n{}", out.describe());
+    }
+    assert!(!out.stderr.contains(MARKER));
+    assert!(!out_file.exists() || !leaks(&std::fs::read(&out_file).unwrap()), "the copy leaked");
+}

@@ -38,7 +38,7 @@ fn local_format(p: &Path, format: Option<Format>, file_prefix: bool) -> Format {
     if file_prefix && has_qcow2_magic(p) {
         log::warn!(
             "{0} holds a qcow2 image but file: treats it as raw (its guest would see the qcow2 container); \
-             use qcow2:{0} or the bare path to use the image, or raw:{0} to silence this warning",
+             use qcow2:{0} to use the image, or raw:{0} to silence this warning",
             p.display()
         );
     }

@@ -8,8 +8,17 @@ use ferry_http::HttpOptions;
 use ferry_s3::{S3Config, S3Url, S3Writer, WriterOptions};
 use std::sync::Arc;
 
-/// S3 signs each request itself: an extra `Authorization` header would clash with it.
+/// S3 signs each request itself: an extra `Authorization` header, or one of the headers
+/// its signature sets (`x-amz-date`, `x-amz-content-sha256`, `x-amz-security-token`),
+/// would clash with it.
 fn http_for_s3(http: &HttpOptions) -> Result<HttpOptions> {
+    let signers = ["x-amz-date", "x-amz-content-sha256", "x-amz-security-token"];
+    if let Some((n, _)) = http.headers.iter().find(|(n, _)| signers.iter().any(|s| n.eq_ignore_ascii_case(s))) {
+        anyhow::bail!(
+            "--header {n} cannot go with s3://: ferry's signature of each request sets it (credentials come \
+             from the environment or a profile)"
+        );
+    }
     if http.headers.iter().any(|(n, _)| n.eq_ignore_ascii_case("authorization")) {
         anyhow::bail!(
             "--header Authorization cannot go with s3:// (requests are signed with the AWS credentials): \

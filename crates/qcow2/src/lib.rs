@@ -278,11 +278,20 @@ impl Qcow2 {
                 .or(header.backing_file.as_deref().map(|n| ("a backing file", n)))
             {
                 let shown: String = n.chars().take(256).collect();
+                let way_out = if depth == 0 {
+                    format!(
+                        "write qcow2:{name} (or name the file *.qcow2) if it is a qcow2 image you trust, or \
+                         raw:{name} if it is a raw disk"
+                    )
+                } else {
+                    "if it is a qcow2 image you trust, record its format in the image that names it \
+                     (qemu-img rebase -u -b BACKING -F qcow2 IMAGE)"
+                        .to_string()
+                };
                 return Err(Qcow2Error::Refused(format!(
                     "{name} was taken for a qcow2 image from its first bytes alone, and it names {what} {shown:?}: \
                      the guest of a raw disk can write such a header to make ferry read any file, so ferry opens \
-                     files named by an image only when its format was named: write qcow2:{name} (or name the \
-                     file *.qcow2) if it is a qcow2 image you trust, or raw:{name} if it is a raw disk"
+                     files named by an image only when its format was named: {way_out}"
                 )));
             }
         }
@@ -351,9 +360,11 @@ impl Qcow2 {
                 };
                 let b: Arc<dyn Backend> = match format.as_str() {
                     "qcow2" => {
+                        // Probed, not recorded: it too may name no file.
+                        let guessed = header.backing_format.is_none();
                         let q = Qcow2::open_depth(
                             &p,
-                            &Options { read_only: true, ..Options::default() },
+                            &Options { read_only: true, guessed, ..Options::default() },
                             usage.backing(),
                             depth + 1,
                         )

@@ -272,11 +272,20 @@ impl Backend for RbdImage {
         self.spec.to_string()
     }
 
-    /// The image's name (pool, namespace, image, snapshot: no option, so no key) and size,
-    /// for a resumed copy. An image deleted and made again under the same name and size
-    /// is not told apart: resume from a snapshot (`@SNAP`) to be sure.
+    /// The image's name (pool, namespace, image, snapshot), the cluster it is on (the
+    /// configuration file, user and options, with a key's value hidden) and its size, for
+    /// a resumed copy. An image deleted and made again under the same name and size is
+    /// not told apart: resume from a snapshot (`@SNAP`) to be sure.
     fn identity(&self) -> Option<String> {
-        Some(format!("{} size={}", self.spec, self.size))
+        let mut id = format!("{} size={} user={}", self.spec, self.size, self.spec.user);
+        if let Some(c) = &self.spec.conf {
+            id += &format!(" conf={c}");
+        }
+        for (k, v) in &self.spec.options {
+            let shown = ferry_backend::redact_rbd(&format!("rbd:p/i?{k}={v}"));
+            id += &format!(" {}", shown.trim_start_matches("rbd:p/i?"));
+        }
+        Some(id)
     }
 
     fn size(&self) -> u64 {

@@ -17,9 +17,6 @@ const MAX_ANSWER_BYTES: u64 = 4 << 20;
 /// The longest part ETag kept from ListParts (S3's are 34 bytes; a longer one is refused,
 /// so a hostile answer cannot make ferry hold more than 10,000 of these).
 pub(crate) const MAX_PART_ETAG_BYTES: usize = 128;
-/// The slowest a request's body may go before the request counts as timed out: a PUT
-/// or POST of N bytes may take `--request-timeout` plus N at this rate, answer and all.
-pub(crate) const MIN_SEND_RATE: u64 = 1 << 20;
 /// The least time a CompleteMultipartUpload may take: S3 assembles the object before it
 /// answers (sending blanks meanwhile), which may take minutes for a large one.
 pub(crate) const COMPLETE_AT_LEAST: Duration = Duration::from_secs(300);
@@ -291,9 +288,13 @@ impl Client {
                 if let Some(p) = &self.proxy {
                     r = r.config().proxy(Some(p.clone())).build();
                 }
-                // Each read and write has `timeout`; this bounds the whole exchange, so a
-                // server taking the body or trickling its answer cannot hold it longer.
-                r = r.config().timeout_global(deadline(self.timeout, op, body.len())).build();
+                // Each read and write has `timeout`, and the answer (headers, then body)
+                // must come whole within `answer_deadline`, so a server trickling it
+                // cannot hold the request. Sending the body has no overall bound: on a
+                // slow uplink shared by many parts that is the link's pace, not a hostile
+                // server's, and a stalled send still fails by its per-write timeout.
+                let answer = answer_deadline(self.timeout, op);
+                r = r.config().timeout_recv_response(answer).timeout_recv_body(answer).build();
                 r.send(body)?
             }
         };
@@ -374,13 +375,11 @@ pub(crate) fn headers_to_sign(headers: &[(String, String)]) -> Vec<(&str, &str)>
     headers.iter().filter(|(k, _)| signed(k)).map(|(k, v)| (k.as_str(), v.as_str())).collect()
 }
 
-/// The longest the PUT or POST `op` with a body of `len` bytes may take, answer and all,
-/// where `timeout` is `--request-timeout` (none: no bound): `timeout` plus the body at
-/// [`MIN_SEND_RATE`], and for CompleteMultipartUpload at least [`COMPLETE_AT_LEAST`].
-pub(crate) fn deadline(timeout: Option<Duration>, op: &str, len: usize) -> Option<Duration> {
+/// The longest the answer to the PUT or POST `op` may take to come whole, where
+/// `timeout` is `--request-timeout` (none: no bound): `timeout`, and for
+/// CompleteMultipartUpload at least [`COMPLETE_AT_LEAST`].
+pub(crate) fn answer_deadline(timeout: Option<Duration>, op: &str) -> Option<Duration> {
     let t = timeout?;
-    let sending = Duration::from_secs_f64(len as f64 / MIN_SEND_RATE as f64);
-    let t = t.saturating_add(sending);
     match op.starts_with("CompleteMultipartUpload") {
         true => Some(t.max(COMPLETE_AT_LEAST)),
         false => Some(t),
@@ -524,12 +523,12 @@ mod tests {
     #[test]
     fn put_and_post_deadlines() {
         let t = Some(Duration::from_secs(60));
-        assert_eq!(deadline(None, "UploadPart 1", 8 << 20), None);
-        assert_eq!(deadline(t, "CreateMultipartUpload", 0), t);
-        assert_eq!(deadline(t, "UploadPart 3", 8 << 20), Some(Duration::from_secs(68)));
-        assert_eq!(deadline(t, "CompleteMultipartUpload", 1000), Some(COMPLETE_AT_LEAST));
+        assert_eq!(answer_deadline(None, "UploadPart 1"), None);
+        assert_eq!(answer_deadline(t, "CreateMultipartUpload"), t);
+        assert_eq!(answer_deadline(t, "UploadPart 3"), t);
+        assert_eq!(answer_deadline(t, "CompleteMultipartUpload"), Some(COMPLETE_AT_LEAST));
         let long = Some(Duration::from_secs(600));
-        assert_eq!(deadline(long, "CompleteMultipartUpload", 0), long);
+        assert_eq!(answer_deadline(long, "CompleteMultipartUpload"), long);
     }
 
     #[test]

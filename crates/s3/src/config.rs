@@ -269,6 +269,19 @@ impl S3Config {
                     shown(conf_path.as_deref())
                 )));
             }
+            // An ECS task's (or EKS Pod Identity's) own credentials come from the container
+            // endpoint these name; ferry does not fetch them yet, and must not run as the
+            // instance's role instead.
+            for v in ["AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI"] {
+                if var(v).is_some() {
+                    return Err(S3Error::Config(format!(
+                        "{v} is set: this process has container credentials (an ECS task role or EKS Pod \
+                         Identity), which ferry does not fetch yet (and it does not run as the EC2 instance's \
+                         role instead): export them first, e.g. `eval \"$(aws configure export-credentials \
+                         --format env)\"`"
+                    )));
+                }
+            }
             // 5. The EC2 instance metadata service.
             let imds = var("AWS_EC2_METADATA_SERVICE_ENDPOINT")
                 .or_else(|| from_config("ec2_metadata_service_endpoint"))

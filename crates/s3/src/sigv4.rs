@@ -72,7 +72,12 @@ impl Signer<'_> {
             out.push(("x-amz-security-token".into(), t.into()));
         }
         let mut headers: Vec<(String, String)> = vec![("host".into(), host)];
-        headers.extend(signed.iter().map(|(k, v)| (k.to_ascii_lowercase(), v.trim().to_string())));
+        // SigV4's Trimall: no blanks around a value, one space for each run of them inside.
+        headers.extend(
+            signed
+                .iter()
+                .map(|(k, v)| (k.to_ascii_lowercase(), v.split_ascii_whitespace().collect::<Vec<_>>().join(" "))),
+        );
         headers.extend(out.iter().cloned());
         // A name given twice is one canonical header, its values joined by commas in
         // the order given (the sort is stable).
@@ -175,6 +180,10 @@ mod tests {
         // The values joined in the order given: the same signature as one header "2,1".
         let one = s.sign("PUT", &url, &[("content-md5", "bWQ1"), ("x-amz-meta-a", "2,1")], &payload_sha256(b""), &now);
         assert_eq!(auth, &one.last().unwrap().1);
+        // Runs of blanks inside a value count as one space (SigV4's Trimall).
+        let spaced = s.sign("PUT", &url, &[("x-amz-meta-n", " a   b ")], &payload_sha256(b""), &now);
+        let single = s.sign("PUT", &url, &[("x-amz-meta-n", "a b")], &payload_sha256(b""), &now);
+        assert_eq!(spaced.last().unwrap().1, single.last().unwrap().1);
     }
 
     #[test]

@@ -280,6 +280,15 @@ fn assume_role_and_sso_profiles_are_refused_not_the_instance_role() {
         assert!(e.contains(&format!("aws configure export-credentials --profile {profile} --format env")), "{e}");
         assert!(e.contains("credential_process") && e.contains("instance's role"), "{e}");
     }
+    // An ECS task's (or EKS Pod Identity's) container credentials: refused the same way.
+    for v in ["AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI"] {
+        let vars = [("AWS_EC2_METADATA_SERVICE_ENDPOINT", imds.endpoint.as_str()), (v, "/v2/credentials/x")];
+        let e = match load(&vars, home.path()) {
+            Ok(cfg) => panic!("{v}: got credentials from {}", cfg.credentials_from),
+            Err(e) => e.to_string(),
+        };
+        assert!(e.contains(v) && e.contains("instance's role"), "{e}");
+    }
     assert!(imds.log.lock().unwrap().is_empty(), "the instance metadata service was asked");
     // A profile's own keys still come first.
     let vars = [("AWS_EC2_METADATA_SERVICE_ENDPOINT", imds.endpoint.as_str()), ("AWS_PROFILE", "keys")];

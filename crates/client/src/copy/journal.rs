@@ -279,13 +279,14 @@ pub fn load(path: &Path) -> Result<Option<Record>, JournalError> {
     // have written (planted beside a destination in /tmp, or made writable to others)
     // would make a copy skip what it never wrote. ferry makes journals 0600, its own.
     use std::os::unix::fs::MetadataExt;
-    let me = rustix::process::geteuid().as_raw();
-    if meta.uid() != me || meta.mode() & 0o022 != 0 {
+    if !ours(path, meta.uid(), meta.mode()) {
+        let me = rustix::process::geteuid().as_raw();
         return Err(JournalError::Corrupt {
             path: name,
             why: format!(
                 "it is owned by uid {} with mode {:o}, where ferry makes journals its user's own (uid {me}, 0600): \
-                 another user could have written it; remove it (or --restart) if it is yours",
+                 another user could have written it; if it is yours (a run as another user), chown it to uid \
+                 {me} and chmod it 600, or --restart",
                 meta.uid(),
                 meta.mode() & 0o7777
             ),
@@ -371,25 +372,38 @@ fn remove_tmp_files(path: &Path) {
 /// Writes `record` to `path` atomically: a new temporary file (random name, `O_EXCL`,
 /// `O_NOFOLLOW`, mode 0600), fsync, rename over the journal (which replaces a link there
 /// rather than writing through it), fsync of the directory.
+/// A new temporary file beside the journal, 0600, made with `O_EXCL|O_NOFOLLOW` under a
+/// random name (another is tried if one is taken).
+fn create_tmp(path: &Path) -> io::Result<(PathBuf, std::fs::File)> {
+    let mut tries = 0;
+    loop {
+        let tmp = tmp_path(path);
+        match std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).custom_flags(nofollow()).open(&tmp) {
+            Ok(f) => return Ok((tmp, f)),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists && tries < 8 => tries += 1,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Whether a journal with owner `uid` and `mode` is one this user's ferry could have
+/// made at `path`: owned by the effective user with no write bit for group or others, or
+/// else the same as a file ferry makes beside it now (a filesystem that maps owners or
+/// forces modes: NFS with root_squash, sshfs, CIFS, FAT and NTFS mounts).
+fn ours(path: &Path, uid: u32, mode: u32) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    if uid == rustix::process::geteuid().as_raw() && mode & 0o022 == 0 {
+        return true;
+    }
+    let Ok((tmp, f)) = create_tmp(path) else { return false };
+    let probe = f.metadata();
+    let _ = std::fs::remove_file(&tmp);
+    probe.is_ok_and(|p| p.uid() == uid && (mode & 0o022 == 0 || p.mode() & 0o022 != 0))
+}
+
 pub fn store(path: &Path, record: &Record) -> Result<(), JournalError> {
     let err = |source| JournalError::Io { path: path.display().to_string(), source };
-    let (tmp, mut f) = {
-        let mut tries = 0;
-        loop {
-            let tmp = tmp_path(path);
-            match std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .custom_flags(nofollow())
-                .open(&tmp)
-            {
-                Ok(f) => break (tmp, f),
-                Err(e) if e.kind() == io::ErrorKind::AlreadyExists && tries < 8 => tries += 1,
-                Err(e) => return Err(err(e)),
-            }
-        }
-    };
+    let (tmp, mut f) = create_tmp(path).map_err(err)?;
     let mut write = || -> io::Result<()> {
         f.write_all(&record.encode())?;
         f.sync_all()?;
