@@ -62,7 +62,7 @@ pub fn redact_rbd(spec: &str) -> String {
     };
     // As the RBD parser reads names: `?` options percent-decoded (`%6Bey` is `key`).
     let secret = |k: &str| {
-        let k = percent_decode(k).to_ascii_lowercase();
+        let k = percent_encoding::percent_decode_str(k).decode_utf8_lossy().to_ascii_lowercase();
         k == "key" || ["secret", "password", "token"].iter().any(|w| k.contains(w))
     };
     let hide = |opts: &str, sep: char| -> String {
@@ -89,27 +89,6 @@ pub fn redact_rbd(spec: &str) -> String {
         Some(q) => format!("rbd:{head}?{}", hide(q, '&')),
         None => format!("rbd:{head}"),
     }
-}
-
-/// `%XX` escapes decoded (others kept as they are), lossily as UTF-8.
-fn percent_decode(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        let hex = |c: u8| char::from(c).to_digit(16);
-        match (b[i], b.get(i + 1).and_then(|&c| hex(c)), b.get(i + 2).and_then(|&c| hex(c))) {
-            (b'%', Some(h), Some(l)) => {
-                out.push((h * 16 + l) as u8);
-                i += 3;
-            }
-            (c, _, _) => {
-                out.push(c);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Opens the backend a spec names. With `read_only`, the backend is wrapped in the

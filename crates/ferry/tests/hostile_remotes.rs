@@ -8,6 +8,7 @@
 //! is refused, `ferry hash` names exactly the spec it read, and `-vv` prints no signature,
 //! session token or password.
 
+use crate::common::ferry_remote as ferry;
 use crate::common::*;
 use ferry_testsupport::http::{header, read_head};
 use ferry_testsupport::moto::moto;
@@ -21,20 +22,6 @@ use std::time::{Duration, Instant};
 
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
-}
-
-/// `ferry ARGS...` with no proxy or TLS variables from the environment.
-fn ferry<I, S>(args: I) -> Command
-where
-    I: IntoIterator<Item = S>,
-    S: AsRef<std::ffi::OsStr>,
-{
-    let mut c = Command::new(ferry_bin());
-    c.args(args);
-    for v in ["http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY", "RUST_LOG"] {
-        c.env_remove(v);
-    }
-    c
 }
 
 // ---------------------------------------------------------------------------------

@@ -11,6 +11,7 @@
 //! Both servers are ferry-testsupport's harnesses: started once per test binary, stopped
 //! when it ends in any way.
 
+use crate::common::ferry_remote as ferry;
 use crate::common::json::{Json, JsonExt};
 use crate::common::*;
 use ferry_testsupport::http::{proxy, Verdict};
@@ -81,21 +82,6 @@ fn start_nginx() -> Nginx {
         format!("location /auth/ {{ alias {dir}/data/; auth_basic \"ferry\"; auth_basic_user_file {dir}/htpasswd; }}");
     let conf = NginxConf { ca_name: "ferry remote-images test CA", http: "access_log off;", server: &server };
     setup.start(&conf)
-}
-
-/// `ferry ARGS...` with the TLS trust variables cleared (tests that want them set them).
-fn ferry<I, S>(args: I) -> Command
-where
-    I: IntoIterator<Item = S>,
-    S: AsRef<std::ffi::OsStr>,
-{
-    let mut c = Command::new(ferry_bin());
-    c.args(args);
-    for v in ["SSL_CERT_FILE", "SSL_CERT_DIR", "http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy"] {
-        c.env_remove(v);
-    }
-    c.env_remove("ALL_PROXY");
-    c
 }
 
 /// The digest line `ferry hash` prints (its first word).

@@ -11,11 +11,11 @@
 //! * an existing copy destination that only its bytes say is qcow2;
 //! * small reads of zero and unallocated qcow2 clusters answered with hole chunks.
 
+use crate::common::ferry_remote as ferry;
 use crate::common::json::{Json, JsonExt};
 use crate::common::*;
 use ferry_testsupport::nginx::{Nginx, NginxConf, NginxSetup};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::OnceLock;
 
 /// What the local "secret" files hold: found anywhere in an output, the file leaked.
@@ -84,20 +84,6 @@ fn start_site() -> Site {
     }
     let conf = NginxConf { ca_name: "ferry untrusted-images test CA", http: "access_log off;", server: "" };
     Site { nginx: setup.start(&conf), secrets: vec![secret, data_file] }
-}
-
-/// `ferry ARGS...` without proxy variables (loopback URLs only).
-fn ferry<I, S>(args: I) -> Command
-where
-    I: IntoIterator<Item = S>,
-    S: AsRef<std::ffi::OsStr>,
-{
-    let mut c = Command::new(ferry_bin());
-    c.args(args);
-    for v in ["http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"] {
-        c.env_remove(v);
-    }
-    c
 }
 
 /// Asserts `out` failed, saying which image named what and what to do, and printed no

@@ -86,14 +86,41 @@ pub enum Qcow2Error {
 /// The refusal of an image on a store other than a local file that names a file
 /// (`what`: "a backing file", "an external data file") as `n`.
 fn remote_names_file(image: &str, what: &str, n: &str) -> Qcow2Error {
-    // Names are at most a cluster long, but a log line need not carry all of one.
-    let shown: String = n.chars().take(256).collect();
-    let cut = if shown.len() < n.len() { "..." } else { "" };
+    let (shown, cut) = shown_name(n);
     Qcow2Error::Refused(format!(
         "the qcow2 image on {image} names {what} {shown:?}{cut}: an image that is not in a local file may not \
          name backing or data files (its author would choose which local file ferry reads); copy the image \
          and the files it needs to local files and open it there (raw:URL reads its container as it is)"
     ))
+}
+
+/// The refusal of a local image whose qcow2 format was guessed from its bytes (at `depth`
+/// in its chain: 0 for the image named) that names a file (`what`) as `n`.
+fn guessed_names_file(image: &str, what: &str, n: &str, depth: usize) -> Qcow2Error {
+    let (shown, cut) = shown_name(n);
+    let way_out = if depth == 0 {
+        format!(
+            "write qcow2:{image} (or name the file *.qcow2) if it is a qcow2 image you trust, or raw:{image} if \
+             it is a raw disk"
+        )
+    } else {
+        "if it is a qcow2 image you trust, record its format in the image that names it \
+         (qemu-img rebase -u -b BACKING -F qcow2 IMAGE)"
+            .to_string()
+    };
+    Qcow2Error::Refused(format!(
+        "{image} was taken for a qcow2 image from its first bytes alone, and it names {what} {shown:?}{cut}: the \
+         guest of a raw disk can write such a header to make ferry read any file, so ferry opens files named by \
+         an image only when its format was named: {way_out}"
+    ))
+}
+
+/// A file name from an image as messages show it: names are at most a cluster long, but
+/// a log line need not carry all of one.
+fn shown_name(n: &str) -> (String, &'static str) {
+    let shown: String = n.chars().take(256).collect();
+    let cut = if shown.len() < n.len() { "..." } else { "" };
+    (shown, cut)
 }
 
 fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> Qcow2Error {
@@ -267,40 +294,22 @@ impl Qcow2 {
             log::warn!("the image has the corrupt bit set: it is read as it is, and may read wrong where its metadata is damaged; repair it with qemu-img check -r all");
         }
 
-        // An image that is not in a local file (HTTP, S3, RBD, memory) names no file at
-        // all: whoever wrote it would otherwise choose a local file (a secret, a block
-        // device) for ferry to read and serve. Checked before anything is opened.
-        if opts.guessed && dir.is_some() {
-            if let Some((what, n)) = header
-                .data_file
-                .as_deref()
-                .map(|n| ("an external data file", n))
-                .or(header.backing_file.as_deref().map(|n| ("a backing file", n)))
-            {
-                let shown: String = n.chars().take(256).collect();
-                let way_out = if depth == 0 {
-                    format!(
-                        "write qcow2:{name} (or name the file *.qcow2) if it is a qcow2 image you trust, or \
-                         raw:{name} if it is a raw disk"
-                    )
-                } else {
-                    "if it is a qcow2 image you trust, record its format in the image that names it \
-                     (qemu-img rebase -u -b BACKING -F qcow2 IMAGE)"
-                        .to_string()
-                };
-                return Err(Qcow2Error::Refused(format!(
-                    "{name} was taken for a qcow2 image from its first bytes alone, and it names {what} {shown:?}: \
-                     the guest of a raw disk can write such a header to make ferry read any file, so ferry opens \
-                     files named by an image only when its format was named: {way_out}"
-                )));
+        // The first file the header names: its external data file, else its backing file.
+        // An image not in a local file (HTTP, S3, RBD, memory) names none at all: whoever
+        // wrote it would otherwise choose a local file (a secret, a block device) for
+        // ferry to read and serve. Nor does a local one whose format was only guessed.
+        // Both are checked before anything is opened.
+        let named = header
+            .data_file
+            .as_deref()
+            .map(|n| ("an external data file", n))
+            .or(header.backing_file.as_deref().map(|n| ("a backing file", n)));
+        if let Some((what, n)) = named {
+            if dir.is_none() {
+                return Err(remote_names_file(&name, what, n));
             }
-        }
-        if dir.is_none() {
-            if let Some(n) = &header.data_file {
-                return Err(remote_names_file(&name, "an external data file", n));
-            }
-            if let Some(n) = &header.backing_file {
-                return Err(remote_names_file(&name, "a backing file", n));
+            if opts.guessed {
+                return Err(guessed_names_file(&name, what, n, depth));
             }
         }
         let resolve = |what: &str, n: &str| -> Result<PathBuf, Qcow2Error> {

@@ -76,22 +76,7 @@ impl S3Url {
 /// The first `.` or `..` segment of `key` (split at `/`), after percent-decoding (so
 /// `%2e%2E` and `a%2f..` count too).
 fn dot_segment(key: &str) -> Option<&'static str> {
-    let bytes = key.as_bytes();
-    let mut decoded = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = |b: u8| char::from(b).to_digit(16);
-        match (bytes[i], bytes.get(i + 1).and_then(|&b| hex(b)), bytes.get(i + 2).and_then(|&b| hex(b))) {
-            (b'%', Some(h), Some(l)) => {
-                decoded.push((h * 16 + l) as u8);
-                i += 3;
-            }
-            (b, _, _) => {
-                decoded.push(b);
-                i += 1;
-            }
-        }
-    }
+    let decoded: Vec<u8> = percent_encoding::percent_decode_str(key).collect();
     decoded.split(|&b| b == b'/').find_map(|seg| match seg {
         b"." => Some("."),
         b".." => Some(".."),

@@ -43,6 +43,31 @@ pub const CMD_TIMEOUT: Duration = Duration::from_secs(120);
 // Tools
 // ---------------------------------------------------------------------------------
 
+/// `ferry ARGS...` for tests of remote images: no proxy, TLS trust or log settings come
+/// from the environment (loopback URLs only; tests that want a setting set it).
+pub fn ferry_remote<I, S>(args: I) -> Command
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<std::ffi::OsStr>,
+{
+    let mut c = Command::new(ferry_bin());
+    c.args(args);
+    for v in [
+        "SSL_CERT_FILE",
+        "SSL_CERT_DIR",
+        "http_proxy",
+        "HTTP_PROXY",
+        "https_proxy",
+        "HTTPS_PROXY",
+        "all_proxy",
+        "ALL_PROXY",
+        "RUST_LOG",
+    ] {
+        c.env_remove(v);
+    }
+    c
+}
+
 /// The binary under test.
 pub fn ferry_bin() -> PathBuf {
     match std::env::var_os("FERRY_BIN") {
