@@ -5,6 +5,9 @@
 //! request once, and only then calls the backend. A backend never sees an offset
 //! outside `0..size()` or a flag it did not declare. Filters (such as [`ReadOnly`])
 //! wrap a backend and are backends themselves.
+//!
+//! Besides the protocol crate, OS bindings, logging and errors it uses **percent-encoding**, to
+//! read `rbd:` option names as the RBD parser does when hiding a key ([`redact_rbd`]).
 #![forbid(unsafe_code)]
 
 mod file;

@@ -62,6 +62,10 @@
 //!   arrival (`XAmzContentSHA256Mismatch` otherwise); SHA-256 costs far less CPU than the
 //!   `Content-MD5` sent before (see `writer.rs` for which servers check what). **md-5**
 //!   only predicts a multipart object's ETag from its parts' ETags.
+//! - **serde_json** reads what `credential_process` prints and the instance metadata
+//!   service's answers (JSON both); **jiff** reads their expiry times.
+//! - **percent-encoding** decodes a key to find its `.` and `..` segments, which are
+//!   refused (URL code would resolve them into another object or bucket).
 //!
 //! Nothing here is specific to one S3 server: the same code runs against AWS, Ceph's
 //! radosgw, MinIO or moto. No error or log line carries the secret key, the session token
