@@ -45,7 +45,11 @@ impl Drop for LockGuard {
             let _ = t.join();
         }
         if let Err(e) = self._store.delete(&self.name) {
-            log::warn!("cannot remove the lock {} from {}: {e}; it goes stale in 30 minutes", self.name, self._store.describe());
+            log::warn!(
+                "cannot remove the lock {} from {}: {e}; it goes stale in 30 minutes",
+                self.name,
+                self._store.describe()
+            );
         }
     }
 }
@@ -97,9 +101,8 @@ fn describe(name: &str, l: &Lock) -> String {
 /// The locks in the store, each with whether it is stale; unreadable locks are skipped
 /// with a warning (a lock is being written or removed, or garbage).
 fn read_locks(store: &Arc<dyn Store>) -> Result<Vec<(String, Lock, Option<String>)>> {
-    let names = store
-        .list("locks/")
-        .map_err(|e| Error::store(format!("cannot list the locks of {}", store.describe()), e))?;
+    let names =
+        store.list("locks/").map_err(|e| Error::store(format!("cannot list the locks of {}", store.describe()), e))?;
     let mut out = Vec::new();
     for (name, _) in names {
         match store.get(&name, format::MAX_LOCK) {
@@ -228,12 +231,12 @@ fn start_refresh(store: Arc<dyn Store>, name: String, lock: Lock) -> LockGuard {
                 let (m, c) = &*stop;
                 let mut stopped = m.lock().unwrap_or_else(|e| e.into_inner());
                 loop {
-                    let (s, timeout) = c.wait_timeout(stopped, REFRESH).unwrap_or_else(|e| e.into_inner());
-                    stopped = s;
                     if *stopped {
                         return;
                     }
-                    if timeout.timed_out() {
+                    let (s, timeout) = c.wait_timeout(stopped, REFRESH).unwrap_or_else(|e| e.into_inner());
+                    stopped = s;
+                    if timeout.timed_out() && !*stopped {
                         lock.refreshed = now_precise();
                         if let Err(e) = store.put(&name, &lock.to_bytes()) {
                             log::warn!("cannot refresh the lock {name} in {}: {e}", store.describe());

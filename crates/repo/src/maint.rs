@@ -51,7 +51,11 @@ struct Walk {
 }
 
 /// Reads each distinct page of `snaps` once.
-fn read_pages(repo: &Repository, index: &Index, snaps: &[SnapshotInfo]) -> HashMap<Digest, Result<Vec<Digest>, String>> {
+fn read_pages(
+    repo: &Repository,
+    index: &Index,
+    snaps: &[SnapshotInfo],
+) -> HashMap<Digest, Result<Vec<Digest>, String>> {
     let mut want: Vec<Digest> = snaps.iter().flat_map(|s| s.manifest.page_digests()).filter(|d| *d != ZERO).collect();
     want.sort_unstable();
     want.dedup();
@@ -133,10 +137,7 @@ fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
     r.snapshots = snaps.len();
     let (objects, bad_index) = repo.index_objects()?;
     for (name, e) in bad_index {
-        r.problem(
-            name,
-            format!("{e}; the blobs it alone lists are lost to the snapshots below until it is rebuilt"),
-        );
+        r.problem(name, format!("{e}; the blobs it alone lists are lost to the snapshots below until it is rebuilt"));
     }
     let mut packs: HashMap<Digest, Vec<BlobEntry>> = HashMap::new();
     for (_, ps) in &objects {
@@ -199,7 +200,8 @@ fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
         let mut entries_ok = true;
         let mut entries: Vec<Digest> = Vec::new();
         for (i, d) in s.manifest.page_digests().iter().enumerate() {
-            let count = (s.manifest.chunks() - i as u64 * s.manifest.page_entries as u64).min(s.manifest.page_entries as u64);
+            let count =
+                (s.manifest.chunks() - i as u64 * s.manifest.page_entries as u64).min(s.manifest.page_entries as u64);
             if *d == ZERO {
                 entries.resize(entries.len() + count as usize, ZERO);
                 continue;
@@ -253,7 +255,10 @@ fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
         Ok(locks) => {
             for (name, l, stale) in locks {
                 let state = if stale { "stale" } else { "held" };
-                r.notes.push(format!("{state} lock {name}: {:?} by process {} on {} since {}", l.kind, l.pid, l.host, l.time));
+                r.notes.push(format!(
+                    "{state} lock {name}: {:?} by process {} on {} since {}",
+                    l.kind, l.pid, l.host, l.time
+                ));
             }
         }
         Err(e) => r.notes.push(format!("cannot read the locks: {e}")),
@@ -363,6 +368,8 @@ pub fn verify(repo: &Repository, opts: &VerifyOptions) -> Result<Report> {
         .map(|(p, b)| (*p, b.clone()))
         .collect();
     todo.sort_by_key(|(p, _)| *p);
+    // From here on, blobs_checked counts the blobs decoded.
+    r.blobs_checked = 0;
     let results = par_map(&todo, opts.threads.max(1), |(p, b)| verify_pack(repo, p, b));
     for ((pack, _), c) in todo.iter().zip(results) {
         r.bytes_read += c.bytes;
@@ -399,7 +406,10 @@ pub struct Policy {
 
 impl Policy {
     fn is_empty(&self) -> bool {
-        self.keep_last.is_none() && self.keep_daily.is_none() && self.keep_weekly.is_none() && self.keep_monthly.is_none()
+        self.keep_last.is_none()
+            && self.keep_daily.is_none()
+            && self.keep_weekly.is_none()
+            && self.keep_monthly.is_none()
     }
 }
 
@@ -421,7 +431,8 @@ pub fn forget(repo: &Repository, name: Option<&str>, policy: &Policy, dry_run: b
     let rules = [policy.keep_last, policy.keep_daily, policy.keep_weekly, policy.keep_monthly];
     if !policy.is_empty() && rules.iter().flatten().all(|n| *n == 0) {
         return Err(Error::Invalid(
-            "every --keep-* given is 0, which would remove every snapshot: give at least one rule with N of 1 or more".into(),
+            "every --keep-* given is 0, which would remove every snapshot: give at least one rule with N of 1 or more"
+                .into(),
         ));
     }
     let _lock = if dry_run { None } else { Some(lock::acquire(&repo.store, LockKind::Forget, None, None)?) };
@@ -520,7 +531,8 @@ pub struct GcReport {
 pub fn gc(repo: &Repository, wait: Option<std::time::Duration>) -> Result<GcReport> {
     let store = &repo.store;
     let _lock = lock::acquire(store, LockKind::Gc, None, wait)?;
-    let stop = |what: String| Error::Invalid(format!("gc stopped before deleting anything: {what}; run `ferry repo check`"));
+    let stop =
+        |what: String| Error::Invalid(format!("gc stopped before deleting anything: {what}; run `ferry repo check`"));
     // 1. The live set.
     let snaps = repo.snapshots().map_err(|e| stop(e.to_string()))?;
     // 2. The index and the packs.
@@ -571,7 +583,9 @@ pub fn gc(repo: &Repository, wait: Option<std::time::Duration>) -> Result<GcRepo
             }
             live.insert(repo.crypto.blob_id(&d));
             match pages.get(&d) {
-                Some(Ok(entries)) => live.extend(entries.iter().filter(|e| **e != ZERO).map(|e| repo.crypto.blob_id(e))),
+                Some(Ok(entries)) => {
+                    live.extend(entries.iter().filter(|e| **e != ZERO).map(|e| repo.crypto.blob_id(e)))
+                }
                 Some(Err(why)) => return Err(stop(format!("snapshots/{}: {why}", s.id))),
                 None => return Err(stop(format!("snapshots/{}: a page was not read", s.id))),
             }
@@ -637,7 +651,9 @@ pub fn gc(repo: &Repository, wait: Option<std::time::Duration>) -> Result<GcRepo
         let plain = format::encode_index(&keep);
         let sealed = repo.crypto.seal(AAD_INDEX, &plain);
         let name = format!("index/{}", format::hex(&sha256(&sealed)));
-        store.put(&name, &sealed).map_err(|e| Error::store(format!("cannot store {name} in {}", store.describe()), e))?;
+        store
+            .put(&name, &sealed)
+            .map_err(|e| Error::store(format!("cannot store {name} in {}", store.describe()), e))?;
         new_name = Some(name);
     }
     // 5. The old index objects.

@@ -40,7 +40,7 @@ struct Shard {
 impl SnapshotImage {
     /// Loads the index and the snapshot's pages.
     pub fn open(repo: Arc<Repository>, snap: &SnapshotInfo) -> Result<Arc<SnapshotImage>> {
-        let index = repo.load_index()?;
+        let index = repo.load_index_lenient()?;
         let entries = repo.entries(&index, snap)?;
         Ok(Arc::new(SnapshotImage {
             cs: repo.config.chunk_size as u64,
@@ -146,9 +146,10 @@ impl Backend for SnapshotImage {
     }
     fn read(&self, buf: &mut [u8], offset: u64) -> ferry_backend::Result<()> {
         let length = buf.len() as u64;
-        let end = offset.checked_add(length).filter(|&e| e <= self.size).ok_or_else(|| {
-            ferry_backend::Error::new(ferry_backend::ErrorKind::Invalid, "read", offset, length)
-        })?;
+        let end = offset
+            .checked_add(length)
+            .filter(|&e| e <= self.size)
+            .ok_or_else(|| ferry_backend::Error::new(ferry_backend::ErrorKind::Invalid, "read", offset, length))?;
         if length == 0 {
             return Ok(());
         }
@@ -178,7 +179,12 @@ impl Backend for SnapshotImage {
             }
             let id = self.repo.crypto.blob_id(d);
             let Some(loc) = self.index.blobs.get(&id) else {
-                return Err(self.damage(offset, length, ci, format!("its chunk {} is in no index object", format::hex(&id))));
+                return Err(self.damage(
+                    offset,
+                    length,
+                    ci,
+                    format!("its chunk {} is in no index object", format::hex(&id)),
+                ));
             };
             wants.push(Want { ci, id, loc: *loc });
         }
@@ -214,7 +220,12 @@ impl Backend for SnapshotImage {
                         offset,
                         length,
                         w.ci,
-                        format!("{pack}: chunk {} has {} bytes, not {}", format::hex(&w.id), plain.len(), self.chunk_len(w.ci)),
+                        format!(
+                            "{pack}: chunk {} has {} bytes, not {}",
+                            format::hex(&w.id),
+                            plain.len(),
+                            self.chunk_len(w.ci)
+                        ),
                     ));
                 }
                 let (bs, be, at) = span(w.ci);

@@ -55,6 +55,11 @@ pub struct SnapshotInfo {
     pub manifest: Manifest,
 }
 
+/// An index object's name and content.
+pub(crate) type IndexObject = (String, Vec<format::PackBlobs>);
+/// Objects that could not be read, with why.
+pub(crate) type Failures = Vec<(String, Error)>;
+
 /// The additional data of the AEAD of manifests, index objects and pack trailers.
 pub(crate) const AAD_SNAPSHOT: &[u8] = b"ferry snapshot";
 pub(crate) const AAD_INDEX: &[u8] = b"ferry index";
@@ -166,7 +171,9 @@ impl Repository {
         let bytes = config.to_bytes();
         // The parser is the one place that knows what a valid config is.
         Config::parse(&bytes).map_err(|e| Error::Invalid(format!("cannot make this repository: {e}")))?;
-        store.put("config", &bytes).map_err(|e| Error::store(format!("cannot write {}/config", store.describe()), e))?;
+        store
+            .put("config", &bytes)
+            .map_err(|e| Error::store(format!("cannot write {}/config", store.describe()), e))?;
         Ok(Repository { store, config, crypto })
     }
 
@@ -231,7 +238,7 @@ impl Repository {
 
     /// Every manifest, each read and checked, with the names of those that fail and why;
     /// the good ones oldest first.
-    pub(crate) fn snapshots_lenient(&self) -> Result<(Vec<SnapshotInfo>, Vec<(String, Error)>)> {
+    pub(crate) fn snapshots_lenient(&self) -> Result<(Vec<SnapshotInfo>, Failures)> {
         let names = self
             .store
             .list("snapshots/")
@@ -296,7 +303,10 @@ impl Repository {
             many => Err(Error::Invalid(format!(
                 "{prefix} names {} snapshots of {name}: {}; give more digits",
                 many.len(),
-                many.iter().map(|s| format!("{} ({})", &s.id[..16.min(s.id.len())], s.manifest.time)).collect::<Vec<_>>().join(", ")
+                many.iter()
+                    .map(|s| format!("{} ({})", &s.id[..16.min(s.id.len())], s.manifest.time))
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ))),
         }
     }
@@ -316,8 +326,7 @@ impl Repository {
 
     /// Every index object, read and checked: the good ones (name and content) and the
     /// names of those that fail and why.
-    #[allow(clippy::type_complexity)]
-    pub(crate) fn index_objects(&self) -> Result<(Vec<(String, Vec<format::PackBlobs>)>, Vec<(String, Error)>)> {
+    pub(crate) fn index_objects(&self) -> Result<(Vec<IndexObject>, Failures)> {
         let names = self
             .store
             .list("index/")
@@ -345,6 +354,17 @@ impl Repository {
         Ok(build_index(good))
     }
 
+    /// Every index object that reads well; those that do not are skipped with a warning
+    /// (for readers and backups: a snapshot whose blobs are all listed elsewhere still
+    /// reads, and a backup stores again what it cannot find).
+    pub(crate) fn load_index_lenient(&self) -> Result<Index> {
+        let (good, bad) = self.index_objects()?;
+        for (name, e) in bad {
+            log::warn!("skipping {name}: {e}");
+        }
+        Ok(build_index(good))
+    }
+
     /// The stored bytes of a blob, decoded and checked against its id: the plain bytes,
     /// or why they could not be had.
     pub(crate) fn read_blob(&self, id: &Digest, loc: &Location, kind: BlobKind) -> Result<Vec<u8>, String> {
@@ -360,7 +380,13 @@ impl Repository {
     }
 
     /// Decodes stored bytes read from `loc`.
-    pub(crate) fn decode_blob(&self, id: &Digest, loc: &Location, kind: BlobKind, stored: &[u8]) -> Result<Vec<u8>, String> {
+    pub(crate) fn decode_blob(
+        &self,
+        id: &Digest,
+        loc: &Location,
+        kind: BlobKind,
+        stored: &[u8],
+    ) -> Result<Vec<u8>, String> {
         if stored.len() != loc.stored_len as usize {
             return Err(format!("blob {} at offset {} is cut short", format::hex(id), loc.offset));
         }
@@ -399,7 +425,8 @@ impl Repository {
         if digests.len() as u64 != chunks.div_ceil(pe) {
             return Err(Error::damaged(object, "its page count does not match its size"));
         }
-        let pages = par_map(&digests, FETCH_THREADS, |d| if *d == ZERO { Ok(Vec::new()) } else { self.read_page(index, d) });
+        let pages =
+            par_map(&digests, FETCH_THREADS, |d| if *d == ZERO { Ok(Vec::new()) } else { self.read_page(index, d) });
         let mut entries = Vec::with_capacity(chunks as usize);
         for (i, (d, page)) in digests.iter().zip(pages).enumerate() {
             let count = (chunks - i as u64 * pe).min(pe) as usize;
@@ -418,7 +445,7 @@ impl Repository {
 }
 
 /// The index of the given index objects: the first location seen of each blob.
-pub(crate) fn build_index(objects: Vec<(String, Vec<format::PackBlobs>)>) -> Index {
+pub(crate) fn build_index(objects: Vec<IndexObject>) -> Index {
     let mut index = Index { blobs: HashMap::new(), objects: Vec::with_capacity(objects.len()) };
     let total: usize = objects.iter().flat_map(|(_, p)| p.iter().map(|p| p.blobs.len())).sum();
     index.blobs.reserve(total);
@@ -442,10 +469,8 @@ pub(crate) fn build_index(objects: Vec<(String, Vec<format::PackBlobs>)>) -> Ind
 /// Orders snapshots oldest first: by time, then (for snapshots of the same second) a
 /// snapshot after its parent, then by id.
 pub(crate) fn sort_snapshots(snaps: &mut [SnapshotInfo]) {
-    let by_id: HashMap<&str, (Option<jiff::Timestamp>, Option<&str>)> = snaps
-        .iter()
-        .map(|s| (s.id.as_str(), (parse_time(&s.manifest.time), s.manifest.parent.as_deref())))
-        .collect();
+    let by_id: HashMap<&str, (Option<jiff::Timestamp>, Option<&str>)> =
+        snaps.iter().map(|s| (s.id.as_str(), (parse_time(&s.manifest.time), s.manifest.parent.as_deref()))).collect();
     // Depth along parents of the same time (a chain written within one second).
     let depth = |s: &SnapshotInfo| -> usize {
         let t = parse_time(&s.manifest.time);

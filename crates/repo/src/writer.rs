@@ -15,7 +15,10 @@
 use crate::blob;
 use crate::format::{self, BlobEntry, BlobKind, Changes, Digest, LockKind, Manifest, PackBlobs, SnapshotStats, ZERO};
 use crate::lock::{self, LockGuard};
-use crate::repo::{blkhash_of, hostname, now_seconds, pack_name, parse_time, sha256, Index, Repository, SnapshotInfo, AAD_INDEX, AAD_SNAPSHOT, AAD_TRAILER};
+use crate::repo::{
+    blkhash_of, hostname, now_seconds, pack_name, parse_time, sha256, Index, Repository, SnapshotInfo, AAD_INDEX,
+    AAD_SNAPSHOT, AAD_TRAILER,
+};
 use crate::{Error, Result};
 use ferry_backend::{Backend, Capabilities, ZeroMode};
 use std::cell::RefCell;
@@ -196,7 +199,7 @@ impl SnapshotWriter {
         }
         let tag = repo.crypto.disk_tag(&opts.name);
         let guard = lock::acquire(&repo.store, LockKind::Backup, Some(tag), opts.wait_lock)?;
-        let index = repo.load_index()?;
+        let index = repo.load_index_lenient()?;
         let (mut entries, base_chunks) = match &opts.base {
             Some(b) => {
                 let e = repo.entries(&index, b)?;
@@ -213,6 +216,19 @@ impl SnapshotWriter {
             let from = (base_chunks.min(chunks) / pe) as usize;
             dirty[from..].iter_mut().for_each(|d| *d = true);
         }
+        // A chunk that is the last of one size and not of the other changes length: it is
+        // made again at commit from its old content, cut or extended with zeroes (unless
+        // the backup writes all of it).
+        let mut partials = HashMap::new();
+        if let Some(b) = &opts.base {
+            for end in [b.manifest.size, opts.size] {
+                let ci = end / cs;
+                if end % cs != 0 && ci < chunks.min(base_chunks) {
+                    let clen = (opts.size - ci * cs).min(cs) as usize;
+                    partials.insert(ci, Partial { buf: vec![0; clen], covered: Vec::new() });
+                }
+            }
+        }
         let pack_size = opts.pack_size;
         Ok(Arc::new(SnapshotWriter {
             name: opts.name,
@@ -228,7 +244,7 @@ impl SnapshotWriter {
             base_chunks,
             index,
             state: Mutex::new(State { entries, dirty }),
-            partials: Mutex::new(HashMap::new()),
+            partials: Mutex::new(partials),
             claimed: Mutex::new(HashSet::new()),
             pack: Mutex::new(OpenPack { buf: Vec::new(), entries: Vec::new() }),
             done: Mutex::new(Vec::new()),
@@ -507,9 +523,9 @@ impl SnapshotWriter {
         } else {
             self.session_blob(&id).ok_or_else(|| Error::damaged(what(), "it is nowhere"))??
         };
-        if plain.len() != clen {
-            return Err(Error::damaged(what(), format!("it has {} bytes, not {clen}", plain.len())));
-        }
+        // A chunk that was the last of a disk of another size is cut or extended.
+        let mut plain = plain;
+        plain.resize(clen, 0);
         Ok(plain)
     }
 
@@ -537,7 +553,9 @@ impl SnapshotWriter {
         for p in done.iter() {
             if let Some(e) = p.blobs.iter().find(|e| e.id == *id) {
                 let loc = loc_of(p.pack, e);
-                return Some(self.repo.read_blob(id, &loc, e.kind).map_err(|why| Error::damaged(pack_name(&p.pack), why)));
+                return Some(
+                    self.repo.read_blob(id, &loc, e.kind).map_err(|why| Error::damaged(pack_name(&p.pack), why)),
+                );
             }
         }
         None
@@ -694,7 +712,9 @@ impl Backend for SnapshotWriter {
             op: "read",
             offset,
             length: buf.len() as u64,
-            source: Some(io::Error::other("a backup in progress cannot be read: read the snapshot once it is committed")),
+            source: Some(io::Error::other(
+                "a backup in progress cannot be read: read the snapshot once it is committed",
+            )),
         })
     }
     fn write(&self, buf: &[u8], offset: u64, _fua: bool) -> ferry_backend::Result<()> {
