@@ -12,7 +12,7 @@ use crate::Result;
 use ferry_backend::{push_extent, Backend, Capabilities, Extent, DATA, HOLE};
 use std::collections::HashMap;
 use std::io;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 
 /// Cache shards and chunks per shard: 256 chunks (16 MiB of 64 KiB chunks).
 const SHARDS: usize = 16;
@@ -24,7 +24,9 @@ const GAP: u64 = 64 << 10;
 pub struct SnapshotImage {
     repo: Arc<Repository>,
     snap: SnapshotInfo,
-    index: Index,
+    /// Reloaded when a pack it names is gone (a gc moved the blobs while we read).
+    index: RwLock<Arc<Index>>,
+    reload: Mutex<()>,
     entries: Vec<Digest>,
     cs: u64,
     size: u64,
@@ -47,7 +49,8 @@ impl SnapshotImage {
             size: snap.manifest.size,
             repo,
             snap: snap.clone(),
-            index,
+            index: RwLock::new(Arc::new(index)),
+            reload: Mutex::new(()),
             entries,
             cache: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
         }))
@@ -94,6 +97,35 @@ impl SnapshotImage {
         s.chunks.insert(ci, (chunk, t));
     }
 
+    /// The index again, unless another thread has just reloaded it.
+    fn reload_index(&self, used: &Arc<Index>) -> Result<Arc<Index>> {
+        let _one = self.reload.lock().unwrap_or_else(|e| e.into_inner());
+        let cur = self.index.read().unwrap_or_else(|e| e.into_inner()).clone();
+        if !Arc::ptr_eq(&cur, used) {
+            return Ok(cur);
+        }
+        let fresh = Arc::new(self.repo.load_index_lenient()?);
+        *self.index.write().unwrap_or_else(|e| e.into_inner()) = fresh.clone();
+        Ok(fresh)
+    }
+
+    /// An I/O error for a range whose data could not be had from the store (a network or
+    /// storage failure, not damage).
+    fn unreadable(&self, offset: u64, length: u64, ci: u64, why: String) -> ferry_backend::Error {
+        let start = ci * self.cs;
+        let end = start + self.chunk_len(ci) as u64;
+        ferry_backend::Error::io(
+            "read",
+            offset,
+            length,
+            io::Error::other(format!(
+                "cannot read bytes {start}..{end} of snapshot {}@{}: {why}",
+                self.snap.manifest.name,
+                &self.snap.id[..8.min(self.snap.id.len())],
+            )),
+        )
+    }
+
     /// An I/O error naming the snapshot's range and what failed.
     fn damage(&self, offset: u64, length: u64, ci: u64, why: String) -> ferry_backend::Error {
         let start = ci * self.cs;
@@ -109,6 +141,116 @@ impl SnapshotImage {
                 self.repo.store.describe()
             )),
         )
+    }
+
+    fn read_with(&self, index: &Index, buf: &mut [u8], offset: u64) -> Result<(), Failure> {
+        let length = buf.len() as u64;
+        let end = offset + length;
+        let first = offset / self.cs;
+        let last = (end - 1) / self.cs;
+        // The part of `buf` that chunk `ci` fills, and where in the chunk it starts.
+        let span = |ci: u64| -> (usize, usize, usize) {
+            let cstart = ci * self.cs;
+            let s = offset.max(cstart);
+            let e = end.min(cstart + self.chunk_len(ci) as u64);
+            ((s - offset) as usize, (e - offset) as usize, (s - cstart) as usize)
+        };
+        let mut wants: Vec<Want> = Vec::new();
+        for ci in first..=last {
+            let d = &self.entries[ci as usize];
+            let (bs, be, at) = span(ci);
+            if *d == ZERO {
+                buf[bs..be].fill(0);
+                continue;
+            }
+            let whole = at == 0 && be - bs == self.chunk_len(ci);
+            if !whole {
+                if let Some(c) = self.cached(ci) {
+                    buf[bs..be].copy_from_slice(&c[at..at + (be - bs)]);
+                    continue;
+                }
+            }
+            let id = self.repo.crypto.blob_id(d);
+            let Some(loc) = index.blobs.get(&id) else {
+                return Err(Failure::PackGone(self.damage(
+                    offset,
+                    length,
+                    ci,
+                    format!("its chunk {} is in no index object", format::hex(&id)),
+                )));
+            };
+            wants.push(Want { ci, id, loc: *loc });
+        }
+        // Runs of blobs next to each other in one pack: one ranged read each.
+        wants.sort_unstable_by_key(|w| (w.loc.pack, w.loc.offset));
+        let mut i = 0;
+        while i < wants.len() {
+            let mut j = i + 1;
+            let mut run_end = wants[i].loc.offset as u64 + wants[i].loc.stored_len as u64;
+            while j < wants.len()
+                && wants[j].loc.pack == wants[i].loc.pack
+                && (wants[j].loc.offset as u64) <= run_end + GAP
+            {
+                run_end = run_end.max(wants[j].loc.offset as u64 + wants[j].loc.stored_len as u64);
+                j += 1;
+            }
+            let run_start = wants[i].loc.offset as u64;
+            let pack = pack_name(&wants[i].loc.pack);
+            let bytes = self.repo.store.get_range(&pack, run_start, run_end - run_start).map_err(|e| {
+                let ci = wants[i].ci;
+                match e.kind() {
+                    io::ErrorKind::NotFound => {
+                        Failure::PackGone(self.damage(offset, length, ci, format!("{pack} is missing")))
+                    }
+                    io::ErrorKind::UnexpectedEof | io::ErrorKind::InvalidData => {
+                        Failure::Other(self.damage(offset, length, ci, format!("cannot read {pack}: {e}")))
+                    }
+                    _ => Failure::Other(self.unreadable(offset, length, ci, format!("cannot read {pack}: {e}"))),
+                }
+            })?;
+            for w in &wants[i..j] {
+                let s = (w.loc.offset as u64 - run_start) as usize;
+                let stored = bytes.get(s..s + w.loc.stored_len as usize).unwrap_or(&[]);
+                let plain = self
+                    .repo
+                    .decode_blob(&w.id, &w.loc, BlobKind::Data, stored)
+                    .map_err(|why| Failure::Other(self.damage(offset, length, w.ci, format!("{pack}: {why}"))))?;
+                if plain.len() != self.chunk_len(w.ci) {
+                    return Err(Failure::Other(self.damage(
+                        offset,
+                        length,
+                        w.ci,
+                        format!(
+                            "{pack}: chunk {} has {} bytes, not {}",
+                            format::hex(&w.id),
+                            plain.len(),
+                            self.chunk_len(w.ci)
+                        ),
+                    )));
+                }
+                let (bs, be, at) = span(w.ci);
+                buf[bs..be].copy_from_slice(&plain[at..at + (be - bs)]);
+                if be - bs != plain.len() {
+                    self.remember(w.ci, Arc::new(plain));
+                }
+            }
+            i = j;
+        }
+        Ok(())
+    }
+}
+
+/// Why a read failed: a pack that is gone may be found again in a reloaded index.
+enum Failure {
+    PackGone(ferry_backend::Error),
+    Other(ferry_backend::Error),
+}
+
+impl Failure {
+    fn into_error(self) -> ferry_backend::Error {
+        match self {
+            Failure::PackGone(e) | Failure::Other(e) => e,
+        }
     }
 }
 
@@ -146,97 +288,23 @@ impl Backend for SnapshotImage {
     }
     fn read(&self, buf: &mut [u8], offset: u64) -> ferry_backend::Result<()> {
         let length = buf.len() as u64;
-        let end = offset
-            .checked_add(length)
-            .filter(|&e| e <= self.size)
-            .ok_or_else(|| ferry_backend::Error::new(ferry_backend::ErrorKind::Invalid, "read", offset, length))?;
+        if offset.checked_add(length).is_none_or(|e| e > self.size) {
+            return Err(ferry_backend::Error::new(ferry_backend::ErrorKind::Invalid, "read", offset, length));
+        }
         if length == 0 {
             return Ok(());
         }
-        let first = offset / self.cs;
-        let last = (end - 1) / self.cs;
-        // The part of `buf` that chunk `ci` fills, and where in the chunk it starts.
-        let span = |ci: u64| -> (usize, usize, usize) {
-            let cstart = ci * self.cs;
-            let s = offset.max(cstart);
-            let e = end.min(cstart + self.chunk_len(ci) as u64);
-            ((s - offset) as usize, (e - offset) as usize, (s - cstart) as usize)
-        };
-        let mut wants: Vec<Want> = Vec::new();
-        for ci in first..=last {
-            let d = &self.entries[ci as usize];
-            let (bs, be, at) = span(ci);
-            if *d == ZERO {
-                buf[bs..be].fill(0);
-                continue;
+        let index = self.index.read().unwrap_or_else(|e| e.into_inner()).clone();
+        match self.read_with(&index, buf, offset) {
+            Err(Failure::PackGone(_)) => {
+                // A gc repacked what this snapshot uses: its blobs are in new packs.
+                let fresh = self
+                    .reload_index(&index)
+                    .map_err(|e| ferry_backend::Error::io("read", offset, length, io::Error::other(e.to_string())))?;
+                self.read_with(&fresh, buf, offset).map_err(Failure::into_error)
             }
-            let whole = at == 0 && be - bs == self.chunk_len(ci);
-            if !whole {
-                if let Some(c) = self.cached(ci) {
-                    buf[bs..be].copy_from_slice(&c[at..at + (be - bs)]);
-                    continue;
-                }
-            }
-            let id = self.repo.crypto.blob_id(d);
-            let Some(loc) = self.index.blobs.get(&id) else {
-                return Err(self.damage(
-                    offset,
-                    length,
-                    ci,
-                    format!("its chunk {} is in no index object", format::hex(&id)),
-                ));
-            };
-            wants.push(Want { ci, id, loc: *loc });
+            r => r.map_err(Failure::into_error),
         }
-        // Runs of blobs next to each other in one pack: one ranged read each.
-        wants.sort_unstable_by_key(|w| (w.loc.pack, w.loc.offset));
-        let mut i = 0;
-        while i < wants.len() {
-            let mut j = i + 1;
-            let mut run_end = wants[i].loc.offset as u64 + wants[i].loc.stored_len as u64;
-            while j < wants.len()
-                && wants[j].loc.pack == wants[i].loc.pack
-                && (wants[j].loc.offset as u64) <= run_end + GAP
-            {
-                run_end = run_end.max(wants[j].loc.offset as u64 + wants[j].loc.stored_len as u64);
-                j += 1;
-            }
-            let run_start = wants[i].loc.offset as u64;
-            let pack = pack_name(&wants[i].loc.pack);
-            let bytes = self
-                .repo
-                .store
-                .get_range(&pack, run_start, run_end - run_start)
-                .map_err(|e| self.damage(offset, length, wants[i].ci, format!("cannot read {pack}: {e}")))?;
-            for w in &wants[i..j] {
-                let s = (w.loc.offset as u64 - run_start) as usize;
-                let stored = bytes.get(s..s + w.loc.stored_len as usize).unwrap_or(&[]);
-                let plain = self
-                    .repo
-                    .decode_blob(&w.id, &w.loc, BlobKind::Data, stored)
-                    .map_err(|why| self.damage(offset, length, w.ci, format!("{pack}: {why}")))?;
-                if plain.len() != self.chunk_len(w.ci) {
-                    return Err(self.damage(
-                        offset,
-                        length,
-                        w.ci,
-                        format!(
-                            "{pack}: chunk {} has {} bytes, not {}",
-                            format::hex(&w.id),
-                            plain.len(),
-                            self.chunk_len(w.ci)
-                        ),
-                    ));
-                }
-                let (bs, be, at) = span(w.ci);
-                buf[bs..be].copy_from_slice(&plain[at..at + (be - bs)]);
-                if be - bs != plain.len() {
-                    self.remember(w.ci, Arc::new(plain));
-                }
-            }
-            i = j;
-        }
-        Ok(())
     }
     fn flush(&self) -> ferry_backend::Result<()> {
         Ok(())

@@ -295,8 +295,14 @@ fn forget_and_gc_free_exactly_the_dead_data() {
     let mut want = vec![s2.id.clone(), sb.id.clone()];
     want.sort();
     assert_eq!(kept, want);
+    // A reader that loaded the index before gc moved its blobs still reads.
+    let img = SnapshotImage::open(repo.clone(), &s2).unwrap();
     let g = maint::gc(&repo, None).unwrap();
     assert!(g.bytes_after < g.bytes_before, "{g:?}");
+    assert!(g.packs_repacked > 0, "{g:?}");
+    let mut got = vec![0u8; a2.len()];
+    img.read(&mut got, 0).unwrap();
+    assert!(got == a2, "a reader opened before gc reads wrong data");
     assert!(g.blobs_freed >= 1, "{g:?}");
     assert_eq!(objects(&store, "index/").len(), 1, "gc leaves one index object");
     // What is left is exactly what the kept snapshots use.
