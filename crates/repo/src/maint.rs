@@ -111,7 +111,7 @@ fn attribute(repo: &Repository, w: &Walk, problems: &mut [Problem]) {
                 continue;
             }
             let first = i as u64 * pe;
-            let count = (chunks - first).min(pe);
+            let count = chunks.saturating_sub(first).min(pe);
             if let Some(p) = w.damaged.get(&repo.crypto.blob_id(d)) {
                 add(*p, first, count);
             } else if let Some(hits) = page_hits.get(d) {
@@ -200,8 +200,11 @@ fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
         let mut entries_ok = true;
         let mut entries: Vec<Digest> = Vec::new();
         for (i, d) in s.manifest.page_digests().iter().enumerate() {
-            let count =
-                (s.manifest.chunks() - i as u64 * s.manifest.page_entries as u64).min(s.manifest.page_entries as u64);
+            let count = s
+                .manifest
+                .chunks()
+                .saturating_sub(i as u64 * s.manifest.page_entries as u64)
+                .min(s.manifest.page_entries as u64);
             if *d == ZERO {
                 entries.resize(entries.len() + count as usize, ZERO);
                 continue;
@@ -322,7 +325,9 @@ fn verify_pack(repo: &Repository, pack: &Digest, blobs: &[BlobEntry]) -> PackChe
     let trailer = (|| -> Result<Vec<BlobEntry>, String> {
         let tail = bytes.get(bytes.len().saturating_sub(format::PACK_TAIL)..).unwrap_or(&[]);
         let tl = format::parse_pack_tail(tail, len).map_err(|e| e.0)? as u64;
-        let blobs_len = len - format::PACK_TAIL as u64 - tl;
+        let blobs_len = len
+            .checked_sub(format::PACK_TAIL as u64 + tl)
+            .ok_or_else(|| "its trailer is longer than the pack".to_string())?;
         let stored = &bytes[blobs_len as usize..(len as usize - format::PACK_TAIL)];
         let plain = repo.crypto.open(AAD_TRAILER, stored).map_err(|e| e.to_string())?;
         format::parse_trailer(&plain, blobs_len, &repo.limits()).map_err(|e| e.0)

@@ -25,7 +25,7 @@ fn new_repo(encrypt: bool) -> (Arc<MemStore>, Arc<Repository>) {
 /// A disk image: compressible text, random chunks and zero chunks, with a short last chunk.
 fn disk(len: usize, seed: u64) -> Vec<u8> {
     let mut v = vec![0u8; len];
-    let mut x = seed | 1;
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     for (i, c) in v.chunks_mut(CS).enumerate() {
         match i % 5 {
             0 => {} // zero
@@ -459,7 +459,7 @@ fn crash_mid_backup_leaves_a_whole_repository() {
     let packs_before = objects(&store, "data/").len();
     {
         let w = SnapshotWriter::start(repo.clone(), opts("d", data.len() as u64, Some(s1.clone()))).unwrap();
-        let other = disk(3 << 20, 15);
+        let other = disk(3 << 20, 16);
         w.write(&other, 0, false).unwrap();
         // Dropped without commit: a kill -9 before the manifest.
     }
