@@ -169,6 +169,49 @@ fn incremental_shares_pages_and_stores_only_new_chunks() {
 }
 
 #[test]
+fn unaligned_pieces_from_many_threads_make_whole_chunks() {
+    let (_store, repo) = new_repo(true);
+    let day1 = disk((3 << 20) + 7 * 4096, 20);
+    let s1 = backup(&repo, "d", &day1, None);
+    // Day 2 rewrites everything in 4 KiB-aligned pieces of 4 KiB to 200 KiB, each chunk
+    // in several pieces from several threads, in no order; zero pieces through zero().
+    let mut day2 = disk(day1.len(), 21);
+    day2[100_000 & !4095..300_000 & !4095].fill(0);
+    let mut pieces = Vec::new();
+    let mut x = 7u64;
+    let mut pos = 0;
+    while pos < day2.len() {
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let len = (((x >> 33) % 50 + 1) as usize * 4096).min(day2.len() - pos);
+        pieces.push((pos, len));
+        pos += len;
+    }
+    for i in (1..pieces.len()).rev() {
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        pieces.swap(i, (x >> 33) as usize % (i + 1));
+    }
+    let w = SnapshotWriter::start(repo.clone(), opts("d", day2.len() as u64, Some(s1))).unwrap();
+    std::thread::scope(|s| {
+        for t in 0..4 {
+            let (w, pieces, day2) = (w.clone(), &pieces, &day2);
+            s.spawn(move || {
+                for (off, len) in pieces.iter().skip(t).step_by(4) {
+                    let p = &day2[*off..off + len];
+                    if ferry_hash::is_zero(p) {
+                        w.zero(*off as u64, *len as u64, ZeroMode::default(), false).unwrap();
+                    } else {
+                        w.write(p, *off as u64, false).unwrap();
+                    }
+                }
+            });
+        }
+    });
+    let s2 = w.commit(day2.len() as u64).unwrap();
+    assert!(read_back(&repo, &s2) == day2, "pieces did not make the disk");
+    assert_eq!(s2.manifest.stats.written_chunks, day2.len().div_ceil(CS) as u64, "each chunk made once");
+}
+
+#[test]
 fn size_change_drops_or_adds_zero_chunks() {
     let (_store, repo) = new_repo(false);
     let day1 = disk(2 << 20, 3);
