@@ -610,3 +610,52 @@ fn throughput() {
         );
     }
 }
+
+/// A store that counts ranged reads.
+struct Counting(Arc<MemStore>, std::sync::atomic::AtomicU64);
+
+impl Store for Counting {
+    fn describe(&self) -> String {
+        self.0.describe()
+    }
+    fn get(&self, name: &str, limit: u64) -> std::io::Result<Vec<u8>> {
+        self.0.get(name, limit)
+    }
+    fn get_range(&self, name: &str, offset: u64, len: u64) -> std::io::Result<Vec<u8>> {
+        self.1.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.0.get_range(name, offset, len)
+    }
+    fn len(&self, name: &str) -> std::io::Result<u64> {
+        self.0.len(name)
+    }
+    fn put(&self, name: &str, data: &[u8]) -> std::io::Result<()> {
+        self.0.put(name, data)
+    }
+    fn delete(&self, name: &str) -> std::io::Result<()> {
+        self.0.delete(name)
+    }
+    fn list(&self, prefix: &str) -> std::io::Result<Vec<(String, u64)>> {
+        self.0.list(prefix)
+    }
+}
+
+#[test]
+fn small_sequential_reads_fetch_ahead() {
+    let mem = Arc::new(MemStore::new());
+    let counting = Arc::new(Counting(mem.clone(), Default::default()));
+    let repo = Arc::new(Repository::init(counting.clone(), &InitOptions::default()).unwrap());
+    let mut data = disk(4 << 20, 30);
+    data.iter_mut().step_by(4096).for_each(|b| *b = 1); // no zero chunk
+    let snap = backup(&repo, "d", &data, None);
+    let img = SnapshotImage::open(repo.clone(), &snap).unwrap();
+    let before = counting.1.load(std::sync::atomic::Ordering::Relaxed);
+    let mut got = vec![0u8; data.len()];
+    for (i, c) in got.chunks_mut(4096).enumerate() {
+        img.read(c, (i * 4096) as u64).unwrap();
+    }
+    assert!(got == data);
+    let reads = counting.1.load(std::sync::atomic::Ordering::Relaxed) - before;
+    // 64 chunks in 16 packs of 4 (the test's pack size): one request per chunk without
+    // read-ahead, one per pack with it.
+    assert!(reads <= 20, "{reads} ranged reads for 64 chunks read 4 KiB at a time");
+}
