@@ -9,7 +9,7 @@
 use crate::format::{self, BlobKind, Digest, ZERO};
 use crate::repo::{blkhash_of, pack_name, Index, Location, Repository, SnapshotInfo};
 use crate::Result;
-use ferry_backend::{push_extent, Backend, Capabilities, Extent, MetaContext, DATA, HOLE};
+use ferry_backend::{push_extent, Backend, Capabilities, Extent, DATA, HOLE};
 use std::collections::HashMap;
 use std::io;
 use std::sync::{Arc, Mutex, RwLock};
@@ -39,7 +39,6 @@ pub struct SnapshotImage {
     index: RwLock<Arc<Index>>,
     reload: Mutex<()>,
     recent: Mutex<Recent>,
-    contexts: Mutex<Vec<Arc<dyn MetaContext>>>,
     entries: Vec<Digest>,
     cs: u64,
     size: u64,
@@ -65,7 +64,6 @@ impl SnapshotImage {
             index: RwLock::new(Arc::new(index)),
             reload: Mutex::new(()),
             recent: Mutex::new(Recent::default()),
-            contexts: Mutex::new(Vec::new()),
             entries,
             cache: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
         }))
@@ -75,22 +73,6 @@ impl SnapshotImage {
     /// `None` when the repository's chunks are not 64 KiB.
     pub fn blkhash(&self) -> Option<Digest> {
         (self.cs == 65536).then(|| blkhash_of(&self.entries, self.size, self.cs as u32))
-    }
-
-    /// Offers the chunks in which this snapshot differs from `older` (another snapshot,
-    /// usually an earlier one of the same disk) as the NBD context
-    /// `qemu:dirty-bitmap:BITMAP`, so that any NBD backup tool copies just the difference.
-    /// Chunks past the end of `older` are dirty.
-    pub fn add_changes_since(&self, older: &SnapshotInfo, bitmap: &str) -> Result<()> {
-        if older.manifest.chunk_size as u64 != self.cs {
-            return Err(crate::Error::Invalid("the two snapshots have different chunk sizes".into()));
-        }
-        let index = self.index.read().unwrap_or_else(|e| e.into_inner()).clone();
-        let old = self.repo.entries(&index, older)?;
-        let dirty = self.entries.iter().enumerate().map(|(i, e)| old.get(i) != Some(e)).collect();
-        let ctx = ChangeMap { name: format!("qemu:dirty-bitmap:{bitmap}"), dirty, cs: self.cs, size: self.size };
-        self.contexts.lock().unwrap_or_else(|e| e.into_inner()).push(Arc::new(ctx));
-        Ok(())
     }
 
     pub fn info(&self) -> &SnapshotInfo {
@@ -429,48 +411,7 @@ impl Backend for SnapshotImage {
         out.extend(mine);
         Ok(())
     }
-    fn meta_contexts(self: Arc<Self>) -> Vec<Arc<dyn MetaContext>> {
-        self.contexts.lock().unwrap_or_else(|e| e.into_inner()).clone()
-    }
     fn identity(&self) -> Option<String> {
         Some(format!("ferry-repo:{}:{}", self.repo.config.id, self.snap.id))
-    }
-}
-
-/// NBD's `NBD_STATE_DIRTY` bit of a dirty-bitmap context.
-const STATE_DIRTY: u32 = 1;
-
-/// The chunks in which two snapshots differ, as a dirty-bitmap context.
-struct ChangeMap {
-    name: String,
-    dirty: Vec<bool>,
-    cs: u64,
-    size: u64,
-}
-
-impl MetaContext for ChangeMap {
-    fn name(&self) -> &str {
-        &self.name
-    }
-    fn extents(&self, offset: u64, length: u64, max: usize, out: &mut Vec<Extent>) -> ferry_backend::Result<()> {
-        let end = offset.saturating_add(length).min(self.size);
-        if offset >= end {
-            out.push(Extent { length, flags: 0 });
-            return Ok(());
-        }
-        let mut mine: Vec<Extent> = Vec::new();
-        let mut pos = offset;
-        while pos < end {
-            let ci = pos / self.cs;
-            let cend = ((ci + 1) * self.cs).min(end);
-            let flags = if self.dirty[ci as usize] { STATE_DIRTY } else { 0 };
-            if mine.len() >= max.max(1) && mine.last().is_some_and(|l| l.flags != flags) {
-                break;
-            }
-            push_extent(&mut mine, cend - pos, flags);
-            pos = cend;
-        }
-        out.extend(mine);
-        Ok(())
     }
 }
