@@ -17,6 +17,7 @@
 
 pub mod blob;
 pub mod crypto;
+mod diff;
 pub mod format;
 pub mod lock;
 pub mod maint;
@@ -27,6 +28,7 @@ pub mod store;
 mod tests;
 mod writer;
 
+pub use diff::SnapshotDiff;
 pub use reader::SnapshotImage;
 pub use repo::{Index, InitOptions, Location as BlobLocation, Repository, SnapshotInfo};
 pub use writer::{BackupOptions, SnapshotWriter, WriterStats, DEFAULT_LEVEL, DEFAULT_PACK_SIZE};
