@@ -106,16 +106,58 @@ impl SnapshotImage {
     /// the read that needs the chunk to report.
     fn fetch_ahead(&self, pack: &str, start: u64, end: u64, wants: &[Want]) -> io::Result<()> {
         let bytes = self.repo.store.get_range(pack, start, end - start)?;
-        for w in wants {
-            let s = (w.loc.offset as u64 - start) as usize;
-            let stored = bytes.get(s..s + w.loc.stored_len as usize).unwrap_or(&[]);
-            if let Ok(plain) = self.repo.decode_blob(&w.id, &w.loc, BlobKind::Data, stored) {
-                if plain.len() == self.chunk_len(w.ci) {
-                    self.remember(w.ci, Arc::new(plain));
-                }
+        for (w, plain) in wants.iter().zip(self.decode_run(&bytes, start, wants)) {
+            if let Ok(plain) = plain {
+                self.remember(w.ci, Arc::new(plain));
             }
         }
         Ok(())
+    }
+
+    /// The chunks of one ranged read (`bytes`, from pack offset `start`) decoded, and
+    /// checked against their ids: their digests computed side by side.
+    fn decode_run(&self, bytes: &[u8], start: u64, wants: &[Want]) -> Vec<Result<Vec<u8>, String>> {
+        let mut out: Vec<Result<Vec<u8>, String>> = wants
+            .iter()
+            .map(|w| {
+                let s = (w.loc.offset as u64 - start) as usize;
+                let stored = bytes.get(s..s + w.loc.stored_len as usize).unwrap_or(&[]);
+                let plain = self.repo.decode_blob_unchecked(&w.id, &w.loc, BlobKind::Data, stored)?;
+                if plain.len() != self.chunk_len(w.ci) {
+                    return Err(format!(
+                        "chunk {} has {} bytes, not {}",
+                        format::hex(&w.id),
+                        plain.len(),
+                        self.chunk_len(w.ci)
+                    ));
+                }
+                Ok(plain)
+            })
+            .collect();
+        let decoded: Vec<(usize, &[u8])> =
+            out.iter().enumerate().filter_map(|(k, r)| r.as_ref().ok().map(|p| (k, p.as_slice()))).collect();
+        let blocks: Vec<&[u8]> = decoded.iter().map(|(_, b)| *b).collect();
+        let mut digests = vec![0u8; blocks.len() * 32];
+        ferry_hash::Algorithm::Sha256.digest_many(&blocks, &mut digests);
+        let bad: Vec<usize> = decoded
+            .iter()
+            .zip(digests.chunks_exact(32))
+            .filter(|((k, _), d)| {
+                let d: Digest = (*d).try_into().unwrap_or([0; 32]);
+                self.repo.crypto.blob_id(&d) != wants[*k].id
+            })
+            .map(|((k, _), _)| *k)
+            .collect();
+        drop(blocks);
+        drop(decoded);
+        for k in bad {
+            out[k] = Err(format!(
+                "blob {} at offset {}: its plain bytes do not match its id (their digest differs)",
+                format::hex(&wants[k].id),
+                wants[k].loc.offset
+            ));
+        }
+        out
     }
 
     /// How many chunks to read ahead for a read at `offset..end`: some when it continues
@@ -277,34 +319,18 @@ impl SnapshotImage {
                     _ => Failure::Other(self.unreadable(offset, length, ci, format!("cannot read {pack}: {e}"))),
                 }
             })?;
-            for w in &wants[i..j] {
-                let s = (w.loc.offset as u64 - run_start) as usize;
-                if w.ahead {
-                    let stored = bytes.get(s..s + w.loc.stored_len as usize).unwrap_or(&[]);
-                    if let Ok(plain) = self.repo.decode_blob(&w.id, &w.loc, BlobKind::Data, stored) {
-                        if plain.len() == self.chunk_len(w.ci) {
-                            self.remember(w.ci, Arc::new(plain));
-                        }
+            let plains = self.decode_run(&bytes, run_start, &wants[i..j]);
+            for (w, plain) in wants[i..j].iter().zip(plains) {
+                let plain = match plain {
+                    Ok(p) => p,
+                    Err(_) if w.ahead => continue,
+                    Err(why) => {
+                        return Err(Failure::Other(self.damage(offset, length, w.ci, format!("{pack}: {why}"))))
                     }
+                };
+                if w.ahead {
+                    self.remember(w.ci, Arc::new(plain));
                     continue;
-                }
-                let stored = bytes.get(s..s + w.loc.stored_len as usize).unwrap_or(&[]);
-                let plain = self
-                    .repo
-                    .decode_blob(&w.id, &w.loc, BlobKind::Data, stored)
-                    .map_err(|why| Failure::Other(self.damage(offset, length, w.ci, format!("{pack}: {why}"))))?;
-                if plain.len() != self.chunk_len(w.ci) {
-                    return Err(Failure::Other(self.damage(
-                        offset,
-                        length,
-                        w.ci,
-                        format!(
-                            "{pack}: chunk {} has {} bytes, not {}",
-                            format::hex(&w.id),
-                            plain.len(),
-                            self.chunk_len(w.ci)
-                        ),
-                    )));
                 }
                 let (bs, be, at) = span(w.ci);
                 buf[bs..be].copy_from_slice(&plain[at..at + (be - bs)]);

@@ -544,6 +544,15 @@ fn read_data_percent_covers_every_pack_in_turn() {
     }
 }
 
+/// CPU seconds this process has used (user and system), from /proc.
+fn cpu_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    let after = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let f: Vec<f64> = after.split_whitespace().map(|x| x.parse().unwrap_or(0.0)).collect();
+    // Fields 14 and 15 (utime, stime) are the 12th and 13th after the command name.
+    (f.get(11).unwrap_or(&0.0) + f.get(12).unwrap_or(&0.0)) / 100.0
+}
+
 /// Throughput of a full backup and a restore through the engine, over a directory and
 /// in memory, plain and encrypted (not a check: run with
 /// `cargo test --release -p ferry-repo -- --ignored throughput --nocapture`).
@@ -573,6 +582,7 @@ fn throughput() {
         };
         let repo = Arc::new(Repository::init(store, &opts).unwrap());
         let t = std::time::Instant::now();
+        let cpu = cpu_seconds();
         let w = SnapshotWriter::start(repo.clone(), BackupOptions::new("big", size as u64)).unwrap();
         std::thread::scope(|s| {
             for th in 0..2 {
@@ -587,12 +597,14 @@ fn throughput() {
         let snap = w.commit(size as u64).unwrap();
         let secs = t.elapsed().as_secs_f64();
         eprintln!(
-            "{kind} store, encrypted {encrypt}: backup {:.0} MB/s (stored {} MB)",
+            "{kind} store, encrypted {encrypt}: backup {:.0} MB/s, {:.0} MB per CPU second (stored {} MB)",
             size as f64 / secs / 1e6,
+            size as f64 / (cpu_seconds() - cpu) / 1e6,
             w.stats().new_stored >> 20
         );
         let img = SnapshotImage::open(repo.clone(), &snap).unwrap();
         let t = std::time::Instant::now();
+        let cpu = cpu_seconds();
         std::thread::scope(|s| {
             for th in 0..2 {
                 let img = img.clone();
@@ -605,8 +617,9 @@ fn throughput() {
             }
         });
         eprintln!(
-            "{kind} store, encrypted {encrypt}: restore {:.0} MB/s",
-            size as f64 / t.elapsed().as_secs_f64() / 1e6
+            "{kind} store, encrypted {encrypt}: restore {:.0} MB/s, {:.0} MB per CPU second",
+            size as f64 / t.elapsed().as_secs_f64() / 1e6,
+            size as f64 / (cpu_seconds() - cpu) / 1e6
         );
     }
 }
