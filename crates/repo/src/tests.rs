@@ -583,7 +583,9 @@ fn throughput() {
         let repo = Arc::new(Repository::init(store, &opts).unwrap());
         let t = std::time::Instant::now();
         let cpu = cpu_seconds();
-        let w = SnapshotWriter::start(repo.clone(), BackupOptions::new("big", size as u64)).unwrap();
+        let level = std::env::var("FERRY_REPO_LEVEL").ok().and_then(|l| l.parse().ok()).unwrap_or(crate::DEFAULT_LEVEL);
+        let w = SnapshotWriter::start(repo.clone(), BackupOptions { level, ..BackupOptions::new("big", size as u64) })
+            .unwrap();
         std::thread::scope(|s| {
             for th in 0..2 {
                 let (w, data) = (w.clone(), &data);
@@ -671,4 +673,34 @@ fn small_sequential_reads_fetch_ahead() {
     // 64 chunks in 16 packs of 4 (the test's pack size): one request per chunk without
     // read-ahead, one per pack with it.
     assert!(reads <= 20, "{reads} ranged reads for 64 chunks read 4 KiB at a time");
+}
+
+#[test]
+fn check_names_a_truncated_index_and_the_snapshots_it_hits() {
+    let (store, repo) = new_repo(true);
+    let data = disk(2 << 20, 40);
+    let s1 = backup(&repo, "d", &data, None);
+    let mut d2 = data.clone();
+    d2[..CS].fill(9);
+    let s2 = backup(&repo, "d", &d2, Some(s1.clone()));
+    // The first backup's index object, cut short.
+    let first = objects(&store, "index/")
+        .into_iter()
+        .map(|(n, _)| n)
+        .find(|n| repo.read_index_object(n).unwrap().iter().any(|p| p.blobs.len() > 4))
+        .unwrap();
+    store.tamper(&first, |v| v.truncate(v.len() / 2));
+    let r = maint::check(&repo).unwrap();
+    assert!(r.problems.iter().any(|p| p.object == first), "{:?}", r.problems);
+    // Both snapshots use what only that object listed: each is named with its ranges.
+    for s in [&s1, &s2] {
+        assert!(
+            r.problems.iter().any(|p| p.hits.iter().any(|h| h.0 == s.id && h.1 == "d" && h.3 > 0)),
+            "{} not named: {:?}",
+            s.id,
+            r.problems
+        );
+    }
+    // gc refuses to run on it rather than free what it cannot see.
+    assert!(maint::gc(&repo, None).is_err());
 }
