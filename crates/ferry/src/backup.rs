@@ -118,43 +118,37 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
     };
     let selective = changes != Changes::Full;
     let flag = if args.dirty_bitmap.is_some() { "--dirty-bitmap" } else { "--extents-from" };
-    let base = match repo.resolve(&name, None) {
-        Ok(s) => Some(s),
-        Err(ferry_repo::Error::NotFound(_)) => None,
-        Err(e) => return Err(anyhow::Error::new(e).context(format!("cannot find the latest snapshot of {target}"))),
-    };
-    let base = match base {
-        None if selective => bail!(
-            "{target} has no snapshot yet, and the first backup of {name} reads everything: run it without {flag}"
-        ),
-        Some(b) if b.manifest.size != size && selective => bail!(
-            "the source is {size} bytes but the latest snapshot of {name} ({}) is {} bytes: a change map cannot \
-             continue a disk of another size; take a full backup (without {flag})",
-            short_id(&b.id),
-            b.manifest.size
-        ),
-        Some(b) if b.manifest.size != size => {
-            log::info!(
-                "the source is {size} bytes, the latest snapshot of {name} {}: reading everything (what is stored \
-                 already is not stored again)",
-                b.manifest.size
-            );
-            None
+    // The base is read again once the disk's lock is held: a backup of the disk that
+    // ended while this one waited for the lock made a newer snapshot, and a change map
+    // continues the latest one.
+    let mut tries = 0;
+    let (writer, zeroed) = loop {
+        let base = choose_base(&repo, &name, &target, size, selective, flag)?;
+        let zeroed = base.is_none();
+        let base_id = base.as_ref().map(|b| b.id.clone());
+        let opts = BackupOptions {
+            name: name.clone(),
+            size,
+            base,
+            source: shown(&args.src),
+            changes: changes.clone(),
+            pack_size: PACK_SIZE,
+            level: LEVEL,
+            wait_lock: args.wait,
+        };
+        let writer =
+            SnapshotWriter::start(repo.clone(), opts).with_context(|| format!("cannot back up into {target}"))?;
+        let now = choose_base(&repo, &name, &target, size, selective, flag)?.map(|s| s.id);
+        if now == base_id {
+            break (writer, zeroed);
         }
-        b => b,
+        // Released by the drop; taken again with the newer base.
+        drop(writer);
+        tries += 1;
+        if tries > 3 {
+            bail!("the snapshots of {target} keep changing while this backup starts: try again");
+        }
     };
-    let zeroed = base.is_none();
-    let opts = BackupOptions {
-        name: name.clone(),
-        size,
-        base,
-        source: shown(&args.src),
-        changes,
-        pack_size: PACK_SIZE,
-        level: LEVEL,
-        wait_lock: args.wait,
-    };
-    let writer = SnapshotWriter::start(repo.clone(), opts).with_context(|| format!("cannot back up into {target}"))?;
     let dst = BackendEndpoint::new(target.clone(), writer.clone());
     let dst = Endpoint::Backend(if zeroed { dst.zeroed() } else { dst });
 
@@ -227,4 +221,45 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
         );
     }
     Ok(0)
+}
+
+/// The latest snapshot of `name`, if it has one.
+fn latest(repo: &ferry_repo::Repository, name: &str, target: &str) -> Result<Option<ferry_repo::SnapshotInfo>> {
+    match repo.resolve(name, None) {
+        Ok(s) => Ok(Some(s)),
+        Err(ferry_repo::Error::NotFound(_)) => Ok(None),
+        Err(e) => Err(anyhow::Error::new(e).context(format!("cannot find the latest snapshot of {target}"))),
+    }
+}
+
+/// What the new snapshot starts from: the latest of the disk, unless there is none or it
+/// has another size. A change map needs one of the source's size.
+fn choose_base(
+    repo: &ferry_repo::Repository,
+    name: &str,
+    target: &str,
+    size: u64,
+    selective: bool,
+    flag: &str,
+) -> Result<Option<ferry_repo::SnapshotInfo>> {
+    Ok(match latest(repo, name, target)? {
+        None if selective => bail!(
+            "{target} has no snapshot yet, and the first backup of {name} reads everything: run it without {flag}"
+        ),
+        Some(b) if b.manifest.size != size && selective => bail!(
+            "the source is {size} bytes but the latest snapshot of {name} ({}) is {} bytes: a change map cannot \
+             continue a disk of another size; take a full backup (without {flag})",
+            short_id(&b.id),
+            b.manifest.size
+        ),
+        Some(b) if b.manifest.size != size => {
+            log::info!(
+                "the source is {size} bytes, the latest snapshot of {name} {}: reading everything (what is stored \
+                 already is not stored again)",
+                b.manifest.size
+            );
+            None
+        }
+        b => b,
+    })
 }

@@ -207,9 +207,11 @@ fn repo_spec(spec: &str) -> Result<Option<Location>, ParseError> {
         Some(i) if (4..=64).contains(&i.len()) && i.bytes().all(|b| b.is_ascii_hexdigit()) => {
             Some(i.to_ascii_lowercase())
         }
-        Some(i) => return Err(ParseError(format!(
+        Some(i) => {
+            return Err(ParseError(format!(
             "{spec:?}: {i:?} is not a snapshot id: give at least 4 of its hex digits, as `ferry repo list` prints it"
-        ))),
+        )))
+        }
     };
     Ok(Some(Location::Repo { repo: repo.to_string(), name: name.to_string(), id }))
 }
