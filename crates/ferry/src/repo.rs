@@ -418,7 +418,7 @@ fn forget(a: ForgetArgs) -> Result<i32> {
         let state = if r.removed.contains(&s.id) {
             verb
         } else if r.kept.contains(&s.id) {
-            "keep"
+            "kept"
         } else {
             continue;
         };
