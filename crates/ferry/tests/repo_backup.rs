@@ -574,3 +574,41 @@ fn stopped_vm_qcow2_tracked_by_ferry() {
     assert_eq!(qcow2_bitmaps(&img), before);
     qemu_img(&["check", s(&img)]);
 }
+
+/// A repository under an S3 prefix (moto): backups, restores, verify, few objects.
+#[test]
+fn s3_repository_on_moto() {
+    use crate::remote_images::{keys, make_bucket, s3ferry};
+    make_bucket("ferry-repo-bkt");
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let repo = "s3://ferry-repo-bkt/backups";
+    let t = format!("{repo}::disk");
+    let run_s3 = |args: &[&str]| {
+        let mut c = s3ferry(args);
+        c.env_remove("FERRY_PASSWORD").env_remove("FERRY_PASSWORD_FILE");
+        run_ok(&mut c)
+    };
+    run_s3(&["repo", "init", repo]);
+    let mut snaps = Vec::new();
+    for day in 0..3u64 {
+        let (p, _) = day_disk(d, day, 8 * MIB as usize);
+        let out = run_s3(&["backup", "--json", s(&p), &t]);
+        snaps.push((Json::must_parse(out.stdout.trim()).at("id").as_str().unwrap().to_string(), p));
+    }
+    for (id, p) in &snaps {
+        let out = d.join("restored.raw");
+        let _ = fs::remove_file(&out);
+        run_s3(&["copy", &format!("{t}@{id}"), s(&out)]);
+        qemu_img(&["compare", "-f", "raw", "-F", "raw", s(&out), s(p)]);
+        let h = run_s3(&["hash", &format!("{t}@{id}")]).stdout;
+        assert!(h.starts_with(&ferry_hash(s(p))), "{h}");
+    }
+    let v = run_s3(&["repo", "verify", repo]);
+    assert!(v.stdout.contains("no damage"), "{}", v.describe());
+    let k = keys("ferry-repo-bkt");
+    assert!(k.iter().all(|k| k.starts_with("backups/")), "{k:?}");
+    assert!(k.contains(&"backups/config".to_string()), "{k:?}");
+    // Packs hold many chunks: a few objects per backup, not one per chunk.
+    assert!(k.len() < 30, "{} objects for 3 backups: {k:?}", k.len());
+}
