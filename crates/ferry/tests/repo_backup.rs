@@ -465,6 +465,50 @@ fn serve_a_snapshot() {
     );
 }
 
+/// Two snapshots of one disk served side by side: each offers the chunks that differ from
+/// the other as `qemu:dirty-bitmap:ID8`, so an NBD backup tool copies only the difference.
+#[test]
+fn serve_two_snapshots_offers_their_difference() {
+    require("nbdinfo");
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let repo = init(d);
+    let len = 8 * MIB as usize;
+    let old = data_with_holes(len, 41);
+    let mut new = old.clone();
+    // Changes in chunks 3, 17..=18 (a write across their border) and 100 (now zero).
+    let chunk = 64 * KIB as usize;
+    new[3 * chunk + 10] ^= 0xff;
+    for b in &mut new[18 * chunk - 100..18 * chunk + 100] {
+        *b = b.wrapping_add(1);
+    }
+    new[100 * chunk..101 * chunk].fill(0);
+    let t = format!("{}::disk", repo.display());
+    let img = write_sparse_file(d, "old.raw", &old);
+    let id1 = backup(&[s(&img), &t]).at("id").as_str().unwrap().to_string();
+    let img = write_sparse_file(d, "new.raw", &new);
+    let id2 = backup(&[s(&img), &t]).at("id").as_str().unwrap().to_string();
+    let server = ServerBuilder::new(&spec(&repo, "disk", &id2))
+        .read_only()
+        .args(&["--export", &format!("old={}", spec(&repo, "disk", &id1))])
+        .start();
+    let map = |uri: &str, ctx: &str| -> Vec<(u64, u64)> {
+        let out = run_ok(&mut cmd("nbdinfo", ["--json", &format!("--map=qemu:dirty-bitmap:{ctx}"), uri]));
+        let v = Json::must_parse(&out.stdout);
+        v.as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e.u64_at("type") & 1 != 0)
+            .map(|e| (e.u64_at("offset"), e.u64_at("length")))
+            .collect()
+    };
+    let c = chunk as u64;
+    let want: Vec<(u64, u64)> = vec![(3 * c, c), (17 * c, 2 * c), (100 * c, c)];
+    let want = if old[100 * chunk..101 * chunk].iter().all(|&b| b == 0) { want[..2].to_vec() } else { want };
+    assert_eq!(map(&server.uri(), &id1[..8]), want, "the new snapshot's changes since the old");
+    assert_eq!(map(&server.uri_export("old"), &id2[..8]), want, "the old snapshot's differences from the new");
+}
+
 /// (g) Backups of two disks at once both succeed; a second backup of the same disk is
 /// refused while one runs, and waits for it with --wait.
 #[test]
