@@ -1,8 +1,8 @@
 //! Repository maintenance: check, verify, forget, gc, stats.
 use crate::format::{self, BlobEntry, Digest, LockKind, PackBlobs, ZERO};
 use crate::repo::{
-    blkhash_of, build_index, pack_name, par_map, parse_time, sha256, Index, Repository, SnapshotInfo, AAD_INDEX,
-    AAD_TRAILER, FETCH_THREADS,
+    blkhash_of, build_index, pack_name, par_map, parse_time, sha256, Index, Repository, SnapshotInfo, AAD_TRAILER,
+    FETCH_THREADS,
 };
 use crate::{lock, Error, Result};
 use serde::Serialize;
@@ -555,6 +555,17 @@ pub struct GcReport {
 /// Anything it cannot read (a manifest, an index object, a page) stops it before it
 /// deletes anything: what it cannot read, it cannot prove dead.
 pub fn gc(repo: &Repository, wait: Option<std::time::Duration>) -> Result<GcReport> {
+    gc_with(repo, wait, DEFAULT_REPACK_PERCENT)
+}
+
+/// A pack is copied to free its unused blobs only when they are at least this share of
+/// its stored bytes (as borg's compact threshold): a scattered change leaves a few dead
+/// chunks in most packs, and rewriting all of them would cost far more than it frees.
+pub const DEFAULT_REPACK_PERCENT: u32 = 10;
+
+/// [`gc`], repacking a partly unused pack only when at least `repack_percent` of its
+/// stored bytes are unused (0: every such pack; packs with no live blob are always deleted).
+pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_percent: u32) -> Result<GcReport> {
     let store = &repo.store;
     let _lock = lock::acquire(store, LockKind::Gc, None, wait)?;
     let stop =
@@ -632,10 +643,17 @@ pub fn gc(repo: &Repository, wait: Option<std::time::Duration>) -> Result<GcRepo
         let is_live = |b: &BlobEntry| live.contains(&b.id) && chosen.get(&b.id) == Some(pack);
         let n_live = blobs.iter().filter(|b| is_live(b)).count();
         let dead: Vec<&BlobEntry> = blobs.iter().filter(|b| !is_live(b)).collect();
-        report.blobs_freed += dead.len() as u64;
-        if n_live == blobs.len() {
+        let dead_bytes: u64 = dead.iter().map(|b| b.stored_len as u64).sum();
+        let all_bytes: u64 = blobs.iter().map(|b| b.stored_len as u64).sum();
+        let worth = dead_bytes.saturating_mul(100) >= all_bytes.saturating_mul(repack_percent as u64);
+        if n_live == blobs.len() || (n_live > 0 && !worth) {
+            // Unused blobs below the threshold stay, indexed: still whole, and freed
+            // once enough of their pack is unused.
             keep.push(PackBlobs { pack: *pack, blobs: blobs.clone() });
-        } else if n_live == 0 {
+            continue;
+        }
+        report.blobs_freed += dead.len() as u64;
+        if n_live == 0 {
             delete.push(name);
         } else {
             repack.push((*pack, blobs.iter().filter(|b| is_live(b)).copied().collect()));
@@ -670,20 +688,12 @@ pub fn gc(repo: &Repository, wait: Option<std::time::Duration>) -> Result<GcRepo
     if !out.entries.is_empty() {
         new_packs.push(out.close(repo)?);
     }
-    // 4. One index object for every pack that stays and every new one.
+    // 4. Index objects for every pack that stays and every new one, all stored before any
+    // old one is removed (several when the repository is large: each stays readable).
     keep.extend(new_packs);
-    let mut new_name = None;
-    if !keep.is_empty() {
-        let plain = format::encode_index(&keep);
-        let sealed = repo.crypto.seal(AAD_INDEX, &plain);
-        let name = format!("index/{}", format::hex(&sha256(&sealed)));
-        store
-            .put(&name, &sealed)
-            .map_err(|e| Error::store(format!("cannot store {name} in {}", store.describe()), e))?;
-        new_name = Some(name);
-    }
+    let (new_names, _) = repo.put_index(&keep)?;
     // 5. The old index objects.
-    for name in old_index.iter().filter(|n| Some(*n) != new_name.as_ref()) {
+    for name in old_index.iter().filter(|n| !new_names.contains(n)) {
         store.delete(name).map_err(|e| Error::store(format!("cannot remove {name} from {}", store.describe()), e))?;
     }
     // 6. Dead, repacked and orphan packs; never one the new index names (a pack written

@@ -133,7 +133,45 @@ fn read_error(store: &dyn Store, name: &str, e: io::Error) -> Error {
     }
 }
 
+/// Index objects are cut at this many plain bytes, well below the readers' limit
+/// (FORMAT.md §6: 256 MiB), so no backup or gc writes one that cannot be read back.
+pub(crate) const INDEX_SPLIT: usize = 64 << 20;
+
 impl Repository {
+    /// Stores index objects for `packs` (FORMAT.md §6), as many as it takes to keep
+    /// each under [`INDEX_SPLIT`] plain bytes. Returns their names and stored bytes.
+    pub(crate) fn put_index(&self, packs: &[format::PackBlobs]) -> Result<(Vec<String>, u64)> {
+        self.put_index_split(packs, INDEX_SPLIT)
+    }
+
+    pub(crate) fn put_index_split(&self, packs: &[format::PackBlobs], split: usize) -> Result<(Vec<String>, u64)> {
+        let (mut names, mut stored) = (Vec::new(), 0u64);
+        let mut start = 0;
+        while start < packs.len() {
+            // Header, then per pack its id and count, then its entries.
+            let mut len = 12;
+            let mut end = start;
+            while end < packs.len() {
+                let add = 36 + packs[end].blobs.len() * format::ENTRY_LEN;
+                if end > start && len + add > split {
+                    break;
+                }
+                len += add;
+                end += 1;
+            }
+            let plain = format::encode_index(&packs[start..end]);
+            let sealed = self.crypto.seal(AAD_INDEX, &plain);
+            let name = format!("index/{}", format::hex(&sha256(&sealed)));
+            self.store
+                .put(&name, &sealed)
+                .map_err(|e| Error::store(format!("cannot store {name} in {}", self.store.describe()), e))?;
+            stored += sealed.len() as u64;
+            names.push(name);
+            start = end;
+        }
+        Ok((names, stored))
+    }
+
     /// Makes a new repository in an empty store.
     pub fn init(store: Arc<dyn Store>, opts: &InitOptions) -> Result<Repository> {
         match store.len("config") {

@@ -888,3 +888,34 @@ fn gc_stopped_at_any_step_leaves_a_whole_repository() {
         assert!(read_back(&repo, &s2) == a2 && read_back(&repo, &sb) == b);
     }
 }
+
+#[test]
+fn index_objects_are_cut_so_each_stays_readable() {
+    let (store, repo) = new_repo(false);
+    let data = disk(3 << 20, 11);
+    let snap = backup(&repo, "cut", &data, None);
+    let index = repo.load_index().unwrap();
+    // The packs of the repository, as an index lists them.
+    let mut packs: std::collections::BTreeMap<[u8; 32], Vec<crate::format::BlobEntry>> = Default::default();
+    for (id, l) in &index.blobs {
+        packs.entry(l.pack).or_default().push(crate::format::BlobEntry {
+            id: *id,
+            kind: l.kind,
+            offset: l.offset,
+            stored_len: l.stored_len,
+            plain_len: l.plain_len,
+        });
+    }
+    let packs: Vec<crate::format::PackBlobs> =
+        packs.into_iter().map(|(pack, blobs)| crate::format::PackBlobs { pack, blobs }).collect();
+    assert!(packs.len() > 2, "the test needs several packs");
+    for (name, _) in objects(&store, "index/") {
+        store.delete(&name).unwrap();
+    }
+    let split = 12 + 36 + packs[0].blobs.len() * crate::format::ENTRY_LEN;
+    let (names, _) = repo.put_index_split(&packs, split).unwrap();
+    assert!(names.len() >= 2, "{} index objects", names.len());
+    let again = repo.load_index().unwrap();
+    assert_eq!(again.blobs.len(), index.blobs.len(), "every blob is indexed once more");
+    assert!(read_back(&repo, &snap) == data);
+}

@@ -16,8 +16,7 @@ use crate::blob;
 use crate::format::{self, BlobEntry, BlobKind, Changes, Digest, LockKind, Manifest, PackBlobs, SnapshotStats, ZERO};
 use crate::lock::{self, LockGuard};
 use crate::repo::{
-    blkhash_of, hostname, pack_name, parse_time, sha256, Index, Repository, SnapshotInfo, AAD_INDEX, AAD_SNAPSHOT,
-    AAD_TRAILER,
+    blkhash_of, hostname, pack_name, parse_time, sha256, Index, Repository, SnapshotInfo, AAD_SNAPSHOT, AAD_TRAILER,
 };
 use crate::{Error, Result};
 use ferry_backend::{Backend, Capabilities, ZeroMode};
@@ -610,17 +609,11 @@ impl SnapshotWriter {
             }
         }
         self.close_pack(true)?;
-        // One index object for every pack of this backup.
+        // The index objects of every pack of this backup (one, unless it is very large).
         let done = std::mem::take(&mut *locked(&self.done));
         if !done.is_empty() {
-            let plain = format::encode_index(&done);
-            let sealed = self.repo.crypto.seal(AAD_INDEX, &plain);
-            let name = format!("index/{}", format::hex(&sha256(&sealed)));
-            self.repo
-                .store
-                .put(&name, &sealed)
-                .map_err(|e| Error::store(format!("cannot store {name} in {}", self.repo.store.describe()), e))?;
-            self.counters.new_stored.fetch_add(sealed.len() as u64, Ordering::Relaxed);
+            let (_, stored) = self.repo.put_index(&done)?;
+            self.counters.new_stored.fetch_add(stored, Ordering::Relaxed);
         }
         let blkhash = (self.cs == 65536).then(|| format::hex(&blkhash_of(&st.entries, self.size, self.cs as u32)));
         drop(st);
