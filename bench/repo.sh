@@ -12,7 +12,7 @@
 # compressible, no two chunks alike. It is written as a sparse raw file, src/disk.raw, and
 # converted into vm.qcow2 (64 KiB clusters) with an empty persistent bitmap b0.
 #
-# Parts (PARTS="1 2 3 4 5 6" by default). Parts 3-6 need the repositories of days 1 and 2:
+# Parts (PARTS="1 2 3 4 5 6" by default; 7 on request). Parts 3-6 need the repositories of days 1 and 2:
 # when part 1 or 2 is not selected, its backups are still made (once, untimed, no table).
 # 1. Day 1, a full backup of src/disk.raw (a local file: the same input for every tool):
 #    `ferry backup src/disk.raw REPO::vm` into a new repository (`ferry repo init`; with
@@ -48,6 +48,15 @@
 #    FIO_S seconds; skipped with a note when fio lacks the nbd engine), and whether the
 #    export's bytes equal src/disk.raw (qemu-img compare). With FUSE, also `restic mount` and
 #    `borg mount` read sequentially (dd to /dev/null).
+# 7. (Not in the default PARTS.) Day 2 of a big disk: a BIG_G GiB qcow2 image (default 40)
+#    with 10% of its 64 KiB granules holding data on day 1 (a 4 KiB write in each: the
+#    disk's index is as large as a full disk's would be, its data cheap to make), backed up
+#    by ferry; then DIRTY_PCT % of the granules changed and `ferry backup --dirty-bitmap b0`
+#    from `qemu-nbd -r -B b0`. ferry only (restic and borg would reread the whole disk).
+#    Median seconds of RUNS (each from a copy of day 1) and the repository's growth.
+#
+# PEERS=0 leaves restic and borg out (ferry's cells only). ENCRYPT=0 leaves the encrypted
+# ferry repository out.
 #
 # restic and borgbackup are installed with apt-get when missing (the system's configured
 # sources; needs root or sudo). Needs qemu-img, qemu-nbd, nbdcopy, python3-libnbd, openssl,
@@ -63,6 +72,8 @@ RUNS=${RUNS:-3}
 ENCRYPT=${ENCRYPT:-1}
 FIO_S=${FIO_S:-5}
 PARTS=${PARTS:-1 2 3 4 5 6}
+PEERS=${PEERS:-1}
+BIG_G=${BIG_G:-40}
 W=$(mktemp -d "${BENCH_DIR:-/var/tmp}/repo.XXXX")
 pids=()
 cleanup() {
@@ -84,8 +95,7 @@ install_pkg() { # COMMAND PACKAGE
     { $sudo apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q "$2" >/dev/null 2>&1; } ||
     echo "note: could not install $2: its cells will say FAIL"
 }
-install_pkg restic restic
-install_pkg borg borgbackup
+if [ "$PEERS" = 1 ]; then install_pkg restic restic; install_pkg borg borgbackup; fi
 for t in qemu-img qemu-nbd nbdcopy nbdinfo openssl bc cmp; do command -v $t >/dev/null || { echo "missing $t"; exit 1; }; done
 $PY -c 'import nbd' || { echo "missing python3-libnbd"; exit 1; }
 [ -x "$FERRY" ] || echo "note: $FERRY missing; ferry cells will say FAIL"
@@ -103,8 +113,9 @@ stop_all() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/
 # The tools' state: $W/T/repo (and the tool's cache), saved and put back between runs.
 # ferry: plain repository; ferryx: encrypted; ferryf: a copy of ferry's day 1 for the
 # day-2 backup without a bitmap.
-TOOLS="ferry restic borg"
-[ "$ENCRYPT" = 1 ] && TOOLS="ferry ferryx restic borg"
+FX=; [ "$ENCRYPT" = 1 ] && FX=ferryx
+PEER="restic borg"; [ "$PEERS" = 1 ] || PEER=
+TOOLS="ferry $FX $PEER"
 echo "bench password $$" >"$W/pass"
 export RESTIC_PASSWORD_FILE=$W/pass BORG_BASE_DIR=$W/borg/base BORG_UNKNOWN_UNENCRYPTED_REPO_ACCESS_IS_OK=yes
 RC="--cache-dir $W/restic/cache"
@@ -131,18 +142,18 @@ backup() {
   esac
 }
 
-# dirty IMAGE COUNT: COUNT 4 KiB writes of random bytes at distinct random 64 KiB granules,
+# dirty IMAGE COUNT [SEED]: COUNT 4 KiB writes of random bytes at distinct random 64 KiB granules,
 # through qemu-nbd (read-write), stopped with SIGTERM so the bitmaps are stored.
 dirty() {
   local sock=$W/dirty.sock
   qemu-nbd -t -f qcow2 --cache=unsafe -k "$sock" "$1" & local p=$!
   wait_sock "$sock"
-  $PY - "nbd+unix:///?socket=$sock" "$2" <<'EOF'
+  $PY - "nbd+unix:///?socket=$sock" "$2" "${3:-20}" <<'EOF'
 import nbd, random, sys
 uri, count = sys.argv[1], int(sys.argv[2])
 h = nbd.NBD(); h.connect_uri(uri)
 g = 65536; granules = h.get_size() // g
-rnd = random.Random(20)
+rnd = random.Random(int(sys.argv[3]))
 offs = [o * g for o in sorted(rnd.sample(range(granules), count))]
 for o in offs:
     while h.aio_in_flight() >= 64:
@@ -155,6 +166,8 @@ EOF
   kill -TERM $p; wait $p
 }
 
+declare -A T G
+if part 1 || part 2 || part 3 || part 4 || part 5 || part 6; then
 # --- The image (day 1) ---------------------------------------------------------------
 mkdir -p "$W/src"
 $PY - "$W/src/disk.raw" "$SIZE" <<'EOF'
@@ -198,7 +211,6 @@ ZSTD=$(command -v zstd >/dev/null && zstd -3 -q -c "$W/src/disk.raw" | wc -c)
 echo "image: ${SIZE_G} GiB ($(GB "$SIZE") MB), $(GB "$ALLOC") MB allocated${ZSTD:+, $(GB "$ZSTD") MB as one zstd -3 stream}; files in $W"
 
 # --- 1. Day 1 ------------------------------------------------------------------------
-declare -A T
 n=$RUNS; part 1 || n=1
 for r in $(seq "$n"); do
   for t in $TOOLS; do init "$t"; T[$t]+="$(secs backup "$t" "$W/src/disk.raw") "; done
@@ -231,8 +243,7 @@ wait_sock "$W/src.sock"
 SRC=$(uri src)
 DIRTYMAP=$(nbdinfo --map=qemu:dirty-bitmap:b0 "$SRC" 2>/dev/null | awk '$3 == 1 {n++; b += $2} END {printf "%d extents, %.1f MiB", n, b/1048576}')
 part 6 && "$FERRY" copy --dirty-bitmap b0 --backing "$W/base.qcow2" "$SRC" "$W/inc.qcow2" >/dev/null 2>&1
-declare -A G
-D2="ferry ferryf"; [ "$ENCRYPT" = 1 ] && D2="ferry ferryx ferryf"; D2="$D2 restic borg"
+D2="ferry $FX ferryf $PEER"
 n=$RUNS; part 2 || n=1
 for r in $(seq "$n"); do
   for t in $D2; do
@@ -279,7 +290,7 @@ restore() { # TOOL
     borg) (cd "$W/out" && borg extract --sparse "$W/borg/repo::$(borg list --last 1 --short "$W/borg/repo")") ;;
   esac
 }
-[ "$ENCRYPT" = 1 ] && R="ferry ferryx ferry0 restic borg" || R="ferry ferry0 restic borg"
+R="ferry $FX ferry0 $PEER"
 if part 3; then
   declare -A SAME
   for r in $(seq "$RUNS"); do
@@ -390,7 +401,7 @@ if part 6; then
     esac 2>"$W/$1.log" & pids+=($!)
     wait_sock "$W/$1.sock"
   }
-  S6="ferry qemu"; [ "$ENCRYPT" = 1 ] && S6="ferry ferryx qemu"
+  S6="ferry $FX qemu"
   for s in $S6; do serve $s; done
   FIO_NBD=no; fio --enghelp 2>/dev/null | grep -qw nbd && FIO_NBD=yes
   iops() {
@@ -419,7 +430,8 @@ if part 6; then
   done
   [ $FIO_NBD = yes ] || echo "note: this fio has no nbd engine: IOPS not measured"
   # restic mount / borg mount: the day-2 file read sequentially through FUSE.
-  if [ -c /dev/fuse ] && command -v fusermount >/dev/null; then
+  if [ "$PEERS" != 1 ]; then :
+  elif [ -c /dev/fuse ] && command -v fusermount >/dev/null; then
     mkdir -p "$W/mnt-restic" "$W/mnt-borg"
     restic $RC -r "$W/restic/repo" mount "$W/mnt-restic" >/dev/null 2>&1 & pids+=($!)
     borg mount "$W/borg/repo" "$W/mnt-borg" >/dev/null 2>&1
@@ -438,4 +450,36 @@ if part 6; then
   else
     echo "note: no FUSE here: restic mount and borg mount not measured"
   fi
+fi
+
+fi # parts 1-6
+
+# --- 7. Day 2 of a big disk (ferry only) ----------------------------------------------
+if part 7; then
+  stop_all
+  rm -rf "$W"/*.day1 "$W"/*.day2 "$W/inc.qcow2" "$W/base.qcow2"
+  qemu-img create -q -f qcow2 "$W/big.qcow2" "${BIG_G}G"
+  dirty "$W/big.qcow2" $(( (BIG_G << 14) / 10 )) 7
+  qemu-img bitmap --add "$W/big.qcow2" b0
+  rm -rf "$W/ferryb"; mkdir -p "$W/ferryb"; "$FERRY" repo init "$W/ferryb/repo" >/dev/null 2>&1
+  t1=$(secs "$FERRY" backup "$W/big.qcow2" "$W/ferryb/repo::big")
+  save ferryb day1
+  NB=$(( (BIG_G << 14) * DIRTY_PCT / 100 ))
+  dirty "$W/big.qcow2" "$NB" 8
+  qemu-nbd -t -r -B b0 -f qcow2 -k "$W/big.sock" "$W/big.qcow2" 2>"$W/big.log" & pids+=($!)
+  wait_sock "$W/big.sock"
+  BM=$(nbdinfo --map=qemu:dirty-bitmap:b0 "$(uri big)" 2>/dev/null | awk '$3 == 1 {n++; b += $2} END {printf "%d extents, %.1f MiB", n, b/1048576}')
+  for r in $(seq "$RUNS"); do
+    load ferryb ferryb day1; before=$(dub "$W/ferryb/repo")
+    T[big]+="$(secs "$FERRY" backup --dirty-bitmap b0 "$(uri big)" "$W/ferryb/repo::big") "
+    after=$(dub "$W/ferryb/repo"); [ -n "$before" ] && [ -n "$after" ] && G[big]+="$((after - before)) "
+  done
+  g=$(echo "${G[big]:-}" | tr ' ' '\n' | grep -v '^$' | med)
+  echo
+  echo "== 7. day 2 of a ${BIG_G} GiB disk: ${DIRTY_PCT}% of its granules changed ($NB; b0: $BM) ($(date -u +%F\ %H:%M:%S) UTC, median of $RUNS)"
+  echo
+  echo "| backup | median s | repository growth MB |"
+  echo "|---|---|---|"
+  printf "| %s | %s | %s |\n" "day 1: \`ferry backup big.qcow2 REPO::big\` (10% of the granules hold data; one run)" "$(med_of "$t1")" "$(size_of "$W/ferryb/repo")"
+  printf "| %s | %s | %s |\n" "day 2: \`ferry backup --dirty-bitmap b0 URI REPO::big\` (qemu-nbd -r -B b0)" "$(med_of "${T[big]:-}")" "$(GB "$g")"
 fi
