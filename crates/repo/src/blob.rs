@@ -1,11 +1,86 @@
 //! One chunk or page as stored in a pack (FORMAT.md §4): zstd or raw, then sealed.
 use crate::crypto::Crypto;
 use crate::format::{BlobKind, Digest};
+use std::borrow::Cow;
+use std::cell::RefCell;
 
-/// SHA-256 of a blob's plain bytes.
+/// The encoding byte of a body stored as it is.
+pub const RAW: u8 = 0;
+/// The encoding byte of a body that is one zstd frame.
+pub const ZSTD: u8 = 1;
+
+/// SHA-256 of a blob's plain bytes: the same function and code as blkhash's block
+/// digests (`ferry hash`), so a chunk's digest is its block digest.
 pub fn digest(plain: &[u8]) -> Digest {
-    let _ = plain;
-    todo!()
+    let mut d = [0u8; 32];
+    ferry_hash::Algorithm::Sha256.digest_into(plain, &mut d);
+    d
+}
+
+thread_local! {
+    /// Each thread's compressor (its level) and scratch buffer: a zstd context costs
+    /// more to make than a 64 KiB chunk costs to compress.
+    static COMPRESSOR: RefCell<Option<(i32, zstd::bulk::Compressor<'static>, Vec<u8>)>> = const { RefCell::new(None) };
+    static DECOMPRESSOR: RefCell<Option<zstd::bulk::Decompressor<'static>>> = const { RefCell::new(None) };
+}
+
+/// `plain` as one zstd frame at `level`, appended to `out`, if that is shorter than
+/// `plain`; false (and `out` untouched) if not.
+fn compress_into(plain: &[u8], level: i32, out: &mut Vec<u8>) -> bool {
+    if plain.len() < 2 {
+        return false;
+    }
+    COMPRESSOR.with(|c| {
+        let mut c = c.borrow_mut();
+        if c.as_ref().is_none_or(|(l, _, _)| *l != level) {
+            match zstd::bulk::Compressor::new(level) {
+                Ok(z) => *c = Some((level, z, Vec::new())),
+                Err(_) => return false,
+            }
+        }
+        let Some((_, z, scratch)) = c.as_mut() else { return false };
+        scratch.clear();
+        // Room for one byte less than `plain`: a frame that does not fit did not shrink.
+        scratch.reserve(plain.len() - 1);
+        let cap = plain.len() - 1;
+        match z.compress_to_buffer(plain, scratch) {
+            Ok(n) if n <= cap => {
+                out.extend_from_slice(&scratch[..n]);
+                true
+            }
+            _ => false,
+        }
+    })
+}
+
+/// One zstd frame, exactly `z`, decompressed into at most `max_plain` bytes.
+fn decompress(z: &[u8], max_plain: usize) -> Result<Vec<u8>, String> {
+    match zstd::zstd_safe::find_frame_compressed_size(z) {
+        Ok(n) if n == z.len() => {}
+        Ok(n) => return Err(format!("its zstd frame is {n} bytes long but the blob has {} bytes of it", z.len())),
+        Err(_) => return Err("its body is not a zstd frame".into()),
+    }
+    let cap = match zstd::zstd_safe::get_frame_content_size(z) {
+        Ok(Some(n)) if n > max_plain as u64 => {
+            return Err(format!("its zstd frame holds {n} bytes; at most {max_plain} are allowed"))
+        }
+        Ok(Some(n)) => n as usize,
+        Ok(None) => max_plain,
+        Err(_) => return Err("its zstd frame header is damaged".into()),
+    };
+    DECOMPRESSOR.with(|d| {
+        let mut d = d.borrow_mut();
+        if d.is_none() {
+            *d = Some(zstd::bulk::Decompressor::new().map_err(|e| format!("zstd: {e}"))?);
+        }
+        let Some(d) = d.as_mut() else { return Err("zstd: no decompressor".to_string()) };
+        let mut plain = Vec::with_capacity(cap);
+        match d.decompress_to_buffer(z, &mut plain) {
+            Ok(_) if plain.len() <= max_plain => Ok(plain),
+            Ok(_) => Err(format!("its zstd frame holds more than {max_plain} bytes")),
+            Err(e) => Err(format!("its zstd frame does not decompress into at most {cap} bytes: {e}")),
+        }
+    })
 }
 
 /// The additional data of a blob's AEAD: "ferry blob " || kind || id.
@@ -19,8 +94,17 @@ pub fn aad(kind: BlobKind, id: &Digest) -> Vec<u8> {
 /// Appends the stored form of `plain` (a blob of `kind` with id `id`) to `out`, and
 /// returns its length. `level` is the zstd level.
 pub fn encode_into(crypto: &Crypto, kind: BlobKind, id: &Digest, plain: &[u8], level: i32, out: &mut Vec<u8>) -> usize {
-    let _ = (crypto, kind, id, plain, level, out);
-    todo!()
+    let start = out.len();
+    out.reserve(1 + plain.len() + crypto.overhead());
+    out.resize(start + crypto.overhead_before(), 0);
+    out.push(ZSTD);
+    if !compress_into(plain, level, out) {
+        let at = out.len() - 1;
+        out[at] = RAW;
+        out.extend_from_slice(plain);
+    }
+    crypto.seal_in_place(&aad(kind, id), out, start);
+    out.len() - start
 }
 
 /// A stored blob back to its plain bytes, checked against its id (`crypto.blob_id` of
@@ -34,6 +118,185 @@ pub fn decode(
     stored: &[u8],
     max_plain: usize,
 ) -> Result<Vec<u8>, String> {
-    let _ = (crypto, kind, id, stored, max_plain);
-    todo!()
+    let body: Cow<[u8]> = match crypto {
+        Crypto::None => Cow::Borrowed(stored),
+        _ => Cow::Owned(crypto.open(&aad(kind, id), stored).map_err(|e| e.to_string())?),
+    };
+    let plain = match body.split_first() {
+        None => return Err("it is empty (not even its encoding byte)".into()),
+        Some((&RAW, p)) if p.len() > max_plain => {
+            return Err(format!("it holds {} plain bytes; at most {max_plain} are allowed", p.len()))
+        }
+        Some((&RAW, _)) => match body {
+            Cow::Borrowed(b) => b[1..].to_vec(),
+            Cow::Owned(mut v) => {
+                v.remove(0);
+                v
+            }
+        },
+        Some((&ZSTD, z)) => decompress(z, max_plain)?,
+        Some((b, _)) => return Err(format!("its encoding byte is {b}, neither 0 (raw) nor 1 (zstd)")),
+    };
+    if crypto.blob_id(&digest(&plain)) != *id {
+        return Err("its plain bytes do not match its id (their digest differs)".into());
+    }
+    Ok(plain)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::crypto::new_key;
+    use crate::format::KdfCost;
+    use crate::format::Limits;
+
+    fn encrypted() -> Crypto {
+        new_key(b"pw", KdfCost { m_kib: 8192, t: 1, p: 1 }, "r", 65536, 256).unwrap().1
+    }
+
+    /// Deterministic bytes that do not compress.
+    fn noise(len: usize, seed: u64) -> Vec<u8> {
+        let mut x = seed | 1;
+        (0..len)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect()
+    }
+
+    fn text(len: usize) -> Vec<u8> {
+        b"a chunk of a disk that compresses well. ".iter().copied().cycle().take(len).collect()
+    }
+
+    fn encode(c: &Crypto, kind: BlobKind, plain: &[u8]) -> (Digest, Vec<u8>) {
+        let id = c.blob_id(&digest(plain));
+        let mut out = b"pack so far".to_vec();
+        let n = encode_into(c, kind, &id, plain, 3, &mut out);
+        assert_eq!(n, out.len() - 11);
+        (id, out.split_off(11))
+    }
+
+    #[test]
+    fn blobs_round_trip_compressed_or_raw() {
+        for c in [Crypto::None, encrypted()] {
+            for (plain, compressed) in
+                [(text(65536), true), (noise(65536, 1), false), (vec![7], false), (vec![], false)]
+            {
+                let (id, stored) = encode(&c, BlobKind::Data, &plain);
+                let body = c.open(&aad(BlobKind::Data, &id), &stored).unwrap();
+                assert_eq!(body[0], if compressed { ZSTD } else { RAW });
+                if compressed {
+                    assert!(body.len() < 1000, "{}", body.len());
+                } else {
+                    assert_eq!(body.len(), plain.len() + 1);
+                }
+                assert_eq!(decode(&c, BlobKind::Data, &id, &stored, 65536).unwrap(), plain);
+            }
+        }
+    }
+
+    #[test]
+    fn damaged_blobs_are_refused() {
+        for c in [Crypto::None, encrypted()] {
+            let plain = text(65536);
+            let (id, stored) = encode(&c, BlobKind::Data, &plain);
+            // Another id, another kind (encrypted: its AAD), a smaller plain limit.
+            let mut other = id;
+            other[0] ^= 1;
+            assert!(decode(&c, BlobKind::Data, &other, &stored, 65536).is_err());
+            if c.is_encrypted() {
+                let e = decode(&c, BlobKind::Page, &id, &stored, 65536).unwrap_err();
+                assert!(e.contains("authentication"), "{e}");
+            }
+            let e = decode(&c, BlobKind::Data, &id, &stored, 65535).unwrap_err();
+            assert!(e.contains("65536") && e.contains("65535"), "{e}");
+            // Every truncation and every flipped byte.
+            for n in 0..stored.len() {
+                assert!(decode(&c, BlobKind::Data, &id, &stored[..n], 65536).is_err(), "{n} bytes");
+                let mut t = stored.clone();
+                t[n] ^= 0x10;
+                // Unencrypted, a change zstd ignores (an unused header bit) is harmless: what
+                // comes out is checked against the id.
+                if let Ok(p) = decode(&c, BlobKind::Data, &id, &t, 65536) {
+                    assert!(!c.is_encrypted() && p == plain, "byte {n}");
+                }
+            }
+            // Bytes after the frame.
+            if !c.is_encrypted() {
+                let mut t = stored.clone();
+                t.push(0);
+                assert!(decode(&c, BlobKind::Data, &id, &t, 65536).unwrap_err().contains("frame"));
+                let e = decode(&c, BlobKind::Data, &id, &[9, 1, 2], 65536).unwrap_err();
+                assert!(e.contains("encoding byte is 9"), "{e}");
+                assert!(decode(&c, BlobKind::Data, &id, &[], 65536).unwrap_err().contains("empty"));
+                let raw = [&[RAW][..], &plain].concat();
+                assert_eq!(decode(&c, BlobKind::Data, &id, &raw, 65536).unwrap(), plain);
+                assert!(decode(&c, BlobKind::Data, &id, &raw, 100).unwrap_err().contains("at most 100"));
+            }
+        }
+    }
+
+    /// A frame of 256 MiB of zeroes (a few KiB) is refused before it is decompressed,
+    /// and one that does not say its size is stopped at the limit.
+    #[test]
+    fn zstd_bombs_are_bounded() {
+        let zeros = vec![0u8; 256 << 20];
+        let z = zstd::bulk::compress(&zeros, 1).unwrap();
+        assert!(z.len() < 64 << 10);
+        let bomb = [&[ZSTD][..], &z].concat();
+        let started = std::time::Instant::now();
+        let e = decode(&Crypto::None, BlobKind::Data, &[0; 32], &bomb, 65536).unwrap_err();
+        assert!(e.contains("268435456") && e.contains("65536"), "{e}");
+        assert!(started.elapsed().as_millis() < 100);
+
+        let mut c = zstd::bulk::Compressor::new(1).unwrap();
+        c.set_parameter(zstd::zstd_safe::CParameter::ContentSizeFlag(false)).unwrap();
+        let no_size = c.compress(&zeros[..4 << 20]).unwrap();
+        assert!(matches!(zstd::zstd_safe::get_frame_content_size(&no_size), Ok(None)));
+        let bomb = [&[ZSTD][..], &no_size].concat();
+        let e = decode(&Crypto::None, BlobKind::Data, &[0; 32], &bomb, 65536).unwrap_err();
+        assert!(e.contains("at most 65536"), "{e}");
+        // The same kind of frame within the limit decodes.
+        let small = c.compress(&text(1000)).unwrap();
+        let id = digest(&text(1000));
+        assert_eq!(
+            decode(&Crypto::None, BlobKind::Data, &id, &[&[ZSTD][..], &small].concat(), 1000).unwrap(),
+            text(1000)
+        );
+        // Two frames are not one.
+        let two = [&[ZSTD][..], &small, &small].concat();
+        assert!(decode(&Crypto::None, BlobKind::Data, &id, &two, 65536).is_err());
+    }
+
+    /// In an unencrypted repository a chunk's id is its blkhash block digest: a
+    /// snapshot's blkhash (`ferry hash`, 64 KiB blocks) comes from its ids alone.
+    #[test]
+    fn unencrypted_data_ids_are_blkhash_block_digests() {
+        let disk = [noise(65536, 3), vec![0; 65536], text(65536), noise(1000, 4)].concat();
+        let h = ferry_hash::BlockHasher::new(ferry_hash::Algorithm::Sha256, 65536);
+        h.add(0, &disk);
+        let want = h.finish(disk.len() as u64).unwrap();
+        let mut outer = Vec::new();
+        for chunk in disk.chunks(65536) {
+            let (id, stored) = encode(&Crypto::None, BlobKind::Data, chunk);
+            assert_eq!(decode(&Crypto::None, BlobKind::Data, &id, &stored, 65536).unwrap(), chunk);
+            outer.extend_from_slice(&id);
+        }
+        outer.extend_from_slice(&(disk.len() as u64).to_le_bytes());
+        assert_eq!(digest(&outer).to_vec(), want);
+    }
+
+    #[test]
+    fn pages_are_bounded_by_page_entries() {
+        let l = Limits::DEFAULT;
+        let page = noise(l.max_plain(BlobKind::Page), 9);
+        let c = encrypted();
+        let (id, stored) = encode(&c, BlobKind::Page, &page);
+        assert_eq!(decode(&c, BlobKind::Page, &id, &stored, l.max_plain(BlobKind::Page)).unwrap(), page);
+        assert!(decode(&c, BlobKind::Page, &id, &stored, 32 * 255).is_err());
+        assert!(decode(&c, BlobKind::Data, &id, &stored, 65536).is_err());
+    }
 }

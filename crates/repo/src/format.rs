@@ -71,15 +71,166 @@ pub struct Kdf {
     pub salt: String,
 }
 
+fn err<T>(why: impl Into<String>) -> Result<T, FormatError> {
+    Err(FormatError(why.into()))
+}
+
+/// The cipher of an encrypted repository (FORMAT.md §3).
+pub const CIPHER: &str = "aes-256-gcm";
+/// The key-derivation function of an encrypted repository (FORMAT.md §3).
+pub const KDF: &str = "argon2id";
+/// The one compression of version 1.
+pub const COMPRESSION: &str = "zstd";
+/// Bounds of the config's parameters (FORMAT.md §3).
+pub const MIN_CHUNK_SIZE: u32 = 4096;
+pub const MAX_CHUNK_SIZE: u32 = 1 << 20;
+pub const MIN_PAGE_ENTRIES: u32 = 16;
+pub const MAX_PAGE_ENTRIES: u32 = 65536;
+pub const KDF_M_KIB: std::ops::RangeInclusive<u32> = 8192..=4_194_304;
+pub const KDF_T: std::ops::RangeInclusive<u32> = 1..=64;
+pub const KDF_P: std::ops::RangeInclusive<u32> = 1..=64;
+/// The length of the wrapped key: nonce, the 64-byte master key, tag.
+pub const WRAPPED_KEY_LEN: usize = 12 + 64 + 16;
+
+/// Checks a KDF cost against FORMAT.md §3's limits (before anything runs the KDF).
+pub fn check_kdf_cost(c: &KdfCost) -> Result<(), FormatError> {
+    if !KDF_M_KIB.contains(&c.m_kib) {
+        return err(format!(
+            "the KDF memory is {} KiB; it must be from {} to {} KiB",
+            c.m_kib,
+            KDF_M_KIB.start(),
+            KDF_M_KIB.end()
+        ));
+    }
+    if !KDF_T.contains(&c.t) {
+        return err(format!("the KDF passes are {}; they must be from 1 to 64", c.t));
+    }
+    if !KDF_P.contains(&c.p) {
+        return err(format!("the KDF lanes are {}; they must be from 1 to 64", c.p));
+    }
+    Ok(())
+}
+
+/// Checks a chunk size and page length against FORMAT.md §3's limits.
+pub fn check_limits(l: &Limits) -> Result<(), FormatError> {
+    let (c, p) = (l.chunk_size, l.page_entries);
+    if !c.is_power_of_two() || !(MIN_CHUNK_SIZE..=MAX_CHUNK_SIZE).contains(&c) {
+        return err(format!("chunk_size is {c}; it must be a power of two from 4096 to 1048576"));
+    }
+    if !p.is_power_of_two() || !(MIN_PAGE_ENTRIES..=MAX_PAGE_ENTRIES).contains(&p) {
+        return err(format!("page_entries is {p}; it must be a power of two from 16 to 65536"));
+    }
+    Ok(())
+}
+
+/// Whether `s` is `n` lowercase hex digits.
+fn is_hex(s: &str, n: usize) -> bool {
+    s.len() == n && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+/// Parses lowercase hex of any even length.
+pub fn parse_hex(s: &str) -> Option<Vec<u8>> {
+    if !s.len().is_multiple_of(2) || !is_hex(s, s.len()) {
+        return None;
+    }
+    let nib = |b: u8| if b.is_ascii_digit() { b - b'0' } else { b - b'a' + 10 };
+    Some(s.as_bytes().chunks_exact(2).map(|p| nib(p[0]) << 4 | nib(p[1])).collect())
+}
+
+/// Checks an RFC 3339 time (`2026-11-26T22:00:00Z`).
+fn check_time(what: &str, t: &str) -> Result<(), FormatError> {
+    match t.parse::<jiff::Timestamp>() {
+        Ok(_) => Ok(()),
+        Err(_) => err(format!("{what} {:?} is not an RFC 3339 time", shorten(t))),
+    }
+}
+
+/// At most 80 characters of `s`, for messages.
+fn shorten(s: &str) -> String {
+    match s.char_indices().nth(80) {
+        Some((i, _)) => format!("{}...", &s[..i]),
+        None => s.to_string(),
+    }
+}
+
+fn json_error(what: &str, e: serde_json::Error) -> FormatError {
+    FormatError(format!("the {what} is not valid: {e}"))
+}
+
 impl Config {
     /// Parses and validates (format, version, chunk_size, page_entries, compression,
     /// cipher and KDF names and cost limits, hex lengths).
     pub fn parse(bytes: &[u8]) -> Result<Config, FormatError> {
-        let _ = bytes;
-        todo!()
+        if bytes.len() as u64 > MAX_CONFIG {
+            return err(format!("the config is {} bytes long; at most {MAX_CONFIG} are allowed", bytes.len()));
+        }
+        let c: Config = serde_json::from_slice(bytes).map_err(|e| json_error("config", e))?;
+        c.validate()?;
+        Ok(c)
     }
+
+    fn validate(&self) -> Result<(), FormatError> {
+        if self.format != FORMAT_NAME {
+            return err(format!("the config's format is {:?}, not {FORMAT_NAME:?}", shorten(&self.format)));
+        }
+        if self.version != VERSION {
+            return err(format!(
+                "the repository has format version {}; this ferry reads version {VERSION} only (use a newer ferry)",
+                self.version
+            ));
+        }
+        if !is_hex(&self.id, 64) {
+            return err("the config's id is not 64 hex digits");
+        }
+        check_time("the config's creation time", &self.created)?;
+        check_limits(&self.limits())?;
+        if self.compression != COMPRESSION {
+            return err(format!(
+                "the compression is {:?}; this ferry knows {COMPRESSION:?} only",
+                shorten(&self.compression)
+            ));
+        }
+        if let Some(e) = &self.encryption {
+            e.validate()?;
+        }
+        Ok(())
+    }
+
+    /// The blob size bounds of this repository.
+    pub fn limits(&self) -> Limits {
+        Limits { chunk_size: self.chunk_size, page_entries: self.page_entries }
+    }
+
     pub fn to_bytes(&self) -> Vec<u8> {
-        todo!()
+        let mut v = serde_json::to_vec_pretty(self).unwrap_or_default();
+        v.push(b'\n');
+        v
+    }
+}
+
+impl Kdf {
+    pub fn cost(&self) -> KdfCost {
+        KdfCost { m_kib: self.m_kib, t: self.t, p: self.p }
+    }
+}
+
+impl Encryption {
+    /// Checks names, KDF cost limits and hex lengths (FORMAT.md §3).
+    pub fn validate(&self) -> Result<(), FormatError> {
+        if self.cipher != CIPHER {
+            return err(format!("the cipher is {:?}; this ferry knows {CIPHER:?} only", shorten(&self.cipher)));
+        }
+        if self.kdf.name != KDF {
+            return err(format!("the KDF is {:?}; this ferry knows {KDF:?} only", shorten(&self.kdf.name)));
+        }
+        check_kdf_cost(&self.kdf.cost())?;
+        if !is_hex(&self.kdf.salt, 64) {
+            return err("the KDF salt is not 64 hex digits");
+        }
+        if !is_hex(&self.key, 2 * WRAPPED_KEY_LEN) {
+            return err(format!("the wrapped key is not {} hex digits", 2 * WRAPPED_KEY_LEN));
+        }
+        Ok(())
     }
 }
 
@@ -108,6 +259,8 @@ pub struct Limits {
 }
 
 impl Limits {
+    pub const DEFAULT: Limits = Limits { chunk_size: 65536, page_entries: 256 };
+
     /// The most plain bytes a blob of `kind` may have.
     pub fn max_plain(&self, kind: BlobKind) -> usize {
         match kind {
@@ -117,30 +270,141 @@ impl Limits {
     }
 }
 
+/// The most bytes a sealed object adds to its plain form: nonce and tag.
+pub const SEAL_OVERHEAD: usize = 12 + 16;
+/// The longest plain trailer: its count and [`MAX_TRAILER_ENTRIES`] entries.
+pub const MAX_TRAILER: u64 = 4 + ENTRY_LEN as u64 * MAX_TRAILER_ENTRIES as u64;
+
+fn le32(b: &[u8], at: usize) -> u32 {
+    let mut w = [0u8; 4];
+    w.copy_from_slice(&b[at..at + 4]);
+    u32::from_le_bytes(w)
+}
+
+fn put_entry(out: &mut Vec<u8>, e: &BlobEntry) {
+    out.extend_from_slice(&e.id);
+    out.push(e.kind as u8);
+    out.extend_from_slice(&e.offset.to_le_bytes());
+    out.extend_from_slice(&e.stored_len.to_le_bytes());
+    out.extend_from_slice(&e.plain_len.to_le_bytes());
+}
+
+/// One entry from exactly [`ENTRY_LEN`] bytes, checked: a known kind, a plain length
+/// within `limits`, a stored length of at least one byte (the encoding's prefix) ending
+/// within `max_end`.
+fn entry(b: &[u8], max_end: u64, limits: &Limits) -> Result<BlobEntry, FormatError> {
+    let mut id = [0u8; 32];
+    id.copy_from_slice(&b[..32]);
+    let kind = match b[32] {
+        0 => BlobKind::Data,
+        1 => BlobKind::Page,
+        k => return err(format!("blob {} has kind {k}, which is neither 0 (data) nor 1 (page)", hex(&id))),
+    };
+    let e = BlobEntry { id, kind, offset: le32(b, 33), stored_len: le32(b, 37), plain_len: le32(b, 41) };
+    if e.stored_len == 0 {
+        return err(format!("blob {} has a stored length of 0", hex(&id)));
+    }
+    let end = e.offset as u64 + e.stored_len as u64;
+    if end > max_end {
+        return err(format!(
+            "blob {} (bytes {}..{end}) lies past the pack's blobs, which end at {max_end}",
+            hex(&id),
+            e.offset
+        ));
+    }
+    if e.plain_len as usize > limits.max_plain(kind) {
+        return err(format!(
+            "blob {} has {} plain bytes; a {} blob has at most {}",
+            hex(&id),
+            e.plain_len,
+            if kind == BlobKind::Data { "data" } else { "page" },
+            limits.max_plain(kind)
+        ));
+    }
+    Ok(e)
+}
+
+/// Checks that no two blobs of one pack overlap.
+fn check_overlaps(blobs: &[BlobEntry]) -> Result<(), FormatError> {
+    let mut spans: Vec<(u64, u64, usize)> =
+        blobs.iter().enumerate().map(|(i, b)| (b.offset as u64, b.offset as u64 + b.stored_len as u64, i)).collect();
+    spans.sort_unstable();
+    for w in spans.windows(2) {
+        if w[1].0 < w[0].1 {
+            return err(format!(
+                "blobs {} (bytes {}..{}) and {} (bytes {}..{}) overlap",
+                hex(&blobs[w[0].2].id),
+                w[0].0,
+                w[0].1,
+                hex(&blobs[w[1].2].id),
+                w[1].0,
+                w[1].1
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// The plain trailer of a pack (without the tail).
 pub fn encode_trailer(entries: &[BlobEntry]) -> Vec<u8> {
-    let _ = entries;
-    todo!()
+    let mut v = Vec::with_capacity(4 + ENTRY_LEN * entries.len());
+    v.extend_from_slice(&(entries.len() as u32).to_le_bytes());
+    for e in entries {
+        put_entry(&mut v, e);
+    }
+    v
 }
 
 /// Parses a plain trailer; `blobs_len` is the length of the pack before its stored
 /// trailer (every blob must lie inside it, without overlaps).
 pub fn parse_trailer(plain: &[u8], blobs_len: u64, limits: &Limits) -> Result<Vec<BlobEntry>, FormatError> {
-    let _ = (plain, blobs_len, limits);
-    todo!()
+    if plain.len() < 4 {
+        return err(format!("the trailer is {} bytes long, too short for its count", plain.len()));
+    }
+    let count = le32(plain, 0);
+    if count > MAX_TRAILER_ENTRIES {
+        return err(format!("the trailer lists {count} blobs; at most {MAX_TRAILER_ENTRIES} are allowed"));
+    }
+    let body = &plain[4..];
+    if !body.len().is_multiple_of(ENTRY_LEN) || (body.len() / ENTRY_LEN) as u64 != count as u64 {
+        return err(format!(
+            "the trailer lists {count} blobs but has {} bytes of entries ({ENTRY_LEN} bytes each)",
+            body.len()
+        ));
+    }
+    let blobs = body.chunks_exact(ENTRY_LEN).map(|b| entry(b, blobs_len, limits)).collect::<Result<Vec<_>, _>>()?;
+    check_overlaps(&blobs)?;
+    Ok(blobs)
 }
 
 /// The tail of a pack: `le32 len(trailer_stored) || PACK_MAGIC`.
 pub fn pack_tail(trailer_stored_len: u32) -> [u8; PACK_TAIL] {
-    let _ = trailer_stored_len;
-    todo!()
+    let mut t = [0u8; PACK_TAIL];
+    t[..4].copy_from_slice(&trailer_stored_len.to_le_bytes());
+    t[4..].copy_from_slice(PACK_MAGIC);
+    t
 }
 
 /// From a pack's last [`PACK_TAIL`] bytes and its total length: the stored trailer's
 /// length, checked to fit.
 pub fn parse_pack_tail(tail: &[u8], pack_len: u64) -> Result<u32, FormatError> {
-    let _ = (tail, pack_len);
-    todo!()
+    if pack_len > MAX_PACK {
+        return err(format!("the pack is {pack_len} bytes long; at most {MAX_PACK} are allowed"));
+    }
+    if tail.len() != PACK_TAIL || (pack_len as usize) < PACK_TAIL {
+        return err(format!("the pack is {pack_len} bytes long, too short for its tail"));
+    }
+    if &tail[4..] != PACK_MAGIC {
+        return err("the pack does not end with FERRYPK1");
+    }
+    let len = le32(tail, 0);
+    if (len as u64) < 4 || len as u64 > MAX_TRAILER + SEAL_OVERHEAD as u64 {
+        return err(format!("the pack's trailer is said to be {len} bytes long, which no trailer is"));
+    }
+    if len as u64 + PACK_TAIL as u64 > pack_len {
+        return err(format!("the pack's trailer is said to be {len} bytes long, longer than the pack"));
+    }
+    Ok(len)
 }
 
 /// The blobs of one pack, in an index object.
@@ -152,25 +416,75 @@ pub struct PackBlobs {
 
 /// The plain form of an index object (FORMAT.md §6).
 pub fn encode_index(packs: &[PackBlobs]) -> Vec<u8> {
-    let _ = packs;
-    todo!()
+    let n: usize = packs.iter().map(|p| 36 + ENTRY_LEN * p.blobs.len()).sum();
+    let mut v = Vec::with_capacity(12 + n);
+    v.extend_from_slice(INDEX_MAGIC);
+    v.extend_from_slice(&(packs.len() as u32).to_le_bytes());
+    for p in packs {
+        v.extend_from_slice(&p.pack);
+        v.extend_from_slice(&(p.blobs.len() as u32).to_le_bytes());
+        for e in &p.blobs {
+            put_entry(&mut v, e);
+        }
+    }
+    v
 }
 
+/// Parses the plain form of an index object: every count checked against the bytes
+/// left before anything is allocated for it, every blob against `limits` and its pack's
+/// largest size, no blobs of one pack overlapping, nothing after the last pack.
 pub fn parse_index(plain: &[u8], limits: &Limits) -> Result<Vec<PackBlobs>, FormatError> {
-    let _ = (plain, limits);
-    todo!()
+    if plain.len() as u64 > MAX_INDEX {
+        return err(format!("the index object is {} bytes long; at most {MAX_INDEX} are allowed", plain.len()));
+    }
+    if plain.len() < 12 || &plain[..8] != INDEX_MAGIC {
+        return err("the index object does not start with FERRYIX1");
+    }
+    let pack_count = le32(plain, 8) as usize;
+    let mut rest = &plain[12..];
+    // Each pack takes at least its id and count.
+    if pack_count > rest.len() / 36 {
+        return err(format!("the index lists {pack_count} packs, more than its {} bytes can hold", plain.len()));
+    }
+    let mut packs = Vec::with_capacity(pack_count);
+    for _ in 0..pack_count {
+        if rest.len() < 36 {
+            return err("the index object ends inside a pack's header");
+        }
+        let mut pack = [0u8; 32];
+        pack.copy_from_slice(&rest[..32]);
+        let count = le32(rest, 32) as usize;
+        rest = &rest[36..];
+        if count > MAX_TRAILER_ENTRIES as usize || count > rest.len() / ENTRY_LEN {
+            return err(format!("the index lists {count} blobs in pack {}, more than its bytes can hold", hex(&pack)));
+        }
+        let (entries, after) = rest.split_at(count * ENTRY_LEN);
+        rest = after;
+        let blobs = entries
+            .chunks_exact(ENTRY_LEN)
+            .map(|b| entry(b, MAX_PACK, limits))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| FormatError(format!("pack {}: {e}", hex(&pack))))?;
+        check_overlaps(&blobs).map_err(|e| FormatError(format!("pack {}: {e}", hex(&pack))))?;
+        packs.push(PackBlobs { pack, blobs });
+    }
+    if !rest.is_empty() {
+        return err(format!("the index object has {} bytes after its last pack", rest.len()));
+    }
+    Ok(packs)
 }
 
 /// A page's plain bytes: its entries.
 pub fn encode_page(entries: &[Digest]) -> Vec<u8> {
-    let _ = entries;
-    todo!()
+    entries.concat()
 }
 
 /// Parses a page that must have exactly `entries` entries.
 pub fn parse_page(plain: &[u8], entries: usize) -> Result<Vec<Digest>, FormatError> {
-    let _ = (plain, entries);
-    todo!()
+    if entries.checked_mul(32) != Some(plain.len()) {
+        return err(format!("the page is {} bytes long; {entries} entries of 32 bytes were expected", plain.len()));
+    }
+    Ok(plain.chunks_exact(32).map(|c| c.try_into().unwrap_or(ZERO)).collect())
 }
 
 /// What a snapshot's change map was (FORMAT.md §7).
@@ -222,11 +536,66 @@ impl Manifest {
     /// Parses and validates against the repository's limits: version, name, size, page
     /// count and digests, time.
     pub fn parse(json: &[u8], limits: &Limits) -> Result<Manifest, FormatError> {
-        let _ = (json, limits);
-        todo!()
+        if json.len() as u64 > MAX_MANIFEST {
+            return err(format!("the manifest is {} bytes long; at most {MAX_MANIFEST} are allowed", json.len()));
+        }
+        let m: Manifest = serde_json::from_slice(json).map_err(|e| json_error("manifest", e))?;
+        m.validate(limits)?;
+        Ok(m)
     }
+
+    /// The checks of [`Manifest::parse`], for a manifest made in memory.
+    pub fn validate(&self, limits: &Limits) -> Result<(), FormatError> {
+        if self.version != VERSION {
+            return err(format!(
+                "the manifest has version {}; this ferry reads version {VERSION} only (use a newer ferry)",
+                self.version
+            ));
+        }
+        if !valid_name(&self.name) {
+            return err(format!(
+                "the disk name {:?} is not 1 to 200 of A-Z a-z 0-9 . _ - (not starting with . or -)",
+                shorten(&self.name)
+            ));
+        }
+        check_time("the snapshot time", &self.time)?;
+        if self.size > 1 << 63 {
+            return err(format!("the disk size {} is larger than 2^63", self.size));
+        }
+        if self.chunk_size != limits.chunk_size || self.page_entries != limits.page_entries {
+            return err(format!(
+                "the manifest has chunk_size {} and page_entries {}, the repository {} and {}",
+                self.chunk_size, self.page_entries, limits.chunk_size, limits.page_entries
+            ));
+        }
+        if self.chunk_size == 0 || self.page_entries == 0 {
+            return err("the manifest's chunk_size and page_entries must not be 0");
+        }
+        let want = self.chunks().div_ceil(self.page_entries as u64);
+        if want > MAX_PAGES {
+            return err(format!("the disk needs {want} index pages; at most {MAX_PAGES} are allowed"));
+        }
+        if self.pages.len() as u64 != want {
+            return err(format!(
+                "the manifest has {} pages; a disk of {} bytes has {want}",
+                self.pages.len(),
+                self.size
+            ));
+        }
+        if let Some(i) = self.pages.iter().position(|p| !p.is_empty() && !is_hex(p, 64)) {
+            return err(format!("page {i}'s digest is neither 64 hex digits nor \"\""));
+        }
+        if self.parent.as_deref().is_some_and(|p| !is_hex(p, 64)) {
+            return err("the parent is not a snapshot id (64 hex digits)");
+        }
+        if self.blkhash.as_deref().is_some_and(|h| !is_hex(h, 64)) {
+            return err("the blkhash is not 64 hex digits");
+        }
+        Ok(())
+    }
+
     pub fn to_bytes(&self) -> Vec<u8> {
-        todo!()
+        serde_json::to_vec(self).unwrap_or_default()
     }
     /// Chunks in the disk.
     pub fn chunks(&self) -> u64 {
@@ -234,14 +603,15 @@ impl Manifest {
     }
     /// The page digests, decoded (`ZERO` for an all-zero page). Valid after `parse`.
     pub fn page_digests(&self) -> Vec<Digest> {
-        todo!()
+        self.pages.iter().map(|p| parse_digest(p).unwrap_or(ZERO)).collect()
     }
 }
 
 /// Whether `name` is a valid disk name (FORMAT.md §7).
 pub fn valid_name(name: &str) -> bool {
-    let _ = name;
-    todo!()
+    (1..=200).contains(&name.len())
+        && !name.starts_with(['.', '-'])
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -265,29 +635,433 @@ pub struct Lock {
 }
 
 impl Lock {
+    /// Parses and validates: at most [`MAX_LOCK`] bytes, RFC 3339 times, a `disk` tag
+    /// (64 hex digits) on a backup lock and only there.
     pub fn parse(json: &[u8]) -> Result<Lock, FormatError> {
-        let _ = json;
-        todo!()
+        if json.len() as u64 > MAX_LOCK {
+            return err(format!("the lock is {} bytes long; at most {MAX_LOCK} are allowed", json.len()));
+        }
+        let l: Lock = serde_json::from_slice(json).map_err(|e| json_error("lock", e))?;
+        check_time("the lock's time", &l.time)?;
+        check_time("the lock's refresh time", &l.refreshed)?;
+        match (&l.kind, &l.disk) {
+            (LockKind::Backup, Some(d)) if is_hex(d, 64) => {}
+            (LockKind::Backup, _) => return err("a backup lock's disk is not 64 hex digits"),
+            (_, Some(_)) => return err("only a backup lock names a disk"),
+            (_, None) => {}
+        }
+        Ok(l)
     }
     pub fn to_bytes(&self) -> Vec<u8> {
-        todo!()
+        serde_json::to_vec(self).unwrap_or_default()
     }
 }
 
 pub fn hex(d: &[u8]) -> String {
-    let _ = d;
-    todo!()
+    const H: &[u8; 16] = b"0123456789abcdef";
+    let mut s = String::with_capacity(d.len() * 2);
+    for &b in d {
+        s.push(H[(b >> 4) as usize] as char);
+        s.push(H[(b & 15) as usize] as char);
+    }
+    s
 }
 
-/// Parses exactly 64 hex digits.
+/// Parses exactly 64 lowercase hex digits.
 pub fn parse_digest(s: &str) -> Option<Digest> {
-    let _ = s;
-    todo!()
+    if !is_hex(s, 64) {
+        return None;
+    }
+    parse_hex(s)?.try_into().ok()
 }
 
 /// Runs every parser on `data` (the fuzz target): none may panic or allocate beyond its
-/// limits.
+/// limits, and what parses encodes back to what parses the same.
 pub fn fuzz(data: &[u8]) {
-    let _ = data;
-    todo!()
+    // The first byte picks the limits, so that small pages and chunks are reached too.
+    let limits = match data.first().copied().unwrap_or(0) % 3 {
+        0 => Limits::DEFAULT,
+        1 => Limits { chunk_size: MIN_CHUNK_SIZE, page_entries: MIN_PAGE_ENTRIES },
+        _ => Limits { chunk_size: MAX_CHUNK_SIZE, page_entries: MAX_PAGE_ENTRIES },
+    };
+    let rest = data.get(1..).unwrap_or_default();
+    if let Ok(c) = Config::parse(data) {
+        assert_eq!(Config::parse(&c.to_bytes()).as_ref(), Ok(&c));
+    }
+    if let Ok(m) = Manifest::parse(data, &limits) {
+        assert_eq!(Manifest::parse(&m.to_bytes(), &limits).as_ref(), Ok(&m));
+        let _ = m.page_digests();
+    }
+    if let Ok(l) = Lock::parse(data) {
+        assert_eq!(Lock::parse(&l.to_bytes()).as_ref(), Ok(&l));
+    }
+    let blobs_len = u64::from(le32(&[rest, &[0u8; 4]].concat(), 0));
+    if let Ok(t) = parse_trailer(rest, blobs_len, &limits) {
+        assert_eq!(encode_trailer(&t), rest);
+    }
+    if let Ok(ix) = parse_index(data, &limits) {
+        assert_eq!(encode_index(&ix), data);
+    }
+    if data.len() >= PACK_TAIL {
+        let _ = parse_pack_tail(&data[data.len() - PACK_TAIL..], data.len() as u64);
+    }
+    if let Ok(p) = parse_page(data, data.len() / 32) {
+        assert_eq!(encode_page(&p), data);
+    }
+    if let Ok(s) = std::str::from_utf8(data) {
+        let _ = valid_name(s);
+        if let Some(d) = parse_digest(s) {
+            assert_eq!(hex(&d), s);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const L: Limits = Limits::DEFAULT;
+
+    fn config() -> Config {
+        Config {
+            format: FORMAT_NAME.into(),
+            version: 1,
+            id: "ab".repeat(32),
+            created: "2026-11-26T22:00:00Z".into(),
+            chunk_size: 65536,
+            page_entries: 256,
+            compression: "zstd".into(),
+            encryption: None,
+        }
+    }
+
+    fn encryption() -> Encryption {
+        Encryption {
+            cipher: CIPHER.into(),
+            kdf: Kdf { name: KDF.into(), m_kib: 65536, t: 3, p: 4, salt: "01".repeat(32) },
+            key: "02".repeat(WRAPPED_KEY_LEN),
+        }
+    }
+
+    fn refused(c: &Config, what: &str) {
+        let e = Config::parse(&c.to_bytes()).unwrap_err();
+        assert!(e.0.contains(what), "{e}");
+    }
+
+    #[test]
+    fn config_round_trips_and_checks_every_parameter() {
+        let c = config();
+        assert_eq!(Config::parse(&c.to_bytes()).unwrap(), c);
+        let e = Config { encryption: Some(encryption()), ..config() };
+        assert_eq!(Config::parse(&e.to_bytes()).unwrap(), e);
+        assert_eq!(c.limits(), Limits::DEFAULT);
+
+        refused(&Config { format: "restic".into(), ..config() }, "format");
+        refused(&Config { version: 2, ..config() }, "version 1 only");
+        refused(&Config { id: "AB".repeat(32), ..config() }, "id");
+        refused(&Config { id: "ab".repeat(31), ..config() }, "id");
+        refused(&Config { created: "yesterday".into(), ..config() }, "RFC 3339");
+        for cs in [0, 2048, 65535, 65537, 2 << 20] {
+            refused(&Config { chunk_size: cs, ..config() }, "chunk_size");
+        }
+        for cs in [4096, 1 << 20] {
+            Config::parse(&Config { chunk_size: cs, ..config() }.to_bytes()).unwrap();
+        }
+        for pe in [0, 8, 100, 131072] {
+            refused(&Config { page_entries: pe, ..config() }, "page_entries");
+        }
+        refused(&Config { compression: "lz4".into(), ..config() }, "compression");
+        let enc = |f: &dyn Fn(&mut Encryption)| {
+            let mut e = encryption();
+            f(&mut e);
+            Config { encryption: Some(e), ..config() }
+        };
+        refused(&enc(&|e| e.cipher = "chacha20-poly1305".into()), "cipher");
+        refused(&enc(&|e| e.kdf.name = "scrypt".into()), "KDF is");
+        refused(&enc(&|e| e.kdf.m_kib = 8191), "KDF memory");
+        refused(&enc(&|e| e.kdf.m_kib = 4_194_305), "KDF memory");
+        refused(&enc(&|e| e.kdf.t = 0), "passes");
+        refused(&enc(&|e| e.kdf.t = 65), "passes");
+        refused(&enc(&|e| e.kdf.p = 0), "lanes");
+        refused(&enc(&|e| e.kdf.p = 65), "lanes");
+        refused(&enc(&|e| e.kdf.salt.pop().map(drop).unwrap_or_default()), "salt");
+        refused(&enc(&|e| e.key.push_str("00")), "wrapped key");
+
+        // Unknown fields, other JSON, and size.
+        let mut j: serde_json::Value = serde_json::from_slice(&c.to_bytes()).unwrap();
+        j["extra"] = 1.into();
+        assert!(Config::parse(j.to_string().as_bytes()).is_err());
+        assert!(Config::parse(b"[]").is_err());
+        assert!(Config::parse(b"").is_err());
+        let mut big = c.to_bytes();
+        big.truncate(big.len() - 2);
+        big.extend(std::iter::repeat_n(b' ', MAX_CONFIG as usize));
+        big.extend(b"}\n");
+        assert!(Config::parse(&big).unwrap_err().0.contains("at most 65536"));
+    }
+
+    fn entry(n: u8, kind: BlobKind, offset: u32, stored_len: u32, plain_len: u32) -> BlobEntry {
+        BlobEntry { id: [n; 32], kind, offset, stored_len, plain_len }
+    }
+
+    fn entries() -> Vec<BlobEntry> {
+        vec![
+            entry(1, BlobKind::Data, 0, 100, 65536),
+            entry(2, BlobKind::Page, 100, 50, 8192),
+            entry(3, BlobKind::Data, 150, 1, 1),
+        ]
+    }
+
+    #[test]
+    fn trailers_round_trip_and_every_damage_is_refused() {
+        let t = encode_trailer(&entries());
+        assert_eq!(t.len(), 4 + 3 * ENTRY_LEN);
+        assert_eq!(parse_trailer(&t, 151, &L).unwrap(), entries());
+        assert_eq!(parse_trailer(&encode_trailer(&[]), 0, &L).unwrap(), []);
+        // Every truncation.
+        for n in 0..t.len() {
+            assert!(parse_trailer(&t[..n], 151, &L).is_err(), "{n} bytes");
+        }
+        // Bytes after the entries, and counts that disagree with the length.
+        assert!(parse_trailer(&[&t[..], &[0]].concat(), 151, &L).is_err());
+        for count in [2u32, 4, MAX_TRAILER_ENTRIES + 1, u32::MAX] {
+            let mut b = t.clone();
+            b[..4].copy_from_slice(&count.to_le_bytes());
+            assert!(parse_trailer(&b, 151, &L).is_err(), "count {count}");
+        }
+        let bad = |e: Vec<BlobEntry>, blobs_len: u64, what: &str| {
+            let msg = parse_trailer(&encode_trailer(&e), blobs_len, &L).unwrap_err().0;
+            assert!(msg.contains(what), "{msg}");
+        };
+        // A blob past the blobs, and one ending right at the end.
+        bad(entries(), 150, "past the pack's blobs");
+        let mut e = entries();
+        e[2].offset = u32::MAX;
+        bad(e, 151, "past");
+        // Overlaps, in any order.
+        let mut e = entries();
+        e[2].offset = 149;
+        bad(e, 151, "overlap");
+        let mut e = entries();
+        e.swap(0, 2);
+        e[0].offset = 0;
+        bad(e, 151, "overlap");
+        // Plain lengths over the limits, an empty stored blob, an unknown kind.
+        let mut e = entries();
+        e[0].plain_len = 65537;
+        bad(e, 151, "at most 65536");
+        let mut e = entries();
+        e[1].plain_len = 8193;
+        bad(e, 151, "at most 8192");
+        let mut e = entries();
+        e[2].stored_len = 0;
+        bad(e, 151, "stored length of 0");
+        let mut b = t.clone();
+        b[4 + 32] = 2;
+        assert!(parse_trailer(&b, 151, &L).unwrap_err().0.contains("kind 2"));
+    }
+
+    #[test]
+    fn pack_tails() {
+        let t = pack_tail(1000);
+        assert_eq!(&t[4..], PACK_MAGIC);
+        assert_eq!(parse_pack_tail(&t, 1012).unwrap(), 1000);
+        assert_eq!(parse_pack_tail(&t, 5000).unwrap(), 1000);
+        assert!(parse_pack_tail(&t, 1011).unwrap_err().0.contains("longer than the pack"));
+        assert!(parse_pack_tail(&t[1..], 1012).is_err());
+        assert!(parse_pack_tail(&t, 11).is_err());
+        assert!(parse_pack_tail(&t, MAX_PACK + 1).is_err());
+        let mut b = t;
+        b[11] = b'2';
+        assert!(parse_pack_tail(&b, 5000).unwrap_err().0.contains("FERRYPK1"));
+        for len in [0, 3, (MAX_TRAILER + SEAL_OVERHEAD as u64 + 1) as u32, u32::MAX] {
+            assert!(parse_pack_tail(&pack_tail(len), MAX_PACK).is_err(), "{len}");
+        }
+    }
+
+    #[test]
+    fn index_objects_round_trip_and_every_damage_is_refused() {
+        let packs = vec![
+            PackBlobs { pack: [9; 32], blobs: entries() },
+            PackBlobs { pack: [8; 32], blobs: vec![] },
+            PackBlobs { pack: [7; 32], blobs: vec![entry(4, BlobKind::Data, 0, 10, 10)] },
+        ];
+        let ix = encode_index(&packs);
+        assert_eq!(parse_index(&ix, &L).unwrap(), packs);
+        assert_eq!(parse_index(&encode_index(&[]), &L).unwrap(), []);
+        for n in 0..ix.len() {
+            assert!(parse_index(&ix[..n], &L).is_err(), "{n} bytes");
+        }
+        assert!(parse_index(&[&ix[..], &[0]].concat(), &L).unwrap_err().0.contains("after its last pack"));
+        let mut b = ix.clone();
+        b[0] = b'X';
+        assert!(parse_index(&b, &L).unwrap_err().0.contains("FERRYIX1"));
+        // Huge counts are refused before anything is allocated for them.
+        for at in [8, 12 + 32] {
+            let mut b = ix.clone();
+            b[at..at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
+            assert!(parse_index(&b, &L).unwrap_err().0.contains("more than"), "at {at}");
+        }
+        let mut overlapping = packs.clone();
+        overlapping[0].blobs[1].offset = 99;
+        assert!(parse_index(&encode_index(&overlapping), &L).unwrap_err().0.contains("overlap"));
+        let mut large = packs;
+        large[2].blobs[0].plain_len = 65537;
+        assert!(parse_index(&encode_index(&large), &L).is_err());
+    }
+
+    #[test]
+    fn pages() {
+        let e = [[1u8; 32], ZERO, [3; 32]];
+        let p = encode_page(&e);
+        assert_eq!(p.len(), 96);
+        assert_eq!(parse_page(&p, 3).unwrap(), e);
+        assert!(parse_page(&p, 2).is_err());
+        assert!(parse_page(&p[..95], 3).is_err());
+        assert!(parse_page(&p, usize::MAX).is_err());
+        assert_eq!(parse_page(&[], 0).unwrap(), Vec::<Digest>::new());
+    }
+
+    fn manifest() -> Manifest {
+        // 3 full pages and one chunk more: 4 pages.
+        let size = 3 * 256 * 65536 + 1000;
+        Manifest {
+            version: 1,
+            name: "vm1-sda".into(),
+            time: "2026-11-26T22:00:00Z".into(),
+            size,
+            chunk_size: 65536,
+            page_entries: 256,
+            pages: vec!["ab".repeat(32), String::new(), "cd".repeat(32), "ef".repeat(32)],
+            parent: Some("12".repeat(32)),
+            source: "nbd+unix:///?socket=/tmp/s".into(),
+            changes: Changes::DirtyBitmap { bitmap: "b0".into() },
+            blkhash: Some("34".repeat(32)),
+            stats: SnapshotStats { read: 1, written_chunks: 2, new_chunks: 3, new_stored: 4, zero_chunks: 5 },
+            host: "h".into(),
+            ferry: "0.1.0".into(),
+        }
+    }
+
+    #[test]
+    fn manifests_round_trip_and_are_checked() {
+        let m = manifest();
+        let j = m.to_bytes();
+        assert_eq!(Manifest::parse(&j, &L).unwrap(), m);
+        assert_eq!(m.chunks(), 3 * 256 + 1);
+        let d = m.page_digests();
+        assert_eq!((d[0], d[1], d[3]), ([0xab; 32], ZERO, [0xef; 32]));
+        let v: serde_json::Value = serde_json::from_slice(&j).unwrap();
+        assert_eq!(v["changes"], serde_json::json!({"kind": "dirty-bitmap", "bitmap": "b0"}));
+
+        let bad = |f: &dyn Fn(&mut Manifest), what: &str| {
+            let mut m = manifest();
+            f(&mut m);
+            let e = Manifest::parse(&m.to_bytes(), &L).unwrap_err();
+            assert!(e.0.contains(what), "{what}: {e}");
+        };
+        bad(&|m| m.version = 2, "version");
+        bad(&|m| m.name = String::new(), "disk name");
+        bad(&|m| m.name = ".hidden".into(), "disk name");
+        bad(&|m| m.name = "a/b".into(), "disk name");
+        bad(&|m| m.time = "now".into(), "time");
+        bad(&|m| m.pages.push(String::new()), "has 5 pages");
+        bad(&|m| drop(m.pages.pop()), "has 3 pages");
+        bad(&|m| m.size = 3 * 256 * 65536, "has 4 pages");
+        bad(&|m| m.size = (1 << 63) + 1, "2^63");
+        bad(&|m| m.chunk_size = 4096, "chunk_size 4096");
+        bad(&|m| m.page_entries = 512, "page_entries 512");
+        bad(&|m| m.pages[0] = "AB".repeat(32), "page 0");
+        bad(&|m| m.pages[2] = "0".into(), "page 2");
+        bad(&|m| m.parent = Some("x".into()), "parent");
+        bad(&|m| m.blkhash = Some("x".into()), "blkhash");
+
+        // The largest disk: 2^63 bytes, exactly 2^24 pages of 256 entries of 2 MiB chunks
+        // would be too many at 64 KiB: refused by count, not by allocating.
+        let mut huge = manifest();
+        huge.size = 1 << 63;
+        let e = Manifest::parse(&huge.to_bytes(), &L).unwrap_err();
+        assert!(e.0.contains("index pages"), "{e}");
+        // An empty disk has no pages; optional fields may be missing.
+        let mut empty = manifest();
+        (empty.size, empty.pages, empty.parent, empty.blkhash) = (0, vec![], None, None);
+        assert_eq!(Manifest::parse(&empty.to_bytes(), &L).unwrap(), empty);
+        let mut v: serde_json::Value = serde_json::from_slice(&empty.to_bytes()).unwrap();
+        for k in ["blkhash", "stats", "host", "ferry"] {
+            v.as_object_mut().unwrap().remove(k);
+        }
+        let back = Manifest::parse(v.to_string().as_bytes(), &L).unwrap();
+        assert_eq!((back.blkhash, back.stats), (None, SnapshotStats::default()));
+        assert!(Manifest::parse(b"{", &L).is_err());
+    }
+
+    #[test]
+    fn disk_names() {
+        for ok in ["a", "vm1-sda", "A.b_c-d", "0", &"x".repeat(200)] {
+            assert!(valid_name(ok), "{ok:?}");
+        }
+        for bad in ["", ".a", "-a", "a/b", "a b", "é", "a\0", &"x".repeat(201), "a:b", "a@b"] {
+            assert!(!valid_name(bad), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn locks() {
+        let l = Lock {
+            kind: LockKind::Backup,
+            disk: Some("aa".repeat(32)),
+            host: "h".into(),
+            pid: 7,
+            time: "2026-11-26T22:00:00Z".into(),
+            refreshed: "2026-11-26T22:05:00Z".into(),
+        };
+        assert_eq!(Lock::parse(&l.to_bytes()).unwrap(), l);
+        let gc = Lock { kind: LockKind::Gc, disk: None, ..l.clone() };
+        assert_eq!(Lock::parse(&gc.to_bytes()).unwrap(), gc);
+        assert!(String::from_utf8(gc.to_bytes()).unwrap().contains("\"kind\":\"gc\""));
+        assert!(Lock::parse(&Lock { disk: None, ..l.clone() }.to_bytes()).is_err());
+        assert!(Lock::parse(&Lock { disk: Some("vm1".into()), ..l.clone() }.to_bytes()).is_err());
+        assert!(Lock::parse(&Lock { kind: LockKind::Forget, ..l.clone() }.to_bytes()).is_err());
+        assert!(Lock::parse(&Lock { refreshed: "soon".into(), ..l.clone() }.to_bytes()).is_err());
+        let mut big = l.to_bytes();
+        big.splice(1..1, std::iter::repeat_n(b' ', MAX_LOCK as usize));
+        assert!(Lock::parse(&big).unwrap_err().0.contains("at most 4096"));
+    }
+
+    #[test]
+    fn hex_and_digests() {
+        assert_eq!(hex(&[0, 0xff, 0x1a]), "00ff1a");
+        let d: Digest = std::array::from_fn(|i| i as u8 * 7);
+        assert_eq!(parse_digest(&hex(&d)), Some(d));
+        assert_eq!(parse_digest(&hex(&d).to_uppercase()), None);
+        assert_eq!(parse_digest(&hex(&d[..31])), None);
+        assert_eq!(parse_digest(&format!("{}0", hex(&d))), None);
+        assert_eq!(parse_digest(&"g".repeat(64)), None);
+        assert_eq!(parse_digest(""), None);
+        assert_eq!(parse_hex("0a1"), None);
+        assert_eq!(parse_hex("0aff"), Some(vec![10, 255]));
+    }
+
+    #[test]
+    fn fuzz_entry_point_takes_valid_objects_and_their_damage() {
+        let mut seeds = vec![
+            config().to_bytes(),
+            manifest().to_bytes(),
+            encode_index(&[PackBlobs { pack: [1; 32], blobs: entries() }]),
+            [&[0u8][..], &encode_trailer(&entries())].concat(),
+            pack_tail(10).to_vec(),
+            encode_page(&[[5; 32]; 4]),
+            hex(&[7; 32]).into_bytes(),
+        ];
+        seeds.push(Config { encryption: Some(encryption()), ..config() }.to_bytes());
+        for s in &seeds {
+            for n in 0..s.len().min(300) {
+                fuzz(&s[..n]);
+                let mut b = s.clone();
+                b[n] ^= 0x55;
+                fuzz(&b);
+            }
+            fuzz(s);
+        }
+    }
 }

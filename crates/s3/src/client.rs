@@ -13,7 +13,7 @@ use std::time::Duration;
 pub(crate) const SIGN_FOR: Duration = Duration::from_secs(3600);
 /// The most of an answer's body kept (S3's XML answers are small; a ListParts page of
 /// 1000 parts is about 250 KiB).
-const MAX_ANSWER_BYTES: u64 = 4 << 20;
+pub(crate) const MAX_ANSWER_BYTES: u64 = 4 << 20;
 /// The longest part ETag kept from ListParts (S3's are 34 bytes; a longer one is refused,
 /// so a hostile answer cannot make ferry hold more than 10,000 of these).
 pub(crate) const MAX_PART_ETAG_BYTES: usize = 128;
@@ -36,7 +36,10 @@ pub(crate) struct Answer {
     pub status: u16,
     pub etag: Option<String>,
     pub content_length: Option<u64>,
+    /// The body as text (for XML answers; empty when `data` was asked for).
     pub body: String,
+    /// The body's bytes, when [`Client::send_for_data`] asked for them.
+    pub data: Vec<u8>,
 }
 
 /// A bucket, an object and who to be: everything a request needs.
@@ -204,12 +207,39 @@ impl Client {
         headers: &[(&str, &str)],
         body: &[u8],
     ) -> Result<Answer, S3Error> {
+        self.send_keeping(op, sign, method, headers, body, None)
+    }
+
+    /// As [`Client::send`], for an answer whose body is data (GetObject): a successful
+    /// answer's bytes are in [`Answer::data`], at most `limit` of them. One whose
+    /// `Content-Length` is over `limit` is not read (`data` is empty and
+    /// `content_length` says why); one without a length is read up to `limit + 1` bytes,
+    /// so the caller sees that it is too long.
+    pub(crate) fn send_for_data(
+        &self,
+        op: &str,
+        sign: &dyn Fn() -> url::Url,
+        headers: &[(&str, &str)],
+        limit: u64,
+    ) -> Result<Answer, S3Error> {
+        self.send_keeping(op, &|| (sign(), Vec::new()), Method::Get, headers, &[], Some(limit))
+    }
+
+    fn send_keeping(
+        &self,
+        op: &str,
+        sign: &dyn Fn() -> (url::Url, Vec<(String, String)>),
+        method: Method,
+        headers: &[(&str, &str)],
+        body: &[u8],
+        data_limit: Option<u64>,
+    ) -> Result<Answer, S3Error> {
         let mut attempt = 0u32;
         loop {
             let (url, auth) = sign();
             let signed: Vec<(&str, &str)> =
                 auth.iter().map(|(k, v)| (k.as_str(), v.as_str())).chain(headers.iter().copied()).collect();
-            let err = match self.once(op, url, &method, &signed, body) {
+            let err = match self.once(op, url, &method, &signed, body, data_limit) {
                 // S3 may answer 200 and tell of a failure in the body (CompleteMultipartUpload).
                 Ok(a) if a.status < 300 && !is_error_body(&a.body) => return Ok(a),
                 Ok(a) => {
@@ -257,6 +287,7 @@ impl Client {
         method: &Method,
         headers: &[(&str, &str)],
         body: &[u8],
+        data_limit: Option<u64>,
     ) -> Result<Answer, ureq::Error> {
         let u = url.as_str();
         let extra = self.headers.iter().map(|(k, v)| (k.as_str(), v.as_str())).chain(headers.iter().copied());
@@ -274,7 +305,11 @@ impl Client {
                     r = r.config().proxy(Some(p.clone())).build();
                 }
                 // A small answer: a server trickling it cannot hold the request longer.
-                r = r.config().timeout_global(self.timeout).build();
+                // Data (up to a GiB) has the agent's per-read timeouts instead, as an
+                // upload's body has.
+                if data_limit.is_none() {
+                    r = r.config().timeout_global(self.timeout).build();
+                }
                 r.call()?
             }
             Method::Put | Method::Post => {
@@ -302,11 +337,20 @@ impl Client {
         let etag = h("etag");
         let content_length = h("content-length").and_then(|v| v.parse().ok());
         let status = resp.status().as_u16();
+        if let (Some(limit), true) = (data_limit, status < 300) {
+            let mut data = Vec::new();
+            if content_length.is_none_or(|n| n <= limit) {
+                // The length, when given, sizes the buffer: at most `limit` bytes.
+                data.reserve_exact(content_length.unwrap_or(0) as usize);
+                resp.body_mut().as_reader().take(limit.saturating_add(1)).read_to_end(&mut data)?;
+            }
+            return Ok(Answer { status, etag, content_length, body: String::new(), data });
+        }
         let mut raw = Vec::new();
         if !matches!(method, Method::Head) {
             resp.body_mut().as_reader().take(MAX_ANSWER_BYTES).read_to_end(&mut raw)?;
         }
-        Ok(Answer { status, etag, content_length, body: String::from_utf8_lossy(&raw).into_owned() })
+        Ok(Answer { status, etag, content_length, body: String::from_utf8_lossy(&raw).into_owned(), data: Vec::new() })
     }
 
     /// The error for an answer with `status` and S3's error `code`, saying what to do.

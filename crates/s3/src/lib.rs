@@ -13,6 +13,9 @@
 //!   gather in per-part buffers, each part is uploaded as soon as every byte of it has
 //!   arrived, and [`S3Writer::complete`] makes the object appear; [`S3Writer::abort`] (or
 //!   dropping an unfinished writer) leaves nothing behind.
+//! - [`S3Bucket`] reads and writes whole objects of a bucket by key (GET, ranged GET,
+//!   HEAD, a payload-signed PUT, DELETE, ListObjectsV2 with its continuation), every
+//!   answer bounded: what `ferry-repo`'s S3 store stands on.
 //!
 //! A copy to S3, as the CLI does it (the destination must not be declared zeroed: an
 //! object has no holes, so every byte, zeroes too, has to be written):
@@ -75,11 +78,13 @@
 mod client;
 mod config;
 mod credentials;
+mod objects;
 mod sigv4;
 mod url;
 mod writer;
 
 pub use config::S3Config;
+pub use objects::{S3Bucket, MAX_LIST_KEYS};
 pub use url::{S3Url, MAX_KEY_BYTES};
 pub use writer::{part_size_for, S3Writer, WriterOptions, MAX_OBJECT_SIZE, MAX_PARTS, MAX_PART_SIZE, MIN_PART_SIZE};
 
@@ -111,6 +116,12 @@ pub enum S3Error {
     /// Reading through `ferry-http` failed.
     #[error(transparent)]
     Http(#[from] HttpError),
+    /// [`S3Bucket::get`]: the object is larger than the caller allows; it was not read.
+    #[error("{target} is {size} bytes long, more than the {limit} bytes expected")]
+    TooLarge { target: String, size: u64, limit: u64 },
+    /// [`S3Bucket::get_range`]: the object ends before the end of the range asked for.
+    #[error("{target} ends before byte {end}")]
+    OutOfRange { target: String, end: u64 },
 }
 
 impl S3Error {
@@ -119,6 +130,15 @@ impl S3Error {
         match self {
             S3Error::Service { code, .. } => code.as_deref(),
             _ => None,
+        }
+    }
+
+    /// Whether the server said that the object (not its bucket) does not exist:
+    /// `NoSuchKey`, or a 404 without a code (a HEAD's answer has no body).
+    pub fn is_not_found(&self) -> bool {
+        match self {
+            S3Error::Service { status: 404, code, .. } => matches!(code.as_deref(), None | Some("NoSuchKey")),
+            _ => false,
         }
     }
 

@@ -1,23 +1,171 @@
 //! A repository in a local directory: one file per object, written to a temporary file,
 //! fsync'ed, renamed into place, and the directory fsync'ed.
-use super::Store;
-use std::io;
+//!
+//! Every path is walked from the root's descriptor one segment at a time with
+//! `O_NOFOLLOW` (directories and files alike), so no symbolic link planted inside the
+//! repository leads out of it, and names are checked by [`valid_name`] first, so none
+//! can name `..` or an absolute path. Directories are made 0700 and files 0600: a
+//! repository's objects are the user's disks, even when they are encrypted.
+use super::{invalid_name, valid_name, Store};
+use rustix::fs::{AtFlags, FileType, Mode, OFlags};
+use std::fs::File;
+use std::io::{self, Read, Write};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+
+/// Temporary files start with this: never a valid object name, so [`DirStore::list`]
+/// skips them.
+const TEMP_PREFIX: &str = ".tmp-";
+/// How deep a listing goes: a name has at most 4 segments.
+const MAX_DEPTH: usize = 4;
 
 pub struct DirStore {
     root: PathBuf,
+    dir: OwnedFd,
+}
+
+fn dir_flags() -> OFlags {
+    OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC
+}
+
+/// `io::Error` from rustix's, with what was being done and to what, its kind kept.
+fn ctx(e: impl Into<io::Error>, what: impl std::fmt::Display) -> io::Error {
+    let e: io::Error = e.into();
+    io::Error::new(e.kind(), format!("{what}: {e}"))
 }
 
 impl DirStore {
     /// A store at `root`, which must exist (see [`DirStore::create`]).
     pub fn open(root: &Path) -> io::Result<DirStore> {
-        let _ = root;
-        todo!()
+        let dir = rustix::fs::open(root, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())
+            .map_err(|e| ctx(e, format!("cannot open the repository directory {}", root.display())))?;
+        Ok(DirStore { root: root.to_path_buf(), dir })
     }
+
     /// Makes `root` (and its parents), which must be absent or an empty directory.
     pub fn create(root: &Path) -> io::Result<DirStore> {
-        let _ = root;
-        todo!()
+        match std::fs::read_dir(root) {
+            Ok(mut entries) => {
+                if entries.next().is_some() {
+                    return Err(io::Error::new(
+                        io::ErrorKind::AlreadyExists,
+                        format!("{} is not empty: a repository is made in a new or empty directory", root.display()),
+                    ));
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                use std::os::unix::fs::DirBuilderExt;
+                std::fs::DirBuilder::new()
+                    .recursive(true)
+                    .mode(0o700)
+                    .create(root)
+                    .map_err(|e| ctx(e, format!("cannot make the directory {}", root.display())))?;
+            }
+            Err(e) => return Err(ctx(e, format!("{} is not a directory to make a repository in", root.display()))),
+        }
+        DirStore::open(root)
+    }
+
+    fn shown(&self, name: &str) -> String {
+        format!("{}/{name}", self.root.display())
+    }
+
+    /// The directory holding object `name` (checked here) and the object's file name:
+    /// walked from the root without following links, its missing directories made (0700,
+    /// each made one fsync'ed into its parent) when `create`.
+    fn parent<'n>(&self, name: &'n str, create: bool) -> io::Result<(Option<OwnedFd>, &'n str)> {
+        if !valid_name(name) {
+            return Err(invalid_name(name));
+        }
+        let Some((dirs, file)) = name.rsplit_once('/') else { return Ok((None, name)) };
+        let mut cur: Option<OwnedFd> = None;
+        let mut walked = String::new();
+        for seg in dirs.split('/') {
+            let at = cur.as_ref().map_or(self.dir.as_fd(), |f| f.as_fd());
+            if !walked.is_empty() {
+                walked.push('/');
+            }
+            walked.push_str(seg);
+            let next = match rustix::fs::openat(at, seg, dir_flags(), Mode::empty()) {
+                Err(rustix::io::Errno::NOENT) if create => {
+                    match rustix::fs::mkdirat(at, seg, Mode::from_raw_mode(0o700)) {
+                        Ok(()) => {
+                            rustix::fs::fsync(at).map_err(|e| ctx(e, format!("fsync of {}", self.root.display())))?
+                        }
+                        Err(rustix::io::Errno::EXIST) => {}
+                        Err(e) => return Err(ctx(e, format!("cannot make the directory {}", self.shown(&walked)))),
+                    }
+                    rustix::fs::openat(at, seg, dir_flags(), Mode::empty())
+                }
+                other => other,
+            };
+            cur = Some(next.map_err(|e| ctx(e, self.shown(&walked)))?);
+        }
+        Ok((cur, file))
+    }
+
+    /// Opens object `name` for reading (not following a link).
+    fn open_object(&self, name: &str) -> io::Result<(File, u64)> {
+        let (dir, file) = self.parent(name, false)?;
+        let at = dir.as_ref().map_or(self.dir.as_fd(), |f| f.as_fd());
+        let fd = rustix::fs::openat(at, file, OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty())
+            .map_err(|e| ctx(e, self.shown(name)))?;
+        let f = File::from(fd);
+        let meta = f.metadata().map_err(|e| ctx(e, self.shown(name)))?;
+        if !meta.is_file() {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("{} is not a file", self.shown(name))));
+        }
+        Ok((f, meta.len()))
+    }
+
+    /// Every object under the directory `dir` (whose path from the root is `rel`, ending
+    /// in `/` unless empty) whose name starts with `prefix`.
+    fn walk(
+        &self,
+        dir: BorrowedFd,
+        rel: &str,
+        prefix: &str,
+        depth: usize,
+        out: &mut Vec<(String, u64)>,
+    ) -> io::Result<()> {
+        let shown = || self.shown(rel.trim_end_matches('/'));
+        let mut entries = rustix::fs::Dir::read_from(dir).map_err(|e| ctx(e, shown()))?;
+        while let Some(entry) = entries.read() {
+            let entry = entry.map_err(|e| ctx(e, shown()))?;
+            let Ok(seg) = entry.file_name().to_str() else { continue };
+            // ".", "..", temporary files and anything else that is not an object's.
+            if seg.is_empty() || !seg.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit()) {
+                continue;
+            }
+            let path = format!("{rel}{seg}");
+            let st = match rustix::fs::statat(dir, seg, AtFlags::SYMLINK_NOFOLLOW) {
+                Ok(st) => st,
+                // Deleted since it was listed.
+                Err(rustix::io::Errno::NOENT) => continue,
+                Err(e) => return Err(ctx(e, self.shown(&path))),
+            };
+            match FileType::from_raw_mode(st.st_mode) {
+                FileType::RegularFile if path.starts_with(prefix) && valid_name(&path) => {
+                    out.push((path, st.st_size as u64))
+                }
+                FileType::Directory if depth + 1 < MAX_DEPTH => {
+                    let sub = format!("{path}/");
+                    if !(sub.starts_with(prefix) || prefix.starts_with(&sub)) {
+                        continue;
+                    }
+                    let fd = match rustix::fs::openat(dir, seg, dir_flags(), Mode::empty()) {
+                        Ok(fd) => fd,
+                        Err(rustix::io::Errno::NOENT) => continue,
+                        Err(e) => return Err(ctx(e, self.shown(&path))),
+                    };
+                    self.walk(fd.as_fd(), &sub, prefix, depth + 1, out)?;
+                }
+                // Links, devices, and directories deeper than any name.
+                _ => {}
+            }
+        }
+        Ok(())
     }
 }
 
@@ -25,28 +173,270 @@ impl Store for DirStore {
     fn describe(&self) -> String {
         self.root.display().to_string()
     }
+
     fn get(&self, name: &str, limit: u64) -> io::Result<Vec<u8>> {
-        let _ = (name, limit);
-        todo!()
+        let (f, len) = self.open_object(name)?;
+        let too_large =
+            || io::Error::new(io::ErrorKind::InvalidData, format!("{} is larger than {limit} bytes", self.shown(name)));
+        if len > limit {
+            return Err(too_large());
+        }
+        let mut v = Vec::with_capacity(len as usize);
+        // A file that grew since its length was read still yields at most `limit` bytes.
+        f.take(limit.saturating_add(1)).read_to_end(&mut v).map_err(|e| ctx(e, self.shown(name)))?;
+        if v.len() as u64 > limit {
+            return Err(too_large());
+        }
+        Ok(v)
     }
+
     fn get_range(&self, name: &str, offset: u64, len: u64) -> io::Result<Vec<u8>> {
-        let _ = (name, offset, len);
-        todo!()
+        let (f, size) = self.open_object(name)?;
+        let end = offset.checked_add(len).filter(|&e| e <= size).ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!("{} ends at byte {size}, before byte {}", self.shown(name), offset.saturating_add(len)),
+            )
+        })?;
+        let mut v = vec![0u8; (end - offset) as usize];
+        f.read_exact_at(&mut v, offset).map_err(|e| ctx(e, format!("{} (bytes {offset}..{end})", self.shown(name))))?;
+        Ok(v)
     }
+
     fn len(&self, name: &str) -> io::Result<u64> {
-        let _ = name;
-        todo!()
+        let (dir, file) = self.parent(name, false)?;
+        let at = dir.as_ref().map_or(self.dir.as_fd(), |f| f.as_fd());
+        let st = rustix::fs::statat(at, file, AtFlags::SYMLINK_NOFOLLOW).map_err(|e| ctx(e, self.shown(name)))?;
+        if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("{} is not a file", self.shown(name))));
+        }
+        Ok(st.st_size as u64)
     }
+
     fn put(&self, name: &str, data: &[u8]) -> io::Result<()> {
-        let _ = (name, data);
-        todo!()
+        let (dir, file) = self.parent(name, true)?;
+        let at = dir.as_ref().map_or(self.dir.as_fd(), |f| f.as_fd());
+        let temp = format!("{TEMP_PREFIX}{}", crate::format::hex(&crate::crypto::random::<8>()));
+        let fd = rustix::fs::openat(
+            at,
+            temp.as_str(),
+            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::from_raw_mode(0o600),
+        )
+        .map_err(|e| ctx(e, format!("cannot create a temporary file for {}", self.shown(name))))?;
+        let mut f = File::from(fd);
+        let written = f
+            .write_all(data)
+            .and_then(|()| f.sync_all())
+            .and_then(|()| rustix::fs::renameat(at, temp.as_str(), at, file).map_err(io::Error::from));
+        if let Err(e) = written {
+            let _ = rustix::fs::unlinkat(at, temp.as_str(), AtFlags::empty());
+            return Err(ctx(e, format!("cannot write {}", self.shown(name))));
+        }
+        rustix::fs::fsync(at).map_err(|e| ctx(e, format!("fsync of the directory of {}", self.shown(name))))
     }
+
     fn delete(&self, name: &str) -> io::Result<()> {
-        let _ = name;
-        todo!()
+        let (dir, file) = match self.parent(name, false) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+            other => other?,
+        };
+        let at = dir.as_ref().map_or(self.dir.as_fd(), |f| f.as_fd());
+        match rustix::fs::unlinkat(at, file, AtFlags::empty()) {
+            Ok(()) => {}
+            Err(rustix::io::Errno::NOENT) => return Ok(()),
+            Err(e) => return Err(ctx(e, format!("cannot delete {}", self.shown(name)))),
+        }
+        // Deletions are made durable in the order they are done: gc deletes index
+        // objects before the packs they name.
+        rustix::fs::fsync(at).map_err(|e| ctx(e, format!("fsync of the directory of {}", self.shown(name))))
     }
+
     fn list(&self, prefix: &str) -> io::Result<Vec<(String, u64)>> {
-        let _ = prefix;
-        todo!()
+        let mut out = Vec::new();
+        // Start in the deepest directory the prefix names whole.
+        let (dirs, _) = prefix.rsplit_once('/').unwrap_or(("", prefix));
+        let mut cur: Option<OwnedFd> = None;
+        let mut rel = String::new();
+        if !dirs.is_empty() {
+            for seg in dirs.split('/') {
+                if seg.is_empty() || !seg.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit()) {
+                    return Ok(out);
+                }
+                let at = cur.as_ref().map_or(self.dir.as_fd(), |f| f.as_fd());
+                rel.push_str(seg);
+                rel.push('/');
+                match rustix::fs::openat(at, seg, dir_flags(), Mode::empty()) {
+                    Ok(fd) => cur = Some(fd),
+                    Err(rustix::io::Errno::NOENT | rustix::io::Errno::NOTDIR) => return Ok(out),
+                    Err(e) => return Err(ctx(e, self.shown(rel.trim_end_matches('/')))),
+                }
+            }
+        }
+        let depth = rel.matches('/').count();
+        if depth >= MAX_DEPTH {
+            return Ok(out);
+        }
+        let at = cur.as_ref().map_or(self.dir.as_fd(), |f| f.as_fd());
+        self.walk(at, &rel, prefix, depth, &mut out)?;
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::{symlink, MetadataExt};
+
+    fn store() -> (tempfile::TempDir, DirStore) {
+        let t = tempfile::tempdir().unwrap();
+        let s = DirStore::create(&t.path().join("repo")).unwrap();
+        (t, s)
+    }
+
+    fn sorted(mut v: Vec<(String, u64)>) -> Vec<(String, u64)> {
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn objects_are_written_read_listed_and_deleted() {
+        let (t, s) = store();
+        let root = t.path().join("repo");
+        assert_eq!(std::fs::metadata(&root).unwrap().mode() & 0o777, 0o700);
+        s.put("config", b"{}").unwrap();
+        s.put("data/ab/ab12", b"pack one").unwrap();
+        s.put("data/cd/cd34", b"pack two!").unwrap();
+        s.put("snapshots/ee", b"m").unwrap();
+        assert_eq!(s.get("data/ab/ab12", 100).unwrap(), b"pack one");
+        assert_eq!(s.len("data/cd/cd34").unwrap(), 9);
+        assert_eq!(s.get_range("data/cd/cd34", 5, 4).unwrap(), b"two!");
+        assert_eq!(s.get_range("data/cd/cd34", 9, 0).unwrap(), b"");
+        // Modes: 0700 directories, 0600 files.
+        assert_eq!(std::fs::metadata(root.join("data/ab")).unwrap().mode() & 0o777, 0o700);
+        assert_eq!(std::fs::metadata(root.join("data/ab/ab12")).unwrap().mode() & 0o777, 0o600);
+
+        assert_eq!(sorted(s.list("data/").unwrap()), [("data/ab/ab12".to_string(), 8), ("data/cd/cd34".into(), 9)]);
+        assert_eq!(s.list("data/a").unwrap(), [("data/ab/ab12".to_string(), 8)]);
+        assert_eq!(s.list("data/cd/").unwrap(), [("data/cd/cd34".to_string(), 9)]);
+        assert_eq!(s.list("snapshots/").unwrap(), [("snapshots/ee".to_string(), 1)]);
+        assert_eq!(s.list("locks/").unwrap(), []);
+        assert_eq!(s.list("config").unwrap(), [("config".to_string(), 2)]);
+        assert_eq!(s.list("").unwrap().len(), 4);
+        assert_eq!(s.list("../").unwrap(), []);
+
+        // A rewrite replaces the object whole; no temporary file stays behind.
+        s.put("config", b"{\"v\":2}").unwrap();
+        assert_eq!(s.get("config", 100).unwrap(), b"{\"v\":2}");
+        let names: Vec<_> = std::fs::read_dir(&root).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert!(names.iter().all(|n| !n.to_string_lossy().starts_with(TEMP_PREFIX)), "{names:?}");
+
+        s.delete("data/ab/ab12").unwrap();
+        s.delete("data/ab/ab12").unwrap();
+        s.delete("nothing/here").unwrap();
+        assert_eq!(s.list("data/").unwrap(), [("data/cd/cd34".to_string(), 9)]);
+        assert_eq!(s.describe(), root.display().to_string());
+    }
+
+    #[test]
+    fn missing_objects_are_not_found_and_limits_hold() {
+        let (_t, s) = store();
+        for r in [s.get("config", 10).map(drop), s.get_range("a/b", 0, 1).map(drop), s.len("snapshots/x").map(drop)] {
+            assert_eq!(r.unwrap_err().kind(), io::ErrorKind::NotFound);
+        }
+        s.put("index/aa", &[7; 100]).unwrap();
+        let e = s.get("index/aa", 99).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData);
+        assert!(e.to_string().contains("index/aa") && e.to_string().contains("99"), "{e}");
+        assert_eq!(s.get("index/aa", 100).unwrap().len(), 100);
+        for (o, l) in [(0, 101), (100, 1), (101, 0), (u64::MAX, 2)] {
+            assert_eq!(s.get_range("index/aa", o, l).unwrap_err().kind(), io::ErrorKind::UnexpectedEof, "{o} {l}");
+        }
+        // A directory where an object is expected is not one.
+        assert_eq!(s.get("index", 100).unwrap_err().kind(), io::ErrorKind::InvalidData);
+        assert!(s.len("index").is_err());
+    }
+
+    #[test]
+    fn only_object_names_are_accepted() {
+        let (t, s) = store();
+        for bad in ["", "/etc/passwd", "../x", "a/../b", "a//b", "A", "a.b", ".tmp-1", "a/", "a/b/c/d/e", "x\0"] {
+            assert_eq!(s.put(bad, b"x").unwrap_err().kind(), io::ErrorKind::InvalidInput, "{bad:?}");
+            assert_eq!(s.get(bad, 10).unwrap_err().kind(), io::ErrorKind::InvalidInput, "{bad:?}");
+            assert!(s.get_range(bad, 0, 1).is_err() && s.len(bad).is_err() && s.delete(bad).is_err());
+        }
+        assert!(!t.path().join("x").exists());
+    }
+
+    #[test]
+    fn links_never_lead_out_of_the_repository() {
+        let (t, s) = store();
+        let root = t.path().join("repo");
+        let outside = t.path().join("outside");
+        std::fs::create_dir(&outside).unwrap();
+        std::fs::write(outside.join("abc"), b"secret").unwrap();
+        symlink(&outside, root.join("data")).unwrap();
+        symlink(outside.join("abc"), root.join("config")).unwrap();
+        assert!(s.get("data/abc", 100).is_err());
+        assert!(s.get_range("data/abc", 0, 1).is_err());
+        assert!(s.len("data/abc").is_err());
+        assert!(s.get("config", 100).is_err());
+        assert!(s.len("config").is_err());
+        assert!(s.put("data/new", b"x").is_err());
+        assert!(s.delete("data/abc").is_err());
+        assert_eq!(s.list("data/").unwrap(), []);
+        assert_eq!(s.list("").unwrap(), []);
+        assert_eq!(std::fs::read_dir(&outside).unwrap().count(), 1);
+        assert_eq!(std::fs::read(outside.join("abc")).unwrap(), b"secret");
+        // Putting "config" replaces the link itself, not its target.
+        s.put("config", b"mine").unwrap();
+        assert_eq!(std::fs::read(outside.join("abc")).unwrap(), b"secret");
+        assert_eq!(s.get("config", 10).unwrap(), b"mine");
+    }
+
+    #[test]
+    fn listings_skip_temporary_and_foreign_files() {
+        let (t, s) = store();
+        let root = t.path().join("repo");
+        s.put("locks/aa", b"l").unwrap();
+        std::fs::write(root.join("locks/.tmp-0123"), b"half").unwrap();
+        std::fs::write(root.join("locks/README.txt"), b"x").unwrap();
+        std::fs::create_dir_all(root.join("locks/a/b/c/d")).unwrap();
+        std::fs::write(root.join("locks/a/b/c/d/e"), b"too deep").unwrap();
+        assert_eq!(s.list("locks/").unwrap(), [("locks/aa".to_string(), 1)]);
+    }
+
+    #[test]
+    fn create_wants_a_new_or_empty_directory() {
+        let t = tempfile::tempdir().unwrap();
+        let deep = t.path().join("a/b/repo");
+        DirStore::create(&deep).unwrap().put("config", b"x").unwrap();
+        let e = DirStore::create(&deep).err().unwrap();
+        assert_eq!(e.kind(), io::ErrorKind::AlreadyExists);
+        assert!(e.to_string().contains("not empty"), "{e}");
+        let empty = t.path().join("empty");
+        std::fs::create_dir(&empty).unwrap();
+        DirStore::create(&empty).unwrap();
+        std::fs::write(t.path().join("file"), b"").unwrap();
+        assert!(DirStore::create(&t.path().join("file")).is_err());
+        assert_eq!(DirStore::open(&t.path().join("nothing")).err().unwrap().kind(), io::ErrorKind::NotFound);
+        assert_eq!(DirStore::open(&deep).unwrap().get("config", 10).unwrap(), b"x");
+    }
+
+    #[test]
+    fn threads_write_side_by_side() {
+        let (_t, s) = store();
+        std::thread::scope(|sc| {
+            for i in 0..8u8 {
+                let s = &s;
+                sc.spawn(move || {
+                    for j in 0..20u8 {
+                        s.put(&format!("data/{i:02x}/{j:02x}"), &[i, j]).unwrap();
+                    }
+                });
+            }
+        });
+        assert_eq!(s.list("data/").unwrap().len(), 160);
+        assert_eq!(s.get("data/07/13", 2).unwrap(), [7, 0x13]);
     }
 }
