@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Bounded fuzz smoke run of the cargo-fuzz targets (fuzz/fuzz_targets/*.rs): ferry-proto's
-# server-side and client-side parsers, ferry-client's URI parser, and the qcow2 format layer.
+# server-side and client-side parsers, ferry-client's URI parser, the qcow2 format layer, and
+# ferry-repo's backup repository objects (repo_format).
 #
 #   scripts/fuzz-smoke.sh [SECONDS_PER_TARGET]     (default 20)
 #

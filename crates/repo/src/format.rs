@@ -684,7 +684,9 @@ pub fn fuzz(data: &[u8]) {
         1 => Limits { chunk_size: MIN_CHUNK_SIZE, page_entries: MIN_PAGE_ENTRIES },
         _ => Limits { chunk_size: MAX_CHUNK_SIZE, page_entries: MAX_PAGE_ENTRIES },
     };
-    let rest = data.get(1..).unwrap_or_default();
+    // Bytes 1..5 give a trailer's `blobs_len`, the rest is the trailer.
+    let blobs_len = data.get(1..5).map_or(0, |b| le32(b, 0) as u64);
+    let trailer = data.get(5..).unwrap_or_default();
     if let Ok(c) = Config::parse(data) {
         assert_eq!(Config::parse(&c.to_bytes()).as_ref(), Ok(&c));
     }
@@ -695,9 +697,8 @@ pub fn fuzz(data: &[u8]) {
     if let Ok(l) = Lock::parse(data) {
         assert_eq!(Lock::parse(&l.to_bytes()).as_ref(), Ok(&l));
     }
-    let blobs_len = u64::from(le32(&[rest, &[0u8; 4]].concat(), 0));
-    if let Ok(t) = parse_trailer(rest, blobs_len, &limits) {
-        assert_eq!(encode_trailer(&t), rest);
+    if let Ok(t) = parse_trailer(trailer, blobs_len, &limits) {
+        assert_eq!(encode_trailer(&t), trailer);
     }
     if let Ok(ix) = parse_index(data, &limits) {
         assert_eq!(encode_index(&ix), data);
@@ -1042,13 +1043,39 @@ mod tests {
         assert_eq!(parse_hex("0aff"), Some(vec![10, 255]));
     }
 
+    /// The fuzz target's seeds (fuzz/seeds/repo_format) are valid objects, so the fuzzer
+    /// starts past every parser's first checks.
+    #[test]
+    fn fuzz_seeds_are_valid_objects() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/seeds/repo_format");
+        let seed = |name: &str| std::fs::read(dir.join(name)).unwrap();
+        let c = Config::parse(&seed("config.json")).unwrap();
+        assert!(c.encryption.is_none());
+        assert!(Config::parse(&seed("config-encrypted.json")).unwrap().encryption.is_some());
+        Manifest::parse(&seed("manifest.json"), &L).unwrap();
+        Lock::parse(&seed("lock.json")).unwrap();
+        let t = seed("trailer.bin");
+        assert_eq!(parse_trailer(&t[5..], le32(&t, 1) as u64, &L).unwrap().len(), 3);
+        assert_eq!(parse_index(&seed("index.bin"), &L).unwrap().len(), 2);
+        let p = seed("pack-tail.bin");
+        let n = parse_pack_tail(&p[p.len() - PACK_TAIL..], p.len() as u64).unwrap() as usize;
+        let trailer = &p[p.len() - PACK_TAIL - n..p.len() - PACK_TAIL];
+        assert_eq!(parse_trailer(trailer, (p.len() - PACK_TAIL - n) as u64, &L).unwrap().len(), 3);
+        assert_eq!(parse_page(&seed("page.bin"), 3).unwrap().len(), 3);
+        for name in ["blob-raw.bin", "blob-zstd.bin"] {
+            let b = seed(name);
+            let plain = crate::blob::decode(&crate::crypto::Crypto::None, BlobKind::Data, &[0; 32], &b, 65536);
+            assert!(plain.unwrap_err().contains("do not match its id"), "{name}");
+        }
+    }
+
     #[test]
     fn fuzz_entry_point_takes_valid_objects_and_their_damage() {
         let mut seeds = vec![
             config().to_bytes(),
             manifest().to_bytes(),
             encode_index(&[PackBlobs { pack: [1; 32], blobs: entries() }]),
-            [&[0u8][..], &encode_trailer(&entries())].concat(),
+            [&[0u8, 151, 0, 0, 0][..], &encode_trailer(&entries())].concat(),
             pack_tail(10).to_vec(),
             encode_page(&[[5; 32]; 4]),
             hex(&[7; 32]).into_bytes(),

@@ -17,17 +17,21 @@
 
 pub mod blob;
 pub mod crypto;
+mod diff;
 pub mod format;
 pub mod lock;
 pub mod maint;
 mod reader;
 mod repo;
 pub mod store;
+#[cfg(test)]
+mod tests;
 mod writer;
 
+pub use diff::SnapshotDiff;
 pub use reader::SnapshotImage;
 pub use repo::{Index, InitOptions, Location as BlobLocation, Repository, SnapshotInfo};
-pub use writer::{BackupOptions, SnapshotWriter, WriterStats};
+pub use writer::{BackupOptions, SnapshotWriter, WriterStats, DEFAULT_LEVEL, DEFAULT_PACK_SIZE};
 
 /// Errors of repository operations. Each says what is wrong and what to do.
 #[derive(Debug, thiserror::Error)]

@@ -1,13 +1,162 @@
 //! Repository locks (FORMAT.md §8) over a [`Store`].
-use crate::format::LockKind;
+//!
+//! Taking a lock writes it, then lists `locks/`: of two conflicting locks that see each
+//! other, the one with the earlier `(time, name)` holds and the other removes itself. Times
+//! have nanoseconds, so the order is the order in which they were taken. A holder rewrites
+//! its lock every [`REFRESH`]; a lock not refreshed for [`STALE_AFTER`], or left on this
+//! host by a process that no longer runs, is stale and removed by whoever meets it.
+use crate::format::{self, Lock, LockKind};
+use crate::repo::{hostname, parse_time};
 use crate::store::Store;
-use crate::Result;
-use std::sync::Arc;
-use std::time::Duration;
+use crate::{Error, Result};
+use std::io;
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// How often a holder rewrites its lock.
+pub const REFRESH: Duration = Duration::from_secs(5 * 60);
+/// A lock not refreshed for this long is stale.
+pub const STALE_AFTER: Duration = Duration::from_secs(30 * 60);
 
 /// A held lock: refreshed in the background every 5 minutes, removed when dropped.
 pub struct LockGuard {
     _store: Arc<dyn Store>,
+    name: String,
+    stop: Arc<(Mutex<bool>, Condvar)>,
+    refresher: Option<JoinHandle<()>>,
+}
+
+impl LockGuard {
+    /// The lock's object name (`locks/...`).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+impl Drop for LockGuard {
+    fn drop(&mut self) {
+        {
+            let (m, c) = &*self.stop;
+            *m.lock().unwrap_or_else(|e| e.into_inner()) = true;
+            c.notify_all();
+        }
+        if let Some(t) = self.refresher.take() {
+            let _ = t.join();
+        }
+        if let Err(e) = self._store.delete(&self.name) {
+            log::warn!(
+                "cannot remove the lock {} from {}: {e}; it goes stale in 30 minutes",
+                self.name,
+                self._store.describe()
+            );
+        }
+    }
+}
+
+/// The lock's time format: RFC 3339 UTC with nanoseconds, so that both the parsed times
+/// and the strings order as the locks were taken.
+fn now_precise() -> String {
+    jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%S%.9fZ").to_string()
+}
+
+/// Whether a lock of `kind` (for disk `disk`) conflicts with `other`.
+pub fn conflicts(kind: LockKind, disk: Option<&str>, other: &Lock) -> bool {
+    use LockKind::*;
+    match (kind, other.kind) {
+        (Gc, _) | (_, Gc) => true,
+        (Backup, Backup) => disk.is_some() && disk == other.disk.as_deref(),
+        (Forget, Forget) => true,
+        _ => false,
+    }
+}
+
+/// Whether `lock` is stale now (FORMAT.md §8), and why.
+pub fn stale(lock: &Lock) -> Option<String> {
+    if let Some(r) = parse_time(&lock.refreshed) {
+        let age = jiff::Timestamp::now().duration_since(r);
+        if age > jiff::SignedDuration::try_from(STALE_AFTER).unwrap_or(jiff::SignedDuration::MAX) {
+            return Some(format!("not refreshed since {}", lock.refreshed));
+        }
+    }
+    if lock.host == hostname() && !pid_alive(lock.pid) {
+        return Some(format!("process {} no longer runs on {}", lock.pid, lock.host));
+    }
+    None
+}
+
+fn pid_alive(pid: u32) -> bool {
+    pid != 0 && std::path::Path::new(&format!("/proc/{pid}")).exists()
+}
+
+fn describe(name: &str, l: &Lock) -> String {
+    let what = match l.kind {
+        LockKind::Backup => "backup",
+        LockKind::Forget => "forget",
+        LockKind::Gc => "gc",
+    };
+    format!("a {what} by process {} on {} since {} ({name})", l.pid, l.host, l.time)
+}
+
+/// The locks in the store, each with whether it is stale; unreadable locks are skipped
+/// with a warning (a lock is being written or removed, or garbage).
+fn read_locks(store: &Arc<dyn Store>) -> Result<Vec<(String, Lock, Option<String>)>> {
+    let names =
+        store.list("locks/").map_err(|e| Error::store(format!("cannot list the locks of {}", store.describe()), e))?;
+    let mut out = Vec::new();
+    for (name, _) in names {
+        match store.get(&name, format::MAX_LOCK) {
+            Ok(bytes) => match Lock::parse(&bytes) {
+                Ok(l) => {
+                    let s = stale(&l);
+                    out.push((name, l, s))
+                }
+                Err(e) => log::warn!("{name} in {} is not a lock ({e}); ignoring it", store.describe()),
+            },
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) if e.kind() == io::ErrorKind::InvalidData => {
+                log::warn!("{name} in {} is not a lock ({e}); ignoring it", store.describe())
+            }
+            Err(e) => return Err(Error::store(format!("cannot read {name} from {}", store.describe()), e)),
+        }
+    }
+    Ok(out)
+}
+
+/// The conflicting live lock that holds against ours (`mine`, named `my_name`, or none
+/// yet), removing the stale ones met on the way.
+fn holder(
+    store: &Arc<dyn Store>,
+    kind: LockKind,
+    disk: Option<&str>,
+    mine: Option<(&str, &Lock)>,
+) -> Result<Option<(String, Lock)>> {
+    let mut best: Option<(String, Lock)> = None;
+    for (name, l, stale) in read_locks(store)? {
+        if Some(name.as_str()) == mine.map(|m| m.0) {
+            continue;
+        }
+        if let Some(why) = stale {
+            log::warn!("removing the stale lock of {} from {}: {why}", describe(&name, &l), store.describe());
+            let _ = store.delete(&name);
+            continue;
+        }
+        if !conflicts(kind, disk, &l) {
+            continue;
+        }
+        let earlier = match mine {
+            None => true,
+            Some((my_name, m)) => lock_key(&l.time, &name) < lock_key(&m.time, my_name),
+        };
+        if earlier && best.as_ref().is_none_or(|(bn, b)| lock_key(&l.time, &name) < lock_key(&b.time, bn)) {
+            best = Some((name, l));
+        }
+    }
+    Ok(best)
+}
+
+fn lock_key(time: &str, name: &str) -> (Option<jiff::Timestamp>, String) {
+    (parse_time(time), name.to_string())
 }
 
 /// Takes a lock of `kind` (`disk`: the disk's tag, for backups). A conflicting lock held
@@ -20,13 +169,91 @@ pub fn acquire(
     disk: Option<String>,
     wait: Option<Duration>,
 ) -> Result<LockGuard> {
-    let _ = (store, kind, disk, wait);
-    todo!()
+    let start = Instant::now();
+    let deadline = wait.map(|w| start + w);
+    let host = hostname();
+    let pid = std::process::id();
+    let mut pause = Duration::from_millis(200);
+    let locked = |name: &str, l: &Lock| {
+        Error::Locked(format!(
+            "{} is locked by {}: wait for it to end (--wait SECS), or, if that process is gone, \
+             remove {name} from the repository",
+            store.describe(),
+            describe(name, l)
+        ))
+    };
+    loop {
+        // Wait without writing while a holder is there.
+        if let Some((name, l)) = holder(store, kind, disk.as_deref(), None)? {
+            match deadline {
+                Some(d) if Instant::now() < d => {
+                    std::thread::sleep(pause.min(d.saturating_duration_since(Instant::now())));
+                    pause = (pause * 2).min(Duration::from_secs(1));
+                    continue;
+                }
+                _ => return Err(locked(&name, &l)),
+            }
+        }
+        let time = now_precise();
+        let lock = Lock { kind, disk: disk.clone(), host: host.clone(), pid, time: time.clone(), refreshed: time };
+        let name = format!("locks/{}", format::hex(&crate::crypto::random::<16>()));
+        store
+            .put(&name, &lock.to_bytes())
+            .map_err(|e| Error::store(format!("cannot write a lock to {}", store.describe()), e))?;
+        match holder(store, kind, disk.as_deref(), Some((&name, &lock))) {
+            Ok(None) => return Ok(start_refresh(store.clone(), name, lock)),
+            Ok(Some((hn, hl))) => {
+                let _ = store.delete(&name);
+                match deadline {
+                    Some(d) if Instant::now() < d => {
+                        std::thread::sleep(pause.min(d.saturating_duration_since(Instant::now())));
+                        pause = (pause * 2).min(Duration::from_secs(1));
+                    }
+                    _ => return Err(locked(&hn, &hl)),
+                }
+            }
+            Err(e) => {
+                let _ = store.delete(&name);
+                return Err(e);
+            }
+        }
+    }
+}
+
+fn start_refresh(store: Arc<dyn Store>, name: String, lock: Lock) -> LockGuard {
+    let stop = Arc::new((Mutex::new(false), Condvar::new()));
+    let refresher = {
+        let (store, name, stop) = (store.clone(), name.clone(), stop.clone());
+        std::thread::Builder::new()
+            .name("repo-lock".into())
+            .spawn(move || {
+                let mut lock = lock;
+                let (m, c) = &*stop;
+                let mut stopped = m.lock().unwrap_or_else(|e| e.into_inner());
+                loop {
+                    if *stopped {
+                        return;
+                    }
+                    let (s, timeout) = c.wait_timeout(stopped, REFRESH).unwrap_or_else(|e| e.into_inner());
+                    stopped = s;
+                    if timeout.timed_out() && !*stopped {
+                        lock.refreshed = now_precise();
+                        if let Err(e) = store.put(&name, &lock.to_bytes()) {
+                            log::warn!("cannot refresh the lock {name} in {}: {e}", store.describe());
+                        }
+                    }
+                }
+            })
+            .ok()
+    };
+    if refresher.is_none() {
+        log::warn!("cannot start the thread that refreshes the lock {name}: it goes stale in 30 minutes");
+    }
+    LockGuard { _store: store, name, stop, refresher }
 }
 
 /// The locks in the repository now, with whether each is stale (for `ferry repo list`
 /// and messages).
 pub fn list(store: &Arc<dyn Store>) -> Result<Vec<(String, crate::format::Lock, bool)>> {
-    let _ = store;
-    todo!()
+    Ok(read_locks(store)?.into_iter().map(|(n, l, s)| (n, l, s.is_some())).collect())
 }

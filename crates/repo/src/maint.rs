@@ -1,7 +1,12 @@
 //! Repository maintenance: check, verify, forget, gc, stats.
-use crate::repo::{Repository, SnapshotInfo};
-use crate::Result;
+use crate::format::{self, BlobEntry, Digest, LockKind, PackBlobs, ZERO};
+use crate::repo::{
+    blkhash_of, build_index, pack_name, par_map, parse_time, sha256, Index, Repository, SnapshotInfo, AAD_INDEX,
+    AAD_TRAILER, FETCH_THREADS,
+};
+use crate::{lock, Error, Result};
 use serde::Serialize;
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 /// A problem found by check or verify, with the snapshots and ranges it hits.
 #[derive(Debug, Clone, Serialize)]
@@ -24,11 +29,252 @@ pub struct Report {
     pub notes: Vec<String>,
 }
 
+impl Report {
+    fn problem(&mut self, object: impl Into<String>, why: impl Into<String>) -> usize {
+        self.problems.push(Problem { object: object.into(), why: why.into(), hits: Vec::new() });
+        self.problems.len() - 1
+    }
+}
+
+/// What check learned, for verify to go on from.
+struct Walk {
+    snaps: Vec<SnapshotInfo>,
+    index: Index,
+    /// Every pack's blobs as the index objects list them.
+    packs: HashMap<Digest, Vec<BlobEntry>>,
+    /// `data/` as listed: name to length.
+    listed: HashMap<String, u64>,
+    /// The entries of every page the snapshots use, or why it could not be read.
+    pages: HashMap<Digest, Result<Vec<Digest>, String>>,
+    /// Damaged or missing blob ids, with the problem each belongs to.
+    damaged: HashMap<Digest, usize>,
+}
+
+/// Reads each distinct page of `snaps` once.
+fn read_pages(
+    repo: &Repository,
+    index: &Index,
+    snaps: &[SnapshotInfo],
+) -> HashMap<Digest, Result<Vec<Digest>, String>> {
+    let mut want: Vec<Digest> = snaps.iter().flat_map(|s| s.manifest.page_digests()).filter(|d| *d != ZERO).collect();
+    want.sort_unstable();
+    want.dedup();
+    let got = par_map(&want, FETCH_THREADS, |d| repo.read_page(index, d));
+    want.into_iter().zip(got).collect()
+}
+
+/// The byte range chunk `ci` of a snapshot covers.
+fn chunk_range(snap: &SnapshotInfo, first: u64, count: u64) -> (u64, u64) {
+    let cs = snap.manifest.chunk_size as u64;
+    let start = first * cs;
+    let end = ((first + count) * cs).min(snap.manifest.size);
+    (start, end.saturating_sub(start))
+}
+
+/// Adds to each problem the ranges of every snapshot that read one of its blobs.
+fn attribute(repo: &Repository, w: &Walk, problems: &mut [Problem]) {
+    if w.damaged.is_empty() {
+        return;
+    }
+    // Per distinct page: which of its entries are damaged (computed once however many
+    // snapshots share the page).
+    let mut page_hits: HashMap<Digest, Vec<(u64, usize)>> = HashMap::new();
+    for (d, page) in &w.pages {
+        if let Ok(entries) = page {
+            let hits: Vec<(u64, usize)> = entries
+                .iter()
+                .enumerate()
+                .filter(|(_, e)| **e != ZERO)
+                .filter_map(|(i, e)| w.damaged.get(&repo.crypto.blob_id(e)).map(|p| (i as u64, *p)))
+                .collect();
+            if !hits.is_empty() {
+                page_hits.insert(*d, hits);
+            }
+        }
+    }
+    for s in &w.snaps {
+        let pe = s.manifest.page_entries as u64;
+        let chunks = s.manifest.chunks();
+        // (problem, first chunk, count), merged as they come in order.
+        let mut ranges: Vec<(usize, u64, u64)> = Vec::new();
+        let mut add = |p: usize, first: u64, count: u64| {
+            if let Some(last) = ranges.iter_mut().rev().find(|r| r.0 == p) {
+                if last.1 + last.2 == first {
+                    last.2 += count;
+                    return;
+                }
+            }
+            ranges.push((p, first, count));
+        };
+        for (i, d) in s.manifest.page_digests().iter().enumerate() {
+            if *d == ZERO {
+                continue;
+            }
+            let first = i as u64 * pe;
+            let count = chunks.saturating_sub(first).min(pe);
+            if let Some(p) = w.damaged.get(&repo.crypto.blob_id(d)) {
+                add(*p, first, count);
+            } else if let Some(hits) = page_hits.get(d) {
+                for (j, p) in hits {
+                    add(*p, first + j, 1);
+                }
+            }
+        }
+        for (p, first, count) in ranges {
+            let (off, len) = chunk_range(s, first, count);
+            problems[p].hits.push((s.id.clone(), s.manifest.name.clone(), off, len));
+        }
+    }
+}
+
+fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
+    let mut r = Report::default();
+    let store = &repo.store;
+    let (snaps, bad_snaps) = repo.snapshots_lenient()?;
+    for (name, e) in bad_snaps {
+        r.problem(name, e.to_string());
+    }
+    r.snapshots = snaps.len();
+    let (objects, bad_index) = repo.index_objects()?;
+    for (name, e) in bad_index {
+        r.problem(name, format!("{e}; the blobs it alone lists are lost to the snapshots below until it is rebuilt"));
+    }
+    let mut packs: HashMap<Digest, Vec<BlobEntry>> = HashMap::new();
+    for (_, ps) in &objects {
+        for p in ps {
+            let v = packs.entry(p.pack).or_default();
+            for b in &p.blobs {
+                if !v.iter().any(|x| x.id == b.id && x.offset == b.offset) {
+                    v.push(*b);
+                }
+            }
+        }
+    }
+    let index = build_index(objects);
+    let listed: HashMap<String, u64> = store
+        .list("data/")
+        .map_err(|e| Error::store(format!("cannot list the packs of {}", store.describe()), e))?
+        .into_iter()
+        .collect();
+    r.packs = listed.len();
+    // Packs the index names: present, and long enough.
+    let mut bad_packs: HashMap<Digest, usize> = HashMap::new();
+    let mut names: Vec<(&Digest, &Vec<BlobEntry>)> = packs.iter().collect();
+    names.sort_by_key(|(d, _)| **d);
+    for (pack, blobs) in names {
+        let name = pack_name(pack);
+        let end = blobs.iter().map(|b| b.offset as u64 + b.stored_len as u64).max().unwrap_or(0);
+        match listed.get(&name) {
+            None => {
+                bad_packs.insert(*pack, r.problem(name, "it is missing from the store (the index lists its blobs)"));
+            }
+            Some(&len) if len < end + format::PACK_TAIL as u64 => {
+                let why = format!("it is {len} bytes, shorter than its blobs in the index ({end} bytes and more)");
+                bad_packs.insert(*pack, r.problem(name, why));
+            }
+            _ => {}
+        }
+    }
+    let indexed: HashSet<String> = packs.keys().map(pack_name).collect();
+    let orphans = listed.keys().filter(|n| !indexed.contains(*n)).count();
+    if orphans > 0 {
+        r.notes.push(format!(
+            "{orphans} pack(s) are in no index object (left by interrupted backups or gc); `ferry repo gc` removes them"
+        ));
+    }
+    let mut damaged: HashMap<Digest, usize> = HashMap::new();
+    if !bad_packs.is_empty() {
+        for (id, loc) in &index.blobs {
+            if let Some(p) = bad_packs.get(&loc.pack) {
+                damaged.insert(*id, *p);
+            }
+        }
+    }
+    let pages = read_pages(repo, &index, &snaps);
+    let mut page_problem: HashMap<Digest, usize> = HashMap::new();
+    let mut checked: HashSet<Digest> = HashSet::new();
+    for s in &snaps {
+        let object = format!("snapshots/{}", s.id);
+        let mut missing: Option<usize> = None;
+        let mut missing_count = 0u64;
+        let mut entries_ok = true;
+        let mut entries: Vec<Digest> = Vec::new();
+        for (i, d) in s.manifest.page_digests().iter().enumerate() {
+            let count = s
+                .manifest
+                .chunks()
+                .saturating_sub(i as u64 * s.manifest.page_entries as u64)
+                .min(s.manifest.page_entries as u64);
+            if *d == ZERO {
+                entries.resize(entries.len() + count as usize, ZERO);
+                continue;
+            }
+            let id = repo.crypto.blob_id(d);
+            match pages.get(d) {
+                Some(Ok(page)) if page.len() as u64 == count => {
+                    entries.extend_from_slice(page);
+                    for e in page.iter().filter(|e| **e != ZERO) {
+                        let eid = repo.crypto.blob_id(e);
+                        if !checked.insert(eid) {
+                            continue;
+                        }
+                        if !index.blobs.contains_key(&eid) {
+                            let p = *missing.get_or_insert_with(|| r.problem(object.clone(), String::new()));
+                            missing_count += 1;
+                            damaged.insert(eid, p);
+                        }
+                    }
+                }
+                other => {
+                    entries_ok = false;
+                    if damaged.contains_key(&id) {
+                        continue;
+                    }
+                    let why = match other {
+                        Some(Ok(page)) => format!("page {i} has {} entries, not {count}", page.len()),
+                        Some(Err(why)) => why.clone(),
+                        None => "page not read".into(),
+                    };
+                    let obj = index.blobs.get(&id).map(|l| pack_name(&l.pack)).unwrap_or_else(|| object.clone());
+                    let p = *page_problem.entry(*d).or_insert_with(|| r.problem(obj, why));
+                    damaged.insert(id, p);
+                }
+            }
+        }
+        if let Some(p) = missing {
+            r.problems[p].why = format!("{missing_count} chunk(s) it uses are in no index object");
+        }
+        if entries_ok {
+            if let Some(want) = &s.manifest.blkhash {
+                let got = format::hex(&blkhash_of(&entries, s.manifest.size, s.manifest.chunk_size));
+                if s.manifest.chunk_size == 65536 && *want != got {
+                    r.problem(object, format!("its blkhash {want} does not match its pages ({got})"));
+                }
+            }
+        }
+    }
+    r.blobs_checked = checked.len() as u64;
+    match lock::list(store) {
+        Ok(locks) => {
+            for (name, l, stale) in locks {
+                let state = if stale { "stale" } else { "held" };
+                r.notes.push(format!(
+                    "{state} lock {name}: {:?} by process {} on {} since {}",
+                    l.kind, l.pid, l.host, l.time
+                ));
+            }
+        }
+        Err(e) => r.notes.push(format!("cannot read the locks: {e}")),
+    }
+    Ok((r, Walk { snaps, index, packs, listed, pages, damaged }))
+}
+
 /// Metadata only: config, every index object, every manifest and its pages, every
 /// referenced blob indexed, every indexed pack present with a plausible size.
 pub fn check(repo: &Repository) -> Result<Report> {
-    let _ = repo;
-    todo!()
+    let (mut r, w) = check_walk(repo)?;
+    attribute(repo, &w, &mut r.problems);
+    Ok(r)
 }
 
 #[derive(Debug, Clone)]
@@ -38,10 +284,121 @@ pub struct VerifyOptions {
     pub threads: usize,
 }
 
+/// Whether verify reads `pack` today when it reads `percent` of the packs: a window of
+/// first bytes that moves by its own width each day, so that successive days cover all.
+pub fn selected(pack: &Digest, percent: u32, day: u64) -> bool {
+    if percent >= 100 {
+        return true;
+    }
+    let share = (percent as u64 * 256).div_ceil(100).max(1);
+    let start = (day % 256) * share % 256;
+    (pack[0] as u64 + 256 - start) % 256 < share
+}
+
+/// What reading one pack found.
+#[derive(Default)]
+struct PackCheck {
+    bytes: u64,
+    blobs: u64,
+    /// Why the pack as a whole is wrong (name, trailer), if it is.
+    pack_why: Option<String>,
+    bad_blobs: Vec<(Digest, String)>,
+}
+
+fn verify_pack(repo: &Repository, pack: &Digest, blobs: &[BlobEntry]) -> PackCheck {
+    let name = pack_name(pack);
+    let mut c = PackCheck::default();
+    let bytes = match repo.store.get(&name, format::MAX_PACK) {
+        Ok(b) => b,
+        Err(e) => {
+            c.pack_why = Some(format!("cannot be read: {e}"));
+            c.bad_blobs = blobs.iter().map(|b| (b.id, "unreadable".to_string())).collect();
+            return c;
+        }
+    };
+    c.bytes = bytes.len() as u64;
+    let mut whys = Vec::new();
+    if sha256(&bytes) != *pack {
+        whys.push("its content does not match its name (SHA-256)".to_string());
+    }
+    let len = bytes.len() as u64;
+    let trailer = (|| -> Result<Vec<BlobEntry>, String> {
+        let tail = bytes.get(bytes.len().saturating_sub(format::PACK_TAIL)..).unwrap_or(&[]);
+        let tl = format::parse_pack_tail(tail, len).map_err(|e| e.0)? as u64;
+        let blobs_len = len
+            .checked_sub(format::PACK_TAIL as u64 + tl)
+            .ok_or_else(|| "its trailer is longer than the pack".to_string())?;
+        let stored = &bytes[blobs_len as usize..(len as usize - format::PACK_TAIL)];
+        let plain = repo.crypto.open(AAD_TRAILER, stored).map_err(|e| e.to_string())?;
+        format::parse_trailer(&plain, blobs_len, &repo.limits()).map_err(|e| e.0)
+    })();
+    match trailer {
+        Err(why) => whys.push(format!("its trailer is damaged: {why}")),
+        Ok(t) => {
+            let set: HashSet<(Digest, u32, u32)> = t.iter().map(|b| (b.id, b.offset, b.stored_len)).collect();
+            let off = blobs.iter().filter(|b| !set.contains(&(b.id, b.offset, b.stored_len))).count();
+            if off > 0 {
+                whys.push(format!("its trailer does not list {off} blob(s) the index places in it"));
+            }
+        }
+    }
+    for b in blobs {
+        c.blobs += 1;
+        let loc = crate::BlobLocation {
+            pack: *pack,
+            kind: b.kind,
+            offset: b.offset,
+            stored_len: b.stored_len,
+            plain_len: b.plain_len,
+        };
+        let stored = bytes.get(b.offset as usize..b.offset as usize + b.stored_len as usize).unwrap_or(&[]);
+        if let Err(why) = repo.decode_blob(&b.id, &loc, b.kind, stored) {
+            c.bad_blobs.push((b.id, why));
+        }
+    }
+    if !whys.is_empty() {
+        c.pack_why = Some(whys.join("; "));
+    }
+    c
+}
+
 /// check, then read each chosen pack once, whole, and check every blob in it.
 pub fn verify(repo: &Repository, opts: &VerifyOptions) -> Result<Report> {
-    let _ = (repo, opts);
-    todo!()
+    let (mut r, mut w) = check_walk(repo)?;
+    let day = jiff::Timestamp::now().as_second().max(0) as u64 / 86400;
+    let mut todo: Vec<(Digest, Vec<BlobEntry>)> = w
+        .packs
+        .iter()
+        .filter(|(p, _)| w.listed.contains_key(&pack_name(p)) && selected(p, opts.read_data_percent.max(1), day))
+        .map(|(p, b)| (*p, b.clone()))
+        .collect();
+    todo.sort_by_key(|(p, _)| *p);
+    // From here on, blobs_checked counts the blobs decoded.
+    r.blobs_checked = 0;
+    let results = par_map(&todo, opts.threads.max(1), |(p, b)| verify_pack(repo, p, b));
+    for ((pack, _), c) in todo.iter().zip(results) {
+        r.bytes_read += c.bytes;
+        r.blobs_checked += c.blobs;
+        if c.pack_why.is_none() && c.bad_blobs.is_empty() {
+            continue;
+        }
+        let mut why = c.pack_why.unwrap_or_default();
+        if !c.bad_blobs.is_empty() {
+            if !why.is_empty() {
+                why.push_str("; ");
+            }
+            why.push_str(&format!("{} blob(s) damaged (first: {})", c.bad_blobs.len(), c.bad_blobs[0].1));
+        }
+        let p = r.problem(pack_name(pack), why);
+        for (id, _) in c.bad_blobs {
+            // Only the copy the index reads from hurts the snapshots.
+            if w.index.blobs.get(&id).is_some_and(|l| l.pack == *pack) {
+                w.damaged.entry(id).or_insert(p);
+            }
+        }
+    }
+    attribute(repo, &w, &mut r.problems);
+    Ok(r)
 }
 
 #[derive(Debug, Clone, Default)]
@@ -52,23 +409,114 @@ pub struct Policy {
     pub keep_monthly: Option<u32>,
 }
 
+impl Policy {
+    fn is_empty(&self) -> bool {
+        self.keep_last.is_none()
+            && self.keep_daily.is_none()
+            && self.keep_weekly.is_none()
+            && self.keep_monthly.is_none()
+    }
+}
+
 /// What forget kept and removed, per disk.
 #[derive(Debug, Default, Serialize)]
 pub struct ForgetReport {
     pub kept: Vec<String>,
     pub removed: Vec<String>,
+    /// Said once each: e.g. that no rule was given, so everything was kept.
+    pub notes: Vec<String>,
 }
 
 /// Applies `policy` to each disk (or only `name`): removes the manifests it does not keep.
+///
+/// With no rule, every snapshot is kept (and the report says so). Rules that are all 0
+/// would remove every snapshot: refused.
 pub fn forget(repo: &Repository, name: Option<&str>, policy: &Policy, dry_run: bool) -> Result<ForgetReport> {
-    let _ = (repo, name, policy, dry_run);
-    todo!()
+    let mut report = ForgetReport::default();
+    let rules = [policy.keep_last, policy.keep_daily, policy.keep_weekly, policy.keep_monthly];
+    if !policy.is_empty() && rules.iter().flatten().all(|n| *n == 0) {
+        return Err(Error::Invalid(
+            "every --keep-* given is 0, which would remove every snapshot: give at least one rule with N of 1 or more"
+                .into(),
+        ));
+    }
+    let _lock = if dry_run { None } else { Some(lock::acquire(&repo.store, LockKind::Forget, None, None)?) };
+    let snaps = repo.snapshots()?;
+    let mut disks: BTreeMap<&str, Vec<SnapshotInfo>> = BTreeMap::new();
+    for s in &snaps {
+        if name.is_none_or(|n| n == s.manifest.name) {
+            disks.entry(s.manifest.name.as_str()).or_default().push(s.clone());
+        }
+    }
+    if let Some(n) = name {
+        if disks.is_empty() {
+            return Err(Error::NotFound(format!("{} has no snapshot of {n}", repo.store.describe())));
+        }
+    }
+    if policy.is_empty() {
+        report.notes.push("no --keep-* rule given: every snapshot is kept".into());
+    }
+    for (_, mut list) in disks {
+        list.reverse(); // newest first
+        let keep = keep(&list, policy);
+        for (s, k) in list.iter().zip(keep) {
+            if k {
+                report.kept.push(s.id.clone());
+            } else {
+                if !dry_run {
+                    let obj = format!("snapshots/{}", s.id);
+                    repo.store
+                        .delete(&obj)
+                        .map_err(|e| Error::store(format!("cannot remove {obj} from {}", repo.store.describe()), e))?;
+                }
+                report.removed.push(s.id.clone());
+            }
+        }
+    }
+    Ok(report)
 }
 
 /// Which snapshots `policy` keeps among one disk's, newest first (pure).
+///
+/// As restic: `keep_last` keeps the N newest; `keep_daily` the newest snapshot of each of
+/// the N most recent days that have one (UTC), `keep_weekly` of ISO weeks, `keep_monthly`
+/// of months. A snapshot any rule keeps is kept. No rule at all keeps everything; a
+/// snapshot whose time cannot be read is kept.
 pub fn keep(snaps: &[SnapshotInfo], policy: &Policy) -> Vec<bool> {
-    let _ = (snaps, policy);
-    todo!()
+    if policy.is_empty() {
+        return vec![true; snaps.len()];
+    }
+    let dates: Vec<Option<jiff::civil::Date>> = snaps
+        .iter()
+        .map(|s| parse_time(&s.manifest.time).map(|t| t.to_zoned(jiff::tz::TimeZone::UTC).date()))
+        .collect();
+    let mut out: Vec<bool> = dates.iter().map(|d| d.is_none()).collect();
+    if let Some(n) = policy.keep_last {
+        out.iter_mut().take(n as usize).for_each(|k| *k = true);
+    }
+    let mut bucket = |n: Option<u32>, key: &dyn Fn(jiff::civil::Date) -> (i32, i32, i32)| {
+        let Some(n) = n else { return };
+        let mut seen: Vec<(i32, i32, i32)> = Vec::new();
+        for (i, d) in dates.iter().enumerate() {
+            let Some(d) = d else { continue };
+            let k = key(*d);
+            if seen.contains(&k) {
+                continue;
+            }
+            if seen.len() >= n as usize {
+                break;
+            }
+            seen.push(k);
+            out[i] = true;
+        }
+    };
+    bucket(policy.keep_daily, &|d| (d.year() as i32, d.month() as i32, d.day() as i32));
+    bucket(policy.keep_weekly, &|d| {
+        let w = d.iso_week_date();
+        (w.year() as i32, w.week() as i32, 0)
+    });
+    bucket(policy.keep_monthly, &|d| (d.year() as i32, d.month() as i32, 0));
+    out
 }
 
 #[derive(Debug, Default, Serialize)]
@@ -82,9 +530,180 @@ pub struct GcReport {
 }
 
 /// Frees what no snapshot references (FORMAT.md §9).
+///
+/// Anything it cannot read (a manifest, an index object, a page) stops it before it
+/// deletes anything: what it cannot read, it cannot prove dead.
 pub fn gc(repo: &Repository, wait: Option<std::time::Duration>) -> Result<GcReport> {
-    let _ = (repo, wait);
-    todo!()
+    let store = &repo.store;
+    let _lock = lock::acquire(store, LockKind::Gc, None, wait)?;
+    let stop =
+        |what: String| Error::Invalid(format!("gc stopped before deleting anything: {what}; run `ferry repo check`"));
+    // 1. The live set.
+    let snaps = repo.snapshots().map_err(|e| stop(e.to_string()))?;
+    // 2. The index and the packs.
+    let (objects, bad) = repo.index_objects()?;
+    if let Some((_, e)) = bad.into_iter().next() {
+        return Err(stop(e.to_string()));
+    }
+    let old_index: Vec<String> = objects.iter().map(|(n, _)| n.clone()).collect();
+    let listed: HashMap<String, u64> = store
+        .list("data/")
+        .map_err(|e| Error::store(format!("cannot list the packs of {}", store.describe()), e))?
+        .into_iter()
+        .collect();
+    let index_bytes: u64 = store
+        .list("index/")
+        .map_err(|e| Error::store(format!("cannot list the index of {}", store.describe()), e))?
+        .iter()
+        .map(|(_, l)| *l)
+        .sum();
+    let mut report = GcReport { bytes_before: listed.values().sum::<u64>() + index_bytes, ..GcReport::default() };
+    // Each pack's blobs; each blob's copy to keep (in a pack that is there).
+    let mut packs: BTreeMap<Digest, Vec<BlobEntry>> = BTreeMap::new();
+    for (_, ps) in &objects {
+        for p in ps {
+            let v = packs.entry(p.pack).or_default();
+            for b in &p.blobs {
+                if !v.iter().any(|x| x.id == b.id && x.offset == b.offset) {
+                    v.push(*b);
+                }
+            }
+        }
+    }
+    let mut chosen: HashMap<Digest, Digest> = HashMap::new();
+    for (pack, blobs) in &packs {
+        if listed.contains_key(&pack_name(pack)) {
+            for b in blobs {
+                chosen.entry(b.id).or_insert(*pack);
+            }
+        }
+    }
+    let index = build_index(objects);
+    let pages = read_pages(repo, &index, &snaps);
+    let mut live: HashSet<Digest> = HashSet::new();
+    for s in &snaps {
+        for d in s.manifest.page_digests() {
+            if d == ZERO {
+                continue;
+            }
+            live.insert(repo.crypto.blob_id(&d));
+            match pages.get(&d) {
+                Some(Ok(entries)) => {
+                    live.extend(entries.iter().filter(|e| **e != ZERO).map(|e| repo.crypto.blob_id(e)))
+                }
+                Some(Err(why)) => return Err(stop(format!("snapshots/{}: {why}", s.id))),
+                None => return Err(stop(format!("snapshots/{}: a page was not read", s.id))),
+            }
+        }
+    }
+    if let Some(id) = live.iter().find(|id| !chosen.contains_key(*id)) {
+        return Err(stop(format!("blob {} that a snapshot uses is in no pack of the store", format::hex(id))));
+    }
+    // 3. Classify packs; copy the live blobs of partly dead ones.
+    let mut keep: Vec<PackBlobs> = Vec::new();
+    let mut delete: Vec<String> = Vec::new();
+    let mut repack: Vec<(Digest, Vec<BlobEntry>)> = Vec::new();
+    for (pack, blobs) in &packs {
+        let name = pack_name(pack);
+        if !listed.contains_key(&name) {
+            continue; // missing: nothing to keep or delete
+        }
+        let is_live = |b: &BlobEntry| live.contains(&b.id) && chosen.get(&b.id) == Some(pack);
+        let n_live = blobs.iter().filter(|b| is_live(b)).count();
+        let dead: Vec<&BlobEntry> = blobs.iter().filter(|b| !is_live(b)).collect();
+        report.blobs_freed += dead.len() as u64;
+        if n_live == blobs.len() {
+            keep.push(PackBlobs { pack: *pack, blobs: blobs.clone() });
+        } else if n_live == 0 {
+            delete.push(name);
+        } else {
+            repack.push((*pack, blobs.iter().filter(|b| is_live(b)).copied().collect()));
+            delete.push(name);
+        }
+    }
+    let indexed: HashSet<String> = packs.keys().map(pack_name).collect();
+    let orphans: Vec<String> = listed.keys().filter(|n| !indexed.contains(*n)).cloned().collect();
+    if delete.is_empty() && orphans.is_empty() && old_index.len() <= 1 {
+        report.bytes_after = report.bytes_before;
+        return Ok(report);
+    }
+    let mut new_packs: Vec<PackBlobs> = Vec::new();
+    let mut out = PackOut::default();
+    for (pack, blobs) in &repack {
+        let name = pack_name(pack);
+        let bytes = store.get(&name, format::MAX_PACK).map_err(|e| stop(format!("cannot read {name}: {e}")))?;
+        if sha256(&bytes) != *pack {
+            return Err(stop(format!("{name} does not match its name (SHA-256): it is damaged")));
+        }
+        for b in blobs {
+            let stored = bytes
+                .get(b.offset as usize..b.offset as usize + b.stored_len as usize)
+                .ok_or_else(|| stop(format!("{name} is shorter than its index says")))?;
+            out.add(b, stored);
+            if out.buf.len() >= crate::writer::DEFAULT_PACK_SIZE {
+                new_packs.push(out.close(repo)?);
+            }
+        }
+        report.packs_repacked += 1;
+    }
+    if !out.entries.is_empty() {
+        new_packs.push(out.close(repo)?);
+    }
+    // 4. One index object for every pack that stays and every new one.
+    keep.extend(new_packs);
+    let mut new_name = None;
+    if !keep.is_empty() {
+        let plain = format::encode_index(&keep);
+        let sealed = repo.crypto.seal(AAD_INDEX, &plain);
+        let name = format!("index/{}", format::hex(&sha256(&sealed)));
+        store
+            .put(&name, &sealed)
+            .map_err(|e| Error::store(format!("cannot store {name} in {}", store.describe()), e))?;
+        new_name = Some(name);
+    }
+    // 5. The old index objects.
+    for name in old_index.iter().filter(|n| Some(*n) != new_name.as_ref()) {
+        store.delete(name).map_err(|e| Error::store(format!("cannot remove {name} from {}", store.describe()), e))?;
+    }
+    // 6. Dead, repacked and orphan packs.
+    for name in delete.iter().chain(&orphans) {
+        store.delete(name).map_err(|e| Error::store(format!("cannot remove {name} from {}", store.describe()), e))?;
+        report.packs_deleted += 1;
+    }
+    let after_data: u64 = store.list("data/").map(|v| v.iter().map(|(_, l)| *l).sum()).unwrap_or(0);
+    let after_index: u64 = store.list("index/").map(|v| v.iter().map(|(_, l)| *l).sum()).unwrap_or(0);
+    report.bytes_after = after_data + after_index;
+    report.bytes_freed = report.bytes_before.saturating_sub(report.bytes_after);
+    Ok(report)
+}
+
+/// A pack being filled by gc with stored blobs as they are.
+#[derive(Default)]
+struct PackOut {
+    buf: Vec<u8>,
+    entries: Vec<BlobEntry>,
+}
+
+impl PackOut {
+    fn add(&mut self, b: &BlobEntry, stored: &[u8]) {
+        self.entries.push(BlobEntry { offset: self.buf.len() as u32, ..*b });
+        self.buf.extend_from_slice(stored);
+    }
+    fn close(&mut self, repo: &Repository) -> Result<PackBlobs> {
+        let mut buf = std::mem::take(&mut self.buf);
+        let entries = std::mem::take(&mut self.entries);
+        let trailer = format::encode_trailer(&entries);
+        let before = buf.len();
+        repo.crypto.seal_into(AAD_TRAILER, &trailer, &mut buf);
+        let tl = (buf.len() - before) as u32;
+        buf.extend_from_slice(&format::pack_tail(tl));
+        let digest = sha256(&buf);
+        let name = pack_name(&digest);
+        repo.store
+            .put(&name, &buf)
+            .map_err(|e| Error::store(format!("cannot store {name} in {}", repo.store.describe()), e))?;
+        Ok(PackBlobs { pack: digest, blobs: entries })
+    }
 }
 
 #[derive(Debug, Default, Serialize)]
@@ -104,6 +723,31 @@ pub struct Stats {
 }
 
 pub fn stats(repo: &Repository) -> Result<Stats> {
-    let _ = repo;
-    todo!()
+    let store = &repo.store;
+    let snaps = repo.snapshots()?;
+    let index = repo.load_index()?;
+    let pages = read_pages(repo, &index, &snaps);
+    let mut s = Stats { snapshots: snaps.len() as u64, ..Stats::default() };
+    let disks: HashSet<&str> = snaps.iter().map(|s| s.manifest.name.as_str()).collect();
+    s.disks = disks.len() as u64;
+    s.logical = snaps.iter().map(|s| s.manifest.size).sum();
+    let mut seen: HashSet<Digest> = HashSet::new();
+    for (d, page) in &pages {
+        let page = page.as_ref().map_err(|why| Error::damaged(format!("page {}", format::hex(d)), why.clone()))?;
+        for e in page.iter().filter(|e| **e != ZERO) {
+            let id = repo.crypto.blob_id(e);
+            if seen.insert(id) {
+                if let Some(l) = index.blobs.get(&id) {
+                    s.unique_plain += l.plain_len as u64;
+                    s.unique_stored += l.stored_len as u64;
+                }
+            }
+        }
+    }
+    s.chunks = seen.len() as u64;
+    let data = store.list("data/").map_err(|e| Error::store(format!("cannot list {}", store.describe()), e))?;
+    let idx = store.list("index/").map_err(|e| Error::store(format!("cannot list {}", store.describe()), e))?;
+    s.packs = data.len() as u64;
+    s.store_bytes = data.iter().chain(&idx).map(|(_, l)| *l).sum();
+    Ok(s)
 }

@@ -1,48 +1,336 @@
 //! A snapshot as a read-only image: chunks fetched from packs, decoded, checked against
 //! their digests, and cached; zero chunks never read. Its extents come from the index.
-use crate::format::Digest;
-use crate::repo::{Repository, SnapshotInfo};
+//!
+//! A read fetches the chunks it needs that lie next to each other in one pack with one
+//! ranged read, then decodes them on the calling thread: reads from many threads run side
+//! by side, with no lock held around I/O or decoding. Chunks read in part (small random
+//! reads, as a VM booting from `ferry serve` makes) are kept in a small cache shared by
+//! every thread; chunks read whole (a restore) are not.
+use crate::format::{self, BlobKind, Digest, ZERO};
+use crate::repo::{blkhash_of, pack_name, Index, Location, Repository, SnapshotInfo};
 use crate::Result;
-use ferry_backend::{Backend, Capabilities};
-use std::sync::Arc;
+use ferry_backend::{push_extent, Backend, Capabilities, Extent, DATA, HOLE};
+use std::collections::HashMap;
+use std::io;
+use std::sync::{Arc, Mutex, RwLock};
+
+/// Cache shards and chunks per shard: 256 chunks (16 MiB of 64 KiB chunks).
+const SHARDS: usize = 16;
+const PER_SHARD: usize = 16;
+/// Stored bytes between two blobs of one pack that a read still fetches in one request
+/// rather than two.
+const GAP: u64 = 64 << 10;
 
 pub struct SnapshotImage {
-    _repo: Arc<Repository>,
+    repo: Arc<Repository>,
+    snap: SnapshotInfo,
+    /// Reloaded when a pack it names is gone (a gc moved the blobs while we read).
+    index: RwLock<Arc<Index>>,
+    reload: Mutex<()>,
+    entries: Vec<Digest>,
+    cs: u64,
+    size: u64,
+    cache: Vec<Mutex<Shard>>,
+}
+
+#[derive(Default)]
+struct Shard {
+    tick: u64,
+    chunks: HashMap<u64, (Arc<Vec<u8>>, u64)>,
 }
 
 impl SnapshotImage {
     /// Loads the index and the snapshot's pages.
     pub fn open(repo: Arc<Repository>, snap: &SnapshotInfo) -> Result<Arc<SnapshotImage>> {
-        let _ = (repo, snap);
-        todo!()
+        let index = repo.load_index_lenient()?;
+        let entries = repo.entries(&index, snap)?;
+        Ok(Arc::new(SnapshotImage {
+            cs: repo.config.chunk_size as u64,
+            size: snap.manifest.size,
+            repo,
+            snap: snap.clone(),
+            index: RwLock::new(Arc::new(index)),
+            reload: Mutex::new(()),
+            entries,
+            cache: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
+        }))
     }
 
     /// The blkhash (SHA-256, 64 KiB blocks) of the snapshot, from its entries alone;
     /// `None` when the repository's chunks are not 64 KiB.
     pub fn blkhash(&self) -> Option<Digest> {
-        todo!()
+        (self.cs == 65536).then(|| blkhash_of(&self.entries, self.size, self.cs as u32))
     }
 
     pub fn info(&self) -> &SnapshotInfo {
-        todo!()
+        &self.snap
     }
+
+    /// The chunk digests (zero entries for zero chunks).
+    pub fn entries(&self) -> &[Digest] {
+        &self.entries
+    }
+
+    fn chunk_len(&self, ci: u64) -> usize {
+        (self.size - ci * self.cs).min(self.cs) as usize
+    }
+
+    fn cached(&self, ci: u64) -> Option<Arc<Vec<u8>>> {
+        let mut s = self.cache[ci as usize % SHARDS].lock().unwrap_or_else(|e| e.into_inner());
+        s.tick += 1;
+        let t = s.tick;
+        s.chunks.get_mut(&ci).map(|(c, used)| {
+            *used = t;
+            c.clone()
+        })
+    }
+
+    fn remember(&self, ci: u64, chunk: Arc<Vec<u8>>) {
+        let mut s = self.cache[ci as usize % SHARDS].lock().unwrap_or_else(|e| e.into_inner());
+        s.tick += 1;
+        let t = s.tick;
+        if s.chunks.len() >= PER_SHARD && !s.chunks.contains_key(&ci) {
+            if let Some(old) = s.chunks.iter().min_by_key(|(_, (_, u))| *u).map(|(k, _)| *k) {
+                s.chunks.remove(&old);
+            }
+        }
+        s.chunks.insert(ci, (chunk, t));
+    }
+
+    /// The index again, unless another thread has just reloaded it.
+    fn reload_index(&self, used: &Arc<Index>) -> Result<Arc<Index>> {
+        let _one = self.reload.lock().unwrap_or_else(|e| e.into_inner());
+        let cur = self.index.read().unwrap_or_else(|e| e.into_inner()).clone();
+        if !Arc::ptr_eq(&cur, used) {
+            return Ok(cur);
+        }
+        let fresh = Arc::new(self.repo.load_index_lenient()?);
+        *self.index.write().unwrap_or_else(|e| e.into_inner()) = fresh.clone();
+        Ok(fresh)
+    }
+
+    /// An I/O error for a range whose data could not be had from the store (a network or
+    /// storage failure, not damage).
+    fn unreadable(&self, offset: u64, length: u64, ci: u64, why: String) -> ferry_backend::Error {
+        let start = ci * self.cs;
+        let end = start + self.chunk_len(ci) as u64;
+        ferry_backend::Error::io(
+            "read",
+            offset,
+            length,
+            io::Error::other(format!(
+                "cannot read bytes {start}..{end} of snapshot {}@{}: {why}",
+                self.snap.manifest.name,
+                &self.snap.id[..8.min(self.snap.id.len())],
+            )),
+        )
+    }
+
+    /// An I/O error naming the snapshot's range and what failed.
+    fn damage(&self, offset: u64, length: u64, ci: u64, why: String) -> ferry_backend::Error {
+        let start = ci * self.cs;
+        let end = start + self.chunk_len(ci) as u64;
+        ferry_backend::Error::io(
+            "read",
+            offset,
+            length,
+            io::Error::other(format!(
+                "bytes {start}..{end} of snapshot {}@{} of {} are damaged: {why} (run `ferry repo verify`)",
+                self.snap.manifest.name,
+                &self.snap.id[..8.min(self.snap.id.len())],
+                self.repo.store.describe()
+            )),
+        )
+    }
+
+    fn read_with(&self, index: &Index, buf: &mut [u8], offset: u64) -> Result<(), Failure> {
+        let length = buf.len() as u64;
+        let end = offset + length;
+        let first = offset / self.cs;
+        let last = (end - 1) / self.cs;
+        // The part of `buf` that chunk `ci` fills, and where in the chunk it starts.
+        let span = |ci: u64| -> (usize, usize, usize) {
+            let cstart = ci * self.cs;
+            let s = offset.max(cstart);
+            let e = end.min(cstart + self.chunk_len(ci) as u64);
+            ((s - offset) as usize, (e - offset) as usize, (s - cstart) as usize)
+        };
+        let mut wants: Vec<Want> = Vec::new();
+        for ci in first..=last {
+            let d = &self.entries[ci as usize];
+            let (bs, be, at) = span(ci);
+            if *d == ZERO {
+                buf[bs..be].fill(0);
+                continue;
+            }
+            let whole = at == 0 && be - bs == self.chunk_len(ci);
+            if !whole {
+                if let Some(c) = self.cached(ci) {
+                    buf[bs..be].copy_from_slice(&c[at..at + (be - bs)]);
+                    continue;
+                }
+            }
+            let id = self.repo.crypto.blob_id(d);
+            let Some(loc) = index.blobs.get(&id) else {
+                return Err(Failure::PackGone(self.damage(
+                    offset,
+                    length,
+                    ci,
+                    format!("its chunk {} is in no index object", format::hex(&id)),
+                )));
+            };
+            wants.push(Want { ci, id, loc: *loc });
+        }
+        // Runs of blobs next to each other in one pack: one ranged read each.
+        wants.sort_unstable_by_key(|w| (w.loc.pack, w.loc.offset));
+        let mut i = 0;
+        while i < wants.len() {
+            let mut j = i + 1;
+            let mut run_end = wants[i].loc.offset as u64 + wants[i].loc.stored_len as u64;
+            while j < wants.len()
+                && wants[j].loc.pack == wants[i].loc.pack
+                && (wants[j].loc.offset as u64) <= run_end + GAP
+            {
+                run_end = run_end.max(wants[j].loc.offset as u64 + wants[j].loc.stored_len as u64);
+                j += 1;
+            }
+            let run_start = wants[i].loc.offset as u64;
+            let pack = pack_name(&wants[i].loc.pack);
+            let bytes = self.repo.store.get_range(&pack, run_start, run_end - run_start).map_err(|e| {
+                let ci = wants[i].ci;
+                match e.kind() {
+                    io::ErrorKind::NotFound => {
+                        Failure::PackGone(self.damage(offset, length, ci, format!("{pack} is missing")))
+                    }
+                    io::ErrorKind::UnexpectedEof | io::ErrorKind::InvalidData => {
+                        Failure::Other(self.damage(offset, length, ci, format!("cannot read {pack}: {e}")))
+                    }
+                    _ => Failure::Other(self.unreadable(offset, length, ci, format!("cannot read {pack}: {e}"))),
+                }
+            })?;
+            for w in &wants[i..j] {
+                let s = (w.loc.offset as u64 - run_start) as usize;
+                let stored = bytes.get(s..s + w.loc.stored_len as usize).unwrap_or(&[]);
+                let plain = self
+                    .repo
+                    .decode_blob(&w.id, &w.loc, BlobKind::Data, stored)
+                    .map_err(|why| Failure::Other(self.damage(offset, length, w.ci, format!("{pack}: {why}"))))?;
+                if plain.len() != self.chunk_len(w.ci) {
+                    return Err(Failure::Other(self.damage(
+                        offset,
+                        length,
+                        w.ci,
+                        format!(
+                            "{pack}: chunk {} has {} bytes, not {}",
+                            format::hex(&w.id),
+                            plain.len(),
+                            self.chunk_len(w.ci)
+                        ),
+                    )));
+                }
+                let (bs, be, at) = span(w.ci);
+                buf[bs..be].copy_from_slice(&plain[at..at + (be - bs)]);
+                if be - bs != plain.len() {
+                    self.remember(w.ci, Arc::new(plain));
+                }
+            }
+            i = j;
+        }
+        Ok(())
+    }
+}
+
+/// Why a read failed: a pack that is gone may be found again in a reloaded index.
+enum Failure {
+    PackGone(ferry_backend::Error),
+    Other(ferry_backend::Error),
+}
+
+impl Failure {
+    fn into_error(self) -> ferry_backend::Error {
+        match self {
+            Failure::PackGone(e) | Failure::Other(e) => e,
+        }
+    }
+}
+
+/// A chunk to fetch for one read.
+struct Want {
+    ci: u64,
+    id: Digest,
+    loc: Location,
 }
 
 impl Backend for SnapshotImage {
     fn describe(&self) -> String {
-        todo!()
+        format!(
+            "{}::{}@{}",
+            self.repo.store.describe(),
+            self.snap.manifest.name,
+            &self.snap.id[..8.min(self.snap.id.len())]
+        )
     }
     fn size(&self) -> u64 {
-        todo!()
+        self.size
     }
     fn caps(&self) -> Capabilities {
-        todo!()
+        Capabilities {
+            read_only: true,
+            flush: true,
+            fua: false,
+            trim: false,
+            zero: false,
+            fast_zero: false,
+            multi_conn: true,
+            cache: false,
+            extents: true,
+        }
     }
     fn read(&self, buf: &mut [u8], offset: u64) -> ferry_backend::Result<()> {
-        let _ = (buf, offset);
-        todo!()
+        let length = buf.len() as u64;
+        if offset.checked_add(length).is_none_or(|e| e > self.size) {
+            return Err(ferry_backend::Error::new(ferry_backend::ErrorKind::Invalid, "read", offset, length));
+        }
+        if length == 0 {
+            return Ok(());
+        }
+        let index = self.index.read().unwrap_or_else(|e| e.into_inner()).clone();
+        match self.read_with(&index, buf, offset) {
+            Err(Failure::PackGone(_)) => {
+                // A gc repacked what this snapshot uses: its blobs are in new packs.
+                let fresh = self
+                    .reload_index(&index)
+                    .map_err(|e| ferry_backend::Error::io("read", offset, length, io::Error::other(e.to_string())))?;
+                self.read_with(&fresh, buf, offset).map_err(Failure::into_error)
+            }
+            r => r.map_err(Failure::into_error),
+        }
     }
     fn flush(&self) -> ferry_backend::Result<()> {
         Ok(())
+    }
+    fn extents(&self, offset: u64, length: u64, max: usize, out: &mut Vec<Extent>) -> ferry_backend::Result<()> {
+        let end = offset.saturating_add(length).min(self.size);
+        if offset >= end {
+            out.push(Extent { length, flags: DATA });
+            return Ok(());
+        }
+        let mut mine: Vec<Extent> = Vec::new();
+        let mut pos = offset;
+        while pos < end {
+            let ci = pos / self.cs;
+            let cend = (ci * self.cs + self.chunk_len(ci) as u64).min(end);
+            let flags = if self.entries[ci as usize] == ZERO { HOLE } else { DATA };
+            if mine.len() >= max.max(1) && mine.last().is_some_and(|l| l.flags != flags) {
+                break;
+            }
+            push_extent(&mut mine, cend - pos, flags);
+            pos = cend;
+        }
+        out.extend(mine);
+        Ok(())
+    }
+    fn identity(&self) -> Option<String> {
+        Some(format!("ferry-repo:{}:{}", self.repo.config.id, self.snap.id))
     }
 }

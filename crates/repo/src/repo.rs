@@ -1,9 +1,12 @@
 //! A repository opened: its config and key, its index, its snapshots.
-use crate::crypto::Crypto;
-use crate::format::{BlobKind, Config, Digest, KdfCost, Manifest};
+use crate::blob;
+use crate::crypto::{self, Crypto, CryptoError};
+use crate::format::{self, BlobKind, Config, Digest, KdfCost, Limits, Manifest, ZERO};
 use crate::store::Store;
-use crate::Result;
+use crate::{Error, Result};
+use sha2::Digest as _;
 use std::collections::HashMap;
+use std::io;
 use std::sync::Arc;
 
 /// `ferry repo init`'s choices.
@@ -52,17 +55,157 @@ pub struct SnapshotInfo {
     pub manifest: Manifest,
 }
 
+/// An index object's name and content.
+pub(crate) type IndexObject = (String, Vec<format::PackBlobs>);
+/// Objects that could not be read, with why.
+pub(crate) type Failures = Vec<(String, Error)>;
+
+/// The additional data of the AEAD of manifests, index objects and pack trailers.
+pub(crate) const AAD_SNAPSHOT: &[u8] = b"ferry snapshot";
+pub(crate) const AAD_INDEX: &[u8] = b"ferry index";
+pub(crate) const AAD_TRAILER: &[u8] = b"ferry pack trailer";
+
+/// How many objects are fetched at once when many small ones are read (manifests, index
+/// objects, pages): enough to hide an object store's latency.
+pub(crate) const FETCH_THREADS: usize = 8;
+
+/// The store name of a pack: `data/HH/HEX`.
+pub(crate) fn pack_name(pack: &Digest) -> String {
+    let h = format::hex(pack);
+    format!("data/{}/{h}", &h[..2])
+}
+
+/// Hex SHA-256 of bytes: the name of an immutable object.
+pub(crate) fn sha256(bytes: &[u8]) -> Digest {
+    sha2::Sha256::digest(bytes).into()
+}
+
+/// Now, as FORMAT.md's times: RFC 3339, UTC, whole seconds.
+pub(crate) fn now_seconds() -> String {
+    jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%SZ").to_string()
+}
+
+/// Parses a FORMAT.md time.
+pub(crate) fn parse_time(s: &str) -> Option<jiff::Timestamp> {
+    s.parse::<jiff::Timestamp>().ok()
+}
+
+/// This host's name, as locks and manifests record it.
+pub(crate) fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "localhost".into())
+}
+
+/// `f` over `items` on up to `threads` threads, results in order.
+pub(crate) fn par_map<T: Sync, R: Send>(items: &[T], threads: usize, f: impl Fn(&T) -> R + Sync) -> Vec<R> {
+    let threads = threads.clamp(1, items.len().max(1));
+    if threads == 1 {
+        return items.iter().map(&f).collect();
+    }
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let results: Vec<std::sync::Mutex<Option<R>>> = items.iter().map(|_| std::sync::Mutex::new(None)).collect();
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(item) = items.get(i) else { break };
+                let r = f(item);
+                *results[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+            });
+        }
+    });
+    results
+        .into_iter()
+        .map(|m| m.into_inner().unwrap_or_else(|e| e.into_inner()).expect("every item was mapped"))
+        .collect()
+}
+
+/// The store error of reading `name`, or damage when it is missing or too large where it
+/// must exist (`missing_is_damage`).
+fn read_error(store: &dyn Store, name: &str, e: io::Error) -> Error {
+    match e.kind() {
+        io::ErrorKind::NotFound => Error::damaged(name, "it is missing from the store"),
+        io::ErrorKind::InvalidData | io::ErrorKind::UnexpectedEof => Error::damaged(name, e.to_string()),
+        _ => Error::store(format!("cannot read {name} from {}", store.describe()), e),
+    }
+}
+
 impl Repository {
     /// Makes a new repository in an empty store.
     pub fn init(store: Arc<dyn Store>, opts: &InitOptions) -> Result<Repository> {
-        let _ = (store, opts);
-        todo!()
+        match store.len("config") {
+            Ok(_) => {
+                return Err(Error::Invalid(format!(
+                    "{} already holds a repository (it has a config); open it, or give an empty location",
+                    store.describe()
+                )))
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(Error::store(format!("cannot read {}", store.describe()), e)),
+        }
+        let id = format::hex(&crypto::random::<32>());
+        let (encryption, crypto) = match &opts.encrypt {
+            None => (None, Crypto::None),
+            Some((pass, cost)) => {
+                if pass.is_empty() {
+                    return Err(Error::Passphrase("the passphrase is empty: give a non-empty one".into()));
+                }
+                let (enc, c) = crypto::new_key(pass, *cost, &id, opts.chunk_size, opts.page_entries)
+                    .map_err(|e| Error::Invalid(e.to_string()))?;
+                (Some(enc), c)
+            }
+        };
+        let config = Config {
+            format: format::FORMAT_NAME.into(),
+            version: format::VERSION,
+            id,
+            created: now_seconds(),
+            chunk_size: opts.chunk_size,
+            page_entries: opts.page_entries,
+            compression: "zstd".into(),
+            encryption,
+        };
+        let bytes = config.to_bytes();
+        // The parser is the one place that knows what a valid config is.
+        Config::parse(&bytes).map_err(|e| Error::Invalid(format!("cannot make this repository: {e}")))?;
+        store
+            .put("config", &bytes)
+            .map_err(|e| Error::store(format!("cannot write {}/config", store.describe()), e))?;
+        Ok(Repository { store, config, crypto })
     }
 
     /// Opens a repository; `passphrase` is called only if it is encrypted.
     pub fn open(store: Arc<dyn Store>, passphrase: &dyn Fn() -> Result<Vec<u8>>) -> Result<Repository> {
-        let _ = (store, passphrase);
-        todo!()
+        let bytes = match store.get("config", format::MAX_CONFIG) {
+            Ok(b) => b,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                return Err(Error::NotFound(format!(
+                    "{} is not a ferry repository (it has no config): make one with `ferry repo init`",
+                    store.describe()
+                )))
+            }
+            Err(e) => return Err(read_error(&*store, "config", e)),
+        };
+        let config = Config::parse(&bytes).map_err(|e| Error::damaged("config", e.0))?;
+        let crypto = match &config.encryption {
+            None => Crypto::None,
+            Some(enc) => {
+                let pass = passphrase()?;
+                crypto::unlock(enc, &pass, &config.id, config.chunk_size, config.page_entries).map_err(|e| match e {
+                    CryptoError::WrongPassphrase => Error::Passphrase(format!(
+                        "the passphrase does not open the repository {} (a wrong passphrase, or a damaged config): \
+                         give the right one with --password-file FILE, FERRY_PASSWORD or FERRY_PASSWORD_FILE",
+                        store.describe()
+                    )),
+                    CryptoError::Damaged(why) => Error::damaged("config", why),
+                    CryptoError::Invalid(why) => Error::damaged("config", why),
+                })?
+            }
+        };
+        Ok(Repository { store, config, crypto })
     }
 
     pub fn store(&self) -> &Arc<dyn Store> {
@@ -75,26 +218,298 @@ impl Repository {
         &self.crypto
     }
 
+    pub(crate) fn limits(&self) -> Limits {
+        Limits { chunk_size: self.config.chunk_size, page_entries: self.config.page_entries }
+    }
+
+    /// Reads and checks one manifest object (`snapshots/ID`).
+    pub(crate) fn read_snapshot(&self, object: &str) -> Result<SnapshotInfo> {
+        let id = object.strip_prefix("snapshots/").unwrap_or(object);
+        let want = format::parse_digest(id)
+            .ok_or_else(|| Error::damaged(object, "its name is not a SHA-256 in hex (not written by ferry)"))?;
+        let bytes = self.store.get(object, format::MAX_MANIFEST).map_err(|e| read_error(&*self.store, object, e))?;
+        if sha256(&bytes) != want {
+            return Err(Error::damaged(object, "its content does not match its name (SHA-256)"));
+        }
+        let json = self.crypto.open(AAD_SNAPSHOT, &bytes).map_err(|e| Error::damaged(object, e.to_string()))?;
+        let manifest = Manifest::parse(&json, &self.limits()).map_err(|e| Error::damaged(object, e.0))?;
+        Ok(SnapshotInfo { id: id.to_string(), manifest })
+    }
+
+    /// Every manifest, each read and checked, with the names of those that fail and why;
+    /// the good ones oldest first.
+    pub(crate) fn snapshots_lenient(&self) -> Result<(Vec<SnapshotInfo>, Failures)> {
+        let names = self
+            .store
+            .list("snapshots/")
+            .map_err(|e| Error::store(format!("cannot list the snapshots of {}", self.store.describe()), e))?;
+        let names: Vec<String> = names.into_iter().map(|(n, _)| n).collect();
+        let mut good = Vec::new();
+        let mut bad = Vec::new();
+        for (name, r) in names.iter().zip(par_map(&names, FETCH_THREADS, |n| self.read_snapshot(n))) {
+            match r {
+                Ok(s) => good.push(s),
+                Err(e @ Error::Store { .. }) => return Err(e),
+                Err(e) => bad.push((name.clone(), e)),
+            }
+        }
+        sort_snapshots(&mut good);
+        Ok((good, bad))
+    }
+
     /// Every snapshot, oldest first (by time, then id).
     pub fn snapshots(&self) -> Result<Vec<SnapshotInfo>> {
-        todo!()
+        let (good, mut bad) = self.snapshots_lenient()?;
+        match bad.pop() {
+            None => Ok(good),
+            Some((_, e)) => Err(e),
+        }
     }
 
     /// The snapshot `name` means: the latest of the disk, or the one whose id starts with
     /// `id` (at least 4 hex digits, unique, and of that disk).
     pub fn resolve(&self, name: &str, id: Option<&str>) -> Result<SnapshotInfo> {
-        let _ = (name, id);
-        todo!()
+        let all = self.snapshots()?;
+        let repo = self.store.describe();
+        let Some(prefix) = id else {
+            return all.iter().rev().find(|s| s.manifest.name == name).cloned().ok_or_else(|| {
+                let mut disks: Vec<&str> = all.iter().map(|s| s.manifest.name.as_str()).collect();
+                disks.sort();
+                disks.dedup();
+                Error::NotFound(if disks.is_empty() {
+                    format!("{repo} has no snapshot yet (of {name} or of any disk)")
+                } else {
+                    format!("{repo} has no snapshot of {name}; its disks are: {}", disks.join(", "))
+                })
+            });
+        };
+        let prefix = prefix.to_ascii_lowercase();
+        if prefix.len() < 4 || prefix.len() > 64 || !prefix.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(Error::Invalid(format!(
+                "{prefix:?} is not a snapshot id: give at least 4 hex digits of one (`ferry repo list` shows them)"
+            )));
+        }
+        let hits: Vec<&SnapshotInfo> = all.iter().filter(|s| s.id.starts_with(&prefix)).collect();
+        let ours: Vec<&SnapshotInfo> = hits.iter().copied().filter(|s| s.manifest.name == name).collect();
+        match ours.as_slice() {
+            [one] => Ok((*one).clone()),
+            [] if hits.is_empty() => Err(Error::NotFound(format!(
+                "{repo} has no snapshot whose id starts with {prefix} (`ferry repo list` shows them)"
+            ))),
+            [] => Err(Error::NotFound(format!(
+                "snapshot {prefix} is not of {name} but of {}: write {}::{}@{prefix}",
+                hits[0].manifest.name, repo, hits[0].manifest.name
+            ))),
+            many => Err(Error::Invalid(format!(
+                "{prefix} names {} snapshots of {name}: {}; give more digits",
+                many.len(),
+                many.iter()
+                    .map(|s| format!("{} ({})", &s.id[..16.min(s.id.len())], s.manifest.time))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ))),
+        }
+    }
+
+    /// Reads and checks one index object.
+    pub(crate) fn read_index_object(&self, object: &str) -> Result<Vec<format::PackBlobs>> {
+        let id = object.strip_prefix("index/").unwrap_or(object);
+        let want = format::parse_digest(id)
+            .ok_or_else(|| Error::damaged(object, "its name is not a SHA-256 in hex (not written by ferry)"))?;
+        let bytes = self.store.get(object, format::MAX_INDEX).map_err(|e| read_error(&*self.store, object, e))?;
+        if sha256(&bytes) != want {
+            return Err(Error::damaged(object, "its content does not match its name (SHA-256)"));
+        }
+        let plain = self.crypto.open(AAD_INDEX, &bytes).map_err(|e| Error::damaged(object, e.to_string()))?;
+        format::parse_index(&plain, &self.limits()).map_err(|e| Error::damaged(object, e.0))
+    }
+
+    /// Every index object, read and checked: the good ones (name and content) and the
+    /// names of those that fail and why.
+    pub(crate) fn index_objects(&self) -> Result<(Vec<IndexObject>, Failures)> {
+        let names = self
+            .store
+            .list("index/")
+            .map_err(|e| Error::store(format!("cannot list the index of {}", self.store.describe()), e))?;
+        let mut names: Vec<String> = names.into_iter().map(|(n, _)| n).collect();
+        names.sort();
+        let mut good = Vec::new();
+        let mut bad = Vec::new();
+        for (name, r) in names.iter().zip(par_map(&names, FETCH_THREADS, |n| self.read_index_object(n))) {
+            match r {
+                Ok(p) => good.push((name.clone(), p)),
+                Err(e @ Error::Store { .. }) => return Err(e),
+                Err(e) => bad.push((name.clone(), e)),
+            }
+        }
+        Ok((good, bad))
     }
 
     /// Reads every index object.
     pub fn load_index(&self) -> Result<Index> {
-        todo!()
+        let (good, mut bad) = self.index_objects()?;
+        if let Some((_, e)) = bad.pop() {
+            return Err(e);
+        }
+        Ok(build_index(good))
+    }
+
+    /// Every index object that reads well; those that do not are skipped with a warning
+    /// (for readers and backups: a snapshot whose blobs are all listed elsewhere still
+    /// reads, and a backup stores again what it cannot find).
+    pub(crate) fn load_index_lenient(&self) -> Result<Index> {
+        let (good, bad) = self.index_objects()?;
+        for (name, e) in bad {
+            log::warn!("skipping {name}: {e}");
+        }
+        Ok(build_index(good))
+    }
+
+    /// The stored bytes of a blob, decoded and checked against its id: the plain bytes,
+    /// or why they could not be had.
+    pub(crate) fn read_blob(&self, id: &Digest, loc: &Location, kind: BlobKind) -> Result<Vec<u8>, String> {
+        if loc.kind != kind {
+            return Err(format!("the index says blob {} is a {:?} blob, not {:?}", format::hex(id), loc.kind, kind));
+        }
+        let pack = pack_name(&loc.pack);
+        let stored = self
+            .store
+            .get_range(&pack, loc.offset as u64, loc.stored_len as u64)
+            .map_err(|e| format!("cannot read {pack}: {e}"))?;
+        self.decode_blob(id, loc, kind, &stored).map_err(|e| format!("{pack}: {e}"))
+    }
+
+    /// Decodes stored bytes read from `loc`.
+    pub(crate) fn decode_blob(
+        &self,
+        id: &Digest,
+        loc: &Location,
+        kind: BlobKind,
+        stored: &[u8],
+    ) -> Result<Vec<u8>, String> {
+        if stored.len() != loc.stored_len as usize {
+            return Err(format!("blob {} at offset {} is cut short", format::hex(id), loc.offset));
+        }
+        let plain = blob::decode(&self.crypto, kind, id, stored, self.limits().max_plain(kind))
+            .map_err(|e| format!("blob {} at offset {}: {e}", format::hex(id), loc.offset))?;
+        if plain.len() != loc.plain_len as usize {
+            return Err(format!(
+                "blob {} at offset {} has {} bytes, its index entry says {}",
+                format::hex(id),
+                loc.offset,
+                plain.len(),
+                loc.plain_len
+            ));
+        }
+        Ok(plain)
+    }
+
+    /// A page's entries, read through the index and checked against `digest`.
+    pub(crate) fn read_page(&self, index: &Index, digest: &Digest) -> Result<Vec<Digest>, String> {
+        let id = self.crypto.blob_id(digest);
+        let loc = index.blobs.get(&id).ok_or_else(|| format!("page {} is in no index object", format::hex(digest)))?;
+        let plain = self.read_blob(&id, loc, BlobKind::Page)?;
+        if plain.is_empty() || plain.len() % 32 != 0 {
+            return Err(format!("page {} has {} bytes, not a multiple of 32", format::hex(digest), plain.len()));
+        }
+        format::parse_page(&plain, plain.len() / 32).map_err(|e| format!("page {}: {e}", format::hex(digest)))
     }
 
     /// The chunk digests of a snapshot, page by page: reads and checks its pages.
     pub fn entries(&self, index: &Index, snap: &SnapshotInfo) -> Result<Vec<Digest>> {
-        let _ = (index, snap);
-        todo!()
+        let m = &snap.manifest;
+        let object = format!("snapshots/{}", snap.id);
+        let chunks = m.chunks();
+        let pe = m.page_entries as u64;
+        let digests = m.page_digests();
+        if digests.len() as u64 != chunks.div_ceil(pe) {
+            return Err(Error::damaged(object, "its page count does not match its size"));
+        }
+        let pages =
+            par_map(&digests, FETCH_THREADS, |d| if *d == ZERO { Ok(Vec::new()) } else { self.read_page(index, d) });
+        let mut entries = Vec::with_capacity(chunks as usize);
+        for (i, (d, page)) in digests.iter().zip(pages).enumerate() {
+            let count = (chunks - i as u64 * pe).min(pe) as usize;
+            if *d == ZERO {
+                entries.resize(entries.len() + count, ZERO);
+                continue;
+            }
+            let page = page.map_err(|why| Error::damaged(object.clone(), format!("page {i}: {why}")))?;
+            if page.len() != count {
+                return Err(Error::damaged(object, format!("page {i} has {} entries, not {count}", page.len())));
+            }
+            entries.extend_from_slice(&page);
+        }
+        Ok(entries)
     }
+}
+
+/// The index of the given index objects: the first location seen of each blob.
+pub(crate) fn build_index(objects: Vec<IndexObject>) -> Index {
+    let mut index = Index { blobs: HashMap::new(), objects: Vec::with_capacity(objects.len()) };
+    let total: usize = objects.iter().flat_map(|(_, p)| p.iter().map(|p| p.blobs.len())).sum();
+    index.blobs.reserve(total);
+    for (name, packs) in objects {
+        for p in packs {
+            for b in p.blobs {
+                index.blobs.entry(b.id).or_insert(Location {
+                    pack: p.pack,
+                    kind: b.kind,
+                    offset: b.offset,
+                    stored_len: b.stored_len,
+                    plain_len: b.plain_len,
+                });
+            }
+        }
+        index.objects.push(name);
+    }
+    index
+}
+
+/// Orders snapshots oldest first: by time, then (for snapshots of the same second) a
+/// snapshot after its parent, then by id.
+pub(crate) fn sort_snapshots(snaps: &mut [SnapshotInfo]) {
+    let by_id: HashMap<&str, (Option<jiff::Timestamp>, Option<&str>)> =
+        snaps.iter().map(|s| (s.id.as_str(), (parse_time(&s.manifest.time), s.manifest.parent.as_deref()))).collect();
+    // Depth along parents of the same time (a chain written within one second).
+    let depth = |s: &SnapshotInfo| -> usize {
+        let t = parse_time(&s.manifest.time);
+        let mut d = 0;
+        let mut cur = s.manifest.parent.as_deref();
+        while let Some(p) = cur {
+            match by_id.get(p) {
+                Some((pt, pp)) if *pt == t && d < snaps.len() => {
+                    d += 1;
+                    cur = *pp;
+                }
+                _ => break,
+            }
+        }
+        d
+    };
+    let mut keyed: Vec<(Option<jiff::Timestamp>, usize, String, usize)> =
+        snaps.iter().enumerate().map(|(i, s)| (parse_time(&s.manifest.time), depth(s), s.id.clone(), i)).collect();
+    keyed.sort();
+    let order: Vec<SnapshotInfo> = keyed.iter().map(|k| snaps[k.3].clone()).collect();
+    snaps.clone_from_slice(&order);
+}
+
+/// The blkhash of a snapshot from its entries (FORMAT.md §1): the entries with zero
+/// entries replaced by the digest of as many zero bytes, then the size.
+pub(crate) fn blkhash_of(entries: &[Digest], size: u64, chunk_size: u32) -> Digest {
+    let cs = chunk_size as u64;
+    let zero_full = sha256(&vec![0u8; chunk_size as usize]);
+    let last_len = size - (entries.len() as u64).saturating_sub(1) * cs;
+    let zero_last = if last_len == cs { zero_full } else { sha256(&vec![0u8; last_len as usize]) };
+    let mut h = sha2::Sha256::new();
+    let n = entries.len();
+    for (i, e) in entries.iter().enumerate() {
+        if *e == ZERO {
+            h.update(if i + 1 == n { zero_last } else { zero_full });
+        } else {
+            h.update(e);
+        }
+    }
+    h.update(size.to_le_bytes());
+    h.finalize().into()
 }

@@ -1,10 +1,31 @@
 //! A backup in progress: a write-only image that the copy engine writes into, on top of
 //! the disk's previous snapshot (or of zeroes), committed as a new snapshot.
-use crate::format::Changes;
-use crate::repo::{Repository, SnapshotInfo};
-use crate::Result;
-use ferry_backend::{Backend, Capabilities};
-use std::sync::Arc;
+//!
+//! The copy engine's workers call [`Backend::write`], [`Backend::zero`] and
+//! [`Backend::trim`] from many threads at once. Each whole chunk is hashed (SHA-256, several
+//! chunks side by side), recognised as zero, found in the index (deduplicated), or
+//! compressed and sealed by the calling thread; only the append to the open pack happens
+//! under a lock. A pack that reaches the pack size is closed and stored by the thread that
+//! filled it, with at most two packs on their way to the store at once. Requests that
+//! cover part of a chunk are kept until the rest of it arrives, or completed at
+//! [`SnapshotWriter::commit`] from the chunk's previous content.
+//!
+//! Nothing is visible in the repository before `commit` writes the manifest: a writer
+//! dropped before that leaves only orphan packs, which `gc` frees (FORMAT.md §9).
+use crate::blob;
+use crate::format::{self, BlobEntry, BlobKind, Changes, Digest, LockKind, Manifest, PackBlobs, SnapshotStats, ZERO};
+use crate::lock::{self, LockGuard};
+use crate::repo::{
+    blkhash_of, hostname, now_seconds, pack_name, parse_time, sha256, Index, Repository, SnapshotInfo, AAD_INDEX,
+    AAD_SNAPSHOT, AAD_TRAILER,
+};
+use crate::{Error, Result};
+use ferry_backend::{Backend, Capabilities, ZeroMode};
+use std::cell::RefCell;
+use std::collections::{HashMap, HashSet};
+use std::io;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
 #[derive(Debug, Clone)]
@@ -15,6 +36,10 @@ pub struct BackupOptions {
     pub size: u64,
     /// What the new snapshot starts from: unwritten ranges keep this snapshot's content
     /// (incremental backups), or read as zeroes when `None`.
+    ///
+    /// Its size may differ from `size` (the writer does not refuse that; whether a source
+    /// whose size changed may be backed up incrementally is the caller's policy): chunks
+    /// past the base's end start as zeroes, and the base's chunks past `size` are dropped.
     pub base: Option<SnapshotInfo>,
     /// The source, as shown (credentials removed).
     pub source: String,
@@ -27,6 +52,33 @@ pub struct BackupOptions {
     pub wait_lock: Option<Duration>,
 }
 
+impl BackupOptions {
+    /// A full backup of `name` (`size` bytes) with the default pack size and level.
+    pub fn new(name: &str, size: u64) -> BackupOptions {
+        BackupOptions {
+            name: name.into(),
+            size,
+            base: None,
+            source: String::new(),
+            changes: Changes::Full,
+            pack_size: DEFAULT_PACK_SIZE,
+            level: DEFAULT_LEVEL,
+            wait_lock: None,
+        }
+    }
+}
+
+/// Packs are closed at 32 MiB by default.
+pub const DEFAULT_PACK_SIZE: usize = 32 << 20;
+/// zstd's fastest level that still compresses well.
+pub const DEFAULT_LEVEL: i32 = 1;
+/// The largest pack size a writer accepts (offsets in a pack are 32-bit; packs ≤ 1 GiB).
+pub const MAX_PACK_SIZE: usize = 512 << 20;
+/// Packs being stored at once, per writer: bounds the memory of a backup.
+const UPLOADS: usize = 2;
+/// Chunks hashed side by side.
+const BATCH: usize = 16;
+
 #[derive(Debug, Clone, Default)]
 pub struct WriterStats {
     pub written_chunks: u64,
@@ -36,45 +88,647 @@ pub struct WriterStats {
     pub new_stored: u64,
 }
 
+#[derive(Default)]
+struct Counters {
+    written_chunks: AtomicU64,
+    zero_chunks: AtomicU64,
+    new_chunks: AtomicU64,
+    new_plain: AtomicU64,
+    new_stored: AtomicU64,
+}
+
+/// The chunk list being built, and which pages changed.
+struct State {
+    entries: Vec<Digest>,
+    dirty: Vec<bool>,
+}
+
+/// A chunk written in part.
+struct Partial {
+    buf: Vec<u8>,
+    /// Covered byte ranges, sorted and merged.
+    covered: Vec<(usize, usize)>,
+}
+
+struct OpenPack {
+    buf: Vec<u8>,
+    entries: Vec<BlobEntry>,
+}
+
+thread_local! {
+    /// Each worker's buffer for a blob's stored form.
+    static SCRATCH: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
+
 pub struct SnapshotWriter {
-    _repo: Arc<Repository>,
+    repo: Arc<Repository>,
+    name: String,
+    size: u64,
+    base: Option<SnapshotInfo>,
+    source: String,
+    changes: Changes,
+    pack_size: usize,
+    level: i32,
+    cs: u64,
+    pe: u64,
+    chunks: u64,
+    /// The base's chunk count (0 without a base).
+    base_chunks: u64,
+    index: Index,
+    state: Mutex<State>,
+    partials: Mutex<HashMap<u64, Partial>>,
+    /// Blob ids stored (or being stored) by this writer.
+    claimed: Mutex<HashSet<Digest>>,
+    pack: Mutex<OpenPack>,
+    done: Mutex<Vec<PackBlobs>>,
+    uploads: (Mutex<usize>, Condvar),
+    pool: Mutex<Vec<Vec<u8>>>,
+    counters: Counters,
+    failed: Mutex<Option<String>>,
+    committed: AtomicBool,
+    lock: Mutex<Option<LockGuard>>,
+}
+
+fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A repository error as a backend error for the copy engine, keeping the OS error's
+/// class (a full disk stays ENOSPC).
+fn backend_error(op: &'static str, offset: u64, length: u64, e: Error) -> ferry_backend::Error {
+    let kind = match &e {
+        Error::Store { source, .. } => match source.raw_os_error() {
+            Some(code) => ferry_backend::Error::io(op, offset, length, io::Error::from_raw_os_error(code)).kind,
+            None => ferry_backend::ErrorKind::Io,
+        },
+        Error::Invalid(_) => ferry_backend::ErrorKind::Invalid,
+        _ => ferry_backend::ErrorKind::Io,
+    };
+    ferry_backend::Error { kind, op, offset, length, source: Some(io::Error::other(e.to_string())) }
 }
 
 impl SnapshotWriter {
     /// Takes the disk's backup lock and loads the index and the base's pages.
     pub fn start(repo: Arc<Repository>, opts: BackupOptions) -> Result<Arc<SnapshotWriter>> {
-        let _ = (repo, opts);
-        todo!()
+        if !format::valid_name(&opts.name) {
+            return Err(Error::Invalid(format!(
+                "{:?} is not a disk name: use 1 to 200 of A-Z a-z 0-9 . _ -, not starting with . or -",
+                opts.name
+            )));
+        }
+        if opts.pack_size == 0 || opts.pack_size > MAX_PACK_SIZE {
+            return Err(Error::Invalid(format!("the pack size must be from 1 byte to {MAX_PACK_SIZE} bytes")));
+        }
+        let cs = repo.config.chunk_size as u64;
+        let pe = repo.config.page_entries as u64;
+        let chunks = opts.size.div_ceil(cs);
+        if opts.size > 1 << 63 || chunks.div_ceil(pe) > format::MAX_PAGES {
+            return Err(Error::Invalid(format!(
+                "a disk of {} bytes is larger than this repository can hold (its chunk and page sizes allow {} bytes)",
+                opts.size,
+                (format::MAX_PAGES * pe * cs).min(1 << 63)
+            )));
+        }
+        if let Some(b) = &opts.base {
+            if b.manifest.chunk_size != repo.config.chunk_size || b.manifest.page_entries != repo.config.page_entries {
+                return Err(Error::damaged(
+                    format!("snapshots/{}", b.id),
+                    "its chunk size or page size is not the repository's",
+                ));
+            }
+        }
+        let tag = repo.crypto.disk_tag(&opts.name);
+        let guard = lock::acquire(&repo.store, LockKind::Backup, Some(tag), opts.wait_lock)?;
+        let index = repo.load_index_lenient()?;
+        let (mut entries, base_chunks) = match &opts.base {
+            Some(b) => {
+                let e = repo.entries(&index, b)?;
+                let n = e.len() as u64;
+                (e, n)
+            }
+            None => (Vec::new(), 0),
+        };
+        entries.resize(chunks as usize, ZERO);
+        let pages = chunks.div_ceil(pe) as usize;
+        let mut dirty = vec![false; pages];
+        // Pages whose extent differs from the base's are made again.
+        if base_chunks != chunks {
+            let from = (base_chunks.min(chunks) / pe) as usize;
+            dirty[from..].iter_mut().for_each(|d| *d = true);
+        }
+        // A chunk that is the last of one size and not of the other changes length: it is
+        // made again at commit from its old content, cut or extended with zeroes (unless
+        // the backup writes all of it).
+        let mut partials = HashMap::new();
+        if let Some(b) = &opts.base {
+            for end in [b.manifest.size, opts.size] {
+                let ci = end / cs;
+                if end % cs != 0 && ci < chunks.min(base_chunks) {
+                    let clen = (opts.size - ci * cs).min(cs) as usize;
+                    partials.insert(ci, Partial { buf: vec![0; clen], covered: Vec::new() });
+                }
+            }
+        }
+        let pack_size = opts.pack_size;
+        Ok(Arc::new(SnapshotWriter {
+            name: opts.name,
+            size: opts.size,
+            base: opts.base,
+            source: opts.source,
+            changes: opts.changes,
+            pack_size,
+            level: opts.level,
+            cs,
+            pe,
+            chunks,
+            base_chunks,
+            index,
+            state: Mutex::new(State { entries, dirty }),
+            partials: Mutex::new(partials),
+            claimed: Mutex::new(HashSet::new()),
+            pack: Mutex::new(OpenPack { buf: Vec::new(), entries: Vec::new() }),
+            done: Mutex::new(Vec::new()),
+            uploads: (Mutex::new(0), Condvar::new()),
+            pool: Mutex::new(Vec::new()),
+            counters: Counters::default(),
+            failed: Mutex::new(None),
+            committed: AtomicBool::new(false),
+            lock: Mutex::new(Some(guard)),
+            repo,
+        }))
+    }
+
+    fn chunk_len(&self, ci: u64) -> usize {
+        (self.size - ci * self.cs).min(self.cs) as usize
+    }
+
+    /// Stores a blob unless the repository or this writer has it already: compressed
+    /// and sealed here, appended to the open pack under its lock.
+    fn store_blob(&self, digest: &Digest, kind: BlobKind, plain: &[u8]) -> Result<()> {
+        let id = self.repo.crypto.blob_id(digest);
+        if self.index.blobs.contains_key(&id) || !locked(&self.claimed).insert(id) {
+            return Ok(());
+        }
+        if kind == BlobKind::Data {
+            self.counters.new_chunks.fetch_add(1, Ordering::Relaxed);
+        }
+        self.counters.new_plain.fetch_add(plain.len() as u64, Ordering::Relaxed);
+        SCRATCH.with(|s| {
+            let mut s = s.borrow_mut();
+            s.clear();
+            blob::encode_into(&self.repo.crypto, kind, &id, plain, self.level, &mut s);
+            self.append(id, kind, &s, plain.len())
+        })
+    }
+
+    fn append(&self, id: Digest, kind: BlobKind, stored: &[u8], plain_len: usize) -> Result<()> {
+        let full = {
+            let mut p = locked(&self.pack);
+            if p.buf.capacity() == 0 {
+                p.buf = self.take_buf();
+            }
+            let offset = p.buf.len() as u32;
+            p.buf.extend_from_slice(stored);
+            p.entries.push(BlobEntry {
+                id,
+                kind,
+                offset,
+                stored_len: stored.len() as u32,
+                plain_len: plain_len as u32,
+            });
+            p.buf.len() >= self.pack_size
+        };
+        self.counters.new_stored.fetch_add(stored.len() as u64, Ordering::Relaxed);
+        if full {
+            self.close_pack(false)?;
+        }
+        Ok(())
+    }
+
+    fn take_buf(&self) -> Vec<u8> {
+        locked(&self.pool).pop().unwrap_or_else(|| Vec::with_capacity(self.pack_size + 2 * self.cs as usize + 4096))
+    }
+
+    /// Closes the open pack when it is full (or, with `force`, when it holds anything) and
+    /// stores it, waiting while [`UPLOADS`] packs are on their way.
+    fn close_pack(&self, force: bool) -> Result<()> {
+        let (m, c) = &self.uploads;
+        {
+            let mut n = locked(m);
+            while *n >= UPLOADS {
+                n = c.wait(n).unwrap_or_else(|e| e.into_inner());
+            }
+            *n += 1;
+        }
+        struct Slot<'a>(&'a (Mutex<usize>, Condvar));
+        impl Drop for Slot<'_> {
+            fn drop(&mut self) {
+                *locked(&self.0 .0) -= 1;
+                self.0 .1.notify_one();
+            }
+        }
+        let _slot = Slot(&self.uploads);
+        let taken = {
+            let mut p = locked(&self.pack);
+            if p.entries.is_empty() || (!force && p.buf.len() < self.pack_size) {
+                return Ok(());
+            }
+            std::mem::replace(&mut *p, OpenPack { buf: Vec::new(), entries: Vec::new() })
+        };
+        let OpenPack { mut buf, entries } = taken;
+        let trailer = format::encode_trailer(&entries);
+        let before = buf.len();
+        self.repo.crypto.seal_into(AAD_TRAILER, &trailer, &mut buf);
+        let sealed_len = (buf.len() - before) as u32;
+        buf.extend_from_slice(&format::pack_tail(sealed_len));
+        let digest = sha256(&buf);
+        let name = pack_name(&digest);
+        self.repo
+            .store
+            .put(&name, &buf)
+            .map_err(|e| Error::store(format!("cannot store {name} in {}", self.repo.store.describe()), e))?;
+        self.counters.new_stored.fetch_add((buf.len() - before) as u64, Ordering::Relaxed);
+        locked(&self.done).push(PackBlobs { pack: digest, blobs: entries });
+        buf.clear();
+        let mut pool = locked(&self.pool);
+        if pool.len() < UPLOADS {
+            pool.push(buf);
+        }
+        Ok(())
+    }
+
+    /// Whole chunks `first..` with their bytes in `data` (each `chunk_len` long, at most
+    /// [`BATCH`] of them): hashed together, stored, entered.
+    fn full_chunks(&self, first: u64, data: &[u8]) -> Result<()> {
+        let mut lens = [0usize; BATCH];
+        let mut zero = [false; BATCH];
+        let mut blocks: [&[u8]; BATCH] = [&[]; BATCH];
+        let mut digests = [0u8; BATCH * 32];
+        let mut n = 0;
+        let mut hashed = 0;
+        let mut at = 0;
+        while at < data.len() {
+            let len = self.chunk_len(first + n as u64);
+            let chunk = &data[at..at + len];
+            lens[n] = len;
+            if ferry_hash::is_zero(chunk) {
+                zero[n] = true;
+            } else {
+                blocks[hashed] = chunk;
+                hashed += 1;
+            }
+            at += len;
+            n += 1;
+        }
+        ferry_hash::Algorithm::Sha256.digest_many(&blocks[..hashed], &mut digests[..hashed * 32]);
+        let mut out = [ZERO; BATCH];
+        let mut h = 0;
+        for (i, o) in out.iter_mut().enumerate().take(n) {
+            if !zero[i] {
+                o.copy_from_slice(&digests[h * 32..h * 32 + 32]);
+                self.store_blob(o, BlobKind::Data, blocks[h])?;
+                h += 1;
+            }
+        }
+        let zeros = zero[..n].iter().filter(|z| **z).count() as u64;
+        self.counters.zero_chunks.fetch_add(zeros, Ordering::Relaxed);
+        self.counters.written_chunks.fetch_add(n as u64, Ordering::Relaxed);
+        self.enter(first, &out[..n]);
+        Ok(())
+    }
+
+    /// Sets the entries of chunks `first..`, dropping any part written before.
+    fn enter(&self, first: u64, digests: &[Digest]) {
+        {
+            let mut parts = locked(&self.partials);
+            if !parts.is_empty() {
+                for i in 0..digests.len() as u64 {
+                    parts.remove(&(first + i));
+                }
+            }
+        }
+        let mut st = locked(&self.state);
+        let f = first as usize;
+        st.entries[f..f + digests.len()].copy_from_slice(digests);
+        let (p0, p1) = (first / self.pe, (first + digests.len() as u64 - 1) / self.pe);
+        st.dirty[p0 as usize..=p1 as usize].iter_mut().for_each(|d| *d = true);
+    }
+
+    /// Zero entries for whole chunks `first..first + n`.
+    fn zero_chunks(&self, first: u64, n: u64) {
+        if n == 0 {
+            return;
+        }
+        {
+            let mut parts = locked(&self.partials);
+            if !parts.is_empty() {
+                parts.retain(|ci, _| *ci < first || *ci >= first + n);
+            }
+        }
+        let mut st = locked(&self.state);
+        st.entries[first as usize..(first + n) as usize].fill(ZERO);
+        let (p0, p1) = (first / self.pe, (first + n - 1) / self.pe);
+        st.dirty[p0 as usize..=p1 as usize].iter_mut().for_each(|d| *d = true);
+        drop(st);
+        self.counters.zero_chunks.fetch_add(n, Ordering::Relaxed);
+        self.counters.written_chunks.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Part of chunk `ci` from byte `at` of it: `data`, or `len` zeroes.
+    fn partial(&self, ci: u64, at: usize, data: Option<&[u8]>, len: usize) -> Result<()> {
+        let clen = self.chunk_len(ci);
+        let complete = {
+            let mut parts = locked(&self.partials);
+            let p = parts.entry(ci).or_insert_with(|| Partial { buf: vec![0; clen], covered: Vec::new() });
+            match data {
+                Some(d) => p.buf[at..at + len].copy_from_slice(d),
+                None => p.buf[at..at + len].fill(0),
+            }
+            add_range(&mut p.covered, (at, at + len));
+            if p.covered == [(0, clen)] {
+                parts.remove(&ci)
+            } else {
+                None
+            }
+        };
+        match complete {
+            Some(p) => self.full_chunks(ci, &p.buf),
+            None => Ok(()),
+        }
+    }
+
+    /// Splits a request into whole chunks (in batches) and parts of chunks.
+    fn apply(&self, offset: u64, length: u64, data: Option<&[u8]>) -> Result<()> {
+        if offset.checked_add(length).is_none_or(|e| e > self.size) {
+            return Err(Error::Invalid(format!(
+                "{length} bytes at offset {offset} go past the end of the disk ({} bytes)",
+                self.size
+            )));
+        }
+        if self.committed.load(Ordering::Relaxed) {
+            return Err(Error::Invalid("the backup is already committed".into()));
+        }
+        let end = offset + length;
+        let mut pos = offset;
+        while pos < end {
+            let ci = pos / self.cs;
+            let cstart = ci * self.cs;
+            let cend = cstart + self.chunk_len(ci) as u64;
+            if pos == cstart && end >= cend {
+                // Whole chunks: up to BATCH of them, or every one for zeroes.
+                let last_whole = if end == self.size { self.chunks } else { end / self.cs };
+                match data {
+                    Some(d) => {
+                        let n = (last_whole - ci).min(BATCH as u64);
+                        let stop = ((ci + n) * self.cs).min(self.size);
+                        self.full_chunks(ci, &d[(pos - offset) as usize..(stop - offset) as usize])?;
+                        pos = stop;
+                    }
+                    None => {
+                        self.zero_chunks(ci, last_whole - ci);
+                        pos = (last_whole * self.cs).min(self.size);
+                    }
+                }
+            } else {
+                let stop = end.min(cend);
+                let len = (stop - pos) as usize;
+                let d = data.map(|d| &d[(pos - offset) as usize..(stop - offset) as usize]);
+                self.partial(ci, (pos - cstart) as usize, d, len)?;
+                pos = stop;
+            }
+        }
+        Ok(())
+    }
+
+    fn fail(&self, op: &'static str, offset: u64, length: u64, e: Error) -> ferry_backend::Error {
+        let mut f = locked(&self.failed);
+        if f.is_none() {
+            *f = Some(e.to_string());
+        }
+        backend_error(op, offset, length, e)
+    }
+
+    /// The current content of chunk `ci` (to complete a part of it): zeroes, a blob in
+    /// the repository, or one this writer stored.
+    fn current_chunk(&self, ci: u64) -> Result<Vec<u8>> {
+        let clen = self.chunk_len(ci);
+        let d = locked(&self.state).entries[ci as usize];
+        if d == ZERO {
+            return Ok(vec![0; clen]);
+        }
+        let id = self.repo.crypto.blob_id(&d);
+        let what = || format!("chunk {ci} of the previous snapshot of {}", self.name);
+        let plain = if let Some(loc) = self.index.blobs.get(&id) {
+            self.repo.read_blob(&id, loc, BlobKind::Data).map_err(|why| Error::damaged(what(), why))?
+        } else {
+            self.session_blob(&id).ok_or_else(|| Error::damaged(what(), "it is nowhere"))??
+        };
+        // A chunk that was the last of a disk of another size is cut or extended.
+        let mut plain = plain;
+        plain.resize(clen, 0);
+        Ok(plain)
+    }
+
+    /// A blob this writer stored: from the open pack, or from a pack it closed.
+    fn session_blob(&self, id: &Digest) -> Option<Result<Vec<u8>>> {
+        let loc_of = |pack: Digest, e: &BlobEntry| crate::BlobLocation {
+            pack,
+            kind: e.kind,
+            offset: e.offset,
+            stored_len: e.stored_len,
+            plain_len: e.plain_len,
+        };
+        {
+            let p = locked(&self.pack);
+            if let Some(e) = p.entries.iter().find(|e| e.id == *id) {
+                let stored = &p.buf[e.offset as usize..(e.offset + e.stored_len) as usize];
+                return Some(
+                    self.repo
+                        .decode_blob(id, &loc_of(ZERO, e), e.kind, stored)
+                        .map_err(|why| Error::damaged("the pack being written", why)),
+                );
+            }
+        }
+        let done = locked(&self.done);
+        for p in done.iter() {
+            if let Some(e) = p.blobs.iter().find(|e| e.id == *id) {
+                let loc = loc_of(p.pack, e);
+                return Some(
+                    self.repo.read_blob(id, &loc, e.kind).map_err(|why| Error::damaged(pack_name(&p.pack), why)),
+                );
+            }
+        }
+        None
     }
 
     /// Stores what is pending (partial chunks are completed from the base), the index
     /// object and the manifest, then releases the lock. `read` is the bytes read from the
     /// source, for the manifest's stats.
     pub fn commit(&self, read: u64) -> Result<SnapshotInfo> {
-        let _ = read;
-        todo!()
+        if self.committed.swap(true, Ordering::SeqCst) {
+            return Err(Error::Invalid("this backup is already committed".into()));
+        }
+        if let Some(why) = locked(&self.failed).clone() {
+            return Err(Error::Invalid(format!(
+                "a write to the backup failed ({why}), so the snapshot would not be whole; nothing was committed: \
+                 run the backup again"
+            )));
+        }
+        // Complete the parts of chunks from what the chunks held.
+        let parts: Vec<(u64, Partial)> = locked(&self.partials).drain().collect();
+        for (ci, mut p) in parts {
+            let cur = self.current_chunk(ci)?;
+            let mut at = 0;
+            for &(s, e) in p.covered.iter().chain(std::iter::once(&(p.buf.len(), p.buf.len()))) {
+                p.buf[at..s].copy_from_slice(&cur[at..s]);
+                at = e;
+            }
+            self.full_chunks(ci, &p.buf)?;
+        }
+        // Pages: the base's where nothing changed, else made again.
+        let st = locked(&self.state);
+        let pe = self.pe as usize;
+        let base_pages = self.base.as_ref().map(|b| b.manifest.pages.as_slice()).unwrap_or(&[]);
+        let mut pages = Vec::with_capacity(st.dirty.len());
+        let mut page_buf = Vec::with_capacity(pe * 32);
+        for (i, slice) in st.entries.chunks(pe).enumerate() {
+            if !st.dirty[i] && i < base_pages.len() && self.base_chunks == self.chunks {
+                pages.push(base_pages[i].clone());
+            } else if slice.iter().all(|e| *e == ZERO) {
+                pages.push(String::new());
+            } else {
+                page_buf.clear();
+                slice.iter().for_each(|e| page_buf.extend_from_slice(e));
+                let d = sha256(&page_buf);
+                self.store_blob(&d, BlobKind::Page, &page_buf)?;
+                pages.push(format::hex(&d));
+            }
+        }
+        self.close_pack(true)?;
+        // One index object for every pack of this backup.
+        let done = std::mem::take(&mut *locked(&self.done));
+        if !done.is_empty() {
+            let plain = format::encode_index(&done);
+            let sealed = self.repo.crypto.seal(AAD_INDEX, &plain);
+            let name = format!("index/{}", format::hex(&sha256(&sealed)));
+            self.repo
+                .store
+                .put(&name, &sealed)
+                .map_err(|e| Error::store(format!("cannot store {name} in {}", self.repo.store.describe()), e))?;
+            self.counters.new_stored.fetch_add(sealed.len() as u64, Ordering::Relaxed);
+        }
+        let blkhash = (self.cs == 65536).then(|| format::hex(&blkhash_of(&st.entries, self.size, self.cs as u32)));
+        drop(st);
+        // A snapshot is never older than its parent, whatever the clocks say.
+        let mut time = now_seconds();
+        if let Some(b) = &self.base {
+            if parse_time(&b.manifest.time) > parse_time(&time) {
+                time = b.manifest.time.clone();
+            }
+        }
+        let s = self.stats();
+        let manifest = Manifest {
+            version: format::VERSION,
+            name: self.name.clone(),
+            time,
+            size: self.size,
+            chunk_size: self.cs as u32,
+            page_entries: self.pe as u32,
+            pages,
+            parent: self.base.as_ref().map(|b| b.id.clone()),
+            source: self.source.clone(),
+            changes: self.changes.clone(),
+            blkhash,
+            stats: SnapshotStats {
+                read,
+                written_chunks: s.written_chunks,
+                new_chunks: s.new_chunks,
+                new_stored: s.new_stored,
+                zero_chunks: s.zero_chunks,
+            },
+            host: hostname(),
+            ferry: env!("CARGO_PKG_VERSION").into(),
+        };
+        let sealed = self.repo.crypto.seal(AAD_SNAPSHOT, &manifest.to_bytes());
+        let id = format::hex(&sha256(&sealed));
+        let name = format!("snapshots/{id}");
+        self.repo
+            .store
+            .put(&name, &sealed)
+            .map_err(|e| Error::store(format!("cannot store {name} in {}", self.repo.store.describe()), e))?;
+        drop(locked(&self.lock).take());
+        Ok(SnapshotInfo { id, manifest })
     }
 
     pub fn stats(&self) -> WriterStats {
-        todo!()
+        let c = &self.counters;
+        WriterStats {
+            written_chunks: c.written_chunks.load(Ordering::Relaxed),
+            zero_chunks: c.zero_chunks.load(Ordering::Relaxed),
+            new_chunks: c.new_chunks.load(Ordering::Relaxed),
+            new_plain: c.new_plain.load(Ordering::Relaxed),
+            new_stored: c.new_stored.load(Ordering::Relaxed),
+        }
     }
+}
+
+/// Adds `r` to sorted, merged ranges.
+fn add_range(v: &mut Vec<(usize, usize)>, r: (usize, usize)) {
+    v.push(r);
+    v.sort_unstable();
+    let mut out: Vec<(usize, usize)> = Vec::with_capacity(v.len());
+    for &(s, e) in v.iter() {
+        match out.last_mut() {
+            Some(last) if s <= last.1 => last.1 = last.1.max(e),
+            _ => out.push((s, e)),
+        }
+    }
+    *v = out;
 }
 
 impl Backend for SnapshotWriter {
     fn describe(&self) -> String {
-        todo!()
+        format!("{}::{} (backup in progress)", self.repo.store.describe(), self.name)
     }
     fn size(&self) -> u64 {
-        todo!()
+        self.size
     }
     fn caps(&self) -> Capabilities {
-        todo!()
+        Capabilities {
+            read_only: false,
+            flush: true,
+            fua: false,
+            trim: true,
+            zero: true,
+            fast_zero: true,
+            multi_conn: false,
+            cache: false,
+            extents: false,
+        }
     }
     fn read(&self, buf: &mut [u8], offset: u64) -> ferry_backend::Result<()> {
-        let _ = (buf, offset);
-        todo!()
+        Err(ferry_backend::Error {
+            kind: ferry_backend::ErrorKind::NotSupported,
+            op: "read",
+            offset,
+            length: buf.len() as u64,
+            source: Some(io::Error::other(
+                "a backup in progress cannot be read: read the snapshot once it is committed",
+            )),
+        })
     }
+    fn write(&self, buf: &[u8], offset: u64, _fua: bool) -> ferry_backend::Result<()> {
+        self.apply(offset, buf.len() as u64, Some(buf)).map_err(|e| self.fail("write", offset, buf.len() as u64, e))
+    }
+    /// Nothing is durable before [`SnapshotWriter::commit`]: a backup is whole or absent.
     fn flush(&self) -> ferry_backend::Result<()> {
-        todo!()
+        Ok(())
+    }
+    /// The range reads as zeroes in the snapshot (zero entries where it covers chunks).
+    fn trim(&self, offset: u64, length: u64, _fua: bool) -> ferry_backend::Result<()> {
+        self.apply(offset, length, None).map_err(|e| self.fail("trim", offset, length, e))
+    }
+    fn zero(&self, offset: u64, length: u64, _mode: ZeroMode, _fua: bool) -> ferry_backend::Result<()> {
+        self.apply(offset, length, None).map_err(|e| self.fail("zero", offset, length, e))
     }
 }

@@ -1,0 +1,569 @@
+//! The engine end to end over a [`MemStore`]: backups through the writer as the copy
+//! engine drives it, reads back, incremental sharing, encryption, blkhash, retention, gc,
+//! damage, locks and crashes.
+use crate::format::{KdfCost, Lock, LockKind, Manifest, ZERO};
+use crate::maint::{self, Policy, VerifyOptions};
+use crate::store::{MemStore, Store};
+use crate::{lock, BackupOptions, Error, InitOptions, Repository, SnapshotImage, SnapshotInfo, SnapshotWriter};
+use ferry_backend::{Backend, ZeroMode, HOLE};
+use std::sync::Arc;
+
+const K: usize = 1024;
+const CS: usize = 64 * K;
+
+fn new_repo(encrypt: bool) -> (Arc<MemStore>, Arc<Repository>) {
+    let store = Arc::new(MemStore::new());
+    let opts = InitOptions {
+        chunk_size: CS as u32,
+        page_entries: 16,
+        encrypt: encrypt.then(|| (b"secret words".to_vec(), KdfCost { m_kib: 8192, t: 1, p: 1 })),
+    };
+    let repo = Repository::init(store.clone(), &opts).unwrap();
+    (store, Arc::new(repo))
+}
+
+/// A disk image: compressible text, random chunks and zero chunks, with a short last chunk.
+fn disk(len: usize, seed: u64) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    for (i, c) in v.chunks_mut(CS).enumerate() {
+        match i % 5 {
+            0 => {} // zero
+            1 | 2 => {
+                for b in c.iter_mut() {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    *b = x as u8;
+                }
+            }
+            _ => {
+                let text = format!("chunk {i} of disk {seed}: the quick brown fox. ");
+                for (j, b) in c.iter_mut().enumerate() {
+                    *b = text.as_bytes()[j % text.len()];
+                }
+            }
+        }
+    }
+    v
+}
+
+fn opts(name: &str, size: u64, base: Option<SnapshotInfo>) -> BackupOptions {
+    BackupOptions { base, pack_size: 256 * K, ..BackupOptions::new(name, size) }
+}
+
+/// Writes `data` as the copy engine does: 1 MiB requests from three threads, zero
+/// ranges through `zero`, and the tail in 4 KiB-aligned pieces.
+fn write_all(w: &Arc<SnapshotWriter>, data: &[u8]) {
+    let mib = 1 << 20;
+    let aligned = data.len() / mib * mib;
+    std::thread::scope(|s| {
+        for t in 0..3 {
+            let w = w.clone();
+            s.spawn(move || {
+                for (i, piece) in data[..aligned].chunks(mib).enumerate() {
+                    if i % 3 != t {
+                        continue;
+                    }
+                    let off = (i * mib) as u64;
+                    if ferry_hash::is_zero(piece) {
+                        w.zero(off, piece.len() as u64, ZeroMode::default(), false).unwrap();
+                    } else {
+                        w.write(piece, off, false).unwrap();
+                    }
+                }
+            });
+        }
+    });
+    // The tail: pieces of 12 KiB, from the end backwards (parts of chunks meet later).
+    let tail: Vec<(usize, &[u8])> =
+        data[aligned..].chunks(12 * K).enumerate().map(|(i, p)| (aligned + i * 12 * K, p)).collect();
+    for (off, p) in tail.into_iter().rev() {
+        w.write(p, off as u64, false).unwrap();
+    }
+}
+
+fn backup(repo: &Arc<Repository>, name: &str, data: &[u8], base: Option<SnapshotInfo>) -> SnapshotInfo {
+    let w = SnapshotWriter::start(repo.clone(), opts(name, data.len() as u64, base)).unwrap();
+    write_all(&w, data);
+    w.commit(data.len() as u64).unwrap()
+}
+
+fn read_back(repo: &Arc<Repository>, snap: &SnapshotInfo) -> Vec<u8> {
+    let img = SnapshotImage::open(repo.clone(), snap).unwrap();
+    let mut out = vec![0u8; img.size() as usize];
+    // Odd sizes and offsets: parts of chunks, several chunks.
+    let mut pos = 0;
+    let mut step = 3000;
+    while pos < out.len() {
+        let n = step.min(out.len() - pos);
+        img.read(&mut out[pos..pos + n], pos as u64).unwrap();
+        pos += n;
+        step = if step > 300_000 { 3000 } else { step * 3 };
+    }
+    out
+}
+
+fn objects(store: &MemStore, prefix: &str) -> Vec<(String, u64)> {
+    store.list(prefix).unwrap()
+}
+
+#[test]
+fn full_backup_reads_back_and_stores_no_zero_chunk() {
+    let (store, repo) = new_repo(false);
+    let data = disk(5 * (1 << 20) + 3 * CS + 5000, 1);
+    let snap = backup(&repo, "vm1-sda", &data, None);
+    assert!(read_back(&repo, &snap) == data, "the snapshot does not read back as written");
+    let chunks = data.len().div_ceil(CS);
+    let zero = data.chunks(CS).filter(|c| ferry_hash::is_zero(c)).count();
+    let s = &snap.manifest.stats;
+    assert_eq!(s.written_chunks, chunks as u64);
+    assert_eq!(s.zero_chunks, zero as u64);
+    assert_eq!(s.new_chunks, (chunks - zero) as u64);
+    // Exactly the non-zero chunks and the pages are stored.
+    let index = repo.load_index().unwrap();
+    let pages = snap.manifest.pages.iter().filter(|p| !p.is_empty()).count();
+    assert_eq!(index.blobs.len(), chunks - zero + pages);
+    assert_eq!(objects(&store, "index/").len(), 1, "one index object per backup");
+    assert!(objects(&store, "data/").len() > 1, "packs are closed at the pack size");
+    let img = SnapshotImage::open(repo.clone(), &snap).unwrap();
+    let mut ex = Vec::new();
+    img.extents(0, CS as u64 * 3, 100, &mut ex).unwrap();
+    assert_eq!(ex[0].flags, HOLE, "a zero chunk is a hole: {ex:?}");
+    assert_eq!(ex[0].length, CS as u64);
+    assert_eq!(img.describe(), format!("memory store::vm1-sda@{}", &snap.id[..8]));
+}
+
+#[test]
+fn incremental_shares_pages_and_stores_only_new_chunks() {
+    let (_store, repo) = new_repo(false);
+    let day1 = disk(4 << 20, 2);
+    let s1 = backup(&repo, "d", &day1, None);
+    let before = repo.load_index().unwrap().blobs.len();
+    // Day 2: two chunks changed in page 1 (chunks 16..32), a 4 KiB write in chunk 40
+    // (completed from the base at commit), a zeroed chunk in page 3.
+    let mut day2 = day1.clone();
+    let w = SnapshotWriter::start(repo.clone(), opts("d", day2.len() as u64, Some(s1.clone()))).unwrap();
+    let new: Vec<u8> = (0..2 * CS).map(|i| (i * 7 % 251) as u8).collect();
+    day2[17 * CS..19 * CS].copy_from_slice(&new);
+    w.write(&new, 17 * CS as u64, false).unwrap();
+    day2[40 * CS + 8192..40 * CS + 12288].fill(0xEE);
+    w.write(&[0xEE; 4096], (40 * CS + 8192) as u64, false).unwrap();
+    day2[51 * CS..52 * CS].fill(0);
+    w.zero(51 * CS as u64, CS as u64, ZeroMode::default(), false).unwrap();
+    let s2 = w.commit(3 * CS as u64).unwrap();
+    assert_eq!(s2.manifest.parent.as_deref(), Some(s1.id.as_str()));
+    assert!(read_back(&repo, &s2) == day2, "the incremental snapshot does not read back");
+    assert!(read_back(&repo, &s1) == day1, "the base changed");
+    let changed: Vec<usize> =
+        (0..s1.manifest.pages.len()).filter(|&i| s1.manifest.pages[i] != s2.manifest.pages[i]).collect();
+    assert_eq!(changed, vec![1, 2, 3], "only the pages with changes are new");
+    assert_eq!(s2.manifest.stats.new_chunks, 3, "two written chunks and the completed one");
+    let after = repo.load_index().unwrap().blobs.len();
+    assert_eq!(after - before, 3 + 3, "three chunks and three pages");
+    // The latest of the disk is the new one, even within the same second.
+    assert_eq!(repo.resolve("d", None).unwrap().id, s2.id);
+    assert_eq!(repo.resolve("d", Some(&s1.id[..6])).unwrap().id, s1.id);
+    assert!(matches!(repo.resolve("e", None), Err(Error::NotFound(_))));
+    assert!(matches!(repo.resolve("d", Some("zz")), Err(Error::Invalid(_))));
+}
+
+#[test]
+fn size_change_drops_or_adds_zero_chunks() {
+    let (_store, repo) = new_repo(false);
+    let day1 = disk(2 << 20, 3);
+    let s1 = backup(&repo, "d", &day1, None);
+    // Larger: the base's content, then zeroes.
+    let w = SnapshotWriter::start(repo.clone(), opts("d", (3 << 20) + 100, Some(s1.clone()))).unwrap();
+    let s2 = w.commit(0).unwrap();
+    let mut want = day1.clone();
+    want.resize((3 << 20) + 100, 0);
+    assert!(read_back(&repo, &s2) == want);
+    // Smaller.
+    let w = SnapshotWriter::start(repo.clone(), opts("d", (1 << 20) + 10, Some(s2))).unwrap();
+    let s3 = w.commit(0).unwrap();
+    assert!(read_back(&repo, &s3) == day1[..(1 << 20) + 10]);
+}
+
+#[test]
+fn encrypted_round_trip_and_wrong_passphrase() {
+    let (store, repo) = new_repo(true);
+    let data = disk(2 << 20, 4);
+    let snap = backup(&repo, "secret-disk", &data, None);
+    let wrong = Repository::open(store.clone(), &|| Ok(b"not it".to_vec()));
+    match wrong {
+        Err(Error::Passphrase(m)) => assert!(m.contains("--password-file"), "{m}"),
+        Err(e) => panic!("wrong passphrase gave {e}"),
+        Ok(_) => panic!("a wrong passphrase opened the repository"),
+    }
+    let repo2 = Arc::new(Repository::open(store.clone(), &|| Ok(b"secret words".to_vec())).unwrap());
+    let snap2 = repo2.resolve("secret-disk", None).unwrap();
+    assert_eq!(snap2.id, snap.id);
+    assert!(read_back(&repo2, &snap2) == data);
+    // Nothing readable in the store: no disk name, no text.
+    for (name, _) in objects(&store, "") {
+        let bytes = store.get(&name, u64::MAX).unwrap();
+        let hay = String::from_utf8_lossy(&bytes);
+        assert!(!hay.contains("secret-disk") && !hay.contains("quick brown fox"), "{name} leaks plain text");
+    }
+    let r = maint::verify(&repo2, &VerifyOptions { read_data_percent: 100, threads: 2 }).unwrap();
+    assert!(r.problems.is_empty(), "{:?}", r.problems);
+    // An unencrypted repository never asks for a passphrase.
+    let (plain_store, _) = new_repo(false);
+    Repository::open(plain_store, &|| panic!("asked for a passphrase")).unwrap();
+}
+
+#[test]
+fn blkhash_is_blkhash_of_the_bytes() {
+    let (_store, repo) = new_repo(false);
+    let data = disk(3 * (1 << 20) + 12345, 5);
+    let snap = backup(&repo, "d", &data, None);
+    let h = ferry_hash::BlockHasher::new(ferry_hash::Algorithm::Sha256, CS);
+    h.add(0, &data);
+    let want = ferry_hash::hex(&h.finish(data.len() as u64).unwrap());
+    assert_eq!(snap.manifest.blkhash.as_deref(), Some(want.as_str()));
+    let img = SnapshotImage::open(repo.clone(), &snap).unwrap();
+    assert_eq!(img.blkhash().map(|d| ferry_hash::hex(&d)), Some(want));
+}
+
+fn fake(id: &str, time: &str) -> SnapshotInfo {
+    SnapshotInfo {
+        id: id.into(),
+        manifest: Manifest {
+            version: 1,
+            name: "d".into(),
+            time: time.into(),
+            size: 0,
+            chunk_size: CS as u32,
+            page_entries: 16,
+            pages: vec![],
+            parent: None,
+            source: String::new(),
+            changes: crate::format::Changes::Full,
+            blkhash: None,
+            stats: Default::default(),
+            host: String::new(),
+            ferry: String::new(),
+        },
+    }
+}
+
+#[test]
+fn keep_rules() {
+    // Newest first: two a day for 40 days from 2026-03-10 back.
+    let mut snaps = Vec::new();
+    let start = "2026-03-10T20:00:00Z".parse::<jiff::Timestamp>().unwrap();
+    for i in 0..80 {
+        let t = start - jiff::SignedDuration::from_hours(12 * i);
+        snaps.push(fake(&format!("{i:04}"), &t.strftime("%Y-%m-%dT%H:%M:%SZ").to_string()));
+    }
+    let kept = |p: Policy| -> Vec<usize> {
+        maint::keep(&snaps, &p).iter().enumerate().filter(|(_, k)| **k).map(|(i, _)| i).collect()
+    };
+    assert_eq!(kept(Policy::default()).len(), 80, "no rule keeps everything");
+    assert_eq!(kept(Policy { keep_last: Some(3), ..Policy::default() }), vec![0, 1, 2]);
+    // The newest of each of the 3 latest days: 20:00 of each day.
+    assert_eq!(kept(Policy { keep_daily: Some(3), ..Policy::default() }), vec![0, 2, 4]);
+    // 2026-03-10 is a Tuesday: its ISO week began on 03-09; the week before on 03-02.
+    assert_eq!(kept(Policy { keep_weekly: Some(2), ..Policy::default() }), vec![0, 4]);
+    // March (days 10..1: 20 snapshots, i=0..19), February's newest is 02-28 20:00: i=20.
+    assert_eq!(kept(Policy { keep_monthly: Some(2), ..Policy::default() }), vec![0, 20]);
+    assert_eq!(
+        kept(Policy { keep_last: Some(1), keep_monthly: Some(2), keep_daily: Some(2), ..Policy::default() }),
+        vec![0, 2, 20]
+    );
+}
+
+#[test]
+fn forget_and_gc_free_exactly_the_dead_data() {
+    let (store, repo) = new_repo(false);
+    let a1 = disk(3 << 20, 10);
+    let s1 = backup(&repo, "a", &a1, None);
+    let mut a2 = a1.clone();
+    a2[CS..4 * CS].fill(0x42);
+    let s2 = backup(&repo, "a", &a2, Some(s1.clone()));
+    let b1 = disk(2 << 20, 11);
+    let sb = backup(&repo, "b", &b1, None);
+    let before = maint::stats(&repo).unwrap();
+    let r = maint::forget(&repo, Some("a"), &Policy { keep_last: Some(1), ..Policy::default() }, true).unwrap();
+    assert_eq!(r.removed, vec![s1.id.clone()]);
+    assert_eq!(objects(&store, "snapshots/").len(), 3, "a dry run removes nothing");
+    let r = maint::forget(&repo, None, &Policy { keep_last: Some(1), ..Policy::default() }, false).unwrap();
+    assert_eq!(r.removed, vec![s1.id.clone()]);
+    let mut kept = r.kept.clone();
+    kept.sort();
+    let mut want = vec![s2.id.clone(), sb.id.clone()];
+    want.sort();
+    assert_eq!(kept, want);
+    // A reader that loaded the index before gc moved its blobs still reads.
+    let img = SnapshotImage::open(repo.clone(), &s2).unwrap();
+    let g = maint::gc(&repo, None).unwrap();
+    assert!(g.bytes_after < g.bytes_before, "{g:?}");
+    assert!(g.packs_repacked > 0, "{g:?}");
+    let mut got = vec![0u8; a2.len()];
+    img.read(&mut got, 0).unwrap();
+    assert!(got == a2, "a reader opened before gc reads wrong data");
+    assert!(g.blobs_freed >= 1, "{g:?}");
+    assert_eq!(objects(&store, "index/").len(), 1, "gc leaves one index object");
+    // What is left is exactly what the kept snapshots use.
+    let after = maint::stats(&repo).unwrap();
+    assert_eq!(after.snapshots, 2);
+    assert!(after.unique_stored < before.unique_stored);
+    let index = repo.load_index().unwrap();
+    let mut live = std::collections::HashSet::new();
+    for s in [&s2, &sb] {
+        for d in s.manifest.page_digests().into_iter().filter(|d| *d != ZERO) {
+            live.insert(repo.crypto.blob_id(&d));
+        }
+        for e in repo.entries(&index, s).unwrap().into_iter().filter(|e| *e != ZERO) {
+            live.insert(repo.crypto.blob_id(&e));
+        }
+    }
+    let indexed: std::collections::HashSet<_> = index.blobs.keys().copied().collect();
+    assert_eq!(indexed, live, "the index holds exactly the live blobs");
+    assert!(read_back(&repo, &s2) == a2);
+    assert!(read_back(&repo, &sb) == b1);
+    let r = maint::verify(&repo, &VerifyOptions { read_data_percent: 100, threads: 2 }).unwrap();
+    assert!(r.problems.is_empty() && r.notes.iter().all(|n| !n.contains("index")), "{r:?}");
+    // A second gc has nothing to do.
+    let g2 = maint::gc(&repo, None).unwrap();
+    assert_eq!(g2.packs_deleted, 0, "{g2:?}");
+}
+
+/// The pack and offset of the chunk at `chunk` of a snapshot.
+fn where_is(repo: &Repository, snap: &SnapshotInfo, chunk: usize) -> (String, u64) {
+    let index = repo.load_index().unwrap();
+    let e = repo.entries(&index, snap).unwrap()[chunk];
+    let loc = index.blobs[&repo.crypto.blob_id(&e)];
+    (crate::repo::pack_name(&loc.pack), loc.offset as u64 + loc.stored_len as u64 / 2)
+}
+
+#[test]
+fn verify_names_the_snapshot_and_range_of_a_flipped_byte() {
+    let (store, repo) = new_repo(false);
+    let data = disk(2 << 20, 12);
+    let snap = backup(&repo, "d", &data, None);
+    let ok = maint::verify(&repo, &VerifyOptions { read_data_percent: 100, threads: 2 }).unwrap();
+    assert!(ok.problems.is_empty(), "{:?}", ok.problems);
+    assert!(ok.bytes_read > 0);
+    // Chunk 7 (random data: i % 5 == 2).
+    let (pack, at) = where_is(&repo, &snap, 7);
+    store.tamper(&pack, |v| v[at as usize] ^= 1);
+    assert!(maint::check(&repo).unwrap().problems.is_empty(), "check reads no data");
+    let r = maint::verify(&repo, &VerifyOptions { read_data_percent: 100, threads: 2 }).unwrap();
+    assert_eq!(r.problems.len(), 1, "{:?}", r.problems);
+    let p = &r.problems[0];
+    assert_eq!(p.object, pack);
+    assert_eq!(p.hits, vec![(snap.id.clone(), "d".to_string(), 7 * CS as u64, CS as u64)]);
+    // Reading it says where.
+    let img = SnapshotImage::open(repo.clone(), &snap).unwrap();
+    let mut buf = vec![0u8; 4096];
+    let e = img.read(&mut buf, 7 * CS as u64 + 100).unwrap_err();
+    let m = e.to_string();
+    assert!(m.contains(&pack) && m.contains(&format!("{}..{}", 7 * CS, 8 * CS)), "{m}");
+    assert_eq!(e.kind, ferry_backend::ErrorKind::Io);
+}
+
+#[test]
+fn check_names_a_deleted_pack_and_what_it_hits() {
+    let (store, repo) = new_repo(false);
+    let data = disk(2 << 20, 13);
+    let snap = backup(&repo, "d", &data, None);
+    let (pack, _) = where_is(&repo, &snap, 1);
+    store.delete(&pack).unwrap();
+    let r = maint::check(&repo).unwrap();
+    assert_eq!(r.problems.len(), 1, "{:?}", r.problems);
+    assert_eq!(r.problems[0].object, pack);
+    assert!(r.problems[0].why.contains("missing"));
+    assert!(!r.problems[0].hits.is_empty());
+    assert!(r.problems[0].hits.iter().any(|h| h.0 == snap.id && h.2 <= CS as u64 && h.2 + h.3 >= 2 * CS as u64));
+    // gc refuses to work on a repository that lost live data.
+    assert!(maint::gc(&repo, None).is_err());
+}
+
+#[test]
+fn locks_conflict_as_specified() {
+    let (store, repo) = new_repo(false);
+    let w1 = SnapshotWriter::start(repo.clone(), opts("a", 1 << 20, None)).unwrap();
+    match SnapshotWriter::start(repo.clone(), opts("a", 1 << 20, None)) {
+        Err(Error::Locked(m)) => assert!(m.contains("backup") && m.contains(&std::process::id().to_string()), "{m}"),
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("two backups of one disk at once"),
+    }
+    let w2 = SnapshotWriter::start(repo.clone(), opts("b", 1 << 20, None)).unwrap();
+    assert!(matches!(maint::gc(&repo, None), Err(Error::Locked(_))), "gc ran beside a backup");
+    // forget does not conflict with backups.
+    maint::forget(&repo, None, &Policy::default(), false).unwrap();
+    drop(w1);
+    w2.commit(0).unwrap();
+    assert!(objects(&store, "locks/").is_empty(), "locks are removed when released");
+    // gc holds everyone else off.
+    let g = lock::acquire(repo.store(), LockKind::Gc, None, None).unwrap();
+    assert!(matches!(SnapshotWriter::start(repo.clone(), opts("a", 1 << 20, None)), Err(Error::Locked(_))));
+    // Waiting works once the holder lets go.
+    let t = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        drop(g);
+    });
+    let w = SnapshotWriter::start(
+        repo.clone(),
+        BackupOptions { wait_lock: Some(std::time::Duration::from_secs(10)), ..opts("a", 1 << 20, None) },
+    )
+    .unwrap();
+    t.join().unwrap();
+    drop(w);
+}
+
+#[test]
+fn stale_lock_of_a_dead_process_is_removed() {
+    let (store, repo) = new_repo(false);
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let dead = child.id();
+    child.wait().unwrap();
+    let now = jiff::Timestamp::now().to_string();
+    let l = Lock {
+        kind: LockKind::Gc,
+        disk: None,
+        host: crate::repo::hostname(),
+        pid: dead,
+        time: now.clone(),
+        refreshed: now,
+    };
+    store.put("locks/00000000000000000000000000000001", &l.to_bytes()).unwrap();
+    // An old lock of another host is stale too.
+    let old = "2020-01-01T00:00:00Z".to_string();
+    let l2 = Lock { host: "elsewhere".into(), pid: 1, time: old.clone(), refreshed: old, ..l.clone() };
+    store.put("locks/00000000000000000000000000000002", &l2.to_bytes()).unwrap();
+    let listed = lock::list(repo.store()).unwrap();
+    assert_eq!(listed.len(), 2);
+    assert!(listed.iter().all(|(_, _, stale)| *stale));
+    let w = SnapshotWriter::start(repo.clone(), opts("a", 1 << 20, None)).unwrap();
+    let names: Vec<String> = objects(&store, "locks/").into_iter().map(|(n, _)| n).collect();
+    assert_eq!(names.len(), 1, "the stale locks are gone: {names:?}");
+    drop(w);
+    // A live lock of another host, refreshed now, holds.
+    let now = jiff::Timestamp::now().to_string();
+    let l3 = Lock { host: "elsewhere".into(), pid: 1, time: now.clone(), refreshed: now, ..l };
+    store.put("locks/00000000000000000000000000000003", &l3.to_bytes()).unwrap();
+    match SnapshotWriter::start(repo.clone(), opts("a", 1 << 20, None)) {
+        Err(Error::Locked(m)) => assert!(m.contains("elsewhere"), "{m}"),
+        _ => panic!("a live gc lock did not hold"),
+    }
+}
+
+#[test]
+fn crash_mid_backup_leaves_a_whole_repository() {
+    let (store, repo) = new_repo(false);
+    let data = disk(4 << 20, 14);
+    let s1 = backup(&repo, "d", &data, None);
+    let packs_before = objects(&store, "data/").len();
+    {
+        let w = SnapshotWriter::start(repo.clone(), opts("d", data.len() as u64, Some(s1.clone()))).unwrap();
+        let other = disk(3 << 20, 16);
+        w.write(&other, 0, false).unwrap();
+        // Dropped without commit: a kill -9 before the manifest.
+    }
+    assert!(objects(&store, "data/").len() > packs_before, "the crashed backup stored packs");
+    let r = maint::check(&repo).unwrap();
+    assert!(r.problems.is_empty(), "{:?}", r.problems);
+    assert!(r.notes.iter().any(|n| n.contains("in no index object")), "{:?}", r.notes);
+    assert_eq!(repo.snapshots().unwrap().len(), 1);
+    let g = maint::gc(&repo, None).unwrap();
+    assert!(g.packs_deleted > 0, "{g:?}");
+    assert_eq!(objects(&store, "data/").len(), packs_before);
+    assert!(read_back(&repo, &s1) == data);
+    let r = maint::verify(&repo, &VerifyOptions { read_data_percent: 100, threads: 2 }).unwrap();
+    assert!(r.problems.is_empty() && !r.notes.iter().any(|n| n.contains("in no index object")), "{r:?}");
+}
+
+#[test]
+fn init_refuses_a_repository_and_open_an_empty_store() {
+    let (store, _repo) = new_repo(false);
+    assert!(matches!(Repository::init(store, &InitOptions::default()), Err(Error::Invalid(_))));
+    let empty = Arc::new(MemStore::new());
+    assert!(matches!(Repository::open(empty, &|| Ok(vec![])), Err(Error::NotFound(_))));
+}
+
+#[test]
+fn read_data_percent_covers_every_pack_in_turn() {
+    for percent in [1, 7, 10, 33, 50] {
+        let mut seen = [false; 256];
+        for day in 0..(100 / percent + 1) as u64 {
+            for b in 0..=255u8 {
+                let mut d = ZERO;
+                d[0] = b;
+                if maint::selected(&d, percent, day) {
+                    seen[b as usize] = true;
+                }
+            }
+        }
+        assert!(seen.iter().all(|s| *s), "{percent}% does not cover every pack");
+    }
+}
+
+/// Throughput of a full backup and a restore through the engine, over a directory and
+/// in memory, plain and encrypted (not a check: run with
+/// `cargo test --release -p ferry-repo -- --ignored throughput --nocapture`).
+#[test]
+#[ignore]
+fn throughput() {
+    let size = 512usize << 20;
+    let mut data = vec![0u8; size];
+    let mut x = 1u64;
+    for c in data.chunks_mut(4096) {
+        // Log-like text: compresses about 4:1.
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let text = format!("{x:016x} GET /index.html 200 {} bytes; ", x % 10000);
+        for (j, b) in c.iter_mut().enumerate() {
+            *b = text.as_bytes()[j % text.len()] ^ ((x >> (j % 64)) as u8 & (j % 7 == 0) as u8);
+        }
+    }
+    for (kind, encrypt) in [("memory", false), ("directory", false), ("directory", true)] {
+        let dir = tempfile::tempdir().unwrap();
+        let store: Arc<dyn Store> = match kind {
+            "memory" => Arc::new(MemStore::new()),
+            _ => Arc::new(crate::store::DirStore::create(&dir.path().join("r")).unwrap()),
+        };
+        let opts = InitOptions {
+            encrypt: encrypt.then(|| (b"pw".to_vec(), KdfCost { m_kib: 8192, t: 1, p: 1 })),
+            ..InitOptions::default()
+        };
+        let repo = Arc::new(Repository::init(store, &opts).unwrap());
+        let t = std::time::Instant::now();
+        let w = SnapshotWriter::start(repo.clone(), BackupOptions::new("big", size as u64)).unwrap();
+        std::thread::scope(|s| {
+            for th in 0..2 {
+                let (w, data) = (w.clone(), &data);
+                s.spawn(move || {
+                    for (i, p) in data.chunks(1 << 20).enumerate().filter(|(i, _)| i % 2 == th) {
+                        w.write(p, (i << 20) as u64, false).unwrap();
+                    }
+                });
+            }
+        });
+        let snap = w.commit(size as u64).unwrap();
+        let secs = t.elapsed().as_secs_f64();
+        eprintln!(
+            "{kind} store, encrypted {encrypt}: backup {:.0} MB/s (stored {} MB)",
+            size as f64 / secs / 1e6,
+            w.stats().new_stored >> 20
+        );
+        let img = SnapshotImage::open(repo.clone(), &snap).unwrap();
+        let t = std::time::Instant::now();
+        std::thread::scope(|s| {
+            for th in 0..2 {
+                let img = img.clone();
+                s.spawn(move || {
+                    let mut buf = vec![0u8; 1 << 20];
+                    for i in (0..size >> 20).filter(|i| i % 2 == th) {
+                        img.read(&mut buf, (i << 20) as u64).unwrap();
+                    }
+                });
+            }
+        });
+        eprintln!(
+            "{kind} store, encrypted {encrypt}: restore {:.0} MB/s",
+            size as f64 / t.elapsed().as_secs_f64() / 1e6
+        );
+    }
+}
