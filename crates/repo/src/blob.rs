@@ -300,3 +300,90 @@ mod tests {
         assert!(decode(&c, BlobKind::Data, &id, &stored, 65536).is_err());
     }
 }
+
+/// Throughput of the blob path on 64 KiB chunks (not a test: `cargo test --release -p
+/// ferry-repo --lib blob::throughput -- --ignored --nocapture`). The chunks are this test
+/// binary's own bytes (machine code and data, as a disk's files are) and random bytes.
+#[cfg(test)]
+mod throughput {
+    use super::*;
+    use crate::crypto::new_key;
+    use crate::format::KdfCost;
+    use std::time::Instant;
+
+    /// The best of three runs (the machine may be shared).
+    fn rate(what: &str, bytes: usize, mut f: impl FnMut()) {
+        let best = (0..3)
+            .map(|_| {
+                let t = Instant::now();
+                f();
+                t.elapsed().as_secs_f64()
+            })
+            .fold(f64::MAX, f64::min);
+        println!("{what:<44} {:>8.0} MB/s", bytes as f64 / best / 1e6);
+    }
+
+    #[test]
+    #[ignore]
+    fn throughput() {
+        let mut exe = std::fs::read(std::env::current_exe().unwrap()).unwrap();
+        exe.truncate((exe.len().min(64 << 20)) & !0xffff);
+        let mut random = vec![0u8; 32 << 20];
+        getrandom::fill(&mut random).unwrap();
+        let aes = new_key(b"pw", KdfCost { m_kib: 8192, t: 1, p: 1 }, "r", 65536, 256).unwrap().1;
+        let t = Instant::now();
+        new_key(b"pw", crate::crypto::DEFAULT_KDF, "r", 65536, 256).unwrap();
+        println!("{:<44} {:>8.2} s", "Argon2id at the default cost (64 MiB, t=3, p=4)", t.elapsed().as_secs_f64());
+        for (name, data) in [("binary", &exe), ("random", &random)] {
+            let chunks: Vec<&[u8]> = data.chunks(65536).collect();
+            let mut out = Vec::with_capacity(data.len() + chunks.len() * 64);
+            rate(&format!("AES-256-GCM seal, {name}"), data.len(), || {
+                for c in &chunks {
+                    out.clear();
+                    aes.seal_into(b"ferry blob ", c, &mut out);
+                }
+            });
+            let sealed: Vec<Vec<u8>> = chunks.iter().map(|c| aes.seal(b"a", c)).collect();
+            rate(&format!("AES-256-GCM open, {name}"), data.len(), || {
+                for s in &sealed {
+                    aes.open(b"a", s).unwrap();
+                }
+            });
+            rate(&format!("SHA-256 digest, {name}"), data.len(), || {
+                for c in &chunks {
+                    std::hint::black_box(digest(c));
+                }
+            });
+            for level in [1, 3] {
+                let mut stored = 0;
+                let mut blobs = Vec::new();
+                rate(&format!("zstd -{level} encode (no encryption), {name}"), data.len(), || {
+                    (stored, blobs) = (0, Vec::new());
+                    for c in &chunks {
+                        let mut out = Vec::new();
+                        let id = digest(c);
+                        stored += encode_into(&Crypto::None, BlobKind::Data, &id, c, level, &mut out);
+                        blobs.push((id, out));
+                    }
+                });
+                println!(
+                    "{:<44} {:>8.3}",
+                    format!("  stored/plain at level {level}"),
+                    stored as f64 / data.len() as f64
+                );
+                rate(&format!("zstd -{level} decode + digest check, {name}"), data.len(), || {
+                    for (id, b) in &blobs {
+                        decode(&Crypto::None, BlobKind::Data, id, b, 65536).unwrap();
+                    }
+                });
+                rate(&format!("zstd -{level} + AES encode, {name}"), data.len(), || {
+                    let mut out = Vec::new();
+                    for c in &chunks {
+                        out.clear();
+                        encode_into(&aes, BlobKind::Data, &digest(c), c, level, &mut out);
+                    }
+                });
+            }
+        }
+    }
+}

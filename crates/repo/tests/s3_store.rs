@@ -101,6 +101,22 @@ fn listings_follow_continuation_tokens() {
     assert_eq!(s.list("data/01/").unwrap().len(), 10);
 }
 
+/// A prefix with characters URLs escape: the keys are signed, sent and listed back as
+/// they are.
+#[test]
+fn prefixes_with_spaces_and_symbols() {
+    make_bucket("repo-odd");
+    let s = S3Store::open("s3://repo-odd/my backups/a+b&c=d%20é/", &config(), &http()).unwrap();
+    s.put("config", b"x").unwrap();
+    s.put("locks/0123", b"l").unwrap();
+    assert_eq!(s.get("config", 1).unwrap(), b"x");
+    assert_eq!(s.get_range("locks/0123", 0, 1).unwrap(), b"l");
+    assert_eq!(sorted(s.list("").unwrap()), [("config".to_string(), 1), ("locks/0123".to_string(), 1)]);
+    assert_eq!(s.list("locks/").unwrap(), [("locks/0123".to_string(), 1)]);
+    s.delete("locks/0123").unwrap();
+    assert_eq!(s.list("locks/").unwrap(), []);
+}
+
 #[test]
 fn a_missing_bucket_is_an_error_not_an_empty_repository() {
     let s = S3Store::open("s3://no-such-bucket-here/r", &config(), &http()).unwrap();
