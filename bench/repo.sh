@@ -19,14 +19,18 @@
 #    ENCRYPT=1, the default, also into an encrypted one, --encrypt); `restic backup` (restic
 #    always encrypts; password file; restic's defaults: content-defined chunks of about
 #    1 MiB, zstd "auto"); `borg create` (`borg init -e none`; borg's defaults: buzhash
-#    chunks of about 2 MiB, lz4). Every run starts from an empty repository (init untimed).
+#    chunks of about 2 MiB, lz4). Also `ferry backup vm.qcow2 REPO::vm`, the same disk read
+#    from its qcow2 image, into another repository (ferry then adds its own change-tracking
+#    bitmap to the image). Every run starts from an empty repository (init untimed).
 #    Median wall seconds, MB/s of the image's size, repository size (du -sb) after.
 # 2. Day 2: DIRTY_PCT % of the 64 KiB granules of vm.qcow2 changed (a 4 KiB write of random
 #    bytes in each, at random granules, through qemu-nbd: b0 records them), exported by
 #    `qemu-nbd -r -B b0` on a Unix socket; src/disk.raw is rewritten with the new contents
 #    (qemu-img convert, untimed). Backups: `ferry backup --dirty-bitmap b0 URI REPO::vm`
 #    (plain and encrypted repositories), `ferry backup URI REPO::vm` without the bitmap (it
-#    reads everything and stores only what is new), `restic backup src/disk.raw` (it rereads
+#    reads everything and stores only what is new), `ferry backup vm.qcow2 REPO::vm` (the
+#    stopped image with ferry's own bitmap, before qemu-nbd exports it; one run, since a run
+#    replaces that bitmap), `restic backup src/disk.raw` (it rereads
 #    the file: its mtime changed), `borg create`. Every run starts from a copy of the tool's
 #    day-1 state (repository and cache; copy untimed). Median seconds and repository growth
 #    in MB (du -sb after minus before).
@@ -126,7 +130,7 @@ load() { rm -rf "$W/$1"; cp -a "$W/$2.$3" "$W/$1"; }      # TOOL FROM-TOOL TAG
 init() { # TOOL: a new, empty repository
   rm -rf "$W/$1"; mkdir -p "$W/$1"
   case $1 in
-    ferry) "$FERRY" repo init "$W/ferry/repo" ;;
+    ferry | ferryq) "$FERRY" repo init "$W/$1/repo" ;;
     ferryx) fx repo init --encrypt "$W/ferryx/repo" ;;
     restic) restic $RC init -r "$W/restic/repo" ;;
     borg) borg init -e none "$W/borg/repo" ;;
@@ -136,6 +140,7 @@ init() { # TOOL: a new, empty repository
 backup() {
   case $1 in
     ferry | ferryf) "$FERRY" backup ${3:+--dirty-bitmap $3} "$2" "$W/$1/repo::vm" ;;
+    ferryq) "$FERRY" backup "$W/vm.qcow2" "$W/ferryq/repo::vm" ;;
     ferryx) fx backup ${3:+--dirty-bitmap $3} "$2" "$W/$1/repo::vm" ;;
     restic) restic $RC -r "$W/restic/repo" backup "$W/src/disk.raw" ;;
     borg) (cd "$W/src" && borg create "$W/borg/repo::day$(date +%s%N)" disk.raw) ;;
@@ -211,20 +216,22 @@ ZSTD=$(command -v zstd >/dev/null && zstd -3 -q -c "$W/src/disk.raw" | wc -c)
 echo "image: ${SIZE_G} GiB ($(GB "$SIZE") MB), $(GB "$ALLOC") MB allocated${ZSTD:+, $(GB "$ZSTD") MB as one zstd -3 stream}; files in $W"
 
 # --- 1. Day 1 ------------------------------------------------------------------------
+D1="ferry ferryq $FX $PEER"
 n=$RUNS; part 1 || n=1
 for r in $(seq "$n"); do
-  for t in $TOOLS; do init "$t"; T[$t]+="$(secs backup "$t" "$W/src/disk.raw") "; done
+  for t in $D1; do init "$t"; T[$t]+="$(secs backup "$t" "$W/src/disk.raw") "; done
 done
-for t in $TOOLS; do save "$t" day1; done
+for t in $D1; do save "$t" day1; done
 if part 1; then
   echo
   echo "== 1. day 1: full backup of a ${SIZE_G} GiB image, a local sparse raw file ($(date -u +%F\ %H:%M:%S) UTC, median of $RUNS)"
   echo
   echo "| backup | median s | MB/s of the image | repository MB |"
   echo "|---|---|---|---|"
-  for t in $TOOLS; do
+  for t in $D1; do
     case $t in
       ferry) label='`ferry backup disk.raw REPO::vm`' ;;
+      ferryq) label='`ferry backup vm.qcow2 REPO::vm` (the same disk as a qcow2 image; ferry adds its own change-tracking bitmap)' ;;
       ferryx) label='the same, encrypted repository (`--encrypt`)' ;;
       restic) label='`restic backup disk.raw` (encrypted, zstd auto)' ;;
       borg) label='`borg create REPO::day1 disk.raw` (`-e none`, lz4)' ;;
@@ -238,6 +245,13 @@ fi
 NDIRTY=$(( (SIZE_G << 14) * DIRTY_PCT / 100 ))
 dirty "$W/vm.qcow2" "$NDIRTY"
 qemu-img convert -f qcow2 -O raw "$W/vm.qcow2" "$W/src/disk.raw.new" && mv "$W/src/disk.raw.new" "$W/src/disk.raw"
+# The stopped VM's image with ferry's own bitmap: one run (a run replaces that bitmap), before
+# qemu-nbd exports the image (ferry opens it for writing).
+load ferryq ferryq day1
+before=$(dub "$W/ferryq/repo")
+T[d2:ferryq]=$(secs backup ferryq)
+after=$(dub "$W/ferryq/repo")
+[ -n "$before" ] && [ -n "$after" ] && G[ferryq]="$((after - before))"
 qemu-nbd -t -r -B b0 -f qcow2 -k "$W/src.sock" "$W/vm.qcow2" 2>"$W/src.log" & pids+=($!)
 wait_sock "$W/src.sock"
 SRC=$(uri src)
@@ -266,8 +280,9 @@ if part 2; then
   echo
   echo "| backup | median s | repository growth MB |"
   echo "|---|---|---|"
-  for t in $D2; do
+  for t in $D2 ferryq; do
     case $t in
+      ferryq) label='`ferry backup vm.qcow2 REPO::vm`: the stopped image, ferry'"'"'s own bitmap (one run)' ;;
       ferry) label='`ferry backup --dirty-bitmap b0 URI REPO::vm` (qemu-nbd -r -B b0)' ;;
       ferryx) label='the same, encrypted repository' ;;
       ferryf) label='`ferry backup URI REPO::vm` without the bitmap (reads all, stores what is new)' ;;
