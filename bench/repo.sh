@@ -335,7 +335,7 @@ if part 3; then
   rm -rf "$W/out"
   h1=$("$FERRY" hash "$W/ferry/repo::vm" 2>/dev/null | awk '{print $1}')
   h2=$("$FERRY" hash "$W/src/disk.raw" 2>/dev/null | awk '{print $1}')
-  ht=$(secs "$FERRY" hash "$W/ferry/repo::vm")
+  ht=$(med_of "$(secs "$FERRY" hash "$W/ferry/repo::vm")")
   echo
   if [ -n "$h1" ] && [ "$h1" = "$h2" ]; then echo "ferry hash REPO::vm (from the index, ${ht}s) equals ferry hash disk.raw: yes"
   else echo "ferry hash REPO::vm: '${h1:-FAIL}' against disk.raw: '${h2:-FAIL}': NO"; fi
