@@ -1,0 +1,369 @@
+//! `ferry backup SRC REPO::NAME`: a new snapshot of the disk NAME in a backup repository.
+//!
+//! The source is opened as `ferry copy` opens it; the destination is a
+//! [`ferry_repo::SnapshotWriter`] on top of NAME's latest snapshot (the base), and the copy
+//! engine moves the data: every range without a change map, only the changed ranges with
+//! `--dirty-bitmap` or `--extents-from` (everything else is the base's). Holes and zero
+//! ranges are never stored: without a base the writer reads as zeroes and they are skipped;
+//! on a base they are written as zeroes (an entry, no data).
+
+use crate::remote_args::shown;
+use crate::repo::{human, short_id};
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use ferry_client::copy::{copy, BackendEndpoint, CopyOptions, Endpoint, Progress};
+use ferry_client::ConnectOptions;
+use ferry_open::Location;
+use ferry_proto::consts::META_DIRTY_BITMAP_PREFIX;
+use ferry_repo::format::Changes;
+use ferry_repo::{BackupOptions, SnapshotWriter};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Packs are closed at this size: few objects (and requests, on S3) per backup.
+const PACK_SIZE: usize = 32 << 20;
+/// zstd level of new chunks: 1, measured (ARCHITECTURE.md, "zstd") at 220-415 MB/s to 0.29
+/// of a binary's size against level 3's 200-250 MB/s to 0.27.
+const LEVEL: i32 = 1;
+
+#[derive(Args, Debug)]
+pub struct BackupArgs {
+    /// What to back up: anything `ferry copy` reads (an NBD URI such as qemu-nbd -B's or a
+    /// libvirt pull-mode backup's export, a raw or qcow2 image, rbd:, http(s)://, s3://).
+    src: String,
+    /// The disk's snapshots: REPO::NAME, REPO a directory made by `ferry repo init` or
+    /// s3://BUCKET/PREFIX; NAME 1 to 200 of A-Z a-z 0-9 . _ - (not starting with . or -).
+    dst: String,
+    /// Read only the ranges the source's dirty bitmap BITMAP marks (its
+    /// qemu:dirty-bitmap:BITMAP context: qemu-nbd -B, libvirt pull mode,
+    /// qemu-storage-daemon, ferry serve -B); everything else is taken from NAME's latest
+    /// snapshot. The bitmap must hold every change since that snapshot was taken.
+    #[arg(long, value_name = "BITMAP", conflicts_with = "extents_from")]
+    dirty_bitmap: Option<String>,
+    /// Read only the ranges listed in FILE (as `ferry copy --extents-from` takes them);
+    /// everything else is taken from NAME's latest snapshot.
+    #[arg(long, value_name = "FILE")]
+    extents_from: Option<String>,
+    /// Print the new snapshot as one JSON object.
+    #[arg(long)]
+    json: bool,
+    /// Show progress: a bar with rate and ETA on a terminal, percentages otherwise.
+    #[arg(short, long)]
+    progress: bool,
+    /// Most bytes read per second (K, M, G suffixes; 1K to 1T). Holes and zero ranges are free.
+    #[arg(long, value_name = "BYTES_PER_SEC", value_parser = crate::copy::parse_rate)]
+    rate: Option<u64>,
+    /// Retries of a failed NBD request or connection, as `ferry copy --retries` (0 to 100).
+    #[arg(long, value_name = "N", default_value_t = ferry_client::copy::DEFAULT_RETRIES,
+          value_parser = clap::value_parser!(u32).range(0..=ferry_client::copy::MAX_RETRIES as i64))]
+    retries: u32,
+    /// Seconds before the first retry, doubled for each further one (0 to 60).
+    #[arg(long, value_name = "SECS", default_value = "0.5", value_parser = crate::copy::parse_retry_delay)]
+    retry_delay: Duration,
+    /// Connections to the NBD server (where it allows several), as `ferry copy -C`.
+    #[arg(short = 'C', long, value_name = "N")]
+    connections: Option<usize>,
+    /// Read a local source even while another program writes it (qemu-img's -U); the
+    /// snapshot may then not match any state of the source.
+    #[arg(short = 'U', long)]
+    force_share: bool,
+    /// The repository's passphrase: the first line of FILE (else FERRY_PASSWORD, else
+    /// FERRY_PASSWORD_FILE).
+    #[arg(long, value_name = "FILE")]
+    password_file: Option<std::path::PathBuf>,
+    /// Wait up to SECS for a running backup of the same disk (or a gc) to end, instead of
+    /// failing at once.
+    #[arg(long, value_name = "SECS", value_parser = crate::copy::parse_secs)]
+    wait: Option<Duration>,
+    /// For a local qcow2 image: do not keep a change-tracking bitmap in it (every backup
+    /// then reads all of it; the image is opened read-only).
+    #[arg(long)]
+    no_bitmap: bool,
+    #[command(flatten)]
+    remote: crate::remote_args::RemoteArgs,
+}
+
+pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
+    let cancel = crate::interrupt::install()?;
+    let src_loc = Location::parse(&args.src).with_context(|| format!("source {:?}", shown(&args.src)))?;
+    let (repo_spec, name) = match Location::parse(&args.dst).with_context(|| format!("{:?}", shown(&args.dst)))? {
+        Location::Repo { repo, name, id: None } => (repo, name),
+        Location::Repo { repo, name, id: Some(_) } => {
+            bail!("a backup makes a new snapshot of a disk: write {repo}::{name}, without @ID")
+        }
+        _ => bail!("{:?} is not a disk in a backup repository: write REPO::NAME", shown(&args.dst)),
+    };
+    let target = format!("{repo_spec}::{name}");
+    if matches!(src_loc, Location::Repo { .. }) {
+        bail!(
+            "the source {:?} is a snapshot already: restore it with ferry copy, or back up the disk itself",
+            args.src
+        );
+    }
+    let mut remote = args.remote.remote();
+    remote.http.retries = args.retries;
+    remote.http.retry_delay = args.retry_delay;
+    let repo = ferry_open::repo::open_repository(&repo_spec, &remote, args.password_file.as_deref())?;
+
+    // A stopped VM's local qcow2 image without a change map given: ferry keeps its change
+    // tracking itself (see `Tracker`).
+    let tracked = args.dirty_bitmap.is_none() && args.extents_from.is_none() && !args.force_share && !args.no_bitmap;
+    let tracker = match tracked {
+        true => ferry_open::open_local_qcow2_for_backup(&src_loc)
+            .with_context(|| {
+                format!(
+                    "source {:?} (opened for writing, to keep its change-tracking bitmap; --no-bitmap reads it \
+                     without one)",
+                    shown(&args.src)
+                )
+            })?
+            .map(|q| Tracker { q, prefix: format!("{TRACK_PREFIX}{name}-") }),
+        false => None,
+    };
+    let source = match &tracker {
+        Some(t) => ferry_open::Source::plain(Endpoint::Backend(BackendEndpoint::new(shown(&args.src), t.q.clone()))),
+        None => ferry_open::source(&src_loc, args.force_share, &remote)
+            .with_context(|| format!("source {:?}", shown(&args.src)))?,
+    };
+    let src = &source.endpoint;
+    let size = ferry_open::source_size(src).with_context(|| format!("source {:?}", shown(&args.src)))?;
+    let ranges = match &args.extents_from {
+        Some(f) => Some(Arc::new(
+            ferry_client::copy::ranges::parse_extents_from(f).map_err(|e| anyhow::anyhow!("--extents-from: {e}"))?,
+        )),
+        None => None,
+    };
+    let asked = match (&args.dirty_bitmap, &args.extents_from) {
+        (Some(b), _) => Changes::DirtyBitmap { bitmap: b.clone() },
+        (None, Some(f)) => Changes::ExtentsFrom { file: f.clone() },
+        (None, None) => Changes::Full,
+    };
+    let selective = asked != Changes::Full;
+    let flag = if args.dirty_bitmap.is_some() { "--dirty-bitmap" } else { "--extents-from" };
+    // The base is read again once the disk's lock is held: a backup of the disk that
+    // ended while this one waited for the lock made a newer snapshot, and a change map
+    // continues the latest one.
+    let mut tries = 0;
+    let (writer, zeroed, changes) = loop {
+        let base = choose_base(&repo, &name, &target, size, selective, flag)?;
+        let zeroed = base.is_none();
+        let base_id = base.as_ref().map(|b| b.id.clone());
+        let changes = match (&tracker, &base) {
+            (Some(t), Some(b)) => match t.continuing(&b.id) {
+                Some(bitmap) => Changes::DirtyBitmap { bitmap },
+                None => {
+                    log::info!(
+                        "{} has no bitmap {}{} continuing snapshot {} of {name}: reading all of it",
+                        shown(&args.src),
+                        t.prefix,
+                        &b.id[..TRACK_ID.min(b.id.len())],
+                        short_id(&b.id)
+                    );
+                    Changes::Full
+                }
+            },
+            _ => asked.clone(),
+        };
+        let opts = BackupOptions {
+            name: name.clone(),
+            size,
+            base,
+            source: shown(&args.src),
+            changes: changes.clone(),
+            pack_size: PACK_SIZE,
+            level: LEVEL,
+            wait_lock: args.wait,
+        };
+        let writer =
+            SnapshotWriter::start(repo.clone(), opts).with_context(|| format!("cannot back up into {target}"))?;
+        let now = choose_base(&repo, &name, &target, size, selective, flag)?.map(|s| s.id);
+        if now == base_id {
+            break (writer, zeroed, changes);
+        }
+        // Released by the drop; taken again with the newer base.
+        drop(writer);
+        tries += 1;
+        if tries > 3 {
+            bail!("the snapshots of {target} keep changing while this backup starts: try again");
+        }
+    };
+    let dst = BackendEndpoint::new(target.clone(), writer.clone());
+    let dst = Endpoint::Backend(if zeroed { dst.zeroed() } else { dst });
+
+    let request_size = 1usize << 20;
+    let copy_opts = CopyOptions {
+        connections: args
+            .connections
+            .or_else(|| ferry_open::copy_workers(&src_loc, &Location::Null))
+            .unwrap_or_else(crate::copy::default_connections),
+        requests: 4,
+        request_size,
+        zero_block: ferry_client::copy::DEFAULT_ZERO_BLOCK,
+        sparse: true,
+        send_file: false,
+        flush: false,
+        connect: ConnectOptions::default(),
+        hash: None,
+        select_context: match &changes {
+            Changes::DirtyBitmap { bitmap } => Some(format!("{META_DIRTY_BITMAP_PREFIX}{bitmap}")),
+            _ => None,
+        },
+        ranges,
+        retry: ferry_client::copy::RetryPolicy {
+            retries: args.retries,
+            delay: args.retry_delay,
+            request_timeout: None,
+        },
+        rate: args.rate,
+        journal: None,
+        cancel: Some(cancel),
+    };
+    let progress = Progress::default();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let report = std::thread::scope(|s| {
+        let bar = (args.progress && !quiet).then(|| s.spawn(|| crate::copy::show_progress(&progress, &stop)));
+        let r = copy(src, &dst, &copy_opts, &progress);
+        stop.store(true, Ordering::SeqCst);
+        if let Some(h) = bar {
+            let _ = h.join();
+        }
+        r
+    });
+    let report =
+        report
+            .and_then(|r| if copy_opts.cancelled() { Err(ferry_client::copy::CopyError::Interrupted) } else { Ok(r) });
+    let report =
+        report.with_context(|| format!("backing up {} into {target} (no snapshot was made)", shown(&args.src)))?;
+    let read = report.data_bytes + report.zero_bytes;
+    let snap = writer.commit(read).with_context(|| format!("cannot store the snapshot of {target}"))?;
+    drop(dst);
+    drop(source);
+    if let Some(t) = tracker {
+        if let Err(e) = t.restart(&snap.id) {
+            log::warn!(
+                "the snapshot is stored, but the change tracking of {} could not restart ({e:#}): the next backup \
+                 of it reads all of it",
+                shown(&args.src)
+            );
+        }
+    }
+    let m = &snap.manifest;
+    if args.json {
+        let doc = serde_json::json!({
+            "id": snap.id,
+            "name": m.name,
+            "time": m.time,
+            "size": m.size,
+            "read": read,
+            "new_chunks": m.stats.new_chunks,
+            "new_stored": m.stats.new_stored,
+            "parent": m.parent,
+            "changes": m.changes,
+        });
+        println!("{doc}");
+    } else {
+        println!(
+            "snapshot {} of {}: {}, {} read, {} added ({} new chunks)",
+            short_id(&snap.id),
+            m.name,
+            human(m.size),
+            human(read),
+            human(m.stats.new_stored),
+            m.stats.new_chunks
+        );
+    }
+    Ok(0)
+}
+
+/// Bitmaps ferry keeps in a local qcow2 image it backs up are named
+/// `ferry-NAME-ID16`: NAME the disk, ID16 the first 16 hex digits of the snapshot whose
+/// read they follow.
+const TRACK_PREFIX: &str = "ferry-";
+const TRACK_ID: usize = 16;
+
+/// The change tracking of a stopped VM's local qcow2 image, kept by ferry. The image is
+/// opened for writing (so no one else writes it while it is backed up), read, and only
+/// once the snapshot is committed is the bitmap restarted: a bitmap named after the new
+/// snapshot is added and the older ones removed, while the image is still held, so no
+/// write can fall between. A backup reads only what a bitmap marks when it is named after
+/// the disk's latest snapshot, enabled and consistent; anything else (the first backup, a
+/// failed or interrupted one, a crash between commit and restart, a snapshot forgotten,
+/// a bitmap left `in-use` by a crashed VM) reads the whole image. No run can leave a
+/// bitmap that misses changes or blocks the next run.
+struct Tracker {
+    q: Arc<ferry_qcow2::Qcow2>,
+    prefix: String,
+}
+
+impl Tracker {
+    fn name_for(&self, snapshot: &str) -> String {
+        format!("{}{}", self.prefix, &snapshot[..TRACK_ID.min(snapshot.len())])
+    }
+
+    /// The bitmap that holds every change since `snapshot` was read, if there is one.
+    fn continuing(&self, snapshot: &str) -> Option<String> {
+        let want = self.name_for(snapshot);
+        self.q.bitmaps().into_iter().find(|b| b.name == want && b.auto && !b.in_use).map(|b| b.name)
+    }
+
+    /// After `snapshot` is committed: a new, empty bitmap for it; the older ones removed;
+    /// the image closed (bitmaps written back).
+    fn restart(self, snapshot: &str) -> Result<()> {
+        let new = self.name_for(snapshot);
+        let old: Vec<String> =
+            self.q.bitmaps().into_iter().map(|b| b.name).filter(|n| n.starts_with(&self.prefix) && *n != new).collect();
+        if !self.q.bitmaps().iter().any(|b| b.name == new) {
+            self.q.bitmap_add(&new, None, false).with_context(|| format!("adding the bitmap {new}"))?;
+        }
+        for n in &old {
+            self.q.bitmap_remove(n).with_context(|| format!("removing the bitmap {n}"))?;
+        }
+        // Still shared, it is written back when the last user drops it.
+        if let Ok(q) = Arc::try_unwrap(self.q) {
+            q.close().context("writing the bitmaps back")?;
+        }
+        Ok(())
+    }
+}
+
+/// The latest snapshot of `name`, if it has one.
+fn latest(repo: &ferry_repo::Repository, name: &str, target: &str) -> Result<Option<ferry_repo::SnapshotInfo>> {
+    match repo.resolve(name, None) {
+        Ok(s) => Ok(Some(s)),
+        Err(ferry_repo::Error::NotFound(_)) => Ok(None),
+        Err(e) => Err(anyhow::Error::new(e).context(format!("cannot find the latest snapshot of {target}"))),
+    }
+}
+
+/// What the new snapshot starts from: the latest of the disk, unless there is none or it
+/// has another size. A change map needs one of the source's size.
+fn choose_base(
+    repo: &ferry_repo::Repository,
+    name: &str,
+    target: &str,
+    size: u64,
+    selective: bool,
+    flag: &str,
+) -> Result<Option<ferry_repo::SnapshotInfo>> {
+    Ok(match latest(repo, name, target)? {
+        None if selective => bail!(
+            "{target} has no snapshot yet, and the first backup of {name} reads everything: run it without {flag}"
+        ),
+        Some(b) if b.manifest.size != size && selective => bail!(
+            "the source is {size} bytes but the latest snapshot of {name} ({}) is {} bytes: a change map cannot \
+             continue a disk of another size; take a full backup (without {flag})",
+            short_id(&b.id),
+            b.manifest.size
+        ),
+        Some(b) if b.manifest.size != size => {
+            log::info!(
+                "the source is {size} bytes, the latest snapshot of {name} {}: reading everything (what is stored \
+                 already is not stored again)",
+                b.manifest.size
+            );
+            None
+        }
+        b => b,
+    })
+}
