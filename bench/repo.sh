@@ -43,9 +43,10 @@
 #    --verify-data`. Seconds, and MB/s of the repository's size.
 # 5. Retention: forget day 1 and free its data: `ferry repo forget --keep-last 1` + `ferry
 #    repo gc`, `restic forget --keep-last 1 --prune`, `borg prune --keep-last 1` + `borg
-#    compact`. Seconds, and the repository's size before and after. Runs start from a copy of
-#    the day-2 state.
-# 6. Read day 2 without restoring it: `ferry serve REPO::vm` (plain and encrypted) against
+#    compact`. Seconds, and the repository's size before and after. Runs after the first
+#    start from a copy of the day-2 state.
+# 6. Read day 2 without restoring it (after part 5, the snapshot it kept):
+#    `ferry serve REPO::vm` (plain and encrypted) against
 #    qemu-nbd serving the equivalent qcow2 chain (base.qcow2 = day 1, inc.qcow2 = the day-2
 #    dirty clusters over it, as `ferry copy --dirty-bitmap b0 --backing` makes it): nbdcopy
 #    to null: (median seconds, MB/s), fio 4 KiB random reads (--ioengine=nbd, iodepth 64,
@@ -64,7 +65,10 @@
 #
 # restic and borgbackup are installed with apt-get when missing (the system's configured
 # sources; needs root or sudo). Needs qemu-img, qemu-nbd, nbdcopy, python3-libnbd, openssl,
-# bc, cmp. Disk: about SIZE_G * 8 GiB in BENCH_DIR (default /var/tmp).
+# bc, cmp. Disk: about SIZE_G * 8 GiB in BENCH_DIR (default /var/tmp) with RUNS=1, about
+# twice that with more runs (the copies of each tool's state that later runs start from).
+# CPU s: the user + system seconds of the timed client (median), which the machine's load
+# moves less than the wall seconds.
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 . "$HERE/lib.sh"
@@ -171,7 +175,22 @@ EOF
   kill -TERM $p; wait $p
 }
 
-declare -A T G
+declare -A T G CPU
+# timed KEY CMD...: runs CMD in this shell; appends its wall seconds to T[KEY] (FAIL if it
+# fails) and the CPU seconds (user + system) of the processes it ran to CPU[KEY]: the
+# client's CPU, not that of servers started before it. On this shared machine the CPU
+# seconds move less with the load than the wall seconds do.
+tsum() { awk 'NR == 2 { for (i = 1; i <= 2; i++) { split($i, a, "m"); s += a[1] * 60 + a[2] } print s }' "$1"; }
+timed() {
+  local k=$1 s e c0 c1; shift
+  times >"$W/times.0"; s=$(date +%s.%N)
+  if "$@" >/dev/null 2>&1; then
+    e=$(date +%s.%N); times >"$W/times"
+    c0=$(tsum "$W/times.0"); c1=$(tsum "$W/times")
+    T[$k]+="$(echo "$e - $s" | bc -l) "; CPU[$k]+="$(echo "$c1 - $c0" | bc -l) "
+  else T[$k]+="FAIL "; fi
+}
+cpu_of() { med_of "${CPU[$1]:-}" | sed 's/FAIL/-/'; }
 if part 1 || part 2 || part 3 || part 4 || part 5 || part 6; then
 # --- The image (day 1) ---------------------------------------------------------------
 mkdir -p "$W/src"
@@ -219,15 +238,18 @@ echo "image: ${SIZE_G} GiB ($(GB "$SIZE") MB), $(GB "$ALLOC") MB allocated${ZSTD
 D1="ferry ferryq $FX $PEER"
 n=$RUNS; part 1 || n=1
 for r in $(seq "$n"); do
-  for t in $D1; do init "$t"; T[$t]+="$(secs backup "$t" "$W/src/disk.raw") "; done
+  for t in $D1; do init "$t"; timed "$t" backup "$t" "$W/src/disk.raw"; done
 done
-for t in $D1; do save "$t" day1; done
+# Copies of the state to start each later run from (only what RUNS > 1 needs; ferry's
+# day 1 always, for the day-2 backup without a bitmap).
+save ferry day1
+if [ "$RUNS" -gt 1 ]; then for t in $D1; do [ $t = ferry ] || save "$t" day1; done; fi
 if part 1; then
   echo
   echo "== 1. day 1: full backup of a ${SIZE_G} GiB image, a local sparse raw file ($(date -u +%F\ %H:%M:%S) UTC, median of $RUNS)"
   echo
-  echo "| backup | median s | MB/s of the image | repository MB |"
-  echo "|---|---|---|---|"
+  echo "| backup | median s | MB/s of the image | CPU s | repository MB |"
+  echo "|---|---|---|---|---|"
   for t in $D1; do
     case $t in
       ferry) label='`ferry backup disk.raw REPO::vm`' ;;
@@ -237,7 +259,7 @@ if part 1; then
       borg) label='`borg create REPO::day1 disk.raw` (`-e none`, lz4)' ;;
     esac
     m=$(med_of "${T[$t]}")
-    printf "| %s | %s | %s | %s |\n" "$label" "$m" "$(rate "$m")" "$(size_of "$W/$t/repo")"
+    printf "| %s | %s | %s | %s | %s |\n" "$label" "$m" "$(rate "$m")" "$(cpu_of "$t")" "$(size_of "$W/$t/repo")"
   done
 fi
 
@@ -247,9 +269,8 @@ dirty "$W/vm.qcow2" "$NDIRTY"
 qemu-img convert -f qcow2 -O raw "$W/vm.qcow2" "$W/src/disk.raw.new" && mv "$W/src/disk.raw.new" "$W/src/disk.raw"
 # The stopped VM's image with ferry's own bitmap: one run (a run replaces that bitmap), before
 # qemu-nbd exports the image (ferry opens it for writing).
-load ferryq ferryq day1
 before=$(dub "$W/ferryq/repo")
-T[d2:ferryq]=$(secs backup ferryq)
+timed d2:ferryq backup ferryq
 after=$(dub "$W/ferryq/repo")
 [ -n "$before" ] && [ -n "$after" ] && G[ferryq]="$((after - before))"
 qemu-nbd -t -r -B b0 -f qcow2 -k "$W/src.sock" "$W/vm.qcow2" 2>"$W/src.log" & pids+=($!)
@@ -262,24 +283,25 @@ n=$RUNS; part 2 || n=1
 for r in $(seq "$n"); do
   for t in $D2; do
     from=$t; [ $t = ferryf ] && from=ferry
-    load "$t" "$from" day1
+    [ "$r" -gt 1 ] || [ $t = ferryf ] && load "$t" "$from" day1
     before=$(dub "$W/$t/repo")
     case $t in
-      ferry | ferryx) T[d2:$t]+="$(secs backup "$t" "$SRC" b0) " ;;
-      ferryf) T[d2:$t]+="$(secs backup "$t" "$SRC") " ;;
-      *) T[d2:$t]+="$(secs backup "$t" src) " ;;
+      ferry | ferryx) timed d2:$t backup "$t" "$SRC" b0 ;;
+      ferryf) timed d2:$t backup "$t" "$SRC" ;;
+      *) timed d2:$t backup "$t" src ;;
     esac
     after=$(dub "$W/$t/repo")
     [ -n "$before" ] && [ -n "$after" ] && G[$t]+="$((after - before)) "
   done
 done
-for t in $D2; do save "$t" day2; done
+rm -rf "$W"/*.day1 "$W/ferryf" "$W/ferryq"
+if [ "$RUNS" -gt 1 ]; then for t in $TOOLS; do save "$t" day2; done; fi
 if part 2; then
   echo
   echo "== 2. day 2: ${DIRTY_PCT}% of the 64 KiB granules changed ($NDIRTY; b0: $DIRTYMAP) ($(date -u +%F\ %H:%M:%S) UTC, median of $RUNS)"
   echo
-  echo "| backup | median s | repository growth MB |"
-  echo "|---|---|---|"
+  echo "| backup | median s | CPU s | repository growth MB |"
+  echo "|---|---|---|---|"
   for t in $D2 ferryq; do
     case $t in
       ferryq) label='`ferry backup vm.qcow2 REPO::vm`: the stopped image, ferry'"'"'s own bitmap (one run)' ;;
@@ -290,7 +312,7 @@ if part 2; then
       borg) label='`borg create REPO::day2 disk.raw` (rereads the file)' ;;
     esac
     g=$(echo "${G[$t]}" | tr ' ' '\n' | grep -v '^$' | med)
-    printf "| %s | %s | %s |\n" "$label" "$(med_of "${T[d2:$t]}")" "$(GB "$g")"
+    printf "| %s | %s | %s | %s |\n" "$label" "$(med_of "${T[d2:$t]}")" "$(cpu_of "d2:$t")" "$(GB "$g")"
   done
 fi
 
@@ -310,7 +332,7 @@ if part 3; then
   declare -A SAME
   for r in $(seq "$RUNS"); do
     for t in $R; do
-      T[r:$t]+="$(secs restore "$t") "
+      timed r:$t restore "$t"
       # the last run's output, compared with day 2
       [ "$r" = "$RUNS" ] && [ $t != ferry0 ] && [ -f "$W/out/disk.raw" ] &&
         { cmp -s "$W/out/disk.raw" "$W/src/disk.raw" && SAME[$t]=yes || SAME[$t]=NO; }
@@ -319,8 +341,8 @@ if part 3; then
   echo
   echo "== 3. restore day 2 to a file in ${BENCH_DIR:-/var/tmp} ($(date -u +%F\ %H:%M:%S) UTC, median of $RUNS)"
   echo
-  echo "| restore | median s | MB/s of the image | equals day 2 |"
-  echo "|---|---|---|---|"
+  echo "| restore | median s | MB/s of the image | CPU s | equals day 2 |"
+  echo "|---|---|---|---|---|"
   for t in $R; do
     case $t in
       ferry) label='`ferry copy REPO::vm out.raw`' ;;
@@ -330,7 +352,7 @@ if part 3; then
       borg) label='`borg extract --sparse REPO::day2`' ;;
     esac
     m=$(med_of "${T[r:$t]}")
-    printf "| %s | %s | %s | %s |\n" "$label" "$m" "$(rate "$m")" "${SAME[$t]:--}"
+    printf "| %s | %s | %s | %s | %s |\n" "$label" "$m" "$(rate "$m")" "$(cpu_of "r:$t")" "${SAME[$t]:--}"
   done
   rm -rf "$W/out"
   h1=$("$FERRY" hash "$W/ferry/repo::vm" 2>/dev/null | awk '{print $1}')
@@ -351,12 +373,12 @@ verify() {
   esac
 }
 if part 4; then
-  for r in $(seq "$RUNS"); do for t in $TOOLS; do T[v:$t]+="$(secs verify "$t") "; done; done
+  for r in $(seq "$RUNS"); do for t in $TOOLS; do timed v:$t verify "$t"; done; done
   echo
   echo "== 4. verify every stored byte, 2 snapshots ($(date -u +%F\ %H:%M:%S) UTC, median of $RUNS)"
   echo
-  echo "| verify | median s | repository MB | MB/s of the repository |"
-  echo "|---|---|---|---|"
+  echo "| verify | median s | CPU s | repository MB | MB/s of the repository |"
+  echo "|---|---|---|---|---|"
   for t in $TOOLS; do
     case $t in
       ferry) label='`ferry repo verify REPO`' ;;
@@ -366,7 +388,7 @@ if part 4; then
     esac
     m=$(med_of "${T[v:$t]}"); b=$(dub "$W/$t/repo")
     [ "$m" = FAIL ] || [ -z "$b" ] && v=- || v=$(printf "%.0f" "$(echo "$b / 1000000 / $m" | bc -l)")
-    printf "| %s | %s | %s | %s |\n" "$label" "$m" "$(GB "$b")" "$v"
+    printf "| %s | %s | %s | %s | %s |\n" "$label" "$m" "$(cpu_of "v:$t")" "$(GB "$b")" "$v"
   done
 fi
 
@@ -383,15 +405,16 @@ if part 5; then
   declare -A S
   for r in $(seq "$RUNS"); do
     for t in $TOOLS; do
-      load "$t" "$t" day2; S[$t:b]=$(dub "$W/$t/repo")
-      T[g:$t]+="$(secs retain "$t") "; S[$t:a]=$(dub "$W/$t/repo")
+      [ "$r" = 1 ] || load "$t" "$t" day2
+      S[$t:b]=$(dub "$W/$t/repo")
+      timed g:$t retain "$t"; S[$t:a]=$(dub "$W/$t/repo")
     done
   done
   echo
   echo "== 5. retention: forget day 1 and free its data ($(date -u +%F\ %H:%M:%S) UTC, median of $RUNS)"
   echo
-  echo "| forget + gc | median s | repository MB before | after |"
-  echo "|---|---|---|---|"
+  echo "| forget + gc | median s | CPU s | repository MB before | after |"
+  echo "|---|---|---|---|---|"
   for t in $TOOLS; do
     case $t in
       ferry) label='`ferry repo forget --keep-last 1` + `ferry repo gc`' ;;
@@ -399,14 +422,13 @@ if part 5; then
       restic) label='`restic forget --keep-last 1 --prune`' ;;
       borg) label='`borg prune --keep-last 1` + `borg compact`' ;;
     esac
-    printf "| %s | %s | %s | %s |\n" "$label" "$(med_of "${T[g:$t]}")" "$(GB "${S[$t:b]}")" "$(GB "${S[$t:a]}")"
+    printf "| %s | %s | %s | %s | %s |\n" "$label" "$(med_of "${T[g:$t]}")" "$(cpu_of "g:$t")" "$(GB "${S[$t:b]}")" "$(GB "${S[$t:a]}")"
   done
 fi
 
 # --- 6. Reading a snapshot in place --------------------------------------------------
 if part 6; then
   stop_all
-  for t in $TOOLS; do load "$t" "$t" day2; done
   serve() { # NAME: an export of day 2 on $W/NAME.sock
     rm -f "$W/$1.sock"
     case $1 in
@@ -478,14 +500,15 @@ if part 7; then
   qemu-img bitmap --add "$W/big.qcow2" b0
   rm -rf "$W/ferryb"; mkdir -p "$W/ferryb"; "$FERRY" repo init "$W/ferryb/repo" >/dev/null 2>&1
   t1=$(secs "$FERRY" backup "$W/big.qcow2" "$W/ferryb/repo::big")
-  save ferryb day1
+  [ "$RUNS" = 1 ] || save ferryb day1
   NB=$(( (BIG_G << 14) * DIRTY_PCT / 100 ))
   dirty "$W/big.qcow2" "$NB" 8
   qemu-nbd -t -r -B b0 -f qcow2 -k "$W/big.sock" "$W/big.qcow2" 2>"$W/big.log" & pids+=($!)
   wait_sock "$W/big.sock"
   BM=$(nbdinfo --map=qemu:dirty-bitmap:b0 "$(uri big)" 2>/dev/null | awk '$3 == 1 {n++; b += $2} END {printf "%d extents, %.1f MiB", n, b/1048576}')
   for r in $(seq "$RUNS"); do
-    load ferryb ferryb day1; before=$(dub "$W/ferryb/repo")
+    [ "$r" = 1 ] || load ferryb ferryb day1
+    before=$(dub "$W/ferryb/repo")
     T[big]+="$(secs "$FERRY" backup --dirty-bitmap b0 "$(uri big)" "$W/ferryb/repo::big") "
     after=$(dub "$W/ferryb/repo"); [ -n "$before" ] && [ -n "$after" ] && G[big]+="$((after - before)) "
   done
