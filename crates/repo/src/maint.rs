@@ -198,7 +198,13 @@ fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
         let mut missing: Option<usize> = None;
         let mut missing_count = 0u64;
         let mut entries_ok = true;
-        let mut entries: Vec<Digest> = Vec::new();
+        let mut entries = match crate::repo::entry_list(s.manifest.chunks(), &object) {
+            Ok(v) => v,
+            Err(e) => {
+                r.problems.push(Problem { object: object.clone(), why: e.to_string(), hits: Vec::new() });
+                continue;
+            }
+        };
         for (i, d) in s.manifest.page_digests().iter().enumerate() {
             let count = s
                 .manifest

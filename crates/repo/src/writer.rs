@@ -203,15 +203,42 @@ impl SnapshotWriter {
         }
         let tag = repo.crypto.disk_tag(&opts.name);
         let guard = lock::acquire(&repo.store, LockKind::Backup, Some(tag), opts.wait_lock)?;
-        let index = repo.load_index_lenient()?;
+        let mut index = repo.load_index_lenient()?;
+        // Chunks whose pack is gone are not reused: a new snapshot would reference the
+        // lost data again, and the repository would never heal.
+        let present: HashSet<String> = repo
+            .store
+            .list("data/")
+            .map_err(|e| Error::store(format!("cannot list the packs of {}", repo.store.describe()), e))?
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect();
+        let before = index.blobs.len();
+        index.blobs.retain(|_, l| present.contains(&pack_name(&l.pack)));
+        if index.blobs.len() != before {
+            log::warn!(
+                "{} chunk(s) of {} are in packs that are gone: they are stored again where this backup reads them \
+                 (`ferry repo check` names the snapshots that lost them)",
+                before - index.blobs.len(),
+                repo.store.describe()
+            );
+        }
         let (mut entries, base_chunks) = match &opts.base {
             Some(b) => {
                 let e = repo.entries(&index, b)?;
                 let n = e.len() as u64;
                 (e, n)
             }
-            None => (Vec::new(), 0),
+            None => (crate::repo::entry_list(chunks, &format!("the backup of {}", opts.name))?, 0),
         };
+        if let Some(more) = chunks.checked_sub(entries.len() as u64) {
+            if entries.try_reserve_exact(more as usize).is_err() {
+                return Err(Error::Invalid(format!(
+                    "the backup of {} needs a list of {chunks} chunk digests, which does not fit in memory",
+                    opts.name
+                )));
+            }
+        }
         entries.resize(chunks as usize, ZERO);
         let pages = chunks.div_ceil(pe) as usize;
         let mut dirty = vec![false; pages];

@@ -109,8 +109,10 @@ impl DirStore {
     fn open_object(&self, name: &str) -> io::Result<(File, u64)> {
         let (dir, file) = self.parent(name, false)?;
         let at = dir.as_ref().map_or(self.dir.as_fd(), |f| f.as_fd());
-        let fd = rustix::fs::openat(at, file, OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty())
-            .map_err(|e| ctx(e, self.shown(name)))?;
+        // NONBLOCK: a FIFO planted under an object's name would block the open until a
+        // writer came; it is refused below instead (no effect on a regular file's reads).
+        let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NONBLOCK;
+        let fd = rustix::fs::openat(at, file, flags, Mode::empty()).map_err(|e| ctx(e, self.shown(name)))?;
         let f = File::from(fd);
         let meta = f.metadata().map_err(|e| ctx(e, self.shown(name)))?;
         if !meta.is_file() {
@@ -366,6 +368,19 @@ mod tests {
             assert!(s.get_range(bad, 0, 1).is_err() && s.len(bad).is_err() && s.delete(bad).is_err());
         }
         assert!(!t.path().join("x").exists());
+    }
+
+    #[test]
+    fn a_fifo_under_an_object_name_is_refused_not_waited_on() {
+        let (t, s) = store();
+        let fifo = t.path().join("repo").join("config");
+        rustix::fs::mknodat(rustix::fs::CWD, &fifo, rustix::fs::FileType::Fifo, Mode::from_raw_mode(0o600), 0).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(s.get("config", 100).map_err(|e| e.kind()));
+        });
+        let got = rx.recv_timeout(std::time::Duration::from_secs(5)).expect("reading a FIFO object blocked");
+        assert_eq!(got, Err(io::ErrorKind::InvalidData));
     }
 
     #[test]
