@@ -175,7 +175,7 @@ fn parse_size_arg(s: &str) -> std::result::Result<u64, String> {
     }
 }
 
-fn parse_rate(s: &str) -> std::result::Result<u64, String> {
+pub(crate) fn parse_rate(s: &str) -> std::result::Result<u64, String> {
     let v = parse_size(s).map_err(|e| e.to_string())?;
     if !(ferry_client::copy::MIN_RATE..=ferry_client::copy::MAX_RATE).contains(&v) {
         return Err("between 1K and 1T bytes per second".into());
@@ -183,7 +183,7 @@ fn parse_rate(s: &str) -> std::result::Result<u64, String> {
     Ok(v)
 }
 
-fn parse_secs(s: &str) -> std::result::Result<Duration, String> {
+pub(crate) fn parse_secs(s: &str) -> std::result::Result<Duration, String> {
     let v: f64 = s.trim().parse().map_err(|_| format!("{s:?} is not a number of seconds"))?;
     if !v.is_finite() || v < 0.0 {
         return Err(format!("{s:?} is not a number of seconds"));
@@ -191,7 +191,7 @@ fn parse_secs(s: &str) -> std::result::Result<Duration, String> {
     Duration::try_from_secs_f64(v).map_err(|e| e.to_string())
 }
 
-fn parse_retry_delay(s: &str) -> std::result::Result<Duration, String> {
+pub(crate) fn parse_retry_delay(s: &str) -> std::result::Result<Duration, String> {
     let d = parse_secs(s)?;
     if d > ferry_client::copy::MAX_DELAY {
         return Err("at most 60 seconds".into());
@@ -199,7 +199,7 @@ fn parse_retry_delay(s: &str) -> std::result::Result<Duration, String> {
     Ok(d)
 }
 
-fn parse_request_timeout(s: &str) -> std::result::Result<Duration, String> {
+pub(crate) fn parse_request_timeout(s: &str) -> std::result::Result<Duration, String> {
     let d = parse_secs(s)?;
     if d.is_zero() || d > ferry_client::copy::MAX_TIMEOUT {
         return Err("more than 0 and at most 3600 seconds".into());
@@ -572,7 +572,7 @@ impl Proof {
 /// cgroup quota), at least [`MIN_CONNECTIONS`] (a server's replies and the copy's
 /// sockets overlap even on few cores), at most [`MAX_CONNECTIONS`]. A server without
 /// multi-conn gets one whatever this says (the copy engine's rule).
-fn default_connections() -> usize {
+pub(crate) fn default_connections() -> usize {
     connections_for(std::thread::available_parallelism().map_or(MIN_CONNECTIONS, |n| n.get()))
 }
 

@@ -297,6 +297,9 @@ fn local(args: &InfoArgs, loc: &ferry_open::Location) -> Result<i32> {
     if args.list {
         anyhow::bail!("--list needs an NBD URI; serve the image (ferry serve {}) and ask the export", args.uri);
     }
+    if let (Location::Repo { repo, name, id }, true) = (loc, args.map.is_empty()) {
+        return snapshot_info(args, repo, name, id.as_deref());
+    }
     if !args.map.is_empty() {
         let how = ferry_open::ServeOpen { read_only: true, force_share: args.force_share, ..Default::default() };
         let (backend, _files) = ferry_open::open_backend(loc, how, &args.remote.remote())?;
@@ -437,5 +440,59 @@ fn local(args: &InfoArgs, loc: &ferry_open::Location) -> Result<i32> {
             println!("{k}: {v} bytes");
         }
     }
+    Ok(0)
+}
+
+/// `ferry info REPO::NAME[@ID]`: the snapshot's manifest and its repository.
+fn snapshot_info(args: &InfoArgs, repo_spec: &str, name: &str, id: Option<&str>) -> Result<i32> {
+    let remote = args.remote.remote();
+    let repo = ferry_open::repo::open_repository(repo_spec, &remote, None)?;
+    let shown = ferry_open::Location::repo_spec(repo_spec, name, id);
+    let snap = ferry_open::repo::resolve(&repo, name, id).with_context(|| shown.clone())?;
+    let m = &snap.manifest;
+    if args.size {
+        println!("{}", m.size);
+        return Ok(0);
+    }
+    let cfg = repo.config();
+    let doc = json!({
+        "snapshot": snap.id,
+        "name": m.name,
+        "repository": repo_spec,
+        "encrypted": cfg.encryption.is_some(),
+        "chunk-size": cfg.chunk_size,
+        "virtual-size": m.size,
+        "time": m.time,
+        "parent": m.parent,
+        "source": m.source,
+        "changes": m.changes,
+        "blkhash": m.blkhash,
+        "stats": m.stats,
+        "host": m.host,
+        "ferry": m.ferry,
+    });
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+        return Ok(0);
+    }
+    println!("snapshot: {}", snap.id);
+    println!("disk: {}", m.name);
+    println!(
+        "repository: {repo_spec} ({}, chunks of {} bytes)",
+        if cfg.encryption.is_some() { "encrypted" } else { "not encrypted" },
+        cfg.chunk_size
+    );
+    println!("virtual size: {} bytes", m.size);
+    println!("time: {}", m.time);
+    println!("parent: {}", m.parent.as_deref().unwrap_or("none"));
+    println!("source: {}", m.source);
+    println!("changes: {}", crate::repo::shown_changes(&m.changes));
+    if let Some(h) = &m.blkhash {
+        println!("blkhash: {h}");
+    }
+    println!(
+        "backup: {} bytes read, {} new chunks, {} bytes stored",
+        m.stats.read, m.stats.new_chunks, m.stats.new_stored
+    );
     Ok(0)
 }

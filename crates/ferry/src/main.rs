@@ -1,5 +1,6 @@
 //! `ferry`: move block data over NBD at the speed of the machine.
 
+mod backup;
 mod bench;
 mod bench_conns;
 mod bench_socket;
@@ -10,6 +11,7 @@ mod hash;
 mod info;
 mod interrupt;
 mod remote_args;
+mod repo;
 mod serve;
 mod sockopts;
 
@@ -47,6 +49,11 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Manage the persistent dirty bitmaps of a qcow2 image (qemu-img bitmap's spelling).
     Bitmap(bitmap::BitmapArgs),
+    /// Back up a disk into a repository: a new snapshot REPO::NAME, deduplicated, only the
+    /// changed ranges read with --dirty-bitmap.
+    Backup(backup::BackupArgs),
+    /// Backup repositories: init, list, check, verify, forget, gc, stats.
+    Repo(repo::RepoArgs),
 }
 
 /// The logger with the HTTP library's trace taken out, whatever `RUST_LOG` says: ureq's
@@ -99,6 +106,8 @@ fn main() {
         Command::Hash(args) => hash::run(args, cli.quiet),
         Command::Bench(args) => bench::run(args),
         Command::Bitmap(args) => bitmap::run(args),
+        Command::Backup(args) => backup::run(args, cli.quiet),
+        Command::Repo(args) => repo::run(args),
     };
     match result {
         Ok(code) => std::process::exit(code),

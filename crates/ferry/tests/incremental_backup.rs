@@ -54,17 +54,17 @@ enum Tool {
 // Tools
 // ---------------------------------------------------------------------------------
 
-fn qemu_img(args: &[&str]) -> Output {
+pub(crate) fn qemu_img(args: &[&str]) -> Output {
     require("qemu-img");
     run_ok(&mut cmd("qemu-img", args))
 }
 
-fn s(p: &Path) -> &str {
+pub(crate) fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
 /// Runs qemu-io commands on `target` (`-f FMT` file or NBD URI); every command must work.
-fn qemu_io(fmt: &str, target: &str, cmds: &[String]) {
+pub(crate) fn qemu_io(fmt: &str, target: &str, cmds: &[String]) {
     require("qemu-io");
     let mut c = cmd("qemu-io", ["-f", fmt]);
     for x in cmds {
@@ -89,7 +89,7 @@ fn unix_uri(sock: &Path, export: &str) -> String {
 
 /// A daemon this test started (qemu-nbd, qemu-storage-daemon): SIGTERM on drop, SIGKILL
 /// if it lingers; its stderr is shown when the test fails.
-struct Daemon {
+pub(crate) struct Daemon {
     child: Option<Child>,
     log: PathBuf,
     what: String,
@@ -191,14 +191,21 @@ impl Drop for Daemon {
 }
 
 /// An NBD server for an image: qemu-nbd or ferry serve, on a Unix socket.
-struct Export {
+pub(crate) struct Export {
     daemon: Daemon,
     sock: PathBuf,
 }
 
 impl Export {
     /// `qemu-nbd -t [-r] [-B BITMAP] -f FMT IMAGE` on `dir/NAME.sock`.
-    fn qemu_nbd(dir: &Path, name: &str, image: &Path, fmt: &str, read_only: bool, bitmap: Option<&str>) -> Export {
+    pub(crate) fn qemu_nbd(
+        dir: &Path,
+        name: &str,
+        image: &Path,
+        fmt: &str,
+        read_only: bool,
+        bitmap: Option<&str>,
+    ) -> Export {
         require("qemu-nbd");
         let sock = dir.join(format!("{name}.sock"));
         let mut c = Command::new("qemu-nbd");
@@ -232,11 +239,11 @@ impl Export {
         Export { daemon, sock }
     }
 
-    fn uri(&self) -> String {
+    pub(crate) fn uri(&self) -> String {
         unix_uri(&self.sock, "")
     }
 
-    fn stop(mut self) {
+    pub(crate) fn stop(mut self) {
         self.daemon.stop();
     }
 }
@@ -246,7 +253,7 @@ impl Export {
 // ---------------------------------------------------------------------------------
 
 /// A QMP connection: one command at a time; events are kept for [`Qmp::wait_event`].
-struct Qmp {
+pub(crate) struct Qmp {
     w: UnixStream,
     r: BufReader<UnixStream>,
     events: Vec<Json>,
@@ -315,7 +322,7 @@ impl Qmp {
 
 /// qemu-io commands of round `round`: scattered writes of odd sizes, write-zeroes over
 /// data, discards, writes at the end of the disk; 40 scattered 4 KiB writes.
-fn workload(round: u32) -> Vec<String> {
+pub(crate) fn workload(round: u32) -> Vec<String> {
     let m = MIB;
     let mut v: Vec<String> = match round {
         0 => vec![
@@ -353,7 +360,7 @@ fn workload(round: u32) -> Vec<String> {
 /// What the guest writes while backup `round` runs (pull mode): over ranges that round
 /// changed and beside them, so a backup that reads the live disk instead of the
 /// point-in-time view, or a next incremental that misses them, restores wrong bytes.
-fn during_backup(round: u32) -> Vec<String> {
+pub(crate) fn during_backup(round: u32) -> Vec<String> {
     let p = 0x90 + round;
     vec![
         format!("write -P {p:#x} {} 65536", MIB),
@@ -370,7 +377,7 @@ fn during_backup(round: u32) -> Vec<String> {
 
 /// The guest-visible content of `src` (a file of format `fmt`, or an NBD URI: `fmt` raw)
 /// saved as a raw file.
-fn snapshot(src: &str, fmt: &str, out: &Path) -> Vec<u8> {
+pub(crate) fn snapshot(src: &str, fmt: &str, out: &Path) -> Vec<u8> {
     qemu_img(&["convert", "-f", fmt, "-O", "raw", src, s(out)]);
     let data = fs::read(out).unwrap();
     assert_eq!(data.len() as u64, SIZE);
@@ -704,7 +711,7 @@ fn stopped_vm_written_through_ferry_serve_ferry_backup() {
 // (b) libvirt's pull mode against qemu-storage-daemon
 // ---------------------------------------------------------------------------------
 
-struct Qsd {
+pub(crate) struct Qsd {
     daemon: Daemon,
     qmp: Qmp,
     nbd_sock: PathBuf,
@@ -714,7 +721,7 @@ impl Qsd {
     /// qemu-storage-daemon with QMP on `dir/qmp.sock`, `image` opened as node `disk0`
     /// (qcow2 on a file node, discards passed down), an NBD server on `dir/nbd.sock`, and
     /// the writable export `guest` the guest's writes go through.
-    fn start(dir: &Path, image: &Path) -> Qsd {
+    pub(crate) fn start(dir: &Path, image: &Path) -> Qsd {
         require("qemu-storage-daemon");
         let qmp_sock = dir.join("qmp.sock");
         let mut c = Command::new("qemu-storage-daemon");
@@ -741,7 +748,7 @@ impl Qsd {
         Qsd { daemon, qmp, nbd_sock }
     }
 
-    fn uri(&self, export: &str) -> String {
+    pub(crate) fn uri(&self, export: &str) -> String {
         unix_uri(&self.nbd_sock, export)
     }
 
@@ -752,7 +759,7 @@ impl Qsd {
     /// later writes first copy the old data there). The read-only export `NAME` of the
     /// fleecing node shows the disk frozen at this point and offers `old`
     /// (`qemu:dirty-bitmap:OLD`, a bitmap of the disk node).
-    fn begin_backup(&mut self, dir: &Path, name: &str, old: Option<&str>, new: &str) {
+    pub(crate) fn begin_backup(&mut self, dir: &Path, name: &str, old: Option<&str>, new: &str) {
         let fleece = dir.join(format!("{name}.fleece.qcow2"));
         qemu_img(&["create", "-q", "-f", "qcow2", s(&fleece), &SIZE.to_string()]);
         self.qmp.exec(
@@ -783,7 +790,7 @@ impl Qsd {
     }
 
     /// Ends the backup: export removed, fleecing job cancelled, fleecing node deleted.
-    fn end_backup(&mut self, name: &str) {
+    pub(crate) fn end_backup(&mut self, name: &str) {
         self.qmp.exec("block-export-del", serde_json::json!({ "id": name }));
         self.qmp.wait_event("BLOCK_EXPORT_DELETED", "id", name);
         self.qmp.exec("block-job-cancel", serde_json::json!({ "device": name }));
@@ -792,7 +799,7 @@ impl Qsd {
     }
 
     /// QMP `quit`: a clean exit that stores the persistent bitmaps in the image.
-    fn quit(mut self) {
+    pub(crate) fn quit(mut self) {
         self.qmp.exec("quit", serde_json::json!({}));
         self.daemon.wait_exit();
     }

@@ -36,6 +36,7 @@ mod qcow2_overlay;
 mod qcow2_safety;
 mod rbd;
 mod remote_images;
+mod repo_backup;
 mod resume_safety;
 mod robustness;
 mod untrusted_images;

@@ -11,6 +11,7 @@
 
 pub mod location;
 mod rbd;
+pub mod repo;
 mod s3;
 
 pub use location::{Format, Location, ParseError, Store};
@@ -244,6 +245,11 @@ pub fn open_backend(loc: &Location, how: ServeOpen, remote: &Remote) -> Result<(
         }
         Location::Image { store, format, .. } => (format_on_store(store, *format, read_only, remote)?, Vec::new()),
         Location::Spec(s) => (ferry_backend::open(s, read_only)?, Vec::new()),
+        Location::Repo { repo, name, id } if !read_only => bail!(
+            "{} is a snapshot in a backup repository, which is read-only: serve it with --read-only (-r)",
+            Location::repo_spec(repo, name, id.as_deref())
+        ),
+        Location::Repo { repo, name, id } => (repo::open_snapshot(repo, name, id.as_deref(), remote)?, Vec::new()),
         Location::Nbd(u) => bail!("{u} is an NBD export: it cannot be opened as a local image (copy from it instead)"),
         Location::Null => bail!("null: needs a size to be an image: null:SIZE, e.g. null:1T"),
         Location::Stdio => bail!("- (stdin or stdout) is a stream: it cannot be opened as an image"),
@@ -259,6 +265,13 @@ pub struct Source {
     _guard: Option<std::fs::File>,
 }
 
+impl Source {
+    /// An endpoint opened by the caller, with no local files or locks.
+    pub fn plain(endpoint: Endpoint) -> Source {
+        Source { endpoint, files: Vec::new(), _guard: None }
+    }
+}
+
 /// A copy or hash source: NBD URIs and `-` as the copy engine's endpoints, raw files as
 /// files (sendfile, SEEK_HOLE), qcow2 images, stores and backend specs as backends.
 /// Local files are locked as qemu-img convert locks its source (writers are kept out
@@ -271,6 +284,11 @@ pub fn source(loc: &Location, force_share: bool, remote: &Remote) -> Result<Sour
         Location::Null => bail!("null: can only be a destination"),
         Location::Nbd(u) => plain(Endpoint::Nbd(u.clone())),
         Location::Spec(s) => plain(Endpoint::Backend(BackendEndpoint::new(s.clone(), ferry_backend::open(s, true)?))),
+        Location::Repo { repo, name, id } => {
+            let img = repo::open_snapshot(repo, name, id.as_deref(), remote)?;
+            let shown = Location::repo_spec(repo, name, id.as_deref());
+            plain(Endpoint::Backend(BackendEndpoint::new(shown, img)))
+        }
         Location::Image { store: Store::File(p), format, file_prefix } => {
             match local_format(p, *format, *file_prefix) {
                 Format::Qcow2 => {
@@ -410,6 +428,10 @@ pub fn destination(loc: &Location, src: &Endpoint, opts: &DestinationOptions, re
             Location::Stdio => plain(Endpoint::Stdio),
             Location::Null => plain(Endpoint::Null),
             Location::Nbd(u) => plain(Endpoint::Nbd(u.clone())),
+            Location::Repo { repo, name, .. } => bail!(
+                "{repo}::{name} is a disk in a backup repository: a copy cannot write a snapshot; use \
+                 `ferry backup SRC {repo}::{name}` to back up into it"
+            ),
             Location::Spec(s) => {
                 plain(Endpoint::Backend(BackendEndpoint::new(s.clone(), ferry_backend::open(s, false)?)))
             }
@@ -561,7 +583,11 @@ pub fn source_size(src: &Endpoint) -> Result<u64> {
 /// requests in flight (measured: 2 workers took 1.3-2x as long as 8 for rbd -> file,
 /// with 8 as fast as qemu-img convert's 8 coroutines; BENCHMARKING.md).
 pub fn copy_workers(src: &Location, dst: &Location) -> Option<usize> {
-    let remote = |l: &Location| matches!(l, Location::Image { store, .. } if store.is_remote());
+    let remote = |l: &Location| match l {
+        Location::Image { store, .. } => store.is_remote(),
+        Location::Repo { repo, .. } => repo.get(..5).is_some_and(|p| p.eq_ignore_ascii_case("s3://")),
+        _ => false,
+    };
     (remote(src) || remote(dst)).then_some(8)
 }
 

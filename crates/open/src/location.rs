@@ -78,6 +78,14 @@ pub enum Location {
         format: Option<Format>,
         file_prefix: bool,
     },
+    /// `REPO::NAME[@ID]`: a snapshot of the disk NAME in the backup repository REPO (a
+    /// directory or `s3://BUCKET/PREFIX`): the latest one, or the one whose id starts
+    /// with ID (at least 4 hex digits, lower-cased here).
+    Repo {
+        repo: String,
+        name: String,
+        id: Option<String>,
+    },
 }
 
 /// A spec that names nothing ferry can open, with what to write instead.
@@ -107,6 +115,9 @@ impl Location {
         }
         if Uri::looks_like(spec) {
             return Uri::parse(spec).map(Location::Nbd).map_err(|e| ParseError(e.to_string()));
+        }
+        if let Some(repo) = repo_spec(spec)? {
+            return Ok(repo);
         }
         let (format, rest, file_prefix) = match spec.split_once(':') {
             Some(("qcow2", r)) => (Some(Format::Qcow2), r, false),
@@ -142,6 +153,14 @@ impl Location {
         }
     }
 
+    /// A snapshot spec as written back in messages: `REPO::NAME[@ID]`.
+    pub fn repo_spec(repo: &str, name: &str, id: Option<&str>) -> String {
+        match id {
+            Some(id) => format!("{repo}::{name}@{id}"),
+            None => format!("{repo}::{name}"),
+        }
+    }
+
     /// The local path of a file image, if it is one.
     pub fn path(&self) -> Option<&Path> {
         match self {
@@ -149,6 +168,52 @@ impl Location {
             _ => None,
         }
     }
+}
+
+/// `REPO::NAME[@ID]`, split at the last `::`, or `None` when `spec` is not one. An
+/// http(s):// URL is never one (an IPv6 host holds `::`), nor is a spec whose tail is not
+/// made of a disk name's characters (`/a::b/c` is a path).
+fn repo_spec(spec: &str) -> Result<Option<Location>, ParseError> {
+    let lower = spec.get(..8).unwrap_or(spec).to_ascii_lowercase();
+    if lower.starts_with("http://") || lower.starts_with("https://") {
+        return Ok(None);
+    }
+    let Some((repo, tail)) = spec.rsplit_once("::") else { return Ok(None) };
+    let tail_chars = |c: char| c.is_ascii_alphanumeric() || "._-@".contains(c);
+    if !tail.chars().all(tail_chars) {
+        return Ok(None);
+    }
+    let (name, id) = match tail.split_once('@') {
+        Some((n, i)) => (n, Some(i)),
+        None => (tail, None),
+    };
+    if repo.is_empty() {
+        return Err(ParseError(format!(
+            "{spec:?} names no repository: write REPO::{tail} (a directory or s3://BUCKET/PREFIX)"
+        )));
+    }
+    if repo.starts_with("qcow2:") || repo.starts_with("raw:") || repo.starts_with("file:") {
+        return Err(ParseError(format!(
+            "{spec:?}: a snapshot in a backup repository has no format prefix: write REPO::NAME[@ID]"
+        )));
+    }
+    if !ferry_repo::format::valid_name(name) {
+        return Err(ParseError(format!(
+            "{spec:?}: {name:?} is not a disk name: 1 to 200 of A-Z a-z 0-9 . _ -, not starting with . or -"
+        )));
+    }
+    let id = match id {
+        None => None,
+        Some(i) if (4..=64).contains(&i.len()) && i.bytes().all(|b| b.is_ascii_hexdigit()) => {
+            Some(i.to_ascii_lowercase())
+        }
+        Some(i) => {
+            return Err(ParseError(format!(
+            "{spec:?}: {i:?} is not a snapshot id: give at least 4 of its hex digits, as `ferry repo list` prints it"
+        )))
+        }
+    };
+    Ok(Some(Location::Repo { repo: repo.to_string(), name: name.to_string(), id }))
 }
 
 /// The store `s` names, or `None` for a backend spec (`KIND:ARG` that is not a path
@@ -181,6 +246,28 @@ mod tests {
 
     fn image(store: Store, format: Option<Format>) -> Location {
         Location::Image { store, format, file_prefix: false }
+    }
+
+    #[test]
+    fn snapshots() {
+        let r = |repo: &str, name: &str, id: Option<&str>| Location::Repo {
+            repo: repo.into(),
+            name: name.into(),
+            id: id.map(String::from),
+        };
+        let p = Location::parse;
+        assert_eq!(p("/backups::vm1-sda").unwrap(), r("/backups", "vm1-sda", None));
+        assert_eq!(p("rel/dir::d.0@AbCd12").unwrap(), r("rel/dir", "d.0", Some("abcd12")));
+        assert_eq!(p("s3://bkt/pre::disk").unwrap(), r("s3://bkt/pre", "disk", None));
+        // Split at the last `::`.
+        assert_eq!(p("/a::b::disk").unwrap(), r("/a::b", "disk", None));
+        // NBD URIs and http(s) URLs first (an IPv6 host has `::`), paths whose tail is no name.
+        assert!(matches!(p("nbd://[::1]/x").unwrap(), Location::Nbd(_)));
+        assert!(matches!(p("http://[::1]:8080/disk").unwrap(), Location::Image { store: Store::Http(_), .. }));
+        assert!(matches!(p("/a::b/c").unwrap(), Location::Image { store: Store::File(_), .. }));
+        for bad in ["::disk", "/r::.hidden", "/r::-x", "/r::", "/r::d@12", "/r::d@xyz1", "qcow2:/r::d"] {
+            assert!(p(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

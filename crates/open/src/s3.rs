@@ -11,7 +11,7 @@ use std::sync::Arc;
 /// S3 signs each request itself: an extra `Authorization` header, or one of the headers
 /// its signature sets (`x-amz-date`, `x-amz-content-sha256`, `x-amz-security-token`),
 /// would clash with it.
-fn http_for_s3(http: &HttpOptions) -> Result<HttpOptions> {
+pub(crate) fn http_for_s3(http: &HttpOptions) -> Result<HttpOptions> {
     let signers = ["x-amz-date", "x-amz-content-sha256", "x-amz-security-token"];
     if let Some((n, _)) = http.headers.iter().find(|(n, _)| signers.iter().any(|s| n.eq_ignore_ascii_case(s))) {
         anyhow::bail!(

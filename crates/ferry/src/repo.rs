@@ -1,0 +1,449 @@
+//! `ferry repo init|list|check|verify|forget|gc|stats`: backup repositories
+//! (crates/repo, its format in crates/repo/FORMAT.md).
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Subcommand};
+use ferry_backend::parse_size;
+use ferry_repo::format::{Changes, Manifest};
+use ferry_repo::maint::{self, Policy, Problem, Report, VerifyOptions};
+use ferry_repo::{InitOptions, Repository, SnapshotInfo};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Args, Debug)]
+pub struct RepoArgs {
+    #[command(subcommand)]
+    command: RepoCommand,
+}
+
+#[derive(Subcommand, Debug)]
+enum RepoCommand {
+    /// Make a new repository in a directory (made if missing, must be empty) or at
+    /// s3://BUCKET/PREFIX.
+    Init(InitArgs),
+    /// The snapshots, oldest first: id, time, disk name, size, change map.
+    List(ListArgs),
+    /// Check the metadata (config, index, manifests and their pages) without reading data;
+    /// exit status 1 when something is damaged.
+    Check(CommonArgs),
+    /// Check, then read every pack (or --read-data PERCENT of them) once and check every
+    /// chunk; names each damaged snapshot and range; exit status 1 when something is damaged.
+    Verify(VerifyArgs),
+    /// Remove the snapshots a retention policy does not keep (their data stays until
+    /// `ferry repo gc`).
+    Forget(ForgetArgs),
+    /// Free the data no snapshot references.
+    Gc(GcArgs),
+    /// Sizes: logical, deduplicated, compressed, stored.
+    Stats(StatsArgs),
+}
+
+#[derive(Args, Debug)]
+struct CommonArgs {
+    /// The repository: a directory or s3://BUCKET/PREFIX.
+    repo: String,
+    /// The passphrase of an encrypted repository: the first line of FILE (else
+    /// FERRY_PASSWORD, else FERRY_PASSWORD_FILE).
+    #[arg(long, value_name = "FILE")]
+    password_file: Option<PathBuf>,
+    #[command(flatten)]
+    remote: crate::remote_args::RemoteArgs,
+}
+
+impl CommonArgs {
+    fn open(&self) -> Result<Arc<Repository>> {
+        ferry_open::repo::open_repository(&self.repo, &self.remote.remote(), self.password_file.as_deref())
+    }
+}
+
+#[derive(Args, Debug)]
+struct InitArgs {
+    #[command(flatten)]
+    common: CommonArgs,
+    /// Encrypt data and metadata (AES-256-GCM, a key wrapped by Argon2id from the
+    /// passphrase: --password-file, FERRY_PASSWORD or FERRY_PASSWORD_FILE). A lost
+    /// passphrase cannot be recovered, and neither can the backups.
+    #[arg(long)]
+    encrypt: bool,
+    /// Chunk size: the unit of deduplication (a power of two; 64K makes a snapshot's
+    /// `ferry hash` come from its index, as blkhash uses 64 KiB blocks).
+    #[arg(long, default_value = "64K", value_name = "BYTES")]
+    chunk_size: String,
+    /// Memory the key derivation takes (Argon2id's m), with --encrypt.
+    #[arg(long, default_value = "64M", value_name = "BYTES")]
+    kdf_memory: String,
+}
+
+#[derive(Args, Debug)]
+struct ListArgs {
+    #[command(flatten)]
+    common: CommonArgs,
+    /// Only the snapshots of this disk.
+    name: Option<String>,
+    /// One JSON array of the snapshots.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args, Debug)]
+struct VerifyArgs {
+    #[command(flatten)]
+    common: CommonArgs,
+    /// Read this share of the packs (1 to 100), chosen so that successive runs cover them all.
+    #[arg(long, value_name = "PERCENT", default_value_t = 100,
+          value_parser = clap::value_parser!(u32).range(1..=100))]
+    read_data: u32,
+    /// Packs read at once. Default: one per core.
+    #[arg(short = 'j', long, value_name = "N")]
+    jobs: Option<usize>,
+}
+
+#[derive(Args, Debug)]
+struct ForgetArgs {
+    /// REPO, or REPO::NAME for one disk's snapshots only.
+    target: String,
+    /// Keep the N latest snapshots (of each disk).
+    #[arg(long, value_name = "N")]
+    keep_last: Option<u32>,
+    /// Keep the latest snapshot of each of the last N days that have one.
+    #[arg(long, value_name = "N")]
+    keep_daily: Option<u32>,
+    /// Keep the latest snapshot of each of the last N weeks that have one.
+    #[arg(long, value_name = "N")]
+    keep_weekly: Option<u32>,
+    /// Keep the latest snapshot of each of the last N months that have one.
+    #[arg(long, value_name = "N")]
+    keep_monthly: Option<u32>,
+    /// Say what would be removed; remove nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// One JSON object: the ids kept and removed.
+    #[arg(long)]
+    json: bool,
+    #[arg(long, value_name = "FILE")]
+    password_file: Option<PathBuf>,
+    #[command(flatten)]
+    remote: crate::remote_args::RemoteArgs,
+}
+
+#[derive(Args, Debug)]
+struct GcArgs {
+    #[command(flatten)]
+    common: CommonArgs,
+    /// Wait up to SECS for running backups, forgets or another gc to end, instead of failing.
+    #[arg(long, value_name = "SECS", value_parser = crate::copy::parse_secs)]
+    wait: Option<Duration>,
+}
+
+#[derive(Args, Debug)]
+struct StatsArgs {
+    #[command(flatten)]
+    common: CommonArgs,
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(args: RepoArgs) -> Result<i32> {
+    match args.command {
+        RepoCommand::Init(a) => init(a),
+        RepoCommand::List(a) => list(a),
+        RepoCommand::Check(a) => {
+            let repo = a.open()?;
+            let r = maint::check(&repo).with_context(|| format!("checking {}", a.repo))?;
+            Ok(print_report(&a.repo, &r, false))
+        }
+        RepoCommand::Verify(a) => {
+            let repo = a.common.open()?;
+            let threads = a.jobs.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())).max(1);
+            let opts = VerifyOptions { read_data_percent: a.read_data, threads };
+            let r = maint::verify(&repo, &opts).with_context(|| format!("verifying {}", a.common.repo))?;
+            Ok(print_report(&a.common.repo, &r, true))
+        }
+        RepoCommand::Forget(a) => forget(a),
+        RepoCommand::Gc(a) => {
+            let repo = a.common.open()?;
+            let r = maint::gc(&repo, a.wait).with_context(|| format!("gc of {}", a.common.repo))?;
+            println!(
+                "{}: {} packs deleted, {} repacked, {} unreferenced chunks freed ({}); {} -> {}",
+                a.common.repo,
+                r.packs_deleted,
+                r.packs_repacked,
+                r.blobs_freed,
+                human(r.bytes_freed),
+                human(r.bytes_before),
+                human(r.bytes_after)
+            );
+            Ok(0)
+        }
+        RepoCommand::Stats(a) => {
+            let repo = a.common.open()?;
+            let s = maint::stats(&repo).with_context(|| format!("stats of {}", a.common.repo))?;
+            if a.json {
+                println!("{}", serde_json::to_string_pretty(&s)?);
+                return Ok(0);
+            }
+            let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
+            println!("repository: {}", a.common.repo);
+            println!("snapshots: {} of {} disk(s)", s.snapshots, s.disks);
+            println!("logical size: {} (the snapshots' sizes added up)", human(s.logical));
+            println!(
+                "unique data: {} in {} chunks ({:.1}x deduplication)",
+                human(s.unique_plain),
+                s.chunks,
+                ratio(s.logical, s.unique_plain)
+            );
+            println!("stored: {} ({:.1}x compression)", human(s.unique_stored), ratio(s.unique_plain, s.unique_stored));
+            println!("store: {} in {} packs", human(s.store_bytes), s.packs);
+            Ok(0)
+        }
+    }
+}
+
+fn init(a: InitArgs) -> Result<i32> {
+    let c = &a.common;
+    let chunk = parse_size(&a.chunk_size).context("--chunk-size")?;
+    if !chunk.is_power_of_two() || !(4096..=4 << 20).contains(&chunk) {
+        bail!("--chunk-size must be a power of two from 4K to 4M (64K matches blkhash and dirty bitmaps)");
+    }
+    let encrypt = if a.encrypt {
+        let Some(p) = ferry_open::repo::passphrase(c.password_file.as_deref())? else {
+            bail!(
+                "--encrypt needs a passphrase: --password-file FILE (its first line), FERRY_PASSWORD=... or \
+                 FERRY_PASSWORD_FILE=FILE"
+            );
+        };
+        let mem = parse_size(&a.kdf_memory).context("--kdf-memory")?;
+        if !(8 << 20..=4 << 30).contains(&mem) {
+            bail!("--kdf-memory must be from 8M to 4G");
+        }
+        let cost = ferry_repo::format::KdfCost { m_kib: (mem >> 10) as u32, ..ferry_repo::crypto::DEFAULT_KDF };
+        Some((p, cost))
+    } else {
+        if c.password_file.is_some() {
+            bail!("--password-file without --encrypt: add --encrypt to make an encrypted repository");
+        }
+        None
+    };
+    let encrypted = encrypt.is_some();
+    let opts = InitOptions { chunk_size: chunk as u32, encrypt, ..InitOptions::default() };
+    let store = ferry_open::repo::repo_store(&c.repo, &c.remote.remote(), true)?;
+    Repository::init(store, &opts).with_context(|| format!("cannot make a repository at {}", c.repo))?;
+    println!(
+        "made the repository {} ({}, chunks of {})",
+        c.repo,
+        if encrypted { "encrypted" } else { "not encrypted: compressed and checksummed" },
+        human(chunk)
+    );
+    if encrypted {
+        eprintln!(
+            "keep the passphrase safe: without it nothing in {} can be read, and neither ferry nor anyone else can \
+             recover it",
+            c.repo
+        );
+    }
+    Ok(0)
+}
+
+/// A snapshot id as lists show it: its first 8 hex digits.
+pub(crate) fn short_id(id: &str) -> &str {
+    id.get(..8).unwrap_or(id)
+}
+
+/// Bytes for people: `512 B`, `64.0 KiB`, `1.5 GiB`.
+pub(crate) fn human(n: u64) -> String {
+    const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    if n < 1024 {
+        return format!("{n} B");
+    }
+    let mut v = n as f64 / 1024.0;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    format!("{v:.1} {}", UNITS[u])
+}
+
+/// A manifest's time as lists show it: `2026-11-26 22:00:00`.
+fn shown_time(t: &str) -> String {
+    t.trim_end_matches('Z').replacen('T', " ", 1)
+}
+
+pub(crate) fn shown_changes(c: &Changes) -> String {
+    match c {
+        Changes::Full => "full".into(),
+        Changes::DirtyBitmap { bitmap } => format!("dirty-bitmap {bitmap}"),
+        Changes::ExtentsFrom { file } => format!("extents-from {file}"),
+    }
+}
+
+fn snapshot_json(s: &SnapshotInfo) -> serde_json::Value {
+    let m: &Manifest = &s.manifest;
+    serde_json::json!({
+        "id": s.id,
+        "name": m.name,
+        "time": m.time,
+        "size": m.size,
+        "parent": m.parent,
+        "source": m.source,
+        "changes": m.changes,
+        "blkhash": m.blkhash,
+        "stats": m.stats,
+        "host": m.host,
+    })
+}
+
+fn list(a: ListArgs) -> Result<i32> {
+    if let Some(n) = &a.name {
+        if !ferry_repo::format::valid_name(n) {
+            bail!("{n:?} is not a disk name: 1 to 200 of A-Z a-z 0-9 . _ -, not starting with . or -");
+        }
+    }
+    let repo = a.common.open()?;
+    let snaps = repo.snapshots().with_context(|| format!("listing {}", a.common.repo))?;
+    let snaps: Vec<&SnapshotInfo> =
+        snaps.iter().filter(|s| a.name.as_ref().is_none_or(|n| *n == s.manifest.name)).collect();
+    if a.json {
+        let v: Vec<serde_json::Value> = snaps.iter().map(|s| snapshot_json(s)).collect();
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(0);
+    }
+    if snaps.is_empty() {
+        eprintln!("no snapshots in {}", a.common.repo);
+        return Ok(0);
+    }
+    let w = snaps.iter().map(|s| s.manifest.name.len()).max().unwrap_or(4).max(4);
+    println!("{:<8}  {:<19}  {:<w$}  {:>10}  {:>10}  CHANGES", "ID", "TIME", "NAME", "SIZE", "ADDED");
+    for s in &snaps {
+        let m = &s.manifest;
+        println!(
+            "{:<8}  {:<19}  {:<w$}  {:>10}  {:>10}  {}",
+            short_id(&s.id),
+            shown_time(&m.time),
+            m.name,
+            human(m.size),
+            human(m.stats.new_stored),
+            shown_changes(&m.changes)
+        );
+    }
+    Ok(0)
+}
+
+/// Prints what check or verify found; the exit status (1: damage found).
+fn print_report(repo: &str, r: &Report, read: bool) -> i32 {
+    for n in &r.notes {
+        eprintln!("note: {n}");
+    }
+    for p in &r.problems {
+        print_problem(p);
+    }
+    let what = if read {
+        format!("{} chunks in {} packs read ({})", r.blobs_checked, r.packs, human(r.bytes_read))
+    } else {
+        format!("{} packs indexed", r.packs)
+    };
+    if r.problems.is_empty() {
+        println!("{repo}: no damage found: {} snapshots, {what}", r.snapshots);
+        0
+    } else {
+        let mut hit: Vec<&str> = r.problems.iter().flat_map(|p| p.hits.iter().map(|h| h.0.as_str())).collect();
+        hit.sort();
+        hit.dedup();
+        println!(
+            "{repo}: {} damaged object(s), {} of {} snapshots affected; {what}",
+            r.problems.len(),
+            hit.len(),
+            r.snapshots
+        );
+        1
+    }
+}
+
+/// Ranges listed per snapshot before the rest is only counted.
+const RANGES_SHOWN: usize = 8;
+
+fn print_problem(p: &Problem) {
+    println!("damaged: {}: {}", p.object, p.why);
+    if p.hits.is_empty() {
+        println!("  no snapshot reads it");
+        return;
+    }
+    let mut snaps: Vec<(&str, &str)> = p.hits.iter().map(|h| (h.0.as_str(), h.1.as_str())).collect();
+    snaps.sort();
+    snaps.dedup();
+    for (id, name) in snaps {
+        let ranges: Vec<(u64, u64)> = p.hits.iter().filter(|h| h.0 == id).map(|h| (h.2, h.3)).collect();
+        let bytes: u64 = ranges.iter().map(|r| r.1).sum();
+        let mut line = format!("  snapshot {} of {name}: {} in {} range(s):", short_id(id), human(bytes), ranges.len());
+        for (o, l) in ranges.iter().take(RANGES_SHOWN) {
+            line.push_str(&format!(" {o}+{l}"));
+        }
+        if ranges.len() > RANGES_SHOWN {
+            line.push_str(&format!(" and {} more", ranges.len() - RANGES_SHOWN));
+        }
+        println!("{line}");
+    }
+}
+
+fn forget(a: ForgetArgs) -> Result<i32> {
+    let (repo_spec, name) = match ferry_open::Location::parse(&a.target) {
+        Ok(ferry_open::Location::Repo { repo, name, id: None }) => (repo, Some(name)),
+        Ok(ferry_open::Location::Repo { .. }) => {
+            bail!("forget applies a policy to a disk's snapshots: write REPO or REPO::NAME, without @ID")
+        }
+        _ => (a.target.clone(), None),
+    };
+    let policy = Policy {
+        keep_last: a.keep_last,
+        keep_daily: a.keep_daily,
+        keep_weekly: a.keep_weekly,
+        keep_monthly: a.keep_monthly,
+    };
+    if [a.keep_last, a.keep_daily, a.keep_weekly, a.keep_monthly].iter().all(Option::is_none) {
+        bail!("give a policy: --keep-last, --keep-daily, --keep-weekly and/or --keep-monthly N (nothing is forgotten)");
+    }
+    let repo = ferry_open::repo::open_repository(&repo_spec, &a.remote.remote(), a.password_file.as_deref())?;
+    let before = repo.snapshots().with_context(|| format!("listing {repo_spec}"))?;
+    let r =
+        maint::forget(&repo, name.as_deref(), &policy, a.dry_run).with_context(|| format!("forget in {repo_spec}"))?;
+    if a.json {
+        let v = serde_json::json!({ "kept": r.kept, "removed": r.removed, "dry_run": a.dry_run });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(0);
+    }
+    let verb = if a.dry_run { "would remove" } else { "removed" };
+    for s in &before {
+        let m = &s.manifest;
+        let state = if r.removed.contains(&s.id) {
+            verb
+        } else if r.kept.contains(&s.id) {
+            "keep"
+        } else {
+            continue;
+        };
+        println!("{state:<12}  {}  {}  {}", short_id(&s.id), shown_time(&m.time), m.name);
+    }
+    println!(
+        "{} kept, {} {verb}{}",
+        r.kept.len(),
+        r.removed.len(),
+        if a.dry_run || r.removed.is_empty() {
+            String::new()
+        } else {
+            format!("; run `ferry repo gc {repo_spec}` to free their data")
+        }
+    );
+    Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn human_sizes() {
+        assert_eq!(super::human(0), "0 B");
+        assert_eq!(super::human(1023), "1023 B");
+        assert_eq!(super::human(65536), "64.0 KiB");
+        assert_eq!(super::human(3 << 29), "1.5 GiB");
+    }
+}
