@@ -23,8 +23,9 @@ use std::time::Duration;
 
 /// Packs are closed at this size: few objects (and requests, on S3) per backup.
 const PACK_SIZE: usize = 32 << 20;
-/// zstd level of new chunks.
-const LEVEL: i32 = 3;
+/// zstd level of new chunks: 1, measured (ARCHITECTURE.md, "zstd") at 220-415 MB/s to 0.29
+/// of a binary's size against level 3's 200-250 MB/s to 0.27.
+const LEVEL: i32 = 1;
 
 #[derive(Args, Debug)]
 pub struct BackupArgs {
@@ -75,6 +76,10 @@ pub struct BackupArgs {
     /// failing at once.
     #[arg(long, value_name = "SECS", value_parser = crate::copy::parse_secs)]
     wait: Option<Duration>,
+    /// For a local qcow2 image: do not keep a change-tracking bitmap in it (every backup
+    /// then reads all of it; the image is opened read-only).
+    #[arg(long)]
+    no_bitmap: bool,
     #[command(flatten)]
     remote: crate::remote_args::RemoteArgs,
 }
@@ -101,8 +106,26 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
     remote.http.retry_delay = args.retry_delay;
     let repo = ferry_open::repo::open_repository(&repo_spec, &remote, args.password_file.as_deref())?;
 
-    let source = ferry_open::source(&src_loc, args.force_share, &remote)
-        .with_context(|| format!("source {:?}", shown(&args.src)))?;
+    // A stopped VM's local qcow2 image without a change map given: ferry keeps its change
+    // tracking itself (see `Tracker`).
+    let tracked = args.dirty_bitmap.is_none() && args.extents_from.is_none() && !args.force_share && !args.no_bitmap;
+    let tracker = match tracked {
+        true => ferry_open::open_local_qcow2_for_backup(&src_loc)
+            .with_context(|| {
+                format!(
+                    "source {:?} (opened for writing, to keep its change-tracking bitmap; --no-bitmap reads it \
+                     without one)",
+                    shown(&args.src)
+                )
+            })?
+            .map(|q| Tracker { q, prefix: format!("{TRACK_PREFIX}{name}-") }),
+        false => None,
+    };
+    let source = match &tracker {
+        Some(t) => ferry_open::Source::plain(Endpoint::Backend(BackendEndpoint::new(shown(&args.src), t.q.clone()))),
+        None => ferry_open::source(&src_loc, args.force_share, &remote)
+            .with_context(|| format!("source {:?}", shown(&args.src)))?,
+    };
     let src = &source.endpoint;
     let size = ferry_open::source_size(src).with_context(|| format!("source {:?}", shown(&args.src)))?;
     let ranges = match &args.extents_from {
@@ -111,21 +134,37 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
         )),
         None => None,
     };
-    let changes = match (&args.dirty_bitmap, &args.extents_from) {
+    let asked = match (&args.dirty_bitmap, &args.extents_from) {
         (Some(b), _) => Changes::DirtyBitmap { bitmap: b.clone() },
         (None, Some(f)) => Changes::ExtentsFrom { file: f.clone() },
         (None, None) => Changes::Full,
     };
-    let selective = changes != Changes::Full;
+    let selective = asked != Changes::Full;
     let flag = if args.dirty_bitmap.is_some() { "--dirty-bitmap" } else { "--extents-from" };
     // The base is read again once the disk's lock is held: a backup of the disk that
     // ended while this one waited for the lock made a newer snapshot, and a change map
     // continues the latest one.
     let mut tries = 0;
-    let (writer, zeroed) = loop {
+    let (writer, zeroed, changes) = loop {
         let base = choose_base(&repo, &name, &target, size, selective, flag)?;
         let zeroed = base.is_none();
         let base_id = base.as_ref().map(|b| b.id.clone());
+        let changes = match (&tracker, &base) {
+            (Some(t), Some(b)) => match t.continuing(&b.id) {
+                Some(bitmap) => Changes::DirtyBitmap { bitmap },
+                None => {
+                    log::info!(
+                        "{} has no bitmap {}{} continuing snapshot {} of {name}: reading all of it",
+                        shown(&args.src),
+                        t.prefix,
+                        &b.id[..TRACK_ID.min(b.id.len())],
+                        short_id(&b.id)
+                    );
+                    Changes::Full
+                }
+            },
+            _ => asked.clone(),
+        };
         let opts = BackupOptions {
             name: name.clone(),
             size,
@@ -140,7 +179,7 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
             SnapshotWriter::start(repo.clone(), opts).with_context(|| format!("cannot back up into {target}"))?;
         let now = choose_base(&repo, &name, &target, size, selective, flag)?.map(|s| s.id);
         if now == base_id {
-            break (writer, zeroed);
+            break (writer, zeroed, changes);
         }
         // Released by the drop; taken again with the newer base.
         drop(writer);
@@ -156,7 +195,10 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
     let copy_opts = CopyOptions {
         connections: args
             .connections
-            .or_else(|| ferry_open::copy_workers(&src_loc, &Location::Null))
+            .or_else(|| {
+                let dst = Location::Repo { repo: repo_spec.clone(), name: name.clone(), id: None };
+                ferry_open::copy_workers(&src_loc, &dst)
+            })
             .unwrap_or_else(crate::copy::default_connections),
         requests: 4,
         request_size,
@@ -166,7 +208,10 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
         flush: false,
         connect: ConnectOptions::default(),
         hash: None,
-        select_context: args.dirty_bitmap.as_ref().map(|n| format!("{META_DIRTY_BITMAP_PREFIX}{n}")),
+        select_context: match &changes {
+            Changes::DirtyBitmap { bitmap } => Some(format!("{META_DIRTY_BITMAP_PREFIX}{bitmap}")),
+            _ => None,
+        },
         ranges,
         retry: ferry_client::copy::RetryPolicy {
             retries: args.retries,
@@ -195,6 +240,17 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
         report.with_context(|| format!("backing up {} into {target} (no snapshot was made)", shown(&args.src)))?;
     let read = report.data_bytes + report.zero_bytes;
     let snap = writer.commit(read).with_context(|| format!("cannot store the snapshot of {target}"))?;
+    drop(dst);
+    drop(source);
+    if let Some(t) = tracker {
+        if let Err(e) = t.restart(&snap.id) {
+            log::warn!(
+                "the snapshot is stored, but the change tracking of {} could not restart ({e:#}): the next backup \
+                 of it reads all of it",
+                shown(&args.src)
+            );
+        }
+    }
     let m = &snap.manifest;
     if args.json {
         let doc = serde_json::json!({
@@ -221,6 +277,57 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
         );
     }
     Ok(0)
+}
+
+/// Bitmaps ferry keeps in a local qcow2 image it backs up are named
+/// `ferry-NAME-ID16`: NAME the disk, ID16 the first 16 hex digits of the snapshot whose
+/// read they follow.
+const TRACK_PREFIX: &str = "ferry-";
+const TRACK_ID: usize = 16;
+
+/// The change tracking of a stopped VM's local qcow2 image, kept by ferry. The image is
+/// opened for writing (so no one else writes it while it is backed up), read, and only
+/// once the snapshot is committed is the bitmap restarted: a bitmap named after the new
+/// snapshot is added and the older ones removed, while the image is still held, so no
+/// write can fall between. A backup reads only what a bitmap marks when it is named after
+/// the disk's latest snapshot, enabled and consistent; anything else (the first backup, a
+/// failed or interrupted one, a crash between commit and restart, a snapshot forgotten,
+/// a bitmap left `in-use` by a crashed VM) reads the whole image. No run can leave a
+/// bitmap that misses changes or blocks the next run.
+struct Tracker {
+    q: Arc<ferry_qcow2::Qcow2>,
+    prefix: String,
+}
+
+impl Tracker {
+    fn name_for(&self, snapshot: &str) -> String {
+        format!("{}{}", self.prefix, &snapshot[..TRACK_ID.min(snapshot.len())])
+    }
+
+    /// The bitmap that holds every change since `snapshot` was read, if there is one.
+    fn continuing(&self, snapshot: &str) -> Option<String> {
+        let want = self.name_for(snapshot);
+        self.q.bitmaps().into_iter().find(|b| b.name == want && b.auto && !b.in_use).map(|b| b.name)
+    }
+
+    /// After `snapshot` is committed: a new, empty bitmap for it; the older ones removed;
+    /// the image closed (bitmaps written back).
+    fn restart(self, snapshot: &str) -> Result<()> {
+        let new = self.name_for(snapshot);
+        let old: Vec<String> =
+            self.q.bitmaps().into_iter().map(|b| b.name).filter(|n| n.starts_with(&self.prefix) && *n != new).collect();
+        if !self.q.bitmaps().iter().any(|b| b.name == new) {
+            self.q.bitmap_add(&new, None, false).with_context(|| format!("adding the bitmap {new}"))?;
+        }
+        for n in &old {
+            self.q.bitmap_remove(n).with_context(|| format!("removing the bitmap {n}"))?;
+        }
+        // Still shared, it is written back when the last user drops it.
+        if let Ok(q) = Arc::try_unwrap(self.q) {
+            q.close().context("writing the bitmaps back")?;
+        }
+        Ok(())
+    }
 }
 
 /// The latest snapshot of `name`, if it has one.

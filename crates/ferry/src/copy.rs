@@ -22,7 +22,8 @@ pub struct CopyArgs {
     /// Source: an NBD URI (nbd://HOST[:PORT]/EXPORT, nbd+unix:///EXPORT?socket=PATH), a
     /// file or block device (a qcow2 image is read through its format), qcow2:PATH,
     /// raw:PATH, a Ceph RBD image (rbd:POOL/IMAGE[@SNAP][?conf=PATH&id=USER&keyring=PATH]),
-    /// a FIFO (read to its end), or `-` for stdin. Character devices have no size and are
+    /// a FIFO (read to its end), `-` for stdin, or a snapshot in a backup repository
+    /// (REPO::NAME for the latest, REPO::NAME@ID). Character devices have no size and are
     /// refused.
     src: String,
     /// Destination: an NBD URI, a file or block device (PATH.qcow2 or qcow2:PATH makes a new

@@ -11,7 +11,8 @@ use std::sync::Arc;
 #[derive(Args, Debug)]
 pub struct HashArgs {
     /// Files, block devices, qcow2 images (the guest's content is hashed), NBD URIs, RBD
-    /// images (rbd:POOL/IMAGE[@SNAP]), or `-` for stdin.
+    /// images (rbd:POOL/IMAGE[@SNAP]), `-` for stdin, or snapshots in a backup repository
+    /// (REPO::NAME[@ID]: with sha256 and 64K blocks, from the index without reading data).
     #[arg(required = true, value_name = "SRC")]
     sources: Vec<String>,
     /// Hash function: sha256, sha512, sha1, md5 or blake3.

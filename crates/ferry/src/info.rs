@@ -34,7 +34,8 @@ use serde_json::{json, Value};
 pub struct InfoArgs {
     /// NBD URI (nbd://HOST[:PORT]/EXPORT or nbd+unix:///EXPORT?socket=PATH), a local disk
     /// image (qcow2 or raw; qcow2:PATH, raw:PATH), or an RBD image: rbd:POOL/IMAGE[@SNAP]
-    /// (size, object size, features, snapshots).
+    /// (size, object size, features, snapshots), or a snapshot in a backup repository:
+    /// REPO::NAME[@ID].
     uri: String,
     /// Machine-readable output (nbdinfo's field names).
     #[arg(long)]

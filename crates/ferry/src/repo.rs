@@ -267,7 +267,8 @@ pub(crate) fn human(n: u64) -> String {
 
 /// A manifest's time as lists show it: `2026-11-26 22:00:00`.
 fn shown_time(t: &str) -> String {
-    t.trim_end_matches('Z').replacen('T', " ", 1)
+    let t = t.trim_end_matches('Z').replacen('T', " ", 1);
+    t.split('.').next().unwrap_or_default().to_string()
 }
 
 pub(crate) fn shown_changes(c: &Changes) -> String {
@@ -308,6 +309,15 @@ fn list(a: ListArgs) -> Result<i32> {
         let v: Vec<serde_json::Value> = snaps.iter().map(|s| snapshot_json(s)).collect();
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(0);
+    }
+    // What is running now (or was, when a process died holding its lock).
+    for (object, l, stale) in ferry_repo::lock::list(repo.store()).unwrap_or_default() {
+        let kind = serde_json::to_value(l.kind).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
+        let what = format!("{kind} by process {} on {} since {}", l.pid, l.host, shown_time(&l.time));
+        match stale {
+            false => eprintln!("running: {what}"),
+            true => eprintln!("stale lock {object}: {what} (the process is gone; the next writer removes it)"),
+        }
     }
     if snaps.is_empty() {
         eprintln!("no snapshots in {}", a.common.repo);
@@ -418,7 +428,7 @@ fn forget(a: ForgetArgs) -> Result<i32> {
         let state = if r.removed.contains(&s.id) {
             verb
         } else if r.kept.contains(&s.id) {
-            "keep"
+            "kept"
         } else {
             continue;
         };

@@ -5,6 +5,7 @@ use clap::{Args, ValueEnum};
 use ferry_backend::{Backend, MetaContext};
 use ferry_proto::consts::{META_ALLOCATION_DEPTH, META_DIRTY_BITMAP_PREFIX};
 use ferry_proto::TlsPolicy;
+use ferry_repo::{SnapshotDiff, SnapshotImage};
 use ferry_server::{Config, Export, Exports, Server, ZeroCopy};
 use ferry_sock::{BufferConfig, Listener};
 use ferry_tls::{ServerTls, ServerTlsConfig};
@@ -260,11 +261,13 @@ fn check_shared_files(
 /// A named bitmap the backend does not offer is an error.
 fn offered_contexts(
     backend: &Arc<dyn Backend>,
+    extra: &[Arc<dyn MetaContext>],
     bitmaps: &[String],
     depth: bool,
     spec: &str,
 ) -> Result<Vec<Arc<dyn MetaContext>>> {
-    let all = ferry_backend::all_meta_contexts(backend);
+    let mut all = ferry_backend::all_meta_contexts(backend);
+    all.extend(extra.iter().cloned());
     let bitmap_of = |c: &Arc<dyn MetaContext>| c.name().strip_prefix(META_DIRTY_BITMAP_PREFIX).map(str::to_string);
     for name in bitmaps {
         if !all.iter().any(|c| bitmap_of(c).as_deref() == Some(name.as_str())) {
@@ -283,6 +286,40 @@ fn offered_contexts(
             None => depth || c.name() != META_ALLOCATION_DEPTH,
         })
         .collect())
+}
+
+/// The exports (by name) that are snapshots in a backup repository, opened, when serving
+/// read-only (writable serving refuses them when they are opened as any other spec).
+fn open_snapshots(args: &ServeArgs, remote: &ferry_open::Remote) -> Result<Vec<(String, Arc<SnapshotImage>)>> {
+    if !args.read_only {
+        return Ok(Vec::new());
+    }
+    let default = args.export_name.clone().unwrap_or_default();
+    let named = args.exports.iter().filter_map(|e| e.split_once('=')).map(|(n, s)| (n.to_string(), s));
+    let mut out = Vec::new();
+    for (name, spec) in std::iter::once((default, args.spec.as_str())).chain(named) {
+        if let Ok(ferry_open::Location::Repo { repo, name: disk, id }) = ferry_open::Location::parse(spec) {
+            let img = ferry_open::repo::open_snapshot(&repo, &disk, id.as_deref(), remote)
+                .with_context(|| format!("cannot serve {spec:?}"))?;
+            out.push((name, img));
+        }
+    }
+    Ok(out)
+}
+
+/// The contexts `qemu:dirty-bitmap:ID8` of the snapshot served as `export`: the chunks
+/// that differ from each other snapshot of its disk served beside it (ID8: the other's
+/// id, as `ferry repo list` prints it).
+fn diffs(snapshots: &[(String, Arc<SnapshotImage>)], export: &str) -> Vec<Arc<dyn MetaContext>> {
+    let Some((_, me)) = snapshots.iter().find(|s| s.0 == export) else { return Vec::new() };
+    snapshots
+        .iter()
+        .filter(|(n, other)| n != export && other.info().id != me.info().id)
+        .filter_map(|(_, other)| {
+            let id = &other.info().id;
+            SnapshotDiff::new(me, other, &id[..8.min(id.len())]).map(|d| Arc::new(d) as Arc<dyn MetaContext>)
+        })
+        .collect()
 }
 
 /// `--exit-with-parent`: the kernel sends SIGTERM when the parent exits (its handler
@@ -314,11 +351,17 @@ pub fn run(args: ServeArgs) -> Result<i32> {
         allow_truncated: args.allow_truncated,
     };
     let remote = args.remote.remote();
+    // Snapshots of a backup repository served read-only, opened first: each offers the
+    // changes since every other snapshot of its disk served beside it.
+    let snapshots = open_snapshots(&args, &remote)?;
     let mut open = |name: &str, spec: &str| {
         let loc = ferry_open::Location::parse(spec)
             .with_context(|| format!("cannot serve {:?}", crate::remote_args::shown(spec)))?;
-        let (backend, f) = ferry_open::open_backend(&loc, how, &remote)
-            .with_context(|| format!("cannot serve {:?}", crate::remote_args::shown(spec)))?;
+        let (backend, f) = match snapshots.iter().find(|s| s.0 == name) {
+            Some((_, img)) => (img.clone() as Arc<dyn Backend>, Vec::new()),
+            None => ferry_open::open_backend(&loc, how, &remote)
+                .with_context(|| format!("cannot serve {:?}", crate::remote_args::shown(spec)))?,
+        };
         check_shared_files(&files, name, &f)?;
         files.push((name.to_string(), f));
         anyhow::Ok(match args.discard {
@@ -327,7 +370,13 @@ pub fn run(args: ServeArgs) -> Result<i32> {
         })
     };
     let backend = open(&default_name, &args.spec)?;
-    let contexts = offered_contexts(&backend, &args.bitmaps, args.allocation_depth, &args.spec)?;
+    let contexts = offered_contexts(
+        &backend,
+        &diffs(&snapshots, &default_name),
+        &args.bitmaps,
+        args.allocation_depth,
+        &args.spec,
+    )?;
     let default =
         Export { name: default_name.clone(), description: args.description.clone().unwrap_or_default(), backend };
     exports.add_with_contexts(default, contexts).map_err(anyhow::Error::msg)?;
@@ -340,7 +389,7 @@ pub fn run(args: ServeArgs) -> Result<i32> {
         }
         let backend = open(name, spec)?;
         // -B names the default export's bitmaps; the others offer all of theirs.
-        let contexts = offered_contexts(&backend, &[], args.allocation_depth, spec)?;
+        let contexts = offered_contexts(&backend, &diffs(&snapshots, name), &[], args.allocation_depth, spec)?;
         let export = Export { name: name.to_string(), description: String::new(), backend };
         exports.add_with_contexts(export, contexts).map_err(anyhow::Error::msg)?;
     }

@@ -157,13 +157,13 @@ fn thirty_days_from_qemu_nbd_dirty_bitmap() {
     let out = d.join("restored.raw");
     for (day, (id, hash)) in days.iter().enumerate() {
         let sp = spec(&repo, "vm1-sda", id);
-        // From the index, and from the data as restored.
+        // From the index, and from the data as a restore reads it (the restored files of
+        // three days are compared with those days' images too).
         assert_eq!(&ferry_hash(&sp), hash, "ferry hash {sp} (day {day})");
-        let _ = fs::remove_file(&out);
-        ferry(&["copy", &sp, s(&out)]);
-        assert_eq!(&ferry_hash(s(&out)), hash, "day {day} restored from {sp}");
+        let read = ferry(&["copy", "--hash", &sp, "null:"]).stdout;
+        assert!(read.starts_with(hash.as_str()), "day {day}: the data of {sp} hashes to {read}, the image to {hash}");
         if saved.contains(&day) {
-            qemu_img(&["compare", "-f", "raw", "-F", "raw", s(&out), s(&d.join(format!("day{day}.raw")))]);
+            assert_restores(&sp, &d.join(format!("day{day}.raw")), "raw", &out);
         }
     }
     // REPO::NAME is the latest; a unique prefix of 4 digits is enough.
@@ -192,7 +192,9 @@ fn refusals_say_what_to_do() {
     let big = write_sparse_file(d, "b.raw", &data_with_holes(5 * MIB as usize, 8));
     let out = run_fails(&mut ferry_cmd(&["backup", "--extents-from", s(&ext), s(&big), &t]));
     assert!(out.stderr.contains("full backup"), "{}", out.describe());
-    // Without a change map, another size is a full read of its own.
+    // Without a change map, another size is a full read of its own (with no parent: a
+    // second later, so that it is the latest by time, which has whole seconds).
+    std::thread::sleep(Duration::from_millis(1100));
     let snap = backup(&[s(&big), &t]);
     assert_eq!(snap.u64_at("size"), 5 * MIB);
     assert_restores(&format!("{t}@{}", snap.at("id").as_str().unwrap()), &big, "raw", &d.join("o.raw"));
@@ -379,7 +381,7 @@ fn verify_and_check_name_damage() {
     let packs_b = largest_first(objects(&repo, "data").into_iter().filter(|p| !packs_a.contains(p)).collect());
     assert!(!packs_a.is_empty() && !packs_b.is_empty(), "{packs_a:?} {packs_b:?}");
     let (a1, b1) = (a1.at("id").as_str().unwrap().to_string(), b1.at("id").as_str().unwrap().to_string());
-    let hash_b = ferry_hash(&spec(&repo, "b", &b1));
+    let hash_a = ferry_hash(&spec(&repo, "a", &a1));
     let v = ferry(&["repo", "verify", s(&repo)]);
     assert!(v.stdout.contains("no damage"), "{}", v.describe());
 
@@ -393,18 +395,21 @@ fn verify_and_check_name_damage() {
     assert!(out.stdout.contains(pack_a_name), "the pack is not named\n{}", out.describe());
     assert!(out.stdout.contains(&a1[..8]), "a's snapshot is not named\n{}", out.describe());
     assert!(!out.stdout.contains(&b1[..8]), "b's snapshot is named\n{}", out.describe());
-    // check reads no data: it does not see a flipped byte.
+    // check reads no data: it does not see a flipped byte. Nor does `ferry hash`, which
+    // takes a's blkhash from its index, while a restore reads the damaged chunk and fails.
     let out = ferry(&["repo", "check", s(&repo)]);
     assert!(out.stdout.contains("no damage"), "{}", out.describe());
+    assert_eq!(ferry_hash(&spec(&repo, "a", &a1)), hash_a, "ferry hash read the data instead of the index");
+    let out = run_fails(&mut ferry_cmd(&["copy", &spec(&repo, "a", &a1), s(&d.join("a.out"))]));
+    assert!(out.stderr.contains(pack_a_name), "{}", out.describe());
 
-    // b's pack deleted: check names it and b's snapshot. b's hash still comes from its index.
+    // b's pack deleted: check names it and b's snapshot.
     fs::remove_file(&packs_b[0]).unwrap();
     let out = run(&mut ferry_cmd(&["repo", "check", s(&repo)]));
     assert_eq!(out.status.code(), Some(1), "{}", out.describe());
     let pack_b_name = packs_b[0].file_name().unwrap().to_str().unwrap();
     assert!(out.stdout.contains(pack_b_name), "the deleted pack is not named\n{}", out.describe());
     assert!(out.stdout.contains(&b1[..8]), "b's snapshot is not named\n{}", out.describe());
-    assert_eq!(ferry_hash(&spec(&repo, "b", &b1)), hash_b, "ferry hash read data instead of the index");
 
     // A truncated index object: an error naming it.
     let index = objects(&repo, "index");
@@ -460,6 +465,50 @@ fn serve_a_snapshot() {
     );
 }
 
+/// Two snapshots of one disk served side by side: each offers the chunks that differ from
+/// the other as `qemu:dirty-bitmap:ID8`, so an NBD backup tool copies only the difference.
+#[test]
+fn serve_two_snapshots_offers_their_difference() {
+    require("nbdinfo");
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let repo = init(d);
+    let len = 8 * MIB as usize;
+    let old = data_with_holes(len, 41);
+    let mut new = old.clone();
+    // Changes in chunks 3, 17..=18 (a write across their border) and 100 (now zero).
+    let chunk = 64 * KIB as usize;
+    new[3 * chunk + 10] ^= 0xff;
+    for b in &mut new[18 * chunk - 100..18 * chunk + 100] {
+        *b = b.wrapping_add(1);
+    }
+    new[100 * chunk..101 * chunk].fill(0);
+    let t = format!("{}::disk", repo.display());
+    let img = write_sparse_file(d, "old.raw", &old);
+    let id1 = backup(&[s(&img), &t]).at("id").as_str().unwrap().to_string();
+    let img = write_sparse_file(d, "new.raw", &new);
+    let id2 = backup(&[s(&img), &t]).at("id").as_str().unwrap().to_string();
+    let server = ServerBuilder::new(&spec(&repo, "disk", &id2))
+        .read_only()
+        .args(&["--export", &format!("old={}", spec(&repo, "disk", &id1))])
+        .start();
+    let map = |uri: &str, ctx: &str| -> Vec<(u64, u64)> {
+        let out = run_ok(&mut cmd("nbdinfo", ["--json", &format!("--map=qemu:dirty-bitmap:{ctx}"), uri]));
+        let v = Json::must_parse(&out.stdout);
+        v.as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e.u64_at("type") & 1 != 0)
+            .map(|e| (e.u64_at("offset"), e.u64_at("length")))
+            .collect()
+    };
+    let c = chunk as u64;
+    let want: Vec<(u64, u64)> = vec![(3 * c, c), (17 * c, 2 * c), (100 * c, c)];
+    let want = if old[100 * chunk..101 * chunk].iter().all(|&b| b == 0) { want[..2].to_vec() } else { want };
+    assert_eq!(map(&server.uri(), &id1[..8]), want, "the new snapshot's changes since the old");
+    assert_eq!(map(&server.uri_export("old"), &id2[..8]), want, "the old snapshot's differences from the new");
+}
+
 /// (g) Backups of two disks at once both succeed; a second backup of the same disk is
 /// refused while one runs, and waits for it with --wait.
 #[test]
@@ -492,4 +541,118 @@ fn concurrent_backups() {
     assert_restores(&ta, &a, "raw", &d.join("ra.raw"));
     assert_restores(&tb, &b, "raw", &d.join("rb.raw"));
     assert!(objects(&repo, "locks").is_empty(), "locks left behind");
+}
+
+/// The bitmaps of `img` (qemu-img info), as (name, flags).
+fn qcow2_bitmaps(img: &Path) -> Vec<(String, Vec<String>)> {
+    let info = Json::must_parse(&qemu_img(&["info", "--output=json", s(img)]).stdout);
+    let Some(list) = info.at("format-specific").at("data").get("bitmaps").and_then(Json::as_array) else {
+        return Vec::new();
+    };
+    list.iter()
+        .map(|b| {
+            let flags = b.array_at("flags").iter().map(|f| f.as_str().unwrap().to_string()).collect();
+            (b.at("name").as_str().unwrap().to_string(), flags)
+        })
+        .collect()
+}
+
+/// (optional) A stopped VM's local qcow2 image, its change tracking kept by ferry: the
+/// first backup adds a bitmap named after its snapshot, each later one reads only what it
+/// marks and restarts it after the commit; a backup killed midway, and a snapshot of the
+/// disk taken from elsewhere in between, never make a later backup miss a change.
+#[test]
+fn stopped_vm_qcow2_tracked_by_ferry() {
+    let dir = tempfile::Builder::new().prefix("ferry-repotrack").tempdir().unwrap();
+    let d = dir.path();
+    let repo = init(d);
+    let t = format!("{}::vm", repo.display());
+    let img = d.join("vm.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&img), &(64 * MIB).to_string()]);
+    let mut days: Vec<(String, String)> = Vec::new();
+    for day in 0..6u64 {
+        qemu_io("qcow2", s(&img), &day_workload(day));
+        if day == 2 {
+            // Killed midway (4 MiB more changed, read at 1 MiB/s): no snapshot, the
+            // bitmap untouched, the lock stale.
+            qemu_io("qcow2", s(&img), &[format!("write -P 0x77 {} {}", 40 * MIB, 4 * MIB)]);
+            let mut child = ferry_cmd(&["backup", "--rate", "1M", s(&img), &t])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap();
+            assert!(wait_until(Duration::from_secs(10), || !objects(&repo, "locks").is_empty()), "no lock taken");
+            std::thread::sleep(Duration::from_millis(300));
+            assert!(child.try_wait().unwrap().is_none(), "the backup to kill has ended already");
+            child.kill().unwrap();
+            child.wait().unwrap();
+        }
+        if day == 4 {
+            // A snapshot of the disk from elsewhere: the bitmap does not continue it.
+            let other = write_sparse_file(d, "other.raw", &Rng::new(4).bytes(64 * MIB as usize));
+            backup(&[s(&other), &t]);
+        }
+        let snap = backup(&[s(&img), &t]);
+        let id = snap.at("id").as_str().unwrap().to_string();
+        let bitmaps = qcow2_bitmaps(&img);
+        assert_eq!(bitmaps, [(format!("ferry-vm-{}", &id[..16]), vec!["auto".to_string()])], "day {day}");
+        match day {
+            0 | 4 => assert_eq!(snap.at("changes").at("kind").as_str(), Some("full"), "day {day}: {snap}"),
+            _ => {
+                let prev = &days[day as usize - 1].0;
+                let want = serde_json::json!({"kind": "dirty-bitmap", "bitmap": format!("ferry-vm-{}", &prev[..16])});
+                assert_eq!(snap.at("changes"), &want, "day {day}: {snap}");
+                assert!(snap.u64_at("read") < 8 * MIB, "day {day} read too much: {snap}");
+            }
+        }
+        days.push((id, ferry_hash(s(&img))));
+    }
+    for (day, (id, hash)) in days.iter().enumerate() {
+        let sp = spec(&repo, "vm", id);
+        let read = ferry(&["copy", "--hash", &sp, "null:"]).stdout;
+        assert!(read.starts_with(hash.as_str()), "day {day}: {sp} reads as {read}, the image was {hash}");
+    }
+    // --no-bitmap leaves the image alone.
+    let before = qcow2_bitmaps(&img);
+    backup(&["--no-bitmap", s(&img), &t]);
+    assert_eq!(qcow2_bitmaps(&img), before);
+    qemu_img(&["check", s(&img)]);
+}
+
+/// A repository under an S3 prefix (moto): backups, restores, verify, few objects.
+#[test]
+fn s3_repository_on_moto() {
+    use crate::remote_images::{keys, make_bucket, s3ferry};
+    make_bucket("ferry-repo-bkt");
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let repo = "s3://ferry-repo-bkt/backups";
+    let t = format!("{repo}::disk");
+    let run_s3 = |args: &[&str]| {
+        let mut c = s3ferry(args);
+        c.env_remove("FERRY_PASSWORD").env_remove("FERRY_PASSWORD_FILE");
+        run_ok(&mut c)
+    };
+    run_s3(&["repo", "init", repo]);
+    let mut snaps = Vec::new();
+    for day in 0..3u64 {
+        let (p, _) = day_disk(d, day, 8 * MIB as usize);
+        let out = run_s3(&["backup", "--json", s(&p), &t]);
+        snaps.push((Json::must_parse(out.stdout.trim()).at("id").as_str().unwrap().to_string(), p));
+    }
+    for (id, p) in &snaps {
+        let out = d.join("restored.raw");
+        let _ = fs::remove_file(&out);
+        run_s3(&["copy", &format!("{t}@{id}"), s(&out)]);
+        qemu_img(&["compare", "-f", "raw", "-F", "raw", s(&out), s(p)]);
+        let h = run_s3(&["hash", &format!("{t}@{id}")]).stdout;
+        assert!(h.starts_with(&ferry_hash(s(p))), "{h}");
+    }
+    let v = run_s3(&["repo", "verify", repo]);
+    assert!(v.stdout.contains("no damage"), "{}", v.describe());
+    let k = keys("ferry-repo-bkt");
+    assert!(k.iter().all(|k| k.starts_with("backups/")), "{k:?}");
+    assert!(k.contains(&"backups/config".to_string()), "{k:?}");
+    // Packs hold many chunks: a few objects per backup, not one per chunk.
+    assert!(k.len() < 30, "{} objects for 3 backups: {k:?}", k.len());
 }

@@ -96,6 +96,22 @@ pub fn open_local_qcow2_image(loc: &Location, usage: ImageUse) -> Result<Arc<Qco
     }
 }
 
+/// A local qcow2 image as `loc` names it, opened for writing with the locks qemu's
+/// writers take (an image another program uses is refused), for a backup that reads it and
+/// keeps its change-tracking bitmap (`ferry backup`). `None` when `loc` is not a local
+/// qcow2 image.
+pub fn open_local_qcow2_for_backup(loc: &Location) -> Result<Option<Arc<Qcow2>>> {
+    match loc {
+        Location::Image { store: Store::File(p), format, file_prefix }
+            if local_format(p, *format, *file_prefix) == Format::Qcow2 =>
+        {
+            let opts = ferry_qcow2::Options { read_only: false, ..Default::default() };
+            open_local_qcow2(p, *format, *file_prefix, opts, ImageUse::new(Access::Write)).map(Some)
+        }
+        _ => Ok(None),
+    }
+}
+
 /// A local qcow2 image named as `format` (`None`: its format was probed).
 fn open_local_qcow2(
     p: &Path,

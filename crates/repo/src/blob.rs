@@ -118,6 +118,23 @@ pub fn decode(
     stored: &[u8],
     max_plain: usize,
 ) -> Result<Vec<u8>, String> {
+    let plain = decode_unchecked(crypto, kind, id, stored, max_plain)?;
+    if crypto.blob_id(&digest(&plain)) != *id {
+        return Err("its plain bytes do not match its id (their digest differs)".into());
+    }
+    Ok(plain)
+}
+
+/// [`decode`] without its last step, the digest check: for a caller that checks the
+/// digests of several blobs at once (side by side, with
+/// [`ferry_hash::Algorithm::digest_many`]) before it uses their bytes.
+pub fn decode_unchecked(
+    crypto: &Crypto,
+    kind: BlobKind,
+    id: &Digest,
+    stored: &[u8],
+    max_plain: usize,
+) -> Result<Vec<u8>, String> {
     let body: Cow<[u8]> = match crypto {
         Crypto::None => Cow::Borrowed(stored),
         _ => Cow::Owned(crypto.open(&aad(kind, id), stored).map_err(|e| e.to_string())?),
@@ -137,9 +154,6 @@ pub fn decode(
         Some((&ZSTD, z)) => decompress(z, max_plain)?,
         Some((b, _)) => return Err(format!("its encoding byte is {b}, neither 0 (raw) nor 1 (zstd)")),
     };
-    if crypto.blob_id(&digest(&plain)) != *id {
-        return Err("its plain bytes do not match its id (their digest differs)".into());
-    }
     Ok(plain)
 }
 

@@ -20,6 +20,17 @@ const PER_SHARD: usize = 16;
 /// Stored bytes between two blobs of one pack that a read still fetches in one request
 /// rather than two.
 const GAP: u64 = 64 << 10;
+/// Reads shorter than this that continue an earlier one bring this many bytes of the
+/// following chunks into the cache.
+const AHEAD_BELOW: u64 = 256 << 10;
+const AHEAD_BYTES: u64 = 1 << 20;
+
+/// The ends of the last reads, to see sequential readers among several clients.
+#[derive(Default)]
+struct Recent {
+    ends: [u64; 8],
+    next: usize,
+}
 
 pub struct SnapshotImage {
     repo: Arc<Repository>,
@@ -27,6 +38,7 @@ pub struct SnapshotImage {
     /// Reloaded when a pack it names is gone (a gc moved the blobs while we read).
     index: RwLock<Arc<Index>>,
     reload: Mutex<()>,
+    recent: Mutex<Recent>,
     entries: Vec<Digest>,
     cs: u64,
     size: u64,
@@ -51,6 +63,7 @@ impl SnapshotImage {
             snap: snap.clone(),
             index: RwLock::new(Arc::new(index)),
             reload: Mutex::new(()),
+            recent: Mutex::new(Recent::default()),
             entries,
             cache: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
         }))
@@ -83,6 +96,86 @@ impl SnapshotImage {
             *used = t;
             c.clone()
         })
+    }
+
+    fn is_cached(&self, ci: u64) -> bool {
+        self.cache[ci as usize % SHARDS].lock().unwrap_or_else(|e| e.into_inner()).chunks.contains_key(&ci)
+    }
+
+    /// Reads chunks ahead of a sequential reader into the cache; failures are left for
+    /// the read that needs the chunk to report.
+    fn fetch_ahead(&self, pack: &str, start: u64, end: u64, wants: &[Want]) -> io::Result<()> {
+        let bytes = self.repo.store.get_range(pack, start, end - start)?;
+        for (w, plain) in wants.iter().zip(self.decode_run(&bytes, start, wants)) {
+            if let Ok(plain) = plain {
+                self.remember(w.ci, Arc::new(plain));
+            }
+        }
+        Ok(())
+    }
+
+    /// The chunks of one ranged read (`bytes`, from pack offset `start`) decoded, and
+    /// checked against their ids: their digests computed side by side.
+    fn decode_run(&self, bytes: &[u8], start: u64, wants: &[Want]) -> Vec<Result<Vec<u8>, String>> {
+        let mut out: Vec<Result<Vec<u8>, String>> = wants
+            .iter()
+            .map(|w| {
+                let s = (w.loc.offset as u64 - start) as usize;
+                let stored = bytes.get(s..s + w.loc.stored_len as usize).unwrap_or(&[]);
+                let plain = self.repo.decode_blob_unchecked(&w.id, &w.loc, BlobKind::Data, stored)?;
+                if plain.len() != self.chunk_len(w.ci) {
+                    return Err(format!(
+                        "chunk {} has {} bytes, not {}",
+                        format::hex(&w.id),
+                        plain.len(),
+                        self.chunk_len(w.ci)
+                    ));
+                }
+                Ok(plain)
+            })
+            .collect();
+        let decoded: Vec<(usize, &[u8])> =
+            out.iter().enumerate().filter_map(|(k, r)| r.as_ref().ok().map(|p| (k, p.as_slice()))).collect();
+        let blocks: Vec<&[u8]> = decoded.iter().map(|(_, b)| *b).collect();
+        let mut digests = vec![0u8; blocks.len() * 32];
+        ferry_hash::Algorithm::Sha256.digest_many(&blocks, &mut digests);
+        let bad: Vec<usize> = decoded
+            .iter()
+            .zip(digests.chunks_exact(32))
+            .filter(|((k, _), d)| {
+                let d: Digest = (*d).try_into().unwrap_or([0; 32]);
+                self.repo.crypto.blob_id(&d) != wants[*k].id
+            })
+            .map(|((k, _), _)| *k)
+            .collect();
+        drop(blocks);
+        drop(decoded);
+        for k in bad {
+            out[k] = Err(format!(
+                "blob {} at offset {}: its plain bytes do not match its id (their digest differs)",
+                format::hex(&wants[k].id),
+                wants[k].loc.offset
+            ));
+        }
+        out
+    }
+
+    /// How many chunks to read ahead for a read at `offset..end`: some when it continues
+    /// one of the last reads and is small (a large reader keeps enough in flight itself).
+    fn ahead_for(&self, offset: u64, end: u64) -> u64 {
+        if end - offset >= AHEAD_BELOW {
+            return 0;
+        }
+        let mut r = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+        let sequential = r.ends.contains(&offset) && offset != 0;
+        let at = r.next % r.ends.len();
+        r.ends[at] = end;
+        r.next = r.next.wrapping_add(1);
+        if sequential {
+            (AHEAD_BYTES / self.cs).max(1)
+        } else {
+            0
+        }
     }
 
     fn remember(&self, ci: u64, chunk: Arc<Vec<u8>>) {
@@ -143,7 +236,7 @@ impl SnapshotImage {
         )
     }
 
-    fn read_with(&self, index: &Index, buf: &mut [u8], offset: u64) -> Result<(), Failure> {
+    fn read_with(&self, index: &Index, buf: &mut [u8], offset: u64, ahead: u64) -> Result<(), Failure> {
         let length = buf.len() as u64;
         let end = offset + length;
         let first = offset / self.cs;
@@ -163,12 +256,9 @@ impl SnapshotImage {
                 buf[bs..be].fill(0);
                 continue;
             }
-            let whole = at == 0 && be - bs == self.chunk_len(ci);
-            if !whole {
-                if let Some(c) = self.cached(ci) {
-                    buf[bs..be].copy_from_slice(&c[at..at + (be - bs)]);
-                    continue;
-                }
+            if let Some(c) = self.cached(ci) {
+                buf[bs..be].copy_from_slice(&c[at..at + (be - bs)]);
+                continue;
             }
             let id = self.repo.crypto.blob_id(d);
             let Some(loc) = index.blobs.get(&id) else {
@@ -179,7 +269,22 @@ impl SnapshotImage {
                     format!("its chunk {} is in no index object", format::hex(&id)),
                 )));
             };
-            wants.push(Want { ci, id, loc: *loc });
+            wants.push(Want { ci, id, loc: *loc, ahead: false });
+        }
+        // A sequential reader that missed the cache: the chunks after this read come with
+        // it, into the cache (one request instead of one per chunk on an object store).
+        if !wants.is_empty() && ahead > 0 {
+            let stop = (last + 1 + ahead).min(self.entries.len() as u64);
+            for ci in last + 1..stop {
+                let d = &self.entries[ci as usize];
+                if *d == ZERO || self.is_cached(ci) {
+                    continue;
+                }
+                let id = self.repo.crypto.blob_id(d);
+                if let Some(loc) = index.blobs.get(&id) {
+                    wants.push(Want { ci, id, loc: *loc, ahead: true });
+                }
+            }
         }
         // Runs of blobs next to each other in one pack: one ranged read each.
         wants.sort_unstable_by_key(|w| (w.loc.pack, w.loc.offset));
@@ -196,6 +301,12 @@ impl SnapshotImage {
             }
             let run_start = wants[i].loc.offset as u64;
             let pack = pack_name(&wants[i].loc.pack);
+            if wants[i..j].iter().all(|w| w.ahead) {
+                // Only chunks ahead: fetched when they are read, if they are not here.
+                let _ = self.fetch_ahead(&pack, run_start, run_end, &wants[i..j]);
+                i = j;
+                continue;
+            }
             let bytes = self.repo.store.get_range(&pack, run_start, run_end - run_start).map_err(|e| {
                 let ci = wants[i].ci;
                 match e.kind() {
@@ -208,25 +319,18 @@ impl SnapshotImage {
                     _ => Failure::Other(self.unreadable(offset, length, ci, format!("cannot read {pack}: {e}"))),
                 }
             })?;
-            for w in &wants[i..j] {
-                let s = (w.loc.offset as u64 - run_start) as usize;
-                let stored = bytes.get(s..s + w.loc.stored_len as usize).unwrap_or(&[]);
-                let plain = self
-                    .repo
-                    .decode_blob(&w.id, &w.loc, BlobKind::Data, stored)
-                    .map_err(|why| Failure::Other(self.damage(offset, length, w.ci, format!("{pack}: {why}"))))?;
-                if plain.len() != self.chunk_len(w.ci) {
-                    return Err(Failure::Other(self.damage(
-                        offset,
-                        length,
-                        w.ci,
-                        format!(
-                            "{pack}: chunk {} has {} bytes, not {}",
-                            format::hex(&w.id),
-                            plain.len(),
-                            self.chunk_len(w.ci)
-                        ),
-                    )));
+            let plains = self.decode_run(&bytes, run_start, &wants[i..j]);
+            for (w, plain) in wants[i..j].iter().zip(plains) {
+                let plain = match plain {
+                    Ok(p) => p,
+                    Err(_) if w.ahead => continue,
+                    Err(why) => {
+                        return Err(Failure::Other(self.damage(offset, length, w.ci, format!("{pack}: {why}"))))
+                    }
+                };
+                if w.ahead {
+                    self.remember(w.ci, Arc::new(plain));
+                    continue;
                 }
                 let (bs, be, at) = span(w.ci);
                 buf[bs..be].copy_from_slice(&plain[at..at + (be - bs)]);
@@ -259,6 +363,8 @@ struct Want {
     ci: u64,
     id: Digest,
     loc: Location,
+    /// Read ahead: into the cache only, and its failures are not this read's.
+    ahead: bool,
 }
 
 impl Backend for SnapshotImage {
@@ -294,14 +400,15 @@ impl Backend for SnapshotImage {
         if length == 0 {
             return Ok(());
         }
+        let ahead = self.ahead_for(offset, offset + length);
         let index = self.index.read().unwrap_or_else(|e| e.into_inner()).clone();
-        match self.read_with(&index, buf, offset) {
+        match self.read_with(&index, buf, offset, ahead) {
             Err(Failure::PackGone(_)) => {
                 // A gc repacked what this snapshot uses: its blobs are in new packs.
                 let fresh = self
                     .reload_index(&index)
                     .map_err(|e| ferry_backend::Error::io("read", offset, length, io::Error::other(e.to_string())))?;
-                self.read_with(&fresh, buf, offset).map_err(Failure::into_error)
+                self.read_with(&fresh, buf, offset, 0).map_err(Failure::into_error)
             }
             r => r.map_err(Failure::into_error),
         }

@@ -387,10 +387,30 @@ impl Repository {
         kind: BlobKind,
         stored: &[u8],
     ) -> Result<Vec<u8>, String> {
+        let plain = self.decode_blob_unchecked(id, loc, kind, stored)?;
+        if self.crypto.blob_id(&blob::digest(&plain)) != *id {
+            return Err(format!(
+                "blob {} at offset {}: its plain bytes do not match its id (their digest differs)",
+                format::hex(id),
+                loc.offset
+            ));
+        }
+        Ok(plain)
+    }
+
+    /// [`Repository::decode_blob`] but for the digest check, which the caller makes
+    /// (for several blobs at once) before it uses the bytes.
+    pub(crate) fn decode_blob_unchecked(
+        &self,
+        id: &Digest,
+        loc: &Location,
+        kind: BlobKind,
+        stored: &[u8],
+    ) -> Result<Vec<u8>, String> {
         if stored.len() != loc.stored_len as usize {
             return Err(format!("blob {} at offset {} is cut short", format::hex(id), loc.offset));
         }
-        let plain = blob::decode(&self.crypto, kind, id, stored, self.limits().max_plain(kind))
+        let plain = blob::decode_unchecked(&self.crypto, kind, id, stored, self.limits().max_plain(kind))
             .map_err(|e| format!("blob {} at offset {}: {e}", format::hex(id), loc.offset))?;
         if plain.len() != loc.plain_len as usize {
             return Err(format!(

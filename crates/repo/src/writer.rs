@@ -37,6 +37,11 @@ pub struct BackupOptions {
     /// What the new snapshot starts from: unwritten ranges keep this snapshot's content
     /// (incremental backups), or read as zeroes when `None`.
     ///
+    /// With a base, the copy must write every range of the source that it reads, zeroes
+    /// included (through `write` or `zero`): do not declare the destination as reading
+    /// zeroes (see [`SnapshotWriter::starts_zeroed`]), or holes of the source keep the
+    /// base's data.
+    ///
     /// Its size may differ from `size` (the writer does not refuse that; whether a source
     /// whose size changed may be backed up incrementally is the caller's policy): chunks
     /// past the base's end start as zeroes, and the base's chunks past `size` are dropped.
@@ -658,6 +663,12 @@ impl SnapshotWriter {
             .map_err(|e| Error::store(format!("cannot store {name} in {}", self.repo.store.describe()), e))?;
         drop(locked(&self.lock).take());
         Ok(SnapshotInfo { id, manifest })
+    }
+
+    /// Whether the new snapshot reads as zeroes where nothing is written (no base): then
+    /// the copy engine may skip the source's holes and zero ranges.
+    pub fn starts_zeroed(&self) -> bool {
+        self.base.is_none()
     }
 
     pub fn stats(&self) -> WriterStats {
