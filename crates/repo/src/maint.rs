@@ -698,8 +698,11 @@ pub fn gc(repo: &Repository, wait: Option<std::time::Duration>) -> Result<GcRepo
     for name in old_index.iter().filter(|n| Some(*n) != new_name.as_ref()) {
         store.delete(name).map_err(|e| Error::store(format!("cannot remove {name} from {}", store.describe()), e))?;
     }
-    // 6. Dead, repacked and orphan packs.
-    for name in delete.iter().chain(&orphans) {
+    // 6. Dead, repacked and orphan packs; never one the new index names (a pack written
+    // again with the same bytes, e.g. by a gc that stopped before its index, has the name
+    // of the orphan it would otherwise delete).
+    let named: HashSet<String> = keep.iter().map(|p| pack_name(&p.pack)).collect();
+    for name in delete.iter().chain(&orphans).filter(|n| !named.contains(*n)) {
         store.delete(name).map_err(|e| Error::store(format!("cannot remove {name} from {}", store.describe()), e))?;
         report.packs_deleted += 1;
     }
