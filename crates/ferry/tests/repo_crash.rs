@@ -160,7 +160,11 @@ impl Expect {
 /// (empty), data/, index/ and snapshots/ objects only: nothing temporary is left.
 fn assert_clean(repo: &Path, after: &str) {
     let out = check_ok(s(repo), after);
-    assert!(!out.stdout.contains("in no index object"), "after {after}, gc left orphans\n{}", out.describe());
+    assert!(
+        !format!("{}{}", out.stdout, out.stderr).contains("in no index object"),
+        "after {after}, gc left orphans\n{}",
+        out.describe()
+    );
     let all = files(repo);
     let left: Vec<&PathBuf> = all
         .iter()
@@ -539,4 +543,54 @@ fn gc_removes_partly_written_objects() {
     assert!(before - after >= 3 << 20, "gc left partly written objects: {before} -> {after}\n{}", gc.describe());
     assert_clean(&repo_p, "gc of partly written objects");
     exp.assert_restore(&repo, None, d, "gc of partly written objects");
+}
+
+/// gc killed after it wrote its new packs and before its index (FORMAT.md §9, between
+/// steps 3 and 4), set up exactly rather than by a lucky kill: the packs a whole gc
+/// writes are put into a copy of the repository as it was. They are orphans; the next
+/// gc writes the same packs again, byte for byte under the same names, and must not
+/// then delete them as orphans.
+#[test]
+fn gc_after_a_gc_killed_before_its_index() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let base = d.join("base");
+    ferry(&["repo", "init", s(&base)]);
+    let mut exp = Expect::default();
+    let (img, mut data) = disk(d, "disk.raw", 8 << 20, 4);
+    let t = format!("{}::disk", base.display());
+    for i in 0..2u64 {
+        if i > 0 {
+            change(&img, &mut data, 40 + i, d);
+        }
+        let snap = Json::must_parse(&ferry(&["backup", "--json", s(&img), &t]).stdout);
+        exp.known.insert(snap.at("id").as_str().unwrap().to_string(), hash_of(s(&img)));
+    }
+    ferry(&["repo", "forget", "--keep-last", "1", &t]);
+    exp.forget(s(&base));
+    let whole = d.join("whole");
+    run_ok(&mut cmd("cp", ["-a", s(&base), s(&whole)]));
+    let out = ferry(&["repo", "gc", s(&whole)]);
+    assert!(!out.stdout.contains(" 0 repacked"), "nothing repacked: {}", out.describe());
+    let old = files(&base);
+    let new_packs: Vec<PathBuf> =
+        files(&whole).into_iter().filter(|p| p.starts_with("data") && !old.contains(p)).collect();
+    assert!(!new_packs.is_empty(), "gc wrote no pack");
+    for p in &new_packs {
+        fs::create_dir_all(base.join(p).parent().unwrap()).unwrap();
+        fs::copy(whole.join(p), base.join(p)).unwrap();
+    }
+    let repo = s(&base).to_string();
+    let what = "a gc killed before its index";
+    let out = check_ok(&repo, what);
+    assert!(
+        format!("{}{}", out.stdout, out.stderr).contains("in no index object"),
+        "the new packs are not orphans: {}",
+        out.describe()
+    );
+    exp.assert_restore(&repo, None, d, what);
+    ferry(&["repo", "gc", &repo]);
+    check_ok(&repo, &format!("{what}, then gc"));
+    assert_clean(&base, &format!("{what}, then gc"));
+    exp.assert_restore(&repo, None, d, &format!("{what}, then gc"));
 }

@@ -142,7 +142,11 @@ pub(crate) fn repository_flow(api: &S3Api, mk: Mk, bucket: &str, prefix: &str, e
     assert!(after.keys().all(|k| !k.contains("/locks/")), "locks left: {after:?}");
     exp.assert_restore(&repo, None, d, "forget and gc");
     let c = run_ok(&mut mk(&["repo", "check", &repo]));
-    assert!(c.stdout.contains("no damage") && !c.stdout.contains("in no index"), "{}", c.describe());
+    assert!(
+        c.stdout.contains("no damage") && !format!("{}{}", c.stdout, c.stderr).contains("in no index"),
+        "{}",
+        c.describe()
+    );
     let v = run_ok(&mut mk(&["repo", "verify", &repo]));
     assert!(v.stdout.contains("no damage"), "{}", v.describe());
     let st = Json::must_parse(&run_ok(&mut mk(&["repo", "stats", "--json", &repo])).stdout);
