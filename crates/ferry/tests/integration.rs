@@ -37,6 +37,8 @@ mod qcow2_safety;
 mod rbd;
 mod remote_images;
 mod repo_backup;
+mod repo_crash;
+mod repo_s3;
 mod resume_safety;
 mod robustness;
 mod untrusted_images;

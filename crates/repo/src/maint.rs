@@ -574,6 +574,18 @@ pub const DEFAULT_REPACK_PERCENT: u32 = 10;
 pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_percent: u32) -> Result<GcReport> {
     let store = &repo.store;
     let _lock = lock::acquire(store, LockKind::Gc, None, wait)?;
+    // What writers killed mid-write left (a directory store's temporary files): no
+    // writer runs while gc holds its lock.
+    for prefix in ["data/", "index/", "snapshots/"] {
+        match store.remove_partial(prefix) {
+            Ok((0, _)) => {}
+            Ok((n, bytes)) => log::warn!(
+                "removed {n} partly written object(s) ({bytes} bytes) under {prefix} of {}, left by interrupted writers",
+                store.describe()
+            ),
+            Err(e) => return Err(Error::store(format!("cannot remove partly written objects from {}", store.describe()), e)),
+        }
+    }
     let stop =
         |what: String| Error::Invalid(format!("gc stopped before deleting anything: {what}; run `ferry repo check`"));
     // 1. The live set.
