@@ -37,6 +37,7 @@ mod qcow2_safety;
 mod rbd;
 mod remote_images;
 mod repo_backup;
+mod repo_resume;
 mod resume_safety;
 mod robustness;
 mod untrusted_images;
