@@ -303,7 +303,10 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
     let copy_opts = CopyOptions {
         connections: args
             .connections
-            .or_else(|| ferry_open::copy_workers(&src_loc, &Location::Null))
+            .or_else(|| {
+                let dst = Location::Repo { repo: repo_spec.clone(), name: name.clone(), id: None };
+                ferry_open::copy_workers(&src_loc, &dst)
+            })
             .unwrap_or_else(crate::copy::default_connections),
         requests: 4,
         request_size,

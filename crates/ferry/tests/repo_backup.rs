@@ -530,12 +530,20 @@ fn concurrent_backups() {
     // The same disk meanwhile: refused at once, naming the running backup's process.
     let out = run_fails(&mut ferry_cmd(&["backup", s(&a), &ta]));
     assert!(out.stderr.contains(&ca.id().to_string()), "the holder is not named\n{}", out.describe());
+    // A gc meanwhile must not free what the running backups will reference: it waits.
+    let gc = ferry_cmd(&["repo", "gc", "--wait", "60", s(&repo)])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     // With --wait it waits for the running one.
     let waited = ferry(&["backup", "--json", "--wait", "60", s(&a), &ta]);
-    for c in [ca, cb] {
+    for c in [ca, cb, gc] {
         let o = c.wait_with_output().unwrap();
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     }
+    let c = ferry(&["repo", "check", s(&repo)]);
+    assert!(c.stdout.contains("no damage"), "{}", c.describe());
     let list = Json::must_parse(&ferry(&["repo", "list", "--json", s(&repo)]).stdout);
     assert_eq!(list.as_array().unwrap().len(), 3, "{list}\n{}", waited.describe());
     assert_restores(&ta, &a, "raw", &d.join("ra.raw"));

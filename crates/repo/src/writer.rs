@@ -19,8 +19,8 @@ use crate::format::{
 };
 use crate::lock::{self, LockGuard};
 use crate::repo::{
-    blkhash_of, hostname, now_seconds, pack_name, parse_time, sha256, Index, Repository, SnapshotInfo, AAD_INDEX,
-    AAD_SNAPSHOT, AAD_TRAILER,
+    blkhash_of, hostname, pack_name, parse_time, sha256, Index, Repository, SnapshotInfo, AAD_INDEX, AAD_SNAPSHOT,
+    AAD_TRAILER,
 };
 use crate::{Error, Result};
 use ferry_backend::{Backend, Capabilities, ZeroMode};
@@ -832,8 +832,10 @@ impl SnapshotWriter {
         self.store_index()?;
         let blkhash = (self.cs == 65536).then(|| format::hex(&blkhash_of(&st.entries, self.size, self.cs as u32)));
         drop(st);
-        // A snapshot is never older than its parent, whatever the clocks say.
-        let mut time = now_seconds();
+        // A snapshot is never older than its parent, whatever the clocks say. Nanoseconds:
+        // two snapshots of one disk taken within a second (a full read after the disk's
+        // size changed has no parent to order it by) still have an order.
+        let mut time = jiff::Timestamp::now().to_string();
         if let Some(b) = &self.base {
             if parse_time(&b.manifest.time) > parse_time(&time) {
                 time = b.manifest.time.clone();
