@@ -994,7 +994,7 @@ impl SnapshotWriter {
         let ck = Checkpoint {
             version: format::VERSION,
             name: self.name.clone(),
-            time: now_seconds(),
+            time: crate::repo::now_seconds(),
             size: self.size,
             chunk_size: self.cs as u32,
             page_entries: self.pe as u32,
