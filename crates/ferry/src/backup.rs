@@ -274,28 +274,6 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
             bail!("the snapshots of {target} keep changing while this backup starts: try again");
         }
     };
-    // A resumed backup reads what its checkpoint does not hold: of the change map's
-    // ranges, or of the whole disk.
-    let done = writer.done_ranges();
-    let ranges = match done.is_empty() {
-        true => ranges,
-        false => {
-            if matches!(changes, Changes::DirtyBitmap { .. }) {
-                bail!(
-                    "--resume does not yet continue a backup that reads a dirty bitmap: back up {target} without \
-                     --resume (which discards the interrupted one and reads the bitmap again)"
-                );
-            }
-            let want = ranges.as_deref().cloned().unwrap_or_else(|| vec![(0, size)]);
-            let left = subtract(&want, &done);
-            let total: u64 = want.iter().map(|r| r.1).sum();
-            let stored = total - left.iter().map(|r| r.1).sum::<u64>();
-            if !quiet {
-                eprintln!("resuming the backup of {name}: {} of {} already stored", human(stored), human(total));
-            }
-            Some(Arc::new(left))
-        }
-    };
     let dst = BackendEndpoint::new(target.clone(), writer.clone());
     let dst = Endpoint::Backend(if zeroed { dst.zeroed() } else { dst });
 
@@ -330,6 +308,26 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
         journal: None,
         cancel: Some(cancel),
     };
+    // A resumed backup reads what its checkpoint does not hold: of the change map's
+    // ranges (the dirty bitmap's, or the list's), or of the whole disk.
+    let done = writer.done_ranges();
+    let mut copy_opts = copy_opts;
+    if !done.is_empty() {
+        let want = match (&copy_opts.select_context, &copy_opts.ranges) {
+            (Some(_), _) => ferry_client::copy::selected_ranges(src, &copy_opts)
+                .with_context(|| format!("reading the change map of {} to resume", shown(&args.src)))?,
+            (None, Some(r)) => r.to_vec(),
+            (None, None) => vec![(0, size)],
+        };
+        let left = subtract(&want, &done);
+        let total: u64 = want.iter().map(|r| r.1).sum();
+        let stored = total - left.iter().map(|r| r.1).sum::<u64>();
+        if !quiet {
+            eprintln!("resuming the backup of {name}: {} of {} already stored", human(stored), human(total));
+        }
+        copy_opts.select_context = None;
+        copy_opts.ranges = Some(Arc::new(left));
+    }
     let progress = Progress::default();
     let stop = std::sync::atomic::AtomicBool::new(false);
     let report = std::thread::scope(|s| {
@@ -538,4 +536,18 @@ fn choose_base(
         }
         b => b,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::subtract;
+
+    #[test]
+    fn subtract_ranges() {
+        assert_eq!(subtract(&[(0, 100)], &[]), vec![(0, 100)]);
+        assert_eq!(subtract(&[(0, 100)], &[(0, 100)]), vec![]);
+        assert_eq!(subtract(&[(0, 100)], &[(10, 20), (50, 10)]), vec![(0, 10), (30, 20), (60, 40)]);
+        assert_eq!(subtract(&[(0, 10), (20, 10), (40, 10)], &[(5, 20), (45, 100)]), vec![(0, 5), (25, 5), (40, 5)]);
+        assert_eq!(subtract(&[(100, 10)], &[(0, 50), (200, 5)]), vec![(100, 10)]);
+    }
 }

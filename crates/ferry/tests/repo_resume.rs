@@ -3,7 +3,7 @@
 
 use crate::common::json::{Json, JsonExt};
 use crate::common::*;
-use crate::incremental_backup::{qemu_img, s};
+use crate::incremental_backup::{qemu_img, qemu_io, s, Export};
 use std::fs;
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -95,4 +95,49 @@ fn a_backup_without_resume_discards_the_interrupted_one() {
     let snap = Json::must_parse(out.stdout.trim());
     assert_eq!(snap.get("read").and_then(|r| r.as_u64()), Some(4 * MIB));
     assert_eq!(checkpoints(&repo), 0);
+}
+
+/// An incremental backup through `qemu-nbd -B b0`, killed, resumed: only the rest of the
+/// bitmap's ranges are read.
+#[test]
+fn a_killed_dirty_bitmap_backup_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let repo = d.join("repo");
+    ferry(&["repo", "init", s(&repo)]);
+    let target = format!("{}::vm", repo.display());
+    let img = d.join("vm.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", s(&img), &(32 * MIB).to_string()]);
+    qemu_img(&["bitmap", "--add", s(&img), "b0"]);
+    let day0: Vec<String> = (0..4u64).map(|i| format!("write -P {} {} {}", 0x40 + i, i * 8 * MIB, MIB)).collect();
+    qemu_io("qcow2", s(&img), &day0);
+    let e = Export::qemu_nbd(d, "src", &img, "qcow2", true, Some("b0"));
+    ferry(&["backup", &e.uri(), &target]);
+    e.stop();
+    qemu_img(&["bitmap", "--clear", s(&img), "b0"]);
+    // Day 1: 6 MiB changed, in 1 MiB pieces.
+    let day1: Vec<String> = (0..6u64).map(|i| format!("write -P {} {} {}", 0x60 + i, i * 5 * MIB, MIB)).collect();
+    qemu_io("qcow2", s(&img), &day1);
+    let e = Export::qemu_nbd(d, "src", &img, "qcow2", true, Some("b0"));
+    let mut slow = ferry_cmd(&["backup", "--rate", "1M", "--dirty-bitmap", "b0", &e.uri(), &target])
+        .env("FERRY_CHECKPOINT_SECS", "0.3")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    assert!(wait_until(Duration::from_secs(10), || checkpoints(&repo) == 1), "no checkpoint was stored");
+    std::thread::sleep(Duration::from_millis(1200));
+    slow.kill().unwrap();
+    slow.wait().unwrap();
+    let out = ferry(&["backup", "--resume", "--json", "--dirty-bitmap", "b0", &e.uri(), &target]);
+    e.stop();
+    assert!(out.stderr.contains("resuming the backup of vm"), "{}", out.describe());
+    let snap = Json::must_parse(out.stdout.trim());
+    assert_eq!(snap.at("changes").at("kind").as_str(), Some("dirty-bitmap"), "{snap}");
+    let read = snap.u64_at("read");
+    assert!(read > 0 && read < 5 * MIB, "read {read} of the bitmap's 6 MiB\n{}", out.describe());
+    let restored = d.join("restored.raw");
+    ferry(&["copy", &target, s(&restored)]);
+    qemu_img(&["compare", "-f", "raw", "-F", "qcow2", s(&restored), s(&img)]);
+    ferry(&["repo", "check", s(&repo)]);
 }
