@@ -79,8 +79,85 @@ pub struct BackupArgs {
     /// then reads all of it; the image is opened read-only).
     #[arg(long)]
     no_bitmap: bool,
+    /// Continue an interrupted backup of NAME (it stores a checkpoint every 30 seconds)
+    /// instead of starting again: what it stored is not read again. The source, its size,
+    /// the base snapshot and the change map must be those of the interrupted run. Without
+    /// --resume, an interrupted backup of NAME is discarded.
+    #[arg(long)]
+    resume: bool,
     #[command(flatten)]
     remote: crate::remote_args::RemoteArgs,
+}
+
+/// Seconds between checkpoints of a running backup, instead of 30 (for tests).
+const CHECKPOINT_ENV: &str = "FERRY_CHECKPOINT_SECS";
+
+fn checkpoint_every() -> Result<Duration> {
+    match std::env::var(CHECKPOINT_ENV) {
+        Err(_) => Ok(ferry_repo::DEFAULT_CHECKPOINT_EVERY),
+        Ok(v) => v
+            .parse::<f64>()
+            .ok()
+            .filter(|s| s.is_finite() && *s >= 0.0 && *s <= 86400.0)
+            .map(Duration::from_secs_f64)
+            .with_context(|| format!("{CHECKPOINT_ENV}={v:?} is not a number of seconds from 0 to 86400")),
+    }
+}
+
+/// What identifies the source's content, for a resume to compare: its local files (path,
+/// device, inode, size, mtime), a remote object's validator, or the source as shown.
+fn source_identity(source: &ferry_open::Source, shown_src: &str) -> String {
+    use std::os::unix::fs::MetadataExt;
+    let file = |p: &std::path::Path| match std::fs::metadata(p) {
+        Ok(m) => format!(
+            "file:{} dev={} ino={} size={} mtime={}.{:09}",
+            std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf()).display(),
+            m.dev(),
+            m.ino(),
+            m.size(),
+            m.mtime(),
+            m.mtime_nsec()
+        ),
+        Err(_) => format!("file:{}", p.display()),
+    };
+    if !source.files.is_empty() {
+        return source.files.iter().map(|f| file(&f.path)).collect::<Vec<_>>().join(" + ");
+    }
+    match &source.endpoint {
+        Endpoint::File(p) => file(p),
+        Endpoint::Backend(b) => b.backend().identity().unwrap_or_else(|| shown_src.to_string()),
+        _ => shown_src.to_string(),
+    }
+}
+
+/// `ranges` (sorted, disjoint) without `done` (sorted, disjoint).
+fn subtract(ranges: &[(u64, u64)], done: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    let mut d = 0;
+    for &(start, len) in ranges {
+        let end = start + len;
+        let mut pos = start;
+        while d < done.len() && done[d].0 + done[d].1 <= pos {
+            d += 1;
+        }
+        let mut k = d;
+        while pos < end {
+            match done.get(k) {
+                Some(&(ds, dl)) if ds < end => {
+                    if ds > pos {
+                        out.push((pos, ds - pos));
+                    }
+                    pos = pos.max(ds + dl);
+                    k += 1;
+                }
+                _ => {
+                    out.push((pos, end - pos));
+                    pos = end;
+                }
+            }
+        }
+    }
+    out
 }
 
 pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
@@ -127,6 +204,8 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
     };
     let src = &source.endpoint;
     let size = ferry_open::source_size(src).with_context(|| format!("source {:?}", shown(&args.src)))?;
+    let identity = source_identity(&source, &shown(&args.src));
+    let every = checkpoint_every()?;
     let ranges = match &args.extents_from {
         Some(f) => Some(Arc::new(
             ferry_client::copy::ranges::parse_extents_from(f).map_err(|e| anyhow::anyhow!("--extents-from: {e}"))?,
@@ -172,9 +251,16 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
             pack_size: PACK_SIZE,
             level: LEVEL,
             wait_lock: args.wait,
+            identity: identity.clone(),
+            checkpoint_every: Some(every),
         };
-        let writer =
-            SnapshotWriter::start(repo.clone(), opts).with_context(|| format!("cannot back up into {target}"))?;
+        let Some(writer) = start_or_resume(&repo, opts, args.resume, &name, &target)? else {
+            tries += 1;
+            if tries > 3 {
+                bail!("the interrupted backup of {target} keeps changing while this backup starts: try again");
+            }
+            continue;
+        };
         let now = choose_base(&repo, &name, &target, size, selective, flag)?.map(|s| s.id);
         if now == base_id {
             break (writer, changes);
@@ -224,6 +310,26 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
         journal: None,
         cancel: Some(cancel),
     };
+    // A resumed backup reads what its checkpoint does not hold: of the change map's
+    // ranges (the dirty bitmap's, or the list's), or of the whole disk.
+    let done = writer.done_ranges();
+    let mut copy_opts = copy_opts;
+    if !done.is_empty() {
+        let want = match (&copy_opts.select_context, &copy_opts.ranges) {
+            (Some(_), _) => ferry_client::copy::selected_ranges(src, &copy_opts)
+                .with_context(|| format!("reading the change map of {} to resume", shown(&args.src)))?,
+            (None, Some(r)) => r.to_vec(),
+            (None, None) => vec![(0, size)],
+        };
+        let left = subtract(&want, &done);
+        let total: u64 = want.iter().map(|r| r.1).sum();
+        let stored = total - left.iter().map(|r| r.1).sum::<u64>();
+        if !quiet {
+            eprintln!("resuming the backup of {name}: {} of {} already stored", human(stored), human(total));
+        }
+        copy_opts.select_context = None;
+        copy_opts.ranges = Some(Arc::new(left));
+    }
     let progress = Progress::default();
     let stop = std::sync::atomic::AtomicBool::new(false);
     let report = std::thread::scope(|s| {
@@ -279,6 +385,67 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
         );
     }
     Ok(0)
+}
+
+/// The writer of this backup: a new one, or with `resume` the continuation of NAME's
+/// interrupted backup when there is one. Without `resume`, an interrupted backup is
+/// discarded (once this one holds the disk's lock). `None`: the checkpoint changed while
+/// waiting for the lock; try again.
+fn start_or_resume(
+    repo: &Arc<ferry_repo::Repository>,
+    opts: BackupOptions,
+    resume: bool,
+    name: &str,
+    target: &str,
+) -> Result<Option<Arc<SnapshotWriter>>> {
+    let found = repo.checkpoint(name);
+    if resume {
+        match found {
+            Err(e) => {
+                return Err(anyhow::Error::new(e).context(format!(
+                    "cannot resume the backup of {target}: back up without --resume (which discards the checkpoint)"
+                )))
+            }
+            Ok(None) => {
+                log::info!("{target} has no interrupted backup to resume: backing up from the start");
+                let w = SnapshotWriter::start(repo.clone(), opts)
+                    .with_context(|| format!("cannot back up into {target}"))?;
+                return Ok(Some(w));
+            }
+            Ok(Some(ck)) => {
+                let differs = ferry_repo::checkpoint_mismatch(&ck.checkpoint, &opts);
+                if !differs.is_empty() {
+                    bail!(
+                        "the interrupted backup of {target} cannot be resumed: {}; back up without --resume (which \
+                         discards it and reads everything again)",
+                        differs.join("; ")
+                    );
+                }
+                return match SnapshotWriter::resume(repo.clone(), opts, &ck) {
+                    Ok(w) => Ok(Some(w)),
+                    Err(ferry_repo::Error::Invalid(why)) if why.contains("changed or went away") => Ok(None),
+                    Err(e) => Err(anyhow::Error::new(e).context(format!("cannot resume the backup of {target}"))),
+                };
+            }
+        }
+    }
+    let writer = SnapshotWriter::start(repo.clone(), opts).with_context(|| format!("cannot back up into {target}"))?;
+    match found {
+        Ok(None) => {}
+        Ok(Some(ck)) => {
+            log::info!(
+                "discarding the interrupted backup of {target} ({} of {} stored; --resume would have continued it)",
+                human(ck.checkpoint.done_bytes()),
+                human(ck.checkpoint.size)
+            );
+            repo.discard_checkpoint(name).with_context(|| format!("cannot discard the checkpoint of {target}"))?;
+        }
+        Err(e) => {
+            log::info!("discarding the interrupted backup of {target}: {e}");
+            repo.discard_checkpoint(name).with_context(|| format!("cannot discard the checkpoint of {target}"))?;
+        }
+    }
+    Ok(Some(writer))
 }
 
 /// Bitmaps ferry keeps in a local qcow2 image it backs up are named
@@ -371,4 +538,18 @@ fn choose_base(
         }
         b => b,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::subtract;
+
+    #[test]
+    fn subtract_ranges() {
+        assert_eq!(subtract(&[(0, 100)], &[]), vec![(0, 100)]);
+        assert_eq!(subtract(&[(0, 100)], &[(0, 100)]), vec![]);
+        assert_eq!(subtract(&[(0, 100)], &[(10, 20), (50, 10)]), vec![(0, 10), (30, 20), (60, 40)]);
+        assert_eq!(subtract(&[(0, 10), (20, 10), (40, 10)], &[(5, 20), (45, 100)]), vec![(0, 5), (25, 5), (40, 5)]);
+        assert_eq!(subtract(&[(100, 10)], &[(0, 50), (200, 5)]), vec![(100, 10)]);
+    }
 }

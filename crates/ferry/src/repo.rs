@@ -324,6 +324,22 @@ fn list(a: ListArgs) -> Result<i32> {
             true => eprintln!("stale lock {object}: {what} (the process is gone; the next writer removes it)"),
         }
     }
+    // Interrupted backups that `ferry backup --resume` can continue.
+    if let Ok((cks, bad)) = repo.checkpoints_lenient() {
+        for c in cks.iter().filter(|c| a.name.as_ref().is_none_or(|n| *n == c.checkpoint.name)) {
+            let ck = &c.checkpoint;
+            eprintln!(
+                "interrupted backup of {} since {}: {} of {} stored (`ferry backup --resume` continues it)",
+                ck.name,
+                shown_time(&ck.time),
+                human(ck.done_bytes()),
+                human(ck.size)
+            );
+        }
+        for (object, e) in bad {
+            eprintln!("unreadable checkpoint {object}: {e}");
+        }
+    }
     if snaps.is_empty() {
         eprintln!("no snapshots in {}", a.common.repo);
         return Ok(0);

@@ -620,6 +620,100 @@ impl Manifest {
     }
 }
 
+/// A checkpoint of a running backup (FORMAT.md §7a): what `ferry backup --resume`
+/// continues from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Checkpoint {
+    pub version: u32,
+    pub name: String,
+    pub time: String,
+    pub size: u64,
+    pub chunk_size: u32,
+    pub page_entries: u32,
+    /// The snapshot the backup started from (its id), if any.
+    pub base: Option<String>,
+    /// The source, as shown (credentials removed).
+    pub source: String,
+    /// What identifies the source's content (its backend's identity, or its shown name).
+    pub identity: String,
+    pub changes: Changes,
+    /// The entries as of the checkpoint, as a manifest's pages.
+    pub pages: Vec<String>,
+    /// `[first chunk, count]` runs of chunks whose data is stored: sorted, disjoint, not
+    /// touching, each count ≥ 1.
+    pub done: Vec<[u64; 2]>,
+}
+
+/// The largest checkpoint object.
+pub const MAX_CHECKPOINT: u64 = MAX_MANIFEST;
+/// The longest source identity a checkpoint holds.
+pub const MAX_IDENTITY: usize = 4096;
+
+impl Checkpoint {
+    /// Parses and validates against the repository's limits: the checks of a manifest,
+    /// and runs that are sorted, disjoint and within the disk.
+    pub fn parse(json: &[u8], limits: &Limits) -> Result<Checkpoint, FormatError> {
+        if json.len() as u64 > MAX_CHECKPOINT {
+            return err(format!("the checkpoint is {} bytes long; at most {MAX_CHECKPOINT} are allowed", json.len()));
+        }
+        let c: Checkpoint = serde_json::from_slice(json).map_err(|e| json_error("checkpoint", e))?;
+        c.validate(limits)?;
+        Ok(c)
+    }
+
+    pub fn validate(&self, limits: &Limits) -> Result<(), FormatError> {
+        let mut m = self.as_manifest();
+        m.parent = self.base.clone();
+        m.validate(limits).map_err(|e| FormatError(e.0.replace("manifest", "checkpoint")))?;
+        if self.identity.len() > MAX_IDENTITY {
+            return err(format!("the source identity is longer than {MAX_IDENTITY} bytes"));
+        }
+        let chunks = m.chunks();
+        let mut next = 0u64;
+        for (i, [first, count]) in self.done.iter().enumerate() {
+            let end = first.checked_add(*count).unwrap_or(u64::MAX);
+            if *count == 0 || end > chunks || (i > 0 && *first <= next) {
+                return err(format!(
+                    "done run {i} ([{first}, {count}]) is empty, past the disk's {chunks} chunks, or not after the one \
+                     before"
+                ));
+            }
+            next = end;
+        }
+        Ok(())
+    }
+
+    pub fn to_bytes(&self) -> Vec<u8> {
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+
+    /// Its entries as a manifest (to read its pages through): no parent, no blkhash.
+    pub fn as_manifest(&self) -> Manifest {
+        Manifest {
+            version: self.version,
+            name: self.name.clone(),
+            time: self.time.clone(),
+            size: self.size,
+            chunk_size: self.chunk_size,
+            page_entries: self.page_entries,
+            pages: self.pages.clone(),
+            parent: None,
+            source: self.source.clone(),
+            changes: self.changes.clone(),
+            blkhash: None,
+            stats: SnapshotStats::default(),
+            host: String::new(),
+            ferry: String::new(),
+        }
+    }
+
+    /// Bytes of the disk whose chunks are done.
+    pub fn done_bytes(&self) -> u64 {
+        let cs = self.chunk_size as u64;
+        self.done.iter().map(|[f, n]| ((f + n) * cs).min(self.size) - (f * cs).min(self.size)).sum()
+    }
+}
+
 /// Whether `name` is a valid disk name (FORMAT.md §7).
 pub fn valid_name(name: &str) -> bool {
     (1..=200).contains(&name.len())
@@ -709,6 +803,10 @@ pub fn fuzz(data: &[u8]) {
     }
     if let Ok(l) = Lock::parse(data) {
         assert_eq!(Lock::parse(&l.to_bytes()).as_ref(), Ok(&l));
+    }
+    if let Ok(c) = Checkpoint::parse(data, &limits) {
+        assert_eq!(Checkpoint::parse(&c.to_bytes(), &limits).as_ref(), Ok(&c));
+        let _ = c.done_bytes();
     }
     if let Ok(t) = parse_trailer(trailer, blobs_len, &limits) {
         assert_eq!(encode_trailer(&t), trailer);
@@ -957,6 +1055,47 @@ mod tests {
         }
     }
 
+    fn checkpoint() -> Checkpoint {
+        let m = manifest();
+        Checkpoint {
+            version: 1,
+            name: m.name,
+            time: m.time,
+            size: m.size,
+            chunk_size: 65536,
+            page_entries: 256,
+            base: m.parent,
+            source: m.source,
+            identity: "file /tmp/d 1000 1234567".into(),
+            changes: Changes::Full,
+            pages: m.pages,
+            done: vec![[0, 10], [11, 5], [768, 1]],
+        }
+    }
+
+    #[test]
+    fn checkpoints_round_trip_and_are_checked() {
+        let c = checkpoint();
+        assert_eq!(Checkpoint::parse(&c.to_bytes(), &L).unwrap(), c);
+        assert_eq!(c.done_bytes(), 15 * 65536 + 1000);
+        let bad = |f: &dyn Fn(&mut Checkpoint), want: &str| {
+            let mut c = checkpoint();
+            f(&mut c);
+            let e = Checkpoint::parse(&c.to_bytes(), &L).unwrap_err().0;
+            assert!(e.contains(want), "{e}");
+        };
+        bad(&|c| c.done = vec![[0, 10], [10, 1]], "not after the one before");
+        bad(&|c| c.done = vec![[5, 1], [0, 1]], "not after the one before");
+        bad(&|c| c.done = vec![[0, 0]], "is empty");
+        bad(&|c| c.done = vec![[768, 2]], "past the disk");
+        bad(&|c| c.done = vec![[u64::MAX, 2]], "past the disk");
+        bad(&|c| c.pages.pop().map(drop).unwrap_or(()), "checkpoint has 3 pages");
+        bad(&|c| c.base = Some("x".into()), "parent");
+        bad(&|c| c.version = 2, "version");
+        bad(&|c| c.identity = "x".repeat(5000), "identity");
+        assert!(Checkpoint::parse(b"{}", &L).is_err());
+    }
+
     #[test]
     fn manifests_round_trip_and_are_checked() {
         let m = manifest();
@@ -1067,6 +1206,7 @@ mod tests {
         assert!(Config::parse(&seed("config-encrypted.json")).unwrap().encryption.is_some());
         Manifest::parse(&seed("manifest.json"), &L).unwrap();
         Lock::parse(&seed("lock.json")).unwrap();
+        Checkpoint::parse(&seed("checkpoint.json"), &L).unwrap();
         let t = seed("trailer.bin");
         assert_eq!(parse_trailer(&t[5..], le32(&t, 1) as u64, &L).unwrap().len(), 3);
         assert_eq!(parse_index(&seed("index.bin"), &L).unwrap().len(), 2);
@@ -1087,6 +1227,7 @@ mod tests {
         let mut seeds = vec![
             config().to_bytes(),
             manifest().to_bytes(),
+            checkpoint().to_bytes(),
             encode_index(&[PackBlobs { pack: [1; 32], blobs: entries() }]),
             [&[0u8, 151, 0, 0, 0][..], &encode_trailer(&entries())].concat(),
             pack_tail(10).to_vec(),

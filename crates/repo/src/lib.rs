@@ -16,6 +16,7 @@
 #![forbid(unsafe_code)]
 
 pub mod blob;
+mod checkpoint;
 pub mod crypto;
 mod diff;
 pub mod format;
@@ -28,10 +29,14 @@ pub mod store;
 mod tests;
 mod writer;
 
+pub use checkpoint::CheckpointInfo;
 pub use diff::SnapshotDiff;
 pub use reader::SnapshotImage;
 pub use repo::{Index, InitOptions, Location as BlobLocation, Repository, SnapshotInfo};
-pub use writer::{BackupOptions, SnapshotWriter, WriterStats, DEFAULT_LEVEL, DEFAULT_PACK_SIZE};
+pub use writer::{
+    checkpoint_mismatch, BackupOptions, SnapshotWriter, WriterStats, DEFAULT_CHECKPOINT_EVERY, DEFAULT_LEVEL,
+    DEFAULT_PACK_SIZE,
+};
 
 /// Errors of repository operations. Each says what is wrong and what to do.
 #[derive(Debug, thiserror::Error)]

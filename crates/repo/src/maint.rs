@@ -135,6 +135,21 @@ fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
         r.problem(name, e.to_string());
     }
     r.snapshots = snaps.len();
+    // Checkpoints of interrupted backups are checked as snapshots are (FORMAT.md §7a).
+    let (checkpoints, bad_checkpoints) = repo.checkpoints_lenient()?;
+    for (name, e) in bad_checkpoints {
+        r.problem(name, format!("{e}; `ferry backup` without --resume discards it"));
+    }
+    for c in &checkpoints {
+        r.notes.push(format!(
+            "an interrupted backup of {} ({} of {} bytes stored) can be resumed (`ferry backup --resume`)",
+            c.checkpoint.name,
+            c.checkpoint.done_bytes(),
+            c.checkpoint.size
+        ));
+    }
+    let mut snaps = snaps;
+    snaps.extend(checkpoints.iter().map(|c| c.as_snapshot()));
     let (objects, bad_index) = repo.index_objects()?;
     for (name, e) in bad_index {
         r.problem(name, format!("{e}; the blobs it alone lists are lost to the snapshots below until it is rebuilt"));
@@ -194,7 +209,7 @@ fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
     let mut page_problem: HashMap<Digest, usize> = HashMap::new();
     let mut checked: HashSet<Digest> = HashSet::new();
     for s in &snaps {
-        let object = format!("snapshots/{}", s.id);
+        let object = if s.id.contains('/') { s.id.clone() } else { format!("snapshots/{}", s.id) };
         let mut missing: Option<usize> = None;
         let mut missing_count = 0u64;
         let mut entries_ok = true;
@@ -589,7 +604,14 @@ pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_perc
     let stop =
         |what: String| Error::Invalid(format!("gc stopped before deleting anything: {what}; run `ferry repo check`"));
     // 1. The live set.
-    let snaps = repo.snapshots().map_err(|e| stop(e.to_string()))?;
+    let mut snaps = repo.snapshots().map_err(|e| stop(e.to_string()))?;
+    // Checkpoints of interrupted backups keep what they stored, so that a resume need not
+    // store it again (FORMAT.md §7a); one that cannot be read cannot be resumed either.
+    let (checkpoints, bad) = repo.checkpoints_lenient()?;
+    for (name, e) in bad {
+        log::warn!("{name} is not kept: {e}");
+    }
+    snaps.extend(checkpoints.iter().map(|c| c.as_snapshot()));
     // 2. The index and the packs.
     let (objects, bad) = repo.index_objects()?;
     if let Some((_, e)) = bad.into_iter().next() {
@@ -641,8 +663,8 @@ pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_perc
                 Some(Ok(entries)) => {
                     live.extend(entries.iter().filter(|e| **e != ZERO).map(|e| repo.crypto.blob_id(e)))
                 }
-                Some(Err(why)) => return Err(stop(format!("snapshots/{}: {why}", s.id))),
-                None => return Err(stop(format!("snapshots/{}: a page was not read", s.id))),
+                Some(Err(why)) => return Err(stop(format!("{}: {why}", object_of(s)))),
+                None => return Err(stop(format!("{}: a page was not read", object_of(s)))),
             }
         }
     }
@@ -727,6 +749,15 @@ pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_perc
     report.bytes_after = after_data + after_index;
     report.bytes_freed = report.bytes_before.saturating_sub(report.bytes_after);
     Ok(report)
+}
+
+/// The object a snapshot (or a checkpoint read as one) is.
+fn object_of(s: &SnapshotInfo) -> String {
+    if s.id.contains('/') {
+        s.id.clone()
+    } else {
+        format!("snapshots/{}", s.id)
+    }
 }
 
 /// A pack being filled by gc with stored blobs as they are.

@@ -501,7 +501,8 @@ impl Repository {
     /// The chunk digests of a snapshot, page by page: reads and checks its pages.
     pub fn entries(&self, index: &Index, snap: &SnapshotInfo) -> Result<Vec<Digest>> {
         let m = &snap.manifest;
-        let object = format!("snapshots/{}", snap.id);
+        // A checkpoint read as a snapshot has its object name as its id.
+        let object = if snap.id.contains('/') { snap.id.clone() } else { format!("snapshots/{}", snap.id) };
         let chunks = m.chunks();
         let pe = m.page_entries as u64;
         let digests = m.page_digests();

@@ -8,6 +8,8 @@ use crate::{lock, BackupOptions, Error, InitOptions, Repository, SnapshotImage, 
 use ferry_backend::{Backend, ZeroMode, HOLE};
 use std::sync::{Arc, Mutex};
 
+mod resume;
+
 const K: usize = 1024;
 const CS: usize = 64 * K;
 

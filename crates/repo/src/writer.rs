@@ -13,7 +13,10 @@
 //! Nothing is visible in the repository before `commit` writes the manifest: a writer
 //! dropped before that leaves only orphan packs, which `gc` frees (FORMAT.md §9).
 use crate::blob;
-use crate::format::{self, BlobEntry, BlobKind, Changes, Digest, LockKind, Manifest, PackBlobs, SnapshotStats, ZERO};
+use crate::checkpoint::{CheckpointInfo, AAD_CHECKPOINT};
+use crate::format::{
+    self, BlobEntry, BlobKind, Changes, Checkpoint, Digest, LockKind, Manifest, PackBlobs, SnapshotStats, ZERO,
+};
 use crate::lock::{self, LockGuard};
 use crate::repo::{
     blkhash_of, hostname, pack_name, parse_time, sha256, Index, Repository, SnapshotInfo, AAD_SNAPSHOT, AAD_TRAILER,
@@ -21,11 +24,11 @@ use crate::repo::{
 use crate::{Error, Result};
 use ferry_backend::{Backend, Capabilities, ZeroMode};
 use std::cell::RefCell;
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 #[derive(Debug, Clone)]
 pub struct BackupOptions {
@@ -54,6 +57,12 @@ pub struct BackupOptions {
     pub level: i32,
     /// Wait this long for a backup of the same disk (or a gc) to end, instead of failing.
     pub wait_lock: Option<Duration>,
+    /// What identifies the source's content (its backend's identity, or `source`): a
+    /// checkpoint records it, and a resume compares it.
+    pub identity: String,
+    /// Store a checkpoint (FORMAT.md §7a) this often while writes come in, so that an
+    /// interrupted backup can be resumed ([`SnapshotWriter::resume`]); never when `None`.
+    pub checkpoint_every: Option<Duration>,
 }
 
 impl BackupOptions {
@@ -68,9 +77,14 @@ impl BackupOptions {
             pack_size: DEFAULT_PACK_SIZE,
             level: DEFAULT_LEVEL,
             wait_lock: None,
+            identity: String::new(),
+            checkpoint_every: None,
         }
     }
 }
+
+/// How often `ferry backup` checkpoints by default.
+pub const DEFAULT_CHECKPOINT_EVERY: Duration = Duration::from_secs(30);
 
 /// Packs are closed at 32 MiB by default.
 pub const DEFAULT_PACK_SIZE: usize = 32 << 20;
@@ -104,7 +118,58 @@ struct Counters {
 /// The chunk list being built, and which pages changed.
 struct State {
     entries: Vec<Digest>,
+    /// Pages whose entries changed since `pages` was last made.
     dirty: Vec<bool>,
+    /// Each page's digest (hex, "" for a zero page) where it is not dirty: the base's, the
+    /// resumed checkpoint's, or the last checkpoint's.
+    pages: Vec<String>,
+    /// One bit per chunk: entered whole by this backup (or the one it resumes).
+    done: Vec<u64>,
+}
+
+impl State {
+    fn is_done(&self, ci: u64) -> bool {
+        self.done[(ci / 64) as usize] & (1 << (ci % 64)) != 0
+    }
+    fn mark_done(&mut self, first: u64, n: u64) {
+        for ci in first..first + n {
+            self.done[(ci / 64) as usize] |= 1 << (ci % 64);
+        }
+    }
+    /// The done chunks as sorted `[first, count]` runs.
+    fn done_runs(&self, chunks: u64) -> Vec<[u64; 2]> {
+        let mut runs: Vec<[u64; 2]> = Vec::new();
+        let mut ci = 0;
+        while ci < chunks {
+            let w = self.done[(ci / 64) as usize];
+            if ci % 64 == 0 && (w == 0 || w == u64::MAX) && ci + 64 <= chunks {
+                if w == u64::MAX {
+                    push_run(&mut runs, ci, 64);
+                }
+                ci += 64;
+                continue;
+            }
+            if w & (1 << (ci % 64)) != 0 {
+                push_run(&mut runs, ci, 1);
+            }
+            ci += 1;
+        }
+        runs
+    }
+}
+
+fn push_run(runs: &mut Vec<[u64; 2]>, first: u64, n: u64) {
+    match runs.last_mut() {
+        Some(last) if last[0] + last[1] == first => last[1] += n,
+        _ => runs.push([first, n]),
+    }
+}
+
+/// Packs taken from the open pack and not yet stored (their sequence numbers).
+#[derive(Default)]
+struct Flight {
+    next: u64,
+    pending: BTreeSet<u64>,
 }
 
 /// A chunk written in part.
@@ -136,16 +201,25 @@ pub struct SnapshotWriter {
     cs: u64,
     pe: u64,
     chunks: u64,
-    /// The base's chunk count (0 without a base).
-    base_chunks: u64,
     index: Index,
     state: Mutex<State>,
     partials: Mutex<HashMap<u64, Partial>>,
-    /// Blob ids stored (or being stored) by this writer.
-    claimed: Mutex<HashSet<Digest>>,
+    /// Blob ids stored (true) or being stored (false) by this writer; the condvar is
+    /// told when one is appended to a pack.
+    claimed: (Mutex<HashMap<Digest, bool>>, Condvar),
     pack: Mutex<OpenPack>,
     done: Mutex<Vec<PackBlobs>>,
+    /// How many of `done` an index object lists already (stored by a checkpoint).
+    indexed: Mutex<usize>,
     uploads: (Mutex<usize>, Condvar),
+    flight: (Mutex<Flight>, Condvar),
+    identity: String,
+    checkpoint_every: Option<Duration>,
+    /// Held while a checkpoint (or the commit) runs.
+    checkpointing: Mutex<()>,
+    last_checkpoint: Mutex<Instant>,
+    /// The chunk runs already stored when this writer resumed a checkpoint.
+    resumed: Vec<[u64; 2]>,
     pool: Mutex<Vec<Vec<u8>>>,
     counters: Counters,
     failed: Mutex<Option<String>>,
@@ -174,6 +248,97 @@ fn backend_error(op: &'static str, offset: u64, length: u64, e: Error) -> ferry_
 impl SnapshotWriter {
     /// Takes the disk's backup lock and loads the index and the base's pages.
     pub fn start(repo: Arc<Repository>, opts: BackupOptions) -> Result<Arc<SnapshotWriter>> {
+        Self::check_opts(&repo, &opts)?;
+        let cs = repo.config.chunk_size as u64;
+        let pe = repo.config.page_entries as u64;
+        let chunks = opts.size.div_ceil(cs);
+        let tag = repo.crypto.disk_tag(&opts.name);
+        let guard = lock::acquire(&repo.store, LockKind::Backup, Some(tag), opts.wait_lock)?;
+        let index = usable_index(&repo)?;
+        let (mut entries, base_chunks) = match &opts.base {
+            Some(b) => {
+                let e = repo.entries(&index, b)?;
+                let n = e.len() as u64;
+                (e, n)
+            }
+            None => (crate::repo::entry_list(chunks, &format!("the backup of {}", opts.name))?, 0),
+        };
+        if let Some(more) = chunks.checked_sub(entries.len() as u64) {
+            if entries.try_reserve_exact(more as usize).is_err() {
+                return Err(Error::Invalid(format!(
+                    "the backup of {} needs a list of {chunks} chunk digests, which does not fit in memory",
+                    opts.name
+                )));
+            }
+        }
+        entries.resize(chunks as usize, ZERO);
+        let n_pages = chunks.div_ceil(pe) as usize;
+        // The base's pages stand where nothing changes, unless the extent of the pages
+        // differs: then every page is made again.
+        let (pages, dirty) = match &opts.base {
+            Some(b) if base_chunks == chunks && b.manifest.pages.len() == n_pages => {
+                (b.manifest.pages.clone(), vec![false; n_pages])
+            }
+            _ => (vec![String::new(); n_pages], vec![true; n_pages]),
+        };
+        let state = State { entries, dirty, pages, done: vec![0; chunks.div_ceil(64) as usize] };
+        Ok(Self::build(repo, opts, guard, index, state, base_chunks, Vec::new()))
+    }
+
+    /// Continues the interrupted backup that stored `checkpoint` (of `opts.name`, read
+    /// with [`Repository::checkpoint`]): the new snapshot starts from the checkpoint's
+    /// entries, and [`SnapshotWriter::done_ranges`] says what need not be written again.
+    /// `opts` must describe the same backup: size, base, changes and source identity
+    /// (see [`checkpoint_mismatch`]).
+    pub fn resume(
+        repo: Arc<Repository>,
+        opts: BackupOptions,
+        checkpoint: &CheckpointInfo,
+    ) -> Result<Arc<SnapshotWriter>> {
+        Self::check_opts(&repo, &opts)?;
+        let differs = checkpoint_mismatch(&checkpoint.checkpoint, &opts);
+        if !differs.is_empty() {
+            return Err(Error::Invalid(format!(
+                "the interrupted backup of {} ({}) cannot be resumed: {}; back up without resuming (which discards it)",
+                opts.name,
+                checkpoint.object,
+                differs.join(", ")
+            )));
+        }
+        let cs = repo.config.chunk_size as u64;
+        let chunks = opts.size.div_ceil(cs);
+        let tag = repo.crypto.disk_tag(&opts.name);
+        let guard = lock::acquire(&repo.store, LockKind::Backup, Some(tag), opts.wait_lock)?;
+        // Read again under the lock: another resume may have committed it meanwhile.
+        let checkpoint = match repo.checkpoint(&opts.name)? {
+            Some(c) if c.checkpoint == checkpoint.checkpoint => c,
+            _ => {
+                return Err(Error::Invalid(format!(
+                    "the checkpoint of {} changed or went away while this backup waited for its lock (another \
+                     backup of it ran): start again",
+                    opts.name
+                )))
+            }
+        };
+        let index = usable_index(&repo)?;
+        let entries = repo.entries(&index, &checkpoint.as_snapshot())?;
+        let base_chunks = opts.base.as_ref().map_or(0, |b| b.manifest.chunks());
+        let n_pages = checkpoint.checkpoint.pages.len();
+        let mut state = State {
+            entries,
+            dirty: vec![false; n_pages],
+            pages: checkpoint.checkpoint.pages.clone(),
+            done: vec![0; chunks.div_ceil(64) as usize],
+        };
+        for [first, n] in &checkpoint.checkpoint.done {
+            state.mark_done(*first, *n);
+        }
+        let resumed = checkpoint.checkpoint.done.clone();
+        Ok(Self::build(repo, opts, guard, index, state, base_chunks, resumed))
+    }
+
+    /// The checks of the options that `start` and `resume` share.
+    fn check_opts(repo: &Repository, opts: &BackupOptions) -> Result<()> {
         if !format::valid_name(&opts.name) {
             return Err(Error::Invalid(format!(
                 "{:?} is not a disk name: use 1 to 200 of A-Z a-z 0-9 . _ -, not starting with . or -",
@@ -201,52 +366,21 @@ impl SnapshotWriter {
                 ));
             }
         }
-        let tag = repo.crypto.disk_tag(&opts.name);
-        let guard = lock::acquire(&repo.store, LockKind::Backup, Some(tag), opts.wait_lock)?;
-        let mut index = repo.load_index_lenient()?;
-        // Chunks whose pack is gone are not reused: a new snapshot would reference the
-        // lost data again, and the repository would never heal.
-        let present: HashSet<String> = repo
-            .store
-            .list("data/")
-            .map_err(|e| Error::store(format!("cannot list the packs of {}", repo.store.describe()), e))?
-            .into_iter()
-            .map(|(n, _)| n)
-            .collect();
-        let before = index.blobs.len();
-        index.blobs.retain(|_, l| present.contains(&pack_name(&l.pack)));
-        if index.blobs.len() != before {
-            log::warn!(
-                "{} chunk(s) of {} are in packs that are gone: they are stored again where this backup reads them \
-                 (`ferry repo check` names the snapshots that lost them)",
-                before - index.blobs.len(),
-                repo.store.describe()
-            );
-        }
-        let (mut entries, base_chunks) = match &opts.base {
-            Some(b) => {
-                let e = repo.entries(&index, b)?;
-                let n = e.len() as u64;
-                (e, n)
-            }
-            None => (crate::repo::entry_list(chunks, &format!("the backup of {}", opts.name))?, 0),
-        };
-        if let Some(more) = chunks.checked_sub(entries.len() as u64) {
-            if entries.try_reserve_exact(more as usize).is_err() {
-                return Err(Error::Invalid(format!(
-                    "the backup of {} needs a list of {chunks} chunk digests, which does not fit in memory",
-                    opts.name
-                )));
-            }
-        }
-        entries.resize(chunks as usize, ZERO);
-        let pages = chunks.div_ceil(pe) as usize;
-        let mut dirty = vec![false; pages];
-        // Pages whose extent differs from the base's are made again.
-        if base_chunks != chunks {
-            let from = (base_chunks.min(chunks) / pe) as usize;
-            dirty[from..].iter_mut().for_each(|d| *d = true);
-        }
+        Ok(())
+    }
+
+    fn build(
+        repo: Arc<Repository>,
+        opts: BackupOptions,
+        guard: LockGuard,
+        index: Index,
+        state: State,
+        base_chunks: u64,
+        resumed: Vec<[u64; 2]>,
+    ) -> Arc<SnapshotWriter> {
+        let cs = repo.config.chunk_size as u64;
+        let pe = repo.config.page_entries as u64;
+        let chunks = opts.size.div_ceil(cs);
         // A chunk that is the last of one size and not of the other changes length: it is
         // made again at commit from its old content, cut or extended with zeroes (unless
         // the backup writes all of it).
@@ -254,14 +388,14 @@ impl SnapshotWriter {
         if let Some(b) = &opts.base {
             for end in [b.manifest.size, opts.size] {
                 let ci = end / cs;
-                if end % cs != 0 && ci < chunks.min(base_chunks) {
+                if end % cs != 0 && ci < chunks.min(base_chunks) && !state.is_done(ci) {
                     let clen = (opts.size - ci * cs).min(cs) as usize;
                     partials.insert(ci, Partial { buf: vec![0; clen], covered: Vec::new() });
                 }
             }
         }
         let pack_size = opts.pack_size;
-        Ok(Arc::new(SnapshotWriter {
+        Arc::new(SnapshotWriter {
             name: opts.name,
             size: opts.size,
             base: opts.base,
@@ -272,21 +406,39 @@ impl SnapshotWriter {
             cs,
             pe,
             chunks,
-            base_chunks,
             index,
-            state: Mutex::new(State { entries, dirty }),
+            state: Mutex::new(state),
             partials: Mutex::new(partials),
-            claimed: Mutex::new(HashSet::new()),
+            claimed: (Mutex::new(HashMap::new()), Condvar::new()),
             pack: Mutex::new(OpenPack { buf: Vec::new(), entries: Vec::new() }),
             done: Mutex::new(Vec::new()),
+            indexed: Mutex::new(0),
             uploads: (Mutex::new(0), Condvar::new()),
+            flight: (Mutex::new(Flight::default()), Condvar::new()),
+            identity: opts.identity,
+            checkpoint_every: opts.checkpoint_every,
+            checkpointing: Mutex::new(()),
+            last_checkpoint: Mutex::new(Instant::now()),
+            resumed,
             pool: Mutex::new(Vec::new()),
             counters: Counters::default(),
             failed: Mutex::new(None),
             committed: AtomicBool::new(false),
             lock: Mutex::new(Some(guard)),
             repo,
-        }))
+        })
+    }
+
+    /// The byte ranges (offset, length) that the checkpoint this writer resumed had
+    /// stored already: a resumed copy need not write them again. Empty for `start`.
+    pub fn done_ranges(&self) -> Vec<(u64, u64)> {
+        self.resumed
+            .iter()
+            .map(|[f, n]| {
+                let start = f * self.cs;
+                (start, ((f + n) * self.cs).min(self.size) - start)
+            })
+            .collect()
     }
 
     fn chunk_len(&self, ci: u64) -> usize {
@@ -297,9 +449,35 @@ impl SnapshotWriter {
     /// and sealed here, appended to the open pack under its lock.
     fn store_blob(&self, digest: &Digest, kind: BlobKind, plain: &[u8]) -> Result<()> {
         let id = self.repo.crypto.blob_id(digest);
-        if self.index.blobs.contains_key(&id) || !locked(&self.claimed).insert(id) {
+        if self.index.blobs.contains_key(&id) {
             return Ok(());
         }
+        {
+            // A blob another thread is storing is waited for, so that a chunk entered
+            // (and so counted done by a checkpoint) always has its blob in a pack.
+            let (m, c) = &self.claimed;
+            let mut cl = locked(m);
+            match cl.get(&id) {
+                Some(true) => return Ok(()),
+                Some(false) => {
+                    while cl.get(&id) == Some(&false) {
+                        cl = c.wait(cl).unwrap_or_else(|e| e.into_inner());
+                    }
+                    return Ok(());
+                }
+                None => {
+                    cl.insert(id, false);
+                }
+            }
+        }
+        let r = self.store_new_blob(&id, kind, plain);
+        locked(&self.claimed.0).insert(id, true);
+        self.claimed.1.notify_all();
+        r
+    }
+
+    fn store_new_blob(&self, id: &Digest, kind: BlobKind, plain: &[u8]) -> Result<()> {
+        let id = *id;
         if kind == BlobKind::Data {
             self.counters.new_chunks.fetch_add(1, Ordering::Relaxed);
         }
@@ -359,13 +537,25 @@ impl SnapshotWriter {
             }
         }
         let _slot = Slot(&self.uploads);
-        let taken = {
+        let (taken, seq) = {
             let mut p = locked(&self.pack);
             if p.entries.is_empty() || (!force && p.buf.len() < self.pack_size) {
                 return Ok(());
             }
-            std::mem::replace(&mut *p, OpenPack { buf: Vec::new(), entries: Vec::new() })
+            let mut f = locked(&self.flight.0);
+            let seq = f.next;
+            f.next += 1;
+            f.pending.insert(seq);
+            (std::mem::replace(&mut *p, OpenPack { buf: Vec::new(), entries: Vec::new() }), seq)
         };
+        struct InFlight<'a>(&'a (Mutex<Flight>, Condvar), u64);
+        impl Drop for InFlight<'_> {
+            fn drop(&mut self) {
+                locked(&self.0 .0).pending.remove(&self.1);
+                self.0 .1.notify_all();
+            }
+        }
+        let _in_flight = InFlight(&self.flight, seq);
         let OpenPack { mut buf, entries } = taken;
         let trailer = format::encode_trailer(&entries);
         let before = buf.len();
@@ -374,10 +564,12 @@ impl SnapshotWriter {
         buf.extend_from_slice(&format::pack_tail(sealed_len));
         let digest = sha256(&buf);
         let name = pack_name(&digest);
-        self.repo
-            .store
-            .put(&name, &buf)
-            .map_err(|e| Error::store(format!("cannot store {name} in {}", self.repo.store.describe()), e))?;
+        if let Err(e) = self.repo.store.put(&name, &buf) {
+            let e = Error::store(format!("cannot store {name} in {}", self.repo.store.describe()), e);
+            // Chunks whose blobs it held are entered already: no checkpoint may count them.
+            self.note_failure(&e);
+            return Err(e);
+        }
         self.counters.new_stored.fetch_add((buf.len() - before) as u64, Ordering::Relaxed);
         locked(&self.done).push(PackBlobs { pack: digest, blobs: entries });
         buf.clear();
@@ -441,6 +633,7 @@ impl SnapshotWriter {
         let mut st = locked(&self.state);
         let f = first as usize;
         st.entries[f..f + digests.len()].copy_from_slice(digests);
+        st.mark_done(first, digests.len() as u64);
         let (p0, p1) = (first / self.pe, (first + digests.len() as u64 - 1) / self.pe);
         st.dirty[p0 as usize..=p1 as usize].iter_mut().for_each(|d| *d = true);
     }
@@ -458,6 +651,7 @@ impl SnapshotWriter {
         }
         let mut st = locked(&self.state);
         st.entries[first as usize..(first + n) as usize].fill(ZERO);
+        st.mark_done(first, n);
         let (p0, p1) = (first / self.pe, (first + n - 1) / self.pe);
         st.dirty[p0 as usize..=p1 as usize].iter_mut().for_each(|d| *d = true);
         drop(st);
@@ -532,11 +726,15 @@ impl SnapshotWriter {
     }
 
     fn fail(&self, op: &'static str, offset: u64, length: u64, e: Error) -> ferry_backend::Error {
+        self.note_failure(&e);
+        backend_error(op, offset, length, e)
+    }
+
+    fn note_failure(&self, e: &Error) {
         let mut f = locked(&self.failed);
         if f.is_none() {
             *f = Some(e.to_string());
         }
-        backend_error(op, offset, length, e)
     }
 
     /// The current content of chunk `ci` (to complete a part of it): zeroes, a blob in
@@ -596,6 +794,7 @@ impl SnapshotWriter {
     /// object and the manifest, then releases the lock. `read` is the bytes read from the
     /// source, for the manifest's stats.
     pub fn commit(&self, read: u64) -> Result<SnapshotInfo> {
+        let _no_checkpoint = locked(&self.checkpointing);
         if self.committed.swap(true, Ordering::SeqCst) {
             return Err(Error::Invalid("this backup is already committed".into()));
         }
@@ -616,15 +815,15 @@ impl SnapshotWriter {
             }
             self.full_chunks(ci, &p.buf)?;
         }
-        // Pages: the base's where nothing changed, else made again.
+        // Pages: the base's (or the last checkpoint's) where nothing changed, else made
+        // again.
         let st = locked(&self.state);
         let pe = self.pe as usize;
-        let base_pages = self.base.as_ref().map(|b| b.manifest.pages.as_slice()).unwrap_or(&[]);
         let mut pages = Vec::with_capacity(st.dirty.len());
         let mut page_buf = Vec::with_capacity(pe * 32);
         for (i, slice) in st.entries.chunks(pe).enumerate() {
-            if !st.dirty[i] && i < base_pages.len() && self.base_chunks == self.chunks {
-                pages.push(base_pages[i].clone());
+            if !st.dirty[i] {
+                pages.push(st.pages[i].clone());
             } else if slice.iter().all(|e| *e == ZERO) {
                 pages.push(String::new());
             } else {
@@ -636,12 +835,8 @@ impl SnapshotWriter {
             }
         }
         self.close_pack(true)?;
-        // The index objects of every pack of this backup (one, unless it is very large).
-        let done = std::mem::take(&mut *locked(&self.done));
-        if !done.is_empty() {
-            let (_, stored) = self.repo.put_index(&done)?;
-            self.counters.new_stored.fetch_add(stored, Ordering::Relaxed);
-        }
+        // One index object for every pack of this backup since its last checkpoint.
+        self.store_index()?;
         let blkhash = (self.cs == 65536).then(|| format::hex(&blkhash_of(&st.entries, self.size, self.cs as u32)));
         drop(st);
         // A snapshot is never older than its parent, whatever the clocks say. Nanoseconds:
@@ -683,8 +878,148 @@ impl SnapshotWriter {
             .store
             .put(&name, &sealed)
             .map_err(|e| Error::store(format!("cannot store {name} in {}", self.repo.store.describe()), e))?;
+        // The interrupted backup this one continued (or its own checkpoint) is done with.
+        if let Err(e) = self.repo.discard_checkpoint(&self.name) {
+            log::warn!("snapshot {id} is stored, but its checkpoint stays: {e}");
+        }
         drop(locked(&self.lock).take());
         Ok(SnapshotInfo { id, manifest })
+    }
+
+    /// Stores the index objects for the packs closed since the last ones.
+    fn store_index(&self) -> Result<()> {
+        let mut indexed = locked(&self.indexed);
+        let packs: Vec<PackBlobs> = locked(&self.done)[*indexed..].to_vec();
+        if packs.is_empty() {
+            return Ok(());
+        }
+        // One object, unless it is very large (each stays under the readers' limit).
+        let (_, stored) = self.repo.put_index(&packs)?;
+        self.counters.new_stored.fetch_add(stored, Ordering::Relaxed);
+        *indexed += packs.len();
+        Ok(())
+    }
+
+    /// Waits until every pack taken from the open pack so far is stored (or failed).
+    fn wait_packs(&self) {
+        let (m, c) = &self.flight;
+        let mut f = locked(m);
+        let target = f.next;
+        while f.pending.first().is_some_and(|s| *s < target) {
+            f = c.wait(f).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Makes what this backup wrote so far durable and records it (FORMAT.md §7a): the
+    /// open pack and the changed pages are stored, one index object lists the packs
+    /// since the last checkpoint, and `checkpoints/TAG` says which chunks are done. A
+    /// backup interrupted after this can be resumed ([`SnapshotWriter::resume`]).
+    /// Writes may go on meanwhile (they are in the next checkpoint).
+    pub fn checkpoint(&self) -> Result<()> {
+        let _one = locked(&self.checkpointing);
+        self.checkpoint_locked()
+    }
+
+    /// A checkpoint if one is due and none is running (from the write path).
+    fn maybe_checkpoint(&self) {
+        let Some(every) = self.checkpoint_every else { return };
+        if self.committed.load(Ordering::Relaxed) || locked(&self.last_checkpoint).elapsed() < every {
+            return;
+        }
+        let Ok(_one) = self.checkpointing.try_lock() else { return };
+        if self.committed.load(Ordering::Relaxed) || locked(&self.last_checkpoint).elapsed() < every {
+            return;
+        }
+        if let Err(e) = self.checkpoint_locked() {
+            log::warn!(
+                "no checkpoint of the backup of {} (it goes on, but cannot be resumed from here): {e}",
+                self.name
+            );
+        }
+        *locked(&self.last_checkpoint) = Instant::now();
+    }
+
+    fn checkpoint_locked(&self) -> Result<()> {
+        if self.committed.load(Ordering::SeqCst) {
+            return Err(Error::Invalid("the backup is already committed".into()));
+        }
+        let failed =
+            || locked(&self.failed).clone().map(|why| Error::Invalid(format!("a write to the backup failed ({why})")));
+        if let Some(e) = failed() {
+            return Err(e);
+        }
+        // What is entered as of now: the changed pages' entries and the done chunks.
+        let (todo, mut pages, done) = {
+            let mut st = locked(&self.state);
+            let pe = self.pe as usize;
+            let mut todo: Vec<(usize, Vec<Digest>)> = Vec::new();
+            for i in 0..st.dirty.len() {
+                if st.dirty[i] {
+                    st.dirty[i] = false;
+                    let end = ((i + 1) * pe).min(st.entries.len());
+                    todo.push((i, st.entries[i * pe..end].to_vec()));
+                }
+            }
+            (todo, st.pages.clone(), st.done_runs(self.chunks))
+        };
+        let r = self.checkpoint_store(&todo, &mut pages, done).and_then(|()| failed().map_or(Ok(()), Err));
+        let mut st = locked(&self.state);
+        for (i, _) in &todo {
+            match r {
+                Ok(()) => st.pages[*i] = pages[*i].clone(),
+                Err(_) => st.dirty[*i] = true,
+            }
+        }
+        r
+    }
+
+    fn checkpoint_store(&self, todo: &[(usize, Vec<Digest>)], pages: &mut [String], done: Vec<[u64; 2]>) -> Result<()> {
+        let mut page_buf = Vec::with_capacity(self.pe as usize * 32);
+        for (i, entries) in todo {
+            if entries.iter().all(|e| *e == ZERO) {
+                pages[*i] = String::new();
+            } else {
+                page_buf.clear();
+                entries.iter().for_each(|e| page_buf.extend_from_slice(e));
+                let d = sha256(&page_buf);
+                self.store_blob(&d, BlobKind::Page, &page_buf)?;
+                pages[*i] = format::hex(&d);
+            }
+        }
+        // Every blob of a chunk entered before now is in the open pack or in one on its way.
+        self.close_pack(true)?;
+        self.wait_packs();
+        if let Some(why) = locked(&self.failed).clone() {
+            return Err(Error::Invalid(format!("a write to the backup failed ({why})")));
+        }
+        self.store_index()?;
+        let ck = Checkpoint {
+            version: format::VERSION,
+            name: self.name.clone(),
+            time: crate::repo::now_seconds(),
+            size: self.size,
+            chunk_size: self.cs as u32,
+            page_entries: self.pe as u32,
+            base: self.base.as_ref().map(|b| b.id.clone()),
+            source: self.source.clone(),
+            identity: self.identity.clone(),
+            changes: self.changes.clone(),
+            pages: pages.to_vec(),
+            done,
+        };
+        let sealed = self.repo.crypto.seal(AAD_CHECKPOINT, &ck.to_bytes());
+        if sealed.len() as u64 > format::MAX_CHECKPOINT {
+            return Err(Error::Invalid(format!(
+                "the checkpoint would be {} bytes, more than the {} a checkpoint may have",
+                sealed.len(),
+                format::MAX_CHECKPOINT
+            )));
+        }
+        let object = self.repo.checkpoint_object(&self.name);
+        self.repo
+            .store
+            .put(&object, &sealed)
+            .map_err(|e| Error::store(format!("cannot store {object} in {}", self.repo.store.describe()), e))
     }
 
     /// Whether the new snapshot reads as zeroes where nothing is written (no base): then
@@ -703,6 +1038,54 @@ impl SnapshotWriter {
             new_stored: c.new_stored.load(Ordering::Relaxed),
         }
     }
+}
+
+/// The repository's index without the chunks whose pack is gone: a new snapshot must not
+/// reference lost data again (the repository would never heal).
+fn usable_index(repo: &Repository) -> Result<Index> {
+    let mut index = repo.load_index_lenient()?;
+    let present: HashSet<String> = repo
+        .store
+        .list("data/")
+        .map_err(|e| Error::store(format!("cannot list the packs of {}", repo.store.describe()), e))?
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    let before = index.blobs.len();
+    index.blobs.retain(|_, l| present.contains(&pack_name(&l.pack)));
+    if index.blobs.len() != before {
+        log::warn!(
+            "{} chunk(s) of {} are in packs that are gone: they are stored again where this backup reads them \
+             (`ferry repo check` names the snapshots that lost them)",
+            before - index.blobs.len(),
+            repo.store.describe()
+        );
+    }
+    Ok(index)
+}
+
+/// How `opts` differs from the backup that stored `ck` (empty when it may be resumed):
+/// disk, size, base snapshot, change map, source identity.
+pub fn checkpoint_mismatch(ck: &Checkpoint, opts: &BackupOptions) -> Vec<String> {
+    let mut v = Vec::new();
+    if ck.name != opts.name {
+        v.push(format!("it is of disk {}, not {}", ck.name, opts.name));
+    }
+    if ck.size != opts.size {
+        v.push(format!("the source was {} bytes and is {} now", ck.size, opts.size));
+    }
+    let base = opts.base.as_ref().map(|b| b.id.as_str());
+    if ck.base.as_deref() != base {
+        let show = |b: Option<&str>| b.map_or("none".to_string(), |b| format!("snapshot {}", &b[..b.len().min(8)]));
+        v.push(format!("it continued {}, this backup {}", show(ck.base.as_deref()), show(base)));
+    }
+    if ck.changes != opts.changes {
+        v.push(format!("it read {:?}, this backup {:?}", ck.changes, opts.changes));
+    }
+    if ck.identity != opts.identity {
+        v.push(format!("the source was {:?} and is {:?} now", ck.identity, opts.identity));
+    }
+    v
 }
 
 /// Adds `r` to sorted, merged ranges.
@@ -751,7 +1134,9 @@ impl Backend for SnapshotWriter {
         })
     }
     fn write(&self, buf: &[u8], offset: u64, _fua: bool) -> ferry_backend::Result<()> {
-        self.apply(offset, buf.len() as u64, Some(buf)).map_err(|e| self.fail("write", offset, buf.len() as u64, e))
+        self.apply(offset, buf.len() as u64, Some(buf)).map_err(|e| self.fail("write", offset, buf.len() as u64, e))?;
+        self.maybe_checkpoint();
+        Ok(())
     }
     /// Nothing is durable before [`SnapshotWriter::commit`]: a backup is whole or absent.
     fn flush(&self) -> ferry_backend::Result<()> {
@@ -759,9 +1144,13 @@ impl Backend for SnapshotWriter {
     }
     /// The range reads as zeroes in the snapshot (zero entries where it covers chunks).
     fn trim(&self, offset: u64, length: u64, _fua: bool) -> ferry_backend::Result<()> {
-        self.apply(offset, length, None).map_err(|e| self.fail("trim", offset, length, e))
+        self.apply(offset, length, None).map_err(|e| self.fail("trim", offset, length, e))?;
+        self.maybe_checkpoint();
+        Ok(())
     }
     fn zero(&self, offset: u64, length: u64, _mode: ZeroMode, _fua: bool) -> ferry_backend::Result<()> {
-        self.apply(offset, length, None).map_err(|e| self.fail("zero", offset, length, e))
+        self.apply(offset, length, None).map_err(|e| self.fail("zero", offset, length, e))?;
+        self.maybe_checkpoint();
+        Ok(())
     }
 }

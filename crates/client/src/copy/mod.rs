@@ -538,6 +538,30 @@ pub fn copy_then_hash(
     Ok(report)
 }
 
+/// The ranges (offset, length; sorted, merged) of `src` that a copy with these options
+/// selects by [`CopyOptions::select_context`]: for a caller that continues an interrupted
+/// copy of them and passes what is left as [`CopyOptions::ranges`] (`ferry backup
+/// --resume --dirty-bitmap`).
+pub fn selected_ranges(src: &Endpoint, opts: &CopyOptions) -> Result<Vec<(u64, u64)>, CopyError> {
+    let Some(ctx) = &opts.select_context else {
+        return Err(CopyError::Setup("no metadata context to select ranges by".into()));
+    };
+    let mut s = src.open_source(opts)?;
+    let Some(size) = s.size() else {
+        return Err(CopyError::Setup("a stream cannot be copied in selected ranges: it has no offsets".into()));
+    };
+    let map = s.select(ctx, ferry_proto::consts::STATE_DIRTY, size)?;
+    let mut out: Vec<(u64, u64)> = Vec::with_capacity(map.len());
+    for (off, len, _) in map {
+        match out.last_mut() {
+            Some(last) if last.0 + last.1 == off => last.1 += len,
+            _ if len > 0 => out.push((off, len)),
+            _ => {}
+        }
+    }
+    Ok(out)
+}
+
 /// Copies `src` to `dst`.
 pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions, progress: &Progress) -> Result<CopyReport, CopyError> {
     if opts.request_size == 0 || opts.requests == 0 || opts.connections == 0 {

@@ -1,0 +1,88 @@
+//! Checkpoints of running backups (FORMAT.md §7a): reading, listing and removing them.
+//! A [`crate::SnapshotWriter`] writes them ([`crate::SnapshotWriter::checkpoint`]) and
+//! resumes from one ([`crate::SnapshotWriter::resume`]).
+use crate::format::{self, Checkpoint};
+use crate::repo::{par_map, Failures, Repository, SnapshotInfo, FETCH_THREADS};
+use crate::{Error, Result};
+use std::io;
+
+/// The additional data of a checkpoint's AEAD.
+pub(crate) const AAD_CHECKPOINT: &[u8] = b"ferry checkpoint";
+
+/// A checkpoint and its object name (`checkpoints/TAG`).
+#[derive(Debug, Clone)]
+pub struct CheckpointInfo {
+    pub object: String,
+    pub checkpoint: Checkpoint,
+}
+
+impl CheckpointInfo {
+    /// Its entries as a snapshot (id: the object name), to read its pages as a
+    /// snapshot's.
+    pub(crate) fn as_snapshot(&self) -> SnapshotInfo {
+        SnapshotInfo { id: self.object.clone(), manifest: self.checkpoint.as_manifest() }
+    }
+}
+
+impl Repository {
+    /// The object name of disk `name`'s checkpoint.
+    pub fn checkpoint_object(&self, name: &str) -> String {
+        format!("checkpoints/{}", self.crypto.disk_tag(name))
+    }
+
+    /// Reads and checks one checkpoint object: sealed, valid, and of the disk its name says.
+    pub(crate) fn read_checkpoint_object(&self, object: &str) -> Result<CheckpointInfo> {
+        let bytes = self.store.get(object, format::MAX_CHECKPOINT).map_err(|e| match e.kind() {
+            io::ErrorKind::NotFound => Error::NotFound(format!("{object} is not in {}", self.store.describe())),
+            io::ErrorKind::InvalidData => Error::damaged(object, e.to_string()),
+            _ => Error::store(format!("cannot read {object} from {}", self.store.describe()), e),
+        })?;
+        let json = self.crypto.open(AAD_CHECKPOINT, &bytes).map_err(|e| Error::damaged(object, e.to_string()))?;
+        let checkpoint = Checkpoint::parse(&json, &self.limits()).map_err(|e| Error::damaged(object, e.0))?;
+        if self.checkpoint_object(&checkpoint.name) != object {
+            return Err(Error::damaged(object, format!("it holds a checkpoint of another disk ({})", checkpoint.name)));
+        }
+        Ok(CheckpointInfo { object: object.to_string(), checkpoint })
+    }
+
+    /// Disk `name`'s checkpoint, if a backup of it was interrupted. A damaged one is an
+    /// error naming it.
+    pub fn checkpoint(&self, name: &str) -> Result<Option<CheckpointInfo>> {
+        match self.read_checkpoint_object(&self.checkpoint_object(name)) {
+            Ok(c) => Ok(Some(c)),
+            Err(Error::NotFound(_)) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Every checkpoint that reads well, and those that do not with why.
+    pub fn checkpoints_lenient(&self) -> Result<(Vec<CheckpointInfo>, Failures)> {
+        let names = self
+            .store
+            .list("checkpoints/")
+            .map_err(|e| Error::store(format!("cannot list the checkpoints of {}", self.store.describe()), e))?;
+        let mut names: Vec<String> = names.into_iter().map(|(n, _)| n).collect();
+        names.sort();
+        let mut good = Vec::new();
+        let mut bad = Vec::new();
+        for (name, r) in names.iter().zip(par_map(&names, FETCH_THREADS, |n| self.read_checkpoint_object(n))) {
+            match r {
+                Ok(c) => good.push(c),
+                Err(e @ Error::Store { .. }) => return Err(e),
+                // Removed since it was listed: a backup committed.
+                Err(Error::NotFound(_)) => {}
+                Err(e) => bad.push((name.clone(), e)),
+            }
+        }
+        Ok((good, bad))
+    }
+
+    /// Removes disk `name`'s checkpoint (none is not an error). Call it holding the
+    /// disk's backup lock (a [`crate::SnapshotWriter`] of it).
+    pub fn discard_checkpoint(&self, name: &str) -> Result<()> {
+        let object = self.checkpoint_object(name);
+        self.store
+            .delete(&object)
+            .map_err(|e| Error::store(format!("cannot remove {object} from {}", self.store.describe()), e))
+    }
+}
