@@ -133,7 +133,7 @@ pub(crate) fn repository_flow(api: &S3Api, mk: Mk, bucket: &str, prefix: &str, e
     assert_eq!(f.array_at("removed").len(), 1, "{f}");
     exp.forget(&repo);
     assert!(!api.objects(bucket, &format!("{prefix}/snapshots/")).keys().any(|k| k.ends_with(&id0)), "manifest left");
-    let gc = run_ok(&mut mk(&["repo", "gc", &repo]));
+    let gc = run_ok(&mut mk(&["repo", "gc", "--repack", "0", &repo]));
     let after = api.objects(bucket, &format!("{prefix}/"));
     let gone: Vec<&String> = before.keys().filter(|k| k.contains("/data/") && !after.contains_key(*k)).collect();
     assert!(!gone.is_empty(), "gc removed no pack from the bucket\n{}", gc.describe());
