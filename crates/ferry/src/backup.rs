@@ -4,8 +4,7 @@
 //! [`ferry_repo::SnapshotWriter`] on top of NAME's latest snapshot (the base), and the copy
 //! engine moves the data: every range without a change map, only the changed ranges with
 //! `--dirty-bitmap` or `--extents-from` (everything else is the base's). Holes and zero
-//! ranges are never stored: without a base the writer reads as zeroes and they are skipped;
-//! on a base they are written as zeroes (an entry, no data).
+//! ranges are never stored: they are written as zeroes (an entry, no data), never read.
 
 use crate::remote_args::shown;
 use crate::repo::{human, short_id};
@@ -231,9 +230,8 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
     // ended while this one waited for the lock made a newer snapshot, and a change map
     // continues the latest one.
     let mut tries = 0;
-    let (writer, zeroed, changes) = loop {
+    let (writer, changes) = loop {
         let base = choose_base(&repo, &name, &target, size, selective, flag)?;
-        let zeroed = base.is_none();
         let base_id = base.as_ref().map(|b| b.id.clone());
         let changes = match (&tracker, &base) {
             (Some(t), Some(b)) => match t.continuing(&b.id) {
@@ -272,7 +270,7 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
         };
         let now = choose_base(&repo, &name, &target, size, selective, flag)?.map(|s| s.id);
         if now == base_id {
-            break (writer, zeroed, changes);
+            break (writer, changes);
         }
         // Released by the drop; taken again with the newer base.
         drop(writer);
@@ -282,7 +280,11 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
         }
     };
     let dst = BackendEndpoint::new(target.clone(), writer.clone());
-    let dst = Endpoint::Backend(if zeroed { dst.zeroed() } else { dst });
+    // Never declared as reading zeroes, even without a base: the copy engine then sends
+    // the source's holes as zero requests (free: an entry each), so every chunk that data
+    // and holes share is completed as it goes, instead of waiting in memory for the commit
+    // (64 KiB a chunk, for every such chunk of a sparse disk).
+    let dst = Endpoint::Backend(dst);
 
     let request_size = 1usize << 20;
     let copy_opts = CopyOptions {

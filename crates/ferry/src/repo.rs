@@ -134,6 +134,11 @@ struct GcArgs {
     /// Wait up to SECS for running backups, forgets or another gc to end, instead of failing.
     #[arg(long, value_name = "SECS", value_parser = crate::copy::parse_secs)]
     wait: Option<Duration>,
+    /// Copy a pack to free its unused chunks only when they are at least PERCENT of it
+    /// (0: always; a pack with no used chunk is always deleted).
+    #[arg(long, value_name = "PERCENT", default_value_t = maint::DEFAULT_REPACK_PERCENT,
+          value_parser = clap::value_parser!(u32).range(0..=100))]
+    repack: u32,
 }
 
 #[derive(Args, Debug)]
@@ -163,7 +168,7 @@ pub fn run(args: RepoArgs) -> Result<i32> {
         RepoCommand::Forget(a) => forget(a),
         RepoCommand::Gc(a) => {
             let repo = a.common.open()?;
-            let r = maint::gc(&repo, a.wait).with_context(|| format!("gc of {}", a.common.repo))?;
+            let r = maint::gc_with(&repo, a.wait, a.repack).with_context(|| format!("gc of {}", a.common.repo))?;
             println!(
                 "{}: {} packs deleted, {} repacked, {} unreferenced chunks freed ({}); {} -> {}",
                 a.common.repo,

@@ -17,6 +17,8 @@ struct Cluster {
     dir: PathBuf,
     script: PathBuf,
     conf: String,
+    /// radosgw's S3 API.
+    rgw: crate::repo_s3::S3Api,
 }
 
 impl Cluster {
@@ -29,12 +31,34 @@ impl Cluster {
         }
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/ceph-cluster");
         let dir = std::env::temp_dir().join(format!("ferry-ceph-{}", std::process::id()));
-        let out = run_timeout(&mut cmd(script.to_str().unwrap(), [Path::new("start"), &dir]), Duration::from_secs(90));
+        for tool in ["radosgw", "radosgw-admin", "curl"] {
+            assert!(
+                which(tool).is_some(),
+                "`{tool}` is not installed: apt-get install radosgw curl (scripts/test does)"
+            );
+        }
+        // With radosgw, for repo_on_radosgw.
+        let out = run_timeout(
+            cmd(script.to_str().unwrap(), [Path::new("start"), &dir]).env("CEPH_RGW", "1"),
+            Duration::from_secs(120),
+        );
         assert!(out.status.success(), "starting the Ceph cluster failed\n{}", out.describe());
         let line = out.stdout.lines().find(|l| l.starts_with("CEPH_CONF=")).expect("CEPH_CONF=... KEYRING=... line");
         // The keyring is named in the conf, so CEPH_CONF is all a client needs.
         let conf = line.split_whitespace().find_map(|kv| kv.strip_prefix("CEPH_CONF=")).unwrap().to_string();
-        Cluster { dir, script, conf }
+        let value = |name: &str| {
+            out.stdout
+                .lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix('='))
+                .unwrap_or_else(|| panic!("scripts/ceph-cluster printed no {name}= line:\n{}", out.describe()))
+                .to_string()
+        };
+        let rgw = crate::repo_s3::S3Api {
+            endpoint: value("RGW_ENDPOINT"),
+            key_id: value("AWS_ACCESS_KEY_ID"),
+            secret: value("AWS_SECRET_ACCESS_KEY"),
+        };
+        Cluster { dir, script, conf, rgw }
     }
 
     /// `rbd ARGS` against this cluster; must succeed.
@@ -399,6 +423,36 @@ fn qcow2_on_rbd(_c: &Cluster, tmp: &Path) {
     assert!(out.stderr.contains("--read-only"), "{}", out.describe());
 }
 
+/// The radosgw endpoint and credentials for [`rgw_ferry`].
+static RGW: std::sync::OnceLock<(String, String, String)> = std::sync::OnceLock::new();
+
+/// `ferry ARGS` against radosgw (no passphrase).
+fn rgw_ferry(args: &[&str]) -> Command {
+    let (endpoint, key, secret) = RGW.get().expect("radosgw is up");
+    let mut c = ferry(args);
+    for v in
+        ["AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE", "AWS_ENDPOINT_URL_S3"]
+    {
+        c.env_remove(v);
+    }
+    c.env("AWS_ENDPOINT_URL", endpoint)
+        .env("AWS_ACCESS_KEY_ID", key)
+        .env("AWS_SECRET_ACCESS_KEY", secret)
+        .env("AWS_REGION", "us-east-1")
+        .env_remove("FERRY_PASSWORD")
+        .env_remove("FERRY_PASSWORD_FILE")
+        .env_remove("RUST_LOG");
+    c
+}
+
+/// A backup repository on radosgw: init, a full and an incremental backup, restores,
+/// verify (and a flipped byte found), forget + gc (the packs leave the bucket), stats.
+fn repo_on_radosgw(c: &Cluster, tmp: &Path) {
+    let _ = RGW.set((c.rgw.endpoint.clone(), c.rgw.key_id.clone(), c.rgw.secret.clone()));
+    c.rgw.boto3("s3.create_bucket(Bucket='ferry-repo')");
+    crate::repo_s3::repository_flow(&c.rgw, rgw_ferry, "ferry-repo", "backups", false, tmp);
+}
+
 #[test]
 fn rbd_cluster() {
     let t0 = Instant::now();
@@ -408,7 +462,7 @@ fn rbd_cluster() {
     std::env::set_var("CEPH_CONF", &cluster.conf);
     let tmp = tempfile::tempdir().unwrap();
     type Case = fn(&Cluster, &Path);
-    let cases: [(&str, Case); 8] = [
+    let cases: [(&str, Case); 9] = [
         ("import_serve_read", import_serve_read),
         ("write_through_nbd", write_through_nbd),
         ("copy_roundtrip", copy_roundtrip),
@@ -416,6 +470,7 @@ fn rbd_cluster() {
         ("errors", errors),
         ("kill_after_flush", kill_after_flush),
         ("qcow2_on_rbd", qcow2_on_rbd),
+        ("repo_on_radosgw", repo_on_radosgw),
         ("osd_lost", osd_lost),
     ];
     let mut failed = Vec::new();

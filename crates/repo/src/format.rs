@@ -14,6 +14,9 @@ pub const PACK_MAGIC: &[u8; 8] = b"FERRYPK1";
 pub const INDEX_MAGIC: &[u8; 8] = b"FERRYIX1";
 /// `le32 trailer length || magic` at a pack's end.
 pub const PACK_TAIL: usize = 12;
+/// The most a blob's stored form exceeds its plain bytes: the encoding's prefix byte and
+/// an AEAD's 12-byte nonce and 16-byte tag (FORMAT.md §4).
+pub const MAX_BLOB_OVERHEAD: u64 = 1 + 12 + 16;
 /// One trailer or index entry: id, kind, offset, stored and plain length.
 pub const ENTRY_LEN: usize = 45;
 
@@ -310,6 +313,16 @@ fn entry(b: &[u8], max_end: u64, limits: &Limits) -> Result<BlobEntry, FormatErr
             "blob {} (bytes {}..{end}) lies past the pack's blobs, which end at {max_end}",
             hex(&id),
             e.offset
+        ));
+    }
+    // The encoding's prefix, the plain bytes at most (zstd is kept only when shorter), and
+    // an AEAD's nonce and tag: no reader fetches more than that for one blob.
+    if e.stored_len as u64 > e.plain_len as u64 + MAX_BLOB_OVERHEAD {
+        return err(format!(
+            "blob {} has {} stored bytes for {} plain bytes; at most {MAX_BLOB_OVERHEAD} more are possible",
+            hex(&id),
+            e.stored_len,
+            e.plain_len
         ));
     }
     if e.plain_len as usize > limits.max_plain(kind) {

@@ -16,6 +16,9 @@ use std::time::{Duration, Instant};
 
 /// How often a holder rewrites its lock.
 pub const REFRESH: Duration = Duration::from_secs(5 * 60);
+/// How long a new lock waits for a later conflicting lock to go away before it gives
+/// way to it.
+const SETTLE: Duration = Duration::from_secs(3);
 /// A lock not refreshed for this long is stale.
 pub const STALE_AFTER: Duration = Duration::from_secs(30 * 60);
 
@@ -98,12 +101,14 @@ fn describe(name: &str, l: &Lock) -> String {
     format!("a {what} by process {} on {} since {} ({name})", l.pid, l.host, l.time)
 }
 
-/// The locks in the store, each with whether it is stale; unreadable locks are skipped
-/// with a warning (a lock is being written or removed, or garbage).
-fn read_locks(store: &Arc<dyn Store>) -> Result<Vec<(String, Lock, Option<String>)>> {
+/// The locks in the store, each with whether it is stale (and why), and the names of
+/// those that cannot be read, with why.
+#[allow(clippy::type_complexity)]
+fn read_locks(store: &Arc<dyn Store>) -> Result<(Vec<(String, Lock, Option<String>)>, Vec<(String, String)>)> {
     let names =
         store.list("locks/").map_err(|e| Error::store(format!("cannot list the locks of {}", store.describe()), e))?;
     let mut out = Vec::new();
+    let mut unreadable = Vec::new();
     for (name, _) in names {
         match store.get(&name, format::MAX_LOCK) {
             Ok(bytes) => match Lock::parse(&bytes) {
@@ -111,28 +116,38 @@ fn read_locks(store: &Arc<dyn Store>) -> Result<Vec<(String, Lock, Option<String
                     let s = stale(&l);
                     out.push((name, l, s))
                 }
-                Err(e) => log::warn!("{name} in {} is not a lock ({e}); ignoring it", store.describe()),
+                Err(e) => unreadable.push((name, e.to_string())),
             },
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) if e.kind() == io::ErrorKind::InvalidData => {
-                log::warn!("{name} in {} is not a lock ({e}); ignoring it", store.describe())
-            }
+            Err(e) if e.kind() == io::ErrorKind::InvalidData => unreadable.push((name, e.to_string())),
             Err(e) => return Err(Error::store(format!("cannot read {name} from {}", store.describe()), e)),
         }
     }
-    Ok(out)
+    Ok((out, unreadable))
 }
 
-/// The conflicting live lock that holds against ours (`mine`, named `my_name`, or none
-/// yet), removing the stale ones met on the way.
-fn holder(
+/// The conflicting live locks seen beside ours (`mine`, or none yet): the earliest of
+/// those earlier than ours (every one, without ours), and one later than ours. Stale locks
+/// met on the way are removed.
+#[allow(clippy::type_complexity)]
+fn conflicting(
     store: &Arc<dyn Store>,
     kind: LockKind,
     disk: Option<&str>,
     mine: Option<(&str, &Lock)>,
-) -> Result<Option<(String, Lock)>> {
-    let mut best: Option<(String, Lock)> = None;
-    for (name, l, stale) in read_locks(store)? {
+) -> Result<(Option<(String, Lock)>, Option<(String, Lock)>)> {
+    let mut earliest: Option<(String, Lock)> = None;
+    let mut later: Option<(String, Lock)> = None;
+    let (locks, unreadable) = read_locks(store)?;
+    // A lock that cannot be read may be anyone's: it conflicts with everything.
+    if let Some((name, why)) = unreadable.into_iter().next() {
+        return Err(Error::Locked(format!(
+            "{name} in {} is not a lock this ferry can read ({why}): if no ferry process uses the \
+             repository, remove it",
+            store.describe()
+        )));
+    }
+    for (name, l, stale) in locks {
         if Some(name.as_str()) == mine.map(|m| m.0) {
             continue;
         }
@@ -148,11 +163,13 @@ fn holder(
             None => true,
             Some((my_name, m)) => lock_key(&l.time, &name) < lock_key(&m.time, my_name),
         };
-        if earlier && best.as_ref().is_none_or(|(bn, b)| lock_key(&l.time, &name) < lock_key(&b.time, bn)) {
-            best = Some((name, l));
+        if !earlier {
+            later = Some((name, l));
+        } else if earliest.as_ref().is_none_or(|(bn, b)| lock_key(&l.time, &name) < lock_key(&b.time, bn)) {
+            earliest = Some((name, l));
         }
     }
-    Ok(best)
+    Ok((earliest, later))
 }
 
 fn lock_key(time: &str, name: &str) -> (Option<jiff::Timestamp>, String) {
@@ -169,6 +186,16 @@ pub fn acquire(
     disk: Option<String>,
     wait: Option<Duration>,
 ) -> Result<LockGuard> {
+    // A lock that others cannot parse would hold nobody off.
+    let tag_ok = disk
+        .as_deref()
+        .is_some_and(|d| d.len() == 64 && d.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)));
+    if (kind == LockKind::Backup) != tag_ok {
+        return Err(Error::Invalid(
+            "a backup lock names its disk by its tag (64 hex digits, Crypto::disk_tag), and only a backup lock does"
+                .into(),
+        ));
+    }
     let start = Instant::now();
     let deadline = wait.map(|w| start + w);
     let host = hostname();
@@ -184,7 +211,7 @@ pub fn acquire(
     };
     loop {
         // Wait without writing while a holder is there.
-        if let Some((name, l)) = holder(store, kind, disk.as_deref(), None)? {
+        if let (Some((name, l)), _) = conflicting(store, kind, disk.as_deref(), None)? {
             match deadline {
                 Some(d) if Instant::now() < d => {
                     std::thread::sleep(pause.min(d.saturating_duration_since(Instant::now())));
@@ -200,22 +227,29 @@ pub fn acquire(
         store
             .put(&name, &lock.to_bytes())
             .map_err(|e| Error::store(format!("cannot write a lock to {}", store.describe()), e))?;
-        match holder(store, kind, disk.as_deref(), Some((&name, &lock))) {
-            Ok(None) => return Ok(start_refresh(store.clone(), name, lock)),
-            Ok(Some((hn, hl))) => {
-                let _ = store.delete(&name);
-                match deadline {
-                    Some(d) if Instant::now() < d => {
-                        std::thread::sleep(pause.min(d.saturating_duration_since(Instant::now())));
-                        pause = (pause * 2).min(Duration::from_secs(1));
-                    }
-                    _ => return Err(locked(&hn, &hl)),
+        // Ours holds once no conflicting lock is left: an earlier one wins at once; a later
+        // one removes itself when its writer sees ours, unless its writer listed before
+        // ours was written and holds (then it stays, and ours gives way).
+        let settle = Instant::now() + SETTLE;
+        let holder = loop {
+            match conflicting(store, kind, disk.as_deref(), Some((&name, &lock))) {
+                Ok((None, None)) => return Ok(start_refresh(store.clone(), name, lock)),
+                Ok((Some(h), _)) => break h,
+                Ok((None, Some(h))) if Instant::now() >= settle => break h,
+                Ok((None, Some(_))) => std::thread::sleep(Duration::from_millis(50)),
+                Err(e) => {
+                    let _ = store.delete(&name);
+                    return Err(e);
                 }
             }
-            Err(e) => {
-                let _ = store.delete(&name);
-                return Err(e);
+        };
+        let _ = store.delete(&name);
+        match deadline {
+            Some(d) if Instant::now() < d => {
+                std::thread::sleep(pause.min(d.saturating_duration_since(Instant::now())));
+                pause = (pause * 2).min(Duration::from_secs(1));
             }
+            _ => return Err(locked(&holder.0, &holder.1)),
         }
     }
 }
@@ -255,5 +289,9 @@ fn start_refresh(store: Arc<dyn Store>, name: String, lock: Lock) -> LockGuard {
 /// The locks in the repository now, with whether each is stale (for `ferry repo list`
 /// and messages).
 pub fn list(store: &Arc<dyn Store>) -> Result<Vec<(String, crate::format::Lock, bool)>> {
-    Ok(read_locks(store)?.into_iter().map(|(n, l, s)| (n, l, s.is_some())).collect())
+    let (locks, unreadable) = read_locks(store)?;
+    for (name, why) in unreadable {
+        log::warn!("{name} in {} is not a lock this ferry can read: {why}", store.describe());
+    }
+    Ok(locks.into_iter().map(|(n, l, s)| (n, l, s.is_some())).collect())
 }

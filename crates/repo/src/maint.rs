@@ -1,8 +1,8 @@
 //! Repository maintenance: check, verify, forget, gc, stats.
 use crate::format::{self, BlobEntry, Digest, LockKind, PackBlobs, ZERO};
 use crate::repo::{
-    blkhash_of, build_index, pack_name, par_map, parse_time, sha256, Index, Repository, SnapshotInfo, AAD_INDEX,
-    AAD_TRAILER, FETCH_THREADS,
+    blkhash_of, build_index, pack_name, par_map, parse_time, sha256, Index, Repository, SnapshotInfo, AAD_TRAILER,
+    FETCH_THREADS,
 };
 use crate::{lock, Error, Result};
 use serde::Serialize;
@@ -213,7 +213,13 @@ fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
         let mut missing: Option<usize> = None;
         let mut missing_count = 0u64;
         let mut entries_ok = true;
-        let mut entries: Vec<Digest> = Vec::new();
+        let mut entries = match crate::repo::entry_list(s.manifest.chunks(), &object) {
+            Ok(v) => v,
+            Err(e) => {
+                r.problems.push(Problem { object: object.clone(), why: e.to_string(), hits: Vec::new() });
+                continue;
+            }
+        };
         for (i, d) in s.manifest.page_digests().iter().enumerate() {
             let count = s
                 .manifest
@@ -570,8 +576,31 @@ pub struct GcReport {
 /// Anything it cannot read (a manifest, an index object, a page) stops it before it
 /// deletes anything: what it cannot read, it cannot prove dead.
 pub fn gc(repo: &Repository, wait: Option<std::time::Duration>) -> Result<GcReport> {
+    gc_with(repo, wait, DEFAULT_REPACK_PERCENT)
+}
+
+/// A pack is copied to free its unused blobs only when they are at least this share of
+/// its stored bytes (as borg's compact threshold): a scattered change leaves a few dead
+/// chunks in most packs, and rewriting all of them would cost far more than it frees.
+pub const DEFAULT_REPACK_PERCENT: u32 = 10;
+
+/// [`gc`], repacking a partly unused pack only when at least `repack_percent` of its
+/// stored bytes are unused (0: every such pack; packs with no live blob are always deleted).
+pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_percent: u32) -> Result<GcReport> {
     let store = &repo.store;
     let _lock = lock::acquire(store, LockKind::Gc, None, wait)?;
+    // What writers killed mid-write left (a directory store's temporary files): no
+    // writer runs while gc holds its lock.
+    for prefix in ["data/", "index/", "snapshots/"] {
+        match store.remove_partial(prefix) {
+            Ok((0, _)) => {}
+            Ok((n, bytes)) => log::warn!(
+                "removed {n} partly written object(s) ({bytes} bytes) under {prefix} of {}, left by interrupted writers",
+                store.describe()
+            ),
+            Err(e) => return Err(Error::store(format!("cannot remove partly written objects from {}", store.describe()), e)),
+        }
+    }
     let stop =
         |what: String| Error::Invalid(format!("gc stopped before deleting anything: {what}; run `ferry repo check`"));
     // 1. The live set.
@@ -654,10 +683,17 @@ pub fn gc(repo: &Repository, wait: Option<std::time::Duration>) -> Result<GcRepo
         let is_live = |b: &BlobEntry| live.contains(&b.id) && chosen.get(&b.id) == Some(pack);
         let n_live = blobs.iter().filter(|b| is_live(b)).count();
         let dead: Vec<&BlobEntry> = blobs.iter().filter(|b| !is_live(b)).collect();
-        report.blobs_freed += dead.len() as u64;
-        if n_live == blobs.len() {
+        let dead_bytes: u64 = dead.iter().map(|b| b.stored_len as u64).sum();
+        let all_bytes: u64 = blobs.iter().map(|b| b.stored_len as u64).sum();
+        let worth = dead_bytes.saturating_mul(100) >= all_bytes.saturating_mul(repack_percent as u64);
+        if n_live == blobs.len() || (n_live > 0 && !worth) {
+            // Unused blobs below the threshold stay, indexed: still whole, and freed
+            // once enough of their pack is unused.
             keep.push(PackBlobs { pack: *pack, blobs: blobs.clone() });
-        } else if n_live == 0 {
+            continue;
+        }
+        report.blobs_freed += dead.len() as u64;
+        if n_live == 0 {
             delete.push(name);
         } else {
             repack.push((*pack, blobs.iter().filter(|b| is_live(b)).copied().collect()));
@@ -692,24 +728,19 @@ pub fn gc(repo: &Repository, wait: Option<std::time::Duration>) -> Result<GcRepo
     if !out.entries.is_empty() {
         new_packs.push(out.close(repo)?);
     }
-    // 4. One index object for every pack that stays and every new one.
+    // 4. Index objects for every pack that stays and every new one, all stored before any
+    // old one is removed (several when the repository is large: each stays readable).
     keep.extend(new_packs);
-    let mut new_name = None;
-    if !keep.is_empty() {
-        let plain = format::encode_index(&keep);
-        let sealed = repo.crypto.seal(AAD_INDEX, &plain);
-        let name = format!("index/{}", format::hex(&sha256(&sealed)));
-        store
-            .put(&name, &sealed)
-            .map_err(|e| Error::store(format!("cannot store {name} in {}", store.describe()), e))?;
-        new_name = Some(name);
-    }
+    let (new_names, _) = repo.put_index(&keep)?;
     // 5. The old index objects.
-    for name in old_index.iter().filter(|n| Some(*n) != new_name.as_ref()) {
+    for name in old_index.iter().filter(|n| !new_names.contains(n)) {
         store.delete(name).map_err(|e| Error::store(format!("cannot remove {name} from {}", store.describe()), e))?;
     }
-    // 6. Dead, repacked and orphan packs.
-    for name in delete.iter().chain(&orphans) {
+    // 6. Dead, repacked and orphan packs; never one the new index names (a pack written
+    // again with the same bytes, e.g. by a gc that stopped before its index, has the name
+    // of the orphan it would otherwise delete).
+    let named: HashSet<String> = keep.iter().map(|p| pack_name(&p.pack)).collect();
+    for name in delete.iter().chain(&orphans).filter(|n| !named.contains(*n)) {
         store.delete(name).map_err(|e| Error::store(format!("cannot remove {name} from {}", store.describe()), e))?;
         report.packs_deleted += 1;
     }

@@ -133,7 +133,70 @@ fn read_error(store: &dyn Store, name: &str, e: io::Error) -> Error {
     }
 }
 
+/// An empty chunk list for a snapshot of `chunks` chunks, refused (as damage of `object`,
+/// or as too large for this machine) when the list (32 bytes a chunk) would take more
+/// than half the memory: a manifest of a few MB may describe a disk of 2^63 bytes of
+/// zero pages, and allocating its list would abort the process.
+pub(crate) fn entry_list(chunks: u64, object: &str) -> Result<Vec<Digest>> {
+    let bytes = chunks.saturating_mul(32);
+    let budget = memory_total().map_or(u64::MAX, |m| m / 2);
+    let mut v: Vec<Digest> = Vec::new();
+    if bytes > budget || v.try_reserve_exact(chunks as usize).is_err() {
+        return Err(Error::Invalid(format!(
+            "{object} describes a disk of {chunks} chunks, whose list of chunk digests ({bytes} bytes) does not fit in \
+             this machine's memory: read it on a machine with more memory (or it is damaged: `ferry repo check`)"
+        )));
+    }
+    Ok(v)
+}
+
+/// The machine's memory in bytes (/proc/meminfo's MemTotal), if known.
+fn memory_total() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+/// Index objects are cut at this many plain bytes, well below the readers' limit
+/// (FORMAT.md §6: 256 MiB), so no backup or gc writes one that cannot be read back.
+pub(crate) const INDEX_SPLIT: usize = 64 << 20;
+
 impl Repository {
+    /// Stores index objects for `packs` (FORMAT.md §6), as many as it takes to keep
+    /// each under [`INDEX_SPLIT`] plain bytes. Returns their names and stored bytes.
+    pub(crate) fn put_index(&self, packs: &[format::PackBlobs]) -> Result<(Vec<String>, u64)> {
+        self.put_index_split(packs, INDEX_SPLIT)
+    }
+
+    pub(crate) fn put_index_split(&self, packs: &[format::PackBlobs], split: usize) -> Result<(Vec<String>, u64)> {
+        let (mut names, mut stored) = (Vec::new(), 0u64);
+        let mut start = 0;
+        while start < packs.len() {
+            // Header, then per pack its id and count, then its entries.
+            let mut len = 12;
+            let mut end = start;
+            while end < packs.len() {
+                let add = 36 + packs[end].blobs.len() * format::ENTRY_LEN;
+                if end > start && len + add > split {
+                    break;
+                }
+                len += add;
+                end += 1;
+            }
+            let plain = format::encode_index(&packs[start..end]);
+            let sealed = self.crypto.seal(AAD_INDEX, &plain);
+            let name = format!("index/{}", format::hex(&sha256(&sealed)));
+            self.store
+                .put(&name, &sealed)
+                .map_err(|e| Error::store(format!("cannot store {name} in {}", self.store.describe()), e))?;
+            stored += sealed.len() as u64;
+            names.push(name);
+            start = end;
+        }
+        Ok((names, stored))
+    }
+
     /// Makes a new repository in an empty store.
     pub fn init(store: Arc<dyn Store>, opts: &InitOptions) -> Result<Repository> {
         match store.len("config") {
@@ -446,9 +509,10 @@ impl Repository {
         if digests.len() as u64 != chunks.div_ceil(pe) {
             return Err(Error::damaged(object, "its page count does not match its size"));
         }
+        drop(entry_list(chunks, &object)?);
         let pages =
             par_map(&digests, FETCH_THREADS, |d| if *d == ZERO { Ok(Vec::new()) } else { self.read_page(index, d) });
-        let mut entries = Vec::with_capacity(chunks as usize);
+        let mut entries = entry_list(chunks, &object)?;
         for (i, (d, page)) in digests.iter().zip(pages).enumerate() {
             let count = (chunks - i as u64 * pe).min(pe) as usize;
             if *d == ZERO {

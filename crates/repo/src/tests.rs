@@ -6,7 +6,7 @@ use crate::maint::{self, Policy, VerifyOptions};
 use crate::store::{MemStore, Store};
 use crate::{lock, BackupOptions, Error, InitOptions, Repository, SnapshotImage, SnapshotInfo, SnapshotWriter};
 use ferry_backend::{Backend, ZeroMode, HOLE};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 mod resume;
 
@@ -462,6 +462,13 @@ fn locks_conflict_as_specified() {
 #[test]
 fn stale_lock_of_a_dead_process_is_removed() {
     let (store, repo) = new_repo(false);
+    // A lock that cannot be read holds everyone off, and says so.
+    store.put("locks/00000000000000000000000000000009", b"{garbage").unwrap();
+    match SnapshotWriter::start(repo.clone(), opts("a", 1 << 20, None)) {
+        Err(Error::Locked(m)) => assert!(m.contains("locks/00000000000000000000000000000009"), "{m}"),
+        _ => panic!("an unreadable lock was ignored"),
+    }
+    store.delete("locks/00000000000000000000000000000009").unwrap();
     let mut child = std::process::Command::new("true").spawn().unwrap();
     let dead = child.id();
     child.wait().unwrap();
@@ -705,4 +712,212 @@ fn check_names_a_truncated_index_and_the_snapshots_it_hits() {
     }
     // gc refuses to run on it rather than free what it cannot see.
     assert!(maint::gc(&repo, None).is_err());
+}
+
+#[test]
+fn of_two_racing_lockers_exactly_one_wins() {
+    let (_store, repo) = new_repo(false);
+    for _ in 0..30 {
+        let barrier = std::sync::Barrier::new(2);
+        let wins = std::sync::atomic::AtomicU32::new(0);
+        let guards = Mutex::new(Vec::new());
+        std::thread::scope(|s| {
+            for _ in 0..2 {
+                s.spawn(|| {
+                    barrier.wait();
+                    let tag = repo.crypto().disk_tag("t");
+                    if let Ok(g) = lock::acquire(repo.store(), LockKind::Backup, Some(tag), None) {
+                        wins.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        guards.lock().unwrap().push(g);
+                    }
+                });
+            }
+        });
+        assert_eq!(wins.into_inner(), 1, "two lockers of one disk at once");
+    }
+}
+
+/// A store that, right after our lock is written, has another writer's lock appear (one
+/// that listed before ours was written, so holds), and removes it after `gone` if given.
+struct Racing {
+    inner: Arc<MemStore>,
+    racer: (String, Vec<u8>),
+    gone: Option<std::time::Duration>,
+    armed: std::sync::atomic::AtomicBool,
+}
+
+impl Store for Racing {
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+    fn get(&self, name: &str, limit: u64) -> std::io::Result<Vec<u8>> {
+        self.inner.get(name, limit)
+    }
+    fn get_range(&self, name: &str, offset: u64, len: u64) -> std::io::Result<Vec<u8>> {
+        self.inner.get_range(name, offset, len)
+    }
+    fn len(&self, name: &str) -> std::io::Result<u64> {
+        self.inner.len(name)
+    }
+    fn put(&self, name: &str, data: &[u8]) -> std::io::Result<()> {
+        self.inner.put(name, data)?;
+        if name.starts_with("locks/") && self.armed.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            self.inner.put(&self.racer.0, &self.racer.1)?;
+            if let Some(after) = self.gone {
+                let (inner, n) = (self.inner.clone(), self.racer.0.clone());
+                std::thread::spawn(move || {
+                    std::thread::sleep(after);
+                    inner.delete(&n).unwrap();
+                });
+            }
+        }
+        Ok(())
+    }
+    fn delete(&self, name: &str) -> std::io::Result<()> {
+        self.inner.delete(name)
+    }
+    fn list(&self, prefix: &str) -> std::io::Result<Vec<(String, u64)>> {
+        self.inner.list(prefix)
+    }
+}
+
+/// A lock later than ours that stays is one whose writer listed before ours was
+/// written and holds: ours gives way. One that goes (its writer saw ours) lets ours hold.
+#[test]
+fn a_later_lock_that_stays_holds() {
+    let (_store, repo) = new_repo(false);
+    let tag = repo.crypto().disk_tag("d");
+    let later = (jiff::Timestamp::now() + jiff::SignedDuration::from_secs(60)).to_string();
+    let l = Lock {
+        kind: LockKind::Backup,
+        disk: Some(tag.clone()),
+        host: crate::repo::hostname(),
+        pid: std::process::id(),
+        time: later.clone(),
+        refreshed: later,
+    };
+    let name = "locks/0000000000000000000000000000000a".to_string();
+    for gone in [None, Some(std::time::Duration::from_millis(300))] {
+        let store: Arc<dyn Store> = Arc::new(Racing {
+            inner: Arc::new(MemStore::new()),
+            racer: (name.clone(), l.to_bytes()),
+            gone,
+            armed: true.into(),
+        });
+        let got = lock::acquire(&store, LockKind::Backup, Some(tag.clone()), None);
+        match (gone, got) {
+            (None, Err(Error::Locked(m))) => assert!(m.contains(&name), "{m}"),
+            (None, Err(e)) => panic!("{e}"),
+            (None, Ok(_)) => panic!("two backup locks of one disk held at once"),
+            (Some(_), r) => assert!(r.is_ok(), "a later lock that went away still held ours off"),
+        }
+    }
+}
+
+/// A store whose puts or deletes of names with a prefix fail (a crash at that point).
+struct Failing {
+    inner: Arc<MemStore>,
+    fail_put: Mutex<Option<&'static str>>,
+    fail_delete: Mutex<Option<&'static str>>,
+}
+
+impl Store for Failing {
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+    fn get(&self, name: &str, limit: u64) -> std::io::Result<Vec<u8>> {
+        self.inner.get(name, limit)
+    }
+    fn get_range(&self, name: &str, offset: u64, len: u64) -> std::io::Result<Vec<u8>> {
+        self.inner.get_range(name, offset, len)
+    }
+    fn len(&self, name: &str) -> std::io::Result<u64> {
+        self.inner.len(name)
+    }
+    fn put(&self, name: &str, data: &[u8]) -> std::io::Result<()> {
+        if self.fail_put.lock().unwrap().is_some_and(|p| name.starts_with(p)) {
+            return Err(std::io::Error::other("crash"));
+        }
+        self.inner.put(name, data)
+    }
+    fn delete(&self, name: &str) -> std::io::Result<()> {
+        if self.fail_delete.lock().unwrap().is_some_and(|p| name.starts_with(p)) {
+            return Err(std::io::Error::other("crash"));
+        }
+        self.inner.delete(name)
+    }
+    fn list(&self, prefix: &str) -> std::io::Result<Vec<(String, u64)>> {
+        self.inner.list(prefix)
+    }
+}
+
+/// gc stopped at each step of FORMAT.md §9 leaves a repository that check passes, whose
+/// snapshots read back, and that the next gc finishes.
+#[test]
+fn gc_stopped_at_any_step_leaves_a_whole_repository() {
+    for (put, delete) in [(Some("data/"), None), (Some("index/"), None), (None, Some("index/")), (None, Some("data/"))]
+    {
+        let inner = Arc::new(MemStore::new());
+        let store =
+            Arc::new(Failing { inner: inner.clone(), fail_put: Mutex::new(None), fail_delete: Mutex::new(None) });
+        let repo = Arc::new(
+            Repository::init(store.clone(), &InitOptions { page_entries: 16, ..InitOptions::default() }).unwrap(),
+        );
+        let a1 = disk(3 << 20, 50);
+        let s1 = backup(&repo, "a", &a1, None);
+        let mut a2 = a1.clone();
+        a2[CS..5 * CS].fill(3);
+        let s2 = backup(&repo, "a", &a2, Some(s1.clone()));
+        let b = disk(1 << 20, 51);
+        let sb = backup(&repo, "b", &b, None);
+        maint::forget(&repo, Some("a"), &Policy { keep_last: Some(1), ..Policy::default() }, false).unwrap();
+        *store.fail_put.lock().unwrap() = put;
+        *store.fail_delete.lock().unwrap() = delete;
+        assert!(maint::gc(&repo, None).is_err(), "gc did not stop at {put:?} {delete:?}");
+        *store.fail_put.lock().unwrap() = None;
+        *store.fail_delete.lock().unwrap() = None;
+        // The gc lock of the stopped gc is gone with it (its guard dropped).
+        let r = maint::check(&repo).unwrap();
+        assert!(r.problems.is_empty(), "{put:?} {delete:?}: {:?}", r.problems);
+        assert!(read_back(&repo, &s2) == a2 && read_back(&repo, &sb) == b, "{put:?} {delete:?}");
+        maint::gc(&repo, None).unwrap();
+        assert_eq!(objects(&inner, "index/").len(), 1);
+        let r = maint::verify(&repo, &VerifyOptions { read_data_percent: 100, threads: 2 }).unwrap();
+        assert!(
+            r.problems.is_empty() && r.notes.iter().all(|n| !n.contains("in no index")),
+            "{put:?} {delete:?}: {r:?}"
+        );
+        assert!(read_back(&repo, &s2) == a2 && read_back(&repo, &sb) == b);
+    }
+}
+
+#[test]
+fn index_objects_are_cut_so_each_stays_readable() {
+    let (store, repo) = new_repo(false);
+    let data = disk(3 << 20, 11);
+    let snap = backup(&repo, "cut", &data, None);
+    let index = repo.load_index().unwrap();
+    // The packs of the repository, as an index lists them.
+    let mut packs: std::collections::BTreeMap<[u8; 32], Vec<crate::format::BlobEntry>> = Default::default();
+    for (id, l) in &index.blobs {
+        packs.entry(l.pack).or_default().push(crate::format::BlobEntry {
+            id: *id,
+            kind: l.kind,
+            offset: l.offset,
+            stored_len: l.stored_len,
+            plain_len: l.plain_len,
+        });
+    }
+    let packs: Vec<crate::format::PackBlobs> =
+        packs.into_iter().map(|(pack, blobs)| crate::format::PackBlobs { pack, blobs }).collect();
+    assert!(packs.len() > 2, "the test needs several packs");
+    for (name, _) in objects(&store, "index/") {
+        store.delete(&name).unwrap();
+    }
+    let split = 12 + 36 + packs[0].blobs.len() * crate::format::ENTRY_LEN;
+    let (names, _) = repo.put_index_split(&packs, split).unwrap();
+    assert!(names.len() >= 2, "{} index objects", names.len());
+    let again = repo.load_index().unwrap();
+    assert_eq!(again.blobs.len(), index.blobs.len(), "every blob is indexed once more");
+    assert!(read_back(&repo, &snap) == data);
 }

@@ -19,13 +19,12 @@ use crate::format::{
 };
 use crate::lock::{self, LockGuard};
 use crate::repo::{
-    blkhash_of, hostname, pack_name, parse_time, sha256, Index, Repository, SnapshotInfo, AAD_INDEX, AAD_SNAPSHOT,
-    AAD_TRAILER,
+    blkhash_of, hostname, pack_name, parse_time, sha256, Index, Repository, SnapshotInfo, AAD_SNAPSHOT, AAD_TRAILER,
 };
 use crate::{Error, Result};
 use ferry_backend::{Backend, Capabilities, ZeroMode};
 use std::cell::RefCell;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -255,15 +254,23 @@ impl SnapshotWriter {
         let chunks = opts.size.div_ceil(cs);
         let tag = repo.crypto.disk_tag(&opts.name);
         let guard = lock::acquire(&repo.store, LockKind::Backup, Some(tag), opts.wait_lock)?;
-        let index = repo.load_index_lenient()?;
+        let index = Self::load_index(&repo)?;
         let (mut entries, base_chunks) = match &opts.base {
             Some(b) => {
                 let e = repo.entries(&index, b)?;
                 let n = e.len() as u64;
                 (e, n)
             }
-            None => (Vec::new(), 0),
+            None => (crate::repo::entry_list(chunks, &format!("the backup of {}", opts.name))?, 0),
         };
+        if let Some(more) = chunks.checked_sub(entries.len() as u64) {
+            if entries.try_reserve_exact(more as usize).is_err() {
+                return Err(Error::Invalid(format!(
+                    "the backup of {} needs a list of {chunks} chunk digests, which does not fit in memory",
+                    opts.name
+                )));
+            }
+        }
         entries.resize(chunks as usize, ZERO);
         let n_pages = chunks.div_ceil(pe) as usize;
         // The base's pages stand where nothing changes, unless the extent of the pages
@@ -313,7 +320,7 @@ impl SnapshotWriter {
                 )))
             }
         };
-        let index = repo.load_index_lenient()?;
+        let index = Self::load_index(&repo)?;
         let entries = repo.entries(&index, &checkpoint.as_snapshot())?;
         let base_chunks = opts.base.as_ref().map_or(0, |b| b.manifest.chunks());
         let n_pages = checkpoint.checkpoint.pages.len();
@@ -326,8 +333,42 @@ impl SnapshotWriter {
         for [first, n] in &checkpoint.checkpoint.done {
             state.mark_done(*first, *n);
         }
-        let resumed = checkpoint.checkpoint.done.clone();
+        // A done chunk whose pack is gone since is read again.
+        for [first, n] in &checkpoint.checkpoint.done {
+            for ci in *first..first + n {
+                let e = state.entries[ci as usize];
+                if e != ZERO && !index.blobs.contains_key(&repo.crypto.blob_id(&e)) {
+                    state.done[(ci / 64) as usize] &= !(1 << (ci % 64));
+                }
+            }
+        }
+        let resumed = state.done_runs(chunks);
         Ok(Self::build(repo, opts, guard, index, state, base_chunks, resumed))
+    }
+
+    /// The repository's index, without the blobs whose pack is gone: chunks in them are
+    /// not reused (a new snapshot would reference the lost data again, and the
+    /// repository would never heal).
+    fn load_index(repo: &Repository) -> Result<Index> {
+        let mut index = repo.load_index_lenient()?;
+        let present: HashSet<String> = repo
+            .store
+            .list("data/")
+            .map_err(|e| Error::store(format!("cannot list the packs of {}", repo.store.describe()), e))?
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect();
+        let before = index.blobs.len();
+        index.blobs.retain(|_, l| present.contains(&pack_name(&l.pack)));
+        if index.blobs.len() != before {
+            log::warn!(
+                "{} chunk(s) of {} are in packs that are gone: they are stored again where this backup reads them \
+                 (`ferry repo check` names the snapshots that lost them)",
+                before - index.blobs.len(),
+                repo.store.describe()
+            );
+        }
+        Ok(index)
     }
 
     /// The checks of the options that `start` and `resume` share.
@@ -886,14 +927,8 @@ impl SnapshotWriter {
         if packs.is_empty() {
             return Ok(());
         }
-        let plain = format::encode_index(&packs);
-        let sealed = self.repo.crypto.seal(AAD_INDEX, &plain);
-        let name = format!("index/{}", format::hex(&sha256(&sealed)));
-        self.repo
-            .store
-            .put(&name, &sealed)
-            .map_err(|e| Error::store(format!("cannot store {name} in {}", self.repo.store.describe()), e))?;
-        self.counters.new_stored.fetch_add(sealed.len() as u64, Ordering::Relaxed);
+        let (_, stored) = self.repo.put_index(&packs)?;
+        self.counters.new_stored.fetch_add(stored, Ordering::Relaxed);
         *indexed += packs.len();
         Ok(())
     }

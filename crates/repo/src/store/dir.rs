@@ -109,8 +109,10 @@ impl DirStore {
     fn open_object(&self, name: &str) -> io::Result<(File, u64)> {
         let (dir, file) = self.parent(name, false)?;
         let at = dir.as_ref().map_or(self.dir.as_fd(), |f| f.as_fd());
-        let fd = rustix::fs::openat(at, file, OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty())
-            .map_err(|e| ctx(e, self.shown(name)))?;
+        // NONBLOCK: a FIFO planted under an object's name would block the open until a
+        // writer came; it is refused below instead (no effect on a regular file's reads).
+        let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NONBLOCK;
+        let fd = rustix::fs::openat(at, file, flags, Mode::empty()).map_err(|e| ctx(e, self.shown(name)))?;
         let f = File::from(fd);
         let meta = f.metadata().map_err(|e| ctx(e, self.shown(name)))?;
         if !meta.is_file() {
@@ -281,6 +283,68 @@ impl Store for DirStore {
         self.walk(at, &rel, prefix, depth, &mut out)?;
         Ok(out)
     }
+
+    fn remove_partial(&self, prefix: &str) -> io::Result<(u64, u64)> {
+        let top = prefix.trim_end_matches('/');
+        if top.contains('/') || !valid_name(top) {
+            return Err(invalid_name(prefix));
+        }
+        let fd = match rustix::fs::openat(self.dir.as_fd(), top, dir_flags(), Mode::empty()) {
+            Ok(fd) => fd,
+            Err(rustix::io::Errno::NOENT) => return Ok((0, 0)),
+            Err(e) => return Err(ctx(e, self.shown(top))),
+        };
+        let mut removed = (0, 0);
+        self.remove_temps(fd.as_fd(), &format!("{top}/"), 1, &mut removed)?;
+        Ok(removed)
+    }
+}
+
+impl DirStore {
+    /// Removes the temporary files under `dir` (`rel`): left by a writer killed between
+    /// creating one and renaming it into place.
+    fn remove_temps(&self, dir: BorrowedFd, rel: &str, depth: usize, removed: &mut (u64, u64)) -> io::Result<()> {
+        let shown = || self.shown(rel.trim_end_matches('/'));
+        let mut entries = rustix::fs::Dir::read_from(dir).map_err(|e| ctx(e, shown()))?;
+        let mut found = false;
+        while let Some(entry) = entries.read() {
+            let entry = entry.map_err(|e| ctx(e, shown()))?;
+            let Ok(seg) = entry.file_name().to_str() else { continue };
+            if seg == "." || seg == ".." {
+                continue;
+            }
+            let path = format!("{rel}{seg}");
+            let st = match rustix::fs::statat(dir, seg, AtFlags::SYMLINK_NOFOLLOW) {
+                Ok(st) => st,
+                Err(rustix::io::Errno::NOENT) => continue,
+                Err(e) => return Err(ctx(e, self.shown(&path))),
+            };
+            match FileType::from_raw_mode(st.st_mode) {
+                FileType::RegularFile if seg.starts_with(TEMP_PREFIX) => {
+                    match rustix::fs::unlinkat(dir, seg, AtFlags::empty()) {
+                        Ok(()) | Err(rustix::io::Errno::NOENT) => {}
+                        Err(e) => return Err(ctx(e, format!("cannot delete {}", self.shown(&path)))),
+                    }
+                    removed.0 += 1;
+                    removed.1 += st.st_size as u64;
+                    found = true;
+                }
+                FileType::Directory if depth + 1 < MAX_DEPTH && valid_name(&path) => {
+                    let fd = match rustix::fs::openat(dir, seg, dir_flags(), Mode::empty()) {
+                        Ok(fd) => fd,
+                        Err(rustix::io::Errno::NOENT) => continue,
+                        Err(e) => return Err(ctx(e, self.shown(&path))),
+                    };
+                    self.remove_temps(fd.as_fd(), &format!("{path}/"), depth + 1, removed)?;
+                }
+                _ => {}
+            }
+        }
+        if found {
+            rustix::fs::fsync(dir).map_err(|e| ctx(e, format!("fsync of {}", shown())))?;
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -369,6 +433,19 @@ mod tests {
     }
 
     #[test]
+    fn a_fifo_under_an_object_name_is_refused_not_waited_on() {
+        let (t, s) = store();
+        let fifo = t.path().join("repo").join("config");
+        rustix::fs::mknodat(rustix::fs::CWD, &fifo, rustix::fs::FileType::Fifo, Mode::from_raw_mode(0o600), 0).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(s.get("config", 100).map_err(|e| e.kind()));
+        });
+        let got = rx.recv_timeout(std::time::Duration::from_secs(5)).expect("reading a FIFO object blocked");
+        assert_eq!(got, Err(io::ErrorKind::InvalidData));
+    }
+
+    #[test]
     fn links_never_lead_out_of_the_repository() {
         let (t, s) = store();
         let root = t.path().join("repo");
@@ -404,6 +481,28 @@ mod tests {
         std::fs::create_dir_all(root.join("locks/a/b/c/d")).unwrap();
         std::fs::write(root.join("locks/a/b/c/d/e"), b"too deep").unwrap();
         assert_eq!(s.list("locks/").unwrap(), [("locks/aa".to_string(), 1)]);
+    }
+
+    #[test]
+    fn remove_partial_removes_temporary_files_only() {
+        let (t, s) = store();
+        let root = t.path().join("repo");
+        s.put("data/ab/ab12", b"pack").unwrap();
+        s.put("index/cd", b"index").unwrap();
+        s.put("locks/ee", b"lock").unwrap();
+        std::fs::write(root.join("data/ab/.tmp-0123"), b"half a pack").unwrap();
+        std::fs::write(root.join("index/.tmp-4567"), b"half").unwrap();
+        std::fs::write(root.join("locks/.tmp-89ab"), b"being written").unwrap();
+        std::fs::write(root.join("data/ab/README"), b"foreign").unwrap();
+        assert_eq!(s.remove_partial("data/").unwrap(), (1, 11));
+        assert_eq!(s.remove_partial("index/").unwrap(), (1, 4));
+        assert_eq!(s.remove_partial("snapshots/").unwrap(), (0, 0));
+        assert!(s.remove_partial("../").is_err());
+        assert!(!root.join("data/ab/.tmp-0123").exists() && !root.join("index/.tmp-4567").exists());
+        // Objects, foreign files and other prefixes are left alone.
+        assert!(root.join("locks/.tmp-89ab").exists() && root.join("data/ab/README").exists());
+        assert_eq!(s.list("data/").unwrap(), [("data/ab/ab12".to_string(), 4)]);
+        assert_eq!(s.get("index/cd", 100).unwrap(), b"index");
     }
 
     #[test]

@@ -35,6 +35,13 @@ pub trait Store: Send + Sync {
     /// Every object whose name starts with `prefix` (e.g. `"snapshots/"`, `"data/"`, which
     /// lists recursively), with its length, in no particular order.
     fn list(&self, prefix: &str) -> io::Result<Vec<(String, u64)>>;
+    /// Removes what writes interrupted by a crash left under `prefix` and [`Store::list`]
+    /// does not show (a directory store's temporary files); the number of objects and
+    /// bytes removed. Only for a caller that excludes every writer (gc, under its lock).
+    /// Stores whose writes leave nothing behind (S3's PUTs are atomic) have nothing to do.
+    fn remove_partial(&self, _prefix: &str) -> io::Result<(u64, u64)> {
+        Ok((0, 0))
+    }
 }
 
 /// Whether `name` is an object name a store accepts: non-empty `/`-separated segments of
