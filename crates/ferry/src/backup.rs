@@ -197,6 +197,13 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
             .map(|q| Tracker { q, prefix: format!("{TRACK_PREFIX}{name}-") }),
         false => None,
     };
+    if tracker.is_some() && args.resume {
+        bail!(
+            "--resume cannot continue a backup of a local qcow2 image that ferry tracks itself (opened for writing, \
+             it cannot tell whether the image changed since the interrupted run): back up with --no-bitmap (it \
+             reads the image read-only, and a resume checks that the file did not change), or without --resume"
+        );
+    }
     let source = match &tracker {
         Some(t) => ferry_open::Source::plain(Endpoint::Backend(BackendEndpoint::new(shown(&args.src), t.q.clone()))),
         None => ferry_open::source(&src_loc, args.force_share, &remote)

@@ -140,4 +140,8 @@ fn a_killed_dirty_bitmap_backup_resumes() {
     ferry(&["copy", &target, s(&restored)]);
     qemu_img(&["compare", "-f", "raw", "-F", "qcow2", s(&restored), s(&img)]);
     ferry(&["repo", "check", s(&repo)]);
+    // A local qcow2 image that ferry tracks itself cannot be resumed: it says to read it
+    // with --no-bitmap.
+    let out = run_fails(&mut ferry_cmd(&["backup", "--resume", s(&img), &target]));
+    assert!(out.stderr.contains("--no-bitmap"), "{}", out.describe());
 }

@@ -254,7 +254,7 @@ impl SnapshotWriter {
         let chunks = opts.size.div_ceil(cs);
         let tag = repo.crypto.disk_tag(&opts.name);
         let guard = lock::acquire(&repo.store, LockKind::Backup, Some(tag), opts.wait_lock)?;
-        let index = usable_index(&repo)?;
+        let index = Self::load_index(&repo)?;
         let (mut entries, base_chunks) = match &opts.base {
             Some(b) => {
                 let e = repo.entries(&index, b)?;
@@ -320,7 +320,7 @@ impl SnapshotWriter {
                 )))
             }
         };
-        let index = usable_index(&repo)?;
+        let index = Self::load_index(&repo)?;
         let entries = repo.entries(&index, &checkpoint.as_snapshot())?;
         let base_chunks = opts.base.as_ref().map_or(0, |b| b.manifest.chunks());
         let n_pages = checkpoint.checkpoint.pages.len();
@@ -333,8 +333,42 @@ impl SnapshotWriter {
         for [first, n] in &checkpoint.checkpoint.done {
             state.mark_done(*first, *n);
         }
-        let resumed = checkpoint.checkpoint.done.clone();
+        // A done chunk whose pack is gone since is read again.
+        for [first, n] in &checkpoint.checkpoint.done {
+            for ci in *first..first + n {
+                let e = state.entries[ci as usize];
+                if e != ZERO && !index.blobs.contains_key(&repo.crypto.blob_id(&e)) {
+                    state.done[(ci / 64) as usize] &= !(1 << (ci % 64));
+                }
+            }
+        }
+        let resumed = state.done_runs(chunks);
         Ok(Self::build(repo, opts, guard, index, state, base_chunks, resumed))
+    }
+
+    /// The repository's index, without the blobs whose pack is gone: chunks in them are
+    /// not reused (a new snapshot would reference the lost data again, and the
+    /// repository would never heal).
+    fn load_index(repo: &Repository) -> Result<Index> {
+        let mut index = repo.load_index_lenient()?;
+        let present: HashSet<String> = repo
+            .store
+            .list("data/")
+            .map_err(|e| Error::store(format!("cannot list the packs of {}", repo.store.describe()), e))?
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect();
+        let before = index.blobs.len();
+        index.blobs.retain(|_, l| present.contains(&pack_name(&l.pack)));
+        if index.blobs.len() != before {
+            log::warn!(
+                "{} chunk(s) of {} are in packs that are gone: they are stored again where this backup reads them \
+                 (`ferry repo check` names the snapshots that lost them)",
+                before - index.blobs.len(),
+                repo.store.describe()
+            );
+        }
+        Ok(index)
     }
 
     /// The checks of the options that `start` and `resume` share.
@@ -893,7 +927,6 @@ impl SnapshotWriter {
         if packs.is_empty() {
             return Ok(());
         }
-        // One object, unless it is very large (each stays under the readers' limit).
         let (_, stored) = self.repo.put_index(&packs)?;
         self.counters.new_stored.fetch_add(stored, Ordering::Relaxed);
         *indexed += packs.len();
@@ -1038,30 +1071,6 @@ impl SnapshotWriter {
             new_stored: c.new_stored.load(Ordering::Relaxed),
         }
     }
-}
-
-/// The repository's index without the chunks whose pack is gone: a new snapshot must not
-/// reference lost data again (the repository would never heal).
-fn usable_index(repo: &Repository) -> Result<Index> {
-    let mut index = repo.load_index_lenient()?;
-    let present: HashSet<String> = repo
-        .store
-        .list("data/")
-        .map_err(|e| Error::store(format!("cannot list the packs of {}", repo.store.describe()), e))?
-        .into_iter()
-        .map(|(n, _)| n)
-        .collect();
-    let before = index.blobs.len();
-    index.blobs.retain(|_, l| present.contains(&pack_name(&l.pack)));
-    if index.blobs.len() != before {
-        log::warn!(
-            "{} chunk(s) of {} are in packs that are gone: they are stored again where this backup reads them \
-             (`ferry repo check` names the snapshots that lost them)",
-            before - index.blobs.len(),
-            repo.store.describe()
-        );
-    }
-    Ok(index)
 }
 
 /// How `opts` differs from the backup that stored `ck` (empty when it may be resumed):
