@@ -85,6 +85,12 @@ pub struct BackupArgs {
     /// --resume, an interrupted backup of NAME is discarded.
     #[arg(long)]
     resume: bool,
+    /// With --resume from an NBD export: it is the same point in time as in the
+    /// interrupted run (the same backup job, still running; the same qemu-nbd of a stopped
+    /// image). ferry cannot tell from an export whether its disk changed, and a resume
+    /// from a changed one would mix two versions of the disk.
+    #[arg(long, requires = "resume")]
+    same_source: bool,
     #[command(flatten)]
     remote: crate::remote_args::RemoteArgs,
 }
@@ -106,7 +112,7 @@ fn checkpoint_every() -> Result<Duration> {
 
 /// What identifies the source's content, for a resume to compare: its local files (path,
 /// device, inode, size, mtime), a remote object's validator, or the source as shown.
-fn source_identity(source: &ferry_open::Source, shown_src: &str) -> String {
+fn source_identity(source: &ferry_open::Source, shown_src: &str) -> (String, bool) {
     use std::os::unix::fs::MetadataExt;
     let file = |p: &std::path::Path| match std::fs::metadata(p) {
         Ok(m) => format!(
@@ -121,13 +127,46 @@ fn source_identity(source: &ferry_open::Source, shown_src: &str) -> String {
         Err(_) => format!("file:{}", p.display()),
     };
     if !source.files.is_empty() {
-        return source.files.iter().map(|f| file(&f.path)).collect::<Vec<_>>().join(" + ");
+        return (source.files.iter().map(|f| file(&f.path)).collect::<Vec<_>>().join(" + "), true);
     }
     match &source.endpoint {
-        Endpoint::File(p) => file(p),
-        Endpoint::Backend(b) => b.backend().identity().unwrap_or_else(|| shown_src.to_string()),
-        _ => shown_src.to_string(),
+        Endpoint::File(p) => (file(p), true),
+        Endpoint::Backend(b) => match b.backend().identity() {
+            Some(id) => (id, true),
+            None => (shown_src.to_string(), false),
+        },
+        _ => (shown_src.to_string(), false),
     }
+}
+
+/// A digest of a change map's ranges, so that a resume with another map is refused.
+fn ranges_digest(ranges: &[(u64, u64)]) -> String {
+    let mut bytes = Vec::with_capacity(ranges.len() * 16);
+    for (o, l) in ranges {
+        bytes.extend_from_slice(&o.to_le_bytes());
+        bytes.extend_from_slice(&l.to_le_bytes());
+    }
+    let mut d = [0u8; 32];
+    ferry_hash::Algorithm::Sha256.digest_into(&bytes, &mut d);
+    ferry_hash::hex(&d)
+}
+
+/// `ranges` (sorted, disjoint) widened to whole chunks of `chunk` bytes, inside `size`:
+/// the writer then gets whole chunks, never parts it would keep until the commit.
+fn widen(ranges: &[(u64, u64)], chunk: u64, size: u64) -> Vec<(u64, u64)> {
+    let mut out: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
+    for &(o, l) in ranges {
+        let start = o / chunk * chunk;
+        let end = o.saturating_add(l).div_ceil(chunk).saturating_mul(chunk).min(size);
+        if end <= start {
+            continue;
+        }
+        match out.last_mut() {
+            Some(last) if last.0 + last.1 >= start => last.1 = last.1.max(end - last.0),
+            _ => out.push((start, end - start)),
+        }
+    }
+    out
 }
 
 /// `ranges` (sorted, disjoint) without `done` (sorted, disjoint).
@@ -211,14 +250,38 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
     };
     let src = &source.endpoint;
     let size = ferry_open::source_size(src).with_context(|| format!("source {:?}", shown(&args.src)))?;
-    let identity = source_identity(&source, &shown(&args.src));
+    let (mut identity, verified) = source_identity(&source, &shown(&args.src));
+    if args.resume && !verified && !args.same_source {
+        bail!(
+            "--resume: ferry cannot tell whether the disk behind {} changed since the interrupted backup, and \
+             continuing it from a changed one would store a mix of two versions. If it is the same point in time \
+             (the same backup job, still running), add --same-source; otherwise back up without --resume",
+            shown(&args.src)
+        );
+    }
     let every = checkpoint_every()?;
-    let ranges = match &args.extents_from {
-        Some(f) => Some(Arc::new(
+    // The change map's ranges, read once: widened to whole chunks for the copy, and
+    // part of the identity a resume must match.
+    let mut want: Option<Vec<(u64, u64)>> = match (&args.extents_from, &args.dirty_bitmap) {
+        (Some(f), _) => Some(
             ferry_client::copy::ranges::parse_extents_from(f).map_err(|e| anyhow::anyhow!("--extents-from: {e}"))?,
-        )),
-        None => None,
+        ),
+        (None, Some(b)) => {
+            let o = CopyOptions {
+                select_context: Some(format!("{META_DIRTY_BITMAP_PREFIX}{b}")),
+                ..CopyOptions::default()
+            };
+            Some(
+                ferry_client::copy::selected_ranges(src, &o)
+                    .with_context(|| format!("reading the dirty bitmap {b} of {}", shown(&args.src)))?,
+            )
+        }
+        (None, None) => None,
     };
+    if let Some(w) = &want {
+        identity = format!("{identity} map={}", ranges_digest(w));
+    }
+    let ranges: Option<Arc<Vec<(u64, u64)>>> = None;
     let asked = match (&args.dirty_bitmap, &args.extents_from) {
         (Some(b), _) => Changes::DirtyBitmap { bitmap: b.clone() },
         (None, Some(f)) => Changes::ExtentsFrom { file: f.clone() },
@@ -317,16 +380,27 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
         journal: None,
         cancel: Some(cancel),
     };
-    // A resumed backup reads what its checkpoint does not hold: of the change map's
-    // ranges (the dirty bitmap's, or the list's), or of the whole disk.
-    let done = writer.done_ranges();
+    // A change map is copied as ranges widened to whole chunks (a finer map would leave
+    // parts of chunks waiting in memory until the commit).
     let mut copy_opts = copy_opts;
+    if want.is_none() && copy_opts.select_context.is_some() {
+        // ferry's own bitmap of a local qcow2 image.
+        want = Some(
+            ferry_client::copy::selected_ranges(src, &copy_opts)
+                .with_context(|| format!("reading the change map of {}", shown(&args.src)))?,
+        );
+    }
+    if let Some(w) = &want {
+        copy_opts.ranges = Some(Arc::new(widen(w, repo.config().chunk_size as u64, size)));
+        copy_opts.select_context = None;
+    }
+    // A resumed backup reads what its checkpoint does not hold: of the change map's
+    // ranges, or of the whole disk.
+    let done = writer.done_ranges();
     if !done.is_empty() {
-        let want = match (&copy_opts.select_context, &copy_opts.ranges) {
-            (Some(_), _) => ferry_client::copy::selected_ranges(src, &copy_opts)
-                .with_context(|| format!("reading the change map of {} to resume", shown(&args.src)))?,
-            (None, Some(r)) => r.to_vec(),
-            (None, None) => vec![(0, size)],
+        let want = match &copy_opts.ranges {
+            Some(r) => r.to_vec(),
+            None => vec![(0, size)],
         };
         let left = subtract(&want, &done);
         let total: u64 = want.iter().map(|r| r.1).sum();
@@ -351,6 +425,14 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
     let report =
         report
             .and_then(|r| if copy_opts.cancelled() { Err(ferry_client::copy::CopyError::Interrupted) } else { Ok(r) });
+    if report.is_err() {
+        // What is stored so far is kept for --resume (the writer refuses when a write to
+        // the repository failed: then nothing new is claimed).
+        match writer.checkpoint() {
+            Ok(()) => log::info!("what was stored is kept: `ferry backup --resume` continues this backup"),
+            Err(e) => log::debug!("no checkpoint after the failure: {e}"),
+        }
+    }
     let report =
         report.with_context(|| format!("backing up {} into {target} (no snapshot was made)", shown(&args.src)))?;
     let read = report.data_bytes + report.zero_bytes;
@@ -549,7 +631,19 @@ fn choose_base(
 
 #[cfg(test)]
 mod tests {
-    use super::subtract;
+    use super::{subtract, widen};
+
+    #[test]
+    fn widen_to_chunks() {
+        let k = 1024;
+        assert_eq!(
+            widen(&[(4 * k, 4 * k), (60 * k, 8 * k), (200 * k, 1)], 64 * k, 1 << 20),
+            [(0, 128 * k), (192 * k, 64 * k)]
+        );
+        // The short last chunk, and a range past the end.
+        assert_eq!(widen(&[(130 * k, 1)], 64 * k, 150 * k), [(128 * k, 22 * k)]);
+        assert_eq!(widen(&[(200 * k, 5)], 64 * k, 150 * k), []);
+    }
 
     #[test]
     fn subtract_ranges() {

@@ -129,7 +129,25 @@ fn a_killed_dirty_bitmap_backup_resumes() {
     std::thread::sleep(Duration::from_millis(1200));
     slow.kill().unwrap();
     slow.wait().unwrap();
-    let out = ferry(&["backup", "--resume", "--json", "--dirty-bitmap", "b0", &e.uri(), &target]);
+    // An NBD export cannot show that its disk is the one the interrupted run read: a
+    // resume needs the user's word for it.
+    let out = run_fails(&mut ferry_cmd(&["backup", "--resume", "--dirty-bitmap", "b0", &e.uri(), &target]));
+    assert!(out.stderr.contains("--same-source") && out.stderr.contains("two versions"), "{}", out.describe());
+    // Another change map than the interrupted run's is refused too.
+    let extents = d.join("extents.bin");
+    std::fs::write(&extents, [1u8]).unwrap();
+    let extents = format!("bitmap:64K:{}", extents.display());
+    let out = run_fails(&mut ferry_cmd(&[
+        "backup",
+        "--resume",
+        "--same-source",
+        "--extents-from",
+        &extents,
+        &e.uri(),
+        &target,
+    ]));
+    assert!(out.stderr.contains("cannot be resumed"), "{}", out.describe());
+    let out = ferry(&["backup", "--resume", "--same-source", "--json", "--dirty-bitmap", "b0", &e.uri(), &target]);
     e.stop();
     assert!(out.stderr.contains("resuming the backup of vm"), "{}", out.describe());
     let snap = Json::must_parse(out.stdout.trim());

@@ -591,7 +591,7 @@ pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_perc
     let _lock = lock::acquire(store, LockKind::Gc, None, wait)?;
     // What writers killed mid-write left (a directory store's temporary files): no
     // writer runs while gc holds its lock.
-    for prefix in ["data/", "index/", "snapshots/"] {
+    for prefix in ["data/", "index/", "snapshots/", "checkpoints/"] {
         match store.remove_partial(prefix) {
             Ok((0, _)) => {}
             Ok((n, bytes)) => log::warn!(
