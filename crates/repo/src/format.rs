@@ -739,6 +739,11 @@ pub struct Lock {
     pub pid: u32,
     pub time: String,
     pub refreshed: String,
+    /// The holder's machine boot and PID namespace (`BOOT_ID pid:[INODE]`): its `pid` is
+    /// tested for life only by a process of the same boot and namespace (containers and
+    /// cloned machines share host names, not PIDs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boot: Option<String>,
 }
 
 impl Lock {
@@ -1167,6 +1172,7 @@ mod tests {
             pid: 7,
             time: "2026-11-26T22:00:00Z".into(),
             refreshed: "2026-11-26T22:05:00Z".into(),
+            boot: Some("b pid:[1]".into()),
         };
         assert_eq!(Lock::parse(&l.to_bytes()).unwrap(), l);
         let gc = Lock { kind: LockKind::Gc, disk: None, ..l.clone() };

@@ -28,12 +28,33 @@ pub struct LockGuard {
     name: String,
     stop: Arc<(Mutex<bool>, Condvar)>,
     refresher: Option<JoinHandle<()>>,
+    /// The lock object was found gone (removed by another process that took it for stale).
+    lost: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl LockGuard {
     /// The lock's object name (`locks/...`).
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// Whether the lock is still held: its object is there and was never found gone.
+    /// Called before a backup commits and before a gc deletes, so that a process whose
+    /// lock another one removed as stale stops instead of acting unprotected.
+    pub fn check(&self) -> Result<()> {
+        let gone = self.lost.load(std::sync::atomic::Ordering::SeqCst)
+            || matches!(self._store.len(&self.name), Err(e) if e.kind() == std::io::ErrorKind::NotFound);
+        if gone {
+            self.lost.store(true, std::sync::atomic::Ordering::SeqCst);
+            return Err(crate::Error::Locked(format!(
+                "the lock {} of this process was removed from {} while it ran (another process took it for stale: \
+                 a clock far off, or refreshes failing for 30 minutes); stopping before anything is committed or \
+                 deleted: run it again",
+                self.name,
+                self._store.describe()
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -82,10 +103,19 @@ pub fn stale(lock: &Lock) -> Option<String> {
             return Some(format!("not refreshed since {}", lock.refreshed));
         }
     }
-    if lock.host == hostname() && !pid_alive(lock.pid) {
+    // A PID means something only in its machine's boot and PID namespace: a container
+    // with the host's name, or a cloned machine, has other processes under those numbers.
+    if lock.host == hostname() && lock.boot.is_some() && lock.boot == this_boot() && !pid_alive(lock.pid) {
         return Some(format!("process {} no longer runs on {}", lock.pid, lock.host));
     }
     None
+}
+
+/// This machine's boot id and this process's PID namespace, as a lock records them.
+pub fn this_boot() -> Option<String> {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+    let ns = std::fs::read_link("/proc/self/ns/pid").ok()?;
+    Some(format!("{} {}", boot.trim(), ns.display()))
 }
 
 fn pid_alive(pid: u32) -> bool {
@@ -222,7 +252,15 @@ pub fn acquire(
             }
         }
         let time = now_precise();
-        let lock = Lock { kind, disk: disk.clone(), host: host.clone(), pid, time: time.clone(), refreshed: time };
+        let lock = Lock {
+            kind,
+            disk: disk.clone(),
+            host: host.clone(),
+            pid,
+            time: time.clone(),
+            refreshed: time,
+            boot: this_boot(),
+        };
         let name = format!("locks/{}", format::hex(&crate::crypto::random::<16>()));
         store
             .put(&name, &lock.to_bytes())
@@ -256,8 +294,9 @@ pub fn acquire(
 
 fn start_refresh(store: Arc<dyn Store>, name: String, lock: Lock) -> LockGuard {
     let stop = Arc::new((Mutex::new(false), Condvar::new()));
+    let lost = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let refresher = {
-        let (store, name, stop) = (store.clone(), name.clone(), stop.clone());
+        let (store, name, stop, lost) = (store.clone(), name.clone(), stop.clone(), lost.clone());
         std::thread::Builder::new()
             .name("repo-lock".into())
             .spawn(move || {
@@ -271,6 +310,13 @@ fn start_refresh(store: Arc<dyn Store>, name: String, lock: Lock) -> LockGuard {
                     let (s, timeout) = c.wait_timeout(stopped, REFRESH).unwrap_or_else(|e| e.into_inner());
                     stopped = s;
                     if timeout.timed_out() && !*stopped {
+                        // A lock removed by another process is not made again: the
+                        // holder finds it lost (LockGuard::check) and stops.
+                        if matches!(store.len(&name), Err(e) if e.kind() == std::io::ErrorKind::NotFound) {
+                            log::warn!("the lock {name} was removed from {} by another process", store.describe());
+                            lost.store(true, std::sync::atomic::Ordering::SeqCst);
+                            continue;
+                        }
                         lock.refreshed = now_precise();
                         if let Err(e) = store.put(&name, &lock.to_bytes()) {
                             log::warn!("cannot refresh the lock {name} in {}: {e}", store.describe());
@@ -283,7 +329,7 @@ fn start_refresh(store: Arc<dyn Store>, name: String, lock: Lock) -> LockGuard {
     if refresher.is_none() {
         log::warn!("cannot start the thread that refreshes the lock {name}: it goes stale in 30 minutes");
     }
-    LockGuard { _store: store, name, stop, refresher }
+    LockGuard { _store: store, name, stop, refresher, lost }
 }
 
 /// The locks in the repository now, with whether each is stale (for `ferry repo list`

@@ -732,6 +732,8 @@ pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_perc
     // old one is removed (several when the repository is large: each stays readable).
     keep.extend(new_packs);
     let (new_names, _) = repo.put_index(&keep)?;
+    // Still ours: a gc whose lock was taken for stale stops before it deletes.
+    _lock.check()?;
     // 5. The old index objects.
     for name in old_index.iter().filter(|n| !new_names.contains(n)) {
         store.delete(name).map_err(|e| Error::store(format!("cannot remove {name} from {}", store.describe()), e))?;

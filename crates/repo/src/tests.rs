@@ -480,6 +480,7 @@ fn stale_lock_of_a_dead_process_is_removed() {
         pid: dead,
         time: now.clone(),
         refreshed: now,
+        boot: lock::this_boot(),
     };
     store.put("locks/00000000000000000000000000000001", &l.to_bytes()).unwrap();
     // An old lock of another host is stale too.
@@ -795,6 +796,7 @@ fn a_later_lock_that_stays_holds() {
         pid: std::process::id(),
         time: later.clone(),
         refreshed: later,
+        boot: lock::this_boot(),
     };
     let name = "locks/0000000000000000000000000000000a".to_string();
     for gone in [None, Some(std::time::Duration::from_millis(300))] {
@@ -920,4 +922,37 @@ fn index_objects_are_cut_so_each_stays_readable() {
     let again = repo.load_index().unwrap();
     assert_eq!(again.blobs.len(), index.blobs.len(), "every blob is indexed once more");
     assert!(read_back(&repo, &snap) == data);
+}
+
+#[test]
+fn a_backup_whose_lock_was_removed_does_not_commit() {
+    let (store, repo) = new_repo(false);
+    let data = disk(1 << 20, 12);
+    let w = SnapshotWriter::start(repo.clone(), opts("gone", data.len() as u64, None)).unwrap();
+    write_all(&w, &data);
+    for (name, _) in objects(&store, "locks/") {
+        store.delete(&name).unwrap();
+    }
+    assert!(matches!(w.commit(data.len() as u64), Err(Error::Locked(_))), "committed without its lock");
+    assert!(objects(&store, "snapshots/").is_empty());
+}
+
+#[test]
+fn a_dead_pid_of_another_boot_or_namespace_is_not_stale() {
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let dead = child.id();
+    child.wait().unwrap();
+    let now = jiff::Timestamp::now().to_string();
+    let l = Lock {
+        kind: LockKind::Gc,
+        disk: None,
+        host: crate::repo::hostname(),
+        pid: dead,
+        time: now.clone(),
+        refreshed: now,
+        boot: Some("another-boot pid:[1]".into()),
+    };
+    assert!(lock::stale(&l).is_none(), "a PID of another namespace was taken for this machine's");
+    assert!(lock::stale(&Lock { boot: None, ..l.clone() }).is_none());
+    assert!(lock::stale(&Lock { boot: lock::this_boot(), ..l }).is_some());
 }

@@ -908,6 +908,11 @@ impl SnapshotWriter {
         let sealed = self.repo.crypto.seal(AAD_SNAPSHOT, &manifest.to_bytes());
         let id = format::hex(&sha256(&sealed));
         let name = format!("snapshots/{id}");
+        // Our lock must still be there: a gc that took it for stale may have freed our
+        // packs as orphans, and a snapshot listed now could lack them.
+        if let Some(g) = locked(&self.lock).as_ref() {
+            g.check()?;
+        }
         self.repo
             .store
             .put(&name, &sealed)
