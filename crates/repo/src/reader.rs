@@ -205,32 +205,31 @@ impl SnapshotImage {
     /// An I/O error for a range whose data could not be had from the store (a network or
     /// storage failure, not damage).
     fn unreadable(&self, offset: u64, length: u64, ci: u64, why: String) -> ferry_backend::Error {
+        let text = format!("cannot read bytes {} of snapshot {}: {why}", self.chunk_range(ci), self.shown_id());
+        ferry_backend::Error::io("read", offset, length, io::Error::other(text))
+    }
+
+    /// Chunk `ci`'s bytes in the disk, as `START..END`.
+    fn chunk_range(&self, ci: u64) -> String {
         let start = ci * self.cs;
-        let end = start + self.chunk_len(ci) as u64;
-        ferry_backend::Error::io(
-            "read",
-            offset,
-            length,
-            io::Error::other(format!(
-                "cannot read bytes {start}..{end} of snapshot {}@{}: {why}",
-                self.snap.manifest.name,
-                &self.snap.id[..8.min(self.snap.id.len())],
-            )),
-        )
+        format!("{start}..{}", start + self.chunk_len(ci) as u64)
+    }
+
+    /// `NAME@ID8`.
+    fn shown_id(&self) -> String {
+        format!("{}@{}", self.snap.manifest.name, &self.snap.id[..8.min(self.snap.id.len())])
     }
 
     /// An I/O error naming the snapshot's range and what failed.
     fn damage(&self, offset: u64, length: u64, ci: u64, why: String) -> ferry_backend::Error {
-        let start = ci * self.cs;
-        let end = start + self.chunk_len(ci) as u64;
         ferry_backend::Error::io(
             "read",
             offset,
             length,
             io::Error::other(format!(
-                "bytes {start}..{end} of snapshot {}@{} of {} are damaged: {why} (run `ferry repo verify`)",
-                self.snap.manifest.name,
-                &self.snap.id[..8.min(self.snap.id.len())],
+                "bytes {} of snapshot {} of {} are damaged: {why} (run `ferry repo verify`)",
+                self.chunk_range(ci),
+                self.shown_id(),
                 self.repo.store.describe()
             )),
         )
@@ -369,12 +368,7 @@ struct Want {
 
 impl Backend for SnapshotImage {
     fn describe(&self) -> String {
-        format!(
-            "{}::{}@{}",
-            self.repo.store.describe(),
-            self.snap.manifest.name,
-            &self.snap.id[..8.min(self.snap.id.len())]
-        )
+        format!("{}::{}", self.repo.store.describe(), self.shown_id())
     }
     fn size(&self) -> u64 {
         self.size

@@ -285,17 +285,24 @@ impl Repository {
         Limits { chunk_size: self.config.chunk_size, page_entries: self.config.page_entries }
     }
 
-    /// Reads and checks one manifest object (`snapshots/ID`).
-    pub(crate) fn read_snapshot(&self, object: &str) -> Result<SnapshotInfo> {
-        let id = object.strip_prefix("snapshots/").unwrap_or(object);
+    /// The plain bytes of an object named by the SHA-256 of its stored bytes
+    /// (`PREFIX` + hex): at most `limit` bytes read, the name checked, then opened.
+    fn read_named(&self, object: &str, prefix: &str, limit: u64, aad: &[u8]) -> Result<Vec<u8>> {
+        let id = object.strip_prefix(prefix).unwrap_or(object);
         let want = format::parse_digest(id)
             .ok_or_else(|| Error::damaged(object, "its name is not a SHA-256 in hex (not written by ferry)"))?;
-        let bytes = self.store.get(object, format::MAX_MANIFEST).map_err(|e| read_error(&*self.store, object, e))?;
+        let bytes = self.store.get(object, limit).map_err(|e| read_error(&*self.store, object, e))?;
         if sha256(&bytes) != want {
             return Err(Error::damaged(object, "its content does not match its name (SHA-256)"));
         }
-        let json = self.crypto.open(AAD_SNAPSHOT, &bytes).map_err(|e| Error::damaged(object, e.to_string()))?;
+        self.crypto.open(aad, &bytes).map_err(|e| Error::damaged(object, e.to_string()))
+    }
+
+    /// Reads and checks one manifest object (`snapshots/ID`).
+    pub(crate) fn read_snapshot(&self, object: &str) -> Result<SnapshotInfo> {
+        let json = self.read_named(object, "snapshots/", format::MAX_MANIFEST, AAD_SNAPSHOT)?;
         let manifest = Manifest::parse(&json, &self.limits()).map_err(|e| Error::damaged(object, e.0))?;
+        let id = object.strip_prefix("snapshots/").unwrap_or(object);
         Ok(SnapshotInfo { id: id.to_string(), manifest })
     }
 
@@ -376,14 +383,7 @@ impl Repository {
 
     /// Reads and checks one index object.
     pub(crate) fn read_index_object(&self, object: &str) -> Result<Vec<format::PackBlobs>> {
-        let id = object.strip_prefix("index/").unwrap_or(object);
-        let want = format::parse_digest(id)
-            .ok_or_else(|| Error::damaged(object, "its name is not a SHA-256 in hex (not written by ferry)"))?;
-        let bytes = self.store.get(object, format::MAX_INDEX).map_err(|e| read_error(&*self.store, object, e))?;
-        if sha256(&bytes) != want {
-            return Err(Error::damaged(object, "its content does not match its name (SHA-256)"));
-        }
-        let plain = self.crypto.open(AAD_INDEX, &bytes).map_err(|e| Error::damaged(object, e.to_string()))?;
+        let plain = self.read_named(object, "index/", format::MAX_INDEX, AAD_INDEX)?;
         format::parse_index(&plain, &self.limits()).map_err(|e| Error::damaged(object, e.0))
     }
 
