@@ -365,6 +365,24 @@ fn forget_and_gc_free_exactly_the_dead_data() {
         }
     }
     let indexed: std::collections::HashSet<_> = index.blobs.keys().copied().collect();
+    assert!(indexed.is_superset(&live), "gc lost a live blob");
+    // Unused blobs stay only in packs of which less than the threshold (10%) is unused
+    // (which chunks share a pack depends on the writer's threads).
+    let mut per_pack: std::collections::HashMap<_, (u64, u64)> = std::collections::HashMap::new();
+    for (id, loc) in &index.blobs {
+        let e = per_pack.entry(loc.pack).or_default();
+        e.1 += loc.stored_len as u64;
+        if !live.contains(id) {
+            e.0 += loc.stored_len as u64;
+        }
+    }
+    for (pack, (dead, all)) in &per_pack {
+        assert!(dead * 100 < all * 10, "pack {} is {dead} of {all} bytes unused after gc", crate::format::hex(pack));
+    }
+    // With no threshold, gc leaves exactly the live blobs.
+    maint::gc_with(&repo, None, 0).unwrap();
+    let index = repo.load_index().unwrap();
+    let indexed: std::collections::HashSet<_> = index.blobs.keys().copied().collect();
     assert_eq!(indexed, live, "the index holds exactly the live blobs");
     assert!(read_back(&repo, &s2) == a2);
     assert!(read_back(&repo, &sb) == b1);
