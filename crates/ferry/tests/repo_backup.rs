@@ -6,7 +6,8 @@
 //!   `--dirty-bitmap b0`, the bitmap cleared after each backup as the incremental-backup
 //!   tests clear it); every snapshot restores to its day's image, and its `ferry hash`
 //!   from the index is the image's.
-//! * libvirt's pull mode through qemu-storage-daemon (as incremental_backup.rs drives it).
+//! * 30 days of libvirt's pull mode through qemu-storage-daemon (as incremental_backup.rs
+//!   drives it), the guest writing during each backup.
 //! * Encryption, forget + gc, verify and check against damage, serving a snapshot, and
 //!   concurrent backups.
 
@@ -209,7 +210,8 @@ fn refusals_say_what_to_do() {
     assert!(!out.stderr.is_empty(), "{}", out.describe());
 }
 
-/// (b) libvirt's pull mode: qemu-storage-daemon's fleecing exports, the guest writing on.
+/// (b) libvirt's pull mode, 30 days: each day qemu-storage-daemon's fleecing export of
+/// that moment and its dirty bitmap since the day before, the guest writing on meanwhile.
 #[test]
 fn pull_mode_from_qemu_storage_daemon() {
     let dir = tempfile::Builder::new().prefix("ferry-repopull").tempdir().unwrap();
@@ -221,8 +223,10 @@ fn pull_mode_from_qemu_storage_daemon() {
     let mut qsd = Qsd::start(d, &img);
     let guest = qsd.uri("guest");
     qemu_io("raw", &guest, &crate::incremental_backup::workload(0));
-    let mut snaps = Vec::new();
-    for round in 0..3u32 {
+    // (id, blkhash of the day's point in time, that point saved as a raw file)
+    let mut snaps: Vec<(String, String, Option<PathBuf>)> = Vec::new();
+    let saved = [0u32, 1, 14, 29];
+    for round in 0..30u32 {
         if round > 0 {
             qemu_io("raw", &guest, &crate::incremental_backup::workload(round));
         }
@@ -230,8 +234,12 @@ fn pull_mode_from_qemu_storage_daemon() {
         let old = (round > 0).then(|| format!("b{}", round - 1));
         qsd.begin_backup(d, &name, old.as_deref(), &format!("b{round}"));
         let src = qsd.uri(&name);
-        let want = d.join(format!("want{round}.raw"));
-        snapshot(&src, "raw", &want);
+        let want = saved.contains(&round).then(|| {
+            let want = d.join(format!("want{round}.raw"));
+            snapshot(&src, "raw", &want);
+            want
+        });
+        let hash = ferry_hash(&src);
         qemu_io("raw", &guest, &crate::incremental_backup::during_backup(round));
         let snap = match &old {
             None => backup(&[&src, &target]),
@@ -239,15 +247,23 @@ fn pull_mode_from_qemu_storage_daemon() {
         };
         qsd.end_backup(&name);
         if round > 0 {
-            assert!(snap.u64_at("read") < 16 * MIB, "{snap}");
+            assert!(snap.u64_at("read") < 16 * MIB, "day {round} read too much: {snap}");
+            assert_eq!(snap.at("parent").as_str(), Some(snaps[round as usize - 1].0.as_str()), "{snap}");
         }
-        snaps.push((snap.at("id").as_str().unwrap().to_string(), want));
+        snaps.push((snap.at("id").as_str().unwrap().to_string(), hash, want));
     }
     qsd.quit();
-    for (id, want) in &snaps {
+    let list = Json::must_parse(&ferry(&["repo", "list", "--json", s(&repo)]).stdout);
+    assert_eq!(list.as_array().unwrap().len(), 30, "{list}");
+    for (day, (id, hash, want)) in snaps.iter().enumerate() {
         let sp = spec(&repo, "guest", id);
-        assert_restores(&sp, want, "raw", &d.join("restored.raw"));
-        assert_eq!(ferry_hash(&sp), ferry_hash(s(want)), "{sp}");
+        // The blkhash from the index, and of the data as a restore reads it.
+        assert_eq!(&ferry_hash(&sp), hash, "ferry hash {sp} (day {day})");
+        let read = ferry(&["copy", "--hash", &sp, "null:"]).stdout;
+        assert!(read.starts_with(hash.as_str()), "day {day}: the data of {sp} hashes to {read}, the image to {hash}");
+        if let Some(want) = want {
+            assert_restores(&sp, want, "raw", &d.join("restored.raw"));
+        }
     }
 }
 
