@@ -25,6 +25,18 @@
 //! every file an image keeps open, which `ferry serve` (one file, one writer across
 //! exports) and `ferry copy` (`copy_guard.rs`: no destination that is the source, its
 //! backing chain, or its own export) compare.
+//!
+//! # What this crate owns
+//!
+//! `Backend` trait: `caps()` declares what the backend can do, operations get validated
+//! ranges only; `memory`, `file`, `null`, `pattern`; the `ReadOnly`, `IgnoreDiscard` and
+//! `GuessedRaw` filters; `lock` (qemu's image locks: see "Safety: where it lives" below);
+//! spec parsing (`memory:1G`); two hooks for layers above files: `file_offset` (where a
+//! guest range lies in the file, so a format's data clusters go out with sendfile) and
+//! `io_queue` (READs and WRITEs kept in flight per connection and answered as each
+//! completes, for stores such as RBD that complete them in parallel)
+//!
+//! `unsafe`: forbidden.
 #![forbid(unsafe_code)]
 
 mod file;

@@ -133,6 +133,15 @@
 //! 16 MiB per non-data chunk, 1M ranges in a copy's allocation map, then coarsened); a
 //! READ's chunks must cover it exactly once (`ReadCoverage`); the handshake timeout covers
 //! the whole handshake.
+//!
+//! # What this crate owns
+//!
+//! `Uri` (doc/uri.md), `Connection` (connect, handshake, `submit` many requests in one
+//! writev, `receive` completions with READ data landing in the caller's buffers), `copy`
+//! (the engine of `ferry copy` and `ferry hash`: one `Ops` interface, one file per endpoint
+//! kind — NBD, file/block device, pipe, null, any `Backend`)
+//!
+//! `unsafe`: forbidden.
 #![forbid(unsafe_code)]
 
 pub mod conn;

@@ -63,6 +63,19 @@
 //! `HttpBackend` itself (the agent follows none): past a change of origin the URL's
 //! credentials, credential headers and user headers stay behind.
 //!
+//!
+//! # What this crate owns
+//!
+//! `HttpBackend`: an HTTP(S) object as a read-only `Backend` (size from the first ranged
+//! GET's `Content-Range`, one ranged GET per read straight into the caller's buffer over a
+//! pool of kept-alive connections, stream mode for servers without ranges, retries with
+//! backoff, redirects followed by origin, the object pinned by its first answer's
+//! ETag/Last-Modified (`If-Match`, `Backend::identity`), Basic auth, proxies from the
+//! environment, trust from the system store / `SSL_CERT_FILE` / `--ca`); `Locator` (where
+//! each GET goes: a URL, or a presigned S3 URL); errors that never print userinfo or query
+//! strings. On ureq 3 with native-tls (the OpenSSL ferry already links)
+//!
+//! `unsafe`: forbidden.
 #![forbid(unsafe_code)]
 
 mod backend;

@@ -22,6 +22,19 @@
 //! connection covers every connection's writes).
 //!
 //! See also the untrusted-image rules in `ferry-qcow2`'s docs ("Safety"): a writable local file whose raw format was guessed is wrapped in `ferry_backend::GuessedRaw`, and `destination` refuses to update in place a file only its bytes call qcow2.
+//!
+//! # What this crate owns
+//!
+//! `Location::parse` (one parse of a spec: a format on a store, an NBD URI, a stream,
+//! `null:`, a backend spec) and the opener every command calls: `open_backend` (serve,
+//! info), `source` (copy, hash; local files locked as qemu-img locks them), `destination`
+//! (copy: new files, qcow2 images and overlays, RBD images created with the source's size,
+//! S3 uploads finished or aborted), `open_on_store` (a format on a store other than a local
+//! file); `repo` (a backup repository's store, directory or S3, opened and unlocked with
+//! its passphrase; `REPO::NAME[@ID]` as a read-only `SnapshotImage`, refused as a copy
+//! destination)
+//!
+//! `unsafe`: forbidden.
 
 pub mod location;
 mod rbd;

@@ -142,6 +142,16 @@
 //!   images. `destination` refuses to update in place a file only its bytes call qcow2, and
 //!   a local image opened as qcow2 on its bytes alone (`ferry_qcow2::Options::guessed`: no
 //!   `qcow2:`, no `*.qcow2` name) is refused when it names a backing or data file.
+//!
+//! # What this crate owns
+//!
+//! The qcow2 format layer: `header` (parse and validate, refusals naming the feature),
+//! `map` (L1/L2 lookup to `Mapping::{Unallocated, Zero, Data, Compressed}`, subclusters, L2
+//! cache), `compressed` (zlib via flate2/zlib-rs, zstd via ruzstd), `refcount` + `write`
+//! (allocation, copy-on-write, ordered flush), `create`; `Qcow2` is a `Backend` over a
+//! `Store` (a file, or any `Backend`)
+//!
+//! `unsafe`: forbidden.
 #![forbid(unsafe_code)]
 
 mod bitmaps;

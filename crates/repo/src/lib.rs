@@ -112,6 +112,16 @@
 //!
 //! `ferry hash REPO::vm` reads none of this: with 64 KiB chunks the snapshot's blkhash is
 //! computed from its entries (FORMAT.md §1), and the manifest records it.
+//!
+//! # What this crate owns
+//!
+//! The backup repository (`crates/repo`, FORMAT.md beside it): `format` (every object's
+//! encoding, pure and fuzzed), `crypto`, `blob`, `store` (`DirStore`, `S3Store`), `lock`,
+//! `Repository`, `SnapshotWriter` (a backup, as a copy destination), `SnapshotImage` (a
+//! snapshot, as a read-only `Backend`), `maint` (check, verify, forget, gc, stats); see
+//! "The backup repository"
+//!
+//! `unsafe`: forbidden.
 #![forbid(unsafe_code)]
 
 pub mod blob;

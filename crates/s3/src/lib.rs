@@ -105,6 +105,20 @@
 //! (`--hash`, `--verify`, `--expect-hash`) is computed over the whole source afterwards.
 //! `--restart`, or a later copy onto the same object without `--resume`, aborts the upload
 //! a journal names before removing the journal.
+//!
+//! # What this crate owns
+//!
+//! `S3Url`, `S3Config` (credentials, region and endpoint where the AWS tools find them),
+//! `open_source` (an object read through `ferry-http` with an `S3Locator` that presigns
+//! each GET), `S3Writer` (a write-only `Backend`: a multipart upload with parts sized for
+//! the 10,000-part limit, each uploaded with its SHA-256 signed in the `Authorization`
+//! header (`sigv4.rs`) once all its bytes have arrived, bounded memory,
+//! `complete`/`abort`/`resume`); `S3Bucket` (whole objects by key: GET with a size limit,
+//! ranged GET, HEAD, payload-signed PUT, DELETE, ListObjectsV2; what ferry-repo's S3 store
+//! uses); `credentials.rs`: web identity (STS), `credential_process`, IMDSv2. Presigning by
+//! rusty-s3 (no I/O of its own)
+//!
+//! `unsafe`: forbidden.
 #![forbid(unsafe_code)]
 
 mod client;

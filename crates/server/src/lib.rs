@@ -89,6 +89,16 @@
 //! declared length and an `ERROR_OFFSET` (EIO) chunk ends the reply, so the client gets
 //! EIO and the connection stays in step. A zero-copy batch that fails part way keeps its
 //! arenas with those in flight until the kernel reports them complete.
+//!
+//! # What this crate owns
+//!
+//! `Exports` (the handshake's `Catalog`), `Server::run` (poll on listeners and a wake-up
+//! socket; connection limits; shutdown), `conn` (handshake driver and transmission loop),
+//! `poller` (one epoll thread holding idle connections, `--idle-timeout`), `zerocopy`
+//! (`--zerocopy`: which batches go out with `MSG_ZEROCOPY`, and the send arenas lent to the
+//! kernel until their completion)
+//!
+//! `unsafe`: forbidden.
 #![forbid(unsafe_code)]
 
 mod conn;

@@ -42,6 +42,15 @@
 //! minutes, needs only the C compiler, make and perl a fresh Debian machine has), so the
 //! two commands of the README (serve, test) work without a `-dev` package; set `OPENSSL_NO_VENDOR=1` to
 //! link the distribution's libssl instead and take its security updates.
+//!
+//! # What this crate owns
+//!
+//! `ServerTls`/`ClientTls` (contexts from `--tls-certificates` DIR, `--tls-psk` FILE, or
+//! the URI's `tls-*` parameters), `TlsStream` (OpenSSL session over a ferry `Stream`),
+//! `Transport` (plaintext or TLS, one type for the server's and the client's data path),
+//! `PskKeys` (psktool's file format)
+//!
+//! `unsafe`: forbidden (OpenSSL's own `unsafe` stays inside the `openssl` crate).
 
 use std::collections::HashMap;
 use std::io::{self, IoSlice, Read, Write};
