@@ -8,6 +8,35 @@
 //!
 //! Besides the protocol crate, OS bindings, logging and errors it uses **percent-encoding**, to
 //! read `rbd:` option names as the RBD parser does when hiding a key ([`redact_rbd`]).
+//!
+//! # Safety: locks
+//!
+//! `ferry_backend::lock`: one module for every local image file. An opening
+//! names its role (`ImageUse`: `Write`, `Export`, `Source`, `Backing`, `Inspect`,
+//! `Destination`, plus `force_share`) and the kind of file (`raw()`, `qcow2()`,
+//! `data_file()`), which gives the permission bytes held and not shared, as measured on
+//! qemu 10 (table in `lock.rs`). Like qemu it takes every lock as an OFD read lock first,
+//! then tests with `F_OFD_GETLK` for a conflicting holder, so of two programs opening at
+//! once at least one sees the other. Locks live on the open file description, so they
+//! last exactly as long as the file is open and a second opening in the same process
+//! conflicts too. A conflict names the holder from `/proc/*/fdinfo` (OFD locks report
+//! pid -1). `FileBackend::open_with`, `FileStore::open` (qcow2 files, backing files, data
+//! files) and `Qcow2::create` lock; `Qcow2::open_files()` lists (device, inode, writable) of
+//! every file an image keeps open, which `ferry serve` (one file, one writer across
+//! exports) and `ferry copy` (`copy_guard.rs`: no destination that is the source, its
+//! backing chain, or its own export) compare.
+//!
+//! # What this crate owns
+//!
+//! `Backend` trait: `caps()` declares what the backend can do, operations get validated
+//! ranges only; `memory`, `file`, `null`, `pattern`; the `ReadOnly`, `IgnoreDiscard` and
+//! `GuessedRaw` filters; `lock` (qemu's image locks: see "Safety: where it lives" below);
+//! spec parsing (`memory:1G`); two hooks for layers above files: `file_offset` (where a
+//! guest range lies in the file, so a format's data clusters go out with sendfile) and
+//! `io_queue` (READs and WRITEs kept in flight per connection and answered as each
+//! completes, for stores such as RBD that complete them in parallel)
+//!
+//! `unsafe`: forbidden.
 #![forbid(unsafe_code)]
 
 mod file;

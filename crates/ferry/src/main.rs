@@ -1,4 +1,21 @@
 //! `ferry`: move block data over NBD at the speed of the machine.
+//!
+//! # What this crate owns
+//!
+//! CLI flags and their validation, logging, signals, captive mode, progress, `bench nbd`,
+//! `bench conns` and `bench socket`, `copy_guard` (a copy that would overwrite its own
+//! source is refused), `backup` (a copy engine run from the source into a
+//! `ferry_repo::SnapshotWriter` on the disk's latest snapshot, the base read again once the
+//! disk's lock is held; a stopped VM's local qcow2 keeps a `ferry-NAME-ID16` bitmap
+//! restarted only after the commit; `--resume` continues from the disk's checkpoint,
+//! copying the selection minus `SnapshotWriter::done_ranges`) and `repo` (init, list,
+//! check, verify, forget, gc, stats)
+//!
+//! `unsafe`: forbidden.
+// The `///` comments on the command-line structs are clap's --help text (and the man
+// pages'), plain text for a terminal: `nbd://HOST[:PORT]` there is a URI's syntax, not a
+// rustdoc link. The libraries' docs are checked for broken links (scripts/test).
+#![allow(rustdoc::broken_intra_doc_links)]
 
 mod backup;
 mod bench;

@@ -10,6 +10,14 @@
 //! zero blocks cost nothing. Blocks may be hashed in any order and on any thread;
 //! [`BlockHasher::add`] puts the block digests back in order for the outer hash, keeping
 //! only those that arrived early. The thread count cannot change the result.
+//!
+//! # What this crate owns
+//!
+//! `BlockHasher`: the blkhash construction, thread-safe, order-independent; SHA-256 block
+//! digests in batches through `tape-sha256`'s multi-buffer kernels (one SHA-256 is
+//! latency-bound; independent blocks side by side are not)
+//!
+//! `unsafe`: forbidden.
 #![forbid(unsafe_code)]
 
 use sha2::Digest as _;

@@ -28,6 +28,54 @@
 //!
 //! Nothing here prints a URL's userinfo or query string: a presigned URL carries its
 //! signature in the query, so logs and errors name objects by [`Locator::describe`].
+//!
+//! # Stores on the network: HTTP(S) and S3
+//!
+//! `ferry-http` and `ferry-s3` are stores in the sense of the format layer: `Backend`s that
+//! hold bytes, under which `ferry-open` puts raw or qcow2. The copy engine and the server
+//! see a `Backend` and nothing else, so `--retries`, `--rate`, `--verify`, `--hash` and
+//! multi-conn serving work on them unchanged.
+//!
+//! **The path of one READ from `https://host/disk.qcow2`.** `Location::parse` gives
+//! `Image { store: Http(url), format: None }`. `HttpBackend::open` sends one
+//! `GET Range: bytes=0-65535`: the `206` answer's `Content-Range` gives the size, and its
+//! body is kept as the image's head. `store_format` reads the first 4 bytes from that head,
+//! finds the qcow2 magic and opens `Qcow2::open_on(http)`. The header, L1 table and refcounts
+//! are then ranged GETs, or come from the head. A copy worker's `read(buf, off)` on the qcow2
+//! layer walks L1/L2, exactly as on a file. For each data run it calls
+//! `HttpBackend::read(&mut buf[..], host_off)`:
+//! 1. take a kept-alive connection from ureq's pool;
+//! 2. `GET` with `Range: bytes=host_off-host_off+len-1`;
+//! 3. check that the status is 206 and that `Content-Range` and `Content-Length` are exactly the range asked for;
+//! 4. read the body straight into `buf`. The body is not gathered into a `Vec` first.
+//!
+//! Zero and unallocated clusters are never fetched. A failure is retried with backoff if
+//! it is 5xx, 408, 429, 416, a reset, a timeout or a short body. The try is logged with
+//! the offset, the length and the attempt. Several workers have a request in flight each,
+//! on their own connections. A server that answers `200` to a ranged GET is read as one
+//! stream under a lock. Reads may be up to 32 MiB ahead of the stream; a read behind it
+//! starts the GET again from 0, and this is logged.
+//!
+//! The first answer's `ETag`, `Last-Modified` and `x-amz-version-id` (`wire::Validators`)
+//! pin the object: later GETs carry `If-Match` (or `If-Unmodified-Since`), and a `412` or
+//! other validators on any answer is a permanent "changed while it was read".
+//! `Backend::identity` is the redacted URL, size and validator. Redirects are followed by
+//! `HttpBackend` itself (the agent follows none): past a change of origin the URL's
+//! credentials, credential headers and user headers stay behind.
+//!
+//!
+//! # What this crate owns
+//!
+//! `HttpBackend`: an HTTP(S) object as a read-only `Backend` (size from the first ranged
+//! GET's `Content-Range`, one ranged GET per read straight into the caller's buffer over a
+//! pool of kept-alive connections, stream mode for servers without ranges, retries with
+//! backoff, redirects followed by origin, the object pinned by its first answer's
+//! ETag/Last-Modified (`If-Match`, `Backend::identity`), Basic auth, proxies from the
+//! environment, trust from the system store / `SSL_CERT_FILE` / `--ca`); `Locator` (where
+//! each GET goes: a URL, or a presigned S3 URL); errors that never print userinfo or query
+//! strings. On ureq 3 with native-tls (the OpenSSL ferry already links)
+//!
+//! `unsafe`: forbidden.
 #![forbid(unsafe_code)]
 
 mod backend;

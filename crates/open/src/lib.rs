@@ -8,6 +8,33 @@
 //! file (read-write, with its backing chain and locks) or on any other store as a
 //! [`Backend`] (read-only). NBD URIs, streams and `null:` go to the copy engine's own
 //! endpoints.
+//!
+//! # Opening
+//!
+//! `crates/open` (`ferry-open`) is the one opener for `serve`, `copy`, `hash` and `info`.
+//! `Location::parse` turns a spec into a format (`qcow2:`, `raw:`, `file:`, or none: probed)
+//! on a store (a local path, `rbd:`, `http(s)://`, `s3://`), or an NBD URI, `-`, `null:` or a
+//! backend spec; a new store is one module and one arm of `open_store`. A qcow2 image on a
+//! local file is opened read-write with its backing chain and locks; on any other store it
+//! is `Qcow2::open_on(store backend)`, read-only (writing would need a store that grows).
+//! The server and the copy engine do not know the format: they see a `Backend`
+//! whose `caps()` say what it can do (multi-conn: one shared object, so a FLUSH on any
+//! connection covers every connection's writes).
+//!
+//! See also the untrusted-image rules in `ferry-qcow2`'s docs ("Safety"): a writable local file whose raw format was guessed is wrapped in `ferry_backend::GuessedRaw`, and `destination` refuses to update in place a file only its bytes call qcow2.
+//!
+//! # What this crate owns
+//!
+//! `Location::parse` (one parse of a spec: a format on a store, an NBD URI, a stream,
+//! `null:`, a backend spec) and the opener every command calls: `open_backend` (serve,
+//! info), `source` (copy, hash; local files locked as qemu-img locks them), `destination`
+//! (copy: new files, qcow2 images and overlays, RBD images created with the source's size,
+//! S3 uploads finished or aborted), `open_on_store` (a format on a store other than a local
+//! file); `repo` (a backup repository's store, directory or S3, opened and unlocked with
+//! its passphrase; `REPO::NAME[@ID]` as a read-only `SnapshotImage`, refused as a copy
+//! destination)
+//!
+//! `unsafe`: forbidden.
 
 pub mod location;
 mod rbd;

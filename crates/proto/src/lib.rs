@@ -7,6 +7,15 @@
 //!
 //! The protocol is the NBD project's `doc/proto.md`, including the extended-headers
 //! extension (`NBD_OPT_EXTENDED_HEADERS`, 64-bit requests and replies).
+//!
+//! # What this crate owns
+//!
+//! Every byte layout of `doc/proto.md` (with the extended-headers extension), the server
+//! handshake as a state machine (`ServerHandshake::feed`: bytes in, bytes to send and a
+//! `Progress` out), request validation (`Session::validate` turns a raw header into a typed
+//! `Command` or the NBD error to answer with)
+//!
+//! `unsafe`: forbidden.
 #![forbid(unsafe_code)]
 
 pub mod client;

@@ -24,6 +24,134 @@
 //!
 //! One mutex guards the metadata (L1, L2 cache, refcounts); data is read and written
 //! outside it, straight into and out of the caller's buffers.
+//!
+//! # The format layer (qcow2)
+//!
+//! A disk image format is a `Backend` on top of a store, the way qemu's qcow2 driver sits on
+//! its `file` or `rbd` protocol driver:
+//!
+//! ```text
+//! NBD server / copy engine ──▶ Arc<dyn Backend> = Qcow2 ──▶ Store: FileStore (pread/pwrite)
+//!                                  │                         or BackendStore(any Backend)
+//!                                  └─ backing: Arc<dyn Backend> (Qcow2 or FileBackend)
+//! ```
+//!
+//! **The path of a qcow2 READ.** Steps 1–3 of the READ path (ARCHITECTURE.md, "The path of one READ") are unchanged; at step 4
+//! `Qcow2::read` takes the metadata mutex once, walks the L1 entry and the (cached) L2 table
+//! of every cluster in the request and builds merged runs (`Zero`, `Unallocated`,
+//! `Data(host)` with contiguous host offsets joined, `Compressed`), and releases the lock.
+//! Then each run is served into the server's buffer directly: `Data` is one `pread` at the
+//! host offset of the image (or its external data file), `Zero` a fill, `Unallocated` a read
+//! of the same range of the backing file (zeroes past its end, or without one), `Compressed`
+//! a read of the compressed bytes and one inflate (a cluster read whole is inflated straight
+//! into the buffer; a partial one goes through a one-cluster cache so sequential small reads
+//! inflate once). Block status walks the same map: unallocated and zero clusters are holes
+//! that read as zeroes, unallocated ones fall through to the backing file's extents. Over a
+//! Unix socket, a read that lies in one run of data clusters goes out with sendfile(2) like a
+//! raw file's: `Backend::file_offset` maps the guest range to the image file's offset (the
+//! identity for raw files), and the server sends that file range. Reads of 64 KiB or more
+//! ask the map first, so unallocated and zero clusters go back as hole chunks.
+//!
+//! **Writes** take the mutex to look up or allocate (a freed cluster first, found by a scan
+//! of the refcounts from a hint, qemu's `free_cluster_index`; else at the end of the
+//! allocated area), write partial clusters (old contents
+//! from the backing file, a zero cluster or a compressed cluster, plus the new bytes) under
+//! it, and write whole clusters and already-owned clusters after releasing it. FLUSH: sync
+//! the data; write refcount blocks (and a grown refcount table, then the header); sync;
+//! write L2 tables; sync; write L1 entries; sync; then apply the frees of replaced clusters;
+//! sync. Each step only makes metadata point at things already on disk, so a crash can leak
+//! clusters but never leave a reference to an uncounted or unwritten cluster. A cluster is
+//! free to allocate again only from that last step on, when no L2 entry on disk points at
+//! it; the step first waits (an `RwLock`, `io_gate`) for writes landing outside the mutex,
+//! so none lands in a cluster already given to another guest range. Clusters freed by TRIM
+//! and WRITE_ZEROES are then punched out of the file (`Store::discard`) and free clusters at
+//! the file's end cut off (`Store::truncate`). Frees waiting for a FLUSH are applied without
+//! one once 8 MiB of them wait and a write finds no free cluster, so a client that never
+//! flushes does not grow the file either. `ferry serve --discard=ignore` is a filter
+//! (`ferry_backend::IgnoreDiscard`: TRIM does nothing, WRITE_ZEROES never deallocates); with
+//! NO_HOLE the qcow2 layer keeps owned clusters as preallocated zero clusters and writes into
+//! them in place. A FLUSH takes `io_gate` exclusively before it syncs anything, so no L2
+//! entry or refcount reaches the disk before the data it describes. A write whose data fails
+//! to land (EIO, ENOSPC) puts back the clusters it mapped (`undo_fresh`: a zero cluster, or
+//! the preallocated zeroes it was, and the new cluster freed), so its range reads zeroes, never
+//! a reused cluster's old bytes, and no counted cluster is left past the end of the file.
+//! Closing writes the dirty metadata the same way. A new image that `ferry copy` writes
+//! without `--flush` (`Qcow2::without_sync_on_close`) closes in that order without the syncs,
+//! like a raw destination and `qemu-img convert`, which sync nothing: on a disk file system a
+//! sync of the whole new image was about 40% of the conversion (docs/benchmarks-history.md, section 13).
+//!
+//! **Persistent bitmaps and allocation depth.** Each metadata context is one
+//! `ferry_backend::MetaContext` (a name and an `extents` call); a backend lists its own with
+//! `Backend::meta_contexts`, and the server (`ferry serve`) and the client side (`ferry info
+//! --map`, `ferry copy --dirty-bitmap` on a local image) use that one list, so neither knows
+//! what a context means. For qcow2:
+//!
+//! ```text
+//! Qcow2 ──meta_contexts()──▶ AllocationDepth (depth.rs: walks this layer's map, then the
+//!    │                        next qcow2 layer's, `backing_image`; raw layers allocate all)
+//!    └──────────────────────▶ DirtyContext per consistent bitmap (bitmaps.rs: Arc<Bits>)
+//! write/zero/trim ─▶ before_write (overlap.rs: in_use set and synced, once)
+//!                 ─▶ Bits::mark(granules) in every enabled bitmap (atomic ORs, multi-conn)
+//! close/finish ───▶ persist.rs: changed bitmaps to new clusters, new directory with in_use
+//!                   cleared, synced; header extension switched; then old clusters freed
+//! ```
+//!
+//! Bits live in memory as words of atomics (a 1 TiB disk at 64 KiB granularity is 2 MiB;
+//! 512 MiB of bits in all is the bound, checked before allocating); a table entry of 0 or 1
+//! (all clear, all set) costs nothing. An extent query walks words, skipping whole zero or
+//! all-ones words a word at a time, so 100,000 dirty runs over 1 TiB are walked in well
+//! under a second. A bitmap `in_use` at
+//! open was left by a crash: never loaded, offered or changed. `ferry bitmap` (add, remove,
+//! clear, enable, disable, merge) is the same in-memory set changed under the image's write
+//! lock and written back by the same close. A new overlay (`Qcow2::create_with`, `ferry copy
+//! --backing`) stores its backing file's name relative to its own directory and the backing
+//! format extension; its destination endpoint is not "zeroed", so zero ranges of the source
+//! become zero clusters instead of reading through.
+//!
+//! **Why our own crate and not `imago`.** imago (the Rust qcow2 library) has no zstd
+//! compression, and is async-first with synchronous wrappers over its own runtime, where
+//! ferry is threads with blocking I/O. We want the hot path in our hands: one lock per
+//! request for the whole mapping, reads landing straight in the server's buffers, block
+//! status straight from the L2 tables, and the store being any `Backend` (so qcow2 on RBD is
+//! the same code). The format is small enough to own: about 2,200 lines with its unit tests.
+//!
+//! # Safety: overlap checks, bitmaps, untrusted images
+//!
+//! - **Metadata overlap** (`ferry-qcow2`'s `overlap.rs`): a writable image writes its file
+//!   through two `overlap::Guard` stores (guest data, metadata) sharing an ordered set of
+//!   metadata clusters, built at open from the header, L1, the L2 offsets in L1, the
+//!   refcount table and blocks, and the bitmap directory and tables (no L2 contents read),
+//!   and kept current by `Store::metadata_allocated`/`cluster_freed`. Guest data may touch no
+//!   metadata; a metadata write may not touch a cluster another kind of metadata claims;
+//!   discard and truncate may touch none. A conflict: EIO, the corrupt bit set and synced,
+//!   an error naming both, every later write refused, reads go on. Clusters referenced past
+//!   the end of the file are found at open (L1, refcount table, highest counted cluster)
+//!   and when an L2 table loads.
+//! - **Dirty bitmaps** (`bitmaps.rs`, `persist.rs`): kept true, as qemu keeps them (see
+//!   "Persistent bitmaps and allocation depth" above); the first write to a writable image
+//!   (the guard's `before_write`, before any byte reaches the file, the direct write path
+//!   included) sets `in_use` on every enabled bitmap, clears unknown autoclear bits, and
+//!   syncs. A corrupt-bit image opens read-only only.
+//! - **Untrusted images** (`ferry-qcow2`, `ferry-open`): an image opened on a store other
+//!   than a local file (`Qcow2::open_on`: HTTP, S3, RBD, memory) is refused
+//!   (`Qcow2Error::Refused`) when its header names a backing or external data file, before
+//!   any name is resolved. A writable local file whose raw format `open_backend` guessed is
+//!   wrapped in `ferry_backend::GuessedRaw`: requests reaching into its first 4 bytes take
+//!   turns and are checked against the bytes there (read-modify check), and one that would
+//!   leave the qcow2 magic is refused with EPERM and logged, as qemu guards "probed raw"
+//!   images. `destination` refuses to update in place a file only its bytes call qcow2, and
+//!   a local image opened as qcow2 on its bytes alone (`ferry_qcow2::Options::guessed`: no
+//!   `qcow2:`, no `*.qcow2` name) is refused when it names a backing or data file.
+//!
+//! # What this crate owns
+//!
+//! The qcow2 format layer: `header` (parse and validate, refusals naming the feature),
+//! `map` (L1/L2 lookup to `Mapping::{Unallocated, Zero, Data, Compressed}`, subclusters, L2
+//! cache), `compressed` (zlib via flate2/zlib-rs, zstd via ruzstd), `refcount` + `write`
+//! (allocation, copy-on-write, ordered flush), `create`; `Qcow2` is a `Backend` over a
+//! `Store` (a file, or any `Backend`)
+//!
+//! `unsafe`: forbidden.
 #![forbid(unsafe_code)]
 
 mod bitmaps;

@@ -16,6 +16,71 @@
 //! through several connections or workers sharing one image handle.
 //!
 //! All `unsafe` code is in the `ffi` module.
+//!
+//! # Ceph RBD, and more than one machine
+//!
+//! `crates/rbd` (`ferry-rbd`) puts an RBD image behind the same `Backend` trait as a file, so
+//! the server, the copy engine (`Endpoint::Backend`) and `ferry hash` use it unchanged; the
+//! opener picks it for `rbd:` specs in `crates/open/src/rbd.rs`, behind the Cargo
+//! feature `rbd` (off by default, on in scripts/test and release builds; off, the binary links no Ceph library and says how to get it).
+//! The trait is synchronous, so inside one call a read or write is cut at object boundaries
+//! and every piece goes to librbd's asynchronous API at once, then the call waits for all of
+//! them. The backend also offers a request queue (`Backend::io_queue`, one per connection):
+//! the connection's thread submits every READ, and every WRITE without FUA (with a copy of
+//! its payload), it has received to it (at most 64 requests and 32 MiB per connection),
+//! answers the oldest as soon as it completes (`rbd_aio_is_complete`), and waits for one
+//! only when the client has sent nothing new (`poll` with a zero timeout), so new requests
+//! join those in flight as they arrive, the way qemu-nbd's coroutines keep librbd busy.
+//! Other requests run beside those in flight (the protocol orders no two requests in
+//! flight), so a client that interleaves BLOCK_STATUS with its reads (qemu-img convert)
+//! does not drain the queue each time; a FLUSH is answered after every write before it
+//! (and covers them), a disconnect after every request before it. Each queued request owns
+//! its buffer until it completes (dropping the queue waits for all of them), so librbd
+//! never touches memory that was handed back; a read's reply goes out from its buffer
+//! without a copy. A read-only export's queue answers writes with the read-only error, in
+//! turn (file and memory backends keep one request at a time). Concurrency beyond one
+//! connection comes from several connections (each a thread) and the copy engine's
+//! workers, which share one image handle. There is no thread per request, and librbd's writeback cache and read-ahead are on (the
+//! cache from the first write: NBD clients make writes durable with FLUSH, which ferry passes
+//! on; read-ahead for the whole image, so one sequential connection still streams). `ferry
+//! copy` opens its images without the cache: its writes are large and flushed once at the
+//! end, and with the cache a write to an OSD that died waits forever, while without it the
+//! copy fails after `rados_osd_op_timeout` (60 s; tested with 5). A server's FLUSH to a dead
+//! OSD goes through the cache and can wait as long as the cluster is away (a known limit of
+//! serving with the cache on).
+//!
+//! **Many ferry servers in front of one pool.** The data lives in the Ceph cluster, not on
+//! the machine running ferry, so ferry scales out by running more servers: each on its own
+//! host, each serving the images its clients need, all talking to the same pool; any
+//! server can serve any image, and a client that loses its server can reconnect to another.
+//! What must not happen is two writers of one image with separate caches. Two rules keep it
+//! safe:
+//!
+//! - *Multi-conn is per server.* `CAN_MULTI_CONN` promises that a FLUSH on one connection
+//!   covers writes completed on every connection *to that server*. ferry keeps that promise
+//!   because all its connections to an export share one librbd handle, hence one cache, and
+//!   FLUSH flushes it. It promises nothing about connections to another server; a client
+//!   must not spread one image's writes over several servers.
+//! - *The exclusive lock is per image.* With the exclusive-lock feature (the default), a
+//!   writable ferry takes the image's lock on open and keeps it until it exits: a second
+//!   writer (another ferry, qemu, `rbd import`) is refused with "locked by another client"
+//!   rather than silently taking turns with it, which would make each server's cache stale
+//!   for the other. Readers do not need the lock: snapshots (`@SNAP`) and `--read-only`
+//!   exports can be served by any number of servers at once, which is how one golden image
+//!   is fanned out to many hosts. Moving a writable image to another server is: stop the
+//!   first (its lock and cache are released and flushed on exit; a killed server's lock is
+//!   broken by librbd once the dead client's watch expires: the next writer's open waits
+//!   about 30 s, measured), start the second.
+//!
+//! # What this crate owns
+//!
+//! `RbdImage`: a Ceph RBD image as a `Backend` (spec parsing, connect with bounded
+//! timeouts, open/create, exclusive lock, aio reads and writes cut at object boundaries,
+//! zero/discard/flush, extents from `rbd_diff_iterate2`, errors that name the image and
+//! what to do). The librados/librbd declarations are generated by bindgen from the
+//! installed headers at build time
+//!
+//! `unsafe`: only in its `ffi` module (safe handles over `rados_t`, `rados_ioctx_t`, `rbd_image_t`), each block with a `// SAFETY:` comment; `deny(unsafe_code)` elsewhere.
 #![deny(unsafe_code)]
 
 mod ffi;
@@ -295,7 +360,7 @@ impl Backend for RbdImage {
     /// Multi-conn is safe: every connection of one ferry server goes through this one
     /// image handle (one librbd cache), so a FLUSH on any connection covers writes
     /// completed on all of them. It says nothing about other processes: see
-    /// ARCHITECTURE.md on several servers in front of one pool.
+    /// the crate docs, "Many ferry servers in front of one pool".
     fn caps(&self) -> Capabilities {
         let w = !self.read_only;
         Capabilities {

@@ -4,7 +4,7 @@
 //! implementation.
 //!
 //! Layers, each depending only on those above it:
-//! - [`format`]: the encodings of every object (config, pack trailer, index, page,
+//! - [`format`](mod@format): the encodings of every object (config, pack trailer, index, page,
 //!   manifest, lock). Pure: no I/O; every parser bounded and fuzzed.
 //! - [`crypto`]: the key (Argon2id-wrapped), AEAD of objects, keyed chunk ids.
 //! - [`blob`]: one chunk or page as stored (compression, encryption, digest check).
@@ -13,6 +13,115 @@
 //! - [`Repository`] (open/init, the index, snapshots), [`SnapshotWriter`] (a backup, as a
 //!   copy destination), [`SnapshotImage`] (a snapshot as a read-only image), [`maint`]
 //!   (check, verify, forget, gc, stats).
+//!
+//! # The backup repository (`crates/repo`)
+//!
+//! `ferry-repo` holds `ferry backup`'s repositories: snapshots of disks in fixed-size,
+//! content-addressed chunks, compressed, encrypted when asked, in a directory or under an S3
+//! prefix. What is stored, byte for byte, is specified in `crates/repo/FORMAT.md`, the
+//! contract between versions (as `doc/proto.md` is for NBD); the crate is its only
+//! implementation. Its layers, each using only those above it:
+//!
+//! ```text
+//! format.rs          every object's encoding: config, pack trailer, index object, index page,
+//!                    manifest, lock. Pure: bytes in, values out; every length, count and
+//!                    offset checked against the input and FORMAT.md's limits before anything
+//!                    is allocated; fuzzed
+//! crypto.rs          the key: Argon2id-wrapped master key, AES-256-GCM of objects,
+//!                    HMAC-SHA256 chunk ids; keys zeroed on drop; Crypto::None for an
+//!                    unencrypted repository (the crates, and why: ARCHITECTURE.md, its dependency list)
+//! blob.rs            one chunk or page as stored: zstd (one context per thread;
+//!                    decompression bounded by the frame's declared size and chunk_size) or
+//!                    raw, sealed, and the digest check (SHA-256 through ferry-hash, the code
+//!                    of blkhash's block digests)
+//! store/             trait Store: get, get_range, put (atomic and durable), delete, list;
+//!                    DirStore (a file per object, every path walked from the root's
+//!                    descriptor with O_NOFOLLOW; 0600 temporary file, fsync, rename, fsync
+//!                    of the directory), S3Store (ferry-s3's S3Bucket: PREFIX/NAME keys,
+//!                    PutObject with its SHA-256 signed, ranged GET, paged ListObjectsV2),
+//!                    MemStore (tests)
+//! lock.rs            repository locks as objects (locks/), listed after they are written
+//! repo.rs            Repository: init/open (config, key), the index (the union of the index
+//!                    objects), snapshots, resolving NAME[@ID], a snapshot's entries
+//! writer.rs          SnapshotWriter: a backup, as a write-only Backend the copy engine fills
+//! reader.rs          SnapshotImage: a snapshot, as a read-only Backend
+//! diff.rs            SnapshotDiff: the chunks that differ between two snapshots of a disk,
+//!                    as a qemu:dirty-bitmap: context (ferry serve offers it when both are
+//!                    served)
+//! maint.rs           check, verify, forget (policy), gc, stats
+//! ```
+//!
+//! The binary reaches it through `ferry-open`: `Location::parse` recognises `REPO::NAME` and
+//! `REPO::NAME@ID` (REPO a directory or `s3://BUCKET/PREFIX`), opens the store, asks for the
+//! passphrase only if `config` says the repository is encrypted, and gives `copy`, `serve`,
+//! `hash` and `info` a `SnapshotImage` like any other `Backend`; `ferry backup` gets a
+//! `SnapshotWriter` as its destination, and `ferry repo ...` calls `maint`. The copy engine
+//! and the server never name the repository.
+//!
+//! **The path of one backup.** `ferry backup --dirty-bitmap b0 URI REPO::vm`:
+//! 1. `SnapshotWriter::start` takes the disk's `backup` lock, loads the index and the pages
+//!    of vm's latest snapshot (the base: every chunk the source does not send keeps the
+//!    base's entry).
+//! 2. The copy engine reads the dirty map (without a bitmap, the allocation map), and its
+//!    workers read those ranges from the source into their own buffers, many requests in
+//!    flight, and hand them to the writer (`Backend::write`, `zero`, `trim`) from many
+//!    threads at once, as they would to a file.
+//! 3. The writer cuts each request into whole chunks and parts of chunks. A part is kept
+//!    until the rest of its chunk arrives, or is completed at commit from the chunk's
+//!    previous content. Whole chunks are hashed in batches, several side by side (SHA-256
+//!    through ferry-hash: the digest is blkhash's block digest), and the id derived (the
+//!    digest, or its HMAC when encrypted); an all-zero chunk becomes a zero entry and is not
+//!    stored.
+//! 4. Dedup: an id already in the index, or already stored by this backup, costs nothing
+//!    more. A new one is compressed (zstd; kept raw when that does not shrink it) and sealed
+//!    (AES-256-GCM, the id and kind as additional data) by the calling worker; only the append
+//!    to the open pack happens under a lock.
+//! 5. A pack that reaches its size (32 MiB) gets its trailer and is stored (`Store::put`, named
+//!    by the SHA-256 of its bytes: `data/HH/ID`) by the worker that filled it, with at most
+//!    two packs on their way to the store at once (bounded memory).
+//! 6. `commit`: the pending parts of chunks; the index pages that changed (a page covers
+//!    16 MiB of the disk and is a blob itself, so unchanged pages are the base's); the last
+//!    pack; one index object for this backup's packs (`index/ID`); then the manifest
+//!    (`snapshots/ID`: size, page digests, parent, source, kind of change map, blkhash,
+//!    stats); then the lock is released. A crash before the manifest leaves only
+//!    unreferenced objects, which `gc` removes.
+//!
+//! **The path of one restored READ.** `ferry copy REPO::vm@3f2a out.raw`, or an NBD READ of
+//! `ferry serve REPO::vm`:
+//! 1. `SnapshotImage::open` (once) resolves the snapshot, loads the index and reads the
+//!    snapshot's pages: the digest of every chunk. The allocation map (`Backend::extents`)
+//!    comes from these entries: zero entries are holes, never read.
+//! 2. `SnapshotImage::read(buf, offset)` splits the range by chunk. A zero entry is filled
+//!    with zeroes; a chunk read in part may come from a small cache (256 chunks, sharded);
+//!    otherwise the id (from the digest) and, from the index, its pack, offset and stored
+//!    length.
+//! 3. The chunks wanted are sorted by pack and offset, and each run of neighbours in one pack
+//!    (gaps under 64 KiB) is fetched with one `Store::get_range`: a `pread` of the pack file,
+//!    or a ranged GET on S3. A small read that continues the previous one also fetches the
+//!    next chunks of its pack into the cache (read-ahead for sequential readers, such as a
+//!    guest booting from `ferry serve`). No lock is held around I/O or decoding, so the copy
+//!    engine's workers and the server's connections read side by side.
+//! 4. `blob::decode_unchecked`: open the seal (a wrong key or a changed byte fails here) and
+//!    decompress into at most `chunk_size` bytes; then the SHA-256 of every chunk of the run
+//!    is checked against its entry's digest, side by side (`digest_many`, multi-buffer). A failure is an I/O error naming the pack and the snapshot's range,
+//!    never data; a pack that has gone (a `gc` moved its blobs while the snapshot was read)
+//!    makes the reader reload the index and read again.
+//! 5. The bytes are copied into the caller's buffer (the copy engine's, or the server's
+//!    reply arena); a chunk read in part is remembered in the cache, one read whole (a
+//!    restore) is not.
+//!
+//! `ferry hash REPO::vm` reads none of this: with 64 KiB chunks the snapshot's blkhash is
+//! computed from its entries (FORMAT.md §1), and the manifest records it.
+//!
+//! # What this crate owns
+//!
+//! The backup repository (`crates/repo`, FORMAT.md beside it): `format` (every object's
+//! encoding, pure and fuzzed), `crypto`, `blob`, `store` (`DirStore`, `S3Store`), `lock`,
+//! `Repository`, `SnapshotWriter` (a backup, as a copy destination), `SnapshotImage` (a
+//! snapshot, as a read-only `Backend`), `maint` (check, verify, forget, gc, stats); see
+//! "The backup repository"
+//!
+//! `unsafe`: forbidden.
 #![forbid(unsafe_code)]
 
 pub mod blob;

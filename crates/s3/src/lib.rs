@@ -73,6 +73,52 @@
 //! Nothing here is specific to one S3 server: the same code runs against AWS, Ceph's
 //! radosgw, MinIO or moto. No error or log line carries the secret key, the session token
 //! or a presigned URL's signature.
+//!
+//! # S3 in the path of a copy
+//!
+//! **S3.** `S3Locator::get` presigns a GET URL for each request (SigV4 by rusty-s3, a local
+//! HMAC), so reads go through the same `HttpBackend`. A destination is an `S3Writer`:
+//! 1. `CreateMultipartUpload` when the copy starts;
+//! 2. the copy's workers `write` and `zero` into per-part buffers, and each part records the
+//!    byte ranges it has received, so a retried write counts once;
+//! 3. the worker whose write completes a part uploads it, signed in its `Authorization`
+//!    header with the part's SHA-256 (`sigv4.rs`: the server checks the bytes; a presigned
+//!    URL signs no payload), and frees the buffer. Part uploads are retried like reads;
+//! 4. writers wait when 512 MiB of part buffers are held, or three parts when parts are
+//!    larger than 170 MiB (objects over 1.2 TiB; 3 GiB for 5 TiB in 1 GiB parts);
+//! 5. `Destination::finish` calls `complete`, which checks that every part is stored and
+//!    sends `CompleteMultipartUpload`. A `200` with an `<Error>` body counts as a failure;
+//! 6. `finish` then reopens the object for reading, for `--verify`.
+//!
+//! A failed copy, or a failed `--expect-hash`, calls `abort`, and dropping an unfinished
+//! writer does the same. Either way no half object is left.
+//!
+//! A `--resume` copy to S3 is the exception (`ResumableUpload` in `DestinationOptions`):
+//! its writer is marked `keep_unfinished`, so dropping it leaves the upload and its stored
+//! parts. The binary's `copy_resume.rs` keeps the journal the other destinations have, but
+//! with no watermark (an S3 `flush` makes nothing durable; a part is durable once
+//! UploadPart answers): it records the source's identity, the options and the upload's ID
+//! (`s3://B/K upload=ID`), stored before the first part is sent. A resumed run opens
+//! `S3Writer::resume_upload(ID)`, which marks the parts ListParts reports (checked against
+//! this copy's part size) as done; the copy engine then gets `unstored_ranges()` as its
+//! `CopyOptions::ranges`, so the stored parts are neither read nor sent again, and a digest
+//! (`--hash`, `--verify`, `--expect-hash`) is computed over the whole source afterwards.
+//! `--restart`, or a later copy onto the same object without `--resume`, aborts the upload
+//! a journal names before removing the journal.
+//!
+//! # What this crate owns
+//!
+//! `S3Url`, `S3Config` (credentials, region and endpoint where the AWS tools find them),
+//! `open_source` (an object read through `ferry-http` with an `S3Locator` that presigns
+//! each GET), `S3Writer` (a write-only `Backend`: a multipart upload with parts sized for
+//! the 10,000-part limit, each uploaded with its SHA-256 signed in the `Authorization`
+//! header (`sigv4.rs`) once all its bytes have arrived, bounded memory,
+//! `complete`/`abort`/`resume`); `S3Bucket` (whole objects by key: GET with a size limit,
+//! ranged GET, HEAD, payload-signed PUT, DELETE, ListObjectsV2; what ferry-repo's S3 store
+//! uses); `credentials.rs`: web identity (STS), `credential_process`, IMDSv2. Presigning by
+//! rusty-s3 (no I/O of its own)
+//!
+//! `unsafe`: forbidden.
 #![forbid(unsafe_code)]
 
 mod client;

@@ -3,6 +3,17 @@
 //!
 //! This is the one crate of ferry that may use `unsafe`, and every block says why it
 //! is sound.
+//!
+//! # What this crate owns
+//!
+//! `Listener` (TCP, Unix, systemd `LISTEN_FDS`), `Stream` (buffer sizes, `send_all` =
+//! writev of many slices, looping only on short writes; `send_zerocopy` = the same with
+//! `MSG_ZEROCOPY`, with completions read from the error queue by
+//! `reap_zerocopy`/`wait_zerocopy`), `AlignedBuf` (page-aligned buffers in their own
+//! anonymous mappings: the server's receive buffer, reply arena and WRITE payloads, and the
+//! copy engine's buffers)
+//!
+//! `unsafe`: only here, each block with a `// SAFETY:` comment.
 #![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
 
 use std::io::{self, IoSlice, Read, Write};

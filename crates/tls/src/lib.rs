@@ -1,5 +1,5 @@
 //! TLS for ferry's NBD connections: X.509 certificates and TLS 1.3 pre-shared keys, on
-//! OpenSSL (see ARCHITECTURE.md for why OpenSSL and not rustls).
+//! OpenSSL (see "Why OpenSSL" below for why OpenSSL and not rustls).
 //!
 //! The NBD handshake upgrades a plaintext socket with `NBD_OPT_STARTTLS`; this crate
 //! turns a [`Stream`] into a [`TlsStream`] on either side and gives the server and the
@@ -10,6 +10,47 @@
 //! are encrypted straight from the caller's buffer in whole records), and the records of
 //! one batch reach the socket in one send. Received ciphertext is read in large chunks,
 //! not a record header and a record body at a time.
+//!
+//! # TLS
+//!
+//! `NBD_OPT_STARTTLS` is part of the handshake state machines: `ServerHandshake::with_tls`
+//! takes the policy (`--tls=off|on|require`); with `require`, every option but STARTTLS and
+//! ABORT is answered `NBD_REP_ERR_TLS_REQD` (EXPORT_NAME, which has no error reply, drops the
+//! connection), so not even the export list leaks. The machine returns `Progress::StartTls`;
+//! the connection driver then refuses any plaintext byte the client sent after the option
+//! (an injection, of the kind of CVE-2021-3716), runs the TLS handshake under the remaining
+//! handshake timeout, calls `tls_started()` (which forgets what was negotiated in plaintext)
+//! and goes on over `Transport::Tls`. The client side mirrors it (`ClientProgress::StartTls`).
+//!
+//! The data path under TLS keeps the rules of seeds 001 and 004. `TlsStream::send_all`
+//! takes the same iovecs as the plaintext `writev`: small pieces (headers, small payloads)
+//! are corked into one 16 KiB record; a large payload first tops up the current record, then
+//! is encrypted from the arena in whole records, with no staging copy; the ciphertext of the
+//! whole batch is gathered and leaves in one `send`. Reads take ciphertext 256 KiB at a
+//! time, so OpenSSL does not make two syscalls per record. sendfile and zero-copy need the
+//! kernel to send file or arena bytes as they are, so they are off on TLS connections;
+//! `--zerocopy=on` with TLS is refused at start.
+//!
+//! **Why OpenSSL.** The issue asks for X.509 and TLS 1.3 PSK with proven interop against
+//! GnuTLS peers (nbdkit, qemu, libnbd), preferably in one stack. rustls has no external PSK
+//! (its issue 174), so it would need a second stack for PSK. OpenSSL does both through one
+//! API, its TLS 1.3 PSK callbacks use SHA-256 as GnuTLS does (checked here both ways with
+//! gnutls-cli/gnutls-serv and then with the real peers, in `tests/interop_tls.rs`), and its
+//! AES-GCM is the fastest available on this CPU (AES-NI/VAES assembly). The cost: C code
+//! under a safe Rust API (the `openssl` crate, maintained by the rust-openssl project), and
+//! build time. The crate builds OpenSSL from source by default (`vendored`, about 3
+//! minutes, needs only the C compiler, make and perl a fresh Debian machine has), so the
+//! two commands of the README (serve, test) work without a `-dev` package; set `OPENSSL_NO_VENDOR=1` to
+//! link the distribution's libssl instead and take its security updates.
+//!
+//! # What this crate owns
+//!
+//! `ServerTls`/`ClientTls` (contexts from `--tls-certificates` DIR, `--tls-psk` FILE, or
+//! the URI's `tls-*` parameters), `TlsStream` (OpenSSL session over a ferry `Stream`),
+//! `Transport` (plaintext or TLS, one type for the server's and the client's data path),
+//! `PskKeys` (psktool's file format)
+//!
+//! `unsafe`: forbidden (OpenSSL's own `unsafe` stays inside the `openssl` crate).
 
 use std::collections::HashMap;
 use std::io::{self, IoSlice, Read, Write};

@@ -2,7 +2,7 @@
 //! (stdin/stdout, FIFOs, character devices), `null:` and any [`ferry_backend::Backend`],
 //! in any combination.
 //!
-//! Each kind of endpoint is one file behind one interface ([`endpoint::Ops`]: size, what
+//! Each kind of endpoint is one file behind one interface (`endpoint::Ops`: size, what
 //! it can do, allocation map, batched reads and writes, flush), the way nbdcopy keeps
 //! its per-endpoint operations apart: `nbd.rs`, `file.rs` (files and block devices),
 //! `pipe.rs` (streams), `null.rs` and `backend.rs`. This file plans the copy and runs
@@ -21,10 +21,10 @@
 //! requests can be large (1 MiB: fewer per-request costs on both sides) without writing
 //! zero blocks as data: a request becomes a run of WRITEs and WRITE_ZEROES.
 //!
-//! From a source that offers its file ([`endpoint::Ops::file`]) to a destination that
+//! From a source that offers its file (`endpoint::Ops::file`) to a destination that
 //! takes file payloads (plaintext NBD over a Unix socket) the data does not pass through
 //! user space at all: WRITE payloads go from the file's page cache to the socket with
-//! sendfile(2). Zero detection then reads only each block's first [`PROBE`] bytes, and
+//! sendfile(2). Zero detection then reads only each block's first `PROBE` bytes, and
 //! the rest of a block only when those are all zero.
 
 mod backend;
