@@ -51,6 +51,14 @@ pub struct CopyArgs {
     /// destination gets WRITE_ZEROES or holes). `--sparse=false` writes every byte.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     sparse: bool,
+    /// Write every byte, holes and zeroes too, so the destination ends fully allocated
+    /// (nbdcopy's --allocated; the same as --sparse=false).
+    #[arg(long, conflicts_with = "sparse")]
+    allocated: bool,
+    /// One connection with one request in flight (nbdcopy's --synchronous; the same as
+    /// -C 1 -R 1): for a server that cannot take several requests at once.
+    #[arg(long, conflicts_with_all = ["connections", "requests"])]
+    synchronous: bool,
     /// Read a local file's data into buffers and send them, instead of sendfile(2) from
     /// the page cache to an NBD server.
     #[arg(long)]
@@ -91,15 +99,22 @@ pub struct CopyArgs {
     /// or blake3, as `ferry hash --digest` spells it. Alone, it is --hash=ALG.
     #[arg(long, value_name = "ALG")]
     digest: Option<ferry_hash::Algorithm>,
+    /// Format of SRC, a local path or image URL, as qemu-img convert's -f: the same as
+    /// writing raw:SRC or qcow2:SRC. Without it, an image starting with the qcow2 magic is
+    /// read as qcow2.
+    #[arg(short = 'f', long, value_name = "FORMAT")]
+    source_format: Option<Format>,
     /// Format of a local destination: raw, or qcow2 (a new image the source's size, 64 KiB
     /// clusters). Default: qcow2 for `qcow2:PATH` and names ending in .qcow2, raw otherwise.
-    #[arg(long, value_name = "FORMAT")]
+    /// -O is qemu-img convert's spelling.
+    #[arg(long, value_name = "FORMAT", visible_short_alias = 'O')]
     format: Option<Format>,
     /// Make the destination a new qcow2 overlay of FILE (a qcow2 or raw image of the
     /// source's size, named in the overlay relative to its directory): the overlay holds
     /// only what the copy writes (source holes become zero clusters), anything never
     /// written reads FILE. FILE is locked as a backing file: no one may write it meanwhile.
-    #[arg(long, value_name = "FILE")]
+    /// -B is qemu-img convert's spelling.
+    #[arg(long, value_name = "FILE", visible_short_alias = 'B')]
     backing: Option<std::path::PathBuf>,
     /// Read a local source even while another program (qemu, ferry serve) writes it, as
     /// qemu-img convert's -U does; the copy may then not match any state of the source.
@@ -208,7 +223,17 @@ pub(crate) fn parse_request_timeout(s: &str) -> std::result::Result<Duration, St
     Ok(d)
 }
 
-pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
+pub fn run(mut args: CopyArgs, quiet: bool) -> Result<i32> {
+    // The peers' spellings, as the options they stand for.
+    if let Some(f) = args.source_format {
+        args.src = crate::serve::with_format(&args.src, f).context("--source-format")?;
+    }
+    if args.allocated {
+        args.sparse = false;
+    }
+    if args.synchronous {
+        (args.connections, args.requests) = (Some(1), Some(1));
+    }
     // From here a signal ends the copy through the failure path below (an upload is
     // aborted or kept, a journal kept), not by killing the process.
     let cancel = crate::interrupt::install()?;

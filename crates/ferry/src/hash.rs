@@ -13,16 +13,19 @@ pub struct HashArgs {
     /// Files, block devices, qcow2 images (the guest's content is hashed), NBD URIs, RBD
     /// images (rbd:POOL/IMAGE[@SNAP]), `-` for stdin, or snapshots in a backup repository
     /// (REPO::NAME[@ID]: with sha256 and 64K blocks, from the index without reading data).
-    #[arg(required = true, value_name = "SRC")]
+    #[arg(required_unless_present = "list_digests", value_name = "SRC")]
     sources: Vec<String>,
-    /// Hash function: sha256, sha512, sha1, md5 or blake3.
-    #[arg(long, default_value = "sha256")]
+    /// Hash function: sha256, sha512, sha1, md5 or blake3 (blksum's -d).
+    #[arg(short = 'd', long, default_value = "sha256")]
     digest: Algorithm,
+    /// Print the names --digest takes, one a line, and exit (blksum's -l).
+    #[arg(short = 'l', long)]
+    list_digests: bool,
     /// blkhash block size.
     #[arg(long, default_value = "64K", value_name = "BYTES")]
     block_size: String,
     /// Threads (and NBD connections, where the server allows several). Default: all cores.
-    #[arg(long, value_name = "N")]
+    #[arg(short = 't', long, value_name = "N")]
     threads: Option<usize>,
     /// Show progress.
     #[arg(short, long)]
@@ -36,6 +39,12 @@ pub struct HashArgs {
 }
 
 pub fn run(args: HashArgs, quiet: bool) -> Result<i32> {
+    if args.list_digests {
+        for name in ["sha256", "sha512", "sha1", "md5", "blake3"] {
+            println!("{name}");
+        }
+        return Ok(0);
+    }
     let bs = parse_size(&args.block_size).context("--block-size")?;
     if bs == 0 || bs > 64 << 20 {
         anyhow::bail!("--block-size must be between 1 byte and 64M");

@@ -40,8 +40,15 @@ pub struct InfoArgs {
     /// Machine-readable output (nbdinfo's field names).
     #[arg(long)]
     json: bool,
+    /// qemu-img's spelling: `--output=json` is --json, `--output=human` the default.
+    #[arg(long, value_enum, value_name = "FMT")]
+    output: Option<OutputFormat>,
+    /// Format of a local image, as qemu-img info's -f: the same as writing raw:PATH or
+    /// qcow2:PATH. Without it, an image starting with the qcow2 magic is qcow2.
+    #[arg(short = 'f', long, value_name = "FORMAT")]
+    format: Option<ferry_open::Format>,
     /// Describe every export of the server.
-    #[arg(long)]
+    #[arg(short = 'L', long)]
     list: bool,
     /// Print the map of a metadata context: base:allocation (the default),
     /// qemu:dirty-bitmap:NAME, qemu:allocation-depth. Repeat it to see several side by side.
@@ -50,6 +57,14 @@ pub struct InfoArgs {
     /// Print only the size in bytes.
     #[arg(long)]
     size: bool,
+    /// Print nothing; exit 0 if the export can do this, 2 if it cannot, 1 on an error
+    /// (nbdinfo's --can; `connect` is 2 when the server cannot be reached).
+    #[arg(long, value_enum, value_name = "WHAT", conflicts_with_all = ["is", "size", "map", "list"])]
+    can: Option<Can>,
+    /// Print nothing; exit 0 if the export is read-only / rotational, or the connection
+    /// uses TLS, 2 if not, 1 on an error (nbdinfo's --is).
+    #[arg(long, value_enum, value_name = "WHAT", conflicts_with_all = ["size", "map", "list"])]
+    is: Option<Is>,
     /// Open a local image even while another program (qemu, ferry serve) writes it, as
     /// qemu-img info's -U does; what is shown may be stale.
     #[arg(short = 'U', long)]
@@ -58,8 +73,89 @@ pub struct InfoArgs {
     remote: crate::remote_args::RemoteArgs,
 }
 
-pub fn run(args: InfoArgs) -> Result<i32> {
+/// `--output`'s values, as qemu-img spells them.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OutputFormat {
+    Human,
+    Json,
+}
+
+/// What `--can` asks, with nbdinfo's names.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Can {
+    Cache,
+    Connect,
+    Df,
+    FastZero,
+    Flush,
+    Fua,
+    MultiConn,
+    Read,
+    StructuredReply,
+    Trim,
+    Write,
+    Zero,
+}
+
+/// What `--is` asks, with nbdinfo's names.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Is {
+    ReadOnly,
+    Rotational,
+    Tls,
+}
+
+/// `--can` / `--is`: the answer as an exit status, 0 (yes) or 2 (no).
+fn test_flag(uri: &Uri, opts: &ConnectOptions, can: Option<Can>, is: Option<Is>) -> Result<i32> {
+    let c = match Connection::connect(uri, opts) {
+        Ok(c) => c,
+        Err(e) if can == Some(Can::Connect) => {
+            log::info!("cannot connect to {uri}: {e}");
+            return Ok(2);
+        }
+        Err(e) => return Err(e).with_context(|| format!("connecting to {uri}")),
+    };
+    let f = |bit| c.has_flag(bit);
+    let yes = match (can, is) {
+        (Some(can), _) => match can {
+            Can::Cache => f(FLAG_SEND_CACHE),
+            Can::Connect | Can::Read => true,
+            Can::Df => f(FLAG_SEND_DF),
+            Can::FastZero => f(FLAG_SEND_FAST_ZERO),
+            Can::Flush => f(FLAG_SEND_FLUSH),
+            Can::Fua => f(FLAG_SEND_FUA),
+            Can::MultiConn => f(FLAG_CAN_MULTI_CONN),
+            Can::StructuredReply => c.mode() != ReplyMode::Simple,
+            Can::Trim => f(FLAG_SEND_TRIM),
+            Can::Write => !f(FLAG_READ_ONLY),
+            Can::Zero => f(FLAG_SEND_WRITE_ZEROES),
+        },
+        (None, Some(Is::ReadOnly)) => f(FLAG_READ_ONLY),
+        (None, Some(Is::Rotational)) => f(FLAG_ROTATIONAL),
+        (None, Some(Is::Tls)) => c.stream().tls_description().is_some(),
+        (None, None) => anyhow::bail!("neither --can nor --is was given"),
+    };
+    let _ = c.disconnect();
+    Ok(if yes { 0 } else { 2 })
+}
+
+pub fn run(mut args: InfoArgs) -> Result<i32> {
+    if let Some(f) = args.format {
+        args.uri = crate::serve::with_format(&args.uri, f).context("--format")?;
+    }
+    if args.output == Some(OutputFormat::Json) {
+        args.json = true;
+    }
     let loc = ferry_open::Location::parse(&args.uri)?;
+    if args.can.is_some() || args.is.is_some() {
+        let ferry_open::Location::Nbd(uri) = loc else {
+            anyhow::bail!(
+                "--can and --is ask an NBD server: serve the image (ferry serve {}) and ask the export",
+                args.uri
+            );
+        };
+        return test_flag(&uri, &ConnectOptions::default(), args.can, args.is);
+    }
     if args.map.is_empty() && !args.size {
         if let Some(code) = ferry_open::rbd_info(&loc, args.json)? {
             return Ok(code);

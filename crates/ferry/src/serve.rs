@@ -24,18 +24,43 @@ pub struct ServeArgs {
     /// (a Ceph RBD image; snapshots are read-only). Sizes take K, M, G, T suffixes.
     #[arg(value_name = "SPEC")]
     spec: String,
-    /// Listen on this Unix socket instead of TCP.
-    #[arg(short = 'U', long = "unix", value_name = "PATH")]
+    /// Listen on this Unix socket instead of TCP (nbdkit's -U; qemu-nbd's -k/--socket).
+    #[arg(short = 'U', long = "unix", value_name = "PATH", visible_short_alias = 'k', visible_alias = "socket")]
     unix: Option<PathBuf>,
-    /// TCP address to listen on.
-    #[arg(long, default_value = "127.0.0.1", value_name = "ADDR")]
+    /// TCP address to listen on (qemu-nbd's -b, nbdkit's -i/--ipaddr). Unlike theirs, the
+    /// default is loopback only: 0.0.0.0 or :: serves every interface.
+    #[arg(
+        short = 'b',
+        long,
+        default_value = "127.0.0.1",
+        value_name = "ADDR",
+        visible_short_alias = 'i',
+        visible_alias = "ipaddr"
+    )]
     bind: String,
     /// TCP port to listen on (0 picks a free one).
     #[arg(short, long, default_value_t = 10809)]
     port: u16,
     /// Serve every export read-only.
-    #[arg(short, long)]
+    #[arg(short, long, visible_alias = "readonly")]
     read_only: bool,
+    /// Format of SPEC, a local path or image URL, as qemu-nbd's -f: raw serves its bytes as
+    /// they are (a qcow2 image's too), qcow2 refuses anything else. The same as writing
+    /// raw:SPEC or qcow2:SPEC. Without it, an image starting with the qcow2 magic is qcow2.
+    #[arg(short = 'f', long, value_name = "FORMAT")]
+    format: Option<ferry_open::Format>,
+    /// Accepted for qemu-nbd's command lines, and changes nothing: ferry serve always keeps
+    /// serving after its last client disconnects (it stops on SIGTERM/SIGINT, or with --run).
+    #[arg(short = 't', long)]
+    persistent: bool,
+    /// At most N clients at once (0: no limit), as qemu-nbd's -e, whose default is 1; ferry's
+    /// default is no limit but the file descriptors'. The same as --max-connections N.
+    #[arg(short = 'e', long, value_name = "N", conflicts_with = "max_connections")]
+    shared: Option<usize>,
+    /// Write the server's process ID to FILE once it accepts connections (qemu-nbd's
+    /// --pid-file, nbdkit's -P). The file is replaced if it exists, and left at exit.
+    #[arg(short = 'P', long, value_name = "FILE", visible_alias = "pidfile")]
+    pid_file: Option<PathBuf>,
     /// Serve a qcow2 image read-write even though clusters it uses lie past the end of
     /// its file (a truncated image: what is missing reads as zeroes). Without it such an
     /// image is refused read-write, and served read-only with a warning. For rescue
@@ -73,7 +98,7 @@ pub struct ServeArgs {
     #[arg(short = 'A', long)]
     allocation_depth: bool,
     /// Description of the default export, shown by `nbdinfo` and `NBD_OPT_LIST`.
-    #[arg(long, value_name = "TEXT")]
+    #[arg(short = 'D', long, value_name = "TEXT")]
     description: Option<String>,
     /// Captive mode: run CMD with $uri, $unixsocket and $port set, stop when it exits,
     /// and exit with its status.
@@ -93,8 +118,9 @@ pub struct ServeArgs {
     /// asked for is answered (default: never; a paused VM keeps its connections).
     #[arg(long, value_name = "SECS")]
     idle_timeout: Option<f64>,
-    /// Drop a client that has not finished the handshake after this many seconds.
-    #[arg(long, default_value_t = 10.0, value_name = "SECS")]
+    /// Drop a client that has not finished the handshake after this many seconds
+    /// (qemu-nbd's --handshake-limit, without its 0 for no limit).
+    #[arg(long, default_value_t = 10.0, value_name = "SECS", visible_alias = "handshake-limit")]
     handshake_timeout: f64,
     /// On SIGTERM/SIGINT, drop a client that reads nothing of its replies for this many
     /// seconds, so the server stops within about this long whatever its clients do.
@@ -334,7 +360,33 @@ fn exit_with_parent(parent: Option<rustix::process::Pid>) -> Result<()> {
     Ok(())
 }
 
-pub fn run(args: ServeArgs) -> Result<i32> {
+/// SPEC with the format `-f` names: `raw:SPEC` or `qcow2:SPEC` for an image that names no
+/// format; one that names the other format contradicts it; anything else has none.
+pub(crate) fn with_format(spec: &str, format: ferry_open::Format) -> Result<String> {
+    match ferry_open::Location::parse(spec) {
+        Ok(ferry_open::Location::Image { format: None, .. }) => Ok(format!("{format}:{spec}")),
+        Ok(ferry_open::Location::Image { format: Some(f), .. }) if f == format => Ok(spec.to_string()),
+        Ok(ferry_open::Location::Image { format: Some(f), .. }) => {
+            bail!("{format} contradicts {:?}, which says {f}", crate::remote_args::shown(spec))
+        }
+        _ => bail!(
+            "{:?} is no image file or URL: a format ({format}) goes on a path, rbd:, http(s):// or s3://",
+            crate::remote_args::shown(spec)
+        ),
+    }
+}
+
+pub fn run(mut args: ServeArgs) -> Result<i32> {
+    if let Some(f) = args.format {
+        args.spec = with_format(&args.spec, f).context("--format")?;
+    }
+    if args.persistent {
+        log::debug!("-t/--persistent: ferry serve keeps serving after the last client anyway");
+    }
+    if let Some(n) = args.shared {
+        // qemu-nbd's 0: no limit of its own.
+        args.max_connections = (n > 0).then_some(n);
+    }
     if args.exit_with_parent {
         // Before anything slow: the parent may go at any moment.
         exit_with_parent(rustix::process::getppid())?;
@@ -455,6 +507,10 @@ pub fn run(args: ServeArgs) -> Result<i32> {
         }],
     };
     check_transport(&args, &listeners)?;
+    if let Some(p) = &args.pid_file {
+        std::fs::write(p, format!("{}\n", std::process::id()))
+            .with_context(|| format!("--pid-file {}", p.display()))?;
+    }
     let (uri, unixsocket, port) = describe(&listeners[0], tls_policy == TlsPolicy::Require, &default_name);
     for e in exports.iter() {
         let name = if e.name.is_empty() { "default export".to_string() } else { format!("export {:?}", e.name) };
