@@ -28,6 +28,7 @@ mod interop_qemu;
 mod interop_tls;
 mod lifecycle;
 mod locking;
+mod man;
 mod meta_contexts;
 mod qcow2;
 mod qcow2_bitmaps;
