@@ -77,6 +77,11 @@ fn man(cmd: &clap::Command, name: &str) -> Man {
         .manual("ferry")
 }
 
+/// The pages' date (`.TH`): of their last substantive change, set by hand when a
+/// release changes them, never from the clock (the committed pages must equal what any
+/// build generates).
+const DATE: &str = "2026-11-27";
+
 /// What the roff crate puts before everything it renders (`\\*(Aq` is its apostrophe):
 /// once at the top of a page.
 const PREAMBLE: &str = ".ie \\n(.g .ds Aq \\(aq\n.el .ds Aq '\n";
@@ -139,6 +144,12 @@ fn body(section: &str) -> String {
     section.lines().filter(|l| !l.starts_with(".SH ")).map(|l| format!("{l}\n")).collect()
 }
 
+/// Rendered options with clap_mangen's `.br`, empty line, `.br` (before "Possible
+/// values", which mandoc -Tlint finds redundant) as the one blank line it shows.
+fn tidy(options: String) -> String {
+    options.replace(".br\n\n.br\n", ".sp\n")
+}
+
 /// The generated part after DESCRIPTION: OPTIONS, then COMMANDS where there are any.
 fn options_and_commands(cmd: &clap::Command, m: &Man, top: bool) -> Result<String> {
     let mut out = String::new();
@@ -150,7 +161,7 @@ fn options_and_commands(cmd: &clap::Command, m: &Man, top: bool) -> Result<Strin
         out += &global_options();
     }
     if options {
-        out += &body(&render(|w| m.render_options_section(w))?);
+        out += &tidy(body(&render(|w| m.render_options_section(w))?));
     }
     if cmd.get_name() == "bitmap" {
         // Its operations are parsed by hand, in order (qemu-img bitmap's spelling): the
@@ -178,7 +189,7 @@ fn options_and_commands(cmd: &clap::Command, m: &Man, top: bool) -> Result<Strin
         out += ".PP\n";
         out += &synopsis(&sub);
         if sub.get_arguments().any(|a| !a.is_hide_set()) {
-            out += &body(&render(|w| sm.render_options_section(w))?);
+            out += &tidy(body(&render(|w| sm.render_options_section(w))?));
         }
     }
     Ok(out)
@@ -190,7 +201,7 @@ fn help_block(text: &str) -> String {
     use clap_mangen::roff::{bold, roman, Roff};
     let mut roff = Roff::new();
     let mut nested = false;
-    for line in text.lines() {
+    for (n, line) in text.lines().enumerate() {
         let indent = line.len() - line.trim_start().len();
         let line = line.trim();
         if nested != (indent >= 4) {
@@ -198,7 +209,11 @@ fn help_block(text: &str) -> String {
             nested = !nested;
         }
         if indent == 0 {
-            roff.control("PP", []).text([roman(line)]);
+            // A paragraph (none needed right after the heading).
+            if n > 0 {
+                roff.control("PP", []);
+            }
+            roff.text([roman(line)]);
             continue;
         }
         let (term, desc) = line.split_once("  ").map_or((line, ""), |(t, d)| (t.trim(), d.trim()));
@@ -271,10 +286,9 @@ fn page(cmd: &clap::Command, name: &str, extra: &Path) -> Result<String> {
     let top = name == "ferry";
     let cmd = &if top { cmd.clone() } else { without_globals(cmd) };
     let m = man(cmd, name);
-    // The title line by hand: the roff crate drops an empty date argument, and a date
-    // from the clock would make the pages differ at every build.
+    // The title line by hand: the roff crate drops an empty argument.
     let mut out = format!(
-        "{PREAMBLE}.TH \"{}\" \"1\" \"\" \"ferry {}\" \"ferry\"\n",
+        "{PREAMBLE}.TH \"{}\" \"1\" \"{DATE}\" \"ferry {}\" \"ferry\"\n",
         name.to_uppercase(),
         env!("CARGO_PKG_VERSION")
     );
