@@ -329,3 +329,40 @@ fn page(cmd: &clap::Command, name: &str, extra: &Path) -> Result<String> {
     }
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Vec<Section>> {
+        parse_extra(Path::new("x.roff"), text)
+    }
+
+    #[test]
+    fn extra_sections_are_checked() {
+        let ok = parse(".\\\" a comment\n.SH DESCRIPTION\nMore.\n.SH \"SEE ALSO\"\n.BR ferry (1)\n").unwrap();
+        assert_eq!(ok.iter().map(|s| s.heading.as_str()).collect::<Vec<_>>(), ["DESCRIPTION", "SEE ALSO"]);
+        assert_eq!(ok[1].body, ".BR ferry (1)\n");
+        for (bad, why) in [
+            (".SH EXAMPLES\nx\n", "needs a SEE ALSO"),
+            ("text\n.SH \"SEE ALSO\"\n", "before the first .SH"),
+            (".SH NAME\nx\n.SH \"SEE ALSO\"\n", "generated"),
+            (".SH \"SEE ALSO\"\n.SH \"SEE ALSO\"\n", "a second"),
+        ] {
+            let e = parse(bad).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(e.contains(why), "{bad:?}: {e:?}");
+        }
+    }
+
+    #[test]
+    fn help_blocks_become_tagged_paragraphs() {
+        let roff =
+            help_block("Intro:\n  --add      make it\n    -g, --gran SIZE  its size\n  --remove   drop it\nEnd.");
+        assert!(!roff.starts_with(".PP"), "{roff}");
+        for want in
+            ["\\fB\\-\\-add\\fR\nmake it\n", ".RS\n.TP\n\\fB\\-g, \\-\\-gran SIZE\\fR\nits size\n.RE\n", ".PP\nEnd.\n"]
+        {
+            assert!(roff.contains(want), "{want:?} not in\n{roff}");
+        }
+    }
+}
