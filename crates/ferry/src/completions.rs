@@ -17,11 +17,18 @@ pub struct CompletionsArgs {
 }
 
 pub fn run(args: CompletionsArgs) -> Result<i32> {
-    let mut cmd = crate::command();
+    let mut cmd = without_hidden(crate::command());
     // Into memory first: clap_complete panics on a failed write (a closed pipe).
     let mut script = Vec::new();
     clap_complete::generate(args.shell, &mut cmd, "ferry", &mut script);
     let mut out = std::io::stdout().lock();
     out.write_all(&script).and_then(|()| out.flush()).context("writing the completion script")?;
     Ok(0)
+}
+
+/// `cmd` without its hidden subcommands (`generate-man`), which clap_complete would offer.
+fn without_hidden(cmd: clap::Command) -> clap::Command {
+    let subcommands: Vec<clap::Command> = cmd.get_subcommands().filter(|s| !s.is_hide_set()).cloned().collect();
+    let args: Vec<clap::Arg> = cmd.get_arguments().cloned().collect();
+    clap::Command::new("ferry").version(env!("CARGO_PKG_VERSION")).args(args).subcommands(subcommands)
 }

@@ -147,6 +147,9 @@ fn zsh_and_fish_completions_name_every_command() {
         assert!(zsh.contains(&format!("'{c}:")), "the zsh script does not offer {c}");
         assert!(fish.contains(&format!("-a \"{c}\"")), "the fish script does not offer {c}");
     }
+    for script in [&zsh, &fish, &completion("bash")] {
+        assert!(!script.contains("generate-man"), "a hidden command is offered");
+    }
     // And each a flag of its own.
     assert!(zsh.contains("--dirty-bitmap") && fish.contains("-l dirty-bitmap"), "copy's --dirty-bitmap is missing");
     let out = run(&mut ferry(&["completions", "tcsh"]));
