@@ -109,15 +109,15 @@ fn same_file(a: &Path, b: &Path) -> bool {
     }
 }
 
-const HELP: &str = "Operations run in the order given, then the image is closed (bitmaps written back):
-  --add                     create BITMAP, recording writes from now on
-    -g, --granularity SIZE  its granularity: 512 to 2G (default: the cluster size, at least 4K)
-    --disabled              do not record writes (as --add --disable)
-  --remove                  remove BITMAP (also an inconsistent one)
-  --clear                   clear every bit of BITMAP
-  --enable, --disable       start / stop recording writes in BITMAP
-  --merge SOURCE            OR the bitmap SOURCE into BITMAP
-    -b, --source-file IMAGE the image SOURCE is in (default: IMAGE)
+pub(crate) const HELP: &str = "Operations run in the order given, then the image is closed (bitmaps written back):
+  --add                      create BITMAP, recording writes from now on
+    -g, --granularity SIZE   its granularity: 512 to 2G (default: the cluster size, at least 4K)
+    --disabled               do not record writes (as --add --disable)
+  --remove                   remove BITMAP (also an inconsistent one)
+  --clear                    clear every bit of BITMAP
+  --enable, --disable        start / stop recording writes in BITMAP
+  --merge SOURCE             OR the bitmap SOURCE into BITMAP
+    -b, --source-file IMAGE  the image SOURCE is in (default: IMAGE)
 IMAGE is opened for writing: an image another program uses is refused.";
 
 pub fn run(args: BitmapArgs) -> Result<i32> {

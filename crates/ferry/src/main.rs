@@ -22,17 +22,20 @@ mod bench;
 mod bench_conns;
 mod bench_socket;
 mod bitmap;
+mod completions;
 mod copy;
 mod copy_guard;
 mod hash;
 mod info;
 mod interrupt;
+mod man;
 mod remote_args;
 mod repo;
 mod serve;
 mod sockopts;
+mod version;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 #[derive(Parser)]
 #[command(
@@ -71,6 +74,16 @@ enum Command {
     Backup(backup::BackupArgs),
     /// Backup repositories: init, list, check, verify, forget, gc, stats.
     Repo(repo::RepoArgs),
+    /// Print a completion script for bash, zsh or fish.
+    Completions(completions::CompletionsArgs),
+    /// Write the man pages into DIR (for man/ in the source tree).
+    #[command(hide = true)]
+    GenerateMan(man::GenerateManArgs),
+}
+
+/// The command line as clap defines it (for the man pages and completion scripts).
+fn command() -> clap::Command {
+    Cli::command()
 }
 
 /// The logger with the HTTP library's trace taken out, whatever `RUST_LOG` says: ureq's
@@ -100,7 +113,9 @@ impl log::Log for NoHttpTrace {
 }
 
 fn main() {
-    let cli = Cli::parse();
+    // `--version` also names the features and library versions (computed here, once).
+    let matches = command().long_version(version::long()).get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let level = match (cli.quiet, cli.verbose) {
         (true, _) => "warn",
         (false, 0) => "info",
@@ -125,6 +140,8 @@ fn main() {
         Command::Bitmap(args) => bitmap::run(args),
         Command::Backup(args) => backup::run(args, cli.quiet),
         Command::Repo(args) => repo::run(args),
+        Command::Completions(args) => completions::run(args),
+        Command::GenerateMan(args) => man::run(args),
     };
     match result {
         Ok(code) => std::process::exit(code),

@@ -29,6 +29,7 @@ mod interop_qemu;
 mod interop_tls;
 mod lifecycle;
 mod locking;
+mod man;
 mod meta_contexts;
 mod peer_spellings;
 mod qcow2;

@@ -21,6 +21,15 @@ pub use sys::{
     RBD_FEATURE_LAYERING, RBD_FEATURE_OBJECT_MAP, RBD_FEATURE_STRIPINGV2,
 };
 
+/// The version of the librbd this process runs with (`rbd_version`): major, minor, extra.
+pub fn version() -> (i32, i32, i32) {
+    let (mut major, mut minor, mut extra): (c_int, c_int, c_int) = (0, 0, 0);
+    // SAFETY: rbd_version only stores three ints through the pointers, each to a live
+    // local of the type it expects; it needs no handle and cannot fail.
+    unsafe { sys::rbd_version(&mut major, &mut minor, &mut extra) };
+    (major, minor, extra)
+}
+
 /// A positive errno from a failed librados/librbd call.
 pub type Errno = i32;
 

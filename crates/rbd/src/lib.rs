@@ -92,6 +92,12 @@ use ferry_backend::{push_extent, Backend, Capabilities, Error, ErrorKind, Extent
 use std::io;
 use std::sync::Arc;
 
+/// The run-time librbd's version, `MAJOR.MINOR.EXTRA` (for `ferry --version`).
+pub fn librbd_version() -> String {
+    let (major, minor, extra) = ffi::version();
+    format!("{major}.{minor}.{extra}")
+}
+
 /// librados' errno values that get their own message.
 mod errno {
     pub const EPERM: i32 = 1;
