@@ -103,10 +103,13 @@ GC_KEEP=${GC_KEEP:-7}
 FUSE_JOBS=${FUSE_JOBS:-8}
 W=$(mktemp -d "${BENCH_DIR:-/var/tmp}/repo.XXXX")
 pids=()
+# unmount DIR: a FUSE mount (fusermount3 for libfuse 3's, when installed; fusermount
+# unmounts those too).
+unmount() { fusermount3 -u "$1" 2>/dev/null || fusermount -u "$1" 2>/dev/null; }
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
   wait 2>/dev/null
-  for m in "$W"/mnt-*; do [ -d "$m" ] && { fusermount -u "$m" || fusermount3 -u "$m"; } 2>/dev/null; done
+  for m in "$W"/mnt-*; do [ -d "$m" ] && unmount "$m"; done
   rm -rf "$W"
 }
 trap cleanup EXIT
@@ -457,7 +460,7 @@ if part 6; then
       done
       FF[borg]=$(ls -d "$W"/mnt-borg/*/disk.raw 2>/dev/null | sort | tail -1)
     fi
-    if command -v nbdfuse >/dev/null && command -v fusermount3 >/dev/null; then
+    if command -v nbdfuse >/dev/null; then
       for s in $S6; do
         [ -S "$W/$s.sock" ] || continue
         mkdir -p "$W/mnt-nbd-$s"
@@ -505,9 +508,7 @@ if part 6; then
       printf "| %s | %s | %s |\n" "$label" "$(fuse_iops "$f" 1)" "$(fuse_iops "$f" "$FUSE_JOBS")"
     done
   fi
-  for s in $S6; do [ -d "$W/mnt-nbd-$s" ] && fusermount3 -u "$W/mnt-nbd-$s" 2>/dev/null; done
-  [ -d "$W/mnt-restic" ] && fusermount -u "$W/mnt-restic" 2>/dev/null
-  [ -d "$W/mnt-borg" ] && fusermount -u "$W/mnt-borg" 2>/dev/null
+  for m in "$W"/mnt-*; do [ -d "$m" ] && unmount "$m"; done
 fi
 
 fi # parts 1-6
