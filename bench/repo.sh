@@ -5,6 +5,7 @@
 #   bash bench/repo.sh           # from the project root, after cargo build --release -p ferry
 #   SIZE_G=4 DIRTY_PCT=2 RUNS=1 BENCH_DIR=/var/tmp bash bench/repo.sh
 #   PARTS="3 6" bash bench/repo.sh   # only the restore and serve tables
+#   PARTS=8 GC_G=1 bash bench/repo.sh # only gc after 30 daily snapshots
 #
 # The image: SIZE_G GiB, in 1 MiB regions drawn at random (seeded): 20% holes, 30% random
 # bytes (AES-CTR), 35% text-like bytes (AES-CTR mapped onto an English-like alphabet,
@@ -12,7 +13,7 @@
 # compressible, no two chunks alike. It is written as a sparse raw file, src/disk.raw, and
 # converted into vm.qcow2 (64 KiB clusters) with an empty persistent bitmap b0.
 #
-# Parts (PARTS="1 2 3 4 5 6" by default; 7 on request). Parts 3-6 need the repositories of days 1 and 2:
+# Parts (PARTS="1 2 3 4 5 6" by default; 7 and 8 on request). Parts 3-6 need the repositories of days 1 and 2:
 # when part 1 or 2 is not selected, its backups are still made (once, untimed, no table).
 # 1. Day 1, a full backup of src/disk.raw (a local file: the same input for every tool):
 #    `ferry backup src/disk.raw REPO::vm` into a new repository (`ferry repo init`; with
@@ -53,12 +54,26 @@
 #    FIO_S seconds; skipped with a note when fio lacks the nbd engine), and whether the
 #    export's bytes equal src/disk.raw (qemu-img compare). With FUSE, also `restic mount` and
 #    `borg mount` read sequentially (dd to /dev/null).
+# 6b. (With part 6, where FUSE is.) 4 KiB random reads of day 2 as a file: fio (ioengine
+#    psync, FIO_S seconds, 1 job and FUSE_JOBS jobs, default 8) on restic mount's and borg
+#    mount's disk.raw and, for the same path through the kernel, on the exports of part 6
+#    made files by nbdfuse (libnbd).
 # 7. (Not in the default PARTS.) Day 2 of a big disk: a BIG_G GiB qcow2 image (default 40)
 #    with 10% of its 64 KiB granules holding data on day 1 (a 4 KiB write in each: the
 #    disk's index is as large as a full disk's would be, its data cheap to make), backed up
 #    by ferry; then DIRTY_PCT % of the granules changed and `ferry backup --dirty-bitmap b0`
 #    from `qemu-nbd -r -B b0`. ferry only (restic and borg would reread the whole disk).
 #    Median seconds of RUNS (each from a copy of day 1) and the repository's growth.
+# 8. (Not in the default PARTS.) Retention after GC_DAYS (default 30) daily snapshots of a
+#    GC_G GiB image (default 1; borg's repository grows by about a third of the image each
+#    day of scattered changes, and holds 30 days), DIRTY_PCT % of its granules changed each
+#    day; ferry backs up from `qemu-nbd -r -B b0` with --dirty-bitmap b0, restic and borg
+#    reread the raw file. Then forget all but the last GC_KEEP (default 7) and free their
+#    data: seconds, CPU s, snapshots and repository size before and after; ferry's gc also
+#    with --repack 0 on a copy of its repository. One tool after another, one run each.
+#
+# The image is made by bench/repo-image.py, each day's changes by bench/repo-dirty.py (shared
+# with bench/repo-s3.sh: the same repository on S3, radosgw, against restic's S3 backend).
 #
 # PEERS=0 leaves restic and borg out (ferry's cells only). ENCRYPT=0 leaves the encrypted
 # ferry repository out.
@@ -82,12 +97,19 @@ FIO_S=${FIO_S:-5}
 PARTS=${PARTS:-1 2 3 4 5 6}
 PEERS=${PEERS:-1}
 BIG_G=${BIG_G:-40}
+GC_G=${GC_G:-1}
+GC_DAYS=${GC_DAYS:-30}
+GC_KEEP=${GC_KEEP:-7}
+FUSE_JOBS=${FUSE_JOBS:-8}
 W=$(mktemp -d "${BENCH_DIR:-/var/tmp}/repo.XXXX")
 pids=()
+# unmount DIR: a FUSE mount (fusermount3 for libfuse 3's, when installed; fusermount
+# unmounts those too).
+unmount() { fusermount3 -u "$1" 2>/dev/null || fusermount -u "$1" 2>/dev/null; }
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
   wait 2>/dev/null
-  for m in "$W"/mnt-*; do [ -d "$m" ] && fusermount -u "$m" 2>/dev/null; done
+  for m in "$W"/mnt-*; do [ -d "$m" ] && unmount "$m"; done
   rm -rf "$W"
 }
 trap cleanup EXIT
@@ -115,6 +137,7 @@ rate() { [ "$1" = FAIL ] && { echo -; return; }; printf "%.0f" "$(echo "$SIZE / 
 med_of() { local m; m=$(echo "$1" | tr ' ' '\n' | grep -v '^$' | grep -v FAIL | med); [ -n "$m" ] && printf "%.3f\n" "$m" || echo FAIL; }
 dub() { du -sb "$1" 2>/dev/null | cut -f1; }                           # apparent bytes of a tree
 size_of() { [ -d "$1" ] && GB "$(dub "$1")" || echo -; }
+stamp() { echo "$(date -u +%F\ %H:%M:%S) UTC, load average $(cut -d' ' -f1-3 /proc/loadavg)"; }
 uri() { echo "nbd+unix:///?socket=$W/$1.sock"; }
 stop_all() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; pids=(); }
 
@@ -151,27 +174,14 @@ backup() {
   esac
 }
 
-# dirty IMAGE COUNT [SEED]: COUNT 4 KiB writes of random bytes at distinct random 64 KiB granules,
-# through qemu-nbd (read-write), stopped with SIGTERM so the bitmaps are stored.
+# dirty IMAGE COUNT [SEED [RAW]]: COUNT 4 KiB writes of random bytes at distinct random 64 KiB
+# granules, through qemu-nbd (read-write), stopped with SIGTERM so the bitmaps are stored; with
+# RAW, the same writes into that raw file too (bench/repo-dirty.py).
 dirty() {
   local sock=$W/dirty.sock
   qemu-nbd -t -f qcow2 --cache=unsafe -k "$sock" "$1" & local p=$!
   wait_sock "$sock"
-  $PY - "nbd+unix:///?socket=$sock" "$2" "${3:-20}" <<'EOF'
-import nbd, random, sys
-uri, count = sys.argv[1], int(sys.argv[2])
-h = nbd.NBD(); h.connect_uri(uri)
-g = 65536; granules = h.get_size() // g
-rnd = random.Random(int(sys.argv[3]))
-offs = [o * g for o in sorted(rnd.sample(range(granules), count))]
-for o in offs:
-    while h.aio_in_flight() >= 64:
-        h.poll(-1)
-    h.aio_pwrite(rnd.randbytes(4096), o + rnd.randrange(16) * 4096)
-while h.aio_in_flight() > 0:
-    h.poll(-1)
-h.flush(); h.shutdown()
-EOF
+  $PY "$HERE/repo-dirty.py" "nbd+unix:///?socket=$sock" "$2" "${3:-20}" ${4:+"$4"}
   kill -TERM $p; wait $p
 }
 
@@ -194,39 +204,7 @@ cpu_of() { med_of "${CPU[$1]:-}" | sed 's/FAIL/-/'; }
 if part 1 || part 2 || part 3 || part 4 || part 5 || part 6; then
 # --- The image (day 1) ---------------------------------------------------------------
 mkdir -p "$W/src"
-$PY - "$W/src/disk.raw" "$SIZE" <<'EOF'
-import random, subprocess, sys
-path, size = sys.argv[1], int(sys.argv[2])
-MiB = 1 << 20
-rnd = random.Random(29)
-src = subprocess.Popen(["openssl", "enc", "-aes-128-ctr", "-pass", "pass:repo", "-nosalt", "-pbkdf2"],
-                       stdin=open("/dev/zero", "rb"), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-letters = " etaoinshrdlcumwfgypbvkjxqz\n.,0123456789"
-weights = [18, 10, 7, 6.5, 6, 5.5, 5.5, 5, 4.8, 4, 3.4, 3, 2.8, 2.4, 2.2, 2, 1.8, 1.6, 1.6, 1.2,
-           1, 0.8, 0.6, 0.2, 0.15, 0.1, 0.07, 2, 1, 1] + [0.5] * 10
-tab, acc, tot = bytearray(), 0.0, sum(weights)
-for c, w in zip(letters, weights):
-    acc += w
-    while len(tab) < round(256 * acc / tot):
-        tab.append(ord(c))
-TEXT = bytes(tab[:256]).ljust(256, b" ")
-LOW = bytes([0] * 200 + [0xff] * 16 + list(range(1, 41)))
-kinds = ["hole"] * 20 + ["random"] * 30 + ["text"] * 35 + ["low"] * 15
-with open(path, "wb") as f:
-    f.truncate(size)
-    for off in range(0, size, MiB):
-        k = rnd.choice(kinds)
-        if k == "hole":
-            continue
-        b = src.stdout.read(MiB)
-        if k == "text":
-            b = b.translate(TEXT)
-        elif k == "low":
-            b = b.translate(LOW)
-        f.seek(off)
-        f.write(b)
-src.kill()
-EOF
+$PY "$HERE/repo-image.py" "$W/src/disk.raw" "$SIZE"
 qemu-img convert -f raw -O qcow2 "$W/src/disk.raw" "$W/vm.qcow2"
 qemu-img bitmap --add "$W/vm.qcow2" b0
 part 6 && qemu-img convert -f raw -O qcow2 "$W/src/disk.raw" "$W/base.qcow2"
@@ -246,7 +224,7 @@ save ferry day1
 if [ "$RUNS" -gt 1 ]; then for t in $D1; do [ $t = ferry ] || save "$t" day1; done; fi
 if part 1; then
   echo
-  echo "== 1. day 1: full backup of a ${SIZE_G} GiB image, a local sparse raw file ($(date -u +%F\ %H:%M:%S) UTC, median of $RUNS)"
+  echo "== 1. day 1: full backup of a ${SIZE_G} GiB image, a local sparse raw file ($(stamp), median of $RUNS)"
   echo
   echo "| backup | median s | MB/s of the image | CPU s | repository MB |"
   echo "|---|---|---|---|---|"
@@ -298,7 +276,7 @@ rm -rf "$W"/*.day1 "$W/ferryf" "$W/ferryq"
 if [ "$RUNS" -gt 1 ]; then for t in $TOOLS; do save "$t" day2; done; fi
 if part 2; then
   echo
-  echo "== 2. day 2: ${DIRTY_PCT}% of the 64 KiB granules changed ($NDIRTY; b0: $DIRTYMAP) ($(date -u +%F\ %H:%M:%S) UTC, median of $RUNS)"
+  echo "== 2. day 2: ${DIRTY_PCT}% of the 64 KiB granules changed ($NDIRTY; b0: $DIRTYMAP) ($(stamp), median of $RUNS)"
   echo
   echo "| backup | median s | CPU s | repository growth MB |"
   echo "|---|---|---|---|"
@@ -339,7 +317,7 @@ if part 3; then
     done
   done
   echo
-  echo "== 3. restore day 2 to a file in ${BENCH_DIR:-/var/tmp} ($(date -u +%F\ %H:%M:%S) UTC, median of $RUNS)"
+  echo "== 3. restore day 2 to a file in ${BENCH_DIR:-/var/tmp} ($(stamp), median of $RUNS)"
   echo
   echo "| restore | median s | MB/s of the image | CPU s | equals day 2 |"
   echo "|---|---|---|---|---|"
@@ -375,7 +353,7 @@ verify() {
 if part 4; then
   for r in $(seq "$RUNS"); do for t in $TOOLS; do timed v:$t verify "$t"; done; done
   echo
-  echo "== 4. verify every stored byte, 2 snapshots ($(date -u +%F\ %H:%M:%S) UTC, median of $RUNS)"
+  echo "== 4. verify every stored byte, 2 snapshots ($(stamp), median of $RUNS)"
   echo
   echo "| verify | median s | CPU s | repository MB | MB/s of the repository |"
   echo "|---|---|---|---|---|"
@@ -411,7 +389,7 @@ if part 5; then
     done
   done
   echo
-  echo "== 5. retention: forget day 1 and free its data ($(date -u +%F\ %H:%M:%S) UTC, median of $RUNS)"
+  echo "== 5. retention: forget day 1 and free its data ($(stamp), median of $RUNS)"
   echo
   echo "| forget + gc | median s | CPU s | repository MB before | after |"
   echo "|---|---|---|---|---|"
@@ -448,7 +426,7 @@ if part 6; then
   }
   for r in $(seq "$RUNS"); do for s in $S6; do T[s:$s]+="$(secs nbdcopy "$(uri $s)" null:) "; done; done
   echo
-  echo "== 6. reading day 2 in place, exports on Unix sockets ($(date -u +%F\ %H:%M:%S) UTC, median of $RUNS)"
+  echo "== 6. reading day 2 in place, exports on Unix sockets ($(stamp), median of $RUNS)"
   echo
   echo "| export | nbdcopy to null: median s | MB/s | fio 4k randread IOPS (iodepth 64, ${FIO_S} s) | equals day 2 |"
   echo "|---|---|---|---|---|"
@@ -466,27 +444,71 @@ if part 6; then
     printf "| %s | %s | %s | %s | %s |\n" "$label" "$m" "$(rate "$m")" "$io" "$eq"
   done
   [ $FIO_NBD = yes ] || echo "note: this fio has no nbd engine: IOPS not measured"
-  # restic mount / borg mount: the day-2 file read sequentially through FUSE.
+  # restic mount / borg mount: the day-2 file read sequentially through FUSE (dd), then 4 KiB
+  # random reads of it by fio (6b), the same fio job on the NBD exports above made files by
+  # nbdfuse (libnbd's FUSE file: the same kernel path as restic's and borg's files).
+  HAVE_FUSE=no; [ -c /dev/fuse ] && command -v fusermount >/dev/null && HAVE_FUSE=yes
+  declare -A FF=()   # reader -> its file through FUSE
+  if [ $HAVE_FUSE = yes ]; then
+    if [ "$PEERS" = 1 ]; then
+      mkdir -p "$W/mnt-restic" "$W/mnt-borg"
+      restic $RC -r "$W/restic/repo" mount "$W/mnt-restic" >/dev/null 2>&1 & pids+=($!)
+      borg mount "$W/borg/repo" "$W/mnt-borg" >/dev/null 2>&1
+      for i in $(seq 100); do
+        FF[restic]=$(ls "$W/mnt-restic/snapshots/latest$W/src/disk.raw" 2>/dev/null)
+        [ -n "${FF[restic]}" ] && break; sleep 0.1
+      done
+      FF[borg]=$(ls -d "$W"/mnt-borg/*/disk.raw 2>/dev/null | sort | tail -1)
+    fi
+    if command -v nbdfuse >/dev/null; then
+      for s in $S6; do
+        [ -S "$W/$s.sock" ] || continue
+        mkdir -p "$W/mnt-nbd-$s"
+        nbdfuse -r "$W/mnt-nbd-$s/disk" --unix "$W/$s.sock" >/dev/null 2>&1 & pids+=($!)
+        for i in $(seq 100); do [ -f "$W/mnt-nbd-$s/disk" ] && break; sleep 0.1; done
+        [ -f "$W/mnt-nbd-$s/disk" ] && FF[$s]=$W/mnt-nbd-$s/disk
+      done
+    fi
+  fi
   if [ "$PEERS" != 1 ]; then :
-  elif [ -c /dev/fuse ] && command -v fusermount >/dev/null; then
-    mkdir -p "$W/mnt-restic" "$W/mnt-borg"
-    restic $RC -r "$W/restic/repo" mount "$W/mnt-restic" >/dev/null 2>&1 & pids+=($!)
-    borg mount "$W/borg/repo" "$W/mnt-borg" >/dev/null 2>&1
-    f_r=; f_b=
-    for i in $(seq 100); do
-      f_r=$(ls "$W/mnt-restic/snapshots/latest$W/src/disk.raw" 2>/dev/null)
-      [ -n "$f_r" ] && break; sleep 0.1
-    done
-    f_b=$(ls -d "$W"/mnt-borg/*/disk.raw 2>/dev/null | sort | tail -1)
-    for pair in "restic mount:$f_r" "borg mount:$f_b"; do
+  elif [ $HAVE_FUSE = yes ]; then
+    for pair in "restic mount:${FF[restic]:-}" "borg mount:${FF[borg]:-}"; do
       f=${pair#*:}
       [ -n "$f" ] && { t=$(med_of "$(secs dd if="$f" of=/dev/null bs=1M)"); c=$(cmp -s "$f" "$W/src/disk.raw" && echo yes || echo NO); } || { t=FAIL; c=-; }
       printf "| %s, \`dd bs=1M\` of the file to /dev/null (one run) | %s | %s | - | %s |\n" "${pair%%:*}" "$t" "$(rate "$t")" "$c"
     done
-    fusermount -u "$W/mnt-restic" 2>/dev/null; fusermount -u "$W/mnt-borg" 2>/dev/null
   else
     echo "note: no FUSE here: restic mount and borg mount not measured"
   fi
+  # 6b. fio 4 KiB random reads of the file through FUSE: ioengine psync (one read at a time
+  # per job; FUSE files take no O_DIRECT, and buffered libaio would not queue), fio's
+  # defaults invalidate the page cache before the run and advise random access (no read-
+  # ahead); 1 job, then FUSE_JOBS jobs (threads) reading at once. One run each.
+  if [ $HAVE_FUSE = yes ] && [ ${#FF[@]} -gt 0 ]; then
+    fuse_iops() { # FILE JOBS
+      fio --name=r --filename="$1" --readonly --rw=randread --bs=4k --ioengine=psync \
+        --numjobs="$2" --thread --group_reporting --runtime="$FIO_S" --time_based \
+        --output-format=json 2>/dev/null | sed -n '/^{/,$p' |
+        $PY -c 'import json,sys; print(round(json.load(sys.stdin)["jobs"][0]["read"]["iops"]))' 2>/dev/null || echo FAIL
+    }
+    echo
+    echo "== 6b. 4 KiB random reads of day 2 as a file through FUSE, fio psync, ${FIO_S} s each ($(stamp))"
+    echo
+    echo "| reader | fio IOPS, 1 job | fio IOPS, $FUSE_JOBS jobs |"
+    echo "|---|---|---|"
+    for s in $S6 restic borg; do
+      f=${FF[$s]:-}; [ -n "$f" ] || continue
+      case $s in
+        ferry) label='`ferry serve -r REPO::vm`, as a file by `nbdfuse -r`' ;;
+        ferryx) label='the same, encrypted repository' ;;
+        qemu) label='`qemu-nbd -r` on the qcow2 chain, as a file by `nbdfuse -r`' ;;
+        restic) label='`restic mount`, the snapshot'"'"'s disk.raw' ;;
+        borg) label='`borg mount`, the archive'"'"'s disk.raw' ;;
+      esac
+      printf "| %s | %s | %s |\n" "$label" "$(fuse_iops "$f" 1)" "$(fuse_iops "$f" "$FUSE_JOBS")"
+    done
+  fi
+  for m in "$W"/mnt-*; do [ -d "$m" ] && unmount "$m"; done
 fi
 
 fi # parts 1-6
@@ -514,10 +536,106 @@ if part 7; then
   done
   g=$(echo "${G[big]:-}" | tr ' ' '\n' | grep -v '^$' | med)
   echo
-  echo "== 7. day 2 of a ${BIG_G} GiB disk: ${DIRTY_PCT}% of its granules changed ($NB; b0: $BM) ($(date -u +%F\ %H:%M:%S) UTC, median of $RUNS)"
+  echo "== 7. day 2 of a ${BIG_G} GiB disk: ${DIRTY_PCT}% of its granules changed ($NB; b0: $BM) ($(stamp), median of $RUNS)"
   echo
   echo "| backup | median s | repository growth MB |"
   echo "|---|---|---|"
   printf "| %s | %s | %s |\n" "day 1: \`ferry backup big.qcow2 REPO::big\` (10% of the granules hold data; one run)" "$(med_of "$t1")" "$(size_of "$W/ferryb/repo")"
   printf "| %s | %s | %s |\n" "day 2: \`ferry backup --dirty-bitmap b0 URI REPO::big\` (qemu-nbd -r -B b0)" "$(med_of "${T[big]:-}")" "$(GB "$g")"
+fi
+
+# --- 8. Retention after GC_DAYS daily snapshots ----------------------------------------
+# Each tool in turn (so that only one tool's repository is on the disk at a time) takes
+# GC_DAYS daily snapshots of the same GC_G GiB image: day 1 a full backup of the raw file,
+# then each day DIRTY_PCT % of the 64 KiB granules changed (4 KiB writes at random granules,
+# seeded by the day: every tool sees the same days) in vm.qcow2 through qemu-nbd (bitmap b0
+# records them) and in its raw twin disk.raw; ferry backs up `qemu-nbd -r -B b0`
+# with --dirty-bitmap b0 (then `qemu-img bitmap --clear`, as a pull-mode backup does),
+# restic and borg reread disk.raw. Then all but the last GC_KEEP are forgotten and their data
+# freed, timed: `ferry repo forget --keep-last N` + `ferry repo gc` (and, on a copy of the
+# same repository, + `ferry repo gc --repack 0`), `restic forget --keep-last N --prune`,
+# `borg prune --keep-last N` + `borg compact`. One run each.
+if part 8; then
+  stop_all
+  # Room: the state of parts 1-7 is not needed any more.
+  rm -rf "$W"/*.day1 "$W"/*.day2 "$W"/*.qcow2 "$W/src" "$W/ferry" "$W/ferryx" "$W/ferryb" "$W/restic" "$W/borg" "$W/out"
+  G8=$W/gc; mkdir -p "$G8"
+  $PY "$HERE/repo-image.py" "$G8/day1.raw" $((GC_G << 30))
+  qemu-img convert -f raw -O qcow2 "$G8/day1.raw" "$G8/day1.qcow2"
+  qemu-img bitmap --add "$G8/day1.qcow2" b0
+  NG=$(( (GC_G << 14) * DIRTY_PCT / 100 ))
+  avail() { df -k --output=avail "$W" | tail -1; }
+  daily() { # TOOL DAY
+    case $1 in
+      ferry)
+        if [ "$2" = 1 ]; then "$FERRY" backup "$G8/disk.raw" "$W/ferry/repo::vm"
+        else
+          qemu-nbd -t -r -B b0 -f qcow2 -k "$W/gc.sock" "$G8/vm.qcow2" 2>"$W/gc.log" & local p=$!
+          wait_sock "$W/gc.sock"
+          "$FERRY" backup --dirty-bitmap b0 "$(uri gc)" "$W/ferry/repo::vm"; local rc=$?
+          kill $p; wait $p 2>/dev/null
+          [ $rc = 0 ] && qemu-img bitmap --clear "$G8/vm.qcow2" b0
+        fi ;;
+      restic) restic $RC -r "$W/restic/repo" backup "$G8/disk.raw" ;;
+      borg) (cd "$G8" && borg create "$W/borg/repo::day$2" disk.raw) ;;
+    esac
+  }
+  forget() { # TOOL (ferry0: ferry's copy, gc --repack 0)
+    case $1 in
+      ferry) "$FERRY" repo forget "$W/ferry/repo" --keep-last "$GC_KEEP" && "$FERRY" repo gc "$W/ferry/repo" ;;
+      ferry0) "$FERRY" repo forget "$W/ferry0/repo" --keep-last "$GC_KEEP" && "$FERRY" repo gc --repack 0 "$W/ferry0/repo" ;;
+      restic) restic $RC -r "$W/restic/repo" forget --keep-last "$GC_KEEP" --prune ;;
+      borg) borg prune --keep-last "$GC_KEEP" "$W/borg/repo" && borg compact "$W/borg/repo" ;;
+    esac
+  }
+  count() { # TOOL: the snapshots the repository lists
+    case $1 in
+      ferry | ferry0) "$FERRY" repo list --json "$W/$1/repo" | $PY -c 'import json,sys; print(len(json.load(sys.stdin)))' ;;
+      restic) restic $RC -r "$W/restic/repo" snapshots --json | $PY -c 'import json,sys; print(len(json.load(sys.stdin)))' ;;
+      borg) borg list --short "$W/borg/repo" | grep -c . ;;
+    esac 2>/dev/null
+  }
+  declare -A S8 DAYS8
+  for t in ferry $PEER; do
+    cp --sparse=always "$G8/day1.raw" "$G8/disk.raw"; cp "$G8/day1.qcow2" "$G8/vm.qcow2"
+    init "$t"
+    DAYS8[$t]=$GC_DAYS
+    for d in $(seq "$GC_DAYS"); do
+      if [ "$(avail)" -lt $((3 << 20)) ]; then DAYS8[$t]="$((d - 1)) (stopped: less than 3 GiB free)"; break; fi
+      [ "$d" = 1 ] || dirty "$G8/vm.qcow2" "$NG" $((100 + d)) "$G8/disk.raw"
+      timed "g8d$d:$t" daily "$t" "$d"
+      [ "$d" = 1 ] || T[g8days:$t]+="${T[g8d$d:$t]} "
+    done
+    S8[$t:n]=$(count "$t")
+    [ $t = ferry ] && { rm -rf "$W/ferry0"; cp -a "$W/ferry" "$W/ferry0"; S8[ferry0:n]=${S8[ferry:n]}; }
+    for u in $t $([ $t = ferry ] && echo ferry0); do
+      S8[$u:b]=$(dub "$W/$u/repo")
+      S8[$u:load]=$(cut -d' ' -f1 /proc/loadavg)
+      timed "g8:$u" forget "$u"
+      S8[$u:a]=$(dub "$W/$u/repo"); S8[$u:k]=$(count "$u")
+      case $u in ferry | ferry0) "$FERRY" repo verify "$W/$u/repo" >/dev/null 2>&1 && S8[$u:v]=yes || S8[$u:v]=NO ;; esac
+      [ $u = ferry ] || rm -rf "$W/$u"
+    done
+    rm -rf "$W/ferry"
+  done
+  echo
+  echo "== 8. retention after $GC_DAYS daily snapshots of a ${GC_G} GiB image (${DIRTY_PCT}% of the granules, $NG, changed each day): forget all but the last $GC_KEEP and free their data ($(stamp), one run)"
+  echo
+  echo "| forget + gc | s | CPU s | load | snapshots before | after | repository MB before | after | days 2-$GC_DAYS: backup s in all (median a day) |"
+  echo "|---|---|---|---|---|---|---|---|---|"
+  for u in ferry ferry0 $PEER; do
+    case $u in
+      ferry) label='`ferry repo forget --keep-last '$GC_KEEP'` + `ferry repo gc` (repacks a pack when at least 10% of it is unused)'" (verify after: ${S8[ferry:v]:--})" ;;
+      ferry0) label='the same repository, + `ferry repo gc --repack 0` (repacks every pack with unused chunks)'" (verify after: ${S8[ferry0:v]:--})" ;;
+      restic) label='`restic forget --keep-last '$GC_KEEP' --prune`' ;;
+      borg) label='`borg prune --keep-last '$GC_KEEP'` + `borg compact`' ;;
+    esac
+    src=$u; [ $u = ferry0 ] && src=ferry
+    ds=$(echo "${T[g8days:$src]:-}" | tr ' ' '\n' | grep -v '^$' | grep -v FAIL | awk '{s += $1} END {printf "%.1f", s}')
+    dm=$(med_of "${T[g8days:$src]:-}")
+    nf=$(echo "${T[g8days:$src]:-}" | tr ' ' '\n' | grep -c FAIL)
+    [ "$nf" = 0 ] && nf= || nf=", $nf FAILED"
+    printf "| %s | %s | %s | %s | %s | %s | %s | %s | %s (%s)%s |\n" "$label" "$(med_of "${T[g8:$u]:-}")" "$(cpu_of "g8:$u")" "${S8[$u:load]:--}" \
+      "${S8[$src:n]:--}${DAYS8[$src]:+ of ${DAYS8[$src]}}" "${S8[$u:k]:--}" "$(GB "${S8[$u:b]:-}")" "$(GB "${S8[$u:a]:-}")" "$ds" "$dm" "$nf"
+  done
 fi
