@@ -534,9 +534,11 @@ pub fn run(mut args: ServeArgs) -> Result<i32> {
 
     let child = match &args.run {
         Some(cmd) => {
+            // A repository's passphrase is ferry's, not the command's (docs/backups.md).
             let mut child = Command::new("/bin/sh")
                 .arg("-c")
                 .arg(cmd)
+                .env_remove("FERRY_PASSWORD")
                 .env("uri", &uri)
                 .env("unixsocket", unixsocket.as_deref().unwrap_or(""))
                 .env("port", port.map(|p| p.to_string()).unwrap_or_default())

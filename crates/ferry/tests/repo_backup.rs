@@ -311,6 +311,45 @@ fn encrypted_repository() {
     assert!(info.contains("(encrypted"), "{info}");
 }
 
+/// The processes ferry starts (`ferry serve --run`, an S3 profile's `credential_process`)
+/// do not get FERRY_PASSWORD from its environment.
+#[test]
+fn children_do_not_get_the_passphrase() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let seen = d.join("seen");
+    let show = format!("printf '[%s][%s]' \"$FERRY_PASSWORD\" \"$FERRY_PASSWORD_FILE\" > '{}'", seen.display());
+    let sock = d.join("s.sock");
+    let mut c = ferry_cmd(&["serve", "-U", s(&sock), "--run", &show, "memory:1M"]);
+    run_ok(c.env("FERRY_PASSWORD", "correct horse").env("FERRY_PASSWORD_FILE", "/pw"));
+    // The file's name is no secret: it stays.
+    assert_eq!(fs::read_to_string(&seen).unwrap(), "[][/pw]");
+
+    let script = d.join("creds.sh");
+    fs::write(&script, format!("#!/bin/sh\n{show}\nexit 3\n")).unwrap();
+    fs::set_permissions(&script, fs::Permissions::from_mode(0o755)).unwrap();
+    fs::create_dir_all(d.join(".aws")).unwrap();
+    fs::write(d.join(".aws/config"), format!("[profile p]\ncredential_process = {}\n", script.display())).unwrap();
+    fs::remove_file(&seen).unwrap();
+    let mut c = ferry_cmd(&["info", "s3://bucket/key"]);
+    for v in [
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_CONFIG_FILE",
+        "AWS_SHARED_CREDENTIALS_FILE",
+        "AWS_WEB_IDENTITY_TOKEN_FILE",
+        "AWS_ROLE_ARN",
+    ] {
+        c.env_remove(v);
+    }
+    c.env("HOME", d).env("AWS_PROFILE", "p").env("AWS_ENDPOINT_URL", "http://127.0.0.1:9");
+    let out = run_fails(c.env("FERRY_PASSWORD", "correct horse").env("FERRY_PASSWORD_FILE", "/pw"));
+    assert!(out.stderr.contains("credential_process"), "{}", out.describe());
+    assert_eq!(fs::read_to_string(&seen).unwrap(), "[][/pw]");
+}
+
 /// A raw disk of `len` bytes whose `day`'s data differs from every other day's.
 fn day_disk(d: &Path, day: u64, len: usize) -> (PathBuf, Vec<u8>) {
     let mut data = data_with_holes(len, 1000);

@@ -9,7 +9,7 @@
 use crate::Remote;
 use anyhow::{bail, Context, Result};
 use ferry_repo::store::{DirStore, S3Store, Store};
-use ferry_repo::{Repository, SnapshotImage, SnapshotInfo};
+use ferry_repo::{Passphrase, Repository, SnapshotImage, SnapshotInfo};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -43,22 +43,34 @@ pub fn repo_store(repo: &str, remote: &Remote, create: bool) -> Result<Arc<dyn S
     Ok(Arc::new(s))
 }
 
-/// The first line of `file`, without its line end.
-fn first_line(file: &Path) -> Result<Vec<u8>> {
-    let bytes = std::fs::read(file).with_context(|| format!("cannot read the passphrase file {}", file.display()))?;
-    let line = bytes.split(|&b| b == b'\n').next().unwrap_or_default();
-    let line = line.strip_suffix(b"\r").unwrap_or(line);
-    Ok(line.to_vec())
+/// The first line of `file`, without its line end. The bytes read are held as a
+/// [`Passphrase`] (zeroed when dropped), and cut to the line where they lie.
+fn first_line(file: &Path) -> Result<Passphrase> {
+    let mut bytes = Passphrase::new(
+        std::fs::read(file).with_context(|| format!("cannot read the passphrase file {}", file.display()))?,
+    );
+    let mut end = bytes.iter().position(|&b| b == b'\n').unwrap_or(bytes.len());
+    if end > 0 && bytes[end - 1] == b'\r' {
+        end -= 1;
+    }
+    // What follows the line is zeroed before it is cut off (truncate keeps the memory).
+    bytes[end..].fill(0);
+    bytes.truncate(end);
+    Ok(bytes)
 }
 
 /// The passphrase given (`--password-file`, `FERRY_PASSWORD`, `FERRY_PASSWORD_FILE`), or
-/// `None` when none is. An empty one is refused.
-pub fn passphrase(password_file: Option<&Path>) -> Result<Option<Vec<u8>>> {
+/// `None` when none is. An empty one is refused. It is held as a [`Passphrase`], zeroed
+/// when dropped; `FERRY_PASSWORD` itself stays in the process's environment (docs/backups.md
+/// says to prefer a file), and ferry clears it from the environment of the processes it
+/// starts.
+pub fn passphrase(password_file: Option<&Path>) -> Result<Option<Passphrase>> {
     let p = match (password_file, std::env::var_os("FERRY_PASSWORD"), std::env::var_os("FERRY_PASSWORD_FILE")) {
         (Some(f), _, _) => first_line(f)?,
         (None, Some(v), _) => {
-            use std::os::unix::ffi::OsStrExt;
-            v.as_bytes().to_vec()
+            use std::os::unix::ffi::OsStringExt;
+            // The variable's copy, moved (not copied again) into the zeroed holder.
+            Passphrase::new(v.into_vec())
         }
         (None, None, Some(f)) => first_line(Path::new(&f))?,
         (None, None, None) => return Ok(None),
@@ -74,7 +86,7 @@ pub fn passphrase(password_file: Option<&Path>) -> Result<Option<Vec<u8>>> {
 pub fn open_repository(repo: &str, remote: &Remote, password_file: Option<&Path>) -> Result<Arc<Repository>> {
     let store = repo_store(repo, remote, false)?;
     let given = passphrase(password_file)?;
-    let ask = || -> ferry_repo::Result<Vec<u8>> {
+    let ask = || -> ferry_repo::Result<Passphrase> {
         given.clone().ok_or_else(|| {
             ferry_repo::Error::Passphrase(format!("the repository {repo} is encrypted: {PASSPHRASE_HOW}"))
         })
@@ -88,10 +100,61 @@ pub fn resolve(repo: &Repository, name: &str, id: Option<&str>) -> Result<Snapsh
     repo.resolve(name, id).map_err(anyhow::Error::new)
 }
 
+/// The cache budget of snapshots read in part (`ferry serve`): `FERRY_REPO_CACHE` (a size,
+/// e.g. `4G`; for every snapshot the process has open together, each keeping at least
+/// 16 MiB), else a sixteenth of the memory the process may use.
+pub fn cache_bytes() -> Result<u64> {
+    cache_bytes_from(std::env::var("FERRY_REPO_CACHE").ok().as_deref())
+}
+
+fn cache_bytes_from(var: Option<&str>) -> Result<u64> {
+    match var {
+        None | Some("") => Ok(ferry_repo::default_cache_bytes()),
+        Some(v) => ferry_backend::parse_size(v)
+            .with_context(|| format!("FERRY_REPO_CACHE={v:?}: give a size such as 512M or 4G")),
+    }
+}
+
 /// A snapshot `REPO::NAME[@ID]`, opened as a read-only image.
 pub fn open_snapshot(repo: &str, name: &str, id: Option<&str>, remote: &Remote) -> Result<Arc<SnapshotImage>> {
     let shown = crate::Location::repo_spec(repo, name, id);
+    let cache = cache_bytes()?;
     let r = open_repository(repo, remote, None)?;
     let snap = resolve(&r, name, id).with_context(|| shown.clone())?;
-    SnapshotImage::open(r, &snap).with_context(|| format!("cannot open the snapshot {shown}"))
+    SnapshotImage::open_with_cache(r, &snap, cache).with_context(|| format!("cannot open the snapshot {shown}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_passphrase_file_gives_its_first_line_held_zeroed_on_drop() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("pw");
+        for (content, want) in [
+            (&b"correct horse\nsecond line\n"[..], &b"correct horse"[..]),
+            (b"crlf\r\nx", b"crlf"),
+            (b"no line end", b"no line end"),
+        ] {
+            std::fs::write(&f, content).unwrap();
+            // The type says it: a Passphrase is zeroed when dropped.
+            let p: Passphrase = first_line(&f).unwrap();
+            assert_eq!(&p[..], want);
+            let p: Option<Passphrase> = passphrase(Some(&f)).unwrap();
+            assert_eq!(p.as_deref().map(|v| &v[..]), Some(want));
+        }
+        std::fs::write(&f, b"\nsecond").unwrap();
+        assert!(passphrase(Some(&f)).unwrap_err().to_string().contains("empty"));
+    }
+
+    #[test]
+    fn cache_budget_from_the_environment() {
+        assert_eq!(cache_bytes_from(Some("4G")).unwrap(), 4 << 30);
+        assert_eq!(cache_bytes_from(Some("0")).unwrap(), 0);
+        assert_eq!(cache_bytes_from(None).unwrap(), ferry_repo::default_cache_bytes());
+        assert!(ferry_repo::default_cache_bytes() >= 16 << 20);
+        let e = format!("{:#}", cache_bytes_from(Some("lots")).unwrap_err());
+        assert!(e.contains("FERRY_REPO_CACHE") && e.contains("512M"), "{e}");
+    }
 }

@@ -5,7 +5,7 @@ use crate::format::{self, hex, parse_hex, Digest, Encryption, Kdf, KdfCost, Limi
 use aes_gcm::aead::{AeadInOut, KeyInit};
 use aes_gcm::{Aes256Gcm, Nonce, Tag};
 use hmac::{Hmac, Mac};
-use zeroize::Zeroize;
+use zeroize::{ZeroizeOnDrop, Zeroizing};
 
 const NONCE: usize = 12;
 const TAG: usize = 16;
@@ -32,34 +32,43 @@ pub enum Crypto {
     Aes(Box<Keys>),
 }
 
-/// The unwrapped master key. Zeroed when dropped.
+/// The unwrapped master key and the cipher keyed by it. Every part is zeroed when
+/// dropped: the key halves are [`Zeroizing`], and aes-gcm's `zeroize` feature clears the
+/// cipher's expanded key and GHASH key.
 pub struct Keys {
-    pub(crate) enc: [u8; 32],
-    pub(crate) id: [u8; 32],
+    pub(crate) enc: Zeroizing<[u8; 32]>,
+    pub(crate) id: Zeroizing<[u8; 32]>,
+    cipher: Aes256Gcm,
 }
 
-impl Drop for Keys {
-    fn drop(&mut self) {
-        self.enc.zeroize();
-        self.id.zeroize();
-    }
-}
+/// Every field is [`ZeroizeOnDrop`] (checked by the tests).
+impl ZeroizeOnDrop for Keys {}
 
 impl Keys {
     fn from_master(master: &[u8; 64]) -> Keys {
-        let mut k = Keys { enc: [0; 32], id: [0; 32] };
-        k.enc.copy_from_slice(&master[..32]);
-        k.id.copy_from_slice(&master[32..]);
-        k
+        let mut enc = Zeroizing::new([0u8; 32]);
+        let mut id = Zeroizing::new([0u8; 32]);
+        enc.copy_from_slice(&master[..32]);
+        id.copy_from_slice(&master[32..]);
+        let cipher = aes_cipher(&enc);
+        Keys { enc, id, cipher }
     }
-    fn cipher(&self) -> Aes256Gcm {
-        Aes256Gcm::new(&self.enc.into())
+    fn cipher(&self) -> &Aes256Gcm {
+        &self.cipher
     }
     fn hmac(&self, data: &[u8]) -> Digest {
-        hmac_sha256(&self.id, data)
+        hmac_sha256(&self.id[..], data)
     }
 }
 
+/// AES-256-GCM keyed by `key` (expanded from the slice: no copy of the key is left).
+fn aes_cipher(key: &[u8; 32]) -> Aes256Gcm {
+    // A 32-byte slice is the key length: this cannot fail.
+    Aes256Gcm::new_from_slice(key).unwrap_or_else(|_| unreachable!())
+}
+
+/// HMAC-SHA256. Its state (the key's inner and outer SHA-256 states) is zeroed when it is
+/// dropped: sha2's `zeroize` feature.
 fn hmac_sha256(key: &[u8], data: &[u8]) -> Digest {
     // HMAC takes a key of any length: this cannot fail.
     let mut m = <Hmac<sha2::Sha256> as hmac::KeyInit>::new_from_slice(key).unwrap_or_else(|_| unreachable!());
@@ -119,7 +128,7 @@ impl Crypto {
                 let start = out.len();
                 out.extend_from_slice(&[0; NONCE]);
                 out.extend_from_slice(plain);
-                seal_tail(&k.cipher(), aad, out, start);
+                seal_tail(k.cipher(), aad, out, start);
             }
         }
     }
@@ -137,7 +146,7 @@ impl Crypto {
     /// is encoded straight into a pack's buffer and encrypted where it lies.
     pub(crate) fn seal_in_place(&self, aad: &[u8], out: &mut Vec<u8>, start: usize) {
         if let Crypto::Aes(k) = self {
-            seal_tail(&k.cipher(), aad, out, start);
+            seal_tail(k.cipher(), aad, out, start);
         }
     }
 
@@ -164,7 +173,7 @@ impl Crypto {
                 stored.len(),
                 NONCE + TAG
             ))),
-            Crypto::Aes(k) => open_with(&k.cipher(), aad, stored).map_err(|()| {
+            Crypto::Aes(k) => open_with(k.cipher(), aad, stored).map_err(|()| {
                 CryptoError::Damaged("its authentication failed (the bytes were changed or damaged)".into())
             }),
         }
@@ -191,11 +200,9 @@ pub fn new_key(
     chunk_size: u32,
     page_entries: u32,
 ) -> Result<(Encryption, Crypto), CryptoError> {
-    let mut master: [u8; 64] = random();
-    let enc = wrap(&master, passphrase, cost, repo_id, chunk_size, page_entries);
-    let keys = Keys::from_master(&master);
-    master.zeroize();
-    Ok((enc?, Crypto::Aes(Box::new(keys))))
+    let master = Zeroizing::new(random::<64>());
+    let enc = wrap(&master, passphrase, cost, repo_id, chunk_size, page_entries)?;
+    Ok((enc, Crypto::Aes(Box::new(Keys::from_master(&master)))))
 }
 
 /// The additional data of the wrapped key (FORMAT.md §3).
@@ -205,13 +212,13 @@ fn key_aad(repo_id: &str, chunk_size: u32, page_entries: u32) -> Vec<u8> {
 
 /// The key-encryption key: Argon2id (version 0x13) of the passphrase, after the cost is
 /// checked against FORMAT.md's limits.
-fn kek(passphrase: &[u8], salt: &[u8], cost: KdfCost) -> Result<[u8; 32], CryptoError> {
+fn kek(passphrase: &[u8], salt: &[u8], cost: KdfCost) -> Result<Zeroizing<[u8; 32]>, CryptoError> {
     format::check_kdf_cost(&cost).map_err(|e| CryptoError::Invalid(e.0))?;
     let params = argon2::Params::new(cost.m_kib, cost.t, cost.p, Some(32))
         .map_err(|e| CryptoError::Invalid(format!("Argon2 parameters: {e}")))?;
     let a = argon2::Argon2::new(argon2::Algorithm::Argon2id, argon2::Version::V0x13, params);
-    let mut out = [0u8; 32];
-    a.hash_password_into(passphrase, salt, &mut out)
+    let mut out = Zeroizing::new([0u8; 32]);
+    a.hash_password_into(passphrase, salt, &mut out[..])
         .map_err(|e| CryptoError::Invalid(format!("Argon2 failed: {e} (is there {} KiB of memory?)", cost.m_kib)))?;
     Ok(out)
 }
@@ -226,10 +233,10 @@ fn wrap(
 ) -> Result<Encryption, CryptoError> {
     format::check_limits(&Limits { chunk_size, page_entries }).map_err(|e| CryptoError::Invalid(e.0))?;
     let salt: [u8; 32] = random();
-    let mut kek = kek(passphrase, &salt, cost)?;
-    let cipher = Aes256Gcm::new(&kek.into());
-    kek.zeroize();
-    let mut key = vec![0u8; NONCE];
+    let cipher = aes_cipher(&*kek(passphrase, &salt, cost)?);
+    // Room for the tag too: the plain key is never left behind by a reallocation.
+    let mut key = Zeroizing::new(Vec::with_capacity(NONCE + master.len() + TAG));
+    key.extend_from_slice(&[0; NONCE]);
     key.extend_from_slice(master);
     seal_tail(&cipher, &key_aad(repo_id, chunk_size, page_entries), &mut key, 0);
     Ok(Encryption {
@@ -251,17 +258,16 @@ pub fn unlock(
     enc.validate().map_err(|e| CryptoError::Invalid(e.0))?;
     let salt = parse_hex(&enc.kdf.salt).ok_or_else(|| CryptoError::Invalid("the KDF salt is not hex".into()))?;
     let wrapped = parse_hex(&enc.key).ok_or_else(|| CryptoError::Invalid("the wrapped key is not hex".into()))?;
-    let mut kek = kek(passphrase, &salt, enc.kdf.cost())?;
-    let cipher = Aes256Gcm::new(&kek.into());
-    kek.zeroize();
-    let mut master = open_with(&cipher, &key_aad(repo_id, chunk_size, page_entries), &wrapped)
-        .map_err(|()| CryptoError::WrongPassphrase)?;
+    let cipher = aes_cipher(&*kek(passphrase, &salt, enc.kdf.cost())?);
+    let master = Zeroizing::new(
+        open_with(&cipher, &key_aad(repo_id, chunk_size, page_entries), &wrapped)
+            .map_err(|()| CryptoError::WrongPassphrase)?,
+    );
     let keys = match <&[u8; 64]>::try_from(master.as_slice()) {
-        Ok(m) => Ok(Keys::from_master(m)),
-        Err(_) => Err(CryptoError::Invalid(format!("the wrapped key holds {} bytes, not 64", master.len()))),
+        Ok(m) => Keys::from_master(m),
+        Err(_) => return Err(CryptoError::Invalid(format!("the wrapped key holds {} bytes, not 64", master.len()))),
     };
-    master.zeroize();
-    Ok(Crypto::Aes(Box::new(keys?)))
+    Ok(Crypto::Aes(Box::new(keys)))
 }
 
 /// Re-wraps the same master key under a new passphrase (a new salt).
@@ -276,12 +282,10 @@ pub fn rewrap(
     let Crypto::Aes(k) = crypto else {
         return Err(CryptoError::Invalid("the repository is not encrypted: it has no passphrase to change".into()));
     };
-    let mut master = [0u8; 64];
-    master[..32].copy_from_slice(&k.enc);
-    master[32..].copy_from_slice(&k.id);
-    let enc = wrap(&master, passphrase, cost, repo_id, chunk_size, page_entries);
-    master.zeroize();
-    enc
+    let mut master = Zeroizing::new([0u8; 64]);
+    master[..32].copy_from_slice(&k.enc[..]);
+    master[32..].copy_from_slice(&k.id[..]);
+    wrap(&master, passphrase, cost, repo_id, chunk_size, page_entries)
 }
 
 /// `N` bytes from the operating system's random source.
@@ -306,6 +310,21 @@ mod tests {
 
     fn key() -> (Encryption, Crypto) {
         new_key(b"secret", CHEAP, ID, 65536, 256).unwrap()
+    }
+
+    /// Compiles only for types that zero their memory when dropped.
+    fn zeroed_on_drop<T: ZeroizeOnDrop>() {}
+
+    #[test]
+    fn key_material_is_zeroed_on_drop() {
+        // The master key's halves and the cipher's expanded keys (aes-gcm's `zeroize`).
+        zeroed_on_drop::<Zeroizing<[u8; 32]>>();
+        zeroed_on_drop::<Aes256Gcm>();
+        zeroed_on_drop::<Keys>();
+        // HMAC-SHA256's state is two SHA-256 states keyed by the id key (sha2's `zeroize`).
+        zeroed_on_drop::<sha2::Sha256>();
+        // The passphrase, from where ferry reads it to the KDF.
+        zeroed_on_drop::<crate::Passphrase>();
     }
 
     #[test]

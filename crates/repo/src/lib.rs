@@ -131,6 +131,7 @@ mod diff;
 pub mod format;
 pub mod lock;
 pub mod maint;
+mod memory;
 mod reader;
 mod repo;
 pub mod store;
@@ -140,8 +141,10 @@ mod writer;
 
 pub use checkpoint::CheckpointInfo;
 pub use diff::SnapshotDiff;
-pub use reader::SnapshotImage;
+pub use reader::{default_cache_bytes, SnapshotImage, MIN_CACHE_BYTES};
 pub use repo::{Index, InitOptions, Location as BlobLocation, Repository, SnapshotInfo};
+/// A passphrase as ferry holds it from where it is read to the KDF: zeroed when dropped.
+pub type Passphrase = zeroize::Zeroizing<Vec<u8>>;
 pub use writer::{
     checkpoint_mismatch, BackupOptions, SnapshotWriter, WriterStats, DEFAULT_CHECKPOINT_EVERY, DEFAULT_LEVEL,
     DEFAULT_PACK_SIZE,

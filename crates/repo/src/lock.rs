@@ -3,16 +3,18 @@
 //! Taking a lock writes it, then lists `locks/`: of two conflicting locks that see each
 //! other, the one with the earlier `(time, name)` holds and the other removes itself. Times
 //! have nanoseconds, so the order is the order in which they were taken. A holder rewrites
-//! its lock every [`REFRESH`]; a lock not refreshed for [`STALE_AFTER`], or left on this
-//! host by a process that no longer runs, is stale and removed by whoever meets it.
+//! its lock every [`REFRESH`]; a lock not refreshed for [`STALE_AFTER`] (by its own time
+//! and, where the store tells it, by the store's time of its last write: [`stale_by_time`]),
+//! or left on this host by a process that no longer runs, is stale and removed by whoever
+//! meets it.
 use crate::format::{self, Lock, LockKind};
 use crate::repo::{hostname, parse_time};
-use crate::store::Store;
+use crate::store::{Store, StoreTime};
 use crate::{Error, Result};
 use std::io;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 /// How often a holder rewrites its lock.
 pub const REFRESH: Duration = Duration::from_secs(5 * 60);
@@ -95,13 +97,11 @@ pub fn conflicts(kind: LockKind, disk: Option<&str>, other: &Lock) -> bool {
     }
 }
 
-/// Whether `lock` is stale now (FORMAT.md §8), and why.
-pub fn stale(lock: &Lock) -> Option<String> {
-    if let Some(r) = parse_time(&lock.refreshed) {
-        let age = jiff::Timestamp::now().duration_since(r);
-        if age > jiff::SignedDuration::try_from(STALE_AFTER).unwrap_or(jiff::SignedDuration::MAX) {
-            return Some(format!("not refreshed since {}", lock.refreshed));
-        }
+/// Whether `lock` is stale now (FORMAT.md §8), and why; `at`: when the store says the lock
+/// object was last written, where it can tell.
+pub fn stale(lock: &Lock, at: Option<StoreTime>) -> Option<String> {
+    if let Some(why) = stale_by_time(lock, at, SystemTime::now()) {
+        return Some(why);
     }
     // A PID means something only in its machine's boot and PID namespace: a container
     // with the host's name, or a cloned machine, has other processes under those numbers.
@@ -109,6 +109,35 @@ pub fn stale(lock: &Lock) -> Option<String> {
         return Some(format!("process {} no longer runs on {}", lock.pid, lock.host));
     }
     None
+}
+
+/// Whether `lock` went unrefreshed for [`STALE_AFTER`] at `now` (this host's clock): by
+/// its `refreshed` time (its writer's clock) and, where the store tells when it was last
+/// written (`at`), also by that time, measured against the store's clock when it tells
+/// it (else this host's). Both must say so: a clock that is off (the writer's, this
+/// host's or the store's) can make a lock stale late, never early, unless two are off.
+pub fn stale_by_time(lock: &Lock, at: Option<StoreTime>, now: SystemTime) -> Option<String> {
+    let refreshed = parse_time(&lock.refreshed)?;
+    let now_ts = jiff::Timestamp::try_from(now).ok()?;
+    let limit = jiff::SignedDuration::try_from(STALE_AFTER).unwrap_or(jiff::SignedDuration::MAX);
+    if now_ts.duration_since(refreshed) <= limit {
+        return None;
+    }
+    let Some(at) = at else {
+        return Some(format!("not refreshed since {}", lock.refreshed));
+    };
+    let store_now = at.now.unwrap_or(now);
+    let written_ago = store_now.duration_since(at.modified).unwrap_or_default();
+    if written_ago <= STALE_AFTER {
+        return None;
+    }
+    let written = jiff::Timestamp::try_from(at.modified).map(|t| t.strftime("%Y-%m-%dT%H:%M:%SZ").to_string());
+    Some(format!(
+        "not refreshed since {} (the store last wrote it {} minutes ago{})",
+        lock.refreshed,
+        written_ago.as_secs() / 60,
+        written.map(|w| format!(", at {w} by its clock")).unwrap_or_default()
+    ))
 }
 
 /// This machine's boot id and this process's PID namespace, as a lock records them.
@@ -140,10 +169,10 @@ fn read_locks(store: &Arc<dyn Store>) -> Result<(Vec<(String, Lock, Option<Strin
     let mut out = Vec::new();
     let mut unreadable = Vec::new();
     for (name, _) in names {
-        match store.get(&name, format::MAX_LOCK) {
-            Ok(bytes) => match Lock::parse(&bytes) {
+        match store.get_timed(&name, format::MAX_LOCK) {
+            Ok((bytes, at)) => match Lock::parse(&bytes) {
                 Ok(l) => {
-                    let s = stale(&l);
+                    let s = stale(&l, at);
                     out.push((name, l, s))
                 }
                 Err(e) => unreadable.push((name, e.to_string())),

@@ -3,20 +3,30 @@
 //!
 //! A read fetches the chunks it needs that lie next to each other in one pack with one
 //! ranged read, then decodes them on the calling thread: reads from many threads run side
-//! by side, with no lock held around I/O or decoding. Chunks read in part (small random
-//! reads, as a VM booting from `ferry serve` makes) are kept in a small cache shared by
-//! every thread; chunks read whole (a restore) are not.
+//! by side, with no lock held around I/O or decoding. The requests of one NBD connection
+//! do too: [`Backend::io_queue`] hands them to a pool of threads (one per core, more for
+//! an object store's latency), answered in order. Chunks read in part (small random
+//! reads, as a VM booting from `ferry serve` makes) are kept in a cache shared by every
+//! thread, sized by the memory this process may use ([`default_cache_bytes`]); chunks read
+//! whole (a restore) are not.
 use crate::format::{self, BlobKind, Digest, ZERO};
 use crate::repo::{blkhash_of, pack_name, Index, Location, Repository, SnapshotInfo};
 use crate::Result;
-use ferry_backend::{push_extent, Backend, Capabilities, Extent, DATA, HOLE};
-use std::collections::HashMap;
+use ferry_backend::{push_extent, Backend, Capabilities, Extent, IoQueue, DATA, HOLE};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::io;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Condvar, Mutex, OnceLock, RwLock, Weak};
 
-/// Cache shards and chunks per shard: 256 chunks (16 MiB of 64 KiB chunks).
+/// Cache shards (each with its own lock), and the fewest chunks each keeps.
 const SHARDS: usize = 16;
-const PER_SHARD: usize = 16;
+const PER_SHARD_MIN: usize = 16;
+/// The fewest bytes of chunks the cache of one snapshot keeps, whatever the budget: a
+/// reader of small sequential reads needs its current chunks (256 chunks of 64 KiB).
+pub const MIN_CACHE_BYTES: u64 = 16 << 20;
+/// Bytes of decoded chunks in the caches of every snapshot this process has open: what
+/// [`SnapshotImage::cache_budget`] bounds.
+static CACHED: AtomicU64 = AtomicU64::new(0);
 /// Stored bytes between two blobs of one pack that a read still fetches in one request
 /// rather than two.
 const GAP: u64 = 64 << 10;
@@ -24,6 +34,12 @@ const GAP: u64 = 64 << 10;
 /// following chunks into the cache.
 const AHEAD_BELOW: u64 = 256 << 10;
 const AHEAD_BYTES: u64 = 1 << 20;
+
+/// The default cache budget: a sixteenth of the memory this process may use (the
+/// machine's, or its control group's limit), at least [`MIN_CACHE_BYTES`].
+pub fn default_cache_bytes() -> u64 {
+    crate::memory::limit().map_or(MIN_CACHE_BYTES, |m| m / 16).max(MIN_CACHE_BYTES)
+}
 
 /// The ends of the last reads, to see sequential readers among several clients.
 #[derive(Default)]
@@ -33,6 +49,9 @@ struct Recent {
 }
 
 pub struct SnapshotImage {
+    /// This image, for the threads of [`Backend::io_queue`].
+    me: Weak<SnapshotImage>,
+    pool: OnceLock<Option<Pool>>,
     repo: Arc<Repository>,
     snap: SnapshotInfo,
     /// Reloaded when a pack it names is gone (a gc moved the blobs while we read).
@@ -43,20 +62,57 @@ pub struct SnapshotImage {
     cs: u64,
     size: u64,
     cache: Vec<Mutex<Shard>>,
+    /// The bytes of every snapshot's caches in this process may reach this (each keeps
+    /// at least [`MIN_CACHE_BYTES`]).
+    cache_budget: u64,
+    /// Bytes in this image's cache.
+    cached: AtomicU64,
 }
 
+/// A least-recently-used set of chunks.
 #[derive(Default)]
 struct Shard {
     tick: u64,
     chunks: HashMap<u64, (Arc<Vec<u8>>, u64)>,
+    /// Chunk by the tick of its last use: the least recently used first.
+    by_use: BTreeMap<u64, u64>,
+}
+
+impl Shard {
+    fn get(&mut self, ci: u64) -> Option<Arc<Vec<u8>>> {
+        self.tick += 1;
+        let t = self.tick;
+        let (c, used) = self.chunks.get_mut(&ci)?;
+        self.by_use.remove(used);
+        *used = t;
+        self.by_use.insert(t, ci);
+        Some(c.clone())
+    }
+    /// Removes the least recently used chunk; its length.
+    fn evict(&mut self) -> Option<u64> {
+        let (_, ci) = self.by_use.pop_first()?;
+        self.chunks.remove(&ci).map(|(c, _)| c.len() as u64)
+    }
 }
 
 impl SnapshotImage {
-    /// Loads the index and the snapshot's pages.
+    /// Loads the index and the snapshot's pages; the cache budget is
+    /// [`default_cache_bytes`].
     pub fn open(repo: Arc<Repository>, snap: &SnapshotInfo) -> Result<Arc<SnapshotImage>> {
+        SnapshotImage::open_with_cache(repo, snap, default_cache_bytes())
+    }
+
+    /// As [`SnapshotImage::open`], with chunks read in part cached up to `cache_bytes`
+    /// for all the snapshots this process has open together (each keeps at least
+    /// [`MIN_CACHE_BYTES`]).
+    pub fn open_with_cache(repo: Arc<Repository>, snap: &SnapshotInfo, cache_bytes: u64) -> Result<Arc<SnapshotImage>> {
         let index = repo.load_index_lenient()?;
         let entries = repo.entries(&index, snap)?;
-        Ok(Arc::new(SnapshotImage {
+        Ok(Arc::new_cyclic(|me| SnapshotImage {
+            me: me.clone(),
+            pool: OnceLock::new(),
+            cache_budget: cache_bytes,
+            cached: AtomicU64::new(0),
             cs: repo.config.chunk_size as u64,
             size: snap.manifest.size,
             repo,
@@ -67,6 +123,11 @@ impl SnapshotImage {
             entries,
             cache: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
         }))
+    }
+
+    /// The cache budget this image was opened with.
+    pub fn cache_budget(&self) -> u64 {
+        self.cache_budget
     }
 
     /// The blkhash (SHA-256, 64 KiB blocks) of the snapshot, from its entries alone;
@@ -89,13 +150,12 @@ impl SnapshotImage {
     }
 
     fn cached(&self, ci: u64) -> Option<Arc<Vec<u8>>> {
-        let mut s = self.cache[ci as usize % SHARDS].lock().unwrap_or_else(|e| e.into_inner());
-        s.tick += 1;
-        let t = s.tick;
-        s.chunks.get_mut(&ci).map(|(c, used)| {
-            *used = t;
-            c.clone()
-        })
+        self.cache[ci as usize % SHARDS].lock().unwrap_or_else(|e| e.into_inner()).get(ci)
+    }
+
+    /// Bytes in this image's cache.
+    pub fn cached_bytes(&self) -> u64 {
+        self.cached.load(Ordering::Relaxed)
     }
 
     fn is_cached(&self, ci: u64) -> bool {
@@ -178,16 +238,31 @@ impl SnapshotImage {
         }
     }
 
+    /// Keeps a chunk in the cache: beyond the budget (all snapshots' caches together),
+    /// this shard's least recently used chunk makes room, unless this image keeps no
+    /// more than its minimum.
     fn remember(&self, ci: u64, chunk: Arc<Vec<u8>>) {
+        let len = chunk.len() as u64;
         let mut s = self.cache[ci as usize % SHARDS].lock().unwrap_or_else(|e| e.into_inner());
+        if s.get(ci).is_some() {
+            return;
+        }
+        let over = |mine: u64| {
+            mine > MIN_CACHE_BYTES && CACHED.load(Ordering::Relaxed).saturating_add(len) > self.cache_budget
+        };
+        // A shard holds at most its share of the budget (and at least PER_SHARD_MIN).
+        let cap = ((self.cache_budget.max(MIN_CACHE_BYTES) / self.cs.max(1)) as usize / SHARDS).max(PER_SHARD_MIN);
+        while s.chunks.len() >= cap || (!s.chunks.is_empty() && over(self.cached.load(Ordering::Relaxed))) {
+            let Some(freed) = s.evict() else { break };
+            self.cached.fetch_sub(freed, Ordering::Relaxed);
+            CACHED.fetch_sub(freed, Ordering::Relaxed);
+        }
         s.tick += 1;
         let t = s.tick;
-        if s.chunks.len() >= PER_SHARD && !s.chunks.contains_key(&ci) {
-            if let Some(old) = s.chunks.iter().min_by_key(|(_, (_, u))| *u).map(|(k, _)| *k) {
-                s.chunks.remove(&old);
-            }
-        }
         s.chunks.insert(ci, (chunk, t));
+        s.by_use.insert(t, ci);
+        self.cached.fetch_add(len, Ordering::Relaxed);
+        CACHED.fetch_add(len, Ordering::Relaxed);
     }
 
     /// The index again, unless another thread has just reloaded it.
@@ -343,6 +418,133 @@ impl SnapshotImage {
     }
 }
 
+impl Drop for SnapshotImage {
+    fn drop(&mut self) {
+        CACHED.fetch_sub(self.cached.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
+}
+
+/// A job for the pool: runs on one of its threads.
+type Job = Box<dyn FnOnce() + Send>;
+
+/// The threads that serve the [`IoQueue`]s of one image: they end when it is dropped
+/// (its sender with it) and the jobs in hand are done.
+struct Pool {
+    jobs: Mutex<mpsc::Sender<Job>>,
+}
+
+impl Pool {
+    /// `threads` threads, or `None` when none could be started.
+    fn start(threads: usize) -> Option<Pool> {
+        let (tx, rx) = mpsc::channel::<Job>();
+        let rx = Arc::new(Mutex::new(rx));
+        let mut started = 0;
+        for i in 0..threads {
+            let rx = rx.clone();
+            let t = std::thread::Builder::new().name(format!("repo-read-{i}")).spawn(move || loop {
+                // The lock is held only to take a job, not while it runs.
+                let job = rx.lock().unwrap_or_else(|e| e.into_inner()).recv();
+                match job {
+                    Ok(job) => job(),
+                    Err(_) => return,
+                }
+            });
+            started += usize::from(t.is_ok());
+        }
+        (started > 0).then(|| Pool { jobs: Mutex::new(tx) })
+    }
+
+    /// Hands `job` to a thread; it comes back if none is left to take it.
+    fn submit(&self, job: Job) -> std::result::Result<(), Job> {
+        self.jobs.lock().unwrap_or_else(|e| e.into_inner()).send(job).map_err(|e| e.0)
+    }
+}
+
+/// Threads for a snapshot's reads: decoding is CPU work, so one per core; reads of an
+/// object store wait on the network, so at least 8.
+fn pool_threads() -> usize {
+    std::thread::available_parallelism().map_or(4, |n| n.get()).clamp(crate::repo::FETCH_THREADS, 32)
+}
+
+/// A read in flight: its buffer and result once done.
+#[derive(Default)]
+struct Slot {
+    done: Mutex<Option<(Vec<u8>, ferry_backend::Result<()>)>>,
+    cv: Condvar,
+}
+
+impl Slot {
+    fn finish(&self, buf: Vec<u8>, r: ferry_backend::Result<()>) {
+        *self.done.lock().unwrap_or_else(|e| e.into_inner()) = Some((buf, r));
+        self.cv.notify_all();
+    }
+    fn is_done(&self) -> bool {
+        self.done.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+    }
+    fn wait(&self) -> (Vec<u8>, ferry_backend::Result<()>) {
+        let mut d = self.done.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(r) = d.take() {
+                return r;
+            }
+            d = self.cv.wait(d).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
+/// The reads of one connection, run side by side on the image's pool and handed back in
+/// the order they came.
+struct ReadQueue {
+    image: Arc<SnapshotImage>,
+    pending: VecDeque<Arc<Slot>>,
+}
+
+impl IoQueue for ReadQueue {
+    fn submit_read(&mut self, mut buf: Vec<u8>, offset: u64) {
+        let slot = Arc::new(Slot::default());
+        self.pending.push_back(slot.clone());
+        let image = self.image.clone();
+        let job: Job = Box::new(move || {
+            let r = image.read(&mut buf, offset);
+            slot.finish(buf, r);
+        });
+        let job = match self.image.pool.get().and_then(Option::as_ref) {
+            Some(pool) => match pool.submit(job) {
+                Ok(()) => return,
+                Err(job) => job,
+            },
+            None => job,
+        };
+        // No pool to take it: read here.
+        job();
+    }
+    fn submit_write(&mut self, buf: Vec<u8>, offset: u64) {
+        // Wrapped in ferry_backend::read_only_queue: never called.
+        let len = buf.len() as u64;
+        let slot = Arc::new(Slot::default());
+        slot.finish(buf, Err(ferry_backend::Error::new(ferry_backend::ErrorKind::ReadOnly, "write", offset, len)));
+        self.pending.push_back(slot);
+    }
+    fn len(&self) -> usize {
+        self.pending.len()
+    }
+    fn oldest_done(&self) -> bool {
+        self.pending.front().is_some_and(|s| s.is_done())
+    }
+    fn complete(&mut self) -> Option<(Vec<u8>, ferry_backend::Result<()>)> {
+        self.pending.pop_front().map(|s| s.wait())
+    }
+}
+
+impl Drop for ReadQueue {
+    /// Waits for the reads in flight (IoQueue's contract).
+    fn drop(&mut self) {
+        for s in self.pending.drain(..) {
+            drop(s.wait());
+        }
+    }
+}
+
 /// Why a read failed: a pack that is gone may be found again in a reloaded index.
 enum Failure {
     PackGone(ferry_backend::Error),
@@ -406,6 +608,12 @@ impl Backend for SnapshotImage {
             }
             r => r.map_err(Failure::into_error),
         }
+    }
+    /// The requests of one connection read side by side on a pool of threads.
+    fn io_queue(&self) -> Option<Box<dyn IoQueue>> {
+        let image = self.me.upgrade()?;
+        self.pool.get_or_init(|| Pool::start(pool_threads())).as_ref()?;
+        Some(ferry_backend::read_only_queue(Box::new(ReadQueue { image, pending: VecDeque::new() })))
     }
     fn flush(&self) -> ferry_backend::Result<()> {
         Ok(())

@@ -15,7 +15,7 @@ pub struct InitOptions {
     pub chunk_size: u32,
     pub page_entries: u32,
     /// A passphrase and the KDF's cost, for an encrypted repository.
-    pub encrypt: Option<(Vec<u8>, KdfCost)>,
+    pub encrypt: Option<(crate::Passphrase, KdfCost)>,
 }
 
 impl Default for InitOptions {
@@ -135,27 +135,30 @@ fn read_error(store: &dyn Store, name: &str, e: io::Error) -> Error {
 
 /// An empty chunk list for a snapshot of `chunks` chunks, refused (as damage of `object`,
 /// or as too large for this machine) when the list (32 bytes a chunk) would take more
-/// than half the memory: a manifest of a few MB may describe a disk of 2^63 bytes of
-/// zero pages, and allocating its list would abort the process.
+/// than half the memory this process may use (the machine's, or less where its control
+/// group limits it: [`crate::memory::limit`]): a manifest of a few MB may describe a disk
+/// of 2^63 bytes of zero pages, and allocating its list would abort the process (or get
+/// it killed by the container's OOM killer).
 pub(crate) fn entry_list(chunks: u64, object: &str) -> Result<Vec<Digest>> {
+    entry_list_within(chunks, object, crate::memory::limit())
+}
+
+pub(crate) fn entry_list_within(chunks: u64, object: &str, memory: Option<u64>) -> Result<Vec<Digest>> {
     let bytes = chunks.saturating_mul(32);
-    let budget = memory_total().map_or(u64::MAX, |m| m / 2);
+    let budget = memory.map_or(u64::MAX, |m| m / 2);
     let mut v: Vec<Digest> = Vec::new();
     if bytes > budget || v.try_reserve_exact(chunks as usize).is_err() {
         return Err(Error::Invalid(format!(
             "{object} describes a disk of {chunks} chunks, whose list of chunk digests ({bytes} bytes) does not fit in \
-             this machine's memory: read it on a machine with more memory (or it is damaged: `ferry repo check`)"
+             the memory this process may use ({}): read it on a machine with more memory, or raise the control \
+             group's memory limit (or it is damaged: `ferry repo check`)",
+            match memory {
+                Some(m) => format!("{m} bytes, the machine's or its control group's limit"),
+                None => "unknown".into(),
+            }
         )));
     }
     Ok(v)
-}
-
-/// The machine's memory in bytes (/proc/meminfo's MemTotal), if known.
-fn memory_total() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    kib.checked_mul(1024)
 }
 
 /// Index objects are cut at this many plain bytes, well below the readers' limit
@@ -241,7 +244,7 @@ impl Repository {
     }
 
     /// Opens a repository; `passphrase` is called only if it is encrypted.
-    pub fn open(store: Arc<dyn Store>, passphrase: &dyn Fn() -> Result<Vec<u8>>) -> Result<Repository> {
+    pub fn open(store: Arc<dyn Store>, passphrase: &dyn Fn() -> Result<crate::Passphrase>) -> Result<Repository> {
         let bytes = match store.get("config", format::MAX_CONFIG) {
             Ok(b) => b,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {

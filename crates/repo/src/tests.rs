@@ -18,7 +18,8 @@ fn new_repo(encrypt: bool) -> (Arc<MemStore>, Arc<Repository>) {
     let opts = InitOptions {
         chunk_size: CS as u32,
         page_entries: 16,
-        encrypt: encrypt.then(|| (b"secret words".to_vec(), KdfCost { m_kib: 8192, t: 1, p: 1 })),
+        encrypt: encrypt
+            .then(|| (crate::Passphrase::new(b"secret words".to_vec()), KdfCost { m_kib: 8192, t: 1, p: 1 })),
     };
     let repo = Repository::init(store.clone(), &opts).unwrap();
     (store, Arc::new(repo))
@@ -235,13 +236,14 @@ fn encrypted_round_trip_and_wrong_passphrase() {
     let (store, repo) = new_repo(true);
     let data = disk(2 << 20, 4);
     let snap = backup(&repo, "secret-disk", &data, None);
-    let wrong = Repository::open(store.clone(), &|| Ok(b"not it".to_vec()));
+    let wrong = Repository::open(store.clone(), &|| Ok(crate::Passphrase::new(b"not it".to_vec())));
     match wrong {
         Err(Error::Passphrase(m)) => assert!(m.contains("--password-file"), "{m}"),
         Err(e) => panic!("wrong passphrase gave {e}"),
         Ok(_) => panic!("a wrong passphrase opened the repository"),
     }
-    let repo2 = Arc::new(Repository::open(store.clone(), &|| Ok(b"secret words".to_vec())).unwrap());
+    let repo2 =
+        Arc::new(Repository::open(store.clone(), &|| Ok(crate::Passphrase::new(b"secret words".to_vec()))).unwrap());
     let snap2 = repo2.resolve("secret-disk", None).unwrap();
     assert_eq!(snap2.id, snap.id);
     assert!(read_back(&repo2, &snap2) == data);
@@ -501,10 +503,12 @@ fn stale_lock_of_a_dead_process_is_removed() {
         boot: lock::this_boot(),
     };
     store.put("locks/00000000000000000000000000000001", &l.to_bytes()).unwrap();
-    // An old lock of another host is stale too.
+    // An old lock of another host is stale too (written an hour ago by the store's clock).
     let old = "2020-01-01T00:00:00Z".to_string();
     let l2 = Lock { host: "elsewhere".into(), pid: 1, time: old.clone(), refreshed: old, ..l.clone() };
+    store.set_clock_offset(-3600);
     store.put("locks/00000000000000000000000000000002", &l2.to_bytes()).unwrap();
+    store.set_clock_offset(0);
     let listed = lock::list(repo.store()).unwrap();
     assert_eq!(listed.len(), 2);
     assert!(listed.iter().all(|(_, _, stale)| *stale));
@@ -552,7 +556,7 @@ fn init_refuses_a_repository_and_open_an_empty_store() {
     let (store, _repo) = new_repo(false);
     assert!(matches!(Repository::init(store, &InitOptions::default()), Err(Error::Invalid(_))));
     let empty = Arc::new(MemStore::new());
-    assert!(matches!(Repository::open(empty, &|| Ok(vec![])), Err(Error::NotFound(_))));
+    assert!(matches!(Repository::open(empty, &|| Ok(crate::Passphrase::default())), Err(Error::NotFound(_))));
 }
 
 #[test]
@@ -605,7 +609,7 @@ fn throughput() {
             _ => Arc::new(crate::store::DirStore::create(&dir.path().join("r")).unwrap()),
         };
         let opts = InitOptions {
-            encrypt: encrypt.then(|| (b"pw".to_vec(), KdfCost { m_kib: 8192, t: 1, p: 1 })),
+            encrypt: encrypt.then(|| (crate::Passphrase::new(b"pw".to_vec()), KdfCost { m_kib: 8192, t: 1, p: 1 })),
             ..InitOptions::default()
         };
         let repo = Arc::new(Repository::init(store, &opts).unwrap());
@@ -970,7 +974,190 @@ fn a_dead_pid_of_another_boot_or_namespace_is_not_stale() {
         refreshed: now,
         boot: Some("another-boot pid:[1]".into()),
     };
-    assert!(lock::stale(&l).is_none(), "a PID of another namespace was taken for this machine's");
-    assert!(lock::stale(&Lock { boot: None, ..l.clone() }).is_none());
-    assert!(lock::stale(&Lock { boot: lock::this_boot(), ..l }).is_some());
+    assert!(lock::stale(&l, None).is_none(), "a PID of another namespace was taken for this machine's");
+    assert!(lock::stale(&Lock { boot: None, ..l.clone() }, None).is_none());
+    assert!(lock::stale(&Lock { boot: lock::this_boot(), ..l }, None).is_some());
+}
+
+#[test]
+fn a_chunk_list_beyond_half_the_memory_limit_is_refused() {
+    let gib = 1u64 << 30;
+    // 1 GiB allowed (a container's limit on a larger machine): a list of 512 MiB at most.
+    assert!(crate::repo::entry_list_within((gib / 2) / 32, "m", Some(gib)).is_ok());
+    match crate::repo::entry_list_within((gib / 2) / 32 + 1, "snapshots/x", Some(gib)) {
+        Err(Error::Invalid(m)) => assert!(m.contains("snapshots/x") && m.contains("control group"), "{m}"),
+        _ => panic!("a list over half the limit was allocated"),
+    }
+    // Unknown memory: only what the allocator refuses.
+    assert!(crate::repo::entry_list_within(u64::MAX / 64, "m", None).is_err());
+}
+
+/// Two hosts, one store, clocks apart: a lock's age is told by its writer's time and the
+/// store's time of its last write together, so that no clock off alone makes a live lock
+/// stale (FORMAT.md §8).
+#[test]
+fn clock_skew_alone_never_makes_a_lock_stale() {
+    use crate::store::StoreTime;
+    use std::time::{Duration, SystemTime};
+    let (store, repo) = new_repo(false);
+    let mins = |m: i64| jiff::SignedDuration::from_secs(m * 60);
+    let lock_at = |refreshed: jiff::Timestamp| Lock {
+        kind: LockKind::Gc,
+        disk: None,
+        host: "elsewhere".into(),
+        pid: 1,
+        time: refreshed.to_string(),
+        refreshed: refreshed.to_string(),
+        boot: None,
+    };
+    let name = "locks/0000000000000000000000000000000b";
+    // The writer's clock is two hours behind: its lock, written just now, says two hours
+    // ago. The store wrote it now by its own clock, so it holds.
+    let behind = lock_at(jiff::Timestamp::now() - mins(120));
+    store.put(name, &behind.to_bytes()).unwrap();
+    match SnapshotWriter::start(repo.clone(), opts("a", 1 << 20, None)) {
+        Err(Error::Locked(m)) => assert!(m.contains("elsewhere"), "{m}"),
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("a live lock of a host whose clock is behind was removed as stale"),
+    }
+    assert!(lock::list(repo.store()).unwrap().iter().all(|(_, _, stale)| !stale));
+    // The store's clock is off this host's too (an hour ahead): its own times still agree.
+    store.set_clock_offset(3600);
+    store.put(name, &behind.to_bytes()).unwrap();
+    assert!(lock::list(repo.store()).unwrap().iter().all(|(_, _, stale)| !stale));
+    // Written an hour ago by the store's clock, and old by its writer's: stale, removed.
+    store.set_clock_offset(-3600);
+    store.put(name, &behind.to_bytes()).unwrap();
+    store.set_clock_offset(0);
+    assert!(lock::list(repo.store()).unwrap().iter().all(|(_, _, stale)| *stale));
+    drop(SnapshotWriter::start(repo.clone(), opts("a", 1 << 20, None)).unwrap());
+    assert!(objects(&store, "locks/").is_empty());
+
+    // The rule itself, at a fixed now.
+    let now = SystemTime::now();
+    let ago = |m: u64| now - Duration::from_secs(m * 60);
+    let fresh = lock_at(jiff::Timestamp::try_from(now).unwrap());
+    let old = lock_at(jiff::Timestamp::try_from(ago(45)).unwrap());
+    let at = |modified, store_now| Some(StoreTime { modified, now: store_now });
+    // No store time: the writer's time alone (as before).
+    assert!(lock::stale_by_time(&old, None, now).is_some());
+    assert!(lock::stale_by_time(&fresh, None, now).is_none());
+    // Old by its writer's clock, written 5 minutes ago by the store's: live.
+    assert!(lock::stale_by_time(&old, at(ago(5), None), now).is_none());
+    assert!(lock::stale_by_time(&old, at(ago(5), Some(now)), now).is_none());
+    // The store's clock 2 hours ahead of this host's, the lock written 5 minutes ago by it.
+    let ahead = now + Duration::from_secs(7200);
+    assert!(lock::stale_by_time(&old, at(ahead - Duration::from_secs(300), Some(ahead)), now).is_none());
+    // Fresh by its writer's clock (this host's clock behind), old by the store's: live.
+    assert!(lock::stale_by_time(&fresh, at(ago(60), Some(now)), now).is_none());
+    // Old by both: stale, and the message says when the store wrote it.
+    let why = lock::stale_by_time(&old, at(ago(45), Some(now)), now).expect("stale");
+    assert!(why.contains("45 minutes ago"), "{why}");
+    // A store time in the future (the store's clock jumped back): not stale.
+    assert!(lock::stale_by_time(&old, at(now + Duration::from_secs(600), None), now).is_none());
+}
+
+/// A store whose ranged reads wait until `want` of them are in at once (or 5 s pass).
+struct Gate {
+    inner: Arc<MemStore>,
+    inside: Mutex<usize>,
+    cv: std::sync::Condvar,
+    want: usize,
+    met: std::sync::atomic::AtomicBool,
+}
+
+impl Store for Gate {
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+    fn get(&self, name: &str, limit: u64) -> std::io::Result<Vec<u8>> {
+        self.inner.get(name, limit)
+    }
+    fn get_range(&self, name: &str, offset: u64, len: u64) -> std::io::Result<Vec<u8>> {
+        use std::sync::atomic::Ordering::SeqCst;
+        let mut n = self.inside.lock().unwrap();
+        *n += 1;
+        self.cv.notify_all();
+        let timeout = std::time::Duration::from_secs(5);
+        n = self.cv.wait_timeout_while(n, timeout, |n| *n < self.want && !self.met.load(SeqCst)).unwrap().0;
+        if *n >= self.want {
+            self.met.store(true, SeqCst);
+            self.cv.notify_all();
+        }
+        *n -= 1;
+        drop(n);
+        self.inner.get_range(name, offset, len)
+    }
+    fn len(&self, name: &str) -> std::io::Result<u64> {
+        self.inner.len(name)
+    }
+    fn put(&self, name: &str, data: &[u8]) -> std::io::Result<()> {
+        self.inner.put(name, data)
+    }
+    fn delete(&self, name: &str) -> std::io::Result<()> {
+        self.inner.delete(name)
+    }
+    fn list(&self, prefix: &str) -> std::io::Result<Vec<(String, u64)>> {
+        self.inner.list(prefix)
+    }
+}
+
+/// The reads of one NBD connection (the server's io_queue) are read side by side, and
+/// handed back in the order they came with their data.
+#[test]
+fn a_connections_reads_run_side_by_side_in_order() {
+    let (store, repo) = new_repo(false);
+    let data = disk(4 << 20, 7);
+    let snap = backup(&repo, "d", &data, None);
+    let gate = Arc::new(Gate {
+        inner: store,
+        inside: Mutex::new(0),
+        cv: std::sync::Condvar::new(),
+        want: 4,
+        met: false.into(),
+    });
+    let repo = Arc::new(Repository::open(gate.clone(), &|| unreachable!()).unwrap());
+    let img = SnapshotImage::open(repo, &snap).unwrap();
+    let mut q = img.io_queue().expect("a snapshot reads a connection's requests side by side");
+    // 4 KiB in each of the first chunks that hold data, none cached yet.
+    let offsets: Vec<u64> = (0..64u64).filter(|c| c % 5 != 0).take(12).map(|c| c * CS as u64 + 4096).collect();
+    for &o in &offsets {
+        q.submit_read(vec![0; 4096], o);
+    }
+    assert_eq!(q.len(), offsets.len());
+    for &o in &offsets {
+        let (buf, r) = q.complete().unwrap();
+        r.unwrap();
+        assert!(buf[..] == data[o as usize..o as usize + 4096], "the read at {o} came back with other bytes");
+    }
+    assert!(q.complete().is_none());
+    assert!(gate.met.load(std::sync::atomic::Ordering::SeqCst), "the reads of one queue ran one at a time");
+    // A write to the read-only snapshot is refused in its turn.
+    q.submit_read(vec![0; 512], 0);
+    q.submit_write(vec![1; 512], 0);
+    assert!(q.complete().unwrap().1.is_ok());
+    assert!(q.complete().unwrap().1.is_err());
+}
+
+/// Chunks read in part are cached up to the budget the image was opened with (each image
+/// keeping at least MIN_CACHE_BYTES), not a fixed 256 chunks.
+#[test]
+fn the_cache_holds_what_its_budget_allows() {
+    let (_store, repo) = new_repo(false);
+    let data = disk(40 << 20, 8);
+    let snap = backup(&repo, "d", &data, None);
+    let nonzero = data.chunks(CS).filter(|c| !ferry_hash::is_zero(c)).count() as u64;
+    assert!(nonzero * CS as u64 > crate::MIN_CACHE_BYTES);
+    for (budget, want) in [(1 << 30, nonzero * CS as u64), (0, crate::MIN_CACHE_BYTES)] {
+        let img = SnapshotImage::open_with_cache(repo.clone(), &snap, budget).unwrap();
+        let mut buf = vec![0u8; 4096];
+        for _pass in 0..2 {
+            for c in 0..data.len() / CS {
+                let o = c * CS + 100;
+                img.read(&mut buf, o as u64).unwrap();
+                assert!(buf[..] == data[o..o + 4096]);
+            }
+        }
+        assert_eq!(img.cached_bytes(), want, "budget {budget}");
+    }
 }

@@ -129,3 +129,33 @@ fn a_missing_bucket_is_an_error_not_an_empty_repository() {
     let e = S3Store::open("s3://KEY:SECRET@b/p", &config(), &http()).err().unwrap();
     assert!(!e.to_string().contains("SECRET"), "{e}");
 }
+
+/// A lock's age by the server's clock alone: `Last-Modified` with the answer's `Date`.
+#[test]
+fn objects_are_read_with_the_servers_times() {
+    make_bucket("repo-times");
+    let s = S3Store::open("s3://repo-times/r", &config(), &http()).unwrap();
+    s.put("locks/00", b"{}").unwrap();
+    let (data, t) = s.get_timed("locks/00", 10).unwrap();
+    assert_eq!(data, b"{}");
+    let t = t.expect("moto sends Last-Modified");
+    let now = t.now.expect("moto sends Date");
+    // Whole seconds, the same clock: written within the last minute, not in the future.
+    let age = now.duration_since(t.modified).expect("Last-Modified after Date");
+    assert!(age < Duration::from_secs(60), "{age:?}");
+    assert_eq!(s.get_timed("locks/01", 10).unwrap_err().kind(), io::ErrorKind::NotFound);
+}
+
+/// A directory store gives a file's modification time, and no clock of its own.
+#[test]
+fn directory_objects_are_read_with_their_modification_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = ferry_repo::store::DirStore::create(&dir.path().join("r")).unwrap();
+    s.put("locks/00", b"{}").unwrap();
+    let (data, t) = s.get_timed("locks/00", 10).unwrap();
+    assert_eq!(data, b"{}");
+    let t = t.expect("a file has a modification time");
+    assert_eq!(t.now, None);
+    let age = std::time::SystemTime::now().duration_since(t.modified).unwrap_or_default();
+    assert!(age < Duration::from_secs(60), "{age:?}");
+}

@@ -36,6 +36,9 @@ pub(crate) struct Answer {
     pub status: u16,
     pub etag: Option<String>,
     pub content_length: Option<u64>,
+    /// `Last-Modified` and `Date`, as the server sent them (HTTP dates).
+    pub last_modified: Option<String>,
+    pub date: Option<String>,
     /// The body as text (for XML answers; empty when `data` was asked for).
     pub body: String,
     /// The body's bytes, when [`Client::send_for_data`] asked for them.
@@ -336,6 +339,7 @@ impl Client {
         let h = |name: &str| resp.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_string);
         let etag = h("etag");
         let content_length = h("content-length").and_then(|v| v.parse().ok());
+        let (last_modified, date) = (h("last-modified"), h("date"));
         let status = resp.status().as_u16();
         if let (Some(limit), true) = (data_limit, status < 300) {
             let mut data = Vec::new();
@@ -344,13 +348,14 @@ impl Client {
                 data.reserve_exact(content_length.unwrap_or(0) as usize);
                 resp.body_mut().as_reader().take(limit.saturating_add(1)).read_to_end(&mut data)?;
             }
-            return Ok(Answer { status, etag, content_length, body: String::new(), data });
+            return Ok(Answer { status, etag, content_length, last_modified, date, body: String::new(), data });
         }
         let mut raw = Vec::new();
         if !matches!(method, Method::Head) {
             resp.body_mut().as_reader().take(MAX_ANSWER_BYTES).read_to_end(&mut raw)?;
         }
-        Ok(Answer { status, etag, content_length, body: String::from_utf8_lossy(&raw).into_owned(), data: Vec::new() })
+        let body = String::from_utf8_lossy(&raw).into_owned();
+        Ok(Answer { status, etag, content_length, last_modified, date, body, data: Vec::new() })
     }
 
     /// The error for an answer with `status` and S3's error `code`, saying what to do.

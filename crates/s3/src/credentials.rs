@@ -208,6 +208,8 @@ pub(crate) fn process(command: &str, profile: &str) -> Result<Fetched, S3Error> 
     };
     let mut child = Command::new(program)
         .args(args)
+        // A backup repository's passphrase (ferry-repo) is not the helper's to see.
+        .env_remove("FERRY_PASSWORD")
         .stdin(Stdio::inherit())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

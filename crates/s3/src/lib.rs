@@ -130,7 +130,7 @@ mod url;
 mod writer;
 
 pub use config::S3Config;
-pub use objects::{S3Bucket, MAX_LIST_KEYS};
+pub use objects::{http_date, S3Bucket, ServerTimes, MAX_LIST_KEYS};
 pub use url::{S3Url, MAX_KEY_BYTES};
 pub use writer::{part_size_for, S3Writer, WriterOptions, MAX_OBJECT_SIZE, MAX_PARTS, MAX_PART_SIZE, MIN_PART_SIZE};
 

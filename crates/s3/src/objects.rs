@@ -68,6 +68,13 @@ impl S3Bucket {
     /// bytes: by its `Content-Length` before its body is read, or once `limit + 1` bytes
     /// came without one.
     pub fn get(&self, key: &str, limit: u64) -> Result<Vec<u8>, S3Error> {
+        self.get_timed(key, limit).map(|(data, _)| data)
+    }
+
+    /// As [`S3Bucket::get`], with the object's `Last-Modified` and the server's `Date`
+    /// (its clock when it answered), where the server sent them: so that a caller can
+    /// tell an object's age by the server's clock alone.
+    pub fn get_timed(&self, key: &str, limit: u64) -> Result<(Vec<u8>, ServerTimes), S3Error> {
         self.check(key)?;
         let c = &self.client;
         let sign = || c.bucket.get_object(Some(&c.creds), key).sign(SIGN_FOR);
@@ -82,7 +89,11 @@ impl S3Bucket {
                 message: format!("the server sent {} of its {size} bytes", a.data.len()),
             });
         }
-        Ok(a.data)
+        let times = ServerTimes {
+            modified: a.last_modified.as_deref().and_then(http_date),
+            now: a.date.as_deref().and_then(http_date),
+        };
+        Ok((a.data, times))
     }
 
     /// `len` bytes from `offset` (a ranged GET): [`S3Error::OutOfRange`] when the object
@@ -210,6 +221,20 @@ impl S3Bucket {
     }
 }
 
+/// An object's `Last-Modified` and the server's `Date`, each when sent and readable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ServerTimes {
+    pub modified: Option<std::time::SystemTime>,
+    pub now: Option<std::time::SystemTime>,
+}
+
+/// An HTTP date (`Sun, 06 Nov 1994 08:49:37 GMT`, RFC 9110's IMF-fixdate, a form of
+/// RFC 2822's), or `None`.
+pub fn http_date(s: &str) -> Option<std::time::SystemTime> {
+    static P: jiff::fmt::rfc2822::DateTimeParser = jiff::fmt::rfc2822::DateTimeParser::new();
+    P.parse_timestamp(s.trim()).ok().map(std::time::SystemTime::from)
+}
+
 /// One ListObjectsV2 page: its keys and sizes, and the next page's token when it is
 /// truncated.
 struct ListPage {
@@ -245,6 +270,16 @@ fn parse_list_page(body: &str) -> Result<ListPage, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn http_dates() {
+        let t = |s: &str| http_date(s).map(|t| t.duration_since(std::time::UNIX_EPOCH).unwrap().as_secs());
+        assert_eq!(t("Sun, 06 Nov 1994 08:49:37 GMT"), Some(784111777));
+        assert_eq!(t(" Thu, 01 Jan 1970 00:00:01 GMT "), Some(1));
+        for bad in ["", "yesterday", "Sun, 06 Nov 1994 08:49:37", "Sun, 32 Nov 1994 08:49:37 GMT"] {
+            assert_eq!(http_date(bad), None, "{bad}");
+        }
+    }
 
     #[test]
     fn list_pages() {

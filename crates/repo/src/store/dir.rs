@@ -6,7 +6,7 @@
 //! repository leads out of it, and names are checked by [`valid_name`] first, so none
 //! can name `..` or an absolute path. Directories are made 0700 and files 0600: a
 //! repository's objects are the user's disks, even when they are encrypted.
-use super::{invalid_name, valid_name, Store};
+use super::{invalid_name, valid_name, Store, StoreTime};
 use rustix::fs::{AtFlags, FileType, Mode, OFlags};
 use std::fs::File;
 use std::io::{self, Read, Write};
@@ -177,7 +177,15 @@ impl Store for DirStore {
     }
 
     fn get(&self, name: &str, limit: u64) -> io::Result<Vec<u8>> {
+        self.get_timed(name, limit).map(|(v, _)| v)
+    }
+
+    /// The file's modification time, by the clock of whoever wrote it: this machine's for
+    /// a local file system (an NFS server's for files it stamps); no clock of the store's
+    /// own to compare it with, so this machine's is used.
+    fn get_timed(&self, name: &str, limit: u64) -> io::Result<(Vec<u8>, Option<StoreTime>)> {
         let (f, len) = self.open_object(name)?;
+        let modified = f.metadata().and_then(|m| m.modified()).ok();
         let too_large =
             || io::Error::new(io::ErrorKind::InvalidData, format!("{} is larger than {limit} bytes", self.shown(name)));
         if len > limit {
@@ -189,7 +197,7 @@ impl Store for DirStore {
         if v.len() as u64 > limit {
             return Err(too_large());
         }
-        Ok(v)
+        Ok((v, modified.map(|modified| StoreTime { modified, now: None })))
     }
 
     fn get_range(&self, name: &str, offset: u64, len: u64) -> io::Result<Vec<u8>> {

@@ -1,12 +1,18 @@
-//! A store in memory, for tests.
-use super::{invalid_name, valid_name, Store};
+//! A store in memory, for tests. It keeps when each object was written, by a clock of its
+//! own: this machine's, moved by [`MemStore::set_clock_offset`] (a store whose clock is
+//! off the reader's, or objects written long ago).
+use super::{invalid_name, valid_name, Store, StoreTime};
 use std::collections::BTreeMap;
 use std::io;
 use std::sync::Mutex;
+use std::time::{Duration, SystemTime};
 
 #[derive(Default)]
 pub struct MemStore {
     objects: Mutex<BTreeMap<String, Vec<u8>>>,
+    written: Mutex<BTreeMap<String, SystemTime>>,
+    /// The store's clock minus this machine's, in seconds.
+    offset: Mutex<i64>,
 }
 
 impl MemStore {
@@ -17,6 +23,19 @@ impl MemStore {
     pub fn tamper(&self, name: &str, f: impl FnOnce(&mut Vec<u8>)) {
         if let Some(v) = self.objects.lock().unwrap().get_mut(name) {
             f(v)
+        }
+    }
+    /// Sets the store's clock to this machine's plus `secs` (negative: behind it).
+    pub fn set_clock_offset(&self, secs: i64) {
+        *self.offset.lock().unwrap() = secs;
+    }
+    fn now(&self) -> SystemTime {
+        let off = *self.offset.lock().unwrap();
+        let d = Duration::from_secs(off.unsigned_abs());
+        if off >= 0 {
+            SystemTime::now() + d
+        } else {
+            SystemTime::now() - d
         }
     }
 }
@@ -37,6 +56,11 @@ impl Store for MemStore {
         }
         Ok(v.clone())
     }
+    fn get_timed(&self, name: &str, limit: u64) -> io::Result<(Vec<u8>, Option<StoreTime>)> {
+        let v = self.get(name, limit)?;
+        let modified = self.written.lock().unwrap().get(name).copied();
+        Ok((v, modified.map(|modified| StoreTime { modified, now: Some(self.now()) })))
+    }
     fn get_range(&self, name: &str, offset: u64, len: u64) -> io::Result<Vec<u8>> {
         let m = self.objects.lock().unwrap();
         let v = m.get(name).ok_or_else(|| not_found(name))?;
@@ -56,11 +80,15 @@ impl Store for MemStore {
         if !valid_name(name) {
             return Err(invalid_name(name));
         }
-        self.objects.lock().unwrap().insert(name.to_string(), data.to_vec());
+        let mut objects = self.objects.lock().unwrap();
+        self.written.lock().unwrap().insert(name.to_string(), self.now());
+        objects.insert(name.to_string(), data.to_vec());
         Ok(())
     }
     fn delete(&self, name: &str) -> io::Result<()> {
-        self.objects.lock().unwrap().remove(name);
+        let mut objects = self.objects.lock().unwrap();
+        self.written.lock().unwrap().remove(name);
+        objects.remove(name);
         Ok(())
     }
     fn list(&self, prefix: &str) -> io::Result<Vec<(String, u64)>> {

@@ -10,7 +10,17 @@ mod s3;
 
 pub use dir::DirStore;
 pub use mem::MemStore;
+
 pub use s3::S3Store;
+
+/// When an object was last written, by the store's clock, and that clock now where the
+/// store tells it (else the caller's clock stands in): so that an object's age can be
+/// told without trusting the clock of the host that wrote it (locks, FORMAT.md §8).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoreTime {
+    pub modified: std::time::SystemTime,
+    pub now: Option<std::time::SystemTime>,
+}
 
 /// An object store. Every method may be called from many threads at once.
 ///
@@ -22,6 +32,11 @@ pub trait Store: Send + Sync {
     /// The whole object, refused (`InvalidData`) when it is larger than `limit` bytes,
     /// before it is read into memory.
     fn get(&self, name: &str, limit: u64) -> io::Result<Vec<u8>>;
+    /// As [`Store::get`], with when the object was last written where the store can tell
+    /// (a file's modification time, S3's `Last-Modified` with the server's `Date`).
+    fn get_timed(&self, name: &str, limit: u64) -> io::Result<(Vec<u8>, Option<StoreTime>)> {
+        Ok((self.get(name, limit)?, None))
+    }
     /// `len` bytes from `offset`; fewer only at the object's end (`UnexpectedEof` if the
     /// object is shorter than `offset + len`).
     fn get_range(&self, name: &str, offset: u64, len: u64) -> io::Result<Vec<u8>>;

@@ -1,7 +1,7 @@
 //! A repository under an S3 prefix (`s3://BUCKET/PREFIX`): GET (ranged), PUT, DELETE and
 //! ListObjectsV2 through ferry-s3's signed client ([`ferry_s3::S3Bucket`]). Object `NAME`
 //! is the key `PREFIX/NAME` (`NAME` at the bucket's top without a prefix).
-use super::{invalid_name, valid_name, Store};
+use super::{invalid_name, valid_name, Store, StoreTime};
 use ferry_s3::{S3Bucket, S3Error};
 use std::io;
 
@@ -81,6 +81,11 @@ impl Store for S3Store {
     }
     fn get(&self, name: &str, limit: u64) -> io::Result<Vec<u8>> {
         self.bucket.get(&self.key(name)?, limit).map_err(io_error)
+    }
+    /// `Last-Modified` and the server's `Date`: both the server's clock.
+    fn get_timed(&self, name: &str, limit: u64) -> io::Result<(Vec<u8>, Option<StoreTime>)> {
+        let (data, t) = self.bucket.get_timed(&self.key(name)?, limit).map_err(io_error)?;
+        Ok((data, t.modified.map(|modified| StoreTime { modified, now: t.now })))
     }
     fn get_range(&self, name: &str, offset: u64, len: u64) -> io::Result<Vec<u8>> {
         self.bucket.get_range(&self.key(name)?, offset, len).map_err(io_error)
