@@ -102,7 +102,7 @@ pub fn resolve(repo: &Repository, name: &str, id: Option<&str>) -> Result<Snapsh
 
 /// The cache budget of snapshots read in part (`ferry serve`): `FERRY_REPO_CACHE` (a size,
 /// e.g. `4G`; for every snapshot the process has open together, each keeping at least
-/// 16 MiB), else a sixteenth of the memory the process may use.
+/// 16 MiB), else a sixteenth of the memory the process may use, at most 1 GiB.
 pub fn cache_bytes() -> Result<u64> {
     cache_bytes_from(std::env::var("FERRY_REPO_CACHE").ok().as_deref())
 }

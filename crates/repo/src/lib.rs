@@ -92,15 +92,19 @@
 //!    snapshot's pages: the digest of every chunk. The allocation map (`Backend::extents`)
 //!    comes from these entries: zero entries are holes, never read.
 //! 2. `SnapshotImage::read(buf, offset)` splits the range by chunk. A zero entry is filled
-//!    with zeroes; a chunk read in part may come from a small cache (256 chunks, sharded);
-//!    otherwise the id (from the digest) and, from the index, its pack, offset and stored
+//!    with zeroes; a chunk read in part may come from the cache of decoded chunks (sharded
+//!    LRU; one budget for every snapshot the process has open: `FERRY_REPO_CACHE`, by
+//!    default a sixteenth of the memory limit, at most 1 GiB, each snapshot keeping at
+//!    least 16 MiB); otherwise the id (from the digest) and, from the index, its pack, offset and stored
 //!    length.
 //! 3. The chunks wanted are sorted by pack and offset, and each run of neighbours in one pack
 //!    (gaps under 64 KiB) is fetched with one `Store::get_range`: a `pread` of the pack file,
 //!    or a ranged GET on S3. A small read that continues the previous one also fetches the
 //!    next chunks of its pack into the cache (read-ahead for sequential readers, such as a
 //!    guest booting from `ferry serve`). No lock is held around I/O or decoding, so the copy
-//!    engine's workers and the server's connections read side by side.
+//!    engine's workers and the server's connections read side by side; the requests of one
+//!    NBD connection go to the snapshot's pool of reader threads (`Backend::io_queue`) and
+//!    are answered in order.
 //! 4. `blob::decode_unchecked`: open the seal (a wrong key or a changed byte fails here) and
 //!    decompress into at most `chunk_size` bytes; then the SHA-256 of every chunk of the run
 //!    is checked against its entry's digest, side by side (`digest_many`, multi-buffer). A failure is an I/O error naming the pack and the snapshot's range,

@@ -35,10 +35,15 @@ const GAP: u64 = 64 << 10;
 const AHEAD_BELOW: u64 = 256 << 10;
 const AHEAD_BYTES: u64 = 1 << 20;
 
+/// The most the default cache budget takes: decoded chunks are the process's own memory,
+/// which the kernel cannot reclaim as it does the page cache.
+pub const MAX_DEFAULT_CACHE_BYTES: u64 = 1 << 30;
+
 /// The default cache budget: a sixteenth of the memory this process may use (the
-/// machine's, or its control group's limit), at least [`MIN_CACHE_BYTES`].
+/// machine's, or its control group's limit), at least [`MIN_CACHE_BYTES`] and at most
+/// [`MAX_DEFAULT_CACHE_BYTES`].
 pub fn default_cache_bytes() -> u64 {
-    crate::memory::limit().map_or(MIN_CACHE_BYTES, |m| m / 16).max(MIN_CACHE_BYTES)
+    crate::memory::limit().map_or(MIN_CACHE_BYTES, |m| (m / 16).min(MAX_DEFAULT_CACHE_BYTES)).max(MIN_CACHE_BYTES)
 }
 
 /// The ends of the last reads, to see sequential readers among several clients.
