@@ -447,7 +447,7 @@ if part 6; then
   # restic mount / borg mount: the day-2 file read sequentially through FUSE (dd), then 4 KiB
   # random reads of it by fio (6b), the same fio job on the NBD exports above made files by
   # nbdfuse (libnbd's FUSE file: the same kernel path as restic's and borg's files).
-  HAVE_FUSE=no; [ -c /dev/fuse ] && command -v fusermount >/dev/null && HAVE_FUSE=yes
+  HAVE_FUSE=no; [ -c /dev/fuse ] && { command -v fusermount3 || command -v fusermount; } >/dev/null && HAVE_FUSE=yes
   declare -A FF=()   # reader -> its file through FUSE
   if [ $HAVE_FUSE = yes ]; then
     if [ "$PEERS" = 1 ]; then

@@ -112,9 +112,39 @@ impl log::Log for NoHttpTrace {
     }
 }
 
+/// `println!` onto a closed pipe (`ferry repo list | head -1`) panics in std: end quietly
+/// instead, with the status of a program that SIGPIPE stopped (141), not with a backtrace
+/// (and not 0: whatever was not printed may have been a failure).
+fn quiet_on_closed_stdout() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let msg = info.payload_as_str().unwrap_or("");
+        if msg.starts_with("failed printing to stdout") && msg.contains("(os error 32)") {
+            std::process::exit(141);
+        }
+        default(info)
+    }));
+}
+
 fn main() {
+    quiet_on_closed_stdout();
     // `--version` also names the features and library versions (computed here, once).
-    let matches = command().long_version(version::long()).get_matches();
+    let matches = match command().long_version(version::long()).try_get_matches() {
+        Ok(m) => m,
+        Err(e) => {
+            // `info --can/--is` answer "no" with 2, as nbdinfo's do: a wrong command line
+            // there exits 1, as nbdinfo's does, not clap's 2.
+            let asks = std::env::args_os().any(|a| {
+                let a = a.to_string_lossy();
+                ["--can", "--is"].iter().any(|f| a == *f || a.starts_with(&format!("{f}=")))
+            });
+            if asks && e.use_stderr() {
+                let _ = e.print();
+                std::process::exit(1);
+            }
+            e.exit()
+        }
+    };
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let level = match (cli.quiet, cli.verbose) {
         (true, _) => "warn",

@@ -10,7 +10,7 @@ use ferry_server::{Config, Export, Exports, Server, ZeroCopy};
 use ferry_sock::{BufferConfig, Listener};
 use ferry_tls::{ServerTls, ServerTlsConfig};
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
@@ -53,8 +53,9 @@ pub struct ServeArgs {
     /// serving after its last client disconnects (it stops on SIGTERM/SIGINT, or with --run).
     #[arg(short = 't', long)]
     persistent: bool,
-    /// At most N clients at once (0: no limit), as qemu-nbd's -e, whose default is 1; ferry's
-    /// default is no limit but the file descriptors'. The same as --max-connections N.
+    /// At most N connections at once (0: no limit), as qemu-nbd's -e, whose default is 1;
+    /// ferry's default is no limit but the file descriptors'. The same as --max-connections
+    /// N: connections past it are closed, where qemu-nbd leaves them waiting.
     #[arg(short = 'e', long, value_name = "N", conflicts_with = "max_connections")]
     shared: Option<usize>,
     /// Write the server's process ID to FILE once it accepts connections (qemu-nbd's
@@ -104,7 +105,8 @@ pub struct ServeArgs {
     /// and exit with its status.
     #[arg(long, value_name = "CMD")]
     run: Option<String>,
-    /// Connections beyond this many are closed at once (and logged). Default: as many
+    /// Connections beyond this many are closed at once (and logged); with a limit, exports
+    /// are not offered as multi-conn, so clients open one connection each. Default: as many
     /// as the file-descriptor limit allows (ferry raises RLIMIT_NOFILE to its hard
     /// limit at start and logs the figure). Idle connections hold no thread and no
     /// buffer, so thousands cost little.
@@ -376,6 +378,18 @@ pub(crate) fn with_format(spec: &str, format: ferry_open::Format) -> Result<Stri
     }
 }
 
+/// Writes this process's ID into `path` through a temporary file beside it renamed over
+/// it, so that a reader waiting for the file never sees it empty.
+fn write_pid_file(path: &Path) -> std::io::Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(format!(".{}.tmp", std::process::id()));
+    let tmp = PathBuf::from(tmp);
+    std::fs::write(&tmp, format!("{}\n", std::process::id()))?;
+    std::fs::rename(&tmp, path).inspect_err(|_| {
+        let _ = std::fs::remove_file(&tmp);
+    })
+}
+
 pub fn run(mut args: ServeArgs) -> Result<i32> {
     if let Some(f) = args.format {
         args.spec = with_format(&args.spec, f).context("--format")?;
@@ -445,6 +459,12 @@ pub fn run(mut args: ServeArgs) -> Result<i32> {
         let export = Export { name: name.to_string(), description: String::new(), backend };
         exports.add_with_contexts(export, contexts).map_err(anyhow::Error::msg)?;
     }
+    if args.max_connections.is_some() || args.max_connections_per_client.is_some() {
+        // A client that takes the multi-conn offer opens several connections, and those
+        // past the limit would be closed: with a limit, clients keep to one each.
+        exports.without_multi_conn();
+        log::info!("a connection limit is set: exports are not offered as multi-conn (clients use one connection)");
+    }
     if !(args.handshake_timeout > 0.0 && args.handshake_timeout.is_finite()) {
         bail!("--handshake-timeout must be a positive number of seconds");
     }
@@ -507,10 +527,6 @@ pub fn run(mut args: ServeArgs) -> Result<i32> {
         }],
     };
     check_transport(&args, &listeners)?;
-    if let Some(p) = &args.pid_file {
-        std::fs::write(p, format!("{}\n", std::process::id()))
-            .with_context(|| format!("--pid-file {}", p.display()))?;
-    }
     let (uri, unixsocket, port) = describe(&listeners[0], tls_policy == TlsPolicy::Require, &default_name);
     for e in exports.iter() {
         let name = if e.name.is_empty() { "default export".to_string() } else { format!("export {:?}", e.name) };
@@ -531,6 +547,10 @@ pub fn run(mut args: ServeArgs) -> Result<i32> {
     signal_hook::flag::register(signal_hook::consts::SIGUSR1, handle.stats_flag()).context("installing SIGUSR1")?;
     signal_hook::low_level::pipe::register(signal_hook::consts::SIGUSR1, handle.wake_fd()?)
         .context("installing SIGUSR1")?;
+    if let Some(p) = &args.pid_file {
+        // Once SIGTERM stops the server cleanly; whole or absent for a reader (renamed into place).
+        write_pid_file(p).with_context(|| format!("--pid-file {}", p.display()))?;
+    }
 
     let child = match &args.run {
         Some(cmd) => {

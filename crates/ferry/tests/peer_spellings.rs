@@ -138,6 +138,28 @@ fn serve_format_and_shared_refusals() {
         &format!("{SYSTEM_PYTHON} {}", py.display()),
     ]);
     assert_eq!(out.stdout.trim(), "refused", "{}", out.describe());
+    // With a limit, no export is offered as multi-conn: clients that would open several
+    // connections (ferry copy, nbdcopy) keep to one and succeed.
+    let data: Vec<u8> = (0..1024 * 1024u32).map(|i| (i * 7 % 251) as u8).collect();
+    std::fs::write(&raw, &data).unwrap();
+    let copied = dir.path().join("copied.raw").display().to_string();
+    let out = ferry_ok(&[
+        "serve",
+        "-r",
+        "-e",
+        "2",
+        "-U",
+        &sock,
+        &raw,
+        "--run",
+        &format!(
+            "{} info --can multi-conn \"$uri\"; echo multi=$?; {} copy \"$uri\" {copied}",
+            ferry_bin().display(),
+            ferry_bin().display()
+        ),
+    ]);
+    assert!(out.stdout.contains("multi=2"), "{}", out.describe());
+    assert_eq!(std::fs::read(&copied).unwrap(), data);
 }
 
 /// `ferry info --can/--is` answer as nbdinfo's do (exit 0 yes, 2 no), on a writable
@@ -145,6 +167,13 @@ fn serve_format_and_shared_refusals() {
 #[test]
 fn info_can_and_is_answer_as_nbdinfo() {
     require("nbdinfo");
+    // A wrong command line is an error (1), never the "no" (2) of --can/--is.
+    for args in
+        [&["info", "--can", "extents", "nbd://127.0.0.1:1"][..], &["info", "--is=bogus", "x"], &["info", "--can"]]
+    {
+        let out = run(&mut ferry(args));
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {}", out.describe());
+    }
     let names = [
         ("--can", "cache"),
         ("--can", "connect"),
@@ -208,7 +237,11 @@ fn copy_takes_nbdcopy_and_qemu_img_spellings() {
 
     let s = Server::unix(&p("src.raw"), &["-r"]);
     let out = ferry_ok(&["copy", "--synchronous", "--stats", &s.uri(), &p("sync.raw")]);
-    assert!(out.stderr.contains("1 connection") || out.stdout.contains("1 connection"), "{}", out.describe());
+    assert!(
+        out.stderr.contains(" over 1 connection(s)") || out.stdout.contains(" over 1 connection(s)"),
+        "{}",
+        out.describe()
+    );
     assert_eq!(std::fs::read(p("sync.raw")).unwrap(), data);
     let out = ferry_fails(&["copy", "--synchronous", "-C", "2", &s.uri(), &p("y.raw")]);
     assert!(out.stderr.contains("cannot be used with"), "{}", out.describe());
@@ -263,4 +296,21 @@ fn hash_takes_blksum_spellings() {
         ferry_ok(&["hash", "--digest", n, &f]);
     }
     assert_eq!(names.lines().count(), 5, "{names}");
+}
+
+/// Printing onto a closed pipe (`ferry hash -l | head -0`) ends quietly with the status of
+/// a program stopped by SIGPIPE (141), without a panic's backtrace.
+#[test]
+fn closed_stdout_ends_quietly() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("z.raw");
+    std::fs::write(&img, vec![0u8; 65536]).unwrap();
+    for args in [&["hash", "-l"][..], &["info", "--json", img.to_str().unwrap()]] {
+        let (r, w) = std::io::pipe().unwrap();
+        drop(r);
+        let out = ferry(args).stdout(w).stderr(std::process::Stdio::piped()).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(141), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
 }

@@ -34,6 +34,7 @@ struct Entry {
 #[derive(Default)]
 pub struct Exports {
     by_name: BTreeMap<String, Entry>,
+    no_multi_conn: bool,
 }
 
 impl Exports {
@@ -73,6 +74,13 @@ impl Exports {
         self.by_name.get(name).map_or(&[], |e| &e.contexts)
     }
 
+    /// Offer no export as multi-conn (`NBD_FLAG_CAN_MULTI_CONN` cleared): for a server that
+    /// limits its connections, where a client that opened several connections on the
+    /// strength of the flag would see the extra ones closed.
+    pub fn without_multi_conn(&mut self) {
+        self.no_multi_conn = true;
+    }
+
     pub fn iter(&self) -> impl Iterator<Item = &Arc<Export>> {
         self.by_name.values().map(|e| &e.export)
     }
@@ -80,7 +88,11 @@ impl Exports {
 
 impl Catalog for Exports {
     fn export(&self, name: &str) -> Option<ExportInfo> {
-        self.get(name).map(|e| e.info())
+        self.get(name).map(|e| {
+            let mut info = e.info();
+            info.caps.multi_conn &= !self.no_multi_conn;
+            info
+        })
     }
     fn list(&self) -> Vec<(String, String)> {
         self.by_name.values().map(|e| (e.export.name.clone(), e.export.description.clone())).collect()
