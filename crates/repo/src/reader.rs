@@ -41,7 +41,7 @@ pub const MAX_DEFAULT_CACHE_BYTES: u64 = 1 << 30;
 
 /// The default cache budget: a sixteenth of the memory this process may use (the
 /// machine's, or its control group's limit), at least [`MIN_CACHE_BYTES`] and at most
-/// [`MAX_DEFAULT_CACHE_BYTES`].
+/// 1 GiB.
 pub fn default_cache_bytes() -> u64 {
     crate::memory::limit().map_or(MIN_CACHE_BYTES, |m| (m / 16).min(MAX_DEFAULT_CACHE_BYTES)).max(MIN_CACHE_BYTES)
 }
