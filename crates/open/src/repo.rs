@@ -43,13 +43,34 @@ pub fn repo_store(repo: &str, remote: &Remote, create: bool) -> Result<Arc<dyn S
     Ok(Arc::new(s))
 }
 
-/// The first line of `file`, without its line end. The bytes read are held as a
-/// [`Passphrase`] (zeroed when dropped), and cut to the line where they lie.
+/// The most bytes of a passphrase file read to find its first line.
+const MAX_PASSPHRASE_FILE: usize = 64 << 10;
+
+/// The first line of `file`, without its line end. The bytes are read into a
+/// [`Passphrase`] of fixed size (zeroed when dropped, never grown: no copy is left behind
+/// in freed memory), at most 64 KiB of them, and cut to the line.
 fn first_line(file: &Path) -> Result<Passphrase> {
-    let mut bytes = Passphrase::new(
-        std::fs::read(file).with_context(|| format!("cannot read the passphrase file {}", file.display()))?,
-    );
-    let mut end = bytes.iter().position(|&b| b == b'\n').unwrap_or(bytes.len());
+    use std::io::Read;
+    let cannot = || format!("cannot read the passphrase file {}", file.display());
+    let mut f = std::fs::File::open(file).with_context(cannot)?;
+    let mut bytes = Passphrase::new(vec![0u8; MAX_PASSPHRASE_FILE]);
+    let mut n = 0;
+    // Up to the first line end (a pipe or FIFO may send no more) or the buffer's end.
+    while n < bytes.len() && !bytes[..n].contains(&b'\n') {
+        match f.read(&mut bytes[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e).with_context(cannot),
+        }
+    }
+    let Some(mut end) = bytes[..n].iter().position(|&b| b == b'\n').or((n < bytes.len()).then_some(n)) else {
+        bail!(
+            "the passphrase file {} has no line end in its first {} KiB: its first line is the passphrase",
+            file.display(),
+            MAX_PASSPHRASE_FILE >> 10
+        );
+    };
     if end > 0 && bytes[end - 1] == b'\r' {
         end -= 1;
     }
@@ -146,6 +167,27 @@ mod tests {
         }
         std::fs::write(&f, b"\nsecond").unwrap();
         assert!(passphrase(Some(&f)).unwrap_err().to_string().contains("empty"));
+        // A big file: its first line still, read no further; no line end in 64 KiB: refused.
+        let mut big = b"long file\n".to_vec();
+        big.resize(1 << 20, b'x');
+        std::fs::write(&f, &big).unwrap();
+        assert_eq!(&first_line(&f).unwrap()[..], b"long file");
+        std::fs::write(&f, vec![b'x'; 1 << 20]).unwrap();
+        assert!(first_line(&f).unwrap_err().to_string().contains("no line end"));
+        // A FIFO that sends one line and stays open.
+        let fifo = dir.path().join("fifo");
+        assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+        let w = {
+            let fifo = fifo.clone();
+            std::thread::spawn(move || {
+                use std::io::Write;
+                let mut w = std::fs::OpenOptions::new().write(true).open(&fifo).unwrap();
+                w.write_all(b"from a pipe\n").unwrap();
+                std::thread::sleep(std::time::Duration::from_millis(300));
+            })
+        };
+        assert_eq!(&first_line(&fifo).unwrap()[..], b"from a pipe");
+        w.join().unwrap();
     }
 
     #[test]

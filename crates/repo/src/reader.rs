@@ -510,7 +510,14 @@ impl IoQueue for ReadQueue {
         self.pending.push_back(slot.clone());
         let image = self.image.clone();
         let job: Job = Box::new(move || {
-            let r = image.read(&mut buf, offset);
+            // A read that panics fails alone: its slot is still finished (its connection
+            // waits for it in order), and the pool's thread goes on.
+            let len = buf.len() as u64;
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| image.read(&mut buf, offset)))
+                .unwrap_or_else(|_| {
+                    let why = io::Error::other("the read of a snapshot failed unexpectedly (see the log)");
+                    Err(ferry_backend::Error::io("read", offset, len, why))
+                });
             slot.finish(buf, r);
         });
         let job = match self.image.pool.get().and_then(Option::as_ref) {

@@ -1161,3 +1161,64 @@ fn the_cache_holds_what_its_budget_allows() {
         assert_eq!(img.cached_bytes(), want, "budget {budget}");
     }
 }
+
+/// A store whose ranged reads panic while `panics` is set (a bug anywhere below a read).
+struct Panicking {
+    inner: Arc<MemStore>,
+    panics: std::sync::atomic::AtomicBool,
+}
+
+impl Store for Panicking {
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+    fn get(&self, name: &str, limit: u64) -> std::io::Result<Vec<u8>> {
+        self.inner.get(name, limit)
+    }
+    fn get_range(&self, name: &str, offset: u64, len: u64) -> std::io::Result<Vec<u8>> {
+        assert!(!self.panics.load(std::sync::atomic::Ordering::SeqCst), "a read that panics");
+        self.inner.get_range(name, offset, len)
+    }
+    fn len(&self, name: &str) -> std::io::Result<u64> {
+        self.inner.len(name)
+    }
+    fn put(&self, name: &str, data: &[u8]) -> std::io::Result<()> {
+        self.inner.put(name, data)
+    }
+    fn delete(&self, name: &str) -> std::io::Result<()> {
+        self.inner.delete(name)
+    }
+    fn list(&self, prefix: &str) -> std::io::Result<Vec<(String, u64)>> {
+        self.inner.list(prefix)
+    }
+}
+
+/// A read of a connection's queue that panics fails alone, in its turn: the connection
+/// is not left waiting for it, and the pool reads on.
+#[test]
+fn a_read_that_panics_fails_alone() {
+    let (store, repo) = new_repo(false);
+    let data = disk(2 << 20, 9);
+    let snap = backup(&repo, "d", &data, None);
+    let st = Arc::new(Panicking { inner: store, panics: false.into() });
+    let repo = Arc::new(Repository::open(st.clone(), &|| unreachable!()).unwrap());
+    let img = SnapshotImage::open(repo, &snap).unwrap();
+    let mut q = img.io_queue().unwrap();
+    st.panics.store(true, std::sync::atomic::Ordering::SeqCst);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let waiter = std::thread::spawn(move || {
+        q.submit_read(vec![0; 4096], CS as u64 + 4096);
+        let (_, r) = q.complete().unwrap();
+        tx.send(r.is_err()).unwrap();
+        q
+    });
+    let failed = rx.recv_timeout(std::time::Duration::from_secs(20)).expect("the connection waits forever");
+    assert!(failed, "a read that panicked succeeded");
+    let mut q = waiter.join().unwrap();
+    st.panics.store(false, std::sync::atomic::Ordering::SeqCst);
+    let o = CS + 4096;
+    q.submit_read(vec![0; 4096], o as u64);
+    let (buf, r) = q.complete().unwrap();
+    r.unwrap();
+    assert!(buf[..] == data[o..o + 4096]);
+}

@@ -169,21 +169,9 @@ impl DirStore {
         }
         Ok(())
     }
-}
 
-impl Store for DirStore {
-    fn describe(&self) -> String {
-        self.root.display().to_string()
-    }
-
-    fn get(&self, name: &str, limit: u64) -> io::Result<Vec<u8>> {
-        self.get_timed(name, limit).map(|(v, _)| v)
-    }
-
-    /// The file's modification time, by the clock of whoever wrote it: this machine's for
-    /// a local file system (an NFS server's for files it stamps); no clock of the store's
-    /// own to compare it with, so this machine's is used.
-    fn get_timed(&self, name: &str, limit: u64) -> io::Result<(Vec<u8>, Option<StoreTime>)> {
+    /// An object's bytes (at most `limit`) and its file's modification time.
+    fn read_object(&self, name: &str, limit: u64) -> io::Result<(Vec<u8>, Option<std::time::SystemTime>)> {
         let (f, len) = self.open_object(name)?;
         let modified = f.metadata().and_then(|m| m.modified()).ok();
         let too_large =
@@ -197,7 +185,46 @@ impl Store for DirStore {
         if v.len() as u64 > limit {
             return Err(too_large());
         }
-        Ok((v, modified.map(|modified| StoreTime { modified, now: None })))
+        Ok((v, modified))
+    }
+
+    /// The file system's clock now, as it stamps a new file in the directory of `name`
+    /// (a temporary file, removed at once; one a crash leaves is never listed).
+    fn clock(&self, name: &str) -> io::Result<std::time::SystemTime> {
+        let (dir, _) = self.parent(name, false)?;
+        let at = dir.as_ref().map_or(self.dir.as_fd(), |f| f.as_fd());
+        let temp = format!("{TEMP_PREFIX}{}", crate::format::hex(&crate::crypto::random::<8>()));
+        let fd = rustix::fs::openat(
+            at,
+            temp.as_str(),
+            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::from_raw_mode(0o600),
+        )?;
+        let f = File::from(fd);
+        // Written, so that a file system that stamps times lazily stamps this one.
+        let stamped = (&f).write_all(b"clock").and_then(|()| f.metadata()).and_then(|m| m.modified());
+        let _ = rustix::fs::unlinkat(at, temp.as_str(), AtFlags::empty());
+        stamped
+    }
+}
+
+impl Store for DirStore {
+    fn describe(&self) -> String {
+        self.root.display().to_string()
+    }
+
+    fn get(&self, name: &str, limit: u64) -> io::Result<Vec<u8>> {
+        self.read_object(name, limit).map(|(v, _)| v)
+    }
+
+    /// The file's modification time, by the clock of whoever stamps the file system's
+    /// times (this machine's for a local file system, an NFS server's for its files), and
+    /// that clock now: the modification time of a temporary file created beside it just
+    /// after reading it, then removed.
+    fn get_timed(&self, name: &str, limit: u64) -> io::Result<(Vec<u8>, Option<StoreTime>)> {
+        let (v, modified) = self.read_object(name, limit)?;
+        let now = modified.and_then(|_| self.clock(name).ok());
+        Ok((v, modified.map(|modified| StoreTime { modified, now })))
     }
 
     fn get_range(&self, name: &str, offset: u64, len: u64) -> io::Result<Vec<u8>> {
@@ -369,6 +396,26 @@ mod tests {
     fn sorted(mut v: Vec<(String, u64)>) -> Vec<(String, u64)> {
         v.sort();
         v
+    }
+
+    /// A lock's age is told by the file system's clock alone: its modification time and
+    /// the time the file system stamps on a new file now; the probe leaves nothing behind.
+    #[test]
+    fn timed_reads_give_the_file_systems_clock() {
+        let (t, s) = store();
+        s.put("locks/00ff", b"lock").unwrap();
+        let old = std::time::SystemTime::now() - std::time::Duration::from_secs(7200);
+        let f = std::fs::File::options().write(true).open(t.path().join("repo/locks/00ff")).unwrap();
+        f.set_modified(old).unwrap();
+        let (v, at) = s.get_timed("locks/00ff", 100).unwrap();
+        assert_eq!(v, b"lock");
+        let at = at.unwrap();
+        assert_eq!(at.modified, old);
+        let now = at.now.expect("the directory's clock");
+        let age = now.duration_since(at.modified).unwrap().as_secs();
+        assert!((7190..7300).contains(&age), "{age}");
+        assert_eq!(s.list("locks/").unwrap().len(), 1);
+        assert_eq!(std::fs::read_dir(t.path().join("repo/locks")).unwrap().count(), 1);
     }
 
     #[test]
