@@ -114,7 +114,8 @@ impl log::Log for NoHttpTrace {
 
 /// `println!` onto a closed pipe (`ferry repo list | head -1`) panics in std: end quietly
 /// instead, with the status of a program that SIGPIPE stopped (141), not with a backtrace
-/// (and not 0: whatever was not printed may have been a failure).
+/// (and not 0: whatever was not printed may have been a failure). The process ends there,
+/// without unwinding: print results after locks and temporary files are let go.
 fn quiet_on_closed_stdout() {
     let default = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
@@ -134,10 +135,14 @@ fn main() {
         Err(e) => {
             // `info --can/--is` answer "no" with 2, as nbdinfo's do: a wrong command line
             // there exits 1, as nbdinfo's does, not clap's 2.
-            let asks = std::env::args_os().any(|a| {
-                let a = a.to_string_lossy();
-                ["--can", "--is"].iter().any(|f| a == *f || a.starts_with(&format!("{f}=")))
-            });
+            // (Global options take no value: the first word that is no option is the command.)
+            let is_info =
+                std::env::args_os().skip(1).find(|a| !a.to_string_lossy().starts_with('-')) == Some("info".into());
+            let asks = is_info
+                && std::env::args_os().any(|a| {
+                    let a = a.to_string_lossy();
+                    ["--can", "--is"].iter().any(|f| a == *f || a.starts_with(&format!("{f}=")))
+                });
             if asks && e.use_stderr() {
                 let _ = e.print();
                 std::process::exit(1);

@@ -378,13 +378,27 @@ pub(crate) fn with_format(spec: &str, format: ferry_open::Format) -> Result<Stri
     }
 }
 
-/// Writes this process's ID into `path` through a temporary file beside it renamed over
-/// it, so that a reader waiting for the file never sees it empty.
+/// Writes this process's ID into `path`: through a temporary file beside it renamed over
+/// it, so that a reader waiting for the file never sees it empty; in place where that
+/// cannot be (a directory this process may not write, with the file made writable for
+/// it, as for a pid file prepared in /run), and where `path` is not a regular file (a
+/// symbolic link is written through, as qemu-nbd and nbdkit do).
 fn write_pid_file(path: &Path) -> std::io::Result<()> {
+    let text = format!("{}\n", std::process::id());
+    if std::fs::symlink_metadata(path).is_ok_and(|m| !m.file_type().is_file()) {
+        return std::fs::write(path, &text);
+    }
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(format!(".{}.tmp", std::process::id()));
     let tmp = PathBuf::from(tmp);
-    std::fs::write(&tmp, format!("{}\n", std::process::id()))?;
+    match std::fs::write(&tmp, &text) {
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => return std::fs::write(path, &text),
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e);
+        }
+        Ok(()) => {}
+    }
     std::fs::rename(&tmp, path).inspect_err(|_| {
         let _ = std::fs::remove_file(&tmp);
     })

@@ -48,7 +48,7 @@ const MAX_PASSPHRASE_FILE: usize = 64 << 10;
 
 /// The first line of `file`, without its line end. The bytes are read into a
 /// [`Passphrase`] of fixed size (zeroed when dropped, never grown: no copy is left behind
-/// in freed memory), at most 64 KiB of them, and cut to the line.
+/// in freed memory), at most 64 KiB of them: the line must be shorter.
 fn first_line(file: &Path) -> Result<Passphrase> {
     use std::io::Read;
     let cannot = || format!("cannot read the passphrase file {}", file.display());
@@ -56,10 +56,15 @@ fn first_line(file: &Path) -> Result<Passphrase> {
     let mut bytes = Passphrase::new(vec![0u8; MAX_PASSPHRASE_FILE]);
     let mut n = 0;
     // Up to the first line end (a pipe or FIFO may send no more) or the buffer's end.
-    while n < bytes.len() && !bytes[..n].contains(&b'\n') {
+    while n < bytes.len() {
         match f.read(&mut bytes[n..]) {
             Ok(0) => break,
-            Ok(k) => n += k,
+            Ok(k) => {
+                n += k;
+                if bytes[n - k..n].contains(&b'\n') {
+                    break;
+                }
+            }
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e).with_context(cannot),
         }
