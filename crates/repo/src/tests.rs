@@ -838,11 +838,19 @@ fn a_later_lock_that_stays_holds() {
     }
 }
 
-/// A store whose puts or deletes of names with a prefix fail (a crash at that point).
+/// A store whose puts or deletes of names with a prefix fail (a crash at that point), and
+/// whose ranged reads panic while `panic_reads` is set (a bug anywhere below a read).
 struct Failing {
     inner: Arc<MemStore>,
     fail_put: Mutex<Option<&'static str>>,
     fail_delete: Mutex<Option<&'static str>>,
+    panic_reads: std::sync::atomic::AtomicBool,
+}
+
+impl Failing {
+    fn new(inner: Arc<MemStore>) -> Self {
+        Failing { inner, fail_put: Mutex::new(None), fail_delete: Mutex::new(None), panic_reads: false.into() }
+    }
 }
 
 impl Store for Failing {
@@ -853,6 +861,7 @@ impl Store for Failing {
         self.inner.get(name, limit)
     }
     fn get_range(&self, name: &str, offset: u64, len: u64) -> std::io::Result<Vec<u8>> {
+        assert!(!self.panic_reads.load(std::sync::atomic::Ordering::SeqCst), "a read that panics");
         self.inner.get_range(name, offset, len)
     }
     fn len(&self, name: &str) -> std::io::Result<u64> {
@@ -882,8 +891,7 @@ fn gc_stopped_at_any_step_leaves_a_whole_repository() {
     for (put, delete) in [(Some("data/"), None), (Some("index/"), None), (None, Some("index/")), (None, Some("data/"))]
     {
         let inner = Arc::new(MemStore::new());
-        let store =
-            Arc::new(Failing { inner: inner.clone(), fail_put: Mutex::new(None), fail_delete: Mutex::new(None) });
+        let store = Arc::new(Failing::new(inner.clone()));
         let repo = Arc::new(
             Repository::init(store.clone(), &InitOptions { page_entries: 16, ..InitOptions::default() }).unwrap(),
         );
@@ -1162,37 +1170,6 @@ fn the_cache_holds_what_its_budget_allows() {
     }
 }
 
-/// A store whose ranged reads panic while `panics` is set (a bug anywhere below a read).
-struct Panicking {
-    inner: Arc<MemStore>,
-    panics: std::sync::atomic::AtomicBool,
-}
-
-impl Store for Panicking {
-    fn describe(&self) -> String {
-        self.inner.describe()
-    }
-    fn get(&self, name: &str, limit: u64) -> std::io::Result<Vec<u8>> {
-        self.inner.get(name, limit)
-    }
-    fn get_range(&self, name: &str, offset: u64, len: u64) -> std::io::Result<Vec<u8>> {
-        assert!(!self.panics.load(std::sync::atomic::Ordering::SeqCst), "a read that panics");
-        self.inner.get_range(name, offset, len)
-    }
-    fn len(&self, name: &str) -> std::io::Result<u64> {
-        self.inner.len(name)
-    }
-    fn put(&self, name: &str, data: &[u8]) -> std::io::Result<()> {
-        self.inner.put(name, data)
-    }
-    fn delete(&self, name: &str) -> std::io::Result<()> {
-        self.inner.delete(name)
-    }
-    fn list(&self, prefix: &str) -> std::io::Result<Vec<(String, u64)>> {
-        self.inner.list(prefix)
-    }
-}
-
 /// A read of a connection's queue that panics fails alone, in its turn: the connection
 /// is not left waiting for it, and the pool reads on.
 #[test]
@@ -1200,11 +1177,11 @@ fn a_read_that_panics_fails_alone() {
     let (store, repo) = new_repo(false);
     let data = disk(2 << 20, 9);
     let snap = backup(&repo, "d", &data, None);
-    let st = Arc::new(Panicking { inner: store, panics: false.into() });
+    let st = Arc::new(Failing::new(store));
     let repo = Arc::new(Repository::open(st.clone(), &|| unreachable!()).unwrap());
     let img = SnapshotImage::open(repo, &snap).unwrap();
     let mut q = img.io_queue().unwrap();
-    st.panics.store(true, std::sync::atomic::Ordering::SeqCst);
+    st.panic_reads.store(true, std::sync::atomic::Ordering::SeqCst);
     let (tx, rx) = std::sync::mpsc::channel();
     let waiter = std::thread::spawn(move || {
         q.submit_read(vec![0; 4096], CS as u64 + 4096);
@@ -1215,7 +1192,7 @@ fn a_read_that_panics_fails_alone() {
     let failed = rx.recv_timeout(std::time::Duration::from_secs(20)).expect("the connection waits forever");
     assert!(failed, "a read that panicked succeeded");
     let mut q = waiter.join().unwrap();
-    st.panics.store(false, std::sync::atomic::Ordering::SeqCst);
+    st.panic_reads.store(false, std::sync::atomic::Ordering::SeqCst);
     let o = CS + 4096;
     q.submit_read(vec![0; 4096], o as u64);
     let (buf, r) = q.complete().unwrap();

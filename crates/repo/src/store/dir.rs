@@ -193,19 +193,25 @@ impl DirStore {
     fn clock(&self, name: &str) -> io::Result<std::time::SystemTime> {
         let (dir, _) = self.parent(name, false)?;
         let at = dir.as_ref().map_or(self.dir.as_fd(), |f| f.as_fd());
-        let temp = format!("{TEMP_PREFIX}{}", crate::format::hex(&crate::crypto::random::<8>()));
-        let fd = rustix::fs::openat(
-            at,
-            temp.as_str(),
-            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-            Mode::from_raw_mode(0o600),
-        )?;
-        let f = File::from(fd);
+        let (f, temp) = create_temp(at)?;
         // Written, so that a file system that stamps times lazily stamps this one.
         let stamped = (&f).write_all(b"clock").and_then(|()| f.metadata()).and_then(|m| m.modified());
         let _ = rustix::fs::unlinkat(at, temp.as_str(), AtFlags::empty());
         stamped
     }
+}
+
+/// A new temporary file (mode 0600, never an existing name or a link) in the directory
+/// `at`, and its name (listings never show it).
+fn create_temp(at: BorrowedFd<'_>) -> io::Result<(File, String)> {
+    let temp = format!("{TEMP_PREFIX}{}", crate::format::hex(&crate::crypto::random::<8>()));
+    let fd = rustix::fs::openat(
+        at,
+        temp.as_str(),
+        OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::from_raw_mode(0o600),
+    )?;
+    Ok((File::from(fd), temp))
 }
 
 impl Store for DirStore {
@@ -253,15 +259,8 @@ impl Store for DirStore {
     fn put(&self, name: &str, data: &[u8]) -> io::Result<()> {
         let (dir, file) = self.parent(name, true)?;
         let at = dir.as_ref().map_or(self.dir.as_fd(), |f| f.as_fd());
-        let temp = format!("{TEMP_PREFIX}{}", crate::format::hex(&crate::crypto::random::<8>()));
-        let fd = rustix::fs::openat(
-            at,
-            temp.as_str(),
-            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-            Mode::from_raw_mode(0o600),
-        )
-        .map_err(|e| ctx(e, format!("cannot create a temporary file for {}", self.shown(name))))?;
-        let mut f = File::from(fd);
+        let (mut f, temp) =
+            create_temp(at).map_err(|e| ctx(e, format!("cannot create a temporary file for {}", self.shown(name))))?;
         let written = f
             .write_all(data)
             .and_then(|()| f.sync_all())
