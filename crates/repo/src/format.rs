@@ -160,14 +160,20 @@ fn json_error(what: &str, e: serde_json::Error) -> FormatError {
     FormatError(format!("the {what} is not valid: {e}"))
 }
 
+/// A JSON object of the repository (`what`: the config, a manifest...) of at most `max`
+/// bytes, its length checked before anything is parsed.
+fn bounded_json<T: serde::de::DeserializeOwned>(json: &[u8], max: u64, what: &str) -> Result<T, FormatError> {
+    if json.len() as u64 > max {
+        return err(format!("the {what} is {} bytes long; at most {max} are allowed", json.len()));
+    }
+    serde_json::from_slice(json).map_err(|e| json_error(what, e))
+}
+
 impl Config {
     /// Parses and validates (format, version, chunk_size, page_entries, compression,
     /// cipher and KDF names and cost limits, hex lengths).
     pub fn parse(bytes: &[u8]) -> Result<Config, FormatError> {
-        if bytes.len() as u64 > MAX_CONFIG {
-            return err(format!("the config is {} bytes long; at most {MAX_CONFIG} are allowed", bytes.len()));
-        }
-        let c: Config = serde_json::from_slice(bytes).map_err(|e| json_error("config", e))?;
+        let c: Config = bounded_json(bytes, MAX_CONFIG, "config")?;
         c.validate()?;
         Ok(c)
     }
@@ -549,10 +555,7 @@ impl Manifest {
     /// Parses and validates against the repository's limits: version, name, size, page
     /// count and digests, time.
     pub fn parse(json: &[u8], limits: &Limits) -> Result<Manifest, FormatError> {
-        if json.len() as u64 > MAX_MANIFEST {
-            return err(format!("the manifest is {} bytes long; at most {MAX_MANIFEST} are allowed", json.len()));
-        }
-        let m: Manifest = serde_json::from_slice(json).map_err(|e| json_error("manifest", e))?;
+        let m: Manifest = bounded_json(json, MAX_MANIFEST, "manifest")?;
         m.validate(limits)?;
         Ok(m)
     }
@@ -653,10 +656,7 @@ impl Checkpoint {
     /// Parses and validates against the repository's limits: the checks of a manifest,
     /// and runs that are sorted, disjoint and within the disk.
     pub fn parse(json: &[u8], limits: &Limits) -> Result<Checkpoint, FormatError> {
-        if json.len() as u64 > MAX_CHECKPOINT {
-            return err(format!("the checkpoint is {} bytes long; at most {MAX_CHECKPOINT} are allowed", json.len()));
-        }
-        let c: Checkpoint = serde_json::from_slice(json).map_err(|e| json_error("checkpoint", e))?;
+        let c: Checkpoint = bounded_json(json, MAX_CHECKPOINT, "checkpoint")?;
         c.validate(limits)?;
         Ok(c)
     }
@@ -750,10 +750,7 @@ impl Lock {
     /// Parses and validates: at most [`MAX_LOCK`] bytes, RFC 3339 times, a `disk` tag
     /// (64 hex digits) on a backup lock and only there.
     pub fn parse(json: &[u8]) -> Result<Lock, FormatError> {
-        if json.len() as u64 > MAX_LOCK {
-            return err(format!("the lock is {} bytes long; at most {MAX_LOCK} are allowed", json.len()));
-        }
-        let l: Lock = serde_json::from_slice(json).map_err(|e| json_error("lock", e))?;
+        let l: Lock = bounded_json(json, MAX_LOCK, "lock")?;
         check_time("the lock's time", &l.time)?;
         check_time("the lock's refresh time", &l.refreshed)?;
         match (&l.kind, &l.disk) {

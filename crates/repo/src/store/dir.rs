@@ -121,6 +121,47 @@ impl DirStore {
         Ok((f, meta.len()))
     }
 
+    /// Each entry of the directory `dir` (whose path from the root is `rel`, ending in `/`
+    /// unless empty) whose name `wanted` takes, never `.` or `..`: its name, its path from
+    /// the root, and what `statat` says of it without following links. An entry removed
+    /// since it was listed is skipped.
+    fn each_entry(
+        &self,
+        dir: BorrowedFd,
+        rel: &str,
+        wanted: impl Fn(&str) -> bool,
+        mut f: impl FnMut(&str, String, &rustix::fs::Stat) -> io::Result<()>,
+    ) -> io::Result<()> {
+        let shown = || self.shown(rel.trim_end_matches('/'));
+        let mut entries = rustix::fs::Dir::read_from(dir).map_err(|e| ctx(e, shown()))?;
+        while let Some(entry) = entries.read() {
+            let entry = entry.map_err(|e| ctx(e, shown()))?;
+            let Ok(seg) = entry.file_name().to_str() else { continue };
+            if seg == "." || seg == ".." || !wanted(seg) {
+                continue;
+            }
+            let path = format!("{rel}{seg}");
+            let st = match rustix::fs::statat(dir, seg, AtFlags::SYMLINK_NOFOLLOW) {
+                Ok(st) => st,
+                // Deleted since it was listed.
+                Err(rustix::io::Errno::NOENT) => continue,
+                Err(e) => return Err(ctx(e, self.shown(&path))),
+            };
+            f(seg, path, &st)?;
+        }
+        Ok(())
+    }
+
+    /// The subdirectory `seg` of `dir` (`path` from the root), or `None` when it was
+    /// removed since it was listed.
+    fn open_subdir(&self, dir: BorrowedFd, seg: &str, path: &str) -> io::Result<Option<OwnedFd>> {
+        match rustix::fs::openat(dir, seg, dir_flags(), Mode::empty()) {
+            Ok(fd) => Ok(Some(fd)),
+            Err(rustix::io::Errno::NOENT) => Ok(None),
+            Err(e) => Err(ctx(e, self.shown(path))),
+        }
+    }
+
     /// Every object under the directory `dir` (whose path from the root is `rel`, ending
     /// in `/` unless empty) whose name starts with `prefix`.
     fn walk(
@@ -131,43 +172,26 @@ impl DirStore {
         depth: usize,
         out: &mut Vec<(String, u64)>,
     ) -> io::Result<()> {
-        let shown = || self.shown(rel.trim_end_matches('/'));
-        let mut entries = rustix::fs::Dir::read_from(dir).map_err(|e| ctx(e, shown()))?;
-        while let Some(entry) = entries.read() {
-            let entry = entry.map_err(|e| ctx(e, shown()))?;
-            let Ok(seg) = entry.file_name().to_str() else { continue };
-            // ".", "..", temporary files and anything else that is not an object's.
-            if seg.is_empty() || !seg.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit()) {
-                continue;
-            }
-            let path = format!("{rel}{seg}");
-            let st = match rustix::fs::statat(dir, seg, AtFlags::SYMLINK_NOFOLLOW) {
-                Ok(st) => st,
-                // Deleted since it was listed.
-                Err(rustix::io::Errno::NOENT) => continue,
-                Err(e) => return Err(ctx(e, self.shown(&path))),
-            };
+        // Not temporary files, nor anything else that is not an object's.
+        let object_like = |seg: &str| seg.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit());
+        self.each_entry(dir, rel, object_like, |seg, path, st| {
             match FileType::from_raw_mode(st.st_mode) {
                 FileType::RegularFile if path.starts_with(prefix) && valid_name(&path) => {
                     out.push((path, st.st_size as u64))
                 }
                 FileType::Directory if depth + 1 < MAX_DEPTH => {
                     let sub = format!("{path}/");
-                    if !(sub.starts_with(prefix) || prefix.starts_with(&sub)) {
-                        continue;
+                    if sub.starts_with(prefix) || prefix.starts_with(&sub) {
+                        if let Some(fd) = self.open_subdir(dir, seg, &path)? {
+                            self.walk(fd.as_fd(), &sub, prefix, depth + 1, out)?;
+                        }
                     }
-                    let fd = match rustix::fs::openat(dir, seg, dir_flags(), Mode::empty()) {
-                        Ok(fd) => fd,
-                        Err(rustix::io::Errno::NOENT) => continue,
-                        Err(e) => return Err(ctx(e, self.shown(&path))),
-                    };
-                    self.walk(fd.as_fd(), &sub, prefix, depth + 1, out)?;
                 }
                 // Links, devices, and directories deeper than any name.
                 _ => {}
             }
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
     /// An object's bytes (at most `limit`) and its file's modification time.
@@ -338,44 +362,35 @@ impl DirStore {
     /// Removes the temporary files under `dir` (`rel`): left by a writer killed between
     /// creating one and renaming it into place.
     fn remove_temps(&self, dir: BorrowedFd, rel: &str, depth: usize, removed: &mut (u64, u64)) -> io::Result<()> {
-        let shown = || self.shown(rel.trim_end_matches('/'));
-        let mut entries = rustix::fs::Dir::read_from(dir).map_err(|e| ctx(e, shown()))?;
         let mut found = false;
-        while let Some(entry) = entries.read() {
-            let entry = entry.map_err(|e| ctx(e, shown()))?;
-            let Ok(seg) = entry.file_name().to_str() else { continue };
-            if seg == "." || seg == ".." {
-                continue;
-            }
-            let path = format!("{rel}{seg}");
-            let st = match rustix::fs::statat(dir, seg, AtFlags::SYMLINK_NOFOLLOW) {
-                Ok(st) => st,
-                Err(rustix::io::Errno::NOENT) => continue,
-                Err(e) => return Err(ctx(e, self.shown(&path))),
-            };
-            match FileType::from_raw_mode(st.st_mode) {
-                FileType::RegularFile if seg.starts_with(TEMP_PREFIX) => {
-                    match rustix::fs::unlinkat(dir, seg, AtFlags::empty()) {
-                        Ok(()) | Err(rustix::io::Errno::NOENT) => {}
-                        Err(e) => return Err(ctx(e, format!("cannot delete {}", self.shown(&path)))),
+        self.each_entry(
+            dir,
+            rel,
+            |_| true,
+            |seg, path, st| {
+                match FileType::from_raw_mode(st.st_mode) {
+                    FileType::RegularFile if seg.starts_with(TEMP_PREFIX) => {
+                        match rustix::fs::unlinkat(dir, seg, AtFlags::empty()) {
+                            Ok(()) | Err(rustix::io::Errno::NOENT) => {}
+                            Err(e) => return Err(ctx(e, format!("cannot delete {}", self.shown(&path)))),
+                        }
+                        removed.0 += 1;
+                        removed.1 += st.st_size as u64;
+                        found = true;
                     }
-                    removed.0 += 1;
-                    removed.1 += st.st_size as u64;
-                    found = true;
+                    FileType::Directory if depth + 1 < MAX_DEPTH && valid_name(&path) => {
+                        if let Some(fd) = self.open_subdir(dir, seg, &path)? {
+                            self.remove_temps(fd.as_fd(), &format!("{path}/"), depth + 1, removed)?;
+                        }
+                    }
+                    _ => {}
                 }
-                FileType::Directory if depth + 1 < MAX_DEPTH && valid_name(&path) => {
-                    let fd = match rustix::fs::openat(dir, seg, dir_flags(), Mode::empty()) {
-                        Ok(fd) => fd,
-                        Err(rustix::io::Errno::NOENT) => continue,
-                        Err(e) => return Err(ctx(e, self.shown(&path))),
-                    };
-                    self.remove_temps(fd.as_fd(), &format!("{path}/"), depth + 1, removed)?;
-                }
-                _ => {}
-            }
-        }
+                Ok(())
+            },
+        )?;
         if found {
-            rustix::fs::fsync(dir).map_err(|e| ctx(e, format!("fsync of {}", shown())))?;
+            rustix::fs::fsync(dir)
+                .map_err(|e| ctx(e, format!("fsync of {}", self.shown(rel.trim_end_matches('/')))))?;
         }
         Ok(())
     }
