@@ -6,6 +6,7 @@
 //! `--dirty-bitmap` or `--extents-from` (everything else is the base's). Holes and zero
 //! ranges are never stored: they are written as zeroes (an entry, no data), never read.
 
+use crate::backup_base::MapCommand;
 use crate::remote_args::shown;
 use crate::repo::{human, short_id};
 use anyhow::{bail, Context, Result};
@@ -37,13 +38,19 @@ pub struct BackupArgs {
     /// Read only the ranges the source's dirty bitmap BITMAP marks (its
     /// qemu:dirty-bitmap:BITMAP context: qemu-nbd -B, libvirt pull mode,
     /// qemu-storage-daemon, ferry serve -B); everything else is taken from NAME's latest
-    /// snapshot. The bitmap must hold every change since that snapshot was taken.
+    /// snapshot, which --since must name. The bitmap must hold every change since that
+    /// snapshot was taken.
     #[arg(long, value_name = "BITMAP", conflicts_with = "extents_from")]
     dirty_bitmap: Option<String>,
     /// Read only the ranges listed in FILE (as `ferry copy --extents-from` takes them);
-    /// everything else is taken from NAME's latest snapshot.
+    /// everything else is taken from NAME's latest snapshot, which --since must name.
     #[arg(long, value_name = "FILE")]
     extents_from: Option<String>,
+    /// The snapshot the change map continues: the id `ferry backup` printed (`--json`:
+    /// "id") for the backup after which the bitmap was started or cleared (a unique
+    /// prefix of at least 4 hex digits). Refused unless it is NAME's latest snapshot.
+    #[arg(long, value_name = "ID")]
+    since: Option<String>,
     /// Print the new snapshot as one JSON object.
     #[arg(long)]
     json: bool,
@@ -210,6 +217,12 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
         _ => bail!("{:?} is not a disk in a backup repository: write REPO::NAME", shown(&args.dst)),
     };
     let target = format!("{repo_spec}::{name}");
+    if args.since.is_some() && args.dirty_bitmap.is_none() && args.extents_from.is_none() {
+        bail!(
+            "--since names the snapshot a change map continues: give it with --dirty-bitmap or --extents-from (a \
+             backup without a change map reads everything and continues no snapshot)"
+        );
+    }
     if matches!(src_loc, Location::Repo { .. }) {
         bail!(
             "the source {:?} is a snapshot already: restore it with ferry copy, or back up the disk itself",
@@ -287,14 +300,20 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
         (None, Some(f)) => Changes::ExtentsFrom { file: f.clone() },
         (None, None) => Changes::Full,
     };
-    let selective = asked != Changes::Full;
-    let flag = if args.dirty_bitmap.is_some() { "--dirty-bitmap" } else { "--extents-from" };
+    let shown_src = shown(&args.src);
+    let map_cmd = match (&args.dirty_bitmap, &args.extents_from) {
+        (Some(v), _) => Some(("--dirty-bitmap", v)),
+        (None, Some(v)) => Some(("--extents-from", v)),
+        (None, None) => None,
+    }
+    .map(|(flag, value)| MapCommand { flag, value, src: &shown_src, target: &target, name: &name });
+    let map = map_cmd.as_ref().map(|c| (c, args.since.as_deref()));
     // The base is read again once the disk's lock is held: a backup of the disk that
     // ended while this one waited for the lock made a newer snapshot, and a change map
     // continues the latest one.
     let mut tries = 0;
-    let (writer, changes) = loop {
-        let base = choose_base(&repo, &name, &target, size, selective, flag)?;
+    let (writer, changes, base) = loop {
+        let base = choose_base(&repo, &name, &target, size, map)?;
         let base_id = base.as_ref().map(|b| b.id.clone());
         let changes = match (&tracker, &base) {
             (Some(t), Some(b)) => match t.continuing(&b.id) {
@@ -315,7 +334,7 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
         let opts = BackupOptions {
             name: name.clone(),
             size,
-            base,
+            base: base.clone(),
             source: shown(&args.src),
             changes: changes.clone(),
             pack_size: PACK_SIZE,
@@ -331,9 +350,9 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
             }
             continue;
         };
-        let now = choose_base(&repo, &name, &target, size, selective, flag)?.map(|s| s.id);
+        let now = choose_base(&repo, &name, &target, size, map)?.map(|s| s.id);
         if now == base_id {
-            break (writer, changes);
+            break (writer, changes, base);
         }
         // Released by the drop; taken again with the newer base.
         drop(writer);
@@ -390,9 +409,15 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
                 .with_context(|| format!("reading the change map of {}", shown(&args.src)))?,
         );
     }
+    let chunk_size = repo.config().chunk_size as u64;
     if let Some(w) = &want {
-        copy_opts.ranges = Some(Arc::new(widen(w, repo.config().chunk_size as u64, size)));
+        copy_opts.ranges = Some(Arc::new(widen(w, chunk_size, size)));
         copy_opts.select_context = None;
+    }
+    // A map of the caller's is checked against its base before anything is read: a sample
+    // of the chunks it calls unchanged must be the base's.
+    if let (Some(cmd), Some(b), Some(r)) = (&map_cmd, &base, &copy_opts.ranges) {
+        crate::backup_base::sample(cmd, &writer, b, src, r, &copy_opts)?;
     }
     // A resumed backup reads what its checkpoint does not hold: of the change map's
     // ranges, or of the whole disk.
@@ -598,35 +623,44 @@ fn latest(repo: &ferry_repo::Repository, name: &str, target: &str) -> Result<Opt
 }
 
 /// What the new snapshot starts from: the latest of the disk, unless there is none or it
-/// has another size. A change map needs one of the source's size.
+/// has another size. A change map (`map`: its command line and `--since`) needs one of
+/// the source's size, named by `--since`.
 fn choose_base(
     repo: &ferry_repo::Repository,
     name: &str,
     target: &str,
     size: u64,
-    selective: bool,
-    flag: &str,
+    map: Option<(&MapCommand<'_>, Option<&str>)>,
 ) -> Result<Option<ferry_repo::SnapshotInfo>> {
-    Ok(match latest(repo, name, target)? {
-        None if selective => bail!(
-            "{target} has no snapshot yet, and the first backup of {name} reads everything: run it without {flag}"
-        ),
-        Some(b) if b.manifest.size != size && selective => bail!(
+    let latest = latest(repo, name, target)?;
+    let Some((cmd, since)) = map else {
+        return Ok(match latest {
+            Some(b) if b.manifest.size != size => {
+                log::info!(
+                    "the source is {size} bytes, the latest snapshot of {name} {}: reading everything (what is \
+                     stored already is not stored again)",
+                    b.manifest.size
+                );
+                None
+            }
+            b => b,
+        });
+    };
+    let flag = cmd.flag;
+    let Some(b) = latest else {
+        bail!("{target} has no snapshot yet, and the first backup of {name} reads everything: run it without {flag}")
+    };
+    if b.manifest.size != size {
+        bail!(
             "the source is {size} bytes but the latest snapshot of {name} ({}) is {} bytes: a change map cannot \
              continue a disk of another size; take a full backup (without {flag})",
             short_id(&b.id),
             b.manifest.size
-        ),
-        Some(b) if b.manifest.size != size => {
-            log::info!(
-                "the source is {size} bytes, the latest snapshot of {name} {}: reading everything (what is stored \
-                 already is not stored again)",
-                b.manifest.size
-            );
-            None
-        }
-        b => b,
-    })
+        );
+    }
+    let Some(since) = since else { return Err(cmd.needs_since(&b)) };
+    cmd.check_since(since, &b, || repo.resolve(name, Some(since)))?;
+    Ok(Some(b))
 }
 
 #[cfg(test)]

@@ -40,6 +40,7 @@ mod qcow2_safety;
 mod rbd;
 mod remote_images;
 mod repo_backup;
+mod repo_base;
 mod repo_crash;
 mod repo_resume;
 mod repo_s3;

@@ -554,32 +554,45 @@ pub(crate) fn build_index(objects: Vec<IndexObject>) -> Index {
     index
 }
 
-/// Orders snapshots oldest first: by time, then (for snapshots of the same second) a
-/// snapshot after its parent, then by id.
+/// Orders snapshots oldest first, a snapshot always after its parent whatever the clocks
+/// said (FORMAT.md §7): by the latest time along its parents (its own, or an ancestor's
+/// dated later by a clock that was ahead), then by how many parents share that time, then
+/// by id. The times themselves are the writers' clocks, never changed.
 pub(crate) fn sort_snapshots(snaps: &mut [SnapshotInfo]) {
-    let by_id: HashMap<&str, (Option<jiff::Timestamp>, Option<&str>)> =
-        snaps.iter().map(|s| (s.id.as_str(), (parse_time(&s.manifest.time), s.manifest.parent.as_deref()))).collect();
-    // Depth along parents of the same time (a chain written within one second).
-    let depth = |s: &SnapshotInfo| -> usize {
-        let t = parse_time(&s.manifest.time);
-        let mut d = 0;
-        let mut cur = s.manifest.parent.as_deref();
-        while let Some(p) = cur {
-            match by_id.get(p) {
-                Some((pt, pp)) if *pt == t && d < snaps.len() => {
-                    d += 1;
-                    cur = *pp;
-                }
-                _ => break,
-            }
-        }
-        d
-    };
-    let mut keyed: Vec<(Option<jiff::Timestamp>, usize, String, usize)> =
-        snaps.iter().enumerate().map(|(i, s)| (parse_time(&s.manifest.time), depth(s), s.id.clone(), i)).collect();
+    let keys = order_keys(snaps);
+    let mut keyed: Vec<(Option<jiff::Timestamp>, usize, &str, usize)> =
+        snaps.iter().enumerate().map(|(i, s)| (keys[i].0, keys[i].1, s.id.as_str(), i)).collect();
     keyed.sort();
     let order: Vec<SnapshotInfo> = keyed.iter().map(|k| snaps[k.3].clone()).collect();
     snaps.clone_from_slice(&order);
+}
+
+/// Each snapshot's (latest time along its parents, parents in a row with that time), in
+/// one pass: a chain of n snapshots costs n steps, not n².
+fn order_keys(snaps: &[SnapshotInfo]) -> Vec<(Option<jiff::Timestamp>, usize)> {
+    let at: HashMap<&str, usize> = snaps.iter().enumerate().map(|(i, s)| (s.id.as_str(), i)).collect();
+    let mut keys: Vec<Option<(Option<jiff::Timestamp>, usize)>> = vec![None; snaps.len()];
+    let mut path = Vec::new();
+    for first in 0..snaps.len() {
+        // Up the parents to one whose key is known (or none).
+        path.clear();
+        let mut cur = Some(first);
+        while let Some(i) = cur.filter(|i| keys[*i].is_none() && path.len() <= snaps.len()) {
+            path.push(i);
+            cur = snaps[i].manifest.parent.as_deref().and_then(|p| at.get(p).copied());
+        }
+        let mut above = cur.and_then(|i| keys[i]);
+        for &i in path.iter().rev() {
+            let t = parse_time(&snaps[i].manifest.time);
+            let k = match above {
+                Some((pt, depth)) if pt >= t => (pt, depth + 1),
+                _ => (t, 0),
+            };
+            keys[i] = Some(k);
+            above = Some(k);
+        }
+    }
+    keys.into_iter().map(|k| k.unwrap_or((None, 0))).collect()
 }
 
 /// The blkhash of a snapshot from its entries (FORMAT.md §1): the entries with zero

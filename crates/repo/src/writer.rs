@@ -873,15 +873,17 @@ impl SnapshotWriter {
         self.store_index()?;
         let blkhash = (self.cs == 65536).then(|| format::hex(&blkhash_of(&st.entries, self.size, self.cs as u32)));
         drop(st);
-        // A snapshot is never older than its parent, whatever the clocks say. Nanoseconds:
-        // two snapshots of one disk taken within a second (a full read after the disk's
-        // size changed has no parent to order it by) still have an order.
-        let mut time = jiff::Timestamp::now().to_string();
+        // The time of this host's clock, never the parent's (a parent dated in the future
+        // would otherwise date every later snapshot of the disk the same, and retention
+        // would see one day): lists order a snapshot after its parent whatever the times
+        // say (FORMAT.md §7). Nanoseconds: two snapshots of one disk taken within a second
+        // (a full read after the disk's size changed has no parent to order it by) still
+        // have an order.
+        let now = jiff::Timestamp::now();
         if let Some(b) = &self.base {
-            if parse_time(&b.manifest.time) > parse_time(&time) {
-                time = b.manifest.time.clone();
-            }
+            warn_future_parent(&self.name, b, now);
         }
+        let time = now.to_string();
         let s = self.stats();
         let manifest = Manifest {
             version: format::VERSION,
@@ -1060,6 +1062,13 @@ impl SnapshotWriter {
             .map_err(|e| Error::store(format!("cannot store {object} in {}", self.repo.store.describe()), e))
     }
 
+    /// Calls `f` with the chunk list as it stands (one digest per chunk, [`ZERO`] for a
+    /// zero chunk): before the copy writes anything, the base's (or the resumed
+    /// checkpoint's), for a caller that checks a change map against it.
+    pub fn with_entries<R>(&self, f: impl FnOnce(&[Digest]) -> R) -> R {
+        f(&locked(&self.state).entries)
+    }
+
     /// Whether the new snapshot reads as zeroes where nothing is written (no base): then
     /// the copy engine may skip the source's holes and zero ranges.
     pub fn starts_zeroed(&self) -> bool {
@@ -1075,6 +1084,34 @@ impl SnapshotWriter {
             new_plain: c.new_plain.load(Ordering::Relaxed),
             new_stored: c.new_stored.load(Ordering::Relaxed),
         }
+    }
+}
+
+/// A parent dated more than this ahead of the writer's clock is warned about (less is the
+/// skew of two hosts' clocks).
+const FUTURE_SKEW: jiff::SignedDuration = jiff::SignedDuration::from_secs(60);
+
+/// Warns when `parent`, the base of a snapshot of `name` committed `now`, is dated in the
+/// future: a clock that was ahead (or this one is behind). Returns whether it warned.
+pub(crate) fn warn_future_parent(name: &str, parent: &SnapshotInfo, now: jiff::Timestamp) -> bool {
+    let Some(t) = parse_time(&parent.manifest.time).filter(|t| *t > now + FUTURE_SKEW) else { return false };
+    log::warn!(
+        "snapshot {} of {name}, the base of this backup, is dated {} ({} ahead of this host's clock, {now}; the host \
+         that wrote it had a clock ahead, or this one is behind): the new snapshot records this host's time, and lists \
+         order it after its base; retention (`ferry repo forget --keep-*`) files each snapshot under its own time",
+        &parent.id[..parent.id.len().min(8)],
+        parent.manifest.time,
+        ahead(t.as_second() - now.as_second()),
+    );
+    true
+}
+
+/// `secs` for people: minutes, hours or days.
+fn ahead(secs: i64) -> String {
+    match secs {
+        s if s >= 2 * 86400 => format!("{} days", s / 86400),
+        s if s >= 2 * 3600 => format!("{} hours", s / 3600),
+        s => format!("{} minutes", s / 60),
     }
 }
 
