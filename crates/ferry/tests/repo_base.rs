@@ -214,18 +214,8 @@ fn a_future_dated_parent_does_not_freeze_the_clock() {
     let img = write_sparse_file(d, "a.raw", &data);
     let s1 = backup(&[s(&img), &t]);
     // The manifest re-dated and stored under its new id, with s1 as its parent.
-    let mut m: serde_json::Value =
-        serde_json::from_slice(&fs::read(repo.join("snapshots").join(&s1)).unwrap()).unwrap();
-    let year = 365 * 86400;
-    let now = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64;
-    let ahead = rfc3339(now() + year);
-    m["time"] = serde_json::Value::String(ahead.clone());
-    m["parent"] = serde_json::Value::String(s1.clone());
-    let planted = d.join("planted");
-    fs::write(&planted, serde_json::to_vec(&m).unwrap()).unwrap();
-    let sum = run_ok(&mut cmd("sha256sum", [s(&planted)])).stdout;
-    let future = sum.split_whitespace().next().unwrap().to_string();
-    fs::copy(&planted, repo.join("snapshots").join(&future)).unwrap();
+    let ahead = rfc3339(now() + 365 * 86400);
+    let future = plant(&repo, &s1, &ahead, d);
     assert_eq!(latest_id(s(&repo), "a"), future);
     let mut chain = vec![s1.clone(), future.clone()];
     for i in 0..3u64 {
@@ -258,6 +248,66 @@ fn a_future_dated_parent_does_not_freeze_the_clock() {
     let mut want = vec![chain[4].as_str(), future.as_str()];
     want.sort();
     assert_eq!(kept, want, "{}", out.describe());
+}
+
+/// Seconds since the epoch.
+fn now() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64
+}
+
+/// A copy of snapshot `id` of the unencrypted `repo`, dated `time`, with `id` as its
+/// parent, stored under its own id (as a host with that clock would have written it).
+fn plant(repo: &Path, id: &str, time: &str, d: &Path) -> String {
+    let mut m: serde_json::Value = serde_json::from_slice(&fs::read(repo.join("snapshots").join(id)).unwrap()).unwrap();
+    m["time"] = serde_json::Value::String(time.into());
+    m["parent"] = serde_json::Value::String(id.into());
+    let planted = d.join("planted");
+    fs::write(&planted, serde_json::to_vec(&m).unwrap()).unwrap();
+    let sum = run_ok(&mut cmd("sha256sum", [s(&planted)])).stdout;
+    let new = sum.split_whitespace().next().unwrap().to_string();
+    fs::copy(&planted, repo.join("snapshots").join(&new)).unwrap();
+    new
+}
+
+/// An interrupted --extents-from backup is continued by --resume only on the base it
+/// started from: once another snapshot is the disk's latest, the old --since is refused
+/// (not the latest) and the new one too (the checkpoint continued another base).
+#[test]
+fn a_resume_keeps_its_base() {
+    require("sha256sum");
+    let dir = tempfile::Builder::new().prefix("ferry-base-resume").tempdir().unwrap();
+    let d = dir.path();
+    let repo = d.join("repo");
+    ferry(&["repo", "init", s(&repo)]);
+    let t = format!("{}::a", repo.display());
+    let mut data = data_with_holes(8 * MIB as usize, 5);
+    let img = write_sparse_file(d, "a.raw", &data);
+    let s1 = backup(&[s(&img), &t]);
+    Rng::new(6).fill(&mut data[MIB as usize..7 * MIB as usize]);
+    fs::write(&img, &data).unwrap();
+    let map = d.join("map.json");
+    fs::write(&map, format!(r#"[{{"offset": {MIB}, "length": {}, "type": 1}}]"#, 6 * MIB)).unwrap();
+    let args = ["backup", "--rate", "1M", "--extents-from", s(&map), "--since", &s1, s(&img), &t];
+    let mut slow = ferry_cmd(&args)
+        .env("FERRY_CHECKPOINT_SECS", "0.3")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let stored = || fs::read_dir(repo.join("checkpoints")).map(|rd| rd.count()).unwrap_or(0) > 0;
+    assert!(wait_until(std::time::Duration::from_secs(10), stored), "no checkpoint was stored");
+    slow.kill().unwrap();
+    slow.wait().unwrap();
+    // Another snapshot of the disk becomes its latest (a second later: listed after s1).
+    let s2 = plant(&repo, &s1, &rfc3339(now() + 1), d);
+    let resume = |since: &str| {
+        run_fails(&mut ferry_cmd(&["backup", "--resume", "--extents-from", s(&map), "--since", since, s(&img), &t]))
+    };
+    let out = resume(&s1);
+    assert!(out.stderr.contains("is not its latest"), "{}", out.describe());
+    let out = resume(&s2);
+    assert!(out.stderr.contains("cannot be resumed") && out.stderr.contains(&s1[..8]), "{}", out.describe());
+    assert_eq!(ids(s(&repo), "a"), [s1.as_str(), s2.as_str()]);
 }
 
 /// RFC 3339 UTC of `secs` since the epoch (whole seconds), as FORMAT.md writes times.

@@ -58,11 +58,13 @@
 //! `SnapshotWriter` as its destination, and `ferry repo ...` calls `maint`. The copy engine
 //! and the server never name the repository.
 //!
-//! **The path of one backup.** `ferry backup --dirty-bitmap b0 URI REPO::vm`:
+//! **The path of one backup.** `ferry backup --dirty-bitmap b0 --since ID URI REPO::vm`:
 //! 1. `SnapshotWriter::start` takes the disk's `backup` lock, loads the index and the pages
 //!    of vm's latest snapshot (the base: every chunk the source does not send keeps the
-//!    base's entry).
-//! 2. The copy engine reads the dirty map (without a bitmap, the allocation map), and its
+//!    base's entry), which the binary checked is `ID`, the snapshot the map continues.
+//! 2. The binary reads a sample of the chunks the map leaves alone from the source and
+//!    compares them with the base's entries (`SnapshotWriter::with_entries`).
+//!    The copy engine reads the dirty map (without a bitmap, the allocation map), and its
 //!    workers read those ranges from the source into their own buffers, many requests in
 //!    flight, and hand them to the writer (`Backend::write`, `zero`, `trim`) from many
 //!    threads at once, as they would to a file.
@@ -82,8 +84,8 @@
 //! 6. `commit`: the pending parts of chunks; the index pages that changed (a page covers
 //!    16 MiB of the disk and is a blob itself, so unchanged pages are the base's); the last
 //!    pack; one index object for this backup's packs (`index/ID`); then the manifest
-//!    (`snapshots/ID`: size, page digests, parent, source, kind of change map, blkhash,
-//!    stats); then the lock is released. A crash before the manifest leaves only
+//!    (`snapshots/ID`: the time of this host's clock, size, page digests, parent, source,
+//!    kind of change map, blkhash, stats); then the lock is released. A crash before the manifest leaves only
 //!    unreferenced objects, which `gc` removes.
 //!
 //! **The path of one restored READ.** `ferry copy REPO::vm@3f2a out.raw`, or an NBD READ of
