@@ -330,7 +330,7 @@ impl Repository {
         Ok((good, bad))
     }
 
-    /// Every snapshot, oldest first (by time, then id).
+    /// Every snapshot, oldest first, each after its parent (FORMAT.md §7's order).
     pub fn snapshots(&self) -> Result<Vec<SnapshotInfo>> {
         let (good, mut bad) = self.snapshots_lenient()?;
         match bad.pop() {
