@@ -3,8 +3,9 @@
 //! The source is opened as `ferry copy` opens it; the destination is a
 //! [`ferry_repo::SnapshotWriter`] on top of NAME's latest snapshot (the base), and the copy
 //! engine moves the data: every range without a change map, only the changed ranges with
-//! `--dirty-bitmap` or `--extents-from` (everything else is the base's). Holes and zero
-//! ranges are never stored: they are written as zeroes (an entry, no data), never read.
+//! `--dirty-bitmap` or `--extents-from` (everything else is the base's, which `--since`
+//! must name and a sample of the source must match: see [`crate::backup_base`]). Holes and
+//! zero ranges are never stored: they are written as zeroes (an entry, no data), never read.
 
 use crate::backup_base::MapCommand;
 use crate::remote_args::shown;
