@@ -58,6 +58,11 @@ fn list_first(store: &MemStore, repo: &Repository, pack: &str, other: &str) {
     panic!("no index object naming {pack} sorts before {other}");
 }
 
+/// The index objects of the repository in `store`.
+fn index_names(store: &MemStore) -> Vec<String> {
+    store.list("index/").unwrap().into_iter().map(|(n, _)| n).collect()
+}
+
 /// A full backup of disk `d` (`data`) on top of `base`, in packs of another size than
 /// [`backup`]'s: the chunks it stores again make other packs than those lost (the same
 /// chunks in a pack of the same size would make the same pack, under the lost one's name).
@@ -75,12 +80,11 @@ fn a_copy_in_a_lost_pack_does_not_hide_the_one_a_full_backup_stored_again() {
         let data = disk(3 << 20, 31);
         let first = backup(&repo, "d", &data, None);
         let (lost, _) = where_is(&repo, &first, 7);
-        let index_before: Vec<String> = store.list("index/").unwrap().into_iter().map(|(n, _)| n).collect();
+        let index_before = index_names(&store);
         store.delete(&lost).unwrap();
         // A full backup of the unchanged disk stores the lost chunks again.
         let second = backup_in_small_packs(&repo, &data, &first);
-        let new_index: Vec<String> =
-            store.list("index/").unwrap().into_iter().map(|(n, _)| n).filter(|n| !index_before.contains(n)).collect();
+        let new_index: Vec<String> = index_names(&store).into_iter().filter(|n| !index_before.contains(n)).collect();
         list_first(&store, &repo, &lost, &new_index[0]);
         let c = copies(&repo, &second, 7);
         assert_eq!(c.len(), 2, "{c:?}");
@@ -112,15 +116,14 @@ fn a_page_whose_first_copy_is_lost_reads_from_another() {
     let page = repo.crypto.blob_id(&crate::format::parse_digest(&first.manifest.pages[0]).unwrap());
     let index = repo.load_index().unwrap();
     let pack = pack_name(&index.blobs[&page].pack);
-    let index_before: Vec<String> = store.list("index/").unwrap().into_iter().map(|(n, _)| n).collect();
+    let index_before = index_names(&store);
     store.delete(&pack).unwrap();
     // Its base unreadable, a full backup goes on without it (item 3) and stores every page
     // and chunk again.
     let second = backup_in_small_packs(&repo, &data, &first);
     assert_eq!(second.manifest.parent, None);
     assert_eq!(second.manifest.pages, first.manifest.pages);
-    let new_index: Vec<String> =
-        store.list("index/").unwrap().into_iter().map(|(n, _)| n).filter(|n| !index_before.contains(n)).collect();
+    let new_index: Vec<String> = index_names(&store).into_iter().filter(|n| !index_before.contains(n)).collect();
     list_first(&store, &repo, &pack, &new_index[0]);
     let index = repo.load_index().unwrap();
     assert_eq!(pack_name(&index.blobs[&page].pack), pack, "the lost copy of the page is listed first");
@@ -276,4 +279,28 @@ fn an_index_built_from_objects_lists_each_copy_once() {
     let twice: Vec<_> = objects.iter().chain(objects.iter()).cloned().collect();
     let index = build_index(twice);
     assert!(index.more.is_empty(), "the same copy in two index objects is one copy");
+}
+
+#[test]
+fn a_damaged_first_copy_is_passed_over_for_a_good_one() {
+    let (store, repo) = new_repo(true);
+    let data = disk(3 << 20, 38);
+    let first = backup(&repo, "d", &data, None);
+    let (pack, at) = where_is(&repo, &first, 7);
+    let saved = store.get(&pack, 1 << 30).unwrap();
+    let index_before = index_names(&store);
+    store.delete(&pack).unwrap();
+    let second = backup_in_small_packs(&repo, &data, &first);
+    let new_index: Vec<String> = index_names(&store).into_iter().filter(|n| !index_before.contains(n)).collect();
+    list_first(&store, &repo, &pack, &new_index[0]);
+    // The pack comes back, with a byte of chunk 7 changed: present, but damaged.
+    let mut bad = saved;
+    bad[at as usize] ^= 1;
+    store.put(&pack, &bad).unwrap();
+    assert_eq!(copies(&repo, &second, 7)[0], pack);
+    assert!(read_back(&repo, &second) == data, "the good copy was not used");
+    // verify names the damaged pack, but no snapshot: each of its blobs has a good copy.
+    let v = maint::verify(&repo, &maint::VerifyOptions { read_data_percent: 100, threads: 2 }).unwrap();
+    assert!(v.problems.iter().any(|p| p.object == pack), "{:?}", v.problems);
+    assert!(v.problems.iter().all(|p| p.hits.is_empty()), "{:?}", v.problems);
 }
