@@ -313,6 +313,11 @@ impl SnapshotWriter {
     ) -> Result<Arc<SnapshotWriter>> {
         Self::check_opts(&repo, &opts)?;
         let differs = checkpoint_mismatch(&checkpoint.checkpoint, &opts);
+        let mut opts = opts;
+        if checkpoint.checkpoint.base.is_none() {
+            // A full backup that went on without its base (unreadable): it continues so.
+            opts.base = None;
+        }
         if !differs.is_empty() {
             return Err(Error::Invalid(format!(
                 "the interrupted backup of {} ({}) cannot be resumed: {}; back up without resuming (which discards it)",
@@ -1174,7 +1179,10 @@ pub fn checkpoint_mismatch(ck: &Checkpoint, opts: &BackupOptions) -> Vec<String>
         v.push(format!("the source was {} bytes and is {} now", ck.size, opts.size));
     }
     let base = opts.base.as_ref().map(|b| b.id.as_str());
-    if ck.base.as_deref() != base {
+    // A full backup needs nothing from a base: one that went on without its base (which
+    // could not be read) is continued without it.
+    let baseless_full = ck.base.is_none() && opts.changes == Changes::Full && ck.changes == Changes::Full;
+    if ck.base.as_deref() != base && !baseless_full {
         let show = |b: Option<&str>| b.map_or("none".to_string(), |b| format!("snapshot {}", &b[..b.len().min(8)]));
         v.push(format!("it continued {}, this backup {}", show(ck.base.as_deref()), show(base)));
     }

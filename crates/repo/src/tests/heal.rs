@@ -304,3 +304,30 @@ fn a_damaged_first_copy_is_passed_over_for_a_good_one() {
     assert!(v.problems.iter().any(|p| p.object == pack), "{:?}", v.problems);
     assert!(v.problems.iter().all(|p| p.hits.is_empty()), "{:?}", v.problems);
 }
+
+#[test]
+fn a_full_backup_that_went_on_without_its_unreadable_base_resumes() {
+    let (store, repo) = new_repo(false);
+    let data = disk(2 << 20, 39);
+    let first = backup(&repo, "d", &data, None);
+    for (p, _) in store.list("data/").unwrap() {
+        store.delete(&p).unwrap();
+    }
+    let size = data.len() as u64;
+    // Interrupted after half the disk: its checkpoint has no base.
+    let w = SnapshotWriter::start(repo.clone(), opts("d", size, Some(first.clone()))).unwrap();
+    w.write(&data[..1 << 20], 0, false).unwrap();
+    w.checkpoint().unwrap();
+    drop(w);
+    let ck = repo.checkpoint("d").unwrap().expect("a checkpoint");
+    assert_eq!(ck.checkpoint.base, None);
+    // Resumed as the next run asks (the disk's latest snapshot as its base, still
+    // unreadable): it goes on without it.
+    let w = SnapshotWriter::resume(repo.clone(), opts("d", size, Some(first.clone())), &ck).unwrap();
+    let done = w.done_ranges();
+    assert_eq!(done, vec![(0, 1 << 20)]);
+    w.write(&data[1 << 20..], 1 << 20, false).unwrap();
+    let snap = w.commit(size).unwrap();
+    assert_eq!(snap.manifest.parent, None);
+    assert!(read_back(&repo, &snap) == data);
+}
