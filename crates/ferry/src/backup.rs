@@ -177,6 +177,20 @@ fn widen(ranges: &[(u64, u64)], chunk: u64, size: u64) -> Vec<(u64, u64)> {
     out
 }
 
+/// `ranges` in any order, overlapping or not, as sorted disjoint ranges.
+fn merge(mut ranges: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
+    ranges.retain(|r| r.1 > 0);
+    ranges.sort_unstable();
+    let mut out: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
+    for (o, l) in ranges {
+        match out.last_mut() {
+            Some(last) if o <= last.0 + last.1 => last.1 = last.1.max(o + l - last.0),
+            _ => out.push((o, l)),
+        }
+    }
+    out
+}
+
 /// `ranges` (sorted, disjoint) without `done` (sorted, disjoint).
 fn subtract(ranges: &[(u64, u64)], done: &[(u64, u64)]) -> Vec<(u64, u64)> {
     let mut out = Vec::new();
@@ -412,7 +426,11 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
     }
     let chunk_size = repo.config().chunk_size as u64;
     if let Some(w) = &want {
-        copy_opts.ranges = Some(Arc::new(widen(w, chunk_size, size)));
+        // Chunks of the base that are lost (their packs are gone) are read again too: the
+        // new snapshot must not name them (the writer refuses to commit it otherwise).
+        let mut w = w.clone();
+        w.extend(writer.lost_ranges());
+        copy_opts.ranges = Some(Arc::new(widen(&merge(w), chunk_size, size)));
         copy_opts.select_context = None;
     }
     // A map of the caller's is checked against its base before anything is read: a sample
@@ -614,9 +632,42 @@ impl Tracker {
     }
 }
 
-/// The latest snapshot of `name`, if it has one.
-fn latest(repo: &ferry_repo::Repository, name: &str, target: &str) -> Result<Option<ferry_repo::SnapshotInfo>> {
-    match repo.resolve(name, None) {
+/// The latest snapshot of `name`, if it has one. A manifest that cannot be read is
+/// skipped with a warning (once), unless the backup reads a change map (`selective`, with
+/// `flag`): that damaged manifest may be the disk's latest snapshot (it does not say its
+/// disk), and a map continues the latest, so guessing an older one as the base would miss
+/// changes.
+fn latest(
+    repo: &ferry_repo::Repository,
+    name: &str,
+    target: &str,
+    selective: bool,
+    flag: &str,
+) -> Result<Option<ferry_repo::SnapshotInfo>> {
+    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    let (all, bad) =
+        repo.snapshots_lenient().with_context(|| format!("cannot find the latest snapshot of {target}"))?;
+    if let Some((object, e)) = bad.first() {
+        if selective {
+            bail!(
+                "{object} cannot be read ({}), and it may be the latest snapshot of {name} (a damaged manifest does \
+                 not say its disk): {flag} continues the latest snapshot, so this backup cannot tell what it \
+                 continues, and nothing was stored. Back up without {flag} (it reads the whole disk)",
+                e.reason()
+            );
+        }
+        if !WARNED.swap(true, Ordering::Relaxed) {
+            let why = if flag.is_empty() {
+                "this backup reads the whole disk".to_string()
+            } else {
+                format!("{flag} continues the snapshot --since names")
+            };
+            for (object, e) in &bad {
+                log::warn!("skipping {object}: it cannot be read ({}); {why}, so it needs nothing from it", e.reason());
+            }
+        }
+    }
+    match ferry_repo::resolve_in(&all, &bad, &repo.store().describe(), name, None) {
         Ok(s) => Ok(Some(s)),
         Err(ferry_repo::Error::NotFound(_)) => Ok(None),
         Err(e) => Err(anyhow::Error::new(e).context(format!("cannot find the latest snapshot of {target}"))),
@@ -633,7 +684,9 @@ fn choose_base(
     size: u64,
     map: Option<(&MapCommand<'_>, Option<&str>)>,
 ) -> Result<Option<ferry_repo::SnapshotInfo>> {
-    let latest = latest(repo, name, target)?;
+    // A map named by --since needs no guess at the latest: the id says what it continues.
+    let guessing = map.is_some_and(|(_, since)| since.is_none());
+    let latest = latest(repo, name, target, guessing, map.map_or("", |(cmd, _)| cmd.flag))?;
     let Some((cmd, since)) = map else {
         return Ok(match latest {
             Some(b) if b.manifest.size != size => {
@@ -666,7 +719,13 @@ fn choose_base(
 
 #[cfg(test)]
 mod tests {
-    use super::{subtract, widen};
+    use super::{merge, subtract, widen};
+
+    #[test]
+    fn merge_ranges() {
+        assert_eq!(merge(vec![(10, 5), (0, 4), (4, 2), (12, 10), (30, 0)]), vec![(0, 6), (10, 12)]);
+        assert_eq!(merge(vec![]), vec![]);
+    }
 
     #[test]
     fn widen_to_chunks() {

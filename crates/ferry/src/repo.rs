@@ -307,7 +307,11 @@ fn list(a: ListArgs) -> Result<i32> {
         }
     }
     let repo = a.common.open()?;
-    let snaps = repo.snapshots().with_context(|| format!("listing {}", a.common.repo))?;
+    // A manifest that cannot be read is named, and the others listed.
+    let (snaps, bad) = repo.snapshots_lenient().with_context(|| format!("listing {}", a.common.repo))?;
+    for (object, e) in &bad {
+        eprintln!("unreadable snapshot {object} (of an unknown disk): {}; `ferry repo check` reports it", e.reason());
+    }
     let snaps: Vec<&SnapshotInfo> =
         snaps.iter().filter(|s| a.name.as_ref().is_none_or(|n| *n == s.manifest.name)).collect();
     if a.json {
@@ -397,7 +401,11 @@ const RANGES_SHOWN: usize = 8;
 fn print_problem(p: &Problem) {
     println!("damaged: {}: {}", p.object, p.why);
     if p.hits.is_empty() {
-        println!("  no snapshot reads it");
+        if p.object.starts_with("snapshots/") {
+            println!("  the snapshot it holds cannot be restored; other commands skip it with a warning");
+        } else {
+            println!("  no snapshot reads it");
+        }
         return;
     }
     let mut snaps: Vec<(&str, &str)> = p.hits.iter().map(|h| (h.0.as_str(), h.1.as_str())).collect();
@@ -435,9 +443,12 @@ fn forget(a: ForgetArgs) -> Result<i32> {
         bail!("give a policy: --keep-last, --keep-daily, --keep-weekly and/or --keep-monthly N (nothing is forgotten)");
     }
     let repo = ferry_open::repo::open_repository(&repo_spec, &a.remote.remote(), a.password_file.as_deref())?;
-    let before = repo.snapshots().with_context(|| format!("listing {repo_spec}"))?;
+    let (before, _) = repo.snapshots_lenient().with_context(|| format!("listing {repo_spec}"))?;
     let r =
         maint::forget(&repo, name.as_deref(), &policy, a.dry_run).with_context(|| format!("forget in {repo_spec}"))?;
+    for n in &r.notes {
+        eprintln!("note: {n}");
+    }
     if a.json {
         let v = serde_json::json!({ "kept": r.kept, "removed": r.removed, "dry_run": a.dry_run });
         println!("{}", serde_json::to_string_pretty(&v)?);

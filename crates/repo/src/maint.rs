@@ -132,13 +132,13 @@ fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
     let store = &repo.store;
     let (snaps, bad_snaps) = repo.snapshots_lenient()?;
     for (name, e) in bad_snaps {
-        r.problem(name, e.to_string());
+        r.problem(name, e.reason());
     }
     r.snapshots = snaps.len();
     // Checkpoints of interrupted backups are checked as snapshots are (FORMAT.md §7a).
     let (checkpoints, bad_checkpoints) = repo.checkpoints_lenient()?;
     for (name, e) in bad_checkpoints {
-        r.problem(name, format!("{e}; `ferry backup` without --resume discards it"));
+        r.problem(name, format!("{}; `ferry backup` without --resume discards it", e.reason()));
     }
     for c in &checkpoints {
         r.notes.push(format!(
@@ -152,7 +152,10 @@ fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
     snaps.extend(checkpoints.iter().map(|c| c.as_snapshot()));
     let (objects, bad_index) = repo.index_objects()?;
     for (name, e) in bad_index {
-        r.problem(name, format!("{e}; the blobs it alone lists are lost to the snapshots below until it is rebuilt"));
+        r.problem(
+            name,
+            format!("{}; the blobs it alone lists are lost to the snapshots below until it is rebuilt", e.reason()),
+        );
     }
     let mut packs: HashMap<Digest, Vec<BlobEntry>> = HashMap::new();
     for (_, ps) in &objects {
@@ -190,6 +193,17 @@ fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
             _ => {}
         }
     }
+    // A lost pack whose every blob has a good copy elsewhere (a backup stored them again)
+    // loses nothing: gc drops it from the index.
+    for (pack, p) in &bad_packs {
+        let healed = packs[pack].iter().all(|b| index.locations(&b.id).any(|l| !bad_packs.contains_key(&l.pack)));
+        if healed {
+            r.problems[*p].why.push_str(
+                "; every blob in it has a copy in another pack, so no snapshot lost data: `ferry repo gc` drops it \
+                 from the index",
+            );
+        }
+    }
     let indexed: HashSet<String> = packs.keys().map(pack_name).collect();
     let orphans = listed.keys().filter(|n| !indexed.contains(*n)).count();
     if orphans > 0 {
@@ -197,11 +211,14 @@ fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
             "{orphans} pack(s) are in no index object (left by interrupted backups or gc); `ferry repo gc` removes them"
         ));
     }
+    // A blob is lost only when every copy of it is in a missing or short pack.
     let mut damaged: HashMap<Digest, usize> = HashMap::new();
     if !bad_packs.is_empty() {
         for (id, loc) in &index.blobs {
             if let Some(p) = bad_packs.get(&loc.pack) {
-                damaged.insert(*id, *p);
+                if index.locations(id).all(|l| bad_packs.contains_key(&l.pack)) {
+                    damaged.insert(*id, *p);
+                }
             }
         }
     }
@@ -417,6 +434,7 @@ pub fn verify(repo: &Repository, opts: &VerifyOptions) -> Result<Report> {
     todo.sort_by_key(|(p, _)| *p);
     // From here on, blobs_checked counts the blobs decoded.
     r.blobs_checked = 0;
+    let mut bad_copies: HashMap<Digest, Vec<(Digest, usize)>> = HashMap::new();
     let results = par_map(&todo, opts.threads.max(1), |(p, b)| verify_pack(repo, p, b));
     for ((pack, _), c) in todo.iter().zip(results) {
         r.bytes_read += c.bytes;
@@ -433,10 +451,16 @@ pub fn verify(repo: &Repository, opts: &VerifyOptions) -> Result<Report> {
         }
         let p = r.problem(pack_name(pack), why);
         for (id, _) in c.bad_blobs {
-            // Only the copy the index reads from hurts the snapshots.
-            if w.index.blobs.get(&id).is_some_and(|l| l.pack == *pack) {
-                w.damaged.entry(id).or_insert(p);
-            }
+            bad_copies.entry(id).or_default().push((*pack, p));
+        }
+    }
+    // A damaged copy hurts the snapshots only when no other copy is good (a reader tries
+    // each): every other copy is in a pack found missing or damaged too.
+    for (id, copies) in &bad_copies {
+        let bad = |pack: &Digest| copies.iter().any(|(p, _)| p == pack);
+        let lost = w.index.locations(id).all(|l| bad(&l.pack) || !w.listed.contains_key(&pack_name(&l.pack)));
+        if lost {
+            w.damaged.entry(*id).or_insert(copies[0].1);
         }
     }
     attribute(repo, &w, &mut r.problems);
@@ -483,7 +507,17 @@ pub fn forget(repo: &Repository, name: Option<&str>, policy: &Policy, dry_run: b
         ));
     }
     let _lock = if dry_run { None } else { Some(lock::acquire(&repo.store, LockKind::Forget, None, None)?) };
-    let snaps = repo.snapshots()?;
+    // A manifest that cannot be read is kept, and the rules apply to the others: that
+    // never removes a snapshot the rules would keep with it counted (leaving one out of
+    // a disk's list only moves the others up in it), so at most fewer are removed.
+    let (snaps, bad) = repo.snapshots_lenient()?;
+    for (object, e) in &bad {
+        report.notes.push(format!(
+            "{object} cannot be read ({}): it is kept, and the rules applied to the other snapshots (it may be of \
+             any disk)",
+            e.reason()
+        ));
+    }
     let mut disks: BTreeMap<&str, Vec<SnapshotInfo>> = BTreeMap::new();
     for s in &snaps {
         if name.is_none_or(|n| n == s.manifest.name) {
@@ -702,7 +736,8 @@ pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_perc
     }
     let indexed: HashSet<String> = packs.keys().map(pack_name).collect();
     let orphans: Vec<String> = listed.keys().filter(|n| !indexed.contains(*n)).cloned().collect();
-    if delete.is_empty() && orphans.is_empty() && old_index.len() <= 1 {
+    let all_present = packs.keys().all(|p| listed.contains_key(&pack_name(p)));
+    if delete.is_empty() && orphans.is_empty() && old_index.len() <= 1 && all_present {
         report.bytes_after = report.bytes_before;
         return Ok(report);
     }
@@ -809,7 +844,7 @@ pub struct Stats {
 
 pub fn stats(repo: &Repository) -> Result<Stats> {
     let store = &repo.store;
-    let snaps = repo.snapshots()?;
+    let (snaps, _) = repo.snapshots_skipping()?;
     let index = repo.load_index()?;
     let pages = read_pages(repo, &index, &snaps);
     let mut s = Stats { snapshots: snaps.len() as u64, ..Stats::default() };

@@ -9,6 +9,7 @@ use ferry_backend::{Backend, ZeroMode, HOLE};
 use std::sync::{Arc, Mutex};
 
 mod clock;
+mod heal;
 mod resume;
 
 const K: usize = 1024;

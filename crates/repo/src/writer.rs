@@ -220,6 +220,10 @@ pub struct SnapshotWriter {
     last_checkpoint: Mutex<Instant>,
     /// The chunk runs already stored when this writer resumed a checkpoint.
     resumed: Vec<[u64; 2]>,
+    /// The chunk runs whose entry (the base's, or the resumed checkpoint's) names a blob
+    /// with no copy in a present pack: the backup must write them (see
+    /// [`SnapshotWriter::lost_ranges`]), or the commit refuses.
+    lost: Vec<[u64; 2]>,
     pool: Mutex<Vec<Vec<u8>>>,
     counters: Counters,
     failed: Mutex<Option<String>>,
@@ -255,9 +259,21 @@ impl SnapshotWriter {
         let tag = repo.crypto.disk_tag(&opts.name);
         let guard = lock::acquire(&repo.store, LockKind::Backup, Some(tag), opts.wait_lock)?;
         let index = Self::load_index(&repo)?;
-        let (mut entries, base_chunks) = match &opts.base {
-            Some(b) => {
-                let e = repo.entries(&index, b)?;
+        let mut opts = opts;
+        let base_entries = match &opts.base {
+            Some(b) => match repo.entries(&index, b) {
+                Ok(e) => Some(e),
+                Err(e @ Error::Damaged { .. }) => Self::unreadable_base(&opts, b, e)?,
+                Err(e) => return Err(e),
+            },
+            None => None,
+        };
+        if base_entries.is_none() {
+            // A full backup of a disk whose previous snapshot cannot be read: a new start.
+            opts.base = None;
+        }
+        let (mut entries, base_chunks) = match base_entries {
+            Some(e) => {
                 let n = e.len() as u64;
                 (e, n)
             }
@@ -297,6 +313,11 @@ impl SnapshotWriter {
     ) -> Result<Arc<SnapshotWriter>> {
         Self::check_opts(&repo, &opts)?;
         let differs = checkpoint_mismatch(&checkpoint.checkpoint, &opts);
+        let mut opts = opts;
+        if checkpoint.checkpoint.base.is_none() {
+            // A full backup that went on without its base (unreadable): it continues so.
+            opts.base = None;
+        }
         if !differs.is_empty() {
             return Err(Error::Invalid(format!(
                 "the interrupted backup of {} ({}) cannot be resumed: {}; back up without resuming (which discards it)",
@@ -346,6 +367,29 @@ impl SnapshotWriter {
         Ok(Self::build(repo, opts, guard, index, state, base_chunks, resumed))
     }
 
+    /// The base snapshot's pages cannot be read (`e`): a backup that reads the whole disk
+    /// needs nothing from it and goes on without it (`Ok(None)`, with a warning); one
+    /// that reads only a change map's ranges cannot, and is refused.
+    fn unreadable_base(opts: &BackupOptions, base: &SnapshotInfo, e: Error) -> Result<Option<Vec<Digest>>> {
+        let id = &base.id[..8.min(base.id.len())];
+        if opts.changes == Changes::Full {
+            log::warn!(
+                "the previous snapshot of {} ({id}) cannot be read ({}); this backup reads the whole disk, needs \
+                 nothing from it, and goes on without it (the new snapshot has no parent)",
+                opts.name,
+                e.reason()
+            );
+            return Ok(None);
+        }
+        Err(Error::Invalid(format!(
+            "the previous snapshot of {} ({id}) cannot be read ({}), and a change map only says what changed since \
+             it: nothing was stored. Back up without the change map (without --dirty-bitmap or --extents-from; \
+             --no-bitmap for a qcow2 image that ferry tracks): that reads the whole disk and needs nothing from it",
+            opts.name,
+            e.reason()
+        )))
+    }
+
     /// The repository's index, without the blobs whose pack is gone: chunks in them are
     /// not reused (a new snapshot would reference the lost data again, and the
     /// repository would never heal).
@@ -358,13 +402,12 @@ impl SnapshotWriter {
             .into_iter()
             .map(|(n, _)| n)
             .collect();
-        let before = index.blobs.len();
-        index.blobs.retain(|_, l| present.contains(&pack_name(&l.pack)));
-        if index.blobs.len() != before {
+        let lost = index.retain_packs(|p| present.contains(&pack_name(p)));
+        if lost > 0 {
             log::warn!(
-                "{} chunk(s) of {} are in packs that are gone: they are stored again where this backup reads them \
-                 (`ferry repo check` names the snapshots that lost them)",
-                before - index.blobs.len(),
+                "{lost} chunk(s) of {} are in packs that are gone: this backup reads again those its disk's \
+                 previous snapshot uses, and stores again any it reads (`ferry repo check` names the snapshots \
+                 that lost them)",
                 repo.store.describe()
             );
         }
@@ -429,6 +472,15 @@ impl SnapshotWriter {
             }
         }
         let pack_size = opts.pack_size;
+        let lost = lost_runs(&repo, &index, &state);
+        if !lost.is_empty() {
+            let n: u64 = lost.iter().map(|r| r[1]).sum();
+            log::warn!(
+                "{n} chunk(s) of the previous snapshot of {} are lost (their packs are gone): this backup reads them \
+                 from the source again",
+                opts.name
+            );
+        }
         Arc::new(SnapshotWriter {
             name: opts.name,
             size: opts.size,
@@ -454,6 +506,7 @@ impl SnapshotWriter {
             checkpointing: Mutex::new(()),
             last_checkpoint: Mutex::new(Instant::now()),
             resumed,
+            lost,
             pool: Mutex::new(Vec::new()),
             counters: Counters::default(),
             failed: Mutex::new(None),
@@ -466,13 +519,15 @@ impl SnapshotWriter {
     /// The byte ranges (offset, length) that the checkpoint this writer resumed had
     /// stored already: a resumed copy need not write them again. Empty for `start`.
     pub fn done_ranges(&self) -> Vec<(u64, u64)> {
-        self.resumed
-            .iter()
-            .map(|[f, n]| {
-                let start = f * self.cs;
-                (start, ((f + n) * self.cs).min(self.size) - start)
-            })
-            .collect()
+        runs_to_ranges(&self.resumed, self.cs, self.size)
+    }
+
+    /// The byte ranges (offset, length) where the snapshot this backup continues (or the
+    /// checkpoint it resumes) names chunks that are lost (no copy in a present pack): the
+    /// copy must read them from the source too, whatever its change map says, or the
+    /// commit refuses. Empty in a healthy repository.
+    pub fn lost_ranges(&self) -> Vec<(u64, u64)> {
+        runs_to_ranges(&self.lost, self.cs, self.size)
     }
 
     fn chunk_len(&self, ci: u64) -> usize {
@@ -781,8 +836,8 @@ impl SnapshotWriter {
         }
         let id = self.repo.crypto.blob_id(&d);
         let what = || format!("chunk {ci} of the previous snapshot of {}", self.name);
-        let plain = if let Some(loc) = self.index.blobs.get(&id) {
-            self.repo.read_blob(&id, loc, BlobKind::Data).map_err(|why| Error::damaged(what(), why))?
+        let plain = if self.index.contains(&id) {
+            self.repo.read_blob_any(&self.index, &id, BlobKind::Data).map_err(|why| Error::damaged(what(), why))?
         } else {
             self.session_blob(&id).ok_or_else(|| Error::damaged(what(), "it is nowhere"))??
         };
@@ -868,6 +923,7 @@ impl SnapshotWriter {
                 pages.push(format::hex(&d));
             }
         }
+        self.refuse_lost(&st, &pages)?;
         self.close_pack(true)?;
         // One index object for every pack of this backup since its last checkpoint.
         self.store_index()?;
@@ -925,6 +981,40 @@ impl SnapshotWriter {
         }
         drop(locked(&self.lock).take());
         Ok(SnapshotInfo { id, manifest })
+    }
+
+    /// The last guard before the manifest: it must name no blob that is neither in a
+    /// present pack nor stored by this backup. Chunks this backup wrote were stored as
+    /// they came; the others are the base's (or the resumed checkpoint's), checked when
+    /// the writer started (under the disk's lock, which keeps gc out): only those found
+    /// lost then can be missing, and each must have been written since. Pages kept from
+    /// the base were read through present packs when the writer started.
+    fn refuse_lost(&self, st: &State, pages: &[String]) -> Result<()> {
+        let unread: Vec<u64> = self.lost.iter().flat_map(|[f, n]| *f..f + n).filter(|ci| !st.is_done(*ci)).collect();
+        let page_gone = pages.iter().zip(&st.dirty).filter(|(p, dirty)| !p.is_empty() && !**dirty).find(|(p, _)| {
+            format::parse_digest(p).is_none_or(|d| {
+                let id = self.repo.crypto.blob_id(&d);
+                !self.index.contains(&id) && !locked(&self.claimed.0).contains_key(&id)
+            })
+        });
+        if let Some(first) = unread.first() {
+            return Err(Error::Invalid(format!(
+                "the snapshot of {} would use {} chunk(s) that are lost from the repository (their packs are \
+                 gone) and that this backup did not read (the first at byte {}): nothing was committed. Run a backup \
+                 that reads the whole disk (without a change map)",
+                self.name,
+                unread.len(),
+                first * self.cs
+            )));
+        }
+        if let Some((p, _)) = page_gone {
+            return Err(Error::Invalid(format!(
+                "the snapshot of {} would use page {p} of its previous snapshot, which is in no present pack: \
+                 nothing was committed. Run a backup that reads the whole disk (without a change map)",
+                self.name
+            )));
+        }
+        Ok(())
     }
 
     /// Stores the index objects for the packs closed since the last ones.
@@ -1126,7 +1216,10 @@ pub fn checkpoint_mismatch(ck: &Checkpoint, opts: &BackupOptions) -> Vec<String>
         v.push(format!("the source was {} bytes and is {} now", ck.size, opts.size));
     }
     let base = opts.base.as_ref().map(|b| b.id.as_str());
-    if ck.base.as_deref() != base {
+    // A full backup needs nothing from a base: one that went on without its base (which
+    // could not be read) is continued without it.
+    let baseless_full = ck.base.is_none() && opts.changes == Changes::Full && ck.changes == Changes::Full;
+    if ck.base.as_deref() != base && !baseless_full {
         let show = |b: Option<&str>| b.map_or("none".to_string(), |b| format!("snapshot {}", &b[..b.len().min(8)]));
         v.push(format!("it continued {}, this backup {}", show(ck.base.as_deref()), show(base)));
     }
@@ -1137,6 +1230,41 @@ pub fn checkpoint_mismatch(ck: &Checkpoint, opts: &BackupOptions) -> Vec<String>
         v.push(format!("the source was {:?} and is {:?} now", ck.identity, opts.identity));
     }
     v
+}
+
+/// Chunk runs `[first, count]` as byte ranges (offset, length) of a disk of `size` bytes.
+fn runs_to_ranges(runs: &[[u64; 2]], cs: u64, size: u64) -> Vec<(u64, u64)> {
+    runs.iter()
+        .map(|[f, n]| {
+            let start = f * cs;
+            (start, ((f + n) * cs).min(size) - start)
+        })
+        .collect()
+}
+
+/// The runs of chunks not done whose entry names a blob that `index` (present packs only)
+/// does not have. Every entry is looked at (a keyed hash each when encrypted), on several
+/// threads: this is what lets the commit trust the entries a backup does not write.
+fn lost_runs(repo: &Repository, index: &Index, state: &State) -> Vec<[u64; 2]> {
+    const SLICE: usize = 1 << 14;
+    let slices: Vec<usize> = (0..state.entries.len().div_ceil(SLICE)).collect();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let found = crate::repo::par_map(&slices, threads, |k| {
+        let start = k * SLICE;
+        let end = (start + SLICE).min(state.entries.len());
+        (start..end)
+            .filter(|&ci| {
+                let e = &state.entries[ci];
+                *e != ZERO && !state.is_done(ci as u64) && !index.contains(&repo.crypto.blob_id(e))
+            })
+            .map(|ci| ci as u64)
+            .collect::<Vec<u64>>()
+    });
+    let mut runs = Vec::new();
+    for ci in found.into_iter().flatten() {
+        push_run(&mut runs, ci, 1);
+    }
+    runs
 }
 
 /// Adds `r` to sorted, merged ranges.
