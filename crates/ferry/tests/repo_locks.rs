@@ -197,7 +197,7 @@ fn the_lock_of_a_killed_uncollected_holder_is_stale() {
     assert!(wait_until(Duration::from_secs(20), || objects(&repo_p, "locks").len() == 1), "no lock taken");
     let lock: serde_json::Value = serde_json::from_slice(&fs::read(&objects(&repo_p, "locks")[0].0).unwrap()).unwrap();
     assert_eq!(lock["pid"].as_u64(), Some(pid as u64));
-    assert_eq!(lock["pid_start"].as_u64(), proc_stat(pid).map(|(_, start)| start), "the lock's start time");
+    let start = proc_stat(pid).map(|(_, start)| start);
     child.kill().unwrap(); // SIGKILL, not collected
     assert!(
         wait_until(Duration::from_secs(10), || proc_stat(pid).is_some_and(|(state, _)| state == 'Z')),
@@ -213,6 +213,7 @@ fn the_lock_of_a_killed_uncollected_holder_is_stale() {
         "{}",
         out.describe()
     );
+    assert_eq!(lock["pid_start"].as_u64(), start, "the lock's start time");
     check_ok(&repo, "a zombie's lock");
 }
 
