@@ -156,7 +156,10 @@ fn a_frozen_backup_whose_lock_was_taken_stops() {
     let out = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "the backup committed without its lock\n{err}");
-    assert!(err.contains("was removed from") && err.contains("run it again"), "the error does not say why\n{err}");
+    assert!(
+        err.contains("was removed from") && err.contains("run it again") && err.contains("--resume"),
+        "the error does not say why, and what to do\n{err}"
+    );
     assert!(!err.contains("panicked"), "{err}");
     assert!(objects(&repo_p, "snapshots").is_empty());
     // Nothing stored after the gc names its packs: the index objects and the checkpoint

@@ -771,10 +771,14 @@ impl SnapshotWriter {
     /// packs that are gone. Checked before each index object, checkpoint and manifest;
     /// once it failed, every later write, checkpoint and the commit fail too.
     fn check_lock(&self) -> Result<()> {
-        match locked(&self.lock).as_ref() {
-            Some(g) => g.check(),
-            None => Ok(()),
-        }
+        let Some(g) = locked(&self.lock).as_ref().map(|g| g.check()) else { return Ok(()) };
+        g.map_err(|e| match e {
+            // What it stored up to its last checkpoint is whole (gc kept it).
+            Error::Locked(why) if self.checkpoint_every.is_some() => Error::Locked(format!(
+                "{why} (`ferry backup --resume` continues from its last checkpoint, if it stored one)"
+            )),
+            e => e,
+        })
     }
 
     fn fail(&self, op: &'static str, offset: u64, length: u64, e: Error) -> ferry_backend::Error {
