@@ -139,6 +139,16 @@ fn parse_stat(text: &str) -> Option<(char, u64)> {
     Some((state, start))
 }
 
+/// Whether `/proc`, as `/proc/self/mountinfo` shows its mount, hides the processes of
+/// other users (`hidepid=` 1, 2, `noaccess` or `invisible`).
+fn hides_processes(mountinfo: &str) -> bool {
+    mountinfo.lines().any(|l| {
+        let (mount, sup) = l.split_once(" - ").unwrap_or((l, ""));
+        mount.split(' ').nth(4) == Some("/proc")
+            && sup.split([' ', ',']).any(|o| o.strip_prefix("hidepid=").is_some_and(|v| v != "0" && v != "off"))
+    })
+}
+
 /// This process's start time, as a lock records it ([`Lock::pid_start`]).
 pub fn this_start() -> Option<u64> {
     proc_stat("self").ok().map(|(_, start)| start)
@@ -156,9 +166,10 @@ pub fn holder_gone(pid: u32, start: Option<u64>) -> Option<String> {
     }
     match proc_stat(&pid.to_string()) {
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
-            // With /proc mounted hidepid=2 the processes of other users are not shown:
-            // then a missing number says nothing.
-            if pid != 1 && std::process::id() != 1 && !std::path::Path::new("/proc/1").exists() {
+            // With /proc mounted hidepid=2 (systemd's ProtectProc=invisible) the processes
+            // of other users are not shown: then a missing number says nothing.
+            let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+            if hides_processes(&mountinfo) || (std::process::id() != 1 && !std::path::Path::new("/proc/1").exists()) {
                 return None;
             }
             Some(format!("process {pid} no longer runs"))
@@ -446,6 +457,18 @@ mod tests {
         }
         let (state, start) = proc_stat("self").unwrap();
         assert!(state != 'Z' && Some(start) == this_start(), "{state} {start}");
+    }
+
+    #[test]
+    fn hidden_processes_are_told_from_the_proc_mount() {
+        let plain = "22 27 0:21 / /proc rw,relatime - proc proc rw\n30 1 8:1 / / rw - ext4 /dev/sda1 rw\n";
+        assert!(!hides_processes(plain));
+        for o in ["hidepid=2", "hidepid=invisible", "hidepid=1", "hidepid=noaccess"] {
+            let m = format!("22 27 0:21 / /proc rw,nosuid - proc proc rw,{o},subset=pid\n");
+            assert!(hides_processes(&m), "{o}");
+        }
+        assert!(!hides_processes("22 27 0:21 / /proc rw - proc proc rw,hidepid=0\n"));
+        assert!(!hides_processes("22 27 0:21 / /mnt/proc rw - proc proc rw,hidepid=2\n"));
     }
 
     /// A holder killed and never collected by its parent (here: this test, until it
