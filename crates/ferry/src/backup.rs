@@ -532,6 +532,20 @@ fn start_or_resume(
     target: &str,
 ) -> Result<Option<Arc<SnapshotWriter>>> {
     let found = repo.checkpoint(name);
+    // A checkpoint that the disk's latest snapshot supersedes (its backup stored the
+    // snapshot and was stopped before removing it) holds nothing to resume: discarded,
+    // with a notice, by the plain backup below once it holds the disk's lock.
+    let found = match found {
+        Ok(Some(ck)) => match repo.snapshots().ok().and_then(|all| ck.superseded_by(&all).map(|s| s.id.clone())) {
+            Some(by) => {
+                let plain = SnapshotWriter::start(repo.clone(), opts)
+                    .with_context(|| format!("cannot back up into {target}"))?;
+                return discard_superseded(repo, plain, &ck, &by, resume, name, target);
+            }
+            None => Ok(Some(ck)),
+        },
+        other => other,
+    };
     if resume {
         match found {
             Err(e) => {
@@ -550,7 +564,7 @@ fn start_or_resume(
                 if !differs.is_empty() {
                     bail!(
                         "the interrupted backup of {target} cannot be resumed: {}; back up without --resume (which \
-                         discards it and reads everything again)",
+                         discards it, and reads again what it had read)",
                         differs.join("; ")
                     );
                 }
@@ -578,6 +592,34 @@ fn start_or_resume(
             repo.discard_checkpoint(name).with_context(|| format!("cannot discard the checkpoint of {target}"))?;
         }
     }
+    Ok(Some(writer))
+}
+
+/// Removes `ck`, the checkpoint of `name` that snapshot `by` supersedes, holding the
+/// disk's lock (`writer`'s), and says so; `None` (try again) if another backup changed
+/// the checkpoint while this one waited for the lock.
+fn discard_superseded(
+    repo: &Arc<ferry_repo::Repository>,
+    writer: Arc<SnapshotWriter>,
+    ck: &ferry_repo::CheckpointInfo,
+    by: &str,
+    resume: bool,
+    name: &str,
+    target: &str,
+) -> Result<Option<Arc<SnapshotWriter>>> {
+    match repo.checkpoint(name) {
+        Ok(Some(now)) if now.checkpoint == ck.checkpoint => {}
+        Ok(None) => {}
+        _ => return Ok(None),
+    }
+    log::info!(
+        "discarding the checkpoint of {target} since {}: its backup stored snapshot {} and stopped before removing \
+         it, so there is nothing to resume{}",
+        ck.checkpoint.time,
+        short_id(by),
+        if resume { "; backing up without resuming" } else { "" }
+    );
+    repo.discard_checkpoint(name).with_context(|| format!("cannot discard the checkpoint of {target}"))?;
     Ok(Some(writer))
 }
 

@@ -308,12 +308,12 @@ fn list(a: ListArgs) -> Result<i32> {
     }
     let repo = a.common.open()?;
     // A manifest that cannot be read is named, and the others listed.
-    let (snaps, bad) = repo.snapshots_lenient().with_context(|| format!("listing {}", a.common.repo))?;
+    let (all, bad) = repo.snapshots_lenient().with_context(|| format!("listing {}", a.common.repo))?;
     for (object, e) in &bad {
         eprintln!("unreadable snapshot {object} (of an unknown disk): {}; `ferry repo check` reports it", e.reason());
     }
     let snaps: Vec<&SnapshotInfo> =
-        snaps.iter().filter(|s| a.name.as_ref().is_none_or(|n| *n == s.manifest.name)).collect();
+        all.iter().filter(|s| a.name.as_ref().is_none_or(|n| *n == s.manifest.name)).collect();
     if a.json {
         let v: Vec<serde_json::Value> = snaps.iter().map(|s| snapshot_json(s)).collect();
         println!("{}", serde_json::to_string_pretty(&v)?);
@@ -332,13 +332,23 @@ fn list(a: ListArgs) -> Result<i32> {
     if let Ok((cks, bad)) = repo.checkpoints_lenient() {
         for c in cks.iter().filter(|c| a.name.as_ref().is_none_or(|n| *n == c.checkpoint.name)) {
             let ck = &c.checkpoint;
-            eprintln!(
-                "interrupted backup of {} since {}: {} of {} stored (`ferry backup --resume` continues it)",
-                ck.name,
-                shown_time(&ck.time),
-                human(ck.done_bytes()),
-                human(ck.size)
-            );
+            match c.superseded_by(&all) {
+                Some(by) => eprintln!(
+                    "leftover checkpoint of {} since {}: its backup stored snapshot {} (nothing to resume; the next \
+                     backup of {} removes it)",
+                    ck.name,
+                    shown_time(&ck.time),
+                    short_id(&by.id),
+                    ck.name
+                ),
+                None => eprintln!(
+                    "interrupted backup of {} since {}: {} of {} stored (`ferry backup --resume` continues it)",
+                    ck.name,
+                    shown_time(&ck.time),
+                    human(ck.done_bytes()),
+                    human(ck.size)
+                ),
+            }
         }
         for (object, e) in bad {
             eprintln!("unreadable checkpoint {object}: {e}");
@@ -385,14 +395,27 @@ fn print_report(repo: &str, r: &Report, read: bool) -> i32 {
         let mut hit: Vec<&str> = r.problems.iter().flat_map(|p| p.hits.iter().map(|h| h.0.as_str())).collect();
         hit.sort();
         hit.dedup();
+        // Checkpoints of interrupted backups are checked as snapshots, and counted apart.
+        let checkpoints = hit.iter().filter(|id| is_checkpoint(id)).count();
         println!(
-            "{repo}: {} damaged object(s), {} of {} snapshots affected; {what}",
+            "{repo}: {} damaged object(s), {} of {} snapshots affected{}; {what}",
             r.problems.len(),
-            hit.len(),
-            r.snapshots
+            hit.len() - checkpoints,
+            r.snapshots,
+            match checkpoints {
+                0 => String::new(),
+                1 => ", and 1 interrupted backup".into(),
+                n => format!(", and {n} interrupted backups"),
+            }
         );
         1
     }
+}
+
+/// Whether a problem's hit is a checkpoint's (its id the object, `checkpoints/TAG`)
+/// rather than a snapshot's.
+fn is_checkpoint(id: &str) -> bool {
+    id.starts_with("checkpoints/")
 }
 
 /// Ranges listed per snapshot before the rest is only counted.
@@ -414,7 +437,11 @@ fn print_problem(p: &Problem) {
     for (id, name) in snaps {
         let ranges: Vec<(u64, u64)> = p.hits.iter().filter(|h| h.0 == id).map(|h| (h.2, h.3)).collect();
         let bytes: u64 = ranges.iter().map(|r| r.1).sum();
-        let mut line = format!("  snapshot {} of {name}: {} in {} range(s):", short_id(id), human(bytes), ranges.len());
+        let what = match is_checkpoint(id) {
+            true => format!("the interrupted backup of {name} ({id})"),
+            false => format!("snapshot {} of {name}", short_id(id)),
+        };
+        let mut line = format!("  {what}: {} in {} range(s):", human(bytes), ranges.len());
         for (o, l) in ranges.iter().take(RANGES_SHOWN) {
             line.push_str(&format!(" {o}+{l}"));
         }

@@ -34,6 +34,21 @@ impl Report {
         self.problems.push(Problem { object: object.into(), why: why.into(), hits: Vec::new() });
         self.problems.len() - 1
     }
+
+    /// A problem of `object`, added to the one found for it already if there is one
+    /// (verify reading a pack that check's walk named: one entry per object).
+    fn problem_once(&mut self, object: String, why: String) -> usize {
+        match self.problems.iter().position(|p| p.object == object) {
+            Some(i) => {
+                let p = &mut self.problems[i];
+                if !p.why.contains(&why) {
+                    p.why = format!("{}; {why}", p.why);
+                }
+                i
+            }
+            None => self.problem(object, why),
+        }
+    }
 }
 
 /// What check learned, for verify to go on from.
@@ -141,12 +156,22 @@ fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
         r.problem(name, format!("{}; `ferry backup` without --resume discards it", e.reason()));
     }
     for c in &checkpoints {
-        r.notes.push(format!(
-            "an interrupted backup of {} ({} of {} bytes stored) can be resumed (`ferry backup --resume`)",
-            c.checkpoint.name,
-            c.checkpoint.done_bytes(),
-            c.checkpoint.size
-        ));
+        r.notes.push(match c.superseded_by(&snaps) {
+            Some(by) => format!(
+                "{} is a leftover checkpoint of {}: its backup stored snapshot {} (nothing to resume; the next \
+                 backup of {} removes it)",
+                c.object,
+                c.checkpoint.name,
+                by.id.get(..8).unwrap_or(&by.id),
+                c.checkpoint.name
+            ),
+            None => format!(
+                "an interrupted backup of {} ({} of {} bytes stored) can be resumed (`ferry backup --resume`)",
+                c.checkpoint.name,
+                c.checkpoint.done_bytes(),
+                c.checkpoint.size
+            ),
+        });
     }
     let mut snaps = snaps;
     snaps.extend(checkpoints.iter().map(|c| c.as_snapshot()));
@@ -449,7 +474,7 @@ pub fn verify(repo: &Repository, opts: &VerifyOptions) -> Result<Report> {
             }
             why.push_str(&format!("{} blob(s) damaged (first: {})", c.bad_blobs.len(), c.bad_blobs[0].1));
         }
-        let p = r.problem(pack_name(pack), why);
+        let p = r.problem_once(pack_name(pack), why);
         for (id, _) in c.bad_blobs {
             bad_copies.entry(id).or_default().push((*pack, p));
         }

@@ -229,6 +229,8 @@ pub struct SnapshotWriter {
     failed: Mutex<Option<String>>,
     committed: AtomicBool,
     lock: Mutex<Option<LockGuard>>,
+    /// Set once the lock is found gone ([`LockGuard::lost_flag`]): writes then fail.
+    lock_lost: Arc<AtomicBool>,
 }
 
 fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -511,6 +513,7 @@ impl SnapshotWriter {
             counters: Counters::default(),
             failed: Mutex::new(None),
             committed: AtomicBool::new(false),
+            lock_lost: guard.lost_flag(),
             lock: Mutex::new(Some(guard)),
             repo,
         })
@@ -782,6 +785,9 @@ impl SnapshotWriter {
         if self.committed.load(Ordering::Relaxed) {
             return Err(Error::Invalid("the backup is already committed".into()));
         }
+        if self.lock_lost.load(Ordering::Relaxed) {
+            self.check_lock()?;
+        }
         let end = offset + length;
         let mut pos = offset;
         while pos < end {
@@ -812,6 +818,22 @@ impl SnapshotWriter {
             }
         }
         Ok(())
+    }
+
+    /// Fails once this backup's lock is gone (FORMAT.md §8): a process that took it for
+    /// stale may have run gc, which deletes the packs of this backup that no index object
+    /// lists yet as orphans, so an index object or a checkpoint stored now could name
+    /// packs that are gone. Checked before each index object, checkpoint and manifest;
+    /// once it failed, every later write, checkpoint and the commit fail too.
+    fn check_lock(&self) -> Result<()> {
+        let Some(g) = locked(&self.lock).as_ref().map(|g| g.check()) else { return Ok(()) };
+        g.map_err(|e| match e {
+            // What it stored up to its last checkpoint is whole (gc kept it).
+            Error::Locked(why) if self.checkpoint_every.is_some() => Error::Locked(format!(
+                "{why} (`ferry backup --resume` continues from its last checkpoint, if it stored one)"
+            )),
+            e => e,
+        })
     }
 
     fn fail(&self, op: &'static str, offset: u64, length: u64, e: Error) -> ferry_backend::Error {
@@ -887,6 +909,9 @@ impl SnapshotWriter {
         if self.committed.swap(true, Ordering::SeqCst) {
             return Err(Error::Invalid("this backup is already committed".into()));
         }
+        if self.lock_lost.load(Ordering::SeqCst) {
+            self.check_lock()?;
+        }
         if let Some(why) = locked(&self.failed).clone() {
             return Err(Error::Invalid(format!(
                 "a write to the backup failed ({why}), so the snapshot would not be whole; nothing was committed: \
@@ -926,6 +951,7 @@ impl SnapshotWriter {
         self.refuse_lost(&st, &pages)?;
         self.close_pack(true)?;
         // One index object for every pack of this backup since its last checkpoint.
+        self.check_lock()?;
         self.store_index()?;
         let blkhash = (self.cs == 65536).then(|| format::hex(&blkhash_of(&st.entries, self.size, self.cs as u32)));
         drop(st);
@@ -1050,28 +1076,39 @@ impl SnapshotWriter {
         self.checkpoint_locked()
     }
 
-    /// A checkpoint if one is due and none is running (from the write path).
-    fn maybe_checkpoint(&self) {
-        let Some(every) = self.checkpoint_every else { return };
+    /// A checkpoint if one is due and none is running (from the write path). A failed
+    /// one is only warned about (the backup goes on), unless the lock is gone: then the
+    /// backup stops, with that error.
+    fn maybe_checkpoint(&self) -> Result<()> {
+        let Some(every) = self.checkpoint_every else { return Ok(()) };
         if self.committed.load(Ordering::Relaxed) || locked(&self.last_checkpoint).elapsed() < every {
-            return;
+            return Ok(());
         }
-        let Ok(_one) = self.checkpointing.try_lock() else { return };
+        let Ok(_one) = self.checkpointing.try_lock() else { return Ok(()) };
         if self.committed.load(Ordering::Relaxed) || locked(&self.last_checkpoint).elapsed() < every {
-            return;
+            return Ok(());
         }
-        if let Err(e) = self.checkpoint_locked() {
-            log::warn!(
-                "no checkpoint of the backup of {} (it goes on, but cannot be resumed from here): {e}",
-                self.name
-            );
-        }
+        let r = self.checkpoint_locked();
         *locked(&self.last_checkpoint) = Instant::now();
+        match r {
+            Err(e) if self.lock_lost.load(Ordering::SeqCst) => Err(e),
+            Err(e) => {
+                log::warn!(
+                    "no checkpoint of the backup of {} (it goes on, but cannot be resumed from here): {e}",
+                    self.name
+                );
+                Ok(())
+            }
+            Ok(()) => Ok(()),
+        }
     }
 
     fn checkpoint_locked(&self) -> Result<()> {
         if self.committed.load(Ordering::SeqCst) {
             return Err(Error::Invalid("the backup is already committed".into()));
+        }
+        if self.lock_lost.load(Ordering::SeqCst) {
+            self.check_lock()?;
         }
         let failed =
             || locked(&self.failed).clone().map(|why| Error::Invalid(format!("a write to the backup failed ({why})")));
@@ -1122,6 +1159,7 @@ impl SnapshotWriter {
         if let Some(why) = locked(&self.failed).clone() {
             return Err(Error::Invalid(format!("a write to the backup failed ({why})")));
         }
+        self.check_lock()?;
         self.store_index()?;
         let ck = Checkpoint {
             version: format::VERSION,
@@ -1146,6 +1184,7 @@ impl SnapshotWriter {
             )));
         }
         let object = self.repo.checkpoint_object(&self.name);
+        self.check_lock()?;
         self.repo
             .store
             .put(&object, &sealed)
@@ -1224,7 +1263,7 @@ pub fn checkpoint_mismatch(ck: &Checkpoint, opts: &BackupOptions) -> Vec<String>
         v.push(format!("it continued {}, this backup {}", show(ck.base.as_deref()), show(base)));
     }
     if ck.changes != opts.changes {
-        v.push(format!("it read {:?}, this backup {:?}", ck.changes, opts.changes));
+        v.push(format!("it read {}, this backup {}", read_what(&ck.changes), read_what(&opts.changes)));
     }
     if ck.identity != opts.identity {
         v.push(format!("the source was {:?} and is {:?} now", ck.identity, opts.identity));
@@ -1265,6 +1304,15 @@ fn lost_runs(repo: &Repository, index: &Index, state: &State) -> Vec<[u64; 2]> {
         push_run(&mut runs, ci, 1);
     }
     runs
+}
+
+/// What a backup with these changes reads, for messages.
+fn read_what(c: &Changes) -> String {
+    match c {
+        Changes::Full => "the whole disk".into(),
+        Changes::DirtyBitmap { bitmap } => format!("the ranges of the dirty bitmap {bitmap:?}"),
+        Changes::ExtentsFrom { file } => format!("the ranges listed in {file:?}"),
+    }
 }
 
 /// Adds `r` to sorted, merged ranges.
@@ -1313,9 +1361,10 @@ impl Backend for SnapshotWriter {
         })
     }
     fn write(&self, buf: &[u8], offset: u64, _fua: bool) -> ferry_backend::Result<()> {
-        self.apply(offset, buf.len() as u64, Some(buf)).map_err(|e| self.fail("write", offset, buf.len() as u64, e))?;
-        self.maybe_checkpoint();
-        Ok(())
+        let len = buf.len() as u64;
+        self.apply(offset, len, Some(buf))
+            .and_then(|()| self.maybe_checkpoint())
+            .map_err(|e| self.fail("write", offset, len, e))
     }
     /// Nothing is durable before [`SnapshotWriter::commit`]: a backup is whole or absent.
     fn flush(&self) -> ferry_backend::Result<()> {
@@ -1323,13 +1372,13 @@ impl Backend for SnapshotWriter {
     }
     /// The range reads as zeroes in the snapshot (zero entries where it covers chunks).
     fn trim(&self, offset: u64, length: u64, _fua: bool) -> ferry_backend::Result<()> {
-        self.apply(offset, length, None).map_err(|e| self.fail("trim", offset, length, e))?;
-        self.maybe_checkpoint();
-        Ok(())
+        self.apply(offset, length, None)
+            .and_then(|()| self.maybe_checkpoint())
+            .map_err(|e| self.fail("trim", offset, length, e))
     }
     fn zero(&self, offset: u64, length: u64, _mode: ZeroMode, _fua: bool) -> ferry_backend::Result<()> {
-        self.apply(offset, length, None).map_err(|e| self.fail("zero", offset, length, e))?;
-        self.maybe_checkpoint();
-        Ok(())
+        self.apply(offset, length, None)
+            .and_then(|()| self.maybe_checkpoint())
+            .map_err(|e| self.fail("zero", offset, length, e))
     }
 }
