@@ -133,6 +133,7 @@ mod checkpoint;
 pub mod crypto;
 mod diff;
 pub mod format;
+pub mod keys;
 pub mod lock;
 pub mod maint;
 mod memory;

@@ -8,6 +8,7 @@ use crate::{lock, BackupOptions, Error, InitOptions, Repository, SnapshotImage, 
 use ferry_backend::{Backend, ZeroMode, HOLE};
 use std::sync::{Arc, Mutex};
 
+mod keys;
 mod resume;
 
 const K: usize = 1024;
@@ -20,6 +21,7 @@ fn new_repo(encrypt: bool) -> (Arc<MemStore>, Arc<Repository>) {
         page_entries: 16,
         encrypt: encrypt
             .then(|| (crate::Passphrase::new(b"secret words".to_vec()), KdfCost { m_kib: 8192, t: 1, p: 1 })),
+        ..InitOptions::default()
     };
     let repo = Repository::init(store.clone(), &opts).unwrap();
     (store, Arc::new(repo))
