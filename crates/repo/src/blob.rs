@@ -377,6 +377,24 @@ mod throughput {
                     aes.seal_into(b"ferry blob ", c, &mut out);
                 }
             });
+            // Format version 1 (one key) against 2 (a key per blob: FORMAT.md §4a), the same blobs.
+            let ids: Vec<Digest> = chunks.iter().map(|c| digest(c)).collect();
+            for version in [1, 2] {
+                let c = crate::crypto::fixed_for_fuzzing(version);
+                rate(&format!("blob seal, format {version}, {name}"), data.len(), || {
+                    for (chunk, id) in chunks.iter().zip(&ids) {
+                        out.clear();
+                        c.seal_into(&aad(BlobKind::Data, id), chunk, &mut out);
+                    }
+                });
+                let sealed: Vec<Vec<u8>> =
+                    chunks.iter().zip(&ids).map(|(chunk, id)| c.seal(&aad(BlobKind::Data, id), chunk)).collect();
+                rate(&format!("blob open, format {version}, {name}"), data.len(), || {
+                    for (s, id) in sealed.iter().zip(&ids) {
+                        c.open(&aad(BlobKind::Data, id), s).unwrap();
+                    }
+                });
+            }
             let sealed: Vec<Vec<u8>> = chunks.iter().map(|c| aes.seal(b"a", c)).collect();
             rate(&format!("AES-256-GCM open, {name}"), data.len(), || {
                 for s in &sealed {

@@ -993,6 +993,34 @@ mod tests {
         assert!(Config::parse(&big).unwrap_err().0.contains("at most 65536"));
     }
 
+    #[test]
+    fn key_objects_round_trip_and_are_checked() {
+        let e = encryption();
+        let k = KeyObject { created: "2026-11-28T09:00:00Z".into(), host: "backup-1".into(), kdf: e.kdf, key: e.key };
+        assert_eq!(KeyObject::parse(&k.to_bytes()).unwrap(), k);
+        let bad = |f: &dyn Fn(&mut KeyObject), what: &str| {
+            let mut b = k.clone();
+            f(&mut b);
+            let e = KeyObject::parse(&b.to_bytes()).unwrap_err();
+            assert!(e.0.contains(what), "{e}");
+        };
+        bad(&|k| k.created = "now".into(), "RFC 3339");
+        bad(&|k| k.host = "a\nb".into(), "host");
+        bad(&|k| k.host = "h".repeat(256), "host");
+        bad(&|k| k.kdf.m_kib = 1, "KDF memory");
+        bad(&|k| k.kdf.name = "scrypt".into(), "KDF is");
+        bad(&|k| k.key.push('0'), "wrapped key");
+        let mut big = k.to_bytes();
+        big.truncate(big.len() - 2);
+        big.extend(std::iter::repeat_n(b' ', MAX_KEY_OBJECT as usize));
+        big.extend(b"}\n");
+        assert!(KeyObject::parse(&big).unwrap_err().0.contains("at most 4096"));
+        assert!(is_key_object_name("keys/0123456789abcdef"));
+        for n in ["keys/0123456789abcde", "keys/0123456789ABCDEF", "keys/0123456789abcdef0", "key/0123456789abcdef"] {
+            assert!(!is_key_object_name(n), "{n}");
+        }
+    }
+
     fn entry(n: u8, kind: BlobKind, offset: u32, stored_len: u32, plain_len: u32) -> BlobEntry {
         BlobEntry { id: [n; 32], kind, offset, stored_len, plain_len }
     }
@@ -1286,6 +1314,8 @@ mod tests {
         let c = Config::parse(&seed("config.json")).unwrap();
         assert!(c.encryption.is_none());
         assert!(Config::parse(&seed("config-encrypted.json")).unwrap().encryption.is_some());
+        assert_eq!(Config::parse(&seed("config-v2-encrypted.json")).unwrap().version, 2);
+        KeyObject::parse(&seed("key.json")).unwrap();
         Manifest::parse(&seed("manifest.json"), &L).unwrap();
         Lock::parse(&seed("lock.json")).unwrap();
         Checkpoint::parse(&seed("checkpoint.json"), &L).unwrap();
@@ -1317,6 +1347,11 @@ mod tests {
             hex(&[7; 32]).into_bytes(),
         ];
         seeds.push(Config { encryption: Some(encryption()), ..config() }.to_bytes());
+        seeds.push(Config { encryption: Some(encryption()), version: 2, ..config() }.to_bytes());
+        let e = encryption();
+        seeds.push(
+            KeyObject { created: "2026-11-28T09:00:00Z".into(), host: "h".into(), kdf: e.kdf, key: e.key }.to_bytes(),
+        );
         for s in &seeds {
             for n in 0..s.len().min(300) {
                 fuzz(&s[..n]);
