@@ -681,6 +681,47 @@ mod tests {
         assert!(matches!(e, CryptoError::TooCostly(_)), "{e}");
     }
 
+    /// What a version 2 object key costs (one HMAC-SHA256, one AES-256-GCM key setup),
+    /// against sealing the 64 KiB chunk it is for: `cargo test --release -p ferry-repo --lib
+    /// object_key_cost -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn object_key_cost() {
+        let Crypto::Aes(k) = fixed_for_fuzzing(2) else { unreachable!() };
+        let aad = crate::blob::aad(format::BlobKind::Data, &[9; 32]);
+        let n = 200_000;
+        let best = |f: &dyn Fn()| {
+            (0..3)
+                .map(|_| {
+                    let t = std::time::Instant::now();
+                    f();
+                    t.elapsed().as_secs_f64()
+                })
+                .fold(f64::MAX, f64::min)
+        };
+        let derive = best(&|| {
+            for _ in 0..n {
+                std::hint::black_box(k.cipher(&aad));
+            }
+        }) / n as f64;
+        let chunk = vec![0x5au8; 65536];
+        let seal = best(&|| {
+            let mut out = Vec::with_capacity(70000);
+            for _ in 0..2000 {
+                out.clear();
+                out.extend_from_slice(&[0; NONCE]);
+                out.extend_from_slice(&chunk);
+                seal_tail(&k.cipher, &aad, &mut out, 0);
+            }
+        }) / 2000.0;
+        println!(
+            "object key: {:.2} us; sealing 64 KiB under one key: {:.2} us ({:.1}% more)",
+            derive * 1e6,
+            seal * 1e6,
+            derive / seal * 100.0
+        );
+    }
+
     #[test]
     fn random_bytes_differ() {
         assert_ne!(random::<32>(), random::<32>());

@@ -22,7 +22,7 @@ pub const MAX_ADDED_KEYS: usize = format::MAX_KEY_OBJECTS / 2;
 pub struct KeyInfo {
     /// [`CONFIG_KEY`] or the key object's 16 hex digits.
     pub id: String,
-    /// When it was made (the config's: when the repository was made, or last changed).
+    /// When it was made (the config's: when the repository was made).
     pub created: String,
     /// The host that made it (empty for the config's key, which does not record it).
     pub host: String,
@@ -301,8 +301,10 @@ impl Repository {
             self.store.delete(&name).map_err(|e| Error::store(format!("cannot remove {name}"), e))?;
             return Ok(format!("removed key {id}"));
         }
-        // The config always holds a key: another key's copy moves into it.
-        let Some(next) = keys.iter().find(|k| k.id != CONFIG_KEY && k.damaged.is_none()) else {
+        // The config always holds a key: another key's copy moves into it, the one the
+        // passphrase given opened where that is one (known to hold this master key).
+        let mut others = keys.iter().filter(|k| k.id != CONFIG_KEY && k.damaged.is_none());
+        let Some(next) = keys.iter().find(|k| k.in_use && k.id != CONFIG_KEY).or_else(|| others.next()) else {
             return Err(Error::Invalid(format!("no other key of {describe} can take the config's place")));
         };
         let name = object_name(&next.id);

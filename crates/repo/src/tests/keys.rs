@@ -78,11 +78,18 @@ fn passphrases_are_added_changed_and_removed_without_touching_the_data() {
     let e = r4.remove_key(CONFIG_KEY, false).unwrap_err();
     assert!(e.to_string().contains("--in-use"), "{e}");
     assert!(matches!(r4.remove_key("0123456789abcdef", true), Err(Error::NotFound(_))));
-    let done = r4.remove_key(CONFIG_KEY, true).unwrap();
+    // Removing the config's key moves the key the passphrase given opened into the config
+    // (known to hold this master key), whichever key objects there are.
+    let fifth = r4.add_key(b"fifth", CHEAP, KdfLimit::Default).unwrap();
+    let by_third = open(store.clone(), "third").unwrap();
+    let done = by_third.remove_key(CONFIG_KEY, false).unwrap();
     assert!(done.contains(&third), "{done}");
     assert_eq!(opens(&store, "fourth"), None);
-    // The key object moved into the config.
     assert_eq!(opens(&store, "third").as_deref(), Some(CONFIG_KEY));
+    assert_eq!(opens(&store, "fifth"), Some(fifth.clone()));
+    let by_third = open(store.clone(), "third").unwrap();
+    by_third.remove_key(&fifth, false).unwrap();
+    assert_eq!(opens(&store, "fifth"), None);
     assert!(objects(&mem, "keys/").is_empty());
     let r3 = Arc::new(open(store.clone(), "third").unwrap());
     for in_use in [false, true] {
