@@ -172,6 +172,8 @@ fn each_format_version_is_read_and_written_in_its_own_version() {
         assert_eq!(config_version(&repo), version);
         restores(&repo, "pw2", &data, &t.path().join("out.raw"));
         run_ok(&mut with_pw("pw2", &["repo", "verify", s(&repo)]));
+        let info = run_ok(&mut with_pw("pw2", &["info", &target])).stdout;
+        assert!(info.contains(&format!("(encrypted, format version {version},")), "{info}");
     }
     let t = tempfile::tempdir().unwrap();
     let out = run_fails(&mut ferry_cmd(&["repo", "init", "--format-version", "3", s(&t.path().join("r"))]));
