@@ -103,7 +103,7 @@ pub struct Keys {
 }
 
 /// The label before an object's additional data in its key's derivation (version 2,
-/// FORMAT.md §4): `key = HMAC-SHA256(enc_key, label || aad)`.
+/// FORMAT.md §4a): `key = HMAC-SHA256(enc_key, label || aad)`.
 const OBJECT_KEY_LABEL: &[u8] = b"ferry-repository 2 object key\0";
 
 /// The AES-256-GCM an object is sealed with: the master cipher, or one keyed for it.
@@ -138,14 +138,15 @@ impl Keys {
     /// The cipher of an object whose additional data is `aad`: the master cipher
     /// (version 1), or AES-256-GCM keyed by HMAC-SHA256(enc_key, label || aad)
     /// (version 2). A blob's `aad` holds its id, so each blob has its own key; the other
-    /// objects' `aad` is one per kind of object (FORMAT.md §4 gives the bounds).
+    /// objects' `aad` is one per kind of object (FORMAT.md §4a gives the bounds).
     fn cipher(&self, aad: &[u8]) -> ObjectCipher<'_> {
         let Some(mac) = &self.object_keys else { return ObjectCipher::Master(&self.cipher) };
         let mut m = mac.clone();
         m.update(OBJECT_KEY_LABEL);
         m.update(aad);
         let mut key = Zeroizing::new([0u8; 32]);
-        key.copy_from_slice(&m.finalize().into_bytes());
+        // Copied from the MAC's output, which is zeroed when dropped: no other copy is left.
+        key.copy_from_slice(m.finalize().as_bytes());
         ObjectCipher::Own(Box::new(aes_cipher(&key)))
     }
     fn hmac(&self, data: &[u8]) -> Digest {
