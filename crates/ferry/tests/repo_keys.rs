@@ -4,7 +4,8 @@
 //!   command line; the one in use and the last one are not removed by accident; the data
 //!   reads with whichever passphrase is left.
 //! * Format versions: `init` makes version 2 (a key per object), `--format-version 1`
-//!   still makes version 1, and each is read and written in its own version.
+//!   still makes version 1, and each is read and written in its own version; a repository
+//!   that an earlier ferry made (tests/data/repo-v1) is read, written and re-keyed.
 //! * A hostile `config` asking for a huge key derivation is refused before it runs, saying
 //!   how to lift the bound; `FERRY_KDF_LIMIT=off` lifts it.
 
@@ -213,4 +214,49 @@ fn a_hostile_kdf_cost_is_refused_before_it_runs() {
     let out = run_fails(&mut with_pw("pw", &["repo", "init", "--encrypt", "--kdf-memory", "2G", s(&other)]));
     assert!(out.stderr.contains("FERRY_KDF_LIMIT=off"), "{}", out.describe());
     assert!(!other.join("config").exists());
+}
+
+/// The disk that tests/data/repo-v1 holds as `vm`: 512 KiB, byte i = (7i + i / 65536) % 251.
+fn fixture_disk() -> Vec<u8> {
+    (0..512 * 1024usize).map(|i| ((i * 7 + i / 65536) % 251) as u8).collect()
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    fs::create_dir_all(to).unwrap();
+    for e in fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &to.join(e.file_name()));
+        } else {
+            fs::copy(e.path(), to.join(e.file_name())).unwrap();
+        }
+    }
+}
+
+/// tests/data/repo-v1 was made by ferry 0.1.0 before format version 2 (`ferry repo init
+/// --encrypt --kdf-memory 8M` and one backup of [`fixture_disk`], passphrase `fixture-pw`).
+#[test]
+fn a_repository_of_an_earlier_ferry_is_read_written_and_rekeyed_in_its_version() {
+    let t = tempfile::tempdir().unwrap();
+    let repo = t.path().join("repo");
+    copy_dir(&Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/repo-v1"), &repo);
+    assert_eq!(config_version(&repo), 1);
+    let mut data = fixture_disk();
+    restores(&repo, "fixture-pw", &data, &t.path().join("out.raw"));
+    // A backup into it, a new passphrase, another one added, gc: still version 1, whole.
+    data[100_000..200_000].fill(0x42);
+    let disk = t.path().join("disk.raw");
+    fs::write(&disk, &data).unwrap();
+    run_ok(&mut with_pw("fixture-pw", &["backup", "-q", s(&disk), &format!("{}::vm", repo.display())]));
+    let mut c = with_pw("fixture-pw", &["repo", "key", "passwd", s(&repo), "--kdf-memory", "8M"]);
+    run_ok(c.env("FERRY_NEW_PASSWORD", "changed"));
+    let mut c = with_pw("changed", &["repo", "key", "add", s(&repo), "--kdf-memory", "8M"]);
+    run_ok(c.env("FERRY_NEW_PASSWORD", "added"));
+    run_ok(&mut with_pw("added", &["repo", "gc", s(&repo)]));
+    assert_eq!(config_version(&repo), 1);
+    assert!(!opens(&repo, "fixture-pw"));
+    restores(&repo, "changed", &data, &t.path().join("out.raw"));
+    restores(&repo, "added", &data, &t.path().join("out.raw"));
+    let out = run_ok(&mut with_pw("added", &["repo", "verify", s(&repo)]));
+    assert!(out.stdout.contains("no damage found: 2 snapshots"), "{}", out.describe());
 }
