@@ -557,6 +557,7 @@ fn snapshot_info(args: &InfoArgs, repo_spec: &str, name: &str, id: Option<&str>)
         "name": m.name,
         "repository": repo_spec,
         "encrypted": cfg.encryption.is_some(),
+        "format-version": cfg.version,
         "chunk-size": cfg.chunk_size,
         "virtual-size": m.size,
         "time": m.time,
@@ -575,8 +576,9 @@ fn snapshot_info(args: &InfoArgs, repo_spec: &str, name: &str, id: Option<&str>)
     println!("snapshot: {}", snap.id);
     println!("disk: {}", m.name);
     println!(
-        "repository: {repo_spec} ({}, chunks of {} bytes)",
+        "repository: {repo_spec} ({}, format version {}, chunks of {} bytes)",
         if cfg.encryption.is_some() { "encrypted" } else { "not encrypted" },
+        cfg.version,
         cfg.chunk_size
     );
     println!("virtual size: {} bytes", m.size);

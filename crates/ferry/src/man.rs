@@ -180,19 +180,27 @@ fn options_and_commands(cmd: &clap::Command, m: &Man, top: bool) -> Result<Strin
     // `ferry repo`, `ferry bench`: each subcommand on this page, with its synopsis and
     // options, the global ones (-v, -q, -h: see OPTIONS above) left out.
     out += ".SH COMMANDS\n";
+    commands(cmd, &mut out)?;
+    Ok(out)
+}
+
+/// Each subcommand of `cmd` with its synopsis and options, and those of its own
+/// subcommands after it (`ferry repo key list`).
+fn commands(cmd: &clap::Command, out: &mut String) -> Result<()> {
     for sub in visible(cmd) {
         let sub = without_globals(sub);
         let sm = man(&sub, sub.get_name());
         let bin = sub.get_bin_name().unwrap_or(sub.get_name()).to_string();
-        out += &format!(".SS \"{bin}\"\n");
-        out += &body(&render(|w| sm.render_description_section(w))?);
-        out += ".PP\n";
-        out += &synopsis(&sub);
+        *out += &format!(".SS \"{bin}\"\n");
+        *out += &body(&render(|w| sm.render_description_section(w))?);
+        *out += ".PP\n";
+        *out += &synopsis(&sub);
         if sub.get_arguments().any(|a| !a.is_hide_set()) {
-            out += &tidy(body(&render(|w| sm.render_options_section(w))?));
+            *out += &tidy(body(&render(|w| sm.render_options_section(w))?));
         }
+        commands(&sub, out)?;
     }
-    Ok(out)
+    Ok(())
 }
 
 /// A `--help` text of paragraphs and `  TERM  DESCRIPTION` lines (indented further:

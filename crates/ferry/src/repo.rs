@@ -1,4 +1,4 @@
-//! `ferry repo init|list|check|verify|forget|gc|stats`: backup repositories
+//! `ferry repo init|list|check|verify|forget|gc|stats|key`: backup repositories
 //! (crates/repo, its format in crates/repo/FORMAT.md).
 
 use anyhow::{bail, Context, Result};
@@ -37,6 +37,8 @@ enum RepoCommand {
     Gc(GcArgs),
     /// Sizes: logical, deduplicated, compressed, stored.
     Stats(StatsArgs),
+    /// The passphrases of an encrypted repository: list, add, passwd (change), remove.
+    Key(crate::repo_key::KeyArgs),
 }
 
 #[derive(Args, Debug)]
@@ -73,6 +75,12 @@ struct InitArgs {
     /// Memory the key derivation takes (Argon2id's m), with --encrypt.
     #[arg(long, default_value = "64M", value_name = "BYTES")]
     kdf_memory: String,
+    /// The repository format version: 2, or 1 for a repository that ferry versions
+    /// reading version 1 only can use too (it seals every encrypted object under one key,
+    /// safe for about 256 TiB ever written: FORMAT.md §4a).
+    #[arg(long, default_value_t = ferry_repo::format::CONFIG_VERSION, value_name = "N",
+          value_parser = clap::value_parser!(u32).range(1..=2))]
+    format_version: u32,
 }
 
 #[derive(Args, Debug)]
@@ -166,6 +174,7 @@ pub fn run(args: RepoArgs) -> Result<i32> {
             Ok(print_report(&a.common.repo, &r, true))
         }
         RepoCommand::Forget(a) => forget(a),
+        RepoCommand::Key(a) => crate::repo_key::run(a),
         RepoCommand::Gc(a) => {
             let repo = a.common.open()?;
             let r = maint::gc_with(&repo, a.wait, a.repack).with_context(|| format!("gc of {}", a.common.repo))?;
@@ -218,12 +227,7 @@ fn init(a: InitArgs) -> Result<i32> {
                  FERRY_PASSWORD_FILE=FILE"
             );
         };
-        let mem = parse_size(&a.kdf_memory).context("--kdf-memory")?;
-        if !(8 << 20..=4 << 30).contains(&mem) {
-            bail!("--kdf-memory must be from 8M to 4G");
-        }
-        let cost = ferry_repo::format::KdfCost { m_kib: (mem >> 10) as u32, ..ferry_repo::crypto::DEFAULT_KDF };
-        Some((p, cost))
+        Some((p, crate::repo_key::kdf_cost(&a.kdf_memory)?))
     } else {
         if c.password_file.is_some() {
             bail!("--password-file without --encrypt: add --encrypt to make an encrypted repository");
@@ -231,7 +235,14 @@ fn init(a: InitArgs) -> Result<i32> {
         None
     };
     let encrypted = encrypt.is_some();
-    let opts = InitOptions { chunk_size: chunk as u32, encrypt, ..InitOptions::default() };
+    let kdf_limit = ferry_open::repo::kdf_limit()?;
+    let opts = InitOptions {
+        chunk_size: chunk as u32,
+        encrypt,
+        kdf_limit,
+        version: a.format_version,
+        ..InitOptions::default()
+    };
     let store = ferry_open::repo::repo_store(&c.repo, &c.remote.remote(), true)?;
     Repository::init(store, &opts).with_context(|| format!("cannot make a repository at {}", c.repo))?;
     println!(

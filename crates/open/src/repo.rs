@@ -8,6 +8,7 @@
 
 use crate::Remote;
 use anyhow::{bail, Context, Result};
+use ferry_repo::crypto::KdfLimit;
 use ferry_repo::store::{DirStore, S3Store, Store};
 use ferry_repo::{Passphrase, Repository, SnapshotImage, SnapshotInfo};
 use std::path::Path;
@@ -91,7 +92,18 @@ fn first_line(file: &Path) -> Result<Passphrase> {
 /// says to prefer a file), and ferry clears it from the environment of the processes it
 /// starts.
 pub fn passphrase(password_file: Option<&Path>) -> Result<Option<Passphrase>> {
-    let given = (password_file, std::env::var_os("FERRY_PASSWORD"), std::env::var_os("FERRY_PASSWORD_FILE"));
+    passphrase_from(password_file, "FERRY_PASSWORD", "FERRY_PASSWORD_FILE")
+}
+
+/// A new passphrase for `ferry repo key add|passwd`, as [`passphrase`] reads the current
+/// one: `--new-password-file`, else `FERRY_NEW_PASSWORD`, else the first line of the file
+/// `FERRY_NEW_PASSWORD_FILE` names.
+pub fn new_passphrase(new_password_file: Option<&Path>) -> Result<Option<Passphrase>> {
+    passphrase_from(new_password_file, "FERRY_NEW_PASSWORD", "FERRY_NEW_PASSWORD_FILE")
+}
+
+fn passphrase_from(file: Option<&Path>, var: &str, file_var: &str) -> Result<Option<Passphrase>> {
+    let given = (file, std::env::var_os(var), std::env::var_os(file_var));
     if given != (None, None, None) {
         keep_out_of_core_dumps();
     }
@@ -123,17 +135,34 @@ pub fn keep_out_of_core_dumps() {
     }
 }
 
+/// Which key-derivation costs a repository may ask for: `FERRY_KDF_LIMIT=off` lifts the
+/// default bound ([`KdfLimit`]); unset (or `default`) keeps it.
+pub fn kdf_limit() -> Result<KdfLimit> {
+    kdf_limit_from(std::env::var("FERRY_KDF_LIMIT").ok().as_deref())
+}
+
+fn kdf_limit_from(var: Option<&str>) -> Result<KdfLimit> {
+    match var {
+        None | Some("" | "default") => Ok(KdfLimit::Default),
+        Some("off") => Ok(KdfLimit::Off),
+        Some(v) => bail!(
+            "FERRY_KDF_LIMIT={v:?}: give `off` to accept any key-derivation cost a repository asks for, or unset it"
+        ),
+    }
+}
+
 /// Opens the repository at `repo`, unlocking it with the passphrase given when it is
 /// encrypted.
 pub fn open_repository(repo: &str, remote: &Remote, password_file: Option<&Path>) -> Result<Arc<Repository>> {
     let store = repo_store(repo, remote, false)?;
+    let limit = kdf_limit()?;
     let given = passphrase(password_file)?;
     let ask = || -> ferry_repo::Result<Passphrase> {
         given.clone().ok_or_else(|| {
             ferry_repo::Error::Passphrase(format!("the repository {repo} is encrypted: {PASSPHRASE_HOW}"))
         })
     };
-    let r = Repository::open(store, &ask).with_context(|| format!("cannot open the repository {repo}"))?;
+    let r = Repository::open_with(store, &ask, limit).with_context(|| format!("cannot open the repository {repo}"))?;
     Ok(Arc::new(r))
 }
 
@@ -220,6 +249,15 @@ mod tests {
         };
         assert_eq!(&first_line(&fifo).unwrap()[..], b"from a pipe");
         w.join().unwrap();
+    }
+
+    #[test]
+    fn kdf_limit_from_the_environment() {
+        assert_eq!(kdf_limit_from(None).unwrap(), KdfLimit::Default);
+        assert_eq!(kdf_limit_from(Some("")).unwrap(), KdfLimit::Default);
+        assert_eq!(kdf_limit_from(Some("default")).unwrap(), KdfLimit::Default);
+        assert_eq!(kdf_limit_from(Some("off")).unwrap(), KdfLimit::Off);
+        assert!(kdf_limit_from(Some("1")).unwrap_err().to_string().contains("FERRY_KDF_LIMIT"));
     }
 
     #[test]

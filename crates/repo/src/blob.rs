@@ -160,12 +160,19 @@ pub fn decode_unchecked(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::crypto::new_key;
+    use crate::crypto::{new_key, KdfLimit, KeyContext};
     use crate::format::KdfCost;
     use crate::format::Limits;
 
     fn encrypted() -> Crypto {
-        new_key(b"pw", KdfCost { m_kib: 8192, t: 1, p: 1 }, "r", 65536, 256).unwrap().1
+        new_key(
+            b"pw",
+            KdfCost { m_kib: 8192, t: 1, p: 1 },
+            KdfLimit::Default,
+            KeyContext { version: 2, repo_id: "r", chunk_size: 65536, page_entries: 256 },
+        )
+        .unwrap()
+        .1
     }
 
     /// Deterministic bytes that do not compress.
@@ -321,7 +328,7 @@ mod tests {
 #[cfg(test)]
 mod throughput {
     use super::*;
-    use crate::crypto::new_key;
+    use crate::crypto::{new_key, KdfLimit, KeyContext};
     use crate::format::KdfCost;
     use std::time::Instant;
 
@@ -344,9 +351,22 @@ mod throughput {
         exe.truncate((exe.len().min(64 << 20)) & !0xffff);
         let mut random = vec![0u8; 32 << 20];
         getrandom::fill(&mut random).unwrap();
-        let aes = new_key(b"pw", KdfCost { m_kib: 8192, t: 1, p: 1 }, "r", 65536, 256).unwrap().1;
+        let aes = new_key(
+            b"pw",
+            KdfCost { m_kib: 8192, t: 1, p: 1 },
+            KdfLimit::Default,
+            KeyContext { version: 2, repo_id: "r", chunk_size: 65536, page_entries: 256 },
+        )
+        .unwrap()
+        .1;
         let t = Instant::now();
-        new_key(b"pw", crate::crypto::DEFAULT_KDF, "r", 65536, 256).unwrap();
+        new_key(
+            b"pw",
+            crate::crypto::DEFAULT_KDF,
+            KdfLimit::Default,
+            KeyContext { version: 2, repo_id: "r", chunk_size: 65536, page_entries: 256 },
+        )
+        .unwrap();
         println!("{:<44} {:>8.2} s", "Argon2id at the default cost (64 MiB, t=3, p=4)", t.elapsed().as_secs_f64());
         for (name, data) in [("binary", &exe), ("random", &random)] {
             let chunks: Vec<&[u8]> = data.chunks(65536).collect();
@@ -357,6 +377,24 @@ mod throughput {
                     aes.seal_into(b"ferry blob ", c, &mut out);
                 }
             });
+            // Format version 1 (one key) against 2 (a key per blob: FORMAT.md §4a), the same blobs.
+            let ids: Vec<Digest> = chunks.iter().map(|c| digest(c)).collect();
+            for version in [1, 2] {
+                let c = crate::crypto::fixed_for_fuzzing(version);
+                rate(&format!("blob seal, format {version}, {name}"), data.len(), || {
+                    for (chunk, id) in chunks.iter().zip(&ids) {
+                        out.clear();
+                        c.seal_into(&aad(BlobKind::Data, id), chunk, &mut out);
+                    }
+                });
+                let sealed: Vec<Vec<u8>> =
+                    chunks.iter().zip(&ids).map(|(chunk, id)| c.seal(&aad(BlobKind::Data, id), chunk)).collect();
+                rate(&format!("blob open, format {version}, {name}"), data.len(), || {
+                    for (s, id) in sealed.iter().zip(&ids) {
+                        c.open(&aad(BlobKind::Data, id), s).unwrap();
+                    }
+                });
+            }
             let sealed: Vec<Vec<u8>> = chunks.iter().map(|c| aes.seal(b"a", c)).collect();
             rate(&format!("AES-256-GCM open, {name}"), data.len(), || {
                 for s in &sealed {

@@ -9,7 +9,13 @@ pub type Digest = [u8; 32];
 pub const ZERO: Digest = [0; 32];
 
 pub const FORMAT_NAME: &str = "ferry-repository";
+/// The version of manifests and checkpoints (FORMAT.md §7, §7a).
 pub const VERSION: u32 = 1;
+/// The repository format version `init` writes in `config` (FORMAT.md §3): 2, whose
+/// encrypted objects are sealed with per-object keys (§4).
+pub const CONFIG_VERSION: u32 = 2;
+/// The repository format versions this ferry reads and writes, each as its version says.
+pub const CONFIG_VERSIONS: std::ops::RangeInclusive<u32> = 1..=CONFIG_VERSION;
 pub const PACK_MAGIC: &[u8; 8] = b"FERRYPK1";
 pub const INDEX_MAGIC: &[u8; 8] = b"FERRYIX1";
 /// `le32 trailer length || magic` at a pack's end.
@@ -25,6 +31,9 @@ pub const MAX_PACK: u64 = 1 << 30;
 pub const MAX_INDEX: u64 = 256 << 20;
 pub const MAX_MANIFEST: u64 = 64 << 20;
 pub const MAX_LOCK: u64 = 4 << 10;
+pub const MAX_KEY_OBJECT: u64 = 4 << 10;
+/// The most `keys/` objects a repository may have (each costs a KDF run to try).
+pub const MAX_KEY_OBJECTS: usize = 16;
 pub const MAX_TRAILER_ENTRIES: u32 = 1 << 20;
 pub const MAX_PAGES: u64 = 1 << 24;
 
@@ -169,11 +178,29 @@ fn bounded_json<T: serde::de::DeserializeOwned>(json: &[u8], max: u64, what: &st
     serde_json::from_slice(json).map_err(|e| json_error(what, e))
 }
 
+/// Only a config's format and version: what a config of a later version is told by.
+#[derive(Deserialize)]
+struct ConfigVersion {
+    format: String,
+    version: u32,
+}
+
 impl Config {
     /// Parses and validates (format, version, chunk_size, page_entries, compression,
-    /// cipher and KDF names and cost limits, hex lengths).
+    /// cipher and KDF names and cost limits, hex lengths). A config of a version this
+    /// ferry does not know is refused as such, whatever fields it has.
     pub fn parse(bytes: &[u8]) -> Result<Config, FormatError> {
-        let c: Config = bounded_json(bytes, MAX_CONFIG, "config")?;
+        let c: Config = match bounded_json(bytes, MAX_CONFIG, "config") {
+            Ok(c) => c,
+            Err(e) => {
+                return match serde_json::from_slice::<ConfigVersion>(bytes) {
+                    Ok(v) if v.format == FORMAT_NAME && !CONFIG_VERSIONS.contains(&v.version) => {
+                        Err(unknown_version(v.version))
+                    }
+                    _ => Err(e),
+                }
+            }
+        };
         c.validate()?;
         Ok(c)
     }
@@ -182,11 +209,8 @@ impl Config {
         if self.format != FORMAT_NAME {
             return err(format!("the config's format is {:?}, not {FORMAT_NAME:?}", shorten(&self.format)));
         }
-        if self.version != VERSION {
-            return err(format!(
-                "the repository has format version {}; this ferry reads version {VERSION} only (use a newer ferry)",
-                self.version
-            ));
+        if !CONFIG_VERSIONS.contains(&self.version) {
+            return Err(unknown_version(self.version));
         }
         if !is_hex(&self.id, 64) {
             return err("the config's id is not 64 hex digits");
@@ -215,6 +239,50 @@ impl Config {
         v.push(b'\n');
         v
     }
+}
+
+fn unknown_version(v: u32) -> FormatError {
+    FormatError(format!(
+        "the repository has format version {v}; this ferry reads versions {} to {} only (use a newer ferry)",
+        CONFIG_VERSIONS.start(),
+        CONFIG_VERSIONS.end()
+    ))
+}
+
+/// A `keys/ID` object: one more passphrase's copy of the master key (FORMAT.md §3a).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KeyObject {
+    pub created: String,
+    /// The host that made it (at most 255 bytes, no control characters; may be empty).
+    pub host: String,
+    pub kdf: Kdf,
+    /// hex of nonce || ciphertext || tag, as `config`'s `key`.
+    pub key: String,
+}
+
+impl KeyObject {
+    /// Parses and validates (time, host, KDF name, cost limits and salt, key length).
+    pub fn parse(bytes: &[u8]) -> Result<KeyObject, FormatError> {
+        let k: KeyObject = bounded_json(bytes, MAX_KEY_OBJECT, "key object")?;
+        check_time("the key's creation time", &k.created)?;
+        if k.host.len() > 255 || k.host.chars().any(char::is_control) {
+            return err("the key's host is longer than 255 bytes or holds control characters");
+        }
+        Encryption { cipher: CIPHER.into(), kdf: k.kdf.clone(), key: k.key.clone() }.validate()?;
+        Ok(k)
+    }
+
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut v = serde_json::to_vec_pretty(self).unwrap_or_default();
+        v.push(b'\n');
+        v
+    }
+}
+
+/// Whether `s` names a key object: `keys/` and 16 lowercase hex digits.
+pub fn is_key_object_name(s: &str) -> bool {
+    s.strip_prefix("keys/").is_some_and(|id| is_hex(id, 16))
 }
 
 impl Kdf {
@@ -811,6 +879,9 @@ pub fn fuzz(data: &[u8]) {
     if let Ok(l) = Lock::parse(data) {
         assert_eq!(Lock::parse(&l.to_bytes()).as_ref(), Ok(&l));
     }
+    if let Ok(k) = KeyObject::parse(data) {
+        assert_eq!(KeyObject::parse(&k.to_bytes()).as_ref(), Ok(&k));
+    }
     if let Ok(c) = Checkpoint::parse(data, &limits) {
         assert_eq!(Checkpoint::parse(&c.to_bytes(), &limits).as_ref(), Ok(&c));
         let _ = c.done_bytes();
@@ -876,7 +947,15 @@ mod tests {
         assert_eq!(c.limits(), Limits::DEFAULT);
 
         refused(&Config { format: "restic".into(), ..config() }, "format");
-        refused(&Config { version: 2, ..config() }, "version 1 only");
+        Config::parse(&Config { version: 2, ..config() }.to_bytes()).unwrap();
+        refused(&Config { version: 3, ..config() }, "versions 1 to 2 only");
+        refused(&Config { version: 0, ..config() }, "versions 1 to 2 only");
+        // A later version is told as such even when its fields are new.
+        let mut later: serde_json::Value = serde_json::from_slice(&c.to_bytes()).unwrap();
+        later["version"] = 3.into();
+        later["new_field"] = 1.into();
+        let e = Config::parse(later.to_string().as_bytes()).unwrap_err();
+        assert!(e.0.contains("format version 3"), "{e}");
         refused(&Config { id: "AB".repeat(32), ..config() }, "id");
         refused(&Config { id: "ab".repeat(31), ..config() }, "id");
         refused(&Config { created: "yesterday".into(), ..config() }, "RFC 3339");
@@ -917,6 +996,34 @@ mod tests {
         big.extend(std::iter::repeat_n(b' ', MAX_CONFIG as usize));
         big.extend(b"}\n");
         assert!(Config::parse(&big).unwrap_err().0.contains("at most 65536"));
+    }
+
+    #[test]
+    fn key_objects_round_trip_and_are_checked() {
+        let e = encryption();
+        let k = KeyObject { created: "2026-11-28T09:00:00Z".into(), host: "backup-1".into(), kdf: e.kdf, key: e.key };
+        assert_eq!(KeyObject::parse(&k.to_bytes()).unwrap(), k);
+        let bad = |f: &dyn Fn(&mut KeyObject), what: &str| {
+            let mut b = k.clone();
+            f(&mut b);
+            let e = KeyObject::parse(&b.to_bytes()).unwrap_err();
+            assert!(e.0.contains(what), "{e}");
+        };
+        bad(&|k| k.created = "now".into(), "RFC 3339");
+        bad(&|k| k.host = "a\nb".into(), "host");
+        bad(&|k| k.host = "h".repeat(256), "host");
+        bad(&|k| k.kdf.m_kib = 1, "KDF memory");
+        bad(&|k| k.kdf.name = "scrypt".into(), "KDF is");
+        bad(&|k| k.key.push('0'), "wrapped key");
+        let mut big = k.to_bytes();
+        big.truncate(big.len() - 2);
+        big.extend(std::iter::repeat_n(b' ', MAX_KEY_OBJECT as usize));
+        big.extend(b"}\n");
+        assert!(KeyObject::parse(&big).unwrap_err().0.contains("at most 4096"));
+        assert!(is_key_object_name("keys/0123456789abcdef"));
+        for n in ["keys/0123456789abcde", "keys/0123456789ABCDEF", "keys/0123456789abcdef0", "key/0123456789abcdef"] {
+            assert!(!is_key_object_name(n), "{n}");
+        }
     }
 
     fn entry(n: u8, kind: BlobKind, offset: u32, stored_len: u32, plain_len: u32) -> BlobEntry {
@@ -1219,6 +1326,8 @@ mod tests {
         let c = Config::parse(&seed("config.json")).unwrap();
         assert!(c.encryption.is_none());
         assert!(Config::parse(&seed("config-encrypted.json")).unwrap().encryption.is_some());
+        assert_eq!(Config::parse(&seed("config-v2-encrypted.json")).unwrap().version, 2);
+        KeyObject::parse(&seed("key.json")).unwrap();
         Manifest::parse(&seed("manifest.json"), &L).unwrap();
         Lock::parse(&seed("lock.json")).unwrap();
         Checkpoint::parse(&seed("checkpoint.json"), &L).unwrap();
@@ -1250,6 +1359,11 @@ mod tests {
             hex(&[7; 32]).into_bytes(),
         ];
         seeds.push(Config { encryption: Some(encryption()), ..config() }.to_bytes());
+        seeds.push(Config { encryption: Some(encryption()), version: 2, ..config() }.to_bytes());
+        let e = encryption();
+        seeds.push(
+            KeyObject { created: "2026-11-28T09:00:00Z".into(), host: "h".into(), kdf: e.kdf, key: e.key }.to_bytes(),
+        );
         for s in &seeds {
             for n in 0..s.len().min(300) {
                 fuzz(&s[..n]);

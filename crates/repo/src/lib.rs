@@ -7,6 +7,7 @@
 //! - [`format`](mod@format): the encodings of every object (config, pack trailer, index, page,
 //!   manifest, lock). Pure: no I/O; every parser bounded and fuzzed.
 //! - [`crypto`]: the key (Argon2id-wrapped), AEAD of objects, keyed chunk ids.
+//! - [`keys`]: several passphrases (key objects) and changing them.
 //! - [`blob`]: one chunk or page as stored (compression, encryption, digest check).
 //! - [`store`]: the object store interface and its directory, S3 and memory stores.
 //! - [`lock`]: repository locks over a store.
@@ -27,8 +28,9 @@
 //!                    manifest, lock. Pure: bytes in, values out; every length, count and
 //!                    offset checked against the input and FORMAT.md's limits before anything
 //!                    is allocated; fuzzed
-//! crypto.rs          the key: Argon2id-wrapped master key, AES-256-GCM of objects,
-//!                    HMAC-SHA256 chunk ids; keys zeroed on drop; Crypto::None for an
+//! crypto.rs          the key: Argon2id-wrapped master key (its KDF cost bounded before it
+//!                    runs), AES-256-GCM of objects (format 2: a key per object from
+//!                    HMAC-SHA256), HMAC-SHA256 chunk ids; keys zeroed on drop; Crypto::None for an
 //!                    unencrypted repository (the crates, and why: ARCHITECTURE.md, its dependency list)
 //! blob.rs            one chunk or page as stored: zstd (one context per thread;
 //!                    decompression bounded by the frame's declared size and chunk_size) or
@@ -41,6 +43,8 @@
 //!                    PutObject with its SHA-256 signed, ranged GET, paged ListObjectsV2),
 //!                    MemStore (tests)
 //! lock.rs            repository locks as objects (locks/), listed after they are written
+//! keys.rs            the passphrases: the config's key and key objects (keys/), tried in
+//!                    turn at open; add, change, list, remove (`ferry repo key`)
 //! repo.rs            Repository: init/open (config, key), the index (the union of the index
 //!                    objects), snapshots, resolving NAME[@ID], a snapshot's entries
 //! writer.rs          SnapshotWriter: a backup, as a write-only Backend the copy engine fills
@@ -142,6 +146,7 @@ mod checkpoint;
 pub mod crypto;
 mod diff;
 pub mod format;
+pub mod keys;
 pub mod lock;
 pub mod maint;
 mod memory;

@@ -1,6 +1,6 @@
 //! A repository opened: its config and key, its index, its snapshots.
 use crate::blob;
-use crate::crypto::{self, Crypto, CryptoError};
+use crate::crypto::{self, Crypto, KdfLimit, KeyContext};
 use crate::format::{self, BlobKind, Config, Digest, KdfCost, Limits, Manifest, ZERO};
 use crate::store::Store;
 use crate::{Error, Result};
@@ -16,11 +16,22 @@ pub struct InitOptions {
     pub page_entries: u32,
     /// A passphrase and the KDF's cost, for an encrypted repository.
     pub encrypt: Option<(crate::Passphrase, KdfCost)>,
+    /// Which KDF costs are accepted (the one asked for is refused beyond it).
+    pub kdf_limit: KdfLimit,
+    /// The format version (FORMAT.md §3): [`format::CONFIG_VERSION`], or 1 for a
+    /// repository that ferry versions reading version 1 only can read too.
+    pub version: u32,
 }
 
 impl Default for InitOptions {
     fn default() -> Self {
-        InitOptions { chunk_size: 65536, page_entries: 256, encrypt: None }
+        InitOptions {
+            chunk_size: 65536,
+            page_entries: 256,
+            encrypt: None,
+            kdf_limit: KdfLimit::Default,
+            version: format::CONFIG_VERSION,
+        }
     }
 }
 
@@ -28,6 +39,9 @@ pub struct Repository {
     pub(crate) store: Arc<dyn Store>,
     pub(crate) config: Config,
     pub(crate) crypto: Crypto,
+    /// The key the passphrase opened: [`crate::keys::CONFIG_KEY`] or a key object's id
+    /// (FORMAT.md §3a); `None` unencrypted.
+    pub(crate) key_slot: Option<String>,
 }
 
 /// Where a blob is.
@@ -277,21 +291,36 @@ impl Repository {
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(e) => return Err(Error::store(format!("cannot read {}", store.describe()), e)),
         }
+        if !format::CONFIG_VERSIONS.contains(&opts.version) {
+            return Err(Error::Invalid(format!(
+                "format version {} is not one this ferry writes ({} to {})",
+                opts.version,
+                format::CONFIG_VERSIONS.start(),
+                format::CONFIG_VERSIONS.end()
+            )));
+        }
         let id = format::hex(&crypto::random::<32>());
+        let ctx = KeyContext {
+            version: opts.version,
+            repo_id: &id,
+            chunk_size: opts.chunk_size,
+            page_entries: opts.page_entries,
+        };
         let (encryption, crypto) = match &opts.encrypt {
             None => (None, Crypto::None),
             Some((pass, cost)) => {
                 if pass.is_empty() {
                     return Err(Error::Passphrase("the passphrase is empty: give a non-empty one".into()));
                 }
-                let (enc, c) = crypto::new_key(pass, *cost, &id, opts.chunk_size, opts.page_entries)
-                    .map_err(|e| Error::Invalid(e.to_string()))?;
+                let (enc, c) =
+                    crypto::new_key(pass, *cost, opts.kdf_limit, ctx).map_err(|e| Error::Invalid(e.to_string()))?;
                 (Some(enc), c)
             }
         };
+        let key_slot = encryption.as_ref().map(|_| crate::keys::CONFIG_KEY.to_string());
         let config = Config {
             format: format::FORMAT_NAME.into(),
-            version: format::VERSION,
+            version: opts.version,
             id,
             created: now_seconds(),
             chunk_size: opts.chunk_size,
@@ -305,11 +334,22 @@ impl Repository {
         store
             .put("config", &bytes)
             .map_err(|e| Error::store(format!("cannot write {}/config", store.describe()), e))?;
-        Ok(Repository { store, config, crypto })
+        Ok(Repository { store, config, crypto, key_slot })
     }
 
-    /// Opens a repository; `passphrase` is called only if it is encrypted.
+    /// Opens a repository; `passphrase` is called only if it is encrypted. KDF costs are
+    /// accepted up to [`KdfLimit::Default`].
     pub fn open(store: Arc<dyn Store>, passphrase: &dyn Fn() -> Result<crate::Passphrase>) -> Result<Repository> {
+        Repository::open_with(store, passphrase, KdfLimit::Default)
+    }
+
+    /// [`Repository::open`] with the KDF costs accepted from the config and key objects.
+    /// The config's key is tried first, then each key object (FORMAT.md §3a).
+    pub fn open_with(
+        store: Arc<dyn Store>,
+        passphrase: &dyn Fn() -> Result<crate::Passphrase>,
+        kdf_limit: KdfLimit,
+    ) -> Result<Repository> {
         let bytes = match store.get("config", format::MAX_CONFIG) {
             Ok(b) => b,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
@@ -321,22 +361,15 @@ impl Repository {
             Err(e) => return Err(read_error(&*store, "config", e)),
         };
         let config = Config::parse(&bytes).map_err(|e| Error::damaged("config", e.0))?;
-        let crypto = match &config.encryption {
-            None => Crypto::None,
+        let (crypto, key_slot) = match &config.encryption {
+            None => (Crypto::None, None),
             Some(enc) => {
                 let pass = passphrase()?;
-                crypto::unlock(enc, &pass, &config.id, config.chunk_size, config.page_entries).map_err(|e| match e {
-                    CryptoError::WrongPassphrase => Error::Passphrase(format!(
-                        "the passphrase does not open the repository {} (a wrong passphrase, or a damaged config): \
-                         give the right one with --password-file FILE, FERRY_PASSWORD or FERRY_PASSWORD_FILE",
-                        store.describe()
-                    )),
-                    CryptoError::Damaged(why) => Error::damaged("config", why),
-                    CryptoError::Invalid(why) => Error::damaged("config", why),
-                })?
+                let (crypto, slot) = crate::keys::unlock_any(&*store, &config, enc, &pass, kdf_limit)?;
+                (crypto, Some(slot))
             }
         };
-        Ok(Repository { store, config, crypto })
+        Ok(Repository { store, config, crypto, key_slot })
     }
 
     pub fn store(&self) -> &Arc<dyn Store> {

@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex};
 
 mod clock;
 mod heal;
+mod keys;
 mod resume;
 
 const K: usize = 1024;
@@ -22,6 +23,7 @@ fn new_repo(encrypt: bool) -> (Arc<MemStore>, Arc<Repository>) {
         page_entries: 16,
         encrypt: encrypt
             .then(|| (crate::Passphrase::new(b"secret words".to_vec()), KdfCost { m_kib: 8192, t: 1, p: 1 })),
+        ..InitOptions::default()
     };
     let repo = Repository::init(store.clone(), &opts).unwrap();
     (store, Arc::new(repo))
