@@ -5,6 +5,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 use ferry_backend::parse_size;
 use ferry_repo::format::{Changes, Manifest};
+use ferry_repo::known::OnRollback;
 use ferry_repo::maint::{self, Policy, Problem, Report, VerifyOptions};
 use ferry_repo::{InitOptions, Repository, SnapshotInfo};
 use std::path::PathBuf;
@@ -52,8 +53,32 @@ struct CommonArgs {
 }
 
 impl CommonArgs {
+    /// The repository, for a command that only reads it: a store that went back is
+    /// warned about.
     fn open(&self) -> Result<Arc<Repository>> {
-        ferry_open::repo::open_repository(&self.repo, &self.remote.remote(), self.password_file.as_deref())
+        self.open_with(OnRollback::Warn)
+    }
+    fn open_with(&self, on: OnRollback) -> Result<Arc<Repository>> {
+        ferry_open::repo::open_repository_with(&self.repo, &self.remote.remote(), self.password_file.as_deref(), on)
+    }
+}
+
+/// What forget and gc do when the store went back since this host last used it: refuse
+/// when a disk's newest snapshot is gone (they would remove what is left of it), unless
+/// accepted; a forgotten snapshot back is only warned about (forgetting it again is the
+/// remedy).
+fn removing(accept: bool, disk: Option<String>, repo: &str, what: &str) -> OnRollback {
+    match accept {
+        true => OnRollback::Accept,
+        false => OnRollback::Refuse {
+            disk,
+            back: false,
+            way_out: format!(
+                "{what} now could remove for good what is left of the snapshots that are gone. Find out why first \
+                 (`ferry repo list {repo}`, the store's logs); if they were removed on purpose, run it again with \
+                 --accept-rollback, which makes the store's state the one this host knows"
+            ),
+        },
     }
 }
 
@@ -123,6 +148,11 @@ struct ForgetArgs {
     json: bool,
     #[arg(long, value_name = "FILE")]
     password_file: Option<PathBuf>,
+    /// Forget even though the snapshots went back since this host last used the
+    /// repository (a disk's newest gone, a forgotten one back), accepting the store's
+    /// state. Without it such a forget is refused.
+    #[arg(long)]
+    accept_rollback: bool,
     #[command(flatten)]
     remote: crate::remote_args::RemoteArgs,
 }
@@ -139,6 +169,12 @@ struct GcArgs {
     #[arg(long, value_name = "PERCENT", default_value_t = maint::DEFAULT_REPACK_PERCENT,
           value_parser = clap::value_parser!(u32).range(0..=100))]
     repack: u32,
+    /// Collect even though the snapshots went back since this host last used the
+    /// repository (a disk's newest gone, a forgotten one back), accepting the store's
+    /// state. Without it such a gc is refused: it would free the data of the snapshots
+    /// that are gone.
+    #[arg(long)]
+    accept_rollback: bool,
 }
 
 #[derive(Args, Debug)]
@@ -167,7 +203,7 @@ pub fn run(args: RepoArgs) -> Result<i32> {
         }
         RepoCommand::Forget(a) => forget(a),
         RepoCommand::Gc(a) => {
-            let repo = a.common.open()?;
+            let repo = a.common.open_with(removing(a.accept_rollback, None, &a.common.repo, "a gc"))?;
             let r = maint::gc_with(&repo, a.wait, a.repack).with_context(|| format!("gc of {}", a.common.repo))?;
             println!(
                 "{}: {} packs deleted, {} repacked, {} unreferenced chunks freed ({}); {} -> {}",
@@ -233,7 +269,8 @@ fn init(a: InitArgs) -> Result<i32> {
     let encrypted = encrypt.is_some();
     let opts = InitOptions { chunk_size: chunk as u32, encrypt, ..InitOptions::default() };
     let store = ferry_open::repo::repo_store(&c.repo, &c.remote.remote(), true)?;
-    Repository::init(store, &opts).with_context(|| format!("cannot make a repository at {}", c.repo))?;
+    let mut repo = Repository::init(store, &opts).with_context(|| format!("cannot make a repository at {}", c.repo))?;
+    ferry_open::repo::remember_new(&c.repo, &mut repo)?;
     println!(
         "made the repository {} ({}, chunks of {})",
         c.repo,
@@ -434,7 +471,8 @@ fn forget(a: ForgetArgs) -> Result<i32> {
     if [a.keep_last, a.keep_daily, a.keep_weekly, a.keep_monthly].iter().all(Option::is_none) {
         bail!("give a policy: --keep-last, --keep-daily, --keep-weekly and/or --keep-monthly N (nothing is forgotten)");
     }
-    let repo = ferry_open::repo::open_repository(&repo_spec, &a.remote.remote(), a.password_file.as_deref())?;
+    let on = removing(a.accept_rollback, name.clone(), &repo_spec, "a forget");
+    let repo = ferry_open::repo::open_repository_with(&repo_spec, &a.remote.remote(), a.password_file.as_deref(), on)?;
     let before = repo.snapshots().with_context(|| format!("listing {repo_spec}"))?;
     let r =
         maint::forget(&repo, name.as_deref(), &policy, a.dry_run).with_context(|| format!("forget in {repo_spec}"))?;

@@ -43,6 +43,7 @@ mod repo_backup;
 mod repo_crash;
 mod repo_resume;
 mod repo_s3;
+mod repo_trust;
 mod resume_safety;
 mod robustness;
 mod untrusted_images;

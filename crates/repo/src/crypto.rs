@@ -53,6 +53,13 @@ impl Keys {
         let cipher = aes_cipher(&enc);
         Keys { enc, id, cipher }
     }
+    /// The master key again (`enc_key || id_key`), zeroed when dropped.
+    fn master(&self) -> Zeroizing<[u8; 64]> {
+        let mut master = Zeroizing::new([0u8; 64]);
+        master[..32].copy_from_slice(&self.enc[..]);
+        master[32..].copy_from_slice(&self.id[..]);
+        master
+    }
     fn cipher(&self) -> &Aes256Gcm {
         &self.cipher
     }
@@ -179,6 +186,18 @@ impl Crypto {
         }
     }
 
+    /// A fingerprint of the master key, for this host's record of the repository
+    /// (docs/safety.md): HMAC-SHA256 keyed by the whole master key (`enc_key || id_key`)
+    /// of its own label, so it is no id, tag or key used anywhere else, and tells nothing
+    /// of the key. It stays the same when the passphrase that wraps the key changes.
+    /// `None` for an unencrypted repository.
+    pub fn key_fingerprint(&self) -> Option<Digest> {
+        match self {
+            Crypto::None => None,
+            Crypto::Aes(k) => Some(hmac_sha256(&k.master()[..], b"ferry key fingerprint 1")),
+        }
+    }
+
     /// The lock tag of a disk name (FORMAT.md §8).
     pub fn disk_tag(&self, name: &str) -> String {
         match self {
@@ -282,10 +301,7 @@ pub fn rewrap(
     let Crypto::Aes(k) = crypto else {
         return Err(CryptoError::Invalid("the repository is not encrypted: it has no passphrase to change".into()));
     };
-    let mut master = Zeroizing::new([0u8; 64]);
-    master[..32].copy_from_slice(&k.enc[..]);
-    master[32..].copy_from_slice(&k.id[..]);
-    wrap(&master, passphrase, cost, repo_id, chunk_size, page_entries)
+    wrap(&k.master(), passphrase, cost, repo_id, chunk_size, page_entries)
 }
 
 /// `N` bytes from the operating system's random source.
@@ -394,6 +410,14 @@ mod tests {
         assert_eq!(c2.open(b"a", &c.seal(b"a", b"data")).unwrap(), b"data");
         assert_eq!(unlock(&enc2, b"secret", ID, 65536, 256).err(), Some(CryptoError::WrongPassphrase));
         assert!(matches!(rewrap(&Crypto::None, b"new", CHEAP, ID, 65536, 256), Err(CryptoError::Invalid(_))));
+        // The fingerprint is the master key's: the same under either passphrase, another
+        // for another key, none unencrypted; it is no blob id or tag of the key.
+        let f = c.key_fingerprint().unwrap();
+        assert_eq!(c2.key_fingerprint(), Some(f));
+        assert_ne!(key().1.key_fingerprint(), Some(f));
+        assert_eq!(Crypto::None.key_fingerprint(), None);
+        assert_ne!(c.blob_id(&f), f);
+        assert_ne!(hex(&f), c.disk_tag("ferry key fingerprint 1"));
     }
 
     #[test]

@@ -28,6 +28,8 @@ pub struct Repository {
     pub(crate) store: Arc<dyn Store>,
     pub(crate) config: Config,
     pub(crate) crypto: Crypto,
+    /// This host's record of the repository, when the opener keeps one (crate::known).
+    pub(crate) known: Option<crate::known::Known>,
 }
 
 /// Where a blob is.
@@ -240,7 +242,7 @@ impl Repository {
         store
             .put("config", &bytes)
             .map_err(|e| Error::store(format!("cannot write {}/config", store.describe()), e))?;
-        Ok(Repository { store, config, crypto })
+        Ok(Repository { store, config, crypto, known: None })
     }
 
     /// Opens a repository; `passphrase` is called only if it is encrypted.
@@ -271,11 +273,23 @@ impl Repository {
                 })?
             }
         };
-        Ok(Repository { store, config, crypto })
+        Ok(Repository { store, config, crypto, known: None })
     }
 
     pub fn store(&self) -> &Arc<dyn Store> {
         &self.store
+    }
+    /// Checks the repository against this host's record of it (refusing an encrypted
+    /// one turned unencrypted or given another key), then keeps the record up to date
+    /// with every listing of the snapshots, each committed snapshot and each forget.
+    pub fn set_known(&mut self, known: crate::known::Known) -> Result<()> {
+        known.opened(self)?;
+        self.known = Some(known);
+        Ok(())
+    }
+    /// This host's record of the repository, when it keeps one.
+    pub fn known(&self) -> Option<&crate::known::Known> {
+        self.known.as_ref()
     }
     pub fn config(&self) -> &Config {
         &self.config
@@ -327,6 +341,11 @@ impl Repository {
             }
         }
         sort_snapshots(&mut good);
+        if let Some(k) = &self.known {
+            let unreadable: Vec<String> =
+                bad.iter().map(|(n, _)| n.strip_prefix("snapshots/").unwrap_or(n).to_string()).collect();
+            k.listed(&good, &unreadable)?;
+        }
         Ok((good, bad))
     }
 
