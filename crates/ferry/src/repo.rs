@@ -192,14 +192,14 @@ pub fn run(args: RepoArgs) -> Result<i32> {
         RepoCommand::Check(a) => {
             let repo = a.open()?;
             let r = maint::check(&repo).with_context(|| format!("checking {}", a.repo))?;
-            Ok(print_report(&a.repo, &r, false))
+            Ok(print_report(&a.repo, &r, false).max(went_back(&a.repo, &repo)))
         }
         RepoCommand::Verify(a) => {
             let repo = a.common.open()?;
             let threads = a.jobs.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())).max(1);
             let opts = VerifyOptions { read_data_percent: a.read_data, threads };
             let r = maint::verify(&repo, &opts).with_context(|| format!("verifying {}", a.common.repo))?;
-            Ok(print_report(&a.common.repo, &r, true))
+            Ok(print_report(&a.common.repo, &r, true).max(went_back(&a.common.repo, &repo)))
         }
         RepoCommand::Forget(a) => forget(a),
         RepoCommand::Gc(a) => {
@@ -268,9 +268,9 @@ fn init(a: InitArgs) -> Result<i32> {
     };
     let encrypted = encrypt.is_some();
     let opts = InitOptions { chunk_size: chunk as u32, encrypt, ..InitOptions::default() };
-    let store = ferry_open::repo::repo_store(&c.repo, &c.remote.remote(), true)?;
+    let (store, location) = ferry_open::repo::repo_store_at(&c.repo, &c.remote.remote(), true)?;
     let mut repo = Repository::init(store, &opts).with_context(|| format!("cannot make a repository at {}", c.repo))?;
-    ferry_open::repo::remember_new(&c.repo, &mut repo)?;
+    ferry_open::repo::remember_new(&c.repo, &location, &mut repo)?;
     println!(
         "made the repository {} ({}, chunks of {})",
         c.repo,
@@ -426,6 +426,19 @@ fn print_report(repo: &str, r: &Report, read: bool) -> i32 {
         );
         1
     }
+}
+
+/// 1, said, when this host's record of the repository found that its store went back
+/// (check and verify then fail, as for damage); else 0.
+fn went_back(shown: &str, repo: &Repository) -> i32 {
+    if !repo.known().is_some_and(|k| k.went_back()) {
+        return 0;
+    }
+    println!(
+        "{shown}: the store went back since this host last used it (see the warnings above): find out why; \
+         `ferry backup`, `repo forget` or `repo gc` with --accept-rollback accepts it"
+    );
+    1
 }
 
 /// Ranges listed per snapshot before the rest is only counted.

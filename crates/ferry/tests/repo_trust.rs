@@ -227,14 +227,14 @@ fn a_deleted_newest_snapshot_is_a_rollback_not_the_latest() {
     assert!(out.stderr.contains("@ID"), "no way out: {}", out.describe());
     let out = fails(&host, &["backup", "--no-bitmap", s(&d.join("day3.raw")), &vm1]);
     assert!(out.stderr.contains("--accept-rollback"), "no way out: {}", out.describe());
-    // Read-only commands warn and go on; a snapshot named by id reads.
-    for args in [vec!["repo", "list", s(&repo)], vec!["repo", "check", s(&repo)]] {
-        let out = ok(&host, &args);
-        assert!(
-            out.stderr.contains("the store went back") && out.stderr.contains("going on, as this command only reads"),
-            "{}",
-            out.describe()
-        );
+    // Read-only commands warn and go on (check and verify exit 1, as for damage); a
+    // snapshot named by id reads.
+    let out = ok(&host, &["repo", "list", s(&repo)]);
+    assert!(out.stderr.contains("the store went back") && out.stderr.contains("going on"), "{}", out.describe());
+    for what in ["check", "verify"] {
+        let out = fails(&host, &["repo", what, s(&repo)]);
+        assert!(out.stderr.contains("the store went back") && out.stdout.contains("went back"), "{}", out.describe());
+        assert!(out.stdout.contains("no damage found"), "{}", out.describe());
     }
     assert!(restores(&host, &format!("{vm1}@{}", &ids[1][..8]), &d.join("day2.raw"), d));
     // Other disks work.

@@ -26,11 +26,18 @@ fn is_s3(repo: &str) -> bool {
 /// The store of an existing repository (`create`: a directory is made if missing, for
 /// `ferry repo init`; an S3 prefix needs nothing made).
 pub fn repo_store(repo: &str, remote: &Remote, create: bool) -> Result<Arc<dyn Store>> {
+    repo_store_at(repo, remote, create).map(|(s, _)| s)
+}
+
+/// [`repo_store`], and where the repository is, as this host's record of it is keyed: a
+/// directory's canonical path, or the S3 URL and the server's endpoint.
+pub fn repo_store_at(repo: &str, remote: &Remote, create: bool) -> Result<(Arc<dyn Store>, String)> {
     if is_s3(repo) {
         let cfg = ferry_s3::S3Config::from_env().with_context(|| format!("cannot reach {repo}"))?;
         let http = crate::s3::http_for_s3(&remote.http)?;
         let s = S3Store::open(repo, &cfg, &http).with_context(|| format!("cannot open the repository {repo}"))?;
-        return Ok(Arc::new(s));
+        let at = format!("{} at {}", repo.trim_end_matches('/'), cfg.endpoint.as_deref().unwrap_or("AWS"));
+        return Ok((Arc::new(s), at));
     }
     let p = Path::new(repo);
     let s = if create { DirStore::create(p) } else { DirStore::open(p) };
@@ -41,7 +48,8 @@ pub fn repo_store(repo: &str, remote: &Remote, create: bool) -> Result<Arc<dyn S
             format!("cannot open the repository {repo} (make one with `ferry repo init {repo}`)")
         }
     })?;
-    Ok(Arc::new(s))
+    let at = std::fs::canonicalize(p).map_or_else(|_| repo.to_string(), |p| p.display().to_string());
+    Ok((Arc::new(s), at))
 }
 
 /// The most bytes of a passphrase file read to find its first line.
@@ -145,18 +153,9 @@ fn passphrase_source(password_file: Option<&Path>) -> String {
     }
 }
 
-/// Where a repository is, as this host's record of it is keyed: a directory's canonical
-/// path, or the S3 URL.
-fn location(repo: &str) -> String {
-    if is_s3(repo) {
-        return repo.trim_end_matches('/').to_string();
-    }
-    std::fs::canonicalize(repo).map_or_else(|_| repo.to_string(), |p| p.display().to_string())
-}
-
-/// This host's record of the repository at `repo`, when a state directory can be had
-/// (else said, once: the command goes on without it).
-fn known(repo: &str, on: OnRollback) -> Option<Known> {
+/// This host's record of the repository `repo` (at `location`, see [`repo_store_at`]),
+/// when a state directory can be had (else said: the command goes on without it).
+fn known(repo: &str, location: &str, on: OnRollback) -> Option<Known> {
     let Some(dir) = ferry_repo::known::state_dir() else {
         log::warn!(
             "no state directory (FERRY_STATE_DIR, XDG_STATE_HOME and HOME are unset): this host keeps no record of \
@@ -164,7 +163,7 @@ fn known(repo: &str, on: OnRollback) -> Option<Known> {
         );
         return None;
     };
-    match Known::open(&dir, &location(repo), on) {
+    match Known::open(&dir, location, on) {
         Ok(k) => Some(k),
         Err(e) => {
             log::warn!(
@@ -184,7 +183,7 @@ pub fn open_repository_with(
     password_file: Option<&Path>,
     on: OnRollback,
 ) -> Result<Arc<Repository>> {
-    let store = repo_store(repo, remote, false)?;
+    let (store, location) = repo_store_at(repo, remote, false)?;
     let given = passphrase(password_file)?;
     let ask = || -> ferry_repo::Result<Passphrase> {
         given.clone().ok_or_else(|| {
@@ -202,15 +201,16 @@ pub fn open_repository_with(
             passphrase_source(password_file)
         );
     }
-    if let Some(k) = known(repo, on) {
+    if let Some(k) = known(repo, &location, on) {
         r.set_known(k).with_context(|| format!("cannot use the repository {repo}"))?;
     }
     Ok(Arc::new(r))
 }
 
-/// Records a repository `ferry repo init` just made at `repo` as this host's.
-pub fn remember_new(repo: &str, r: &mut Repository) -> Result<()> {
-    if let Some(k) = known(repo, OnRollback::Warn) {
+/// Records a repository `ferry repo init` just made at `repo` (`location`: from
+/// [`repo_store_at`]) as this host's.
+pub fn remember_new(repo: &str, location: &str, r: &mut Repository) -> Result<()> {
+    if let Some(k) = known(repo, location, OnRollback::Warn) {
         r.set_known(k).with_context(|| format!("cannot record the repository {repo}"))?;
     }
     Ok(())

@@ -274,6 +274,8 @@ pub struct Known {
     on: OnRollback,
     /// What was said already (a command lists the snapshots more than once).
     said: Mutex<HashSet<String>>,
+    /// Whether a listing found the store went back (and it was not accepted).
+    went_back: std::sync::atomic::AtomicBool,
 }
 
 impl Known {
@@ -300,6 +302,7 @@ impl Known {
             location: location.into(),
             on,
             said: Mutex::new(HashSet::new()),
+            went_back: Default::default(),
         })
     }
 
@@ -436,6 +439,9 @@ impl Known {
                     self.say_once(format!("{what}{}", if only_reads { "; going on, as this command only reads" } else { "" }));
                 }
             }
+            if !found.is_empty() && !accept {
+                self.went_back.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
             follow(r, snaps, &found, accept);
             if refused.is_empty() {
                 return Ok(());
@@ -448,6 +454,12 @@ impl Known {
             };
             Err(Error::Invalid(format!("{}. Refused: {way_out}", refused.join("; "))))
         })
+    }
+
+    /// Whether a listing found that the store went back (a disk's newest snapshot gone, a
+    /// forgotten one back), unless accepted.
+    pub fn went_back(&self) -> bool {
+        self.went_back.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Records a snapshot this host wrote.
