@@ -269,8 +269,8 @@ fn init(a: InitArgs) -> Result<i32> {
     let encrypted = encrypt.is_some();
     let opts = InitOptions { chunk_size: chunk as u32, encrypt, ..InitOptions::default() };
     let (store, location) = ferry_open::repo::repo_store_at(&c.repo, &c.remote.remote(), true)?;
-    let mut repo = Repository::init(store, &opts).with_context(|| format!("cannot make a repository at {}", c.repo))?;
-    ferry_open::repo::remember_new(&c.repo, &location, &mut repo)?;
+    let repo = Repository::init(store, &opts).with_context(|| format!("cannot make a repository at {}", c.repo))?;
+    ferry_open::repo::remember_new(&c.repo, &location, &repo);
     println!(
         "made the repository {} ({}, chunks of {})",
         c.repo,

@@ -8,7 +8,9 @@
 //! * a disk's newest snapshot deleted from the store: the latest is not restored in its
 //!   place, backups, forgets and gcs refuse, lists warn, `--accept-rollback` accepts;
 //! * a forgotten snapshot put back with its objects is refused;
-//! * another host's forget is no rollback;
+//! * another host's forget is no rollback, nor are this host's commands side by side;
+//! * a repository made again at a location replaces the record; a damaged record is said
+//!   and made again;
 //! * a passphrase file others may read is warned about.
 //!
 //! Each test has its own state directories (`FERRY_STATE_DIR`), one per simulated host.
@@ -18,7 +20,7 @@ use crate::common::*;
 use crate::incremental_backup::s;
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
 
 /// `ferry ARGS` on the host whose state directory is `host`, with no passphrase from the
 /// test's environment.
@@ -350,4 +352,61 @@ fn a_passphrase_file_others_can_read_is_warned_about() {
     fs::set_permissions(&pw, fs::Permissions::from_mode(0o600)).unwrap();
     let out = ok(&host, &["repo", "list", "--password-file", s(&pw), s(&repo)]);
     assert!(!out.stderr.contains("can be read"), "{}", out.describe());
+}
+
+/// Backups of several disks side by side, and restores of a disk while it is backed up,
+/// on one host: each command holds the store's listing to the record as it was before
+/// it listed, so what another process committed meanwhile is no rollback.
+#[test]
+fn commands_side_by_side_on_one_host_see_no_rollback() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let host = d.join("host");
+    let repo = d.join("repo");
+    ok(&host, &["repo", "init", s(&repo)]);
+    let vm0 = format!("{}::vm0", repo.display());
+    backup(&host, &day(d, 1), &vm0);
+    let mut running: Vec<(String, std::process::Child)> = Vec::new();
+    for i in 0..4u8 {
+        let src = day(d, 20 + i);
+        let target = format!("{}::vm{}", repo.display(), 10 + i);
+        let mut c = on(&host, &["backup", "-q", "--no-bitmap", s(&src), &target]);
+        running.push((target, c.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap()));
+    }
+    let done = |what: &str, c: std::process::Child| {
+        let o = c.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success() && !err.contains("went back"), "{what}: {err}");
+    };
+    for round in 0..3u8 {
+        let mut c = on(&host, &["backup", "-q", "--no-bitmap", s(&day(d, 30 + round)), &vm0]);
+        let b = c.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+        for _ in 0..4 {
+            let out = ok(&host, &["info", &vm0]);
+            assert!(!out.stderr.contains("went back"), "{}", out.describe());
+        }
+        done(&format!("{vm0}, round {round}"), b);
+    }
+    for (what, c) in running {
+        done(&what, c);
+    }
+    let out = ok(&host, &["repo", "check", s(&repo)]);
+    assert!(!out.stderr.contains("went back"), "{}", out.describe());
+}
+
+/// A repository made again at a location (`rm -r`, then `repo init`, even unencrypted
+/// where an encrypted one was) is this host's new repository there.
+#[test]
+fn a_repository_made_again_replaces_the_record() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let host = d.join("host");
+    let repo = d.join("repo");
+    let mut c = on(&host, &["repo", "init", "--encrypt", "--kdf-memory", "8M", s(&repo)]);
+    run_ok(c.env("FERRY_PASSWORD", "correct horse"));
+    fs::remove_dir_all(&repo).unwrap();
+    ok(&host, &["repo", "init", s(&repo)]);
+    let vm1 = format!("{}::vm1", repo.display());
+    backup(&host, &day(d, 1), &vm1);
+    assert!(restores(&host, &vm1, &d.join("day1.raw"), d));
 }

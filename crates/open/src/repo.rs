@@ -209,11 +209,10 @@ pub fn open_repository_with(
 
 /// Records a repository `ferry repo init` just made at `repo` (`location`: from
 /// [`repo_store_at`]) as this host's.
-pub fn remember_new(repo: &str, location: &str, r: &mut Repository) -> Result<()> {
+pub fn remember_new(repo: &str, location: &str, r: &Repository) {
     if let Some(k) = known(repo, location, OnRollback::Warn) {
-        r.set_known(k).with_context(|| format!("cannot record the repository {repo}"))?;
+        k.made(r);
     }
-    Ok(())
 }
 
 /// The snapshot `name` and `id` mean in `repo`.

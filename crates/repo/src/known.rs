@@ -263,6 +263,9 @@ fn follow(r: &mut Record, snaps: &[SnapshotInfo], found: &[Finding], accept: boo
     }
 }
 
+/// The record as it was before a listing began ([`Known::before_listing`]).
+pub(crate) struct Before(Option<Record>);
+
 /// This host's record of one repository, and what a command does when the store went
 /// back. Set on a [`Repository`] ([`Repository::set_known`]), it is told of every listing
 /// of the snapshots, of each snapshot a backup commits and of those a forget removes.
@@ -405,14 +408,22 @@ impl Known {
         })
     }
 
+    /// The record as it is before the snapshots are listed: what the listing is held to.
+    /// (Compared with the record as it is after, a listing would miss what another
+    /// process of this host committed or forgot while it was being read.)
+    pub(crate) fn before_listing(&self) -> Before {
+        Before(self.load())
+    }
+
     /// Checks a listing of the snapshots (oldest first; `unreadable`: the ids of the
-    /// manifests that could not be read) against the record, acts as the command asked
-    /// ([`OnRollback`]), and records the listing.
-    pub(crate) fn listed(&self, snaps: &[SnapshotInfo], unreadable: &[String]) -> Result<()> {
+    /// manifests that could not be read) against the record as it was before the listing
+    /// began, acts as the command asked ([`OnRollback`]), and records the listing.
+    pub(crate) fn listed(&self, before: Before, snaps: &[SnapshotInfo], unreadable: &[String]) -> Result<()> {
         let unreadable: HashSet<&str> = unreadable.iter().map(String::as_str).collect();
+        let Some(old) = before.0 else { return Ok(()) };
+        let found = findings(&old, snaps, &unreadable);
         self.with_record(|rec| {
-            let Some(r) = rec.as_mut() else { return Ok(()) };
-            let found = findings(r, snaps, &unreadable);
+            let Some(r) = rec.as_mut().filter(|r| r.id == old.id) else { return Ok(()) };
             let accept = matches!(self.on, OnRollback::Accept);
             let mut refused = Vec::new();
             for f in &found {
@@ -454,6 +465,13 @@ impl Known {
             };
             Err(Error::Invalid(format!("{}. Refused: {way_out}", refused.join("; "))))
         })
+    }
+
+    /// Records a repository this host just made (`ferry repo init`): it replaces whatever
+    /// the record held of the location.
+    pub fn made(&self, repo: &Repository) {
+        let key = repo.crypto().key_fingerprint().map(|k| hex(&k));
+        self.with_record(|rec| *rec = Some(Record::new(&self.location, &repo.config().id, key)));
     }
 
     /// Whether a listing found that the store went back (a disk's newest snapshot gone, a
@@ -615,6 +633,10 @@ mod tests {
         let other = repo(true);
         k.opened(&other).unwrap();
         assert_eq!(k.load().unwrap().id, other.config().id);
+        // Made again by this host (`repo init`): whatever was recorded is replaced.
+        k.made(&plain);
+        k.opened(&plain).unwrap();
+        assert!(!k.load().unwrap().encrypted);
         // An unencrypted one made again as another: a new record too.
         let k2 = Known::open(dir.path(), "/r2", OnRollback::Warn).unwrap();
         k2.opened(&plain).unwrap();

@@ -326,6 +326,7 @@ impl Repository {
     /// Every manifest, each read and checked, with the names of those that fail and why;
     /// the good ones oldest first.
     pub(crate) fn snapshots_lenient(&self) -> Result<(Vec<SnapshotInfo>, Failures)> {
+        let before = self.known.as_ref().map(|k| k.before_listing());
         let names = self
             .store
             .list("snapshots/")
@@ -341,10 +342,10 @@ impl Repository {
             }
         }
         sort_snapshots(&mut good);
-        if let Some(k) = &self.known {
+        if let (Some(k), Some(before)) = (&self.known, before) {
             let unreadable: Vec<String> =
                 bad.iter().map(|(n, _)| n.strip_prefix("snapshots/").unwrap_or(n).to_string()).collect();
-            k.listed(&good, &unreadable)?;
+            k.listed(before, &good, &unreadable)?;
         }
         Ok((good, bad))
     }
