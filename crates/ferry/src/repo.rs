@@ -484,7 +484,11 @@ fn forget(a: ForgetArgs) -> Result<i32> {
     if [a.keep_last, a.keep_daily, a.keep_weekly, a.keep_monthly].iter().all(Option::is_none) {
         bail!("give a policy: --keep-last, --keep-daily, --keep-weekly and/or --keep-monthly N (nothing is forgotten)");
     }
-    let on = removing(a.accept_rollback, name.clone(), &repo_spec, "a forget");
+    // A dry run removes nothing: it only warns.
+    let on = match a.dry_run {
+        true => OnRollback::Warn,
+        false => removing(a.accept_rollback, name.clone(), &repo_spec, "a forget"),
+    };
     let repo = ferry_open::repo::open_repository_with(&repo_spec, &a.remote.remote(), a.password_file.as_deref(), on)?;
     let before = repo.snapshots().with_context(|| format!("listing {repo_spec}"))?;
     let r =

@@ -227,6 +227,8 @@ fn a_deleted_newest_snapshot_is_a_rollback_not_the_latest() {
     }
     let out = fails(&host, &["copy", &vm1, s(&restored)]);
     assert!(out.stderr.contains("@ID"), "no way out: {}", out.describe());
+    let out = ok(&host, &["repo", "forget", "--dry-run", "--keep-last", "1", s(&repo)]);
+    assert!(out.stderr.contains("the store went back"), "{}", out.describe());
     let out = fails(&host, &["backup", "--no-bitmap", s(&d.join("day3.raw")), &vm1]);
     assert!(out.stderr.contains("--accept-rollback"), "no way out: {}", out.describe());
     // Read-only commands warn and go on (check and verify exit 1, as for damage); a
