@@ -17,6 +17,7 @@ use ferry_client::ConnectOptions;
 use ferry_open::Location;
 use ferry_proto::consts::META_DIRTY_BITMAP_PREFIX;
 use ferry_repo::format::Changes;
+use ferry_repo::known::OnRollback;
 use ferry_repo::{BackupOptions, SnapshotWriter};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -99,6 +100,11 @@ pub struct BackupArgs {
     /// from a changed one would mix two versions of the disk.
     #[arg(long, requires = "resume")]
     same_source: bool,
+    /// Accept the repository as the store has it when its snapshots went back since
+    /// this host last used it (NAME's newest snapshot gone, a forgotten one back): this
+    /// host's record of it then follows the store. Without it such a backup is refused.
+    #[arg(long)]
+    accept_rollback: bool,
     #[command(flatten)]
     remote: crate::remote_args::RemoteArgs,
 }
@@ -247,7 +253,19 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
     let mut remote = args.remote.remote();
     remote.http.retries = args.retries;
     remote.http.retry_delay = args.retry_delay;
-    let repo = ferry_open::repo::open_repository(&repo_spec, &remote, args.password_file.as_deref())?;
+    let on = match args.accept_rollback {
+        true => OnRollback::Accept,
+        false => OnRollback::Refuse {
+            disk: Some(name.clone()),
+            back: true,
+            way_out: format!(
+                "a backup now would continue an older state of {name}. Find out why first (`ferry repo list \
+                 {repo_spec}`, the store's logs); if the snapshot was removed on purpose, run the backup again with \
+                 --accept-rollback, which makes the store's state the one this host knows"
+            ),
+        },
+    };
+    let repo = ferry_open::repo::open_repository_with(&repo_spec, &remote, args.password_file.as_deref(), on)?;
 
     // A stopped VM's local qcow2 image without a change map given: ferry keeps its change
     // tracking itself (see `Tracker`).
@@ -481,6 +499,9 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
         report.with_context(|| format!("backing up {} into {target} (no snapshot was made)", shown(&args.src)))?;
     let read = report.data_bytes + report.zero_bytes;
     let snap = writer.commit(read).with_context(|| format!("cannot store the snapshot of {target}"))?;
+    if let Some(k) = repo.known() {
+        k.committed(&snap);
+    }
     drop(dst);
     drop(source);
     if let Some(t) = tracker {

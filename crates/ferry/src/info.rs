@@ -543,7 +543,8 @@ fn local(args: &InfoArgs, loc: &ferry_open::Location) -> Result<i32> {
 /// `ferry info REPO::NAME[@ID]`: the snapshot's manifest and its repository.
 fn snapshot_info(args: &InfoArgs, repo_spec: &str, name: &str, id: Option<&str>) -> Result<i32> {
     let remote = args.remote.remote();
-    let repo = ferry_open::repo::open_repository(repo_spec, &remote, None)?;
+    let on = ferry_open::repo::snapshot_on_rollback(repo_spec, name, id);
+    let repo = ferry_open::repo::open_repository_with(repo_spec, &remote, None, on)?;
     let shown = ferry_open::Location::repo_spec(repo_spec, name, id);
     let snap = ferry_open::repo::resolve(&repo, name, id).with_context(|| shown.clone())?;
     let m = &snap.manifest;

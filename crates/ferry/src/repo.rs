@@ -5,6 +5,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 use ferry_backend::parse_size;
 use ferry_repo::format::{Changes, Manifest};
+use ferry_repo::known::OnRollback;
 use ferry_repo::maint::{self, Policy, Problem, Report, VerifyOptions};
 use ferry_repo::{InitOptions, Repository, SnapshotInfo};
 use std::path::PathBuf;
@@ -54,8 +55,32 @@ struct CommonArgs {
 }
 
 impl CommonArgs {
+    /// The repository, for a command that only reads it: a store that went back is
+    /// warned about.
     fn open(&self) -> Result<Arc<Repository>> {
-        ferry_open::repo::open_repository(&self.repo, &self.remote.remote(), self.password_file.as_deref())
+        self.open_with(OnRollback::Warn)
+    }
+    fn open_with(&self, on: OnRollback) -> Result<Arc<Repository>> {
+        ferry_open::repo::open_repository_with(&self.repo, &self.remote.remote(), self.password_file.as_deref(), on)
+    }
+}
+
+/// What forget and gc do when the store went back since this host last used it: refuse
+/// when a disk's newest snapshot is gone (they would remove what is left of it), unless
+/// accepted; a forgotten snapshot back is only warned about (forgetting it again is the
+/// remedy).
+fn removing(accept: bool, disk: Option<String>, repo: &str, what: &str) -> OnRollback {
+    match accept {
+        true => OnRollback::Accept,
+        false => OnRollback::Refuse {
+            disk,
+            back: false,
+            way_out: format!(
+                "{what} now could remove for good what is left of the snapshots that are gone. Find out why first \
+                 (`ferry repo list {repo}`, the store's logs); if they were removed on purpose, run it again with \
+                 --accept-rollback, which makes the store's state the one this host knows"
+            ),
+        },
     }
 }
 
@@ -131,6 +156,11 @@ struct ForgetArgs {
     json: bool,
     #[arg(long, value_name = "FILE")]
     password_file: Option<PathBuf>,
+    /// Forget even though the snapshots went back since this host last used the
+    /// repository (a disk's newest gone, a forgotten one back), accepting the store's
+    /// state. Without it such a forget is refused.
+    #[arg(long)]
+    accept_rollback: bool,
     #[command(flatten)]
     remote: crate::remote_args::RemoteArgs,
 }
@@ -147,6 +177,12 @@ struct GcArgs {
     #[arg(long, value_name = "PERCENT", default_value_t = maint::DEFAULT_REPACK_PERCENT,
           value_parser = clap::value_parser!(u32).range(0..=100))]
     repack: u32,
+    /// Collect even though the snapshots went back since this host last used the
+    /// repository (a disk's newest gone, a forgotten one back), accepting the store's
+    /// state. Without it such a gc is refused: it would free the data of the snapshots
+    /// that are gone.
+    #[arg(long)]
+    accept_rollback: bool,
 }
 
 #[derive(Args, Debug)]
@@ -164,19 +200,19 @@ pub fn run(args: RepoArgs) -> Result<i32> {
         RepoCommand::Check(a) => {
             let repo = a.open()?;
             let r = maint::check(&repo).with_context(|| format!("checking {}", a.repo))?;
-            Ok(print_report(&a.repo, &r, false))
+            Ok(print_report(&a.repo, &r, false).max(went_back(&a.repo, &repo)))
         }
         RepoCommand::Verify(a) => {
             let repo = a.common.open()?;
             let threads = a.jobs.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())).max(1);
             let opts = VerifyOptions { read_data_percent: a.read_data, threads };
             let r = maint::verify(&repo, &opts).with_context(|| format!("verifying {}", a.common.repo))?;
-            Ok(print_report(&a.common.repo, &r, true))
+            Ok(print_report(&a.common.repo, &r, true).max(went_back(&a.common.repo, &repo)))
         }
         RepoCommand::Forget(a) => forget(a),
         RepoCommand::Key(a) => crate::repo_key::run(a),
         RepoCommand::Gc(a) => {
-            let repo = a.common.open()?;
+            let repo = a.common.open_with(removing(a.accept_rollback, None, &a.common.repo, "a gc"))?;
             let r = maint::gc_with(&repo, a.wait, a.repack).with_context(|| format!("gc of {}", a.common.repo))?;
             println!(
                 "{}: {} packs deleted, {} repacked, {} unreferenced chunks freed ({}); {} -> {}",
@@ -243,8 +279,9 @@ fn init(a: InitArgs) -> Result<i32> {
         version: a.format_version,
         ..InitOptions::default()
     };
-    let store = ferry_open::repo::repo_store(&c.repo, &c.remote.remote(), true)?;
-    Repository::init(store, &opts).with_context(|| format!("cannot make a repository at {}", c.repo))?;
+    let (store, location) = ferry_open::repo::repo_store_at(&c.repo, &c.remote.remote(), true)?;
+    let repo = Repository::init(store, &opts).with_context(|| format!("cannot make a repository at {}", c.repo))?;
+    ferry_open::repo::remember_new(&c.repo, &location, &repo);
     println!(
         "made the repository {} ({}, chunks of {})",
         c.repo,
@@ -429,6 +466,19 @@ fn is_checkpoint(id: &str) -> bool {
     id.starts_with("checkpoints/")
 }
 
+/// 1, said, when this host's record of the repository found that its store went back
+/// (check and verify then fail, as for damage); else 0.
+fn went_back(shown: &str, repo: &Repository) -> i32 {
+    if !repo.known().is_some_and(|k| k.went_back()) {
+        return 0;
+    }
+    println!(
+        "{shown}: the store went back since this host last used it (see the warnings above): find out why; \
+         `ferry backup`, `repo forget` or `repo gc` with --accept-rollback accepts it"
+    );
+    1
+}
+
 /// Ranges listed per snapshot before the rest is only counted.
 const RANGES_SHOWN: usize = 8;
 
@@ -480,7 +530,12 @@ fn forget(a: ForgetArgs) -> Result<i32> {
     if [a.keep_last, a.keep_daily, a.keep_weekly, a.keep_monthly].iter().all(Option::is_none) {
         bail!("give a policy: --keep-last, --keep-daily, --keep-weekly and/or --keep-monthly N (nothing is forgotten)");
     }
-    let repo = ferry_open::repo::open_repository(&repo_spec, &a.remote.remote(), a.password_file.as_deref())?;
+    // A dry run removes nothing: it only warns.
+    let on = match a.dry_run {
+        true => OnRollback::Warn,
+        false => removing(a.accept_rollback, name.clone(), &repo_spec, "a forget"),
+    };
+    let repo = ferry_open::repo::open_repository_with(&repo_spec, &a.remote.remote(), a.password_file.as_deref(), on)?;
     let (before, _) = repo.snapshots_lenient().with_context(|| format!("listing {repo_spec}"))?;
     let r =
         maint::forget(&repo, name.as_deref(), &policy, a.dry_run).with_context(|| format!("forget in {repo_spec}"))?;

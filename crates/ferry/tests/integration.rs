@@ -47,6 +47,7 @@ mod repo_locks;
 mod repo_keys;
 mod repo_resume;
 mod repo_s3;
+mod repo_trust;
 mod resume_safety;
 mod robustness;
 mod untrusted_images;

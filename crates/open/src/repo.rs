@@ -9,6 +9,7 @@
 use crate::Remote;
 use anyhow::{bail, Context, Result};
 use ferry_repo::crypto::KdfLimit;
+use ferry_repo::known::{Known, OnRollback};
 use ferry_repo::store::{DirStore, S3Store, Store};
 use ferry_repo::{Passphrase, Repository, SnapshotImage, SnapshotInfo};
 use std::path::Path;
@@ -26,11 +27,18 @@ fn is_s3(repo: &str) -> bool {
 /// The store of an existing repository (`create`: a directory is made if missing, for
 /// `ferry repo init`; an S3 prefix needs nothing made).
 pub fn repo_store(repo: &str, remote: &Remote, create: bool) -> Result<Arc<dyn Store>> {
+    repo_store_at(repo, remote, create).map(|(s, _)| s)
+}
+
+/// [`repo_store`], and where the repository is, as this host's record of it is keyed: a
+/// directory's canonical path, or the S3 URL and the server's endpoint.
+pub fn repo_store_at(repo: &str, remote: &Remote, create: bool) -> Result<(Arc<dyn Store>, String)> {
     if is_s3(repo) {
         let cfg = ferry_s3::S3Config::from_env().with_context(|| format!("cannot reach {repo}"))?;
         let http = crate::s3::http_for_s3(&remote.http)?;
         let s = S3Store::open(repo, &cfg, &http).with_context(|| format!("cannot open the repository {repo}"))?;
-        return Ok(Arc::new(s));
+        let at = format!("{} at {}", repo.trim_end_matches('/'), cfg.endpoint.as_deref().unwrap_or("AWS"));
+        return Ok((Arc::new(s), at));
     }
     let p = Path::new(repo);
     let s = if create { DirStore::create(p) } else { DirStore::open(p) };
@@ -41,11 +49,29 @@ pub fn repo_store(repo: &str, remote: &Remote, create: bool) -> Result<Arc<dyn S
             format!("cannot open the repository {repo} (make one with `ferry repo init {repo}`)")
         }
     })?;
-    Ok(Arc::new(s))
+    let at = std::fs::canonicalize(p).map_or_else(|_| repo.to_string(), |p| p.display().to_string());
+    Ok((Arc::new(s), at))
 }
 
 /// The most bytes of a passphrase file read to find its first line.
 const MAX_PASSPHRASE_FILE: usize = 64 << 10;
+
+/// Warns when the passphrase file is a regular file that the group or others may read
+/// (as ssh does for a private key; a pipe or `/dev/stdin` is left alone).
+fn warn_if_shared(file: &Path, f: &std::fs::File) {
+    use std::os::unix::fs::PermissionsExt;
+    let Ok(meta) = f.metadata() else { return };
+    let mode = meta.permissions().mode() & 0o777;
+    if meta.is_file() && mode & 0o044 != 0 {
+        log::warn!(
+            "the passphrase file {} can be read by {} (mode {mode:03o}): anyone who reads it can read your backups; \
+             make it private: chmod 600 {}",
+            file.display(),
+            if mode & 0o004 != 0 { "every user of this machine" } else { "its group" },
+            file.display()
+        );
+    }
+}
 
 /// The first line of `file`, without its line end. The bytes are read into a
 /// [`Passphrase`] of fixed size (zeroed when dropped, never grown: no copy is left behind
@@ -54,6 +80,7 @@ fn first_line(file: &Path) -> Result<Passphrase> {
     use std::io::Read;
     let cannot = || format!("cannot read the passphrase file {}", file.display());
     let mut f = std::fs::File::open(file).with_context(cannot)?;
+    warn_if_shared(file, &f);
     let mut bytes = Passphrase::new(vec![0u8; MAX_PASSPHRASE_FILE]);
     let mut n = 0;
     // Up to the first line end (a pipe or FIFO may send no more) or the buffer's end.
@@ -152,9 +179,55 @@ fn kdf_limit_from(var: Option<&str>) -> Result<KdfLimit> {
 }
 
 /// Opens the repository at `repo`, unlocking it with the passphrase given when it is
-/// encrypted.
+/// encrypted, checked against this host's record of it; a command that finds the store
+/// went back is refused (see [`open_repository_with`] for the other choices).
 pub fn open_repository(repo: &str, remote: &Remote, password_file: Option<&Path>) -> Result<Arc<Repository>> {
-    let store = repo_store(repo, remote, false)?;
+    let way_out = "if you know why (the snapshot was removed on purpose), run `ferry backup`, `ferry repo forget` or \
+     `ferry repo gc` once with --accept-rollback, which makes the store's state the one this host knows"
+        .to_string();
+    open_repository_with(repo, remote, password_file, OnRollback::Refuse { disk: None, back: true, way_out })
+}
+
+/// Where the passphrase given comes from, for messages.
+fn passphrase_source(password_file: Option<&Path>) -> String {
+    match (password_file, std::env::var_os("FERRY_PASSWORD")) {
+        (Some(f), _) => format!("--password-file {}", f.display()),
+        (None, Some(_)) => "FERRY_PASSWORD".into(),
+        (None, None) => "FERRY_PASSWORD_FILE".into(),
+    }
+}
+
+/// This host's record of the repository `repo` (at `location`, see [`repo_store_at`]),
+/// when a state directory can be had (else said: the command goes on without it).
+fn known(repo: &str, location: &str, on: OnRollback) -> Option<Known> {
+    let Some(dir) = ferry_repo::known::state_dir() else {
+        log::warn!(
+            "no state directory (FERRY_STATE_DIR, XDG_STATE_HOME and HOME are unset): this host keeps no record of \
+             {repo}, and would not notice its store going back"
+        );
+        return None;
+    };
+    match Known::open(&dir, location, on) {
+        Ok(k) => Some(k),
+        Err(e) => {
+            log::warn!(
+                "cannot keep this host's record of {repo} in {} ({e}): a store that goes back would not be \
+                 noticed; set FERRY_STATE_DIR to a directory ferry can write",
+                dir.display()
+            );
+            None
+        }
+    }
+}
+
+/// [`open_repository`], with what to do when the store went back.
+pub fn open_repository_with(
+    repo: &str,
+    remote: &Remote,
+    password_file: Option<&Path>,
+    on: OnRollback,
+) -> Result<Arc<Repository>> {
+    let (store, location) = repo_store_at(repo, remote, false)?;
     let limit = kdf_limit()?;
     let given = passphrase(password_file)?;
     let ask = || -> ferry_repo::Result<Passphrase> {
@@ -162,8 +235,29 @@ pub fn open_repository(repo: &str, remote: &Remote, password_file: Option<&Path>
             ferry_repo::Error::Passphrase(format!("the repository {repo} is encrypted: {PASSPHRASE_HOW}"))
         })
     };
-    let r = Repository::open_with(store, &ask, limit).with_context(|| format!("cannot open the repository {repo}"))?;
+    let mut r = Repository::open_with(store, &ask, limit).with_context(|| format!("cannot open the repository {repo}"))?;
+    if given.is_some() && !r.crypto().is_encrypted() {
+        bail!(
+            "the repository {repo} is not encrypted, yet a passphrase was given ({}): refused, because someone who \
+             can write the store can replace an encrypted repository's config with an unencrypted one, and ferry \
+             would then store your disks in plain text or restore disks of their choosing. Nothing was read or \
+             written. If {repo} is meant to be unencrypted, run without a passphrase (no --password-file, \
+             FERRY_PASSWORD or FERRY_PASSWORD_FILE)",
+            passphrase_source(password_file)
+        );
+    }
+    if let Some(k) = known(repo, &location, on) {
+        r.set_known(k).with_context(|| format!("cannot use the repository {repo}"))?;
+    }
     Ok(Arc::new(r))
+}
+
+/// Records a repository `ferry repo init` just made at `repo` (`location`: from
+/// [`repo_store_at`]) as this host's.
+pub fn remember_new(repo: &str, location: &str, r: &Repository) {
+    if let Some(k) = known(repo, location, OnRollback::Warn) {
+        k.made(r);
+    }
 }
 
 /// The snapshot `name` and `id` mean in `repo`.
@@ -186,11 +280,28 @@ fn cache_bytes_from(var: Option<&str>) -> Result<u64> {
     }
 }
 
+/// What reading the snapshot `REPO::NAME[@ID]` does when the store went back: the latest
+/// of a disk whose newest snapshot is gone is refused (it would be an older state of the
+/// disk, given as the latest), a snapshot named by id is read unless this host forgot it.
+pub fn snapshot_on_rollback(repo: &str, name: &str, id: Option<&str>) -> OnRollback {
+    match id {
+        Some(id) => OnRollback::Pinned { disk: name.into(), id: id.into() },
+        None => OnRollback::Refuse {
+            disk: Some(name.into()),
+            back: true,
+            way_out: format!(
+                "to read the snapshot the store has, name it: {repo}::{name}@ID (`ferry repo list {repo} {name}` shows \
+                 the ids); `ferry backup --accept-rollback` makes the store's state the one this host knows"
+            ),
+        },
+    }
+}
+
 /// A snapshot `REPO::NAME[@ID]`, opened as a read-only image.
 pub fn open_snapshot(repo: &str, name: &str, id: Option<&str>, remote: &Remote) -> Result<Arc<SnapshotImage>> {
     let shown = crate::Location::repo_spec(repo, name, id);
     let cache = cache_bytes()?;
-    let r = open_repository(repo, remote, None)?;
+    let r = open_repository_with(repo, remote, None, snapshot_on_rollback(repo, name, id))?;
     let snap = resolve(&r, name, id).with_context(|| shown.clone())?;
     SnapshotImage::open_with_cache(r, &snap, cache).with_context(|| format!("cannot open the snapshot {shown}"))
 }

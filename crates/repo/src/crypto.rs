@@ -135,6 +135,13 @@ impl Keys {
         let object_keys = (version >= 2).then(|| hmac_keyed(&enc[..]));
         Keys { enc, id, cipher, object_keys }
     }
+    /// The master key again (`enc_key || id_key`), zeroed when dropped.
+    fn master(&self) -> Zeroizing<[u8; 64]> {
+        let mut master = Zeroizing::new([0u8; 64]);
+        master[..32].copy_from_slice(&self.enc[..]);
+        master[32..].copy_from_slice(&self.id[..]);
+        master
+    }
     /// The cipher of an object whose additional data is `aad`: the master cipher
     /// (version 1), or AES-256-GCM keyed by HMAC-SHA256(enc_key, label || aad)
     /// (version 2). A blob's `aad` holds its id, so each blob has its own key; the other
@@ -276,6 +283,18 @@ impl Crypto {
         }
     }
 
+    /// A fingerprint of the master key, for this host's record of the repository
+    /// (docs/safety.md): HMAC-SHA256 keyed by the whole master key (`enc_key || id_key`)
+    /// of its own label, so it is no id, tag or key used anywhere else, and tells nothing
+    /// of the key. It stays the same when the passphrase that wraps the key changes.
+    /// `None` for an unencrypted repository.
+    pub fn key_fingerprint(&self) -> Option<Digest> {
+        match self {
+            Crypto::None => None,
+            Crypto::Aes(k) => Some(hmac_sha256(&k.master()[..], b"ferry key fingerprint 1")),
+        }
+    }
+
     /// The lock tag of a disk name (FORMAT.md §8).
     pub fn disk_tag(&self, name: &str) -> String {
         match self {
@@ -395,10 +414,7 @@ pub fn rewrap(
     let Crypto::Aes(k) = crypto else {
         return Err(CryptoError::Invalid("the repository is not encrypted: it has no passphrase to change".into()));
     };
-    let mut master = Zeroizing::new([0u8; 64]);
-    master[..32].copy_from_slice(&k.enc[..]);
-    master[32..].copy_from_slice(&k.id[..]);
-    wrap(&master, passphrase, cost, limit, ctx)
+    wrap(&k.master(), passphrase, cost, limit, ctx)
 }
 
 impl Crypto {
@@ -407,12 +423,7 @@ impl Crypto {
     pub(crate) fn as_version(&self, version: u32) -> Crypto {
         match self {
             Crypto::None => Crypto::None,
-            Crypto::Aes(k) => {
-                let mut master = Zeroizing::new([0u8; 64]);
-                master[..32].copy_from_slice(&k.enc[..]);
-                master[32..].copy_from_slice(&k.id[..]);
-                Crypto::Aes(Box::new(Keys::from_master(&master, version)))
-            }
+            Crypto::Aes(k) => Crypto::Aes(Box::new(Keys::from_master(&k.master(), version))),
         }
     }
 }
@@ -566,6 +577,14 @@ mod tests {
             rewrap(&Crypto::None, b"new", CHEAP, KdfLimit::Default, cx(ID, 65536, 256)),
             Err(CryptoError::Invalid(_))
         ));
+        // The fingerprint is the master key's: the same under either passphrase, another
+        // for another key, none unencrypted; it is no blob id or tag of the key.
+        let f = c.key_fingerprint().unwrap();
+        assert_eq!(c2.key_fingerprint(), Some(f));
+        assert_ne!(key().1.key_fingerprint(), Some(f));
+        assert_eq!(Crypto::None.key_fingerprint(), None);
+        assert_ne!(c.blob_id(&f), f);
+        assert_ne!(hex(&f), c.disk_tag("ferry key fingerprint 1"));
     }
 
     #[test]

@@ -53,6 +53,9 @@
 //!                    as a qemu:dirty-bitmap: context (ferry serve offers it when both are
 //!                    served)
 //! maint.rs           check, verify, forget (policy), gc, stats
+//! known.rs           this host's record of each repository it used (id, encryption and
+//!                    key fingerprint, each disk's newest snapshot, what it forgot), so a
+//!                    store that went back or lost its encryption is noticed
 //! ```
 //!
 //! The binary reaches it through `ferry-open`: `Location::parse` recognises `REPO::NAME` and
@@ -147,6 +150,7 @@ pub mod crypto;
 mod diff;
 pub mod format;
 pub mod keys;
+pub mod known;
 pub mod lock;
 pub mod maint;
 mod memory;

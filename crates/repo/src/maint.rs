@@ -557,6 +557,13 @@ pub fn forget(repo: &Repository, name: Option<&str>, policy: &Policy, dry_run: b
     if policy.is_empty() {
         report.notes.push("no --keep-* rule given: every snapshot is kept".into());
     }
+    // What this host forgot, for its record of the repository (told also when a delete fails).
+    let mut gone: Vec<(String, String)> = Vec::new();
+    let tell = |gone: &[(String, String)]| {
+        if let Some(k) = repo.known() {
+            k.forgotten(gone);
+        }
+    };
     for (_, mut list) in disks {
         list.reverse(); // newest first
         let keep = keep(&list, policy);
@@ -566,14 +573,17 @@ pub fn forget(repo: &Repository, name: Option<&str>, policy: &Policy, dry_run: b
             } else {
                 if !dry_run {
                     let obj = format!("snapshots/{}", s.id);
-                    repo.store
-                        .delete(&obj)
-                        .map_err(|e| Error::store(format!("cannot remove {obj} from {}", repo.store.describe()), e))?;
+                    if let Err(e) = repo.store.delete(&obj) {
+                        tell(&gone);
+                        return Err(Error::store(format!("cannot remove {obj} from {}", repo.store.describe()), e));
+                    }
+                    gone.push((s.id.clone(), s.manifest.name.clone()));
                 }
                 report.removed.push(s.id.clone());
             }
         }
     }
+    tell(&gone);
     Ok(report)
 }
 

@@ -42,6 +42,8 @@ pub struct Repository {
     /// The key the passphrase opened: [`crate::keys::CONFIG_KEY`] or a key object's id
     /// (FORMAT.md §3a); `None` unencrypted.
     pub(crate) key_slot: Option<String>,
+    /// This host's record of the repository, when the opener keeps one (crate::known).
+    pub(crate) known: Option<crate::known::Known>,
 }
 
 /// Where a blob is.
@@ -334,7 +336,7 @@ impl Repository {
         store
             .put("config", &bytes)
             .map_err(|e| Error::store(format!("cannot write {}/config", store.describe()), e))?;
-        Ok(Repository { store, config, crypto, key_slot })
+        Ok(Repository { store, config, crypto, key_slot, known: None })
     }
 
     /// Opens a repository; `passphrase` is called only if it is encrypted. KDF costs are
@@ -369,11 +371,25 @@ impl Repository {
                 (crypto, Some(slot))
             }
         };
-        Ok(Repository { store, config, crypto, key_slot })
+    /// the good ones oldest first. A store that fails (not damage) is an error.
+    pub fn snapshots_lenient(&self) -> Result<(Vec<SnapshotInfo>, Failures)> {
+        let before = self.known.as_ref().map(|k| k.before_listing());
     }
 
     pub fn store(&self) -> &Arc<dyn Store> {
         &self.store
+    }
+    /// Checks the repository against this host's record of it (refusing an encrypted
+    /// one turned unencrypted or given another key), then keeps the record up to date
+    /// with every listing of the snapshots, each committed snapshot and each forget.
+    pub fn set_known(&mut self, known: crate::known::Known) -> Result<()> {
+        known.opened(self)?;
+        self.known = Some(known);
+        Ok(())
+    }
+    /// This host's record of the repository, when it keeps one.
+    pub fn known(&self) -> Option<&crate::known::Known> {
+        self.known.as_ref()
     }
     pub fn config(&self) -> &Config {
         &self.config
@@ -408,8 +424,7 @@ impl Repository {
     }
 
     /// Every manifest, each read and checked, with the names of those that fail and why;
-    /// the good ones oldest first. A store that fails (not damage) is an error.
-    pub fn snapshots_lenient(&self) -> Result<(Vec<SnapshotInfo>, Failures)> {
+        Ok(Repository { store, config, crypto, key_slot, known: None })
         let names = self
             .store
             .list("snapshots/")
@@ -425,6 +440,11 @@ impl Repository {
             }
         }
         sort_snapshots(&mut good);
+        if let (Some(k), Some(before)) = (&self.known, before) {
+            let unreadable: Vec<String> =
+                bad.iter().map(|(n, _)| n.strip_prefix("snapshots/").unwrap_or(n).to_string()).collect();
+            k.listed(before, &good, &unreadable)?;
+        }
         Ok((good, bad))
     }
 
