@@ -65,12 +65,21 @@ fn image(d: &Path, name: &str, fill: u8) -> std::path::PathBuf {
 
 /// `ferry backup --json ARGS SRC TARGET` from `qemu-nbd -r -B b0 IMG`.
 fn backup_from(d: &Path, img: &Path, args: &[&str], target: &str) -> Output {
+    backup_on(d, img, args, target, None)
+}
+
+/// [`backup_from`] on a host whose record of repositories is in `state` (its own).
+fn backup_on(d: &Path, img: &Path, args: &[&str], target: &str, state: Option<&Path>) -> Output {
     let e = Export::qemu_nbd(d, "src", img, "qcow2", true, Some("b0"));
     let uri = e.uri();
     let mut a = vec!["backup", "--json"];
     a.extend_from_slice(args);
     a.extend_from_slice(&[&uri, target]);
-    let out = run(&mut ferry_cmd(&a));
+    let mut c = ferry_cmd(&a);
+    if let Some(state) = state {
+        c.env("FERRY_STATE_DIR", state);
+    }
+    let out = run(&mut c);
     e.stop();
     out
 }
@@ -187,13 +196,21 @@ fn the_newest_snapshot_deleted_from_the_store_is_refused() {
     qemu_img(&["bitmap", "--clear", s(&img), "b0"]);
     fs::remove_file(repo.join("snapshots").join(&s2)).unwrap();
     qemu_io("qcow2", s(&img), &["write -P 0x22 8M 64K".into()]);
-    let out = backup_from(d, &img, &["--password-file", pf, "--dirty-bitmap", "b0", "--since", &s2], &t);
-    assert!(!out.status.success(), "a backup built on the day before\n{}", out.describe());
-    assert!(!out.stderr.contains("panicked"), "{}", out.describe());
+    // This host saw s2: its record refuses first. Another host, which never saw s2 (its
+    // own state directory), is refused by --since: s2 is not in the store.
+    let other = d.join("other-host");
+    for state in [None, Some(other.as_path())] {
+        let args = ["--password-file", pf, "--dirty-bitmap", "b0", "--since", &s2];
+        let out = backup_on(d, &img, &args, &t, state);
+        assert!(!out.status.success(), "a backup built on the day before\n{}", out.describe());
+        assert!(!out.stderr.contains("panicked"), "{}", out.describe());
+        let why = if state.is_none() { "the store went back" } else { "--since" };
+        assert!(out.stderr.contains(why), "{}", out.describe());
+    }
     let list = Json::must_parse(&ferry(&["repo", "list", "--json", "--password-file", pf, s(&repo)]).stdout);
     assert_eq!(list.as_array().unwrap().len(), 1, "a snapshot was made: {list}");
-    // The way out: a backup without the map.
-    let s3 = id_of(&backup_from(d, &img, &["--password-file", pf], &t));
+    // The way out: a backup without the map (on this host, accepting what the store holds).
+    let s3 = id_of(&backup_on(d, &img, &["--password-file", pf, "--accept-rollback"], &t, None));
     let restored = d.join("restored.raw");
     run_ok(ferry_cmd(&["copy", &format!("{t}@{s3}"), s(&restored)]).env("FERRY_PASSWORD_FILE", pf));
     qemu_img(&["compare", "-f", "raw", "-F", "qcow2", s(&restored), s(&img)]);
@@ -294,7 +311,12 @@ fn a_resume_keeps_its_base() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    let stored = || fs::read_dir(repo.join("checkpoints")).map(|rd| rd.count()).unwrap_or(0) > 0;
+    // A stored checkpoint, not the temporary file it is written to first.
+    let stored = || {
+        fs::read_dir(repo.join("checkpoints"))
+            .map(|rd| rd.flatten().any(|e| !e.file_name().to_string_lossy().starts_with('.')))
+            .unwrap_or(false)
+    };
     assert!(wait_until(std::time::Duration::from_secs(10), stored), "no checkpoint was stored");
     slow.kill().unwrap();
     slow.wait().unwrap();
@@ -305,9 +327,22 @@ fn a_resume_keeps_its_base() {
     };
     let out = resume(&s1);
     assert!(out.stderr.contains("is not its latest"), "{}", out.describe());
-    let out = resume(&s2);
-    assert!(out.stderr.contains("cannot be resumed") && out.stderr.contains(&s1[..8]), "{}", out.describe());
-    assert_eq!(ids(s(&repo), "a"), [s1.as_str(), s2.as_str()]);
+    // s2 is later than the checkpoint and continues its base: the checkpoint is a
+    // leftover (FORMAT.md §7a), discarded with a notice, and the map applied to s2.
+    let out = run_ok(&mut ferry_cmd(&[
+        "backup",
+        "--json",
+        "--resume",
+        "--extents-from",
+        s(&map),
+        "--since",
+        &s2,
+        s(&img),
+        &t,
+    ]));
+    assert!(out.stderr.contains("discarding the checkpoint"), "{}", out.describe());
+    let s3 = Json::must_parse(out.stdout.trim()).at("id").as_str().unwrap().to_string();
+    assert_eq!(ids(s(&repo), "a"), [s1.as_str(), s2.as_str(), s3.as_str()]);
 }
 
 /// RFC 3339 UTC of `secs` since the epoch (whole seconds), as FORMAT.md writes times.

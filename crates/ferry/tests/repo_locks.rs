@@ -11,6 +11,7 @@
 //!   is not offered for resume, and `--resume` goes on with a notice;
 //! * what `check` says of a damaged checkpoint.
 
+use crate::common::json::{Json, JsonExt};
 use crate::common::*;
 use crate::repo_crash::{ferry_cmd, s};
 use std::fs;
@@ -281,13 +282,26 @@ fn killed_after_a_checkpoint(repo_p: &Path, args: &[&str]) -> (PathBuf, Vec<u8>)
 fn a_checkpoint_left_after_its_commit_is_not_resumed() {
     let Setup { dir, repo_p, repo, img, t } = setup("leftover", 16, 10);
     let d = dir.path();
-    run_ok(&mut ferry_cmd(&["backup", s(&img), &t]));
+    let id = |out: &Output| Json::must_parse(out.stdout.trim()).at("id").as_str().unwrap().to_string();
+    let s0 = id(&run_ok(&mut ferry_cmd(&["backup", "--json", s(&img), &t])));
     let map = change(&img, d, 1);
-    let (object, saved) = killed_after_a_checkpoint(&repo_p, &["--rate", "2M", "--extents-from", s(&map), s(&img), &t]);
+    let args = ["--rate", "2M", "--extents-from", s(&map), "--since", &s0, s(&img), &t];
+    let (object, saved) = killed_after_a_checkpoint(&repo_p, &args);
     // Resumed, it commits and removes its checkpoint; put back, it is what a kill between
     // the two leaves.
-    let out = run_ok(&mut ferry_cmd(&["backup", "--resume", "--extents-from", s(&map), s(&img), &t]));
+    let out = run_ok(&mut ferry_cmd(&[
+        "backup",
+        "--json",
+        "--resume",
+        "--extents-from",
+        s(&map),
+        "--since",
+        &s0,
+        s(&img),
+        &t,
+    ]));
     assert!(out.stderr.contains("resuming the backup of a"), "{}", out.describe());
+    let s1 = id(&out);
     assert!(!object.exists());
     fs::write(&object, &saved).unwrap();
     let list = run_ok(&mut ferry_cmd(&["repo", "list", &repo]));
@@ -304,7 +318,8 @@ fn a_checkpoint_left_after_its_commit_is_not_resumed() {
     );
     // The next nightly run, with --resume as always: a notice, and a backup.
     let map2 = change(&img, d, 2);
-    let out = run(&mut ferry_cmd(&["backup", "--resume", "--extents-from", s(&map2), s(&img), &t]));
+    let out =
+        run(&mut ferry_cmd(&["backup", "--json", "--resume", "--extents-from", s(&map2), "--since", &s1, s(&img), &t]));
     assert!(out.status.success(), "--resume refused a leftover checkpoint\n{}", out.describe());
     assert!(
         out.stderr.contains("discarding the checkpoint of") && out.stderr.contains("nothing to resume"),
@@ -312,11 +327,12 @@ fn a_checkpoint_left_after_its_commit_is_not_resumed() {
         out.describe()
     );
     assert!(!object.exists(), "the leftover checkpoint stays");
+    let s2 = id(&out);
     let want = run_ok(&mut ferry_cmd(&["hash", s(&img)])).stdout;
     assert_eq!(run_ok(&mut ferry_cmd(&["hash", &t])).stdout.split_whitespace().next(), want.split_whitespace().next());
     // And the night after, with nothing to resume.
     let map3 = change(&img, d, 3);
-    let out = run_ok(&mut ferry_cmd(&["backup", "--resume", "--extents-from", s(&map3), s(&img), &t]));
+    let out = run_ok(&mut ferry_cmd(&["backup", "--resume", "--extents-from", s(&map3), "--since", &s2, s(&img), &t]));
     assert!(out.stderr.contains("no interrupted backup to resume"), "{}", out.describe());
     check_ok(&repo, "backups after a leftover checkpoint");
 }

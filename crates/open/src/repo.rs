@@ -235,7 +235,8 @@ pub fn open_repository_with(
             ferry_repo::Error::Passphrase(format!("the repository {repo} is encrypted: {PASSPHRASE_HOW}"))
         })
     };
-    let mut r = Repository::open_with(store, &ask, limit).with_context(|| format!("cannot open the repository {repo}"))?;
+    let mut r =
+        Repository::open_with(store, &ask, limit).with_context(|| format!("cannot open the repository {repo}"))?;
     if given.is_some() && !r.crypto().is_encrypted() {
         bail!(
             "the repository {repo} is not encrypted, yet a passphrase was given ({}): refused, because someone who \

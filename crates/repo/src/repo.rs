@@ -371,9 +371,7 @@ impl Repository {
                 (crypto, Some(slot))
             }
         };
-    /// the good ones oldest first. A store that fails (not damage) is an error.
-    pub fn snapshots_lenient(&self) -> Result<(Vec<SnapshotInfo>, Failures)> {
-        let before = self.known.as_ref().map(|k| k.before_listing());
+        Ok(Repository { store, config, crypto, key_slot, known: None })
     }
 
     pub fn store(&self) -> &Arc<dyn Store> {
@@ -424,7 +422,9 @@ impl Repository {
     }
 
     /// Every manifest, each read and checked, with the names of those that fail and why;
-        Ok(Repository { store, config, crypto, key_slot, known: None })
+    /// the good ones oldest first. A store that fails (not damage) is an error.
+    pub fn snapshots_lenient(&self) -> Result<(Vec<SnapshotInfo>, Failures)> {
+        let before = self.known.as_ref().map(|k| k.before_listing());
         let names = self
             .store
             .list("snapshots/")

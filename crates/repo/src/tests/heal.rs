@@ -40,22 +40,41 @@ fn copies(repo: &Repository, snap: &SnapshotInfo, chunk: usize) -> Vec<String> {
     index.locations(&repo.crypto.blob_id(&e)).map(|l| pack_name(&l.pack)).collect()
 }
 
-/// Index objects that list `pack` again (each a different part of its blobs, so each has
-/// another name) until one sorts before `other`: the index then lists `pack`'s copies
-/// first, whatever names the backups' own index objects got.
-fn list_first(store: &MemStore, repo: &Repository, pack: &str, other: &str) {
+/// The blob id of chunk `chunk` of `snap`.
+fn chunk_id(repo: &Repository, snap: &SnapshotInfo, chunk: usize) -> Digest {
+    let index = repo.load_index().unwrap();
+    repo.crypto.blob_id(&repo.entries(&index, snap).unwrap()[chunk])
+}
+
+/// Index objects that list `pack` again, each with another part of its blobs (always
+/// `keep`, the blob the test looks at; encrypted, each also gets a random nonce), until one
+/// sorts before `other`: the index then lists `pack`'s copy of `keep` first, whatever names
+/// the backups' own index objects got. Hundreds of names to draw from, so it never fails
+/// in practice.
+fn list_first(store: &MemStore, repo: &Repository, pack: &str, other: &str, keep: &Digest) {
     let (objects, _) = repo.index_objects().unwrap();
     let listed: PackBlobs =
         objects.iter().flat_map(|(_, ps)| ps.iter()).find(|p| pack_name(&p.pack) == pack).unwrap().clone();
-    for skip in 0..listed.blobs.len() {
-        let part = PackBlobs { pack: listed.pack, blobs: listed.blobs[skip..].to_vec() };
-        let (names, _) = repo.put_index(&[part]).unwrap();
+    let n = listed.blobs.len();
+    assert!(listed.blobs.iter().any(|b| b.id == *keep), "{pack} does not hold the blob looked at");
+    // Other packs listed again beside it (harmless: the same copies) give more names.
+    let others: Vec<Option<PackBlobs>> = std::iter::once(None)
+        .chain(objects.iter().flat_map(|(_, ps)| ps.iter()).filter(|p| p.pack != listed.pack).cloned().map(Some))
+        .collect();
+    let rounds = if repo.crypto.is_encrypted() { 16 } else { 1 };
+    let parts =
+        (0..rounds).flat_map(|_| others.iter()).flat_map(|o| (0..n).flat_map(move |i| (i..n).map(move |j| (o, i, j))));
+    for (extra, i, j) in parts {
+        let blobs = listed.blobs.iter().enumerate().filter(|(k, b)| (*k != i && *k != j) || b.id == *keep);
+        let part = PackBlobs { pack: listed.pack, blobs: blobs.map(|(_, b)| b.clone()).collect() };
+        let all: Vec<PackBlobs> = std::iter::once(part).chain(extra.iter().cloned()).collect();
+        let (names, _) = repo.put_index(&all).unwrap();
         if names[0].as_str() < other {
             return;
         }
         store.delete(&names[0]).unwrap();
     }
-    panic!("no index object naming {pack} sorts before {other}");
+    panic!("no index object naming {pack} sorts before {other} ({n} blobs)");
 }
 
 /// The index objects of the repository in `store`.
@@ -85,7 +104,7 @@ fn a_copy_in_a_lost_pack_does_not_hide_the_one_a_full_backup_stored_again() {
         // A full backup of the unchanged disk stores the lost chunks again.
         let second = backup_in_small_packs(&repo, &data, &first);
         let new_index: Vec<String> = index_names(&store).into_iter().filter(|n| !index_before.contains(n)).collect();
-        list_first(&store, &repo, &lost, &new_index[0]);
+        list_first(&store, &repo, &lost, new_index.iter().min().unwrap(), &chunk_id(&repo, &first, 7));
         let c = copies(&repo, &second, 7);
         assert_eq!(c.len(), 2, "{c:?}");
         assert_eq!(c[0], lost, "the lost copy is listed first");
@@ -124,7 +143,7 @@ fn a_page_whose_first_copy_is_lost_reads_from_another() {
     assert_eq!(second.manifest.parent, None);
     assert_eq!(second.manifest.pages, first.manifest.pages);
     let new_index: Vec<String> = index_names(&store).into_iter().filter(|n| !index_before.contains(n)).collect();
-    list_first(&store, &repo, &pack, &new_index[0]);
+    list_first(&store, &repo, &pack, new_index.iter().min().unwrap(), &page);
     let index = repo.load_index().unwrap();
     assert_eq!(pack_name(&index.blobs[&page].pack), pack, "the lost copy of the page is listed first");
     assert!(read_back(&repo, &first) == data);
@@ -292,7 +311,7 @@ fn a_damaged_first_copy_is_passed_over_for_a_good_one() {
     store.delete(&pack).unwrap();
     let second = backup_in_small_packs(&repo, &data, &first);
     let new_index: Vec<String> = index_names(&store).into_iter().filter(|n| !index_before.contains(n)).collect();
-    list_first(&store, &repo, &pack, &new_index[0]);
+    list_first(&store, &repo, &pack, new_index.iter().min().unwrap(), &chunk_id(&repo, &first, 7));
     // The pack comes back, with a byte of chunk 7 changed: present, but damaged.
     let mut bad = saved;
     bad[at as usize] ^= 1;
