@@ -41,6 +41,7 @@ mod rbd;
 mod remote_images;
 mod repo_backup;
 mod repo_crash;
+mod repo_recover;
 mod repo_resume;
 mod repo_s3;
 mod resume_safety;

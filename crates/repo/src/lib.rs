@@ -131,12 +131,14 @@
 pub mod blob;
 mod checkpoint;
 pub mod crypto;
+mod damage;
 mod diff;
 pub mod format;
 pub mod lock;
 pub mod maint;
 mod memory;
 mod reader;
+pub mod recover;
 mod repo;
 pub mod store;
 #[cfg(test)]
@@ -144,6 +146,7 @@ mod tests;
 mod writer;
 
 pub use checkpoint::CheckpointInfo;
+pub use damage::{DamageSet, DamagedCopies};
 pub use diff::SnapshotDiff;
 pub use reader::{default_cache_bytes, SnapshotImage, MIN_CACHE_BYTES};
 pub use repo::{Index, InitOptions, Location as BlobLocation, Repository, SnapshotInfo};

@@ -163,7 +163,9 @@ fn describe(name: &str, l: &Lock) -> String {
 /// The locks in the store, each with whether it is stale (and why), and the names of
 /// those that cannot be read, with why.
 #[allow(clippy::type_complexity)]
-fn read_locks(store: &Arc<dyn Store>) -> Result<(Vec<(String, Lock, Option<String>)>, Vec<(String, String)>)> {
+pub(crate) fn read_locks(
+    store: &Arc<dyn Store>,
+) -> Result<(Vec<(String, Lock, Option<String>)>, Vec<(String, String)>)> {
     let names =
         store.list("locks/").map_err(|e| Error::store(format!("cannot list the locks of {}", store.describe()), e))?;
     let mut out = Vec::new();

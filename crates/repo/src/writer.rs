@@ -263,6 +263,8 @@ impl SnapshotWriter {
             }
             None => (crate::repo::entry_list(chunks, &format!("the backup of {}", opts.name))?, 0),
         };
+        let mut index = index;
+        Self::exclude_damaged(&repo, &mut index)?;
         if let Some(more) = chunks.checked_sub(entries.len() as u64) {
             if entries.try_reserve_exact(more as usize).is_err() {
                 return Err(Error::Invalid(format!(
@@ -322,6 +324,8 @@ impl SnapshotWriter {
         };
         let index = Self::load_index(&repo)?;
         let entries = repo.entries(&index, &checkpoint.as_snapshot())?;
+        let mut index = index;
+        Self::exclude_damaged(&repo, &mut index)?;
         let base_chunks = opts.base.as_ref().map_or(0, |b| b.manifest.chunks());
         let n_pages = checkpoint.checkpoint.pages.len();
         let mut state = State {
@@ -369,6 +373,20 @@ impl SnapshotWriter {
             );
         }
         Ok(index)
+    }
+
+    /// Drops the copies that `verify` recorded damaged from the index (once the base's
+    /// pages are read through it): their content is stored again where this backup reads
+    /// it, instead of being deduplicated against a copy that does not read back.
+    fn exclude_damaged(repo: &Repository, index: &mut Index) -> Result<()> {
+        let n = crate::damage::exclude_damaged(index, &repo.damage()?);
+        if n > 0 {
+            log::info!(
+                "{n} chunk(s) of {} are recorded damaged with no good copy: stored again where this backup reads them",
+                repo.store.describe()
+            );
+        }
+        Ok(())
     }
 
     /// The checks of the options that `start` and `resume` share.
