@@ -115,11 +115,15 @@ fn tmp(prefix: &str) -> tempfile::TempDir {
 
 /// The chunk a flipped byte damaged is stored again by the next full backup ("1 new
 /// chunk", not 0), every snapshot then restores (they share the chunk), and gc removes
-/// the damaged copy and its record.
+/// the damaged copy and its record; plain and encrypted.
 #[test]
 fn damaged_chunk_is_stored_again_and_collected() {
+    damaged_chunk_heals(PLAIN);
+    damaged_chunk_heals(Ferry { encrypted: true });
+}
+
+fn damaged_chunk_heals(f: Ferry) {
     let dir = tmp("ferry-recover-heal");
-    let f = PLAIN;
     let repo = f.init(dir.path());
     let a = disk(dir.path(), "a.raw", 8, 1);
     let (s1, _) = f.backup(&a, &repo, "a");
@@ -160,6 +164,32 @@ fn damaged_chunk_is_stored_again_and_collected() {
     f.assert_clean(&repo);
     f.assert_restores(&repo, "a", &s1, &a);
     f.assert_restores(&repo, "a", &s2, &a);
+}
+
+/// A damaged pack trailer (its blobs read well): verify records the pack, and gc writes
+/// it again from its blobs, each checked; then nothing is damaged and the record is gone.
+#[test]
+fn damaged_trailer_is_rewritten_by_gc() {
+    let dir = tmp("ferry-recover-trailer");
+    let f = PLAIN;
+    let repo = f.init(dir.path());
+    let a = disk(dir.path(), "a.raw", 2, 11);
+    let (s1, _) = f.backup(&a, &repo, "a");
+    let pack = objects(&repo, "data").remove(0);
+    let len = fs::metadata(&pack).unwrap().len() as usize;
+    flip(&pack, len - 13); // the trailer's last byte
+    let out = f.fails(&["repo", "verify", &repo]);
+    assert!(out.stdout.contains("its trailer is damaged"), "{}", out.describe());
+    assert_eq!(objects(&repo, "damage").len(), 1);
+    // No chunk is damaged: no snapshot is, and check only notes it.
+    assert_eq!(f.listed(&repo), vec![(s1.clone(), false)]);
+    let out = f.ok(&["repo", "check", &repo]);
+    assert!(out.stderr.contains("its chunks read well"), "{}", out.describe());
+    let out = f.ok(&["repo", "gc", &repo]);
+    assert!(out.stdout.contains("1 repacked"), "{}", out.describe());
+    assert!(objects(&repo, "damage").is_empty());
+    f.assert_clean(&repo);
+    f.assert_restores(&repo, "a", &s1, &a);
 }
 
 /// A snapshot whose damaged chunk is no longer on the disk stays listed damaged (gc

@@ -524,7 +524,15 @@ pub fn verify(repo: &Repository, opts: &VerifyOptions) -> Result<Report> {
             let short: String = why.chars().take(format::MAX_DAMAGE_WHY / 4).collect();
             record.push(DamagedPack { pack: format::hex(pack), why: short, blobs });
         }
-        let p = r.problem(pack_name(pack), why);
+        // One problem per pack: what check found in it already (a page) says this too.
+        let name = pack_name(pack);
+        let p = match r.problems.iter().position(|x| x.object == name) {
+            Some(p) => {
+                r.problems[p].why = format!("{}; {why}", r.problems[p].why);
+                p
+            }
+            None => r.problem(name, why),
+        };
         for (id, _) in c.bad_blobs {
             // Only the copy the index reads from hurts the snapshots.
             if w.index.blobs.get(&id).is_some_and(|l| l.pack == *pack) {
@@ -981,9 +989,16 @@ pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_perc
         store.delete(name).map_err(|e| Error::store(format!("cannot remove {name} from {}", store.describe()), e))?;
         report.packs_deleted += 1;
     }
-    // 7. The damage records of packs that are gone.
+    // 7. The damage records of packs that are gone, or were written again from blobs
+    // that were each checked (a pack repacked whole has its old name again, §7b).
     let deleted: HashSet<&String> = delete.iter().chain(&orphans).filter(|n| !named.contains(*n)).collect();
-    let present: HashSet<Digest> = listed.keys().filter(|n| !deleted.contains(n)).filter_map(|n| pack_id(n)).collect();
+    let rewritten: HashSet<&Digest> = repack.iter().map(|(p, _)| p).collect();
+    let present: HashSet<Digest> = listed
+        .keys()
+        .filter(|n| !deleted.contains(n))
+        .filter_map(|n| pack_id(n))
+        .filter(|p| !rewritten.contains(p))
+        .collect();
     prune_records(repo, &damage, &present)?;
     let after_data: u64 = store.list("data/").map(|v| v.iter().map(|(_, l)| *l).sum()).unwrap_or(0);
     let after_index: u64 = store.list("index/").map(|v| v.iter().map(|(_, l)| *l).sum()).unwrap_or(0);
