@@ -12,7 +12,7 @@
 //! - [`lock`]: repository locks over a store.
 //! - [`Repository`] (open/init, the index, snapshots), [`SnapshotWriter`] (a backup, as a
 //!   copy destination), [`SnapshotImage`] (a snapshot as a read-only image), [`maint`]
-//!   (check, verify, forget, gc, stats).
+//!   (check, verify, forget, gc, stats), [`recover`] (repair, unlock).
 //!
 //! # The backup repository (`crates/repo`)
 //!
@@ -48,7 +48,12 @@
 //! diff.rs            SnapshotDiff: the chunks that differ between two snapshots of a disk,
 //!                    as a qemu:dirty-bitmap: context (ferry serve offers it when both are
 //!                    served)
-//! maint.rs           check, verify, forget (policy), gc, stats
+//! maint.rs           check, verify, forget (policy or ids), gc, stats
+//! damage.rs          damage records (damage/): copies verify found damaged; the index lists
+//!                    them after good copies, backups store their content again, gc
+//!                    drops them once no snapshot needs them
+//! recover.rs         repair (index objects rebuilt from pack trailers, unreadable objects
+//!                    removed), unlock (stale locks removed)
 //! ```
 //!
 //! The binary reaches it through `ferry-open`: `Location::parse` recognises `REPO::NAME` and
