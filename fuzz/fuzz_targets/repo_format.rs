@@ -1,7 +1,7 @@
 #![no_main]
 //! ferry-repo's parsers of what a repository's store holds (FORMAT.md): config, pack
-//! tails and trailers, index objects, pages, manifests, locks; and a blob's decoding,
-//! whose zstd frame must never decompress past its limit.
+//! tails and trailers, index objects, pages, manifests, checkpoints, locks, damage records;
+//! and a blob's decoding, whose zstd frame must never decompress past its limit.
 use ferry_repo::blob;
 use ferry_repo::crypto::Crypto;
 use ferry_repo::format::{self, BlobKind};

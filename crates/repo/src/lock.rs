@@ -204,7 +204,7 @@ fn conflicting(
     if let Some((name, why)) = unreadable.into_iter().next() {
         return Err(Error::Locked(format!(
             "{name} in {} is not a lock this ferry can read ({why}): if no ferry process uses the \
-             repository, remove it",
+             repository, remove it (`ferry repo unlock --force`)",
             store.describe()
         )));
     }
@@ -265,7 +265,7 @@ pub fn acquire(
     let locked = |name: &str, l: &Lock| {
         Error::Locked(format!(
             "{} is locked by {}: wait for it to end (--wait SECS), or, if that process is gone, \
-             remove {name} from the repository",
+             remove {name} from the repository (`ferry repo unlock`; with --force for a live-looking lock)",
             store.describe(),
             describe(name, l)
         ))
