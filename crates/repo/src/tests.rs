@@ -8,6 +8,7 @@ use crate::{lock, BackupOptions, Error, InitOptions, Repository, SnapshotImage, 
 use ferry_backend::{Backend, ZeroMode, HOLE};
 use std::sync::{Arc, Mutex};
 
+mod recover;
 mod resume;
 
 const K: usize = 1024;

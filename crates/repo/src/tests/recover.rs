@@ -1,0 +1,85 @@
+//! Damage records (FORMAT.md §7b) and repair, over a [`MemStore`] with small packs.
+use super::*;
+use crate::recover::{self, RepairOptions};
+
+fn verify_all(repo: &Repository) -> maint::Report {
+    maint::verify(repo, &VerifyOptions { read_data_percent: 100, threads: 2 }).unwrap()
+}
+
+/// Every index object lost: repair indexes every pack again from its (encrypted)
+/// trailer; a dry run writes nothing; the snapshot reads back and gc frees nothing.
+#[test]
+fn repair_indexes_every_pack_again() {
+    let (store, repo) = new_repo(true);
+    let data = disk(2 << 20, 21);
+    let snap = backup(&repo, "d", &data, None);
+    let packs = objects(&store, "data/");
+    assert!(packs.len() > 2, "small packs: {packs:?}");
+    for (name, _) in objects(&store, "index/") {
+        store.tamper(&name, |v| v.truncate(v.len() / 2));
+    }
+    assert!(maint::gc(&repo, None).is_err(), "gc refuses while the index is damaged");
+    assert_eq!(objects(&store, "data/"), packs);
+    let before = (objects(&store, "index/"), objects(&store, "locks/"));
+    let dry = recover::repair(&repo, &RepairOptions { dry_run: true, ..RepairOptions::default() }).unwrap();
+    assert_eq!(dry.packs_indexed.len(), packs.len());
+    assert_eq!((objects(&store, "index/"), objects(&store, "locks/")), before, "a dry run changes nothing");
+    let r = recover::repair(&repo, &RepairOptions::default()).unwrap();
+    assert_eq!(r.packs_indexed.len(), packs.len());
+    assert_eq!(r.index_removed.len(), before.0.len());
+    assert!(r.packs_unreadable.is_empty() && r.manifests.is_empty());
+    assert!(maint::check(&repo).unwrap().problems.is_empty());
+    assert_eq!(read_back(&repo, &snap), data);
+    let g = maint::gc(&repo, None).unwrap();
+    assert_eq!(g.packs_deleted, 0);
+    assert_eq!(read_back(&repo, &snap), data);
+}
+
+/// A damaged chunk: verify records it; a backup of the same data stores that chunk
+/// again (one new chunk); both snapshots read back; gc removes the damaged copy and the
+/// record, and verify is clean.
+#[test]
+fn recorded_damage_is_stored_again_and_collected() {
+    for encrypt in [false, true] {
+        let (store, repo) = new_repo(encrypt);
+        let data = disk(2 << 20, 22);
+        let s1 = backup(&repo, "d", &data, None);
+        let (pack, at) = where_is(&repo, &s1, 7);
+        store.tamper(&pack, |v| v[at as usize] ^= 1);
+        let r = verify_all(&repo);
+        assert_eq!(r.problems.len(), 1, "{:?}", r.problems);
+        assert_eq!(objects(&store, "damage/").len(), 1);
+        assert_eq!(maint::damaged_snapshots(&repo, std::slice::from_ref(&s1)).unwrap().len(), 1);
+        let w = SnapshotWriter::start(repo.clone(), opts("d", data.len() as u64, Some(s1.clone()))).unwrap();
+        write_all(&w, &data);
+        let s2 = w.commit(data.len() as u64).unwrap();
+        assert_eq!(s2.manifest.stats.new_chunks, 1, "the damaged chunk is stored again");
+        assert_eq!(read_back(&repo, &s1), data);
+        assert_eq!(read_back(&repo, &s2), data);
+        assert!(maint::damaged_snapshots(&repo, &[s1.clone(), s2.clone()]).unwrap().is_empty());
+        let r = verify_all(&repo);
+        assert!(r.problems.is_empty(), "{:?}", r.problems);
+        maint::gc(&repo, None).unwrap();
+        assert!(objects(&store, "damage/").is_empty());
+        assert!(!objects(&store, "data/").iter().any(|(n, _)| *n == pack));
+        let r = verify_all(&repo);
+        assert!(r.problems.is_empty() && r.notes.is_empty(), "{:?} {:?}", r.problems, r.notes);
+        assert_eq!(read_back(&repo, &s1), data);
+    }
+}
+
+/// A damage record that cannot be read stops gc; repair removes it.
+#[test]
+fn an_unreadable_damage_record_stops_gc_until_repair() {
+    let (store, repo) = new_repo(false);
+    let data = disk(1 << 20, 23);
+    let s1 = backup(&repo, "d", &data, None);
+    store.put("damage/00", b"{}").unwrap();
+    let e = maint::gc(&repo, None).unwrap_err().to_string();
+    assert!(e.contains("ferry repo repair"), "{e}");
+    let r = recover::repair(&repo, &RepairOptions::default()).unwrap();
+    assert_eq!(r.damage_removed.len(), 1);
+    assert!(objects(&store, "damage/").is_empty());
+    maint::gc(&repo, None).unwrap();
+    assert_eq!(read_back(&repo, &s1), data);
+}
