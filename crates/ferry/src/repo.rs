@@ -23,7 +23,8 @@ enum RepoCommand {
     /// Make a new repository in a directory (made if missing, must be empty) or at
     /// s3://BUCKET/PREFIX.
     Init(InitArgs),
-    /// The snapshots, oldest first: id, time, disk name, size, change map.
+    /// The snapshots, oldest first: id, time, disk name, size, change map; DAMAGED where a
+    /// snapshot reads data that `ferry repo verify` found damaged and that has no good copy.
     List(ListArgs),
     /// Check the metadata (config, index, manifests and their pages) without reading data;
     /// exit status 1 when something is damaged.
