@@ -7,9 +7,10 @@
 //! index ([`exclude_damaged`]), so that it stores their content again where it reads it;
 //! `gc` never keeps a recorded-damaged copy when a good one exists, and drops the records
 //! of packs that are gone ([`prune_records`]).
+use crate::format::LockKind;
 use crate::format::{self, BlobEntry, DamageRecord, DamagedPack, Digest};
 use crate::repo::{build_index, hostname, par_map, Failures, Index, IndexObject, Location, Repository, FETCH_THREADS};
-use crate::{Error, Result};
+use crate::{lock, Error, Result};
 use std::collections::{HashMap, HashSet};
 
 /// The additional data of a damage record's AEAD.
@@ -193,16 +194,43 @@ pub(crate) fn prune_records(repo: &Repository, damage: &DamageSet, present: &Has
     if damage.objects.is_empty() || (damage.objects.len() == 1 && damage.packs.keys().all(|p| present.contains(p))) {
         return Ok(0);
     }
-    let rest = damage.record_of(|p| present.contains(p));
+    let mut rest = damage.clone();
+    rest.packs.retain(|p, _| present.contains(p));
+    store_set(repo, &rest)
+}
+
+/// Stores `set` as one record (none when it is empty), then removes the records it was
+/// read from; the number removed.
+fn store_set(repo: &Repository, set: &DamageSet) -> Result<usize> {
+    let rest = set.record_of(|_| true);
     let new = if rest.is_empty() { None } else { Some(repo.put_damage(rest)?) };
     let mut removed = 0;
-    for name in damage.objects.iter().filter(|n| Some(*n) != new.as_ref()) {
-        repo.store
-            .delete(name)
-            .map_err(|e| Error::store(format!("cannot remove {name} from {}", repo.store.describe()), e))?;
-        removed += 1;
+    for name in set.objects.iter().filter(|n| Some(*n) != new.as_ref()) {
+        match repo.store.delete(name) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(Error::store(format!("cannot remove {name} from {}", repo.store.describe()), e))
+            }
+            _ => removed += 1,
+        }
     }
     Ok(removed)
+}
+
+/// What `verify` found in packs that are recorded damaged, where it differs from their
+/// record: a pack's entry replaced by what was found, or dropped (`None`) where the pack
+/// now reads back whole (it was mended, or a read gave wrong bytes once). Holds the
+/// `forget` lock meanwhile, so that no gc rewrites the records at the same time (backups
+/// and readers go on).
+pub(crate) fn correct_records(repo: &Repository, found: &HashMap<Digest, Option<DamagedCopies>>) -> Result<()> {
+    let _lock = lock::acquire(&repo.store, LockKind::Forget, None, None)?;
+    let (mut set, _) = repo.damage_lenient()?;
+    for (pack, now) in found {
+        match now {
+            None => set.packs.remove(pack),
+            Some(c) => set.packs.insert(*pack, c.clone()),
+        };
+    }
+    store_set(repo, &set).map(|_| ())
 }
 
 #[cfg(test)]

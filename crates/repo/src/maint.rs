@@ -364,12 +364,18 @@ fn recorded_problems(
 }
 
 /// Recorded damage that no snapshot reads is said as a note, not as a problem.
-fn unread_records_to_notes(r: &mut Report, recorded: &[usize]) {
-    let mut gone: Vec<usize> = recorded.iter().copied().filter(|p| r.problems[*p].hits.is_empty()).collect();
+/// Recorded damage that verify found mended (`cleared`) is no problem either.
+fn unread_records_to_notes(r: &mut Report, recorded: &[usize], cleared: &[usize]) {
+    let mut gone: Vec<usize> =
+        recorded.iter().copied().filter(|p| cleared.contains(p) || r.problems[*p].hits.is_empty()).collect();
     gone.sort_unstable();
-    for p in gone.into_iter().rev() {
-        let p = r.problems.remove(p);
-        r.notes.push(format!("{}: {}; no snapshot reads it: `ferry repo gc` removes it", p.object, p.why));
+    for i in gone.into_iter().rev() {
+        let p = r.problems.remove(i);
+        r.notes.push(if cleared.contains(&i) {
+            format!("{}: it was recorded damaged, and reads back whole now: its record is cleared", p.object)
+        } else {
+            format!("{}: {}; no snapshot reads it: `ferry repo gc` removes it", p.object, p.why)
+        });
     }
 }
 
@@ -378,7 +384,7 @@ fn unread_records_to_notes(r: &mut Report, recorded: &[usize]) {
 pub fn check(repo: &Repository) -> Result<Report> {
     let (mut r, w) = check_walk(repo)?;
     attribute(repo, &w, &mut r.problems);
-    unread_records_to_notes(&mut r, &w.recorded);
+    unread_records_to_notes(&mut r, &w.recorded, &[]);
     Ok(r)
 }
 
@@ -500,28 +506,38 @@ pub fn verify(repo: &Repository, opts: &VerifyOptions) -> Result<Report> {
     r.blobs_checked = 0;
     let results = par_map(&todo, opts.threads.max(1), |(p, b)| verify_pack(repo, p, b));
     let mut record: Vec<DamagedPack> = Vec::new();
+    // Recorded packs that read otherwise now: their new state (None: whole again).
+    let mut corrected: HashMap<Digest, Option<DamagedCopies>> = HashMap::new();
     for ((pack, _), c) in todo.iter().zip(results) {
         r.bytes_read += c.bytes;
         r.blobs_checked += c.blobs;
-        if c.pack_why.is_none() && c.bad_blobs.is_empty() {
-            continue;
-        }
         let bad: Vec<Digest> = c.bad_blobs.iter().map(|(id, _)| *id).collect();
-        if !c.unreadable && w.damage.covers(pack, &bad) {
-            continue; // recorded already: check_walk said it
-        }
-        let mut why = c.pack_why.unwrap_or_default();
+        let mut why = c.pack_why.clone().unwrap_or_default();
         if !c.bad_blobs.is_empty() {
             if !why.is_empty() {
                 why.push_str("; ");
             }
             why.push_str(&format!("{} blob(s) damaged (first: {})", c.bad_blobs.len(), c.bad_blobs[0].1));
         }
+        let whole = c.pack_why.is_none() && bad.is_empty();
+        let short: String = why.chars().take(format::MAX_DAMAGE_WHY / 4).collect();
+        if let Some(rec) = w.damage.packs.get(pack).filter(|_| !c.unreadable) {
+            if whole || rec.blobs.iter().any(|b| !bad.contains(b)) {
+                let now = DamagedCopies {
+                    why: short.clone(),
+                    time: crate::repo::now_seconds(),
+                    blobs: bad.iter().copied().collect(),
+                };
+                corrected.insert(*pack, (!whole).then_some(now));
+            }
+        }
+        if whole || (!c.unreadable && w.damage.covers(pack, &bad)) {
+            continue; // whole, or recorded already: check_walk said it
+        }
         if !c.unreadable {
             let mut blobs: Vec<String> = bad.iter().map(|b| format::hex(b)).collect();
             blobs.sort();
             blobs.dedup();
-            let short: String = why.chars().take(format::MAX_DAMAGE_WHY / 4).collect();
             record.push(DamagedPack { pack: format::hex(pack), why: short, blobs });
         }
         // One problem per pack: what check found in it already (a page) says this too.
@@ -549,8 +565,26 @@ pub fn verify(repo: &Repository, opts: &VerifyOptions) -> Result<Report> {
             Err(e) => r.notes.push(format!("the damage could not be recorded in the repository: {e}")),
         }
     }
+    // Packs recorded damaged that read back whole now (mended, or read wrong once) are
+    // no damage; their records, and those of packs that read otherwise, are corrected.
+    let cleared: Vec<usize> = w
+        .recorded
+        .iter()
+        .copied()
+        .filter(|p| corrected.iter().any(|(pack, now)| now.is_none() && pack_name(pack) == r.problems[*p].object))
+        .collect();
+    if !corrected.is_empty() {
+        if let Err(e) = crate::damage::correct_records(repo, &corrected) {
+            r.notes.push(format!("the damage records could not be corrected (run verify again): {e}"));
+        }
+    }
+    for (pack, _) in corrected.iter().filter(|(_, now)| now.is_none()) {
+        let name = pack_name(pack);
+        r.notes.retain(|n| !n.starts_with(&format!("{name}: recorded damaged")));
+    }
+    w.damaged.retain(|_, p| !cleared.contains(p));
     attribute(repo, &w, &mut r.problems);
-    unread_records_to_notes(&mut r, &w.recorded);
+    unread_records_to_notes(&mut r, &w.recorded, &cleared);
     Ok(r)
 }
 

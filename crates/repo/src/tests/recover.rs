@@ -83,3 +83,24 @@ fn an_unreadable_damage_record_stops_gc_until_repair() {
     maint::gc(&repo, None).unwrap();
     assert_eq!(read_back(&repo, &s1), data);
 }
+
+/// A recorded pack that reads back whole again (mended by hand, or read wrong once):
+/// verify clears its record and reports no damage.
+#[test]
+fn verify_clears_the_record_of_a_mended_pack() {
+    let (store, repo) = new_repo(true);
+    let data = disk(1 << 20, 24);
+    let s1 = backup(&repo, "d", &data, None);
+    let (pack, at) = where_is(&repo, &s1, 2);
+    store.tamper(&pack, |v| v[at as usize] ^= 1);
+    assert_eq!(verify_all(&repo).problems.len(), 1);
+    assert_eq!(maint::check(&repo).unwrap().problems.len(), 1, "check knows the record");
+    store.tamper(&pack, |v| v[at as usize] ^= 1);
+    let r = verify_all(&repo);
+    assert!(r.problems.is_empty(), "{:?}", r.problems);
+    assert!(r.notes.iter().any(|n| n.contains("reads back whole now")), "{:?}", r.notes);
+    assert!(objects(&store, "damage/").is_empty());
+    let r = maint::check(&repo).unwrap();
+    assert!(r.problems.is_empty() && r.notes.is_empty(), "{:?} {:?}", r.problems, r.notes);
+    assert_eq!(read_back(&repo, &s1), data);
+}
