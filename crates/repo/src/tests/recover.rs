@@ -104,3 +104,67 @@ fn verify_clears_the_record_of_a_mended_pack() {
     assert!(r.problems.is_empty() && r.notes.is_empty(), "{:?} {:?}", r.problems, r.notes);
     assert_eq!(read_back(&repo, &s1), data);
 }
+
+/// repair stopped at each of its writes (the new index objects, the removal of the
+/// damaged ones) leaves a repository whose snapshot reads back, and the next repair
+/// finishes; so does a gc with damage records stopped at each of its steps.
+#[test]
+fn repair_and_gc_with_records_stopped_at_any_step() {
+    for (put, delete) in [(Some("index/"), None), (None, Some("index/"))] {
+        let inner = Arc::new(MemStore::new());
+        let store = Arc::new(Failing::new(inner.clone()));
+        let repo = Arc::new(
+            Repository::init(store.clone(), &InitOptions { page_entries: 16, ..InitOptions::default() }).unwrap(),
+        );
+        let data = disk(2 << 20, 25);
+        let s1 = backup(&repo, "d", &data, None);
+        for (name, _) in objects(&inner, "index/") {
+            inner.tamper(&name, |v| v.truncate(40));
+        }
+        *store.fail_put.lock().unwrap() = put;
+        *store.fail_delete.lock().unwrap() = delete;
+        assert!(recover::repair(&repo, &RepairOptions::default()).is_err(), "{put:?} {delete:?}");
+        *store.fail_put.lock().unwrap() = None;
+        *store.fail_delete.lock().unwrap() = None;
+        if put.is_none() {
+            // Stopped after the new index objects: the snapshot reads already.
+            assert_eq!(read_back(&repo, &s1), data, "{delete:?}");
+        }
+        recover::repair(&repo, &RepairOptions::default()).unwrap();
+        assert!(maint::check(&repo).unwrap().problems.is_empty(), "{put:?} {delete:?}");
+        assert_eq!(read_back(&repo, &s1), data);
+    }
+    let steps = [
+        (Some("data/"), None),
+        (Some("index/"), None),
+        (None, Some("index/")),
+        (None, Some("data/")),
+        (None, Some("damage/")),
+    ];
+    for (put, delete) in steps {
+        let inner = Arc::new(MemStore::new());
+        let store = Arc::new(Failing::new(inner.clone()));
+        let repo = Arc::new(
+            Repository::init(store.clone(), &InitOptions { page_entries: 16, ..InitOptions::default() }).unwrap(),
+        );
+        let data = disk(2 << 20, 26);
+        let s1 = backup(&repo, "d", &data, None);
+        let (pack, at) = where_is(&repo, &s1, 7);
+        inner.tamper(&pack, |v| v[at as usize] ^= 1);
+        verify_all(&repo);
+        let s2 = backup(&repo, "d", &data, Some(s1.clone()));
+        *store.fail_put.lock().unwrap() = put;
+        *store.fail_delete.lock().unwrap() = delete;
+        assert!(maint::gc(&repo, None).is_err(), "gc did not stop at {put:?} {delete:?}");
+        *store.fail_put.lock().unwrap() = None;
+        *store.fail_delete.lock().unwrap() = None;
+        assert!(read_back(&repo, &s1) == data && read_back(&repo, &s2) == data, "{put:?} {delete:?}");
+        // Whatever step it stopped at, the damaged copy is never read nor deduplicated.
+        assert!(maint::damaged_snapshots(&repo, &[s1.clone(), s2.clone()]).unwrap().is_empty());
+        maint::gc(&repo, None).unwrap();
+        let r = verify_all(&repo);
+        assert!(r.problems.is_empty() && r.notes.is_empty(), "{put:?} {delete:?}: {r:?}");
+        assert!(objects(&inner, "damage/").is_empty());
+        assert!(read_back(&repo, &s1) == data && read_back(&repo, &s2) == data);
+    }
+}
