@@ -21,7 +21,7 @@
 #    sizes of the objects under the repository's prefix).
 # 2. Day 2: DIRTY_PCT % of the 64 KiB granules changed (bench/repo-dirty.py: 4 KiB writes at
 #    random granules of vm.qcow2 through qemu-nbd, b0 records them, and the same bytes in
-#    src/disk.raw). `ferry backup --dirty-bitmap b0 URI s3://ferry/repo::vm` from `qemu-nbd
+#    src/disk.raw). `ferry backup --dirty-bitmap b0 --since ID URI s3://ferry/repo::vm` from `qemu-nbd
 #    -r -B b0`; `ferry backup URI s3://ferry/nobitmap::vm` without the bitmap (reads all,
 #    stores what is new); `restic backup disk.raw` (rereads the file). Seconds, CPU s and
 #    the growth of the stored bytes.
@@ -192,7 +192,9 @@ qemu-nbd -t -r -B b0 -f qcow2 -k "$W/src.sock" "$W/vm.qcow2" 2>"$W/src.log" & pi
 wait_sock "$W/src.sock"
 SRC="nbd+unix:///?socket=$W/src.sock"
 L2=$(stamp)
-timed d2:ferry "$FERRY" backup --dirty-bitmap b0 "$SRC" s3://ferry/repo::vm
+# The snapshot b0 continues (day 1's), looked up before the backup is timed.
+SINCE=$("$FERRY" repo list --json s3://ferry/repo | $PY -c 'import json,sys; print(json.load(sys.stdin)[-1]["id"])')
+timed d2:ferry "$FERRY" backup --dirty-bitmap b0 --since "$SINCE" "$SRC" s3://ferry/repo::vm
 timed d2:ferryf "$FERRY" backup "$SRC" s3://ferry/nobitmap::vm
 timed d2:restic "${RR[@]}" backup "$W/src/disk.raw"
 for t in ferry ferryf restic; do SZ[$t:2]=$(stored $t); done
@@ -202,7 +204,7 @@ echo "== 2. day 2: ${DIRTY_PCT}% of the 64 KiB granules changed ($NDIRTY, scatte
 echo
 echo "| backup | s | MB/s of the image | client CPU s | $BACKEND CPU s | stored MB added |"
 echo "|---|---|---|---|---|---|"
-row '`ferry backup --dirty-bitmap b0 URI s3://ferry/repo::vm` (qemu-nbd -r -B b0)' d2:ferry "$(grow ferry)"
+row '`ferry backup --dirty-bitmap b0 --since ID URI s3://ferry/repo::vm` (qemu-nbd -r -B b0)' d2:ferry "$(grow ferry)"
 row '`ferry backup URI s3://ferry/nobitmap::vm` without the bitmap (reads all, stores what is new)' d2:ferryf "$(grow ferryf)"
 row '`restic backup disk.raw` (rereads the file)' d2:restic "$(grow restic)"
 

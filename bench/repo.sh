@@ -27,7 +27,7 @@
 # 2. Day 2: DIRTY_PCT % of the 64 KiB granules of vm.qcow2 changed (a 4 KiB write of random
 #    bytes in each, at random granules, through qemu-nbd: b0 records them), exported by
 #    `qemu-nbd -r -B b0` on a Unix socket; src/disk.raw is rewritten with the new contents
-#    (qemu-img convert, untimed). Backups: `ferry backup --dirty-bitmap b0 URI REPO::vm`
+#    (qemu-img convert, untimed). Backups: `ferry backup --dirty-bitmap b0 --since ID URI REPO::vm`
 #    (plain and encrypted repositories), `ferry backup URI REPO::vm` without the bitmap (it
 #    reads everything and stores only what is new), `ferry backup vm.qcow2 REPO::vm` (the
 #    stopped image with ferry's own bitmap, before qemu-nbd exports it; one run, since a run
@@ -154,6 +154,12 @@ RC="--cache-dir $W/restic/cache"
 fx() { FERRY_PASSWORD_FILE=$W/pass "$FERRY" "$@"; }
 save() { rm -rf "$W/$1.$2"; cp -a "$W/$1" "$W/$1.$2"; }   # TOOL TAG
 load() { rm -rf "$W/$1"; cp -a "$W/$2.$3" "$W/$1"; }      # TOOL FROM-TOOL TAG
+# latest TOOL: the id of the latest snapshot in $W/TOOL/repo, the one a change map continues
+# (`ferry backup --since`; looked up before a backup is timed).
+latest() {
+  case $1 in ferryx) fx repo list --json "$W/$1/repo" ;; *) "$FERRY" repo list --json "$W/$1/repo" ;; esac |
+    $PY -c 'import json,sys; print(json.load(sys.stdin)[-1]["id"])'
+}
 init() { # TOOL: a new, empty repository
   rm -rf "$W/$1"; mkdir -p "$W/$1"
   case $1 in
@@ -163,12 +169,13 @@ init() { # TOOL: a new, empty repository
     borg) borg init -e none "$W/borg/repo" ;;
   esac >/dev/null 2>&1
 }
-# backup TOOL SRC: SRC is src (the file) or an NBD URI; --bitmap as 3rd argument.
+# backup TOOL SRC: SRC is src (the file) or an NBD URI; --bitmap as 3rd argument (the snapshot
+# it continues in $SINCE).
 backup() {
   case $1 in
-    ferry | ferryf) "$FERRY" backup ${3:+--dirty-bitmap $3} "$2" "$W/$1/repo::vm" ;;
+    ferry | ferryf) "$FERRY" backup ${3:+--dirty-bitmap $3 --since $SINCE} "$2" "$W/$1/repo::vm" ;;
     ferryq) "$FERRY" backup "$W/vm.qcow2" "$W/ferryq/repo::vm" ;;
-    ferryx) fx backup ${3:+--dirty-bitmap $3} "$2" "$W/$1/repo::vm" ;;
+    ferryx) fx backup ${3:+--dirty-bitmap $3 --since $SINCE} "$2" "$W/$1/repo::vm" ;;
     restic) restic $RC -r "$W/restic/repo" backup "$W/src/disk.raw" ;;
     borg) (cd "$W/src" && borg create "$W/borg/repo::day$(date +%s%N)" disk.raw) ;;
   esac
@@ -264,7 +271,7 @@ for r in $(seq "$n"); do
     [ "$r" -gt 1 ] || [ $t = ferryf ] && load "$t" "$from" day1
     before=$(dub "$W/$t/repo")
     case $t in
-      ferry | ferryx) timed d2:$t backup "$t" "$SRC" b0 ;;
+      ferry | ferryx) SINCE=$(latest "$t"); timed d2:$t backup "$t" "$SRC" b0 ;;
       ferryf) timed d2:$t backup "$t" "$SRC" ;;
       *) timed d2:$t backup "$t" src ;;
     esac
@@ -283,7 +290,7 @@ if part 2; then
   for t in $D2 ferryq; do
     case $t in
       ferryq) label='`ferry backup vm.qcow2 REPO::vm`: the stopped image, ferry'"'"'s own bitmap (one run)' ;;
-      ferry) label='`ferry backup --dirty-bitmap b0 URI REPO::vm` (qemu-nbd -r -B b0)' ;;
+      ferry) label='`ferry backup --dirty-bitmap b0 --since ID URI REPO::vm` (qemu-nbd -r -B b0)' ;;
       ferryx) label='the same, encrypted repository' ;;
       ferryf) label='`ferry backup URI REPO::vm` without the bitmap (reads all, stores what is new)' ;;
       restic) label='`restic backup disk.raw` (rereads the file)' ;;
@@ -531,7 +538,8 @@ if part 7; then
   for r in $(seq "$RUNS"); do
     [ "$r" = 1 ] || load ferryb ferryb day1
     before=$(dub "$W/ferryb/repo")
-    T[big]+="$(secs "$FERRY" backup --dirty-bitmap b0 "$(uri big)" "$W/ferryb/repo::big") "
+    SINCE=$("$FERRY" repo list --json "$W/ferryb/repo" | $PY -c 'import json,sys; print(json.load(sys.stdin)[-1]["id"])')
+    T[big]+="$(secs "$FERRY" backup --dirty-bitmap b0 --since "$SINCE" "$(uri big)" "$W/ferryb/repo::big") "
     after=$(dub "$W/ferryb/repo"); [ -n "$before" ] && [ -n "$after" ] && G[big]+="$((after - before)) "
   done
   g=$(echo "${G[big]:-}" | tr ' ' '\n' | grep -v '^$' | med)
@@ -541,7 +549,7 @@ if part 7; then
   echo "| backup | median s | repository growth MB |"
   echo "|---|---|---|"
   printf "| %s | %s | %s |\n" "day 1: \`ferry backup big.qcow2 REPO::big\` (10% of the granules hold data; one run)" "$(med_of "$t1")" "$(size_of "$W/ferryb/repo")"
-  printf "| %s | %s | %s |\n" "day 2: \`ferry backup --dirty-bitmap b0 URI REPO::big\` (qemu-nbd -r -B b0)" "$(med_of "${T[big]:-}")" "$(GB "$g")"
+  printf "| %s | %s | %s |\n" "day 2: \`ferry backup --dirty-bitmap b0 --since ID URI REPO::big\` (qemu-nbd -r -B b0)" "$(med_of "${T[big]:-}")" "$(GB "$g")"
 fi
 
 # --- 8. Retention after GC_DAYS daily snapshots ----------------------------------------
@@ -572,7 +580,7 @@ if part 8; then
         else
           qemu-nbd -t -r -B b0 -f qcow2 -k "$W/gc.sock" "$G8/vm.qcow2" 2>"$W/gc.log" & local p=$!
           wait_sock "$W/gc.sock"
-          "$FERRY" backup --dirty-bitmap b0 "$(uri gc)" "$W/ferry/repo::vm"; local rc=$?
+          "$FERRY" backup --dirty-bitmap b0 --since "$SINCE" "$(uri gc)" "$W/ferry/repo::vm"; local rc=$?
           kill $p; wait $p 2>/dev/null
           [ $rc = 0 ] && qemu-img bitmap --clear "$G8/vm.qcow2" b0
         fi ;;
@@ -603,6 +611,7 @@ if part 8; then
     for d in $(seq "$GC_DAYS"); do
       if [ "$(avail)" -lt $((3 << 20)) ]; then DAYS8[$t]="$((d - 1)) (stopped: less than 3 GiB free)"; break; fi
       [ "$d" = 1 ] || dirty "$G8/vm.qcow2" "$NG" $((100 + d)) "$G8/disk.raw"
+      SINCE=; [ "$t" = ferry ] && [ "$d" -gt 1 ] && SINCE=$(latest ferry)
       timed "g8d$d:$t" daily "$t" "$d"
       [ "$d" = 1 ] || T[g8days:$t]+="${T[g8d$d:$t]} "
     done

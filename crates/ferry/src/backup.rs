@@ -3,9 +3,11 @@
 //! The source is opened as `ferry copy` opens it; the destination is a
 //! [`ferry_repo::SnapshotWriter`] on top of NAME's latest snapshot (the base), and the copy
 //! engine moves the data: every range without a change map, only the changed ranges with
-//! `--dirty-bitmap` or `--extents-from` (everything else is the base's). Holes and zero
-//! ranges are never stored: they are written as zeroes (an entry, no data), never read.
+//! `--dirty-bitmap` or `--extents-from` (everything else is the base's, which `--since`
+//! must name and a sample of the source must match: see [`crate::backup_base`]). Holes and
+//! zero ranges are never stored: they are written as zeroes (an entry, no data), never read.
 
+use crate::backup_base::MapCommand;
 use crate::remote_args::shown;
 use crate::repo::{human, short_id};
 use anyhow::{bail, Context, Result};
@@ -37,13 +39,19 @@ pub struct BackupArgs {
     /// Read only the ranges the source's dirty bitmap BITMAP marks (its
     /// qemu:dirty-bitmap:BITMAP context: qemu-nbd -B, libvirt pull mode,
     /// qemu-storage-daemon, ferry serve -B); everything else is taken from NAME's latest
-    /// snapshot. The bitmap must hold every change since that snapshot was taken.
+    /// snapshot, which --since must name. The bitmap must hold every change since that
+    /// snapshot was taken.
     #[arg(long, value_name = "BITMAP", conflicts_with = "extents_from")]
     dirty_bitmap: Option<String>,
     /// Read only the ranges listed in FILE (as `ferry copy --extents-from` takes them);
-    /// everything else is taken from NAME's latest snapshot.
+    /// everything else is taken from NAME's latest snapshot, which --since must name.
     #[arg(long, value_name = "FILE")]
     extents_from: Option<String>,
+    /// The snapshot the change map continues: the id `ferry backup` printed (`--json`:
+    /// "id") for the backup after which the bitmap was started or cleared (a unique
+    /// prefix of at least 4 hex digits). Refused unless it is NAME's latest snapshot.
+    #[arg(long, value_name = "ID")]
+    since: Option<String>,
     /// Print the new snapshot as one JSON object.
     #[arg(long)]
     json: bool,
@@ -169,6 +177,20 @@ fn widen(ranges: &[(u64, u64)], chunk: u64, size: u64) -> Vec<(u64, u64)> {
     out
 }
 
+/// `ranges` in any order, overlapping or not, as sorted disjoint ranges.
+fn merge(mut ranges: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
+    ranges.retain(|r| r.1 > 0);
+    ranges.sort_unstable();
+    let mut out: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
+    for (o, l) in ranges {
+        match out.last_mut() {
+            Some(last) if o <= last.0 + last.1 => last.1 = last.1.max(o + l - last.0),
+            _ => out.push((o, l)),
+        }
+    }
+    out
+}
+
 /// `ranges` (sorted, disjoint) without `done` (sorted, disjoint).
 fn subtract(ranges: &[(u64, u64)], done: &[(u64, u64)]) -> Vec<(u64, u64)> {
     let mut out = Vec::new();
@@ -210,6 +232,12 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
         _ => bail!("{:?} is not a disk in a backup repository: write REPO::NAME", shown(&args.dst)),
     };
     let target = format!("{repo_spec}::{name}");
+    if args.since.is_some() && args.dirty_bitmap.is_none() && args.extents_from.is_none() {
+        bail!(
+            "--since names the snapshot a change map continues: give it with --dirty-bitmap or --extents-from (a \
+             backup without a change map reads everything and continues no snapshot)"
+        );
+    }
     if matches!(src_loc, Location::Repo { .. }) {
         bail!(
             "the source {:?} is a snapshot already: restore it with ferry copy, or back up the disk itself",
@@ -287,14 +315,20 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
         (None, Some(f)) => Changes::ExtentsFrom { file: f.clone() },
         (None, None) => Changes::Full,
     };
-    let selective = asked != Changes::Full;
-    let flag = if args.dirty_bitmap.is_some() { "--dirty-bitmap" } else { "--extents-from" };
+    let shown_src = shown(&args.src);
+    let map_cmd = match (&args.dirty_bitmap, &args.extents_from) {
+        (Some(v), _) => Some(("--dirty-bitmap", v)),
+        (None, Some(v)) => Some(("--extents-from", v)),
+        (None, None) => None,
+    }
+    .map(|(flag, value)| MapCommand { flag, value, src: &shown_src, target: &target, name: &name });
+    let map = map_cmd.as_ref().map(|c| (c, args.since.as_deref()));
     // The base is read again once the disk's lock is held: a backup of the disk that
     // ended while this one waited for the lock made a newer snapshot, and a change map
     // continues the latest one.
     let mut tries = 0;
-    let (writer, changes) = loop {
-        let base = choose_base(&repo, &name, &target, size, selective, flag)?;
+    let (writer, changes, base) = loop {
+        let base = choose_base(&repo, &name, &target, size, map)?;
         let base_id = base.as_ref().map(|b| b.id.clone());
         let changes = match (&tracker, &base) {
             (Some(t), Some(b)) => match t.continuing(&b.id) {
@@ -315,7 +349,7 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
         let opts = BackupOptions {
             name: name.clone(),
             size,
-            base,
+            base: base.clone(),
             source: shown(&args.src),
             changes: changes.clone(),
             pack_size: PACK_SIZE,
@@ -331,9 +365,9 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
             }
             continue;
         };
-        let now = choose_base(&repo, &name, &target, size, selective, flag)?.map(|s| s.id);
+        let now = choose_base(&repo, &name, &target, size, map)?.map(|s| s.id);
         if now == base_id {
-            break (writer, changes);
+            break (writer, changes, base);
         }
         // Released by the drop; taken again with the newer base.
         drop(writer);
@@ -390,9 +424,19 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
                 .with_context(|| format!("reading the change map of {}", shown(&args.src)))?,
         );
     }
+    let chunk_size = repo.config().chunk_size as u64;
     if let Some(w) = &want {
-        copy_opts.ranges = Some(Arc::new(widen(w, repo.config().chunk_size as u64, size)));
+        // Chunks of the base that are lost (their packs are gone) are read again too: the
+        // new snapshot must not name them (the writer refuses to commit it otherwise).
+        let mut w = w.clone();
+        w.extend(writer.lost_ranges());
+        copy_opts.ranges = Some(Arc::new(widen(&merge(w), chunk_size, size)));
         copy_opts.select_context = None;
+    }
+    // A map of the caller's is checked against its base before anything is read: a sample
+    // of the chunks it calls unchanged must be the base's.
+    if let (Some(cmd), Some(b), Some(r)) = (&map_cmd, &base, &copy_opts.ranges) {
+        crate::backup_base::sample(cmd, &writer, b, src, r, &copy_opts)?;
     }
     // A resumed backup reads what its checkpoint does not hold: of the change map's
     // ranges, or of the whole disk.
@@ -488,6 +532,20 @@ fn start_or_resume(
     target: &str,
 ) -> Result<Option<Arc<SnapshotWriter>>> {
     let found = repo.checkpoint(name);
+    // A checkpoint that the disk's latest snapshot supersedes (its backup stored the
+    // snapshot and was stopped before removing it) holds nothing to resume: discarded,
+    // with a notice, by the plain backup below once it holds the disk's lock.
+    let found = match found {
+        Ok(Some(ck)) => match repo.snapshots().ok().and_then(|all| ck.superseded_by(&all).map(|s| s.id.clone())) {
+            Some(by) => {
+                let plain = SnapshotWriter::start(repo.clone(), opts)
+                    .with_context(|| format!("cannot back up into {target}"))?;
+                return discard_superseded(repo, plain, &ck, &by, resume, name, target);
+            }
+            None => Ok(Some(ck)),
+        },
+        other => other,
+    };
     if resume {
         match found {
             Err(e) => {
@@ -506,7 +564,7 @@ fn start_or_resume(
                 if !differs.is_empty() {
                     bail!(
                         "the interrupted backup of {target} cannot be resumed: {}; back up without --resume (which \
-                         discards it and reads everything again)",
+                         discards it, and reads again what it had read)",
                         differs.join("; ")
                     );
                 }
@@ -534,6 +592,34 @@ fn start_or_resume(
             repo.discard_checkpoint(name).with_context(|| format!("cannot discard the checkpoint of {target}"))?;
         }
     }
+    Ok(Some(writer))
+}
+
+/// Removes `ck`, the checkpoint of `name` that snapshot `by` supersedes, holding the
+/// disk's lock (`writer`'s), and says so; `None` (try again) if another backup changed
+/// the checkpoint while this one waited for the lock.
+fn discard_superseded(
+    repo: &Arc<ferry_repo::Repository>,
+    writer: Arc<SnapshotWriter>,
+    ck: &ferry_repo::CheckpointInfo,
+    by: &str,
+    resume: bool,
+    name: &str,
+    target: &str,
+) -> Result<Option<Arc<SnapshotWriter>>> {
+    match repo.checkpoint(name) {
+        Ok(Some(now)) if now.checkpoint == ck.checkpoint => {}
+        Ok(None) => {}
+        _ => return Ok(None),
+    }
+    log::info!(
+        "discarding the checkpoint of {target} since {}: its backup stored snapshot {} and stopped before removing \
+         it, so there is nothing to resume{}",
+        ck.checkpoint.time,
+        short_id(by),
+        if resume { "; backing up without resuming" } else { "" }
+    );
+    repo.discard_checkpoint(name).with_context(|| format!("cannot discard the checkpoint of {target}"))?;
     Ok(Some(writer))
 }
 
@@ -588,9 +674,42 @@ impl Tracker {
     }
 }
 
-/// The latest snapshot of `name`, if it has one.
-fn latest(repo: &ferry_repo::Repository, name: &str, target: &str) -> Result<Option<ferry_repo::SnapshotInfo>> {
-    match repo.resolve(name, None) {
+/// The latest snapshot of `name`, if it has one. A manifest that cannot be read is
+/// skipped with a warning (once), unless the backup reads a change map (`selective`, with
+/// `flag`): that damaged manifest may be the disk's latest snapshot (it does not say its
+/// disk), and a map continues the latest, so guessing an older one as the base would miss
+/// changes.
+fn latest(
+    repo: &ferry_repo::Repository,
+    name: &str,
+    target: &str,
+    selective: bool,
+    flag: &str,
+) -> Result<Option<ferry_repo::SnapshotInfo>> {
+    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    let (all, bad) =
+        repo.snapshots_lenient().with_context(|| format!("cannot find the latest snapshot of {target}"))?;
+    if let Some((object, e)) = bad.first() {
+        if selective {
+            bail!(
+                "{object} cannot be read ({}), and it may be the latest snapshot of {name} (a damaged manifest does \
+                 not say its disk): {flag} continues the latest snapshot, so this backup cannot tell what it \
+                 continues, and nothing was stored. Back up without {flag} (it reads the whole disk)",
+                e.reason()
+            );
+        }
+        if !WARNED.swap(true, Ordering::Relaxed) {
+            let why = if flag.is_empty() {
+                "this backup reads the whole disk".to_string()
+            } else {
+                format!("{flag} continues the snapshot --since names")
+            };
+            for (object, e) in &bad {
+                log::warn!("skipping {object}: it cannot be read ({}); {why}, so it needs nothing from it", e.reason());
+            }
+        }
+    }
+    match ferry_repo::resolve_in(&all, &bad, &repo.store().describe(), name, None) {
         Ok(s) => Ok(Some(s)),
         Err(ferry_repo::Error::NotFound(_)) => Ok(None),
         Err(e) => Err(anyhow::Error::new(e).context(format!("cannot find the latest snapshot of {target}"))),
@@ -598,40 +717,57 @@ fn latest(repo: &ferry_repo::Repository, name: &str, target: &str) -> Result<Opt
 }
 
 /// What the new snapshot starts from: the latest of the disk, unless there is none or it
-/// has another size. A change map needs one of the source's size.
+/// has another size. A change map (`map`: its command line and `--since`) needs one of
+/// the source's size, named by `--since`.
 fn choose_base(
     repo: &ferry_repo::Repository,
     name: &str,
     target: &str,
     size: u64,
-    selective: bool,
-    flag: &str,
+    map: Option<(&MapCommand<'_>, Option<&str>)>,
 ) -> Result<Option<ferry_repo::SnapshotInfo>> {
-    Ok(match latest(repo, name, target)? {
-        None if selective => bail!(
-            "{target} has no snapshot yet, and the first backup of {name} reads everything: run it without {flag}"
-        ),
-        Some(b) if b.manifest.size != size && selective => bail!(
+    // A map named by --since needs no guess at the latest: the id says what it continues.
+    let guessing = map.is_some_and(|(_, since)| since.is_none());
+    let latest = latest(repo, name, target, guessing, map.map_or("", |(cmd, _)| cmd.flag))?;
+    let Some((cmd, since)) = map else {
+        return Ok(match latest {
+            Some(b) if b.manifest.size != size => {
+                log::info!(
+                    "the source is {size} bytes, the latest snapshot of {name} {}: reading everything (what is \
+                     stored already is not stored again)",
+                    b.manifest.size
+                );
+                None
+            }
+            b => b,
+        });
+    };
+    let flag = cmd.flag;
+    let Some(b) = latest else {
+        bail!("{target} has no snapshot yet, and the first backup of {name} reads everything: run it without {flag}")
+    };
+    if b.manifest.size != size {
+        bail!(
             "the source is {size} bytes but the latest snapshot of {name} ({}) is {} bytes: a change map cannot \
              continue a disk of another size; take a full backup (without {flag})",
             short_id(&b.id),
             b.manifest.size
-        ),
-        Some(b) if b.manifest.size != size => {
-            log::info!(
-                "the source is {size} bytes, the latest snapshot of {name} {}: reading everything (what is stored \
-                 already is not stored again)",
-                b.manifest.size
-            );
-            None
-        }
-        b => b,
-    })
+        );
+    }
+    let Some(since) = since else { return Err(cmd.needs_since(&b)) };
+    cmd.check_since(since, &b, || repo.resolve(name, Some(since)))?;
+    Ok(Some(b))
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{subtract, widen};
+    use super::{merge, subtract, widen};
+
+    #[test]
+    fn merge_ranges() {
+        assert_eq!(merge(vec![(10, 5), (0, 4), (4, 2), (12, 10), (30, 0)]), vec![(0, 6), (10, 12)]);
+        assert_eq!(merge(vec![]), vec![]);
+    }
 
     #[test]
     fn widen_to_chunks() {

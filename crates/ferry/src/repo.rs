@@ -355,9 +355,13 @@ fn list(a: ListArgs) -> Result<i32> {
         }
     }
     let repo = a.common.open()?;
-    let snaps = repo.snapshots().with_context(|| format!("listing {}", a.common.repo))?;
+    // A manifest that cannot be read is named, and the others listed.
+    let (all, bad) = repo.snapshots_lenient().with_context(|| format!("listing {}", a.common.repo))?;
+    for (object, e) in &bad {
+        eprintln!("unreadable snapshot {object} (of an unknown disk): {}; `ferry repo check` reports it", e.reason());
+    }
     let snaps: Vec<SnapshotInfo> =
-        snaps.into_iter().filter(|s| a.name.as_ref().is_none_or(|n| *n == s.manifest.name)).collect();
+        all.iter().filter(|s| a.name.as_ref().is_none_or(|n| *n == s.manifest.name)).cloned().collect();
     // Snapshots that read a copy `ferry repo verify` recorded damaged, with no good copy.
     let damaged = maint::damaged_snapshots(&repo, &snaps).unwrap_or_else(|e| {
         eprintln!("cannot tell which snapshots are damaged: {e}");
@@ -388,13 +392,23 @@ fn list(a: ListArgs) -> Result<i32> {
     if let Ok((cks, bad)) = repo.checkpoints_lenient() {
         for c in cks.iter().filter(|c| a.name.as_ref().is_none_or(|n| *n == c.checkpoint.name)) {
             let ck = &c.checkpoint;
-            eprintln!(
-                "interrupted backup of {} since {}: {} of {} stored (`ferry backup --resume` continues it)",
-                ck.name,
-                shown_time(&ck.time),
-                human(ck.done_bytes()),
-                human(ck.size)
-            );
+            match c.superseded_by(&all) {
+                Some(by) => eprintln!(
+                    "leftover checkpoint of {} since {}: its backup stored snapshot {} (nothing to resume; the next \
+                     backup of {} removes it)",
+                    ck.name,
+                    shown_time(&ck.time),
+                    short_id(&by.id),
+                    ck.name
+                ),
+                None => eprintln!(
+                    "interrupted backup of {} since {}: {} of {} stored (`ferry backup --resume` continues it)",
+                    ck.name,
+                    shown_time(&ck.time),
+                    human(ck.done_bytes()),
+                    human(ck.size)
+                ),
+            }
         }
         for (object, e) in bad {
             eprintln!("unreadable checkpoint {object}: {e}");
@@ -451,14 +465,27 @@ fn print_report(repo: &str, r: &Report, read: bool) -> i32 {
         let mut hit: Vec<&str> = r.problems.iter().flat_map(|p| p.hits.iter().map(|h| h.0.as_str())).collect();
         hit.sort();
         hit.dedup();
+        // Checkpoints of interrupted backups are checked as snapshots, and counted apart.
+        let checkpoints = hit.iter().filter(|id| is_checkpoint(id)).count();
         println!(
-            "{repo}: {} damaged object(s), {} of {} snapshots affected; {what}",
+            "{repo}: {} damaged object(s), {} of {} snapshots affected{}; {what}",
             r.problems.len(),
-            hit.len(),
-            r.snapshots
+            hit.len() - checkpoints,
+            r.snapshots,
+            match checkpoints {
+                0 => String::new(),
+                1 => ", and 1 interrupted backup".into(),
+                n => format!(", and {n} interrupted backups"),
+            }
         );
         1
     }
+}
+
+/// Whether a problem's hit is a checkpoint's (its id the object, `checkpoints/TAG`)
+/// rather than a snapshot's.
+fn is_checkpoint(id: &str) -> bool {
+    id.starts_with("checkpoints/")
 }
 
 /// Ranges listed per snapshot before the rest is only counted.
@@ -467,7 +494,11 @@ const RANGES_SHOWN: usize = 8;
 fn print_problem(p: &Problem) {
     println!("damaged: {}: {}", p.object, p.why);
     if p.hits.is_empty() {
-        println!("  no snapshot reads it");
+        if p.object.starts_with("snapshots/") {
+            println!("  the snapshot it holds cannot be restored; other commands skip it with a warning");
+        } else {
+            println!("  no snapshot reads it");
+        }
         return;
     }
     let mut snaps: Vec<(&str, &str)> = p.hits.iter().map(|h| (h.0.as_str(), h.1.as_str())).collect();
@@ -476,7 +507,11 @@ fn print_problem(p: &Problem) {
     for (id, name) in snaps {
         let ranges: Vec<(u64, u64)> = p.hits.iter().filter(|h| h.0 == id).map(|h| (h.2, h.3)).collect();
         let bytes: u64 = ranges.iter().map(|r| r.1).sum();
-        let mut line = format!("  snapshot {} of {name}: {} in {} range(s):", short_id(id), human(bytes), ranges.len());
+        let what = match is_checkpoint(id) {
+            true => format!("the interrupted backup of {name} ({id})"),
+            false => format!("snapshot {} of {name}", short_id(id)),
+        };
+        let mut line = format!("  {what}: {} in {} range(s):", human(bytes), ranges.len());
         for (o, l) in ranges.iter().take(RANGES_SHOWN) {
             line.push_str(&format!(" {o}+{l}"));
         }
@@ -514,7 +549,7 @@ fn forget(a: ForgetArgs) -> Result<i32> {
         );
     }
     let repo = ferry_open::repo::open_repository(&repo_spec, &a.remote.remote(), a.password_file.as_deref())?;
-    let before = repo.snapshots().with_context(|| format!("listing {repo_spec}"))?;
+    let (before, _) = repo.snapshots_lenient().with_context(|| format!("listing {repo_spec}"))?;
     let r = maint::forget_with(&repo, name.as_deref(), &policy, a.dry_run, a.wait)
         .with_context(|| format!("forget in {repo_spec}"))?;
     print_forget(&a, &repo_spec, &before, &r)
@@ -534,7 +569,7 @@ fn forget_ids(a: ForgetArgs) -> Result<i32> {
     }
     let repo = ferry_open::repo::open_repository(&repo_spec, &a.remote.remote(), a.password_file.as_deref())?;
     // A manifest that cannot be read can still be forgotten by its id.
-    let before = repo.snapshots().unwrap_or_default();
+    let (before, _) = repo.snapshots_lenient().with_context(|| format!("listing {repo_spec}"))?;
     let r = maint::forget_ids(&repo, name.as_deref(), &a.ids, a.dry_run, a.wait)
         .with_context(|| format!("forget in {repo_spec}"))?;
     for id in r.removed.iter().filter(|id| !a.json && !before.iter().any(|s| s.id == **id)) {
@@ -546,6 +581,9 @@ fn forget_ids(a: ForgetArgs) -> Result<i32> {
 
 /// What forget kept and removed: one line each, then the counts (or one JSON object).
 fn print_forget(a: &ForgetArgs, repo_spec: &str, before: &[SnapshotInfo], r: &maint::ForgetReport) -> Result<i32> {
+    for n in &r.notes {
+        eprintln!("note: {n}");
+    }
     if a.json {
         let v = serde_json::json!({ "kept": r.kept, "removed": r.removed, "dry_run": a.dry_run });
         println!("{}", serde_json::to_string_pretty(&v)?);

@@ -3,7 +3,7 @@
 //!
 //! * 30 days of writes, write-zeroes and discards on a qcow2 image with a persistent
 //!   bitmap, backed up each day through `qemu-nbd -r -B b0` (day 1 full, then
-//!   `--dirty-bitmap b0`, the bitmap cleared after each backup as the incremental-backup
+//!   `--dirty-bitmap b0 --since` the day before's snapshot, the bitmap cleared after each backup as the incremental-backup
 //!   tests clear it); every snapshot restores to its day's image, and its `ferry hash`
 //!   from the index is the image's.
 //! * 30 days of libvirt's pull mode through qemu-storage-daemon (as incremental_backup.rs
@@ -133,8 +133,11 @@ fn thirty_days_from_qemu_nbd_dirty_bitmap() {
     for day in 0..30u64 {
         qemu_io("qcow2", s(&img), &day_workload(day));
         let e = Export::qemu_nbd(d, "src", &img, "qcow2", true, Some("b0"));
-        let snap =
-            if day == 0 { backup(&[&e.uri(), &target]) } else { backup(&["--dirty-bitmap", "b0", &e.uri(), &target]) };
+        // Each day's map continues the snapshot of the day before (--since its id).
+        let snap = match days.last() {
+            None => backup(&[&e.uri(), &target]),
+            Some((prev, _)) => backup(&["--dirty-bitmap", "b0", "--since", prev, &e.uri(), &target]),
+        };
         e.stop();
         qemu_img(&["bitmap", "--clear", s(&img), "b0"]);
         let id = snap.at("id").as_str().unwrap().to_string();
@@ -200,7 +203,7 @@ fn refusals_say_what_to_do() {
     assert_eq!(snap.u64_at("size"), 5 * MIB);
     assert_restores(&format!("{t}@{}", snap.at("id").as_str().unwrap()), &big, "raw", &d.join("o.raw"));
     // An incremental with a map onto the 5 MiB base.
-    let snap2 = backup(&["--extents-from", s(&ext), s(&big), &t]);
+    let snap2 = backup(&["--extents-from", s(&ext), "--since", snap.at("id").as_str().unwrap(), s(&big), &t]);
     assert!(snap2.u64_at("read") <= 65536, "{snap2}");
     let out = run_fails(&mut ferry_cmd(&["copy", s(&img), &t]));
     assert!(out.stderr.contains("ferry backup"), "{}", out.describe());
@@ -241,9 +244,9 @@ fn pull_mode_from_qemu_storage_daemon() {
         });
         let hash = ferry_hash(&src);
         qemu_io("raw", &guest, &crate::incremental_backup::during_backup(round));
-        let snap = match &old {
-            None => backup(&[&src, &target]),
-            Some(b) => backup(&["--dirty-bitmap", b, &src, &target]),
+        let snap = match (&old, snaps.last()) {
+            (Some(b), Some((prev, _, _))) => backup(&["--dirty-bitmap", b, "--since", prev, &src, &target]),
+            _ => backup(&[&src, &target]),
         };
         qsd.end_backup(&name);
         if round > 0 {

@@ -240,14 +240,19 @@ fn kill_during_backup() {
             let map = change(&img, &mut data, seed * 10 + round, d);
             let h = hash_of(s(&img));
             let at = Duration::from_millis(50 + rng.below(1400));
-            let (killed, o) =
-                kill_after(spawn(&["backup", "--rate", "8M", "--extents-from", s(&map), s(&img), &t]), at);
+            let base = crate::repo_base::latest_id(&repo, "disk");
+            let (killed, o) = kill_after(
+                spawn(&["backup", "--rate", "8M", "--extents-from", s(&map), "--since", &base, s(&img), &t]),
+                at,
+            );
             let what = format!("seed {seed}: incremental {round} killed at {at:?} (killed: {killed})");
             assert!(killed || o.status.success(), "{what}: {}", String::from_utf8_lossy(&o.stderr));
             check_ok(&repo, &what);
             exp.assert_restore(&repo, Some(("disk", &h)), d, &what);
-            // The change again, as the next backup would read it: completes.
-            ferry(&["backup", "--extents-from", s(&map), s(&img), &t]);
+            // The change again, as the next backup would read it: completes (onto the
+            // killed one's snapshot where it was committed: it holds the change already).
+            let base = crate::repo_base::latest_id(&repo, "disk");
+            ferry(&["backup", "--extents-from", s(&map), "--since", &base, s(&img), &t]);
             exp.assert_restore(&repo, Some(("disk", &h)), d, &format!("{what}, then a backup"));
         }
         let before = du(&repo_p);
@@ -437,7 +442,8 @@ fn full_disk() {
     let mut data = fs::read(&big).unwrap();
     let map = change(&big, &mut data, 9, d);
     let h = hash_of(s(&big));
-    let out = run(&mut ferry_cmd(&["backup", "--extents-from", s(&map), s(&big), &t]));
+    let base = crate::repo_base::latest_id(&repo, "big");
+    let out = run(&mut ferry_cmd(&["backup", "--extents-from", s(&map), "--since", &base, s(&big), &t]));
     let what = format!("an incremental backup with {} bytes free", (24 * MIB).saturating_sub(du(&repo_p)));
     if out.status.success() {
         exp.assert_restore(&repo, Some(("big", &h)), d, &what);

@@ -112,14 +112,15 @@ fn a_killed_dirty_bitmap_backup_resumes() {
     let day0: Vec<String> = (0..4u64).map(|i| format!("write -P {} {} {}", 0x40 + i, i * 8 * MIB, MIB)).collect();
     qemu_io("qcow2", s(&img), &day0);
     let e = Export::qemu_nbd(d, "src", &img, "qcow2", true, Some("b0"));
-    ferry(&["backup", &e.uri(), &target]);
+    let full = Json::must_parse(ferry(&["backup", "--json", &e.uri(), &target]).stdout.trim());
+    let since = full.at("id").as_str().unwrap().to_string();
     e.stop();
     qemu_img(&["bitmap", "--clear", s(&img), "b0"]);
     // Day 1: 6 MiB changed, in 1 MiB pieces.
     let day1: Vec<String> = (0..6u64).map(|i| format!("write -P {} {} {}", 0x60 + i, i * 5 * MIB, MIB)).collect();
     qemu_io("qcow2", s(&img), &day1);
     let e = Export::qemu_nbd(d, "src", &img, "qcow2", true, Some("b0"));
-    let mut slow = ferry_cmd(&["backup", "--rate", "1M", "--dirty-bitmap", "b0", &e.uri(), &target])
+    let mut slow = ferry_cmd(&["backup", "--rate", "1M", "--dirty-bitmap", "b0", "--since", &since, &e.uri(), &target])
         .env("FERRY_CHECKPOINT_SECS", "0.3")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -131,23 +132,21 @@ fn a_killed_dirty_bitmap_backup_resumes() {
     slow.wait().unwrap();
     // An NBD export cannot show that its disk is the one the interrupted run read: a
     // resume needs the user's word for it.
-    let out = run_fails(&mut ferry_cmd(&["backup", "--resume", "--dirty-bitmap", "b0", &e.uri(), &target]));
+    let uri = e.uri();
+    // Each run ends with the snapshot the map continues, the source and the disk.
+    let tail = [since.as_str(), &uri, &target];
+    let out =
+        run_fails(&mut ferry_cmd(&[&["backup", "--resume", "--dirty-bitmap", "b0", "--since"], &tail[..]].concat()));
     assert!(out.stderr.contains("--same-source") && out.stderr.contains("two versions"), "{}", out.describe());
     // Another change map than the interrupted run's is refused too.
     let extents = d.join("extents.bin");
     std::fs::write(&extents, [1u8]).unwrap();
     let extents = format!("bitmap:64K:{}", extents.display());
-    let out = run_fails(&mut ferry_cmd(&[
-        "backup",
-        "--resume",
-        "--same-source",
-        "--extents-from",
-        &extents,
-        &e.uri(),
-        &target,
-    ]));
+    let head = ["backup", "--resume", "--same-source", "--extents-from", &extents, "--since"];
+    let out = run_fails(&mut ferry_cmd(&[&head[..], &tail].concat()));
     assert!(out.stderr.contains("cannot be resumed"), "{}", out.describe());
-    let out = ferry(&["backup", "--resume", "--same-source", "--json", "--dirty-bitmap", "b0", &e.uri(), &target]);
+    let head = ["backup", "--resume", "--same-source", "--json", "--dirty-bitmap", "b0", "--since"];
+    let out = ferry(&[&head[..], &tail].concat());
     e.stop();
     assert!(out.stderr.contains("resuming the backup of vm"), "{}", out.describe());
     let snap = Json::must_parse(out.stdout.trim());

@@ -93,8 +93,9 @@ pub(crate) fn repository_flow(api: &S3Api, mk: Mk, bucket: &str, prefix: &str, e
     fs::write(&img, &data).unwrap();
     let map = d.join("changed.json");
     fs::write(&map, format!(r#"[{{"offset": {at}, "length": {}, "type": 1}}]"#, 4 * MIB)).unwrap();
-    let inc =
-        Json::must_parse(run_ok(&mut mk(&["backup", "--json", "--extents-from", s(&map), s(&img), &t])).stdout.trim());
+    let inc = Json::must_parse(
+        run_ok(&mut mk(&["backup", "--json", "--extents-from", s(&map), "--since", &id0, s(&img), &t])).stdout.trim(),
+    );
     let id1 = inc.at("id").as_str().unwrap().to_string();
     assert!(inc.u64_at("read") <= 4 * MIB, "the incremental read more than the change: {inc}");
     assert_eq!(inc.at("parent").as_str(), Some(id0.as_str()), "{inc}");

@@ -91,7 +91,11 @@ fn first_line(file: &Path) -> Result<Passphrase> {
 /// says to prefer a file), and ferry clears it from the environment of the processes it
 /// starts.
 pub fn passphrase(password_file: Option<&Path>) -> Result<Option<Passphrase>> {
-    let p = match (password_file, std::env::var_os("FERRY_PASSWORD"), std::env::var_os("FERRY_PASSWORD_FILE")) {
+    let given = (password_file, std::env::var_os("FERRY_PASSWORD"), std::env::var_os("FERRY_PASSWORD_FILE"));
+    if given != (None, None, None) {
+        keep_out_of_core_dumps();
+    }
+    let p = match given {
         (Some(f), _, _) => first_line(f)?,
         (None, Some(v), _) => {
             use std::os::unix::ffi::OsStringExt;
@@ -105,6 +109,18 @@ pub fn passphrase(password_file: Option<&Path>) -> Result<Option<Passphrase>> {
         bail!("the passphrase given is empty: an empty passphrase protects nothing");
     }
     Ok(Some(p))
+}
+
+/// A process that holds a passphrase, and the key it unlocks, leaves no core dump and
+/// cannot be attached to by a debugger of the same user (`prctl(PR_SET_DUMPABLE, 0)`):
+/// a core of a crash would hold the repository's master key. The unit of `ferry serve`
+/// sets `LimitCORE=0` too; this covers commands run by hand, by cron or by a backup
+/// script. A failure is only warned about.
+pub fn keep_out_of_core_dumps() {
+    use rustix::process::{set_dumpable_behavior, DumpableBehavior};
+    if let Err(e) = set_dumpable_behavior(DumpableBehavior::NotDumpable) {
+        log::warn!("cannot keep the repository key out of core dumps (prctl PR_SET_DUMPABLE: {e})");
+    }
 }
 
 /// Opens the repository at `repo`, unlocking it with the passphrase given when it is
@@ -153,6 +169,17 @@ pub fn open_snapshot(repo: &str, name: &str, id: Option<&str>, remote: &Remote) 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Once given a passphrase, the process leaves no core dump (it will hold the key).
+    #[test]
+    fn a_process_given_a_passphrase_is_not_dumpable() {
+        use rustix::process::{dumpable_behavior, DumpableBehavior};
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("pw");
+        std::fs::write(&f, b"words\n").unwrap();
+        assert!(passphrase(Some(&f)).unwrap().is_some());
+        assert_eq!(dumpable_behavior().unwrap(), DumpableBehavior::NotDumpable);
+    }
 
     #[test]
     fn a_passphrase_file_gives_its_first_line_held_zeroed_on_drop() {

@@ -2,7 +2,7 @@
 //! A [`crate::SnapshotWriter`] writes them ([`crate::SnapshotWriter::checkpoint`]) and
 //! resumes from one ([`crate::SnapshotWriter::resume`]).
 use crate::format::{self, Checkpoint};
-use crate::repo::{par_map, Failures, Repository, SnapshotInfo, FETCH_THREADS};
+use crate::repo::{par_map, parse_time, Failures, Repository, SnapshotInfo, FETCH_THREADS};
 use crate::{Error, Result};
 use std::io;
 
@@ -21,6 +21,47 @@ impl CheckpointInfo {
     /// snapshot's.
     pub(crate) fn as_snapshot(&self) -> SnapshotInfo {
         SnapshotInfo { id: self.object.clone(), manifest: self.checkpoint.as_manifest() }
+    }
+
+    /// The snapshot that makes this checkpoint a leftover, if one does (`snaps`: the
+    /// repository's snapshots, oldest first): the disk's latest snapshot, when it does
+    /// not continue from the checkpoint's base itself but from the base or a later
+    /// snapshot of it (or the checkpoint had no base), and was made no earlier than the
+    /// checkpoint was stored. Every backup of the disk that starts after a checkpoint was
+    /// stored resumes it or discards it before it commits, so such a checkpoint was left
+    /// by a backup stopped between storing its snapshot and removing its checkpoint: what
+    /// it would resume is in the snapshot already, and resuming it could only be refused
+    /// (its base is no longer the latest). The snapshot that continues the base on the way
+    /// to the latest must be one that backup could have stored: of the same source, with
+    /// the same change map and size; a snapshot of the base stored otherwise (another
+    /// backup, one planted) leaves the checkpoint an interrupted backup that cannot be
+    /// resumed.
+    pub fn superseded_by<'a>(&self, snaps: &'a [SnapshotInfo]) -> Option<&'a SnapshotInfo> {
+        let ck = &self.checkpoint;
+        let latest = snaps.iter().rev().find(|s| s.manifest.name == ck.name)?;
+        if ck.base.as_deref() == Some(latest.id.as_str()) {
+            return None;
+        }
+        let (made, stored) = (parse_time(&latest.manifest.time)?, parse_time(&ck.time)?);
+        if made < stored {
+            return None;
+        }
+        let Some(base) = &ck.base else { return Some(latest) };
+        // The base among the latest snapshot's ancestors (a parent whose manifest was
+        // forgotten still names its own parent nowhere: the walk stops there).
+        let mut at = latest;
+        for _ in 0..snaps.len() {
+            match &at.manifest.parent {
+                Some(p) if p == base => {
+                    let m = &at.manifest;
+                    let same = m.source == ck.source && m.changes == ck.changes && m.size == ck.size;
+                    return same.then_some(latest);
+                }
+                Some(p) => at = snaps.iter().find(|s| s.id == *p && s.manifest.name == ck.name)?,
+                None => return None,
+            }
+        }
+        None
     }
 }
 

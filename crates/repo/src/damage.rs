@@ -8,7 +8,7 @@
 //! `gc` never keeps a recorded-damaged copy when a good one exists, and drops the records
 //! of packs that are gone ([`prune_records`]).
 use crate::format::LockKind;
-use crate::format::{self, BlobEntry, DamageRecord, DamagedPack, Digest};
+use crate::format::{self, DamageRecord, DamagedPack, Digest};
 use crate::repo::{build_index, hostname, par_map, Failures, Index, IndexObject, Location, Repository, FETCH_THREADS};
 use crate::{lock, Error, Result};
 use std::collections::{HashMap, HashSet};
@@ -144,47 +144,60 @@ pub(crate) fn pack_id(name: &str) -> Option<Digest> {
 
 /// The index of `objects`, every recorded-damaged copy listed after the blob's other
 /// copies: readers then use a good copy wherever there is one, and a damaged copy only
-/// as the last (its digest is checked when it is read).
+/// as the last (its digest is checked when it is read). Only the blobs named by a record
+/// are touched, so a blob keeps its one location in the common case.
 pub(crate) fn prefer_good(objects: Vec<IndexObject>, damage: &DamageSet) -> Index {
-    if damage.is_empty() {
-        return build_index(objects);
-    }
-    let mut last: Vec<(Digest, BlobEntry)> = Vec::new();
-    let objects: Vec<IndexObject> = objects
-        .into_iter()
-        .map(|(name, packs)| {
-            let packs = packs
-                .into_iter()
-                .map(|mut p| {
-                    if damage.packs.contains_key(&p.pack) {
-                        let (bad, good): (Vec<BlobEntry>, Vec<BlobEntry>) =
-                            p.blobs.into_iter().partition(|b| damage.is_damaged(&p.pack, &b.id));
-                        last.extend(bad.into_iter().map(|b| (p.pack, b)));
-                        p.blobs = good;
-                    }
-                    p
-                })
-                .collect();
-            (name, packs)
-        })
-        .collect();
     let mut index = build_index(objects);
-    for (pack, b) in last {
-        index.blobs.entry(b.id).or_insert(Location::of(pack, &b));
+    for id in damaged_ids(damage) {
+        let (bad, good): (Vec<Location>, Vec<Location>) =
+            index.locations(id).copied().partition(|l| damage.is_damaged(&l.pack, id));
+        if !bad.is_empty() && !good.is_empty() {
+            set_locations(&mut index, id, good.into_iter().chain(bad).collect());
+        }
     }
     index
 }
 
-/// Drops from a backup's index every copy recorded damaged (with [`prefer_good`], a blob
-/// left with a damaged copy has no other): the backup stores that content again where it
-/// reads it, instead of pointing at the damaged copy. The number of blobs dropped.
-pub(crate) fn exclude_damaged(index: &mut Index, damage: &DamageSet) -> usize {
-    if damage.is_empty() {
-        return 0;
+/// The blobs some record names (each once).
+fn damaged_ids(damage: &DamageSet) -> HashSet<&Digest> {
+    damage.packs.values().flat_map(|c| c.blobs.iter()).collect()
+}
+
+/// Sets `id`'s locations to `locs`, the first first (none: `id` leaves the index).
+fn set_locations(index: &mut Index, id: &Digest, locs: Vec<Location>) {
+    let mut locs = locs.into_iter();
+    match locs.next() {
+        None => {
+            index.blobs.remove(id);
+            index.more.remove(id);
+        }
+        Some(first) => {
+            index.blobs.insert(*id, first);
+            let rest: Vec<Location> = locs.collect();
+            if rest.is_empty() {
+                index.more.remove(id);
+            } else {
+                index.more.insert(*id, rest);
+            }
+        }
     }
-    let before = index.blobs.len();
-    index.blobs.retain(|id, l| !damage.is_damaged(&l.pack, id));
-    before - index.blobs.len()
+}
+
+/// Drops from a backup's index every copy recorded damaged (a blob keeps its good
+/// copies): the backup stores again, where it reads it, what has no good copy, instead
+/// of pointing at a damaged one. The number of blobs left with no copy.
+pub(crate) fn exclude_damaged(index: &mut Index, damage: &DamageSet) -> usize {
+    let mut gone = 0;
+    for id in damaged_ids(damage) {
+        let locs: Vec<Location> = index.locations(id).copied().collect();
+        if locs.is_empty() || !locs.iter().any(|l| damage.is_damaged(&l.pack, id)) {
+            continue;
+        }
+        let good: Vec<Location> = locs.into_iter().filter(|l| !damage.is_damaged(&l.pack, id)).collect();
+        gone += usize::from(good.is_empty());
+        set_locations(index, id, good);
+    }
+    gone
 }
 
 /// After a gc: the records of packs that are gone are dropped (a new record of the rest
@@ -236,7 +249,7 @@ pub(crate) fn correct_records(repo: &Repository, found: &HashMap<Digest, Option<
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::format::{BlobKind, PackBlobs};
+    use crate::format::{BlobEntry, BlobKind, PackBlobs};
 
     fn entry(id: u8, offset: u32) -> BlobEntry {
         BlobEntry { id: [id; 32], kind: BlobKind::Data, offset, stored_len: 10, plain_len: 9 }
@@ -277,12 +290,16 @@ mod tests {
         assert_eq!(build_index(objects()).blobs[&[1; 32]].pack, a);
         let mut index = prefer_good(objects(), &set);
         assert_eq!(index.blobs[&[1; 32]].pack, b);
+        let packs = |index: &Index, id: u8| index.locations(&[id; 32]).map(|l| l.pack).collect::<Vec<_>>();
+        assert_eq!(packs(&index, 1), vec![b, a], "the damaged copy is kept, after the good one");
         assert_eq!(index.blobs[&[2; 32]].pack, a, "the damaged copy stays as the last resort");
+        assert!(index.more.len() == 1 && !index.more.contains_key(&[3; 32]), "one location for the others");
         assert_eq!(index.objects.len(), 2);
         assert_eq!(exclude_damaged(&mut index, &set), 1);
         assert!(!index.blobs.contains_key(&[2; 32]));
         assert_eq!(index.blobs[&[3; 32]].pack, a);
-        assert_eq!(index.blobs[&[1; 32]].pack, b);
+        assert_eq!(packs(&index, 1), vec![b], "a backup never deduplicates against the damaged copy");
+        assert!(index.more.is_empty());
         // A record kept for the packs that stay, sorted.
         let rest = set.record_of(|p| *p == a);
         assert_eq!(rest.len(), 1);

@@ -814,6 +814,11 @@ pub struct Lock {
     /// cloned machines share host names, not PIDs).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub boot: Option<String>,
+    /// When the holder process started, in clock ticks after the boot (`/proc/PID/stat`,
+    /// field 22): with `boot`, a `pid` that runs again under this number is another
+    /// process (the PID was reused). Locks written before it was recorded lack it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pid_start: Option<u64>,
 }
 
 impl Lock {
@@ -1243,8 +1248,15 @@ mod tests {
             time: "2026-11-26T22:00:00Z".into(),
             refreshed: "2026-11-26T22:05:00Z".into(),
             boot: Some("b pid:[1]".into()),
+            pid_start: Some(123456),
         };
         assert_eq!(Lock::parse(&l.to_bytes()).unwrap(), l);
+        // A lock of an older ferry (no start time) reads; one of a later ferry with
+        // fields this one does not know reads too.
+        let old = br#"{"kind":"gc","host":"h","pid":7,"time":"2026-11-26T22:00:00Z","refreshed":"2026-11-26T22:00:00Z","boot":"b pid:[1]"}"#;
+        assert_eq!(Lock::parse(old).unwrap().pid_start, None);
+        let later = br#"{"kind":"gc","host":"h","pid":7,"time":"2026-11-26T22:00:00Z","refreshed":"2026-11-26T22:00:00Z","pid_start":5,"more":1}"#;
+        assert_eq!(Lock::parse(later).unwrap().pid_start, Some(5));
         let gc = Lock { kind: LockKind::Gc, disk: None, ..l.clone() };
         assert_eq!(Lock::parse(&gc.to_bytes()).unwrap(), gc);
         assert!(String::from_utf8(gc.to_bytes()).unwrap().contains("\"kind\":\"gc\""));

@@ -63,11 +63,17 @@
 //! `SnapshotWriter` as its destination, and `ferry repo ...` calls `maint`. The copy engine
 //! and the server never name the repository.
 //!
-//! **The path of one backup.** `ferry backup --dirty-bitmap b0 URI REPO::vm`:
-//! 1. `SnapshotWriter::start` takes the disk's `backup` lock, loads the index and the pages
-//!    of vm's latest snapshot (the base: every chunk the source does not send keeps the
-//!    base's entry).
-//! 2. The copy engine reads the dirty map (without a bitmap, the allocation map), and its
+//! **The path of one backup.** `ferry backup --dirty-bitmap b0 --since ID URI REPO::vm`:
+//! 1. `SnapshotWriter::start` takes the disk's `backup` lock, loads the index (the copies in
+//!    packs present in the store) and the pages of vm's latest snapshot (the base: every
+//!    chunk the source does not send keeps the base's entry), which the binary checked is
+//!    `ID`, the snapshot the map continues. Base entries with no present copy are lost:
+//!    `lost_ranges` gives them to the copy engine to read too, and `commit` refuses a
+//!    manifest that would still name one. A base whose pages cannot be read is dropped by a
+//!    full backup (with a warning) and refused by a change-map one.
+//! 2. The binary reads a sample of the chunks the map leaves alone from the source and
+//!    compares them with the base's entries (`SnapshotWriter::with_entries`).
+//!    The copy engine reads the dirty map (without a bitmap, the allocation map), and its
 //!    workers read those ranges from the source into their own buffers, many requests in
 //!    flight, and hand them to the writer (`Backend::write`, `zero`, `trim`) from many
 //!    threads at once, as they would to a file.
@@ -87,8 +93,8 @@
 //! 6. `commit`: the pending parts of chunks; the index pages that changed (a page covers
 //!    16 MiB of the disk and is a blob itself, so unchanged pages are the base's); the last
 //!    pack; one index object for this backup's packs (`index/ID`); then the manifest
-//!    (`snapshots/ID`: size, page digests, parent, source, kind of change map, blkhash,
-//!    stats); then the lock is released. A crash before the manifest leaves only
+//!    (`snapshots/ID`: the time of this host's clock, size, page digests, parent, source,
+//!    kind of change map, blkhash, stats); then the lock is released. A crash before the manifest leaves only
 //!    unreferenced objects, which `gc` removes.
 //!
 //! **The path of one restored READ.** `ferry copy REPO::vm@3f2a out.raw`, or an NBD READ of
@@ -113,8 +119,11 @@
 //! 4. `blob::decode_unchecked`: open the seal (a wrong key or a changed byte fails here) and
 //!    decompress into at most `chunk_size` bytes; then the SHA-256 of every chunk of the run
 //!    is checked against its entry's digest, side by side (`digest_many`, multi-buffer). A failure is an I/O error naming the pack and the snapshot's range,
-//!    never data; a pack that has gone (a `gc` moved its blobs while the snapshot was read)
-//!    makes the reader reload the index and read again.
+//!    never data, once every copy has been tried: the index keeps every location of a blob
+//!    ([`Index::locations`]), and a read that fails on one copy (its pack missing, or its
+//!    bytes damaged) reads each of its chunks again from the next copy; a chunk none of whose
+//!    packs is there (a `gc` moved its blobs while the snapshot was read) makes the reader
+//!    reload the index and read again.
 //! 5. The bytes are copied into the caller's buffer (the copy engine's, or the server's
 //!    reply arena); a chunk read in part is remembered in the cache, one read whole (a
 //!    restore) is not.
@@ -154,7 +163,7 @@ pub use checkpoint::CheckpointInfo;
 pub use damage::{DamageSet, DamagedCopies};
 pub use diff::SnapshotDiff;
 pub use reader::{default_cache_bytes, SnapshotImage, MIN_CACHE_BYTES};
-pub use repo::{Index, InitOptions, Location as BlobLocation, Repository, SnapshotInfo};
+pub use repo::{resolve_in, Failures, Index, InitOptions, Location as BlobLocation, Repository, SnapshotInfo};
 /// A passphrase as ferry holds it from where it is read to the KDF: zeroed when dropped.
 pub type Passphrase = zeroize::Zeroizing<Vec<u8>>;
 pub use writer::{
@@ -194,6 +203,15 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 impl Error {
     pub fn damaged(object: impl Into<String>, why: impl Into<String>) -> Error {
         Error::Damaged { object: object.into(), why: why.into() }
+    }
+    /// What is wrong, without the object's name and the advice that a report that names
+    /// the object itself (`ferry repo check`) gives once: the `why` of damage, else the
+    /// whole message.
+    pub fn reason(&self) -> String {
+        match self {
+            Error::Damaged { why, .. } => why.clone(),
+            e => e.to_string(),
+        }
     }
     pub fn store(what: impl Into<String>, source: std::io::Error) -> Error {
         Error::Store { what: what.into(), source }

@@ -5,8 +5,9 @@
 //! have nanoseconds, so the order is the order in which they were taken. A holder rewrites
 //! its lock every [`REFRESH`]; a lock not refreshed for [`STALE_AFTER`] (by its own time
 //! and, where the store tells it, by the store's time of its last write: [`stale_by_time`]),
-//! or left on this host by a process that no longer runs, is stale and removed by whoever
-//! meets it.
+//! or left on this host by a process that no longer runs ([`holder_gone`]: none with its
+//! number, a zombie, or another process started since under that number), is stale and
+//! removed by whoever meets it.
 use crate::format::{self, Lock, LockKind};
 use crate::repo::{hostname, parse_time};
 use crate::store::{Store, StoreTime};
@@ -40,9 +41,16 @@ impl LockGuard {
         &self.name
     }
 
+    /// Set once the lock is found gone (by [`LockGuard::check`] or the refresher): a
+    /// flag a hot path may test without I/O.
+    pub(crate) fn lost_flag(&self) -> Arc<std::sync::atomic::AtomicBool> {
+        self.lost.clone()
+    }
+
     /// Whether the lock is still held: its object is there and was never found gone.
-    /// Called before a backup commits and before a gc deletes, so that a process whose
-    /// lock another one removed as stale stops instead of acting unprotected.
+    /// Called before a backup stores an index object, a checkpoint or its manifest, and
+    /// before a gc deletes, so that a process whose lock another one removed as stale
+    /// stops instead of acting unprotected.
     pub fn check(&self) -> Result<()> {
         let gone = self.lost.load(std::sync::atomic::Ordering::SeqCst)
             || matches!(self._store.len(&self.name), Err(e) if e.kind() == std::io::ErrorKind::NotFound);
@@ -50,8 +58,8 @@ impl LockGuard {
             self.lost.store(true, std::sync::atomic::Ordering::SeqCst);
             return Err(crate::Error::Locked(format!(
                 "the lock {} of this process was removed from {} while it ran (another process took it for stale: \
-                 a clock far off, or refreshes failing for 30 minutes); stopping before anything is committed or \
-                 deleted: run it again",
+                 the process stopped or frozen, a clock far off, or refreshes failing for 30 minutes); stopping \
+                 before anything else is stored or deleted: run it again",
                 self.name,
                 self._store.describe()
             )));
@@ -105,10 +113,77 @@ pub fn stale(lock: &Lock, at: Option<StoreTime>) -> Option<String> {
     }
     // A PID means something only in its machine's boot and PID namespace: a container
     // with the host's name, or a cloned machine, has other processes under those numbers.
-    if lock.host == hostname() && lock.boot.is_some() && lock.boot == this_boot() && !pid_alive(lock.pid) {
-        return Some(format!("process {} no longer runs on {}", lock.pid, lock.host));
+    if lock.host == hostname() && lock.boot.is_some() && lock.boot == this_boot() {
+        return holder_gone(lock.pid, lock.pid_start).map(|why| format!("{why} on {}", lock.host));
     }
     None
+}
+
+/// What `/proc/PID/stat` says of a process of this PID namespace: its state letter and
+/// when it started (clock ticks after the boot, field 22). `Err` with `NotFound` when no
+/// process has that number.
+fn proc_stat(pid: &str) -> io::Result<(char, u64)> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    parse_stat(&text).ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, format!("/proc/{pid}/stat: {text:?}")))
+}
+
+/// The state and start time in a `/proc/PID/stat` line. The command name (field 2) is in
+/// parentheses and may hold spaces and parentheses itself: the fields after it start
+/// after the last `)`.
+fn parse_stat(text: &str) -> Option<(char, u64)> {
+    let rest = &text[text.rfind(')')? + 1..];
+    let mut fields = rest.split_whitespace();
+    let state = fields.next()?.chars().next()?;
+    // Field 3 is the state; field 22 the start time.
+    let start = fields.nth(18)?.parse().ok()?;
+    Some((state, start))
+}
+
+/// Whether `/proc`, as `/proc/self/mountinfo` shows its mount, hides the processes of
+/// other users (`hidepid=` 1, 2, `noaccess` or `invisible`).
+fn hides_processes(mountinfo: &str) -> bool {
+    mountinfo.lines().any(|l| {
+        let (mount, sup) = l.split_once(" - ").unwrap_or((l, ""));
+        mount.split(' ').nth(4) == Some("/proc")
+            && sup.split([' ', ',']).any(|o| o.strip_prefix("hidepid=").is_some_and(|v| v != "0" && v != "off"))
+    })
+}
+
+/// This process's start time, as a lock records it ([`Lock::pid_start`]).
+pub fn this_start() -> Option<u64> {
+    proc_stat("self").ok().map(|(_, start)| start)
+}
+
+/// Why the holder of a lock of this machine and PID namespace, process `pid` started at
+/// `start` (when the lock says), is gone, or `None` while it runs (or this cannot be
+/// told). Gone: no process has the number; the process has exited and only its exit
+/// status is left for a parent that does not collect it (a zombie: a container whose
+/// first process reaps no children keeps a killed holder as one for ever); or the
+/// number is another process's now (started at another time: the PID was reused).
+pub fn holder_gone(pid: u32, start: Option<u64>) -> Option<String> {
+    if pid == 0 {
+        return Some("process 0 is no holder".into());
+    }
+    match proc_stat(&pid.to_string()) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            // With /proc mounted hidepid=2 (systemd's ProtectProc=invisible) the processes
+            // of other users are not shown: then a missing number says nothing.
+            let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+            if hides_processes(&mountinfo) || (std::process::id() != 1 && !std::path::Path::new("/proc/1").exists()) {
+                return None;
+            }
+            Some(format!("process {pid} no longer runs"))
+        }
+        Err(_) => None,
+        Ok(('Z' | 'X' | 'x', _)) => Some(format!("process {pid} has exited (its parent has not collected it yet)")),
+        Ok((_, now)) => match start {
+            Some(s) if s != now => Some(format!(
+                "process {pid} is another process now (it started at tick {now} after boot, the holder at {s}): the \
+                 holder is gone and its number was reused"
+            )),
+            _ => None,
+        },
+    }
 }
 
 /// Whether `lock` went unrefreshed for [`STALE_AFTER`] at `now` (this host's clock): by
@@ -145,10 +220,6 @@ pub fn this_boot() -> Option<String> {
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
     let ns = std::fs::read_link("/proc/self/ns/pid").ok()?;
     Some(format!("{} {}", boot.trim(), ns.display()))
-}
-
-fn pid_alive(pid: u32) -> bool {
-    pid != 0 && std::path::Path::new(&format!("/proc/{pid}")).exists()
 }
 
 fn describe(name: &str, l: &Lock) -> String {
@@ -291,6 +362,7 @@ pub fn acquire(
             time: time.clone(),
             refreshed: time,
             boot: this_boot(),
+            pid_start: this_start(),
         };
         let name = format!("locks/{}", format::hex(&crate::crypto::random::<16>()));
         store
@@ -371,4 +443,82 @@ pub fn list(store: &Arc<dyn Store>) -> Result<Vec<(String, crate::format::Lock, 
         log::warn!("{name} in {} is not a lock this ferry can read: {why}", store.describe());
     }
     Ok(locks.into_iter().map(|(n, l, s)| (n, l, s.is_some())).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_lines_parse_whatever_the_command_name() {
+        let line = "4242 (a) b (c)) S 1 4242 4242 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 987654 1 2 3\n";
+        assert_eq!(parse_stat(line), Some(('S', 987654)));
+        assert_eq!(parse_stat("7 (z) Z 1 7 7 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 55 0 0"), Some(('Z', 55)));
+        for bad in ["", "7 (x", "7 (x) S 1 2", "7 (x) S 1 7 7 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 later"] {
+            assert_eq!(parse_stat(bad), None, "{bad:?}");
+        }
+        let (state, start) = proc_stat("self").unwrap();
+        assert!(state != 'Z' && Some(start) == this_start(), "{state} {start}");
+    }
+
+    #[test]
+    fn hidden_processes_are_told_from_the_proc_mount() {
+        let plain = "22 27 0:21 / /proc rw,relatime - proc proc rw\n30 1 8:1 / / rw - ext4 /dev/sda1 rw\n";
+        assert!(!hides_processes(plain));
+        for o in ["hidepid=2", "hidepid=invisible", "hidepid=1", "hidepid=noaccess"] {
+            let m = format!("22 27 0:21 / /proc rw,nosuid - proc proc rw,{o},subset=pid\n");
+            assert!(hides_processes(&m), "{o}");
+        }
+        assert!(!hides_processes("22 27 0:21 / /proc rw - proc proc rw,hidepid=0\n"));
+        assert!(!hides_processes("22 27 0:21 / /mnt/proc rw - proc proc rw,hidepid=2\n"));
+    }
+
+    /// A holder killed and never collected by its parent (here: this test, until it
+    /// waits) is a zombie: gone. Collected, it is gone too.
+    #[test]
+    fn a_zombie_holder_is_gone() {
+        let mut child = std::process::Command::new("sleep").arg("60").spawn().unwrap();
+        let pid = child.id();
+        let (_, start) = proc_stat(&pid.to_string()).unwrap();
+        assert_eq!(holder_gone(pid, Some(start)), None, "a running holder was taken for gone");
+        child.kill().unwrap();
+        // Until the kernel has turned it into a zombie.
+        let t0 = Instant::now();
+        while holder_gone(pid, Some(start)).is_none() && t0.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(matches!(proc_stat(&pid.to_string()), Ok(('Z', _))), "not a zombie");
+        let why = holder_gone(pid, Some(start)).unwrap();
+        assert!(why.contains("has exited"), "{why}");
+        assert!(holder_gone(pid, None).is_some(), "a zombie of a lock without a start time is live");
+        child.wait().unwrap();
+        assert!(holder_gone(pid, Some(start)).unwrap().contains("no longer runs"));
+    }
+
+    /// A lock whose PID runs now, started at another time than the lock says: the number
+    /// was reused by another process.
+    #[test]
+    fn a_reused_pid_is_gone() {
+        let me = std::process::id();
+        let start = this_start().unwrap();
+        assert_eq!(holder_gone(me, Some(start)), None);
+        assert_eq!(holder_gone(me, None), None, "a lock without a start time is told by its PID alone");
+        let why = holder_gone(me, Some(start + 1)).unwrap();
+        assert!(why.contains("reused"), "{why}");
+        let now = now_precise();
+        let l = Lock {
+            kind: LockKind::Gc,
+            disk: None,
+            host: hostname(),
+            pid: me,
+            time: now.clone(),
+            refreshed: now,
+            boot: this_boot(),
+            pid_start: Some(start.wrapping_sub(1)),
+        };
+        assert!(stale(&l, None).is_some_and(|w| w.contains("reused")));
+        assert!(stale(&Lock { pid_start: Some(start), ..l.clone() }, None).is_none());
+        // The start time of another boot or namespace is never compared.
+        assert!(stale(&Lock { boot: Some("another-boot pid:[1]".into()), ..l }, None).is_none());
+    }
 }

@@ -34,6 +34,21 @@ impl Report {
         self.problems.push(Problem { object: object.into(), why: why.into(), hits: Vec::new() });
         self.problems.len() - 1
     }
+
+    /// A problem of `object`, added to the one found for it already if there is one
+    /// (verify reading a pack that check's walk named: one entry per object).
+    fn problem_once(&mut self, object: String, why: String) -> usize {
+        match self.problems.iter().position(|p| p.object == object) {
+            Some(i) => {
+                let p = &mut self.problems[i];
+                if !p.why.contains(&why) {
+                    p.why = format!("{}; {why}", p.why);
+                }
+                i
+            }
+            None => self.problem(object, why),
+        }
+    }
 }
 
 /// What check learned, for verify to go on from.
@@ -136,21 +151,31 @@ fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
     let store = &repo.store;
     let (snaps, bad_snaps) = repo.snapshots_lenient()?;
     for (name, e) in bad_snaps {
-        r.problem(name, e.to_string());
+        r.problem(name, e.reason());
     }
     r.snapshots = snaps.len();
     // Checkpoints of interrupted backups are checked as snapshots are (FORMAT.md §7a).
     let (checkpoints, bad_checkpoints) = repo.checkpoints_lenient()?;
     for (name, e) in bad_checkpoints {
-        r.problem(name, format!("{e}; `ferry backup` without --resume discards it"));
+        r.problem(name, format!("{}; `ferry backup` without --resume discards it", e.reason()));
     }
     for c in &checkpoints {
-        r.notes.push(format!(
-            "an interrupted backup of {} ({} of {} bytes stored) can be resumed (`ferry backup --resume`)",
-            c.checkpoint.name,
-            c.checkpoint.done_bytes(),
-            c.checkpoint.size
-        ));
+        r.notes.push(match c.superseded_by(&snaps) {
+            Some(by) => format!(
+                "{} is a leftover checkpoint of {}: its backup stored snapshot {} (nothing to resume; the next \
+                 backup of {} removes it)",
+                c.object,
+                c.checkpoint.name,
+                by.id.get(..8).unwrap_or(&by.id),
+                c.checkpoint.name
+            ),
+            None => format!(
+                "an interrupted backup of {} ({} of {} bytes stored) can be resumed (`ferry backup --resume`)",
+                c.checkpoint.name,
+                c.checkpoint.done_bytes(),
+                c.checkpoint.size
+            ),
+        });
     }
     let mut snaps = snaps;
     snaps.extend(checkpoints.iter().map(|c| c.as_snapshot()));
@@ -160,13 +185,14 @@ fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
         r.problem(
             name,
             format!(
-                "{e}; the blobs it alone lists are lost to the snapshots below until `ferry repo repair` rebuilds it"
+                "{}; the blobs it alone lists are lost to the snapshots below until `ferry repo repair` rebuilds it",
+                e.reason()
             ),
         );
     }
     let (damage, bad_damage) = repo.damage_lenient()?;
     for (name, e) in bad_damage {
-        r.problem(name, format!("{e}; `ferry repo repair` removes it (then run `ferry repo verify`)"));
+        r.problem(name, format!("{}; `ferry repo repair` removes it (then run `ferry repo verify`)", e.reason()));
     }
     let mut packs: HashMap<Digest, Vec<BlobEntry>> = HashMap::new();
     for (_, ps) in &objects {
@@ -204,14 +230,31 @@ fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
             _ => {}
         }
     }
+    // A lost pack whose every blob has a good copy elsewhere (a backup stored them again)
+    // loses nothing: gc drops it from the index.
+    for (pack, p) in &bad_packs {
+        let healed = packs[pack].iter().all(|b| {
+            index.locations(&b.id).any(|l| !bad_packs.contains_key(&l.pack) && !damage.is_damaged(&l.pack, &b.id))
+        });
+        if healed {
+            r.problems[*p].why.push_str(
+                "; every blob in it has a copy in another pack, so no snapshot lost data: `ferry repo gc` drops it \
+                 from the index",
+            );
+        }
+    }
     let indexed: HashSet<String> = packs.keys().map(pack_name).collect();
     let orphans = listed.keys().filter(|n| !indexed.contains(*n)).count();
+    // A blob is lost only when every copy of it is in a missing or short pack (or, below,
+    // recorded damaged).
     let mut damaged: HashMap<Digest, usize> = HashMap::new();
     let recorded = recorded_problems(&mut r, &damage, &index, &listed, &mut damaged);
     if !bad_packs.is_empty() {
         for (id, loc) in &index.blobs {
             if let Some(p) = bad_packs.get(&loc.pack) {
-                damaged.insert(*id, *p);
+                if index.locations(id).all(|l| bad_packs.contains_key(&l.pack)) {
+                    damaged.insert(*id, *p);
+                }
             }
         }
     }
@@ -335,8 +378,16 @@ fn recorded_problems(
             continue;
         }
         let found = format!("recorded damaged by `ferry repo verify` at {}: {}", copies.time, copies.why);
-        let mut only: Vec<&Digest> =
-            copies.blobs.iter().filter(|id| index.blobs.get(*id).is_some_and(|l| l.pack == *pack)).collect();
+        // A blob with no good copy: each of its copies, this one among them, is recorded
+        // damaged or in a pack missing from the store.
+        let good = |id: &Digest, l: &crate::BlobLocation| {
+            !damage.is_damaged(&l.pack, id) && listed.contains_key(&pack_name(&l.pack))
+        };
+        let mut only: Vec<&Digest> = copies
+            .blobs
+            .iter()
+            .filter(|id| index.locations(id).any(|l| l.pack == *pack) && !index.locations(id).any(|l| good(id, l)))
+            .collect();
         only.sort();
         if only.is_empty() {
             let what = if copies.blobs.is_empty() {
@@ -504,6 +555,7 @@ pub fn verify(repo: &Repository, opts: &VerifyOptions) -> Result<Report> {
     todo.sort_by_key(|(p, _)| *p);
     // From here on, blobs_checked counts the blobs decoded.
     r.blobs_checked = 0;
+    let mut bad_copies: HashMap<Digest, Vec<(Digest, usize)>> = HashMap::new();
     let results = par_map(&todo, opts.threads.max(1), |(p, b)| verify_pack(repo, p, b));
     let mut record: Vec<DamagedPack> = Vec::new();
     // Recorded packs that read otherwise now: their new state (None: whole again).
@@ -541,19 +593,26 @@ pub fn verify(repo: &Repository, opts: &VerifyOptions) -> Result<Report> {
             record.push(DamagedPack { pack: format::hex(pack), why: short, blobs });
         }
         // One problem per pack: what check found in it already (a page) says this too.
-        let name = pack_name(pack);
-        let p = match r.problems.iter().position(|x| x.object == name) {
-            Some(p) => {
-                r.problems[p].why = format!("{}; {why}", r.problems[p].why);
-                p
-            }
-            None => r.problem(name, why),
-        };
+        let p = r.problem_once(pack_name(pack), why);
         for (id, _) in c.bad_blobs {
-            // Only the copy the index reads from hurts the snapshots.
-            if w.index.blobs.get(&id).is_some_and(|l| l.pack == *pack) {
-                w.damaged.entry(id).or_insert(p);
-            }
+            bad_copies.entry(id).or_default().push((*pack, p));
+        }
+    }
+    // A damaged copy hurts the snapshots only when no other copy is good (a reader tries
+    // each): every other copy is in a pack found missing or damaged too, or recorded
+    // damaged (and not found whole again now).
+    let recorded_bad = |pack: &Digest, id: &Digest| match corrected.get(pack) {
+        Some(now) => now.as_ref().is_some_and(|c| c.blobs.contains(id)),
+        None => w.damage.is_damaged(pack, id),
+    };
+    for (id, copies) in &bad_copies {
+        let bad = |pack: &Digest| copies.iter().any(|(p, _)| p == pack);
+        let lost = w
+            .index
+            .locations(id)
+            .all(|l| bad(&l.pack) || recorded_bad(&l.pack, id) || !w.listed.contains_key(&pack_name(&l.pack)));
+        if lost {
+            w.damaged.entry(*id).or_insert(copies[0].1);
         }
     }
     if !record.is_empty() {
@@ -639,7 +698,17 @@ pub fn forget_with(
         ));
     }
     let _lock = if dry_run { None } else { Some(lock::acquire(&repo.store, LockKind::Forget, None, wait)?) };
-    let snaps = repo.snapshots()?;
+    // A manifest that cannot be read is kept, and the rules apply to the others: that
+    // never removes a snapshot the rules would keep with it counted (leaving one out of
+    // a disk's list only moves the others up in it), so at most fewer are removed.
+    let (snaps, bad) = repo.snapshots_lenient()?;
+    for (object, e) in &bad {
+        report.notes.push(format!(
+            "{object} cannot be read ({}): it is kept, and the rules applied to the other snapshots (it may be of \
+             any disk)",
+            e.reason()
+        ));
+    }
     let mut disks: BTreeMap<&str, Vec<SnapshotInfo>> = BTreeMap::new();
     for s in &snaps {
         if name.is_none_or(|n| n == s.manifest.name) {
@@ -971,7 +1040,8 @@ pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_perc
     }
     let indexed: HashSet<String> = packs.keys().map(pack_name).collect();
     let orphans: Vec<String> = listed.keys().filter(|n| !indexed.contains(*n)).cloned().collect();
-    if delete.is_empty() && orphans.is_empty() && old_index.len() <= 1 {
+    let all_present = packs.keys().all(|p| listed.contains_key(&pack_name(p)));
+    if delete.is_empty() && orphans.is_empty() && old_index.len() <= 1 && all_present {
         let present: HashSet<Digest> = listed.keys().filter_map(|n| pack_id(n)).collect();
         prune_records(repo, &damage, &present)?;
         report.bytes_after = report.bytes_before;
@@ -1089,8 +1159,17 @@ pub fn damaged_snapshots(repo: &Repository, snaps: &[SnapshotInfo]) -> Result<Ha
         return Ok(out);
     }
     let index = repo.load_index_lenient()?;
-    let bad: HashMap<&Digest, &Digest> =
-        index.blobs.iter().filter(|(id, l)| damage.is_damaged(&l.pack, id)).map(|(id, l)| (id, &l.pack)).collect();
+    // The blobs whose every copy is recorded damaged, each with its first copy's pack.
+    let mut bad: HashMap<&Digest, &Digest> = HashMap::new();
+    for id in damage.packs.values().flat_map(|c| c.blobs.iter()) {
+        let mut copies = index.locations(id).peekable();
+        if let Some(first) = copies.peek() {
+            let pack = &first.pack;
+            if copies.all(|l| damage.is_damaged(&l.pack, id)) {
+                bad.insert(id, pack);
+            }
+        }
+    }
     if bad.is_empty() {
         return Ok(out);
     }
@@ -1129,7 +1208,7 @@ pub struct Stats {
 
 pub fn stats(repo: &Repository) -> Result<Stats> {
     let store = &repo.store;
-    let snaps = repo.snapshots()?;
+    let (snaps, _) = repo.snapshots_skipping()?;
     let index = repo.load_index()?;
     let pages = read_pages(repo, &index, &snaps);
     let mut s = Stats { snapshots: snaps.len() as u64, ..Stats::default() };

@@ -13,9 +13,9 @@ use crate::format::{self, BlobKind, Digest, ZERO};
 use crate::repo::{blkhash_of, pack_name, Index, Location, Repository, SnapshotInfo};
 use crate::Result;
 use ferry_backend::{push_extent, Backend, Capabilities, Extent, IoQueue, DATA, HOLE};
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::io;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex, OnceLock, RwLock, Weak};
 
 /// Cache shards (each with its own lock), and the fewest chunks each keeps.
@@ -62,6 +62,10 @@ pub struct SnapshotImage {
     /// Reloaded when a pack it names is gone (a gc moved the blobs while we read).
     index: RwLock<Arc<Index>>,
     reload: Mutex<()>,
+    /// Packs found missing: a chunk with another copy is read from that one. `any_gone`
+    /// keeps the common read (no pack missing) from taking this lock.
+    gone: RwLock<HashSet<Digest>>,
+    any_gone: AtomicBool,
     recent: Mutex<Recent>,
     entries: Vec<Digest>,
     cs: u64,
@@ -124,6 +128,8 @@ impl SnapshotImage {
             snap: snap.clone(),
             index: RwLock::new(Arc::new(index)),
             reload: Mutex::new(()),
+            gone: RwLock::new(HashSet::new()),
+            any_gone: AtomicBool::new(false),
             recent: Mutex::new(Recent::default()),
             entries,
             cache: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
@@ -315,32 +321,128 @@ impl SnapshotImage {
         )
     }
 
+    /// The part of a read of `offset..end` that chunk `ci` fills (its start and end in the
+    /// read's buffer), and where in the chunk that part starts.
+    fn span(&self, ci: u64, offset: u64, end: u64) -> (usize, usize, usize) {
+        let cstart = ci * self.cs;
+        let s = offset.max(cstart);
+        let e = end.min(cstart + self.chunk_len(ci) as u64);
+        ((s - offset) as usize, (e - offset) as usize, (s - cstart) as usize)
+    }
+
+    /// Fills `part` (chunk `ci` from its byte `at`) if it needs no read: a zero chunk, or
+    /// one in the cache.
+    fn fill_known(&self, ci: u64, part: &mut [u8], at: usize) -> bool {
+        if self.entries[ci as usize] == ZERO {
+            part.fill(0);
+            return true;
+        }
+        match self.cached(ci) {
+            Some(c) => {
+                part.copy_from_slice(&c[at..at + part.len()]);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The location to read `id` from: its first, unless that pack was found missing and
+    /// another copy is not.
+    fn pick(&self, index: &Index, id: &Digest) -> Option<Location> {
+        let first = *index.blobs.get(id)?;
+        if !self.any_gone.load(Ordering::Relaxed) {
+            return Some(first);
+        }
+        let gone = self.gone.read().unwrap_or_else(|e| e.into_inner());
+        if !gone.contains(&first.pack) {
+            return Some(first);
+        }
+        Some(*index.locations(id).find(|l| !gone.contains(&l.pack)).unwrap_or(&first))
+    }
+
+    fn mark_gone(&self, pack: &Digest) {
+        self.gone.write().unwrap_or_else(|e| e.into_inner()).insert(*pack);
+        self.any_gone.store(true, Ordering::Relaxed);
+    }
+
+    /// Chunk `ci` (blob `id`) from the first of its copies that reads and checks well.
+    /// A chunk none of whose copies is in the store is `PackGone` (a gc may have moved it).
+    fn read_chunk_any(&self, index: &Index, ci: u64, id: Digest, offset: u64, length: u64) -> Result<Vec<u8>, Failure> {
+        let mut whys: Vec<String> = Vec::new();
+        let (mut all_gone, mut store_error) = (true, None);
+        for loc in index.locations(&id) {
+            let pack = pack_name(&loc.pack);
+            match self.repo.store.get_range(&pack, loc.offset as u64, loc.stored_len as u64) {
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                    self.mark_gone(&loc.pack);
+                    whys.push(format!("{pack} is missing"));
+                }
+                Err(e) if matches!(e.kind(), io::ErrorKind::UnexpectedEof | io::ErrorKind::InvalidData) => {
+                    all_gone = false;
+                    whys.push(format!("cannot read {pack}: {e}"));
+                }
+                Err(e) => {
+                    all_gone = false;
+                    store_error = Some(format!("cannot read {pack}: {e}"));
+                }
+                Ok(bytes) => {
+                    let want = Want { ci, id, loc: *loc, ahead: false };
+                    match self.decode_run(&bytes, loc.offset as u64, std::slice::from_ref(&want)).pop() {
+                        Some(Ok(plain)) => return Ok(plain),
+                        Some(Err(why)) => {
+                            all_gone = false;
+                            whys.push(format!("{pack}: {why}"));
+                        }
+                        None => all_gone = false,
+                    }
+                }
+            }
+        }
+        if let Some(why) = store_error {
+            return Err(Failure::Unreadable(self.unreadable(offset, length, ci, why)));
+        }
+        if whys.is_empty() {
+            let why = format!("its chunk {} is in no index object", format::hex(&id));
+            return Err(Failure::PackGone(self.damage(offset, length, ci, why)));
+        }
+        let e = self.damage(offset, length, ci, whys.join("; "));
+        Err(if all_gone { Failure::PackGone(e) } else { Failure::Damaged(e) })
+    }
+
+    /// The read that [`SnapshotImage::read_with`] could not make whole: chunk by chunk,
+    /// each from any of its copies. Slower, but only run when a copy failed.
+    fn read_each(&self, index: &Index, buf: &mut [u8], offset: u64) -> Result<(), Failure> {
+        let length = buf.len() as u64;
+        let end = offset + length;
+        for ci in offset / self.cs..=(end - 1) / self.cs {
+            let (bs, be, at) = self.span(ci, offset, end);
+            if self.fill_known(ci, &mut buf[bs..be], at) {
+                continue;
+            }
+            let id = self.repo.crypto.blob_id(&self.entries[ci as usize]);
+            let plain = self.read_chunk_any(index, ci, id, offset, length)?;
+            buf[bs..be].copy_from_slice(&plain[at..at + (be - bs)]);
+            if be - bs != plain.len() {
+                self.remember(ci, Arc::new(plain));
+            }
+        }
+        Ok(())
+    }
+
     fn read_with(&self, index: &Index, buf: &mut [u8], offset: u64, ahead: u64) -> Result<(), Failure> {
         let length = buf.len() as u64;
         let end = offset + length;
         let first = offset / self.cs;
         let last = (end - 1) / self.cs;
-        // The part of `buf` that chunk `ci` fills, and where in the chunk it starts.
-        let span = |ci: u64| -> (usize, usize, usize) {
-            let cstart = ci * self.cs;
-            let s = offset.max(cstart);
-            let e = end.min(cstart + self.chunk_len(ci) as u64);
-            ((s - offset) as usize, (e - offset) as usize, (s - cstart) as usize)
-        };
+        let span = |ci: u64| self.span(ci, offset, end);
         let mut wants: Vec<Want> = Vec::new();
         for ci in first..=last {
-            let d = &self.entries[ci as usize];
             let (bs, be, at) = span(ci);
-            if *d == ZERO {
-                buf[bs..be].fill(0);
+            if self.fill_known(ci, &mut buf[bs..be], at) {
                 continue;
             }
-            if let Some(c) = self.cached(ci) {
-                buf[bs..be].copy_from_slice(&c[at..at + (be - bs)]);
-                continue;
-            }
-            let id = self.repo.crypto.blob_id(d);
-            let Some(loc) = index.blobs.get(&id) else {
+            let id = self.repo.crypto.blob_id(&self.entries[ci as usize]);
+            let Some(loc) = self.pick(index, &id) else {
                 return Err(Failure::PackGone(self.damage(
                     offset,
                     length,
@@ -348,7 +450,7 @@ impl SnapshotImage {
                     format!("its chunk {} is in no index object", format::hex(&id)),
                 )));
             };
-            wants.push(Want { ci, id, loc: *loc, ahead: false });
+            wants.push(Want { ci, id, loc, ahead: false });
         }
         // A sequential reader that missed the cache: the chunks after this read come with
         // it, into the cache (one request instead of one per chunk on an object store).
@@ -360,8 +462,8 @@ impl SnapshotImage {
                     continue;
                 }
                 let id = self.repo.crypto.blob_id(d);
-                if let Some(loc) = index.blobs.get(&id) {
-                    wants.push(Want { ci, id, loc: *loc, ahead: true });
+                if let Some(loc) = self.pick(index, &id) {
+                    wants.push(Want { ci, id, loc, ahead: true });
                 }
             }
         }
@@ -390,12 +492,13 @@ impl SnapshotImage {
                 let ci = wants[i].ci;
                 match e.kind() {
                     io::ErrorKind::NotFound => {
+                        self.mark_gone(&wants[i].loc.pack);
                         Failure::PackGone(self.damage(offset, length, ci, format!("{pack} is missing")))
                     }
                     io::ErrorKind::UnexpectedEof | io::ErrorKind::InvalidData => {
-                        Failure::Other(self.damage(offset, length, ci, format!("cannot read {pack}: {e}")))
+                        Failure::Damaged(self.damage(offset, length, ci, format!("cannot read {pack}: {e}")))
                     }
-                    _ => Failure::Other(self.unreadable(offset, length, ci, format!("cannot read {pack}: {e}"))),
+                    _ => Failure::Unreadable(self.unreadable(offset, length, ci, format!("cannot read {pack}: {e}"))),
                 }
             })?;
             let plains = self.decode_run(&bytes, run_start, &wants[i..j]);
@@ -404,7 +507,7 @@ impl SnapshotImage {
                     Ok(p) => p,
                     Err(_) if w.ahead => continue,
                     Err(why) => {
-                        return Err(Failure::Other(self.damage(offset, length, w.ci, format!("{pack}: {why}"))))
+                        return Err(Failure::Damaged(self.damage(offset, length, w.ci, format!("{pack}: {why}"))))
                     }
                 };
                 if w.ahead {
@@ -557,16 +660,18 @@ impl Drop for ReadQueue {
     }
 }
 
-/// Why a read failed: a pack that is gone may be found again in a reloaded index.
+/// Why a read failed: a pack that is gone may be found again in a reloaded index, and a
+/// damaged copy may have another; a store that fails (network, I/O) is reported as is.
 enum Failure {
     PackGone(ferry_backend::Error),
-    Other(ferry_backend::Error),
+    Damaged(ferry_backend::Error),
+    Unreadable(ferry_backend::Error),
 }
 
 impl Failure {
     fn into_error(self) -> ferry_backend::Error {
         match self {
-            Failure::PackGone(e) | Failure::Other(e) => e,
+            Failure::PackGone(e) | Failure::Damaged(e) | Failure::Unreadable(e) => e,
         }
     }
 }
@@ -611,14 +716,19 @@ impl Backend for SnapshotImage {
         let ahead = self.ahead_for(offset, offset + length);
         let index = self.index.read().unwrap_or_else(|e| e.into_inner()).clone();
         match self.read_with(&index, buf, offset, ahead) {
-            Err(Failure::PackGone(_)) => {
-                // A gc repacked what this snapshot uses: its blobs are in new packs.
-                let fresh = self
-                    .reload_index(&index)
-                    .map_err(|e| ferry_backend::Error::io("read", offset, length, io::Error::other(e.to_string())))?;
-                self.read_with(&fresh, buf, offset, 0).map_err(Failure::into_error)
-            }
-            r => r.map_err(Failure::into_error),
+            Ok(()) => Ok(()),
+            Err(Failure::Unreadable(e)) => Err(e),
+            // A copy missing or damaged: each chunk from any of its copies.
+            Err(_) => match self.read_each(&index, buf, offset) {
+                Err(Failure::PackGone(_)) => {
+                    // A gc repacked what this snapshot uses: its blobs are in new packs.
+                    let fresh = self.reload_index(&index).map_err(|e| {
+                        ferry_backend::Error::io("read", offset, length, io::Error::other(e.to_string()))
+                    })?;
+                    self.read_each(&fresh, buf, offset).map_err(Failure::into_error)
+                }
+                r => r.map_err(Failure::into_error),
+            },
         }
     }
     /// The requests of one connection read side by side on a pool of threads.

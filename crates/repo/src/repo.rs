@@ -47,12 +47,77 @@ impl Location {
     }
 }
 
-/// The union of the index objects: blob id to where it is.
+/// The union of the index objects: every location of every blob (FORMAT.md §6: any copy
+/// is good).
+///
+/// Most blobs have one copy, so `blobs` holds each blob's first location (in index-object
+/// name order) and `more` only the further ones (a chunk stored again after its pack was
+/// lost, two backups that stored the same data, a pack that gc has not yet removed): the
+/// common case costs one location a blob. A reader tries [`Index::locations`] in turn, so
+/// a copy in a missing or damaged pack does not hide a good one.
 #[derive(Default)]
 pub struct Index {
+    /// Each blob's first location.
     pub blobs: HashMap<Digest, Location>,
+    /// Each blob's other locations, for the few blobs that have more than one.
+    pub more: HashMap<Digest, Vec<Location>>,
     /// Names of the index objects it was read from.
     pub objects: Vec<String>,
+}
+
+impl Index {
+    /// Every location of `id`, its first one first; none when it is in no index object.
+    pub fn locations(&self, id: &Digest) -> impl Iterator<Item = &Location> {
+        self.blobs.get(id).into_iter().chain(self.more.get(id).into_iter().flatten())
+    }
+
+    /// Whether `id` has at least one location.
+    pub fn contains(&self, id: &Digest) -> bool {
+        self.blobs.contains_key(id)
+    }
+
+    /// Adds a location of `id` (one it has already is not added again).
+    pub fn add(&mut self, id: Digest, loc: Location) {
+        match self.blobs.entry(id) {
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(loc);
+            }
+            std::collections::hash_map::Entry::Occupied(first) => {
+                let same = |l: &Location| l.pack == loc.pack && l.offset == loc.offset;
+                if same(first.get()) {
+                    return;
+                }
+                let v = self.more.entry(id).or_default();
+                if !v.iter().any(same) {
+                    v.push(loc);
+                }
+            }
+        }
+    }
+
+    /// Keeps only the locations in the packs `keep` accepts: a blob whose first location
+    /// goes takes its next one, and a blob left with none leaves the index. Returns how
+    /// many blobs left it.
+    pub fn retain_packs(&mut self, keep: impl Fn(&Digest) -> bool) -> usize {
+        self.more.retain(|_, v| {
+            v.retain(|l| keep(&l.pack));
+            !v.is_empty()
+        });
+        let before = self.blobs.len();
+        let more = &mut self.more;
+        self.blobs.retain(|id, loc| {
+            if keep(&loc.pack) {
+                return true;
+            }
+            let Some(v) = more.get_mut(id) else { return false };
+            *loc = v.remove(0);
+            if v.is_empty() {
+                more.remove(id);
+            }
+            true
+        });
+        before - self.blobs.len()
+    }
 }
 
 /// A snapshot: its id (object name) and manifest.
@@ -65,7 +130,7 @@ pub struct SnapshotInfo {
 /// An index object's name and content.
 pub(crate) type IndexObject = (String, Vec<format::PackBlobs>);
 /// Objects that could not be read, with why.
-pub(crate) type Failures = Vec<(String, Error)>;
+pub type Failures = Vec<(String, Error)>;
 
 /// The additional data of the AEAD of manifests, index objects and pack trailers.
 pub(crate) const AAD_SNAPSHOT: &[u8] = b"ferry snapshot";
@@ -317,8 +382,8 @@ impl Repository {
     }
 
     /// Every manifest, each read and checked, with the names of those that fail and why;
-    /// the good ones oldest first.
-    pub(crate) fn snapshots_lenient(&self) -> Result<(Vec<SnapshotInfo>, Failures)> {
+    /// the good ones oldest first. A store that fails (not damage) is an error.
+    pub fn snapshots_lenient(&self) -> Result<(Vec<SnapshotInfo>, Failures)> {
         let names = self
             .store
             .list("snapshots/")
@@ -337,7 +402,19 @@ impl Repository {
         Ok((good, bad))
     }
 
-    /// Every snapshot, oldest first (by time, then id).
+    /// Every snapshot that can be read, oldest first; each manifest that cannot be read is
+    /// skipped with a warning that names it (one damaged manifest must not stop the work
+    /// on every disk). Returns the names of those skipped too.
+    pub fn snapshots_skipping(&self) -> Result<(Vec<SnapshotInfo>, Failures)> {
+        let (good, bad) = self.snapshots_lenient()?;
+        for (name, e) in &bad {
+            warn_skipped(name, e);
+        }
+        Ok((good, bad))
+    }
+
+    /// Every snapshot, oldest first, each after its parent (FORMAT.md §7's order); an error
+    /// if any manifest cannot be read (for gc, which must know every snapshot).
     pub fn snapshots(&self) -> Result<Vec<SnapshotInfo>> {
         let (good, mut bad) = self.snapshots_lenient()?;
         match bad.pop() {
@@ -348,47 +425,13 @@ impl Repository {
 
     /// The snapshot `name` means: the latest of the disk, or the one whose id starts with
     /// `id` (at least 4 hex digits, unique, and of that disk).
+    ///
+    /// A manifest that cannot be read is skipped with a warning naming it (it may be of
+    /// any disk: an encrypted one does not even say which); asking for it by id is an
+    /// error that says it is damaged.
     pub fn resolve(&self, name: &str, id: Option<&str>) -> Result<SnapshotInfo> {
-        let all = self.snapshots()?;
-        let repo = self.store.describe();
-        let Some(prefix) = id else {
-            return all.iter().rev().find(|s| s.manifest.name == name).cloned().ok_or_else(|| {
-                let mut disks: Vec<&str> = all.iter().map(|s| s.manifest.name.as_str()).collect();
-                disks.sort();
-                disks.dedup();
-                Error::NotFound(if disks.is_empty() {
-                    format!("{repo} has no snapshot yet (of {name} or of any disk)")
-                } else {
-                    format!("{repo} has no snapshot of {name}; its disks are: {}", disks.join(", "))
-                })
-            });
-        };
-        let prefix = prefix.to_ascii_lowercase();
-        if prefix.len() < 4 || prefix.len() > 64 || !prefix.bytes().all(|b| b.is_ascii_hexdigit()) {
-            return Err(Error::Invalid(format!(
-                "{prefix:?} is not a snapshot id: give at least 4 hex digits of one (`ferry repo list` shows them)"
-            )));
-        }
-        let hits: Vec<&SnapshotInfo> = all.iter().filter(|s| s.id.starts_with(&prefix)).collect();
-        let ours: Vec<&SnapshotInfo> = hits.iter().copied().filter(|s| s.manifest.name == name).collect();
-        match ours.as_slice() {
-            [one] => Ok((*one).clone()),
-            [] if hits.is_empty() => Err(Error::NotFound(format!(
-                "{repo} has no snapshot whose id starts with {prefix} (`ferry repo list` shows them)"
-            ))),
-            [] => Err(Error::NotFound(format!(
-                "snapshot {prefix} is not of {name} but of {}: write {}::{}@{prefix}",
-                hits[0].manifest.name, repo, hits[0].manifest.name
-            ))),
-            many => Err(Error::Invalid(format!(
-                "{prefix} names {} snapshots of {name}: {}; give more digits",
-                many.len(),
-                many.iter()
-                    .map(|s| format!("{} ({})", &s.id[..16.min(s.id.len())], s.manifest.time))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ))),
-        }
+        let (all, bad) = self.snapshots_skipping()?;
+        resolve_in(&all, &bad, &self.store.describe(), name, id)
     }
 
     /// Reads and checks one index object.
@@ -497,11 +540,29 @@ impl Repository {
         Ok(plain)
     }
 
-    /// A page's entries, read through the index and checked against `digest`.
+    /// The plain bytes of blob `id` from the first of its copies that reads and checks
+    /// well; else why none did (each copy's reason).
+    pub(crate) fn read_blob_any(&self, index: &Index, id: &Digest, kind: BlobKind) -> Result<Vec<u8>, String> {
+        let mut whys = Vec::new();
+        for loc in index.locations(id) {
+            match self.read_blob(id, loc, kind) {
+                Ok(plain) => return Ok(plain),
+                Err(why) => whys.push(why),
+            }
+        }
+        Err(match whys.len() {
+            0 => format!("blob {} is in no index object", format::hex(id)),
+            _ => whys.join("; "),
+        })
+    }
+
+    /// A page's entries, read through the index (any copy) and checked against `digest`.
     pub(crate) fn read_page(&self, index: &Index, digest: &Digest) -> Result<Vec<Digest>, String> {
         let id = self.crypto.blob_id(digest);
-        let loc = index.blobs.get(&id).ok_or_else(|| format!("page {} is in no index object", format::hex(digest)))?;
-        let plain = self.read_blob(&id, loc, BlobKind::Page)?;
+        if !index.contains(&id) {
+            return Err(format!("page {} is in no index object", format::hex(digest)));
+        }
+        let plain = self.read_blob_any(index, &id, BlobKind::Page)?;
         if plain.is_empty() || plain.len() % 32 != 0 {
             return Err(format!("page {} has {} bytes, not a multiple of 32", format::hex(digest), plain.len()));
         }
@@ -539,21 +600,16 @@ impl Repository {
     }
 }
 
-/// The index of the given index objects: the first location seen of each blob.
+/// The index of the given index objects: every location of each blob, the first seen
+/// first.
 pub(crate) fn build_index(objects: Vec<IndexObject>) -> Index {
-    let mut index = Index { blobs: HashMap::new(), objects: Vec::with_capacity(objects.len()) };
+    let mut index = Index { objects: Vec::with_capacity(objects.len()), ..Index::default() };
     let total: usize = objects.iter().flat_map(|(_, p)| p.iter().map(|p| p.blobs.len())).sum();
     index.blobs.reserve(total);
     for (name, packs) in objects {
         for p in packs {
             for b in p.blobs {
-                index.blobs.entry(b.id).or_insert(Location {
-                    pack: p.pack,
-                    kind: b.kind,
-                    offset: b.offset,
-                    stored_len: b.stored_len,
-                    plain_len: b.plain_len,
-                });
+                index.add(b.id, Location::of(p.pack, &b));
             }
         }
         index.objects.push(name);
@@ -561,32 +617,45 @@ pub(crate) fn build_index(objects: Vec<IndexObject>) -> Index {
     index
 }
 
-/// Orders snapshots oldest first: by time, then (for snapshots of the same second) a
-/// snapshot after its parent, then by id.
+/// Orders snapshots oldest first, a snapshot always after its parent whatever the clocks
+/// said (FORMAT.md §7): by the latest time along its parents (its own, or an ancestor's
+/// dated later by a clock that was ahead), then by how many parents share that time, then
+/// by id. The times themselves are the writers' clocks, never changed.
 pub(crate) fn sort_snapshots(snaps: &mut [SnapshotInfo]) {
-    let by_id: HashMap<&str, (Option<jiff::Timestamp>, Option<&str>)> =
-        snaps.iter().map(|s| (s.id.as_str(), (parse_time(&s.manifest.time), s.manifest.parent.as_deref()))).collect();
-    // Depth along parents of the same time (a chain written within one second).
-    let depth = |s: &SnapshotInfo| -> usize {
-        let t = parse_time(&s.manifest.time);
-        let mut d = 0;
-        let mut cur = s.manifest.parent.as_deref();
-        while let Some(p) = cur {
-            match by_id.get(p) {
-                Some((pt, pp)) if *pt == t && d < snaps.len() => {
-                    d += 1;
-                    cur = *pp;
-                }
-                _ => break,
-            }
-        }
-        d
-    };
-    let mut keyed: Vec<(Option<jiff::Timestamp>, usize, String, usize)> =
-        snaps.iter().enumerate().map(|(i, s)| (parse_time(&s.manifest.time), depth(s), s.id.clone(), i)).collect();
+    let keys = order_keys(snaps);
+    let mut keyed: Vec<(Option<jiff::Timestamp>, usize, &str, usize)> =
+        snaps.iter().enumerate().map(|(i, s)| (keys[i].0, keys[i].1, s.id.as_str(), i)).collect();
     keyed.sort();
     let order: Vec<SnapshotInfo> = keyed.iter().map(|k| snaps[k.3].clone()).collect();
     snaps.clone_from_slice(&order);
+}
+
+/// Each snapshot's (latest time along its parents, parents in a row with that time), in
+/// one pass: a chain of n snapshots costs n steps, not n².
+fn order_keys(snaps: &[SnapshotInfo]) -> Vec<(Option<jiff::Timestamp>, usize)> {
+    let at: HashMap<&str, usize> = snaps.iter().enumerate().map(|(i, s)| (s.id.as_str(), i)).collect();
+    let mut keys: Vec<Option<(Option<jiff::Timestamp>, usize)>> = vec![None; snaps.len()];
+    let mut path = Vec::new();
+    for first in 0..snaps.len() {
+        // Up the parents to one whose key is known (or none).
+        path.clear();
+        let mut cur = Some(first);
+        while let Some(i) = cur.filter(|i| keys[*i].is_none() && path.len() <= snaps.len()) {
+            path.push(i);
+            cur = snaps[i].manifest.parent.as_deref().and_then(|p| at.get(p).copied());
+        }
+        let mut above = cur.and_then(|i| keys[i]);
+        for &i in path.iter().rev() {
+            let t = parse_time(&snaps[i].manifest.time);
+            let k = match above {
+                Some((pt, depth)) if pt >= t => (pt, depth + 1),
+                _ => (t, 0),
+            };
+            keys[i] = Some(k);
+            above = Some(k);
+        }
+    }
+    keys.into_iter().map(|k| k.unwrap_or((None, 0))).collect()
 }
 
 /// The blkhash of a snapshot from its entries (FORMAT.md §1): the entries with zero
@@ -607,4 +676,73 @@ pub(crate) fn blkhash_of(entries: &[Digest], size: u64, chunk_size: u32) -> Dige
     }
     h.update(size.to_le_bytes());
     h.finalize().into()
+}
+
+/// Says that the manifest `name` is skipped, and why.
+pub(crate) fn warn_skipped(name: &str, e: &Error) {
+    log::warn!(
+        "skipping {name}: it cannot be read ({}); `ferry repo check` lists the damage, and the other snapshots are \
+         used as if it were not there",
+        e.reason()
+    );
+}
+
+/// [`Repository::resolve`] among snapshots already read (`all`), with the manifests that
+/// could not be (`bad`) and the repository as shown (`repo`).
+pub fn resolve_in(
+    all: &[SnapshotInfo],
+    bad: &[(String, Error)],
+    repo: &str,
+    name: &str,
+    id: Option<&str>,
+) -> Result<SnapshotInfo> {
+    let Some(prefix) = id else {
+        return all.iter().rev().find(|s| s.manifest.name == name).cloned().ok_or_else(|| {
+            let mut disks: Vec<&str> = all.iter().map(|s| s.manifest.name.as_str()).collect();
+            disks.sort();
+            disks.dedup();
+            Error::NotFound(if disks.is_empty() {
+                format!("{repo} has no snapshot yet (of {name} or of any disk)")
+            } else {
+                format!("{repo} has no snapshot of {name}; its disks are: {}", disks.join(", "))
+            })
+        });
+    };
+    let prefix = prefix.to_ascii_lowercase();
+    if prefix.len() < 4 || prefix.len() > 64 || !prefix.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(Error::Invalid(format!(
+            "{prefix:?} is not a snapshot id: give at least 4 hex digits of one (`ferry repo list` shows them)"
+        )));
+    }
+    let hits: Vec<&SnapshotInfo> = all.iter().filter(|s| s.id.starts_with(&prefix)).collect();
+    let ours: Vec<&SnapshotInfo> = hits.iter().copied().filter(|s| s.manifest.name == name).collect();
+    let damaged: Vec<&(String, Error)> =
+        bad.iter().filter(|(n, _)| n.strip_prefix("snapshots/").is_some_and(|i| i.starts_with(&prefix))).collect();
+    match (ours.as_slice(), damaged.as_slice()) {
+        ([_], [(object, _), ..]) => Err(Error::Invalid(format!(
+            "{prefix} names two snapshots: one of {name}, and {object}, which cannot be read; give more digits"
+        ))),
+        ([], [(object, e), ..]) if hits.is_empty() => {
+            Err(Error::damaged(object.clone(), format!("the snapshot asked for cannot be read: {}", e.reason())))
+        }
+        _ => Ok(()),
+    }?;
+    match ours.as_slice() {
+        [one] => Ok((*one).clone()),
+        [] if hits.is_empty() => Err(Error::NotFound(format!(
+            "{repo} has no snapshot whose id starts with {prefix} (`ferry repo list` shows them)"
+        ))),
+        [] => Err(Error::NotFound(format!(
+            "snapshot {prefix} is not of {name} but of {}: write {}::{}@{prefix}",
+            hits[0].manifest.name, repo, hits[0].manifest.name
+        ))),
+        many => Err(Error::Invalid(format!(
+            "{prefix} names {} snapshots of {name}: {}; give more digits",
+            many.len(),
+            many.iter()
+                .map(|s| format!("{} ({})", &s.id[..16.min(s.id.len())], s.manifest.time))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))),
+    }
 }

@@ -8,6 +8,8 @@ use crate::{lock, BackupOptions, Error, InitOptions, Repository, SnapshotImage, 
 use ferry_backend::{Backend, ZeroMode, HOLE};
 use std::sync::{Arc, Mutex};
 
+mod clock;
+mod heal;
 mod recover;
 mod resume;
 
@@ -430,6 +432,27 @@ fn verify_names_the_snapshot_and_range_of_a_flipped_byte() {
     assert_eq!(e.kind, ferry_backend::ErrorKind::Io);
 }
 
+/// A damaged page blob: check's walk names its pack, and verify's read of the pack finds
+/// it again. One entry for the pack, not two.
+#[test]
+fn verify_names_a_pack_with_a_damaged_page_once() {
+    let (store, repo) = new_repo(false);
+    let data = disk(2 << 20, 14);
+    let snap = backup(&repo, "d", &data, None);
+    let index = repo.load_index().unwrap();
+    let page = crate::format::parse_digest(&snap.manifest.pages[0]).unwrap();
+    let loc = index.blobs[&repo.crypto.blob_id(&page)];
+    let pack = crate::repo::pack_name(&loc.pack);
+    store.tamper(&pack, |v| v[loc.offset as usize + loc.stored_len as usize / 2] ^= 1);
+    let c = maint::check(&repo).unwrap();
+    assert_eq!(c.problems.iter().filter(|p| p.object == pack).count(), 1, "{:?}", c.problems);
+    let r = maint::verify(&repo, &VerifyOptions { read_data_percent: 100, threads: 2 }).unwrap();
+    let named: Vec<&maint::Problem> = r.problems.iter().filter(|p| p.object == pack).collect();
+    assert_eq!(named.len(), 1, "{:?}", r.problems);
+    assert!(named[0].why.contains("damaged"), "{:?}", named[0]);
+    assert!(!named[0].hits.is_empty(), "{:?}", named[0]);
+}
+
 #[test]
 fn check_names_a_deleted_pack_and_what_it_hits() {
     let (store, repo) = new_repo(false);
@@ -502,6 +525,7 @@ fn stale_lock_of_a_dead_process_is_removed() {
         time: now.clone(),
         refreshed: now,
         boot: lock::this_boot(),
+        pid_start: None,
     };
     store.put("locks/00000000000000000000000000000001", &l.to_bytes()).unwrap();
     // An old lock of another host is stale too (written an hour ago by the store's clock).
@@ -820,6 +844,7 @@ fn a_later_lock_that_stays_holds() {
         time: later.clone(),
         refreshed: later,
         boot: lock::this_boot(),
+        pid_start: None,
     };
     let name = "locks/0000000000000000000000000000000a".to_string();
     for gone in [None, Some(std::time::Duration::from_millis(300))] {
@@ -968,6 +993,91 @@ fn a_backup_whose_lock_was_removed_does_not_commit() {
     assert!(objects(&store, "snapshots/").is_empty());
 }
 
+/// A backup whose lock another process removed (taking it for stale after a freeze, then
+/// running gc, which deletes the packs no index object lists yet) stores no further
+/// index object or checkpoint: they could name packs that are gone (FORMAT.md §8). Its
+/// next checkpoint stops it, and every later write, checkpoint and the commit fail.
+#[test]
+fn a_backup_whose_lock_was_removed_stores_no_index_or_checkpoint() {
+    let (store, repo) = new_repo(false);
+    let data = disk(4 << 20, 13);
+    let mib = 1 << 20;
+    let o =
+        BackupOptions { checkpoint_every: Some(std::time::Duration::ZERO), ..opts("gone", data.len() as u64, None) };
+    let w = SnapshotWriter::start(repo.clone(), o).unwrap();
+    w.write(&data[..mib], 0, false).unwrap();
+    w.checkpoint().unwrap();
+    let object = repo.checkpoint_object("gone");
+    let (index, checkpoint) = (objects(&store, "index/"), store.get(&object, 1 << 20).unwrap());
+    assert!(!index.is_empty());
+    for (name, _) in objects(&store, "locks/") {
+        store.delete(&name).unwrap();
+    }
+    let e = w.write(&data[mib..2 * mib], mib as u64, false).unwrap_err();
+    let why = format!("{e} {}", e.source.as_ref().map(|s| s.to_string()).unwrap_or_default());
+    assert!(why.contains("was removed") && why.contains("run it again"), "{why}");
+    assert!(w.write(&data[2 * mib..3 * mib], 2 * mib as u64, false).is_err(), "a write went on without the lock");
+    assert!(matches!(w.checkpoint(), Err(Error::Locked(_))), "a checkpoint without the lock");
+    assert!(matches!(w.commit(data.len() as u64), Err(Error::Locked(_))), "committed without its lock");
+    assert_eq!(objects(&store, "index/"), index, "an index object was stored without the lock");
+    assert_eq!(store.get(&object, 1 << 20).unwrap(), checkpoint, "a checkpoint was stored without the lock");
+    assert!(objects(&store, "snapshots/").is_empty());
+}
+
+/// A checkpoint left by a backup stopped between storing its snapshot and removing its
+/// checkpoint is superseded by that snapshot: not offered for resume. One that continues
+/// the disk's latest snapshot is.
+#[test]
+fn a_checkpoint_left_after_its_commit_is_superseded() {
+    let (store, repo) = new_repo(false);
+    let data = disk(1 << 20, 15);
+    for (name, base) in [("first", None), ("next", Some(backup(&repo, "next", &data, None)))] {
+        let w = SnapshotWriter::start(repo.clone(), opts(name, data.len() as u64, base.clone())).unwrap();
+        write_all(&w, &data);
+        w.checkpoint().unwrap();
+        let object = repo.checkpoint_object(name);
+        let saved = store.get(&object, 1 << 20).unwrap();
+        let ck = repo.checkpoint(name).unwrap().unwrap();
+        assert!(ck.superseded_by(&repo.snapshots().unwrap()).is_none(), "{name}: a live checkpoint is superseded");
+        let r = maint::check(&repo).unwrap();
+        assert!(r.notes.iter().any(|n| n.contains("can be resumed")), "{name}: {:?}", r.notes);
+        let snap = w.commit(data.len() as u64).unwrap();
+        store.put(&object, &saved).unwrap();
+        let ck = repo.checkpoint(name).unwrap().unwrap();
+        let all = repo.snapshots().unwrap();
+        assert_eq!(ck.superseded_by(&all).map(|s| s.id.as_str()), Some(snap.id.as_str()), "{name}");
+        // Another disk's later snapshot supersedes nothing of this one.
+        let others: Vec<SnapshotInfo> = all.iter().filter(|s| s.manifest.name != name).cloned().collect();
+        assert!(ck.superseded_by(&others).is_none(), "{name}");
+        let r = maint::check(&repo).unwrap();
+        assert!(r.problems.is_empty(), "{:?}", r.problems);
+        assert!(
+            r.notes.iter().any(|n| n.contains("leftover checkpoint") && n.contains(&snap.id[..8]))
+                && !r.notes.iter().any(|n| n.contains("can be resumed")),
+            "{name}: {:?}",
+            r.notes
+        );
+        repo.discard_checkpoint(name).unwrap();
+    }
+}
+
+/// Why a checkpoint cannot be resumed, in words (not Rust's debug form of the value).
+#[test]
+fn a_resume_mismatch_says_what_each_backup_reads() {
+    let (_store, repo) = new_repo(false);
+    let data = disk(1 << 20, 16);
+    let w = SnapshotWriter::start(repo.clone(), opts("m", data.len() as u64, None)).unwrap();
+    write_all(&w, &data);
+    w.checkpoint().unwrap();
+    let ck = repo.checkpoint("m").unwrap().unwrap();
+    let other = BackupOptions {
+        changes: crate::format::Changes::ExtentsFrom { file: "/var/lib/maps/m.json".into() },
+        ..opts("m", data.len() as u64, None)
+    };
+    let why = crate::checkpoint_mismatch(&ck.checkpoint, &other).join("; ");
+    assert_eq!(why, "it read the whole disk, this backup the ranges listed in \"/var/lib/maps/m.json\"");
+}
+
 #[test]
 fn a_dead_pid_of_another_boot_or_namespace_is_not_stale() {
     let mut child = std::process::Command::new("true").spawn().unwrap();
@@ -982,6 +1092,7 @@ fn a_dead_pid_of_another_boot_or_namespace_is_not_stale() {
         time: now.clone(),
         refreshed: now,
         boot: Some("another-boot pid:[1]".into()),
+        pid_start: None,
     };
     assert!(lock::stale(&l, None).is_none(), "a PID of another namespace was taken for this machine's");
     assert!(lock::stale(&Lock { boot: None, ..l.clone() }, None).is_none());
@@ -1018,6 +1129,7 @@ fn clock_skew_alone_never_makes_a_lock_stale() {
         time: refreshed.to_string(),
         refreshed: refreshed.to_string(),
         boot: None,
+        pid_start: None,
     };
     let name = "locks/0000000000000000000000000000000b";
     // The writer's clock is two hours behind: its lock, written just now, says two hours

@@ -220,11 +220,17 @@ pub struct SnapshotWriter {
     last_checkpoint: Mutex<Instant>,
     /// The chunk runs already stored when this writer resumed a checkpoint.
     resumed: Vec<[u64; 2]>,
+    /// The chunk runs whose entry (the base's, or the resumed checkpoint's) names a blob
+    /// with no copy in a present pack: the backup must write them (see
+    /// [`SnapshotWriter::lost_ranges`]), or the commit refuses.
+    lost: Vec<[u64; 2]>,
     pool: Mutex<Vec<Vec<u8>>>,
     counters: Counters,
     failed: Mutex<Option<String>>,
     committed: AtomicBool,
     lock: Mutex<Option<LockGuard>>,
+    /// Set once the lock is found gone ([`LockGuard::lost_flag`]): writes then fail.
+    lock_lost: Arc<AtomicBool>,
 }
 
 fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -255,9 +261,21 @@ impl SnapshotWriter {
         let tag = repo.crypto.disk_tag(&opts.name);
         let guard = lock::acquire(&repo.store, LockKind::Backup, Some(tag), opts.wait_lock)?;
         let index = Self::load_index(&repo)?;
-        let (mut entries, base_chunks) = match &opts.base {
-            Some(b) => {
-                let e = repo.entries(&index, b)?;
+        let mut opts = opts;
+        let base_entries = match &opts.base {
+            Some(b) => match repo.entries(&index, b) {
+                Ok(e) => Some(e),
+                Err(e @ Error::Damaged { .. }) => Self::unreadable_base(&opts, b, e)?,
+                Err(e) => return Err(e),
+            },
+            None => None,
+        };
+        if base_entries.is_none() {
+            // A full backup of a disk whose previous snapshot cannot be read: a new start.
+            opts.base = None;
+        }
+        let (mut entries, base_chunks) = match base_entries {
+            Some(e) => {
                 let n = e.len() as u64;
                 (e, n)
             }
@@ -277,12 +295,17 @@ impl SnapshotWriter {
         let n_pages = chunks.div_ceil(pe) as usize;
         // The base's pages stand where nothing changes, unless the extent of the pages
         // differs: then every page is made again.
-        let (pages, dirty) = match &opts.base {
+        let (pages, mut dirty) = match &opts.base {
             Some(b) if base_chunks == chunks && b.manifest.pages.len() == n_pages => {
                 (b.manifest.pages.clone(), vec![false; n_pages])
             }
             _ => (vec![String::new(); n_pages], vec![true; n_pages]),
         };
+        // A base page with no copy left in the index (its only copy recorded damaged) is
+        // made again from its entries, not named again.
+        for (p, d) in pages.iter().zip(dirty.iter_mut()).filter(|(p, d)| !**d && !p.is_empty()) {
+            *d = format::parse_digest(p).is_none_or(|digest| !index.contains(&repo.crypto.blob_id(&digest)));
+        }
         let state = State { entries, dirty, pages, done: vec![0; chunks.div_ceil(64) as usize] };
         Ok(Self::build(repo, opts, guard, index, state, base_chunks, Vec::new()))
     }
@@ -299,6 +322,11 @@ impl SnapshotWriter {
     ) -> Result<Arc<SnapshotWriter>> {
         Self::check_opts(&repo, &opts)?;
         let differs = checkpoint_mismatch(&checkpoint.checkpoint, &opts);
+        let mut opts = opts;
+        if checkpoint.checkpoint.base.is_none() {
+            // A full backup that went on without its base (unreadable): it continues so.
+            opts.base = None;
+        }
         if !differs.is_empty() {
             return Err(Error::Invalid(format!(
                 "the interrupted backup of {} ({}) cannot be resumed: {}; back up without resuming (which discards it)",
@@ -350,6 +378,29 @@ impl SnapshotWriter {
         Ok(Self::build(repo, opts, guard, index, state, base_chunks, resumed))
     }
 
+    /// The base snapshot's pages cannot be read (`e`): a backup that reads the whole disk
+    /// needs nothing from it and goes on without it (`Ok(None)`, with a warning); one
+    /// that reads only a change map's ranges cannot, and is refused.
+    fn unreadable_base(opts: &BackupOptions, base: &SnapshotInfo, e: Error) -> Result<Option<Vec<Digest>>> {
+        let id = &base.id[..8.min(base.id.len())];
+        if opts.changes == Changes::Full {
+            log::warn!(
+                "the previous snapshot of {} ({id}) cannot be read ({}); this backup reads the whole disk, needs \
+                 nothing from it, and goes on without it (the new snapshot has no parent)",
+                opts.name,
+                e.reason()
+            );
+            return Ok(None);
+        }
+        Err(Error::Invalid(format!(
+            "the previous snapshot of {} ({id}) cannot be read ({}), and a change map only says what changed since \
+             it: nothing was stored. Back up without the change map (without --dirty-bitmap or --extents-from; \
+             --no-bitmap for a qcow2 image that ferry tracks): that reads the whole disk and needs nothing from it",
+            opts.name,
+            e.reason()
+        )))
+    }
+
     /// The repository's index, without the blobs whose pack is gone: chunks in them are
     /// not reused (a new snapshot would reference the lost data again, and the
     /// repository would never heal).
@@ -362,13 +413,12 @@ impl SnapshotWriter {
             .into_iter()
             .map(|(n, _)| n)
             .collect();
-        let before = index.blobs.len();
-        index.blobs.retain(|_, l| present.contains(&pack_name(&l.pack)));
-        if index.blobs.len() != before {
+        let lost = index.retain_packs(|p| present.contains(&pack_name(p)));
+        if lost > 0 {
             log::warn!(
-                "{} chunk(s) of {} are in packs that are gone: they are stored again where this backup reads them \
-                 (`ferry repo check` names the snapshots that lost them)",
-                before - index.blobs.len(),
+                "{lost} chunk(s) of {} are in packs that are gone: this backup reads again those its disk's \
+                 previous snapshot uses, and stores again any it reads (`ferry repo check` names the snapshots \
+                 that lost them)",
                 repo.store.describe()
             );
         }
@@ -447,6 +497,15 @@ impl SnapshotWriter {
             }
         }
         let pack_size = opts.pack_size;
+        let lost = lost_runs(&repo, &index, &state);
+        if !lost.is_empty() {
+            let n: u64 = lost.iter().map(|r| r[1]).sum();
+            log::warn!(
+                "{n} chunk(s) of the previous snapshot of {} are lost (their packs are gone, or `ferry repo verify` \
+                 recorded them damaged): this backup reads them from the source again",
+                opts.name
+            );
+        }
         Arc::new(SnapshotWriter {
             name: opts.name,
             size: opts.size,
@@ -472,10 +531,12 @@ impl SnapshotWriter {
             checkpointing: Mutex::new(()),
             last_checkpoint: Mutex::new(Instant::now()),
             resumed,
+            lost,
             pool: Mutex::new(Vec::new()),
             counters: Counters::default(),
             failed: Mutex::new(None),
             committed: AtomicBool::new(false),
+            lock_lost: guard.lost_flag(),
             lock: Mutex::new(Some(guard)),
             repo,
         })
@@ -484,13 +545,15 @@ impl SnapshotWriter {
     /// The byte ranges (offset, length) that the checkpoint this writer resumed had
     /// stored already: a resumed copy need not write them again. Empty for `start`.
     pub fn done_ranges(&self) -> Vec<(u64, u64)> {
-        self.resumed
-            .iter()
-            .map(|[f, n]| {
-                let start = f * self.cs;
-                (start, ((f + n) * self.cs).min(self.size) - start)
-            })
-            .collect()
+        runs_to_ranges(&self.resumed, self.cs, self.size)
+    }
+
+    /// The byte ranges (offset, length) where the snapshot this backup continues (or the
+    /// checkpoint it resumes) names chunks that are lost (no copy in a present pack): the
+    /// copy must read them from the source too, whatever its change map says, or the
+    /// commit refuses. Empty in a healthy repository.
+    pub fn lost_ranges(&self) -> Vec<(u64, u64)> {
+        runs_to_ranges(&self.lost, self.cs, self.size)
     }
 
     fn chunk_len(&self, ci: u64) -> usize {
@@ -745,6 +808,9 @@ impl SnapshotWriter {
         if self.committed.load(Ordering::Relaxed) {
             return Err(Error::Invalid("the backup is already committed".into()));
         }
+        if self.lock_lost.load(Ordering::Relaxed) {
+            self.check_lock()?;
+        }
         let end = offset + length;
         let mut pos = offset;
         while pos < end {
@@ -777,6 +843,22 @@ impl SnapshotWriter {
         Ok(())
     }
 
+    /// Fails once this backup's lock is gone (FORMAT.md §8): a process that took it for
+    /// stale may have run gc, which deletes the packs of this backup that no index object
+    /// lists yet as orphans, so an index object or a checkpoint stored now could name
+    /// packs that are gone. Checked before each index object, checkpoint and manifest;
+    /// once it failed, every later write, checkpoint and the commit fail too.
+    fn check_lock(&self) -> Result<()> {
+        let Some(g) = locked(&self.lock).as_ref().map(|g| g.check()) else { return Ok(()) };
+        g.map_err(|e| match e {
+            // What it stored up to its last checkpoint is whole (gc kept it).
+            Error::Locked(why) if self.checkpoint_every.is_some() => Error::Locked(format!(
+                "{why} (`ferry backup --resume` continues from its last checkpoint, if it stored one)"
+            )),
+            e => e,
+        })
+    }
+
     fn fail(&self, op: &'static str, offset: u64, length: u64, e: Error) -> ferry_backend::Error {
         self.note_failure(&e);
         backend_error(op, offset, length, e)
@@ -799,8 +881,8 @@ impl SnapshotWriter {
         }
         let id = self.repo.crypto.blob_id(&d);
         let what = || format!("chunk {ci} of the previous snapshot of {}", self.name);
-        let plain = if let Some(loc) = self.index.blobs.get(&id) {
-            self.repo.read_blob(&id, loc, BlobKind::Data).map_err(|why| Error::damaged(what(), why))?
+        let plain = if self.index.contains(&id) {
+            self.repo.read_blob_any(&self.index, &id, BlobKind::Data).map_err(|why| Error::damaged(what(), why))?
         } else {
             self.session_blob(&id).ok_or_else(|| Error::damaged(what(), "it is nowhere"))??
         };
@@ -850,6 +932,9 @@ impl SnapshotWriter {
         if self.committed.swap(true, Ordering::SeqCst) {
             return Err(Error::Invalid("this backup is already committed".into()));
         }
+        if self.lock_lost.load(Ordering::SeqCst) {
+            self.check_lock()?;
+        }
         if let Some(why) = locked(&self.failed).clone() {
             return Err(Error::Invalid(format!(
                 "a write to the backup failed ({why}), so the snapshot would not be whole; nothing was committed: \
@@ -886,20 +971,24 @@ impl SnapshotWriter {
                 pages.push(format::hex(&d));
             }
         }
+        self.refuse_lost(&st, &pages)?;
         self.close_pack(true)?;
         // One index object for every pack of this backup since its last checkpoint.
+        self.check_lock()?;
         self.store_index()?;
         let blkhash = (self.cs == 65536).then(|| format::hex(&blkhash_of(&st.entries, self.size, self.cs as u32)));
         drop(st);
-        // A snapshot is never older than its parent, whatever the clocks say. Nanoseconds:
-        // two snapshots of one disk taken within a second (a full read after the disk's
-        // size changed has no parent to order it by) still have an order.
-        let mut time = jiff::Timestamp::now().to_string();
+        // The time of this host's clock, never the parent's (a parent dated in the future
+        // would otherwise date every later snapshot of the disk the same, and retention
+        // would see one day): lists order a snapshot after its parent whatever the times
+        // say (FORMAT.md §7). Nanoseconds: two snapshots of one disk taken within a second
+        // (a full read after the disk's size changed has no parent to order it by) still
+        // have an order.
+        let now = jiff::Timestamp::now();
         if let Some(b) = &self.base {
-            if parse_time(&b.manifest.time) > parse_time(&time) {
-                time = b.manifest.time.clone();
-            }
+            warn_future_parent(&self.name, b, now);
         }
+        let time = now.to_string();
         let s = self.stats();
         let manifest = Manifest {
             version: format::VERSION,
@@ -943,6 +1032,40 @@ impl SnapshotWriter {
         Ok(SnapshotInfo { id, manifest })
     }
 
+    /// The last guard before the manifest: it must name no blob that is neither in a
+    /// present pack nor stored by this backup. Chunks this backup wrote were stored as
+    /// they came; the others are the base's (or the resumed checkpoint's), checked when
+    /// the writer started (under the disk's lock, which keeps gc out): only those found
+    /// lost then can be missing, and each must have been written since. Pages kept from
+    /// the base were read through present packs when the writer started.
+    fn refuse_lost(&self, st: &State, pages: &[String]) -> Result<()> {
+        let unread: Vec<u64> = self.lost.iter().flat_map(|[f, n]| *f..f + n).filter(|ci| !st.is_done(*ci)).collect();
+        let page_gone = pages.iter().zip(&st.dirty).filter(|(p, dirty)| !p.is_empty() && !**dirty).find(|(p, _)| {
+            format::parse_digest(p).is_none_or(|d| {
+                let id = self.repo.crypto.blob_id(&d);
+                !self.index.contains(&id) && !locked(&self.claimed.0).contains_key(&id)
+            })
+        });
+        if let Some(first) = unread.first() {
+            return Err(Error::Invalid(format!(
+                "the snapshot of {} would use {} chunk(s) that are lost from the repository (their packs are \
+                 gone, or their only copies are recorded damaged) and that this backup did not read (the first at byte {}): nothing was committed. Run a backup \
+                 that reads the whole disk (without a change map)",
+                self.name,
+                unread.len(),
+                first * self.cs
+            )));
+        }
+        if let Some((p, _)) = page_gone {
+            return Err(Error::Invalid(format!(
+                "the snapshot of {} would use page {p} of its previous snapshot, which is in no present pack: \
+                 nothing was committed. Run a backup that reads the whole disk (without a change map)",
+                self.name
+            )));
+        }
+        Ok(())
+    }
+
     /// Stores the index objects for the packs closed since the last ones.
     fn store_index(&self) -> Result<()> {
         let mut indexed = locked(&self.indexed);
@@ -976,28 +1099,39 @@ impl SnapshotWriter {
         self.checkpoint_locked()
     }
 
-    /// A checkpoint if one is due and none is running (from the write path).
-    fn maybe_checkpoint(&self) {
-        let Some(every) = self.checkpoint_every else { return };
+    /// A checkpoint if one is due and none is running (from the write path). A failed
+    /// one is only warned about (the backup goes on), unless the lock is gone: then the
+    /// backup stops, with that error.
+    fn maybe_checkpoint(&self) -> Result<()> {
+        let Some(every) = self.checkpoint_every else { return Ok(()) };
         if self.committed.load(Ordering::Relaxed) || locked(&self.last_checkpoint).elapsed() < every {
-            return;
+            return Ok(());
         }
-        let Ok(_one) = self.checkpointing.try_lock() else { return };
+        let Ok(_one) = self.checkpointing.try_lock() else { return Ok(()) };
         if self.committed.load(Ordering::Relaxed) || locked(&self.last_checkpoint).elapsed() < every {
-            return;
+            return Ok(());
         }
-        if let Err(e) = self.checkpoint_locked() {
-            log::warn!(
-                "no checkpoint of the backup of {} (it goes on, but cannot be resumed from here): {e}",
-                self.name
-            );
-        }
+        let r = self.checkpoint_locked();
         *locked(&self.last_checkpoint) = Instant::now();
+        match r {
+            Err(e) if self.lock_lost.load(Ordering::SeqCst) => Err(e),
+            Err(e) => {
+                log::warn!(
+                    "no checkpoint of the backup of {} (it goes on, but cannot be resumed from here): {e}",
+                    self.name
+                );
+                Ok(())
+            }
+            Ok(()) => Ok(()),
+        }
     }
 
     fn checkpoint_locked(&self) -> Result<()> {
         if self.committed.load(Ordering::SeqCst) {
             return Err(Error::Invalid("the backup is already committed".into()));
+        }
+        if self.lock_lost.load(Ordering::SeqCst) {
+            self.check_lock()?;
         }
         let failed =
             || locked(&self.failed).clone().map(|why| Error::Invalid(format!("a write to the backup failed ({why})")));
@@ -1048,6 +1182,7 @@ impl SnapshotWriter {
         if let Some(why) = locked(&self.failed).clone() {
             return Err(Error::Invalid(format!("a write to the backup failed ({why})")));
         }
+        self.check_lock()?;
         self.store_index()?;
         let ck = Checkpoint {
             version: format::VERSION,
@@ -1072,10 +1207,18 @@ impl SnapshotWriter {
             )));
         }
         let object = self.repo.checkpoint_object(&self.name);
+        self.check_lock()?;
         self.repo
             .store
             .put(&object, &sealed)
             .map_err(|e| Error::store(format!("cannot store {object} in {}", self.repo.store.describe()), e))
+    }
+
+    /// Calls `f` with the chunk list as it stands (one digest per chunk, [`ZERO`] for a
+    /// zero chunk): before the copy writes anything, the base's (or the resumed
+    /// checkpoint's), for a caller that checks a change map against it.
+    pub fn with_entries<R>(&self, f: impl FnOnce(&[Digest]) -> R) -> R {
+        f(&locked(&self.state).entries)
     }
 
     /// Whether the new snapshot reads as zeroes where nothing is written (no base): then
@@ -1096,6 +1239,34 @@ impl SnapshotWriter {
     }
 }
 
+/// A parent dated more than this ahead of the writer's clock is warned about (less is the
+/// skew of two hosts' clocks).
+const FUTURE_SKEW: jiff::SignedDuration = jiff::SignedDuration::from_secs(60);
+
+/// Warns when `parent`, the base of a snapshot of `name` committed `now`, is dated in the
+/// future: a clock that was ahead (or this one is behind). Returns whether it warned.
+pub(crate) fn warn_future_parent(name: &str, parent: &SnapshotInfo, now: jiff::Timestamp) -> bool {
+    let Some(t) = parse_time(&parent.manifest.time).filter(|t| *t > now + FUTURE_SKEW) else { return false };
+    log::warn!(
+        "snapshot {} of {name}, the base of this backup, is dated {} ({} ahead of this host's clock, {now}; the host \
+         that wrote it had a clock ahead, or this one is behind): the new snapshot records this host's time, and lists \
+         order it after its base; retention (`ferry repo forget --keep-*`) files each snapshot under its own time",
+        &parent.id[..parent.id.len().min(8)],
+        parent.manifest.time,
+        ahead(t.as_second() - now.as_second()),
+    );
+    true
+}
+
+/// `secs` for people: minutes, hours or days.
+fn ahead(secs: i64) -> String {
+    match secs {
+        s if s >= 2 * 86400 => format!("{} days", s / 86400),
+        s if s >= 2 * 3600 => format!("{} hours", s / 3600),
+        s => format!("{} minutes", s / 60),
+    }
+}
+
 /// How `opts` differs from the backup that stored `ck` (empty when it may be resumed):
 /// disk, size, base snapshot, change map, source identity.
 pub fn checkpoint_mismatch(ck: &Checkpoint, opts: &BackupOptions) -> Vec<String> {
@@ -1107,17 +1278,64 @@ pub fn checkpoint_mismatch(ck: &Checkpoint, opts: &BackupOptions) -> Vec<String>
         v.push(format!("the source was {} bytes and is {} now", ck.size, opts.size));
     }
     let base = opts.base.as_ref().map(|b| b.id.as_str());
-    if ck.base.as_deref() != base {
+    // A full backup needs nothing from a base: one that went on without its base (which
+    // could not be read) is continued without it.
+    let baseless_full = ck.base.is_none() && opts.changes == Changes::Full && ck.changes == Changes::Full;
+    if ck.base.as_deref() != base && !baseless_full {
         let show = |b: Option<&str>| b.map_or("none".to_string(), |b| format!("snapshot {}", &b[..b.len().min(8)]));
         v.push(format!("it continued {}, this backup {}", show(ck.base.as_deref()), show(base)));
     }
     if ck.changes != opts.changes {
-        v.push(format!("it read {:?}, this backup {:?}", ck.changes, opts.changes));
+        v.push(format!("it read {}, this backup {}", read_what(&ck.changes), read_what(&opts.changes)));
     }
     if ck.identity != opts.identity {
         v.push(format!("the source was {:?} and is {:?} now", ck.identity, opts.identity));
     }
     v
+}
+
+/// Chunk runs `[first, count]` as byte ranges (offset, length) of a disk of `size` bytes.
+fn runs_to_ranges(runs: &[[u64; 2]], cs: u64, size: u64) -> Vec<(u64, u64)> {
+    runs.iter()
+        .map(|[f, n]| {
+            let start = f * cs;
+            (start, ((f + n) * cs).min(size) - start)
+        })
+        .collect()
+}
+
+/// The runs of chunks not done whose entry names a blob that `index` (present packs only)
+/// does not have. Every entry is looked at (a keyed hash each when encrypted), on several
+/// threads: this is what lets the commit trust the entries a backup does not write.
+fn lost_runs(repo: &Repository, index: &Index, state: &State) -> Vec<[u64; 2]> {
+    const SLICE: usize = 1 << 14;
+    let slices: Vec<usize> = (0..state.entries.len().div_ceil(SLICE)).collect();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let found = crate::repo::par_map(&slices, threads, |k| {
+        let start = k * SLICE;
+        let end = (start + SLICE).min(state.entries.len());
+        (start..end)
+            .filter(|&ci| {
+                let e = &state.entries[ci];
+                *e != ZERO && !state.is_done(ci as u64) && !index.contains(&repo.crypto.blob_id(e))
+            })
+            .map(|ci| ci as u64)
+            .collect::<Vec<u64>>()
+    });
+    let mut runs = Vec::new();
+    for ci in found.into_iter().flatten() {
+        push_run(&mut runs, ci, 1);
+    }
+    runs
+}
+
+/// What a backup with these changes reads, for messages.
+fn read_what(c: &Changes) -> String {
+    match c {
+        Changes::Full => "the whole disk".into(),
+        Changes::DirtyBitmap { bitmap } => format!("the ranges of the dirty bitmap {bitmap:?}"),
+        Changes::ExtentsFrom { file } => format!("the ranges listed in {file:?}"),
+    }
 }
 
 /// Adds `r` to sorted, merged ranges.
@@ -1166,9 +1384,10 @@ impl Backend for SnapshotWriter {
         })
     }
     fn write(&self, buf: &[u8], offset: u64, _fua: bool) -> ferry_backend::Result<()> {
-        self.apply(offset, buf.len() as u64, Some(buf)).map_err(|e| self.fail("write", offset, buf.len() as u64, e))?;
-        self.maybe_checkpoint();
-        Ok(())
+        let len = buf.len() as u64;
+        self.apply(offset, len, Some(buf))
+            .and_then(|()| self.maybe_checkpoint())
+            .map_err(|e| self.fail("write", offset, len, e))
     }
     /// Nothing is durable before [`SnapshotWriter::commit`]: a backup is whole or absent.
     fn flush(&self) -> ferry_backend::Result<()> {
@@ -1176,13 +1395,13 @@ impl Backend for SnapshotWriter {
     }
     /// The range reads as zeroes in the snapshot (zero entries where it covers chunks).
     fn trim(&self, offset: u64, length: u64, _fua: bool) -> ferry_backend::Result<()> {
-        self.apply(offset, length, None).map_err(|e| self.fail("trim", offset, length, e))?;
-        self.maybe_checkpoint();
-        Ok(())
+        self.apply(offset, length, None)
+            .and_then(|()| self.maybe_checkpoint())
+            .map_err(|e| self.fail("trim", offset, length, e))
     }
     fn zero(&self, offset: u64, length: u64, _mode: ZeroMode, _fua: bool) -> ferry_backend::Result<()> {
-        self.apply(offset, length, None).map_err(|e| self.fail("zero", offset, length, e))?;
-        self.maybe_checkpoint();
-        Ok(())
+        self.apply(offset, length, None)
+            .and_then(|()| self.maybe_checkpoint())
+            .map_err(|e| self.fail("zero", offset, length, e))
     }
 }

@@ -168,3 +168,57 @@ fn repair_and_gc_with_records_stopped_at_any_step() {
         assert!(read_back(&repo, &s1) == data && read_back(&repo, &s2) == data);
     }
 }
+
+/// A chunk of a change-map backup's base recorded damaged, with no good copy: the backup
+/// treats it as lost (it reads it from the source again, or commits nothing), the new
+/// snapshot is whole and not marked damaged, and gc then keeps the new good copy and
+/// drops the damaged one with its record.
+#[test]
+fn a_change_map_backup_reads_recorded_damage_of_its_base_again() {
+    let (store, repo) = new_repo(true);
+    let data = disk(2 << 20, 23);
+    let s1 = backup(&repo, "d", &data, None);
+    let cs = s1.manifest.chunk_size as usize;
+    let (pack, at) = where_is(&repo, &s1, 7);
+    store.tamper(&pack, |v| v[at as usize] ^= 1);
+    verify_all(&repo);
+    assert_eq!(objects(&store, "damage/").len(), 1);
+    let size = data.len() as u64;
+    let start = || {
+        let o = crate::BackupOptions {
+            changes: crate::format::Changes::ExtentsFrom { file: "map.json".into() },
+            ..opts("d", size, Some(s1.clone()))
+        };
+        SnapshotWriter::start(repo.clone(), o).unwrap()
+    };
+    // Nothing changed; the damaged chunk is to be read again.
+    let w = start();
+    let lost = w.lost_ranges();
+    assert_eq!(lost, vec![(7 * cs as u64, cs as u64)], "only the damaged chunk");
+    let e = w.commit(0).unwrap_err();
+    assert!(e.to_string().contains("nothing was committed"), "{e}");
+    drop(w);
+    let w = start();
+    for (o, l) in w.lost_ranges() {
+        w.write(&data[o as usize..(o + l) as usize], o, false).unwrap();
+    }
+    let s2 = w.commit(cs as u64).unwrap();
+    assert_eq!(s2.manifest.stats.new_chunks, 1, "the damaged chunk is stored again");
+    // Two copies now, the good one first, for every reader.
+    let index = repo.load_index().unwrap();
+    let id = repo.crypto.blob_id(&repo.entries(&index, &s2).unwrap()[7]);
+    let copies: Vec<String> = index.locations(&id).map(|l| crate::repo::pack_name(&l.pack)).collect();
+    assert_eq!(copies.len(), 2);
+    assert_eq!(copies[1], pack, "the damaged copy last");
+    assert!(maint::damaged_snapshots(&repo, &[s1.clone(), s2.clone()]).unwrap().is_empty());
+    assert!(maint::check(&repo).unwrap().problems.is_empty());
+    assert_eq!(read_back(&repo, &s1), data);
+    assert_eq!(read_back(&repo, &s2), data);
+    maint::gc(&repo, None).unwrap();
+    assert!(objects(&store, "damage/").is_empty());
+    assert!(!objects(&store, "data/").iter().any(|(n, _)| *n == pack));
+    let index = repo.load_index().unwrap();
+    assert!(index.more.is_empty(), "one copy of each blob is left");
+    assert!(verify_all(&repo).problems.is_empty());
+    assert_eq!(read_back(&repo, &s1), data);
+}
