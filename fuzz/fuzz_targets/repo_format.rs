@@ -1,8 +1,8 @@
 #![no_main]
 //! ferry-repo's parsers of what a repository's store holds (FORMAT.md): config, pack
-//! tails and trailers, index objects, pages, manifests, locks, key objects; and a blob's
-//! decoding (plain, whose zstd frame must never decompress past its limit, and encrypted
-//! in format versions 1 and 2).
+//! tails and trailers, index objects, pages, manifests, checkpoints, locks, key objects,
+//! damage records; and a blob's decoding (plain, whose zstd frame must never decompress
+//! past its limit, and encrypted in format versions 1 and 2).
 use ferry_repo::blob;
 use ferry_repo::crypto::Crypto;
 use ferry_repo::format::{self, BlobKind};

@@ -1,4 +1,4 @@
-//! `ferry repo init|list|check|verify|forget|gc|stats|key`: backup repositories
+//! `ferry repo init|list|check|verify|forget|gc|stats|key|repair|unlock`: backup repositories
 //! (crates/repo, its format in crates/repo/FORMAT.md).
 
 use anyhow::{bail, Context, Result};
@@ -7,6 +7,7 @@ use ferry_backend::parse_size;
 use ferry_repo::format::{Changes, Manifest};
 use ferry_repo::known::OnRollback;
 use ferry_repo::maint::{self, Policy, Problem, Report, VerifyOptions};
+use ferry_repo::recover::{self, RepairOptions};
 use ferry_repo::{InitOptions, Repository, SnapshotInfo};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -23,7 +24,8 @@ enum RepoCommand {
     /// Make a new repository in a directory (made if missing, must be empty) or at
     /// s3://BUCKET/PREFIX.
     Init(InitArgs),
-    /// The snapshots, oldest first: id, time, disk name, size, change map.
+    /// The snapshots, oldest first: id, time, disk name, size, change map; DAMAGED where a
+    /// snapshot reads data that `ferry repo verify` found damaged and that has no good copy.
     List(ListArgs),
     /// Check the metadata (config, index, manifests and their pages) without reading data;
     /// exit status 1 when something is damaged.
@@ -31,8 +33,8 @@ enum RepoCommand {
     /// Check, then read every pack (or --read-data PERCENT of them) once and check every
     /// chunk; names each damaged snapshot and range; exit status 1 when something is damaged.
     Verify(VerifyArgs),
-    /// Remove the snapshots a retention policy does not keep (their data stays until
-    /// `ferry repo gc`).
+    /// Remove the snapshots a retention policy does not keep, or those named by id
+    /// (their data stays until `ferry repo gc`).
     Forget(ForgetArgs),
     /// Free the data no snapshot references.
     Gc(GcArgs),
@@ -40,6 +42,14 @@ enum RepoCommand {
     Stats(StatsArgs),
     /// The passphrases of an encrypted repository: list, add, passwd (change), remove.
     Key(crate::repo_key::KeyArgs),
+    /// Index again the packs that no readable index object lists (from their trailers),
+    /// then remove the index objects that cannot be read; list (and with --drop-damaged
+    /// remove) the manifests and checkpoints that cannot be read. Exit status 1 when
+    /// something stays damaged.
+    Repair(RepairArgs),
+    /// Remove the stale locks (left by processes that are gone), printing each; live
+    /// locks are kept and listed unless --force.
+    Unlock(UnlockArgs),
 }
 
 #[derive(Args, Debug)]
@@ -136,6 +146,10 @@ struct VerifyArgs {
 struct ForgetArgs {
     /// REPO, or REPO::NAME for one disk's snapshots only.
     target: String,
+    /// Forget these snapshots (each a unique prefix of at least 4 hex digits of an id,
+    /// as `ferry repo list` shows them) instead of applying a policy.
+    #[arg(value_name = "ID")]
+    ids: Vec<String>,
     /// Keep the N latest snapshots (of each disk).
     #[arg(long, value_name = "N")]
     keep_last: Option<u32>,
@@ -154,6 +168,9 @@ struct ForgetArgs {
     /// One JSON object: the ids kept and removed.
     #[arg(long)]
     json: bool,
+    /// Wait up to SECS for another forget or a gc to end, instead of failing.
+    #[arg(long, value_name = "SECS", value_parser = crate::copy::parse_secs)]
+    wait: Option<Duration>,
     #[arg(long, value_name = "FILE")]
     password_file: Option<PathBuf>,
     /// Forget even though the snapshots went back since this host last used the
@@ -183,6 +200,35 @@ struct GcArgs {
     /// that are gone.
     #[arg(long)]
     accept_rollback: bool,
+}
+
+#[derive(Args, Debug)]
+struct RepairArgs {
+    #[command(flatten)]
+    common: CommonArgs,
+    /// Also remove the manifests and checkpoints that cannot be read (each is listed).
+    #[arg(long)]
+    drop_damaged: bool,
+    /// Say what would be done; change nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// Wait up to SECS for running backups, forgets or a gc to end, instead of failing.
+    #[arg(long, value_name = "SECS", value_parser = crate::copy::parse_secs)]
+    wait: Option<Duration>,
+    /// One JSON object: what was found and done.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args, Debug)]
+struct UnlockArgs {
+    #[command(flatten)]
+    common: CommonArgs,
+    /// Remove every lock, live ones and unreadable ones too: only when you know that no
+    /// ferry process uses the repository (a holder on another host that died less than
+    /// 30 minutes ago).
+    #[arg(long)]
+    force: bool,
 }
 
 #[derive(Args, Debug)]
@@ -226,6 +272,8 @@ pub fn run(args: RepoArgs) -> Result<i32> {
             );
             Ok(0)
         }
+        RepoCommand::Repair(a) => repair(a),
+        RepoCommand::Unlock(a) => unlock(a),
         RepoCommand::Stats(a) => {
             let repo = a.common.open()?;
             let s = maint::stats(&repo).with_context(|| format!("stats of {}", a.common.repo))?;
@@ -360,10 +408,22 @@ fn list(a: ListArgs) -> Result<i32> {
     for (object, e) in &bad {
         eprintln!("unreadable snapshot {object} (of an unknown disk): {}; `ferry repo check` reports it", e.reason());
     }
-    let snaps: Vec<&SnapshotInfo> =
-        all.iter().filter(|s| a.name.as_ref().is_none_or(|n| *n == s.manifest.name)).collect();
+    let snaps: Vec<SnapshotInfo> =
+        all.iter().filter(|s| a.name.as_ref().is_none_or(|n| *n == s.manifest.name)).cloned().collect();
+    // Snapshots that read a copy `ferry repo verify` recorded damaged, with no good copy.
+    let damaged = maint::damaged_snapshots(&repo, &snaps).unwrap_or_else(|e| {
+        eprintln!("cannot tell which snapshots are damaged: {e}");
+        Default::default()
+    });
     if a.json {
-        let v: Vec<serde_json::Value> = snaps.iter().map(|s| snapshot_json(s)).collect();
+        let v: Vec<serde_json::Value> = snaps
+            .iter()
+            .map(|s| {
+                let mut v = snapshot_json(s);
+                v["damaged"] = serde_json::Value::Bool(damaged.contains_key(&s.id));
+                v
+            })
+            .collect();
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(0);
     }
@@ -411,13 +471,23 @@ fn list(a: ListArgs) -> Result<i32> {
     for s in &snaps {
         let m = &s.manifest;
         println!(
-            "{:<8}  {:<19}  {:<w$}  {:>10}  {:>10}  {}",
+            "{:<8}  {:<19}  {:<w$}  {:>10}  {:>10}  {}{}",
             short_id(&s.id),
             shown_time(&m.time),
             m.name,
             human(m.size),
             human(m.stats.new_stored),
-            shown_changes(&m.changes)
+            shown_changes(&m.changes),
+            if damaged.contains_key(&s.id) { "  DAMAGED" } else { "" }
+        );
+    }
+    let mut hit: Vec<(&String, &String)> = damaged.iter().collect();
+    hit.sort();
+    for (id, pack) in hit {
+        eprintln!(
+            "damaged: snapshot {} reads {pack}, which `ferry repo verify` found damaged, and has no good copy of it \
+             (`ferry repo check` names the ranges; a backup that reads them again heals it, else forget it)",
+            short_id(id)
         );
     }
     Ok(0)
@@ -514,10 +584,16 @@ fn print_problem(p: &Problem) {
 }
 
 fn forget(a: ForgetArgs) -> Result<i32> {
+    if !a.ids.is_empty() {
+        return forget_ids(a);
+    }
     let (repo_spec, name) = match ferry_open::Location::parse(&a.target) {
         Ok(ferry_open::Location::Repo { repo, name, id: None }) => (repo, Some(name)),
         Ok(ferry_open::Location::Repo { .. }) => {
-            bail!("forget applies a policy to a disk's snapshots: write REPO or REPO::NAME, without @ID")
+            bail!(
+                "forget applies a policy to REPO or REPO::NAME (without @ID); to forget one snapshot, give its id: \
+                 `ferry repo forget REPO ID`"
+            )
         }
         _ => (a.target.clone(), None),
     };
@@ -528,7 +604,10 @@ fn forget(a: ForgetArgs) -> Result<i32> {
         keep_monthly: a.keep_monthly,
     };
     if [a.keep_last, a.keep_daily, a.keep_weekly, a.keep_monthly].iter().all(Option::is_none) {
-        bail!("give a policy: --keep-last, --keep-daily, --keep-weekly and/or --keep-monthly N (nothing is forgotten)");
+        bail!(
+            "give a policy: --keep-last, --keep-daily, --keep-weekly and/or --keep-monthly N, or the ids of the \
+             snapshots to forget (nothing is forgotten)"
+        );
     }
     // A dry run removes nothing: it only warns.
     let on = match a.dry_run {
@@ -537,8 +616,42 @@ fn forget(a: ForgetArgs) -> Result<i32> {
     };
     let repo = ferry_open::repo::open_repository_with(&repo_spec, &a.remote.remote(), a.password_file.as_deref(), on)?;
     let (before, _) = repo.snapshots_lenient().with_context(|| format!("listing {repo_spec}"))?;
-    let r =
-        maint::forget(&repo, name.as_deref(), &policy, a.dry_run).with_context(|| format!("forget in {repo_spec}"))?;
+    let r = maint::forget_with(&repo, name.as_deref(), &policy, a.dry_run, a.wait)
+        .with_context(|| format!("forget in {repo_spec}"))?;
+    print_forget(&a, &repo_spec, &before, &r)
+}
+
+/// `ferry repo forget REPO[::NAME] ID...`.
+fn forget_ids(a: ForgetArgs) -> Result<i32> {
+    let (repo_spec, name) = match ferry_open::Location::parse(&a.target) {
+        Ok(ferry_open::Location::Repo { repo, name, id: None }) => (repo, Some(name)),
+        Ok(ferry_open::Location::Repo { .. }) => {
+            bail!("write the snapshots to forget as REPO ID... (or REPO::NAME ID...), without @ID")
+        }
+        _ => (a.target.clone(), None),
+    };
+    if [a.keep_last, a.keep_daily, a.keep_weekly, a.keep_monthly].iter().any(Option::is_some) {
+        bail!("give either snapshot ids or a policy (--keep-*), not both");
+    }
+    // A dry run removes nothing: it only warns.
+    let on = match a.dry_run {
+        true => OnRollback::Warn,
+        false => removing(a.accept_rollback, name.clone(), &repo_spec, "a forget"),
+    };
+    let repo = ferry_open::repo::open_repository_with(&repo_spec, &a.remote.remote(), a.password_file.as_deref(), on)?;
+    // A manifest that cannot be read can still be forgotten by its id.
+    let (before, _) = repo.snapshots_lenient().with_context(|| format!("listing {repo_spec}"))?;
+    let r = maint::forget_ids(&repo, name.as_deref(), &a.ids, a.dry_run, a.wait)
+        .with_context(|| format!("forget in {repo_spec}"))?;
+    for id in r.removed.iter().filter(|id| !a.json && !before.iter().any(|s| s.id == **id)) {
+        let verb = if a.dry_run { "would remove" } else { "removed" };
+        println!("{verb:<12}  {}  (its manifest cannot be read)", short_id(id));
+    }
+    print_forget(&a, &repo_spec, &before, &r)
+}
+
+/// What forget kept and removed: one line each, then the counts (or one JSON object).
+fn print_forget(a: &ForgetArgs, repo_spec: &str, before: &[SnapshotInfo], r: &maint::ForgetReport) -> Result<i32> {
     for n in &r.notes {
         eprintln!("note: {n}");
     }
@@ -548,7 +661,7 @@ fn forget(a: ForgetArgs) -> Result<i32> {
         return Ok(0);
     }
     let verb = if a.dry_run { "would remove" } else { "removed" };
-    for s in &before {
+    for s in before {
         let m = &s.manifest;
         let state = if r.removed.contains(&s.id) {
             verb
@@ -572,8 +685,115 @@ fn forget(a: ForgetArgs) -> Result<i32> {
     Ok(0)
 }
 
+fn repair(a: RepairArgs) -> Result<i32> {
+    let repo = a.common.open()?;
+    let opts = RepairOptions { drop_damaged: a.drop_damaged, dry_run: a.dry_run, wait: a.wait };
+    let r = recover::repair(&repo, &opts).with_context(|| format!("repair of {}", a.common.repo))?;
+    // Damage that stays: packs that cannot be indexed, objects kept without --drop-damaged.
+    let kept = r.manifests.len() + r.checkpoints.len();
+    let left = !r.packs_unreadable.is_empty() || (!a.drop_damaged && kept > 0);
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+        return Ok(i32::from(left));
+    }
+    let (would, done) = if a.dry_run { ("would ", "would be ") } else { ("", "") };
+    for p in &r.packs_indexed {
+        println!("{would}index {p} again (from its trailer)");
+    }
+    for n in &r.index_written {
+        println!("wrote {n}");
+    }
+    for n in &r.index_removed {
+        if r.index_written.contains(&n.object) {
+            println!("replaced the damaged index object {} (rebuilt with the same bytes): {}", n.object, n.why);
+        } else {
+            println!("{would}remove the damaged index object {}: {}", n.object, n.why);
+        }
+    }
+    for n in &r.damage_removed {
+        println!(
+            "{would}remove the damaged damage record {}: {} (`ferry repo verify` finds the damage again)",
+            n.object, n.why
+        );
+    }
+    for n in &r.packs_unreadable {
+        println!("cannot index {}: {} (left as it is; `ferry repo verify` tells what it affects)", n.object, n.why);
+    }
+    for (what, list) in [("manifest", &r.manifests), ("checkpoint", &r.checkpoints)] {
+        for n in list {
+            if a.drop_damaged {
+                println!("{would}remove the damaged {what} {}: {}", n.object, n.why);
+            } else {
+                println!("damaged {what} {}: {} (kept: --drop-damaged removes it)", n.object, n.why);
+            }
+        }
+    }
+    println!(
+        "{}: {} of {} packs {done}indexed again ({} chunks){}; {} damaged index object(s) {done}removed{}",
+        a.common.repo,
+        r.packs_indexed.len(),
+        r.packs,
+        r.blobs_indexed,
+        if r.index_written.is_empty() {
+            String::new()
+        } else {
+            format!(" in {} new index object(s)", r.index_written.len())
+        },
+        r.index_removed.len(),
+        if left { "; some damage remains (see above)" } else { "" }
+    );
+    Ok(i32::from(left))
+}
+
+/// `2h05m` for people.
+fn shown_age(secs: Option<u64>) -> String {
+    match secs {
+        None => "unknown".into(),
+        Some(s) if s < 120 => format!("{s}s"),
+        Some(s) if s < 7200 => format!("{}m", s / 60),
+        Some(s) => format!("{}h{:02}m", s / 3600, s / 60 % 60),
+    }
+}
+
+fn unlock(a: UnlockArgs) -> Result<i32> {
+    let repo = a.common.open()?;
+    let r = recover::unlock(repo.store(), a.force).with_context(|| format!("unlock of {}", a.common.repo))?;
+    let show = |l: &recover::LockShown| {
+        if l.kind.is_empty() {
+            format!("{}: {}", l.object, l.state)
+        } else {
+            format!(
+                "{}: {} by process {} on {}, taken {} ago ({}): {}",
+                l.object,
+                l.kind,
+                l.pid,
+                l.host,
+                shown_age(l.age_secs),
+                shown_time(&l.time),
+                l.state
+            )
+        }
+    };
+    for l in &r.removed {
+        println!("removed {}", show(l));
+    }
+    for l in &r.kept {
+        println!("kept {} (`--force` removes it, if you know that no ferry process uses the repository)", show(l));
+    }
+    println!("{}: {} lock(s) removed, {} kept", a.common.repo, r.removed.len(), r.kept.len());
+    Ok(0)
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn shown_ages() {
+        assert_eq!(super::shown_age(Some(5)), "5s");
+        assert_eq!(super::shown_age(Some(600)), "10m");
+        assert_eq!(super::shown_age(Some(7500)), "2h05m");
+        assert_eq!(super::shown_age(None), "unknown");
+    }
+
     #[test]
     fn human_sizes() {
         assert_eq!(super::human(0), "0 B");

@@ -45,6 +45,7 @@ mod repo_crash;
 mod repo_heal;
 mod repo_keys;
 mod repo_locks;
+mod repo_recover;
 mod repo_resume;
 mod repo_s3;
 mod repo_trust;

@@ -327,22 +327,11 @@ fn a_resume_keeps_its_base() {
     };
     let out = resume(&s1);
     assert!(out.stderr.contains("is not its latest"), "{}", out.describe());
-    // s2 is later than the checkpoint and continues its base: the checkpoint is a
-    // leftover (FORMAT.md §7a), discarded with a notice, and the map applied to s2.
-    let out = run_ok(&mut ferry_cmd(&[
-        "backup",
-        "--json",
-        "--resume",
-        "--extents-from",
-        s(&map),
-        "--since",
-        &s2,
-        s(&img),
-        &t,
-    ]));
-    assert!(out.stderr.contains("discarding the checkpoint"), "{}", out.describe());
-    let s3 = Json::must_parse(out.stdout.trim()).at("id").as_str().unwrap().to_string();
-    assert_eq!(ids(s(&repo), "a"), [s1.as_str(), s2.as_str(), s3.as_str()]);
+    // s2 is not what the interrupted backup stored (another source): the checkpoint is no
+    // leftover, and it continued s1, not s2.
+    let out = resume(&s2);
+    assert!(out.stderr.contains("cannot be resumed") && out.stderr.contains(&s1[..8]), "{}", out.describe());
+    assert_eq!(ids(s(&repo), "a"), [s1.as_str(), s2.as_str()]);
 }
 
 /// RFC 3339 UTC of `secs` since the epoch (whole seconds), as FORMAT.md writes times.

@@ -31,7 +31,11 @@ impl CheckpointInfo {
     /// stored resumes it or discards it before it commits, so such a checkpoint was left
     /// by a backup stopped between storing its snapshot and removing its checkpoint: what
     /// it would resume is in the snapshot already, and resuming it could only be refused
-    /// (its base is no longer the latest).
+    /// (its base is no longer the latest). The snapshot that continues the base on the way
+    /// to the latest must be one that backup could have stored: of the same source, with
+    /// the same change map and size; a snapshot of the base stored otherwise (another
+    /// backup, one planted) leaves the checkpoint an interrupted backup that cannot be
+    /// resumed.
     pub fn superseded_by<'a>(&self, snaps: &'a [SnapshotInfo]) -> Option<&'a SnapshotInfo> {
         let ck = &self.checkpoint;
         let latest = snaps.iter().rev().find(|s| s.manifest.name == ck.name)?;
@@ -48,7 +52,11 @@ impl CheckpointInfo {
         let mut at = latest;
         for _ in 0..snaps.len() {
             match &at.manifest.parent {
-                Some(p) if p == base => return Some(latest),
+                Some(p) if p == base => {
+                    let m = &at.manifest;
+                    let same = m.source == ck.source && m.changes == ck.changes && m.size == ck.size;
+                    return same.then_some(latest);
+                }
                 Some(p) => at = snaps.iter().find(|s| s.id == *p && s.manifest.name == ck.name)?,
                 None => return None,
             }

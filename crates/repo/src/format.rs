@@ -782,6 +782,76 @@ impl Checkpoint {
     }
 }
 
+/// A damage record (FORMAT.md §7b): stored copies of blobs that `verify` found damaged.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DamageRecord {
+    pub version: u32,
+    /// When it was found (RFC 3339).
+    pub time: String,
+    /// The host that found it.
+    pub host: String,
+    pub packs: Vec<DamagedPack>,
+}
+
+/// One pack's damage in a [`DamageRecord`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DamagedPack {
+    /// The pack's id (64 hex digits).
+    pub pack: String,
+    /// What was wrong, for people (at most [`MAX_DAMAGE_WHY`] bytes).
+    pub why: String,
+    /// The ids (64 hex digits each) of its blob copies that do not read back; empty when
+    /// only the pack as a whole (its name, its trailer) is wrong.
+    pub blobs: Vec<String>,
+}
+
+/// The largest damage record.
+pub const MAX_DAMAGE: u64 = 16 << 20;
+/// The longest `why` of a damaged pack.
+pub const MAX_DAMAGE_WHY: usize = 4096;
+
+impl DamageRecord {
+    /// Parses and validates: at most [`MAX_DAMAGE`] bytes, version 1, an RFC 3339 time,
+    /// hex ids, each `why` at most [`MAX_DAMAGE_WHY`] bytes, each pack's blobs at most
+    /// [`MAX_TRAILER_ENTRIES`].
+    pub fn parse(json: &[u8]) -> Result<DamageRecord, FormatError> {
+        let r: DamageRecord = bounded_json(json, MAX_DAMAGE, "damage record")?;
+        r.validate()?;
+        Ok(r)
+    }
+
+    pub fn validate(&self) -> Result<(), FormatError> {
+        if self.version != VERSION {
+            return err(format!(
+                "the damage record has version {}; this ferry reads version {VERSION} only (use a newer ferry)",
+                self.version
+            ));
+        }
+        check_time("the damage record's time", &self.time)?;
+        for (i, p) in self.packs.iter().enumerate() {
+            if !is_hex(&p.pack, 64) {
+                return err(format!("damaged pack {i}'s id is not 64 hex digits"));
+            }
+            if p.why.len() > MAX_DAMAGE_WHY {
+                return err(format!("damaged pack {i}'s reason is longer than {MAX_DAMAGE_WHY} bytes"));
+            }
+            if p.blobs.len() > MAX_TRAILER_ENTRIES as usize {
+                return err(format!("damaged pack {i} lists more than {MAX_TRAILER_ENTRIES} blobs"));
+            }
+            if p.blobs.iter().any(|b| !is_hex(b, 64)) {
+                return err(format!("a blob id of damaged pack {i} is not 64 hex digits"));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn to_bytes(&self) -> Vec<u8> {
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+}
+
 /// Whether `name` is a valid disk name (FORMAT.md §7).
 pub fn valid_name(name: &str) -> bool {
     (1..=200).contains(&name.len())
@@ -885,6 +955,9 @@ pub fn fuzz(data: &[u8]) {
     if let Ok(c) = Checkpoint::parse(data, &limits) {
         assert_eq!(Checkpoint::parse(&c.to_bytes(), &limits).as_ref(), Ok(&c));
         let _ = c.done_bytes();
+    }
+    if let Ok(r) = DamageRecord::parse(data) {
+        assert_eq!(DamageRecord::parse(&r.to_bytes()).as_ref(), Ok(&r));
     }
     if let Ok(t) = parse_trailer(trailer, blobs_len, &limits) {
         assert_eq!(encode_trailer(&t), trailer);
@@ -1331,6 +1404,7 @@ mod tests {
         Manifest::parse(&seed("manifest.json"), &L).unwrap();
         Lock::parse(&seed("lock.json")).unwrap();
         Checkpoint::parse(&seed("checkpoint.json"), &L).unwrap();
+        assert_eq!(DamageRecord::parse(&seed("damage.json")).unwrap().packs.len(), 2);
         let t = seed("trailer.bin");
         assert_eq!(parse_trailer(&t[5..], le32(&t, 1) as u64, &L).unwrap().len(), 3);
         assert_eq!(parse_index(&seed("index.bin"), &L).unwrap().len(), 2);

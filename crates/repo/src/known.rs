@@ -490,7 +490,8 @@ impl Known {
         })
     }
 
-    /// Records the snapshots this host forgot (ids and disks).
+    /// Records the snapshots this host forgot (ids and disks; an empty disk name for a
+    /// manifest that could not be read).
     pub fn forgotten(&self, gone: &[(String, String)]) {
         if gone.is_empty() {
             return;
@@ -499,7 +500,10 @@ impl Known {
         self.with_record(|rec| {
             let Some(r) = rec.as_mut() else { return };
             for (id, name) in gone {
-                if r.disks.get(name).is_some_and(|s| s.id == *id) {
+                if name.is_empty() {
+                    // A manifest that could not be read: of whichever disk it was the newest.
+                    r.disks.retain(|_, s| s.id != *id);
+                } else if r.disks.get(name).is_some_and(|s| s.id == *id) {
                     r.disks.remove(name);
                 }
                 if !r.forgotten.iter().any(|g| g.id == *id) {

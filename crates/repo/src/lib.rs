@@ -13,7 +13,7 @@
 //! - [`lock`]: repository locks over a store.
 //! - [`Repository`] (open/init, the index, snapshots), [`SnapshotWriter`] (a backup, as a
 //!   copy destination), [`SnapshotImage`] (a snapshot as a read-only image), [`maint`]
-//!   (check, verify, forget, gc, stats).
+//!   (check, verify, forget, gc, stats), [`recover`] (repair, unlock).
 //!
 //! # The backup repository (`crates/repo`)
 //!
@@ -52,7 +52,12 @@
 //! diff.rs            SnapshotDiff: the chunks that differ between two snapshots of a disk,
 //!                    as a qemu:dirty-bitmap: context (ferry serve offers it when both are
 //!                    served)
-//! maint.rs           check, verify, forget (policy), gc, stats
+//! maint.rs           check, verify, forget (policy or ids), gc, stats
+//! damage.rs          damage records (damage/): copies verify found damaged; the index lists
+//!                    them after good copies, backups store their content again, gc
+//!                    drops them once no snapshot needs them
+//! recover.rs         repair (index objects rebuilt from pack trailers, unreadable objects
+//!                    removed), unlock (stale locks removed)
 //! known.rs           this host's record of each repository it used (id, encryption and
 //!                    key fingerprint, each disk's newest snapshot, what it forgot), so a
 //!                    store that went back or lost its encryption is noticed
@@ -147,6 +152,7 @@
 pub mod blob;
 mod checkpoint;
 pub mod crypto;
+mod damage;
 mod diff;
 pub mod format;
 pub mod keys;
@@ -155,6 +161,7 @@ pub mod lock;
 pub mod maint;
 mod memory;
 mod reader;
+pub mod recover;
 mod repo;
 pub mod store;
 #[cfg(test)]
@@ -162,6 +169,7 @@ mod tests;
 mod writer;
 
 pub use checkpoint::CheckpointInfo;
+pub use damage::{DamageSet, DamagedCopies};
 pub use diff::SnapshotDiff;
 pub use reader::{default_cache_bytes, SnapshotImage, MIN_CACHE_BYTES};
 pub use repo::{resolve_in, Failures, Index, InitOptions, Location as BlobLocation, Repository, SnapshotInfo};

@@ -234,7 +234,9 @@ fn describe(name: &str, l: &Lock) -> String {
 /// The locks in the store, each with whether it is stale (and why), and the names of
 /// those that cannot be read, with why.
 #[allow(clippy::type_complexity)]
-fn read_locks(store: &Arc<dyn Store>) -> Result<(Vec<(String, Lock, Option<String>)>, Vec<(String, String)>)> {
+pub(crate) fn read_locks(
+    store: &Arc<dyn Store>,
+) -> Result<(Vec<(String, Lock, Option<String>)>, Vec<(String, String)>)> {
     let names =
         store.list("locks/").map_err(|e| Error::store(format!("cannot list the locks of {}", store.describe()), e))?;
     let mut out = Vec::new();
@@ -273,7 +275,7 @@ fn conflicting(
     if let Some((name, why)) = unreadable.into_iter().next() {
         return Err(Error::Locked(format!(
             "{name} in {} is not a lock this ferry can read ({why}): if no ferry process uses the \
-             repository, remove it",
+             repository, remove it (`ferry repo unlock --force`)",
             store.describe()
         )));
     }
@@ -334,7 +336,7 @@ pub fn acquire(
     let locked = |name: &str, l: &Lock| {
         Error::Locked(format!(
             "{} is locked by {}: wait for it to end (--wait SECS), or, if that process is gone, \
-             remove {name} from the repository",
+             remove {name} from the repository (`ferry repo unlock`; with --force for a live-looking lock)",
             store.describe(),
             describe(name, l)
         ))

@@ -1,8 +1,8 @@
 //! Repository maintenance: check, verify, forget, gc, stats.
-use crate::format::{self, BlobEntry, Digest, LockKind, PackBlobs, ZERO};
+use crate::damage::{pack_id, prefer_good, prune_records, DamageSet, DamagedCopies};
+use crate::format::{self, BlobEntry, DamagedPack, Digest, LockKind, PackBlobs, ZERO};
 use crate::repo::{
-    blkhash_of, build_index, pack_name, par_map, parse_time, sha256, Index, Repository, SnapshotInfo, AAD_TRAILER,
-    FETCH_THREADS,
+    blkhash_of, pack_name, par_map, parse_time, sha256, Index, Repository, SnapshotInfo, AAD_TRAILER, FETCH_THREADS,
 };
 use crate::{lock, Error, Result};
 use serde::Serialize;
@@ -63,6 +63,10 @@ struct Walk {
     pages: HashMap<Digest, Result<Vec<Digest>, String>>,
     /// Damaged or missing blob ids, with the problem each belongs to.
     damaged: HashMap<Digest, usize>,
+    /// The damage records (FORMAT.md §7b).
+    damage: DamageSet,
+    /// The problems made of recorded damage: those that no snapshot reads become notes.
+    recorded: Vec<usize>,
 }
 
 /// Reads each distinct page of `snaps` once.
@@ -176,11 +180,19 @@ fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
     let mut snaps = snaps;
     snaps.extend(checkpoints.iter().map(|c| c.as_snapshot()));
     let (objects, bad_index) = repo.index_objects()?;
+    let mut index_damaged = !bad_index.is_empty();
     for (name, e) in bad_index {
         r.problem(
             name,
-            format!("{}; the blobs it alone lists are lost to the snapshots below until it is rebuilt", e.reason()),
+            format!(
+                "{}; the blobs it alone lists are lost to the snapshots below until `ferry repo repair` rebuilds it",
+                e.reason()
+            ),
         );
+    }
+    let (damage, bad_damage) = repo.damage_lenient()?;
+    for (name, e) in bad_damage {
+        r.problem(name, format!("{}; `ferry repo repair` removes it (then run `ferry repo verify`)", e.reason()));
     }
     let mut packs: HashMap<Digest, Vec<BlobEntry>> = HashMap::new();
     for (_, ps) in &objects {
@@ -193,7 +205,7 @@ fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
             }
         }
     }
-    let index = build_index(objects);
+    let index = prefer_good(objects, &damage);
     let listed: HashMap<String, u64> = store
         .list("data/")
         .map_err(|e| Error::store(format!("cannot list the packs of {}", store.describe()), e))?
@@ -221,7 +233,9 @@ fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
     // A lost pack whose every blob has a good copy elsewhere (a backup stored them again)
     // loses nothing: gc drops it from the index.
     for (pack, p) in &bad_packs {
-        let healed = packs[pack].iter().all(|b| index.locations(&b.id).any(|l| !bad_packs.contains_key(&l.pack)));
+        let healed = packs[pack].iter().all(|b| {
+            index.locations(&b.id).any(|l| !bad_packs.contains_key(&l.pack) && !damage.is_damaged(&l.pack, &b.id))
+        });
         if healed {
             r.problems[*p].why.push_str(
                 "; every blob in it has a copy in another pack, so no snapshot lost data: `ferry repo gc` drops it \
@@ -231,13 +245,10 @@ fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
     }
     let indexed: HashSet<String> = packs.keys().map(pack_name).collect();
     let orphans = listed.keys().filter(|n| !indexed.contains(*n)).count();
-    if orphans > 0 {
-        r.notes.push(format!(
-            "{orphans} pack(s) are in no index object (left by interrupted backups or gc); `ferry repo gc` removes them"
-        ));
-    }
-    // A blob is lost only when every copy of it is in a missing or short pack.
+    // A blob is lost only when every copy of it is in a missing or short pack (or, below,
+    // recorded damaged).
     let mut damaged: HashMap<Digest, usize> = HashMap::new();
+    let recorded = recorded_problems(&mut r, &damage, &index, &listed, &mut damaged);
     if !bad_packs.is_empty() {
         for (id, loc) in &index.blobs {
             if let Some(p) = bad_packs.get(&loc.pack) {
@@ -290,6 +301,9 @@ fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
                 }
                 other => {
                     entries_ok = false;
+                    if !index.blobs.contains_key(&id) {
+                        index_damaged = true;
+                    }
                     if damaged.contains_key(&id) {
                         continue;
                     }
@@ -306,6 +320,7 @@ fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
         }
         if let Some(p) = missing {
             r.problems[p].why = format!("{missing_count} chunk(s) it uses are in no index object");
+            index_damaged = true;
         }
         if entries_ok {
             if let Some(want) = &s.manifest.blkhash {
@@ -317,6 +332,18 @@ fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
         }
     }
     r.blobs_checked = checked.len() as u64;
+    // Packs in no index object are orphans only when the index is whole: else gc would
+    // delete what may be the only copy of the chunks the index lost.
+    if orphans > 0 && index_damaged {
+        r.notes.push(format!(
+            "{orphans} pack(s) are in no readable index object, and the index is damaged: they may hold the only \
+             copy of what snapshots use; `ferry repo repair` indexes them again (gc refuses to run until then)"
+        ));
+    } else if orphans > 0 {
+        r.notes.push(format!(
+            "{orphans} pack(s) are in no index object (left by interrupted backups or gc); `ferry repo gc` removes them"
+        ));
+    }
     match lock::list(store) {
         Ok(locks) => {
             for (name, l, stale) in locks {
@@ -329,7 +356,78 @@ fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
         }
         Err(e) => r.notes.push(format!("cannot read the locks: {e}")),
     }
-    Ok((r, Walk { snaps, index, packs, listed, pages, damaged }))
+    Ok((r, Walk { snaps, index, packs, listed, pages, damaged, damage, recorded }))
+}
+
+/// The damage records' packs that are still in the store: a problem for each whose
+/// damaged copies some blob has no other copy than (its snapshots are named once
+/// attributed), else a note that gc removes them.
+fn recorded_problems(
+    r: &mut Report,
+    damage: &DamageSet,
+    index: &Index,
+    listed: &HashMap<String, u64>,
+    damaged: &mut HashMap<Digest, usize>,
+) -> Vec<usize> {
+    let mut out = Vec::new();
+    let mut packs: Vec<(&Digest, &DamagedCopies)> = damage.packs.iter().collect();
+    packs.sort_by_key(|(p, _)| **p);
+    for (pack, copies) in packs {
+        let name = pack_name(pack);
+        if !listed.contains_key(&name) {
+            continue;
+        }
+        let found = format!("recorded damaged by `ferry repo verify` at {}: {}", copies.time, copies.why);
+        // A blob with no good copy: each of its copies, this one among them, is recorded
+        // damaged or in a pack missing from the store.
+        let good = |id: &Digest, l: &crate::BlobLocation| {
+            !damage.is_damaged(&l.pack, id) && listed.contains_key(&pack_name(&l.pack))
+        };
+        let mut only: Vec<&Digest> = copies
+            .blobs
+            .iter()
+            .filter(|id| index.locations(id).any(|l| l.pack == *pack) && !index.locations(id).any(|l| good(id, l)))
+            .collect();
+        only.sort();
+        if only.is_empty() {
+            let what = if copies.blobs.is_empty() {
+                "its chunks read well: `ferry repo gc` copies those in use to a new pack and removes it"
+            } else {
+                "each damaged chunk in it has a good copy elsewhere or is unused: `ferry repo gc` removes it"
+            };
+            r.notes.push(format!("{name}: {found}; {what}"));
+            continue;
+        }
+        let p = r.problem(
+            name,
+            format!(
+                "{found}; {} chunk(s) in it have no good copy (a backup that reads them from the disk stores them \
+                 again; a snapshot that uses them restores once it does, or is damaged until it is forgotten)",
+                only.len()
+            ),
+        );
+        for id in only {
+            damaged.insert(*id, p);
+        }
+        out.push(p);
+    }
+    out
+}
+
+/// Recorded damage that no snapshot reads is said as a note, not as a problem.
+/// Recorded damage that verify found mended (`cleared`) is no problem either.
+fn unread_records_to_notes(r: &mut Report, recorded: &[usize], cleared: &[usize]) {
+    let mut gone: Vec<usize> =
+        recorded.iter().copied().filter(|p| cleared.contains(p) || r.problems[*p].hits.is_empty()).collect();
+    gone.sort_unstable();
+    for i in gone.into_iter().rev() {
+        let p = r.problems.remove(i);
+        r.notes.push(if cleared.contains(&i) {
+            format!("{}: it was recorded damaged, and reads back whole now: its record is cleared", p.object)
+        } else {
+            format!("{}: {}; no snapshot reads it: `ferry repo gc` removes it", p.object, p.why)
+        });
+    }
 }
 
 /// Metadata only: config, every index object, every manifest and its pages, every
@@ -337,6 +435,7 @@ fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
 pub fn check(repo: &Repository) -> Result<Report> {
     let (mut r, w) = check_walk(repo)?;
     attribute(repo, &w, &mut r.problems);
+    unread_records_to_notes(&mut r, &w.recorded, &[]);
     Ok(r)
 }
 
@@ -365,6 +464,8 @@ struct PackCheck {
     blobs: u64,
     /// Why the pack as a whole is wrong (name, trailer), if it is.
     pack_why: Option<String>,
+    /// The store could not give the pack (not damage that was seen: not recorded).
+    unreadable: bool,
     bad_blobs: Vec<(Digest, String)>,
 }
 
@@ -375,6 +476,7 @@ fn verify_pack(repo: &Repository, pack: &Digest, blobs: &[BlobEntry]) -> PackChe
         Ok(b) => b,
         Err(e) => {
             c.pack_why = Some(format!("cannot be read: {e}"));
+            c.unreadable = true;
             c.bad_blobs = blobs.iter().map(|b| (b.id, "unreadable".to_string())).collect();
             return c;
         }
@@ -410,13 +512,7 @@ fn verify_pack(repo: &Repository, pack: &Digest, blobs: &[BlobEntry]) -> PackChe
         let mut plains: Vec<(&BlobEntry, Vec<u8>)> = Vec::with_capacity(group.len());
         for b in group {
             c.blobs += 1;
-            let loc = crate::BlobLocation {
-                pack: *pack,
-                kind: b.kind,
-                offset: b.offset,
-                stored_len: b.stored_len,
-                plain_len: b.plain_len,
-            };
+            let loc = crate::BlobLocation::of(*pack, b);
             let stored = bytes.get(b.offset as usize..b.offset as usize + b.stored_len as usize).unwrap_or(&[]);
             match repo.decode_blob_unchecked(&b.id, &loc, b.kind, stored) {
                 Ok(p) => plains.push((b, p)),
@@ -461,34 +557,93 @@ pub fn verify(repo: &Repository, opts: &VerifyOptions) -> Result<Report> {
     r.blobs_checked = 0;
     let mut bad_copies: HashMap<Digest, Vec<(Digest, usize)>> = HashMap::new();
     let results = par_map(&todo, opts.threads.max(1), |(p, b)| verify_pack(repo, p, b));
+    let mut record: Vec<DamagedPack> = Vec::new();
+    // Recorded packs that read otherwise now: their new state (None: whole again).
+    let mut corrected: HashMap<Digest, Option<DamagedCopies>> = HashMap::new();
     for ((pack, _), c) in todo.iter().zip(results) {
         r.bytes_read += c.bytes;
         r.blobs_checked += c.blobs;
-        if c.pack_why.is_none() && c.bad_blobs.is_empty() {
-            continue;
-        }
-        let mut why = c.pack_why.unwrap_or_default();
+        let bad: Vec<Digest> = c.bad_blobs.iter().map(|(id, _)| *id).collect();
+        let mut why = c.pack_why.clone().unwrap_or_default();
         if !c.bad_blobs.is_empty() {
             if !why.is_empty() {
                 why.push_str("; ");
             }
             why.push_str(&format!("{} blob(s) damaged (first: {})", c.bad_blobs.len(), c.bad_blobs[0].1));
         }
+        let whole = c.pack_why.is_none() && bad.is_empty();
+        let short: String = why.chars().take(format::MAX_DAMAGE_WHY / 4).collect();
+        if let Some(rec) = w.damage.packs.get(pack).filter(|_| !c.unreadable) {
+            if whole || rec.blobs.iter().any(|b| !bad.contains(b)) {
+                let now = DamagedCopies {
+                    why: short.clone(),
+                    time: crate::repo::now_seconds(),
+                    blobs: bad.iter().copied().collect(),
+                };
+                corrected.insert(*pack, (!whole).then_some(now));
+            }
+        }
+        if whole || (!c.unreadable && w.damage.covers(pack, &bad)) {
+            continue; // whole, or recorded already: check_walk said it
+        }
+        if !c.unreadable {
+            let mut blobs: Vec<String> = bad.iter().map(|b| format::hex(b)).collect();
+            blobs.sort();
+            blobs.dedup();
+            record.push(DamagedPack { pack: format::hex(pack), why: short, blobs });
+        }
+        // One problem per pack: what check found in it already (a page) says this too.
         let p = r.problem_once(pack_name(pack), why);
         for (id, _) in c.bad_blobs {
             bad_copies.entry(id).or_default().push((*pack, p));
         }
     }
     // A damaged copy hurts the snapshots only when no other copy is good (a reader tries
-    // each): every other copy is in a pack found missing or damaged too.
+    // each): every other copy is in a pack found missing or damaged too, or recorded
+    // damaged (and not found whole again now).
+    let recorded_bad = |pack: &Digest, id: &Digest| match corrected.get(pack) {
+        Some(now) => now.as_ref().is_some_and(|c| c.blobs.contains(id)),
+        None => w.damage.is_damaged(pack, id),
+    };
     for (id, copies) in &bad_copies {
         let bad = |pack: &Digest| copies.iter().any(|(p, _)| p == pack);
-        let lost = w.index.locations(id).all(|l| bad(&l.pack) || !w.listed.contains_key(&pack_name(&l.pack)));
+        let lost = w
+            .index
+            .locations(id)
+            .all(|l| bad(&l.pack) || recorded_bad(&l.pack, id) || !w.listed.contains_key(&pack_name(&l.pack)));
         if lost {
             w.damaged.entry(*id).or_insert(copies[0].1);
         }
     }
+    if !record.is_empty() {
+        match repo.put_damage(record) {
+            Ok(name) => r.notes.push(format!(
+                "the damage is recorded in {name}: the next backup that reads the damaged chunks stores them again, \
+                 readers use any good copy, and `ferry repo gc` removes the damaged copies once none is needed"
+            )),
+            Err(e) => r.notes.push(format!("the damage could not be recorded in the repository: {e}")),
+        }
+    }
+    // Packs recorded damaged that read back whole now (mended, or read wrong once) are
+    // no damage; their records, and those of packs that read otherwise, are corrected.
+    let cleared: Vec<usize> = w
+        .recorded
+        .iter()
+        .copied()
+        .filter(|p| corrected.iter().any(|(pack, now)| now.is_none() && pack_name(pack) == r.problems[*p].object))
+        .collect();
+    if !corrected.is_empty() {
+        if let Err(e) = crate::damage::correct_records(repo, &corrected) {
+            r.notes.push(format!("the damage records could not be corrected (run verify again): {e}"));
+        }
+    }
+    for (pack, _) in corrected.iter().filter(|(_, now)| now.is_none()) {
+        let name = pack_name(pack);
+        r.notes.retain(|n| !n.starts_with(&format!("{name}: recorded damaged")));
+    }
+    w.damaged.retain(|_, p| !cleared.contains(p));
     attribute(repo, &w, &mut r.problems);
+    unread_records_to_notes(&mut r, &w.recorded, &cleared);
     Ok(r)
 }
 
@@ -523,6 +678,17 @@ pub struct ForgetReport {
 /// With no rule, every snapshot is kept (and the report says so). Rules that are all 0
 /// would remove every snapshot: refused.
 pub fn forget(repo: &Repository, name: Option<&str>, policy: &Policy, dry_run: bool) -> Result<ForgetReport> {
+    forget_with(repo, name, policy, dry_run, None)
+}
+
+/// [`forget`], waiting up to `wait` for another forget or a gc to end instead of failing.
+pub fn forget_with(
+    repo: &Repository,
+    name: Option<&str>,
+    policy: &Policy,
+    dry_run: bool,
+    wait: Option<std::time::Duration>,
+) -> Result<ForgetReport> {
     let mut report = ForgetReport::default();
     let rules = [policy.keep_last, policy.keep_daily, policy.keep_weekly, policy.keep_monthly];
     if !policy.is_empty() && rules.iter().flatten().all(|n| *n == 0) {
@@ -531,7 +697,7 @@ pub fn forget(repo: &Repository, name: Option<&str>, policy: &Policy, dry_run: b
                 .into(),
         ));
     }
-    let _lock = if dry_run { None } else { Some(lock::acquire(&repo.store, LockKind::Forget, None, None)?) };
+    let _lock = if dry_run { None } else { Some(lock::acquire(&repo.store, LockKind::Forget, None, wait)?) };
     // A manifest that cannot be read is kept, and the rules apply to the others: that
     // never removes a snapshot the rules would keep with it counted (leaving one out of
     // a disk's list only moves the others up in it), so at most fewer are removed.
@@ -559,11 +725,7 @@ pub fn forget(repo: &Repository, name: Option<&str>, policy: &Policy, dry_run: b
     }
     // What this host forgot, for its record of the repository (told also when a delete fails).
     let mut gone: Vec<(String, String)> = Vec::new();
-    let tell = |gone: &[(String, String)]| {
-        if let Some(k) = repo.known() {
-            k.forgotten(gone);
-        }
-    };
+    let tell = |gone: &[(String, String)]| tell_forgotten(repo, gone);
     for (_, mut list) in disks {
         list.reverse(); // newest first
         let keep = keep(&list, policy);
@@ -584,6 +746,105 @@ pub fn forget(repo: &Repository, name: Option<&str>, policy: &Policy, dry_run: b
         }
     }
     tell(&gone);
+    Ok(report)
+}
+
+/// Tells this host's record of the repository (if it keeps one) what was forgotten.
+pub(crate) fn tell_forgotten(repo: &Repository, gone: &[(String, String)]) {
+    if let Some(k) = repo.known() {
+        k.forgotten(gone);
+    }
+}
+
+/// Removes the manifest `snapshots/ID`.
+fn remove_snapshot(repo: &Repository, id: &str) -> Result<()> {
+    let obj = format!("snapshots/{id}");
+    repo.store.delete(&obj).map_err(|e| Error::store(format!("cannot remove {obj} from {}", repo.store.describe()), e))
+}
+
+/// Forgets the snapshots `ids` names (each a unique prefix of at least 4 hex digits of a
+/// snapshot id; of disk `name` when given): every id is resolved before any manifest is
+/// removed. A manifest that cannot be read is forgotten by its id too (without `name`:
+/// which disk it is of cannot be told). `kept` lists the other snapshots (of `name`).
+pub fn forget_ids(
+    repo: &Repository,
+    name: Option<&str>,
+    ids: &[String],
+    dry_run: bool,
+    wait: Option<std::time::Duration>,
+) -> Result<ForgetReport> {
+    if ids.is_empty() {
+        return Err(Error::Invalid("give the id of at least one snapshot to forget".into()));
+    }
+    let _lock = if dry_run { None } else { Some(lock::acquire(&repo.store, LockKind::Forget, None, wait)?) };
+    let (snaps, bad) = repo.snapshots_lenient()?;
+    let unreadable: Vec<String> =
+        bad.iter().map(|(n, _)| n.strip_prefix("snapshots/").unwrap_or(n).to_string()).collect();
+    let describe = repo.store.describe();
+    let mut chosen: Vec<String> = Vec::new();
+    for given in ids {
+        let prefix = given.to_ascii_lowercase();
+        if prefix.len() < 4 || prefix.len() > 64 || !prefix.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(Error::Invalid(format!(
+                "{given:?} is not a snapshot id: give at least 4 hex digits of one (`ferry repo list` shows them)"
+            )));
+        }
+        let good: Vec<&SnapshotInfo> = snaps.iter().filter(|s| s.id.starts_with(&prefix)).collect();
+        let damaged: Vec<&String> = unreadable.iter().filter(|id| id.starts_with(&prefix)).collect();
+        let id = match (good.as_slice(), damaged.as_slice()) {
+            ([one], []) => match name {
+                Some(n) if one.manifest.name != n => {
+                    return Err(Error::NotFound(format!(
+                        "snapshot {prefix} is not of {n} but of {}: write {describe} {prefix}, or {describe}::{}",
+                        one.manifest.name, one.manifest.name
+                    )))
+                }
+                _ => one.id.clone(),
+            },
+            ([], [one]) if name.is_none() => (*one).clone(),
+            ([], [one]) => {
+                return Err(Error::Invalid(format!(
+                    "the manifest of snapshot {} cannot be read, so its disk cannot be told: forget it as \
+                     `ferry repo forget {describe} {prefix}` (without ::NAME)",
+                    &one[..8.min(one.len())]
+                )))
+            }
+            ([], []) => {
+                return Err(Error::NotFound(format!(
+                    "{describe} has no snapshot whose id starts with {prefix} (`ferry repo list` shows them)"
+                )))
+            }
+            _ => {
+                return Err(Error::Invalid(format!(
+                    "{prefix} names {} snapshots: give more digits",
+                    good.len() + damaged.len()
+                )))
+            }
+        };
+        if !chosen.contains(&id) {
+            chosen.push(id);
+        }
+    }
+    let mut report = ForgetReport::default();
+    for s in snaps.iter().filter(|s| name.is_none_or(|n| n == s.manifest.name)) {
+        if !chosen.contains(&s.id) {
+            report.kept.push(s.id.clone());
+        }
+    }
+    // What this host forgot, for its record of the repository (told also when a delete fails).
+    let mut gone: Vec<(String, String)> = Vec::new();
+    for id in chosen {
+        if !dry_run {
+            if let Err(e) = remove_snapshot(repo, &id) {
+                tell_forgotten(repo, &gone);
+                return Err(e);
+            }
+            let disk = snaps.iter().find(|s| s.id == id).map_or(String::new(), |s| s.manifest.name.clone());
+            gone.push((id.clone(), disk));
+        }
+        report.removed.push(id);
+    }
+    tell_forgotten(repo, &gone);
     Ok(report)
 }
 
@@ -684,7 +945,15 @@ pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_perc
     // 2. The index and the packs.
     let (objects, bad) = repo.index_objects()?;
     if let Some((_, e)) = bad.into_iter().next() {
-        return Err(stop(e.to_string()));
+        return Err(stop(format!("{e}; `ferry repo repair` rebuilds the index from the packs")));
+    }
+    // Which copies are damaged: without the records, gc could keep a damaged copy and
+    // free the good one.
+    let (damage, bad) = repo.damage_lenient()?;
+    if let Some((name, e)) = bad.into_iter().next() {
+        return Err(stop(format!(
+            "{e}; `ferry repo repair` removes {name}, then `ferry repo verify` finds the damage again"
+        )));
     }
     let old_index: Vec<String> = objects.iter().map(|(n, _)| n.clone()).collect();
     let listed: HashMap<String, u64> = store
@@ -711,15 +980,18 @@ pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_perc
             }
         }
     }
+    // A good copy before a recorded-damaged one (FORMAT.md §7b).
     let mut chosen: HashMap<Digest, Digest> = HashMap::new();
-    for (pack, blobs) in &packs {
-        if listed.contains_key(&pack_name(pack)) {
-            for b in blobs {
-                chosen.entry(b.id).or_insert(*pack);
+    for damaged in [false, true] {
+        for (pack, blobs) in &packs {
+            if listed.contains_key(&pack_name(pack)) {
+                for b in blobs.iter().filter(|b| damage.is_damaged(pack, &b.id) == damaged) {
+                    chosen.entry(b.id).or_insert(*pack);
+                }
             }
         }
     }
-    let index = build_index(objects);
+    let index = prefer_good(objects, &damage);
     let pages = read_pages(repo, &index, &snaps);
     let mut live: HashSet<Digest> = HashSet::new();
     for s in &snaps {
@@ -732,13 +1004,23 @@ pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_perc
                 Some(Ok(entries)) => {
                     live.extend(entries.iter().filter(|e| **e != ZERO).map(|e| repo.crypto.blob_id(e)))
                 }
+                Some(Err(why)) if !index.blobs.contains_key(&repo.crypto.blob_id(&d)) => {
+                    return Err(stop(format!(
+                        "{}: {why} (where an index object was lost, `ferry repo repair` indexes its packs again)",
+                        object_of(s)
+                    )))
+                }
                 Some(Err(why)) => return Err(stop(format!("{}: {why}", object_of(s)))),
                 None => return Err(stop(format!("{}: a page was not read", object_of(s)))),
             }
         }
     }
     if let Some(id) = live.iter().find(|id| !chosen.contains_key(*id)) {
-        return Err(stop(format!("blob {} that a snapshot uses is in no pack of the store", format::hex(id))));
+        return Err(stop(format!(
+            "blob {} that a snapshot uses is in no indexed pack of the store (where an index object was lost, \
+             `ferry repo repair` indexes its packs again)",
+            format::hex(id)
+        )));
     }
     // 3. Classify packs; copy the live blobs of partly dead ones.
     let mut keep: Vec<PackBlobs> = Vec::new();
@@ -755,6 +1037,18 @@ pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_perc
         let dead_bytes: u64 = dead.iter().map(|b| b.stored_len as u64).sum();
         let all_bytes: u64 = blobs.iter().map(|b| b.stored_len as u64).sum();
         let worth = dead_bytes.saturating_mul(100) >= all_bytes.saturating_mul(repack_percent as u64);
+        if damage.packs.contains_key(pack) && n_live > 0 {
+            // Recorded damage: kept whole while it holds the only copy of a damaged blob in
+            // use; else what is in use is copied out (each blob checked) and it goes.
+            if blobs.iter().any(|b| is_live(b) && damage.is_damaged(pack, &b.id)) {
+                keep.push(PackBlobs { pack: *pack, blobs: blobs.clone() });
+            } else {
+                report.blobs_freed += dead.len() as u64;
+                repack.push((*pack, blobs.iter().filter(|b| is_live(b)).copied().collect()));
+                delete.push(name);
+            }
+            continue;
+        }
         if n_live == blobs.len() || (n_live > 0 && !worth) {
             // Unused blobs below the threshold stay, indexed: still whole, and freed
             // once enough of their pack is unused.
@@ -773,6 +1067,8 @@ pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_perc
     let orphans: Vec<String> = listed.keys().filter(|n| !indexed.contains(*n)).cloned().collect();
     let all_present = packs.keys().all(|p| listed.contains_key(&pack_name(p)));
     if delete.is_empty() && orphans.is_empty() && old_index.len() <= 1 && all_present {
+        let present: HashSet<Digest> = listed.keys().filter_map(|n| pack_id(n)).collect();
+        prune_records(repo, &damage, &present)?;
         report.bytes_after = report.bytes_before;
         return Ok(report);
     }
@@ -781,13 +1077,19 @@ pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_perc
     for (pack, blobs) in &repack {
         let name = pack_name(pack);
         let bytes = store.get(&name, format::MAX_PACK).map_err(|e| stop(format!("cannot read {name}: {e}")))?;
-        if sha256(&bytes) != *pack {
+        // A pack recorded damaged does not match its name: each blob copied is checked.
+        let recorded = damage.packs.contains_key(pack);
+        if !recorded && sha256(&bytes) != *pack {
             return Err(stop(format!("{name} does not match its name (SHA-256): it is damaged")));
         }
         for b in blobs {
             let stored = bytes
                 .get(b.offset as usize..b.offset as usize + b.stored_len as usize)
                 .ok_or_else(|| stop(format!("{name} is shorter than its index says")))?;
+            if recorded {
+                repo.decode_blob(&b.id, &crate::BlobLocation::of(*pack, b), b.kind, stored)
+                    .map_err(|why| stop(format!("{name}: {why}; run `ferry repo verify`")))?;
+            }
             out.add(b, stored);
             if out.buf.len() >= crate::writer::DEFAULT_PACK_SIZE {
                 new_packs.push(out.close(repo)?);
@@ -816,6 +1118,17 @@ pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_perc
         store.delete(name).map_err(|e| Error::store(format!("cannot remove {name} from {}", store.describe()), e))?;
         report.packs_deleted += 1;
     }
+    // 7. The damage records of packs that are gone, or were written again from blobs
+    // that were each checked (a pack repacked whole has its old name again, §7b).
+    let deleted: HashSet<&String> = delete.iter().chain(&orphans).filter(|n| !named.contains(*n)).collect();
+    let rewritten: HashSet<&Digest> = repack.iter().map(|(p, _)| p).collect();
+    let present: HashSet<Digest> = listed
+        .keys()
+        .filter(|n| !deleted.contains(n))
+        .filter_map(|n| pack_id(n))
+        .filter(|p| !rewritten.contains(p))
+        .collect();
+    prune_records(repo, &damage, &present)?;
     let after_data: u64 = store.list("data/").map(|v| v.iter().map(|(_, l)| *l).sum()).unwrap_or(0);
     let after_index: u64 = store.list("index/").map(|v| v.iter().map(|(_, l)| *l).sum()).unwrap_or(0);
     report.bytes_after = after_data + after_index;
@@ -859,6 +1172,47 @@ impl PackOut {
             .map_err(|e| Error::store(format!("cannot store {name} in {}", repo.store.describe()), e))?;
         Ok(PackBlobs { pack: digest, blobs: entries })
     }
+}
+
+/// The snapshots among `snaps` that read a blob whose only copy is recorded damaged
+/// (FORMAT.md §7b), each with that copy's pack: what `ferry repo list` marks damaged.
+/// Reads the index and the pages only when there are damage records.
+pub fn damaged_snapshots(repo: &Repository, snaps: &[SnapshotInfo]) -> Result<HashMap<String, String>> {
+    let mut out = HashMap::new();
+    let damage = repo.damage()?;
+    if damage.is_empty() {
+        return Ok(out);
+    }
+    let index = repo.load_index_lenient()?;
+    // The blobs whose every copy is recorded damaged, each with its first copy's pack.
+    let mut bad: HashMap<&Digest, &Digest> = HashMap::new();
+    for id in damage.packs.values().flat_map(|c| c.blobs.iter()) {
+        let mut copies = index.locations(id).peekable();
+        if let Some(first) = copies.peek() {
+            let pack = &first.pack;
+            if copies.all(|l| damage.is_damaged(&l.pack, id)) {
+                bad.insert(id, pack);
+            }
+        }
+    }
+    if bad.is_empty() {
+        return Ok(out);
+    }
+    let pages = read_pages(repo, &index, snaps);
+    for s in snaps {
+        let hit = s.manifest.page_digests().iter().filter(|d| **d != ZERO).find_map(|d| {
+            bad.get(&repo.crypto.blob_id(d)).copied().or_else(|| match pages.get(d) {
+                Some(Ok(entries)) => {
+                    entries.iter().filter(|e| **e != ZERO).find_map(|e| bad.get(&repo.crypto.blob_id(e)).copied())
+                }
+                _ => None,
+            })
+        });
+        if let Some(pack) = hit {
+            out.insert(s.id.clone(), pack_name(pack));
+        }
+    }
+    Ok(out)
 }
 
 #[derive(Debug, Default, Serialize)]

@@ -56,6 +56,13 @@ pub struct Location {
     pub plain_len: u32,
 }
 
+impl Location {
+    /// Where the blob of index or trailer entry `e` of `pack` is.
+    pub fn of(pack: Digest, e: &format::BlobEntry) -> Location {
+        Location { pack, kind: e.kind, offset: e.offset, stored_len: e.stored_len, plain_len: e.plain_len }
+    }
+}
+
 /// The union of the index objects: every location of every blob (FORMAT.md §6: any copy
 /// is good).
 ///
@@ -402,7 +409,7 @@ impl Repository {
 
     /// The plain bytes of an object named by the SHA-256 of its stored bytes
     /// (`PREFIX` + hex): at most `limit` bytes read, the name checked, then opened.
-    fn read_named(&self, object: &str, prefix: &str, limit: u64, aad: &[u8]) -> Result<Vec<u8>> {
+    pub(crate) fn read_named(&self, object: &str, prefix: &str, limit: u64, aad: &[u8]) -> Result<Vec<u8>> {
         let id = object.strip_prefix(prefix).unwrap_or(object);
         let want = format::parse_digest(id)
             .ok_or_else(|| Error::damaged(object, "its name is not a SHA-256 in hex (not written by ferry)"))?;
@@ -513,7 +520,7 @@ impl Repository {
         if let Some((_, e)) = bad.pop() {
             return Err(e);
         }
-        Ok(build_index(good))
+        Ok(crate::damage::prefer_good(good, &self.damage()?))
     }
 
     /// Every index object that reads well; those that do not are skipped with a warning
@@ -522,9 +529,9 @@ impl Repository {
     pub(crate) fn load_index_lenient(&self) -> Result<Index> {
         let (good, bad) = self.index_objects()?;
         for (name, e) in bad {
-            log::warn!("skipping {name}: {e}");
+            log::warn!("skipping {name}: {e}; `ferry repo repair` rebuilds the index from the packs");
         }
-        Ok(build_index(good))
+        Ok(crate::damage::prefer_good(good, &self.damage()?))
     }
 
     /// The stored bytes of a blob, decoded and checked against its id: the plain bytes,
@@ -655,16 +662,7 @@ pub(crate) fn build_index(objects: Vec<IndexObject>) -> Index {
     for (name, packs) in objects {
         for p in packs {
             for b in p.blobs {
-                index.add(
-                    b.id,
-                    Location {
-                        pack: p.pack,
-                        kind: b.kind,
-                        offset: b.offset,
-                        stored_len: b.stored_len,
-                        plain_len: b.plain_len,
-                    },
-                );
+                index.add(b.id, Location::of(p.pack, &b));
             }
         }
         index.objects.push(name);

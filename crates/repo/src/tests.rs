@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 mod clock;
 mod heal;
 mod keys;
+mod recover;
 mod resume;
 
 const K: usize = 1024;

@@ -281,6 +281,8 @@ impl SnapshotWriter {
             }
             None => (crate::repo::entry_list(chunks, &format!("the backup of {}", opts.name))?, 0),
         };
+        let mut index = index;
+        Self::exclude_damaged(&repo, &mut index)?;
         if let Some(more) = chunks.checked_sub(entries.len() as u64) {
             if entries.try_reserve_exact(more as usize).is_err() {
                 return Err(Error::Invalid(format!(
@@ -293,12 +295,17 @@ impl SnapshotWriter {
         let n_pages = chunks.div_ceil(pe) as usize;
         // The base's pages stand where nothing changes, unless the extent of the pages
         // differs: then every page is made again.
-        let (pages, dirty) = match &opts.base {
+        let (pages, mut dirty) = match &opts.base {
             Some(b) if base_chunks == chunks && b.manifest.pages.len() == n_pages => {
                 (b.manifest.pages.clone(), vec![false; n_pages])
             }
             _ => (vec![String::new(); n_pages], vec![true; n_pages]),
         };
+        // A base page with no copy left in the index (its only copy recorded damaged) is
+        // made again from its entries, not named again.
+        for (p, d) in pages.iter().zip(dirty.iter_mut()).filter(|(p, d)| !**d && !p.is_empty()) {
+            *d = format::parse_digest(p).is_none_or(|digest| !index.contains(&repo.crypto.blob_id(&digest)));
+        }
         let state = State { entries, dirty, pages, done: vec![0; chunks.div_ceil(64) as usize] };
         Ok(Self::build(repo, opts, guard, index, state, base_chunks, Vec::new()))
     }
@@ -345,6 +352,8 @@ impl SnapshotWriter {
         };
         let index = Self::load_index(&repo)?;
         let entries = repo.entries(&index, &checkpoint.as_snapshot())?;
+        let mut index = index;
+        Self::exclude_damaged(&repo, &mut index)?;
         let base_chunks = opts.base.as_ref().map_or(0, |b| b.manifest.chunks());
         let n_pages = checkpoint.checkpoint.pages.len();
         let mut state = State {
@@ -416,6 +425,20 @@ impl SnapshotWriter {
         Ok(index)
     }
 
+    /// Drops the copies that `verify` recorded damaged from the index (once the base's
+    /// pages are read through it): their content is stored again where this backup reads
+    /// it, instead of being deduplicated against a copy that does not read back.
+    fn exclude_damaged(repo: &Repository, index: &mut Index) -> Result<()> {
+        let n = crate::damage::exclude_damaged(index, &repo.damage()?);
+        if n > 0 {
+            log::info!(
+                "{n} chunk(s) of {} are recorded damaged with no good copy: stored again where this backup reads them",
+                repo.store.describe()
+            );
+        }
+        Ok(())
+    }
+
     /// The checks of the options that `start` and `resume` share.
     fn check_opts(repo: &Repository, opts: &BackupOptions) -> Result<()> {
         if !format::valid_name(&opts.name) {
@@ -478,8 +501,8 @@ impl SnapshotWriter {
         if !lost.is_empty() {
             let n: u64 = lost.iter().map(|r| r[1]).sum();
             log::warn!(
-                "{n} chunk(s) of the previous snapshot of {} are lost (their packs are gone): this backup reads them \
-                 from the source again",
+                "{n} chunk(s) of the previous snapshot of {} are lost (their packs are gone, or `ferry repo verify` \
+                 recorded them damaged): this backup reads them from the source again",
                 opts.name
             );
         }
@@ -1026,7 +1049,7 @@ impl SnapshotWriter {
         if let Some(first) = unread.first() {
             return Err(Error::Invalid(format!(
                 "the snapshot of {} would use {} chunk(s) that are lost from the repository (their packs are \
-                 gone) and that this backup did not read (the first at byte {}): nothing was committed. Run a backup \
+                 gone, or their only copies are recorded damaged) and that this backup did not read (the first at byte {}): nothing was committed. Run a backup \
                  that reads the whole disk (without a change map)",
                 self.name,
                 unread.len(),

@@ -1,0 +1,309 @@
+//! Damage records (FORMAT.md §7b): the stored copies of blobs that `verify` found damaged,
+//! kept in the repository so that what reads and writes it afterwards knows them.
+//!
+//! The hooks elsewhere are small: the index ([`Repository::load_index`], check, gc) lists a
+//! recorded-damaged copy after every other copy of its blob ([`prefer_good`]), so that a
+//! good copy is read wherever one exists; a backup drops recorded-damaged copies from its
+//! index ([`exclude_damaged`]), so that it stores their content again where it reads it;
+//! `gc` never keeps a recorded-damaged copy when a good one exists, and drops the records
+//! of packs that are gone ([`prune_records`]).
+use crate::format::LockKind;
+use crate::format::{self, DamageRecord, DamagedPack, Digest};
+use crate::repo::{build_index, hostname, par_map, Failures, Index, IndexObject, Location, Repository, FETCH_THREADS};
+use crate::{lock, Error, Result};
+use std::collections::{HashMap, HashSet};
+
+/// The additional data of a damage record's AEAD.
+pub(crate) const AAD_DAMAGE: &[u8] = b"ferry damage";
+
+/// What is recorded of one pack: why, and the ids of its damaged blob copies (none when
+/// only the pack as a whole is wrong: its name or its trailer).
+#[derive(Debug, Clone, Default)]
+pub struct DamagedCopies {
+    pub why: String,
+    pub time: String,
+    pub blobs: HashSet<Digest>,
+}
+
+/// The union of every damage record in a repository.
+#[derive(Debug, Clone, Default)]
+pub struct DamageSet {
+    pub packs: HashMap<Digest, DamagedCopies>,
+    /// The record objects it was read from (`damage/ID`).
+    pub objects: Vec<String>,
+}
+
+impl DamageSet {
+    pub fn is_empty(&self) -> bool {
+        self.packs.is_empty()
+    }
+
+    /// Whether the copy of blob `id` in `pack` is recorded damaged.
+    pub fn is_damaged(&self, pack: &Digest, id: &Digest) -> bool {
+        self.packs.get(pack).is_some_and(|p| p.blobs.contains(id))
+    }
+
+    /// Whether `found` (a pack and the ids of its damaged copies) is recorded already.
+    pub fn covers(&self, pack: &Digest, found: &[Digest]) -> bool {
+        self.packs.get(pack).is_some_and(|p| found.iter().all(|b| p.blobs.contains(b)))
+    }
+
+    fn add(&mut self, r: &DamageRecord) {
+        for p in &r.packs {
+            let Some(pack) = format::parse_digest(&p.pack) else { continue };
+            let e = self.packs.entry(pack).or_insert_with(|| DamagedCopies {
+                why: p.why.clone(),
+                time: r.time.clone(),
+                blobs: HashSet::new(),
+            });
+            e.blobs.extend(p.blobs.iter().filter_map(|b| format::parse_digest(b)));
+        }
+    }
+
+    /// The record of the packs for which `keep` holds, as stored.
+    fn record_of(&self, keep: impl Fn(&Digest) -> bool) -> Vec<DamagedPack> {
+        let mut packs: Vec<(&Digest, &DamagedCopies)> = self.packs.iter().filter(|(p, _)| keep(p)).collect();
+        packs.sort_by_key(|(p, _)| **p);
+        packs
+            .into_iter()
+            .map(|(p, c)| {
+                let mut blobs: Vec<String> = c.blobs.iter().map(|b| format::hex(b)).collect();
+                blobs.sort();
+                DamagedPack { pack: format::hex(p), why: c.why.clone(), blobs }
+            })
+            .collect()
+    }
+}
+
+impl Repository {
+    /// Reads and checks one damage record (`damage/ID`).
+    fn read_damage_object(&self, object: &str) -> Result<DamageRecord> {
+        let json = self.read_named(object, "damage/", format::MAX_DAMAGE, AAD_DAMAGE)?;
+        DamageRecord::parse(&json).map_err(|e| Error::damaged(object, e.0))
+    }
+
+    /// Every damage record that reads well, merged, and those that do not with why.
+    pub(crate) fn damage_lenient(&self) -> Result<(DamageSet, Failures)> {
+        let names = self
+            .store
+            .list("damage/")
+            .map_err(|e| Error::store(format!("cannot list the damage records of {}", self.store.describe()), e))?;
+        let mut names: Vec<String> = names.into_iter().map(|(n, _)| n).collect();
+        names.sort();
+        let mut set = DamageSet::default();
+        let mut bad = Vec::new();
+        for (name, r) in names.iter().zip(par_map(&names, FETCH_THREADS, |n| self.read_damage_object(n))) {
+            match r {
+                Ok(r) => {
+                    set.add(&r);
+                    set.objects.push(name.clone());
+                }
+                Err(e @ Error::Store { .. }) => return Err(e),
+                Err(e) => bad.push((name.clone(), e)),
+            }
+        }
+        Ok((set, bad))
+    }
+
+    /// The damage records, for readers and backups: one that cannot be read is skipped
+    /// with a warning (what it recorded is then read, and deduplicated against, as
+    /// before it was found; `ferry repo repair` removes it, `ferry repo verify` finds the
+    /// damage again).
+    pub fn damage(&self) -> Result<DamageSet> {
+        let (set, bad) = self.damage_lenient()?;
+        for (name, e) in bad {
+            log::warn!("skipping {name}: {e}; run `ferry repo repair`, then `ferry repo verify`");
+        }
+        Ok(set)
+    }
+
+    /// Stores a new damage record of `packs`; its object name.
+    pub(crate) fn put_damage(&self, packs: Vec<DamagedPack>) -> Result<String> {
+        let record =
+            DamageRecord { version: format::VERSION, time: crate::repo::now_seconds(), host: hostname(), packs };
+        let sealed = self.crypto.seal(AAD_DAMAGE, &record.to_bytes());
+        if sealed.len() as u64 > format::MAX_DAMAGE {
+            return Err(Error::Invalid(format!(
+                "the damage record would be {} bytes, more than the {} one may have",
+                sealed.len(),
+                format::MAX_DAMAGE
+            )));
+        }
+        let name = format!("damage/{}", format::hex(&crate::repo::sha256(&sealed)));
+        self.store
+            .put(&name, &sealed)
+            .map_err(|e| Error::store(format!("cannot store {name} in {}", self.store.describe()), e))?;
+        Ok(name)
+    }
+}
+
+/// The pack a store name `data/HH/HEX` names.
+pub(crate) fn pack_id(name: &str) -> Option<Digest> {
+    format::parse_digest(name.rsplit('/').next()?)
+}
+
+/// The index of `objects`, every recorded-damaged copy listed after the blob's other
+/// copies: readers then use a good copy wherever there is one, and a damaged copy only
+/// as the last (its digest is checked when it is read). Only the blobs named by a record
+/// are touched, so a blob keeps its one location in the common case.
+pub(crate) fn prefer_good(objects: Vec<IndexObject>, damage: &DamageSet) -> Index {
+    let mut index = build_index(objects);
+    for id in damaged_ids(damage) {
+        let (bad, good): (Vec<Location>, Vec<Location>) =
+            index.locations(id).copied().partition(|l| damage.is_damaged(&l.pack, id));
+        if !bad.is_empty() && !good.is_empty() {
+            set_locations(&mut index, id, good.into_iter().chain(bad).collect());
+        }
+    }
+    index
+}
+
+/// The blobs some record names (each once).
+fn damaged_ids(damage: &DamageSet) -> HashSet<&Digest> {
+    damage.packs.values().flat_map(|c| c.blobs.iter()).collect()
+}
+
+/// Sets `id`'s locations to `locs`, the first first (none: `id` leaves the index).
+fn set_locations(index: &mut Index, id: &Digest, locs: Vec<Location>) {
+    let mut locs = locs.into_iter();
+    match locs.next() {
+        None => {
+            index.blobs.remove(id);
+            index.more.remove(id);
+        }
+        Some(first) => {
+            index.blobs.insert(*id, first);
+            let rest: Vec<Location> = locs.collect();
+            if rest.is_empty() {
+                index.more.remove(id);
+            } else {
+                index.more.insert(*id, rest);
+            }
+        }
+    }
+}
+
+/// Drops from a backup's index every copy recorded damaged (a blob keeps its good
+/// copies): the backup stores again, where it reads it, what has no good copy, instead
+/// of pointing at a damaged one. The number of blobs left with no copy.
+pub(crate) fn exclude_damaged(index: &mut Index, damage: &DamageSet) -> usize {
+    let mut gone = 0;
+    for id in damaged_ids(damage) {
+        let locs: Vec<Location> = index.locations(id).copied().collect();
+        if locs.is_empty() || !locs.iter().any(|l| damage.is_damaged(&l.pack, id)) {
+            continue;
+        }
+        let good: Vec<Location> = locs.into_iter().filter(|l| !damage.is_damaged(&l.pack, id)).collect();
+        gone += usize::from(good.is_empty());
+        set_locations(index, id, good);
+    }
+    gone
+}
+
+/// After a gc: the records of packs that are gone are dropped (a new record of the rest
+/// is stored before the old ones are removed). `present`: the packs still in the store.
+/// The number of record objects removed.
+pub(crate) fn prune_records(repo: &Repository, damage: &DamageSet, present: &HashSet<Digest>) -> Result<usize> {
+    if damage.objects.is_empty() || (damage.objects.len() == 1 && damage.packs.keys().all(|p| present.contains(p))) {
+        return Ok(0);
+    }
+    let mut rest = damage.clone();
+    rest.packs.retain(|p, _| present.contains(p));
+    store_set(repo, &rest)
+}
+
+/// Stores `set` as one record (none when it is empty), then removes the records it was
+/// read from; the number removed.
+fn store_set(repo: &Repository, set: &DamageSet) -> Result<usize> {
+    let rest = set.record_of(|_| true);
+    let new = if rest.is_empty() { None } else { Some(repo.put_damage(rest)?) };
+    let mut removed = 0;
+    for name in set.objects.iter().filter(|n| Some(*n) != new.as_ref()) {
+        match repo.store.delete(name) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(Error::store(format!("cannot remove {name} from {}", repo.store.describe()), e))
+            }
+            _ => removed += 1,
+        }
+    }
+    Ok(removed)
+}
+
+/// What `verify` found in packs that are recorded damaged, where it differs from their
+/// record: a pack's entry replaced by what was found, or dropped (`None`) where the pack
+/// now reads back whole (it was mended, or a read gave wrong bytes once). Holds the
+/// `forget` lock meanwhile, so that no gc rewrites the records at the same time (backups
+/// and readers go on).
+pub(crate) fn correct_records(repo: &Repository, found: &HashMap<Digest, Option<DamagedCopies>>) -> Result<()> {
+    let _lock = lock::acquire(&repo.store, LockKind::Forget, None, None)?;
+    let (mut set, _) = repo.damage_lenient()?;
+    for (pack, now) in found {
+        match now {
+            None => set.packs.remove(pack),
+            Some(c) => set.packs.insert(*pack, c.clone()),
+        };
+    }
+    store_set(repo, &set).map(|_| ())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::{BlobEntry, BlobKind, PackBlobs};
+
+    fn entry(id: u8, offset: u32) -> BlobEntry {
+        BlobEntry { id: [id; 32], kind: BlobKind::Data, offset, stored_len: 10, plain_len: 9 }
+    }
+
+    fn record(pack: u8, blobs: &[u8]) -> DamageRecord {
+        DamageRecord {
+            version: format::VERSION,
+            time: "2026-11-28T09:00:00Z".into(),
+            host: "h".into(),
+            packs: vec![DamagedPack {
+                pack: format::hex(&[pack; 32]),
+                why: "flipped".into(),
+                blobs: blobs.iter().map(|b| format::hex(&[*b; 32])).collect(),
+            }],
+        }
+    }
+
+    /// Blob 1 is in damaged pack A (listed first) and in good pack B; blob 2 only in A,
+    /// damaged; blob 3 only in A, not damaged.
+    #[test]
+    fn good_copies_first_and_damaged_ones_out_of_dedup() {
+        let (a, b) = ([0xaa; 32], [0xbb; 32]);
+        let objects = || {
+            vec![
+                (
+                    "index/1".to_string(),
+                    vec![PackBlobs { pack: a, blobs: vec![entry(1, 0), entry(2, 10), entry(3, 20)] }],
+                ),
+                ("index/2".to_string(), vec![PackBlobs { pack: b, blobs: vec![entry(1, 0)] }]),
+            ]
+        };
+        let mut set = DamageSet::default();
+        set.add(&record(0xaa, &[1, 2]));
+        assert!(set.is_damaged(&a, &[1; 32]) && !set.is_damaged(&b, &[1; 32]) && !set.is_damaged(&a, &[3; 32]));
+        assert!(set.covers(&a, &[[2; 32]]) && !set.covers(&a, &[[3; 32]]) && !set.covers(&b, &[]));
+        // Without records the first copy is read; with them, the good one.
+        assert_eq!(build_index(objects()).blobs[&[1; 32]].pack, a);
+        let mut index = prefer_good(objects(), &set);
+        assert_eq!(index.blobs[&[1; 32]].pack, b);
+        let packs = |index: &Index, id: u8| index.locations(&[id; 32]).map(|l| l.pack).collect::<Vec<_>>();
+        assert_eq!(packs(&index, 1), vec![b, a], "the damaged copy is kept, after the good one");
+        assert_eq!(index.blobs[&[2; 32]].pack, a, "the damaged copy stays as the last resort");
+        assert!(index.more.len() == 1 && !index.more.contains_key(&[3; 32]), "one location for the others");
+        assert_eq!(index.objects.len(), 2);
+        assert_eq!(exclude_damaged(&mut index, &set), 1);
+        assert!(!index.blobs.contains_key(&[2; 32]));
+        assert_eq!(index.blobs[&[3; 32]].pack, a);
+        assert_eq!(packs(&index, 1), vec![b], "a backup never deduplicates against the damaged copy");
+        assert!(index.more.is_empty());
+        // A record kept for the packs that stay, sorted.
+        let rest = set.record_of(|p| *p == a);
+        assert_eq!(rest.len(), 1);
+        assert_eq!(rest[0].blobs, vec![format::hex(&[1; 32]), format::hex(&[2; 32])]);
+        assert!(set.record_of(|p| *p == b).is_empty());
+    }
+}
