@@ -66,7 +66,7 @@ fn list_first(store: &MemStore, repo: &Repository, pack: &str, other: &str, keep
         (0..rounds).flat_map(|_| others.iter()).flat_map(|o| (0..n).flat_map(move |i| (i..n).map(move |j| (o, i, j))));
     for (extra, i, j) in parts {
         let blobs = listed.blobs.iter().enumerate().filter(|(k, b)| (*k != i && *k != j) || b.id == *keep);
-        let part = PackBlobs { pack: listed.pack, blobs: blobs.map(|(_, b)| b.clone()).collect() };
+        let part = PackBlobs { pack: listed.pack, blobs: blobs.map(|(_, b)| *b).collect() };
         let all: Vec<PackBlobs> = std::iter::once(part).chain(extra.iter().cloned()).collect();
         let (names, _) = repo.put_index(&all).unwrap();
         if names[0].as_str() < other {
