@@ -557,14 +557,16 @@ fn start_or_resume(
     // snapshot and was stopped before removing it) holds nothing to resume: discarded,
     // with a notice, by the plain backup below once it holds the disk's lock.
     let found = match found {
-        Ok(Some(ck)) => match repo.snapshots().ok().and_then(|all| ck.superseded_by(&all).map(|s| s.id.clone())) {
-            Some(by) => {
-                let plain = SnapshotWriter::start(repo.clone(), opts)
-                    .with_context(|| format!("cannot back up into {target}"))?;
-                return discard_superseded(repo, plain, &ck, &by, resume, name, target);
+        Ok(Some(ck)) => {
+            match repo.snapshots_lenient().ok().and_then(|(all, _)| ck.superseded_by(&all).map(|s| s.id.clone())) {
+                Some(by) => {
+                    let plain = SnapshotWriter::start(repo.clone(), opts)
+                        .with_context(|| format!("cannot back up into {target}"))?;
+                    return discard_superseded(repo, plain, &ck, &by, resume, name, target);
+                }
+                None => Ok(Some(ck)),
             }
-            None => Ok(Some(ck)),
-        },
+        }
         other => other,
     };
     if resume {

@@ -110,12 +110,13 @@ struct InitArgs {
     /// Memory the key derivation takes (Argon2id's m), with --encrypt.
     #[arg(long, default_value = "64M", value_name = "BYTES")]
     kdf_memory: String,
-    /// The repository format version: 2, or 1 for a repository that ferry versions
-    /// reading version 1 only can use too (it seals every encrypted object under one key,
-    /// safe for about 256 TiB ever written: FORMAT.md §4a).
-    #[arg(long, default_value_t = ferry_repo::format::CONFIG_VERSION, value_name = "N",
-          value_parser = clap::value_parser!(u32).range(1..=2))]
-    format_version: u32,
+    /// The repository format version: 2 (the default with --encrypt: a key per object),
+    /// or 1, which ferry versions reading version 1 only can use too (it seals every
+    /// encrypted object under one key, safe for about 256 TiB ever written: FORMAT.md
+    /// §4a). An unencrypted repository is version 1 unless asked: the versions differ only
+    /// in how objects are sealed.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=2))]
+    format_version: Option<u32>,
 }
 
 #[derive(Args, Debug)]
@@ -324,7 +325,7 @@ fn init(a: InitArgs) -> Result<i32> {
         chunk_size: chunk as u32,
         encrypt,
         kdf_limit,
-        version: a.format_version,
+        version: a.format_version.unwrap_or(if encrypted { ferry_repo::format::CONFIG_VERSION } else { 1 }),
         ..InitOptions::default()
     };
     let (store, location) = ferry_open::repo::repo_store_at(&c.repo, &c.remote.remote(), true)?;

@@ -176,7 +176,17 @@ fn each_format_version_is_read_and_written_in_its_own_version() {
         let info = run_ok(&mut with_pw("pw2", &["info", &target])).stdout;
         assert!(info.contains(&format!("(encrypted, format version {version},")), "{info}");
     }
+    // Unencrypted, the versions differ in nothing: version 1 unless asked, so that a
+    // ferry reading version 1 only can restore from it.
     let t = tempfile::tempdir().unwrap();
+    for (extra, version) in [(&[][..], 1), (&["--format-version", "2"][..], 2)] {
+        let r = t.path().join(format!("plain{version}"));
+        let mut args = vec!["repo", "init"];
+        args.extend_from_slice(extra);
+        args.push(s(&r));
+        run_ok(&mut ferry_cmd(&args));
+        assert_eq!(config_version(&r), version);
+    }
     let out = run_fails(&mut ferry_cmd(&["repo", "init", "--format-version", "3", s(&t.path().join("r"))]));
     assert!(out.stderr.contains("--format-version"), "{}", out.describe());
 }
