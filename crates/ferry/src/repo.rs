@@ -559,7 +559,7 @@ fn print_problem(p: &Problem) {
         if p.object.starts_with("snapshots/") {
             println!("  the snapshot it holds cannot be restored; other commands skip it with a warning");
         } else {
-            println!("  no snapshot reads it");
+            println!("  no snapshot is affected: none uses what it holds, or each reads another, good copy of it");
         }
         return;
     }

@@ -27,8 +27,8 @@ enum KeyCommand {
     /// Change the passphrase of the key the passphrase given opens (the master key stays:
     /// see docs/repo.md for what that does not protect).
     Passwd(KeyNewArgs),
-    /// Remove a key by its id (`ferry repo key list`). The last key is never removed; the
-    /// one the passphrase given opened only with --in-use.
+    /// Remove a key by its id (`ferry repo key list`), giving another key's passphrase: the
+    /// one the passphrase given opened (the only key known to open) is never removed.
     Remove(KeyRemoveArgs),
 }
 
@@ -78,10 +78,6 @@ struct KeyRemoveArgs {
     common: KeyCommon,
     /// The key's id, as `ferry repo key list` shows it (`config` for the config's key).
     id: String,
-    /// Remove the key even if it is the one the passphrase given opened (that passphrase
-    /// then no longer opens the repository).
-    #[arg(long)]
-    in_use: bool,
 }
 
 pub fn run(args: KeyArgs) -> Result<i32> {
@@ -91,8 +87,7 @@ pub fn run(args: KeyArgs) -> Result<i32> {
         KeyCommand::Passwd(a) => change(a, true),
         KeyCommand::Remove(a) => {
             let repo = a.common.open()?;
-            let done =
-                repo.remove_key(&a.id, a.in_use).with_context(|| format!("removing a key of {}", a.common.repo))?;
+            let done = repo.remove_key(&a.id).with_context(|| format!("removing a key of {}", a.common.repo))?;
             println!("{}: {done}", a.common.repo);
             Ok(0)
         }

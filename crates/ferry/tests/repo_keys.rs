@@ -137,14 +137,15 @@ fn passphrases_are_added_changed_listed_and_removed() {
     assert!(opens(&repo, "third pw") && opens(&repo, "first pw"));
     assert_eq!(config_version(&repo), 2);
 
-    // Remove: the key in use only when asked; the last never.
+    // Remove: never the key in use (the only one known to open), so with another key's
+    // passphrase; the last never.
     let out = run_fails(&mut with_pw("first pw", &["repo", "key", "remove", s(&repo), "config"]));
-    assert!(out.stderr.contains("--in-use"), "{}", out.describe());
+    assert!(out.stderr.contains("another key's passphrase"), "{}", out.describe());
     assert!(opens(&repo, "first pw"));
-    run_ok(&mut with_pw("first pw", &["repo", "key", "remove", s(&repo), "config", "--in-use"]));
+    run_ok(&mut with_pw("third pw", &["repo", "key", "remove", s(&repo), "config"]));
     assert!(!opens(&repo, "first pw"));
     assert!(opens(&repo, "third pw"));
-    let out = run_fails(&mut with_pw("third pw", &["repo", "key", "remove", s(&repo), "config", "--in-use"]));
+    let out = run_fails(&mut with_pw("third pw", &["repo", "key", "remove", s(&repo), "config"]));
     assert!(out.stderr.contains("only key"), "{}", out.describe());
     restores(&repo, "third pw", &data, &t.path().join("out.raw"));
 
@@ -153,6 +154,28 @@ fn passphrases_are_added_changed_listed_and_removed() {
     run_ok(&mut ferry_cmd(&["repo", "init", s(&plain)]));
     let out = run_fails(&mut ferry_cmd(&["repo", "key", "list", s(&plain)]));
     assert!(out.stderr.contains("not encrypted"), "{}", out.describe());
+}
+
+/// A key object planted from another repository (it reads as a key) never takes the
+/// config's place: the config's key is removed only with another key's passphrase, and the
+/// repository keeps opening.
+#[test]
+fn a_planted_key_object_never_replaces_the_configs_key() {
+    let t = tempfile::tempdir().unwrap();
+    let repo = encrypted_repo(t.path(), "mine", &[]);
+    let other = t.path().join("other");
+    fs::create_dir(&other).unwrap();
+    let theirs = encrypted_repo(&other, "x", &[]);
+    let mut c = with_pw("x", &["repo", "key", "add", s(&theirs), "--kdf-memory", "8M"]);
+    run_ok(c.env("FERRY_NEW_PASSWORD", "y"));
+    let planted = fs::read_dir(theirs.join("keys")).unwrap().next().unwrap().unwrap().path();
+    fs::create_dir_all(repo.join("keys")).unwrap();
+    fs::copy(planted, repo.join("keys/0000000000000000")).unwrap();
+    let out = run_fails(&mut with_pw("mine", &["repo", "key", "remove", s(&repo), "config"]));
+    assert!(out.stderr.contains("another key's passphrase"), "{}", out.describe());
+    assert!(opens(&repo, "mine"));
+    run_ok(&mut with_pw("mine", &["repo", "key", "remove", s(&repo), "0000000000000000"]));
+    assert!(opens(&repo, "mine"));
 }
 
 #[test]

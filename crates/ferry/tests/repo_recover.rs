@@ -166,6 +166,31 @@ fn damaged_chunk_heals(f: Ferry) {
     f.assert_restores(&repo, "a", &s2, &a);
 }
 
+/// Two present copies of every chunk (a lost pack came back after a backup stored its
+/// chunks again), bit rot in the pack gc meets first, nothing recorded: gc checks the copy
+/// it keeps, so it frees the damaged one, never the only good one; both snapshots restore.
+#[test]
+fn gc_never_frees_the_good_copy_for_a_damaged_one() {
+    let f = Ferry { encrypted: true };
+    let dir = tmp("ferry-recover-copies");
+    let repo = f.init(dir.path());
+    let a = disk(dir.path(), "a.raw", 2, 5);
+    let (s1, _) = f.backup(&a, &repo, "a");
+    let packs = objects(&repo, "data");
+    assert_eq!(packs.len(), 1);
+    let saved = dir.path().join("saved");
+    fs::rename(&packs[0], &saved).unwrap();
+    let (s2, _) = f.backup(&a, &repo, "a");
+    fs::rename(&saved, &packs[0]).unwrap();
+    let both = objects(&repo, "data");
+    assert_eq!(both.len(), 2, "{both:?}");
+    flip(&both[0], 100); // inside the first blob of the lower-named pack
+    f.ok(&["repo", "gc", &repo]);
+    f.assert_restores(&repo, "a", &s1, &a);
+    f.assert_restores(&repo, "a", &s2, &a);
+    f.assert_clean(&repo);
+}
+
 /// A damaged pack trailer (its blobs read well): verify records the pack, and gc writes
 /// it again from its blobs, each checked; then nothing is damaged and the record is gone.
 #[test]

@@ -215,6 +215,11 @@ pub(crate) fn prune_records(repo: &Repository, damage: &DamageSet, present: &Has
 /// Stores `set` as one record (none when it is empty), then removes the records it was
 /// read from; the number removed.
 fn store_set(repo: &Repository, set: &DamageSet) -> Result<usize> {
+    store_set_named(repo, set).map(|(removed, _)| removed)
+}
+
+/// [`store_set`], with the name of the record stored.
+fn store_set_named(repo: &Repository, set: &DamageSet) -> Result<(usize, Option<String>)> {
     let rest = set.record_of(|_| true);
     let new = if rest.is_empty() { None } else { Some(repo.put_damage(rest)?) };
     let mut removed = 0;
@@ -226,7 +231,22 @@ fn store_set(repo: &Repository, set: &DamageSet) -> Result<usize> {
             _ => removed += 1,
         }
     }
-    Ok(removed)
+    Ok((removed, new))
+}
+
+/// Adds copies found damaged (pack, blob id, why) to `set` and stores it (by a caller
+/// that holds the gc lock, so that no other writer rewrites the records meanwhile);
+/// `set` then names the one record stored.
+pub(crate) fn record_found(repo: &Repository, set: &mut DamageSet, found: Vec<(Digest, Digest, String)>) -> Result<()> {
+    let time = crate::repo::now_seconds();
+    for (pack, id, why) in found {
+        let e =
+            set.packs.entry(pack).or_insert_with(|| DamagedCopies { why, time: time.clone(), blobs: HashSet::new() });
+        e.blobs.insert(id);
+    }
+    let (_, new) = store_set_named(repo, set)?;
+    set.objects = new.into_iter().collect();
+    Ok(())
 }
 
 /// What `verify` found in packs that are recorded damaged, where it differs from their

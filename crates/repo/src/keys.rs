@@ -271,10 +271,13 @@ impl Repository {
         Ok(id)
     }
 
-    /// Removes a key. The last one is never removed; the one the given passphrase opened
-    /// only with `in_use_too`. Removing the config's key moves a key object's copy into
-    /// the config (one atomic write), then removes that object. Returns what was done.
-    pub fn remove_key(&self, id: &str, in_use_too: bool) -> Result<String> {
+    /// Removes a key. Only the key the given passphrase opened is known to hold this
+    /// repository's master key (a key object that merely parses may wrap another
+    /// repository's key, or have rotted), so that key is never removed: the command is run
+    /// with another key's passphrase, which shows that key opens. Removing the config's key
+    /// moves the key the passphrase opened into the config (one atomic write), then
+    /// removes that object. Returns what was done.
+    pub fn remove_key(&self, id: &str) -> Result<String> {
         let keys = self.keys()?;
         let describe = self.store.describe();
         let Some(key) = keys.iter().find(|k| k.id == id) else {
@@ -283,17 +286,17 @@ impl Repository {
                 keys.iter().map(|k| k.id.as_str()).collect::<Vec<_>>().join(", ")
             )));
         };
-        let usable = keys.iter().filter(|k| k.damaged.is_none()).count();
-        if keys.len() == 1 || (key.damaged.is_none() && usable == 1) {
+        if keys.len() == 1 {
             return Err(Error::Invalid(format!(
-                "key {id} is the only key of {describe} that opens: without it no passphrase would open the \
-                 repository (add another first with `ferry repo key add`)"
+                "key {id} is the only key of {describe}: without it no passphrase would open the repository (add \
+                 another with `ferry repo key add`, then remove this one with the new passphrase)"
             )));
         }
-        if key.in_use && !in_use_too {
+        if key.in_use {
             return Err(Error::Invalid(format!(
-                "key {id} is the one the passphrase given opened: after removing it that passphrase no longer opens \
-                 {describe}; give --in-use to remove it anyway, or give another key's passphrase"
+                "key {id} is the one the passphrase given opened, the only key of {describe} known to open it (a key \
+                 object that merely reads may wrap another repository's key, or have rotted: only its passphrase shows \
+                 that it opens): to remove this key, run the command with another key's passphrase"
             )));
         }
         if id != CONFIG_KEY {
@@ -301,11 +304,10 @@ impl Repository {
             self.store.delete(&name).map_err(|e| Error::store(format!("cannot remove {name}"), e))?;
             return Ok(format!("removed key {id}"));
         }
-        // The config always holds a key: another key's copy moves into it, the one the
-        // passphrase given opened where that is one (known to hold this master key).
-        let mut others = keys.iter().filter(|k| k.id != CONFIG_KEY && k.damaged.is_none());
-        let Some(next) = keys.iter().find(|k| k.in_use && k.id != CONFIG_KEY).or_else(|| others.next()) else {
-            return Err(Error::Invalid(format!("no other key of {describe} can take the config's place")));
+        // The config always holds a key: the one the passphrase given opened (known to hold
+        // this master key) moves into it.
+        let Some(next) = keys.iter().find(|k| k.in_use && k.id != CONFIG_KEY) else {
+            return Err(Error::Invalid(format!("no key of {describe} known to open it can take the config's place")));
         };
         let name = object_name(&next.id);
         let k = read_key_object(&*self.store, &name)?;

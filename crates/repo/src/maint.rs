@@ -949,7 +949,7 @@ pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_perc
     }
     // Which copies are damaged: without the records, gc could keep a damaged copy and
     // free the good one.
-    let (damage, bad) = repo.damage_lenient()?;
+    let (mut damage, bad) = repo.damage_lenient()?;
     if let Some((name, e)) = bad.into_iter().next() {
         return Err(stop(format!(
             "{e}; `ferry repo repair` removes {name}, then `ferry repo verify` finds the damage again"
@@ -980,13 +980,14 @@ pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_perc
             }
         }
     }
-    // A good copy before a recorded-damaged one (FORMAT.md §7b).
-    let mut chosen: HashMap<Digest, Digest> = HashMap::new();
+    // Each blob's copies in packs that are there: good ones before recorded-damaged ones
+    // (FORMAT.md §7b), else in pack order.
+    let mut copies: HashMap<Digest, Vec<(Digest, BlobEntry)>> = HashMap::new();
     for damaged in [false, true] {
         for (pack, blobs) in &packs {
             if listed.contains_key(&pack_name(pack)) {
                 for b in blobs.iter().filter(|b| damage.is_damaged(pack, &b.id) == damaged) {
-                    chosen.entry(b.id).or_insert(*pack);
+                    copies.entry(b.id).or_default().push((*pack, *b));
                 }
             }
         }
@@ -1015,13 +1016,18 @@ pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_perc
             }
         }
     }
-    if let Some(id) = live.iter().find(|id| !chosen.contains_key(*id)) {
+    if let Some(id) = live.iter().find(|id| !copies.contains_key(*id)) {
         return Err(stop(format!(
             "blob {} that a snapshot uses is in no indexed pack of the store (where an index object was lost, \
              `ferry repo repair` indexes its packs again)",
             format::hex(id)
         )));
     }
+    // The copies kept of each live blob, the others being dead.
+    let kept = kept_copies(repo, &live, &copies, &mut damage).map_err(|e| match e {
+        e @ Error::Store { .. } => e,
+        e => stop(e.to_string()),
+    })?;
     // 3. Classify packs; copy the live blobs of partly dead ones.
     let mut keep: Vec<PackBlobs> = Vec::new();
     let mut delete: Vec<String> = Vec::new();
@@ -1031,7 +1037,7 @@ pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_perc
         if !listed.contains_key(&name) {
             continue; // missing: nothing to keep or delete
         }
-        let is_live = |b: &BlobEntry| live.contains(&b.id) && chosen.get(&b.id) == Some(pack);
+        let is_live = |b: &BlobEntry| kept.get(&b.id).is_some_and(|k| k.contains(pack));
         let n_live = blobs.iter().filter(|b| is_live(b)).count();
         let dead: Vec<&BlobEntry> = blobs.iter().filter(|b| !is_live(b)).collect();
         let dead_bytes: u64 = dead.iter().map(|b| b.stored_len as u64).sum();
@@ -1134,6 +1140,54 @@ pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_perc
     report.bytes_after = after_data + after_index;
     report.bytes_freed = report.bytes_before.saturating_sub(report.bytes_after);
     Ok(report)
+}
+
+/// The copies gc keeps of each live blob (`copies`: its copies in packs that are there,
+/// good ones first). A blob with one copy keeps it. A blob with several keeps the first
+/// that reads back and checks (decoded, its digest its id): no copy is dropped on the
+/// strength of another that was not read. Copies that fail the check are recorded damaged
+/// in `damage` (and stored, as `verify` records them); where none passes, every copy stays.
+fn kept_copies(
+    repo: &Repository,
+    live: &HashSet<Digest>,
+    copies: &HashMap<Digest, Vec<(Digest, BlobEntry)>>,
+    damage: &mut DamageSet,
+) -> Result<HashMap<Digest, Vec<Digest>>> {
+    let mut kept = HashMap::new();
+    let mut found: Vec<(Digest, Digest, String)> = Vec::new();
+    for id in live {
+        let Some(cs) = copies.get(id) else { continue };
+        if cs.len() == 1 {
+            kept.insert(*id, vec![cs[0].0]);
+            continue;
+        }
+        let mut good = None;
+        for (pack, b) in cs {
+            let name = pack_name(pack);
+            let loc = crate::BlobLocation::of(*pack, b);
+            let stored = repo
+                .store
+                .get_range(&name, b.offset as u64, b.stored_len as u64)
+                .map_err(|e| Error::store(format!("cannot read {name} from {}", repo.store.describe()), e))?;
+            match repo.decode_blob(id, &loc, b.kind, &stored) {
+                Ok(_) => {
+                    good = Some(*pack);
+                    break;
+                }
+                Err(why) => {
+                    log::warn!("{name}: {why}: this copy is not kept where another reads back well");
+                    if !damage.is_damaged(pack, id) {
+                        found.push((*pack, *id, why));
+                    }
+                }
+            }
+        }
+        kept.insert(*id, good.map_or_else(|| cs.iter().map(|(p, _)| *p).collect(), |p| vec![p]));
+    }
+    if !found.is_empty() {
+        crate::damage::record_found(repo, damage, found)?;
+    }
+    Ok(kept)
 }
 
 /// The object a snapshot (or a checkpoint read as one) is.

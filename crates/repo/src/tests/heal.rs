@@ -300,6 +300,40 @@ fn an_index_built_from_objects_lists_each_copy_once() {
     assert!(index.more.is_empty(), "the same copy in two index objects is one copy");
 }
 
+/// Two present copies of a chunk (a lost pack came back after a backup stored its chunks
+/// again), the one gc meets first damaged: gc checks the copy it keeps, keeps the good one,
+/// and both snapshots still read; with or without verify having run first.
+#[test]
+fn gc_keeps_the_good_copy_of_a_chunk_not_the_first() {
+    for verify_first in [false, true] {
+        let (store, repo) = new_repo(true);
+        let data = disk(3 << 20, 39);
+        let first = backup(&repo, "d", &data, None);
+        let (pack, _) = where_is(&repo, &first, 7);
+        let saved = store.get(&pack, 1 << 30).unwrap();
+        store.delete(&pack).unwrap();
+        let second = backup_in_small_packs(&repo, &data, &first);
+        store.put(&pack, &saved).unwrap();
+        // Bit rot in the copy in the lower-named pack: the one gc took without reading it.
+        let id = chunk_id(&repo, &first, 7);
+        let index = repo.load_index().unwrap();
+        let locs: Vec<Location> = index.locations(&id).copied().collect();
+        assert_eq!(locs.len(), 2, "{locs:?}");
+        let low = locs.iter().min_by_key(|l| l.pack).unwrap();
+        store.tamper(&pack_name(&low.pack), |v| v[low.offset as usize + low.stored_len as usize / 2] ^= 1);
+        assert!(read_back(&repo, &first) == data && read_back(&repo, &second) == data);
+        if verify_first {
+            let v = maint::verify(&repo, &maint::VerifyOptions { read_data_percent: 100, threads: 2 }).unwrap();
+            assert!(v.problems.iter().all(|p| p.hits.is_empty()), "{:?}", v.problems);
+        }
+        maint::gc(&repo, None).unwrap();
+        assert!(read_back(&repo, &first) == data, "the good copy was freed (verify first: {verify_first})");
+        assert!(read_back(&repo, &second) == data);
+        let v = maint::verify(&repo, &maint::VerifyOptions { read_data_percent: 100, threads: 2 }).unwrap();
+        assert!(v.problems.is_empty(), "{:?}", v.problems);
+    }
+}
+
 #[test]
 fn a_damaged_first_copy_is_passed_over_for_a_good_one() {
     let (store, repo) = new_repo(true);

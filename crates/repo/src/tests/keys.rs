@@ -73,29 +73,27 @@ fn passphrases_are_added_changed_and_removed_without_touching_the_data() {
     let config_after = Config::parse(&mem.get("config", u64::MAX).unwrap()).unwrap();
     assert_eq!(Config { encryption: None, ..config_after.clone() }, Config { encryption: None, ..config_before });
 
-    // Remove: never the one in use unless asked, never the last.
+    // Remove: never the one in use (the only one known to open), never the last.
     let r4 = open(store.clone(), "fourth").unwrap();
-    let e = r4.remove_key(CONFIG_KEY, false).unwrap_err();
-    assert!(e.to_string().contains("--in-use"), "{e}");
-    assert!(matches!(r4.remove_key("0123456789abcdef", true), Err(Error::NotFound(_))));
+    let e = r4.remove_key(CONFIG_KEY).unwrap_err();
+    assert!(e.to_string().contains("another key's passphrase"), "{e}");
+    assert!(matches!(r4.remove_key("0123456789abcdef"), Err(Error::NotFound(_))));
     // Removing the config's key moves the key the passphrase given opened into the config
     // (known to hold this master key), whichever key objects there are.
     let fifth = r4.add_key(b"fifth", CHEAP, KdfLimit::Default).unwrap();
     let by_third = open(store.clone(), "third").unwrap();
-    let done = by_third.remove_key(CONFIG_KEY, false).unwrap();
+    let done = by_third.remove_key(CONFIG_KEY).unwrap();
     assert!(done.contains(&third), "{done}");
     assert_eq!(opens(&store, "fourth"), None);
     assert_eq!(opens(&store, "third").as_deref(), Some(CONFIG_KEY));
     assert_eq!(opens(&store, "fifth"), Some(fifth.clone()));
     let by_third = open(store.clone(), "third").unwrap();
-    by_third.remove_key(&fifth, false).unwrap();
+    by_third.remove_key(&fifth).unwrap();
     assert_eq!(opens(&store, "fifth"), None);
     assert!(objects(&mem, "keys/").is_empty());
     let r3 = Arc::new(open(store.clone(), "third").unwrap());
-    for in_use in [false, true] {
-        let e = r3.remove_key(CONFIG_KEY, in_use).unwrap_err();
-        assert!(e.to_string().contains("only key"), "{e}");
-    }
+    let e = r3.remove_key(CONFIG_KEY).unwrap_err();
+    assert!(e.to_string().contains("only key"), "{e}");
     // The same master key throughout: every other object is as it was, and reads.
     assert_eq!(data_objects(&mem), before);
     assert!(read_back(&r3, &r3.resolve("d", None).unwrap()) == data);
@@ -134,12 +132,43 @@ fn a_key_change_stopped_at_any_step_leaves_the_old_passphrase_working() {
     assert!(opens(&store, "changed").is_some());
     // Removing the config's key stopped after the config took a key object's copy: that
     // passphrase opens twice over; the removed one no longer does.
-    let r = open(store.clone(), "secret words").unwrap();
-    assert!(r.remove_key(CONFIG_KEY, true).is_err());
+    let r = open(store.clone(), "object").unwrap();
+    assert!(r.remove_key(CONFIG_KEY).is_err());
     assert_eq!(opens(&store, "secret words"), None);
     let (a, b) = (opens(&store, "object").unwrap(), opens(&store, "changed").unwrap());
     assert!((a == CONFIG_KEY) != (b == CONFIG_KEY), "{a} {b}");
     assert_eq!(objects(&mem, "keys/").len(), 2);
+}
+
+/// A key object that reads but does not hold this repository's master key (planted from
+/// another repository, or rotted) never takes the config's place and does not count as a
+/// key that opens: only the key the passphrase given opened is known to.
+#[test]
+fn only_a_key_known_to_open_takes_the_configs_place() {
+    let (mem, repo) = new_repo(true);
+    let store: Arc<dyn Store> = mem.clone();
+    let (other_mem, other) = new_repo(true);
+    let theirs = other.add_key(b"theirs", CHEAP, KdfLimit::Default).unwrap();
+    let planted = other_mem.get(&format!("keys/{theirs}"), u64::MAX).unwrap();
+    // First in name order, as a store writer would place it.
+    mem.put("keys/0000000000000000", &planted).unwrap();
+    assert!(repo.keys().unwrap().iter().all(|k| k.damaged.is_none()), "it reads as a key");
+    // The config's key in use: not removed, whatever other key objects there are.
+    let e = repo.remove_key(CONFIG_KEY).unwrap_err();
+    assert!(e.to_string().contains("another key's passphrase"), "{e}");
+    assert_eq!(opens(&store, "secret words").as_deref(), Some(CONFIG_KEY));
+    // With a key the passphrase opened, that key (not the planted one) moves in.
+    let mine = repo.add_key(b"mine", CHEAP, KdfLimit::Default).unwrap();
+    let done = open(store.clone(), "mine").unwrap().remove_key(CONFIG_KEY).unwrap();
+    assert!(done.contains(&mine), "{done}");
+    assert_eq!(opens(&store, "secret words"), None);
+    assert_eq!(opens(&store, "mine").as_deref(), Some(CONFIG_KEY));
+    // The planted one is removed like any key not in use; the last one never.
+    let by_mine = open(store.clone(), "mine").unwrap();
+    by_mine.remove_key("0000000000000000").unwrap();
+    let e = by_mine.remove_key(CONFIG_KEY).unwrap_err();
+    assert!(e.to_string().contains("only key"), "{e}");
+    assert_eq!(opens(&store, "mine").as_deref(), Some(CONFIG_KEY));
 }
 
 #[test]
