@@ -253,6 +253,11 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
     let mut remote = args.remote.remote();
     remote.http.retries = args.retries;
     remote.http.retry_delay = args.retry_delay;
+    let map_flag = match (&args.dirty_bitmap, &args.extents_from) {
+        (Some(_), _) => Some("--dirty-bitmap"),
+        (None, Some(_)) => Some("--extents-from"),
+        (None, None) => None,
+    };
     let on = match args.accept_rollback {
         true => OnRollback::Accept,
         false => OnRollback::Refuse {
@@ -263,6 +268,9 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
                  {repo_spec}`, the store's logs); if the snapshot was removed on purpose, run the backup again with \
                  --accept-rollback, which makes the store's state the one this host knows"
             ),
+            // A change map continues the latest; a backup without one reads everything.
+            damaged: map_flag
+                .map(|flag| format!("or back up without {flag}: a backup that reads the whole disk goes on")),
         },
     };
     let repo = ferry_open::repo::open_repository_with(&repo_spec, &remote, args.password_file.as_deref(), on)?;

@@ -90,6 +90,7 @@ fn removing(accept: bool, disk: Option<String>, repo: &str, what: &str) -> OnRol
                  (`ferry repo list {repo}`, the store's logs); if they were removed on purpose, run it again with \
                  --accept-rollback, which makes the store's state the one this host knows"
             ),
+            damaged: None,
         },
     }
 }

@@ -274,7 +274,7 @@ fn now() -> i64 {
 
 /// A copy of snapshot `id` of the unencrypted `repo`, dated `time`, with `id` as its
 /// parent, stored under its own id (as a host with that clock would have written it).
-fn plant(repo: &Path, id: &str, time: &str, d: &Path) -> String {
+pub(crate) fn plant(repo: &Path, id: &str, time: &str, d: &Path) -> String {
     let mut m: serde_json::Value = serde_json::from_slice(&fs::read(repo.join("snapshots").join(id)).unwrap()).unwrap();
     m["time"] = serde_json::Value::String(time.into());
     m["parent"] = serde_json::Value::String(id.into());

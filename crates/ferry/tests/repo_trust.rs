@@ -8,7 +8,10 @@
 //! * a disk's newest snapshot deleted from the store: the latest is not restored in its
 //!   place, backups, forgets and gcs refuse, lists warn, `--accept-rollback` accepts;
 //! * a forgotten snapshot put back with its objects is refused;
-//! * another host's forget is no rollback, nor are this host's commands side by side;
+//! * another host's forget is no rollback, nor are this host's commands side by side,
+//!   nor another host's snapshot on top of the newest though its clock is behind;
+//! * a disk's newest snapshot damaged (not deleted): the older one that can be read is not
+//!   taken as its latest;
 //! * a repository made again at a location replaces the record; a damaged record is said
 //!   and made again;
 //! * a passphrase file others may read is warned about.
@@ -309,6 +312,101 @@ fn another_hosts_backups_and_forgets_are_no_rollback() {
     assert!(!out.stderr.contains("went back") && out.stdout.contains(&newer[..8]), "{}", out.describe());
     assert!(restores(&a, &vm1, &d.join("day4.raw"), d));
     backup(&a, &day(d, 5), &vm1);
+}
+
+/// Flips a byte of the manifest of snapshot `id` (a store writer damaging it rather than
+/// deleting it).
+fn damage(repo: &Path, id: &str) {
+    let m = repo.join("snapshots").join(id);
+    let mut bytes = fs::read(&m).unwrap();
+    bytes[10] ^= 0x20;
+    fs::write(&m, bytes).unwrap();
+}
+
+/// The newest manifest of vm1 damaged instead of deleted: the latest of vm1 is not the
+/// older snapshot that can be read. Restores, hashes and infos of `REPO::vm1` and a change
+/// map's backup refuse, naming the damaged snapshot and the ways out (an older one by id,
+/// forgetting the damaged one); a full backup goes on; a damaged manifest that is not the
+/// newest this host saw is only skipped.
+#[test]
+fn a_damaged_newest_snapshot_is_not_replaced_by_an_older_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let host = d.join("host");
+    let repo = d.join("repo");
+    let (ids, _) = three_days(&host, &repo, d);
+    damage(&repo, &ids[2]);
+    let vm1 = format!("{}::vm1", repo.display());
+    let restored = d.join("restored.raw");
+    let map = d.join("map.json");
+    fs::write(&map, format!(r#"[{{"offset": 0, "length": {MIB}, "type": 1}}]"#)).unwrap();
+    let day3 = d.join("day3.raw");
+    for args in [
+        vec!["copy", vm1.as_str(), s(&restored)],
+        vec!["hash", vm1.as_str()],
+        vec!["info", vm1.as_str()],
+        vec!["backup", "--extents-from", s(&map), "--since", &ids[1], s(&day3), vm1.as_str()],
+    ] {
+        let out = fails(&host, &args);
+        let e = &out.stderr;
+        assert!(
+            e.contains(&format!("snapshot {} of vm1", ids[2])) && e.contains("cannot be read"),
+            "{args:?}: {}",
+            out.describe()
+        );
+        assert!(e.contains(&ids[1][..8]), "{args:?}: the older one is not named: {}", out.describe());
+        assert!(e.contains(&format!("{vm1}@ID")), "{args:?}: {}", out.describe());
+        assert!(
+            e.contains(&format!("ferry repo forget {} {}", repo.display(), ids[2])),
+            "{args:?}: {}",
+            out.describe()
+        );
+    }
+    assert!(!restored.exists());
+    // Named by id, the older one reads; list goes on as for any damage.
+    assert!(restores(&host, &format!("{vm1}@{}", &ids[1][..8]), &d.join("day2.raw"), d));
+    let out = ok(&host, &["repo", "list", s(&repo)]);
+    assert!(!out.stderr.contains("went back"), "{}", out.describe());
+    // Forgotten by id: this host's record follows, the latest left is the latest.
+    ok(&host, &["repo", "forget", s(&repo), &ids[2][..8]]);
+    assert!(restores(&host, &vm1, &d.join("day2.raw"), d));
+    // Damaged again (now ids[1], the newest): a full backup reads everything and goes on.
+    damage(&repo, &ids[1]);
+    let out = ok(&host, &["backup", "--no-bitmap", s(&day3), &vm1]);
+    assert!(out.stderr.contains("cannot be read"), "{}", out.describe());
+    // The damaged one is no longer the newest: skipped with a warning.
+    let out = ok(&host, &["copy", &vm1, s(&restored)]);
+    assert!(out.stderr.contains(&format!("skipping snapshots/{}", ids[1])), "{}", out.describe());
+    assert_eq!(fs::read(&restored).unwrap(), fs::read(&day3).unwrap());
+}
+
+/// Host B's clock is behind host A's: B's snapshot on top of A's newest has an earlier
+/// time, and B's forget removes A's. A's next restore and backup go on (B's snapshot
+/// descends from what A saw); the store going back from there is still refused.
+#[test]
+fn a_snapshot_continuing_the_newest_is_no_rollback_whatever_its_clock() {
+    require("sha256sum");
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (a, b) = (d.join("host-a"), d.join("host-b"));
+    let repo = d.join("repo");
+    ok(&a, &["repo", "init", s(&repo)]);
+    let vm1 = format!("{}::vm1", repo.display());
+    let s1 = backup(&a, &day(d, 1), &vm1);
+    // B, its clock years behind, backs up on top of S1 (the same data), then forgets S1.
+    let s2 = crate::repo_base::plant(&repo, &s1, "2000-01-01T00:00:00Z", d);
+    let out = ok(&b, &["repo", "forget", "--json", "--keep-last", "1", s(&repo)]);
+    assert!(out.stdout.contains(&s2) && !repo.join("snapshots").join(&s1).exists(), "{}", out.describe());
+    // A: no rollback.
+    let out = ok(&a, &["repo", "list", s(&repo)]);
+    assert!(!out.stderr.contains("went back"), "{}", out.describe());
+    assert!(restores(&a, &vm1, &d.join("day1.raw"), d));
+    let s3 = backup(&a, &day(d, 2), &vm1);
+    assert!(restores(&a, &vm1, &d.join("day2.raw"), d));
+    // The newest gone, nothing descending from it: refused, though S2's time is old.
+    fs::remove_file(repo.join("snapshots").join(&s3)).unwrap();
+    let out = fails(&a, &["copy", &vm1, s(&d.join("restored.raw"))]);
+    assert!(out.stderr.contains("the store went back") && out.stderr.contains(&s3[..8]), "{}", out.describe());
 }
 
 /// The record: in FERRY_STATE_DIR, private; a damaged one is said and made again.

@@ -185,7 +185,12 @@ pub fn open_repository(repo: &str, remote: &Remote, password_file: Option<&Path>
     let way_out = "if you know why (the snapshot was removed on purpose), run `ferry backup`, `ferry repo forget` or \
      `ferry repo gc` once with --accept-rollback, which makes the store's state the one this host knows"
         .to_string();
-    open_repository_with(repo, remote, password_file, OnRollback::Refuse { disk: None, back: true, way_out })
+    open_repository_with(
+        repo,
+        remote,
+        password_file,
+        OnRollback::Refuse { disk: None, back: true, way_out, damaged: None },
+    )
 }
 
 /// Where the passphrase given comes from, for messages.
@@ -207,7 +212,7 @@ fn known(repo: &str, location: &str, on: OnRollback) -> Option<Known> {
         );
         return None;
     };
-    match Known::open(&dir, location, on) {
+    match Known::open(&dir, location, on).map(|k| k.shown_as(repo)) {
         Ok(k) => Some(k),
         Err(e) => {
             log::warn!(
@@ -294,6 +299,7 @@ pub fn snapshot_on_rollback(repo: &str, name: &str, id: Option<&str>) -> OnRollb
                 "to read the snapshot the store has, name it: {repo}::{name}@ID (`ferry repo list {repo} {name}` shows \
                  the ids); `ferry backup --accept-rollback` makes the store's state the one this host knows"
             ),
+            damaged: Some(String::new()),
         },
     }
 }

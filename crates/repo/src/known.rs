@@ -2,8 +2,11 @@
 //! id, whether it is encrypted and a fingerprint of its key, each disk's newest snapshot
 //! this host wrote or saw, and the snapshots this host forgot. With it a command notices
 //! a store that went back (docs/safety.md, "What someone who can write the store can
-//! do"): a disk's newest snapshot gone with nothing newer in its place, a forgotten
-//! snapshot back, an encrypted repository turned unencrypted or given another key.
+//! do"): a disk's newest snapshot gone with nothing in its place that continues it or
+//! comes after it in FORMAT.md §7's order (hosts' clocks differ: raw times are not
+//! compared), or there but unreadable (the latest that can be read is then older), a
+//! forgotten snapshot back, an encrypted repository turned unencrypted or given another
+//! key.
 //!
 //! One record per repository location (a directory's canonical path, an S3 URL), a JSON
 //! object in `STATE/repositories/HEX` (HEX: the SHA-256 of the location), STATE being
@@ -53,8 +56,11 @@ pub enum OnRollback {
     /// Refuses when it concerns `disk`, or any disk when `None`, and warns about the
     /// others: a disk's newest snapshot gone, and with `back` a forgotten snapshot back
     /// as the disk's latest (what a restore of the latest or a backup would use).
-    /// `way_out` ends the refusal: what the user can do.
-    Refuse { disk: Option<String>, back: bool, way_out: String },
+    /// `way_out` ends the refusal: what the user can do. With `damaged` (what else the
+    /// user can do, may be empty), the disk's newest snapshot this host saw being there
+    /// but unreadable is refused too: the latest that can be read is an older one, and a
+    /// command that takes the latest would take it (without, it is warned about).
+    Refuse { disk: Option<String>, back: bool, way_out: String, damaged: Option<String> },
     /// A snapshot named by id (`REPO::NAME@ID`): refuses only when the snapshot of `disk`
     /// whose id starts with `id` is one this host forgot; warns about the rest.
     Pinned { disk: String, id: String },
@@ -62,7 +68,9 @@ pub enum OnRollback {
     Accept,
 }
 
-/// A disk's newest snapshot as this host saw it.
+/// A disk's newest snapshot as this host saw it: its id and its order time (FORMAT.md
+/// §7: the latest `time` along it and its parents; records written before order times
+/// hold the snapshot's own `time`, never later).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Seen {
@@ -138,6 +146,72 @@ fn later(a: &str, b: &str) -> bool {
     matches!((parse_time(a), parse_time(b)), (Some(a), Some(b)) if a > b)
 }
 
+/// A listing (oldest first, FORMAT.md §7's order) as the record reads it (pure): each
+/// snapshot's order time, and each disk's snapshots in that order (the last its latest).
+struct Listing<'a> {
+    snaps: &'a [SnapshotInfo],
+    order: Vec<Option<jiff::Timestamp>>,
+    present: HashSet<&'a str>,
+    of_disk: BTreeMap<&'a str, Vec<usize>>,
+    latest: BTreeMap<&'a str, usize>,
+}
+
+impl<'a> Listing<'a> {
+    fn new(snaps: &'a [SnapshotInfo]) -> Listing<'a> {
+        let order = crate::repo::order_keys(snaps).into_iter().map(|k| k.0).collect();
+        let mut of_disk: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
+        for (i, s) in snaps.iter().enumerate() {
+            of_disk.entry(s.manifest.name.as_str()).or_default().push(i);
+        }
+        let latest = of_disk.iter().filter_map(|(d, v)| Some((*d, *v.last()?))).collect();
+        Listing { snaps, order, present: snaps.iter().map(|s| s.id.as_str()).collect(), of_disk, latest }
+    }
+
+    /// Snapshot `i` as the record keeps it: its id and order time, no earlier than `floor`.
+    fn seen(&self, i: usize, floor: Option<&str>) -> Seen {
+        let own = self.order[i].or_else(|| parse_time(&self.snaps[i].manifest.time));
+        let t = match (own, floor.and_then(parse_time)) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        };
+        let time = t.map_or_else(|| self.snaps[i].manifest.time.clone(), |t| t.to_string());
+        Seen { id: self.snaps[i].id.clone(), time }
+    }
+
+    /// The disk's latest, as the record keeps it.
+    fn latest(&self, disk: &str) -> Option<Seen> {
+        self.latest.get(disk).map(|&i| self.seen(i, None))
+    }
+
+    /// What the record keeps as the newest of `disk` after `seen`: the disk's latest
+    /// when it is `seen` or descends from it (its parents lead to it), or when it comes
+    /// after `seen` in FORMAT.md §7's order (`seen` listed, or the latest's order time
+    /// later); else the last snapshot of the disk that descends from `seen`; `None` when
+    /// nothing does (`seen` gone, and the store went back). Raw times are not compared:
+    /// hosts' clocks differ. One pass: each snapshot comes after its listed parent. What
+    /// descends from `seen` keeps its order time at least `seen`'s.
+    fn after(&self, disk: &str, seen: &Seen) -> Option<Seen> {
+        let mut below: HashSet<&str> = HashSet::new();
+        let mut last = None;
+        for &i in self.of_disk.get(disk).into_iter().flatten() {
+            let s = &self.snaps[i];
+            if s.id == seen.id || s.manifest.parent.as_deref().is_some_and(|p| p == seen.id || below.contains(p)) {
+                below.insert(&s.id);
+                last = Some(i);
+            }
+        }
+        let &l = self.latest.get(disk)?;
+        let later = matches!((self.order[l], parse_time(&seen.time)), (Some(a), Some(b)) if a > b);
+        if last == Some(l) {
+            Some(self.seen(l, Some(&seen.time)))
+        } else if later || self.present.contains(seen.id.as_str()) {
+            Some(self.seen(l, None))
+        } else {
+            last.map(|i| self.seen(i, Some(&seen.time)))
+        }
+    }
+}
+
 /// What a listing shows that the record says should not be.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Finding {
@@ -145,12 +219,15 @@ enum Finding {
     Gone { disk: String, seen: Seen, latest: Option<Seen> },
     /// A snapshot this host forgot is listed again (`latest`: as its disk's latest).
     Back { disk: String, id: String, time: String, at: String, latest: bool },
+    /// The newest snapshot of `disk` this host saw is there but cannot be read, and
+    /// nothing listed supersedes it: the latest that can be read is older.
+    Damaged { disk: String, seen: Seen, latest: Option<Seen> },
 }
 
 impl Finding {
     fn disk(&self) -> &str {
         match self {
-            Finding::Gone { disk, .. } | Finding::Back { disk, .. } => disk,
+            Finding::Gone { disk, .. } | Finding::Back { disk, .. } | Finding::Damaged { disk, .. } => disk,
         }
     }
 
@@ -179,35 +256,47 @@ impl Finding {
                 when(time),
                 when(at)
             ),
+            Finding::Damaged { disk, seen, latest } => format!(
+                "{location}: snapshot {} of {disk} ({}), the newest this host wrote or saw, cannot be read (damaged, \
+                 or changed by someone who can write the store; `ferry repo check` says why), so {}",
+                seen.id,
+                when(&seen.time),
+                match latest {
+                    Some(l) => format!(
+                        "the latest snapshot of {disk} that can be read, {} ({}), is an older one",
+                        short(&l.id),
+                        when(&l.time)
+                    ),
+                    None => format!("no snapshot of {disk} can be read"),
+                }
+            ),
         }
+    }
+
+    /// Whether it says the store went back (a damaged snapshot is damage, which check
+    /// and verify report as such).
+    fn went_back(&self) -> bool {
+        !matches!(self, Finding::Damaged { .. })
     }
 }
 
-/// What `snaps` (oldest first) and the manifests that could not be read (`unreadable`,
-/// ids) show against the record (pure).
+/// What `snaps` (oldest first, FORMAT.md §7's order) and the manifests that could not
+/// be read (`unreadable`, ids) show against the record (pure).
 fn findings(r: &Record, snaps: &[SnapshotInfo], unreadable: &HashSet<&str>) -> Vec<Finding> {
-    let present: HashSet<&str> = snaps.iter().map(|s| s.id.as_str()).collect();
+    let list = Listing::new(snaps);
     let forgotten: HashMap<&str, &Gone> = r.forgotten.iter().map(|g| (g.id.as_str(), g)).collect();
-    let mut latest: HashMap<&str, &SnapshotInfo> = HashMap::new();
-    for s in snaps {
-        latest.insert(s.manifest.name.as_str(), s);
-    }
     let mut out = Vec::new();
     for (disk, seen) in &r.disks {
-        if present.contains(seen.id.as_str())
-            || unreadable.contains(seen.id.as_str())
-            || forgotten.contains_key(seen.id.as_str())
-        {
+        if list.present.contains(seen.id.as_str()) || forgotten.contains_key(seen.id.as_str()) {
             continue;
         }
-        let l = latest.get(disk.as_str());
-        if l.is_some_and(|l| later(&l.manifest.time, &seen.time)) {
-            continue; // superseded: a later snapshot of the disk is there
+        if list.after(disk, seen).is_some() {
+            continue; // superseded: a snapshot of the disk descends from it, or comes after it
         }
-        out.push(Finding::Gone {
-            disk: disk.clone(),
-            seen: seen.clone(),
-            latest: l.map(|l| Seen { id: l.id.clone(), time: l.manifest.time.clone() }),
+        let (disk, seen, latest) = (disk.clone(), seen.clone(), list.latest(disk));
+        out.push(match unreadable.contains(seen.id.as_str()) {
+            true => Finding::Damaged { disk, seen, latest },
+            false => Finding::Gone { disk, seen, latest },
         });
     }
     for s in snaps {
@@ -217,31 +306,29 @@ fn findings(r: &Record, snaps: &[SnapshotInfo], unreadable: &HashSet<&str>) -> V
                 id: s.id.clone(),
                 time: s.manifest.time.clone(),
                 at: g.at.clone(),
-                latest: latest.get(s.manifest.name.as_str()).is_some_and(|l| l.id == s.id),
+                latest: list.latest.get(s.manifest.name.as_str()).is_some_and(|&l| snaps[l].id == s.id),
             });
         }
     }
     out
 }
 
-/// The record after a listing (pure): each disk's newest is the listing's latest, except
-/// for the disks with a finding (kept, so that the next run sees it again) unless
-/// `accept`; accepted snapshots that came back are no longer forgotten.
+/// The record after a listing (pure): each disk's newest is what supersedes it in the
+/// listing ([`Listing::after`]), or the listing's latest for a disk it did not follow,
+/// except for the disks with a finding (kept, so that the next run sees it again)
+/// unless `accept`; accepted snapshots that came back are no longer forgotten.
 fn follow(r: &mut Record, snaps: &[SnapshotInfo], found: &[Finding], accept: bool) {
     let held: HashSet<&str> = if accept { HashSet::new() } else { found.iter().map(|f| f.disk()).collect() };
-    let mut latest: BTreeMap<&str, &SnapshotInfo> = BTreeMap::new();
-    for s in snaps {
-        latest.insert(s.manifest.name.as_str(), s);
-    }
+    let list = Listing::new(snaps);
     let forgotten: HashSet<&str> = r.forgotten.iter().map(|g| g.id.as_str()).collect();
     // A disk with no snapshot listed and no finding: its newest was forgotten by this
     // host (no longer followed) or cannot be read (followed still).
     r.disks.retain(|disk, seen| {
-        latest.contains_key(disk.as_str())
+        list.latest.contains_key(disk.as_str())
             || held.contains(disk.as_str())
             || (!accept && !forgotten.contains(seen.id.as_str()))
     });
-    for (disk, s) in latest {
+    for &disk in list.latest.keys() {
         if held.contains(disk) {
             continue;
         }
@@ -249,9 +336,12 @@ fn follow(r: &mut Record, snaps: &[SnapshotInfo], found: &[Finding], accept: boo
             log::warn!("this host follows {MAX_DISKS} disks of {} already: {disk} is not followed", r.location);
             continue;
         }
-        let keep = r.disks.get(disk).is_some_and(|seen| later(&seen.time, &s.manifest.time) && !accept);
-        if !keep {
-            r.disks.insert(disk.to_string(), Seen { id: s.id.clone(), time: s.manifest.time.clone() });
+        let next = match r.disks.get(disk) {
+            Some(seen) if !accept && !forgotten.contains(seen.id.as_str()) => list.after(disk, seen),
+            _ => list.latest(disk),
+        };
+        if let Some(next) = next {
+            r.disks.insert(disk.to_string(), next);
         }
     }
     if accept {
@@ -274,6 +364,8 @@ pub struct Known {
     store: DirStore,
     object: String,
     location: String,
+    /// The repository as the user wrote it, for the commands messages give.
+    shown: String,
     on: OnRollback,
     /// What was said already (a command lists the snapshots more than once).
     said: Mutex<HashSet<String>>,
@@ -303,10 +395,18 @@ impl Known {
             store,
             object,
             location: location.into(),
+            shown: location.into(),
             on,
             said: Mutex::new(HashSet::new()),
             went_back: Default::default(),
         })
+    }
+
+    /// The same, with `repo` as the user wrote it for the commands messages give (the
+    /// location otherwise).
+    pub fn shown_as(mut self, repo: &str) -> Known {
+        self.shown = repo.into();
+        self
     }
 
     /// The record's file, for messages.
@@ -426,14 +526,16 @@ impl Known {
             let Some(r) = rec.as_mut().filter(|r| r.id == old.id) else { return Ok(()) };
             let accept = matches!(self.on, OnRollback::Accept);
             let mut refused = Vec::new();
+            let mut damaged = Vec::new();
             for f in &found {
                 let refuse = match &self.on {
                     OnRollback::Warn | OnRollback::Accept => false,
-                    OnRollback::Refuse { disk, back, .. } => {
+                    OnRollback::Refuse { disk, back, damaged: d, .. } => {
                         disk.as_deref().is_none_or(|d| d == f.disk())
                             && match f {
                                 Finding::Gone { .. } => true,
                                 Finding::Back { latest, .. } => *back && *latest,
+                                Finding::Damaged { .. } => d.is_some(),
                             }
                     }
                     OnRollback::Pinned { disk, id } => {
@@ -441,20 +543,27 @@ impl Known {
                     }
                 };
                 let what = f.describe(&self.location);
-                if refuse {
+                if let (true, Finding::Damaged { disk, seen, .. }) = (refuse, f) {
+                    damaged.push(self.damaged_way_out(what, disk, &seen.id));
+                } else if refuse {
                     refused.push(what);
                 } else if accept {
                     self.say_once(format!("accepted: {what}"));
+                } else if !f.went_back() {
+                    // Damage, which check and verify report as such.
+                    if !matches!(self.on, OnRollback::Warn) {
+                        self.say_once(format!("{what}; going on, as this command does not take the latest snapshot"));
+                    }
                 } else {
                     let only_reads = matches!(self.on, OnRollback::Warn);
                     self.say_once(format!("{what}{}", if only_reads { "; going on, as this command only reads" } else { "" }));
                 }
             }
-            if !found.is_empty() && !accept {
+            if found.iter().any(Finding::went_back) && !accept {
                 self.went_back.store(true, std::sync::atomic::Ordering::Relaxed);
             }
             follow(r, snaps, &found, accept);
-            if refused.is_empty() {
+            if refused.is_empty() && damaged.is_empty() {
                 return Ok(());
             }
             let way_out = match &self.on {
@@ -463,8 +572,27 @@ impl Known {
                       --accept-rollback`"
                     .into(),
             };
-            Err(Error::Invalid(format!("{}. Refused: {way_out}", refused.join("; "))))
+            if !refused.is_empty() {
+                damaged.insert(0, format!("{}. Refused: {way_out}", refused.join("; ")));
+            }
+            Err(Error::Invalid(damaged.join(". Also ")))
         })
+    }
+
+    /// The refusal of a command that takes the latest snapshot of `disk` while its newest,
+    /// `id`, cannot be read (`what`: the finding, described).
+    fn damaged_way_out(&self, what: String, disk: &str, id: &str) -> String {
+        let more = match &self.on {
+            OnRollback::Refuse { damaged: Some(more), .. } if !more.is_empty() => format!("; {more}"),
+            _ => String::new(),
+        };
+        let repo = &self.shown;
+        format!(
+            "{what}. Refused, so as not to give an older state of {disk} as its latest: to read an older snapshot, name \
+             it: {repo}::{disk}@ID (`ferry repo list {repo} {disk}` shows the ids){more}. If the damaged snapshot \
+             cannot be had back (`ferry repo check {repo}`), `ferry repo forget {repo} {id}` drops it, and this host \
+             then takes the latest one left as the latest"
+        )
     }
 
     /// Records a repository this host just made (`ferry repo init`): it replaces whatever
@@ -480,12 +608,18 @@ impl Known {
         self.went_back.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Records a snapshot this host wrote.
+    /// Records a snapshot this host wrote: its order time is its own time, or the
+    /// recorded newest's when it continues that one and it is later (FORMAT.md §7).
     pub fn committed(&self, snap: &SnapshotInfo) {
         self.with_record(|rec| {
             if let Some(r) = rec.as_mut() {
-                let seen = Seen { id: snap.id.clone(), time: snap.manifest.time.clone() };
-                r.disks.insert(snap.manifest.name.clone(), seen);
+                let name = &snap.manifest.name;
+                let parent = r.disks.get(name).filter(|s| snap.manifest.parent.as_deref() == Some(s.id.as_str()));
+                let time = match parent {
+                    Some(p) if later(&p.time, &snap.manifest.time) => p.time.clone(),
+                    _ => snap.manifest.time.clone(),
+                };
+                r.disks.insert(name.clone(), Seen { id: snap.id.clone(), time });
             }
         })
     }
@@ -538,6 +672,67 @@ mod tests {
         SnapshotInfo { id: id(n), manifest: m }
     }
 
+    /// Snapshot `n` of `disk` at `time`, continuing `parent`.
+    fn snap_at(n: u8, disk: &str, time: &str, parent: Option<u8>) -> SnapshotInfo {
+        let mut s = snap(n, disk, 1);
+        s.manifest.time = time.into();
+        s.manifest.parent = parent.map(id);
+        s
+    }
+
+    fn sorted(mut snaps: Vec<SnapshotInfo>) -> Vec<SnapshotInfo> {
+        crate::repo::sort_snapshots(&mut snaps);
+        snaps
+    }
+
+    #[test]
+    fn snapshots_of_a_host_whose_clock_is_behind_supersede_what_they_continue() {
+        let none = HashSet::new();
+        let mut r = rec();
+        // Host A writes S1 at 12:00; host B, 10 minutes behind, S2 on it at 11:55, then
+        // forgets S1.
+        let s1 = snap_at(1, "vm1", "2026-11-02T12:00:00Z", None);
+        let s2 = snap_at(2, "vm1", "2026-11-02T11:55:00Z", Some(1));
+        follow(&mut r, std::slice::from_ref(&s1), &[], false);
+        assert_eq!(r.disks["vm1"].id, id(1));
+        let now = sorted(vec![s2.clone()]);
+        assert!(findings(&r, &now, &none).is_empty());
+        follow(&mut r, &now, &[], false);
+        // Followed, at S1's order time (S2 comes after S1).
+        assert_eq!(r.disks["vm1"], Seen { id: id(2), time: "2026-11-02T12:00:00Z".into() });
+        // S2 deleted, S1 put back: the store went back, though S1's time is later than S2's.
+        let f = findings(&r, std::slice::from_ref(&s1), &none);
+        assert!(matches!(&f[..], [Finding::Gone { seen, .. }] if seen.id == id(2)), "{f:?}");
+        // Both listed: S2 is the latest (after its parent), and the record stays.
+        let both = sorted(vec![s2.clone(), s1.clone()]);
+        assert_eq!(both.last().unwrap().id, id(2));
+        assert!(findings(&r, &both, &none).is_empty());
+        // A chain: S4 on S3 on S2 on S1, S1 forgotten: superseded by descent along it.
+        let mut ra = rec();
+        follow(&mut ra, std::slice::from_ref(&s1), &[], false);
+        let s3 = snap_at(3, "vm1", "2026-11-02T11:56:00Z", Some(2));
+        let s4 = snap_at(4, "vm1", "2026-11-02T11:57:00Z", Some(3));
+        let later_ones = sorted(vec![s4.clone(), s3.clone(), s2.clone()]);
+        assert!(findings(&ra, &later_ones, &none).is_empty());
+        follow(&mut ra, &later_ones, &[], false);
+        assert_eq!(ra.disks["vm1"].id, id(4));
+        // A snapshot of the disk that does not descend from it and comes before it in the
+        // order does not supersede it.
+        let mut rb = rec();
+        follow(&mut rb, std::slice::from_ref(&s1), &[], false);
+        let other = snap_at(5, "vm1", "2026-11-02T11:58:00Z", None);
+        assert!(matches!(&findings(&rb, std::slice::from_ref(&other), &none)[..], [Finding::Gone { .. }]));
+        // One later in the order does (another host's backup, then its forget).
+        let newer = snap_at(6, "vm1", "2026-11-02T12:01:00Z", None);
+        assert!(findings(&rb, std::slice::from_ref(&newer), &none).is_empty());
+        // Of another disk: no.
+        let elsewhere = snap_at(7, "vm2", "2026-11-02T11:55:00Z", Some(1));
+        assert!(matches!(&findings(&rb, std::slice::from_ref(&elsewhere), &none)[..], [Finding::Gone { .. }]));
+        // A listed newest stays, a listed latest before it in the order is still after it.
+        follow(&mut rb, &sorted(vec![s1.clone(), s2.clone()]), &[], false);
+        assert_eq!(rb.disks["vm1"].id, id(2));
+    }
+
     fn rec() -> Record {
         Record::new("/r", &id(200), None)
     }
@@ -560,9 +755,19 @@ mod tests {
         assert!(matches!(&findings(&r, std::slice::from_ref(&t1), &none)[..], [Finding::Gone { latest: None, .. }]));
         // Superseded by a later one (another host's backup, then its forget): no finding.
         assert!(findings(&r, &[s1.clone(), t1.clone(), s3.clone()], &none).is_empty());
-        // Unreadable (damage, which check reports): no finding either.
+        // Unreadable: damage, but what a command taking the latest would read is older.
         let unreadable = id(2);
-        assert!(findings(&r, &[s1.clone(), t1.clone()], &HashSet::from([unreadable.as_str()])).is_empty());
+        let f = findings(&r, &[s1.clone(), t1.clone()], &HashSet::from([unreadable.as_str()]));
+        assert!(matches!(&f[..], [Finding::Damaged { disk, seen, latest: Some(l) }]
+            if disk == "vm1" && seen.id == id(2) && l.id == id(1)));
+        assert!(!f[0].went_back());
+        // Held while it stands.
+        let mut held = r.clone();
+        follow(&mut held, &[s1.clone(), t1.clone()], &f, false);
+        assert_eq!(held.disks["vm1"].id, id(2));
+        // An unreadable manifest that is not the newest seen: no finding.
+        let old = id(1);
+        assert!(findings(&r, &[s2.clone(), t1.clone()], &HashSet::from([old.as_str()])).is_empty());
         // Accepted: the record follows the store.
         follow(&mut r, &[s1.clone(), t1.clone()], &f, true);
         assert_eq!(r.disks["vm1"].id, id(1));

@@ -685,7 +685,7 @@ pub(crate) fn sort_snapshots(snaps: &mut [SnapshotInfo]) {
 
 /// Each snapshot's (latest time along its parents, parents in a row with that time), in
 /// one pass: a chain of n snapshots costs n steps, not n².
-fn order_keys(snaps: &[SnapshotInfo]) -> Vec<(Option<jiff::Timestamp>, usize)> {
+pub(crate) fn order_keys(snaps: &[SnapshotInfo]) -> Vec<(Option<jiff::Timestamp>, usize)> {
     let at: HashMap<&str, usize> = snaps.iter().enumerate().map(|(i, s)| (s.id.as_str(), i)).collect();
     let mut keys: Vec<Option<(Option<jiff::Timestamp>, usize)>> = vec![None; snaps.len()];
     let mut path = Vec::new();
