@@ -552,7 +552,7 @@ impl Known {
                 } else if !f.went_back() {
                     // Damage, which check and verify report as such.
                     if !matches!(self.on, OnRollback::Warn) {
-                        self.say_once(format!("{what}; going on, as this command does not take the latest snapshot"));
+                        self.say_once(format!("{what}; going on, as this command needs nothing from it"));
                     }
                 } else {
                     let only_reads = matches!(self.on, OnRollback::Warn);
@@ -588,10 +588,11 @@ impl Known {
         };
         let repo = &self.shown;
         format!(
-            "{what}. Refused, so as not to give an older state of {disk} as its latest: to read an older snapshot, name \
-             it: {repo}::{disk}@ID (`ferry repo list {repo} {disk}` shows the ids){more}. If the damaged snapshot \
-             cannot be had back (`ferry repo check {repo}`), `ferry repo forget {repo} {id}` drops it, and this host \
-             then takes the latest one left as the latest"
+            "{what}. Refused, so as not to give an older state of {disk} as its latest: to restore, serve or hash an \
+             older snapshot, name it: {repo}::{disk}@ID (`ferry repo list {repo} {disk}` shows the ids){more}. If the \
+             damaged snapshot cannot be had back (`ferry repo check {repo}`), `ferry repo forget {repo} {id}` drops \
+             it, and this host then takes the latest one left as the latest (another host that saw it as the newest \
+             says the store went back until it runs once with --accept-rollback)"
         )
     }
 

@@ -1165,11 +1165,16 @@ fn kept_copies(
         for (pack, b) in cs {
             let name = pack_name(pack);
             let loc = crate::BlobLocation::of(*pack, b);
-            let stored = repo
-                .store
-                .get_range(&name, b.offset as u64, b.stored_len as u64)
-                .map_err(|e| Error::store(format!("cannot read {name} from {}", repo.store.describe()), e))?;
-            match repo.decode_blob(id, &loc, b.kind, &stored) {
+            // A short or unreadable copy (a truncated pack) is damage, as a failed check is:
+            // the next copy is tried. Any other store error stops gc before it deletes.
+            let read = match repo.store.get_range(&name, b.offset as u64, b.stored_len as u64) {
+                Ok(stored) => repo.decode_blob(id, &loc, b.kind, &stored),
+                Err(e) if matches!(e.kind(), std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::InvalidData) => {
+                    Err(format!("it cannot be read whole: {e}"))
+                }
+                Err(e) => return Err(Error::store(format!("cannot read {name} from {}", repo.store.describe()), e)),
+            };
+            match read {
                 Ok(_) => {
                     good = Some(*pack);
                     break;
