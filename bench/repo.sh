@@ -148,12 +148,17 @@ FX=; [ "$ENCRYPT" = 1 ] && FX=ferryx
 PEER="restic borg"; [ "$PEERS" = 1 ] || PEER=
 TOOLS="ferry $FX $PEER"
 echo "bench password $$" >"$W/pass"
+chmod 600 "$W/pass"
+# Each run starts from a copy of a tool's earlier state: to ferry's record of the
+# repositories it used (docs/safety.md), a repository put back from an older copy is a
+# rollback. The record goes with the copies: it is dropped whenever a state is loaded.
+export FERRY_STATE_DIR=$W/ferry-state
 export RESTIC_PASSWORD_FILE=$W/pass BORG_BASE_DIR=$W/borg/base BORG_UNKNOWN_UNENCRYPTED_REPO_ACCESS_IS_OK=yes
 RC="--cache-dir $W/restic/cache"
 # fx: ferry with the passphrase of the encrypted repository (FERRY_PASSWORD_FILE).
 fx() { FERRY_PASSWORD_FILE=$W/pass "$FERRY" "$@"; }
 save() { rm -rf "$W/$1.$2"; cp -a "$W/$1" "$W/$1.$2"; }   # TOOL TAG
-load() { rm -rf "$W/$1"; cp -a "$W/$2.$3" "$W/$1"; }      # TOOL FROM-TOOL TAG
+load() { rm -rf "$W/$1" "$FERRY_STATE_DIR"; cp -a "$W/$2.$3" "$W/$1"; }      # TOOL FROM-TOOL TAG
 # latest TOOL: the id of the latest snapshot in $W/TOOL/repo, the one a change map continues
 # (`ferry backup --since`; looked up before a backup is timed).
 latest() {
@@ -616,7 +621,7 @@ if part 8; then
       [ "$d" = 1 ] || T[g8days:$t]+="${T[g8d$d:$t]} "
     done
     S8[$t:n]=$(count "$t")
-    [ $t = ferry ] && { rm -rf "$W/ferry0"; cp -a "$W/ferry" "$W/ferry0"; S8[ferry0:n]=${S8[ferry:n]}; }
+    [ $t = ferry ] && { rm -rf "$W/ferry0" "$FERRY_STATE_DIR"; cp -a "$W/ferry" "$W/ferry0"; S8[ferry0:n]=${S8[ferry:n]}; }
     for u in $t $([ $t = ferry ] && echo ferry0); do
       S8[$u:b]=$(dub "$W/$u/repo")
       S8[$u:load]=$(cut -d' ' -f1 /proc/loadavg)
