@@ -4,7 +4,7 @@
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 use ferry_backend::parse_size;
-use ferry_repo::format::{Changes, Manifest};
+use ferry_repo::format::{Changes, ManifestSummary};
 use ferry_repo::known::OnRollback;
 use ferry_repo::maint::{self, Policy, Problem, Report, VerifyOptions};
 use ferry_repo::recover::{self, RepairOptions};
@@ -383,7 +383,7 @@ pub(crate) fn shown_changes(c: &Changes) -> String {
 }
 
 fn snapshot_json(s: &SnapshotInfo) -> serde_json::Value {
-    let m: &Manifest = &s.manifest;
+    let m: &ManifestSummary = &s.manifest;
     serde_json::json!({
         "id": s.id,
         "name": m.name,

@@ -20,7 +20,7 @@ impl CheckpointInfo {
     /// Its entries as a snapshot (id: the object name), to read its pages as a
     /// snapshot's.
     pub(crate) fn as_snapshot(&self) -> SnapshotInfo {
-        SnapshotInfo { id: self.object.clone(), manifest: self.checkpoint.as_manifest() }
+        SnapshotInfo::new(self.object.clone(), self.checkpoint.as_manifest())
     }
 
     /// The snapshot that makes this checkpoint a leftover, if one does (`snaps`: the

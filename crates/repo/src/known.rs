@@ -670,7 +670,7 @@ mod tests {
         }))
         .unwrap();
         assert_eq!(m.changes, Changes::Full);
-        SnapshotInfo { id: id(n), manifest: m }
+        SnapshotInfo::new(id(n), m)
     }
 
     /// Snapshot `n` of `disk` at `time`, continuing `parent`.

@@ -1,12 +1,13 @@
 //! Repository maintenance: check, verify, forget, gc, stats.
 use crate::damage::{pack_id, prefer_good, prune_records, DamageSet, DamagedCopies};
-use crate::format::{self, BlobEntry, DamagedPack, Digest, LockKind, PackBlobs, ZERO};
+use crate::format::{self, BlobEntry, DamagedPack, Digest, LockKind, PackBlobs, Pages, ZERO};
 use crate::repo::{
     blkhash_of, pack_name, par_map, parse_time, sha256, Index, Repository, SnapshotInfo, AAD_TRAILER, FETCH_THREADS,
 };
 use crate::{lock, Error, Result};
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
 
 /// A problem found by check or verify, with the snapshots and ranges it hits.
 #[derive(Debug, Clone, Serialize)]
@@ -54,6 +55,8 @@ impl Report {
 /// What check learned, for verify to go on from.
 struct Walk {
     snaps: Vec<SnapshotInfo>,
+    /// Each snapshot's page digests.
+    snap_pages: Vec<Arc<Pages>>,
     index: Index,
     /// Every pack's blobs as the index objects list them.
     packs: HashMap<Digest, Vec<BlobEntry>>,
@@ -69,13 +72,14 @@ struct Walk {
     recorded: Vec<usize>,
 }
 
-/// Reads each distinct page of `snaps` once.
-fn read_pages(
-    repo: &Repository,
-    index: &Index,
-    snaps: &[SnapshotInfo],
-) -> HashMap<Digest, Result<Vec<Digest>, String>> {
-    let mut want: Vec<Digest> = snaps.iter().flat_map(|s| s.manifest.page_digests()).filter(|d| *d != ZERO).collect();
+/// Each snapshot's page digests, its manifest read again ([`FETCH_THREADS`] at a time).
+fn snapshot_pages(repo: &Repository, snaps: &[SnapshotInfo]) -> Result<Vec<Arc<Pages>>> {
+    par_map(snaps, FETCH_THREADS, |s| repo.pages(s)).into_iter().collect()
+}
+
+/// Reads each distinct page of the snapshots (their `pages`) once.
+fn read_pages(repo: &Repository, index: &Index, pages: &[Arc<Pages>]) -> HashMap<Digest, Result<Vec<Digest>, String>> {
+    let mut want: Vec<Digest> = pages.iter().flat_map(|p| p.nonzero().iter().copied()).collect();
     want.sort_unstable();
     want.dedup();
     let got = par_map(&want, FETCH_THREADS, |d| repo.read_page(index, d));
@@ -111,7 +115,7 @@ fn attribute(repo: &Repository, w: &Walk, problems: &mut [Problem]) {
             }
         }
     }
-    for s in &w.snaps {
+    for (s, sp) in w.snaps.iter().zip(&w.snap_pages) {
         let pe = s.manifest.page_entries as u64;
         let chunks = s.manifest.chunks();
         // (problem, first chunk, count), merged as they come in order.
@@ -125,7 +129,8 @@ fn attribute(repo: &Repository, w: &Walk, problems: &mut [Problem]) {
             }
             ranges.push((p, first, count));
         };
-        for (i, d) in s.manifest.page_digests().iter().enumerate() {
+        for (i, d) in sp.iter().enumerate() {
+            let d = &d;
             if *d == ZERO {
                 continue;
             }
@@ -258,10 +263,11 @@ fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
             }
         }
     }
-    let pages = read_pages(repo, &index, &snaps);
+    let snap_pages = snapshot_pages(repo, &snaps)?;
+    let pages = read_pages(repo, &index, &snap_pages);
     let mut page_problem: HashMap<Digest, usize> = HashMap::new();
     let mut checked: HashSet<Digest> = HashSet::new();
-    for s in &snaps {
+    for (s, sp) in snaps.iter().zip(&snap_pages) {
         let object = if s.id.contains('/') { s.id.clone() } else { format!("snapshots/{}", s.id) };
         let mut missing: Option<usize> = None;
         let mut missing_count = 0u64;
@@ -273,7 +279,8 @@ fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
                 continue;
             }
         };
-        for (i, d) in s.manifest.page_digests().iter().enumerate() {
+        for (i, d) in sp.iter().enumerate() {
+            let d = &d;
             let count = s
                 .manifest
                 .chunks()
@@ -356,7 +363,7 @@ fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
         }
         Err(e) => r.notes.push(format!("cannot read the locks: {e}")),
     }
-    Ok((r, Walk { snaps, index, packs, listed, pages, damaged, damage, recorded }))
+    Ok((r, Walk { snaps, snap_pages, index, packs, listed, pages, damaged, damage, recorded }))
 }
 
 /// The damage records' packs that are still in the store: a problem for each whose
@@ -993,13 +1000,11 @@ pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_perc
         }
     }
     let index = prefer_good(objects, &damage);
-    let pages = read_pages(repo, &index, &snaps);
+    let snap_pages = snapshot_pages(repo, &snaps)?;
+    let pages = read_pages(repo, &index, &snap_pages);
     let mut live: HashSet<Digest> = HashSet::new();
-    for s in &snaps {
-        for d in s.manifest.page_digests() {
-            if d == ZERO {
-                continue;
-            }
+    for (s, sp) in snaps.iter().zip(&snap_pages) {
+        for &d in sp.nonzero() {
             live.insert(repo.crypto.blob_id(&d));
             match pages.get(&d) {
                 Some(Ok(entries)) => {
@@ -1257,9 +1262,10 @@ pub fn damaged_snapshots(repo: &Repository, snaps: &[SnapshotInfo]) -> Result<Ha
     if bad.is_empty() {
         return Ok(out);
     }
-    let pages = read_pages(repo, &index, snaps);
-    for s in snaps {
-        let hit = s.manifest.page_digests().iter().filter(|d| **d != ZERO).find_map(|d| {
+    let snap_pages = snapshot_pages(repo, snaps)?;
+    let pages = read_pages(repo, &index, &snap_pages);
+    for (s, sp) in snaps.iter().zip(&snap_pages) {
+        let hit = sp.nonzero().iter().find_map(|d| {
             bad.get(&repo.crypto.blob_id(d)).copied().or_else(|| match pages.get(d) {
                 Some(Ok(entries)) => {
                     entries.iter().filter(|e| **e != ZERO).find_map(|e| bad.get(&repo.crypto.blob_id(e)).copied())
@@ -1294,7 +1300,7 @@ pub fn stats(repo: &Repository) -> Result<Stats> {
     let store = &repo.store;
     let (snaps, _) = repo.snapshots_skipping()?;
     let index = repo.load_index()?;
-    let pages = read_pages(repo, &index, &snaps);
+    let pages = read_pages(repo, &index, &snapshot_pages(repo, &snaps)?);
     let mut s = Stats { snapshots: snaps.len() as u64, ..Stats::default() };
     let disks: HashSet<&str> = snaps.iter().map(|s| s.manifest.name.as_str()).collect();
     s.disks = disks.len() as u64;

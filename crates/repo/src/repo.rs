@@ -1,7 +1,7 @@
 //! A repository opened: its config and key, its index, its snapshots.
 use crate::blob;
 use crate::crypto::{self, Crypto, KdfLimit, KeyContext};
-use crate::format::{self, BlobKind, Config, Digest, KdfCost, Limits, Manifest, ZERO};
+use crate::format::{self, BlobKind, Config, Digest, KdfCost, Limits, Manifest, ManifestSummary, Pages, ZERO};
 use crate::store::Store;
 use crate::{Error, Result};
 use sha2::Digest as _;
@@ -136,11 +136,31 @@ impl Index {
     }
 }
 
-/// A snapshot: its id (object name) and manifest.
+/// A snapshot: its id (object name) and its manifest but for the page digests (their
+/// count only: a list of snapshots costs a few hundred bytes each, whatever their disks'
+/// sizes). [`Repository::pages`] reads the pages of the one that is used.
 #[derive(Debug, Clone)]
 pub struct SnapshotInfo {
     pub id: String,
-    pub manifest: Manifest,
+    pub manifest: ManifestSummary,
+    /// Its pages, where they are held: a snapshot just written, a checkpoint read as one.
+    pages: Option<Arc<Pages>>,
+}
+
+impl SnapshotInfo {
+    /// A snapshot whose pages are held (one just written, a checkpoint's entries).
+    pub fn new(id: String, manifest: Manifest) -> SnapshotInfo {
+        let (manifest, pages) = manifest.split();
+        SnapshotInfo { id, manifest, pages: Some(Arc::new(pages)) }
+    }
+    /// A snapshot listed: its pages are read again when they are asked for.
+    pub fn listed(id: String, manifest: ManifestSummary) -> SnapshotInfo {
+        SnapshotInfo { id, manifest, pages: None }
+    }
+    /// Its pages, if they are held (else [`Repository::pages`] reads them).
+    pub fn held_pages(&self) -> Option<&Arc<Pages>> {
+        self.pages.as_ref()
+    }
 }
 
 /// An index object's name and content.
@@ -420,12 +440,37 @@ impl Repository {
         self.crypto.open(aad, &bytes).map_err(|e| Error::damaged(object, e.to_string()))
     }
 
-    /// Reads and checks one manifest object (`snapshots/ID`).
-    pub(crate) fn read_snapshot(&self, object: &str) -> Result<SnapshotInfo> {
+    /// Reads and checks one manifest object (`snapshots/ID`), keeping its pages as `P`
+    /// keeps them.
+    fn read_manifest<P: format::PageList + serde::de::DeserializeOwned>(&self, object: &str) -> Result<Manifest<P>> {
         let json = self.read_named(object, "snapshots/", format::MAX_MANIFEST, AAD_SNAPSHOT)?;
-        let manifest = Manifest::parse(&json, &self.limits()).map_err(|e| Error::damaged(object, e.0))?;
+        format::parse_manifest(&json, &self.limits()).map_err(|e| Error::damaged(object, e.0))
+    }
+
+    /// Reads and checks one manifest object (`snapshots/ID`); its pages are checked and
+    /// counted, not kept.
+    pub(crate) fn read_snapshot(&self, object: &str) -> Result<SnapshotInfo> {
+        let manifest = self.read_manifest(object)?;
         let id = object.strip_prefix("snapshots/").unwrap_or(object);
-        Ok(SnapshotInfo { id: id.to_string(), manifest })
+        Ok(SnapshotInfo::listed(id.to_string(), manifest))
+    }
+
+    /// The page digests of `snap`: those it holds, else read again from its manifest
+    /// (which must be the one listed: its object is named by its content, so only
+    /// damage since makes it differ).
+    pub fn pages(&self, snap: &SnapshotInfo) -> Result<Arc<Pages>> {
+        if let Some(p) = &snap.pages {
+            return Ok(p.clone());
+        }
+        let object = format!("snapshots/{}", snap.id);
+        if snap.id.contains('/') {
+            return Err(Error::Invalid(format!("{} is not a snapshot whose pages can be read", snap.id)));
+        }
+        let (summary, pages) = self.read_manifest::<Pages>(&object)?.split();
+        if summary != snap.manifest {
+            return Err(Error::damaged(object, "it is not the manifest that was listed under its name"));
+        }
+        Ok(Arc::new(pages))
     }
 
     /// Every manifest, each read and checked, with the names of those that fail and why;
@@ -629,7 +674,7 @@ impl Repository {
         let object = if snap.id.contains('/') { snap.id.clone() } else { format!("snapshots/{}", snap.id) };
         let chunks = m.chunks();
         let pe = m.page_entries as u64;
-        let digests = m.page_digests();
+        let digests = self.pages(snap)?.to_vec();
         if digests.len() as u64 != chunks.div_ceil(pe) {
             return Err(Error::damaged(object, "its page count does not match its size"));
         }

@@ -130,7 +130,7 @@ fn full_backup_reads_back_and_stores_no_zero_chunk() {
     assert_eq!(s.new_chunks, (chunks - zero) as u64);
     // Exactly the non-zero chunks and the pages are stored.
     let index = repo.load_index().unwrap();
-    let pages = snap.manifest.pages.iter().filter(|p| !p.is_empty()).count();
+    let pages = repo.pages(&snap).unwrap().nonzero().len();
     assert_eq!(index.blobs.len(), chunks - zero + pages);
     assert_eq!(objects(&store, "index/").len(), 1, "one index object per backup");
     assert!(objects(&store, "data/").len() > 1, "packs are closed at the pack size");
@@ -163,8 +163,8 @@ fn incremental_shares_pages_and_stores_only_new_chunks() {
     assert_eq!(s2.manifest.parent.as_deref(), Some(s1.id.as_str()));
     assert!(read_back(&repo, &s2) == day2, "the incremental snapshot does not read back");
     assert!(read_back(&repo, &s1) == day1, "the base changed");
-    let changed: Vec<usize> =
-        (0..s1.manifest.pages.len()).filter(|&i| s1.manifest.pages[i] != s2.manifest.pages[i]).collect();
+    let (p1, p2) = (repo.pages(&s1).unwrap().to_vec(), repo.pages(&s2).unwrap().to_vec());
+    let changed: Vec<usize> = (0..p1.len()).filter(|&i| p1[i] != p2[i]).collect();
     assert_eq!(changed, vec![1, 2, 3], "only the pages with changes are new");
     assert_eq!(s2.manifest.stats.new_chunks, 3, "two written chunks and the completed one");
     let after = repo.load_index().unwrap().blobs.len();
@@ -279,16 +279,16 @@ fn blkhash_is_blkhash_of_the_bytes() {
 }
 
 fn fake(id: &str, time: &str) -> SnapshotInfo {
-    SnapshotInfo {
-        id: id.into(),
-        manifest: Manifest {
+    SnapshotInfo::listed(
+        id.into(),
+        Manifest {
             version: 1,
             name: "d".into(),
             time: time.into(),
             size: 0,
             chunk_size: CS as u32,
             page_entries: 16,
-            pages: vec![],
+            pages: crate::format::PageCount(0),
             parent: None,
             source: String::new(),
             changes: crate::format::Changes::Full,
@@ -297,7 +297,7 @@ fn fake(id: &str, time: &str) -> SnapshotInfo {
             host: String::new(),
             ferry: String::new(),
         },
-    }
+    )
 }
 
 #[test]
@@ -364,8 +364,8 @@ fn forget_and_gc_free_exactly_the_dead_data() {
     let index = repo.load_index().unwrap();
     let mut live = std::collections::HashSet::new();
     for s in [&s2, &sb] {
-        for d in s.manifest.page_digests().into_iter().filter(|d| *d != ZERO) {
-            live.insert(repo.crypto.blob_id(&d));
+        for d in repo.pages(s).unwrap().nonzero() {
+            live.insert(repo.crypto.blob_id(d));
         }
         for e in repo.entries(&index, s).unwrap().into_iter().filter(|e| *e != ZERO) {
             live.insert(repo.crypto.blob_id(&e));
@@ -442,7 +442,7 @@ fn verify_names_a_pack_with_a_damaged_page_once() {
     let data = disk(2 << 20, 14);
     let snap = backup(&repo, "d", &data, None);
     let index = repo.load_index().unwrap();
-    let page = crate::format::parse_digest(&snap.manifest.pages[0]).unwrap();
+    let page = repo.pages(&snap).unwrap().to_vec()[0];
     let loc = index.blobs[&repo.crypto.blob_id(&page)];
     let pack = crate::repo::pack_name(&loc.pack);
     store.tamper(&pack, |v| v[loc.offset as usize + loc.stored_len as usize / 2] ^= 1);

@@ -120,9 +120,9 @@ struct State {
     entries: Vec<Digest>,
     /// Pages whose entries changed since `pages` was last made.
     dirty: Vec<bool>,
-    /// Each page's digest (hex, "" for a zero page) where it is not dirty: the base's, the
-    /// resumed checkpoint's, or the last checkpoint's.
-    pages: Vec<String>,
+    /// Each page's digest ([`ZERO`] for a zero page) where it is not dirty: the base's,
+    /// the resumed checkpoint's, or the last checkpoint's.
+    pages: Vec<Digest>,
     /// One bit per chunk: entered whole by this backup (or the one it resumes).
     done: Vec<u64>,
 }
@@ -296,15 +296,15 @@ impl SnapshotWriter {
         // The base's pages stand where nothing changes, unless the extent of the pages
         // differs: then every page is made again.
         let (pages, mut dirty) = match &opts.base {
-            Some(b) if base_chunks == chunks && b.manifest.pages.len() == n_pages => {
-                (b.manifest.pages.clone(), vec![false; n_pages])
+            Some(b) if base_chunks == chunks && b.manifest.pages.0 == n_pages as u64 => {
+                (repo.pages(b)?.to_vec(), vec![false; n_pages])
             }
-            _ => (vec![String::new(); n_pages], vec![true; n_pages]),
+            _ => (vec![ZERO; n_pages], vec![true; n_pages]),
         };
         // A base page with no copy left in the index (its only copy recorded damaged) is
         // made again from its entries, not named again.
-        for (p, d) in pages.iter().zip(dirty.iter_mut()).filter(|(p, d)| !**d && !p.is_empty()) {
-            *d = format::parse_digest(p).is_none_or(|digest| !index.contains(&repo.crypto.blob_id(&digest)));
+        for (p, d) in pages.iter().zip(dirty.iter_mut()).filter(|(p, d)| !**d && **p != ZERO) {
+            *d = !index.contains(&repo.crypto.blob_id(p));
         }
         let state = State { entries, dirty, pages, done: vec![0; chunks.div_ceil(64) as usize] };
         Ok(Self::build(repo, opts, guard, index, state, base_chunks, Vec::new()))
@@ -355,11 +355,11 @@ impl SnapshotWriter {
         let mut index = index;
         Self::exclude_damaged(&repo, &mut index)?;
         let base_chunks = opts.base.as_ref().map_or(0, |b| b.manifest.chunks());
-        let n_pages = checkpoint.checkpoint.pages.len();
+        let n_pages = checkpoint.checkpoint.pages.count() as usize;
         let mut state = State {
             entries,
             dirty: vec![false; n_pages],
-            pages: checkpoint.checkpoint.pages.clone(),
+            pages: checkpoint.checkpoint.pages.to_vec(),
             done: vec![0; chunks.div_ceil(64) as usize],
         };
         for [first, n] in &checkpoint.checkpoint.done {
@@ -960,15 +960,15 @@ impl SnapshotWriter {
         let mut page_buf = Vec::with_capacity(pe * 32);
         for (i, slice) in st.entries.chunks(pe).enumerate() {
             if !st.dirty[i] {
-                pages.push(st.pages[i].clone());
+                pages.push(st.pages[i]);
             } else if slice.iter().all(|e| *e == ZERO) {
-                pages.push(String::new());
+                pages.push(ZERO);
             } else {
                 page_buf.clear();
                 slice.iter().for_each(|e| page_buf.extend_from_slice(e));
                 let d = sha256(&page_buf);
                 self.store_blob(&d, BlobKind::Page, &page_buf)?;
-                pages.push(format::hex(&d));
+                pages.push(d);
             }
         }
         self.refuse_lost(&st, &pages)?;
@@ -997,7 +997,7 @@ impl SnapshotWriter {
             size: self.size,
             chunk_size: self.cs as u32,
             page_entries: self.pe as u32,
-            pages,
+            pages: pages.into_iter().collect(),
             parent: self.base.as_ref().map(|b| b.id.clone()),
             source: self.source.clone(),
             changes: self.changes.clone(),
@@ -1029,7 +1029,7 @@ impl SnapshotWriter {
             log::warn!("snapshot {id} is stored, but its checkpoint stays: {e}");
         }
         drop(locked(&self.lock).take());
-        Ok(SnapshotInfo { id, manifest })
+        Ok(SnapshotInfo::new(id, manifest))
     }
 
     /// The last guard before the manifest: it must name no blob that is neither in a
@@ -1038,13 +1038,11 @@ impl SnapshotWriter {
     /// the writer started (under the disk's lock, which keeps gc out): only those found
     /// lost then can be missing, and each must have been written since. Pages kept from
     /// the base were read through present packs when the writer started.
-    fn refuse_lost(&self, st: &State, pages: &[String]) -> Result<()> {
+    fn refuse_lost(&self, st: &State, pages: &[Digest]) -> Result<()> {
         let unread: Vec<u64> = self.lost.iter().flat_map(|[f, n]| *f..f + n).filter(|ci| !st.is_done(*ci)).collect();
-        let page_gone = pages.iter().zip(&st.dirty).filter(|(p, dirty)| !p.is_empty() && !**dirty).find(|(p, _)| {
-            format::parse_digest(p).is_none_or(|d| {
-                let id = self.repo.crypto.blob_id(&d);
-                !self.index.contains(&id) && !locked(&self.claimed.0).contains_key(&id)
-            })
+        let page_gone = pages.iter().zip(&st.dirty).filter(|(p, dirty)| **p != ZERO && !**dirty).find(|(p, _)| {
+            let id = self.repo.crypto.blob_id(p);
+            !self.index.contains(&id) && !locked(&self.claimed.0).contains_key(&id)
         });
         if let Some(first) = unread.first() {
             return Err(Error::Invalid(format!(
@@ -1058,9 +1056,10 @@ impl SnapshotWriter {
         }
         if let Some((p, _)) = page_gone {
             return Err(Error::Invalid(format!(
-                "the snapshot of {} would use page {p} of its previous snapshot, which is in no present pack: \
+                "the snapshot of {} would use page {} of its previous snapshot, which is in no present pack: \
                  nothing was committed. Run a backup that reads the whole disk (without a change map)",
-                self.name
+                self.name,
+                format::hex(p)
             )));
         }
         Ok(())
@@ -1156,24 +1155,24 @@ impl SnapshotWriter {
         let mut st = locked(&self.state);
         for (i, _) in &todo {
             match r {
-                Ok(()) => st.pages[*i] = pages[*i].clone(),
+                Ok(()) => st.pages[*i] = pages[*i],
                 Err(_) => st.dirty[*i] = true,
             }
         }
         r
     }
 
-    fn checkpoint_store(&self, todo: &[(usize, Vec<Digest>)], pages: &mut [String], done: Vec<[u64; 2]>) -> Result<()> {
+    fn checkpoint_store(&self, todo: &[(usize, Vec<Digest>)], pages: &mut [Digest], done: Vec<[u64; 2]>) -> Result<()> {
         let mut page_buf = Vec::with_capacity(self.pe as usize * 32);
         for (i, entries) in todo {
             if entries.iter().all(|e| *e == ZERO) {
-                pages[*i] = String::new();
+                pages[*i] = ZERO;
             } else {
                 page_buf.clear();
                 entries.iter().for_each(|e| page_buf.extend_from_slice(e));
                 let d = sha256(&page_buf);
                 self.store_blob(&d, BlobKind::Page, &page_buf)?;
-                pages[*i] = format::hex(&d);
+                pages[*i] = d;
             }
         }
         // Every blob of a chunk entered before now is in the open pack or in one on its way.
@@ -1195,7 +1194,7 @@ impl SnapshotWriter {
             source: self.source.clone(),
             identity: self.identity.clone(),
             changes: self.changes.clone(),
-            pages: pages.to_vec(),
+            pages: pages.iter().copied().collect(),
             done,
         };
         let sealed = self.repo.crypto.seal(AAD_CHECKPOINT, &ck.to_bytes());

@@ -6,13 +6,14 @@ use crate::repo::{sha256, sort_snapshots, AAD_SNAPSHOT};
 /// `base` dated `ahead` into the future and stored under its new id (as a host with a
 /// clock that far ahead would have written it), with `base` as its parent.
 fn plant_future(repo: &Repository, base: &SnapshotInfo, ahead: jiff::SignedDuration) -> SnapshotInfo {
-    let mut m = base.manifest.clone();
+    let pages = repo.pages(base).unwrap();
+    let mut m = base.manifest.clone().map_pages(|_| (*pages).clone());
     m.time = (jiff::Timestamp::now() + ahead).to_string();
     m.parent = Some(base.id.clone());
     let sealed = repo.crypto.seal(AAD_SNAPSHOT, &m.to_bytes());
     let id = crate::format::hex(&sha256(&sealed));
     repo.store.put(&format!("snapshots/{id}"), &sealed).unwrap();
-    SnapshotInfo { id, manifest: m }
+    SnapshotInfo::new(id, m)
 }
 
 fn secs(s: &SnapshotInfo) -> i64 {
