@@ -283,6 +283,15 @@ impl Crypto {
         }
     }
 
+    /// [`Crypto::open`] of bytes the caller gives up: unencrypted, they are the plain
+    /// form (no copy of a large object is made).
+    pub fn open_owned(&self, aad: &[u8], stored: Vec<u8>) -> Result<Vec<u8>, CryptoError> {
+        match self {
+            Crypto::None => Ok(stored),
+            Crypto::Aes(_) => self.open(aad, &stored),
+        }
+    }
+
     /// A fingerprint of the master key, for this host's record of the repository
     /// (docs/safety.md): HMAC-SHA256 keyed by the whole master key (`enc_key || id_key`)
     /// of its own label, so it is no id, tag or key used anywhere else, and tells nothing

@@ -231,6 +231,40 @@ pub(crate) fn par_map<T: Sync, R: Send>(items: &[T], threads: usize, f: impl Fn(
         .collect()
 }
 
+/// The most bytes of manifests read at once when snapshots are listed (more when one
+/// manifest alone is larger): a list of many large manifests costs about one of them.
+pub(crate) const MANIFEST_BYTES: u64 = 64 << 20;
+
+/// Bounds the bytes that threads hold at once: each waits until what it asks for fits
+/// beside what the others hold, or none holds anything.
+pub(crate) struct ByteBudget {
+    held: std::sync::Mutex<u64>,
+    freed: std::sync::Condvar,
+    max: u64,
+}
+
+impl ByteBudget {
+    pub(crate) fn new(max: u64) -> ByteBudget {
+        ByteBudget { held: std::sync::Mutex::new(0), freed: std::sync::Condvar::new(), max }
+    }
+
+    /// `f`, run while `bytes` of the budget are held.
+    pub(crate) fn with<R>(&self, bytes: u64, f: impl FnOnce() -> R) -> R {
+        let lock = || self.held.lock().unwrap_or_else(|e| e.into_inner());
+        {
+            let mut held = lock();
+            while *held > 0 && held.saturating_add(bytes) > self.max {
+                held = self.freed.wait(held).unwrap_or_else(|e| e.into_inner());
+            }
+            *held += bytes;
+        }
+        let r = f();
+        *lock() -= bytes;
+        self.freed.notify_all();
+        r
+    }
+}
+
 /// The store error of reading `name`, or damage when it is missing or too large where it
 /// must exist (`missing_is_damage`).
 fn read_error(store: &dyn Store, name: &str, e: io::Error) -> Error {
@@ -437,7 +471,7 @@ impl Repository {
         if sha256(&bytes) != want {
             return Err(Error::damaged(object, "its content does not match its name (SHA-256)"));
         }
-        self.crypto.open(aad, &bytes).map_err(|e| Error::damaged(object, e.to_string()))
+        self.crypto.open_owned(aad, bytes).map_err(|e| Error::damaged(object, e.to_string()))
     }
 
     /// Reads and checks one manifest object (`snapshots/ID`), keeping its pages as `P`
@@ -481,10 +515,14 @@ impl Repository {
             .store
             .list("snapshots/")
             .map_err(|e| Error::store(format!("cannot list the snapshots of {}", self.store.describe()), e))?;
+        // A few at a time, and no more bytes at once than [`MANIFEST_BYTES`] (but one):
+        // each is parsed into its summary and its JSON dropped before the next is read.
+        let budget = ByteBudget::new(MANIFEST_BYTES);
+        let read = par_map(&names, FETCH_THREADS, |(n, len)| budget.with(*len, || self.read_snapshot(n)));
         let names: Vec<String> = names.into_iter().map(|(n, _)| n).collect();
         let mut good = Vec::new();
         let mut bad = Vec::new();
-        for (name, r) in names.iter().zip(par_map(&names, FETCH_THREADS, |n| self.read_snapshot(n))) {
+        for (name, r) in names.iter().zip(read) {
             match r {
                 Ok(s) => good.push(s),
                 Err(e @ Error::Store { .. }) => return Err(e),

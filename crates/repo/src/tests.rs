@@ -1314,3 +1314,27 @@ fn a_read_that_panics_fails_alone() {
     r.unwrap();
     assert!(buf[..] == data[o..o + 4096]);
 }
+
+/// Listing reads manifests a few at a time, never more bytes at once than its budget
+/// (but one larger than the budget alone).
+#[test]
+fn byte_budget_bounds_what_threads_hold_at_once() {
+    use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
+    let budget = crate::repo::ByteBudget::new(100);
+    let (held, peak) = (AtomicU64::new(0), AtomicU64::new(0));
+    let sizes: Vec<u64> = (0..64).map(|i| [10, 40, 70, 250][i % 4]).collect();
+    let got = crate::repo::par_map(&sizes, 8, |&n| {
+        budget.with(n, || {
+            let now = held.fetch_add(n, SeqCst) + n;
+            if now > n {
+                peak.fetch_max(now, SeqCst);
+            }
+            assert!(now <= 100 || now == n, "{now} bytes held at once");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+            held.fetch_sub(n, SeqCst);
+            n
+        })
+    });
+    assert_eq!(got, sizes);
+    assert!(peak.load(SeqCst) > 0, "small ones are read together");
+}
