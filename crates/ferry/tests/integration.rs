@@ -44,6 +44,7 @@ mod repo_base;
 mod repo_crash;
 mod repo_heal;
 mod repo_keys;
+mod repo_list;
 mod repo_locks;
 mod repo_recover;
 mod repo_resume;
