@@ -106,8 +106,10 @@
 //!
 //! **The path of one restored READ.** `ferry copy REPO::vm@3f2a out.raw`, or an NBD READ of
 //! `ferry serve REPO::vm`:
-//! 1. `SnapshotImage::open` (once) resolves the snapshot, loads the index and reads the
-//!    snapshot's pages: the digest of every chunk. The allocation map (`Backend::extents`)
+//! 1. `SnapshotImage::open` (once) resolves the snapshot (the manifests listed a few at a
+//!    time, each kept as a summary without its page digests), loads the index, reads that
+//!    snapshot's manifest again for its page digests ([`Repository::pages`]) and reads its
+//!    pages: the digest of every chunk. The allocation map (`Backend::extents`)
 //!    comes from these entries: zero entries are holes, never read.
 //! 2. `SnapshotImage::read(buf, offset)` splits the range by chunk. A zero entry is filled
 //!    with zeroes; a chunk read in part may come from the cache of decoded chunks (sharded
