@@ -303,6 +303,13 @@ pub(crate) fn entry_list_within(chunks: u64, object: &str, memory: Option<u64>) 
     Ok(v)
 }
 
+/// About how many bytes of pages a snapshot's chunk list is read in at a time.
+#[cfg(not(test))]
+pub(crate) const PAGE_WINDOW_BYTES: usize = 4 << 20;
+/// Small in the crate's tests, so that their snapshots are read in several windows.
+#[cfg(test)]
+pub(crate) const PAGE_WINDOW_BYTES: usize = 4096;
+
 /// Index objects are cut at this many plain bytes, well below the readers' limit
 /// (FORMAT.md §6: 256 MiB), so no backup or gc writes one that cannot be read back.
 pub(crate) const INDEX_SPLIT: usize = 64 << 20;
@@ -716,11 +723,17 @@ impl Repository {
         if digests.len() as u64 != chunks.div_ceil(pe) {
             return Err(Error::damaged(object, "its page count does not match its size"));
         }
-        drop(entry_list(chunks, &object)?);
-        let pages =
-            par_map(&digests, FETCH_THREADS, |d| if *d == ZERO { Ok(Vec::new()) } else { self.read_page(index, d) });
         let mut entries = entry_list(chunks, &object)?;
-        for (i, (d, page)) in digests.iter().zip(pages).enumerate() {
+        // A window of pages at a time (about [`PAGE_WINDOW_BYTES`]): the pages read wait
+        // beside the list for their window only, not the whole list's size again.
+        let window = (PAGE_WINDOW_BYTES / (32 * pe.max(1)) as usize).max(FETCH_THREADS);
+        let read = |d: &Digest| if *d == ZERO { Ok(Vec::new()) } else { self.read_page(index, d) };
+        let mut pages = Vec::new().into_iter();
+        for (i, d) in digests.iter().enumerate() {
+            if i % window == 0 {
+                pages = par_map(&digests[i..(i + window).min(digests.len())], FETCH_THREADS, read).into_iter();
+            }
+            let page = pages.next().unwrap_or_else(|| Err("it was not read".into()));
             let count = (chunks - i as u64 * pe).min(pe) as usize;
             if *d == ZERO {
                 entries.resize(entries.len() + count, ZERO);

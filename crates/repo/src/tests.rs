@@ -1338,3 +1338,32 @@ fn byte_budget_bounds_what_threads_hold_at_once() {
     assert_eq!(got, sizes);
     assert!(peak.load(SeqCst) > 0, "small ones are read together");
 }
+
+/// A snapshot's chunk list is read a window of pages at a time (8 pages in these tests):
+/// one of 21 pages, zero pages among them, reads back whole, from a listing (its pages
+/// read again from its manifest) and incrementally; a damaged page in the last window is
+/// named by its number.
+#[test]
+fn chunk_lists_are_read_a_window_of_pages_at_a_time() {
+    let (store, repo) = new_repo(false);
+    let mut data = disk(21 * 16 * CS - 5000, 41);
+    data[3 * 16 * CS..5 * 16 * CS].fill(0);
+    let first = backup(&repo, "d", &data, None);
+    let listed = repo.resolve("d", None).unwrap();
+    assert!(listed.held_pages().is_none(), "a listed snapshot holds no pages");
+    assert!(read_back(&repo, &listed) == data);
+    let pages = repo.pages(&listed).unwrap();
+    assert_eq!((pages.count(), pages.nonzero().len()), (21, 19));
+    let index = repo.load_index().unwrap();
+    assert_eq!(repo.entries(&index, &listed).unwrap(), repo.entries(&index, &first).unwrap());
+    let mut day2 = data.clone();
+    day2[19 * 16 * CS..19 * 16 * CS + 10].fill(7);
+    let second = backup(&repo, "d", &day2, Some(listed));
+    assert!(read_back(&repo, &repo.resolve("d", None).unwrap()) == day2);
+    // Page 20 is in the third window.
+    let page = repo.crypto.blob_id(&pages.to_vec()[20]);
+    let loc = index.blobs[&page];
+    store.tamper(&crate::repo::pack_name(&loc.pack), |v| v[loc.offset as usize] ^= 1);
+    let e = repo.entries(&repo.load_index().unwrap(), &second).unwrap_err().to_string();
+    assert!(e.contains("page 20"), "{e}");
+}
