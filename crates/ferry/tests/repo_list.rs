@@ -11,25 +11,10 @@
 use crate::common::json::{Json, JsonExt};
 use crate::common::*;
 use crate::incremental_backup::s;
+use crate::repo_trust::ok;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-
-/// `ferry ARGS` on the host whose state directory is `host`, with no passphrase from the
-/// test's environment.
-fn on(host: &Path, args: &[&str]) -> Command {
-    let mut c = Command::new(ferry_bin());
-    c.args(args)
-        .env("FERRY_STATE_DIR", host)
-        .env_remove("FERRY_PASSWORD")
-        .env_remove("FERRY_PASSWORD_FILE")
-        .env_remove("RUST_LOG");
-    c
-}
-
-fn ok(host: &Path, args: &[&str]) -> Output {
-    run_ok(&mut on(host, args))
-}
 
 /// `ferry ARGS` on `host` with at most `mib` MiB of address space (`prlimit --as`): an
 /// allocation past it fails, and ferry aborts.

@@ -27,7 +27,7 @@ use std::process::{Command, Stdio};
 
 /// `ferry ARGS` on the host whose state directory is `host`, with no passphrase from the
 /// test's environment.
-fn on(host: &Path, args: &[&str]) -> Command {
+pub(crate) fn on(host: &Path, args: &[&str]) -> Command {
     let mut c = Command::new(ferry_bin());
     c.args(args)
         .env("FERRY_STATE_DIR", host)
@@ -37,7 +37,7 @@ fn on(host: &Path, args: &[&str]) -> Command {
     c
 }
 
-fn ok(host: &Path, args: &[&str]) -> Output {
+pub(crate) fn ok(host: &Path, args: &[&str]) -> Output {
     run_ok(&mut on(host, args))
 }
 
