@@ -195,18 +195,23 @@ fn seal_tail(cipher: &Aes256Gcm, aad: &[u8], out: &mut Vec<u8>, start: usize) {
 
 /// The plain text of `nonce || ciphertext || tag`, or why not.
 fn open_with(cipher: &Aes256Gcm, aad: &[u8], stored: &[u8]) -> Result<Vec<u8>, ()> {
-    if stored.len() < NONCE + TAG {
+    open_in_place(cipher, aad, stored.to_vec())
+}
+
+/// Opens `nonce || ciphertext || tag` in its own buffer, which becomes the plain bytes.
+fn open_in_place(cipher: &Aes256Gcm, aad: &[u8], mut stored: Vec<u8>) -> Result<Vec<u8>, ()> {
+    let n = stored.len();
+    if n < NONCE + TAG {
         return Err(());
     }
-    let (nonce, rest) = stored.split_at(NONCE);
-    let (ct, tag) = rest.split_at(rest.len() - TAG);
-    let mut plain = ct.to_vec();
-    let nonce: [u8; NONCE] = nonce.try_into().map_err(|_| ())?;
-    let tag: [u8; TAG] = tag.try_into().map_err(|_| ())?;
+    let nonce: [u8; NONCE] = stored[..NONCE].try_into().map_err(|_| ())?;
+    let tag: [u8; TAG] = stored[n - TAG..].try_into().map_err(|_| ())?;
     cipher
-        .decrypt_inout_detached(&Nonce::from(nonce), aad, plain.as_mut_slice().into(), &Tag::from(tag))
+        .decrypt_inout_detached(&Nonce::from(nonce), aad, (&mut stored[NONCE..n - TAG]).into(), &Tag::from(tag))
         .map_err(|_| ())?;
-    Ok(plain)
+    stored.truncate(n - TAG);
+    stored.drain(..NONCE);
+    Ok(stored)
 }
 
 impl Crypto {
@@ -270,25 +275,22 @@ impl Crypto {
 
     /// The plain form of a stored object (a copy, unencrypted).
     pub fn open(&self, aad: &[u8], stored: &[u8]) -> Result<Vec<u8>, CryptoError> {
+        self.open_owned(aad, stored.to_vec())
+    }
+
+    /// [`Crypto::open`] of bytes the caller gives up (no copy of a large object is made):
+    /// unencrypted, they are the plain form; encrypted, they are opened in place.
+    pub fn open_owned(&self, aad: &[u8], stored: Vec<u8>) -> Result<Vec<u8>, CryptoError> {
         match self {
-            Crypto::None => Ok(stored.to_vec()),
+            Crypto::None => Ok(stored),
             Crypto::Aes(_) if stored.len() < NONCE + TAG => Err(CryptoError::Damaged(format!(
                 "{} bytes are too few for an encrypted object (nonce and tag are {})",
                 stored.len(),
                 NONCE + TAG
             ))),
-            Crypto::Aes(k) => open_with(&k.cipher(aad), aad, stored).map_err(|()| {
+            Crypto::Aes(k) => open_in_place(&k.cipher(aad), aad, stored).map_err(|()| {
                 CryptoError::Damaged("its authentication failed (the bytes were changed or damaged)".into())
             }),
-        }
-    }
-
-    /// [`Crypto::open`] of bytes the caller gives up: unencrypted, they are the plain
-    /// form (no copy of a large object is made).
-    pub fn open_owned(&self, aad: &[u8], stored: Vec<u8>) -> Result<Vec<u8>, CryptoError> {
-        match self {
-            Crypto::None => Ok(stored),
-            Crypto::Aes(_) => self.open(aad, &stored),
         }
     }
 
@@ -604,6 +606,11 @@ mod tests {
         assert_eq!(s.len(), plain.len() + c.overhead());
         assert_ne!(&s[12..12 + plain.len()], &plain[..]);
         assert_eq!(c.open(b"ferry index", &s).unwrap(), plain);
+        // Opened in its own buffer, the same; unencrypted, the bytes are the plain form.
+        assert_eq!(c.open_owned(b"ferry index", s.clone()).unwrap(), plain);
+        assert!(c.open_owned(b"ferry snapshot", s.clone()).is_err());
+        assert!(c.open_owned(b"ferry index", s[..27].to_vec()).is_err());
+        assert_eq!(Crypto::None.open_owned(b"ferry index", plain.clone()).unwrap(), plain);
         // Fresh nonces: the same plain text seals differently.
         assert_ne!(c.seal(b"ferry index", &plain), s);
         // Wrong additional data, any changed byte, truncation.
