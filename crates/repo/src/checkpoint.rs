@@ -2,7 +2,7 @@
 //! A [`crate::SnapshotWriter`] writes them ([`crate::SnapshotWriter::checkpoint`]) and
 //! resumes from one ([`crate::SnapshotWriter::resume`]).
 use crate::format::{self, Checkpoint};
-use crate::repo::{par_map, parse_time, Failures, Repository, SnapshotInfo, FETCH_THREADS};
+use crate::repo::{par_map, parse_time, ByteBudget, Failures, Repository, SnapshotInfo, FETCH_THREADS, MANIFEST_BYTES};
 use crate::{Error, Result};
 use std::io;
 
@@ -78,7 +78,7 @@ impl Repository {
             io::ErrorKind::InvalidData => Error::damaged(object, e.to_string()),
             _ => Error::store(format!("cannot read {object} from {}", self.store.describe()), e),
         })?;
-        let json = self.crypto.open(AAD_CHECKPOINT, &bytes).map_err(|e| Error::damaged(object, e.to_string()))?;
+        let json = self.crypto.open_owned(AAD_CHECKPOINT, bytes).map_err(|e| Error::damaged(object, e.to_string()))?;
         let checkpoint = Checkpoint::parse(&json, &self.limits()).map_err(|e| Error::damaged(object, e.0))?;
         if self.checkpoint_object(&checkpoint.name) != object {
             return Err(Error::damaged(object, format!("it holds a checkpoint of another disk ({})", checkpoint.name)));
@@ -102,11 +102,15 @@ impl Repository {
             .store
             .list("checkpoints/")
             .map_err(|e| Error::store(format!("cannot list the checkpoints of {}", self.store.describe()), e))?;
-        let mut names: Vec<String> = names.into_iter().map(|(n, _)| n).collect();
+        let mut names = names;
         names.sort();
+        // As manifests are listed: a few at a time, within a budget of bytes.
+        let budget = ByteBudget::new(MANIFEST_BYTES);
+        let read = par_map(&names, FETCH_THREADS, |(n, len)| budget.with(*len, || self.read_checkpoint_object(n)));
+        let names: Vec<String> = names.into_iter().map(|(n, _)| n).collect();
         let mut good = Vec::new();
         let mut bad = Vec::new();
-        for (name, r) in names.iter().zip(par_map(&names, FETCH_THREADS, |n| self.read_checkpoint_object(n))) {
+        for (name, r) in names.iter().zip(read) {
             match r {
                 Ok(c) => good.push(c),
                 Err(e @ Error::Store { .. }) => return Err(e),
