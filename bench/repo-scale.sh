@@ -5,8 +5,9 @@
 #
 #   bash bench/repo-scale.sh                          # from the project root, after cargo build --release -p ferry
 #   bash bench/repo-scale.sh --chunks 200000,1000000  # the sizes (stored chunks), comma-separated
-#   bash bench/repo-scale.sh --chunks 10000000        # 10M: about 25 minutes of generator and backup
-#                                                     # alone on 2 cores, and about 40 GiB of file system
+#   GEN_DIR=/var/tmp bash bench/repo-scale.sh --chunks 10000000  # 10M: a 640 GiB generator disk taking
+#                     # 40 GiB of GEN_DIR (more than /dev/shm holds here); its ferry build alone takes
+#                     # about 30 minutes on 2 busy cores, restic's as long
 #   bash bench/repo-scale.sh --encrypt                # encrypted ferry repositories (`repo init --encrypt`)
 #   bash bench/repo-scale.sh --no-restic              # ferry's rows only
 #   bash bench/repo-scale.sh --restic-chunks 200000   # restic only at these sizes (default: all of them)
@@ -48,6 +49,8 @@
 # (installed with apt-get when missing), openssl, cmp, GNU time (/usr/bin/time).
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=bench/lib.sh
+. "$HERE/lib.sh"
 FERRY=${FERRY:-$PWD/target/release/ferry}
 PY=${PY:-/usr/bin/python3}
 OUT=${OUT:-$PWD/repo-scale.md}
@@ -73,18 +76,9 @@ RSIZES=${RESTIC_CHUNKS:+0 $(echo "$RESTIC_CHUNKS" | tr ',' ' ')}
 RSIZES=${RSIZES:-$SIZES}
 for n in $SIZES; do
   [[ $n =~ ^[0-9]+$ ]] || { echo "--chunks takes numbers: $CHUNKS"; exit 2; }
-  [ "$n" -ge 5000000 ] && echo "note: $n chunks: the generator disk is $((n >> 14)) GiB; its build alone takes about $((n / 12000 / 60)) minutes here"
+  [ "$n" -ge 5000000 ] && echo "note: $n chunks: the generator disk is $((n >> 14)) GiB ($((n >> 18)) GiB of GEN_DIR); its build alone takes about $((n / 6000 / 60)) minutes on 2 busy cores, restic's as long"
 done
 
-install_pkg() { # COMMAND PACKAGE
-  command -v "$1" >/dev/null && return
-  local sudo=
-  [ "$(id -u)" = 0 ] || sudo="sudo -n"
-  echo "installing $2 with apt-get"
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q "$2" >/dev/null 2>&1 ||
-    { $sudo apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q "$2" >/dev/null 2>&1; } ||
-    echo "note: could not install $2: its cells will say FAIL"
-}
 [ "$PEERS" = 1 ] && install_pkg restic restic
 for t in openssl cmp /usr/bin/time; do command -v $t >/dev/null || { echo "missing $t"; exit 1; }; done
 $PY -c 'import nbd' || { echo "missing python3-libnbd for $PY"; exit 1; }
@@ -201,6 +195,7 @@ for n in $SIZES; do
   ttfb "ferry serve -r REPO::small: first 4 KiB read" "$n" "$R::small"
   timed "ferry repo check REPO" "$n" "$FERRY" repo check "$R"
   timed "ferry repo verify REPO" "$n" "$FERRY" repo verify "$R"
+  # shellcheck disable=SC2016 # the inner sh expands them
   timed "ferry repo forget REPO ID (small) + gc" "$n" sh -c '"$1" repo forget "$2" "$3" && "$1" repo gc "$2"' sh "$FERRY" "$R" "$SMALLID"
   if [ "$PEERS" = 1 ] && [[ " $RSIZES " == *" $n "* ]]; then
     Q=$W/restic
