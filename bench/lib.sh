@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Shared by ferry's bench scripts (source it; needs $SIZE_G for gibs).
 # med: median of numbers on stdin. secs CMD...: wall seconds of one run (FAIL if it
 # fails). med3: median of 3 runs. gibs: SIZE_G GiB over the median time, in GiB/s.
@@ -38,4 +39,15 @@ rbd_cleanup() {
   wait 2>/dev/null
   "$HERE/../scripts/ceph-cluster" stop "$C"
   rm -rf "$W"
+}
+# install_pkg COMMAND PACKAGE: PACKAGE from the system's package sources (apt-get; needs root
+# or sudo) when COMMAND is missing; a note when it cannot be installed.
+install_pkg() { # COMMAND PACKAGE
+  command -v "$1" >/dev/null && return
+  local sudo=
+  [ "$(id -u)" = 0 ] || sudo="sudo -n"
+  echo "installing $2 with apt-get"
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q "$2" >/dev/null 2>&1 ||
+    { $sudo apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q "$2" >/dev/null 2>&1; } ||
+    echo "note: could not install $2: its cells will say FAIL"
 }

@@ -115,16 +115,7 @@ cleanup() {
 trap cleanup EXIT
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 
-# The peers, from the system's package sources when missing.
-install_pkg() { # COMMAND PACKAGE
-  command -v "$1" >/dev/null && return
-  local sudo=
-  [ "$(id -u)" = 0 ] || sudo="sudo -n"
-  echo "installing $2 with apt-get"
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q "$2" >/dev/null 2>&1 ||
-    { $sudo apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q "$2" >/dev/null 2>&1; } ||
-    echo "note: could not install $2: its cells will say FAIL"
-}
+# The peers, from the system's package sources when missing (install_pkg: lib.sh).
 if [ "$PEERS" = 1 ]; then install_pkg restic restic; install_pkg borg borgbackup; fi
 for t in qemu-img qemu-nbd nbdcopy nbdinfo openssl bc cmp; do command -v $t >/dev/null || { echo "missing $t"; exit 1; }; done
 $PY -c 'import nbd' || { echo "missing python3-libnbd"; exit 1; }
