@@ -163,6 +163,7 @@ mod memory;
 mod reader;
 pub mod recover;
 mod repo;
+pub mod runs;
 pub mod store;
 #[cfg(test)]
 mod tests;
@@ -173,6 +174,7 @@ pub use damage::{DamageSet, DamagedCopies};
 pub use diff::SnapshotDiff;
 pub use reader::{default_cache_bytes, SnapshotImage, MIN_CACHE_BYTES};
 pub use repo::{resolve_in, Failures, Index, InitOptions, Location as BlobLocation, Repository, SnapshotInfo};
+pub use runs::{BlobLookup, RunIndex};
 /// A passphrase as ferry holds it from where it is read to the KDF: zeroed when dropped.
 pub type Passphrase = zeroize::Zeroizing<Vec<u8>>;
 pub use writer::{
