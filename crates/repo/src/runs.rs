@@ -480,42 +480,81 @@ impl RunOut {
     }
 }
 
-/// The entries of index objects (name, content), sorted, as one run: its objects sorted
-/// by name, its rows by (object, pack).
-fn write_objects(dir: &Path, mut objects: Vec<(Digest, Vec<PackBlobs>)>) -> io::Result<Run> {
-    objects.sort_by_key(|a| a.0);
-    objects.dedup_by(|a, b| a.0 == b.0);
-    let mut rows: Vec<Row> = Vec::new();
-    for (o, (_, packs)) in objects.iter().enumerate() {
-        for p in packs {
-            rows.push(Row { pack: p.pack, object: o as u32, count: 0 });
+/// Entries of index objects gathered for one run, each object's packs converted (and
+/// freed) as it is added: a large index object is held once, not twice.
+#[derive(Default)]
+struct Pending {
+    /// The objects, in the order added.
+    objects: Vec<Digest>,
+    /// Rows as (object, pack, entries), in the order met.
+    rows: Vec<(u32, Digest, u32)>,
+    row_of: HashMap<(u32, Digest), u32>,
+    ents: Vec<Ent>,
+}
+
+impl Pending {
+    fn add(&mut self, name: Digest, packs: Vec<PackBlobs>) {
+        if self.objects.contains(&name) {
+            return;
         }
-    }
-    rows.sort_by_key(|a| (a.object, a.pack));
-    rows.dedup_by(|a, b| (a.object, a.pack) == (b.object, b.pack));
-    let row_of: HashMap<(u32, Digest), u32> =
-        rows.iter().enumerate().map(|(i, r)| ((r.object, r.pack), i as u32)).collect();
-    let total: usize = objects.iter().flat_map(|(_, p)| p.iter().map(|p| p.blobs.len())).sum();
-    let mut ents: Vec<Ent> = Vec::with_capacity(total);
-    let mut names = Vec::with_capacity(objects.len());
-    for (o, (name, packs)) in objects.into_iter().enumerate() {
-        names.push(name);
+        let o = self.objects.len() as u32;
+        self.objects.push(name);
         for p in packs {
-            let row = row_of[&(o as u32, p.pack)];
+            let rows = &mut self.rows;
+            let row = *self.row_of.entry((o, p.pack)).or_insert_with(|| {
+                rows.push((o, p.pack, 0));
+                rows.len() as u32 - 1
+            });
+            self.rows[row as usize].2 += p.blobs.len() as u32;
+            self.ents.reserve(p.blobs.len());
             for b in p.blobs {
                 let page = if b.kind == BlobKind::Page { PAGE_BIT } else { 0 };
-                ents.push(Ent { id: b.id, row, offset: b.offset, stored_len: b.stored_len, plain: b.plain_len | page });
-                rows[row as usize].count += 1;
+                self.ents.push(Ent {
+                    id: b.id,
+                    row,
+                    offset: b.offset,
+                    stored_len: b.stored_len,
+                    plain: b.plain_len | page,
+                });
             }
         }
     }
-    ents.sort_unstable_by_key(|e| e.key());
-    let mut out = RunOut::create(dir, names, rows)?;
-    for e in &ents {
-        out.push(e)?;
+
+    /// Writes the entries, sorted, as one run: its objects sorted by name, its rows by
+    /// (object, pack).
+    fn write(self, dir: &Path) -> io::Result<Run> {
+        let Pending { objects, rows, mut ents, .. } = self;
+        let mut order: Vec<u32> = (0..objects.len() as u32).collect();
+        order.sort_by_key(|&o| objects[o as usize]);
+        let mut ordinal = vec![0u32; objects.len()];
+        for (new, &old) in order.iter().enumerate() {
+            ordinal[old as usize] = new as u32;
+        }
+        let mut by: Vec<u32> = (0..rows.len() as u32).collect();
+        by.sort_by_key(|&r| (ordinal[rows[r as usize].0 as usize], rows[r as usize].1));
+        let mut row_at = vec![0u32; rows.len()];
+        for (new, &old) in by.iter().enumerate() {
+            row_at[old as usize] = new as u32;
+        }
+        for e in ents.iter_mut() {
+            e.row = row_at[e.row as usize];
+        }
+        ents.sort_unstable_by_key(|e| e.key());
+        let names: Vec<Digest> = order.iter().map(|&o| objects[o as usize]).collect();
+        let table: Vec<Row> = by
+            .iter()
+            .map(|&r| {
+                let (o, pack, count) = rows[r as usize];
+                Row { pack, object: ordinal[o as usize], count }
+            })
+            .collect();
+        let mut out = RunOut::create(dir, names, table)?;
+        for e in &ents {
+            out.push(e)?;
+        }
+        drop(ents);
+        out.finish(dir)
     }
-    drop(ents);
-    out.finish(dir)
 }
 
 /// A source run in a merge: its next entry.
@@ -950,8 +989,7 @@ impl Cache {
     /// [`BUILD_ENTRIES`] entries.
     fn build(&self, repo: &Repository, new: &[&(String, u64)]) -> Result<io::Result<Vec<Run>>> {
         let mut runs = Vec::new();
-        let mut pending: Vec<(Digest, Vec<PackBlobs>)> = Vec::new();
-        let mut pending_entries = 0usize;
+        let mut pending = Pending::default();
         let mut i = 0;
         while i < new.len() {
             let mut j = i + 1;
@@ -965,8 +1003,7 @@ impl Cache {
                 match r {
                     Ok(packs) => {
                         let Some(d) = name.strip_prefix("index/").and_then(format::parse_digest) else { continue };
-                        pending_entries += packs.iter().map(|p| p.blobs.len()).sum::<usize>();
-                        pending.push((d, packs));
+                        pending.add(d, packs);
                     }
                     Err(e @ Error::Store { .. }) => return Err(e),
                     Err(e) => {
@@ -975,12 +1012,11 @@ impl Cache {
                 }
             }
             i = j;
-            if pending_entries >= self.build_entries || (i == new.len() && !pending.is_empty()) {
-                match write_objects(&self.dir, std::mem::take(&mut pending)) {
+            if pending.ents.len() >= self.build_entries || (i == new.len() && !pending.objects.is_empty()) {
+                match std::mem::take(&mut pending).write(&self.dir) {
                     Ok(r) => runs.push(r),
                     Err(e) => return Ok(Err(e)),
                 }
-                pending_entries = 0;
             }
         }
         Ok(Ok(runs))
