@@ -277,13 +277,26 @@ impl Meta {
         if crc32fast::hash(buf) != self.sums[b] {
             return Err(format!("block {b} fails its checksum"));
         }
-        let mut prev: Option<(Digest, u32, u32)> = None;
+        // In order by (id, row, offset), every row in the table: ids compared as bytes,
+        // the rest only between copies of one id.
+        let bad = || format!("block {b} is out of order or names a pack row it does not have");
+        let mut prev: &[u8] = &[];
         for c in buf.chunks_exact(ENTRY) {
-            let e = Ent::read(c);
-            if e.row as usize >= self.rows.len() || prev.is_some_and(|p| p > e.key()) {
-                return Err(format!("block {b} is out of order or names a pack row it does not have"));
+            if u32_at(c, 32) as usize >= self.rows.len() {
+                return Err(bad());
             }
-            prev = Some(e.key());
+            if !prev.is_empty() {
+                match prev[..32].cmp(&c[..32]) {
+                    std::cmp::Ordering::Greater => return Err(bad()),
+                    std::cmp::Ordering::Equal
+                        if (u32_at(prev, 32), u32_at(prev, 36)) > (u32_at(c, 32), u32_at(c, 36)) =>
+                    {
+                        return Err(bad())
+                    }
+                    _ => {}
+                }
+            }
+            prev = c;
         }
         if buf.get(..32) != Some(&self.fence[b][..]) {
             return Err(format!("block {b} does not start with its fence's id"));
@@ -342,6 +355,11 @@ impl Meta {
 struct BlockCache {
     at: Option<usize>,
     bytes: Vec<u8>,
+}
+
+thread_local! {
+    /// Each thread's buffer for the block a single lookup reads (no allocation per lookup).
+    static BLOCK_BUF: std::cell::RefCell<BlockCache> = std::cell::RefCell::new(BlockCache::default());
 }
 
 /// Checks a run given as bytes, and looks up a few ids in it: what fuzzing drives. Never
@@ -1260,11 +1278,16 @@ impl RunIndex {
             let Some(run) = &part.run else { continue };
             let usable = &self.usable[k];
             let before = out.len();
-            let r = run.meta.lookup(&run.file, id, &mut BlockCache::default(), |e| {
-                if usable[e.row as usize] {
-                    let object = run.meta.objects[run.meta.rows[e.row as usize].object as usize];
-                    out.push((object, e.location(&run.meta.rows)));
-                }
+            let r = BLOCK_BUF.with(|cache| {
+                let mut cache = cache.borrow_mut();
+                // The buffer is this thread's; the block in it is not kept between lookups.
+                cache.at = None;
+                run.meta.lookup(&run.file, id, &mut cache, |e| {
+                    if usable[e.row as usize] {
+                        let object = run.meta.objects[run.meta.rows[e.row as usize].object as usize];
+                        out.push((object, e.location(&run.meta.rows)));
+                    }
+                })
             });
             if let Err(why) = r {
                 out.truncate(before);

@@ -317,3 +317,58 @@ fn hostile_run_bytes_are_refused_without_panic() {
     assert!(Meta::parse(&huge[..], huge.len() as u64).is_err());
     fuzz(&huge);
 }
+
+/// Lookup cost at scale (run by hand: `cargo test --release -p ferry-repo --lib
+/// runs::tests::lookup_speed -- --ignored --nocapture`): a million entries in one run,
+/// random hits and misses.
+#[test]
+#[ignore]
+fn lookup_speed() {
+    let (store, _) = new_repo();
+    let dir = tempfile::tempdir().unwrap();
+    let repo = opened(&store, dir.path(), BUILD_ENTRIES);
+    let n = 1_000_000u64;
+    let per_pack = 10_000u64;
+    let packs: Vec<PackBlobs> = (0..n / per_pack)
+        .map(|p| PackBlobs {
+            pack: id(u64::MAX - p),
+            blobs: (0..per_pack)
+                .map(|i| BlobEntry {
+                    id: id(p * per_pack + i),
+                    kind: BlobKind::Data,
+                    offset: i as u32 * 100,
+                    stored_len: 90,
+                    plain_len: 65536,
+                })
+                .collect(),
+        })
+        .collect();
+    repo.put_index_split(&packs, usize::MAX).unwrap();
+    drop(packs);
+    let t = std::time::Instant::now();
+    let ix = RunIndex::open(&repo).unwrap();
+    eprintln!("cold open of {n} entries: {:?}", t.elapsed());
+    let t = std::time::Instant::now();
+    let ix2 = RunIndex::open(&repo).unwrap();
+    eprintln!("warm open: {:?} ({} runs)", t.elapsed(), ix2.runs());
+    let k = 200_000u64;
+    let t = std::time::Instant::now();
+    let hits = (0..k).filter(|i| ix.first(&id(i * 4 % n)).is_some()).count();
+    let el = t.elapsed();
+    assert_eq!(hits as u64, k);
+    eprintln!("hits: {:.2} us each", el.as_secs_f64() * 1e6 / k as f64);
+    let t = std::time::Instant::now();
+    let misses = (0..k).filter(|i| ix.contains(&id(n + i))).count();
+    assert_eq!(misses, 0);
+    eprintln!("misses: {:.2} us each", t.elapsed().as_secs_f64() * 1e6 / k as f64);
+    let mut ids: Vec<Digest> = (0..k).map(|i| id(i * 3)).collect();
+    ids.sort();
+    let t = std::time::Instant::now();
+    assert!(ix.contains_each(&ids).iter().all(|b| *b));
+    eprintln!("sorted batch: {:.2} us each", t.elapsed().as_secs_f64() * 1e6 / k as f64);
+    let mem = repo.load_index_lenient().unwrap();
+    let t = std::time::Instant::now();
+    let hits = (0..k).filter(|i| BlobLookup::first(&mem, &id(i * 4 % n)).is_some()).count();
+    assert_eq!(hits as u64, k);
+    eprintln!("in-memory hits: {:.2} us each", t.elapsed().as_secs_f64() * 1e6 / k as f64);
+}
