@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Bounded fuzz smoke run of the cargo-fuzz targets (fuzz/fuzz_targets/*.rs): ferry-proto's
 # server-side and client-side parsers, ferry-client's URI parser, the qcow2 format layer, and
-# ferry-repo's backup repository objects (repo_format).
+# ferry-repo's backup repository objects (repo_format) and its local index cache's run files
+# (repo_runs).
 #
 #   scripts/fuzz-smoke.sh [SECONDS_PER_TARGET]     (default 20)
 #

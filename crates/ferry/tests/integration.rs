@@ -49,6 +49,7 @@ mod repo_locks;
 mod repo_recover;
 mod repo_resume;
 mod repo_s3;
+mod repo_scale;
 mod repo_trust;
 mod resume_safety;
 mod robustness;

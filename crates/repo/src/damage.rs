@@ -185,7 +185,10 @@ fn set_locations(index: &mut Index, id: &Digest, locs: Vec<Location>) {
 
 /// Drops from a backup's index every copy recorded damaged (a blob keeps its good
 /// copies): the backup stores again, where it reads it, what has no good copy, instead
-/// of pointing at a damaged one. The number of blobs left with no copy.
+/// of pointing at a damaged one. The number of blobs left with no copy. (Backups see
+/// the index through the cache instead: `RunIndex::without_damaged`; this is the
+/// in-memory reference its tests compare with.)
+#[cfg(test)]
 pub(crate) fn exclude_damaged(index: &mut Index, damage: &DamageSet) -> usize {
     let mut gone = 0;
     for id in damaged_ids(damage) {

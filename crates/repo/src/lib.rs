@@ -61,6 +61,11 @@
 //! known.rs           this host's record of each repository it used (id, encryption and
 //!                    key fingerprint, each disk's newest snapshot, what it forgot), so a
 //!                    store that went back or lost its encryption is noticed
+//! runs.rs            this host's cache of the index (not part of the format): the index
+//!                    objects as sorted, immutable run files (CRC-checked blocks of 128
+//!                    entries, a fence of each block's first id), merged into at most 4;
+//!                    BlobLookup, which the in-memory Index (check, verify, gc) and
+//!                    RunIndex (readers and backups) implement
 //! ```
 //!
 //! The binary reaches it through `ferry-open`: `Location::parse` recognises `REPO::NAME` and
@@ -71,13 +76,16 @@
 //! and the server never name the repository.
 //!
 //! **The path of one backup.** `ferry backup --dirty-bitmap b0 --since ID URI REPO::vm`:
-//! 1. `SnapshotWriter::start` takes the disk's `backup` lock, loads the index (the copies in
-//!    packs present in the store) and the pages of vm's latest snapshot (the base: every
+//! 1. `SnapshotWriter::start` takes the disk's `backup` lock, opens the index through this
+//!    host's cache (`RunIndex::open`: the run files of `$FERRY_CACHE_DIR/<id>/index`, after
+//!    reading the index objects that no run covers yet; the copies in packs present in
+//!    the store, none recorded damaged) and reads the pages of vm's latest snapshot (the base: every
 //!    chunk the source does not send keeps the base's entry), which the binary checked is
 //!    `ID`, the snapshot the map continues. Base entries with no present copy are lost:
 //!    `lost_ranges` gives them to the copy engine to read too, and `commit` refuses a
-//!    manifest that would still name one. A base whose pages cannot be read is dropped by a
-//!    full backup (with a warning) and refused by a change-map one.
+//!    manifest that would still name one (the base's ids are looked up sorted, a million at
+//!    a time, so neighbours share the blocks read). A base whose pages cannot be read is
+//!    dropped by a full backup (with a warning) and refused by a change-map one.
 //! 2. The binary reads a sample of the chunks the map leaves alone from the source and
 //!    compares them with the base's entries (`SnapshotWriter::with_entries`).
 //!    The copy engine reads the dirty map (without a bitmap, the allocation map), and its
@@ -90,7 +98,8 @@
 //!    through ferry-hash: the digest is blkhash's block digest), and the id derived (the
 //!    digest, or its HMAC when encrypted); an all-zero chunk becomes a zero entry and is not
 //!    stored.
-//! 4. Dedup: an id already in the index, or already stored by this backup, costs nothing
+//! 4. Dedup: an id already in the index (one block of each run file read, `pread`, its
+//!    CRC checked, binary-searched), or already stored by this backup, costs nothing
 //!    more. A new one is compressed (zstd; kept raw when that does not shrink it) and sealed
 //!    (AES-256-GCM, the id and kind as additional data) by the calling worker; only the append
 //!    to the open pack happens under a lock.
@@ -107,16 +116,17 @@
 //! **The path of one restored READ.** `ferry copy REPO::vm@3f2a out.raw`, or an NBD READ of
 //! `ferry serve REPO::vm`:
 //! 1. `SnapshotImage::open` (once) resolves the snapshot (the manifests listed a few at a
-//!    time, each kept as a summary without its page digests), loads the index, reads that
-//!    snapshot's manifest again for its page digests ([`Repository::pages`]) and reads its
-//!    pages: the digest of every chunk. The allocation map (`Backend::extents`)
+//!    time, each kept as a summary without its page digests), opens the index through this
+//!    host's cache (as a backup does, with every copy), reads that snapshot's manifest again
+//!    for its page digests ([`Repository::pages`]) and reads its pages: the digest of every
+//!    chunk. The allocation map (`Backend::extents`)
 //!    comes from these entries: zero entries are holes, never read.
 //! 2. `SnapshotImage::read(buf, offset)` splits the range by chunk. A zero entry is filled
 //!    with zeroes; a chunk read in part may come from the cache of decoded chunks (sharded
 //!    LRU; one budget for every snapshot the process has open: `FERRY_REPO_CACHE`, by
 //!    default a sixteenth of the memory limit, at most 1 GiB, each snapshot keeping at
-//!    least 16 MiB); otherwise the id (from the digest) and, from the index, its pack, offset and stored
-//!    length.
+//!    least 16 MiB); otherwise the id (from the digest) and, from the index cache (one block
+//!    of each run read and binary-searched), its pack, offset and stored length.
 //! 3. The chunks wanted are sorted by pack and offset, and each run of neighbours in one pack
 //!    (gaps under 64 KiB) is fetched with one `Store::get_range`: a `pread` of the pack file,
 //!    or a ranged GET on S3. A small read that continues the previous one also fetches the
@@ -132,7 +142,7 @@
 //!    ([`Index::locations`]), and a read that fails on one copy (its pack missing, or its
 //!    bytes damaged) reads each of its chunks again from the next copy; a chunk none of whose
 //!    packs is there (a `gc` moved its blobs while the snapshot was read) makes the reader
-//!    reload the index and read again.
+//!    open the index again (the cache reads the index objects gc wrote) and read again.
 //! 5. The bytes are copied into the caller's buffer (the copy engine's, or the server's
 //!    reply arena); a chunk read in part is remembered in the cache, one read whole (a
 //!    restore) is not.
@@ -165,6 +175,7 @@ mod memory;
 mod reader;
 pub mod recover;
 mod repo;
+pub mod runs;
 pub mod store;
 #[cfg(test)]
 mod tests;
@@ -175,6 +186,7 @@ pub use damage::{DamageSet, DamagedCopies};
 pub use diff::SnapshotDiff;
 pub use reader::{default_cache_bytes, SnapshotImage, MIN_CACHE_BYTES};
 pub use repo::{resolve_in, Failures, Index, InitOptions, Location as BlobLocation, Repository, SnapshotInfo};
+pub use runs::{BlobLookup, RunIndex};
 /// A passphrase as ferry holds it from where it is read to the KDF: zeroed when dropped.
 pub type Passphrase = zeroize::Zeroizing<Vec<u8>>;
 pub use writer::{

@@ -10,7 +10,8 @@
 //! thread, sized by the memory this process may use ([`default_cache_bytes`]); chunks read
 //! whole (a restore) are not.
 use crate::format::{self, BlobKind, Digest, ZERO};
-use crate::repo::{blkhash_of, pack_name, Index, Location, Repository, SnapshotInfo};
+use crate::repo::{blkhash_of, pack_name, Location, Repository, SnapshotInfo};
+use crate::runs::{BlobLookup, RunIndex};
 use crate::Result;
 use ferry_backend::{push_extent, Backend, Capabilities, Extent, IoQueue, DATA, HOLE};
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
@@ -60,7 +61,7 @@ pub struct SnapshotImage {
     repo: Arc<Repository>,
     snap: SnapshotInfo,
     /// Reloaded when a pack it names is gone (a gc moved the blobs while we read).
-    index: RwLock<Arc<Index>>,
+    index: RwLock<Arc<RunIndex>>,
     reload: Mutex<()>,
     /// Packs found missing: a chunk with another copy is read from that one. `any_gone`
     /// keeps the common read (no pack missing) from taking this lock.
@@ -115,7 +116,7 @@ impl SnapshotImage {
     /// for all the snapshots this process has open together (each keeps at least
     /// [`MIN_CACHE_BYTES`]).
     pub fn open_with_cache(repo: Arc<Repository>, snap: &SnapshotInfo, cache_bytes: u64) -> Result<Arc<SnapshotImage>> {
-        let index = repo.load_index_lenient()?;
+        let index = RunIndex::open(&repo)?;
         let entries = repo.entries(&index, snap)?;
         Ok(Arc::new_cyclic(|me| SnapshotImage {
             me: me.clone(),
@@ -277,13 +278,13 @@ impl SnapshotImage {
     }
 
     /// The index again, unless another thread has just reloaded it.
-    fn reload_index(&self, used: &Arc<Index>) -> Result<Arc<Index>> {
+    fn reload_index(&self, used: &Arc<RunIndex>) -> Result<Arc<RunIndex>> {
         let _one = self.reload.lock().unwrap_or_else(|e| e.into_inner());
         let cur = self.index.read().unwrap_or_else(|e| e.into_inner()).clone();
         if !Arc::ptr_eq(&cur, used) {
             return Ok(cur);
         }
-        let fresh = Arc::new(self.repo.load_index_lenient()?);
+        let fresh = Arc::new(RunIndex::open(&self.repo)?);
         *self.index.write().unwrap_or_else(|e| e.into_inner()) = fresh.clone();
         Ok(fresh)
     }
@@ -348,8 +349,8 @@ impl SnapshotImage {
 
     /// The location to read `id` from: its first, unless that pack was found missing and
     /// another copy is not.
-    fn pick(&self, index: &Index, id: &Digest) -> Option<Location> {
-        let first = *index.blobs.get(id)?;
+    fn pick(&self, index: &RunIndex, id: &Digest) -> Option<Location> {
+        let first = index.first(id)?;
         if !self.any_gone.load(Ordering::Relaxed) {
             return Some(first);
         }
@@ -357,7 +358,7 @@ impl SnapshotImage {
         if !gone.contains(&first.pack) {
             return Some(first);
         }
-        Some(*index.locations(id).find(|l| !gone.contains(&l.pack)).unwrap_or(&first))
+        Some(index.locations(id).into_iter().find(|l| !gone.contains(&l.pack)).unwrap_or(first))
     }
 
     fn mark_gone(&self, pack: &Digest) {
@@ -367,7 +368,14 @@ impl SnapshotImage {
 
     /// Chunk `ci` (blob `id`) from the first of its copies that reads and checks well.
     /// A chunk none of whose copies is in the store is `PackGone` (a gc may have moved it).
-    fn read_chunk_any(&self, index: &Index, ci: u64, id: Digest, offset: u64, length: u64) -> Result<Vec<u8>, Failure> {
+    fn read_chunk_any(
+        &self,
+        index: &RunIndex,
+        ci: u64,
+        id: Digest,
+        offset: u64,
+        length: u64,
+    ) -> Result<Vec<u8>, Failure> {
         let mut whys: Vec<String> = Vec::new();
         let (mut all_gone, mut store_error) = (true, None);
         for loc in index.locations(&id) {
@@ -386,7 +394,7 @@ impl SnapshotImage {
                     store_error = Some(format!("cannot read {pack}: {e}"));
                 }
                 Ok(bytes) => {
-                    let want = Want { ci, id, loc: *loc, ahead: false };
+                    let want = Want { ci, id, loc, ahead: false };
                     match self.decode_run(&bytes, loc.offset as u64, std::slice::from_ref(&want)).pop() {
                         Some(Ok(plain)) => return Ok(plain),
                         Some(Err(why)) => {
@@ -411,7 +419,7 @@ impl SnapshotImage {
 
     /// The read that [`SnapshotImage::read_with`] could not make whole: chunk by chunk,
     /// each from any of its copies. Slower, but only run when a copy failed.
-    fn read_each(&self, index: &Index, buf: &mut [u8], offset: u64) -> Result<(), Failure> {
+    fn read_each(&self, index: &RunIndex, buf: &mut [u8], offset: u64) -> Result<(), Failure> {
         let length = buf.len() as u64;
         let end = offset + length;
         for ci in offset / self.cs..=(end - 1) / self.cs {
@@ -429,7 +437,7 @@ impl SnapshotImage {
         Ok(())
     }
 
-    fn read_with(&self, index: &Index, buf: &mut [u8], offset: u64, ahead: u64) -> Result<(), Failure> {
+    fn read_with(&self, index: &RunIndex, buf: &mut [u8], offset: u64, ahead: u64) -> Result<(), Failure> {
         let length = buf.len() as u64;
         let end = offset + length;
         let first = offset / self.cs;

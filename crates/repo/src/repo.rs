@@ -2,6 +2,7 @@
 use crate::blob;
 use crate::crypto::{self, Crypto, KdfLimit, KeyContext};
 use crate::format::{self, BlobKind, Config, Digest, KdfCost, Limits, Manifest, ManifestSummary, Pages, ZERO};
+use crate::runs::BlobLookup;
 use crate::store::Store;
 use crate::{Error, Result};
 use sha2::Digest as _;
@@ -44,6 +45,8 @@ pub struct Repository {
     pub(crate) key_slot: Option<String>,
     /// This host's record of the repository, when the opener keeps one (crate::known).
     pub(crate) known: Option<crate::known::Known>,
+    /// This host's cache of the index (crate::runs), found or made when first used.
+    pub(crate) index_cache: std::sync::OnceLock<Option<Arc<crate::runs::Cache>>>,
 }
 
 /// Where a blob is.
@@ -404,7 +407,7 @@ impl Repository {
         store
             .put("config", &bytes)
             .map_err(|e| Error::store(format!("cannot write {}/config", store.describe()), e))?;
-        Ok(Repository { store, config, crypto, key_slot, known: None })
+        Ok(Repository { store, config, crypto, key_slot, known: None, index_cache: Default::default() })
     }
 
     /// Opens a repository; `passphrase` is called only if it is encrypted. KDF costs are
@@ -439,7 +442,7 @@ impl Repository {
                 (crypto, Some(slot))
             }
         };
-        Ok(Repository { store, config, crypto, key_slot, known: None })
+        Ok(Repository { store, config, crypto, key_slot, known: None, index_cache: Default::default() })
     }
 
     pub fn store(&self) -> &Arc<dyn Store> {
@@ -459,6 +462,17 @@ impl Repository {
     }
     pub fn config(&self) -> &Config {
         &self.config
+    }
+    /// This host's cache of the index (see crate::runs): in the cache directory, or
+    /// private to this process where that cannot be used; `None` where no cache can be
+    /// made (the index is then read into memory).
+    pub(crate) fn index_cache(&self) -> Option<Arc<crate::runs::Cache>> {
+        self.index_cache.get_or_init(|| crate::runs::Cache::for_repo(&self.config.id).map(Arc::new)).clone()
+    }
+    /// Uses `cache` as this repository's index cache (tests); false when one is in use.
+    #[cfg(test)]
+    pub(crate) fn set_index_cache(&self, cache: Option<crate::runs::Cache>) -> bool {
+        self.index_cache.set(cache.map(Arc::new)).is_ok()
     }
     pub fn crypto(&self) -> &Crypto {
         &self.crypto
@@ -685,10 +699,10 @@ impl Repository {
 
     /// The plain bytes of blob `id` from the first of its copies that reads and checks
     /// well; else why none did (each copy's reason).
-    pub(crate) fn read_blob_any(&self, index: &Index, id: &Digest, kind: BlobKind) -> Result<Vec<u8>, String> {
+    pub(crate) fn read_blob_any(&self, index: &dyn BlobLookup, id: &Digest, kind: BlobKind) -> Result<Vec<u8>, String> {
         let mut whys = Vec::new();
         for loc in index.locations(id) {
-            match self.read_blob(id, loc, kind) {
+            match self.read_blob(id, &loc, kind) {
                 Ok(plain) => return Ok(plain),
                 Err(why) => whys.push(why),
             }
@@ -700,7 +714,7 @@ impl Repository {
     }
 
     /// A page's entries, read through the index (any copy) and checked against `digest`.
-    pub(crate) fn read_page(&self, index: &Index, digest: &Digest) -> Result<Vec<Digest>, String> {
+    pub(crate) fn read_page(&self, index: &dyn BlobLookup, digest: &Digest) -> Result<Vec<Digest>, String> {
         let id = self.crypto.blob_id(digest);
         if !index.contains(&id) {
             return Err(format!("page {} is in no index object", format::hex(digest)));
@@ -713,7 +727,7 @@ impl Repository {
     }
 
     /// The chunk digests of a snapshot, page by page: reads and checks its pages.
-    pub fn entries(&self, index: &Index, snap: &SnapshotInfo) -> Result<Vec<Digest>> {
+    pub fn entries(&self, index: &dyn BlobLookup, snap: &SnapshotInfo) -> Result<Vec<Digest>> {
         let m = &snap.manifest;
         // A checkpoint read as a snapshot has its object name as its id.
         let object = if snap.id.contains('/') { snap.id.clone() } else { format!("snapshots/{}", snap.id) };

@@ -19,8 +19,9 @@ use crate::format::{
 };
 use crate::lock::{self, LockGuard};
 use crate::repo::{
-    blkhash_of, hostname, pack_name, parse_time, sha256, Index, Repository, SnapshotInfo, AAD_SNAPSHOT, AAD_TRAILER,
+    blkhash_of, hostname, pack_name, parse_time, sha256, Repository, SnapshotInfo, AAD_SNAPSHOT, AAD_TRAILER,
 };
+use crate::runs::{BlobLookup, RunIndex};
 use crate::{Error, Result};
 use ferry_backend::{Backend, Capabilities, ZeroMode};
 use std::cell::RefCell;
@@ -201,7 +202,9 @@ pub struct SnapshotWriter {
     cs: u64,
     pe: u64,
     chunks: u64,
-    index: Index,
+    /// The index through the local cache, as a backup sees it: copies in present packs
+    /// only, none recorded damaged. This writer's own blobs are in `claimed`.
+    index: RunIndex,
     state: Mutex<State>,
     partials: Mutex<HashMap<u64, Partial>>,
     /// Blob ids stored (true) or being stored (false) by this writer; the condvar is
@@ -281,8 +284,7 @@ impl SnapshotWriter {
             }
             None => (crate::repo::entry_list(chunks, &format!("the backup of {}", opts.name))?, 0),
         };
-        let mut index = index;
-        Self::exclude_damaged(&repo, &mut index)?;
+        let index = Self::exclude_damaged(&repo, index);
         if let Some(more) = chunks.checked_sub(entries.len() as u64) {
             if entries.try_reserve_exact(more as usize).is_err() {
                 return Err(Error::Invalid(format!(
@@ -352,8 +354,7 @@ impl SnapshotWriter {
         };
         let index = Self::load_index(&repo)?;
         let entries = repo.entries(&index, &checkpoint.as_snapshot())?;
-        let mut index = index;
-        Self::exclude_damaged(&repo, &mut index)?;
+        let index = Self::exclude_damaged(&repo, index);
         let base_chunks = opts.base.as_ref().map_or(0, |b| b.manifest.chunks());
         let n_pages = checkpoint.checkpoint.pages.count() as usize;
         let mut state = State {
@@ -366,13 +367,8 @@ impl SnapshotWriter {
             state.mark_done(*first, *n);
         }
         // A done chunk whose pack is gone since is read again.
-        for [first, n] in &checkpoint.checkpoint.done {
-            for ci in *first..first + n {
-                let e = state.entries[ci as usize];
-                if e != ZERO && !index.blobs.contains_key(&repo.crypto.blob_id(&e)) {
-                    state.done[(ci / 64) as usize] &= !(1 << (ci % 64));
-                }
-            }
+        for ci in missing_chunks(&repo, &index, &state.entries, |ci| state.is_done(ci)) {
+            state.done[(ci / 64) as usize] &= !(1 << (ci % 64));
         }
         let resumed = state.done_runs(chunks);
         Ok(Self::build(repo, opts, guard, index, state, base_chunks, resumed))
@@ -404,21 +400,22 @@ impl SnapshotWriter {
     /// The repository's index, without the blobs whose pack is gone: chunks in them are
     /// not reused (a new snapshot would reference the lost data again, and the
     /// repository would never heal).
-    fn load_index(repo: &Repository) -> Result<Index> {
-        let mut index = repo.load_index_lenient()?;
-        let present: HashSet<String> = repo
+    fn load_index(repo: &Arc<Repository>) -> Result<RunIndex> {
+        let index = RunIndex::open(repo)?;
+        let present: HashSet<Digest> = repo
             .store
             .list("data/")
             .map_err(|e| Error::store(format!("cannot list the packs of {}", repo.store.describe()), e))?
             .into_iter()
-            .map(|(n, _)| n)
+            .filter_map(|(n, _)| crate::damage::pack_id(&n))
             .collect();
-        let lost = index.retain_packs(|p| present.contains(&pack_name(p)));
-        if lost > 0 {
+        let index = index.only_present(present);
+        let gone = index.packs_gone();
+        if gone > 0 {
             log::warn!(
-                "{lost} chunk(s) of {} are in packs that are gone: this backup reads again those its disk's \
-                 previous snapshot uses, and stores again any it reads (`ferry repo check` names the snapshots \
-                 that lost them)",
+                "{gone} pack(s) that the index of {} lists are gone: this backup reads again the chunks of them its \
+                 disk's previous snapshot uses, and stores again any it reads (`ferry repo check` names the \
+                 snapshots that lost them)",
                 repo.store.describe()
             );
         }
@@ -428,15 +425,17 @@ impl SnapshotWriter {
     /// Drops the copies that `verify` recorded damaged from the index (once the base's
     /// pages are read through it): their content is stored again where this backup reads
     /// it, instead of being deduplicated against a copy that does not read back.
-    fn exclude_damaged(repo: &Repository, index: &mut Index) -> Result<()> {
-        let n = crate::damage::exclude_damaged(index, &repo.damage()?);
+    fn exclude_damaged(repo: &Repository, index: RunIndex) -> RunIndex {
+        let backup = index.without_damaged();
+        let damaged: HashSet<&Digest> = index.damage().packs.values().flat_map(|c| c.blobs.iter()).collect();
+        let n = damaged.into_iter().filter(|id| index.contains(id) && !backup.contains(id)).count();
         if n > 0 {
             log::info!(
                 "{n} chunk(s) of {} are recorded damaged with no good copy: stored again where this backup reads them",
                 repo.store.describe()
             );
         }
-        Ok(())
+        backup
     }
 
     /// The checks of the options that `start` and `resume` share.
@@ -475,7 +474,7 @@ impl SnapshotWriter {
         repo: Arc<Repository>,
         opts: BackupOptions,
         guard: LockGuard,
-        index: Index,
+        index: RunIndex,
         state: State,
         base_chunks: u64,
         resumed: Vec<[u64; 2]>,
@@ -564,7 +563,7 @@ impl SnapshotWriter {
     /// and sealed here, appended to the open pack under its lock.
     fn store_blob(&self, digest: &Digest, kind: BlobKind, plain: &[u8]) -> Result<()> {
         let id = self.repo.crypto.blob_id(digest);
-        if self.index.blobs.contains_key(&id) {
+        if self.index.contains(&id) {
             return Ok(());
         }
         {
@@ -1304,28 +1303,57 @@ fn runs_to_ranges(runs: &[[u64; 2]], cs: u64, size: u64) -> Vec<(u64, u64)> {
 }
 
 /// The runs of chunks not done whose entry names a blob that `index` (present packs only)
-/// does not have. Every entry is looked at (a keyed hash each when encrypted), on several
-/// threads: this is what lets the commit trust the entries a backup does not write.
-fn lost_runs(repo: &Repository, index: &Index, state: &State) -> Vec<[u64; 2]> {
-    const SLICE: usize = 1 << 14;
-    let slices: Vec<usize> = (0..state.entries.len().div_ceil(SLICE)).collect();
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let found = crate::repo::par_map(&slices, threads, |k| {
-        let start = k * SLICE;
-        let end = (start + SLICE).min(state.entries.len());
-        (start..end)
-            .filter(|&ci| {
-                let e = &state.entries[ci];
-                *e != ZERO && !state.is_done(ci as u64) && !index.contains(&repo.crypto.blob_id(e))
-            })
-            .map(|ci| ci as u64)
-            .collect::<Vec<u64>>()
-    });
+/// does not have. Every entry is looked at: this is what lets the commit trust the
+/// entries a backup does not write.
+fn lost_runs(repo: &Repository, index: &dyn BlobLookup, state: &State) -> Vec<[u64; 2]> {
     let mut runs = Vec::new();
-    for ci in found.into_iter().flatten() {
+    for ci in missing_chunks(repo, index, &state.entries, |ci| !state.is_done(ci)) {
         push_run(&mut runs, ci, 1);
     }
     runs
+}
+
+/// The chunks, in order, that `pick` selects whose entry is not zero and names a blob
+/// that `index` does not have. The ids are made on several threads (a keyed hash each
+/// when encrypted) and looked up sorted, a batch at a time (neighbouring ids share the
+/// blocks of the index cache they are read from): a disk of 16M chunks costs a read of
+/// each block of the cache per batch, not a block per chunk.
+fn missing_chunks(
+    repo: &Repository,
+    index: &dyn BlobLookup,
+    entries: &[Digest],
+    pick: impl Fn(u64) -> bool + Sync,
+) -> Vec<u64> {
+    const BATCH: usize = 1 << 20;
+    const SLICE: usize = 1 << 14;
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut missing = Vec::new();
+    for start in (0..entries.len()).step_by(BATCH) {
+        let end = (start + BATCH).min(entries.len());
+        let slices: Vec<usize> = (start..end).step_by(SLICE).collect();
+        let keyed = crate::repo::par_map(&slices, threads, |&s| {
+            (s..(s + SLICE).min(end))
+                .filter(|&ci| entries[ci] != ZERO && pick(ci as u64))
+                .map(|ci| (repo.crypto.blob_id(&entries[ci]), ci as u64))
+                .collect::<Vec<(Digest, u64)>>()
+        });
+        let mut keyed: Vec<(Digest, u64)> = keyed.into_iter().flatten().collect();
+        keyed.sort_unstable();
+        let mut ids: Vec<Digest> = keyed.iter().map(|k| k.0).collect();
+        ids.dedup();
+        let found = index.contains_each(&ids);
+        let mut at = 0;
+        for (id, ci) in keyed {
+            while ids[at] != id {
+                at += 1;
+            }
+            if !found[at] {
+                missing.push(ci);
+            }
+        }
+    }
+    missing.sort_unstable();
+    missing
 }
 
 /// What a backup with these changes reads, for messages.
