@@ -164,6 +164,7 @@ mod reader;
 pub mod recover;
 mod repo;
 pub mod store;
+mod table;
 #[cfg(test)]
 mod tests;
 mod writer;
