@@ -224,8 +224,8 @@ impl PageCache {
     }
 }
 
-/// Entries of decoded pages the walk keeps (32 bytes each): 32 MiB.
-const PAGE_CACHE_ENTRIES: usize = 1 << 20;
+/// Entries of decoded pages the walk keeps (32 bytes each): 8 MiB.
+const PAGE_CACHE_ENTRIES: usize = 1 << 18;
 
 /// What the walk over its pages found of one snapshot.
 struct SnapWalk {
@@ -314,7 +314,6 @@ pub(crate) fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
         let healed = table.pack_rows(*pack).all(|b| {
             table
                 .locations(&b.id)
-                .iter()
                 .any(|l| !bad_packs.contains_key(&l.pack) && !damage.is_damaged(&table.packs[l.pack as usize], &b.id))
         });
         if healed {
@@ -333,7 +332,7 @@ pub(crate) fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
     for (pack, p) in &bad_packs {
         for b in table.pack_rows(*pack) {
             if table.first(&b.id, &damage).map(|l| l.pack) == Some(*pack)
-                && table.locations(&b.id).iter().all(|l| bad_packs.contains_key(&l.pack))
+                && table.locations(&b.id).all(|l| bad_packs.contains_key(&l.pack))
             {
                 damaged.insert(b.id, *p);
             }
@@ -572,8 +571,8 @@ fn recorded_problems(
             .blobs
             .iter()
             .filter(|id| {
-                let locs = table.locations(id);
-                locs.iter().any(|l| Some(l.pack) == here) && !locs.iter().any(|l| good(id, l))
+                let mut locs = table.locations(id);
+                locs.clone().any(|l| Some(l.pack) == here) && !locs.any(|l| good(id, l))
             })
             .collect();
         only.sort();
@@ -800,7 +799,6 @@ pub fn verify(repo: &Repository, opts: &VerifyOptions) -> Result<Report> {
         let bad = |pack: &Digest| copies.iter().any(|(p, _)| p == pack);
         let lost = table
             .locations(id)
-            .iter()
             .map(|l| &table.packs[l.pack as usize])
             .all(|pack| bad(pack) || recorded_bad(pack, id) || !w.listed.contains_key(&pack_name(pack)));
         if lost {
@@ -1441,9 +1439,9 @@ pub fn damaged_snapshots(repo: &Repository, snaps: &[SnapshotInfo]) -> Result<Ha
     // The blobs whose every copy is recorded damaged, each with its first copy's pack.
     let mut bad: HashMap<&Digest, Digest> = HashMap::new();
     for id in damage.packs.values().flat_map(|c| c.blobs.iter()) {
-        let copies = table.locations(id);
-        if let Some(first) = copies.first() {
-            if copies.iter().all(|l| damage.is_damaged(&table.packs[l.pack as usize], id)) {
+        let mut copies = table.locations(id);
+        if let Some(first) = copies.clone().next() {
+            if copies.all(|l| damage.is_damaged(&table.packs[l.pack as usize], id)) {
                 bad.insert(id, table.packs[first.pack as usize]);
             }
         }

@@ -1,12 +1,17 @@
-//! A compact table of every blob location the index objects list, for check and verify:
-//! one row (52 bytes) a location, found by binary search, with no per-blob allocation
-//! (where [`crate::Index`] costs a hash-map entry of a full location each), and the
-//! index objects read a few at a time rather than all at once.
+//! A compact table of every blob location the index objects list, for check, verify and
+//! stats: one row (52 bytes) a location and two row numbers (4 bytes each, one list
+//! by id, one by pack), found by binary search, with no per-blob allocation (where
+//! [`crate::Index`] costs a hash-map entry of a full location each), and the index objects
+//! read a few at a time rather than all at once.
 use crate::damage::DamageSet;
-use crate::format::{BlobEntry, BlobKind, Digest, PackBlobs};
+use crate::format::{self, BlobEntry, BlobKind, Digest, PackBlobs};
 use crate::repo::{par_map, Failures, IndexObject, Repository, FETCH_THREADS};
 use crate::{Error, Result};
 use std::collections::HashMap;
+
+/// Stored bytes of index objects read side by side (each is held as stored, plain and
+/// parsed bytes while it is read).
+const READ_BATCH: u64 = 8 << 20;
 
 /// One location of one blob.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,11 +43,13 @@ pub(crate) struct BlobTable {
     /// The packs, numbered in the order the index objects (by name) first list them.
     pub packs: Vec<Digest>,
     numbers: HashMap<Digest, u32>,
-    /// Sorted by id; the locations of one id in the order the index objects list them
-    /// (the order [`crate::Index::locations`] gives before damage records reorder it);
-    /// a location listed twice is kept once.
+    /// In the order the index objects (by name) list them.
     rows: Vec<Row>,
-    /// Row numbers sorted by (pack, offset), and where each pack's run of them starts.
+    /// Row numbers sorted by id, each id's locations in the order listed (the order
+    /// [`crate::Index::locations`] gives before damage records reorder it); a location
+    /// listed twice is in it once.
+    by_id: Vec<u32>,
+    /// The same row numbers sorted by (pack, offset), and where each pack's run starts.
     by_pack: Vec<u32>,
     pack_start: Vec<u32>,
 }
@@ -57,13 +64,29 @@ impl BlobTable {
         let names = store
             .list("index/")
             .map_err(|e| Error::store(format!("cannot list the index of {}", store.describe()), e))?;
-        let mut names: Vec<String> = names.into_iter().map(|(n, _)| n).collect();
+        let mut names = names;
         names.sort();
         let mut t = BlobTable::default();
+        // An entry takes ENTRY_LEN bytes of an index object: room for all of them at once,
+        // rather than copies made as the table grows (reserved room not written to takes
+        // no memory).
+        let most = names.iter().map(|(_, len)| len / format::ENTRY_LEN as u64).sum::<u64>();
+        t.rows.reserve(most.min(u32::MAX as u64) as usize);
         let mut pages = Vec::new();
         let mut bad = Vec::new();
-        for batch in names.chunks(FETCH_THREADS) {
-            for (name, r) in batch.iter().zip(par_map(batch, FETCH_THREADS, |n| repo.read_index_object(n))) {
+        let mut rest = &names[..];
+        while !rest.is_empty() {
+            // A batch of objects read side by side: up to FETCH_THREADS of them, and at
+            // most READ_BATCH stored bytes unless one object alone is larger.
+            let mut n = 0;
+            let mut bytes = 0;
+            while n < rest.len() && n < FETCH_THREADS && (n == 0 || bytes + rest[n].1 <= READ_BATCH) {
+                bytes += rest[n].1;
+                n += 1;
+            }
+            let (batch, after) = rest.split_at(n);
+            rest = after;
+            for ((name, _), r) in batch.iter().zip(par_map(batch, FETCH_THREADS, |(n, _)| repo.read_index_object(n))) {
                 match r {
                     Ok(object) => pages.push((name.clone(), t.add_object(object))),
                     Err(e @ Error::Store { .. }) => return Err(e),
@@ -100,26 +123,29 @@ impl BlobTable {
         pages
     }
 
-    /// Sorts the rows by id (a stable sort: each id's locations keep their order), drops
-    /// a location listed again, and groups the rows by pack.
+    /// Orders the row numbers by id and by pack, leaving out a location listed again.
     fn finish(&mut self) {
-        self.rows.sort_by_key(|r| r.id);
+        let rows = &self.rows;
+        let mut by_id: Vec<u32> = (0..rows.len() as u32).collect();
+        by_id.sort_unstable_by_key(|&i| (rows[i as usize].id, i));
         let mut keep = 0;
         let mut group = 0;
-        for i in 0..self.rows.len() {
-            let r = self.rows[i];
-            if keep == 0 || self.rows[keep - 1].id != r.id {
+        for k in 0..by_id.len() {
+            let r = &rows[by_id[k] as usize];
+            if keep == 0 || rows[by_id[keep - 1] as usize].id != r.id {
                 group = keep;
-            } else if self.rows[group..keep].iter().any(|x| x.pack == r.pack && x.offset == r.offset) {
+            } else if by_id[group..keep]
+                .iter()
+                .any(|&j| rows[j as usize].pack == r.pack && rows[j as usize].offset == r.offset)
+            {
                 continue;
             }
-            self.rows[keep] = r;
+            by_id[keep] = by_id[k];
             keep += 1;
         }
-        self.rows.truncate(keep);
-        self.rows.shrink_to_fit();
-        let rows = &self.rows;
-        let mut by_pack: Vec<u32> = (0..rows.len() as u32).collect();
+        by_id.truncate(keep);
+        by_id.shrink_to_fit();
+        let mut by_pack = by_id.clone();
         by_pack.sort_unstable_by_key(|&i| (rows[i as usize].pack, rows[i as usize].offset, i));
         let mut start = vec![0u32; self.packs.len() + 1];
         for &i in &by_pack {
@@ -128,37 +154,35 @@ impl BlobTable {
         for p in 0..self.packs.len() {
             start[p + 1] += start[p];
         }
+        self.rows.shrink_to_fit();
+        self.by_id = by_id;
         self.by_pack = by_pack;
         self.pack_start = start;
     }
 
-    /// The number of locations.
+    /// The number of locations (a location listed twice counts once).
     pub fn len(&self) -> usize {
-        self.rows.len()
+        self.by_id.len()
     }
 
-    /// The row number of `id`'s first location, if it has one.
+    /// The position (below [`BlobTable::len`]) of `id`'s first location, if it has one:
+    /// the same for every id, whatever its number of locations.
     pub fn find(&self, id: &Digest) -> Option<usize> {
-        let i = self.rows.partition_point(|r| r.id < *id);
-        (self.rows.get(i).is_some_and(|r| r.id == *id)).then_some(i)
+        let i = self.by_id.partition_point(|&r| self.rows[r as usize].id < *id);
+        (self.by_id.get(i).is_some_and(|&r| self.rows[r as usize].id == *id)).then_some(i)
     }
 
-    /// Every location of `id` (none when it is in no index object).
-    pub fn locations(&self, id: &Digest) -> &[Row] {
-        match self.find(id) {
-            Some(i) => {
-                let n = self.rows[i..].iter().take_while(|r| r.id == *id).count();
-                &self.rows[i..i + n]
-            }
-            None => &[],
-        }
+    /// Every location of `id` (none when it is in no index object), in the order listed.
+    pub fn locations<'a>(&'a self, id: &'a Digest) -> impl Iterator<Item = &'a Row> + Clone + 'a {
+        let from = self.find(id).unwrap_or(self.by_id.len());
+        self.by_id[from..].iter().map(|&r| &self.rows[r as usize]).take_while(move |r| r.id == *id)
     }
 
     /// The location `id` is read from first: its first not recorded damaged, else its
     /// first (as [`crate::damage::prefer_good`] orders them).
-    pub fn first(&self, id: &Digest, damage: &DamageSet) -> Option<&Row> {
-        let locs = self.locations(id);
-        locs.iter().find(|l| !damage.is_damaged(&self.packs[l.pack as usize], id)).or(locs.first())
+    pub fn first<'a>(&'a self, id: &'a Digest, damage: &DamageSet) -> Option<&'a Row> {
+        let mut locs = self.locations(id);
+        locs.clone().find(|l| !damage.is_damaged(&self.packs[l.pack as usize], id)).or_else(|| locs.next())
     }
 
     /// The pack number of `pack`, if the index lists it.
