@@ -52,6 +52,10 @@ pub(crate) struct BlobTable {
     /// The same row numbers sorted by (pack, offset), and where each pack's run starts.
     by_pack: Vec<u32>,
     pack_start: Vec<u32>,
+    /// Where in `by_id` the ids starting with each `bits`-bit prefix start (ids are
+    /// uniformly spread digests: a lookup searches about one row, not log2 of them).
+    dir: Vec<u32>,
+    bits: u32,
 }
 
 impl BlobTable {
@@ -154,6 +158,16 @@ impl BlobTable {
         for p in 0..self.packs.len() {
             start[p + 1] += start[p];
         }
+        // About one id a prefix (at most 2^24 prefixes: 64 MiB of directory).
+        self.bits = (usize::BITS - by_id.len().leading_zeros()).min(24);
+        let mut dir = vec![0u32; (1usize << self.bits) + 1];
+        for &i in &by_id {
+            dir[prefix(&rows[i as usize].id, self.bits) + 1] += 1;
+        }
+        for p in 0..1usize << self.bits {
+            dir[p + 1] += dir[p];
+        }
+        self.dir = dir;
         self.rows.shrink_to_fit();
         self.by_id = by_id;
         self.by_pack = by_pack;
@@ -168,8 +182,13 @@ impl BlobTable {
     /// The position (below [`BlobTable::len`]) of `id`'s first location, if it has one:
     /// the same for every id, whatever its number of locations.
     pub fn find(&self, id: &Digest) -> Option<usize> {
-        let i = self.by_id.partition_point(|&r| self.rows[r as usize].id < *id);
-        (self.by_id.get(i).is_some_and(|&r| self.rows[r as usize].id == *id)).then_some(i)
+        let p = prefix(id, self.bits);
+        let (lo, hi) = match self.dir.get(p..p + 2) {
+            Some(&[lo, hi]) => (lo as usize, hi as usize),
+            _ => return None,
+        };
+        let i = lo + self.by_id[lo..hi].partition_point(|&r| self.rows[r as usize].id < *id);
+        (i < hi && self.rows[self.by_id[i] as usize].id == *id).then_some(i)
     }
 
     /// Every location of `id` (none when it is in no index object), in the order listed.
@@ -201,5 +220,58 @@ impl BlobTable {
         let mut v: Vec<u32> = (0..self.packs.len() as u32).collect();
         v.sort_unstable_by_key(|&p| self.packs[p as usize]);
         v
+    }
+}
+
+/// The first `bits` bits of `id`.
+fn prefix(id: &Digest, bits: u32) -> usize {
+    let top = u32::from_be_bytes([id[0], id[1], id[2], id[3]]) as u64;
+    (top >> (32 - bits)) as usize
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn object(pack: u8, blobs: &[(u8, u32)]) -> Vec<PackBlobs> {
+        let blobs = blobs
+            .iter()
+            .map(|&(id, offset)| BlobEntry {
+                id: [id; 32],
+                kind: BlobKind::Data,
+                offset,
+                stored_len: 10,
+                plain_len: 20,
+            })
+            .collect();
+        vec![PackBlobs { pack: [pack; 32], blobs }]
+    }
+
+    #[test]
+    fn locations_keep_the_order_listed_and_a_location_listed_twice_once() {
+        let mut t = BlobTable::default();
+        t.add_object(object(9, &[(1, 0), (2, 10), (1, 0)]));
+        t.add_object(object(3, &[(1, 5), (4, 0)]));
+        t.add_object(object(9, &[(2, 10), (5, 20)]));
+        t.finish();
+        assert_eq!(t.len(), 5, "(1, 9, 0) and (2, 9, 10) are listed twice");
+        let packs = |id: u8| t.locations(&[id; 32]).map(|r| t.packs[r.pack as usize][0]).collect::<Vec<_>>();
+        assert_eq!(packs(1), [9, 3], "the order the index objects list them, not the packs' order");
+        assert_eq!(packs(2), [9]);
+        assert!(packs(7).is_empty());
+        assert_eq!(t.find(&[7; 32]), None);
+        assert_eq!(t.find(&[0; 32]), None);
+        assert_eq!(t.find(&[255; 32]), None);
+        let ids: Vec<Option<usize>> = [1, 2, 4, 5].iter().map(|i| t.find(&[*i; 32])).collect();
+        assert!(ids.iter().all(|i| i.is_some_and(|i| i < t.len())), "{ids:?}");
+        let nine = t.pack_number(&[9; 32]).unwrap();
+        assert_eq!(t.pack_rows(nine).map(|r| r.offset).collect::<Vec<_>>(), [0, 10, 20]);
+        let mut damage = DamageSet::default();
+        damage.packs.insert(
+            [9; 32],
+            crate::DamagedCopies { why: String::new(), time: String::new(), blobs: [[1; 32]].into_iter().collect() },
+        );
+        assert_eq!(t.first(&[1; 32], &damage).map(|r| t.packs[r.pack as usize][0]), Some(3));
+        assert!(BlobTable::default().find(&[1; 32]).is_none(), "an empty table");
     }
 }
