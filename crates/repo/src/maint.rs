@@ -415,9 +415,11 @@ fn walk_pages(
     let mut cache = PageCache::new(PAGE_CACHE_ENTRIES);
     let positions = snaps.iter().map(|s| s.manifest.pages.len()).max().unwrap_or(0);
     let digest_at = |si: usize, i: usize| format::parse_digest(&snaps[si].manifest.pages[i]).unwrap_or(ZERO);
+    // The snapshots with a page at the position, in order: each position costs what its
+    // snapshots read there, however many shorter snapshots ended before it.
+    let mut live: Vec<usize> = (0..snaps.len()).filter(|&si| walks[si].is_some()).collect();
     for i in 0..positions {
-        let live: Vec<usize> =
-            (0..snaps.len()).filter(|&si| walks[si].is_some() && i < snaps[si].manifest.pages.len()).collect();
+        live.retain(|&si| i < snaps[si].manifest.pages.len());
         let mut k = 0;
         while k < live.len() {
             // The next snapshots, up to a batch of pages not in the cache, read together.

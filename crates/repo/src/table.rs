@@ -130,8 +130,24 @@ impl BlobTable {
     /// Orders the row numbers by id and by pack, leaving out a location listed again.
     fn finish(&mut self) {
         let rows = &self.rows;
-        let mut by_id: Vec<u32> = (0..rows.len() as u32).collect();
-        by_id.sort_unstable_by_key(|&i| (rows[i as usize].id, i));
+        // By id: a counting sort on the ids' first bits (digests are spread evenly), then
+        // each bucket (about one row) by id; linear, and each id's rows in the order listed.
+        let bits = prefix_bits(rows.len());
+        let start = bucket_starts(rows.iter().map(|r| prefix(&r.id, bits)), bits);
+        let mut by_id = vec![0u32; rows.len()];
+        let mut next = start.clone();
+        for (i, r) in rows.iter().enumerate() {
+            let p = prefix(&r.id, bits);
+            by_id[next[p] as usize] = i as u32;
+            next[p] += 1;
+        }
+        drop(next);
+        for w in start.windows(2) {
+            by_id[w[0] as usize..w[1] as usize]
+                .sort_unstable_by(|&a, &b| rows[a as usize].id.cmp(&rows[b as usize].id).then(a.cmp(&b)));
+        }
+        drop(start);
+        let mut listed_again = vec![false; rows.len()];
         let mut keep = 0;
         let mut group = 0;
         for k in 0..by_id.len() {
@@ -142,6 +158,7 @@ impl BlobTable {
                 .iter()
                 .any(|&j| rows[j as usize].pack == r.pack && rows[j as usize].offset == r.offset)
             {
+                listed_again[by_id[k] as usize] = true;
                 continue;
             }
             by_id[keep] = by_id[k];
@@ -149,29 +166,29 @@ impl BlobTable {
         }
         by_id.truncate(keep);
         by_id.shrink_to_fit();
-        let mut by_pack = by_id.clone();
-        by_pack.sort_unstable_by_key(|&i| (rows[i as usize].pack, rows[i as usize].offset, i));
-        let mut start = vec![0u32; self.packs.len() + 1];
-        for &i in &by_pack {
-            start[rows[i as usize].pack as usize + 1] += 1;
+        // By pack: a counting sort on the pack (in the order listed), then each pack by
+        // offset (listed in that order already, mostly).
+        let kept = || rows.iter().enumerate().filter(|(i, _)| !listed_again[*i]);
+        let pack_start = bucket_starts(kept().map(|(_, r)| r.pack as usize), packs_bits(self.packs.len()));
+        let mut by_pack = vec![0u32; by_id.len()];
+        let mut next = pack_start.clone();
+        for (i, r) in kept() {
+            by_pack[next[r.pack as usize] as usize] = i as u32;
+            next[r.pack as usize] += 1;
         }
-        for p in 0..self.packs.len() {
-            start[p + 1] += start[p];
+        drop(next);
+        let mut pack_start = pack_start;
+        pack_start.truncate(self.packs.len() + 1);
+        for w in pack_start.windows(2) {
+            by_pack[w[0] as usize..w[1] as usize].sort_unstable_by_key(|&i| (rows[i as usize].offset, i));
         }
         // About one id a prefix (at most 2^24 prefixes: 64 MiB of directory).
-        self.bits = (usize::BITS - by_id.len().leading_zeros()).min(24);
-        let mut dir = vec![0u32; (1usize << self.bits) + 1];
-        for &i in &by_id {
-            dir[prefix(&rows[i as usize].id, self.bits) + 1] += 1;
-        }
-        for p in 0..1usize << self.bits {
-            dir[p + 1] += dir[p];
-        }
-        self.dir = dir;
+        self.bits = prefix_bits(by_id.len());
+        self.dir = bucket_starts(by_id.iter().map(|&i| prefix(&rows[i as usize].id, self.bits)), self.bits);
         self.rows.shrink_to_fit();
         self.by_id = by_id;
         self.by_pack = by_pack;
-        self.pack_start = start;
+        self.pack_start = pack_start;
     }
 
     /// The number of locations (a location listed twice counts once).
@@ -221,6 +238,29 @@ impl BlobTable {
         v.sort_unstable_by_key(|&p| self.packs[p as usize]);
         v
     }
+}
+
+/// Prefix bits for `n` ids: about one id a prefix, at most 2^24 prefixes.
+fn prefix_bits(n: usize) -> u32 {
+    (usize::BITS - n.leading_zeros()).min(24)
+}
+
+/// Bits enough to number `n` packs.
+fn packs_bits(n: usize) -> u32 {
+    usize::BITS - n.leading_zeros()
+}
+
+/// Where each of the 2^`bits` buckets starts when items fall in `keys` (and where the
+/// last ends): 2^`bits` + 1 positions.
+fn bucket_starts(keys: impl Iterator<Item = usize>, bits: u32) -> Vec<u32> {
+    let mut start = vec![0u32; (1usize << bits) + 1];
+    for k in keys {
+        start[k + 1] += 1;
+    }
+    for p in 0..1usize << bits {
+        start[p + 1] += start[p];
+    }
+    start
 }
 
 /// The first `bits` bits of `id`.
