@@ -73,9 +73,9 @@ impl BlobTable {
         let mut t = BlobTable::default();
         // An entry takes ENTRY_LEN bytes of an index object: room for all of them at once,
         // rather than copies made as the table grows (reserved room not written to takes
-        // no memory).
-        let most = names.iter().map(|(_, len)| len / format::ENTRY_LEN as u64).sum::<u64>();
-        t.rows.reserve(most.min(u32::MAX as u64) as usize);
+        // no memory). Where the listing claims more than can be reserved, it grows instead.
+        let most: u64 = names.iter().map(|(_, len)| (*len).min(format::MAX_INDEX) / format::ENTRY_LEN as u64).sum();
+        let _ = t.rows.try_reserve(most.min(u32::MAX as u64) as usize);
         let mut pages = Vec::new();
         let mut bad = Vec::new();
         let mut rest = &names[..];
@@ -96,6 +96,13 @@ impl BlobTable {
                     Err(e @ Error::Store { .. }) => return Err(e),
                     Err(e) => bad.push((name.clone(), e)),
                 }
+            }
+            if t.rows.len() > u32::MAX as usize {
+                return Err(Error::Invalid(format!(
+                    "the index objects of {} list more than {} blob locations, more than this version of ferry                      can check",
+                    store.describe(),
+                    u32::MAX
+                )));
             }
         }
         t.finish();
