@@ -87,11 +87,14 @@ fn read_pages(
 }
 
 /// The distinct non-zero page digests of `snaps` that `keep` accepts, sorted.
+/// Memory: a set of the distinct pages, however many snapshots share them.
 fn distinct_pages(snaps: &[SnapshotInfo], keep: impl Fn(&Digest) -> bool) -> Vec<Digest> {
-    let mut want: Vec<Digest> =
-        snaps.iter().flat_map(|s| s.manifest.page_digests()).filter(|d| *d != ZERO && keep(d)).collect();
+    let mut seen: HashSet<Digest> = HashSet::new();
+    for s in snaps {
+        seen.extend(s.manifest.page_digests().into_iter().filter(|d| *d != ZERO));
+    }
+    let mut want: Vec<Digest> = seen.into_iter().filter(|d| keep(d)).collect();
     want.sort_unstable();
-    want.dedup();
     want
 }
 
