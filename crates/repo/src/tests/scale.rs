@@ -127,3 +127,29 @@ fn verify_attributes_a_damaged_shared_chunk_to_every_range_that_reads_it() {
     assert_eq!(hit_chunks(p, &s3), BTreeSet::from([0, 3]));
     assert_eq!(p.hits.len(), 4, "{:?}", p.hits);
 }
+
+/// Problems are said in the order of a walk of one snapshot after another, though the walk
+/// goes position by position: a damaged page at position 3 of the first snapshot comes
+/// before one at position 0 of the second, and each names its own snapshot's range.
+#[test]
+fn problems_come_in_snapshot_order_with_their_own_ranges() {
+    let (store, repo) = new_repo(false);
+    let sd = backup(&repo, "d", &numbered(80, 1, 0..0), None);
+    let se = backup(&repo, "e", &numbered(80, 1_000, 0..0), None);
+    let index = repo.load_index().unwrap();
+    let mut damaged_pack = |s: &SnapshotInfo, i: usize| {
+        let page = parse_digest(&s.manifest.pages[i]).unwrap();
+        let loc = index.blobs[&repo.crypto.blob_id(&page)];
+        store.tamper(&pack_name(&loc.pack), |v| v[loc.offset as usize + loc.stored_len as usize / 2] ^= 1);
+        pack_name(&loc.pack)
+    };
+    let (pd, pe) = (damaged_pack(&sd, 3), damaged_pack(&se, 0));
+    assert_ne!(pd, pe, "each disk's pages are in a pack of its own");
+    let r = maint::check(&repo).unwrap();
+    let objects: Vec<&str> = r.problems.iter().map(|p| p.object.as_str()).collect();
+    assert_eq!(objects, [pd.as_str(), pe.as_str()], "{:?}", r.problems);
+    assert_eq!(hit_chunks(&r.problems[0], &sd), (48..64).collect());
+    assert!(hit_chunks(&r.problems[0], &se).is_empty());
+    assert_eq!(hit_chunks(&r.problems[1], &se), (0..16).collect());
+    assert!(hit_chunks(&r.problems[1], &sd).is_empty());
+}
