@@ -137,7 +137,7 @@ fn problems_come_in_snapshot_order_with_their_own_ranges() {
     let sd = backup(&repo, "d", &numbered(80, 1, 0..0), None);
     let se = backup(&repo, "e", &numbered(80, 1_000, 0..0), None);
     let index = repo.load_index().unwrap();
-    let mut damaged_pack = |s: &SnapshotInfo, i: usize| {
+    let damaged_pack = |s: &SnapshotInfo, i: usize| {
         let page = parse_digest(&s.manifest.pages[i]).unwrap();
         let loc = index.blobs[&repo.crypto.blob_id(&page)];
         store.tamper(&pack_name(&loc.pack), |v| v[loc.offset as usize + loc.stored_len as usize / 2] ^= 1);
