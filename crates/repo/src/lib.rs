@@ -177,6 +177,7 @@ pub mod recover;
 mod repo;
 pub mod runs;
 pub mod store;
+mod table;
 #[cfg(test)]
 mod tests;
 mod writer;

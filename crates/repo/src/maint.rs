@@ -2,8 +2,9 @@
 use crate::damage::{pack_id, prefer_good, prune_records, DamageSet, DamagedCopies};
 use crate::format::{self, BlobEntry, DamagedPack, Digest, LockKind, PackBlobs, Pages, ZERO};
 use crate::repo::{
-    blkhash_of, pack_name, par_map, parse_time, sha256, Index, Repository, SnapshotInfo, AAD_TRAILER, FETCH_THREADS,
+    pack_name, par_map, parse_time, sha256, BlkHasher, Index, Repository, SnapshotInfo, AAD_TRAILER, FETCH_THREADS,
 };
+use crate::table::{BlobTable, Row};
 use crate::{lock, Error, Result};
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -53,23 +54,25 @@ impl Report {
 }
 
 /// What check learned, for verify to go on from.
-struct Walk {
+pub(crate) struct Walk {
     snaps: Vec<SnapshotInfo>,
     /// Each snapshot's page digests.
     snap_pages: Vec<Arc<Pages>>,
-    index: Index,
-    /// Every pack's blobs as the index objects list them.
-    packs: HashMap<Digest, Vec<BlobEntry>>,
+    /// Every location the index objects list.
+    table: BlobTable,
+    /// The index of the page blobs alone: what pages are read through.
+    pages_index: Index,
     /// `data/` as listed: name to length.
     listed: HashMap<String, u64>,
-    /// The entries of every page the snapshots use, or why it could not be read.
-    pages: HashMap<Digest, Result<Vec<Digest>, String>>,
     /// Damaged or missing blob ids, with the problem each belongs to.
     damaged: HashMap<Digest, usize>,
     /// The damage records (FORMAT.md §7b).
     damage: DamageSet,
     /// The problems made of recorded damage: those that no snapshot reads become notes.
     recorded: Vec<usize>,
+    /// Page reads made (each distinct page once, unless a page recurs at other positions
+    /// after the cache let it go).
+    pub(crate) page_reads: u64,
 }
 
 /// Each snapshot's page digests, its manifest read again ([`FETCH_THREADS`] at a time).
@@ -86,6 +89,36 @@ fn read_pages(repo: &Repository, index: &Index, pages: &[Arc<Pages>]) -> HashMap
     want.into_iter().zip(got).collect()
 }
 
+/// The distinct non-zero page digests of snapshots' `pages` that `keep` accepts, sorted.
+/// Memory: a set of the distinct pages, however many snapshots share them.
+fn distinct_pages(pages: &[Arc<Pages>], keep: impl Fn(&Digest) -> bool) -> Vec<Digest> {
+    let mut seen: HashSet<Digest> = HashSet::new();
+    for p in pages {
+        seen.extend(p.nonzero().iter().copied());
+    }
+    let mut want: Vec<Digest> = seen.into_iter().filter(|d| keep(d)).collect();
+    want.sort_unstable();
+    want
+}
+
+/// Pages read this many at a time (in parallel), so that a bounded number of them is
+/// held, not all.
+const PAGE_BATCH: usize = 64;
+
+/// `f` over each of `pages`, read (any copy) a batch at a time, in the order given.
+fn for_pages(
+    repo: &Repository,
+    index: &Index,
+    pages: &[Digest],
+    mut f: impl FnMut(&Digest, Result<Vec<Digest>, String>),
+) {
+    for batch in pages.chunks(PAGE_BATCH) {
+        for (d, page) in batch.iter().zip(par_map(batch, FETCH_THREADS, |d| repo.read_page(index, d))) {
+            f(d, page);
+        }
+    }
+}
+
 /// The byte range chunk `ci` of a snapshot covers.
 fn chunk_range(snap: &SnapshotInfo, first: u64, count: u64) -> (u64, u64) {
     let cs = snap.manifest.chunk_size as u64;
@@ -94,15 +127,17 @@ fn chunk_range(snap: &SnapshotInfo, first: u64, count: u64) -> (u64, u64) {
     (start, end.saturating_sub(start))
 }
 
-/// Adds to each problem the ranges of every snapshot that read one of its blobs.
+/// Adds to each problem the ranges of every snapshot that read one of its blobs: a
+/// second pass over the pages, made only when there is damage.
 fn attribute(repo: &Repository, w: &Walk, problems: &mut [Problem]) {
     if w.damaged.is_empty() {
         return;
     }
     // Per distinct page: which of its entries are damaged (computed once however many
-    // snapshots share the page).
+    // snapshots share the page). A page itself damaged hits its whole range below.
     let mut page_hits: HashMap<Digest, Vec<(u64, usize)>> = HashMap::new();
-    for (d, page) in &w.pages {
+    let want = distinct_pages(&w.snap_pages, |d| !w.damaged.contains_key(&repo.crypto.blob_id(d)));
+    for_pages(repo, &w.pages_index, &want, |d, page| {
         if let Ok(entries) = page {
             let hits: Vec<(u64, usize)> = entries
                 .iter()
@@ -114,7 +149,7 @@ fn attribute(repo: &Repository, w: &Walk, problems: &mut [Problem]) {
                 page_hits.insert(*d, hits);
             }
         }
-    }
+    });
     for (s, sp) in w.snaps.iter().zip(&w.snap_pages) {
         let pe = s.manifest.page_entries as u64;
         let chunks = s.manifest.chunks();
@@ -151,7 +186,65 @@ fn attribute(repo: &Repository, w: &Walk, problems: &mut [Problem]) {
     }
 }
 
-fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
+/// A page's entries, or why it could not be read, shared by the cache and its readers.
+type PageRead = Arc<Result<Vec<Digest>, String>>;
+
+/// Decoded pages kept for the snapshots that read them next, up to a number of entries:
+/// the least recently used goes first.
+struct PageCache {
+    pages: HashMap<Digest, (u64, PageRead)>,
+    by_use: BTreeMap<u64, Digest>,
+    tick: u64,
+    entries: usize,
+    max_entries: usize,
+}
+
+impl PageCache {
+    fn new(max_entries: usize) -> PageCache {
+        PageCache { pages: HashMap::new(), by_use: BTreeMap::new(), tick: 0, entries: 0, max_entries }
+    }
+
+    fn get(&mut self, d: &Digest) -> Option<PageRead> {
+        let (at, page) = self.pages.get_mut(d)?;
+        self.by_use.remove(at);
+        self.tick += 1;
+        *at = self.tick;
+        self.by_use.insert(self.tick, *d);
+        Some(page.clone())
+    }
+
+    fn put(&mut self, d: Digest, page: Result<Vec<Digest>, String>) {
+        let size = |p: &Result<Vec<Digest>, String>| p.as_ref().map_or(1, |v| v.len().max(1));
+        self.entries += size(&page);
+        self.tick += 1;
+        self.by_use.insert(self.tick, d);
+        if let Some((at, old)) = self.pages.insert(d, (self.tick, Arc::new(page))) {
+            self.by_use.remove(&at);
+            self.entries -= size(&old);
+        }
+        while self.entries > self.max_entries && self.pages.len() > 1 {
+            let Some((_, oldest)) = self.by_use.pop_first() else { break };
+            if let Some((_, p)) = self.pages.remove(&oldest) {
+                self.entries -= size(&p);
+            }
+        }
+    }
+}
+
+/// Entries of decoded pages the walk keeps (32 bytes each): 8 MiB.
+const PAGE_CACHE_ENTRIES: usize = 1 << 18;
+
+/// What the walk over its pages found of one snapshot.
+struct SnapWalk {
+    object: String,
+    /// Its blkhash so far, while every page read well (only where it has one to check).
+    hasher: Option<BlkHasher>,
+    /// The problem of the chunks it uses that are in no index object.
+    missing: Option<usize>,
+    missing_count: u64,
+}
+
+pub(crate) fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
     let mut r = Report::default();
     let store = &repo.store;
     let (snaps, bad_snaps) = repo.snapshots_lenient()?;
@@ -184,7 +277,7 @@ fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
     }
     let mut snaps = snaps;
     snaps.extend(checkpoints.iter().map(|c| c.as_snapshot()));
-    let (objects, bad_index) = repo.index_objects()?;
+    let (table, page_objects, bad_index) = BlobTable::read(repo)?;
     let mut index_damaged = !bad_index.is_empty();
     for (name, e) in bad_index {
         r.problem(
@@ -199,18 +292,7 @@ fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
     for (name, e) in bad_damage {
         r.problem(name, format!("{}; `ferry repo repair` removes it (then run `ferry repo verify`)", e.reason()));
     }
-    let mut packs: HashMap<Digest, Vec<BlobEntry>> = HashMap::new();
-    for (_, ps) in &objects {
-        for p in ps {
-            let v = packs.entry(p.pack).or_default();
-            for b in &p.blobs {
-                if !v.iter().any(|x| x.id == b.id && x.offset == b.offset) {
-                    v.push(*b);
-                }
-            }
-        }
-    }
-    let index = prefer_good(objects, &damage);
+    let pages_index = prefer_good(page_objects, &damage);
     let listed: HashMap<String, u64> = store
         .list("data/")
         .map_err(|e| Error::store(format!("cannot list the packs of {}", store.describe()), e))?
@@ -218,19 +300,17 @@ fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
         .collect();
     r.packs = listed.len();
     // Packs the index names: present, and long enough.
-    let mut bad_packs: HashMap<Digest, usize> = HashMap::new();
-    let mut names: Vec<(&Digest, &Vec<BlobEntry>)> = packs.iter().collect();
-    names.sort_by_key(|(d, _)| **d);
-    for (pack, blobs) in names {
-        let name = pack_name(pack);
-        let end = blobs.iter().map(|b| b.offset as u64 + b.stored_len as u64).max().unwrap_or(0);
+    let mut bad_packs: HashMap<u32, usize> = HashMap::new();
+    for pack in table.packs_sorted() {
+        let name = pack_name(&table.packs[pack as usize]);
+        let end = table.pack_rows(pack).map(|b| b.offset as u64 + b.stored_len as u64).max().unwrap_or(0);
         match listed.get(&name) {
             None => {
-                bad_packs.insert(*pack, r.problem(name, "it is missing from the store (the index lists its blobs)"));
+                bad_packs.insert(pack, r.problem(name, "it is missing from the store (the index lists its blobs)"));
             }
             Some(&len) if len < end + format::PACK_TAIL as u64 => {
                 let why = format!("it is {len} bytes, shorter than its blobs in the index ({end} bytes and more)");
-                bad_packs.insert(*pack, r.problem(name, why));
+                bad_packs.insert(pack, r.problem(name, why));
             }
             _ => {}
         }
@@ -238,8 +318,10 @@ fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
     // A lost pack whose every blob has a good copy elsewhere (a backup stored them again)
     // loses nothing: gc drops it from the index.
     for (pack, p) in &bad_packs {
-        let healed = packs[pack].iter().all(|b| {
-            index.locations(&b.id).any(|l| !bad_packs.contains_key(&l.pack) && !damage.is_damaged(&l.pack, &b.id))
+        let healed = table.pack_rows(*pack).all(|b| {
+            table
+                .locations(&b.id)
+                .any(|l| !bad_packs.contains_key(&l.pack) && !damage.is_damaged(&table.packs[l.pack as usize], &b.id))
         });
         if healed {
             r.problems[*p].why.push_str(
@@ -248,97 +330,27 @@ fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
             );
         }
     }
-    let indexed: HashSet<String> = packs.keys().map(pack_name).collect();
+    let indexed: HashSet<String> = table.packs.iter().map(pack_name).collect();
     let orphans = listed.keys().filter(|n| !indexed.contains(*n)).count();
     // A blob is lost only when every copy of it is in a missing or short pack (or, below,
     // recorded damaged).
     let mut damaged: HashMap<Digest, usize> = HashMap::new();
-    let recorded = recorded_problems(&mut r, &damage, &index, &listed, &mut damaged);
-    if !bad_packs.is_empty() {
-        for (id, loc) in &index.blobs {
-            if let Some(p) = bad_packs.get(&loc.pack) {
-                if index.locations(id).all(|l| bad_packs.contains_key(&l.pack)) {
-                    damaged.insert(*id, *p);
-                }
+    let recorded = recorded_problems(&mut r, &damage, &table, &listed, &mut damaged);
+    for (pack, p) in &bad_packs {
+        for b in table.pack_rows(*pack) {
+            if table.first(&b.id, &damage).map(|l| l.pack) == Some(*pack)
+                && table.locations(&b.id).all(|l| bad_packs.contains_key(&l.pack))
+            {
+                damaged.insert(b.id, *p);
             }
         }
     }
     let snap_pages = snapshot_pages(repo, &snaps)?;
-    let pages = read_pages(repo, &index, &snap_pages);
-    let mut page_problem: HashMap<Digest, usize> = HashMap::new();
-    let mut checked: HashSet<Digest> = HashSet::new();
-    for (s, sp) in snaps.iter().zip(&snap_pages) {
-        let object = if s.id.contains('/') { s.id.clone() } else { format!("snapshots/{}", s.id) };
-        let mut missing: Option<usize> = None;
-        let mut missing_count = 0u64;
-        let mut entries_ok = true;
-        let mut entries = match crate::repo::entry_list(s.manifest.chunks(), &object) {
-            Ok(v) => v,
-            Err(e) => {
-                r.problems.push(Problem { object: object.clone(), why: e.to_string(), hits: Vec::new() });
-                continue;
-            }
-        };
-        for (i, d) in sp.iter().enumerate() {
-            let d = &d;
-            let count = s
-                .manifest
-                .chunks()
-                .saturating_sub(i as u64 * s.manifest.page_entries as u64)
-                .min(s.manifest.page_entries as u64);
-            if *d == ZERO {
-                entries.resize(entries.len() + count as usize, ZERO);
-                continue;
-            }
-            let id = repo.crypto.blob_id(d);
-            match pages.get(d) {
-                Some(Ok(page)) if page.len() as u64 == count => {
-                    entries.extend_from_slice(page);
-                    for e in page.iter().filter(|e| **e != ZERO) {
-                        let eid = repo.crypto.blob_id(e);
-                        if !checked.insert(eid) {
-                            continue;
-                        }
-                        if !index.blobs.contains_key(&eid) {
-                            let p = *missing.get_or_insert_with(|| r.problem(object.clone(), String::new()));
-                            missing_count += 1;
-                            damaged.insert(eid, p);
-                        }
-                    }
-                }
-                other => {
-                    entries_ok = false;
-                    if !index.blobs.contains_key(&id) {
-                        index_damaged = true;
-                    }
-                    if damaged.contains_key(&id) {
-                        continue;
-                    }
-                    let why = match other {
-                        Some(Ok(page)) => format!("page {i} has {} entries, not {count}", page.len()),
-                        Some(Err(why)) => why.clone(),
-                        None => "page not read".into(),
-                    };
-                    let obj = index.blobs.get(&id).map(|l| pack_name(&l.pack)).unwrap_or_else(|| object.clone());
-                    let p = *page_problem.entry(*d).or_insert_with(|| r.problem(obj, why));
-                    damaged.insert(id, p);
-                }
-            }
-        }
-        if let Some(p) = missing {
-            r.problems[p].why = format!("{missing_count} chunk(s) it uses are in no index object");
-            index_damaged = true;
-        }
-        if entries_ok {
-            if let Some(want) = &s.manifest.blkhash {
-                let got = format::hex(&blkhash_of(&entries, s.manifest.size, s.manifest.chunk_size));
-                if s.manifest.chunk_size == 65536 && *want != got {
-                    r.problem(object, format!("its blkhash {want} does not match its pages ({got})"));
-                }
-            }
-        }
-    }
-    r.blobs_checked = checked.len() as u64;
+    let mut walk =
+        Walk { snaps: Vec::new(), snap_pages, table, pages_index, listed, damaged, damage, recorded, page_reads: 0 };
+    let blobs_checked = walk_pages(repo, &mut r, &mut walk, &snaps, &mut index_damaged);
+    walk.snaps = snaps;
+    r.blobs_checked = blobs_checked;
     // Packs in no index object are orphans only when the index is whole: else gc would
     // delete what may be the only copy of the chunks the index lost.
     if orphans > 0 && index_damaged {
@@ -363,7 +375,191 @@ fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
         }
         Err(e) => r.notes.push(format!("cannot read the locks: {e}")),
     }
-    Ok((r, Walk { snaps, snap_pages, index, packs, listed, pages, damaged, damage, recorded }))
+    Ok((r, walk))
+}
+
+/// Reads the pages of `snaps` and checks them: each page's entries indexed (each distinct
+/// page once), each snapshot's pages whole and its blkhash theirs. The snapshots advance
+/// together, page position by page position, so that the snapshots of one disk, which
+/// share most pages at the same positions, read each page once while only a bounded cache
+/// of decoded pages is kept; no snapshot's list of entries is kept. Problems are said in
+/// the order of a walk of one snapshot after another. Returns the number of distinct
+/// chunks checked.
+fn walk_pages(
+    repo: &Repository,
+    r: &mut Report,
+    w: &mut Walk,
+    snaps: &[SnapshotInfo],
+    index_damaged: &mut bool,
+) -> u64 {
+    let base = r.problems.len();
+    // Each problem made here: the snapshot and page position that found it.
+    let mut found_at: Vec<(usize, u64)> = Vec::new();
+    let mut problem = |r: &mut Report, at: (usize, u64), object: String, why: String| {
+        found_at.push(at);
+        r.problem(object, why)
+    };
+    let mut walks: Vec<Option<SnapWalk>> = Vec::with_capacity(snaps.len());
+    for (si, s) in snaps.iter().enumerate() {
+        let object = if s.id.contains('/') { s.id.clone() } else { format!("snapshots/{}", s.id) };
+        // A manifest may describe a disk far larger than its bytes (zero pages): one whose
+        // list of entries would not fit in memory is refused, as readers refuse it.
+        if let Err(e) = crate::repo::entry_list(s.manifest.chunks(), &object) {
+            problem(r, (si, 0), object, e.to_string());
+            walks.push(None);
+            continue;
+        }
+        let m = &s.manifest;
+        let hasher = m
+            .blkhash
+            .as_ref()
+            .filter(|_| m.chunk_size == 65536)
+            .map(|_| BlkHasher::new(m.chunks(), m.size, m.chunk_size));
+        walks.push(Some(SnapWalk { object, hasher, missing: None, missing_count: 0 }));
+    }
+    let mut used = vec![0u64; w.table.len().div_ceil(64)];
+    let mut missing_ids: HashSet<Digest> = HashSet::new();
+    let mut pages_done: HashSet<Digest> = HashSet::new();
+    let mut page_problem: HashMap<Digest, usize> = HashMap::new();
+    let mut cache = PageCache::new(PAGE_CACHE_ENTRIES);
+    let positions = w.snap_pages.iter().map(|p| p.count()).max().unwrap_or(0) as usize;
+    // Each snapshot's page digests, taken in turn as the positions advance: `at[si]` is
+    // the digest of snapshot `si`'s page at the current position.
+    let pages = std::mem::take(&mut w.snap_pages);
+    let mut iters: Vec<_> = pages.iter().map(|p| p.iter()).collect();
+    let mut at: Vec<Digest> = vec![ZERO; snaps.len()];
+    // The snapshots with a page at the position, in order: each position costs what its
+    // snapshots read there, however many shorter snapshots ended before it.
+    let mut live: Vec<usize> = (0..snaps.len()).filter(|&si| walks[si].is_some()).collect();
+    for i in 0..positions {
+        live.retain(|&si| (i as u64) < pages[si].count());
+        for &si in &live {
+            at[si] = iters[si].next().unwrap_or(ZERO);
+        }
+        let digest_at = |si: usize, _i: usize| at[si];
+        let mut k = 0;
+        while k < live.len() {
+            // The next snapshots, up to a batch of pages not in the cache, read together.
+            let mut want: Vec<Digest> = Vec::new();
+            let mut end = k;
+            while end < live.len() && want.len() < PAGE_BATCH {
+                let d = digest_at(live[end], i);
+                if d != ZERO && !want.contains(&d) && cache.get(&d).is_none() {
+                    want.push(d);
+                }
+                end += 1;
+            }
+            w.page_reads += want.len() as u64;
+            for (d, page) in want.iter().zip(par_map(&want, FETCH_THREADS, |d| repo.read_page(&w.pages_index, d))) {
+                cache.put(*d, page);
+            }
+            for &si in &live[k..end] {
+                let s = &snaps[si];
+                let d = digest_at(si, i);
+                let pe = s.manifest.page_entries as u64;
+                let count = s.manifest.chunks().saturating_sub(i as u64 * pe).min(pe);
+                let sw = walks[si].as_mut().expect("live snapshots have a walk");
+                if d == ZERO {
+                    if let Some(h) = &mut sw.hasher {
+                        h.feed_zeros(count);
+                    }
+                    continue;
+                }
+                let id = repo.crypto.blob_id(&d);
+                let page = match cache.get(&d) {
+                    Some(p) => p,
+                    // The cache keeps at least the batch just read; read again if not.
+                    None => {
+                        w.page_reads += 1;
+                        Arc::new(repo.read_page(&w.pages_index, &d))
+                    }
+                };
+                match page.as_ref() {
+                    Ok(page) if page.len() as u64 == count => {
+                        if let Some(h) = &mut sw.hasher {
+                            h.feed(page);
+                        }
+                        if !pages_done.insert(d) {
+                            continue;
+                        }
+                        for e in page.iter().filter(|e| **e != ZERO) {
+                            let eid = repo.crypto.blob_id(e);
+                            match w.table.find(&eid) {
+                                Some(row) => used[row / 64] |= 1 << (row % 64),
+                                None => {
+                                    if missing_ids.insert(eid) {
+                                        let p = *sw.missing.get_or_insert_with(|| {
+                                            problem(r, (si, i as u64), sw.object.clone(), String::new())
+                                        });
+                                        sw.missing_count += 1;
+                                        w.damaged.insert(eid, p);
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    other => {
+                        sw.hasher = None;
+                        if !w.pages_index.contains(&id) {
+                            *index_damaged = true;
+                        }
+                        if w.damaged.contains_key(&id) {
+                            continue;
+                        }
+                        let why = match other {
+                            Ok(page) => format!("page {i} has {} entries, not {count}", page.len()),
+                            Err(why) => why.clone(),
+                        };
+                        let obj = w
+                            .pages_index
+                            .blobs
+                            .get(&id)
+                            .map(|l| pack_name(&l.pack))
+                            .unwrap_or_else(|| sw.object.clone());
+                        let p = match page_problem.get(&d) {
+                            Some(p) => *p,
+                            None => {
+                                let p = problem(r, (si, i as u64), obj, why);
+                                page_problem.insert(d, p);
+                                p
+                            }
+                        };
+                        w.damaged.insert(id, p);
+                    }
+                }
+            }
+            k = end;
+        }
+    }
+    for (si, (s, sw)) in snaps.iter().zip(walks).enumerate() {
+        let Some(sw) = sw else { continue };
+        if let Some(p) = sw.missing {
+            r.problems[p].why = format!("{} chunk(s) it uses are in no index object", sw.missing_count);
+            *index_damaged = true;
+        }
+        if let (Some(h), Some(want)) = (sw.hasher, &s.manifest.blkhash) {
+            let got = format::hex(&h.finish());
+            if *want != got {
+                problem(r, (si, u64::MAX), sw.object, format!("its blkhash {want} does not match its pages ({got})"));
+            }
+        }
+    }
+    // The problems in the order one snapshot after another finds them.
+    let mut order: Vec<usize> = (0..found_at.len()).collect();
+    order.sort_by_key(|&j| found_at[j]);
+    let mut moved: Vec<Option<Problem>> = r.problems.drain(base..).map(Some).collect();
+    let mut new_at = vec![0usize; order.len()];
+    for (to, &from) in order.iter().enumerate() {
+        new_at[from] = base + to;
+        r.problems.extend(moved[from].take());
+    }
+    for p in w.damaged.values_mut().filter(|p| **p >= base) {
+        *p = new_at[*p - base];
+    }
+    drop(iters);
+    w.snap_pages = pages;
+    let ones: u64 = used.iter().map(|u| u.count_ones() as u64).sum();
+    ones + missing_ids.len() as u64
 }
 
 /// The damage records' packs that are still in the store: a problem for each whose
@@ -372,7 +568,7 @@ fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
 fn recorded_problems(
     r: &mut Report,
     damage: &DamageSet,
-    index: &Index,
+    table: &BlobTable,
     listed: &HashMap<String, u64>,
     damaged: &mut HashMap<Digest, usize>,
 ) -> Vec<usize> {
@@ -387,13 +583,18 @@ fn recorded_problems(
         let found = format!("recorded damaged by `ferry repo verify` at {}: {}", copies.time, copies.why);
         // A blob with no good copy: each of its copies, this one among them, is recorded
         // damaged or in a pack missing from the store.
-        let good = |id: &Digest, l: &crate::BlobLocation| {
-            !damage.is_damaged(&l.pack, id) && listed.contains_key(&pack_name(&l.pack))
+        let good = |id: &Digest, l: &Row| {
+            let pack = &table.packs[l.pack as usize];
+            !damage.is_damaged(pack, id) && listed.contains_key(&pack_name(pack))
         };
+        let here = table.pack_number(pack);
         let mut only: Vec<&Digest> = copies
             .blobs
             .iter()
-            .filter(|id| index.locations(id).any(|l| l.pack == *pack) && !index.locations(id).any(|l| good(id, l)))
+            .filter(|id| {
+                let mut locs = table.locations(id);
+                locs.clone().any(|l| Some(l.pack) == here) && !locs.any(|l| good(id, l))
+            })
             .collect();
         only.sort();
         if only.is_empty() {
@@ -553,17 +754,20 @@ fn verify_pack(repo: &Repository, pack: &Digest, blobs: &[BlobEntry]) -> PackChe
 pub fn verify(repo: &Repository, opts: &VerifyOptions) -> Result<Report> {
     let (mut r, mut w) = check_walk(repo)?;
     let day = jiff::Timestamp::now().as_second().max(0) as u64 / 86400;
-    let mut todo: Vec<(Digest, Vec<BlobEntry>)> = w
-        .packs
-        .iter()
+    let table = &w.table;
+    let todo: Vec<(Digest, u32)> = table
+        .packs_sorted()
+        .into_iter()
+        .map(|p| (table.packs[p as usize], p))
         .filter(|(p, _)| w.listed.contains_key(&pack_name(p)) && selected(p, opts.read_data_percent.max(1), day))
-        .map(|(p, b)| (*p, b.clone()))
         .collect();
-    todo.sort_by_key(|(p, _)| *p);
     // From here on, blobs_checked counts the blobs decoded.
     r.blobs_checked = 0;
     let mut bad_copies: HashMap<Digest, Vec<(Digest, usize)>> = HashMap::new();
-    let results = par_map(&todo, opts.threads.max(1), |(p, b)| verify_pack(repo, p, b));
+    let results = par_map(&todo, opts.threads.max(1), |(p, n)| {
+        let blobs: Vec<BlobEntry> = table.pack_rows(*n).map(Row::entry).collect();
+        verify_pack(repo, p, &blobs)
+    });
     let mut record: Vec<DamagedPack> = Vec::new();
     // Recorded packs that read otherwise now: their new state (None: whole again).
     let mut corrected: HashMap<Digest, Option<DamagedCopies>> = HashMap::new();
@@ -614,10 +818,10 @@ pub fn verify(repo: &Repository, opts: &VerifyOptions) -> Result<Report> {
     };
     for (id, copies) in &bad_copies {
         let bad = |pack: &Digest| copies.iter().any(|(p, _)| p == pack);
-        let lost = w
-            .index
+        let lost = table
             .locations(id)
-            .all(|l| bad(&l.pack) || recorded_bad(&l.pack, id) || !w.listed.contains_key(&pack_name(&l.pack)));
+            .map(|l| &table.packs[l.pack as usize])
+            .all(|pack| bad(pack) || recorded_bad(pack, id) || !w.listed.contains_key(&pack_name(pack)));
         if lost {
             w.damaged.entry(*id).or_insert(copies[0].1);
         }
@@ -1247,34 +1451,40 @@ pub fn damaged_snapshots(repo: &Repository, snaps: &[SnapshotInfo]) -> Result<Ha
     if damage.is_empty() {
         return Ok(out);
     }
-    let index = repo.load_index_lenient()?;
+    let (table, page_objects, bad_index) = BlobTable::read(repo)?;
+    for (name, e) in bad_index {
+        log::warn!("skipping {name}: {e}; `ferry repo repair` rebuilds the index from the packs");
+    }
     // The blobs whose every copy is recorded damaged, each with its first copy's pack.
-    let mut bad: HashMap<&Digest, &Digest> = HashMap::new();
+    let mut bad: HashMap<&Digest, Digest> = HashMap::new();
     for id in damage.packs.values().flat_map(|c| c.blobs.iter()) {
-        let mut copies = index.locations(id).peekable();
-        if let Some(first) = copies.peek() {
-            let pack = &first.pack;
-            if copies.all(|l| damage.is_damaged(&l.pack, id)) {
-                bad.insert(id, pack);
+        let mut copies = table.locations(id);
+        if let Some(first) = copies.clone().next() {
+            if copies.all(|l| damage.is_damaged(&table.packs[l.pack as usize], id)) {
+                bad.insert(id, table.packs[first.pack as usize]);
             }
         }
     }
     if bad.is_empty() {
         return Ok(out);
     }
+    let bad_blob = |d: &Digest| bad.get(&repo.crypto.blob_id(d)).copied();
+    // Each distinct page once: the pack of the first damaged blob it reads, if any.
+    let pages_index = prefer_good(page_objects, &damage);
+    let mut page_hit: HashMap<Digest, Digest> = HashMap::new();
     let snap_pages = snapshot_pages(repo, snaps)?;
-    let pages = read_pages(repo, &index, &snap_pages);
+    for_pages(repo, &pages_index, &distinct_pages(&snap_pages, |d| bad_blob(d).is_none()), |d, page| {
+        if let Some(pack) = page.ok().and_then(|e| e.iter().filter(|e| **e != ZERO).find_map(bad_blob)) {
+            page_hit.insert(*d, pack);
+        }
+    });
     for (s, sp) in snaps.iter().zip(&snap_pages) {
-        let hit = sp.nonzero().iter().find_map(|d| {
-            bad.get(&repo.crypto.blob_id(d)).copied().or_else(|| match pages.get(d) {
-                Some(Ok(entries)) => {
-                    entries.iter().filter(|e| **e != ZERO).find_map(|e| bad.get(&repo.crypto.blob_id(e)).copied())
-                }
-                _ => None,
-            })
-        });
+        let hit = sp
+            .nonzero()
+            .iter()
+            .find_map(|d| bad_blob(d).or_else(|| page_hit.get(d).copied()));
         if let Some(pack) = hit {
-            out.insert(s.id.clone(), pack_name(pack));
+            out.insert(s.id.clone(), pack_name(&pack));
         }
     }
     Ok(out)
@@ -1299,26 +1509,52 @@ pub struct Stats {
 pub fn stats(repo: &Repository) -> Result<Stats> {
     let store = &repo.store;
     let (snaps, _) = repo.snapshots_skipping()?;
-    let index = repo.load_index()?;
-    let pages = read_pages(repo, &index, &snapshot_pages(repo, &snaps)?);
+    let (table, page_objects, mut bad_index) = BlobTable::read(repo)?;
+    if let Some((_, e)) = bad_index.pop() {
+        return Err(e);
+    }
+    let damage = repo.damage()?;
+    let pages_index = prefer_good(page_objects, &damage);
     let mut s = Stats { snapshots: snaps.len() as u64, ..Stats::default() };
     let disks: HashSet<&str> = snaps.iter().map(|s| s.manifest.name.as_str()).collect();
     s.disks = disks.len() as u64;
     s.logical = snaps.iter().map(|s| s.manifest.size).sum();
-    let mut seen: HashSet<Digest> = HashSet::new();
-    for (d, page) in &pages {
-        let page = page.as_ref().map_err(|why| Error::damaged(format!("page {}", format::hex(d)), why.clone()))?;
+    // Each distinct page once; each chunk counted once (a bit a location), with its size
+    // where the index has it.
+    let mut seen = vec![0u64; table.len().div_ceil(64)];
+    let mut unindexed: HashSet<Digest> = HashSet::new();
+    let mut failed = None;
+    let snap_pages = snapshot_pages(repo, &snaps)?;
+    for_pages(repo, &pages_index, &distinct_pages(&snap_pages, |_| true), |d, page| {
+        let page = match page {
+            Ok(page) => page,
+            Err(why) => {
+                failed.get_or_insert_with(|| Error::damaged(format!("page {}", format::hex(d)), why));
+                return;
+            }
+        };
         for e in page.iter().filter(|e| **e != ZERO) {
             let id = repo.crypto.blob_id(e);
-            if seen.insert(id) {
-                if let Some(l) = index.blobs.get(&id) {
-                    s.unique_plain += l.plain_len as u64;
-                    s.unique_stored += l.stored_len as u64;
+            match table.find(&id) {
+                Some(row) if seen[row / 64] & (1 << (row % 64)) == 0 => {
+                    seen[row / 64] |= 1 << (row % 64);
+                    if let Some(l) = table.first(&id, &damage) {
+                        s.unique_plain += l.plain_len as u64;
+                        s.unique_stored += l.stored_len as u64;
+                    }
+                }
+                Some(_) => {}
+                None => {
+                    unindexed.insert(id);
                 }
             }
         }
+    });
+    if let Some(e) = failed {
+        return Err(e);
     }
-    s.chunks = seen.len() as u64;
+    let seen: u64 = seen.iter().map(|u| u.count_ones() as u64).sum();
+    s.chunks = seen + unindexed.len() as u64;
     let data = store.list("data/").map_err(|e| Error::store(format!("cannot list {}", store.describe()), e))?;
     let idx = store.list("index/").map_err(|e| Error::store(format!("cannot list {}", store.describe()), e))?;
     s.packs = data.len() as u64;

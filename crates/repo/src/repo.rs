@@ -824,21 +824,55 @@ pub(crate) fn order_keys(snaps: &[SnapshotInfo]) -> Vec<(Option<jiff::Timestamp>
 /// The blkhash of a snapshot from its entries (FORMAT.md §1): the entries with zero
 /// entries replaced by the digest of as many zero bytes, then the size.
 pub(crate) fn blkhash_of(entries: &[Digest], size: u64, chunk_size: u32) -> Digest {
-    let cs = chunk_size as u64;
-    let zero_full = sha256(&vec![0u8; chunk_size as usize]);
-    let last_len = size - (entries.len() as u64).saturating_sub(1) * cs;
-    let zero_last = if last_len == cs { zero_full } else { sha256(&vec![0u8; last_len as usize]) };
-    let mut h = sha2::Sha256::new();
-    let n = entries.len();
-    for (i, e) in entries.iter().enumerate() {
-        if *e == ZERO {
-            h.update(if i + 1 == n { zero_last } else { zero_full });
-        } else {
-            h.update(e);
+    let mut h = BlkHasher::new(entries.len() as u64, size, chunk_size);
+    h.feed(entries);
+    h.finish()
+}
+
+/// [`blkhash_of`] fed a page at a time, so that no whole list of entries is kept.
+pub(crate) struct BlkHasher {
+    h: sha2::Sha256,
+    /// Entries in all, and fed so far.
+    n: u64,
+    fed: u64,
+    zero_full: Digest,
+    zero_last: Digest,
+    size: u64,
+}
+
+impl BlkHasher {
+    /// For a snapshot of `n` entries and `size` bytes.
+    pub(crate) fn new(n: u64, size: u64, chunk_size: u32) -> BlkHasher {
+        let cs = chunk_size as u64;
+        let zero_full = sha256(&vec![0u8; chunk_size as usize]);
+        let last_len = size - n.saturating_sub(1) * cs;
+        let zero_last = if last_len == cs { zero_full } else { sha256(&vec![0u8; last_len as usize]) };
+        BlkHasher { h: sha2::Sha256::new(), n, fed: 0, zero_full, zero_last, size }
+    }
+
+    /// The next entries, in order.
+    pub(crate) fn feed(&mut self, entries: &[Digest]) {
+        for e in entries {
+            self.fed += 1;
+            if *e == ZERO {
+                self.h.update(if self.fed == self.n { self.zero_last } else { self.zero_full });
+            } else {
+                self.h.update(e);
+            }
         }
     }
-    h.update(size.to_le_bytes());
-    h.finalize().into()
+
+    /// The next `count` entries, all zero.
+    pub(crate) fn feed_zeros(&mut self, count: u64) {
+        for _ in 0..count {
+            self.feed(&[ZERO]);
+        }
+    }
+
+    pub(crate) fn finish(mut self) -> Digest {
+        self.h.update(self.size.to_le_bytes());
+        self.h.finalize().into()
+    }
 }
 
 /// Says that the manifest `name` is skipped, and why.

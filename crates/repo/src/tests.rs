@@ -13,6 +13,7 @@ mod heal;
 mod keys;
 mod recover;
 mod resume;
+mod scale;
 
 const K: usize = 1024;
 const CS: usize = 64 * K;
