@@ -151,6 +151,7 @@
 
 pub mod blob;
 mod checkpoint;
+mod condemn;
 pub mod crypto;
 mod damage;
 mod diff;

@@ -899,6 +899,13 @@ pub struct GcReport {
     pub bytes_freed: u64,
     pub bytes_before: u64,
     pub bytes_after: u64,
+    /// Packs this gc condemned and left for a later one to delete (backups ran beside it).
+    pub packs_condemned: u64,
+    /// Packs condemned by an earlier gc that wait still: for backups that ran when they were
+    /// condemned to end, or for the margin to pass.
+    pub packs_waiting: u64,
+    /// Packs condemned by an earlier gc that a snapshot uses again: no longer condemned.
+    pub packs_spared: u64,
 }
 
 /// Frees what no snapshot references (FORMAT.md §9).
@@ -914,21 +921,121 @@ pub fn gc(repo: &Repository, wait: Option<std::time::Duration>) -> Result<GcRepo
 /// chunks in most packs, and rewriting all of them would cost far more than it frees.
 pub const DEFAULT_REPACK_PERCENT: u32 = 10;
 
+/// How old a condemned record that names running backups must be before a gc deletes its
+/// packs (FORMAT.md §8a), unless `FERRY_CONDEMN_MARGIN` (seconds) says otherwise.
+pub const DEFAULT_CONDEMN_MARGIN: std::time::Duration = std::time::Duration::from_secs(3600);
+
+/// The margin: `FERRY_CONDEMN_MARGIN` (whole seconds) where it is set and valid, else
+/// [`DEFAULT_CONDEMN_MARGIN`].
+pub fn condemn_margin_from_env() -> std::time::Duration {
+    match std::env::var("FERRY_CONDEMN_MARGIN") {
+        Ok(v) => match v.trim().parse::<u64>() {
+            Ok(secs) => std::time::Duration::from_secs(secs),
+            Err(_) => {
+                log::warn!("FERRY_CONDEMN_MARGIN={v:?} is not a number of seconds: the margin is one hour");
+                DEFAULT_CONDEMN_MARGIN
+            }
+        },
+        Err(_) => DEFAULT_CONDEMN_MARGIN,
+    }
+}
+
+/// What a gc does.
+#[derive(Debug, Clone)]
+pub struct GcOptions {
+    /// Wait this long for another gc, a forget or a repair (or an older ferry's backup)
+    /// to end, instead of failing.
+    pub wait: Option<std::time::Duration>,
+    /// Repack a partly unused pack only when at least this share of its bytes is unused.
+    pub repack_percent: u32,
+    /// How old a condemned record that names backups must be before its packs are deleted.
+    pub condemn_margin: std::time::Duration,
+}
+
 /// [`gc`], repacking a partly unused pack only when at least `repack_percent` of its
 /// stored bytes are unused (0: every such pack; packs with no live blob are always deleted).
 pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_percent: u32) -> Result<GcReport> {
+    gc_opts(repo, &GcOptions { wait, repack_percent, condemn_margin: condemn_margin_from_env() })
+}
+
+/// A temporary file younger than this may be a running backup's (gc runs beside them).
+const TEMP_AGE: std::time::Duration = std::time::Duration::from_secs(3600);
+
+/// What the mark read, to tell whether anything that could use a pack was stored since.
+struct Marked {
+    snapshots: HashSet<String>,
+    index: HashSet<String>,
+    checkpoints: Vec<(String, crate::format::Checkpoint)>,
+}
+
+impl Marked {
+    /// Whether no snapshot, index object or checkpoint was stored, changed or removed since
+    /// the mark read them.
+    fn unchanged(&self, repo: &Repository) -> Result<bool> {
+        let names = |prefix: &str| -> Result<HashSet<String>> {
+            Ok(repo
+                .store
+                .list(prefix)
+                .map_err(|e| Error::store(format!("cannot list {prefix} of {}", repo.store.describe()), e))?
+                .into_iter()
+                .map(|(n, _)| n)
+                .collect())
+        };
+        let snaps: HashSet<String> =
+            names("snapshots/")?.into_iter().map(|n| n.trim_start_matches("snapshots/").to_string()).collect();
+        if snaps != self.snapshots || names("index/")? != self.index {
+            return Ok(false);
+        }
+        let (checkpoints, bad) = repo.checkpoints_lenient()?;
+        let mut now: Vec<(String, crate::format::Checkpoint)> =
+            checkpoints.into_iter().map(|c| (c.object, c.checkpoint)).collect();
+        now.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(bad.is_empty() && now == self.checkpoints)
+    }
+}
+
+/// [`gc`] with every option (FORMAT.md §8a, §9). Backups of this ferry run beside it:
+/// what it finds unused it condemns (a record naming the packs and the running backups),
+/// and it deletes the packs that an earlier gc condemned once no backup that could use
+/// them runs, the margin has passed and its own mark finds them still unused. What it
+/// condemns while no backup runs (and nothing was stored since its mark) it deletes at
+/// once.
+pub fn gc_opts(repo: &Repository, opts: &GcOptions) -> Result<GcReport> {
     let store = &repo.store;
-    let _lock = lock::acquire(store, LockKind::Gc, None, wait)?;
-    // What writers killed mid-write left (a directory store's temporary files): no
-    // writer runs while gc holds its lock.
-    for prefix in ["data/", "index/", "snapshots/", "checkpoints/"] {
-        match store.remove_partial(prefix) {
+    let _lock = lock::acquire_gc(store, opts.wait)?;
+    // The backups running beside this gc (listed before the mark: a record whose backups
+    // are all gone now is executed only after this gc marked what they stored).
+    let (running, blocked) = crate::condemn::running_backups(store)?;
+    // What writers killed mid-write left (a directory store's temporary files); with
+    // backups running, only files too old to be theirs.
+    let min_age = if running.is_empty() && blocked.is_none() { std::time::Duration::ZERO } else { TEMP_AGE };
+    for prefix in ["data/", "index/", "snapshots/", "checkpoints/", "gc/"] {
+        match store.remove_partial(prefix, min_age) {
             Ok((0, _)) => {}
             Ok((n, bytes)) => log::warn!(
                 "removed {n} partly written object(s) ({bytes} bytes) under {prefix} of {}, left by interrupted writers",
                 store.describe()
             ),
             Err(e) => return Err(Error::store(format!("cannot remove partly written objects from {}", store.describe()), e)),
+        }
+    }
+    // The records of earlier gcs: ripe when every backup they name is gone, no older
+    // ferry's backup runs, and the margin has passed.
+    let condemned = repo.condemned()?;
+    let now = jiff::Timestamp::now();
+    let margin = jiff::SignedDuration::try_from(opts.condemn_margin).unwrap_or(jiff::SignedDuration::MAX);
+    let ripe_record = |r: &crate::format::CondemnedRecord| {
+        blocked.is_none()
+            && r.backups.iter().all(|b| !running.iter().any(|l| l.lock == b.lock))
+            && (r.backups.is_empty() || parse_time(&r.time).is_some_and(|t| now.duration_since(t) >= margin))
+    };
+    let (ripe, waiting): (Vec<_>, Vec<_>) = condemned.records.iter().partition(|(_, r)| ripe_record(r));
+    let pending: HashSet<Digest> = waiting.iter().flat_map(|(_, r)| crate::condemn::record_packs(r)).collect();
+    let ripe_packs: HashSet<Digest> =
+        ripe.iter().flat_map(|(_, r)| crate::condemn::record_packs(r)).filter(|p| !pending.contains(p)).collect();
+    if let Some(why) = &blocked {
+        if !condemned.records.is_empty() {
+            log::warn!("gc deletes no condemned pack now: {why}");
         }
     }
     let stop =
@@ -941,6 +1048,12 @@ pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_perc
     for (name, e) in bad {
         log::warn!("{name} is not kept: {e}");
     }
+    let mut marked = Marked {
+        snapshots: snaps.iter().map(|s| s.id.clone()).collect(),
+        index: HashSet::new(),
+        checkpoints: checkpoints.iter().map(|c| (c.object.clone(), c.checkpoint.clone())).collect(),
+    };
+    marked.checkpoints.sort_by(|a, b| a.0.cmp(&b.0));
     snaps.extend(checkpoints.iter().map(|c| c.as_snapshot()));
     // 2. The index and the packs.
     let (objects, bad) = repo.index_objects()?;
@@ -956,6 +1069,7 @@ pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_perc
         )));
     }
     let old_index: Vec<String> = objects.iter().map(|(n, _)| n.clone()).collect();
+    marked.index = old_index.iter().cloned().collect();
     let listed: HashMap<String, u64> = store
         .list("data/")
         .map_err(|e| Error::store(format!("cannot list the packs of {}", store.describe()), e))?
@@ -981,13 +1095,16 @@ pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_perc
         }
     }
     // Each blob's copies in packs that are there: good ones before recorded-damaged ones
-    // (FORMAT.md §7b), else in pack order.
+    // (FORMAT.md §7b), and copies in condemned packs after the others, else in pack order.
+    let is_condemned = |p: &Digest| ripe_packs.contains(p) || pending.contains(p);
     let mut copies: HashMap<Digest, Vec<(Digest, BlobEntry)>> = HashMap::new();
     for damaged in [false, true] {
-        for (pack, blobs) in &packs {
-            if listed.contains_key(&pack_name(pack)) {
-                for b in blobs.iter().filter(|b| damage.is_damaged(pack, &b.id) == damaged) {
-                    copies.entry(b.id).or_default().push((*pack, *b));
+        for in_condemned in [false, true] {
+            for (pack, blobs) in &packs {
+                if listed.contains_key(&pack_name(pack)) && is_condemned(pack) == in_condemned {
+                    for b in blobs.iter().filter(|b| damage.is_damaged(pack, &b.id) == damaged) {
+                        copies.entry(b.id).or_default().push((*pack, *b));
+                    }
                 }
             }
         }
@@ -1016,6 +1133,8 @@ pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_perc
             }
         }
     }
+    drop(pages);
+    drop(index);
     if let Some(id) = live.iter().find(|id| !copies.contains_key(*id)) {
         return Err(stop(format!(
             "blob {} that a snapshot uses is in no indexed pack of the store (where an index object was lost, \
@@ -1028,51 +1147,23 @@ pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_perc
         e @ Error::Store { .. } => e,
         e => stop(e.to_string()),
     })?;
-    // 3. Classify packs; copy the live blobs of partly dead ones.
-    let mut keep: Vec<PackBlobs> = Vec::new();
-    let mut delete: Vec<String> = Vec::new();
-    let mut repack: Vec<(Digest, Vec<BlobEntry>)> = Vec::new();
-    for (pack, blobs) in &packs {
-        let name = pack_name(pack);
-        if !listed.contains_key(&name) {
-            continue; // missing: nothing to keep or delete
-        }
-        let is_live = |b: &BlobEntry| kept.get(&b.id).is_some_and(|k| k.contains(pack));
-        let n_live = blobs.iter().filter(|b| is_live(b)).count();
-        let dead: Vec<&BlobEntry> = blobs.iter().filter(|b| !is_live(b)).collect();
-        let dead_bytes: u64 = dead.iter().map(|b| b.stored_len as u64).sum();
-        let all_bytes: u64 = blobs.iter().map(|b| b.stored_len as u64).sum();
-        let worth = dead_bytes.saturating_mul(100) >= all_bytes.saturating_mul(repack_percent as u64);
-        if damage.packs.contains_key(pack) && n_live > 0 {
-            // Recorded damage: kept whole while it holds the only copy of a damaged blob in
-            // use; else what is in use is copied out (each blob checked) and it goes.
-            if blobs.iter().any(|b| is_live(b) && damage.is_damaged(pack, &b.id)) {
-                keep.push(PackBlobs { pack: *pack, blobs: blobs.clone() });
-            } else {
-                report.blobs_freed += dead.len() as u64;
-                repack.push((*pack, blobs.iter().filter(|b| is_live(b)).copied().collect()));
-                delete.push(name);
-            }
-            continue;
-        }
-        if n_live == blobs.len() || (n_live > 0 && !worth) {
-            // Unused blobs below the threshold stay, indexed: still whole, and freed
-            // once enough of their pack is unused.
-            keep.push(PackBlobs { pack: *pack, blobs: blobs.clone() });
-            continue;
-        }
-        report.blobs_freed += dead.len() as u64;
-        if n_live == 0 {
-            delete.push(name);
-        } else {
-            repack.push((*pack, blobs.iter().filter(|b| is_live(b)).copied().collect()));
-            delete.push(name);
-        }
-    }
-    let indexed: HashSet<String> = packs.keys().map(pack_name).collect();
-    let orphans: Vec<String> = listed.keys().filter(|n| !indexed.contains(*n)).cloned().collect();
+    drop(copies);
+    drop(live);
+    // 3. Classify packs: every pack that is there stays indexed until it is deleted; the
+    // live blobs of partly dead ones are copied out, and those packs condemned.
+    let plan = classify(&packs, &listed, &kept, &damage, opts.repack_percent, &ripe_packs, &pending);
+    drop(kept);
+    let Plan { mut keep, mut delete, condemn: mut to_condemn, repack, spared } = plan;
+    report.packs_spared = spared;
+    report.packs_waiting = pending.len() as u64;
     let all_present = packs.keys().all(|p| listed.contains_key(&pack_name(p)));
-    if delete.is_empty() && orphans.is_empty() && old_index.len() <= 1 && all_present {
+    if delete.is_empty()
+        && to_condemn.is_empty()
+        && ripe.is_empty()
+        && condemned.unreadable.is_empty()
+        && old_index.len() <= 1
+        && all_present
+    {
         let present: HashSet<Digest> = listed.keys().filter_map(|n| pack_id(n)).collect();
         prune_records(repo, &damage, &present)?;
         report.bytes_after = report.bytes_before;
@@ -1106,40 +1197,153 @@ pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_perc
     if !out.entries.is_empty() {
         new_packs.push(out.close(repo)?);
     }
-    // 4. Index objects for every pack that stays and every new one, all stored before any
+    // A pack written again with the same bytes (a repack of a whole pack, or of a gc that
+    // stopped before its index) has the name of the one it replaces: never condemned or
+    // deleted.
+    let named: HashSet<Digest> = new_packs.iter().map(|p| p.pack).collect();
+    to_condemn.retain(|(p, _)| !named.contains(p));
+    delete.retain(|(p, _)| !named.contains(p));
+    // 4. The record of what this gc condemns, stored before anything is deleted. Where
+    // no backup runs and nothing was stored since the mark, it is deleted at once.
+    let mut own_record = None;
+    let condemned_now: Vec<Digest> = to_condemn.iter().map(|(p, _)| *p).collect();
+    match crate::condemn::condemn(repo, &condemned_now)? {
+        Some((name, backups)) => {
+            if backups.is_empty() && marked.unchanged(repo)? {
+                delete.append(&mut to_condemn);
+                own_record = Some(name);
+            } else {
+                report.packs_condemned = to_condemn.len() as u64;
+            }
+        }
+        None => to_condemn.clear(),
+    }
+    // 5. Index objects for every pack that stays and every new one, all stored before any
     // old one is removed (several when the repository is large: each stays readable).
+    let deleting: HashSet<Digest> = delete.iter().map(|(p, _)| *p).collect();
+    keep.retain(|p| !deleting.contains(&p.pack));
     keep.extend(new_packs);
     let (new_names, _) = repo.put_index(&keep)?;
+    drop(keep);
     // Still ours: a gc whose lock was taken for stale stops before it deletes.
     _lock.check()?;
-    // 5. The old index objects.
+    // 6. The old index objects.
     for name in old_index.iter().filter(|n| !new_names.contains(n)) {
         store.delete(name).map_err(|e| Error::store(format!("cannot remove {name} from {}", store.describe()), e))?;
     }
-    // 6. Dead, repacked and orphan packs; never one the new index names (a pack written
-    // again with the same bytes, e.g. by a gc that stopped before its index, has the name
-    // of the orphan it would otherwise delete).
-    let named: HashSet<String> = keep.iter().map(|p| pack_name(&p.pack)).collect();
-    for name in delete.iter().chain(&orphans).filter(|n| !named.contains(*n)) {
-        store.delete(name).map_err(|e| Error::store(format!("cannot remove {name} from {}", store.describe()), e))?;
+    // 7. The packs: condemned by an earlier gc and still unused, or by this one at once.
+    for (pack, dead) in &delete {
+        let name = pack_name(pack);
+        match store.delete(&name) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(Error::store(format!("cannot remove {name} from {}", store.describe()), e)),
+        }
         report.packs_deleted += 1;
+        report.blobs_freed += dead;
     }
-    // 7. The damage records of packs that are gone, or were written again from blobs
-    // that were each checked (a pack repacked whole has its old name again, §7b).
-    let deleted: HashSet<&String> = delete.iter().chain(&orphans).filter(|n| !named.contains(*n)).collect();
-    let rewritten: HashSet<&Digest> = repack.iter().map(|(p, _)| p).collect();
-    let present: HashSet<Digest> = listed
-        .keys()
-        .filter(|n| !deleted.contains(n))
-        .filter_map(|n| pack_id(n))
-        .filter(|p| !rewritten.contains(p))
-        .collect();
+    // 8. The records done with (and those that cannot be read: what they condemned is
+    // condemned again when it is still unused).
+    for name in
+        ripe.iter().map(|(n, _)| n).chain(own_record.as_ref()).chain(condemned.unreadable.iter().map(|(n, _)| n))
+    {
+        crate::condemn::remove(repo, name)?;
+    }
+    // 9. The damage records of packs that are gone.
+    let present: HashSet<Digest> = listed.keys().filter_map(|n| pack_id(n)).filter(|p| !deleting.contains(p)).collect();
     prune_records(repo, &damage, &present)?;
     let after_data: u64 = store.list("data/").map(|v| v.iter().map(|(_, l)| *l).sum()).unwrap_or(0);
     let after_index: u64 = store.list("index/").map(|v| v.iter().map(|(_, l)| *l).sum()).unwrap_or(0);
     report.bytes_after = after_data + after_index;
     report.bytes_freed = report.bytes_before.saturating_sub(report.bytes_after);
     Ok(report)
+}
+
+/// What gc does with each pack.
+struct Plan {
+    /// Packs that stay indexed (whole: condemned ones too, until they are deleted).
+    keep: Vec<PackBlobs>,
+    /// Packs to delete now (condemned by an earlier gc, still unused), with their dead blobs.
+    delete: Vec<(Digest, u64)>,
+    /// Packs to condemn (unused, repacked or orphans), with their dead blobs.
+    condemn: Vec<(Digest, u64)>,
+    /// Packs whose live blobs are copied to new packs.
+    repack: Vec<(Digest, Vec<BlobEntry>)>,
+    /// Condemned packs that a snapshot uses again.
+    spared: u64,
+}
+
+/// Sorts the packs (FORMAT.md §9): `ripe` are condemned by records that may be executed
+/// (deleted when still unused, else spared), `pending` by records that wait.
+fn classify(
+    packs: &BTreeMap<Digest, Vec<BlobEntry>>,
+    listed: &HashMap<String, u64>,
+    kept: &HashMap<Digest, Vec<Digest>>,
+    damage: &DamageSet,
+    repack_percent: u32,
+    ripe: &HashSet<Digest>,
+    pending: &HashSet<Digest>,
+) -> Plan {
+    let mut plan = Plan { keep: Vec::new(), delete: Vec::new(), condemn: Vec::new(), repack: Vec::new(), spared: 0 };
+    for (pack, blobs) in packs {
+        if !listed.contains_key(&pack_name(pack)) {
+            continue; // missing: nothing to keep or delete
+        }
+        let is_live = |b: &BlobEntry| kept.get(&b.id).is_some_and(|k| k.contains(pack));
+        let n_live = blobs.iter().filter(|b| is_live(b)).count();
+        let n_dead = (blobs.len() - n_live) as u64;
+        let whole = PackBlobs { pack: *pack, blobs: blobs.clone() };
+        if ripe.contains(pack) {
+            if n_live == 0 {
+                plan.delete.push((*pack, n_dead));
+                plan.keep.push(whole);
+                continue;
+            }
+            // In use again: no longer condemned, it is sorted as any other pack.
+            plan.spared += 1;
+        }
+        if pending.contains(pack) {
+            plan.keep.push(whole);
+            continue;
+        }
+        let dead_bytes: u64 = blobs.iter().filter(|b| !is_live(b)).map(|b| b.stored_len as u64).sum();
+        let all_bytes: u64 = blobs.iter().map(|b| b.stored_len as u64).sum();
+        let worth = dead_bytes.saturating_mul(100) >= all_bytes.saturating_mul(repack_percent as u64);
+        let live_blobs = || blobs.iter().filter(|b| is_live(b)).copied().collect::<Vec<_>>();
+        if damage.packs.contains_key(pack) && n_live > 0 {
+            // Recorded damage: kept while it holds the only copy of a damaged blob in use;
+            // else what is in use is copied out (each blob checked) and it is condemned.
+            if !blobs.iter().any(|b| is_live(b) && damage.is_damaged(pack, &b.id)) {
+                plan.repack.push((*pack, live_blobs()));
+                plan.condemn.push((*pack, n_dead));
+            }
+            plan.keep.push(whole);
+            continue;
+        }
+        if n_live == blobs.len() || (n_live > 0 && !worth) {
+            // Unused blobs below the threshold stay, indexed: still whole, and freed
+            // once enough of their pack is unused.
+            plan.keep.push(whole);
+            continue;
+        }
+        if n_live > 0 {
+            plan.repack.push((*pack, live_blobs()));
+        }
+        plan.condemn.push((*pack, n_dead));
+        plan.keep.push(whole);
+    }
+    // Orphans: in no index object.
+    let mut orphans: Vec<Digest> =
+        listed.keys().filter_map(|n| pack_id(n)).filter(|p| !packs.contains_key(p)).collect();
+    orphans.sort_unstable();
+    for p in orphans {
+        if ripe.contains(&p) {
+            plan.delete.push((p, 0));
+        } else if !pending.contains(&p) {
+            plan.condemn.push((p, 0));
+        }
+    }
+    plan
 }
 
 /// The copies gc keeps of each live blob (`copies`: its copies in packs that are there,
