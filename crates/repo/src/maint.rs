@@ -1249,8 +1249,11 @@ pub fn gc_opts(repo: &Repository, opts: &GcOptions) -> Result<GcReport> {
     {
         crate::condemn::remove(repo, name)?;
     }
-    // 9. The damage records of packs that are gone.
-    let present: HashSet<Digest> = listed.keys().filter_map(|n| pack_id(n)).filter(|p| !deleting.contains(p)).collect();
+    // 9. The damage records of packs that are gone, or were written again from blobs that
+    // were each checked (a pack repacked whole has its old name again, §7b).
+    let rewritten: HashSet<&Digest> = repack.iter().map(|(p, _)| p).filter(|p| named.contains(*p)).collect();
+    let present: HashSet<Digest> =
+        listed.keys().filter_map(|n| pack_id(n)).filter(|p| !deleting.contains(p) && !rewritten.contains(p)).collect();
     prune_records(repo, &damage, &present)?;
     let after_data: u64 = store.list("data/").map(|v| v.iter().map(|(_, l)| *l).sum()).unwrap_or(0);
     let after_index: u64 = store.list("index/").map(|v| v.iter().map(|(_, l)| *l).sum()).unwrap_or(0);

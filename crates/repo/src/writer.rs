@@ -55,7 +55,8 @@ pub struct BackupOptions {
     pub pack_size: usize,
     /// zstd level.
     pub level: i32,
-    /// Wait this long for a backup of the same disk (or a gc) to end, instead of failing.
+    /// Wait this long for a backup of the same disk (or a repair, or an older ferry's gc) to
+    /// end, instead of failing.
     pub wait_lock: Option<Duration>,
     /// What identifies the source's content (its backend's identity, or `source`): a
     /// checkpoint records it, and a resume compares it.
@@ -1138,9 +1139,11 @@ impl SnapshotWriter {
     /// The last guard before the manifest: it must name no blob that is neither in a
     /// present pack nor stored by this backup. Chunks this backup wrote were stored as
     /// they came; the others are the base's (or the resumed checkpoint's), checked when
-    /// the writer started (under the disk's lock, which keeps gc out): only those found
-    /// lost then can be missing, and each must have been written since. Pages kept from
-    /// the base were read through present packs when the writer started.
+    /// the writer started (condemned packs counted as absent): only those found lost then
+    /// can be missing, and each must have been written since; what sits only in packs
+    /// condemned since was stored again just before ([`Self::store_condemned_again`]), and
+    /// the gc that deletes those packs waits for this backup's lock. Pages kept from the
+    /// base were read through present packs when the writer started.
     fn refuse_lost(&self, st: &State, pages: &[String]) -> Result<()> {
         let unread: Vec<u64> = self.lost.iter().flat_map(|[f, n]| *f..f + n).filter(|ci| !st.is_done(*ci)).collect();
         let page_gone = pages.iter().zip(&st.dirty).filter(|(p, dirty)| !p.is_empty() && !**dirty).find(|(p, _)| {
