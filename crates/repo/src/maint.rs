@@ -1,6 +1,6 @@
 //! Repository maintenance: check, verify, forget, gc, stats.
 use crate::damage::{pack_id, prefer_good, prune_records, DamageSet, DamagedCopies};
-use crate::format::{self, BlobEntry, DamagedPack, Digest, LockKind, PackBlobs, ZERO};
+use crate::format::{self, BlobEntry, BlobKind, DamagedPack, Digest, LockKind, PackBlobs, ZERO};
 use crate::repo::{
     blkhash_of, pack_name, par_map, parse_time, sha256, Index, Repository, SnapshotInfo, AAD_TRAILER, FETCH_THREADS,
 };
@@ -1082,47 +1082,39 @@ pub fn gc_opts(repo: &Repository, opts: &GcOptions) -> Result<GcReport> {
         .map(|(_, l)| *l)
         .sum();
     let mut report = GcReport { bytes_before: listed.values().sum::<u64>() + index_bytes, ..GcReport::default() };
-    // Each pack's blobs; each blob's copy to keep (in a pack that is there).
+    // Each pack's blobs, once each (a pack indexed twice is listed twice), in pack order;
+    // and an index of the pages alone, to read the snapshots' pages through.
     let mut packs: BTreeMap<Digest, Vec<BlobEntry>> = BTreeMap::new();
-    for (_, ps) in &objects {
+    let mut page_objects: Vec<crate::repo::IndexObject> = Vec::with_capacity(objects.len());
+    for (name, ps) in objects {
+        let mut page_packs = Vec::new();
         for p in ps {
-            let v = packs.entry(p.pack).or_default();
-            for b in &p.blobs {
-                if !v.iter().any(|x| x.id == b.id && x.offset == b.offset) {
-                    v.push(*b);
-                }
+            let pages: Vec<BlobEntry> = p.blobs.iter().filter(|b| b.kind == BlobKind::Page).copied().collect();
+            if !pages.is_empty() {
+                page_packs.push(PackBlobs { pack: p.pack, blobs: pages });
             }
+            packs.entry(p.pack).or_default().extend(p.blobs);
         }
+        page_objects.push((name, page_packs));
     }
+    for v in packs.values_mut() {
+        v.sort_unstable_by_key(|b| (b.offset, b.id));
+        v.dedup_by_key(|b| (b.offset, b.id));
+        v.shrink_to_fit();
+    }
+    let all_present = packs.keys().all(|p| listed.contains_key(&pack_name(p)));
     // Each blob's copies in packs that are there: good ones before recorded-damaged ones
     // (FORMAT.md §7b), and copies in condemned packs after the others, else in pack order.
     let is_condemned = |p: &Digest| ripe_packs.contains(p) || pending.contains(p);
-    let mut copies: HashMap<Digest, Vec<(Digest, BlobEntry)>> = HashMap::new();
-    for damaged in [false, true] {
-        for in_condemned in [false, true] {
-            for (pack, blobs) in &packs {
-                if listed.contains_key(&pack_name(pack)) && is_condemned(pack) == in_condemned {
-                    for b in blobs.iter().filter(|b| damage.is_damaged(pack, &b.id) == damaged) {
-                        copies.entry(b.id).or_default().push((*pack, *b));
-                    }
-                }
-            }
-        }
-    }
-    let index = prefer_good(objects, &damage);
+    let pack_list: Vec<(&Digest, &Vec<BlobEntry>)> = packs.iter().collect();
+    let copies = Copies::new(&pack_list, &listed, &damage, &is_condemned);
+    let index = prefer_good(page_objects, &damage);
     let pages = read_pages(repo, &index, &snaps);
-    let mut live: HashSet<Digest> = HashSet::new();
     for s in &snaps {
-        for d in s.manifest.page_digests() {
-            if d == ZERO {
-                continue;
-            }
-            live.insert(repo.crypto.blob_id(&d));
-            match pages.get(&d) {
-                Some(Ok(entries)) => {
-                    live.extend(entries.iter().filter(|e| **e != ZERO).map(|e| repo.crypto.blob_id(e)))
-                }
-                Some(Err(why)) if !index.blobs.contains_key(&repo.crypto.blob_id(&d)) => {
+        for d in s.manifest.page_digests().iter().filter(|d| **d != ZERO) {
+            match pages.get(d) {
+                Some(Ok(_)) => {}
+                Some(Err(why)) if !index.blobs.contains_key(&repo.crypto.blob_id(d)) => {
                     return Err(stop(format!(
                         "{}: {why} (where an index object was lost, `ferry repo repair` indexes its packs again)",
                         object_of(s)
@@ -1133,30 +1125,42 @@ pub fn gc_opts(repo: &Repository, opts: &GcOptions) -> Result<GcReport> {
             }
         }
     }
-    drop(pages);
     drop(index);
-    if let Some(id) = live.iter().find(|id| !copies.contains_key(*id)) {
+    // The live set: a sorted list of blob ids (each page once, dropped once read).
+    let total: usize = pages.values().map(|p| p.as_ref().map_or(0, |e| e.len()) + 1).sum();
+    let mut live: Vec<Digest> = Vec::with_capacity(total);
+    for (d, page) in pages {
+        live.push(repo.crypto.blob_id(&d));
+        if let Ok(entries) = page {
+            live.extend(entries.iter().filter(|e| **e != ZERO).map(|e| repo.crypto.blob_id(e)));
+        }
+    }
+    live.sort_unstable();
+    live.dedup();
+    live.shrink_to_fit();
+    if let Some(id) = live.iter().find(|id| copies.of(id).is_empty()) {
         return Err(stop(format!(
             "blob {} that a snapshot uses is in no indexed pack of the store (where an index object was lost, \
              `ferry repo repair` indexes its packs again)",
             format::hex(id)
         )));
     }
-    // The copies kept of each live blob, the others being dead.
-    let kept = kept_copies(repo, &live, &copies, &mut damage).map_err(|e| match e {
+    // The copies kept of each live blob with several, the others being dead (a blob with
+    // one copy keeps it).
+    let kept = kept_copies(repo, &live, &copies, &pack_list, &mut damage).map_err(|e| match e {
         e @ Error::Store { .. } => e,
         e => stop(e.to_string()),
     })?;
     drop(copies);
-    drop(live);
+    drop(pack_list);
     // 3. Classify packs: every pack that is there stays indexed until it is deleted; the
     // live blobs of partly dead ones are copied out, and those packs condemned.
-    let plan = classify(&packs, &listed, &kept, &damage, opts.repack_percent, &ripe_packs, &pending);
-    drop(kept);
+    let live = Live { ids: live, kept };
+    let plan = classify(packs, &listed, &live, &damage, opts.repack_percent, &ripe_packs, &pending);
+    drop(live);
     let Plan { mut keep, mut delete, condemn: mut to_condemn, repack, spared } = plan;
     report.packs_spared = spared;
     report.packs_waiting = pending.len() as u64;
-    let all_present = packs.keys().all(|p| listed.contains_key(&pack_name(p)));
     if delete.is_empty()
         && to_condemn.is_empty()
         && ripe.is_empty()
@@ -1279,34 +1283,38 @@ struct Plan {
 /// Sorts the packs (FORMAT.md §9): `ripe` are condemned by records that may be executed
 /// (deleted when still unused, else spared), `pending` by records that wait.
 fn classify(
-    packs: &BTreeMap<Digest, Vec<BlobEntry>>,
+    packs: BTreeMap<Digest, Vec<BlobEntry>>,
     listed: &HashMap<String, u64>,
-    kept: &HashMap<Digest, Vec<Digest>>,
+    live: &Live,
     damage: &DamageSet,
     repack_percent: u32,
     ripe: &HashSet<Digest>,
     pending: &HashSet<Digest>,
 ) -> Plan {
     let mut plan = Plan { keep: Vec::new(), delete: Vec::new(), condemn: Vec::new(), repack: Vec::new(), spared: 0 };
+    // Orphans: in no index object.
+    let mut orphans: Vec<Digest> =
+        listed.keys().filter_map(|n| pack_id(n)).filter(|p| !packs.contains_key(p)).collect();
+    orphans.sort_unstable();
     for (pack, blobs) in packs {
+        let pack = &pack;
         if !listed.contains_key(&pack_name(pack)) {
             continue; // missing: nothing to keep or delete
         }
-        let is_live = |b: &BlobEntry| kept.get(&b.id).is_some_and(|k| k.contains(pack));
+        let is_live = |b: &BlobEntry| live.keeps(pack, &b.id);
         let n_live = blobs.iter().filter(|b| is_live(b)).count();
         let n_dead = (blobs.len() - n_live) as u64;
-        let whole = PackBlobs { pack: *pack, blobs: blobs.clone() };
         if ripe.contains(pack) {
             if n_live == 0 {
                 plan.delete.push((*pack, n_dead));
-                plan.keep.push(whole);
+                plan.keep.push(PackBlobs { pack: *pack, blobs });
                 continue;
             }
             // In use again: no longer condemned, it is sorted as any other pack.
             plan.spared += 1;
         }
         if pending.contains(pack) {
-            plan.keep.push(whole);
+            plan.keep.push(PackBlobs { pack: *pack, blobs });
             continue;
         }
         let dead_bytes: u64 = blobs.iter().filter(|b| !is_live(b)).map(|b| b.stored_len as u64).sum();
@@ -1320,25 +1328,21 @@ fn classify(
                 plan.repack.push((*pack, live_blobs()));
                 plan.condemn.push((*pack, n_dead));
             }
-            plan.keep.push(whole);
+            plan.keep.push(PackBlobs { pack: *pack, blobs });
             continue;
         }
         if n_live == blobs.len() || (n_live > 0 && !worth) {
             // Unused blobs below the threshold stay, indexed: still whole, and freed
             // once enough of their pack is unused.
-            plan.keep.push(whole);
+            plan.keep.push(PackBlobs { pack: *pack, blobs });
             continue;
         }
         if n_live > 0 {
             plan.repack.push((*pack, live_blobs()));
         }
         plan.condemn.push((*pack, n_dead));
-        plan.keep.push(whole);
+        plan.keep.push(PackBlobs { pack: *pack, blobs });
     }
-    // Orphans: in no index object.
-    let mut orphans: Vec<Digest> =
-        listed.keys().filter_map(|n| pack_id(n)).filter(|p| !packs.contains_key(p)).collect();
-    orphans.sort_unstable();
     for p in orphans {
         if ripe.contains(&p) {
             plan.delete.push((p, 0));
@@ -1349,27 +1353,92 @@ fn classify(
     plan
 }
 
-/// The copies gc keeps of each live blob (`copies`: its copies in packs that are there,
-/// good ones first). A blob with one copy keeps it. A blob with several keeps the first
-/// that reads back and checks (decoded, its digest its id): no copy is dropped on the
-/// strength of another that was not read. Copies that fail the check are recorded damaged
-/// in `damage` (and stored, as `verify` records them); where none passes, every copy stays.
+/// One copy of a blob, in [`Copies`].
+#[derive(Clone, Copy)]
+struct CopyRef {
+    id: Digest,
+    /// 0: a good copy, 1: in a condemned pack, 2: recorded damaged, 3: both.
+    rank: u8,
+    /// The pack, as an index into the list of packs.
+    pack: u32,
+    /// The blob, as an index into the pack's blobs.
+    entry: u32,
+}
+
+/// Every copy of every blob in the packs that are there, sorted by blob id, then by
+/// preference (good copies before recorded-damaged ones, FORMAT.md §7b; copies in condemned
+/// packs after the others, §8a), then in pack order: 44 bytes a copy.
+struct Copies(Vec<CopyRef>);
+
+impl Copies {
+    fn new(
+        packs: &[(&Digest, &Vec<BlobEntry>)],
+        listed: &HashMap<String, u64>,
+        damage: &DamageSet,
+        condemned: &dyn Fn(&Digest) -> bool,
+    ) -> Copies {
+        let total = packs.iter().map(|(_, b)| b.len()).sum();
+        let mut v = Vec::with_capacity(total);
+        for (i, (pack, blobs)) in packs.iter().enumerate() {
+            if !listed.contains_key(&pack_name(pack)) {
+                continue;
+            }
+            let in_condemned = u8::from(condemned(pack));
+            for (j, b) in blobs.iter().enumerate() {
+                let rank = 2 * u8::from(damage.is_damaged(pack, &b.id)) + in_condemned;
+                v.push(CopyRef { id: b.id, rank, pack: i as u32, entry: j as u32 });
+            }
+        }
+        v.sort_unstable_by_key(|c| (c.id, c.rank, c.pack, c.entry));
+        Copies(v)
+    }
+
+    /// The copies of `id`, the preferred first.
+    fn of(&self, id: &Digest) -> &[CopyRef] {
+        let start = self.0.partition_point(|c| c.id < *id);
+        let n = self.0[start..].partition_point(|c| c.id == *id);
+        &self.0[start..start + n]
+    }
+}
+
+/// The live set: the blob ids in use (sorted), and the packs kept of those with several
+/// copies.
+struct Live {
+    ids: Vec<Digest>,
+    kept: HashMap<Digest, Vec<Digest>>,
+}
+
+impl Live {
+    /// Whether the copy of `id` in `pack` is one that gc keeps.
+    fn keeps(&self, pack: &Digest, id: &Digest) -> bool {
+        self.ids.binary_search(id).is_ok() && self.kept.get(id).is_none_or(|k| k.contains(pack))
+    }
+}
+
+/// The copies gc keeps of each live blob with several copies in packs that are there
+/// (`copies`, the preferred first; a blob with one copy keeps it). A blob with several
+/// keeps the first that reads back and checks (decoded, its digest its id): no copy is
+/// dropped on the strength of another that was not read. Copies that fail the check are
+/// recorded damaged in `damage` (and stored, as `verify` records them); where none
+/// passes, every copy stays.
 fn kept_copies(
     repo: &Repository,
-    live: &HashSet<Digest>,
-    copies: &HashMap<Digest, Vec<(Digest, BlobEntry)>>,
+    live: &[Digest],
+    copies: &Copies,
+    packs: &[(&Digest, &Vec<BlobEntry>)],
     damage: &mut DamageSet,
 ) -> Result<HashMap<Digest, Vec<Digest>>> {
     let mut kept = HashMap::new();
     let mut found: Vec<(Digest, Digest, String)> = Vec::new();
     for id in live {
-        let Some(cs) = copies.get(id) else { continue };
-        if cs.len() == 1 {
-            kept.insert(*id, vec![cs[0].0]);
+        let cs = copies.of(id);
+        if cs.len() <= 1 {
             continue;
         }
         let mut good = None;
-        for (pack, b) in cs {
+        for c in cs {
+            let (pack, blobs) = packs[c.pack as usize];
+            let b = &blobs[c.entry as usize];
             let name = pack_name(pack);
             let loc = crate::BlobLocation::of(*pack, b);
             // A short or unreadable copy (a truncated pack) is damage, as a failed check is:
@@ -1394,7 +1463,8 @@ fn kept_copies(
                 }
             }
         }
-        kept.insert(*id, good.map_or_else(|| cs.iter().map(|(p, _)| *p).collect(), |p| vec![p]));
+        let all = || cs.iter().map(|c| *packs[c.pack as usize].0).collect();
+        kept.insert(*id, good.map_or_else(all, |p| vec![p]));
     }
     if !found.is_empty() {
         crate::damage::record_found(repo, damage, found)?;
