@@ -303,3 +303,49 @@ fn condemned_records_are_bounded() {
         crate::format::fuzz(&bytes[..n]);
     }
 }
+
+/// The gc that deletes what an earlier one condemned beside a backup, stopped at each of
+/// its writes (FORMAT.md §9): every snapshot stays whole, and the next gc finishes.
+#[test]
+fn the_deleting_gc_stopped_at_any_step_leaves_a_whole_repository() {
+    let steps = [
+        (Some("data/"), None),
+        (Some("gc/"), None),
+        (Some("index/"), None),
+        (None, Some("index/")),
+        (None, Some("data/")),
+        (None, Some("gc/")),
+    ];
+    for (put, delete) in steps {
+        let inner = Arc::new(MemStore::new());
+        let store = Arc::new(Failing::new(inner.clone()));
+        let repo = Arc::new(
+            Repository::init(store.clone(), &InitOptions { page_entries: 16, ..InitOptions::default() }).unwrap(),
+        );
+        let a = disk(3 << 20, 12);
+        let s2 = unused(&repo, &a);
+        let w = SnapshotWriter::start(repo.clone(), opts("b", a.len() as u64, None)).unwrap();
+        let g1 = gc_now(&repo);
+        assert!(g1.packs_condemned > 0);
+        write_all(&w, &a);
+        let sb = w.commit(a.len() as u64).unwrap();
+        *store.fail_put.lock().unwrap() = put;
+        *store.fail_delete.lock().unwrap() = delete;
+        let stopped = gc_margin(&repo, Duration::ZERO);
+        *store.fail_put.lock().unwrap() = None;
+        *store.fail_delete.lock().unwrap() = None;
+        // It stores no pack or record here (nothing new to repack or condemn).
+        let writes = put == Some("index/") || delete.is_some();
+        assert!(stopped.is_err() || !writes, "gc did not stop at {put:?} {delete:?}: {stopped:?}");
+        let r = maint::check(&repo).unwrap();
+        assert!(r.problems.is_empty(), "{put:?} {delete:?}: {:?}", r.problems);
+        assert!(read_back(&repo, &s2) == disk(3 << 20, 99) && read_back(&repo, &sb) == a, "{put:?} {delete:?}");
+        gc_now(&repo);
+        assert!(objects(&inner, "gc/condemned/").is_empty(), "{put:?} {delete:?}");
+        let r = maint::verify(&repo, &VerifyOptions { read_data_percent: 100, threads: 2 }).unwrap();
+        assert!(
+            r.problems.is_empty() && r.notes.iter().all(|n| !n.contains("in no index")),
+            "{put:?} {delete:?}: {r:?}"
+        );
+    }
+}
