@@ -1093,7 +1093,13 @@ pub fn gc_opts(repo: &Repository, opts: &GcOptions) -> Result<GcReport> {
             if !pages.is_empty() {
                 page_packs.push(PackBlobs { pack: p.pack, blobs: pages });
             }
-            packs.entry(p.pack).or_default().extend(p.blobs);
+            // Moved, not copied: the index objects and the packs are not held twice.
+            match packs.entry(p.pack) {
+                std::collections::btree_map::Entry::Vacant(v) => {
+                    v.insert(p.blobs);
+                }
+                std::collections::btree_map::Entry::Occupied(mut o) => o.get_mut().extend(p.blobs),
+            }
         }
         page_objects.push((name, page_packs));
     }
