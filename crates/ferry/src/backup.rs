@@ -80,8 +80,8 @@ pub struct BackupArgs {
     /// FERRY_PASSWORD_FILE).
     #[arg(long, value_name = "FILE")]
     password_file: Option<std::path::PathBuf>,
-    /// Wait up to SECS for a running backup of the same disk (or a gc) to end, instead of
-    /// failing at once.
+    /// Wait up to SECS for a running backup of the same disk (or a repair, or a gc of an
+    /// older ferry: gc runs beside backups) to end, instead of failing at once.
     #[arg(long, value_name = "SECS", value_parser = crate::copy::parse_secs)]
     wait: Option<Duration>,
     /// For a local qcow2 image: do not keep a change-tracking bitmap in it (every backup

@@ -188,9 +188,15 @@ struct ForgetArgs {
 struct GcArgs {
     #[command(flatten)]
     common: CommonArgs,
-    /// Wait up to SECS for running backups, forgets or another gc to end, instead of failing.
+    /// Wait up to SECS for another gc, a forget, a repair (or a backup by an older ferry) to
+    /// end, instead of failing. Backups of this ferry run beside gc.
     #[arg(long, value_name = "SECS", value_parser = crate::copy::parse_secs)]
     wait: Option<Duration>,
+    /// Delete the packs that an earlier gc condemned beside running backups only once they
+    /// were condemned SECS ago (and those backups have ended). Default: FERRY_CONDEMN_MARGIN,
+    /// else 3600.
+    #[arg(long, value_name = "SECS", value_parser = crate::copy::parse_secs)]
+    condemn_margin: Option<Duration>,
     /// Copy a pack to free its unused chunks only when they are at least PERCENT of it
     /// (0: always; a pack with no used chunk is always deleted).
     #[arg(long, value_name = "PERCENT", default_value_t = maint::DEFAULT_REPACK_PERCENT,
@@ -261,7 +267,9 @@ pub fn run(args: RepoArgs) -> Result<i32> {
         RepoCommand::Key(a) => crate::repo_key::run(a),
         RepoCommand::Gc(a) => {
             let repo = a.common.open_with(removing(a.accept_rollback, None, &a.common.repo, "a gc"))?;
-            let r = maint::gc_with(&repo, a.wait, a.repack).with_context(|| format!("gc of {}", a.common.repo))?;
+            let condemn_margin = a.condemn_margin.unwrap_or_else(maint::condemn_margin_from_env);
+            let opts = maint::GcOptions { wait: a.wait, repack_percent: a.repack, condemn_margin };
+            let r = maint::gc_opts(&repo, &opts).with_context(|| format!("gc of {}", a.common.repo))?;
             println!(
                 "{}: {} packs deleted, {} repacked, {} unreferenced chunks freed ({}); {} -> {}",
                 a.common.repo,
@@ -272,6 +280,17 @@ pub fn run(args: RepoArgs) -> Result<i32> {
                 human(r.bytes_before),
                 human(r.bytes_after)
             );
+            if r.packs_condemned + r.packs_waiting + r.packs_spared > 0 {
+                println!(
+                    "{}: {} packs condemned beside running backups, {} condemned earlier still waiting (a later gc \
+                     deletes them once the backups that ran then have ended and {}s have passed), {} in use again",
+                    a.common.repo,
+                    r.packs_condemned,
+                    r.packs_waiting,
+                    condemn_margin.as_secs(),
+                    r.packs_spared
+                );
+            }
             Ok(0)
         }
         RepoCommand::Repair(a) => repair(a),

@@ -42,6 +42,7 @@ mod remote_images;
 mod repo_backup;
 mod repo_base;
 mod repo_crash;
+mod repo_gc;
 mod repo_heal;
 mod repo_keys;
 mod repo_list;

@@ -1079,6 +1079,75 @@ impl DamageRecord {
     }
 }
 
+/// A condemned record (FORMAT.md §8a): packs that gc found unused and will delete once no
+/// backup that could use them runs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CondemnedRecord {
+    pub version: u32,
+    /// When gc stored it (RFC 3339, gc's clock).
+    pub time: String,
+    /// The host of the gc that stored it.
+    pub host: String,
+    /// The condemned packs' ids (64 hex digits each).
+    pub packs: Vec<String>,
+    /// The backup locks present when it was stored.
+    pub backups: Vec<CondemnedLock>,
+}
+
+/// A backup lock named by a [`CondemnedRecord`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CondemnedLock {
+    /// The lock object (`locks/` and 32 hex digits).
+    pub lock: String,
+    /// The lock's `time` (when it was taken).
+    pub time: String,
+}
+
+/// The largest condemned record.
+pub const MAX_CONDEMNED: u64 = 96 << 20;
+/// The most packs one condemned record lists.
+pub const MAX_CONDEMNED_PACKS: usize = 1 << 20;
+/// The most backup locks one condemned record lists.
+pub const MAX_CONDEMNED_LOCKS: usize = 65536;
+
+impl CondemnedRecord {
+    /// Parses and validates: at most [`MAX_CONDEMNED`] bytes, version 1, RFC 3339 times,
+    /// hex pack ids (at most [`MAX_CONDEMNED_PACKS`]), lock names `locks/` and 32 hex
+    /// digits (at most [`MAX_CONDEMNED_LOCKS`]).
+    pub fn parse(json: &[u8]) -> Result<CondemnedRecord, FormatError> {
+        let r: CondemnedRecord = bounded_json(json, MAX_CONDEMNED, "condemned record")?;
+        if r.version != VERSION {
+            return err(format!(
+                "the condemned record has version {}; this ferry reads version {VERSION} only (use a newer ferry)",
+                r.version
+            ));
+        }
+        check_time("the condemned record's time", &r.time)?;
+        if r.packs.len() > MAX_CONDEMNED_PACKS {
+            return err(format!("the condemned record lists more than {MAX_CONDEMNED_PACKS} packs"));
+        }
+        if let Some(i) = r.packs.iter().position(|p| !is_hex(p, 64)) {
+            return err(format!("condemned pack {i}'s id is not 64 hex digits"));
+        }
+        if r.backups.len() > MAX_CONDEMNED_LOCKS {
+            return err(format!("the condemned record lists more than {MAX_CONDEMNED_LOCKS} backup locks"));
+        }
+        for (i, b) in r.backups.iter().enumerate() {
+            if !b.lock.strip_prefix("locks/").is_some_and(|h| is_hex(h, 32)) {
+                return err(format!("backup lock {i} of the condemned record is not locks/ and 32 hex digits"));
+            }
+            check_time("a backup lock's time in the condemned record", &b.time)?;
+        }
+        Ok(r)
+    }
+
+    pub fn to_bytes(&self) -> Vec<u8> {
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+}
+
 /// Whether `name` is a valid disk name (FORMAT.md §7).
 pub fn valid_name(name: &str) -> bool {
     (1..=200).contains(&name.len())
@@ -1114,6 +1183,12 @@ pub struct Lock {
     /// process (the PID was reused). Locks written before it was recorded lack it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pid_start: Option<u64>,
+    /// The holder follows the condemned-pack rules (FORMAT.md §8a): a backup that treats
+    /// condemned packs as absent, a gc that condemns packs instead of deleting them at
+    /// once. Such a gc and such backups run side by side; a lock without it (an older
+    /// ferry's) excludes gc as before.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub condemned: bool,
 }
 
 impl Lock {
@@ -1199,6 +1274,9 @@ pub fn fuzz(data: &[u8]) {
     }
     if let Ok(r) = DamageRecord::parse(data) {
         assert_eq!(DamageRecord::parse(&r.to_bytes()).as_ref(), Ok(&r));
+    }
+    if let Ok(r) = CondemnedRecord::parse(data) {
+        assert_eq!(CondemnedRecord::parse(&r.to_bytes()).as_ref(), Ok(&r));
     }
     if let Ok(t) = parse_trailer(trailer, blobs_len, &limits) {
         assert_eq!(encode_trailer(&t), trailer);
@@ -1719,12 +1797,18 @@ mod tests {
             refreshed: "2026-11-26T22:05:00Z".into(),
             boot: Some("b pid:[1]".into()),
             pid_start: Some(123456),
+            condemned: true,
         };
         assert_eq!(Lock::parse(&l.to_bytes()).unwrap(), l);
+        assert!(String::from_utf8(l.to_bytes()).unwrap().contains(r#""condemned":true"#));
+        // Without the field (an older ferry's lock): false, and not written when false.
+        let older = Lock { condemned: false, ..l.clone() };
+        assert!(!String::from_utf8(older.to_bytes()).unwrap().contains("condemned"));
         // A lock of an older ferry (no start time) reads; one of a later ferry with
         // fields this one does not know reads too.
         let old = br#"{"kind":"gc","host":"h","pid":7,"time":"2026-11-26T22:00:00Z","refreshed":"2026-11-26T22:00:00Z","boot":"b pid:[1]"}"#;
         assert_eq!(Lock::parse(old).unwrap().pid_start, None);
+        assert!(!Lock::parse(old).unwrap().condemned);
         let later = br#"{"kind":"gc","host":"h","pid":7,"time":"2026-11-26T22:00:00Z","refreshed":"2026-11-26T22:00:00Z","pid_start":5,"more":1}"#;
         assert_eq!(Lock::parse(later).unwrap().pid_start, Some(5));
         let gc = Lock { kind: LockKind::Gc, disk: None, ..l.clone() };
@@ -1768,6 +1852,7 @@ mod tests {
         Lock::parse(&seed("lock.json")).unwrap();
         Checkpoint::parse(&seed("checkpoint.json"), &L).unwrap();
         assert_eq!(DamageRecord::parse(&seed("damage.json")).unwrap().packs.len(), 2);
+        assert_eq!(CondemnedRecord::parse(&seed("condemned.json")).unwrap().backups.len(), 1);
         let t = seed("trailer.bin");
         assert_eq!(parse_trailer(&t[5..], le32(&t, 1) as u64, &L).unwrap().len(), 3);
         assert_eq!(parse_index(&seed("index.bin"), &L).unwrap().len(), 2);

@@ -56,6 +56,9 @@
 //! damage.rs          damage records (damage/): copies verify found damaged; the index lists
 //!                    them after good copies, backups store their content again, gc
 //!                    drops them once no snapshot needs them
+//! condemn.rs         condemned records (gc/condemned/): gc runs beside backups, condemning
+//!                    what it finds unused; backups treat condemned packs as absent; a later
+//!                    gc deletes them once the backups that ran then have ended
 //! recover.rs         repair (index objects rebuilt from pack trailers, unreadable objects
 //!                    removed), unlock (stale locks removed)
 //! known.rs           this host's record of each repository it used (id, encryption and
@@ -163,6 +166,7 @@
 
 pub mod blob;
 mod checkpoint;
+mod condemn;
 pub mod crypto;
 mod damage;
 mod diff;

@@ -94,10 +94,13 @@ fn now_precise() -> String {
     jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%S%.9fZ").to_string()
 }
 
-/// Whether a lock of `kind` (for disk `disk`) conflicts with `other`.
-pub fn conflicts(kind: LockKind, disk: Option<&str>, other: &Lock) -> bool {
+/// Whether a lock of `kind` (for disk `disk`; `condemned`: whether it follows the
+/// condemned-pack rules, [`Lock::condemned`]) conflicts with `other`. A gc and a backup
+/// that both follow them run side by side (FORMAT.md §8a).
+pub fn conflicts(kind: LockKind, disk: Option<&str>, condemned: bool, other: &Lock) -> bool {
     use LockKind::*;
     match (kind, other.kind) {
+        (Gc, Backup) | (Backup, Gc) => !(condemned && other.condemned),
         (Gc, _) | (_, Gc) => true,
         (Backup, Backup) => disk.is_some() && disk == other.disk.as_deref(),
         (Forget, Forget) => true,
@@ -258,6 +261,24 @@ pub(crate) fn read_locks(
     Ok((out, unreadable))
 }
 
+/// The live locks in the store (stale ones are removed, with a warning naming their
+/// holder), and the names of those that cannot be read, with why.
+#[allow(clippy::type_complexity)]
+pub(crate) fn live_locks(store: &Arc<dyn Store>) -> Result<(Vec<(String, Lock)>, Vec<(String, String)>)> {
+    let (locks, unreadable) = read_locks(store)?;
+    let mut live = Vec::new();
+    for (name, l, stale) in locks {
+        match stale {
+            Some(why) => {
+                log::warn!("removing the stale lock of {} from {}: {why}", describe(&name, &l), store.describe());
+                let _ = store.delete(&name);
+            }
+            None => live.push((name, l)),
+        }
+    }
+    Ok((live, unreadable))
+}
+
 /// The conflicting live locks seen beside ours (`mine`, or none yet): the earliest of
 /// those earlier than ours (every one, without ours), and one later than ours. Stale locks
 /// met on the way are removed.
@@ -266,6 +287,7 @@ fn conflicting(
     store: &Arc<dyn Store>,
     kind: LockKind,
     disk: Option<&str>,
+    condemned: bool,
     mine: Option<(&str, &Lock)>,
 ) -> Result<(Option<(String, Lock)>, Option<(String, Lock)>)> {
     let mut earliest: Option<(String, Lock)> = None;
@@ -288,7 +310,7 @@ fn conflicting(
             let _ = store.delete(&name);
             continue;
         }
-        if !conflicts(kind, disk, &l) {
+        if !conflicts(kind, disk, condemned, &l) {
             continue;
         }
         let earlier = match mine {
@@ -311,12 +333,31 @@ fn lock_key(time: &str, name: &str) -> (Option<jiff::Timestamp>, String) {
 /// Takes a lock of `kind` (`disk`: the disk's tag, for backups). A conflicting lock held
 /// by a live process gives [`crate::Error::Locked`] naming its holder (kind, host, pid,
 /// since when), unless `wait` is given: then it is retried until it is free or `wait`
-/// has passed. Stale locks are removed with a warning.
+/// has passed. Stale locks are removed with a warning. A backup lock follows the
+/// condemned-pack rules ([`Lock::condemned`]); a gc lock taken here does not (it excludes
+/// every backup, as repair's): see [`acquire_gc`].
 pub fn acquire(
     store: &Arc<dyn Store>,
     kind: LockKind,
     disk: Option<String>,
     wait: Option<Duration>,
+) -> Result<LockGuard> {
+    acquire_as(store, kind, disk, wait, kind == LockKind::Backup)
+}
+
+/// A `gc` lock that follows the condemned-pack rules: it conflicts with other gc,
+/// forget and repair locks and with backup locks of older ferries, not with the backups
+/// of this one (FORMAT.md §8a).
+pub fn acquire_gc(store: &Arc<dyn Store>, wait: Option<Duration>) -> Result<LockGuard> {
+    acquire_as(store, LockKind::Gc, None, wait, true)
+}
+
+fn acquire_as(
+    store: &Arc<dyn Store>,
+    kind: LockKind,
+    disk: Option<String>,
+    wait: Option<Duration>,
+    condemned: bool,
 ) -> Result<LockGuard> {
     // A lock that others cannot parse would hold nobody off.
     let tag_ok = disk
@@ -343,7 +384,7 @@ pub fn acquire(
     };
     loop {
         // Wait without writing while a holder is there.
-        if let (Some((name, l)), _) = conflicting(store, kind, disk.as_deref(), None)? {
+        if let (Some((name, l)), _) = conflicting(store, kind, disk.as_deref(), condemned, None)? {
             match deadline {
                 Some(d) if Instant::now() < d => {
                     std::thread::sleep(pause.min(d.saturating_duration_since(Instant::now())));
@@ -363,6 +404,7 @@ pub fn acquire(
             refreshed: time,
             boot: this_boot(),
             pid_start: this_start(),
+            condemned,
         };
         let name = format!("locks/{}", format::hex(&crate::crypto::random::<16>()));
         store
@@ -373,7 +415,7 @@ pub fn acquire(
         // ours was written and holds (then it stays, and ours gives way).
         let settle = Instant::now() + SETTLE;
         let holder = loop {
-            match conflicting(store, kind, disk.as_deref(), Some((&name, &lock))) {
+            match conflicting(store, kind, disk.as_deref(), condemned, Some((&name, &lock))) {
                 Ok((None, None)) => return Ok(start_refresh(store.clone(), name, lock)),
                 Ok((Some(h), _)) => break h,
                 Ok((None, Some(h))) if Instant::now() >= settle => break h,
@@ -515,6 +557,7 @@ mod tests {
             refreshed: now,
             boot: this_boot(),
             pid_start: Some(start.wrapping_sub(1)),
+            condemned: false,
         };
         assert!(stale(&l, None).is_some_and(|w| w.contains("reused")));
         assert!(stale(&Lock { pid_start: Some(start), ..l.clone() }, None).is_none());

@@ -1,6 +1,6 @@
 //! Repository maintenance: check, verify, forget, gc, stats.
 use crate::damage::{pack_id, prefer_good, prune_records, DamageSet, DamagedCopies};
-use crate::format::{self, BlobEntry, DamagedPack, Digest, LockKind, PackBlobs, Pages, ZERO};
+use crate::format::{self, BlobEntry, BlobKind, DamagedPack, Digest, LockKind, PackBlobs, Pages, ZERO};
 use crate::repo::{
     pack_name, par_map, parse_time, sha256, BlkHasher, Index, Repository, SnapshotInfo, AAD_TRAILER, FETCH_THREADS,
 };
@@ -1110,6 +1110,13 @@ pub struct GcReport {
     pub bytes_freed: u64,
     pub bytes_before: u64,
     pub bytes_after: u64,
+    /// Packs this gc condemned and left for a later one to delete (backups ran beside it).
+    pub packs_condemned: u64,
+    /// Packs condemned by an earlier gc that wait still: for backups that ran when they were
+    /// condemned to end, or for the margin to pass.
+    pub packs_waiting: u64,
+    /// Packs condemned by an earlier gc that a snapshot uses again: no longer condemned.
+    pub packs_spared: u64,
 }
 
 /// Frees what no snapshot references (FORMAT.md §9).
@@ -1125,21 +1132,121 @@ pub fn gc(repo: &Repository, wait: Option<std::time::Duration>) -> Result<GcRepo
 /// chunks in most packs, and rewriting all of them would cost far more than it frees.
 pub const DEFAULT_REPACK_PERCENT: u32 = 10;
 
+/// How old a condemned record that names running backups must be before a gc deletes its
+/// packs (FORMAT.md §8a), unless `FERRY_CONDEMN_MARGIN` (seconds) says otherwise.
+pub const DEFAULT_CONDEMN_MARGIN: std::time::Duration = std::time::Duration::from_secs(3600);
+
+/// The margin: `FERRY_CONDEMN_MARGIN` (whole seconds) where it is set and valid, else
+/// [`DEFAULT_CONDEMN_MARGIN`].
+pub fn condemn_margin_from_env() -> std::time::Duration {
+    match std::env::var("FERRY_CONDEMN_MARGIN") {
+        Ok(v) => match v.trim().parse::<u64>() {
+            Ok(secs) => std::time::Duration::from_secs(secs),
+            Err(_) => {
+                log::warn!("FERRY_CONDEMN_MARGIN={v:?} is not a number of seconds: the margin is one hour");
+                DEFAULT_CONDEMN_MARGIN
+            }
+        },
+        Err(_) => DEFAULT_CONDEMN_MARGIN,
+    }
+}
+
+/// What a gc does.
+#[derive(Debug, Clone)]
+pub struct GcOptions {
+    /// Wait this long for another gc, a forget or a repair (or an older ferry's backup)
+    /// to end, instead of failing.
+    pub wait: Option<std::time::Duration>,
+    /// Repack a partly unused pack only when at least this share of its bytes is unused.
+    pub repack_percent: u32,
+    /// How old a condemned record that names backups must be before its packs are deleted.
+    pub condemn_margin: std::time::Duration,
+}
+
 /// [`gc`], repacking a partly unused pack only when at least `repack_percent` of its
 /// stored bytes are unused (0: every such pack; packs with no live blob are always deleted).
 pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_percent: u32) -> Result<GcReport> {
+    gc_opts(repo, &GcOptions { wait, repack_percent, condemn_margin: condemn_margin_from_env() })
+}
+
+/// A temporary file younger than this may be a running backup's (gc runs beside them).
+const TEMP_AGE: std::time::Duration = std::time::Duration::from_secs(3600);
+
+/// What the mark read, to tell whether anything that could use a pack was stored since.
+struct Marked {
+    snapshots: HashSet<String>,
+    index: HashSet<String>,
+    checkpoints: Vec<(String, crate::format::Checkpoint)>,
+}
+
+impl Marked {
+    /// Whether no snapshot, index object or checkpoint was stored, changed or removed since
+    /// the mark read them.
+    fn unchanged(&self, repo: &Repository) -> Result<bool> {
+        let names = |prefix: &str| -> Result<HashSet<String>> {
+            Ok(repo
+                .store
+                .list(prefix)
+                .map_err(|e| Error::store(format!("cannot list {prefix} of {}", repo.store.describe()), e))?
+                .into_iter()
+                .map(|(n, _)| n)
+                .collect())
+        };
+        let snaps: HashSet<String> =
+            names("snapshots/")?.into_iter().map(|n| n.trim_start_matches("snapshots/").to_string()).collect();
+        if snaps != self.snapshots || names("index/")? != self.index {
+            return Ok(false);
+        }
+        let (checkpoints, bad) = repo.checkpoints_lenient()?;
+        let mut now: Vec<(String, crate::format::Checkpoint)> =
+            checkpoints.into_iter().map(|c| (c.object, c.checkpoint)).collect();
+        now.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(bad.is_empty() && now == self.checkpoints)
+    }
+}
+
+/// [`gc`] with every option (FORMAT.md §8a, §9). Backups of this ferry run beside it:
+/// what it finds unused it condemns (a record naming the packs and the running backups),
+/// and it deletes the packs that an earlier gc condemned once no backup that could use
+/// them runs, the margin has passed and its own mark finds them still unused. What it
+/// condemns while no backup runs (and nothing was stored since its mark) it deletes at
+/// once.
+pub fn gc_opts(repo: &Repository, opts: &GcOptions) -> Result<GcReport> {
     let store = &repo.store;
-    let _lock = lock::acquire(store, LockKind::Gc, None, wait)?;
-    // What writers killed mid-write left (a directory store's temporary files): no
-    // writer runs while gc holds its lock.
-    for prefix in ["data/", "index/", "snapshots/", "checkpoints/"] {
-        match store.remove_partial(prefix) {
+    let _lock = lock::acquire_gc(store, opts.wait)?;
+    // The backups running beside this gc (listed before the mark: a record whose backups
+    // are all gone now is executed only after this gc marked what they stored).
+    let (running, blocked) = crate::condemn::running_backups(store)?;
+    // What writers killed mid-write left (a directory store's temporary files); with
+    // backups running, only files too old to be theirs.
+    let min_age = if running.is_empty() && blocked.is_none() { std::time::Duration::ZERO } else { TEMP_AGE };
+    for prefix in ["data/", "index/", "snapshots/", "checkpoints/", "gc/"] {
+        match store.remove_partial(prefix, min_age) {
             Ok((0, _)) => {}
             Ok((n, bytes)) => log::warn!(
                 "removed {n} partly written object(s) ({bytes} bytes) under {prefix} of {}, left by interrupted writers",
                 store.describe()
             ),
             Err(e) => return Err(Error::store(format!("cannot remove partly written objects from {}", store.describe()), e)),
+        }
+    }
+    // The records of earlier gcs: ripe when every backup they name is gone, no older
+    // ferry's backup runs, and the margin has passed.
+    let condemned = repo.condemned()?;
+    let now = jiff::Timestamp::now();
+    let margin = jiff::SignedDuration::try_from(opts.condemn_margin).unwrap_or(jiff::SignedDuration::MAX);
+    let ripe_record = |r: &crate::format::CondemnedRecord| {
+        blocked.is_none()
+            && r.backups.iter().all(|b| !running.iter().any(|l| l.lock == b.lock))
+            && (r.backups.is_empty() || parse_time(&r.time).is_some_and(|t| now.duration_since(t) >= margin))
+    };
+    let (ripe, waiting): (Vec<_>, Vec<_>) = condemned.records.iter().partition(|(_, r)| ripe_record(r));
+    let pending: HashSet<Digest> = waiting.iter().flat_map(|(_, r)| crate::condemn::record_packs(r)).collect();
+    let ripe_packs: HashSet<Digest> =
+        ripe.iter().flat_map(|(_, r)| crate::condemn::record_packs(r)).filter(|p| !pending.contains(p)).collect();
+    if let Some(why) = &blocked {
+        if !condemned.records.is_empty() {
+            log::warn!("gc deletes no condemned pack now: {why}");
         }
     }
     let stop =
@@ -1152,6 +1259,12 @@ pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_perc
     for (name, e) in bad {
         log::warn!("{name} is not kept: {e}");
     }
+    let mut marked = Marked {
+        snapshots: snaps.iter().map(|s| s.id.clone()).collect(),
+        index: HashSet::new(),
+        checkpoints: checkpoints.iter().map(|c| (c.object.clone(), c.checkpoint.clone())).collect(),
+    };
+    marked.checkpoints.sort_by(|a, b| a.0.cmp(&b.0));
     snaps.extend(checkpoints.iter().map(|c| c.as_snapshot()));
     // 2. The index and the packs.
     let (objects, bad) = repo.index_objects()?;
@@ -1167,6 +1280,7 @@ pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_perc
         )));
     }
     let old_index: Vec<String> = objects.iter().map(|(n, _)| n.clone()).collect();
+    marked.index = old_index.iter().cloned().collect();
     let listed: HashMap<String, u64> = store
         .list("data/")
         .map_err(|e| Error::store(format!("cannot list the packs of {}", store.describe()), e))?
@@ -1179,42 +1293,46 @@ pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_perc
         .map(|(_, l)| *l)
         .sum();
     let mut report = GcReport { bytes_before: listed.values().sum::<u64>() + index_bytes, ..GcReport::default() };
-    // Each pack's blobs; each blob's copy to keep (in a pack that is there).
+    // Each pack's blobs, once each (a pack indexed twice is listed twice), in pack order;
+    // and an index of the pages alone, to read the snapshots' pages through.
     let mut packs: BTreeMap<Digest, Vec<BlobEntry>> = BTreeMap::new();
-    for (_, ps) in &objects {
+    let mut page_objects: Vec<crate::repo::IndexObject> = Vec::with_capacity(objects.len());
+    for (name, ps) in objects {
+        let mut page_packs = Vec::new();
         for p in ps {
-            let v = packs.entry(p.pack).or_default();
-            for b in &p.blobs {
-                if !v.iter().any(|x| x.id == b.id && x.offset == b.offset) {
-                    v.push(*b);
+            let pages: Vec<BlobEntry> = p.blobs.iter().filter(|b| b.kind == BlobKind::Page).copied().collect();
+            if !pages.is_empty() {
+                page_packs.push(PackBlobs { pack: p.pack, blobs: pages });
+            }
+            // Moved, not copied: the index objects and the packs are not held twice.
+            match packs.entry(p.pack) {
+                std::collections::btree_map::Entry::Vacant(v) => {
+                    v.insert(p.blobs);
                 }
+                std::collections::btree_map::Entry::Occupied(mut o) => o.get_mut().extend(p.blobs),
             }
         }
+        page_objects.push((name, page_packs));
     }
+    for v in packs.values_mut() {
+        v.sort_unstable_by_key(|b| (b.offset, b.id));
+        v.dedup_by_key(|b| (b.offset, b.id));
+        v.shrink_to_fit();
+    }
+    let all_present = packs.keys().all(|p| listed.contains_key(&pack_name(p)));
     // Each blob's copies in packs that are there: good ones before recorded-damaged ones
-    // (FORMAT.md §7b), else in pack order.
-    let mut copies: HashMap<Digest, Vec<(Digest, BlobEntry)>> = HashMap::new();
-    for damaged in [false, true] {
-        for (pack, blobs) in &packs {
-            if listed.contains_key(&pack_name(pack)) {
-                for b in blobs.iter().filter(|b| damage.is_damaged(pack, &b.id) == damaged) {
-                    copies.entry(b.id).or_default().push((*pack, *b));
-                }
-            }
-        }
-    }
-    let index = prefer_good(objects, &damage);
+    // (FORMAT.md §7b), and copies in condemned packs after the others, else in pack order.
+    let is_condemned = |p: &Digest| ripe_packs.contains(p) || pending.contains(p);
+    let pack_list: Vec<(&Digest, &Vec<BlobEntry>)> = packs.iter().collect();
+    let copies = Copies::new(&pack_list, &listed, &damage, &is_condemned);
+    let index = prefer_good(page_objects, &damage);
     let snap_pages = snapshot_pages(repo, &snaps)?;
     let pages = read_pages(repo, &index, &snap_pages);
-    let mut live: HashSet<Digest> = HashSet::new();
     for (s, sp) in snaps.iter().zip(&snap_pages) {
-        for &d in sp.nonzero() {
-            live.insert(repo.crypto.blob_id(&d));
-            match pages.get(&d) {
-                Some(Ok(entries)) => {
-                    live.extend(entries.iter().filter(|e| **e != ZERO).map(|e| repo.crypto.blob_id(e)))
-                }
-                Some(Err(why)) if !index.blobs.contains_key(&repo.crypto.blob_id(&d)) => {
+        for d in sp.nonzero() {
+            match pages.get(d) {
+                Some(Ok(_)) => {}
+                Some(Err(why)) if !index.blobs.contains_key(&repo.crypto.blob_id(d)) => {
                     return Err(stop(format!(
                         "{}: {why} (where an index object was lost, `ferry repo repair` indexes its packs again)",
                         object_of(s)
@@ -1225,63 +1343,49 @@ pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_perc
             }
         }
     }
-    if let Some(id) = live.iter().find(|id| !copies.contains_key(*id)) {
+    drop(index);
+    // The live set: a sorted list of blob ids (each page once, dropped once read).
+    let total: usize = pages.values().map(|p| p.as_ref().map_or(0, |e| e.len()) + 1).sum();
+    let mut live: Vec<Digest> = Vec::with_capacity(total);
+    for (d, page) in pages {
+        live.push(repo.crypto.blob_id(&d));
+        if let Ok(entries) = page {
+            live.extend(entries.iter().filter(|e| **e != ZERO).map(|e| repo.crypto.blob_id(e)));
+        }
+    }
+    live.sort_unstable();
+    live.dedup();
+    live.shrink_to_fit();
+    if let Some(id) = live.iter().find(|id| copies.of(id).is_empty()) {
         return Err(stop(format!(
             "blob {} that a snapshot uses is in no indexed pack of the store (where an index object was lost, \
              `ferry repo repair` indexes its packs again)",
             format::hex(id)
         )));
     }
-    // The copies kept of each live blob, the others being dead.
-    let kept = kept_copies(repo, &live, &copies, &mut damage).map_err(|e| match e {
+    // The copies kept of each live blob with several, the others being dead (a blob with
+    // one copy keeps it).
+    let kept = kept_copies(repo, &live, &copies, &pack_list, &mut damage).map_err(|e| match e {
         e @ Error::Store { .. } => e,
         e => stop(e.to_string()),
     })?;
-    // 3. Classify packs; copy the live blobs of partly dead ones.
-    let mut keep: Vec<PackBlobs> = Vec::new();
-    let mut delete: Vec<String> = Vec::new();
-    let mut repack: Vec<(Digest, Vec<BlobEntry>)> = Vec::new();
-    for (pack, blobs) in &packs {
-        let name = pack_name(pack);
-        if !listed.contains_key(&name) {
-            continue; // missing: nothing to keep or delete
-        }
-        let is_live = |b: &BlobEntry| kept.get(&b.id).is_some_and(|k| k.contains(pack));
-        let n_live = blobs.iter().filter(|b| is_live(b)).count();
-        let dead: Vec<&BlobEntry> = blobs.iter().filter(|b| !is_live(b)).collect();
-        let dead_bytes: u64 = dead.iter().map(|b| b.stored_len as u64).sum();
-        let all_bytes: u64 = blobs.iter().map(|b| b.stored_len as u64).sum();
-        let worth = dead_bytes.saturating_mul(100) >= all_bytes.saturating_mul(repack_percent as u64);
-        if damage.packs.contains_key(pack) && n_live > 0 {
-            // Recorded damage: kept whole while it holds the only copy of a damaged blob in
-            // use; else what is in use is copied out (each blob checked) and it goes.
-            if blobs.iter().any(|b| is_live(b) && damage.is_damaged(pack, &b.id)) {
-                keep.push(PackBlobs { pack: *pack, blobs: blobs.clone() });
-            } else {
-                report.blobs_freed += dead.len() as u64;
-                repack.push((*pack, blobs.iter().filter(|b| is_live(b)).copied().collect()));
-                delete.push(name);
-            }
-            continue;
-        }
-        if n_live == blobs.len() || (n_live > 0 && !worth) {
-            // Unused blobs below the threshold stay, indexed: still whole, and freed
-            // once enough of their pack is unused.
-            keep.push(PackBlobs { pack: *pack, blobs: blobs.clone() });
-            continue;
-        }
-        report.blobs_freed += dead.len() as u64;
-        if n_live == 0 {
-            delete.push(name);
-        } else {
-            repack.push((*pack, blobs.iter().filter(|b| is_live(b)).copied().collect()));
-            delete.push(name);
-        }
-    }
-    let indexed: HashSet<String> = packs.keys().map(pack_name).collect();
-    let orphans: Vec<String> = listed.keys().filter(|n| !indexed.contains(*n)).cloned().collect();
-    let all_present = packs.keys().all(|p| listed.contains_key(&pack_name(p)));
-    if delete.is_empty() && orphans.is_empty() && old_index.len() <= 1 && all_present {
+    drop(copies);
+    drop(pack_list);
+    // 3. Classify packs: every pack that is there stays indexed until it is deleted; the
+    // live blobs of partly dead ones are copied out, and those packs condemned.
+    let live = Live { ids: live, kept };
+    let plan = classify(packs, &listed, &live, &damage, opts.repack_percent, &ripe_packs, &pending);
+    drop(live);
+    let Plan { mut keep, mut delete, condemn: mut to_condemn, repack, spared } = plan;
+    report.packs_spared = spared;
+    report.packs_waiting = pending.len() as u64;
+    if delete.is_empty()
+        && to_condemn.is_empty()
+        && ripe.is_empty()
+        && condemned.unreadable.is_empty()
+        && old_index.len() <= 1
+        && all_present
+    {
         let present: HashSet<Digest> = listed.keys().filter_map(|n| pack_id(n)).collect();
         prune_records(repo, &damage, &present)?;
         report.bytes_after = report.bytes_before;
@@ -1315,34 +1419,63 @@ pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_perc
     if !out.entries.is_empty() {
         new_packs.push(out.close(repo)?);
     }
-    // 4. Index objects for every pack that stays and every new one, all stored before any
+    // A pack written again with the same bytes (a repack of a whole pack, or of a gc that
+    // stopped before its index) has the name of the one it replaces: never condemned or
+    // deleted.
+    let named: HashSet<Digest> = new_packs.iter().map(|p| p.pack).collect();
+    to_condemn.retain(|(p, _)| !named.contains(p));
+    delete.retain(|(p, _)| !named.contains(p));
+    // 4. The record of what this gc condemns, stored before anything is deleted. Where
+    // no backup runs and nothing was stored since the mark, it is deleted at once.
+    let mut own_record = None;
+    let condemned_now: Vec<Digest> = to_condemn.iter().map(|(p, _)| *p).collect();
+    match crate::condemn::condemn(repo, &condemned_now)? {
+        Some((name, backups)) => {
+            if backups.is_empty() && marked.unchanged(repo)? {
+                delete.append(&mut to_condemn);
+                own_record = Some(name);
+            } else {
+                report.packs_condemned = to_condemn.len() as u64;
+            }
+        }
+        None => to_condemn.clear(),
+    }
+    // 5. Index objects for every pack that stays and every new one, all stored before any
     // old one is removed (several when the repository is large: each stays readable).
+    let deleting: HashSet<Digest> = delete.iter().map(|(p, _)| *p).collect();
+    keep.retain(|p| !deleting.contains(&p.pack));
     keep.extend(new_packs);
     let (new_names, _) = repo.put_index(&keep)?;
+    drop(keep);
     // Still ours: a gc whose lock was taken for stale stops before it deletes.
     _lock.check()?;
-    // 5. The old index objects.
+    // 6. The old index objects.
     for name in old_index.iter().filter(|n| !new_names.contains(n)) {
         store.delete(name).map_err(|e| Error::store(format!("cannot remove {name} from {}", store.describe()), e))?;
     }
-    // 6. Dead, repacked and orphan packs; never one the new index names (a pack written
-    // again with the same bytes, e.g. by a gc that stopped before its index, has the name
-    // of the orphan it would otherwise delete).
-    let named: HashSet<String> = keep.iter().map(|p| pack_name(&p.pack)).collect();
-    for name in delete.iter().chain(&orphans).filter(|n| !named.contains(*n)) {
-        store.delete(name).map_err(|e| Error::store(format!("cannot remove {name} from {}", store.describe()), e))?;
+    // 7. The packs: condemned by an earlier gc and still unused, or by this one at once.
+    for (pack, dead) in &delete {
+        let name = pack_name(pack);
+        match store.delete(&name) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(Error::store(format!("cannot remove {name} from {}", store.describe()), e)),
+        }
         report.packs_deleted += 1;
+        report.blobs_freed += dead;
     }
-    // 7. The damage records of packs that are gone, or were written again from blobs
-    // that were each checked (a pack repacked whole has its old name again, §7b).
-    let deleted: HashSet<&String> = delete.iter().chain(&orphans).filter(|n| !named.contains(*n)).collect();
-    let rewritten: HashSet<&Digest> = repack.iter().map(|(p, _)| p).collect();
-    let present: HashSet<Digest> = listed
-        .keys()
-        .filter(|n| !deleted.contains(n))
-        .filter_map(|n| pack_id(n))
-        .filter(|p| !rewritten.contains(p))
-        .collect();
+    // 8. The records done with (and those that cannot be read: what they condemned is
+    // condemned again when it is still unused).
+    for name in
+        ripe.iter().map(|(n, _)| n).chain(own_record.as_ref()).chain(condemned.unreadable.iter().map(|(n, _)| n))
+    {
+        crate::condemn::remove(repo, name)?;
+    }
+    // 9. The damage records of packs that are gone, or were written again from blobs that
+    // were each checked (a pack repacked whole has its old name again, §7b).
+    let rewritten: HashSet<&Digest> = repack.iter().map(|(p, _)| p).filter(|p| named.contains(*p)).collect();
+    let present: HashSet<Digest> =
+        listed.keys().filter_map(|n| pack_id(n)).filter(|p| !deleting.contains(p) && !rewritten.contains(p)).collect();
     prune_records(repo, &damage, &present)?;
     let after_data: u64 = store.list("data/").map(|v| v.iter().map(|(_, l)| *l).sum()).unwrap_or(0);
     let after_index: u64 = store.list("index/").map(|v| v.iter().map(|(_, l)| *l).sum()).unwrap_or(0);
@@ -1351,27 +1484,179 @@ pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_perc
     Ok(report)
 }
 
-/// The copies gc keeps of each live blob (`copies`: its copies in packs that are there,
-/// good ones first). A blob with one copy keeps it. A blob with several keeps the first
-/// that reads back and checks (decoded, its digest its id): no copy is dropped on the
-/// strength of another that was not read. Copies that fail the check are recorded damaged
-/// in `damage` (and stored, as `verify` records them); where none passes, every copy stays.
+/// What gc does with each pack.
+struct Plan {
+    /// Packs that stay indexed (whole: condemned ones too, until they are deleted).
+    keep: Vec<PackBlobs>,
+    /// Packs to delete now (condemned by an earlier gc, still unused), with their dead blobs.
+    delete: Vec<(Digest, u64)>,
+    /// Packs to condemn (unused, repacked or orphans), with their dead blobs.
+    condemn: Vec<(Digest, u64)>,
+    /// Packs whose live blobs are copied to new packs.
+    repack: Vec<(Digest, Vec<BlobEntry>)>,
+    /// Condemned packs that a snapshot uses again.
+    spared: u64,
+}
+
+/// Sorts the packs (FORMAT.md §9): `ripe` are condemned by records that may be executed
+/// (deleted when still unused, else spared), `pending` by records that wait.
+fn classify(
+    packs: BTreeMap<Digest, Vec<BlobEntry>>,
+    listed: &HashMap<String, u64>,
+    live: &Live,
+    damage: &DamageSet,
+    repack_percent: u32,
+    ripe: &HashSet<Digest>,
+    pending: &HashSet<Digest>,
+) -> Plan {
+    let mut plan = Plan { keep: Vec::new(), delete: Vec::new(), condemn: Vec::new(), repack: Vec::new(), spared: 0 };
+    // Orphans: in no index object.
+    let mut orphans: Vec<Digest> =
+        listed.keys().filter_map(|n| pack_id(n)).filter(|p| !packs.contains_key(p)).collect();
+    orphans.sort_unstable();
+    for (pack, blobs) in packs {
+        let pack = &pack;
+        if !listed.contains_key(&pack_name(pack)) {
+            continue; // missing: nothing to keep or delete
+        }
+        let is_live = |b: &BlobEntry| live.keeps(pack, &b.id);
+        let n_live = blobs.iter().filter(|b| is_live(b)).count();
+        let n_dead = (blobs.len() - n_live) as u64;
+        if ripe.contains(pack) {
+            if n_live == 0 {
+                plan.delete.push((*pack, n_dead));
+                plan.keep.push(PackBlobs { pack: *pack, blobs });
+                continue;
+            }
+            // In use again: no longer condemned, it is sorted as any other pack.
+            plan.spared += 1;
+        }
+        if pending.contains(pack) {
+            plan.keep.push(PackBlobs { pack: *pack, blobs });
+            continue;
+        }
+        let dead_bytes: u64 = blobs.iter().filter(|b| !is_live(b)).map(|b| b.stored_len as u64).sum();
+        let all_bytes: u64 = blobs.iter().map(|b| b.stored_len as u64).sum();
+        let worth = dead_bytes.saturating_mul(100) >= all_bytes.saturating_mul(repack_percent as u64);
+        let live_blobs = || blobs.iter().filter(|b| is_live(b)).copied().collect::<Vec<_>>();
+        if damage.packs.contains_key(pack) && n_live > 0 {
+            // Recorded damage: kept while it holds the only copy of a damaged blob in use;
+            // else what is in use is copied out (each blob checked) and it is condemned.
+            if !blobs.iter().any(|b| is_live(b) && damage.is_damaged(pack, &b.id)) {
+                plan.repack.push((*pack, live_blobs()));
+                plan.condemn.push((*pack, n_dead));
+            }
+            plan.keep.push(PackBlobs { pack: *pack, blobs });
+            continue;
+        }
+        if n_live == blobs.len() || (n_live > 0 && !worth) {
+            // Unused blobs below the threshold stay, indexed: still whole, and freed
+            // once enough of their pack is unused.
+            plan.keep.push(PackBlobs { pack: *pack, blobs });
+            continue;
+        }
+        if n_live > 0 {
+            plan.repack.push((*pack, live_blobs()));
+        }
+        plan.condemn.push((*pack, n_dead));
+        plan.keep.push(PackBlobs { pack: *pack, blobs });
+    }
+    for p in orphans {
+        if ripe.contains(&p) {
+            plan.delete.push((p, 0));
+        } else if !pending.contains(&p) {
+            plan.condemn.push((p, 0));
+        }
+    }
+    plan
+}
+
+/// One copy of a blob, in [`Copies`].
+#[derive(Clone, Copy)]
+struct CopyRef {
+    id: Digest,
+    /// 0: a good copy, 1: in a condemned pack, 2: recorded damaged, 3: both.
+    rank: u8,
+    /// The pack, as an index into the list of packs.
+    pack: u32,
+    /// The blob, as an index into the pack's blobs.
+    entry: u32,
+}
+
+/// Every copy of every blob in the packs that are there, sorted by blob id, then by
+/// preference (good copies before recorded-damaged ones, FORMAT.md §7b; copies in condemned
+/// packs after the others, §8a), then in pack order: 44 bytes a copy.
+struct Copies(Vec<CopyRef>);
+
+impl Copies {
+    fn new(
+        packs: &[(&Digest, &Vec<BlobEntry>)],
+        listed: &HashMap<String, u64>,
+        damage: &DamageSet,
+        condemned: &dyn Fn(&Digest) -> bool,
+    ) -> Copies {
+        let total = packs.iter().map(|(_, b)| b.len()).sum();
+        let mut v = Vec::with_capacity(total);
+        for (i, (pack, blobs)) in packs.iter().enumerate() {
+            if !listed.contains_key(&pack_name(pack)) {
+                continue;
+            }
+            let in_condemned = u8::from(condemned(pack));
+            for (j, b) in blobs.iter().enumerate() {
+                let rank = 2 * u8::from(damage.is_damaged(pack, &b.id)) + in_condemned;
+                v.push(CopyRef { id: b.id, rank, pack: i as u32, entry: j as u32 });
+            }
+        }
+        v.sort_unstable_by_key(|c| (c.id, c.rank, c.pack, c.entry));
+        Copies(v)
+    }
+
+    /// The copies of `id`, the preferred first.
+    fn of(&self, id: &Digest) -> &[CopyRef] {
+        let start = self.0.partition_point(|c| c.id < *id);
+        let n = self.0[start..].partition_point(|c| c.id == *id);
+        &self.0[start..start + n]
+    }
+}
+
+/// The live set: the blob ids in use (sorted), and the packs kept of those with several
+/// copies.
+struct Live {
+    ids: Vec<Digest>,
+    kept: HashMap<Digest, Vec<Digest>>,
+}
+
+impl Live {
+    /// Whether the copy of `id` in `pack` is one that gc keeps.
+    fn keeps(&self, pack: &Digest, id: &Digest) -> bool {
+        self.ids.binary_search(id).is_ok() && self.kept.get(id).is_none_or(|k| k.contains(pack))
+    }
+}
+
+/// The copies gc keeps of each live blob with several copies in packs that are there
+/// (`copies`, the preferred first; a blob with one copy keeps it). A blob with several
+/// keeps the first that reads back and checks (decoded, its digest its id): no copy is
+/// dropped on the strength of another that was not read. Copies that fail the check are
+/// recorded damaged in `damage` (and stored, as `verify` records them); where none
+/// passes, every copy stays.
 fn kept_copies(
     repo: &Repository,
-    live: &HashSet<Digest>,
-    copies: &HashMap<Digest, Vec<(Digest, BlobEntry)>>,
+    live: &[Digest],
+    copies: &Copies,
+    packs: &[(&Digest, &Vec<BlobEntry>)],
     damage: &mut DamageSet,
 ) -> Result<HashMap<Digest, Vec<Digest>>> {
     let mut kept = HashMap::new();
     let mut found: Vec<(Digest, Digest, String)> = Vec::new();
     for id in live {
-        let Some(cs) = copies.get(id) else { continue };
-        if cs.len() == 1 {
-            kept.insert(*id, vec![cs[0].0]);
+        let cs = copies.of(id);
+        if cs.len() <= 1 {
             continue;
         }
         let mut good = None;
-        for (pack, b) in cs {
+        for c in cs {
+            let (pack, blobs) = packs[c.pack as usize];
+            let b = &blobs[c.entry as usize];
             let name = pack_name(pack);
             let loc = crate::BlobLocation::of(*pack, b);
             // A short or unreadable copy (a truncated pack) is damage, as a failed check is:
@@ -1396,7 +1681,8 @@ fn kept_copies(
                 }
             }
         }
-        kept.insert(*id, good.map_or_else(|| cs.iter().map(|(p, _)| *p).collect(), |p| vec![p]));
+        let all = || cs.iter().map(|c| *packs[c.pack as usize].0).collect();
+        kept.insert(*id, good.map_or_else(all, |p| vec![p]));
     }
     if !found.is_empty() {
         crate::damage::record_found(repo, damage, found)?;

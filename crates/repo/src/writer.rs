@@ -56,7 +56,8 @@ pub struct BackupOptions {
     pub pack_size: usize,
     /// zstd level.
     pub level: i32,
-    /// Wait this long for a backup of the same disk (or a gc) to end, instead of failing.
+    /// Wait this long for a backup of the same disk (or a repair, or an older ferry's gc) to
+    /// end, instead of failing.
     pub wait_lock: Option<Duration>,
     /// What identifies the source's content (its backend's identity, or `source`): a
     /// checkpoint records it, and a resume compares it.
@@ -232,6 +233,8 @@ pub struct SnapshotWriter {
     failed: Mutex<Option<String>>,
     committed: AtomicBool,
     lock: Mutex<Option<LockGuard>>,
+    /// The packs condemned by gc when this backup started (FORMAT.md §8a): absent to it.
+    condemned: HashSet<Digest>,
     /// Set once the lock is found gone ([`LockGuard::lost_flag`]): writes then fail.
     lock_lost: Arc<AtomicBool>,
 }
@@ -263,7 +266,9 @@ impl SnapshotWriter {
         let chunks = opts.size.div_ceil(cs);
         let tag = repo.crypto.disk_tag(&opts.name);
         let guard = lock::acquire(&repo.store, LockKind::Backup, Some(tag), opts.wait_lock)?;
-        let index = Self::load_index(&repo)?;
+        // What gc condemned, read after the lock is taken and before `data/` is listed.
+        let condemned = repo.condemned_packs()?;
+        let index = Self::load_index(&repo, &condemned)?;
         let mut opts = opts;
         let base_entries = match &opts.base {
             Some(b) => match repo.entries(&index, b) {
@@ -309,7 +314,7 @@ impl SnapshotWriter {
             *d = !index.contains(&repo.crypto.blob_id(p));
         }
         let state = State { entries, dirty, pages, done: vec![0; chunks.div_ceil(64) as usize] };
-        Ok(Self::build(repo, opts, guard, index, state, base_chunks, Vec::new()))
+        Ok(Self::build(repo, opts, guard, index, state, base_chunks, Vec::new(), condemned))
     }
 
     /// Continues the interrupted backup that stored `checkpoint` (of `opts.name`, read
@@ -352,7 +357,8 @@ impl SnapshotWriter {
                 )))
             }
         };
-        let index = Self::load_index(&repo)?;
+        let condemned = repo.condemned_packs()?;
+        let index = Self::load_index(&repo, &condemned)?;
         let entries = repo.entries(&index, &checkpoint.as_snapshot())?;
         let index = Self::exclude_damaged(&repo, index);
         let base_chunks = opts.base.as_ref().map_or(0, |b| b.manifest.chunks());
@@ -371,7 +377,7 @@ impl SnapshotWriter {
             state.done[(ci / 64) as usize] &= !(1 << (ci % 64));
         }
         let resumed = state.done_runs(chunks);
-        Ok(Self::build(repo, opts, guard, index, state, base_chunks, resumed))
+        Ok(Self::build(repo, opts, guard, index, state, base_chunks, resumed, condemned))
     }
 
     /// The base snapshot's pages cannot be read (`e`): a backup that reads the whole disk
@@ -399,8 +405,9 @@ impl SnapshotWriter {
 
     /// The repository's index, without the blobs whose pack is gone: chunks in them are
     /// not reused (a new snapshot would reference the lost data again, and the
-    /// repository would never heal).
-    fn load_index(repo: &Arc<Repository>) -> Result<RunIndex> {
+    /// repository would never heal). Packs that gc condemned are gone to a backup too
+    /// (FORMAT.md §8a): a later gc deletes them without waiting for it.
+    fn load_index(repo: &Arc<Repository>, condemned: &HashSet<Digest>) -> Result<RunIndex> {
         let index = RunIndex::open(repo)?;
         let present: HashSet<Digest> = repo
             .store
@@ -409,8 +416,17 @@ impl SnapshotWriter {
             .into_iter()
             .filter_map(|(n, _)| crate::damage::pack_id(&n))
             .collect();
-        let index = index.only_present(present);
+        let index = index.only_present(present.clone());
         let gone = index.packs_gone();
+        let held = present.iter().filter(|p| condemned.contains(*p)).count();
+        if held > 0 {
+            log::info!(
+                "{held} pack(s) of {} are condemned by gc: the chunks only they hold are stored again where this \
+                 backup reads them",
+                repo.store.describe()
+            );
+        }
+        let index = index.only_present(present.into_iter().filter(|p| !condemned.contains(p)).collect());
         if gone > 0 {
             log::warn!(
                 "{gone} pack(s) that the index of {} lists are gone: this backup reads again the chunks of them its \
@@ -470,6 +486,7 @@ impl SnapshotWriter {
         Ok(())
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn build(
         repo: Arc<Repository>,
         opts: BackupOptions,
@@ -478,6 +495,7 @@ impl SnapshotWriter {
         state: State,
         base_chunks: u64,
         resumed: Vec<[u64; 2]>,
+        condemned: HashSet<Digest>,
     ) -> Arc<SnapshotWriter> {
         let cs = repo.config.chunk_size as u64;
         let pe = repo.config.page_entries as u64;
@@ -537,6 +555,7 @@ impl SnapshotWriter {
             committed: AtomicBool::new(false),
             lock_lost: guard.lost_flag(),
             lock: Mutex::new(Some(guard)),
+            condemned,
             repo,
         })
     }
@@ -670,13 +689,9 @@ impl SnapshotWriter {
             }
         }
         let _in_flight = InFlight(&self.flight, seq);
-        let OpenPack { mut buf, entries } = taken;
-        let trailer = format::encode_trailer(&entries);
+        let OpenPack { mut buf, mut entries } = taken;
         let before = buf.len();
-        self.repo.crypto.seal_into(AAD_TRAILER, &trailer, &mut buf);
-        let sealed_len = (buf.len() - before) as u32;
-        buf.extend_from_slice(&format::pack_tail(sealed_len));
-        let digest = sha256(&buf);
+        let digest = self.seal_pack(&mut buf, &mut entries);
         let name = pack_name(&digest);
         if let Err(e) = self.repo.store.put(&name, &buf) {
             let e = Error::store(format!("cannot store {name} in {}", self.repo.store.describe()), e);
@@ -970,6 +985,7 @@ impl SnapshotWriter {
                 pages.push(d);
             }
         }
+        self.store_condemned_again(&st, &pages)?;
         self.refuse_lost(&st, &pages)?;
         self.close_pack(true)?;
         // One index object for every pack of this backup since its last checkpoint.
@@ -1023,6 +1039,7 @@ impl SnapshotWriter {
             .store
             .put(&name, &sealed)
             .map_err(|e| Error::store(format!("cannot store {name} in {}", self.repo.store.describe()), e))?;
+        self.check_lock_after(&name)?;
         // The interrupted backup this one continued (or its own checkpoint) is done with.
         if let Err(e) = self.repo.discard_checkpoint(&self.name) {
             log::warn!("snapshot {id} is stored, but its checkpoint stays: {e}");
@@ -1031,12 +1048,103 @@ impl SnapshotWriter {
         Ok(SnapshotInfo::new(id, manifest))
     }
 
+    /// Appends the trailer and the tail to a pack's blobs (`buf`, listed in `entries`); its
+    /// digest. A pack must not have the name of one that gc condemned (the same bytes
+    /// written again, as an unencrypted repository's backup of data stored before in
+    /// the same order makes them): a later gc deletes that name. Such a pack gets a
+    /// second copy of its first blob, which makes other bytes (FORMAT.md §8a).
+    fn seal_pack(&self, buf: &mut Vec<u8>, entries: &mut Vec<BlobEntry>) -> Digest {
+        loop {
+            let blobs_end = buf.len();
+            let trailer = format::encode_trailer(entries);
+            self.repo.crypto.seal_into(AAD_TRAILER, &trailer, buf);
+            let sealed_len = (buf.len() - blobs_end) as u32;
+            buf.extend_from_slice(&format::pack_tail(sealed_len));
+            let digest = sha256(buf);
+            if !self.condemned.contains(&digest) || entries.len() >= format::MAX_TRAILER_ENTRIES as usize {
+                return digest;
+            }
+            log::info!(
+                "a new pack would have the name of a condemned one, {}: it is stored with a blob twice",
+                pack_name(&digest)
+            );
+            buf.truncate(blobs_end);
+            let first = entries[0];
+            buf.extend_from_within(first.offset as usize..first.offset as usize + first.stored_len as usize);
+            entries.push(BlobEntry { offset: blobs_end as u32, ..first });
+        }
+    }
+
+    /// Stores again, before the manifest, the blobs that the new snapshot uses and whose
+    /// every copy is in a pack that gc condemned since this backup started (FORMAT.md
+    /// §8a): deduplicated against then, or the base's. The condemned packs are still in
+    /// the store (the gc that deletes them waits for this backup's lock to go), so each
+    /// blob is read from there.
+    fn store_condemned_again(&self, st: &State, pages: &[Digest]) -> Result<()> {
+        // A backup whose lock went stale meanwhile stops here: the gc that took it for
+        // stale may have deleted those packs.
+        self.check_lock()?;
+        let now = self.repo.condemned_packs()?;
+        let new: HashSet<&Digest> = now.iter().filter(|p| !self.condemned.contains(*p)).collect();
+        if new.is_empty() {
+            return Ok(());
+        }
+        let doomed = |id: &Digest| {
+            self.index.contains(id)
+                && self.index.locations(id).iter().all(|l| new.contains(&l.pack))
+                && !locked(&self.claimed.0).contains_key(id)
+        };
+        let page_digests = pages.iter().filter(|d| **d != ZERO).map(|d| (*d, BlobKind::Page));
+        let chunks = st.entries.iter().filter(|e| **e != ZERO).map(|e| (*e, BlobKind::Data));
+        let mut again = 0u64;
+        for (digest, kind) in page_digests.chain(chunks) {
+            let id = self.repo.crypto.blob_id(&digest);
+            if !doomed(&id) {
+                continue;
+            }
+            let plain = self.repo.read_blob_any(&self.index, &id, kind).map_err(|why| {
+                Error::Invalid(format!(
+                    "a chunk of the snapshot of {} is in a pack that gc condemned while this backup ran, and cannot \
+                     be read to be stored again ({why}): nothing was committed; run the backup again",
+                    self.name
+                ))
+            })?;
+            self.store_new_blob(&id, kind, &plain)?;
+            locked(&self.claimed.0).insert(id, true);
+            again += 1;
+        }
+        if again > 0 {
+            log::info!(
+                "{again} blob(s) of the snapshot of {} were in packs condemned meanwhile: stored again",
+                self.name
+            );
+        }
+        Ok(())
+    }
+
+    /// After the manifest is stored: the lock must still be ours. A process frozen between
+    /// its last check and the store (a stopped host) may have lost it meanwhile, and a gc
+    /// that took it for stale may have deleted what the manifest names: then the manifest
+    /// is removed again, and the backup fails.
+    fn check_lock_after(&self, manifest: &str) -> Result<()> {
+        let Some(r) = locked(&self.lock).as_ref().map(|g| g.check()) else { return Ok(()) };
+        if let Err(e) = r {
+            if let Err(d) = self.repo.store.delete(manifest) {
+                log::warn!("cannot remove {manifest} from {}: {d}; run `ferry repo check`", self.repo.store.describe());
+            }
+            return Err(e);
+        }
+        Ok(())
+    }
+
     /// The last guard before the manifest: it must name no blob that is neither in a
     /// present pack nor stored by this backup. Chunks this backup wrote were stored as
     /// they came; the others are the base's (or the resumed checkpoint's), checked when
-    /// the writer started (under the disk's lock, which keeps gc out): only those found
-    /// lost then can be missing, and each must have been written since. Pages kept from
-    /// the base were read through present packs when the writer started.
+    /// the writer started (condemned packs counted as absent): only those found lost then
+    /// can be missing, and each must have been written since; what sits only in packs
+    /// condemned since was stored again just before ([`Self::store_condemned_again`]), and
+    /// the gc that deletes those packs waits for this backup's lock. Pages kept from the
+    /// base were read through present packs when the writer started.
     fn refuse_lost(&self, st: &State, pages: &[Digest]) -> Result<()> {
         let unread: Vec<u64> = self.lost.iter().flat_map(|[f, n]| *f..f + n).filter(|ci| !st.is_done(*ci)).collect();
         let page_gone = pages.iter().zip(&st.dirty).filter(|(p, dirty)| **p != ZERO && !**dirty).find(|(p, _)| {

@@ -342,7 +342,7 @@ impl Store for DirStore {
         Ok(out)
     }
 
-    fn remove_partial(&self, prefix: &str) -> io::Result<(u64, u64)> {
+    fn remove_partial(&self, prefix: &str, min_age: std::time::Duration) -> io::Result<(u64, u64)> {
         let top = prefix.trim_end_matches('/');
         if top.contains('/') || !valid_name(top) {
             return Err(invalid_name(prefix));
@@ -353,15 +353,34 @@ impl Store for DirStore {
             Err(e) => return Err(ctx(e, self.shown(top))),
         };
         let mut removed = (0, 0);
-        self.remove_temps(fd.as_fd(), &format!("{top}/"), 1, &mut removed)?;
+        let before = std::time::SystemTime::now()
+            .checked_sub(min_age)
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map_or(i64::MIN, |d| d.as_secs() as i64);
+        self.remove_temps(fd.as_fd(), &format!("{top}/"), 1, before, &mut removed)?;
         Ok(removed)
     }
+}
+
+/// A file's modification time in seconds since the epoch (`st_mtime` is narrower on some
+/// targets).
+#[allow(clippy::unnecessary_cast)]
+fn mtime_secs(st: &rustix::fs::Stat) -> i64 {
+    st.st_mtime as i64
 }
 
 impl DirStore {
     /// Removes the temporary files under `dir` (`rel`): left by a writer killed between
     /// creating one and renaming it into place.
-    fn remove_temps(&self, dir: BorrowedFd, rel: &str, depth: usize, removed: &mut (u64, u64)) -> io::Result<()> {
+    /// Only those last modified at or before `before` (seconds since the epoch).
+    fn remove_temps(
+        &self,
+        dir: BorrowedFd,
+        rel: &str,
+        depth: usize,
+        before: i64,
+        removed: &mut (u64, u64),
+    ) -> io::Result<()> {
         let mut found = false;
         self.each_entry(
             dir,
@@ -369,7 +388,7 @@ impl DirStore {
             |_| true,
             |seg, path, st| {
                 match FileType::from_raw_mode(st.st_mode) {
-                    FileType::RegularFile if seg.starts_with(TEMP_PREFIX) => {
+                    FileType::RegularFile if seg.starts_with(TEMP_PREFIX) && mtime_secs(st) <= before => {
                         match rustix::fs::unlinkat(dir, seg, AtFlags::empty()) {
                             Ok(()) | Err(rustix::io::Errno::NOENT) => {}
                             Err(e) => return Err(ctx(e, format!("cannot delete {}", self.shown(&path)))),
@@ -380,7 +399,7 @@ impl DirStore {
                     }
                     FileType::Directory if depth + 1 < MAX_DEPTH && valid_name(&path) => {
                         if let Some(fd) = self.open_subdir(dir, seg, &path)? {
-                            self.remove_temps(fd.as_fd(), &format!("{path}/"), depth + 1, removed)?;
+                            self.remove_temps(fd.as_fd(), &format!("{path}/"), depth + 1, before, removed)?;
                         }
                     }
                     _ => {}
@@ -563,10 +582,15 @@ mod tests {
         std::fs::write(root.join("index/.tmp-4567"), b"half").unwrap();
         std::fs::write(root.join("locks/.tmp-89ab"), b"being written").unwrap();
         std::fs::write(root.join("data/ab/README"), b"foreign").unwrap();
-        assert_eq!(s.remove_partial("data/").unwrap(), (1, 11));
-        assert_eq!(s.remove_partial("index/").unwrap(), (1, 4));
-        assert_eq!(s.remove_partial("snapshots/").unwrap(), (0, 0));
-        assert!(s.remove_partial("../").is_err());
+        // A file written just now may be a running writer's: kept when an age is asked.
+        let hour = std::time::Duration::from_secs(3600);
+        assert_eq!(s.remove_partial("data/", hour).unwrap(), (0, 0));
+        assert!(root.join("data/ab/.tmp-0123").exists());
+        let zero = std::time::Duration::ZERO;
+        assert_eq!(s.remove_partial("data/", zero).unwrap(), (1, 11));
+        assert_eq!(s.remove_partial("index/", zero).unwrap(), (1, 4));
+        assert_eq!(s.remove_partial("snapshots/", zero).unwrap(), (0, 0));
+        assert!(s.remove_partial("../", zero).is_err());
         assert!(!root.join("data/ab/.tmp-0123").exists() && !root.join("index/.tmp-4567").exists());
         // Objects, foreign files and other prefixes are left alone.
         assert!(root.join("locks/.tmp-89ab").exists() && root.join("data/ab/README").exists());

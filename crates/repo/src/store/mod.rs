@@ -52,9 +52,11 @@ pub trait Store: Send + Sync {
     fn list(&self, prefix: &str) -> io::Result<Vec<(String, u64)>>;
     /// Removes what writes interrupted by a crash left under `prefix` and [`Store::list`]
     /// does not show (a directory store's temporary files); the number of objects and
-    /// bytes removed. Only for a caller that excludes every writer (gc, under its lock).
-    /// Stores whose writes leave nothing behind (S3's PUTs are atomic) have nothing to do.
-    fn remove_partial(&self, _prefix: &str) -> io::Result<(u64, u64)> {
+    /// bytes removed: only those last modified at least `min_age` ago (a writer that may
+    /// run beside the caller writes its files within that time; zero: every one, for a
+    /// caller that excludes every writer). Stores whose writes leave nothing behind (S3's
+    /// PUTs are atomic) have nothing to do.
+    fn remove_partial(&self, _prefix: &str, _min_age: std::time::Duration) -> io::Result<(u64, u64)> {
         Ok((0, 0))
     }
 }
