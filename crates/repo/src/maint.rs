@@ -1765,10 +1765,7 @@ pub fn damaged_snapshots(repo: &Repository, snaps: &[SnapshotInfo]) -> Result<Ha
         }
     });
     for (s, sp) in snaps.iter().zip(&snap_pages) {
-        let hit = sp
-            .nonzero()
-            .iter()
-            .find_map(|d| bad_blob(d).or_else(|| page_hit.get(d).copied()));
+        let hit = sp.nonzero().iter().find_map(|d| bad_blob(d).or_else(|| page_hit.get(d).copied()));
         if let Some(pack) = hit {
             out.insert(s.id.clone(), pack_name(&pack));
         }

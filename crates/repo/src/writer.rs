@@ -235,6 +235,9 @@ pub struct SnapshotWriter {
     lock: Mutex<Option<LockGuard>>,
     /// The packs condemned by gc when this backup started (FORMAT.md §8a): absent to it.
     condemned: HashSet<Digest>,
+    /// The packs condemned since, as read at commit ([`Self::store_condemned_again`]): a
+    /// pack sealed after must not have their names either.
+    condemned_since: Mutex<HashSet<Digest>>,
     /// Set once the lock is found gone ([`LockGuard::lost_flag`]): writes then fail.
     lock_lost: Arc<AtomicBool>,
 }
@@ -268,7 +271,7 @@ impl SnapshotWriter {
         let guard = lock::acquire(&repo.store, LockKind::Backup, Some(tag), opts.wait_lock)?;
         // What gc condemned, read after the lock is taken and before `data/` is listed.
         let condemned = repo.condemned_packs()?;
-        let index = Self::load_index(&repo, &condemned)?;
+        let (index, kept) = Self::load_index(&repo, &condemned)?;
         let mut opts = opts;
         let base_entries = match &opts.base {
             Some(b) => match repo.entries(&index, b) {
@@ -289,7 +292,7 @@ impl SnapshotWriter {
             }
             None => (crate::repo::entry_list(chunks, &format!("the backup of {}", opts.name))?, 0),
         };
-        let index = Self::exclude_damaged(&repo, index);
+        let index = Self::exclude_damaged(&repo, index.only_present(kept));
         if let Some(more) = chunks.checked_sub(entries.len() as u64) {
             if entries.try_reserve_exact(more as usize).is_err() {
                 return Err(Error::Invalid(format!(
@@ -358,9 +361,9 @@ impl SnapshotWriter {
             }
         };
         let condemned = repo.condemned_packs()?;
-        let index = Self::load_index(&repo, &condemned)?;
+        let (index, kept) = Self::load_index(&repo, &condemned)?;
         let entries = repo.entries(&index, &checkpoint.as_snapshot())?;
-        let index = Self::exclude_damaged(&repo, index);
+        let index = Self::exclude_damaged(&repo, index.only_present(kept));
         let base_chunks = opts.base.as_ref().map_or(0, |b| b.manifest.chunks());
         let n_pages = checkpoint.checkpoint.pages.count() as usize;
         let mut state = State {
@@ -371,6 +374,11 @@ impl SnapshotWriter {
         };
         for [first, n] in &checkpoint.checkpoint.done {
             state.mark_done(*first, *n);
+        }
+        // A checkpoint page with no copy left in the index (only in a condemned pack, or
+        // recorded damaged) is made again from its entries, not named again.
+        for (p, d) in state.pages.iter().zip(state.dirty.iter_mut()).filter(|(p, _)| **p != ZERO) {
+            *d = !index.contains(&repo.crypto.blob_id(p));
         }
         // A done chunk whose pack is gone since is read again.
         for ci in missing_chunks(&repo, &index, &state.entries, |ci| state.is_done(ci)) {
@@ -406,8 +414,11 @@ impl SnapshotWriter {
     /// The repository's index, without the blobs whose pack is gone: chunks in them are
     /// not reused (a new snapshot would reference the lost data again, and the
     /// repository would never heal). Packs that gc condemned are gone to a backup too
-    /// (FORMAT.md §8a): a later gc deletes them without waiting for it.
-    fn load_index(repo: &Arc<Repository>, condemned: &HashSet<Digest>) -> Result<RunIndex> {
+    /// (FORMAT.md §8a): a later gc deletes them without waiting for it. They are still in
+    /// the index returned, for reading the base's (or the checkpoint's) pages through it;
+    /// the set returned is the packs to keep after ([`RunIndex::only_present`]), which
+    /// leaves them out, so that what only they hold is stored again.
+    fn load_index(repo: &Arc<Repository>, condemned: &HashSet<Digest>) -> Result<(RunIndex, HashSet<Digest>)> {
         let index = RunIndex::open(repo)?;
         let present: HashSet<Digest> = repo
             .store
@@ -426,7 +437,7 @@ impl SnapshotWriter {
                 repo.store.describe()
             );
         }
-        let index = index.only_present(present.into_iter().filter(|p| !condemned.contains(p)).collect());
+        let kept = present.into_iter().filter(|p| !condemned.contains(p)).collect();
         if gone > 0 {
             log::warn!(
                 "{gone} pack(s) that the index of {} lists are gone: this backup reads again the chunks of them its \
@@ -435,7 +446,7 @@ impl SnapshotWriter {
                 repo.store.describe()
             );
         }
-        Ok(index)
+        Ok((index, kept))
     }
 
     /// Drops the copies that `verify` recorded damaged from the index (once the base's
@@ -556,6 +567,7 @@ impl SnapshotWriter {
             lock_lost: guard.lost_flag(),
             lock: Mutex::new(Some(guard)),
             condemned,
+            condemned_since: Mutex::new(HashSet::new()),
             repo,
         })
     }
@@ -1061,7 +1073,8 @@ impl SnapshotWriter {
             let sealed_len = (buf.len() - blobs_end) as u32;
             buf.extend_from_slice(&format::pack_tail(sealed_len));
             let digest = sha256(buf);
-            if !self.condemned.contains(&digest) || entries.len() >= format::MAX_TRAILER_ENTRIES as usize {
+            let taken = self.condemned.contains(&digest) || locked(&self.condemned_since).contains(&digest);
+            if !taken || entries.len() >= format::MAX_TRAILER_ENTRIES as usize {
                 return digest;
             }
             log::info!(
@@ -1089,6 +1102,8 @@ impl SnapshotWriter {
         if new.is_empty() {
             return Ok(());
         }
+        // The blobs stored again below must not land in a pack named as one of these.
+        locked(&self.condemned_since).extend(new.iter().copied().copied());
         let doomed = |id: &Digest| {
             self.index.contains(id)
                 && self.index.locations(id).iter().all(|l| new.contains(&l.pack))
@@ -1122,15 +1137,15 @@ impl SnapshotWriter {
         Ok(())
     }
 
-    /// After the manifest is stored: the lock must still be ours. A process frozen between
-    /// its last check and the store (a stopped host) may have lost it meanwhile, and a gc
-    /// that took it for stale may have deleted what the manifest names: then the manifest
-    /// is removed again, and the backup fails.
-    fn check_lock_after(&self, manifest: &str) -> Result<()> {
+    /// After the manifest (or a checkpoint) is stored: the lock must still be ours. A
+    /// process frozen between its last check and the store (a stopped host) may have lost
+    /// it meanwhile, and a gc that took it for stale may have deleted what the object
+    /// names: then the object is removed again, and the backup fails.
+    fn check_lock_after(&self, object: &str) -> Result<()> {
         let Some(r) = locked(&self.lock).as_ref().map(|g| g.check()) else { return Ok(()) };
         if let Err(e) = r {
-            if let Err(d) = self.repo.store.delete(manifest) {
-                log::warn!("cannot remove {manifest} from {}: {d}; run `ferry repo check`", self.repo.store.describe());
+            if let Err(d) = self.repo.store.delete(object) {
+                log::warn!("cannot remove {object} from {}: {d}; run `ferry repo check`", self.repo.store.describe());
             }
             return Err(e);
         }
@@ -1317,7 +1332,9 @@ impl SnapshotWriter {
         self.repo
             .store
             .put(&object, &sealed)
-            .map_err(|e| Error::store(format!("cannot store {object} in {}", self.repo.store.describe()), e))
+            .map_err(|e| Error::store(format!("cannot store {object} in {}", self.repo.store.describe()), e))?;
+        // Stored after the lock went, it may name packs a gc deleted meanwhile: removed.
+        self.check_lock_after(&object)
     }
 
     /// Calls `f` with the chunk list as it stands (one digest per chunk, [`ZERO`] for a

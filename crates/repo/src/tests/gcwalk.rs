@@ -349,3 +349,126 @@ fn the_deleting_gc_stopped_at_any_step_leaves_a_whole_repository() {
         );
     }
 }
+
+/// A backup killed after a checkpoint whose page was deduplicated against a pack
+/// condemned beside it (named in the record) resumes while the record waits: the resume
+/// reads the checkpoint's pages through the index with the condemned (still present)
+/// packs, and stores again what only they hold.
+#[test]
+fn a_checkpoint_whose_page_is_only_in_a_condemned_pack_resumes() {
+    for encrypt in [false, true] {
+        let (_store, repo) = new_repo(encrypt);
+        let a = disk(3 << 20, 4);
+        unused(&repo, &a);
+        let o = opts("a2", a.len() as u64, None);
+        let w = SnapshotWriter::start(repo.clone(), o.clone()).unwrap();
+        let g1 = gc_margin(&repo, Duration::from_secs(3600)).unwrap();
+        assert!(g1.packs_condemned > 0, "{g1:?}");
+        write_all(&w, &a);
+        w.checkpoint().unwrap();
+        drop(w); // killed (its lock goes)
+        let ck = repo.checkpoint("a2").unwrap().unwrap();
+        let r = SnapshotWriter::resume(repo.clone(), o, &ck);
+        assert!(r.is_ok(), "encrypt {encrypt}: {:?}", r.err());
+    }
+}
+
+/// Unencrypted, the blobs stored again at commit would make a pack with the name of one
+/// condemned meanwhile (the same blobs in the same order): it gets other bytes, so the
+/// next backup of the disk (before a gc) finds its base's pages and chunks in a pack that
+/// is not condemned. (Such a name came about in about 1 run in 6: several runs.)
+#[test]
+fn blobs_stored_again_at_commit_take_no_condemned_packs_name() {
+    for _ in 0..6 {
+        next_backup_after_blobs_stored_again_at_commit();
+    }
+}
+
+fn next_backup_after_blobs_stored_again_at_commit() {
+    let (_store, repo) = new_repo(false);
+    let a = disk(3 << 20, 4);
+    unused(&repo, &a);
+    let w = SnapshotWriter::start(repo.clone(), opts("b", a.len() as u64, None)).unwrap();
+    let g1 = gc_margin(&repo, Duration::from_secs(3600)).unwrap();
+    assert!(g1.packs_condemned > 0, "{g1:?}");
+    write_all(&w, &a);
+    let sb = w.commit(a.len() as u64).unwrap();
+    let condemned = repo.condemned_packs().unwrap();
+    let present: Vec<String> = pack_names(&repo);
+    let reused = condemned.iter().filter(|p| present.contains(&crate::repo::pack_name(p))).count();
+    eprintln!("condemned packs still present: {reused}");
+    let w2 = SnapshotWriter::start(repo.clone(), opts("b", a.len() as u64, Some(sb.clone()))).unwrap();
+    let lost = w2.lost_ranges();
+    eprintln!("lost ranges of the next backup: {lost:?}");
+    assert!(lost.is_empty(), "the base's chunks are only in condemned packs: {lost:?}");
+}
+
+fn pack_names(repo: &Repository) -> Vec<String> {
+    repo.store.list("data/").unwrap().into_iter().map(|(n, _)| n).collect()
+}
+
+/// A store that runs a hook after each checkpoint it stores.
+struct HookedCk {
+    inner: Arc<MemStore>,
+    after: Mutex<Option<Hook>>,
+}
+
+impl Store for HookedCk {
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+    fn get(&self, name: &str, limit: u64) -> std::io::Result<Vec<u8>> {
+        self.inner.get(name, limit)
+    }
+    fn get_range(&self, name: &str, offset: u64, len: u64) -> std::io::Result<Vec<u8>> {
+        self.inner.get_range(name, offset, len)
+    }
+    fn len(&self, name: &str) -> std::io::Result<u64> {
+        self.inner.len(name)
+    }
+    fn put(&self, name: &str, data: &[u8]) -> std::io::Result<()> {
+        self.inner.put(name, data)?;
+        if name.starts_with("checkpoints/") {
+            if let Some(f) = self.after.lock().unwrap().as_mut() {
+                f(&self.inner);
+            }
+        }
+        Ok(())
+    }
+    fn delete(&self, name: &str) -> std::io::Result<()> {
+        self.inner.delete(name)
+    }
+    fn list(&self, prefix: &str) -> std::io::Result<Vec<(String, u64)>> {
+        self.inner.list(prefix)
+    }
+}
+
+/// The stall falls between the backup's last lock check and its checkpoint: the
+/// checkpoint is stored after its lock was removed (and a gc may have deleted what it
+/// names). Like a manifest, it is removed again and the backup fails; later gcs run.
+#[test]
+fn a_checkpoint_stored_after_the_lock_went_is_removed() {
+    let inner = Arc::new(MemStore::new());
+    let store = Arc::new(HookedCk { inner: inner.clone(), after: Mutex::new(None) });
+    let repo =
+        Arc::new(Repository::init(store.clone(), &InitOptions { page_entries: 16, ..InitOptions::default() }).unwrap());
+    let a = disk(2 << 20, 8);
+    let w = SnapshotWriter::start(repo.clone(), opts("b", a.len() as u64, None)).unwrap();
+    write_all(&w, &a);
+    *store.after.lock().unwrap() = Some(Box::new(|s: &MemStore| {
+        for (name, _) in s.list("locks/").unwrap() {
+            s.delete(&name).unwrap();
+        }
+    }));
+    let r = w.checkpoint();
+    let left = objects(&inner, "checkpoints/").len();
+    *store.after.lock().unwrap() = None;
+    // What a gc that took the lock for stale may have deleted meanwhile.
+    let (pack, _) = objects(&inner, "data/").into_iter().next().unwrap();
+    inner.delete(&pack).unwrap();
+    drop(w);
+    assert!(matches!(r, Err(Error::Locked(_))), "{r:?}");
+    assert_eq!(left, 0, "the checkpoint stored after the lock went stays");
+    gc_margin(&repo, Duration::ZERO).unwrap();
+    gc_margin(&repo, Duration::ZERO).unwrap();
+}
