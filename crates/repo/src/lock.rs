@@ -24,6 +24,24 @@ pub const REFRESH: Duration = Duration::from_secs(5 * 60);
 const SETTLE: Duration = Duration::from_secs(3);
 /// A lock not refreshed for this long is stale.
 pub const STALE_AFTER: Duration = Duration::from_secs(30 * 60);
+/// A holder counts its lock lost once it has not confirmed a refresh for this long,
+/// though the object be there: another process may have taken it for stale and removed
+/// it, and a refresh that landed late (a stopped process, a retried PUT) written it
+/// again. The slack covers clocks that run at other rates.
+pub const LOST_AFTER: Duration = Duration::from_secs(25 * 60);
+
+/// When the lock was last confirmed written: the start of the last write of it that
+/// succeeded (by the monotonic clock and by the wall clock, which also runs while the
+/// machine sleeps).
+type Confirmed = Arc<Mutex<(Instant, SystemTime)>>;
+
+/// How long ago the lock was last confirmed written, when that is more than
+/// [`LOST_AFTER`] by either clock.
+fn unconfirmed(confirmed: &Confirmed) -> Option<Duration> {
+    let (at, wall) = *confirmed.lock().unwrap_or_else(|e| e.into_inner());
+    let ago = at.elapsed().max(SystemTime::now().duration_since(wall).unwrap_or_default());
+    (ago > LOST_AFTER).then_some(ago)
+}
 
 /// A held lock: refreshed in the background every 5 minutes, removed when dropped.
 pub struct LockGuard {
@@ -31,8 +49,10 @@ pub struct LockGuard {
     name: String,
     stop: Arc<(Mutex<bool>, Condvar)>,
     refresher: Option<JoinHandle<()>>,
-    /// The lock object was found gone (removed by another process that took it for stale).
+    /// The lock object was found gone (removed by another process that took it for stale),
+    /// or not confirmed refreshed for [`LOST_AFTER`].
     lost: Arc<std::sync::atomic::AtomicBool>,
+    confirmed: Confirmed,
 }
 
 impl LockGuard {
@@ -47,24 +67,61 @@ impl LockGuard {
         self.lost.clone()
     }
 
-    /// Whether the lock is still held: its object is there and was never found gone.
-    /// Called before a backup stores an index object, a checkpoint or its manifest, and
-    /// before a gc deletes, so that a process whose lock another one removed as stale
-    /// stops instead of acting unprotected.
+    /// Whether the lock is still held: its object is there, was never found gone, and a
+    /// refresh of it was confirmed less than [`LOST_AFTER`] ago (after the store said it
+    /// is there: a process stopped meanwhile counts from when it was). Called before a
+    /// backup stores an index object, a checkpoint or its manifest, and before a gc
+    /// deletes, so that a process whose lock another one removed as stale stops instead
+    /// of acting unprotected. A store that cannot tell fails it too.
     pub fn check(&self) -> Result<()> {
-        let gone = self.lost.load(std::sync::atomic::Ordering::SeqCst)
-            || matches!(self._store.len(&self.name), Err(e) if e.kind() == std::io::ErrorKind::NotFound);
-        if gone {
-            self.lost.store(true, std::sync::atomic::Ordering::SeqCst);
+        use std::sync::atomic::Ordering::SeqCst;
+        if !self.lost.load(SeqCst) {
+            match self._store.len(&self.name) {
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => self.lost.store(true, SeqCst),
+                Err(e) => {
+                    return Err(Error::store(
+                        format!(
+                            "cannot tell whether the lock {} of this process is still in {}; stopping before anything \
+                             else is stored or deleted: run it again",
+                            self.name,
+                            self._store.describe()
+                        ),
+                        e,
+                    ))
+                }
+            }
+        }
+        if !self.lost.load(SeqCst) {
+            if let Some(ago) = unconfirmed(&self.confirmed) {
+                log::warn!(
+                    "the lock {} of this process was last confirmed refreshed {} minutes ago: another process may \
+                     have taken it for stale",
+                    self.name,
+                    ago.as_secs() / 60
+                );
+                self.lost.store(true, SeqCst);
+            }
+        }
+        if self.lost.load(SeqCst) {
             return Err(crate::Error::Locked(format!(
-                "the lock {} of this process was removed from {} while it ran (another process took it for stale: \
-                 the process stopped or frozen, a clock far off, or refreshes failing for 30 minutes); stopping \
-                 before anything else is stored or deleted: run it again",
+                "the lock {} of this process was removed from {} while it ran, or went unrefreshed for long enough \
+                 to be (another process took it for stale: the process stopped or frozen, a clock far off, or \
+                 refreshes failing for 25 minutes); stopping before anything else is stored or deleted: run it again",
                 self.name,
                 self._store.describe()
             )));
         }
         Ok(())
+    }
+
+    /// Makes the last confirmed refresh `ago` earlier (by the wall clock; by the
+    /// monotonic one too where it goes back that far).
+    #[cfg(test)]
+    pub(crate) fn confirmed_earlier(&self, ago: Duration) {
+        let mut c = self.confirmed.lock().unwrap();
+        c.0 = c.0.checked_sub(ago).unwrap_or(c.0);
+        c.1 -= ago;
     }
 }
 
@@ -407,6 +464,7 @@ fn acquire_as(
             condemned,
         };
         let name = format!("locks/{}", format::hex(&crate::crypto::random::<16>()));
+        let written = (Instant::now(), SystemTime::now());
         store
             .put(&name, &lock.to_bytes())
             .map_err(|e| Error::store(format!("cannot write a lock to {}", store.describe()), e))?;
@@ -416,7 +474,7 @@ fn acquire_as(
         let settle = Instant::now() + SETTLE;
         let holder = loop {
             match conflicting(store, kind, disk.as_deref(), condemned, Some((&name, &lock))) {
-                Ok((None, None)) => return Ok(start_refresh(store.clone(), name, lock)),
+                Ok((None, None)) => return Ok(start_refresh(store.clone(), name, lock, written)),
                 Ok((Some(h), _)) => break h,
                 Ok((None, Some(h))) if Instant::now() >= settle => break h,
                 Ok((None, Some(_))) => std::thread::sleep(Duration::from_millis(50)),
@@ -437,11 +495,15 @@ fn acquire_as(
     }
 }
 
-fn start_refresh(store: Arc<dyn Store>, name: String, lock: Lock) -> LockGuard {
+/// Starts the thread that refreshes the lock `name` (`lock`), written just before `at`.
+fn start_refresh(store: Arc<dyn Store>, name: String, lock: Lock, at: (Instant, SystemTime)) -> LockGuard {
+    use std::sync::atomic::Ordering::SeqCst;
     let stop = Arc::new((Mutex::new(false), Condvar::new()));
     let lost = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let confirmed: Confirmed = Arc::new(Mutex::new(at));
     let refresher = {
-        let (store, name, stop, lost) = (store.clone(), name.clone(), stop.clone(), lost.clone());
+        let (store, name, stop, lost, confirmed) =
+            (store.clone(), name.clone(), stop.clone(), lost.clone(), confirmed.clone());
         std::thread::Builder::new()
             .name("repo-lock".into())
             .spawn(move || {
@@ -454,17 +516,40 @@ fn start_refresh(store: Arc<dyn Store>, name: String, lock: Lock) -> LockGuard {
                     }
                     let (s, timeout) = c.wait_timeout(stopped, REFRESH).unwrap_or_else(|e| e.into_inner());
                     stopped = s;
-                    if timeout.timed_out() && !*stopped {
+                    if timeout.timed_out() && !*stopped && !lost.load(SeqCst) {
                         // A lock removed by another process is not made again: the
-                        // holder finds it lost (LockGuard::check) and stops.
-                        if matches!(store.len(&name), Err(e) if e.kind() == std::io::ErrorKind::NotFound) {
-                            log::warn!("the lock {name} was removed from {} by another process", store.describe());
-                            lost.store(true, std::sync::atomic::Ordering::SeqCst);
+                        // holder finds it lost (LockGuard::check) and stops. Nor is one
+                        // unconfirmed for so long that another may have removed it.
+                        if let Some(ago) = unconfirmed(&confirmed) {
+                            log::warn!(
+                                "the lock {name} in {} was last confirmed refreshed {} minutes ago: it is not \
+                                 written again (another process may have taken it for stale)",
+                                store.describe(),
+                                ago.as_secs() / 60
+                            );
+                            lost.store(true, SeqCst);
                             continue;
                         }
+                        if matches!(store.len(&name), Err(e) if e.kind() == std::io::ErrorKind::NotFound) {
+                            log::warn!("the lock {name} was removed from {} by another process", store.describe());
+                            lost.store(true, SeqCst);
+                            continue;
+                        }
+                        let at = (Instant::now(), SystemTime::now());
                         lock.refreshed = now_precise();
-                        if let Err(e) = store.put(&name, &lock.to_bytes()) {
-                            log::warn!("cannot refresh the lock {name} in {}: {e}", store.describe());
+                        match store.put(&name, &lock.to_bytes()) {
+                            // A write that took so long that the lock may have been taken
+                            // for stale meanwhile may have landed after it was removed.
+                            Ok(()) if unconfirmed(&confirmed).is_some() => {
+                                log::warn!(
+                                    "refreshing the lock {name} in {} took so long that another process may have \
+                                     taken it for stale meanwhile: it counts as lost",
+                                    store.describe()
+                                );
+                                lost.store(true, SeqCst);
+                            }
+                            Ok(()) => *confirmed.lock().unwrap_or_else(|e| e.into_inner()) = at,
+                            Err(e) => log::warn!("cannot refresh the lock {name} in {}: {e}", store.describe()),
                         }
                     }
                 }
@@ -474,7 +559,7 @@ fn start_refresh(store: Arc<dyn Store>, name: String, lock: Lock) -> LockGuard {
     if refresher.is_none() {
         log::warn!("cannot start the thread that refreshes the lock {name}: it goes stale in 30 minutes");
     }
-    LockGuard { _store: store, name, stop, refresher, lost }
+    LockGuard { _store: store, name, stop, refresher, lost, confirmed }
 }
 
 /// The locks in the repository now, with whether each is stale (for `ferry repo list`
@@ -490,6 +575,80 @@ pub fn list(store: &Arc<dyn Store>) -> Result<Vec<(String, crate::format::Lock, 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A store whose `len` fails (not with NotFound) once `fail` is set.
+    struct FailingLen {
+        inner: crate::store::MemStore,
+        fail: std::sync::atomic::AtomicBool,
+    }
+
+    impl Store for FailingLen {
+        fn describe(&self) -> String {
+            self.inner.describe()
+        }
+        fn get(&self, name: &str, limit: u64) -> io::Result<Vec<u8>> {
+            self.inner.get(name, limit)
+        }
+        fn get_range(&self, name: &str, offset: u64, len: u64) -> io::Result<Vec<u8>> {
+            self.inner.get_range(name, offset, len)
+        }
+        fn len(&self, name: &str) -> io::Result<u64> {
+            if self.fail.load(std::sync::atomic::Ordering::SeqCst) {
+                return Err(io::Error::other("the store is unreachable"));
+            }
+            self.inner.len(name)
+        }
+        fn put(&self, name: &str, data: &[u8]) -> io::Result<()> {
+            self.inner.put(name, data)
+        }
+        fn delete(&self, name: &str) -> io::Result<()> {
+            self.inner.delete(name)
+        }
+        fn list(&self, prefix: &str) -> io::Result<Vec<(String, u64)>> {
+            self.inner.list(prefix)
+        }
+    }
+
+    /// A lock whose refresh was last confirmed longer ago than another process waits to
+    /// take it for stale counts as lost, though its object is there (again: a refresh
+    /// that landed after another process removed it), and stays lost.
+    #[test]
+    fn a_lock_unconfirmed_for_longer_than_the_stale_bound_is_lost_though_its_object_is_there() {
+        let store: Arc<dyn Store> = Arc::new(crate::store::MemStore::new());
+        let g = acquire(&store, LockKind::Backup, Some("d".repeat(64)), None).unwrap();
+        g.check().unwrap();
+        let bytes = store.get(g.name(), format::MAX_LOCK).unwrap();
+        g.confirmed_earlier(LOST_AFTER / 2);
+        g.check().unwrap();
+        // Removed as stale, then written back by a late refresh.
+        store.delete(g.name()).unwrap();
+        store.put(g.name(), &bytes).unwrap();
+        g.confirmed_earlier(LOST_AFTER);
+        let e = g.check().unwrap_err();
+        assert!(matches!(e, Error::Locked(_)), "{e}");
+        g.confirmed_earlier(Duration::ZERO);
+        assert!(store.len(g.name()).is_ok());
+        assert!(matches!(g.check(), Err(Error::Locked(_))), "a lost lock was found again");
+        assert!(g.lost_flag().load(std::sync::atomic::Ordering::SeqCst));
+    }
+
+    /// A store that cannot say whether the lock is there fails the check (it may be gone),
+    /// without counting the lock lost for good.
+    #[test]
+    fn a_lock_check_fails_closed_on_a_store_error() {
+        let failing = Arc::new(FailingLen {
+            inner: crate::store::MemStore::new(),
+            fail: std::sync::atomic::AtomicBool::new(false),
+        });
+        let store: Arc<dyn Store> = failing.clone();
+        let g = acquire(&store, LockKind::Backup, Some("d".repeat(64)), None).unwrap();
+        g.check().unwrap();
+        failing.fail.store(true, std::sync::atomic::Ordering::SeqCst);
+        let e = g.check().unwrap_err();
+        assert!(matches!(e, Error::Store { .. }) && e.to_string().contains("run it again"), "{e}");
+        failing.fail.store(false, std::sync::atomic::Ordering::SeqCst);
+        g.check().unwrap();
+    }
 
     #[test]
     fn stat_lines_parse_whatever_the_command_name() {
