@@ -898,7 +898,9 @@ impl Cache {
         Ok((listed, runs))
     }
 
-    /// The cache's lock file, locked.
+    /// The cache's lock file, locked; waits at most [`LOCK_WAIT`] for another process
+    /// that holds it (one stopped or hung must not hold every ferry on the host: past
+    /// that, this command does without the cache).
     fn lock_file(&self) -> io::Result<File> {
         let lock = std::fs::OpenOptions::new()
             .read(true)
@@ -907,8 +909,27 @@ impl Cache {
             .truncate(false)
             .mode(0o600)
             .open(self.dir.join("lock"))?;
-        lock.lock()?;
-        Ok(lock)
+        let start = std::time::Instant::now();
+        let mut told = false;
+        loop {
+            match lock.try_lock() {
+                Ok(()) => return Ok(lock),
+                Err(std::fs::TryLockError::Error(e)) => return Err(e),
+                Err(std::fs::TryLockError::WouldBlock) => {}
+            }
+            let waited = start.elapsed();
+            if waited >= LOCK_WAIT {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("another process has held its lock for more than {} s", LOCK_WAIT.as_secs()),
+                ));
+            }
+            if !told && waited >= std::time::Duration::from_secs(5) {
+                log::info!("waiting for another process to bring the index cache {} up to date", self.dir.display());
+                told = true;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
     }
 
     /// [`Cache::update_listing`] with a listing of `index/` begun at `listed_at` (a run
@@ -1130,6 +1151,13 @@ impl Cache {
         }
     }
 }
+
+/// How long a process waits for another that brings the cache up to date (reading a
+/// large index object takes minutes on a slow store) before it does without the cache.
+#[cfg(not(test))]
+const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(600);
+#[cfg(test)]
+const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// A listing of `index/`: names and stored sizes.
 type Listing = Vec<(String, u64)>;

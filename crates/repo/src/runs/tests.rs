@@ -435,3 +435,24 @@ fn an_open_that_waits_for_the_lock_lists_after() {
     assert!(covered.iter().any(|o| b.ends_with(o.as_str())), "{b}, stored while the open waited, is not in its index");
     assert!(ix.usable.iter().all(|u| u.iter().all(|l| *l)), "a row of a listed object is not live");
 }
+
+/// A process that holds the cache's lock for longer than a process waits (one stopped
+/// or hung) does not stop others: they read the index into memory.
+#[test]
+fn a_lock_held_too_long_is_done_without() {
+    let (store, repo) = new_repo();
+    let dir = tempfile::tempdir().unwrap();
+    let mut rng = Rng(13);
+    random_object(&repo, &mut rng, 500);
+    let r = opened(&store, dir.path(), 1 << 20);
+    let cache = Cache { dir: dir.path().to_path_buf(), private: None, build_entries: 1 << 20 };
+    let held = cache.lock_file().unwrap();
+    let start = std::time::Instant::now();
+    let e = cache.update(&r, &store.list("index/").unwrap(), std::time::SystemTime::now()).unwrap().err().unwrap();
+    assert_eq!(e.kind(), std::io::ErrorKind::TimedOut, "{e}");
+    assert!(start.elapsed() >= LOCK_WAIT && start.elapsed() < LOCK_WAIT * 3, "{:?}", start.elapsed());
+    let ix = RunIndex::open(&r).unwrap();
+    assert!(ix.parts.iter().all(|p| p.run.is_none()), "the cache was used while another held its lock");
+    same_as_memory(&r, &ix, 500);
+    drop(held);
+}
