@@ -53,13 +53,24 @@ impl Repository {
         for (name, r) in names.iter().zip(par_map(&names, FETCH_THREADS, |n| self.read_condemned_object(n))) {
             match r {
                 Ok(r) => out.records.push((name.clone(), r)),
-                // Removed by a gc between the listing and the read: it condemns nothing.
+                // Removed by a gc between the listing and the read (a read of a missing
+                // object is damage: asked again, it is gone): it condemns nothing.
                 Err(Error::Store { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {}
+                Err(Error::Damaged { .. }) if self.removed(name)? => {}
                 Err(e @ Error::Store { .. }) => return Err(e),
                 Err(e) => out.unreadable.push((name.clone(), e)),
             }
         }
         Ok(out)
+    }
+
+    /// Whether `name` is missing from the store now (a store that fails is an error).
+    fn removed(&self, name: &str) -> Result<bool> {
+        match self.store.len(name) {
+            Ok(_) => Ok(false),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(true),
+            Err(e) => Err(Error::store(format!("cannot read {name} from {}", self.store.describe()), e)),
+        }
     }
 
     /// The condemned packs, for a backup: it treats them as absent. A record that cannot
@@ -72,10 +83,39 @@ impl Repository {
         Ok(c.packs())
     }
 
-    /// Stores a record of `packs` naming `backups`; its object name.
-    pub(crate) fn put_condemned(&self, packs: &[Digest], backups: &[CondemnedLock]) -> Result<String> {
+    /// Stores records of `packs` naming `backups`, each of at most
+    /// [`format::MAX_CONDEMNED_PACKS`] packs (several when there are more: each must stay
+    /// readable); their object names. More backups than a record may name is an error
+    /// (nothing stored).
+    pub(crate) fn put_condemned(&self, packs: &[Digest], backups: &[CondemnedLock]) -> Result<Vec<String>> {
+        if backups.len() > format::MAX_CONDEMNED_LOCKS {
+            return Err(Error::Invalid(format!(
+                "{} backups run, more than the {} a condemned record may name",
+                backups.len(),
+                format::MAX_CONDEMNED_LOCKS
+            )));
+        }
         let mut packs: Vec<String> = packs.iter().map(|p| format::hex(p)).collect();
         packs.sort();
+        packs.dedup();
+        let mut names = Vec::new();
+        for part in packs.chunks(record_packs_limit().max(1)) {
+            match self.put_condemned_one(part.to_vec(), backups) {
+                Ok(name) => names.push(name),
+                Err(e) => {
+                    // Those stored already condemn what is unused: removing them is tidy,
+                    // not needed for safety.
+                    for n in &names {
+                        let _ = remove(self, n);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(names)
+    }
+
+    fn put_condemned_one(&self, packs: Vec<String>, backups: &[CondemnedLock]) -> Result<String> {
         let record = CondemnedRecord {
             version: format::VERSION,
             time: jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%S%.9fZ").to_string(),
@@ -97,6 +137,20 @@ impl Repository {
             .map_err(|e| Error::store(format!("cannot store {name} in {}", self.store.describe()), e))?;
         Ok(name)
     }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// The most packs one record names, smaller in tests that split records.
+    pub(crate) static RECORD_PACKS: std::cell::Cell<usize> = const { std::cell::Cell::new(format::MAX_CONDEMNED_PACKS) };
+}
+
+/// The most packs one record names: [`format::MAX_CONDEMNED_PACKS`].
+fn record_packs_limit() -> usize {
+    #[cfg(test)]
+    return RECORD_PACKS.with(|c| c.get()).min(format::MAX_CONDEMNED_PACKS);
+    #[cfg(not(test))]
+    format::MAX_CONDEMNED_PACKS
 }
 
 /// The backups running now, as a gc sees them: the live backup locks that follow the
@@ -135,7 +189,7 @@ const CONDEMN_TRIES: usize = 4;
 /// lock is not named took it after the record was stored, so it reads the record (it
 /// lists `gc/condemned/` after it takes its lock). `None` (nothing condemned) when the
 /// locks do not settle, or a lock appears that cannot be read or is an older ferry's.
-pub(crate) fn condemn(repo: &Repository, packs: &[Digest]) -> Result<Option<(String, Vec<CondemnedLock>)>> {
+pub(crate) fn condemn(repo: &Repository, packs: &[Digest]) -> Result<Option<(Vec<String>, Vec<CondemnedLock>)>> {
     if packs.is_empty() {
         return Ok(None);
     }
@@ -145,7 +199,7 @@ pub(crate) fn condemn(repo: &Repository, packs: &[Digest]) -> Result<Option<(Str
         log::warn!("gc condemns nothing now: {why}");
         return Ok(None);
     }
-    let mut record = repo.put_condemned(packs, &named)?;
+    let mut records = repo.put_condemned(packs, &named)?;
     for _ in 0..CONDEMN_TRIES {
         let (now, blocked) = running_backups(store)?;
         if blocked.is_some() {
@@ -153,16 +207,20 @@ pub(crate) fn condemn(repo: &Repository, packs: &[Digest]) -> Result<Option<(Str
         }
         let new: Vec<CondemnedLock> = now.into_iter().filter(|l| !named.iter().any(|n| n.lock == l.lock)).collect();
         if new.is_empty() {
-            return Ok(Some((record, named)));
+            return Ok(Some((records, named)));
         }
         named.extend(new);
         named.sort_by(|a, b| a.lock.cmp(&b.lock));
         let again = repo.put_condemned(packs, &named)?;
-        remove(repo, &record)?;
-        record = again;
+        for r in &records {
+            remove(repo, r)?;
+        }
+        records = again;
     }
     log::warn!("gc condemns nothing now: backups kept starting while it stored its record; run it again");
-    remove(repo, &record)?;
+    for r in &records {
+        remove(repo, r)?;
+    }
     Ok(None)
 }
 

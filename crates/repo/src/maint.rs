@@ -1172,6 +1172,21 @@ pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_perc
 /// A temporary file younger than this may be a running backup's (gc runs beside them).
 const TEMP_AGE: std::time::Duration = std::time::Duration::from_secs(3600);
 
+/// How old a temporary file must be for gc to remove it: `FERRY_GC_TEMP_AGE` (seconds;
+/// for tests that kill writers and want their files gone at once), else one hour.
+fn temp_age_from_env() -> std::time::Duration {
+    match std::env::var("FERRY_GC_TEMP_AGE") {
+        Ok(v) => match v.trim().parse::<u64>() {
+            Ok(secs) => std::time::Duration::from_secs(secs),
+            Err(_) => {
+                log::warn!("FERRY_GC_TEMP_AGE={v:?} is not a number of seconds: the age is one hour");
+                TEMP_AGE
+            }
+        },
+        Err(_) => TEMP_AGE,
+    }
+}
+
 /// What the mark read, to tell whether anything that could use a pack was stored since.
 struct Marked {
     snapshots: HashSet<String>,
@@ -1217,9 +1232,10 @@ pub fn gc_opts(repo: &Repository, opts: &GcOptions) -> Result<GcReport> {
     // The backups running beside this gc (listed before the mark: a record whose backups
     // are all gone now is executed only after this gc marked what they stored).
     let (running, blocked) = crate::condemn::running_backups(store)?;
-    // What writers killed mid-write left (a directory store's temporary files); with
-    // backups running, only files too old to be theirs.
-    let min_age = if running.is_empty() && blocked.is_none() { std::time::Duration::ZERO } else { TEMP_AGE };
+    // What writers killed mid-write left (a directory store's temporary files): only
+    // files too old to be a running writer's, even when no backup ran at the start (one
+    // may start while this gc runs).
+    let min_age = temp_age_from_env();
     for prefix in ["data/", "index/", "snapshots/", "checkpoints/", "gc/"] {
         match store.remove_partial(prefix, min_age) {
             Ok((0, _)) => {}
@@ -1427,13 +1443,13 @@ pub fn gc_opts(repo: &Repository, opts: &GcOptions) -> Result<GcReport> {
     delete.retain(|(p, _)| !named.contains(p));
     // 4. The record of what this gc condemns, stored before anything is deleted. Where
     // no backup runs and nothing was stored since the mark, it is deleted at once.
-    let mut own_record = None;
+    let mut own_records = Vec::new();
     let condemned_now: Vec<Digest> = to_condemn.iter().map(|(p, _)| *p).collect();
     match crate::condemn::condemn(repo, &condemned_now)? {
-        Some((name, backups)) => {
+        Some((names, backups)) => {
             if backups.is_empty() && marked.unchanged(repo)? {
                 delete.append(&mut to_condemn);
-                own_record = Some(name);
+                own_records = names;
             } else {
                 report.packs_condemned = to_condemn.len() as u64;
             }
@@ -1466,8 +1482,7 @@ pub fn gc_opts(repo: &Repository, opts: &GcOptions) -> Result<GcReport> {
     }
     // 8. The records done with (and those that cannot be read: what they condemned is
     // condemned again when it is still unused).
-    for name in
-        ripe.iter().map(|(n, _)| n).chain(own_record.as_ref()).chain(condemned.unreadable.iter().map(|(n, _)| n))
+    for name in ripe.iter().map(|(n, _)| n).chain(own_records.iter()).chain(condemned.unreadable.iter().map(|(n, _)| n))
     {
         crate::condemn::remove(repo, name)?;
     }

@@ -878,21 +878,86 @@ impl Cache {
     /// run covers are read and written as new runs (those that cannot be read are
     /// skipped with a warning, as the in-memory index skips them), runs are merged.
     /// Holds the cache's lock meanwhile. `Ok(Err(e))`: the cache could not be written.
-    fn update(&self, repo: &Repository, listed: &[(String, u64)]) -> Result<io::Result<Vec<Run>>> {
-        let lock = match std::fs::OpenOptions::new()
+    /// `index/` is listed once the lock is held (another process may have held it for
+    /// long, adding runs of objects stored after a listing taken before); the listing
+    /// comes back too.
+    fn update_listing(&self, repo: &Repository) -> Result<(Listing, io::Result<Vec<Run>>)> {
+        let list = || {
+            repo.store
+                .list("index/")
+                .map_err(|e| Error::store(format!("cannot list the index of {}", repo.store.describe()), e))
+        };
+        let lock = match self.lock_file() {
+            Ok(f) => f,
+            Err(e) => return Ok((list()?, Err(e))),
+        };
+        let listed_at = std::time::SystemTime::now();
+        let listed = list()?;
+        let runs = self.update_locked(repo, &listed, listed_at)?;
+        drop(lock);
+        Ok((listed, runs))
+    }
+
+    /// The cache's lock file, locked; waits at most [`LOCK_WAIT`] for another process
+    /// that holds it (one stopped or hung must not hold every ferry on the host: past
+    /// that, this command does without the cache).
+    fn lock_file(&self) -> io::Result<File> {
+        let lock = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
             .truncate(false)
             .mode(0o600)
-            .open(self.dir.join("lock"))
-        {
+            .open(self.dir.join("lock"))?;
+        let start = std::time::Instant::now();
+        let mut told = false;
+        loop {
+            match lock.try_lock() {
+                Ok(()) => return Ok(lock),
+                Err(std::fs::TryLockError::Error(e)) => return Err(e),
+                Err(std::fs::TryLockError::WouldBlock) => {}
+            }
+            let waited = start.elapsed();
+            if waited >= LOCK_WAIT {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("another process has held its lock for more than {} s", LOCK_WAIT.as_secs()),
+                ));
+            }
+            if !told && waited >= std::time::Duration::from_secs(5) {
+                log::info!("waiting for another process to bring the index cache {} up to date", self.dir.display());
+                told = true;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    }
+
+    /// [`Cache::update_listing`] with a listing of `index/` begun at `listed_at` (a run
+    /// written after then keeps the rows of objects the listing lacks: they may be newer
+    /// than it).
+    #[cfg(test)]
+    fn update(
+        &self,
+        repo: &Repository,
+        listed: &[(String, u64)],
+        listed_at: std::time::SystemTime,
+    ) -> Result<io::Result<Vec<Run>>> {
+        let lock = match self.lock_file() {
             Ok(f) => f,
             Err(e) => return Ok(Err(e)),
         };
-        if let Err(e) = lock.lock() {
-            return Ok(Err(e));
-        }
+        let runs = self.update_locked(repo, listed, listed_at)?;
+        drop(lock);
+        Ok(runs)
+    }
+
+    /// The update, with the cache's lock held.
+    fn update_locked(
+        &self,
+        repo: &Repository,
+        listed: &[(String, u64)],
+        listed_at: std::time::SystemTime,
+    ) -> Result<io::Result<Vec<Run>>> {
         let key = key_fingerprint(repo);
         let mut runs = self.read_manifest(&key);
         let before: Vec<String> = runs.iter().map(|r| r.name.clone()).collect();
@@ -913,7 +978,7 @@ impl Cache {
                 Ok(built) => runs.extend(built),
                 Err(e) => return Ok(Err(e)),
             }
-            match self.compact(&mut runs, &names) {
+            match self.compact(&mut runs, &names, listed_at) {
                 Ok(()) => break,
                 Err(Stop::Io(e)) => return Ok(Err(e)),
                 Err(Stop::Bad(k, why)) => {
@@ -931,7 +996,6 @@ impl Cache {
                 let _ = std::fs::remove_file(self.dir.join(name));
             }
         }
-        drop(lock);
         Ok(Ok(runs))
     }
 
@@ -1043,9 +1107,19 @@ impl Cache {
     /// Merges runs until [`merge_plan`] has none to merge; a run whose entries are more
     /// than a quarter dead (their objects gone from `listed`) is rewritten, one whose
     /// entries are all dead dropped.
-    fn compact(&self, runs: &mut Vec<Run>, listed: &HashMap<Digest, &str>) -> Result<(), Stop> {
+    fn compact(
+        &self,
+        runs: &mut Vec<Run>,
+        listed: &HashMap<Digest, &str>,
+        listed_at: std::time::SystemTime,
+    ) -> Result<(), Stop> {
+        // An object the listing lacks is dead only when the listing began after its run
+        // was written: a run written since may hold objects stored after the listing.
+        let listing_newer =
+            |r: &Run| r.file.metadata().and_then(|m| m.modified()).is_ok_and(|written| written < listed_at);
         let live_of = |r: &Run| -> Vec<bool> {
-            r.meta.rows.iter().map(|row| listed.contains_key(&r.meta.objects[row.object as usize])).collect()
+            let newer = listing_newer(r);
+            r.meta.rows.iter().map(|row| !newer || listed.contains_key(&r.meta.objects[row.object as usize])).collect()
         };
         runs.retain(|r| {
             let keep = r.live_entries(&live_of(r)) > 0;
@@ -1077,6 +1151,16 @@ impl Cache {
         }
     }
 }
+
+/// How long a process waits for another that brings the cache up to date (reading a
+/// large index object takes minutes on a slow store) before it does without the cache.
+#[cfg(not(test))]
+const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(600);
+#[cfg(test)]
+const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// A listing of `index/`: names and stored sizes.
+type Listing = Vec<(String, u64)>;
 
 fn valid_run_name(n: &str) -> bool {
     n.strip_prefix("run-").is_some_and(|h| h.len() == 24 && h.bytes().all(|b| b.is_ascii_hexdigit()))
@@ -1119,14 +1203,14 @@ impl RunIndex {
     /// The index of `repo` through its cache, brought up to date: what
     /// `load_index_lenient` gives, without holding it in memory.
     pub fn open(repo: &Arc<Repository>) -> Result<RunIndex> {
-        let listed = repo
-            .store
-            .list("index/")
-            .map_err(|e| Error::store(format!("cannot list the index of {}", repo.store.describe()), e))?;
         let damage = Arc::new(repo.damage()?);
         let cache = repo.index_cache();
+        let (listed, runs) = match &cache {
+            Some(c) => c.update_listing(repo)?,
+            None => (Vec::new(), Ok(Vec::new())),
+        };
         let runs = match &cache {
-            Some(c) => match c.update(repo, &listed)? {
+            Some(c) => match runs {
                 Ok(runs) => Some(runs),
                 Err(e) => {
                     log::warn!(

@@ -154,23 +154,38 @@ impl BlobTable {
                 .sort_unstable_by(|&a, &b| rows[a as usize].id.cmp(&rows[b as usize].id).then(a.cmp(&b)));
         }
         drop(start);
+        // A location listed again within an id's rows: looked for among the rows kept so
+        // far, through a set where the id has many (a hostile index object may list one id
+        // millions of times: linear then too).
         let mut listed_again = vec![false; rows.len()];
         let mut keep = 0;
-        let mut group = 0;
-        for k in 0..by_id.len() {
-            let r = &rows[by_id[k] as usize];
-            if keep == 0 || rows[by_id[keep - 1] as usize].id != r.id {
-                group = keep;
-            } else if by_id[group..keep]
-                .iter()
-                .any(|&j| rows[j as usize].pack == r.pack && rows[j as usize].offset == r.offset)
-            {
-                listed_again[by_id[k] as usize] = true;
-                continue;
+        let mut k = 0;
+        let mut seen = std::collections::HashSet::new();
+        while k < by_id.len() {
+            let id = rows[by_id[k] as usize].id;
+            let end = k + by_id[k..].iter().take_while(|&&j| rows[j as usize].id == id).count();
+            let group = keep;
+            let many = end - k > 16;
+            seen.clear();
+            for k in k..end {
+                let r = &rows[by_id[k] as usize];
+                let again = if many {
+                    !seen.insert((r.pack, r.offset))
+                } else {
+                    by_id[group..keep]
+                        .iter()
+                        .any(|&j| rows[j as usize].pack == r.pack && rows[j as usize].offset == r.offset)
+                };
+                if again {
+                    listed_again[by_id[k] as usize] = true;
+                } else {
+                    by_id[keep] = by_id[k];
+                    keep += 1;
+                }
             }
-            by_id[keep] = by_id[k];
-            keep += 1;
+            k = end;
         }
+        drop(seen);
         by_id.truncate(keep);
         by_id.shrink_to_fit();
         // By pack: a counting sort on the pack (in the order listed), then each pack by
@@ -320,5 +335,32 @@ mod tests {
         );
         assert_eq!(t.first(&[1; 32], &damage).map(|r| t.packs[r.pack as usize][0]), Some(3));
         assert!(BlobTable::default().find(&[1; 32]).is_none(), "an empty table");
+    }
+}
+
+#[cfg(test)]
+mod many_copies {
+    use super::*;
+
+    /// Many copies of one id (as a hostile index object may list) are sorted out in
+    /// linear time: each location once, in the order first listed.
+    #[test]
+    fn many_copies_of_one_id_take_linear_time() {
+        for n in [10_000u32, 200_000] {
+            // Every location listed twice, the second time in reverse.
+            let blobs = (0..n)
+                .chain((0..n).rev())
+                .map(|i| BlobEntry { id: [1; 32], kind: BlobKind::Data, offset: i * 10, stored_len: 10, plain_len: 20 })
+                .collect();
+            let mut t = BlobTable::default();
+            t.add_object(vec![PackBlobs { pack: [9; 32], blobs }]);
+            let start = std::time::Instant::now();
+            t.finish();
+            let took = start.elapsed();
+            assert!(took < std::time::Duration::from_secs(2), "{n} copies of one id: finish took {took:?}");
+            assert_eq!(t.by_id.len(), n as usize);
+            let offsets: Vec<u32> = t.by_id.iter().map(|&i| t.rows[i as usize].offset).collect();
+            assert_eq!(offsets, (0..n).map(|i| i * 10).collect::<Vec<_>>());
+        }
     }
 }

@@ -9,6 +9,7 @@ use ferry_backend::{Backend, ZeroMode, HOLE};
 use std::sync::{Arc, Mutex};
 
 mod clock;
+mod condemn_split;
 mod gcwalk;
 mod heal;
 mod keys;

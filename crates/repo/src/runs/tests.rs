@@ -372,3 +372,87 @@ fn lookup_speed() {
     assert_eq!(hits as u64, k);
     eprintln!("in-memory hits: {:.2} us each", t.elapsed().as_secs_f64() * 1e6 / k as f64);
 }
+
+/// A listing of index/ older than a run (taken before another process built it) keeps
+/// the rows of the objects the run covers and the listing lacks: they may be newer than
+/// the listing, and the next process would read them from the store again.
+#[test]
+fn an_older_listing_keeps_the_run_of_a_newer_object() {
+    let (store, repo) = new_repo();
+    let dir = tempfile::tempdir().unwrap();
+    let mut rng = Rng(7);
+    let a = random_object(&repo, &mut rng, 500);
+    let old_at = std::time::SystemTime::now();
+    let old_listing = store.list("index/").unwrap();
+    let b = random_object(&repo, &mut rng, 500);
+    let r = opened(&store, dir.path(), 1 << 20);
+    let cache = Cache { dir: dir.path().to_path_buf(), private: None, build_entries: 1 << 20 };
+    let new_at = std::time::SystemTime::now();
+    let new_listing = store.list("index/").unwrap();
+    let runs = cache.update(&r, &new_listing, new_at).unwrap().unwrap();
+    let covered =
+        |runs: &[Run]| runs.iter().flat_map(|r| r.meta.objects.iter().map(|d| format::hex(d))).collect::<Vec<String>>();
+    assert!(covered(&runs).iter().any(|o| b.ends_with(o.as_str())));
+    drop(runs);
+    // The process that listed before b was stored takes the lock now.
+    let runs = cache.update(&r, &old_listing, old_at).unwrap().unwrap();
+    drop(runs);
+    let after = cache.read_manifest(&key_fingerprint(&r));
+    assert!(
+        covered(&after).iter().any(|o| b.ends_with(o.as_str())),
+        "{b} was dropped from the cache by a process with an older listing (a: {a})"
+    );
+    // A listing begun after the run was written drops what it lacks.
+    store.delete(&b).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let runs = cache.update(&r, &store.list("index/").unwrap(), std::time::SystemTime::now()).unwrap().unwrap();
+    drop(runs);
+    let after = cache.read_manifest(&key_fingerprint(&r));
+    assert!(covered(&after).iter().all(|o| !b.ends_with(o.as_str())), "{b} was deleted and stays");
+}
+
+/// An open that waits for the cache's lock lists index/ after it got it: the objects
+/// stored meanwhile are in its index.
+#[test]
+fn an_open_that_waits_for_the_lock_lists_after() {
+    let (store, repo) = new_repo();
+    let dir = tempfile::tempdir().unwrap();
+    let mut rng = Rng(11);
+    random_object(&repo, &mut rng, 500);
+    let r = opened(&store, dir.path(), 1 << 20);
+    let cache = Cache { dir: dir.path().to_path_buf(), private: None, build_entries: 1 << 20 };
+    let held = cache.lock_file().unwrap();
+    let opener = {
+        let r = r.clone();
+        std::thread::spawn(move || RunIndex::open(&r).unwrap())
+    };
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let b = random_object(&repo, &mut rng, 500);
+    drop(held);
+    let ix = opener.join().unwrap();
+    let covered: Vec<String> =
+        ix.parts.iter().flat_map(|p| p.run.as_ref().unwrap().meta.objects.iter().map(|d| format::hex(d))).collect();
+    assert!(covered.iter().any(|o| b.ends_with(o.as_str())), "{b}, stored while the open waited, is not in its index");
+    assert!(ix.usable.iter().all(|u| u.iter().all(|l| *l)), "a row of a listed object is not live");
+}
+
+/// A process that holds the cache's lock for longer than a process waits (one stopped
+/// or hung) does not stop others: they read the index into memory.
+#[test]
+fn a_lock_held_too_long_is_done_without() {
+    let (store, repo) = new_repo();
+    let dir = tempfile::tempdir().unwrap();
+    let mut rng = Rng(13);
+    random_object(&repo, &mut rng, 500);
+    let r = opened(&store, dir.path(), 1 << 20);
+    let cache = Cache { dir: dir.path().to_path_buf(), private: None, build_entries: 1 << 20 };
+    let held = cache.lock_file().unwrap();
+    let start = std::time::Instant::now();
+    let e = cache.update(&r, &store.list("index/").unwrap(), std::time::SystemTime::now()).unwrap().err().unwrap();
+    assert_eq!(e.kind(), std::io::ErrorKind::TimedOut, "{e}");
+    assert!(start.elapsed() >= LOCK_WAIT && start.elapsed() < LOCK_WAIT * 3, "{:?}", start.elapsed());
+    let ix = RunIndex::open(&r).unwrap();
+    assert!(ix.parts.iter().all(|p| p.run.is_none()), "the cache was used while another held its lock");
+    same_as_memory(&r, &ix, 500);
+    drop(held);
+}
