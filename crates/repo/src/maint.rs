@@ -677,7 +677,10 @@ struct PackCheck {
     bad_blobs: Vec<(Digest, String)>,
 }
 
-fn verify_pack(repo: &Repository, pack: &Digest, blobs: &[BlobEntry]) -> PackCheck {
+/// `n` is the pack's number in `table`: its rows are read from there as needed, not
+/// copied (a pack may hold a million tiny blobs).
+fn verify_pack(repo: &Repository, pack: &Digest, table: &BlobTable, n: u32) -> PackCheck {
+    let blobs = || table.pack_rows(n).map(Row::entry);
     let name = pack_name(pack);
     let mut c = PackCheck::default();
     let bytes = match repo.store.get(&name, format::MAX_PACK) {
@@ -685,7 +688,7 @@ fn verify_pack(repo: &Repository, pack: &Digest, blobs: &[BlobEntry]) -> PackChe
         Err(e) => {
             c.pack_why = Some(format!("cannot be read: {e}"));
             c.unreadable = true;
-            c.bad_blobs = blobs.iter().map(|b| (b.id, "unreadable".to_string())).collect();
+            c.bad_blobs = blobs().map(|b| (b.id, "unreadable".to_string())).collect();
             return c;
         }
     };
@@ -707,20 +710,23 @@ fn verify_pack(repo: &Repository, pack: &Digest, blobs: &[BlobEntry]) -> PackChe
     })();
     match trailer {
         Err(why) => whys.push(format!("its trailer is damaged: {why}")),
-        Ok(t) => {
-            let set: HashSet<(Digest, u32, u32)> = t.iter().map(|b| (b.id, b.offset, b.stored_len)).collect();
-            let off = blobs.iter().filter(|b| !set.contains(&(b.id, b.offset, b.stored_len))).count();
+        Ok(mut t) => {
+            // Sorted in place and searched: no set beside it (a trailer lists up to 2^20).
+            let key = |b: &BlobEntry| (b.offset, b.id, b.stored_len);
+            t.sort_unstable_by_key(key);
+            let off = blobs().filter(|b| t.binary_search_by_key(&key(b), key).is_err()).count();
             if off > 0 {
                 whys.push(format!("its trailer does not list {off} blob(s) the index places in it"));
             }
         }
     }
     // Decoded a few at a time, their digests computed side by side.
-    for group in blobs.chunks(32) {
-        let mut plains: Vec<(&BlobEntry, Vec<u8>)> = Vec::with_capacity(group.len());
-        for b in group {
+    let mut rows = blobs().peekable();
+    while rows.peek().is_some() {
+        let mut plains: Vec<(BlobEntry, Vec<u8>)> = Vec::with_capacity(32);
+        for b in rows.by_ref().take(32) {
             c.blobs += 1;
-            let loc = crate::BlobLocation::of(*pack, b);
+            let loc = crate::BlobLocation::of(*pack, &b);
             let stored = bytes.get(b.offset as usize..b.offset as usize + b.stored_len as usize).unwrap_or(&[]);
             match repo.decode_blob_unchecked(&b.id, &loc, b.kind, stored) {
                 Ok(p) => plains.push((b, p)),
@@ -764,10 +770,7 @@ pub fn verify(repo: &Repository, opts: &VerifyOptions) -> Result<Report> {
     // From here on, blobs_checked counts the blobs decoded.
     r.blobs_checked = 0;
     let mut bad_copies: HashMap<Digest, Vec<(Digest, usize)>> = HashMap::new();
-    let results = par_map(&todo, opts.threads.max(1), |(p, n)| {
-        let blobs: Vec<BlobEntry> = table.pack_rows(*n).map(Row::entry).collect();
-        verify_pack(repo, p, &blobs)
-    });
+    let results = par_map(&todo, opts.threads.max(1), |(p, n)| verify_pack(repo, p, table, *n));
     let mut record: Vec<DamagedPack> = Vec::new();
     // Recorded packs that read otherwise now: their new state (None: whole again).
     let mut corrected: HashMap<Digest, Option<DamagedCopies>> = HashMap::new();
@@ -1765,10 +1768,7 @@ pub fn damaged_snapshots(repo: &Repository, snaps: &[SnapshotInfo]) -> Result<Ha
         }
     });
     for (s, sp) in snaps.iter().zip(&snap_pages) {
-        let hit = sp
-            .nonzero()
-            .iter()
-            .find_map(|d| bad_blob(d).or_else(|| page_hit.get(d).copied()));
+        let hit = sp.nonzero().iter().find_map(|d| bad_blob(d).or_else(|| page_hit.get(d).copied()));
         if let Some(pack) = hit {
             out.insert(s.id.clone(), pack_name(&pack));
         }
