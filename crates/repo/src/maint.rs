@@ -2,7 +2,8 @@
 use crate::damage::{pack_id, prefer_good, prune_records, DamageSet, DamagedCopies};
 use crate::format::{self, BlobEntry, BlobKind, DamagedPack, Digest, LockKind, PackBlobs, Pages, ZERO};
 use crate::repo::{
-    pack_name, par_map, parse_time, sha256, BlkHasher, Index, Repository, SnapshotInfo, AAD_TRAILER, FETCH_THREADS,
+    pack_name, par_map, parse_time, sha256, BlkHasher, ByteBudget, Index, Repository, SnapshotInfo, AAD_TRAILER,
+    FETCH_THREADS,
 };
 use crate::table::{BlobTable, Row};
 use crate::{lock, Error, Result};
@@ -665,6 +666,9 @@ pub fn selected(pack: &Digest, percent: u32, day: u64) -> bool {
     (pack[0] as u64 + 256 - start) % 256 < share
 }
 
+/// The most pack bytes verify holds at once (more when one pack alone is larger).
+const VERIFY_PACK_BYTES: u64 = 128 << 20;
+
 /// What reading one pack found.
 #[derive(Default)]
 struct PackCheck {
@@ -770,7 +774,13 @@ pub fn verify(repo: &Repository, opts: &VerifyOptions) -> Result<Report> {
     // From here on, blobs_checked counts the blobs decoded.
     r.blobs_checked = 0;
     let mut bad_copies: HashMap<Digest, Vec<(Digest, usize)>> = HashMap::new();
-    let results = par_map(&todo, opts.threads.max(1), |(p, n)| verify_pack(repo, p, table, *n));
+    // Packs in flight are bounded by their bytes, not only by the threads: each thread
+    // holds a whole pack (and its trailer) while it checks it.
+    let budget = ByteBudget::new(VERIFY_PACK_BYTES);
+    let results = par_map(&todo, opts.threads.max(1), |(p, n)| {
+        let len = w.listed.get(&pack_name(p)).copied().unwrap_or(0);
+        budget.with(len, || verify_pack(repo, p, table, *n))
+    });
     let mut record: Vec<DamagedPack> = Vec::new();
     // Recorded packs that read otherwise now: their new state (None: whole again).
     let mut corrected: HashMap<Digest, Option<DamagedCopies>> = HashMap::new();
