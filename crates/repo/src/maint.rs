@@ -666,7 +666,8 @@ pub fn selected(pack: &Digest, percent: u32, day: u64) -> bool {
     (pack[0] as u64 + 256 - start) % 256 < share
 }
 
-/// The most pack bytes verify holds at once (more when one pack alone is larger).
+/// The most pack bytes (and trailer entries, as bytes) verify holds at once (more when
+/// one pack alone is larger).
 const VERIFY_PACK_BYTES: u64 = 128 << 20;
 
 /// What reading one pack found.
@@ -778,8 +779,11 @@ pub fn verify(repo: &Repository, opts: &VerifyOptions) -> Result<Report> {
     // holds a whole pack (and its trailer) while it checks it.
     let budget = ByteBudget::new(VERIFY_PACK_BYTES);
     let results = par_map(&todo, opts.threads.max(1), |(p, n)| {
+        // Its bytes, and per blob its trailer entry as stored, plain, parsed and spanned.
         let len = w.listed.get(&pack_name(p)).copied().unwrap_or(0);
-        budget.with(len, || verify_pack(repo, p, table, *n))
+        let per_blob = 2 * format::ENTRY_LEN + std::mem::size_of::<BlobEntry>() + 24;
+        let held = len.saturating_add(table.pack_rows(*n).count() as u64 * per_blob as u64);
+        budget.with(held, || verify_pack(repo, p, table, *n))
     });
     let mut record: Vec<DamagedPack> = Vec::new();
     // Recorded packs that read otherwise now: their new state (None: whole again).
