@@ -2,7 +2,8 @@
 use crate::damage::{pack_id, prefer_good, prune_records, DamageSet, DamagedCopies};
 use crate::format::{self, BlobEntry, BlobKind, DamagedPack, Digest, LockKind, PackBlobs, Pages, ZERO};
 use crate::repo::{
-    pack_name, par_map, parse_time, sha256, BlkHasher, Index, Repository, SnapshotInfo, AAD_TRAILER, FETCH_THREADS,
+    pack_name, par_map, parse_time, sha256, BlkHasher, ByteBudget, Index, Repository, SnapshotInfo, AAD_TRAILER,
+    FETCH_THREADS,
 };
 use crate::table::{BlobTable, Row};
 use crate::{lock, Error, Result};
@@ -665,6 +666,10 @@ pub fn selected(pack: &Digest, percent: u32, day: u64) -> bool {
     (pack[0] as u64 + 256 - start) % 256 < share
 }
 
+/// The most pack bytes (and trailer entries, as bytes) verify holds at once (more when
+/// one pack alone is larger).
+const VERIFY_PACK_BYTES: u64 = 128 << 20;
+
 /// What reading one pack found.
 #[derive(Default)]
 struct PackCheck {
@@ -677,7 +682,10 @@ struct PackCheck {
     bad_blobs: Vec<(Digest, String)>,
 }
 
-fn verify_pack(repo: &Repository, pack: &Digest, blobs: &[BlobEntry]) -> PackCheck {
+/// `n` is the pack's number in `table`: its rows are read from there as needed, not
+/// copied (a pack may hold a million tiny blobs).
+fn verify_pack(repo: &Repository, pack: &Digest, table: &BlobTable, n: u32) -> PackCheck {
+    let blobs = || table.pack_rows(n).map(Row::entry);
     let name = pack_name(pack);
     let mut c = PackCheck::default();
     let bytes = match repo.store.get(&name, format::MAX_PACK) {
@@ -685,7 +693,7 @@ fn verify_pack(repo: &Repository, pack: &Digest, blobs: &[BlobEntry]) -> PackChe
         Err(e) => {
             c.pack_why = Some(format!("cannot be read: {e}"));
             c.unreadable = true;
-            c.bad_blobs = blobs.iter().map(|b| (b.id, "unreadable".to_string())).collect();
+            c.bad_blobs = blobs().map(|b| (b.id, "unreadable".to_string())).collect();
             return c;
         }
     };
@@ -707,20 +715,23 @@ fn verify_pack(repo: &Repository, pack: &Digest, blobs: &[BlobEntry]) -> PackChe
     })();
     match trailer {
         Err(why) => whys.push(format!("its trailer is damaged: {why}")),
-        Ok(t) => {
-            let set: HashSet<(Digest, u32, u32)> = t.iter().map(|b| (b.id, b.offset, b.stored_len)).collect();
-            let off = blobs.iter().filter(|b| !set.contains(&(b.id, b.offset, b.stored_len))).count();
+        Ok(mut t) => {
+            // Sorted in place and searched: no set beside it (a trailer lists up to 2^20).
+            let key = |b: &BlobEntry| (b.offset, b.id, b.stored_len);
+            t.sort_unstable_by_key(key);
+            let off = blobs().filter(|b| t.binary_search_by_key(&key(b), key).is_err()).count();
             if off > 0 {
                 whys.push(format!("its trailer does not list {off} blob(s) the index places in it"));
             }
         }
     }
     // Decoded a few at a time, their digests computed side by side.
-    for group in blobs.chunks(32) {
-        let mut plains: Vec<(&BlobEntry, Vec<u8>)> = Vec::with_capacity(group.len());
-        for b in group {
+    let mut rows = blobs().peekable();
+    while rows.peek().is_some() {
+        let mut plains: Vec<(BlobEntry, Vec<u8>)> = Vec::with_capacity(32);
+        for b in rows.by_ref().take(32) {
             c.blobs += 1;
-            let loc = crate::BlobLocation::of(*pack, b);
+            let loc = crate::BlobLocation::of(*pack, &b);
             let stored = bytes.get(b.offset as usize..b.offset as usize + b.stored_len as usize).unwrap_or(&[]);
             match repo.decode_blob_unchecked(&b.id, &loc, b.kind, stored) {
                 Ok(p) => plains.push((b, p)),
@@ -764,9 +775,15 @@ pub fn verify(repo: &Repository, opts: &VerifyOptions) -> Result<Report> {
     // From here on, blobs_checked counts the blobs decoded.
     r.blobs_checked = 0;
     let mut bad_copies: HashMap<Digest, Vec<(Digest, usize)>> = HashMap::new();
+    // Packs in flight are bounded by their bytes, not only by the threads: each thread
+    // holds a whole pack (and its trailer) while it checks it.
+    let budget = ByteBudget::new(VERIFY_PACK_BYTES);
     let results = par_map(&todo, opts.threads.max(1), |(p, n)| {
-        let blobs: Vec<BlobEntry> = table.pack_rows(*n).map(Row::entry).collect();
-        verify_pack(repo, p, &blobs)
+        // Its bytes, and per blob its trailer entry as stored, plain, parsed and spanned.
+        let len = w.listed.get(&pack_name(p)).copied().unwrap_or(0);
+        let per_blob = 2 * format::ENTRY_LEN + std::mem::size_of::<BlobEntry>() + 24;
+        let held = len.saturating_add(table.pack_rows(*n).count() as u64 * per_blob as u64);
+        budget.with(held, || verify_pack(repo, p, table, *n))
     });
     let mut record: Vec<DamagedPack> = Vec::new();
     // Recorded packs that read otherwise now: their new state (None: whole again).
