@@ -667,8 +667,10 @@ pub fn selected(pack: &Digest, percent: u32, day: u64) -> bool {
 }
 
 /// The most pack bytes (and trailer entries, as bytes) verify holds at once (more when
-/// one pack alone is larger).
+/// one pack alone is larger), and per thread beyond four: a default pack (32 MiB) for each
+/// thread, so a many-core host still verifies a pack on each core.
 const VERIFY_PACK_BYTES: u64 = 128 << 20;
+const VERIFY_THREAD_BYTES: u64 = 40 << 20;
 
 /// What reading one pack found.
 #[derive(Default)]
@@ -777,7 +779,7 @@ pub fn verify(repo: &Repository, opts: &VerifyOptions) -> Result<Report> {
     let mut bad_copies: HashMap<Digest, Vec<(Digest, usize)>> = HashMap::new();
     // Packs in flight are bounded by their bytes, not only by the threads: each thread
     // holds a whole pack (and its trailer) while it checks it.
-    let budget = ByteBudget::new(VERIFY_PACK_BYTES);
+    let budget = ByteBudget::new(VERIFY_PACK_BYTES.max(opts.threads as u64 * VERIFY_THREAD_BYTES));
     let results = par_map(&todo, opts.threads.max(1), |(p, n)| {
         // Its bytes, and per blob its trailer entry as stored, plain, parsed and spanned.
         let len = w.listed.get(&pack_name(p)).copied().unwrap_or(0);
