@@ -31,15 +31,22 @@ pub const STALE_AFTER: Duration = Duration::from_secs(30 * 60);
 pub const LOST_AFTER: Duration = Duration::from_secs(25 * 60);
 
 /// When the lock was last confirmed written: the start of the last write of it that
-/// succeeded (by the monotonic clock and by the wall clock, which also runs while the
-/// machine sleeps).
-type Confirmed = Arc<Mutex<(Instant, SystemTime)>>;
+/// succeeded, by [`boot_clock`].
+type Confirmed = Arc<Mutex<Duration>>;
+
+/// The time since boot, counting the time the machine slept (CLOCK_BOOTTIME): a stopped
+/// or suspended process still sees it advance, and a step of the wall clock (NTP setting
+/// the clock of a machine without one at boot) does not move it.
+fn boot_clock() -> Duration {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::Boottime);
+    Duration::new(t.tv_sec.max(0) as u64, t.tv_nsec.clamp(0, 999_999_999) as u32)
+}
 
 /// How long ago the lock was last confirmed written, when that is more than
-/// [`LOST_AFTER`] by either clock.
+/// [`LOST_AFTER`].
 fn unconfirmed(confirmed: &Confirmed) -> Option<Duration> {
-    let (at, wall) = *confirmed.lock().unwrap_or_else(|e| e.into_inner());
-    let ago = at.elapsed().max(SystemTime::now().duration_since(wall).unwrap_or_default());
+    let at = *confirmed.lock().unwrap_or_else(|e| e.into_inner());
+    let ago = boot_clock().saturating_sub(at);
     (ago > LOST_AFTER).then_some(ago)
 }
 
@@ -76,6 +83,17 @@ impl LockGuard {
     pub fn check(&self) -> Result<()> {
         use std::sync::atomic::Ordering::SeqCst;
         if !self.lost.load(SeqCst) {
+            if let Some(ago) = unconfirmed(&self.confirmed) {
+                log::warn!(
+                    "the lock {} of this process was last confirmed refreshed {} minutes ago: another process may \
+                     have taken it for stale",
+                    self.name,
+                    ago.as_secs() / 60
+                );
+                self.lost.store(true, SeqCst);
+            }
+        }
+        if !self.lost.load(SeqCst) {
             match self._store.len(&self.name) {
                 Ok(_) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => self.lost.store(true, SeqCst),
@@ -92,17 +110,6 @@ impl LockGuard {
                 }
             }
         }
-        if !self.lost.load(SeqCst) {
-            if let Some(ago) = unconfirmed(&self.confirmed) {
-                log::warn!(
-                    "the lock {} of this process was last confirmed refreshed {} minutes ago: another process may \
-                     have taken it for stale",
-                    self.name,
-                    ago.as_secs() / 60
-                );
-                self.lost.store(true, SeqCst);
-            }
-        }
         if self.lost.load(SeqCst) {
             return Err(crate::Error::Locked(format!(
                 "the lock {} of this process was removed from {} while it ran, or went unrefreshed for long enough \
@@ -115,13 +122,11 @@ impl LockGuard {
         Ok(())
     }
 
-    /// Makes the last confirmed refresh `ago` earlier (by the wall clock; by the
-    /// monotonic one too where it goes back that far).
+    /// Makes the last confirmed refresh `ago` earlier.
     #[cfg(test)]
     pub(crate) fn confirmed_earlier(&self, ago: Duration) {
         let mut c = self.confirmed.lock().unwrap();
-        c.0 = c.0.checked_sub(ago).unwrap_or(c.0);
-        c.1 -= ago;
+        *c = c.saturating_sub(ago);
     }
 }
 
@@ -464,7 +469,7 @@ fn acquire_as(
             condemned,
         };
         let name = format!("locks/{}", format::hex(&crate::crypto::random::<16>()));
-        let written = (Instant::now(), SystemTime::now());
+        let written = boot_clock();
         store
             .put(&name, &lock.to_bytes())
             .map_err(|e| Error::store(format!("cannot write a lock to {}", store.describe()), e))?;
@@ -496,7 +501,7 @@ fn acquire_as(
 }
 
 /// Starts the thread that refreshes the lock `name` (`lock`), written just before `at`.
-fn start_refresh(store: Arc<dyn Store>, name: String, lock: Lock, at: (Instant, SystemTime)) -> LockGuard {
+fn start_refresh(store: Arc<dyn Store>, name: String, lock: Lock, at: Duration) -> LockGuard {
     use std::sync::atomic::Ordering::SeqCst;
     let stop = Arc::new((Mutex::new(false), Condvar::new()));
     let lost = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -535,7 +540,7 @@ fn start_refresh(store: Arc<dyn Store>, name: String, lock: Lock, at: (Instant, 
                             lost.store(true, SeqCst);
                             continue;
                         }
-                        let at = (Instant::now(), SystemTime::now());
+                        let at = boot_clock();
                         lock.refreshed = now_precise();
                         match store.put(&name, &lock.to_bytes()) {
                             // A write that took so long that the lock may have been taken

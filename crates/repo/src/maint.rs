@@ -1409,7 +1409,8 @@ pub fn gc_opts(repo: &Repository, opts: &GcOptions) -> Result<GcReport> {
     // 3. Classify packs: every pack that is there stays indexed until it is deleted; the
     // live blobs of partly dead ones are copied out, and those packs condemned.
     let live = Live { ids: live, kept };
-    let plan = classify(packs, &listed, &live, &damage, opts.repack_percent, &ripe_packs, &pending);
+    let plan =
+        classify(packs, &listed, &live, &damage, opts.repack_percent, (&ripe_packs, &pending, !running.is_empty()));
     drop(live);
     let Plan { mut keep, mut delete, condemn: mut to_condemn, repack, spared } = plan;
     report.packs_spared = spared;
@@ -1540,8 +1541,7 @@ fn classify(
     live: &Live,
     damage: &DamageSet,
     repack_percent: u32,
-    ripe: &HashSet<Digest>,
-    pending: &HashSet<Digest>,
+    (ripe, pending, backups_running): (&HashSet<Digest>, &HashSet<Digest>, bool),
 ) -> Plan {
     let mut plan = Plan { keep: Vec::new(), delete: Vec::new(), condemn: Vec::new(), repack: Vec::new(), spared: 0 };
     // Orphans: in no index object.
@@ -1595,10 +1595,15 @@ fn classify(
         plan.condemn.push((*pack, n_dead));
         plan.keep.push(PackBlobs { pack: *pack, blobs });
     }
+    // An orphan may be a running backup's pack that no index object lists yet: condemned,
+    // it would be absent to that disk's next backup (whose base is the running one) until
+    // a later gc spares it, and a change-map backup would refuse. So orphans are condemned
+    // only by a gc that no backup ran beside when it started; one beside backups leaves
+    // them to a later gc.
     for p in orphans {
         if ripe.contains(&p) {
             plan.delete.push((p, 0));
-        } else if !pending.contains(&p) {
+        } else if !pending.contains(&p) && !backups_running {
             plan.condemn.push((p, 0));
         }
     }

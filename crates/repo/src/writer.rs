@@ -1171,13 +1171,25 @@ impl SnapshotWriter {
     /// names: then the object is removed again, and the backup fails.
     fn check_lock_after(&self, object: &str) -> Result<()> {
         let Some(r) = locked(&self.lock).as_ref().map(|g| g.check()) else { return Ok(()) };
-        if let Err(e) = r {
-            if let Err(d) = self.repo.store.delete(object) {
-                log::warn!("cannot remove {object} from {}: {d}; run `ferry repo check`", self.repo.store.describe());
+        match r {
+            Ok(()) => Ok(()),
+            // Lost: a gc may have deleted what the object names.
+            Err(e @ Error::Locked(_)) => {
+                if let Err(d) = self.repo.store.delete(object) {
+                    log::warn!(
+                        "cannot remove {object} from {}: {d}; run `ferry repo check`",
+                        self.repo.store.describe()
+                    );
+                }
+                Err(e)
             }
-            return Err(e);
+            // The store could not say (a network error): the lock was confirmed less than
+            // LOST_AFTER ago, so no gc took it for stale; what was stored stays.
+            Err(e) => {
+                log::warn!("{object} is stored, but the lock could not be checked after it: {e}");
+                Ok(())
+            }
         }
-        Ok(())
     }
 
     /// The last guard before the manifest: it must name no blob that is neither in a
