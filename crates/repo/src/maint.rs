@@ -667,8 +667,9 @@ pub fn selected(pack: &Digest, percent: u32, day: u64) -> bool {
 }
 
 /// The most pack bytes (and trailer entries, as bytes) verify holds at once (more when
-/// one pack alone is larger), and per thread beyond four: a default pack (32 MiB) for each
-/// thread, so a many-core host still verifies a pack on each core.
+/// one pack alone is larger): `VERIFY_PACK_BYTES`, or `VERIFY_THREAD_BYTES` a thread where
+/// that is more (from four threads on: a default 32 MiB pack and its trailer for each, so
+/// a many-core host still verifies a pack on each core).
 const VERIFY_PACK_BYTES: u64 = 128 << 20;
 const VERIFY_THREAD_BYTES: u64 = 40 << 20;
 

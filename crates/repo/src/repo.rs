@@ -261,10 +261,17 @@ impl ByteBudget {
             }
             *held += bytes;
         }
-        let r = f();
-        *lock() -= bytes;
-        self.freed.notify_all();
-        r
+        // Given back however `f` ends: a panicking thread must not leave the others
+        // waiting for bytes it no longer holds.
+        struct Release<'a>(&'a ByteBudget, u64);
+        impl Drop for Release<'_> {
+            fn drop(&mut self) {
+                *self.0.held.lock().unwrap_or_else(|e| e.into_inner()) -= self.1;
+                self.0.freed.notify_all();
+            }
+        }
+        let _release = Release(self, bytes);
+        f()
     }
 }
 

@@ -1353,6 +1353,19 @@ fn byte_budget_bounds_what_threads_hold_at_once() {
     assert!(peak.load(SeqCst) > 0, "small ones are read together");
 }
 
+/// Bytes held by a thread that panics are given back: the others do not wait for ever.
+#[test]
+fn byte_budget_is_given_back_by_a_thread_that_panics() {
+    let budget = Arc::new(crate::repo::ByteBudget::new(100));
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| budget.with(100, || panic!("boom"))));
+    assert!(r.is_err());
+    // Another thread (left behind, not joined, should it wait for ever) takes bytes.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let b = budget.clone();
+    std::thread::spawn(move || tx.send(b.with(60, || 7)));
+    assert_eq!(rx.recv_timeout(std::time::Duration::from_secs(10)), Ok(7), "the budget was not given back");
+}
+
 /// A snapshot's chunk list is read a window of pages at a time (8 pages in these tests):
 /// one of 21 pages, zero pages among them, reads back whole, from a listing (its pages
 /// read again from its manifest) and incrementally; a damaged page in the last window is
