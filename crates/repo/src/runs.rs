@@ -6,7 +6,7 @@
 //! A run file: a header (magic, version, counts, the checksum of the tables), the names
 //! of the index objects it covers, a table of pack rows (pack id, which covered object
 //! listed it, how many entries it has), then fixed-stride 48-byte entries sorted by (blob
-//! id, row, offset) in blocks of [`BLOCK`] entries, then the fence: each block's first id
+//! id, row, offset) in blocks of `BLOCK` entries, then the fence: each block's first id
 //! and CRC-32. Opening a run reads its header and tables only; a lookup reads one block
 //! per run (`pread`), checks its CRC and order, and binary-searches it.
 //!
@@ -16,7 +16,7 @@
 //! them: a warm start reads only the index objects that are new since the last one. An
 //! index object that is gone from the store (gc rewrote the index) makes its entries
 //! dead: skipped at lookup, dropped by the next merge. Runs are merged (a streaming k-way
-//! merge) so that there are at most [`MAX_RUNS`] and each is over 4 times the size of
+//! merge) so that there are at most `MAX_RUNS` and each is over 4 times the size of
 //! the runs after it. A `runs` file names the current runs (written atomically), and an
 //! exclusive `flock` of `lock` is held around every update, so that two processes on one
 //! host never both build.
