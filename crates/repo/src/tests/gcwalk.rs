@@ -150,7 +150,9 @@ type Hook = Box<dyn FnMut(&MemStore) + Send>;
 /// A store that runs a hook after each manifest it stores.
 struct Hooked {
     inner: Arc<MemStore>,
-    after_manifest: Mutex<Option<Hook>>,
+    /// The objects after whose store the hook runs: `snapshots/` or `checkpoints/`.
+    prefix: &'static str,
+    after: Mutex<Option<Hook>>,
 }
 
 impl Store for Hooked {
@@ -168,8 +170,8 @@ impl Store for Hooked {
     }
     fn put(&self, name: &str, data: &[u8]) -> std::io::Result<()> {
         self.inner.put(name, data)?;
-        if name.starts_with("snapshots/") {
-            if let Some(f) = self.after_manifest.lock().unwrap().as_mut() {
+        if name.starts_with(self.prefix) {
+            if let Some(f) = self.after.lock().unwrap().as_mut() {
                 f(&self.inner);
             }
         }
@@ -189,13 +191,13 @@ impl Store for Hooked {
 #[test]
 fn a_manifest_stored_after_the_lock_went_is_removed_again() {
     let inner = Arc::new(MemStore::new());
-    let store = Arc::new(Hooked { inner: inner.clone(), after_manifest: Mutex::new(None) });
+    let store = Arc::new(Hooked { inner: inner.clone(), prefix: "snapshots/", after: Mutex::new(None) });
     let repo =
         Arc::new(Repository::init(store.clone(), &InitOptions { page_entries: 16, ..InitOptions::default() }).unwrap());
     let a = disk(2 << 20, 8);
     let w = SnapshotWriter::start(repo.clone(), opts("b", a.len() as u64, None)).unwrap();
     write_all(&w, &a);
-    *store.after_manifest.lock().unwrap() = Some(Box::new(|s: &MemStore| {
+    *store.after.lock().unwrap() = Some(Box::new(|s: &MemStore| {
         for (name, _) in s.list("locks/").unwrap() {
             s.delete(&name).unwrap();
         }
@@ -430,49 +432,13 @@ fn pack_names(repo: &Repository) -> Vec<String> {
     repo.store.list("data/").unwrap().into_iter().map(|(n, _)| n).collect()
 }
 
-/// A store that runs a hook after each checkpoint it stores.
-struct HookedCk {
-    inner: Arc<MemStore>,
-    after: Mutex<Option<Hook>>,
-}
-
-impl Store for HookedCk {
-    fn describe(&self) -> String {
-        self.inner.describe()
-    }
-    fn get(&self, name: &str, limit: u64) -> std::io::Result<Vec<u8>> {
-        self.inner.get(name, limit)
-    }
-    fn get_range(&self, name: &str, offset: u64, len: u64) -> std::io::Result<Vec<u8>> {
-        self.inner.get_range(name, offset, len)
-    }
-    fn len(&self, name: &str) -> std::io::Result<u64> {
-        self.inner.len(name)
-    }
-    fn put(&self, name: &str, data: &[u8]) -> std::io::Result<()> {
-        self.inner.put(name, data)?;
-        if name.starts_with("checkpoints/") {
-            if let Some(f) = self.after.lock().unwrap().as_mut() {
-                f(&self.inner);
-            }
-        }
-        Ok(())
-    }
-    fn delete(&self, name: &str) -> std::io::Result<()> {
-        self.inner.delete(name)
-    }
-    fn list(&self, prefix: &str) -> std::io::Result<Vec<(String, u64)>> {
-        self.inner.list(prefix)
-    }
-}
-
 /// The stall falls between the backup's last lock check and its checkpoint: the
 /// checkpoint is stored after its lock was removed (and a gc may have deleted what it
 /// names). Like a manifest, it is removed again and the backup fails; later gcs run.
 #[test]
 fn a_checkpoint_stored_after_the_lock_went_is_removed() {
     let inner = Arc::new(MemStore::new());
-    let store = Arc::new(HookedCk { inner: inner.clone(), after: Mutex::new(None) });
+    let store = Arc::new(Hooked { inner: inner.clone(), prefix: "checkpoints/", after: Mutex::new(None) });
     let repo =
         Arc::new(Repository::init(store.clone(), &InitOptions { page_entries: 16, ..InitOptions::default() }).unwrap());
     let a = disk(2 << 20, 8);
