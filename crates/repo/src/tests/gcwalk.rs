@@ -147,7 +147,7 @@ fn a_stalled_backup_whose_lock_was_removed_stops_and_nothing_is_lost() {
 
 type Hook = Box<dyn FnMut(&MemStore) + Send>;
 
-/// A store that runs a hook after each manifest it stores.
+/// A store that runs a hook after each object under `prefix` it stores (a manifest, a checkpoint).
 struct Hooked {
     inner: Arc<MemStore>,
     /// The objects after whose store the hook runs: `snapshots/` or `checkpoints/`.
