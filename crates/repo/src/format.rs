@@ -794,6 +794,20 @@ pub struct Manifest<P = Pages> {
     pub host: String,
     #[serde(default)]
     pub ferry: String,
+    /// Where a copied snapshot came from (`ferry repo copy`); `None` for a backup.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub copied_from: Option<CopiedFrom>,
+}
+
+/// The snapshot a copy was made of (FORMAT.md §7, `copied_from`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CopiedFrom {
+    /// The source repository's id (its config's `id`).
+    pub repository: String,
+    /// The snapshot's id there.
+    pub snapshot: String,
+    /// Its `time` there.
+    pub time: String,
 }
 
 /// A manifest without its page digests (only their count): what lists, `info` and the
@@ -857,6 +871,12 @@ impl<P: PageList> Manifest<P> {
         if self.blkhash.as_deref().is_some_and(|h| !is_hex(h, 64)) {
             return err("the blkhash is not 64 hex digits");
         }
+        if let Some(c) = &self.copied_from {
+            if !is_hex(&c.repository, 64) || !is_hex(&c.snapshot, 64) {
+                return err("copied_from does not name a repository and a snapshot (64 hex digits each)");
+            }
+            check_time("copied_from's time", &c.time)?;
+        }
         Ok(())
     }
 
@@ -882,6 +902,7 @@ impl<P: PageList> Manifest<P> {
             stats: self.stats,
             host: self.host,
             ferry: self.ferry,
+            copied_from: self.copied_from,
         }
     }
 }
@@ -999,6 +1020,7 @@ impl Checkpoint {
             stats: SnapshotStats::default(),
             host: String::new(),
             ferry: String::new(),
+            copied_from: None,
         }
     }
 
@@ -1558,6 +1580,7 @@ mod tests {
             stats: SnapshotStats { read: 1, written_chunks: 2, new_chunks: 3, new_stored: 4, zero_chunks: 5 },
             host: "h".into(),
             ferry: "0.1.0".into(),
+            copied_from: None,
         }
     }
 
@@ -1756,6 +1779,19 @@ mod tests {
         bad(&|m| m.page_entries = 512, "page_entries 512");
         bad(&|m| m.parent = Some("x".into()), "parent");
         bad(&|m| m.blkhash = Some("x".into()), "blkhash");
+        let from = |repository: &str, snapshot: &str, time: &str| {
+            Some(CopiedFrom { repository: repository.into(), snapshot: snapshot.into(), time: time.into() })
+        };
+        bad(&|m| m.copied_from = from("x", &"ab".repeat(32), "2026-11-26T22:00:00Z"), "copied_from");
+        bad(&|m| m.copied_from = from(&"ab".repeat(32), &"AB".repeat(32), "2026-11-26T22:00:00Z"), "copied_from");
+        bad(&|m| m.copied_from = from(&"ab".repeat(32), &"cd".repeat(32), "yesterday"), "copied_from's time");
+        // A copy says where it came from; a backup's manifest has no such field at all.
+        let mut copy = manifest();
+        copy.copied_from = from(&"ab".repeat(32), &"cd".repeat(32), "2026-11-26T22:00:00.5Z");
+        assert_eq!(Manifest::parse(&copy.to_bytes(), &L).unwrap(), copy);
+        let v: serde_json::Value = serde_json::from_slice(&copy.to_bytes()).unwrap();
+        assert_eq!(v["copied_from"]["snapshot"], "cd".repeat(32));
+        assert!(!String::from_utf8(m.to_bytes()).unwrap().contains("copied_from"));
 
         // The largest disk: 2^63 bytes, exactly 2^24 pages of 256 entries of 2 MiB chunks
         // would be too many at 64 KiB: refused by count, not by allocating.

@@ -167,6 +167,7 @@
 pub mod blob;
 mod checkpoint;
 mod condemn;
+pub mod copy;
 pub mod crypto;
 mod damage;
 mod diff;

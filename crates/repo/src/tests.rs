@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex};
 
 mod clock;
 mod condemn_split;
+mod copy;
 mod gcwalk;
 mod heal;
 mod keys;
@@ -299,6 +300,7 @@ fn fake(id: &str, time: &str) -> SnapshotInfo {
             stats: Default::default(),
             host: String::new(),
             ferry: String::new(),
+            copied_from: None,
         },
     )
 }

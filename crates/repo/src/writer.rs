@@ -590,6 +590,92 @@ impl SnapshotWriter {
         (self.size - ci * self.cs).min(self.cs) as usize
     }
 
+    /// The repository's chunk size.
+    pub(crate) fn chunk_size(&self) -> u64 {
+        self.cs
+    }
+
+    /// The chunks waiting to be completed at commit from what they held (a chunk of
+    /// another length in the base: its last, or this disk's last).
+    pub(crate) fn partial_chunks(&self) -> Vec<u64> {
+        locked(&self.partials).keys().copied().collect()
+    }
+
+    /// For a copy from another repository ([`crate::copy`]): whether each digest's blob
+    /// is missing here (no copy in a present pack, none stored by this writer). Looked
+    /// up sorted, as [`missing_chunks`] does.
+    pub(crate) fn lacks(&self, digests: &[Digest]) -> Vec<bool> {
+        let mut keyed: Vec<(Digest, usize)> =
+            digests.iter().enumerate().map(|(i, d)| (self.repo.crypto.blob_id(d), i)).collect();
+        keyed.sort_unstable();
+        let ids: Vec<Digest> = keyed.iter().map(|k| k.0).collect();
+        let found = self.index.contains_each(&ids);
+        let claimed = locked(&self.claimed.0);
+        let mut out = vec![false; digests.len()];
+        for ((id, i), f) in keyed.iter().zip(found) {
+            out[*i] = !f && claimed.get(id) != Some(&true);
+        }
+        out
+    }
+
+    /// The checks of a write that [`Self::apply`] makes, for the copy's entry points.
+    fn writable(&self, first: u64, n: u64) -> Result<()> {
+        if first.checked_add(n).is_none_or(|e| e > self.chunks) {
+            return Err(Error::Invalid(format!(
+                "chunks {first}..{} are past the end of the disk ({} chunks)",
+                first.saturating_add(n),
+                self.chunks
+            )));
+        }
+        if self.committed.load(Ordering::Relaxed) {
+            return Err(Error::Invalid("the backup is already committed".into()));
+        }
+        if self.lock_lost.load(Ordering::Relaxed) {
+            self.check_lock()?;
+        }
+        Ok(())
+    }
+
+    /// For a copy: sets the entries of chunks `first..` to `digests`, each zero or
+    /// naming a blob this repository has (in a present pack, or stored by this writer):
+    /// nothing is read or stored. A digest whose blob is missing is refused (the caller
+    /// asked [`Self::lacks`] and must store it with [`Self::enter_new`]).
+    pub(crate) fn enter_present(&self, first: u64, digests: &[Digest]) -> Result<()> {
+        self.writable(first, digests.len() as u64)?;
+        let nonzero: Vec<Digest> = digests.iter().filter(|d| **d != ZERO).copied().collect();
+        if let Some(at) = self.lacks(&nonzero).iter().position(|l| *l) {
+            return Err(Error::Invalid(format!(
+                "chunk {} of the copy of {} is not in the repository, and was not stored",
+                format::hex(&nonzero[at]),
+                self.name
+            )));
+        }
+        let zeros = (digests.len() - nonzero.len()) as u64;
+        self.counters.zero_chunks.fetch_add(zeros, Ordering::Relaxed);
+        self.counters.written_chunks.fetch_add(digests.len() as u64, Ordering::Relaxed);
+        self.enter(first, digests);
+        self.maybe_checkpoint()
+    }
+
+    /// For a copy: stores chunk `ci`, whose bytes are `plain` and whose SHA-256 is
+    /// `digest` (the source's reader checked them against each other: they are not hashed
+    /// again), unless the repository has it, and enters it.
+    pub(crate) fn enter_new(&self, ci: u64, digest: &Digest, plain: &[u8]) -> Result<()> {
+        self.writable(ci, 1)?;
+        if plain.len() != self.chunk_len(ci) || *digest == ZERO {
+            return Err(Error::Invalid(format!(
+                "chunk {ci} of the copy of {} has {} bytes, not {} (or a zero digest)",
+                self.name,
+                plain.len(),
+                self.chunk_len(ci)
+            )));
+        }
+        self.store_blob(digest, BlobKind::Data, plain)?;
+        self.counters.written_chunks.fetch_add(1, Ordering::Relaxed);
+        self.enter(ci, std::slice::from_ref(digest));
+        self.maybe_checkpoint()
+    }
+
     /// Stores a blob unless the repository or this writer has it already: compressed
     /// and sealed here, appended to the open pack under its lock.
     fn store_blob(&self, digest: &Digest, kind: BlobKind, plain: &[u8]) -> Result<()> {
@@ -954,6 +1040,18 @@ impl SnapshotWriter {
     /// object and the manifest, then releases the lock. `read` is the bytes read from the
     /// source, for the manifest's stats.
     pub fn commit(&self, read: u64) -> Result<SnapshotInfo> {
+        self.commit_with(read, None)
+    }
+
+    /// [`SnapshotWriter::commit`] of a copy of another repository's snapshot
+    /// ([`crate::copy`]): the manifest keeps the source's `time` (unless it is ahead of
+    /// this host's clock: a copy cannot date itself in the future), its `host`, and says
+    /// where it came from (`copied_from`, FORMAT.md §7).
+    pub(crate) fn commit_copy(&self, read: u64, origin: &CopyOrigin) -> Result<SnapshotInfo> {
+        self.commit_with(read, Some(origin))
+    }
+
+    fn commit_with(&self, read: u64, origin: Option<&CopyOrigin>) -> Result<SnapshotInfo> {
         let _no_checkpoint = locked(&self.checkpointing);
         if self.committed.swap(true, Ordering::SeqCst) {
             return Err(Error::Invalid("this backup is already committed".into()));
@@ -1012,10 +1110,15 @@ impl SnapshotWriter {
         // (a full read after the disk's size changed has no parent to order it by) still
         // have an order.
         let now = jiff::Timestamp::now();
-        if let Some(b) = &self.base {
-            warn_future_parent(&self.name, b, now);
-        }
-        let time = now.to_string();
+        let time = match origin {
+            Some(o) => copy_time(&o.from.time, now),
+            None => {
+                if let Some(b) = &self.base {
+                    warn_future_parent(&self.name, b, now);
+                }
+                now.to_string()
+            }
+        };
         let s = self.stats();
         let manifest = Manifest {
             version: format::VERSION,
@@ -1036,8 +1139,9 @@ impl SnapshotWriter {
                 new_stored: s.new_stored,
                 zero_chunks: s.zero_chunks,
             },
-            host: hostname(),
+            host: origin.map_or_else(hostname, |o| o.host.clone()),
             ferry: env!("CARGO_PKG_VERSION").into(),
+            copied_from: origin.map(|o| o.from.clone()),
         };
         let sealed = self.repo.crypto.seal(AAD_SNAPSHOT, &manifest.to_bytes());
         let id = format::hex(&sha256(&sealed));
@@ -1398,6 +1502,31 @@ impl SnapshotWriter {
             new_chunks: c.new_chunks.load(Ordering::Relaxed),
             new_plain: c.new_plain.load(Ordering::Relaxed),
             new_stored: c.new_stored.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// What a copied snapshot keeps of its source ([`SnapshotWriter::commit_copy`]).
+#[derive(Debug, Clone)]
+pub(crate) struct CopyOrigin {
+    /// The source snapshot's host.
+    pub host: String,
+    /// The source repository's id, the snapshot's id and time there.
+    pub from: format::CopiedFrom,
+}
+
+/// The `time` of a copy of a snapshot dated `source` made `now`: the source's, unless
+/// it is later than `now` (a clock that was ahead, or a forged time): then `now`, so that
+/// a copy never sorts after what this repository gets later (FORMAT.md §7).
+pub(crate) fn copy_time(source: &str, now: jiff::Timestamp) -> String {
+    match parse_time(source) {
+        Some(t) if t <= now => source.to_string(),
+        _ => {
+            log::warn!(
+                "the snapshot copied is dated {source}, after this host's clock ({now}): the copy is dated now (its \
+                 `copied_from` keeps the time it had)"
+            );
+            now.to_string()
         }
     }
 }
