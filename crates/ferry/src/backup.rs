@@ -109,10 +109,10 @@ pub struct BackupArgs {
     remote: crate::remote_args::RemoteArgs,
 }
 
-/// Seconds between checkpoints of a running backup, instead of 30 (for tests).
+/// Seconds between checkpoints of a running backup (or copy), instead of 30 (for tests).
 const CHECKPOINT_ENV: &str = "FERRY_CHECKPOINT_SECS";
 
-fn checkpoint_every() -> Result<Duration> {
+pub(crate) fn checkpoint_every() -> Result<Duration> {
     match std::env::var(CHECKPOINT_ENV) {
         Err(_) => Ok(ferry_repo::DEFAULT_CHECKPOINT_EVERY),
         Ok(v) => v

@@ -32,6 +32,7 @@ mod interrupt;
 mod man;
 mod remote_args;
 mod repo;
+mod repo_copy;
 mod repo_key;
 mod serve;
 mod sockopts;

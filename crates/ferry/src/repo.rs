@@ -1,4 +1,4 @@
-//! `ferry repo init|list|check|verify|forget|gc|stats|key|repair|unlock`: backup repositories
+//! `ferry repo init|list|check|verify|forget|gc|stats|key|repair|unlock|copy`: backup repositories
 //! (crates/repo, its format in crates/repo/FORMAT.md).
 
 use anyhow::{bail, Context, Result};
@@ -50,6 +50,10 @@ enum RepoCommand {
     /// Remove the stale locks (left by processes that are gone), printing each; live
     /// locks are kept and listed unless --force.
     Unlock(UnlockArgs),
+    /// Copy snapshots into another repository (an offsite copy: directory or S3, its own
+    /// encryption, key and chunk size), sending only the chunks it lacks; snapshots it has
+    /// already are skipped, so running it again continues an interrupted copy.
+    Copy(crate::repo_copy::CopyArgs),
 }
 
 #[derive(Args, Debug)]
@@ -295,6 +299,7 @@ pub fn run(args: RepoArgs) -> Result<i32> {
         }
         RepoCommand::Repair(a) => repair(a),
         RepoCommand::Unlock(a) => unlock(a),
+        RepoCommand::Copy(a) => crate::repo_copy::run(a),
         RepoCommand::Stats(a) => {
             let repo = a.common.open()?;
             let s = maint::stats(&repo).with_context(|| format!("stats of {}", a.common.repo))?;
@@ -414,6 +419,7 @@ fn snapshot_json(s: &SnapshotInfo) -> serde_json::Value {
         "blkhash": m.blkhash,
         "stats": m.stats,
         "host": m.host,
+        "copied_from": m.copied_from,
     })
 }
 

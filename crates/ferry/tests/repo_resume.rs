@@ -19,7 +19,7 @@ fn ferry(args: &[&str]) -> Output {
     run_ok(&mut ferry_cmd(args))
 }
 
-fn checkpoints(repo: &Path) -> usize {
+pub(crate) fn checkpoints(repo: &Path) -> usize {
     fs::read_dir(repo.join("checkpoints"))
         .map(|rd| rd.filter_map(|e| e.ok()).filter(|e| !e.file_name().to_string_lossy().starts_with('.')).count())
         .unwrap_or(0)

@@ -129,6 +129,13 @@ pub fn new_passphrase(new_password_file: Option<&Path>) -> Result<Option<Passphr
     passphrase_from(new_password_file, "FERRY_NEW_PASSWORD", "FERRY_NEW_PASSWORD_FILE")
 }
 
+/// The destination's passphrase for `ferry repo copy`, as [`passphrase`] reads the
+/// source's: `--to-password-file`, else `FERRY_TO_PASSWORD`, else the first line of the
+/// file `FERRY_TO_PASSWORD_FILE` names.
+pub fn to_passphrase(to_password_file: Option<&Path>) -> Result<Option<Passphrase>> {
+    passphrase_from(to_password_file, "FERRY_TO_PASSWORD", "FERRY_TO_PASSWORD_FILE")
+}
+
 fn passphrase_from(file: Option<&Path>, var: &str, file_var: &str) -> Result<Option<Passphrase>> {
     let given = (file, std::env::var_os(var), std::env::var_os(file_var));
     if given != (None, None, None) {
@@ -232,24 +239,49 @@ pub fn open_repository_with(
     password_file: Option<&Path>,
     on: OnRollback,
 ) -> Result<Arc<Repository>> {
+    let given = passphrase(password_file)?.map(|p| (p, passphrase_source(password_file)));
+    let how = Keying {
+        given,
+        fallback: None,
+        how: PASSPHRASE_HOW,
+        sources: "--password-file, FERRY_PASSWORD or FERRY_PASSWORD_FILE",
+    };
+    open_repository_keyed(repo, remote, how, on)
+}
+
+/// Where the passphrase of a repository comes from (see [`open_repository_keyed`]).
+pub struct Keying<'a> {
+    /// The passphrase given for it, and where it came from (for messages).
+    pub given: Option<(Passphrase, String)>,
+    /// Tried when none is given and the repository is encrypted (another repository's
+    /// passphrase, as `ferry repo copy` tries the source's on the destination).
+    pub fallback: Option<Passphrase>,
+    /// How to give one, for the message when none is.
+    pub how: &'a str,
+    /// The ways to give one, for the message that refuses one given to an unencrypted
+    /// repository.
+    pub sources: &'a str,
+}
+
+/// [`open_repository_with`], the passphrase coming as `keying` says.
+pub fn open_repository_keyed(repo: &str, remote: &Remote, keying: Keying, on: OnRollback) -> Result<Arc<Repository>> {
     let (store, location) = repo_store_at(repo, remote, false)?;
     let limit = kdf_limit()?;
-    let given = passphrase(password_file)?;
+    let given = keying.given.as_ref().map(|g| &g.0).or(keying.fallback.as_ref());
     let ask = || -> ferry_repo::Result<Passphrase> {
-        given.clone().ok_or_else(|| {
-            ferry_repo::Error::Passphrase(format!("the repository {repo} is encrypted: {PASSPHRASE_HOW}"))
-        })
+        given
+            .cloned()
+            .ok_or_else(|| ferry_repo::Error::Passphrase(format!("the repository {repo} is encrypted: {}", keying.how)))
     };
     let mut r =
         Repository::open_with(store, &ask, limit).with_context(|| format!("cannot open the repository {repo}"))?;
-    if given.is_some() && !r.crypto().is_encrypted() {
+    if let Some((_, from)) = keying.given.as_ref().filter(|_| !r.crypto().is_encrypted()) {
         bail!(
-            "the repository {repo} is not encrypted, yet a passphrase was given ({}): refused, because someone who \
-             can write the store can replace an encrypted repository's config with an unencrypted one, and ferry \
-             would then store your disks in plain text or restore disks of their choosing. Nothing was read or \
-             written. If {repo} is meant to be unencrypted, run without a passphrase (no --password-file, \
-             FERRY_PASSWORD or FERRY_PASSWORD_FILE)",
-            passphrase_source(password_file)
+            "the repository {repo} is not encrypted, yet a passphrase was given ({from}): refused, because someone \
+             who can write the store can replace an encrypted repository's config with an unencrypted one, and \
+             ferry would then store your disks in plain text or restore disks of their choosing. Nothing was read or \
+             written. If {repo} is meant to be unencrypted, run without a passphrase (no {})",
+            keying.sources
         );
     }
     if let Some(k) = known(repo, &location, on) {

@@ -46,7 +46,11 @@ pub enum Select {
     One { name: String, id: String },
 }
 
-#[derive(Debug, Clone)]
+/// Called with the bytes about to be read from the source, before they are read (a rate
+/// limit sleeps there).
+pub type Throttle = Arc<dyn Fn(u64) + Send + Sync>;
+
+#[derive(Clone)]
 pub struct CopyOptions {
     /// Chunks read and stored side by side.
     pub threads: usize,
@@ -58,6 +62,8 @@ pub struct CopyOptions {
     pub wait_lock: Option<Duration>,
     /// Set (by a signal handler) to stop: the snapshot being copied is checkpointed.
     pub cancel: Option<Arc<AtomicBool>>,
+    /// What waits before each read from the source (`--rate`).
+    pub throttle: Option<Throttle>,
 }
 
 impl Default for CopyOptions {
@@ -67,6 +73,7 @@ impl Default for CopyOptions {
             checkpoint_every: Some(crate::DEFAULT_CHECKPOINT_EVERY),
             wait_lock: None,
             cancel: None,
+            throttle: None,
         }
     }
 }
@@ -149,8 +156,9 @@ pub enum Event<'a> {
 /// Chunks classified and entered at a time: bounds the lists a copy keeps beside the
 /// writer's own (a chunk index and a digest each).
 const BATCH: usize = 1 << 20;
-/// Bytes read from the source at once by one thread.
-const READ_BYTES: u64 = 4 << 20;
+/// Bytes read from the source at once by one thread (neighbouring chunks of one pack
+/// come in one ranged read).
+const READ_BYTES: u64 = 1 << 20;
 
 /// Copies the snapshots `select` names from `src` into `dst`, oldest first, each after
 /// its parent: skips those `dst` has already, goes on past one that fails (the report
@@ -510,6 +518,9 @@ fn copy_entries(
             let off = first * cs;
             let bytes = ((first + n) * cs).min(size) - off;
             let mut buf = vec![0u8; bytes as usize];
+            if let Some(t) = &opts.throttle {
+                t(bytes);
+            }
             image.read(&mut buf, off).map_err(|e| read_error(image, off, e))?;
             read.fetch_add(bytes, Ordering::Relaxed);
             for (i, chunk) in buf.chunks(cs as usize).enumerate() {
@@ -602,7 +613,7 @@ fn copy_bytes(
                 return false;
             }
             let src_chunks = (off / cs) as usize..end.div_ceil(cs) as usize;
-            !same.as_ref().is_some_and(|e| e[src_chunks.clone()] == entries[src_chunks])
+            same.as_ref().is_none_or(|e| e[src_chunks.clone()] != entries[src_chunks])
         })
         .collect();
     progress.total.store(blocks.iter().map(|b| (size - b * block).min(block)).sum(), Ordering::Relaxed);
@@ -616,6 +627,9 @@ fn copy_bytes(
             writer.zero(off, len, ZeroMode::default(), false)
         } else {
             let mut buf = vec![0u8; len as usize];
+            if let Some(t) = &opts.throttle {
+                t(len);
+            }
             image.read(&mut buf, off).map_err(|e| read_error(image, off, e))?;
             read.fetch_add(len, Ordering::Relaxed);
             writer.write(&buf, off, false)
@@ -642,11 +656,11 @@ mod tests {
 
     #[test]
     fn reads_are_runs_of_neighbours_bounded_in_bytes() {
-        let cs = 1 << 20;
+        let cs = 256 << 10;
         assert_eq!(read_runs(&[0, 1, 2, 5, 6, 9], cs), [(0, 3), (5, 2), (9, 1)]);
-        // 4 MiB at most: four 1 MiB chunks a run.
+        // 1 MiB at most: four 256 KiB chunks a run.
         assert_eq!(read_runs(&[0, 1, 2, 3, 4, 5], cs), [(0, 4), (4, 2)]);
         // A chunk larger than a read is read alone.
-        assert_eq!(read_runs(&[0, 1], 8 << 20), [(0, 1), (1, 1)]);
+        assert_eq!(read_runs(&[0, 1], 4 << 20), [(0, 1), (1, 1)]);
     }
 }

@@ -41,7 +41,7 @@ mod retry;
 mod verify;
 
 pub use backend::BackendEndpoint;
-pub use rate::{MAX_RATE, MIN_RATE};
+pub use rate::{RateLimit, MAX_RATE, MIN_RATE};
 pub use retry::{RetryPolicy, DEFAULT_DELAY, DEFAULT_RETRIES, MAX_DELAY, MAX_RETRIES, MAX_TIMEOUT};
 pub use verify::{first_difference, hash_range};
 

@@ -12,8 +12,9 @@ use std::time::{Duration, Instant};
 pub const MIN_RATE: u64 = 1024;
 pub const MAX_RATE: u64 = 1 << 40;
 
+/// A rate shared by every reader that takes from it (also `ferry repo copy --rate`).
 #[derive(Debug)]
-pub(crate) struct RateLimit {
+pub struct RateLimit {
     per_sec: u64,
     /// When the last reservation ends.
     next: Mutex<Option<Instant>>,
