@@ -153,6 +153,9 @@ pub enum Event<'a> {
     Failed(&'a Failed),
 }
 
+/// How the checkpoint of a copy names what it copies (its `identity`), before the ids.
+const COPY_IDENTITY: &str = "ferry repo copy of snapshot";
+
 /// Chunks classified and entered at a time: bounds the lists a copy keeps beside the
 /// writer's own (a chunk index and a digest each).
 const BATCH: usize = 1 << 20;
@@ -172,7 +175,21 @@ pub fn copy(
     progress: &Progress,
     on: &dyn Fn(Event),
 ) -> Result<CopyReport> {
-    let src_lock = lock::acquire(&src.store, LockKind::Forget, None, opts.wait_lock)?;
+    // A source the copy cannot write (read-only credentials, a read-only mount) is read
+    // as restores read, without a lock: a forget or gc of it meanwhile can only make the
+    // copy of a snapshot fail (named, with nothing wrong stored).
+    let src_lock = match lock::acquire(&src.store, LockKind::Forget, None, opts.wait_lock) {
+        Ok(g) => Some(g),
+        Err(Error::Store { what, source }) => {
+            log::warn!(
+                "cannot lock {} ({what}: {source}): copying without a lock; a forget or gc of it meanwhile can make a \
+                 snapshot's copy fail",
+                src.store.describe()
+            );
+            None
+        }
+        Err(e) => return Err(e),
+    };
     let (all, bad) = src.snapshots_lenient()?;
     let shown = src.store.describe();
     let chosen: Vec<SnapshotInfo> = match select {
@@ -221,7 +238,9 @@ pub fn copy(
         }
         // What is read from the source must stay there: a forget or gc would have
         // waited for this lock, unless it was lost (a stopped host).
-        src_lock.check()?;
+        if let Some(l) = &src_lock {
+            l.check()?;
+        }
         match copy_one(src, dst, snap, &theirs, opts, progress, &|resumed| {
             on(Event::Start { snap, at, of: chosen.len(), resumed })
         }) {
@@ -322,7 +341,7 @@ fn copy_one(
     let backup = BackupOptions {
         base: parent.clone(),
         source: m.source.clone(),
-        identity: format!("ferry repo copy of snapshot {} of repository {}", snap.id, src.config().id),
+        identity: format!("{COPY_IDENTITY} {} of repository {}", snap.id, src.config().id),
         checkpoint_every: opts.checkpoint_every,
         wait_lock: opts.wait_lock,
         ..BackupOptions::new(&name, m.size)
@@ -402,7 +421,8 @@ fn start_or_resume(dst: &Arc<Repository>, opts: BackupOptions) -> Result<(Arc<Sn
             }
         }
         Ok(Some(ck)) => log::warn!(
-            "{shown} holds an interrupted backup of {} ({} of {} stored): this copy replaces its checkpoint",
+            "{shown} holds an interrupted {} of {} ({} of {} bytes stored): this copy replaces its checkpoint",
+            if ck.checkpoint.identity.starts_with(COPY_IDENTITY) { "copy of another snapshot" } else { "backup" },
             opts.name,
             ck.checkpoint.done_bytes(),
             ck.checkpoint.size

@@ -53,6 +53,10 @@
 //!                    as a qemu:dirty-bitmap: context (ferry serve offers it when both are
 //!                    served)
 //! maint.rs           check, verify, forget (policy or ids), gc, stats
+//! copy.rs            snapshots copied into another repository (`ferry repo copy`), each
+//!                    through that repository's SnapshotWriter: the chunk list carried over
+//!                    where the chunk sizes agree (only the chunks it lacks read and stored),
+//!                    the bytes cut again where they differ
 //! damage.rs          damage records (damage/): copies verify found damaged; the index lists
 //!                    them after good copies, backups store their content again, gc
 //!                    drops them once no snapshot needs them
