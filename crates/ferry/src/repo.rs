@@ -477,11 +477,17 @@ fn list(a: ListArgs) -> Result<i32> {
                     ck.name
                 ),
                 None => eprintln!(
-                    "interrupted backup of {} since {}: {} of {} stored (`ferry backup --resume` continues it)",
+                    "interrupted {} of {} since {}: {} of {} stored ({} continues it)",
+                    if ferry_repo::copy::is_copy(ck) { "copy" } else { "backup" },
                     ck.name,
                     shown_time(&ck.time),
                     human(ck.done_bytes()),
-                    human(ck.size)
+                    human(ck.size),
+                    if ferry_repo::copy::is_copy(ck) {
+                        "`ferry repo copy` run again"
+                    } else {
+                        "`ferry backup --resume`"
+                    }
                 ),
             }
         }
@@ -504,7 +510,9 @@ fn list(a: ListArgs) -> Result<i32> {
             m.name,
             human(m.size),
             human(m.stats.new_stored),
-            shown_changes(&m.changes),
+            m.copied_from
+                .as_ref()
+                .map_or_else(|| shown_changes(&m.changes), |c| format!("copy of {}", short_id(&c.snapshot))),
             if damaged.contains_key(&s.id) { "  DAMAGED" } else { "" }
         );
     }

@@ -109,6 +109,8 @@ fn directory_copies_between_keys_and_chunk_sizes_restore_exactly() {
     // Everything: only `other` is left to copy; then nothing at all.
     let all = copy_json(&plain, &[s(&r1), s(&r2), "--to-password-file", s(&pw)]);
     assert_eq!((copied(&all), all.array_at("skipped").len()), (1, 2), "{all}");
+    let list = run_ok(&mut plain(&["repo", "list", s(&r2), "--password-file", s(&pw)]));
+    assert!(list.stdout.contains(&format!("copy of {}", &vm1[..8])), "{}", list.describe());
     let again = copy_json(&plain, &[s(&r1), s(&r2), "--to-password-file", s(&pw)]);
     assert_eq!((copied(&again), again.u64_at("chunks_sent"), again.u64_at("bytes_sent")), (0, 0, 0), "{again}");
     assert_eq!(again.u64_at("bytes_read"), 0, "{again}");
@@ -202,6 +204,8 @@ fn a_copy_killed_midway_continues_when_run_again() {
     assert_eq!(checkpoints(&r2), 1);
     let list = Json::must_parse(&run_ok(&mut plain(&["repo", "list", "--json", s(&r2)])).stdout);
     assert!(list.as_array().unwrap().is_empty(), "{list}");
+    let list = run_ok(&mut plain(&["repo", "list", s(&r2)]));
+    assert!(list.stderr.contains("interrupted copy of vm"), "{}", list.describe());
     run_ok(&mut plain(&["repo", "check", s(&r2)]));
     // Run again: it continues, reading only what the checkpoint does not hold.
     let out = run_ok(&mut plain(&["repo", "copy", "--json", "-p", s(&r1), s(&r2)]));

@@ -156,6 +156,12 @@ pub enum Event<'a> {
 /// How the checkpoint of a copy names what it copies (its `identity`), before the ids.
 const COPY_IDENTITY: &str = "ferry repo copy of snapshot";
 
+/// Whether a checkpoint is that of an interrupted copy (which `ferry repo copy` run again
+/// continues), not of a backup.
+pub fn is_copy(ck: &crate::format::Checkpoint) -> bool {
+    ck.identity.starts_with(COPY_IDENTITY)
+}
+
 /// Chunks classified and entered at a time: bounds the lists a copy keeps beside the
 /// writer's own (a chunk index and a digest each).
 const BATCH: usize = 1 << 20;
@@ -422,7 +428,7 @@ fn start_or_resume(dst: &Arc<Repository>, opts: BackupOptions) -> Result<(Arc<Sn
         }
         Ok(Some(ck)) => log::warn!(
             "{shown} holds an interrupted {} of {} ({} of {} bytes stored): this copy replaces its checkpoint",
-            if ck.checkpoint.identity.starts_with(COPY_IDENTITY) { "copy of another snapshot" } else { "backup" },
+            if is_copy(&ck.checkpoint) { "copy of another snapshot" } else { "backup" },
             opts.name,
             ck.checkpoint.done_bytes(),
             ck.checkpoint.size

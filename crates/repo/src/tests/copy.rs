@@ -236,3 +236,25 @@ fn an_interrupted_copy_continues_from_its_checkpoint() {
     }
     assert_clean(&dst);
 }
+
+#[test]
+fn a_source_that_cannot_be_locked_is_copied_without_a_lock() {
+    // Read-only credentials: the source's lock cannot be written.
+    let store = Arc::new(Failing::new(Arc::new(MemStore::new())));
+    let src =
+        Arc::new(Repository::init(store.clone(), &InitOptions { page_entries: 16, ..InitOptions::default() }).unwrap());
+    let data = disk(5 * CS + 99, 11);
+    backup(&src, "ro", &data, None);
+    *store.fail_put.lock().unwrap() = Some("locks/");
+    let (_, dst) = repo_with(CS as u32, None);
+    let r = run(&src, &dst, Select::All);
+    assert_eq!(r.copied.len(), 1, "{r:?}");
+    assert_eq!(read_back(&dst, &latest(&dst, "ro")), data);
+    // A source whose lock another process holds is refused, not read without one.
+    *store.fail_put.lock().unwrap() = None;
+    let _gc = lock::acquire_gc(&(store.clone() as Arc<dyn Store>), None).unwrap();
+    let opts = CopyOptions { threads: 2, ..CopyOptions::default() };
+    let (_, other) = repo_with(CS as u32, None);
+    let e = copy(&src, &other, &Select::All, &opts, &Progress::default(), &|_| {}).unwrap_err();
+    assert!(matches!(e, Error::Locked(_)), "{e:?}");
+}
