@@ -352,7 +352,7 @@ fn copy_one(
         wait_lock: opts.wait_lock,
         ..BackupOptions::new(&name, m.size)
     };
-    let (writer, resumed) = start_or_resume(dst, backup)?;
+    let (writer, resumed) = start_or_resume(dst, backup, theirs)?;
     started(resumed.then(|| writer.done_ranges().iter().map(|r| r.1).sum()));
     let rechunked = src_cs != dst.config().chunk_size as u64;
     let source_of = parent.as_ref().and_then(|p| p.manifest.copied_from.as_ref());
@@ -405,11 +405,20 @@ fn copy_one(
 }
 
 /// A writer for the copy `opts` describes: continuing the interrupted copy of the same
-/// snapshot onto the same parent when the destination has its checkpoint (`true`), else
-/// a new one (the checkpoint of anything else of the disk is replaced by this copy's).
-fn start_or_resume(dst: &Arc<Repository>, opts: BackupOptions) -> Result<(Arc<SnapshotWriter>, bool)> {
+/// snapshot onto the same parent when the destination (holding `theirs`) has its
+/// checkpoint (`true`), else a new one (the checkpoint of anything else of the disk is
+/// replaced by this copy's).
+fn start_or_resume(
+    dst: &Arc<Repository>,
+    opts: BackupOptions,
+    theirs: &[SnapshotInfo],
+) -> Result<(Arc<SnapshotWriter>, bool)> {
     let shown = dst.store.describe();
     match dst.checkpoint(&opts.name) {
+        // Left by a copy or backup stopped between its snapshot and removing it.
+        Ok(Some(ck)) if ck.superseded_by(theirs).is_some() => {
+            log::info!("the checkpoint of {} in {shown} is a leftover of a finished copy or backup", opts.name)
+        }
         Ok(Some(ck)) if ck.checkpoint.identity == opts.identity => {
             let differs = checkpoint_mismatch(&ck.checkpoint, &opts);
             if differs.is_empty() {
