@@ -105,8 +105,48 @@ pub struct BackupArgs {
     /// host's record of it then follows the store. Without it such a backup is refused.
     #[arg(long)]
     accept_rollback: bool,
+    /// Tag the snapshot T (repeatable; 1 to 64 of A-Z a-z 0-9 . _ - + @ : =, at most 16):
+    /// `ferry repo list --tag` selects by it, `ferry repo forget --keep-tag` keeps by it.
+    #[arg(long = "tag", value_name = "T", value_parser = parse_tag)]
+    tags: Vec<String>,
+    /// A note kept with the snapshot and shown by `ferry repo list` (one line, at most
+    /// 1024 bytes).
+    #[arg(long, value_name = "TEXT", value_parser = parse_note)]
+    note: Option<String>,
     #[command(flatten)]
     remote: crate::remote_args::RemoteArgs,
+}
+
+fn parse_tag(s: &str) -> Result<String, String> {
+    match ferry_repo::format::valid_tag(s) {
+        true => Ok(s.to_string()),
+        false => Err("a tag is 1 to 64 of A-Z a-z 0-9 . _ - + @ : =".into()),
+    }
+}
+
+fn parse_note(s: &str) -> Result<String, String> {
+    match ferry_repo::format::valid_note(s) {
+        true => Ok(s.to_string()),
+        false => Err(format!(
+            "a note is one line of at most {} bytes, without control characters",
+            ferry_repo::format::MAX_NOTE
+        )),
+    }
+}
+
+/// The time the new snapshot records instead of this host's clock, as RFC 3339 (for tests
+/// that need a calendar of snapshots; the repository orders a snapshot after its parent
+/// whatever its time says, so this cannot reorder a disk's snapshots).
+const TIME_ENV: &str = "FERRY_BACKUP_TIME";
+
+fn backup_time() -> Result<Option<jiff::Timestamp>> {
+    match std::env::var(TIME_ENV) {
+        Err(_) => Ok(None),
+        Ok(v) => v
+            .parse::<jiff::Timestamp>()
+            .map(Some)
+            .with_context(|| format!("{TIME_ENV}={v:?} is not an RFC 3339 time such as 2026-11-28T12:00:00Z")),
+    }
 }
 
 /// Seconds between checkpoints of a running backup, instead of 30 (for tests).
@@ -383,6 +423,9 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
             wait_lock: args.wait,
             identity: identity.clone(),
             checkpoint_every: Some(every),
+            tags: args.tags.clone(),
+            note: args.note.clone().unwrap_or_default(),
+            time: backup_time()?,
         };
         let Some(writer) = start_or_resume(&repo, opts, args.resume, &name, &target)? else {
             tries += 1;

@@ -794,6 +794,29 @@ pub struct Manifest<P = Pages> {
     pub host: String,
     #[serde(default)]
     pub ferry: String,
+    /// `ferry backup --tag`: at most [`MAX_TAGS`], each a [`valid_tag`] (FORMAT.md §7).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tags: Vec<String>,
+    /// `ferry backup --note`: at most [`MAX_NOTE`] bytes, no control characters.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub note: String,
+}
+
+/// The most tags a snapshot has.
+pub const MAX_TAGS: usize = 16;
+/// The longest note, in bytes.
+pub const MAX_NOTE: usize = 1024;
+
+/// A tag: 1 to 64 of `A-Z a-z 0-9 . _ - + @ : =` (no `,`, which separates tags in a
+/// `--keep-tag` list, nothing a terminal or a shell would read as more than text).
+pub fn valid_tag(t: &str) -> bool {
+    (1..=64).contains(&t.len()) && t.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-+@:=".contains(&b))
+}
+
+/// Whether `n` may be a note: at most [`MAX_NOTE`] bytes, no control characters (lists
+/// print it as it is).
+pub fn valid_note(n: &str) -> bool {
+    n.len() <= MAX_NOTE && !n.chars().any(char::is_control)
 }
 
 /// A manifest without its page digests (only their count): what lists, `info` and the
@@ -857,6 +880,14 @@ impl<P: PageList> Manifest<P> {
         if self.blkhash.as_deref().is_some_and(|h| !is_hex(h, 64)) {
             return err("the blkhash is not 64 hex digits");
         }
+        if self.tags.len() > MAX_TAGS || !self.tags.iter().all(|t| valid_tag(t)) {
+            return err(format!(
+                "the tags are more than {MAX_TAGS}, or one is not 1 to 64 of A-Z a-z 0-9 . _ - + @ : ="
+            ));
+        }
+        if !valid_note(&self.note) {
+            return err(format!("the note is longer than {MAX_NOTE} bytes or has control characters"));
+        }
         Ok(())
     }
 
@@ -882,6 +913,8 @@ impl<P: PageList> Manifest<P> {
             stats: self.stats,
             host: self.host,
             ferry: self.ferry,
+            tags: self.tags,
+            note: self.note,
         }
     }
 }
@@ -999,6 +1032,8 @@ impl Checkpoint {
             stats: SnapshotStats::default(),
             host: String::new(),
             ferry: String::new(),
+            tags: Vec::new(),
+            note: String::new(),
         }
     }
 
@@ -1558,6 +1593,8 @@ mod tests {
             stats: SnapshotStats { read: 1, written_chunks: 2, new_chunks: 3, new_stored: 4, zero_chunks: 5 },
             host: "h".into(),
             ferry: "0.1.0".into(),
+            tags: Vec::new(),
+            note: String::new(),
         }
     }
 

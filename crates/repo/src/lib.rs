@@ -179,6 +179,7 @@ mod memory;
 mod reader;
 pub mod recover;
 mod repo;
+pub mod retain;
 pub mod runs;
 pub mod store;
 mod table;

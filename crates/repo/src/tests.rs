@@ -15,6 +15,7 @@ mod heal;
 mod keys;
 mod recover;
 mod resume;
+mod retention;
 mod scale;
 
 const K: usize = 1024;
@@ -299,6 +300,8 @@ fn fake(id: &str, time: &str) -> SnapshotInfo {
             stats: Default::default(),
             host: String::new(),
             ferry: String::new(),
+            tags: Vec::new(),
+            note: String::new(),
         },
     )
 }
