@@ -106,7 +106,7 @@ fn a_protected_snapshot_is_never_forgotten() {
     // Unprotected, the policy decides again.
     assert!(retain::set_protected(&repo, &a.id, false, None).unwrap());
     let r = maint::forget(&repo, None, &Policy { keep_last: Some(1), ..Policy::default() }, false).unwrap();
-    assert_eq!(r.removed, [a.id.clone()]);
+    assert_eq!(r.removed, std::slice::from_ref(&a.id));
 }
 
 #[test]
