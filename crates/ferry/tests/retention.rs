@@ -344,3 +344,80 @@ fn a_disk_name_that_prefixes_another_keeps_its_bitmap() {
         .collect();
     assert_eq!(names.len(), 2, "one bitmap for each disk: {names:?}");
 }
+
+/// README's "One example per job", run in order in an empty directory as a new user would
+/// (`/backup` moved under it): every command that needs no server and no network must
+/// succeed, in order (the first makes the image the others use).
+#[test]
+fn readme_examples_run_in_order() {
+    let readme = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../README.md")).unwrap();
+    let start = readme.find("## One example per job").expect("README has its examples");
+    let end = start + readme[start..].find("\n## ").expect("a section after the examples");
+    let mut commands: Vec<String> = Vec::new();
+    let mut in_block = false;
+    let mut line = String::new();
+    for l in readme[start..end].lines() {
+        if l.starts_with("```") {
+            in_block = l == "```sh";
+            continue;
+        }
+        if !in_block {
+            continue;
+        }
+        // Comments after two spaces and a #, as the README writes them.
+        let code = l.split("  #").next().unwrap_or(l).trim_end();
+        match code.strip_suffix('\\') {
+            Some(more) => line.push_str(more),
+            None => {
+                line.push_str(code);
+                commands.push(std::mem::take(&mut line));
+            }
+        }
+    }
+    let runnable: Vec<&String> = commands
+        .iter()
+        .filter(|c| !c.trim().is_empty())
+        .filter(|c| !["ferry serve", "https://", "nbd://"].iter().any(|skip| c.contains(skip)))
+        .collect();
+    assert!(runnable.len() >= 10, "too few README commands to run: {runnable:?}");
+    let tmp = tempfile::Builder::new().prefix("ferry-readme").tempdir().unwrap();
+    let d = tmp.path();
+    let bin_dir = ferry_bin().parent().unwrap().to_path_buf();
+    let path = format!("{}:{}", bin_dir.display(), std::env::var("PATH").unwrap_or_default());
+    let backup = d.join("backup");
+    for c in runnable {
+        let c = c.replace("/backup", s(&backup));
+        let out = run(Command::new("bash")
+            .args(["-euo", "pipefail", "-c", &c])
+            .current_dir(d)
+            .env("PATH", &path)
+            .envs([("FERRY_CACHE_DIR", d.join("cache")), ("FERRY_STATE_DIR", d.join("state"))]));
+        assert!(out.status.success(), "README's `{c}` failed:\n{}", out.describe());
+    }
+    // The hash line printed one digest three times.
+    let out = run_ok(Command::new(ferry_bin()).args(["hash", "vm.qcow2", "restored.qcow2"]).current_dir(d));
+    let digests: BTreeSet<&str> = out.stdout.lines().filter_map(|l| l.split_whitespace().next()).collect();
+    assert_eq!(digests.len(), 1, "{}", out.stdout);
+}
+
+/// Completion scripts offer the values of --format/-O and --digest and ferry bitmap's
+/// operations; `ferry completions zsh | head` ends quietly.
+#[test]
+fn completions_offer_values_and_end_quietly_on_a_closed_pipe() {
+    let bash = run_ok(Command::new(ferry_bin()).args(["completions", "bash"])).stdout;
+    for want in ["raw qcow2", "sha256 sha512 sha1 md5 blake3", "--add", "--merge", "--granularity"] {
+        assert!(bash.contains(want), "the bash completion has no {want:?}");
+    }
+    let mut child = Command::new(ferry_bin())
+        .args(["completions", "zsh"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Closed before the script (tens of KiB, less than a pipe holds) is written.
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.is_empty(), "a closed pipe printed {err:?}");
+    assert_eq!(out.status.code(), Some(141), "the status of a program SIGPIPE stopped");
+}
