@@ -52,7 +52,10 @@
 //! diff.rs            SnapshotDiff: the chunks that differ between two snapshots of a disk,
 //!                    as a qemu:dirty-bitmap: context (ferry serve offers it when both are
 //!                    served)
-//! maint.rs           check, verify, forget (policy or ids), gc, stats
+//! maint.rs           check, verify, forget (policy or ids), gc (and its dry run), stats
+//! retain.rs          retention rules (restic's: last/hourly/daily/weekly/monthly/yearly,
+//!                    within, tags) with the reason each snapshot is kept; protected
+//!                    snapshots (protected/ID marks, read by name only)
 //! damage.rs          damage records (damage/): copies verify found damaged; the index lists
 //!                    them after good copies, backups store their content again, gc
 //!                    drops them once no snapshot needs them
