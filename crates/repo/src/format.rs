@@ -1639,6 +1639,29 @@ mod tests {
         assert!(Checkpoint::parse(b"{}", &L).is_err());
     }
 
+    #[test]
+    fn tags_and_notes_are_optional_and_bounded() {
+        let mut m = manifest();
+        let plain = m.to_bytes();
+        assert!(!String::from_utf8_lossy(&plain).contains("\"tags\""), "absent when empty");
+        m.tags = vec!["daily".into(), "db:pg".into()];
+        m.note = "before the upgrade".into();
+        assert_eq!(Manifest::parse(&m.to_bytes(), &L).unwrap(), m);
+        for (tags, note) in [
+            (vec!["a,b".to_string()], ""),
+            (vec![String::new()], ""),
+            (vec!["x".repeat(65)], ""),
+            (vec!["t".to_string(); MAX_TAGS + 1], ""),
+            (vec![], "two\nlines"),
+            (vec![], "\u{1b}]0;title\u{7}"),
+        ] {
+            let bad = Manifest { tags, note: note.into(), ..manifest() };
+            assert!(Manifest::parse(&bad.to_bytes(), &L).is_err(), "{:?} {:?}", bad.tags, bad.note);
+        }
+        let long = Manifest { note: "n".repeat(MAX_NOTE + 1), ..manifest() };
+        assert!(Manifest::parse(&long.to_bytes(), &L).is_err());
+    }
+
     /// A manifest's JSON with `pages` replaced by `pages`.
     fn with_pages(m: &Manifest, pages: &str) -> Vec<u8> {
         let j = String::from_utf8(m.to_bytes()).unwrap();
