@@ -105,8 +105,48 @@ pub struct BackupArgs {
     /// host's record of it then follows the store. Without it such a backup is refused.
     #[arg(long)]
     accept_rollback: bool,
+    /// Tag the snapshot T (repeatable; 1 to 64 of A-Z a-z 0-9 . _ - + @ : =, at most 16):
+    /// `ferry repo list --tag` selects by it, `ferry repo forget --keep-tag` keeps by it.
+    #[arg(long = "tag", value_name = "T", value_parser = parse_tag)]
+    tags: Vec<String>,
+    /// A note kept with the snapshot and shown by `ferry repo list` (one line, at most
+    /// 1024 bytes).
+    #[arg(long, value_name = "TEXT", value_parser = parse_note)]
+    note: Option<String>,
     #[command(flatten)]
     remote: crate::remote_args::RemoteArgs,
+}
+
+fn parse_tag(s: &str) -> Result<String, String> {
+    match ferry_repo::format::valid_tag(s) {
+        true => Ok(s.to_string()),
+        false => Err("a tag is 1 to 64 of A-Z a-z 0-9 . _ - + @ : =".into()),
+    }
+}
+
+fn parse_note(s: &str) -> Result<String, String> {
+    match ferry_repo::format::valid_note(s) {
+        true => Ok(s.to_string()),
+        false => Err(format!(
+            "a note is one line of at most {} bytes, without control characters",
+            ferry_repo::format::MAX_NOTE
+        )),
+    }
+}
+
+/// The time the new snapshot records instead of this host's clock, as RFC 3339 (for tests
+/// that need a calendar of snapshots; the repository orders a snapshot after its parent
+/// whatever its time says, so this cannot reorder a disk's snapshots).
+const TIME_ENV: &str = "FERRY_BACKUP_TIME";
+
+fn backup_time() -> Result<Option<jiff::Timestamp>> {
+    match std::env::var(TIME_ENV) {
+        Err(_) => Ok(None),
+        Ok(v) => v
+            .parse::<jiff::Timestamp>()
+            .map(Some)
+            .with_context(|| format!("{TIME_ENV}={v:?} is not an RFC 3339 time such as 2026-11-28T12:00:00Z")),
+    }
 }
 
 /// Seconds between checkpoints of a running backup (or copy), instead of 30 (for tests).
@@ -287,7 +327,7 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
                     shown(&args.src)
                 )
             })?
-            .map(|q| Tracker { q, prefix: format!("{TRACK_PREFIX}{name}-") }),
+            .map(|q| Tracker::new(q, &repo.config().id, &name)),
         false => None,
     };
     if tracker.is_some() && args.resume {
@@ -361,10 +401,9 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
                 Some(bitmap) => Changes::DirtyBitmap { bitmap },
                 None => {
                     log::info!(
-                        "{} has no bitmap {}{} continuing snapshot {} of {name}: reading all of it",
+                        "{} has no bitmap {} continuing snapshot {} of {name}: reading all of it",
                         shown(&args.src),
-                        t.prefix,
-                        &b.id[..TRACK_ID.min(b.id.len())],
+                        t.name_for(&b.id),
                         short_id(&b.id)
                     );
                     Changes::Full
@@ -383,6 +422,9 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
             wait_lock: args.wait,
             identity: identity.clone(),
             checkpoint_every: Some(every),
+            tags: args.tags.clone(),
+            note: args.note.clone().unwrap_or_default(),
+            time: backup_time()?,
         };
         let Some(writer) = start_or_resume(&repo, opts, args.resume, &name, &target)? else {
             tries += 1;
@@ -655,28 +697,52 @@ fn discard_superseded(
 }
 
 /// Bitmaps ferry keeps in a local qcow2 image it backs up are named
-/// `ferry-NAME-ID16`: NAME the disk, ID16 the first 16 hex digits of the snapshot whose
-/// read they follow.
+/// `ferry-REPO8-NAME-ID16`: REPO8 the first 8 characters of the repository's id (so one
+/// image backed up into two repositories keeps a bitmap for each), NAME the disk, ID16
+/// the first 16 hex digits of the snapshot whose read they follow. Earlier ferry named
+/// them `ferry-NAME-ID16`: such a bitmap of the disk is removed at the next restart.
 const TRACK_PREFIX: &str = "ferry-";
 const TRACK_ID: usize = 16;
+const TRACK_REPO: usize = 8;
 
 /// The change tracking of a stopped VM's local qcow2 image, kept by ferry. The image is
 /// opened for writing (so no one else writes it while it is backed up), read, and only
 /// once the snapshot is committed is the bitmap restarted: a bitmap named after the new
-/// snapshot is added and the older ones removed, while the image is still held, so no
-/// write can fall between. A backup reads only what a bitmap marks when it is named after
-/// the disk's latest snapshot, enabled and consistent; anything else (the first backup, a
-/// failed or interrupted one, a crash between commit and restart, a snapshot forgotten,
-/// a bitmap left `in-use` by a crashed VM) reads the whole image. No run can leave a
-/// bitmap that misses changes or blocks the next run.
+/// snapshot is added and the older ones of the same repository and disk removed, while
+/// the image is still held, so no write can fall between. A backup reads only what a
+/// bitmap marks when it is named after the disk's latest snapshot, enabled and
+/// consistent; anything else (the first backup, a failed or interrupted one, a crash
+/// between commit and restart, a snapshot forgotten, a bitmap left `in-use` by a crashed
+/// VM) reads the whole image. No run can leave a bitmap that misses changes or blocks the
+/// next run.
 struct Tracker {
     q: Arc<ferry_qcow2::Qcow2>,
-    prefix: String,
+    /// `ferry-REPO8-`.
+    repo_prefix: String,
+    name: String,
 }
 
 impl Tracker {
+    fn new(q: Arc<ferry_qcow2::Qcow2>, repo_id: &str, name: &str) -> Tracker {
+        let repo: String = repo_id.chars().filter(char::is_ascii_alphanumeric).take(TRACK_REPO).collect();
+        Tracker { q, repo_prefix: format!("{TRACK_PREFIX}{repo}-"), name: name.to_string() }
+    }
+
     fn name_for(&self, snapshot: &str) -> String {
-        format!("{}{}", self.prefix, &snapshot[..TRACK_ID.min(snapshot.len())])
+        format!("{}{}-{}", self.repo_prefix, self.name, &snapshot[..TRACK_ID.min(snapshot.len())])
+    }
+
+    /// Whether `bitmap` is one of this repository's and disk's (any snapshot), or one an
+    /// earlier ferry kept for this disk: the disk's name must match whole, so that `vm1`
+    /// never takes `vm1-off`'s.
+    fn is_ours(&self, bitmap: &str) -> bool {
+        let of_disk = |rest: &str| {
+            rest.rsplit_once('-').is_some_and(|(name, id)| {
+                name == self.name && id.len() == TRACK_ID && id.bytes().all(|b| b.is_ascii_hexdigit())
+            })
+        };
+        bitmap.strip_prefix(&self.repo_prefix).is_some_and(of_disk)
+            || bitmap.strip_prefix(TRACK_PREFIX).is_some_and(of_disk)
     }
 
     /// The bitmap that holds every change since `snapshot` was read, if there is one.
@@ -690,7 +756,7 @@ impl Tracker {
     fn restart(self, snapshot: &str) -> Result<()> {
         let new = self.name_for(snapshot);
         let old: Vec<String> =
-            self.q.bitmaps().into_iter().map(|b| b.name).filter(|n| n.starts_with(&self.prefix) && *n != new).collect();
+            self.q.bitmaps().into_iter().map(|b| b.name).filter(|n| self.is_ours(n) && *n != new).collect();
         if !self.q.bitmaps().iter().any(|b| b.name == new) {
             self.q.bitmap_add(&new, None, false).with_context(|| format!("adding the bitmap {new}"))?;
         }

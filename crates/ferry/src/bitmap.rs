@@ -22,6 +22,37 @@ pub struct BitmapArgs {
     args: Vec<String>,
 }
 
+/// `ferry bitmap` as completion scripts see it: its operations as options, IMAGE and
+/// BITMAP after them. Only the scripts use it: the command line itself is parsed by
+/// [`parse`], which keeps the operations in the order given.
+pub(crate) fn for_completion(cmd: &clap::Command) -> clap::Command {
+    use clap::{Arg, ArgAction, ValueHint};
+    let op = |name: &'static str, help: &'static str| Arg::new(name).long(name).action(ArgAction::SetTrue).help(help);
+    let mut c = clap::Command::new("bitmap").override_usage(USAGE).disable_help_flag(true);
+    if let Some(about) = cmd.get_about() {
+        c = c.about(about.clone());
+    }
+    c.args([
+        op("add", "Add BITMAP"),
+        op("remove", "Remove BITMAP"),
+        op("clear", "Clear BITMAP"),
+        op("enable", "Enable BITMAP"),
+        op("disable", "Disable BITMAP"),
+        op("disabled", "With --add: do not record writes"),
+        Arg::new("merge").long("merge").value_name("SOURCE").help("Merge the bitmap SOURCE into BITMAP"),
+        Arg::new("granularity").short('g').long("granularity").value_name("SIZE").help("With --add: its granularity"),
+        Arg::new("source-file")
+            .short('b')
+            .long("source-file")
+            .value_name("SOURCE_IMAGE")
+            .value_hint(ValueHint::FilePath)
+            .help("With --merge: the image SOURCE is in"),
+        Arg::new("format").short('f').long("format").value_parser(["qcow2"]).help("The image's format"),
+        Arg::new("image").value_name("IMAGE").value_hint(ValueHint::FilePath),
+        Arg::new("bitmap").value_name("BITMAP"),
+    ])
+}
+
 /// One operation on BITMAP.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Op {

@@ -97,17 +97,17 @@ pub struct CopyArgs {
     expect_hash: Option<String>,
     /// Hash function of --verify and --expect-hash: sha256 (default), sha512, sha1, md5
     /// or blake3, as `ferry hash --digest` spells it. Alone, it is --hash=ALG.
-    #[arg(long, value_name = "ALG")]
+    #[arg(long, value_name = "ALG", value_parser = crate::completions::digest_values(), ignore_case = true)]
     digest: Option<ferry_hash::Algorithm>,
     /// Format of SRC, a local path or image URL, as qemu-img convert's -f: the same as
     /// writing raw:SRC or qcow2:SRC. Without it, an image starting with the qcow2 magic is
     /// read as qcow2.
-    #[arg(short = 'f', long, value_name = "FORMAT")]
+    #[arg(short = 'f', long, value_name = "FORMAT", value_parser = crate::completions::format_values(), ignore_case = true)]
     source_format: Option<Format>,
     /// Format of a local destination: raw, or qcow2 (a new image the source's size, 64 KiB
     /// clusters). Default: qcow2 for `qcow2:PATH` and names ending in .qcow2, raw otherwise.
     /// -O is qemu-img convert's spelling.
-    #[arg(long, value_name = "FORMAT", visible_short_alias = 'O')]
+    #[arg(long, value_name = "FORMAT", visible_short_alias = 'O', value_parser = crate::completions::format_values(), ignore_case = true)]
     format: Option<Format>,
     /// Make the destination a new qcow2 overlay of FILE (a qcow2 or raw image of the
     /// source's size, named in the overlay relative to its directory): the overlay holds

@@ -16,7 +16,7 @@ pub struct HashArgs {
     #[arg(required_unless_present = "list_digests", value_name = "SRC")]
     sources: Vec<String>,
     /// Hash function: sha256, sha512, sha1, md5 or blake3 (blksum's -d).
-    #[arg(short = 'd', long, default_value = "sha256")]
+    #[arg(short = 'd', long, default_value = "sha256", value_parser = crate::completions::digest_values(), ignore_case = true)]
     digest: Algorithm,
     /// Print the names --digest takes, one a line, and exit (blksum's -l).
     #[arg(short = 'l', long)]

@@ -45,7 +45,7 @@ pub struct InfoArgs {
     output: Option<OutputFormat>,
     /// Format of a local image, as qemu-img info's -f: the same as writing raw:PATH or
     /// qcow2:PATH. Without it, an image starting with the qcow2 magic is qcow2.
-    #[arg(short = 'f', long, value_name = "FORMAT")]
+    #[arg(short = 'f', long, value_name = "FORMAT", value_parser = crate::completions::format_values(), ignore_case = true)]
     format: Option<ferry_open::Format>,
     /// Describe every export of the server.
     #[arg(short = 'L', long)]

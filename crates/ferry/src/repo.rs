@@ -8,6 +8,7 @@ use ferry_repo::format::{Changes, ManifestSummary};
 use ferry_repo::known::OnRollback;
 use ferry_repo::maint::{self, Policy, Problem, Report, VerifyOptions};
 use ferry_repo::recover::{self, RepairOptions};
+use ferry_repo::retain::Within;
 use ferry_repo::{InitOptions, Repository, SnapshotInfo};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -54,6 +55,11 @@ enum RepoCommand {
     /// encryption, key and chunk size), sending only the chunks it lacks; snapshots it has
     /// already are skipped, so running it again continues an interrupted copy.
     Copy(crate::repo_copy::CopyArgs),
+    /// Protect a snapshot: `ferry repo forget` never removes it, whatever the policy or
+    /// the ids given, until `ferry repo unprotect`.
+    Protect(ProtectArgs),
+    /// Remove a snapshot's protection (`ferry repo protect`).
+    Unprotect(ProtectArgs),
 }
 
 #[derive(Args, Debug)]
@@ -128,11 +134,60 @@ struct InitArgs {
 struct ListArgs {
     #[command(flatten)]
     common: CommonArgs,
-    /// Only the snapshots of this disk.
+    /// Only the snapshots of this disk, or of the disks this pattern matches (`*` any
+    /// characters, `?` one: quote it from the shell).
     name: Option<String>,
+    /// Only the snapshots tagged T (`ferry backup --tag`); T1,T2: those with both.
+    /// Repeatable: a snapshot matching any of them is listed.
+    #[arg(long = "tag", value_name = "T", value_parser = parse_tag_list)]
+    tags: Vec<Vec<String>>,
+    /// Only the snapshots taken on this host (as the HOST field of --json shows it).
+    #[arg(long)]
+    host: Option<String>,
+    /// Only the N latest snapshots of each disk.
+    #[arg(long, value_name = "N")]
+    latest: Option<usize>,
     /// One JSON array of the snapshots.
     #[arg(long)]
     json: bool,
+}
+
+impl ListArgs {
+    /// Whether `s` passes the filters, but --latest.
+    fn selects(&self, s: &SnapshotInfo) -> bool {
+        let m = &s.manifest;
+        self.name.as_ref().is_none_or(|n| glob(n.as_bytes(), m.name.as_bytes()))
+            && self.host.as_ref().is_none_or(|h| *h == m.host)
+            && (self.tags.is_empty() || self.tags.iter().any(|l| l.iter().all(|t| m.tags.contains(t))))
+    }
+}
+
+/// Whether `name` matches `pattern` (`*` any bytes, `?` one; the rest as it is).
+fn glob(pattern: &[u8], name: &[u8]) -> bool {
+    // Where the last `*` was, and where in `name` it stopped matching: backtracking to
+    // there only keeps this linear in practice and bounded by len(pattern) * len(name).
+    let (mut p, mut n, mut star): (usize, usize, Option<(usize, usize)>) = (0, 0, None);
+    while n < name.len() {
+        match pattern.get(p) {
+            Some(b'*') => {
+                star = Some((p, n));
+                p += 1;
+            }
+            Some(c) if *c == b'?' || *c == name[n] => {
+                p += 1;
+                n += 1;
+            }
+            _ => match star {
+                Some((sp, sn)) => {
+                    star = Some((sp, sn + 1));
+                    p = sp + 1;
+                    n = sn + 1;
+                }
+                None => return false,
+            },
+        }
+    }
+    pattern[p.min(pattern.len())..].iter().all(|c| *c == b'*')
 }
 
 #[derive(Args, Debug)]
@@ -159,15 +214,29 @@ struct ForgetArgs {
     /// Keep the N latest snapshots (of each disk).
     #[arg(long, value_name = "N")]
     keep_last: Option<u32>,
-    /// Keep the latest snapshot of each of the last N days that have one.
+    /// Keep the latest snapshot of each of the last N hours that have one (local time).
+    #[arg(long, value_name = "N")]
+    keep_hourly: Option<u32>,
+    /// Keep the latest snapshot of each of the last N days that have one (local time).
     #[arg(long, value_name = "N")]
     keep_daily: Option<u32>,
-    /// Keep the latest snapshot of each of the last N weeks that have one.
+    /// Keep the latest snapshot of each of the last N ISO weeks that have one.
     #[arg(long, value_name = "N")]
     keep_weekly: Option<u32>,
     /// Keep the latest snapshot of each of the last N months that have one.
     #[arg(long, value_name = "N")]
     keep_monthly: Option<u32>,
+    /// Keep the latest snapshot of each of the last N years that have one.
+    #[arg(long, value_name = "N")]
+    keep_yearly: Option<u32>,
+    /// Keep every snapshot newer than DURATION before the disk's latest snapshot (not
+    /// before now), written as restic writes it: 1y2m3d4h, 7d, 36h.
+    #[arg(long, value_name = "DURATION", value_parser = parse_within)]
+    keep_within: Option<Within>,
+    /// Keep every snapshot tagged T (`ferry backup --tag`); T1,T2 keeps those with both.
+    /// Repeatable.
+    #[arg(long = "keep-tag", value_name = "T", value_parser = parse_tag_list)]
+    keep_tags: Vec<Vec<String>>,
     /// Say what would be removed; remove nothing.
     #[arg(long)]
     dry_run: bool,
@@ -212,6 +281,25 @@ struct GcArgs {
     /// that are gone.
     #[arg(long)]
     accept_rollback: bool,
+    /// Say what gc would delete, condemn and repack, and the bytes that frees; change
+    /// nothing (no lock is taken).
+    #[arg(long)]
+    dry_run: bool,
+}
+
+#[derive(Args, Debug)]
+struct ProtectArgs {
+    /// The snapshot: REPO::NAME@ID (ID a unique prefix of at least 4 hex digits).
+    snapshot: String,
+    /// The passphrase of an encrypted repository: the first line of FILE (else
+    /// FERRY_PASSWORD, else FERRY_PASSWORD_FILE).
+    #[arg(long, value_name = "FILE")]
+    password_file: Option<PathBuf>,
+    /// Wait up to SECS for a forget or a gc to end, instead of failing.
+    #[arg(long, value_name = "SECS", value_parser = crate::copy::parse_secs)]
+    wait: Option<Duration>,
+    #[command(flatten)]
+    remote: crate::remote_args::RemoteArgs,
 }
 
 #[derive(Args, Debug)]
@@ -269,6 +357,29 @@ pub fn run(args: RepoArgs) -> Result<i32> {
         }
         RepoCommand::Forget(a) => forget(a),
         RepoCommand::Key(a) => crate::repo_key::run(a),
+        RepoCommand::Protect(a) => protect(a, true),
+        RepoCommand::Unprotect(a) => protect(a, false),
+        RepoCommand::Gc(a) if a.dry_run => {
+            let repo = a.common.open()?;
+            let condemn_margin = a.condemn_margin.unwrap_or_else(maint::condemn_margin_from_env);
+            let opts = maint::GcOptions { wait: a.wait, repack_percent: a.repack, condemn_margin };
+            let r = maint::gc_dry_run(&repo, &opts).with_context(|| format!("gc --dry-run of {}", a.common.repo))?;
+            println!(
+                "{}: gc would delete {} packs, repack {}{} and free {} unreferenced chunks: {} -> {} (nothing was \
+                 changed)",
+                a.common.repo,
+                r.packs_deleted,
+                r.packs_repacked,
+                match r.packs_condemned {
+                    0 => String::new(),
+                    n => format!(", condemn {n} beside running backups (a later gc deletes them)"),
+                },
+                r.blobs_freed,
+                human(r.bytes_before),
+                human(r.bytes_after)
+            );
+            Ok(0)
+        }
         RepoCommand::Gc(a) => {
             let repo = a.common.open_with(removing(a.accept_rollback, None, &a.common.repo, "a gc"))?;
             let condemn_margin = a.condemn_margin.unwrap_or_else(maint::condemn_margin_from_env);
@@ -420,13 +531,19 @@ fn snapshot_json(s: &SnapshotInfo) -> serde_json::Value {
         "stats": m.stats,
         "host": m.host,
         "copied_from": m.copied_from,
+        "tags": m.tags,
+        "note": m.note,
     })
 }
 
 fn list(a: ListArgs) -> Result<i32> {
     if let Some(n) = &a.name {
-        if !ferry_repo::format::valid_name(n) {
-            bail!("{n:?} is not a disk name: 1 to 200 of A-Z a-z 0-9 . _ -, not starting with . or -");
+        let plain = n.replace(['*', '?'], "a");
+        if !ferry_repo::format::valid_name(&plain) {
+            bail!(
+                "{n:?} is not a disk name (1 to 200 of A-Z a-z 0-9 . _ -, not starting with . or -) nor a pattern of \
+                 one (* and ? besides)"
+            );
         }
     }
     let repo = a.common.open()?;
@@ -435,8 +552,25 @@ fn list(a: ListArgs) -> Result<i32> {
     for (object, e) in &bad {
         eprintln!("unreadable snapshot {object} (of an unknown disk): {}; `ferry repo check` reports it", e.reason());
     }
-    let snaps: Vec<SnapshotInfo> =
-        all.iter().filter(|s| a.name.as_ref().is_none_or(|n| *n == s.manifest.name)).cloned().collect();
+    let mut snaps: Vec<SnapshotInfo> = all.iter().filter(|s| a.selects(s)).cloned().collect();
+    if let Some(n) = a.latest {
+        // The N last of each disk in the list's order (oldest first).
+        let mut left: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+        let mut keep = vec![false; snaps.len()];
+        for (i, s) in snaps.iter().enumerate().rev() {
+            let c = left.entry(s.manifest.name.clone()).or_insert(n);
+            if *c > 0 {
+                *c -= 1;
+                keep[i] = true;
+            }
+        }
+        let mut k = keep.into_iter();
+        snaps.retain(|_| k.next().unwrap_or(false));
+    }
+    let protected = ferry_repo::retain::protected(&repo).unwrap_or_else(|e| {
+        eprintln!("cannot tell which snapshots are protected: {e}");
+        Default::default()
+    });
     // Snapshots that read a copy `ferry repo verify` recorded damaged, with no good copy.
     let damaged = maint::damaged_snapshots(&repo, &snaps).unwrap_or_else(|e| {
         eprintln!("cannot tell which snapshots are damaged: {e}");
@@ -448,6 +582,7 @@ fn list(a: ListArgs) -> Result<i32> {
             .map(|s| {
                 let mut v = snapshot_json(s);
                 v["damaged"] = serde_json::Value::Bool(damaged.contains_key(&s.id));
+                v["protected"] = serde_json::Value::Bool(protected.contains(&s.id));
                 v
             })
             .collect();
@@ -465,7 +600,8 @@ fn list(a: ListArgs) -> Result<i32> {
     }
     // Interrupted backups that `ferry backup --resume` can continue.
     if let Ok((cks, bad)) = repo.checkpoints_lenient() {
-        for c in cks.iter().filter(|c| a.name.as_ref().is_none_or(|n| *n == c.checkpoint.name)) {
+        for c in cks.iter().filter(|c| a.name.as_ref().is_none_or(|n| glob(n.as_bytes(), c.checkpoint.name.as_bytes())))
+        {
             let ck = &c.checkpoint;
             match c.superseded_by(&all) {
                 Some(by) => eprintln!(
@@ -496,15 +632,35 @@ fn list(a: ListArgs) -> Result<i32> {
         }
     }
     if snaps.is_empty() {
-        eprintln!("no snapshots in {}", a.common.repo);
+        let filtered = a.name.is_some() || a.host.is_some() || !a.tags.is_empty();
+        match filtered && !all.is_empty() {
+            true => eprintln!(
+                "no snapshot in {} matches (`ferry repo list {}` lists them all)",
+                a.common.repo, a.common.repo
+            ),
+            false => eprintln!("no snapshots in {}", a.common.repo),
+        }
         return Ok(0);
     }
     let w = snaps.iter().map(|s| s.manifest.name.len()).max().unwrap_or(4).max(4);
     println!("{:<8}  {:<19}  {:<w$}  {:>10}  {:>10}  CHANGES", "ID", "TIME", "NAME", "SIZE", "ADDED");
     for s in &snaps {
         let m = &s.manifest;
+        let mut more = String::new();
+        if damaged.contains_key(&s.id) {
+            more.push_str("  DAMAGED");
+        }
+        if protected.contains(&s.id) {
+            more.push_str("  protected");
+        }
+        if !m.tags.is_empty() {
+            more.push_str(&format!("  tags {}", m.tags.join(",")));
+        }
+        if !m.note.is_empty() {
+            more.push_str(&format!("  note: {}", m.note));
+        }
         println!(
-            "{:<8}  {:<19}  {:<w$}  {:>10}  {:>10}  {}{}",
+            "{:<8}  {:<19}  {:<w$}  {:>10}  {:>10}  {}{more}",
             short_id(&s.id),
             shown_time(&m.time),
             m.name,
@@ -513,7 +669,6 @@ fn list(a: ListArgs) -> Result<i32> {
             m.copied_from
                 .as_ref()
                 .map_or_else(|| shown_changes(&m.changes), |c| format!("copy of {}", short_id(&c.snapshot))),
-            if damaged.contains_key(&s.id) { "  DAMAGED" } else { "" }
         );
     }
     let mut hit: Vec<(&String, &String)> = damaged.iter().collect();
@@ -632,16 +787,12 @@ fn forget(a: ForgetArgs) -> Result<i32> {
         }
         _ => (a.target.clone(), None),
     };
-    let policy = Policy {
-        keep_last: a.keep_last,
-        keep_daily: a.keep_daily,
-        keep_weekly: a.keep_weekly,
-        keep_monthly: a.keep_monthly,
-    };
-    if [a.keep_last, a.keep_daily, a.keep_weekly, a.keep_monthly].iter().all(Option::is_none) {
+    let policy = a.policy();
+    if policy.is_empty() {
         bail!(
-            "give a policy: --keep-last, --keep-daily, --keep-weekly and/or --keep-monthly N, or the ids of the \
-             snapshots to forget (nothing is forgotten)"
+            "give a policy: --keep-last, --keep-hourly, --keep-daily, --keep-weekly, --keep-monthly and/or \
+             --keep-yearly N, --keep-within DURATION, --keep-tag T, or the ids of the snapshots to forget (nothing \
+             is forgotten)"
         );
     }
     // A dry run removes nothing: it only warns.
@@ -656,6 +807,34 @@ fn forget(a: ForgetArgs) -> Result<i32> {
     print_forget(&a, &repo_spec, &before, &r)
 }
 
+impl ForgetArgs {
+    fn policy(&self) -> Policy {
+        Policy {
+            keep_last: self.keep_last,
+            keep_hourly: self.keep_hourly,
+            keep_daily: self.keep_daily,
+            keep_weekly: self.keep_weekly,
+            keep_monthly: self.keep_monthly,
+            keep_yearly: self.keep_yearly,
+            keep_within: self.keep_within,
+            keep_tags: self.keep_tags.clone(),
+        }
+    }
+}
+
+fn parse_within(s: &str) -> Result<Within, String> {
+    Within::parse(s).map_err(|e| e.to_string())
+}
+
+/// `T` or `T1,T2`: tags a snapshot must all have.
+fn parse_tag_list(s: &str) -> Result<Vec<String>, String> {
+    let tags: Vec<String> = s.split(',').map(str::to_string).collect();
+    match tags.iter().all(|t| ferry_repo::format::valid_tag(t)) {
+        true => Ok(tags),
+        false => Err("each tag is 1 to 64 of A-Z a-z 0-9 . _ - + @ : = (T, or T1,T2 for snapshots with both)".into()),
+    }
+}
+
 /// `ferry repo forget REPO[::NAME] ID...`.
 fn forget_ids(a: ForgetArgs) -> Result<i32> {
     let (repo_spec, name) = match ferry_open::Location::parse(&a.target) {
@@ -665,7 +844,7 @@ fn forget_ids(a: ForgetArgs) -> Result<i32> {
         }
         _ => (a.target.clone(), None),
     };
-    if [a.keep_last, a.keep_daily, a.keep_weekly, a.keep_monthly].iter().any(Option::is_some) {
+    if !a.policy().is_empty() {
         bail!("give either snapshot ids or a policy (--keep-*), not both");
     }
     // A dry run removes nothing: it only warns.
@@ -691,7 +870,7 @@ fn print_forget(a: &ForgetArgs, repo_spec: &str, before: &[SnapshotInfo], r: &ma
         eprintln!("note: {n}");
     }
     if a.json {
-        let v = serde_json::json!({ "kept": r.kept, "removed": r.removed, "dry_run": a.dry_run });
+        let v = serde_json::json!({ "kept": r.kept, "removed": r.removed, "reasons": r.reasons, "dry_run": a.dry_run });
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(0);
     }
@@ -705,7 +884,8 @@ fn print_forget(a: &ForgetArgs, repo_spec: &str, before: &[SnapshotInfo], r: &ma
         } else {
             continue;
         };
-        println!("{state:<12}  {}  {}  {}", short_id(&s.id), shown_time(&m.time), m.name);
+        let why = r.reasons.get(&s.id).map_or(String::new(), |w| format!("  ({})", w.join(", ")));
+        println!("{state:<12}  {}  {}  {}{why}", short_id(&s.id), shown_time(&m.time), m.name);
     }
     println!(
         "{} kept, {} {verb}{}",
@@ -717,6 +897,31 @@ fn print_forget(a: &ForgetArgs, repo_spec: &str, before: &[SnapshotInfo], r: &ma
             format!("; run `ferry repo gc {repo_spec}` to free their data")
         }
     );
+    Ok(0)
+}
+
+/// `ferry repo protect|unprotect REPO::NAME@ID`.
+fn protect(a: ProtectArgs, on: bool) -> Result<i32> {
+    let (repo_spec, name, id) = match ferry_open::Location::parse(&a.snapshot) {
+        Ok(ferry_open::Location::Repo { repo, name, id: Some(id) }) => (repo, name, id),
+        _ => bail!("give the snapshot as REPO::NAME@ID (`ferry repo list REPO` shows the ids)"),
+    };
+    let repo = ferry_open::repo::open_repository_with(
+        &repo_spec,
+        &a.remote.remote(),
+        a.password_file.as_deref(),
+        OnRollback::Warn,
+    )?;
+    let snap = repo.resolve(&name, Some(&id))?;
+    let changed = ferry_repo::retain::set_protected(&repo, &snap.id, on, a.wait)
+        .with_context(|| format!("{} {repo_spec}::{name}@{id}", if on { "protecting" } else { "unprotecting" }))?;
+    let what = format!("snapshot {} of {name}", short_id(&snap.id));
+    match (on, changed) {
+        (true, true) => println!("protected {what}: `ferry repo forget` keeps it until `ferry repo unprotect`"),
+        (true, false) => println!("{what} was protected already"),
+        (false, true) => println!("unprotected {what}: the retention policy decides on it again"),
+        (false, false) => println!("{what} was not protected"),
+    }
     Ok(0)
 }
 
@@ -827,6 +1032,24 @@ mod tests {
         assert_eq!(super::shown_age(Some(600)), "10m");
         assert_eq!(super::shown_age(Some(7500)), "2h05m");
         assert_eq!(super::shown_age(None), "unknown");
+    }
+
+    #[test]
+    fn globs() {
+        for (p, n, want) in [
+            ("vm1", "vm1", true),
+            ("vm1", "vm1-off", false),
+            ("vm*", "vm1-off", true),
+            ("*-off", "vm1-off", true),
+            ("*-off", "vm1-of", false),
+            ("vm?", "vm1", true),
+            ("vm?", "vm12", false),
+            ("*a*b*", "xaxxbx", true),
+            ("*a*b", "xaxxbx", false),
+            ("*", "anything", true),
+        ] {
+            assert_eq!(super::glob(p.as_bytes(), n.as_bytes()), want, "{p} {n}");
+        }
     }
 
     #[test]

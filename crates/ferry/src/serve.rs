@@ -47,7 +47,7 @@ pub struct ServeArgs {
     /// Format of SPEC, a local path or image URL, as qemu-nbd's -f: raw serves its bytes as
     /// they are (a qcow2 image's too), qcow2 refuses anything else. The same as writing
     /// raw:SPEC or qcow2:SPEC. Without it, an image starting with the qcow2 magic is qcow2.
-    #[arg(short = 'f', long, value_name = "FORMAT")]
+    #[arg(short = 'f', long, value_name = "FORMAT", value_parser = crate::completions::format_values(), ignore_case = true)]
     format: Option<ferry_open::Format>,
     /// Accepted for qemu-nbd's command lines, and changes nothing: ferry serve always keeps
     /// serving after its last client disconnects (it stops on SIGTERM/SIGINT, or with --run).

@@ -54,6 +54,7 @@ mod repo_s3;
 mod repo_scale;
 mod repo_trust;
 mod resume_safety;
+mod retention;
 mod robustness;
 mod untrusted_images;
 mod zerocopy;

@@ -639,6 +639,10 @@ fn stopped_vm_qcow2_tracked_by_ferry() {
     let img = d.join("vm.qcow2");
     qemu_img(&["create", "-q", "-f", "qcow2", s(&img), &(64 * MIB).to_string()]);
     let mut days: Vec<(String, String)> = Vec::new();
+    // ferry's bitmaps are named ferry-REPO8-NAME-ID16 (REPO8: the repository id's start).
+    let config = Json::must_parse(&fs::read_to_string(repo.join("config")).unwrap());
+    let repo8: String = config.at("id").as_str().unwrap().chars().take(8).collect();
+    let tracked = |id: &str| format!("ferry-{repo8}-vm-{}", &id[..16]);
     for day in 0..6u64 {
         qemu_io("qcow2", s(&img), &day_workload(day));
         if day == 2 {
@@ -664,12 +668,12 @@ fn stopped_vm_qcow2_tracked_by_ferry() {
         let snap = backup(&[s(&img), &t]);
         let id = snap.at("id").as_str().unwrap().to_string();
         let bitmaps = qcow2_bitmaps(&img);
-        assert_eq!(bitmaps, [(format!("ferry-vm-{}", &id[..16]), vec!["auto".to_string()])], "day {day}");
+        assert_eq!(bitmaps, [(tracked(&id), vec!["auto".to_string()])], "day {day}");
         match day {
             0 | 4 => assert_eq!(snap.at("changes").at("kind").as_str(), Some("full"), "day {day}: {snap}"),
             _ => {
                 let prev = &days[day as usize - 1].0;
-                let want = serde_json::json!({"kind": "dirty-bitmap", "bitmap": format!("ferry-vm-{}", &prev[..16])});
+                let want = serde_json::json!({"kind": "dirty-bitmap", "bitmap": tracked(prev)});
                 assert_eq!(snap.at("changes"), &want, "day {day}: {snap}");
                 assert!(snap.u64_at("read") < 8 * MIB, "day {day} read too much: {snap}");
             }

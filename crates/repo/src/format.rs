@@ -797,6 +797,29 @@ pub struct Manifest<P = Pages> {
     /// Where a copied snapshot came from (`ferry repo copy`); `None` for a backup.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub copied_from: Option<CopiedFrom>,
+    /// `ferry backup --tag`: at most [`MAX_TAGS`], each a [`valid_tag`] (FORMAT.md §7).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tags: Vec<String>,
+    /// `ferry backup --note`: at most [`MAX_NOTE`] bytes, no control characters.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub note: String,
+}
+
+/// The most tags a snapshot has.
+pub const MAX_TAGS: usize = 16;
+/// The longest note, in bytes.
+pub const MAX_NOTE: usize = 1024;
+
+/// A tag: 1 to 64 of `A-Z a-z 0-9 . _ - + @ : =` (no `,`, which separates tags in a
+/// `--keep-tag` list, nothing a terminal or a shell would read as more than text).
+pub fn valid_tag(t: &str) -> bool {
+    (1..=64).contains(&t.len()) && t.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-+@:=".contains(&b))
+}
+
+/// Whether `n` may be a note: at most [`MAX_NOTE`] bytes, no control characters (lists
+/// print it as it is).
+pub fn valid_note(n: &str) -> bool {
+    n.len() <= MAX_NOTE && !n.chars().any(char::is_control)
 }
 
 /// The snapshot a copy was made of (FORMAT.md §7, `copied_from`).
@@ -876,6 +899,13 @@ impl<P: PageList> Manifest<P> {
                 return err("copied_from does not name a repository and a snapshot (64 hex digits each)");
             }
             check_time("copied_from's time", &c.time)?;
+        if self.tags.len() > MAX_TAGS || !self.tags.iter().all(|t| valid_tag(t)) {
+            return err(format!(
+                "the tags are more than {MAX_TAGS}, or one is not 1 to 64 of A-Z a-z 0-9 . _ - + @ : ="
+            ));
+        }
+        if !valid_note(&self.note) {
+            return err(format!("the note is longer than {MAX_NOTE} bytes or has control characters"));
         }
         Ok(())
     }
@@ -903,6 +933,8 @@ impl<P: PageList> Manifest<P> {
             host: self.host,
             ferry: self.ferry,
             copied_from: self.copied_from,
+            tags: self.tags,
+            note: self.note,
         }
     }
 }
@@ -1021,6 +1053,8 @@ impl Checkpoint {
             host: String::new(),
             ferry: String::new(),
             copied_from: None,
+            tags: Vec::new(),
+            note: String::new(),
         }
     }
 
@@ -1581,6 +1615,8 @@ mod tests {
             host: "h".into(),
             ferry: "0.1.0".into(),
             copied_from: None,
+            tags: Vec::new(),
+            note: String::new(),
         }
     }
 
@@ -1623,6 +1659,29 @@ mod tests {
         bad(&|c| c.version = 2, "version");
         bad(&|c| c.identity = "x".repeat(5000), "identity");
         assert!(Checkpoint::parse(b"{}", &L).is_err());
+    }
+
+    #[test]
+    fn tags_and_notes_are_optional_and_bounded() {
+        let mut m = manifest();
+        let plain = m.to_bytes();
+        assert!(!String::from_utf8_lossy(&plain).contains("\"tags\""), "absent when empty");
+        m.tags = vec!["daily".into(), "db:pg".into()];
+        m.note = "before the upgrade".into();
+        assert_eq!(Manifest::parse(&m.to_bytes(), &L).unwrap(), m);
+        for (tags, note) in [
+            (vec!["a,b".to_string()], ""),
+            (vec![String::new()], ""),
+            (vec!["x".repeat(65)], ""),
+            (vec!["t".to_string(); MAX_TAGS + 1], ""),
+            (vec![], "two\nlines"),
+            (vec![], "\u{1b}]0;title\u{7}"),
+        ] {
+            let bad = Manifest { tags, note: note.into(), ..manifest() };
+            assert!(Manifest::parse(&bad.to_bytes(), &L).is_err(), "{:?} {:?}", bad.tags, bad.note);
+        }
+        let long = Manifest { note: "n".repeat(MAX_NOTE + 1), ..manifest() };
+        assert!(Manifest::parse(&long.to_bytes(), &L).is_err());
     }
 
     /// A manifest's JSON with `pages` replaced by `pages`.

@@ -57,6 +57,10 @@
 //!                    through that repository's SnapshotWriter: the chunk list carried over
 //!                    where the chunk sizes agree (only the chunks it lacks read and stored),
 //!                    the bytes cut again where they differ
+//! maint.rs           check, verify, forget (policy or ids), gc (and its dry run), stats
+//! retain.rs          retention rules (restic's: last/hourly/daily/weekly/monthly/yearly,
+//!                    within, tags) with the reason each snapshot is kept; protected
+//!                    snapshots (protected/ID marks, read by name only)
 //! damage.rs          damage records (damage/): copies verify found damaged; the index lists
 //!                    them after good copies, backups store their content again, gc
 //!                    drops them once no snapshot needs them
@@ -184,6 +188,7 @@ mod memory;
 mod reader;
 pub mod recover;
 mod repo;
+pub mod retain;
 pub mod runs;
 pub mod store;
 mod table;

@@ -878,22 +878,7 @@ pub fn verify(repo: &Repository, opts: &VerifyOptions) -> Result<Report> {
     Ok(r)
 }
 
-#[derive(Debug, Clone, Default)]
-pub struct Policy {
-    pub keep_last: Option<u32>,
-    pub keep_daily: Option<u32>,
-    pub keep_weekly: Option<u32>,
-    pub keep_monthly: Option<u32>,
-}
-
-impl Policy {
-    fn is_empty(&self) -> bool {
-        self.keep_last.is_none()
-            && self.keep_daily.is_none()
-            && self.keep_weekly.is_none()
-            && self.keep_monthly.is_none()
-    }
-}
+pub use crate::retain::{keep, Policy};
 
 /// What forget kept and removed, per disk.
 #[derive(Debug, Default, Serialize)]
@@ -902,6 +887,9 @@ pub struct ForgetReport {
     pub removed: Vec<String>,
     /// Said once each: e.g. that no rule was given, so everything was kept.
     pub notes: Vec<String>,
+    /// Why each kept snapshot is kept ("daily snapshot", "within 7d", "tag T",
+    /// "protected"...), by id.
+    pub reasons: BTreeMap<String, Vec<String>>,
 }
 
 /// Applies `policy` to each disk (or only `name`): removes the manifests it does not keep.
@@ -921,8 +909,7 @@ pub fn forget_with(
     wait: Option<std::time::Duration>,
 ) -> Result<ForgetReport> {
     let mut report = ForgetReport::default();
-    let rules = [policy.keep_last, policy.keep_daily, policy.keep_weekly, policy.keep_monthly];
-    if !policy.is_empty() && rules.iter().flatten().all(|n| *n == 0) {
+    if policy.keeps_nothing() {
         return Err(Error::Invalid(
             "every --keep-* given is 0, which would remove every snapshot: give at least one rule with N of 1 or more"
                 .into(),
@@ -957,12 +944,16 @@ pub fn forget_with(
     // What this host forgot, for its record of the repository (told also when a delete fails).
     let mut gone: Vec<(String, String)> = Vec::new();
     let tell = |gone: &[(String, String)]| tell_forgotten(repo, gone);
+    // Read once the lock is held: a snapshot protected before this forget began is kept.
+    let protected = crate::retain::protected(repo)?;
+    let (tz, now) = (crate::retain::local_zone(), jiff::Timestamp::now());
     for (_, mut list) in disks {
         list.reverse(); // newest first
-        let keep = keep(&list, policy);
-        for (s, k) in list.iter().zip(keep) {
-            if k {
+        let reasons = crate::retain::reasons(&list, policy, &protected, &tz, now);
+        for (s, why) in list.iter().zip(reasons) {
+            if !why.is_empty() {
                 report.kept.push(s.id.clone());
+                report.reasons.insert(s.id.clone(), why);
             } else {
                 if !dry_run {
                     let obj = format!("snapshots/{}", s.id);
@@ -1056,6 +1047,15 @@ pub fn forget_ids(
             chosen.push(id);
         }
     }
+    let protected = crate::retain::protected(repo)?;
+    if let Some(id) = chosen.iter().find(|id| protected.contains(*id)) {
+        return Err(Error::Invalid(format!(
+            "snapshot {} is protected: nothing is forgotten (`ferry repo unprotect {describe}::NAME@{}` first, if it \
+             is to go)",
+            id.get(..8).unwrap_or(id),
+            id.get(..8).unwrap_or(id)
+        )));
+    }
     let mut report = ForgetReport::default();
     for s in snaps.iter().filter(|s| name.is_none_or(|n| n == s.manifest.name)) {
         if !chosen.contains(&s.id) {
@@ -1077,49 +1077,6 @@ pub fn forget_ids(
     }
     tell_forgotten(repo, &gone);
     Ok(report)
-}
-
-/// Which snapshots `policy` keeps among one disk's, newest first (pure).
-///
-/// As restic: `keep_last` keeps the N newest; `keep_daily` the newest snapshot of each of
-/// the N most recent days that have one (UTC), `keep_weekly` of ISO weeks, `keep_monthly`
-/// of months. A snapshot any rule keeps is kept. No rule at all keeps everything; a
-/// snapshot whose time cannot be read is kept.
-pub fn keep(snaps: &[SnapshotInfo], policy: &Policy) -> Vec<bool> {
-    if policy.is_empty() {
-        return vec![true; snaps.len()];
-    }
-    let dates: Vec<Option<jiff::civil::Date>> = snaps
-        .iter()
-        .map(|s| parse_time(&s.manifest.time).map(|t| t.to_zoned(jiff::tz::TimeZone::UTC).date()))
-        .collect();
-    let mut out: Vec<bool> = dates.iter().map(|d| d.is_none()).collect();
-    if let Some(n) = policy.keep_last {
-        out.iter_mut().take(n as usize).for_each(|k| *k = true);
-    }
-    let mut bucket = |n: Option<u32>, key: &dyn Fn(jiff::civil::Date) -> (i32, i32, i32)| {
-        let Some(n) = n else { return };
-        let mut seen: Vec<(i32, i32, i32)> = Vec::new();
-        for (i, d) in dates.iter().enumerate() {
-            let Some(d) = d else { continue };
-            let k = key(*d);
-            if seen.contains(&k) {
-                continue;
-            }
-            if seen.len() >= n as usize {
-                break;
-            }
-            seen.push(k);
-            out[i] = true;
-        }
-    };
-    bucket(policy.keep_daily, &|d| (d.year() as i32, d.month() as i32, d.day() as i32));
-    bucket(policy.keep_weekly, &|d| {
-        let w = d.iso_week_date();
-        (w.year() as i32, w.week() as i32, 0)
-    });
-    bucket(policy.keep_monthly, &|d| (d.year() as i32, d.month() as i32, 0));
-    out
 }
 
 #[derive(Debug, Default, Serialize)]
@@ -1247,8 +1204,19 @@ impl Marked {
 /// condemns while no backup runs (and nothing was stored since its mark) it deletes at
 /// once.
 pub fn gc_opts(repo: &Repository, opts: &GcOptions) -> Result<GcReport> {
+    gc_run(repo, opts, false)
+}
+
+/// What [`gc_opts`] would do now, changing nothing (no lock taken, no object written or
+/// removed): the packs it would delete, condemn and repack, and the bytes that frees
+/// (`bytes_after` as it would be; a repacked pack counted as its unused bytes freed).
+pub fn gc_dry_run(repo: &Repository, opts: &GcOptions) -> Result<GcReport> {
+    gc_run(repo, opts, true)
+}
+
+fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport> {
     let store = &repo.store;
-    let _lock = lock::acquire_gc(store, opts.wait)?;
+    let _lock = if dry_run { None } else { Some(lock::acquire_gc(store, opts.wait)?) };
     // The backups running beside this gc (listed before the mark: a record whose backups
     // are all gone now is executed only after this gc marked what they stored).
     let (running, blocked) = crate::condemn::running_backups(store)?;
@@ -1256,7 +1224,7 @@ pub fn gc_opts(repo: &Repository, opts: &GcOptions) -> Result<GcReport> {
     // files too old to be a running writer's, even when no backup ran at the start (one
     // may start while this gc runs).
     let min_age = temp_age_from_env();
-    for prefix in ["data/", "index/", "snapshots/", "checkpoints/", "gc/"] {
+    for prefix in ["data/", "index/", "snapshots/", "checkpoints/", "gc/"].into_iter().filter(|_| !dry_run) {
         match store.remove_partial(prefix, min_age) {
             Ok((0, _)) => {}
             Ok((n, bytes)) => log::warn!(
@@ -1416,6 +1384,9 @@ pub fn gc_opts(repo: &Repository, opts: &GcOptions) -> Result<GcReport> {
     let Plan { mut keep, mut delete, condemn: mut to_condemn, repack, spared } = plan;
     report.packs_spared = spared;
     report.packs_waiting = pending.len() as u64;
+    if dry_run {
+        return Ok(dry_run_report(report, &listed, &delete, &to_condemn, &repack, !running.is_empty()));
+    }
     if delete.is_empty()
         && to_condemn.is_empty()
         && ripe.is_empty()
@@ -1485,7 +1456,9 @@ pub fn gc_opts(repo: &Repository, opts: &GcOptions) -> Result<GcReport> {
     let (new_names, _) = repo.put_index(&keep)?;
     drop(keep);
     // Still ours: a gc whose lock was taken for stale stops before it deletes.
-    _lock.check()?;
+    if let Some(l) = &_lock {
+        l.check()?;
+    }
     // 6. The old index objects.
     for name in old_index.iter().filter(|n| !new_names.contains(n)) {
         store.delete(name).map_err(|e| Error::store(format!("cannot remove {name} from {}", store.describe()), e))?;
@@ -1518,6 +1491,38 @@ pub fn gc_opts(repo: &Repository, opts: &GcOptions) -> Result<GcReport> {
     report.bytes_after = after_data + after_index;
     report.bytes_freed = report.bytes_before.saturating_sub(report.bytes_after);
     Ok(report)
+}
+
+/// A dry run's report from gc's plan: the packs deleted (and, with no backup running,
+/// those condemned, which gc then deletes at once), condemned (backups running) and
+/// repacked, and the bytes that frees.
+fn dry_run_report(
+    mut report: GcReport,
+    listed: &HashMap<String, u64>,
+    delete: &[(Digest, u64)],
+    condemn: &[(Digest, u64)],
+    repack: &[(Digest, Vec<BlobEntry>)],
+    backups_running: bool,
+) -> GcReport {
+    let size = |p: &Digest| listed.get(&pack_name(p)).copied().unwrap_or(0);
+    let mut gone: Vec<&(Digest, u64)> = delete.iter().collect();
+    match backups_running {
+        true => report.packs_condemned = condemn.len() as u64,
+        false => gone.extend(condemn),
+    }
+    report.packs_deleted = gone.len() as u64;
+    report.blobs_freed = gone.iter().map(|(_, dead)| dead).sum();
+    // A repacked pack is condemned too: what it frees is what is not copied out of it,
+    // once it is deleted (at once when no backup runs).
+    let repacked: HashSet<&Digest> = repack.iter().map(|(p, _)| p).collect();
+    report.bytes_freed = gone.iter().filter(|(p, _)| !repacked.contains(p)).map(|(p, _)| size(p)).sum();
+    report.packs_repacked = repack.len() as u64;
+    for (p, live) in repack.iter().filter(|_| !backups_running) {
+        let kept: u64 = live.iter().map(|b| u64::from(b.stored_len)).sum();
+        report.bytes_freed += size(p).saturating_sub(kept);
+    }
+    report.bytes_after = report.bytes_before.saturating_sub(report.bytes_freed);
+    report
 }
 
 /// What gc does with each pack.

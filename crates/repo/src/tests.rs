@@ -16,6 +16,7 @@ mod heal;
 mod keys;
 mod recover;
 mod resume;
+mod retention;
 mod scale;
 
 const K: usize = 1024;
@@ -301,6 +302,8 @@ fn fake(id: &str, time: &str) -> SnapshotInfo {
             host: String::new(),
             ferry: String::new(),
             copied_from: None,
+            tags: Vec::new(),
+            note: String::new(),
         },
     )
 }

@@ -65,6 +65,13 @@ pub struct BackupOptions {
     /// Store a checkpoint (FORMAT.md §7a) this often while writes come in, so that an
     /// interrupted backup can be resumed ([`SnapshotWriter::resume`]); never when `None`.
     pub checkpoint_every: Option<Duration>,
+    /// Tags and a note for the snapshot (FORMAT.md §7; checked when the manifest is).
+    pub tags: Vec<String>,
+    pub note: String,
+    /// The time the manifest records instead of this host's clock: for tests that need a
+    /// calendar of snapshots (`FERRY_BACKUP_TIME`). Lists still order a snapshot after its
+    /// parent whatever it says (FORMAT.md §7's order time).
+    pub time: Option<jiff::Timestamp>,
 }
 
 impl BackupOptions {
@@ -81,6 +88,9 @@ impl BackupOptions {
             wait_lock: None,
             identity: String::new(),
             checkpoint_every: None,
+            tags: Vec::new(),
+            note: String::new(),
+            time: None,
         }
     }
 }
@@ -219,6 +229,9 @@ pub struct SnapshotWriter {
     flight: (Mutex<Flight>, Condvar),
     identity: String,
     checkpoint_every: Option<Duration>,
+    tags: Vec<String>,
+    note: String,
+    time: Option<jiff::Timestamp>,
     /// Held while a checkpoint (or the commit) runs.
     checkpointing: Mutex<()>,
     last_checkpoint: Mutex<Instant>,
@@ -473,6 +486,18 @@ impl SnapshotWriter {
                 opts.name
             )));
         }
+        if let Some(t) = opts.tags.iter().find(|t| !format::valid_tag(t)) {
+            return Err(Error::Invalid(format!("{t:?} is not a tag: use 1 to 64 of A-Z a-z 0-9 . _ - + @ : =")));
+        }
+        if opts.tags.len() > format::MAX_TAGS {
+            return Err(Error::Invalid(format!("a snapshot has at most {} tags", format::MAX_TAGS)));
+        }
+        if !format::valid_note(&opts.note) {
+            return Err(Error::Invalid(format!(
+                "a note is at most {} bytes, without control characters (newlines included)",
+                format::MAX_NOTE
+            )));
+        }
         if opts.pack_size == 0 || opts.pack_size > MAX_PACK_SIZE {
             return Err(Error::Invalid(format!("the pack size must be from 1 byte to {MAX_PACK_SIZE} bytes")));
         }
@@ -556,6 +581,9 @@ impl SnapshotWriter {
             flight: (Mutex::new(Flight::default()), Condvar::new()),
             identity: opts.identity,
             checkpoint_every: opts.checkpoint_every,
+            tags: opts.tags,
+            note: opts.note,
+            time: opts.time,
             checkpointing: Mutex::new(()),
             last_checkpoint: Mutex::new(Instant::now()),
             resumed,
@@ -1113,6 +1141,7 @@ impl SnapshotWriter {
         let time = match origin {
             Some(o) => copy_time(&o.from.time, now),
             None => {
+                let now = self.time.unwrap_or(now);
                 if let Some(b) = &self.base {
                     warn_future_parent(&self.name, b, now);
                 }
@@ -1142,6 +1171,8 @@ impl SnapshotWriter {
             host: origin.map_or_else(hostname, |o| o.host.clone()),
             ferry: env!("CARGO_PKG_VERSION").into(),
             copied_from: origin.map(|o| o.from.clone()),
+            tags: self.tags.clone(),
+            note: self.note.clone(),
         };
         let sealed = self.repo.crypto.seal(AAD_SNAPSHOT, &manifest.to_bytes());
         let id = format::hex(&sha256(&sealed));

@@ -43,13 +43,17 @@ fn a_snapshot_after_a_future_dated_one_records_the_real_time() {
         let want: Vec<String> = chain.iter().map(|s| s.id.clone()).collect();
         assert_eq!(listed, want, "each after its parent");
         // Retention sees the future day apart from today's: the future one and the
-        // newest of today stay, besides the first (today, kept as the newest of
-        // nothing else: it is older than the newest of today).
+        // newest of today stay, and the first too (as restic: a day bucket is told from
+        // the previous kept one only, and the oldest is kept while counts are left).
         let mut newest_first = repo.snapshots().unwrap();
         newest_first.reverse();
         let keep = maint::keep(&newest_first, &Policy { keep_daily: Some(7), ..Policy::default() });
         let kept: Vec<&str> = newest_first.iter().zip(keep).filter(|(_, k)| *k).map(|(s, _)| s.id.as_str()).collect();
-        assert_eq!(kept, [chain[4].id.as_str(), future.id.as_str()], "two days: today and the future one");
+        assert_eq!(
+            kept,
+            [chain[4].id.as_str(), future.id.as_str(), chain[0].id.as_str()],
+            "two days: today and the future one, then the oldest"
+        );
     }
 }
 

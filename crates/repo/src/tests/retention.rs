@@ -1,0 +1,158 @@
+//! Retention (`crate::retain`): restic's rules and reasons, protection, tags, and gc's
+//! dry run.
+use super::*;
+use crate::retain::{self, Within};
+use jiff::tz::TimeZone;
+use std::collections::HashSet;
+
+/// Snapshots of one disk at `times` (newest first), ids `0000`, `0001`...
+fn at(times: &[&str]) -> Vec<SnapshotInfo> {
+    times.iter().enumerate().map(|(i, t)| fake(&format!("{i:04}"), t)).collect()
+}
+
+fn why(snaps: &[SnapshotInfo], p: &Policy, tz: &TimeZone) -> Vec<Vec<String>> {
+    let now = "2030-01-01T00:00:00Z".parse().unwrap();
+    retain::reasons(snaps, p, &HashSet::new(), tz, now)
+}
+
+#[test]
+fn hourly_and_yearly_buckets_keep_the_newest_of_each() {
+    let snaps = at(&[
+        "2026-03-10T20:40:00Z",
+        "2026-03-10T20:10:00Z",
+        "2026-03-10T19:59:00Z",
+        "2025-12-31T23:00:00Z",
+        "2025-06-01T00:00:00Z",
+        "2024-01-01T00:00:00Z",
+        "2023-05-05T00:00:00Z",
+    ]);
+    let kept = |p: Policy| -> Vec<usize> {
+        why(&snaps, &p, &TimeZone::UTC).iter().enumerate().filter(|(_, r)| !r.is_empty()).map(|(i, _)| i).collect()
+    };
+    assert_eq!(kept(Policy { keep_hourly: Some(2), ..Policy::default() }), vec![0, 2]);
+    assert_eq!(kept(Policy { keep_yearly: Some(3), ..Policy::default() }), vec![0, 3, 5]);
+    // Counts left when the oldest comes: it is kept too (restic 0.15 and later).
+    assert_eq!(kept(Policy { keep_yearly: Some(9), ..Policy::default() }), vec![0, 3, 5, 6]);
+    assert_eq!(kept(Policy { keep_last: Some(7), ..Policy::default() }), (0..7).collect::<Vec<_>>());
+}
+
+#[test]
+fn the_calendar_is_read_in_the_zone_given() {
+    // 23:30 UTC on 03-09 is 00:30 on 03-10 in Berlin: one day there, two in UTC.
+    let snaps = at(&["2026-03-10T10:00:00Z", "2026-03-09T23:30:00Z", "2026-03-08T10:00:00Z"]);
+    let p = Policy { keep_daily: Some(2), ..Policy::default() };
+    let berlin = TimeZone::get("Europe/Berlin").unwrap();
+    let count = |tz: &TimeZone| why(&snaps, &p, tz).iter().filter(|r| !r.is_empty()).count();
+    let days = |tz: &TimeZone| why(&snaps, &p, tz)[1].is_empty();
+    assert!(!days(&TimeZone::UTC), "in UTC 03-09 is a day of its own");
+    assert!(days(&berlin), "in Berlin it is 03-10's");
+    assert_eq!((count(&TimeZone::UTC), count(&berlin)), (2, 2));
+}
+
+#[test]
+fn within_counts_from_the_latest_snapshot_not_from_now_nor_the_future() {
+    let snaps = at(&[
+        "2031-01-01T00:00:00Z", // in the future of `now`: not the latest
+        "2026-03-10T12:00:00Z",
+        "2026-03-03T12:00:01Z",
+        "2026-03-03T12:00:00Z",
+        "2026-02-01T00:00:00Z",
+    ]);
+    let p = Policy { keep_within: Some(Within::parse("7d").unwrap()), ..Policy::default() };
+    let r = why(&snaps, &p, &TimeZone::UTC);
+    let kept: Vec<bool> = r.iter().map(|r| !r.is_empty()).collect();
+    // Newer than 03-03 12:00 (not equal), and the future one.
+    assert_eq!(kept, [true, true, true, false, false]);
+    assert_eq!(r[1], ["within 7d"]);
+}
+
+#[test]
+fn every_reason_is_given() {
+    let mut snaps = at(&["2026-03-10T12:00:00Z", "2026-03-09T12:00:00Z", "2026-01-09T12:00:00Z"]);
+    snaps[2].manifest.tags = vec!["keep".into(), "db".into()];
+    let p = Policy {
+        keep_daily: Some(1),
+        keep_monthly: Some(1),
+        keep_within: Some(Within::parse("1d").unwrap()),
+        keep_tags: vec![vec!["keep".into()], vec!["db".into(), "other".into()]],
+        ..Policy::default()
+    };
+    let protected: HashSet<String> = ["0001".to_string()].into();
+    let now = "2030-01-01T00:00:00Z".parse().unwrap();
+    let r = retain::reasons(&snaps, &p, &protected, &TimeZone::UTC, now);
+    assert_eq!(r[0], ["within 1d", "daily snapshot", "monthly snapshot"]);
+    assert_eq!(r[1], ["protected"]);
+    assert_eq!(r[2], ["tag keep"], "db,other needs both tags");
+    // The same without the protection: removed.
+    let r = retain::reasons(&snaps, &p, &HashSet::new(), &TimeZone::UTC, now);
+    assert!(r[1].is_empty());
+}
+
+#[test]
+fn a_protected_snapshot_is_never_forgotten() {
+    let (_store, repo) = new_repo(true);
+    let a = backup(&repo, "d", &disk(3 * CS, 1), None);
+    let b = backup(&repo, "d", &disk(3 * CS, 2), Some(a.clone()));
+    assert!(retain::set_protected(&repo, &a.id, true, None).unwrap());
+    assert!(!retain::set_protected(&repo, &a.id, true, None).unwrap(), "once");
+    let r = maint::forget(&repo, None, &Policy { keep_last: Some(1), ..Policy::default() }, false).unwrap();
+    assert_eq!(r.removed, Vec::<String>::new());
+    assert_eq!(r.reasons[&a.id], ["protected"]);
+    assert_eq!(r.reasons[&b.id], ["last snapshot"]);
+    // Nor by its id.
+    let e = maint::forget_ids(&repo, None, &[a.id[..8].to_string()], false, None).unwrap_err();
+    assert!(e.to_string().contains("protected"), "{e}");
+    assert_eq!(repo.snapshots().unwrap().len(), 2);
+    // Unprotected, the policy decides again.
+    assert!(retain::set_protected(&repo, &a.id, false, None).unwrap());
+    let r = maint::forget(&repo, None, &Policy { keep_last: Some(1), ..Policy::default() }, false).unwrap();
+    assert_eq!(r.removed, std::slice::from_ref(&a.id));
+}
+
+#[test]
+fn tags_and_a_note_are_kept_and_bounded() {
+    let (_store, repo) = new_repo(false);
+    let data = disk(2 * CS, 3);
+    let o = BackupOptions {
+        tags: vec!["weekly".into(), "db:pg".into()],
+        note: "before the upgrade".into(),
+        ..opts("d", data.len() as u64, None)
+    };
+    let w = SnapshotWriter::start(repo.clone(), o).unwrap();
+    write_all(&w, &data);
+    let s = w.commit(data.len() as u64).unwrap();
+    let listed = repo.resolve("d", None).unwrap();
+    assert_eq!(listed.id, s.id);
+    assert_eq!(listed.manifest.tags, ["weekly", "db:pg"]);
+    assert_eq!(listed.manifest.note, "before the upgrade");
+    for (tags, note) in [
+        (vec!["a,b".to_string()], ""),
+        (vec![String::new()], ""),
+        (vec!["t".to_string(); 17], ""),
+        (vec![], "two\nlines"),
+        (vec![], "\u{1b}[31mred"),
+    ] {
+        let o = BackupOptions { tags, note: note.into(), ..opts("d", data.len() as u64, None) };
+        assert!(matches!(SnapshotWriter::start(repo.clone(), o), Err(Error::Invalid(_))));
+    }
+}
+
+#[test]
+fn a_gc_dry_run_says_what_gc_frees_and_changes_nothing() {
+    let (store, repo) = new_repo(false);
+    let a = backup(&repo, "d", &disk(40 * CS, 4), None);
+    backup(&repo, "e", &disk(40 * CS, 5), None);
+    maint::forget_ids(&repo, None, &[a.id[..8].to_string()], false, None).unwrap();
+    let before: Vec<String> = store.list("").unwrap().into_iter().map(|(n, _)| n).collect();
+    let o = maint::GcOptions { wait: None, repack_percent: 10, condemn_margin: std::time::Duration::ZERO };
+    let dry = maint::gc_dry_run(&repo, &o).unwrap();
+    let after: Vec<String> = store.list("").unwrap().into_iter().map(|(n, _)| n).collect();
+    assert_eq!(before, after, "a dry run writes and removes nothing");
+    assert!(dry.packs_deleted + dry.packs_repacked > 0 && dry.bytes_freed > 0, "{dry:?}");
+    let real = maint::gc_opts(&repo, &o).unwrap();
+    assert_eq!(
+        (dry.packs_deleted, dry.packs_repacked, dry.blobs_freed),
+        (real.packs_deleted, real.packs_repacked, real.blobs_freed)
+    );
+    assert_eq!(dry.bytes_before, real.bytes_before);
+}
