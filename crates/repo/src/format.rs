@@ -16,9 +16,10 @@ pub const VERSION: u32 = 1;
 pub const LOCATED_VERSION: u32 = 2;
 /// The repository format version whose snapshots are located (FORMAT.md §7c).
 pub const LOCATED_CONFIG_VERSION: u32 = 3;
-/// The repository format version `init` writes in `config` (FORMAT.md §3): 2, whose
-/// encrypted objects are sealed with per-object keys (§4).
-pub const CONFIG_VERSION: u32 = 2;
+/// The repository format version `init` writes in `config` (FORMAT.md §3): 3, whose
+/// encrypted objects are sealed with per-object keys (§4a) and whose snapshots are
+/// located (§7c).
+pub const CONFIG_VERSION: u32 = 3;
 /// The repository format versions this ferry reads and writes, each as its version says.
 pub const CONFIG_VERSIONS: std::ops::RangeInclusive<u32> = 1..=LOCATED_CONFIG_VERSION;
 pub const PACK_MAGIC: &[u8; 8] = b"FERRYPK1";
@@ -391,7 +392,12 @@ fn entry(b: &[u8], max_end: u64, limits: &Limits) -> Result<BlobEntry, FormatErr
         0 => BlobKind::Data,
         1 => BlobKind::Page,
         2 => BlobKind::Located,
-        k => return err(format!("blob {} has kind {k}, which is none of 0 (data), 1 (page), 2 (located page)", hex(&id))),
+        k => {
+            return err(format!(
+                "blob {} has kind {k}, which is none of 0 (data), 1 (page), 2 (located page)",
+                hex(&id)
+            ))
+        }
     };
     let e = BlobEntry { id, kind, offset: le32(b, 33), stored_len: le32(b, 37), plain_len: le32(b, 41) };
     if e.stored_len == 0 {
@@ -692,6 +698,35 @@ pub fn encode_located_page(entries: &[Digest], at: &[Option<BlobAt>]) -> Vec<u8>
     v
 }
 
+/// A manifest's pages (version 2, FORMAT.md §7c) from each page's digest and place: the
+/// places as hints, their packs numbered in the order of first use (a page past the
+/// 65535th pack gets no hint).
+pub fn hinted_pages(pages: impl IntoIterator<Item = (Digest, Option<BlobAt>)>) -> (PackIds, Pages) {
+    let mut packs = PackIds::default();
+    let mut numbers: std::collections::HashMap<Digest, u16> = std::collections::HashMap::new();
+    let mut out = Pages::default();
+    for (d, at) in pages {
+        let hint = at.filter(|_| d != ZERO).and_then(|a| {
+            let next = packs.0.len();
+            let no = match numbers.get(&a.pack) {
+                Some(n) => *n,
+                None if next < NO_PACK as usize => {
+                    numbers.insert(a.pack, next as u16);
+                    packs.0.push(a.pack);
+                    next as u16
+                }
+                None => return None,
+            };
+            Some(Hint { pack: no, offset: a.offset, stored_len: a.stored_len })
+        });
+        match hint {
+            Some(h) => out.push_hinted(d, h),
+            None => out.push(d),
+        }
+    }
+    (packs, out)
+}
+
 /// Parses a located page (FORMAT.md §7c); its entries' count is told by its length. Every
 /// bound is checked before anything is allocated: the length against the pack count, each
 /// hint's pack number, range and order of first use, the packs' uniqueness.
@@ -723,8 +758,7 @@ pub fn parse_located_page(plain: &[u8], limits: &Limits) -> Result<LocatedPage, 
     let mut used = 0usize;
     for (i, e) in plain[2 + 32 * pack_count..].chunks_exact(LOCATED_ENTRY_LEN).enumerate() {
         let d: Digest = e[..32].try_into().unwrap_or(ZERO);
-        let hint =
-            Hint { pack: u16::from_le_bytes([e[32], e[33]]), offset: le32(e, 34), stored_len: le32(e, 38) };
+        let hint = Hint { pack: u16::from_le_bytes([e[32], e[33]]), offset: le32(e, 34), stored_len: le32(e, 38) };
         if hint.is_none() {
             if hint != Hint::NONE {
                 return err(format!("entry {i} has no hint but an offset or length"));
@@ -738,7 +772,8 @@ pub fn parse_located_page(plain: &[u8], limits: &Limits) -> Result<LocatedPage, 
                 std::cmp::Ordering::Equal if used < pack_count => used += 1,
                 _ => return err(format!("entry {i} names pack {} out of the order of first use", hint.pack)),
             }
-            check_hint_range(hint.offset, hint.stored_len, max_stored).map_err(|e| FormatError(format!("entry {i} {e}")))?;
+            check_hint_range(hint.offset, hint.stored_len, max_stored)
+                .map_err(|e| FormatError(format!("entry {i} {e}")))?;
         }
         page.entries.push(d);
         page.hints.push(hint);
@@ -981,11 +1016,18 @@ fn parse_hinted(s: &str) -> Option<(Digest, Hint)> {
     let d = parse_digest(it.next()?)?;
     let mut num = || -> Option<u32> {
         let t = it.next()?;
-        let canonical = !t.is_empty() && t.len() <= 10 && t.bytes().all(|b| b.is_ascii_digit()) && (t == "0" || !t.starts_with('0'));
+        let canonical = !t.is_empty()
+            && t.len() <= 10
+            && t.bytes().all(|b| b.is_ascii_digit())
+            && (t == "0" || !t.starts_with('0'));
         canonical.then(|| t.parse().ok()).flatten()
     };
     let (pack, offset, stored_len) = (num()?, num()?, num()?);
-    if it.next().is_some() || pack >= NO_PACK as u32 || d == ZERO || check_hint_range(offset, stored_len, MAX_PACK).is_err() {
+    if it.next().is_some()
+        || pack >= NO_PACK as u32
+        || d == ZERO
+        || check_hint_range(offset, stored_len, MAX_PACK).is_err()
+    {
         return None;
     }
     Some((d, Hint { pack: pack as u16, offset, stored_len }))
@@ -1118,12 +1160,7 @@ impl<'de, K: PackList> serde::de::Visitor<'de> for PacksVisitor<K> {
             }
             match d {
                 Some((d, h)) if d != ZERO && h.is_none() => packs.push(d),
-                _ => {
-                    return Err(serde::de::Error::custom(format!(
-                        "page pack {} is not 64 hex digits",
-                        packs.len()
-                    )))
-                }
+                _ => return Err(serde::de::Error::custom(format!("page pack {} is not 64 hex digits", packs.len()))),
             }
         }
         Ok(packs)
@@ -1152,7 +1189,10 @@ fn no_packs<K: PackList>(k: &K) -> bool {
 /// [`ManifestSummary`], [`PageCount`] (how many: what listing snapshots needs); `K` its
 /// `page_packs`, likewise.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(bound(serialize = "P: Serialize, K: Serialize + PackList", deserialize = "P: Deserialize<'de>, K: Deserialize<'de> + PackList"))]
+#[serde(bound(
+    serialize = "P: Serialize, K: Serialize + PackList",
+    deserialize = "P: Deserialize<'de>, K: Deserialize<'de> + PackList"
+))]
 pub struct Manifest<P = Pages, K = PackIds> {
     pub version: u32,
     pub name: String,
@@ -1233,12 +1273,10 @@ impl<P: PageList, K: PackList> Manifest<P, K> {
                     return err("migrated_from is not a snapshot id (64 hex digits)");
                 }
             }
-            v => {
-                return err(format!(
-                    "the manifest has version {v}; this ferry reads versions {VERSION} and {LOCATED_VERSION} only (use a \
+            v => return err(format!(
+                "the manifest has version {v}; this ferry reads versions {VERSION} and {LOCATED_VERSION} only (use a \
                      newer ferry)"
-                ))
-            }
+            )),
         }
         if !valid_name(&self.name) {
             return err(format!(
@@ -1720,6 +1758,11 @@ pub fn fuzz(data: &[u8]) {
     if let Ok(p) = parse_page(data, data.len() / 32) {
         assert_eq!(encode_page(&p), data);
     }
+    if let Ok(p) = parse_located_page(data, &limits) {
+        let at: Vec<Option<BlobAt>> = (0..p.entries.len()).map(|i| p.at(i)).collect();
+        assert_eq!(encode_located_page(&p.entries, &at), data);
+        assert_eq!(parse_any_page(BlobKind::Located, data, &limits), Ok(p.entries));
+    }
     if let Ok(s) = std::str::from_utf8(data) {
         let _ = valid_name(s);
         if let Some(d) = parse_digest(s) {
@@ -1970,6 +2013,149 @@ mod tests {
         assert_eq!(parse_page(&[], 0).unwrap(), Vec::<Digest>::new());
     }
 
+    fn at(pack: u8, offset: u32, stored_len: u32) -> Option<BlobAt> {
+        Some(BlobAt { pack: [pack; 32], offset, stored_len })
+    }
+
+    #[test]
+    fn located_pages_round_trip_and_are_canonical() {
+        let l = Limits { chunk_size: 65536, page_entries: 16 };
+        let e = [[1u8; 32], ZERO, [3; 32], [4; 32], [5; 32]];
+        // Pack 9 used first, then 7; a zero entry's place is ignored; one chunk unknown.
+        let places = [at(9, 100, 50), at(7, 0, 10), at(7, 10, 20), None, at(9, 0, 100)];
+        let p = encode_located_page(&e, &places);
+        assert_eq!(p.len(), 2 + 2 * 32 + 5 * LOCATED_ENTRY_LEN);
+        let page = parse_located_page(&p, &l).unwrap();
+        assert_eq!(page.packs, vec![[9; 32], [7; 32]]);
+        assert_eq!(page.entries, e);
+        assert_eq!(page.at(0), at(9, 100, 50));
+        assert_eq!(page.at(1), None);
+        assert_eq!(page.at(2), at(7, 10, 20));
+        assert_eq!(page.at(3), None);
+        assert_eq!(page.at(4), at(9, 0, 100));
+        assert_eq!(parse_any_page(BlobKind::Located, &p, &l).unwrap(), e);
+        // The same entries and places make the same bytes.
+        let again: Vec<Option<BlobAt>> = (0..5).map(|i| page.at(i)).collect();
+        assert_eq!(encode_located_page(&e, &again), p);
+        // No places at all: no packs.
+        let bare = encode_located_page(&e, &[]);
+        assert_eq!(bare.len(), 2 + 5 * LOCATED_ENTRY_LEN);
+        assert!(parse_located_page(&bare, &l).unwrap().hints.iter().all(Hint::is_none));
+        assert!(p.len() <= l.max_plain(BlobKind::Located));
+    }
+
+    #[test]
+    fn located_pages_that_break_a_rule_are_refused() {
+        let l = Limits { chunk_size: 65536, page_entries: 16 };
+        let e = [[1u8; 32], [2; 32]];
+        let good = encode_located_page(&e, &[at(9, 0, 10), at(7, 10, 20)]);
+        let bad = |edit: &dyn Fn(&mut Vec<u8>), why: &str| {
+            let mut p = good.clone();
+            edit(&mut p);
+            let e = parse_located_page(&p, &l).unwrap_err().0;
+            assert!(e.contains(why), "{why}: {e}");
+        };
+        let entry = 2 + 2 * 32;
+        let hint_at = |k: usize| entry + k * LOCATED_ENTRY_LEN + 32;
+        bad(&|p| p.truncate(p.len() - 1), "does not fit");
+        bad(&|p| p.push(0), "does not fit");
+        bad(&|p| p[0] = 3, "does not fit");
+        bad(&|p| p[2..34].copy_from_slice(&[7; 32]), "twice");
+        // The second entry names pack 0 too: pack 1 is unused.
+        bad(&|p| p[hint_at(1)..hint_at(1) + 2].copy_from_slice(&0u16.to_le_bytes()), "use 1");
+        // The first entry names pack 1 before pack 0 is used.
+        bad(&|p| p[hint_at(0)..hint_at(0) + 2].copy_from_slice(&1u16.to_le_bytes()), "order of first use");
+        bad(&|p| p[hint_at(0)..hint_at(0) + 2].copy_from_slice(&2u16.to_le_bytes()), "order of first use");
+        bad(&|p| p[hint_at(0) + 6..hint_at(0) + 10].copy_from_slice(&0u32.to_le_bytes()), "from 1 to");
+        bad(&|p| p[hint_at(0) + 6..hint_at(0) + 10].copy_from_slice(&(65536u32 + 30).to_le_bytes()), "from 1 to");
+        bad(&|p| p[hint_at(0) + 2..hint_at(0) + 6].copy_from_slice(&u32::MAX.to_le_bytes()), "from 1 to");
+        // A zero chunk with a hint; no hint but a length.
+        bad(&|p| p[entry..entry + 32].fill(0), "zero chunk");
+        let none = encode_located_page(&e, &[at(9, 0, 10), None]);
+        let mut p = none.clone();
+        let h = 2 + 32 + LOCATED_ENTRY_LEN + 32 + 6;
+        p[h..h + 4].copy_from_slice(&5u32.to_le_bytes());
+        assert!(parse_located_page(&p, &l).unwrap_err().0.contains("no hint but"));
+        // More entries than a page holds; more packs than entries.
+        let long = encode_located_page(&[[1u8; 32]; 17], &[]);
+        assert!(parse_located_page(&long, &l).is_err());
+        let mut p = encode_located_page(&[[1u8; 32]], &[]);
+        p[0] = 2;
+        p.splice(2..2, [[5u8; 32], [6u8; 32]].concat());
+        assert!(parse_located_page(&p, &l).unwrap_err().0.contains("2 packs for 1 entries"));
+        assert!(parse_located_page(&[], &l).is_err());
+    }
+
+    /// A version 2 manifest of `manifest()`'s pages, with hints.
+    fn located_manifest() -> Manifest {
+        let mut m = manifest();
+        m.version = LOCATED_VERSION;
+        let places = [at(1, 0, 300), None, None, at(2, 77, 400)];
+        let (packs, pages) = hinted_pages(m.pages.iter().zip(places));
+        m.pages = pages;
+        m.page_packs = packs;
+        m.migrated_from = Some("ab".repeat(32));
+        m
+    }
+
+    #[test]
+    fn located_manifests_round_trip_with_their_hints() {
+        let m = located_manifest();
+        m.validate(&Limits::DEFAULT).unwrap();
+        let json = m.to_bytes();
+        let text = String::from_utf8(json.clone()).unwrap();
+        assert!(text.contains(&format!("\"{} 0 0 300\"", hex(&[0xab; 32]))), "{text}");
+        assert!(text.contains(&format!("\"{} 1 77 400\"", hex(&[0xef; 32]))), "{text}");
+        assert!(text.contains(&format!("\"{}\"", hex(&[0xcd; 32]))), "{text}");
+        let back = Manifest::parse(&json, &Limits::DEFAULT).unwrap();
+        assert_eq!(back, m);
+        let hinted: Vec<(Digest, Hint)> = back.pages.iter_hinted().collect();
+        assert_eq!(hinted[0].1, Hint { pack: 0, offset: 0, stored_len: 300 });
+        assert!(hinted[1].1.is_none() && hinted[2].1.is_none());
+        assert_eq!(hinted[3].1, Hint { pack: 1, offset: 77, stored_len: 400 });
+        let (summary, pages) = back.split();
+        assert_eq!(pages.packs(), &[[1u8; 32], [2u8; 32]]);
+        assert_eq!(summary.page_packs, PackCount(2));
+        assert_eq!(Manifest::parse_summary(&json, &Limits::DEFAULT).unwrap(), summary);
+        // A version 1 manifest has no hints.
+        assert_eq!(String::from_utf8(manifest().to_bytes()).unwrap().matches("page_packs").count(), 0);
+    }
+
+    #[test]
+    fn located_manifests_that_break_a_rule_are_refused() {
+        let l = Limits::DEFAULT;
+        let refused = |m: &Manifest, why: &str| {
+            let json = m.to_bytes();
+            let e = Manifest::parse(&json, &l).unwrap_err().0;
+            assert!(e.contains(why), "{why}: {e}");
+            assert!(Manifest::parse_summary(&json, &l).is_err());
+        };
+        let mut m = located_manifest();
+        m.version = 1;
+        refused(&m, "version 1 but");
+        let mut m = located_manifest();
+        m.page_packs.0.pop();
+        refused(&m, "names page pack 1");
+        let mut m = located_manifest();
+        m.page_packs.0.extend([[3u8; 32], [4; 32], [5; 32]]);
+        refused(&m, "5 page packs for 4 pages");
+        let mut m = located_manifest();
+        m.migrated_from = Some("xyz".into());
+        refused(&m, "migrated_from");
+        let mut m = located_manifest();
+        m.version = 3;
+        refused(&m, "versions 1 and 2 only");
+        // Hints that are not canonical, or out of bounds, are no page at all.
+        let text = String::from_utf8(located_manifest().to_bytes()).unwrap();
+        let d = hex(&[0xab; 32]);
+        for bad in ["0 00 300", "0 0 0", "0 +1 300", "65535 0 300", "0 0 300 1", "0 0", "0 4294967295 300"] {
+            let json = text.replace(&format!("{d} 0 0 300"), &format!("{d} {bad}"));
+            assert!(Manifest::parse(json.as_bytes(), &l).is_err(), "{bad}");
+        }
+        let json = text.replace(&format!("{d} 0 0 300"), &format!("{d} 0 0 {}", 32 * 256 * 3));
+        assert!(Manifest::parse(json.as_bytes(), &l).unwrap_err().0.contains("spans"));
+    }
+
     fn manifest() -> Manifest {
         // 3 full pages and one chunk more: 4 pages.
         let size = 3 * 256 * 65536 + 1000;
@@ -1980,8 +2166,10 @@ mod tests {
             size,
             chunk_size: 65536,
             page_entries: 256,
+            page_packs: PackIds::default(),
             pages: [[0xab; 32], ZERO, [0xcd; 32], [0xef; 32]].into_iter().collect(),
             parent: Some("12".repeat(32)),
+            migrated_from: None,
             source: "nbd+unix:///?socket=/tmp/s".into(),
             changes: Changes::DirtyBitmap { bitmap: "b0".into() },
             blkhash: Some("34".repeat(32)),

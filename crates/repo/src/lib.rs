@@ -176,6 +176,7 @@ pub mod known;
 pub mod lock;
 pub mod maint;
 mod memory;
+pub mod migrate;
 mod reader;
 pub mod recover;
 mod repo;

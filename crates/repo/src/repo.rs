@@ -510,7 +510,8 @@ impl Repository {
         K: format::PackList + serde::de::DeserializeOwned,
     {
         let json = self.read_named(object, "snapshots/", format::MAX_MANIFEST, AAD_SNAPSHOT)?;
-        let m: Manifest<P, K> = format::parse_manifest(&json, &self.limits()).map_err(|e| Error::damaged(object, e.0))?;
+        let m: Manifest<P, K> =
+            format::parse_manifest(&json, &self.limits()).map_err(|e| Error::damaged(object, e.0))?;
         if m.version == format::LOCATED_VERSION && self.config.version < format::LOCATED_CONFIG_VERSION {
             return Err(Error::damaged(
                 object,
@@ -539,7 +540,11 @@ impl Repository {
         if snap.id.contains('/') {
             return Err(Error::Invalid(format!("{} is not a snapshot whose pages can be read", snap.id)));
         }
-        let (summary, pages) = self.read_manifest::<Pages, format::PackIds>(&object)?.split();
+        let (mut summary, pages) = self.read_manifest::<Pages, format::PackIds>(&object)?.split();
+        // A listing names a migrated parent by its new id ([`hide_migrated`]).
+        if summary.parent.is_some() && snap.manifest.parent.is_some() {
+            summary.parent.clone_from(&snap.manifest.parent);
+        }
         if summary != snap.manifest {
             return Err(Error::damaged(object, "it is not the manifest that was listed under its name"));
         }
@@ -568,6 +573,7 @@ impl Repository {
                 Err(e) => bad.push((name.clone(), e)),
             }
         }
+        hide_migrated(&mut good);
         sort_snapshots(&mut good);
         if let (Some(k), Some(before)) = (&self.known, before) {
             let unreadable: Vec<String> =
@@ -822,16 +828,16 @@ impl Repository {
         let pe = m.page_entries as u64;
         let all = self.pages(snap)?;
         let located = m.version == format::LOCATED_VERSION;
-        let digests: Vec<(Digest, Option<format::BlobAt>)> = all
-            .iter_hinted()
-            .map(|(d, h)| {
-                let at = (!h.is_none())
-                    .then(|| all.packs().get(h.pack as usize))
-                    .flatten()
-                    .map(|p| format::BlobAt { pack: *p, offset: h.offset, stored_len: h.stored_len });
-                (d, at)
-            })
-            .collect();
+        let digests: Vec<(Digest, Option<format::BlobAt>)> =
+            all.iter_hinted()
+                .map(|(d, h)| {
+                    let at = (!h.is_none())
+                        .then(|| all.packs().get(h.pack as usize))
+                        .flatten()
+                        .map(|p| format::BlobAt { pack: *p, offset: h.offset, stored_len: h.stored_len });
+                    (d, at)
+                })
+                .collect();
         drop(all);
         if digests.len() as u64 != chunks.div_ceil(pe) {
             return Err(Error::damaged(object, "its page count does not match its size"));
@@ -865,7 +871,10 @@ impl Repository {
             }
             let page = page.map_err(|why| Error::damaged(object.clone(), format!("page {i}: {why}")))?;
             if page.entries.len() != count {
-                return Err(Error::damaged(object, format!("page {i} has {} entries, not {count}", page.entries.len())));
+                return Err(Error::damaged(
+                    object,
+                    format!("page {i} has {} entries, not {count}", page.entries.len()),
+                ));
             }
             if !out.at.is_empty() {
                 let first = entries.len();
@@ -922,6 +931,24 @@ pub(crate) fn build_index(objects: Vec<IndexObject>) -> Index {
         index.objects.push(name);
     }
     index
+}
+
+/// The snapshots as `ferry repo migrate` leaves them at any point (FORMAT.md §9): a
+/// manifest that a present one names in `migrated_from` is hidden (a migrate stopped
+/// between storing the new manifest and deleting the old), and a `parent` naming a
+/// manifest no longer present is the manifest migrated from it.
+pub(crate) fn hide_migrated(snaps: &mut Vec<SnapshotInfo>) {
+    let moved: HashMap<String, String> =
+        snaps.iter().filter_map(|s| s.manifest.migrated_from.as_ref().map(|old| (old.clone(), s.id.clone()))).collect();
+    if moved.is_empty() {
+        return;
+    }
+    snaps.retain(|s| !moved.contains_key(&s.id));
+    for s in snaps.iter_mut() {
+        if let Some(new) = s.manifest.parent.as_ref().and_then(|p| moved.get(p)) {
+            s.manifest.parent = Some(new.clone());
+        }
+    }
 }
 
 /// Orders snapshots oldest first, a snapshot always after its parent whatever the clocks

@@ -1331,45 +1331,27 @@ impl SnapshotWriter {
     /// page blob, else the index's first usable copy; and the packs they name, in order of
     /// first use.
     fn hinted_pages(&self, pages: Vec<Digest>) -> (format::PackIds, format::Pages) {
-        use format::PageList;
         let own = self.own_places(BlobKind::Located);
         let done = locked(&self.done);
-        let mut packs = format::PackIds::default();
-        let mut numbers: HashMap<Digest, u16> = HashMap::new();
-        let mut out = format::Pages::default();
-        for d in pages {
-            if d == ZERO {
-                out.push(d);
-                continue;
-            }
-            let id = self.repo.crypto.blob_id(&d);
-            let at = Self::own_place(&done, &own, &id).or_else(|| {
-                self.index.first(&id).filter(|l| l.kind == BlobKind::Located).map(|l| format::BlobAt {
-                    pack: l.pack,
-                    offset: l.offset,
-                    stored_len: l.stored_len,
-                })
-            });
-            let no = at.and_then(|a| {
-                let next = packs.0.len();
-                match numbers.get(&a.pack) {
-                    Some(n) => Some(*n),
-                    None if next < format::NO_PACK as usize => {
-                        numbers.insert(a.pack, next as u16);
-                        packs.0.push(a.pack);
-                        Some(next as u16)
-                    }
-                    None => None,
-                }
-            });
-            match (at, no) {
-                (Some(a), Some(no)) => {
-                    out.push_hinted(d, format::Hint { pack: no, offset: a.offset, stored_len: a.stored_len })
-                }
-                _ => out.push(d),
-            }
-        }
-        (packs, out)
+        let places: Vec<(Digest, Option<format::BlobAt>)> = pages
+            .into_iter()
+            .map(|d| {
+                let id = self.repo.crypto.blob_id(&d);
+                let at = (d != ZERO)
+                    .then(|| {
+                        Self::own_place(&done, &own, &id).or_else(|| {
+                            self.index.first(&id).filter(|l| l.kind == BlobKind::Located).map(|l| format::BlobAt {
+                                pack: l.pack,
+                                offset: l.offset,
+                                stored_len: l.stored_len,
+                            })
+                        })
+                    })
+                    .flatten();
+                (d, at)
+            })
+            .collect();
+        format::hinted_pages(places)
     }
 
     /// Stores the index objects for the packs closed since the last ones.
