@@ -1074,7 +1074,7 @@ impl<'de, P: PageList> serde::de::Visitor<'de> for PagesVisitor<P> {
                 Some((d, h)) => pages.push_hinted(d, h),
                 None => {
                     return Err(serde::de::Error::custom(format!(
-                        "page {i} is neither 64 hex digits, nor \"\", nor a digest with its place"
+                        "page {i}'s digest is neither 64 hex digits nor \"\" (nor, in version 2, one with its place)"
                     )))
                 }
             }
@@ -1273,10 +1273,12 @@ impl<P: PageList, K: PackList> Manifest<P, K> {
                     return err("migrated_from is not a snapshot id (64 hex digits)");
                 }
             }
-            v => return err(format!(
+            v => {
+                return err(format!(
                 "the manifest has version {v}; this ferry reads versions {VERSION} and {LOCATED_VERSION} only (use a \
                      newer ferry)"
-            )),
+            ))
+            }
         }
         if !valid_name(&self.name) {
             return err(format!(
@@ -1419,6 +1421,12 @@ impl Checkpoint {
     }
 
     pub fn validate(&self, limits: &Limits) -> Result<(), FormatError> {
+        if self.version != VERSION {
+            return err(format!(
+                "the checkpoint has version {}; this ferry reads version {VERSION} only (use a newer ferry)",
+                self.version
+            ));
+        }
         let mut m = self.as_manifest_with(PageCount(self.pages.len(), self.pages.hint_bounds()));
         m.parent = self.base.clone();
         m.validate(limits).map_err(|e| FormatError(e.0.replace("manifest", "checkpoint")))?;
@@ -1813,14 +1821,15 @@ mod tests {
 
         refused(&Config { format: "restic".into(), ..config() }, "format");
         Config::parse(&Config { version: 2, ..config() }.to_bytes()).unwrap();
-        refused(&Config { version: 3, ..config() }, "versions 1 to 2 only");
-        refused(&Config { version: 0, ..config() }, "versions 1 to 2 only");
+        Config::parse(&Config { version: 3, ..config() }.to_bytes()).unwrap();
+        refused(&Config { version: 4, ..config() }, "versions 1 to 3 only");
+        refused(&Config { version: 0, ..config() }, "versions 1 to 3 only");
         // A later version is told as such even when its fields are new.
         let mut later: serde_json::Value = serde_json::from_slice(&c.to_bytes()).unwrap();
-        later["version"] = 3.into();
+        later["version"] = 4.into();
         later["new_field"] = 1.into();
         let e = Config::parse(later.to_string().as_bytes()).unwrap_err();
-        assert!(e.0.contains("format version 3"), "{e}");
+        assert!(e.0.contains("format version 4"), "{e}");
         refused(&Config { id: "AB".repeat(32), ..config() }, "id");
         refused(&Config { id: "ab".repeat(31), ..config() }, "id");
         refused(&Config { created: "yesterday".into(), ..config() }, "RFC 3339");
@@ -1948,8 +1957,8 @@ mod tests {
         e[2].stored_len = 0;
         bad(e, 151, "stored length of 0");
         let mut b = t.clone();
-        b[4 + 32] = 2;
-        assert!(parse_trailer(&b, 151, &L).unwrap_err().0.contains("kind 2"));
+        b[4 + 32] = 3;
+        assert!(parse_trailer(&b, 151, &L).unwrap_err().0.contains("kind 3"));
     }
 
     #[test]
@@ -2253,7 +2262,7 @@ mod tests {
         assert_eq!(Manifest::parse(&escaped, &L).unwrap(), m);
         // A summary keeps the count only, and is the manifest's.
         let s = Manifest::parse_summary(&m.to_bytes(), &L).unwrap();
-        assert_eq!(s.pages, PageCount(4));
+        assert_eq!(s.pages, PageCount(4, HintBounds::default()));
         assert_eq!(m.clone().split(), (s, m.pages.clone()));
         assert_eq!(m.pages.nonzero(), [[0xab; 32], [0xcd; 32], [0xef; 32]]);
         assert_eq!(m.page_digests(), [[0xab; 32], ZERO, [0xcd; 32], [0xef; 32]]);
@@ -2327,7 +2336,7 @@ mod tests {
         let p = Manifest::parse(&json, &L).unwrap().pages;
         assert_eq!((p.count(), p.nonzero().len()), (MAX_PAGES, 0));
         assert!(p.heap_bytes() <= (MAX_PAGES / 8 + 64) as usize, "{} bytes", p.heap_bytes());
-        assert_eq!(Manifest::parse_summary(&json, &L).unwrap().pages, PageCount(MAX_PAGES));
+        assert_eq!(Manifest::parse_summary(&json, &L).unwrap().pages, PageCount(MAX_PAGES, HintBounds::default()));
         let more = with_pages(&m, &format!("[{}\"\"]", "\"\",".repeat(MAX_PAGES as usize)));
         let e = Manifest::parse_summary(&more, &L).unwrap_err().0;
         assert!(e.contains("more than 16777216 pages"), "{e}");
@@ -2361,7 +2370,7 @@ mod tests {
             let e = Manifest::parse(&m.to_bytes(), &L).unwrap_err();
             assert!(e.0.contains(what), "{what}: {e}");
         };
-        bad(&|m| m.version = 2, "version");
+        bad(&|m| m.version = 3, "version");
         bad(&|m| m.name = String::new(), "disk name");
         bad(&|m| m.name = ".hidden".into(), "disk name");
         bad(&|m| m.name = "a/b".into(), "disk name");
