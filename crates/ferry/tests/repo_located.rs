@@ -91,23 +91,6 @@ impl Repo {
         Ok(String::from_utf8_lossy(&o.stdout).split_whitespace().next().unwrap_or("").to_string())
     }
 
-    /// The snapshots of `repo list --json`: (name, id, time, blkhash).
-    fn list(&self) -> Vec<(String, String, String, String)> {
-        let out = self.ok(&["repo", "list", "--json", &self.repo]);
-        let v: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
-        let mut snaps: Vec<_> = v
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|s| {
-                let f = |k: &str| s[k].as_str().unwrap_or("").to_string();
-                (f("name"), f("id"), f("time"), f("blkhash"))
-            })
-            .collect();
-        snaps.sort();
-        snaps
-    }
-
     /// The cache deleted and `index/` moved away: a host that never saw the repository,
     /// and a repository whose index cannot help it. Returns a guard that puts it back.
     fn without_index(&self) -> IndexAway {
