@@ -2488,6 +2488,10 @@ mod tests {
         let trailer = &p[p.len() - PACK_TAIL - n..p.len() - PACK_TAIL];
         assert_eq!(parse_trailer(trailer, (p.len() - PACK_TAIL - n) as u64, &L).unwrap().len(), 3);
         assert_eq!(parse_page(&seed("page.bin"), 3).unwrap().len(), 3);
+        let l = parse_located_page(&seed("located-page.bin"), &L).unwrap();
+        assert_eq!((l.packs.len(), l.entries.len()), (2, 4));
+        let m = Manifest::parse(&seed("manifest-located.json"), &L).unwrap();
+        assert_eq!((m.version, m.page_packs.0.len(), m.pages.hint_bounds().hinted), (LOCATED_VERSION, 2, 2));
         for name in ["blob-raw.bin", "blob-zstd.bin"] {
             let b = seed(name);
             let plain = crate::blob::decode(&crate::crypto::Crypto::None, BlobKind::Data, &[0; 32], &b, 65536);
@@ -2506,6 +2510,8 @@ mod tests {
             pack_tail(10).to_vec(),
             encode_page(&[[5; 32]; 4]),
             hex(&[7; 32]).into_bytes(),
+            located_manifest().to_bytes(),
+            encode_located_page(&[[1; 32], ZERO, [3; 32]], &[at(9, 100, 50), None, at(7, 0, 10)]),
         ];
         seeds.push(Config { encryption: Some(encryption()), ..config() }.to_bytes());
         seeds.push(Config { encryption: Some(encryption()), version: 2, ..config() }.to_bytes());
