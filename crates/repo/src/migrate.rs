@@ -7,7 +7,7 @@
 use crate::blob;
 use crate::format::{self, BlobAt, BlobEntry, BlobKind, Config, Digest, Manifest, PackBlobs, ZERO};
 use crate::lock;
-use crate::repo::{pack_name, sha256, Repository, SnapshotInfo, AAD_SNAPSHOT, AAD_TRAILER};
+use crate::repo::{first_at, pack_name, sha256, Repository, SnapshotInfo, AAD_SNAPSHOT, AAD_TRAILER};
 use crate::runs::{BlobLookup, RunIndex};
 use crate::writer::DEFAULT_LEVEL;
 use crate::{Error, Result};
@@ -278,13 +278,7 @@ fn located_manifest(
         }
         let at: Vec<Option<BlobAt>> = slice
             .iter()
-            .map(|d| {
-                (*d != ZERO)
-                    .then(|| index.first(&repo.crypto.blob_id(d)))
-                    .flatten()
-                    .filter(|l| l.kind == BlobKind::Data)
-                    .map(|l| BlobAt { pack: l.pack, offset: l.offset, stored_len: l.stored_len })
-            })
+            .map(|d| (*d != ZERO).then(|| first_at(index, &repo.crypto.blob_id(d), BlobKind::Data)).flatten())
             .collect();
         let page = format::encode_located_page(slice, &at);
         let d = sha256(&page);
@@ -304,7 +298,8 @@ fn located_manifest(
     // The manifest's pages with their places.
     let places = digests.into_iter().map(|d| {
         let id = repo.crypto.blob_id(&d);
-        let at = (d != ZERO).then(|| stored.get(&id).copied().or_else(|| located_at(index, &id))).flatten();
+        let at =
+            (d != ZERO).then(|| stored.get(&id).copied().or_else(|| first_at(index, &id, BlobKind::Located))).flatten();
         (d, at)
     });
     let (packs, pages) = format::hinted_pages(places.collect::<Vec<_>>());
@@ -313,13 +308,4 @@ fn located_manifest(
     m.migrated_from = Some(snap.id.clone());
     m.validate(&repo.limits()).map_err(|e| Error::Invalid(format!("the migrated manifest of {}: {e}", snap.id)))?;
     Ok((m, new_pages))
-}
-
-/// The index's first usable copy of located page `id`.
-fn located_at(index: &RunIndex, id: &Digest) -> Option<BlobAt> {
-    index.first(id).filter(|l| l.kind == BlobKind::Located).map(|l| BlobAt {
-        pack: l.pack,
-        offset: l.offset,
-        stored_len: l.stored_len,
-    })
 }

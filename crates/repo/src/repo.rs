@@ -64,6 +64,15 @@ impl Location {
     pub fn of(pack: Digest, e: &format::BlobEntry) -> Location {
         Location { pack, kind: e.kind, offset: e.offset, stored_len: e.stored_len, plain_len: e.plain_len }
     }
+    /// Its place, as a hint gives it (FORMAT.md §7c).
+    pub fn at(&self) -> format::BlobAt {
+        format::BlobAt { pack: self.pack, offset: self.offset, stored_len: self.stored_len }
+    }
+}
+
+/// The index's first usable copy of blob `id` when it is of `kind`: its place, for a hint.
+pub(crate) fn first_at(index: &dyn BlobLookup, id: &Digest, kind: BlobKind) -> Option<format::BlobAt> {
+    index.first(id).filter(|l| l.kind == kind).map(|l| l.at())
 }
 
 /// The union of the index objects: every location of every blob (FORMAT.md §6: any copy

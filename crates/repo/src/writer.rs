@@ -1317,11 +1317,7 @@ impl SnapshotWriter {
             let ci = first + k;
             *a = match self.base_hints.get(ci) {
                 Some(h) if !st.is_done(ci as u64) => Some(h),
-                _ => self.index.first(&ids[k]).filter(|l| l.kind == BlobKind::Data).map(|l| format::BlobAt {
-                    pack: l.pack,
-                    offset: l.offset,
-                    stored_len: l.stored_len,
-                }),
+                _ => crate::repo::first_at(&self.index, &ids[k], BlobKind::Data),
             };
         }
         format::encode_located_page(slice, &at)
@@ -1339,13 +1335,8 @@ impl SnapshotWriter {
                 let id = self.repo.crypto.blob_id(&d);
                 let at = (d != ZERO)
                     .then(|| {
-                        Self::own_place(&done, &own, &id).or_else(|| {
-                            self.index.first(&id).filter(|l| l.kind == BlobKind::Located).map(|l| format::BlobAt {
-                                pack: l.pack,
-                                offset: l.offset,
-                                stored_len: l.stored_len,
-                            })
-                        })
+                        Self::own_place(&done, &own, &id)
+                            .or_else(|| crate::repo::first_at(&self.index, &id, BlobKind::Located))
                     })
                     .flatten();
                 (d, at)
