@@ -1288,11 +1288,18 @@ impl SnapshotWriter {
         Some(format::BlobAt { pack: p, offset: e.offset, stored_len: e.stored_len })
     }
 
-    /// Whether the base's page holds for the page of chunks `first..` (`slice`): none of
-    /// them written by this backup, and each one that is not zero hinted at a pack that
-    /// is present and not condemned. Otherwise the page is made again with current places.
+    /// Whether the base's page holds for the page of chunks `first..` (`slice`): a located
+    /// page in the index, none of its chunks written by this backup, and each one that is
+    /// not zero hinted at a pack that is present and not condemned. Otherwise the page is
+    /// made again with current places.
     fn base_page_holds(&self, st: &State, first: usize, slice: &[Digest]) -> bool {
-        !self.base_hints.is_empty()
+        let page = st.pages[first / self.pe as usize];
+        // A located page of the repository (not one this backup's checkpoint stored, of
+        // kind 1, nor one whose only copy is gone).
+        let located = page == ZERO
+            || self.index.first(&self.repo.crypto.blob_id(&page)).is_some_and(|l| l.kind == BlobKind::Located);
+        located
+            && !self.base_hints.is_empty()
             && slice.iter().enumerate().all(|(k, d)| {
                 let ci = first + k;
                 !st.is_done(ci as u64) && (*d == ZERO || self.base_hints.get(ci).is_some())
