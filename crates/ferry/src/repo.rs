@@ -60,6 +60,20 @@ enum RepoCommand {
     Protect(ProtectArgs),
     /// Remove a snapshot's protection (`ferry repo protect`).
     Unprotect(ProtectArgs),
+    /// Upgrade a version 1 (unencrypted) or version 2 repository to format version 3 in
+    /// place: each snapshot made again saying where its chunks are, so that restores need
+    /// no index (same names, times and contents; new ids). Holds the repository's
+    /// exclusive lock; safe to interrupt, and run again to finish.
+    Migrate(MigrateArgs),
+}
+
+#[derive(Args, Debug)]
+struct MigrateArgs {
+    #[command(flatten)]
+    common: CommonArgs,
+    /// Say what would be done; change nothing.
+    #[arg(long)]
+    dry_run: bool,
 }
 
 #[derive(Args, Debug)]
@@ -121,12 +135,12 @@ struct InitArgs {
     /// Memory the key derivation takes (Argon2id's m), with --encrypt.
     #[arg(long, default_value = "64M", value_name = "BYTES")]
     kdf_memory: String,
-    /// The repository format version: 2 (the default with --encrypt: a key per object),
-    /// or 1, which ferry versions reading version 1 only can use too (it seals every
-    /// encrypted object under one key, safe for about 256 TiB ever written: FORMAT.md
-    /// §4a). An unencrypted repository is version 1 unless asked: the versions differ only
-    /// in how objects are sealed.
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=2))]
+    /// The repository format version: 3 (the default: each snapshot says where its chunks
+    /// are, so a restore needs no index; FORMAT.md §7c), or 2 or 1 for a repository that
+    /// an older ferry uses too (version 2: snapshots read through the index; version 1
+    /// also seals every encrypted object under one key, safe for about 256 TiB ever
+    /// written: FORMAT.md §4a). `ferry repo migrate` upgrades a repository to 3 later.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=3))]
     format_version: Option<u32>,
 }
 
@@ -409,6 +423,25 @@ pub fn run(args: RepoArgs) -> Result<i32> {
             Ok(0)
         }
         RepoCommand::Repair(a) => repair(a),
+        RepoCommand::Migrate(a) => {
+            let repo = a.common.open()?;
+            let mut progress = |line: &str| eprintln!("{line}");
+            let r = ferry_repo::migrate::migrate(&repo, a.dry_run, &mut progress)
+                .with_context(|| format!("migrate of {}", a.common.repo))?;
+            let would = if a.dry_run { "would be " } else { "" };
+            println!(
+                "{}: version {} to {}{}; {} snapshot(s) {would}migrated ({} located page(s) stored), {} left by an \
+                 earlier run {would}finished",
+                a.common.repo,
+                r.from_version,
+                ferry_repo::format::LOCATED_CONFIG_VERSION,
+                if r.config { "" } else { " (already)" },
+                r.migrated,
+                r.pages,
+                r.finished
+            );
+            Ok(0)
+        }
         RepoCommand::Unlock(a) => unlock(a),
         RepoCommand::Copy(a) => crate::repo_copy::run(a),
         RepoCommand::Stats(a) => {
@@ -461,7 +494,7 @@ fn init(a: InitArgs) -> Result<i32> {
         chunk_size: chunk as u32,
         encrypt,
         kdf_limit,
-        version: a.format_version.unwrap_or(if encrypted { ferry_repo::format::CONFIG_VERSION } else { 1 }),
+        version: a.format_version.unwrap_or(ferry_repo::format::CONFIG_VERSION),
         ..InitOptions::default()
     };
     let (store, location) = ferry_open::repo::repo_store_at(&c.repo, &c.remote.remote(), true)?;

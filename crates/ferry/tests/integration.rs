@@ -47,6 +47,7 @@ mod repo_gc;
 mod repo_heal;
 mod repo_keys;
 mod repo_list;
+mod repo_located;
 mod repo_locks;
 mod repo_recover;
 mod repo_resume;

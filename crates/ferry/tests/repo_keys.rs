@@ -135,7 +135,7 @@ fn passphrases_are_added_changed_listed_and_removed() {
     run_ok(c.env("FERRY_NEW_PASSWORD_FILE", &new));
     assert!(!opens(&repo, "second pw"));
     assert!(opens(&repo, "third pw") && opens(&repo, "first pw"));
-    assert_eq!(config_version(&repo), 2);
+    assert_eq!(config_version(&repo), 3);
 
     // Remove: never the key in use (the only one known to open), so with another key's
     // passphrase; the last never.
@@ -180,7 +180,7 @@ fn a_planted_key_object_never_replaces_the_configs_key() {
 
 #[test]
 fn each_format_version_is_read_and_written_in_its_own_version() {
-    for (extra, version) in [(&[][..], 2), (&["--format-version", "1"][..], 1)] {
+    for (extra, version) in [(&[][..], 3), (&["--format-version", "2"][..], 2), (&["--format-version", "1"][..], 1)] {
         let t = tempfile::tempdir().unwrap();
         let repo = encrypted_repo(t.path(), "pw", extra);
         assert_eq!(config_version(&repo), version);
@@ -199,10 +199,9 @@ fn each_format_version_is_read_and_written_in_its_own_version() {
         let info = run_ok(&mut with_pw("pw2", &["info", &target])).stdout;
         assert!(info.contains(&format!("(encrypted, format version {version},")), "{info}");
     }
-    // Unencrypted, the versions differ in nothing: version 1 unless asked, so that a
-    // ferry reading version 1 only can restore from it.
+    // Unencrypted: version 3 unless asked, 1 or 2 for a ferry that reads only those.
     let t = tempfile::tempdir().unwrap();
-    for (extra, version) in [(&[][..], 1), (&["--format-version", "2"][..], 2)] {
+    for (extra, version) in [(&[][..], 3), (&["--format-version", "2"][..], 2), (&["--format-version", "1"][..], 1)] {
         let r = t.path().join(format!("plain{version}"));
         let mut args = vec!["repo", "init"];
         args.extend_from_slice(extra);
@@ -210,7 +209,7 @@ fn each_format_version_is_read_and_written_in_its_own_version() {
         run_ok(&mut ferry_cmd(&args));
         assert_eq!(config_version(&r), version);
     }
-    let out = run_fails(&mut ferry_cmd(&["repo", "init", "--format-version", "3", s(&t.path().join("r"))]));
+    let out = run_fails(&mut ferry_cmd(&["repo", "init", "--format-version", "4", s(&t.path().join("r"))]));
     assert!(out.stderr.contains("--format-version"), "{}", out.describe());
 }
 

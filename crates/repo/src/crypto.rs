@@ -355,6 +355,9 @@ pub fn new_key(
 /// The additional data of the wrapped key (FORMAT.md §3).
 fn key_aad(ctx: KeyContext) -> Vec<u8> {
     let KeyContext { version, repo_id, chunk_size, page_entries } = ctx;
+    // Version 3 wraps its key as version 2 does: a repository upgraded in place keeps the
+    // key it had (FORMAT.md §3).
+    let version = if version == format::LOCATED_CONFIG_VERSION { 2 } else { version };
     format!("{} {version} {repo_id} {chunk_size} {page_entries}", format::FORMAT_NAME).into_bytes()
 }
 

@@ -11,11 +11,17 @@ pub const ZERO: Digest = [0; 32];
 pub const FORMAT_NAME: &str = "ferry-repository";
 /// The version of manifests and checkpoints (FORMAT.md §7, §7a).
 pub const VERSION: u32 = 1;
-/// The repository format version `init` writes in `config` (FORMAT.md §3): 2, whose
-/// encrypted objects are sealed with per-object keys (§4).
-pub const CONFIG_VERSION: u32 = 2;
+/// The version of a located manifest, whose pages are located pages (FORMAT.md §7c): in
+/// version 3 repositories only.
+pub const LOCATED_VERSION: u32 = 2;
+/// The repository format version whose snapshots are located (FORMAT.md §7c).
+pub const LOCATED_CONFIG_VERSION: u32 = 3;
+/// The repository format version `init` writes in `config` (FORMAT.md §3): 3, whose
+/// encrypted objects are sealed with per-object keys (§4a) and whose snapshots are
+/// located (§7c).
+pub const CONFIG_VERSION: u32 = 3;
 /// The repository format versions this ferry reads and writes, each as its version says.
-pub const CONFIG_VERSIONS: std::ops::RangeInclusive<u32> = 1..=CONFIG_VERSION;
+pub const CONFIG_VERSIONS: std::ops::RangeInclusive<u32> = 1..=LOCATED_CONFIG_VERSION;
 pub const PACK_MAGIC: &[u8; 8] = b"FERRYPK1";
 pub const INDEX_MAGIC: &[u8; 8] = b"FERRYIX1";
 /// `le32 trailer length || magic` at a pack's end.
@@ -316,6 +322,15 @@ impl Encryption {
 pub enum BlobKind {
     Data = 0,
     Page = 1,
+    /// A located page (FORMAT.md §7c): entries with the place of their chunks.
+    Located = 2,
+}
+
+impl BlobKind {
+    /// A page of either kind.
+    pub fn is_page(self) -> bool {
+        self != BlobKind::Data
+    }
 }
 
 /// One blob in a pack: from a trailer or an index object.
@@ -343,6 +358,7 @@ impl Limits {
         match kind {
             BlobKind::Data => self.chunk_size as usize,
             BlobKind::Page => 32 * self.page_entries as usize,
+            BlobKind::Located => 2 + LOCATED_ENTRY_LEN_PLUS_PACK * self.page_entries as usize,
         }
     }
 }
@@ -375,7 +391,13 @@ fn entry(b: &[u8], max_end: u64, limits: &Limits) -> Result<BlobEntry, FormatErr
     let kind = match b[32] {
         0 => BlobKind::Data,
         1 => BlobKind::Page,
-        k => return err(format!("blob {} has kind {k}, which is neither 0 (data) nor 1 (page)", hex(&id))),
+        2 => BlobKind::Located,
+        k => {
+            return err(format!(
+                "blob {} has kind {k}, which is none of 0 (data), 1 (page), 2 (located page)",
+                hex(&id)
+            ))
+        }
     };
     let e = BlobEntry { id, kind, offset: le32(b, 33), stored_len: le32(b, 37), plain_len: le32(b, 41) };
     if e.stored_len == 0 {
@@ -404,7 +426,11 @@ fn entry(b: &[u8], max_end: u64, limits: &Limits) -> Result<BlobEntry, FormatErr
             "blob {} has {} plain bytes; a {} blob has at most {}",
             hex(&id),
             e.plain_len,
-            if kind == BlobKind::Data { "data" } else { "page" },
+            match kind {
+                BlobKind::Data => "data",
+                BlobKind::Page => "page",
+                BlobKind::Located => "located page",
+            },
             limits.max_plain(kind)
         ));
     }
@@ -574,6 +600,203 @@ pub fn parse_page(plain: &[u8], entries: usize) -> Result<Vec<Digest>, FormatErr
     Ok(plain.chunks_exact(32).map(|c| c.try_into().unwrap_or(ZERO)).collect())
 }
 
+/// One entry of a located page: digest, pack number, offset, stored length.
+pub const LOCATED_ENTRY_LEN: usize = 42;
+/// A located page's bytes per entry at most: the entry and a pack id of its own.
+const LOCATED_ENTRY_LEN_PLUS_PACK: usize = LOCATED_ENTRY_LEN + 32;
+/// The pack number of an entry without a hint.
+pub const NO_PACK: u16 = 0xFFFF;
+
+/// Where a blob is hinted to be (FORMAT.md §7c): bytes `offset .. offset + stored_len` of
+/// the pack numbered `pack` in the page's (or manifest's) list; `pack` [`NO_PACK`] when
+/// there is no hint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Hint {
+    pub pack: u16,
+    pub offset: u32,
+    pub stored_len: u32,
+}
+
+impl Hint {
+    pub const NONE: Hint = Hint { pack: NO_PACK, offset: 0, stored_len: 0 };
+    pub fn is_none(&self) -> bool {
+        self.pack == NO_PACK
+    }
+}
+
+/// A blob's place, for a writer of hints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlobAt {
+    pub pack: Digest,
+    pub offset: u32,
+    pub stored_len: u32,
+}
+
+/// A located page, parsed: its packs, and each entry's digest and hint.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LocatedPage {
+    pub packs: Vec<Digest>,
+    pub entries: Vec<Digest>,
+    pub hints: Vec<Hint>,
+}
+
+impl LocatedPage {
+    /// Entry `i`'s hinted place, if it has one.
+    pub fn at(&self, i: usize) -> Option<BlobAt> {
+        let h = self.hints.get(i)?;
+        let pack = *self.packs.get(h.pack as usize)?;
+        Some(BlobAt { pack, offset: h.offset, stored_len: h.stored_len })
+    }
+}
+
+/// Checks a hint's range (FORMAT.md §7c): from 1 to `max_stored` bytes, within a pack's
+/// largest size.
+fn check_hint_range(offset: u32, stored_len: u32, max_stored: u64) -> Result<(), String> {
+    if stored_len == 0 || stored_len as u64 > max_stored || offset as u64 + stored_len as u64 > MAX_PACK {
+        return Err(format!(
+            "hints bytes {offset}..{} (from 1 to {max_stored} bytes within {MAX_PACK})",
+            offset as u64 + stored_len as u64
+        ));
+    }
+    Ok(())
+}
+
+/// The plain bytes of a located page of `entries`, each with its place in `at` (none for
+/// a zero entry, whatever `at` says): packs listed in the order of first use, so that the
+/// same entries and places make the same bytes. A page whose entries use more than 65535
+/// packs gives the entries after that no hint.
+pub fn encode_located_page(entries: &[Digest], at: &[Option<BlobAt>]) -> Vec<u8> {
+    let mut packs: Vec<Digest> = Vec::new();
+    let mut numbers: std::collections::HashMap<Digest, u16> = std::collections::HashMap::new();
+    let mut body = Vec::with_capacity(LOCATED_ENTRY_LEN * entries.len());
+    for (i, d) in entries.iter().enumerate() {
+        let place = at.get(i).copied().flatten().filter(|_| *d != ZERO);
+        let hint = place
+            .and_then(|p| {
+                let next = packs.len();
+                let no = match numbers.get(&p.pack) {
+                    Some(n) => *n,
+                    None if next < NO_PACK as usize => {
+                        numbers.insert(p.pack, next as u16);
+                        packs.push(p.pack);
+                        next as u16
+                    }
+                    None => return None,
+                };
+                Some(Hint { pack: no, offset: p.offset, stored_len: p.stored_len })
+            })
+            .unwrap_or(Hint::NONE);
+        body.extend_from_slice(d);
+        body.extend_from_slice(&hint.pack.to_le_bytes());
+        body.extend_from_slice(&hint.offset.to_le_bytes());
+        body.extend_from_slice(&hint.stored_len.to_le_bytes());
+    }
+    let mut v = Vec::with_capacity(2 + 32 * packs.len() + body.len());
+    v.extend_from_slice(&(packs.len() as u16).to_le_bytes());
+    packs.iter().for_each(|p| v.extend_from_slice(p));
+    v.extend_from_slice(&body);
+    v
+}
+
+/// A manifest's pages (version 2, FORMAT.md §7c) from each page's digest and place: the
+/// places as hints, their packs numbered in the order of first use (a page past the
+/// 65535th pack gets no hint).
+pub fn hinted_pages(pages: impl IntoIterator<Item = (Digest, Option<BlobAt>)>) -> (PackIds, Pages) {
+    let mut packs = PackIds::default();
+    let mut numbers: std::collections::HashMap<Digest, u16> = std::collections::HashMap::new();
+    let mut out = Pages::default();
+    for (d, at) in pages {
+        let hint = at.filter(|_| d != ZERO).and_then(|a| {
+            let next = packs.0.len();
+            let no = match numbers.get(&a.pack) {
+                Some(n) => *n,
+                None if next < NO_PACK as usize => {
+                    numbers.insert(a.pack, next as u16);
+                    packs.0.push(a.pack);
+                    next as u16
+                }
+                None => return None,
+            };
+            Some(Hint { pack: no, offset: a.offset, stored_len: a.stored_len })
+        });
+        match hint {
+            Some(h) => out.push_hinted(d, h),
+            None => out.push(d),
+        }
+    }
+    (packs, out)
+}
+
+/// Parses a located page (FORMAT.md §7c); its entries' count is told by its length. Every
+/// bound is checked before anything is allocated: the length against the pack count, each
+/// hint's pack number, range and order of first use, the packs' uniqueness.
+pub fn parse_located_page(plain: &[u8], limits: &Limits) -> Result<LocatedPage, FormatError> {
+    if plain.len() > limits.max_plain(BlobKind::Located) || plain.len() < 2 {
+        return err(format!("the located page is {} bytes long, which no located page is", plain.len()));
+    }
+    let pack_count = u16::from_le_bytes([plain[0], plain[1]]) as usize;
+    let rest = plain.len() - 2;
+    if rest < 32 * pack_count || !(rest - 32 * pack_count).is_multiple_of(LOCATED_ENTRY_LEN) {
+        return err(format!(
+            "the located page lists {pack_count} packs but is {} bytes long, which does not fit",
+            plain.len()
+        ));
+    }
+    let n = (rest - 32 * pack_count) / LOCATED_ENTRY_LEN;
+    if pack_count > n || n > limits.page_entries as usize {
+        return err(format!("the located page lists {pack_count} packs for {n} entries"));
+    }
+    let packs: Vec<Digest> =
+        plain[2..2 + 32 * pack_count].chunks_exact(32).map(|c| c.try_into().unwrap_or(ZERO)).collect();
+    let mut sorted = packs.clone();
+    sorted.sort_unstable();
+    if sorted.windows(2).any(|w| w[0] == w[1]) {
+        return err("the located page lists a pack twice");
+    }
+    let max_stored = limits.chunk_size as u64 + MAX_BLOB_OVERHEAD;
+    let mut page = LocatedPage { packs, entries: Vec::with_capacity(n), hints: Vec::with_capacity(n) };
+    let mut used = 0usize;
+    for (i, e) in plain[2 + 32 * pack_count..].chunks_exact(LOCATED_ENTRY_LEN).enumerate() {
+        let d: Digest = e[..32].try_into().unwrap_or(ZERO);
+        let hint = Hint { pack: u16::from_le_bytes([e[32], e[33]]), offset: le32(e, 34), stored_len: le32(e, 38) };
+        if hint.is_none() {
+            if hint != Hint::NONE {
+                return err(format!("entry {i} has no hint but an offset or length"));
+            }
+        } else {
+            if d == ZERO {
+                return err(format!("entry {i} is a zero chunk with a hint"));
+            }
+            match (hint.pack as usize).cmp(&used) {
+                std::cmp::Ordering::Less => {}
+                std::cmp::Ordering::Equal if used < pack_count => used += 1,
+                _ => return err(format!("entry {i} names pack {} out of the order of first use", hint.pack)),
+            }
+            check_hint_range(hint.offset, hint.stored_len, max_stored)
+                .map_err(|e| FormatError(format!("entry {i} {e}")))?;
+        }
+        page.entries.push(d);
+        page.hints.push(hint);
+    }
+    if used != pack_count {
+        return err(format!("the located page lists {pack_count} packs; its entries use {used}"));
+    }
+    Ok(page)
+}
+
+/// The entries of a page blob of `kind` (a page or a located page), checked.
+pub fn parse_any_page(kind: BlobKind, plain: &[u8], limits: &Limits) -> Result<Vec<Digest>, FormatError> {
+    match kind {
+        BlobKind::Located => Ok(parse_located_page(plain, limits)?.entries),
+        _ => {
+            if plain.is_empty() || !plain.len().is_multiple_of(32) {
+                return err(format!("the page has {} bytes, not a multiple of 32", plain.len()));
+            }
+            parse_page(plain, plain.len() / 32)
+        }
+    }
+}
+
 /// What a snapshot's change map was (FORMAT.md §7).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "kebab-case")]
@@ -600,10 +823,31 @@ pub struct SnapshotStats {
 /// `""`, an all-zero page), after the parser has checked it.
 pub trait PageList: Default {
     fn push(&mut self, d: Digest);
+    /// A page with a hint of where its blob is (manifest version 2, FORMAT.md §7c).
+    fn push_hinted(&mut self, d: Digest, hint: Hint);
     /// Pages so far.
     fn len(&self) -> u64;
     fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+    /// What the hints need checked against the manifest: how many pages have one, the
+    /// largest pack number and stored length among them.
+    fn hint_bounds(&self) -> HintBounds;
+}
+
+/// The hints of a manifest's pages, summed up for [`Manifest::validate`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HintBounds {
+    pub hinted: u64,
+    pub max_pack: u16,
+    pub max_stored: u32,
+}
+
+impl HintBounds {
+    fn add(&mut self, h: &Hint) {
+        self.hinted += 1;
+        self.max_pack = self.max_pack.max(h.pack);
+        self.max_stored = self.max_stored.max(h.stored_len);
     }
 }
 
@@ -618,10 +862,42 @@ pub struct Pages {
     present: Vec<u64>,
     /// The digests of the pages that are not all-zero, in page order.
     digests: Vec<Digest>,
+    /// Beside `digests`, each page's hint (FORMAT.md §7c); empty while no page has one.
+    hints: Vec<Hint>,
+    bounds: HintBounds,
+    /// The manifest's `page_packs`, which the hints name, once split from it
+    /// ([`Manifest::split`]).
+    packs: Vec<Digest>,
 }
 
 impl PageList for Pages {
     fn push(&mut self, d: Digest) {
+        if d != ZERO && !self.hints.is_empty() {
+            self.hints.push(Hint::NONE);
+        }
+        self.push_digest(d);
+    }
+    fn push_hinted(&mut self, d: Digest, hint: Hint) {
+        if hint.is_none() || d == ZERO {
+            return self.push(d);
+        }
+        if self.hints.is_empty() {
+            self.hints.resize(self.digests.len(), Hint::NONE);
+        }
+        self.hints.push(hint);
+        self.bounds.add(&hint);
+        self.push_digest(d);
+    }
+    fn len(&self) -> u64 {
+        self.len
+    }
+    fn hint_bounds(&self) -> HintBounds {
+        self.bounds
+    }
+}
+
+impl Pages {
+    fn push_digest(&mut self, d: Digest) {
         if self.len.is_multiple_of(64) {
             self.present.push(0);
         }
@@ -633,12 +909,7 @@ impl PageList for Pages {
         }
         self.len += 1;
     }
-    fn len(&self) -> u64 {
-        self.len
-    }
-}
 
-impl Pages {
     /// Each page's digest, [`ZERO`] for an all-zero page.
     pub fn iter(&self) -> impl Iterator<Item = Digest> + '_ {
         let mut nonzero = self.digests.iter();
@@ -651,6 +922,21 @@ impl Pages {
     pub fn nonzero(&self) -> &[Digest] {
         &self.digests
     }
+    /// The packs the hints name ([`Manifest::split`] moves them here).
+    pub fn packs(&self) -> &[Digest] {
+        &self.packs
+    }
+    /// Each page's digest and hint ([`Hint::NONE`] where it has none).
+    pub fn iter_hinted(&self) -> impl Iterator<Item = (Digest, Hint)> + '_ {
+        let mut k = 0usize;
+        self.iter().map(move |d| {
+            if d == ZERO {
+                return (d, Hint::NONE);
+            }
+            k += 1;
+            (d, self.hints.get(k - 1).copied().unwrap_or(Hint::NONE))
+        })
+    }
     /// Each page's digest, [`ZERO`] for an all-zero page.
     pub fn to_vec(&self) -> Vec<Digest> {
         self.iter().collect()
@@ -661,7 +947,7 @@ impl Pages {
     }
     /// The bytes it holds on the heap.
     pub fn heap_bytes(&self) -> usize {
-        self.present.capacity() * 8 + self.digests.capacity() * 32
+        self.present.capacity() * 8 + self.digests.capacity() * 32 + self.hints.capacity() * 12
     }
 }
 
@@ -684,11 +970,14 @@ impl Serialize for Pages {
         use serde::ser::SerializeSeq;
         let mut seq = s.serialize_seq(Some(self.len as usize))?;
         let mut buf = [0u8; 64];
-        for d in self.iter() {
+        for (d, h) in self.iter_hinted() {
             if d == ZERO {
                 seq.serialize_element("")?;
-            } else {
+            } else if h.is_none() {
                 seq.serialize_element(hex_into(&d, &mut buf))?;
+            } else {
+                let s = format!("{} {} {} {}", hex_into(&d, &mut buf), h.pack, h.offset, h.stored_len);
+                seq.serialize_element(&s)?;
             }
         }
         seq.end()
@@ -699,19 +988,50 @@ impl Serialize for Pages {
 /// listing snapshots needs (their pages are read again for the one snapshot that is
 /// used).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct PageCount(pub u64);
+pub struct PageCount(pub u64, pub HintBounds);
 
 impl PageList for PageCount {
     fn push(&mut self, _: Digest) {
         self.0 += 1;
     }
+    fn push_hinted(&mut self, _: Digest, hint: Hint) {
+        self.0 += 1;
+        self.1.add(&hint);
+    }
     fn len(&self) -> u64 {
         self.0
     }
+    fn hint_bounds(&self) -> HintBounds {
+        self.1
+    }
 }
 
-/// One element of `pages` as parsed: a digest, or a string that is none.
-struct PageString(Option<Digest>);
+/// One element of `pages` as parsed: a digest and maybe a hint, or a string that is none.
+struct PageString(Option<(Digest, Hint)>);
+
+/// Parses `"<64 hex> <pack> <offset> <stored_len>"` (decimal numbers, no signs, no
+/// leading zeros).
+fn parse_hinted(s: &str) -> Option<(Digest, Hint)> {
+    let mut it = s.split(' ');
+    let d = parse_digest(it.next()?)?;
+    let mut num = || -> Option<u32> {
+        let t = it.next()?;
+        let canonical = !t.is_empty()
+            && t.len() <= 10
+            && t.bytes().all(|b| b.is_ascii_digit())
+            && (t == "0" || !t.starts_with('0'));
+        canonical.then(|| t.parse().ok()).flatten()
+    };
+    let (pack, offset, stored_len) = (num()?, num()?, num()?);
+    if it.next().is_some()
+        || pack >= NO_PACK as u32
+        || d == ZERO
+        || check_hint_range(offset, stored_len, MAX_PACK).is_err()
+    {
+        return None;
+    }
+    Some((d, Hint { pack: pack as u16, offset, stored_len }))
+}
 
 impl<'de> Deserialize<'de> for PageString {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -722,7 +1042,11 @@ impl<'de> Deserialize<'de> for PageString {
                 f.write_str("a page digest (64 hex digits, or \"\")")
             }
             fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<PageString, E> {
-                Ok(PageString(if s.is_empty() { Some(ZERO) } else { parse_digest(s) }))
+                Ok(PageString(match s.len() {
+                    0 => Some((ZERO, Hint::NONE)),
+                    64 => parse_digest(s).map(|d| (d, Hint::NONE)),
+                    _ => parse_hinted(s),
+                }))
             }
         }
         d.deserialize_str(V)
@@ -746,10 +1070,11 @@ impl<'de, P: PageList> serde::de::Visitor<'de> for PagesVisitor<P> {
                 return Err(serde::de::Error::custom(format!("there are more than {MAX_PAGES} pages")));
             }
             match d {
-                Some(d) => pages.push(d),
+                Some((d, h)) if h.is_none() => pages.push(d),
+                Some((d, h)) => pages.push_hinted(d, h),
                 None => {
                     return Err(serde::de::Error::custom(format!(
-                        "page {i}'s digest is neither 64 hex digits nor \"\""
+                        "page {i}'s digest is neither 64 hex digits nor \"\" (nor, in version 2, one with its place)"
                     )))
                 }
             }
@@ -770,21 +1095,121 @@ impl<'de> Deserialize<'de> for PageCount {
     }
 }
 
-/// A snapshot manifest (FORMAT.md §7).
+/// What a manifest's `page_packs` are parsed into (FORMAT.md §7c): each pack id in turn,
+/// after the parser has checked it.
+pub trait PackList: Default {
+    fn push(&mut self, d: Digest);
+    fn len(&self) -> u64;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A manifest's `page_packs`: the packs its page hints name.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PackIds(pub Vec<Digest>);
+
+/// Only how many `page_packs` a manifest has: what a listing keeps.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PackCount(pub u64);
+
+impl PackList for PackIds {
+    fn push(&mut self, d: Digest) {
+        self.0.push(d);
+    }
+    fn len(&self) -> u64 {
+        self.0.len() as u64
+    }
+}
+
+impl PackList for PackCount {
+    fn push(&mut self, _: Digest) {
+        self.0 += 1;
+    }
+    fn len(&self) -> u64 {
+        self.0
+    }
+}
+
+impl Serialize for PackIds {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeSeq;
+        let mut seq = s.serialize_seq(Some(self.0.len()))?;
+        let mut buf = [0u8; 64];
+        for d in &self.0 {
+            seq.serialize_element(hex_into(d, &mut buf))?;
+        }
+        seq.end()
+    }
+}
+
+/// Parses `page_packs` into any [`PackList`]: at most [`MAX_PAGES`] pack ids of 64 hex
+/// digits each, checked as they come.
+struct PacksVisitor<K>(std::marker::PhantomData<K>);
+
+impl<'de, K: PackList> serde::de::Visitor<'de> for PacksVisitor<K> {
+    type Value = K;
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a list of pack ids")
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<K, A::Error> {
+        let mut packs = K::default();
+        while let Some(PageString(d)) = seq.next_element()? {
+            if packs.len() >= MAX_PAGES {
+                return Err(serde::de::Error::custom(format!("there are more than {MAX_PAGES} page packs")));
+            }
+            match d {
+                Some((d, h)) if d != ZERO && h.is_none() => packs.push(d),
+                _ => return Err(serde::de::Error::custom(format!("page pack {} is not 64 hex digits", packs.len()))),
+            }
+        }
+        Ok(packs)
+    }
+}
+
+impl<'de> Deserialize<'de> for PackIds {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_seq(PacksVisitor(std::marker::PhantomData))
+    }
+}
+
+impl<'de> Deserialize<'de> for PackCount {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_seq(PacksVisitor(std::marker::PhantomData))
+    }
+}
+
+fn no_packs<K: PackList>(k: &K) -> bool {
+    k.is_empty()
+}
+
+/// A snapshot manifest (FORMAT.md §7, version 2 §7c).
 ///
 /// `P` is what its pages are kept as: [`Pages`] (the digests, compactly) or, in a
-/// [`ManifestSummary`], [`PageCount`] (how many: what listing snapshots needs).
+/// [`ManifestSummary`], [`PageCount`] (how many: what listing snapshots needs); `K` its
+/// `page_packs`, likewise.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Manifest<P = Pages> {
+#[serde(bound(
+    serialize = "P: Serialize, K: Serialize + PackList",
+    deserialize = "P: Deserialize<'de>, K: Deserialize<'de> + PackList"
+))]
+pub struct Manifest<P = Pages, K = PackIds> {
     pub version: u32,
     pub name: String,
     pub time: String,
     pub size: u64,
     pub chunk_size: u32,
     pub page_entries: u32,
-    /// The page digests (in JSON: 64 hex digits, "" for an all-zero page).
+    /// The packs the pages' hints name (manifest version 2; FORMAT.md §7c).
+    #[serde(default, skip_serializing_if = "no_packs")]
+    pub page_packs: K,
+    /// The page digests (in JSON: 64 hex digits, "" for an all-zero page; version 2: with
+    /// a hint).
     pub pages: P,
     pub parent: Option<String>,
+    /// The version 1 manifest that `ferry repo migrate` made this one from (its id).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migrated_from: Option<String>,
     pub source: String,
     pub changes: Changes,
     pub blkhash: Option<String>,
@@ -835,28 +1260,62 @@ pub struct CopiedFrom {
 
 /// A manifest without its page digests (only their count): what lists, `info` and the
 /// resolution of names keep of each snapshot.
-pub type ManifestSummary = Manifest<PageCount>;
+pub type ManifestSummary = Manifest<PageCount, PackCount>;
 
 /// Parses and validates a manifest against the repository's limits: version, name,
 /// size, page count and digests, time. The digests are checked as they are parsed, and
 /// kept as `P` keeps them.
-pub fn parse_manifest<P: PageList + serde::de::DeserializeOwned>(
+pub fn parse_manifest<P: PageList + serde::de::DeserializeOwned, K: PackList + serde::de::DeserializeOwned>(
     json: &[u8],
     limits: &Limits,
-) -> Result<Manifest<P>, FormatError> {
-    let m: Manifest<P> = bounded_json(json, MAX_MANIFEST, "manifest")?;
+) -> Result<Manifest<P, K>, FormatError> {
+    let m: Manifest<P, K> = bounded_json(json, MAX_MANIFEST, "manifest")?;
     m.validate(limits)?;
     Ok(m)
 }
 
-impl<P: PageList> Manifest<P> {
+impl<P: PageList, K: PackList> Manifest<P, K> {
     /// The checks of [`Manifest::parse`], for a manifest made in memory.
     pub fn validate(&self, limits: &Limits) -> Result<(), FormatError> {
-        if self.version != VERSION {
-            return err(format!(
-                "the manifest has version {}; this ferry reads version {VERSION} only (use a newer ferry)",
-                self.version
-            ));
+        let hints = self.pages.hint_bounds();
+        match self.version {
+            VERSION => {
+                if hints.hinted > 0 || !self.page_packs.is_empty() || self.migrated_from.is_some() {
+                    return err("the manifest has version 1 but page hints, page packs or migrated_from (version 2's)");
+                }
+            }
+            LOCATED_VERSION => {
+                if self.page_packs.len() > self.pages.len() {
+                    return err(format!(
+                        "the manifest lists {} page packs for {} pages",
+                        self.page_packs.len(),
+                        self.pages.len()
+                    ));
+                }
+                if hints.hinted > 0 && hints.max_pack as u64 >= self.page_packs.len() {
+                    return err(format!(
+                        "a page hint names page pack {}; the manifest lists {}",
+                        hints.max_pack,
+                        self.page_packs.len()
+                    ));
+                }
+                let max = limits.max_plain(BlobKind::Located) as u64 + MAX_BLOB_OVERHEAD;
+                if hints.max_stored as u64 > max {
+                    return err(format!(
+                        "a page hint spans {} bytes; a located page is stored in at most {max}",
+                        hints.max_stored
+                    ));
+                }
+                if self.migrated_from.as_deref().is_some_and(|p| !is_hex(p, 64)) {
+                    return err("migrated_from is not a snapshot id (64 hex digits)");
+                }
+            }
+            v => {
+                return err(format!(
+                "the manifest has version {v}; this ferry reads versions {VERSION} and {LOCATED_VERSION} only (use a \
+                     newer ferry)"
+            ))
+            }
         }
         if !valid_name(&self.name) {
             return err(format!(
@@ -915,8 +1374,9 @@ impl<P: PageList> Manifest<P> {
         self.size.div_ceil(self.chunk_size as u64)
     }
 
-    /// The same manifest with its pages kept as `f` makes them of these.
-    pub fn map_pages<Q>(self, f: impl FnOnce(P) -> Q) -> Manifest<Q> {
+    /// The same manifest with its pages and page packs kept as `f` makes them of these.
+    pub fn map_pages<Q, L>(self, f: impl FnOnce(P, K) -> (Q, L)) -> Manifest<Q, L> {
+        let (pages, page_packs) = f(self.pages, self.page_packs);
         Manifest {
             version: self.version,
             name: self.name,
@@ -924,8 +1384,10 @@ impl<P: PageList> Manifest<P> {
             size: self.size,
             chunk_size: self.chunk_size,
             page_entries: self.page_entries,
-            pages: f(self.pages),
+            page_packs,
+            pages,
             parent: self.parent,
+            migrated_from: self.migrated_from,
             source: self.source,
             changes: self.changes,
             blkhash: self.blkhash,
@@ -955,15 +1417,21 @@ impl Manifest {
     pub fn page_digests(&self) -> Vec<Digest> {
         self.pages.to_vec()
     }
-    /// Its summary (the count of its pages for the pages), and its pages.
+    /// Its summary (the count of its pages for the pages), and its pages (which keep its
+    /// page packs, [`Pages::packs`]).
     pub fn split(self) -> (ManifestSummary, Pages) {
         let mut pages = Pages::default();
-        let summary = self.map_pages(|p| {
-            let n = p.len();
+        let summary = self.map_pages(|mut p, k| {
+            let counts = (PageCount(p.len(), p.hint_bounds()), PackCount(k.len()));
+            p.packs = k.0;
             pages = p;
-            PageCount(n)
+            counts
         });
         (summary, pages)
+    }
+    /// Whether its pages are located pages (FORMAT.md §7c).
+    pub fn located(&self) -> bool {
+        self.version == LOCATED_VERSION
     }
 }
 
@@ -1006,7 +1474,13 @@ impl Checkpoint {
     }
 
     pub fn validate(&self, limits: &Limits) -> Result<(), FormatError> {
-        let mut m = self.as_manifest_with(PageCount(self.pages.len()));
+        if self.version != VERSION {
+            return err(format!(
+                "the checkpoint has version {}; this ferry reads version {VERSION} only (use a newer ferry)",
+                self.version
+            ));
+        }
+        let mut m = self.as_manifest_with(PageCount(self.pages.len(), self.pages.hint_bounds()));
         m.parent = self.base.clone();
         m.validate(limits).map_err(|e| FormatError(e.0.replace("manifest", "checkpoint")))?;
         if self.identity.len() > MAX_IDENTITY {
@@ -1044,8 +1518,10 @@ impl Checkpoint {
             size: self.size,
             chunk_size: self.chunk_size,
             page_entries: self.page_entries,
+            page_packs: PackIds::default(),
             pages,
             parent: None,
+            migrated_from: None,
             source: self.source.clone(),
             changes: self.changes.clone(),
             blkhash: None,
@@ -1346,6 +1822,11 @@ pub fn fuzz(data: &[u8]) {
     if let Ok(p) = parse_page(data, data.len() / 32) {
         assert_eq!(encode_page(&p), data);
     }
+    if let Ok(p) = parse_located_page(data, &limits) {
+        let at: Vec<Option<BlobAt>> = (0..p.entries.len()).map(|i| p.at(i)).collect();
+        assert_eq!(encode_located_page(&p.entries, &at), data);
+        assert_eq!(parse_any_page(BlobKind::Located, data, &limits), Ok(p.entries));
+    }
     if let Ok(s) = std::str::from_utf8(data) {
         let _ = valid_name(s);
         if let Some(d) = parse_digest(s) {
@@ -1396,14 +1877,15 @@ mod tests {
 
         refused(&Config { format: "restic".into(), ..config() }, "format");
         Config::parse(&Config { version: 2, ..config() }.to_bytes()).unwrap();
-        refused(&Config { version: 3, ..config() }, "versions 1 to 2 only");
-        refused(&Config { version: 0, ..config() }, "versions 1 to 2 only");
+        Config::parse(&Config { version: 3, ..config() }.to_bytes()).unwrap();
+        refused(&Config { version: 4, ..config() }, "versions 1 to 3 only");
+        refused(&Config { version: 0, ..config() }, "versions 1 to 3 only");
         // A later version is told as such even when its fields are new.
         let mut later: serde_json::Value = serde_json::from_slice(&c.to_bytes()).unwrap();
-        later["version"] = 3.into();
+        later["version"] = 4.into();
         later["new_field"] = 1.into();
         let e = Config::parse(later.to_string().as_bytes()).unwrap_err();
-        assert!(e.0.contains("format version 3"), "{e}");
+        assert!(e.0.contains("format version 4"), "{e}");
         refused(&Config { id: "AB".repeat(32), ..config() }, "id");
         refused(&Config { id: "ab".repeat(31), ..config() }, "id");
         refused(&Config { created: "yesterday".into(), ..config() }, "RFC 3339");
@@ -1531,8 +2013,8 @@ mod tests {
         e[2].stored_len = 0;
         bad(e, 151, "stored length of 0");
         let mut b = t.clone();
-        b[4 + 32] = 2;
-        assert!(parse_trailer(&b, 151, &L).unwrap_err().0.contains("kind 2"));
+        b[4 + 32] = 3;
+        assert!(parse_trailer(&b, 151, &L).unwrap_err().0.contains("kind 3"));
     }
 
     #[test]
@@ -1596,6 +2078,149 @@ mod tests {
         assert_eq!(parse_page(&[], 0).unwrap(), Vec::<Digest>::new());
     }
 
+    fn at(pack: u8, offset: u32, stored_len: u32) -> Option<BlobAt> {
+        Some(BlobAt { pack: [pack; 32], offset, stored_len })
+    }
+
+    #[test]
+    fn located_pages_round_trip_and_are_canonical() {
+        let l = Limits { chunk_size: 65536, page_entries: 16 };
+        let e = [[1u8; 32], ZERO, [3; 32], [4; 32], [5; 32]];
+        // Pack 9 used first, then 7; a zero entry's place is ignored; one chunk unknown.
+        let places = [at(9, 100, 50), at(7, 0, 10), at(7, 10, 20), None, at(9, 0, 100)];
+        let p = encode_located_page(&e, &places);
+        assert_eq!(p.len(), 2 + 2 * 32 + 5 * LOCATED_ENTRY_LEN);
+        let page = parse_located_page(&p, &l).unwrap();
+        assert_eq!(page.packs, vec![[9; 32], [7; 32]]);
+        assert_eq!(page.entries, e);
+        assert_eq!(page.at(0), at(9, 100, 50));
+        assert_eq!(page.at(1), None);
+        assert_eq!(page.at(2), at(7, 10, 20));
+        assert_eq!(page.at(3), None);
+        assert_eq!(page.at(4), at(9, 0, 100));
+        assert_eq!(parse_any_page(BlobKind::Located, &p, &l).unwrap(), e);
+        // The same entries and places make the same bytes.
+        let again: Vec<Option<BlobAt>> = (0..5).map(|i| page.at(i)).collect();
+        assert_eq!(encode_located_page(&e, &again), p);
+        // No places at all: no packs.
+        let bare = encode_located_page(&e, &[]);
+        assert_eq!(bare.len(), 2 + 5 * LOCATED_ENTRY_LEN);
+        assert!(parse_located_page(&bare, &l).unwrap().hints.iter().all(Hint::is_none));
+        assert!(p.len() <= l.max_plain(BlobKind::Located));
+    }
+
+    #[test]
+    fn located_pages_that_break_a_rule_are_refused() {
+        let l = Limits { chunk_size: 65536, page_entries: 16 };
+        let e = [[1u8; 32], [2; 32]];
+        let good = encode_located_page(&e, &[at(9, 0, 10), at(7, 10, 20)]);
+        let bad = |edit: &dyn Fn(&mut Vec<u8>), why: &str| {
+            let mut p = good.clone();
+            edit(&mut p);
+            let e = parse_located_page(&p, &l).unwrap_err().0;
+            assert!(e.contains(why), "{why}: {e}");
+        };
+        let entry = 2 + 2 * 32;
+        let hint_at = |k: usize| entry + k * LOCATED_ENTRY_LEN + 32;
+        bad(&|p| p.truncate(p.len() - 1), "does not fit");
+        bad(&|p| p.push(0), "does not fit");
+        bad(&|p| p[0] = 3, "does not fit");
+        bad(&|p| p[2..34].copy_from_slice(&[7; 32]), "twice");
+        // The second entry names pack 0 too: pack 1 is unused.
+        bad(&|p| p[hint_at(1)..hint_at(1) + 2].copy_from_slice(&0u16.to_le_bytes()), "use 1");
+        // The first entry names pack 1 before pack 0 is used.
+        bad(&|p| p[hint_at(0)..hint_at(0) + 2].copy_from_slice(&1u16.to_le_bytes()), "order of first use");
+        bad(&|p| p[hint_at(0)..hint_at(0) + 2].copy_from_slice(&2u16.to_le_bytes()), "order of first use");
+        bad(&|p| p[hint_at(0) + 6..hint_at(0) + 10].copy_from_slice(&0u32.to_le_bytes()), "from 1 to");
+        bad(&|p| p[hint_at(0) + 6..hint_at(0) + 10].copy_from_slice(&(65536u32 + 30).to_le_bytes()), "from 1 to");
+        bad(&|p| p[hint_at(0) + 2..hint_at(0) + 6].copy_from_slice(&u32::MAX.to_le_bytes()), "from 1 to");
+        // A zero chunk with a hint; no hint but a length.
+        bad(&|p| p[entry..entry + 32].fill(0), "zero chunk");
+        let none = encode_located_page(&e, &[at(9, 0, 10), None]);
+        let mut p = none.clone();
+        let h = 2 + 32 + LOCATED_ENTRY_LEN + 32 + 6;
+        p[h..h + 4].copy_from_slice(&5u32.to_le_bytes());
+        assert!(parse_located_page(&p, &l).unwrap_err().0.contains("no hint but"));
+        // More entries than a page holds; more packs than entries.
+        let long = encode_located_page(&[[1u8; 32]; 17], &[]);
+        assert!(parse_located_page(&long, &l).is_err());
+        let mut p = encode_located_page(&[[1u8; 32]], &[]);
+        p[0] = 2;
+        p.splice(2..2, [[5u8; 32], [6u8; 32]].concat());
+        assert!(parse_located_page(&p, &l).unwrap_err().0.contains("2 packs for 1 entries"));
+        assert!(parse_located_page(&[], &l).is_err());
+    }
+
+    /// A version 2 manifest of `manifest()`'s pages, with hints.
+    fn located_manifest() -> Manifest {
+        let mut m = manifest();
+        m.version = LOCATED_VERSION;
+        let places = [at(1, 0, 300), None, None, at(2, 77, 400)];
+        let (packs, pages) = hinted_pages(m.pages.iter().zip(places));
+        m.pages = pages;
+        m.page_packs = packs;
+        m.migrated_from = Some("ab".repeat(32));
+        m
+    }
+
+    #[test]
+    fn located_manifests_round_trip_with_their_hints() {
+        let m = located_manifest();
+        m.validate(&Limits::DEFAULT).unwrap();
+        let json = m.to_bytes();
+        let text = String::from_utf8(json.clone()).unwrap();
+        assert!(text.contains(&format!("\"{} 0 0 300\"", hex(&[0xab; 32]))), "{text}");
+        assert!(text.contains(&format!("\"{} 1 77 400\"", hex(&[0xef; 32]))), "{text}");
+        assert!(text.contains(&format!("\"{}\"", hex(&[0xcd; 32]))), "{text}");
+        let back = Manifest::parse(&json, &Limits::DEFAULT).unwrap();
+        assert_eq!(back, m);
+        let hinted: Vec<(Digest, Hint)> = back.pages.iter_hinted().collect();
+        assert_eq!(hinted[0].1, Hint { pack: 0, offset: 0, stored_len: 300 });
+        assert!(hinted[1].1.is_none() && hinted[2].1.is_none());
+        assert_eq!(hinted[3].1, Hint { pack: 1, offset: 77, stored_len: 400 });
+        let (summary, pages) = back.split();
+        assert_eq!(pages.packs(), &[[1u8; 32], [2u8; 32]]);
+        assert_eq!(summary.page_packs, PackCount(2));
+        assert_eq!(Manifest::parse_summary(&json, &Limits::DEFAULT).unwrap(), summary);
+        // A version 1 manifest has no hints.
+        assert_eq!(String::from_utf8(manifest().to_bytes()).unwrap().matches("page_packs").count(), 0);
+    }
+
+    #[test]
+    fn located_manifests_that_break_a_rule_are_refused() {
+        let l = Limits::DEFAULT;
+        let refused = |m: &Manifest, why: &str| {
+            let json = m.to_bytes();
+            let e = Manifest::parse(&json, &l).unwrap_err().0;
+            assert!(e.contains(why), "{why}: {e}");
+            assert!(Manifest::parse_summary(&json, &l).is_err());
+        };
+        let mut m = located_manifest();
+        m.version = 1;
+        refused(&m, "version 1 but");
+        let mut m = located_manifest();
+        m.page_packs.0.pop();
+        refused(&m, "names page pack 1");
+        let mut m = located_manifest();
+        m.page_packs.0.extend([[3u8; 32], [4; 32], [5; 32]]);
+        refused(&m, "5 page packs for 4 pages");
+        let mut m = located_manifest();
+        m.migrated_from = Some("xyz".into());
+        refused(&m, "migrated_from");
+        let mut m = located_manifest();
+        m.version = 3;
+        refused(&m, "versions 1 and 2 only");
+        // Hints that are not canonical, or out of bounds, are no page at all.
+        let text = String::from_utf8(located_manifest().to_bytes()).unwrap();
+        let d = hex(&[0xab; 32]);
+        for bad in ["0 00 300", "0 0 0", "0 +1 300", "65535 0 300", "0 0 300 1", "0 0", "0 4294967295 300"] {
+            let json = text.replace(&format!("{d} 0 0 300"), &format!("{d} {bad}"));
+            assert!(Manifest::parse(json.as_bytes(), &l).is_err(), "{bad}");
+        }
+        let json = text.replace(&format!("{d} 0 0 300"), &format!("{d} 0 0 {}", 32 * 256 * 3));
+        assert!(Manifest::parse(json.as_bytes(), &l).unwrap_err().0.contains("spans"));
+    }
+
     fn manifest() -> Manifest {
         // 3 full pages and one chunk more: 4 pages.
         let size = 3 * 256 * 65536 + 1000;
@@ -1606,8 +2231,10 @@ mod tests {
             size,
             chunk_size: 65536,
             page_entries: 256,
+            page_packs: PackIds::default(),
             pages: [[0xab; 32], ZERO, [0xcd; 32], [0xef; 32]].into_iter().collect(),
             parent: Some("12".repeat(32)),
+            migrated_from: None,
             source: "nbd+unix:///?socket=/tmp/s".into(),
             changes: Changes::DirtyBitmap { bitmap: "b0".into() },
             blkhash: Some("34".repeat(32)),
@@ -1717,7 +2344,7 @@ mod tests {
         assert_eq!(Manifest::parse(&escaped, &L).unwrap(), m);
         // A summary keeps the count only, and is the manifest's.
         let s = Manifest::parse_summary(&m.to_bytes(), &L).unwrap();
-        assert_eq!(s.pages, PageCount(4));
+        assert_eq!(s.pages, PageCount(4, HintBounds::default()));
         assert_eq!(m.clone().split(), (s, m.pages.clone()));
         assert_eq!(m.pages.nonzero(), [[0xab; 32], [0xcd; 32], [0xef; 32]]);
         assert_eq!(m.page_digests(), [[0xab; 32], ZERO, [0xcd; 32], [0xef; 32]]);
@@ -1791,7 +2418,7 @@ mod tests {
         let p = Manifest::parse(&json, &L).unwrap().pages;
         assert_eq!((p.count(), p.nonzero().len()), (MAX_PAGES, 0));
         assert!(p.heap_bytes() <= (MAX_PAGES / 8 + 64) as usize, "{} bytes", p.heap_bytes());
-        assert_eq!(Manifest::parse_summary(&json, &L).unwrap().pages, PageCount(MAX_PAGES));
+        assert_eq!(Manifest::parse_summary(&json, &L).unwrap().pages, PageCount(MAX_PAGES, HintBounds::default()));
         let more = with_pages(&m, &format!("[{}\"\"]", "\"\",".repeat(MAX_PAGES as usize)));
         let e = Manifest::parse_summary(&more, &L).unwrap_err().0;
         assert!(e.contains("more than 16777216 pages"), "{e}");
@@ -1825,7 +2452,7 @@ mod tests {
             let e = Manifest::parse(&m.to_bytes(), &L).unwrap_err();
             assert!(e.0.contains(what), "{what}: {e}");
         };
-        bad(&|m| m.version = 2, "version");
+        bad(&|m| m.version = 3, "version");
         bad(&|m| m.name = String::new(), "disk name");
         bad(&|m| m.name = ".hidden".into(), "disk name");
         bad(&|m| m.name = "a/b".into(), "disk name");
@@ -1956,6 +2583,10 @@ mod tests {
         let trailer = &p[p.len() - PACK_TAIL - n..p.len() - PACK_TAIL];
         assert_eq!(parse_trailer(trailer, (p.len() - PACK_TAIL - n) as u64, &L).unwrap().len(), 3);
         assert_eq!(parse_page(&seed("page.bin"), 3).unwrap().len(), 3);
+        let l = parse_located_page(&seed("located-page.bin"), &L).unwrap();
+        assert_eq!((l.packs.len(), l.entries.len()), (2, 4));
+        let m = Manifest::parse(&seed("manifest-located.json"), &L).unwrap();
+        assert_eq!((m.version, m.page_packs.0.len(), m.pages.hint_bounds().hinted), (LOCATED_VERSION, 2, 2));
         for name in ["blob-raw.bin", "blob-zstd.bin"] {
             let b = seed(name);
             let plain = crate::blob::decode(&crate::crypto::Crypto::None, BlobKind::Data, &[0; 32], &b, 65536);
@@ -1974,6 +2605,8 @@ mod tests {
             pack_tail(10).to_vec(),
             encode_page(&[[5; 32]; 4]),
             hex(&[7; 32]).into_bytes(),
+            located_manifest().to_bytes(),
+            encode_located_page(&[[1; 32], ZERO, [3; 32]], &[at(9, 100, 50), None, at(7, 0, 10)]),
         ];
         seeds.push(Config { encryption: Some(encryption()), ..config() }.to_bytes());
         seeds.push(Config { encryption: Some(encryption()), version: 2, ..config() }.to_bytes());

@@ -285,9 +285,14 @@ impl Finding {
 fn findings(r: &Record, snaps: &[SnapshotInfo], unreadable: &HashSet<&str>) -> Vec<Finding> {
     let list = Listing::new(snaps);
     let forgotten: HashMap<&str, &Gone> = r.forgotten.iter().map(|g| (g.id.as_str(), g)).collect();
+    // A snapshot that `ferry repo migrate` made again under a new id is still there.
+    let migrated: HashSet<&str> = snaps.iter().filter_map(|s| s.manifest.migrated_from.as_deref()).collect();
     let mut out = Vec::new();
     for (disk, seen) in &r.disks {
-        if list.present.contains(seen.id.as_str()) || forgotten.contains_key(seen.id.as_str()) {
+        if list.present.contains(seen.id.as_str())
+            || migrated.contains(seen.id.as_str())
+            || forgotten.contains_key(seen.id.as_str())
+        {
             continue;
         }
         if list.after(disk, seen).is_some() {

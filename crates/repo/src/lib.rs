@@ -69,6 +69,8 @@
 //!                    gc deletes them once the backups that ran then have ended
 //! recover.rs         repair (index objects rebuilt from pack trailers, unreadable objects
 //!                    removed), unlock (stale locks removed)
+//! migrate.rs         `ferry repo migrate`: a version 1 or 2 repository upgraded to 3 in
+//!                    place (located pages and version 2 manifests, crash-safe)
 //! known.rs           this host's record of each repository it used (id, encryption and
 //!                    key fingerprint, each disk's newest snapshot, what it forgot), so a
 //!                    store that went back or lost its encryption is noticed
@@ -118,7 +120,11 @@
 //!    by the SHA-256 of its bytes: `data/HH/ID`) by the worker that filled it, with at most
 //!    two packs on their way to the store at once (bounded memory).
 //! 6. `commit`: the pending parts of chunks; the index pages that changed (a page covers
-//!    16 MiB of the disk and is a blob itself, so unchanged pages are the base's); the last
+//!    16 MiB of the disk and is a blob itself, so unchanged pages are the base's). In a
+//!    version 3 repository (FORMAT.md §7c) the data packs are closed first and the pages
+//!    are *located*: each entry says where its chunk is (this backup's pack, else the
+//!    base's hint, else the index), and a base page is kept only when every pack it names
+//!    is present and not condemned; the manifest says where each page is. Then the last
 //!    pack; one index object for this backup's packs (`index/ID`); then the manifest
 //!    (`snapshots/ID`: the time of this host's clock, size, page digests, parent, source,
 //!    kind of change map, blkhash, stats); then the lock is released. A crash before the manifest leaves only
@@ -130,7 +136,10 @@
 //!    time, each kept as a summary without its page digests), opens the index through this
 //!    host's cache (as a backup does, with every copy), reads that snapshot's manifest again
 //!    for its page digests ([`Repository::pages`]) and reads its pages: the digest of every
-//!    chunk. The allocation map (`Backend::extents`)
+//!    chunk. A located snapshot (version 3) reads each page where its manifest's hint says
+//!    and keeps each chunk's hint (12 bytes); the index is opened only when a hint fails
+//!    (a pack gone since a gc repacked it, a range that does not decode or match its
+//!    digest), and each chunk is then read from its hint first, its index copies after. The allocation map (`Backend::extents`)
 //!    comes from these entries: zero entries are holes, never read.
 //! 2. `SnapshotImage::read(buf, offset)` splits the range by chunk. A zero entry is filled
 //!    with zeroes; a chunk read in part may come from the cache of decoded chunks (sharded
@@ -185,6 +194,7 @@ pub mod known;
 pub mod lock;
 pub mod maint;
 mod memory;
+pub mod migrate;
 mod reader;
 pub mod recover;
 mod repo;

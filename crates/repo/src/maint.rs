@@ -1,6 +1,6 @@
 //! Repository maintenance: check, verify, forget, gc, stats.
 use crate::damage::{pack_id, prefer_good, prune_records, DamageSet, DamagedCopies};
-use crate::format::{self, BlobEntry, BlobKind, DamagedPack, Digest, LockKind, PackBlobs, Pages, ZERO};
+use crate::format::{self, BlobEntry, DamagedPack, Digest, LockKind, PackBlobs, Pages, ZERO};
 use crate::repo::{
     pack_name, par_map, parse_time, sha256, BlkHasher, ByteBudget, Index, Repository, SnapshotInfo, AAD_TRAILER,
     FETCH_THREADS,
@@ -1304,7 +1304,7 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
     for (name, ps) in objects {
         let mut page_packs = Vec::new();
         for p in ps {
-            let pages: Vec<BlobEntry> = p.blobs.iter().filter(|b| b.kind == BlobKind::Page).copied().collect();
+            let pages: Vec<BlobEntry> = p.blobs.iter().filter(|b| b.kind.is_page()).copied().collect();
             if !pages.is_empty() {
                 page_packs.push(PackBlobs { pack: p.pack, blobs: pages });
             }

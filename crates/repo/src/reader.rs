@@ -10,7 +10,7 @@
 //! thread, sized by the memory this process may use ([`default_cache_bytes`]); chunks read
 //! whole (a restore) are not.
 use crate::format::{self, BlobKind, Digest, ZERO};
-use crate::repo::{blkhash_of, pack_name, Location, Repository, SnapshotInfo};
+use crate::repo::{blkhash_of, pack_name, ChunkHints, Location, Repository, SnapshotInfo};
 use crate::runs::{BlobLookup, RunIndex};
 use crate::Result;
 use ferry_backend::{push_extent, Backend, Capabilities, Extent, IoQueue, DATA, HOLE};
@@ -60,8 +60,11 @@ pub struct SnapshotImage {
     pool: OnceLock<Option<Pool>>,
     repo: Arc<Repository>,
     snap: SnapshotInfo,
-    /// Reloaded when a pack it names is gone (a gc moved the blobs while we read).
-    index: RwLock<Arc<RunIndex>>,
+    /// Reloaded when a pack it names is gone (a gc moved the blobs while we read). A
+    /// located snapshot (FORMAT.md §7c) opens it only when a hint fails.
+    index: RwLock<Option<Arc<RunIndex>>>,
+    /// Where the chunks are hinted to be (a located snapshot); tried before the index.
+    hints: ChunkHints,
     reload: Mutex<()>,
     /// Packs found missing: a chunk with another copy is read from that one. `any_gone`
     /// keeps the common read (no pack missing) from taking this lock.
@@ -116,8 +119,20 @@ impl SnapshotImage {
     /// for all the snapshots this process has open together (each keeps at least
     /// [`MIN_CACHE_BYTES`]).
     pub fn open_with_cache(repo: Arc<Repository>, snap: &SnapshotInfo, cache_bytes: u64) -> Result<Arc<SnapshotImage>> {
-        let index = RunIndex::open(&repo)?;
-        let entries = repo.entries(&index, snap)?;
+        let (index, entries, hints) = if snap.manifest.version == format::LOCATED_VERSION {
+            let lazy = LazyIndex::new(&repo);
+            let got = repo.entries_hinted(&lazy, snap, true);
+            let (index, failed) = lazy.into_parts();
+            match (got, failed) {
+                (Ok((entries, hints)), _) => (index, entries, hints),
+                (Err(_), Some(e)) => return Err(e),
+                (Err(e), None) => return Err(e),
+            }
+        } else {
+            let index = RunIndex::open(&repo)?;
+            let entries = repo.entries(&index, snap)?;
+            (Some(Arc::new(index)), entries, ChunkHints::default())
+        };
         Ok(Arc::new_cyclic(|me| SnapshotImage {
             me: me.clone(),
             pool: OnceLock::new(),
@@ -127,7 +142,8 @@ impl SnapshotImage {
             size: snap.manifest.size,
             repo,
             snap: snap.clone(),
-            index: RwLock::new(Arc::new(index)),
+            index: RwLock::new(index),
+            hints,
             reload: Mutex::new(()),
             gone: RwLock::new(HashSet::new()),
             any_gone: AtomicBool::new(false),
@@ -281,12 +297,46 @@ impl SnapshotImage {
     fn reload_index(&self, used: &Arc<RunIndex>) -> Result<Arc<RunIndex>> {
         let _one = self.reload.lock().unwrap_or_else(|e| e.into_inner());
         let cur = self.index.read().unwrap_or_else(|e| e.into_inner()).clone();
-        if !Arc::ptr_eq(&cur, used) {
+        if let Some(cur) = cur.filter(|c| !Arc::ptr_eq(c, used)) {
             return Ok(cur);
         }
         let fresh = Arc::new(RunIndex::open(&self.repo)?);
-        *self.index.write().unwrap_or_else(|e| e.into_inner()) = fresh.clone();
+        *self.index.write().unwrap_or_else(|e| e.into_inner()) = Some(fresh.clone());
         Ok(fresh)
+    }
+
+    /// The index, opened now if no read needed it before (a located snapshot whose hint
+    /// failed: FORMAT.md §7c).
+    fn open_index(&self) -> Result<Arc<RunIndex>> {
+        if let Some(i) = self.index.read().unwrap_or_else(|e| e.into_inner()).clone() {
+            return Ok(i);
+        }
+        let _one = self.reload.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = self.index.read().unwrap_or_else(|e| e.into_inner()).clone() {
+            return Ok(i);
+        }
+        log::info!("a hint of snapshot {} failed: its chunks are looked up in the index from now on", self.shown_id());
+        let fresh = Arc::new(RunIndex::open(&self.repo)?);
+        *self.index.write().unwrap_or_else(|e| e.into_inner()) = Some(fresh.clone());
+        Ok(fresh)
+    }
+
+    /// Chunk `ci`'s hinted place as a location, unless it has none or its pack was found
+    /// missing.
+    fn hinted(&self, ci: u64) -> Option<Location> {
+        let at = self.hints.get(ci as usize)?;
+        if self.any_gone.load(Ordering::Relaxed)
+            && self.gone.read().unwrap_or_else(|e| e.into_inner()).contains(&at.pack)
+        {
+            return None;
+        }
+        Some(Location {
+            pack: at.pack,
+            kind: BlobKind::Data,
+            offset: at.offset,
+            stored_len: at.stored_len,
+            plain_len: self.chunk_len(ci) as u32,
+        })
     }
 
     /// An I/O error for a range whose data could not be had from the store (a network or
@@ -347,9 +397,13 @@ impl SnapshotImage {
         }
     }
 
-    /// The location to read `id` from: its first, unless that pack was found missing and
-    /// another copy is not.
-    fn pick(&self, index: &RunIndex, id: &Digest) -> Option<Location> {
+    /// The location to read chunk `ci` (blob `id`) from: its hint, else its first copy
+    /// in the index, unless that pack was found missing and another copy is not.
+    fn pick(&self, index: Option<&RunIndex>, ci: u64, id: &Digest) -> Option<Location> {
+        if let Some(l) = self.hinted(ci) {
+            return Some(l);
+        }
+        let index = index?;
         let first = index.first(id)?;
         if !self.any_gone.load(Ordering::Relaxed) {
             return Some(first);
@@ -378,7 +432,10 @@ impl SnapshotImage {
     ) -> Result<Vec<u8>, Failure> {
         let mut whys: Vec<String> = Vec::new();
         let (mut all_gone, mut store_error) = (true, None);
-        for loc in index.locations(&id) {
+        // The hint first (FORMAT.md §7c); the index's copies after it.
+        let hinted = self.hinted(ci);
+        let copies = index.locations(&id).into_iter().filter(|l| Some(*l) != hinted);
+        for loc in hinted.into_iter().chain(copies) {
             let pack = pack_name(&loc.pack);
             match self.repo.store.get_range(&pack, loc.offset as u64, loc.stored_len as u64) {
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {
@@ -437,7 +494,7 @@ impl SnapshotImage {
         Ok(())
     }
 
-    fn read_with(&self, index: &RunIndex, buf: &mut [u8], offset: u64, ahead: u64) -> Result<(), Failure> {
+    fn read_with(&self, index: Option<&RunIndex>, buf: &mut [u8], offset: u64, ahead: u64) -> Result<(), Failure> {
         let length = buf.len() as u64;
         let end = offset + length;
         let first = offset / self.cs;
@@ -450,7 +507,7 @@ impl SnapshotImage {
                 continue;
             }
             let id = self.repo.crypto.blob_id(&self.entries[ci as usize]);
-            let Some(loc) = self.pick(index, &id) else {
+            let Some(loc) = self.pick(index, ci, &id) else {
                 return Err(Failure::PackGone(self.damage(
                     offset,
                     length,
@@ -470,7 +527,7 @@ impl SnapshotImage {
                     continue;
                 }
                 let id = self.repo.crypto.blob_id(d);
-                if let Some(loc) = self.pick(index, &id) {
+                if let Some(loc) = self.pick(index, ci, &id) {
                     wants.push(Want { ci, id, loc, ahead: true });
                 }
             }
@@ -537,6 +594,48 @@ impl SnapshotImage {
 impl Drop for SnapshotImage {
     fn drop(&mut self) {
         CACHED.fetch_sub(self.cached.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
+}
+
+/// The index opened on its first lookup: a located snapshot's pages are read where
+/// their hints say, and the index only where one fails (FORMAT.md §7c).
+struct LazyIndex<'a> {
+    repo: &'a Arc<Repository>,
+    index: OnceLock<Option<Arc<RunIndex>>>,
+    failed: Mutex<Option<crate::Error>>,
+}
+
+impl<'a> LazyIndex<'a> {
+    fn new(repo: &'a Arc<Repository>) -> LazyIndex<'a> {
+        LazyIndex { repo, index: OnceLock::new(), failed: Mutex::new(None) }
+    }
+    fn get(&self) -> Option<&RunIndex> {
+        self.index
+            .get_or_init(|| match RunIndex::open(self.repo) {
+                Ok(i) => Some(Arc::new(i)),
+                Err(e) => {
+                    *self.failed.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
+                    None
+                }
+            })
+            .as_deref()
+    }
+    /// The index if it was opened, and why it could not be.
+    fn into_parts(self) -> (Option<Arc<RunIndex>>, Option<crate::Error>) {
+        let failed = self.failed.into_inner().unwrap_or_else(|e| e.into_inner());
+        (self.index.into_inner().flatten(), failed)
+    }
+}
+
+impl BlobLookup for LazyIndex<'_> {
+    fn locations(&self, id: &Digest) -> Vec<Location> {
+        self.get().map_or_else(Vec::new, |i| i.locations(id))
+    }
+    fn first(&self, id: &Digest) -> Option<Location> {
+        self.get()?.first(id)
+    }
+    fn contains(&self, id: &Digest) -> bool {
+        self.get().is_some_and(|i| i.contains(id))
     }
 }
 
@@ -723,19 +822,22 @@ impl Backend for SnapshotImage {
         }
         let ahead = self.ahead_for(offset, offset + length);
         let index = self.index.read().unwrap_or_else(|e| e.into_inner()).clone();
-        match self.read_with(&index, buf, offset, ahead) {
+        match self.read_with(index.as_deref(), buf, offset, ahead) {
             Ok(()) => Ok(()),
             Err(Failure::Unreadable(e)) => Err(e),
-            // A copy missing or damaged: each chunk from any of its copies.
-            Err(_) => match self.read_each(&index, buf, offset) {
-                Err(Failure::PackGone(_)) => {
-                    // A gc repacked what this snapshot uses: its blobs are in new packs.
-                    let fresh = self.reload_index(&index).map_err(|e| {
-                        ferry_backend::Error::io("read", offset, length, io::Error::other(e.to_string()))
-                    })?;
-                    self.read_each(&fresh, buf, offset).map_err(Failure::into_error)
-                }
-                r => r.map_err(Failure::into_error),
+            // A copy missing or damaged (or a hint wrong): each chunk from any of its copies.
+            Err(_) => match self.open_index() {
+                Err(e) => Err(ferry_backend::Error::io("read", offset, length, io::Error::other(e.to_string()))),
+                Ok(index) => match self.read_each(&index, buf, offset) {
+                    Err(Failure::PackGone(_)) => {
+                        // A gc repacked what this snapshot uses: its blobs are in new packs.
+                        let fresh = self.reload_index(&index).map_err(|e| {
+                            ferry_backend::Error::io("read", offset, length, io::Error::other(e.to_string()))
+                        })?;
+                        self.read_each(&fresh, buf, offset).map_err(Failure::into_error)
+                    }
+                    r => r.map_err(Failure::into_error),
+                },
             },
         }
     }

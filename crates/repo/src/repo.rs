@@ -64,6 +64,15 @@ impl Location {
     pub fn of(pack: Digest, e: &format::BlobEntry) -> Location {
         Location { pack, kind: e.kind, offset: e.offset, stored_len: e.stored_len, plain_len: e.plain_len }
     }
+    /// Its place, as a hint gives it (FORMAT.md §7c).
+    pub fn at(&self) -> format::BlobAt {
+        format::BlobAt { pack: self.pack, offset: self.offset, stored_len: self.stored_len }
+    }
+}
+
+/// The index's first usable copy of blob `id` when it is of `kind`: its place, for a hint.
+pub(crate) fn first_at(index: &dyn BlobLookup, id: &Digest, kind: BlobKind) -> Option<format::BlobAt> {
+    index.first(id).filter(|l| l.kind == kind).map(|l| l.at())
 }
 
 /// The union of the index objects: every location of every blob (FORMAT.md §6: any copy
@@ -504,9 +513,21 @@ impl Repository {
 
     /// Reads and checks one manifest object (`snapshots/ID`), keeping its pages as `P`
     /// keeps them.
-    fn read_manifest<P: format::PageList + serde::de::DeserializeOwned>(&self, object: &str) -> Result<Manifest<P>> {
+    fn read_manifest<P, K>(&self, object: &str) -> Result<Manifest<P, K>>
+    where
+        P: format::PageList + serde::de::DeserializeOwned,
+        K: format::PackList + serde::de::DeserializeOwned,
+    {
         let json = self.read_named(object, "snapshots/", format::MAX_MANIFEST, AAD_SNAPSHOT)?;
-        format::parse_manifest(&json, &self.limits()).map_err(|e| Error::damaged(object, e.0))
+        let m: Manifest<P, K> =
+            format::parse_manifest(&json, &self.limits()).map_err(|e| Error::damaged(object, e.0))?;
+        if m.version == format::LOCATED_VERSION && self.config.version < format::LOCATED_CONFIG_VERSION {
+            return Err(Error::damaged(
+                object,
+                format!("it is a version 2 manifest, which a version {} repository never holds", self.config.version),
+            ));
+        }
+        Ok(m)
     }
 
     /// Reads and checks one manifest object (`snapshots/ID`); its pages are checked and
@@ -528,7 +549,11 @@ impl Repository {
         if snap.id.contains('/') {
             return Err(Error::Invalid(format!("{} is not a snapshot whose pages can be read", snap.id)));
         }
-        let (summary, pages) = self.read_manifest::<Pages>(&object)?.split();
+        let (mut summary, pages) = self.read_manifest::<Pages, format::PackIds>(&object)?.split();
+        // A listing names a migrated parent by its new id ([`hide_migrated`]).
+        if summary.parent.is_some() && snap.manifest.parent.is_some() {
+            summary.parent.clone_from(&snap.manifest.parent);
+        }
         if summary != snap.manifest {
             return Err(Error::damaged(object, "it is not the manifest that was listed under its name"));
         }
@@ -557,6 +582,7 @@ impl Repository {
                 Err(e) => bad.push((name.clone(), e)),
             }
         }
+        hide_migrated(&mut good);
         sort_snapshots(&mut good);
         if let (Some(k), Some(before)) = (&self.known, before) {
             let unreadable: Vec<String> =
@@ -721,36 +747,128 @@ impl Repository {
     }
 
     /// A page's entries, read through the index (any copy) and checked against `digest`.
+    /// Its kind (a page or a located page, FORMAT.md §7c) is the one its index entries say:
+    /// each copy is read as its entry's kind, and checked as always.
     pub(crate) fn read_page(&self, index: &dyn BlobLookup, digest: &Digest) -> Result<Vec<Digest>, String> {
+        self.read_page_hinted(index, digest, None).map(|p| p.entries)
+    }
+
+    /// Blob `id` of `kind` read where a hint says it is (FORMAT.md §7c), and checked as
+    /// any blob is (§4): its digest decides, whatever the hint said.
+    pub(crate) fn read_hinted(&self, id: &Digest, at: &format::BlobAt, kind: BlobKind) -> Result<Vec<u8>, String> {
+        let pack = pack_name(&at.pack);
+        let stored = self
+            .store
+            .get_range(&pack, at.offset as u64, at.stored_len as u64)
+            .map_err(|e| format!("cannot read {pack}: {e}"))?;
+        if stored.len() != at.stored_len as usize {
+            return Err(format!("{pack} is shorter than the hint of blob {}", format::hex(id)));
+        }
+        blob::decode(&self.crypto, kind, id, &stored, self.limits().max_plain(kind))
+            .map_err(|e| format!("{pack}: blob {} at offset {}: {e}", format::hex(id), at.offset))
+    }
+
+    /// A page read and checked against `digest`: where `hint` says a located page is
+    /// (FORMAT.md §7c), else (or when that fails) through the index, any copy, each read as
+    /// its index entry's kind. A located page comes with its packs and hints; a page of
+    /// kind 1 with none.
+    pub(crate) fn read_page_hinted(
+        &self,
+        index: &dyn BlobLookup,
+        digest: &Digest,
+        hint: Option<format::BlobAt>,
+    ) -> Result<format::LocatedPage, String> {
         let id = self.crypto.blob_id(digest);
-        if !index.contains(&id) {
-            return Err(format!("page {} is in no index object", format::hex(digest)));
+        let mut whys = Vec::new();
+        if let Some(at) = hint {
+            match self.read_hinted(&id, &at, BlobKind::Located) {
+                Ok(plain) => {
+                    return format::parse_located_page(&plain, &self.limits())
+                        .map_err(|e| format!("page {}: {e}", format::hex(digest)))
+                }
+                Err(why) => {
+                    log::debug!("the hint of page {} failed ({why}): read through the index", format::hex(digest));
+                    whys.push(why);
+                }
+            }
         }
-        let plain = self.read_blob_any(index, &id, BlobKind::Page)?;
-        if plain.is_empty() || plain.len() % 32 != 0 {
-            return Err(format!("page {} has {} bytes, not a multiple of 32", format::hex(digest), plain.len()));
+        for loc in index.locations(&id) {
+            if !loc.kind.is_page() {
+                whys.push(format!("the index says blob {} is a data blob", format::hex(&id)));
+                continue;
+            }
+            match self.read_blob(&id, &loc, loc.kind) {
+                Ok(plain) if loc.kind == BlobKind::Located => {
+                    return format::parse_located_page(&plain, &self.limits())
+                        .map_err(|e| format!("page {}: {e}", format::hex(digest)))
+                }
+                Ok(plain) => {
+                    return format::parse_any_page(loc.kind, &plain, &self.limits())
+                        .map(|entries| format::LocatedPage { entries, ..Default::default() })
+                        .map_err(|e| format!("page {}: {e}", format::hex(digest)))
+                }
+                Err(why) => whys.push(why),
+            }
         }
-        format::parse_page(&plain, plain.len() / 32).map_err(|e| format!("page {}: {e}", format::hex(digest)))
+        Err(match whys.len() {
+            0 => format!("page {} is in no index object", format::hex(digest)),
+            _ => whys.join("; "),
+        })
     }
 
     /// The chunk digests of a snapshot, page by page: reads and checks its pages.
     pub fn entries(&self, index: &dyn BlobLookup, snap: &SnapshotInfo) -> Result<Vec<Digest>> {
+        Ok(self.entries_hinted(index, snap, false)?.0)
+    }
+
+    /// [`Repository::entries`], its pages read where the manifest's hints say (FORMAT.md
+    /// §7c) and through `index` only where they fail; with `hints`, the hints of its
+    /// chunks too (none for a snapshot that is not located).
+    pub fn entries_hinted(
+        &self,
+        index: &dyn BlobLookup,
+        snap: &SnapshotInfo,
+        hints: bool,
+    ) -> Result<(Vec<Digest>, ChunkHints)> {
         let m = &snap.manifest;
         // A checkpoint read as a snapshot has its object name as its id.
         let object = if snap.id.contains('/') { snap.id.clone() } else { format!("snapshots/{}", snap.id) };
         let chunks = m.chunks();
         let pe = m.page_entries as u64;
-        let digests = self.pages(snap)?.to_vec();
+        let all = self.pages(snap)?;
+        let located = m.version == format::LOCATED_VERSION;
+        let digests: Vec<(Digest, Option<format::BlobAt>)> =
+            all.iter_hinted()
+                .map(|(d, h)| {
+                    let at = (!h.is_none())
+                        .then(|| all.packs().get(h.pack as usize))
+                        .flatten()
+                        .map(|p| format::BlobAt { pack: *p, offset: h.offset, stored_len: h.stored_len });
+                    (d, at)
+                })
+                .collect();
+        drop(all);
         if digests.len() as u64 != chunks.div_ceil(pe) {
             return Err(Error::damaged(object, "its page count does not match its size"));
         }
         let mut entries = entry_list(chunks, &object)?;
+        let mut out = ChunkHints::default();
+        let mut numbers: HashMap<Digest, u32> = HashMap::new();
+        if hints && located {
+            out.at = vec![[u32::MAX, 0, 0]; chunks as usize];
+        }
         // A window of pages at a time (about [`PAGE_WINDOW_BYTES`]): the pages read wait
         // beside the list for their window only, not the whole list's size again.
         let window = (PAGE_WINDOW_BYTES / (32 * pe.max(1)) as usize).max(FETCH_THREADS);
-        let read = |d: &Digest| if *d == ZERO { Ok(Vec::new()) } else { self.read_page(index, d) };
+        let read = |(d, at): &(Digest, Option<format::BlobAt>)| {
+            if *d == ZERO {
+                Ok(format::LocatedPage::default())
+            } else {
+                self.read_page_hinted(index, d, if located { *at } else { None })
+            }
+        };
         let mut pages = Vec::new().into_iter();
-        for (i, d) in digests.iter().enumerate() {
+        for (i, (d, _)) in digests.iter().enumerate() {
             if i % window == 0 {
                 pages = par_map(&digests[i..(i + window).min(digests.len())], FETCH_THREADS, read).into_iter();
             }
@@ -761,12 +879,49 @@ impl Repository {
                 continue;
             }
             let page = page.map_err(|why| Error::damaged(object.clone(), format!("page {i}: {why}")))?;
-            if page.len() != count {
-                return Err(Error::damaged(object, format!("page {i} has {} entries, not {count}", page.len())));
+            if page.entries.len() != count {
+                return Err(Error::damaged(
+                    object,
+                    format!("page {i} has {} entries, not {count}", page.entries.len()),
+                ));
             }
-            entries.extend_from_slice(&page);
+            if !out.at.is_empty() {
+                let first = entries.len();
+                for (k, h) in page.hints.iter().enumerate().filter(|(_, h)| !h.is_none()) {
+                    let Some(pack) = page.packs.get(h.pack as usize) else { continue };
+                    let next = out.packs.len() as u32;
+                    let no = *numbers.entry(*pack).or_insert(next);
+                    if no == next {
+                        out.packs.push(*pack);
+                    }
+                    out.at[first + k] = [no, h.offset, h.stored_len];
+                }
+            }
+            entries.extend_from_slice(&page.entries);
         }
-        Ok(entries)
+        Ok((entries, out))
+    }
+}
+
+/// Where a located snapshot's chunks are hinted to be (FORMAT.md §7c): per chunk, a pack
+/// number into `packs` (`u32::MAX`: no hint), the offset and the stored length. Empty for
+/// a snapshot that is not located.
+#[derive(Debug, Clone, Default)]
+pub struct ChunkHints {
+    pub packs: Vec<Digest>,
+    pub at: Vec<[u32; 3]>,
+}
+
+impl ChunkHints {
+    /// Chunk `ci`'s hinted place, if it has one.
+    pub fn get(&self, ci: usize) -> Option<format::BlobAt> {
+        let [p, offset, stored_len] = *self.at.get(ci)?;
+        let pack = *self.packs.get(p as usize)?;
+        Some(format::BlobAt { pack, offset, stored_len })
+    }
+    /// Whether it holds any hint.
+    pub fn is_empty(&self) -> bool {
+        self.at.is_empty()
     }
 }
 
@@ -785,6 +940,24 @@ pub(crate) fn build_index(objects: Vec<IndexObject>) -> Index {
         index.objects.push(name);
     }
     index
+}
+
+/// The snapshots as `ferry repo migrate` leaves them at any point (FORMAT.md §9): a
+/// manifest that a present one names in `migrated_from` is hidden (a migrate stopped
+/// between storing the new manifest and deleting the old), and a `parent` naming a
+/// manifest no longer present is the manifest migrated from it.
+pub(crate) fn hide_migrated(snaps: &mut Vec<SnapshotInfo>) {
+    let moved: HashMap<String, String> =
+        snaps.iter().filter_map(|s| s.manifest.migrated_from.as_ref().map(|old| (old.clone(), s.id.clone()))).collect();
+    if moved.is_empty() {
+        return;
+    }
+    snaps.retain(|s| !moved.contains_key(&s.id));
+    for s in snaps.iter_mut() {
+        if let Some(new) = s.manifest.parent.as_ref().and_then(|p| moved.get(p)) {
+            s.manifest.parent = Some(new.clone());
+        }
+    }
 }
 
 /// Orders snapshots oldest first, a snapshot always after its parent whatever the clocks

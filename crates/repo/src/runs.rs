@@ -55,6 +55,9 @@ const MAX_TABLES: u64 = 1 << 30;
 pub(crate) const MAX_RUNS: usize = 4;
 /// The top bit of an entry's plain length: a page blob.
 const PAGE_BIT: u32 = 1 << 31;
+/// With [`PAGE_BIT`], the next bit: a located page (FORMAT.md §7c). Plain lengths stay
+/// far below it (a located page is at most 2 + 74 * 65536 bytes).
+const LOCATED_BIT: u32 = 1 << 30;
 /// Other repositories' cache directories unused this long are removed.
 const PRUNE_AFTER: Duration = Duration::from_secs(30 * 86400);
 /// Entries gathered from index objects before they are written as a run.
@@ -154,10 +157,14 @@ impl Ent {
     fn location(&self, rows: &[Row]) -> Location {
         Location {
             pack: rows[self.row as usize].pack,
-            kind: if self.plain & PAGE_BIT != 0 { BlobKind::Page } else { BlobKind::Data },
+            kind: match (self.plain & PAGE_BIT != 0, self.plain & LOCATED_BIT != 0) {
+                (false, _) => BlobKind::Data,
+                (true, false) => BlobKind::Page,
+                (true, true) => BlobKind::Located,
+            },
             offset: self.offset,
             stored_len: self.stored_len,
-            plain_len: self.plain & !PAGE_BIT,
+            plain_len: self.plain & !(PAGE_BIT | LOCATED_BIT),
         }
     }
 }
@@ -526,7 +533,11 @@ impl Pending {
             self.rows[row as usize].2 += p.blobs.len() as u32;
             self.ents.reserve(p.blobs.len());
             for b in p.blobs {
-                let page = if b.kind == BlobKind::Page { PAGE_BIT } else { 0 };
+                let page = match b.kind {
+                    BlobKind::Data => 0,
+                    BlobKind::Page => PAGE_BIT,
+                    BlobKind::Located => PAGE_BIT | LOCATED_BIT,
+                };
                 self.ents.push(Ent {
                     id: b.id,
                     row,

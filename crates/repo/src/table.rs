@@ -126,7 +126,7 @@ impl BlobTable {
                 plain_len: b.plain_len,
                 kind: b.kind,
             }));
-            let page_blobs: Vec<BlobEntry> = p.blobs.into_iter().filter(|b| b.kind == BlobKind::Page).collect();
+            let page_blobs: Vec<BlobEntry> = p.blobs.into_iter().filter(|b| b.kind.is_page()).collect();
             if !page_blobs.is_empty() {
                 pages.push(PackBlobs { pack: p.pack, blobs: page_blobs });
             }

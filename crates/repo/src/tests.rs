@@ -293,8 +293,10 @@ fn fake(id: &str, time: &str) -> SnapshotInfo {
             size: 0,
             chunk_size: CS as u32,
             page_entries: 16,
-            pages: crate::format::PageCount(0),
+            page_packs: crate::format::PackCount(0),
+            pages: crate::format::PageCount(0, Default::default()),
             parent: None,
+            migrated_from: None,
             source: String::new(),
             changes: crate::format::Changes::Full,
             blkhash: None,
@@ -1398,4 +1400,54 @@ fn chunk_lists_are_read_a_window_of_pages_at_a_time() {
     store.tamper(&crate::repo::pack_name(&loc.pack), |v| v[loc.offset as usize] ^= 1);
     let e = repo.entries(&repo.load_index().unwrap(), &second).unwrap_err().to_string();
     assert!(e.contains("page 20"), "{e}");
+}
+
+/// A version 3 backup says where each chunk and each page is (FORMAT.md §7c): every hint
+/// is the index's place of that blob; a version 2 repository's backup stays version 1
+/// manifests and kind 1 pages.
+#[test]
+fn a_version_3_snapshot_says_where_each_chunk_and_page_is() {
+    use crate::format::{BlobKind, LOCATED_VERSION};
+    use crate::runs::BlobLookup;
+    for encrypt in [false, true] {
+        let (_store, repo) = new_repo(encrypt);
+        let data = disk(3 << 20, 5);
+        let s1 = backup(&repo, "d", &data, None);
+        assert_eq!(s1.manifest.version, LOCATED_VERSION);
+        let index = repo.load_index().unwrap();
+        let (entries, hints) = repo.entries_hinted(&index, &s1, true).unwrap();
+        let mut hinted = 0;
+        for (ci, d) in entries.iter().enumerate() {
+            if *d == ZERO {
+                assert!(hints.get(ci).is_none(), "zero chunk {ci} has a hint");
+                continue;
+            }
+            let loc = index.first(&repo.crypto.blob_id(d)).unwrap();
+            assert_eq!(hints.get(ci), Some(loc.at()), "chunk {ci}");
+            hinted += 1;
+        }
+        assert!(hinted > 10);
+        let pages = repo.pages(&s1).unwrap();
+        for (d, h) in pages.iter_hinted().filter(|(d, _)| *d != ZERO) {
+            let loc = index.first(&repo.crypto.blob_id(&d)).unwrap();
+            assert_eq!(loc.kind, BlobKind::Located);
+            assert!(!h.is_none());
+            assert_eq!(
+                (pages.packs()[h.pack as usize], h.offset, h.stored_len),
+                (loc.pack, loc.offset, loc.stored_len)
+            );
+        }
+        assert!(read_back(&repo, &s1) == data);
+    }
+    let store = Arc::new(MemStore::new());
+    let opts = InitOptions { chunk_size: CS as u32, page_entries: 16, version: 2, ..InitOptions::default() };
+    let repo = Arc::new(Repository::init(store, &opts).unwrap());
+    let s = backup(&repo, "d", &disk(1 << 20, 6), None);
+    assert_eq!(s.manifest.version, crate::format::VERSION);
+    let index = repo.load_index().unwrap();
+    let pages = repo.pages(&s).unwrap();
+    assert!(pages.packs().is_empty());
+    for d in pages.nonzero() {
+        assert_eq!(index.first(&repo.crypto.blob_id(d)).unwrap().kind, BlobKind::Page);
+    }
 }

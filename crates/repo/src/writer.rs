@@ -19,7 +19,8 @@ use crate::format::{
 };
 use crate::lock::{self, LockGuard};
 use crate::repo::{
-    blkhash_of, hostname, pack_name, parse_time, sha256, Repository, SnapshotInfo, AAD_SNAPSHOT, AAD_TRAILER,
+    blkhash_of, hostname, pack_name, parse_time, sha256, ChunkHints, Repository, SnapshotInfo, AAD_SNAPSHOT,
+    AAD_TRAILER,
 };
 use crate::runs::{BlobLookup, RunIndex};
 use crate::{Error, Result};
@@ -253,6 +254,12 @@ pub struct SnapshotWriter {
     condemned_since: Mutex<HashSet<Digest>>,
     /// Set once the lock is found gone ([`LockGuard::lost_flag`]): writes then fail.
     lock_lost: Arc<AtomicBool>,
+    /// The repository's snapshots are located (version 3, FORMAT.md §7c): the manifest's
+    /// pages are located pages.
+    located: bool,
+    /// Where the base's chunks are hinted to be, in packs present and not condemned
+    /// (others dropped); empty without a located base.
+    base_hints: ChunkHints,
 }
 
 fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -286,9 +293,14 @@ impl SnapshotWriter {
         let condemned = repo.condemned_packs()?;
         let (index, kept) = Self::load_index(&repo, &condemned)?;
         let mut opts = opts;
+        let located = repo.config.version >= format::LOCATED_CONFIG_VERSION;
+        let mut base_hints = ChunkHints::default();
         let base_entries = match &opts.base {
-            Some(b) => match repo.entries(&index, b) {
-                Ok(e) => Some(e),
+            Some(b) => match repo.entries_hinted(&index, b, located) {
+                Ok((e, h)) => {
+                    base_hints = usable_hints(h, &kept);
+                    Some(e)
+                }
                 Err(e @ Error::Damaged { .. }) => Self::unreadable_base(&opts, b, e)?,
                 Err(e) => return Err(e),
             },
@@ -330,7 +342,8 @@ impl SnapshotWriter {
             *d = !index.contains(&repo.crypto.blob_id(p));
         }
         let state = State { entries, dirty, pages, done: vec![0; chunks.div_ceil(64) as usize] };
-        Ok(Self::build(repo, opts, guard, index, state, base_chunks, Vec::new(), condemned))
+        let w = Self::build(repo, opts, guard, index, state, base_chunks, Vec::new(), condemned, base_hints);
+        Ok(w)
     }
 
     /// Continues the interrupted backup that stored `checkpoint` (of `opts.name`, read
@@ -398,7 +411,7 @@ impl SnapshotWriter {
             state.done[(ci / 64) as usize] &= !(1 << (ci % 64));
         }
         let resumed = state.done_runs(chunks);
-        Ok(Self::build(repo, opts, guard, index, state, base_chunks, resumed, condemned))
+        Ok(Self::build(repo, opts, guard, index, state, base_chunks, resumed, condemned, ChunkHints::default()))
     }
 
     /// The base snapshot's pages cannot be read (`e`): a backup that reads the whole disk
@@ -532,6 +545,7 @@ impl SnapshotWriter {
         base_chunks: u64,
         resumed: Vec<[u64; 2]>,
         condemned: HashSet<Digest>,
+        base_hints: ChunkHints,
     ) -> Arc<SnapshotWriter> {
         let cs = repo.config.chunk_size as u64;
         let pe = repo.config.page_entries as u64;
@@ -596,6 +610,8 @@ impl SnapshotWriter {
             lock: Mutex::new(Some(guard)),
             condemned,
             condemned_since: Mutex::new(HashSet::new()),
+            located: repo.config.version >= format::LOCATED_CONFIG_VERSION,
+            base_hints,
             repo,
         })
     }
@@ -1105,27 +1121,46 @@ impl SnapshotWriter {
             self.full_chunks(ci, &p.buf)?;
         }
         // Pages: the base's (or the last checkpoint's) where nothing changed, else made
-        // again.
+        // again. Located pages (FORMAT.md §7c) name where their chunks are: the data packs
+        // are closed first, so that this backup's own chunks have their places.
+        if self.located {
+            self.close_pack(true)?;
+            self.wait_packs();
+        }
+        let own = if self.located { self.own_places(BlobKind::Data) } else { Vec::new() };
+        let page_kind = if self.located { BlobKind::Located } else { BlobKind::Page };
         let st = locked(&self.state);
         let pe = self.pe as usize;
         let mut pages = Vec::with_capacity(st.dirty.len());
         let mut page_buf = Vec::with_capacity(pe * 32);
         for (i, slice) in st.entries.chunks(pe).enumerate() {
-            if !st.dirty[i] {
+            let first = i * pe;
+            if !st.dirty[i] && (!self.located || self.base_page_holds(&st, first, slice)) {
                 pages.push(st.pages[i]);
             } else if slice.iter().all(|e| *e == ZERO) {
                 pages.push(ZERO);
             } else {
-                page_buf.clear();
-                slice.iter().for_each(|e| page_buf.extend_from_slice(e));
+                if self.located {
+                    page_buf = self.located_page(&st, first, slice, &own);
+                } else {
+                    page_buf.clear();
+                    slice.iter().for_each(|e| page_buf.extend_from_slice(e));
+                }
                 let d = sha256(&page_buf);
-                self.store_blob(&d, BlobKind::Page, &page_buf)?;
+                self.store_blob(&d, page_kind, &page_buf)?;
                 pages.push(d);
             }
         }
-        self.store_condemned_again(&st, &pages)?;
+        drop(own);
+        self.store_condemned_again(&st, &pages, page_kind)?;
         self.refuse_lost(&st, &pages)?;
         self.close_pack(true)?;
+        let (page_packs, pages) = if self.located {
+            self.wait_packs();
+            self.hinted_pages(pages)
+        } else {
+            (format::PackIds::default(), pages.into_iter().collect())
+        };
         // One index object for every pack of this backup since its last checkpoint.
         self.check_lock()?;
         self.store_index()?;
@@ -1150,14 +1185,16 @@ impl SnapshotWriter {
         };
         let s = self.stats();
         let manifest = Manifest {
-            version: format::VERSION,
+            version: if self.located { format::LOCATED_VERSION } else { format::VERSION },
             name: self.name.clone(),
             time,
             size: self.size,
             chunk_size: self.cs as u32,
             page_entries: self.pe as u32,
-            pages: pages.into_iter().collect(),
+            page_packs,
+            pages,
             parent: self.base.as_ref().map(|b| b.id.clone()),
+            migrated_from: None,
             source: self.source.clone(),
             changes: self.changes.clone(),
             blkhash,
@@ -1228,7 +1265,7 @@ impl SnapshotWriter {
     /// §8a): deduplicated against then, or the base's. The condemned packs are still in
     /// the store (the gc that deletes them waits for this backup's lock to go), so each
     /// blob is read from there.
-    fn store_condemned_again(&self, st: &State, pages: &[Digest]) -> Result<()> {
+    fn store_condemned_again(&self, st: &State, pages: &[Digest], page_kind: BlobKind) -> Result<()> {
         // A backup whose lock went stale meanwhile stops here: the gc that took it for
         // stale may have deleted those packs.
         self.check_lock()?;
@@ -1248,7 +1285,7 @@ impl SnapshotWriter {
         // id (neighbours share the index blocks read), on every core.
         let blob = |at: usize| {
             if at < pages.len() {
-                (pages[at], BlobKind::Page)
+                (pages[at], page_kind)
             } else {
                 (st.entries[at - pages.len()], BlobKind::Data)
             }
@@ -1360,6 +1397,94 @@ impl SnapshotWriter {
             )));
         }
         Ok(())
+    }
+
+    /// This backup's stored blobs of `kind`, as (pack, blob) numbers into `done`, sorted by
+    /// id: 8 bytes a blob beside what `done` holds already.
+    fn own_places(&self, kind: BlobKind) -> Vec<(u32, u32)> {
+        let done = locked(&self.done);
+        let mut v: Vec<(u32, u32)> = done
+            .iter()
+            .enumerate()
+            .flat_map(|(p, pb)| {
+                pb.blobs.iter().enumerate().filter(|(_, b)| b.kind == kind).map(move |(b, _)| (p as u32, b as u32))
+            })
+            .collect();
+        v.sort_unstable_by_key(|&(p, b)| done[p as usize].blobs[b as usize].id);
+        v
+    }
+
+    /// Where this backup stored blob `id`, looked up in `own` ([`Self::own_places`]) and
+    /// `done` (locked by the caller).
+    fn own_place(done: &[PackBlobs], own: &[(u32, u32)], id: &Digest) -> Option<format::BlobAt> {
+        let blob = |&(p, b): &(u32, u32)| &done[p as usize].blobs[b as usize];
+        let k = own.binary_search_by(|x| blob(x).id.cmp(id)).ok()?;
+        let (p, e) = (done[own[k].0 as usize].pack, blob(&own[k]));
+        Some(format::BlobAt { pack: p, offset: e.offset, stored_len: e.stored_len })
+    }
+
+    /// Whether the base's page holds for the page of chunks `first..` (`slice`): a located
+    /// page in the index, none of its chunks written by this backup, and each one that is
+    /// not zero hinted at a pack that is present and not condemned. Otherwise the page is
+    /// made again with current places.
+    fn base_page_holds(&self, st: &State, first: usize, slice: &[Digest]) -> bool {
+        let page = st.pages[first / self.pe as usize];
+        // A located page of the repository (not one this backup's checkpoint stored, of
+        // kind 1, nor one whose only copy is gone).
+        let located = page == ZERO
+            || self.index.first(&self.repo.crypto.blob_id(&page)).is_some_and(|l| l.kind == BlobKind::Located);
+        located
+            && !self.base_hints.is_empty()
+            && slice.iter().enumerate().all(|(k, d)| {
+                let ci = first + k;
+                !st.is_done(ci as u64) && (*d == ZERO || self.base_hints.get(ci).is_some())
+            })
+    }
+
+    /// The located page (FORMAT.md §7c) of chunks `first..` (`slice`, one page's entries):
+    /// each chunk's place is where this backup stored it, else the base's hint for the
+    /// same chunk (an entry this backup did not write) where its pack is present and not
+    /// condemned, else the index's first usable copy.
+    fn located_page(&self, st: &State, first: usize, slice: &[Digest], own: &[(u32, u32)]) -> Vec<u8> {
+        let ids: Vec<Digest> = slice.iter().map(|d| self.repo.crypto.blob_id(d)).collect();
+        let mut at: Vec<Option<format::BlobAt>> = {
+            let done = locked(&self.done);
+            slice
+                .iter()
+                .zip(&ids)
+                .map(|(d, id)| if *d == ZERO { None } else { Self::own_place(&done, own, id) })
+                .collect()
+        };
+        for (k, a) in at.iter_mut().enumerate().filter(|(k, a)| a.is_none() && slice[*k] != ZERO) {
+            let ci = first + k;
+            *a = match self.base_hints.get(ci) {
+                Some(h) if !st.is_done(ci as u64) => Some(h),
+                _ => crate::repo::first_at(&self.index, &ids[k], BlobKind::Data),
+            };
+        }
+        format::encode_located_page(slice, &at)
+    }
+
+    /// The manifest's pages with their hints (FORMAT.md §7c): where this backup stored each
+    /// page blob, else the index's first usable copy; and the packs they name, in order of
+    /// first use.
+    fn hinted_pages(&self, pages: Vec<Digest>) -> (format::PackIds, format::Pages) {
+        let own = self.own_places(BlobKind::Located);
+        let done = locked(&self.done);
+        let places: Vec<(Digest, Option<format::BlobAt>)> = pages
+            .into_iter()
+            .map(|d| {
+                let id = self.repo.crypto.blob_id(&d);
+                let at = (d != ZERO)
+                    .then(|| {
+                        Self::own_place(&done, &own, &id)
+                            .or_else(|| crate::repo::first_at(&self.index, &id, BlobKind::Located))
+                    })
+                    .flatten();
+                (d, at)
+            })
+            .collect();
+        format::hinted_pages(places)
     }
 
     /// Stores the index objects for the packs closed since the last ones.
@@ -1618,6 +1743,18 @@ pub fn checkpoint_mismatch(ck: &Checkpoint, opts: &BackupOptions) -> Vec<String>
 }
 
 /// Chunk runs `[first, count]` as byte ranges (offset, length) of a disk of `size` bytes.
+/// The base's chunk hints, without those in packs that are not `kept` (gone, or condemned):
+/// a page whose chunks are hinted there is made again.
+fn usable_hints(mut h: ChunkHints, kept: &HashSet<Digest>) -> ChunkHints {
+    let usable: Vec<bool> = h.packs.iter().map(|p| kept.contains(p)).collect();
+    for a in h.at.iter_mut() {
+        if !usable.get(a[0] as usize).copied().unwrap_or(false) {
+            *a = [u32::MAX, 0, 0];
+        }
+    }
+    h
+}
+
 fn runs_to_ranges(runs: &[[u64; 2]], cs: u64, size: u64) -> Vec<(u64, u64)> {
     runs.iter()
         .map(|[f, n]| {

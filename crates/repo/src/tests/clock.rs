@@ -7,7 +7,8 @@ use crate::repo::{sha256, sort_snapshots, AAD_SNAPSHOT};
 /// clock that far ahead would have written it), with `base` as its parent.
 fn plant_future(repo: &Repository, base: &SnapshotInfo, ahead: jiff::SignedDuration) -> SnapshotInfo {
     let pages = repo.pages(base).unwrap();
-    let mut m = base.manifest.clone().map_pages(|_| (*pages).clone());
+    let mut m =
+        base.manifest.clone().map_pages(|_, _| ((*pages).clone(), crate::format::PackIds(pages.packs().to_vec())));
     m.time = (jiff::Timestamp::now() + ahead).to_string();
     m.parent = Some(base.id.clone());
     let sealed = repo.crypto.seal(AAD_SNAPSHOT, &m.to_bytes());

@@ -263,6 +263,6 @@ fn version_1_repositories_are_read_and_written_in_version_1() {
         mem.put("config", &c.to_bytes()).unwrap();
         assert_eq!(opens(&store, "pw2"), None);
     }
-    let bad = InitOptions { version: 3, ..InitOptions::default() };
+    let bad = InitOptions { version: 4, ..InitOptions::default() };
     assert!(Repository::init(Arc::new(MemStore::new()), &bad).is_err());
 }

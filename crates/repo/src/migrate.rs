@@ -1,0 +1,311 @@
+//! `ferry repo migrate` (FORMAT.md §9): a version 1 (unencrypted) or version 2 repository
+//! upgraded in place to version 3, whose snapshots are located (§7c). Under the `gc` lock
+//! (no backup, forget or gc beside it): the config first, then each version 1 manifest,
+//! parents before children: its located pages stored (packs, then one index object),
+//! then its version 2 manifest, then the old manifest deleted. A crash at any point leaves
+//! a repository that reads whole, and a second run finishes the job.
+use crate::blob;
+use crate::format::{self, BlobAt, BlobEntry, BlobKind, Config, Digest, Manifest, PackBlobs, ZERO};
+use crate::lock;
+use crate::repo::{first_at, pack_name, sha256, Repository, SnapshotInfo, AAD_SNAPSHOT, AAD_TRAILER};
+use crate::runs::{BlobLookup, RunIndex};
+use crate::writer::DEFAULT_LEVEL;
+use crate::{Error, Result};
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+/// Packs are closed at this size.
+const PACK_SIZE: usize = 32 << 20;
+
+/// What a migrate did, or would do (`dry_run`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MigrateReport {
+    /// The version the repository had.
+    pub from_version: u32,
+    /// Whether the config was (or would be) rewritten.
+    pub config: bool,
+    /// Version 1 manifests made again as version 2.
+    pub migrated: usize,
+    /// Old manifests deleted that an earlier, interrupted run had migrated already.
+    pub finished: usize,
+    /// Located pages stored.
+    pub pages: u64,
+}
+
+/// The test hook: `FERRY_TEST_MIGRATE_ABORT=N` ends the process after the Nth write of a
+/// migrate (config, pack, index object, manifest, deletion), as a kill -9 would (it only
+/// stops early: a migrate stopped anywhere leaves a repository that reads whole).
+fn abort_hook() -> Option<u64> {
+    std::env::var("FERRY_TEST_MIGRATE_ABORT").ok()?.parse().ok()
+}
+
+struct Writes {
+    done: u64,
+    abort_after: Option<u64>,
+}
+
+impl Writes {
+    fn one(&mut self) {
+        self.done += 1;
+        if self.abort_after == Some(self.done) {
+            // As a kill -9: nothing after this write happens, nothing is cleaned up (no
+            // destructor runs: the lock stays, as a killed process leaves it).
+            eprintln!("FERRY_TEST_MIGRATE_ABORT: stopped after write {}", self.done);
+            std::process::exit(137);
+        }
+    }
+}
+
+/// Upgrades `repo` to version 3 (FORMAT.md §9). `progress` is told each step.
+pub fn migrate(repo: &Arc<Repository>, dry_run: bool, progress: &mut dyn FnMut(&str)) -> Result<MigrateReport> {
+    let from = repo.config.version;
+    if from == 1 && repo.config.encryption.is_some() {
+        return Err(Error::Invalid(format!(
+            "{} is an encrypted version 1 repository: its objects are sealed under one key, and version 3 seals \
+             each under its own, so upgrading it would seal every pack again, which migrate does not do. It stays \
+             readable and writable as version 1; to move it to version 3, copy its disks into a new repository",
+            repo.store.describe()
+        )));
+    }
+    let mut report = MigrateReport { from_version: from, ..MigrateReport::default() };
+    let _guard = if dry_run { None } else { Some(lock::acquire(&repo.store, format::LockKind::Gc, None, None)?) };
+    let mut writes = Writes { done: 0, abort_after: abort_hook() };
+    if from < format::LOCATED_CONFIG_VERSION {
+        report.config = true;
+        progress(&format!("config: version {from} to {}", format::LOCATED_CONFIG_VERSION));
+        if !dry_run {
+            put_config(repo)?;
+            writes.one();
+        }
+    }
+    let snaps = list_all(repo)?;
+    // Old id → new id, of every manifest migrated (by this run or an earlier one).
+    let mut moved: HashMap<String, String> =
+        snaps.iter().filter_map(|s| s.manifest.migrated_from.as_ref().map(|old| (old.clone(), s.id.clone()))).collect();
+    let todo: Vec<&SnapshotInfo> = snaps.iter().filter(|s| s.manifest.version == format::VERSION).collect();
+    if todo.is_empty() {
+        progress("every snapshot is located already");
+        return Ok(report);
+    }
+    let index = if dry_run { None } else { Some(present_index(repo)?) };
+    let mut stored: HashMap<Digest, BlobAt> = HashMap::new();
+    let total = todo.len();
+    for (k, snap) in todo.into_iter().enumerate() {
+        let shown = format!("{}@{}", snap.manifest.name, &snap.id[..8]);
+        if moved.contains_key(&snap.id) {
+            // An earlier run stored its new manifest and stopped before deleting it.
+            progress(&format!("[{}/{total}] {shown}: migrated already, its old manifest deleted", k + 1));
+            report.finished += 1;
+            if !dry_run {
+                delete(repo, &snap.id)?;
+                writes.one();
+            }
+            continue;
+        }
+        progress(&format!("[{}/{total}] {shown}: its pages located", k + 1));
+        report.migrated += 1;
+        let Some(index) = &index else { continue };
+        let parent = snap.manifest.parent.as_ref().map(|p| moved.get(p).cloned().unwrap_or_else(|| p.clone()));
+        let (manifest, pages) = located_manifest(repo, index, snap, &mut stored, &mut writes)?;
+        report.pages += pages;
+        let mut manifest = manifest;
+        manifest.parent = parent;
+        let sealed = repo.crypto.seal(AAD_SNAPSHOT, &manifest.to_bytes());
+        let id = format::hex(&sha256(&sealed));
+        let name = format!("snapshots/{id}");
+        repo.store
+            .put(&name, &sealed)
+            .map_err(|e| Error::store(format!("cannot store {name} in {}", repo.store.describe()), e))?;
+        writes.one();
+        delete(repo, &snap.id)?;
+        writes.one();
+        moved.insert(snap.id.clone(), id);
+    }
+    Ok(report)
+}
+
+/// Every manifest, as stored (none hidden, parents as written), parents before children.
+fn list_all(repo: &Repository) -> Result<Vec<SnapshotInfo>> {
+    let names = repo
+        .store
+        .list("snapshots/")
+        .map_err(|e| Error::store(format!("cannot list the snapshots of {}", repo.store.describe()), e))?;
+    let mut snaps = Vec::with_capacity(names.len());
+    for (n, _) in names {
+        snaps.push(repo.read_snapshot(&n)?);
+    }
+    // Parents before children: by the depth of each one's chain of present parents.
+    let by_id: HashMap<String, Option<String>> =
+        snaps.iter().map(|s| (s.id.clone(), s.manifest.parent.clone())).collect();
+    let depth = |id: &str| {
+        let mut d = 0usize;
+        let mut at = by_id.get(id).cloned().flatten();
+        while let Some(p) = at {
+            d += 1;
+            if d > by_id.len() {
+                break;
+            }
+            at = by_id.get(&p).cloned().flatten();
+        }
+        d
+    };
+    let mut keyed: Vec<(usize, SnapshotInfo)> = snaps.into_iter().map(|s| (depth(&s.id), s)).collect();
+    keyed.sort_by(|a, b| a.0.cmp(&b.0).then_with(|| a.1.id.cmp(&b.1.id)));
+    Ok(keyed.into_iter().map(|(_, s)| s).collect())
+}
+
+/// The index through the local cache, with copies in packs present in the store only.
+fn present_index(repo: &Arc<Repository>) -> Result<RunIndex> {
+    let index = RunIndex::open(repo)?;
+    let present: HashSet<Digest> = repo
+        .store
+        .list("data/")
+        .map_err(|e| Error::store(format!("cannot list the packs of {}", repo.store.describe()), e))?
+        .into_iter()
+        .filter_map(|(n, _)| crate::damage::pack_id(&n))
+        .collect();
+    Ok(index.only_present(present))
+}
+
+/// `config` with version 3, after checking it is still the one read; read back.
+fn put_config(repo: &Repository) -> Result<()> {
+    let describe = repo.store.describe();
+    let stored = repo
+        .store
+        .get("config", format::MAX_CONFIG)
+        .map_err(|e| Error::store(format!("cannot read {describe}/config"), e))?;
+    if Config::parse(&stored).ok().as_ref() != Some(&repo.config) {
+        return Err(Error::Invalid(format!(
+            "the config of {describe} changed since this command read it: run it again"
+        )));
+    }
+    let config = Config { version: format::LOCATED_CONFIG_VERSION, ..repo.config.clone() };
+    let bytes = config.to_bytes();
+    Config::parse(&bytes).map_err(|e| Error::Invalid(format!("cannot write this config: {e}")))?;
+    repo.store.put("config", &bytes).map_err(|e| Error::store(format!("cannot write {describe}/config"), e))?;
+    let back = repo
+        .store
+        .get("config", format::MAX_CONFIG)
+        .map_err(|e| Error::store(format!("cannot read {describe}/config back"), e))?;
+    if back != bytes {
+        return Err(Error::damaged("config", "it does not read back as it was written"));
+    }
+    Ok(())
+}
+
+fn delete(repo: &Repository, id: &str) -> Result<()> {
+    let name = format!("snapshots/{id}");
+    repo.store
+        .delete(&name)
+        .map_err(|e| Error::store(format!("cannot delete {name} from {}", repo.store.describe()), e))
+}
+
+/// Blobs gathered into packs, each stored once it is full or [`PackOut::finish`]ed.
+struct PackOut<'a> {
+    repo: &'a Repository,
+    buf: Vec<u8>,
+    entries: Vec<BlobEntry>,
+    closed: Vec<PackBlobs>,
+}
+
+impl PackOut<'_> {
+    /// Appends a blob; its place is known once its pack is stored.
+    fn add(&mut self, id: Digest, kind: BlobKind, plain: &[u8], writes: &mut Writes) -> Result<()> {
+        let offset = self.buf.len() as u32;
+        blob::encode_into(&self.repo.crypto, kind, &id, plain, DEFAULT_LEVEL, &mut self.buf);
+        let stored_len = self.buf.len() as u32 - offset;
+        self.entries.push(BlobEntry { id, kind, offset, stored_len, plain_len: plain.len() as u32 });
+        if self.buf.len() >= PACK_SIZE {
+            self.close(writes)?;
+        }
+        Ok(())
+    }
+
+    /// Stores the open pack (FORMAT.md §5).
+    fn close(&mut self, writes: &mut Writes) -> Result<()> {
+        if self.entries.is_empty() {
+            return Ok(());
+        }
+        let trailer = format::encode_trailer(&self.entries);
+        let blobs_end = self.buf.len();
+        self.repo.crypto.seal_into(AAD_TRAILER, &trailer, &mut self.buf);
+        let sealed_len = (self.buf.len() - blobs_end) as u32;
+        self.buf.extend_from_slice(&format::pack_tail(sealed_len));
+        let digest = sha256(&self.buf);
+        let name = pack_name(&digest);
+        self.repo
+            .store
+            .put(&name, &self.buf)
+            .map_err(|e| Error::store(format!("cannot store {name} in {}", self.repo.store.describe()), e))?;
+        writes.one();
+        self.buf.clear();
+        self.closed.push(PackBlobs { pack: digest, blobs: std::mem::take(&mut self.entries) });
+        Ok(())
+    }
+
+    /// Stores the open pack and one index object for every pack stored: the places of
+    /// their blobs.
+    fn finish(&mut self, writes: &mut Writes) -> Result<Vec<PackBlobs>> {
+        self.close(writes)?;
+        let packs = std::mem::take(&mut self.closed);
+        if !packs.is_empty() {
+            self.repo.put_index(&packs)?;
+            writes.one();
+        }
+        Ok(packs)
+    }
+}
+
+/// The version 2 manifest of version 1 snapshot `snap`: its located pages stored (those
+/// not stored before: `stored`, by this run), with the places of its chunks from the
+/// index; and how many pages were stored.
+fn located_manifest(
+    repo: &Repository,
+    index: &RunIndex,
+    snap: &SnapshotInfo,
+    stored: &mut HashMap<Digest, BlobAt>,
+    writes: &mut Writes,
+) -> Result<(Manifest, u64)> {
+    let entries = repo.entries(index, snap)?;
+    let pe = repo.config.page_entries as usize;
+    let mut out = PackOut { repo, buf: Vec::new(), entries: Vec::new(), closed: Vec::new() };
+    let mut digests = Vec::new();
+    let mut new_pages = 0u64;
+    for slice in entries.chunks(pe) {
+        if slice.iter().all(|e| *e == ZERO) {
+            digests.push(ZERO);
+            continue;
+        }
+        let at: Vec<Option<BlobAt>> = slice
+            .iter()
+            .map(|d| (*d != ZERO).then(|| first_at(index, &repo.crypto.blob_id(d), BlobKind::Data)).flatten())
+            .collect();
+        let page = format::encode_located_page(slice, &at);
+        let d = sha256(&page);
+        let id = repo.crypto.blob_id(&d);
+        if !stored.contains_key(&id) && !index.contains(&id) {
+            out.add(id, BlobKind::Located, &page, writes)?;
+            new_pages += 1;
+        }
+        digests.push(d);
+    }
+    drop(entries);
+    for p in out.finish(writes)? {
+        for b in p.blobs {
+            stored.insert(b.id, BlobAt { pack: p.pack, offset: b.offset, stored_len: b.stored_len });
+        }
+    }
+    // The manifest's pages with their places.
+    let places = digests.into_iter().map(|d| {
+        let id = repo.crypto.blob_id(&d);
+        let at =
+            (d != ZERO).then(|| stored.get(&id).copied().or_else(|| first_at(index, &id, BlobKind::Located))).flatten();
+        (d, at)
+    });
+    let (packs, pages) = format::hinted_pages(places.collect::<Vec<_>>());
+    let mut m = snap.manifest.clone().map_pages(|_, _| (pages, packs));
+    m.version = format::LOCATED_VERSION;
+    m.migrated_from = Some(snap.id.clone());
+    m.validate(&repo.limits()).map_err(|e| Error::Invalid(format!("the migrated manifest of {}: {e}", snap.id)))?;
+    Ok((m, new_pages))
+}
