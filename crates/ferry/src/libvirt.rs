@@ -262,8 +262,17 @@ pub(crate) fn backup_domain(
     let point = PointRecord::new(domain, Some(checkpoint.clone()), inactive, disks);
     let id = repo.put_point(&point).context("the snapshots are stored, but the point that binds them is not")?;
     job.keep_checkpoint();
-    // Only now: the new checkpoint is the one the next run continues.
-    for c in h.checkpoints(domain)?.into_iter().filter(|c| c.starts_with(&prefix) && *c != checkpoint) {
+    // Only now: the new checkpoint is the one the next run continues (and those of the
+    // disks this run left out, which continue from their own newest point).
+    let left_out = points.iter().flat_map(|p| &p.disks).filter(|d| !plans.iter().any(|q| q.name == d.name));
+    let others: Vec<&str> = left_out
+        .filter_map(|d| points.iter().rev().find(|p| p.disks.iter().any(|e| e.name == d.name))?.checkpoint.as_deref())
+        .collect();
+    for c in h
+        .checkpoints(domain)?
+        .into_iter()
+        .filter(|c| c.starts_with(&prefix) && *c != checkpoint && !others.contains(&c.as_str()))
+    {
         if let Err(e) = h.checkpoint_delete(domain, &c) {
             log::warn!("{domain}: cannot delete the older checkpoint {c} ({e:#}); the next backup deletes it");
         }
@@ -441,8 +450,10 @@ fn backup_stopped(
         bail!("--quiesce: {domain} is shut off, so there is no guest to freeze; back up without --quiesce");
     }
     log::info!("{domain} is shut off: backing up its disk images directly");
-    let mut snaps = Vec::new();
-    for (d, name) in chosen.iter().zip(names) {
+    // Every disk is checked before any is read: a run stopped by its second disk would
+    // leave the first one's snapshot without a point.
+    let mut sources = Vec::new();
+    for d in chosen {
         let Some(path) = d.source.as_ref().filter(|_| d.kind == "file" || d.kind == "block") else {
             bail!(
                 "{domain}: disk {} is a {} disk, which ferry reads only through a running domain's backup job: start \
@@ -452,8 +463,7 @@ fn backup_stopped(
                 d.target
             );
         };
-        let mut a = args.clone();
-        a.src = match d.format.as_deref() {
+        sources.push(match d.format.as_deref() {
             Some("qcow2") => format!("qcow2:{path}"),
             Some("raw") | None => format!("raw:{path}"),
             Some(f) => bail!(
@@ -462,7 +472,12 @@ fn backup_stopped(
                 d.target,
                 d.target
             ),
-        };
+        });
+    }
+    let mut snaps = Vec::new();
+    for ((d, name), src) in chosen.iter().zip(names).zip(sources) {
+        let mut a = args.clone();
+        a.src = src;
         a.dst = format!("{spec}::{name}");
         a.json = false;
         a.libvirt = LibvirtArgs::default();
