@@ -109,3 +109,39 @@ pub fn run(args: RestoreArgs, quiet: bool) -> Result<i32> {
     );
     Ok(0)
 }
+
+/// `ferry repo list`'s points of libvirt domains: each point with its disks' snapshots
+/// (those of `name` only, when given; a snapshot no longer there is marked).
+pub(crate) fn print_points(repo: &ferry_repo::Repository, name: Option<&str>, all: &[ferry_repo::SnapshotInfo]) {
+    let (points, bad) = match repo.points() {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("cannot list the points of libvirt domains: {e}");
+            return;
+        }
+    };
+    for (object, e) in bad {
+        eprintln!("unreadable point {object}: {e}");
+    }
+    let shown: Vec<_> =
+        points.iter().filter(|(_, p)| name.is_none_or(|n| p.disks.iter().any(|d| d.name == n))).collect();
+    if shown.is_empty() {
+        return;
+    }
+    println!();
+    println!(
+        "{:<8}  {:<30}  {:<20}  DISKS (restore: ferry restore REPO::DOMAIN@POINT --to DIR)",
+        "POINT", "TIME", "DOMAIN"
+    );
+    for (id, p) in shown {
+        let disks: Vec<String> = p
+            .disks
+            .iter()
+            .map(|d| {
+                let gone = if all.iter().any(|s| s.id == d.snapshot) { "" } else { " (gone)" };
+                format!("{}@{}{gone}", d.name, short_id(&d.snapshot))
+            })
+            .collect();
+        println!("{:<8}  {:<30}  {:<20}  {}", short_id(id), p.time, p.domain, disks.join(" "));
+    }
+}

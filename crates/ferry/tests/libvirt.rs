@@ -408,5 +408,22 @@ fn bad_domains_and_disks_are_clear_errors() {
     run_ok(&mut cmd("qemu-io", ["-f", "qcow2", "-c", "write -P 0x61 1M 64k", a.to_str().unwrap()]));
     let out = run_ok(&mut lv.ferry(&["backup", "--json", "--exclude", "vdb", &format!("libvirt:{dom}"), repo]));
     assert_eq!(reads(&json(&out))[0].0, 64 * 1024, "{}", out.describe());
+    // The domain's XML is stored sealed in an encrypted repository, and `repo list` shows
+    // the point with its disk.
+    let enc = d.join("enc");
+    let enc = enc.to_str().unwrap();
+    let pw = d.join("pw");
+    std::fs::write(&pw, "secret words\n").unwrap();
+    let pwf = pw.to_str().unwrap();
+    run_ok(&mut lv.ferry(&["repo", "init", "--encrypt", "--kdf-memory", "8M", "--password-file", pwf, enc]));
+    let out =
+        run_ok(&mut lv.ferry(&["backup", "--password-file", pwf, "--exclude", "vdb", &format!("libvirt:{dom}"), enc]));
+    let point = out.stdout.lines().last().unwrap().split(' ').nth(1).unwrap().to_string();
+    for f in std::fs::read_dir(d.join("enc/points")).unwrap() {
+        let bytes = std::fs::read(f.unwrap().path()).unwrap();
+        assert!(!String::from_utf8_lossy(&bytes).contains("domain"), "the point is not sealed");
+    }
+    let list = run_ok(lv.ferry(&["repo", "list", enc]).env("FERRY_PASSWORD_FILE", pwf)).stdout;
+    assert!(list.contains(&point) && list.contains(&format!("{dom}-vda@")), "{list}");
     lv.remove(dom);
 }
