@@ -32,10 +32,13 @@ const LEVEL: i32 = 1;
 #[derive(Args, Debug, Clone)]
 pub struct BackupArgs {
     /// What to back up: anything `ferry copy` reads (an NBD URI such as qemu-nbd -B's or a
-    /// libvirt pull-mode backup's export, a raw or qcow2 image, rbd:, http(s)://, s3://).
+    /// libvirt pull-mode backup's export, a raw or qcow2 image, rbd:, http(s)://, s3://),
+    /// or libvirt:DOMAIN: every disk of a libvirt domain at one instant, ferry driving the
+    /// backup job and its checkpoints (see --connect, --disk, --exclude).
     pub(crate) src: String,
     /// The disk's snapshots: REPO::NAME, REPO a directory made by `ferry repo init` or
     /// s3://BUCKET/PREFIX; NAME 1 to 200 of A-Z a-z 0-9 . _ - (not starting with . or -).
+    /// For libvirt:DOMAIN, REPO alone: each disk goes into REPO::DOMAIN-TARGET.
     pub(crate) dst: String,
     /// Read only the ranges the source's dirty bitmap BITMAP marks (its
     /// qemu:dirty-bitmap:BITMAP context: qemu-nbd -B, libvirt pull mode,
