@@ -280,6 +280,13 @@ fn a_running_domain_day_by_day_with_a_kill_and_a_destroy() {
     let mut models: [Model; 2] = Default::default();
     let mut points: Vec<(String, [Model; 2])> = Vec::new();
 
+    // --quiesce with no guest agent: a clear error, no job started, no checkpoint made.
+    let src = format!("libvirt:{dom}");
+    let e = run_fails(&mut lv.ferry(&["backup", "--quiesce", &src, repo])).stderr;
+    assert!(e.contains("guest agent of ferry-days"), "{e}");
+    assert_eq!(lv.checkpoints(dom), ["users-own"]);
+    assert!(!run(&mut lv.virsh(&["backup-dumpxml", dom])).status.success(), "no job is left");
+
     // Day 1: everything.
     lv.write(dom, 0, 0x11, 0, MIB);
     models[0].0.push((0x11, 0, MIB));
@@ -302,7 +309,6 @@ fn a_running_domain_day_by_day_with_a_kill_and_a_destroy() {
     // the job left behind and misses nothing.
     lv.write(dom, 0, 0x33, 30 * MIB, 4 * MIB);
     models[0].0.push((0x33, 30 * MIB, 4 * MIB));
-    let src = format!("libvirt:{dom}");
     let out = interrupt(&lv, &["backup", "--rate", "1M", &src, repo], |c| c.kill().unwrap());
     assert!(!out.status.success());
     assert!(run(&mut lv.virsh(&["backup-dumpxml", dom])).status.success(), "the killed run's job is still there");
@@ -329,6 +335,19 @@ fn a_running_domain_day_by_day_with_a_kill_and_a_destroy() {
     lv.write(dom, 1, 0x45, 50 * MIB, 64 * 1024);
     models[1].0.push((0x45, 50 * MIB, 64 * 1024));
     let day = backup(&[]);
+    points.push((day["point"].as_str().unwrap().into(), models.clone()));
+    only_newest(&lv, dom);
+
+    // Libvirt loses ferry's checkpoint (its metadata, as when the domain is redefined):
+    // the next backup reads both disks whole, with a notice, and misses nothing.
+    let ck = lv.checkpoints(dom).into_iter().find(|c| c.starts_with("ferry-")).unwrap();
+    lv.virsh_ok(&["checkpoint-delete", dom, &ck, "--metadata"]);
+    lv.write(dom, 0, 0x4a, 10 * MIB, 64 * 1024);
+    models[0].0.push((0x4a, 10 * MIB, 64 * 1024));
+    let out = run_ok(&mut lv.ferry(&["backup", "--json", &src, repo]));
+    assert!(out.stderr.contains(&format!("no longer has checkpoint {ck} tracking it")), "{}", out.describe());
+    let day = json(&out);
+    assert_eq!(reads(&day).iter().map(|r| r.1.as_str()).collect::<Vec<_>>(), ["full", "full"], "{day}");
     points.push((day["point"].as_str().unwrap().into(), models.clone()));
     only_newest(&lv, dom);
 
