@@ -28,6 +28,10 @@ pub struct RestoreArgs {
     /// LIBVIRT_DEFAULT_URI, else qemu:///system).
     #[arg(long, value_name = "URI")]
     connect: Option<String>,
+    /// The repository's passphrase: the first line of FILE (else FERRY_PASSWORD, else
+    /// FERRY_PASSWORD_FILE).
+    #[arg(long, value_name = "FILE")]
+    password_file: Option<PathBuf>,
     /// Show progress of each disk's copy.
     #[arg(short, long)]
     progress: bool,
@@ -45,10 +49,16 @@ pub fn run(args: RestoreArgs, quiet: bool) -> Result<i32> {
         Location::Repo { repo, name, id } => (repo, name, id),
         _ => bail!("{:?} is not a point: write REPO::DOMAIN or REPO::DOMAIN@ID", args.point),
     };
+    if let Some(f) = &args.password_file {
+        // Each disk's copy opens the repository as `ferry copy` does, from the environment.
+        // (Still one thread here: nothing else reads the environment meanwhile.)
+        std::env::remove_var("FERRY_PASSWORD");
+        std::env::set_var("FERRY_PASSWORD_FILE", f);
+    }
     let repo = ferry_open::repo::open_repository_with(
         &spec,
         &ferry_open::Remote::default(),
-        None,
+        args.password_file.as_deref(),
         ferry_repo::known::OnRollback::Warn,
     )?;
     let (points, bad) = repo.points().context("cannot read the points of the repository")?;
