@@ -86,8 +86,19 @@ impl Hypervisor for Virsh {
         if inactive {
             a.push("--inactive");
         }
-        self.run(&a).with_context(|| {
-            format!("no domain {domain:?} on {}: `virsh -c {} list --all` lists the domains there", self.uri, self.uri)
+        self.run(&a).map_err(|e| {
+            let text = format!("{e:#}");
+            match text.contains("failed to get domain") || text.contains("Domain not found") {
+                true => e.context(format!(
+                    "no domain {domain:?} on {}: `virsh -c {} list --all` lists the domains there",
+                    self.uri, self.uri
+                )),
+                false => e.context(format!(
+                    "cannot read the domain {domain:?} from libvirt at {} (is libvirtd running, and is --connect \
+                     right?)",
+                    self.uri
+                )),
+            }
         })
     }
 

@@ -447,8 +447,7 @@ fn bad_domains_and_disks_are_clear_errors() {
     let to = d.join("enc-restore");
     let to = to.to_str().unwrap();
     run_ok(&mut lv.ferry(&["restore", "--password-file", pwf, &format!("{enc}::{dom}"), "--to", to]));
-    let img = run_ok(&mut cmd("qemu-img", ["convert", "-O", "raw", a.to_str().unwrap(), &format!("{to}/a.raw")]));
-    drop(img);
+    run_ok(&mut cmd("qemu-img", ["convert", "-O", "raw", a.to_str().unwrap(), &format!("{to}/a.raw")]));
     let got = std::fs::read(format!("{to}/{dom}-vda.raw")).unwrap();
     assert!(got == std::fs::read(format!("{to}/a.raw")).unwrap(), "the restored disk differs from the image");
     lv.remove(dom);
