@@ -341,7 +341,18 @@ fn end_leftover_job(h: &dyn Hypervisor, domain: &str) -> Result<()> {
         );
     }
     log::info!("{domain}: ending the backup job a stopped ferry left running");
-    h.job_abort(domain).context("cannot end the backup job a stopped ferry left")
+    h.job_abort(domain).context("cannot end the backup job a stopped ferry left")?;
+    // Its directory holds the socket and the scratch files (what the guest overwrote
+    // while it ran: up to the size of the disks).
+    if let Some(dir) = xml::backup_socket(&job).as_deref().and_then(|s| Path::new(s).parent()) {
+        if let Err(e) = std::fs::remove_dir_all(dir) {
+            log::warn!(
+                "{domain}: cannot remove {} that the stopped backup left ({e}): remove it by hand",
+                dir.display()
+            );
+        }
+    }
+    Ok(())
 }
 
 /// A running backup job: ended, and its checkpoint deleted unless kept, however the run

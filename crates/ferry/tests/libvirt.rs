@@ -54,8 +54,16 @@ impl Libvirt {
 
     fn ferry(&self, args: &[&str]) -> Command {
         let mut c = Command::new(ferry_bin());
-        c.env("LIBVIRT_DEFAULT_URI", &self.uri).env_remove("FERRY_PASSWORD").args(args);
+        c.env("LIBVIRT_DEFAULT_URI", &self.uri).env("TMPDIR", self.tmp()).env_remove("FERRY_PASSWORD").args(args);
         c
+    }
+
+    /// The TMPDIR of ferry: where its backup jobs' private directories are.
+    fn tmp(&self) -> PathBuf {
+        let d = DAEMON.lock().unwrap_or_else(|e| e.into_inner());
+        let t = d.1.as_ref().unwrap().dir.path().join("tmp");
+        std::fs::create_dir_all(&t).unwrap();
+        t
     }
 
     /// The checkpoints of `domain`, sorted.
@@ -321,6 +329,8 @@ fn a_running_domain_day_by_day_with_a_kill_and_a_destroy() {
     assert_eq!(r[0], (4 * MIB + 64 * 1024, "dirty-bitmap".to_string()), "{day}");
     assert_eq!(r[1], (64 * 1024, "dirty-bitmap".to_string()), "{day}");
     assert!(!run(&mut lv.virsh(&["backup-dumpxml", dom])).status.success(), "no job is left");
+    let left: Vec<_> = std::fs::read_dir(lv.tmp()).unwrap().collect();
+    assert!(left.is_empty(), "the killed run's directory (socket, scratch files) is left: {left:?}");
     points.push((day["point"].as_str().unwrap().into(), models.clone()));
     only_newest(&lv, dom);
 
