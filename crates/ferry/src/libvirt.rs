@@ -178,6 +178,7 @@ pub(crate) fn backup_domain(
             log::info!("{domain}: disk {} is a {} disk: read through libvirt's backup job", d.target, d.kind);
         }
     }
+    let _one = one_run(domain)?;
     let repo_id = repo.config().id.clone();
     let prefix = format!("{CHECKPOINT_PREFIX}{}-", &repo_id[..16.min(repo_id.len())]);
     end_leftover_job(h, domain)?;
@@ -322,6 +323,31 @@ fn continuing(
         return Ok(None);
     }
     Ok(Some((c, snap)))
+}
+
+/// Holds the host's lock of `domain`'s backups (a file in the temporary directory, locked
+/// while the run lasts): a second run at once would take the first one's job for a
+/// leftover and end it.
+fn one_run(domain: &str) -> Result<std::fs::File> {
+    let safe: String =
+        domain.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect();
+    let path = std::env::temp_dir().join(format!("ferry-lock-libvirt-{safe}"));
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("cannot open the lock file {}", path.display()))?;
+    match f.try_lock() {
+        Ok(()) => Ok(f),
+        Err(std::fs::TryLockError::WouldBlock) => bail!(
+            "another `ferry backup libvirt:{domain}` runs on this host: wait for it to end (two at once would end \
+             each other's backup job)"
+        ),
+        Err(std::fs::TryLockError::Error(e)) => {
+            Err(anyhow::Error::new(e).context(format!("cannot lock {}", path.display())))
+        }
+    }
 }
 
 /// Ends a backup job a killed ferry left on the domain (its socket in a directory ferry

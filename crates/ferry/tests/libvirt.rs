@@ -317,7 +317,12 @@ fn a_running_domain_day_by_day_with_a_kill_and_a_destroy() {
     // the job left behind and misses nothing.
     lv.write(dom, 0, 0x33, 30 * MIB, 4 * MIB);
     models[0].0.push((0x33, 30 * MIB, 4 * MIB));
-    let out = interrupt(&lv, &["backup", "--rate", "1M", &src, repo], |c| c.kill().unwrap());
+    let out = interrupt(&lv, &["backup", "--rate", "1M", &src, repo], |c| {
+        // A second run meanwhile is refused (it would end the first one's job).
+        let e = run_fails(&mut lv.ferry(&["backup", &src, repo])).stderr;
+        assert!(e.contains("another `ferry backup libvirt:ferry-days` runs on this host"), "{e}");
+        c.kill().unwrap()
+    });
     assert!(!out.status.success());
     assert!(run(&mut lv.virsh(&["backup-dumpxml", dom])).status.success(), "the killed run's job is still there");
     lv.write(dom, 0, 0x34, 40 * MIB, 64 * 1024);
@@ -329,7 +334,11 @@ fn a_running_domain_day_by_day_with_a_kill_and_a_destroy() {
     assert_eq!(r[0], (4 * MIB + 64 * 1024, "dirty-bitmap".to_string()), "{day}");
     assert_eq!(r[1], (64 * 1024, "dirty-bitmap".to_string()), "{day}");
     assert!(!run(&mut lv.virsh(&["backup-dumpxml", dom])).status.success(), "no job is left");
-    let left: Vec<_> = std::fs::read_dir(lv.tmp()).unwrap().collect();
+    let left: Vec<_> = std::fs::read_dir(lv.tmp())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("ferry-libvirt-"))
+        .collect();
     assert!(left.is_empty(), "the killed run's directory (socket, scratch files) is left: {left:?}");
     points.push((day["point"].as_str().unwrap().into(), models.clone()));
     only_newest(&lv, dom);
