@@ -141,6 +141,20 @@ pub(crate) fn run(domain: &str, args: &BackupArgs, quiet: bool) -> Result<i32> {
     if domain.is_empty() {
         bail!("name the domain: libvirt:DOMAIN");
     }
+    let own = [
+        ("--dirty-bitmap", args.dirty_bitmap.is_some()),
+        ("--extents-from", args.extents_from.is_some()),
+        ("--since", args.since.is_some()),
+        ("--resume", args.resume),
+        ("-U", args.force_share),
+        ("--no-bitmap", args.no_bitmap),
+    ];
+    if let Some((flag, _)) = own.iter().find(|f| f.1) {
+        bail!(
+            "{flag} is not for a libvirt:DOMAIN source: ferry chooses each disk's change map itself (a killed run is \
+             not resumed: the next run reads what changed since the last good one)"
+        );
+    }
     let virsh = Virsh::new(args.libvirt.connect.as_deref());
     let (points_id, snaps) = backup_domain(&virsh, domain, args, quiet)?;
     if args.json {

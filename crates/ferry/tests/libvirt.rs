@@ -436,6 +436,8 @@ fn bad_domains_and_disks_are_clear_errors() {
     assert!(e.contains("disk vdb is a network disk") && e.contains("--exclude vdb"), "{e}");
     let e = err(&["backup", "--disk", "vdz", &format!("libvirt:{dom}"), repo]);
     assert!(e.contains("no disk \"vdz\""), "{e}");
+    let e = err(&["backup", "--since", "abcd", &format!("libvirt:{dom}"), repo]);
+    assert!(e.contains("--since is not for a libvirt:DOMAIN source"), "{e}");
     let e = err(&["backup", "--disk", "vda", "/dev/null", &format!("{repo}::x")]);
     assert!(e.contains("are for a libvirt:DOMAIN source"), "{e}");
 
