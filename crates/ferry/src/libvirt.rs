@@ -115,8 +115,10 @@ fn open_repo(args: &BackupArgs) -> Result<(String, Arc<Repository>)> {
 /// creates the socket and the scratch files; ferry, as root, still reaches them).
 fn rundir(live_xml: &str) -> Result<tempfile::TempDir> {
     let base = std::env::temp_dir();
+    use std::os::unix::fs::PermissionsExt;
     let d = tempfile::Builder::new()
         .prefix(RUNDIR_PREFIX)
+        .permissions(std::fs::Permissions::from_mode(0o700))
         .tempdir_in(&base)
         .with_context(|| format!("cannot make a private directory in {} (TMPDIR)", base.display()))?;
     if let (Some((uid, gid)), true) = (xml::qemu_owner(live_xml), rustix::process::geteuid().is_root()) {

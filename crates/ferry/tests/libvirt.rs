@@ -318,6 +318,15 @@ fn a_running_domain_day_by_day_with_a_kill_and_a_destroy() {
     lv.write(dom, 0, 0x33, 30 * MIB, 4 * MIB);
     models[0].0.push((0x33, 30 * MIB, 4 * MIB));
     let out = interrupt(&lv, &["backup", "--rate", "1M", &src, repo], |c| {
+        // The running job's directory is the owner's alone.
+        use std::os::unix::fs::PermissionsExt;
+        let dirs: Vec<_> = std::fs::read_dir(lv.tmp())
+            .unwrap()
+            .map(|e| e.unwrap())
+            .filter(|e| e.file_name().to_string_lossy().starts_with("ferry-libvirt-"))
+            .collect();
+        assert_eq!(dirs.len(), 1, "{dirs:?}");
+        assert_eq!(dirs[0].metadata().unwrap().permissions().mode() & 0o777, 0o700);
         // A second run meanwhile is refused (it would end the first one's job).
         let e = run_fails(&mut lv.ferry(&["backup", &src, repo])).stderr;
         assert!(e.contains("another `ferry backup libvirt:ferry-days` runs on this host"), "{e}");
