@@ -29,92 +29,97 @@ const PACK_SIZE: usize = 32 << 20;
 /// of a binary's size against level 3's 200-250 MB/s to 0.27.
 const LEVEL: i32 = 1;
 
-#[derive(Args, Debug)]
+#[derive(Args, Debug, Clone)]
 pub struct BackupArgs {
     /// What to back up: anything `ferry copy` reads (an NBD URI such as qemu-nbd -B's or a
-    /// libvirt pull-mode backup's export, a raw or qcow2 image, rbd:, http(s)://, s3://).
-    src: String,
+    /// libvirt pull-mode backup's export, a raw or qcow2 image, rbd:, http(s)://, s3://),
+    /// or libvirt:DOMAIN: every disk of a libvirt domain at one instant, ferry driving the
+    /// backup job and its checkpoints (see --connect, --disk, --exclude).
+    pub(crate) src: String,
     /// The disk's snapshots: REPO::NAME, REPO a directory made by `ferry repo init` or
     /// s3://BUCKET/PREFIX; NAME 1 to 200 of A-Z a-z 0-9 . _ - (not starting with . or -).
-    dst: String,
+    /// For libvirt:DOMAIN, REPO alone: each disk goes into REPO::DOMAIN-TARGET.
+    pub(crate) dst: String,
     /// Read only the ranges the source's dirty bitmap BITMAP marks (its
     /// qemu:dirty-bitmap:BITMAP context: qemu-nbd -B, libvirt pull mode,
     /// qemu-storage-daemon, ferry serve -B); everything else is taken from NAME's latest
     /// snapshot, which --since must name. The bitmap must hold every change since that
     /// snapshot was taken.
     #[arg(long, value_name = "BITMAP", conflicts_with = "extents_from")]
-    dirty_bitmap: Option<String>,
+    pub(crate) dirty_bitmap: Option<String>,
     /// Read only the ranges listed in FILE (as `ferry copy --extents-from` takes them);
     /// everything else is taken from NAME's latest snapshot, which --since must name.
     #[arg(long, value_name = "FILE")]
-    extents_from: Option<String>,
+    pub(crate) extents_from: Option<String>,
     /// The snapshot the change map continues: the id `ferry backup` printed (`--json`:
     /// "id") for the backup after which the bitmap was started or cleared (a unique
     /// prefix of at least 4 hex digits). Refused unless it is NAME's latest snapshot.
     #[arg(long, value_name = "ID")]
-    since: Option<String>,
+    pub(crate) since: Option<String>,
     /// Print the new snapshot as one JSON object.
     #[arg(long)]
-    json: bool,
+    pub(crate) json: bool,
     /// Show progress: a bar with rate and ETA on a terminal, percentages otherwise.
     #[arg(short, long)]
-    progress: bool,
+    pub(crate) progress: bool,
     /// Most bytes read per second (K, M, G suffixes; 1K to 1T). Holes and zero ranges are free.
     #[arg(long, value_name = "BYTES_PER_SEC", value_parser = crate::copy::parse_rate)]
-    rate: Option<u64>,
+    pub(crate) rate: Option<u64>,
     /// Retries of a failed NBD request or connection, as `ferry copy --retries` (0 to 100).
     #[arg(long, value_name = "N", default_value_t = ferry_client::copy::DEFAULT_RETRIES,
           value_parser = clap::value_parser!(u32).range(0..=ferry_client::copy::MAX_RETRIES as i64))]
-    retries: u32,
+    pub(crate) retries: u32,
     /// Seconds before the first retry, doubled for each further one (0 to 60).
     #[arg(long, value_name = "SECS", default_value = "0.5", value_parser = crate::copy::parse_retry_delay)]
-    retry_delay: Duration,
+    pub(crate) retry_delay: Duration,
     /// Connections to the NBD server (where it allows several), as `ferry copy -C`.
     #[arg(short = 'C', long, value_name = "N")]
-    connections: Option<usize>,
+    pub(crate) connections: Option<usize>,
     /// Read a local source even while another program writes it (qemu-img's -U); the
     /// snapshot may then not match any state of the source.
     #[arg(short = 'U', long)]
-    force_share: bool,
+    pub(crate) force_share: bool,
     /// The repository's passphrase: the first line of FILE (else FERRY_PASSWORD, else
     /// FERRY_PASSWORD_FILE).
     #[arg(long, value_name = "FILE")]
-    password_file: Option<std::path::PathBuf>,
+    pub(crate) password_file: Option<std::path::PathBuf>,
     /// Wait up to SECS for a running backup of the same disk (or a repair, or a gc of an
     /// older ferry: gc runs beside backups) to end, instead of failing at once.
     #[arg(long, value_name = "SECS", value_parser = crate::copy::parse_secs)]
-    wait: Option<Duration>,
+    pub(crate) wait: Option<Duration>,
     /// For a local qcow2 image: do not keep a change-tracking bitmap in it (every backup
     /// then reads all of it; the image is opened read-only).
     #[arg(long)]
-    no_bitmap: bool,
+    pub(crate) no_bitmap: bool,
     /// Continue an interrupted backup of NAME (it stores a checkpoint every 30 seconds)
     /// instead of starting again: what it stored is not read again. The source, its size,
     /// the base snapshot and the change map must be those of the interrupted run. Without
     /// --resume, an interrupted backup of NAME is discarded.
     #[arg(long)]
-    resume: bool,
+    pub(crate) resume: bool,
     /// With --resume from an NBD export: it is the same point in time as in the
     /// interrupted run (the same backup job, still running; the same qemu-nbd of a stopped
     /// image). ferry cannot tell from an export whether its disk changed, and a resume
     /// from a changed one would mix two versions of the disk.
     #[arg(long, requires = "resume")]
-    same_source: bool,
+    pub(crate) same_source: bool,
     /// Accept the repository as the store has it when its snapshots went back since
     /// this host last used it (NAME's newest snapshot gone, a forgotten one back): this
     /// host's record of it then follows the store. Without it such a backup is refused.
     #[arg(long)]
-    accept_rollback: bool,
+    pub(crate) accept_rollback: bool,
     /// Tag the snapshot T (repeatable; 1 to 64 of A-Z a-z 0-9 . _ - + @ : =, at most 16):
     /// `ferry repo list --tag` selects by it, `ferry repo forget --keep-tag` keeps by it.
     #[arg(long = "tag", value_name = "T", value_parser = parse_tag)]
-    tags: Vec<String>,
+    pub(crate) tags: Vec<String>,
     /// A note kept with the snapshot and shown by `ferry repo list` (one line, at most
     /// 1024 bytes).
     #[arg(long, value_name = "TEXT", value_parser = parse_note)]
-    note: Option<String>,
+    pub(crate) note: Option<String>,
     #[command(flatten)]
-    remote: crate::remote_args::RemoteArgs,
+    pub(crate) remote: crate::remote_args::RemoteArgs,
+    #[command(flatten)]
+    pub(crate) libvirt: crate::libvirt::LibvirtArgs,
 }
 
 fn parse_tag(s: &str) -> Result<String, String> {
@@ -268,6 +273,48 @@ fn subtract(ranges: &[(u64, u64)], done: &[(u64, u64)]) -> Vec<(u64, u64)> {
 }
 
 pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
+    if let Some(domain) = args.src.strip_prefix(crate::libvirt::SCHEME) {
+        return crate::libvirt::run(domain, &args, quiet);
+    }
+    args.libvirt.refuse_without_domain()?;
+    let (snap, read) = backup(&args, quiet)?;
+    let m = &snap.manifest;
+    if args.json {
+        println!("{}", snapshot_json(&snap, read));
+    } else {
+        println!(
+            "snapshot {} of {}: {}, {} read, {} added ({} new chunks)",
+            short_id(&snap.id),
+            m.name,
+            human(m.size),
+            human(read),
+            human(m.stats.new_stored),
+            m.stats.new_chunks
+        );
+    }
+    Ok(0)
+}
+
+/// A new snapshot as `--json` prints it (`read`: the bytes read from the source).
+pub(crate) fn snapshot_json(snap: &ferry_repo::SnapshotInfo, read: u64) -> serde_json::Value {
+    let m = &snap.manifest;
+    serde_json::json!({
+        "id": snap.id,
+        "name": m.name,
+        "time": m.time,
+        "size": m.size,
+        "read": read,
+        "new_chunks": m.stats.new_chunks,
+        "new_stored": m.stats.new_stored,
+        "parent": m.parent,
+        "changes": m.changes,
+    })
+}
+
+/// The backup engine: one new snapshot of `args.dst` from `args.src`, committed; the
+/// snapshot and the bytes read from the source. Prints nothing on stdout (progress and
+/// notices go to stderr), so that `ferry backup libvirt:` calls it once per disk.
+pub(crate) fn backup(args: &BackupArgs, quiet: bool) -> Result<(ferry_repo::SnapshotInfo, u64)> {
     let cancel = crate::interrupt::install()?;
     let src_loc = Location::parse(&args.src).with_context(|| format!("source {:?}", shown(&args.src)))?;
     let (repo_spec, name) = match Location::parse(&args.dst).with_context(|| format!("{:?}", shown(&args.dst)))? {
@@ -563,32 +610,7 @@ pub fn run(args: BackupArgs, quiet: bool) -> Result<i32> {
             );
         }
     }
-    let m = &snap.manifest;
-    if args.json {
-        let doc = serde_json::json!({
-            "id": snap.id,
-            "name": m.name,
-            "time": m.time,
-            "size": m.size,
-            "read": read,
-            "new_chunks": m.stats.new_chunks,
-            "new_stored": m.stats.new_stored,
-            "parent": m.parent,
-            "changes": m.changes,
-        });
-        println!("{doc}");
-    } else {
-        println!(
-            "snapshot {} of {}: {}, {} read, {} added ({} new chunks)",
-            short_id(&snap.id),
-            m.name,
-            human(m.size),
-            human(read),
-            human(m.stats.new_stored),
-            m.stats.new_chunks
-        );
-    }
-    Ok(0)
+    Ok((snap, read))
 }
 
 /// The writer of this backup: a new one, or with `resume` the continuation of NAME's

@@ -29,6 +29,10 @@ mod copy_guard;
 mod hash;
 mod info;
 mod interrupt;
+mod libvirt;
+mod libvirt_restore;
+mod libvirt_virsh;
+mod libvirt_xml;
 mod man;
 mod remote_args;
 mod repo;
@@ -75,6 +79,9 @@ enum Command {
     /// Back up a disk into a repository: a new snapshot REPO::NAME, deduplicated, only the
     /// changed ranges read with --dirty-bitmap.
     Backup(backup::BackupArgs),
+    /// Restore a point of a libvirt domain (`ferry backup libvirt:DOMAIN REPO`): every disk
+    /// and the domain's XML into a directory, optionally defined under a new name.
+    Restore(libvirt_restore::RestoreArgs),
     /// Backup repositories: init, list, check, verify, forget, gc, stats.
     Repo(repo::RepoArgs),
     /// Print a completion script for bash, zsh or fish.
@@ -177,6 +184,7 @@ fn main() {
         Command::Bench(args) => bench::run(args),
         Command::Bitmap(args) => bitmap::run(args),
         Command::Backup(args) => backup::run(args, cli.quiet),
+        Command::Restore(args) => libvirt_restore::run(args, cli.quiet),
         Command::Repo(args) => repo::run(args),
         Command::Completions(args) => completions::run(args),
         Command::GenerateMan(args) => man::run(args),

@@ -713,6 +713,7 @@ fn list(a: ListArgs) -> Result<i32> {
             short_id(id)
         );
     }
+    crate::libvirt_restore::print_points(&repo, a.name.as_deref(), &all);
     Ok(0)
 }
 

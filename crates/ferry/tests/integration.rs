@@ -27,6 +27,7 @@ mod interop_fio;
 mod interop_libnbd;
 mod interop_qemu;
 mod interop_tls;
+mod libvirt;
 mod lifecycle;
 mod locking;
 mod man;

@@ -142,7 +142,7 @@ pub fn check_limits(l: &Limits) -> Result<(), FormatError> {
 }
 
 /// Whether `s` is `n` lowercase hex digits.
-fn is_hex(s: &str, n: usize) -> bool {
+pub(crate) fn is_hex(s: &str, n: usize) -> bool {
     s.len() == n && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
@@ -156,7 +156,7 @@ pub fn parse_hex(s: &str) -> Option<Vec<u8>> {
 }
 
 /// Checks an RFC 3339 time (`2026-11-26T22:00:00Z`).
-fn check_time(what: &str, t: &str) -> Result<(), FormatError> {
+pub(crate) fn check_time(what: &str, t: &str) -> Result<(), FormatError> {
     match t.parse::<jiff::Timestamp>() {
         Ok(_) => Ok(()),
         Err(_) => err(format!("{what} {:?} is not an RFC 3339 time", shorten(t))),
@@ -177,7 +177,11 @@ fn json_error(what: &str, e: serde_json::Error) -> FormatError {
 
 /// A JSON object of the repository (`what`: the config, a manifest...) of at most `max`
 /// bytes, its length checked before anything is parsed.
-fn bounded_json<T: serde::de::DeserializeOwned>(json: &[u8], max: u64, what: &str) -> Result<T, FormatError> {
+pub(crate) fn bounded_json<T: serde::de::DeserializeOwned>(
+    json: &[u8],
+    max: u64,
+    what: &str,
+) -> Result<T, FormatError> {
     if json.len() as u64 > max {
         return err(format!("the {what} is {} bytes long; at most {max} are allowed", json.len()));
     }

@@ -1,0 +1,584 @@
+//! `ferry backup libvirt:DOMAIN REPO`: a point of every disk of a libvirt domain, each
+//! disk into `REPO::DOMAIN-TARGET` through the backup engine ([`crate::backup::backup`]).
+//!
+//! A running domain is read through one pull-mode backup job for all its disks (so they
+//! are of one instant), exported on a Unix socket in a private 0700 directory. The job
+//! creates a checkpoint `ferry-REPOID16-NANOS` at that instant; once every disk's
+//! snapshot is committed, a point (`points/ID`, FORMAT.md "Points") records the snapshot
+//! ids, the checkpoint and the domain's XML, and only then are this repository's older
+//! checkpoints deleted. A disk continues from a checkpoint only when the newest point
+//! naming it also names the disk's latest snapshot and libvirt still has it tracking the
+//! disk: anything else (the first backup, a checkpoint libvirt lost, a run that failed
+//! half-way) reads the disk whole, with a notice. A run that fails ends its job and
+//! deletes its new checkpoint; a run killed outright leaves both, and the next run ends
+//! the job (found by its socket's directory name) and deletes checkpoints of this
+//! repository that no point names. Checkpoints ferry did not create (other names, other
+//! repositories' ids) are never deleted.
+//!
+//! A shut-off domain is backed up from its images, as `ferry backup IMAGE` does (qcow2
+//! with ferry's own change tracking, raw read whole).
+
+use crate::backup::BackupArgs;
+use crate::libvirt_virsh::{Hypervisor, Virsh};
+use crate::libvirt_xml::{self as xml, Disk, Mode};
+use crate::repo::{human, short_id};
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use ferry_repo::known::OnRollback;
+use ferry_repo::{PointDisk, PointRecord, Repository};
+use std::path::Path;
+use std::sync::Arc;
+
+/// The source prefix that names a libvirt domain.
+pub(crate) const SCHEME: &str = "libvirt:";
+/// The prefix of the checkpoints ferry creates; the repository's id follows.
+const CHECKPOINT_PREFIX: &str = "ferry-";
+/// The prefix of the private directory a backup job's socket is in.
+const RUNDIR_PREFIX: &str = "ferry-libvirt-";
+
+#[derive(Args, Debug, Clone, Default)]
+pub struct LibvirtArgs {
+    /// With a libvirt:DOMAIN source: the libvirt connection, as `virsh -c` takes it
+    /// (default: LIBVIRT_DEFAULT_URI, else qemu:///system).
+    #[arg(long, value_name = "URI")]
+    pub connect: Option<String>,
+    /// With a libvirt:DOMAIN source: back up only this disk (its target, e.g. vda;
+    /// repeatable). Default: every disk.
+    #[arg(long = "disk", value_name = "TARGET")]
+    pub disks: Vec<String>,
+    /// With a libvirt:DOMAIN source: leave this disk out (repeatable).
+    #[arg(long, value_name = "TARGET")]
+    pub exclude: Vec<String>,
+    /// With a libvirt:DOMAIN source: freeze the guest's file systems through the qemu guest
+    /// agent for the instant the backup starts (fails if no agent answers).
+    #[arg(long)]
+    pub quiesce: bool,
+}
+
+impl LibvirtArgs {
+    /// Refuses these flags with a source that is no domain.
+    pub(crate) fn refuse_without_domain(&self) -> Result<()> {
+        if self.connect.is_some() || !self.disks.is_empty() || !self.exclude.is_empty() || self.quiesce {
+            bail!("--connect, --disk, --exclude and --quiesce are for a libvirt:DOMAIN source");
+        }
+        Ok(())
+    }
+}
+
+/// The repository disk of a domain's disk.
+fn disk_name(domain: &str, target: &str) -> Result<String> {
+    let name = format!("{domain}-{target}");
+    if !ferry_repo::format::valid_name(&name) {
+        bail!(
+            "the domain {domain:?} and disk {target:?} make the disk name {name:?}, which is not 1 to 200 of A-Z a-z \
+             0-9 . _ - (not starting with . or -): rename the domain to back it up"
+        );
+    }
+    Ok(name)
+}
+
+/// The disks to back up, as --disk and --exclude choose them.
+fn choose(all: Vec<Disk>, a: &LibvirtArgs, domain: &str) -> Result<Vec<Disk>> {
+    for t in a.disks.iter().chain(&a.exclude) {
+        if !all.iter().any(|d| &d.target == t) {
+            let have: Vec<&str> = all.iter().map(|d| d.target.as_str()).collect();
+            bail!("{domain} has no disk {t:?} (its disks: {})", have.join(", "));
+        }
+    }
+    let chosen: Vec<Disk> = all
+        .into_iter()
+        .filter(|d| (a.disks.is_empty() || a.disks.contains(&d.target)) && !a.exclude.contains(&d.target))
+        .collect();
+    if chosen.is_empty() {
+        bail!("no disk of {domain} to back up (--disk and --exclude leave none)");
+    }
+    Ok(chosen)
+}
+
+/// The repository of `args.dst` (REPO, without ::NAME).
+fn open_repo(args: &BackupArgs) -> Result<(String, Arc<Repository>)> {
+    let spec = args.dst.clone();
+    if spec.contains("::") {
+        bail!("ferry backup libvirt:DOMAIN takes the repository alone (REPO): each disk goes into REPO::DOMAIN-TARGET");
+    }
+    let repo = ferry_open::repo::open_repository_with(
+        &spec,
+        &args.remote.remote(),
+        args.password_file.as_deref(),
+        OnRollback::Warn,
+    )?;
+    Ok((spec, repo))
+}
+
+/// A private directory for the job's socket and scratch files: 0700, in the temporary
+/// directory (TMPDIR, else /tmp), owned by qemu's user when ferry runs as root (qemu
+/// creates the socket and the scratch files; ferry, as root, still reaches them).
+fn rundir(live_xml: &str) -> Result<tempfile::TempDir> {
+    let base = std::env::temp_dir();
+    use std::os::unix::fs::PermissionsExt;
+    let d = tempfile::Builder::new()
+        .prefix(RUNDIR_PREFIX)
+        .permissions(std::fs::Permissions::from_mode(0o700))
+        .tempdir_in(&base)
+        .with_context(|| format!("cannot make a private directory in {} (TMPDIR)", base.display()))?;
+    if let (Some((uid, gid)), true) = (xml::qemu_owner(live_xml), rustix::process::geteuid().is_root()) {
+        std::os::unix::fs::chown(d.path(), Some(uid), Some(gid))
+            .with_context(|| format!("cannot give {} to qemu's user", d.path().display()))?;
+    }
+    Ok(d)
+}
+
+/// What one run does to a domain's disk.
+struct Plan {
+    disk: Disk,
+    name: String,
+    mode: Mode,
+    /// The snapshot the incremental continues.
+    since: Option<String>,
+    /// Whether the new checkpoint tracks it (a qcow2 image).
+    tracked: bool,
+}
+
+pub(crate) fn run(domain: &str, args: &BackupArgs, quiet: bool) -> Result<i32> {
+    if domain.is_empty() {
+        bail!("name the domain: libvirt:DOMAIN");
+    }
+    let own = [
+        ("--dirty-bitmap", args.dirty_bitmap.is_some()),
+        ("--extents-from", args.extents_from.is_some()),
+        ("--since", args.since.is_some()),
+        ("--resume", args.resume),
+        ("-U", args.force_share),
+        ("--no-bitmap", args.no_bitmap),
+    ];
+    if let Some((flag, _)) = own.iter().find(|f| f.1) {
+        bail!(
+            "{flag} is not for a libvirt:DOMAIN source: ferry chooses each disk's change map itself (a killed run is \
+             not resumed: the next run reads what changed since the last good one)"
+        );
+    }
+    let virsh = Virsh::new(args.libvirt.connect.as_deref());
+    let (points_id, snaps) = backup_domain(&virsh, domain, args, quiet)?;
+    if args.json {
+        let doc = serde_json::json!({
+            "domain": domain,
+            "point": points_id,
+            "disks": snaps.iter().map(|(s, read)| crate::backup::snapshot_json(s, *read)).collect::<Vec<_>>(),
+        });
+        println!("{doc}");
+    } else {
+        println!("point {} of {domain}: {} disks", short_id(&points_id), snaps.len());
+    }
+    Ok(0)
+}
+
+/// Backs up `domain`; the point's id and each disk's snapshot with the bytes read.
+pub(crate) fn backup_domain(
+    h: &dyn Hypervisor,
+    domain: &str,
+    args: &BackupArgs,
+    quiet: bool,
+) -> Result<(String, Vec<(ferry_repo::SnapshotInfo, u64)>)> {
+    let live = h.domain_xml(domain, false)?;
+    let state = h.state(domain)?;
+    let chosen = choose(xml::disks(&live)?, &args.libvirt, domain)?;
+    let (spec, repo) = open_repo(args)?;
+    let names: Vec<String> = chosen.iter().map(|d| disk_name(domain, &d.target)).collect::<Result<_>>()?;
+    let inactive = h.domain_xml(domain, true).unwrap_or_else(|_| live.clone());
+    let stopped = state.starts_with("shut off") || state.starts_with("crashed");
+    if stopped {
+        return backup_stopped(domain, &chosen, &names, &spec, &repo, &inactive, args, quiet);
+    }
+    for d in &chosen {
+        if d.kind == "network" || d.kind == "volume" && d.source.is_none() {
+            log::info!("{domain}: disk {} is a {} disk: read through libvirt's backup job", d.target, d.kind);
+        }
+    }
+    let _one = one_run(domain)?;
+    let repo_id = repo.config().id.clone();
+    let prefix = format!("{CHECKPOINT_PREFIX}{}-", &repo_id[..16.min(repo_id.len())]);
+    end_leftover_job(h, domain)?;
+    let (points, bad) = repo.points().context("cannot read the points of the repository")?;
+    for (object, e) in &bad {
+        log::warn!("skipping {object}: {e}; disks it named are read whole");
+    }
+    let points: Vec<&PointRecord> = points.iter().filter(|(_, p)| p.domain == domain).map(|(_, p)| p).collect();
+    let ours: Vec<String> = h.checkpoints(domain)?.into_iter().filter(|c| c.starts_with(&prefix)).collect();
+    // Checkpoints of this repository that no point names: left by a run that failed or
+    // was killed. Deleting one merges what it tracked into its parent: nothing is lost.
+    for c in ours.iter().filter(|c| !points.iter().any(|p| p.checkpoint.as_deref() == Some(c.as_str()))) {
+        log::info!("{domain}: deleting checkpoint {c}, left by a backup that did not finish");
+        h.checkpoint_delete(domain, c).with_context(|| format!("cannot delete the leftover checkpoint {c}"))?;
+    }
+    let mut plans = Vec::new();
+    for (d, name) in chosen.iter().zip(&names) {
+        let tracked = d.format.as_deref() == Some("qcow2");
+        let (mode, since) = match continuing(h, &repo, domain, name, &d.target, &points, &ours)? {
+            Some((c, s)) if tracked => (Mode::Incremental(c), Some(s)),
+            _ => (Mode::Full, None),
+        };
+        if !tracked {
+            log::info!(
+                "{domain}: disk {} is {}: libvirt tracks changes of qcow2 images only, so each backup reads all of it \
+                 (what is stored already is not stored again)",
+                d.target,
+                d.format.as_deref().unwrap_or("of no format")
+            );
+        }
+        plans.push(Plan { disk: d.clone(), name: name.clone(), mode, since, tracked });
+    }
+    let all: Vec<String> = xml::disks(&live)?.into_iter().map(|d| d.target).collect();
+    let checkpoint =
+        format!("{prefix}{}", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_nanos());
+    let dir = rundir(&live)?;
+    let socket = dir.path().join(xml::SOCKET);
+    let job = Job::begin(h, domain, &plans, &all, &checkpoint, dir.path(), args.libvirt.quiesce)?;
+    let mut snaps = Vec::new();
+    for p in &plans {
+        let mode = job.modes.iter().find(|m| m.0 == p.disk.target).map(|m| m.1.clone()).unwrap_or(Mode::Full);
+        let mut a = args.clone();
+        a.src = format!("nbd+unix:///{}?socket={}", p.disk.target, socket.display());
+        a.dst = format!("{spec}::{}", p.name);
+        a.json = false;
+        a.libvirt = LibvirtArgs::default();
+        (a.dirty_bitmap, a.since) = match mode {
+            Mode::Incremental(_) => (Some(format!("backup-{}", p.disk.target)), p.since.clone()),
+            _ => (None, None),
+        };
+        let (snap, read) = crate::backup::backup(&a, quiet)
+            .with_context(|| format!("{domain}: disk {} (nothing of this run is kept as a point)", p.disk.target))?;
+        if !args.json {
+            let m = &snap.manifest;
+            println!(
+                "snapshot {} of {}: {}, {} read, {} added ({}{})",
+                short_id(&snap.id),
+                m.name,
+                human(m.size),
+                human(read),
+                human(m.stats.new_stored),
+                if matches!(mode, Mode::Incremental(_)) { "changes since checkpoint " } else { "full read" },
+                match &mode {
+                    Mode::Incremental(c) => c.as_str(),
+                    _ => "",
+                }
+            );
+        }
+        snaps.push((snap, read));
+    }
+    job.end()?;
+    let disks = plans
+        .iter()
+        .zip(&snaps)
+        .map(|(p, (s, _))| PointDisk {
+            target: p.disk.target.clone(),
+            name: p.name.clone(),
+            snapshot: s.id.clone(),
+            tracked: p.tracked,
+        })
+        .collect();
+    let point = PointRecord::new(domain, Some(checkpoint.clone()), inactive, disks);
+    let id = repo.put_point(&point).context("the snapshots are stored, but the point that binds them is not")?;
+    job.keep_checkpoint();
+    // Only now: the new checkpoint is the one the next run continues (and those of the
+    // disks this run left out, which continue from their own newest point).
+    let left_out = points.iter().flat_map(|p| &p.disks).filter(|d| !plans.iter().any(|q| q.name == d.name));
+    let others: Vec<&str> = left_out
+        .filter_map(|d| points.iter().rev().find(|p| p.disks.iter().any(|e| e.name == d.name))?.checkpoint.as_deref())
+        .collect();
+    for c in h
+        .checkpoints(domain)?
+        .into_iter()
+        .filter(|c| c.starts_with(&prefix) && *c != checkpoint && !others.contains(&c.as_str()))
+    {
+        if let Err(e) = h.checkpoint_delete(domain, &c) {
+            log::warn!("{domain}: cannot delete the older checkpoint {c} ({e:#}); the next backup deletes it");
+        }
+    }
+    Ok((id, snaps))
+}
+
+/// The checkpoint `name`'s next backup continues from, with the snapshot it continues:
+/// the newest point of the domain naming the disk's latest snapshot, if its checkpoint
+/// is still there and tracks the disk. `None`, with a notice why, otherwise.
+fn continuing(
+    h: &dyn Hypervisor,
+    repo: &Repository,
+    domain: &str,
+    name: &str,
+    target: &str,
+    points: &[&PointRecord],
+    ours: &[String],
+) -> Result<Option<(String, String)>> {
+    let latest = match repo.resolve(name, None) {
+        Ok(s) => s,
+        Err(ferry_repo::Error::NotFound(_)) => return Ok(None),
+        Err(e) => return Err(anyhow::Error::new(e).context(format!("cannot find the latest snapshot of {name}"))),
+    };
+    let found = points.iter().rev().find_map(|p| {
+        let d = p.disks.iter().find(|d| d.name == name && d.snapshot == latest.id && d.tracked)?;
+        Some((p.checkpoint.clone()?, d.snapshot.clone()))
+    });
+    let Some((c, snap)) = found else {
+        log::info!(
+            "{domain}: disk {target}: no checkpoint continues snapshot {} of {name} (its backup did not finish, or was \
+             not of the running domain): reading all of it",
+            short_id(&latest.id)
+        );
+        return Ok(None);
+    };
+    let tracks = ours.contains(&c)
+        && h.checkpoint_xml(domain, &c)
+            .ok()
+            .and_then(|x| xml::checkpoint_disks(&x).ok())
+            .is_some_and(|d| d.iter().any(|t| t == target));
+    if !tracks {
+        log::info!(
+            "{domain}: disk {target}: libvirt no longer has checkpoint {c} tracking it (the domain was redefined, or \
+             its checkpoint metadata or disk replaced): reading all of it"
+        );
+        return Ok(None);
+    }
+    Ok(Some((c, snap)))
+}
+
+/// Holds the host's lock of `domain`'s backups (a file in the temporary directory, locked
+/// while the run lasts): a second run at once would take the first one's job for a
+/// leftover and end it.
+fn one_run(domain: &str) -> Result<std::fs::File> {
+    let safe: String =
+        domain.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect();
+    let path = std::env::temp_dir().join(format!("ferry-lock-libvirt-{safe}"));
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("cannot open the lock file {}", path.display()))?;
+    match f.try_lock() {
+        Ok(()) => Ok(f),
+        Err(std::fs::TryLockError::WouldBlock) => bail!(
+            "another `ferry backup libvirt:{domain}` runs on this host: wait for it to end (two at once would end \
+             each other's backup job)"
+        ),
+        Err(std::fs::TryLockError::Error(e)) => {
+            Err(anyhow::Error::new(e).context(format!("cannot lock {}", path.display())))
+        }
+    }
+}
+
+/// Ends a backup job a killed ferry left on the domain (its socket in a directory ferry
+/// names); refuses one that is not ferry's.
+fn end_leftover_job(h: &dyn Hypervisor, domain: &str) -> Result<()> {
+    let Some(job) = h.backup_xml(domain)? else { return Ok(()) };
+    let ours = xml::backup_socket(&job).is_some_and(|s| {
+        Path::new(&s)
+            .parent()
+            .and_then(|p| p.file_name())
+            .is_some_and(|n| n.to_string_lossy().starts_with(RUNDIR_PREFIX))
+    });
+    if !ours {
+        bail!(
+            "{domain} runs a backup job ferry did not start: wait for it to end (or end it with `virsh domjobabort \
+             {domain}`), then back up again"
+        );
+    }
+    log::info!("{domain}: ending the backup job a stopped ferry left running");
+    h.job_abort(domain).context("cannot end the backup job a stopped ferry left")?;
+    // Its directory holds the socket and the scratch files (what the guest overwrote
+    // while it ran: up to the size of the disks).
+    if let Some(dir) = xml::backup_socket(&job).as_deref().and_then(|s| Path::new(s).parent()) {
+        if let Err(e) = std::fs::remove_dir_all(dir) {
+            log::warn!(
+                "{domain}: cannot remove {} that the stopped backup left ({e}): remove it by hand",
+                dir.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// A running backup job: ended, and its checkpoint deleted unless kept, however the run
+/// ends.
+struct Job<'a> {
+    h: &'a dyn Hypervisor,
+    domain: &'a str,
+    checkpoint: String,
+    modes: Vec<(String, Mode)>,
+    ended: std::cell::Cell<bool>,
+    keep: std::cell::Cell<bool>,
+}
+
+impl<'a> Job<'a> {
+    #[allow(clippy::too_many_arguments)]
+    fn begin(
+        h: &'a dyn Hypervisor,
+        domain: &'a str,
+        plans: &[Plan],
+        all: &[String],
+        checkpoint: &str,
+        dir: &Path,
+        quiesce: bool,
+    ) -> Result<Job<'a>> {
+        let tracked: Vec<String> = plans.iter().filter(|p| p.tracked).map(|p| p.disk.target.clone()).collect();
+        let modes_of = |full: bool| -> Vec<(String, Mode)> {
+            all.iter()
+                .map(|t| {
+                    let m = match plans.iter().find(|p| &p.disk.target == t) {
+                        None => Mode::Skip,
+                        Some(_) if full => Mode::Full,
+                        Some(p) => p.mode.clone(),
+                    };
+                    (t.clone(), m)
+                })
+                .collect()
+        };
+        let cxml = xml::checkpoint_xml(checkpoint, all, &tracked);
+        let shown = dir.to_string_lossy();
+        let start = |modes: &[(String, Mode)]| -> Result<()> {
+            if quiesce {
+                h.freeze(domain, true)?;
+            }
+            let r = h.backup_begin(domain, &xml::backup_xml(&shown, modes), &cxml, dir);
+            if quiesce {
+                if let Err(e) = h.freeze(domain, false) {
+                    log::warn!("{e:#}");
+                }
+            }
+            r
+        };
+        let mut modes = modes_of(false);
+        if let Err(e) = start(&modes) {
+            if !modes.iter().any(|m| matches!(m.1, Mode::Incremental(_))) {
+                return Err(e.context(format!("cannot start the backup job of {domain}")));
+            }
+            log::info!("{domain}: the incremental backup job did not start ({e:#}): reading every disk whole instead");
+            modes = modes_of(true);
+            start(&modes).with_context(|| format!("cannot start the backup job of {domain}"))?;
+        }
+        Ok(Job { h, domain, checkpoint: checkpoint.to_string(), modes, ended: false.into(), keep: false.into() })
+    }
+
+    fn end(&self) -> Result<()> {
+        self.ended.set(true);
+        self.h.job_abort(self.domain).with_context(|| format!("cannot end the backup job of {}", self.domain))
+    }
+
+    fn keep_checkpoint(&self) {
+        self.keep.set(true);
+    }
+}
+
+impl Drop for Job<'_> {
+    fn drop(&mut self) {
+        if !self.ended.get() {
+            if let Err(e) = self.h.job_abort(self.domain) {
+                log::debug!("{}: ending the backup job: {e:#}", self.domain);
+            }
+        }
+        if !self.keep.get() {
+            if let Err(e) = self.h.checkpoint_delete(self.domain, &self.checkpoint) {
+                log::warn!(
+                    "{}: cannot delete checkpoint {} of the failed backup ({e:#}); the next backup deletes it",
+                    self.domain,
+                    self.checkpoint
+                );
+            }
+        }
+    }
+}
+
+/// A shut-off domain: each disk from its image, as `ferry backup IMAGE` reads it.
+#[allow(clippy::too_many_arguments)]
+fn backup_stopped(
+    domain: &str,
+    chosen: &[Disk],
+    names: &[String],
+    spec: &str,
+    repo: &Repository,
+    inactive: &str,
+    args: &BackupArgs,
+    quiet: bool,
+) -> Result<(String, Vec<(ferry_repo::SnapshotInfo, u64)>)> {
+    if args.libvirt.quiesce {
+        bail!("--quiesce: {domain} is shut off, so there is no guest to freeze; back up without --quiesce");
+    }
+    log::info!("{domain} is shut off: backing up its disk images directly");
+    // Every disk is checked before any is read: a run stopped by its second disk would
+    // leave the first one's snapshot without a point.
+    let mut sources = Vec::new();
+    for d in chosen {
+        let Some(path) = d.source.as_ref().filter(|_| d.kind == "file" || d.kind == "block") else {
+            bail!(
+                "{domain}: disk {} is a {} disk, which ferry reads only through a running domain's backup job: start \
+                 the domain, or leave the disk out with --exclude {}",
+                d.target,
+                d.kind,
+                d.target
+            );
+        };
+        sources.push(match d.format.as_deref() {
+            Some("qcow2") => format!("qcow2:{path}"),
+            Some("raw") | None => format!("raw:{path}"),
+            Some(f) => bail!(
+                "{domain}: disk {} is a {f} image, which ferry cannot read: convert it to qcow2 or raw, or leave it \
+                 out with --exclude {}",
+                d.target,
+                d.target
+            ),
+        });
+    }
+    let mut snaps = Vec::new();
+    for ((d, name), src) in chosen.iter().zip(names).zip(sources) {
+        let mut a = args.clone();
+        a.src = src;
+        a.dst = format!("{spec}::{name}");
+        a.json = false;
+        a.libvirt = LibvirtArgs::default();
+        let (snap, read) = crate::backup::backup(&a, quiet).with_context(|| format!("{domain}: disk {}", d.target))?;
+        if !args.json {
+            let m = &snap.manifest;
+            println!(
+                "snapshot {} of {}: {}, {} read, {} added",
+                short_id(&snap.id),
+                m.name,
+                human(m.size),
+                human(read),
+                human(m.stats.new_stored)
+            );
+        }
+        snaps.push((snap, read));
+    }
+    let disks = chosen
+        .iter()
+        .zip(names)
+        .zip(&snaps)
+        .map(|((d, n), (s, _))| PointDisk {
+            target: d.target.clone(),
+            name: n.clone(),
+            snapshot: s.id.clone(),
+            tracked: false,
+        })
+        .collect();
+    let point = PointRecord::new(domain, None, inactive.to_string(), disks);
+    let id = repo.put_point(&point).context("the snapshots are stored, but the point that binds them is not")?;
+    Ok((id, snaps))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn disks_are_chosen_by_target() {
+        let d = |t: &str| Disk { target: t.into(), kind: "file".into(), format: None, source: None };
+        let all = vec![d("vda"), d("vdb")];
+        let a = LibvirtArgs { exclude: vec!["vda".into()], ..Default::default() };
+        assert_eq!(choose(all.clone(), &a, "vm").unwrap(), [d("vdb")]);
+        let a = LibvirtArgs { disks: vec!["vdc".into()], ..Default::default() };
+        assert!(format!("{:#}", choose(all.clone(), &a, "vm").unwrap_err()).contains("no disk \"vdc\""));
+        let a = LibvirtArgs { disks: vec!["vda".into()], exclude: vec!["vda".into()], ..Default::default() };
+        assert!(choose(all, &a, "vm").is_err());
+        assert!(disk_name("my vm", "vda").is_err());
+        assert_eq!(disk_name("vm1", "vda").unwrap(), "vm1-vda");
+    }
+}

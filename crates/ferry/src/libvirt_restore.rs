@@ -1,0 +1,157 @@
+//! `ferry restore REPO::DOMAIN[@ID] --to DIR`: every disk of a point of a libvirt domain
+//! (`ferry backup libvirt:DOMAIN`) written into DIR through `ferry copy`'s engine, and the
+//! domain's XML rewritten to point at them; `--define NEWNAME` defines that copy in
+//! libvirt under a new name (libvirt gives it a new UUID and new MAC addresses).
+
+use crate::libvirt_virsh::{Hypervisor, Virsh};
+use crate::repo::short_id;
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser};
+use ferry_open::Location;
+use std::path::PathBuf;
+
+#[derive(Args, Debug)]
+pub struct RestoreArgs {
+    /// The point: REPO::DOMAIN for the domain's latest, REPO::DOMAIN@ID for the point whose
+    /// id `ferry backup libvirt:DOMAIN` printed (a unique prefix of at least 4 hex digits).
+    point: String,
+    /// Where to write the disks (DOMAIN-TARGET.raw or .qcow2) and DOMAIN.xml; made if missing.
+    #[arg(long, value_name = "DIR")]
+    to: PathBuf,
+    /// The disks' format.
+    #[arg(long, value_name = "FORMAT", default_value = "raw", value_parser = ["raw", "qcow2"])]
+    format: String,
+    /// Define the restored copy in libvirt as NEWNAME (new UUID and MAC addresses).
+    #[arg(long, value_name = "NEWNAME")]
+    define: Option<String>,
+    /// The libvirt connection for --define, as `virsh -c` takes it (default:
+    /// LIBVIRT_DEFAULT_URI, else qemu:///system).
+    #[arg(long, value_name = "URI")]
+    connect: Option<String>,
+    /// The repository's passphrase: the first line of FILE (else FERRY_PASSWORD, else
+    /// FERRY_PASSWORD_FILE).
+    #[arg(long, value_name = "FILE")]
+    password_file: Option<PathBuf>,
+    /// Show progress of each disk's copy.
+    #[arg(short, long)]
+    progress: bool,
+}
+
+/// `ferry copy`'s command line, parsed as ferry parses it.
+#[derive(Parser)]
+struct CopyLine {
+    #[command(flatten)]
+    args: crate::copy::CopyArgs,
+}
+
+pub fn run(args: RestoreArgs, quiet: bool) -> Result<i32> {
+    let (spec, domain, id) = match Location::parse(&args.point).with_context(|| format!("{:?}", args.point))? {
+        Location::Repo { repo, name, id } => (repo, name, id),
+        _ => bail!("{:?} is not a point: write REPO::DOMAIN or REPO::DOMAIN@ID", args.point),
+    };
+    if let Some(f) = &args.password_file {
+        // Each disk's copy opens the repository as `ferry copy` does, from the environment.
+        // (Still one thread here: nothing else reads the environment meanwhile.)
+        std::env::remove_var("FERRY_PASSWORD");
+        std::env::set_var("FERRY_PASSWORD_FILE", f);
+    }
+    let repo = ferry_open::repo::open_repository_with(
+        &spec,
+        &ferry_open::Remote::default(),
+        args.password_file.as_deref(),
+        ferry_repo::known::OnRollback::Warn,
+    )?;
+    let (points, bad) = repo.points().context("cannot read the points of the repository")?;
+    for (object, e) in &bad {
+        log::warn!("skipping {object}: {e}");
+    }
+    let mine: Vec<&(String, ferry_repo::PointRecord)> = points.iter().filter(|(_, p)| p.domain == domain).collect();
+    let (pid, point) = match &id {
+        None => *mine.last().with_context(|| {
+            format!("{spec} has no point of {domain} (`ferry backup libvirt:{domain} {spec}` makes one)")
+        })?,
+        Some(want) => {
+            let want = want.to_ascii_lowercase();
+            if want.len() < 4 {
+                bail!("@{want}: write at least 4 hex digits of the point's id");
+            }
+            let found: Vec<_> = mine.iter().filter(|(i, _)| i.starts_with(&want)).collect();
+            match found.as_slice() {
+                [one] => **one,
+                [] => bail!("{domain} has no point {want} in {spec} (`ferry repo list {spec}` lists them)"),
+                _ => bail!("@{want} names several points of {domain}: write more of its id"),
+            }
+        }
+    };
+    std::fs::create_dir_all(&args.to).with_context(|| format!("cannot make {}", args.to.display()))?;
+    let dir = std::fs::canonicalize(&args.to)?;
+    let mut files = Vec::new();
+    for d in &point.disks {
+        let path = dir.join(format!("{}-{}.{}", domain, d.target, args.format));
+        if path.exists() {
+            bail!("{} exists: restore into an empty directory (nothing is overwritten)", path.display());
+        }
+        let mut line = vec!["copy".to_string(), format!("{spec}::{}@{}", d.name, d.snapshot)];
+        line.push(path.to_string_lossy().into_owned());
+        if args.progress {
+            line.push("-p".into());
+        }
+        let copy = CopyLine::try_parse_from(&line).map_err(|e| anyhow::anyhow!("{e}"))?;
+        crate::copy::run(copy.args, quiet).with_context(|| format!("restoring disk {} of {domain}", d.target))?;
+        files.push((d.target.clone(), path.to_string_lossy().into_owned(), args.format.clone()));
+    }
+    let xml = crate::libvirt_xml::rewrite(&point.xml, &files, args.define.as_deref())?;
+    let xml_path = dir.join(format!("{}.xml", args.define.as_deref().unwrap_or(&domain)));
+    std::fs::write(&xml_path, &xml).with_context(|| format!("cannot write {}", xml_path.display()))?;
+    if let Some(name) = &args.define {
+        Virsh::new(args.connect.as_deref()).define(&xml, &dir).with_context(|| {
+            format!("the disks and {} are restored, but defining {name} failed", xml_path.display())
+        })?;
+        let _ = std::fs::remove_file(dir.join(crate::libvirt_virsh::DEFINE_FILE));
+    }
+    println!(
+        "point {} of {domain} ({}): {} disks and {} in {}",
+        short_id(pid),
+        point.time,
+        files.len(),
+        xml_path.file_name().unwrap_or_default().to_string_lossy(),
+        dir.display()
+    );
+    Ok(0)
+}
+
+/// `ferry repo list`'s points of libvirt domains: each point with its disks' snapshots
+/// (those of `name` only, when given; a snapshot no longer there is marked).
+pub(crate) fn print_points(repo: &ferry_repo::Repository, name: Option<&str>, all: &[ferry_repo::SnapshotInfo]) {
+    let (points, bad) = match repo.points() {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("cannot list the points of libvirt domains: {e}");
+            return;
+        }
+    };
+    for (object, e) in bad {
+        eprintln!("unreadable point {object}: {e}");
+    }
+    let shown: Vec<_> =
+        points.iter().filter(|(_, p)| name.is_none_or(|n| p.disks.iter().any(|d| d.name == n))).collect();
+    if shown.is_empty() {
+        return;
+    }
+    println!();
+    println!(
+        "{:<8}  {:<30}  {:<20}  DISKS (restore: ferry restore REPO::DOMAIN@POINT --to DIR)",
+        "POINT", "TIME", "DOMAIN"
+    );
+    for (id, p) in shown {
+        let disks: Vec<String> = p
+            .disks
+            .iter()
+            .map(|d| {
+                let gone = if all.iter().any(|s| s.id == d.snapshot) { "" } else { " (gone)" };
+                format!("{}@{}{gone}", d.name, short_id(&d.snapshot))
+            })
+            .collect();
+        println!("{:<8}  {:<30}  {:<20}  {}", short_id(id), p.time, p.domain, disks.join(" "));
+    }
+}

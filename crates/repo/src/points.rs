@@ -1,0 +1,208 @@
+//! Points of a virtual machine (FORMAT.md, "Points"): which snapshot of each of a
+//! domain's disks was taken at one instant, the libvirt checkpoint that instant began,
+//! and the domain's XML. `points/ID`, immutable, named by the SHA-256 of its stored
+//! bytes, sealed as manifests are.
+//!
+//! A point binds a checkpoint to snapshot ids: a backup continues a disk from a
+//! checkpoint only when the point that names it also names the disk's latest snapshot,
+//! so a checkpoint of another repository, or one whose snapshot was forgotten, is never
+//! taken for it.
+
+use crate::format::{bounded_json, check_time, is_hex, valid_name, FormatError};
+use crate::repo::{par_map, Failures, Repository, FETCH_THREADS};
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+
+const AAD_POINT: &[u8] = b"ferry point";
+/// The version of a point record (its own, not the repository's).
+pub const POINT_VERSION: u32 = 1;
+/// Most bytes of a stored point.
+pub const MAX_POINT: u64 = 4 << 20;
+/// Most bytes of the domain's XML in a point.
+pub const MAX_POINT_XML: usize = 2 << 20;
+/// Most disks in a point.
+pub const MAX_POINT_DISKS: usize = 1024;
+/// Most bytes of the domain's name, a checkpoint's name, a disk's target or source.
+pub const MAX_POINT_FIELD: usize = 4096;
+
+/// One point of a domain (FORMAT.md, "Points").
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PointRecord {
+    pub version: u32,
+    /// The libvirt domain's name.
+    pub domain: String,
+    /// When the point was stored (RFC 3339, UTC).
+    pub time: String,
+    pub host: String,
+    /// The libvirt checkpoint created at the instant the disks were read; `None` when
+    /// none was (a shut-off domain, read from its images).
+    pub checkpoint: Option<String>,
+    /// The domain's XML as libvirt gave it (inactive definition).
+    pub xml: String,
+    pub disks: Vec<PointDisk>,
+}
+
+/// One disk of a point.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PointDisk {
+    /// The disk's target in the domain (`vda`).
+    pub target: String,
+    /// The repository disk its snapshot is of (`vm1-vda`).
+    pub name: String,
+    /// The snapshot taken at the point (64 hex).
+    pub snapshot: String,
+    /// Whether `checkpoint` tracks this disk's changes from the point on.
+    pub tracked: bool,
+}
+
+impl PointRecord {
+    /// A point of `domain` taken now, on this host.
+    pub fn new(domain: &str, checkpoint: Option<String>, xml: String, disks: Vec<PointDisk>) -> PointRecord {
+        PointRecord {
+            version: POINT_VERSION,
+            domain: domain.to_string(),
+            time: jiff::Timestamp::now().to_string(),
+            host: crate::repo::hostname(),
+            checkpoint,
+            xml,
+            disks,
+        }
+    }
+
+    pub fn parse(json: &[u8]) -> std::result::Result<PointRecord, FormatError> {
+        let r: PointRecord = bounded_json(json, MAX_POINT, "point")?;
+        r.validate()?;
+        Ok(r)
+    }
+
+    pub fn validate(&self) -> std::result::Result<(), FormatError> {
+        let bad = |why: String| Err(FormatError(why));
+        if self.version != POINT_VERSION {
+            return bad(format!(
+                "the point has version {}; this ferry reads version {POINT_VERSION} only (use a newer ferry)",
+                self.version
+            ));
+        }
+        check_time("the point's time", &self.time)?;
+        let long =
+            [&self.domain, &self.host].into_iter().chain(self.checkpoint.as_ref()).any(|s| s.len() > MAX_POINT_FIELD);
+        if self.domain.is_empty() || long {
+            return bad(format!(
+                "the point's domain, host or checkpoint is empty or longer than {MAX_POINT_FIELD} bytes"
+            ));
+        }
+        if self.xml.len() > MAX_POINT_XML {
+            return bad(format!("the point's XML is longer than {MAX_POINT_XML} bytes"));
+        }
+        if self.disks.is_empty() || self.disks.len() > MAX_POINT_DISKS {
+            return bad(format!("a point has 1 to {MAX_POINT_DISKS} disks, this one {}", self.disks.len()));
+        }
+        for (i, d) in self.disks.iter().enumerate() {
+            if d.target.is_empty()
+                || d.target.len() > MAX_POINT_FIELD
+                || !valid_name(&d.name)
+                || !is_hex(&d.snapshot, 64)
+            {
+                return bad(format!("disk {i} of the point has a bad target, name or snapshot id"));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Repository {
+    /// Stores a point; its id (the object's name without `points/`).
+    pub fn put_point(&self, point: &PointRecord) -> Result<String> {
+        point.validate().map_err(|e| Error::Invalid(e.0))?;
+        let json = serde_json::to_vec(point).map_err(|e| Error::Invalid(e.to_string()))?;
+        let sealed = self.crypto().seal(AAD_POINT, &json);
+        if sealed.len() as u64 > MAX_POINT {
+            return Err(Error::Invalid(format!("the point would be {} bytes, more than {MAX_POINT}", sealed.len())));
+        }
+        let id = crate::format::hex(&crate::repo::sha256(&sealed));
+        let name = format!("points/{id}");
+        self.store()
+            .put(&name, &sealed)
+            .map_err(|e| Error::store(format!("cannot store {name} in {}", self.store().describe()), e))?;
+        Ok(id)
+    }
+
+    /// Reads and checks one point (`points/ID`).
+    pub fn point(&self, id: &str) -> Result<PointRecord> {
+        let object = format!("points/{id}");
+        let json = self.read_named(&object, "points/", MAX_POINT, AAD_POINT)?;
+        PointRecord::parse(&json).map_err(|e| Error::damaged(&object, e.0))
+    }
+
+    /// Every point that reads well (id, record), oldest first, and those that do not
+    /// with why.
+    pub fn points(&self) -> Result<(Vec<(String, PointRecord)>, Failures)> {
+        let names = self
+            .store()
+            .list("points/")
+            .map_err(|e| Error::store(format!("cannot list the points of {}", self.store().describe()), e))?;
+        let ids: Vec<String> =
+            names.into_iter().filter_map(|(n, _)| n.strip_prefix("points/").map(String::from)).collect();
+        let mut good = Vec::new();
+        let mut bad = Vec::new();
+        for (id, r) in ids.iter().zip(par_map(&ids, FETCH_THREADS, |id| self.point(id))) {
+            match r {
+                Ok(p) => good.push((id.clone(), p)),
+                Err(e @ Error::Store { .. }) => return Err(e),
+                Err(e) => bad.push((format!("points/{id}"), e)),
+            }
+        }
+        good.sort_by(|a, b| (&a.1.time, &a.0).cmp(&(&b.1.time, &b.0)));
+        Ok((good, bad))
+    }
+
+    /// Removes a point (the snapshots it names stay).
+    pub fn delete_point(&self, id: &str) -> Result<()> {
+        let name = format!("points/{id}");
+        self.store().delete(&name).map_err(|e| Error::store(format!("cannot remove {name}"), e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn point() -> PointRecord {
+        PointRecord {
+            version: POINT_VERSION,
+            domain: "vm1".into(),
+            time: "2026-11-28T10:00:00.5Z".into(),
+            host: "h".into(),
+            checkpoint: Some("ferry-0123-1".into()),
+            xml: "<domain/>".into(),
+            disks: vec![PointDisk {
+                target: "vda".into(),
+                name: "vm1-vda".into(),
+                snapshot: "a".repeat(64),
+                tracked: true,
+            }],
+        }
+    }
+
+    #[test]
+    fn points_round_trip_and_bad_ones_are_refused() {
+        let p = point();
+        assert_eq!(PointRecord::parse(&serde_json::to_vec(&p).unwrap()).unwrap(), p);
+        let mut q = p.clone();
+        q.disks[0].snapshot = "xyz".into();
+        assert!(PointRecord::parse(&serde_json::to_vec(&q).unwrap()).is_err());
+        let mut q = p.clone();
+        q.disks.clear();
+        assert!(PointRecord::parse(&serde_json::to_vec(&q).unwrap()).is_err());
+        let mut q = p.clone();
+        q.version = 2;
+        assert!(PointRecord::parse(&serde_json::to_vec(&q).unwrap()).is_err());
+        let mut q = p;
+        q.time = "yesterday".into();
+        assert!(PointRecord::parse(&serde_json::to_vec(&q).unwrap()).is_err());
+        assert!(PointRecord::parse(b"{\"version\":1").is_err());
+        assert!(PointRecord::parse(&vec![b' '; MAX_POINT as usize + 1]).is_err());
+    }
+}
