@@ -1362,6 +1362,7 @@ impl<P: PageList, K: PackList> Manifest<P, K> {
                 return err("copied_from does not name a repository and a snapshot (64 hex digits each)");
             }
             check_time("copied_from's time", &c.time)?;
+        }
         if self.tags.len() > MAX_TAGS || !self.tags.iter().all(|t| valid_tag(t)) {
             return err(format!(
                 "the tags are more than {MAX_TAGS}, or one is not 1 to 64 of A-Z a-z 0-9 . _ - + @ : ="
