@@ -28,10 +28,11 @@ enum RepoCommand {
     /// snapshot reads data that `ferry repo verify` found damaged and that has no good copy.
     List(ListArgs),
     /// Check the metadata (config, index, manifests and their pages) without reading data;
-    /// exit status 1 when something is damaged.
+    /// exit status 13 when something is damaged.
     Check(CommonArgs),
-    /// Check, then read every pack (or --read-data PERCENT of them) once and check every
-    /// chunk; names each damaged snapshot and range; exit status 1 when something is damaged.
+    /// Check, then read every pack (or --read-data PERCENT or N/T of them) once and check
+    /// every chunk; names each damaged snapshot and range; exit status 13 when something is
+    /// damaged.
     Verify(VerifyArgs),
     /// Remove the snapshots a retention policy does not keep, or those named by id
     /// (their data stays until `ferry repo gc`).
@@ -44,7 +45,7 @@ enum RepoCommand {
     Key(crate::repo_key::KeyArgs),
     /// Index again the packs that no readable index object lists (from their trailers),
     /// then remove the index objects that cannot be read; list (and with --drop-damaged
-    /// remove) the manifests and checkpoints that cannot be read. Exit status 1 when
+    /// remove) the manifests and checkpoints that cannot be read. Exit status 13 when
     /// something stays damaged.
     Repair(RepairArgs),
     /// Remove the stale locks (left by processes that are gone), printing each; live
@@ -135,10 +136,12 @@ struct ListArgs {
 struct VerifyArgs {
     #[command(flatten)]
     common: CommonArgs,
-    /// Read this share of the packs (1 to 100), chosen so that successive runs cover them all.
-    #[arg(long, value_name = "PERCENT", default_value_t = 100,
-          value_parser = clap::value_parser!(u32).range(1..=100))]
-    read_data: u32,
+    /// Read this share of the packs: PERCENT (1 to 100, `10%` too; rounded up, so at least
+    /// one pack) from a window that moves on each day, so that successive days cover them
+    /// all; or N/T, restic's subset form: the packs (in name order) cut into T equal slices,
+    /// the Nth read, the same every run.
+    #[arg(long, value_name = "PERCENT|N/T", default_value = "100", value_parser = maint::ReadData::parse)]
+    read_data: maint::ReadData,
     /// Packs read at once. Default: one per core.
     #[arg(short = 'j', long, value_name = "N")]
     jobs: Option<usize>,
@@ -259,7 +262,7 @@ pub fn run(args: RepoArgs) -> Result<i32> {
         RepoCommand::Verify(a) => {
             let repo = a.common.open()?;
             let threads = a.jobs.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())).max(1);
-            let opts = VerifyOptions { read_data_percent: a.read_data, threads };
+            let opts = VerifyOptions { read_data: a.read_data, threads };
             let r = maint::verify(&repo, &opts).with_context(|| format!("verifying {}", a.common.repo))?;
             Ok(print_report(&a.common.repo, &r, true).max(went_back(&a.common.repo, &repo)))
         }
@@ -514,7 +517,7 @@ fn list(a: ListArgs) -> Result<i32> {
     Ok(0)
 }
 
-/// Prints what check or verify found; the exit status (1: damage found).
+/// Prints what check or verify found; the exit status (13: damage found).
 fn print_report(repo: &str, r: &Report, read: bool) -> i32 {
     for n in &r.notes {
         eprintln!("note: {n}");
@@ -523,7 +526,15 @@ fn print_report(repo: &str, r: &Report, read: bool) -> i32 {
         print_problem(p);
     }
     let what = if read {
-        format!("{} chunks in {} packs read ({})", r.blobs_checked, r.packs, human(r.bytes_read))
+        let share = if r.bytes_present == 0 { 100.0 } else { r.bytes_read as f64 * 100.0 / r.bytes_present as f64 };
+        format!(
+            "{} chunks in {} of {} packs read ({} of {}, {share:.1}%)",
+            r.blobs_checked,
+            r.packs_read,
+            r.packs,
+            human(r.bytes_read),
+            human(r.bytes_present)
+        )
     } else {
         format!("{} packs indexed", r.packs)
     };
@@ -547,7 +558,7 @@ fn print_report(repo: &str, r: &Report, read: bool) -> i32 {
                 n => format!(", and {n} interrupted backups"),
             }
         );
-        1
+        crate::exit_status(ferry_repo::Failure::Damaged)
     }
 }
 
@@ -715,7 +726,7 @@ fn repair(a: RepairArgs) -> Result<i32> {
     let left = !r.packs_unreadable.is_empty() || (!a.drop_damaged && kept > 0);
     if a.json {
         println!("{}", serde_json::to_string_pretty(&r)?);
-        return Ok(i32::from(left));
+        return Ok(damage_left(left));
     }
     let (would, done) = if a.dry_run { ("would ", "would be ") } else { ("", "") };
     for p in &r.packs_indexed {
@@ -763,7 +774,16 @@ fn repair(a: RepairArgs) -> Result<i32> {
         r.index_removed.len(),
         if left { "; some damage remains (see above)" } else { "" }
     );
-    Ok(i32::from(left))
+    Ok(damage_left(left))
+}
+
+/// The exit status of a repair: "damage found" when some stays.
+fn damage_left(left: bool) -> i32 {
+    if left {
+        crate::exit_status(ferry_repo::Failure::Damaged)
+    } else {
+        0
+    }
 }
 
 /// `2h05m` for people.

@@ -42,6 +42,13 @@ pub fn repo_store_at(repo: &str, remote: &Remote, create: bool) -> Result<(Arc<d
     }
     let p = Path::new(repo);
     let s = if create { DirStore::create(p) } else { DirStore::open(p) };
+    // No directory there is no repository (an exit status of its own: docs/repo.md).
+    let s = s.map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory if !create => {
+            anyhow::Error::new(ferry_repo::Error::NoRepository(e.to_string()))
+        }
+        _ => anyhow::Error::new(e),
+    });
     let s = s.with_context(|| {
         if create {
             format!("cannot create the repository {repo}")

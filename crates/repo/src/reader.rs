@@ -313,11 +313,15 @@ impl SnapshotImage {
             "read",
             offset,
             length,
-            io::Error::other(format!(
-                "bytes {} of snapshot {} of {} are damaged: {why} (run `ferry repo verify`)",
-                self.chunk_range(ci),
-                self.shown_id(),
-                self.repo.store.describe()
+            // Carried as a repository error: the binary's exit status says "damage found".
+            io::Error::other(crate::Error::damaged(
+                format!(
+                    "bytes {} of snapshot {} of {}",
+                    self.chunk_range(ci),
+                    self.shown_id(),
+                    self.repo.store.describe()
+                ),
+                why,
             )),
         )
     }
