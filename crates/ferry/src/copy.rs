@@ -31,6 +31,11 @@ pub struct CopyArgs {
     /// not exist), a character device or FIFO (written in order, like a pipe: /dev/null,
     /// a tape), `-` for stdout, or `null:` to discard.
     dst: String,
+    /// Do not create, empty or resize DST (qemu-img convert's -n): it must exist and be at
+    /// least the source's size; the source is written over its start (holes as zeroes),
+    /// and what lies past the source's end stays. A qcow2 DST is written through its format.
+    #[arg(short = 'n', long = "no-create", conflicts_with_all = ["backing", "resume"])]
+    no_create: bool,
     /// Connections to each NBD server (used only where the server allows multi-conn:
     /// one otherwise). Default: one per CPU core this process may run on, at least 4 and
     /// at most 16 (each connection has its own worker thread; on 16 cores 16 copied
@@ -277,6 +282,7 @@ pub fn run(mut args: CopyArgs, quiet: bool) -> Result<i32> {
         selective,
         resume: resume.as_ref().is_some_and(|r| r.resuming()),
         upload: resume.as_ref().and_then(|r| r.upload(&dst_loc)),
+        existing: args.no_create,
     };
     let mut destination = ferry_open::destination(&dst_loc, src, &how, &remote)
         .with_context(|| format!("destination {:?}", shown(&args.dst)))?;
@@ -357,6 +363,7 @@ pub fn run(mut args: CopyArgs, quiet: bool) -> Result<i32> {
         rate: args.rate,
         journal,
         cancel: Some(cancel),
+        existing: args.no_create,
     };
     let progress = Progress::default();
     let start = Instant::now();

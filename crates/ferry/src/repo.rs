@@ -55,12 +55,19 @@ enum RepoCommand {
 
 #[derive(Args, Debug)]
 struct CommonArgs {
-    /// The repository: a directory or s3://BUCKET/PREFIX.
+    /// The repository: a directory or s3://BUCKET/PREFIX. When not written,
+    /// FERRY_REPOSITORY; when written, it is always the first argument.
+    #[arg(env = "FERRY_REPOSITORY")]
     repo: String,
     /// The passphrase of an encrypted repository: the first line of FILE (else
-    /// FERRY_PASSWORD, else FERRY_PASSWORD_FILE).
+    /// --password-command, FERRY_PASSWORD, FERRY_PASSWORD_FILE, FERRY_PASSWORD_COMMAND, a
+    /// prompt on a terminal).
     #[arg(long, value_name = "FILE")]
     password_file: Option<PathBuf>,
+    /// The passphrase: the first line CMD prints, run by /bin/sh -c (its standard input
+    /// and error are ferry's; a failing CMD is an error).
+    #[arg(long, value_name = "CMD", conflicts_with = "password_file")]
+    password_command: Option<String>,
     #[command(flatten)]
     remote: crate::remote_args::RemoteArgs,
 }
@@ -72,6 +79,7 @@ impl CommonArgs {
         self.open_with(OnRollback::Warn)
     }
     fn open_with(&self, on: OnRollback) -> Result<Arc<Repository>> {
+        ferry_open::repo::set_password_command(self.password_command.as_deref());
         ferry_open::repo::open_repository_with(&self.repo, &self.remote.remote(), self.password_file.as_deref(), on)
     }
 }
@@ -149,7 +157,9 @@ struct VerifyArgs {
 
 #[derive(Args, Debug)]
 struct ForgetArgs {
-    /// REPO, or REPO::NAME for one disk's snapshots only.
+    /// REPO, or REPO::NAME for one disk's snapshots only (FERRY_REPOSITORY when not
+    /// written; when written, it is always the first argument).
+    #[arg(env = "FERRY_REPOSITORY")]
     target: String,
     /// Forget these snapshots (each a unique prefix of at least 4 hex digits of an id,
     /// as `ferry repo list` shows them) instead of applying a policy.
@@ -178,6 +188,9 @@ struct ForgetArgs {
     wait: Option<Duration>,
     #[arg(long, value_name = "FILE")]
     password_file: Option<PathBuf>,
+    /// The passphrase: the first line CMD prints (see `ferry repo check --help`).
+    #[arg(long, value_name = "CMD", conflicts_with = "password_file")]
+    password_command: Option<String>,
     /// Forget even though the snapshots went back since this host last used the
     /// repository (a disk's newest gone, a forgotten one back), accepting the store's
     /// state. Without it such a forget is refused.
@@ -329,10 +342,11 @@ fn init(a: InitArgs) -> Result<i32> {
         bail!("--chunk-size must be a power of two from 4K to 4M (64K matches blkhash and dirty bitmaps)");
     }
     let encrypt = if a.encrypt {
+        ferry_open::repo::set_password_command(c.password_command.as_deref());
         let Some(p) = ferry_open::repo::passphrase(c.password_file.as_deref())? else {
             bail!(
-                "--encrypt needs a passphrase: --password-file FILE (its first line), FERRY_PASSWORD=... or \
-                 FERRY_PASSWORD_FILE=FILE"
+                "--encrypt needs a passphrase: --password-file FILE (its first line), --password-command CMD, \
+                 FERRY_PASSWORD=..., FERRY_PASSWORD_FILE=FILE or FERRY_PASSWORD_COMMAND=CMD"
             );
         };
         Some((p, crate::repo_key::kdf_cost(&a.kdf_memory)?))
@@ -616,6 +630,7 @@ fn print_problem(p: &Problem) {
 }
 
 fn forget(a: ForgetArgs) -> Result<i32> {
+    ferry_open::repo::set_password_command(a.password_command.as_deref());
     if !a.ids.is_empty() {
         return forget_ids(a);
     }

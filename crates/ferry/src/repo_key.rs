@@ -34,7 +34,9 @@ enum KeyCommand {
 
 #[derive(Args, Debug)]
 struct KeyCommon {
-    /// The repository: a directory or s3://BUCKET/PREFIX.
+    /// The repository: a directory or s3://BUCKET/PREFIX (FERRY_REPOSITORY when not
+    /// written).
+    #[arg(env = "FERRY_REPOSITORY")]
     repo: String,
     /// A current passphrase of the repository: the first line of FILE (else FERRY_PASSWORD,
     /// else FERRY_PASSWORD_FILE).

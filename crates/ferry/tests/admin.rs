@@ -255,3 +255,118 @@ fn compare_answers_as_qemu_img_compare() {
     let o = run(&mut ferry_cmd(&["compare", "-q", &server.uri(), s(&diff)]));
     assert_eq!((code(&o), o.stdout.as_str()), (0, ""), "{}", o.describe());
 }
+
+/// `ferry ARGS` with none of the repository and passphrase variables of the test's
+/// environment.
+fn ferry_clean(args: &[&str]) -> std::process::Command {
+    let mut c = ferry_cmd(args);
+    c.env_remove("FERRY_REPOSITORY").env_remove("FERRY_PASSWORD_COMMAND");
+    c
+}
+
+#[test]
+fn repository_and_passphrase_from_the_environment_a_command_or_the_terminal() {
+    require("script");
+    let d = tempfile::tempdir().unwrap();
+    let repo = d.path().join("repo");
+    run_ok(ferry_clean(&["repo", "init", "--encrypt", "--kdf-memory", "8M", s(&repo)]).env("FERRY_PASSWORD", "pw"));
+    let img = random_file(d.path(), "a.raw", 1, 6);
+    let t = format!("{}::a", repo.display());
+    run_ok(ferry_clean(&["backup", s(&img), &t]).env("FERRY_PASSWORD", "pw"));
+
+    // FERRY_REPOSITORY where REPO is not written.
+    for args in [vec!["repo", "list"], vec!["repo", "check"], vec!["repo", "forget", "--keep-last", "1", "--dry-run"]] {
+        let o = run(ferry_clean(&args).env("FERRY_REPOSITORY", &repo).env("FERRY_PASSWORD", "pw"));
+        assert_eq!(code(&o), 0, "{}", o.describe());
+    }
+    let o = run(ferry_clean(&["repo", "list"]).env("FERRY_PASSWORD", "pw"));
+    assert_eq!(code(&o), 2, "no REPO and no FERRY_REPOSITORY\n{}", o.describe());
+
+    // A passphrase command: its first line; the flag, or the variable for any command.
+    let o = run(&mut ferry_clean(&["repo", "list", s(&repo), "--password-command", "printf 'pw\\nnot this'"]));
+    assert_eq!(code(&o), 0, "{}", o.describe());
+    let out = d.path().join("out.raw");
+    let o = run(ferry_clean(&["copy", &t, s(&out)]).env("FERRY_PASSWORD_COMMAND", "echo pw"));
+    assert_eq!(code(&o), 0, "{}", o.describe());
+    assert_eq!(fs::read(&out).unwrap(), fs::read(&img).unwrap());
+    // A failing command fails, and what it printed is not shown.
+    let o = run(&mut ferry_clean(&["repo", "list", s(&repo), "--password-command", "echo s3cret; exit 3"]));
+    assert_eq!(code(&o), 1, "{}", o.describe());
+    assert!(o.stderr.contains("passphrase command") && o.stderr.contains("3"), "{}", o.describe());
+    assert!(!o.stderr.contains("s3cret") && !o.stdout.contains("s3cret"), "{}", o.describe());
+    let o = run(&mut ferry_clean(&["repo", "list", s(&repo), "--password-command", "echo wrong"]));
+    assert_eq!(code(&o), 12, "{}", o.describe());
+    // The order: FERRY_PASSWORD before FERRY_PASSWORD_COMMAND (not run), a file and a
+    // command together are a usage error.
+    let o = run(ferry_clean(&["repo", "list", s(&repo)])
+        .env("FERRY_PASSWORD", "pw")
+        .env("FERRY_PASSWORD_COMMAND", "exit 1"));
+    assert_eq!(code(&o), 0, "{}", o.describe());
+    let pw = d.path().join("pw");
+    fs::write(&pw, "pw\n").unwrap();
+    let o = run(&mut ferry_clean(&["repo", "list", s(&repo), "--password-file", s(&pw), "--password-command", "true"]));
+    assert_eq!(code(&o), 2, "{}", o.describe());
+
+    // Nothing given, on a terminal: a prompt, the passphrase typed not echoed.
+    let on_tty = |typed: &str| {
+        let line = format!("{} repo list {}", ferry_bin().display(), repo.display());
+        let mut c = cmd("script", ["-qec", &line, "/dev/null"]);
+        c.env_remove("FERRY_PASSWORD").env_remove("FERRY_PASSWORD_FILE").env_remove("FERRY_PASSWORD_COMMAND");
+        // Typed once the prompt is up (the terminal echoes what comes before).
+        let mut child = c.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+        let mut stdin = child.stdin.take().unwrap();
+        std::thread::sleep(std::time::Duration::from_secs(2));
+        use std::io::Write;
+        stdin.write_all(format!("{typed}\n").as_bytes()).unwrap();
+        let o = child.wait_with_output().unwrap();
+        (o.status.code(), String::from_utf8_lossy(&o.stdout).to_string())
+    };
+    let (rc, text) = on_tty("Pass-Typed");
+    assert!(text.contains("passphrase of"), "{text}");
+    assert!(!text.contains("Pass-Typed"), "the passphrase was echoed: {text}");
+    assert_eq!(rc, Some(12), "{text}");
+    let (rc, text) = on_tty("pw");
+    assert_eq!(rc, Some(0), "{text}");
+    assert!(text.contains(" a ") || text.contains("\ta") || text.lines().count() >= 2, "{text}");
+}
+
+#[test]
+fn copy_n_writes_into_an_existing_target_as_qemu_img_convert_n() {
+    require("qemu-img");
+    let d = tempfile::tempdir().unwrap();
+    // The source: 512 KiB of data, then a 512 KiB hole.
+    let mut src_data = Rng::new(7).bytes(512 << 10);
+    src_data.resize(1 << 20, 0);
+    let src = write_sparse_file(d.path(), "src.raw", &src_data);
+    let old = vec![0xabu8; 2 << 20];
+    let (t_ferry, t_qemu) = (d.path().join("t1.raw"), d.path().join("t2.raw"));
+    for t in [&t_ferry, &t_qemu] {
+        fs::write(t, &old).unwrap();
+    }
+    run_ok(&mut ferry_cmd(&["copy", "-n", s(&src), s(&t_ferry)]));
+    run_ok(&mut cmd("qemu-img", ["convert", "-n", "-f", "raw", "-O", "raw", s(&src), s(&t_qemu)]));
+    let got = fs::read(&t_ferry).unwrap();
+    assert_eq!(got, fs::read(&t_qemu).unwrap(), "ferry copy -n and qemu-img convert -n differ");
+    assert_eq!(got.len(), 2 << 20, "the target was resized");
+    assert!(got[..1 << 20] == src_data[..] && got[1 << 20..].iter().all(|b| *b == 0xab));
+
+    // A qcow2 target is written through its format.
+    let q = d.path().join("t.qcow2");
+    run_ok(&mut cmd("qemu-img", ["create", "-q", "-f", "qcow2", s(&q), "2M"]));
+    run_ok(&mut cmd("qemu-io", ["-f", "qcow2", "-c", "write -P 0xab 0 2M", s(&q)]));
+    run_ok(&mut ferry_cmd(&["copy", "-n", s(&src), s(&q)]));
+    let o = run(&mut cmd("qemu-img", ["compare", "-f", "qcow2", "-F", "raw", s(&q), s(&t_qemu)]));
+    assert_eq!(code(&o), 0, "{}", o.describe());
+
+    // A target that is missing is not made; one too small is left as it was.
+    let missing = d.path().join("missing.raw");
+    let o = run(&mut ferry_cmd(&["copy", "-n", s(&src), s(&missing)]));
+    assert_eq!(code(&o), 1, "{}", o.describe());
+    assert!(o.stderr.contains("does not exist") && !missing.exists(), "{}", o.describe());
+    let small = d.path().join("small.raw");
+    fs::write(&small, vec![0xcdu8; 4096]).unwrap();
+    let o = run(&mut ferry_cmd(&["copy", "-n", s(&src), s(&small)]));
+    assert_eq!(code(&o), 1, "{}", o.describe());
+    assert!(o.stderr.contains("smaller than"), "{}", o.describe());
+    assert_eq!(fs::read(&small).unwrap(), vec![0xcdu8; 4096]);
+}

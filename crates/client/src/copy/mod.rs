@@ -122,7 +122,7 @@ impl Endpoint {
                     p.display()
                 )))
             }
-            Endpoint::File(p) => file::open_destination(p, src_size, opts.selective() || resumed)?,
+            Endpoint::File(p) => file::open_destination(p, src_size, opts.selective() || resumed || opts.existing)?,
             Endpoint::Stdio => Box::new(pipe::stdout()),
             Endpoint::Null => Box::new(null::Null),
             Endpoint::Backend(b) => Box::new(b.clone()),
@@ -191,6 +191,10 @@ pub struct CopyOptions {
     /// [`CopyError::Interrupted`] soon after (nothing is flushed, no journal watermark
     /// stored beyond the last one).
     pub cancel: Option<Arc<AtomicBool>>,
+    /// `ferry copy -n` (qemu-img convert's -n): a file destination must exist and is
+    /// written in place, never created, emptied or sized (what lies past the source's end
+    /// stays); it is not taken for zeroed, so the source's holes are written as zeroes.
+    pub existing: bool,
 }
 
 impl CopyOptions {
@@ -224,6 +228,7 @@ impl Default for CopyOptions {
             rate: None,
             journal: None,
             cancel: None,
+            existing: false,
         }
     }
 }
