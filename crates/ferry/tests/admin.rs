@@ -370,3 +370,31 @@ fn copy_n_writes_into_an_existing_target_as_qemu_img_convert_n() {
     assert!(o.stderr.contains("smaller than"), "{}", o.describe());
     assert_eq!(fs::read(&small).unwrap(), vec![0xcdu8; 4096]);
 }
+
+#[test]
+fn info_json_has_what_scripts_read_from_qemu_img_info() {
+    require("qemu-img");
+    let d = tempfile::tempdir().unwrap();
+    let q = d.path().join("x.qcow2");
+    run_ok(&mut cmd("qemu-img", ["create", "-q", "-f", "qcow2", s(&q), "4M"]));
+    run_ok(&mut cmd("qemu-io", ["-f", "qcow2", "-c", "write -P 1 64k 128k", s(&q)]));
+    run_ok(&mut cmd("qemu-img", ["bitmap", "--add", s(&q), "b0"]));
+    run_ok(&mut cmd("qemu-img", ["bitmap", "--add", "--disable", s(&q), "b1"]));
+    let raw = write_sparse_file(d.path(), "y.raw", &data_with_holes(2 << 20, 8));
+    let json = |o: Output| -> serde_json::Value { serde_json::from_str(&o.stdout).unwrap() };
+    for img in [&q, &raw] {
+        let want = json(run_ok(&mut cmd("qemu-img", ["info", "--output=json", s(img)])));
+        let got = json(run_ok(&mut ferry_cmd(&["info", "--output=json", s(img)])));
+        for field in ["virtual-size", "format", "actual-size", "dirty-flag", "format-specific"] {
+            assert_eq!(
+                got.get(field),
+                want.get(field),
+                "{field} of {}: ferry {got:#}\nqemu-img {want:#}",
+                img.display()
+            );
+        }
+    }
+    let got = json(run_ok(&mut ferry_cmd(&["info", "--output=json", s(&q)])));
+    let bitmaps = &got["format-specific"]["data"]["bitmaps"];
+    assert_eq!(bitmaps.as_array().map(Vec::len), Some(2), "{got:#}");
+}
