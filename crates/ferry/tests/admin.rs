@@ -398,3 +398,30 @@ fn info_json_has_what_scripts_read_from_qemu_img_info() {
     let bitmaps = &got["format-specific"]["data"]["bitmaps"];
     assert_eq!(bitmaps.as_array().map(Vec::len), Some(2), "{got:#}");
 }
+
+#[test]
+fn copy_offset_length_copies_a_byte_range_of_a_snapshot_or_file() {
+    let d = tempfile::tempdir().unwrap();
+    let img = random_file(d.path(), "a.raw", 3, 9);
+    let data = fs::read(&img).unwrap();
+    let repo = d.path().join("repo");
+    run_ok(&mut ferry_cmd(&["repo", "init", s(&repo)]));
+    backup(&img, &repo, "a");
+    let snap = format!("{}::a", repo.display());
+    let out = d.path().join("part.raw");
+    // Unaligned, inside one chunk and across many; from a file and from the snapshot.
+    for (src, offset, length) in
+        [(s(&img), 100_001u64, Some(777_777u64)), (&snap, 70_000, Some(1000)), (&snap, 1 << 20, None)]
+    {
+        let mut args = vec!["copy".to_string(), "--offset".into(), offset.to_string(), src.to_string(), s(&out).into()];
+        if let Some(l) = length {
+            args.extend(["--length".into(), l.to_string()]);
+        }
+        run_ok(&mut ferry_cmd(&args.iter().map(String::as_str).collect::<Vec<_>>()));
+        let end = length.map_or(data.len(), |l| (offset + l) as usize);
+        assert!(fs::read(&out).unwrap() == data[offset as usize..end], "{src} at {offset} ({length:?})");
+    }
+    let o = run(&mut ferry_cmd(&["copy", "--offset", "2M", "--length", "2M", &snap, s(&out)]));
+    assert_eq!(code(&o), 1, "{}", o.describe());
+    assert!(o.stderr.contains("is not inside"), "{}", o.describe());
+}
