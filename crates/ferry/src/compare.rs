@@ -46,16 +46,34 @@ const SECTOR: u64 = 512;
 
 /// One disk, readable from several threads.
 enum Disk {
-    Image(Arc<dyn Backend>),
+    /// An image, and the snapshot it is when it is one (its chunk digests compared first).
+    Image(Arc<dyn Backend>, Option<Arc<ferry_repo::SnapshotImage>>),
     Nbd(Uri, u64),
 }
 
 impl Disk {
     fn size(&self) -> u64 {
         match self {
-            Disk::Image(b) => b.size(),
+            Disk::Image(b, _) => b.size(),
             Disk::Nbd(_, size) => *size,
         }
+    }
+}
+
+/// Where two snapshots of the same chunk size may first differ, from their chunk digests
+/// alone (no data read): the start of the first chunk whose digests differ, or of the
+/// first chunk not whole in both; `None` when they are identical (equal sizes, every
+/// digest equal).
+fn differ_from(a: &ferry_repo::SnapshotImage, b: &ferry_repo::SnapshotImage) -> Option<u64> {
+    let cs = a.chunk_size();
+    let (sa, sb) = (a.size(), b.size());
+    // Chunks whole in both (and the last one too when the sizes are equal).
+    let comparable = if sa == sb { a.entries().len() } else { (sa.min(sb) / cs) as usize };
+    let (ea, eb) = (a.entries(), b.entries());
+    match (0..comparable.min(ea.len()).min(eb.len())).find(|&i| ea[i] != eb[i]) {
+        Some(i) => Some(i as u64 * cs),
+        None if sa == sb && ea.len() == eb.len() => None,
+        None => Some(comparable as u64 * cs),
     }
 }
 
@@ -68,7 +86,7 @@ enum Reader<'a> {
 impl Reader<'_> {
     fn of(d: &Disk) -> Result<Reader<'_>> {
         Ok(match d {
-            Disk::Image(b) => Reader::Image(b),
+            Disk::Image(b, _) => Reader::Image(b),
             Disk::Nbd(u, _) => Reader::Nbd(Box::new(Connection::connect(u, &ConnectOptions::default())?)),
         })
     }
@@ -120,10 +138,14 @@ fn open(spec: &str, format: Option<ferry_open::Format>, args: &CompareArgs) -> R
             Disk::Nbd(u.clone(), c.size())
         }
         ferry_open::Location::Stdio => bail!("- is a stream: compare needs two disks it can read at any offset"),
+        ferry_open::Location::Repo { repo, name, id } => {
+            let img = ferry_open::repo::open_snapshot(repo, name, id.as_deref(), &remote)?;
+            Disk::Image(img.clone(), Some(img))
+        }
         _ => {
             let how = ferry_open::ServeOpen { read_only: true, force_share: args.force_share, allow_truncated: false };
             let (b, _files) = ferry_open::open_backend(&loc, how, &remote).with_context(|| format!("{shown:?}"))?;
-            Disk::Image(b)
+            Disk::Image(b, None)
         }
     })
 }
@@ -142,7 +164,15 @@ fn compare(args: &CompareArgs, quiet: bool) -> Result<i32> {
         return Ok(1);
     }
     let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())).max(1);
-    let found = first_difference(&a, &b, sa.max(sb), threads)?;
+    // Two snapshots of one chunk size: what their digests show equal is not read.
+    let start = match (&a, &b) {
+        (Disk::Image(_, Some(x)), Disk::Image(_, Some(y))) if x.chunk_size() == y.chunk_size() => differ_from(x, y),
+        _ => Some(0),
+    };
+    let found = match start {
+        None => None,
+        Some(start) => first_difference(&a, &b, start, sa.max(sb), threads)?,
+    };
     // As qemu-img: the warning once the common part compared equal, before the tail's verdict.
     if sa != sb && found.is_none_or(|at| at >= sa.min(sb)) {
         say("Warning: Image size mismatch!");
@@ -159,12 +189,12 @@ fn compare(args: &CompareArgs, quiet: bool) -> Result<i32> {
     }
 }
 
-/// The first byte offset below `end` at which `a` and `b` differ (bytes past a disk's end
+/// The first byte offset from `start` and below `end` at which `a` and `b` differ (bytes past a disk's end
 /// reading as zeroes), read by `threads` threads. Blocks are taken in increasing order and
 /// a thread stops at a block past a difference found, so every block below the first
 /// difference is compared.
-fn first_difference(a: &Disk, b: &Disk, end: u64, threads: usize) -> Result<Option<u64>> {
-    let next = AtomicU64::new(0);
+fn first_difference(a: &Disk, b: &Disk, start: u64, end: u64, threads: usize) -> Result<Option<u64>> {
+    let next = AtomicU64::new(start);
     let first = AtomicU64::new(u64::MAX);
     let (sa, sb) = (a.size(), b.size());
     let work = || -> Result<()> {

@@ -248,6 +248,21 @@ fn compare_answers_as_qemu_img_compare() {
     let o = run(&mut ferry_cmd(&["compare", s(&diff), &snap]));
     assert_eq!(code(&o), 1, "{}", o.describe());
     assert_eq!(o.stdout, format!("Content mismatch at offset {}!\n", (3 << 20) + 512), "{}", o.describe());
+    // Two snapshots: from their chunk digests, then the bytes where those differ.
+    backup(&diff, &repo, "d");
+    backup(&zero_tail, &repo, "z");
+    backup(&data_tail, &repo, "t");
+    let snaps = |n: &str| format!("{}::{n}", repo.display());
+    for (x, y, want) in [
+        ("a", "a", "Images are identical.\n".to_string()),
+        ("a", "d", format!("Content mismatch at offset {}!\n", (3 << 20) + 512)),
+        ("a", "z", "Warning: Image size mismatch!\nImages are identical.\n".to_string()),
+        ("t", "a", format!("Warning: Image size mismatch!\nContent mismatch at offset {}!\n", 5 << 20)),
+    ] {
+        let o = run(&mut ferry_cmd(&["compare", &snaps(x), &snaps(y)]));
+        assert_eq!(o.stdout, want, "{x} {y}: {}", o.describe());
+        assert_eq!(code(&o), if want.ends_with("identical.\n") { 0 } else { 1 }, "{}", o.describe());
+    }
     let server = Server::unix(s(&diff), &["-r"]);
     let o = run(&mut ferry_cmd(&["compare", &server.uri(), &snap]));
     assert_eq!(code(&o), 1, "{}", o.describe());

@@ -157,6 +157,11 @@ impl SnapshotImage {
         &self.entries
     }
 
+    /// The repository's chunk size: entry `i` is the digest of bytes `i * chunk_size..`.
+    pub fn chunk_size(&self) -> u64 {
+        self.cs
+    }
+
     fn chunk_len(&self, ci: u64) -> usize {
         (self.size - ci * self.cs).min(self.cs) as usize
     }
