@@ -50,6 +50,12 @@ fn repository_failures_have_exit_statuses_of_their_own() {
     assert_eq!(code(&o), 10, "{}", o.describe());
     let o = run(&mut ferry_cmd(&["backup", s(&img), &format!("{}::a", missing.display())]));
     assert_eq!(code(&o), 10, "{}", o.describe());
+    let o = run(&mut ferry_cmd(&["hash", &format!("{}::a", missing.display())]));
+    assert_eq!(code(&o), 10, "{}", o.describe());
+    // A server that cannot start says so through --fork's parent too.
+    let sock = d.path().join("s.sock");
+    let o = run(&mut ferry_cmd(&["serve", "--fork", "-r", "-U", s(&sock), &format!("{}::a", missing.display())]));
+    assert_eq!(code(&o), 10, "{}", o.describe());
     let empty = d.path().join("empty");
     fs::create_dir(&empty).unwrap();
     let o = run(&mut ferry_cmd(&["repo", "stats", s(&empty)]));
