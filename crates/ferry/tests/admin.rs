@@ -317,6 +317,8 @@ fn repository_and_passphrase_from_the_environment_a_command_or_the_terminal() {
     assert!(!o.stderr.contains("s3cret") && !o.stdout.contains("s3cret"), "{}", o.describe());
     let o = run(&mut ferry_clean(&["repo", "list", s(&repo), "--password-command", "echo wrong"]));
     assert_eq!(code(&o), 12, "{}", o.describe());
+    let o = run(&mut ferry_clean(&["repo", "key", "list", s(&repo), "--password-command", "echo pw"]));
+    assert_eq!(code(&o), 0, "{}", o.describe());
     // The order: FERRY_PASSWORD before FERRY_PASSWORD_COMMAND (not run), a file and a
     // command together are a usage error.
     let o = run(ferry_clean(&["repo", "list", s(&repo)])
