@@ -431,6 +431,60 @@ impl Backend for IgnoreDiscard {
     forward_reads!();
 }
 
+/// `length` bytes of another backend from `offset`, as a read-only backend of their own
+/// (`ferry copy --offset/--length`: a byte range of a disk or snapshot). Any byte offset
+/// and length: each read is the inner backend's read of the same bytes.
+pub struct Window {
+    inner: Arc<dyn Backend>,
+    offset: u64,
+    length: u64,
+}
+
+impl Window {
+    /// The window, or why it does not fit in `inner`.
+    pub fn new(inner: Arc<dyn Backend>, offset: u64, length: Option<u64>) -> std::result::Result<Window, String> {
+        let size = inner.size();
+        let length = length.unwrap_or(size.saturating_sub(offset));
+        match offset.checked_add(length) {
+            Some(end) if end <= size => Ok(Window { inner, offset, length }),
+            _ => Err(format!(
+                "the range of {length} bytes at offset {offset} is not inside {} ({size} bytes)",
+                inner.describe()
+            )),
+        }
+    }
+}
+
+impl Backend for Window {
+    fn describe(&self) -> String {
+        format!("{} (bytes {}..{})", self.inner.describe(), self.offset, self.offset + self.length)
+    }
+    fn size(&self) -> u64 {
+        self.length
+    }
+    fn caps(&self) -> Capabilities {
+        Capabilities { read_only: true, ..self.inner.caps() }
+    }
+    fn read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        self.inner.read(buf, self.offset + offset)
+    }
+    fn flush(&self) -> Result<()> {
+        Ok(())
+    }
+    fn extents(&self, offset: u64, length: u64, max: usize, out: &mut Vec<Extent>) -> Result<()> {
+        self.inner.extents(self.offset + offset, length, max, out)
+    }
+    fn sparse_read_threshold(&self) -> Option<u64> {
+        self.inner.sparse_read_threshold()
+    }
+    fn file_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        self.inner.file_fd()
+    }
+    fn file_offset(&self, offset: u64, length: u64) -> Option<u64> {
+        self.inner.file_offset(self.offset + offset, length)
+    }
+}
+
 /// A filter for a writable image whose raw format was guessed (no `raw:` named it): a
 /// write that would make its first bytes look like another format to the next probe
 /// (`ferry serve/copy/info PATH`, qemu) is refused with EPERM and logged, as qemu

@@ -79,10 +79,14 @@ pub struct BackupArgs {
     /// snapshot may then not match any state of the source.
     #[arg(short = 'U', long)]
     pub(crate) force_share: bool,
-    /// The repository's passphrase: the first line of FILE (else FERRY_PASSWORD, else
-    /// FERRY_PASSWORD_FILE).
+    /// The repository's passphrase: the first line of FILE (else --password-command,
+    /// FERRY_PASSWORD, FERRY_PASSWORD_FILE, FERRY_PASSWORD_COMMAND, a prompt on a terminal).
     #[arg(long, value_name = "FILE")]
     pub(crate) password_file: Option<std::path::PathBuf>,
+    /// The passphrase: the first line CMD prints, run by /bin/sh -c (its standard input
+    /// and error are ferry's; a failing CMD is an error).
+    #[arg(long, value_name = "CMD", conflicts_with = "password_file")]
+    pub(crate) password_command: Option<String>,
     /// Wait up to SECS for a running backup of the same disk (or a repair, or a gc of an
     /// older ferry: gc runs beside backups) to end, instead of failing at once.
     #[arg(long, value_name = "SECS", value_parser = crate::copy::parse_secs)]
@@ -360,6 +364,7 @@ pub(crate) fn backup(args: &BackupArgs, quiet: bool) -> Result<(ferry_repo::Snap
                 .map(|flag| format!("or back up without {flag}: a backup that reads the whole disk goes on")),
         },
     };
+    ferry_open::repo::set_password_command(args.password_command.as_deref());
     let repo = ferry_open::repo::open_repository_with(&repo_spec, &remote, args.password_file.as_deref(), on)?;
 
     // A stopped VM's local qcow2 image without a change map given: ferry keeps its change
@@ -528,6 +533,7 @@ pub(crate) fn backup(args: &BackupArgs, quiet: bool) -> Result<(ferry_repo::Snap
         rate: args.rate,
         journal: None,
         cancel: Some(cancel),
+        existing: false,
     };
     // A change map is copied as ranges widened to whole chunks (a finer map would leave
     // parts of chunks waiting in memory until the commit).

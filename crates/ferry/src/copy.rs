@@ -31,6 +31,20 @@ pub struct CopyArgs {
     /// not exist), a character device or FIFO (written in order, like a pipe: /dev/null,
     /// a tape), `-` for stdout, or `null:` to discard.
     dst: String,
+    /// Do not create, empty or resize DST (qemu-img convert's -n): it must exist and be at
+    /// least the source's size; the source is written over its start (holes as zeroes),
+    /// and what lies past the source's end stays. A qcow2 DST is written through its format.
+    #[arg(short = 'n', long = "no-create", conflicts_with_all = ["backing", "resume"])]
+    no_create: bool,
+    /// Copy the source from this byte offset on (K, M, G suffixes): a byte range of a disk
+    /// or snapshot, written at the start of DST. Any byte offset: nothing is aligned (a
+    /// snapshot's reads fetch the whole chunks they fall in). Not for NBD or stdin sources.
+    #[arg(long, value_name = "BYTES", conflicts_with_all = ["resume", "dirty_bitmap", "extents_from"])]
+    offset: Option<String>,
+    /// Copy this many bytes of the source (from --offset, else from its start); default:
+    /// to its end. The range must lie inside the source.
+    #[arg(long, value_name = "BYTES", conflicts_with_all = ["resume", "dirty_bitmap", "extents_from"])]
+    length: Option<String>,
     /// Connections to each NBD server (used only where the server allows multi-conn:
     /// one otherwise). Default: one per CPU core this process may run on, at least 4 and
     /// at most 16 (each connection has its own worker thread; on 16 cores 16 copied
@@ -223,6 +237,29 @@ pub(crate) fn parse_request_timeout(s: &str) -> std::result::Result<Duration, St
     Ok(d)
 }
 
+/// The source `--offset`/`--length` name: that range of the image `loc`, opened read-only
+/// (locked as a served image is) and read as a [`ferry_backend::Window`].
+fn window(
+    loc: &Location,
+    offset: Option<&str>,
+    length: Option<&str>,
+    force_share: bool,
+    remote: &ferry_open::Remote,
+) -> Result<ferry_open::Source> {
+    let offset = offset.map(parse_size).transpose().context("--offset")?.unwrap_or(0);
+    let length = length.map(parse_size).transpose().context("--length")?;
+    let how = ferry_open::ServeOpen { read_only: true, force_share, allow_truncated: false };
+    let (image, files) = ferry_open::open_backend(loc, how, remote)
+        .context("--offset and --length read an image (a file, qcow2, snapshot, RBD, HTTP or S3 image)")?;
+    use ferry_backend::Backend;
+    let w = ferry_backend::Window::new(image, offset, length).map_err(anyhow::Error::msg)?;
+    let name = w.describe();
+    let mut source =
+        ferry_open::Source::plain(Endpoint::Backend(ferry_client::copy::BackendEndpoint::new(name, Arc::new(w))));
+    source.files = files;
+    Ok(source)
+}
+
 pub fn run(mut args: CopyArgs, quiet: bool) -> Result<i32> {
     // The peers' spellings, as the options they stand for.
     if let Some(f) = args.source_format {
@@ -247,8 +284,11 @@ pub fn run(mut args: CopyArgs, quiet: bool) -> Result<i32> {
     if let Some(t) = args.request_timeout {
         remote.http.timeout = Some(t);
     }
-    let source = ferry_open::source(&src_loc, args.force_share, &remote)
-        .with_context(|| format!("source {:?}", shown(&args.src)))?;
+    let source = match (args.offset.as_deref(), args.length.as_deref()) {
+        (None, None) => ferry_open::source(&src_loc, args.force_share, &remote),
+        (offset, length) => window(&src_loc, offset, length, args.force_share, &remote),
+    }
+    .with_context(|| format!("source {:?}", shown(&args.src)))?;
     let _dst_lock = crate::copy_guard::check_destination(&source, &shown(&args.src), &dst_loc, &shown(&args.dst))?;
     let src = &source.endpoint;
     let ranges = match &args.extents_from {
@@ -277,6 +317,7 @@ pub fn run(mut args: CopyArgs, quiet: bool) -> Result<i32> {
         selective,
         resume: resume.as_ref().is_some_and(|r| r.resuming()),
         upload: resume.as_ref().and_then(|r| r.upload(&dst_loc)),
+        existing: args.no_create,
     };
     let mut destination = ferry_open::destination(&dst_loc, src, &how, &remote)
         .with_context(|| format!("destination {:?}", shown(&args.dst)))?;
@@ -357,6 +398,7 @@ pub fn run(mut args: CopyArgs, quiet: bool) -> Result<i32> {
         rate: args.rate,
         journal,
         cancel: Some(cancel),
+        existing: args.no_create,
     };
     let progress = Progress::default();
     let start = Instant::now();

@@ -447,9 +447,22 @@ fn local(args: &InfoArgs, loc: &ferry_open::Location) -> Result<i32> {
                     json!({"flags": flags, "name": b.name, "granularity": b.granularity})
                 })
                 .collect();
+            // qemu-img's: its bitmaps under format-specific (and at the top, as before).
+            let specific = json!({"type": "qcow2", "data": {
+                "compat": if i.version >= 3 { "1.1" } else { "0.10" },
+                "compression-type": i.compression,
+                "lazy-refcounts": i.lazy_refcounts,
+                "bitmaps": bitmaps,
+                "refcount-bits": i.refcount_bits,
+                "corrupt": i.corrupt,
+                "extended-l2": i.extended_l2,
+            }});
             json!({
                 "filename": p,
                 "format": "qcow2",
+                "format-specific": specific,
+                // An image ferry opened has no dirty bit: one that has it is refused.
+                "dirty-flag": false,
                 "bitmaps": bitmaps,
                 "virtual-size": i.virtual_size,
                 "file-size": i.file_size,
@@ -464,7 +477,9 @@ fn local(args: &InfoArgs, loc: &ferry_open::Location) -> Result<i32> {
                 "allocation": {"data": a.data, "compressed": a.compressed, "zero": a.zero, "unallocated": a.unallocated},
             })
         }
-        Image::Store(b) => json!({"filename": b.describe(), "format": "raw", "virtual-size": b.size()}),
+        Image::Store(b) => {
+            json!({"filename": b.describe(), "format": "raw", "virtual-size": b.size(), "dirty-flag": false})
+        }
         Image::Raw(p) => {
             let f =
                 FileBackend::open_with(p, true, usage.raw()).with_context(|| format!("cannot open {}", p.display()))?;
@@ -484,10 +499,19 @@ fn local(args: &InfoArgs, loc: &ferry_open::Location) -> Result<i32> {
                 "filename": p.display().to_string(),
                 "format": "raw",
                 "virtual-size": f.size(),
+                "dirty-flag": false,
                 "allocation": {"data": data, "unallocated": f.size() - data},
             })
         }
     };
+    let mut doc = doc;
+    // qemu-img's actual-size: the bytes the local file takes on its file system.
+    if let Location::Image { store: ferry_open::Store::File(p), .. } = loc {
+        use std::os::unix::fs::MetadataExt;
+        if let Ok(m) = std::fs::metadata(p) {
+            doc["actual-size"] = json!(m.blocks() * 512);
+        }
+    }
     if args.size {
         println!("{}", doc["virtual-size"]);
         return Ok(0);

@@ -8,8 +8,10 @@
 //! `ferry_repo::SnapshotWriter` on the disk's latest snapshot, the base read again once the
 //! disk's lock is held; a stopped VM's local qcow2 keeps a `ferry-NAME-ID16` bitmap
 //! restarted only after the commit; `--resume` continues from the disk's checkpoint,
-//! copying the selection minus `SnapshotWriter::done_ranges`) and `repo` (init, list,
-//! check, verify, forget, gc, stats)
+//! copying the selection minus `SnapshotWriter::done_ranges`), `repo` (init, list,
+//! check, verify, forget, gc, stats), `compare` (two disks read side by side by threads,
+//! qemu-img compare's verdicts) and the exit status of each failure a script tells apart
+//! (`exit_status`, from the `ferry_repo::Failure` in an error's causes)
 //!
 //! `unsafe`: forbidden.
 // The `///` comments on the command-line structs are clap's --help text (and the man
@@ -23,6 +25,7 @@ mod bench;
 mod bench_conns;
 mod bench_socket;
 mod bitmap;
+mod compare;
 mod completions;
 mod copy;
 mod copy_guard;
@@ -71,6 +74,9 @@ enum Command {
     Info(info::InfoArgs),
     /// blkhash checksums of disks: files, block devices, NBD exports, stdin.
     Hash(hash::HashArgs),
+    /// Whether two disks hold the same content (qemu-img compare's semantics): exit status
+    /// 0 identical, 1 different (the first differing offset printed), 2 error.
+    Compare(compare::CompareArgs),
     /// Measure: NBD load against a server (`bench nbd URI`), a busy client beside many idle
     /// connections (`bench conns URI`), raw socket throughput (`bench socket`).
     Bench(bench::BenchArgs),
@@ -181,6 +187,7 @@ fn main() {
         Command::Copy(args) => copy::run(args, cli.quiet),
         Command::Info(args) => info::run(args),
         Command::Hash(args) => hash::run(args, cli.quiet),
+        Command::Compare(args) => compare::run(args, cli.quiet),
         Command::Bench(args) => bench::run(args),
         Command::Bitmap(args) => bitmap::run(args),
         Command::Backup(args) => backup::run(args, cli.quiet),
@@ -199,9 +206,22 @@ fn main() {
             }
             None => {
                 eprintln!("ferry: error: {}", chain(&e));
-                std::process::exit(1);
+                std::process::exit(ferry_repo::Error::failure_in(e.as_ref()).map_or(1, exit_status));
             }
         },
+    }
+}
+
+/// The exit status of each failure a script can tell apart (docs/repo.md, "Exit status";
+/// 10, 11 and 12 are restic 0.17's numbers for the same failures). Any other error is 1,
+/// a usage error 2.
+pub(crate) fn exit_status(f: ferry_repo::Failure) -> i32 {
+    use ferry_repo::Failure;
+    match f {
+        Failure::NoRepository => 10,
+        Failure::Locked => 11,
+        Failure::Passphrase => 12,
+        Failure::Damaged => 13,
     }
 }
 

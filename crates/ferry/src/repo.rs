@@ -29,10 +29,11 @@ enum RepoCommand {
     /// snapshot reads data that `ferry repo verify` found damaged and that has no good copy.
     List(ListArgs),
     /// Check the metadata (config, index, manifests and their pages) without reading data;
-    /// exit status 1 when something is damaged.
+    /// exit status 13 when something is damaged.
     Check(CommonArgs),
-    /// Check, then read every pack (or --read-data PERCENT of them) once and check every
-    /// chunk; names each damaged snapshot and range; exit status 1 when something is damaged.
+    /// Check, then read every pack (or --read-data PERCENT or N/T of them) once and check
+    /// every chunk; names each damaged snapshot and range; exit status 13 when something is
+    /// damaged.
     Verify(VerifyArgs),
     /// Remove the snapshots a retention policy does not keep, or those named by id
     /// (their data stays until `ferry repo gc`).
@@ -45,7 +46,7 @@ enum RepoCommand {
     Key(crate::repo_key::KeyArgs),
     /// Index again the packs that no readable index object lists (from their trailers),
     /// then remove the index objects that cannot be read; list (and with --drop-damaged
-    /// remove) the manifests and checkpoints that cannot be read. Exit status 1 when
+    /// remove) the manifests and checkpoints that cannot be read. Exit status 13 when
     /// something stays damaged.
     Repair(RepairArgs),
     /// Remove the stale locks (left by processes that are gone), printing each; live
@@ -78,12 +79,19 @@ struct MigrateArgs {
 
 #[derive(Args, Debug)]
 struct CommonArgs {
-    /// The repository: a directory or s3://BUCKET/PREFIX.
+    /// The repository: a directory or s3://BUCKET/PREFIX. When not written,
+    /// FERRY_REPOSITORY; when written, it is always the first argument.
+    #[arg(env = "FERRY_REPOSITORY")]
     repo: String,
     /// The passphrase of an encrypted repository: the first line of FILE (else
-    /// FERRY_PASSWORD, else FERRY_PASSWORD_FILE).
+    /// --password-command, FERRY_PASSWORD, FERRY_PASSWORD_FILE, FERRY_PASSWORD_COMMAND, a
+    /// prompt on a terminal).
     #[arg(long, value_name = "FILE")]
     password_file: Option<PathBuf>,
+    /// The passphrase: the first line CMD prints, run by /bin/sh -c (its standard input
+    /// and error are ferry's; a failing CMD is an error).
+    #[arg(long, value_name = "CMD", conflicts_with = "password_file")]
+    password_command: Option<String>,
     #[command(flatten)]
     remote: crate::remote_args::RemoteArgs,
 }
@@ -95,6 +103,7 @@ impl CommonArgs {
         self.open_with(OnRollback::Warn)
     }
     fn open_with(&self, on: OnRollback) -> Result<Arc<Repository>> {
+        ferry_open::repo::set_password_command(self.password_command.as_deref());
         ferry_open::repo::open_repository_with(&self.repo, &self.remote.remote(), self.password_file.as_deref(), on)
     }
 }
@@ -208,10 +217,12 @@ fn glob(pattern: &[u8], name: &[u8]) -> bool {
 struct VerifyArgs {
     #[command(flatten)]
     common: CommonArgs,
-    /// Read this share of the packs (1 to 100), chosen so that successive runs cover them all.
-    #[arg(long, value_name = "PERCENT", default_value_t = 100,
-          value_parser = clap::value_parser!(u32).range(1..=100))]
-    read_data: u32,
+    /// Read this share of the packs: PERCENT (1 to 100, `10%` too; rounded up, so at least
+    /// one pack) from a window that moves on each day, so that successive days cover them
+    /// all; or N/T, restic's subset form: the packs (in name order) cut into T equal slices,
+    /// the Nth read, the same every run.
+    #[arg(long, value_name = "PERCENT|N/T", default_value = "100", value_parser = maint::ReadData::parse)]
+    read_data: maint::ReadData,
     /// Packs read at once. Default: one per core.
     #[arg(short = 'j', long, value_name = "N")]
     jobs: Option<usize>,
@@ -219,7 +230,9 @@ struct VerifyArgs {
 
 #[derive(Args, Debug)]
 struct ForgetArgs {
-    /// REPO, or REPO::NAME for one disk's snapshots only.
+    /// REPO, or REPO::NAME for one disk's snapshots only (FERRY_REPOSITORY when not
+    /// written; when written, it is always the first argument).
+    #[arg(env = "FERRY_REPOSITORY")]
     target: String,
     /// Forget these snapshots (each a unique prefix of at least 4 hex digits of an id,
     /// as `ferry repo list` shows them) instead of applying a policy.
@@ -262,6 +275,9 @@ struct ForgetArgs {
     wait: Option<Duration>,
     #[arg(long, value_name = "FILE")]
     password_file: Option<PathBuf>,
+    /// The passphrase: the first line CMD prints (see `ferry repo check --help`).
+    #[arg(long, value_name = "CMD", conflicts_with = "password_file")]
+    password_command: Option<String>,
     /// Forget even though the snapshots went back since this host last used the
     /// repository (a disk's newest gone, a forgotten one back), accepting the store's
     /// state. Without it such a forget is refused.
@@ -365,7 +381,7 @@ pub fn run(args: RepoArgs) -> Result<i32> {
         RepoCommand::Verify(a) => {
             let repo = a.common.open()?;
             let threads = a.jobs.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())).max(1);
-            let opts = VerifyOptions { read_data_percent: a.read_data, threads };
+            let opts = VerifyOptions { read_data: a.read_data, threads };
             let r = maint::verify(&repo, &opts).with_context(|| format!("verifying {}", a.common.repo))?;
             Ok(print_report(&a.common.repo, &r, true).max(went_back(&a.common.repo, &repo)))
         }
@@ -475,10 +491,11 @@ fn init(a: InitArgs) -> Result<i32> {
         bail!("--chunk-size must be a power of two from 4K to 4M (64K matches blkhash and dirty bitmaps)");
     }
     let encrypt = if a.encrypt {
+        ferry_open::repo::set_password_command(c.password_command.as_deref());
         let Some(p) = ferry_open::repo::passphrase(c.password_file.as_deref())? else {
             bail!(
-                "--encrypt needs a passphrase: --password-file FILE (its first line), FERRY_PASSWORD=... or \
-                 FERRY_PASSWORD_FILE=FILE"
+                "--encrypt needs a passphrase: --password-file FILE (its first line), --password-command CMD, \
+                 FERRY_PASSWORD=..., FERRY_PASSWORD_FILE=FILE or FERRY_PASSWORD_COMMAND=CMD"
             );
         };
         Some((p, crate::repo_key::kdf_cost(&a.kdf_memory)?))
@@ -717,7 +734,7 @@ fn list(a: ListArgs) -> Result<i32> {
     Ok(0)
 }
 
-/// Prints what check or verify found; the exit status (1: damage found).
+/// Prints what check or verify found; the exit status (13: damage found).
 fn print_report(repo: &str, r: &Report, read: bool) -> i32 {
     for n in &r.notes {
         eprintln!("note: {n}");
@@ -726,7 +743,15 @@ fn print_report(repo: &str, r: &Report, read: bool) -> i32 {
         print_problem(p);
     }
     let what = if read {
-        format!("{} chunks in {} packs read ({})", r.blobs_checked, r.packs, human(r.bytes_read))
+        let share = if r.bytes_present == 0 { 100.0 } else { r.bytes_read as f64 * 100.0 / r.bytes_present as f64 };
+        format!(
+            "{} chunks in {} of {} packs read ({} of {}, {share:.1}%)",
+            r.blobs_checked,
+            r.packs_read,
+            r.packs,
+            human(r.bytes_read),
+            human(r.bytes_present)
+        )
     } else {
         format!("{} packs indexed", r.packs)
     };
@@ -750,7 +775,7 @@ fn print_report(repo: &str, r: &Report, read: bool) -> i32 {
                 n => format!(", and {n} interrupted backups"),
             }
         );
-        1
+        crate::exit_status(ferry_repo::Failure::Damaged)
     }
 }
 
@@ -808,6 +833,7 @@ fn print_problem(p: &Problem) {
 }
 
 fn forget(a: ForgetArgs) -> Result<i32> {
+    ferry_open::repo::set_password_command(a.password_command.as_deref());
     if !a.ids.is_empty() {
         return forget_ids(a);
     }
@@ -968,7 +994,7 @@ fn repair(a: RepairArgs) -> Result<i32> {
     let left = !r.packs_unreadable.is_empty() || (!a.drop_damaged && kept > 0);
     if a.json {
         println!("{}", serde_json::to_string_pretty(&r)?);
-        return Ok(i32::from(left));
+        return Ok(damage_left(left));
     }
     let (would, done) = if a.dry_run { ("would ", "would be ") } else { ("", "") };
     for p in &r.packs_indexed {
@@ -1016,7 +1042,16 @@ fn repair(a: RepairArgs) -> Result<i32> {
         r.index_removed.len(),
         if left { "; some damage remains (see above)" } else { "" }
     );
-    Ok(i32::from(left))
+    Ok(damage_left(left))
+}
+
+/// The exit status of a repair: "damage found" when some stays.
+fn damage_left(left: bool) -> i32 {
+    if left {
+        crate::exit_status(ferry_repo::Failure::Damaged)
+    } else {
+        0
+    }
 }
 
 /// `2h05m` for people.

@@ -34,18 +34,25 @@ enum KeyCommand {
 
 #[derive(Args, Debug)]
 struct KeyCommon {
-    /// The repository: a directory or s3://BUCKET/PREFIX.
+    /// The repository: a directory or s3://BUCKET/PREFIX (FERRY_REPOSITORY when not
+    /// written).
+    #[arg(env = "FERRY_REPOSITORY")]
     repo: String,
-    /// A current passphrase of the repository: the first line of FILE (else FERRY_PASSWORD,
-    /// else FERRY_PASSWORD_FILE).
+    /// A current passphrase of the repository: the first line of FILE (else
+    /// --password-command, FERRY_PASSWORD, FERRY_PASSWORD_FILE, FERRY_PASSWORD_COMMAND, a
+    /// prompt on a terminal for list and remove).
     #[arg(long, value_name = "FILE")]
     password_file: Option<PathBuf>,
+    /// A current passphrase: the first line CMD prints, run by /bin/sh -c.
+    #[arg(long, value_name = "CMD", conflicts_with = "password_file")]
+    password_command: Option<String>,
     #[command(flatten)]
     remote: crate::remote_args::RemoteArgs,
 }
 
 impl KeyCommon {
     fn open(&self) -> Result<Arc<Repository>> {
+        ferry_open::repo::set_password_command(self.password_command.as_deref());
         ferry_open::repo::open_repository(&self.repo, &self.remote.remote(), self.password_file.as_deref())
     }
 }
@@ -124,6 +131,7 @@ fn change(a: KeyNewArgs, passwd: bool) -> Result<i32> {
     let c = &a.common;
     let cost = kdf_cost(&a.kdf_memory)?;
     let limit = ferry_open::repo::kdf_limit()?;
+    ferry_open::repo::set_password_command(c.password_command.as_deref());
     let (now, new) = passphrases(c.password_file.as_deref(), a.new_password_file.as_deref())?;
     let store = ferry_open::repo::repo_store(&c.repo, &c.remote.remote(), false)?;
     let repo = Repository::open_with(store, &|| Ok(now.clone()), limit)

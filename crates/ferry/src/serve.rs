@@ -87,6 +87,13 @@ pub struct ServeArgs {
     /// program that may die without stopping it. Linux only.
     #[arg(long)]
     exit_with_parent: bool,
+    /// Serve in the background, as qemu-nbd --fork: the server runs as a new process in
+    /// its own process group (standard input and output /dev/null, its errors still on
+    /// this standard error), and this command returns 0 once it listens (its --pid-file
+    /// written), or fails with the server's error and exit status if it could not start.
+    /// `ferry serve --fork ... && CLIENT ...` needs no wait.
+    #[arg(long, conflicts_with_all = ["run", "exit_with_parent"])]
+    fork: bool,
     /// Offer only this persistent dirty bitmap of the default export, as the metadata
     /// context `qemu:dirty-bitmap:NAME` (repeatable; qemu-nbd's spelling). Without it,
     /// every bitmap the image has that is consistent is offered. A bitmap that is not
@@ -404,7 +411,56 @@ fn write_pid_file(path: &Path) -> std::io::Result<()> {
     })
 }
 
+/// Set in the environment of the server that `--fork` starts: that process is the server.
+const FORKED: &str = "FERRY_SERVE_FORKED";
+
+/// What the server that `--fork` started writes to its standard output once it listens.
+const READY: &str = "ready\n";
+
+/// `--fork`: runs this command line again as the server, in a new process group, and
+/// returns once it says it listens (0), or with its status once it ends without (its error
+/// went to this standard error).
+fn fork() -> Result<i32> {
+    use std::io::{BufRead, Read};
+    use std::os::unix::process::CommandExt;
+    let exe = std::env::current_exe().context("--fork: cannot find ferry's own executable")?;
+    let mut child = Command::new(exe)
+        .args(std::env::args_os().skip(1))
+        .env(FORKED, "1")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .process_group(0)
+        .spawn()
+        .context("--fork: cannot start the server")?;
+    let out = child.stdout.take().context("--fork: no pipe from the server")?;
+    let mut said = String::new();
+    // The server says READY and nothing else: a line of a few bytes at most is read.
+    let _ = std::io::BufReader::new(out).take(READY.len() as u64).read_line(&mut said);
+    if said == READY {
+        log::debug!("the server (pid {}) listens", child.id());
+        return Ok(0);
+    }
+    let status = child.wait().context("--fork: waiting for the server")?;
+    match status.code() {
+        Some(c) if c != 0 => Ok(c),
+        _ => bail!("--fork: the server ended ({status}) before it listened"),
+    }
+}
+
+/// The server `--fork` started tells its parent that it listens, then its standard
+/// output is the parent's pipe no more (nothing else is written to it).
+fn say_ready() {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    // The parent may be gone (killed): nothing to tell then.
+    let _ = out.write_all(READY.as_bytes()).and_then(|()| out.flush());
+}
+
 pub fn run(mut args: ServeArgs) -> Result<i32> {
+    let forked = args.fork && std::env::var_os(FORKED).is_some();
+    if args.fork && !forked {
+        return fork();
+    }
     if let Some(f) = args.format {
         args.spec = with_format(&args.spec, f).context("--format")?;
     }
@@ -564,6 +620,9 @@ pub fn run(mut args: ServeArgs) -> Result<i32> {
     if let Some(p) = &args.pid_file {
         // Once SIGTERM stops the server cleanly; whole or absent for a reader (renamed into place).
         write_pid_file(p).with_context(|| format!("--pid-file {}", p.display()))?;
+    }
+    if forked {
+        say_ready();
     }
 
     let child = match &args.run {

@@ -8,6 +8,7 @@
 mod common;
 
 mod activation;
+mod admin;
 mod bench_socket;
 mod cli;
 mod client_tools;

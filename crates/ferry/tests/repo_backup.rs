@@ -448,7 +448,7 @@ fn verify_and_check_name_damage() {
     bytes[200] ^= 0x40;
     fs::write(&packs_a[0], &bytes).unwrap();
     let out = run(&mut ferry_cmd(&["repo", "verify", s(&repo)]));
-    assert_eq!(out.status.code(), Some(1), "{}", out.describe());
+    assert_eq!(out.status.code(), Some(13), "{}", out.describe());
     let pack_a_name = packs_a[0].file_name().unwrap().to_str().unwrap();
     assert!(out.stdout.contains(pack_a_name), "the pack is not named\n{}", out.describe());
     assert!(out.stdout.contains(&a1[..8]), "a's snapshot is not named\n{}", out.describe());
@@ -457,7 +457,7 @@ fn verify_and_check_name_damage() {
     // it from the record. `ferry hash` takes a's blkhash from its index, while a restore
     // reads the damaged chunk and fails.
     let out = run(&mut ferry_cmd(&["repo", "check", s(&repo)]));
-    assert_eq!(out.status.code(), Some(1), "{}", out.describe());
+    assert_eq!(out.status.code(), Some(13), "{}", out.describe());
     assert!(out.stdout.contains("recorded damaged by `ferry repo verify`"), "{}", out.describe());
     assert!(out.stdout.contains(&a1[..8]) && !out.stdout.contains(&b1[..8]), "{}", out.describe());
     assert_eq!(ferry_hash(&spec(&repo, "a", &a1)), hash_a, "ferry hash read the data instead of the index");
@@ -467,7 +467,7 @@ fn verify_and_check_name_damage() {
     // b's pack deleted: check names it and b's snapshot.
     fs::remove_file(&packs_b[0]).unwrap();
     let out = run(&mut ferry_cmd(&["repo", "check", s(&repo)]));
-    assert_eq!(out.status.code(), Some(1), "{}", out.describe());
+    assert_eq!(out.status.code(), Some(13), "{}", out.describe());
     let pack_b_name = packs_b[0].file_name().unwrap().to_str().unwrap();
     assert!(out.stdout.contains(pack_b_name), "the deleted pack is not named\n{}", out.describe());
     assert!(out.stdout.contains(&b1[..8]), "b's snapshot is not named\n{}", out.describe());

@@ -88,7 +88,7 @@ fn unindexed_pack(repo: &Path) -> bool {
 }
 
 /// What /proc says of process `pid`: its state letter and start time (field 22).
-fn proc_stat(pid: u32) -> Option<(char, u64)> {
+pub(crate) fn proc_stat(pid: u32) -> Option<(char, u64)> {
     let text = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let mut f = text[text.rfind(')')? + 1..].split_whitespace();
     let state = f.next()?.chars().next()?;
@@ -181,13 +181,13 @@ fn a_frozen_backup_whose_lock_was_taken_stops() {
 }
 
 /// The boot id and PID namespace a lock of this machine records (as ferry writes them).
-fn this_boot() -> String {
+pub(crate) fn this_boot() -> String {
     let boot = fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap();
     let ns = fs::read_link("/proc/self/ns/pid").unwrap();
     format!("{} {}", boot.trim(), ns.display())
 }
 
-fn hostname() -> String {
+pub(crate) fn hostname() -> String {
     fs::read_to_string("/proc/sys/kernel/hostname").unwrap().trim().to_string()
 }
 

@@ -117,7 +117,7 @@ pub(crate) fn repository_flow(api: &S3Api, mk: Mk, bucket: &str, prefix: &str, e
     let (victim, _) = packs.iter().max_by_key(|(_, n)| **n).unwrap();
     api.flip(bucket, victim, 300);
     let out = run(&mut mk(&["repo", "verify", &repo]));
-    assert_eq!(out.status.code(), Some(1), "verify missed a flipped byte in {victim}\n{}", out.describe());
+    assert_eq!(out.status.code(), Some(13), "verify missed a flipped byte in {victim}\n{}", out.describe());
     let pack_id = victim.rsplit('/').next().unwrap();
     assert!(out.stdout.contains(pack_id), "the pack is not named\n{}", out.describe());
     assert!(out.stdout.contains(&id0[..8]), "the snapshot is not named\n{}", out.describe());

@@ -393,6 +393,9 @@ pub struct DestinationOptions {
     /// kept for a later run (not aborted), and `Some(ID)` continues the upload an earlier
     /// run kept, its stored parts counting as written.
     pub upload: Option<ResumableUpload>,
+    /// `ferry copy -n`: a local destination must exist, and is written in place (a qcow2
+    /// image opened read-write, a raw file not emptied or sized).
+    pub existing: bool,
 }
 
 /// How a `--resume` copy uploads to S3 ([`DestinationOptions::upload`]).
@@ -513,7 +516,10 @@ pub fn destination(loc: &Location, src: &Endpoint, opts: &DestinationOptions, re
     let name = path.display().to_string();
     let is_qcow2 =
         format == Format::Qcow2 || existed && opts.format.is_none() && local_format_of(loc) == Some(Format::Qcow2);
-    let updated = (opts.selective && opts.backing.is_none() || opts.resume) && existed;
+    if opts.existing && !existed {
+        bail!("{name} does not exist: -n writes into an existing image (create it first, or copy without -n)");
+    }
+    let updated = (opts.selective && opts.backing.is_none() || opts.resume || opts.existing) && existed;
     if updated && is_qcow2 && format != Format::Qcow2 {
         // Only the bytes say qcow2, and they may be a guest's (a raw backup of its disk):
         // opened as qcow2, they would choose the backing file this copy reads.

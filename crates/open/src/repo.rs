@@ -2,9 +2,11 @@
 //! store, the repository on it unlocked with its passphrase, and a snapshot
 //! (`REPO::NAME[@ID]`) opened as a read-only image.
 //!
-//! The passphrase of an encrypted repository comes from `--password-file FILE` where a
-//! command takes it, else the environment: `FERRY_PASSWORD`, else the first line of the
-//! file `FERRY_PASSWORD_FILE` names. It is never asked for on a terminal.
+//! The passphrase of an encrypted repository comes from, in this order: `--password-file
+//! FILE` or `--password-command CMD` where a command takes them; `FERRY_PASSWORD`; the
+//! first line of the file `FERRY_PASSWORD_FILE` names; the first line that the command
+//! `FERRY_PASSWORD_COMMAND` prints; else, when standard input is a terminal and the
+//! repository is encrypted, a prompt on the terminal (without echo).
 
 use crate::Remote;
 use anyhow::{bail, Context, Result};
@@ -17,8 +19,19 @@ use std::sync::Arc;
 
 /// How to give a passphrase, for messages.
 pub const PASSPHRASE_HOW: &str =
-    "give its passphrase with --password-file FILE (where the command takes it), FERRY_PASSWORD=... or \
-     FERRY_PASSWORD_FILE=FILE";
+    "give its passphrase with --password-file FILE or --password-command CMD (where the command takes them), \
+     FERRY_PASSWORD=..., FERRY_PASSWORD_FILE=FILE or FERRY_PASSWORD_COMMAND=CMD, or run it on a terminal";
+
+/// `--password-command CMD` of this command line, set once before a repository is opened.
+static PASSWORD_COMMAND: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// Takes `--password-command CMD` from the command line: it gives the passphrase where
+/// `--password-file` is not given (see [`passphrase`]).
+pub fn set_password_command(cmd: Option<&str>) {
+    if let Some(c) = cmd {
+        let _ = PASSWORD_COMMAND.set(c.to_string());
+    }
+}
 
 fn is_s3(repo: &str) -> bool {
     repo.get(..5).is_some_and(|p| p.eq_ignore_ascii_case("s3://"))
@@ -42,6 +55,13 @@ pub fn repo_store_at(repo: &str, remote: &Remote, create: bool) -> Result<(Arc<d
     }
     let p = Path::new(repo);
     let s = if create { DirStore::create(p) } else { DirStore::open(p) };
+    // No directory there is no repository (an exit status of its own: docs/repo.md).
+    let s = s.map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory if !create => {
+            anyhow::Error::new(ferry_repo::Error::NoRepository(e.to_string()))
+        }
+        _ => anyhow::Error::new(e),
+    });
     let s = s.with_context(|| {
         if create {
             format!("cannot create the repository {repo}")
@@ -73,14 +93,19 @@ fn warn_if_shared(file: &Path, f: &std::fs::File) {
     }
 }
 
-/// The first line of `file`, without its line end. The bytes are read into a
-/// [`Passphrase`] of fixed size (zeroed when dropped, never grown: no copy is left behind
-/// in freed memory), at most 64 KiB of them: the line must be shorter.
+/// The first line of `file`, without its line end.
 fn first_line(file: &Path) -> Result<Passphrase> {
-    use std::io::Read;
-    let cannot = || format!("cannot read the passphrase file {}", file.display());
-    let mut f = std::fs::File::open(file).with_context(cannot)?;
+    let what = format!("the passphrase file {}", file.display());
+    let f = std::fs::File::open(file).with_context(|| format!("cannot read {what}"))?;
     warn_if_shared(file, &f);
+    first_line_of(f, &what)
+}
+
+/// The first line that `f` (`what`, for messages) gives, without its line end. The bytes
+/// are read into a [`Passphrase`] of fixed size (zeroed when dropped, never grown: no copy
+/// is left behind in freed memory), at most 64 KiB of them: the line must be shorter.
+fn first_line_of(mut f: impl std::io::Read, what: &str) -> Result<Passphrase> {
+    let cannot = || format!("cannot read {what}");
     let mut bytes = Passphrase::new(vec![0u8; MAX_PASSPHRASE_FILE]);
     let mut n = 0;
     // Up to the first line end (a pipe or FIFO may send no more) or the buffer's end.
@@ -99,8 +124,7 @@ fn first_line(file: &Path) -> Result<Passphrase> {
     }
     let Some(mut end) = bytes[..n].iter().position(|&b| b == b'\n').or((n < bytes.len()).then_some(n)) else {
         bail!(
-            "the passphrase file {} has no line end in its first {} KiB: its first line is the passphrase",
-            file.display(),
+            "{what} has no line end in its first {} KiB: its first line is the passphrase",
             MAX_PASSPHRASE_FILE >> 10
         );
     };
@@ -119,7 +143,74 @@ fn first_line(file: &Path) -> Result<Passphrase> {
 /// says to prefer a file), and ferry clears it from the environment of the processes it
 /// starts.
 pub fn passphrase(password_file: Option<&Path>) -> Result<Option<Passphrase>> {
-    passphrase_from(password_file, "FERRY_PASSWORD", "FERRY_PASSWORD_FILE")
+    if let (None, Some(cmd)) = (password_file, PASSWORD_COMMAND.get()) {
+        return from_command(cmd, "--password-command").map(Some);
+    }
+    if let Some(p) = passphrase_from(password_file, "FERRY_PASSWORD", "FERRY_PASSWORD_FILE")? {
+        return Ok(Some(p));
+    }
+    match std::env::var("FERRY_PASSWORD_COMMAND") {
+        Ok(cmd) if !cmd.is_empty() => from_command(&cmd, "FERRY_PASSWORD_COMMAND").map(Some),
+        _ => Ok(None),
+    }
+}
+
+/// The first line the passphrase command `cmd` (given as `what`) prints: run by `/bin/sh -c`
+/// (so that a pipe or a quoted argument works as in a shell), with this standard input
+/// and error (a tool that asks on the terminal can), its standard output read up to the
+/// first line end (at most 64 KiB). A command that fails gives an error, and nothing it
+/// printed is used or shown.
+fn from_command(cmd: &str, what: &str) -> Result<Passphrase> {
+    keep_out_of_core_dumps();
+    let mut child = std::process::Command::new("/bin/sh")
+        .arg("-c")
+        .arg(cmd)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .with_context(|| format!("cannot run the passphrase command ({what})"))?;
+    let line = first_line_of(
+        child.stdout.take().context("no pipe from the passphrase command")?,
+        &format!("the output of the passphrase command ({what})"),
+    );
+    // The rest of its output is not read: a command that prints more ends on SIGPIPE.
+    let status = child.wait().with_context(|| format!("waiting for the passphrase command ({what})"))?;
+    if !status.success() {
+        bail!("the passphrase command ({what}) failed ({status}): fix it, or give the passphrase another way");
+    }
+    let line = line?;
+    if line.is_empty() {
+        bail!("the passphrase command ({what}) printed an empty line: an empty passphrase protects nothing");
+    }
+    Ok(line)
+}
+
+/// The passphrase typed on the terminal, asked for `repo`, when standard input is one
+/// (else `None`): the prompt and the answer go through /dev/tty, with echo off.
+pub fn prompt(repo: &str) -> Result<Option<Passphrase>> {
+    use nix::sys::termios::{tcgetattr, tcsetattr, LocalFlags, SetArg};
+    use std::io::{IsTerminal, Write};
+    if !std::io::stdin().is_terminal() {
+        return Ok(None);
+    }
+    let Ok(mut tty) = std::fs::OpenOptions::new().read(true).write(true).open("/dev/tty") else {
+        return Ok(None);
+    };
+    keep_out_of_core_dumps();
+    let before = tcgetattr(&tty).context("cannot read the terminal's settings")?;
+    let mut quiet = before.clone();
+    quiet.local_flags.remove(LocalFlags::ECHO);
+    quiet.local_flags.insert(LocalFlags::ICANON);
+    write!(tty, "passphrase of {repo}: ").and_then(|()| tty.flush()).context("cannot write to the terminal")?;
+    tcsetattr(&tty, SetArg::TCSANOW, &quiet).context("cannot turn the terminal's echo off")?;
+    let line = first_line_of(&tty, "the passphrase typed");
+    // Echo back on whatever happened, then the line end the typed one did not show.
+    let _ = tcsetattr(&tty, SetArg::TCSANOW, &before);
+    let _ = writeln!(tty);
+    let line = line?;
+    if line.is_empty() {
+        bail!("no passphrase typed: an empty passphrase protects nothing");
+    }
+    Ok(Some(line))
 }
 
 /// A new passphrase for `ferry repo key add|passwd`, as [`passphrase`] reads the current
@@ -202,10 +293,13 @@ pub fn open_repository(repo: &str, remote: &Remote, password_file: Option<&Path>
 
 /// Where the passphrase given comes from, for messages.
 fn passphrase_source(password_file: Option<&Path>) -> String {
-    match (password_file, std::env::var_os("FERRY_PASSWORD")) {
-        (Some(f), _) => format!("--password-file {}", f.display()),
-        (None, Some(_)) => "FERRY_PASSWORD".into(),
-        (None, None) => "FERRY_PASSWORD_FILE".into(),
+    let var = |v: &str| std::env::var_os(v).is_some();
+    match password_file {
+        Some(f) => format!("--password-file {}", f.display()),
+        None if PASSWORD_COMMAND.get().is_some() => "--password-command".into(),
+        None if var("FERRY_PASSWORD") => "FERRY_PASSWORD".into(),
+        None if var("FERRY_PASSWORD_FILE") => "FERRY_PASSWORD_FILE".into(),
+        None => "FERRY_PASSWORD_COMMAND".into(),
     }
 }
 
@@ -244,7 +338,7 @@ pub fn open_repository_with(
         given,
         fallback: None,
         how: PASSPHRASE_HOW,
-        sources: "--password-file, FERRY_PASSWORD or FERRY_PASSWORD_FILE",
+        sources: "--password-file, --password-command, FERRY_PASSWORD, FERRY_PASSWORD_FILE or FERRY_PASSWORD_COMMAND",
     };
     open_repository_keyed(repo, remote, how, on)
 }
@@ -269,9 +363,15 @@ pub fn open_repository_keyed(repo: &str, remote: &Remote, keying: Keying, on: On
     let limit = kdf_limit()?;
     let given = keying.given.as_ref().map(|g| &g.0).or(keying.fallback.as_ref());
     let ask = || -> ferry_repo::Result<Passphrase> {
-        given
-            .cloned()
-            .ok_or_else(|| ferry_repo::Error::Passphrase(format!("the repository {repo} is encrypted: {}", keying.how)))
+        if let Some(p) = given {
+            return Ok(p.clone());
+        }
+        // Asked on the terminal only now: the repository is encrypted.
+        match prompt(repo) {
+            Ok(Some(p)) => Ok(p),
+            Ok(None) => Err(ferry_repo::Error::Passphrase(format!("the repository {repo} is encrypted: {}", keying.how))),
+            Err(e) => Err(ferry_repo::Error::Passphrase(format!("{e:#}"))),
+        }
     };
     let mut r =
         Repository::open_with(store, &ask, limit).with_context(|| format!("cannot open the repository {repo}"))?;

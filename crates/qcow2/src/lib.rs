@@ -296,6 +296,10 @@ pub struct Info {
     /// The backing chain, nearest first.
     pub backing_chain: Vec<ChainEntry>,
     pub file_size: u64,
+    /// The corrupt bit (incompatible feature 1): the image is read, never written.
+    pub corrupt: bool,
+    /// The lazy refcounts bit (compatible feature 0).
+    pub lazy_refcounts: bool,
 }
 
 /// How the image's guest bytes are stored in this layer (not counting backing files).
@@ -575,6 +579,8 @@ impl Qcow2 {
             data_file: header.data_file.clone(),
             backing_chain: chain,
             file_size: file_len,
+            corrupt: header.incompatible & header::INCOMPAT_CORRUPT != 0,
+            lazy_refcounts: header.compatible & 1 != 0,
         };
         Ok(Qcow2 {
             name,

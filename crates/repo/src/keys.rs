@@ -112,7 +112,8 @@ pub(crate) fn unlock_any(
     }
     Err(Error::Passphrase(format!(
         "the passphrase does not open the repository {} (it was tried on the config's key{}: a wrong passphrase, \
-         or a damaged config): give the right one with --password-file FILE, FERRY_PASSWORD or FERRY_PASSWORD_FILE",
+         or a damaged config): give the right one (--password-file, --password-command, FERRY_PASSWORD, \
+         FERRY_PASSWORD_FILE, FERRY_PASSWORD_COMMAND or the terminal)",
         store.describe(),
         match names.len() {
             0 => String::new(),

@@ -237,6 +237,9 @@ pub enum Error {
     /// A snapshot, disk or object that was asked for does not exist.
     #[error("{0}")]
     NotFound(String),
+    /// There is no repository where one was named: no directory, or no config in it.
+    #[error("{0}")]
+    NoRepository(String),
     /// The store failed (I/O, network, permissions, full disk).
     #[error("{what}: {source}")]
     Store { what: String, source: std::io::Error },
@@ -249,6 +252,20 @@ pub enum Error {
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// The failures a script can tell apart by ferry's exit status (docs/repo.md, "Exit
+/// status"); every other error is a plain failure. The binary maps each to its number.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    /// No repository where one was named.
+    NoRepository,
+    /// Another process holds a conflicting lock.
+    Locked,
+    /// No passphrase was given for an encrypted repository, or none of its keys opens.
+    Passphrase,
+    /// Damage was found: an object unreadable, failing its checksum or inconsistent.
+    Damaged,
+}
 
 impl Error {
     pub fn damaged(object: impl Into<String>, why: impl Into<String>) -> Error {
@@ -265,5 +282,32 @@ impl Error {
     }
     pub fn store(what: impl Into<String>, source: std::io::Error) -> Error {
         Error::Store { what: what.into(), source }
+    }
+    /// The failure a script can tell apart that this error is, if it is one.
+    pub fn failure(&self) -> Option<Failure> {
+        match self {
+            Error::NoRepository(_) => Some(Failure::NoRepository),
+            Error::Locked(_) => Some(Failure::Locked),
+            Error::Passphrase(_) => Some(Failure::Passphrase),
+            Error::Damaged { .. } => Some(Failure::Damaged),
+            Error::NotFound(_) | Error::Store { .. } | Error::Invalid(_) | Error::Interrupted => None,
+        }
+    }
+    /// The failure of an error somewhere in `e`'s chain of causes, the outermost first:
+    /// an [`Error`] itself, or one an [`std::io::Error`] carries (a snapshot's read, through
+    /// the copy engine).
+    pub fn failure_in(e: &(dyn std::error::Error + 'static)) -> Option<Failure> {
+        let mut cause = Some(e);
+        while let Some(c) = cause {
+            if let Some(f) = c.downcast_ref::<Error>().and_then(Error::failure) {
+                return Some(f);
+            }
+            // An io::Error's source() skips the error it carries: that one is next.
+            cause = match c.downcast_ref::<std::io::Error>().and_then(|io| io.get_ref()) {
+                Some(inner) => Some(inner),
+                None => c.source(),
+            };
+        }
+        None
     }
 }

@@ -27,6 +27,9 @@ pub struct Report {
     pub packs: usize,
     pub blobs_checked: u64,
     pub bytes_read: u64,
+    /// Verify: the packs read, of those present, and the bytes of those present.
+    pub packs_read: usize,
+    pub bytes_present: u64,
     pub problems: Vec<Problem>,
     /// Things that are not damage (orphans, stale locks), said once each.
     pub notes: Vec<String>,
@@ -650,20 +653,67 @@ pub fn check(repo: &Repository) -> Result<Report> {
 
 #[derive(Debug, Clone)]
 pub struct VerifyOptions {
-    /// Read this share of the packs (1..=100), chosen so that successive runs cover all.
-    pub read_data_percent: u32,
+    /// Which packs are read.
+    pub read_data: ReadData,
     pub threads: usize,
 }
 
-/// Whether verify reads `pack` today when it reads `percent` of the packs: a window of
-/// first bytes that moves by its own width each day, so that successive days cover all.
-pub fn selected(pack: &Digest, percent: u32, day: u64) -> bool {
-    if percent >= 100 {
-        return true;
+impl VerifyOptions {
+    /// Every pack read, with `threads` at once.
+    pub fn all(threads: usize) -> VerifyOptions {
+        VerifyOptions { read_data: ReadData::Percent(100), threads }
     }
-    let share = (percent as u64 * 256).div_ceil(100).max(1);
-    let start = (day % 256) * share % 256;
-    (pack[0] as u64 + 256 - start) % 256 < share
+}
+
+/// Which of the packs present verify reads, by their rank in name order (a pack's name is
+/// the SHA-256 of its bytes: name order is a random order of the data).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadData {
+    /// This share of the packs (1 to 100), rounded up: at least one pack whenever there is
+    /// one. A window of that many packs that moves on by its own width each day, so that
+    /// successive days cover them all.
+    Percent(u32),
+    /// Subset `N` of `T` (1 ≤ N ≤ T), as restic's `--read-data-subset N/T`: the packs cut
+    /// into T slices of as equal counts as can be, and the Nth read, the same every run
+    /// while the packs stay; the T subsets together read every pack once. A repository of
+    /// fewer than T packs leaves some subsets empty.
+    Subset(u32, u32),
+}
+
+impl ReadData {
+    /// `PERCENT`, `PERCENT%` or `N/T`, as `--read-data` takes it.
+    pub fn parse(s: &str) -> Result<ReadData, String> {
+        let num = |t: &str| t.trim().parse::<u32>().map_err(|_| format!("{t:?} is not a whole number"));
+        let r = match s.split_once('/') {
+            Some((n, t)) => ReadData::Subset(num(n)?, num(t)?),
+            None => ReadData::Percent(num(s.strip_suffix('%').unwrap_or(s))?),
+        };
+        match r {
+            ReadData::Percent(p) if !(1..=100).contains(&p) => Err(format!("{s}: a share is 1 to 100 (percent)")),
+            ReadData::Subset(n, t) if t == 0 || !(1..=t).contains(&n) => {
+                Err(format!("{s}: write N/T with 1 <= N <= T, e.g. 2/5 for the second fifth of the packs"))
+            }
+            r => Ok(r),
+        }
+    }
+
+    /// Whether the pack of rank `rank` among `count` (in name order) is read on `day`
+    /// (days since the epoch).
+    pub fn selected(self, rank: usize, count: usize, day: u64) -> bool {
+        let (rank, count) = (rank as u128, count as u128);
+        if rank >= count {
+            return false;
+        }
+        match self {
+            ReadData::Percent(p) if p >= 100 => true,
+            ReadData::Percent(p) => {
+                let width = (p as u128 * count).div_ceil(100).max(1);
+                let start = (day as u128 % count) * width % count;
+                (rank + count - start) % count < width
+            }
+            ReadData::Subset(n, t) => rank * t as u128 / count == n as u128 - 1,
+        }
+    }
 }
 
 /// The most pack bytes (and trailer entries, as bytes) verify holds at once (more when
@@ -769,12 +819,20 @@ pub fn verify(repo: &Repository, opts: &VerifyOptions) -> Result<Report> {
     let (mut r, mut w) = check_walk(repo)?;
     let day = jiff::Timestamp::now().as_second().max(0) as u64 / 86400;
     let table = &w.table;
-    let todo: Vec<(Digest, u32)> = table
+    let present: Vec<(Digest, u32)> = table
         .packs_sorted()
         .into_iter()
         .map(|p| (table.packs[p as usize], p))
-        .filter(|(p, _)| w.listed.contains_key(&pack_name(p)) && selected(p, opts.read_data_percent.max(1), day))
+        .filter(|(p, _)| w.listed.contains_key(&pack_name(p)))
         .collect();
+    let todo: Vec<(Digest, u32)> = present
+        .iter()
+        .enumerate()
+        .filter(|(rank, _)| opts.read_data.selected(*rank, present.len(), day))
+        .map(|(_, p)| *p)
+        .collect();
+    r.packs_read = todo.len();
+    r.bytes_present = present.iter().map(|(p, _)| w.listed.get(&pack_name(p)).copied().unwrap_or(0)).sum();
     // From here on, blobs_checked counts the blobs decoded.
     r.blobs_checked = 0;
     let mut bad_copies: HashMap<Digest, Vec<(Digest, usize)>> = HashMap::new();

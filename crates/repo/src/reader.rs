@@ -173,6 +173,11 @@ impl SnapshotImage {
         &self.entries
     }
 
+    /// The repository's chunk size: entry `i` is the digest of bytes `i * chunk_size..`.
+    pub fn chunk_size(&self) -> u64 {
+        self.cs
+    }
+
     fn chunk_len(&self, ci: u64) -> usize {
         (self.size - ci * self.cs).min(self.cs) as usize
     }
@@ -363,11 +368,15 @@ impl SnapshotImage {
             "read",
             offset,
             length,
-            io::Error::other(format!(
-                "bytes {} of snapshot {} of {} are damaged: {why} (run `ferry repo verify`)",
-                self.chunk_range(ci),
-                self.shown_id(),
-                self.repo.store.describe()
+            // Carried as a repository error: the binary's exit status says "damage found".
+            io::Error::other(crate::Error::damaged(
+                format!(
+                    "bytes {} of snapshot {} of {}",
+                    self.chunk_range(ci),
+                    self.shown_id(),
+                    self.repo.store.describe()
+                ),
+                why,
             )),
         )
     }

@@ -442,7 +442,7 @@ impl Repository {
         let bytes = match store.get("config", format::MAX_CONFIG) {
             Ok(b) => b,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                return Err(Error::NotFound(format!(
+                return Err(Error::NoRepository(format!(
                     "{} is not a ferry repository (it has no config): make one with `ferry repo init`",
                     store.describe()
                 )))

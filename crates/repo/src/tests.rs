@@ -263,7 +263,7 @@ fn encrypted_round_trip_and_wrong_passphrase() {
         let hay = String::from_utf8_lossy(&bytes);
         assert!(!hay.contains("secret-disk") && !hay.contains("quick brown fox"), "{name} leaks plain text");
     }
-    let r = maint::verify(&repo2, &VerifyOptions { read_data_percent: 100, threads: 2 }).unwrap();
+    let r = maint::verify(&repo2, &VerifyOptions::all(2)).unwrap();
     assert!(r.problems.is_empty(), "{:?}", r.problems);
     // An unencrypted repository never asks for a passphrase.
     let (plain_store, _) = new_repo(false);
@@ -403,7 +403,7 @@ fn forget_and_gc_free_exactly_the_dead_data() {
     assert_eq!(indexed, live, "the index holds exactly the live blobs");
     assert!(read_back(&repo, &s2) == a2);
     assert!(read_back(&repo, &sb) == b1);
-    let r = maint::verify(&repo, &VerifyOptions { read_data_percent: 100, threads: 2 }).unwrap();
+    let r = maint::verify(&repo, &VerifyOptions::all(2)).unwrap();
     assert!(r.problems.is_empty() && r.notes.iter().all(|n| !n.contains("index")), "{r:?}");
     // A second gc has nothing to do.
     let g2 = maint::gc(&repo, None).unwrap();
@@ -423,14 +423,14 @@ fn verify_names_the_snapshot_and_range_of_a_flipped_byte() {
     let (store, repo) = new_repo(false);
     let data = disk(2 << 20, 12);
     let snap = backup(&repo, "d", &data, None);
-    let ok = maint::verify(&repo, &VerifyOptions { read_data_percent: 100, threads: 2 }).unwrap();
+    let ok = maint::verify(&repo, &VerifyOptions::all(2)).unwrap();
     assert!(ok.problems.is_empty(), "{:?}", ok.problems);
     assert!(ok.bytes_read > 0);
     // Chunk 7 (random data: i % 5 == 2).
     let (pack, at) = where_is(&repo, &snap, 7);
     store.tamper(&pack, |v| v[at as usize] ^= 1);
     assert!(maint::check(&repo).unwrap().problems.is_empty(), "check reads no data");
-    let r = maint::verify(&repo, &VerifyOptions { read_data_percent: 100, threads: 2 }).unwrap();
+    let r = maint::verify(&repo, &VerifyOptions::all(2)).unwrap();
     assert_eq!(r.problems.len(), 1, "{:?}", r.problems);
     let p = &r.problems[0];
     assert_eq!(p.object, pack);
@@ -458,7 +458,7 @@ fn verify_names_a_pack_with_a_damaged_page_once() {
     store.tamper(&pack, |v| v[loc.offset as usize + loc.stored_len as usize / 2] ^= 1);
     let c = maint::check(&repo).unwrap();
     assert_eq!(c.problems.iter().filter(|p| p.object == pack).count(), 1, "{:?}", c.problems);
-    let r = maint::verify(&repo, &VerifyOptions { read_data_percent: 100, threads: 2 }).unwrap();
+    let r = maint::verify(&repo, &VerifyOptions::all(2)).unwrap();
     let named: Vec<&maint::Problem> = r.problems.iter().filter(|p| p.object == pack).collect();
     assert_eq!(named.len(), 1, "{:?}", r.problems);
     assert!(named[0].why.contains("damaged"), "{:?}", named[0]);
@@ -586,7 +586,7 @@ fn crash_mid_backup_leaves_a_whole_repository() {
     assert!(g.packs_deleted > 0, "{g:?}");
     assert_eq!(objects(&store, "data/").len(), packs_before);
     assert!(read_back(&repo, &s1) == data);
-    let r = maint::verify(&repo, &VerifyOptions { read_data_percent: 100, threads: 2 }).unwrap();
+    let r = maint::verify(&repo, &VerifyOptions::all(2)).unwrap();
     assert!(r.problems.is_empty() && !r.notes.iter().any(|n| n.contains("in no index object")), "{r:?}");
 }
 
@@ -595,23 +595,49 @@ fn init_refuses_a_repository_and_open_an_empty_store() {
     let (store, _repo) = new_repo(false);
     assert!(matches!(Repository::init(store, &InitOptions::default()), Err(Error::Invalid(_))));
     let empty = Arc::new(MemStore::new());
-    assert!(matches!(Repository::open(empty, &|| Ok(crate::Passphrase::default())), Err(Error::NotFound(_))));
+    assert!(matches!(Repository::open(empty, &|| Ok(crate::Passphrase::default())), Err(Error::NoRepository(_))));
 }
 
 #[test]
 fn read_data_percent_covers_every_pack_in_turn() {
-    for percent in [1, 7, 10, 33, 50] {
-        let mut seen = [false; 256];
-        for day in 0..(100 / percent + 1) as u64 {
-            for b in 0..=255u8 {
-                let mut d = ZERO;
-                d[0] = b;
-                if maint::selected(&d, percent, day) {
-                    seen[b as usize] = true;
-                }
+    for count in [1usize, 2, 3, 10, 77, 1000] {
+        for percent in [1, 7, 10, 33, 50, 99] {
+            let width = (percent * count).div_ceil(100);
+            let mut seen = vec![false; count];
+            for day in 0..count.div_ceil(width) as u64 {
+                let read: Vec<usize> =
+                    (0..count).filter(|r| maint::ReadData::Percent(percent as u32).selected(*r, count, day)).collect();
+                // About the share asked, and never none: 10% of 2 packs reads one.
+                assert_eq!(read.len(), width, "{percent}% of {count} packs on day {day}");
+                read.iter().for_each(|r| seen[*r] = true);
             }
+            assert!(seen.iter().all(|s| *s), "{percent}% does not cover every one of {count} packs in turn");
         }
-        assert!(seen.iter().all(|s| *s), "{percent}% does not cover every pack");
+    }
+}
+
+#[test]
+fn read_data_subsets_cut_the_packs_once() {
+    for count in [0usize, 1, 4, 5, 6, 100, 1001] {
+        for t in [1u32, 2, 5, 10] {
+            let mut times = vec![0; count];
+            for n in 1..=t {
+                let sub = maint::ReadData::Subset(n, t);
+                let read: Vec<usize> = (0..count).filter(|r| sub.selected(*r, count, 0)).collect();
+                // The same every day, and as equal as can be.
+                assert!((0..count).all(|r| sub.selected(r, count, 0) == sub.selected(r, count, 99)));
+                assert!(read.len() >= count / t as usize && read.len() <= count.div_ceil(t as usize), "{n}/{t}");
+                read.iter().for_each(|r| times[*r] += 1);
+            }
+            assert!(times.iter().all(|n| *n == 1), "{t} subsets of {count} packs: {times:?}");
+        }
+    }
+    use maint::ReadData::{Percent, Subset};
+    assert_eq!(maint::ReadData::parse("10"), Ok(Percent(10)));
+    assert_eq!(maint::ReadData::parse("10%"), Ok(Percent(10)));
+    assert_eq!(maint::ReadData::parse("2/5"), Ok(Subset(2, 5)));
+    for bad in ["0", "101", "0/5", "6/5", "1/0", "x", "%", "1/", "-1"] {
+        assert!(maint::ReadData::parse(bad).is_err(), "{bad}");
     }
 }
 
@@ -961,7 +987,7 @@ fn gc_stopped_at_any_step_leaves_a_whole_repository() {
         assert!(read_back(&repo, &s2) == a2 && read_back(&repo, &sb) == b, "{put:?} {delete:?}");
         maint::gc(&repo, None).unwrap();
         assert_eq!(objects(&inner, "index/").len(), 1);
-        let r = maint::verify(&repo, &VerifyOptions { read_data_percent: 100, threads: 2 }).unwrap();
+        let r = maint::verify(&repo, &VerifyOptions::all(2)).unwrap();
         assert!(
             r.problems.is_empty() && r.notes.iter().all(|n| !n.contains("in no index")),
             "{put:?} {delete:?}: {r:?}"

@@ -136,7 +136,7 @@ pub(crate) type Done<'a> = dyn FnMut(usize, u64) + 'a;
 
 /// Synchronous reads: `read(buffer, offset)` for each request of the batch in turn, each
 /// finished at once.
-pub(crate) fn read_each<E: std::fmt::Display>(
+pub(crate) fn read_each<E: std::fmt::Display + 'static>(
     reqs: &[Read],
     bufs: &mut [AlignedBuf],
     done: &mut Done<'_>,
@@ -152,7 +152,7 @@ pub(crate) fn read_each<E: std::fmt::Display>(
 
 /// Synchronous writes: `write(request)` for each request of the batch in turn, each
 /// finished at once.
-pub(crate) fn write_each<E: std::fmt::Display>(
+pub(crate) fn write_each<E: std::fmt::Display + 'static>(
     reqs: &[Write<'_>],
     done: &mut Done<'_>,
     mut write: impl FnMut(&Write<'_>) -> Result<(), E>,

@@ -76,7 +76,8 @@ pub(crate) fn open_destination(p: &Path, src_size: Option<u64>, in_place: bool) 
         // Selected ranges update the previous copy: it must be there, and is kept.
         if exists.is_none() {
             return Err(CopyError::Setup(format!(
-                "destination {} does not exist: a copy of selected ranges updates an earlier full copy in place",
+                "destination {} does not exist: a copy of selected ranges updates an earlier full copy in place, \
+                 and -n writes into an existing destination",
                 p.display()
             )));
         }

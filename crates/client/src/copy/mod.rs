@@ -122,7 +122,7 @@ impl Endpoint {
                     p.display()
                 )))
             }
-            Endpoint::File(p) => file::open_destination(p, src_size, opts.selective() || resumed)?,
+            Endpoint::File(p) => file::open_destination(p, src_size, opts.selective() || resumed || opts.existing)?,
             Endpoint::Stdio => Box::new(pipe::stdout()),
             Endpoint::Null => Box::new(null::Null),
             Endpoint::Backend(b) => Box::new(b.clone()),
@@ -191,6 +191,10 @@ pub struct CopyOptions {
     /// [`CopyError::Interrupted`] soon after (nothing is flushed, no journal watermark
     /// stored beyond the last one).
     pub cancel: Option<Arc<AtomicBool>>,
+    /// `ferry copy -n` (qemu-img convert's -n): a file destination must exist and is
+    /// written in place, never created, emptied or sized (what lies past the source's end
+    /// stays); it is not taken for zeroed, so the source's holes are written as zeroes.
+    pub existing: bool,
 }
 
 impl CopyOptions {
@@ -224,6 +228,7 @@ impl Default for CopyOptions {
             rate: None,
             journal: None,
             cancel: None,
+            existing: false,
         }
     }
 }
@@ -250,8 +255,17 @@ pub enum CopyError {
     /// protocol or went away): no single request is to blame.
     #[error("{what} {name}: {error}")]
     Peer { what: &'static str, name: String, error: ConnError },
+    /// `cause`: a backend's error, kept so that the caller can tell what failed (a
+    /// repository's damage has an exit status of its own); `message` is its text.
     #[error("{op} at offset {offset} ({length} bytes) failed: {message}")]
-    Request { op: &'static str, offset: u64, length: u64, message: String },
+    Request {
+        op: &'static str,
+        offset: u64,
+        length: u64,
+        message: String,
+        #[source]
+        cause: Option<Box<ferry_backend::Error>>,
+    },
     /// An NBD server's error reply to one request (`errno`: the NBD error value).
     #[error("{op} at offset {offset} ({length} bytes) failed: {message}")]
     Remote { op: &'static str, offset: u64, length: u64, errno: u32, message: String },
@@ -262,8 +276,10 @@ pub enum CopyError {
 
 impl CopyError {
     /// A failed request (or local read/write) of `length` bytes at `offset`.
-    fn request(op: &'static str, offset: u64, length: u64, e: impl std::fmt::Display) -> CopyError {
-        CopyError::Request { op, offset, length, message: e.to_string() }
+    fn request<E: std::fmt::Display + 'static>(op: &'static str, offset: u64, length: u64, e: E) -> CopyError {
+        let message = e.to_string();
+        let any: Box<dyn std::any::Any> = Box::new(e);
+        CopyError::Request { op, offset, length, message, cause: any.downcast::<ferry_backend::Error>().ok() }
     }
 }
 
@@ -1353,8 +1369,8 @@ fn gave_up(e: CopyError, retries: u32) -> CopyError {
         CopyError::Remote { op, offset, length, errno, message } => {
             CopyError::Remote { op, offset, length, errno, message: format!("{message} (after {retries} retries)") }
         }
-        CopyError::Request { op, offset, length, message } => {
-            CopyError::Request { op, offset, length, message: format!("{message} (after {retries} retries)") }
+        CopyError::Request { op, offset, length, message, cause } => {
+            CopyError::Request { op, offset, length, message: format!("{message} (after {retries} retries)"), cause }
         }
         e => CopyError::Setup(format!("{e} (after {retries} retries)")),
     }

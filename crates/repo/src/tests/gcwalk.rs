@@ -24,7 +24,7 @@ fn unused(repo: &Arc<Repository>, first: &[u8]) -> SnapshotInfo {
 }
 
 fn whole(repo: &Arc<Repository>) {
-    let r = maint::verify(repo, &VerifyOptions { read_data_percent: 100, threads: 2 }).unwrap();
+    let r = maint::verify(repo, &VerifyOptions::all(2)).unwrap();
     assert!(r.problems.is_empty(), "{:?}", r.problems);
 }
 
@@ -345,7 +345,7 @@ fn the_deleting_gc_stopped_at_any_step_leaves_a_whole_repository() {
         assert!(read_back(&repo, &s2) == disk(3 << 20, 99) && read_back(&repo, &sb) == a, "{put:?} {delete:?}");
         gc_now(&repo);
         assert!(objects(&inner, "gc/condemned/").is_empty(), "{put:?} {delete:?}");
-        let r = maint::verify(&repo, &VerifyOptions { read_data_percent: 100, threads: 2 }).unwrap();
+        let r = maint::verify(&repo, &VerifyOptions::all(2)).unwrap();
         assert!(
             r.problems.is_empty() && r.notes.iter().all(|n| !n.contains("in no index")),
             "{put:?} {delete:?}: {r:?}"

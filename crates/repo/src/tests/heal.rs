@@ -117,7 +117,7 @@ fn a_copy_in_a_lost_pack_does_not_hide_the_one_a_full_backup_stored_again() {
         assert_eq!(r.problems[0].object, lost);
         assert!(r.problems[0].hits.is_empty(), "{:?}", r.problems[0]);
         assert!(r.problems[0].why.contains("gc"), "{}", r.problems[0].why);
-        let v = maint::verify(&repo, &maint::VerifyOptions { read_data_percent: 100, threads: 2 }).unwrap();
+        let v = maint::verify(&repo, &maint::VerifyOptions::all(2)).unwrap();
         assert!(v.problems.iter().all(|p| p.hits.is_empty()), "{:?}", v.problems);
         // gc drops the lost pack from the index: the repository is whole again.
         maint::gc(&repo, None).unwrap();
@@ -323,13 +323,13 @@ fn gc_keeps_the_good_copy_of_a_chunk_not_the_first() {
         store.tamper(&pack_name(&low.pack), |v| v[low.offset as usize + low.stored_len as usize / 2] ^= 1);
         assert!(read_back(&repo, &first) == data && read_back(&repo, &second) == data);
         if verify_first {
-            let v = maint::verify(&repo, &maint::VerifyOptions { read_data_percent: 100, threads: 2 }).unwrap();
+            let v = maint::verify(&repo, &maint::VerifyOptions::all(2)).unwrap();
             assert!(v.problems.iter().all(|p| p.hits.is_empty()), "{:?}", v.problems);
         }
         maint::gc(&repo, None).unwrap();
         assert!(read_back(&repo, &first) == data, "the good copy was freed (verify first: {verify_first})");
         assert!(read_back(&repo, &second) == data);
-        let v = maint::verify(&repo, &maint::VerifyOptions { read_data_percent: 100, threads: 2 }).unwrap();
+        let v = maint::verify(&repo, &maint::VerifyOptions::all(2)).unwrap();
         assert!(v.problems.is_empty(), "{:?}", v.problems);
     }
 }
@@ -353,7 +353,7 @@ fn a_damaged_first_copy_is_passed_over_for_a_good_one() {
     assert_eq!(copies(&repo, &second, 7)[0], pack);
     assert!(read_back(&repo, &second) == data, "the good copy was not used");
     // verify names the damaged pack, but no snapshot: each of its blobs has a good copy.
-    let v = maint::verify(&repo, &maint::VerifyOptions { read_data_percent: 100, threads: 2 }).unwrap();
+    let v = maint::verify(&repo, &maint::VerifyOptions::all(2)).unwrap();
     assert!(v.problems.iter().any(|p| p.object == pack), "{:?}", v.problems);
     assert!(v.problems.iter().all(|p| p.hits.is_empty()), "{:?}", v.problems);
 }

@@ -255,7 +255,7 @@ fn version_1_repositories_are_read_and_written_in_version_1() {
         let r = Arc::new(open(store.clone(), "two").unwrap());
         assert_eq!(r.config().version, version);
         assert!(read_back(&r, &r.resolve("d", None).unwrap()) == data2);
-        let r = maint::verify(&r, &VerifyOptions { read_data_percent: 100, threads: 2 }).unwrap();
+        let r = maint::verify(&r, &VerifyOptions::all(2)).unwrap();
         assert!(r.problems.is_empty(), "{:?}", r.problems);
         // The version is bound into the key: a config edited to the other version does not open.
         let mut c = Config::parse(&mem.get("config", u64::MAX).unwrap()).unwrap();

@@ -3,7 +3,7 @@ use super::*;
 use crate::recover::{self, RepairOptions};
 
 fn verify_all(repo: &Repository) -> maint::Report {
-    maint::verify(repo, &VerifyOptions { read_data_percent: 100, threads: 2 }).unwrap()
+    maint::verify(repo, &VerifyOptions::all(2)).unwrap()
 }
 
 /// Every index object lost: repair indexes every pack again from its (encrypted)

@@ -89,7 +89,7 @@ fn check_reads_each_distinct_page_once_and_finds_what_it_found() {
     let (table, _, _) = BlobTable::read(&repo).unwrap();
     let one_pack = (0..table.packs.len() as u32).map(|p| table.pack_rows(p).count()).max().unwrap();
     assert!(one_pack > 200, "many blobs a pack: {one_pack}");
-    assert!(maint::verify(&repo, &VerifyOptions { read_data_percent: 100, threads: 2 }).unwrap().problems.is_empty());
+    assert!(maint::verify(&repo, &VerifyOptions::all(2)).unwrap().problems.is_empty());
 
     // The second generation's own pack lost: check names it, and exactly the chunks of
     // the second generation that read a chunk or a page in it (none of the others).
@@ -120,7 +120,7 @@ fn verify_attributes_a_damaged_shared_chunk_to_every_range_that_reads_it() {
     let digest = repo.entries(&index, &s1).unwrap()[3];
     let loc = index.blobs[&repo.crypto.blob_id(&digest)];
     store.tamper(&pack_name(&loc.pack), |v| v[loc.offset as usize + loc.stored_len as usize / 2] ^= 1);
-    let r = maint::verify(&repo, &VerifyOptions { read_data_percent: 100, threads: 2 }).unwrap();
+    let r = maint::verify(&repo, &VerifyOptions::all(2)).unwrap();
     assert_eq!(r.problems.len(), 1, "{:?}", r.problems);
     let p = &r.problems[0];
     assert_eq!(hit_chunks(p, &s1), BTreeSet::from([3]));

@@ -1,0 +1,229 @@
+//! `ferry compare A B`: whether two disks hold the same content, with qemu-img compare's
+//! semantics and exit status (0 identical, 1 different, 2 error).
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use ferry_backend::Backend;
+use ferry_client::{ConnectOptions, Connection, Uri};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+#[derive(Args, Debug)]
+pub struct CompareArgs {
+    /// The first disk: a file, block device, qcow2 image, NBD URI, RBD or remote image, or
+    /// a snapshot in a backup repository (REPO::NAME[@ID]).
+    #[arg(value_name = "A")]
+    a: String,
+    /// The second disk, as A.
+    #[arg(value_name = "B")]
+    b: String,
+    /// Strict: disks of different sizes differ (qemu-img compare's -s). Without it the tail
+    /// of the longer disk must read as zeroes. (Unlike qemu-img's -s, allocation is not
+    /// compared: a hole and written zeroes are the same content.)
+    #[arg(short = 's', long)]
+    strict: bool,
+    /// Accepted for qemu-img compare's command lines: the format of A (raw or qcow2).
+    #[arg(short = 'f', long = "format", value_name = "FORMAT")]
+    format_a: Option<ferry_open::Format>,
+    /// Accepted for qemu-img compare's command lines: the format of B (raw or qcow2).
+    #[arg(short = 'F', long = "format-b", value_name = "FORMAT")]
+    format_b: Option<ferry_open::Format>,
+    /// Read local images even while another program writes them (qemu-img's -U).
+    #[arg(short = 'U', long)]
+    force_share: bool,
+    /// Threads (each with its own NBD connection). Default: all cores.
+    #[arg(short = 't', long, value_name = "N")]
+    threads: Option<usize>,
+    #[command(flatten)]
+    remote: crate::remote_args::RemoteArgs,
+}
+
+/// The unit each thread reads of both disks and compares.
+const BLOCK: u64 = 1 << 20;
+
+/// qemu-img compare reports a mismatch at the start of the 512-byte sector it is in.
+const SECTOR: u64 = 512;
+
+/// One disk, readable from several threads.
+enum Disk {
+    /// An image, and the snapshot it is when it is one (its chunk digests compared first).
+    Image(Arc<dyn Backend>, Option<Arc<ferry_repo::SnapshotImage>>),
+    Nbd(Uri, u64),
+}
+
+impl Disk {
+    fn size(&self) -> u64 {
+        match self {
+            Disk::Image(b, _) => b.size(),
+            Disk::Nbd(_, size) => *size,
+        }
+    }
+}
+
+/// Where two snapshots of the same chunk size may first differ, from their chunk digests
+/// alone (no data read): the start of the first chunk whose digests differ, or of the
+/// first chunk not whole in both; `None` when they are identical (equal sizes, every
+/// digest equal).
+fn differ_from(a: &ferry_repo::SnapshotImage, b: &ferry_repo::SnapshotImage) -> Option<u64> {
+    let cs = a.chunk_size();
+    let (sa, sb) = (a.size(), b.size());
+    // Chunks whole in both (and the last one too when the sizes are equal).
+    let comparable = if sa == sb { a.entries().len() } else { (sa.min(sb) / cs) as usize };
+    let (ea, eb) = (a.entries(), b.entries());
+    match (0..comparable.min(ea.len()).min(eb.len())).find(|&i| ea[i] != eb[i]) {
+        Some(i) => Some(i as u64 * cs),
+        None if sa == sb && ea.len() == eb.len() => None,
+        None => Some(comparable as u64 * cs),
+    }
+}
+
+/// A thread's reader of one disk: an NBD connection of its own.
+enum Reader<'a> {
+    Image(&'a Arc<dyn Backend>),
+    Nbd(Box<Connection>),
+}
+
+impl Reader<'_> {
+    fn of(d: &Disk) -> Result<Reader<'_>> {
+        Ok(match d {
+            Disk::Image(b, _) => Reader::Image(b),
+            Disk::Nbd(u, _) => Reader::Nbd(Box::new(Connection::connect(u, &ConnectOptions::default())?)),
+        })
+    }
+    /// Fills `buf` from `offset`; bytes past the disk's end read as zeroes.
+    fn read(&mut self, buf: &mut Vec<u8>, offset: u64, size: u64) -> Result<()> {
+        let n = size.saturating_sub(offset).min(buf.len() as u64) as usize;
+        buf[n..].fill(0);
+        if n == 0 {
+            return Ok(());
+        }
+        match self {
+            Reader::Image(b) => b.read(&mut buf[..n], offset)?,
+            Reader::Nbd(c) => {
+                let mut part = std::mem::take(buf);
+                part.truncate(n);
+                let r = c.pread(&mut part, offset);
+                part.resize(BLOCK as usize, 0);
+                *buf = part;
+                r?
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `quiet` (-q, as qemu-img compare's): print no verdict, only errors.
+pub fn run(args: CompareArgs, quiet: bool) -> Result<i32> {
+    // Any error is 2, as qemu-img compare's: 1 means "different".
+    match compare(&args, quiet) {
+        Ok(code) => Ok(code),
+        Err(e) => {
+            eprintln!("ferry: error: {}", crate::chain(&e));
+            Ok(2)
+        }
+    }
+}
+
+fn open(spec: &str, format: Option<ferry_open::Format>, args: &CompareArgs) -> Result<Disk> {
+    let spec = match format {
+        Some(f) => crate::serve::with_format(spec, f).context("--format")?,
+        None => spec.to_string(),
+    };
+    let shown = crate::remote_args::shown(&spec);
+    let loc = ferry_open::Location::parse(&spec).with_context(|| format!("{shown:?}"))?;
+    let remote = args.remote.remote();
+    Ok(match &loc {
+        ferry_open::Location::Nbd(u) => {
+            let c = Connection::connect(u, &ConnectOptions::default()).with_context(|| format!("connecting to {u}"))?;
+            Disk::Nbd(u.clone(), c.size())
+        }
+        ferry_open::Location::Stdio => bail!("- is a stream: compare needs two disks it can read at any offset"),
+        ferry_open::Location::Repo { repo, name, id } => {
+            let img = ferry_open::repo::open_snapshot(repo, name, id.as_deref(), &remote)?;
+            Disk::Image(img.clone(), Some(img))
+        }
+        _ => {
+            let how = ferry_open::ServeOpen { read_only: true, force_share: args.force_share, allow_truncated: false };
+            let (b, _files) = ferry_open::open_backend(&loc, how, &remote).with_context(|| format!("{shown:?}"))?;
+            Disk::Image(b, None)
+        }
+    })
+}
+
+fn compare(args: &CompareArgs, quiet: bool) -> Result<i32> {
+    let a = open(&args.a, args.format_a, args)?;
+    let b = open(&args.b, args.format_b, args)?;
+    let say = |s: &str| {
+        if !quiet {
+            println!("{s}");
+        }
+    };
+    let (sa, sb) = (a.size(), b.size());
+    if sa != sb && args.strict {
+        say("Strict mode: Image size mismatch!");
+        return Ok(1);
+    }
+    let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())).max(1);
+    // Two snapshots of one chunk size: what their digests show equal is not read.
+    let start = match (&a, &b) {
+        (Disk::Image(_, Some(x)), Disk::Image(_, Some(y))) if x.chunk_size() == y.chunk_size() => differ_from(x, y),
+        _ => Some(0),
+    };
+    let found = match start {
+        None => None,
+        Some(start) => first_difference(&a, &b, start, sa.max(sb), threads)?,
+    };
+    // As qemu-img: the warning once the common part compared equal, before the tail's verdict.
+    if sa != sb && found.is_none_or(|at| at >= sa.min(sb)) {
+        say("Warning: Image size mismatch!");
+    }
+    match found {
+        None => {
+            say("Images are identical.");
+            Ok(0)
+        }
+        Some(at) => {
+            say(&format!("Content mismatch at offset {}!", at / SECTOR * SECTOR));
+            Ok(1)
+        }
+    }
+}
+
+/// The first byte offset from `start` and below `end` at which `a` and `b` differ (bytes past a disk's end
+/// reading as zeroes), read by `threads` threads. Blocks are taken in increasing order and
+/// a thread stops at a block past a difference found, so every block below the first
+/// difference is compared.
+fn first_difference(a: &Disk, b: &Disk, start: u64, end: u64, threads: usize) -> Result<Option<u64>> {
+    let next = AtomicU64::new(start);
+    let first = AtomicU64::new(u64::MAX);
+    let (sa, sb) = (a.size(), b.size());
+    let work = || -> Result<()> {
+        let (mut ra, mut rb) = (Reader::of(a)?, Reader::of(b)?);
+        let (mut ba, mut bb) = (vec![0u8; BLOCK as usize], vec![0u8; BLOCK as usize]);
+        loop {
+            let off = next.fetch_add(BLOCK, Ordering::Relaxed);
+            if off >= end || off >= first.load(Ordering::Relaxed) {
+                return Ok(());
+            }
+            let len = (end - off).min(BLOCK) as usize;
+            ra.read(&mut ba, off, sa)?;
+            rb.read(&mut bb, off, sb)?;
+            if ba[..len] == bb[..len] {
+                continue;
+            }
+            if let Some(i) = ba[..len].iter().zip(&bb[..len]).position(|(x, y)| x != y) {
+                first.fetch_min(off + i as u64, Ordering::Relaxed);
+                return Ok(());
+            }
+        }
+    };
+    let results: Vec<Result<()>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..threads).map(|_| s.spawn(work)).collect();
+        hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a compare thread panicked")))).collect()
+    });
+    for r in results {
+        r?;
+    }
+    let found = first.load(Ordering::Relaxed);
+    Ok((found != u64::MAX).then_some(found))
+}
