@@ -1051,7 +1051,7 @@ impl SnapshotWriter {
             .store
             .put(&name, &sealed)
             .map_err(|e| Error::store(format!("cannot store {name} in {}", self.repo.store.describe()), e))?;
-        self.check_lock_after(&name)?;
+        self.check_lock_after(&name, &sealed)?;
         // The interrupted backup this one continued (or its own checkpoint) is done with.
         if let Err(e) = self.repo.discard_checkpoint(&self.name) {
             log::warn!("snapshot {id} is stored, but its checkpoint stays: {e}");
@@ -1104,6 +1104,7 @@ impl SnapshotWriter {
         }
         // The blobs stored again below must not land in a pack named as one of these.
         locked(&self.condemned_since).extend(new.iter().copied().copied());
+        self.store_own_condemned_again(&new)?;
         let doomed = |id: &Digest| {
             !locked(&self.claimed.0).contains_key(id)
                 && self.index.contains(id)
@@ -1165,16 +1166,62 @@ impl SnapshotWriter {
         Ok(())
     }
 
-    /// After the manifest (or a checkpoint) is stored: the lock must still be ours. A
-    /// process frozen between its last check and the store (a stopped host) may have lost
-    /// it meanwhile, and a gc that took it for stale may have deleted what the object
-    /// names: then the object is removed again, and the backup fails.
-    fn check_lock_after(&self, object: &str) -> Result<()> {
+    /// Stores again the blobs of this backup's own packs that took the name of a pack gc
+    /// condemned since this backup started (`new`): an unencrypted pack sealed before the
+    /// commit, with the very bytes of an orphan condemned meanwhile, has its name, and
+    /// the disk's next backup treats it as absent (a later gc deletes it once it is
+    /// unused). The pack is still in the store (the gc that deletes it waits for this
+    /// backup's lock), so each blob is read from there; the copies made now go to a pack
+    /// of another name ([`Self::seal_pack`] sees `condemned_since`).
+    fn store_own_condemned_again(&self, new: &HashSet<&Digest>) -> Result<()> {
+        let own: Vec<PackBlobs> = locked(&self.done).iter().filter(|p| new.contains(&p.pack)).cloned().collect();
+        for p in &own {
+            log::info!(
+                "a pack of this backup has the name of one gc condemned meanwhile, {}: its blobs are stored again",
+                pack_name(&p.pack)
+            );
+            for e in &p.blobs {
+                let loc = crate::BlobLocation::of(p.pack, e);
+                let plain = self.repo.read_blob(&e.id, &loc, e.kind).map_err(|why| {
+                    Error::Invalid(format!(
+                        "a pack of the backup of {} took the name of one gc condemned meanwhile, and cannot be read \
+                         to store its blobs again ({why}): nothing was committed; run the backup again",
+                        self.name
+                    ))
+                })?;
+                self.store_new_blob(&e.id, e.kind, &plain)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// After the manifest (or a checkpoint) is stored as `sealed`: the lock must still be
+    /// ours. A process frozen between its last check and the store (a stopped host) may
+    /// have lost it meanwhile, and a gc that took it for stale may have deleted what the
+    /// object names: then the object is removed again, and the backup fails. Only while
+    /// it still holds what this backup stored: a checkpoint has the disk's name, and the
+    /// backup that took the disk over once the lock went may have stored its own there.
+    fn check_lock_after(&self, object: &str, sealed: &[u8]) -> Result<()> {
         let Some(r) = locked(&self.lock).as_ref().map(|g| g.check()) else { return Ok(()) };
         match r {
             Ok(()) => Ok(()),
             // Lost: a gc may have deleted what the object names.
             Err(e @ Error::Locked(_)) => {
+                match self.repo.store.get(object, sealed.len() as u64 + 1) {
+                    Ok(there) if there != sealed => {
+                        log::warn!(
+                            "{object} is not removed: another backup of {} stored its own there since this one's \
+                             lock went",
+                            self.name
+                        );
+                        return Err(e);
+                    }
+                    Err(g) if g.kind() == io::ErrorKind::NotFound => return Err(e),
+                    // Ours, or it cannot be told: what a gc may have emptied goes (a
+                    // checkpoint costs only resume progress; one naming deleted packs
+                    // would stop every gc).
+                    _ => {}
+                }
                 if let Err(d) = self.repo.store.delete(object) {
                     log::warn!(
                         "cannot remove {object} from {}: {d}; run `ferry repo check`",
@@ -1374,7 +1421,7 @@ impl SnapshotWriter {
             .put(&object, &sealed)
             .map_err(|e| Error::store(format!("cannot store {object} in {}", self.repo.store.describe()), e))?;
         // Stored after the lock went, it may name packs a gc deleted meanwhile: removed.
-        self.check_lock_after(&object)
+        self.check_lock_after(&object, &sealed)
     }
 
     /// Calls `f` with the chunk list as it stands (one digest per chunk, [`ZERO`] for a
