@@ -735,38 +735,67 @@ impl Repository {
 
     /// The chunk digests of a snapshot, page by page: reads and checks its pages.
     pub fn entries(&self, index: &dyn BlobLookup, snap: &SnapshotInfo) -> Result<Vec<Digest>> {
+        let object = snap_object(snap);
+        let mut entries = entry_list(snap.manifest.chunks(), &object)?;
+        self.each_page_entries(index, snap, |_, page| {
+            entries.extend_from_slice(page);
+            Ok(())
+        })?;
+        Ok(entries)
+    }
+
+    /// Calls `f` with each page's chunk digests of a snapshot, in order (its first chunk,
+    /// its entries; a zero page as zero entries): reads and checks its pages, a window
+    /// of about [`PAGE_WINDOW_BYTES`] at a time, so that the pages read wait for their
+    /// window only, not the whole list. Returns the snapshot's page digests (read
+    /// once: a caller that needs them too need not read its manifest again).
+    pub(crate) fn each_page_entries(
+        &self,
+        index: &dyn BlobLookup,
+        snap: &SnapshotInfo,
+        mut f: impl FnMut(u64, &[Digest]) -> Result<()>,
+    ) -> Result<Vec<Digest>> {
         let m = &snap.manifest;
-        // A checkpoint read as a snapshot has its object name as its id.
-        let object = if snap.id.contains('/') { snap.id.clone() } else { format!("snapshots/{}", snap.id) };
+        let object = snap_object(snap);
         let chunks = m.chunks();
         let pe = m.page_entries as u64;
         let digests = self.pages(snap)?.to_vec();
         if digests.len() as u64 != chunks.div_ceil(pe) {
             return Err(Error::damaged(object, "its page count does not match its size"));
         }
-        let mut entries = entry_list(chunks, &object)?;
-        // A window of pages at a time (about [`PAGE_WINDOW_BYTES`]): the pages read wait
-        // beside the list for their window only, not the whole list's size again.
         let window = (PAGE_WINDOW_BYTES / (32 * pe.max(1)) as usize).max(FETCH_THREADS);
         let read = |d: &Digest| if *d == ZERO { Ok(Vec::new()) } else { self.read_page(index, d) };
         let mut pages = Vec::new().into_iter();
+        let mut zeroes = Vec::new();
         for (i, d) in digests.iter().enumerate() {
             if i % window == 0 {
                 pages = par_map(&digests[i..(i + window).min(digests.len())], FETCH_THREADS, read).into_iter();
             }
             let page = pages.next().unwrap_or_else(|| Err("it was not read".into()));
-            let count = (chunks - i as u64 * pe).min(pe) as usize;
+            let first = i as u64 * pe;
+            let count = (chunks - first).min(pe) as usize;
             if *d == ZERO {
-                entries.resize(entries.len() + count, ZERO);
+                zeroes.resize(count, ZERO);
+                f(first, &zeroes)?;
                 continue;
             }
             let page = page.map_err(|why| Error::damaged(object.clone(), format!("page {i}: {why}")))?;
             if page.len() != count {
                 return Err(Error::damaged(object, format!("page {i} has {} entries, not {count}", page.len())));
             }
-            entries.extend_from_slice(&page);
+            f(first, &page)?;
         }
-        Ok(entries)
+        Ok(digests)
+    }
+}
+
+/// The object a snapshot was read from: a checkpoint read as a snapshot has its object
+/// name as its id.
+fn snap_object(snap: &SnapshotInfo) -> String {
+    if snap.id.contains('/') {
+        snap.id.clone()
+    } else {
+        format!("snapshots/{}", snap.id)
     }
 }
 

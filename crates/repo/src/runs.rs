@@ -868,6 +868,12 @@ impl Cache {
         }
     }
 
+    /// Where a backup keeps its chunk list ([`crate::entries`]): this repository's cache
+    /// directory, beside its `index`.
+    pub(crate) fn spill_dir(&self) -> &Path {
+        self.dir.parent().unwrap_or(&self.dir)
+    }
+
     /// A cache in `dir`, as it is (trusted).
     fn at(dir: PathBuf) -> Cache {
         Cache { dir, private: None, build_entries: BUILD_ENTRIES }
@@ -1349,8 +1355,23 @@ impl RunIndex {
         self.present.as_ref().is_none_or(|s| s.contains(&loc.pack))
     }
 
-    /// Every location of `id` with the object that lists it, in index order.
-    fn gather(&self, id: &Digest, out: &mut Vec<(Digest, Location)>) {
+    /// [`BlobLookup::locations`] of each of `ids`, which are sorted: each run's last
+    /// block read is kept from one id to the next, so neighbouring ids read a block once
+    /// (a single lookup reads its block afresh).
+    pub(crate) fn locations_each(&self, ids: &[Digest]) -> Vec<Vec<Location>> {
+        let mut caches: Vec<BlockCache> = self.parts.iter().map(|_| BlockCache::default()).collect();
+        ids.iter()
+            .map(|id| {
+                let mut out = Vec::new();
+                self.gather(id, &mut out, Some(&mut caches));
+                out.into_iter().map(|(_, l)| l).collect()
+            })
+            .collect()
+    }
+
+    /// Every location of `id` with the object that lists it, in index order. `caches`:
+    /// one per part, kept between lookups of sorted ids; else this thread's buffer.
+    fn gather(&self, id: &Digest, out: &mut Vec<(Digest, Location)>, mut caches: Option<&mut [BlockCache]>) {
         for (k, part) in self.parts.iter().enumerate() {
             let from_memory = |ix: &Index, out: &mut Vec<(Digest, Location)>| {
                 out.extend(Index::locations(ix, id).filter(|l| self.usable_loc(l)).map(|l| ([0xff; 32], *l)));
@@ -1362,17 +1383,21 @@ impl RunIndex {
             let Some(run) = &part.run else { continue };
             let usable = &self.usable[k];
             let before = out.len();
-            let r = BLOCK_BUF.with(|cache| {
-                let mut cache = cache.borrow_mut();
-                // The buffer is this thread's; the block in it is not kept between lookups.
-                cache.at = None;
-                run.meta.lookup(&run.file, id, &mut cache, |e| {
-                    if usable[e.row as usize] {
-                        let object = run.meta.objects[run.meta.rows[e.row as usize].object as usize];
-                        out.push((object, e.location(&run.meta.rows)));
-                    }
-                })
-            });
+            let mut push = |e: &Ent| {
+                if usable[e.row as usize] {
+                    let object = run.meta.objects[run.meta.rows[e.row as usize].object as usize];
+                    out.push((object, e.location(&run.meta.rows)));
+                }
+            };
+            let r = match caches.as_deref_mut() {
+                Some(c) => run.meta.lookup(&run.file, id, &mut c[k], &mut push),
+                None => BLOCK_BUF.with(|cache| {
+                    let mut cache = cache.borrow_mut();
+                    // The buffer is this thread's; the block in it is not kept between lookups.
+                    cache.at = None;
+                    run.meta.lookup(&run.file, id, &mut cache, &mut push)
+                }),
+            };
             if let Err(why) = r {
                 out.truncate(before);
                 from_memory(self.fallback(part, &why), out);
@@ -1396,7 +1421,7 @@ impl RunIndex {
 impl BlobLookup for RunIndex {
     fn locations(&self, id: &Digest) -> Vec<Location> {
         let mut out = Vec::new();
-        self.gather(id, &mut out);
+        self.gather(id, &mut out, None);
         out.into_iter().map(|(_, l)| l).collect()
     }
 
