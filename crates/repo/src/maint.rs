@@ -682,7 +682,19 @@ struct PackCheck {
     pack_why: Option<String>,
     /// The store could not give the pack (not damage that was seen: not recorded).
     unreadable: bool,
-    bad_blobs: Vec<(Digest, String)>,
+    /// The blobs found damaged (every blob of an unreadable pack), and why the first was:
+    /// one reason a pack, not one a blob (a pack may hold a million tiny blobs).
+    bad_blobs: Vec<Digest>,
+    first_bad: Option<String>,
+}
+
+impl PackCheck {
+    fn bad(&mut self, id: Digest, why: impl FnOnce() -> String) {
+        if self.first_bad.is_none() {
+            self.first_bad = Some(why());
+        }
+        self.bad_blobs.push(id);
+    }
 }
 
 /// `n` is the pack's number in `table`: its rows are read from there as needed, not
@@ -696,7 +708,8 @@ fn verify_pack(repo: &Repository, pack: &Digest, table: &BlobTable, n: u32) -> P
         Err(e) => {
             c.pack_why = Some(format!("cannot be read: {e}"));
             c.unreadable = true;
-            c.bad_blobs = blobs().map(|b| (b.id, "unreadable".to_string())).collect();
+            c.bad_blobs = blobs().map(|b| b.id).collect();
+            c.first_bad = Some("unreadable".to_string());
             return c;
         }
     };
@@ -738,7 +751,7 @@ fn verify_pack(repo: &Repository, pack: &Digest, table: &BlobTable, n: u32) -> P
             let stored = bytes.get(b.offset as usize..b.offset as usize + b.stored_len as usize).unwrap_or(&[]);
             match repo.decode_blob_unchecked(&b.id, &loc, b.kind, stored) {
                 Ok(p) => plains.push((b, p)),
-                Err(why) => c.bad_blobs.push((b.id, why)),
+                Err(why) => c.bad(b.id, || why),
             }
         }
         let blocks: Vec<&[u8]> = plains.iter().map(|(_, p)| p.as_slice()).collect();
@@ -747,14 +760,13 @@ fn verify_pack(repo: &Repository, pack: &Digest, table: &BlobTable, n: u32) -> P
         for ((b, _), d) in plains.iter().zip(digests.chunks_exact(32)) {
             let d: Digest = d.try_into().unwrap_or([0; 32]);
             if repo.crypto.blob_id(&d) != b.id {
-                c.bad_blobs.push((
-                    b.id,
+                c.bad(b.id, || {
                     format!(
                         "blob {} at offset {}: its plain bytes do not match its id (their digest differs)",
                         format::hex(&b.id),
                         b.offset
-                    ),
-                ));
+                    )
+                });
             }
         }
     }
@@ -794,13 +806,13 @@ pub fn verify(repo: &Repository, opts: &VerifyOptions) -> Result<Report> {
     for ((pack, _), c) in todo.iter().zip(results) {
         r.bytes_read += c.bytes;
         r.blobs_checked += c.blobs;
-        let bad: Vec<Digest> = c.bad_blobs.iter().map(|(id, _)| *id).collect();
+        let bad = &c.bad_blobs;
         let mut why = c.pack_why.clone().unwrap_or_default();
-        if !c.bad_blobs.is_empty() {
+        if let Some(first) = &c.first_bad {
             if !why.is_empty() {
                 why.push_str("; ");
             }
-            why.push_str(&format!("{} blob(s) damaged (first: {})", c.bad_blobs.len(), c.bad_blobs[0].1));
+            why.push_str(&format!("{} blob(s) damaged (first: {first})", bad.len()));
         }
         let whole = c.pack_why.is_none() && bad.is_empty();
         let short: String = why.chars().take(format::MAX_DAMAGE_WHY / 4).collect();
@@ -814,7 +826,7 @@ pub fn verify(repo: &Repository, opts: &VerifyOptions) -> Result<Report> {
                 corrected.insert(*pack, (!whole).then_some(now));
             }
         }
-        if whole || (!c.unreadable && w.damage.covers(pack, &bad)) {
+        if whole || (!c.unreadable && w.damage.covers(pack, bad)) {
             continue; // whole, or recorded already: check_walk said it
         }
         if !c.unreadable {
@@ -825,7 +837,7 @@ pub fn verify(repo: &Repository, opts: &VerifyOptions) -> Result<Report> {
         }
         // One problem per pack: what check found in it already (a page) says this too.
         let p = r.problem_once(pack_name(pack), why);
-        for (id, _) in c.bad_blobs {
+        for id in c.bad_blobs {
             bad_copies.entry(id).or_default().push((*pack, p));
         }
     }
@@ -1189,21 +1201,50 @@ pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_perc
     gc_opts(repo, &GcOptions { wait, repack_percent, condemn_margin: condemn_margin_from_env() })
 }
 
+/// gc writes the index in objects of at most this many plain bytes (a backup's limit is
+/// [`crate::repo::INDEX_SPLIT`]): each is encoded and sealed in memory, twice its size,
+/// beside everything gc holds, so smaller objects keep its peak down (at 1M chunks the
+/// index is about 45 MB: 3 objects).
+const GC_INDEX_SPLIT: usize = 16 << 20;
+
 /// A temporary file younger than this may be a running backup's (gc runs beside them).
 const TEMP_AGE: std::time::Duration = std::time::Duration::from_secs(3600);
 
-/// How old a temporary file must be for gc to remove it: `FERRY_GC_TEMP_AGE` (seconds;
-/// for tests that kill writers and want their files gone at once), else one hour.
+/// The least age `FERRY_GC_TEMP_AGE` may set: a writer's temporary file lives as long as
+/// one store of an object (a pack of at most 512 MiB), far less than this; one removed
+/// under a running writer fails its store (and the backup), which loses nothing but costs
+/// the run.
+const TEMP_AGE_FLOOR: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// Set (to anything) by tests that kill writers and want their files gone at once: lets
+/// `FERRY_GC_TEMP_AGE` go below [`TEMP_AGE_FLOOR`].
+const TEMP_AGE_TEST_ENV: &str = "FERRY_TEST_UNSAFE_GC_TEMP_AGE";
+
+/// How old a temporary file must be for gc to remove it: `FERRY_GC_TEMP_AGE` (seconds),
+/// else one hour.
 fn temp_age_from_env() -> std::time::Duration {
-    match std::env::var("FERRY_GC_TEMP_AGE") {
-        Ok(v) => match v.trim().parse::<u64>() {
-            Ok(secs) => std::time::Duration::from_secs(secs),
-            Err(_) => {
-                log::warn!("FERRY_GC_TEMP_AGE={v:?} is not a number of seconds: the age is one hour");
-                TEMP_AGE
-            }
-        },
-        Err(_) => TEMP_AGE,
+    temp_age(std::env::var("FERRY_GC_TEMP_AGE").ok().as_deref(), std::env::var_os(TEMP_AGE_TEST_ENV).is_some())
+}
+
+/// The age `value` (of `FERRY_GC_TEMP_AGE`) sets: a number of seconds, at least
+/// [`TEMP_AGE_FLOOR`] unless `unsafe_ok` ([`TEMP_AGE_TEST_ENV`] is set).
+pub(crate) fn temp_age(value: Option<&str>, unsafe_ok: bool) -> std::time::Duration {
+    let Some(v) = value else { return TEMP_AGE };
+    match v.trim().parse::<u64>() {
+        Ok(secs) if secs < TEMP_AGE_FLOOR.as_secs() && !unsafe_ok => {
+            log::warn!(
+                "FERRY_GC_TEMP_AGE={v:?} is below {} seconds, which could remove a running backup's files: the age \
+                 is {} seconds (tests set {TEMP_AGE_TEST_ENV} to go lower)",
+                TEMP_AGE_FLOOR.as_secs(),
+                TEMP_AGE_FLOOR.as_secs()
+            );
+            TEMP_AGE_FLOOR
+        }
+        Ok(secs) => std::time::Duration::from_secs(secs),
+        Err(_) => {
+            log::warn!("FERRY_GC_TEMP_AGE={v:?} is not a number of seconds: the age is one hour");
+            TEMP_AGE
+        }
     }
 }
 
@@ -1420,7 +1461,7 @@ pub fn gc_opts(repo: &Repository, opts: &GcOptions) -> Result<GcReport> {
         && to_condemn.is_empty()
         && ripe.is_empty()
         && condemned.unreadable.is_empty()
-        && old_index.len() <= 1
+        && old_index.len() <= crate::repo::index_splits(&keep, GC_INDEX_SPLIT).len().max(1)
         && all_present
     {
         let present: HashSet<Digest> = listed.keys().filter_map(|n| pack_id(n)).collect();
@@ -1447,7 +1488,7 @@ pub fn gc_opts(repo: &Repository, opts: &GcOptions) -> Result<GcReport> {
                     .map_err(|why| stop(format!("{name}: {why}; run `ferry repo verify`")))?;
             }
             out.add(b, stored);
-            if out.buf.len() >= crate::writer::DEFAULT_PACK_SIZE {
+            if out.buf.len() >= crate::writer::DEFAULT_PACK_SIZE || out.entries.len() >= GC_PACK_BLOBS {
                 new_packs.push(out.close(repo)?);
             }
         }
@@ -1482,7 +1523,7 @@ pub fn gc_opts(repo: &Repository, opts: &GcOptions) -> Result<GcReport> {
     let deleting: HashSet<Digest> = delete.iter().map(|(p, _)| *p).collect();
     keep.retain(|p| !deleting.contains(&p.pack));
     keep.extend(new_packs);
-    let (new_names, _) = repo.put_index(&keep)?;
+    let (new_names, _) = repo.put_index_split(&keep, GC_INDEX_SPLIT)?;
     drop(keep);
     // Still ours: a gc whose lock was taken for stale stops before it deletes.
     _lock.check()?;
@@ -1739,6 +1780,12 @@ fn object_of(s: &SnapshotInfo) -> String {
     }
 }
 
+/// gc closes a pack it fills at this many blobs, if it is not full before: a pack of
+/// tiny blobs (a few bytes each) would otherwise hold millions, more than a trailer may
+/// list (FORMAT.md §5: [`format::MAX_TRAILER_ENTRIES`]), and its entries and trailer,
+/// held and copied while it is sealed, would cost gc more memory than its bytes.
+const GC_PACK_BLOBS: usize = 1 << 16;
+
 /// A pack being filled by gc with stored blobs as they are.
 #[derive(Default)]
 struct PackOut {
@@ -1748,6 +1795,13 @@ struct PackOut {
 
 impl PackOut {
     fn add(&mut self, b: &BlobEntry, stored: &[u8]) {
+        if self.buf.capacity() == 0 {
+            // Once, for the whole pack and its trailer: a buffer that grows by doubling
+            // holds twice its bytes while it is moved.
+            let trailer = GC_PACK_BLOBS * format::ENTRY_LEN + 4096;
+            self.buf.reserve_exact(crate::writer::DEFAULT_PACK_SIZE + stored.len().max(2 << 20) + trailer);
+            self.entries.reserve_exact(GC_PACK_BLOBS);
+        }
         self.entries.push(BlobEntry { offset: self.buf.len() as u32, ..*b });
         self.buf.extend_from_slice(stored);
     }

@@ -313,6 +313,29 @@ pub(crate) fn entry_list_within(chunks: u64, object: &str, memory: Option<u64>) 
     Ok(v)
 }
 
+/// The index objects [`Repository::put_index_split`] makes of `packs`: ranges of them
+/// (start, end) of at most `split` plain bytes each (or one pack, where it alone is more).
+pub(crate) fn index_splits(packs: &[format::PackBlobs], split: usize) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    while start < packs.len() {
+        // Header, then per pack its id and count, then its entries.
+        let mut len = 12;
+        let mut end = start;
+        while end < packs.len() {
+            let add = 36 + packs[end].blobs.len() * format::ENTRY_LEN;
+            if end > start && len + add > split {
+                break;
+            }
+            len += add;
+            end += 1;
+        }
+        out.push((start, end));
+        start = end;
+    }
+    out
+}
+
 /// About how many bytes of pages a snapshot's chunk list is read in at a time.
 #[cfg(not(test))]
 pub(crate) const PAGE_WINDOW_BYTES: usize = 4 << 20;
@@ -333,19 +356,7 @@ impl Repository {
 
     pub(crate) fn put_index_split(&self, packs: &[format::PackBlobs], split: usize) -> Result<(Vec<String>, u64)> {
         let (mut names, mut stored) = (Vec::new(), 0u64);
-        let mut start = 0;
-        while start < packs.len() {
-            // Header, then per pack its id and count, then its entries.
-            let mut len = 12;
-            let mut end = start;
-            while end < packs.len() {
-                let add = 36 + packs[end].blobs.len() * format::ENTRY_LEN;
-                if end > start && len + add > split {
-                    break;
-                }
-                len += add;
-                end += 1;
-            }
+        for (start, end) in index_splits(packs, split) {
             let plain = format::encode_index(&packs[start..end]);
             let sealed = self.crypto.seal(AAD_INDEX, &plain);
             let name = format!("index/{}", format::hex(&sha256(&sealed)));
@@ -354,7 +365,6 @@ impl Repository {
                 .map_err(|e| Error::store(format!("cannot store {name} in {}", self.store.describe()), e))?;
             stored += sealed.len() as u64;
             names.push(name);
-            start = end;
         }
         Ok((names, stored))
     }

@@ -397,7 +397,8 @@ impl SnapshotWriter {
     ) -> Result<(Entries, Vec<Digest>)> {
         let mut entries = Self::new_entries(repo, chunks, what)?;
         let pages = repo.each_page_entries(index, snap, |first, page| {
-            if first < chunks {
+            // The list starts as zeroes: a zero page (most of a sparse disk) is not written.
+            if first < chunks && page.iter().any(|e| *e != ZERO) {
                 let n = page.len().min((chunks - first) as usize);
                 entries.write(first, &page[..n]).map_err(|e| spill_error(what, e))?;
             }

@@ -519,3 +519,16 @@ fn a_stalled_backup_leaves_the_checkpoint_of_the_backup_that_took_its_disk_over(
     assert_eq!(left.len(), 1, "the other backup's checkpoint was removed");
     assert_eq!(inner.get(&left[0].0, 1 << 20).unwrap(), OTHER);
 }
+
+/// `FERRY_GC_TEMP_AGE` (a test knob) cannot make a release gc remove a running writer's
+/// temporary files: below ten minutes it needs `FERRY_TEST_UNSAFE_GC_TEMP_AGE` too.
+#[test]
+fn the_temp_age_knob_has_a_floor_unless_a_test_asks() {
+    let secs = |v: Option<&str>, unsafe_ok| maint::temp_age(v, unsafe_ok).as_secs();
+    assert_eq!(secs(None, false), 3600);
+    assert_eq!(secs(Some("0"), false), 600);
+    assert_eq!(secs(Some("599"), false), 600);
+    assert_eq!(secs(Some("7200"), false), 7200);
+    assert_eq!(secs(Some("0"), true), 0);
+    assert_eq!(secs(Some("soon"), true), 3600);
+}
