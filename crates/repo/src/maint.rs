@@ -76,7 +76,8 @@ pub(crate) struct Walk {
     pub(crate) page_reads: u64,
 }
 
-/// Each snapshot's page digests, its manifest read again ([`FETCH_THREADS`] at a time).
+/// Each snapshot's page digests: those it holds (listed with them), else its manifest read
+/// again ([`FETCH_THREADS`] at a time).
 fn snapshot_pages(repo: &Repository, snaps: &[SnapshotInfo]) -> Result<Vec<Arc<Pages>>> {
     par_map(snaps, FETCH_THREADS, |s| repo.pages(s)).into_iter().collect()
 }
@@ -248,7 +249,7 @@ struct SnapWalk {
 pub(crate) fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
     let mut r = Report::default();
     let store = &repo.store;
-    let (snaps, bad_snaps) = repo.snapshots_lenient()?;
+    let (snaps, bad_snaps) = repo.snapshots_with_pages_lenient()?;
     for (name, e) in bad_snaps {
         r.problem(name, e.reason());
     }
@@ -1329,7 +1330,7 @@ pub fn gc_opts(repo: &Repository, opts: &GcOptions) -> Result<GcReport> {
     let stop =
         |what: String| Error::Invalid(format!("gc stopped before deleting anything: {what}; run `ferry repo check`"));
     // 1. The live set.
-    let mut snaps = repo.snapshots().map_err(|e| stop(e.to_string()))?;
+    let mut snaps = repo.snapshots_with_pages().map_err(|e| stop(e.to_string()))?;
     // Checkpoints of interrupted backups keep what they stored, so that a resume need not
     // store it again (FORMAT.md §7a); one that cannot be read cannot be resumed either.
     let (checkpoints, bad) = repo.checkpoints_lenient()?;
@@ -1885,7 +1886,10 @@ pub struct Stats {
 
 pub fn stats(repo: &Repository) -> Result<Stats> {
     let store = &repo.store;
-    let (snaps, _) = repo.snapshots_skipping()?;
+    let (snaps, bad) = repo.snapshots_with_pages_lenient()?;
+    for (name, e) in &bad {
+        crate::repo::warn_skipped(name, e);
+    }
     let (table, page_objects, mut bad_index) = BlobTable::read(repo)?;
     if let Some((_, e)) = bad_index.pop() {
         return Err(e);

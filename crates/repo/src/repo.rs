@@ -527,6 +527,13 @@ impl Repository {
         Ok(SnapshotInfo::listed(id.to_string(), manifest))
     }
 
+    /// [`Self::read_snapshot`], holding its page digests too (compactly: [`Pages`]).
+    fn read_snapshot_with_pages(&self, object: &str) -> Result<SnapshotInfo> {
+        let (manifest, pages) = self.read_manifest::<Pages>(object)?.split();
+        let id = object.strip_prefix("snapshots/").unwrap_or(object);
+        Ok(SnapshotInfo { id: id.to_string(), manifest, pages: Some(Arc::new(pages)) })
+    }
+
     /// The page digests of `snap`: those it holds, else read again from its manifest
     /// (which must be the one listed: its object is named by its content, so only
     /// damage since makes it differ).
@@ -548,6 +555,17 @@ impl Repository {
     /// Every manifest, each read and checked, with the names of those that fail and why;
     /// the good ones oldest first. A store that fails (not damage) is an error.
     pub fn snapshots_lenient(&self) -> Result<(Vec<SnapshotInfo>, Failures)> {
+        self.list_snapshots(false)
+    }
+
+    /// [`Self::snapshots_lenient`], each snapshot holding its page digests: for the
+    /// commands that read every snapshot's pages (check, gc, stats), so that each manifest
+    /// is read once, not once to list and again for its pages.
+    pub(crate) fn snapshots_with_pages_lenient(&self) -> Result<(Vec<SnapshotInfo>, Failures)> {
+        self.list_snapshots(true)
+    }
+
+    fn list_snapshots(&self, with_pages: bool) -> Result<(Vec<SnapshotInfo>, Failures)> {
         let before = self.known.as_ref().map(|k| k.before_listing());
         let names = self
             .store
@@ -556,7 +574,9 @@ impl Repository {
         // A few at a time, and no more bytes at once than [`MANIFEST_BYTES`] (but one):
         // each is parsed into its summary and its JSON dropped before the next is read.
         let budget = ByteBudget::new(MANIFEST_BYTES);
-        let read = par_map(&names, FETCH_THREADS, |(n, len)| budget.with(*len, || self.read_snapshot(n)));
+        let read = par_map(&names, FETCH_THREADS, |(n, len)| {
+            budget.with(*len, || if with_pages { self.read_snapshot_with_pages(n) } else { self.read_snapshot(n) })
+        });
         let names: Vec<String> = names.into_iter().map(|(n, _)| n).collect();
         let mut good = Vec::new();
         let mut bad = Vec::new();
@@ -591,6 +611,15 @@ impl Repository {
     /// if any manifest cannot be read (for gc, which must know every snapshot).
     pub fn snapshots(&self) -> Result<Vec<SnapshotInfo>> {
         let (good, mut bad) = self.snapshots_lenient()?;
+        match bad.pop() {
+            None => Ok(good),
+            Some((_, e)) => Err(e),
+        }
+    }
+
+    /// [`Self::snapshots`], each holding its page digests (for gc).
+    pub(crate) fn snapshots_with_pages(&self) -> Result<Vec<SnapshotInfo>> {
+        let (good, mut bad) = self.snapshots_with_pages_lenient()?;
         match bad.pop() {
             None => Ok(good),
             Some((_, e)) => Err(e),
