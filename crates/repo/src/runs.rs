@@ -886,8 +886,10 @@ impl Cache {
     /// Holds the cache's lock meanwhile. `Ok(Err(e))`: the cache could not be written.
     /// `index/` is listed once the lock is held (another process may have held it for
     /// long, adding runs of objects stored after a listing taken before); the listing
-    /// comes back too.
-    fn update_listing(&self, repo: &Repository) -> Result<(Listing, io::Result<Vec<Run>>)> {
+    /// comes back too. Where another process has held the lock for [`LOCK_WAIT`], the
+    /// runs as they are come back, read only (the listed objects they do not cover are
+    /// read by the caller), with `true`.
+    fn update_listing(&self, repo: &Repository) -> Result<(Listing, io::Result<Vec<Run>>, bool)> {
         let list = || {
             repo.store
                 .list("index/")
@@ -895,18 +897,27 @@ impl Cache {
         };
         let lock = match self.lock_file() {
             Ok(f) => f,
-            Err(e) => return Ok((list()?, Err(e))),
+            Err(e) if e.kind() == io::ErrorKind::TimedOut => {
+                log::warn!(
+                    "the index cache {} is not brought up to date ({e}): this command uses its runs as they are, and \
+                     reads the index objects stored since into memory",
+                    self.dir.display()
+                );
+                let listed = list()?;
+                return Ok((listed, Ok(self.read_runs(&key_fingerprint(repo), false)), true));
+            }
+            Err(e) => return Ok((list()?, Err(e), false)),
         };
         let listed_at = std::time::SystemTime::now();
         let listed = list()?;
         let runs = self.update_locked(repo, &listed, listed_at)?;
         drop(lock);
-        Ok((listed, runs))
+        Ok((listed, runs, false))
     }
 
     /// The cache's lock file, locked; waits at most [`LOCK_WAIT`] for another process
     /// that holds it (one stopped or hung must not hold every ferry on the host: past
-    /// that, this command does without the cache).
+    /// that, this command uses the runs read only: [`Cache::update_listing`]).
     fn lock_file(&self) -> io::Result<File> {
         let lock = std::fs::OpenOptions::new()
             .read(true)
@@ -1016,6 +1027,12 @@ impl Cache {
     /// The runs the manifest names, each opened and checked (one that fails is
     /// discarded); none when the manifest is missing, damaged or of another key.
     fn read_manifest(&self, key: &str) -> Vec<Run> {
+        self.read_runs(key, true)
+    }
+
+    /// The runs the manifest lists; one that fails its checks is discarded where
+    /// `discard` (with the lock held), else only left out.
+    fn read_runs(&self, key: &str, discard: bool) -> Vec<Run> {
         let text = match std::fs::read(self.dir.join(MANIFEST)) {
             Ok(t) if t.len() <= 1 << 20 => String::from_utf8(t).unwrap_or_default(),
             Ok(_) => String::new(),
@@ -1035,7 +1052,8 @@ impl Cache {
             };
             match Run::open(&self.dir, name) {
                 Ok(r) => runs.push(r),
-                Err(why) => self.discard(name, &why),
+                Err(why) if discard => self.discard(name, &why),
+                Err(why) => log::debug!("the index cache's run {name} is not used: {why}"),
             }
         }
         runs
@@ -1167,6 +1185,8 @@ const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// A listing of `index/`: names and stored sizes.
 type Listing = Vec<(String, u64)>;
+/// The name of an index object (`index/ID`).
+type IndexObjectName = String;
 
 fn valid_run_name(n: &str) -> bool {
     n.strip_prefix("run-").is_some_and(|h| h.len() == 24 && h.bytes().all(|b| b.is_ascii_hexdigit()))
@@ -1211,9 +1231,9 @@ impl RunIndex {
     pub fn open(repo: &Arc<Repository>) -> Result<RunIndex> {
         let damage = Arc::new(repo.damage()?);
         let cache = repo.index_cache();
-        let (listed, runs) = match &cache {
+        let (listed, runs, read_only) = match &cache {
             Some(c) => c.update_listing(repo)?,
-            None => (Vec::new(), Ok(Vec::new())),
+            None => (Vec::new(), Ok(Vec::new()), false),
         };
         let runs = match &cache {
             Some(c) => match runs {
@@ -1234,7 +1254,25 @@ impl RunIndex {
                     .iter()
                     .filter_map(|(n, _)| n.strip_prefix("index/").and_then(format::parse_digest))
                     .collect();
-                runs.into_iter()
+                // Read only (another process holds the cache's lock): the listed objects
+                // that no run covers are read into memory, and only those.
+                let uncovered: Vec<IndexObjectName> = match read_only {
+                    true => {
+                        let covered: HashSet<&Digest> = runs.iter().flat_map(|r| r.meta.objects.iter()).collect();
+                        listed
+                            .iter()
+                            .filter(|(n, _)| {
+                                n.strip_prefix("index/")
+                                    .and_then(format::parse_digest)
+                                    .is_none_or(|d| !covered.contains(&d))
+                            })
+                            .map(|(n, _)| n.clone())
+                            .collect()
+                    }
+                    false => Vec::new(),
+                };
+                let mut parts: Vec<Arc<Part>> = runs
+                    .into_iter()
                     .map(|run| {
                         let live = run
                             .meta
@@ -1244,7 +1282,24 @@ impl RunIndex {
                             .collect();
                         Arc::new(Part { run: Some(run), live, fallback: OnceLock::new() })
                     })
-                    .collect()
+                    .collect();
+                if !uncovered.is_empty() {
+                    let mut objects = Vec::new();
+                    for name in uncovered {
+                        match repo.read_index_object(&name) {
+                            Ok(p) => objects.push((name, p)),
+                            Err(e @ Error::Store { .. }) => return Err(e),
+                            Err(e) => {
+                                log::warn!(
+                                    "skipping {name}: {e}; `ferry repo repair` rebuilds the index from the packs"
+                                )
+                            }
+                        }
+                    }
+                    let ix = crate::repo::build_index(objects);
+                    parts.push(Arc::new(Part { run: None, live: Vec::new(), fallback: OnceLock::from(ix) }));
+                }
+                parts
             }
             None => {
                 let ix = repo.load_index_lenient()?;
