@@ -138,9 +138,15 @@ fn sh(s: &str) -> String {
 /// Which chunks to read to check a map: up to `n`, one in each of `n` equal stretches of
 /// the disk (from a random chunk of the stretch on, the first that the map calls
 /// unchanged and the base holds as data; none where the stretch has no such chunk).
-/// `changed` is the map widened to whole chunks (sorted, disjoint, in bytes).
-fn pick(entries: &[ferry_repo::format::Digest], changed: &[(u64, u64)], cs: u64, n: u64, seed: u64) -> Vec<u64> {
-    let chunks = entries.len() as u64;
+/// `changed` is the map widened to whole chunks (sorted, disjoint, in bytes); `entry`
+/// gives the base's entry of each of the `chunks` chunks.
+fn pick(
+    (entry, chunks): (&dyn Fn(u64) -> ferry_repo::format::Digest, u64),
+    changed: &[(u64, u64)],
+    cs: u64,
+    n: u64,
+    seed: u64,
+) -> Vec<u64> {
     let mut rng = seed | 1;
     let mut next = move || {
         rng ^= rng << 13;
@@ -154,7 +160,7 @@ fn pick(entries: &[ferry_repo::format::Digest], changed: &[(u64, u64)], cs: u64,
         let i = changed.partition_point(|&(o, l)| o + l <= at);
         changed.get(i).is_none_or(|&(o, _)| o >= at + cs)
     };
-    let usable = |ci: u64| entries[ci as usize] != ferry_repo::format::ZERO && clean(ci);
+    let usable = |ci: u64| entry(ci) != ferry_repo::format::ZERO && clean(ci);
     let n = n.min(chunks);
     let mut out = Vec::new();
     for s in 0..n {
@@ -192,8 +198,9 @@ pub(crate) fn sample(
     let chunk_size = base.manifest.chunk_size as u64;
     let size = writer.size();
     let n = SAMPLE_CHUNKS.min((SAMPLE_BYTES / chunk_size).max(1));
-    let want: Vec<(u64, ferry_repo::format::Digest)> = writer
-        .with_entries(|e| pick(e, changed, chunk_size, n, seed()).into_iter().map(|ci| (ci, e[ci as usize])).collect());
+    let want: Vec<(u64, ferry_repo::format::Digest)> = writer.with_entries(|e, chunks| {
+        pick((e, chunks), changed, chunk_size, n, seed()).into_iter().map(|ci| (ci, e(ci))).collect()
+    });
     if want.is_empty() {
         log::debug!("{} holds no data the change map leaves alone: nothing to compare it with", base.id);
         return Ok(());
@@ -290,8 +297,12 @@ impl Backend for Sample {
 
 #[cfg(test)]
 mod tests {
-    use super::{pick, sh};
-    use ferry_repo::format::ZERO;
+    use super::sh;
+    use ferry_repo::format::{Digest, ZERO};
+
+    fn pick(e: &[Digest], changed: &[(u64, u64)], cs: u64, n: u64, seed: u64) -> Vec<u64> {
+        super::pick((&|ci| e[ci as usize], e.len() as u64), changed, cs, n, seed)
+    }
 
     #[test]
     fn the_sample_is_spread_unchanged_and_data() {

@@ -43,6 +43,7 @@ mod rbd;
 mod remote_images;
 mod repo_backup;
 mod repo_base;
+mod repo_bounded;
 mod repo_copy;
 mod repo_crash;
 mod repo_gc;

@@ -34,7 +34,7 @@ pub(crate) fn ferry_cmd(args: &[&str]) -> Command {
 fn ferry(args: &[&str]) -> Output {
     let mut c = ferry_cmd(args);
     if args.starts_with(&["repo", "gc"]) {
-        c.env("FERRY_GC_TEMP_AGE", "0");
+        c.env("FERRY_GC_TEMP_AGE", "0").env("FERRY_TEST_UNSAFE_GC_TEMP_AGE", "1");
     }
     run_ok(&mut c)
 }

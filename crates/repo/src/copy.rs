@@ -516,9 +516,9 @@ fn copy_entries(
     // at another length (its last one, or this disk's): the writer would make these
     // again at commit from the parent's bytes.
     let parts: HashSet<u64> = writer.partial_chunks().into_iter().collect();
-    let todo: Vec<u64> = writer.with_entries(|cur| {
+    let todo: Vec<u64> = writer.with_entries(|cur, n| {
         (0..src.len() as u64)
-            .filter(|&ci| cur.get(ci as usize) != Some(&src[ci as usize]) || lost.contains(&ci) || parts.contains(&ci))
+            .filter(|&ci| ci >= n || cur(ci) != src[ci as usize] || lost.contains(&ci) || parts.contains(&ci))
             .collect()
     });
     let len = |ci: u64| (size - ci * cs).min(cs);

@@ -96,8 +96,10 @@
 //!    chunk the source does not send keeps the base's entry), which the binary checked is
 //!    `ID`, the snapshot the map continues. Base entries with no present copy are lost:
 //!    `lost_ranges` gives them to the copy engine to read too, and `commit` refuses a
-//!    manifest that would still name one (the base's ids are looked up sorted, a million at
-//!    a time, so neighbours share the blocks read). A base whose pages cannot be read is
+//!    manifest that would still name one (the base's ids are looked up sorted, 256k at a
+//!    time, so neighbours share the blocks read). The chunk list is kept in memory for a
+//!    small disk, else in an unlinked file in the cache directory (`entries.rs`), so that
+//!    a backup's memory does not grow with its disk. A base whose pages cannot be read is
 //!    dropped by a full backup (with a warning) and refused by a change-map one.
 //! 2. The binary reads a sample of the chunks the map leaves alone from the source and
 //!    compares them with the base's entries (`SnapshotWriter::with_entries`).
@@ -188,6 +190,7 @@ pub mod copy;
 pub mod crypto;
 mod damage;
 mod diff;
+mod entries;
 pub mod format;
 pub mod keys;
 pub mod known;

@@ -19,6 +19,20 @@ use std::time::{Duration, Instant, SystemTime};
 
 /// How often a holder rewrites its lock.
 pub const REFRESH: Duration = Duration::from_secs(5 * 60);
+/// The first retry after a refresh that failed (a network error): then twice as long each
+/// time, up to [`REFRESH`] ([`retry_after`]), so that a short outage costs seconds, not a
+/// fifth of the [`LOST_AFTER`] budget.
+const RETRY_FIRST: Duration = Duration::from_secs(10);
+
+/// How long the refresher waits before its next write after `failures` failed ones in a
+/// row: [`REFRESH`] when the last one succeeded.
+fn retry_after(failures: u32) -> Duration {
+    match failures {
+        0 => REFRESH,
+        n => RETRY_FIRST.saturating_mul(1 << (n - 1).min(16)).min(REFRESH),
+    }
+}
+
 /// How long a new lock waits for a later conflicting lock to go away before it gives
 /// way to it.
 const SETTLE: Duration = Duration::from_secs(3);
@@ -515,11 +529,13 @@ fn start_refresh(store: Arc<dyn Store>, name: String, lock: Lock, at: Duration) 
                 let mut lock = lock;
                 let (m, c) = &*stop;
                 let mut stopped = m.lock().unwrap_or_else(|e| e.into_inner());
+                let mut failures = 0;
                 loop {
                     if *stopped {
                         return;
                     }
-                    let (s, timeout) = c.wait_timeout(stopped, REFRESH).unwrap_or_else(|e| e.into_inner());
+                    let (s, timeout) =
+                        c.wait_timeout(stopped, retry_after(failures)).unwrap_or_else(|e| e.into_inner());
                     stopped = s;
                     if timeout.timed_out() && !*stopped && !lost.load(SeqCst) {
                         // A lock removed by another process is not made again: the
@@ -553,8 +569,18 @@ fn start_refresh(store: Arc<dyn Store>, name: String, lock: Lock, at: Duration) 
                                 );
                                 lost.store(true, SeqCst);
                             }
-                            Ok(()) => *confirmed.lock().unwrap_or_else(|e| e.into_inner()) = at,
-                            Err(e) => log::warn!("cannot refresh the lock {name} in {}: {e}", store.describe()),
+                            Ok(()) => {
+                                *confirmed.lock().unwrap_or_else(|e| e.into_inner()) = at;
+                                failures = 0;
+                            }
+                            Err(e) => {
+                                failures += 1;
+                                log::warn!(
+                                    "cannot refresh the lock {name} in {}: {e} (tried again in {} s)",
+                                    store.describe(),
+                                    retry_after(failures).as_secs()
+                                );
+                            }
                         }
                     }
                 }
@@ -580,6 +606,26 @@ pub fn list(store: &Arc<dyn Store>) -> Result<Vec<(String, crate::format::Lock, 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A refresh that failed is tried again within seconds, then less and less often (at
+    /// most every REFRESH): an outage of a few minutes costs a few minutes of the
+    /// LOST_AFTER budget, not REFRESH per failure (it was 5 minutes a try).
+    #[test]
+    fn a_failed_refresh_is_tried_again_soon_then_backs_off() {
+        assert_eq!(retry_after(0), REFRESH);
+        assert!(retry_after(1) <= Duration::from_secs(10));
+        for n in 1..40 {
+            assert!(retry_after(n) <= retry_after(n + 1) && retry_after(n) <= REFRESH, "{n}");
+        }
+        assert_eq!(retry_after(40), REFRESH);
+        // Tries before a lock refreshed last at 0 counts as lost, when every one fails.
+        let (mut t, mut tries) = (REFRESH, 1);
+        while t + retry_after(tries) < LOST_AFTER {
+            t += retry_after(tries);
+            tries += 1;
+        }
+        assert!(tries >= 8, "{tries} tries");
+    }
 
     /// A store whose `len` fails (not with NotFound) once `fail` is set.
     struct FailingLen {

@@ -79,7 +79,8 @@ pub(crate) struct Walk {
     pub(crate) page_reads: u64,
 }
 
-/// Each snapshot's page digests, its manifest read again ([`FETCH_THREADS`] at a time).
+/// Each snapshot's page digests: those it holds (listed with them), else its manifest read
+/// again ([`FETCH_THREADS`] at a time).
 fn snapshot_pages(repo: &Repository, snaps: &[SnapshotInfo]) -> Result<Vec<Arc<Pages>>> {
     par_map(snaps, FETCH_THREADS, |s| repo.pages(s)).into_iter().collect()
 }
@@ -251,7 +252,7 @@ struct SnapWalk {
 pub(crate) fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
     let mut r = Report::default();
     let store = &repo.store;
-    let (snaps, bad_snaps) = repo.snapshots_lenient()?;
+    let (snaps, bad_snaps) = repo.snapshots_with_pages_lenient()?;
     for (name, e) in bad_snaps {
         r.problem(name, e.reason());
     }
@@ -732,7 +733,19 @@ struct PackCheck {
     pack_why: Option<String>,
     /// The store could not give the pack (not damage that was seen: not recorded).
     unreadable: bool,
-    bad_blobs: Vec<(Digest, String)>,
+    /// The blobs found damaged (every blob of an unreadable pack), and why the first was:
+    /// one reason a pack, not one a blob (a pack may hold a million tiny blobs).
+    bad_blobs: Vec<Digest>,
+    first_bad: Option<String>,
+}
+
+impl PackCheck {
+    fn bad(&mut self, id: Digest, why: impl FnOnce() -> String) {
+        if self.first_bad.is_none() {
+            self.first_bad = Some(why());
+        }
+        self.bad_blobs.push(id);
+    }
 }
 
 /// `n` is the pack's number in `table`: its rows are read from there as needed, not
@@ -746,7 +759,8 @@ fn verify_pack(repo: &Repository, pack: &Digest, table: &BlobTable, n: u32) -> P
         Err(e) => {
             c.pack_why = Some(format!("cannot be read: {e}"));
             c.unreadable = true;
-            c.bad_blobs = blobs().map(|b| (b.id, "unreadable".to_string())).collect();
+            c.bad_blobs = blobs().map(|b| b.id).collect();
+            c.first_bad = Some("unreadable".to_string());
             return c;
         }
     };
@@ -788,7 +802,7 @@ fn verify_pack(repo: &Repository, pack: &Digest, table: &BlobTable, n: u32) -> P
             let stored = bytes.get(b.offset as usize..b.offset as usize + b.stored_len as usize).unwrap_or(&[]);
             match repo.decode_blob_unchecked(&b.id, &loc, b.kind, stored) {
                 Ok(p) => plains.push((b, p)),
-                Err(why) => c.bad_blobs.push((b.id, why)),
+                Err(why) => c.bad(b.id, || why),
             }
         }
         let blocks: Vec<&[u8]> = plains.iter().map(|(_, p)| p.as_slice()).collect();
@@ -797,14 +811,13 @@ fn verify_pack(repo: &Repository, pack: &Digest, table: &BlobTable, n: u32) -> P
         for ((b, _), d) in plains.iter().zip(digests.chunks_exact(32)) {
             let d: Digest = d.try_into().unwrap_or([0; 32]);
             if repo.crypto.blob_id(&d) != b.id {
-                c.bad_blobs.push((
-                    b.id,
+                c.bad(b.id, || {
                     format!(
                         "blob {} at offset {}: its plain bytes do not match its id (their digest differs)",
                         format::hex(&b.id),
                         b.offset
-                    ),
-                ));
+                    )
+                });
             }
         }
     }
@@ -852,13 +865,13 @@ pub fn verify(repo: &Repository, opts: &VerifyOptions) -> Result<Report> {
     for ((pack, _), c) in todo.iter().zip(results) {
         r.bytes_read += c.bytes;
         r.blobs_checked += c.blobs;
-        let bad: Vec<Digest> = c.bad_blobs.iter().map(|(id, _)| *id).collect();
+        let bad = &c.bad_blobs;
         let mut why = c.pack_why.clone().unwrap_or_default();
-        if !c.bad_blobs.is_empty() {
+        if let Some(first) = &c.first_bad {
             if !why.is_empty() {
                 why.push_str("; ");
             }
-            why.push_str(&format!("{} blob(s) damaged (first: {})", c.bad_blobs.len(), c.bad_blobs[0].1));
+            why.push_str(&format!("{} blob(s) damaged (first: {first})", bad.len()));
         }
         let whole = c.pack_why.is_none() && bad.is_empty();
         let short: String = why.chars().take(format::MAX_DAMAGE_WHY / 4).collect();
@@ -872,7 +885,7 @@ pub fn verify(repo: &Repository, opts: &VerifyOptions) -> Result<Report> {
                 corrected.insert(*pack, (!whole).then_some(now));
             }
         }
-        if whole || (!c.unreadable && w.damage.covers(pack, &bad)) {
+        if whole || (!c.unreadable && w.damage.covers(pack, bad)) {
             continue; // whole, or recorded already: check_walk said it
         }
         if !c.unreadable {
@@ -883,7 +896,7 @@ pub fn verify(repo: &Repository, opts: &VerifyOptions) -> Result<Report> {
         }
         // One problem per pack: what check found in it already (a page) says this too.
         let p = r.problem_once(pack_name(pack), why);
-        for (id, _) in c.bad_blobs {
+        for id in c.bad_blobs {
             bad_copies.entry(id).or_default().push((*pack, p));
         }
     }
@@ -1204,21 +1217,50 @@ pub fn gc_with(repo: &Repository, wait: Option<std::time::Duration>, repack_perc
     gc_opts(repo, &GcOptions { wait, repack_percent, condemn_margin: condemn_margin_from_env() })
 }
 
+/// gc writes the index in objects of at most this many plain bytes (a backup's limit is
+/// [`crate::repo::INDEX_SPLIT`]): each is encoded and sealed in memory, twice its size,
+/// beside everything gc holds, so smaller objects keep its peak down (at 1M chunks the
+/// index is about 45 MB: 3 objects).
+const GC_INDEX_SPLIT: usize = 16 << 20;
+
 /// A temporary file younger than this may be a running backup's (gc runs beside them).
 const TEMP_AGE: std::time::Duration = std::time::Duration::from_secs(3600);
 
-/// How old a temporary file must be for gc to remove it: `FERRY_GC_TEMP_AGE` (seconds;
-/// for tests that kill writers and want their files gone at once), else one hour.
+/// The least age `FERRY_GC_TEMP_AGE` may set: a writer's temporary file lives as long as
+/// one store of an object (a pack of at most 512 MiB), far less than this; one removed
+/// under a running writer fails its store (and the backup), which loses nothing but costs
+/// the run.
+const TEMP_AGE_FLOOR: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// Set (to anything) by tests that kill writers and want their files gone at once: lets
+/// `FERRY_GC_TEMP_AGE` go below [`TEMP_AGE_FLOOR`].
+const TEMP_AGE_TEST_ENV: &str = "FERRY_TEST_UNSAFE_GC_TEMP_AGE";
+
+/// How old a temporary file must be for gc to remove it: `FERRY_GC_TEMP_AGE` (seconds),
+/// else one hour.
 fn temp_age_from_env() -> std::time::Duration {
-    match std::env::var("FERRY_GC_TEMP_AGE") {
-        Ok(v) => match v.trim().parse::<u64>() {
-            Ok(secs) => std::time::Duration::from_secs(secs),
-            Err(_) => {
-                log::warn!("FERRY_GC_TEMP_AGE={v:?} is not a number of seconds: the age is one hour");
-                TEMP_AGE
-            }
-        },
-        Err(_) => TEMP_AGE,
+    temp_age(std::env::var("FERRY_GC_TEMP_AGE").ok().as_deref(), std::env::var_os(TEMP_AGE_TEST_ENV).is_some())
+}
+
+/// The age `value` (of `FERRY_GC_TEMP_AGE`) sets: a number of seconds, at least
+/// [`TEMP_AGE_FLOOR`] unless `unsafe_ok` ([`TEMP_AGE_TEST_ENV`] is set).
+pub(crate) fn temp_age(value: Option<&str>, unsafe_ok: bool) -> std::time::Duration {
+    let Some(v) = value else { return TEMP_AGE };
+    match v.trim().parse::<u64>() {
+        Ok(secs) if secs < TEMP_AGE_FLOOR.as_secs() && !unsafe_ok => {
+            log::warn!(
+                "FERRY_GC_TEMP_AGE={v:?} is below {} seconds, which could remove a running backup's files: the age \
+                 is {} seconds (tests set {TEMP_AGE_TEST_ENV} to go lower)",
+                TEMP_AGE_FLOOR.as_secs(),
+                TEMP_AGE_FLOOR.as_secs()
+            );
+            TEMP_AGE_FLOOR
+        }
+        Ok(secs) => std::time::Duration::from_secs(secs),
+        Err(_) => {
+            log::warn!("FERRY_GC_TEMP_AGE={v:?} is not a number of seconds: the age is one hour");
+            TEMP_AGE
+        }
     }
 }
 
@@ -1314,7 +1356,7 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
     let stop =
         |what: String| Error::Invalid(format!("gc stopped before deleting anything: {what}; run `ferry repo check`"));
     // 1. The live set.
-    let mut snaps = repo.snapshots().map_err(|e| stop(e.to_string()))?;
+    let mut snaps = repo.snapshots_with_pages().map_err(|e| stop(e.to_string()))?;
     // Checkpoints of interrupted backups keep what they stored, so that a resume need not
     // store it again (FORMAT.md §7a); one that cannot be read cannot be resumed either.
     let (checkpoints, bad) = repo.checkpoints_lenient()?;
@@ -1449,7 +1491,7 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
         && to_condemn.is_empty()
         && ripe.is_empty()
         && condemned.unreadable.is_empty()
-        && old_index.len() <= 1
+        && old_index.len() <= crate::repo::index_splits(&keep, GC_INDEX_SPLIT).len().max(1)
         && all_present
     {
         let present: HashSet<Digest> = listed.keys().filter_map(|n| pack_id(n)).collect();
@@ -1476,7 +1518,7 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
                     .map_err(|why| stop(format!("{name}: {why}; run `ferry repo verify`")))?;
             }
             out.add(b, stored);
-            if out.buf.len() >= crate::writer::DEFAULT_PACK_SIZE {
+            if out.buf.len() >= crate::writer::DEFAULT_PACK_SIZE || out.entries.len() >= GC_PACK_BLOBS {
                 new_packs.push(out.close(repo)?);
             }
         }
@@ -1511,7 +1553,7 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
     let deleting: HashSet<Digest> = delete.iter().map(|(p, _)| *p).collect();
     keep.retain(|p| !deleting.contains(&p.pack));
     keep.extend(new_packs);
-    let (new_names, _) = repo.put_index(&keep)?;
+    let (new_names, _) = repo.put_index_split(&keep, GC_INDEX_SPLIT)?;
     drop(keep);
     // Still ours: a gc whose lock was taken for stale stops before it deletes.
     if let Some(l) = &_lock {
@@ -1802,6 +1844,12 @@ fn object_of(s: &SnapshotInfo) -> String {
     }
 }
 
+/// gc closes a pack it fills at this many blobs, if it is not full before: a pack of
+/// tiny blobs (a few bytes each) would otherwise hold millions, more than a trailer may
+/// list (FORMAT.md §5: [`format::MAX_TRAILER_ENTRIES`]), and its entries and trailer,
+/// held and copied while it is sealed, would cost gc more memory than its bytes.
+const GC_PACK_BLOBS: usize = 1 << 16;
+
 /// A pack being filled by gc with stored blobs as they are.
 #[derive(Default)]
 struct PackOut {
@@ -1811,6 +1859,13 @@ struct PackOut {
 
 impl PackOut {
     fn add(&mut self, b: &BlobEntry, stored: &[u8]) {
+        if self.buf.capacity() == 0 {
+            // Once, for the whole pack and its trailer: a buffer that grows by doubling
+            // holds twice its bytes while it is moved.
+            let trailer = GC_PACK_BLOBS * format::ENTRY_LEN + 4096;
+            self.buf.reserve_exact(crate::writer::DEFAULT_PACK_SIZE + stored.len().max(2 << 20) + trailer);
+            self.entries.reserve_exact(GC_PACK_BLOBS);
+        }
         self.entries.push(BlobEntry { offset: self.buf.len() as u32, ..*b });
         self.buf.extend_from_slice(stored);
     }
@@ -1894,7 +1949,10 @@ pub struct Stats {
 
 pub fn stats(repo: &Repository) -> Result<Stats> {
     let store = &repo.store;
-    let (snaps, _) = repo.snapshots_skipping()?;
+    let (snaps, bad) = repo.snapshots_with_pages_lenient()?;
+    for (name, e) in &bad {
+        crate::repo::warn_skipped(name, e);
+    }
     let (table, page_objects, mut bad_index) = BlobTable::read(repo)?;
     if let Some((_, e)) = bad_index.pop() {
         return Err(e);

@@ -322,6 +322,29 @@ pub(crate) fn entry_list_within(chunks: u64, object: &str, memory: Option<u64>) 
     Ok(v)
 }
 
+/// The index objects [`Repository::put_index_split`] makes of `packs`: ranges of them
+/// (start, end) of at most `split` plain bytes each (or one pack, where it alone is more).
+pub(crate) fn index_splits(packs: &[format::PackBlobs], split: usize) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    while start < packs.len() {
+        // Header, then per pack its id and count, then its entries.
+        let mut len = 12;
+        let mut end = start;
+        while end < packs.len() {
+            let add = 36 + packs[end].blobs.len() * format::ENTRY_LEN;
+            if end > start && len + add > split {
+                break;
+            }
+            len += add;
+            end += 1;
+        }
+        out.push((start, end));
+        start = end;
+    }
+    out
+}
+
 /// About how many bytes of pages a snapshot's chunk list is read in at a time.
 #[cfg(not(test))]
 pub(crate) const PAGE_WINDOW_BYTES: usize = 4 << 20;
@@ -342,19 +365,7 @@ impl Repository {
 
     pub(crate) fn put_index_split(&self, packs: &[format::PackBlobs], split: usize) -> Result<(Vec<String>, u64)> {
         let (mut names, mut stored) = (Vec::new(), 0u64);
-        let mut start = 0;
-        while start < packs.len() {
-            // Header, then per pack its id and count, then its entries.
-            let mut len = 12;
-            let mut end = start;
-            while end < packs.len() {
-                let add = 36 + packs[end].blobs.len() * format::ENTRY_LEN;
-                if end > start && len + add > split {
-                    break;
-                }
-                len += add;
-                end += 1;
-            }
+        for (start, end) in index_splits(packs, split) {
             let plain = format::encode_index(&packs[start..end]);
             let sealed = self.crypto.seal(AAD_INDEX, &plain);
             let name = format!("index/{}", format::hex(&sha256(&sealed)));
@@ -363,7 +374,6 @@ impl Repository {
                 .map_err(|e| Error::store(format!("cannot store {name} in {}", self.store.describe()), e))?;
             stored += sealed.len() as u64;
             names.push(name);
-            start = end;
         }
         Ok((names, stored))
     }
@@ -538,6 +548,13 @@ impl Repository {
         Ok(SnapshotInfo::listed(id.to_string(), manifest))
     }
 
+    /// [`Self::read_snapshot`], holding its page digests too (compactly: [`Pages`]).
+    fn read_snapshot_with_pages(&self, object: &str) -> Result<SnapshotInfo> {
+        let (manifest, pages) = self.read_manifest::<Pages, format::PackIds>(object)?.split();
+        let id = object.strip_prefix("snapshots/").unwrap_or(object);
+        Ok(SnapshotInfo { id: id.to_string(), manifest, pages: Some(Arc::new(pages)) })
+    }
+
     /// The page digests of `snap`: those it holds, else read again from its manifest
     /// (which must be the one listed: its object is named by its content, so only
     /// damage since makes it differ).
@@ -563,6 +580,17 @@ impl Repository {
     /// Every manifest, each read and checked, with the names of those that fail and why;
     /// the good ones oldest first. A store that fails (not damage) is an error.
     pub fn snapshots_lenient(&self) -> Result<(Vec<SnapshotInfo>, Failures)> {
+        self.list_snapshots(false)
+    }
+
+    /// [`Self::snapshots_lenient`], each snapshot holding its page digests: for the
+    /// commands that read every snapshot's pages (check, gc, stats), so that each manifest
+    /// is read once, not once to list and again for its pages.
+    pub(crate) fn snapshots_with_pages_lenient(&self) -> Result<(Vec<SnapshotInfo>, Failures)> {
+        self.list_snapshots(true)
+    }
+
+    fn list_snapshots(&self, with_pages: bool) -> Result<(Vec<SnapshotInfo>, Failures)> {
         let before = self.known.as_ref().map(|k| k.before_listing());
         let names = self
             .store
@@ -571,7 +599,9 @@ impl Repository {
         // A few at a time, and no more bytes at once than [`MANIFEST_BYTES`] (but one):
         // each is parsed into its summary and its JSON dropped before the next is read.
         let budget = ByteBudget::new(MANIFEST_BYTES);
-        let read = par_map(&names, FETCH_THREADS, |(n, len)| budget.with(*len, || self.read_snapshot(n)));
+        let read = par_map(&names, FETCH_THREADS, |(n, len)| {
+            budget.with(*len, || if with_pages { self.read_snapshot_with_pages(n) } else { self.read_snapshot(n) })
+        });
         let names: Vec<String> = names.into_iter().map(|(n, _)| n).collect();
         let mut good = Vec::new();
         let mut bad = Vec::new();
@@ -607,6 +637,15 @@ impl Repository {
     /// if any manifest cannot be read (for gc, which must know every snapshot).
     pub fn snapshots(&self) -> Result<Vec<SnapshotInfo>> {
         let (good, mut bad) = self.snapshots_lenient()?;
+        match bad.pop() {
+            None => Ok(good),
+            Some((_, e)) => Err(e),
+        }
+    }
+
+    /// [`Self::snapshots`], each holding its page digests (for gc).
+    pub(crate) fn snapshots_with_pages(&self) -> Result<Vec<SnapshotInfo>> {
+        let (good, mut bad) = self.snapshots_with_pages_lenient()?;
         match bad.pop() {
             None => Ok(good),
             Some((_, e)) => Err(e),
@@ -818,7 +857,13 @@ impl Repository {
 
     /// The chunk digests of a snapshot, page by page: reads and checks its pages.
     pub fn entries(&self, index: &dyn BlobLookup, snap: &SnapshotInfo) -> Result<Vec<Digest>> {
-        Ok(self.entries_hinted(index, snap, false)?.0)
+        let object = snap_object(snap);
+        let mut entries = entry_list(snap.manifest.chunks(), &object)?;
+        self.each_page_entries(index, snap, |_, page| {
+            entries.extend_from_slice(page);
+            Ok(())
+        })?;
+        Ok(entries)
     }
 
     /// [`Repository::entries`], its pages read where the manifest's hints say (FORMAT.md
@@ -830,9 +875,57 @@ impl Repository {
         snap: &SnapshotInfo,
         hints: bool,
     ) -> Result<(Vec<Digest>, ChunkHints)> {
+        let object = snap_object(snap);
+        let chunks = snap.manifest.chunks();
+        let mut entries = entry_list(chunks, &object)?;
+        let mut out = ChunkHints::default();
+        let mut numbers: HashMap<Digest, u32> = HashMap::new();
+        if hints && snap.manifest.version == format::LOCATED_VERSION {
+            out.at = vec![[u32::MAX, 0, 0]; chunks as usize];
+        }
+        self.each_located_page(index, snap, |first, page| {
+            if !out.at.is_empty() {
+                for (k, h) in page.hints.iter().enumerate().filter(|(_, h)| !h.is_none()) {
+                    let Some(pack) = page.packs.get(h.pack as usize) else { continue };
+                    let next = out.packs.len() as u32;
+                    let no = *numbers.entry(*pack).or_insert(next);
+                    if no == next {
+                        out.packs.push(*pack);
+                    }
+                    out.at[first as usize + k] = [no, h.offset, h.stored_len];
+                }
+            }
+            entries.extend_from_slice(&page.entries);
+            Ok(())
+        })?;
+        Ok((entries, out))
+    }
+
+    /// Calls `f` with each page's chunk digests of a snapshot, in order (its first chunk,
+    /// its entries; a zero page as zero entries): reads and checks its pages, a window
+    /// of about [`PAGE_WINDOW_BYTES`] at a time, so that the pages read wait for their
+    /// window only, not the whole list. Returns the snapshot's page digests (read
+    /// once: a caller that needs them too need not read its manifest again).
+    pub(crate) fn each_page_entries(
+        &self,
+        index: &dyn BlobLookup,
+        snap: &SnapshotInfo,
+        mut f: impl FnMut(u64, &[Digest]) -> Result<()>,
+    ) -> Result<Vec<Digest>> {
+        self.each_located_page(index, snap, |first, page| f(first, &page.entries))
+    }
+
+    /// [`Repository::each_page_entries`] with each page whole: its entries and, for a
+    /// located snapshot, its hints (FORMAT.md §7c; none for a zero page or a plain one).
+    /// The pages are read where the manifest's hints say, through `index` where they fail.
+    pub(crate) fn each_located_page(
+        &self,
+        index: &dyn BlobLookup,
+        snap: &SnapshotInfo,
+        mut f: impl FnMut(u64, &format::LocatedPage) -> Result<()>,
+    ) -> Result<Vec<Digest>> {
         let m = &snap.manifest;
-        // A checkpoint read as a snapshot has its object name as its id.
-        let object = if snap.id.contains('/') { snap.id.clone() } else { format!("snapshots/{}", snap.id) };
+        let object = snap_object(snap);
         let chunks = m.chunks();
         let pe = m.page_entries as u64;
         let all = self.pages(snap)?;
@@ -851,14 +944,6 @@ impl Repository {
         if digests.len() as u64 != chunks.div_ceil(pe) {
             return Err(Error::damaged(object, "its page count does not match its size"));
         }
-        let mut entries = entry_list(chunks, &object)?;
-        let mut out = ChunkHints::default();
-        let mut numbers: HashMap<Digest, u32> = HashMap::new();
-        if hints && located {
-            out.at = vec![[u32::MAX, 0, 0]; chunks as usize];
-        }
-        // A window of pages at a time (about [`PAGE_WINDOW_BYTES`]): the pages read wait
-        // beside the list for their window only, not the whole list's size again.
         let window = (PAGE_WINDOW_BYTES / (32 * pe.max(1)) as usize).max(FETCH_THREADS);
         let read = |(d, at): &(Digest, Option<format::BlobAt>)| {
             if *d == ZERO {
@@ -868,14 +953,17 @@ impl Repository {
             }
         };
         let mut pages = Vec::new().into_iter();
+        let mut zeroes = format::LocatedPage::default();
         for (i, (d, _)) in digests.iter().enumerate() {
             if i % window == 0 {
                 pages = par_map(&digests[i..(i + window).min(digests.len())], FETCH_THREADS, read).into_iter();
             }
             let page = pages.next().unwrap_or_else(|| Err("it was not read".into()));
-            let count = (chunks - i as u64 * pe).min(pe) as usize;
+            let first = i as u64 * pe;
+            let count = (chunks - first).min(pe) as usize;
             if *d == ZERO {
-                entries.resize(entries.len() + count, ZERO);
+                zeroes.entries.resize(count, ZERO);
+                f(first, &zeroes)?;
                 continue;
             }
             let page = page.map_err(|why| Error::damaged(object.clone(), format!("page {i}: {why}")))?;
@@ -885,21 +973,19 @@ impl Repository {
                     format!("page {i} has {} entries, not {count}", page.entries.len()),
                 ));
             }
-            if !out.at.is_empty() {
-                let first = entries.len();
-                for (k, h) in page.hints.iter().enumerate().filter(|(_, h)| !h.is_none()) {
-                    let Some(pack) = page.packs.get(h.pack as usize) else { continue };
-                    let next = out.packs.len() as u32;
-                    let no = *numbers.entry(*pack).or_insert(next);
-                    if no == next {
-                        out.packs.push(*pack);
-                    }
-                    out.at[first + k] = [no, h.offset, h.stored_len];
-                }
-            }
-            entries.extend_from_slice(&page.entries);
+            f(first, &page)?;
         }
-        Ok((entries, out))
+        Ok(digests.into_iter().map(|(d, _)| d).collect())
+    }
+}
+
+/// The object a snapshot was read from: a checkpoint read as a snapshot has its object
+/// name as its id.
+fn snap_object(snap: &SnapshotInfo) -> String {
+    if snap.id.contains('/') {
+        snap.id.clone()
+    } else {
+        format!("snapshots/{}", snap.id)
     }
 }
 

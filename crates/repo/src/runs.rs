@@ -879,6 +879,12 @@ impl Cache {
         }
     }
 
+    /// Where a backup keeps its chunk list ([`crate::entries`]): this repository's cache
+    /// directory, beside its `index`.
+    pub(crate) fn spill_dir(&self) -> &Path {
+        self.dir.parent().unwrap_or(&self.dir)
+    }
+
     /// A cache in `dir`, as it is (trusted).
     fn at(dir: PathBuf) -> Cache {
         Cache { dir, private: None, build_entries: BUILD_ENTRIES }
@@ -891,8 +897,10 @@ impl Cache {
     /// Holds the cache's lock meanwhile. `Ok(Err(e))`: the cache could not be written.
     /// `index/` is listed once the lock is held (another process may have held it for
     /// long, adding runs of objects stored after a listing taken before); the listing
-    /// comes back too.
-    fn update_listing(&self, repo: &Repository) -> Result<(Listing, io::Result<Vec<Run>>)> {
+    /// comes back too. Where another process has held the lock for [`LOCK_WAIT`], the
+    /// runs as they are come back, read only (the listed objects they do not cover are
+    /// read by the caller), with `true`.
+    fn update_listing(&self, repo: &Repository) -> Result<(Listing, io::Result<Vec<Run>>, bool)> {
         let list = || {
             repo.store
                 .list("index/")
@@ -900,18 +908,27 @@ impl Cache {
         };
         let lock = match self.lock_file() {
             Ok(f) => f,
-            Err(e) => return Ok((list()?, Err(e))),
+            Err(e) if e.kind() == io::ErrorKind::TimedOut => {
+                log::warn!(
+                    "the index cache {} is not brought up to date ({e}): this command uses its runs as they are, and \
+                     reads the index objects stored since into memory",
+                    self.dir.display()
+                );
+                let listed = list()?;
+                return Ok((listed, Ok(self.read_runs(&key_fingerprint(repo), false)), true));
+            }
+            Err(e) => return Ok((list()?, Err(e), false)),
         };
         let listed_at = std::time::SystemTime::now();
         let listed = list()?;
         let runs = self.update_locked(repo, &listed, listed_at)?;
         drop(lock);
-        Ok((listed, runs))
+        Ok((listed, runs, false))
     }
 
     /// The cache's lock file, locked; waits at most [`LOCK_WAIT`] for another process
     /// that holds it (one stopped or hung must not hold every ferry on the host: past
-    /// that, this command does without the cache).
+    /// that, this command uses the runs read only: [`Cache::update_listing`]).
     fn lock_file(&self) -> io::Result<File> {
         let lock = std::fs::OpenOptions::new()
             .read(true)
@@ -1021,6 +1038,12 @@ impl Cache {
     /// The runs the manifest names, each opened and checked (one that fails is
     /// discarded); none when the manifest is missing, damaged or of another key.
     fn read_manifest(&self, key: &str) -> Vec<Run> {
+        self.read_runs(key, true)
+    }
+
+    /// The runs the manifest lists; one that fails its checks is discarded where
+    /// `discard` (with the lock held), else only left out.
+    fn read_runs(&self, key: &str, discard: bool) -> Vec<Run> {
         let text = match std::fs::read(self.dir.join(MANIFEST)) {
             Ok(t) if t.len() <= 1 << 20 => String::from_utf8(t).unwrap_or_default(),
             Ok(_) => String::new(),
@@ -1040,7 +1063,8 @@ impl Cache {
             };
             match Run::open(&self.dir, name) {
                 Ok(r) => runs.push(r),
-                Err(why) => self.discard(name, &why),
+                Err(why) if discard => self.discard(name, &why),
+                Err(why) => log::debug!("the index cache's run {name} is not used: {why}"),
             }
         }
         runs
@@ -1172,6 +1196,8 @@ const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// A listing of `index/`: names and stored sizes.
 type Listing = Vec<(String, u64)>;
+/// The name of an index object (`index/ID`).
+type IndexObjectName = String;
 
 fn valid_run_name(n: &str) -> bool {
     n.strip_prefix("run-").is_some_and(|h| h.len() == 24 && h.bytes().all(|b| b.is_ascii_hexdigit()))
@@ -1216,9 +1242,9 @@ impl RunIndex {
     pub fn open(repo: &Arc<Repository>) -> Result<RunIndex> {
         let damage = Arc::new(repo.damage()?);
         let cache = repo.index_cache();
-        let (listed, runs) = match &cache {
+        let (listed, runs, read_only) = match &cache {
             Some(c) => c.update_listing(repo)?,
-            None => (Vec::new(), Ok(Vec::new())),
+            None => (Vec::new(), Ok(Vec::new()), false),
         };
         let runs = match &cache {
             Some(c) => match runs {
@@ -1239,7 +1265,25 @@ impl RunIndex {
                     .iter()
                     .filter_map(|(n, _)| n.strip_prefix("index/").and_then(format::parse_digest))
                     .collect();
-                runs.into_iter()
+                // Read only (another process holds the cache's lock): the listed objects
+                // that no run covers are read into memory, and only those.
+                let uncovered: Vec<IndexObjectName> = match read_only {
+                    true => {
+                        let covered: HashSet<&Digest> = runs.iter().flat_map(|r| r.meta.objects.iter()).collect();
+                        listed
+                            .iter()
+                            .filter(|(n, _)| {
+                                n.strip_prefix("index/")
+                                    .and_then(format::parse_digest)
+                                    .is_none_or(|d| !covered.contains(&d))
+                            })
+                            .map(|(n, _)| n.clone())
+                            .collect()
+                    }
+                    false => Vec::new(),
+                };
+                let mut parts: Vec<Arc<Part>> = runs
+                    .into_iter()
                     .map(|run| {
                         let live = run
                             .meta
@@ -1249,7 +1293,24 @@ impl RunIndex {
                             .collect();
                         Arc::new(Part { run: Some(run), live, fallback: OnceLock::new() })
                     })
-                    .collect()
+                    .collect();
+                if !uncovered.is_empty() {
+                    let mut objects = Vec::new();
+                    for name in uncovered {
+                        match repo.read_index_object(&name) {
+                            Ok(p) => objects.push((name, p)),
+                            Err(e @ Error::Store { .. }) => return Err(e),
+                            Err(e) => {
+                                log::warn!(
+                                    "skipping {name}: {e}; `ferry repo repair` rebuilds the index from the packs"
+                                )
+                            }
+                        }
+                    }
+                    let ix = crate::repo::build_index(objects);
+                    parts.push(Arc::new(Part { run: None, live: Vec::new(), fallback: OnceLock::from(ix) }));
+                }
+                parts
             }
             None => {
                 let ix = repo.load_index_lenient()?;
@@ -1360,8 +1421,23 @@ impl RunIndex {
         self.present.as_ref().is_none_or(|s| s.contains(&loc.pack))
     }
 
-    /// Every location of `id` with the object that lists it, in index order.
-    fn gather(&self, id: &Digest, out: &mut Vec<(Digest, Location)>) {
+    /// [`BlobLookup::locations`] of each of `ids`, which are sorted: each run's last
+    /// block read is kept from one id to the next, so neighbouring ids read a block once
+    /// (a single lookup reads its block afresh).
+    pub(crate) fn locations_each(&self, ids: &[Digest]) -> Vec<Vec<Location>> {
+        let mut caches: Vec<BlockCache> = self.parts.iter().map(|_| BlockCache::default()).collect();
+        ids.iter()
+            .map(|id| {
+                let mut out = Vec::new();
+                self.gather(id, &mut out, Some(&mut caches));
+                out.into_iter().map(|(_, l)| l).collect()
+            })
+            .collect()
+    }
+
+    /// Every location of `id` with the object that lists it, in index order. `caches`:
+    /// one per part, kept between lookups of sorted ids; else this thread's buffer.
+    fn gather(&self, id: &Digest, out: &mut Vec<(Digest, Location)>, mut caches: Option<&mut [BlockCache]>) {
         for (k, part) in self.parts.iter().enumerate() {
             let from_memory = |ix: &Index, out: &mut Vec<(Digest, Location)>| {
                 out.extend(Index::locations(ix, id).filter(|l| self.usable_loc(l)).map(|l| ([0xff; 32], *l)));
@@ -1373,17 +1449,21 @@ impl RunIndex {
             let Some(run) = &part.run else { continue };
             let usable = &self.usable[k];
             let before = out.len();
-            let r = BLOCK_BUF.with(|cache| {
-                let mut cache = cache.borrow_mut();
-                // The buffer is this thread's; the block in it is not kept between lookups.
-                cache.at = None;
-                run.meta.lookup(&run.file, id, &mut cache, |e| {
-                    if usable[e.row as usize] {
-                        let object = run.meta.objects[run.meta.rows[e.row as usize].object as usize];
-                        out.push((object, e.location(&run.meta.rows)));
-                    }
-                })
-            });
+            let mut push = |e: &Ent| {
+                if usable[e.row as usize] {
+                    let object = run.meta.objects[run.meta.rows[e.row as usize].object as usize];
+                    out.push((object, e.location(&run.meta.rows)));
+                }
+            };
+            let r = match caches.as_deref_mut() {
+                Some(c) => run.meta.lookup(&run.file, id, &mut c[k], &mut push),
+                None => BLOCK_BUF.with(|cache| {
+                    let mut cache = cache.borrow_mut();
+                    // The buffer is this thread's; the block in it is not kept between lookups.
+                    cache.at = None;
+                    run.meta.lookup(&run.file, id, &mut cache, &mut push)
+                }),
+            };
             if let Err(why) = r {
                 out.truncate(before);
                 from_memory(self.fallback(part, &why), out);
@@ -1407,7 +1487,7 @@ impl RunIndex {
 impl BlobLookup for RunIndex {
     fn locations(&self, id: &Digest) -> Vec<Location> {
         let mut out = Vec::new();
-        self.gather(id, &mut out);
+        self.gather(id, &mut out, None);
         out.into_iter().map(|(_, l)| l).collect()
     }
 

@@ -723,14 +723,17 @@ fn throughput() {
     }
 }
 
-/// A store that counts ranged reads.
-struct Counting(Arc<MemStore>, std::sync::atomic::AtomicU64);
+/// A store that counts ranged reads, and reads of manifests.
+struct Counting(Arc<MemStore>, std::sync::atomic::AtomicU64, std::sync::atomic::AtomicU64);
 
 impl Store for Counting {
     fn describe(&self) -> String {
         self.0.describe()
     }
     fn get(&self, name: &str, limit: u64) -> std::io::Result<Vec<u8>> {
+        if name.starts_with("snapshots/") {
+            self.2.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         self.0.get(name, limit)
     }
     fn get_range(&self, name: &str, offset: u64, len: u64) -> std::io::Result<Vec<u8>> {
@@ -754,7 +757,7 @@ impl Store for Counting {
 #[test]
 fn small_sequential_reads_fetch_ahead() {
     let mem = Arc::new(MemStore::new());
-    let counting = Arc::new(Counting(mem.clone(), Default::default()));
+    let counting = Arc::new(Counting(mem.clone(), Default::default(), Default::default()));
     let repo = Arc::new(Repository::init(counting.clone(), &InitOptions::default()).unwrap());
     let mut data = disk(4 << 20, 30);
     data.iter_mut().step_by(4096).for_each(|b| *b = 1); // no zero chunk
@@ -770,6 +773,28 @@ fn small_sequential_reads_fetch_ahead() {
     // 64 chunks in 16 packs of 4 (the test's pack size): one request per chunk without
     // read-ahead, one per pack with it.
     assert!(reads <= 20, "{reads} ranged reads for 64 chunks read 4 KiB at a time");
+}
+
+/// check, gc and stats read each manifest once: they list the snapshots with their pages
+/// instead of reading every manifest again for them.
+#[test]
+fn check_gc_and_stats_read_each_manifest_once() {
+    let counting = Arc::new(Counting(Arc::new(MemStore::new()), Default::default(), Default::default()));
+    let repo = Arc::new(Repository::init(counting.clone(), &InitOptions::default()).unwrap());
+    let data = disk(1 << 20, 31);
+    backup(&repo, "d", &data, None);
+    backup(&repo, "e", &disk(1 << 20, 32), None);
+    let runs: [(&str, &dyn Fn()); 3] = [
+        ("check", &|| assert!(maint::check(&repo).unwrap().problems.is_empty())),
+        ("gc", &|| assert!(maint::gc(&repo, None).is_ok())),
+        ("stats", &|| assert!(maint::stats(&repo).is_ok())),
+    ];
+    for (what, run) in runs {
+        let before = counting.2.load(std::sync::atomic::Ordering::Relaxed);
+        run();
+        let reads = counting.2.load(std::sync::atomic::Ordering::Relaxed) - before;
+        assert_eq!(reads, 2, "{what} read the 2 manifests {reads} times");
+    }
 }
 
 #[test]

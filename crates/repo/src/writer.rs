@@ -14,14 +14,12 @@
 //! dropped before that leaves only orphan packs, which `gc` frees (FORMAT.md §9).
 use crate::blob;
 use crate::checkpoint::{CheckpointInfo, AAD_CHECKPOINT};
+use crate::entries::Entries;
 use crate::format::{
     self, BlobEntry, BlobKind, Changes, Checkpoint, Digest, LockKind, Manifest, PackBlobs, SnapshotStats, ZERO,
 };
 use crate::lock::{self, LockGuard};
-use crate::repo::{
-    blkhash_of, hostname, pack_name, parse_time, sha256, ChunkHints, Repository, SnapshotInfo, AAD_SNAPSHOT,
-    AAD_TRAILER,
-};
+use crate::repo::{hostname, pack_name, parse_time, sha256, Repository, SnapshotInfo, AAD_SNAPSHOT, AAD_TRAILER};
 use crate::runs::{BlobLookup, RunIndex};
 use crate::{Error, Result};
 use ferry_backend::{Backend, Capabilities, ZeroMode};
@@ -109,6 +107,9 @@ pub const MAX_PACK_SIZE: usize = 512 << 20;
 const UPLOADS: usize = 2;
 /// Chunks hashed side by side.
 const BATCH: usize = 16;
+/// Pages a checkpoint copies from the chunk list at once (2 MiB of entries at the
+/// default 256 a page): its memory does not grow with the disk.
+const CHECKPOINT_PAGES: usize = 256;
 
 #[derive(Debug, Clone, Default)]
 pub struct WriterStats {
@@ -130,7 +131,8 @@ struct Counters {
 
 /// The chunk list being built, and which pages changed.
 struct State {
-    entries: Vec<Digest>,
+    /// In memory for a small disk, else in a file ([`crate::entries`]).
+    entries: Entries,
     /// Pages whose entries changed since `pages` was last made.
     dirty: Vec<bool>,
     /// Each page's digest ([`ZERO`] for a zero page) where it is not dirty: the base's,
@@ -259,7 +261,7 @@ pub struct SnapshotWriter {
     located: bool,
     /// Where the base's chunks are hinted to be, in packs present and not condemned
     /// (others dropped); empty without a located base.
-    base_hints: ChunkHints,
+    base_hints: BaseHints,
 }
 
 fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -293,47 +295,32 @@ impl SnapshotWriter {
         let condemned = repo.condemned_packs()?;
         let (index, kept) = Self::load_index(&repo, &condemned)?;
         let mut opts = opts;
+        let what = format!("the backup of {}", opts.name);
+        let base = opts.base.clone();
         let located = repo.config.version >= format::LOCATED_CONFIG_VERSION;
-        let mut base_hints = ChunkHints::default();
-        let base_entries = match &opts.base {
-            Some(b) => match repo.entries_hinted(&index, b, located) {
-                Ok((e, h)) => {
-                    base_hints = usable_hints(h, &kept);
-                    Some(e)
+        let mut base_hints = BaseHints::none();
+        let (entries, base_chunks, base_pages) = match &base {
+            Some(b) => {
+                match Self::load_entries(&repo, &index, b, chunks, &what, located.then_some((&mut base_hints, &kept))) {
+                    Ok((e, pages)) => (e, b.manifest.chunks(), pages),
+                    Err(e @ Error::Damaged { .. }) => {
+                        Self::unreadable_base(&opts, b, e)?;
+                        // A full backup of a disk whose previous snapshot cannot be read: a new start.
+                        opts.base = None;
+                        base_hints = BaseHints::none();
+                        (Self::new_entries(&repo, chunks, &what)?, 0, Vec::new())
+                    }
+                    Err(e) => return Err(e),
                 }
-                Err(e @ Error::Damaged { .. }) => Self::unreadable_base(&opts, b, e)?,
-                Err(e) => return Err(e),
-            },
-            None => None,
-        };
-        if base_entries.is_none() {
-            // A full backup of a disk whose previous snapshot cannot be read: a new start.
-            opts.base = None;
-        }
-        let (mut entries, base_chunks) = match base_entries {
-            Some(e) => {
-                let n = e.len() as u64;
-                (e, n)
             }
-            None => (crate::repo::entry_list(chunks, &format!("the backup of {}", opts.name))?, 0),
+            None => (Self::new_entries(&repo, chunks, &what)?, 0, Vec::new()),
         };
         let index = Self::exclude_damaged(&repo, index.only_present(kept));
-        if let Some(more) = chunks.checked_sub(entries.len() as u64) {
-            if entries.try_reserve_exact(more as usize).is_err() {
-                return Err(Error::Invalid(format!(
-                    "the backup of {} needs a list of {chunks} chunk digests, which does not fit in memory",
-                    opts.name
-                )));
-            }
-        }
-        entries.resize(chunks as usize, ZERO);
         let n_pages = chunks.div_ceil(pe) as usize;
         // The base's pages stand where nothing changes, unless the extent of the pages
         // differs: then every page is made again.
         let (pages, mut dirty) = match &opts.base {
-            Some(b) if base_chunks == chunks && b.manifest.pages.0 == n_pages as u64 => {
-                (repo.pages(b)?.to_vec(), vec![false; n_pages])
-            }
+            Some(_) if base_chunks == chunks && base_pages.len() == n_pages => (base_pages, vec![false; n_pages]),
             _ => (vec![ZERO; n_pages], vec![true; n_pages]),
         };
         // A base page with no copy left in the index (its only copy recorded damaged) is
@@ -342,8 +329,7 @@ impl SnapshotWriter {
             *d = !index.contains(&repo.crypto.blob_id(p));
         }
         let state = State { entries, dirty, pages, done: vec![0; chunks.div_ceil(64) as usize] };
-        let w = Self::build(repo, opts, guard, index, state, base_chunks, Vec::new(), condemned, base_hints);
-        Ok(w)
+        Self::build(repo, opts, guard, index, state, base_chunks, Vec::new(), condemned, base_hints)
     }
 
     /// Continues the interrupted backup that stored `checkpoint` (of `opts.name`, read
@@ -388,7 +374,8 @@ impl SnapshotWriter {
         };
         let condemned = repo.condemned_packs()?;
         let (index, kept) = Self::load_index(&repo, &condemned)?;
-        let entries = repo.entries(&index, &checkpoint.as_snapshot())?;
+        let what = format!("the backup of {}", opts.name);
+        let (entries, _) = Self::load_entries(&repo, &index, &checkpoint.as_snapshot(), chunks, &what, None)?;
         let index = Self::exclude_damaged(&repo, index.only_present(kept));
         let base_chunks = opts.base.as_ref().map_or(0, |b| b.manifest.chunks());
         let n_pages = checkpoint.checkpoint.pages.count() as usize;
@@ -407,17 +394,79 @@ impl SnapshotWriter {
             *d = !index.contains(&repo.crypto.blob_id(p));
         }
         // A done chunk whose pack is gone since is read again.
-        for ci in missing_chunks(&repo, &index, &state.entries, |ci| state.is_done(ci)) {
+        for ci in missing_chunks(&repo, &index, &state.entries, |ci| state.is_done(ci))? {
             state.done[(ci / 64) as usize] &= !(1 << (ci % 64));
         }
         let resumed = state.done_runs(chunks);
-        Ok(Self::build(repo, opts, guard, index, state, base_chunks, resumed, condemned, ChunkHints::default()))
+        Self::build(repo, opts, guard, index, state, base_chunks, resumed, condemned, BaseHints::none())
+    }
+
+    /// A zero chunk list of `chunks` entries for `what` ([`Entries::zeroes`]), in the
+    /// repository's cache directory where it does not fit in memory.
+    fn new_entries(repo: &Repository, chunks: u64, what: &str) -> Result<Entries> {
+        let cache = repo.index_cache();
+        Entries::zeroes(chunks, cache.as_ref().map(|c| c.spill_dir()), what)
+    }
+
+    /// The chunk list of `snap` (the base, or a checkpoint) as the start of a list of
+    /// `chunks` entries: cut where it is longer, zeroes after it where it is shorter.
+    /// Read a window of pages at a time: only the list is kept (in a file for a large
+    /// disk), not the pages. With the snapshot's page digests.
+    fn load_entries(
+        repo: &Repository,
+        index: &RunIndex,
+        snap: &SnapshotInfo,
+        chunks: u64,
+        what: &str,
+        hints: Option<(&mut BaseHints, &HashSet<Digest>)>,
+    ) -> Result<(Entries, Vec<Digest>)> {
+        let mut entries = Self::new_entries(repo, chunks, what)?;
+        // The base's hints (FORMAT.md §7c) into packs present and not condemned, kept as
+        // the list is: in memory, or in a file for a large disk.
+        let (mut hints, kept) = match hints {
+            Some((h, kept)) if snap.manifest.version == format::LOCATED_VERSION => {
+                h.at = Some(Self::new_entries(repo, chunks, what)?);
+                (Some(h), kept)
+            }
+            _ => (None, &HashSet::new()),
+        };
+        let mut numbers: HashMap<Digest, u32> = HashMap::new();
+        let mut records: Vec<Digest> = Vec::new();
+        let pages = repo.each_located_page(index, snap, |first, page| {
+            // The list starts as zeroes: a zero page (most of a sparse disk) is not written.
+            if first >= chunks || page.entries.iter().all(|e| *e == ZERO) {
+                return Ok(());
+            }
+            let n = page.entries.len().min((chunks - first) as usize);
+            entries.write(first, &page.entries[..n]).map_err(|e| spill_error(what, e))?;
+            let Some(h) = hints.as_deref_mut() else { return Ok(()) };
+            records.clear();
+            records.resize(n, ZERO);
+            let mut any = false;
+            for (k, hint) in page.hints.iter().enumerate().take(n).filter(|(_, h)| !h.is_none()) {
+                let Some(pack) = page.packs.get(hint.pack as usize).filter(|p| kept.contains(*p)) else { continue };
+                let next = h.packs.len() as u32;
+                let no = *numbers.entry(*pack).or_insert(next);
+                if no == next {
+                    h.packs.push(*pack);
+                }
+                records[k] = BaseHints::record(no, hint.offset, hint.stored_len);
+                any = true;
+            }
+            if any {
+                if let Some(at) = h.at.as_mut() {
+                    at.write(first, &records).map_err(|e| spill_error(what, e))?;
+                }
+            }
+            Ok(())
+        })?;
+        Ok((entries, pages))
     }
 
     /// The base snapshot's pages cannot be read (`e`): a backup that reads the whole disk
-    /// needs nothing from it and goes on without it (`Ok(None)`, with a warning); one
-    /// that reads only a change map's ranges cannot, and is refused.
-    fn unreadable_base(opts: &BackupOptions, base: &SnapshotInfo, e: Error) -> Result<Option<Vec<Digest>>> {
+    /// needs nothing from it and goes on without it (`Ok`, with a warning); one that
+    /// reads only a change map's ranges cannot, and is refused.
+    fn unreadable_base(opts: &BackupOptions, base: &SnapshotInfo, e: Error) -> Result<()> {
         let id = &base.id[..8.min(base.id.len())];
         if opts.changes == Changes::Full {
             log::warn!(
@@ -426,7 +475,7 @@ impl SnapshotWriter {
                 opts.name,
                 e.reason()
             );
-            return Ok(None);
+            return Ok(());
         }
         Err(Error::Invalid(format!(
             "the previous snapshot of {} ({id}) cannot be read ({}), and a change map only says what changed since \
@@ -545,8 +594,8 @@ impl SnapshotWriter {
         base_chunks: u64,
         resumed: Vec<[u64; 2]>,
         condemned: HashSet<Digest>,
-        base_hints: ChunkHints,
-    ) -> Arc<SnapshotWriter> {
+        base_hints: BaseHints,
+    ) -> Result<Arc<SnapshotWriter>> {
         let cs = repo.config.chunk_size as u64;
         let pe = repo.config.page_entries as u64;
         let chunks = opts.size.div_ceil(cs);
@@ -564,7 +613,7 @@ impl SnapshotWriter {
             }
         }
         let pack_size = opts.pack_size;
-        let lost = lost_runs(&repo, &index, &state);
+        let lost = lost_runs(&repo, &index, &state)?;
         if !lost.is_empty() {
             let n: u64 = lost.iter().map(|r| r[1]).sum();
             log::warn!(
@@ -573,7 +622,7 @@ impl SnapshotWriter {
                 opts.name
             );
         }
-        Arc::new(SnapshotWriter {
+        Ok(Arc::new(SnapshotWriter {
             name: opts.name,
             size: opts.size,
             base: opts.base,
@@ -613,7 +662,7 @@ impl SnapshotWriter {
             located: repo.config.version >= format::LOCATED_CONFIG_VERSION,
             base_hints,
             repo,
-        })
+        }))
     }
 
     /// The byte ranges (offset, length) that the checkpoint this writer resumed had
@@ -697,7 +746,7 @@ impl SnapshotWriter {
         let zeros = (digests.len() - nonzero.len()) as u64;
         self.counters.zero_chunks.fetch_add(zeros, Ordering::Relaxed);
         self.counters.written_chunks.fetch_add(digests.len() as u64, Ordering::Relaxed);
-        self.enter(first, digests);
+        self.enter(first, digests)?;
         self.maybe_checkpoint()
     }
 
@@ -716,7 +765,7 @@ impl SnapshotWriter {
         }
         self.store_blob(digest, BlobKind::Data, plain)?;
         self.counters.written_chunks.fetch_add(1, Ordering::Relaxed);
-        self.enter(ci, std::slice::from_ref(digest));
+        self.enter(ci, std::slice::from_ref(digest))?;
         self.maybe_checkpoint()
     }
 
@@ -887,12 +936,11 @@ impl SnapshotWriter {
         let zeros = zero[..n].iter().filter(|z| **z).count() as u64;
         self.counters.zero_chunks.fetch_add(zeros, Ordering::Relaxed);
         self.counters.written_chunks.fetch_add(n as u64, Ordering::Relaxed);
-        self.enter(first, &out[..n]);
-        Ok(())
+        self.enter(first, &out[..n])
     }
 
     /// Sets the entries of chunks `first..`, dropping any part written before.
-    fn enter(&self, first: u64, digests: &[Digest]) {
+    fn enter(&self, first: u64, digests: &[Digest]) -> Result<()> {
         {
             let mut parts = locked(&self.partials);
             if !parts.is_empty() {
@@ -902,17 +950,17 @@ impl SnapshotWriter {
             }
         }
         let mut st = locked(&self.state);
-        let f = first as usize;
-        st.entries[f..f + digests.len()].copy_from_slice(digests);
+        st.entries.write(first, digests).map_err(|e| spill_error(&self.name, e))?;
         st.mark_done(first, digests.len() as u64);
         let (p0, p1) = (first / self.pe, (first + digests.len() as u64 - 1) / self.pe);
         st.dirty[p0 as usize..=p1 as usize].iter_mut().for_each(|d| *d = true);
+        Ok(())
     }
 
     /// Zero entries for whole chunks `first..first + n`.
-    fn zero_chunks(&self, first: u64, n: u64) {
+    fn zero_chunks(&self, first: u64, n: u64) -> Result<()> {
         if n == 0 {
-            return;
+            return Ok(());
         }
         {
             let mut parts = locked(&self.partials);
@@ -921,13 +969,14 @@ impl SnapshotWriter {
             }
         }
         let mut st = locked(&self.state);
-        st.entries[first as usize..(first + n) as usize].fill(ZERO);
+        st.entries.zero(first, n).map_err(|e| spill_error(&self.name, e))?;
         st.mark_done(first, n);
         let (p0, p1) = (first / self.pe, (first + n - 1) / self.pe);
         st.dirty[p0 as usize..=p1 as usize].iter_mut().for_each(|d| *d = true);
         drop(st);
         self.counters.zero_chunks.fetch_add(n, Ordering::Relaxed);
         self.counters.written_chunks.fetch_add(n, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Part of chunk `ci` from byte `at` of it: `data`, or `len` zeroes.
@@ -984,7 +1033,7 @@ impl SnapshotWriter {
                         pos = stop;
                     }
                     None => {
-                        self.zero_chunks(ci, last_whole - ci);
+                        self.zero_chunks(ci, last_whole - ci)?;
                         pos = (last_whole * self.cs).min(self.size);
                     }
                 }
@@ -1031,7 +1080,7 @@ impl SnapshotWriter {
     /// the repository, or one this writer stored.
     fn current_chunk(&self, ci: u64) -> Result<Vec<u8>> {
         let clen = self.chunk_len(ci);
-        let d = locked(&self.state).entries[ci as usize];
+        let d = locked(&self.state).entries.get(ci).map_err(|e| spill_error(&self.name, e))?;
         if d == ZERO {
             return Ok(vec![0; clen]);
         }
@@ -1078,6 +1127,26 @@ impl SnapshotWriter {
             }
         }
         None
+    }
+
+    /// The entries of page `i` (read into `buf` where the list is in a file).
+    fn page<'a>(&self, st: &'a State, i: usize, buf: &'a mut Vec<Digest>) -> Result<&'a [Digest]> {
+        let first = i as u64 * self.pe;
+        let n = (self.chunks - first).min(self.pe) as usize;
+        st.entries.read(first, n, buf).map_err(|e| spill_error(&self.name, e))
+    }
+
+    /// The blkhash of the chunk list (FORMAT.md §7), read a window at a time.
+    fn blkhash(&self, st: &State) -> Result<Digest> {
+        let mut h = crate::repo::BlkHasher::new(self.chunks, self.size, self.cs as u32);
+        st.entries.each_window(
+            |e| spill_error(&self.name, e),
+            |_, w| {
+                h.feed(w);
+                Ok(())
+            },
+        )?;
+        Ok(h.finish())
     }
 
     /// Stores what is pending (partial chunks are completed from the base), the index
@@ -1133,15 +1202,24 @@ impl SnapshotWriter {
         let pe = self.pe as usize;
         let mut pages = Vec::with_capacity(st.dirty.len());
         let mut page_buf = Vec::with_capacity(pe * 32);
-        for (i, slice) in st.entries.chunks(pe).enumerate() {
+        let mut entries_buf = Vec::with_capacity(pe);
+        for i in 0..st.dirty.len() {
             let first = i * pe;
-            if !st.dirty[i] && (!self.located || self.base_page_holds(&st, first, slice)) {
+            if !st.dirty[i] && !self.located {
                 pages.push(st.pages[i]);
-            } else if slice.iter().all(|e| *e == ZERO) {
+                continue;
+            }
+            let slice = self.page(&st, i, &mut entries_buf)?;
+            if !st.dirty[i] && self.base_page_holds(&st, first, slice)? {
+                pages.push(st.pages[i]);
+                continue;
+            }
+            let slice = self.page(&st, i, &mut entries_buf)?;
+            if slice.iter().all(|e| *e == ZERO) {
                 pages.push(ZERO);
             } else {
                 if self.located {
-                    page_buf = self.located_page(&st, first, slice, &own);
+                    page_buf = self.located_page(&st, first, slice, &own)?;
                 } else {
                     page_buf.clear();
                     slice.iter().for_each(|e| page_buf.extend_from_slice(e));
@@ -1164,7 +1242,10 @@ impl SnapshotWriter {
         // One index object for every pack of this backup since its last checkpoint.
         self.check_lock()?;
         self.store_index()?;
-        let blkhash = (self.cs == 65536).then(|| format::hex(&blkhash_of(&st.entries, self.size, self.cs as u32)));
+        let blkhash = match self.cs {
+            65536 => Some(format::hex(&self.blkhash(&st)?)),
+            _ => None,
+        };
         drop(st);
         // The time of this host's clock, never the parent's (a parent dated in the future
         // would otherwise date every later snapshot of the disk the same, and retention
@@ -1223,7 +1304,7 @@ impl SnapshotWriter {
             .store
             .put(&name, &sealed)
             .map_err(|e| Error::store(format!("cannot store {name} in {}", self.repo.store.describe()), e))?;
-        self.check_lock_after(&name)?;
+        self.check_lock_after(&name, &sealed)?;
         // The interrupted backup this one continued (or its own checkpoint) is done with.
         if let Err(e) = self.repo.discard_checkpoint(&self.name) {
             log::warn!("snapshot {id} is stored, but its checkpoint stays: {e}");
@@ -1276,43 +1357,24 @@ impl SnapshotWriter {
         }
         // The blobs stored again below must not land in a pack named as one of these.
         locked(&self.condemned_since).extend(new.iter().copied().copied());
-        let doomed = |id: &Digest| {
-            !locked(&self.claimed.0).contains_key(id)
-                && self.index.contains(id)
-                && self.index.locations(id).iter().all(|l| new.contains(&l.pack))
+        self.store_own_condemned_again(&new)?;
+        // Every copy in a pack condemned since, and none stored by this backup.
+        let doomed = |id: &Digest, locs: &[crate::BlobLocation]| {
+            !locs.is_empty() && locs.iter().all(|l| new.contains(&l.pack)) && !locked(&self.claimed.0).contains_key(id)
         };
-        // The snapshot's blobs: its pages, then its chunks. Looked up in batches, by sorted
-        // id (neighbours share the index blocks read), on every core.
-        let blob = |at: usize| {
-            if at < pages.len() {
-                (pages[at], page_kind)
-            } else {
-                (st.entries[at - pages.len()], BlobKind::Data)
-            }
-        };
-        const BATCH: usize = 1 << 20;
-        const SLICE: usize = 1 << 14;
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let total = pages.len() + st.entries.len();
         let mut again = 0u64;
-        for start in (0..total).step_by(BATCH) {
-            let end = (start + BATCH).min(total);
-            let slices: Vec<usize> = (start..end).step_by(SLICE).collect();
-            let keyed = crate::repo::par_map(&slices, threads, |&s| {
-                (s..(s + SLICE).min(end))
-                    .filter(|&at| blob(at).0 != ZERO)
-                    .map(|at| (self.repo.crypto.blob_id(&blob(at).0), at))
-                    .collect::<Vec<(Digest, usize)>>()
-            });
-            let mut keyed: Vec<(Digest, usize)> = keyed.into_iter().flatten().collect();
-            keyed.sort_unstable();
-            keyed.dedup_by(|a, b| a.0 == b.0);
-            let parts: Vec<&[(Digest, usize)]> = keyed.chunks(SLICE).collect();
+        // A batch of ids, sorted: looked up on every core, a slice of neighbours each
+        // (they share the index blocks read), and what only condemned packs hold stored.
+        let mut store_batch = |keyed: Vec<(Digest, u64)>, kind: BlobKind| -> Result<()> {
+            let mut ids: Vec<Digest> = keyed.into_iter().map(|k| k.0).collect();
+            ids.dedup();
+            let parts: Vec<&[Digest]> = ids.chunks(1 << 14).collect();
             let found = crate::repo::par_map(&parts, threads, |part| {
-                part.iter().filter(|(id, _)| doomed(id)).copied().collect::<Vec<(Digest, usize)>>()
+                let locs = self.index.locations_each(part);
+                part.iter().zip(locs).filter(|(id, l)| doomed(id, l)).map(|(id, _)| *id).collect::<Vec<Digest>>()
             });
-            for (id, at) in found.into_iter().flatten() {
-                let (_, kind) = blob(at);
+            for id in found.into_iter().flatten() {
                 if locked(&self.claimed.0).contains_key(&id) {
                     continue;
                 }
@@ -1327,7 +1389,24 @@ impl SnapshotWriter {
                 locked(&self.claimed.0).insert(id, true);
                 again += 1;
             }
-        }
+            Ok(())
+        };
+        // The snapshot's blobs: its pages, then its chunks, a window at a time.
+        let all = |_: u64| true;
+        let mut k = Keyed { repo: &self.repo, keyed: Vec::new() };
+        k.add(0, pages, &all);
+        store_batch(k.take(), page_kind)?;
+        st.entries.each_window(
+            |e| spill_error(&self.name, e),
+            |first, w| {
+                k.add(first, w, &all);
+                if k.full() {
+                    store_batch(k.take(), BlobKind::Data)?;
+                }
+                Ok(())
+            },
+        )?;
+        store_batch(k.take(), BlobKind::Data)?;
         if again > 0 {
             log::info!(
                 "{again} blob(s) of the snapshot of {} were in packs condemned meanwhile: stored again",
@@ -1337,16 +1416,62 @@ impl SnapshotWriter {
         Ok(())
     }
 
-    /// After the manifest (or a checkpoint) is stored: the lock must still be ours. A
-    /// process frozen between its last check and the store (a stopped host) may have lost
-    /// it meanwhile, and a gc that took it for stale may have deleted what the object
-    /// names: then the object is removed again, and the backup fails.
-    fn check_lock_after(&self, object: &str) -> Result<()> {
+    /// Stores again the blobs of this backup's own packs that took the name of a pack gc
+    /// condemned since this backup started (`new`): an unencrypted pack sealed before the
+    /// commit, with the very bytes of an orphan condemned meanwhile, has its name, and
+    /// the disk's next backup treats it as absent (a later gc deletes it once it is
+    /// unused). The pack is still in the store (the gc that deletes it waits for this
+    /// backup's lock), so each blob is read from there; the copies made now go to a pack
+    /// of another name ([`Self::seal_pack`] sees `condemned_since`).
+    fn store_own_condemned_again(&self, new: &HashSet<&Digest>) -> Result<()> {
+        let own: Vec<PackBlobs> = locked(&self.done).iter().filter(|p| new.contains(&p.pack)).cloned().collect();
+        for p in &own {
+            log::info!(
+                "a pack of this backup has the name of one gc condemned meanwhile, {}: its blobs are stored again",
+                pack_name(&p.pack)
+            );
+            for e in &p.blobs {
+                let loc = crate::BlobLocation::of(p.pack, e);
+                let plain = self.repo.read_blob(&e.id, &loc, e.kind).map_err(|why| {
+                    Error::Invalid(format!(
+                        "a pack of the backup of {} took the name of one gc condemned meanwhile, and cannot be read \
+                         to store its blobs again ({why}): nothing was committed; run the backup again",
+                        self.name
+                    ))
+                })?;
+                self.store_new_blob(&e.id, e.kind, &plain)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// After the manifest (or a checkpoint) is stored as `sealed`: the lock must still be
+    /// ours. A process frozen between its last check and the store (a stopped host) may
+    /// have lost it meanwhile, and a gc that took it for stale may have deleted what the
+    /// object names: then the object is removed again, and the backup fails. Only while
+    /// it still holds what this backup stored: a checkpoint has the disk's name, and the
+    /// backup that took the disk over once the lock went may have stored its own there.
+    fn check_lock_after(&self, object: &str, sealed: &[u8]) -> Result<()> {
         let Some(r) = locked(&self.lock).as_ref().map(|g| g.check()) else { return Ok(()) };
         match r {
             Ok(()) => Ok(()),
             // Lost: a gc may have deleted what the object names.
             Err(e @ Error::Locked(_)) => {
+                match self.repo.store.get(object, sealed.len() as u64 + 1) {
+                    Ok(there) if there != sealed => {
+                        log::warn!(
+                            "{object} is not removed: another backup of {} stored its own there since this one's \
+                             lock went",
+                            self.name
+                        );
+                        return Err(e);
+                    }
+                    Err(g) if g.kind() == io::ErrorKind::NotFound => return Err(e),
+                    // Ours, or it cannot be told: what a gc may have emptied goes (a
+                    // checkpoint costs only resume progress; one naming deleted packs
+                    // would stop every gc).
+                    _ => {}
+                }
                 if let Err(d) = self.repo.store.delete(object) {
                     log::warn!(
                         "cannot remove {object} from {}: {d}; run `ferry repo check`",
@@ -1427,25 +1552,27 @@ impl SnapshotWriter {
     /// page in the index, none of its chunks written by this backup, and each one that is
     /// not zero hinted at a pack that is present and not condemned. Otherwise the page is
     /// made again with current places.
-    fn base_page_holds(&self, st: &State, first: usize, slice: &[Digest]) -> bool {
+    fn base_page_holds(&self, st: &State, first: usize, slice: &[Digest]) -> Result<bool> {
         let page = st.pages[first / self.pe as usize];
         // A located page of the repository (not one this backup's checkpoint stored, of
         // kind 1, nor one whose only copy is gone).
         let located = page == ZERO
             || self.index.first(&self.repo.crypto.blob_id(&page)).is_some_and(|l| l.kind == BlobKind::Located);
-        located
-            && !self.base_hints.is_empty()
-            && slice.iter().enumerate().all(|(k, d)| {
-                let ci = first + k;
-                !st.is_done(ci as u64) && (*d == ZERO || self.base_hints.get(ci).is_some())
-            })
+        if !located || self.base_hints.is_empty() {
+            return Ok(false);
+        }
+        let base = self.base_hints.range(first as u64, slice.len(), &self.name)?;
+        Ok(slice.iter().zip(&base).enumerate().all(|(k, (d, h))| {
+            let ci = first + k;
+            !st.is_done(ci as u64) && (*d == ZERO || h.is_some())
+        }))
     }
 
     /// The located page (FORMAT.md §7c) of chunks `first..` (`slice`, one page's entries):
     /// each chunk's place is where this backup stored it, else the base's hint for the
     /// same chunk (an entry this backup did not write) where its pack is present and not
     /// condemned, else the index's first usable copy.
-    fn located_page(&self, st: &State, first: usize, slice: &[Digest], own: &[(u32, u32)]) -> Vec<u8> {
+    fn located_page(&self, st: &State, first: usize, slice: &[Digest], own: &[(u32, u32)]) -> Result<Vec<u8>> {
         let ids: Vec<Digest> = slice.iter().map(|d| self.repo.crypto.blob_id(d)).collect();
         let mut at: Vec<Option<format::BlobAt>> = {
             let done = locked(&self.done);
@@ -1455,14 +1582,15 @@ impl SnapshotWriter {
                 .map(|(d, id)| if *d == ZERO { None } else { Self::own_place(&done, own, id) })
                 .collect()
         };
+        let base = self.base_hints.range(first as u64, slice.len(), &self.name)?;
         for (k, a) in at.iter_mut().enumerate().filter(|(k, a)| a.is_none() && slice[*k] != ZERO) {
             let ci = first + k;
-            *a = match self.base_hints.get(ci) {
+            *a = match base[k] {
                 Some(h) if !st.is_done(ci as u64) => Some(h),
                 _ => crate::repo::first_at(&self.index, &ids[k], BlobKind::Data),
             };
         }
-        format::encode_located_page(slice, &at)
+        Ok(format::encode_located_page(slice, &at))
     }
 
     /// The manifest's pages with their hints (FORMAT.md §7c): where this backup stored each
@@ -1559,23 +1687,47 @@ impl SnapshotWriter {
         if let Some(e) = failed() {
             return Err(e);
         }
-        // What is entered as of now: the changed pages' entries and the done chunks.
-        let (todo, mut pages, done) = {
-            let mut st = locked(&self.state);
-            let pe = self.pe as usize;
-            let mut todo: Vec<(usize, Vec<Digest>)> = Vec::new();
-            for i in 0..st.dirty.len() {
-                if st.dirty[i] {
+        // The chunks done as of now, then the changed pages' entries, a group of pages
+        // at a time (each page holds at least what was done now; a chunk entered since
+        // that it holds has its blob stored too, before the packs are closed below).
+        let done = locked(&self.state).done_runs(self.chunks);
+        let n_pages = locked(&self.state).dirty.len();
+        let mut pages = vec![ZERO; n_pages];
+        let mut taken: Vec<usize> = Vec::new();
+        let mut r = Ok(());
+        let mut buf = Vec::new();
+        for group in (0..n_pages).step_by(CHECKPOINT_PAGES) {
+            let todo = {
+                let mut st = locked(&self.state);
+                let mut todo: Vec<(usize, Vec<Digest>)> = Vec::new();
+                let end = (group + CHECKPOINT_PAGES).min(n_pages);
+                for (i, page) in pages.iter_mut().enumerate().take(end).skip(group) {
+                    if !st.dirty[i] {
+                        *page = st.pages[i];
+                        continue;
+                    }
+                    match self.page(&st, i, &mut buf) {
+                        Ok(p) => todo.push((i, p.to_vec())),
+                        Err(e) => {
+                            r = Err(e);
+                            break;
+                        }
+                    }
                     st.dirty[i] = false;
-                    let end = ((i + 1) * pe).min(st.entries.len());
-                    todo.push((i, st.entries[i * pe..end].to_vec()));
+                    taken.push(i);
                 }
+                todo
+            };
+            if r.is_ok() {
+                r = self.checkpoint_pages(&todo, &mut pages);
             }
-            (todo, st.pages.clone(), st.done_runs(self.chunks))
-        };
-        let r = self.checkpoint_store(&todo, &mut pages, done).and_then(|()| failed().map_or(Ok(()), Err));
+            if r.is_err() {
+                break;
+            }
+        }
+        let r = r.and_then(|()| self.checkpoint_store(&pages, done)).and_then(|()| failed().map_or(Ok(()), Err));
         let mut st = locked(&self.state);
-        for (i, _) in &todo {
+        for i in &taken {
             match r {
                 Ok(()) => st.pages[*i] = pages[*i],
                 Err(_) => st.dirty[*i] = true,
@@ -1584,7 +1736,8 @@ impl SnapshotWriter {
         r
     }
 
-    fn checkpoint_store(&self, todo: &[(usize, Vec<Digest>)], pages: &mut [Digest], done: Vec<[u64; 2]>) -> Result<()> {
+    /// Stores the pages `todo` (page number, entries) and sets their digests in `pages`.
+    fn checkpoint_pages(&self, todo: &[(usize, Vec<Digest>)], pages: &mut [Digest]) -> Result<()> {
         let mut page_buf = Vec::with_capacity(self.pe as usize * 32);
         for (i, entries) in todo {
             if entries.iter().all(|e| *e == ZERO) {
@@ -1597,6 +1750,10 @@ impl SnapshotWriter {
                 pages[*i] = d;
             }
         }
+        Ok(())
+    }
+
+    fn checkpoint_store(&self, pages: &[Digest], done: Vec<[u64; 2]>) -> Result<()> {
         // Every blob of a chunk entered before now is in the open pack or in one on its way.
         self.close_pack(true)?;
         self.wait_packs();
@@ -1634,14 +1791,29 @@ impl SnapshotWriter {
             .put(&object, &sealed)
             .map_err(|e| Error::store(format!("cannot store {object} in {}", self.repo.store.describe()), e))?;
         // Stored after the lock went, it may name packs a gc deleted meanwhile: removed.
-        self.check_lock_after(&object)
+        self.check_lock_after(&object, &sealed)
     }
 
-    /// Calls `f` with the chunk list as it stands (one digest per chunk, [`ZERO`] for a
-    /// zero chunk): before the copy writes anything, the base's (or the resumed
-    /// checkpoint's), for a caller that checks a change map against it.
-    pub fn with_entries<R>(&self, f: impl FnOnce(&[Digest]) -> R) -> R {
-        f(&locked(&self.state).entries)
+    /// Calls `f` with the chunk list as it stands, as a function from a chunk's number to
+    /// its entry (one digest per chunk, [`ZERO`] for a zero chunk, or where the list
+    /// cannot be read), and the number of chunks: before the copy writes anything, the
+    /// base's (or the resumed checkpoint's), for a caller that checks a change map
+    /// against it. Neighbouring chunks are read a window at a time.
+    pub fn with_entries<R>(&self, f: impl FnOnce(&dyn Fn(u64) -> Digest, u64) -> R) -> R {
+        let st = locked(&self.state);
+        let window: RefCell<(u64, Vec<Digest>)> = RefCell::new((u64::MAX, Vec::new()));
+        let entry = |ci: u64| {
+            let mut w = window.borrow_mut();
+            let start = ci - ci % crate::entries::WINDOW as u64;
+            if w.0 != start {
+                let n = (self.chunks - start).min(crate::entries::WINDOW as u64) as usize;
+                let mut buf = Vec::new();
+                let read = st.entries.read(start, n, &mut buf).map(|e| e.to_vec());
+                *w = (start, read.unwrap_or_else(|_| vec![ZERO; n]));
+            }
+            w.1[(ci - start) as usize]
+        };
+        f(&entry, self.chunks)
     }
 
     /// Whether the new snapshot reads as zeroes where nothing is written (no base): then
@@ -1745,14 +1917,47 @@ pub fn checkpoint_mismatch(ck: &Checkpoint, opts: &BackupOptions) -> Vec<String>
 /// Chunk runs `[first, count]` as byte ranges (offset, length) of a disk of `size` bytes.
 /// The base's chunk hints, without those in packs that are not `kept` (gone, or condemned):
 /// a page whose chunks are hinted there is made again.
-fn usable_hints(mut h: ChunkHints, kept: &HashSet<Digest>) -> ChunkHints {
-    let usable: Vec<bool> = h.packs.iter().map(|p| kept.contains(p)).collect();
-    for a in h.at.iter_mut() {
-        if !usable.get(a[0] as usize).copied().unwrap_or(false) {
-            *a = [u32::MAX, 0, 0];
-        }
+/// The base snapshot's chunk hints (FORMAT.md §7c) that point into packs present and not
+/// condemned: the packs they name and, per chunk, a 32-byte record kept as the chunk list
+/// is ([`Entries`]: in memory, or in a file for a large disk): the pack's number plus one
+/// (0: no hint), the offset and the stored length, little-endian.
+struct BaseHints {
+    packs: Vec<Digest>,
+    at: Option<Entries>,
+}
+
+impl BaseHints {
+    fn none() -> BaseHints {
+        BaseHints { packs: Vec::new(), at: None }
     }
-    h
+
+    fn is_empty(&self) -> bool {
+        self.at.is_none()
+    }
+
+    fn record(pack: u32, offset: u32, stored_len: u32) -> Digest {
+        let mut r = ZERO;
+        r[0..4].copy_from_slice(&(pack + 1).to_le_bytes());
+        r[4..8].copy_from_slice(&offset.to_le_bytes());
+        r[8..12].copy_from_slice(&stored_len.to_le_bytes());
+        r
+    }
+
+    /// The hints of chunks `first..first + n` (`None` where there is none).
+    fn range(&self, first: u64, n: usize, what: &str) -> Result<Vec<Option<format::BlobAt>>> {
+        let Some(at) = &self.at else { return Ok(vec![None; n]) };
+        let mut buf = Vec::new();
+        let records = at.read(first, n, &mut buf).map_err(|e| spill_error(what, e))?;
+        let word = |r: &Digest, i: usize| u32::from_le_bytes([r[i], r[i + 1], r[i + 2], r[i + 3]]);
+        Ok(records
+            .iter()
+            .map(|r| {
+                let no = word(r, 0).checked_sub(1)?;
+                let pack = *self.packs.get(no as usize)?;
+                Some(format::BlobAt { pack, offset: word(r, 4), stored_len: word(r, 8) })
+            })
+            .collect())
+    }
 }
 
 fn runs_to_ranges(runs: &[[u64; 2]], cs: u64, size: u64) -> Vec<(u64, u64)> {
@@ -1767,40 +1972,64 @@ fn runs_to_ranges(runs: &[[u64; 2]], cs: u64, size: u64) -> Vec<(u64, u64)> {
 /// The runs of chunks not done whose entry names a blob that `index` (present packs only)
 /// does not have. Every entry is looked at: this is what lets the commit trust the
 /// entries a backup does not write.
-fn lost_runs(repo: &Repository, index: &dyn BlobLookup, state: &State) -> Vec<[u64; 2]> {
+fn lost_runs(repo: &Repository, index: &dyn BlobLookup, state: &State) -> Result<Vec<[u64; 2]>> {
     let mut runs = Vec::new();
-    for ci in missing_chunks(repo, index, &state.entries, |ci| !state.is_done(ci)) {
+    for ci in missing_chunks(repo, index, &state.entries, |ci| !state.is_done(ci))? {
         push_run(&mut runs, ci, 1);
     }
-    runs
+    Ok(runs)
+}
+
+/// Blob ids with a position each, gathered from windows of digests and handed out
+/// sorted, a batch at a time: neighbouring ids share the blocks of the index cache they
+/// are looked up in, so a disk of 16M chunks costs a read of each block per batch, not a
+/// block per chunk; and a batch bounds the memory (40 bytes an id).
+struct Keyed<'a> {
+    repo: &'a Repository,
+    keyed: Vec<(Digest, u64)>,
+}
+
+impl Keyed<'_> {
+    const BATCH: usize = 1 << 18;
+
+    /// Adds the ids of `digests` (the first at position `first`) that are not zero and
+    /// that `pick` selects (by position). The ids are made on several threads (a keyed
+    /// hash each when encrypted).
+    fn add(&mut self, first: u64, digests: &[Digest], pick: &(dyn Fn(u64) -> bool + Sync)) {
+        const SLICE: usize = 1 << 12;
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let slices: Vec<usize> = (0..digests.len()).step_by(SLICE).collect();
+        let keyed = crate::repo::par_map(&slices, threads, |&s| {
+            (s..(s + SLICE).min(digests.len()))
+                .filter(|&i| digests[i] != ZERO && pick(first + i as u64))
+                .map(|i| (self.repo.crypto.blob_id(&digests[i]), first + i as u64))
+                .collect::<Vec<(Digest, u64)>>()
+        });
+        self.keyed.extend(keyed.into_iter().flatten());
+    }
+
+    fn full(&self) -> bool {
+        self.keyed.len() >= Self::BATCH
+    }
+
+    /// What was added since the last batch, sorted by id.
+    fn take(&mut self) -> Vec<(Digest, u64)> {
+        let mut k = std::mem::take(&mut self.keyed);
+        k.sort_unstable();
+        k
+    }
 }
 
 /// The chunks, in order, that `pick` selects whose entry is not zero and names a blob
-/// that `index` does not have. The ids are made on several threads (a keyed hash each
-/// when encrypted) and looked up sorted, a batch at a time (neighbouring ids share the
-/// blocks of the index cache they are read from): a disk of 16M chunks costs a read of
-/// each block of the cache per batch, not a block per chunk.
+/// that `index` does not have (looked up sorted, a batch at a time: [`Keyed`]).
 fn missing_chunks(
     repo: &Repository,
     index: &dyn BlobLookup,
-    entries: &[Digest],
+    entries: &Entries,
     pick: impl Fn(u64) -> bool + Sync,
-) -> Vec<u64> {
-    const BATCH: usize = 1 << 20;
-    const SLICE: usize = 1 << 14;
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+) -> Result<Vec<u64>> {
     let mut missing = Vec::new();
-    for start in (0..entries.len()).step_by(BATCH) {
-        let end = (start + BATCH).min(entries.len());
-        let slices: Vec<usize> = (start..end).step_by(SLICE).collect();
-        let keyed = crate::repo::par_map(&slices, threads, |&s| {
-            (s..(s + SLICE).min(end))
-                .filter(|&ci| entries[ci] != ZERO && pick(ci as u64))
-                .map(|ci| (repo.crypto.blob_id(&entries[ci]), ci as u64))
-                .collect::<Vec<(Digest, u64)>>()
-        });
-        let mut keyed: Vec<(Digest, u64)> = keyed.into_iter().flatten().collect();
-        keyed.sort_unstable();
+    let lookup = |keyed: Vec<(Digest, u64)>, missing: &mut Vec<u64>| {
         let mut ids: Vec<Digest> = keyed.iter().map(|k| k.0).collect();
         ids.dedup();
         let found = index.contains_each(&ids);
@@ -1813,9 +2042,29 @@ fn missing_chunks(
                 missing.push(ci);
             }
         }
-    }
+    };
+    let mut k = Keyed { repo, keyed: Vec::new() };
+    entries.each_window(
+        |e| spill_error("a backup", e),
+        |first, w| {
+            k.add(first, w, &pick);
+            if k.full() {
+                lookup(k.take(), &mut missing);
+            }
+            Ok(())
+        },
+    )?;
+    lookup(k.take(), &mut missing);
     missing.sort_unstable();
-    missing
+    Ok(missing)
+}
+
+/// An error of the file that holds a backup's chunk list ([`crate::entries`]).
+fn spill_error(what: &str, e: io::Error) -> Error {
+    Error::Invalid(format!(
+        "the chunk list of {what} cannot be read or written in its file in the cache directory: {e}; free space \
+         there (or set FERRY_CACHE_DIR to a directory with room), then run the backup again"
+    ))
 }
 
 /// What a backup with these changes reads, for messages.

@@ -185,23 +185,34 @@ impl Store for Hooked {
     }
 }
 
-/// The stall falls between the backup's last lock check and its manifest: the manifest
-/// is stored after its lock was removed. The backup finds that out and removes the
-/// manifest again, so that no listed snapshot names packs a gc may have deleted.
-#[test]
-fn a_manifest_stored_after_the_lock_went_is_removed_again() {
+/// A store whose hook runs after each object under `prefix`, a repository on it, and a
+/// backup of disk `b` that wrote all of its 2 MiB (returned), not committed.
+#[allow(clippy::type_complexity)]
+fn hooked_backup(prefix: &'static str) -> (Arc<MemStore>, Arc<Hooked>, Arc<Repository>, Arc<SnapshotWriter>, Vec<u8>) {
     let inner = Arc::new(MemStore::new());
-    let store = Arc::new(Hooked { inner: inner.clone(), prefix: "snapshots/", after: Mutex::new(None) });
+    let store = Arc::new(Hooked { inner: inner.clone(), prefix, after: Mutex::new(None) });
     let repo =
         Arc::new(Repository::init(store.clone(), &InitOptions { page_entries: 16, ..InitOptions::default() }).unwrap());
     let a = disk(2 << 20, 8);
     let w = SnapshotWriter::start(repo.clone(), opts("b", a.len() as u64, None)).unwrap();
     write_all(&w, &a);
-    *store.after.lock().unwrap() = Some(Box::new(|s: &MemStore| {
-        for (name, _) in s.list("locks/").unwrap() {
-            s.delete(&name).unwrap();
-        }
-    }));
+    (inner, store, repo, w, a)
+}
+
+/// What another process that took every lock for stale does: removes them.
+fn drop_locks(s: &MemStore) {
+    for (name, _) in s.list("locks/").unwrap() {
+        s.delete(&name).unwrap();
+    }
+}
+
+/// The stall falls between the backup's last lock check and its manifest: the manifest
+/// is stored after its lock was removed. The backup finds that out and removes the
+/// manifest again, so that no listed snapshot names packs a gc may have deleted.
+#[test]
+fn a_manifest_stored_after_the_lock_went_is_removed_again() {
+    let (inner, store, _repo, w, a) = hooked_backup("snapshots/");
+    *store.after.lock().unwrap() = Some(Box::new(drop_locks));
     assert!(matches!(w.commit(a.len() as u64), Err(Error::Locked(_))));
     assert!(objects(&inner, "snapshots/").is_empty(), "the manifest stayed");
 }
@@ -437,18 +448,8 @@ fn pack_names(repo: &Repository) -> Vec<String> {
 /// names). Like a manifest, it is removed again and the backup fails; later gcs run.
 #[test]
 fn a_checkpoint_stored_after_the_lock_went_is_removed() {
-    let inner = Arc::new(MemStore::new());
-    let store = Arc::new(Hooked { inner: inner.clone(), prefix: "checkpoints/", after: Mutex::new(None) });
-    let repo =
-        Arc::new(Repository::init(store.clone(), &InitOptions { page_entries: 16, ..InitOptions::default() }).unwrap());
-    let a = disk(2 << 20, 8);
-    let w = SnapshotWriter::start(repo.clone(), opts("b", a.len() as u64, None)).unwrap();
-    write_all(&w, &a);
-    *store.after.lock().unwrap() = Some(Box::new(|s: &MemStore| {
-        for (name, _) in s.list("locks/").unwrap() {
-            s.delete(&name).unwrap();
-        }
-    }));
+    let (inner, store, repo, w, _a) = hooked_backup("checkpoints/");
+    *store.after.lock().unwrap() = Some(Box::new(drop_locks));
     let r = w.checkpoint();
     let left = objects(&inner, "checkpoints/").len();
     *store.after.lock().unwrap() = None;
@@ -460,4 +461,74 @@ fn a_checkpoint_stored_after_the_lock_went_is_removed() {
     assert_eq!(left, 0, "the checkpoint stored after the lock went stays");
     gc_margin(&repo, Duration::ZERO).unwrap();
     gc_margin(&repo, Duration::ZERO).unwrap();
+}
+
+/// An unencrypted backup that started before a gc condemned an orphan with the bytes of
+/// the pack it then seals (the same data as the interrupted backup that left it) takes
+/// the orphan's name without knowing it. At commit it stores that pack's blobs again
+/// under another name: the disk's next backup finds its base's chunks in a pack that is
+/// not condemned, and a gc then deletes the orphan's name without taking any of them.
+#[test]
+fn a_pack_sealed_with_the_name_of_an_orphan_condemned_meanwhile_is_stored_again() {
+    let (store, repo) = new_repo(false);
+    let a = disk(1 << 20, 9);
+    let o = BackupOptions { pack_size: 64 << 20, ..opts("a", a.len() as u64, None) };
+    let w = SnapshotWriter::start(repo.clone(), o.clone()).unwrap();
+    w.write(&a, 0, false).unwrap();
+    w.checkpoint().unwrap();
+    drop(w); // interrupted: its one pack is an orphan
+    let orphan = objects(&store, "data/");
+    assert_eq!(orphan.len(), 1);
+    for (name, _) in objects(&store, "index/").into_iter().chain(objects(&store, "checkpoints/")) {
+        store.delete(&name).unwrap();
+    }
+    let w = SnapshotWriter::start(repo.clone(), o).unwrap();
+    // Condemned after that backup started, by a gc that named a backup which has ended.
+    let ended = CondemnedLock { lock: format!("locks/{}", "e".repeat(32)), time: "2026-11-28T08:00:00Z".into() };
+    repo.put_condemned(&[crate::damage::pack_id(&orphan[0].0).unwrap()], &[ended]).unwrap();
+    w.write(&a, 0, false).unwrap();
+    w.checkpoint().unwrap();
+    assert_eq!(objects(&store, "data/"), orphan, "the checkpoint's pack has the orphan's bytes");
+    let s = w.commit(a.len() as u64).unwrap();
+    let next = SnapshotWriter::start(repo.clone(), opts("a", a.len() as u64, Some(s.clone()))).unwrap();
+    assert!(next.lost_ranges().is_empty(), "the base's chunks are only in a condemned pack: {:?}", next.lost_ranges());
+    drop(next);
+    assert_eq!(gc_now(&repo).packs_deleted, 1);
+    assert!(objects(&store, "data/").iter().all(|p| p.0 != orphan[0].0));
+    assert_eq!(read_back(&repo, &s), a);
+    whole(&repo);
+}
+
+/// A backup stalled between its checkpoint's store and the lock check after it: its lock
+/// went, and the backup that took its disk over stored its own checkpoint under the
+/// disk's name meanwhile. The stalled one fails without removing that checkpoint.
+#[test]
+fn a_stalled_backup_leaves_the_checkpoint_of_the_backup_that_took_its_disk_over() {
+    const OTHER: &[u8] = b"the checkpoint of the backup that took the disk over";
+    let (inner, store, _repo, w, _a) = hooked_backup("checkpoints/");
+    *store.after.lock().unwrap() = Some(Box::new(|s: &MemStore| {
+        drop_locks(s);
+        for (name, _) in s.list("checkpoints/").unwrap() {
+            s.put(&name, OTHER).unwrap();
+        }
+    }));
+    let r = w.checkpoint();
+    *store.after.lock().unwrap() = None;
+    assert!(matches!(r, Err(Error::Locked(_))), "{r:?}");
+    let left = objects(&inner, "checkpoints/");
+    assert_eq!(left.len(), 1, "the other backup's checkpoint was removed");
+    assert_eq!(inner.get(&left[0].0, 1 << 20).unwrap(), OTHER);
+}
+
+/// `FERRY_GC_TEMP_AGE` (a test knob) cannot make a release gc remove a running writer's
+/// temporary files: below ten minutes it needs `FERRY_TEST_UNSAFE_GC_TEMP_AGE` too.
+#[test]
+fn the_temp_age_knob_has_a_floor_unless_a_test_asks() {
+    let secs = |v: Option<&str>, unsafe_ok| maint::temp_age(v, unsafe_ok).as_secs();
+    assert_eq!(secs(None, false), 3600);
+    assert_eq!(secs(Some("0"), false), 600);
+    assert_eq!(secs(Some("599"), false), 600);
+    assert_eq!(secs(Some("7200"), false), 7200);
+    assert_eq!(secs(Some("0"), true), 0);
+    assert_eq!(secs(Some("soon"), true), 3600);
 }

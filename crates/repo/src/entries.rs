@@ -1,0 +1,184 @@
+//! A backup's chunk list (one digest per chunk of the disk): in memory for a small disk,
+//! else in an unlinked file in the local cache directory, so that a backup's memory does
+//! not grow with its disk (32 bytes a chunk: 512 MiB for a disk of 1 TiB in 64 KiB
+//! chunks). The file is written where the backup enters chunks, a batch of chunks at a
+//! time (into the page cache: no read), and read back a page (or a window) at a time
+//! where every entry is needed: the pages made at a checkpoint or the commit, the
+//! blkhash, and the lookups of what is lost or condemned. None of it is a repository
+//! object; the file goes when the backup ends, however it ends (it has no name).
+use crate::format::{Digest, ZERO};
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::Path;
+
+/// A chunk list of more entries than this is kept in a file (16 MiB of digests in
+/// memory at most: a disk of 32 GiB in 64 KiB chunks).
+#[cfg(not(test))]
+pub(crate) const SPILL_ENTRIES: u64 = 1 << 19;
+/// Small in the crate's tests, so that their backups use the file.
+#[cfg(test)]
+pub(crate) const SPILL_ENTRIES: u64 = 40;
+
+/// Entries read from the file at once where all of them are walked (1 MiB).
+pub(crate) const WINDOW: usize = 1 << 15;
+
+/// One digest per chunk.
+pub(crate) enum Entries {
+    Memory(Vec<Digest>),
+    /// `len` entries of 32 bytes each, in order; unwritten ranges read as zeroes ([`ZERO`]).
+    File {
+        file: File,
+        len: u64,
+    },
+}
+
+impl Entries {
+    /// `len` zero entries: in memory up to [`SPILL_ENTRIES`], else in a file in `dir`
+    /// (the cache directory; the system's temporary directory where there is none).
+    pub(crate) fn zeroes(len: u64, dir: Option<&Path>, what: &str) -> crate::Result<Entries> {
+        if len <= SPILL_ENTRIES {
+            let mut v = crate::repo::entry_list(len, what)?;
+            v.resize(len as usize, ZERO);
+            return Ok(Entries::Memory(v));
+        }
+        let tmp = std::env::temp_dir();
+        let dir = dir.unwrap_or(&tmp);
+        let file = unlinked_file(dir).and_then(|f| f.set_len(len * 32).map(|()| f)).map_err(|e| {
+            crate::Error::Invalid(format!(
+                "cannot make the file that holds the chunk list of {what} ({len} chunks) in {}: {e}; free space \
+                 there, or set FERRY_CACHE_DIR to a directory with room",
+                dir.display()
+            ))
+        })?;
+        Ok(Entries::File { file, len })
+    }
+
+    pub(crate) fn len(&self) -> u64 {
+        match self {
+            Entries::Memory(v) => v.len() as u64,
+            Entries::File { len, .. } => *len,
+        }
+    }
+
+    /// Entries `first..first + n` (within the list): a slice of the list, or read into `buf`.
+    pub(crate) fn read<'a>(&'a self, first: u64, n: usize, buf: &'a mut Vec<Digest>) -> io::Result<&'a [Digest]> {
+        match self {
+            Entries::Memory(v) => Ok(&v[first as usize..first as usize + n]),
+            Entries::File { file, .. } => {
+                let mut bytes = vec![0u8; n * 32];
+                file.read_exact_at(&mut bytes, first * 32)?;
+                buf.clear();
+                buf.extend(bytes.chunks_exact(32).map(|c| c.try_into().unwrap_or(ZERO)));
+                Ok(&buf[..])
+            }
+        }
+    }
+
+    /// The entry of chunk `ci`.
+    pub(crate) fn get(&self, ci: u64) -> io::Result<Digest> {
+        let mut buf = Vec::new();
+        Ok(self.read(ci, 1, &mut buf)?[0])
+    }
+
+    /// Sets entries `first..` to `digests`.
+    pub(crate) fn write(&mut self, first: u64, digests: &[Digest]) -> io::Result<()> {
+        match self {
+            Entries::Memory(v) => {
+                v[first as usize..first as usize + digests.len()].copy_from_slice(digests);
+                Ok(())
+            }
+            Entries::File { file, .. } => file.write_all_at(digests.as_flattened(), first * 32),
+        }
+    }
+
+    /// Sets entries `first..first + n` to [`ZERO`].
+    pub(crate) fn zero(&mut self, first: u64, n: u64) -> io::Result<()> {
+        match self {
+            Entries::Memory(v) => {
+                v[first as usize..(first + n) as usize].fill(ZERO);
+                Ok(())
+            }
+            Entries::File { .. } => {
+                let zeroes = vec![ZERO; n.min(WINDOW as u64) as usize];
+                let mut at = first;
+                while at < first + n {
+                    let k = (first + n - at).min(WINDOW as u64) as usize;
+                    self.write(at, &zeroes[..k])?;
+                    at += k as u64;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Calls `f` with each window of entries in order (its first chunk, its entries),
+    /// [`WINDOW`] entries at a time (the last one shorter); a read error as `read_error`
+    /// makes it.
+    pub(crate) fn each_window<E>(
+        &self,
+        read_error: impl Fn(io::Error) -> E,
+        mut f: impl FnMut(u64, &[Digest]) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let mut buf = Vec::new();
+        let mut at = 0;
+        while at < self.len() {
+            let n = (self.len() - at).min(WINDOW as u64) as usize;
+            f(at, self.read(at, n, &mut buf).map_err(&read_error)?)?;
+            at += n as u64;
+        }
+        Ok(())
+    }
+}
+
+/// A new file in `dir`, readable and writable by this user only, with no name left.
+fn unlinked_file(dir: &Path) -> io::Result<File> {
+    let r = crate::crypto::random::<12>();
+    let path = dir.join(format!(".entries-{}-{}", std::process::id(), crate::format::hex(&r)));
+    let file = std::fs::OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(&path)?;
+    std::fs::remove_file(&path)?;
+    Ok(file)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_file_and_memory_hold_the_same_entries() {
+        let dir = tempfile::tempdir().unwrap();
+        let dir = dir.path();
+        let n = SPILL_ENTRIES * 3 + 7;
+        let mut file = Entries::zeroes(n, Some(dir), "a test").unwrap();
+        assert!(matches!(file, Entries::File { .. }));
+        let mut mem = Entries::Memory(vec![ZERO; n as usize]);
+        let d = |i: u64| -> Digest { [i as u8 + 1; 32] };
+        for e in [&mut file, &mut mem] {
+            let ds: Vec<Digest> = (5..60).map(d).collect();
+            e.write(5, &ds).unwrap();
+            e.zero(20, 10).unwrap();
+            e.write(n - 1, &[d(9)]).unwrap();
+        }
+        let all = |e: &Entries| {
+            let mut v = Vec::new();
+            e.each_window(
+                |e| e,
+                |at, w| -> io::Result<()> {
+                    assert_eq!(at, v.len() as u64);
+                    v.extend_from_slice(w);
+                    Ok(())
+                },
+            )
+            .unwrap();
+            v
+        };
+        let (a, b) = (all(&file), all(&mem));
+        assert_eq!(a, b);
+        assert_eq!(a.len() as u64, n);
+        assert_eq!(a[6], d(6));
+        assert_eq!(a[25], ZERO);
+        assert_eq!(file.get(n - 1).unwrap(), d(9));
+        // No name is left in the directory.
+        assert_eq!(std::fs::read_dir(dir).unwrap().count(), 0);
+    }
+}
