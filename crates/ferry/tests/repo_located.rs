@@ -367,6 +367,33 @@ fn a_migrate_killed_after_any_write_is_finished_by_the_next() {
     }
 }
 
+/// A change map started at a snapshot that migrate gave a new id continues it: `--since`
+/// with the old id (whole, or a prefix) is the migrated latest.
+#[test]
+fn since_an_id_from_before_migrate_names_the_migrated_snapshot() {
+    let r = Repo::init(&["--format-version", "1"]);
+    let disks: Vec<(&str, Vec<u8>, String)> = ["d", "e"]
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            let bytes = Rng::new(9 + i as u64).bytes(4 * MIB);
+            let img = r.image(&format!("{name}.raw"), &bytes);
+            (*name, bytes, r.backup(&img, name))
+        })
+        .collect();
+    r.ok(&["repo", "migrate", &r.repo]);
+    let map = r.dir.join("map.json");
+    fs::write(&map, r#"[{"offset": 0, "length": 65536, "type": 1}]"#).unwrap();
+    for (name, mut bytes, old) in disks {
+        bytes[..1000].fill(7);
+        let img = r.image(&format!("{name}.raw"), &bytes);
+        let since = if name == "d" { old.clone() } else { old[..8].to_string() };
+        let out = r.ok(&["backup", "--extents-from", s(&map), "--since", &since, s(&img), &r.snap(name)]);
+        assert!(out.stderr.contains("was migrated"), "{}", out.describe());
+        assert!(r.restore(&r.snap(name)).unwrap() == bytes);
+    }
+}
+
 fn copy_dir(from: &Path, to: &Path) {
     fs::create_dir_all(to).unwrap();
     for e in fs::read_dir(from).unwrap().flatten() {
