@@ -324,11 +324,17 @@ fn migrate_refuses_an_encrypted_version_1_repository() {
 }
 
 /// (d) A migrate stopped after each of its writes in turn (as kill -9 would: the process
-/// aborts) leaves a repository whose every listed snapshot restores, and the next migrate
+/// aborts), of a version 1 and of an encrypted version 2 repository, leaves a repository whose every listed snapshot restores, and the next migrate
 /// finishes the job.
 #[test]
 fn a_migrate_killed_after_any_write_is_finished_by_the_next() {
-    let r = Repo::init(&["--format-version", "1"]);
+    for args in [&["--format-version", "1"][..], &["--format-version", "2", "--encrypt"][..]] {
+        killed_at_each_write(args);
+    }
+}
+
+fn killed_at_each_write(args: &[&str]) {
+    let r = Repo::init(args);
     let disks = chains(&r);
     let before = listed(&r);
     let key = |v: &[(String, String, String, String, String)]| {
@@ -337,7 +343,7 @@ fn a_migrate_killed_after_any_write_is_finished_by_the_next() {
     // Stops after the config, around the first snapshots' writes, then further apart.
     for n in [1, 2, 3, 4, 5, 6, 9, 12, 17, 22, 1000] {
         // A copy of the repository as it was, for each stop point.
-        let copy = Repo::init(&["--format-version", "1"]);
+        let copy = Repo::init(args);
         fs::remove_dir_all(&copy.repo).unwrap();
         copy_dir(Path::new(&r.repo), Path::new(&copy.repo));
         let o =
