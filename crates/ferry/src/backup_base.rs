@@ -82,6 +82,17 @@ impl MapCommand<'_> {
         }
         let s = match named() {
             Ok(s) => s,
+            // The latest, migrated since the map was started (`ferry repo migrate`): the old
+            // id is hidden, and the new manifest names it.
+            Err(ferry_repo::Error::NotFound(_)) if migrated_from(latest, &since) => {
+                log::info!(
+                    "--since {since}: snapshot {since} of {} was migrated to {} (`ferry repo migrate`), its latest: \
+                     the change map continues it",
+                    self.name,
+                    short_id(&latest.id)
+                );
+                return Ok(());
+            }
             Err(ferry_repo::Error::NotFound(why)) => bail!(
                 "--since {since}: {why}. The change map continues a snapshot that is not there (forgotten, or \
                  removed from the store), so it cannot be applied to {name}'s latest ({latest_shown}): it would \
@@ -124,6 +135,12 @@ impl MapCommand<'_> {
             full = self.full(),
         )
     }
+}
+
+/// Whether `since` (an id or a prefix of one, lower case) names the manifest `snap` was
+/// migrated from.
+fn migrated_from(snap: &SnapshotInfo, since: &str) -> bool {
+    snap.manifest.migrated_from.as_deref().is_some_and(|old| since.len() >= 4 && old.starts_with(since))
 }
 
 /// `s` as one shell word.

@@ -445,17 +445,30 @@ pub fn run(args: RepoArgs) -> Result<i32> {
             let r = ferry_repo::migrate::migrate(&repo, a.dry_run, &mut progress)
                 .with_context(|| format!("migrate of {}", a.common.repo))?;
             let would = if a.dry_run { "would be " } else { "" };
+            // A dry run stores nothing, so it cannot tell how many pages are new.
+            let pages = if a.dry_run { String::new() } else { format!(" ({} located page(s) stored)", r.pages) };
             println!(
-                "{}: version {} to {}{}; {} snapshot(s) {would}migrated ({} located page(s) stored), {} left by an \
-                 earlier run {would}finished",
+                "{}: version {} to {}{}; {} snapshot(s) {would}migrated{pages}, {} left by an earlier run \
+                 {would}finished",
                 a.common.repo,
                 r.from_version,
                 ferry_repo::format::LOCATED_CONFIG_VERSION,
                 if r.config { "" } else { " (already)" },
                 r.migrated,
-                r.pages,
                 r.finished
             );
+            if !r.skipped.is_empty() {
+                eprintln!(
+                    "{}: {} manifest(s) skipped, damaged (they stay as they were; `ferry repo check` lists the \
+                     damage):",
+                    a.common.repo,
+                    r.skipped.len()
+                );
+                for s in &r.skipped {
+                    eprintln!("  {s}");
+                }
+                return Ok(crate::exit_status(ferry_repo::Failure::Damaged));
+            }
             Ok(0)
         }
         RepoCommand::Unlock(a) => unlock(a),

@@ -324,11 +324,17 @@ fn migrate_refuses_an_encrypted_version_1_repository() {
 }
 
 /// (d) A migrate stopped after each of its writes in turn (as kill -9 would: the process
-/// aborts) leaves a repository whose every listed snapshot restores, and the next migrate
+/// aborts), of a version 1 and of an encrypted version 2 repository, leaves a repository whose every listed snapshot restores, and the next migrate
 /// finishes the job.
 #[test]
 fn a_migrate_killed_after_any_write_is_finished_by_the_next() {
-    let r = Repo::init(&["--format-version", "1"]);
+    for args in [&["--format-version", "1"][..], &["--format-version", "2", "--encrypt"][..]] {
+        killed_at_each_write(args);
+    }
+}
+
+fn killed_at_each_write(args: &[&str]) {
+    let r = Repo::init(args);
     let disks = chains(&r);
     let before = listed(&r);
     let key = |v: &[(String, String, String, String, String)]| {
@@ -337,7 +343,7 @@ fn a_migrate_killed_after_any_write_is_finished_by_the_next() {
     // Stops after the config, around the first snapshots' writes, then further apart.
     for n in [1, 2, 3, 4, 5, 6, 9, 12, 17, 22, 1000] {
         // A copy of the repository as it was, for each stop point.
-        let copy = Repo::init(&["--format-version", "1"]);
+        let copy = Repo::init(args);
         fs::remove_dir_all(&copy.repo).unwrap();
         copy_dir(Path::new(&r.repo), Path::new(&copy.repo));
         let o =
@@ -364,6 +370,33 @@ fn a_migrate_killed_after_any_write_is_finished_by_the_next() {
         assert_chains_restore(&copy, &disks);
         let check = copy.ok(&["repo", "check", &copy.repo]);
         assert!(check.stdout.contains("no damage"), "stop {n}: {}", check.describe());
+    }
+}
+
+/// A change map started at a snapshot that migrate gave a new id continues it: `--since`
+/// with the old id (whole, or a prefix) is the migrated latest.
+#[test]
+fn since_an_id_from_before_migrate_names_the_migrated_snapshot() {
+    let r = Repo::init(&["--format-version", "1"]);
+    let disks: Vec<(&str, Vec<u8>, String)> = ["d", "e"]
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            let bytes = Rng::new(9 + i as u64).bytes(4 * MIB);
+            let img = r.image(&format!("{name}.raw"), &bytes);
+            (*name, bytes, r.backup(&img, name))
+        })
+        .collect();
+    r.ok(&["repo", "migrate", &r.repo]);
+    let map = r.dir.join("map.json");
+    fs::write(&map, r#"[{"offset": 0, "length": 65536, "type": 1}]"#).unwrap();
+    for (name, mut bytes, old) in disks {
+        bytes[..1000].fill(7);
+        let img = r.image(&format!("{name}.raw"), &bytes);
+        let since = if name == "d" { old.clone() } else { old[..8].to_string() };
+        let out = r.ok(&["backup", "--extents-from", s(&map), "--since", &since, s(&img), &r.snap(name)]);
+        assert!(out.stderr.contains("was migrated"), "{}", out.describe());
+        assert!(r.restore(&r.snap(name)).unwrap() == bytes);
     }
 }
 

@@ -991,6 +991,9 @@ pub fn forget_with(
     // never removes a snapshot the rules would keep with it counted (leaving one out of
     // a disk's list only moves the others up in it), so at most fewer are removed.
     let (snaps, bad) = repo.snapshots_lenient()?;
+    if let Some(l) = &_lock {
+        crate::migrate::finish_migrated(repo, &snaps, l)?;
+    }
     for (object, e) in &bad {
         report.notes.push(format!(
             "{object} cannot be read ({}): it is kept, and the rules applied to the other snapshots (it may be of \
@@ -1071,6 +1074,9 @@ pub fn forget_ids(
     }
     let _lock = if dry_run { None } else { Some(lock::acquire(&repo.store, LockKind::Forget, None, wait)?) };
     let (snaps, bad) = repo.snapshots_lenient()?;
+    if let Some(l) = &_lock {
+        crate::migrate::finish_migrated(repo, &snaps, l)?;
+    }
     let unreadable: Vec<String> =
         bad.iter().map(|(n, _)| n.strip_prefix("snapshots/").unwrap_or(n).to_string()).collect();
     let describe = repo.store.describe();
@@ -1357,6 +1363,9 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
         |what: String| Error::Invalid(format!("gc stopped before deleting anything: {what}; run `ferry repo check`"));
     // 1. The live set.
     let mut snaps = repo.snapshots_with_pages().map_err(|e| stop(e.to_string()))?;
+    if let Some(l) = &_lock {
+        crate::migrate::finish_migrated(repo, &snaps, l)?;
+    }
     // Checkpoints of interrupted backups keep what they stored, so that a resume need not
     // store it again (FORMAT.md §7a); one that cannot be read cannot be resumed either.
     let (checkpoints, bad) = repo.checkpoints_lenient()?;

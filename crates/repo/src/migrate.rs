@@ -30,6 +30,9 @@ pub struct MigrateReport {
     pub finished: usize,
     /// Located pages stored.
     pub pages: u64,
+    /// The manifests skipped, each with why: those that cannot be read, and those one of
+    /// whose pages cannot (they stay as they are; `ferry repo check` lists the damage).
+    pub skipped: Vec<String>,
 }
 
 /// The test hook: `FERRY_TEST_MIGRATE_ABORT=N` ends the process after the Nth write of a
@@ -39,12 +42,20 @@ fn abort_hook() -> Option<u64> {
     std::env::var("FERRY_TEST_MIGRATE_ABORT").ok()?.parse().ok()
 }
 
-struct Writes {
+struct Writes<'a> {
     done: u64,
     abort_after: Option<u64>,
+    /// The `gc` lock (none for a dry run).
+    guard: Option<&'a lock::LockGuard>,
 }
 
-impl Writes {
+impl Writes<'_> {
+    /// Whether the lock is still held: called before each store and each deletion, so that
+    /// a migrate whose lock another host took for stale (and whose gc may run now) stops.
+    fn check(&self) -> Result<()> {
+        self.guard.map_or(Ok(()), |g| g.check())
+    }
+
     fn one(&mut self) {
         self.done += 1;
         if self.abort_after == Some(self.done) {
@@ -68,17 +79,18 @@ pub fn migrate(repo: &Arc<Repository>, dry_run: bool, progress: &mut dyn FnMut(&
         )));
     }
     let mut report = MigrateReport { from_version: from, ..MigrateReport::default() };
-    let _guard = if dry_run { None } else { Some(lock::acquire(&repo.store, format::LockKind::Gc, None, None)?) };
-    let mut writes = Writes { done: 0, abort_after: abort_hook() };
+    let guard = if dry_run { None } else { Some(lock::acquire(&repo.store, format::LockKind::Gc, None, None)?) };
+    let mut writes = Writes { done: 0, abort_after: abort_hook(), guard: guard.as_ref() };
     if from < format::LOCATED_CONFIG_VERSION {
         report.config = true;
         progress(&format!("config: version {from} to {}", format::LOCATED_CONFIG_VERSION));
         if !dry_run {
+            writes.check()?;
             put_config(repo)?;
             writes.one();
         }
     }
-    let snaps = list_all(repo)?;
+    let snaps = list_all(repo, &mut report.skipped)?;
     // Old id → new id, of every manifest migrated (by this run or an earlier one).
     let mut moved: HashMap<String, String> =
         snaps.iter().filter_map(|s| s.manifest.migrated_from.as_ref().map(|old| (old.clone(), s.id.clone()))).collect();
@@ -97,26 +109,29 @@ pub fn migrate(repo: &Arc<Repository>, dry_run: bool, progress: &mut dyn FnMut(&
             progress(&format!("[{}/{total}] {shown}: migrated already, its old manifest deleted", k + 1));
             report.finished += 1;
             if !dry_run {
+                writes.check()?;
                 delete(repo, &snap.id)?;
                 writes.one();
             }
             continue;
         }
         progress(&format!("[{}/{total}] {shown}: its pages located", k + 1));
-        report.migrated += 1;
-        let Some(index) = &index else { continue };
+        let Some(index) = &index else {
+            report.migrated += 1;
+            continue;
+        };
         let parent = snap.manifest.parent.as_ref().map(|p| moved.get(p).cloned().unwrap_or_else(|| p.clone()));
-        let (manifest, pages) = located_manifest(repo, index, snap, &mut stored, &mut writes)?;
+        let made = located_manifest(repo, index, snap, &mut stored, &mut writes);
+        let Some((manifest, pages)) = skip_damaged(&format!("snapshots/{}", snap.id), made, &mut report.skipped)?
+        else {
+            continue;
+        };
+        report.migrated += 1;
         report.pages += pages;
         let mut manifest = manifest;
         manifest.parent = parent;
-        let sealed = repo.crypto.seal(AAD_SNAPSHOT, &manifest.to_bytes());
-        let id = format::hex(&sha256(&sealed));
-        let name = format!("snapshots/{id}");
-        repo.store
-            .put(&name, &sealed)
-            .map_err(|e| Error::store(format!("cannot store {name} in {}", repo.store.describe()), e))?;
-        writes.one();
+        let id = put_manifest(repo, &manifest, &mut writes)?;
+        writes.check()?;
         delete(repo, &snap.id)?;
         writes.one();
         moved.insert(snap.id.clone(), id);
@@ -124,15 +139,86 @@ pub fn migrate(repo: &Arc<Repository>, dry_run: bool, progress: &mut dyn FnMut(&
     Ok(report)
 }
 
-/// Every manifest, as stored (none hidden, parents as written), parents before children.
-fn list_all(repo: &Repository) -> Result<Vec<SnapshotInfo>> {
+/// Stores the migrated manifest, with the lock checked before and after: when it was lost
+/// meanwhile (a gc of another host may have marked without it), the new manifest is deleted
+/// again and the old one stays, so that the snapshot is never only in a manifest whose
+/// pages that gc may free.
+fn put_manifest(repo: &Repository, manifest: &Manifest, writes: &mut Writes) -> Result<String> {
+    let sealed = repo.crypto.seal(AAD_SNAPSHOT, &manifest.to_bytes());
+    let id = format::hex(&sha256(&sealed));
+    let name = format!("snapshots/{id}");
+    writes.check()?;
+    repo.store
+        .put(&name, &sealed)
+        .map_err(|e| Error::store(format!("cannot store {name} in {}", repo.store.describe()), e))?;
+    writes.one();
+    if let Err(e) = writes.check() {
+        if let Err(d) = delete(repo, &id) {
+            log::warn!("{d}: it stays beside the old manifest it was made from; run migrate again");
+        }
+        return Err(e);
+    }
+    Ok(id)
+}
+
+/// Migrate's last step, for a migrate that stopped before it: deletes each old manifest
+/// that one of `snaps` (the listing, old manifests hidden) names in `migrated_from`, under
+/// `guard` (a gc or forget lock, which no migrate runs beside). Until then the old manifest
+/// is hidden, so gc would free its pages and a forget of the new one would bring it back
+/// damaged. Returns how many were deleted.
+pub(crate) fn finish_migrated(repo: &Repository, snaps: &[SnapshotInfo], guard: &lock::LockGuard) -> Result<usize> {
+    let old: HashSet<&str> = snaps.iter().filter_map(|s| s.manifest.migrated_from.as_deref()).collect();
+    if old.is_empty() {
+        return Ok(0);
+    }
+    let names = repo
+        .store
+        .list("snapshots/")
+        .map_err(|e| Error::store(format!("cannot list the snapshots of {}", repo.store.describe()), e))?;
+    let mut done = 0;
+    for (n, _) in names {
+        if n.strip_prefix("snapshots/").is_some_and(|id| old.contains(id)) {
+            guard.check()?;
+            repo.store
+                .delete(&n)
+                .map_err(|e| Error::store(format!("cannot delete {n} from {}", repo.store.describe()), e))?;
+            log::info!("deleted {n}: it was migrated, and an interrupted migrate left it");
+            done += 1;
+        }
+    }
+    Ok(done)
+}
+
+/// `r`, or `None` when it failed with damage to `object` (or what damage makes invalid):
+/// the object is skipped, with a warning that names it, and recorded in `skipped`; other
+/// failures (the store, the lock) stop the migrate.
+fn skip_damaged<T>(object: &str, r: Result<T>, skipped: &mut Vec<String>) -> Result<Option<T>> {
+    match r {
+        Ok(v) => Ok(Some(v)),
+        Err(e @ (Error::Damaged { .. } | Error::Invalid(_) | Error::NotFound(_))) => {
+            log::warn!(
+                "{object} is not migrated: {}; it stays as it is (`ferry repo check` lists the damage)",
+                e.reason()
+            );
+            skipped.push(format!("{object}: {}", e.reason()));
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Every manifest that can be read, as stored (none hidden, parents as written), parents
+/// before children; those that cannot be read are skipped, and added to `skipped`.
+fn list_all(repo: &Repository, skipped: &mut Vec<String>) -> Result<Vec<SnapshotInfo>> {
     let names = repo
         .store
         .list("snapshots/")
         .map_err(|e| Error::store(format!("cannot list the snapshots of {}", repo.store.describe()), e))?;
     let mut snaps = Vec::with_capacity(names.len());
     for (n, _) in names {
-        snaps.push(repo.read_snapshot(&n)?);
+        if let Some(s) = skip_damaged(&n, repo.read_snapshot(&n), skipped)? {
+            snaps.push(s);
+        }
     }
     // Parents before children: by the depth of each one's chain of present parents.
     let by_id: HashMap<String, Option<String>> =
@@ -233,6 +319,7 @@ impl PackOut<'_> {
         self.buf.extend_from_slice(&format::pack_tail(sealed_len));
         let digest = sha256(&self.buf);
         let name = pack_name(&digest);
+        writes.check()?;
         self.repo
             .store
             .put(&name, &self.buf)
@@ -249,6 +336,7 @@ impl PackOut<'_> {
         self.close(writes)?;
         let packs = std::mem::take(&mut self.closed);
         if !packs.is_empty() {
+            writes.check()?;
             self.repo.put_index(&packs)?;
             writes.one();
         }

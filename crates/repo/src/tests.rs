@@ -14,6 +14,7 @@ mod copy;
 mod gcwalk;
 mod heal;
 mod keys;
+mod migrate;
 mod recover;
 mod resume;
 mod retention;

@@ -1901,7 +1901,10 @@ pub fn checkpoint_mismatch(ck: &Checkpoint, opts: &BackupOptions) -> Vec<String>
     // A full backup needs nothing from a base: one that went on without its base (which
     // could not be read) is continued without it.
     let baseless_full = ck.base.is_none() && opts.changes == Changes::Full && ck.changes == Changes::Full;
-    if ck.base.as_deref() != base && !baseless_full {
+    // A base migrated since (`ferry repo migrate`) is the same snapshot under its new id.
+    let migrated =
+        ck.base.is_some() && ck.base.as_deref() == opts.base.as_ref().and_then(|b| b.manifest.migrated_from.as_deref());
+    if ck.base.as_deref() != base && !baseless_full && !migrated {
         let show = |b: Option<&str>| b.map_or("none".to_string(), |b| format!("snapshot {}", &b[..b.len().min(8)]));
         v.push(format!("it continued {}, this backup {}", show(ck.base.as_deref()), show(base)));
     }

@@ -155,3 +155,24 @@ fn checkpoints_come_from_the_write_path_when_due() {
     assert!(read_back(&repo, &snap) == data);
     assert!(repo.checkpoint("t").unwrap().is_none());
 }
+
+/// A backup interrupted in a version 1 repository resumes after `ferry repo migrate`
+/// replaced its base's manifest (the checkpoint names the old id).
+#[test]
+fn a_backup_resumes_after_its_base_was_migrated() {
+    let store = Arc::new(MemStore::new());
+    let o = InitOptions { chunk_size: CS as u32, page_entries: 16, version: 1, ..InitOptions::default() };
+    let repo = Arc::new(Repository::init(store.clone(), &o).unwrap());
+    let day1 = disk(4 << 20, 40);
+    let s1 = backup(&repo, "d", &day1, None);
+    let mut day2 = day1.clone();
+    day2[..CS].fill(7);
+    interrupted(&repo, "d", &day2, Some(s1.clone()), 2 << 20);
+    crate::migrate::migrate(&repo, false, &mut |_| {}).unwrap();
+    let repo = Arc::new(Repository::open(store.clone(), &|| unreachable!()).unwrap());
+    let base = repo.snapshots().unwrap().pop().unwrap();
+    assert_eq!(base.manifest.migrated_from.as_deref(), Some(s1.id.as_str()));
+    let (snap, done) = resume(&repo, "d", &day2, Some(base));
+    assert!(done > 0, "nothing was resumed");
+    assert_eq!(read_back(&repo, &snap), day2);
+}

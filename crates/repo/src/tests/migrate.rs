@@ -1,0 +1,182 @@
+//! `ferry repo migrate` (FORMAT.md §9): interrupted, and its lock lost.
+use super::*;
+use crate::maint::GcOptions;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+fn v1_repo(store: Arc<dyn Store>) -> Arc<Repository> {
+    let o = InitOptions { chunk_size: CS as u32, page_entries: 16, version: 1, ..InitOptions::default() };
+    Arc::new(Repository::init(store, &o).unwrap())
+}
+
+fn reopen(store: Arc<dyn Store>) -> Arc<Repository> {
+    Arc::new(Repository::open(store, &|| unreachable!()).unwrap())
+}
+
+fn gc_now(repo: &Repository) {
+    maint::gc_opts(repo, &GcOptions { wait: None, repack_percent: 10, condemn_margin: Duration::ZERO }).unwrap();
+}
+
+/// Unique chunks that compress to a few bytes: the version 1 pages are most of the bytes.
+fn filled(len: usize) -> Vec<u8> {
+    let mut d = vec![0u8; len];
+    for (i, c) in d.chunks_mut(CS).enumerate() {
+        c.fill(i as u8 + 1);
+    }
+    d
+}
+
+/// A migrate killed after storing the new manifest, before deleting the old one: `old`
+/// put back as the deletion never happened.
+fn interrupted(store: &Arc<MemStore>, data: &[u8]) -> Arc<Repository> {
+    let repo = v1_repo(store.clone());
+    let s1 = backup(&repo, "a", data, None);
+    let name = format!("snapshots/{}", s1.id);
+    let old = store.get(&name, 1 << 30).unwrap();
+    crate::migrate::migrate(&repo, false, &mut |_| {}).unwrap();
+    store.put(&name, &old).unwrap();
+    reopen(store.clone())
+}
+
+/// gc after an interrupted migrate deletes the hidden old manifest (migrate's last step)
+/// before it marks, so that a forget of the new one never brings the old one back with
+/// its pages freed.
+#[test]
+fn gc_then_forget_after_an_interrupted_migrate() {
+    let store = Arc::new(MemStore::new());
+    let d1 = filled(2 << 20);
+    let repo = interrupted(&store, &d1);
+    gc_now(&repo);
+    gc_now(&repo);
+    assert_eq!(store.list("snapshots/").unwrap().len(), 1, "the old manifest stays after gc");
+    let listed = repo.snapshots().unwrap();
+    let mut d2 = d1.clone();
+    d2[..CS].fill(0xee);
+    let s2 = backup(&repo, "a", &d2, listed.last().cloned());
+    maint::forget(&repo, Some("a"), &Policy { keep_last: Some(1), ..Policy::default() }, false).unwrap();
+    let (after, bad) = repo.snapshots_lenient().unwrap();
+    assert!(bad.is_empty());
+    assert_eq!(after.iter().map(|s| s.id.clone()).collect::<Vec<_>>(), vec![s2.id.clone()]);
+    assert_eq!(read_back(&repo, &s2), d2);
+    assert!(maint::check(&repo).unwrap().problems.is_empty());
+}
+
+/// forget after an interrupted migrate finishes it too: the forgotten snapshot's old
+/// manifest does not come back.
+#[test]
+fn forget_after_an_interrupted_migrate() {
+    let store = Arc::new(MemStore::new());
+    let d1 = disk(2 << 20, 5);
+    let repo = interrupted(&store, &d1);
+    let listed = repo.snapshots().unwrap();
+    let d2 = disk(2 << 20, 6);
+    let s2 = backup(&repo, "a", &d2, listed.last().cloned());
+    maint::forget(&repo, Some("a"), &Policy { keep_last: Some(1), ..Policy::default() }, false).unwrap();
+    gc_now(&repo);
+    let (after, bad) = repo.snapshots_lenient().unwrap();
+    assert!(bad.is_empty());
+    assert_eq!(after.iter().map(|s| s.id.clone()).collect::<Vec<_>>(), vec![s2.id.clone()]);
+    assert!(maint::check(&repo).unwrap().problems.is_empty());
+}
+
+/// A store whose locks vanish (another host took them for stale) once a manifest is
+/// stored, while `armed`.
+struct LockThief {
+    inner: Arc<MemStore>,
+    armed: AtomicBool,
+}
+
+impl Store for LockThief {
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+    fn get(&self, name: &str, limit: u64) -> std::io::Result<Vec<u8>> {
+        self.inner.get(name, limit)
+    }
+    fn get_range(&self, name: &str, offset: u64, len: u64) -> std::io::Result<Vec<u8>> {
+        self.inner.get_range(name, offset, len)
+    }
+    fn len(&self, name: &str) -> std::io::Result<u64> {
+        self.inner.len(name)
+    }
+    fn put(&self, name: &str, data: &[u8]) -> std::io::Result<()> {
+        self.inner.put(name, data)?;
+        if name.starts_with("snapshots/") && self.armed.load(Ordering::SeqCst) {
+            for (l, _) in self.inner.list("locks/")? {
+                self.inner.delete(&l)?;
+            }
+        }
+        Ok(())
+    }
+    fn delete(&self, name: &str) -> std::io::Result<()> {
+        self.inner.delete(name)
+    }
+    fn list(&self, prefix: &str) -> std::io::Result<Vec<(String, u64)>> {
+        self.inner.list(prefix)
+    }
+}
+
+/// A migrate whose lock is lost while it stores a new manifest deletes that manifest
+/// again and keeps the old one: it never deletes without its lock.
+#[test]
+fn migrate_stops_when_its_lock_is_lost() {
+    let mem = Arc::new(MemStore::new());
+    let thief = Arc::new(LockThief { inner: mem.clone(), armed: AtomicBool::new(false) });
+    let repo = v1_repo(thief.clone());
+    let data = disk(2 << 20, 7);
+    let s1 = backup(&repo, "a", &data, None);
+    thief.armed.store(true, Ordering::SeqCst);
+    let e = crate::migrate::migrate(&repo, false, &mut |_| {}).unwrap_err();
+    assert!(matches!(e, Error::Locked(_)), "{e}");
+    thief.armed.store(false, Ordering::SeqCst);
+    let names: Vec<String> = mem.list("snapshots/").unwrap().into_iter().map(|(n, _)| n).collect();
+    assert_eq!(names, vec![format!("snapshots/{}", s1.id)], "the old manifest alone stays");
+    let repo = reopen(mem.clone());
+    let listed = repo.snapshots().unwrap();
+    assert_eq!(read_back(&repo, &listed[0]), data);
+    // A rerun finishes the job.
+    crate::migrate::migrate(&repo, false, &mut |_| {}).unwrap();
+    let listed = repo.snapshots().unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].manifest.migrated_from.as_deref(), Some(s1.id.as_str()));
+    assert_eq!(read_back(&repo, &listed[0]), data);
+}
+
+/// A manifest that cannot be read, and a snapshot one of whose pages cannot, are skipped
+/// and reported: the other snapshots are migrated.
+#[test]
+fn migrate_skips_what_is_damaged_and_migrates_the_rest() {
+    let store = Arc::new(MemStore::new());
+    let repo = v1_repo(store.clone());
+    let packs = || -> Vec<String> { store.list("data/").unwrap().into_iter().map(|(n, _)| n).collect() };
+    let a = backup(&repo, "a", &disk(1 << 20, 11), None);
+    let before_b = packs();
+    // Chunks (and pages) of their own, shared with no other disk.
+    let own = |seed: u8| {
+        let mut d = vec![0u8; 1 << 20];
+        d.chunks_mut(CS).enumerate().for_each(|(i, c)| c.fill(seed.wrapping_add(i as u8)));
+        d
+    };
+    let b = backup(&repo, "b", &own(1), None);
+    let of_b: Vec<String> = packs().into_iter().filter(|n| !before_b.contains(n)).collect();
+    let cdata = own(101);
+    let c = backup(&repo, "c", &cdata, None);
+    // a's manifest garbled; every pack b stored garbled past its first bytes.
+    store.put(&format!("snapshots/{}", a.id), b"not a manifest").unwrap();
+    for n in &of_b {
+        let mut bytes = store.get(n, 1 << 30).unwrap();
+        bytes.iter_mut().skip(16).for_each(|x| *x ^= 0x5a);
+        store.put(n, &bytes).unwrap();
+    }
+    let repo = reopen(store.clone());
+    let r = crate::migrate::migrate(&repo, false, &mut |_| {}).unwrap();
+    for id in [&a.id, &b.id] {
+        assert!(r.skipped.iter().any(|s| s.starts_with(&format!("snapshots/{id}"))), "{:?}", r.skipped);
+    }
+    assert_eq!((r.migrated, r.skipped.len()), (1, 2), "{r:?}");
+    let repo = reopen(store.clone());
+    let (listed, _) = repo.snapshots_lenient().unwrap();
+    let c2 = listed.iter().find(|s| s.manifest.name == "c").unwrap();
+    assert_eq!(c2.manifest.migrated_from.as_deref(), Some(c.id.as_str()));
+    assert_eq!(read_back(&repo, c2), cdata);
+}
