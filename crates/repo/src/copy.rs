@@ -12,11 +12,14 @@
 //! snapshot the destination's previous copy was made of.
 //!
 //! A copy keeps what means something in the destination: the disk's name, the time (no
-//! later than the copier's clock), host, source and blkhash; its `parent` is the
-//! destination's latest snapshot of the disk dated no later than it, so that a copy of an
-//! old snapshot never becomes the disk's latest; and `copied_from` says where it came
-//! from (FORMAT.md §7), which makes a second copy of it a no-op: rerunning is the resume
-//! (and an interrupted snapshot continues from the writer's last checkpoint).
+//! later than the copier's clock), host, source, tags, note and blkhash; its `parent` is
+//! the destination's copy of the source snapshot's parent when it has one (the source's
+//! order carries over, whatever its clocks said), else the destination's latest snapshot
+//! of the disk whose order time is no later than the source snapshot's order time
+//! (FORMAT.md §7), so that a copy of an old snapshot never becomes the disk's latest; and
+//! `copied_from` says where it came from (FORMAT.md §7), which makes a second copy of it
+//! a no-op: rerunning is the resume (and an interrupted snapshot continues from the
+//! writer's last checkpoint).
 //!
 //! Locks: a `forget` lock on the source (backups of it go on; a forget or gc, which
 //! could remove what is being copied, waits), and each disk's `backup` lock on the
@@ -232,6 +235,10 @@ pub fn copy(
     }
     let (mut theirs, _) = dst.snapshots_skipping()?;
     let src_id = src.config().id.clone();
+    // Each source snapshot's order time (FORMAT.md §7), for the parent of its copy.
+    let order: HashMap<&str, jiff::Timestamp> =
+        all.iter().zip(order_keys(&all)).filter_map(|(s, (t, _))| Some((s.id.as_str(), t?))).collect();
+    let source = Source { all: &all, order: &order };
     for (at, snap) in chosen.iter().enumerate() {
         if opts.cancel.as_ref().is_some_and(|c| c.load(Ordering::SeqCst)) {
             return Err(Error::Interrupted);
@@ -247,7 +254,7 @@ pub fn copy(
         if let Some(l) = &src_lock {
             l.check()?;
         }
-        match copy_one(src, dst, snap, &theirs, opts, progress, &|resumed| {
+        match copy_one(src, dst, snap, &source, &theirs, opts, progress, &|resumed| {
             on(Event::Start { snap, at, of: chosen.len(), resumed })
         }) {
             Ok((c, info)) => {
@@ -297,17 +304,37 @@ fn already(theirs: &[SnapshotInfo], src_id: &str, dst_id: &str, snap: &SnapshotI
         .map(|t| t.id.clone())
 }
 
-/// The parent of a copy of disk `name` dated `time` in a destination holding `theirs`
-/// (oldest first, FORMAT.md §7's order): the latest snapshot of the disk whose order time
-/// is no later than `time`. The copy then sorts right after it, and before every
-/// snapshot dated later: a copy of an old snapshot does not become the disk's latest.
-fn parent_for<'a>(theirs: &'a [SnapshotInfo], name: &str, time: &str) -> Option<&'a SnapshotInfo> {
-    let t = parse_time(time)?;
+/// The source's snapshots (as listed), and their order times by id.
+struct Source<'a> {
+    all: &'a [SnapshotInfo],
+    order: &'a HashMap<&'a str, jiff::Timestamp>,
+}
+
+/// The parent of the copy of `snap` (of the repository `src_id`) in a destination
+/// (`dst_id`) holding `theirs` (oldest first, FORMAT.md §7's order): the destination's
+/// copy of `snap`'s parent, when it has one, so that the source's order carries over
+/// whatever its clocks said; else the latest snapshot of the disk whose order time is no
+/// later than `snap`'s order time in the source. The copy then sorts right after it, and
+/// before every snapshot dated later: a copy of an old snapshot does not become the
+/// disk's latest.
+fn parent_for<'a>(
+    source: &Source,
+    theirs: &'a [SnapshotInfo],
+    src_id: &str,
+    dst_id: &str,
+    snap: &SnapshotInfo,
+) -> Option<&'a SnapshotInfo> {
+    let name = &snap.manifest.name;
+    let parent = snap.manifest.parent.as_deref().and_then(|p| source.all.iter().find(|s| s.id == p));
+    if let Some(have) = parent.and_then(|p| already(theirs, src_id, dst_id, p)) {
+        return theirs.iter().find(|t| t.id == have);
+    }
+    let t = source.order.get(snap.id.as_str()).copied().or_else(|| parse_time(&snap.manifest.time))?;
     let keys = order_keys(theirs);
     theirs
         .iter()
         .zip(keys)
-        .filter(|(s, (k, _))| s.manifest.name == name && k.is_some_and(|k| k <= t))
+        .filter(|(s, (k, _))| s.manifest.name == *name && k.is_some_and(|k| k <= t))
         .map(|(s, _)| s)
         .next_back()
 }
@@ -318,6 +345,7 @@ fn copy_one(
     src: &Arc<Repository>,
     dst: &Arc<Repository>,
     snap: &SnapshotInfo,
+    source: &Source,
     theirs: &[SnapshotInfo],
     opts: &CopyOptions,
     progress: &Progress,
@@ -326,7 +354,7 @@ fn copy_one(
     let m = &snap.manifest;
     let name = m.name.clone();
     let time = copy_time(&m.time, jiff::Timestamp::now());
-    let parent = parent_for(theirs, &name, &time).cloned();
+    let parent = parent_for(source, theirs, &src.config().id, &dst.config().id, snap).cloned();
     let image = SnapshotImage::open_with_cache(src.clone(), snap, MIN_CACHE_BYTES)?;
     let src_cs = src.config().chunk_size as u64;
     let blkhash = image.blkhash().map(|d| crate::format::hex(&d));
@@ -343,13 +371,15 @@ fn copy_one(
         snapshot: snap.id.clone(),
         time: m.time.clone(),
     });
-    let origin = CopyOrigin { host: m.host.clone(), from };
+    let origin = CopyOrigin { host: m.host.clone(), time, from };
     let backup = BackupOptions {
         base: parent.clone(),
         source: m.source.clone(),
         identity: format!("{COPY_IDENTITY} {} of repository {}", snap.id, src.config().id),
         checkpoint_every: opts.checkpoint_every,
         wait_lock: opts.wait_lock,
+        tags: m.tags.clone(),
+        note: m.note.clone(),
         ..BackupOptions::new(&name, m.size)
     };
     let (writer, resumed) = start_or_resume(dst, backup, theirs)?;
