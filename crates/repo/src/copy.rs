@@ -213,25 +213,16 @@ pub fn copy(
         Select::One { name, id } => vec![resolve_in(&all, &bad, &shown, name, Some(id))?],
     };
     let mut report = CopyReport::default();
-    // A manifest that cannot be read may be of any disk: a failure when every snapshot
-    // is asked for, else a warning (it may be of the disk asked for).
+    // A manifest that cannot be read may be of any disk, the one asked for too: a
+    // failure whatever is selected (the command then exits non-zero).
     for (object, e) in &bad {
-        match select {
-            Select::All => {
-                let f = Failed {
-                    name: String::new(),
-                    source_id: object.strip_prefix("snapshots/").unwrap_or(object).to_string(),
-                    error: format!("{object} in {shown} cannot be read: {}", e.reason()),
-                };
-                on(Event::Failed(&f));
-                report.failed.push(f);
-            }
-            _ => log::warn!(
-                "{object} in {shown} cannot be read ({}): if it is a snapshot of the disk asked for, it is not \
-                 copied",
-                e.reason()
-            ),
-        }
+        let f = Failed {
+            name: String::new(),
+            source_id: object.strip_prefix("snapshots/").unwrap_or(object).to_string(),
+            error: format!("{object} in {shown} cannot be read (it may be of any disk): {}", e.reason()),
+        };
+        on(Event::Failed(&f));
+        report.failed.push(f);
     }
     let (mut theirs, _) = dst.snapshots_skipping()?;
     let src_id = src.config().id.clone();

@@ -344,3 +344,15 @@ fn a_copy_keeps_tags_and_note_and_a_version_1_source_copies_into_version_3() {
     assert_eq!(read_back(&dst, &c), data);
     assert_clean(&dst);
 }
+
+#[test]
+fn a_manifest_that_cannot_be_read_fails_the_copy_of_one_disk_too() {
+    let (src, _) = source(CS as u32, None);
+    src.store().put(&format!("snapshots/{}", "ab".repeat(32)), b"not a manifest").unwrap();
+    let (_, dst) = repo_with(CS as u32, None);
+    for select in [Select::All, Select::Disk("a".into())] {
+        let r = run(&src, &dst, select.clone());
+        assert_eq!(r.failed.len(), 1, "{select:?}: {r:?}");
+        assert_eq!(r.failed[0].source_id, "ab".repeat(32));
+    }
+}
