@@ -21,9 +21,11 @@
 //! a no-op: rerunning is the resume (and an interrupted snapshot continues from the
 //! writer's last checkpoint).
 //!
-//! Locks: a `forget` lock on the source (backups of it go on; a forget or gc, which
-//! could remove what is being copied, waits), and each disk's `backup` lock on the
-//! destination, as a backup takes it.
+//! Locks: a `forget` lock on the source, which is exclusive (backups of it go on; a forget
+//! or gc, which could remove what is being copied, and another copy from it are refused,
+//! or wait when asked to), and each disk's `backup` lock on the destination, as a backup
+//! takes it. A shared kind of lock for readers is not used: a ferry that predates it would
+//! not know it (an unknown lock conflicts with every other, backups too).
 use crate::format::{CopiedFrom, Digest, LockKind, ZERO};
 use crate::repo::{order_keys, parse_time};
 use crate::writer::{checkpoint_mismatch, copy_time, CopyOrigin};
