@@ -161,6 +161,52 @@ pub enum Event<'a> {
 /// How the checkpoint of a copy names what it copies (its `identity`), before the ids.
 const COPY_IDENTITY: &str = "ferry repo copy of snapshot";
 
+/// The `identity` of the checkpoint of a copy of the snapshot `from` names (the first
+/// snapshot of a chain of copies): every copy of one snapshot has the same, whichever
+/// repository it is copied from, so a copy made (`copied_from`) tells its leftover
+/// checkpoint.
+pub(crate) fn copy_identity(from: &CopiedFrom) -> String {
+    format!("{COPY_IDENTITY} {} of repository {}", from.snapshot, from.repository)
+}
+
+/// What a copy of `snap` (of the repository `src_id`) says it came from: its own
+/// `copied_from` for a copy (a copy of a copy names the first snapshot), else `snap`.
+fn origin_of(snap: &SnapshotInfo, src_id: &str) -> CopiedFrom {
+    snap.manifest.copied_from.clone().unwrap_or_else(|| CopiedFrom {
+        repository: src_id.to_string(),
+        snapshot: snap.id.clone(),
+        time: snap.manifest.time.clone(),
+    })
+}
+
+/// Removes disk `name`'s checkpoint in `dst` when it is one of a copy of the snapshot
+/// `from` names, which the destination has (a copy stopped between storing its manifest
+/// and removing its checkpoint). Under the disk's backup lock, so that no copy or backup
+/// of the disk is writing it meanwhile; a lock not had leaves it for a later run.
+fn discard_leftover(dst: &Arc<Repository>, name: &str, from: &CopiedFrom, wait: Option<Duration>) {
+    let identity = copy_identity(from);
+    let is_leftover =
+        |dst: &Repository| matches!(dst.checkpoint(name), Ok(Some(ck)) if ck.checkpoint.identity == identity);
+    if !is_leftover(dst) {
+        return;
+    }
+    let shown = dst.store.describe();
+    let _lock = match lock::acquire(&dst.store, LockKind::Backup, Some(dst.crypto.disk_tag(name)), wait) {
+        Ok(g) => g,
+        Err(e) => {
+            log::info!("the leftover checkpoint of a finished copy of {name} in {shown} stays: {e}");
+            return;
+        }
+    };
+    // Read again under the lock: a copy that held it may have replaced it.
+    if is_leftover(dst) {
+        match dst.discard_checkpoint(name) {
+            Ok(()) => log::info!("removed the leftover checkpoint of a finished copy of {name} from {shown}"),
+            Err(e) => log::warn!("the leftover checkpoint of a finished copy of {name} in {shown} stays: {e}"),
+        }
+    }
+}
+
 /// Whether a checkpoint is that of an interrupted copy (which `ferry repo copy` run again
 /// continues), not of a backup.
 pub fn is_copy(ck: &crate::format::Checkpoint) -> bool {
@@ -237,6 +283,7 @@ pub fn copy(
             return Err(Error::Interrupted);
         }
         if let Some(have) = already(&theirs, &src_id, &dst.config().id, snap) {
+            discard_leftover(dst, &snap.manifest.name, &origin_of(snap, &src_id), opts.wait_lock);
             let s = Skipped { name: snap.manifest.name.clone(), source_id: snap.id.clone(), id: have };
             on(Event::Skipped(&s));
             report.skipped.push(s);
@@ -359,16 +406,13 @@ fn copy_one(
     }
     // A copy of a copy names the snapshot the first copy was made of: every copy of one
     // snapshot, however it travelled, is known as the same one.
-    let from = m.copied_from.clone().unwrap_or_else(|| CopiedFrom {
-        repository: src.config().id.clone(),
-        snapshot: snap.id.clone(),
-        time: m.time.clone(),
-    });
+    let from = origin_of(snap, &src.config().id);
+    let identity = copy_identity(&from);
     let origin = CopyOrigin { host: m.host.clone(), time, from };
     let backup = BackupOptions {
         base: parent.clone(),
         source: m.source.clone(),
-        identity: format!("{COPY_IDENTITY} {} of repository {}", snap.id, src.config().id),
+        identity,
         checkpoint_every: opts.checkpoint_every,
         wait_lock: opts.wait_lock,
         tags: m.tags.clone(),

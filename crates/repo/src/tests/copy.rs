@@ -356,3 +356,43 @@ fn a_manifest_that_cannot_be_read_fails_the_copy_of_one_disk_too() {
         assert_eq!(r.failed[0].source_id, "ab".repeat(32));
     }
 }
+
+#[test]
+fn the_leftover_checkpoint_of_a_finished_copy_is_recognised_and_removed() {
+    let (_, src) = repo_with(CS as u32, None);
+    let a = disk(300 * CS, 7);
+    backup(&src, "a", &a, None);
+    let (_, dst) = repo_with(CS as u32, None);
+    let cancel = Arc::new(AtomicBool::new(false));
+    let opts = CopyOptions {
+        threads: 1,
+        checkpoint_every: Some(std::time::Duration::ZERO),
+        cancel: Some(cancel.clone()),
+        ..CopyOptions::default()
+    };
+    let progress = Progress::default();
+    let _ = std::thread::scope(|s| {
+        let watch = s.spawn(|| {
+            while progress.done.load(Ordering::Relaxed) < 8 * CS as u64 {
+                std::thread::yield_now();
+            }
+            cancel.store(true, Ordering::SeqCst);
+        });
+        let r = copy(&src, &dst, &Select::All, &opts, &progress, &|_| {});
+        cancel.store(true, Ordering::SeqCst);
+        watch.join().unwrap();
+        r
+    });
+    let ck = dst.checkpoint("a").unwrap().unwrap();
+    let bytes = dst.store().get(&ck.object, 1 << 30).unwrap();
+    let r = run(&src, &dst, Select::All);
+    assert_eq!(r.copied.len(), 1);
+    // Killed between storing the manifest and removing the checkpoint.
+    dst.store().put(&ck.object, &bytes).unwrap();
+    let (theirs, _) = dst.snapshots_skipping().unwrap();
+    let ck = dst.checkpoint("a").unwrap().unwrap();
+    assert_eq!(ck.superseded_by(&theirs).map(|s| s.id.as_str()), Some(r.copied[0].id.as_str()));
+    let again = run(&src, &dst, Select::All);
+    assert_eq!(again.skipped.len(), 1);
+    assert!(dst.checkpoint("a").unwrap().is_none(), "the rerun left the leftover checkpoint");
+}
