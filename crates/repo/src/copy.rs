@@ -277,7 +277,7 @@ pub fn copy(
     // Each source snapshot's order time (FORMAT.md §7), for the parent of its copy.
     let order: HashMap<&str, jiff::Timestamp> =
         all.iter().zip(order_keys(&all)).filter_map(|(s, (t, _))| Some((s.id.as_str(), t?))).collect();
-    let source = Source { all: &all, order: &order };
+    let source = Source { all: &all, order: &order, index: std::sync::OnceLock::new() };
     for (at, snap) in chosen.iter().enumerate() {
         if opts.cancel.as_ref().is_some_and(|c| c.load(Ordering::SeqCst)) {
             return Err(Error::Interrupted);
@@ -344,10 +344,12 @@ fn already(theirs: &[SnapshotInfo], src_id: &str, dst_id: &str, snap: &SnapshotI
         .map(|t| t.id.clone())
 }
 
-/// The source's snapshots (as listed), and their order times by id.
+/// The source's snapshots (as listed), their order times by id, and its index once a
+/// copy needs it (opened once for every snapshot copied).
 struct Source<'a> {
     all: &'a [SnapshotInfo],
     order: &'a HashMap<&'a str, jiff::Timestamp>,
+    index: std::sync::OnceLock<Option<crate::RunIndex>>,
 }
 
 /// The parent of the copy of `snap` (of the repository `src_id`) in a destination
@@ -425,7 +427,7 @@ fn copy_one(
     let source_of = parent.as_ref().and_then(|p| p.manifest.copied_from.as_ref());
     let copied = match rechunked {
         false => copy_entries(&image, &writer, opts, progress),
-        true => copy_bytes(src, &image, &writer, source_of, opts, progress),
+        true => copy_bytes(src, source, &image, &writer, source_of, opts, progress),
     };
     let read = match copied {
         Ok(read) => read,
@@ -683,8 +685,10 @@ fn read_runs(cis: &[u64], cs: u64) -> Vec<(u64, u64)> {
 /// of whole chunks of both sizes. Where the writer starts from a parent that was copied
 /// from a snapshot of the source of the same size (`source_of`), a block whose chunks
 /// equal that snapshot's is left as the parent has it. Returns the bytes read.
+#[allow(clippy::too_many_arguments)]
 fn copy_bytes(
     src: &Arc<Repository>,
+    source: &Source,
     image: &SnapshotImage,
     writer: &Arc<SnapshotWriter>,
     source_of: Option<&CopiedFrom>,
@@ -699,7 +703,9 @@ fn copy_bytes(
     // The source's snapshot the writer's starting point holds the bytes of, chunk by
     // chunk: blocks where this snapshot's entries equal it need not be written.
     let same = match (source_of, writer.starts_zeroed()) {
-        (Some(from), false) if from.repository == src.config().id => earlier_entries(src, &from.snapshot, m.size),
+        (Some(from), false) if from.repository == src.config().id => {
+            earlier_entries(src, source, &from.snapshot, m.size)
+        }
         _ => None,
     };
     let must = chunk_set(&writer.lost_ranges(), dst_cs);
@@ -744,12 +750,12 @@ fn copy_bytes(
 }
 
 /// The entries of the source's snapshot `id`, if it is there and of `size` bytes (else
-/// `None`: nothing is skipped).
-fn earlier_entries(src: &Arc<Repository>, id: &str, size: u64) -> Option<Vec<Digest>> {
-    let (all, _) = src.snapshots_skipping().ok()?;
-    let snap = all.into_iter().find(|s| s.id == id && s.manifest.size == size)?;
-    let index = crate::RunIndex::open(src).ok()?;
-    src.entries(&index, &snap).ok()
+/// `None`: nothing is skipped): found in the list taken when the copy started, read
+/// through the source's index, opened once.
+fn earlier_entries(src: &Arc<Repository>, source: &Source, id: &str, size: u64) -> Option<Vec<Digest>> {
+    let snap = source.all.iter().find(|s| s.id == id && s.manifest.size == size)?;
+    let index = source.index.get_or_init(|| crate::RunIndex::open(src).ok()).as_ref()?;
+    src.entries(index, snap).ok()
 }
 
 #[cfg(test)]
