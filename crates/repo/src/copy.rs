@@ -493,8 +493,14 @@ fn start_or_resume(
             if differs.is_empty() {
                 match SnapshotWriter::resume(dst.clone(), opts.clone(), &ck) {
                     Ok(w) => return Ok((w, true)),
-                    Err(Error::Invalid(why)) if why.contains("changed or went away") => {}
-                    Err(e) => return Err(e),
+                    // What stops a fresh copy too: a lock not had, a store that fails.
+                    Err(e @ (Error::Locked(_) | Error::Store { .. } | Error::Interrupted)) => return Err(e),
+                    // A checkpoint that cannot be continued (its pages damaged or gone,
+                    // its base changed) must not block the disk's copies for ever.
+                    Err(e) => log::warn!(
+                        "the interrupted copy of {} into {shown} cannot be continued ({e}): copying it again",
+                        opts.name
+                    ),
                 }
             } else {
                 log::info!(

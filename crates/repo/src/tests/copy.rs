@@ -396,3 +396,40 @@ fn the_leftover_checkpoint_of_a_finished_copy_is_recognised_and_removed() {
     assert_eq!(again.skipped.len(), 1);
     assert!(dst.checkpoint("a").unwrap().is_none(), "the rerun left the leftover checkpoint");
 }
+
+#[test]
+fn a_checkpoint_that_cannot_be_resumed_is_copied_afresh() {
+    let (_, src) = repo_with(CS as u32, None);
+    let a = disk(300 * CS, 8);
+    backup(&src, "a", &a, None);
+    let (dst_store, dst) = repo_with(CS as u32, None);
+    let cancel = Arc::new(AtomicBool::new(false));
+    let opts = CopyOptions {
+        threads: 1,
+        checkpoint_every: Some(std::time::Duration::ZERO),
+        cancel: Some(cancel.clone()),
+        ..CopyOptions::default()
+    };
+    let progress = Progress::default();
+    let _ = std::thread::scope(|s| {
+        let watch = s.spawn(|| {
+            while progress.done.load(Ordering::Relaxed) < 8 * CS as u64 {
+                std::thread::yield_now();
+            }
+            cancel.store(true, Ordering::SeqCst);
+        });
+        let r = copy(&src, &dst, &Select::All, &opts, &progress, &|_| {});
+        cancel.store(true, Ordering::SeqCst);
+        watch.join().unwrap();
+        r
+    });
+    assert!(dst.checkpoint("a").unwrap().is_some());
+    // The checkpoint's pages and chunks are lost: it cannot be continued.
+    for p in dst_store.list("data/").unwrap() {
+        dst_store.delete(&p.0).unwrap();
+    }
+    let r = run(&src, &dst, Select::All);
+    assert_eq!((r.copied.len(), r.failed.len()), (1, 0), "{r:?}");
+    assert!(!r.copied[0].resumed);
+    assert_eq!(read_back(&dst, &latest(&dst, "a")), a);
+}
