@@ -237,7 +237,12 @@ pub fn copy(
     // copy of a snapshot fail (named, with nothing wrong stored).
     let src_lock = match lock::acquire(&src.store, LockKind::Forget, None, opts.wait_lock) {
         Ok(g) => Some(g),
-        Err(Error::Store { what, source }) => {
+        Err(Error::Store { what, source })
+            if matches!(
+                source.kind(),
+                std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::ReadOnlyFilesystem
+            ) =>
+        {
             log::warn!(
                 "cannot lock {} ({what}: {source}): copying without a lock; a forget or gc of it meanwhile can make a \
                  snapshot's copy fail",

@@ -246,7 +246,12 @@ fn a_source_that_cannot_be_locked_is_copied_without_a_lock() {
     let data = disk(5 * CS + 99, 11);
     backup(&src, "ro", &data, None);
     *store.fail_put.lock().unwrap() = Some("locks/");
+    // A store that fails otherwise is not taken for read-only: refused.
     let (_, dst) = repo_with(CS as u32, None);
+    let opts = CopyOptions { threads: 2, ..CopyOptions::default() };
+    let e = copy(&src, &dst, &Select::All, &opts, &Progress::default(), &|_| {}).unwrap_err();
+    assert!(matches!(e, Error::Store { .. }), "{e:?}");
+    *store.put_error.lock().unwrap() = std::io::ErrorKind::PermissionDenied;
     let r = run(&src, &dst, Select::All);
     assert_eq!(r.copied.len(), 1, "{r:?}");
     assert_eq!(read_back(&dst, &latest(&dst, "ro")), data);
