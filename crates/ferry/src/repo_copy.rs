@@ -28,6 +28,11 @@ pub struct CopyArgs {
     /// FERRY_TO_PASSWORD, else FERRY_TO_PASSWORD_FILE, else the source's passphrase).
     #[arg(long, value_name = "FILE")]
     to_password_file: Option<PathBuf>,
+    /// Copy an encrypted source into an unencrypted destination (its disks stored there in
+    /// plain text). Without it such a copy is refused: whoever can write the destination's
+    /// store could have replaced an encrypted repository's config with an unencrypted one.
+    #[arg(long)]
+    to_unencrypted: bool,
     /// Show progress on stderr: each snapshot as it starts, and a bar (percentages when
     /// stderr is not a terminal).
     #[arg(short, long)]
@@ -61,6 +66,21 @@ fn to_passphrase_source(file: Option<&Path>) -> String {
         (None, Some(_)) => "FERRY_TO_PASSWORD".into(),
         (None, None) => "FERRY_TO_PASSWORD_FILE".into(),
     }
+}
+
+/// Refuses copying an encrypted source (`src_encrypted`) into an unencrypted destination
+/// unless `allowed` (`--to-unencrypted`): the destination's config may have been replaced
+/// by one without a key (the source's passphrase, tried on the destination when none is
+/// given for it, would not notice), and the disks would then be stored in plain text.
+fn refuse_plain_copy(src_encrypted: bool, dst_encrypted: bool, allowed: bool, from: &str, to: &str) -> Result<()> {
+    if src_encrypted && !dst_encrypted && !allowed {
+        bail!(
+            "{from} is encrypted but {to} is not: refused, because the copies would be stored there in plain text \
+             (and someone who can write {to}'s store can replace an encrypted repository's config with an \
+             unencrypted one). Nothing was copied. If {to} is meant to be unencrypted, add --to-unencrypted"
+        );
+    }
+    Ok(())
 }
 
 pub fn run(a: CopyArgs) -> Result<i32> {
@@ -101,6 +121,7 @@ pub fn run(a: CopyArgs) -> Result<i32> {
         },
     };
     let dst = ferry_open::repo::open_repository_keyed(&a.to, &remote, keying, on)?;
+    refuse_plain_copy(src.crypto().is_encrypted(), dst.crypto().is_encrypted(), a.to_unencrypted, &a.from, &a.to)?;
     let cancel = crate::interrupt::install()?;
     let throttle = a.rate.map(|r| {
         let limit = ferry_client::copy::RateLimit::new(r);
@@ -190,4 +211,18 @@ pub fn run(a: CopyArgs) -> Result<i32> {
         );
     }
     Ok(i32::from(!report.failed.is_empty()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::refuse_plain_copy;
+
+    #[test]
+    fn an_encrypted_source_is_copied_into_plain_text_only_when_asked() {
+        assert!(refuse_plain_copy(true, false, false, "a", "b").is_err());
+        assert!(refuse_plain_copy(true, false, true, "a", "b").is_ok());
+        for (src, dst) in [(true, true), (false, false), (false, true)] {
+            assert!(refuse_plain_copy(src, dst, false, "a", "b").is_ok());
+        }
+    }
 }

@@ -124,8 +124,27 @@ fn directory_copies_between_keys_and_chunk_sizes_restore_exactly() {
     let out = run_fails(&mut plain(&["repo", "copy", s(&r1), s(&r2)]));
     assert!(out.stderr.contains("--to-password-file"), "{}", out.describe());
 
+    // Encrypted into another key: the passphrase of each.
+    let (r4, pw4) = (d.join("r4"), d.join("pw4"));
+    fs::write(&pw4, "the other key\n").unwrap();
+    run_ok(&mut plain(&["repo", "init", "--encrypt", "--kdf-memory", "8M", "--password-file", s(&pw4), s(&r4)]));
+    let other = copy_json(&plain, &[s(&r2), s(&r4), "--password-file", s(&pw), "--to-password-file", s(&pw4)]);
+    assert_eq!(copied(&other), 3, "{other}");
+    let with_key4 = |args: &[&str]| {
+        let mut c = plain(args);
+        c.env("FERRY_PASSWORD_FILE", &pw4);
+        c
+    };
+    assert_copies(&with_key4, s(&r4), &want, d);
+
+    // Encrypted into plain text: refused (the source's passphrase, tried on the
+    // destination, does not notice a config swapped for an unencrypted one) unless asked.
+    let out = run_fails(&mut plain(&["repo", "copy", s(&r2), s(&r3), "--password-file", s(&pw)]));
+    assert!(out.stderr.contains("--to-unencrypted"), "{}", out.describe());
+    let list = Json::must_parse(&run_ok(&mut plain(&["repo", "list", "--json", s(&r3)])).stdout);
+    assert!(list.as_array().unwrap().is_empty(), "{list}");
     // Encrypted 64 KiB into plain 16 KiB: cut again; the hashes stay the source's.
-    let cut = copy_json(&plain, &[s(&r2), s(&r3), "--password-file", s(&pw)]);
+    let cut = copy_json(&plain, &[s(&r2), s(&r3), "--password-file", s(&pw), "--to-unencrypted"]);
     assert_eq!(copied(&cut), 3, "{cut}");
     assert!(cut.array_at("copied").iter().all(|c| c.at("rechunked").as_bool() == Some(true)), "{cut}");
     assert_copies(&plain, s(&r3), &want, d);
@@ -166,10 +185,10 @@ fn directory_to_s3_and_back() {
     assert_copies(&enc, remote, &want, d);
     // And back, into 128 KiB chunks.
     run_ok(&mut s3_cmd(&["repo", "init", "--chunk-size", "128K", s(&back)]));
-    let down = copy_json(&enc, &[remote, s(&back)]);
+    let down = copy_json(&enc, &[remote, s(&back), "--to-unencrypted"]);
     assert_eq!(copied(&down), 3, "{down}");
     assert_copies(&s3_cmd, s(&back), &want, d);
-    let again = copy_json(&enc, &[remote, s(&back)]);
+    let again = copy_json(&enc, &[remote, s(&back), "--to-unencrypted"]);
     assert_eq!((copied(&again), again.u64_at("bytes_sent")), (0, 0), "{again}");
 }
 

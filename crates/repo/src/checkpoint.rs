@@ -36,8 +36,21 @@ impl CheckpointInfo {
     /// the same change map and size; a snapshot of the base stored otherwise (another
     /// backup, one planted) leaves the checkpoint an interrupted backup that cannot be
     /// resumed.
+    ///
+    /// A checkpoint of a copy (`ferry repo copy`) is superseded by the copy it was making:
+    /// a snapshot of the disk whose `copied_from` names the snapshot its identity does
+    /// (a copy keeps its source's older time, so the times tell nothing).
     pub fn superseded_by<'a>(&self, snaps: &'a [SnapshotInfo]) -> Option<&'a SnapshotInfo> {
         let ck = &self.checkpoint;
+        if crate::copy::is_copy(ck) {
+            let made = snaps.iter().rev().find(|s| {
+                s.manifest.name == ck.name
+                    && s.manifest.copied_from.as_ref().is_some_and(|c| crate::copy::copy_identity(c) == ck.identity)
+            });
+            if made.is_some() {
+                return made;
+            }
+        }
         let latest = snaps.iter().rev().find(|s| s.manifest.name == ck.name)?;
         if ck.base.as_deref() == Some(latest.id.as_str()) {
             return None;

@@ -12,15 +12,20 @@
 //! snapshot the destination's previous copy was made of.
 //!
 //! A copy keeps what means something in the destination: the disk's name, the time (no
-//! later than the copier's clock), host, source and blkhash; its `parent` is the
-//! destination's latest snapshot of the disk dated no later than it, so that a copy of an
-//! old snapshot never becomes the disk's latest; and `copied_from` says where it came
-//! from (FORMAT.md §7), which makes a second copy of it a no-op: rerunning is the resume
-//! (and an interrupted snapshot continues from the writer's last checkpoint).
+//! later than the copier's clock), host, source, tags, note and blkhash; its `parent` is
+//! the destination's copy of the source snapshot's parent when it has one (the source's
+//! order carries over, whatever its clocks said), else the destination's latest snapshot
+//! of the disk whose order time is no later than the source snapshot's order time
+//! (FORMAT.md §7), so that a copy of an old snapshot never becomes the disk's latest; and
+//! `copied_from` says where it came from (FORMAT.md §7), which makes a second copy of it
+//! a no-op: rerunning is the resume (and an interrupted snapshot continues from the
+//! writer's last checkpoint).
 //!
-//! Locks: a `forget` lock on the source (backups of it go on; a forget or gc, which
-//! could remove what is being copied, waits), and each disk's `backup` lock on the
-//! destination, as a backup takes it.
+//! Locks: a `forget` lock on the source, which is exclusive (backups of it go on; a forget
+//! or gc, which could remove what is being copied, and another copy from it are refused,
+//! or wait when asked to), and each disk's `backup` lock on the destination, as a backup
+//! takes it. A shared kind of lock for readers is not used: a ferry that predates it would
+//! not know it (an unknown lock conflicts with every other, backups too).
 use crate::format::{CopiedFrom, Digest, LockKind, ZERO};
 use crate::repo::{order_keys, parse_time};
 use crate::writer::{checkpoint_mismatch, copy_time, CopyOrigin};
@@ -156,6 +161,52 @@ pub enum Event<'a> {
 /// How the checkpoint of a copy names what it copies (its `identity`), before the ids.
 const COPY_IDENTITY: &str = "ferry repo copy of snapshot";
 
+/// The `identity` of the checkpoint of a copy of the snapshot `from` names (the first
+/// snapshot of a chain of copies): every copy of one snapshot has the same, whichever
+/// repository it is copied from, so a copy made (`copied_from`) tells its leftover
+/// checkpoint.
+pub(crate) fn copy_identity(from: &CopiedFrom) -> String {
+    format!("{COPY_IDENTITY} {} of repository {}", from.snapshot, from.repository)
+}
+
+/// What a copy of `snap` (of the repository `src_id`) says it came from: its own
+/// `copied_from` for a copy (a copy of a copy names the first snapshot), else `snap`.
+fn origin_of(snap: &SnapshotInfo, src_id: &str) -> CopiedFrom {
+    snap.manifest.copied_from.clone().unwrap_or_else(|| CopiedFrom {
+        repository: src_id.to_string(),
+        snapshot: snap.id.clone(),
+        time: snap.manifest.time.clone(),
+    })
+}
+
+/// Removes disk `name`'s checkpoint in `dst` when it is one of a copy of the snapshot
+/// `from` names, which the destination has (a copy stopped between storing its manifest
+/// and removing its checkpoint). Under the disk's backup lock, so that no copy or backup
+/// of the disk is writing it meanwhile; a lock not had leaves it for a later run.
+fn discard_leftover(dst: &Arc<Repository>, name: &str, from: &CopiedFrom, wait: Option<Duration>) {
+    let identity = copy_identity(from);
+    let is_leftover =
+        |dst: &Repository| matches!(dst.checkpoint(name), Ok(Some(ck)) if ck.checkpoint.identity == identity);
+    if !is_leftover(dst) {
+        return;
+    }
+    let shown = dst.store.describe();
+    let _lock = match lock::acquire(&dst.store, LockKind::Backup, Some(dst.crypto.disk_tag(name)), wait) {
+        Ok(g) => g,
+        Err(e) => {
+            log::info!("the leftover checkpoint of a finished copy of {name} in {shown} stays: {e}");
+            return;
+        }
+    };
+    // Read again under the lock: a copy that held it may have replaced it.
+    if is_leftover(dst) {
+        match dst.discard_checkpoint(name) {
+            Ok(()) => log::info!("removed the leftover checkpoint of a finished copy of {name} from {shown}"),
+            Err(e) => log::warn!("the leftover checkpoint of a finished copy of {name} in {shown} stays: {e}"),
+        }
+    }
+}
+
 /// Whether a checkpoint is that of an interrupted copy (which `ferry repo copy` run again
 /// continues), not of a backup.
 pub fn is_copy(ck: &crate::format::Checkpoint) -> bool {
@@ -186,7 +237,12 @@ pub fn copy(
     // copy of a snapshot fail (named, with nothing wrong stored).
     let src_lock = match lock::acquire(&src.store, LockKind::Forget, None, opts.wait_lock) {
         Ok(g) => Some(g),
-        Err(Error::Store { what, source }) => {
+        Err(Error::Store { what, source })
+            if matches!(
+                source.kind(),
+                std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::ReadOnlyFilesystem
+            ) =>
+        {
             log::warn!(
                 "cannot lock {} ({what}: {source}): copying without a lock; a forget or gc of it meanwhile can make a \
                  snapshot's copy fail",
@@ -210,33 +266,29 @@ pub fn copy(
         Select::One { name, id } => vec![resolve_in(&all, &bad, &shown, name, Some(id))?],
     };
     let mut report = CopyReport::default();
-    // A manifest that cannot be read may be of any disk: a failure when every snapshot
-    // is asked for, else a warning (it may be of the disk asked for).
+    // A manifest that cannot be read may be of any disk, the one asked for too: a
+    // failure whatever is selected (the command then exits non-zero).
     for (object, e) in &bad {
-        match select {
-            Select::All => {
-                let f = Failed {
-                    name: String::new(),
-                    source_id: object.strip_prefix("snapshots/").unwrap_or(object).to_string(),
-                    error: format!("{object} in {shown} cannot be read: {}", e.reason()),
-                };
-                on(Event::Failed(&f));
-                report.failed.push(f);
-            }
-            _ => log::warn!(
-                "{object} in {shown} cannot be read ({}): if it is a snapshot of the disk asked for, it is not \
-                 copied",
-                e.reason()
-            ),
-        }
+        let f = Failed {
+            name: String::new(),
+            source_id: object.strip_prefix("snapshots/").unwrap_or(object).to_string(),
+            error: format!("{object} in {shown} cannot be read (it may be of any disk): {}", e.reason()),
+        };
+        on(Event::Failed(&f));
+        report.failed.push(f);
     }
     let (mut theirs, _) = dst.snapshots_skipping()?;
     let src_id = src.config().id.clone();
+    // Each source snapshot's order time (FORMAT.md §7), for the parent of its copy.
+    let order: HashMap<&str, jiff::Timestamp> =
+        all.iter().zip(order_keys(&all)).filter_map(|(s, (t, _))| Some((s.id.as_str(), t?))).collect();
+    let source = Source { all: &all, order: &order, index: std::sync::OnceLock::new() };
     for (at, snap) in chosen.iter().enumerate() {
         if opts.cancel.as_ref().is_some_and(|c| c.load(Ordering::SeqCst)) {
             return Err(Error::Interrupted);
         }
         if let Some(have) = already(&theirs, &src_id, &dst.config().id, snap) {
+            discard_leftover(dst, &snap.manifest.name, &origin_of(snap, &src_id), opts.wait_lock);
             let s = Skipped { name: snap.manifest.name.clone(), source_id: snap.id.clone(), id: have };
             on(Event::Skipped(&s));
             report.skipped.push(s);
@@ -247,7 +299,7 @@ pub fn copy(
         if let Some(l) = &src_lock {
             l.check()?;
         }
-        match copy_one(src, dst, snap, &theirs, opts, progress, &|resumed| {
+        match copy_one(src, dst, snap, &source, &theirs, opts, progress, &|resumed| {
             on(Event::Start { snap, at, of: chosen.len(), resumed })
         }) {
             Ok((c, info)) => {
@@ -297,17 +349,39 @@ fn already(theirs: &[SnapshotInfo], src_id: &str, dst_id: &str, snap: &SnapshotI
         .map(|t| t.id.clone())
 }
 
-/// The parent of a copy of disk `name` dated `time` in a destination holding `theirs`
-/// (oldest first, FORMAT.md §7's order): the latest snapshot of the disk whose order time
-/// is no later than `time`. The copy then sorts right after it, and before every
-/// snapshot dated later: a copy of an old snapshot does not become the disk's latest.
-fn parent_for<'a>(theirs: &'a [SnapshotInfo], name: &str, time: &str) -> Option<&'a SnapshotInfo> {
-    let t = parse_time(time)?;
+/// The source's snapshots (as listed), their order times by id, and its index once a
+/// copy needs it (opened once for every snapshot copied).
+struct Source<'a> {
+    all: &'a [SnapshotInfo],
+    order: &'a HashMap<&'a str, jiff::Timestamp>,
+    index: std::sync::OnceLock<Option<crate::RunIndex>>,
+}
+
+/// The parent of the copy of `snap` (of the repository `src_id`) in a destination
+/// (`dst_id`) holding `theirs` (oldest first, FORMAT.md §7's order): the destination's
+/// copy of `snap`'s parent, when it has one, so that the source's order carries over
+/// whatever its clocks said; else the latest snapshot of the disk whose order time is no
+/// later than `snap`'s order time in the source. The copy then sorts right after it, and
+/// before every snapshot dated later: a copy of an old snapshot does not become the
+/// disk's latest.
+fn parent_for<'a>(
+    source: &Source,
+    theirs: &'a [SnapshotInfo],
+    src_id: &str,
+    dst_id: &str,
+    snap: &SnapshotInfo,
+) -> Option<&'a SnapshotInfo> {
+    let name = &snap.manifest.name;
+    let parent = snap.manifest.parent.as_deref().and_then(|p| source.all.iter().find(|s| s.id == p));
+    if let Some(have) = parent.and_then(|p| already(theirs, src_id, dst_id, p)) {
+        return theirs.iter().find(|t| t.id == have);
+    }
+    let t = source.order.get(snap.id.as_str()).copied().or_else(|| parse_time(&snap.manifest.time))?;
     let keys = order_keys(theirs);
     theirs
         .iter()
         .zip(keys)
-        .filter(|(s, (k, _))| s.manifest.name == name && k.is_some_and(|k| k <= t))
+        .filter(|(s, (k, _))| s.manifest.name == *name && k.is_some_and(|k| k <= t))
         .map(|(s, _)| s)
         .next_back()
 }
@@ -318,6 +392,7 @@ fn copy_one(
     src: &Arc<Repository>,
     dst: &Arc<Repository>,
     snap: &SnapshotInfo,
+    source: &Source,
     theirs: &[SnapshotInfo],
     opts: &CopyOptions,
     progress: &Progress,
@@ -326,7 +401,7 @@ fn copy_one(
     let m = &snap.manifest;
     let name = m.name.clone();
     let time = copy_time(&m.time, jiff::Timestamp::now());
-    let parent = parent_for(theirs, &name, &time).cloned();
+    let parent = parent_for(source, theirs, &src.config().id, &dst.config().id, snap).cloned();
     let image = SnapshotImage::open_with_cache(src.clone(), snap, MIN_CACHE_BYTES)?;
     let src_cs = src.config().chunk_size as u64;
     let blkhash = image.blkhash().map(|d| crate::format::hex(&d));
@@ -338,18 +413,17 @@ fn copy_one(
     }
     // A copy of a copy names the snapshot the first copy was made of: every copy of one
     // snapshot, however it travelled, is known as the same one.
-    let from = m.copied_from.clone().unwrap_or_else(|| CopiedFrom {
-        repository: src.config().id.clone(),
-        snapshot: snap.id.clone(),
-        time: m.time.clone(),
-    });
-    let origin = CopyOrigin { host: m.host.clone(), from };
+    let from = origin_of(snap, &src.config().id);
+    let identity = copy_identity(&from);
+    let origin = CopyOrigin { host: m.host.clone(), time, from };
     let backup = BackupOptions {
         base: parent.clone(),
         source: m.source.clone(),
-        identity: format!("{COPY_IDENTITY} {} of repository {}", snap.id, src.config().id),
+        identity,
         checkpoint_every: opts.checkpoint_every,
         wait_lock: opts.wait_lock,
+        tags: m.tags.clone(),
+        note: m.note.clone(),
         ..BackupOptions::new(&name, m.size)
     };
     let (writer, resumed) = start_or_resume(dst, backup, theirs)?;
@@ -358,7 +432,7 @@ fn copy_one(
     let source_of = parent.as_ref().and_then(|p| p.manifest.copied_from.as_ref());
     let copied = match rechunked {
         false => copy_entries(&image, &writer, opts, progress),
-        true => copy_bytes(src, &image, &writer, source_of, opts, progress),
+        true => copy_bytes(src, source, &image, &writer, source_of, opts, progress),
     };
     let read = match copied {
         Ok(read) => read,
@@ -373,16 +447,9 @@ fn copy_one(
         }
     };
     let info = writer.commit_copy(read, &origin)?;
-    if let (Some(want), Some(got)) = (&m.blkhash, &info.manifest.blkhash) {
-        if want != got {
-            // Cannot happen unless ferry is wrong: the copy is not the snapshot.
-            let object = format!("snapshots/{}", info.id);
-            let _ = dst.store.delete(&object);
-            return Err(Error::Invalid(format!(
-                "the copy's blkhash {got} is not the source's {want}: the copy ({object}) was removed"
-            )));
-        }
-    }
+    // No blkhash check after the commit: a copy has one only with 64 KiB chunks, so only
+    // a copy of a 64 KiB snapshot with its entries carried over as they are, whose blkhash
+    // is that of the source's entries, checked above against the source manifest's.
     let latest = theirs.iter().rev().find(|s| s.manifest.name == name);
     if let Some(k) = dst.known().filter(|_| latest.map(|l| &l.id) == parent.as_ref().map(|p| &p.id)) {
         k.committed(&info);
@@ -424,8 +491,14 @@ fn start_or_resume(
             if differs.is_empty() {
                 match SnapshotWriter::resume(dst.clone(), opts.clone(), &ck) {
                     Ok(w) => return Ok((w, true)),
-                    Err(Error::Invalid(why)) if why.contains("changed or went away") => {}
-                    Err(e) => return Err(e),
+                    // What stops a fresh copy too: a lock not had, a store that fails.
+                    Err(e @ (Error::Locked(_) | Error::Store { .. } | Error::Interrupted)) => return Err(e),
+                    // A checkpoint that cannot be continued (its pages damaged or gone,
+                    // its base changed) must not block the disk's copies for ever.
+                    Err(e) => log::warn!(
+                        "the interrupted copy of {} into {shown} cannot be continued ({e}): copying it again",
+                        opts.name
+                    ),
                 }
             } else {
                 log::info!(
@@ -616,8 +689,10 @@ fn read_runs(cis: &[u64], cs: u64) -> Vec<(u64, u64)> {
 /// of whole chunks of both sizes. Where the writer starts from a parent that was copied
 /// from a snapshot of the source of the same size (`source_of`), a block whose chunks
 /// equal that snapshot's is left as the parent has it. Returns the bytes read.
+#[allow(clippy::too_many_arguments)]
 fn copy_bytes(
     src: &Arc<Repository>,
+    source: &Source,
     image: &SnapshotImage,
     writer: &Arc<SnapshotWriter>,
     source_of: Option<&CopiedFrom>,
@@ -632,7 +707,9 @@ fn copy_bytes(
     // The source's snapshot the writer's starting point holds the bytes of, chunk by
     // chunk: blocks where this snapshot's entries equal it need not be written.
     let same = match (source_of, writer.starts_zeroed()) {
-        (Some(from), false) if from.repository == src.config().id => earlier_entries(src, &from.snapshot, m.size),
+        (Some(from), false) if from.repository == src.config().id => {
+            earlier_entries(src, source, &from.snapshot, m.size)
+        }
         _ => None,
     };
     let must = chunk_set(&writer.lost_ranges(), dst_cs);
@@ -677,12 +754,12 @@ fn copy_bytes(
 }
 
 /// The entries of the source's snapshot `id`, if it is there and of `size` bytes (else
-/// `None`: nothing is skipped).
-fn earlier_entries(src: &Arc<Repository>, id: &str, size: u64) -> Option<Vec<Digest>> {
-    let (all, _) = src.snapshots_skipping().ok()?;
-    let snap = all.into_iter().find(|s| s.id == id && s.manifest.size == size)?;
-    let index = crate::RunIndex::open(src).ok()?;
-    src.entries(&index, &snap).ok()
+/// `None`: nothing is skipped): found in the list taken when the copy started, read
+/// through the source's index, opened once.
+fn earlier_entries(src: &Arc<Repository>, source: &Source, id: &str, size: u64) -> Option<Vec<Digest>> {
+    let snap = source.all.iter().find(|s| s.id == id && s.manifest.size == size)?;
+    let index = source.index.get_or_init(|| crate::RunIndex::open(src).ok()).as_ref()?;
+    src.entries(index, snap).ok()
 }
 
 #[cfg(test)]

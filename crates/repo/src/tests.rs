@@ -937,12 +937,20 @@ struct Failing {
     inner: Arc<MemStore>,
     fail_put: Mutex<Option<&'static str>>,
     fail_delete: Mutex<Option<&'static str>>,
+    /// The kind of the error a failing put gives (`Other`: a crash).
+    put_error: Mutex<std::io::ErrorKind>,
     panic_reads: std::sync::atomic::AtomicBool,
 }
 
 impl Failing {
     fn new(inner: Arc<MemStore>) -> Self {
-        Failing { inner, fail_put: Mutex::new(None), fail_delete: Mutex::new(None), panic_reads: false.into() }
+        Failing {
+            inner,
+            fail_put: Mutex::new(None),
+            fail_delete: Mutex::new(None),
+            put_error: Mutex::new(std::io::ErrorKind::Other),
+            panic_reads: false.into(),
+        }
     }
 }
 
@@ -962,7 +970,7 @@ impl Store for Failing {
     }
     fn put(&self, name: &str, data: &[u8]) -> std::io::Result<()> {
         if self.fail_put.lock().unwrap().is_some_and(|p| name.starts_with(p)) {
-            return Err(std::io::Error::other("crash"));
+            return Err(std::io::Error::new(*self.put_error.lock().unwrap(), "crash"));
         }
         self.inner.put(name, data)
     }

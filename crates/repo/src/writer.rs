@@ -1157,9 +1157,9 @@ impl SnapshotWriter {
     }
 
     /// [`SnapshotWriter::commit`] of a copy of another repository's snapshot
-    /// ([`crate::copy`]): the manifest keeps the source's `time` (unless it is ahead of
-    /// this host's clock: a copy cannot date itself in the future), its `host`, and says
-    /// where it came from (`copied_from`, FORMAT.md §7).
+    /// ([`crate::copy`]): the manifest is dated `origin.time` (the source manifest's own
+    /// time, unless it is ahead of the copier's clock: see [`copy_time`]), keeps its
+    /// `host`, and says where it came from (`copied_from`, FORMAT.md §7).
     pub(crate) fn commit_copy(&self, read: u64, origin: &CopyOrigin) -> Result<SnapshotInfo> {
         self.commit_with(read, Some(origin))
     }
@@ -1255,7 +1255,7 @@ impl SnapshotWriter {
         // have an order.
         let now = jiff::Timestamp::now();
         let time = match origin {
-            Some(o) => copy_time(&o.from.time, now),
+            Some(o) => o.time.clone(),
             None => {
                 let now = self.time.unwrap_or(now);
                 if let Some(b) = &self.base {
@@ -1839,6 +1839,9 @@ impl SnapshotWriter {
 pub(crate) struct CopyOrigin {
     /// The source snapshot's host.
     pub host: String,
+    /// The copy's `time`: [`copy_time`] of the source manifest's own time (not of
+    /// `from.time`, the first snapshot of a chain of copies).
+    pub time: String,
     /// The source repository's id, the snapshot's id and time there.
     pub from: format::CopiedFrom,
 }

@@ -246,7 +246,12 @@ fn a_source_that_cannot_be_locked_is_copied_without_a_lock() {
     let data = disk(5 * CS + 99, 11);
     backup(&src, "ro", &data, None);
     *store.fail_put.lock().unwrap() = Some("locks/");
+    // A store that fails otherwise is not taken for read-only: refused.
     let (_, dst) = repo_with(CS as u32, None);
+    let opts = CopyOptions { threads: 2, ..CopyOptions::default() };
+    let e = copy(&src, &dst, &Select::All, &opts, &Progress::default(), &|_| {}).unwrap_err();
+    assert!(matches!(e, Error::Store { .. }), "{e:?}");
+    *store.put_error.lock().unwrap() = std::io::ErrorKind::PermissionDenied;
     let r = run(&src, &dst, Select::All);
     assert_eq!(r.copied.len(), 1, "{r:?}");
     assert_eq!(read_back(&dst, &latest(&dst, "ro")), data);
@@ -257,4 +262,179 @@ fn a_source_that_cannot_be_locked_is_copied_without_a_lock() {
     let (_, other) = repo_with(CS as u32, None);
     let e = copy(&src, &other, &Select::All, &opts, &Progress::default(), &|_| {}).unwrap_err();
     assert!(matches!(e, Error::Locked(_)), "{e:?}");
+}
+
+/// Snapshot `s` of `repo` with its manifest changed by `edit` (as another host or an
+/// older ferry would have written it): the new snapshot, in place of `s`.
+fn rewrite(repo: &Arc<Repository>, s: &SnapshotInfo, edit: impl FnOnce(&mut crate::format::Manifest)) -> SnapshotInfo {
+    let mut m = crate::format::Manifest::parse(
+        &repo.read_named(&format!("snapshots/{}", s.id), "snapshots/", 1 << 20, crate::repo::AAD_SNAPSHOT).unwrap(),
+        &repo.limits(),
+    )
+    .unwrap();
+    edit(&mut m);
+    let sealed = repo.crypto().seal(crate::repo::AAD_SNAPSHOT, &m.to_bytes());
+    let id = crate::format::hex(&crate::repo::sha256(&sealed));
+    repo.store().put(&format!("snapshots/{id}"), &sealed).unwrap();
+    repo.store().delete(&format!("snapshots/{}", s.id)).unwrap();
+    repo.resolve(&s.manifest.name, Some(&id)).unwrap()
+}
+
+#[test]
+fn the_copy_of_the_sources_latest_is_the_latest_when_the_sources_clock_went_back() {
+    let (_, src) = repo_with(CS as u32, None);
+    let a1 = disk(6 * CS, 1);
+    let s1 = backup(&src, "a", &a1, None);
+    let mut a2 = a1.clone();
+    a2[0..100].fill(0x77);
+    let s2 = backup(&src, "a", &a2, Some(s1.clone()));
+    // The second backup's host clock was an hour behind the first's.
+    let t1: jiff::Timestamp = s1.manifest.time.parse().unwrap();
+    let back = (t1 - jiff::SignedDuration::from_secs(3600)).to_string();
+    let s2 = rewrite(&src, &s2, |m| m.time = back.clone());
+    assert_eq!(latest(&src, "a").id, s2.id);
+    let (_, dst) = repo_with(CS as u32, None);
+    let r = run(&src, &dst, Select::All);
+    let l = latest(&dst, "a");
+    assert_eq!(l.manifest.copied_from.as_ref().unwrap().snapshot, s2.id, "{r:?}");
+    assert_eq!(l.manifest.parent.as_deref(), Some(r.copied[0].id.as_str()));
+    assert_eq!(read_back(&dst, &l), a2);
+}
+
+#[test]
+fn a_copy_of_a_copy_is_dated_as_the_snapshot_it_copies() {
+    let (_, a) = repo_with(CS as u32, None);
+    let x = disk(4 * CS, 2);
+    let sx = backup(&a, "f", &x, None);
+    // Dated ahead of every clock: its copy in B is dated when it was made.
+    let sx = rewrite(&a, &sx, |m| m.time = "2126-01-01T00:00:00Z".into());
+    let (_, b) = repo_with(CS as u32, None);
+    run(&a, &b, Select::All);
+    let xb = latest(&b, "f");
+    assert_ne!(xb.manifest.time, "2126-01-01T00:00:00Z");
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let mut y = x.clone();
+    y[0..10].fill(9);
+    backup(&b, "f", &y, Some(xb.clone()));
+    let (_, c) = repo_with(CS as u32, None);
+    run(&b, &c, Select::All);
+    let (all, _) = c.snapshots_skipping().unwrap();
+    let xc = all.iter().find(|s| s.manifest.copied_from.as_ref().unwrap().snapshot == sx.id).unwrap();
+    assert_eq!(xc.manifest.time, xb.manifest.time, "the copy of B's copy is dated as B's");
+    assert_eq!(read_back(&c, &latest(&c, "f")), y);
+}
+
+#[test]
+fn a_copy_keeps_tags_and_note_and_a_version_1_source_copies_into_version_3() {
+    let src = Arc::new(
+        Repository::init(
+            Arc::new(MemStore::new()),
+            &InitOptions { chunk_size: CS as u32, page_entries: 16, version: 1, ..InitOptions::default() },
+        )
+        .unwrap(),
+    );
+    let data = disk(7 * CS + 3, 5);
+    let s = backup(&src, "t", &data, None);
+    let s = rewrite(&src, &s, |m| {
+        m.tags = vec!["daily".into(), "keep".into()];
+        m.note = "before the upgrade".into();
+    });
+    let (_, dst) = repo_with(CS as u32, None);
+    assert_eq!(dst.config().version, crate::format::LOCATED_CONFIG_VERSION);
+    let r = run(&src, &dst, Select::All);
+    assert_eq!(r.copied.len(), 1, "{r:?}");
+    let c = latest(&dst, "t");
+    assert_eq!((&c.manifest.tags, &c.manifest.note), (&s.manifest.tags, &s.manifest.note));
+    assert_eq!(c.manifest.version, crate::format::LOCATED_VERSION);
+    assert_eq!(read_back(&dst, &c), data);
+    assert_clean(&dst);
+}
+
+#[test]
+fn a_manifest_that_cannot_be_read_fails_the_copy_of_one_disk_too() {
+    let (src, _) = source(CS as u32, None);
+    src.store().put(&format!("snapshots/{}", "ab".repeat(32)), b"not a manifest").unwrap();
+    let (_, dst) = repo_with(CS as u32, None);
+    for select in [Select::All, Select::Disk("a".into())] {
+        let r = run(&src, &dst, select.clone());
+        assert_eq!(r.failed.len(), 1, "{select:?}: {r:?}");
+        assert_eq!(r.failed[0].source_id, "ab".repeat(32));
+    }
+}
+
+#[test]
+fn the_leftover_checkpoint_of_a_finished_copy_is_recognised_and_removed() {
+    let (_, src) = repo_with(CS as u32, None);
+    let a = disk(300 * CS, 7);
+    backup(&src, "a", &a, None);
+    let (_, dst) = repo_with(CS as u32, None);
+    let cancel = Arc::new(AtomicBool::new(false));
+    let opts = CopyOptions {
+        threads: 1,
+        checkpoint_every: Some(std::time::Duration::ZERO),
+        cancel: Some(cancel.clone()),
+        ..CopyOptions::default()
+    };
+    let progress = Progress::default();
+    let _ = std::thread::scope(|s| {
+        let watch = s.spawn(|| {
+            while progress.done.load(Ordering::Relaxed) < 8 * CS as u64 {
+                std::thread::yield_now();
+            }
+            cancel.store(true, Ordering::SeqCst);
+        });
+        let r = copy(&src, &dst, &Select::All, &opts, &progress, &|_| {});
+        cancel.store(true, Ordering::SeqCst);
+        watch.join().unwrap();
+        r
+    });
+    let ck = dst.checkpoint("a").unwrap().unwrap();
+    let bytes = dst.store().get(&ck.object, 1 << 30).unwrap();
+    let r = run(&src, &dst, Select::All);
+    assert_eq!(r.copied.len(), 1);
+    // Killed between storing the manifest and removing the checkpoint.
+    dst.store().put(&ck.object, &bytes).unwrap();
+    let (theirs, _) = dst.snapshots_skipping().unwrap();
+    let ck = dst.checkpoint("a").unwrap().unwrap();
+    assert_eq!(ck.superseded_by(&theirs).map(|s| s.id.as_str()), Some(r.copied[0].id.as_str()));
+    let again = run(&src, &dst, Select::All);
+    assert_eq!(again.skipped.len(), 1);
+    assert!(dst.checkpoint("a").unwrap().is_none(), "the rerun left the leftover checkpoint");
+}
+
+#[test]
+fn a_checkpoint_that_cannot_be_resumed_is_copied_afresh() {
+    let (_, src) = repo_with(CS as u32, None);
+    let a = disk(300 * CS, 8);
+    backup(&src, "a", &a, None);
+    let (dst_store, dst) = repo_with(CS as u32, None);
+    let cancel = Arc::new(AtomicBool::new(false));
+    let opts = CopyOptions {
+        threads: 1,
+        checkpoint_every: Some(std::time::Duration::ZERO),
+        cancel: Some(cancel.clone()),
+        ..CopyOptions::default()
+    };
+    let progress = Progress::default();
+    let _ = std::thread::scope(|s| {
+        let watch = s.spawn(|| {
+            while progress.done.load(Ordering::Relaxed) < 8 * CS as u64 {
+                std::thread::yield_now();
+            }
+            cancel.store(true, Ordering::SeqCst);
+        });
+        let r = copy(&src, &dst, &Select::All, &opts, &progress, &|_| {});
+        cancel.store(true, Ordering::SeqCst);
+        watch.join().unwrap();
+        r
+    });
+    assert!(dst.checkpoint("a").unwrap().is_some());
+    // The checkpoint's pages and chunks are lost: it cannot be continued.
+    for p in dst_store.list("data/").unwrap() {
+        dst_store.delete(&p.0).unwrap();
+    }
+    let r = run(&src, &dst, Select::All);
+    assert_eq!((r.copied.len(), r.failed.len()), (1, 0), "{r:?}");
+    assert!(!r.copied[0].resumed);
+    assert_eq!(read_back(&dst, &latest(&dst, "a")), a);
 }
