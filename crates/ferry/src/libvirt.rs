@@ -92,6 +92,16 @@ fn choose(all: Vec<Disk>, a: &LibvirtArgs, domain: &str) -> Result<Vec<Disk>> {
     if chosen.is_empty() {
         bail!("no disk of {domain} to back up (--disk and --exclude leave none)");
     }
+    if let Some(d) = chosen.iter().find(|d| d.device != "disk") {
+        bail!(
+            "{domain}: disk {} is a {} (device='{}'), which libvirt's backup job does not read: leave it out with \
+             --exclude {} (a restored copy then has no such disk)",
+            d.target,
+            if d.device == "lun" { "SCSI LUN passed through" } else { "device" },
+            d.device,
+            d.target
+        );
+    }
     Ok(chosen)
 }
 
@@ -570,8 +580,18 @@ mod tests {
 
     #[test]
     fn disks_are_chosen_by_target() {
-        let d = |t: &str| Disk { target: t.into(), kind: "file".into(), format: None, source: None };
+        let d =
+            |t: &str| Disk { target: t.into(), kind: "file".into(), format: None, source: None, device: "disk".into() };
         let all = vec![d("vda"), d("vdb")];
+        // A LUN is refused unless left out.
+        let lun = Disk { device: "lun".into(), ..d("sda") };
+        let with_lun = vec![d("vda"), lun];
+        let e = format!("{:#}", choose(with_lun.clone(), &LibvirtArgs::default(), "vm").unwrap_err());
+        assert!(e.contains("--exclude sda"), "{e}");
+        let a = LibvirtArgs { exclude: vec!["sda".into()], ..Default::default() };
+        assert_eq!(choose(with_lun.clone(), &a, "vm").unwrap(), [d("vda")]);
+        let a = LibvirtArgs { disks: vec!["vda".into()], ..Default::default() };
+        assert_eq!(choose(with_lun, &a, "vm").unwrap(), [d("vda")]);
         let a = LibvirtArgs { exclude: vec!["vda".into()], ..Default::default() };
         assert_eq!(choose(all.clone(), &a, "vm").unwrap(), [d("vdb")]);
         let a = LibvirtArgs { disks: vec!["vdc".into()], ..Default::default() };

@@ -101,6 +101,12 @@ pub fn run(args: RestoreArgs, quiet: bool) -> Result<i32> {
         files.push((d.target.clone(), path.to_string_lossy().into_owned(), args.format.clone()));
     }
     let xml = crate::libvirt_xml::rewrite(&point.xml, &files, args.define.as_deref())?;
+    if args.define.is_some() && crate::libvirt_xml::has_nvram(&point.xml) {
+        log::warn!(
+            "{domain} has UEFI variables (<nvram>): the copy does not share the original's; libvirt makes it new ones \
+             from the firmware's template (boot entries the guest stored there are not restored)"
+        );
+    }
     let xml_path = dir.join(format!("{}.xml", args.define.as_deref().unwrap_or(&domain)));
     std::fs::write(&xml_path, &xml).with_context(|| format!("cannot write {}", xml_path.display()))?;
     if let Some(name) = &args.define {
