@@ -39,7 +39,8 @@ const RUNDIR_PREFIX: &str = "ferry-libvirt-";
 #[derive(Args, Debug, Clone, Default)]
 pub struct LibvirtArgs {
     /// With a libvirt:DOMAIN source: the libvirt connection, as `virsh -c` takes it
-    /// (default: LIBVIRT_DEFAULT_URI, else qemu:///system).
+    /// (default: LIBVIRT_DEFAULT_URI, else virsh's default). Of this host only
+    /// (qemu:///system, qemu:///session): a remote one is refused.
     #[arg(long, value_name = "URI")]
     pub connect: Option<String>,
     /// With a libvirt:DOMAIN source: back up only this disk (its target, e.g. vda;
@@ -167,7 +168,7 @@ pub(crate) fn run(domain: &str, args: &BackupArgs, quiet: bool) -> Result<i32> {
              not resumed: the next run reads what changed since the last good one)"
         );
     }
-    let virsh = Virsh::new(args.libvirt.connect.as_deref());
+    let virsh = Virsh::new(args.libvirt.connect.as_deref())?;
     let (points_id, snaps) = backup_domain(&virsh, domain, args, quiet)?;
     if args.json {
         let doc = serde_json::json!({

@@ -25,7 +25,7 @@ pub struct RestoreArgs {
     #[arg(long, value_name = "NEWNAME")]
     define: Option<String>,
     /// The libvirt connection for --define, as `virsh -c` takes it (default:
-    /// LIBVIRT_DEFAULT_URI, else qemu:///system).
+    /// LIBVIRT_DEFAULT_URI, else virsh's default). Of this host only: a remote one is refused.
     #[arg(long, value_name = "URI")]
     connect: Option<String>,
     /// The repository's passphrase: the first line of FILE (else FERRY_PASSWORD, else
@@ -55,6 +55,8 @@ pub fn run(args: RestoreArgs, quiet: bool) -> Result<i32> {
         std::env::remove_var("FERRY_PASSWORD");
         std::env::set_var("FERRY_PASSWORD_FILE", f);
     }
+    // A connection that cannot define the copy is refused before any disk is restored.
+    let virsh = args.define.as_ref().map(|_| Virsh::new(args.connect.as_deref())).transpose()?;
     let repo = ferry_open::repo::open_repository_with(
         &spec,
         &ferry_open::Remote::default(),
@@ -109,8 +111,8 @@ pub fn run(args: RestoreArgs, quiet: bool) -> Result<i32> {
     }
     let xml_path = dir.join(format!("{}.xml", args.define.as_deref().unwrap_or(&domain)));
     std::fs::write(&xml_path, &xml).with_context(|| format!("cannot write {}", xml_path.display()))?;
-    if let Some(name) = &args.define {
-        Virsh::new(args.connect.as_deref()).define(&xml, &dir).with_context(|| {
+    if let (Some(name), Some(virsh)) = (&args.define, &virsh) {
+        virsh.define(&xml, &dir).with_context(|| {
             format!("the disks and {} are restored, but defining {name} failed", xml_path.display())
         })?;
         let _ = std::fs::remove_file(dir.join(crate::libvirt_virsh::DEFINE_FILE));
