@@ -59,6 +59,11 @@ pub struct LibvirtArgs {
     /// while the job runs, up to the size of the disks backed up). qemu must reach it.
     #[arg(long, value_name = "DIR", default_value = DEFAULT_SCRATCH)]
     pub scratch_dir: PathBuf,
+    /// With a libvirt:DOMAIN source: back it up although the repository's latest point of
+    /// that name is of another domain (another UUID: a domain of that name on another host,
+    /// or one defined anew). Its history starts over; the other's points stay.
+    #[arg(long)]
+    pub new_domain: bool,
 }
 
 /// Where a backup job's directory goes by default: on disk (not a tmpfs TMPDIR, which holds
@@ -73,6 +78,7 @@ impl Default for LibvirtArgs {
             exclude: Vec::new(),
             quiesce: false,
             scratch_dir: PathBuf::from(DEFAULT_SCRATCH),
+            new_domain: false,
         }
     }
 }
@@ -81,8 +87,11 @@ impl LibvirtArgs {
     /// Refuses these flags with a source that is no domain.
     pub(crate) fn refuse_without_domain(&self) -> Result<()> {
         let scratch = self.scratch_dir != Path::new(DEFAULT_SCRATCH);
-        if self.connect.is_some() || !self.disks.is_empty() || !self.exclude.is_empty() || self.quiesce || scratch {
-            bail!("--connect, --disk, --exclude, --quiesce and --scratch-dir are for a libvirt:DOMAIN source");
+        let any = self.connect.is_some() || !self.disks.is_empty() || !self.exclude.is_empty();
+        if any || self.quiesce || scratch || self.new_domain {
+            bail!(
+                "--connect, --disk, --exclude, --quiesce, --scratch-dir and --new-domain are for a libvirt:DOMAIN source"
+            );
         }
         Ok(())
     }
@@ -223,8 +232,14 @@ pub(crate) fn backup_domain(
     let _one = one_run(&dir, domain)?;
     let frozen = dir.join(format!("libvirt-{}.frozen", file_safe(domain)));
     thaw_leftover(h, domain, stopped, &frozen)?;
+    let uuid = xml::uuid(&live);
+    let (points, bad) = repo.points().context("cannot read the points of the repository")?;
+    for (object, e) in &bad {
+        log::warn!("skipping {object}: {e}; disks it named are read whole");
+    }
+    let points = same_domain(&points, domain, uuid.as_deref(), args.libvirt.new_domain, &spec)?;
     if stopped {
-        return backup_stopped(domain, &chosen, &names, &spec, &repo, &inactive, args, quiet);
+        return backup_stopped(domain, uuid, &chosen, &names, &spec, &repo, &inactive, args, quiet);
     }
     for d in &chosen {
         if d.kind == "network" || d.kind == "volume" && d.source.is_none() {
@@ -234,11 +249,6 @@ pub(crate) fn backup_domain(
     let repo_id = repo.config().id.clone();
     let prefix = format!("{CHECKPOINT_PREFIX}{}-", &repo_id[..16.min(repo_id.len())]);
     end_leftover_job(h, domain)?;
-    let (points, bad) = repo.points().context("cannot read the points of the repository")?;
-    for (object, e) in &bad {
-        log::warn!("skipping {object}: {e}; disks it named are read whole");
-    }
-    let points: Vec<&PointRecord> = points.iter().filter(|(_, p)| p.domain == domain).map(|(_, p)| p).collect();
     let ours: Vec<String> = h.checkpoints(domain)?.into_iter().filter(|c| c.starts_with(&prefix)).collect();
     // Checkpoints of this repository that no point names: left by a run that failed or
     // was killed. Deleting one merges what it tracked into its parent: nothing is lost.
@@ -316,7 +326,7 @@ pub(crate) fn backup_domain(
             tracked: p.tracked,
         })
         .collect();
-    let point = PointRecord::new(domain, Some(checkpoint.clone()), inactive, disks);
+    let point = PointRecord::new(domain, uuid, Some(checkpoint.clone()), inactive, disks);
     let id = repo.put_point(&point).context("the snapshots are stored, but the point that binds them is not")?;
     job.keep_checkpoint();
     // Only now: the new checkpoint is the one the next run continues (and those of the
@@ -335,6 +345,31 @@ pub(crate) fn backup_domain(
         }
     }
     Ok((id, snaps))
+}
+
+/// The points of `domain` of this domain (its UUID `uuid`; a point that records none is
+/// taken for one), oldest first. Refused when the latest point of that name is of another
+/// domain, unless `new_domain`: two hosts' domains of one name must not share a history.
+fn same_domain<'p>(
+    points: &'p [(String, PointRecord)],
+    domain: &str,
+    uuid: Option<&str>,
+    new_domain: bool,
+    spec: &str,
+) -> Result<Vec<&'p PointRecord>> {
+    let named: Vec<&PointRecord> = points.iter().filter(|(_, p)| p.domain == domain).map(|(_, p)| p).collect();
+    let other = |p: &PointRecord| matches!((p.uuid.as_deref(), uuid), (Some(a), Some(b)) if a != b);
+    if let Some(last) = named.last().filter(|p| other(p) && !new_domain) {
+        bail!(
+            "the latest point of {domain} in {spec} is of another domain of that name: uuid {} on host {} (this one is \
+             {}): back up with --new-domain if this domain replaces it (its history starts over), or give this \
+             domain another name",
+            last.uuid.as_deref().unwrap_or_default(),
+            last.host,
+            uuid.unwrap_or_default()
+        );
+    }
+    Ok(named.into_iter().filter(|p| !other(p)).collect())
 }
 
 /// The checkpoint `name`'s next backup continues from, with the snapshot it continues:
@@ -641,6 +676,7 @@ impl Drop for Job<'_> {
 #[allow(clippy::too_many_arguments)]
 fn backup_stopped(
     domain: &str,
+    uuid: Option<String>,
     chosen: &[Disk],
     names: &[String],
     spec: &str,
@@ -709,7 +745,7 @@ fn backup_stopped(
             tracked: false,
         })
         .collect();
-    let point = PointRecord::new(domain, None, inactive.to_string(), disks);
+    let point = PointRecord::new(domain, uuid, None, inactive.to_string(), disks);
     let id = repo.put_point(&point).context("the snapshots are stored, but the point that binds them is not")?;
     Ok((id, snaps))
 }
@@ -880,5 +916,22 @@ mod tests {
         let link = t.path().join("link");
         std::os::unix::fs::symlink(&dir, &link).unwrap();
         assert!(private_dir(&link, uid).is_err());
+    }
+
+    #[test]
+    fn a_domain_of_the_same_name_with_another_uuid_is_refused_unless_new() {
+        let disk = PointDisk { target: "vda".into(), name: "vm-vda".into(), snapshot: "a".repeat(64), tracked: true };
+        let at = |uuid: Option<&str>, host: &str| {
+            let mut p = PointRecord::new("vm", uuid.map(String::from), None, "<domain/>".into(), vec![disk.clone()]);
+            p.host = host.into();
+            (format!("{host}{}", uuid.unwrap_or("")), p)
+        };
+        let points = vec![at(None, "old"), at(Some("aaaa"), "a"), at(Some("bbbb"), "b")];
+        let e = format!("{:#}", same_domain(&points, "vm", Some("aaaa"), false, "/r").unwrap_err());
+        assert!(e.contains("bbbb") && e.contains("host b") && e.contains("--new-domain"), "{e}");
+        let mine = same_domain(&points, "vm", Some("aaaa"), true, "/r").unwrap();
+        assert_eq!(mine.iter().map(|p| p.host.as_str()).collect::<Vec<_>>(), ["old", "a"]);
+        assert_eq!(same_domain(&points, "vm", Some("bbbb"), false, "/r").unwrap().len(), 2);
+        assert!(same_domain(&points, "other", Some("cccc"), false, "/r").unwrap().is_empty());
     }
 }

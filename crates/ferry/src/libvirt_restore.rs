@@ -32,6 +32,11 @@ pub struct RestoreArgs {
     /// FERRY_PASSWORD_FILE).
     #[arg(long, value_name = "FILE")]
     password_file: Option<PathBuf>,
+    /// Of the points of REPO::DOMAIN, those of the domain with this UUID (two hosts'
+    /// domains of one name, or one defined anew, each have theirs; `ferry repo list`
+    /// shows them).
+    #[arg(long, value_name = "UUID")]
+    uuid: Option<String>,
     /// Show progress of each disk's copy.
     #[arg(short, long)]
     progress: bool,
@@ -67,7 +72,26 @@ pub fn run(args: RestoreArgs, quiet: bool) -> Result<i32> {
     for (object, e) in &bad {
         log::warn!("skipping {object}: {e}");
     }
-    let mine: Vec<&(String, ferry_repo::PointRecord)> = points.iter().filter(|(_, p)| p.domain == domain).collect();
+    let want_uuid = args.uuid.as_deref().map(str::to_ascii_lowercase);
+    let mine: Vec<&(String, ferry_repo::PointRecord)> = points
+        .iter()
+        .filter(|(_, p)| p.domain == domain && want_uuid.as_ref().is_none_or(|u| p.uuid.as_ref() == Some(u)))
+        .collect();
+    if id.is_none() && want_uuid.is_none() {
+        let mut uuids: Vec<(&str, &str)> =
+            mine.iter().filter_map(|(_, p)| Some((p.uuid.as_deref()?, p.host.as_str()))).collect();
+        uuids.sort();
+        uuids.dedup_by_key(|u| u.0);
+        if uuids.len() > 1 {
+            let shown: Vec<String> = uuids.iter().map(|(u, h)| format!("{u} (host {h})")).collect();
+            bail!(
+                "the points of {domain} in {spec} are of {} domains of that name: {}; choose one with --uuid UUID, or \
+                 a point with {spec}::{domain}@ID",
+                uuids.len(),
+                shown.join(", ")
+            );
+        }
+    }
     let (pid, point) = match &id {
         None => *mine.last().with_context(|| {
             format!("{spec} has no point of {domain} (`ferry backup libvirt:{domain} {spec}` makes one)")

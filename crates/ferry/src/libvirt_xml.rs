@@ -57,6 +57,13 @@ pub(crate) fn disks(domain_xml: &str) -> Result<Vec<Disk>> {
     Ok(out)
 }
 
+/// The domain's UUID (lower case), if its XML has one.
+pub(crate) fn uuid(domain_xml: &str) -> Option<String> {
+    let doc = roxmltree::Document::parse(domain_xml).ok()?;
+    let u = doc.root_element().children().find(|n| n.has_tag_name("uuid"))?.text()?.trim().to_ascii_lowercase();
+    (!u.is_empty()).then_some(u)
+}
+
 /// The uid and gid qemu runs as (the live XML's DAC label `+UID:+GID`), if it says.
 pub(crate) fn qemu_owner(domain_xml: &str) -> Option<(u32, u32)> {
     let doc = roxmltree::Document::parse(domain_xml).ok()?;
@@ -300,6 +307,7 @@ mod tests {
         );
         assert_eq!(d[1].source.as_deref(), Some("/dev/x"));
         assert_eq!(qemu_owner(DOM), Some((64055, 994)));
+        assert_eq!(uuid(DOM).as_deref(), Some("u"));
         assert!(disks("<domain").is_err());
     }
 

@@ -32,6 +32,10 @@ pub struct PointRecord {
     pub version: u32,
     /// The libvirt domain's name.
     pub domain: String,
+    /// The domain's UUID, which tells two domains of one name apart (on two hosts, or one
+    /// defined anew); absent in points stored before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<String>,
     /// When the point was stored (RFC 3339, UTC).
     pub time: String,
     pub host: String,
@@ -58,11 +62,18 @@ pub struct PointDisk {
 }
 
 impl PointRecord {
-    /// A point of `domain` taken now, on this host.
-    pub fn new(domain: &str, checkpoint: Option<String>, xml: String, disks: Vec<PointDisk>) -> PointRecord {
+    /// A point of `domain` (its UUID `uuid`) taken now, on this host.
+    pub fn new(
+        domain: &str,
+        uuid: Option<String>,
+        checkpoint: Option<String>,
+        xml: String,
+        disks: Vec<PointDisk>,
+    ) -> PointRecord {
         PointRecord {
             version: POINT_VERSION,
             domain: domain.to_string(),
+            uuid,
             time: jiff::Timestamp::now().to_string(),
             host: crate::repo::hostname(),
             checkpoint,
@@ -86,11 +97,14 @@ impl PointRecord {
             ));
         }
         check_time("the point's time", &self.time)?;
-        let long =
-            [&self.domain, &self.host].into_iter().chain(self.checkpoint.as_ref()).any(|s| s.len() > MAX_POINT_FIELD);
+        let long = [&self.domain, &self.host]
+            .into_iter()
+            .chain(self.checkpoint.as_ref())
+            .chain(self.uuid.as_ref())
+            .any(|s| s.len() > MAX_POINT_FIELD);
         if self.domain.is_empty() || long {
             return bad(format!(
-                "the point's domain, host or checkpoint is empty or longer than {MAX_POINT_FIELD} bytes"
+                "the point's domain, uuid, host or checkpoint is empty or longer than {MAX_POINT_FIELD} bytes"
             ));
         }
         if self.xml.len() > MAX_POINT_XML {
@@ -173,6 +187,7 @@ mod tests {
         PointRecord {
             version: POINT_VERSION,
             domain: "vm1".into(),
+            uuid: Some("0b7d5e29-3c4f-4a3e-9d1e-0a4f6f1c2b3d".into()),
             time: "2026-11-28T10:00:00.5Z".into(),
             host: "h".into(),
             checkpoint: Some("ferry-0123-1".into()),
@@ -190,6 +205,10 @@ mod tests {
     fn points_round_trip_and_bad_ones_are_refused() {
         let p = point();
         assert_eq!(PointRecord::parse(&serde_json::to_vec(&p).unwrap()).unwrap(), p);
+        // A point stored before the uuid was recorded reads with none.
+        let mut old = serde_json::to_value(&p).unwrap();
+        old.as_object_mut().unwrap().remove("uuid");
+        assert_eq!(PointRecord::parse(&serde_json::to_vec(&old).unwrap()).unwrap().uuid, None);
         let mut q = p.clone();
         q.disks[0].snapshot = "xyz".into();
         assert!(PointRecord::parse(&serde_json::to_vec(&q).unwrap()).is_err());
