@@ -233,7 +233,9 @@ pub(crate) fn backup_domain(
     let frozen = dir.join(format!("libvirt-{}.frozen", file_safe(domain)));
     thaw_leftover(h, domain, stopped, &frozen)?;
     let uuid = xml::uuid(&live);
-    let (points, bad) = repo.points().context("cannot read the points of the repository")?;
+    // Each disk's snapshot id as the listing has it now (`ferry repo migrate` gives new ids).
+    let (listed, _) = repo.snapshots_lenient().context("cannot list the snapshots of the repository")?;
+    let (points, bad) = repo.points_in(&listed).context("cannot read the points of the repository")?;
     for (object, e) in &bad {
         log::warn!("skipping {object}: {e}; disks it named are read whole");
     }

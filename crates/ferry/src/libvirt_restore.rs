@@ -68,7 +68,9 @@ pub fn run(args: RestoreArgs, quiet: bool) -> Result<i32> {
         args.password_file.as_deref(),
         ferry_repo::known::OnRollback::Warn,
     )?;
-    let (points, bad) = repo.points().context("cannot read the points of the repository")?;
+    let (listed, _) = repo.snapshots_skipping().context("cannot list the snapshots of the repository")?;
+    let (points, bad) = repo.points_in(&listed).context("cannot read the points of the repository")?;
+    let there = |p: &ferry_repo::PointRecord| p.disks.iter().all(|d| listed.iter().any(|s| s.id == d.snapshot));
     for (object, e) in &bad {
         log::warn!("skipping {object}: {e}");
     }
@@ -93,9 +95,23 @@ pub fn run(args: RestoreArgs, quiet: bool) -> Result<i32> {
         }
     }
     let (pid, point) = match &id {
-        None => *mine.last().with_context(|| {
-            format!("{spec} has no point of {domain} (`ferry backup libvirt:{domain} {spec}` makes one)")
-        })?,
+        None => {
+            mine.last().with_context(|| {
+                format!("{spec} has no point of {domain} (`ferry backup libvirt:{domain} {spec}` makes one)")
+            })?;
+            let newest = mine.iter().rev().find(|(_, p)| there(p)).with_context(|| {
+                format!(
+                    "every point of {domain} in {spec} names a snapshot that is gone (`ferry repo list` shows them)"
+                )
+            })?;
+            if !std::ptr::eq(*newest, *mine.last().unwrap_or(newest)) {
+                log::warn!(
+                    "the newest point of {domain} names a snapshot that is gone: restoring point {}, the newest whole one",
+                    short_id(&newest.0)
+                );
+            }
+            *newest
+        }
         Some(want) => {
             let want = want.to_ascii_lowercase();
             if want.len() < 4 {
@@ -155,7 +171,7 @@ pub fn run(args: RestoreArgs, quiet: bool) -> Result<i32> {
 /// `ferry repo list`'s points of libvirt domains: each point with its disks' snapshots
 /// (those of `name` only, when given; a snapshot no longer there is marked).
 pub(crate) fn print_points(repo: &ferry_repo::Repository, name: Option<&str>, all: &[ferry_repo::SnapshotInfo]) {
-    let (points, bad) = match repo.points() {
+    let (points, bad) = match repo.points_in(all) {
         Ok(p) => p,
         Err(e) => {
             eprintln!("cannot list the points of libvirt domains: {e}");

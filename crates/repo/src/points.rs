@@ -9,9 +9,10 @@
 //! taken for it.
 
 use crate::format::{bounded_json, check_time, is_hex, valid_name, FormatError};
-use crate::repo::{par_map, Failures, Repository, FETCH_THREADS};
+use crate::repo::{par_map, Failures, Repository, SnapshotInfo, FETCH_THREADS};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
 
 const AAD_POINT: &[u8] = b"ferry point";
 /// The version of a point record (its own, not the repository's).
@@ -172,10 +173,64 @@ impl Repository {
         Ok((good, bad))
     }
 
+    /// [`Repository::points`], each disk's snapshot id followed through `ferry repo
+    /// migrate` in the listing `snaps` ([`follow_migrations`]).
+    pub fn points_in(&self, snaps: &[SnapshotInfo]) -> Result<(Vec<(String, PointRecord)>, Failures)> {
+        let (mut good, bad) = self.points()?;
+        follow_migrations(&mut good, snaps);
+        Ok((good, bad))
+    }
+
     /// Removes a point (the snapshots it names stay).
     pub fn delete_point(&self, id: &str) -> Result<()> {
         let name = format!("points/{id}");
         self.store().delete(&name).map_err(|e| Error::store(format!("cannot remove {name}"), e))
+    }
+}
+
+/// Removes the points whose snapshots are all gone: none is among `present` (the listing
+/// after a forget) nor `unreadable` (ids of manifests that could not be read, which may
+/// be there). A point that cannot be read is kept. The ids of the points removed (or, with
+/// `dry_run`, that would be), with their domains.
+pub(crate) fn prune_points(
+    repo: &Repository,
+    present: &[SnapshotInfo],
+    unreadable: &[String],
+    dry_run: bool,
+) -> Result<Vec<(String, String)>> {
+    let (mut points, _) = repo.points()?;
+    follow_migrations(&mut points, present);
+    let mut removed = Vec::new();
+    for (id, p) in points {
+        let there = |s: &str| present.iter().any(|p| p.id == s) || unreadable.iter().any(|u| u == s);
+        if p.disks.iter().any(|d| there(&d.snapshot)) {
+            continue;
+        }
+        if !dry_run {
+            repo.delete_point(&id)?;
+        }
+        removed.push((id, p.domain));
+    }
+    Ok(removed)
+}
+
+/// Points with each disk's snapshot id as the listing `snaps` has it now: `ferry repo
+/// migrate` (FORMAT.md §9) gives a snapshot a new id, and its new manifest names the old
+/// one in `migrated_from`; a point keeps the id it was stored with.
+pub fn follow_migrations(points: &mut [(String, PointRecord)], snaps: &[SnapshotInfo]) {
+    let moved: HashMap<&str, &str> =
+        snaps.iter().filter_map(|s| Some((s.manifest.migrated_from.as_deref()?, s.id.as_str()))).collect();
+    if moved.is_empty() {
+        return;
+    }
+    for d in points.iter_mut().flat_map(|(_, p)| p.disks.iter_mut()) {
+        // A snapshot migrated more than once is followed along (a few steps at most).
+        for _ in 0..8 {
+            match moved.get(d.snapshot.as_str()) {
+                Some(new) => d.snapshot = new.to_string(),
+                None => break,
+            }
+        }
     }
 }
 
