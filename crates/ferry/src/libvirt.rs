@@ -289,7 +289,7 @@ pub(crate) fn backup_domain(
     for p in &plans {
         let mode = job.modes.iter().find(|m| m.0 == p.disk.target).map(|m| m.1.clone()).unwrap_or(Mode::Full);
         let mut a = args.clone();
-        a.src = format!("nbd+unix:///{}?socket={}", p.disk.target, socket.display());
+        a.src = format!("nbd+unix:///{}?socket={}", uri_escape(&p.disk.target), uri_escape(&socket.to_string_lossy()));
         a.dst = format!("{spec}::{}", p.name);
         a.json = false;
         a.libvirt = LibvirtArgs::default();
@@ -416,6 +416,16 @@ fn continuing(
         return Ok(None);
     }
     Ok(Some((c, snap)))
+}
+
+/// `s` percent-encoded for an NBD URI's path or query value: all but unreserved bytes and `/`.
+fn uri_escape(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' | b'/' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
 }
 
 /// `domain` as a file name: letters, digits, `-` and `_`, anything else `_`.
@@ -935,5 +945,13 @@ mod tests {
         assert_eq!(mine.iter().map(|p| p.host.as_str()).collect::<Vec<_>>(), ["old", "a"]);
         assert_eq!(same_domain(&points, "vm", Some("bbbb"), false, "/r").unwrap().len(), 2);
         assert!(same_domain(&points, "other", Some("cccc"), false, "/r").unwrap().is_empty());
+    }
+
+    #[test]
+    fn an_nbd_uri_escapes_the_socket_path() {
+        assert_eq!(
+            uri_escape("/var/tmp/ferry-libvirt-a b?c&d%/nbd.sock"),
+            "/var/tmp/ferry-libvirt-a%20b%3Fc%26d%25/nbd.sock"
+        );
     }
 }

@@ -127,19 +127,26 @@ pub fn run(args: RestoreArgs, quiet: bool) -> Result<i32> {
     };
     std::fs::create_dir_all(&args.to).with_context(|| format!("cannot make {}", args.to.display()))?;
     let dir = std::fs::canonicalize(&args.to)?;
+    let xml_path = dir.join(format!("{}.xml", args.define.as_deref().unwrap_or(&domain)));
+    // Every target is checked before anything is written: nothing is overwritten.
+    let paths: Vec<PathBuf> =
+        point.disks.iter().map(|d| dir.join(format!("{}-{}.{}", domain, d.target, args.format))).collect();
+    if let Some(p) = paths.iter().chain([&xml_path]).find(|p| p.symlink_metadata().is_ok()) {
+        bail!("{} exists: restore into an empty directory (nothing is overwritten)", p.display());
+    }
     let mut files = Vec::new();
-    for d in &point.disks {
-        let path = dir.join(format!("{}-{}.{}", domain, d.target, args.format));
-        if path.exists() {
-            bail!("{} exists: restore into an empty directory (nothing is overwritten)", path.display());
-        }
+    for (d, path) in point.disks.iter().zip(paths) {
         let mut line = vec!["copy".to_string(), format!("{spec}::{}@{}", d.name, d.snapshot)];
         line.push(path.to_string_lossy().into_owned());
         if args.progress {
             line.push("-p".into());
         }
         let copy = CopyLine::try_parse_from(&line).map_err(|e| anyhow::anyhow!("{e}"))?;
-        crate::copy::run(copy.args, quiet).with_context(|| format!("restoring disk {} of {domain}", d.target))?;
+        let status =
+            crate::copy::run(copy.args, quiet).with_context(|| format!("restoring disk {} of {domain}", d.target))?;
+        if status != 0 {
+            bail!("restoring disk {} of {domain}: the copy ended with status {status}", d.target);
+        }
         files.push((d.target.clone(), path.to_string_lossy().into_owned(), args.format.clone()));
     }
     let xml = crate::libvirt_xml::rewrite(&point.xml, &files, args.define.as_deref())?;
@@ -149,8 +156,12 @@ pub fn run(args: RestoreArgs, quiet: bool) -> Result<i32> {
              from the firmware's template (boot entries the guest stored there are not restored)"
         );
     }
-    let xml_path = dir.join(format!("{}.xml", args.define.as_deref().unwrap_or(&domain)));
-    std::fs::write(&xml_path, &xml).with_context(|| format!("cannot write {}", xml_path.display()))?;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&xml_path)
+        .and_then(|mut f| std::io::Write::write_all(&mut f, xml.as_bytes()))
+        .with_context(|| format!("cannot write {}", xml_path.display()))?;
     if let (Some(name), Some(virsh)) = (&args.define, &virsh) {
         virsh.define(&xml, &dir).with_context(|| {
             format!("the disks and {} are restored, but defining {name} failed", xml_path.display())

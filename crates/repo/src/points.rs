@@ -169,7 +169,9 @@ impl Repository {
                 Err(e) => bad.push((format!("points/{id}"), e)),
             }
         }
-        good.sort_by(|a, b| (&a.1.time, &a.0).cmp(&(&b.1.time, &b.0)));
+        // By the instant, not the text: `...:00Z` and `...:00.5Z` compare wrongly as strings.
+        let at = |p: &PointRecord| p.time.parse::<jiff::Timestamp>().ok();
+        good.sort_by(|a, b| (at(&a.1), &a.0).cmp(&(at(&b.1), &b.0)));
         Ok((good, bad))
     }
 
@@ -278,5 +280,22 @@ mod tests {
         assert!(PointRecord::parse(&serde_json::to_vec(&q).unwrap()).is_err());
         assert!(PointRecord::parse(b"{\"version\":1").is_err());
         assert!(PointRecord::parse(&vec![b' '; MAX_POINT as usize + 1]).is_err());
+    }
+
+    #[test]
+    fn points_are_ordered_by_instant_not_text() {
+        let (_store, repo) = crate::tests::new_repo(false);
+        let mut a = point();
+        a.time = "2026-11-28T10:00:00.5Z".into();
+        let mut b = point();
+        b.time = "2026-11-28T10:00:01Z".into();
+        // As text, "...:00.5Z" sorts before "...:00Z" ('.' < 'Z'): half a second too early.
+        let mut c = point();
+        c.time = "2026-11-28T10:00:00Z".into();
+        for p in [&b, &a, &c] {
+            repo.put_point(p).unwrap();
+        }
+        let times: Vec<String> = repo.points().unwrap().0.into_iter().map(|(_, p)| p.time).collect();
+        assert_eq!(times, [c.time, a.time, b.time]);
     }
 }
