@@ -607,9 +607,12 @@ impl<'a> Job<'a> {
             // The mark first: a run killed while the guest is frozen leaves it, and the
             // next run thaws the guest.
             std::fs::write(frozen, domain).with_context(|| format!("cannot write {}", frozen.display()))?;
-            let r = h
-                .freeze(domain, true)
-                .and_then(|()| h.backup_begin(domain, &xml::backup_xml(&shown, modes), &cxml, dir));
+            if let Err(e) = h.freeze(domain, true) {
+                // Nothing is frozen: the agent thaws what it froze when a freeze fails.
+                let _ = std::fs::remove_file(frozen);
+                return Err(e);
+            }
+            let r = h.backup_begin(domain, &xml::backup_xml(&shown, modes), &cxml, dir);
             if let Err(e) = thaw(h, domain) {
                 if r.is_ok() {
                     let _ = h.job_abort(domain);
