@@ -26,7 +26,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use ferry_repo::known::OnRollback;
 use ferry_repo::{PointDisk, PointRecord, Repository};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 /// The source prefix that names a libvirt domain.
@@ -36,10 +36,11 @@ const CHECKPOINT_PREFIX: &str = "ferry-";
 /// The prefix of the private directory a backup job's socket is in.
 const RUNDIR_PREFIX: &str = "ferry-libvirt-";
 
-#[derive(Args, Debug, Clone, Default)]
+#[derive(Args, Debug, Clone)]
 pub struct LibvirtArgs {
     /// With a libvirt:DOMAIN source: the libvirt connection, as `virsh -c` takes it
-    /// (default: LIBVIRT_DEFAULT_URI, else qemu:///system).
+    /// (default: LIBVIRT_DEFAULT_URI, else virsh's default). Of this host only
+    /// (qemu:///system, qemu:///session): a remote one is refused.
     #[arg(long, value_name = "URI")]
     pub connect: Option<String>,
     /// With a libvirt:DOMAIN source: back up only this disk (its target, e.g. vda;
@@ -53,13 +54,44 @@ pub struct LibvirtArgs {
     /// agent for the instant the backup starts (fails if no agent answers).
     #[arg(long)]
     pub quiesce: bool,
+    /// With a libvirt:DOMAIN source of a running domain: where the backup job's private
+    /// directory goes (its Unix socket, and its scratch files: what the guest overwrites
+    /// while the job runs, up to the size of the disks backed up). qemu must reach it.
+    #[arg(long, value_name = "DIR", default_value = DEFAULT_SCRATCH)]
+    pub scratch_dir: PathBuf,
+    /// With a libvirt:DOMAIN source: back it up although the repository's latest point of
+    /// that name is of another domain (another UUID: a domain of that name on another host,
+    /// or one defined anew). Its history starts over; the other's points stay.
+    #[arg(long)]
+    pub new_domain: bool,
+}
+
+/// Where a backup job's directory goes by default: on disk (not a tmpfs TMPDIR, which holds
+/// scratch files in memory), and reachable by qemu (not a pam_tmpdir private TMPDIR).
+pub(crate) const DEFAULT_SCRATCH: &str = "/var/tmp";
+
+impl Default for LibvirtArgs {
+    fn default() -> LibvirtArgs {
+        LibvirtArgs {
+            connect: None,
+            disks: Vec::new(),
+            exclude: Vec::new(),
+            quiesce: false,
+            scratch_dir: PathBuf::from(DEFAULT_SCRATCH),
+            new_domain: false,
+        }
+    }
 }
 
 impl LibvirtArgs {
     /// Refuses these flags with a source that is no domain.
     pub(crate) fn refuse_without_domain(&self) -> Result<()> {
-        if self.connect.is_some() || !self.disks.is_empty() || !self.exclude.is_empty() || self.quiesce {
-            bail!("--connect, --disk, --exclude and --quiesce are for a libvirt:DOMAIN source");
+        let scratch = self.scratch_dir != Path::new(DEFAULT_SCRATCH);
+        let any = self.connect.is_some() || !self.disks.is_empty() || !self.exclude.is_empty();
+        if any || self.quiesce || scratch || self.new_domain {
+            bail!(
+                "--connect, --disk, --exclude, --quiesce, --scratch-dir and --new-domain are for a libvirt:DOMAIN source"
+            );
         }
         Ok(())
     }
@@ -92,6 +124,16 @@ fn choose(all: Vec<Disk>, a: &LibvirtArgs, domain: &str) -> Result<Vec<Disk>> {
     if chosen.is_empty() {
         bail!("no disk of {domain} to back up (--disk and --exclude leave none)");
     }
+    if let Some(d) = chosen.iter().find(|d| d.device != "disk") {
+        bail!(
+            "{domain}: disk {} is a {} (device='{}'), which libvirt's backup job does not read: leave it out with \
+             --exclude {} (a restored copy then has no such disk)",
+            d.target,
+            if d.device == "lun" { "SCSI LUN passed through" } else { "device" },
+            d.device,
+            d.target
+        );
+    }
     Ok(chosen)
 }
 
@@ -110,17 +152,16 @@ fn open_repo(args: &BackupArgs) -> Result<(String, Arc<Repository>)> {
     Ok((spec, repo))
 }
 
-/// A private directory for the job's socket and scratch files: 0700, in the temporary
-/// directory (TMPDIR, else /tmp), owned by qemu's user when ferry runs as root (qemu
-/// creates the socket and the scratch files; ferry, as root, still reaches them).
-fn rundir(live_xml: &str) -> Result<tempfile::TempDir> {
-    let base = std::env::temp_dir();
+/// A private directory for the job's socket and scratch files: 0700, a new random name in
+/// `base` (--scratch-dir), owned by qemu's user when ferry runs as root (qemu creates the
+/// socket and the scratch files; ferry, as root, still reaches them).
+fn rundir(live_xml: &str, base: &Path) -> Result<tempfile::TempDir> {
     use std::os::unix::fs::PermissionsExt;
     let d = tempfile::Builder::new()
         .prefix(RUNDIR_PREFIX)
         .permissions(std::fs::Permissions::from_mode(0o700))
-        .tempdir_in(&base)
-        .with_context(|| format!("cannot make a private directory in {} (TMPDIR)", base.display()))?;
+        .tempdir_in(base)
+        .with_context(|| format!("cannot make a private directory in {} (--scratch-dir)", base.display()))?;
     if let (Some((uid, gid)), true) = (xml::qemu_owner(live_xml), rustix::process::geteuid().is_root()) {
         std::os::unix::fs::chown(d.path(), Some(uid), Some(gid))
             .with_context(|| format!("cannot give {} to qemu's user", d.path().display()))?;
@@ -157,7 +198,7 @@ pub(crate) fn run(domain: &str, args: &BackupArgs, quiet: bool) -> Result<i32> {
              not resumed: the next run reads what changed since the last good one)"
         );
     }
-    let virsh = Virsh::new(args.libvirt.connect.as_deref());
+    let virsh = Virsh::new(args.libvirt.connect.as_deref())?;
     let (points_id, snaps) = backup_domain(&virsh, domain, args, quiet)?;
     if args.json {
         let doc = serde_json::json!({
@@ -186,23 +227,30 @@ pub(crate) fn backup_domain(
     let names: Vec<String> = chosen.iter().map(|d| disk_name(domain, &d.target)).collect::<Result<_>>()?;
     let inactive = h.domain_xml(domain, true).unwrap_or_else(|_| live.clone());
     let stopped = state.starts_with("shut off") || state.starts_with("crashed");
+    // A second run at once would take the first one's job for a leftover and end it.
+    let dir = state_dir()?;
+    let _one = one_run(&dir, domain)?;
+    let frozen = dir.join(format!("libvirt-{}.frozen", file_safe(domain)));
+    thaw_leftover(h, domain, stopped, &frozen)?;
+    let uuid = xml::uuid(&live);
+    // Each disk's snapshot id as the listing has it now (`ferry repo migrate` gives new ids).
+    let (listed, _) = repo.snapshots_lenient().context("cannot list the snapshots of the repository")?;
+    let (points, bad) = repo.points_in(&listed).context("cannot read the points of the repository")?;
+    for (object, e) in &bad {
+        log::warn!("skipping {object}: {e}; disks it named are read whole");
+    }
+    let points = same_domain(&points, domain, uuid.as_deref(), args.libvirt.new_domain, &spec)?;
     if stopped {
-        return backup_stopped(domain, &chosen, &names, &spec, &repo, &inactive, args, quiet);
+        return backup_stopped(domain, uuid, &chosen, &names, &spec, &repo, &inactive, args, quiet);
     }
     for d in &chosen {
         if d.kind == "network" || d.kind == "volume" && d.source.is_none() {
             log::info!("{domain}: disk {} is a {} disk: read through libvirt's backup job", d.target, d.kind);
         }
     }
-    let _one = one_run(domain)?;
     let repo_id = repo.config().id.clone();
     let prefix = format!("{CHECKPOINT_PREFIX}{}-", &repo_id[..16.min(repo_id.len())]);
     end_leftover_job(h, domain)?;
-    let (points, bad) = repo.points().context("cannot read the points of the repository")?;
-    for (object, e) in &bad {
-        log::warn!("skipping {object}: {e}; disks it named are read whole");
-    }
-    let points: Vec<&PointRecord> = points.iter().filter(|(_, p)| p.domain == domain).map(|(_, p)| p).collect();
     let ours: Vec<String> = h.checkpoints(domain)?.into_iter().filter(|c| c.starts_with(&prefix)).collect();
     // Checkpoints of this repository that no point names: left by a run that failed or
     // was killed. Deleting one merges what it tracked into its parent: nothing is lost.
@@ -230,14 +278,18 @@ pub(crate) fn backup_domain(
     let all: Vec<String> = xml::disks(&live)?.into_iter().map(|d| d.target).collect();
     let checkpoint =
         format!("{prefix}{}", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_nanos());
-    let dir = rundir(&live)?;
+    let dir = rundir(&live, &args.libvirt.scratch_dir)?;
     let socket = dir.path().join(xml::SOCKET);
-    let job = Job::begin(h, domain, &plans, &all, &checkpoint, dir.path(), args.libvirt.quiesce)?;
+    // From here on a first SIGINT or SIGTERM only asks the run to stop (between the freeze
+    // and the thaw, it waits for the thaw); the job and checkpoint are then cleaned up.
+    crate::interrupt::install()?;
+    let quiesce = args.libvirt.quiesce.then_some(frozen.as_path());
+    let job = Job::begin(h, domain, &plans, &all, &checkpoint, dir.path(), quiesce)?;
     let mut snaps = Vec::new();
     for p in &plans {
         let mode = job.modes.iter().find(|m| m.0 == p.disk.target).map(|m| m.1.clone()).unwrap_or(Mode::Full);
         let mut a = args.clone();
-        a.src = format!("nbd+unix:///{}?socket={}", p.disk.target, socket.display());
+        a.src = format!("nbd+unix:///{}?socket={}", uri_escape(&p.disk.target), uri_escape(&socket.to_string_lossy()));
         a.dst = format!("{spec}::{}", p.name);
         a.json = false;
         a.libvirt = LibvirtArgs::default();
@@ -276,7 +328,7 @@ pub(crate) fn backup_domain(
             tracked: p.tracked,
         })
         .collect();
-    let point = PointRecord::new(domain, Some(checkpoint.clone()), inactive, disks);
+    let point = PointRecord::new(domain, uuid, Some(checkpoint.clone()), inactive, disks);
     let id = repo.put_point(&point).context("the snapshots are stored, but the point that binds them is not")?;
     job.keep_checkpoint();
     // Only now: the new checkpoint is the one the next run continues (and those of the
@@ -295,6 +347,31 @@ pub(crate) fn backup_domain(
         }
     }
     Ok((id, snaps))
+}
+
+/// The points of `domain` of this domain (its UUID `uuid`; a point that records none is
+/// taken for one), oldest first. Refused when the latest point of that name is of another
+/// domain, unless `new_domain`: two hosts' domains of one name must not share a history.
+fn same_domain<'p>(
+    points: &'p [(String, PointRecord)],
+    domain: &str,
+    uuid: Option<&str>,
+    new_domain: bool,
+    spec: &str,
+) -> Result<Vec<&'p PointRecord>> {
+    let named: Vec<&PointRecord> = points.iter().filter(|(_, p)| p.domain == domain).map(|(_, p)| p).collect();
+    let other = |p: &PointRecord| matches!((p.uuid.as_deref(), uuid), (Some(a), Some(b)) if a != b);
+    if let Some(last) = named.last().filter(|p| other(p) && !new_domain) {
+        bail!(
+            "the latest point of {domain} in {spec} is of another domain of that name: uuid {} on host {} (this one is \
+             {}): back up with --new-domain if this domain replaces it (its history starts over), or give this \
+             domain another name",
+            last.uuid.as_deref().unwrap_or_default(),
+            last.host,
+            uuid.unwrap_or_default()
+        );
+    }
+    Ok(named.into_iter().filter(|p| !other(p)).collect())
 }
 
 /// The checkpoint `name`'s next backup continues from, with the snapshot it continues:
@@ -341,17 +418,66 @@ fn continuing(
     Ok(Some((c, snap)))
 }
 
-/// Holds the host's lock of `domain`'s backups (a file in the temporary directory, locked
-/// while the run lasts): a second run at once would take the first one's job for a
-/// leftover and end it.
-fn one_run(domain: &str) -> Result<std::fs::File> {
-    let safe: String =
-        domain.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect();
-    let path = std::env::temp_dir().join(format!("ferry-lock-libvirt-{safe}"));
+/// `s` percent-encoded for an NBD URI's path or query value: all but unreserved bytes and `/`.
+fn uri_escape(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' | b'/' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// `domain` as a file name: letters, digits, `-` and `_`, anything else `_`.
+fn file_safe(domain: &str) -> String {
+    domain.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect()
+}
+
+/// The host's directory of ferry's libvirt locks and freeze marks: /run/ferry for root,
+/// else $XDG_RUNTIME_DIR/ferry, else /tmp/ferry-UID; made 0700 if missing.
+fn state_dir() -> Result<PathBuf> {
+    let euid = rustix::process::geteuid();
+    let dir = match std::env::var_os("XDG_RUNTIME_DIR").filter(|x| !x.is_empty() && !euid.is_root()) {
+        _ if euid.is_root() => PathBuf::from("/run/ferry"),
+        Some(x) => PathBuf::from(x).join("ferry"),
+        None => PathBuf::from(format!("/tmp/ferry-{}", euid.as_raw())),
+    };
+    private_dir(&dir, euid.as_raw())?;
+    Ok(dir)
+}
+
+/// Makes `dir` (0700) if missing, and refuses it unless it is a directory (not a link) of
+/// the user `uid` that no one else can write.
+fn private_dir(dir: &Path, uid: u32) -> Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
+            return Err(anyhow::Error::new(e).context(format!("cannot make {}", dir.display())))
+        }
+        _ => {}
+    }
+    let m = std::fs::symlink_metadata(dir).with_context(|| format!("cannot read {}", dir.display()))?;
+    if !m.is_dir() || m.uid() != uid || m.mode() & 0o077 != 0 {
+        bail!(
+            "{} is not a private directory of this user (a directory, not a link, mode 0700): remove it (ferry \
+             makes it again) and back up again",
+            dir.display()
+        );
+    }
+    Ok(())
+}
+
+/// Holds the host's lock of `domain`'s backups (a file in `dir`, never followed as a
+/// link, locked while the run lasts).
+fn one_run(dir: &Path, domain: &str) -> Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = dir.join(format!("libvirt-{}.lock", file_safe(domain)));
     let f = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
         .write(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(&path)
         .with_context(|| format!("cannot open the lock file {}", path.display()))?;
     match f.try_lock() {
@@ -364,6 +490,43 @@ fn one_run(domain: &str) -> Result<std::fs::File> {
             Err(anyhow::Error::new(e).context(format!("cannot lock {}", path.display())))
         }
     }
+}
+
+/// How many times, a pause more apart each time, a thaw is tried.
+const THAW_TRIES: u32 = 4;
+const THAW_PAUSE: std::time::Duration = std::time::Duration::from_millis(if cfg!(test) { 1 } else { 1000 });
+
+/// Thaws the guest's file systems, trying again on failure.
+fn thaw(h: &dyn Hypervisor, domain: &str) -> Result<()> {
+    let mut tries = 1;
+    loop {
+        match h.freeze(domain, false) {
+            Ok(()) => return Ok(()),
+            Err(e) if tries >= THAW_TRIES => return Err(e),
+            Err(e) => log::warn!("{domain}: thawing the guest's file systems: {e:#}; trying again"),
+        }
+        std::thread::sleep(THAW_PAUSE * tries);
+        tries += 1;
+    }
+}
+
+/// Thaws a guest a run stopped between freeze and thaw left frozen (its mark `frozen` is
+/// there); a domain that is not running has no frozen guest.
+fn thaw_leftover(h: &dyn Hypervisor, domain: &str, stopped: bool, frozen: &Path) -> Result<()> {
+    if !frozen.exists() {
+        return Ok(());
+    }
+    if !stopped {
+        log::warn!("{domain}: a run stopped while the guest's file systems were frozen (--quiesce): thawing them");
+        thaw(h, domain).with_context(|| {
+            format!(
+                "{domain} may still be frozen by a stopped ferry: thaw it (`virsh domfsthaw {domain}`), then remove {} \
+                 and back up again",
+                frozen.display()
+            )
+        })?;
+    }
+    std::fs::remove_file(frozen).with_context(|| format!("cannot remove {}", frozen.display()))
 }
 
 /// Ends a backup job a killed ferry left on the domain (its socket in a directory ferry
@@ -403,6 +566,8 @@ struct Job<'a> {
     h: &'a dyn Hypervisor,
     domain: &'a str,
     checkpoint: String,
+    /// The socket of the job, which tells it from another job of the domain.
+    socket: String,
     modes: Vec<(String, Mode)>,
     ended: std::cell::Cell<bool>,
     keep: std::cell::Cell<bool>,
@@ -417,7 +582,7 @@ impl<'a> Job<'a> {
         all: &[String],
         checkpoint: &str,
         dir: &Path,
-        quiesce: bool,
+        quiesce: Option<&Path>,
     ) -> Result<Job<'a>> {
         let tracked: Vec<String> = plans.iter().filter(|p| p.tracked).map(|p| p.disk.target.clone()).collect();
         let modes_of = |full: bool| -> Vec<(String, Mode)> {
@@ -434,16 +599,30 @@ impl<'a> Job<'a> {
         };
         let cxml = xml::checkpoint_xml(checkpoint, all, &tracked);
         let shown = dir.to_string_lossy();
+        let socket = format!("{shown}/{}", xml::SOCKET);
         let start = |modes: &[(String, Mode)]| -> Result<()> {
-            if quiesce {
-                h.freeze(domain, true)?;
+            let Some(frozen) = quiesce else {
+                return h.backup_begin(domain, &xml::backup_xml(&shown, modes), &cxml, dir);
+            };
+            // The mark first: a run killed while the guest is frozen leaves it, and the
+            // next run thaws the guest.
+            std::fs::write(frozen, domain).with_context(|| format!("cannot write {}", frozen.display()))?;
+            if let Err(e) = h.freeze(domain, true) {
+                // Nothing is frozen: the agent thaws what it froze when a freeze fails.
+                let _ = std::fs::remove_file(frozen);
+                return Err(e);
             }
             let r = h.backup_begin(domain, &xml::backup_xml(&shown, modes), &cxml, dir);
-            if quiesce {
-                if let Err(e) = h.freeze(domain, false) {
-                    log::warn!("{e:#}");
+            if let Err(e) = thaw(h, domain) {
+                if r.is_ok() {
+                    let _ = h.job_abort(domain);
+                    let _ = h.checkpoint_delete(domain, checkpoint);
                 }
+                return Err(e.context(format!(
+                    "{domain} may still be frozen: thaw it (`virsh domfsthaw {domain}`); the next backup tries too"
+                )));
             }
+            std::fs::remove_file(frozen).with_context(|| format!("cannot remove {}", frozen.display()))?;
             r
         };
         let mut modes = modes_of(false);
@@ -455,12 +634,33 @@ impl<'a> Job<'a> {
             modes = modes_of(true);
             start(&modes).with_context(|| format!("cannot start the backup job of {domain}"))?;
         }
-        Ok(Job { h, domain, checkpoint: checkpoint.to_string(), modes, ended: false.into(), keep: false.into() })
+        Ok(Job {
+            h,
+            domain,
+            checkpoint: checkpoint.to_string(),
+            socket,
+            modes,
+            ended: false.into(),
+            keep: false.into(),
+        })
+    }
+
+    /// Ends the domain's backup job if it is this one (exported on its socket): a job
+    /// that replaced it (this one ended by libvirt, another started) is not ours to end.
+    fn abort(&self) -> Result<()> {
+        match self.h.backup_xml(self.domain)? {
+            Some(x) if xml::backup_socket(&x).as_deref() == Some(self.socket.as_str()) => self.h.job_abort(self.domain),
+            Some(_) => {
+                log::warn!("{}: its backup job is no longer ferry's: leaving it running", self.domain);
+                Ok(())
+            }
+            None => Ok(()),
+        }
     }
 
     fn end(&self) -> Result<()> {
         self.ended.set(true);
-        self.h.job_abort(self.domain).with_context(|| format!("cannot end the backup job of {}", self.domain))
+        self.abort().with_context(|| format!("cannot end the backup job of {}", self.domain))
     }
 
     fn keep_checkpoint(&self) {
@@ -471,7 +671,7 @@ impl<'a> Job<'a> {
 impl Drop for Job<'_> {
     fn drop(&mut self) {
         if !self.ended.get() {
-            if let Err(e) = self.h.job_abort(self.domain) {
+            if let Err(e) = self.abort() {
                 log::debug!("{}: ending the backup job: {e:#}", self.domain);
             }
         }
@@ -491,6 +691,7 @@ impl Drop for Job<'_> {
 #[allow(clippy::too_many_arguments)]
 fn backup_stopped(
     domain: &str,
+    uuid: Option<String>,
     chosen: &[Disk],
     names: &[String],
     spec: &str,
@@ -559,7 +760,7 @@ fn backup_stopped(
             tracked: false,
         })
         .collect();
-    let point = PointRecord::new(domain, None, inactive.to_string(), disks);
+    let point = PointRecord::new(domain, uuid, None, inactive.to_string(), disks);
     let id = repo.put_point(&point).context("the snapshots are stored, but the point that binds them is not")?;
     Ok((id, snaps))
 }
@@ -570,8 +771,18 @@ mod tests {
 
     #[test]
     fn disks_are_chosen_by_target() {
-        let d = |t: &str| Disk { target: t.into(), kind: "file".into(), format: None, source: None };
+        let d =
+            |t: &str| Disk { target: t.into(), kind: "file".into(), format: None, source: None, device: "disk".into() };
         let all = vec![d("vda"), d("vdb")];
+        // A LUN is refused unless left out.
+        let lun = Disk { device: "lun".into(), ..d("sda") };
+        let with_lun = vec![d("vda"), lun];
+        let e = format!("{:#}", choose(with_lun.clone(), &LibvirtArgs::default(), "vm").unwrap_err());
+        assert!(e.contains("--exclude sda"), "{e}");
+        let a = LibvirtArgs { exclude: vec!["sda".into()], ..Default::default() };
+        assert_eq!(choose(with_lun.clone(), &a, "vm").unwrap(), [d("vda")]);
+        let a = LibvirtArgs { disks: vec!["vda".into()], ..Default::default() };
+        assert_eq!(choose(with_lun, &a, "vm").unwrap(), [d("vda")]);
         let a = LibvirtArgs { exclude: vec!["vda".into()], ..Default::default() };
         assert_eq!(choose(all.clone(), &a, "vm").unwrap(), [d("vdb")]);
         let a = LibvirtArgs { disks: vec!["vdc".into()], ..Default::default() };
@@ -580,5 +791,170 @@ mod tests {
         assert!(choose(all, &a, "vm").is_err());
         assert!(disk_name("my vm", "vda").is_err());
         assert_eq!(disk_name("vm1", "vda").unwrap(), "vm1-vda");
+    }
+
+    /// A domain whose calls are recorded; its thaw fails `thaw_fails` times.
+    #[derive(Default)]
+    struct Fake {
+        calls: std::cell::RefCell<Vec<String>>,
+        thaw_fails: std::cell::Cell<u32>,
+        /// The running job's socket.
+        job: std::cell::RefCell<Option<String>>,
+        /// The freeze mark, which must be there when the guest is frozen.
+        mark: Option<PathBuf>,
+    }
+
+    impl Hypervisor for Fake {
+        fn domain_xml(&self, _: &str, _: bool) -> Result<String> {
+            unreachable!()
+        }
+        fn state(&self, _: &str) -> Result<String> {
+            Ok("running".into())
+        }
+        fn checkpoints(&self, _: &str) -> Result<Vec<String>> {
+            Ok(Vec::new())
+        }
+        fn checkpoint_xml(&self, _: &str, _: &str) -> Result<String> {
+            unreachable!()
+        }
+        fn checkpoint_delete(&self, _: &str, name: &str) -> Result<()> {
+            self.calls.borrow_mut().push(format!("checkpoint-delete {name}"));
+            Ok(())
+        }
+        fn backup_begin(&self, _: &str, backup: &str, _: &str, _: &Path) -> Result<()> {
+            self.calls.borrow_mut().push("backup-begin".into());
+            *self.job.borrow_mut() = xml::backup_socket(backup);
+            Ok(())
+        }
+        fn backup_xml(&self, _: &str) -> Result<Option<String>> {
+            let dir = self.job.borrow().as_ref().map(|s| s.trim_end_matches("/nbd.sock").to_string());
+            Ok(dir.map(|d| xml::backup_xml(&d, &[("vda".into(), Mode::Full)])))
+        }
+        fn job_abort(&self, _: &str) -> Result<()> {
+            self.calls.borrow_mut().push("abort".into());
+            *self.job.borrow_mut() = None;
+            Ok(())
+        }
+        fn define(&self, _: &str, _: &Path) -> Result<()> {
+            unreachable!()
+        }
+        fn freeze(&self, _: &str, freeze: bool) -> Result<()> {
+            if let Some(m) = &self.mark {
+                assert!(m.exists(), "the guest is frozen or thawed with no mark");
+            }
+            self.calls.borrow_mut().push(if freeze { "freeze" } else { "thaw" }.into());
+            if !freeze && self.thaw_fails.get() > 0 {
+                self.thaw_fails.set(self.thaw_fails.get() - 1);
+                bail!("the agent did not answer");
+            }
+            Ok(())
+        }
+    }
+
+    fn plans() -> Vec<Plan> {
+        let disk = Disk {
+            target: "vda".into(),
+            kind: "file".into(),
+            format: Some("qcow2".into()),
+            source: None,
+            device: "disk".into(),
+        };
+        vec![Plan { disk, name: "vm-vda".into(), mode: Mode::Full, since: None, tracked: true }]
+    }
+
+    #[test]
+    fn a_quiesced_guest_is_marked_before_freezing_and_thawed_however_long_it_takes() {
+        let dir = tempfile::tempdir().unwrap();
+        let mark = dir.path().join("vm.frozen");
+        let all = ["vda".to_string()];
+        // A thaw that fails twice is tried again: the run goes on, and the mark goes.
+        let h = Fake { mark: Some(mark.clone()), ..Default::default() };
+        h.thaw_fails.set(2);
+        let job = Job::begin(&h, "vm", &plans(), &all, "ferry-1", dir.path(), Some(&mark)).unwrap();
+        assert_eq!(*h.calls.borrow(), ["freeze", "backup-begin", "thaw", "thaw", "thaw"]);
+        assert!(!mark.exists());
+        job.keep_checkpoint();
+        job.end().unwrap();
+        drop(job);
+        // One that keeps failing fails the run, ends its job and keeps the mark...
+        let h = Fake { mark: Some(mark.clone()), ..Default::default() };
+        h.thaw_fails.set(THAW_TRIES);
+        let e = Job::begin(&h, "vm", &plans(), &all, "ferry-2", dir.path(), Some(&mark)).err().unwrap();
+        assert!(format!("{e:#}").contains("domfsthaw"), "{e:#}");
+        assert!(h.calls.borrow().contains(&"abort".to_string()) && mark.exists());
+        // ...and the next run thaws the guest first.
+        let h = Fake { mark: Some(mark.clone()), ..Default::default() };
+        thaw_leftover(&h, "vm", false, &mark).unwrap();
+        assert_eq!(*h.calls.borrow(), ["thaw"]);
+        assert!(!mark.exists());
+        thaw_leftover(&h, "vm", false, &mark).unwrap();
+        assert_eq!(h.calls.borrow().len(), 1, "no mark, no thaw");
+    }
+
+    #[test]
+    fn a_job_ends_only_the_backup_job_it_started() {
+        let dir = tempfile::tempdir().unwrap();
+        let all = ["vda".to_string()];
+        let h = Fake::default();
+        let job = Job::begin(&h, "vm", &plans(), &all, "ferry-1", dir.path(), None).unwrap();
+        // libvirt ended it, and someone else started another.
+        *h.job.borrow_mut() = Some("/elsewhere/nbd.sock".into());
+        job.end().unwrap();
+        drop(job);
+        assert!(!h.calls.borrow().contains(&"abort".to_string()), "{:?}", h.calls.borrow());
+        assert_eq!(h.job.borrow().as_deref(), Some("/elsewhere/nbd.sock"));
+        let job = Job::begin(&h, "vm", &plans(), &all, "ferry-2", dir.path(), None).unwrap();
+        drop(job);
+        assert!(h.calls.borrow().contains(&"abort".to_string()));
+    }
+
+    #[test]
+    fn the_lock_is_in_a_private_directory_and_never_a_link() {
+        use std::os::unix::fs::PermissionsExt;
+        let t = tempfile::tempdir().unwrap();
+        let uid = rustix::process::geteuid().as_raw();
+        let dir = t.path().join("ferry");
+        private_dir(&dir, uid).unwrap();
+        assert_eq!(std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777, 0o700);
+        private_dir(&dir, uid).unwrap();
+        let lock = one_run(&dir, "vm 1").unwrap();
+        assert!(one_run(&dir, "vm 1").is_err(), "a second run is refused");
+        drop(lock);
+        std::fs::remove_file(dir.join("libvirt-vm_1.lock")).unwrap();
+        std::os::unix::fs::symlink(t.path().join("target"), dir.join("libvirt-vm_1.lock")).unwrap();
+        assert!(one_run(&dir, "vm 1").is_err(), "a link is not followed");
+        assert!(!t.path().join("target").exists());
+        let open = t.path().join("open");
+        std::fs::create_dir(&open).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+        assert!(private_dir(&open, uid).is_err());
+        let link = t.path().join("link");
+        std::os::unix::fs::symlink(&dir, &link).unwrap();
+        assert!(private_dir(&link, uid).is_err());
+    }
+
+    #[test]
+    fn a_domain_of_the_same_name_with_another_uuid_is_refused_unless_new() {
+        let disk = PointDisk { target: "vda".into(), name: "vm-vda".into(), snapshot: "a".repeat(64), tracked: true };
+        let at = |uuid: Option<&str>, host: &str| {
+            let mut p = PointRecord::new("vm", uuid.map(String::from), None, "<domain/>".into(), vec![disk.clone()]);
+            p.host = host.into();
+            (format!("{host}{}", uuid.unwrap_or("")), p)
+        };
+        let points = vec![at(None, "old"), at(Some("aaaa"), "a"), at(Some("bbbb"), "b")];
+        let e = format!("{:#}", same_domain(&points, "vm", Some("aaaa"), false, "/r").unwrap_err());
+        assert!(e.contains("bbbb") && e.contains("host b") && e.contains("--new-domain"), "{e}");
+        let mine = same_domain(&points, "vm", Some("aaaa"), true, "/r").unwrap();
+        assert_eq!(mine.iter().map(|p| p.host.as_str()).collect::<Vec<_>>(), ["old", "a"]);
+        assert_eq!(same_domain(&points, "vm", Some("bbbb"), false, "/r").unwrap().len(), 2);
+        assert!(same_domain(&points, "other", Some("cccc"), false, "/r").unwrap().is_empty());
+    }
+
+    #[test]
+    fn an_nbd_uri_escapes_the_socket_path() {
+        assert_eq!(
+            uri_escape("/var/tmp/ferry-libvirt-a b?c&d%/nbd.sock"),
+            "/var/tmp/ferry-libvirt-a%20b%3Fc%26d%25/nbd.sock"
+        );
     }
 }

@@ -25,13 +25,18 @@ pub struct RestoreArgs {
     #[arg(long, value_name = "NEWNAME")]
     define: Option<String>,
     /// The libvirt connection for --define, as `virsh -c` takes it (default:
-    /// LIBVIRT_DEFAULT_URI, else qemu:///system).
+    /// LIBVIRT_DEFAULT_URI, else virsh's default). Of this host only: a remote one is refused.
     #[arg(long, value_name = "URI")]
     connect: Option<String>,
     /// The repository's passphrase: the first line of FILE (else FERRY_PASSWORD, else
     /// FERRY_PASSWORD_FILE).
     #[arg(long, value_name = "FILE")]
     password_file: Option<PathBuf>,
+    /// Of the points of REPO::DOMAIN, those of the domain with this UUID (two hosts'
+    /// domains of one name, or one defined anew, each have theirs; `ferry repo list`
+    /// shows them).
+    #[arg(long, value_name = "UUID")]
+    uuid: Option<String>,
     /// Show progress of each disk's copy.
     #[arg(short, long)]
     progress: bool,
@@ -55,21 +60,58 @@ pub fn run(args: RestoreArgs, quiet: bool) -> Result<i32> {
         std::env::remove_var("FERRY_PASSWORD");
         std::env::set_var("FERRY_PASSWORD_FILE", f);
     }
+    // A connection that cannot define the copy is refused before any disk is restored.
+    let virsh = args.define.as_ref().map(|_| Virsh::new(args.connect.as_deref())).transpose()?;
     let repo = ferry_open::repo::open_repository_with(
         &spec,
         &ferry_open::Remote::default(),
         args.password_file.as_deref(),
         ferry_repo::known::OnRollback::Warn,
     )?;
-    let (points, bad) = repo.points().context("cannot read the points of the repository")?;
+    let (listed, _) = repo.snapshots_skipping().context("cannot list the snapshots of the repository")?;
+    let (points, bad) = repo.points_in(&listed).context("cannot read the points of the repository")?;
+    let there = |p: &ferry_repo::PointRecord| p.disks.iter().all(|d| listed.iter().any(|s| s.id == d.snapshot));
     for (object, e) in &bad {
         log::warn!("skipping {object}: {e}");
     }
-    let mine: Vec<&(String, ferry_repo::PointRecord)> = points.iter().filter(|(_, p)| p.domain == domain).collect();
+    let want_uuid = args.uuid.as_deref().map(str::to_ascii_lowercase);
+    let mine: Vec<&(String, ferry_repo::PointRecord)> = points
+        .iter()
+        .filter(|(_, p)| p.domain == domain && want_uuid.as_ref().is_none_or(|u| p.uuid.as_ref() == Some(u)))
+        .collect();
+    if id.is_none() && want_uuid.is_none() {
+        let mut uuids: Vec<(&str, &str)> =
+            mine.iter().filter_map(|(_, p)| Some((p.uuid.as_deref()?, p.host.as_str()))).collect();
+        uuids.sort();
+        uuids.dedup_by_key(|u| u.0);
+        if uuids.len() > 1 {
+            let shown: Vec<String> = uuids.iter().map(|(u, h)| format!("{u} (host {h})")).collect();
+            bail!(
+                "the points of {domain} in {spec} are of {} domains of that name: {}; choose one with --uuid UUID, or \
+                 a point with {spec}::{domain}@ID",
+                uuids.len(),
+                shown.join(", ")
+            );
+        }
+    }
     let (pid, point) = match &id {
-        None => *mine.last().with_context(|| {
-            format!("{spec} has no point of {domain} (`ferry backup libvirt:{domain} {spec}` makes one)")
-        })?,
+        None => {
+            mine.last().with_context(|| {
+                format!("{spec} has no point of {domain} (`ferry backup libvirt:{domain} {spec}` makes one)")
+            })?;
+            let newest = mine.iter().rev().find(|(_, p)| there(p)).with_context(|| {
+                format!(
+                    "every point of {domain} in {spec} names a snapshot that is gone (`ferry repo list` shows them)"
+                )
+            })?;
+            if !std::ptr::eq(*newest, *mine.last().unwrap_or(newest)) {
+                log::warn!(
+                    "the newest point of {domain} names a snapshot that is gone: restoring point {}, the newest whole one",
+                    short_id(&newest.0)
+                );
+            }
+            *newest
+        }
         Some(want) => {
             let want = want.to_ascii_lowercase();
             if want.len() < 4 {
@@ -85,26 +127,43 @@ pub fn run(args: RestoreArgs, quiet: bool) -> Result<i32> {
     };
     std::fs::create_dir_all(&args.to).with_context(|| format!("cannot make {}", args.to.display()))?;
     let dir = std::fs::canonicalize(&args.to)?;
+    let xml_path = dir.join(format!("{}.xml", args.define.as_deref().unwrap_or(&domain)));
+    // Every target is checked before anything is written: nothing is overwritten.
+    let paths: Vec<PathBuf> =
+        point.disks.iter().map(|d| dir.join(format!("{}-{}.{}", domain, d.target, args.format))).collect();
+    if let Some(p) = paths.iter().chain([&xml_path]).find(|p| p.symlink_metadata().is_ok()) {
+        bail!("{} exists: restore into an empty directory (nothing is overwritten)", p.display());
+    }
     let mut files = Vec::new();
-    for d in &point.disks {
-        let path = dir.join(format!("{}-{}.{}", domain, d.target, args.format));
-        if path.exists() {
-            bail!("{} exists: restore into an empty directory (nothing is overwritten)", path.display());
-        }
+    for (d, path) in point.disks.iter().zip(paths) {
         let mut line = vec!["copy".to_string(), format!("{spec}::{}@{}", d.name, d.snapshot)];
         line.push(path.to_string_lossy().into_owned());
         if args.progress {
             line.push("-p".into());
         }
         let copy = CopyLine::try_parse_from(&line).map_err(|e| anyhow::anyhow!("{e}"))?;
-        crate::copy::run(copy.args, quiet).with_context(|| format!("restoring disk {} of {domain}", d.target))?;
+        let status =
+            crate::copy::run(copy.args, quiet).with_context(|| format!("restoring disk {} of {domain}", d.target))?;
+        if status != 0 {
+            bail!("restoring disk {} of {domain}: the copy ended with status {status}", d.target);
+        }
         files.push((d.target.clone(), path.to_string_lossy().into_owned(), args.format.clone()));
     }
     let xml = crate::libvirt_xml::rewrite(&point.xml, &files, args.define.as_deref())?;
-    let xml_path = dir.join(format!("{}.xml", args.define.as_deref().unwrap_or(&domain)));
-    std::fs::write(&xml_path, &xml).with_context(|| format!("cannot write {}", xml_path.display()))?;
-    if let Some(name) = &args.define {
-        Virsh::new(args.connect.as_deref()).define(&xml, &dir).with_context(|| {
+    if args.define.is_some() && crate::libvirt_xml::has_nvram(&point.xml) {
+        log::warn!(
+            "{domain} has UEFI variables (<nvram>): the copy does not share the original's; libvirt makes it new ones \
+             from the firmware's template (boot entries the guest stored there are not restored)"
+        );
+    }
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&xml_path)
+        .and_then(|mut f| std::io::Write::write_all(&mut f, xml.as_bytes()))
+        .with_context(|| format!("cannot write {}", xml_path.display()))?;
+    if let (Some(name), Some(virsh)) = (&args.define, &virsh) {
+        virsh.define(&xml, &dir).with_context(|| {
             format!("the disks and {} are restored, but defining {name} failed", xml_path.display())
         })?;
         let _ = std::fs::remove_file(dir.join(crate::libvirt_virsh::DEFINE_FILE));
@@ -123,7 +182,7 @@ pub fn run(args: RestoreArgs, quiet: bool) -> Result<i32> {
 /// `ferry repo list`'s points of libvirt domains: each point with its disks' snapshots
 /// (those of `name` only, when given; a snapshot no longer there is marked).
 pub(crate) fn print_points(repo: &ferry_repo::Repository, name: Option<&str>, all: &[ferry_repo::SnapshotInfo]) {
-    let (points, bad) = match repo.points() {
+    let (points, bad) = match repo.points_in(all) {
         Ok(p) => p,
         Err(e) => {
             eprintln!("cannot list the points of libvirt domains: {e}");

@@ -43,32 +43,61 @@ pub(crate) const DEFINE_FILE: &str = ".ferry-define.xml";
 
 /// libvirt through the `virsh` command.
 pub(crate) struct Virsh {
-    uri: String,
+    /// The connection: --connect, else LIBVIRT_DEFAULT_URI; `None` leaves it to virsh
+    /// (its own default: libvirt.conf's uri_default, else qemu:///system for root).
+    uri: Option<String>,
 }
 
-/// The connection libvirt's clients default to.
-pub(crate) fn default_uri() -> String {
-    std::env::var("LIBVIRT_DEFAULT_URI").ok().filter(|u| !u.is_empty()).unwrap_or_else(|| "qemu:///system".into())
+/// Whether a libvirt URI names another host, or is an alias that cannot be told from one:
+/// a transport other than unix (`qemu+ssh://`, `+tcp`, `+tls`, `+libssh2`...) or a host
+/// (`qemu://host/system`).
+pub(crate) fn remote_uri(uri: &str) -> bool {
+    let Some((scheme, rest)) = uri.split_once("://") else { return true };
+    let transport = scheme.split_once('+').map(|(_, t)| t);
+    let authority = rest.split(['/', '?']).next().unwrap_or("");
+    let host = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    let host = host.split(':').next().unwrap_or("");
+    transport.is_some_and(|t| t != "unix") || !(host.is_empty() || host == "localhost")
 }
 
 impl Virsh {
-    pub(crate) fn new(uri: Option<&str>) -> Virsh {
-        Virsh { uri: uri.map(String::from).unwrap_or_else(default_uri) }
+    /// libvirt at `uri` (--connect), else LIBVIRT_DEFAULT_URI, else virsh's default; a
+    /// connection to another host is refused: ferry reads a shut-off domain's images, a
+    /// backup job's socket and a restored copy's files on this host.
+    pub(crate) fn new(uri: Option<&str>) -> Result<Virsh> {
+        let uri = uri.map(String::from).or_else(|| std::env::var("LIBVIRT_DEFAULT_URI").ok().filter(|u| !u.is_empty()));
+        if let Some(u) = uri.as_deref().filter(|u| remote_uri(u)) {
+            bail!(
+                "the libvirt connection {u:?} is not of this host (or is an alias ferry cannot check): ferry reads \
+                 the domain's images and its backup job's Unix socket on the host it runs on, so run ferry on the \
+                 domain's host with a local connection (qemu:///system); a remote connection is not supported yet"
+            );
+        }
+        Ok(Virsh { uri })
     }
 
-    /// Runs `virsh -c URI -q ARGS`; its standard output.
+    /// The connection, as errors name it.
+    fn shown(&self) -> &str {
+        self.uri.as_deref().unwrap_or("the default libvirt connection")
+    }
+
+    /// `virsh [-c URI] -q ARGS`, in the C locale (its words are parsed).
+    fn command(&self, args: &[&str]) -> Command {
+        let mut c = Command::new("virsh");
+        if let Some(u) = &self.uri {
+            c.arg("-c").arg(u);
+        }
+        c.arg("-q").args(args).env("LC_ALL", "C").env_remove("LANGUAGE");
+        c
+    }
+
+    /// Runs `virsh [-c URI] -q ARGS`; its standard output.
     fn run(&self, args: &[&str]) -> Result<String> {
-        let out = Command::new("virsh")
-            .arg("-c")
-            .arg(&self.uri)
-            .arg("-q")
-            .args(args)
-            .output()
-            .context("cannot run virsh (install libvirt-clients)")?;
+        let out = self.command(args).output().context("cannot run virsh (install libvirt-clients)")?;
         if !out.status.success() {
             let err = String::from_utf8_lossy(&out.stderr);
             let err = err.trim().trim_start_matches("error: ").replace("\nerror: ", ": ");
-            bail!("virsh {} on {}: {err}", args.first().unwrap_or(&""), self.uri);
+            bail!("virsh {} on {}: {err}", args.first().unwrap_or(&""), self.shown());
         }
         String::from_utf8(out.stdout).context("virsh printed bytes that are not UTF-8")
     }
@@ -88,15 +117,16 @@ impl Hypervisor for Virsh {
         }
         self.run(&a).map_err(|e| {
             let text = format!("{e:#}");
+            let c = self.uri.as_deref().map(|u| format!("-c {u} ")).unwrap_or_default();
             match text.contains("failed to get domain") || text.contains("Domain not found") {
                 true => e.context(format!(
-                    "no domain {domain:?} on {}: `virsh -c {} list --all` lists the domains there",
-                    self.uri, self.uri
+                    "no domain {domain:?} on {}: `virsh {c}list --all` lists the domains there",
+                    self.shown()
                 )),
                 false => e.context(format!(
                     "cannot read the domain {domain:?} from libvirt at {} (is libvirtd running, and is --connect \
                      right?)",
-                    self.uri
+                    self.shown()
                 )),
             }
         })
@@ -151,5 +181,39 @@ impl Hypervisor for Virsh {
                 if freeze { "freeze its file systems" } else { "thaw its file systems" }
             )
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn remote_connections_are_told_from_local_ones() {
+        for local in ["qemu:///system", "qemu:///session", "qemu+unix:///system?socket=/x", "qemu://localhost/system"] {
+            assert!(!remote_uri(local), "{local}");
+        }
+        for remote in [
+            "qemu+ssh://root@host/system",
+            "qemu+tcp://host/system",
+            "qemu+tls://host:16514/system",
+            "qemu://host/system",
+            "qemu+libssh2://u@h/system",
+            "myalias",
+        ] {
+            assert!(remote_uri(remote), "{remote}");
+        }
+        assert!(Virsh::new(Some("qemu+ssh://h/system")).is_err());
+    }
+
+    #[test]
+    fn virsh_runs_in_the_c_locale_and_names_a_connection_only_when_given() {
+        let v = Virsh { uri: None };
+        let c = v.command(&["domstate", "--domain", "d"]);
+        assert_eq!(c.get_args().collect::<Vec<_>>(), ["-q", "domstate", "--domain", "d"]);
+        assert!(c.get_envs().any(|(k, v)| k == "LC_ALL" && v == Some("C".as_ref())));
+        let v = Virsh { uri: Some("qemu:///session".into()) };
+        let c = v.command(&["list"]);
+        assert_eq!(c.get_args().collect::<Vec<_>>(), ["-c", "qemu:///session", "-q", "list"]);
     }
 }

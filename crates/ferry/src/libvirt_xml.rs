@@ -15,20 +15,30 @@ pub(crate) struct Disk {
     pub format: Option<String>,
     /// The file or device (`None` for a network disk, or no medium).
     pub source: Option<String>,
+    /// `disk`, or `lun` (a SCSI LUN passed through, which no backup job reads).
+    pub device: String,
 }
 
 fn parse<'a>(xml: &'a str, what: &str) -> Result<roxmltree::Document<'a>> {
     roxmltree::Document::parse(xml).with_context(|| format!("libvirt gave {what} that is not XML"))
 }
 
-/// The disks (`<disk device='disk'>`; cdroms and floppies are no disks to back up).
+/// Whether a `<disk device=...>` holds removable media (a cdrom or a floppy): no disk to
+/// back up.
+fn removable(device: &str) -> bool {
+    device == "cdrom" || device == "floppy"
+}
+
+/// The disks (`<disk device='disk'>` and `device='lun'`; cdroms and floppies are no disks
+/// to back up).
 pub(crate) fn disks(domain_xml: &str) -> Result<Vec<Disk>> {
     let doc = parse(domain_xml, "a domain")?;
     let mut out = Vec::new();
     for d in
         doc.descendants().filter(|n| n.has_tag_name("disk") && n.parent().is_some_and(|p| p.has_tag_name("devices")))
     {
-        if d.attribute("device").unwrap_or("disk") != "disk" {
+        let device = d.attribute("device").unwrap_or("disk");
+        if removable(device) {
             continue;
         }
         let child = |name: &str| d.children().find(|c| c.has_tag_name(name));
@@ -41,9 +51,17 @@ pub(crate) fn disks(domain_xml: &str) -> Result<Vec<Disk>> {
             kind: d.attribute("type").unwrap_or("file").to_string(),
             format: child("driver").and_then(|t| t.attribute("type")).map(String::from),
             source,
+            device: device.to_string(),
         });
     }
     Ok(out)
+}
+
+/// The domain's UUID (lower case), if its XML has one.
+pub(crate) fn uuid(domain_xml: &str) -> Option<String> {
+    let doc = roxmltree::Document::parse(domain_xml).ok()?;
+    let u = doc.root_element().children().find(|n| n.has_tag_name("uuid"))?.text()?.trim().to_ascii_lowercase();
+    (!u.is_empty()).then_some(u)
 }
 
 /// The uid and gid qemu runs as (the live XML's DAC label `+UID:+GID`), if it says.
@@ -131,45 +149,112 @@ pub(crate) fn checkpoint_xml(name: &str, all: &[String], tracked: &[String]) -> 
     x + "  </disks>\n</domaincheckpoint>\n"
 }
 
+/// The bus a disk's target name implies, for a disk the XML lacks (`vdX` virtio, `sdX`
+/// scsi, `hdX` ide, `xvdX` xen).
+fn bus_of(target: &str) -> &'static str {
+    match target {
+        t if t.starts_with("xvd") => "xen",
+        t if t.starts_with("sd") => "scsi",
+        t if t.starts_with("hd") => "ide",
+        _ => "virtio",
+    }
+}
+
+/// Sets attribute `name` of `node` to `value` (an edit of its value, or one that adds it
+/// after the element's name).
+fn set_attr(edits: &mut Vec<(std::ops::Range<usize>, String)>, node: roxmltree::Node, name: &str, value: &str) {
+    match node.attributes().find(|a| a.name() == name) {
+        Some(a) => edits.push((a.range_value(), attr(value))),
+        None => {
+            let at = node.range().start + 1 + node.tag_name().name().len();
+            edits.push((at..at, format!(" {name}='{}'", attr(value))));
+        }
+    }
+}
+
 /// The domain's XML for a restored copy: each disk of `files` (target, path, format)
 /// pointing at its restored file, and with `rename` a new name, no UUID (libvirt makes
-/// one) and no MAC addresses (libvirt makes new ones), so it can be defined beside the
-/// original. Disks not in `files` are dropped (they were not backed up).
+/// one), no MAC addresses (libvirt makes new ones) and no `<nvram>` (libvirt makes a new
+/// one from the firmware's template), so it can be defined beside the original.
+///
+/// A restored disk keeps its element: only its `type`, its driver's `type` and its
+/// `<source>` change (and a `<backingStore>`, `<auth>` or `<encryption>`, which the
+/// restored image has not, goes), so boot order, serial, wwn, cache mode and address
+/// stay. A disk of `files` the XML lacks (hot-plugged when the point was taken) is added.
+/// Every other disk goes, whatever its device (it was not restored: a copy must not use
+/// the original's image or LUN), except that a cdrom or floppy drive stays, empty.
 pub(crate) fn rewrite(domain_xml: &str, files: &[(String, String, String)], rename: Option<&str>) -> Result<String> {
     let doc = parse(domain_xml, "a domain")?;
-    // Edits as (byte range, replacement), applied from the end.
+    let root = doc.root_element();
+    let Some(devices) = root.children().find(|n| n.has_tag_name("devices")) else {
+        bail!("the domain's XML has no <devices>");
+    };
+    // Edits as (byte range, replacement), none overlapping, applied from the end.
     let mut edits: Vec<(std::ops::Range<usize>, String)> = Vec::new();
-    for d in
-        doc.descendants().filter(|n| n.has_tag_name("disk") && n.parent().is_some_and(|p| p.has_tag_name("devices")))
-    {
-        if d.attribute("device").unwrap_or("disk") != "disk" {
-            continue;
-        }
-        let target = d.children().find(|c| c.has_tag_name("target")).and_then(|t| t.attribute("dev")).unwrap_or("");
-        let Some((_, path, format)) = files.iter().find(|f| f.0 == target) else {
-            edits.push((d.range(), String::new()));
+    let mut restored = Vec::new();
+    for d in devices.children().filter(|n| n.has_tag_name("disk")) {
+        let device = d.attribute("device").unwrap_or("disk");
+        let child = |name: &str| d.children().find(|c| c.has_tag_name(name));
+        let target = child("target").and_then(|t| t.attribute("dev")).unwrap_or("");
+        let file = files.iter().find(|f| f.0 == target).filter(|_| !removable(device));
+        let (Some((_, path, format)), Some(t)) = (file, child("target")) else {
+            match (removable(device), child("source")) {
+                (true, Some(s)) => edits.push((s.range(), String::new())),
+                (true, None) => {}
+                (false, _) => edits.push((d.range(), String::new())),
+            }
             continue;
         };
-        let bus = d.children().find(|c| c.has_tag_name("target")).and_then(|t| t.attribute("bus")).unwrap_or("virtio");
-        edits.push((
-            d.range(),
+        restored.push(target);
+        set_attr(&mut edits, d, "type", "file");
+        let mut before_target = String::new();
+        match child("driver") {
+            Some(dr) => set_attr(&mut edits, dr, "type", format),
+            None => before_target += &format!("<driver name='qemu' type='{}'/>", attr(format)),
+        }
+        let source = format!("<source file='{}'/>", attr(path));
+        match child("source") {
+            Some(s) => edits.push((s.range(), source)),
+            None => before_target += &source,
+        }
+        if !before_target.is_empty() {
+            edits.push((t.range().start..t.range().start, before_target));
+        }
+        for gone in d.children().filter(|c| ["backingStore", "auth", "encryption"].iter().any(|n| c.has_tag_name(*n))) {
+            edits.push((gone.range(), String::new()));
+        }
+    }
+    let added: String = files
+        .iter()
+        .filter(|f| !restored.contains(&f.0.as_str()))
+        .map(|(target, path, format)| {
             format!(
-                "<disk type='file' device='disk'>\n      <driver name='qemu' type='{}'/>\n      <source file='{}'/>\n      \
-                 <target dev='{}' bus='{}'/>\n    </disk>",
+                "  <disk type='file' device='disk'>\n      <driver name='qemu' type='{}'/>\n      <source file='{}'/>\n      \
+                 <target dev='{}' bus='{}'/>\n    </disk>\n  ",
                 attr(format),
                 attr(path),
                 attr(target),
-                attr(bus)
-            ),
-        ));
+                bus_of(target)
+            )
+        })
+        .collect();
+    if !added.is_empty() {
+        let end = devices.range().end;
+        let Some(at) = end.checked_sub("</devices>".len()).filter(|_| domain_xml[..end].ends_with("</devices>")) else {
+            bail!("the domain's <devices> has no closing tag to add disks before");
+        };
+        edits.push((at..at, added));
     }
     if let Some(name) = rename {
-        let root = doc.root_element();
         for n in root.children() {
             if n.has_tag_name("name") {
                 edits.push((n.range(), format!("<name>{}</name>", attr(name))));
             } else if n.has_tag_name("uuid") {
                 edits.push((n.range(), String::new()));
+            } else if n.has_tag_name("os") {
+                for v in n.children().filter(|c| c.has_tag_name("nvram")) {
+                    edits.push((v.range(), String::new()));
+                }
             }
         }
         for m in doc
@@ -179,12 +264,20 @@ pub(crate) fn rewrite(domain_xml: &str, files: &[(String, String, String)], rena
             edits.push((m.range(), String::new()));
         }
     }
-    edits.sort_by_key(|e| std::cmp::Reverse(e.0.start));
+    // From the end; of two edits at one place (an insertion before a replacement), the
+    // later one first.
+    edits.sort_by_key(|e| std::cmp::Reverse((e.0.start, e.0.end)));
     let mut out = domain_xml.to_string();
     for (r, s) in edits {
         out.replace_range(r, &s);
     }
     Ok(out)
+}
+
+/// Whether the domain's XML has an `<nvram>` (UEFI variables), which a renamed copy must
+/// not share with the original.
+pub(crate) fn has_nvram(domain_xml: &str) -> bool {
+    roxmltree::Document::parse(domain_xml).is_ok_and(|d| d.descendants().any(|n| n.has_tag_name("nvram")))
 }
 
 #[cfg(test)]
@@ -208,11 +301,13 @@ mod tests {
                 target: "vda".into(),
                 kind: "file".into(),
                 format: Some("qcow2".into()),
-                source: Some("/a.qcow2".into())
+                source: Some("/a.qcow2".into()),
+                device: "disk".into(),
             }
         );
         assert_eq!(d[1].source.as_deref(), Some("/dev/x"));
         assert_eq!(qemu_owner(DOM), Some((64055, 994)));
+        assert_eq!(uuid(DOM).as_deref(), Some("u"));
         assert!(disks("<domain").is_err());
     }
 
@@ -228,6 +323,64 @@ mod tests {
         // Without a new name, the name, UUID and MACs stay.
         let x = rewrite(DOM, &files, None).unwrap();
         assert!(x.contains("<name>vm1</name>") && x.contains("<uuid>u</uuid>") && x.contains("52:54:00"), "{x}");
+    }
+
+    #[test]
+    fn a_restored_domain_keeps_no_disk_it_did_not_restore_whatever_its_device() {
+        let dom = "<domain><name>vm1</name><devices>\
+            <disk type='file' device='disk'><driver name='qemu' type='qcow2'/><source file='/a.qcow2'/><target dev='vda' bus='virtio'/></disk>\
+            <disk type='block' device='lun'><driver name='qemu' type='raw'/><source dev='/dev/sdz'/><target dev='sda' bus='scsi'/></disk>\
+            <disk type='file' device='cdrom'><source file='/iso/x.iso'/><target dev='sdb' bus='sata'/><readonly/></disk>\
+            </devices></domain>";
+        let files = [("vda".to_string(), "/r/vm1-vda.raw".to_string(), "raw".to_string())];
+        let x = rewrite(dom, &files, None).unwrap();
+        assert!(!x.contains("/dev/sdz") && !x.contains("device='lun'"), "{x}");
+        assert!(
+            !x.contains("/iso/x.iso") && x.contains("<target dev='sdb' bus='sata'/>"),
+            "the cdrom stays, empty: {x}"
+        );
+        roxmltree::Document::parse(&x).unwrap();
+    }
+
+    #[test]
+    fn a_restored_disk_is_edited_in_place_and_missing_ones_are_added() {
+        let dom = "<domain><name>vm1</name><os><loader>/l.fd</loader><nvram>/var/n/vm1_VARS.fd</nvram></os><devices>\
+            <disk type='block' device='disk'><driver name='qemu' type='raw' cache='none'/><source dev='/dev/vg/x' index='1'/>\
+            <backingStore/><target dev='vda' bus='virtio'/><serial>S1</serial><wwn>5000c50015ea71ad</wwn><boot order='2'/></disk>\
+            <disk device='disk'><target dev='vdb' bus='scsi'/><serial>S2</serial></disk>\
+            </devices></domain>";
+        let files = [
+            ("vda".to_string(), "/r/vm1-vda.qcow2".to_string(), "qcow2".to_string()),
+            ("vdb".to_string(), "/r/vm1-vdb.qcow2".to_string(), "qcow2".to_string()),
+            ("vdc".to_string(), "/r/vm1-vdc.qcow2".to_string(), "qcow2".to_string()),
+        ];
+        let x = rewrite(dom, &files, Some("copy")).unwrap();
+        roxmltree::Document::parse(&x).unwrap_or_else(|e| panic!("{e}: {x}"));
+        for kept in [
+            "<serial>S1</serial>",
+            "<wwn>5000c50015ea71ad</wwn>",
+            "<boot order='2'/>",
+            "cache='none'",
+            "<serial>S2</serial>",
+            "<loader>/l.fd</loader>",
+        ] {
+            assert!(x.contains(kept), "{kept} is lost: {x}");
+        }
+        assert!(!x.contains("backingStore") && !x.contains("nvram") && !x.contains("/dev/vg/x"), "{x}");
+        let d = disks(&x).unwrap();
+        let got: Vec<_> =
+            d.iter().map(|d| (d.target.as_str(), d.kind.as_str(), d.format.as_deref(), d.source.as_deref())).collect();
+        assert_eq!(
+            got,
+            [
+                ("vda", "file", Some("qcow2"), Some("/r/vm1-vda.qcow2")),
+                ("vdb", "file", Some("qcow2"), Some("/r/vm1-vdb.qcow2")),
+                ("vdc", "file", Some("qcow2"), Some("/r/vm1-vdc.qcow2")),
+            ],
+            "{x}"
+        );
+        assert!(x.contains("<target dev='vdc' bus='virtio'/>"), "{x}");
+        assert!(has_nvram(dom) && !has_nvram(&x));
     }
 
     #[test]

@@ -317,7 +317,9 @@ fn a_running_domain_day_by_day_with_a_kill_and_a_destroy() {
     // the job left behind and misses nothing.
     lv.write(dom, 0, 0x33, 30 * MIB, 4 * MIB);
     models[0].0.push((0x33, 30 * MIB, 4 * MIB));
-    let out = interrupt(&lv, &["backup", "--rate", "1M", &src, repo], |c| {
+    let scratch = lv.tmp();
+    let scratch = scratch.to_str().unwrap();
+    let out = interrupt(&lv, &["backup", "--rate", "1M", "--scratch-dir", scratch, &src, repo], |c| {
         // The running job's directory is the owner's alone.
         use std::os::unix::fs::PermissionsExt;
         let dirs: Vec<_> = std::fs::read_dir(lv.tmp())

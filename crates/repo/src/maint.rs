@@ -1042,7 +1042,33 @@ pub fn forget_with(
         }
     }
     tell(&gone);
+    forget_points(repo, &snaps, &bad, &mut report, dry_run)?;
     Ok(report)
+}
+
+/// Removes the points (FORMAT.md §12) whose snapshots `report` removed all of, with a note
+/// for each.
+fn forget_points(
+    repo: &Repository,
+    snaps: &[SnapshotInfo],
+    bad: &crate::repo::Failures,
+    report: &mut ForgetReport,
+    dry_run: bool,
+) -> Result<()> {
+    if report.removed.is_empty() {
+        return Ok(());
+    }
+    let present: Vec<SnapshotInfo> = snaps.iter().filter(|s| !report.removed.contains(&s.id)).cloned().collect();
+    let unreadable: Vec<String> =
+        bad.iter().map(|(n, _)| n.strip_prefix("snapshots/").unwrap_or(n).to_string()).collect();
+    for (id, domain) in crate::points::prune_points(repo, &present, &unreadable, dry_run)? {
+        report.notes.push(format!(
+            "point {} of {domain} {} (its snapshots are all forgotten)",
+            &id[..8.min(id.len())],
+            if dry_run { "would be removed" } else { "removed" }
+        ));
+    }
+    Ok(())
 }
 
 /// Tells this host's record of the repository (if it keeps one) what was forgotten.
@@ -1153,6 +1179,7 @@ pub fn forget_ids(
         report.removed.push(id);
     }
     tell_forgotten(repo, &gone);
+    forget_points(repo, &snaps, &bad, &mut report, dry_run)?;
     Ok(report)
 }
 

@@ -9,9 +9,10 @@
 //! taken for it.
 
 use crate::format::{bounded_json, check_time, is_hex, valid_name, FormatError};
-use crate::repo::{par_map, Failures, Repository, FETCH_THREADS};
+use crate::repo::{par_map, Failures, Repository, SnapshotInfo, FETCH_THREADS};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
 
 const AAD_POINT: &[u8] = b"ferry point";
 /// The version of a point record (its own, not the repository's).
@@ -32,6 +33,10 @@ pub struct PointRecord {
     pub version: u32,
     /// The libvirt domain's name.
     pub domain: String,
+    /// The domain's UUID, which tells two domains of one name apart (on two hosts, or one
+    /// defined anew); absent in points stored before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<String>,
     /// When the point was stored (RFC 3339, UTC).
     pub time: String,
     pub host: String,
@@ -58,11 +63,18 @@ pub struct PointDisk {
 }
 
 impl PointRecord {
-    /// A point of `domain` taken now, on this host.
-    pub fn new(domain: &str, checkpoint: Option<String>, xml: String, disks: Vec<PointDisk>) -> PointRecord {
+    /// A point of `domain` (its UUID `uuid`) taken now, on this host.
+    pub fn new(
+        domain: &str,
+        uuid: Option<String>,
+        checkpoint: Option<String>,
+        xml: String,
+        disks: Vec<PointDisk>,
+    ) -> PointRecord {
         PointRecord {
             version: POINT_VERSION,
             domain: domain.to_string(),
+            uuid,
             time: jiff::Timestamp::now().to_string(),
             host: crate::repo::hostname(),
             checkpoint,
@@ -86,11 +98,14 @@ impl PointRecord {
             ));
         }
         check_time("the point's time", &self.time)?;
-        let long =
-            [&self.domain, &self.host].into_iter().chain(self.checkpoint.as_ref()).any(|s| s.len() > MAX_POINT_FIELD);
+        let long = [&self.domain, &self.host]
+            .into_iter()
+            .chain(self.checkpoint.as_ref())
+            .chain(self.uuid.as_ref())
+            .any(|s| s.len() > MAX_POINT_FIELD);
         if self.domain.is_empty() || long {
             return bad(format!(
-                "the point's domain, host or checkpoint is empty or longer than {MAX_POINT_FIELD} bytes"
+                "the point's domain, uuid, host or checkpoint is empty or longer than {MAX_POINT_FIELD} bytes"
             ));
         }
         if self.xml.len() > MAX_POINT_XML {
@@ -154,7 +169,17 @@ impl Repository {
                 Err(e) => bad.push((format!("points/{id}"), e)),
             }
         }
-        good.sort_by(|a, b| (&a.1.time, &a.0).cmp(&(&b.1.time, &b.0)));
+        // By the instant, not the text: `...:00Z` and `...:00.5Z` compare wrongly as strings.
+        let at = |p: &PointRecord| p.time.parse::<jiff::Timestamp>().ok();
+        good.sort_by(|a, b| (at(&a.1), &a.0).cmp(&(at(&b.1), &b.0)));
+        Ok((good, bad))
+    }
+
+    /// [`Repository::points`], each disk's snapshot id followed through `ferry repo
+    /// migrate` in the listing `snaps` ([`follow_migrations`]).
+    pub fn points_in(&self, snaps: &[SnapshotInfo]) -> Result<(Vec<(String, PointRecord)>, Failures)> {
+        let (mut good, bad) = self.points()?;
+        follow_migrations(&mut good, snaps);
         Ok((good, bad))
     }
 
@@ -162,6 +187,52 @@ impl Repository {
     pub fn delete_point(&self, id: &str) -> Result<()> {
         let name = format!("points/{id}");
         self.store().delete(&name).map_err(|e| Error::store(format!("cannot remove {name}"), e))
+    }
+}
+
+/// Removes the points whose snapshots are all gone: none is among `present` (the listing
+/// after a forget) nor `unreadable` (ids of manifests that could not be read, which may
+/// be there). A point that cannot be read is kept. The ids of the points removed (or, with
+/// `dry_run`, that would be), with their domains.
+pub(crate) fn prune_points(
+    repo: &Repository,
+    present: &[SnapshotInfo],
+    unreadable: &[String],
+    dry_run: bool,
+) -> Result<Vec<(String, String)>> {
+    let (mut points, _) = repo.points()?;
+    follow_migrations(&mut points, present);
+    let mut removed = Vec::new();
+    for (id, p) in points {
+        let there = |s: &str| present.iter().any(|p| p.id == s) || unreadable.iter().any(|u| u == s);
+        if p.disks.iter().any(|d| there(&d.snapshot)) {
+            continue;
+        }
+        if !dry_run {
+            repo.delete_point(&id)?;
+        }
+        removed.push((id, p.domain));
+    }
+    Ok(removed)
+}
+
+/// Points with each disk's snapshot id as the listing `snaps` has it now: `ferry repo
+/// migrate` (FORMAT.md §9) gives a snapshot a new id, and its new manifest names the old
+/// one in `migrated_from`; a point keeps the id it was stored with.
+pub fn follow_migrations(points: &mut [(String, PointRecord)], snaps: &[SnapshotInfo]) {
+    let moved: HashMap<&str, &str> =
+        snaps.iter().filter_map(|s| Some((s.manifest.migrated_from.as_deref()?, s.id.as_str()))).collect();
+    if moved.is_empty() {
+        return;
+    }
+    for d in points.iter_mut().flat_map(|(_, p)| p.disks.iter_mut()) {
+        // A snapshot migrated more than once is followed along (a few steps at most).
+        for _ in 0..8 {
+            match moved.get(d.snapshot.as_str()) {
+                Some(new) => d.snapshot = new.to_string(),
+                None => break,
+            }
+        }
     }
 }
 
@@ -173,6 +244,7 @@ mod tests {
         PointRecord {
             version: POINT_VERSION,
             domain: "vm1".into(),
+            uuid: Some("0b7d5e29-3c4f-4a3e-9d1e-0a4f6f1c2b3d".into()),
             time: "2026-11-28T10:00:00.5Z".into(),
             host: "h".into(),
             checkpoint: Some("ferry-0123-1".into()),
@@ -190,6 +262,10 @@ mod tests {
     fn points_round_trip_and_bad_ones_are_refused() {
         let p = point();
         assert_eq!(PointRecord::parse(&serde_json::to_vec(&p).unwrap()).unwrap(), p);
+        // A point stored before the uuid was recorded reads with none.
+        let mut old = serde_json::to_value(&p).unwrap();
+        old.as_object_mut().unwrap().remove("uuid");
+        assert_eq!(PointRecord::parse(&serde_json::to_vec(&old).unwrap()).unwrap().uuid, None);
         let mut q = p.clone();
         q.disks[0].snapshot = "xyz".into();
         assert!(PointRecord::parse(&serde_json::to_vec(&q).unwrap()).is_err());
@@ -204,5 +280,22 @@ mod tests {
         assert!(PointRecord::parse(&serde_json::to_vec(&q).unwrap()).is_err());
         assert!(PointRecord::parse(b"{\"version\":1").is_err());
         assert!(PointRecord::parse(&vec![b' '; MAX_POINT as usize + 1]).is_err());
+    }
+
+    #[test]
+    fn points_are_ordered_by_instant_not_text() {
+        let (_store, repo) = crate::tests::new_repo(false);
+        let mut a = point();
+        a.time = "2026-11-28T10:00:00.5Z".into();
+        let mut b = point();
+        b.time = "2026-11-28T10:00:01Z".into();
+        // As text, "...:00.5Z" sorts before "...:00Z" ('.' < 'Z'): half a second too early.
+        let mut c = point();
+        c.time = "2026-11-28T10:00:00Z".into();
+        for p in [&b, &a, &c] {
+            repo.put_point(p).unwrap();
+        }
+        let times: Vec<String> = repo.points().unwrap().0.into_iter().map(|(_, p)| p.time).collect();
+        assert_eq!(times, [c.time, a.time, b.time]);
     }
 }

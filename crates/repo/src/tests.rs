@@ -23,7 +23,7 @@ mod scale;
 const K: usize = 1024;
 const CS: usize = 64 * K;
 
-fn new_repo(encrypt: bool) -> (Arc<MemStore>, Arc<Repository>) {
+pub(crate) fn new_repo(encrypt: bool) -> (Arc<MemStore>, Arc<Repository>) {
     let store = Arc::new(MemStore::new());
     let opts = InitOptions {
         chunk_size: CS as u32,

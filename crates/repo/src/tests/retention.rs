@@ -156,3 +156,37 @@ fn a_gc_dry_run_says_what_gc_frees_and_changes_nothing() {
     );
     assert_eq!(dry.bytes_before, real.bytes_before);
 }
+
+#[test]
+fn forget_removes_the_points_whose_snapshots_are_all_gone_and_points_follow_migrations() {
+    use crate::{PointDisk, PointRecord};
+    let (_store, repo) = new_repo(false);
+    let a = backup(&repo, "vm-vda", &disk(2 * CS, 1), None);
+    let b = backup(&repo, "vm-vdb", &disk(2 * CS, 2), None);
+    let c = backup(&repo, "vm-vda", &disk(2 * CS, 3), None);
+    let pd = |s: &SnapshotInfo, t: &str| PointDisk {
+        target: t.into(),
+        name: s.manifest.name.clone(),
+        snapshot: s.id.clone(),
+        tracked: false,
+    };
+    let both = repo
+        .put_point(&PointRecord::new("vm", None, None, "<domain/>".into(), vec![pd(&a, "vda"), pd(&b, "vdb")]))
+        .unwrap();
+    let one = repo.put_point(&PointRecord::new("vm", None, None, "<domain/>".into(), vec![pd(&a, "vda")])).unwrap();
+    let later = repo.put_point(&PointRecord::new("vm", None, None, "<domain/>".into(), vec![pd(&c, "vda")])).unwrap();
+    let r = maint::forget_ids(&repo, None, &[a.id[..8].to_string()], true, None).unwrap();
+    assert!(r.notes.iter().any(|n| n.contains(&one[..8]) && n.contains("would be")), "{:?}", r.notes);
+    assert_eq!(repo.points().unwrap().0.len(), 3, "a dry run removes nothing");
+    let r = maint::forget_ids(&repo, None, &[a.id[..8].to_string()], false, None).unwrap();
+    assert_eq!(r.notes.len(), 1, "{:?}", r.notes);
+    let left: Vec<String> = repo.points().unwrap().0.into_iter().map(|(id, _)| id).collect();
+    assert!(left.contains(&both) && left.contains(&later) && !left.contains(&one), "{left:?}");
+    // A snapshot migrated has a new id; its manifest names the old one.
+    let mut moved = fake(&"e".repeat(64), "2026-11-28T10:00:00Z");
+    moved.manifest.migrated_from = Some(c.id.clone());
+    let (mut points, _) = repo.points().unwrap();
+    crate::points::follow_migrations(&mut points, &[moved]);
+    let p = points.iter().find(|(id, _)| *id == later).unwrap();
+    assert_eq!(p.1.disks[0].snapshot, "e".repeat(64));
+}
