@@ -377,7 +377,9 @@ fn readme_examples_run_in_order() {
     let runnable: Vec<&String> = commands
         .iter()
         .filter(|c| !c.trim().is_empty())
-        .filter(|c| !["ferry serve", "https://", "nbd://", "libvirt:", "ferry restore"].iter().any(|skip| c.contains(skip)))
+        .filter(|c| {
+            !["ferry serve", "https://", "nbd://", "libvirt:", "ferry restore"].iter().any(|skip| c.contains(skip))
+        })
         .collect();
     assert!(runnable.len() >= 10, "too few README commands to run: {runnable:?}");
     let tmp = tempfile::Builder::new().prefix("ferry-readme").tempdir().unwrap();

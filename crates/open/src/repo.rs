@@ -369,7 +369,9 @@ pub fn open_repository_keyed(repo: &str, remote: &Remote, keying: Keying, on: On
         // Asked on the terminal only now: the repository is encrypted.
         match prompt(repo) {
             Ok(Some(p)) => Ok(p),
-            Ok(None) => Err(ferry_repo::Error::Passphrase(format!("the repository {repo} is encrypted: {}", keying.how))),
+            Ok(None) => {
+                Err(ferry_repo::Error::Passphrase(format!("the repository {repo} is encrypted: {}", keying.how)))
+            }
             Err(e) => Err(ferry_repo::Error::Passphrase(format!("{e:#}"))),
         }
     };

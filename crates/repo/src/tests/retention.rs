@@ -156,3 +156,35 @@ fn a_gc_dry_run_says_what_gc_frees_and_changes_nothing() {
     );
     assert_eq!(dry.bytes_before, real.bytes_before);
 }
+
+#[test]
+fn within_keeps_everything_when_every_snapshot_is_in_the_future() {
+    // The forget host's clock is behind every writer's: no snapshot is before now, and
+    // restic then counts each as within (nothing to measure the span from).
+    let snaps = at(&["2031-03-10T12:00:00Z", "2031-01-01T00:00:00Z", "2030-06-01T00:00:00Z"]);
+    let p = Policy { keep_within: Some(Within::parse("7d").unwrap()), ..Policy::default() };
+    let r = why(&snaps, &p, &TimeZone::UTC);
+    assert!(r.iter().all(|r| r == &["within 7d"]), "{r:?}");
+}
+
+#[test]
+fn the_rules_run_newest_first_by_time_whatever_the_order_given() {
+    // Parent order (a wrong clock): the newest by time is second, and the oldest by time
+    // is not last.
+    let snaps = at(&[
+        "2026-03-10T10:00:00Z",
+        "2026-03-12T10:00:00Z",
+        "2026-03-01T10:00:00Z",
+        "2026-03-11T10:00:00Z",
+        "2026-03-10T09:00:00Z",
+    ]);
+    let kept = |p: Policy| -> Vec<usize> {
+        why(&snaps, &p, &TimeZone::UTC).iter().enumerate().filter(|(_, r)| !r.is_empty()).map(|(i, _)| i).collect()
+    };
+    // The two newest by time: 03-12, 03-11.
+    assert_eq!(kept(Policy { keep_last: Some(2), ..Policy::default() }), vec![1, 3]);
+    // Days newest first: 03-12, 03-11, 03-10 (its newest: 10:00, given first).
+    assert_eq!(kept(Policy { keep_daily: Some(3), ..Policy::default() }), vec![0, 1, 3]);
+    // Counts left when the oldest by time (03-01, given third) comes: it is kept.
+    assert_eq!(kept(Policy { keep_daily: Some(9), ..Policy::default() }), vec![0, 1, 2, 3]);
+}
