@@ -632,7 +632,7 @@ fn list(a: ListArgs) -> Result<i32> {
             .map(|s| {
                 let mut v = snapshot_json(s);
                 v["damaged"] = serde_json::Value::Bool(damaged.contains_key(&s.id));
-                v["protected"] = serde_json::Value::Bool(protected.contains(&s.id));
+                v["protected"] = serde_json::Value::Bool(ferry_repo::retain::is_protected(&protected, s));
                 v
             })
             .collect();
@@ -700,7 +700,7 @@ fn list(a: ListArgs) -> Result<i32> {
         if damaged.contains_key(&s.id) {
             more.push_str("  DAMAGED");
         }
-        if protected.contains(&s.id) {
+        if ferry_repo::retain::is_protected(&protected, s) {
             more.push_str("  protected");
         }
         if !m.tags.is_empty() {

@@ -1106,7 +1106,10 @@ pub fn forget_ids(
         }
     }
     let protected = crate::retain::protected(repo)?;
-    if let Some(id) = chosen.iter().find(|id| protected.contains(*id)) {
+    let is_protected = |id: &String| {
+        protected.contains(id) || snaps.iter().any(|s| &s.id == id && crate::retain::is_protected(&protected, s))
+    };
+    if let Some(id) = chosen.iter().find(|id| is_protected(id)) {
         return Err(Error::Invalid(format!(
             "snapshot {} is protected: nothing is forgotten (`ferry repo unprotect {describe}::NAME@{}` first, if it \
              is to go)",

@@ -214,7 +214,7 @@ pub fn reasons(
     let times: Vec<Option<Timestamp>> = snaps.iter().map(|s| parse_time(&s.manifest.time)).collect();
     let mut out: Vec<Vec<String>> = vec![Vec::new(); snaps.len()];
     for (i, s) in snaps.iter().enumerate() {
-        if protected.contains(&s.id) {
+        if is_protected(protected, s) {
             out[i].push("protected".into());
         }
     }
@@ -283,7 +283,7 @@ pub fn local_zone() -> TimeZone {
 }
 
 /// Where the mark of a protected snapshot is (FORMAT.md "Protected snapshots").
-const PROTECTED: &str = "protected/";
+pub(crate) const PROTECTED: &str = "protected/";
 
 /// The ids of the protected snapshots: the names under `protected/` that are snapshot ids
 /// (anything else there is not a mark, and is ignored). Only names are read: no object
@@ -300,23 +300,44 @@ pub fn protected(repo: &Repository) -> Result<HashSet<String>> {
         .collect())
 }
 
+/// Whether snapshot `s` is protected, given the ids [`protected`] read: its own mark, or
+/// the mark of the manifest it was migrated from (a migrate moves the mark, and one
+/// stopped between storing the new manifest and moving the mark leaves the old one).
+pub fn is_protected(protected: &HashSet<String>, s: &SnapshotInfo) -> bool {
+    protected.contains(&s.id) || s.manifest.migrated_from.as_ref().is_some_and(|old| protected.contains(old))
+}
+
 /// Marks snapshot `id` protected (`protect`) or removes its mark; true when that changed
 /// anything. The mark is an object named after the id, holding the id and the time it was
 /// made (for people: no reader parses it). It holds the forget lock meanwhile (waiting up
 /// to `wait` for it), so a forget never removes a snapshot protected before it began.
 pub fn set_protected(repo: &Repository, id: &str, protect: bool, wait: Option<std::time::Duration>) -> Result<bool> {
-    let _lock = crate::lock::acquire(&repo.store, crate::format::LockKind::Forget, None, wait)?;
+    let lock = crate::lock::acquire(&repo.store, crate::format::LockKind::Forget, None, wait)?;
     let object = format!("{PROTECTED}{id}");
     let was = protected(repo)?.contains(id);
     let describe = repo.store.describe();
     match (protect, was) {
         (true, false) => {
+            // A forget that ran between the caller's resolving the id and this lock may have
+            // removed the snapshot: a mark of it would protect nothing.
+            let manifest = format!("snapshots/{id}");
+            match repo.store.len(&manifest) {
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    return Err(Error::NotFound(format!(
+                        "snapshot {id} is no longer in {describe} (a forget removed it): nothing to protect"
+                    )))
+                }
+                Err(e) => return Err(Error::store(format!("cannot read {manifest} in {describe}"), e)),
+            }
+            lock.check()?;
             let body = format!("{id} protected at {}\n", crate::repo::now_seconds());
             repo.store
                 .put(&object, body.as_bytes())
                 .map_err(|e| Error::store(format!("cannot write {object} in {describe}"), e))?;
         }
         (false, true) => {
+            lock.check()?;
             repo.store
                 .delete(&object)
                 .map_err(|e| Error::store(format!("cannot remove {object} from {describe}"), e))?;

@@ -188,3 +188,47 @@ fn the_rules_run_newest_first_by_time_whatever_the_order_given() {
     // Counts left when the oldest by time (03-01, given third) comes: it is kept.
     assert_eq!(kept(Policy { keep_daily: Some(9), ..Policy::default() }), vec![0, 1, 2, 3]);
 }
+
+#[test]
+fn protect_refuses_a_snapshot_a_forget_removed() {
+    let (store, repo) = new_repo(false);
+    let a = backup(&repo, "d", &disk(3 * CS, 1), None);
+    backup(&repo, "d", &disk(3 * CS, 2), Some(a.clone()));
+    // The caller resolved `a`, then a forget removed it before protect took the lock.
+    maint::forget_ids(&repo, None, &[a.id[..8].to_string()], false, None).unwrap();
+    let e = retain::set_protected(&repo, &a.id, true, None).unwrap_err();
+    assert!(matches!(e, Error::NotFound(_)), "{e}");
+    assert!(store.list("protected/").unwrap().is_empty(), "no mark of a removed snapshot");
+}
+
+#[test]
+fn migrate_moves_each_mark_to_the_new_id() {
+    let store = Arc::new(MemStore::new());
+    let opts = InitOptions { chunk_size: CS as u32, page_entries: 16, version: 1, ..InitOptions::default() };
+    let repo = Arc::new(Repository::init(store.clone(), &opts).unwrap());
+    let a = backup(&repo, "d", &disk(3 * CS, 1), None);
+    let b = backup(&repo, "d", &disk(3 * CS, 2), Some(a.clone()));
+    assert!(retain::set_protected(&repo, &a.id, true, None).unwrap());
+    crate::migrate::migrate(&repo, false, &mut |_| {}).unwrap();
+    let repo = Arc::new(Repository::open(store, &|| panic!("asked for a passphrase")).unwrap());
+    let snaps = repo.snapshots().unwrap();
+    let new_a = snaps.iter().find(|s| s.manifest.migrated_from.as_deref() == Some(a.id.as_str())).unwrap();
+    assert_eq!(retain::protected(&repo).unwrap(), HashSet::from([new_a.id.clone()]), "the old mark is gone");
+    let r = maint::forget(&repo, None, &Policy { keep_last: Some(1), ..Policy::default() }, false).unwrap();
+    assert_eq!(r.reasons[&new_a.id], ["protected"]);
+    assert!(r.removed.is_empty(), "{:?}", r.removed);
+    assert!(snaps.iter().any(|s| s.manifest.migrated_from.as_deref() == Some(b.id.as_str())));
+    assert_eq!(repo.snapshots().unwrap().len(), 2, "the protected snapshot stays");
+}
+
+#[test]
+fn the_mark_of_the_id_a_snapshot_was_migrated_from_counts_for_it() {
+    // A migrate stopped after storing the new manifest, before writing its mark.
+    let mut snaps = at(&["2026-03-10T12:00:00Z", "2026-03-09T12:00:00Z"]);
+    snaps[1].manifest.migrated_from = Some("old1".into());
+    let protected: HashSet<String> = ["old1".to_string()].into();
+    let p = Policy { keep_last: Some(1), ..Policy::default() };
+    let now = "2030-01-01T00:00:00Z".parse().unwrap();
+    let r = retain::reasons(&snaps, &p, &protected, &TimeZone::UTC, now);
+    assert_eq!(r[1], ["protected"]);
+}
