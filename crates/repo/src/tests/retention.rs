@@ -232,3 +232,26 @@ fn the_mark_of_the_id_a_snapshot_was_migrated_from_counts_for_it() {
     let r = retain::reasons(&snaps, &p, &protected, &TimeZone::UTC, now);
     assert_eq!(r[1], ["protected"]);
 }
+
+#[test]
+fn a_fixed_time_before_the_disks_latest_snapshot_is_refused() {
+    let (_store, repo) = new_repo(false);
+    let data = disk(2 * CS, 3);
+    let at = |t: &str, base: Option<SnapshotInfo>| BackupOptions {
+        time: Some(t.parse().unwrap()),
+        ..opts("d", data.len() as u64, base)
+    };
+    let w = SnapshotWriter::start(repo.clone(), at("2026-11-20T10:00:00Z", None)).unwrap();
+    write_all(&w, &data);
+    let a = w.commit(data.len() as u64).unwrap();
+    // A full backup (no parent) dated earlier would be listed before `a`.
+    let e = SnapshotWriter::start(repo.clone(), at("2026-11-19T10:00:00Z", None)).err().unwrap();
+    assert!(matches!(e, Error::Invalid(_)), "{e}");
+    // The same time, a later one, or another disk: fine.
+    drop(SnapshotWriter::start(repo.clone(), at("2026-11-20T10:00:00Z", Some(a.clone()))).unwrap());
+    drop(
+        SnapshotWriter::start(repo.clone(), BackupOptions { name: "e".into(), ..at("2026-11-01T10:00:00Z", None) })
+            .unwrap(),
+    );
+    assert_eq!(repo.snapshots().unwrap().len(), 1);
+}
