@@ -390,7 +390,8 @@ pub fn run(args: RepoArgs) -> Result<i32> {
         RepoCommand::Protect(a) => protect(a, true),
         RepoCommand::Unprotect(a) => protect(a, false),
         RepoCommand::Gc(a) if a.dry_run => {
-            let repo = a.common.open()?;
+            // The rollback check of the gc it previews: refused where gc would be.
+            let repo = a.common.open_with(removing(a.accept_rollback, None, &a.common.repo, "a gc"))?;
             let condemn_margin = a.condemn_margin.unwrap_or_else(maint::condemn_margin_from_env);
             let opts = maint::GcOptions { wait: a.wait, repack_percent: a.repack, condemn_margin };
             let r = maint::gc_dry_run(&repo, &opts).with_context(|| format!("gc --dry-run of {}", a.common.repo))?;

@@ -1280,7 +1280,7 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
     let _lock = if dry_run { None } else { Some(lock::acquire_gc(store, opts.wait)?) };
     // The backups running beside this gc (listed before the mark: a record whose backups
     // are all gone now is executed only after this gc marked what they stored).
-    let (running, blocked) = crate::condemn::running_backups(store)?;
+    let (running, blocked) = crate::condemn::running_backups(store, !dry_run)?;
     // What writers killed mid-write left (a directory store's temporary files): only
     // files too old to be a running writer's, even when no backup ran at the start (one
     // may start while this gc runs).
@@ -1430,7 +1430,7 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
     }
     // The copies kept of each live blob with several, the others being dead (a blob with
     // one copy keeps it).
-    let kept = kept_copies(repo, &live, &copies, &pack_list, &mut damage).map_err(|e| match e {
+    let kept = kept_copies(repo, &live, &copies, &pack_list, &mut damage, !dry_run).map_err(|e| match e {
         e @ Error::Store { .. } => e,
         e => stop(e.to_string()),
     })?;
@@ -1446,7 +1446,8 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
     report.packs_spared = spared;
     report.packs_waiting = pending.len() as u64;
     if dry_run {
-        return Ok(dry_run_report(report, &listed, &delete, &to_condemn, &repack, !running.is_empty()));
+        let backups = (!running.is_empty(), blocked.is_some());
+        return Ok(dry_run_report(report, &listed, &delete, &to_condemn, &repack, backups));
     }
     if delete.is_empty()
         && to_condemn.is_empty()
@@ -1556,20 +1557,23 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
 
 /// A dry run's report from gc's plan: the packs deleted (and, with no backup running,
 /// those condemned, which gc then deletes at once), condemned (backups running) and
-/// repacked, and the bytes that frees.
+/// repacked, and the bytes that frees. `(backups_running, blocked)`: blocked (a lock of an
+/// older ferry's backup, or one that cannot be read), gc condemns nothing, so neither the
+/// packs it would condemn nor the repacked ones are freed.
 fn dry_run_report(
     mut report: GcReport,
     listed: &HashMap<String, u64>,
     delete: &[(Digest, u64)],
     condemn: &[(Digest, u64)],
     repack: &[(Digest, Vec<BlobEntry>)],
-    backups_running: bool,
+    (backups_running, blocked): (bool, bool),
 ) -> GcReport {
     let size = |p: &Digest| listed.get(&pack_name(p)).copied().unwrap_or(0);
     let mut gone: Vec<&(Digest, u64)> = delete.iter().collect();
-    match backups_running {
-        true => report.packs_condemned = condemn.len() as u64,
-        false => gone.extend(condemn),
+    match (blocked, backups_running) {
+        (true, _) => {}
+        (false, true) => report.packs_condemned = condemn.len() as u64,
+        (false, false) => gone.extend(condemn),
     }
     report.packs_deleted = gone.len() as u64;
     report.blobs_freed = gone.iter().map(|(_, dead)| dead).sum();
@@ -1578,7 +1582,7 @@ fn dry_run_report(
     let repacked: HashSet<&Digest> = repack.iter().map(|(p, _)| p).collect();
     report.bytes_freed = gone.iter().filter(|(p, _)| !repacked.contains(p)).map(|(p, _)| size(p)).sum();
     report.packs_repacked = repack.len() as u64;
-    for (p, live) in repack.iter().filter(|_| !backups_running) {
+    for (p, live) in repack.iter().filter(|_| !backups_running && !blocked) {
         let kept: u64 = live.iter().map(|b| u64::from(b.stored_len)).sum();
         report.bytes_freed += size(p).saturating_sub(kept);
     }
@@ -1743,14 +1747,15 @@ impl Live {
 /// (`copies`, the preferred first; a blob with one copy keeps it). A blob with several
 /// keeps the first that reads back and checks (decoded, its digest its id): no copy is
 /// dropped on the strength of another that was not read. Copies that fail the check are
-/// recorded damaged in `damage` (and stored, as `verify` records them); where none
-/// passes, every copy stays.
+/// recorded damaged in `damage` (and stored when `record`, as `verify` records them; a dry
+/// run only says so); where none passes, every copy stays.
 fn kept_copies(
     repo: &Repository,
     live: &[Digest],
     copies: &Copies,
     packs: &[(&Digest, &Vec<BlobEntry>)],
     damage: &mut DamageSet,
+    record: bool,
 ) -> Result<HashMap<Digest, Vec<Digest>>> {
     let mut kept = HashMap::new();
     let mut found: Vec<(Digest, Digest, String)> = Vec::new();
@@ -1790,8 +1795,15 @@ fn kept_copies(
         let all = || cs.iter().map(|c| *packs[c.pack as usize].0).collect();
         kept.insert(*id, good.map_or_else(all, |p| vec![p]));
     }
-    if !found.is_empty() {
+    if !found.is_empty() && record {
         crate::damage::record_found(repo, damage, found)?;
+    } else if !found.is_empty() {
+        log::warn!(
+            "{} damaged cop(ies) of live blobs found in {} (not recorded: a dry run writes nothing; `ferry repo \
+             verify` records them)",
+            found.len(),
+            repo.store.describe()
+        );
     }
     Ok(kept)
 }

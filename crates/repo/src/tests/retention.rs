@@ -143,6 +143,23 @@ fn a_gc_dry_run_says_what_gc_frees_and_changes_nothing() {
     let a = backup(&repo, "d", &disk(40 * CS, 4), None);
     backup(&repo, "e", &disk(40 * CS, 5), None);
     maint::forget_ids(&repo, None, &[a.id[..8].to_string()], false, None).unwrap();
+    // The stale lock of a forget whose process is gone: gc removes it, a dry run leaves it.
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let dead = child.id();
+    child.wait().unwrap();
+    let now = jiff::Timestamp::now().to_string();
+    let stale = crate::format::Lock {
+        kind: crate::format::LockKind::Forget,
+        disk: None,
+        host: crate::repo::hostname(),
+        pid: dead,
+        time: now.clone(),
+        refreshed: now,
+        boot: crate::lock::this_boot(),
+        pid_start: None,
+        condemned: false,
+    };
+    store.put("locks/00000000000000000000000000000001", &stale.to_bytes()).unwrap();
     let before: Vec<String> = store.list("").unwrap().into_iter().map(|(n, _)| n).collect();
     let o = maint::GcOptions { wait: None, repack_percent: 10, condemn_margin: std::time::Duration::ZERO };
     let dry = maint::gc_dry_run(&repo, &o).unwrap();
