@@ -137,7 +137,7 @@ fn parse_note(s: &str) -> Result<String, String> {
     match ferry_repo::format::valid_note(s) {
         true => Ok(s.to_string()),
         false => Err(format!(
-            "a note is one line of at most {} bytes, without control characters",
+            "a note is one line of at most {} bytes, without control or format characters (bidirectional, zero-width)",
             ferry_repo::format::MAX_NOTE
         )),
     }

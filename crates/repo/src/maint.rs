@@ -1285,7 +1285,9 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
     // files too old to be a running writer's, even when no backup ran at the start (one
     // may start while this gc runs).
     let min_age = temp_age_from_env();
-    for prefix in ["data/", "index/", "snapshots/", "checkpoints/", "gc/"].into_iter().filter(|_| !dry_run) {
+    for prefix in
+        ["data/", "index/", "snapshots/", "checkpoints/", "gc/", "protected/"].into_iter().filter(|_| !dry_run)
+    {
         match store.remove_partial(prefix, min_age) {
             Ok((0, _)) => {}
             Ok((n, bytes)) => log::warn!(
@@ -1318,6 +1320,9 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
         |what: String| Error::Invalid(format!("gc stopped before deleting anything: {what}; run `ferry repo check`"));
     // 1. The live set.
     let mut snaps = repo.snapshots().map_err(|e| stop(e.to_string()))?;
+    if !dry_run {
+        prune_marks(repo, &snaps)?;
+    }
     // Checkpoints of interrupted backups keep what they stored, so that a resume need not
     // store it again (FORMAT.md §7a); one that cannot be read cannot be resumed either.
     let (checkpoints, bad) = repo.checkpoints_lenient()?;
@@ -1553,6 +1558,29 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
     report.bytes_after = after_data + after_index;
     report.bytes_freed = report.bytes_before.saturating_sub(report.bytes_after);
     Ok(report)
+}
+
+/// Removes the protection marks (FORMAT.md §11) of snapshots that are gone: no manifest
+/// of that id, and none migrated from it. Under the gc lock, which no `protect` holds
+/// beside (it takes the forget lock), so no mark is written meanwhile.
+fn prune_marks(repo: &Repository, snaps: &[SnapshotInfo]) -> Result<()> {
+    let store = &repo.store;
+    let present: HashSet<String> = store
+        .list("snapshots/")
+        .map_err(|e| Error::store(format!("cannot list the snapshots of {}", store.describe()), e))?
+        .into_iter()
+        .filter_map(|(n, _)| n.strip_prefix("snapshots/").map(str::to_string))
+        .collect();
+    let migrated: HashSet<&str> = snaps.iter().filter_map(|s| s.manifest.migrated_from.as_deref()).collect();
+    for id in crate::retain::protected(repo)? {
+        if present.contains(&id) || migrated.contains(id.as_str()) {
+            continue;
+        }
+        let name = format!("{}{id}", crate::retain::PROTECTED);
+        log::info!("removing {name}: its snapshot is gone");
+        store.delete(&name).map_err(|e| Error::store(format!("cannot remove {name} from {}", store.describe()), e))?;
+    }
+    Ok(())
 }
 
 /// A dry run's report from gc's plan: the packs deleted (and, with no backup running,

@@ -131,6 +131,8 @@ fn tags_and_a_note_are_kept_and_bounded() {
         (vec!["t".to_string(); 17], ""),
         (vec![], "two\nlines"),
         (vec![], "\u{1b}[31mred"),
+        (vec![], "bidi \u{202e}txt.exe"),
+        (vec![], "zero\u{200b}width"),
     ] {
         let o = BackupOptions { tags, note: note.into(), ..opts("d", data.len() as u64, None) };
         assert!(matches!(SnapshotWriter::start(repo.clone(), o), Err(Error::Invalid(_))));
@@ -271,4 +273,20 @@ fn a_fixed_time_before_the_disks_latest_snapshot_is_refused() {
             .unwrap(),
     );
     assert_eq!(repo.snapshots().unwrap().len(), 1);
+}
+
+#[test]
+fn gc_removes_the_marks_of_snapshots_that_are_gone() {
+    let (store, repo) = new_repo(false);
+    let a = backup(&repo, "d", &disk(3 * CS, 1), None);
+    let b = backup(&repo, "d", &disk(3 * CS, 2), Some(a.clone()));
+    assert!(retain::set_protected(&repo, &a.id, true, None).unwrap());
+    assert!(retain::set_protected(&repo, &b.id, true, None).unwrap());
+    // An older ferry's forget (or a person) removed `a` but not its mark.
+    store.delete(&format!("snapshots/{}", a.id)).unwrap();
+    let o = maint::GcOptions { wait: None, repack_percent: 10, condemn_margin: std::time::Duration::ZERO };
+    maint::gc_dry_run(&repo, &o).unwrap();
+    assert_eq!(retain::protected(&repo).unwrap().len(), 2, "a dry run removes nothing");
+    maint::gc_opts(&repo, &o).unwrap();
+    assert_eq!(retain::protected(&repo).unwrap(), HashSet::from([b.id.clone()]));
 }
