@@ -137,24 +137,28 @@ fn parse_note(s: &str) -> Result<String, String> {
     match ferry_repo::format::valid_note(s) {
         true => Ok(s.to_string()),
         false => Err(format!(
-            "a note is one line of at most {} bytes, without control characters",
+            "a note is one line of at most {} bytes, without control or format characters (bidirectional, zero-width)",
             ferry_repo::format::MAX_NOTE
         )),
     }
 }
 
 /// The time the new snapshot records instead of this host's clock, as RFC 3339 (for tests
-/// that need a calendar of snapshots; the repository orders a snapshot after its parent
-/// whatever its time says, so this cannot reorder a disk's snapshots).
+/// that need a calendar of snapshots). A time before the disk's latest snapshot's is
+/// refused: a snapshot without a parent is ordered by its time alone, so it could reorder
+/// the disk's snapshots.
 const TIME_ENV: &str = "FERRY_BACKUP_TIME";
 
 fn backup_time() -> Result<Option<jiff::Timestamp>> {
     match std::env::var(TIME_ENV) {
         Err(_) => Ok(None),
-        Ok(v) => v
-            .parse::<jiff::Timestamp>()
-            .map(Some)
-            .with_context(|| format!("{TIME_ENV}={v:?} is not an RFC 3339 time such as 2026-11-28T12:00:00Z")),
+        Ok(v) => {
+            let t = v
+                .parse::<jiff::Timestamp>()
+                .with_context(|| format!("{TIME_ENV}={v:?} is not an RFC 3339 time such as 2026-11-28T12:00:00Z"))?;
+            eprintln!("warning: {TIME_ENV} is set: this snapshot records {t}, not this host's clock");
+            Ok(Some(t))
+        }
     }
 }
 
@@ -444,6 +448,7 @@ pub(crate) fn backup(args: &BackupArgs, quiet: bool) -> Result<(ferry_repo::Snap
     // The base is read again once the disk's lock is held: a backup of the disk that
     // ended while this one waited for the lock made a newer snapshot, and a change map
     // continues the latest one.
+    let fixed_time = backup_time()?;
     let mut tries = 0;
     let (writer, changes, base) = loop {
         let base = choose_base(&repo, &name, &target, size, map)?;
@@ -476,7 +481,7 @@ pub(crate) fn backup(args: &BackupArgs, quiet: bool) -> Result<(ferry_repo::Snap
             checkpoint_every: Some(every),
             tags: args.tags.clone(),
             note: args.note.clone().unwrap_or_default(),
-            time: backup_time()?,
+            time: fixed_time,
         };
         let Some(writer) = start_or_resume(&repo, opts, args.resume, &name, &target)? else {
             tries += 1;

@@ -6,7 +6,7 @@
 //! `bench conns` and `bench socket`, `copy_guard` (a copy that would overwrite its own
 //! source is refused), `backup` (a copy engine run from the source into a
 //! `ferry_repo::SnapshotWriter` on the disk's latest snapshot, the base read again once the
-//! disk's lock is held; a stopped VM's local qcow2 keeps a `ferry-NAME-ID16` bitmap
+//! disk's lock is held; a stopped VM's local qcow2 keeps a `ferry-REPO8-NAME-ID16` bitmap
 //! restarted only after the commit; `--resume` continues from the disk's checkpoint,
 //! copying the selection minus `SnapshotWriter::done_ranges`), `repo` (init, list,
 //! check, verify, forget, gc, stats), `compare` (two disks read side by side by threads,

@@ -167,9 +167,9 @@ struct ListArgs {
     /// Only the snapshots taken on this host (as the HOST field of --json shows it).
     #[arg(long)]
     host: Option<String>,
-    /// Only the N latest snapshots of each disk.
-    #[arg(long, value_name = "N")]
-    latest: Option<usize>,
+    /// Only the N latest snapshots of each disk (at least 1).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    latest: Option<u32>,
     /// One JSON array of the snapshots.
     #[arg(long)]
     json: bool,
@@ -320,6 +320,7 @@ struct GcArgs {
 #[derive(Args, Debug)]
 struct ProtectArgs {
     /// The snapshot: REPO::NAME@ID (ID a unique prefix of at least 4 hex digits).
+    #[arg(value_parser = parse_snapshot_with_id)]
     snapshot: String,
     /// The passphrase of an encrypted repository: the first line of FILE (else
     /// FERRY_PASSWORD, else FERRY_PASSWORD_FILE).
@@ -390,7 +391,8 @@ pub fn run(args: RepoArgs) -> Result<i32> {
         RepoCommand::Protect(a) => protect(a, true),
         RepoCommand::Unprotect(a) => protect(a, false),
         RepoCommand::Gc(a) if a.dry_run => {
-            let repo = a.common.open()?;
+            // The rollback check of the gc it previews: refused where gc would be.
+            let repo = a.common.open_with(removing(a.accept_rollback, None, &a.common.repo, "a gc"))?;
             let condemn_margin = a.condemn_margin.unwrap_or_else(maint::condemn_margin_from_env);
             let opts = maint::GcOptions { wait: a.wait, repack_percent: a.repack, condemn_margin };
             let r = maint::gc_dry_run(&repo, &opts).with_context(|| format!("gc --dry-run of {}", a.common.repo))?;
@@ -616,7 +618,7 @@ fn list(a: ListArgs) -> Result<i32> {
         eprintln!("unreadable snapshot {object} (of an unknown disk): {}; `ferry repo check` reports it", e.reason());
     }
     let mut snaps: Vec<SnapshotInfo> = all.iter().filter(|s| a.selects(s)).cloned().collect();
-    if let Some(n) = a.latest {
+    if let Some(n) = a.latest.map(|n| n as usize) {
         // The N last of each disk in the list's order (oldest first).
         let mut left: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
         let mut keep = vec![false; snaps.len()];
@@ -645,7 +647,7 @@ fn list(a: ListArgs) -> Result<i32> {
             .map(|s| {
                 let mut v = snapshot_json(s);
                 v["damaged"] = serde_json::Value::Bool(damaged.contains_key(&s.id));
-                v["protected"] = serde_json::Value::Bool(protected.contains(&s.id));
+                v["protected"] = serde_json::Value::Bool(ferry_repo::retain::is_protected(&protected, s));
                 v
             })
             .collect();
@@ -713,7 +715,7 @@ fn list(a: ListArgs) -> Result<i32> {
         if damaged.contains_key(&s.id) {
             more.push_str("  DAMAGED");
         }
-        if protected.contains(&s.id) {
+        if ferry_repo::retain::is_protected(&protected, s) {
             more.push_str("  protected");
         }
         if !m.tags.is_empty() {
@@ -971,6 +973,14 @@ fn print_forget(a: &ForgetArgs, repo_spec: &str, before: &[SnapshotInfo], r: &ma
         }
     );
     Ok(0)
+}
+
+/// A snapshot named with its id, REPO::NAME@ID (a usage error, exit 2, otherwise).
+fn parse_snapshot_with_id(s: &str) -> Result<String, String> {
+    match ferry_open::Location::parse(s) {
+        Ok(ferry_open::Location::Repo { id: Some(_), .. }) => Ok(s.to_string()),
+        _ => Err("give the snapshot as REPO::NAME@ID (`ferry repo list REPO` shows the ids)".into()),
+    }
 }
 
 /// `ferry repo protect|unprotect REPO::NAME@ID`.

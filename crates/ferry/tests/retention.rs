@@ -227,6 +227,12 @@ fn tags_notes_protection_filters_and_gc_dry_run() {
         let out = run_fails(&mut ferry_in(d, &a));
         assert_eq!(out.status.code(), Some(2), "{bad:?} is a usage error: {}", out.describe());
     }
+    // Usage errors: a snapshot without its id to protect, a list of the 0 latest.
+    let no_id = format!("{r}::vm1");
+    for bad in [vec!["repo", "protect", &no_id], vec!["repo", "list", r, "--latest", "0"]] {
+        let out = run_fails(&mut ferry_in(d, &bad));
+        assert_eq!(out.status.code(), Some(2), "{bad:?} is a usage error: {}", out.describe());
+    }
     // Protection: forget keeps it, says so, and refuses it by id.
     let first = format!("{r}::vm1@{}", id(0));
     let out = run_ok(&mut ferry_in(d, &["repo", "protect", &first]));

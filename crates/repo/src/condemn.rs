@@ -156,9 +156,13 @@ fn record_packs_limit() -> usize {
 /// The backups running now, as a gc sees them: the live backup locks that follow the
 /// condemned-pack rules, and why gc may delete nothing now (`Some`) when there is a
 /// backup lock without them (an older ferry's, which does not read the records) or a
-/// lock that cannot be read (it may be anyone's). Stale locks are removed.
-pub(crate) fn running_backups(store: &Arc<dyn crate::store::Store>) -> Result<(Vec<CondemnedLock>, Option<String>)> {
-    let (locks, unreadable) = lock::live_locks(store)?;
+/// lock that cannot be read (it may be anyone's). Stale locks are removed when `remove`
+/// (skipped otherwise: gc's dry run changes nothing).
+pub(crate) fn running_backups(
+    store: &Arc<dyn crate::store::Store>,
+    remove: bool,
+) -> Result<(Vec<CondemnedLock>, Option<String>)> {
+    let (locks, unreadable) = lock::live_locks(store, remove)?;
     let mut out = Vec::new();
     let mut blocked =
         unreadable.into_iter().next().map(|(n, why)| format!("{n} is not a lock this ferry can read ({why})"));
@@ -194,14 +198,14 @@ pub(crate) fn condemn(repo: &Repository, packs: &[Digest]) -> Result<Option<(Vec
         return Ok(None);
     }
     let store = &repo.store;
-    let (mut named, blocked) = running_backups(store)?;
+    let (mut named, blocked) = running_backups(store, true)?;
     if let Some(why) = blocked {
         log::warn!("gc condemns nothing now: {why}");
         return Ok(None);
     }
     let mut records = repo.put_condemned(packs, &named)?;
     for _ in 0..CONDEMN_TRIES {
-        let (now, blocked) = running_backups(store)?;
+        let (now, blocked) = running_backups(store, true)?;
         if blocked.is_some() {
             break;
         }

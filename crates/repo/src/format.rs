@@ -1248,7 +1248,35 @@ pub fn valid_tag(t: &str) -> bool {
 /// Whether `n` may be a note: at most [`MAX_NOTE`] bytes, no control characters (lists
 /// print it as it is).
 pub fn valid_note(n: &str) -> bool {
-    n.len() <= MAX_NOTE && !n.chars().any(char::is_control)
+    n.len() <= MAX_NOTE && !n.chars().any(|c| c.is_control() || is_format_char(c))
+}
+
+/// Whether `c` is of Unicode's general category Cf (format characters: the bidirectional
+/// controls that reorder what a terminal shows, zero-width ones, tags), as of Unicode 15.
+fn is_format_char(c: char) -> bool {
+    matches!(
+        c as u32,
+        0xAD | 0x600..=0x605
+            | 0x61C
+            | 0x6DD
+            | 0x70F
+            | 0x890..=0x891
+            | 0x8E2
+            | 0x180E
+            | 0x200B..=0x200F
+            | 0x202A..=0x202E
+            | 0x2060..=0x2064
+            | 0x2066..=0x206F
+            | 0xFEFF
+            | 0xFFF9..=0xFFFB
+            | 0x110BD
+            | 0x110CD
+            | 0x13430..=0x1343F
+            | 0x1BCA0..=0x1BCA3
+            | 0x1D173..=0x1D17A
+            | 0xE0001
+            | 0xE0020..=0xE007F
+    )
 }
 
 /// The snapshot a copy was made of (FORMAT.md §7, `copied_from`).

@@ -337,18 +337,20 @@ pub(crate) fn read_locks(
     Ok((out, unreadable))
 }
 
-/// The live locks in the store (stale ones are removed, with a warning naming their
-/// holder), and the names of those that cannot be read, with why.
+/// The live locks in the store (stale ones are removed when `remove`, with a warning
+/// naming their holder; a caller that must change nothing, as gc's dry run, passes false
+/// and they are only skipped), and the names of those that cannot be read, with why.
 #[allow(clippy::type_complexity)]
-pub(crate) fn live_locks(store: &Arc<dyn Store>) -> Result<(Vec<(String, Lock)>, Vec<(String, String)>)> {
+pub(crate) fn live_locks(store: &Arc<dyn Store>, remove: bool) -> Result<(Vec<(String, Lock)>, Vec<(String, String)>)> {
     let (locks, unreadable) = read_locks(store)?;
     let mut live = Vec::new();
     for (name, l, stale) in locks {
         match stale {
-            Some(why) => {
+            Some(why) if remove => {
                 log::warn!("removing the stale lock of {} from {}: {why}", describe(&name, &l), store.describe());
                 let _ = store.delete(&name);
             }
+            Some(why) => log::warn!("the lock of {} in {} is stale: {why}", describe(&name, &l), store.describe()),
             None => live.push((name, l)),
         }
     }

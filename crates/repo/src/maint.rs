@@ -1151,7 +1151,10 @@ pub fn forget_ids(
         }
     }
     let protected = crate::retain::protected(repo)?;
-    if let Some(id) = chosen.iter().find(|id| protected.contains(*id)) {
+    let is_protected = |id: &String| {
+        protected.contains(id) || snaps.iter().any(|s| &s.id == id && crate::retain::is_protected(&protected, s))
+    };
+    if let Some(id) = chosen.iter().find(|id| is_protected(id)) {
         return Err(Error::Invalid(format!(
             "snapshot {} is protected: nothing is forgotten (`ferry repo unprotect {describe}::NAME@{}` first, if it \
              is to go)",
@@ -1352,12 +1355,14 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
     let _lock = if dry_run { None } else { Some(lock::acquire_gc(store, opts.wait)?) };
     // The backups running beside this gc (listed before the mark: a record whose backups
     // are all gone now is executed only after this gc marked what they stored).
-    let (running, blocked) = crate::condemn::running_backups(store)?;
+    let (running, blocked) = crate::condemn::running_backups(store, !dry_run)?;
     // What writers killed mid-write left (a directory store's temporary files): only
     // files too old to be a running writer's, even when no backup ran at the start (one
     // may start while this gc runs).
     let min_age = temp_age_from_env();
-    for prefix in ["data/", "index/", "snapshots/", "checkpoints/", "gc/"].into_iter().filter(|_| !dry_run) {
+    for prefix in
+        ["data/", "index/", "snapshots/", "checkpoints/", "gc/", "protected/"].into_iter().filter(|_| !dry_run)
+    {
         match store.remove_partial(prefix, min_age) {
             Ok((0, _)) => {}
             Ok((n, bytes)) => log::warn!(
@@ -1392,6 +1397,9 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
     let mut snaps = repo.snapshots_with_pages().map_err(|e| stop(e.to_string()))?;
     if let Some(l) = &_lock {
         crate::migrate::finish_migrated(repo, &snaps, l)?;
+    }
+    if !dry_run {
+        prune_marks(repo, &snaps)?;
     }
     // Checkpoints of interrupted backups keep what they stored, so that a resume need not
     // store it again (FORMAT.md §7a); one that cannot be read cannot be resumed either.
@@ -1505,7 +1513,7 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
     }
     // The copies kept of each live blob with several, the others being dead (a blob with
     // one copy keeps it).
-    let kept = kept_copies(repo, &live, &copies, &pack_list, &mut damage).map_err(|e| match e {
+    let kept = kept_copies(repo, &live, &copies, &pack_list, &mut damage, !dry_run).map_err(|e| match e {
         e @ Error::Store { .. } => e,
         e => stop(e.to_string()),
     })?;
@@ -1521,7 +1529,8 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
     report.packs_spared = spared;
     report.packs_waiting = pending.len() as u64;
     if dry_run {
-        return Ok(dry_run_report(report, &listed, &delete, &to_condemn, &repack, !running.is_empty()));
+        let backups = (!running.is_empty(), blocked.is_some());
+        return Ok(dry_run_report(report, &listed, &delete, &to_condemn, &repack, backups));
     }
     if delete.is_empty()
         && to_condemn.is_empty()
@@ -1629,22 +1638,48 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
     Ok(report)
 }
 
+/// Removes the protection marks (FORMAT.md §11) of snapshots that are gone: no manifest
+/// of that id, and none migrated from it. Under the gc lock, which no `protect` holds
+/// beside (it takes the forget lock), so no mark is written meanwhile.
+fn prune_marks(repo: &Repository, snaps: &[SnapshotInfo]) -> Result<()> {
+    let store = &repo.store;
+    let present: HashSet<String> = store
+        .list("snapshots/")
+        .map_err(|e| Error::store(format!("cannot list the snapshots of {}", store.describe()), e))?
+        .into_iter()
+        .filter_map(|(n, _)| n.strip_prefix("snapshots/").map(str::to_string))
+        .collect();
+    let migrated: HashSet<&str> = snaps.iter().filter_map(|s| s.manifest.migrated_from.as_deref()).collect();
+    for id in crate::retain::protected(repo)? {
+        if present.contains(&id) || migrated.contains(id.as_str()) {
+            continue;
+        }
+        let name = format!("{}{id}", crate::retain::PROTECTED);
+        log::info!("removing {name}: its snapshot is gone");
+        store.delete(&name).map_err(|e| Error::store(format!("cannot remove {name} from {}", store.describe()), e))?;
+    }
+    Ok(())
+}
+
 /// A dry run's report from gc's plan: the packs deleted (and, with no backup running,
 /// those condemned, which gc then deletes at once), condemned (backups running) and
-/// repacked, and the bytes that frees.
+/// repacked, and the bytes that frees. `(backups_running, blocked)`: blocked (a lock of an
+/// older ferry's backup, or one that cannot be read), gc condemns nothing, so neither the
+/// packs it would condemn nor the repacked ones are freed.
 fn dry_run_report(
     mut report: GcReport,
     listed: &HashMap<String, u64>,
     delete: &[(Digest, u64)],
     condemn: &[(Digest, u64)],
     repack: &[(Digest, Vec<BlobEntry>)],
-    backups_running: bool,
+    (backups_running, blocked): (bool, bool),
 ) -> GcReport {
     let size = |p: &Digest| listed.get(&pack_name(p)).copied().unwrap_or(0);
     let mut gone: Vec<&(Digest, u64)> = delete.iter().collect();
-    match backups_running {
-        true => report.packs_condemned = condemn.len() as u64,
-        false => gone.extend(condemn),
+    match (blocked, backups_running) {
+        (true, _) => {}
+        (false, true) => report.packs_condemned = condemn.len() as u64,
+        (false, false) => gone.extend(condemn),
     }
     report.packs_deleted = gone.len() as u64;
     report.blobs_freed = gone.iter().map(|(_, dead)| dead).sum();
@@ -1653,7 +1688,7 @@ fn dry_run_report(
     let repacked: HashSet<&Digest> = repack.iter().map(|(p, _)| p).collect();
     report.bytes_freed = gone.iter().filter(|(p, _)| !repacked.contains(p)).map(|(p, _)| size(p)).sum();
     report.packs_repacked = repack.len() as u64;
-    for (p, live) in repack.iter().filter(|_| !backups_running) {
+    for (p, live) in repack.iter().filter(|_| !backups_running && !blocked) {
         let kept: u64 = live.iter().map(|b| u64::from(b.stored_len)).sum();
         report.bytes_freed += size(p).saturating_sub(kept);
     }
@@ -1818,14 +1853,15 @@ impl Live {
 /// (`copies`, the preferred first; a blob with one copy keeps it). A blob with several
 /// keeps the first that reads back and checks (decoded, its digest its id): no copy is
 /// dropped on the strength of another that was not read. Copies that fail the check are
-/// recorded damaged in `damage` (and stored, as `verify` records them); where none
-/// passes, every copy stays.
+/// recorded damaged in `damage` (and stored when `record`, as `verify` records them; a dry
+/// run only says so); where none passes, every copy stays.
 fn kept_copies(
     repo: &Repository,
     live: &[Digest],
     copies: &Copies,
     packs: &[(&Digest, &Vec<BlobEntry>)],
     damage: &mut DamageSet,
+    record: bool,
 ) -> Result<HashMap<Digest, Vec<Digest>>> {
     let mut kept = HashMap::new();
     let mut found: Vec<(Digest, Digest, String)> = Vec::new();
@@ -1865,8 +1901,15 @@ fn kept_copies(
         let all = || cs.iter().map(|c| *packs[c.pack as usize].0).collect();
         kept.insert(*id, good.map_or_else(all, |p| vec![p]));
     }
-    if !found.is_empty() {
+    if !found.is_empty() && record {
         crate::damage::record_found(repo, damage, found)?;
+    } else if !found.is_empty() {
+        log::warn!(
+            "{} damaged cop(ies) of live blobs found in {} (not recorded: a dry run writes nothing; `ferry repo \
+             verify` records them)",
+            found.len(),
+            repo.store.describe()
+        );
     }
     Ok(kept)
 }

@@ -2,7 +2,8 @@
 //! upgraded in place to version 3, whose snapshots are located (§7c). Under the `gc` lock
 //! (no backup, forget or gc beside it): the config first, then each version 1 manifest,
 //! parents before children: its located pages stored (packs, then one index object),
-//! then its version 2 manifest, then the old manifest deleted. A crash at any point leaves
+//! then its version 2 manifest, then (for a protected snapshot) the mark of its new id,
+//! then the old manifest deleted, then the old mark. A crash at any point leaves
 //! a repository that reads whole, and a second run finishes the job.
 use crate::blob;
 use crate::format::{self, BlobAt, BlobEntry, BlobKind, Config, Digest, Manifest, PackBlobs, ZERO};
@@ -100,6 +101,7 @@ pub fn migrate(repo: &Arc<Repository>, dry_run: bool, progress: &mut dyn FnMut(&
         return Ok(report);
     }
     let index = if dry_run { None } else { Some(present_index(repo)?) };
+    let protected = crate::retain::protected(repo)?;
     let mut stored: HashMap<Digest, BlobAt> = HashMap::new();
     let total = todo.len();
     for (k, snap) in todo.into_iter().enumerate() {
@@ -110,8 +112,10 @@ pub fn migrate(repo: &Arc<Repository>, dry_run: bool, progress: &mut dyn FnMut(&
             report.finished += 1;
             if !dry_run {
                 writes.check()?;
+                move_mark(repo, &protected, &snap.id, &moved[&snap.id], &mut writes)?;
                 delete(repo, &snap.id)?;
                 writes.one();
+                unmark(repo, &protected, &snap.id, &mut writes)?;
             }
             continue;
         }
@@ -132,8 +136,12 @@ pub fn migrate(repo: &Arc<Repository>, dry_run: bool, progress: &mut dyn FnMut(&
         manifest.parent = parent;
         let id = put_manifest(repo, &manifest, &mut writes)?;
         writes.check()?;
+        // Its protection moves to the new id before the old manifest goes (until then the
+        // old id's mark counts for the manifest migrated from it, FORMAT.md §11).
+        move_mark(repo, &protected, &snap.id, &id, &mut writes)?;
         delete(repo, &snap.id)?;
         writes.one();
+        unmark(repo, &protected, &snap.id, &mut writes)?;
         moved.insert(snap.id.clone(), id);
     }
     Ok(report)
@@ -284,6 +292,33 @@ fn delete(repo: &Repository, id: &str) -> Result<()> {
     repo.store
         .delete(&name)
         .map_err(|e| Error::store(format!("cannot delete {name} from {}", repo.store.describe()), e))
+}
+
+/// Marks `new` protected when `old` (the manifest it was migrated from) is (FORMAT.md §11).
+fn move_mark(repo: &Repository, protected: &HashSet<String>, old: &str, new: &str, writes: &mut Writes) -> Result<()> {
+    if !protected.contains(old) || protected.contains(new) {
+        return Ok(());
+    }
+    let name = format!("{}{new}", crate::retain::PROTECTED);
+    let body = format!("{new} protected at {} (migrated from {old})\n", crate::repo::now_seconds());
+    repo.store
+        .put(&name, body.as_bytes())
+        .map_err(|e| Error::store(format!("cannot store {name} in {}", repo.store.describe()), e))?;
+    writes.one();
+    Ok(())
+}
+
+/// Removes the mark of `old`, whose manifest is gone (its new one has its own mark).
+fn unmark(repo: &Repository, protected: &HashSet<String>, old: &str, writes: &mut Writes) -> Result<()> {
+    if !protected.contains(old) {
+        return Ok(());
+    }
+    let name = format!("{}{old}", crate::retain::PROTECTED);
+    repo.store
+        .delete(&name)
+        .map_err(|e| Error::store(format!("cannot delete {name} from {}", repo.store.describe()), e))?;
+    writes.one();
+    Ok(())
 }
 
 /// Blobs gathered into packs, each stored once it is full or [`PackOut::finish`]ed.

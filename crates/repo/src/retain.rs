@@ -4,14 +4,16 @@
 //!
 //! The rules are restic's (`restic forget`), so that a policy written for restic keeps the
 //! same snapshots here:
-//! - the snapshots are taken newest first; `--keep-last N` keeps the N newest;
+//! - the snapshots are taken newest first by their times (a stable sort: a disk's list is in
+//!   parent order, which a wrong clock can contradict); `--keep-last N` keeps the N newest;
 //! - `--keep-hourly/daily/weekly/monthly/yearly N` keep the newest snapshot of each of the
 //!   N latest hours (days, ISO weeks, months, years) that have one, the calendar read in
 //!   the local time zone; while such a rule still has a count left when the oldest
 //!   snapshot comes, the oldest is kept too (restic 0.15 and later: the longest history
 //!   the counts allow);
 //! - `--keep-within 1y2m3d4h` keeps every snapshot newer than that span before the
-//!   newest snapshot that is not in the future (not before now): years, months and days
+//!   newest snapshot that is not in the future (before now; when every snapshot is in the
+//!   future, every one is within, as restic): years, months and days
 //!   are taken off the calendar date (a day that does not exist rolls over, as Go's
 //!   `AddDate` does: March 31 less one month is March 3, or 2 in a leap year), hours off
 //!   the instant;
@@ -197,8 +199,9 @@ impl Bucket {
     }
 }
 
-/// Why each of one disk's snapshots (newest first) is kept under `policy`: an empty list
-/// for a snapshot it removes. `protected` are the ids `ferry repo protect` marked; `tz`
+/// Why each of one disk's snapshots is kept under `policy`: an empty list for a snapshot it
+/// removes, in the order given. The rules run over them newest first by time (equal times in
+/// the order given: pass them newest first). `protected` are the ids `ferry repo protect` marked; `tz`
 /// the zone the calendar is read in; `now` bounds the newest snapshot `keep_within` counts
 /// from (one in the future is not it).
 pub fn reasons(
@@ -211,7 +214,7 @@ pub fn reasons(
     let times: Vec<Option<Timestamp>> = snaps.iter().map(|s| parse_time(&s.manifest.time)).collect();
     let mut out: Vec<Vec<String>> = vec![Vec::new(); snaps.len()];
     for (i, s) in snaps.iter().enumerate() {
-        if protected.contains(&s.id) {
+        if is_protected(protected, s) {
             out[i].push("protected".into());
         }
     }
@@ -220,16 +223,24 @@ pub fn reasons(
         return out;
     }
     let latest = times.iter().flatten().filter(|t| **t < now).max().copied();
-    let since = match (&policy.keep_within, latest) {
-        (Some(w), Some(l)) if !w.is_zero() => Some((w, w.before(l, tz))),
+    // `None` inside: a span that reaches past the calendar, or no snapshot before now (all
+    // in the future: restic then counts every snapshot as within).
+    let since = match &policy.keep_within {
+        Some(w) if !w.is_zero() => Some((w, latest.and_then(|l| w.before(l, tz)))),
         _ => None,
     };
     let mut buckets: Vec<(u32, Bucket, Option<i64>)> =
         policy.counts().iter().filter_map(|(n, b)| n.filter(|n| *n > 0).map(|n| (n, *b, None))).collect();
-    let last = snaps.len().saturating_sub(1);
-    for (nr, s) in snaps.iter().enumerate() {
-        let r = &mut out[nr];
-        let Some(t) = times[nr] else {
+    // The rules run newest first by time (as restic sorts before it buckets), whatever the
+    // order given (a list is in parent order, which clocks can contradict); equal times keep
+    // the order given, and a snapshot whose time cannot be read comes last.
+    let mut order: Vec<usize> = (0..snaps.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(times[i].map_or((0, None), |t| (1, Some(t)))));
+    let last = order.iter().rposition(|&i| times[i].is_some());
+    for (nr, &i) in order.iter().enumerate() {
+        let s = &snaps[i];
+        let r = &mut out[i];
+        let Some(t) = times[i] else {
             r.push("its time cannot be read".into());
             continue;
         };
@@ -239,7 +250,7 @@ pub fn reasons(
             }
         }
         if let Some((w, since)) = &since {
-            // A span reaching past the calendar keeps everything.
+            // A span reaching past the calendar, or one counted from no snapshot, keeps everything.
             if since.is_none_or(|since| t > since) {
                 r.push(format!("within {w}"));
             }
@@ -250,7 +261,7 @@ pub fn reasons(
                 continue;
             }
             let key = bucket.key(local, nr);
-            if Some(key) != *seen || nr == last {
+            if Some(key) != *seen || Some(nr) == last {
                 *seen = Some(key);
                 *count -= 1;
                 r.push(bucket.reason().into());
@@ -272,7 +283,7 @@ pub fn local_zone() -> TimeZone {
 }
 
 /// Where the mark of a protected snapshot is (FORMAT.md "Protected snapshots").
-const PROTECTED: &str = "protected/";
+pub(crate) const PROTECTED: &str = "protected/";
 
 /// The ids of the protected snapshots: the names under `protected/` that are snapshot ids
 /// (anything else there is not a mark, and is ignored). Only names are read: no object
@@ -289,23 +300,44 @@ pub fn protected(repo: &Repository) -> Result<HashSet<String>> {
         .collect())
 }
 
+/// Whether snapshot `s` is protected, given the ids [`protected`] read: its own mark, or
+/// the mark of the manifest it was migrated from (a migrate moves the mark, and one
+/// stopped between storing the new manifest and moving the mark leaves the old one).
+pub fn is_protected(protected: &HashSet<String>, s: &SnapshotInfo) -> bool {
+    protected.contains(&s.id) || s.manifest.migrated_from.as_ref().is_some_and(|old| protected.contains(old))
+}
+
 /// Marks snapshot `id` protected (`protect`) or removes its mark; true when that changed
 /// anything. The mark is an object named after the id, holding the id and the time it was
 /// made (for people: no reader parses it). It holds the forget lock meanwhile (waiting up
 /// to `wait` for it), so a forget never removes a snapshot protected before it began.
 pub fn set_protected(repo: &Repository, id: &str, protect: bool, wait: Option<std::time::Duration>) -> Result<bool> {
-    let _lock = crate::lock::acquire(&repo.store, crate::format::LockKind::Forget, None, wait)?;
+    let lock = crate::lock::acquire(&repo.store, crate::format::LockKind::Forget, None, wait)?;
     let object = format!("{PROTECTED}{id}");
     let was = protected(repo)?.contains(id);
     let describe = repo.store.describe();
     match (protect, was) {
         (true, false) => {
+            // A forget that ran between the caller's resolving the id and this lock may have
+            // removed the snapshot: a mark of it would protect nothing.
+            let manifest = format!("snapshots/{id}");
+            match repo.store.len(&manifest) {
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    return Err(Error::NotFound(format!(
+                        "snapshot {id} is no longer in {describe} (a forget removed it): nothing to protect"
+                    )))
+                }
+                Err(e) => return Err(Error::store(format!("cannot read {manifest} in {describe}"), e)),
+            }
+            lock.check()?;
             let body = format!("{id} protected at {}\n", crate::repo::now_seconds());
             repo.store
                 .put(&object, body.as_bytes())
                 .map_err(|e| Error::store(format!("cannot write {object} in {describe}"), e))?;
         }
         (false, true) => {
+            lock.check()?;
             repo.store
                 .delete(&object)
                 .map_err(|e| Error::store(format!("cannot remove {object} from {describe}"), e))?;

@@ -69,7 +69,8 @@ pub struct BackupOptions {
     pub note: String,
     /// The time the manifest records instead of this host's clock: for tests that need a
     /// calendar of snapshots (`FERRY_BACKUP_TIME`). Lists still order a snapshot after its
-    /// parent whatever it says (FORMAT.md §7's order time).
+    /// parent whatever it says (FORMAT.md §7's order time), and one earlier than the disk's
+    /// latest order time is refused (a snapshot without a parent is ordered by it alone).
     pub time: Option<jiff::Timestamp>,
 }
 
@@ -282,6 +283,24 @@ fn backend_error(op: &'static str, offset: u64, length: u64, e: Error) -> ferry_
     ferry_backend::Error { kind, op, offset, length, source: Some(io::Error::other(e.to_string())) }
 }
 
+/// Refuses a fixed time (`opts.time`) earlier than the latest order time of the disk's
+/// snapshots (FORMAT.md §7): a snapshot without a parent is ordered by its time alone, so
+/// such a time would list it before snapshots taken earlier, and a backup would continue
+/// an older one. Called holding the disk's lock.
+fn check_fixed_time(repo: &Repository, opts: &BackupOptions) -> Result<()> {
+    let Some(t) = opts.time else { return Ok(()) };
+    let snaps: Vec<SnapshotInfo> = repo.snapshots()?.into_iter().filter(|s| s.manifest.name == opts.name).collect();
+    let latest = crate::repo::order_keys(&snaps).into_iter().filter_map(|k| k.0).max();
+    match latest {
+        Some(l) if t < l => Err(Error::Invalid(format!(
+            "the time given for this backup of {} ({t}) is before its latest snapshot's ({l}): it would be listed \
+             before snapshots taken earlier",
+            opts.name
+        ))),
+        _ => Ok(()),
+    }
+}
+
 impl SnapshotWriter {
     /// Takes the disk's backup lock and loads the index and the base's pages.
     pub fn start(repo: Arc<Repository>, opts: BackupOptions) -> Result<Arc<SnapshotWriter>> {
@@ -291,6 +310,7 @@ impl SnapshotWriter {
         let chunks = opts.size.div_ceil(cs);
         let tag = repo.crypto.disk_tag(&opts.name);
         let guard = lock::acquire(&repo.store, LockKind::Backup, Some(tag), opts.wait_lock)?;
+        check_fixed_time(&repo, &opts)?;
         // What gc condemned, read after the lock is taken and before `data/` is listed.
         let condemned = repo.condemned_packs()?;
         let (index, kept) = Self::load_index(&repo, &condemned)?;
@@ -361,6 +381,7 @@ impl SnapshotWriter {
         let chunks = opts.size.div_ceil(cs);
         let tag = repo.crypto.disk_tag(&opts.name);
         let guard = lock::acquire(&repo.store, LockKind::Backup, Some(tag), opts.wait_lock)?;
+        check_fixed_time(&repo, &opts)?;
         // Read again under the lock: another resume may have committed it meanwhile.
         let checkpoint = match repo.checkpoint(&opts.name)? {
             Some(c) if c.checkpoint == checkpoint.checkpoint => c,

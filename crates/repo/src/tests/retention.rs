@@ -131,6 +131,8 @@ fn tags_and_a_note_are_kept_and_bounded() {
         (vec!["t".to_string(); 17], ""),
         (vec![], "two\nlines"),
         (vec![], "\u{1b}[31mred"),
+        (vec![], "bidi \u{202e}txt.exe"),
+        (vec![], "zero\u{200b}width"),
     ] {
         let o = BackupOptions { tags, note: note.into(), ..opts("d", data.len() as u64, None) };
         assert!(matches!(SnapshotWriter::start(repo.clone(), o), Err(Error::Invalid(_))));
@@ -143,6 +145,23 @@ fn a_gc_dry_run_says_what_gc_frees_and_changes_nothing() {
     let a = backup(&repo, "d", &disk(40 * CS, 4), None);
     backup(&repo, "e", &disk(40 * CS, 5), None);
     maint::forget_ids(&repo, None, &[a.id[..8].to_string()], false, None).unwrap();
+    // The stale lock of a forget whose process is gone: gc removes it, a dry run leaves it.
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let dead = child.id();
+    child.wait().unwrap();
+    let now = jiff::Timestamp::now().to_string();
+    let stale = crate::format::Lock {
+        kind: crate::format::LockKind::Forget,
+        disk: None,
+        host: crate::repo::hostname(),
+        pid: dead,
+        time: now.clone(),
+        refreshed: now,
+        boot: crate::lock::this_boot(),
+        pid_start: None,
+        condemned: false,
+    };
+    store.put("locks/00000000000000000000000000000001", &stale.to_bytes()).unwrap();
     let before: Vec<String> = store.list("").unwrap().into_iter().map(|(n, _)| n).collect();
     let o = maint::GcOptions { wait: None, repack_percent: 10, condemn_margin: std::time::Duration::ZERO };
     let dry = maint::gc_dry_run(&repo, &o).unwrap();
@@ -189,4 +208,119 @@ fn forget_removes_the_points_whose_snapshots_are_all_gone_and_points_follow_migr
     crate::points::follow_migrations(&mut points, &[moved]);
     let p = points.iter().find(|(id, _)| *id == later).unwrap();
     assert_eq!(p.1.disks[0].snapshot, "e".repeat(64));
+}
+
+#[test]
+fn within_keeps_everything_when_every_snapshot_is_in_the_future() {
+    // The forget host's clock is behind every writer's: no snapshot is before now, and
+    // restic then counts each as within (nothing to measure the span from).
+    let snaps = at(&["2031-03-10T12:00:00Z", "2031-01-01T00:00:00Z", "2030-06-01T00:00:00Z"]);
+    let p = Policy { keep_within: Some(Within::parse("7d").unwrap()), ..Policy::default() };
+    let r = why(&snaps, &p, &TimeZone::UTC);
+    assert!(r.iter().all(|r| r == &["within 7d"]), "{r:?}");
+}
+
+#[test]
+fn the_rules_run_newest_first_by_time_whatever_the_order_given() {
+    // Parent order (a wrong clock): the newest by time is second, and the oldest by time
+    // is not last.
+    let snaps = at(&[
+        "2026-03-10T10:00:00Z",
+        "2026-03-12T10:00:00Z",
+        "2026-03-01T10:00:00Z",
+        "2026-03-11T10:00:00Z",
+        "2026-03-10T09:00:00Z",
+    ]);
+    let kept = |p: Policy| -> Vec<usize> {
+        why(&snaps, &p, &TimeZone::UTC).iter().enumerate().filter(|(_, r)| !r.is_empty()).map(|(i, _)| i).collect()
+    };
+    // The two newest by time: 03-12, 03-11.
+    assert_eq!(kept(Policy { keep_last: Some(2), ..Policy::default() }), vec![1, 3]);
+    // Days newest first: 03-12, 03-11, 03-10 (its newest: 10:00, given first).
+    assert_eq!(kept(Policy { keep_daily: Some(3), ..Policy::default() }), vec![0, 1, 3]);
+    // Counts left when the oldest by time (03-01, given third) comes: it is kept.
+    assert_eq!(kept(Policy { keep_daily: Some(9), ..Policy::default() }), vec![0, 1, 2, 3]);
+}
+
+#[test]
+fn protect_refuses_a_snapshot_a_forget_removed() {
+    let (store, repo) = new_repo(false);
+    let a = backup(&repo, "d", &disk(3 * CS, 1), None);
+    backup(&repo, "d", &disk(3 * CS, 2), Some(a.clone()));
+    // The caller resolved `a`, then a forget removed it before protect took the lock.
+    maint::forget_ids(&repo, None, &[a.id[..8].to_string()], false, None).unwrap();
+    let e = retain::set_protected(&repo, &a.id, true, None).unwrap_err();
+    assert!(matches!(e, Error::NotFound(_)), "{e}");
+    assert!(store.list("protected/").unwrap().is_empty(), "no mark of a removed snapshot");
+}
+
+#[test]
+fn migrate_moves_each_mark_to_the_new_id() {
+    let store = Arc::new(MemStore::new());
+    let opts = InitOptions { chunk_size: CS as u32, page_entries: 16, version: 1, ..InitOptions::default() };
+    let repo = Arc::new(Repository::init(store.clone(), &opts).unwrap());
+    let a = backup(&repo, "d", &disk(3 * CS, 1), None);
+    let b = backup(&repo, "d", &disk(3 * CS, 2), Some(a.clone()));
+    assert!(retain::set_protected(&repo, &a.id, true, None).unwrap());
+    crate::migrate::migrate(&repo, false, &mut |_| {}).unwrap();
+    let repo = Arc::new(Repository::open(store, &|| panic!("asked for a passphrase")).unwrap());
+    let snaps = repo.snapshots().unwrap();
+    let new_a = snaps.iter().find(|s| s.manifest.migrated_from.as_deref() == Some(a.id.as_str())).unwrap();
+    assert_eq!(retain::protected(&repo).unwrap(), HashSet::from([new_a.id.clone()]), "the old mark is gone");
+    let r = maint::forget(&repo, None, &Policy { keep_last: Some(1), ..Policy::default() }, false).unwrap();
+    assert_eq!(r.reasons[&new_a.id], ["protected"]);
+    assert!(r.removed.is_empty(), "{:?}", r.removed);
+    assert!(snaps.iter().any(|s| s.manifest.migrated_from.as_deref() == Some(b.id.as_str())));
+    assert_eq!(repo.snapshots().unwrap().len(), 2, "the protected snapshot stays");
+}
+
+#[test]
+fn the_mark_of_the_id_a_snapshot_was_migrated_from_counts_for_it() {
+    // A migrate stopped after storing the new manifest, before writing its mark.
+    let mut snaps = at(&["2026-03-10T12:00:00Z", "2026-03-09T12:00:00Z"]);
+    snaps[1].manifest.migrated_from = Some("old1".into());
+    let protected: HashSet<String> = ["old1".to_string()].into();
+    let p = Policy { keep_last: Some(1), ..Policy::default() };
+    let now = "2030-01-01T00:00:00Z".parse().unwrap();
+    let r = retain::reasons(&snaps, &p, &protected, &TimeZone::UTC, now);
+    assert_eq!(r[1], ["protected"]);
+}
+
+#[test]
+fn a_fixed_time_before_the_disks_latest_snapshot_is_refused() {
+    let (_store, repo) = new_repo(false);
+    let data = disk(2 * CS, 3);
+    let at = |t: &str, base: Option<SnapshotInfo>| BackupOptions {
+        time: Some(t.parse().unwrap()),
+        ..opts("d", data.len() as u64, base)
+    };
+    let w = SnapshotWriter::start(repo.clone(), at("2026-11-20T10:00:00Z", None)).unwrap();
+    write_all(&w, &data);
+    let a = w.commit(data.len() as u64).unwrap();
+    // A full backup (no parent) dated earlier would be listed before `a`.
+    let e = SnapshotWriter::start(repo.clone(), at("2026-11-19T10:00:00Z", None)).err().unwrap();
+    assert!(matches!(e, Error::Invalid(_)), "{e}");
+    // The same time, a later one, or another disk: fine.
+    drop(SnapshotWriter::start(repo.clone(), at("2026-11-20T10:00:00Z", Some(a.clone()))).unwrap());
+    drop(
+        SnapshotWriter::start(repo.clone(), BackupOptions { name: "e".into(), ..at("2026-11-01T10:00:00Z", None) })
+            .unwrap(),
+    );
+    assert_eq!(repo.snapshots().unwrap().len(), 1);
+}
+
+#[test]
+fn gc_removes_the_marks_of_snapshots_that_are_gone() {
+    let (store, repo) = new_repo(false);
+    let a = backup(&repo, "d", &disk(3 * CS, 1), None);
+    let b = backup(&repo, "d", &disk(3 * CS, 2), Some(a.clone()));
+    assert!(retain::set_protected(&repo, &a.id, true, None).unwrap());
+    assert!(retain::set_protected(&repo, &b.id, true, None).unwrap());
+    // An older ferry's forget (or a person) removed `a` but not its mark.
+    store.delete(&format!("snapshots/{}", a.id)).unwrap();
+    let o = maint::GcOptions { wait: None, repack_percent: 10, condemn_margin: std::time::Duration::ZERO };
+    maint::gc_dry_run(&repo, &o).unwrap();
+    assert_eq!(retain::protected(&repo).unwrap().len(), 2, "a dry run removes nothing");
+    maint::gc_opts(&repo, &o).unwrap();
+    assert_eq!(retain::protected(&repo).unwrap(), HashSet::from([b.id.clone()]));
 }
