@@ -229,13 +229,15 @@ pub fn reasons(
         Some(w) if !w.is_zero() => Some((w, latest.and_then(|l| w.before(l, tz)))),
         _ => None,
     };
-    let mut buckets: Vec<(u32, Bucket, Option<i64>)> =
-        policy.counts().iter().filter_map(|(n, b)| n.filter(|n| *n > 0).map(|n| (n, *b, None))).collect();
-    // The rules run newest first by time (as restic sorts before it buckets), whatever the
-    // order given (a list is in parent order, which clocks can contradict); equal times keep
-    // the order given, and a snapshot whose time cannot be read comes last.
-    let mut order: Vec<usize> = (0..snaps.len()).collect();
-    order.sort_by_key(|&i| std::cmp::Reverse(times[i].map_or((0, None), |t| (1, Some(t)))));
+    let mut buckets: Vec<(u32, Bucket, HashSet<i64>)> =
+        policy.counts().iter().filter_map(|(n, b)| n.filter(|n| *n > 0).map(|n| (n, *b, HashSet::new()))).collect();
+    // The rules run in the order given: the repository's order, newest first (FORMAT.md
+    // §7: a snapshot comes after its parent whatever the clocks said, so the disk's
+    // latest, the one a restore takes, is kept first even when its host's clock was
+    // behind). Each snapshot is filed under its own time, and a bucket counts once however
+    // the clocks interleave it (restic sorts by time instead; with clocks that agree the
+    // two are the same).
+    let order: Vec<usize> = (0..snaps.len()).collect();
     let last = order.iter().rposition(|&i| times[i].is_some());
     for (nr, &i) in order.iter().enumerate() {
         let s = &snaps[i];
@@ -261,8 +263,7 @@ pub fn reasons(
                 continue;
             }
             let key = bucket.key(local, nr);
-            if Some(key) != *seen || Some(nr) == last {
-                *seen = Some(key);
+            if seen.insert(key) || Some(nr) == last {
                 *count -= 1;
                 r.push(bucket.reason().into());
             }

@@ -1149,9 +1149,14 @@ impl Cache {
         listed_at: std::time::SystemTime,
     ) -> Result<(), Stop> {
         // An object the listing lacks is dead only when the listing began after its run
-        // was written: a run written since may hold objects stored after the listing.
-        let listing_newer =
-            |r: &Run| r.file.metadata().and_then(|m| m.modified()).is_ok_and(|written| written < listed_at);
+        // was written: a run written since may hold objects stored after the listing. A
+        // file's time comes from the kernel's coarse clock, which lags the clock the
+        // listing's time was read from by up to a tick: a run written just after the
+        // listing began can look older, so it must be older by a margin.
+        const TICK_MARGIN: std::time::Duration = std::time::Duration::from_millis(100);
+        let listing_newer = |r: &Run| {
+            r.file.metadata().and_then(|m| m.modified()).is_ok_and(|written| written + TICK_MARGIN < listed_at)
+        };
         let live_of = |r: &Run| -> Vec<bool> {
             let newer = listing_newer(r);
             r.meta.rows.iter().map(|row| !newer || listed.contains_key(&r.meta.objects[row.object as usize])).collect()

@@ -404,7 +404,7 @@ fn an_older_listing_keeps_the_run_of_a_newer_object() {
     );
     // A listing begun after the run was written drops what it lacks.
     store.delete(&b).unwrap();
-    std::thread::sleep(std::time::Duration::from_millis(20));
+    std::thread::sleep(std::time::Duration::from_millis(250));
     let runs = cache.update(&r, &store.list("index/").unwrap(), std::time::SystemTime::now()).unwrap().unwrap();
     drop(runs);
     let after = cache.read_manifest(&key_fingerprint(&r));

@@ -221,9 +221,9 @@ fn within_keeps_everything_when_every_snapshot_is_in_the_future() {
 }
 
 #[test]
-fn the_rules_run_newest_first_by_time_whatever_the_order_given() {
-    // Parent order (a wrong clock): the newest by time is second, and the oldest by time
-    // is not last.
+fn the_rules_run_in_the_repositorys_order_and_count_each_bucket_once() {
+    // The repository's order (a snapshot after its parent, whatever the clocks said):
+    // the second is dated after the first, the fourth after the third.
     let snaps = at(&[
         "2026-03-10T10:00:00Z",
         "2026-03-12T10:00:00Z",
@@ -234,12 +234,13 @@ fn the_rules_run_newest_first_by_time_whatever_the_order_given() {
     let kept = |p: Policy| -> Vec<usize> {
         why(&snaps, &p, &TimeZone::UTC).iter().enumerate().filter(|(_, r)| !r.is_empty()).map(|(i, _)| i).collect()
     };
-    // The two newest by time: 03-12, 03-11.
-    assert_eq!(kept(Policy { keep_last: Some(2), ..Policy::default() }), vec![1, 3]);
-    // Days newest first: 03-12, 03-11, 03-10 (its newest: 10:00, given first).
-    assert_eq!(kept(Policy { keep_daily: Some(3), ..Policy::default() }), vec![0, 1, 3]);
-    // Counts left when the oldest by time (03-01, given third) comes: it is kept.
-    assert_eq!(kept(Policy { keep_daily: Some(9), ..Policy::default() }), vec![0, 1, 2, 3]);
+    // The two latest in the repository's order (the first is what a restore takes).
+    assert_eq!(kept(Policy { keep_last: Some(2), ..Policy::default() }), vec![0, 1]);
+    // Days in that order: 03-10, 03-12, 03-01; 03-10 again (the last) does not count twice.
+    assert_eq!(kept(Policy { keep_daily: Some(3), ..Policy::default() }), vec![0, 1, 2]);
+    // Counts left when the oldest comes: it is kept; 03-10's second snapshot is the oldest.
+    assert_eq!(kept(Policy { keep_daily: Some(9), ..Policy::default() }), vec![0, 1, 2, 3, 4]);
+    assert_eq!(kept(Policy { keep_daily: Some(4), ..Policy::default() }), vec![0, 1, 2, 3]);
 }
 
 #[test]
