@@ -217,7 +217,7 @@ pub(crate) fn sample(
     let n = SAMPLE_CHUNKS.min((SAMPLE_BYTES / chunk_size).max(1));
     let want: Vec<(u64, ferry_repo::format::Digest)> = writer.with_entries(|e, chunks| {
         pick((e, chunks), changed, chunk_size, n, seed()).into_iter().map(|ci| (ci, e(ci))).collect()
-    });
+    })?;
     if want.is_empty() {
         log::debug!("{} holds no data the change map leaves alone: nothing to compare it with", base.id);
         return Ok(());

@@ -593,7 +593,7 @@ fn copy_entries(
         (0..src.len() as u64)
             .filter(|&ci| ci >= n || cur(ci) != src[ci as usize] || lost.contains(&ci) || parts.contains(&ci))
             .collect()
-    });
+    })?;
     let len = |ci: u64| (size - ci * cs).min(cs);
     progress.total.store(todo.iter().map(|&ci| len(ci)).sum(), Ordering::Relaxed);
     progress.done.store(0, Ordering::Relaxed);

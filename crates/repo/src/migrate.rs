@@ -113,8 +113,10 @@ pub fn migrate(repo: &Arc<Repository>, dry_run: bool, progress: &mut dyn FnMut(&
             if !dry_run {
                 writes.check()?;
                 move_mark(repo, &protected, &snap.id, &moved[&snap.id], &mut writes)?;
+                writes.check()?;
                 delete(repo, &snap.id)?;
                 writes.one();
+                writes.check()?;
                 unmark(repo, &protected, &snap.id, &mut writes)?;
             }
             continue;
@@ -139,8 +141,10 @@ pub fn migrate(repo: &Arc<Repository>, dry_run: bool, progress: &mut dyn FnMut(&
         // Its protection moves to the new id before the old manifest goes (until then the
         // old id's mark counts for the manifest migrated from it, FORMAT.md §11).
         move_mark(repo, &protected, &snap.id, &id, &mut writes)?;
+        writes.check()?;
         delete(repo, &snap.id)?;
         writes.one();
+        writes.check()?;
         unmark(repo, &protected, &snap.id, &mut writes)?;
         moved.insert(snap.id.clone(), id);
     }

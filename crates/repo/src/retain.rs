@@ -200,8 +200,9 @@ impl Bucket {
 }
 
 /// Why each of one disk's snapshots is kept under `policy`: an empty list for a snapshot it
-/// removes, in the order given. The rules run over them newest first by time (equal times in
-/// the order given: pass them newest first). `protected` are the ids `ferry repo protect` marked; `tz`
+/// removes, in the order given. The rules run over them in that order: pass them newest
+/// first in the repository's order (FORMAT.md §7); each is filed under its own time, and a
+/// bucket counts once. `protected` are the ids `ferry repo protect` marked; `tz`
 /// the zone the calendar is read in; `now` bounds the newest snapshot `keep_within` counts
 /// from (one in the future is not it).
 pub fn reasons(

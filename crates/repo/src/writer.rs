@@ -1235,7 +1235,6 @@ impl SnapshotWriter {
                 pages.push(st.pages[i]);
                 continue;
             }
-            let slice = self.page(&st, i, &mut entries_buf)?;
             if slice.iter().all(|e| *e == ZERO) {
                 pages.push(ZERO);
             } else {
@@ -1816,25 +1815,37 @@ impl SnapshotWriter {
     }
 
     /// Calls `f` with the chunk list as it stands, as a function from a chunk's number to
-    /// its entry (one digest per chunk, [`ZERO`] for a zero chunk, or where the list
-    /// cannot be read), and the number of chunks: before the copy writes anything, the
-    /// base's (or the resumed checkpoint's), for a caller that checks a change map
-    /// against it. Neighbouring chunks are read a window at a time.
-    pub fn with_entries<R>(&self, f: impl FnOnce(&dyn Fn(u64) -> Digest, u64) -> R) -> R {
+    /// its entry (one digest per chunk, [`ZERO`] for a zero chunk), and the number of
+    /// chunks: before the copy writes anything, the base's (or the resumed checkpoint's),
+    /// for a caller that checks a change map against it. Neighbouring chunks are read a
+    /// window at a time. A part of the list that cannot be read (the file a large disk's
+    /// list is kept in) makes the whole call an error, whatever `f` made of it.
+    pub fn with_entries<R>(&self, f: impl FnOnce(&dyn Fn(u64) -> Digest, u64) -> R) -> Result<R> {
         let st = locked(&self.state);
         let window: RefCell<(u64, Vec<Digest>)> = RefCell::new((u64::MAX, Vec::new()));
+        let failed: RefCell<Option<std::io::Error>> = RefCell::new(None);
         let entry = |ci: u64| {
             let mut w = window.borrow_mut();
             let start = ci - ci % crate::entries::WINDOW as u64;
             if w.0 != start {
                 let n = (self.chunks - start).min(crate::entries::WINDOW as u64) as usize;
                 let mut buf = Vec::new();
-                let read = st.entries.read(start, n, &mut buf).map(|e| e.to_vec());
-                *w = (start, read.unwrap_or_else(|_| vec![ZERO; n]));
+                let read = match st.entries.read(start, n, &mut buf) {
+                    Ok(e) => e.to_vec(),
+                    Err(e) => {
+                        failed.borrow_mut().get_or_insert(e);
+                        vec![ZERO; n]
+                    }
+                };
+                *w = (start, read);
             }
             w.1[(ci - start) as usize]
         };
-        f(&entry, self.chunks)
+        let r = f(&entry, self.chunks);
+        match failed.into_inner() {
+            Some(e) => Err(spill_error(&self.name, e)),
+            None => Ok(r),
+        }
     }
 
     /// Whether the new snapshot reads as zeroes where nothing is written (no base): then

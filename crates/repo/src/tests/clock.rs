@@ -43,10 +43,9 @@ fn a_snapshot_after_a_future_dated_one_records_the_real_time() {
         let listed: Vec<String> = repo.snapshots().unwrap().into_iter().map(|s| s.id).collect();
         let want: Vec<String> = chain.iter().map(|s| s.id.clone()).collect();
         assert_eq!(listed, want, "each after its parent");
-        // Retention sorts by time (as restic), so the future one comes first and today's
-        // newest second: one a day; the first, oldest by time, stays too because counts are
-        // left when it comes (restic 0.15 and later), not because its day follows the
-        // future one's in the list.
+        // Retention runs in the repository's order: today's newest first, then the future
+        // one (its own day), one a day; the first, the oldest, stays too because counts are
+        // left when it comes (restic 0.15 and later).
         let mut newest_first = repo.snapshots().unwrap();
         newest_first.reverse();
         let keep = maint::keep(&newest_first, &Policy { keep_daily: Some(7), ..Policy::default() });
