@@ -203,11 +203,16 @@ impl Repository {
         Ok(id)
     }
 
-    /// Rewrites `config` with `enc` as its key, after checking that the stored config is
-    /// still the one this repository was opened with (a concurrent change is not lost
-    /// silently); read back to check it. One atomic write (FORMAT.md §2): a crash leaves
-    /// the old config or the new one.
+    /// Rewrites `config` with `enc` as its key ([`Repository::replace_config`]).
     fn put_config_key(&self, enc: Encryption) -> Result<()> {
+        self.replace_config(Config { encryption: Some(enc), ..self.config.clone() }, " (another key change?)")
+    }
+
+    /// Rewrites `config` as `config`, after checking that the stored config is still the
+    /// one this repository was opened with (a concurrent change is not lost silently;
+    /// `hint` says what it may have been); read back to check it. One atomic write
+    /// (FORMAT.md §2): a crash leaves the old config or the new one.
+    pub(crate) fn replace_config(&self, config: Config, hint: &str) -> Result<()> {
         let describe = self.store.describe();
         let stored = self
             .store
@@ -215,10 +220,9 @@ impl Repository {
             .map_err(|e| Error::store(format!("cannot read {describe}/config"), e))?;
         if Config::parse(&stored).ok().as_ref() != Some(&self.config) {
             return Err(Error::Invalid(format!(
-                "the config of {describe} changed since this command read it (another key change?): run it again"
+                "the config of {describe} changed since this command read it{hint}: run it again"
             )));
         }
-        let config = Config { encryption: Some(enc), ..self.config.clone() };
         let bytes = config.to_bytes();
         Config::parse(&bytes).map_err(|e| Error::Invalid(format!("cannot write this config: {e}")))?;
         self.store.put("config", &bytes).map_err(|e| Error::store(format!("cannot write {describe}/config"), e))?;

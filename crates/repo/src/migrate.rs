@@ -255,40 +255,13 @@ fn list_all(repo: &Repository, skipped: &mut Vec<String>) -> Result<Vec<Snapshot
 /// The index through the local cache, with copies in packs present in the store only.
 fn present_index(repo: &Arc<Repository>) -> Result<RunIndex> {
     let index = RunIndex::open(repo)?;
-    let present: HashSet<Digest> = repo
-        .store
-        .list("data/")
-        .map_err(|e| Error::store(format!("cannot list the packs of {}", repo.store.describe()), e))?
-        .into_iter()
-        .filter_map(|(n, _)| crate::damage::pack_id(&n))
-        .collect();
+    let present = repo.present_packs()?;
     Ok(index.only_present(present))
 }
 
 /// `config` with version 3, after checking it is still the one read; read back.
 fn put_config(repo: &Repository) -> Result<()> {
-    let describe = repo.store.describe();
-    let stored = repo
-        .store
-        .get("config", format::MAX_CONFIG)
-        .map_err(|e| Error::store(format!("cannot read {describe}/config"), e))?;
-    if Config::parse(&stored).ok().as_ref() != Some(&repo.config) {
-        return Err(Error::Invalid(format!(
-            "the config of {describe} changed since this command read it: run it again"
-        )));
-    }
-    let config = Config { version: format::LOCATED_CONFIG_VERSION, ..repo.config.clone() };
-    let bytes = config.to_bytes();
-    Config::parse(&bytes).map_err(|e| Error::Invalid(format!("cannot write this config: {e}")))?;
-    repo.store.put("config", &bytes).map_err(|e| Error::store(format!("cannot write {describe}/config"), e))?;
-    let back = repo
-        .store
-        .get("config", format::MAX_CONFIG)
-        .map_err(|e| Error::store(format!("cannot read {describe}/config back"), e))?;
-    if back != bytes {
-        return Err(Error::damaged("config", "it does not read back as it was written"));
-    }
-    Ok(())
+    repo.replace_config(Config { version: format::LOCATED_CONFIG_VERSION, ..repo.config.clone() }, "")
 }
 
 fn delete(repo: &Repository, id: &str) -> Result<()> {

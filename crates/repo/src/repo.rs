@@ -6,7 +6,7 @@ use crate::runs::BlobLookup;
 use crate::store::Store;
 use crate::{Error, Result};
 use sha2::Digest as _;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io;
 use std::sync::Arc;
 
@@ -853,6 +853,17 @@ impl Repository {
             0 => format!("page {} is in no index object", format::hex(digest)),
             _ => whys.join("; "),
         })
+    }
+
+    /// The packs in the store now (`data/` listed).
+    pub(crate) fn present_packs(&self) -> Result<HashSet<Digest>> {
+        Ok(self
+            .store
+            .list("data/")
+            .map_err(|e| Error::store(format!("cannot list the packs of {}", self.store.describe()), e))?
+            .into_iter()
+            .filter_map(|(n, _)| crate::damage::pack_id(&n))
+            .collect())
     }
 
     /// The chunk digests of a snapshot, page by page: reads and checks its pages.

@@ -516,13 +516,7 @@ impl SnapshotWriter {
     /// leaves them out, so that what only they hold is stored again.
     fn load_index(repo: &Arc<Repository>, condemned: &HashSet<Digest>) -> Result<(RunIndex, HashSet<Digest>)> {
         let index = RunIndex::open(repo)?;
-        let present: HashSet<Digest> = repo
-            .store
-            .list("data/")
-            .map_err(|e| Error::store(format!("cannot list the packs of {}", repo.store.describe()), e))?
-            .into_iter()
-            .filter_map(|(n, _)| crate::damage::pack_id(&n))
-            .collect();
+        let present = repo.present_packs()?;
         let index = index.only_present(present.clone());
         let gone = index.packs_gone();
         let held = present.iter().filter(|p| condemned.contains(*p)).count();
