@@ -254,7 +254,9 @@ pub(crate) fn backup_domain(
     let ours: Vec<String> = h.checkpoints(domain)?.into_iter().filter(|c| c.starts_with(&prefix)).collect();
     // Checkpoints of this repository that no point names: left by a run that failed or
     // was killed. Deleting one merges what it tracked into its parent: nothing is lost.
-    for c in ours.iter().filter(|c| !points.iter().any(|p| p.checkpoint.as_deref() == Some(c.as_str()))) {
+    let (named, leftovers): (Vec<&String>, Vec<&String>) =
+        ours.iter().partition(|c| points.iter().any(|p| p.checkpoint.as_deref() == Some(c.as_str())));
+    for c in leftovers {
         log::info!("{domain}: deleting checkpoint {c}, left by a backup that did not finish");
         h.checkpoint_delete(domain, c).with_context(|| format!("cannot delete the leftover checkpoint {c}"))?;
     }
@@ -337,12 +339,11 @@ pub(crate) fn backup_domain(
     let others: Vec<&str> = left_out
         .filter_map(|d| points.iter().rev().find(|p| p.disks.iter().any(|e| e.name == d.name))?.checkpoint.as_deref())
         .collect();
-    for c in h
-        .checkpoints(domain)?
-        .into_iter()
-        .filter(|c| c.starts_with(&prefix) && *c != checkpoint && !others.contains(&c.as_str()))
-    {
-        if let Err(e) = h.checkpoint_delete(domain, &c) {
+    // This repository's checkpoints are now those listed above that a point names, and the
+    // new one: none is made meanwhile (no other run of this domain: the lock above; another
+    // repository's have another prefix), so they are not listed again (a virsh call less).
+    for c in named.into_iter().filter(|c| !others.contains(&c.as_str())) {
+        if let Err(e) = h.checkpoint_delete(domain, c) {
             log::warn!("{domain}: cannot delete the older checkpoint {c} ({e:#}); the next backup deletes it");
         }
     }
