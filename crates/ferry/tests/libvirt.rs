@@ -251,7 +251,12 @@ fn check_point(lv: &Libvirt, repo: &str, domain: &str, id: &str, models: &[Model
 fn only_newest(lv: &Libvirt, domain: &str) {
     let c = lv.checkpoints(domain);
     assert!(c.contains(&"users-own".to_string()), "a checkpoint ferry did not create was deleted: {c:?}");
-    assert_eq!(c.iter().filter(|c| c.starts_with("ferry-")).count(), 1, "{c:?}");
+    assert_eq!(ferry_checkpoints(lv, domain).len(), 1, "{c:?}");
+}
+
+/// ferry's checkpoints of `domain`.
+fn ferry_checkpoints(lv: &Libvirt, domain: &str) -> Vec<String> {
+    lv.checkpoints(domain).into_iter().filter(|c| c.starts_with("ferry-")).collect()
 }
 
 /// Starts `ferry backup` (slowed down) and, once it has begun reading, does `then`;
@@ -264,6 +269,13 @@ fn interrupt(lv: &Libvirt, args: &[&str], then: impl FnOnce(&mut Child)) -> std:
     child.wait_with_output().unwrap()
 }
 
+/// Ten days of one domain with two disks (issue 36): full, incremental, ferry killed (-9)
+/// in the middle of day 3's backup, the domain destroyed in the middle of day 4's, a lost
+/// checkpoint (day 5), one disk left out (day 6), scattered writes (days 6 and 7), the
+/// domain shut off and its images written directly (days 8 and 9: the second backup reads
+/// only what changed), running again (day 10). After each day only ferry's newest
+/// checkpoint is left (beside a user's own); every point restored equals both disks as
+/// they were; a restored copy defined under a new name starts with both disks open.
 #[test]
 fn a_running_domain_day_by_day_with_a_kill_and_a_destroy() {
     let lv = Libvirt::get();
@@ -391,6 +403,59 @@ fn a_running_domain_day_by_day_with_a_kill_and_a_destroy() {
     assert_eq!(reads(&day), [(MIB, "dirty-bitmap".to_string())], "{day}");
     let day = backup(&["--disk", "vdb"]);
     assert_eq!(reads(&day), [(MIB, "dirty-bitmap".to_string())], "{day}");
+    // Two of ferry's checkpoints: vda's (of the --exclude run) and the newest (vdb's).
+    assert_eq!(ferry_checkpoints(&lv, dom).len(), 2, "{:?}", lv.checkpoints(dom));
+
+    // Days 6 and 7: both disks again, scattered writes; only the newest checkpoint is left.
+    for (k, byte) in [(6u64, 0x66u8), (7, 0x77)] {
+        let mut read = [0, 0];
+        for i in 0..2 {
+            for j in 0..3 {
+                let (o, l) = ((k + 7 * j) * MIB + 128 * 1024 * i as u64, 64 * 1024 * (j + 1));
+                lv.write(dom, i, byte + i as u8, o, l);
+                models[i].0.push((byte + i as u8, o, l));
+                read[i] += l;
+            }
+        }
+        let day = backup(&[]);
+        let kind = "dirty-bitmap".to_string();
+        assert_eq!(reads(&day), [(read[0], kind.clone()), (read[1], kind)], "day {k}: {day}");
+        points.push((day["point"].as_str().unwrap().into(), models.clone()));
+        only_newest(&lv, dom);
+    }
+
+    // Days 8 and 9: the domain is shut off and its images written directly (qemu-io): it
+    // is backed up from its images, the second time reading only what changed; libvirt's
+    // checkpoints are left as they were.
+    let kept = lv.checkpoints(dom);
+    lv.virsh_ok(&["destroy", dom]);
+    let offline = |models: &mut [Model; 2], byte: u8, offset: u64| {
+        for (i, img) in [&a, &b].iter().enumerate() {
+            let w = format!("write -P {} {offset} 65536", byte + i as u8);
+            run_ok(&mut cmd("qemu-io", ["-f", "qcow2", "-c", &w, img.to_str().unwrap()]));
+            models[i].0.push((byte + i as u8, offset, 64 * 1024));
+        }
+    };
+    offline(&mut models, 0x88, 12 * MIB);
+    let day = backup(&[]);
+    points.push((day["point"].as_str().unwrap().into(), models.clone()));
+    assert_eq!(lv.checkpoints(dom), kept);
+    offline(&mut models, 0x99, 44 * MIB);
+    let day = backup(&[]);
+    assert_eq!(reads(&day).iter().map(|r| r.0).collect::<Vec<_>>(), [64 * 1024, 64 * 1024], "{day}");
+    points.push((day["point"].as_str().unwrap().into(), models.clone()));
+    assert_eq!(lv.checkpoints(dom), kept);
+
+    // Day 10: running again. The latest snapshots are of the shut-off images, which no
+    // checkpoint continues: both disks are read whole, and the older checkpoint goes.
+    lv.virsh_ok(&["start", dom]);
+    lv.write(dom, 0, 0xaa, 63 * MIB, MIB);
+    models[0].0.push((0xaa, 63 * MIB, MIB));
+    let day = backup(&[]);
+    assert_eq!(reads(&day).iter().map(|r| r.1.as_str()).collect::<Vec<_>>(), ["full", "full"], "{day}");
+    points.push((day["point"].as_str().unwrap().into(), models.clone()));
+    only_newest(&lv, dom);
+    assert!(!kept.iter().any(|c| lv.checkpoints(dom).contains(c) && c.starts_with("ferry-")), "{kept:?}");
 
     // Every point restored equals both disks as they were then.
     for (id, m) in &points {
@@ -413,6 +478,11 @@ fn a_running_domain_day_by_day_with_a_kill_and_a_destroy() {
     lv.virsh_ok(&["start", "ferry-days-copy"]);
     let xml = lv.virsh_ok(&["dumpxml", "ferry-days-copy"]);
     assert!(xml.contains(&format!("{}/{dom}-vda.qcow2", to.display())), "{xml}");
+    // qemu has both restored images open.
+    let blocks = lv.virsh_ok(&["qemu-monitor-command", "ferry-days-copy", "--hmp", "info block"]);
+    for t in ["vda", "vdb"] {
+        assert!(blocks.contains(&format!("{}/{dom}-{t}.qcow2", to.display())), "{blocks}");
+    }
     let uuid = |n: &str| lv.virsh_ok(&["domuuid", n]);
     assert_ne!(uuid(dom), uuid("ferry-days-copy"));
     lv.remove("ferry-days-copy");
