@@ -259,12 +259,21 @@ fn ferry_checkpoints(lv: &Libvirt, domain: &str) -> Vec<String> {
     lv.checkpoints(domain).into_iter().filter(|c| c.starts_with("ferry-")).collect()
 }
 
-/// Starts `ferry backup` (slowed down) and, once it has begun reading, does `then`;
-/// the backup's output.
-fn interrupt(lv: &Libvirt, args: &[&str], then: impl FnOnce(&mut Child)) -> std::process::Output {
+/// Starts `ferry backup` (slowed down) of `domain` and, once its backup job runs (however
+/// loaded the machine is) and a moment more, does `then`; the backup's output.
+fn interrupt(lv: &Libvirt, domain: &str, args: &[&str], then: impl FnOnce(&mut Child)) -> std::process::Output {
     let mut c = lv.ferry(args);
     let mut child = c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-    std::thread::sleep(Duration::from_millis(1500));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !run(&mut lv.virsh(&["backup-dumpxml", domain])).status.success() {
+        if let Some(status) = child.try_wait().unwrap() {
+            let out = child.wait_with_output().unwrap();
+            panic!("ferry ended ({status}) before its backup job started: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        assert!(Instant::now() < deadline, "the backup job of {domain} did not start within 60 s");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(300));
     then(&mut child);
     child.wait_with_output().unwrap()
 }
@@ -331,7 +340,7 @@ fn a_running_domain_day_by_day_with_a_kill_and_a_destroy() {
     models[0].0.push((0x33, 30 * MIB, 4 * MIB));
     let scratch = lv.tmp();
     let scratch = scratch.to_str().unwrap();
-    let out = interrupt(&lv, &["backup", "--rate", "1M", "--scratch-dir", scratch, &src, repo], |c| {
+    let out = interrupt(&lv, dom, &["backup", "--rate", "1M", "--scratch-dir", scratch, &src, repo], |c| {
         // The running job's directory is the owner's alone.
         use std::os::unix::fs::PermissionsExt;
         let dirs: Vec<_> = std::fs::read_dir(lv.tmp())
@@ -369,7 +378,7 @@ fn a_running_domain_day_by_day_with_a_kill_and_a_destroy() {
     // Day 4: the domain is destroyed in the middle of a backup, started again, written.
     lv.write(dom, 1, 0x44, 2 * MIB, 4 * MIB);
     models[1].0.push((0x44, 2 * MIB, 4 * MIB));
-    let out = interrupt(&lv, &["backup", "--rate", "1M", "--retries", "0", &src, repo], |_| {
+    let out = interrupt(&lv, dom, &["backup", "--rate", "1M", "--retries", "0", &src, repo], |_| {
         lv.virsh_ok(&["destroy", dom]);
     });
     assert!(!out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
