@@ -839,6 +839,29 @@ mod tests {
     }
 
     #[test]
+    fn a_repository_opened_once_holds_each_disk_to_its_own_refusal() {
+        let dir = tempfile::tempdir().unwrap();
+        let k = Known::open(dir.path(), "/r", OnRollback::Warn).unwrap();
+        k.opened(&repo(false)).unwrap();
+        let (a, b) = (snap(1, "vm-vda", 1), snap(2, "vm-vdb", 1));
+        k.listed(k.before_listing(), &[a, b.clone()], &[]).unwrap();
+        // vm-vda's newest is gone: a run's listing warns...
+        k.listed(k.before_listing(), std::slice::from_ref(&b), &[]).unwrap();
+        let refuse = |disk: &str| OnRollback::Refuse {
+            disk: Some(disk.into()),
+            back: true,
+            way_out: "look first".into(),
+            damaged: None,
+        };
+        // ...the backup of vm-vdb goes on, and the one of vm-vda is refused.
+        k.hold_to(refuse("vm-vdb"));
+        k.listed(k.before_listing(), std::slice::from_ref(&b), &[]).unwrap();
+        k.hold_to(refuse("vm-vda"));
+        let e = k.listed(k.before_listing(), std::slice::from_ref(&b), &[]).unwrap_err().to_string();
+        assert!(e.contains("look first"), "{e}");
+    }
+
+    #[test]
     fn an_encrypted_repository_turned_unencrypted_or_rekeyed_is_refused() {
         let dir = tempfile::tempdir().unwrap();
         let k = Known::open(dir.path(), "/r", OnRollback::Warn).unwrap();
