@@ -1,5 +1,6 @@
 //! `ferry backup libvirt:DOMAIN REPO`: a point of every disk of a libvirt domain, each
-//! disk into `REPO::DOMAIN-TARGET` through the backup engine ([`crate::backup::backup`]).
+//! disk into `REPO::DOMAIN-TARGET` through the backup engine ([`ferry_backup::Engine`]):
+//! the repository is opened (its key derived from the passphrase) once for all the disks.
 //!
 //! A running domain is read through one pull-mode backup job for all its disks (so they
 //! are of one instant), exported on a Unix socket in a private 0700 directory. The job
@@ -24,10 +25,10 @@ use crate::libvirt_xml::{self as xml, Disk, Mode};
 use crate::repo::{human, short_id};
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use ferry_backup::{Engine, Map, Report};
 use ferry_repo::known::OnRollback;
 use ferry_repo::{PointDisk, PointRecord, Repository};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 /// The source prefix that names a libvirt domain.
 pub(crate) const SCHEME: &str = "libvirt:";
@@ -137,19 +138,15 @@ fn choose(all: Vec<Disk>, a: &LibvirtArgs, domain: &str) -> Result<Vec<Disk>> {
     Ok(chosen)
 }
 
-/// The repository of `args.dst` (REPO, without ::NAME).
-fn open_repo(args: &BackupArgs) -> Result<(String, Arc<Repository>)> {
+/// The engine of the run: the repository of `args.dst` (REPO, without ::NAME), opened
+/// once for every disk. Its listings warn when the store went back; each disk's backup
+/// refuses it for that disk (unless --accept-rollback).
+fn open_repo(args: &BackupArgs, quiet: bool) -> Result<Engine> {
     let spec = args.dst.clone();
     if spec.contains("::") {
         bail!("ferry backup libvirt:DOMAIN takes the repository alone (REPO): each disk goes into REPO::DOMAIN-TARGET");
     }
-    let repo = ferry_open::repo::open_repository_with(
-        &spec,
-        &args.remote.remote(),
-        args.password_file.as_deref(),
-        OnRollback::Warn,
-    )?;
-    Ok((spec, repo))
+    args.engine(&spec, OnRollback::Warn, quiet)
 }
 
 /// A private directory for the job's socket and scratch files: 0700, a new random name in
@@ -223,7 +220,8 @@ pub(crate) fn backup_domain(
     let live = h.domain_xml(domain, false)?;
     let state = h.state(domain)?;
     let chosen = choose(xml::disks(&live)?, &args.libvirt, domain)?;
-    let (spec, repo) = open_repo(args)?;
+    let engine = open_repo(args, quiet)?;
+    let (spec, repo) = (engine.spec(), engine.repository());
     let names: Vec<String> = chosen.iter().map(|d| disk_name(domain, &d.target)).collect::<Result<_>>()?;
     let inactive = h.domain_xml(domain, true).unwrap_or_else(|_| live.clone());
     let stopped = state.starts_with("shut off") || state.starts_with("crashed");
@@ -235,13 +233,13 @@ pub(crate) fn backup_domain(
     let uuid = xml::uuid(&live);
     // Each disk's snapshot id as the listing has it now (`ferry repo migrate` gives new ids).
     let (listed, _) = repo.snapshots_lenient().context("cannot list the snapshots of the repository")?;
-    let (points, bad) = repo.points_in(&listed).context("cannot read the points of the repository")?;
+    let (points, bad) = repo.points_of(domain, &listed, true).context("cannot read the points of the repository")?;
     for (object, e) in &bad {
         log::warn!("skipping {object}: {e}; disks it named are read whole");
     }
-    let points = same_domain(&points, domain, uuid.as_deref(), args.libvirt.new_domain, &spec)?;
+    let points = same_domain(&points, domain, uuid.as_deref(), args.libvirt.new_domain, spec)?;
     if stopped {
-        return backup_stopped(domain, uuid, &chosen, &names, &spec, &repo, &inactive, args, quiet);
+        return backup_stopped(domain, uuid, &chosen, &names, &engine, &inactive, args);
     }
     for d in &chosen {
         if d.kind == "network" || d.kind == "volume" && d.source.is_none() {
@@ -263,7 +261,7 @@ pub(crate) fn backup_domain(
     let mut plans = Vec::new();
     for (d, name) in chosen.iter().zip(&names) {
         let tracked = d.format.as_deref() == Some("qcow2");
-        let (mode, since) = match continuing(h, &repo, domain, name, &d.target, &points, &ours)? {
+        let (mode, since) = match continuing(h, repo, domain, name, &d.target, &points, &ours)? {
             Some((c, s)) if tracked => (Mode::Incremental(c), Some(s)),
             _ => (Mode::Full, None),
         };
@@ -290,16 +288,15 @@ pub(crate) fn backup_domain(
     let mut snaps = Vec::new();
     for p in &plans {
         let mode = job.modes.iter().find(|m| m.0 == p.disk.target).map(|m| m.1.clone()).unwrap_or(Mode::Full);
-        let mut a = args.clone();
-        a.src = format!("nbd+unix:///{}?socket={}", uri_escape(&p.disk.target), uri_escape(&socket.to_string_lossy()));
-        a.dst = format!("{spec}::{}", p.name);
-        a.json = false;
-        a.libvirt = LibvirtArgs::default();
-        (a.dirty_bitmap, a.since) = match mode {
-            Mode::Incremental(_) => (Some(format!("backup-{}", p.disk.target)), p.since.clone()),
+        let src =
+            format!("nbd+unix:///{}?socket={}", uri_escape(&p.disk.target), uri_escape(&socket.to_string_lossy()));
+        let mut plan = args.plan(src, p.name.clone());
+        (plan.map, plan.since) = match mode {
+            Mode::Incremental(_) => (Some(Map::DirtyBitmap(format!("backup-{}", p.disk.target))), p.since.clone()),
             _ => (None, None),
         };
-        let (snap, read) = crate::backup::backup(&a, quiet)
+        let Report { snapshot: snap, read } = engine
+            .backup(&plan)
             .with_context(|| format!("{domain}: disk {} (nothing of this run is kept as a point)", p.disk.target))?;
         if !args.json {
             let m = &snap.manifest;
@@ -689,17 +686,14 @@ impl Drop for Job<'_> {
 }
 
 /// A shut-off domain: each disk from its image, as `ferry backup IMAGE` reads it.
-#[allow(clippy::too_many_arguments)]
 fn backup_stopped(
     domain: &str,
     uuid: Option<String>,
     chosen: &[Disk],
     names: &[String],
-    spec: &str,
-    repo: &Repository,
+    engine: &Engine,
     inactive: &str,
     args: &BackupArgs,
-    quiet: bool,
 ) -> Result<(String, Vec<(ferry_repo::SnapshotInfo, u64)>)> {
     if args.libvirt.quiesce {
         bail!("--quiesce: {domain} is shut off, so there is no guest to freeze; back up without --quiesce");
@@ -731,12 +725,8 @@ fn backup_stopped(
     }
     let mut snaps = Vec::new();
     for ((d, name), src) in chosen.iter().zip(names).zip(sources) {
-        let mut a = args.clone();
-        a.src = src;
-        a.dst = format!("{spec}::{name}");
-        a.json = false;
-        a.libvirt = LibvirtArgs::default();
-        let (snap, read) = crate::backup::backup(&a, quiet).with_context(|| format!("{domain}: disk {}", d.target))?;
+        let Report { snapshot: snap, read } =
+            engine.backup(&args.plan(src, name.clone())).with_context(|| format!("{domain}: disk {}", d.target))?;
         if !args.json {
             let m = &snap.manifest;
             println!(
@@ -762,7 +752,10 @@ fn backup_stopped(
         })
         .collect();
     let point = PointRecord::new(domain, uuid, None, inactive.to_string(), disks);
-    let id = repo.put_point(&point).context("the snapshots are stored, but the point that binds them is not")?;
+    let id = engine
+        .repository()
+        .put_point(&point)
+        .context("the snapshots are stored, but the point that binds them is not")?;
     Ok((id, snaps))
 }
 
@@ -949,6 +942,88 @@ mod tests {
         assert_eq!(mine.iter().map(|p| p.host.as_str()).collect::<Vec<_>>(), ["old", "a"]);
         assert_eq!(same_domain(&points, "vm", Some("bbbb"), false, "/r").unwrap().len(), 2);
         assert!(same_domain(&points, "other", Some("cccc"), false, "/r").unwrap().is_empty());
+    }
+
+    /// A shut-off domain of two raw disks, `imgs`.
+    struct Stopped {
+        imgs: [PathBuf; 2],
+    }
+
+    impl Hypervisor for Stopped {
+        fn domain_xml(&self, name: &str, _: bool) -> Result<String> {
+            let disk = |t: &str, p: &Path| {
+                format!(
+                    "<disk type='file' device='disk'><driver name='qemu' type='raw'/><source file='{}'/><target \
+                     dev='{t}' bus='virtio'/></disk>",
+                    p.display()
+                )
+            };
+            let (a, b) = (disk("vda", &self.imgs[0]), disk("vdb", &self.imgs[1]));
+            Ok(format!("<domain type='kvm'><name>{name}</name><devices>{a}{b}</devices></domain>"))
+        }
+        fn state(&self, _: &str) -> Result<String> {
+            Ok("shut off".into())
+        }
+        fn checkpoints(&self, _: &str) -> Result<Vec<String>> {
+            unreachable!("a shut-off domain is read from its images")
+        }
+        fn checkpoint_xml(&self, _: &str, _: &str) -> Result<String> {
+            unreachable!()
+        }
+        fn checkpoint_delete(&self, _: &str, _: &str) -> Result<()> {
+            unreachable!()
+        }
+        fn backup_begin(&self, _: &str, _: &str, _: &str, _: &Path) -> Result<()> {
+            unreachable!()
+        }
+        fn backup_xml(&self, _: &str) -> Result<Option<String>> {
+            unreachable!()
+        }
+        fn job_abort(&self, _: &str) -> Result<()> {
+            unreachable!()
+        }
+        fn define(&self, _: &str, _: &Path) -> Result<()> {
+            unreachable!()
+        }
+        fn freeze(&self, _: &str, _: bool) -> Result<()> {
+            unreachable!()
+        }
+    }
+
+    #[test]
+    fn the_disks_of_a_run_share_one_opened_repository_and_one_key_derivation() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Line {
+            #[command(flatten)]
+            args: BackupArgs,
+        }
+        let t = tempfile::tempdir().unwrap();
+        let repo = t.path().join("repo");
+        let store = std::sync::Arc::new(ferry_repo::store::DirStore::create(&repo).unwrap());
+        let cost = ferry_repo::format::KdfCost { m_kib: 8192, t: 1, p: 1 };
+        let opts = ferry_repo::InitOptions {
+            encrypt: Some((ferry_repo::Passphrase::new(b"two disks".to_vec()), cost)),
+            ..Default::default()
+        };
+        Repository::init(store, &opts).unwrap();
+        let pw = t.path().join("pw");
+        std::fs::write(&pw, "two disks\n").unwrap();
+        let imgs = [t.path().join("a.img"), t.path().join("b.img")];
+        for (i, img) in imgs.iter().enumerate() {
+            std::fs::write(img, vec![i as u8 + 1; 256 << 10]).unwrap();
+        }
+        let h = Stopped { imgs };
+        let (pw, repo) = (pw.to_str().unwrap(), repo.to_str().unwrap());
+        let line = Line::try_parse_from(["backup", "--password-file", pw, "libvirt:vm", repo]).unwrap();
+        let before = ferry_repo::crypto::derivations();
+        let (point, snaps) = backup_domain(&h, "vm", &line.args, true).unwrap();
+        // Two disks, one point, one key derivation (other tests of this binary derive no
+        // key: the count is this run's).
+        assert_eq!(ferry_repo::crypto::derivations() - before, 1, "the passphrase is derived once per run");
+        assert_eq!(snaps.iter().map(|(s, _)| s.manifest.name.as_str()).collect::<Vec<_>>(), ["vm-vda", "vm-vdb"]);
+        assert_eq!(snaps.iter().map(|(_, read)| *read).collect::<Vec<_>>(), [256 << 10, 256 << 10]);
+        assert_eq!(point.len(), 64);
     }
 
     #[test]

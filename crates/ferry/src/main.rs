@@ -20,7 +20,6 @@
 #![allow(rustdoc::broken_intra_doc_links)]
 
 mod backup;
-mod backup_base;
 mod bench;
 mod bench_conns;
 mod bench_socket;

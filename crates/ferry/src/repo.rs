@@ -548,25 +548,7 @@ fn init(a: InitArgs) -> Result<i32> {
     Ok(0)
 }
 
-/// A snapshot id as lists show it: its first 8 hex digits.
-pub(crate) fn short_id(id: &str) -> &str {
-    id.get(..8).unwrap_or(id)
-}
-
-/// Bytes for people: `512 B`, `64.0 KiB`, `1.5 GiB`.
-pub(crate) fn human(n: u64) -> String {
-    const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
-    if n < 1024 {
-        return format!("{n} B");
-    }
-    let mut v = n as f64 / 1024.0;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < UNITS.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    format!("{v:.1} {}", UNITS[u])
-}
+pub(crate) use ferry_backup::{human, short_id};
 
 /// A manifest's time as lists show it: `2026-11-26 22:00:00`.
 fn shown_time(t: &str) -> String {
@@ -1142,13 +1124,5 @@ mod tests {
         ] {
             assert_eq!(super::glob(p.as_bytes(), n.as_bytes()), want, "{p} {n}");
         }
-    }
-
-    #[test]
-    fn human_sizes() {
-        assert_eq!(super::human(0), "0 B");
-        assert_eq!(super::human(1023), "1023 B");
-        assert_eq!(super::human(65536), "64.0 KiB");
-        assert_eq!(super::human(3 << 29), "1.5 GiB");
     }
 }

@@ -549,7 +549,11 @@ fn bad_domains_and_disks_are_clear_errors() {
     let out =
         run_ok(&mut lv.ferry(&["backup", "--password-file", pwf, "--exclude", "vdb", &format!("libvirt:{dom}"), enc]));
     let point = out.stdout.lines().last().unwrap().split(' ').nth(1).unwrap().to_string();
-    for f in std::fs::read_dir(d.join("enc/points")).unwrap() {
+    // points/TAG/ID: the tag does not name the domain either.
+    let tags: Vec<_> = std::fs::read_dir(d.join("enc/points")).unwrap().map(|t| t.unwrap().path()).collect();
+    assert_eq!(tags.len(), 1, "{tags:?}");
+    assert!(!tags[0].to_string_lossy().contains(dom), "{tags:?}");
+    for f in std::fs::read_dir(&tags[0]).unwrap() {
         let bytes = std::fs::read(f.unwrap().path()).unwrap();
         assert!(!String::from_utf8_lossy(&bytes).contains("domain"), "the point is not sealed");
     }

@@ -53,6 +53,22 @@ use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+/// `spec` as messages and digest lines may show it: an http(s):// or s3:// URL (after an
+/// optional `raw:` or `qcow2:`) without its userinfo, query string and fragment, where a
+/// password or a presigned signature would be; anything else (paths, NBD URIs) unchanged.
+pub fn shown(spec: &str) -> String {
+    let (prefix, rest) = match spec.split_once(':') {
+        Some((p @ ("raw" | "qcow2"), r)) => (&spec[..p.len() + 1], r),
+        _ => ("", spec),
+    };
+    let scheme = rest.split_once("://").map(|(s, _)| s.to_ascii_lowercase());
+    match scheme.as_deref() {
+        Some("http" | "https" | "s3") => format!("{prefix}{}", ferry_http::redact(rest)),
+        _ if rest.starts_with("rbd:") => format!("{prefix}{}", ferry_backend::redact_rbd(rest)),
+        _ => spec.to_string(),
+    }
+}
+
 /// Whether `p` is a regular file or a block device: something with an image in it that
 /// can be probed and locked. A FIFO or character device is a stream: opening it to look
 /// or to lock would take (and lose) what its writer sends, or wait for one.
@@ -653,6 +669,18 @@ pub fn rbd_info(loc: &Location, json: bool) -> Result<Option<i32>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn shown_hides_what_may_be_secret() {
+        assert_eq!(shown("http://u:pw@h:8/a/b?sig=x#f"), "http://h:8/a/b");
+        assert_eq!(shown("raw:https://u:pw@h/q.qcow2"), "raw:https://h/q.qcow2");
+        assert_eq!(shown("qcow2:HTTPS://u:pw@h/q"), "qcow2:https://h/q");
+        assert_eq!(shown("s3://bkt/key"), "s3://bkt/key");
+        assert_eq!(shown("qcow2:rbd:p/i:key=AQB1:id=u"), "qcow2:rbd:p/i:key=***:id=u");
+        for kept in ["/tmp/a?b@c", "raw:/x?y", "nbd+unix:///e?socket=/s", "null:", "-", "rbd:p/i?conf=/c"] {
+            assert_eq!(shown(kept), kept);
+        }
+    }
 
     #[test]
     fn formats() {

@@ -371,7 +371,8 @@ pub struct Known {
     location: String,
     /// The repository as the user wrote it, for the commands messages give.
     shown: String,
-    on: OnRollback,
+    /// What a listing does when the store went back ([`Known::hold_to`] changes it).
+    on: Mutex<OnRollback>,
     /// What was said already (a command lists the snapshots more than once).
     said: Mutex<HashSet<String>>,
     /// Whether a listing found the store went back (and it was not accepted).
@@ -401,7 +402,7 @@ impl Known {
             object,
             location: location.into(),
             shown: location.into(),
-            on,
+            on: Mutex::new(on),
             said: Mutex::new(HashSet::new()),
             went_back: Default::default(),
         })
@@ -412,6 +413,16 @@ impl Known {
     pub fn shown_as(mut self, repo: &str) -> Known {
         self.shown = repo.into();
         self
+    }
+
+    /// From now on, listings act as `on` says (one opened repository, several disks each
+    /// held to its own: `ferry backup libvirt:` refuses a rollback of the disk it backs up).
+    pub fn hold_to(&self, on: OnRollback) {
+        *self.on.lock().unwrap_or_else(|e| e.into_inner()) = on;
+    }
+
+    fn on(&self) -> OnRollback {
+        self.on.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// The record's file, for messages.
@@ -527,13 +538,14 @@ impl Known {
         let unreadable: HashSet<&str> = unreadable.iter().map(String::as_str).collect();
         let Some(old) = before.0 else { return Ok(()) };
         let found = findings(&old, snaps, &unreadable);
+        let on = self.on();
         self.with_record(|rec| {
             let Some(r) = rec.as_mut().filter(|r| r.id == old.id) else { return Ok(()) };
-            let accept = matches!(self.on, OnRollback::Accept);
+            let accept = matches!(on, OnRollback::Accept);
             let mut refused = Vec::new();
             let mut damaged = Vec::new();
             for f in &found {
-                let refuse = match &self.on {
+                let refuse = match &on {
                     OnRollback::Warn | OnRollback::Accept => false,
                     OnRollback::Refuse { disk, back, damaged: d, .. } => {
                         disk.as_deref().is_none_or(|d| d == f.disk())
@@ -549,18 +561,18 @@ impl Known {
                 };
                 let what = f.describe(&self.location);
                 if let (true, Finding::Damaged { disk, seen, .. }) = (refuse, f) {
-                    damaged.push(self.damaged_way_out(what, disk, &seen.id));
+                    damaged.push(self.damaged_way_out(&on, what, disk, &seen.id));
                 } else if refuse {
                     refused.push(what);
                 } else if accept {
                     self.say_once(format!("accepted: {what}"));
                 } else if !f.went_back() {
                     // Damage, which check and verify report as such.
-                    if !matches!(self.on, OnRollback::Warn) {
+                    if !matches!(on, OnRollback::Warn) {
                         self.say_once(format!("{what}; going on, as this command needs nothing from it"));
                     }
                 } else {
-                    let only_reads = matches!(self.on, OnRollback::Warn);
+                    let only_reads = matches!(on, OnRollback::Warn);
                     self.say_once(format!("{what}{}", if only_reads { "; going on, as this command only reads" } else { "" }));
                 }
             }
@@ -571,7 +583,7 @@ impl Known {
             if refused.is_empty() && damaged.is_empty() {
                 return Ok(());
             }
-            let way_out = match &self.on {
+            let way_out = match &on {
                 OnRollback::Refuse { way_out, .. } => way_out.clone(),
                 _ => "forget that snapshot again (`ferry repo forget`), or accept the store's state with `ferry backup \
                       --accept-rollback`"
@@ -586,8 +598,8 @@ impl Known {
 
     /// The refusal of a command that takes the latest snapshot of `disk` while its newest,
     /// `id`, cannot be read (`what`: the finding, described).
-    fn damaged_way_out(&self, what: String, disk: &str, id: &str) -> String {
-        let more = match &self.on {
+    fn damaged_way_out(&self, on: &OnRollback, what: String, disk: &str, id: &str) -> String {
+        let more = match on {
             OnRollback::Refuse { damaged: Some(more), .. } if !more.is_empty() => format!("; {more}"),
             _ => String::new(),
         };
@@ -824,6 +836,29 @@ mod tests {
             ..crate::InitOptions::default()
         };
         Repository::init(std::sync::Arc::new(crate::store::MemStore::new()), &opts).unwrap()
+    }
+
+    #[test]
+    fn a_repository_opened_once_holds_each_disk_to_its_own_refusal() {
+        let dir = tempfile::tempdir().unwrap();
+        let k = Known::open(dir.path(), "/r", OnRollback::Warn).unwrap();
+        k.opened(&repo(false)).unwrap();
+        let (a, b) = (snap(1, "vm-vda", 1), snap(2, "vm-vdb", 1));
+        k.listed(k.before_listing(), &[a, b.clone()], &[]).unwrap();
+        // vm-vda's newest is gone: a run's listing warns...
+        k.listed(k.before_listing(), std::slice::from_ref(&b), &[]).unwrap();
+        let refuse = |disk: &str| OnRollback::Refuse {
+            disk: Some(disk.into()),
+            back: true,
+            way_out: "look first".into(),
+            damaged: None,
+        };
+        // ...the backup of vm-vdb goes on, and the one of vm-vda is refused.
+        k.hold_to(refuse("vm-vdb"));
+        k.listed(k.before_listing(), std::slice::from_ref(&b), &[]).unwrap();
+        k.hold_to(refuse("vm-vda"));
+        let e = k.listed(k.before_listing(), std::slice::from_ref(&b), &[]).unwrap_err().to_string();
+        assert!(e.contains("look first"), "{e}");
     }
 
     #[test]

@@ -1,7 +1,9 @@
 //! Points of a virtual machine (FORMAT.md, "Points"): which snapshot of each of a
-//! domain's disks was taken at one instant, the libvirt checkpoint that instant began,
-//! and the domain's XML. `points/ID`, immutable, named by the SHA-256 of its stored
-//! bytes, sealed as manifests are.
+//! domain's disks was taken at one instant, the libvirt checkpoint that instant began, and
+//! the domain's XML. `points/TAG/ID`, TAG the domain's tag (so that a backup reads its own
+//! domain's points only), ID the SHA-256 of its stored bytes; immutable, sealed as
+//! manifests are. Points stored before TAG was (`points/ID`) are read too, and moved
+//! under their domain's TAG by the next backup of any domain.
 //!
 //! A point binds a checkpoint to snapshot ids: a backup continues a disk from a
 //! checkpoint only when the point that names it also names the disk's latest snapshot,
@@ -128,7 +130,13 @@ impl PointRecord {
 }
 
 impl Repository {
-    /// Stores a point; its id (the object's name without `points/`).
+    /// Where the points of `domain` are: `points/TAG/`, TAG the tag (FORMAT.md §8) of
+    /// `domain:` and the domain's name (no disk name has a `:`, so no disk's tag is it).
+    pub fn points_prefix(&self, domain: &str) -> String {
+        format!("points/{}/", self.crypto().disk_tag(&format!("domain:{domain}")))
+    }
+
+    /// Stores a point; its id (the object's name without `points/TAG/`).
     pub fn put_point(&self, point: &PointRecord) -> Result<String> {
         point.validate().map_err(|e| Error::Invalid(e.0))?;
         let json = serde_json::to_vec(point).map_err(|e| Error::Invalid(e.to_string()))?;
@@ -137,41 +145,68 @@ impl Repository {
             return Err(Error::Invalid(format!("the point would be {} bytes, more than {MAX_POINT}", sealed.len())));
         }
         let id = crate::format::hex(&crate::repo::sha256(&sealed));
-        let name = format!("points/{id}");
+        let name = format!("{}{id}", self.points_prefix(&point.domain));
         self.store()
             .put(&name, &sealed)
             .map_err(|e| Error::store(format!("cannot store {name} in {}", self.store().describe()), e))?;
         Ok(id)
     }
 
-    /// Reads and checks one point (`points/ID`).
-    pub fn point(&self, id: &str) -> Result<PointRecord> {
-        let object = format!("points/{id}");
-        let json = self.read_named(&object, "points/", MAX_POINT, AAD_POINT)?;
-        PointRecord::parse(&json).map_err(|e| Error::damaged(&object, e.0))
+    /// Reads and checks one point (`object`: `points/ID` or `points/TAG/ID`).
+    fn point_at(&self, object: &str) -> Result<PointRecord> {
+        let prefix = object.rsplit_once('/').map_or("points/", |(dir, _)| &object[..dir.len() + 1]);
+        let json = self.read_named(object, prefix, MAX_POINT, AAD_POINT)?;
+        PointRecord::parse(&json).map_err(|e| Error::damaged(object, e.0))
+    }
+
+    /// The point objects (name, id): `points/ID` (stored before domains had a TAG) and
+    /// `points/TAG/ID`. Anything else is a point that cannot be read.
+    fn point_objects(&self) -> Result<(Vec<(String, String)>, Failures)> {
+        let names = self
+            .store()
+            .list("points/")
+            .map_err(|e| Error::store(format!("cannot list the points of {}", self.store().describe()), e))?;
+        let mut found = Vec::new();
+        let mut bad: Failures = Vec::new();
+        for (n, _) in names {
+            let rest = n.strip_prefix("points/").unwrap_or(&n);
+            let id = match rest.split_once('/') {
+                Some((tag, id)) if is_hex(tag, 64) => id,
+                Some(_) => "",
+                None => rest,
+            };
+            match is_hex(id, 64) {
+                true => found.push((n.clone(), id.to_string())),
+                false => bad.push((n.clone(), Error::damaged(&n, "its name is not points/ID or points/TAG/ID"))),
+            }
+        }
+        Ok((found, bad))
+    }
+
+    /// Reads `objects` (name, id): each point that reads well (id, record), oldest first,
+    /// once (one being moved under its TAG may be listed at both places), and those that
+    /// do not with why.
+    fn read_points(&self, objects: &[(String, String)]) -> Result<(Vec<(String, PointRecord)>, Failures)> {
+        let mut good: Vec<(String, PointRecord)> = Vec::new();
+        let mut bad = Vec::new();
+        for ((object, id), r) in objects.iter().zip(par_map(objects, FETCH_THREADS, |(o, _)| self.point_at(o))) {
+            match r {
+                Ok(_) if good.iter().any(|(g, _)| g == id) => {}
+                Ok(p) => good.push((id.clone(), p)),
+                Err(e @ Error::Store { .. }) => return Err(e),
+                Err(e) => bad.push((object.clone(), e)),
+            }
+        }
+        sort_points(&mut good);
+        Ok((good, bad))
     }
 
     /// Every point that reads well (id, record), oldest first, and those that do not
     /// with why.
     pub fn points(&self) -> Result<(Vec<(String, PointRecord)>, Failures)> {
-        let names = self
-            .store()
-            .list("points/")
-            .map_err(|e| Error::store(format!("cannot list the points of {}", self.store().describe()), e))?;
-        let ids: Vec<String> =
-            names.into_iter().filter_map(|(n, _)| n.strip_prefix("points/").map(String::from)).collect();
-        let mut good = Vec::new();
-        let mut bad = Vec::new();
-        for (id, r) in ids.iter().zip(par_map(&ids, FETCH_THREADS, |id| self.point(id))) {
-            match r {
-                Ok(p) => good.push((id.clone(), p)),
-                Err(e @ Error::Store { .. }) => return Err(e),
-                Err(e) => bad.push((format!("points/{id}"), e)),
-            }
-        }
-        // By the instant, not the text: `...:00Z` and `...:00.5Z` compare wrongly as strings.
-        let at = |p: &PointRecord| p.time.parse::<jiff::Timestamp>().ok();
-        good.sort_by(|a, b| (at(&a.1), &a.0).cmp(&(at(&b.1), &b.0)));
+        let (objects, mut bad) = self.point_objects()?;
+        let (good, more) = self.read_points(&objects)?;
+        bad.extend(more);
         Ok((good, bad))
     }
 
@@ -183,11 +218,79 @@ impl Repository {
         Ok((good, bad))
     }
 
-    /// Removes a point (the snapshots it names stay).
-    pub fn delete_point(&self, id: &str) -> Result<()> {
-        let name = format!("points/{id}");
-        self.store().delete(&name).map_err(|e| Error::store(format!("cannot remove {name}"), e))
+    /// [`Repository::points_in`] of `domain` alone: the points under its TAG, and those
+    /// stored before points had one (`points/ID`, of any domain: read to tell). With
+    /// `move_old` (a backup, which writes), each of those old ones is moved under its own
+    /// domain's TAG, so that the next run of any domain reads
+    /// its own domain's points alone.
+    pub fn points_of(
+        &self,
+        domain: &str,
+        snaps: &[SnapshotInfo],
+        move_old: bool,
+    ) -> Result<(Vec<(String, PointRecord)>, Failures)> {
+        let (all, mut bad) = self.point_objects()?;
+        let prefix = self.points_prefix(domain);
+        let (old, mine): (Vec<_>, Vec<_>) = all
+            .into_iter()
+            .filter(|(o, _)| o.starts_with(&prefix) || o.matches('/').count() == 1)
+            .partition(|(o, _)| o.matches('/').count() == 1);
+        bad.retain(|(o, _)| o.starts_with(&prefix) || o.matches('/').count() == 1);
+        let (mut good, more) = self.read_points(&mine)?;
+        bad.extend(more);
+        let (old, more) = self.read_points(&old)?;
+        bad.extend(more);
+        if move_old {
+            for (id, p) in &old {
+                if let Err(e) = self.move_point(id, &p.domain) {
+                    log::warn!("cannot move points/{id} under its domain's tag ({e}); the next backup tries again");
+                }
+            }
+        }
+        let old = old.into_iter().filter(|(id, p)| p.domain == domain && !good.iter().any(|(g, _)| g == id));
+        good.extend(old.collect::<Vec<_>>());
+        sort_points(&mut good);
+        follow_migrations(&mut good, snaps);
+        Ok((good, bad))
     }
+
+    /// Moves `points/ID` (a point of `domain`, stored before points had a TAG) under its
+    /// domain's TAG: the same bytes (so the same id) stored there first, then removed from
+    /// `points/`, so that it is at one place at least whenever a run stops.
+    fn move_point(&self, id: &str, domain: &str) -> Result<()> {
+        let old = format!("points/{id}");
+        let new = format!("{}{id}", self.points_prefix(domain));
+        let bytes = self.store().get(&old, MAX_POINT).map_err(|e| Error::store(format!("cannot read {old}"), e))?;
+        if crate::format::hex(&crate::repo::sha256(&bytes)) != id {
+            return Err(Error::damaged(&old, "its content does not match its name (SHA-256)"));
+        }
+        self.store().put(&new, &bytes).map_err(|e| Error::store(format!("cannot store {new}"), e))?;
+        match self.store().delete(&old) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(Error::store(format!("cannot remove {old}"), e)),
+            _ => Ok(()),
+        }
+    }
+
+    /// Removes point `id` of `domain` (the snapshots it names stay), wherever it is
+    /// (under the domain's TAG, or at `points/ID` where older ferry stored it).
+    pub fn delete_point(&self, id: &str, domain: &str) -> Result<()> {
+        for name in [format!("{}{id}", self.points_prefix(domain)), format!("points/{id}")] {
+            match self.store().delete(&name) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(Error::store(format!("cannot remove {name}"), e))
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Points by the instant they were taken, then id: `...:00Z` and `...:00.5Z` compare
+/// wrongly as text.
+fn sort_points(points: &mut [(String, PointRecord)]) {
+    let at = |p: &PointRecord| p.time.parse::<jiff::Timestamp>().ok();
+    points.sort_by(|a, b| (at(&a.1), &a.0).cmp(&(at(&b.1), &b.0)));
 }
 
 /// Removes the points whose snapshots are all gone: none is among `present` (the listing
@@ -209,7 +312,7 @@ pub(crate) fn prune_points(
             continue;
         }
         if !dry_run {
-            repo.delete_point(&id)?;
+            repo.delete_point(&id, &p.domain)?;
         }
         removed.push((id, p.domain));
     }
@@ -280,6 +383,50 @@ mod tests {
         assert!(PointRecord::parse(&serde_json::to_vec(&q).unwrap()).is_err());
         assert!(PointRecord::parse(b"{\"version\":1").is_err());
         assert!(PointRecord::parse(&vec![b' '; MAX_POINT as usize + 1]).is_err());
+    }
+
+    #[test]
+    fn a_domain_reads_its_own_points_and_older_ones_move_under_their_domain() {
+        use crate::store::Store;
+        for encrypted in [false, true] {
+            let (store, repo) = crate::tests::new_repo(encrypted);
+            let of = |domain: &str, time: &str| PointRecord { domain: domain.into(), time: time.into(), ..point() };
+            // Two points stored as ferry stored them before TAG: at points/ID.
+            let mut old = Vec::new();
+            for p in [of("vm1", "2026-11-28T09:00:00Z"), of("vm2", "2026-11-28T09:00:01Z")] {
+                let id = repo.put_point(&p).unwrap();
+                let new = format!("{}{id}", repo.points_prefix(&p.domain));
+                let bytes = store.get(&new, MAX_POINT).unwrap();
+                store.put(&format!("points/{id}"), &bytes).unwrap();
+                store.delete(&new).unwrap();
+                old.push(id);
+            }
+            let vm1 = repo.put_point(&of("vm1", "2026-11-28T10:00:00Z")).unwrap();
+            let vm2 = repo.put_point(&of("vm2", "2026-11-28T10:00:00Z")).unwrap();
+            let ids = |v: Vec<(String, PointRecord)>| v.into_iter().map(|(id, _)| id).collect::<Vec<_>>();
+            // The older points are read (a reader moves nothing)...
+            assert_eq!(ids(repo.points_of("vm1", &[], false).unwrap().0), [old[0].clone(), vm1.clone()]);
+            assert!(store.get(&format!("points/{}", old[0]), MAX_POINT).is_ok());
+            assert_eq!(repo.points().unwrap().0.len(), 4);
+            // ...and a backup moves them all under their domains, the ids kept.
+            assert_eq!(ids(repo.points_of("vm1", &[], true).unwrap().0), [old[0].clone(), vm1.clone()]);
+            let flat = |id: &str| store.get(&format!("points/{id}"), MAX_POINT).is_ok();
+            assert!(!flat(&old[0]) && !flat(&old[1]));
+            assert_eq!(ids(repo.points_of("vm2", &[], false).unwrap().0), [old[1].clone(), vm2.clone()]);
+            // From then on a domain's points are read alone: another domain's damaged
+            // point is not even read.
+            let theirs = format!("{}{vm2}", repo.points_prefix("vm2"));
+            store.put(&theirs, b"not a point").unwrap();
+            let (mine, bad) = repo.points_of("vm1", &[], false).unwrap();
+            assert_eq!((ids(mine), bad.len()), (vec![old[0].clone(), vm1.clone()], 0));
+            assert_eq!(repo.points().unwrap().1.len(), 1, "all points: the damaged one is read");
+            // The tag does not show the domain's name, and differs by domain.
+            assert!(!repo.points_prefix("vm1").contains("vm1"));
+            assert_ne!(repo.points_prefix("vm1"), repo.points_prefix("vm2"));
+            // Deleting takes a point from wherever it is.
+            repo.delete_point(&vm1, "vm1").unwrap();
+            assert_eq!(ids(repo.points_of("vm1", &[], false).unwrap().0), [old[0].clone()]);
+        }
     }
 
     #[test]

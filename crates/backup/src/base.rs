@@ -10,7 +10,7 @@
 //! the map calls unchanged is read from the source and compared with the base's digests
 //! ([`sample`]): that catches a map or a source of another disk (not one lost change).
 
-use crate::repo::short_id;
+use crate::short_id;
 use anyhow::{bail, Context, Result};
 use ferry_backend::{Backend, Capabilities, ZeroMode};
 use ferry_client::copy::{copy, BackendEndpoint, CopyOptions, Endpoint, Progress};
