@@ -37,6 +37,7 @@
 //! `unsafe`: forbidden.
 
 pub mod location;
+pub mod partitions;
 mod rbd;
 pub mod repo;
 mod s3;
