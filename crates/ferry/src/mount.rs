@@ -6,7 +6,7 @@
 //! Every read goes through the snapshot reader `ferry copy REPO::...` uses
 //! (`SnapshotImage`): verified bytes only; a chunk that cannot be read (damaged, missing)
 //! is EIO to the reader and an error line here, never other bytes. The file system runs in
-//! the foreground until SIGINT, SIGTERM or SIGHUP unmounts it (or `fusermount -u DIR`).
+//! the foreground until SIGINT, SIGTERM or SIGHUP unmounts it (or `fusermount3 -u DIR`).
 //! FUSE comes from `fuser` with its default features off: the kernel's protocol spoken on
 //! /dev/fuse, the mount made by `fusermount3` (or `fusermount`), no libfuse.
 
@@ -306,7 +306,7 @@ pub fn run(args: MountArgs) -> Result<i32> {
     let unmounter = session.unmount_callable();
     watch_signals(unmounter, dir.clone())?;
     log::info!(
-        "{shown} mounted on {dir}: {}, partitions.txt; read-only. Ctrl-C (or SIGTERM, or `fusermount -u {dir}`) unmounts",
+        "{shown} mounted on {dir}: {}, partitions.txt; read-only. Ctrl-C (or SIGTERM, or `fusermount3 -u {dir}`) unmounts",
         names.join(", ")
     );
     session.run().with_context(|| format!("the file system on {dir} failed"))?;
@@ -331,7 +331,7 @@ fn watch_signals(mut unmounter: fuser::SessionUnmounter, dir: String) -> Result<
                     }
                     Err(e) => log::warn!(
                         "cannot unmount {dir} ({e}): close what uses it (a shell in it, a loop device, guestmount), \
-                         then signal again or run `fusermount -u {dir}`"
+                         then signal again or run `fusermount3 -u {dir}`"
                     ),
                 }
             }

@@ -290,7 +290,7 @@ fn gpt_at(disk_size: u64, sector: u64, lba: u64, read: &mut Read) -> Result<Vec<
         return bad("no signature");
     }
     let size = u32_at(&h, 12) as usize;
-    if size < 92 || size > h.len() {
+    if !(92..=h.len()).contains(&size) {
         return bad(format!("header size {size}"));
     }
     let mut copy = h[..size].to_vec();
@@ -310,7 +310,7 @@ fn gpt_at(disk_size: u64, sector: u64, lba: u64, read: &mut Read) -> Result<Vec<
     if count > MAX_GPT_ENTRIES {
         return bad(format!("{count} entries (at most {MAX_GPT_ENTRIES} read)"));
     }
-    if entry_size < 128 || entry_size > 4096 || !entry_size.is_power_of_two() {
+    if !(128..=4096).contains(&entry_size) || !entry_size.is_power_of_two() {
         return bad(format!("entry size {entry_size}"));
     }
     let array = count as usize * entry_size as usize;
