@@ -447,13 +447,18 @@ fn a_snapshot_another_copy_stored_meanwhile_is_not_stored_twice() {
     let (src, snaps) = source(CS as u32, None);
     let (_, dst) = repo_with(CS as u32, None);
     let b = &snaps[2].0;
+    // The other copy reads another copy of the source (this one holds the source's lock):
+    // a copy of a copy is known as the snapshot it copies.
+    let (_, other) = repo_with(CS as u32, None);
+    let there = run(&src, &other, Select::One { name: "b".into(), id: b.id.clone() });
+    let b_there = there.copied[0].id.clone();
     let beside = AtomicBool::new(false);
     let on = |e: Event| {
         // Once the first snapshot is copied (the destination was listed before it), the
         // other copy stores `b`.
         if matches!(e, Event::Copied(_)) && !beside.swap(true, Ordering::SeqCst) {
-            let one = Select::One { name: "b".into(), id: b.id.clone() };
-            assert_eq!(run(&src, &dst, one).copied.len(), 1);
+            let one = Select::One { name: "b".into(), id: b_there.clone() };
+            assert_eq!(run(&other, &dst, one).copied.len(), 1);
         }
     };
     let opts = CopyOptions { threads: 3, ..CopyOptions::default() };
