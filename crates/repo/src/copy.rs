@@ -312,7 +312,8 @@ pub fn copy(
                 on(Event::Skipped(&s));
                 report.skipped.push(s);
             }
-            Ok(Done::Copied(c, info)) => {
+            Ok(Done::Copied(done)) => {
+                let (c, info) = *done;
                 report.chunks_sent += c.chunks_sent;
                 report.bytes_sent += c.bytes_sent;
                 report.bytes_read += c.bytes_read;
@@ -399,7 +400,7 @@ fn parent_for<'a>(
 /// What [`copy_one`] did.
 enum Done {
     /// Copied: the report of it, and the new snapshot.
-    Copied(Copied, SnapshotInfo),
+    Copied(Box<(Copied, SnapshotInfo)>),
     /// Found in the destination once its disk's lock was held (another copy stored it
     /// since the destination was listed): the copy there, and the destination's snapshots
     /// as listed under the lock.
@@ -496,7 +497,7 @@ fn copy_one(
         resumed,
         rechunked,
     };
-    Ok(Done::Copied(c, info))
+    Ok(Done::Copied(Box::new((c, info))))
 }
 
 /// A writer for the copy `opts` describes: continuing the interrupted copy of the same
