@@ -2,7 +2,7 @@
 # Bounded fuzz smoke run of the cargo-fuzz targets (fuzz/fuzz_targets/*.rs): ferry-proto's
 # server-side and client-side parsers, ferry-client's URI parser, the qcow2 format layer, and
 # ferry-repo's backup repository objects (repo_format) and its local index cache's run files
-# (repo_runs).
+# (repo_runs), and ferry-open's MBR and GPT partition tables (partitions, for ferry mount).
 #
 #   scripts/fuzz-smoke.sh [SECONDS_PER_TARGET]     (default 20)
 #

@@ -17,9 +17,10 @@ pub struct CompareArgs {
     /// The second disk, as A.
     #[arg(value_name = "B")]
     b: String,
-    /// Strict: disks of different sizes differ (qemu-img compare's -s). Without it the tail
-    /// of the longer disk must read as zeroes. (Unlike qemu-img's -s, allocation is not
-    /// compared: a hole and written zeroes are the same content.)
+    /// Strict (qemu-img compare's -s): disks of different sizes differ, and so do disks
+    /// where one has data (allocated) and the other a hole, as their block status
+    /// (base:allocation) says, even over zeroes. Without it the tail of the longer disk
+    /// must read as zeroes, and a hole and written zeroes are the same content.
     #[arg(short = 's', long)]
     strict: bool,
     /// Accepted for qemu-img compare's command lines: the format of A (raw or qcow2).
@@ -169,10 +170,18 @@ fn compare(args: &CompareArgs, quiet: bool) -> Result<i32> {
         (Disk::Image(_, Some(x)), Disk::Image(_, Some(y))) if x.chunk_size() == y.chunk_size() => differ_from(x, y),
         _ => Some(0),
     };
+    // Strict: where the allocation first differs bounds the content compared (qemu-img
+    // reports whichever comes first).
+    let status_at = if args.strict { first_allocation_difference(&a, &b)? } else { None };
+    let end = status_at.unwrap_or(sa.max(sb));
     let found = match start {
-        None => None,
-        Some(start) => first_difference(&a, &b, start, sa.max(sb), threads)?,
+        Some(start) if start < end => first_difference(&a, &b, start, end, threads)?,
+        _ => None,
     };
+    if let (None, Some(at)) = (found, status_at) {
+        say(&format!("Strict mode: Offset {} block status mismatch!", at / SECTOR * SECTOR));
+        return Ok(1);
+    }
     // As qemu-img: the warning once the common part compared equal, before the tail's verdict.
     if sa != sb && found.is_none_or(|at| at >= sa.min(sb)) {
         say("Warning: Image size mismatch!");
@@ -187,6 +196,54 @@ fn compare(args: &CompareArgs, quiet: bool) -> Result<i32> {
             Ok(1)
         }
     }
+}
+
+/// One disk's allocation, run by run: data, or a hole (`NBD_STATE_HOLE`).
+struct Allocation<'a> {
+    disk: &'a Disk,
+    conn: Option<Connection>,
+}
+
+impl Allocation<'_> {
+    /// Whether `offset` is in a hole, and where that run ends. A server that offers no
+    /// block status has data everywhere.
+    fn at(&mut self, offset: u64) -> Result<(bool, u64)> {
+        let size = self.disk.size();
+        let mut out = Vec::new();
+        match (self.disk, &mut self.conn) {
+            (Disk::Image(b, _), _) => b.extents(offset, size - offset, 1, &mut out)?,
+            (Disk::Nbd(..), Some(c)) if c.can_block_status() => {
+                let len = (size - offset).min(c.max_status_length()).min(1 << 30);
+                out = c.block_status(offset, len)?
+            }
+            (Disk::Nbd(..), _) => return Ok((false, size)),
+        }
+        let e = out.first().context("a block status without extents")?;
+        let hole = e.flags & ferry_proto::consts::STATE_HOLE != 0;
+        Ok((hole, offset.saturating_add(e.length.max(1)).min(size)))
+    }
+}
+
+/// The first offset where one disk has data and the other a hole (the disks are of one
+/// size), or `None`.
+fn first_allocation_difference(a: &Disk, b: &Disk) -> Result<Option<u64>> {
+    let conn = |d: &Disk| -> Result<Option<Connection>> {
+        Ok(match d {
+            Disk::Nbd(u, _) => Some(Connection::connect(u, &ConnectOptions::default())?),
+            Disk::Image(..) => None,
+        })
+    };
+    let (mut x, mut y) = (Allocation { disk: a, conn: conn(a)? }, Allocation { disk: b, conn: conn(b)? });
+    let size = a.size().min(b.size());
+    let mut at = 0;
+    while at < size {
+        let ((ha, ea), (hb, eb)) = (x.at(at)?, y.at(at)?);
+        if ha != hb {
+            return Ok(Some(at));
+        }
+        at = ea.min(eb);
+    }
+    Ok(None)
 }
 
 /// The first byte offset from `start` and below `end` at which `a` and `b` differ (bytes past a disk's end

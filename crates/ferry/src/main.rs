@@ -36,6 +36,7 @@ mod libvirt_restore;
 mod libvirt_virsh;
 mod libvirt_xml;
 mod man;
+mod mount;
 mod remote_args;
 mod repo;
 mod repo_copy;
@@ -87,6 +88,9 @@ enum Command {
     /// Restore a point of a libvirt domain (`ferry backup libvirt:DOMAIN REPO`): every disk
     /// and the domain's XML into a directory, optionally defined under a new name.
     Restore(libvirt_restore::RestoreArgs),
+    /// A snapshot as a read-only FUSE file system, to get files back: DIR/disk.raw (the whole
+    /// disk) and DIR/part1, part2, ... (its partitions), in the foreground until Ctrl-C.
+    Mount(mount::MountArgs),
     /// Backup repositories: init, list, check, verify, forget, gc, stats.
     Repo(repo::RepoArgs),
     /// Print a completion script for bash, zsh or fish.
@@ -166,6 +170,7 @@ fn main() {
         }
     };
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    usage_checks(&cli);
     let level = match (cli.quiet, cli.verbose) {
         (true, _) => "warn",
         (false, 0) => "info",
@@ -191,6 +196,7 @@ fn main() {
         Command::Bitmap(args) => bitmap::run(args),
         Command::Backup(args) => backup::run(args, cli.quiet),
         Command::Restore(args) => libvirt_restore::run(args, cli.quiet),
+        Command::Mount(args) => mount::run(args),
         Command::Repo(args) => repo::run(args),
         Command::Completions(args) => completions::run(args),
         Command::GenerateMan(args) => man::run(args),
@@ -208,6 +214,18 @@ fn main() {
                 std::process::exit(ferry_repo::Error::failure_in(e.as_ref()).map_or(1, exit_status));
             }
         },
+    }
+}
+
+/// What the command line says wrong that clap's definition cannot: a usage error, exit
+/// status 2, before anything is opened.
+fn usage_checks(cli: &Cli) {
+    if let Command::Backup(b) = &cli.command {
+        let max = ferry_repo::format::MAX_TAGS;
+        if b.tags.len() > max {
+            let msg = format!("{} --tag options: a snapshot holds at most {max} tags", b.tags.len());
+            command().error(clap::error::ErrorKind::TooManyValues, msg).exit();
+        }
     }
 }
 

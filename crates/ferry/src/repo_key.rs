@@ -40,7 +40,7 @@ struct KeyCommon {
     repo: String,
     /// A current passphrase of the repository: the first line of FILE (else
     /// --password-command, FERRY_PASSWORD, FERRY_PASSWORD_FILE, FERRY_PASSWORD_COMMAND, a
-    /// prompt on a terminal for list and remove).
+    /// prompt on a terminal).
     #[arg(long, value_name = "FILE")]
     password_file: Option<PathBuf>,
     /// A current passphrase: the first line CMD prints, run by /bin/sh -c.
@@ -71,7 +71,8 @@ struct KeyNewArgs {
     #[command(flatten)]
     common: KeyCommon,
     /// The new passphrase: the first line of FILE (else FERRY_NEW_PASSWORD, else
-    /// FERRY_NEW_PASSWORD_FILE). Never given on the command line.
+    /// FERRY_NEW_PASSWORD_FILE, else typed twice on a terminal). Never given on the
+    /// command line.
     #[arg(long, value_name = "FILE")]
     new_password_file: Option<PathBuf>,
     /// Memory the new key's derivation takes (Argon2id's m; 3 passes, 4 lanes).
@@ -110,15 +111,24 @@ pub(crate) fn kdf_cost(kdf_memory: &str) -> Result<KdfCost> {
     Ok(KdfCost { m_kib: (mem >> 10) as u32, ..ferry_repo::crypto::DEFAULT_KDF })
 }
 
-/// The current and the new passphrase, both given, and different.
-fn passphrases(current: Option<&Path>, new: Option<&Path>) -> Result<(Passphrase, Passphrase)> {
-    let Some(now) = ferry_open::repo::passphrase(current)? else {
+/// The current and the new passphrase, both given (else typed on a terminal, the new one
+/// twice), and different.
+fn passphrases(repo: &str, current: Option<&Path>, new: Option<&Path>) -> Result<(Passphrase, Passphrase)> {
+    let now = match ferry_open::repo::passphrase(current)? {
+        Some(p) => Some(p),
+        None => ferry_open::repo::prompt(repo)?,
+    };
+    let Some(now) = now else {
         bail!("a current passphrase is needed: {}", ferry_open::repo::PASSPHRASE_HOW);
     };
-    let Some(new) = ferry_open::repo::new_passphrase(new)? else {
+    let new = match ferry_open::repo::new_passphrase(new)? {
+        Some(p) => Some(p),
+        None => ferry_open::repo::prompt_new(repo)?,
+    };
+    let Some(new) = new else {
         bail!(
             "a new passphrase is needed: --new-password-file FILE (its first line), FERRY_NEW_PASSWORD=... or \
-             FERRY_NEW_PASSWORD_FILE=FILE (never on the command line)"
+             FERRY_NEW_PASSWORD_FILE=FILE (never on the command line), or run it on a terminal"
         );
     };
     if now == new {
@@ -132,7 +142,7 @@ fn change(a: KeyNewArgs, passwd: bool) -> Result<i32> {
     let cost = kdf_cost(&a.kdf_memory)?;
     let limit = ferry_open::repo::kdf_limit()?;
     ferry_open::repo::set_password_command(c.password_command.as_deref());
-    let (now, new) = passphrases(c.password_file.as_deref(), a.new_password_file.as_deref())?;
+    let (now, new) = passphrases(&c.repo, c.password_file.as_deref(), a.new_password_file.as_deref())?;
     let store = ferry_open::repo::repo_store(&c.repo, &c.remote.remote(), false)?;
     let repo = Repository::open_with(store, &|| Ok(now.clone()), limit)
         .with_context(|| format!("cannot open the repository {}", c.repo))?;

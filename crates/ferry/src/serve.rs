@@ -89,8 +89,9 @@ pub struct ServeArgs {
     exit_with_parent: bool,
     /// Serve in the background, as qemu-nbd --fork: the server runs as a new process in
     /// its own process group (standard input and output /dev/null, its errors still on
-    /// this standard error), and this command returns 0 once it listens (its --pid-file
-    /// written), or fails with the server's error and exit status if it could not start.
+    /// this standard error), and this command prints its URI (with the port `-p 0`
+    /// picked: `uri=$(ferry serve --fork -p 0 ...)`) and returns 0 once it listens (its
+    /// --pid-file written), or fails with the server's error and exit status if it could not start.
     /// `ferry serve --fork ... && CLIENT ...` needs no wait.
     #[arg(long, conflicts_with_all = ["run", "exit_with_parent"])]
     fork: bool,
@@ -414,12 +415,17 @@ fn write_pid_file(path: &Path) -> std::io::Result<()> {
 /// Set in the environment of the server that `--fork` starts: that process is the server.
 const FORKED: &str = "FERRY_SERVE_FORKED";
 
-/// What the server that `--fork` started writes to its standard output once it listens.
-const READY: &str = "ready\n";
+/// What the server that `--fork` started writes to its standard output once it listens,
+/// before its URI and a line end.
+const READY: &str = "ready ";
+
+/// The longest line of READY and a URI read from the server.
+const MAX_READY_LINE: u64 = 8192;
 
 /// `--fork`: runs this command line again as the server, in a new process group, and
-/// returns once it says it listens (0), or with its status once it ends without (its error
-/// went to this standard error).
+/// returns once it says it listens (0, its URI printed on standard output: the port
+/// `-p 0` picked is there), or with its status once it ends without (its error went to
+/// this standard error).
 fn fork() -> Result<i32> {
     use std::io::{BufRead, Read};
     use std::os::unix::process::CommandExt;
@@ -434,10 +440,11 @@ fn fork() -> Result<i32> {
         .context("--fork: cannot start the server")?;
     let out = child.stdout.take().context("--fork: no pipe from the server")?;
     let mut said = String::new();
-    // The server says READY and nothing else: a line of a few bytes at most is read.
-    let _ = std::io::BufReader::new(out).take(READY.len() as u64).read_line(&mut said);
-    if said == READY {
-        log::debug!("the server (pid {}) listens", child.id());
+    // The server says READY and its URI, nothing else: one bounded line is read.
+    let _ = std::io::BufReader::new(out).take(MAX_READY_LINE).read_line(&mut said);
+    if let Some(uri) = said.strip_prefix(READY).and_then(|l| l.strip_suffix('\n')) {
+        log::debug!("the server (pid {}) listens on {uri}", child.id());
+        println!("{uri}");
         return Ok(0);
     }
     let status = child.wait().context("--fork: waiting for the server")?;
@@ -447,13 +454,13 @@ fn fork() -> Result<i32> {
     }
 }
 
-/// The server `--fork` started tells its parent that it listens, then its standard
-/// output is the parent's pipe no more (nothing else is written to it).
-fn say_ready() {
+/// The server `--fork` started tells its parent that it listens, on `uri`, then its
+/// standard output is the parent's pipe no more (nothing else is written to it).
+fn say_ready(uri: &str) {
     use std::io::Write;
     let mut out = std::io::stdout().lock();
     // The parent may be gone (killed): nothing to tell then.
-    let _ = out.write_all(READY.as_bytes()).and_then(|()| out.flush());
+    let _ = out.write_all(format!("{READY}{uri}\n").as_bytes()).and_then(|()| out.flush());
 }
 
 pub fn run(mut args: ServeArgs) -> Result<i32> {
@@ -622,7 +629,7 @@ pub fn run(mut args: ServeArgs) -> Result<i32> {
         write_pid_file(p).with_context(|| format!("--pid-file {}", p.display()))?;
     }
     if forked {
-        say_ready();
+        say_ready(&uri);
     }
 
     let child = match &args.run {

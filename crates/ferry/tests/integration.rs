@@ -33,6 +33,7 @@ mod lifecycle;
 mod locking;
 mod man;
 mod meta_contexts;
+mod mount;
 mod peer_spellings;
 mod qcow2;
 mod qcow2_bitmaps;

@@ -32,11 +32,12 @@
 //! S3 uploads finished or aborted), `open_on_store` (a format on a store other than a local
 //! file); `repo` (a backup repository's store, directory or S3, opened and unlocked with
 //! its passphrase; `REPO::NAME[@ID]` as a read-only `SnapshotImage`, refused as a copy
-//! destination)
+//! destination); `partitions` (a disk's MBR or GPT, parsed with no I/O, for `ferry mount`)
 //!
 //! `unsafe`: forbidden.
 
 pub mod location;
+pub mod partitions;
 mod rbd;
 pub mod repo;
 mod s3;

@@ -187,6 +187,23 @@ fn from_command(cmd: &str, what: &str) -> Result<Passphrase> {
 /// The passphrase typed on the terminal, asked for `repo`, when standard input is one
 /// (else `None`): the prompt and the answer go through /dev/tty, with echo off.
 pub fn prompt(repo: &str) -> Result<Option<Passphrase>> {
+    prompt_line(&format!("passphrase of {repo}: "))
+}
+
+/// A new passphrase for `repo` typed on the terminal, twice, when standard input is one
+/// (else `None`); two that differ are an error.
+pub fn prompt_new(repo: &str) -> Result<Option<Passphrase>> {
+    let Some(first) = prompt_line(&format!("new passphrase of {repo}: "))? else { return Ok(None) };
+    let Some(again) = prompt_line("the new passphrase again: ")? else { return Ok(None) };
+    if first != again {
+        bail!("the two passphrases typed differ: nothing was changed; run it again");
+    }
+    Ok(Some(first))
+}
+
+/// The line typed on the terminal after `question`, when standard input is one (else
+/// `None`), with echo off.
+fn prompt_line(question: &str) -> Result<Option<Passphrase>> {
     use nix::sys::termios::{tcgetattr, tcsetattr, LocalFlags, SetArg};
     use std::io::{IsTerminal, Write};
     if !std::io::stdin().is_terminal() {
@@ -200,7 +217,7 @@ pub fn prompt(repo: &str) -> Result<Option<Passphrase>> {
     let mut quiet = before.clone();
     quiet.local_flags.remove(LocalFlags::ECHO);
     quiet.local_flags.insert(LocalFlags::ICANON);
-    write!(tty, "passphrase of {repo}: ").and_then(|()| tty.flush()).context("cannot write to the terminal")?;
+    write!(tty, "{question}").and_then(|()| tty.flush()).context("cannot write to the terminal")?;
     tcsetattr(&tty, SetArg::TCSANOW, &quiet).context("cannot turn the terminal's echo off")?;
     let line = first_line_of(&tty, "the passphrase typed");
     // Echo back on whatever happened, then the line end the typed one did not show.

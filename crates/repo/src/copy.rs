@@ -287,9 +287,12 @@ pub fn copy(
         if opts.cancel.as_ref().is_some_and(|c| c.load(Ordering::SeqCst)) {
             return Err(Error::Interrupted);
         }
-        if let Some(have) = already(&theirs, &src_id, &dst.config().id, snap) {
+        let skip = |have: String| {
             discard_leftover(dst, &snap.manifest.name, &origin_of(snap, &src_id), opts.wait_lock);
-            let s = Skipped { name: snap.manifest.name.clone(), source_id: snap.id.clone(), id: have };
+            Skipped { name: snap.manifest.name.clone(), source_id: snap.id.clone(), id: have }
+        };
+        if let Some(have) = already(&theirs, &src_id, &dst.config().id, snap) {
+            let s = skip(have);
             on(Event::Skipped(&s));
             report.skipped.push(s);
             continue;
@@ -302,7 +305,15 @@ pub fn copy(
         match copy_one(src, dst, snap, &source, &theirs, opts, progress, &|resumed| {
             on(Event::Start { snap, at, of: chosen.len(), resumed })
         }) {
-            Ok((c, info)) => {
+            // Another copy stored it since the listing: the listing under the lock has it.
+            Ok(Done::There(have, fresh)) => {
+                theirs = fresh;
+                let s = skip(have);
+                on(Event::Skipped(&s));
+                report.skipped.push(s);
+            }
+            Ok(Done::Copied(done)) => {
+                let (c, info) = *done;
                 report.chunks_sent += c.chunks_sent;
                 report.bytes_sent += c.bytes_sent;
                 report.bytes_read += c.bytes_read;
@@ -386,7 +397,17 @@ fn parent_for<'a>(
         .next_back()
 }
 
-/// Copies one snapshot; the report of it, and the new snapshot.
+/// What [`copy_one`] did.
+enum Done {
+    /// Copied: the report of it, and the new snapshot.
+    Copied(Box<(Copied, SnapshotInfo)>),
+    /// Found in the destination once its disk's lock was held (another copy stored it
+    /// since the destination was listed): the copy there, and the destination's snapshots
+    /// as listed under the lock.
+    There(String, Vec<SnapshotInfo>),
+}
+
+/// Copies one snapshot, unless the destination has it once the disk's lock is held.
 #[allow(clippy::too_many_arguments)]
 fn copy_one(
     src: &Arc<Repository>,
@@ -397,7 +418,7 @@ fn copy_one(
     opts: &CopyOptions,
     progress: &Progress,
     started: &dyn Fn(Option<u64>),
-) -> Result<(Copied, SnapshotInfo)> {
+) -> Result<Done> {
     let m = &snap.manifest;
     let name = m.name.clone();
     let time = copy_time(&m.time, jiff::Timestamp::now());
@@ -427,6 +448,14 @@ fn copy_one(
         ..BackupOptions::new(&name, m.size)
     };
     let (writer, resumed) = start_or_resume(dst, backup, theirs)?;
+    // Listed again now that the writer holds the disk's lock: a copy of the same snapshot
+    // that committed since `theirs` was listed (a `ferry repo copy` beside this one) must
+    // not be stored twice.
+    let (fresh, _) = dst.snapshots_skipping()?;
+    if let Some(have) = already(&fresh, &src.config().id, &dst.config().id, snap) {
+        drop(writer);
+        return Ok(Done::There(have, fresh));
+    }
     started(resumed.then(|| writer.done_ranges().iter().map(|r| r.1).sum()));
     let rechunked = src_cs != dst.config().chunk_size as u64;
     let source_of = parent.as_ref().and_then(|p| p.manifest.copied_from.as_ref());
@@ -468,7 +497,7 @@ fn copy_one(
         resumed,
         rechunked,
     };
-    Ok((c, info))
+    Ok(Done::Copied(Box::new((c, info))))
 }
 
 /// A writer for the copy `opts` describes: continuing the interrupted copy of the same

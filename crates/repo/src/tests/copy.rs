@@ -438,3 +438,36 @@ fn a_checkpoint_that_cannot_be_resumed_is_copied_afresh() {
     assert!(!r.copied[0].resumed);
     assert_eq!(read_back(&dst, &latest(&dst, "a")), a);
 }
+
+/// Two copies into one destination side by side: the second stores a snapshot after the
+/// first listed the destination and before it takes the disk's lock. The first lists
+/// again under the lock and skips it: one copy of each snapshot, never two.
+#[test]
+fn a_snapshot_another_copy_stored_meanwhile_is_not_stored_twice() {
+    let (src, snaps) = source(CS as u32, None);
+    let (_, dst) = repo_with(CS as u32, None);
+    let b = &snaps[2].0;
+    // The other copy reads another copy of the source (this one holds the source's lock):
+    // a copy of a copy is known as the snapshot it copies.
+    let (_, other) = repo_with(CS as u32, None);
+    let there = run(&src, &other, Select::One { name: "b".into(), id: b.id.clone() });
+    let b_there = there.copied[0].id.clone();
+    let beside = AtomicBool::new(false);
+    let on = |e: Event| {
+        // Once the first snapshot is copied (the destination was listed before it), the
+        // other copy stores `b`.
+        if matches!(e, Event::Copied(_)) && !beside.swap(true, Ordering::SeqCst) {
+            let one = Select::One { name: "b".into(), id: b_there.clone() };
+            assert_eq!(run(&other, &dst, one).copied.len(), 1);
+        }
+    };
+    let opts = CopyOptions { threads: 3, ..CopyOptions::default() };
+    let r = copy(&src, &dst, &Select::All, &opts, &Progress::default(), &on).unwrap();
+    assert_eq!((r.copied.len(), r.skipped.len(), r.failed.len()), (2, 1, 0), "{r:?}");
+    assert_eq!(r.skipped[0].source_id, b.id);
+    let (all, _) = dst.snapshots_skipping().unwrap();
+    let copies = all.iter().filter(|c| c.manifest.copied_from.as_ref().unwrap().snapshot == b.id).count();
+    assert_eq!(copies, 1, "one copy of the snapshot of b");
+    assert_eq!(all.len(), 3);
+    assert_clean(&dst);
+}

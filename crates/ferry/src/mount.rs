@@ -1,0 +1,341 @@
+//! `ferry mount REPO::NAME[@ID] DIR`: a snapshot as a read-only FUSE file system, for
+//! getting files back without restoring the disk: `disk.raw` (the whole disk), one file
+//! per partition of its MBR or GPT (`part1`, `part2`, ..., numbered as Linux numbers
+//! them) and `partitions.txt` (each partition's range, type and GPT name).
+//!
+//! Every read goes through the snapshot reader `ferry copy REPO::...` uses
+//! (`SnapshotImage`): verified bytes only; a chunk that cannot be read (damaged, missing)
+//! is EIO to the reader and an error line here, never other bytes. The file system runs in
+//! the foreground until SIGINT, SIGTERM or SIGHUP unmounts it (or `fusermount3 -u DIR`).
+//! FUSE comes from `fuser` with its default features off: the kernel's protocol spoken on
+//! /dev/fuse, the mount made by `fusermount3` (or `fusermount`), no libfuse.
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use ferry_backend::Backend;
+use ferry_open::partitions::{self, Partition, Scheme, Table};
+use ferry_open::Location;
+use ferry_repo::SnapshotImage;
+use fuser::{
+    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, LockOwner, MountOption,
+    OpenAccMode, OpenFlags, ReplyAttr, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyXattr,
+    Request,
+};
+use std::ffi::OsStr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+#[derive(Args, Debug)]
+pub struct MountArgs {
+    /// The snapshot, REPO::NAME (the disk's latest) or REPO::NAME@ID.
+    #[arg(value_name = "REPO::NAME[@ID]")]
+    snapshot: String,
+    /// An empty directory to mount it on.
+    dir: PathBuf,
+    /// Let other users (root among them) read the files: FUSE's allow_other, which
+    /// /etc/fuse.conf must allow (`user_allow_other`) for a user who is not root.
+    #[arg(short = 'o', value_name = "allow_other", value_parser = ["allow_other"])]
+    options: Vec<String>,
+    /// The repository's passphrase: the first line of FILE (else --password-command,
+    /// FERRY_PASSWORD, FERRY_PASSWORD_FILE, FERRY_PASSWORD_COMMAND, a prompt on a terminal).
+    #[arg(long, value_name = "FILE")]
+    password_file: Option<PathBuf>,
+    /// The passphrase: the first line CMD prints, run by /bin/sh -c (its standard input
+    /// and error are ferry's; a failing CMD is an error).
+    #[arg(long, value_name = "CMD", conflicts_with = "password_file")]
+    password_command: Option<String>,
+    #[command(flatten)]
+    remote: crate::remote_args::RemoteArgs,
+}
+
+const ROOT: u64 = 1;
+const DISK: u64 = 2;
+const LIST: u64 = 3;
+/// Partition N is inode `FIRST_PART + N`.
+const FIRST_PART: u64 = 16;
+/// The kernel may keep what it learnt this long: nothing in a snapshot changes.
+const TTL: Duration = Duration::from_secs(3600);
+
+/// One file of the file system.
+struct Entry {
+    ino: u64,
+    name: String,
+    /// Where its bytes are on the disk.
+    start: u64,
+    length: u64,
+}
+
+struct SnapshotFs {
+    image: Arc<SnapshotImage>,
+    shown: String,
+    /// disk.raw, then the partitions.
+    files: Vec<Entry>,
+    /// partitions.txt's text.
+    listing: Vec<u8>,
+    time: SystemTime,
+    uid: u32,
+    gid: u32,
+}
+
+impl SnapshotFs {
+    fn attr(&self, ino: u64) -> Option<FileAttr> {
+        let (kind, perm, size, nlink) = match ino {
+            ROOT => (FileType::Directory, 0o555, 0, 2),
+            LIST => (FileType::RegularFile, 0o444, self.listing.len() as u64, 1),
+            _ => (FileType::RegularFile, 0o444, self.files.iter().find(|f| f.ino == ino)?.length, 1),
+        };
+        Some(FileAttr {
+            ino: INodeNo(ino),
+            size,
+            blocks: size.div_ceil(512),
+            atime: self.time,
+            mtime: self.time,
+            ctime: self.time,
+            crtime: self.time,
+            kind,
+            perm,
+            nlink,
+            uid: self.uid,
+            gid: self.gid,
+            rdev: 0,
+            blksize: 65536,
+            flags: 0,
+        })
+    }
+
+    /// Every name in the directory, with its inode and type.
+    fn names(&self) -> Vec<(u64, FileType, String)> {
+        let mut v = vec![
+            (ROOT, FileType::Directory, ".".to_string()),
+            (ROOT, FileType::Directory, "..".to_string()),
+            (LIST, FileType::RegularFile, "partitions.txt".to_string()),
+        ];
+        v.extend(self.files.iter().map(|f| (f.ino, FileType::RegularFile, f.name.clone())));
+        v
+    }
+}
+
+impl Filesystem for SnapshotFs {
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        let found = (u64::from(parent) == ROOT)
+            .then(|| self.names().into_iter().skip(2).find(|(_, _, n)| OsStr::new(n) == name))
+            .flatten();
+        match found.and_then(|(ino, _, _)| self.attr(ino)) {
+            Some(a) => reply.entry(&TTL, &a, Generation(0)),
+            None => reply.error(Errno::ENOENT),
+        }
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        match self.attr(ino.into()) {
+            Some(a) => reply.attr(&TTL, &a),
+            None => reply.error(Errno::ENOENT),
+        }
+    }
+
+    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        if self.attr(ino.into()).is_none() {
+            return reply.error(Errno::ENOENT);
+        }
+        if !matches!(flags.acc_mode(), OpenAccMode::O_RDONLY) {
+            return reply.error(Errno::EROFS);
+        }
+        // The bytes never change: the kernel's page cache may keep them across opens.
+        reply.opened(FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE);
+    }
+
+    fn read(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        let ino = u64::from(ino);
+        if ino == LIST {
+            let from = offset.min(self.listing.len() as u64) as usize;
+            let to = (from + size as usize).min(self.listing.len());
+            return reply.data(&self.listing[from..to]);
+        }
+        let Some(f) = self.files.iter().find(|f| f.ino == ino) else {
+            return reply.error(Errno::ENOENT);
+        };
+        let len = u64::from(size).min(f.length.saturating_sub(offset));
+        if len == 0 {
+            return reply.data(&[]);
+        }
+        let mut buf = vec![0u8; len as usize];
+        match self.image.read(&mut buf, f.start + offset) {
+            Ok(()) => reply.data(&buf),
+            Err(e) => {
+                log::error!(
+                    "{}: reading {} bytes at {offset} of {} (byte {} of the disk): {e}: the reader gets EIO",
+                    self.shown,
+                    len,
+                    f.name,
+                    f.start + offset
+                );
+                reply.error(Errno::EIO)
+            }
+        }
+    }
+
+    fn readdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
+        if u64::from(ino) != ROOT {
+            return reply.error(Errno::ENOTDIR);
+        }
+        for (i, (ino, kind, name)) in self.names().into_iter().enumerate().skip(offset as usize) {
+            if reply.add(INodeNo(ino), i as u64 + 1, kind, name) {
+                break;
+            }
+        }
+        reply.ok();
+    }
+
+    /// Nothing is written: a close has nothing to flush.
+    fn flush(&self, _req: &Request, _ino: INodeNo, _fh: FileHandle, _owner: LockOwner, reply: ReplyEmpty) {
+        reply.ok()
+    }
+
+    fn getxattr(&self, _req: &Request, _ino: INodeNo, _name: &OsStr, _size: u32, reply: ReplyXattr) {
+        reply.error(Errno::NO_XATTR);
+    }
+
+    fn listxattr(&self, _req: &Request, _ino: INodeNo, size: u32, reply: ReplyXattr) {
+        if size == 0 {
+            reply.size(0)
+        } else {
+            reply.data(&[])
+        }
+    }
+}
+
+/// The files of a disk of `size` bytes with `table` (or none, and why).
+fn files(size: u64, table: &std::result::Result<Table, partitions::TableError>) -> (Vec<Entry>, Vec<u8>) {
+    let mut files = vec![Entry { ino: DISK, name: "disk.raw".into(), start: 0, length: size }];
+    let mut text = format!("disk.raw  the whole disk, {size} bytes\n");
+    match table {
+        Ok(t) if t.scheme == Scheme::None => text.push_str("no partition table\n"),
+        Ok(t) => {
+            text.push_str(&format!(
+                "{} partition table, {} partition(s):\n",
+                if t.scheme == Scheme::Gpt { "GPT" } else { "MBR" },
+                t.partitions.len()
+            ));
+            for p in &t.partitions {
+                files.push(Entry {
+                    ino: FIRST_PART + u64::from(p.number),
+                    name: format!("part{}", p.number),
+                    start: p.start,
+                    length: p.length,
+                });
+                text.push_str(&line(p));
+            }
+        }
+        Err(e) => text.push_str(&format!("no partition files: {e}\n")),
+    }
+    (files, text.into_bytes())
+}
+
+fn line(p: &Partition) -> String {
+    let name = if p.name.is_empty() { String::new() } else { format!("  name {:?}", p.name) };
+    format!("part{}  start {}  size {}  type {}{name}\n", p.number, p.start, p.length, p.kind)
+}
+
+pub fn run(args: MountArgs) -> Result<i32> {
+    let (repo, name, id) = match Location::parse(&args.snapshot).with_context(|| format!("{:?}", args.snapshot))? {
+        Location::Repo { repo, name, id } => (repo, name, id),
+        _ => bail!("{:?} is not a snapshot: write REPO::NAME or REPO::NAME@ID", args.snapshot),
+    };
+    let is_dir = std::fs::metadata(&args.dir).map(|m| m.is_dir());
+    if !matches!(is_dir, Ok(true)) {
+        bail!("the mount point {} is not a directory: make it with mkdir", args.dir.display());
+    }
+    ferry_open::repo::set_password_command(args.password_command.as_deref());
+    let shown = Location::repo_spec(&repo, &name, id.as_deref());
+    let remote = args.remote.remote();
+    let on = ferry_open::repo::snapshot_on_rollback(&repo, &name, id.as_deref());
+    let r = ferry_open::repo::open_repository_with(&repo, &remote, args.password_file.as_deref(), on)?;
+    let snap = ferry_open::repo::resolve(&r, &name, id.as_deref()).with_context(|| shown.clone())?;
+    let image = SnapshotImage::open_with_cache(r, &snap, ferry_open::repo::cache_bytes()?)
+        .with_context(|| format!("cannot open the snapshot {shown}"))?;
+    let shown = format!("{repo}::{name}@{}", &snap.id[..snap.id.len().min(8)]);
+    let size = image.size();
+    let table = partitions::scan(size, &mut |offset, buf| image.read(buf, offset).map_err(|e| e.to_string()));
+    if let Err(e) = &table {
+        log::warn!("{shown}: {e}: only disk.raw is shown");
+    }
+    let (files, listing) = files(size, &table);
+    let time = snap.manifest.time.parse::<jiff::Timestamp>().map_or(SystemTime::UNIX_EPOCH, SystemTime::from);
+    let fs = SnapshotFs {
+        image,
+        shown: shown.clone(),
+        files,
+        listing,
+        time,
+        uid: rustix::process::geteuid().as_raw(),
+        gid: rustix::process::getegid().as_raw(),
+    };
+    let names: Vec<String> = fs.files.iter().map(|f| f.name.clone()).collect();
+    let mut config = fuser::Config::default();
+    config.mount_options = vec![
+        MountOption::RO,
+        MountOption::NoDev,
+        MountOption::NoSuid,
+        MountOption::NoExec,
+        MountOption::FSName(format!("ferry:{shown}")),
+        MountOption::Subtype("ferry".into()),
+    ];
+    if args.options.iter().any(|o| o == "allow_other") {
+        config.acl = fuser::SessionACL::All;
+    }
+    // Readers side by side (guestfish, a loop device's queue): the image reads in parallel.
+    config.n_threads = Some(4);
+    let dir = args.dir.display().to_string();
+    let mut session = fuser::Session::new(fs, &args.dir, &config).with_context(|| {
+        format!(
+            "cannot mount {shown} on {dir} (FUSE needs /dev/fuse and fusermount3 or fusermount: install the fuse3 \
+             package)"
+        )
+    })?;
+    let unmounter = session.unmount_callable();
+    watch_signals(unmounter, dir.clone())?;
+    log::info!(
+        "{shown} mounted on {dir}: {}, partitions.txt; read-only. Ctrl-C (or SIGTERM, or `fusermount3 -u {dir}`) unmounts",
+        names.join(", ")
+    );
+    session.run().with_context(|| format!("the file system on {dir} failed"))?;
+    log::info!("{dir} unmounted");
+    Ok(0)
+}
+
+/// SIGINT, SIGTERM and SIGHUP unmount the file system (`session.run` then returns). A
+/// mount point still in use is left mounted, with a warning: the next signal tries again.
+fn watch_signals(mut unmounter: fuser::SessionUnmounter, dir: String) -> Result<()> {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    let mut signals =
+        signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP]).context("installing signal handlers")?;
+    std::thread::Builder::new()
+        .name("mount-signals".into())
+        .spawn(move || {
+            for sig in signals.forever() {
+                match unmounter.unmount() {
+                    Ok(()) => {
+                        log::info!("{}: unmounting {dir}", crate::interrupt::name(sig));
+                        break;
+                    }
+                    Err(e) => log::warn!(
+                        "cannot unmount {dir} ({e}): close what uses it (a shell in it, a loop device, guestmount), \
+                         then signal again or run `fusermount3 -u {dir}`"
+                    ),
+                }
+            }
+        })
+        .context("starting the signal thread")?;
+    Ok(())
+}
