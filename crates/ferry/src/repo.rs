@@ -978,7 +978,7 @@ fn protect(a: ProtectArgs, on: bool) -> Result<i32> {
         OnRollback::Warn,
     )?;
     let snap = repo.resolve(&name, Some(&id))?;
-    let changed = ferry_repo::retain::set_protected(&repo, &snap.id, on, a.wait)
+    let changed = ferry_repo::retain::set_protected(&repo, &snap, on, a.wait)
         .with_context(|| format!("{} {repo_spec}::{name}@{id}", if on { "protecting" } else { "unprotecting" }))?;
     let what = format!("snapshot {} of {name}", short_id(&snap.id));
     match (on, changed) {

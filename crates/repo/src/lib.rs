@@ -184,6 +184,7 @@
 #![forbid(unsafe_code)]
 
 pub mod blob;
+mod bloom;
 mod checkpoint;
 mod condemn;
 pub mod copy;

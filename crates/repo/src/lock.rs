@@ -629,39 +629,6 @@ mod tests {
         assert!(tries >= 8, "{tries} tries");
     }
 
-    /// A store whose `len` fails (not with NotFound) once `fail` is set.
-    struct FailingLen {
-        inner: crate::store::MemStore,
-        fail: std::sync::atomic::AtomicBool,
-    }
-
-    impl Store for FailingLen {
-        fn describe(&self) -> String {
-            self.inner.describe()
-        }
-        fn get(&self, name: &str, limit: u64) -> io::Result<Vec<u8>> {
-            self.inner.get(name, limit)
-        }
-        fn get_range(&self, name: &str, offset: u64, len: u64) -> io::Result<Vec<u8>> {
-            self.inner.get_range(name, offset, len)
-        }
-        fn len(&self, name: &str) -> io::Result<u64> {
-            if self.fail.load(std::sync::atomic::Ordering::SeqCst) {
-                return Err(io::Error::other("the store is unreachable"));
-            }
-            self.inner.len(name)
-        }
-        fn put(&self, name: &str, data: &[u8]) -> io::Result<()> {
-            self.inner.put(name, data)
-        }
-        fn delete(&self, name: &str) -> io::Result<()> {
-            self.inner.delete(name)
-        }
-        fn list(&self, prefix: &str) -> io::Result<Vec<(String, u64)>> {
-            self.inner.list(prefix)
-        }
-    }
-
     /// A lock whose refresh was last confirmed longer ago than another process waits to
     /// take it for stale counts as lost, though its object is there (again: a refresh
     /// that landed after another process removed it), and stays lost.
@@ -689,17 +656,19 @@ mod tests {
     /// without counting the lock lost for good.
     #[test]
     fn a_lock_check_fails_closed_on_a_store_error() {
-        let failing = Arc::new(FailingLen {
-            inner: crate::store::MemStore::new(),
-            fail: std::sync::atomic::AtomicBool::new(false),
-        });
+        use crate::tests::{Op, When};
+        let failing = Arc::new(crate::tests::Hooked::new(Arc::new(crate::store::MemStore::new())));
         let store: Arc<dyn Store> = failing.clone();
         let g = acquire(&store, LockKind::Backup, Some("d".repeat(64)), None).unwrap();
         g.check().unwrap();
-        failing.fail.store(true, std::sync::atomic::Ordering::SeqCst);
+        // `len` fails (not with NotFound).
+        failing.set_hook(Some(Box::new(|_, when, op, _| match (when, op) {
+            (When::Before, Op::Len) => Err(io::Error::other("the store is unreachable")),
+            _ => Ok(()),
+        })));
         let e = g.check().unwrap_err();
         assert!(matches!(e, Error::Store { .. }) && e.to_string().contains("run it again"), "{e}");
-        failing.fail.store(false, std::sync::atomic::Ordering::SeqCst);
+        failing.set_hook(None);
         g.check().unwrap();
     }
 

@@ -124,6 +124,20 @@ fn for_pages(
     }
 }
 
+/// How many of a located page's chunk hints (FORMAT.md §7c) name a place where the index
+/// lists no copy of that chunk: stale (gc moved or dropped the copy), or never true.
+fn stale_hints(repo: &Repository, table: &BlobTable, page: &format::LocatedPage) -> u64 {
+    let stale = |(i, at): &(usize, format::BlobAt)| {
+        let id = repo.crypto.blob_id(&page.entries[*i]);
+        let pack = table.pack_number(&at.pack);
+        let held = table
+            .locations(&id)
+            .any(|l| Some(l.pack) == pack && l.offset == at.offset && l.stored_len == at.stored_len);
+        !held
+    };
+    (0..page.entries.len()).filter_map(|i| Some((i, page.at(i)?))).filter(stale).count() as u64
+}
+
 /// The byte range chunk `ci` of a snapshot covers.
 fn chunk_range(snap: &SnapshotInfo, first: u64, count: u64) -> (u64, u64) {
     let cs = snap.manifest.chunk_size as u64;
@@ -427,6 +441,8 @@ fn walk_pages(
     let mut pages_done: HashSet<Digest> = HashSet::new();
     let mut page_problem: HashMap<Digest, usize> = HashMap::new();
     let mut cache = PageCache::new(PAGE_CACHE_ENTRIES);
+    // Chunk hints gone stale, and the distinct pages that have them.
+    let mut stale = (0u64, 0u64);
     let positions = w.snap_pages.iter().map(|p| p.count()).max().unwrap_or(0) as usize;
     // Each snapshot's page digests, taken in turn as the positions advance: `at[si]` is
     // the digest of snapshot `si`'s page at the current position.
@@ -455,7 +471,15 @@ fn walk_pages(
                 end += 1;
             }
             w.page_reads += want.len() as u64;
-            for (d, page) in want.iter().zip(par_map(&want, FETCH_THREADS, |d| repo.read_page(&w.pages_index, d))) {
+            let read = par_map(&want, FETCH_THREADS, |d| {
+                let page = repo.read_page_hinted(&w.pages_index, d, None);
+                let n = page.as_ref().map_or(0, |p| stale_hints(repo, &w.table, p));
+                (page.map(|p| p.entries), n)
+            });
+            for (d, (page, n)) in want.iter().zip(read) {
+                if n > 0 && !pages_done.contains(d) {
+                    stale = (stale.0 + n, stale.1 + 1);
+                }
                 cache.put(*d, page);
             }
             for &si in &live[k..end] {
@@ -535,6 +559,15 @@ fn walk_pages(
             }
             k = end;
         }
+    }
+    if stale.0 > 0 {
+        r.notes.push(format!(
+            "{} chunk hint(s) in {} located page(s) name a place that no longer holds their chunk (gc moved or \
+             removed it since): not damage, readers find those chunks through the index instead (a lookup more \
+             each); the next backup of each disk writes the pages it keeps with current places, and older \
+             snapshots keep theirs until they are forgotten",
+            stale.0, stale.1
+        ));
     }
     for (si, (s, sw)) in snaps.iter().zip(walks).enumerate() {
         let Some(sw) = sw else { continue };
@@ -1398,8 +1431,8 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
     if let Some(l) = &_lock {
         crate::migrate::finish_migrated(repo, &snaps, l)?;
     }
-    if !dry_run {
-        prune_marks(repo, &snaps)?;
+    if let Some(l) = &_lock {
+        prune_marks(repo, &snaps, l)?;
     }
     // Checkpoints of interrupted backups keep what they stored, so that a resume need not
     // store it again (FORMAT.md §7a); one that cannot be read cannot be resumed either.
@@ -1639,10 +1672,12 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
 }
 
 /// Removes the protection marks (FORMAT.md §11) of snapshots that are gone: no manifest
-/// of that id, and none migrated from it. Under the gc lock, which no `protect` holds
-/// beside (it takes the forget lock), so no mark is written meanwhile.
-fn prune_marks(repo: &Repository, snaps: &[SnapshotInfo]) -> Result<()> {
+/// of that id, and none migrated from it. The marks are listed before the snapshots, so
+/// that the mark of a snapshot stored meanwhile is kept (its manifest is in the second
+/// listing); the gc lock is checked before each removal.
+fn prune_marks(repo: &Repository, snaps: &[SnapshotInfo], lock: &lock::LockGuard) -> Result<()> {
     let store = &repo.store;
+    let marks = crate::retain::protected(repo)?;
     let present: HashSet<String> = store
         .list("snapshots/")
         .map_err(|e| Error::store(format!("cannot list the snapshots of {}", store.describe()), e))?
@@ -1650,11 +1685,12 @@ fn prune_marks(repo: &Repository, snaps: &[SnapshotInfo]) -> Result<()> {
         .filter_map(|(n, _)| n.strip_prefix("snapshots/").map(str::to_string))
         .collect();
     let migrated: HashSet<&str> = snaps.iter().filter_map(|s| s.manifest.migrated_from.as_deref()).collect();
-    for id in crate::retain::protected(repo)? {
+    for id in marks {
         if present.contains(&id) || migrated.contains(id.as_str()) {
             continue;
         }
         let name = format!("{}{id}", crate::retain::PROTECTED);
+        lock.check()?;
         log::info!("removing {name}: its snapshot is gone");
         store.delete(&name).map_err(|e| Error::store(format!("cannot remove {name} from {}", store.describe()), e))?;
     }

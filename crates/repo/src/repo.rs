@@ -567,14 +567,30 @@ impl Repository {
             return Err(Error::Invalid(format!("{} is not a snapshot whose pages can be read", snap.id)));
         }
         let (mut summary, pages) = self.read_manifest::<Pages, format::PackIds>(&object)?.split();
-        // A listing names a migrated parent by its new id ([`hide_migrated`]).
-        if summary.parent.is_some() && snap.manifest.parent.is_some() {
-            summary.parent.clone_from(&snap.manifest.parent);
+        // A listing names a migrated parent by its new id ([`hide_migrated`]): the one whose
+        // manifest says it was migrated from the parent this manifest names.
+        if let (Some(stored), Some(listed)) = (&summary.parent, &snap.manifest.parent) {
+            if stored != listed && self.migrated_from(listed)?.as_ref() == Some(stored) {
+                summary.parent = Some(listed.clone());
+            }
         }
         if summary != snap.manifest {
             return Err(Error::damaged(object, "it is not the manifest that was listed under its name"));
         }
         Ok(Arc::new(pages))
+    }
+
+    /// The id snapshot `id` was migrated from (its manifest's `migrated_from`), if any; an
+    /// id whose manifest is not there or does not read has none.
+    fn migrated_from(&self, id: &str) -> Result<Option<String>> {
+        if !format::is_hex(id, 64) {
+            return Ok(None);
+        }
+        match self.read_snapshot(&format!("snapshots/{id}")) {
+            Ok(s) => Ok(s.manifest.migrated_from),
+            Err(e @ Error::Store { .. }) => Err(e),
+            Err(_) => Ok(None),
+        }
     }
 
     /// Every manifest, each read and checked, with the names of those that fail and why;

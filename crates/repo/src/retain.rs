@@ -4,6 +4,8 @@
 //!
 //! The rules are restic's (`restic forget`), so that a policy written for restic keeps the
 //! same snapshots here:
+//! - the disk's latest snapshot (the repository's order, FORMAT.md §7: the one a restore
+//!   takes) is always kept, whatever the clocks said;
 //! - the snapshots are taken newest first by their times (a stable sort: a disk's list is in
 //!   parent order, which a wrong clock can contradict); `--keep-last N` keeps the N newest;
 //! - `--keep-hourly/daily/weekly/monthly/yearly N` keep the newest snapshot of each of the
@@ -200,9 +202,9 @@ impl Bucket {
 }
 
 /// Why each of one disk's snapshots is kept under `policy`: an empty list for a snapshot it
-/// removes, in the order given. The rules run over them in that order: pass them newest
-/// first in the repository's order (FORMAT.md §7); each is filed under its own time, and a
-/// bucket counts once. `protected` are the ids `ferry repo protect` marked; `tz`
+/// removes, in the order given: newest first in the repository's order (FORMAT.md §7).
+/// The first (the disk's latest) is always kept; the rules run over them as restic's do,
+/// newest first by time, each filed under its own time, and a bucket counts once. `protected` are the ids `ferry repo protect` marked; `tz`
 /// the zone the calendar is read in; `now` bounds the newest snapshot `keep_within` counts
 /// from (one in the future is not it).
 pub fn reasons(
@@ -232,13 +234,12 @@ pub fn reasons(
     };
     let mut buckets: Vec<(u32, Bucket, HashSet<i64>)> =
         policy.counts().iter().filter_map(|(n, b)| n.filter(|n| *n > 0).map(|n| (n, *b, HashSet::new()))).collect();
-    // The rules run in the order given: the repository's order, newest first (FORMAT.md
-    // §7: a snapshot comes after its parent whatever the clocks said, so the disk's
-    // latest, the one a restore takes, is kept first even when its host's clock was
-    // behind). Each snapshot is filed under its own time, and a bucket counts once however
-    // the clocks interleave it (restic sorts by time instead; with clocks that agree the
-    // two are the same).
-    let order: Vec<usize> = (0..snaps.len()).collect();
+    // The rules run as restic's do: newest first by time (a stable sort of the order given,
+    // so snapshots of one time stay in the repository's order). Each snapshot is filed
+    // under its own time, and a bucket counts once. The disk's latest in the repository's
+    // order (FORMAT.md §7: the one a restore takes) is kept below whatever the clocks said.
+    let mut order: Vec<usize> = (0..snaps.len()).collect();
+    order.sort_by(|&a, &b| times[b].cmp(&times[a]));
     let last = order.iter().rposition(|&i| times[i].is_some());
     for (nr, &i) in order.iter().enumerate() {
         let s = &snaps[i];
@@ -270,8 +271,16 @@ pub fn reasons(
             }
         }
     }
+    // The disk's latest snapshot is always kept: a host whose clock was behind may have
+    // dated it before others, and forgetting it would lose the newest data.
+    if let Some(r) = out.first_mut().filter(|r| r.is_empty()) {
+        r.push(LATEST.into());
+    }
     out
 }
+
+/// Why the disk's latest snapshot is kept when no rule keeps it ([`reasons`]).
+pub const LATEST: &str = "the disk's latest snapshot";
 
 /// Which of one disk's snapshots (newest first) `policy` keeps, the calendar in UTC and
 /// nothing protected (see [`reasons`]).
@@ -309,16 +318,24 @@ pub fn is_protected(protected: &HashSet<String>, s: &SnapshotInfo) -> bool {
     protected.contains(&s.id) || s.manifest.migrated_from.as_ref().is_some_and(|old| protected.contains(old))
 }
 
-/// Marks snapshot `id` protected (`protect`) or removes its mark; true when that changed
+/// Marks snapshot `snap` protected (`protect`) or removes its mark; true when that changed
 /// anything. The mark is an object named after the id, holding the id and the time it was
 /// made (for people: no reader parses it). It holds the forget lock meanwhile (waiting up
-/// to `wait` for it), so a forget never removes a snapshot protected before it began.
-pub fn set_protected(repo: &Repository, id: &str, protect: bool, wait: Option<std::time::Duration>) -> Result<bool> {
+/// to `wait` for it), so a forget never removes a snapshot protected before it began. A
+/// snapshot protected by the mark of the id it was migrated from (a migrate stopped before
+/// moving the mark, [`is_protected`]) is protected already, and unprotecting it removes
+/// that mark too.
+pub fn set_protected(
+    repo: &Repository,
+    snap: &SnapshotInfo,
+    protect: bool,
+    wait: Option<std::time::Duration>,
+) -> Result<bool> {
     let lock = crate::lock::acquire(&repo.store, crate::format::LockKind::Forget, None, wait)?;
-    let object = format!("{PROTECTED}{id}");
-    let was = protected(repo)?.contains(id);
+    let id = &snap.id;
+    let marks = protected(repo)?;
     let describe = repo.store.describe();
-    match (protect, was) {
+    match (protect, is_protected(&marks, snap)) {
         (true, false) => {
             // A forget that ran between the caller's resolving the id and this lock may have
             // removed the snapshot: a mark of it would protect nothing.
@@ -333,16 +350,20 @@ pub fn set_protected(repo: &Repository, id: &str, protect: bool, wait: Option<st
                 Err(e) => return Err(Error::store(format!("cannot read {manifest} in {describe}"), e)),
             }
             lock.check()?;
+            let object = format!("{PROTECTED}{id}");
             let body = format!("{id} protected at {}\n", crate::repo::now_seconds());
             repo.store
                 .put(&object, body.as_bytes())
                 .map_err(|e| Error::store(format!("cannot write {object} in {describe}"), e))?;
         }
         (false, true) => {
-            lock.check()?;
-            repo.store
-                .delete(&object)
-                .map_err(|e| Error::store(format!("cannot remove {object} from {describe}"), e))?;
+            for old in std::iter::once(id).chain(snap.manifest.migrated_from.as_ref()).filter(|m| marks.contains(*m)) {
+                let object = format!("{PROTECTED}{old}");
+                lock.check()?;
+                repo.store
+                    .delete(&object)
+                    .map_err(|e| Error::store(format!("cannot remove {object} from {describe}"), e))?;
+            }
         }
         _ => return Ok(false),
     }

@@ -10,6 +10,13 @@
 //! and CRC-32. Opening a run reads its header and tables only; a lookup reads one block
 //! per run (`pread`), checks its CRC and order, and binary-searches it.
 //!
+//! Beside each run `run-X`, its filter `filter-X` ([`crate::bloom`]: 12 bits an entry,
+//! built with the run, held in memory while the run is open, checked against the run's
+//! table checksum and entry count and its own CRC when read): a lookup of an id that a
+//! run does not hold (most of a backup's new chunks) reads one 64-byte block of the
+//! filter instead of a block of the run, and about 0.5% of them read the run's block
+//! anyway. A filter that is missing or fails its checks is built again from the run.
+//!
 //! Nothing in the cache is trusted blindly: a run whose tables or a block fail their
 //! checks is discarded (with a warning) and built again from the index objects in the
 //! store, which are read (one group at a time, bounded memory) only when no run covers
@@ -24,6 +31,7 @@
 //! [`BlobLookup`] is what readers and writers ask: implemented by the in-memory [`Index`]
 //! (check, verify, gc) and by [`RunIndex`], this cache seen with the damage records and,
 //! for a backup, the packs present in the store.
+use crate::bloom::Bloom;
 use crate::damage::DamageSet;
 use crate::format::{self, BlobKind, Digest, PackBlobs};
 use crate::repo::{par_map, Index, Location, Repository, FETCH_THREADS};
@@ -183,6 +191,8 @@ fn digest_at(b: &[u8], i: usize) -> Digest {
 #[derive(Debug)]
 struct Meta {
     block: u32,
+    /// The checksum of its header and tables (what its filter is bound to).
+    crc: u32,
     objects: Vec<Digest>,
     rows: Vec<Row>,
     fence: Vec<Digest>,
@@ -242,7 +252,8 @@ impl Meta {
         let objects_b = read(HEADER as u64, n_objects * 32)?;
         let rows_b = read(HEADER as u64 + n_objects * 32, n_rows * ROW as u64)?;
         let fence_b = read(fence_at, total - fence_at)?;
-        if tables_crc(&h[..32], &objects_b, &rows_b, &fence_b) != u32_at(&h, 32) {
+        let crc = u32_at(&h, 32);
+        if tables_crc(&h[..32], &objects_b, &rows_b, &fence_b) != crc {
             return Err("its header or tables fail their checksum".into());
         }
         let objects: Vec<Digest> = objects_b.chunks_exact(32).map(|c| digest_at(c, 0)).collect();
@@ -266,7 +277,7 @@ impl Meta {
         if fence.windows(2).any(|w| w[0] > w[1]) {
             return Err("its fence is not sorted".into());
         }
-        Ok(Meta { block, objects, rows, fence, sums, entries })
+        Ok(Meta { block, crc, objects, rows, fence, sums, entries })
     }
 
     fn entries_at(&self) -> u64 {
@@ -382,19 +393,94 @@ pub fn fuzz(data: &[u8]) {
     }
 }
 
-/// An open run file.
+/// An open run file, with its filter ([`Bloom`]: `None` for a run too large to have one).
 struct Run {
     file: File,
     name: String,
     meta: Meta,
+    filter: Option<Bloom>,
+}
+
+/// The name of the filter file of run `run` (`run-X`: `filter-X`).
+fn filter_name(run: &str) -> String {
+    format!("filter-{}", run.strip_prefix("run-").unwrap_or(run))
+}
+
+/// Removes run `name` and its filter.
+fn remove_run(dir: &Path, name: &str) {
+    let _ = std::fs::remove_file(dir.join(name));
+    let _ = std::fs::remove_file(dir.join(filter_name(name)));
 }
 
 impl Run {
-    fn open(dir: &Path, name: &str) -> Result<Run, String> {
+    /// Opens run `name` in `dir`, checks its tables, and reads its filter: the one given
+    /// (just built with it), else its filter file, checked against the run; one that is
+    /// missing or fails its checks is built again from the run's entries (each block
+    /// checked) and written (where the directory can be written).
+    fn open(dir: &Path, name: &str, filter: Option<Bloom>) -> Result<Run, String> {
         let file = File::open(dir.join(name)).map_err(|e| format!("it cannot be opened: {e}"))?;
         let len = file.metadata().map_err(|e| format!("it cannot be read: {e}"))?.len();
         let meta = Meta::parse(&file, len)?;
-        Ok(Run { file, name: name.into(), meta })
+        let mut run = Run { file, name: name.into(), meta, filter };
+        if run.filter.is_none() {
+            run.filter = match run.read_filter(dir) {
+                Ok(f) => f,
+                Err(why) => {
+                    log::debug!("the filter of the index cache's run {name} is built again: {why}");
+                    let f = run.build_filter()?;
+                    if let Some(f) = &f {
+                        run.write_filter(dir, f);
+                    }
+                    f
+                }
+            };
+        }
+        Ok(run)
+    }
+
+    /// The filter file, checked; `Ok(None)` for a run too large to have a filter.
+    fn read_filter(&self, dir: &Path) -> Result<Option<Bloom>, String> {
+        let Some(want) = Bloom::stored_len(self.meta.entries) else { return Ok(None) };
+        let path = dir.join(filter_name(&self.name));
+        let f = File::open(&path).map_err(|e| format!("it cannot be opened: {e}"))?;
+        let len = f.metadata().map_err(|e| format!("it cannot be read: {e}"))?.len();
+        if len != want {
+            return Err(format!("it has {len} bytes, not {want}"));
+        }
+        let mut b = vec![0u8; want as usize];
+        f.read_exact_at(&mut b, 0).map_err(|e| format!("it cannot be read: {e}"))?;
+        Bloom::decode(&b, self.meta.crc, self.meta.entries).map(Some)
+    }
+
+    /// The filter of every entry of the run, its blocks read and checked.
+    fn build_filter(&self) -> Result<Option<Bloom>, String> {
+        let Some(mut f) = Bloom::new(self.meta.entries) else { return Ok(None) };
+        let mut buf = Vec::new();
+        for b in 0..self.meta.fence.len() {
+            let block = self.meta.read_block(&self.file, b, &mut buf)?;
+            for e in block.chunks_exact(ENTRY) {
+                f.insert(&digest_at(e, 0));
+            }
+        }
+        Ok(Some(f))
+    }
+
+    /// Writes the filter file (a temporary file renamed: never seen in part). A cache
+    /// that cannot be written keeps the filter in memory only.
+    fn write_filter(&self, dir: &Path, f: &Bloom) {
+        let tmp = dir.join(random_name("tmp-"));
+        let r = private_file(&tmp)
+            .and_then(|mut out| out.write_all(&f.encode(self.meta.crc, self.meta.entries)))
+            .and_then(|()| std::fs::rename(&tmp, dir.join(filter_name(&self.name))));
+        if let Err(e) = r {
+            log::debug!("the filter of the index cache's run {} is not written: {e}", self.name);
+            let _ = std::fs::remove_file(&tmp);
+        }
+    }
+
+    /// Whether the run may hold `id`: false only when it holds no entry of it.
+    fn may_hold(&self, id: &Digest) -> bool {
+        self.filter.as_ref().is_none_or(|f| f.may_contain(id))
     }
 
     /// How many entries of the rows `live` keeps.
@@ -413,6 +499,8 @@ struct RunOut {
     in_block: u32,
     fence: Vec<u8>,
     entries: u64,
+    /// The filter of the entries pushed (sized for the entries expected).
+    filter: Option<Bloom>,
 }
 
 fn random_name(prefix: &str) -> String {
@@ -428,7 +516,8 @@ fn sync_dir(dir: &Path) -> io::Result<()> {
 }
 
 impl RunOut {
-    fn create(dir: &Path, objects: Vec<Digest>, rows: Vec<Row>) -> io::Result<RunOut> {
+    /// A run of about `expected` entries (what its filter is sized for).
+    fn create(dir: &Path, objects: Vec<Digest>, rows: Vec<Row>, expected: u64) -> io::Result<RunOut> {
         let tmp = dir.join(random_name("tmp-"));
         let mut out = BufWriter::with_capacity(1 << 20, private_file(&tmp)?);
         out.write_all(&[0u8; HEADER])?;
@@ -440,7 +529,17 @@ impl RunOut {
             out.write_all(&r.object.to_le_bytes())?;
             out.write_all(&r.count.to_le_bytes())?;
         }
-        Ok(RunOut { out, tmp, objects, rows, block: Vec::new(), in_block: 0, fence: Vec::new(), entries: 0 })
+        Ok(RunOut {
+            out,
+            tmp,
+            objects,
+            rows,
+            block: Vec::new(),
+            in_block: 0,
+            fence: Vec::new(),
+            entries: 0,
+            filter: Bloom::new(expected),
+        })
     }
 
     fn push(&mut self, e: &Ent) -> io::Result<()> {
@@ -448,6 +547,9 @@ impl RunOut {
             self.fence.extend_from_slice(&e.id);
         }
         e.write(&mut self.block);
+        if let Some(f) = &mut self.filter {
+            f.insert(&e.id);
+        }
         self.in_block += 1;
         self.entries += 1;
         if self.in_block == BLOCK {
@@ -501,7 +603,16 @@ impl RunOut {
         let name = random_name("run-");
         std::fs::rename(&self.tmp, dir.join(&name))?;
         sync_dir(dir)?;
-        Run::open(dir, &name).map_err(|why| io::Error::other(format!("the run just written, {name}: {why}")))
+        // The filter as sized for the entries expected, if that is how many came (else
+        // it is built again for the count, when the run is opened).
+        let filter = self.filter.take().filter(|f| f.sized_for(self.entries));
+        let given = filter.is_some();
+        let run = Run::open(dir, &name, filter)
+            .map_err(|why| io::Error::other(format!("the run just written, {name}: {why}")))?;
+        if let Some(f) = run.filter.as_ref().filter(|_| given) {
+            run.write_filter(dir, f);
+        }
+        Ok(run)
     }
 }
 
@@ -577,7 +688,7 @@ impl Pending {
                 Row { pack, object: ordinal[o as usize], count }
             })
             .collect();
-        let mut out = RunOut::create(dir, names, table)?;
+        let mut out = RunOut::create(dir, names, table, ents.len() as u64)?;
         for e in &ents {
             out.push(e)?;
         }
@@ -674,7 +785,8 @@ fn merge(dir: &Path, runs: &[&Run], live: &[Vec<bool>]) -> Result<Run, Stop> {
             at: 0,
         })
         .collect();
-    let mut out = RunOut::create(dir, objects, merged).map_err(Stop::Io)?;
+    let expected = merged.iter().map(|r| r.count as u64).sum();
+    let mut out = RunOut::create(dir, objects, merged, expected).map_err(Stop::Io)?;
     let mut heap = BinaryHeap::new();
     for (k, s) in sources.iter_mut().enumerate() {
         if let Some(e) = s.next().map_err(|why| Stop::Bad(k, why))? {
@@ -1021,7 +1133,7 @@ impl Cache {
                 return Ok(Err(e));
             }
             for name in before.iter().filter(|n| !after.contains(n)) {
-                let _ = std::fs::remove_file(self.dir.join(name));
+                remove_run(&self.dir, name);
             }
         }
         Ok(Ok(runs))
@@ -1032,7 +1144,7 @@ impl Cache {
             "the index cache's run {} is discarded: {why}; it is built again from the repository's index",
             self.dir.join(name).display()
         );
-        let _ = std::fs::remove_file(self.dir.join(name));
+        remove_run(&self.dir, name);
     }
 
     /// The runs the manifest names, each opened and checked (one that fails is
@@ -1061,7 +1173,7 @@ impl Cache {
                 log::warn!("the index cache's list of runs {} is damaged: it is built again", self.dir.display());
                 return Vec::new();
             };
-            match Run::open(&self.dir, name) {
+            match Run::open(&self.dir, name, None) {
                 Ok(r) => runs.push(r),
                 Err(why) if discard => self.discard(name, &why),
                 Err(why) => log::debug!("the index cache's run {name} is not used: {why}"),
@@ -1095,7 +1207,9 @@ impl Cache {
         let Ok(list) = std::fs::read_dir(&self.dir) else { return };
         for e in list.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
-            if (name.starts_with("tmp-") || name.starts_with("run-")) && !runs.iter().any(|r| r.name == name) {
+            let of_a_run = |r: &Run| r.name == name || filter_name(&r.name) == name;
+            let ours = name.starts_with("tmp-") || name.starts_with("run-") || name.starts_with("filter-");
+            if ours && !runs.iter().any(of_a_run) {
                 let _ = std::fs::remove_file(e.path());
             }
         }
@@ -1164,7 +1278,7 @@ impl Cache {
         runs.retain(|r| {
             let keep = r.live_entries(&live_of(r)) > 0;
             if !keep {
-                let _ = std::fs::remove_file(self.dir.join(&r.name));
+                remove_run(&self.dir, &r.name);
             }
             keep
         });
@@ -1451,7 +1565,7 @@ impl RunIndex {
                 from_memory(ix, out);
                 continue;
             }
-            let Some(run) = &part.run else { continue };
+            let Some(run) = part.run.as_ref().filter(|r| r.may_hold(id)) else { continue };
             let usable = &self.usable[k];
             let before = out.len();
             let mut push = |e: &Ent| {
@@ -1509,7 +1623,7 @@ impl BlobLookup for RunIndex {
                 let mut cache = BlockCache::default();
                 let mut failed = None;
                 for (i, id) in ids.iter().enumerate() {
-                    if found[i] {
+                    if found[i] || !run.may_hold(id) {
                         continue;
                     }
                     let mut hit = false;

@@ -453,6 +453,7 @@ impl SnapshotWriter {
         };
         let mut numbers: HashMap<Digest, u32> = HashMap::new();
         let mut records: Vec<Digest> = Vec::new();
+        let damage = index.damage();
         let pages = repo.each_located_page(index, snap, |first, page| {
             // The list starts as zeroes: a zero page (most of a sparse disk) is not written.
             if first >= chunks || page.entries.iter().all(|e| *e == ZERO) {
@@ -466,12 +467,17 @@ impl SnapshotWriter {
             let mut any = false;
             for (k, hint) in page.hints.iter().enumerate().take(n).filter(|(_, h)| !h.is_none()) {
                 let Some(pack) = page.packs.get(hint.pack as usize).filter(|p| kept.contains(*p)) else { continue };
+                // A copy that verify recorded damaged is no place to name: the index's
+                // good copy is named instead, or the chunk is stored again.
+                if damage.is_damaged(pack, &repo.crypto.blob_id(&page.entries[k])) {
+                    continue;
+                }
                 let next = h.packs.len() as u32;
                 let no = *numbers.entry(*pack).or_insert(next);
                 if no == next {
                     h.packs.push(*pack);
                 }
-                records[k] = BaseHints::record(no, hint.offset, hint.stored_len);
+                records[k] = BaseHints::record(no, hint.offset, hint.stored_len, &page.entries[k]);
                 any = true;
             }
             if any {
@@ -1599,8 +1605,11 @@ impl SnapshotWriter {
         let base = self.base_hints.range(first as u64, slice.len(), &self.name)?;
         for (k, a) in at.iter_mut().enumerate().filter(|(k, a)| a.is_none() && slice[*k] != ZERO) {
             let ci = first + k;
-            *a = match base[k] {
-                Some(h) if !st.is_done(ci as u64) => Some(h),
+            // The base's hint holds for an entry this backup did not write, and for one it
+            // wrote with the base's content (a full backup reads every chunk again): an
+            // unchanged page is then the same bytes as the base's, and is stored once.
+            *a = match &base[k] {
+                Some(h) if !st.is_done(ci as u64) || h.is_of(&slice[k]) => Some(h.at),
                 _ => crate::repo::first_at(&self.index, &ids[k], BlobKind::Data),
             };
         }
@@ -1947,15 +1956,32 @@ pub fn checkpoint_mismatch(ck: &Checkpoint, opts: &BackupOptions) -> Vec<String>
 }
 
 /// Chunk runs `[first, count]` as byte ranges (offset, length) of a disk of `size` bytes.
-/// The base's chunk hints, without those in packs that are not `kept` (gone, or condemned):
-/// a page whose chunks are hinted there is made again.
 /// The base snapshot's chunk hints (FORMAT.md §7c) that point into packs present and not
-/// condemned: the packs they name and, per chunk, a 32-byte record kept as the chunk list
-/// is ([`Entries`]: in memory, or in a file for a large disk): the pack's number plus one
-/// (0: no hint), the offset and the stored length, little-endian.
+/// condemned, at copies not recorded damaged: the packs they name and, per chunk, a 32-byte
+/// record kept as the chunk list is ([`Entries`]: in memory, or in a file for a large
+/// disk): the pack's number plus one (0: no hint), the offset and the stored length,
+/// little-endian, then the first [`BASE_DIGEST`] bytes of the base's digest there (so that
+/// a chunk written again with the same content keeps its hint).
 struct BaseHints {
     packs: Vec<Digest>,
     at: Option<Entries>,
+}
+
+/// The bytes of the base's chunk digest a [`BaseHints`] record keeps.
+const BASE_DIGEST: usize = 20;
+
+/// One chunk's base hint: where the base found it, and (a prefix of) the digest it had.
+#[derive(Clone, Copy)]
+struct BaseHint {
+    at: format::BlobAt,
+    digest: [u8; BASE_DIGEST],
+}
+
+impl BaseHint {
+    /// Whether the hint is of a chunk of digest `d` (the base's chunk at the position).
+    fn is_of(&self, d: &Digest) -> bool {
+        d[..BASE_DIGEST] == self.digest
+    }
 }
 
 impl BaseHints {
@@ -1967,16 +1993,17 @@ impl BaseHints {
         self.at.is_none()
     }
 
-    fn record(pack: u32, offset: u32, stored_len: u32) -> Digest {
+    fn record(pack: u32, offset: u32, stored_len: u32, digest: &Digest) -> Digest {
         let mut r = ZERO;
         r[0..4].copy_from_slice(&(pack + 1).to_le_bytes());
         r[4..8].copy_from_slice(&offset.to_le_bytes());
         r[8..12].copy_from_slice(&stored_len.to_le_bytes());
+        r[12..].copy_from_slice(&digest[..BASE_DIGEST]);
         r
     }
 
     /// The hints of chunks `first..first + n` (`None` where there is none).
-    fn range(&self, first: u64, n: usize, what: &str) -> Result<Vec<Option<format::BlobAt>>> {
+    fn range(&self, first: u64, n: usize, what: &str) -> Result<Vec<Option<BaseHint>>> {
         let Some(at) = &self.at else { return Ok(vec![None; n]) };
         let mut buf = Vec::new();
         let records = at.read(first, n, &mut buf).map_err(|e| spill_error(what, e))?;
@@ -1986,7 +2013,8 @@ impl BaseHints {
             .map(|r| {
                 let no = word(r, 0).checked_sub(1)?;
                 let pack = *self.packs.get(no as usize)?;
-                Some(format::BlobAt { pack, offset: word(r, 4), stored_len: word(r, 8) })
+                let at = format::BlobAt { pack, offset: word(r, 4), stored_len: word(r, 8) };
+                Some(BaseHint { at, digest: r[12..].try_into().expect("a record's digest bytes") })
             })
             .collect())
     }

@@ -168,11 +168,16 @@ fn damaged_copies_come_last_and_backups_see_only_present_good_copies() {
 }
 
 fn run_files(dir: &Path) -> Vec<PathBuf> {
+    cache_files(dir, "run-")
+}
+
+/// The files of the cache whose names start with `prefix`, sorted.
+fn cache_files(dir: &Path, prefix: &str) -> Vec<PathBuf> {
     let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
         .unwrap()
         .flatten()
         .map(|e| e.path())
-        .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with("run-"))
+        .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with(prefix))
         .collect();
     v.sort();
     v
@@ -366,6 +371,12 @@ fn lookup_speed() {
     let t = std::time::Instant::now();
     assert!(ix.contains_each(&ids).iter().all(|b| *b));
     eprintln!("sorted batch: {:.2} us each", t.elapsed().as_secs_f64() * 1e6 / k as f64);
+    // What a backup asks of its new chunks: a sorted batch of ids the index lacks.
+    let mut ids: Vec<Digest> = (0..k).map(|i| id(n + i)).collect();
+    ids.sort();
+    let t = std::time::Instant::now();
+    assert!(ix.contains_each(&ids).iter().all(|b| !*b));
+    eprintln!("sorted batch of misses: {:.2} us each", t.elapsed().as_secs_f64() * 1e6 / k as f64);
     let mem = repo.load_index_lenient().unwrap();
     let t = std::time::Instant::now();
     let hits = (0..k).filter(|i| BlobLookup::first(&mem, &id(i * 4 % n)).is_some()).count();
@@ -462,4 +473,69 @@ fn a_lock_held_too_long_is_done_without() {
     assert_eq!(names, [newer.as_str()], "only the object stored since is read into memory");
     same_as_memory(&r, &ix, 500);
     drop(held);
+}
+
+/// The filter files of the cache (`filter-…`), sorted.
+fn filter_files(dir: &Path) -> Vec<PathBuf> {
+    cache_files(dir, "filter-")
+}
+
+/// Each run's filter says "maybe" for every id the run holds, as written and as read back.
+fn filters_hold_their_runs(ix: &RunIndex, dir: &Path) {
+    for part in &ix.parts {
+        let run = part.run.as_ref().unwrap();
+        let f = run.filter.as_ref().expect("a run of this size has a filter");
+        let mut buf = Vec::new();
+        for b in 0..run.meta.fence.len() {
+            for e in run.meta.read_block(&run.file, b, &mut buf).unwrap().chunks_exact(ENTRY) {
+                assert!(f.may_contain(&digest_at(e, 0)), "the filter of {} hides an id it holds", run.name);
+            }
+        }
+        assert_eq!(run.read_filter(dir).unwrap().as_ref(), Some(f), "the filter file of {}", run.name);
+        assert_eq!(run.build_filter().unwrap().as_ref(), Some(f));
+    }
+}
+
+/// Every run has a filter that never says "absent" for an id the run holds, built with
+/// the run (new and merged); most other ids are answered by it alone. A filter file that
+/// is corrupt, of another run, or missing is not trusted: it is built again from its run,
+/// and lookups stay those of the in-memory index throughout.
+#[test]
+fn each_run_has_a_filter_that_never_hides_an_id_it_holds() {
+    let (store, _) = new_repo();
+    let dir = tempfile::tempdir().unwrap();
+    let repo = opened(&store, dir.path(), 300);
+    let mut rng = Rng(91);
+    for _ in 0..20 {
+        random_object(&repo, &mut rng, 3000);
+        drop(RunIndex::open(&repo).unwrap());
+    }
+    let ix = RunIndex::open(&repo).unwrap();
+    assert!(ix.runs() > 1, "merged and new runs");
+    assert_eq!(filter_files(dir.path()).len(), ix.runs(), "one filter a run, no stray one");
+    filters_hold_their_runs(&ix, dir.path());
+    same_as_memory(&repo, &ix, 3000);
+    let others = 10_000u64;
+    let alone = (0..others).filter(|i| ix.parts.iter().all(|p| !p.run.as_ref().unwrap().may_hold(&id(1 << 40 | i))));
+    assert!(alone.count() as u64 > others * 95 / 100, "ids no run holds read the runs' blocks");
+    drop(ix);
+    // A flipped bit (set or cleared), another run's filter in place of one, none at all.
+    type Spoil = fn(&[PathBuf]);
+    let spoils: [Spoil; 3] = [
+        |f| flip(&f[0], crate::bloom::HEADER as u64 + 5),
+        |f| {
+            std::fs::copy(&f[1], &f[0]).unwrap();
+        },
+        |f| std::fs::remove_file(&f[0]).unwrap(),
+    ];
+    for spoil in spoils {
+        let filters = filter_files(dir.path());
+        assert!(filters.len() >= 2);
+        let kept = std::fs::read(&filters[1]).unwrap();
+        spoil(&filters);
+        let ix = RunIndex::open(&repo).unwrap();
+        filters_hold_their_runs(&ix, dir.path());
+        same_as_memory(&repo, &ix, 3000);
+        assert_eq!(std::fs::read(&filters[1]).unwrap(), kept, "a good filter is kept as it is");
+    }
 }

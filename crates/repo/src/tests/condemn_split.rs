@@ -67,48 +67,23 @@ fn gc_leaves_a_fresh_temporary_file_alone_when_no_backup_runs() {
     assert!(!old.exists(), "gc left a temporary file two hours old");
 }
 
-/// A store whose listing of `gc/condemned/` removes what it lists just after (as a gc
-/// removing its records between another's listing and reads).
-struct Vanishing {
-    inner: Arc<MemStore>,
-}
-
-impl Store for Vanishing {
-    fn describe(&self) -> String {
-        self.inner.describe()
-    }
-    fn get(&self, name: &str, limit: u64) -> std::io::Result<Vec<u8>> {
-        self.inner.get(name, limit)
-    }
-    fn get_range(&self, name: &str, offset: u64, len: u64) -> std::io::Result<Vec<u8>> {
-        self.inner.get_range(name, offset, len)
-    }
-    fn len(&self, name: &str) -> std::io::Result<u64> {
-        self.inner.len(name)
-    }
-    fn put(&self, name: &str, data: &[u8]) -> std::io::Result<()> {
-        self.inner.put(name, data)
-    }
-    fn delete(&self, name: &str) -> std::io::Result<()> {
-        self.inner.delete(name)
-    }
-    fn list(&self, prefix: &str) -> std::io::Result<Vec<(String, u64)>> {
-        let listed = self.inner.list(prefix)?;
-        if prefix == crate::condemn::PREFIX {
-            for (name, _) in &listed {
-                self.inner.delete(name)?;
-            }
-        }
-        Ok(listed)
-    }
-}
-
 /// A record removed between the listing and its read condemns nothing and is no
 /// unreadable record (no warning for a backup).
 #[test]
 fn a_record_removed_after_the_listing_is_not_unreadable() {
     let inner = Arc::new(MemStore::new());
-    let repo = Repository::init(Arc::new(Vanishing { inner: inner.clone() }), &InitOptions::default()).unwrap();
+    // The listing of `gc/condemned/` removes what it lists just after (as a gc removing
+    // its records between another's listing and reads).
+    let store = Arc::new(Hooked::new(inner.clone()));
+    store.set_hook(Some(Box::new(|s, when, op, prefix| {
+        if (when, op, prefix) == (When::After, Op::List, crate::condemn::PREFIX) {
+            for (name, _) in s.list(prefix)? {
+                s.delete(&name)?;
+            }
+        }
+        Ok(())
+    })));
+    let repo = Repository::init(store, &InitOptions::default()).unwrap();
     repo.put_condemned(&[[7; 32]], &[]).unwrap();
     assert_eq!(objects(&inner, "gc/condemned/").len(), 1);
     let c = repo.condemned().unwrap();

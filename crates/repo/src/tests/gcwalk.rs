@@ -145,52 +145,12 @@ fn a_stalled_backup_whose_lock_was_removed_stops_and_nothing_is_lost() {
     whole(&repo);
 }
 
-type Hook = Box<dyn FnMut(&MemStore) + Send>;
-
-/// A store that runs a hook after each object under `prefix` it stores (a manifest, a checkpoint).
-struct Hooked {
-    inner: Arc<MemStore>,
-    /// The objects after whose store the hook runs: `snapshots/` or `checkpoints/`.
-    prefix: &'static str,
-    after: Mutex<Option<Hook>>,
-}
-
-impl Store for Hooked {
-    fn describe(&self) -> String {
-        self.inner.describe()
-    }
-    fn get(&self, name: &str, limit: u64) -> std::io::Result<Vec<u8>> {
-        self.inner.get(name, limit)
-    }
-    fn get_range(&self, name: &str, offset: u64, len: u64) -> std::io::Result<Vec<u8>> {
-        self.inner.get_range(name, offset, len)
-    }
-    fn len(&self, name: &str) -> std::io::Result<u64> {
-        self.inner.len(name)
-    }
-    fn put(&self, name: &str, data: &[u8]) -> std::io::Result<()> {
-        self.inner.put(name, data)?;
-        if name.starts_with(self.prefix) {
-            if let Some(f) = self.after.lock().unwrap().as_mut() {
-                f(&self.inner);
-            }
-        }
-        Ok(())
-    }
-    fn delete(&self, name: &str) -> std::io::Result<()> {
-        self.inner.delete(name)
-    }
-    fn list(&self, prefix: &str) -> std::io::Result<Vec<(String, u64)>> {
-        self.inner.list(prefix)
-    }
-}
-
-/// A store whose hook runs after each object under `prefix`, a repository on it, and a
-/// backup of disk `b` that wrote all of its 2 MiB (returned), not committed.
+/// A hooked store, a repository on it, and a backup of disk `b` that wrote all of its
+/// 2 MiB (returned), not committed.
 #[allow(clippy::type_complexity)]
-fn hooked_backup(prefix: &'static str) -> (Arc<MemStore>, Arc<Hooked>, Arc<Repository>, Arc<SnapshotWriter>, Vec<u8>) {
+fn hooked_backup() -> (Arc<MemStore>, Arc<Hooked>, Arc<Repository>, Arc<SnapshotWriter>, Vec<u8>) {
     let inner = Arc::new(MemStore::new());
-    let store = Arc::new(Hooked { inner: inner.clone(), prefix, after: Mutex::new(None) });
+    let store = Arc::new(Hooked::new(inner.clone()));
     let repo =
         Arc::new(Repository::init(store.clone(), &InitOptions { page_entries: 16, ..InitOptions::default() }).unwrap());
     let a = disk(2 << 20, 8);
@@ -199,20 +159,13 @@ fn hooked_backup(prefix: &'static str) -> (Arc<MemStore>, Arc<Hooked>, Arc<Repos
     (inner, store, repo, w, a)
 }
 
-/// What another process that took every lock for stale does: removes them.
-fn drop_locks(s: &MemStore) {
-    for (name, _) in s.list("locks/").unwrap() {
-        s.delete(&name).unwrap();
-    }
-}
-
 /// The stall falls between the backup's last lock check and its manifest: the manifest
 /// is stored after its lock was removed. The backup finds that out and removes the
 /// manifest again, so that no listed snapshot names packs a gc may have deleted.
 #[test]
 fn a_manifest_stored_after_the_lock_went_is_removed_again() {
-    let (inner, store, _repo, w, a) = hooked_backup("snapshots/");
-    *store.after.lock().unwrap() = Some(Box::new(drop_locks));
+    let (inner, store, _repo, w, a) = hooked_backup();
+    store.after_put("snapshots/", drop_locks);
     assert!(matches!(w.commit(a.len() as u64), Err(Error::Locked(_))));
     assert!(objects(&inner, "snapshots/").is_empty(), "the manifest stayed");
 }
@@ -448,11 +401,11 @@ fn pack_names(repo: &Repository) -> Vec<String> {
 /// names). Like a manifest, it is removed again and the backup fails; later gcs run.
 #[test]
 fn a_checkpoint_stored_after_the_lock_went_is_removed() {
-    let (inner, store, repo, w, _a) = hooked_backup("checkpoints/");
-    *store.after.lock().unwrap() = Some(Box::new(drop_locks));
+    let (inner, store, repo, w, _a) = hooked_backup();
+    store.after_put("checkpoints/", drop_locks);
     let r = w.checkpoint();
     let left = objects(&inner, "checkpoints/").len();
-    *store.after.lock().unwrap() = None;
+    store.set_hook(None);
     // What a gc that took the lock for stale may have deleted meanwhile.
     let (pack, _) = objects(&inner, "data/").into_iter().next().unwrap();
     inner.delete(&pack).unwrap();
@@ -505,15 +458,15 @@ fn a_pack_sealed_with_the_name_of_an_orphan_condemned_meanwhile_is_stored_again(
 #[test]
 fn a_stalled_backup_leaves_the_checkpoint_of_the_backup_that_took_its_disk_over() {
     const OTHER: &[u8] = b"the checkpoint of the backup that took the disk over";
-    let (inner, store, _repo, w, _a) = hooked_backup("checkpoints/");
-    *store.after.lock().unwrap() = Some(Box::new(|s: &MemStore| {
+    let (inner, store, _repo, w, _a) = hooked_backup();
+    store.after_put("checkpoints/", |s: &MemStore| {
         drop_locks(s);
         for (name, _) in s.list("checkpoints/").unwrap() {
             s.put(&name, OTHER).unwrap();
         }
-    }));
+    });
     let r = w.checkpoint();
-    *store.after.lock().unwrap() = None;
+    store.set_hook(None);
     assert!(matches!(r, Err(Error::Locked(_))), "{r:?}");
     let left = objects(&inner, "checkpoints/");
     assert_eq!(left.len(), 1, "the other backup's checkpoint was removed");

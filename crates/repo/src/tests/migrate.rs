@@ -1,7 +1,6 @@
 //! `ferry repo migrate` (FORMAT.md §9): interrupted, and its lock lost.
 use super::*;
 use crate::maint::GcOptions;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 fn v1_repo(store: Arc<dyn Store>) -> Arc<Repository> {
@@ -79,56 +78,20 @@ fn forget_after_an_interrupted_migrate() {
     assert!(maint::check(&repo).unwrap().problems.is_empty());
 }
 
-/// A store whose locks vanish (another host took them for stale) once a manifest is
-/// stored, while `armed`.
-struct LockThief {
-    inner: Arc<MemStore>,
-    armed: AtomicBool,
-}
-
-impl Store for LockThief {
-    fn describe(&self) -> String {
-        self.inner.describe()
-    }
-    fn get(&self, name: &str, limit: u64) -> std::io::Result<Vec<u8>> {
-        self.inner.get(name, limit)
-    }
-    fn get_range(&self, name: &str, offset: u64, len: u64) -> std::io::Result<Vec<u8>> {
-        self.inner.get_range(name, offset, len)
-    }
-    fn len(&self, name: &str) -> std::io::Result<u64> {
-        self.inner.len(name)
-    }
-    fn put(&self, name: &str, data: &[u8]) -> std::io::Result<()> {
-        self.inner.put(name, data)?;
-        if name.starts_with("snapshots/") && self.armed.load(Ordering::SeqCst) {
-            for (l, _) in self.inner.list("locks/")? {
-                self.inner.delete(&l)?;
-            }
-        }
-        Ok(())
-    }
-    fn delete(&self, name: &str) -> std::io::Result<()> {
-        self.inner.delete(name)
-    }
-    fn list(&self, prefix: &str) -> std::io::Result<Vec<(String, u64)>> {
-        self.inner.list(prefix)
-    }
-}
-
 /// A migrate whose lock is lost while it stores a new manifest deletes that manifest
 /// again and keeps the old one: it never deletes without its lock.
 #[test]
 fn migrate_stops_when_its_lock_is_lost() {
     let mem = Arc::new(MemStore::new());
-    let thief = Arc::new(LockThief { inner: mem.clone(), armed: AtomicBool::new(false) });
+    let thief = Arc::new(Hooked::new(mem.clone()));
     let repo = v1_repo(thief.clone());
     let data = disk(2 << 20, 7);
     let s1 = backup(&repo, "a", &data, None);
-    thief.armed.store(true, Ordering::SeqCst);
+    // The locks vanish (another host took them for stale) once a manifest is stored.
+    thief.after_put("snapshots/", drop_locks);
     let e = crate::migrate::migrate(&repo, false, &mut |_| {}).unwrap_err();
     assert!(matches!(e, Error::Locked(_)), "{e}");
-    thief.armed.store(false, Ordering::SeqCst);
+    thief.set_hook(None);
     let names: Vec<String> = mem.list("snapshots/").unwrap().into_iter().map(|(n, _)| n).collect();
     assert_eq!(names, vec![format!("snapshots/{}", s1.id)], "the old manifest alone stays");
     let repo = reopen(mem.clone());
@@ -179,4 +142,34 @@ fn migrate_skips_what_is_damaged_and_migrates_the_rest() {
     let c2 = listed.iter().find(|s| s.manifest.name == "c").unwrap();
     assert_eq!(c2.manifest.migrated_from.as_deref(), Some(c.id.as_str()));
     assert_eq!(read_back(&repo, c2), cdata);
+}
+
+/// A listing names a migrated parent by its new id; reading a snapshot's pages accepts
+/// that parent only when its manifest was migrated from the one the stored manifest names,
+/// not any other.
+#[test]
+fn pages_follow_a_migrated_parent_and_nothing_else() {
+    let store = Arc::new(MemStore::new());
+    let repo = v1_repo(store.clone());
+    let s1 = backup(&repo, "a", &filled(CS * 20), None);
+    let s2 = backup(&repo, "a", &disk(CS * 20, 2), Some(s1.clone()));
+    let other = backup(&repo, "b", &disk(CS * 4, 3), None);
+    let old2 = store.get(&format!("snapshots/{}", s2.id), 1 << 30).unwrap();
+    crate::migrate::migrate(&repo, false, &mut |_| {}).unwrap();
+    // s2 as it was before the migrate (one stopped before it got to s2), its parent migrated.
+    let repo = reopen(store.clone());
+    let new2 = repo.snapshots().unwrap().into_iter().find(|s| s.manifest.migrated_from.as_deref() == Some(&s2.id));
+    store.delete(&format!("snapshots/{}", new2.unwrap().id)).unwrap();
+    store.put(&format!("snapshots/{}", s2.id), &old2).unwrap();
+    let snaps = repo.snapshots().unwrap();
+    let listed2 = snaps.iter().find(|s| s.id == s2.id).unwrap().clone();
+    let new1 = snaps.iter().find(|s| s.manifest.migrated_from.as_deref() == Some(&s1.id)).unwrap();
+    assert_eq!(listed2.manifest.parent.as_deref(), Some(new1.id.as_str()));
+    assert!(repo.pages(&listed2).is_ok());
+    // Another snapshot named as the parent is not the manifest stored.
+    let other_id = snaps.iter().find(|s| s.manifest.migrated_from.as_deref() == Some(&other.id)).unwrap().id.clone();
+    let mut wrong = listed2.clone();
+    wrong.manifest.parent = Some(other_id);
+    let e = repo.pages(&wrong).unwrap_err();
+    assert!(matches!(e, Error::Damaged { .. }), "{e}");
 }

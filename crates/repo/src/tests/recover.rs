@@ -63,7 +63,8 @@ fn recorded_damage_is_stored_again_and_collected() {
         assert!(objects(&store, "damage/").is_empty());
         assert!(!objects(&store, "data/").iter().any(|(n, _)| *n == pack));
         let r = verify_all(&repo);
-        assert!(r.problems.is_empty() && r.notes.is_empty(), "{:?} {:?}", r.problems, r.notes);
+        // gc moved chunks of s1's and s2's pages: their hints there went stale (a note).
+        assert!(r.problems.is_empty() && only_stale_hints(&r.notes), "{:?} {:?}", r.problems, r.notes);
         assert_eq!(read_back(&repo, &s1), data);
     }
 }
@@ -163,7 +164,7 @@ fn repair_and_gc_with_records_stopped_at_any_step() {
         assert!(maint::damaged_snapshots(&repo, &[s1.clone(), s2.clone()]).unwrap().is_empty());
         maint::gc(&repo, None).unwrap();
         let r = verify_all(&repo);
-        assert!(r.problems.is_empty() && r.notes.is_empty(), "{put:?} {delete:?}: {r:?}");
+        assert!(r.problems.is_empty() && only_stale_hints(&r.notes), "{put:?} {delete:?}: {r:?}");
         assert!(objects(&inner, "damage/").is_empty());
         assert!(read_back(&repo, &s1) == data && read_back(&repo, &s2) == data);
     }

@@ -93,8 +93,8 @@ fn a_protected_snapshot_is_never_forgotten() {
     let (_store, repo) = new_repo(true);
     let a = backup(&repo, "d", &disk(3 * CS, 1), None);
     let b = backup(&repo, "d", &disk(3 * CS, 2), Some(a.clone()));
-    assert!(retain::set_protected(&repo, &a.id, true, None).unwrap());
-    assert!(!retain::set_protected(&repo, &a.id, true, None).unwrap(), "once");
+    assert!(retain::set_protected(&repo, &a, true, None).unwrap());
+    assert!(!retain::set_protected(&repo, &a, true, None).unwrap(), "once");
     let r = maint::forget(&repo, None, &Policy { keep_last: Some(1), ..Policy::default() }, false).unwrap();
     assert_eq!(r.removed, Vec::<String>::new());
     assert_eq!(r.reasons[&a.id], ["protected"]);
@@ -104,7 +104,7 @@ fn a_protected_snapshot_is_never_forgotten() {
     assert!(e.to_string().contains("protected"), "{e}");
     assert_eq!(repo.snapshots().unwrap().len(), 2);
     // Unprotected, the policy decides again.
-    assert!(retain::set_protected(&repo, &a.id, false, None).unwrap());
+    assert!(retain::set_protected(&repo, &a, false, None).unwrap());
     let r = maint::forget(&repo, None, &Policy { keep_last: Some(1), ..Policy::default() }, false).unwrap();
     assert_eq!(r.removed, std::slice::from_ref(&a.id));
 }
@@ -221,7 +221,7 @@ fn within_keeps_everything_when_every_snapshot_is_in_the_future() {
 }
 
 #[test]
-fn the_rules_run_in_the_repositorys_order_and_count_each_bucket_once() {
+fn the_latest_is_kept_and_the_rules_run_by_time() {
     // The repository's order (a snapshot after its parent, whatever the clocks said):
     // the second is dated after the first, the fourth after the third.
     let snaps = at(&[
@@ -234,13 +234,17 @@ fn the_rules_run_in_the_repositorys_order_and_count_each_bucket_once() {
     let kept = |p: Policy| -> Vec<usize> {
         why(&snaps, &p, &TimeZone::UTC).iter().enumerate().filter(|(_, r)| !r.is_empty()).map(|(i, _)| i).collect()
     };
-    // The two latest in the repository's order (the first is what a restore takes).
-    assert_eq!(kept(Policy { keep_last: Some(2), ..Policy::default() }), vec![0, 1]);
-    // Days in that order: 03-10, 03-12, 03-01; 03-10 again (the last) does not count twice.
-    assert_eq!(kept(Policy { keep_daily: Some(3), ..Policy::default() }), vec![0, 1, 2]);
-    // Counts left when the oldest comes: it is kept; 03-10's second snapshot is the oldest.
-    assert_eq!(kept(Policy { keep_daily: Some(9), ..Policy::default() }), vec![0, 1, 2, 3, 4]);
+    // The two newest by time (as restic), and the disk's latest (the first: what a restore
+    // takes), though its host's clock was behind.
+    assert_eq!(kept(Policy { keep_last: Some(2), ..Policy::default() }), vec![0, 1, 3]);
+    assert_eq!(why(&snaps, &Policy { keep_last: Some(1), ..Policy::default() }, &TimeZone::UTC)[0], [retain::LATEST]);
+    // Days by time: 03-12, 03-11, 03-10 (its newest, the first).
+    assert_eq!(kept(Policy { keep_daily: Some(3), ..Policy::default() }), vec![0, 1, 3]);
+    // Counts left when the oldest by time comes: it is kept; 03-10's second does not count twice.
+    assert_eq!(kept(Policy { keep_daily: Some(9), ..Policy::default() }), vec![0, 1, 2, 3]);
     assert_eq!(kept(Policy { keep_daily: Some(4), ..Policy::default() }), vec![0, 1, 2, 3]);
+    // With a tag rule alone, the latest is kept though untagged.
+    assert_eq!(kept(Policy { keep_tags: vec![vec!["none".into()]], ..Policy::default() }), vec![0]);
 }
 
 #[test]
@@ -250,7 +254,7 @@ fn protect_refuses_a_snapshot_a_forget_removed() {
     backup(&repo, "d", &disk(3 * CS, 2), Some(a.clone()));
     // The caller resolved `a`, then a forget removed it before protect took the lock.
     maint::forget_ids(&repo, None, &[a.id[..8].to_string()], false, None).unwrap();
-    let e = retain::set_protected(&repo, &a.id, true, None).unwrap_err();
+    let e = retain::set_protected(&repo, &a, true, None).unwrap_err();
     assert!(matches!(e, Error::NotFound(_)), "{e}");
     assert!(store.list("protected/").unwrap().is_empty(), "no mark of a removed snapshot");
 }
@@ -262,7 +266,7 @@ fn migrate_moves_each_mark_to_the_new_id() {
     let repo = Arc::new(Repository::init(store.clone(), &opts).unwrap());
     let a = backup(&repo, "d", &disk(3 * CS, 1), None);
     let b = backup(&repo, "d", &disk(3 * CS, 2), Some(a.clone()));
-    assert!(retain::set_protected(&repo, &a.id, true, None).unwrap());
+    assert!(retain::set_protected(&repo, &a, true, None).unwrap());
     crate::migrate::migrate(&repo, false, &mut |_| {}).unwrap();
     let repo = Arc::new(Repository::open(store, &|| panic!("asked for a passphrase")).unwrap());
     let snaps = repo.snapshots().unwrap();
@@ -315,8 +319,8 @@ fn gc_removes_the_marks_of_snapshots_that_are_gone() {
     let (store, repo) = new_repo(false);
     let a = backup(&repo, "d", &disk(3 * CS, 1), None);
     let b = backup(&repo, "d", &disk(3 * CS, 2), Some(a.clone()));
-    assert!(retain::set_protected(&repo, &a.id, true, None).unwrap());
-    assert!(retain::set_protected(&repo, &b.id, true, None).unwrap());
+    assert!(retain::set_protected(&repo, &a, true, None).unwrap());
+    assert!(retain::set_protected(&repo, &b, true, None).unwrap());
     // An older ferry's forget (or a person) removed `a` but not its mark.
     store.delete(&format!("snapshots/{}", a.id)).unwrap();
     let o = maint::GcOptions { wait: None, repack_percent: 10, condemn_margin: std::time::Duration::ZERO };
@@ -324,4 +328,57 @@ fn gc_removes_the_marks_of_snapshots_that_are_gone() {
     assert_eq!(retain::protected(&repo).unwrap().len(), 2, "a dry run removes nothing");
     maint::gc_opts(&repo, &o).unwrap();
     assert_eq!(retain::protected(&repo).unwrap(), HashSet::from([b.id.clone()]));
+}
+
+#[test]
+fn unprotect_removes_the_mark_a_stopped_migrate_left_under_the_old_id() {
+    let store = Arc::new(MemStore::new());
+    let opts = InitOptions { chunk_size: CS as u32, page_entries: 16, version: 1, ..InitOptions::default() };
+    let repo = Arc::new(Repository::init(store.clone(), &opts).unwrap());
+    let a = backup(&repo, "d", &disk(3 * CS, 1), None);
+    assert!(retain::set_protected(&repo, &a, true, None).unwrap());
+    let old_manifest = store.get(&format!("snapshots/{}", a.id), 1 << 30).unwrap();
+    let old_mark = store.get(&format!("protected/{}", a.id), 1 << 20).unwrap();
+    crate::migrate::migrate(&repo, false, &mut |_| {}).unwrap();
+    // Stopped after storing the new manifest, before marking it: the old manifest and mark stay.
+    let repo = Arc::new(Repository::open(store.clone(), &|| panic!("asked for a passphrase")).unwrap());
+    let new_a = repo.snapshots().unwrap().pop().unwrap();
+    assert_eq!(new_a.manifest.migrated_from.as_deref(), Some(a.id.as_str()));
+    store.delete(&format!("protected/{}", new_a.id)).unwrap();
+    store.put(&format!("snapshots/{}", a.id), &old_manifest).unwrap();
+    store.put(&format!("protected/{}", a.id), &old_mark).unwrap();
+    let new_a = repo.snapshots().unwrap().pop().unwrap();
+    assert!(retain::is_protected(&retain::protected(&repo).unwrap(), &new_a));
+    assert!(!retain::set_protected(&repo, &new_a, true, None).unwrap(), "protected already");
+    assert!(retain::set_protected(&repo, &new_a, false, None).unwrap());
+    assert!(retain::protected(&repo).unwrap().is_empty(), "the old id's mark is gone");
+}
+
+/// gc lists the marks before the snapshots: a snapshot stored and protected while gc
+/// prunes the marks keeps its mark.
+#[test]
+fn gc_keeps_the_mark_of_a_snapshot_stored_meanwhile() {
+    let inner = Arc::new(MemStore::new());
+    let store = Arc::new(Hooked::new(inner.clone()));
+    let o = InitOptions { chunk_size: CS as u32, page_entries: 16, ..InitOptions::default() };
+    let repo = Arc::new(Repository::init(store.clone(), &o).unwrap());
+    let a = backup(&repo, "d", &disk(3 * CS, 1), None);
+    let b = backup(&repo, "d", &disk(3 * CS, 2), Some(a.clone()));
+    let manifest = format!("snapshots/{}", b.id);
+    let bytes = inner.get(&manifest, 1 << 30).unwrap();
+    inner.delete(&manifest).unwrap();
+    // `b` is stored, then protected, just before gc lists `protected/`.
+    let mut armed = true;
+    let mark = format!("protected/{}", b.id);
+    store.set_hook(Some(Box::new(move |s, when, op, prefix| {
+        if (when, op, prefix) == (When::Before, Op::List, "protected/") && std::mem::take(&mut armed) {
+            s.put(&manifest, &bytes)?;
+            s.put(&mark, b"protected meanwhile\n")?;
+        }
+        Ok(())
+    })));
+    let o = maint::GcOptions { wait: None, repack_percent: 10, condemn_margin: std::time::Duration::ZERO };
+    maint::gc_opts(&repo, &o).unwrap();
+    store.set_hook(None);
+    assert!(retain::protected(&repo).unwrap().contains(&b.id), "gc removed the mark of a snapshot stored meanwhile");
 }
