@@ -12,7 +12,7 @@ use crate::{Error, Result};
 use std::collections::BinaryHeap;
 use std::fs::File;
 use std::io::{self, BufReader, BufWriter, Read, Seek, Write};
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 /// Bytes of records a sorter holds in memory before it writes them as a run.
@@ -164,18 +164,9 @@ impl<const N: usize> Table<N> {
     }
 }
 
-/// An unlinked file in `dir`, read and written.
-fn unlinked_file(dir: &Path) -> io::Result<File> {
-    let r = crate::crypto::random::<12>();
-    let path = dir.join(format!(".spill-{}-{}", std::process::id(), crate::format::hex(&r)));
-    let file = std::fs::OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(&path)?;
-    std::fs::remove_file(&path)?;
-    Ok(file)
-}
-
 /// Writes `recs` (sorted) to a new run.
 fn write_run<const N: usize>(dir: &Path, recs: impl Iterator<Item = io::Result<[u8; N]>>) -> io::Result<Run> {
-    let mut out = BufWriter::with_capacity(READ_AHEAD, unlinked_file(dir)?);
+    let mut out = BufWriter::with_capacity(READ_AHEAD, crate::entries::unlinked(dir, "spill")?);
     let mut records = 0;
     for r in recs {
         out.write_all(&r?)?;
@@ -311,7 +302,7 @@ mod tests {
             s.push(*r).unwrap();
             most_runs = most_runs.max(s.runs.len());
         }
-        assert!(most_runs >= FAN_IN - 1 && most_runs < FAN_IN, "{most_runs} runs");
+        assert!((FAN_IN - 1..FAN_IN).contains(&most_runs), "{most_runs} runs");
         assert!(!s.runs.is_empty());
         let want = expected(recs);
         assert_eq!(drain(s), want);
