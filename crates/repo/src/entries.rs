@@ -133,8 +133,14 @@ impl Entries {
 
 /// A new file in `dir`, readable and writable by this user only, with no name left.
 fn unlinked_file(dir: &Path) -> io::Result<File> {
+    unlinked(dir, "entries")
+}
+
+/// A new file in `dir`, read and written, whose name (`.WHAT-PID-RANDOM`) is removed at
+/// once: it goes when it is closed, however the process ends.
+pub(crate) fn unlinked(dir: &Path, what: &str) -> io::Result<File> {
     let r = crate::crypto::random::<12>();
-    let path = dir.join(format!(".entries-{}-{}", std::process::id(), crate::format::hex(&r)));
+    let path = dir.join(format!(".{what}-{}-{}", std::process::id(), crate::format::hex(&r)));
     let file = std::fs::OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(&path)?;
     std::fs::remove_file(&path)?;
     Ok(file)

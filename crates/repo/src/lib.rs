@@ -205,6 +205,7 @@ pub mod recover;
 mod repo;
 pub mod retain;
 pub mod runs;
+mod spill;
 pub mod store;
 mod table;
 #[cfg(test)]

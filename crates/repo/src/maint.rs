@@ -5,6 +5,7 @@ use crate::repo::{
     pack_name, par_map, parse_time, sha256, BlkHasher, ByteBudget, Index, Repository, SnapshotInfo, AAD_TRAILER,
     FETCH_THREADS,
 };
+use crate::spill::{Sorted, Sorter, Table};
 use crate::table::{BlobTable, Row};
 use crate::{lock, Error, Result};
 use serde::Serialize;
@@ -83,15 +84,6 @@ pub(crate) struct Walk {
 /// again ([`FETCH_THREADS`] at a time).
 fn snapshot_pages(repo: &Repository, snaps: &[SnapshotInfo]) -> Result<Vec<Arc<Pages>>> {
     par_map(snaps, FETCH_THREADS, |s| repo.pages(s)).into_iter().collect()
-}
-
-/// Reads each distinct page of the snapshots (their `pages`) once.
-fn read_pages(repo: &Repository, index: &Index, pages: &[Arc<Pages>]) -> HashMap<Digest, Result<Vec<Digest>, String>> {
-    let mut want: Vec<Digest> = pages.iter().flat_map(|p| p.nonzero().iter().copied()).collect();
-    want.sort_unstable();
-    want.dedup();
-    let got = par_map(&want, FETCH_THREADS, |d| repo.read_page(index, d));
-    want.into_iter().zip(got).collect()
 }
 
 /// The distinct non-zero page digests of snapshots' `pages` that `keep` accepts, sorted.
@@ -1447,9 +1439,37 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
     };
     marked.checkpoints.sort_by(|a, b| a.0.cmp(&b.0));
     snaps.extend(checkpoints.iter().map(|c| c.as_snapshot()));
-    // 2. The index and the packs.
-    let (objects, bad) = repo.index_objects()?;
-    if let Some((_, e)) = bad.into_iter().next() {
+    // 2. The index and the packs: each pack's blobs, once each (a pack indexed twice is
+    // listed twice), in pack order, in a table on disk; and an index of the pages alone,
+    // to read the snapshots' pages through. The index objects are read a few at a time.
+    let mut index_listing =
+        store.list("index/").map_err(|e| Error::store(format!("cannot list the index of {}", store.describe()), e))?;
+    index_listing.sort();
+    let mut page_objects: Vec<crate::repo::IndexObject> = Vec::new();
+    let mut sorter = Sorter::<PACK_ENTRY>::for_repo(repo, "gc's list of the packs' blobs");
+    let mut bad_index = None;
+    crate::repo::each_index_object(repo, &index_listing, |name, object| {
+        let ps = match object {
+            Ok(ps) => ps,
+            Err(e) => {
+                bad_index.get_or_insert(e);
+                return Ok(());
+            }
+        };
+        let mut page_packs = Vec::new();
+        for p in ps {
+            for b in &p.blobs {
+                sorter.push(pack_entry(&p.pack, b))?;
+            }
+            let pages: Vec<BlobEntry> = p.blobs.into_iter().filter(|b| b.kind.is_page()).collect();
+            if !pages.is_empty() {
+                page_packs.push(PackBlobs { pack: p.pack, blobs: pages });
+            }
+        }
+        page_objects.push((name.to_string(), page_packs));
+        Ok(())
+    })?;
+    if let Some(e) = bad_index {
         return Err(stop(format!("{e}; `ferry repo repair` rebuilds the index from the packs")));
     }
     // Which copies are damaged: without the records, gc could keep a damaged copy and
@@ -1460,104 +1480,75 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
             "{e}; `ferry repo repair` removes {name}, then `ferry repo verify` finds the damage again"
         )));
     }
-    let old_index: Vec<String> = objects.iter().map(|(n, _)| n.clone()).collect();
+    let old_index: Vec<String> = index_listing.iter().map(|(n, _)| n.clone()).collect();
     marked.index = old_index.iter().cloned().collect();
     let listed: HashMap<String, u64> = store
         .list("data/")
         .map_err(|e| Error::store(format!("cannot list the packs of {}", store.describe()), e))?
         .into_iter()
         .collect();
-    let index_bytes: u64 = store
-        .list("index/")
-        .map_err(|e| Error::store(format!("cannot list the index of {}", store.describe()), e))?
-        .iter()
-        .map(|(_, l)| *l)
-        .sum();
+    let index_bytes: u64 = index_listing.iter().map(|(_, l)| *l).sum();
     let mut report = GcReport { bytes_before: listed.values().sum::<u64>() + index_bytes, ..GcReport::default() };
-    // Each pack's blobs, once each (a pack indexed twice is listed twice), in pack order;
-    // and an index of the pages alone, to read the snapshots' pages through.
-    let mut packs: BTreeMap<Digest, Vec<BlobEntry>> = BTreeMap::new();
-    let mut page_objects: Vec<crate::repo::IndexObject> = Vec::with_capacity(objects.len());
-    for (name, ps) in objects {
-        let mut page_packs = Vec::new();
-        for p in ps {
-            let pages: Vec<BlobEntry> = p.blobs.iter().filter(|b| b.kind.is_page()).copied().collect();
-            if !pages.is_empty() {
-                page_packs.push(PackBlobs { pack: p.pack, blobs: pages });
-            }
-            // Moved, not copied: the index objects and the packs are not held twice.
-            match packs.entry(p.pack) {
-                std::collections::btree_map::Entry::Vacant(v) => {
-                    v.insert(p.blobs);
-                }
-                std::collections::btree_map::Entry::Occupied(mut o) => o.get_mut().extend(p.blobs),
-            }
-        }
-        page_objects.push((name, page_packs));
-    }
-    for v in packs.values_mut() {
-        v.sort_unstable_by_key(|b| (b.offset, b.id));
-        v.dedup_by_key(|b| (b.offset, b.id));
-        v.shrink_to_fit();
-    }
-    let all_present = packs.keys().all(|p| listed.contains_key(&pack_name(p)));
-    // Each blob's copies in packs that are there: good ones before recorded-damaged ones
-    // (FORMAT.md §7b), and copies in condemned packs after the others, else in pack order.
-    let is_condemned = |p: &Digest| ripe_packs.contains(p) || pending.contains(p);
-    let pack_list: Vec<(&Digest, &Vec<BlobEntry>)> = packs.iter().collect();
-    let copies = Copies::new(&pack_list, &listed, &damage, &is_condemned);
+    let packs = PackEntries::new(sorter)?;
+    let all_present = packs.packs.iter().all(|(p, _, _)| listed.contains_key(&pack_name(p)));
     let index = prefer_good(page_objects, &damage);
     let snap_pages = snapshot_pages(repo, &snaps)?;
-    let pages = read_pages(repo, &index, &snap_pages);
+    // The live set: each distinct page read once (a batch at a time), its id and its
+    // entries' ids given to a sorter that spills to a file past its budget.
+    let mut live = Sorter::<32>::for_repo(repo, "gc's live set");
+    let mut failed: HashMap<Digest, String> = HashMap::new();
+    let mut pushed: Result<()> = Ok(());
+    for_pages(repo, &index, &distinct_pages(&snap_pages, |_| true), |d, page| match page {
+        Ok(entries) if pushed.is_ok() => {
+            pushed = std::iter::once(d)
+                .chain(entries.iter().filter(|e| **e != ZERO))
+                .try_for_each(|e| live.push(repo.crypto.blob_id(e)));
+        }
+        Ok(_) => {}
+        Err(why) => {
+            failed.insert(*d, why);
+        }
+    });
+    pushed?;
     for (s, sp) in snaps.iter().zip(&snap_pages) {
-        for d in sp.nonzero() {
-            match pages.get(d) {
-                Some(Ok(_)) => {}
-                Some(Err(why)) if !index.blobs.contains_key(&repo.crypto.blob_id(d)) => {
-                    return Err(stop(format!(
-                        "{}: {why} (where an index object was lost, `ferry repo repair` indexes its packs again)",
-                        object_of(s)
-                    )))
-                }
-                Some(Err(why)) => return Err(stop(format!("{}: {why}", object_of(s)))),
-                None => return Err(stop(format!("{}: a page was not read", object_of(s)))),
-            }
+        if let Some((d, why)) = sp.nonzero().iter().find_map(|d| failed.get(d).map(|why| (d, why))) {
+            return Err(match index.blobs.contains_key(&repo.crypto.blob_id(d)) {
+                false => stop(format!(
+                    "{}: {why} (where an index object was lost, `ferry repo repair` indexes its packs again)",
+                    object_of(s)
+                )),
+                true => stop(format!("{}: {why}", object_of(s))),
+            });
         }
     }
     drop(index);
-    // The live set: a sorted list of blob ids (each page once, dropped once read).
-    let total: usize = pages.values().map(|p| p.as_ref().map_or(0, |e| e.len()) + 1).sum();
-    let mut live: Vec<Digest> = Vec::with_capacity(total);
-    for (d, page) in pages {
-        live.push(repo.crypto.blob_id(&d));
-        if let Ok(entries) = page {
-            live.extend(entries.iter().filter(|e| **e != ZERO).map(|e| repo.crypto.blob_id(e)));
-        }
-    }
-    live.sort_unstable();
-    live.dedup();
-    live.shrink_to_fit();
-    if let Some(id) = live.iter().find(|id| copies.of(id).is_empty()) {
-        return Err(stop(format!(
-            "blob {} that a snapshot uses is in no indexed pack of the store (where an index object was lost, \
-             `ferry repo repair` indexes its packs again)",
-            format::hex(id)
-        )));
-    }
-    // The copies kept of each live blob with several, the others being dead (a blob with
-    // one copy keeps it).
-    let kept = kept_copies(repo, &live, &copies, &pack_list, &mut damage, !dry_run).map_err(|e| match e {
+    drop(snap_pages);
+    let live = live.finish()?;
+    // Each blob's copies in packs that are there: good ones before recorded-damaged ones
+    // (FORMAT.md §7b), and copies in condemned packs after the others, else in pack order.
+    let is_condemned = |p: &Digest| ripe_packs.contains(p) || pending.contains(p);
+    let copies = copies(repo, &packs, &listed, &damage, &is_condemned)?;
+    // The copies kept of each live blob (a blob with several keeps one, the others being
+    // dead), one bit a copy.
+    let kept = kept_copies(repo, live, copies, &packs, &mut damage, !dry_run).map_err(|e| match e {
         e @ Error::Store { .. } => e,
         e => stop(e.to_string()),
     })?;
-    drop(copies);
-    drop(pack_list);
+    let kept = match kept {
+        Ok(kept) => kept,
+        Err(id) => {
+            return Err(stop(format!(
+                "blob {} that a snapshot uses is in no indexed pack of the store (where an index object was lost, \
+                 `ferry repo repair` indexes its packs again)",
+                format::hex(&id)
+            )))
+        }
+    };
     // 3. Classify packs: every pack that is there stays indexed until it is deleted; the
     // live blobs of partly dead ones are copied out, and those packs condemned.
-    let live = Live { ids: live, kept };
     let plan =
-        classify(packs, &listed, &live, &damage, opts.repack_percent, (&ripe_packs, &pending, !running.is_empty()));
-    drop(live);
+        classify(&packs, &listed, &kept, &damage, opts.repack_percent, (&ripe_packs, &pending, !running.is_empty()))?;
+    drop(kept);
     let Plan { mut keep, mut delete, condemn: mut to_condemn, repack, spared } = plan;
     report.packs_spared = spared;
     report.packs_waiting = pending.len() as u64;
@@ -1569,7 +1560,13 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
         && to_condemn.is_empty()
         && ripe.is_empty()
         && condemned.unreadable.is_empty()
-        && old_index.len() <= crate::repo::index_splits(&keep, GC_INDEX_SPLIT).len().max(1)
+        && old_index.len()
+            <= crate::repo::splits_of(
+                &keep.iter().map(|&i| packs.packs[i].2 as usize).collect::<Vec<_>>(),
+                GC_INDEX_SPLIT,
+            )
+            .len()
+            .max(1)
         && all_present
     {
         let present: HashSet<Digest> = listed.keys().filter_map(|n| pack_id(n)).collect();
@@ -1629,9 +1626,8 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
     // 5. Index objects for every pack that stays and every new one, all stored before any
     // old one is removed (several when the repository is large: each stays readable).
     let deleting: HashSet<Digest> = delete.iter().map(|(p, _)| *p).collect();
-    keep.retain(|p| !deleting.contains(&p.pack));
-    keep.extend(new_packs);
-    let (new_names, _) = repo.put_index_split(&keep, GC_INDEX_SPLIT)?;
+    keep.retain(|&i| !deleting.contains(&packs.packs[i].0));
+    let new_names = put_new_index(repo, &packs, &keep, &new_packs, GC_INDEX_SPLIT)?;
     drop(keep);
     // Still ours: a gc whose lock was taken for stale stops before it deletes.
     if let Some(l) = &_lock {
@@ -1734,8 +1730,9 @@ fn dry_run_report(
 
 /// What gc does with each pack.
 struct Plan {
-    /// Packs that stay indexed (whole: condemned ones too, until they are deleted).
-    keep: Vec<PackBlobs>,
+    /// Packs that stay indexed (whole: condemned ones too, until they are deleted), by
+    /// their number in [`PackEntries`].
+    keep: Vec<usize>,
     /// Packs to delete now (condemned by an earlier gc, still unused), with their dead blobs.
     delete: Vec<(Digest, u64)>,
     /// Packs to condemn (unused, repacked or orphans), with their dead blobs.
@@ -1749,64 +1746,65 @@ struct Plan {
 /// Sorts the packs (FORMAT.md §9): `ripe` are condemned by records that may be executed
 /// (deleted when still unused, else spared), `pending` by records that wait.
 fn classify(
-    packs: BTreeMap<Digest, Vec<BlobEntry>>,
+    packs: &PackEntries,
     listed: &HashMap<String, u64>,
-    live: &Live,
+    kept: &Kept,
     damage: &DamageSet,
     repack_percent: u32,
     (ripe, pending, backups_running): (&HashSet<Digest>, &HashSet<Digest>, bool),
-) -> Plan {
+) -> Result<Plan> {
     let mut plan = Plan { keep: Vec::new(), delete: Vec::new(), condemn: Vec::new(), repack: Vec::new(), spared: 0 };
     // Orphans: in no index object.
-    let mut orphans: Vec<Digest> =
-        listed.keys().filter_map(|n| pack_id(n)).filter(|p| !packs.contains_key(p)).collect();
+    let mut orphans: Vec<Digest> = listed.keys().filter_map(|n| pack_id(n)).filter(|p| !packs.contains(p)).collect();
     orphans.sort_unstable();
-    for (pack, blobs) in packs {
-        let pack = &pack;
+    for (i, (pack, _, _)) in packs.packs.iter().enumerate() {
         if !listed.contains_key(&pack_name(pack)) {
             continue; // missing: nothing to keep or delete
         }
-        let is_live = |b: &BlobEntry| live.keeps(pack, &b.id);
-        let n_live = blobs.iter().filter(|b| is_live(b)).count();
+        let blobs = packs.blobs(i)?;
+        let is_live = |j: usize| kept.keeps(i, j);
+        let n_live = (0..blobs.len()).filter(|j| is_live(*j)).count();
         let n_dead = (blobs.len() - n_live) as u64;
         if ripe.contains(pack) {
             if n_live == 0 {
                 plan.delete.push((*pack, n_dead));
-                plan.keep.push(PackBlobs { pack: *pack, blobs });
+                plan.keep.push(i);
                 continue;
             }
             // In use again: no longer condemned, it is sorted as any other pack.
             plan.spared += 1;
         }
         if pending.contains(pack) {
-            plan.keep.push(PackBlobs { pack: *pack, blobs });
+            plan.keep.push(i);
             continue;
         }
-        let dead_bytes: u64 = blobs.iter().filter(|b| !is_live(b)).map(|b| b.stored_len as u64).sum();
+        let live_of = || blobs.iter().enumerate().filter(|(j, _)| is_live(*j)).map(|(_, b)| b);
+        let live_bytes: u64 = live_of().map(|b| b.stored_len as u64).sum();
         let all_bytes: u64 = blobs.iter().map(|b| b.stored_len as u64).sum();
+        let dead_bytes = all_bytes - live_bytes;
         let worth = dead_bytes.saturating_mul(100) >= all_bytes.saturating_mul(repack_percent as u64);
-        let live_blobs = || blobs.iter().filter(|b| is_live(b)).copied().collect::<Vec<_>>();
+        let live_blobs = || live_of().copied().collect::<Vec<_>>();
         if damage.packs.contains_key(pack) && n_live > 0 {
             // Recorded damage: kept while it holds the only copy of a damaged blob in use;
             // else what is in use is copied out (each blob checked) and it is condemned.
-            if !blobs.iter().any(|b| is_live(b) && damage.is_damaged(pack, &b.id)) {
+            if !live_of().any(|b| damage.is_damaged(pack, &b.id)) {
                 plan.repack.push((*pack, live_blobs()));
                 plan.condemn.push((*pack, n_dead));
             }
-            plan.keep.push(PackBlobs { pack: *pack, blobs });
+            plan.keep.push(i);
             continue;
         }
         if n_live == blobs.len() || (n_live > 0 && !worth) {
             // Unused blobs below the threshold stay, indexed: still whole, and freed
             // once enough of their pack is unused.
-            plan.keep.push(PackBlobs { pack: *pack, blobs });
+            plan.keep.push(i);
             continue;
         }
         if n_live > 0 {
             plan.repack.push((*pack, live_blobs()));
         }
         plan.condemn.push((*pack, n_dead));
-        plan.keep.push(PackBlobs { pack: *pack, blobs });
+        plan.keep.push(i);
     }
     // An orphan may be a running backup's pack that no index object lists yet: condemned,
     // it would be absent to that disk's next backup (whose base is the running one) until
@@ -1820,102 +1818,236 @@ fn classify(
             plan.condemn.push((p, 0));
         }
     }
-    plan
+    Ok(plan)
 }
 
-/// One copy of a blob, in [`Copies`].
+/// A blob of a pack as gc's table of the packs' blobs holds it: the pack, the offset
+/// (big-endian: the records sort in pack order, then by offset), the id, the kind, the
+/// stored and the plain length.
+const PACK_ENTRY: usize = 77;
+
+fn pack_entry(pack: &Digest, b: &BlobEntry) -> [u8; PACK_ENTRY] {
+    let mut r = [0u8; PACK_ENTRY];
+    r[..32].copy_from_slice(pack);
+    r[32..36].copy_from_slice(&b.offset.to_be_bytes());
+    r[36..68].copy_from_slice(&b.id);
+    r[68] = b.kind as u8;
+    r[69..73].copy_from_slice(&b.stored_len.to_le_bytes());
+    r[73..].copy_from_slice(&b.plain_len.to_le_bytes());
+    r
+}
+
+fn blob_of(r: &[u8; PACK_ENTRY]) -> BlobEntry {
+    let u32_at = |i: usize| [r[i], r[i + 1], r[i + 2], r[i + 3]];
+    let mut id = [0u8; 32];
+    id.copy_from_slice(&r[36..68]);
+    let kind = match r[68] {
+        0 => format::BlobKind::Data,
+        1 => format::BlobKind::Page,
+        _ => format::BlobKind::Located,
+    };
+    BlobEntry {
+        id,
+        kind,
+        offset: u32::from_be_bytes(u32_at(32)),
+        stored_len: u32::from_le_bytes(u32_at(69)),
+        plain_len: u32::from_le_bytes(u32_at(73)),
+    }
+}
+
+/// Every pack's blobs, once each (by offset and id), in pack order, then by offset: in a
+/// table on disk, with a row per pack in memory.
+struct PackEntries {
+    /// Each pack (sorted), the number of its first blob in `table`, and how many it has.
+    packs: Vec<(Digest, u64, u32)>,
+    table: Table<PACK_ENTRY>,
+}
+
+impl PackEntries {
+    /// The blobs given to `sorter`, each (pack, offset, id) once.
+    fn new(sorter: Sorter<PACK_ENTRY>) -> Result<PackEntries> {
+        let mut packs: Vec<(Digest, u64, u32)> = Vec::new();
+        let mut last: Option<[u8; 68]> = None;
+        let mut written = 0u64;
+        let table = sorter.finish()?.into_table(|r| {
+            let key: [u8; 68] = r[..68].try_into().unwrap_or([0; 68]);
+            if last == Some(key) {
+                return false;
+            }
+            last = Some(key);
+            let pack: Digest = key[..32].try_into().unwrap_or(ZERO);
+            match packs.last_mut() {
+                Some(p) if p.0 == pack => p.2 += 1,
+                _ => packs.push((pack, written, 1)),
+            }
+            written += 1;
+            true
+        })?;
+        Ok(PackEntries { packs, table })
+    }
+
+    /// The blobs of pack `i`.
+    fn blobs(&self, i: usize) -> Result<Vec<BlobEntry>> {
+        let (_, first, n) = self.packs[i];
+        Ok(self.table.read(first, n as usize)?.iter().map(blob_of).collect())
+    }
+
+    /// Blob `j` of pack `i`.
+    fn blob(&self, i: usize, j: u32) -> Result<BlobEntry> {
+        let (_, first, _) = self.packs[i];
+        Ok(blob_of(&self.table.read(first + j as u64, 1)?[0]))
+    }
+
+    fn contains(&self, pack: &Digest) -> bool {
+        self.packs.binary_search_by_key(pack, |p| p.0).is_ok()
+    }
+}
+
+/// Stores index objects for the packs `keep` of `packs` and then `new` (FORMAT.md §6), each
+/// of at most `split` bytes, reading the blobs of one object's packs at a time. Returns
+/// their names.
+fn put_new_index(
+    repo: &Repository,
+    packs: &PackEntries,
+    keep: &[usize],
+    new: &[PackBlobs],
+    split: usize,
+) -> Result<Vec<String>> {
+    let counts: Vec<usize> =
+        keep.iter().map(|&i| packs.packs[i].2 as usize).chain(new.iter().map(|p| p.blobs.len())).collect();
+    let mut names = Vec::new();
+    for (start, end) in crate::repo::splits_of(&counts, split) {
+        let mut object = Vec::with_capacity(end - start);
+        for k in start..end {
+            object.push(match keep.get(k) {
+                Some(&i) => PackBlobs { pack: packs.packs[i].0, blobs: packs.blobs(i)? },
+                None => new[k - keep.len()].clone(),
+            });
+        }
+        names.extend(repo.put_index_split(&object, split)?.0);
+    }
+    Ok(names)
+}
+
+/// One copy of a blob, from [`copies`].
 #[derive(Clone, Copy)]
 struct CopyRef {
-    id: Digest,
-    /// 0: a good copy, 1: in a condemned pack, 2: recorded damaged, 3: both.
-    rank: u8,
     /// The pack, as an index into the list of packs.
     pack: u32,
     /// The blob, as an index into the pack's blobs.
     entry: u32,
 }
 
+/// A copy as [`copies`] sorts it: the blob id, a rank (0: a good copy, 1: in a condemned
+/// pack, 2: recorded damaged, 3: both), the pack and the entry (big-endian, so that the
+/// bytes sort as the numbers do).
+const COPY: usize = 41;
+
+fn copy_record(id: &Digest, rank: u8, pack: u32, entry: u32) -> [u8; COPY] {
+    let mut r = [0u8; COPY];
+    r[..32].copy_from_slice(id);
+    r[32] = rank;
+    r[33..37].copy_from_slice(&pack.to_be_bytes());
+    r[37..].copy_from_slice(&entry.to_be_bytes());
+    r
+}
+
+fn copy_of(r: &[u8; COPY]) -> CopyRef {
+    let u32_at = |i: usize| u32::from_be_bytes([r[i], r[i + 1], r[i + 2], r[i + 3]]);
+    CopyRef { pack: u32_at(33), entry: u32_at(37) }
+}
+
 /// Every copy of every blob in the packs that are there, sorted by blob id, then by
 /// preference (good copies before recorded-damaged ones, FORMAT.md §7b; copies in condemned
-/// packs after the others, §8a), then in pack order: 44 bytes a copy.
-struct Copies(Vec<CopyRef>);
-
-impl Copies {
-    fn new(
-        packs: &[(&Digest, &Vec<BlobEntry>)],
-        listed: &HashMap<String, u64>,
-        damage: &DamageSet,
-        condemned: &dyn Fn(&Digest) -> bool,
-    ) -> Copies {
-        let total = packs.iter().map(|(_, b)| b.len()).sum();
-        let mut v = Vec::with_capacity(total);
-        for (i, (pack, blobs)) in packs.iter().enumerate() {
-            if !listed.contains_key(&pack_name(pack)) {
-                continue;
-            }
-            let in_condemned = u8::from(condemned(pack));
-            for (j, b) in blobs.iter().enumerate() {
-                let rank = 2 * u8::from(damage.is_damaged(pack, &b.id)) + in_condemned;
-                v.push(CopyRef { id: b.id, rank, pack: i as u32, entry: j as u32 });
-            }
-        }
-        v.sort_unstable_by_key(|c| (c.id, c.rank, c.pack, c.entry));
-        Copies(v)
-    }
-
-    /// The copies of `id`, the preferred first.
-    fn of(&self, id: &Digest) -> &[CopyRef] {
-        let start = self.0.partition_point(|c| c.id < *id);
-        let n = self.0[start..].partition_point(|c| c.id == *id);
-        &self.0[start..start + n]
-    }
-}
-
-/// The live set: the blob ids in use (sorted), and the packs kept of those with several
-/// copies.
-struct Live {
-    ids: Vec<Digest>,
-    kept: HashMap<Digest, Vec<Digest>>,
-}
-
-impl Live {
-    /// Whether the copy of `id` in `pack` is one that gc keeps.
-    fn keeps(&self, pack: &Digest, id: &Digest) -> bool {
-        self.ids.binary_search(id).is_ok() && self.kept.get(id).is_none_or(|k| k.contains(pack))
-    }
-}
-
-/// The copies gc keeps of each live blob with several copies in packs that are there
-/// (`copies`, the preferred first; a blob with one copy keeps it). A blob with several
-/// keeps the first that reads back and checks (decoded, its digest its id): no copy is
-/// dropped on the strength of another that was not read. Copies that fail the check are
-/// recorded damaged in `damage` (and stored when `record`, as `verify` records them; a dry
-/// run only says so); where none passes, every copy stays.
-fn kept_copies(
+/// packs after the others, §8a), then in pack order; kept in a sorter that spills to a file
+/// past its budget.
+fn copies(
     repo: &Repository,
-    live: &[Digest],
-    copies: &Copies,
-    packs: &[(&Digest, &Vec<BlobEntry>)],
-    damage: &mut DamageSet,
-    record: bool,
-) -> Result<HashMap<Digest, Vec<Digest>>> {
-    let mut kept = HashMap::new();
-    let mut found: Vec<(Digest, Digest, String)> = Vec::new();
-    for id in live {
-        let cs = copies.of(id);
-        if cs.len() <= 1 {
+    packs: &PackEntries,
+    listed: &HashMap<String, u64>,
+    damage: &DamageSet,
+    condemned: &dyn Fn(&Digest) -> bool,
+) -> Result<Sorted<COPY>> {
+    let mut v = Sorter::<COPY>::for_repo(repo, "gc's list of the copies of each blob");
+    for (i, (pack, _, _)) in packs.packs.iter().enumerate() {
+        if !listed.contains_key(&pack_name(pack)) {
             continue;
         }
+        let in_condemned = u8::from(condemned(pack));
+        for (j, b) in packs.blobs(i)?.iter().enumerate() {
+            let rank = 2 * u8::from(damage.is_damaged(pack, &b.id)) + in_condemned;
+            v.push(copy_record(&b.id, rank, i as u32, j as u32))?;
+        }
+    }
+    v.finish()
+}
+
+/// The copies gc keeps: one bit a copy, per pack (in the order of its blobs), so that what
+/// gc holds of the live set is a bit a blob, not its id.
+struct Kept(Vec<Vec<u64>>);
+
+impl Kept {
+    fn new(packs: &PackEntries) -> Kept {
+        Kept(packs.packs.iter().map(|(_, _, n)| vec![0; (*n as usize).div_ceil(64)]).collect())
+    }
+
+    fn set(&mut self, c: CopyRef) {
+        self.0[c.pack as usize][c.entry as usize / 64] |= 1 << (c.entry % 64);
+    }
+
+    /// Whether gc keeps blob `entry` of pack `pack`.
+    fn keeps(&self, pack: usize, entry: usize) -> bool {
+        self.0[pack][entry / 64] >> (entry % 64) & 1 == 1
+    }
+}
+
+/// The copies gc keeps of each blob of the `live` set, its `copies` (sorted, the preferred
+/// first) merged with it in id order. A blob with one copy in packs that are there keeps
+/// it; one with several keeps the first that reads back and checks (decoded, its digest
+/// its id): no copy is dropped on the strength of another that was not read. Copies that
+/// fail the check are recorded damaged in `damage` (and stored when `record`, as `verify`
+/// records them; a dry run only says so); where none passes, every copy stays.
+/// `Ok(Err(id))`: live blob `id` has no copy in a pack that is there.
+fn kept_copies(
+    repo: &Repository,
+    mut live: Sorted<32>,
+    mut copies: Sorted<COPY>,
+    packs: &PackEntries,
+    damage: &mut DamageSet,
+    record: bool,
+) -> Result<Result<Kept, Digest>> {
+    let mut kept = Kept::new(packs);
+    let mut found: Vec<(Digest, Digest, String)> = Vec::new();
+    let mut next = copies.next()?;
+    let mut cs: Vec<CopyRef> = Vec::new();
+    while let Some(id) = live.next()? {
+        // The copies of blobs no snapshot uses (before this one) are not kept.
+        while next.is_some_and(|c| c[..32] < id[..]) {
+            next = copies.next()?;
+        }
+        cs.clear();
+        while let Some(c) = next.filter(|c| c[..32] == id[..]) {
+            cs.push(copy_of(&c));
+            next = copies.next()?;
+        }
+        match cs.len() {
+            0 => return Ok(Err(id)),
+            1 => {
+                kept.set(cs[0]);
+                continue;
+            }
+            _ => {}
+        }
         let mut good = None;
-        for c in cs {
-            let (pack, blobs) = packs[c.pack as usize];
-            let b = &blobs[c.entry as usize];
+        for c in &cs {
+            let pack = &packs.packs[c.pack as usize].0;
+            let b = &packs.blob(c.pack as usize, c.entry)?;
             let name = pack_name(pack);
             let loc = crate::BlobLocation::of(*pack, b);
             // A short or unreadable copy (a truncated pack) is damage, as a failed check is:
             // the next copy is tried. Any other store error stops gc before it deletes.
             let read = match repo.store.get_range(&name, b.offset as u64, b.stored_len as u64) {
-                Ok(stored) => repo.decode_blob(id, &loc, b.kind, &stored),
+                Ok(stored) => repo.decode_blob(&id, &loc, b.kind, &stored),
                 Err(e) if matches!(e.kind(), std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::InvalidData) => {
                     Err(format!("it cannot be read whole: {e}"))
                 }
@@ -1923,19 +2055,22 @@ fn kept_copies(
             };
             match read {
                 Ok(_) => {
-                    good = Some(*pack);
+                    good = Some(c.pack);
                     break;
                 }
                 Err(why) => {
                     log::warn!("{name}: {why}: this copy is not kept where another reads back well");
-                    if !damage.is_damaged(pack, id) {
-                        found.push((*pack, *id, why));
+                    if !damage.is_damaged(pack, &id) {
+                        found.push((*pack, id, why));
                     }
                 }
             }
         }
-        let all = || cs.iter().map(|c| *packs[c.pack as usize].0).collect();
-        kept.insert(*id, good.map_or_else(all, |p| vec![p]));
+        // The good copy's pack keeps every copy of the blob in it; where none is good,
+        // every copy stays.
+        for c in cs.iter().filter(|c| good.is_none_or(|p| c.pack == p)) {
+            kept.set(*c);
+        }
     }
     if !found.is_empty() && record {
         crate::damage::record_found(repo, damage, found)?;
@@ -1947,7 +2082,7 @@ fn kept_copies(
             repo.store.describe()
         );
     }
-    Ok(kept)
+    Ok(Ok(kept))
 }
 
 /// The object a snapshot (or a checkpoint read as one) is.

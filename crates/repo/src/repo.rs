@@ -325,14 +325,19 @@ pub(crate) fn entry_list_within(chunks: u64, object: &str, memory: Option<u64>) 
 /// The index objects [`Repository::put_index_split`] makes of `packs`: ranges of them
 /// (start, end) of at most `split` plain bytes each (or one pack, where it alone is more).
 pub(crate) fn index_splits(packs: &[format::PackBlobs], split: usize) -> Vec<(usize, usize)> {
+    splits_of(&packs.iter().map(|p| p.blobs.len()).collect::<Vec<_>>(), split)
+}
+
+/// [`index_splits`] of packs with `counts` blobs each.
+pub(crate) fn splits_of(counts: &[usize], split: usize) -> Vec<(usize, usize)> {
     let mut out = Vec::new();
     let mut start = 0;
-    while start < packs.len() {
+    while start < counts.len() {
         // Header, then per pack its id and count, then its entries.
         let mut len = 12;
         let mut end = start;
-        while end < packs.len() {
-            let add = 36 + packs[end].blobs.len() * format::ENTRY_LEN;
+        while end < counts.len() {
+            let add = 36 + counts[end] * format::ENTRY_LEN;
             if end > start && len + add > split {
                 break;
             }
@@ -343,6 +348,39 @@ pub(crate) fn index_splits(packs: &[format::PackBlobs], split: usize) -> Vec<(us
         start = end;
     }
     out
+}
+
+/// Stored bytes of index objects read side by side (each is held as stored, plain and
+/// parsed bytes while it is read).
+const READ_BATCH: u64 = 8 << 20;
+
+/// Reads the index objects `names` (name, stored size), a few side by side (up to
+/// [`FETCH_THREADS`] of them, and at most [`READ_BATCH`] stored bytes unless one alone is
+/// larger), and gives each to `f` in order, or why it could not be read. A store that
+/// cannot be read is an error, as in [`Repository::index_objects`].
+pub(crate) fn each_index_object(
+    repo: &Repository,
+    names: &[(String, u64)],
+    mut f: impl FnMut(&str, Result<Vec<format::PackBlobs>>) -> Result<()>,
+) -> Result<()> {
+    let mut rest = names;
+    while !rest.is_empty() {
+        let mut n = 0;
+        let mut bytes = 0;
+        while n < rest.len() && n < FETCH_THREADS && (n == 0 || bytes + rest[n].1 <= READ_BATCH) {
+            bytes += rest[n].1;
+            n += 1;
+        }
+        let (batch, after) = rest.split_at(n);
+        rest = after;
+        for ((name, _), r) in batch.iter().zip(par_map(batch, FETCH_THREADS, |(n, _)| repo.read_index_object(n))) {
+            match r {
+                Err(e @ Error::Store { .. }) => return Err(e),
+                r => f(name, r)?,
+            }
+        }
+    }
+    Ok(())
 }
 
 /// About how many bytes of pages a snapshot's chunk list is read in at a time.

@@ -5,13 +5,9 @@
 //! read a few at a time rather than all at once.
 use crate::damage::DamageSet;
 use crate::format::{self, BlobEntry, BlobKind, Digest, PackBlobs};
-use crate::repo::{par_map, Failures, IndexObject, Repository, FETCH_THREADS};
+use crate::repo::{each_index_object, Failures, IndexObject, Repository};
 use crate::{Error, Result};
 use std::collections::HashMap;
-
-/// Stored bytes of index objects read side by side (each is held as stored, plain and
-/// parsed bytes while it is read).
-const READ_BATCH: u64 = 8 << 20;
 
 /// One location of one blob.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,33 +74,21 @@ impl BlobTable {
         let _ = t.rows.try_reserve(most.min(u32::MAX as u64) as usize);
         let mut pages = Vec::new();
         let mut bad = Vec::new();
-        let mut rest = &names[..];
-        while !rest.is_empty() {
-            // A batch of objects read side by side: up to FETCH_THREADS of them, and at
-            // most READ_BATCH stored bytes unless one object alone is larger.
-            let mut n = 0;
-            let mut bytes = 0;
-            while n < rest.len() && n < FETCH_THREADS && (n == 0 || bytes + rest[n].1 <= READ_BATCH) {
-                bytes += rest[n].1;
-                n += 1;
-            }
-            let (batch, after) = rest.split_at(n);
-            rest = after;
-            for ((name, _), r) in batch.iter().zip(par_map(batch, FETCH_THREADS, |(n, _)| repo.read_index_object(n))) {
-                match r {
-                    Ok(object) => pages.push((name.clone(), t.add_object(object))),
-                    Err(e @ Error::Store { .. }) => return Err(e),
-                    Err(e) => bad.push((name.clone(), e)),
-                }
+        each_index_object(repo, &names, |name, r| {
+            match r {
+                Ok(object) => pages.push((name.to_string(), t.add_object(object))),
+                Err(e) => bad.push((name.to_string(), e)),
             }
             if t.rows.len() > u32::MAX as usize {
                 return Err(Error::Invalid(format!(
-                    "the index objects of {} list more than {} blob locations, more than this version of ferry                      can check",
+                    "the index objects of {} list more than {} blob locations, more than this version of ferry \
+                     can check",
                     store.describe(),
                     u32::MAX
                 )));
             }
-        }
+            Ok(())
+        })?;
         t.finish();
         Ok((t, pages, bad))
     }
