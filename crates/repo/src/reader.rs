@@ -3,12 +3,16 @@
 //!
 //! A read fetches the chunks it needs that lie next to each other in one pack with one
 //! ranged read, then decodes them on the calling thread: reads from many threads run side
-//! by side, with no lock held around I/O or decoding. The requests of one NBD connection
-//! do too: [`Backend::io_queue`] hands them to a pool of threads (one per core, more for
-//! an object store's latency), answered in order. Chunks read in part (small random
-//! reads, as a VM booting from `ferry serve` makes) are kept in a cache shared by every
-//! thread, sized by the memory this process may use ([`default_cache_bytes`]); chunks read
-//! whole (a restore) are not.
+//! by side, with no lock held around I/O or decoding. A chunk the read wants whole (a
+//! restore's reads) is decoded straight into the reader's buffer and its digest checked
+//! there, before the read returns: no copy of it is made, and a chunk that fails its
+//! check fails the read. The requests of one NBD connection run side by side too:
+//! [`Backend::io_queue`] hands them to a pool of threads (one per core, more for an object
+//! store's latency), answered in order; a small one whose chunks are all cached (or zero)
+//! is answered at once, on the connection's thread. Chunks read in part (small random
+//! reads, as a VM booting from `ferry serve` makes) are kept, checked, in a cache shared
+//! by every thread, sized by the memory this process may use ([`default_cache_bytes`]);
+//! chunks read whole (a restore) are not. A chunk that fails its check is never cached.
 use crate::format::{self, BlobKind, Digest, ZERO};
 use crate::repo::{blkhash_of, pack_name, ChunkHints, Location, Repository, SnapshotInfo};
 use crate::runs::{BlobLookup, RunIndex};
@@ -35,6 +39,9 @@ const GAP: u64 = 64 << 10;
 /// following chunks into the cache.
 const AHEAD_BELOW: u64 = 256 << 10;
 const AHEAD_BYTES: u64 = 1 << 20;
+/// A read of a connection's queue at most this long whose chunks are all cached (or
+/// zero) is answered on the connection's thread, not the pool's.
+const KNOWN_INLINE: u64 = 256 << 10;
 
 /// The most the default cache budget takes: decoded chunks are the process's own memory,
 /// which the kernel cannot reclaim as it does the page cache.
@@ -199,8 +206,8 @@ impl SnapshotImage {
     /// the read that needs the chunk to report.
     fn fetch_ahead(&self, pack: &str, start: u64, end: u64, wants: &[Want]) -> io::Result<()> {
         let bytes = self.repo.store.get_range(pack, start, end - start)?;
-        for (w, plain) in wants.iter().zip(self.decode_run(&bytes, start, wants)) {
-            if let Ok(plain) = plain {
+        for (w, plain) in wants.iter().zip(self.decode_run(&bytes, start, wants, None)) {
+            if let Ok(Some(plain)) = plain {
                 self.remember(w.ci, Arc::new(plain));
             }
         }
@@ -208,13 +215,47 @@ impl SnapshotImage {
     }
 
     /// The chunks of one ranged read (`bytes`, from pack offset `start`) decoded, and
-    /// checked against their ids: their digests computed side by side.
-    fn decode_run(&self, bytes: &[u8], start: u64, wants: &[Want]) -> Vec<Result<Vec<u8>, String>> {
-        let mut out: Vec<Result<Vec<u8>, String>> = wants
+    /// checked against their ids: their digests computed side by side. With `into` (the
+    /// buffer of a read at `offset`), a chunk the read wants whole is decoded straight into
+    /// its place there (`Ok(None)`: no copy of it is made); the others (a part of a
+    /// chunk, a chunk read ahead) come back as their own bytes. A chunk whose check
+    /// fails is an error, whatever its bytes in the buffer are: the read fails.
+    fn decode_run(
+        &self,
+        bytes: &[u8],
+        start: u64,
+        wants: &[Want],
+        mut into: Option<(&mut [u8], u64)>,
+    ) -> Vec<Result<Option<Vec<u8>>, String>> {
+        let mut scratch = Vec::new();
+        // Where in the read's buffer chunk `w` goes, when it goes there whole.
+        let whole = |w: &Want, buf_len: usize, offset: u64| -> Option<(usize, usize)> {
+            let (bs, be, at) = self.span(w.ci, offset, offset + buf_len as u64);
+            (!w.ahead && at == 0 && be - bs == self.chunk_len(w.ci)).then_some((bs, be))
+        };
+        let mut out: Vec<Result<Option<Vec<u8>>, String>> = wants
             .iter()
             .map(|w| {
                 let s = (w.loc.offset as u64 - start) as usize;
                 let stored = bytes.get(s..s + w.loc.stored_len as usize).unwrap_or(&[]);
+                if stored.len() != w.loc.stored_len as usize {
+                    return Err(format!("blob {} at offset {} is cut short", format::hex(&w.id), w.loc.offset));
+                }
+                if let Some((buf, offset)) = into.as_mut() {
+                    if let Some((bs, be)) = whole(w, buf.len(), *offset) {
+                        let crypto = &self.repo.crypto;
+                        return crate::blob::decode_unchecked_into(
+                            crypto,
+                            BlobKind::Data,
+                            &w.id,
+                            stored,
+                            &mut buf[bs..be],
+                            &mut scratch,
+                        )
+                        .map(|()| None)
+                        .map_err(|e| format!("blob {} at offset {}: {e}", format::hex(&w.id), w.loc.offset));
+                    }
+                }
                 let plain = self.repo.decode_blob_unchecked(&w.id, &w.loc, BlobKind::Data, stored)?;
                 if plain.len() != self.chunk_len(w.ci) {
                     return Err(format!(
@@ -224,11 +265,23 @@ impl SnapshotImage {
                         self.chunk_len(w.ci)
                     ));
                 }
-                Ok(plain)
+                Ok(Some(plain))
             })
             .collect();
-        let decoded: Vec<(usize, &[u8])> =
-            out.iter().enumerate().filter_map(|(k, r)| r.as_ref().ok().map(|p| (k, p.as_slice()))).collect();
+        let view = into.as_ref().map(|(b, o)| (&**b, *o));
+        let decoded: Vec<(usize, &[u8])> = out
+            .iter()
+            .enumerate()
+            .filter_map(|(k, r)| match r {
+                Ok(Some(p)) => Some((k, p.as_slice())),
+                Ok(None) => {
+                    let (buf, offset) = view?;
+                    let (bs, be) = whole(&wants[k], buf.len(), offset)?;
+                    Some((k, &buf[bs..be]))
+                }
+                Err(_) => None,
+            })
+            .collect();
         let blocks: Vec<&[u8]> = decoded.iter().map(|(_, b)| *b).collect();
         let mut digests = vec![0u8; blocks.len() * 32];
         ferry_hash::Algorithm::Sha256.digest_many(&blocks, &mut digests);
@@ -406,6 +459,25 @@ impl SnapshotImage {
         }
     }
 
+    /// Fills `buf` with the bytes at `offset` when that needs no read of the store (each
+    /// chunk it covers zero or cached), noting the read as [`Backend::read`] does; false
+    /// (`buf` then holds no meaningful bytes) when a chunk is not at hand.
+    fn read_known(&self, buf: &mut [u8], offset: u64) -> bool {
+        let length = buf.len() as u64;
+        let Some(end) = offset.checked_add(length).filter(|&e| e <= self.size && length > 0) else {
+            return false;
+        };
+        for ci in offset / self.cs..=(end - 1) / self.cs {
+            let (bs, be, at) = self.span(ci, offset, end);
+            if !self.fill_known(ci, &mut buf[bs..be], at) {
+                return false;
+            }
+        }
+        // A sequential reader's next miss still sees it as one (read ahead).
+        self.ahead_for(offset, end);
+        true
+    }
+
     /// The location to read chunk `ci` (blob `id`) from: its hint, else its first copy
     /// in the index, unless that pack was found missing and another copy is not.
     fn pick(&self, index: Option<&RunIndex>, ci: u64, id: &Digest) -> Option<Location> {
@@ -461,8 +533,9 @@ impl SnapshotImage {
                 }
                 Ok(bytes) => {
                     let want = Want { ci, id, loc, ahead: false };
-                    match self.decode_run(&bytes, loc.offset as u64, std::slice::from_ref(&want)).pop() {
-                        Some(Ok(plain)) => return Ok(plain),
+                    match self.decode_run(&bytes, loc.offset as u64, std::slice::from_ref(&want), None).pop() {
+                        Some(Ok(Some(plain))) => return Ok(plain),
+                        Some(Ok(None)) => all_gone = false,
                         Some(Err(why)) => {
                             all_gone = false;
                             whys.push(format!("{pack}: {why}"));
@@ -575,10 +648,12 @@ impl SnapshotImage {
                     _ => Failure::Unreadable(self.unreadable(offset, length, ci, format!("cannot read {pack}: {e}"))),
                 }
             })?;
-            let plains = self.decode_run(&bytes, run_start, &wants[i..j]);
+            let plains = self.decode_run(&bytes, run_start, &wants[i..j], Some((&mut *buf, offset)));
             for (w, plain) in wants[i..j].iter().zip(plains) {
                 let plain = match plain {
-                    Ok(p) => p,
+                    // Decoded and checked in its place in `buf`.
+                    Ok(None) => continue,
+                    Ok(Some(p)) => p,
                     Err(_) if w.ahead => continue,
                     Err(why) => {
                         return Err(Failure::Damaged(self.damage(offset, length, w.ci, format!("{pack}: {why}"))))
@@ -686,7 +761,7 @@ impl Pool {
 
 /// Threads for a snapshot's reads: decoding is CPU work, so one per core; reads of an
 /// object store wait on the network, so at least 8.
-fn pool_threads() -> usize {
+pub(crate) fn pool_threads() -> usize {
     std::thread::available_parallelism().map_or(4, |n| n.get()).clamp(crate::repo::FETCH_THREADS, 32)
 }
 
@@ -727,6 +802,12 @@ impl IoQueue for ReadQueue {
     fn submit_read(&mut self, mut buf: Vec<u8>, offset: u64) {
         let slot = Arc::new(Slot::default());
         self.pending.push_back(slot.clone());
+        // A small read the cache answers (or zero chunks) is answered here: handing it to
+        // a pool thread and back would cost more than the read.
+        if buf.len() as u64 <= KNOWN_INLINE && self.image.read_known(&mut buf, offset) {
+            slot.finish(buf, Ok(()));
+            return;
+        }
         let image = self.image.clone();
         let job: Job = Box::new(move || {
             // A read that panics fails alone: its slot is still finished (its connection
