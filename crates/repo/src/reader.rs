@@ -8,8 +8,7 @@
 //! there, before the read returns: no copy of it is made, and a chunk that fails its
 //! check fails the read. The requests of one NBD connection run side by side too:
 //! [`Backend::io_queue`] hands them to a pool of threads (one per core, more for an object
-//! store's latency), answered in order; a small one whose chunks are all cached (or zero)
-//! is answered at once, on the connection's thread. Chunks read in part (small random
+//! store's latency), answered in order. Chunks read in part (small random
 //! reads, as a VM booting from `ferry serve` makes) are kept, checked, in a cache shared
 //! by every thread, sized by the memory this process may use ([`default_cache_bytes`]);
 //! chunks read whole (a restore) are not. A chunk that fails its check is never cached.
@@ -39,9 +38,6 @@ const GAP: u64 = 64 << 10;
 /// following chunks into the cache.
 const AHEAD_BELOW: u64 = 256 << 10;
 const AHEAD_BYTES: u64 = 1 << 20;
-/// A read of a connection's queue at most this long whose chunks are all cached (or
-/// zero) is answered on the connection's thread, not the pool's.
-const KNOWN_INLINE: u64 = 256 << 10;
 
 /// The most the default cache budget takes: decoded chunks are the process's own memory,
 /// which the kernel cannot reclaim as it does the page cache.
@@ -459,25 +455,6 @@ impl SnapshotImage {
         }
     }
 
-    /// Fills `buf` with the bytes at `offset` when that needs no read of the store (each
-    /// chunk it covers zero or cached), noting the read as [`Backend::read`] does; false
-    /// (`buf` then holds no meaningful bytes) when a chunk is not at hand.
-    fn read_known(&self, buf: &mut [u8], offset: u64) -> bool {
-        let length = buf.len() as u64;
-        let Some(end) = offset.checked_add(length).filter(|&e| e <= self.size && length > 0) else {
-            return false;
-        };
-        for ci in offset / self.cs..=(end - 1) / self.cs {
-            let (bs, be, at) = self.span(ci, offset, end);
-            if !self.fill_known(ci, &mut buf[bs..be], at) {
-                return false;
-            }
-        }
-        // A sequential reader's next miss still sees it as one (read ahead).
-        self.ahead_for(offset, end);
-        true
-    }
-
     /// The location to read chunk `ci` (blob `id`) from: its hint, else its first copy
     /// in the index, unless that pack was found missing and another copy is not.
     fn pick(&self, index: Option<&RunIndex>, ci: u64, id: &Digest) -> Option<Location> {
@@ -761,7 +738,7 @@ impl Pool {
 
 /// Threads for a snapshot's reads: decoding is CPU work, so one per core; reads of an
 /// object store wait on the network, so at least 8.
-pub(crate) fn pool_threads() -> usize {
+fn pool_threads() -> usize {
     std::thread::available_parallelism().map_or(4, |n| n.get()).clamp(crate::repo::FETCH_THREADS, 32)
 }
 
@@ -802,12 +779,6 @@ impl IoQueue for ReadQueue {
     fn submit_read(&mut self, mut buf: Vec<u8>, offset: u64) {
         let slot = Arc::new(Slot::default());
         self.pending.push_back(slot.clone());
-        // A small read the cache answers (or zero chunks) is answered here: handing it to
-        // a pool thread and back would cost more than the read.
-        if buf.len() as u64 <= KNOWN_INLINE && self.image.read_known(&mut buf, offset) {
-            slot.finish(buf, Ok(()));
-            return;
-        }
         let image = self.image.clone();
         let job: Job = Box::new(move || {
             // A read that panics fails alone: its slot is still finished (its connection

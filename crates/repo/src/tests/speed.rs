@@ -1,11 +1,9 @@
 //! A snapshot read fast (issue 35): whole chunks decoded in their place in the reader's
-//! buffer (a restore), chunks the cache holds answered without the pool (a served
-//! snapshot's small reads), and none of it at the cost of a byte unchecked.
-use super::{backup, disk, new_repo, where_is, Gate, CS};
-use crate::{Repository, SnapshotImage};
+//! buffer (a restore), small reads through the cache from many threads, and none of it
+//! at the cost of a byte unchecked.
+use super::{backup, disk, new_repo, where_is, CS};
+use crate::SnapshotImage;
 use ferry_backend::Backend;
-use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant};
 
 const MIB: usize = 1 << 20;
 
@@ -123,64 +121,4 @@ fn concurrent_small_reads_of_shared_and_evicted_chunks_are_exact() {
     });
     assert!(img.cached_bytes() <= crate::MIN_CACHE_BYTES, "{} bytes cached", img.cached_bytes());
     assert!(img.cached_bytes() > 0);
-}
-
-/// A small read whose chunks are cached (or zero) is answered as it comes, even while
-/// every thread of the pool waits on the store: it costs no hand-off to another thread.
-#[test]
-fn cached_reads_are_answered_while_the_pool_waits() {
-    let (store, repo) = new_repo(false);
-    let data = disk(8 * MIB, 21);
-    let snap = backup(&repo, "d", &data, None);
-    // Ranged reads wait until one more than the pool's threads are in at once: never,
-    // so each waits 5 s (opening the image and the first read too).
-    let threads = crate::reader::pool_threads();
-    let gate = Arc::new(Gate {
-        inner: store,
-        inside: Mutex::new(0),
-        cv: Condvar::new(),
-        want: threads + 1,
-        met: false.into(),
-    });
-    let repo = Arc::new(Repository::open(gate.clone(), &|| unreachable!()).unwrap());
-    let img = SnapshotImage::open(repo, &snap).unwrap();
-    // Chunk 1 read in part: cached (its read waits out the gate).
-    let at = CS + 4096;
-    let mut buf = vec![0u8; 4096];
-    img.read(&mut buf, at as u64).unwrap();
-    // Every pool thread stuck in the store, on chunks not cached.
-    let mut stuck = img.io_queue().unwrap();
-    let mut c = 2;
-    for _ in 0..threads {
-        while c % 5 == 0 {
-            c += 1;
-        }
-        stuck.submit_read(vec![0; 4096], (c * CS) as u64);
-        c += 1;
-    }
-    let inside = || *gate.inside.lock().unwrap();
-    let t = Instant::now();
-    while inside() < threads && t.elapsed() < Duration::from_secs(4) {
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    assert_eq!(inside(), threads, "the pool's threads did not all reach the store");
-    // A cached read and a zero chunk's read on another connection.
-    let mut q = img.io_queue().unwrap();
-    q.submit_read(vec![0; 4096], at as u64 + 512);
-    q.submit_read(vec![1; 4096], 100);
-    // The pool's threads are held for 5 s: a read handed to them is not done in 2.
-    let t = Instant::now();
-    while !q.oldest_done() && t.elapsed() < Duration::from_secs(2) {
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    assert!(q.oldest_done(), "a cached read waited for the pool");
-    let (buf, r) = q.complete().unwrap();
-    r.unwrap();
-    assert!(buf[..] == data[at + 512..at + 512 + 4096]);
-    let (buf, r) = q.complete().unwrap();
-    r.unwrap();
-    assert!(buf.iter().all(|&b| b == 0), "chunk 0 is zero");
-    while let Some((_, r)) = stuck.complete() {
-        r.unwrap();
-    }
 }
