@@ -53,33 +53,61 @@ fn compress_into(plain: &[u8], level: i32, out: &mut Vec<u8>) -> bool {
     })
 }
 
-/// One zstd frame, exactly `z`, decompressed into at most `max_plain` bytes.
-fn decompress(z: &[u8], max_plain: usize) -> Result<Vec<u8>, String> {
+/// The plain length one zstd frame, exactly `z`, says it holds (`None`: it does not say),
+/// when that is at most `max_plain`.
+fn frame_content(z: &[u8], max_plain: usize) -> Result<Option<usize>, String> {
     match zstd::zstd_safe::find_frame_compressed_size(z) {
         Ok(n) if n == z.len() => {}
         Ok(n) => return Err(format!("its zstd frame is {n} bytes long but the blob has {} bytes of it", z.len())),
         Err(_) => return Err("its body is not a zstd frame".into()),
     }
-    let cap = match zstd::zstd_safe::get_frame_content_size(z) {
+    match zstd::zstd_safe::get_frame_content_size(z) {
         Ok(Some(n)) if n > max_plain as u64 => {
-            return Err(format!("its zstd frame holds {n} bytes; at most {max_plain} are allowed"))
+            Err(format!("its zstd frame holds {n} bytes; at most {max_plain} are allowed"))
         }
-        Ok(Some(n)) => n as usize,
-        Ok(None) => max_plain,
-        Err(_) => return Err("its zstd frame header is damaged".into()),
-    };
+        Ok(Some(n)) => Ok(Some(n as usize)),
+        Ok(None) => Ok(None),
+        Err(_) => Err("its zstd frame header is damaged".into()),
+    }
+}
+
+/// `f` with this thread's zstd decompressor.
+fn with_decompressor<T>(
+    f: impl FnOnce(&mut zstd::bulk::Decompressor<'static>) -> Result<T, String>,
+) -> Result<T, String> {
     DECOMPRESSOR.with(|d| {
         let mut d = d.borrow_mut();
         if d.is_none() {
             *d = Some(zstd::bulk::Decompressor::new().map_err(|e| format!("zstd: {e}"))?);
         }
         let Some(d) = d.as_mut() else { return Err("zstd: no decompressor".to_string()) };
+        f(d)
+    })
+}
+
+/// One zstd frame, exactly `z`, decompressed into at most `max_plain` bytes.
+fn decompress(z: &[u8], max_plain: usize) -> Result<Vec<u8>, String> {
+    let cap = frame_content(z, max_plain)?.unwrap_or(max_plain);
+    with_decompressor(|d| {
         let mut plain = Vec::with_capacity(cap);
         match d.decompress_to_buffer(z, &mut plain) {
             Ok(_) if plain.len() <= max_plain => Ok(plain),
             Ok(_) => Err(format!("its zstd frame holds more than {max_plain} bytes")),
             Err(e) => Err(format!("its zstd frame does not decompress into at most {cap} bytes: {e}")),
         }
+    })
+}
+
+/// One zstd frame, exactly `z`, decompressed into `out`, which it must fill exactly.
+fn decompress_into(z: &[u8], out: &mut [u8]) -> Result<(), String> {
+    let want = out.len();
+    if let Some(n) = frame_content(z, want)?.filter(|&n| n != want) {
+        return Err(format!("its zstd frame holds {n} bytes, not {want}"));
+    }
+    with_decompressor(|d| match d.decompress_to_buffer(z, out) {
+        Ok(n) if n == want => Ok(()),
+        Ok(n) => Err(format!("its zstd frame holds {n} bytes, not {want}")),
+        Err(e) => Err(format!("its zstd frame does not decompress into {want} bytes: {e}")),
     })
 }
 
@@ -155,6 +183,33 @@ pub fn decode_unchecked(
         Some((b, _)) => return Err(format!("its encoding byte is {b}, neither 0 (raw) nor 1 (zstd)")),
     };
     Ok(plain)
+}
+
+/// [`decode_unchecked`] into `out`, which the plain bytes must fill exactly (else an
+/// error): no plain copy of the blob is made, only `out` written (an encrypted blob is
+/// opened into `scratch`, which the caller keeps for its next one). For a caller that
+/// reads whole chunks into its own buffer and checks their digests there before it
+/// hands the buffer on (a restore). On an error `out` holds no meaningful bytes.
+pub fn decode_unchecked_into(
+    crypto: &Crypto,
+    kind: BlobKind,
+    id: &Digest,
+    stored: &[u8],
+    out: &mut [u8],
+    scratch: &mut Vec<u8>,
+) -> Result<(), String> {
+    let aad = aad(kind, id);
+    let body = crypto.open_via(&aad, stored, scratch).map_err(|e| e.to_string())?;
+    match body.split_first() {
+        None => Err("it is empty (not even its encoding byte)".into()),
+        Some((&RAW, p)) if p.len() == out.len() => {
+            out.copy_from_slice(p);
+            Ok(())
+        }
+        Some((&RAW, p)) => Err(format!("it holds {} plain bytes, not {}", p.len(), out.len())),
+        Some((&ZSTD, z)) => decompress_into(z, out),
+        Some((b, _)) => Err(format!("its encoding byte is {b}, neither 0 (raw) nor 1 (zstd)")),
+    }
 }
 
 #[cfg(test)]

@@ -294,6 +294,39 @@ impl Crypto {
         }
     }
 
+    /// The plain text of a stored object, without a copy of it where it is not encrypted:
+    /// `stored` itself, else `stored` decrypted into `scratch` (grown as needed, kept by
+    /// the caller for its next object), for a reader that puts the plain bytes elsewhere
+    /// (a restore decodes each chunk into its output).
+    pub fn open_via<'a>(
+        &self,
+        aad: &[u8],
+        stored: &'a [u8],
+        scratch: &'a mut Vec<u8>,
+    ) -> Result<&'a [u8], CryptoError> {
+        let Crypto::Aes(k) = self else { return Ok(stored) };
+        let n = stored.len();
+        if n < NONCE + TAG {
+            return Err(CryptoError::Damaged(format!(
+                "{n} bytes are too few for an encrypted object (nonce and tag are {})",
+                NONCE + TAG
+            )));
+        }
+        let nonce: [u8; NONCE] = stored[..NONCE].try_into().unwrap_or([0; NONCE]);
+        let tag: [u8; TAG] = stored[n - TAG..].try_into().unwrap_or([0; TAG]);
+        let len = n - NONCE - TAG;
+        if scratch.len() < len {
+            scratch.resize(len, 0);
+        }
+        let out = &mut scratch[..len];
+        let inout = aes_gcm::aead::inout::InOutBuf::new(&stored[NONCE..n - TAG], out)
+            .map_err(|_| CryptoError::Damaged("unequal buffers".into()))?;
+        k.cipher(aad).decrypt_inout_detached(&Nonce::from(nonce), aad, inout, &Tag::from(tag)).map_err(|_| {
+            CryptoError::Damaged("its authentication failed (the bytes were changed or damaged)".into())
+        })?;
+        Ok(&scratch[..len])
+    }
+
     /// A fingerprint of the master key, for this host's record of the repository
     /// (docs/safety.md): HMAC-SHA256 keyed by the whole master key (`enc_key || id_key`)
     /// of its own label, so it is no id, tag or key used anywhere else, and tells nothing

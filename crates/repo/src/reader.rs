@@ -3,12 +3,15 @@
 //!
 //! A read fetches the chunks it needs that lie next to each other in one pack with one
 //! ranged read, then decodes them on the calling thread: reads from many threads run side
-//! by side, with no lock held around I/O or decoding. The requests of one NBD connection
-//! do too: [`Backend::io_queue`] hands them to a pool of threads (one per core, more for
-//! an object store's latency), answered in order. Chunks read in part (small random
-//! reads, as a VM booting from `ferry serve` makes) are kept in a cache shared by every
-//! thread, sized by the memory this process may use ([`default_cache_bytes`]); chunks read
-//! whole (a restore) are not.
+//! by side, with no lock held around I/O or decoding. A chunk the read wants whole (a
+//! restore's reads) is decoded straight into the reader's buffer and its digest checked
+//! there, before the read returns: no copy of it is made, and a chunk that fails its
+//! check fails the read. The requests of one NBD connection run side by side too:
+//! [`Backend::io_queue`] hands them to a pool of threads (one per core, more for an object
+//! store's latency), answered in order. Chunks read in part (small random
+//! reads, as a VM booting from `ferry serve` makes) are kept, checked, in a cache shared
+//! by every thread, sized by the memory this process may use ([`default_cache_bytes`]);
+//! chunks read whole (a restore) are not. A chunk that fails its check is never cached.
 use crate::format::{self, BlobKind, Digest, ZERO};
 use crate::repo::{blkhash_of, pack_name, ChunkHints, Location, Repository, SnapshotInfo};
 use crate::runs::{BlobLookup, RunIndex};
@@ -199,8 +202,8 @@ impl SnapshotImage {
     /// the read that needs the chunk to report.
     fn fetch_ahead(&self, pack: &str, start: u64, end: u64, wants: &[Want]) -> io::Result<()> {
         let bytes = self.repo.store.get_range(pack, start, end - start)?;
-        for (w, plain) in wants.iter().zip(self.decode_run(&bytes, start, wants)) {
-            if let Ok(plain) = plain {
+        for (w, plain) in wants.iter().zip(self.decode_run(&bytes, start, wants, None)) {
+            if let Ok(Some(plain)) = plain {
                 self.remember(w.ci, Arc::new(plain));
             }
         }
@@ -208,13 +211,47 @@ impl SnapshotImage {
     }
 
     /// The chunks of one ranged read (`bytes`, from pack offset `start`) decoded, and
-    /// checked against their ids: their digests computed side by side.
-    fn decode_run(&self, bytes: &[u8], start: u64, wants: &[Want]) -> Vec<Result<Vec<u8>, String>> {
-        let mut out: Vec<Result<Vec<u8>, String>> = wants
+    /// checked against their ids: their digests computed side by side. With `into` (the
+    /// buffer of a read at `offset`), a chunk the read wants whole is decoded straight into
+    /// its place there (`Ok(None)`: no copy of it is made); the others (a part of a
+    /// chunk, a chunk read ahead) come back as their own bytes. A chunk whose check
+    /// fails is an error, whatever its bytes in the buffer are: the read fails.
+    fn decode_run(
+        &self,
+        bytes: &[u8],
+        start: u64,
+        wants: &[Want],
+        mut into: Option<(&mut [u8], u64)>,
+    ) -> Vec<Result<Option<Vec<u8>>, String>> {
+        let mut scratch = Vec::new();
+        // Where in the read's buffer chunk `w` goes, when it goes there whole.
+        let whole = |w: &Want, buf_len: usize, offset: u64| -> Option<(usize, usize)> {
+            let (bs, be, at) = self.span(w.ci, offset, offset + buf_len as u64);
+            (!w.ahead && at == 0 && be - bs == self.chunk_len(w.ci)).then_some((bs, be))
+        };
+        let mut out: Vec<Result<Option<Vec<u8>>, String>> = wants
             .iter()
             .map(|w| {
                 let s = (w.loc.offset as u64 - start) as usize;
                 let stored = bytes.get(s..s + w.loc.stored_len as usize).unwrap_or(&[]);
+                if stored.len() != w.loc.stored_len as usize {
+                    return Err(format!("blob {} at offset {} is cut short", format::hex(&w.id), w.loc.offset));
+                }
+                if let Some((buf, offset)) = into.as_mut() {
+                    if let Some((bs, be)) = whole(w, buf.len(), *offset) {
+                        let crypto = &self.repo.crypto;
+                        return crate::blob::decode_unchecked_into(
+                            crypto,
+                            BlobKind::Data,
+                            &w.id,
+                            stored,
+                            &mut buf[bs..be],
+                            &mut scratch,
+                        )
+                        .map(|()| None)
+                        .map_err(|e| format!("blob {} at offset {}: {e}", format::hex(&w.id), w.loc.offset));
+                    }
+                }
                 let plain = self.repo.decode_blob_unchecked(&w.id, &w.loc, BlobKind::Data, stored)?;
                 if plain.len() != self.chunk_len(w.ci) {
                     return Err(format!(
@@ -224,11 +261,23 @@ impl SnapshotImage {
                         self.chunk_len(w.ci)
                     ));
                 }
-                Ok(plain)
+                Ok(Some(plain))
             })
             .collect();
-        let decoded: Vec<(usize, &[u8])> =
-            out.iter().enumerate().filter_map(|(k, r)| r.as_ref().ok().map(|p| (k, p.as_slice()))).collect();
+        let view = into.as_ref().map(|(b, o)| (&**b, *o));
+        let decoded: Vec<(usize, &[u8])> = out
+            .iter()
+            .enumerate()
+            .filter_map(|(k, r)| match r {
+                Ok(Some(p)) => Some((k, p.as_slice())),
+                Ok(None) => {
+                    let (buf, offset) = view?;
+                    let (bs, be) = whole(&wants[k], buf.len(), offset)?;
+                    Some((k, &buf[bs..be]))
+                }
+                Err(_) => None,
+            })
+            .collect();
         let blocks: Vec<&[u8]> = decoded.iter().map(|(_, b)| *b).collect();
         let mut digests = vec![0u8; blocks.len() * 32];
         ferry_hash::Algorithm::Sha256.digest_many(&blocks, &mut digests);
@@ -461,8 +510,9 @@ impl SnapshotImage {
                 }
                 Ok(bytes) => {
                     let want = Want { ci, id, loc, ahead: false };
-                    match self.decode_run(&bytes, loc.offset as u64, std::slice::from_ref(&want)).pop() {
-                        Some(Ok(plain)) => return Ok(plain),
+                    match self.decode_run(&bytes, loc.offset as u64, std::slice::from_ref(&want), None).pop() {
+                        Some(Ok(Some(plain))) => return Ok(plain),
+                        Some(Ok(None)) => all_gone = false,
                         Some(Err(why)) => {
                             all_gone = false;
                             whys.push(format!("{pack}: {why}"));
@@ -575,10 +625,12 @@ impl SnapshotImage {
                     _ => Failure::Unreadable(self.unreadable(offset, length, ci, format!("cannot read {pack}: {e}"))),
                 }
             })?;
-            let plains = self.decode_run(&bytes, run_start, &wants[i..j]);
+            let plains = self.decode_run(&bytes, run_start, &wants[i..j], Some((&mut *buf, offset)));
             for (w, plain) in wants[i..j].iter().zip(plains) {
                 let plain = match plain {
-                    Ok(p) => p,
+                    // Decoded and checked in its place in `buf`.
+                    Ok(None) => continue,
+                    Ok(Some(p)) => p,
                     Err(_) if w.ahead => continue,
                     Err(why) => {
                         return Err(Failure::Damaged(self.damage(offset, length, w.ci, format!("{pack}: {why}"))))

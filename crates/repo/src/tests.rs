@@ -20,6 +20,7 @@ mod recover;
 mod resume;
 mod retention;
 mod scale;
+mod speed;
 
 const K: usize = 1024;
 const CS: usize = 64 * K;
