@@ -53,11 +53,16 @@
 # 1M chunks) and, with `--gen file`, GEN_DIR the generator file (about 4 GiB per 64 GiB of
 # disk: one block a granule); everything the script made there is removed at exit.
 #
-# --keep DIR keeps the largest size's repository in DIR (DIR/repo, its index cache
-# DIR/state and DIR/gen.env, the generator's parameters and the build's snapshot id);
+# Each repository's host state and index cache (FERRY_STATE_DIR, FERRY_CACHE_DIR) are under
+# the work directory: the first command that needs the cache builds it (the small backup's
+# row, "cold cache").
+#
+# --keep DIR keeps the largest size's repository in DIR (DIR/repo, its host state DIR/state,
+# its index cache DIR/cache and DIR/gen.env, the generator's parameters and the build's
+# snapshot id);
 # --reuse DIR takes it as that size instead of building it (restic is then not run). There
-# the day-2 snapshot is forgotten and a gc run after the rows (not timed), so the
-# repository is left as built and a rerun measures the same day 2 again.
+# the day-2 snapshot is forgotten after its row, so a rerun's day 2 continues the build
+# again (the same 2%), and a rerun's forget + gc row also frees the last day 2's chunks.
 #
 # Needs: python3 with libnbd (python3-libnbd; PY=/usr/bin/python3 by default), nbdkit with
 # its python plugin (nbdkit-plugin-python), restic (installed with apt-get when missing),
@@ -181,6 +186,7 @@ timed() {
     local t m
     read -r t m <"$W/time"
     S["$r:$n"]=$t; M["$r:$n"]=$m
+    echo "   $r ($n): $t s, $m KiB"
   else
     S["$r:$n"]=FAIL; M["$r:$n"]=
     echo "   FAIL: $r at $n chunks (see the log below)"; tail -5 "$LOG"
@@ -221,6 +227,7 @@ EOF
   local m; m=$(tail -1 "$W/time" 2>/dev/null | cut -d' ' -f2)
   [[ $m =~ ^[0-9]+$ ]] || m=
   M["$r:$n"]=$m
+  echo "   $r ($n): ${t:-FAIL} s, $m KiB"
 }
 fjson() { $PY -c "import json,sys; print(json.load(sys.stdin)$1)"; }
 
@@ -229,22 +236,22 @@ openssl enc -aes-128-ctr -pass pass:scale -nosalt -pbkdf2 </dev/zero 2>/dev/null
 INIT=(repo init); [ "$ENCRYPT" = 1 ] && INIT+=(--encrypt)
 
 # The empty repository: the small disk's backup with nothing else stored.
-export FERRY_STATE_DIR=$W/ferry-state
+export FERRY_STATE_DIR=$W/ferry-state FERRY_CACHE_DIR=$W/ferry-cache
 "$FERRY" "${INIT[@]}" "$W/empty" >>"$LOG" 2>&1
 timed "ferry backup small.raw REPO::small, into an empty repository" 0 "$FERRY" backup "$W/small.raw" "$W/empty::small"
-rm -rf "$W/empty"
+rm -rf "$W/empty" "$W/ferry-state" "$W/ferry-cache"
 ROWS=()  # that row is printed apart
 
 for n in $SIZES; do
   G=$(( n > GEN_MIN ? n : GEN_MIN ))
   [ "$n" != 0 ] && G=$(( G > DISK_GIB << 14 ? G : DISK_GIB << 14 ))
   R=$W/repo
-  rm -rf "$R" "$W/ferry-state"
-  export FERRY_STATE_DIR=$W/ferry-state
+  rm -rf "$R" "$W/ferry-state" "$W/ferry-cache"
+  export FERRY_STATE_DIR=$W/ferry-state FERRY_CACHE_DIR=$W/ferry-cache
   if [ -n "$REUSE" ] && [ "$n" = "$LARGEST" ]; then
     # shellcheck disable=SC2153 # from gen.env
     G=$RGRANULES R=$REUSE/repo GENID=$RGENID
-    export FERRY_STATE_DIR=$REUSE/state
+    export FERRY_STATE_DIR=$REUSE/state FERRY_CACHE_DIR=$REUSE/cache
   fi
   echo "-- $n chunks ($(stamp)): generator disk of $((G >> 14)) GiB"
   LOAD[$n]=$(cut -d' ' -f1 /proc/loadavg)
@@ -294,15 +301,15 @@ for n in $SIZES; do
   gen_stop
   STORED[$n]=$(du -sb "$R" | cut -f1)
   if [ "$n" = "$LARGEST" ] && [ -n "$KEEP$REUSE" ]; then
-    # the repository as built: day 2's snapshot (the latest of gen) and its data go
+    # the repository as built, but for unused data: day 2's snapshot (the latest of gen) goes
     D2=$("$FERRY" repo list --json "$R" 2>>"$LOG" | $PY -c 'import json,sys; print(max((s for s in json.load(sys.stdin) if s["name"] == "gen"), key=lambda s: s["time"])["id"])' 2>>"$LOG")
-    { [ "$D2" != "$GENID" ] && "$FERRY" repo forget "$R" "$D2" && "$FERRY" repo gc "$R"; } >>"$LOG" 2>&1 ||
+    { [ "$D2" != "$GENID" ] && "$FERRY" repo forget "$R" "$D2"; } >>"$LOG" 2>&1 ||
       echo "   could not forget day 2's snapshot $D2 from $R: a --reuse of it will fail (see the log)"
   fi
   GIB[$n]=$((G >> 14))
   if [ -n "$KEEP" ] && [ "$n" = "$LARGEST" ] && [ "$R" = "$W/repo" ]; then
-    mkdir -p "$KEEP" && rm -rf "$KEEP/repo" "$KEEP/state"
-    mv "$R" "$KEEP/repo" && mv "$FERRY_STATE_DIR" "$KEEP/state"
+    mkdir -p "$KEEP" && rm -rf "$KEEP/repo" "$KEEP/state" "$KEEP/cache"
+    mv "$R" "$KEEP/repo" && mv "$FERRY_STATE_DIR" "$KEEP/state" && { [ ! -d "$FERRY_CACHE_DIR" ] || mv "$FERRY_CACHE_DIR" "$KEEP/cache"; }
     printf 'RGRANULES=%s\nRUNIQUE=%s\nRREST=%s\nRGENID=%s\n' "$G" "$n" "$REST" "$GENID" >"$KEEP/gen.env"
     echo "   kept in $KEEP"
   fi
