@@ -252,6 +252,8 @@ for n in $SIZES; do
     # shellcheck disable=SC2153 # from gen.env
     G=$RGRANULES R=$REUSE/repo GENID=$RGENID
     export FERRY_STATE_DIR=$REUSE/state FERRY_CACHE_DIR=$REUSE/cache
+    LATEST=$("$FERRY" repo list --json "$R" 2>>"$LOG" | $PY -c 'import json,sys; print(max((s for s in json.load(sys.stdin) if s["name"] == "gen"), key=lambda s: s["time"])["id"])' 2>>"$LOG")
+    [ "$LATEST" = "$GENID" ] || { echo "$R: the latest snapshot of gen is ${LATEST:-unknown}, not the build's $GENID: day 2 continues the build; \`ferry repo forget $R ID\` the later ones first"; exit 1; }
   fi
   echo "-- $n chunks ($(stamp)): generator disk of $((G >> 14)) GiB"
   LOAD[$n]=$(cut -d' ' -f1 /proc/loadavg)
