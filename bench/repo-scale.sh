@@ -80,7 +80,7 @@ RESTIC_CHUNKS=
 ENCRYPT=0
 PEERS=1
 GENKIND=nbdkit
-DISK_GIB=64
+DISK_GIB=0
 REST=same
 KEEP=
 REUSE=
@@ -103,7 +103,7 @@ while [ $# -gt 0 ]; do
 done
 [[ $GENKIND =~ ^(nbdkit|file)$ ]] || { echo "--gen takes nbdkit or file"; exit 2; }
 [[ $REST =~ ^(same|zero)$ ]] || { echo "--rest takes same or zero"; exit 2; }
-[[ $DISK_GIB =~ ^[0-9]+$ ]] || { echo "--disk-gib takes a number"; exit 2; }
+[[ $DISK_GIB =~ ^[0-9]+$ ]] || { echo "--disk-gib takes a number"; exit 2; }  # 0: GEN_MIN alone
 [ "$GENKIND:$REST" = file:zero ] && { echo "--rest zero needs the nbdkit generator"; exit 2; }
 if [ -n "$REUSE" ]; then
   if [ ! -s "$REUSE/gen.env" ] || [ ! -d "$REUSE/repo" ]; then echo "$REUSE: no kept repository (gen.env, repo) there"; exit 2; fi
@@ -154,7 +154,7 @@ LOG=$W/log
 # gen G N [SEED]: the generator disk of G granules, the first N unique, as GEN (a path or an
 # NBD URI); with SEED day 2's 2% changed too and $W/day2.map written.
 GPID=
-gen_stop() { [ -n "$GPID" ] && kill "$GPID" 2>/dev/null; GPID=; }
+gen_stop() { [ -n "$GPID" ] && { kill "$GPID" 2>/dev/null; wait "$GPID" 2>/dev/null; }; GPID=; }
 gen() {
   local rest=$REST; [ "$2" = 0 ] && rest=same
   if [ "$GENKIND" = file ]; then
@@ -164,10 +164,14 @@ gen() {
   fi
   gen_stop
   [ -n "${3:-}" ] && { $PY "$HERE/repo-scale-gen.py" --bitmap-only "$W/day2.map" "$1" "$3" || return 1; }
-  rm -f "$GW/gen.sock" "$GW/gen.pid"
-  nbdkit -U "$GW/gen.sock" -P "$GW/gen.pid" python "$HERE/repo-scale-nbdkit.py" granules="$1" unique="$2" rest="$rest" \
-    ${3:+seed="$3" bitmap="$W/day2.map"} || return 1
-  GPID=$(cat "$GW/gen.pid")
+  rm -f "$GW/gen.sock"
+  # in the foreground of a background job: its pid is known at once (a forked nbdkit's pid
+  # file may not be written yet when the command returns)
+  nbdkit -f -U "$GW/gen.sock" python "$HERE/repo-scale-nbdkit.py" granules="$1" unique="$2" rest="$rest" \
+    ${3:+seed="$3" bitmap="$W/day2.map"} >>"$LOG" 2>&1 &
+  GPID=$!
+  for _ in $(seq 600); do [ -S "$GW/gen.sock" ] && break; kill -0 "$GPID" 2>/dev/null || return 1; sleep 0.1; done
+  [ -S "$GW/gen.sock" ] || return 1
   GEN="nbd+unix:///?socket=$GW/gen.sock"
 }
 stamp() { echo "$(date -u +%F\ %H:%M:%S) UTC, load average $(cut -d' ' -f1-3 /proc/loadavg)"; }
@@ -283,7 +287,7 @@ for n in $SIZES; do
       timed "restic: build: restic backup GEN" "$n" restic -r "$Q" backup "$GEN"
     else
       # shellcheck disable=SC2016 # the inner sh expands them
-      timed "restic: build: restic backup GEN" "$n" sh -c 'set -o pipefail; nbdcopy "$1" - | restic -r "$2" backup --stdin --stdin-filename gen.raw' sh "$GEN" "$Q"
+      timed "restic: build: restic backup GEN" "$n" bash -c 'set -o pipefail; nbdcopy "$1" - | restic -r "$2" backup --stdin --stdin-filename gen.raw' sh "$GEN" "$Q"
     fi
     timed "restic: restic snapshots" "$n" restic -r "$Q" snapshots
     timed "restic: restic backup small.raw" "$n" restic -r "$Q" backup --tag small "$W/small.raw"
@@ -324,7 +328,7 @@ mb() { [ -z "$1" ] && { echo -; return; }; printf "%.0f" "$(echo "$1 * 1024 / 10
   echo "## Repository scale: ferry $("$FERRY" --version | head -1 | cut -d' ' -f2-), $(git -C "$HERE" rev-parse --short HEAD 2>/dev/null)$([ "$ENCRYPT" = 1 ] && echo ", encrypted")"
   echo
   echo "$(date -u +%F), $(nproc) CPUs; load average at the start of each size: $(for n in $SIZES; do printf '%s: %s; ' "$n" "${LOAD[$n]}"; done | sed 's/; $//')."
-  echo "Command: \`bash bench/repo-scale.sh $([ -n "$REUSE" ] && echo "--reuse $REUSE" || echo "--chunks $CHUNKS")$([ "$ENCRYPT" = 1 ] && [ -z "$REUSE" ] && echo ' --encrypt')$([ "$PEERS" = 1 ] || [ -n "$REUSE" ] || echo ' --no-restic')$([ -n "$RESTIC_CHUNKS" ] && echo " --restic-chunks $RESTIC_CHUNKS")$([ "$GENKIND" = file ] && echo ' --gen file')$([ "$DISK_GIB" != 64 ] && echo " --disk-gib $DISK_GIB")$([ "$REST" = zero ] && [ -z "$REUSE" ] && echo ' --rest zero')$([ -n "$KEEP" ] && echo " --keep $KEEP")\`."
+  echo "Command: \`bash bench/repo-scale.sh $([ -n "$REUSE" ] && echo "--reuse $REUSE" || echo "--chunks $CHUNKS")$([ "$ENCRYPT" = 1 ] && [ -z "$REUSE" ] && echo ' --encrypt')$([ "$PEERS" = 1 ] || [ -n "$REUSE" ] || echo ' --no-restic')$([ -n "$RESTIC_CHUNKS" ] && echo " --restic-chunks $RESTIC_CHUNKS")$([ "$GENKIND" = file ] && echo ' --gen file')$([ "$DISK_GIB" != 0 ] && echo " --disk-gib $DISK_GIB")$([ "$REST" = zero ] && [ -z "$REUSE" ] && echo ' --rest zero')$([ -n "$KEEP" ] && echo " --keep $KEEP")\`."
   printf "Generator disk (GiB):"; for n in $SIZES; do printf " %s: %s;" "$n" "${GIB[$n]:--}"; done | sed 's/;$/./'; echo "$([ "$REST" = zero ] && echo " Past the unique granules the disks of N > 0 are zero.")$([ -n "$REUSE" ] && echo " The $LARGEST column is the kept repository $REUSE (not built by this run).")"
   echo "Seconds (one run) and peak RSS in MB; Δ: RSS above the same command at 0 chunks (a repository holding the generator disk's one shared chunk)."
   printf "Repository after day 2 (du -sb, MB):"; for n in $SIZES; do printf " %s: %s;" "$n" "$(mb $(( ${STORED[$n]:-0} / 1024 )))"; done | sed 's/;$/./'; echo
