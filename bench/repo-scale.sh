@@ -5,21 +5,28 @@
 #
 #   bash bench/repo-scale.sh                          # from the project root, after cargo build --release -p ferry
 #   bash bench/repo-scale.sh --chunks 200000,1000000  # the sizes (stored chunks), comma-separated
-#   GEN_DIR=/var/tmp bash bench/repo-scale.sh --chunks 10000000  # 10M: a 640 GiB generator disk taking
-#                     # 40 GiB of GEN_DIR (more than /dev/shm holds here); its ferry build alone takes
-#                     # about 30 minutes on 2 busy cores, restic's as long
+#   bash bench/repo-scale.sh --chunks 10000000 --disk-gib 1024 --rest zero --no-restic --keep /tmp/scale10m
+#                     # 10M: a 1 TiB generator disk whose first 10M granules are unique and the rest
+#                     # zero; the repository is kept in /tmp/scale10m (its build alone takes about an
+#                     # hour on 2 busy cores)
+#   bash bench/repo-scale.sh --reuse /tmp/scale10m    # the command rows again on that kept repository
+#                     # (no build: e.g. after a change to ferry), with the 0 column built anew
+#   bash bench/repo-scale.sh --gen file               # the generator disk as a sparse file (GEN_DIR)
 #   bash bench/repo-scale.sh --encrypt                # encrypted ferry repositories (`repo init --encrypt`)
 #   bash bench/repo-scale.sh --no-restic              # ferry's rows only
 #   bash bench/repo-scale.sh --restic-chunks 200000   # restic only at these sizes (default: all of them)
 #   GEN_MIN=16384 bash bench/repo-scale.sh --chunks 4000   # a quick try of the script (1 GiB disk)
 #
 # The repositories: for each size N (and for N = 0, the column every RSS difference is
-# taken against), a generator disk, GEN = max(64 GiB, N * 64 KiB), a sparse raw file
-# (bench/repo-scale-gen.py) whose first N 64 KiB granules each hold their own 8-byte
-# number and the rest one shared 8-byte pattern, everything else zero: N unique chunks
-# that compress to a few bytes each, plus one. It is backed up once with
-# `ferry backup GEN REPO::gen` into a new repository (the "build" row; the repository then
-# holds N + 1 chunks and one snapshot of a 64 GiB disk). Then, timed (wall seconds) and with
+# taken against), a generator disk, GEN = max(64 GiB, N * 64 KiB) (for N > 0 at least
+# --disk-gib), whose first N 64 KiB granules each hold their own 8-byte number and the rest
+# one shared 8-byte pattern (--rest zero, for N > 0: zero), everything else zero: N unique
+# chunks that compress to a few bytes each, plus one. By default GEN is served by nbdkit,
+# computed on the fly (bench/repo-scale-nbdkit.py: no disk used; its block status gives
+# 4 KiB of data a granule, so ferry reads 4 KiB a granule); `--gen file` writes it as a
+# sparse raw file instead (bench/repo-scale-gen.py, the same bytes). It is backed up once
+# with `ferry backup GEN REPO::gen` into a new repository (the "build" row; the repository
+# then holds N + 1 chunks and one snapshot of GEN). Then, timed (wall seconds) and with
 # their peak RSS (GNU time's maximum resident set size), in this order:
 # - `ferry repo list REPO`;
 # - `ferry backup small.raw REPO::small`: a separate 64 MiB disk of random bytes (AES-CTR);
@@ -33,7 +40,8 @@
 # - day 2 of the generator disk: 2% of its granules, at random (seeded), changed to new
 #   unique numbers, and `ferry backup --extents-from bitmap:65536:MAP --since GENID GEN REPO::gen`
 #   with the bitmap of exactly those granules (at N up to 1M: 2% of a 64 GiB disk).
-# restic (unless --no-restic), in its own repository, on the same files: `restic backup GEN`
+# restic (unless --no-restic), in its own repository, on the same data: `restic backup GEN`
+# (from the nbdkit generator: `nbdcopy GEN - | restic backup --stdin`, timed together)
 # (build; restic cuts this data into 512 KiB blobs, so its repository holds N/8 + 1 data
 # blobs: the same stored volume, fewer objects), `restic snapshots`, `restic backup
 # small.raw`, `restic restore latest --tag small` (compared), `restic check`, `restic check
@@ -41,12 +49,24 @@
 #
 # One run of each command (the build of a large repository takes minutes). The machine is
 # shared: the load average is printed with each size. Disk: BENCH_DIR (default
-# /tmp/scale-bench) holds the generator file (about 4 GiB per 64 GiB of disk: one block a
-# granule) and one ferry and one restic repository at a time (about 150 MB per 1M chunks);
-# everything under it that the script made is removed at exit.
+# /tmp/scale-bench) holds one ferry and one restic repository at a time (about 150 MB per
+# 1M chunks) and, with `--gen file`, GEN_DIR the generator file (about 4 GiB per 64 GiB of
+# disk: one block a granule); everything the script made there is removed at exit.
 #
-# Needs: python3 with libnbd (python3-libnbd; PY=/usr/bin/python3 by default), restic
-# (installed with apt-get when missing), openssl, cmp, GNU time (/usr/bin/time).
+# Each repository's host state and index cache (FERRY_STATE_DIR, FERRY_CACHE_DIR) are under
+# the work directory: the first command that needs the cache builds it (the small backup's
+# row, "cold cache").
+#
+# --keep DIR keeps the largest size's repository in DIR (DIR/repo, its host state DIR/state,
+# its index cache DIR/cache and DIR/gen.env, the generator's parameters and the build's
+# snapshot id);
+# --reuse DIR takes it as that size instead of building it (restic is then not run). There
+# the day-2 snapshot is forgotten after its row, so a rerun's day 2 continues the build
+# again (the same 2%), and a rerun's forget + gc row also frees the last day 2's chunks.
+#
+# Needs: python3 with libnbd (python3-libnbd; PY=/usr/bin/python3 by default), nbdkit with
+# its python plugin (nbdkit-plugin-python), restic (installed with apt-get when missing),
+# openssl, cmp, GNU time (/usr/bin/time).
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=bench/lib.sh
@@ -59,29 +79,53 @@ CHUNKS=1000000
 RESTIC_CHUNKS=
 ENCRYPT=0
 PEERS=1
+GENKIND=nbdkit
+DISK_GIB=0
+REST=same
+KEEP=
+REUSE=
 while [ $# -gt 0 ]; do
   case $1 in
     --chunks) CHUNKS=$2; shift ;;
     --restic-chunks) RESTIC_CHUNKS=$2; shift ;;
     --encrypt) ENCRYPT=1 ;;
     --no-restic) PEERS=0 ;;
+    --gen) GENKIND=$2; shift ;;
+    --disk-gib) DISK_GIB=$2; shift ;;
+    --rest) REST=$2; shift ;;
+    --keep) KEEP=$2; shift ;;
+    --reuse) REUSE=$2; shift ;;
     --out) OUT=$2; shift ;;
     -h | --help) sed -n '2,/^set -u/p' "$0" | sed '$d'; exit 0 ;;
     *) echo "unknown argument $1 (see --help)"; exit 2 ;;
   esac
   shift
 done
+[[ $GENKIND =~ ^(nbdkit|file)$ ]] || { echo "--gen takes nbdkit or file"; exit 2; }
+[[ $REST =~ ^(same|zero)$ ]] || { echo "--rest takes same or zero"; exit 2; }
+[[ $DISK_GIB =~ ^[0-9]+$ ]] || { echo "--disk-gib takes a number"; exit 2; }  # 0: GEN_MIN alone
+[ "$GENKIND:$REST" = file:zero ] && { echo "--rest zero needs the nbdkit generator"; exit 2; }
+if [ -n "$REUSE" ]; then
+  if [ ! -s "$REUSE/gen.env" ] || [ ! -d "$REUSE/repo" ]; then echo "$REUSE: no kept repository (gen.env, repo) there"; exit 2; fi
+  # shellcheck disable=SC1091 # written by --keep: RGRANULES RUNIQUE RREST RGENID
+  . "$REUSE/gen.env"
+  # shellcheck disable=SC2153
+  CHUNKS=$RUNIQUE PEERS=0 GENKIND=nbdkit REST=$RREST
+fi
+[ "$ENCRYPT" = 1 ] && [ -n "$KEEP$REUSE" ] && { echo "--keep and --reuse are for repositories without encryption"; exit 2; }
 SIZES="0 $(echo "$CHUNKS" | tr ',' ' ')"
 RSIZES=${RESTIC_CHUNKS:+0 $(echo "$RESTIC_CHUNKS" | tr ',' ' ')}
 RSIZES=${RSIZES:-$SIZES}
 for n in $SIZES; do
   [[ $n =~ ^[0-9]+$ ]] || { echo "--chunks takes numbers: $CHUNKS"; exit 2; }
-  [ "$n" -ge 5000000 ] && echo "note: $n chunks: the generator disk is $((n >> 14)) GiB ($((n >> 18)) GiB of GEN_DIR); its build alone takes about $((n / 6000 / 60)) minutes on 2 busy cores, restic's as long"
+  [ "$n" -ge 5000000 ] && [ -z "$REUSE" ] && echo "note: $n chunks: the build alone takes about $((n / 3000 / 60)) minutes on 2 busy cores, restic's as long"
 done
+LARGEST=$(echo "$SIZES" | tr ' ' '\n' | sort -n | tail -1)
 
 [ "$PEERS" = 1 ] && install_pkg restic restic
 for t in openssl cmp /usr/bin/time; do command -v $t >/dev/null || { echo "missing $t"; exit 1; }; done
 $PY -c 'import nbd' || { echo "missing python3-libnbd for $PY"; exit 1; }
+[ "$GENKIND" = nbdkit ] && { nbdkit python --version >/dev/null 2>&1 || { echo "missing nbdkit's python plugin (nbdkit-plugin-python)"; exit 1; }; }
 [ -x "$FERRY" ] || { echo "missing $FERRY: cargo build --release -p ferry first"; exit 1; }
 
 mkdir -p "${BENCH_DIR:-/tmp/scale-bench}"
@@ -90,10 +134,12 @@ W=$(mktemp -d "${BENCH_DIR:-/tmp/scale-bench}/run.XXXX")
 # of disk): on a file system mounted with `discard`, as this machine's is, removing a file of
 # a million scattered blocks discards them one by one and takes more than ten minutes.
 GEN_DIR=${GEN_DIR:-/dev/shm}
+[ "$GENKIND" = nbdkit ] && GEN_DIR=$W
 GW=$(mktemp -d "$GEN_DIR/scale-gen.XXXX")
 SPID=
 cleanup() {
   [ -n "$SPID" ] && kill "$SPID" 2>/dev/null
+  gen_stop
   wait 2>/dev/null
   rm -rf "$W" "$GW"
 }
@@ -102,14 +148,36 @@ trap 'exit 130' INT TERM
 
 echo "bench password $$" >"$W/pass"
 chmod 600 "$W/pass"
-export FERRY_STATE_DIR=$W/ferry-state RESTIC_PASSWORD_FILE=$W/pass RESTIC_CACHE_DIR=$W/restic-cache
+export RESTIC_PASSWORD_FILE=$W/pass RESTIC_CACHE_DIR=$W/restic-cache
 [ "$ENCRYPT" = 1 ] && export FERRY_PASSWORD_FILE=$W/pass
 LOG=$W/log
-GEN=$GW/gen.raw
+# gen G N [SEED]: the generator disk of G granules, the first N unique, as GEN (a path or an
+# NBD URI); with SEED day 2's 2% changed too and $W/day2.map written.
+GPID=
+gen_stop() { [ -n "$GPID" ] && { kill "$GPID" 2>/dev/null; wait "$GPID" 2>/dev/null; }; GPID=; }
+gen() {
+  local rest=$REST; [ "$2" = 0 ] && rest=same
+  if [ "$GENKIND" = file ]; then
+    GEN=$GW/gen.raw
+    $PY "$HERE/repo-scale-gen.py" "$GEN" "$1" "$2" ${3:+"$3" "$W/day2.map"}
+    return
+  fi
+  gen_stop
+  [ -n "${3:-}" ] && { $PY "$HERE/repo-scale-gen.py" --bitmap-only "$W/day2.map" "$1" "$3" || return 1; }
+  rm -f "$GW/gen.sock"
+  # in the foreground of a background job: its pid is known at once (a forked nbdkit's pid
+  # file may not be written yet when the command returns)
+  nbdkit -f -U "$GW/gen.sock" python "$HERE/repo-scale-nbdkit.py" granules="$1" unique="$2" rest="$rest" \
+    ${3:+seed="$3" bitmap="$W/day2.map"} >>"$LOG" 2>&1 &
+  GPID=$!
+  for _ in $(seq 600); do [ -S "$GW/gen.sock" ] && break; kill -0 "$GPID" 2>/dev/null || return 1; sleep 0.1; done
+  [ -S "$GW/gen.sock" ] || return 1
+  GEN="nbd+unix:///?socket=$GW/gen.sock"
+}
 stamp() { echo "$(date -u +%F\ %H:%M:%S) UTC, load average $(cut -d' ' -f1-3 /proc/loadavg)"; }
 echo "ferry: $("$FERRY" --version | head -1), $(restic version 2>/dev/null | cut -d' ' -f1-2), work in $W, $(stamp)"
 
-declare -A LOAD STORED RBLOBS
+declare -A LOAD STORED RBLOBS GIB
 declare -A S M  # S[ROW:SIZE]: wall seconds; M[ROW:SIZE]: peak RSS in KiB
 ROWS=()
 row() { [[ " ${ROWS[*]} " == *" $1 "* ]] || ROWS+=("$1"); }
@@ -122,6 +190,7 @@ timed() {
     local t m
     read -r t m <"$W/time"
     S["$r:$n"]=$t; M["$r:$n"]=$m
+    echo "   $r ($n): $t s, $m KiB"
   else
     S["$r:$n"]=FAIL; M["$r:$n"]=
     echo "   FAIL: $r at $n chunks (see the log below)"; tail -5 "$LOG"
@@ -162,6 +231,7 @@ EOF
   local m; m=$(tail -1 "$W/time" 2>/dev/null | cut -d' ' -f2)
   [[ $m =~ ^[0-9]+$ ]] || m=
   M["$r:$n"]=$m
+  echo "   $r ($n): ${t:-FAIL} s, $m KiB"
 }
 fjson() { $PY -c "import json,sys; print(json.load(sys.stdin)$1)"; }
 
@@ -170,21 +240,33 @@ openssl enc -aes-128-ctr -pass pass:scale -nosalt -pbkdf2 </dev/zero 2>/dev/null
 INIT=(repo init); [ "$ENCRYPT" = 1 ] && INIT+=(--encrypt)
 
 # The empty repository: the small disk's backup with nothing else stored.
+export FERRY_STATE_DIR=$W/ferry-state FERRY_CACHE_DIR=$W/ferry-cache
 "$FERRY" "${INIT[@]}" "$W/empty" >>"$LOG" 2>&1
 timed "ferry backup small.raw REPO::small, into an empty repository" 0 "$FERRY" backup "$W/small.raw" "$W/empty::small"
-rm -rf "$W/empty"
+rm -rf "$W/empty" "$W/ferry-state" "$W/ferry-cache"
 ROWS=()  # that row is printed apart
 
 for n in $SIZES; do
   G=$(( n > GEN_MIN ? n : GEN_MIN ))
+  [ "$n" != 0 ] && G=$(( G > DISK_GIB << 14 ? G : DISK_GIB << 14 ))
+  R=$W/repo
+  rm -rf "$R" "$W/ferry-state" "$W/ferry-cache"
+  export FERRY_STATE_DIR=$W/ferry-state FERRY_CACHE_DIR=$W/ferry-cache
+  if [ -n "$REUSE" ] && [ "$n" = "$LARGEST" ]; then
+    # shellcheck disable=SC2153 # from gen.env
+    G=$RGRANULES R=$REUSE/repo GENID=$RGENID
+    export FERRY_STATE_DIR=$REUSE/state FERRY_CACHE_DIR=$REUSE/cache
+    LATEST=$("$FERRY" repo list --json "$R" 2>>"$LOG" | $PY -c 'import json,sys; print(max((s for s in json.load(sys.stdin) if s["name"] == "gen"), key=lambda s: s["time"])["id"])' 2>>"$LOG")
+    [ "$LATEST" = "$GENID" ] || { echo "$R: the latest snapshot of gen is ${LATEST:-unknown}, not the build's $GENID: day 2 continues the build; \`ferry repo forget $R ID\` the later ones first"; exit 1; }
+  fi
   echo "-- $n chunks ($(stamp)): generator disk of $((G >> 14)) GiB"
   LOAD[$n]=$(cut -d' ' -f1 /proc/loadavg)
-  $PY "$HERE/repo-scale-gen.py" "$GEN" "$G" "$n" || exit 1
-  R=$W/repo
-  rm -rf "$R" "$FERRY_STATE_DIR"
-  "$FERRY" "${INIT[@]}" "$R" >>"$LOG" 2>&1
-  timed "build: ferry backup GEN REPO::gen" "$n" "$FERRY" backup --json "$GEN" "$R::gen"
-  GENID=$(grep '^{' "$LOG" | tail -1 | fjson '["id"]')
+  gen "$G" "$n" || exit 1
+  if [ "$R" = "$W/repo" ]; then
+    "$FERRY" "${INIT[@]}" "$R" >>"$LOG" 2>&1
+    timed "build: ferry backup GEN REPO::gen" "$n" "$FERRY" backup --json "$GEN" "$R::gen"
+    GENID=$(grep '^{' "$LOG" | tail -1 | fjson '["id"]')
+  fi
   timed "ferry repo list REPO" "$n" "$FERRY" repo list "$R"
   timed "ferry backup small.raw REPO::small (64 MiB)" "$n" "$FERRY" backup --json "$W/small.raw" "$R::small"
   SMALLID=$(grep '^{' "$LOG" | tail -1 | fjson '["id"]')
@@ -201,7 +283,12 @@ for n in $SIZES; do
     Q=$W/restic
     rm -rf "$Q" "$RESTIC_CACHE_DIR"
     restic init -r "$Q" >>"$LOG" 2>&1
-    timed "restic: build: restic backup GEN" "$n" restic -r "$Q" backup "$GEN"
+    if [ "$GENKIND" = file ]; then
+      timed "restic: build: restic backup GEN" "$n" restic -r "$Q" backup "$GEN"
+    else
+      # shellcheck disable=SC2016 # the inner sh expands them
+      timed "restic: build: restic backup GEN" "$n" bash -c 'set -o pipefail; nbdcopy "$1" - | restic -r "$2" backup --stdin --stdin-filename gen.raw' sh "$GEN" "$Q"
+    fi
     timed "restic: restic snapshots" "$n" restic -r "$Q" snapshots
     timed "restic: restic backup small.raw" "$n" restic -r "$Q" backup --tag small "$W/small.raw"
     timed "restic: restic restore latest --tag small" "$n" restic -r "$Q" restore latest --tag small --target "$W/rout"
@@ -215,10 +302,24 @@ for n in $SIZES; do
     rm -rf "$Q" "$RESTIC_CACHE_DIR"
   fi
   # Day 2 last: it changes the generator file (the next size writes every granule again).
-  $PY "$HERE/repo-scale-gen.py" "$GEN" "$G" "$n" 2 "$W/day2.map" || exit 1
+  gen "$G" "$n" 2 || exit 1
   timed "day 2: ferry backup --extents-from (2% of GEN) --since ID" "$n" "$FERRY" backup --extents-from "bitmap:65536:$W/day2.map" --since "$GENID" "$GEN" "$R::gen"
+  gen_stop
   STORED[$n]=$(du -sb "$R" | cut -f1)
-  rm -rf "$R"
+  if [ "$n" = "$LARGEST" ] && [ -n "$KEEP$REUSE" ]; then
+    # the repository as built, but for unused data: day 2's snapshot (the latest of gen) goes
+    D2=$("$FERRY" repo list --json "$R" 2>>"$LOG" | $PY -c 'import json,sys; print(max((s for s in json.load(sys.stdin) if s["name"] == "gen"), key=lambda s: s["time"])["id"])' 2>>"$LOG")
+    { [ "$D2" != "$GENID" ] && "$FERRY" repo forget "$R" "$D2"; } >>"$LOG" 2>&1 ||
+      echo "   could not forget day 2's snapshot $D2 from $R: a --reuse of it will fail (see the log)"
+  fi
+  GIB[$n]=$((G >> 14))
+  if [ -n "$KEEP" ] && [ "$n" = "$LARGEST" ] && [ "$R" = "$W/repo" ]; then
+    mkdir -p "$KEEP" && rm -rf "$KEEP/repo" "$KEEP/state" "$KEEP/cache"
+    mv "$R" "$KEEP/repo" && mv "$FERRY_STATE_DIR" "$KEEP/state" && { [ ! -d "$FERRY_CACHE_DIR" ] || mv "$FERRY_CACHE_DIR" "$KEEP/cache"; }
+    printf 'RGRANULES=%s\nRUNIQUE=%s\nRREST=%s\nRGENID=%s\n' "$G" "$n" "$REST" "$GENID" >"$KEEP/gen.env"
+    echo "   kept in $KEEP"
+  fi
+  rm -rf "$W/repo"
 done
 
 # The table: per size, seconds, peak RSS (MB) and the RSS above the N = 0 column.
@@ -227,7 +328,8 @@ mb() { [ -z "$1" ] && { echo -; return; }; printf "%.0f" "$(echo "$1 * 1024 / 10
   echo "## Repository scale: ferry $("$FERRY" --version | head -1 | cut -d' ' -f2-), $(git -C "$HERE" rev-parse --short HEAD 2>/dev/null)$([ "$ENCRYPT" = 1 ] && echo ", encrypted")"
   echo
   echo "$(date -u +%F), $(nproc) CPUs; load average at the start of each size: $(for n in $SIZES; do printf '%s: %s; ' "$n" "${LOAD[$n]}"; done | sed 's/; $//')."
-  echo "Command: \`bash bench/repo-scale.sh --chunks $CHUNKS$([ "$ENCRYPT" = 1 ] && echo ' --encrypt')$([ "$PEERS" = 1 ] || echo ' --no-restic')$([ -n "$RESTIC_CHUNKS" ] && echo " --restic-chunks $RESTIC_CHUNKS")\`."
+  echo "Command: \`bash bench/repo-scale.sh $([ -n "$REUSE" ] && echo "--reuse $REUSE" || echo "--chunks $CHUNKS")$([ "$ENCRYPT" = 1 ] && [ -z "$REUSE" ] && echo ' --encrypt')$([ "$PEERS" = 1 ] || [ -n "$REUSE" ] || echo ' --no-restic')$([ -n "$RESTIC_CHUNKS" ] && echo " --restic-chunks $RESTIC_CHUNKS")$([ "$GENKIND" = file ] && echo ' --gen file')$([ "$DISK_GIB" != 0 ] && echo " --disk-gib $DISK_GIB")$([ "$REST" = zero ] && [ -z "$REUSE" ] && echo ' --rest zero')$([ -n "$KEEP" ] && echo " --keep $KEEP")\`."
+  printf "Generator disk (GiB):"; for n in $SIZES; do printf " %s: %s;" "$n" "${GIB[$n]:--}"; done | sed 's/;$/./'; echo "$([ "$REST" = zero ] && echo " Past the unique granules the disks of N > 0 are zero.")$([ -n "$REUSE" ] && echo " The $LARGEST column is the kept repository $REUSE (not built by this run).")"
   echo "Seconds (one run) and peak RSS in MB; Δ: RSS above the same command at 0 chunks (a repository holding the generator disk's one shared chunk)."
   printf "Repository after day 2 (du -sb, MB):"; for n in $SIZES; do printf " %s: %s;" "$n" "$(mb $(( ${STORED[$n]:-0} / 1024 )))"; done | sed 's/;$/./'; echo
   [ "$PEERS" = 1 ] && { printf "restic data blobs after prune:"; for n in $RSIZES; do printf " %s: %s;" "$n" "${RBLOBS[$n]:--}"; done | sed 's/;$/./'; echo; }
