@@ -204,7 +204,8 @@ pub trait Backend: Send + Sync {
     fn size(&self) -> u64;
     /// What this backend can do.
     fn caps(&self) -> Capabilities;
-    /// Fills `buf` with the bytes at `offset`.
+    /// Fills `buf` with the bytes at `offset`. On an error the contents of `buf` are
+    /// unspecified: a caller never passes them on.
     fn read(&self, buf: &mut [u8], offset: u64) -> Result<()>;
     /// A queue that keeps many READs and WRITEs of one connection in flight at once, for
     /// backends whose requests each wait on the network and cost about as long together

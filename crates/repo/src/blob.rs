@@ -189,7 +189,8 @@ pub fn decode_unchecked(
 /// error): no plain copy of the blob is made, only `out` written (an encrypted blob is
 /// opened into `scratch`, which the caller keeps for its next one). For a caller that
 /// reads whole chunks into its own buffer and checks their digests there before it
-/// hands the buffer on (a restore). On an error `out` holds no meaningful bytes.
+/// hands the buffer on (a restore). On an error `out` may hold bytes that failed their check: the caller clears them (the
+/// reader zeroes a failed chunk's range).
 pub fn decode_unchecked_into(
     crypto: &Crypto,
     kind: BlobKind,

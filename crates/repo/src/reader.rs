@@ -229,16 +229,22 @@ impl SnapshotImage {
             let (bs, be, at) = self.span(w.ci, offset, offset + buf_len as u64);
             (!w.ahead && at == 0 && be - bs == self.chunk_len(w.ci)).then_some((bs, be))
         };
+        // Where each chunk decoded in place lies, worked out once: the check below reads
+        // exactly these ranges, and a chunk that fails has its range zeroed, so the buffer
+        // never holds bytes that were not checked, even after an error.
+        let spans: Vec<Option<(usize, usize)>> =
+            wants.iter().map(|w| into.as_ref().and_then(|(buf, offset)| whole(w, buf.len(), *offset))).collect();
         let mut out: Vec<Result<Option<Vec<u8>>, String>> = wants
             .iter()
-            .map(|w| {
+            .zip(&spans)
+            .map(|(w, span)| {
                 let s = (w.loc.offset as u64 - start) as usize;
                 let stored = bytes.get(s..s + w.loc.stored_len as usize).unwrap_or(&[]);
                 if stored.len() != w.loc.stored_len as usize {
                     return Err(format!("blob {} at offset {} is cut short", format::hex(&w.id), w.loc.offset));
                 }
-                if let Some((buf, offset)) = into.as_mut() {
-                    if let Some((bs, be)) = whole(w, buf.len(), *offset) {
+                if let Some((buf, _)) = into.as_mut() {
+                    if let Some((bs, be)) = *span {
                         let crypto = &self.repo.crypto;
                         return crate::blob::decode_unchecked_into(
                             crypto,
@@ -270,10 +276,11 @@ impl SnapshotImage {
             .enumerate()
             .filter_map(|(k, r)| match r {
                 Ok(Some(p)) => Some((k, p.as_slice())),
+                // Every chunk decoded in place has its span (it was decoded there): the
+                // empty slice of an impossible miss fails the digest check, never skips it.
                 Ok(None) => {
-                    let (buf, offset) = view?;
-                    let (bs, be) = whole(&wants[k], buf.len(), offset)?;
-                    Some((k, &buf[bs..be]))
+                    let buf = view.map(|(b, _)| b).unwrap_or(&[]);
+                    Some((k, spans[k].and_then(|(bs, be)| buf.get(bs..be)).unwrap_or(&[])))
                 }
                 Err(_) => None,
             })
@@ -298,6 +305,13 @@ impl SnapshotImage {
                 format::hex(&wants[k].id),
                 wants[k].loc.offset
             ));
+        }
+        if let Some((buf, _)) = into.as_mut() {
+            for (r, span) in out.iter().zip(&spans) {
+                if let (Err(_), Some((bs, be))) = (r, span) {
+                    buf[*bs..*be].fill(0);
+                }
+            }
         }
         out
     }

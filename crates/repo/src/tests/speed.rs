@@ -56,9 +56,12 @@ fn a_damaged_chunk_fails_each_read_and_is_never_cached() {
             store.tamper(&pack, |v| v[at as usize] ^= 1);
             let img = SnapshotImage::open(repo.clone(), &snap).unwrap();
             let range = format!("{}..{}", chunk * CS, (chunk + 1) * CS);
-            let mut big = vec![0u8; MIB];
+            let mut big = vec![0xAAu8; MIB];
             let e = img.read(&mut big, 0).unwrap_err().to_string();
             assert!(e.contains(&range), "encrypted {encrypt}, chunk {chunk}: {e}");
+            // The damaged chunk's bytes, decoded in place, are not left in the buffer.
+            let bad = &big[chunk * CS..(chunk + 1) * CS];
+            assert!(bad.iter().all(|&b| b == 0) || bad.iter().all(|&b| b == 0xAA), "unchecked bytes left");
             for _ in 0..2 {
                 let mut small = vec![0u8; 4096];
                 let e = img.read(&mut small, (chunk * CS + 100) as u64).unwrap_err().to_string();
