@@ -502,8 +502,8 @@ pub fn run(args: RepoArgs) -> Result<i32> {
 fn init(a: InitArgs) -> Result<i32> {
     let c = &a.common;
     let chunk = parse_size(&a.chunk_size).context("--chunk-size")?;
-    if !chunk.is_power_of_two() || !(4096..=4 << 20).contains(&chunk) {
-        bail!("--chunk-size must be a power of two from 4K to 4M (64K matches blkhash and dirty bitmaps)");
+    if !chunk.is_power_of_two() || !(4096..=ferry_repo::format::MAX_CHUNK_SIZE as u64).contains(&chunk) {
+        bail!("--chunk-size must be a power of two from 4K to 1M (64K matches blkhash and dirty bitmaps)");
     }
     let encrypt = if a.encrypt {
         ferry_open::repo::set_password_command(c.password_command.as_deref());
