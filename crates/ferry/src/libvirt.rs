@@ -5,7 +5,7 @@
 //! A running domain is read through one pull-mode backup job for all its disks (so they
 //! are of one instant), exported on a Unix socket in a private 0700 directory. The job
 //! creates a checkpoint `ferry-REPOID16-NANOS` at that instant; once every disk's
-//! snapshot is committed, a point (`points/ID`, FORMAT.md "Points") records the snapshot
+//! snapshot is committed, a point (`points/TAG/ID`, FORMAT.md "Points") records the snapshot
 //! ids, the checkpoint and the domain's XML, and only then are this repository's older
 //! checkpoints deleted. A disk continues from a checkpoint only when the newest point
 //! naming it also names the disk's latest snapshot and libvirt still has it tracking the
