@@ -1027,6 +1027,43 @@ mod tests {
     }
 
     #[test]
+    fn a_disk_whose_snapshots_went_back_is_refused_unless_accept_rollback() {
+        use clap::Parser;
+        use ferry_repo::store::Store;
+        #[derive(Parser)]
+        struct Line {
+            #[command(flatten)]
+            args: BackupArgs,
+        }
+        let t = tempfile::tempdir().unwrap();
+        let repo = t.path().join("repo");
+        let store = std::sync::Arc::new(ferry_repo::store::DirStore::create(&repo).unwrap());
+        Repository::init(store.clone(), &ferry_repo::InitOptions::default()).unwrap();
+        let imgs = [t.path().join("a.img"), t.path().join("b.img")];
+        for (i, img) in imgs.iter().enumerate() {
+            std::fs::write(img, vec![i as u8 + 1; 64 << 10]).unwrap();
+        }
+        let h = Stopped { imgs };
+        // A name of its own: the host's lock of the domain is not another test's.
+        let domain = format!("rollback-{}", std::process::id());
+        let (src, repo) = (format!("libvirt:{domain}"), repo.to_str().unwrap());
+        let line = |extra: &[&str]| {
+            let mut argv = vec!["backup"];
+            argv.extend_from_slice(extra);
+            argv.extend([src.as_str(), repo]);
+            Line::try_parse_from(argv).unwrap().args
+        };
+        let (_, snaps) = backup_domain(&h, &domain, &line(&[]), true).unwrap();
+        // The store goes back: vda's newest snapshot is gone from it.
+        let vda = &snaps[0].0;
+        assert_eq!(vda.manifest.name, format!("{domain}-vda"));
+        store.delete(&format!("snapshots/{}", vda.id)).unwrap();
+        let e = format!("{:#}", backup_domain(&h, &domain, &line(&[]), true).unwrap_err());
+        assert!(e.contains(&format!("{domain}-vda")) && e.contains("--accept-rollback"), "{e}");
+        backup_domain(&h, &domain, &line(&["--accept-rollback"]), true).unwrap();
+    }
+
+    #[test]
     fn an_nbd_uri_escapes_the_socket_path() {
         assert_eq!(
             uri_escape("/var/tmp/ferry-libvirt-a b?c&d%/nbd.sock"),
