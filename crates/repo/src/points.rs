@@ -188,7 +188,7 @@ impl Repository {
     /// once (one being moved under its TAG may be listed at both places), those that do
     /// not with why, and how many were gone when read (moved under their TAG or deleted by
     /// another run since the listing: neither read nor bad).
-    fn read_points(&self, objects: &[(String, String)]) -> Result<(Vec<(String, PointRecord)>, Failures, usize)> {
+    fn read_points(&self, objects: &[(String, String)]) -> Result<(Points, Failures, usize)> {
         let mut good: Vec<(String, PointRecord)> = Vec::new();
         let mut bad = Vec::new();
         let mut gone = 0;
@@ -314,6 +314,9 @@ impl Repository {
         Ok(())
     }
 }
+
+/// Points (id, record).
+type Points = Vec<(String, PointRecord)>;
 
 /// Points by the instant they were taken, then id: `...:00Z` and `...:00.5Z` compare
 /// wrongly as text.
