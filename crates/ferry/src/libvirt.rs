@@ -5,7 +5,7 @@
 //! A running domain is read through one pull-mode backup job for all its disks (so they
 //! are of one instant), exported on a Unix socket in a private 0700 directory. The job
 //! creates a checkpoint `ferry-REPOID16-NANOS` at that instant; once every disk's
-//! snapshot is committed, a point (`points/ID`, FORMAT.md "Points") records the snapshot
+//! snapshot is committed, a point (`points/TAG/ID`, FORMAT.md "Points") records the snapshot
 //! ids, the checkpoint and the domain's XML, and only then are this repository's older
 //! checkpoints deleted. A disk continues from a checkpoint only when the newest point
 //! naming it also names the disk's latest snapshot and libvirt still has it tracking the
@@ -1024,6 +1024,43 @@ mod tests {
         assert_eq!(snaps.iter().map(|(s, _)| s.manifest.name.as_str()).collect::<Vec<_>>(), ["vm-vda", "vm-vdb"]);
         assert_eq!(snaps.iter().map(|(_, read)| *read).collect::<Vec<_>>(), [256 << 10, 256 << 10]);
         assert_eq!(point.len(), 64);
+    }
+
+    #[test]
+    fn a_disk_whose_snapshots_went_back_is_refused_unless_accept_rollback() {
+        use clap::Parser;
+        use ferry_repo::store::Store;
+        #[derive(Parser)]
+        struct Line {
+            #[command(flatten)]
+            args: BackupArgs,
+        }
+        let t = tempfile::tempdir().unwrap();
+        let repo = t.path().join("repo");
+        let store = std::sync::Arc::new(ferry_repo::store::DirStore::create(&repo).unwrap());
+        Repository::init(store.clone(), &ferry_repo::InitOptions::default()).unwrap();
+        let imgs = [t.path().join("a.img"), t.path().join("b.img")];
+        for (i, img) in imgs.iter().enumerate() {
+            std::fs::write(img, vec![i as u8 + 1; 64 << 10]).unwrap();
+        }
+        let h = Stopped { imgs };
+        // A name of its own: the host's lock of the domain is not another test's.
+        let domain = format!("rollback-{}", std::process::id());
+        let (src, repo) = (format!("libvirt:{domain}"), repo.to_str().unwrap());
+        let line = |extra: &[&str]| {
+            let mut argv = vec!["backup"];
+            argv.extend_from_slice(extra);
+            argv.extend([src.as_str(), repo]);
+            Line::try_parse_from(argv).unwrap().args
+        };
+        let (_, snaps) = backup_domain(&h, &domain, &line(&[]), true).unwrap();
+        // The store goes back: vda's newest snapshot is gone from it.
+        let vda = &snaps[0].0;
+        assert_eq!(vda.manifest.name, format!("{domain}-vda"));
+        store.delete(&format!("snapshots/{}", vda.id)).unwrap();
+        let e = format!("{:#}", backup_domain(&h, &domain, &line(&[]), true).unwrap_err());
+        assert!(e.contains(&format!("{domain}-vda")) && e.contains("--accept-rollback"), "{e}");
+        backup_domain(&h, &domain, &line(&["--accept-rollback"]), true).unwrap();
     }
 
     #[test]

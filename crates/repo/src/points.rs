@@ -159,12 +159,13 @@ impl Repository {
         PointRecord::parse(&json).map_err(|e| Error::damaged(object, e.0))
     }
 
-    /// The point objects (name, id): `points/ID` (stored before domains had a TAG) and
-    /// `points/TAG/ID`. Anything else is a point that cannot be read.
-    fn point_objects(&self) -> Result<(Vec<(String, String)>, Failures)> {
+    /// The point objects (name, id) listed under `prefix` (`points/` or a domain's
+    /// `points/TAG/`): `points/ID` (stored before domains had a TAG) and `points/TAG/ID`.
+    /// Anything else is a point that cannot be read.
+    fn point_objects(&self, prefix: &str) -> Result<(Vec<(String, String)>, Failures)> {
         let names = self
             .store()
-            .list("points/")
+            .list(prefix)
             .map_err(|e| Error::store(format!("cannot list the points of {}", self.store().describe()), e))?;
         let mut found = Vec::new();
         let mut bad: Failures = Vec::new();
@@ -184,29 +185,42 @@ impl Repository {
     }
 
     /// Reads `objects` (name, id): each point that reads well (id, record), oldest first,
-    /// once (one being moved under its TAG may be listed at both places), and those that
-    /// do not with why.
-    fn read_points(&self, objects: &[(String, String)]) -> Result<(Vec<(String, PointRecord)>, Failures)> {
+    /// once (one being moved under its TAG may be listed at both places), those that do
+    /// not with why, and how many were gone when read (moved under their TAG or deleted by
+    /// another run since the listing: neither read nor bad).
+    fn read_points(&self, objects: &[(String, String)]) -> Result<(Points, Failures, usize)> {
         let mut good: Vec<(String, PointRecord)> = Vec::new();
         let mut bad = Vec::new();
+        let mut gone = 0;
         for ((object, id), r) in objects.iter().zip(par_map(objects, FETCH_THREADS, |(o, _)| self.point_at(o))) {
             match r {
                 Ok(_) if good.iter().any(|(g, _)| g == id) => {}
                 Ok(p) => good.push((id.clone(), p)),
                 Err(e @ Error::Store { .. }) => return Err(e),
+                Err(_) if self.store().len(object).is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound) => {
+                    gone += 1
+                }
                 Err(e) => bad.push((object.clone(), e)),
             }
         }
         sort_points(&mut good);
-        Ok((good, bad))
+        Ok((good, bad, gone))
     }
 
     /// Every point that reads well (id, record), oldest first, and those that do not
     /// with why.
     pub fn points(&self) -> Result<(Vec<(String, PointRecord)>, Failures)> {
-        let (objects, mut bad) = self.point_objects()?;
-        let (good, more) = self.read_points(&objects)?;
+        let (objects, mut bad) = self.point_objects("points/")?;
+        let (mut good, more, gone) = self.read_points(&objects)?;
         bad.extend(more);
+        if gone > 0 {
+            // One was moved under its TAG (or deleted) since the listing: the listing
+            // again has it at its new place, if anywhere.
+            let (objects, again) = self.point_objects("points/")?;
+            let (now, more, _) = self.read_points(&objects)?;
+            (good, bad) = (now, again);
+            bad.extend(more);
+        }
         Ok((good, bad))
     }
 
@@ -218,36 +232,36 @@ impl Repository {
         Ok((good, bad))
     }
 
-    /// [`Repository::points_in`] of `domain` alone: the points under its TAG, and those
-    /// stored before points had one (`points/ID`, of any domain: read to tell). With
-    /// `move_old` (a backup, which writes), each of those old ones is moved under its own
-    /// domain's TAG, so that the next run of any domain reads
-    /// its own domain's points alone.
+    /// [`Repository::points_in`] of `domain` alone: those stored before points had a TAG
+    /// (`points/ID`, of any domain: read to tell), then the points under its TAG, listed
+    /// after, so that one another run moves under its TAG meanwhile is found there. With
+    /// `move_old` (a backup, which writes, under the host's lock of `domain`), each old one
+    /// of `domain` is moved under its TAG, so that the next runs read its points alone.
     pub fn points_of(
         &self,
         domain: &str,
         snaps: &[SnapshotInfo],
         move_old: bool,
     ) -> Result<(Vec<(String, PointRecord)>, Failures)> {
-        let (all, mut bad) = self.point_objects()?;
-        let prefix = self.points_prefix(domain);
-        let (old, mine): (Vec<_>, Vec<_>) = all
-            .into_iter()
-            .filter(|(o, _)| o.starts_with(&prefix) || o.matches('/').count() == 1)
-            .partition(|(o, _)| o.matches('/').count() == 1);
-        bad.retain(|(o, _)| o.starts_with(&prefix) || o.matches('/').count() == 1);
-        let (mut good, more) = self.read_points(&mine)?;
+        let flat = |o: &str| o.matches('/').count() == 1;
+        let (old, mut bad) = self.point_objects("points/")?;
+        let old: Vec<_> = old.into_iter().filter(|(o, _)| flat(o)).collect();
+        bad.retain(|(o, _)| flat(o));
+        let (old, more, _) = self.read_points(&old)?;
         bad.extend(more);
-        let (old, more) = self.read_points(&old)?;
-        bad.extend(more);
+        let old: Vec<_> = old.into_iter().filter(|(_, p)| p.domain == domain).collect();
         if move_old {
-            for (id, p) in &old {
-                if let Err(e) = self.move_point(id, &p.domain) {
+            for (id, _) in &old {
+                if let Err(e) = self.move_point(id, domain) {
                     log::warn!("cannot move points/{id} under its domain's tag ({e}); the next backup tries again");
                 }
             }
         }
-        let old = old.into_iter().filter(|(id, p)| p.domain == domain && !good.iter().any(|(g, _)| g == id));
+        let (mine, more) = self.point_objects(&self.points_prefix(domain))?;
+        bad.extend(more);
+        let (mut good, more, _) = self.read_points(&mine)?;
+        bad.extend(more);
+        let old = old.into_iter().filter(|(id, _)| !good.iter().any(|(g, _)| g == id));
         good.extend(old.collect::<Vec<_>>());
         sort_points(&mut good);
         follow_migrations(&mut good, snaps);
@@ -256,17 +270,32 @@ impl Repository {
 
     /// Moves `points/ID` (a point of `domain`, stored before points had a TAG) under its
     /// domain's TAG: the same bytes (so the same id) stored there first, then removed from
-    /// `points/`, so that it is at one place at least whenever a run stops.
+    /// `points/`, so that it is at one place at least whenever a run stops. One that a
+    /// `forget` removed meanwhile (no longer at `points/ID` once the copy is stored) has its
+    /// copy removed too: it stays forgotten.
     fn move_point(&self, id: &str, domain: &str) -> Result<()> {
         let old = format!("points/{id}");
         let new = format!("{}{id}", self.points_prefix(domain));
-        let bytes = self.store().get(&old, MAX_POINT).map_err(|e| Error::store(format!("cannot read {old}"), e))?;
+        let gone = |e: &std::io::Error| e.kind() == std::io::ErrorKind::NotFound;
+        let bytes = match self.store().get(&old, MAX_POINT) {
+            Err(e) if gone(&e) => return Ok(()),
+            r => r.map_err(|e| Error::store(format!("cannot read {old}"), e))?,
+        };
         if crate::format::hex(&crate::repo::sha256(&bytes)) != id {
             return Err(Error::damaged(&old, "its content does not match its name (SHA-256)"));
         }
         self.store().put(&new, &bytes).map_err(|e| Error::store(format!("cannot store {new}"), e))?;
+        match self.store().len(&old) {
+            Err(e) if gone(&e) => {
+                return match self.store().delete(&new) {
+                    Err(e) if !gone(&e) => Err(Error::store(format!("cannot remove {new}"), e)),
+                    _ => Ok(()),
+                }
+            }
+            r => r.map_err(|e| Error::store(format!("cannot read {old}"), e))?,
+        };
         match self.store().delete(&old) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(Error::store(format!("cannot remove {old}"), e)),
+            Err(e) if !gone(&e) => Err(Error::store(format!("cannot remove {old}"), e)),
             _ => Ok(()),
         }
     }
@@ -285,6 +314,9 @@ impl Repository {
         Ok(())
     }
 }
+
+/// Points (id, record).
+type Points = Vec<(String, PointRecord)>;
 
 /// Points by the instant they were taken, then id: `...:00Z` and `...:00.5Z` compare
 /// wrongly as text.
@@ -408,10 +440,12 @@ mod tests {
             assert_eq!(ids(repo.points_of("vm1", &[], false).unwrap().0), [old[0].clone(), vm1.clone()]);
             assert!(store.get(&format!("points/{}", old[0]), MAX_POINT).is_ok());
             assert_eq!(repo.points().unwrap().0.len(), 4);
-            // ...and a backup moves them all under their domains, the ids kept.
+            // ...and a backup moves its domain's under its TAG, the ids kept.
             assert_eq!(ids(repo.points_of("vm1", &[], true).unwrap().0), [old[0].clone(), vm1.clone()]);
             let flat = |id: &str| store.get(&format!("points/{id}"), MAX_POINT).is_ok();
-            assert!(!flat(&old[0]) && !flat(&old[1]));
+            assert!(!flat(&old[0]) && flat(&old[1]));
+            assert_eq!(ids(repo.points_of("vm2", &[], true).unwrap().0), [old[1].clone(), vm2.clone()]);
+            assert!(!flat(&old[1]));
             assert_eq!(ids(repo.points_of("vm2", &[], false).unwrap().0), [old[1].clone(), vm2.clone()]);
             // From then on a domain's points are read alone: another domain's damaged
             // point is not even read.
@@ -427,6 +461,68 @@ mod tests {
             repo.delete_point(&vm1, "vm1").unwrap();
             assert_eq!(ids(repo.points_of("vm1", &[], false).unwrap().0), [old[0].clone()]);
         }
+    }
+
+    /// Stores `p` where ferry stored points before TAG: at `points/ID`; its id.
+    fn put_flat(store: &dyn crate::store::Store, repo: &Repository, p: &PointRecord) -> String {
+        let id = repo.put_point(p).unwrap();
+        let new = format!("{}{id}", repo.points_prefix(&p.domain));
+        let bytes = store.get(&new, MAX_POINT).unwrap();
+        store.put(&format!("points/{id}"), &bytes).unwrap();
+        store.delete(&new).unwrap();
+        id
+    }
+
+    #[test]
+    fn a_point_moved_by_another_run_between_listing_and_reading_is_still_seen() {
+        use crate::tests::{Hooked, Op, When};
+        use std::sync::Arc;
+        let (mem, repo) = crate::tests::new_repo(false);
+        let id = put_flat(&*mem, &repo, &PointRecord { domain: "vm2".into(), ..point() });
+        let other = Arc::new(Repository::open(mem.clone(), &|| unreachable!()).unwrap());
+        let store = Arc::new(Hooked::new(mem.clone()));
+        let hooked = Repository::open(store.clone(), &|| unreachable!()).unwrap();
+        // Right after this run lists `points/`, other runs (of vm1, then of vm2 on another
+        // host) move the old points of their domains under their TAGs.
+        let mut once = Some(other);
+        store.set_hook(Some(Box::new(move |_, when, op, name| {
+            if (when, op, name) == (When::After, Op::List, "points/") {
+                if let Some(other) = once.take() {
+                    other.points_of("vm1", &[], true).unwrap();
+                    other.points_of("vm2", &[], true).unwrap();
+                }
+            }
+            Ok(())
+        })));
+        let (points, bad) = hooked.points_of("vm2", &[], false).unwrap();
+        assert_eq!(points.into_iter().map(|(i, _)| i).collect::<Vec<_>>(), [id]);
+        assert!(bad.is_empty(), "{bad:?}");
+    }
+
+    #[test]
+    fn a_point_forgotten_while_it_is_moved_stays_forgotten() {
+        use crate::store::Store;
+        use crate::tests::{Hooked, Op, When};
+        use std::sync::Arc;
+        let (mem, repo) = crate::tests::new_repo(false);
+        let id = put_flat(&*mem, &repo, &PointRecord { domain: "vm1".into(), ..point() });
+        let store = Arc::new(Hooked::new(mem.clone()));
+        let hooked = Repository::open(store.clone(), &|| unreachable!()).unwrap();
+        // A forget removes the point from both places after the move read it, before it
+        // stored the copy.
+        let (gone, mut reads) = (format!("points/{id}"), 0);
+        store.set_hook(Some(Box::new(move |s, when, op, name| {
+            if (when, op) == (When::After, Op::Get) && name == gone {
+                reads += 1;
+                if reads == 2 {
+                    s.delete(name)?;
+                }
+            }
+            Ok(())
+        })));
+        hooked.points_of("vm1", &[], true).unwrap();
+        store.set_hook(None);
+        assert!(repo.points().unwrap().0.is_empty(), "the forgotten point came back");
     }
 
     #[test]
