@@ -43,6 +43,13 @@ impl DamageSet {
         self.packs.get(pack).is_some_and(|p| p.blobs.contains(id))
     }
 
+    /// [`is_damaged`](Self::is_damaged) with the blob's id computed by `id` only where
+    /// `pack` has a record: in an encrypted repository the id is an HMAC, too dear to
+    /// compute for every chunk of a base when (as nearly always) nothing is damaged.
+    pub fn is_damaged_with(&self, pack: &Digest, id: impl FnOnce() -> Digest) -> bool {
+        self.packs.get(pack).is_some_and(|p| p.blobs.contains(&id()))
+    }
+
     /// Whether `found` (a pack and the ids of its damaged copies) is recorded already.
     pub fn covers(&self, pack: &Digest, found: &[Digest]) -> bool {
         self.packs.get(pack).is_some_and(|p| found.iter().all(|b| p.blobs.contains(b)))
@@ -289,6 +296,24 @@ mod tests {
                 blobs: blobs.iter().map(|b| format::hex(&[*b; 32])).collect(),
             }],
         }
+    }
+
+    /// The id is computed only for a pack with a record.
+    #[test]
+    fn is_damaged_with_computes_the_id_only_for_recorded_packs() {
+        let mut set = DamageSet::default();
+        set.add(&record(0xaa, &[1]));
+        let calls = std::cell::Cell::new(0);
+        let id = |b: u8| {
+            calls.set(calls.get() + 1);
+            [b; 32]
+        };
+        assert!(!set.is_damaged_with(&[0xbb; 32], || id(1)));
+        assert!(!DamageSet::default().is_damaged_with(&[0xaa; 32], || id(1)));
+        assert_eq!(calls.get(), 0);
+        assert!(set.is_damaged_with(&[0xaa; 32], || id(1)));
+        assert!(!set.is_damaged_with(&[0xaa; 32], || id(2)));
+        assert_eq!(calls.get(), 2);
     }
 
     /// Blob 1 is in damaged pack A (listed first) and in good pack B; blob 2 only in A,

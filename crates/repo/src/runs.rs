@@ -11,11 +11,13 @@
 //! per run (`pread`), checks its CRC and order, and binary-searches it.
 //!
 //! Beside each run `run-X`, its filter `filter-X` ([`crate::bloom`]: 12 bits an entry,
-//! built with the run, held in memory while the run is open, checked against the run's
-//! table checksum and entry count and its own CRC when read): a lookup of an id that a
-//! run does not hold (most of a backup's new chunks) reads one 64-byte block of the
-//! filter instead of a block of the run, and about 0.5% of them read the run's block
-//! anyway. A filter that is missing or fails its checks is built again from the run.
+//! built with the run, checked against the run's table checksum and entry count and its
+//! own CRC when read): a lookup of an id that a run does not hold (most of a backup's new
+//! chunks) reads one 64-byte block of the filter instead of a block of the run, and about
+//! 0.5% of them read the run's block anyway. A filter is read (1.5 bytes an entry, held
+//! while the run is open) on the first lookup of a backup, never by restore, `serve` or
+//! `hash`, whose ids are present. A filter that is missing or fails its checks is built
+//! again from the run then.
 //!
 //! Nothing in the cache is trusted blindly: a run whose tables or a block fail their
 //! checks is discarded (with a warning) and built again from the index objects in the
@@ -393,12 +395,15 @@ pub fn fuzz(data: &[u8]) {
     }
 }
 
-/// An open run file, with its filter ([`Bloom`]: `None` for a run too large to have one).
+/// An open run file, with its filter ([`Bloom`]: `None` for a run too large to have one),
+/// loaded on the first [`Run::may_hold`] (only a backup asks: restore, serve and hash
+/// look up ids that are present, where a filter saves nothing).
 struct Run {
     file: File,
+    dir: PathBuf,
     name: String,
     meta: Meta,
-    filter: Option<Bloom>,
+    filter: OnceLock<Option<Bloom>>,
 }
 
 /// The name of the filter file of run `run` (`run-X`: `filter-X`).
@@ -413,29 +418,40 @@ fn remove_run(dir: &Path, name: &str) {
 }
 
 impl Run {
-    /// Opens run `name` in `dir`, checks its tables, and reads its filter: the one given
-    /// (just built with it), else its filter file, checked against the run; one that is
-    /// missing or fails its checks is built again from the run's entries (each block
-    /// checked) and written (where the directory can be written).
+    /// Opens run `name` in `dir` and checks its tables; its filter is the one given (just
+    /// built with it), else loaded when first asked for ([`Run::filter`]).
     fn open(dir: &Path, name: &str, filter: Option<Bloom>) -> Result<Run, String> {
         let file = File::open(dir.join(name)).map_err(|e| format!("it cannot be opened: {e}"))?;
         let len = file.metadata().map_err(|e| format!("it cannot be read: {e}"))?.len();
         let meta = Meta::parse(&file, len)?;
-        let mut run = Run { file, name: name.into(), meta, filter };
-        if run.filter.is_none() {
-            run.filter = match run.read_filter(dir) {
+        let run = Run { file, dir: dir.into(), name: name.into(), meta, filter: OnceLock::new() };
+        if let Some(f) = filter {
+            let _ = run.filter.set(Some(f));
+        }
+        Ok(run)
+    }
+
+    /// The filter: its file, checked against the run; one that is missing or fails its
+    /// checks is built again from the run's entries (each block checked) and written
+    /// (where the directory can be written). `None` for a run too large to have one, or
+    /// whose blocks fail their checks (its lookups then find that and fall back).
+    fn filter(&self) -> Option<&Bloom> {
+        self.filter
+            .get_or_init(|| match self.read_filter(&self.dir) {
                 Ok(f) => f,
                 Err(why) => {
-                    log::debug!("the filter of the index cache's run {name} is built again: {why}");
-                    let f = run.build_filter()?;
+                    log::debug!("the filter of the index cache's run {} is built again: {why}", self.name);
+                    let f = self.build_filter().unwrap_or_else(|why| {
+                        log::debug!("the filter of the index cache's run {} is not built: {why}", self.name);
+                        None
+                    });
                     if let Some(f) = &f {
-                        run.write_filter(dir, f);
+                        self.write_filter(&self.dir, f);
                     }
                     f
                 }
-            };
-        }
-        Ok(run)
+            })
+            .as_ref()
     }
 
     /// The filter file, checked; `Ok(None)` for a run too large to have a filter.
@@ -480,7 +496,7 @@ impl Run {
 
     /// Whether the run may hold `id`: false only when it holds no entry of it.
     fn may_hold(&self, id: &Digest) -> bool {
-        self.filter.as_ref().is_none_or(|f| f.may_contain(id))
+        self.filter().is_none_or(|f| f.may_contain(id))
     }
 
     /// How many entries of the rows `live` keeps.
@@ -609,7 +625,7 @@ impl RunOut {
         let given = filter.is_some();
         let run = Run::open(dir, &name, filter)
             .map_err(|why| io::Error::other(format!("the run just written, {name}: {why}")))?;
-        if let Some(f) = run.filter.as_ref().filter(|_| given) {
+        if let Some(f) = run.filter.get().and_then(Option::as_ref).filter(|_| given) {
             run.write_filter(dir, f);
         }
         Ok(run)
@@ -1565,7 +1581,8 @@ impl RunIndex {
                 from_memory(ix, out);
                 continue;
             }
-            let Some(run) = part.run.as_ref().filter(|r| r.may_hold(id)) else { continue };
+            // Only a backup's view asks the filter: other lookups are of present ids.
+            let Some(run) = part.run.as_ref().filter(|r| !self.skip_damaged || r.may_hold(id)) else { continue };
             let usable = &self.usable[k];
             let before = out.len();
             let mut push = |e: &Ent| {

@@ -469,7 +469,7 @@ impl SnapshotWriter {
                 let Some(pack) = page.packs.get(hint.pack as usize).filter(|p| kept.contains(*p)) else { continue };
                 // A copy that verify recorded damaged is no place to name: the index's
                 // good copy is named instead, or the chunk is stored again.
-                if damage.is_damaged(pack, &repo.crypto.blob_id(&page.entries[k])) {
+                if damage.is_damaged_with(pack, || repo.crypto.blob_id(&page.entries[k])) {
                     continue;
                 }
                 let next = h.packs.len() as u32;

@@ -484,7 +484,7 @@ fn filter_files(dir: &Path) -> Vec<PathBuf> {
 fn filters_hold_their_runs(ix: &RunIndex, dir: &Path) {
     for part in &ix.parts {
         let run = part.run.as_ref().unwrap();
-        let f = run.filter.as_ref().expect("a run of this size has a filter");
+        let f = run.filter().expect("a run of this size has a filter");
         let mut buf = Vec::new();
         for b in 0..run.meta.fence.len() {
             for e in run.meta.read_block(&run.file, b, &mut buf).unwrap().chunks_exact(ENTRY) {
@@ -538,4 +538,30 @@ fn each_run_has_a_filter_that_never_hides_an_id_it_holds() {
         same_as_memory(&repo, &ix, 3000);
         assert_eq!(std::fs::read(&filters[1]).unwrap(), kept, "a good filter is kept as it is");
     }
+}
+
+/// A filter is loaded when a backup's view first asks it, not when the cache is opened:
+/// restore, serve and hash (lookups of present ids) never hold one.
+#[test]
+fn filters_are_loaded_only_for_a_backups_lookups() {
+    let (store, _) = new_repo();
+    let dir = tempfile::tempdir().unwrap();
+    let repo = opened(&store, dir.path(), 300);
+    let mut rng = Rng(91);
+    for _ in 0..20 {
+        random_object(&repo, &mut rng, 3000);
+        drop(RunIndex::open(&repo).unwrap());
+    }
+    let loaded = |ix: &RunIndex| ix.parts.iter().filter(|p| p.run.as_ref().unwrap().filter.get().is_some()).count();
+    let ix = RunIndex::open(&repo).unwrap();
+    assert!(ix.runs() > 1);
+    assert_eq!(loaded(&ix), 0, "opening the cache read a filter");
+    let ids: Vec<Digest> = (0..3000).map(id).collect();
+    let _ = ix.locations_each(&ids);
+    let _ = BlobLookup::locations(&ix, &id(1));
+    assert_eq!(loaded(&ix), 0, "a lookup outside a backup read a filter");
+    same_as_memory(&repo, &ix, 3000);
+    let backup = ix.without_damaged();
+    let _ = backup.contains_each(&ids);
+    assert_eq!(loaded(&backup), backup.runs(), "a backup's lookups use every run's filter");
 }
