@@ -252,9 +252,13 @@ pub fn run(args: MountArgs) -> Result<i32> {
         Location::Repo { repo, name, id } => (repo, name, id),
         _ => bail!("{:?} is not a snapshot: write REPO::NAME or REPO::NAME@ID", args.snapshot),
     };
-    let is_dir = std::fs::metadata(&args.dir).map(|m| m.is_dir());
-    if !matches!(is_dir, Ok(true)) {
-        bail!("the mount point {} is not a directory: make it with mkdir", args.dir.display());
+    match std::fs::metadata(&args.dir) {
+        Ok(m) if m.is_dir() => {}
+        Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => bail!(
+            "the mount point {0} is a stale mount of a killed ferry mount: run `fusermount3 -u {0}`",
+            args.dir.display()
+        ),
+        _ => bail!("the mount point {} is not a directory: make it with mkdir", args.dir.display()),
     }
     ferry_open::repo::set_password_command(args.password_command.as_deref());
     let shown = Location::repo_spec(&repo, &name, id.as_deref());
@@ -288,7 +292,7 @@ pub fn run(args: MountArgs) -> Result<i32> {
         MountOption::NoDev,
         MountOption::NoSuid,
         MountOption::NoExec,
-        MountOption::FSName(format!("ferry:{shown}")),
+        MountOption::FSName(fs_name(&shown, rustix::process::geteuid().is_root())),
         MountOption::Subtype("ferry".into()),
     ];
     if args.options.iter().any(|o| o == "allow_other") {
@@ -297,14 +301,16 @@ pub fn run(args: MountArgs) -> Result<i32> {
     // Readers side by side (guestfish, a loop device's queue): the image reads in parallel.
     config.n_threads = Some(4);
     let dir = args.dir.display().to_string();
-    let mut session = fuser::Session::new(fs, &args.dir, &config).with_context(|| {
-        format!(
-            "cannot mount {shown} on {dir} (FUSE needs /dev/fuse and fusermount3 or fusermount: install the fuse3 \
-             package)"
-        )
+    let session = fuser::Session::new(fs, &args.dir, &config).map_err(|e| {
+        let missing = e.kind() == std::io::ErrorKind::NotFound;
+        let hint = if missing {
+            " (FUSE needs /dev/fuse and fusermount3 or fusermount: install the fuse3 package)"
+        } else {
+            ""
+        };
+        anyhow::Error::new(e).context(format!("cannot mount {shown} on {dir}{hint}"))
     })?;
-    let unmounter = session.unmount_callable();
-    watch_signals(unmounter, dir.clone())?;
+    watch_signals(dir.clone())?;
     log::info!(
         "{shown} mounted on {dir}: {}, partitions.txt; read-only. Ctrl-C (or SIGTERM, or `fusermount3 -u {dir}`) unmounts",
         names.join(", ")
@@ -314,20 +320,40 @@ pub fn run(args: MountArgs) -> Result<i32> {
     Ok(0)
 }
 
+/// The file system's name in /proc/mounts, `ferry:REPO::NAME@ID`. Root mounts with mount(2),
+/// which takes it as it is; anyone else through fusermount3's `-o` list, which splits at `,`
+/// and unescapes backslashes: both are escaped there (a repository path may hold a comma).
+fn fs_name(shown: &str, root: bool) -> String {
+    let name = format!("ferry:{shown}");
+    if root {
+        return name;
+    }
+    name.replace('\\', "\\\\").replace(',', "\\,")
+}
+
 /// SIGINT, SIGTERM and SIGHUP unmount the file system (`session.run` then returns). A
 /// mount point still in use is left mounted, with a warning: the next signal tries again.
-fn watch_signals(mut unmounter: fuser::SessionUnmounter, dir: String) -> Result<()> {
+/// ferry unmounts itself rather than through fuser's `SessionUnmounter`, which gives up its
+/// mount on the first failure and makes every later try a silent no-op. Once unmounted, a
+/// further signal has its default effect (the process ends).
+fn watch_signals(dir: String) -> Result<()> {
     use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
     let mut signals =
         signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP]).context("installing signal handlers")?;
     std::thread::Builder::new()
         .name("mount-signals".into())
         .spawn(move || {
+            let mut unmounted = false;
             for sig in signals.forever() {
-                match unmounter.unmount() {
+                if unmounted {
+                    // Whatever keeps the session from returning, this signal is not swallowed.
+                    let _ = signal_hook::low_level::emulate_default_handler(sig);
+                    continue;
+                }
+                match unmount(&dir) {
                     Ok(()) => {
                         log::info!("{}: unmounting {dir}", crate::interrupt::name(sig));
-                        break;
+                        unmounted = true;
                     }
                     Err(e) => log::warn!(
                         "cannot unmount {dir} ({e}): close what uses it (a shell in it, a loop device, guestmount), \
@@ -338,4 +364,37 @@ fn watch_signals(mut unmounter: fuser::SessionUnmounter, dir: String) -> Result<
         })
         .context("starting the signal thread")?;
     Ok(())
+}
+
+/// Unmounts DIR, never lazily (a busy mount point is an error and stays mounted): root with
+/// umount(8), anyone else through the setuid helper, `fusermount3 -u` (or `fusermount -u`).
+fn unmount(dir: &str) -> Result<()> {
+    let tries: &[(&str, &[&str])] = if rustix::process::geteuid().is_root() {
+        &[("umount", &[])]
+    } else {
+        &[("fusermount3", &["-u"]), ("fusermount", &["-u"])]
+    };
+    let mut missing = None;
+    for (tool, args) in tries {
+        let out =
+            std::process::Command::new(tool).args(*args).arg("--").arg(dir).stdin(std::process::Stdio::null()).output();
+        match out {
+            Ok(o) if o.status.success() => return Ok(()),
+            Ok(o) => bail!("{tool}: {}", String::from_utf8_lossy(&o.stderr).trim()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => missing = Some(format!("{tool}: {e}")),
+            Err(e) => bail!("{tool}: {e}"),
+        }
+    }
+    bail!("{}", missing.unwrap_or_default())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fs_name;
+
+    #[test]
+    fn fs_name_escapes_what_fusermount_splits_on() {
+        assert_eq!(fs_name("/b,k\\x::vm@1", true), "ferry:/b,k\\x::vm@1");
+        assert_eq!(fs_name("/b,k\\x::vm@1", false), "ferry:/b\\,k\\\\x::vm@1");
+    }
 }

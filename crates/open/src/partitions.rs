@@ -183,7 +183,8 @@ fn mbr_partitions(disk_size: u64, entries: &[MbrEntry], read: &mut Read) -> Resu
     let mut extended = None;
     for (i, e) in entries.iter().enumerate() {
         let number = i as u32 + 1;
-        if e.kind == 0 {
+        // An unused slot; one with a type but no sectors is unused too, as Linux reads it.
+        if e.kind == 0 || e.sectors == 0 {
             continue;
         }
         let (start, length) = range(disk_size, SECTOR, e.lba.into(), e.sectors.into(), number)?;
@@ -205,7 +206,9 @@ fn mbr_partitions(disk_size: u64, entries: &[MbrEntry], read: &mut Read) -> Resu
 /// The logical partitions along the chain of extended boot records of the extended
 /// partition at `ext_start` (each record's second entry points at the next, from the
 /// extended partition's start; each record's first entry is a partition, from the
-/// record's own sector). The chain must go forward inside the extended partition.
+/// record's own sector). The chain must go forward inside the extended partition; a
+/// record without its signature ends it. Numbers go to the logical partitions found, from
+/// 5, as Linux numbers them (a record with an empty first entry takes none).
 fn logical(
     disk_size: u64,
     ext_start: u64,
@@ -215,24 +218,25 @@ fn logical(
 ) -> Result<(), TableError> {
     let ext_end = ext_start + ext_len;
     let mut at = ext_start;
+    let mut number = 5;
     for n in 0..=MAX_LOGICAL {
         if n == MAX_LOGICAL {
             return bad(format!("more than {MAX_LOGICAL} logical partitions"));
         }
-        let number = 5 + n as u32;
         let ebr = get(read, at, SECTOR as usize)?;
         if ebr[510..512] != [0x55, 0xAA] {
-            return bad(format!("the extended boot record of partition {number} at byte {at} has no signature"));
+            return Ok(());
         }
         let part = MbrEntry::parse(&ebr[446..462]);
         let next = MbrEntry::parse(&ebr[462..478]);
-        if part.kind != 0 {
+        if part.kind != 0 && part.sectors != 0 {
             let lba = at / SECTOR + u64::from(part.lba);
             let (start, length) = range(disk_size, SECTOR, lba, part.sectors.into(), number)?;
             if start <= at || start + length > ext_end {
                 return bad(format!("logical partition {number} does not lie inside its extended partition"));
             }
             out.push(Partition { number, start, length, kind: mbr_kind(part.kind), name: String::new() });
+            number += 1;
         }
         if next.kind == 0 {
             return Ok(());
@@ -390,12 +394,14 @@ pub fn fuzz_scan(data: &[u8]) {
         Ok(())
     };
     if let Ok(t) = scan(disk_size, &mut read) {
-        let mut end = 0;
         for p in &t.partitions {
             assert!(p.length > 0 && p.start.checked_add(p.length).is_some_and(|e| e <= disk_size));
-            end = end.max(p.start + p.length);
         }
-        assert!(end <= disk_size);
+        let mut by_start: Vec<(u64, u64)> = t.partitions.iter().map(|p| (p.start, p.start + p.length)).collect();
+        by_start.sort_unstable();
+        for w in by_start.windows(2) {
+            assert!(w[0].1 <= w[1].0, "partitions overlap: {w:?}");
+        }
     }
 }
 
@@ -442,6 +448,31 @@ mod tests {
             t.partitions.iter().map(|p| (p.number, p.start / 512, p.length / 512)).collect();
         assert_eq!(got, [(1, 2, 20), (5, 42, 10), (6, 71, 19)]);
         assert_eq!(t.partitions[2].kind, "0x82 (Linux swap)");
+    }
+
+    /// As Linux reads them: an EBR with an empty first entry takes no number, an EBR without
+    /// its signature ends the chain keeping the partitions before it, an entry with a type
+    /// but no sectors is unused.
+    #[test]
+    fn mbr_numbers_and_ends_as_linux() {
+        let mut img = mbr_disk();
+        // The first EBR's partition gone (the chain goes on through it): the swap is part5.
+        mbr_entry(&mut img, 40 * 512, 0, 0, 0, 0);
+        // A primary slot with a type and no sectors.
+        mbr_entry(&mut img, 0, 2, 0x83, 0, 0);
+        let got = |img: &[u8]| -> Vec<(u32, u64, u64)> {
+            let t = scan(img.len() as u64, &mut reader(img)).unwrap();
+            t.partitions.iter().map(|p| (p.number, p.start / 512, p.length / 512)).collect()
+        };
+        assert_eq!(got(&img), [(1, 2, 20), (5, 71, 19)]);
+        // The second EBR without its signature: the chain ends after the first.
+        let mut img = mbr_disk();
+        img[70 * 512 + 510] = 0;
+        assert_eq!(got(&img), [(1, 2, 20), (5, 42, 10)]);
+        // A logical entry with a type and no sectors takes no number either.
+        let mut img = mbr_disk();
+        mbr_entry(&mut img, 40 * 512, 0, 0x83, 2, 0);
+        assert_eq!(got(&img), [(1, 2, 20), (5, 71, 19)]);
     }
 
     #[test]

@@ -217,9 +217,12 @@ fn prompt_line(question: &str) -> Result<Option<Passphrase>> {
     let mut quiet = before.clone();
     quiet.local_flags.remove(LocalFlags::ECHO);
     quiet.local_flags.insert(LocalFlags::ICANON);
-    write!(tty, "{question}").and_then(|()| tty.flush()).context("cannot write to the terminal")?;
+    // Echo off before the prompt shows, so that nothing typed once it is up is echoed.
     tcsetattr(&tty, SetArg::TCSANOW, &quiet).context("cannot turn the terminal's echo off")?;
-    let line = first_line_of(&tty, "the passphrase typed");
+    let line = write!(tty, "{question}")
+        .and_then(|()| tty.flush())
+        .context("cannot write to the terminal")
+        .and_then(|()| first_line_of(&tty, "the passphrase typed"));
     // Echo back on whatever happened, then the line end the typed one did not show.
     let _ = tcsetattr(&tty, SetArg::TCSANOW, &before);
     let _ = writeln!(tty);

@@ -422,7 +422,6 @@ fn copy_one(
     let m = &snap.manifest;
     let name = m.name.clone();
     let time = copy_time(&m.time, jiff::Timestamp::now());
-    let parent = parent_for(source, theirs, &src.config().id, &dst.config().id, snap).cloned();
     let image = SnapshotImage::open_with_cache(src.clone(), snap, MIN_CACHE_BYTES)?;
     let src_cs = src.config().chunk_size as u64;
     let blkhash = image.blkhash().map(|d| crate::format::hex(&d));
@@ -437,25 +436,36 @@ fn copy_one(
     let from = origin_of(snap, &src.config().id);
     let identity = copy_identity(&from);
     let origin = CopyOrigin { host: m.host.clone(), time, from };
-    let backup = BackupOptions {
-        base: parent.clone(),
-        source: m.source.clone(),
-        identity,
-        checkpoint_every: opts.checkpoint_every,
-        wait_lock: opts.wait_lock,
-        tags: m.tags.clone(),
-        note: m.note.clone(),
-        ..BackupOptions::new(&name, m.size)
-    };
-    let (writer, resumed) = start_or_resume(dst, backup, theirs)?;
-    // Listed again now that the writer holds the disk's lock: a copy of the same snapshot
-    // that committed since `theirs` was listed (a `ferry repo copy` beside this one) must
-    // not be stored twice.
-    let (fresh, _) = dst.snapshots_skipping()?;
-    if let Some(have) = already(&fresh, &src.config().id, &dst.config().id, snap) {
+    let mut theirs = theirs.to_vec();
+    let (parent, writer, resumed) = loop {
+        let parent = parent_for(source, &theirs, &src.config().id, &dst.config().id, snap).cloned();
+        let backup = BackupOptions {
+            base: parent.clone(),
+            source: m.source.clone(),
+            identity: identity.clone(),
+            checkpoint_every: opts.checkpoint_every,
+            wait_lock: opts.wait_lock,
+            tags: m.tags.clone(),
+            note: m.note.clone(),
+            ..BackupOptions::new(&name, m.size)
+        };
+        let (writer, resumed) = start_or_resume(dst, backup, &theirs)?;
+        // Listed again now that the writer holds the disk's lock: a copy of the same snapshot
+        // that committed since `theirs` was listed (a `ferry repo copy` beside this one) must
+        // not be stored twice, and one of another snapshot may be a nearer base.
+        let (fresh, _) = dst.snapshots_skipping()?;
+        if let Some(have) = already(&fresh, &src.config().id, &dst.config().id, snap) {
+            drop(writer);
+            return Ok(Done::There(have, fresh));
+        }
+        let now = parent_for(source, &fresh, &src.config().id, &dst.config().id, snap);
+        if now.map(|p| &p.id) == parent.as_ref().map(|p| &p.id) {
+            break (parent, writer, resumed);
+        }
+        log::debug!("the base of the copy of {name} changed while its lock was awaited: starting again on it");
         drop(writer);
-        return Ok(Done::There(have, fresh));
-    }
+        theirs = fresh;
+    };
     started(resumed.then(|| writer.done_ranges().iter().map(|r| r.1).sum()));
     let rechunked = src_cs != dst.config().chunk_size as u64;
     let source_of = parent.as_ref().and_then(|p| p.manifest.copied_from.as_ref());
