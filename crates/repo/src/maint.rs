@@ -1851,22 +1851,23 @@ fn pack_entry(pack: &Digest, b: &BlobEntry) -> [u8; PACK_ENTRY] {
     r
 }
 
-fn blob_of(r: &[u8; PACK_ENTRY]) -> BlobEntry {
+fn blob_of(r: &[u8; PACK_ENTRY]) -> Result<BlobEntry> {
     let u32_at = |i: usize| [r[i], r[i + 1], r[i + 2], r[i + 3]];
     let mut id = [0u8; 32];
     id.copy_from_slice(&r[36..68]);
     let kind = match r[68] {
         0 => format::BlobKind::Data,
         1 => format::BlobKind::Page,
-        _ => format::BlobKind::Located,
+        2 => format::BlobKind::Located,
+        k => return Err(Error::Invalid(format!("gc's table of the packs' blobs holds an unknown blob kind {k}"))),
     };
-    BlobEntry {
+    Ok(BlobEntry {
         id,
         kind,
         offset: u32::from_be_bytes(u32_at(32)),
         stored_len: u32::from_le_bytes(u32_at(69)),
         plain_len: u32::from_le_bytes(u32_at(73)),
-    }
+    })
 }
 
 /// Every pack's blobs, once each (by offset and id), in pack order, then by offset: in a
@@ -1903,13 +1904,13 @@ impl PackEntries {
     /// The blobs of pack `i`.
     fn blobs(&self, i: usize) -> Result<Vec<BlobEntry>> {
         let (_, first, n) = self.packs[i];
-        Ok(self.table.read(first, n as usize)?.iter().map(blob_of).collect())
+        self.table.read(first, n as usize)?.iter().map(blob_of).collect()
     }
 
     /// Blob `j` of pack `i`.
     fn blob(&self, i: usize, j: u32) -> Result<BlobEntry> {
         let (_, first, _) = self.packs[i];
-        Ok(blob_of(&self.table.read(first + j as u64, 1)?[0]))
+        blob_of(&self.table.read(first + j as u64, 1)?[0])
     }
 
     fn contains(&self, pack: &Digest) -> bool {
@@ -2293,4 +2294,20 @@ pub fn stats(repo: &Repository) -> Result<Stats> {
     s.packs = data.len() as u64;
     s.store_bytes = data.iter().chain(&idx).map(|(_, l)| *l).sum();
     Ok(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pack_entry_reads_back_and_an_unknown_kind_is_an_error() {
+        let b =
+            BlobEntry { id: [7; 32], kind: format::BlobKind::Located, offset: 513, stored_len: 99, plain_len: 4096 };
+        let mut r = pack_entry(&[3; 32], &b);
+        let back = blob_of(&r).unwrap();
+        assert_eq!((back.id, back.kind, back.offset, back.stored_len, back.plain_len), (b.id, b.kind, 513, 99, 4096));
+        r[68] = 3;
+        assert!(blob_of(&r).is_err());
+    }
 }
