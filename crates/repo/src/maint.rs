@@ -1548,13 +1548,12 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
     // live blobs of partly dead ones are copied out, and those packs condemned.
     let plan =
         classify(&packs, &listed, &kept, &damage, opts.repack_percent, (&ripe_packs, &pending, !running.is_empty()))?;
-    drop(kept);
     let Plan { mut keep, mut delete, condemn: mut to_condemn, repack, spared } = plan;
     report.packs_spared = spared;
     report.packs_waiting = pending.len() as u64;
     if dry_run {
         let backups = (!running.is_empty(), blocked.is_some());
-        return Ok(dry_run_report(report, &listed, &delete, &to_condemn, &repack, backups));
+        return Ok(dry_run_report(report, &listed, &delete, &to_condemn, &repack, &packs, backups));
     }
     if delete.is_empty()
         && to_condemn.is_empty()
@@ -1574,9 +1573,14 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
         report.bytes_after = report.bytes_before;
         return Ok(report);
     }
-    let mut new_packs: Vec<PackBlobs> = Vec::new();
+    // The live blobs of the repacked packs, read a pack at a time (their entries read from
+    // the table on disk, the kept ones by their bit), copied to new packs whose index
+    // objects are stored as soon as their entries fill one: what gc holds of them is their
+    // names and the new packs' ids.
+    let mut new_index = NewIndex::default();
     let mut out = PackOut::default();
-    for (pack, blobs) in &repack {
+    for &(i, _) in &repack {
+        let pack = &packs.packs[i].0;
         let name = pack_name(pack);
         let bytes = store.get(&name, format::MAX_PACK).map_err(|e| stop(format!("cannot read {name}: {e}")))?;
         // A pack recorded damaged does not match its name: each blob copied is checked.
@@ -1584,7 +1588,8 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
         if !recorded && sha256(&bytes) != *pack {
             return Err(stop(format!("{name} does not match its name (SHA-256): it is damaged")));
         }
-        for b in blobs {
+        let blobs = packs.blobs(i)?;
+        for b in blobs.iter().enumerate().filter(|(j, _)| kept.keeps(i, *j)).map(|(_, b)| b) {
             let stored = bytes
                 .get(b.offset as usize..b.offset as usize + b.stored_len as usize)
                 .ok_or_else(|| stop(format!("{name} is shorter than its index says")))?;
@@ -1594,18 +1599,25 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
             }
             out.add(b, stored);
             if out.buf.len() >= crate::writer::DEFAULT_PACK_SIZE || out.entries.len() >= GC_PACK_BLOBS {
-                new_packs.push(out.close(repo)?);
+                new_index.add(repo, out.close(repo)?, GC_INDEX_SPLIT)?;
             }
         }
         report.packs_repacked += 1;
     }
+    drop(kept);
     if !out.entries.is_empty() {
-        new_packs.push(out.close(repo)?);
+        new_index.add(repo, out.close(repo)?, GC_INDEX_SPLIT)?;
     }
+    // The new packs' index objects are all stored before the record (step 4): a backup
+    // that reads the record finds every repacked copy in the index (a gc stopped here
+    // leaves two indexed copies of those blobs, which the next gc sorts as any others).
+    new_index.flush(repo, GC_INDEX_SPLIT)?;
+    let NewIndex { names: mut new_names, packs: named, .. } = new_index;
+    // They are this gc's own: not a sign that a backup stored something since the mark.
+    marked.index.extend(new_names.iter().cloned());
     // A pack written again with the same bytes (a repack of a whole pack, or of a gc that
     // stopped before its index) has the name of the one it replaces: never condemned or
     // deleted.
-    let named: HashSet<Digest> = new_packs.iter().map(|p| p.pack).collect();
     to_condemn.retain(|(p, _)| !named.contains(p));
     delete.retain(|(p, _)| !named.contains(p));
     // 4. The record of what this gc condemns, stored before anything is deleted. Where
@@ -1623,11 +1635,12 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
         }
         None => to_condemn.clear(),
     }
-    // 5. Index objects for every pack that stays and every new one, all stored before any
-    // old one is removed (several when the repository is large: each stays readable).
+    // 5. Index objects for every pack that stays (the new ones' are stored), all stored
+    // before any old one is removed (several when the repository is large: each stays
+    // readable).
     let deleting: HashSet<Digest> = delete.iter().map(|(p, _)| *p).collect();
     keep.retain(|&i| !deleting.contains(&packs.packs[i].0));
-    let new_names = put_new_index(repo, &packs, &keep, &new_packs, GC_INDEX_SPLIT)?;
+    new_names.extend(put_new_index(repo, &packs, &keep, GC_INDEX_SPLIT)?);
     drop(keep);
     // Still ours: a gc whose lock was taken for stale stops before it deletes.
     if let Some(l) = &_lock {
@@ -1656,7 +1669,8 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
     }
     // 9. The damage records of packs that are gone, or were written again from blobs that
     // were each checked (a pack repacked whole has its old name again, §7b).
-    let rewritten: HashSet<&Digest> = repack.iter().map(|(p, _)| p).filter(|p| named.contains(*p)).collect();
+    let rewritten: HashSet<&Digest> =
+        repack.iter().map(|&(i, _)| &packs.packs[i].0).filter(|p| named.contains(*p)).collect();
     let present: HashSet<Digest> =
         listed.keys().filter_map(|n| pack_id(n)).filter(|p| !deleting.contains(p) && !rewritten.contains(p)).collect();
     prune_records(repo, &damage, &present)?;
@@ -1703,7 +1717,8 @@ fn dry_run_report(
     listed: &HashMap<String, u64>,
     delete: &[(Digest, u64)],
     condemn: &[(Digest, u64)],
-    repack: &[(Digest, Vec<BlobEntry>)],
+    repack: &[(usize, u64)],
+    packs: &PackEntries,
     (backups_running, blocked): (bool, bool),
 ) -> GcReport {
     let size = |p: &Digest| listed.get(&pack_name(p)).copied().unwrap_or(0);
@@ -1717,12 +1732,11 @@ fn dry_run_report(
     report.blobs_freed = gone.iter().map(|(_, dead)| dead).sum();
     // A repacked pack is condemned too: what it frees is what is not copied out of it,
     // once it is deleted (at once when no backup runs).
-    let repacked: HashSet<&Digest> = repack.iter().map(|(p, _)| p).collect();
+    let repacked: HashSet<&Digest> = repack.iter().map(|&(i, _)| &packs.packs[i].0).collect();
     report.bytes_freed = gone.iter().filter(|(p, _)| !repacked.contains(p)).map(|(p, _)| size(p)).sum();
     report.packs_repacked = repack.len() as u64;
-    for (p, live) in repack.iter().filter(|_| !backups_running && !blocked) {
-        let kept: u64 = live.iter().map(|b| u64::from(b.stored_len)).sum();
-        report.bytes_freed += size(p).saturating_sub(kept);
+    for &(i, live_bytes) in repack.iter().filter(|_| !backups_running && !blocked) {
+        report.bytes_freed += size(&packs.packs[i].0).saturating_sub(live_bytes);
     }
     report.bytes_after = report.bytes_before.saturating_sub(report.bytes_freed);
     report
@@ -1737,8 +1751,9 @@ struct Plan {
     delete: Vec<(Digest, u64)>,
     /// Packs to condemn (unused, repacked or orphans), with their dead blobs.
     condemn: Vec<(Digest, u64)>,
-    /// Packs whose live blobs are copied to new packs.
-    repack: Vec<(Digest, Vec<BlobEntry>)>,
+    /// Packs whose live blobs (the copies [`Kept`] keeps) are copied to new packs: their
+    /// number in [`PackEntries`] and the bytes of those blobs.
+    repack: Vec<(usize, u64)>,
     /// Condemned packs that a snapshot uses again.
     spared: u64,
 }
@@ -1783,12 +1798,11 @@ fn classify(
         let all_bytes: u64 = blobs.iter().map(|b| b.stored_len as u64).sum();
         let dead_bytes = all_bytes - live_bytes;
         let worth = dead_bytes.saturating_mul(100) >= all_bytes.saturating_mul(repack_percent as u64);
-        let live_blobs = || live_of().copied().collect::<Vec<_>>();
         if damage.packs.contains_key(pack) && n_live > 0 {
             // Recorded damage: kept while it holds the only copy of a damaged blob in use;
             // else what is in use is copied out (each blob checked) and it is condemned.
             if !live_of().any(|b| damage.is_damaged(pack, &b.id)) {
-                plan.repack.push((*pack, live_blobs()));
+                plan.repack.push((i, live_bytes));
                 plan.condemn.push((*pack, n_dead));
             }
             plan.keep.push(i);
@@ -1801,7 +1815,7 @@ fn classify(
             continue;
         }
         if n_live > 0 {
-            plan.repack.push((*pack, live_blobs()));
+            plan.repack.push((i, live_bytes));
         }
         plan.condemn.push((*pack, n_dead));
         plan.keep.push(i);
@@ -1837,22 +1851,23 @@ fn pack_entry(pack: &Digest, b: &BlobEntry) -> [u8; PACK_ENTRY] {
     r
 }
 
-fn blob_of(r: &[u8; PACK_ENTRY]) -> BlobEntry {
+fn blob_of(r: &[u8; PACK_ENTRY]) -> Result<BlobEntry> {
     let u32_at = |i: usize| [r[i], r[i + 1], r[i + 2], r[i + 3]];
     let mut id = [0u8; 32];
     id.copy_from_slice(&r[36..68]);
     let kind = match r[68] {
         0 => format::BlobKind::Data,
         1 => format::BlobKind::Page,
-        _ => format::BlobKind::Located,
+        2 => format::BlobKind::Located,
+        k => return Err(Error::Invalid(format!("gc's table of the packs' blobs holds an unknown blob kind {k}"))),
     };
-    BlobEntry {
+    Ok(BlobEntry {
         id,
         kind,
         offset: u32::from_be_bytes(u32_at(32)),
         stored_len: u32::from_le_bytes(u32_at(69)),
         plain_len: u32::from_le_bytes(u32_at(73)),
-    }
+    })
 }
 
 /// Every pack's blobs, once each (by offset and id), in pack order, then by offset: in a
@@ -1889,13 +1904,13 @@ impl PackEntries {
     /// The blobs of pack `i`.
     fn blobs(&self, i: usize) -> Result<Vec<BlobEntry>> {
         let (_, first, n) = self.packs[i];
-        Ok(self.table.read(first, n as usize)?.iter().map(blob_of).collect())
+        self.table.read(first, n as usize)?.iter().map(blob_of).collect()
     }
 
     /// Blob `j` of pack `i`.
     fn blob(&self, i: usize, j: u32) -> Result<BlobEntry> {
         let (_, first, _) = self.packs[i];
-        Ok(blob_of(&self.table.read(first + j as u64, 1)?[0]))
+        blob_of(&self.table.read(first + j as u64, 1)?[0])
     }
 
     fn contains(&self, pack: &Digest) -> bool {
@@ -1903,30 +1918,55 @@ impl PackEntries {
     }
 }
 
-/// Stores index objects for the packs `keep` of `packs` and then `new` (FORMAT.md §6), each
-/// of at most `split` bytes, reading the blobs of one object's packs at a time. Returns
-/// their names.
-fn put_new_index(
-    repo: &Repository,
-    packs: &PackEntries,
-    keep: &[usize],
-    new: &[PackBlobs],
-    split: usize,
-) -> Result<Vec<String>> {
-    let counts: Vec<usize> =
-        keep.iter().map(|&i| packs.packs[i].2 as usize).chain(new.iter().map(|p| p.blobs.len())).collect();
+/// Stores index objects for the packs `keep` of `packs` (FORMAT.md §6), each of at most
+/// `split` bytes, reading the blobs of one object's packs at a time. Returns their names.
+fn put_new_index(repo: &Repository, packs: &PackEntries, keep: &[usize], split: usize) -> Result<Vec<String>> {
+    let counts: Vec<usize> = keep.iter().map(|&i| packs.packs[i].2 as usize).collect();
     let mut names = Vec::new();
     for (start, end) in crate::repo::splits_of(&counts, split) {
         let mut object = Vec::with_capacity(end - start);
-        for k in start..end {
-            object.push(match keep.get(k) {
-                Some(&i) => PackBlobs { pack: packs.packs[i].0, blobs: packs.blobs(i)? },
-                None => new[k - keep.len()].clone(),
-            });
+        for &i in &keep[start..end] {
+            object.push(PackBlobs { pack: packs.packs[i].0, blobs: packs.blobs(i)? });
         }
         names.extend(repo.put_index_split(&object, split)?.0);
     }
     Ok(names)
+}
+
+/// The index of the packs a gc writes, stored as they are written: the entries of new
+/// packs are held until they fill an index object of at most `split` bytes, which is then
+/// stored; the names of those objects and the new packs' ids are kept.
+#[derive(Default)]
+struct NewIndex {
+    held: Vec<PackBlobs>,
+    names: Vec<String>,
+    packs: HashSet<Digest>,
+}
+
+impl NewIndex {
+    /// A new pack; stores the index objects that the packs held fill.
+    fn add(&mut self, repo: &Repository, pack: PackBlobs, split: usize) -> Result<()> {
+        self.packs.insert(pack.pack);
+        self.held.push(pack);
+        let splits = crate::repo::index_splits(&self.held, split);
+        if splits.len() > 1 {
+            // Every object but the last is full: stored now, the last one waits for more.
+            let (full, _) = splits[splits.len() - 1];
+            let (names, _) = repo.put_index_split(&self.held[..full], split)?;
+            self.names.extend(names);
+            self.held.drain(..full);
+        }
+        Ok(())
+    }
+
+    /// Stores the index object of the packs held.
+    fn flush(&mut self, repo: &Repository, split: usize) -> Result<()> {
+        if !self.held.is_empty() {
+            self.names.extend(repo.put_index_split(&self.held, split)?.0);
+            self.held.clear();
+        }
+        Ok(())
+    }
 }
 
 /// One copy of a blob, from [`copies`].
@@ -2254,4 +2294,20 @@ pub fn stats(repo: &Repository) -> Result<Stats> {
     s.packs = data.len() as u64;
     s.store_bytes = data.iter().chain(&idx).map(|(_, l)| *l).sum();
     Ok(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pack_entry_reads_back_and_an_unknown_kind_is_an_error() {
+        let b =
+            BlobEntry { id: [7; 32], kind: format::BlobKind::Located, offset: 513, stored_len: 99, plain_len: 4096 };
+        let mut r = pack_entry(&[3; 32], &b);
+        let back = blob_of(&r).unwrap();
+        assert_eq!((back.id, back.kind, back.offset, back.stored_len, back.plain_len), (b.id, b.kind, 513, 99, 4096));
+        r[68] = 3;
+        assert!(blob_of(&r).is_err());
+    }
 }
