@@ -58,8 +58,19 @@ fn list_first(store: &MemStore, repo: &Repository, pack: &str, other: &str, keep
     let n = listed.blobs.len();
     assert!(listed.blobs.iter().any(|b| b.id == *keep), "{pack} does not hold the blob looked at");
     // Other packs listed again beside it (harmless: the same copies) give more names.
-    let others: Vec<Option<PackBlobs>> = std::iter::once(None)
-        .chain(objects.iter().flat_map(|(_, ps)| ps.iter()).filter(|p| p.pack != listed.pack).cloned().map(Some))
+    // Each other pack alone, and each pair of them: a small repository (a pack of two
+    // blobs, few other packs) still gives enough distinct names.
+    let singles: Vec<PackBlobs> =
+        objects.iter().flat_map(|(_, ps)| ps.iter()).filter(|p| p.pack != listed.pack).cloned().collect();
+    let others: Vec<Vec<PackBlobs>> = std::iter::once(Vec::new())
+        .chain(singles.iter().map(|p| vec![p.clone()]))
+        .chain(
+            (0..singles.len())
+                .flat_map(|a| (a + 1..singles.len()).map(move |b| (a, b)))
+                .map(|(a, b)| vec![singles[a].clone(), singles[b].clone()]),
+        )
+        // And one other pack listed again up to 256 times (each count another name).
+        .chain(singles.iter().take(1).flat_map(|p| (2..=256).map(move |r| vec![p.clone(); r])))
         .collect();
     let rounds = if repo.crypto.is_encrypted() { 16 } else { 1 };
     let parts =
