@@ -9,8 +9,8 @@
 //! on top of the disk's latest snapshot (the base, chosen again once the disk's lock is
 //! held), and the copy engine moves the data: every range without a change map, only the
 //! changed ranges with a dirty bitmap, an extents file or ferry's own bitmap of a local
-//! qcow2 image ([`tracker`]) (everything else is the base's, which `since` must name and
-//! a sample of the source must match: see [`base`]). Holes and zero ranges are never
+//! qcow2 image (`tracker`) (everything else is the base's, which `since` must name and
+//! a sample of the source must match: see `base`). Holes and zero ranges are never
 //! stored: they are written as zeroes (an entry, no data), never read. A checkpoint is
 //! stored every `checkpoint_every`; an interrupted backup is resumed or discarded.
 //!

@@ -10,7 +10,7 @@
 //! and CRC-32. Opening a run reads its header and tables only; a lookup reads one block
 //! per run (`pread`), checks its CRC and order, and binary-searches it.
 //!
-//! Beside each run `run-X`, its filter `filter-X` ([`crate::bloom`]: 12 bits an entry,
+//! Beside each run `run-X`, its filter `filter-X` (`bloom`: 12 bits an entry,
 //! built with the run, checked against the run's table checksum and entry count and its
 //! own CRC when read): a lookup of an id that a run does not hold (most of a backup's new
 //! chunks) reads one 64-byte block of the filter instead of a block of the run, and about
