@@ -20,8 +20,8 @@
 //! with ferry's own change tracking, raw read whole).
 
 use crate::backup::BackupArgs;
-use crate::libvirt_virsh::{Hypervisor, Virsh};
-use crate::libvirt_xml::{self as xml, Disk, Mode};
+use crate::libvirt_virsh::{Host, Hypervisor, Virsh};
+use crate::libvirt_xml::{self as xml, Disk, Export, Mode};
 use crate::repo::{human, short_id};
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -40,10 +40,36 @@ const RUNDIR_PREFIX: &str = "ferry-libvirt-";
 #[derive(Args, Debug, Clone)]
 pub struct LibvirtArgs {
     /// With a libvirt:DOMAIN source: the libvirt connection, as `virsh -c` takes it
-    /// (default: LIBVIRT_DEFAULT_URI, else virsh's default). Of this host only
-    /// (qemu:///system, qemu:///session): a remote one is refused.
+    /// (default: LIBVIRT_DEFAULT_URI, else virsh's default). One to another host
+    /// (qemu+ssh://HOST/system) backs up a running domain there over --export tcp.
     #[arg(long, value_name = "URI")]
     pub connect: Option<String>,
+    /// With a libvirt:DOMAIN source of a running domain: how its backup job exports the
+    /// disks to ferry: `unix` (a private Unix socket; the domain is on this host) or `tcp`
+    /// (NBD over TCP with TLS: needs --tls-certs). Default: tcp when --connect is to
+    /// another host, else unix.
+    #[arg(long, value_name = "KIND")]
+    pub export: Option<ExportKind>,
+    /// With --export tcp: the name or address qemu listens on and ferry connects to; the
+    /// host's certificate must name it. Default: the host --connect names (127.0.0.1 for a
+    /// connection of this host).
+    #[arg(long, value_name = "HOST")]
+    pub export_host: Option<String>,
+    /// With --export tcp: the port qemu listens on. Default: a free one of this host for a
+    /// connection of this host, else 10809 (open it in the domain's host's firewall).
+    #[arg(long, value_name = "PORT", value_parser = clap::value_parser!(u16).range(1..))]
+    pub export_port: Option<u16>,
+    /// With --export tcp: ferry's TLS credentials, in qemu's layout: ca-cert.pem (the CA
+    /// that signed the certificate of the host's qemu.conf backup_tls_x509_cert_dir), and
+    /// client-cert.pem and client-key.pem when the host verifies clients
+    /// (backup_tls_x509_verify).
+    #[arg(long, value_name = "DIR")]
+    pub tls_certs: Option<PathBuf>,
+    /// With --export tcp: export the disks without TLS. Anyone on the network between the
+    /// hosts can then read the disks and change what ferry stores: only for a network you
+    /// trust entirely.
+    #[arg(long, conflicts_with = "tls_certs")]
+    pub insecure_export: bool,
     /// With a libvirt:DOMAIN source: back up only this disk (its target, e.g. vda;
     /// repeatable). Default: every disk.
     #[arg(long = "disk", value_name = "TARGET")]
@@ -67,6 +93,16 @@ pub struct LibvirtArgs {
     pub new_domain: bool,
 }
 
+/// How a backup job exports the disks (--export).
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExportKind {
+    Unix,
+    Tcp,
+}
+
+/// The port a TCP export of a domain on another host listens on by default (NBD's).
+const NBD_PORT: u16 = 10809;
+
 /// Where a backup job's directory goes by default: on disk (not a tmpfs TMPDIR, which holds
 /// scratch files in memory), and reachable by qemu (not a pam_tmpdir private TMPDIR).
 pub(crate) const DEFAULT_SCRATCH: &str = "/var/tmp";
@@ -75,6 +111,11 @@ impl Default for LibvirtArgs {
     fn default() -> LibvirtArgs {
         LibvirtArgs {
             connect: None,
+            export: None,
+            export_host: None,
+            export_port: None,
+            tls_certs: None,
+            insecure_export: false,
             disks: Vec::new(),
             exclude: Vec::new(),
             quiesce: false,
@@ -89,12 +130,108 @@ impl LibvirtArgs {
     pub(crate) fn refuse_without_domain(&self) -> Result<()> {
         let scratch = self.scratch_dir != Path::new(DEFAULT_SCRATCH);
         let any = self.connect.is_some() || !self.disks.is_empty() || !self.exclude.is_empty();
-        if any || self.quiesce || scratch || self.new_domain {
+        let export = self.export.is_some() || self.export_host.is_some() || self.export_port.is_some();
+        if any
+            || export
+            || self.tls_certs.is_some()
+            || self.insecure_export
+            || self.quiesce
+            || scratch
+            || self.new_domain
+        {
             bail!(
-                "--connect, --disk, --exclude, --quiesce, --scratch-dir and --new-domain are for a libvirt:DOMAIN source"
+                "--connect, --disk, --exclude, --export, --export-host, --export-port, --tls-certs, --insecure-export, \
+                 --quiesce, --scratch-dir and --new-domain are for a libvirt:DOMAIN source"
             );
         }
         Ok(())
+    }
+
+    /// How the backup job of a running domain on `host` exports its disks, as the flags
+    /// say; a TCP export's port is 0 when ferry is to choose a free one.
+    fn export(&self, host: &Host) -> Result<Export> {
+        let kind = self.export.unwrap_or(match host {
+            Host::This => ExportKind::Unix,
+            Host::Other(_) => ExportKind::Tcp,
+        });
+        if kind == ExportKind::Unix {
+            if let Host::Other(h) = host {
+                bail!(
+                    "--export unix: the domain is on another host ({}), where its backup job's Unix socket is: \
+                     use --export tcp (with --tls-certs), or run ferry on that host",
+                    h.as_deref().unwrap_or("an alias URI")
+                );
+            }
+            if self.export_host.is_some()
+                || self.export_port.is_some()
+                || self.tls_certs.is_some()
+                || self.insecure_export
+            {
+                bail!("--export-host, --export-port, --tls-certs and --insecure-export are for --export tcp");
+            }
+            return Ok(Export::Unix);
+        }
+        let name = match (&self.export_host, host) {
+            (Some(n), _) => n.clone(),
+            (None, Host::This) => "127.0.0.1".to_string(),
+            (None, Host::Other(Some(h))) => h.clone(),
+            (None, Host::Other(None)) => bail!(
+                "--export tcp: the connection {} names no host: give the name or address of the domain's host with \
+                 --export-host",
+                self.connect.as_deref().unwrap_or("LIBVIRT_DEFAULT_URI")
+            ),
+        };
+        if name.is_empty() || name.chars().any(|c| c.is_whitespace() || "/?#@[]".contains(c) || c.is_control()) {
+            bail!("--export-host {name:?} is not a host name or an address");
+        }
+        let tls = match (&self.tls_certs, self.insecure_export) {
+            (Some(dir), _) => {
+                let ca = dir.join("ca-cert.pem");
+                if !ca.is_file() {
+                    bail!(
+                        "--tls-certs {}: no ca-cert.pem there (the CA that signed the certificate in the domain's \
+                         host's backup_tls_x509_cert_dir; client-cert.pem and client-key.pem beside it when that host \
+                         verifies clients)",
+                        dir.display()
+                    );
+                }
+                true
+            }
+            (None, true) => false,
+            (None, false) => bail!(
+                "--export tcp sends the disks over the network: give ferry the CA of the domain's host's \
+                 certificates with --tls-certs DIR (ca-cert.pem, and client-cert.pem and client-key.pem if the \
+                 host verifies clients); docs/backups.md says what to set on the host. --insecure-export sends \
+                 them in clear instead"
+            ),
+        };
+        let scratch_here = *host == Host::This;
+        let port = match (self.export_port, scratch_here) {
+            (Some(p), _) => p,
+            (None, true) => 0,
+            (None, false) => NBD_PORT,
+        };
+        Ok(Export::Tcp { host: name, port, tls, scratch_here })
+    }
+
+    /// The NBD URI ferry reads disk `target` of the job of directory `dir` at.
+    fn source(&self, export: &Export, dir: &Path, target: &str) -> String {
+        let shown = dir.to_string_lossy();
+        let name = uri_escape(&export.name(&shown, target));
+        match export {
+            Export::Unix => {
+                format!("nbd+unix:///{name}?socket={}", uri_escape(&format!("{shown}/{}", xml::SOCKET)))
+            }
+            Export::Tcp { host, port, tls, .. } => {
+                let host = if host.contains(':') { format!("[{host}]") } else { host.clone() };
+                match (tls, &self.tls_certs) {
+                    (true, Some(c)) => {
+                        format!("nbds://{host}:{port}/{name}?tls-certificates={}", uri_escape(&c.to_string_lossy()))
+                    }
+                    _ => format!("nbd://{host}:{port}/{name}"),
+                }
+            }
+        }
     }
 }
 
@@ -195,7 +332,7 @@ pub(crate) fn run(domain: &str, args: &BackupArgs, quiet: bool) -> Result<i32> {
              not resumed: the next run reads what changed since the last good one)"
         );
     }
-    let virsh = Virsh::new(args.libvirt.connect.as_deref())?;
+    let virsh = Virsh::any_host(args.libvirt.connect.as_deref());
     let (points_id, snaps) = backup_domain(&virsh, domain, args, quiet)?;
     if args.json {
         let doc = serde_json::json!({
@@ -225,6 +362,15 @@ pub(crate) fn backup_domain(
     let names: Vec<String> = chosen.iter().map(|d| disk_name(domain, &d.target)).collect::<Result<_>>()?;
     let inactive = h.domain_xml(domain, true).unwrap_or_else(|_| live.clone());
     let stopped = state.starts_with("shut off") || state.starts_with("crashed");
+    let host = h.host();
+    if stopped && host != Host::This {
+        bail!(
+            "{domain} is shut off on another host: ferry reads a shut-off domain's images directly, which are on \
+             that host: start the domain (its backup job then exports the disks over --export tcp), or run ferry \
+             on its host"
+        );
+    }
+    let mut export = if stopped { Export::Unix } else { args.libvirt.export(&host)? };
     // A second run at once would take the first one's job for a leftover and end it.
     let dir = state_dir()?;
     let _one = one_run(&dir, domain)?;
@@ -279,17 +425,26 @@ pub(crate) fn backup_domain(
     let checkpoint =
         format!("{prefix}{}", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_nanos());
     let dir = rundir(&live, &args.libvirt.scratch_dir)?;
-    let socket = dir.path().join(xml::SOCKET);
+    if let Export::Tcp { host, port, tls, .. } = &mut export {
+        if *port == 0 {
+            *port = free_port(host)?;
+        }
+        if !*tls {
+            eprintln!(
+                "warning: --insecure-export: the disks of {domain} go over the network without TLS: anyone between \
+                 the hosts can read them and change what is stored"
+            );
+        }
+    }
     // From here on a first SIGINT or SIGTERM only asks the run to stop (between the freeze
     // and the thaw, it waits for the thaw); the job and checkpoint are then cleaned up.
     crate::interrupt::install()?;
     let quiesce = args.libvirt.quiesce.then_some(frozen.as_path());
-    let job = Job::begin(h, domain, &plans, &all, &checkpoint, dir.path(), quiesce)?;
+    let job = Job::begin(h, domain, &plans, &all, &checkpoint, dir.path(), &export, quiesce)?;
     let mut snaps = Vec::new();
     for p in &plans {
         let mode = job.modes.iter().find(|m| m.0 == p.disk.target).map(|m| m.1.clone()).unwrap_or(Mode::Full);
-        let src =
-            format!("nbd+unix:///{}?socket={}", uri_escape(&p.disk.target), uri_escape(&socket.to_string_lossy()));
+        let src = args.libvirt.source(&export, dir.path(), &p.disk.target);
         let mut plan = args.plan(src, p.name.clone());
         (plan.map, plan.since) = match mode {
             Mode::Incremental(_) => (Some(Map::DirtyBitmap(format!("backup-{}", p.disk.target))), p.since.clone()),
@@ -527,28 +682,34 @@ fn thaw_leftover(h: &dyn Hypervisor, domain: &str, stopped: bool, frozen: &Path)
     std::fs::remove_file(frozen).with_context(|| format!("cannot remove {}", frozen.display()))
 }
 
-/// Ends a backup job a killed ferry left on the domain (its socket in a directory ferry
-/// names); refuses one that is not ferry's.
+/// A free TCP port of this host on `host`'s address, for a TCP export of a domain of
+/// this host (qemu binds it a moment later; one taken meanwhile fails the job's start).
+fn free_port(host: &str) -> Result<u16> {
+    let l = std::net::TcpListener::bind((host, 0)).with_context(|| {
+        format!("cannot find a free TCP port on {host} for the export: give one with --export-port")
+    })?;
+    Ok(l.local_addr()?.port())
+}
+
+/// Ends a backup job a killed ferry left on the domain (marked by the name of a directory
+/// ferry makes: its socket's, or its export names' prefix); refuses one that is not ferry's.
 fn end_leftover_job(h: &dyn Hypervisor, domain: &str) -> Result<()> {
     let Some(job) = h.backup_xml(domain)? else { return Ok(()) };
-    let ours = xml::backup_socket(&job).is_some_and(|s| {
-        Path::new(&s)
-            .parent()
-            .and_then(|p| p.file_name())
-            .is_some_and(|n| n.to_string_lossy().starts_with(RUNDIR_PREFIX))
-    });
-    if !ours {
+    let mark = xml::job_mark(&job).filter(|m| m.starts_with(RUNDIR_PREFIX));
+    let Some(mark) = mark else {
         bail!(
             "{domain} runs a backup job ferry did not start: wait for it to end (or end it with `virsh domjobabort \
              {domain}`), then back up again"
         );
-    }
+    };
     log::info!("{domain}: ending the backup job a stopped ferry left running");
     h.job_abort(domain).context("cannot end the backup job a stopped ferry left")?;
     // Its directory holds the socket and the scratch files (what the guest overwrote
-    // while it ran: up to the size of the disks).
-    if let Some(dir) = xml::backup_socket(&job).as_deref().and_then(|s| Path::new(s).parent()) {
-        if let Err(e) = std::fs::remove_dir_all(dir) {
+    // while it ran: up to the size of the disks); a job of a domain on another host has
+    // none on this host.
+    let dir = xml::job_dir(&job).filter(|d| d.file_name().is_some_and(|n| n.to_string_lossy() == mark.as_str()));
+    if let Some(dir) = dir.filter(|d| d.exists()) {
+        if let Err(e) = std::fs::remove_dir_all(&dir) {
             log::warn!(
                 "{domain}: cannot remove {} that the stopped backup left ({e}): remove it by hand",
                 dir.display()
@@ -564,8 +725,9 @@ struct Job<'a> {
     h: &'a dyn Hypervisor,
     domain: &'a str,
     checkpoint: String,
-    /// The socket of the job, which tells it from another job of the domain.
-    socket: String,
+    /// The mark of the job (its directory's name), which tells it from another job of the
+    /// domain.
+    mark: Option<String>,
     modes: Vec<(String, Mode)>,
     ended: std::cell::Cell<bool>,
     keep: std::cell::Cell<bool>,
@@ -580,6 +742,7 @@ impl<'a> Job<'a> {
         all: &[String],
         checkpoint: &str,
         dir: &Path,
+        export: &Export,
         quiesce: Option<&Path>,
     ) -> Result<Job<'a>> {
         let tracked: Vec<String> = plans.iter().filter(|p| p.tracked).map(|p| p.disk.target.clone()).collect();
@@ -597,10 +760,9 @@ impl<'a> Job<'a> {
         };
         let cxml = xml::checkpoint_xml(checkpoint, all, &tracked);
         let shown = dir.to_string_lossy();
-        let socket = format!("{shown}/{}", xml::SOCKET);
         let start = |modes: &[(String, Mode)]| -> Result<()> {
             let Some(frozen) = quiesce else {
-                return h.backup_begin(domain, &xml::backup_xml(&shown, modes), &cxml, dir);
+                return h.backup_begin(domain, &xml::backup_xml(&shown, export, modes), &cxml, dir);
             };
             // The mark first: a run killed while the guest is frozen leaves it, and the
             // next run thaws the guest.
@@ -610,7 +772,7 @@ impl<'a> Job<'a> {
                 let _ = std::fs::remove_file(frozen);
                 return Err(e);
             }
-            let r = h.backup_begin(domain, &xml::backup_xml(&shown, modes), &cxml, dir);
+            let r = h.backup_begin(domain, &xml::backup_xml(&shown, export, modes), &cxml, dir);
             if let Err(e) = thaw(h, domain) {
                 if r.is_ok() {
                     let _ = h.job_abort(domain);
@@ -636,18 +798,18 @@ impl<'a> Job<'a> {
             h,
             domain,
             checkpoint: checkpoint.to_string(),
-            socket,
+            mark: xml::job_mark(&xml::backup_xml(&shown, export, &modes)),
             modes,
             ended: false.into(),
             keep: false.into(),
         })
     }
 
-    /// Ends the domain's backup job if it is this one (exported on its socket): a job
-    /// that replaced it (this one ended by libvirt, another started) is not ours to end.
+    /// Ends the domain's backup job if it is this one (of its mark): a job that replaced
+    /// it (this one ended by libvirt, another started) is not ours to end.
     fn abort(&self) -> Result<()> {
         match self.h.backup_xml(self.domain)? {
-            Some(x) if xml::backup_socket(&x).as_deref() == Some(self.socket.as_str()) => self.h.job_abort(self.domain),
+            Some(x) if self.mark.is_some() && xml::job_mark(&x) == self.mark => self.h.job_abort(self.domain),
             Some(_) => {
                 log::warn!("{}: its backup job is no longer ferry's: leaving it running", self.domain);
                 Ok(())
@@ -822,7 +984,7 @@ mod tests {
         }
         fn backup_xml(&self, _: &str) -> Result<Option<String>> {
             let dir = self.job.borrow().as_ref().map(|s| s.trim_end_matches("/nbd.sock").to_string());
-            Ok(dir.map(|d| xml::backup_xml(&d, &[("vda".into(), Mode::Full)])))
+            Ok(dir.map(|d| xml::backup_xml(&d, &Export::Unix, &[("vda".into(), Mode::Full)])))
         }
         fn job_abort(&self, _: &str) -> Result<()> {
             self.calls.borrow_mut().push("abort".into());
@@ -864,7 +1026,7 @@ mod tests {
         // A thaw that fails twice is tried again: the run goes on, and the mark goes.
         let h = Fake { mark: Some(mark.clone()), ..Default::default() };
         h.thaw_fails.set(2);
-        let job = Job::begin(&h, "vm", &plans(), &all, "ferry-1", dir.path(), Some(&mark)).unwrap();
+        let job = Job::begin(&h, "vm", &plans(), &all, "ferry-1", dir.path(), &Export::Unix, Some(&mark)).unwrap();
         assert_eq!(*h.calls.borrow(), ["freeze", "backup-begin", "thaw", "thaw", "thaw"]);
         assert!(!mark.exists());
         job.keep_checkpoint();
@@ -873,7 +1035,7 @@ mod tests {
         // One that keeps failing fails the run, ends its job and keeps the mark...
         let h = Fake { mark: Some(mark.clone()), ..Default::default() };
         h.thaw_fails.set(THAW_TRIES);
-        let e = Job::begin(&h, "vm", &plans(), &all, "ferry-2", dir.path(), Some(&mark)).err().unwrap();
+        let e = Job::begin(&h, "vm", &plans(), &all, "ferry-2", dir.path(), &Export::Unix, Some(&mark)).err().unwrap();
         assert!(format!("{e:#}").contains("domfsthaw"), "{e:#}");
         assert!(h.calls.borrow().contains(&"abort".to_string()) && mark.exists());
         // ...and the next run thaws the guest first.
@@ -890,14 +1052,14 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let all = ["vda".to_string()];
         let h = Fake::default();
-        let job = Job::begin(&h, "vm", &plans(), &all, "ferry-1", dir.path(), None).unwrap();
+        let job = Job::begin(&h, "vm", &plans(), &all, "ferry-1", dir.path(), &Export::Unix, None).unwrap();
         // libvirt ended it, and someone else started another.
         *h.job.borrow_mut() = Some("/elsewhere/nbd.sock".into());
         job.end().unwrap();
         drop(job);
         assert!(!h.calls.borrow().contains(&"abort".to_string()), "{:?}", h.calls.borrow());
         assert_eq!(h.job.borrow().as_deref(), Some("/elsewhere/nbd.sock"));
-        let job = Job::begin(&h, "vm", &plans(), &all, "ferry-2", dir.path(), None).unwrap();
+        let job = Job::begin(&h, "vm", &plans(), &all, "ferry-2", dir.path(), &Export::Unix, None).unwrap();
         drop(job);
         assert!(h.calls.borrow().contains(&"abort".to_string()));
     }
@@ -1061,6 +1223,53 @@ mod tests {
         let e = format!("{:#}", backup_domain(&h, &domain, &line(&[]), true).unwrap_err());
         assert!(e.contains(&format!("{domain}-vda")) && e.contains("--accept-rollback"), "{e}");
         backup_domain(&h, &domain, &line(&["--accept-rollback"]), true).unwrap();
+    }
+
+    #[test]
+    fn a_tcp_export_needs_tls_unless_insecure_and_is_chosen_for_another_host() {
+        let other = Host::Other(Some("kvm1".into()));
+        let e = |a: &LibvirtArgs, h: &Host| format!("{:#}", a.export(h).unwrap_err());
+        assert_eq!(LibvirtArgs::default().export(&Host::This).unwrap(), Export::Unix);
+        // Another host: TCP, never in clear without being told.
+        let msg = e(&LibvirtArgs::default(), &other);
+        assert!(msg.contains("--tls-certs") && msg.contains("--insecure-export"), "{msg}");
+        let insecure = LibvirtArgs { insecure_export: true, ..Default::default() };
+        let tcp = |host: &str, port, tls, scratch_here| Export::Tcp { host: host.into(), port, tls, scratch_here };
+        assert_eq!(insecure.export(&other).unwrap(), tcp("kvm1", NBD_PORT, false, false));
+        let unix = LibvirtArgs { export: Some(ExportKind::Unix), ..Default::default() };
+        assert!(e(&unix, &other).contains("--export tcp"));
+        assert!(e(&insecure, &Host::Other(None)).contains("--export-host"));
+        // Certificates: ca-cert.pem must be there.
+        let t = tempfile::tempdir().unwrap();
+        let certs = LibvirtArgs {
+            export: Some(ExportKind::Tcp),
+            tls_certs: Some(t.path().to_path_buf()),
+            export_port: Some(10900),
+            ..Default::default()
+        };
+        assert!(e(&certs, &Host::This).contains("ca-cert.pem"));
+        std::fs::write(t.path().join("ca-cert.pem"), "").unwrap();
+        assert_eq!(certs.export(&Host::This).unwrap(), tcp("127.0.0.1", 10900, true, true));
+        let named = LibvirtArgs { export_host: Some("10.0.0.5".into()), ..certs.clone() };
+        assert_eq!(named.export(&other).unwrap(), tcp("10.0.0.5", 10900, true, false));
+        let bad = LibvirtArgs { export_host: Some("a/b".into()), ..certs.clone() };
+        assert!(e(&bad, &Host::This).contains("not a host name"));
+        // TCP flags without a TCP export are refused, not ignored.
+        let stray = LibvirtArgs { export_port: Some(1), ..Default::default() };
+        assert!(e(&stray, &Host::This).contains("--export tcp"));
+        // What ferry reads: TLS with the certificates, the job's mark in each export name.
+        let dir = Path::new("/var/tmp/ferry-libvirt-x y");
+        let ex = tcp("fd00::1", 10900, true, false);
+        assert_eq!(
+            certs.source(&ex, dir, "vda"),
+            format!("nbds://[fd00::1]:10900/ferry-libvirt-x%20y-vda?tls-certificates={}", t.path().display())
+        );
+        assert_eq!(insecure.source(&tcp("h", 1, false, false), dir, "vda"), "nbd://h:1/ferry-libvirt-x%20y-vda");
+        assert_eq!(
+            certs.source(&Export::Unix, dir, "vda"),
+            "nbd+unix:///vda?socket=/var/tmp/ferry-libvirt-x%20y/nbd.sock"
+        );
+        assert!(free_port("127.0.0.1").unwrap() > 0);
     }
 
     #[test]

@@ -36,6 +36,18 @@ pub(crate) trait Hypervisor {
     fn define(&self, xml: &str, dir: &Path) -> Result<()>;
     /// Freezes (`true`) or thaws the guest's file systems through its agent.
     fn freeze(&self, domain: &str, freeze: bool) -> Result<()>;
+    /// Where the domains are: this host, unless the connection is to another.
+    fn host(&self) -> Host {
+        Host::This
+    }
+}
+
+/// The host of a libvirt connection's domains.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Host {
+    This,
+    /// Another host, by the name the connection gives it (`None` for an alias URI).
+    Other(Option<String>),
 }
 
 /// The file `define` writes the XML to, in the directory it is given.
@@ -60,20 +72,40 @@ pub(crate) fn remote_uri(uri: &str) -> bool {
     transport.is_some_and(|t| t != "unix") || !(host.is_empty() || host == "localhost")
 }
 
+/// The host a remote libvirt URI names (`qemu+ssh://user@host:22/system` names `host`);
+/// `None` for an alias or a URI without one.
+pub(crate) fn uri_host(uri: &str) -> Option<String> {
+    let (_, rest) = uri.split_once("://")?;
+    let authority = rest.split(['/', '?']).next().unwrap_or("");
+    let host = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    let host = match host.strip_prefix('[') {
+        Some(v6) => v6.split(']').next().unwrap_or(""),
+        None => host.split(':').next().unwrap_or(""),
+    };
+    (!host.is_empty()).then(|| host.to_string())
+}
+
 impl Virsh {
     /// libvirt at `uri` (--connect), else LIBVIRT_DEFAULT_URI, else virsh's default; a
-    /// connection to another host is refused: ferry reads a shut-off domain's images, a
-    /// backup job's socket and a restored copy's files on this host.
+    /// connection to another host is refused: ferry reads a restored copy's files on this
+    /// host.
     pub(crate) fn new(uri: Option<&str>) -> Result<Virsh> {
-        let uri = uri.map(String::from).or_else(|| std::env::var("LIBVIRT_DEFAULT_URI").ok().filter(|u| !u.is_empty()));
-        if let Some(u) = uri.as_deref().filter(|u| remote_uri(u)) {
+        let v = Virsh::any_host(uri);
+        if let Some(u) = v.uri.as_deref().filter(|u| remote_uri(u)) {
             bail!(
-                "the libvirt connection {u:?} is not of this host (or is an alias ferry cannot check): ferry reads \
-                 the domain's images and its backup job's Unix socket on the host it runs on, so run ferry on the \
-                 domain's host with a local connection (qemu:///system); a remote connection is not supported yet"
+                "the libvirt connection {u:?} is not of this host (or is an alias ferry cannot check): ferry writes \
+                 the restored disks on the host it runs on, so run ferry on the domain's host with a local \
+                 connection (qemu:///system)"
             );
         }
-        Ok(Virsh { uri })
+        Ok(v)
+    }
+
+    /// libvirt at `uri` (--connect), else LIBVIRT_DEFAULT_URI, else virsh's default, on this
+    /// host or another.
+    pub(crate) fn any_host(uri: Option<&str>) -> Virsh {
+        let uri = uri.map(String::from).or_else(|| std::env::var("LIBVIRT_DEFAULT_URI").ok().filter(|u| !u.is_empty()));
+        Virsh { uri }
     }
 
     /// The connection, as errors name it.
@@ -182,6 +214,13 @@ impl Hypervisor for Virsh {
             )
         })
     }
+
+    fn host(&self) -> Host {
+        match self.uri.as_deref().filter(|u| remote_uri(u)) {
+            None => Host::This,
+            Some(u) => Host::Other(uri_host(u)),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -204,6 +243,11 @@ mod tests {
             assert!(remote_uri(remote), "{remote}");
         }
         assert!(Virsh::new(Some("qemu+ssh://h/system")).is_err());
+        let host = |u: &str| Virsh::any_host(Some(u)).host();
+        assert_eq!(host("qemu+ssh://root@kvm1.example:2222/system"), Host::Other(Some("kvm1.example".into())));
+        assert_eq!(host("qemu+tls://[fd00::1]:16514/system"), Host::Other(Some("fd00::1".into())));
+        assert_eq!(host("myalias"), Host::Other(None));
+        assert_eq!(host("qemu:///system"), Host::This);
     }
 
     #[test]

@@ -86,9 +86,37 @@ pub(crate) fn checkpoint_disks(checkpoint_xml: &str) -> Result<Vec<String>> {
 }
 
 /// The Unix socket a running backup job exports its disks on, if it says.
+#[cfg(test)]
 pub(crate) fn backup_socket(backup_xml: &str) -> Option<String> {
     let doc = roxmltree::Document::parse(backup_xml).ok()?;
     doc.descendants().find(|n| n.has_tag_name("server")).and_then(|s| s.attribute("socket")).map(String::from)
+}
+
+/// The name of the directory a backup job ferry starts was made from (its mark, which
+/// tells that job from any other): the directory of its Unix socket, or for a TCP export
+/// the prefix of its export names (`MARK-TARGET`). `None` for a job that has neither.
+pub(crate) fn job_mark(backup_xml: &str) -> Option<String> {
+    let doc = roxmltree::Document::parse(backup_xml).ok()?;
+    if let Some(s) = doc.descendants().find(|n| n.has_tag_name("server")).and_then(|s| s.attribute("socket")) {
+        return Some(std::path::Path::new(s).parent()?.file_name()?.to_string_lossy().into_owned());
+    }
+    doc.descendants().filter(|n| n.has_tag_name("disk") && n.attribute("backup") != Some("no")).find_map(|d| {
+        let name = d.attribute("name")?;
+        let mark = d.attribute("exportname")?.strip_suffix(name)?.strip_suffix('-')?;
+        (!mark.is_empty()).then(|| mark.to_string())
+    })
+}
+
+/// The local directory of a backup job's socket and scratch files, if it has one: the
+/// socket's, else a scratch file's.
+pub(crate) fn job_dir(backup_xml: &str) -> Option<std::path::PathBuf> {
+    let doc = roxmltree::Document::parse(backup_xml).ok()?;
+    let file = doc
+        .descendants()
+        .find(|n| n.has_tag_name("server"))
+        .and_then(|s| s.attribute("socket"))
+        .or_else(|| doc.descendants().filter(|n| n.has_tag_name("scratch")).find_map(|s| s.attribute("file")))?;
+    std::path::Path::new(file).parent().map(std::path::Path::to_path_buf)
 }
 
 /// `s` as an XML attribute value.
@@ -109,14 +137,51 @@ pub(crate) enum Mode {
     Incremental(String),
 }
 
-/// A pull-mode `<domainbackup>` on the Unix socket `dir/nbd.sock`, each disk read as
-/// `modes` say (every disk of the domain is named: the others are `backup='no'`), its
-/// scratch file (what the guest overwrites while the job runs) `dir/TARGET.scratch`.
-pub(crate) fn backup_xml(dir: &str, modes: &[(String, Mode)]) -> String {
-    let mut x = format!(
-        "<domainbackup mode='pull'>\n  <server transport='unix' socket='{}/{SOCKET}'/>\n  <disks>\n",
-        attr(dir)
-    );
+/// How a backup job exports the disks it reads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Export {
+    /// On the Unix socket `DIR/nbd.sock` of the job's directory, each disk under its target
+    /// name; the scratch files in that directory.
+    Unix,
+    /// NBD over TCP: qemu listens on `host:port`, each disk exported as `MARK-TARGET` (MARK
+    /// the name of the job's directory), with TLS (the host's qemu.conf
+    /// `backup_tls_x509_cert_dir`) unless `tls` is false.
+    Tcp {
+        host: String,
+        port: u16,
+        tls: bool,
+        /// Whether the scratch files go in the job's directory (a domain of this host);
+        /// else libvirt chooses where on the domain's host (beside each disk's image).
+        scratch_here: bool,
+    },
+}
+
+impl Export {
+    /// The export name of disk `target` of the job made from directory `dir`.
+    pub(crate) fn name(&self, dir: &str, target: &str) -> String {
+        match self {
+            Export::Unix => target.to_string(),
+            Export::Tcp { .. } => {
+                let mark = std::path::Path::new(dir).file_name().map(|n| n.to_string_lossy()).unwrap_or_default();
+                format!("{mark}-{target}")
+            }
+        }
+    }
+}
+
+/// A pull-mode `<domainbackup>` exported as `export` says from the job's directory `dir`,
+/// each disk read as `modes` say (every disk of the domain is named: the others are
+/// `backup='no'`), its scratch file (what the guest overwrites while the job runs)
+/// `dir/TARGET.scratch` unless the export says libvirt chooses it.
+pub(crate) fn backup_xml(dir: &str, export: &Export, modes: &[(String, Mode)]) -> String {
+    let (server, scratch) = match export {
+        Export::Unix => (format!("transport='unix' socket='{}/{SOCKET}'", attr(dir)), true),
+        Export::Tcp { host, port, tls, scratch_here } => (
+            format!("transport='tcp' name='{}' port='{port}' tls='{}'", attr(host), if *tls { "yes" } else { "no" }),
+            *scratch_here,
+        ),
+    };
+    let mut x = format!("<domainbackup mode='pull'>\n  <server {server}/>\n  <disks>\n");
     for (target, mode) in modes {
         let t = attr(target);
         let how = match mode {
@@ -127,10 +192,17 @@ pub(crate) fn backup_xml(dir: &str, modes: &[(String, Mode)]) -> String {
             Mode::Full => "backupmode='full'".to_string(),
             Mode::Incremental(c) => format!("backupmode='incremental' incremental='{}'", attr(c)),
         };
-        x += &format!(
-            "    <disk name='{t}' backup='yes' type='file' {how}><scratch file='{}/{t}.scratch'/></disk>\n",
-            attr(dir)
-        );
+        let name = match export {
+            Export::Unix => String::new(),
+            Export::Tcp { .. } => format!(" exportname='{}'", attr(&export.name(dir, target))),
+        };
+        let (open, inner) = match scratch {
+            true => {
+                (format!("type='file' {how}{name}>"), format!("<scratch file='{}/{t}.scratch'/></disk>", attr(dir)))
+            }
+            false => (format!("{how}{name}>"), "</disk>".to_string()),
+        };
+        x += &format!("    <disk name='{t}' backup='yes' {open}{inner}\n");
     }
     x + "  </disks>\n</domainbackup>\n"
 }
@@ -387,6 +459,7 @@ mod tests {
     fn backup_and_checkpoint_xml() {
         let b = backup_xml(
             "/run/x'y",
+            &Export::Unix,
             &[
                 ("vda".into(), Mode::Incremental("ferry-1".into())),
                 ("vdb".into(), Mode::Full),
@@ -395,7 +468,40 @@ mod tests {
         );
         assert_eq!(backup_socket(&b).as_deref(), Some("/run/x'y/nbd.sock"));
         assert!(b.contains("incremental='ferry-1'") && b.contains("name='vdc' backup='no'"), "{b}");
+        assert_eq!(job_mark(&b).as_deref(), Some("x'y"));
+        assert_eq!(job_dir(&b), Some("/run/x'y".into()));
         let c = checkpoint_xml("ferry-1", &["vda".into(), "vdb".into()], &["vda".into()]);
         assert_eq!(checkpoint_disks(&c).unwrap(), ["vda"]);
+    }
+
+    #[test]
+    fn a_tcp_export_names_its_host_port_tls_and_its_run_in_each_export_name() {
+        let modes = [("vda".to_string(), Mode::Full), ("vdb".to_string(), Mode::Skip)];
+        let tcp = |scratch_here| Export::Tcp { host: "h<1>".into(), port: 10809, tls: true, scratch_here };
+        let b = backup_xml("/var/tmp/ferry-libvirt-Ab1", &tcp(true), &modes);
+        let doc = roxmltree::Document::parse(&b).unwrap_or_else(|e| panic!("{e}: {b}"));
+        let server = doc.descendants().find(|n| n.has_tag_name("server")).unwrap();
+        let attrs: Vec<_> = server.attributes().map(|a| (a.name(), a.value())).collect();
+        assert_eq!(attrs, [("transport", "tcp"), ("name", "h<1>"), ("port", "10809"), ("tls", "yes")]);
+        let vda = doc.descendants().find(|n| n.attribute("name") == Some("vda")).unwrap();
+        assert_eq!(vda.attribute("exportname"), Some("ferry-libvirt-Ab1-vda"));
+        assert_eq!(tcp(true).name("/var/tmp/ferry-libvirt-Ab1", "vda"), "ferry-libvirt-Ab1-vda");
+        assert!(b.contains("<scratch file='/var/tmp/ferry-libvirt-Ab1/vda.scratch'/>"), "{b}");
+        assert_eq!(backup_socket(&b), None);
+        assert_eq!(job_mark(&b).as_deref(), Some("ferry-libvirt-Ab1"));
+        assert_eq!(job_dir(&b), Some("/var/tmp/ferry-libvirt-Ab1".into()));
+        // On another host libvirt chooses where the scratch files go: the job has no local
+        // directory, but still its mark.
+        let b = backup_xml("/var/tmp/ferry-libvirt-Ab1", &tcp(false), &modes);
+        roxmltree::Document::parse(&b).unwrap_or_else(|e| panic!("{e}: {b}"));
+        assert!(!b.contains("scratch") && !b.contains("type='file'"), "{b}");
+        assert_eq!(job_mark(&b).as_deref(), Some("ferry-libvirt-Ab1"));
+        assert_eq!(job_dir(&b), None);
+        let plain = Export::Tcp { host: "h".into(), port: 1, tls: false, scratch_here: false };
+        assert!(backup_xml("/d", &plain, &modes).contains("tls='no'"));
+        // A job of someone else's (export names of their own, or none) has no mark.
+        let other = "<domainbackup mode='pull'><server transport='tcp' name='h' port='1'/><disks>\
+            <disk name='vda' backup='yes' exportname='vda'/></disks></domainbackup>";
+        assert_eq!(job_mark(other), None);
     }
 }

@@ -29,6 +29,7 @@ mod interop_libnbd;
 mod interop_qemu;
 mod interop_tls;
 mod libvirt;
+mod libvirt_remote;
 mod lifecycle;
 mod locking;
 mod man;

@@ -22,7 +22,7 @@ fn certtool(dir: &Path, args: &[&str]) {
 
 /// A CA, a server certificate for localhost/127.0.0.1 and a client certificate, in the
 /// layout nbdkit, qemu and libnbd read (ca-cert.pem, server-*.pem, client-*.pem).
-fn make_pki(cn: &str) -> tempfile::TempDir {
+pub(crate) fn make_pki(cn: &str) -> tempfile::TempDir {
     let d = tempfile::tempdir().unwrap();
     let p = d.path();
     fs::write(p.join("ca.info"), format!("cn = {cn}\nca\ncert_signing_key\ncrl_signing_key\nexpiration_days = 2\n"))

@@ -16,11 +16,13 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-const DISK: u64 = 64 * MIB;
+pub(crate) const DISK: u64 = 64 * MIB;
 
 /// The daemon and how many tests use it.
 struct Daemon {
     dir: tempfile::TempDir,
+    /// The certificates of its backup jobs' TLS exports (qemu.conf backup_tls_x509_cert_dir).
+    pki: tempfile::TempDir,
     child: Child,
     uri: String,
 }
@@ -28,12 +30,12 @@ struct Daemon {
 static DAEMON: Mutex<(usize, Option<Daemon>)> = Mutex::new((0, None));
 
 /// A test's hold on the daemon: started by the first, stopped when the last lets go.
-struct Libvirt {
+pub(crate) struct Libvirt {
     uri: String,
 }
 
 impl Libvirt {
-    fn get() -> Libvirt {
+    pub(crate) fn get() -> Libvirt {
         let mut d = DAEMON.lock().unwrap_or_else(|e| e.into_inner());
         if d.1.is_none() {
             d.1 = Some(start_daemon());
@@ -42,20 +44,27 @@ impl Libvirt {
         Libvirt { uri: d.1.as_ref().unwrap().uri.clone() }
     }
 
-    fn virsh(&self, args: &[&str]) -> Command {
+    pub(crate) fn virsh(&self, args: &[&str]) -> Command {
         let mut c = Command::new("virsh");
         c.arg("-c").arg(&self.uri).arg("-q").args(args);
         c
     }
 
-    fn virsh_ok(&self, args: &[&str]) -> String {
+    pub(crate) fn virsh_ok(&self, args: &[&str]) -> String {
         run_ok(&mut self.virsh(args)).stdout
     }
 
-    fn ferry(&self, args: &[&str]) -> Command {
+    pub(crate) fn ferry(&self, args: &[&str]) -> Command {
         let mut c = Command::new(ferry_bin());
         c.env("LIBVIRT_DEFAULT_URI", &self.uri).env("TMPDIR", self.tmp()).env_remove("FERRY_PASSWORD").args(args);
         c
+    }
+
+    /// The certificates of the daemon's TLS exports: the CA (ca-cert.pem), the server's,
+    /// and a client's it accepts (client-cert.pem, client-key.pem).
+    pub(crate) fn pki(&self) -> PathBuf {
+        let d = DAEMON.lock().unwrap_or_else(|e| e.into_inner());
+        d.1.as_ref().unwrap().pki.path().to_path_buf()
     }
 
     /// The TMPDIR of ferry: where its backup jobs' private directories are.
@@ -67,7 +76,7 @@ impl Libvirt {
     }
 
     /// The checkpoints of `domain`, sorted.
-    fn checkpoints(&self, domain: &str) -> Vec<String> {
+    pub(crate) fn checkpoints(&self, domain: &str) -> Vec<String> {
         let mut v: Vec<String> = self
             .virsh_ok(&["checkpoint-list", domain, "--name"])
             .lines()
@@ -79,7 +88,7 @@ impl Libvirt {
     }
 
     /// Writes `len` bytes of `byte` at `offset` of the running disk `index` (virtio-diskN).
-    fn write(&self, domain: &str, index: usize, byte: u8, offset: u64, len: u64) {
+    pub(crate) fn write(&self, domain: &str, index: usize, byte: u8, offset: u64, len: u64) {
         let io = format!(
             "qemu-io -d /machine/peripheral/virtio-disk{index}/virtio-backend \"write -P {byte:#x} {offset} {len}\""
         );
@@ -88,7 +97,7 @@ impl Libvirt {
     }
 
     /// Defines and (with `start`) starts a domain of `disks` (target, qcow2 image).
-    fn domain(&self, name: &str, disks: &[(&str, &Path)], start: bool, dir: &Path) {
+    pub(crate) fn domain(&self, name: &str, disks: &[(&str, &Path)], start: bool, dir: &Path) {
         let kind = if Path::new("/dev/kvm").exists() { "kvm" } else { "qemu" };
         let mut x = format!(
             "<domain type='{kind}'><name>{name}</name><memory unit='MiB'>128</memory><vcpu>1</vcpu>\
@@ -110,7 +119,7 @@ impl Libvirt {
         }
     }
 
-    fn remove(&self, name: &str) {
+    pub(crate) fn remove(&self, name: &str) {
         let _ = run(&mut self.virsh(&["destroy", name]));
         let _ = run(&mut self.virsh(&["undefine", name, "--checkpoints-metadata"]));
     }
@@ -150,10 +159,15 @@ fn start_daemon() -> Daemon {
     for sub in ["etc", "run", "lib", "cache", "log", "sock"] {
         std::fs::create_dir(d.join(sub)).unwrap();
     }
+    // TCP exports with TLS (--export tcp) present this certificate and want a client's.
+    let pki = crate::interop_tls::make_pki("ferry libvirtd CA");
     std::fs::write(
         d.join("etc/qemu.conf"),
-        "user = \"root\"\ngroup = \"root\"\ncgroup_controllers = [ ]\nnamespaces = [ ]\nsecurity_driver = \"none\"\n\
-         stdio_handler = \"file\"\n",
+        format!(
+            "user = \"root\"\ngroup = \"root\"\ncgroup_controllers = [ ]\nnamespaces = [ ]\nsecurity_driver = \"none\"\n\
+             stdio_handler = \"file\"\nbackup_tls_x509_cert_dir = \"{}\"\nbackup_tls_x509_verify = 1\n",
+            pki.path().display()
+        ),
     )
     .unwrap();
     let sock = d.join("sock");
@@ -196,11 +210,11 @@ fn start_daemon() -> Daemon {
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    Daemon { dir, child, uri }
+    Daemon { dir, pki, child, uri }
 }
 
 /// A qcow2 image of `DISK` bytes.
-fn image(dir: &Path, name: &str) -> PathBuf {
+pub(crate) fn image(dir: &Path, name: &str) -> PathBuf {
     let p = dir.join(name);
     run_ok(&mut cmd("qemu-img", ["create", "-q", "-f", "qcow2", p.to_str().unwrap(), &DISK.to_string()]));
     p
@@ -208,10 +222,10 @@ fn image(dir: &Path, name: &str) -> PathBuf {
 
 /// What a disk holds: writes applied to zeroes.
 #[derive(Clone, Default)]
-struct Model(Vec<(u8, u64, u64)>);
+pub(crate) struct Model(pub(crate) Vec<(u8, u64, u64)>);
 
 impl Model {
-    fn bytes(&self) -> Vec<u8> {
+    pub(crate) fn bytes(&self) -> Vec<u8> {
         let mut v = vec![0u8; DISK as usize];
         for &(b, o, l) in &self.0 {
             v[o as usize..(o + l) as usize].fill(b);
@@ -220,12 +234,12 @@ impl Model {
     }
 }
 
-fn json(out: &crate::common::Output) -> serde_json::Value {
+pub(crate) fn json(out: &crate::common::Output) -> serde_json::Value {
     serde_json::from_str(&out.stdout).unwrap_or_else(|e| panic!("not JSON ({e})\n{}", out.describe()))
 }
 
 /// Each disk's `read` bytes and changes kind in a `--json` report.
-fn reads(doc: &serde_json::Value) -> Vec<(u64, String)> {
+pub(crate) fn reads(doc: &serde_json::Value) -> Vec<(u64, String)> {
     doc["disks"]
         .as_array()
         .unwrap()
@@ -235,7 +249,7 @@ fn reads(doc: &serde_json::Value) -> Vec<(u64, String)> {
 }
 
 /// Restores point `id` and checks both disks against `models`.
-fn check_point(lv: &Libvirt, repo: &str, domain: &str, id: &str, models: &[Model; 2], dir: &Path) {
+pub(crate) fn check_point(lv: &Libvirt, repo: &str, domain: &str, id: &str, models: &[Model; 2], dir: &Path) {
     let to = dir.join(format!("restore-{id}"));
     run_ok(&mut lv.ferry(&["restore", &format!("{repo}::{domain}@{}", &id[..12]), "--to", to.to_str().unwrap()]));
     for (i, t) in ["vda", "vdb"].iter().enumerate() {
@@ -255,7 +269,7 @@ fn only_newest(lv: &Libvirt, domain: &str) {
 }
 
 /// ferry's checkpoints of `domain`.
-fn ferry_checkpoints(lv: &Libvirt, domain: &str) -> Vec<String> {
+pub(crate) fn ferry_checkpoints(lv: &Libvirt, domain: &str) -> Vec<String> {
     lv.checkpoints(domain).into_iter().filter(|c| c.starts_with("ferry-")).collect()
 }
 
