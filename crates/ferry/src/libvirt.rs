@@ -394,7 +394,7 @@ pub(crate) fn backup_domain(
     }
     let repo_id = repo.config().id.clone();
     let prefix = format!("{CHECKPOINT_PREFIX}{}-", &repo_id[..16.min(repo_id.len())]);
-    end_leftover_job(h, domain)?;
+    end_leftover_job(h, domain, &args.libvirt.scratch_dir)?;
     let ours: Vec<String> = h.checkpoints(domain)?.into_iter().filter(|c| c.starts_with(&prefix)).collect();
     // Checkpoints of this repository that no point names: left by a run that failed or
     // was killed. Deleting one merges what it tracked into its parent: nothing is lost.
@@ -693,7 +693,9 @@ fn free_port(host: &str) -> Result<u16> {
 
 /// Ends a backup job a killed ferry left on the domain (marked by the name of a directory
 /// ferry makes: its socket's, or its export names' prefix); refuses one that is not ferry's.
-fn end_leftover_job(h: &dyn Hypervisor, domain: &str) -> Result<()> {
+/// Its directory goes too: the one its XML names, else the one of that name in
+/// `scratch_dir` (a job of another host's domain, whose XML names none of this host).
+fn end_leftover_job(h: &dyn Hypervisor, domain: &str, scratch_dir: &Path) -> Result<()> {
     let Some(job) = h.backup_xml(domain)? else { return Ok(()) };
     let mark = xml::job_mark(&job).filter(|m| m.starts_with(RUNDIR_PREFIX));
     let Some(mark) = mark else {
@@ -705,9 +707,10 @@ fn end_leftover_job(h: &dyn Hypervisor, domain: &str) -> Result<()> {
     log::info!("{domain}: ending the backup job a stopped ferry left running");
     h.job_abort(domain).context("cannot end the backup job a stopped ferry left")?;
     // Its directory holds the socket and the scratch files (what the guest overwrote
-    // while it ran: up to the size of the disks); a job of a domain on another host has
-    // none on this host.
-    let dir = xml::job_dir(&job).filter(|d| d.file_name().is_some_and(|n| n.to_string_lossy() == mark.as_str()));
+    // while it ran: up to the size of the disks), or for a domain of another host only
+    // the job's XML.
+    let dir = xml::job_dir(&job).unwrap_or_else(|| scratch_dir.join(&mark));
+    let dir = Some(dir).filter(|d| d.file_name().is_some_and(|n| n.to_string_lossy() == mark.as_str()));
     if let Some(dir) = dir.filter(|d| d.exists()) {
         if let Err(e) = std::fs::remove_dir_all(&dir) {
             log::warn!(
@@ -954,7 +957,7 @@ mod tests {
     struct Fake {
         calls: std::cell::RefCell<Vec<String>>,
         thaw_fails: std::cell::Cell<u32>,
-        /// The running job's socket.
+        /// The running job's XML.
         job: std::cell::RefCell<Option<String>>,
         /// The freeze mark, which must be there when the guest is frozen.
         mark: Option<PathBuf>,
@@ -979,12 +982,11 @@ mod tests {
         }
         fn backup_begin(&self, _: &str, backup: &str, _: &str, _: &Path) -> Result<()> {
             self.calls.borrow_mut().push("backup-begin".into());
-            *self.job.borrow_mut() = xml::backup_socket(backup);
+            *self.job.borrow_mut() = Some(backup.to_string());
             Ok(())
         }
         fn backup_xml(&self, _: &str) -> Result<Option<String>> {
-            let dir = self.job.borrow().as_ref().map(|s| s.trim_end_matches("/nbd.sock").to_string());
-            Ok(dir.map(|d| xml::backup_xml(&d, &Export::Unix, &[("vda".into(), Mode::Full)])))
+            Ok(self.job.borrow().clone())
         }
         fn job_abort(&self, _: &str) -> Result<()> {
             self.calls.borrow_mut().push("abort".into());
@@ -1054,11 +1056,12 @@ mod tests {
         let h = Fake::default();
         let job = Job::begin(&h, "vm", &plans(), &all, "ferry-1", dir.path(), &Export::Unix, None).unwrap();
         // libvirt ended it, and someone else started another.
-        *h.job.borrow_mut() = Some("/elsewhere/nbd.sock".into());
+        let other = xml::backup_xml("/elsewhere", &Export::Unix, &[("vda".into(), Mode::Full)]);
+        *h.job.borrow_mut() = Some(other.clone());
         job.end().unwrap();
         drop(job);
         assert!(!h.calls.borrow().contains(&"abort".to_string()), "{:?}", h.calls.borrow());
-        assert_eq!(h.job.borrow().as_deref(), Some("/elsewhere/nbd.sock"));
+        assert_eq!(h.job.borrow().as_deref(), Some(other.as_str()));
         let job = Job::begin(&h, "vm", &plans(), &all, "ferry-2", dir.path(), &Export::Unix, None).unwrap();
         drop(job);
         assert!(h.calls.borrow().contains(&"abort".to_string()));
@@ -1223,6 +1226,36 @@ mod tests {
         let e = format!("{:#}", backup_domain(&h, &domain, &line(&[]), true).unwrap_err());
         assert!(e.contains(&format!("{domain}-vda")) && e.contains("--accept-rollback"), "{e}");
         backup_domain(&h, &domain, &line(&["--accept-rollback"]), true).unwrap();
+    }
+
+    #[test]
+    fn a_tcp_job_left_by_a_killed_run_is_ended_with_its_directory_and_another_one_is_refused() {
+        let t = tempfile::tempdir().unwrap();
+        let run = t.path().join("ferry-libvirt-Ab12Cd");
+        std::fs::create_dir(&run).unwrap();
+        std::fs::write(run.join("backup.xml"), "<domainbackup/>").unwrap();
+        let modes = [("vda".to_string(), Mode::Full)];
+        // A domain of another host: the job's XML names no directory of this host.
+        let remote = Export::Tcp { host: "kvm1".into(), port: NBD_PORT, tls: true, scratch_here: false };
+        let h = Fake::default();
+        *h.job.borrow_mut() = Some(xml::backup_xml(&run.to_string_lossy(), &remote, &modes));
+        end_leftover_job(&h, "vm", t.path()).unwrap();
+        assert_eq!(*h.calls.borrow(), ["abort"]);
+        assert!(!run.exists(), "the killed run's directory is left");
+        // One of this host: its scratch files' directory.
+        std::fs::create_dir(&run).unwrap();
+        let here = Export::Tcp { host: "127.0.0.1".into(), port: 10900, tls: true, scratch_here: true };
+        *h.job.borrow_mut() = Some(xml::backup_xml(&run.to_string_lossy(), &here, &modes));
+        end_leftover_job(&h, "vm", Path::new("/nonexistent")).unwrap();
+        assert!(!run.exists());
+        // Someone else's TCP job (its own export names) is neither ended nor cleaned up.
+        let other = "<domainbackup mode='pull'><server transport='tcp' name='h' port='1' tls='yes'/><disks>\
+            <disk name='vda' backup='yes' exportname='vda'/></disks></domainbackup>";
+        let h = Fake::default();
+        *h.job.borrow_mut() = Some(other.to_string());
+        let e = format!("{:#}", end_leftover_job(&h, "vm", t.path()).unwrap_err());
+        assert!(e.contains("ferry did not start"), "{e}");
+        assert!(h.calls.borrow().is_empty());
     }
 
     #[test]
