@@ -83,7 +83,9 @@ pub struct LibvirtArgs {
     pub quiesce: bool,
     /// With a libvirt:DOMAIN source of a running domain: where the backup job's private
     /// directory goes (its Unix socket, and its scratch files: what the guest overwrites
-    /// while the job runs, up to the size of the disks backed up). qemu must reach it.
+    /// while the job runs, up to the size of the disks backed up). qemu must reach it. For
+    /// a domain of another host it holds only the job's XML: libvirt puts the scratch files
+    /// on that host, beside each disk's image.
     #[arg(long, value_name = "DIR", default_value = DEFAULT_SCRATCH)]
     pub scratch_dir: PathBuf,
     /// With a libvirt:DOMAIN source: back it up although the repository's latest point of
@@ -357,10 +359,6 @@ pub(crate) fn backup_domain(
     let live = h.domain_xml(domain, false)?;
     let state = h.state(domain)?;
     let chosen = choose(xml::disks(&live)?, &args.libvirt, domain)?;
-    let engine = open_repo(args, quiet)?;
-    let (spec, repo) = (engine.spec(), engine.repository());
-    let names: Vec<String> = chosen.iter().map(|d| disk_name(domain, &d.target)).collect::<Result<_>>()?;
-    let inactive = h.domain_xml(domain, true).unwrap_or_else(|_| live.clone());
     let stopped = state.starts_with("shut off") || state.starts_with("crashed");
     let host = h.host();
     if stopped && host != Host::This {
@@ -370,7 +368,13 @@ pub(crate) fn backup_domain(
              on its host"
         );
     }
-    let mut export = if stopped { Export::Unix } else { args.libvirt.export(&host)? };
+    // The export flags are checked whatever the state (a nightly run's flags fail on the
+    // first night, not on the first night the domain runs); a shut-off domain has no job.
+    let mut export = args.libvirt.export(&host)?;
+    let engine = open_repo(args, quiet)?;
+    let (spec, repo) = (engine.spec(), engine.repository());
+    let names: Vec<String> = chosen.iter().map(|d| disk_name(domain, &d.target)).collect::<Result<_>>()?;
+    let inactive = h.domain_xml(domain, true).unwrap_or_else(|_| live.clone());
     // A second run at once would take the first one's job for a leftover and end it.
     let dir = state_dir()?;
     let _one = one_run(&dir, domain)?;
@@ -1189,6 +1193,20 @@ mod tests {
         assert_eq!(snaps.iter().map(|(s, _)| s.manifest.name.as_str()).collect::<Vec<_>>(), ["vm-vda", "vm-vdb"]);
         assert_eq!(snaps.iter().map(|(_, read)| *read).collect::<Vec<_>>(), [256 << 10, 256 << 10]);
         assert_eq!(point.len(), 64);
+    }
+
+    #[test]
+    fn export_flags_are_checked_before_the_repository_is_opened_whatever_the_state() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Line {
+            #[command(flatten)]
+            args: BackupArgs,
+        }
+        let h = Stopped { imgs: [PathBuf::from("/nonexistent/a"), PathBuf::from("/nonexistent/b")] };
+        let line = Line::try_parse_from(["backup", "--export", "tcp", "libvirt:vm", "/nonexistent/repo"]).unwrap();
+        let e = format!("{:#}", backup_domain(&h, "vm", &line.args, true).unwrap_err());
+        assert!(e.contains("--tls-certs") && !e.contains("/nonexistent/repo"), "{e}");
     }
 
     #[test]
