@@ -275,7 +275,12 @@ pub(crate) fn ferry_checkpoints(lv: &Libvirt, domain: &str) -> Vec<String> {
 
 /// Starts `ferry backup` (slowed down) of `domain` and, once its backup job runs (however
 /// loaded the machine is) and a moment more, does `then`; the backup's output.
-fn interrupt(lv: &Libvirt, domain: &str, args: &[&str], then: impl FnOnce(&mut Child)) -> std::process::Output {
+pub(crate) fn interrupt(
+    lv: &Libvirt,
+    domain: &str,
+    args: &[&str],
+    then: impl FnOnce(&mut Child),
+) -> std::process::Output {
     let mut c = lv.ferry(args);
     let mut child = c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
     let deadline = Instant::now() + Duration::from_secs(60);

@@ -10,7 +10,7 @@
 //! initramfs the test builds), backed up while it runs.
 
 use crate::common::{assert_same_bytes, pattern_bytes, run, run_fails, run_ok, MIB};
-use crate::libvirt::{check_point, ferry_checkpoints, image, json, reads, Libvirt, Model};
+use crate::libvirt::{check_point, ferry_checkpoints, image, interrupt, json, reads, Libvirt, Model};
 use std::path::Path;
 
 /// The files under `repo/DIR` (snapshots, points), recursively.
@@ -80,6 +80,21 @@ fn a_running_domain_backed_up_over_tcp_with_tls() {
     points.push((day["point"].as_str().unwrap().to_string(), models.clone()));
     assert_eq!(ferry_checkpoints(&lv, dom).len(), 1, "{:?}", lv.checkpoints(dom));
 
+    // ferry killed (-9) in the middle of a TLS backup: its job is left, told from any other
+    // by its export names, and the next run ends it, removes its directory and reads all
+    // that changed since the last good backup.
+    lv.write(dom, 0, 0x76, 20 * MIB, 4 * MIB);
+    models[0].0.push((0x76, 20 * MIB, 4 * MIB));
+    let scratch = d.join("scratch");
+    std::fs::create_dir(&scratch).unwrap();
+    let scratch = scratch.to_str().unwrap();
+    let slow = ["backup", "--rate", "1M", "--export", "tcp", "--tls-certs", pki, "--scratch-dir", scratch, &src, repo];
+    let out = interrupt(&lv, dom, &slow, |c| c.kill().unwrap());
+    assert!(!out.status.success());
+    let job = lv.virsh_ok(&["backup-dumpxml", dom]);
+    assert!(job.contains("tls='yes'") && job.contains("exportname='ferry-libvirt-"), "{job}");
+    assert_eq!(std::fs::read_dir(scratch).unwrap().count(), 1, "the killed run's directory");
+
     // --insecure-export says so on stderr; an explicit port is the one qemu listens on.
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
     lv.write(dom, 1, 0x75, 60 * MIB, 64 * 1024);
@@ -87,8 +102,11 @@ fn a_running_domain_backed_up_over_tcp_with_tls() {
     let plain = ["backup", "--json", "--export", "tcp", "--insecure-export", "--export-port", &port, &src, repo];
     let out = run_ok(&mut lv.ferry(&plain));
     assert!(out.stderr.contains("warning: --insecure-export"), "{}", out.describe());
+    assert!(out.stderr.contains("ending the backup job a stopped ferry left"), "{}", out.describe());
+    assert_eq!(std::fs::read_dir(scratch).unwrap().count(), 0, "the killed run's directory is left");
     let day = json(&out);
-    assert_eq!(reads(&day), [(0, "dirty-bitmap".to_string()), (64 * 1024, "dirty-bitmap".to_string())], "{day}");
+    let want = [(4 * MIB, "dirty-bitmap".to_string()), (64 * 1024, "dirty-bitmap".to_string())];
+    assert_eq!(reads(&day), want, "{day}");
     points.push((day["point"].as_str().unwrap().to_string(), models.clone()));
     assert!(!run(&mut lv.virsh(&["backup-dumpxml", dom])).status.success(), "no job is left");
 
