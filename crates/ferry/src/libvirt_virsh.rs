@@ -2,7 +2,7 @@
 //! interface ([`Hypervisor`]), and its implementation by `virsh` ([`Virsh`]).
 //!
 //! Why `virsh` and not the libvirt project's Rust binding (`virt`): the binding links
-//! libvirt.so and needs its headers to build, so it would sit behind a cargo feature and
+//! libvirt.so, found through pkg-config when it is built (libvirt-dev), so it would sit behind a cargo feature and
 //! a default `cargo build` (or a ferry built without it) could not back up a VM at all;
 //! `virsh` is in libvirt-clients, which every host that runs libvirt has, speaks every
 //! URI and authentication libvirt's client config knows (qemu+ssh://, polkit, SASL), and
