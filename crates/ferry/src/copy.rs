@@ -260,7 +260,14 @@ fn window(
     Ok(source)
 }
 
-pub fn run(mut args: CopyArgs, quiet: bool) -> Result<i32> {
+pub fn run(args: CopyArgs, quiet: bool) -> Result<i32> {
+    run_from(args, quiet, None)
+}
+
+/// [`run`], the source `opened` already when given (`ferry restore`'s disks, read through
+/// one opening of their repository) instead of opened from `args.src`, which then only
+/// names it.
+pub(crate) fn run_from(mut args: CopyArgs, quiet: bool, opened: Option<ferry_open::Source>) -> Result<i32> {
     // The peers' spellings, as the options they stand for.
     if let Some(f) = args.source_format {
         args.src = crate::serve::with_format(&args.src, f).context("--source-format")?;
@@ -284,9 +291,11 @@ pub fn run(mut args: CopyArgs, quiet: bool) -> Result<i32> {
     if let Some(t) = args.request_timeout {
         remote.http.timeout = Some(t);
     }
-    let source = match (args.offset.as_deref(), args.length.as_deref()) {
-        (None, None) => ferry_open::source(&src_loc, args.force_share, &remote),
-        (offset, length) => window(&src_loc, offset, length, args.force_share, &remote),
+    let source = match (opened, args.offset.as_deref(), args.length.as_deref()) {
+        (Some(s), None, None) => Ok(s),
+        (Some(_), _, _) => anyhow::bail!("--offset and --length are not for a source opened already"),
+        (None, None, None) => ferry_open::source(&src_loc, args.force_share, &remote),
+        (None, offset, length) => window(&src_loc, offset, length, args.force_share, &remote),
     }
     .with_context(|| format!("source {:?}", shown(&args.src)))?;
     let _dst_lock = crate::copy_guard::check_destination(&source, &shown(&args.src), &dst_loc, &shown(&args.dst))?;

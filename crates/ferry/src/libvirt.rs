@@ -334,8 +334,13 @@ pub(crate) fn run(domain: &str, args: &BackupArgs, quiet: bool) -> Result<i32> {
              not resumed: the next run reads what changed since the last good one)"
         );
     }
+    // First of all: a SIGINT or SIGTERM while libvirt answers, the passphrase is asked for
+    // or a slow store opens only asks the run to stop, and it stops before the backup job
+    // starts (nothing made in libvirt: see `stop_if_asked`); later, the job and checkpoint
+    // are cleaned up. A second signal exits at once.
+    crate::interrupt::install()?;
     let virsh = Virsh::any_host(args.libvirt.connect.as_deref());
-    let (points_id, snaps) = backup_domain(&virsh, domain, args, quiet)?;
+    let (points_id, snaps) = backup_domain(&virsh, domain, args, quiet, &state_dir()?)?;
     if args.json {
         let doc = serde_json::json!({
             "domain": domain,
@@ -349,15 +354,31 @@ pub(crate) fn run(domain: &str, args: &BackupArgs, quiet: bool) -> Result<i32> {
     Ok(0)
 }
 
+/// Fails when a SIGINT or SIGTERM asked the run to stop: before the backup job starts,
+/// the run ends with nothing made in libvirt.
+fn stop_if_asked(domain: &str) -> Result<()> {
+    if crate::interrupt::received().is_some() {
+        bail!("stopped before the backup job of {domain} started: no job, checkpoint or snapshot was made");
+    }
+    Ok(())
+}
+
 /// Backs up `domain`; the point's id and each disk's snapshot with the bytes read.
+/// `dir`: the host's directory of ferry's libvirt locks and freeze marks ([`state_dir`]).
 pub(crate) fn backup_domain(
     h: &dyn Hypervisor,
     domain: &str,
     args: &BackupArgs,
     quiet: bool,
+    dir: &Path,
 ) -> Result<(String, Vec<(ferry_repo::SnapshotInfo, u64)>)> {
-    let live = h.domain_xml(domain, false)?;
-    let state = h.state(domain)?;
+    // A second run at once would take the first one's job for a leftover and end it; the
+    // lock is taken before libvirt is asked, so that no other run changes the answers.
+    let _one = one_run(dir, domain)?;
+    // What this run needs to know of the domain, asked in one go (one virsh process).
+    let survey = h.survey(domain);
+    let live = survey.live?;
+    let state = survey.state?;
     let chosen = choose(xml::disks(&live)?, &args.libvirt, domain)?;
     let stopped = state.starts_with("shut off") || state.starts_with("crashed");
     let host = h.host();
@@ -372,12 +393,10 @@ pub(crate) fn backup_domain(
     // first night, not on the first night the domain runs); a shut-off domain has no job.
     let mut export = args.libvirt.export(&host)?;
     let engine = open_repo(args, quiet)?;
+    stop_if_asked(domain)?;
     let (spec, repo) = (engine.spec(), engine.repository());
     let names: Vec<String> = chosen.iter().map(|d| disk_name(domain, &d.target)).collect::<Result<_>>()?;
-    let inactive = h.domain_xml(domain, true).unwrap_or_else(|_| live.clone());
-    // A second run at once would take the first one's job for a leftover and end it.
-    let dir = state_dir()?;
-    let _one = one_run(&dir, domain)?;
+    let inactive = survey.inactive.unwrap_or_else(|_| live.clone());
     let frozen = dir.join(format!("libvirt-{}.frozen", file_safe(domain)));
     thaw_leftover(h, domain, stopped, &frozen)?;
     let uuid = xml::uuid(&live);
@@ -398,8 +417,8 @@ pub(crate) fn backup_domain(
     }
     let repo_id = repo.config().id.clone();
     let prefix = format!("{CHECKPOINT_PREFIX}{}-", &repo_id[..16.min(repo_id.len())]);
-    end_leftover_job(h, domain, &args.libvirt.scratch_dir)?;
-    let ours: Vec<String> = h.checkpoints(domain)?.into_iter().filter(|c| c.starts_with(&prefix)).collect();
+    end_leftover_job(h, domain, survey.job?, &args.libvirt.scratch_dir)?;
+    let ours: Vec<String> = survey.checkpoints?.into_iter().filter(|c| c.starts_with(&prefix)).collect();
     // Checkpoints of this repository that no point names: left by a run that failed or
     // was killed. Deleting one merges what it tracked into its parent: nothing is lost.
     let (named, leftovers): (Vec<&String>, Vec<&String>) =
@@ -408,10 +427,18 @@ pub(crate) fn backup_domain(
         log::info!("{domain}: deleting checkpoint {c}, left by a backup that did not finish");
         h.checkpoint_delete(domain, c).with_context(|| format!("cannot delete the leftover checkpoint {c}"))?;
     }
+    // The disks each checkpoint a point names tracks, asked in one go; one that cannot be
+    // read tracks none.
+    let tracking: Vec<(&str, Vec<String>)> = named
+        .iter()
+        .map(|c| c.as_str())
+        .zip(h.checkpoint_xmls(domain, &named.iter().map(|c| c.as_str()).collect::<Vec<_>>()))
+        .map(|(c, x)| (c, x.ok().and_then(|x| xml::checkpoint_disks(&x).ok()).unwrap_or_default()))
+        .collect();
     let mut plans = Vec::new();
     for (d, name) in chosen.iter().zip(&names) {
         let tracked = d.format.as_deref() == Some("qcow2");
-        let (mode, since) = match continuing(h, repo, domain, name, &d.target, &points, &ours)? {
+        let (mode, since) = match continuing(repo, domain, name, &d.target, &points, &tracking)? {
             Some((c, s)) if tracked => (Mode::Incremental(c), Some(s)),
             _ => (Mode::Full, None),
         };
@@ -440,9 +467,10 @@ pub(crate) fn backup_domain(
             );
         }
     }
-    // From here on a first SIGINT or SIGTERM only asks the run to stop (between the freeze
-    // and the thaw, it waits for the thaw); the job and checkpoint are then cleaned up.
-    crate::interrupt::install()?;
+    // A signal so far stops the run here: no job started, no checkpoint made. From here on
+    // it only asks the run to stop (between the freeze and the thaw, it waits for the
+    // thaw); the job and checkpoint are then cleaned up.
+    stop_if_asked(domain)?;
     let quiesce = args.libvirt.quiesce.then_some(frozen.as_path());
     let job = Job::begin(h, domain, &plans, &all, &checkpoint, dir.path(), &export, quiesce)?;
     let mut snaps = Vec::new();
@@ -533,15 +561,15 @@ fn same_domain<'p>(
 
 /// The checkpoint `name`'s next backup continues from, with the snapshot it continues:
 /// the newest point of the domain naming the disk's latest snapshot, if its checkpoint
-/// is still there and tracks the disk. `None`, with a notice why, otherwise.
+/// is still there and tracks the disk (`tracking`: this repository's checkpoints that
+/// libvirt has, with the disks each tracks). `None`, with a notice why, otherwise.
 fn continuing(
-    h: &dyn Hypervisor,
     repo: &Repository,
     domain: &str,
     name: &str,
     target: &str,
     points: &[&PointRecord],
-    ours: &[String],
+    tracking: &[(&str, Vec<String>)],
 ) -> Result<Option<(String, String)>> {
     let latest = match repo.resolve(name, None) {
         Ok(s) => s,
@@ -560,11 +588,7 @@ fn continuing(
         );
         return Ok(None);
     };
-    let tracks = ours.contains(&c)
-        && h.checkpoint_xml(domain, &c)
-            .ok()
-            .and_then(|x| xml::checkpoint_disks(&x).ok())
-            .is_some_and(|d| d.iter().any(|t| t == target));
+    let tracks = tracking.iter().any(|(t, disks)| *t == c && disks.iter().any(|d| d == target));
     if !tracks {
         log::info!(
             "{domain}: disk {target}: libvirt no longer has checkpoint {c} tracking it (the domain was redefined, or \
@@ -695,12 +719,13 @@ fn free_port(host: &str) -> Result<u16> {
     Ok(l.local_addr()?.port())
 }
 
-/// Ends a backup job a killed ferry left on the domain (marked by the name of a directory
+/// Ends a backup job a killed ferry left on the domain (`job`, the domain's running job,
+/// marked by the name of a directory
 /// ferry makes: its socket's, or its export names' prefix); refuses one that is not ferry's.
 /// Its directory goes too: the one its XML names, else the one of that name in
 /// `scratch_dir` (a job of another host's domain, whose XML names none of this host).
-fn end_leftover_job(h: &dyn Hypervisor, domain: &str, scratch_dir: &Path) -> Result<()> {
-    let Some(job) = h.backup_xml(domain)? else { return Ok(()) };
+fn end_leftover_job(h: &dyn Hypervisor, domain: &str, job: Option<String>, scratch_dir: &Path) -> Result<()> {
+    let Some(job) = job else { return Ok(()) };
     let mark = xml::job_mark(&job).filter(|m| m.starts_with(RUNDIR_PREFIX));
     let Some(mark) = mark else {
         bail!(
@@ -768,6 +793,8 @@ impl<'a> Job<'a> {
         let cxml = xml::checkpoint_xml(checkpoint, all, &tracked);
         let shown = dir.to_string_lossy();
         let start = |modes: &[(String, Mode)]| -> Result<()> {
+            // The last moment a signal stops the run with nothing made in libvirt.
+            stop_if_asked(domain)?;
             let Some(frozen) = quiesce else {
                 return h.backup_begin(domain, &xml::backup_xml(&shown, export, modes), &cxml, dir);
             };
@@ -1134,7 +1161,7 @@ mod tests {
             Ok("shut off".into())
         }
         fn checkpoints(&self, _: &str) -> Result<Vec<String>> {
-            unreachable!("a shut-off domain is read from its images")
+            Ok(Vec::new())
         }
         fn checkpoint_xml(&self, _: &str, _: &str) -> Result<String> {
             unreachable!()
@@ -1143,10 +1170,10 @@ mod tests {
             unreachable!()
         }
         fn backup_begin(&self, _: &str, _: &str, _: &str, _: &Path) -> Result<()> {
-            unreachable!()
+            unreachable!("a shut-off domain is read from its images")
         }
         fn backup_xml(&self, _: &str) -> Result<Option<String>> {
-            unreachable!()
+            bail!("Requested operation is not valid: domain is not running")
         }
         fn job_abort(&self, _: &str) -> Result<()> {
             unreachable!()
@@ -1176,20 +1203,46 @@ mod tests {
             ..Default::default()
         };
         Repository::init(store, &opts).unwrap();
+        // The passphrase file is this test's FIFO, whose writer counts the times it is read.
         let pw = t.path().join("pw");
-        std::fs::write(&pw, "two disks\n").unwrap();
+        assert!(std::process::Command::new("mkfifo").arg(&pw).status().unwrap().success());
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let server = {
+            let (pw, stop) = (pw.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut served = 0;
+                loop {
+                    // Blocks until a reader opens the FIFO.
+                    let mut w = std::fs::OpenOptions::new().write(true).open(&pw).unwrap();
+                    if stop.load(std::sync::atomic::Ordering::SeqCst) {
+                        return served;
+                    }
+                    let _ = std::io::Write::write_all(&mut w, b"two disks\n");
+                    served += 1;
+                    // Until the reader closes its end (POLLERR): the next open is another reading.
+                    let mut fds = [rustix::event::PollFd::new(&w, rustix::event::PollFlags::empty())];
+                    let _ = rustix::event::poll(&mut fds, None);
+                }
+            })
+        };
         let imgs = [t.path().join("a.img"), t.path().join("b.img")];
         for (i, img) in imgs.iter().enumerate() {
             std::fs::write(img, vec![i as u8 + 1; 256 << 10]).unwrap();
         }
         let h = Stopped { imgs };
-        let (pw, repo) = (pw.to_str().unwrap(), repo.to_str().unwrap());
-        let line = Line::try_parse_from(["backup", "--password-file", pw, "libvirt:vm", repo]).unwrap();
-        let before = ferry_repo::crypto::derivations();
-        let (point, snaps) = backup_domain(&h, "vm", &line.args, true).unwrap();
-        // Two disks, one point, one key derivation (other tests of this binary derive no
-        // key: the count is this run's).
-        assert_eq!(ferry_repo::crypto::derivations() - before, 1, "the passphrase is derived once per run");
+        let repo = repo.to_str().unwrap();
+        let line =
+            Line::try_parse_from(["backup", "--password-file", pw.to_str().unwrap(), "libvirt:vm", repo]).unwrap();
+        let state = t.path().join("state");
+        private_dir(&state, rustix::process::geteuid().as_raw()).unwrap();
+        let (point, snaps) = backup_domain(&h, "vm", &line.args, true, &state).unwrap();
+        // Two disks, one point, one passphrase read (so one key derivation).
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        {
+            use std::os::unix::fs::OpenOptionsExt;
+            let _wake = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(&pw).unwrap();
+            assert_eq!(server.join().unwrap(), 1, "the repository is opened once per run");
+        }
         assert_eq!(snaps.iter().map(|(s, _)| s.manifest.name.as_str()).collect::<Vec<_>>(), ["vm-vda", "vm-vdb"]);
         assert_eq!(snaps.iter().map(|(_, read)| *read).collect::<Vec<_>>(), [256 << 10, 256 << 10]);
         assert_eq!(point.len(), 64);
@@ -1227,8 +1280,9 @@ mod tests {
             std::fs::write(img, vec![i as u8 + 1; 64 << 10]).unwrap();
         }
         let h = Stopped { imgs };
-        // A name of its own: the host's lock of the domain is not another test's.
-        let domain = format!("rollback-{}", std::process::id());
+        let domain = "rollback";
+        let state = t.path().join("state");
+        private_dir(&state, rustix::process::geteuid().as_raw()).unwrap();
         let (src, repo) = (format!("libvirt:{domain}"), repo.to_str().unwrap());
         let line = |extra: &[&str]| {
             let mut argv = vec!["backup"];
@@ -1236,14 +1290,14 @@ mod tests {
             argv.extend([src.as_str(), repo]);
             Line::try_parse_from(argv).unwrap().args
         };
-        let (_, snaps) = backup_domain(&h, &domain, &line(&[]), true).unwrap();
+        let (_, snaps) = backup_domain(&h, domain, &line(&[]), true, &state).unwrap();
         // The store goes back: vda's newest snapshot is gone from it.
         let vda = &snaps[0].0;
         assert_eq!(vda.manifest.name, format!("{domain}-vda"));
         store.delete(&format!("snapshots/{}", vda.id)).unwrap();
-        let e = format!("{:#}", backup_domain(&h, &domain, &line(&[]), true).unwrap_err());
+        let e = format!("{:#}", backup_domain(&h, domain, &line(&[]), true, &state).unwrap_err());
         assert!(e.contains(&format!("{domain}-vda")) && e.contains("--accept-rollback"), "{e}");
-        backup_domain(&h, &domain, &line(&["--accept-rollback"]), true).unwrap();
+        backup_domain(&h, domain, &line(&["--accept-rollback"]), true, &state).unwrap();
     }
 
     #[test]
@@ -1257,21 +1311,21 @@ mod tests {
         let remote = Export::Tcp { host: "kvm1".into(), port: NBD_PORT, tls: true, scratch_here: false };
         let h = Fake::default();
         *h.job.borrow_mut() = Some(xml::backup_xml(&run.to_string_lossy(), &remote, &modes));
-        end_leftover_job(&h, "vm", t.path()).unwrap();
+        end_leftover_job(&h, "vm", h.backup_xml("vm").unwrap(), t.path()).unwrap();
         assert_eq!(*h.calls.borrow(), ["abort"]);
         assert!(!run.exists(), "the killed run's directory is left");
         // One of this host: its scratch files' directory.
         std::fs::create_dir(&run).unwrap();
         let here = Export::Tcp { host: "127.0.0.1".into(), port: 10900, tls: true, scratch_here: true };
         *h.job.borrow_mut() = Some(xml::backup_xml(&run.to_string_lossy(), &here, &modes));
-        end_leftover_job(&h, "vm", Path::new("/nonexistent")).unwrap();
+        end_leftover_job(&h, "vm", h.backup_xml("vm").unwrap(), Path::new("/nonexistent")).unwrap();
         assert!(!run.exists());
         // Someone else's TCP job (its own export names) is neither ended nor cleaned up.
         let other = "<domainbackup mode='pull'><server transport='tcp' name='h' port='1' tls='yes'/><disks>\
             <disk name='vda' backup='yes' exportname='vda'/></disks></domainbackup>";
         let h = Fake::default();
         *h.job.borrow_mut() = Some(other.to_string());
-        let e = format!("{:#}", end_leftover_job(&h, "vm", t.path()).unwrap_err());
+        let e = format!("{:#}", end_leftover_job(&h, "vm", h.backup_xml("vm").unwrap(), t.path()).unwrap_err());
         assert!(e.contains("ferry did not start"), "{e}");
         assert!(h.calls.borrow().is_empty());
     }

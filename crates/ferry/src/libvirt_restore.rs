@@ -54,12 +54,6 @@ pub fn run(args: RestoreArgs, quiet: bool) -> Result<i32> {
         Location::Repo { repo, name, id } => (repo, name, id),
         _ => bail!("{:?} is not a point: write REPO::DOMAIN or REPO::DOMAIN@ID", args.point),
     };
-    if let Some(f) = &args.password_file {
-        // Each disk's copy opens the repository as `ferry copy` does, from the environment.
-        // (Still one thread here: nothing else reads the environment meanwhile.)
-        std::env::remove_var("FERRY_PASSWORD");
-        std::env::set_var("FERRY_PASSWORD_FILE", f);
-    }
     // A connection that cannot define the copy is refused before any disk is restored.
     let virsh = args.define.as_ref().map(|_| Virsh::new(args.connect.as_deref())).transpose()?;
     let repo = ferry_open::repo::open_repository_with(
@@ -134,16 +128,29 @@ pub fn run(args: RestoreArgs, quiet: bool) -> Result<i32> {
     if let Some(p) = paths.iter().chain([&xml_path]).find(|p| p.symlink_metadata().is_ok()) {
         bail!("{} exists: restore into an empty directory (nothing is overwritten)", p.display());
     }
+    // Every disk is read through the repository opened above: one passphrase asked for,
+    // one key derivation, one listing.
+    let cache = ferry_open::repo::cache_bytes()?;
     let mut files = Vec::new();
     for (d, path) in point.disks.iter().zip(paths) {
-        let mut line = vec!["copy".to_string(), format!("{spec}::{}@{}", d.name, d.snapshot)];
+        let shown = format!("{spec}::{}@{}", d.name, d.snapshot);
+        let snap = listed
+            .iter()
+            .find(|s| s.id == d.snapshot)
+            .with_context(|| format!("{shown}: the snapshot of disk {} is gone", d.target))?;
+        let img = ferry_repo::SnapshotImage::open_with_cache(repo.clone(), snap, cache)
+            .with_context(|| format!("cannot open the snapshot {shown}"))?;
+        let source = ferry_open::Source::plain(ferry_client::copy::Endpoint::Backend(
+            ferry_client::copy::BackendEndpoint::new(shown.clone(), img),
+        ));
+        let mut line = vec!["copy".to_string(), shown];
         line.push(path.to_string_lossy().into_owned());
         if args.progress {
             line.push("-p".into());
         }
         let copy = CopyLine::try_parse_from(&line).map_err(|e| anyhow::anyhow!("{e}"))?;
-        let status =
-            crate::copy::run(copy.args, quiet).with_context(|| format!("restoring disk {} of {domain}", d.target))?;
+        let status = crate::copy::run_from(copy.args, quiet, Some(source))
+            .with_context(|| format!("restoring disk {} of {domain}", d.target))?;
         if status != 0 {
             bail!("restoring disk {} of {domain}: the copy ended with status {status}", d.target);
         }

@@ -586,3 +586,89 @@ fn bad_domains_and_disks_are_clear_errors() {
     assert!(got == std::fs::read(format!("{to}/a.raw")).unwrap(), "the restored disk differs from the image");
     lv.remove(dom);
 }
+
+/// A `virsh` on PATH that logs each command line it is given to `log`, then runs the real
+/// one: the directory to put first on ferry's PATH.
+fn logging_virsh(dir: &Path, log: &Path) -> PathBuf {
+    let real = run_ok(&mut cmd("sh", ["-c", "command -v virsh"])).stdout;
+    let bin = dir.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let script = format!("#!/bin/sh\nprintf '%s\\n' \"$*\" >> '{}'\nexec '{}' \"$@\"\n", log.display(), real.trim());
+    let f = bin.join("virsh");
+    std::fs::write(&f, script).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o755)).unwrap();
+    bin
+}
+
+/// A SIGINT while the passphrase is asked for (a slow password command) ends the run
+/// before its backup job starts: no job, no checkpoint, no `backup-begin` at all. A day's
+/// incremental backup of two disks starts few virsh processes (one asks everything the
+/// run needs first). `ferry restore` asks for the passphrase once for all the disks.
+#[test]
+fn a_signal_before_the_job_leaves_nothing_and_runs_and_restores_ask_little() {
+    let lv = Libvirt::get();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let dom = "ferry-signal";
+    lv.remove(dom);
+    let (a, b) = (image(d, "a.qcow2"), image(d, "b.qcow2"));
+    lv.domain(dom, &[("vda", &a), ("vdb", &b)], true, d);
+    let repo = d.join("repo");
+    let repo = repo.to_str().unwrap();
+    let pw = d.join("pw");
+    std::fs::write(&pw, "secret words\n").unwrap();
+    let pwf = pw.to_str().unwrap();
+    run_ok(&mut lv.ferry(&["repo", "init", "--encrypt", "--kdf-memory", "8M", "--password-file", pwf, repo]));
+    let log = d.join("virsh.log");
+    let path = format!("{}:{}", logging_virsh(d, &log).display(), std::env::var("PATH").unwrap_or_default());
+    let src = format!("libvirt:{dom}");
+
+    // The signal comes while the password command runs.
+    let asking = d.join("asking");
+    let slow = format!("touch '{}'; sleep 2; echo 'secret words'", asking.display());
+    let mut c = lv.ferry(&["backup", "--password-command", &slow, &src, repo]);
+    let child = c.env("PATH", &path).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !asking.exists() {
+        assert!(Instant::now() < deadline, "the password command did not run within 60 s");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    unsafe {
+        libc::kill(child.id() as libc::pid_t, libc::SIGINT);
+    }
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{err}");
+    assert!(err.contains("stopped before the backup job of ferry-signal started"), "{err}");
+    let calls = std::fs::read_to_string(&log).unwrap();
+    assert!(!calls.contains("backup-begin") && !calls.contains("checkpoint-delete"), "{calls}");
+    assert!(ferry_checkpoints(&lv, dom).is_empty());
+    assert!(!run(&mut lv.virsh(&["backup-dumpxml", dom])).status.success(), "a backup job runs");
+
+    // Day 1 (full), then day 2 (incremental): the virsh processes of day 2.
+    let backup = |src: &str| run_ok(lv.ferry(&["backup", "--password-file", pwf, src, repo]).env("PATH", &path));
+    backup(&src);
+    lv.write(dom, 0, 0x55, 4 * MIB, MIB);
+    std::fs::remove_file(&log).unwrap();
+    let out = backup(&src);
+    assert!(out.stdout.contains("changes since checkpoint"), "{}", out.describe());
+    let calls = std::fs::read_to_string(&log).unwrap();
+    // Asking first (1), the checkpoint it continues (1), the job's start (1) and end (2),
+    // the older checkpoint deleted (1); one process per command took 11.
+    assert!(calls.lines().count() <= 6, "{calls}");
+    assert_eq!(ferry_checkpoints(&lv, dom).len(), 1);
+
+    // A restore of both disks runs the password command once.
+    let count = d.join("count");
+    let counting = format!("echo >> '{}'; echo 'secret words'", count.display());
+    let to = d.join("restored");
+    let mut c = lv.ferry(&["restore", &format!("{repo}::{dom}"), "--to", to.to_str().unwrap()]);
+    run_ok(c.env("FERRY_PASSWORD_COMMAND", &counting));
+    assert_eq!(std::fs::read_to_string(&count).unwrap().lines().count(), 1, "one opening of the repository");
+    let got = std::fs::read(to.join(format!("{dom}-vda.raw"))).unwrap();
+    let mut want = vec![0u8; DISK as usize];
+    want[(4 * MIB) as usize..(5 * MIB) as usize].fill(0x55);
+    assert!(got == want, "the restored disk differs");
+    lv.remove(dom);
+}

@@ -260,6 +260,31 @@ fn present_index(repo: &Arc<Repository>) -> Result<RunIndex> {
 }
 
 /// `config` with version 3, after checking it is still the one read; read back.
+/// Refuses to write through `repo` when the stored config no longer has the format it was
+/// opened with: a `ferry repo migrate` ran since (a backup opened before it would write
+/// version 1 pages into a version 3 repository). Called by a backup once it holds its
+/// disk's lock, which no migrate runs beside. A new key (`repo key passwd`) changes
+/// nothing written, so `encryption` is not compared.
+pub(crate) fn refuse_if_changed(repo: &Repository) -> Result<()> {
+    let describe = repo.store.describe();
+    let stored = repo
+        .store
+        .get("config", format::MAX_CONFIG)
+        .map_err(|e| Error::store(format!("cannot read {describe}/config"), e))?;
+    let now = Config::parse(&stored).map_err(|e| Error::damaged("config", e.0))?;
+    let was = &repo.config;
+    let version = now.version;
+    let same = Config { encryption: was.encryption.clone(), ..now } == *was;
+    if !same {
+        return Err(Error::Invalid(format!(
+            "the config of {describe} changed since this command opened it (version {} then, {} now: a `ferry repo \
+             migrate` ran meanwhile?): nothing was written; run the command again",
+            was.version, version
+        )));
+    }
+    Ok(())
+}
+
 fn put_config(repo: &Repository) -> Result<()> {
     repo.replace_config(Config { version: format::LOCATED_CONFIG_VERSION, ..repo.config.clone() }, "")
 }

@@ -232,17 +232,31 @@ impl Repository {
         Ok((good, bad))
     }
 
-    /// [`Repository::points_in`] of `domain` alone: those stored before points had a TAG
-    /// (`points/ID`, of any domain: read to tell), then the points under its TAG, listed
-    /// after, so that one another run moves under its TAG meanwhile is found there. With
-    /// `move_old` (a backup, which writes, under the host's lock of `domain`), each old one
-    /// of `domain` is moved under its TAG, so that the next runs read its points alone.
+    /// [`Repository::points_in`] of `domain` alone, and the points that cannot be read
+    /// among those read. A backup (`move_old`: it writes, under the host's lock of
+    /// `domain`) lists `points/TAG/` alone once the domain has a point there: its older
+    /// points (`points/ID`) were moved there by its first backup, and those of other
+    /// domains (and their damage) are not its business. Otherwise (a domain's first backup
+    /// since points had a TAG, and a restore, which must find every point) the points
+    /// stored before points had a TAG (`points/ID`, of any domain: read to tell) are read
+    /// first, then the points under its TAG, listed after, so that one another run moves
+    /// under its TAG meanwhile is found there; a backup then moves each old one of `domain`
+    /// under its TAG, so that its next runs read its points alone.
     pub fn points_of(
         &self,
         domain: &str,
         snaps: &[SnapshotInfo],
         move_old: bool,
     ) -> Result<(Vec<(String, PointRecord)>, Failures)> {
+        if move_old {
+            let (mine, mut bad) = self.point_objects(&self.points_prefix(domain))?;
+            if !mine.is_empty() || !bad.is_empty() {
+                let (mut good, more, _) = self.read_points(&mine)?;
+                bad.extend(more);
+                follow_migrations(&mut good, snaps);
+                return Ok((good, bad));
+            }
+        }
         let flat = |o: &str| o.matches('/').count() == 1;
         let (old, mut bad) = self.point_objects("points/")?;
         let old: Vec<_> = old.into_iter().filter(|(o, _)| flat(o)).collect();
@@ -251,10 +265,9 @@ impl Repository {
         bad.extend(more);
         let old: Vec<_> = old.into_iter().filter(|(_, p)| p.domain == domain).collect();
         if move_old {
+            // An error: the next backups would not look for it at `points/ID` again.
             for (id, _) in &old {
-                if let Err(e) = self.move_point(id, domain) {
-                    log::warn!("cannot move points/{id} under its domain's tag ({e}); the next backup tries again");
-                }
+                self.move_point(id, domain)?;
             }
         }
         let (mine, more) = self.point_objects(&self.points_prefix(domain))?;
@@ -433,20 +446,23 @@ mod tests {
                 store.delete(&new).unwrap();
                 old.push(id);
             }
-            let vm1 = repo.put_point(&of("vm1", "2026-11-28T10:00:00Z")).unwrap();
-            let vm2 = repo.put_point(&of("vm2", "2026-11-28T10:00:00Z")).unwrap();
             let ids = |v: Vec<(String, PointRecord)>| v.into_iter().map(|(id, _)| id).collect::<Vec<_>>();
             // The older points are read (a reader moves nothing)...
-            assert_eq!(ids(repo.points_of("vm1", &[], false).unwrap().0), [old[0].clone(), vm1.clone()]);
+            assert_eq!(ids(repo.points_of("vm1", &[], false).unwrap().0), [old[0].clone()]);
             assert!(store.get(&format!("points/{}", old[0]), MAX_POINT).is_ok());
-            assert_eq!(repo.points().unwrap().0.len(), 4);
-            // ...and a backup moves its domain's under its TAG, the ids kept.
-            assert_eq!(ids(repo.points_of("vm1", &[], true).unwrap().0), [old[0].clone(), vm1.clone()]);
+            assert_eq!(repo.points().unwrap().0.len(), 2);
+            // ...and a domain's first backup moves its domain's under its TAG, the ids kept,
+            // then stores its own point there.
+            assert_eq!(ids(repo.points_of("vm1", &[], true).unwrap().0), [old[0].clone()]);
             let flat = |id: &str| store.get(&format!("points/{id}"), MAX_POINT).is_ok();
             assert!(!flat(&old[0]) && flat(&old[1]));
-            assert_eq!(ids(repo.points_of("vm2", &[], true).unwrap().0), [old[1].clone(), vm2.clone()]);
+            let vm1 = repo.put_point(&of("vm1", "2026-11-28T10:00:00Z")).unwrap();
+            assert_eq!(ids(repo.points_of("vm1", &[], true).unwrap().0), [old[0].clone(), vm1.clone()]);
+            assert_eq!(ids(repo.points_of("vm2", &[], true).unwrap().0), [old[1].clone()]);
             assert!(!flat(&old[1]));
+            let vm2 = repo.put_point(&of("vm2", "2026-11-28T10:00:00Z")).unwrap();
             assert_eq!(ids(repo.points_of("vm2", &[], false).unwrap().0), [old[1].clone(), vm2.clone()]);
+            assert_eq!(ids(repo.points_of("vm2", &[], true).unwrap().0), [old[1].clone(), vm2.clone()]);
             // From then on a domain's points are read alone: another domain's damaged
             // point is not even read.
             let theirs = format!("{}{vm2}", repo.points_prefix("vm2"));
@@ -461,6 +477,35 @@ mod tests {
             repo.delete_point(&vm1, "vm1").unwrap();
             assert_eq!(ids(repo.points_of("vm1", &[], false).unwrap().0), [old[0].clone()]);
         }
+    }
+
+    /// One domain's damaged point is reported in that domain's backups only; a damaged
+    /// `points/ID` (whose domain cannot be told) in a domain's first backup since points
+    /// had a TAG only, and in restores (which read every older point).
+    #[test]
+    fn a_damaged_point_is_reported_to_its_own_domain_only() {
+        use crate::store::Store;
+        let (store, repo) = crate::tests::new_repo(true);
+        let of = |domain: &str| PointRecord { domain: domain.into(), ..point() };
+        let vm1 = repo.put_point(&of("vm1")).unwrap();
+        let vm2 = repo.put_point(&of("vm2")).unwrap();
+        let damaged_flat = format!("points/{}", "d".repeat(64));
+        store.put(&damaged_flat, b"not a point").unwrap();
+        let damaged_vm2 = format!("{}{}", repo.points_prefix("vm2"), "e".repeat(64));
+        store.put(&damaged_vm2, b"not a point either").unwrap();
+        let bad_of = |domain: &str, backup: bool| {
+            let (good, bad) = repo.points_of(domain, &[], backup).unwrap();
+            (
+                good.into_iter().map(|(id, _)| id).collect::<Vec<_>>(),
+                bad.into_iter().map(|(o, _)| o).collect::<Vec<_>>(),
+            )
+        };
+        assert_eq!(bad_of("vm1", true), (vec![vm1.clone()], vec![]));
+        assert_eq!(bad_of("vm2", true), (vec![vm2.clone()], vec![damaged_vm2.clone()]));
+        // A domain's first backup reads the older points once; a restore reads them always.
+        assert_eq!(bad_of("vm3", true), (vec![], vec![damaged_flat.clone()]));
+        assert_eq!(bad_of("vm1", false).1, [damaged_flat]);
+        assert_eq!(bad_of("vm2", false).1.len(), 2);
     }
 
     /// Stores `p` where ferry stored points before TAG: at `points/ID`; its id.

@@ -173,3 +173,26 @@ fn pages_follow_a_migrated_parent_and_nothing_else() {
     let e = repo.pages(&wrong).unwrap_err();
     assert!(matches!(e, Error::Damaged { .. }), "{e}");
 }
+
+/// A backup through a repository opened before a migrate (a libvirt run's second disk,
+/// or a backup that waited for its lock) is refused before it writes anything: it would
+/// store version 1 pages in a version 3 repository. Reopened, it goes on.
+#[test]
+fn a_backup_opened_before_a_migrate_is_refused() {
+    let store = Arc::new(MemStore::new());
+    let repo = v1_repo(store.clone());
+    let d1 = filled(1 << 20);
+    let s1 = backup(&repo, "a", &d1, None);
+    crate::migrate::migrate(&reopen(store.clone()), false, &mut |_| {}).unwrap();
+    let before = store.list("").unwrap();
+    let e = SnapshotWriter::start(repo.clone(), opts("b", d1.len() as u64, None)).err().unwrap();
+    assert!(e.to_string().contains("changed since this command opened it"), "{e}");
+    assert_eq!(store.list("").unwrap(), before, "nothing is written");
+    let repo = reopen(store.clone());
+    let listed = repo.snapshots().unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_ne!(listed[0].id, s1.id, "migrated");
+    let s2 = backup(&repo, "b", &d1, None);
+    assert_eq!(read_back(&repo, &s2), d1);
+    assert!(maint::check(&repo).unwrap().problems.is_empty());
+}
