@@ -195,6 +195,7 @@ mod entries;
 pub mod format;
 pub mod keys;
 pub mod known;
+mod locations;
 pub mod lock;
 pub mod maint;
 mod memory;

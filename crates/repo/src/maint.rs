@@ -1,12 +1,13 @@
 //! Repository maintenance: check, verify, forget, gc, stats.
 use crate::damage::{pack_id, prefer_good, prune_records, DamageSet, DamagedCopies};
 use crate::format::{self, BlobEntry, DamagedPack, Digest, LockKind, PackBlobs, Pages, ZERO};
+use crate::locations::{hint_record, use_record, Loc, Locations, HINT, USE};
 use crate::repo::{
     pack_name, par_map, parse_time, sha256, BlkHasher, ByteBudget, Index, Repository, SnapshotInfo, AAD_TRAILER,
     FETCH_THREADS,
 };
 use crate::spill::{Sorted, Sorter, Table};
-use crate::table::{BlobTable, Row};
+use crate::table::BlobTable;
 use crate::{lock, Error, Result};
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -63,8 +64,8 @@ pub(crate) struct Walk {
     snaps: Vec<SnapshotInfo>,
     /// Each snapshot's page digests.
     snap_pages: Vec<Arc<Pages>>,
-    /// Every location the index objects list.
-    table: BlobTable,
+    /// Every location the index objects list, in a table on disk.
+    locs: Locations,
     /// The index of the page blobs alone: what pages are read through.
     pages_index: Index,
     /// `data/` as listed: name to length.
@@ -116,18 +117,22 @@ fn for_pages(
     }
 }
 
-/// How many of a located page's chunk hints (FORMAT.md §7c) name a place where the index
-/// lists no copy of that chunk: stale (gc moved or dropped the copy), or never true.
-fn stale_hints(repo: &Repository, table: &BlobTable, page: &format::LocatedPage) -> u64 {
-    let stale = |(i, at): &(usize, format::BlobAt)| {
-        let id = repo.crypto.blob_id(&page.entries[*i]);
-        let pack = table.pack_number(&at.pack);
-        let held = table
-            .locations(&id)
-            .any(|l| Some(l.pack) == pack && l.offset == at.offset && l.stored_len == at.stored_len);
-        !held
-    };
-    (0..page.entries.len()).filter_map(|i| Some((i, page.at(i)?))).filter(stale).count() as u64
+/// A located page's chunk hints (FORMAT.md §7c), as records to be joined with the
+/// locations (numbered `read` once the page is read), and how many name a pack the index
+/// does not list: stale (gc moved or dropped the copy), or never true.
+fn page_hints(repo: &Repository, locs: &Locations, page: &format::LocatedPage) -> (Vec<[u8; HINT]>, u64) {
+    let mut out = Vec::new();
+    let mut unknown = 0;
+    for (i, at) in (0..page.entries.len()).filter_map(|i| Some((i, page.at(i)?))) {
+        match locs.pack_number(&at.pack) {
+            Some(pack) => {
+                let id = repo.crypto.blob_id(&page.entries[i]);
+                out.push(hint_record(&id, pack, at.offset, at.stored_len, 0, i as u32));
+            }
+            None => unknown += 1,
+        }
+    }
+    (out, unknown)
 }
 
 /// The byte range chunk `ci` of a snapshot covers.
@@ -255,7 +260,13 @@ struct SnapWalk {
     missing_count: u64,
 }
 
+#[cfg(test)]
 pub(crate) fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
+    check_walk_in(repo, crate::spill::BUDGET)
+}
+
+/// [`check_walk`] with sorters that hold up to `budget` bytes of records each in memory.
+fn check_walk_in(repo: &Repository, budget: usize) -> Result<(Report, Walk)> {
     let mut r = Report::default();
     let store = &repo.store;
     let (snaps, bad_snaps) = repo.snapshots_with_pages_lenient()?;
@@ -288,7 +299,7 @@ pub(crate) fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
     }
     let mut snaps = snaps;
     snaps.extend(checkpoints.iter().map(|c| c.as_snapshot()));
-    let (table, page_objects, bad_index) = BlobTable::read(repo)?;
+    let (locs, page_objects, bad_index) = Locations::read(repo, budget)?;
     let mut index_damaged = !bad_index.is_empty();
     for (name, e) in bad_index {
         r.problem(
@@ -312,9 +323,9 @@ pub(crate) fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
     r.packs = listed.len();
     // Packs the index names: present, and long enough.
     let mut bad_packs: HashMap<u32, usize> = HashMap::new();
-    for pack in table.packs_sorted() {
-        let name = pack_name(&table.packs[pack as usize]);
-        let end = table.pack_rows(pack).map(|b| b.offset as u64 + b.stored_len as u64).max().unwrap_or(0);
+    for pack in locs.packs_sorted() {
+        let name = pack_name(&locs.packs[pack as usize]);
+        let end = locs.end(pack);
         match listed.get(&name) {
             None => {
                 bad_packs.insert(pack, r.problem(name, "it is missing from the store (the index lists its blobs)"));
@@ -328,38 +339,28 @@ pub(crate) fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
     }
     // A lost pack whose every blob has a good copy elsewhere (a backup stored them again)
     // loses nothing: gc drops it from the index.
+    let found = index_damage(&locs, &damage, &listed, &bad_packs)?;
     for (pack, p) in &bad_packs {
-        let healed = table.pack_rows(*pack).all(|b| {
-            table
-                .locations(&b.id)
-                .any(|l| !bad_packs.contains_key(&l.pack) && !damage.is_damaged(&table.packs[l.pack as usize], &b.id))
-        });
-        if healed {
+        if !found.unhealed.contains(pack) {
             r.problems[*p].why.push_str(
                 "; every blob in it has a copy in another pack, so no snapshot lost data: `ferry repo gc` drops it \
                  from the index",
             );
         }
     }
-    let indexed: HashSet<String> = table.packs.iter().map(pack_name).collect();
+    let indexed: HashSet<String> = locs.packs.iter().map(pack_name).collect();
     let orphans = listed.keys().filter(|n| !indexed.contains(*n)).count();
     // A blob is lost only when every copy of it is in a missing or short pack (or, below,
     // recorded damaged).
     let mut damaged: HashMap<Digest, usize> = HashMap::new();
-    let recorded = recorded_problems(&mut r, &damage, &table, &listed, &mut damaged);
-    for (pack, p) in &bad_packs {
-        for b in table.pack_rows(*pack) {
-            if table.first(&b.id, &damage).map(|l| l.pack) == Some(*pack)
-                && table.locations(&b.id).all(|l| bad_packs.contains_key(&l.pack))
-            {
-                damaged.insert(b.id, *p);
-            }
-        }
+    let recorded = recorded_problems(&mut r, &damage, &found.only, &listed, &mut damaged);
+    for (id, pack) in &found.lost {
+        damaged.insert(*id, bad_packs[pack]);
     }
     let snap_pages = snapshot_pages(repo, &snaps)?;
     let mut walk =
-        Walk { snaps: Vec::new(), snap_pages, table, pages_index, listed, damaged, damage, recorded, page_reads: 0 };
-    let blobs_checked = walk_pages(repo, &mut r, &mut walk, &snaps, &mut index_damaged);
+        Walk { snaps: Vec::new(), snap_pages, locs, pages_index, listed, damaged, damage, recorded, page_reads: 0 };
+    let blobs_checked = walk_pages(repo, &mut r, &mut walk, &snaps, &mut index_damaged)?;
     walk.snaps = snaps;
     r.blobs_checked = blobs_checked;
     // Packs in no index object are orphans only when the index is whole: else gc would
@@ -402,7 +403,7 @@ fn walk_pages(
     w: &mut Walk,
     snaps: &[SnapshotInfo],
     index_damaged: &mut bool,
-) -> u64 {
+) -> Result<u64> {
     let base = r.problems.len();
     // Each problem made here: the snapshot and page position that found it.
     let mut found_at: Vec<(usize, u64)> = Vec::new();
@@ -428,13 +429,17 @@ fn walk_pages(
             .map(|_| BlkHasher::new(m.chunks(), m.size, m.chunk_size));
         walks.push(Some(SnapWalk { object, hasher, missing: None, missing_count: 0 }));
     }
-    let mut used = vec![0u64; w.table.len().div_ceil(64)];
-    let mut missing_ids: HashSet<Digest> = HashSet::new();
+    // The chunks the pages use and the places their hints name, by id, joined with the
+    // locations once every page is read.
+    let mut uses = w.locs.sorter::<USE>("check's list of the chunks the pages use");
+    let mut hints = w.locs.sorter::<HINT>("check's list of the pages' chunk hints");
+    let mut hint_reads = 0u32;
     let mut pages_done: HashSet<Digest> = HashSet::new();
     let mut page_problem: HashMap<Digest, usize> = HashMap::new();
     let mut cache = PageCache::new(PAGE_CACHE_ENTRIES);
-    // Chunk hints gone stale, and the distinct pages that have them.
-    let mut stale = (0u64, 0u64);
+    // Chunk hints that name a pack the index does not list, and the page reads (numbers,
+    // as in `hints`) that have them.
+    let mut unknown_hints = (0u64, HashSet::new());
     let positions = w.snap_pages.iter().map(|p| p.count()).max().unwrap_or(0) as usize;
     // Each snapshot's page digests, taken in turn as the positions advance: `at[si]` is
     // the digest of snapshot `si`'s page at the current position.
@@ -465,12 +470,23 @@ fn walk_pages(
             w.page_reads += want.len() as u64;
             let read = par_map(&want, FETCH_THREADS, |d| {
                 let page = repo.read_page_hinted(&w.pages_index, d, None);
-                let n = page.as_ref().map_or(0, |p| stale_hints(repo, &w.table, p));
-                (page.map(|p| p.entries), n)
+                let found = page.as_ref().map_or((Vec::new(), 0), |p| page_hints(repo, &w.locs, p));
+                (page.map(|p| p.entries), found)
             });
-            for (d, (page, n)) in want.iter().zip(read) {
-                if n > 0 && !pages_done.contains(d) {
-                    stale = (stale.0 + n, stale.1 + 1);
+            for (d, (page, (found, unknown))) in want.iter().zip(read) {
+                if (unknown > 0 || !found.is_empty()) && !pages_done.contains(d) {
+                    let read = hint_reads;
+                    hint_reads = hint_reads
+                        .checked_add(1)
+                        .ok_or_else(|| Error::Invalid(format!("more than {} located pages to check", u32::MAX)))?;
+                    if unknown > 0 {
+                        unknown_hints.0 += unknown;
+                        unknown_hints.1.insert(read);
+                    }
+                    for mut h in found {
+                        h[44..48].copy_from_slice(&read.to_be_bytes());
+                        hints.push(h)?;
+                    }
                 }
                 cache.put(*d, page);
             }
@@ -504,19 +520,7 @@ fn walk_pages(
                             continue;
                         }
                         for e in page.iter().filter(|e| **e != ZERO) {
-                            let eid = repo.crypto.blob_id(e);
-                            match w.table.find(&eid) {
-                                Some(row) => used[row / 64] |= 1 << (row % 64),
-                                None => {
-                                    if missing_ids.insert(eid) {
-                                        let p = *sw.missing.get_or_insert_with(|| {
-                                            problem(r, (si, i as u64), sw.object.clone(), String::new())
-                                        });
-                                        sw.missing_count += 1;
-                                        w.damaged.insert(eid, p);
-                                    }
-                                }
-                            }
+                            uses.push(use_record(&repo.crypto.blob_id(e), i as u64, si as u32))?;
                         }
                     }
                     other => {
@@ -552,6 +556,31 @@ fn walk_pages(
             k = end;
         }
     }
+    let joined = w.locs.join(uses, hints)?;
+    // A chunk in no index object: a problem of the snapshot that uses it first (at the
+    // first position where it uses one).
+    let mut first_missing: HashMap<usize, u64> = HashMap::new();
+    for (i, si, _) in &joined.missing {
+        let at = first_missing.entry(*si as usize).or_insert(*i);
+        *at = (*at).min(*i);
+    }
+    let mut in_order: Vec<(usize, u64)> = first_missing.into_iter().collect();
+    in_order.sort_unstable_by_key(|&(si, i)| (i, si));
+    for (si, i) in in_order {
+        if let Some(sw) = walks[si].as_mut() {
+            sw.missing = Some(problem(r, (si, i), sw.object.clone(), String::new()));
+        }
+    }
+    for (_, si, eid) in &joined.missing {
+        if let Some(sw) = walks[*si as usize].as_mut() {
+            sw.missing_count += 1;
+            if let Some(p) = sw.missing {
+                w.damaged.insert(*eid, p);
+            }
+        }
+    }
+    unknown_hints.1.extend(joined.stale_reads);
+    let stale = (joined.stale + unknown_hints.0, unknown_hints.1.len() as u64);
     if stale.0 > 0 {
         r.notes.push(format!(
             "{} chunk hint(s) in {} located page(s) name a place that no longer holds their chunk (gc moved or \
@@ -588,8 +617,59 @@ fn walk_pages(
     }
     drop(iters);
     w.snap_pages = pages;
-    let ones: u64 = used.iter().map(|u| u.count_ones() as u64).sum();
-    ones + missing_ids.len() as u64
+    Ok(joined.distinct)
+}
+
+/// What the index says of the blobs in packs found missing or short, and of those
+/// recorded damaged: one pass over the locations, made only where there are such packs.
+#[derive(Default)]
+struct IndexDamage {
+    /// The bad packs that hold a blob with no good copy in another pack.
+    unhealed: HashSet<u32>,
+    /// The blobs whose every copy is in a bad pack, each with the pack of the copy a
+    /// reader tries first.
+    lost: Vec<(Digest, u32)>,
+    /// Per recorded pack in the store: its recorded blobs that have no good copy, sorted.
+    only: HashMap<Digest, Vec<Digest>>,
+}
+
+fn index_damage(
+    locs: &Locations,
+    damage: &DamageSet,
+    listed: &HashMap<String, u64>,
+    bad_packs: &HashMap<u32, usize>,
+) -> Result<IndexDamage> {
+    let mut out = IndexDamage::default();
+    let present: Vec<bool> = locs.packs.iter().map(|p| listed.contains_key(&pack_name(p))).collect();
+    let records: Vec<Option<&DamagedCopies>> = locs.packs.iter().map(|p| damage.packs.get(p)).collect();
+    let records_here = records.iter().zip(&present).any(|(r, p)| r.is_some() && *p);
+    if bad_packs.is_empty() && !records_here {
+        return Ok(out);
+    }
+    let bad = |l: &Loc| bad_packs.contains_key(&l.pack);
+    let recorded = |l: &Loc| records[l.pack as usize].is_some_and(|c| c.blobs.contains(&l.id));
+    locs.each_id(|g| {
+        if g.iter().any(bad) {
+            if !g.iter().any(|l| !bad(l) && !recorded(l)) {
+                out.unhealed.extend(g.iter().filter(|l| bad(l)).map(|l| l.pack));
+            }
+            if g.iter().all(bad) {
+                let first = g.iter().find(|l| !recorded(l)).unwrap_or(&g[0]);
+                out.lost.push((g[0].id, first.pack));
+            }
+        }
+        if records_here && !g.iter().any(|l| !recorded(l) && present[l.pack as usize]) {
+            for l in g.iter().filter(|l| recorded(l) && present[l.pack as usize]) {
+                out.only.entry(locs.packs[l.pack as usize]).or_default().push(l.id);
+            }
+        }
+        Ok(())
+    })?;
+    for v in out.only.values_mut() {
+        v.sort_unstable();
+        v.dedup();
+    }
+    Ok(out)
 }
 
 /// The damage records' packs that are still in the store: a problem for each whose
@@ -598,7 +678,7 @@ fn walk_pages(
 fn recorded_problems(
     r: &mut Report,
     damage: &DamageSet,
-    table: &BlobTable,
+    only: &HashMap<Digest, Vec<Digest>>,
     listed: &HashMap<String, u64>,
     damaged: &mut HashMap<Digest, usize>,
 ) -> Vec<usize> {
@@ -612,21 +692,8 @@ fn recorded_problems(
         }
         let found = format!("recorded damaged by `ferry repo verify` at {}: {}", copies.time, copies.why);
         // A blob with no good copy: each of its copies, this one among them, is recorded
-        // damaged or in a pack missing from the store.
-        let good = |id: &Digest, l: &Row| {
-            let pack = &table.packs[l.pack as usize];
-            !damage.is_damaged(pack, id) && listed.contains_key(&pack_name(pack))
-        };
-        let here = table.pack_number(pack);
-        let mut only: Vec<&Digest> = copies
-            .blobs
-            .iter()
-            .filter(|id| {
-                let mut locs = table.locations(id);
-                locs.clone().any(|l| Some(l.pack) == here) && !locs.any(|l| good(id, l))
-            })
-            .collect();
-        only.sort();
+        // damaged or in a pack missing from the store ([`index_damage`] found them).
+        let only: &[Digest] = only.get(pack).map_or(&[], |v| v.as_slice());
         if only.is_empty() {
             let what = if copies.blobs.is_empty() {
                 "its chunks read well: `ferry repo gc` copies those in use to a new pack and removes it"
@@ -671,7 +738,12 @@ fn unread_records_to_notes(r: &mut Report, recorded: &[usize], cleared: &[usize]
 /// Metadata only: config, every index object, every manifest and its pages, every
 /// referenced blob indexed, every indexed pack present with a plausible size.
 pub fn check(repo: &Repository) -> Result<Report> {
-    let (mut r, w) = check_walk(repo)?;
+    check_in(repo, crate::spill::BUDGET)
+}
+
+/// [`check`] with sorters that hold up to `budget` bytes of records each in memory.
+pub(crate) fn check_in(repo: &Repository, budget: usize) -> Result<Report> {
+    let (mut r, w) = check_walk_in(repo, budget)?;
     attribute(repo, &w, &mut r.problems);
     unread_records_to_notes(&mut r, &w.recorded, &[]);
     Ok(r)
@@ -773,10 +845,9 @@ impl PackCheck {
     }
 }
 
-/// `n` is the pack's number in `table`: its rows are read from there as needed, not
-/// copied (a pack may hold a million tiny blobs).
-fn verify_pack(repo: &Repository, pack: &Digest, table: &BlobTable, n: u32) -> PackCheck {
-    let blobs = || table.pack_rows(n).map(Row::entry);
+/// `rows` are the blobs the index places in the pack, by offset.
+fn verify_pack(repo: &Repository, pack: &Digest, rows: &[BlobEntry]) -> PackCheck {
+    let blobs = || rows.iter().copied();
     let name = pack_name(pack);
     let mut c = PackCheck::default();
     let bytes = match repo.store.get(&name, format::MAX_PACK) {
@@ -854,13 +925,18 @@ fn verify_pack(repo: &Repository, pack: &Digest, table: &BlobTable, n: u32) -> P
 
 /// check, then read each chosen pack once, whole, and check every blob in it.
 pub fn verify(repo: &Repository, opts: &VerifyOptions) -> Result<Report> {
-    let (mut r, mut w) = check_walk(repo)?;
+    verify_in(repo, opts, crate::spill::BUDGET)
+}
+
+/// [`verify`] with sorters that hold up to `budget` bytes of records each in memory.
+pub(crate) fn verify_in(repo: &Repository, opts: &VerifyOptions, budget: usize) -> Result<Report> {
+    let (mut r, mut w) = check_walk_in(repo, budget)?;
     let day = jiff::Timestamp::now().as_second().max(0) as u64 / 86400;
-    let table = &w.table;
-    let present: Vec<(Digest, u32)> = table
+    let locs = &w.locs;
+    let present: Vec<(Digest, u32)> = locs
         .packs_sorted()
         .into_iter()
-        .map(|p| (table.packs[p as usize], p))
+        .map(|p| (locs.packs[p as usize], p))
         .filter(|(p, _)| w.listed.contains_key(&pack_name(p)))
         .collect();
     let todo: Vec<(Digest, u32)> = present
@@ -873,6 +949,13 @@ pub fn verify(repo: &Repository, opts: &VerifyOptions) -> Result<Report> {
     r.bytes_present = present.iter().map(|(p, _)| w.listed.get(&pack_name(p)).copied().unwrap_or(0)).sum();
     // From here on, blobs_checked counts the blobs decoded.
     r.blobs_checked = 0;
+    // The chosen packs' blobs, sorted by pack into a table on disk: each pack's read when
+    // it is verified.
+    let mut want = vec![false; locs.packs.len()];
+    for (_, n) in &todo {
+        want[*n as usize] = true;
+    }
+    let by_pack = locs.by_pack(&want)?;
     let mut bad_copies: HashMap<Digest, Vec<(Digest, usize)>> = HashMap::new();
     // Packs in flight are bounded by their bytes, not only by the threads: each thread
     // holds a whole pack (and its trailer) while it checks it.
@@ -881,9 +964,11 @@ pub fn verify(repo: &Repository, opts: &VerifyOptions) -> Result<Report> {
         // Its bytes, and per blob its trailer entry as stored, plain, parsed and spanned.
         let len = w.listed.get(&pack_name(p)).copied().unwrap_or(0);
         let per_blob = 2 * format::ENTRY_LEN + std::mem::size_of::<BlobEntry>() + 24;
-        let held = len.saturating_add(table.pack_rows(*n).count() as u64 * per_blob as u64);
-        budget.with(held, || verify_pack(repo, p, table, *n))
+        let held = len.saturating_add(by_pack.count(*n) * per_blob as u64);
+        budget.with(held, || by_pack.blobs(*n).map(|rows| verify_pack(repo, p, &rows)))
     });
+    let results = results.into_iter().collect::<Result<Vec<PackCheck>>>()?;
+    drop(by_pack);
     let mut record: Vec<DamagedPack> = Vec::new();
     // Recorded packs that read otherwise now: their new state (None: whole again).
     let mut corrected: HashMap<Digest, Option<DamagedCopies>> = HashMap::new();
@@ -932,15 +1017,21 @@ pub fn verify(repo: &Repository, opts: &VerifyOptions) -> Result<Report> {
         Some(now) => now.as_ref().is_some_and(|c| c.blobs.contains(id)),
         None => w.damage.is_damaged(pack, id),
     };
-    for (id, copies) in &bad_copies {
-        let bad = |pack: &Digest| copies.iter().any(|(p, _)| p == pack);
-        let lost = table
-            .locations(id)
-            .map(|l| &table.packs[l.pack as usize])
-            .all(|pack| bad(pack) || recorded_bad(pack, id) || !w.listed.contains_key(&pack_name(pack)));
-        if lost {
-            w.damaged.entry(*id).or_insert(copies[0].1);
-        }
+    if !bad_copies.is_empty() {
+        let (locs, listed, damaged) = (&w.locs, &w.listed, &mut w.damaged);
+        locs.each_id(|g| {
+            let id = &g[0].id;
+            let Some(copies) = bad_copies.get(id) else { return Ok(()) };
+            let bad = |pack: &Digest| copies.iter().any(|(p, _)| p == pack);
+            let lost = g
+                .iter()
+                .map(|l| &locs.packs[l.pack as usize])
+                .all(|pack| bad(pack) || recorded_bad(pack, id) || !listed.contains_key(&pack_name(pack)));
+            if lost {
+                damaged.entry(*id).or_insert(copies[0].1);
+            }
+            Ok(())
+        })?;
     }
     if !record.is_empty() {
         match repo.put_damage(record) {

@@ -1,6 +1,7 @@
-//! A compact table of every blob location the index objects list, for check, verify and
-//! stats: one row (52 bytes) a location and two row numbers (4 bytes each, one list
-//! by id, one by pack), found by binary search, with no per-blob allocation (where
+//! A compact table of every blob location the index objects list, for stats and the
+//! damaged snapshots of `ferry repo list` (check and verify sort them on disk instead:
+//! [`crate::locations`]): one row (52 bytes) a location and a row number (4 bytes, a
+//! list by id), found by binary search, with no per-blob allocation (where
 //! [`crate::Index`] costs a hash-map entry of a full location each), and the index objects
 //! read a few at a time rather than all at once.
 use crate::damage::DamageSet;
@@ -21,18 +22,6 @@ pub(crate) struct Row {
     pub kind: BlobKind,
 }
 
-impl Row {
-    pub fn entry(&self) -> BlobEntry {
-        BlobEntry {
-            id: self.id,
-            kind: self.kind,
-            offset: self.offset,
-            stored_len: self.stored_len,
-            plain_len: self.plain_len,
-        }
-    }
-}
-
 /// Every location of every blob in the index objects that read well.
 #[derive(Default)]
 pub(crate) struct BlobTable {
@@ -45,9 +34,6 @@ pub(crate) struct BlobTable {
     /// [`crate::Index::locations`] gives before damage records reorder it); a location
     /// listed twice is in it once.
     by_id: Vec<u32>,
-    /// The same row numbers sorted by (pack, offset), and where each pack's run starts.
-    by_pack: Vec<u32>,
-    pack_start: Vec<u32>,
     /// Where in `by_id` the ids starting with each `bits`-bit prefix start (ids are
     /// uniformly spread digests: a lookup searches about one row, not log2 of them).
     dir: Vec<u32>,
@@ -118,7 +104,7 @@ impl BlobTable {
         pages
     }
 
-    /// Orders the row numbers by id and by pack, leaving out a location listed again.
+    /// Orders the row numbers by id, leaving out a location listed again.
     fn finish(&mut self) {
         let rows = &self.rows;
         // By id: a counting sort on the ids' first bits (digests are spread evenly), then
@@ -141,7 +127,6 @@ impl BlobTable {
         // A location listed again within an id's rows: looked for among the rows kept so
         // far, through a set where the id has many (a hostile index object may list one id
         // millions of times: linear then too).
-        let mut listed_again = vec![false; rows.len()];
         let mut keep = 0;
         let mut k = 0;
         let mut seen = std::collections::HashSet::new();
@@ -160,9 +145,7 @@ impl BlobTable {
                         .iter()
                         .any(|&j| rows[j as usize].pack == r.pack && rows[j as usize].offset == r.offset)
                 };
-                if again {
-                    listed_again[by_id[k] as usize] = true;
-                } else {
+                if !again {
                     by_id[keep] = by_id[k];
                     keep += 1;
                 }
@@ -172,29 +155,11 @@ impl BlobTable {
         drop(seen);
         by_id.truncate(keep);
         by_id.shrink_to_fit();
-        // By pack: a counting sort on the pack (in the order listed), then each pack by
-        // offset (listed in that order already, mostly).
-        let kept = || rows.iter().enumerate().filter(|(i, _)| !listed_again[*i]);
-        let pack_start = bucket_starts(kept().map(|(_, r)| r.pack as usize), packs_bits(self.packs.len()));
-        let mut by_pack = vec![0u32; by_id.len()];
-        let mut next = pack_start.clone();
-        for (i, r) in kept() {
-            by_pack[next[r.pack as usize] as usize] = i as u32;
-            next[r.pack as usize] += 1;
-        }
-        drop(next);
-        let mut pack_start = pack_start;
-        pack_start.truncate(self.packs.len() + 1);
-        for w in pack_start.windows(2) {
-            by_pack[w[0] as usize..w[1] as usize].sort_unstable_by_key(|&i| (rows[i as usize].offset, i));
-        }
         // About one id a prefix (at most 2^24 prefixes: 64 MiB of directory).
         self.bits = prefix_bits(by_id.len());
         self.dir = bucket_starts(by_id.iter().map(|&i| prefix(&rows[i as usize].id, self.bits)), self.bits);
         self.rows.shrink_to_fit();
         self.by_id = by_id;
-        self.by_pack = by_pack;
-        self.pack_start = pack_start;
     }
 
     /// The number of locations (a location listed twice counts once).
@@ -226,34 +191,11 @@ impl BlobTable {
         let mut locs = self.locations(id);
         locs.clone().find(|l| !damage.is_damaged(&self.packs[l.pack as usize], id)).or_else(|| locs.next())
     }
-
-    /// The pack number of `pack`, if the index lists it.
-    pub fn pack_number(&self, pack: &Digest) -> Option<u32> {
-        self.numbers.get(pack).copied()
-    }
-
-    /// The blobs of pack number `pack`, by offset.
-    pub fn pack_rows(&self, pack: u32) -> impl Iterator<Item = &Row> {
-        let (a, b) = (self.pack_start[pack as usize] as usize, self.pack_start[pack as usize + 1] as usize);
-        self.by_pack[a..b].iter().map(|&i| &self.rows[i as usize])
-    }
-
-    /// The pack numbers, by pack digest.
-    pub fn packs_sorted(&self) -> Vec<u32> {
-        let mut v: Vec<u32> = (0..self.packs.len() as u32).collect();
-        v.sort_unstable_by_key(|&p| self.packs[p as usize]);
-        v
-    }
 }
 
 /// Prefix bits for `n` ids: about one id a prefix, at most 2^24 prefixes.
 fn prefix_bits(n: usize) -> u32 {
     (usize::BITS - n.leading_zeros()).min(24)
-}
-
-/// Bits enough to number `n` packs.
-fn packs_bits(n: usize) -> u32 {
-    usize::BITS - n.leading_zeros()
 }
 
 /// Where each of the 2^`bits` buckets starts when items fall in `keys` (and where the
@@ -310,8 +252,6 @@ mod tests {
         assert_eq!(t.find(&[255; 32]), None);
         let ids: Vec<Option<usize>> = [1, 2, 4, 5].iter().map(|i| t.find(&[*i; 32])).collect();
         assert!(ids.iter().all(|i| i.is_some_and(|i| i < t.len())), "{ids:?}");
-        let nine = t.pack_number(&[9; 32]).unwrap();
-        assert_eq!(t.pack_rows(nine).map(|r| r.offset).collect::<Vec<_>>(), [0, 10, 20]);
         let mut damage = DamageSet::default();
         damage.packs.insert(
             [9; 32],

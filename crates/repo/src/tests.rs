@@ -8,6 +8,7 @@ use crate::{lock, BackupOptions, Error, InitOptions, Repository, SnapshotImage, 
 use ferry_backend::{Backend, ZeroMode, HOLE};
 use std::sync::{Arc, Mutex};
 
+mod checkmem;
 mod clock;
 mod condemn_split;
 mod copy;
