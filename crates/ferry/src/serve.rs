@@ -337,6 +337,9 @@ fn open_snapshots(args: &ServeArgs, remote: &ferry_open::Remote) -> Result<Vec<(
         if let Ok(ferry_open::Location::Repo { repo, name: disk, id }) = ferry_open::Location::parse(spec) {
             let img = ferry_open::repo::open_snapshot(&repo, &disk, id.as_deref(), remote)
                 .with_context(|| format!("cannot serve {spec:?}"))?;
+            // A served disk is read again: what a client reads through in large reads
+            // (a boot, a first copy) fills the idle cache for its later small reads.
+            img.keep_whole_reads();
             out.push((name, img));
         }
     }

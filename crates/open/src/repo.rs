@@ -427,17 +427,26 @@ pub fn resolve(repo: &Repository, name: &str, id: Option<&str>) -> Result<Snapsh
 
 /// The cache budget of snapshots read in part (`ferry serve`): `FERRY_REPO_CACHE` (a size,
 /// e.g. `4G`; for every snapshot the process has open together, each keeping at least
-/// 16 MiB), else a sixteenth of the memory the process may use, at most 1 GiB.
+/// 16 MiB; at most half the memory the process may use), else a sixteenth of that
+/// memory, at most 1 GiB.
 pub fn cache_bytes() -> Result<u64> {
-    cache_bytes_from(std::env::var("FERRY_REPO_CACHE").ok().as_deref())
+    cache_bytes_from(std::env::var("FERRY_REPO_CACHE").ok().as_deref(), ferry_repo::max_cache_bytes())
 }
 
-fn cache_bytes_from(var: Option<&str>) -> Result<u64> {
-    match var {
-        None | Some("") => Ok(ferry_repo::default_cache_bytes()),
+fn cache_bytes_from(var: Option<&str>, max: u64) -> Result<u64> {
+    let bytes = match var {
+        None | Some("") => return Ok(ferry_repo::default_cache_bytes().min(max)),
         Some(v) => ferry_backend::parse_size(v)
-            .with_context(|| format!("FERRY_REPO_CACHE={v:?}: give a size such as 512M or 4G")),
+            .with_context(|| format!("FERRY_REPO_CACHE={v:?}: give a size such as 512M or 4G"))?,
+    };
+    if bytes > max {
+        bail!(
+            "FERRY_REPO_CACHE={bytes} bytes is more than half the memory this process may use: give at most {max} \
+             bytes ({} MiB)",
+            max >> 20
+        );
     }
+    Ok(bytes)
 }
 
 /// What reading the snapshot `REPO::NAME[@ID]` does when the store went back: the latest
@@ -534,11 +543,19 @@ mod tests {
 
     #[test]
     fn cache_budget_from_the_environment() {
-        assert_eq!(cache_bytes_from(Some("4G")).unwrap(), 4 << 30);
-        assert_eq!(cache_bytes_from(Some("0")).unwrap(), 0);
-        assert_eq!(cache_bytes_from(None).unwrap(), ferry_repo::default_cache_bytes());
+        let max = u64::MAX;
+        assert_eq!(cache_bytes_from(Some("4G"), max).unwrap(), 4 << 30);
+        assert_eq!(cache_bytes_from(Some("0"), max).unwrap(), 0);
+        assert_eq!(cache_bytes_from(None, max).unwrap(), ferry_repo::default_cache_bytes());
         assert!(ferry_repo::default_cache_bytes() >= 16 << 20);
-        let e = format!("{:#}", cache_bytes_from(Some("lots")).unwrap_err());
+        // The hard cap: a budget over it is refused before anything is allocated, and
+        // names the most that may be given; the default never exceeds it.
+        let e = format!("{:#}", cache_bytes_from(Some("8G"), 4 << 30).unwrap_err());
+        assert!(e.contains("at most 4294967296 bytes (4096 MiB)"), "{e}");
+        assert_eq!(cache_bytes_from(Some("4G"), 4 << 30).unwrap(), 4 << 30);
+        assert_eq!(cache_bytes_from(None, 20 << 20).unwrap(), 20 << 20);
+        assert!(ferry_repo::max_cache_bytes() >= ferry_repo::default_cache_bytes());
+        let e = format!("{:#}", cache_bytes_from(Some("lots"), max).unwrap_err());
         assert!(e.contains("FERRY_REPO_CACHE") && e.contains("512M"), "{e}");
     }
 }

@@ -8,10 +8,12 @@
 //! there, before the read returns: no copy of it is made, and a chunk that fails its
 //! check fails the read. The requests of one NBD connection run side by side too:
 //! [`Backend::io_queue`] hands them to a pool of threads (one per core, more for an object
-//! store's latency), answered in order. Chunks read in part (small random
+//! store's latency), answered in order; a small one whose chunks are all cached (or zero)
+//! is answered at once, on the connection's thread. Chunks read in part (small random
 //! reads, as a VM booting from `ferry serve` makes) are kept, checked, in a cache shared
 //! by every thread, sized by the memory this process may use ([`default_cache_bytes`]);
-//! chunks read whole (a restore) are not. A chunk that fails its check is never cached.
+//! chunks read whole (a restore) are not, except by a served snapshot while its cache has
+//! room ([`SnapshotImage::keep_whole_reads`]). A chunk that fails its check is never cached.
 use crate::format::{self, BlobKind, Digest, ZERO};
 use crate::repo::{blkhash_of, pack_name, ChunkHints, Location, Repository, SnapshotInfo};
 use crate::runs::{BlobLookup, RunIndex};
@@ -19,7 +21,7 @@ use crate::Result;
 use ferry_backend::{push_extent, Backend, Capabilities, Extent, IoQueue, DATA, HOLE};
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::io;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex, OnceLock, RwLock, Weak};
 
 /// Cache shards (each with its own lock), and the fewest chunks each keeps.
@@ -38,6 +40,9 @@ const GAP: u64 = 64 << 10;
 /// following chunks into the cache.
 const AHEAD_BELOW: u64 = 256 << 10;
 const AHEAD_BYTES: u64 = 1 << 20;
+/// A read of a connection's queue at most this long whose chunks are all cached (or
+/// zero) is answered on the connection's thread, not the pool's.
+const KNOWN_INLINE: u64 = 256 << 10;
 
 /// The most the default cache budget takes: decoded chunks are the process's own memory,
 /// which the kernel cannot reclaim as it does the page cache.
@@ -50,11 +55,19 @@ pub fn default_cache_bytes() -> u64 {
     crate::memory::limit().map_or(MIN_CACHE_BYTES, |m| (m / 16).min(MAX_DEFAULT_CACHE_BYTES)).max(MIN_CACHE_BYTES)
 }
 
-/// The ends of the last reads, to see sequential readers among several clients.
+/// The largest cache budget a process may ask for: half the memory it may use (decoded
+/// chunks are its own memory, which the kernel cannot take back under pressure as it does
+/// the page cache); no bound where that memory is not known.
+pub fn max_cache_bytes() -> u64 {
+    crate::memory::limit().map_or(u64::MAX, |m| (m / 2).max(MIN_CACHE_BYTES))
+}
+
+/// The ends of the last reads, to see sequential readers among several clients. Atomics,
+/// not a lock: every small read notes itself here, from any thread.
 #[derive(Default)]
 struct Recent {
-    ends: [u64; 8],
-    next: usize,
+    ends: [AtomicU64; 8],
+    next: AtomicUsize,
 }
 
 pub struct SnapshotImage {
@@ -73,7 +86,7 @@ pub struct SnapshotImage {
     /// keeps the common read (no pack missing) from taking this lock.
     gone: RwLock<HashSet<Digest>>,
     any_gone: AtomicBool,
-    recent: Mutex<Recent>,
+    recent: Recent,
     entries: Vec<Digest>,
     cs: u64,
     size: u64,
@@ -83,6 +96,8 @@ pub struct SnapshotImage {
     cache_budget: u64,
     /// Bytes in this image's cache.
     cached: AtomicU64,
+    /// Chunks read whole are kept too while the cache has room ([`SnapshotImage::keep_whole_reads`]).
+    keep_whole: AtomicBool,
 }
 
 /// A least-recently-used set of chunks.
@@ -150,7 +165,8 @@ impl SnapshotImage {
             reload: Mutex::new(()),
             gone: RwLock::new(HashSet::new()),
             any_gone: AtomicBool::new(false),
-            recent: Mutex::new(Recent::default()),
+            recent: Recent::default(),
+            keep_whole: AtomicBool::new(false),
             entries,
             cache: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
         }))
@@ -322,16 +338,21 @@ impl SnapshotImage {
         if end - offset >= AHEAD_BELOW {
             return 0;
         }
-        let mut r = self.recent.lock().unwrap_or_else(|e| e.into_inner());
-        let sequential = r.ends.contains(&offset) && offset != 0;
-        let at = r.next % r.ends.len();
-        r.ends[at] = end;
-        r.next = r.next.wrapping_add(1);
+        let r = &self.recent;
+        let sequential = offset != 0 && r.ends.iter().any(|e| e.load(Ordering::Relaxed) == offset);
+        let at = r.next.fetch_add(1, Ordering::Relaxed) % r.ends.len();
+        r.ends[at].store(end, Ordering::Relaxed);
         if sequential {
             (AHEAD_BYTES / self.cs).max(1)
         } else {
             0
         }
+    }
+
+    /// The most chunks one shard holds: its share of the budget (at least
+    /// [`PER_SHARD_MIN`]), so the shards together hold at most the budget.
+    fn shard_cap(&self) -> usize {
+        ((self.cache_budget.max(MIN_CACHE_BYTES) / self.cs.max(1)) as usize / SHARDS).max(PER_SHARD_MIN)
     }
 
     /// Keeps a chunk in the cache: beyond the budget (all snapshots' caches together),
@@ -346,19 +367,48 @@ impl SnapshotImage {
         let over = |mine: u64| {
             mine > MIN_CACHE_BYTES && CACHED.load(Ordering::Relaxed).saturating_add(len) > self.cache_budget
         };
-        // A shard holds at most its share of the budget (and at least PER_SHARD_MIN).
-        let cap = ((self.cache_budget.max(MIN_CACHE_BYTES) / self.cs.max(1)) as usize / SHARDS).max(PER_SHARD_MIN);
+        let cap = self.shard_cap();
         while s.chunks.len() >= cap || (!s.chunks.is_empty() && over(self.cached.load(Ordering::Relaxed))) {
             let Some(freed) = s.evict() else { break };
             self.cached.fetch_sub(freed, Ordering::Relaxed);
             CACHED.fetch_sub(freed, Ordering::Relaxed);
         }
+        self.insert(&mut s, ci, chunk);
+    }
+
+    /// Puts a chunk into shard `s` (locked), the most recently used, and counts it.
+    fn insert(&self, s: &mut Shard, ci: u64, chunk: Arc<Vec<u8>>) {
+        let len = chunk.len() as u64;
         s.tick += 1;
         let t = s.tick;
         s.chunks.insert(ci, (chunk, t));
         s.by_use.insert(t, ci);
         self.cached.fetch_add(len, Ordering::Relaxed);
         CACHED.fetch_add(len, Ordering::Relaxed);
+    }
+
+    /// Keeps a copy of chunk `ci`, read whole and checked (`plain`), when the cache has
+    /// room for it without evicting anything ([`SnapshotImage::keep_whole_reads`]). The
+    /// room is counted before the copy is made.
+    fn keep_if_room(&self, ci: u64, plain: &[u8]) {
+        let len = plain.len() as u64;
+        if CACHED.load(Ordering::Relaxed).saturating_add(len) > self.cache_budget {
+            return;
+        }
+        let mut s = self.cache[ci as usize % SHARDS].lock().unwrap_or_else(|e| e.into_inner());
+        if s.chunks.len() >= self.shard_cap() || s.chunks.contains_key(&ci) {
+            return;
+        }
+        self.insert(&mut s, ci, Arc::new(plain.to_vec()));
+    }
+
+    /// Chunks read whole are kept in the cache too, but only while it has room: a reader
+    /// of large parts of the disk (a VM booting from `ferry serve`, a first copy through
+    /// it) fills an idle cache with checked chunks that later small reads then find, and
+    /// never pushes out the chunks small reads use. For a served snapshot; a restore,
+    /// which reads each chunk once, leaves it off (its memory stays small).
+    pub fn keep_whole_reads(&self) {
+        self.keep_whole.store(true, Ordering::Relaxed);
     }
 
     /// The index again, unless another thread has just reloaded it.
@@ -467,6 +517,25 @@ impl SnapshotImage {
             }
             None => false,
         }
+    }
+
+    /// Fills `buf` with the bytes at `offset` when that needs no read of the store (each
+    /// chunk it covers zero or cached), noting the read as [`Backend::read`] does; false
+    /// (`buf` then holds no meaningful bytes) when a chunk is not at hand.
+    fn read_known(&self, buf: &mut [u8], offset: u64) -> bool {
+        let length = buf.len() as u64;
+        let Some(end) = offset.checked_add(length).filter(|&e| e <= self.size && length > 0) else {
+            return false;
+        };
+        for ci in offset / self.cs..=(end - 1) / self.cs {
+            let (bs, be, at) = self.span(ci, offset, end);
+            if !self.fill_known(ci, &mut buf[bs..be], at) {
+                return false;
+            }
+        }
+        // A sequential reader's next miss still sees it as one (read ahead).
+        self.ahead_for(offset, end);
+        true
     }
 
     /// The location to read chunk `ci` (blob `id`) from: its hint, else its first copy
@@ -643,7 +712,13 @@ impl SnapshotImage {
             for (w, plain) in wants[i..j].iter().zip(plains) {
                 let plain = match plain {
                     // Decoded and checked in its place in `buf`.
-                    Ok(None) => continue,
+                    Ok(None) => {
+                        if self.keep_whole.load(Ordering::Relaxed) {
+                            let (bs, be, _) = span(w.ci);
+                            self.keep_if_room(w.ci, &buf[bs..be]);
+                        }
+                        continue;
+                    }
                     Ok(Some(p)) => p,
                     Err(_) if w.ahead => continue,
                     Err(why) => {
@@ -752,7 +827,7 @@ impl Pool {
 
 /// Threads for a snapshot's reads: decoding is CPU work, so one per core; reads of an
 /// object store wait on the network, so at least 8.
-fn pool_threads() -> usize {
+pub(crate) fn pool_threads() -> usize {
     std::thread::available_parallelism().map_or(4, |n| n.get()).clamp(crate::repo::FETCH_THREADS, 32)
 }
 
@@ -793,6 +868,14 @@ impl IoQueue for ReadQueue {
     fn submit_read(&mut self, mut buf: Vec<u8>, offset: u64) {
         let slot = Arc::new(Slot::default());
         self.pending.push_back(slot.clone());
+        // A small read the cache answers (or zero chunks) is answered here: handing it to
+        // a pool thread and back would cost more than the read. The server sends such
+        // answers as they are made, not once every request received is read (which kept
+        // client and server in step, each waiting on the other: half the IOPS).
+        if buf.len() as u64 <= KNOWN_INLINE && self.image.read_known(&mut buf, offset) {
+            slot.finish(buf, Ok(()));
+            return;
+        }
         let image = self.image.clone();
         let job: Job = Box::new(move || {
             // A read that panics fails alone: its slot is still finished (its connection

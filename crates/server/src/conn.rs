@@ -1053,6 +1053,13 @@ impl Transmission {
             self.in_flight.push_back(h);
             self.in_flight_bytes += len;
             self.large_writes = false;
+            // Reads the queue answered at once (a snapshot's cached chunks) go out in
+            // batches as they are answered, so the client works on them while the rest
+            // are read: answered only after every request received, client and server
+            // took turns, each idle while the other worked (half the IOPS).
+            if self.queue.as_ref().is_some_and(|q| q.oldest_done()) {
+                self.answer_queued(0)?;
+            }
         }
     }
 

@@ -1,9 +1,11 @@
 //! A snapshot read fast (issue 35): whole chunks decoded in their place in the reader's
 //! buffer (a restore), small reads through the cache from many threads, and none of it
 //! at the cost of a byte unchecked.
-use super::{backup, disk, new_repo, where_is, CS};
-use crate::SnapshotImage;
+use super::{backup, disk, new_repo, where_is, Gate, CS};
+use crate::{Repository, SnapshotImage};
 use ferry_backend::Backend;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 const MIB: usize = 1 << 20;
 
@@ -124,4 +126,154 @@ fn concurrent_small_reads_of_shared_and_evicted_chunks_are_exact() {
     });
     assert!(img.cached_bytes() <= crate::MIN_CACHE_BYTES, "{} bytes cached", img.cached_bytes());
     assert!(img.cached_bytes() > 0);
+}
+
+/// Chunks whose digest is not the zero chunk's: what a cache can hold.
+fn data_chunks(img: &SnapshotImage) -> Vec<usize> {
+    (0..img.entries().len()).filter(|&c| img.entries()[c] != crate::format::ZERO).collect()
+}
+
+/// A served snapshot (`keep_whole_reads`) keeps the chunks it reads whole while its cache
+/// has room: a later small read of one is answered from the cache (here, with every copy
+/// in the store damaged after the whole read, it still gives the right bytes). A chunk
+/// that fails its check is not kept, and fails each read of it.
+#[test]
+fn whole_reads_of_a_served_snapshot_fill_the_cache_with_checked_chunks() {
+    for encrypt in [false, true] {
+        let (store, repo) = new_repo(encrypt);
+        let data = disk(4 * MIB, 9);
+        let snap = backup(&repo, "d", &data, None);
+        // Chunk 7 damaged before anything is read.
+        let (pack, at) = where_is(&repo, &snap, 7);
+        store.tamper(&pack, |v| v[at as usize] ^= 1);
+        let img = SnapshotImage::open_with_cache(repo.clone(), &snap, 1 << 30).unwrap();
+        img.keep_whole_reads();
+        let mut big = vec![0u8; MIB];
+        assert!(img.read(&mut big, 0).is_err(), "the damaged chunk 7 fails its read");
+        for at in (MIB..data.len()).step_by(MIB) {
+            img.read(&mut big, at as u64).unwrap();
+            assert!(big[..] == data[at..at + MIB]);
+        }
+        // Every data chunk of the reads that succeeded is kept (and some of the failed
+        // read's good ones, those checked before chunk 7 failed it), never chunk 7.
+        let kept: Vec<usize> = data_chunks(&img).into_iter().filter(|&c| c >= MIB / CS).collect();
+        let all = data_chunks(&img).len();
+        assert!(!kept.is_empty() && all > kept.len());
+        let cached = img.cached_bytes() as usize;
+        assert!(cached >= kept.len() * CS && cached < all * CS, "{cached} bytes cached");
+        // Every kept chunk's stored copy damaged: small reads of them are the cache's.
+        for &c in &kept {
+            let (pack, at) = where_is(&repo, &snap, c);
+            store.tamper(&pack, |v| v[at as usize] ^= 0x40);
+        }
+        for &c in &kept {
+            let mut small = vec![0u8; 4096];
+            let o = c * CS + 1000;
+            img.read(&mut small, o as u64).unwrap();
+            assert!(small[..] == data[o..o + 4096], "chunk {c} (encrypted {encrypt})");
+        }
+        // The damaged chunk was not kept: each read of it fails.
+        for _ in 0..2 {
+            let mut small = vec![0u8; 4096];
+            let e = img.read(&mut small, (7 * CS + 100) as u64).unwrap_err().to_string();
+            assert!(e.contains(&format!("{}..{}", 7 * CS, 8 * CS)), "{e}");
+        }
+        // A restore's image (the default) keeps nothing it reads whole.
+        let plain = SnapshotImage::open_with_cache(repo, &snap, 1 << 30).unwrap();
+        let _ = plain.read(&mut big, 2 * MIB as u64);
+        assert_eq!(plain.cached_bytes(), 0);
+    }
+}
+
+/// Whole reads fill only the room the cache has: they never evict, so the chunks small
+/// reads brought in stay, and the cache stays within its bound (16 MiB here, the
+/// minimum, for 40 MiB of chunks read whole).
+#[test]
+fn whole_reads_never_push_out_what_small_reads_cached() {
+    let (store, repo) = new_repo(false);
+    let data = disk(40 * MIB, 6);
+    let snap = backup(&repo, "d", &data, None);
+    let img = SnapshotImage::open_with_cache(repo.clone(), &snap, crate::MIN_CACHE_BYTES).unwrap();
+    img.keep_whole_reads();
+    // Small reads of the last few data chunks first (the whole reads reach them last).
+    let small: Vec<usize> = data_chunks(&img).into_iter().rev().take(8).collect();
+    for &c in &small {
+        let mut b = vec![0u8; 4096];
+        img.read(&mut b, (c * CS) as u64).unwrap();
+    }
+    let mut big = vec![0u8; MIB];
+    for at in (0..data.len()).step_by(MIB) {
+        img.read(&mut big, at as u64).unwrap();
+        assert!(big[..] == data[at..at + MIB]);
+        assert!(img.cached_bytes() <= crate::MIN_CACHE_BYTES, "{} bytes cached", img.cached_bytes());
+    }
+    assert!(img.cached_bytes() > (8 * CS) as u64, "whole reads filled the room there was");
+    for &c in &small {
+        let (pack, at) = where_is(&repo, &snap, c);
+        store.tamper(&pack, |v| v[at as usize] ^= 0x40);
+        let mut b = vec![0u8; 4096];
+        let o = c * CS + 4096;
+        img.read(&mut b, o as u64).unwrap();
+        assert!(b[..] == data[o..o + 4096], "chunk {c}, read small first, was evicted");
+    }
+}
+
+/// A small read whose chunks are cached (or zero) is answered as it comes, even while
+/// every thread of the pool waits on the store: it costs no hand-off to another thread.
+#[test]
+fn cached_reads_are_answered_while_the_pool_waits() {
+    let (store, repo) = new_repo(false);
+    let data = disk(8 * MIB, 21);
+    let snap = backup(&repo, "d", &data, None);
+    // Ranged reads wait until one more than the pool's threads are in at once: never,
+    // so each waits 5 s (opening the image and the first read too).
+    let threads = crate::reader::pool_threads();
+    let gate = Arc::new(Gate {
+        inner: store,
+        inside: Mutex::new(0),
+        cv: Condvar::new(),
+        want: threads + 1,
+        met: false.into(),
+    });
+    let repo = Arc::new(Repository::open(gate.clone(), &|| unreachable!()).unwrap());
+    let img = SnapshotImage::open(repo, &snap).unwrap();
+    // Chunk 1 read in part: cached (its read waits out the gate).
+    let at = CS + 4096;
+    let mut buf = vec![0u8; 4096];
+    img.read(&mut buf, at as u64).unwrap();
+    // Every pool thread stuck in the store, on chunks not cached.
+    let mut stuck = img.io_queue().unwrap();
+    let mut c = 2;
+    for _ in 0..threads {
+        while c % 5 == 0 {
+            c += 1;
+        }
+        stuck.submit_read(vec![0; 4096], (c * CS) as u64);
+        c += 1;
+    }
+    let inside = || *gate.inside.lock().unwrap();
+    let t = Instant::now();
+    while inside() < threads && t.elapsed() < Duration::from_secs(4) {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert_eq!(inside(), threads, "the pool's threads did not all reach the store");
+    // A cached read and a zero chunk's read on another connection.
+    let mut q = img.io_queue().unwrap();
+    q.submit_read(vec![0; 4096], at as u64 + 512);
+    q.submit_read(vec![1; 4096], 100);
+    // The pool's threads are held for 5 s: a read handed to them is not done in 2.
+    let t = Instant::now();
+    while !q.oldest_done() && t.elapsed() < Duration::from_secs(2) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(q.oldest_done(), "a cached read waited for the pool");
+    let (buf, r) = q.complete().unwrap();
+    r.unwrap();
+    assert!(buf[..] == data[at + 512..at + 512 + 4096]);
+    let (buf, r) = q.complete().unwrap();
+    r.unwrap();
+    assert!(buf.iter().all(|&b| b == 0), "chunk 0 is zero");
+    while let Some((_, r)) = stuck.complete() {
+        r.unwrap();
+    }
 }
