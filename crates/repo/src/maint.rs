@@ -1557,7 +1557,7 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
     report.spill_runs = spilled.runs;
     report.spill_bytes = spilled.bytes;
     if spilled.runs > 0 {
-        log::info!("gc's sorters wrote {} MiB in {} temporary file(s)", spilled.bytes >> 20, spilled.runs);
+        log::debug!("gc's sorters wrote {} MiB in {} temporary file(s)", spilled.bytes >> 20, spilled.runs);
     }
     let kept = match kept {
         Ok(kept) => kept,
