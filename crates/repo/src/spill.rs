@@ -434,14 +434,15 @@ mod tests {
 
     /// Levelled runs: each record is written once per level, so the bytes written grow
     /// as N log N (a merge of each new run into one big run grows as N²: 32 times the
-    /// records would write about 1,000 times the bytes, not about 60).
+    /// records would write about 600 times the bytes, not about 50).
     #[test]
     fn the_bytes_written_grow_as_n_log_n() {
         let per_record = |n: u64| bytes_written(n) as f64 / (n * 9) as f64;
-        // 100 runs: written once, once more in three level-1 runs (a fourth merged at
-        // the end with the last runs of level 0).
+        // 99 runs and 10 records held: written once, and 960 of them once more in three
+        // runs of level 1 (1.95 bytes a byte).
         let small = per_record(1000);
-        // 3,200 runs: levels 0, 1 and 2 (3,200 = 3 * 1,024 + 4 * 32 ...).
+        // 3,199 runs (3 * 1,024 + 3 * 32 + 31): levels 0, 1 and 2, and the last 6 of
+        // level 0 merged by finish to leave 32 (2.95 bytes a byte).
         let large = per_record(32_000);
         assert!((1.0..=2.5).contains(&small), "{small} bytes written per byte of records");
         assert!((2.0..=3.6).contains(&large), "{large} bytes written per byte of records");
