@@ -136,9 +136,19 @@ fn unlinked_file(dir: &Path) -> io::Result<File> {
     unlinked(dir, "entries")
 }
 
-/// A new file in `dir`, read and written, whose name (`.WHAT-PID-RANDOM`) is removed at
-/// once: it goes when it is closed, however the process ends.
+/// A new file in `dir`, read and written, that has no name: it goes when it is closed,
+/// however the process ends. Made with `O_TMPFILE` where the file system has it (never
+/// named); else named `.WHAT-PID-RANDOM` and the name removed at once, and a name that a
+/// process killed in between left is removed by [`remove_stray`].
 pub(crate) fn unlinked(dir: &Path, what: &str) -> io::Result<File> {
+    use rustix::fs::{Mode, OFlags};
+    let flags = OFlags::RDWR | OFlags::CLOEXEC | OFlags::TMPFILE;
+    match rustix::fs::open(dir, flags, Mode::from_raw_mode(0o600)) {
+        Ok(fd) => return Ok(File::from(fd)),
+        // No O_TMPFILE in this file system (or kernel): a named file.
+        Err(e) if [rustix::io::Errno::OPNOTSUPP, rustix::io::Errno::ISDIR, rustix::io::Errno::INVAL].contains(&e) => {}
+        Err(e) => return Err(e.into()),
+    }
     let r = crate::crypto::random::<12>();
     let path = dir.join(format!(".{what}-{}-{}", std::process::id(), crate::format::hex(&r)));
     let file = std::fs::OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(&path)?;
@@ -146,9 +156,63 @@ pub(crate) fn unlinked(dir: &Path, what: &str) -> io::Result<File> {
     Ok(file)
 }
 
+/// The temporary files that processes no longer running left in `dir` (killed between
+/// making and unlinking one, [`unlinked`]'s named way): removed. Files of a process that
+/// runs, or whose number cannot be told gone, stay. Returns how many were removed.
+pub(crate) fn remove_stray(dir: &Path) -> usize {
+    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+    let mut removed = 0;
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name.to_str().and_then(stray_pid) else { continue };
+        if pid == std::process::id() || crate::lock::holder_gone(pid, None).is_none() {
+            continue;
+        }
+        match std::fs::remove_file(e.path()) {
+            Ok(()) => removed += 1,
+            Err(err) => log::debug!("cannot remove {}: {err}", e.path().display()),
+        }
+    }
+    removed
+}
+
+/// The process of a name [`unlinked`] gives (`.spill-PID-HEX` or `.entries-PID-HEX`).
+fn stray_pid(name: &str) -> Option<u32> {
+    let rest = name.strip_prefix(".spill-").or_else(|| name.strip_prefix(".entries-"))?;
+    let (pid, random) = rest.split_once('-')?;
+    (random.len() == 24 && random.bytes().all(|b| b.is_ascii_hexdigit())).then_some(())?;
+    pid.parse().ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_unlinked_file_has_no_name_and_strays_of_dead_processes_go() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut f = unlinked(dir.path(), "spill").unwrap();
+        io::Write::write_all(&mut f, b"records").unwrap();
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+        // What a process killed between create and unlink leaves: a dead one's (a number
+        // above the kernel's largest) goes, this process's and other names stay.
+        let hex = "0123456789abcdef01234567";
+        let dead = format!(".spill-{}-{hex}", u32::MAX - 1);
+        let dead_entries = format!(".entries-{}-{hex}", u32::MAX - 2);
+        let own = format!(".spill-{}-{hex}", std::process::id());
+        let others = [own.as_str(), "spill-1-x", ".spill-x-0123", "runs", ".spill-12-short"];
+        for n in others.iter().chain([&dead.as_str(), &dead_entries.as_str()]) {
+            std::fs::write(dir.path().join(n), b"").unwrap();
+        }
+        assert_eq!(remove_stray(dir.path()), 2);
+        let mut left: Vec<String> =
+            std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        left.sort();
+        let mut want: Vec<String> = others.iter().map(|s| s.to_string()).collect();
+        want.sort();
+        assert_eq!(left, want);
+        assert_eq!(remove_stray(&dir.path().join("none")), 0);
+    }
 
     #[test]
     fn a_file_and_memory_hold_the_same_entries() {

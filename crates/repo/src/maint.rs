@@ -110,11 +110,26 @@ fn for_pages(
     pages: &[Digest],
     mut f: impl FnMut(&Digest, Result<Vec<Digest>, String>),
 ) {
+    let _ = try_for_pages(repo, index, pages, |d, page| {
+        f(d, page);
+        Ok(())
+    });
+}
+
+/// [`for_pages`] that stops at the first error `f` returns (no further page is read) and
+/// returns it.
+fn try_for_pages(
+    repo: &Repository,
+    index: &Index,
+    pages: &[Digest],
+    mut f: impl FnMut(&Digest, Result<Vec<Digest>, String>) -> Result<()>,
+) -> Result<()> {
     for batch in pages.chunks(PAGE_BATCH) {
         for (d, page) in batch.iter().zip(par_map(batch, FETCH_THREADS, |d| repo.read_page(index, d))) {
-            f(d, page);
+            f(d, page)?;
         }
     }
+    Ok(())
 }
 
 /// A located page's chunk hints (FORMAT.md §7c), as records to be joined with the
@@ -1317,6 +1332,12 @@ pub struct GcReport {
     pub packs_waiting: u64,
     /// Packs condemned by an earlier gc that a snapshot uses again: no longer condemned.
     pub packs_spared: u64,
+    /// Runs gc's sorters wrote to temporary files (not in the JSON report).
+    #[serde(skip)]
+    pub spill_runs: u64,
+    /// Bytes gc's sorters wrote to temporary files (not in the JSON report).
+    #[serde(skip)]
+    pub spill_bytes: u64,
 }
 
 /// Frees what no snapshot references (FORMAT.md §9).
@@ -1587,20 +1608,17 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
     // The live set: each distinct page read once (a batch at a time), its id and its
     // entries' ids given to a sorter that spills to a file past its budget.
     let mut live = Sorter::<32>::for_repo(repo, "gc's live set");
+    // A record that cannot be spilled (the directory is full) stops the reading at once.
     let mut failed: HashMap<Digest, String> = HashMap::new();
-    let mut pushed: Result<()> = Ok(());
-    for_pages(repo, &index, &distinct_pages(&snap_pages, |_| true), |d, page| match page {
-        Ok(entries) if pushed.is_ok() => {
-            pushed = std::iter::once(d)
-                .chain(entries.iter().filter(|e| **e != ZERO))
-                .try_for_each(|e| live.push(repo.crypto.blob_id(e)));
-        }
-        Ok(_) => {}
+    try_for_pages(repo, &index, &distinct_pages(&snap_pages, |_| true), |d, page| match page {
+        Ok(entries) => std::iter::once(d)
+            .chain(entries.iter().filter(|e| **e != ZERO))
+            .try_for_each(|e| live.push(repo.crypto.blob_id(e))),
         Err(why) => {
             failed.insert(*d, why);
+            Ok(())
         }
-    });
-    pushed?;
+    })?;
     for (s, sp) in snaps.iter().zip(&snap_pages) {
         if let Some((d, why)) = sp.nonzero().iter().find_map(|d| failed.get(d).map(|why| (d, why))) {
             return Err(match index.blobs.contains_key(&repo.crypto.blob_id(d)) {
@@ -1621,10 +1639,17 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
     let copies = copies(repo, &packs, &listed, &damage, &is_condemned)?;
     // The copies kept of each live blob (a blob with several keeps one, the others being
     // dead), one bit a copy.
-    let kept = kept_copies(repo, live, copies, &packs, &mut damage, !dry_run).map_err(|e| match e {
+    let mut spilled = crate::spill::Written::default();
+    let kept = kept_copies(repo, live, copies, &packs, &mut damage, !dry_run, &mut spilled).map_err(|e| match e {
         e @ Error::Store { .. } => e,
         e => stop(e.to_string()),
     })?;
+    spilled += packs.table.written();
+    report.spill_runs = spilled.runs;
+    report.spill_bytes = spilled.bytes;
+    if spilled.runs > 0 {
+        log::debug!("gc's sorters wrote {} MiB in {} temporary file(s)", spilled.bytes >> 20, spilled.runs);
+    }
     let kept = match kept {
         Ok(kept) => kept,
         Err(id) => {
@@ -2132,6 +2157,22 @@ impl Kept {
     }
 }
 
+/// Neighbouring copies that [`kept_copies`] checks are read in one ranged read when the
+/// bytes between them are at most this many (read and thrown away: cheaper than another
+/// request).
+const COPY_GAP: u64 = 1 << 20;
+/// The most bytes one ranged read of [`kept_copies`] asks for (unless one copy is larger).
+const COPY_SPAN: u64 = 8 << 20;
+
+/// The place of a copy as a record that sorts in pack order: the pack's number and the
+/// entry's (big-endian).
+fn place_record(c: CopyRef) -> [u8; 8] {
+    let mut r = [0u8; 8];
+    r[..4].copy_from_slice(&c.pack.to_be_bytes());
+    r[4..].copy_from_slice(&c.entry.to_be_bytes());
+    r
+}
+
 /// The copies gc keeps of each blob of the `live` set, its `copies` (sorted, the preferred
 /// first) merged with it in id order. A blob with one copy in packs that are there keeps
 /// it; one with several keeps the first that reads back and checks (decoded, its digest
@@ -2139,6 +2180,12 @@ impl Kept {
 /// fail the check are recorded damaged in `damage` (and stored when `record`, as `verify`
 /// records them; a dry run only says so); where none passes, every copy stays.
 /// `Ok(Err(id))`: live blob `id` has no copy in a pack that is there.
+///
+/// The preferred copies of the blobs with several are read in pack order, neighbours in
+/// one ranged read ([`COPY_GAP`], [`COPY_SPAN`]), not a read each in id order: their
+/// places, and the copies of those blobs, go through two more sorters, so that memory
+/// stays bounded. Only where a preferred copy fails are the others read, one at a time.
+/// What the sorters wrote is added to `written`.
 fn kept_copies(
     repo: &Repository,
     mut live: Sorted<32>,
@@ -2146,11 +2193,14 @@ fn kept_copies(
     packs: &PackEntries,
     damage: &mut DamageSet,
     record: bool,
+    written: &mut crate::spill::Written,
 ) -> Result<Result<Kept, Digest>> {
     let mut kept = Kept::new(packs);
-    let mut found: Vec<(Digest, Digest, String)> = Vec::new();
+    // The preferred copy of each blob with several, by place; and all their copies.
+    let mut first = Sorter::<8>::for_repo(repo, "gc's list of the copies to check");
+    let mut several = Sorter::<COPY>::for_repo(repo, "gc's list of the blobs with several copies");
     let mut next = copies.next()?;
-    let mut cs: Vec<CopyRef> = Vec::new();
+    let mut cs: Vec<[u8; COPY]> = Vec::new();
     while let Some(id) = live.next()? {
         // The copies of blobs no snapshot uses (before this one) are not kept.
         while next.is_some_and(|c| c[..32] < id[..]) {
@@ -2158,51 +2208,91 @@ fn kept_copies(
         }
         cs.clear();
         while let Some(c) = next.filter(|c| c[..32] == id[..]) {
-            cs.push(copy_of(&c));
+            cs.push(c);
             next = copies.next()?;
         }
         match cs.len() {
             0 => return Ok(Err(id)),
-            1 => {
-                kept.set(cs[0]);
-                continue;
+            1 => kept.set(copy_of(&cs[0])),
+            _ => {
+                first.push(place_record(copy_of(&cs[0])))?;
+                cs.iter().try_for_each(|c| several.push(*c))?;
             }
-            _ => {}
         }
-        let mut good = None;
-        for c in &cs {
-            let pack = &packs.packs[c.pack as usize].0;
-            let b = &packs.blob(c.pack as usize, c.entry)?;
-            let name = pack_name(pack);
-            let loc = crate::BlobLocation::of(*pack, b);
-            // A short or unreadable copy (a truncated pack) is damage, as a failed check is:
-            // the next copy is tried. Any other store error stops gc before it deletes.
-            let read = match repo.store.get_range(&name, b.offset as u64, b.stored_len as u64) {
-                Ok(stored) => repo.decode_blob(&id, &loc, b.kind, &stored),
-                Err(e) if matches!(e.kind(), std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::InvalidData) => {
-                    Err(format!("it cannot be read whole: {e}"))
+    }
+    *written += live.written();
+    *written += copies.written();
+    drop((live, copies));
+    // The preferred copies, in pack order: those that fail, with why.
+    let mut first = first.finish()?;
+    let mut failed: HashMap<(u32, u32), String> = HashMap::new();
+    let mut entries: Vec<u32> = Vec::new();
+    let mut pack = None;
+    loop {
+        let rec = first.next()?;
+        let place = rec.map(|r| copy_of_place(&r));
+        if pack.is_some() && place.map(|c| c.pack) != pack {
+            let i = pack.unwrap_or(0);
+            for (j, why) in check_copies(repo, packs, i, &entries)? {
+                match why {
+                    None => kept.set(CopyRef { pack: i, entry: j }),
+                    Some(why) => {
+                        failed.insert((i, j), why);
+                    }
                 }
-                Err(e) => return Err(Error::store(format!("cannot read {name} from {}", repo.store.describe()), e)),
-            };
-            match read {
-                Ok(_) => {
-                    good = Some(c.pack);
-                    break;
-                }
-                Err(why) => {
-                    log::warn!("{name}: {why}: this copy is not kept where another reads back well");
-                    if !damage.is_damaged(pack, &id) {
-                        found.push((*pack, id, why));
+            }
+            entries.clear();
+        }
+        let Some(c) = place else { break };
+        pack = Some(c.pack);
+        entries.push(c.entry);
+    }
+    *written += first.written();
+    drop(first);
+    // Each blob with several copies: where its preferred copy checks, every copy of it in
+    // that pack is kept; else the next copies are read, one at a time, until one checks.
+    let mut several = several.finish()?;
+    let mut found: Vec<(Digest, Digest, String)> = Vec::new();
+    let mut next = several.next()?;
+    while let Some(head) = next {
+        cs.clear();
+        while let Some(c) = next.filter(|c| c[..32] == head[..32]) {
+            cs.push(c);
+            next = several.next()?;
+        }
+        let refs: Vec<CopyRef> = cs.iter().map(copy_of).collect();
+        let mut good = Some(refs[0].pack);
+        if let Some(why) = failed.remove(&(refs[0].pack, refs[0].entry)) {
+            good = None;
+            let mut why = Some(why);
+            for (k, c) in refs.iter().enumerate() {
+                let pack = &packs.packs[c.pack as usize].0;
+                let b = packs.blob(c.pack as usize, c.entry)?;
+                let result = match why.take() {
+                    Some(why) if k == 0 => Err(why),
+                    _ => read_copy(repo, pack, &b)?,
+                };
+                match result {
+                    Ok(()) => {
+                        good = Some(c.pack);
+                        break;
+                    }
+                    Err(why) => {
+                        log::warn!("{}: {why}: this copy is not kept where another reads back well", pack_name(pack));
+                        if !damage.is_damaged(pack, &b.id) {
+                            found.push((*pack, b.id, why));
+                        }
                     }
                 }
             }
         }
         // The good copy's pack keeps every copy of the blob in it; where none is good,
         // every copy stays.
-        for c in cs.iter().filter(|c| good.is_none_or(|p| c.pack == p)) {
+        for c in refs.iter().filter(|c| good.is_none_or(|p| c.pack == p)) {
             kept.set(*c);
         }
     }
+    *written += several.written();
     if !found.is_empty() && record {
         crate::damage::record_found(repo, damage, found)?;
     } else if !found.is_empty() {
@@ -2214,6 +2304,66 @@ fn kept_copies(
         );
     }
     Ok(Ok(kept))
+}
+
+fn copy_of_place(r: &[u8; 8]) -> CopyRef {
+    CopyRef { pack: u32::from_be_bytes([r[0], r[1], r[2], r[3]]), entry: u32::from_be_bytes([r[4], r[5], r[6], r[7]]) }
+}
+
+/// Reads and checks the blobs `entries` (ascending) of pack `i`, neighbours in one ranged
+/// read: each entry, and `None` where it checks, else why not. A range that cannot be read
+/// whole (a truncated pack) is read again a blob at a time, so that each copy is judged
+/// on its own bytes. Any other store error stops gc.
+fn check_copies(repo: &Repository, packs: &PackEntries, i: u32, entries: &[u32]) -> Result<Vec<(u32, Option<String>)>> {
+    let pack = &packs.packs[i as usize].0;
+    let blobs = packs.blobs(i as usize)?;
+    let name = pack_name(pack);
+    let mut out = Vec::with_capacity(entries.len());
+    let mut rest = entries;
+    while let Some(&j0) = rest.first() {
+        let b0 = blobs.get(j0 as usize).ok_or_else(|| Error::Invalid(format!("{name} has no blob {j0}")))?;
+        let start = b0.offset as u64;
+        let mut end = start + b0.stored_len as u64;
+        let mut n = 1;
+        while let Some(b) = rest.get(n).and_then(|&j| blobs.get(j as usize)) {
+            let (s, e) = (b.offset as u64, b.offset as u64 + b.stored_len as u64);
+            if s < end || s - end > COPY_GAP || e - start > COPY_SPAN {
+                break;
+            }
+            end = e;
+            n += 1;
+        }
+        let (range, after) = rest.split_at(n);
+        rest = after;
+        let bytes = match repo.store.get_range(&name, start, end - start) {
+            Ok(bytes) => Some(bytes),
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::InvalidData) => None,
+            Err(e) => return Err(Error::store(format!("cannot read {name} from {}", repo.store.describe()), e)),
+        };
+        for &j in range {
+            let b = &blobs[j as usize];
+            let at = (b.offset as u64 - start) as usize;
+            let result = match bytes.as_ref().and_then(|v| v.get(at..at + b.stored_len as usize)) {
+                Some(stored) => repo.decode_blob(&b.id, &crate::BlobLocation::of(*pack, b), b.kind, stored).map(drop),
+                None => read_copy(repo, pack, b)?,
+            };
+            out.push((j, result.err()));
+        }
+    }
+    Ok(out)
+}
+
+/// Reads and checks one copy: `Ok(Err(why))` where it is damaged (a short or unreadable
+/// copy, a truncated pack, is damage as a failed check is); any other store error stops gc.
+fn read_copy(repo: &Repository, pack: &Digest, b: &BlobEntry) -> Result<Result<(), String>> {
+    let name = pack_name(pack);
+    match repo.store.get_range(&name, b.offset as u64, b.stored_len as u64) {
+        Ok(stored) => Ok(repo.decode_blob(&b.id, &crate::BlobLocation::of(*pack, b), b.kind, &stored).map(drop)),
+        Err(e) if matches!(e.kind(), std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::InvalidData) => {
+            Ok(Err(format!("it cannot be read whole: {e}")))
+        }
+        Err(e) => Err(Error::store(format!("cannot read {name} from {}", repo.store.describe()), e)),
+    }
 }
 
 /// The object a snapshot (or a checkpoint read as one) is.

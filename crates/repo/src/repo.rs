@@ -531,7 +531,17 @@ impl Repository {
     /// private to this process where that cannot be used; `None` where no cache can be
     /// made (the index is then read into memory).
     pub(crate) fn index_cache(&self) -> Option<Arc<crate::runs::Cache>> {
-        self.index_cache.get_or_init(|| crate::runs::Cache::for_repo(&self.config.id).map(Arc::new)).clone()
+        let open = || {
+            let cache = crate::runs::Cache::for_repo(&self.config.id)?;
+            // Temporary files that killed processes left there (gc, check and backups
+            // all open the cache first).
+            let n = crate::entries::remove_stray(cache.spill_dir());
+            if n > 0 {
+                log::info!("removed {n} temporary file(s) of processes gone from {}", cache.spill_dir().display());
+            }
+            Some(Arc::new(cache))
+        };
+        self.index_cache.get_or_init(open).clone()
     }
     /// Uses `cache` as this repository's index cache (tests); false when one is in use.
     #[cfg(test)]

@@ -4,10 +4,16 @@
 //! as a run to a file, and the runs are merged (k-way, bounded fan-in) when the records
 //! are read back, in order, each distinct record once.
 //!
-//! The files have no name: each is unlinked as soon as it is made, so it goes when the
-//! sorter is dropped or the process is killed, and nothing is left to clean up. They are
-//! not repository objects; they live in the repository's cache directory (the system's
-//! temporary directory where there is none).
+//! The runs are levelled: a run written from memory is of level 0, and [`FAN_IN`] runs of
+//! one level are merged into one of the next as soon as there are that many, so that each
+//! record is written once per level, and `N` records cost `O(N log N)` bytes of I/O (not
+//! `O(N²)`, as merging each new run into one big run would). Before the records are read
+//! back, the smallest runs are merged until at most [`FAN_IN`] are left.
+//!
+//! The files have no name ([`crate::entries::unlinked`]: `O_TMPFILE` where the file
+//! system has it, else a name removed at once), so each goes when the sorter is dropped
+//! or the process is killed. They are not repository objects; they live in the
+//! repository's cache directory (the system's temporary directory where there is none).
 use crate::{Error, Result};
 use std::collections::BinaryHeap;
 use std::fs::File;
@@ -21,10 +27,7 @@ pub(crate) const BUDGET: usize = 16 << 20;
 /// A few records in the crate's tests, so that every gc in them spills, many runs.
 #[cfg(test)]
 pub(crate) const BUDGET: usize = 300;
-/// Runs written (the crate's tests: that a gc spilled).
-#[cfg(test)]
-pub(crate) static RUNS_WRITTEN: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-/// Runs merged at once; where more are written, they are merged into one first.
+/// Runs merged at once: [`FAN_IN`] runs of one level make one run of the next.
 const FAN_IN: usize = 32;
 /// Bytes read ahead from each run while they are merged.
 const READ_AHEAD: usize = 64 << 10;
@@ -33,6 +36,24 @@ const READ_AHEAD: usize = 64 << 10;
 struct Run {
     file: File,
     records: u64,
+    /// 0: written from memory; `k + 1`: merged from runs of level `k`.
+    level: u32,
+}
+
+/// What a sorter wrote to its files.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Written {
+    /// Runs (and tables) written.
+    pub(crate) runs: u64,
+    /// Bytes written, in all.
+    pub(crate) bytes: u64,
+}
+
+impl std::ops::AddAssign for Written {
+    fn add_assign(&mut self, o: Written) {
+        self.runs += o.runs;
+        self.bytes += o.bytes;
+    }
 }
 
 /// Records of `N` bytes, gathered, then read back sorted and deduplicated.
@@ -41,36 +62,54 @@ pub(crate) struct Sorter<const N: usize> {
     /// Records held at most.
     most: usize,
     dir: PathBuf,
+    /// Levels never rise from one run to the next.
     runs: Vec<Run>,
     /// What the records are, for errors ("gc's live set").
     what: String,
+    /// Whether `dir` is the repository's cache directory (else the system's temporary
+    /// directory), for what an error tells to do.
+    in_cache: bool,
+    written: Written,
+}
+
+#[cfg(test)]
+thread_local! {
+    /// This thread's sorters whose `what` contains it fail their spills as a full disk
+    /// does (the crate's tests).
+    pub(crate) static FAIL_SPILLS_OF: std::cell::RefCell<Option<&'static str>> = const { std::cell::RefCell::new(None) };
 }
 
 impl<const N: usize> Sorter<N> {
     /// A sorter that holds up to `budget` bytes of records in memory (at least one), and
     /// writes its runs to unlinked files in `dir`.
     pub(crate) fn new(dir: &Path, budget: usize, what: &str) -> Sorter<N> {
-        Sorter { held: Vec::new(), most: (budget / N).max(1), dir: dir.into(), runs: Vec::new(), what: what.into() }
+        Sorter {
+            held: Vec::new(),
+            most: (budget / N).max(1),
+            dir: dir.into(),
+            runs: Vec::new(),
+            what: what.into(),
+            in_cache: true,
+            written: Written::default(),
+        }
     }
 
     /// A sorter of [`BUDGET`] in the repository's cache directory, else the system's
     /// temporary directory.
     pub(crate) fn for_repo(repo: &crate::Repository, what: &str) -> Sorter<N> {
-        let dir = match repo.index_cache() {
-            Some(c) => c.spill_dir().to_path_buf(),
-            None => std::env::temp_dir(),
-        };
-        Sorter::new(&dir, BUDGET, what)
+        match repo.index_cache() {
+            Some(c) => Sorter::new(c.spill_dir(), BUDGET, what),
+            None => Sorter { in_cache: false, ..Sorter::new(&std::env::temp_dir(), BUDGET, what) },
+        }
     }
 
     fn fail(&self, e: io::Error) -> Error {
+        let room = match self.in_cache {
+            true => "free space there, or set FERRY_CACHE_DIR to a directory with room",
+            false => "free space there, or set TMPDIR to a directory with room",
+        };
         Error::Store {
-            what: format!(
-                "cannot keep {} in a temporary file in {} (free space there, or set FERRY_CACHE_DIR to a directory \
-                 with room)",
-                self.what,
-                self.dir.display()
-            ),
+            what: format!("cannot keep {} in a temporary file in {} ({room})", self.what, self.dir.display()),
             source: e,
         }
     }
@@ -88,24 +127,54 @@ impl<const N: usize> Sorter<N> {
         Ok(())
     }
 
-    /// Writes the records held as a run; merges the runs into one where there are
-    /// [`FAN_IN`].
+    /// What this sorter wrote to its files so far.
+    #[cfg(test)]
+    pub(crate) fn written(&self) -> Written {
+        self.written
+    }
+
+    /// Writes the records held as a run of level 0; merges the last [`FAN_IN`] runs into
+    /// one of the next level while they are of one level.
     fn spill(&mut self) -> io::Result<()> {
+        #[cfg(test)]
+        if FAIL_SPILLS_OF.with(|f| f.borrow().is_some_and(|w| self.what.contains(w))) {
+            return Err(io::Error::from(io::ErrorKind::StorageFull));
+        }
         self.held.sort_unstable();
         self.held.dedup();
-        let run = write_run(&self.dir, self.held.drain(..).map(Ok))?;
+        let mut run = write_run(&self.dir, self.held.drain(..).map(Ok), &mut self.written)?;
+        run.level = 0;
         self.runs.push(run);
-        if self.runs.len() >= FAN_IN {
-            let runs = std::mem::take(&mut self.runs);
-            let mut merged = Merge::<N>::new(runs, Vec::new())?;
-            let run = write_run(&self.dir, std::iter::from_fn(|| merged.next().transpose()))?;
-            self.runs.push(run);
+        while self.runs.len() >= FAN_IN {
+            let tail = &self.runs[self.runs.len() - FAN_IN..];
+            if tail[0].level != tail[FAN_IN - 1].level {
+                break;
+            }
+            let level = tail[0].level + 1;
+            self.merge_last(FAN_IN, level)?;
         }
         Ok(())
     }
 
-    /// The records, sorted, each distinct one once.
+    /// Merges the last `n` runs into one of `level`.
+    fn merge_last(&mut self, n: usize, level: u32) -> io::Result<()> {
+        let runs = self.runs.split_off(self.runs.len() - n);
+        let mut merged = Merge::<N>::new(runs, Vec::new())?;
+        let mut run = write_run(&self.dir, std::iter::from_fn(|| merged.next().transpose()), &mut self.written)?;
+        run.level = level;
+        self.runs.push(run);
+        Ok(())
+    }
+
+    /// The records, sorted, each distinct one once: the smallest runs (the last) are
+    /// merged first until at most [`FAN_IN`] are left (with the records held, read from
+    /// memory), so that a bounded number of files is read at once.
     pub(crate) fn finish(mut self) -> Result<Sorted<N>> {
+        while self.runs.len() > FAN_IN {
+            let n = (self.runs.len() - FAN_IN + 1).min(FAN_IN);
+            let level = self.runs[self.runs.len() - n].level;
+            self.merge_last(n, level).map_err(|e| self.fail(e))?;
+        }
         self.held.sort_unstable();
         self.held.dedup();
         let held = std::mem::take(&mut self.held);
@@ -123,6 +192,11 @@ pub(crate) struct Sorted<const N: usize> {
 }
 
 impl<const N: usize> Sorted<N> {
+    /// What the sorter wrote to its files.
+    pub(crate) fn written(&self) -> Written {
+        self.sorter.written
+    }
+
     /// The next record, or `None` at the end.
     pub(crate) fn next(&mut self) -> Result<Option<[u8; N]>> {
         self.merge.next().map_err(|e| self.sorter.fail(e))
@@ -135,7 +209,9 @@ impl<const N: usize> Sorted<N> {
             Ok(r) => keep(r),
             Err(_) => true,
         });
-        let run = write_run(&self.sorter.dir, recs).map_err(|e| self.sorter.fail(e))?;
+        let mut written = self.sorter.written;
+        let run = write_run(&self.sorter.dir, recs, &mut written).map_err(|e| self.sorter.fail(e))?;
+        self.sorter.written = written;
         let Sorted { sorter, .. } = self;
         Ok(Table { file: run.file, len: run.records, sorter })
     }
@@ -150,6 +226,11 @@ pub(crate) struct Table<const N: usize> {
 }
 
 impl<const N: usize> Table<N> {
+    /// What the sorter wrote to its files, this table included.
+    pub(crate) fn written(&self) -> Written {
+        self.sorter.written
+    }
+
     /// Records `first..first + n`.
     pub(crate) fn read(&self, first: u64, n: usize) -> Result<Vec<[u8; N]>> {
         if first.checked_add(n as u64).is_none_or(|end| end > self.len) {
@@ -164,8 +245,12 @@ impl<const N: usize> Table<N> {
     }
 }
 
-/// Writes `recs` (sorted) to a new run.
-fn write_run<const N: usize>(dir: &Path, recs: impl Iterator<Item = io::Result<[u8; N]>>) -> io::Result<Run> {
+/// Writes `recs` (sorted) to a new run (of level 0), counted in `written`.
+fn write_run<const N: usize>(
+    dir: &Path,
+    recs: impl Iterator<Item = io::Result<[u8; N]>>,
+    written: &mut Written,
+) -> io::Result<Run> {
     let mut out = BufWriter::with_capacity(READ_AHEAD, crate::entries::unlinked(dir, "spill")?);
     let mut records = 0;
     for r in recs {
@@ -174,9 +259,9 @@ fn write_run<const N: usize>(dir: &Path, recs: impl Iterator<Item = io::Result<[
     }
     let mut file = out.into_inner().map_err(|e| e.into_error())?;
     file.rewind()?;
-    #[cfg(test)]
-    RUNS_WRITTEN.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    Ok(Run { file, records })
+    written.runs += 1;
+    written.bytes += records * N as u64;
+    Ok(Run { file, records, level: 0 })
 }
 
 /// A run being read.
@@ -302,12 +387,66 @@ mod tests {
             s.push(*r).unwrap();
             most_runs = most_runs.max(s.runs.len());
         }
-        assert!((FAN_IN - 1..FAN_IN).contains(&most_runs), "{most_runs} runs");
+        // Levelled: fewer than FAN_IN runs of each level (here levels 0, 1 and 2).
+        assert!((FAN_IN..3 * FAN_IN).contains(&most_runs), "{most_runs} runs");
         assert!(!s.runs.is_empty());
         let want = expected(recs);
         assert_eq!(drain(s), want);
         // The files have no names.
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    }
+
+    /// Distinct records in a pseudo-random order.
+    fn distinct(n: u64) -> Vec<[u8; 9]> {
+        (0..n)
+            .map(|i| {
+                let mut r = [0u8; 9];
+                r[1..].copy_from_slice(&(i.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ i).to_be_bytes());
+                r
+            })
+            .collect()
+    }
+
+    /// The bytes a sorter of 10 records a run writes for `n` records, and what it gives
+    /// back, checked.
+    fn bytes_written(n: u64) -> u64 {
+        let dir = tempfile::tempdir().unwrap();
+        let recs = distinct(n);
+        let mut s = Sorter::<9>::new(dir.path(), 90, "a test");
+        for r in &recs {
+            s.push(*r).unwrap();
+            // Levels never rise, and fewer than FAN_IN runs of each are open.
+            assert!(s.runs.windows(2).all(|w| w[0].level >= w[1].level));
+            assert!(s.runs.len() < FAN_IN * 4, "{} runs", s.runs.len());
+        }
+        let written = s.written();
+        let mut sorted = s.finish().unwrap();
+        assert!(sorted.merge.readers.len() <= FAN_IN);
+        let mut got = Vec::new();
+        while let Some(r) = sorted.next().unwrap() {
+            got.push(r);
+        }
+        assert_eq!(got, expected(recs));
+        // What finish merged is counted too.
+        assert!(sorted.written().bytes >= written.bytes);
+        sorted.written().bytes
+    }
+
+    /// Levelled runs: each record is written once per level, so the bytes written grow
+    /// as N log N (a merge of each new run into one big run grows as N²: 32 times the
+    /// records would write about 600 times the bytes, not about 50).
+    #[test]
+    fn the_bytes_written_grow_as_n_log_n() {
+        let per_record = |n: u64| bytes_written(n) as f64 / (n * 9) as f64;
+        // 99 runs and 10 records held: written once, and 960 of them once more in three
+        // runs of level 1 (1.95 bytes a byte).
+        let small = per_record(1000);
+        // 3,199 runs (3 * 1,024 + 3 * 32 + 31): levels 0, 1 and 2, and the last 6 of
+        // level 0 merged by finish to leave 32 (2.95 bytes a byte).
+        let large = per_record(32_000);
+        assert!((1.0..=2.5).contains(&small), "{small} bytes written per byte of records");
+        assert!((2.0..=3.6).contains(&large), "{large} bytes written per byte of records");
+        assert!(large - small <= 1.5, "{small} then {large}: more than one more level");
     }
 
     #[test]

@@ -416,7 +416,6 @@ fn forget_and_gc_free_exactly_the_dead_data() {
 /// in these tests): a gc whose sets are far over the budget keeps exactly what is used.
 #[test]
 fn gc_spills_its_sets_and_keeps_exactly_the_live_blobs() {
-    use std::sync::atomic::Ordering;
     let (_store, repo) = new_repo(false);
     let a1 = disk(4 << 20, 21);
     let s1 = backup(&repo, "a", &a1, None);
@@ -428,9 +427,8 @@ fn gc_spills_its_sets_and_keeps_exactly_the_live_blobs() {
     c[..CS * 8].copy_from_slice(&a2[CS * 30..CS * 38]);
     let s3 = backup(&repo, "c", &c, None);
     maint::forget_ids(&repo, None, std::slice::from_ref(&s1.id), false, None).unwrap();
-    let before = crate::spill::RUNS_WRITTEN.load(Ordering::Relaxed);
-    maint::gc_with(&repo, None, 0).unwrap();
-    assert!(crate::spill::RUNS_WRITTEN.load(Ordering::Relaxed) > before + 8, "gc wrote no spill runs");
+    let g = maint::gc_with(&repo, None, 0).unwrap();
+    assert!(g.spill_runs > 8 && g.spill_bytes > 0, "gc wrote no spill runs: {g:?}");
     let index = repo.load_index().unwrap();
     let live = live_blobs(&repo, &index, &[&s2, &s3]);
     let indexed: std::collections::HashSet<_> = index.blobs.keys().copied().collect();
@@ -938,6 +936,67 @@ fn a_later_lock_that_stays_holds() {
             (Some(_), r) => assert!(r.is_ok(), "a later lock that went away still held ours off"),
         }
     }
+}
+
+/// gc reads the preferred copy of each blob with several in pack order, neighbours in one
+/// ranged read: two disks of the same data backed up side by side (neither saw the other's
+/// chunks, so every chunk has two copies) cost a read per pack, not one a copy; one copy
+/// of each is kept, and both snapshots read back.
+#[test]
+fn gc_checks_duplicate_copies_a_pack_range_at_a_time() {
+    let mem = Arc::new(MemStore::new());
+    let (store, ranged, _) = counting(mem.clone());
+    let init = InitOptions { chunk_size: CS as u32, page_entries: 16, ..InitOptions::default() };
+    let repo = Arc::new(Repository::init(store, &init).unwrap());
+    let a = disk(4 << 20, 23);
+    let start = |name: &str| SnapshotWriter::start(repo.clone(), BackupOptions::new(name, a.len() as u64)).unwrap();
+    let (wa, wb) = (start("a"), start("b"));
+    write_all(&wa, &a);
+    write_all(&wb, &a);
+    let (sa, sb) = (wa.commit(a.len() as u64).unwrap(), wb.commit(a.len() as u64).unwrap());
+    let several = repo.load_index().unwrap().more.len() as u64;
+    assert!(several > 40, "{several} blobs with two copies");
+    let before = ranged.load(std::sync::atomic::Ordering::Relaxed);
+    let g = maint::gc(&repo, None).unwrap();
+    let reads = ranged.load(std::sync::atomic::Ordering::Relaxed) - before;
+    // Each snapshot's pages (4 each), then one read per pack of preferred copies.
+    assert!(reads <= 12, "{reads} ranged reads for {several} blobs with two copies");
+    assert!(g.packs_deleted > 0, "{g:?}");
+    assert!(repo.load_index().unwrap().more.is_empty(), "a blob still has two copies");
+    assert!(read_back(&repo, &sa) == a && read_back(&repo, &sb) == a);
+    let r = maint::check(&repo).unwrap();
+    assert!(r.problems.is_empty(), "{r:?}");
+}
+
+/// A sorter's spill that fails (a full disk) stops gc at once: no further page is read,
+/// nothing is deleted, and the error names the directory written and what to do.
+#[test]
+fn a_failed_spill_stops_gc_before_it_reads_more_pages() {
+    let mem = Arc::new(MemStore::new());
+    let (store, ranged, _) = counting(mem.clone());
+    let init = InitOptions { chunk_size: 4096, page_entries: 16, ..InitOptions::default() };
+    let repo = Arc::new(Repository::init(store, &init).unwrap());
+    let a = disk(12 << 20, 24);
+    backup(&repo, "a", &a, None);
+    let reads = || ranged.load(std::sync::atomic::Ordering::Relaxed);
+    // A gc that has nothing to free reads every page.
+    let before = reads();
+    maint::gc(&repo, None).unwrap();
+    let all_pages = reads() - before;
+    assert!(all_pages > 2 * 64, "{all_pages} pages");
+    let listed = |prefix| objects(&mem, prefix);
+    let (data, index) = (listed("data/"), listed("index/"));
+    crate::spill::FAIL_SPILLS_OF.with(|f| *f.borrow_mut() = Some("live set"));
+    let before = reads();
+    let e = maint::gc(&repo, None);
+    crate::spill::FAIL_SPILLS_OF.with(|f| *f.borrow_mut() = None);
+    let e = e.expect_err("a gc whose spill fails fails").to_string();
+    // The first batch of pages (64, read at once) at most.
+    assert!(reads() - before <= 64, "{} pages read after the spill failed", reads() - before);
+    let dir = repo.index_cache().map_or_else(std::env::temp_dir, |c| c.spill_dir().to_path_buf());
+    assert!(e.contains("gc's live set") && e.contains(&dir.display().to_string()), "{e}");
+    assert!(e.contains("free space there") && (e.contains("FERRY_CACHE_DIR") || e.contains("TMPDIR")), "{e}");
+    assert_eq!((listed("data/"), listed("index/")), (data, index));
 }
 
 /// Whether check's `notes` say nothing but that chunk hints went stale (after a gc that

@@ -1386,6 +1386,10 @@ impl SnapshotWriter {
         };
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let mut again = 0u64;
+        // The index as it is now, read where a chunk seems doomed: a gc stores the index
+        // objects of the packs it copied the live blobs to before its record, so what it
+        // condemned is found in its new packs, and is not stored again.
+        let mut index_now: Option<RunIndex> = None;
         // A batch of ids, sorted: looked up on every core, a slice of neighbours each
         // (they share the index blocks read), and what only condemned packs hold stored.
         let mut store_batch = |keyed: Vec<(Digest, u64)>, kind: BlobKind| -> Result<()> {
@@ -1396,7 +1400,17 @@ impl SnapshotWriter {
                 let locs = self.index.locations_each(part);
                 part.iter().zip(locs).filter(|(id, l)| doomed(id, l)).map(|(id, _)| *id).collect::<Vec<Digest>>()
             });
-            for id in found.into_iter().flatten() {
+            let mut found: Vec<Digest> = found.into_iter().flatten().collect();
+            if !found.is_empty() {
+                let index_now = match &mut index_now {
+                    Some(ix) => ix,
+                    None => index_now.insert(self.index_now(&now)?),
+                };
+                let elsewhere = index_now.locations_each(&found);
+                let mut kept = elsewhere.iter().map(|l| l.is_empty());
+                found.retain(|_| kept.next().unwrap_or(true));
+            }
+            for id in found {
                 if locked(&self.claimed.0).contains_key(&id) {
                     continue;
                 }
@@ -1436,6 +1450,16 @@ impl SnapshotWriter {
             );
         }
         Ok(())
+    }
+
+    /// The repository's index as it is now (the index objects stored since this backup
+    /// started read into the cache), with only the copies in packs present and condemned
+    /// neither when this backup started nor in `condemned`, and none recorded damaged.
+    fn index_now(&self, condemned: &HashSet<Digest>) -> Result<RunIndex> {
+        let index = RunIndex::open(&self.repo)?;
+        let mut present = self.repo.present_packs()?;
+        present.retain(|p| !condemned.contains(p) && !self.condemned.contains(p));
+        Ok(index.only_present(present).without_damaged())
     }
 
     /// Stores again the blobs of this backup's own packs that took the name of a pack gc

@@ -97,6 +97,37 @@ fn a_dedup_hit_in_a_pack_condemned_meanwhile_is_stored_again() {
     }
 }
 
+/// A backup running when gc copies the live chunks of the packs it deduplicated against
+/// to new packs (and condemns the old ones) finds them there at its commit (gc stores the
+/// new packs' index objects before its record): it stores none of them again, and its
+/// snapshot reads back whole once the old packs are gone.
+#[test]
+fn a_backup_finds_the_chunks_gc_repacked_meanwhile_and_stores_none_again() {
+    for encrypt in [false, true] {
+        let (store, repo) = new_repo(encrypt);
+        let a1 = disk(3 << 20, 7);
+        let s1 = backup(&repo, "a", &a1, None);
+        let mut a2 = a1.clone();
+        a2[CS..6 * CS].fill(5);
+        let s2 = backup(&repo, "a", &a2, Some(s1.clone()));
+        maint::forget_ids(&repo, None, std::slice::from_ref(&s1.id), false, None).unwrap();
+        // Disk b holds a2's data: every chunk is found in the index as it started.
+        let w = SnapshotWriter::start(repo.clone(), opts("b", a2.len() as u64, None)).unwrap();
+        write_all(&w, &a2);
+        assert_eq!(w.stats().new_chunks, 0);
+        let all = GcOptions { wait: None, repack_percent: 0, condemn_margin: Duration::ZERO };
+        let g1 = maint::gc_opts(&repo, &all).unwrap();
+        assert!(g1.packs_repacked > 0 && g1.packs_condemned > 0, "{g1:?}");
+        let sb = w.commit(a2.len() as u64).unwrap();
+        assert_eq!(w.stats().new_chunks, 0, "chunks that gc copied meanwhile were stored again");
+        let g2 = maint::gc_opts(&repo, &all).unwrap();
+        assert!(g2.packs_deleted >= g1.packs_condemned, "{g2:?}");
+        assert!(objects(&store, "gc/condemned/").is_empty());
+        assert!(read_back(&repo, &sb) == a2 && read_back(&repo, &s2) == a2);
+        whole(&repo);
+    }
+}
+
 /// A backup started after a gc condemned packs treats them as absent: it stores what
 /// they hold again, and a later gc deletes them although that backup still runs.
 #[test]
