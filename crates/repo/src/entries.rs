@@ -152,7 +152,12 @@ pub(crate) fn unlinked(dir: &Path, what: &str) -> io::Result<File> {
     let r = crate::crypto::random::<12>();
     let path = dir.join(format!(".{what}-{}-{}", std::process::id(), crate::format::hex(&r)));
     let file = std::fs::OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(&path)?;
-    std::fs::remove_file(&path)?;
+    match std::fs::remove_file(&path) {
+        // Another host's (or PID namespace's) `remove_stray` took it for a stray: gone all
+        // the same.
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        r => r?,
+    }
     Ok(file)
 }
 
@@ -166,6 +171,15 @@ pub(crate) fn remove_stray(dir: &Path) -> usize {
         let name = e.file_name();
         let Some(pid) = name.to_str().and_then(stray_pid) else { continue };
         if pid == std::process::id() || crate::lock::holder_gone(pid, None).is_none() {
+            continue;
+        }
+        // A name lives microseconds; one younger than a minute may be a live process's that
+        // this host cannot see (another PID namespace, or another host on a shared cache).
+        let young = e
+            .metadata()
+            .and_then(|m| m.modified())
+            .map_or(true, |t| t.elapsed().map_or(true, |age| age < std::time::Duration::from_secs(60)));
+        if young {
             continue;
         }
         match std::fs::remove_file(e.path()) {
@@ -201,14 +215,24 @@ mod tests {
         let dead_entries = format!(".entries-{}-{hex}", u32::MAX - 2);
         let own = format!(".spill-{}-{hex}", std::process::id());
         let others = [own.as_str(), "spill-1-x", ".spill-x-0123", "runs", ".spill-12-short"];
+        let old = std::time::SystemTime::now() - std::time::Duration::from_secs(120);
         for n in others.iter().chain([&dead.as_str(), &dead_entries.as_str()]) {
-            std::fs::write(dir.path().join(n), b"").unwrap();
+            std::fs::File::create(dir.path().join(n)).unwrap().set_modified(old).unwrap();
+        }
+        // A dead process's name made this minute may be a live one's that this host cannot
+        // see (another PID namespace or host on a shared cache): it stays.
+        let young = format!(".spill-{}-{hex}", u32::MAX - 3);
+        std::fs::write(dir.path().join(&young), b"").unwrap();
+        if !Path::new("/proc/1").exists() {
+            // Processes hidden (hidepid): no process can be told gone, nothing is removed.
+            assert_eq!(remove_stray(dir.path()), 0);
+            return;
         }
         assert_eq!(remove_stray(dir.path()), 2);
         let mut left: Vec<String> =
             std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
         left.sort();
-        let mut want: Vec<String> = others.iter().map(|s| s.to_string()).collect();
+        let mut want: Vec<String> = others.iter().map(|s| s.to_string()).chain([young]).collect();
         want.sort();
         assert_eq!(left, want);
         assert_eq!(remove_stray(&dir.path().join("none")), 0);

@@ -1389,7 +1389,9 @@ impl SnapshotWriter {
         // The index as it is now, read where a chunk seems doomed: a gc stores the index
         // objects of the packs it copied the live blobs to before its record, so what it
         // condemned is found in its new packs, and is not stored again.
-        let mut index_now: Option<RunIndex> = None;
+        // If it cannot be read (a listing or an index object gc deletes meanwhile), those
+        // chunks are stored again, as before the reload: always safe.
+        let mut index_now: Option<Option<RunIndex>> = None;
         // A batch of ids, sorted: looked up on every core, a slice of neighbours each
         // (they share the index blocks read), and what only condemned packs hold stored.
         let mut store_batch = |keyed: Vec<(Digest, u64)>, kind: BlobKind| -> Result<()> {
@@ -1402,13 +1404,22 @@ impl SnapshotWriter {
             });
             let mut found: Vec<Digest> = found.into_iter().flatten().collect();
             if !found.is_empty() {
-                let index_now = match &mut index_now {
-                    Some(ix) => ix,
-                    None => index_now.insert(self.index_now(&now)?),
-                };
-                let elsewhere = index_now.locations_each(&found);
-                let mut kept = elsewhere.iter().map(|l| l.is_empty());
-                found.retain(|_| kept.next().unwrap_or(true));
+                let index_now = index_now.get_or_insert_with(|| match self.index_now(&now) {
+                    Ok(ix) => Some(ix),
+                    Err(e) => {
+                        log::warn!(
+                            "cannot read the index as it is now ({e}): the chunks of {} in packs gc condemned \
+                             meanwhile are stored again",
+                            self.name
+                        );
+                        None
+                    }
+                });
+                if let Some(index_now) = index_now {
+                    let elsewhere = index_now.locations_each(&found);
+                    let mut kept = elsewhere.iter().map(|l| l.is_empty());
+                    found.retain(|_| kept.next().unwrap_or(true));
+                }
             }
             for id in found {
                 if locked(&self.claimed.0).contains_key(&id) {
