@@ -471,3 +471,44 @@ fn a_snapshot_another_copy_stored_meanwhile_is_not_stored_twice() {
     assert_eq!(all.len(), 3);
     assert_clean(&dst);
 }
+
+/// `repo copy` takes a shared lock on its source: a second copy from the same source
+/// (to another offsite repository) and a backup into the source run beside it, while a
+/// forget or a gc of the source waits for it.
+#[test]
+fn two_copies_from_one_source_run_at_once_and_a_forget_waits_for_both() {
+    let (src, snaps) = source(CS as u32, None);
+    let (_, first) = repo_with(CS as u32, None);
+    let (_, second) = repo_with(CS as u32, Some(b"offsite"));
+    let store = src.store().clone();
+    let beside = AtomicBool::new(false);
+    let on = |e: Event| {
+        if !matches!(e, Event::Copied(_)) || beside.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        // The first copy holds its lock on the source now.
+        assert!(lock::list(&store).unwrap().iter().any(|(_, l, _)| l.what() == "read"));
+        let r = run(&src, &second, Select::All);
+        assert_eq!((r.copied.len(), r.failed.len()), (3, 0), "the second copy ran beside the first: {r:?}");
+        backup(&src, "c", &disk(3 * CS, 5), None);
+        let e = lock::acquire(&store, crate::format::LockKind::Forget, None, None).err().unwrap();
+        assert!(matches!(&e, Error::Locked(m) if m.contains("a read by process")), "{e}");
+        let e = lock::acquire_gc(&store, None).err().unwrap();
+        assert!(matches!(e, Error::Locked(_)), "{e}");
+    };
+    let opts = CopyOptions { threads: 2, ..CopyOptions::default() };
+    let r = copy(&src, &first, &Select::All, &opts, &Progress::default(), &on).unwrap();
+    assert!(beside.load(Ordering::SeqCst));
+    assert_eq!((r.copied.len(), r.failed.len()), (3, 0), "{r:?}");
+    for repo in [&first, &second] {
+        for (snap, data) in &snaps {
+            let (all, _) = repo.snapshots_skipping().unwrap();
+            let copy = all.iter().find(|c| c.manifest.copied_from.as_ref().unwrap().snapshot == snap.id).unwrap();
+            assert_eq!(read_back(repo, copy), *data);
+        }
+        assert_clean(repo);
+    }
+    // Both copies are over: their locks are gone and a forget holds.
+    assert!(lock::list(&store).unwrap().is_empty());
+    drop(lock::acquire(&store, crate::format::LockKind::Forget, None, None).unwrap());
+}
