@@ -362,12 +362,9 @@ fn a_manifest_that_cannot_be_read_fails_the_copy_of_one_disk_too() {
     }
 }
 
-#[test]
-fn the_leftover_checkpoint_of_a_finished_copy_is_recognised_and_removed() {
-    let (_, src) = repo_with(CS as u32, None);
-    let a = disk(300 * CS, 7);
-    backup(&src, "a", &a, None);
-    let (_, dst) = repo_with(CS as u32, None);
+/// A copy of every snapshot of `src` into `dst` interrupted once 8 chunks are done, with a
+/// checkpoint after each chunk: it leaves its checkpoint in `dst`.
+fn interrupt_copy(src: &Arc<Repository>, dst: &Arc<Repository>) {
     let cancel = Arc::new(AtomicBool::new(false));
     let opts = CopyOptions {
         threads: 1,
@@ -383,11 +380,20 @@ fn the_leftover_checkpoint_of_a_finished_copy_is_recognised_and_removed() {
             }
             cancel.store(true, Ordering::SeqCst);
         });
-        let r = copy(&src, &dst, &Select::All, &opts, &progress, &|_| {});
+        let r = copy(src, dst, &Select::All, &opts, &progress, &|_| {});
         cancel.store(true, Ordering::SeqCst);
         watch.join().unwrap();
         r
     });
+}
+
+#[test]
+fn the_leftover_checkpoint_of_a_finished_copy_is_recognised_and_removed() {
+    let (_, src) = repo_with(CS as u32, None);
+    let a = disk(300 * CS, 7);
+    backup(&src, "a", &a, None);
+    let (_, dst) = repo_with(CS as u32, None);
+    interrupt_copy(&src, &dst);
     let ck = dst.checkpoint("a").unwrap().unwrap();
     let bytes = dst.store().get(&ck.object, 1 << 30).unwrap();
     let r = run(&src, &dst, Select::All);
@@ -408,26 +414,7 @@ fn a_checkpoint_that_cannot_be_resumed_is_copied_afresh() {
     let a = disk(300 * CS, 8);
     backup(&src, "a", &a, None);
     let (dst_store, dst) = repo_with(CS as u32, None);
-    let cancel = Arc::new(AtomicBool::new(false));
-    let opts = CopyOptions {
-        threads: 1,
-        checkpoint_every: Some(std::time::Duration::ZERO),
-        cancel: Some(cancel.clone()),
-        ..CopyOptions::default()
-    };
-    let progress = Progress::default();
-    let _ = std::thread::scope(|s| {
-        let watch = s.spawn(|| {
-            while progress.done.load(Ordering::Relaxed) < 8 * CS as u64 {
-                std::thread::yield_now();
-            }
-            cancel.store(true, Ordering::SeqCst);
-        });
-        let r = copy(&src, &dst, &Select::All, &opts, &progress, &|_| {});
-        cancel.store(true, Ordering::SeqCst);
-        watch.join().unwrap();
-        r
-    });
+    interrupt_copy(&src, &dst);
     assert!(dst.checkpoint("a").unwrap().is_some());
     // The checkpoint's pages and chunks are lost: it cannot be continued.
     for p in dst_store.list("data/").unwrap() {
