@@ -169,9 +169,13 @@ const SYSLOG: &str = "/dev/log";
 impl Syslog {
     /// Connects to the local syslog; an error says what to do without one.
     pub fn connect() -> Result<Syslog> {
+        Syslog::connect_to(std::path::Path::new(SYSLOG))
+    }
+
+    fn connect_to(path: &std::path::Path) -> Result<Syslog> {
         let socket = std::os::unix::net::UnixDatagram::unbound().context("cannot make a socket for syslog")?;
-        socket.connect(SYSLOG).with_context(|| {
-            format!("no syslog at {SYSLOG}: give --log FILE for the messages of the background process")
+        socket.connect(path).with_context(|| {
+            format!("no syslog at {}: give --log FILE for the messages of the background process", path.display())
         })?;
         Ok(Syslog { socket, pending: Vec::new() })
     }
@@ -215,6 +219,28 @@ impl Write for Syslog {
 #[cfg(test)]
 mod tests {
     use super::Syslog;
+    use std::io::Write;
+
+    /// Each line the logger writes, whole or in pieces, is one datagram to the syslog
+    /// socket, with its level's priority and ferry's pid; a socket that is not there is an
+    /// error that names --log.
+    #[test]
+    fn log_lines_reach_syslog_one_datagram_each() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("log");
+        let server = std::os::unix::net::UnixDatagram::bind(&path).unwrap();
+        let mut w = Syslog::connect_to(&path).unwrap();
+        w.write_all(b"[WARN ] first\n[INFO ] sec").unwrap();
+        w.write_all(b"ond\n").unwrap();
+        let mut buf = [0u8; 256];
+        let pid = std::process::id();
+        for want in [format!("<28>ferry[{pid}]: [WARN ] first"), format!("<30>ferry[{pid}]: [INFO ] second")] {
+            let n = server.recv(&mut buf).unwrap();
+            assert_eq!(std::str::from_utf8(&buf[..n]).unwrap(), want);
+        }
+        let e = Syslog::connect_to(&d.path().join("none")).err().unwrap();
+        assert!(format!("{e:#}").contains("--log FILE"), "{e:#}");
+    }
 
     #[test]
     fn syslog_priorities_follow_the_level() {
