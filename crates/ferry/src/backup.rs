@@ -64,14 +64,8 @@ pub struct BackupArgs {
     /// snapshot may then not match any state of the source.
     #[arg(short = 'U', long)]
     pub(crate) force_share: bool,
-    /// The repository's passphrase: the first line of FILE (else --password-command,
-    /// FERRY_PASSWORD, FERRY_PASSWORD_FILE, FERRY_PASSWORD_COMMAND, a prompt on a terminal).
-    #[arg(long, value_name = "FILE")]
-    pub(crate) password_file: Option<std::path::PathBuf>,
-    /// The passphrase: the first line CMD prints, run by /bin/sh -c (its standard input
-    /// and error are ferry's; a failing CMD is an error).
-    #[arg(long, value_name = "CMD", conflicts_with = "password_file")]
-    pub(crate) password_command: Option<String>,
+    #[command(flatten)]
+    pub(crate) password: crate::password_args::PasswordArgs,
     /// Wait up to SECS for a running backup of the same disk (or a repair, or a gc of an
     /// older ferry: gc runs beside backups) to end, instead of failing at once.
     #[arg(long, value_name = "SECS", value_parser = crate::copy::parse_secs)]
@@ -204,8 +198,7 @@ impl BackupArgs {
         let mut remote = self.remote.remote();
         remote.http.retries = self.retries;
         remote.http.retry_delay = self.retry_delay;
-        ferry_open::repo::set_password_command(self.password_command.as_deref());
-        Engine::open(spec, remote, self.password_file.as_deref(), on, settings)
+        Engine::open(spec, remote, self.password.install(), on, settings)
     }
 }
 

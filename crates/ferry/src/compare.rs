@@ -246,16 +246,72 @@ fn first_allocation_difference(a: &Disk, b: &Disk) -> Result<Option<u64>> {
     Ok(None)
 }
 
+/// A thread's view of where one disk reads as zeroes (`base:allocation`'s `NBD_STATE_ZERO`),
+/// one extent at a time: blocks that read as zeroes on a side are not read there.
+struct Zeroes<'a> {
+    disk: &'a Disk,
+    conn: Option<Connection>,
+    /// The last extent asked for: its start, end and whether it reads as zeroes.
+    known: (u64, u64, bool),
+}
+
+impl<'a> Zeroes<'a> {
+    fn of(disk: &'a Disk) -> Result<Zeroes<'a>> {
+        let conn = match disk {
+            Disk::Nbd(u, _) => {
+                let c = Connection::connect(u, &ConnectOptions::default())?;
+                c.can_block_status().then_some(c)
+            }
+            Disk::Image(..) => None,
+        };
+        Ok(Zeroes { disk, conn, known: (0, 0, false) })
+    }
+
+    /// Whether `offset..end` reads as zeroes: past the disk's end it does; a disk that
+    /// tells no block status is taken to have data everywhere.
+    fn all_zero(&mut self, mut offset: u64, end: u64) -> Result<bool> {
+        let size = self.disk.size();
+        loop {
+            if offset >= size || offset >= end {
+                return Ok(true);
+            }
+            let (from, to, _) = self.known;
+            if !(from <= offset && offset < to) {
+                let mut out = Vec::new();
+                match (self.disk, &mut self.conn) {
+                    (Disk::Image(b, _), _) => b.extents(offset, size - offset, 1, &mut out)?,
+                    (Disk::Nbd(..), Some(c)) => {
+                        let len = (size - offset).min(c.max_status_length()).min(1 << 30);
+                        out = c.block_status(offset, len)?
+                    }
+                    (Disk::Nbd(..), None) => return Ok(false),
+                }
+                let e = out.first().context("a block status without extents")?;
+                let zero = e.flags & ferry_proto::consts::STATE_ZERO != 0;
+                self.known = (offset, offset.saturating_add(e.length.max(1)).min(size), zero);
+            }
+            let (_, to, zero) = self.known;
+            if !zero {
+                return Ok(false);
+            }
+            // The block may go on past this extent: the next one decides.
+            offset = to;
+        }
+    }
+}
+
 /// The first byte offset from `start` and below `end` at which `a` and `b` differ (bytes past a disk's end
 /// reading as zeroes), read by `threads` threads. Blocks are taken in increasing order and
 /// a thread stops at a block past a difference found, so every block below the first
-/// difference is compared.
+/// difference is compared. A block that reads as zeroes on one side (its block status
+/// says so) is read only on the other, and on neither where both say so.
 fn first_difference(a: &Disk, b: &Disk, start: u64, end: u64, threads: usize) -> Result<Option<u64>> {
     let next = AtomicU64::new(start);
     let first = AtomicU64::new(u64::MAX);
     let (sa, sb) = (a.size(), b.size());
     let work = || -> Result<()> {
         let (mut ra, mut rb) = (Reader::of(a)?, Reader::of(b)?);
+        let (mut za, mut zb) = (Zeroes::of(a)?, Zeroes::of(b)?);
         let (mut ba, mut bb) = (vec![0u8; BLOCK as usize], vec![0u8; BLOCK as usize]);
         loop {
             let off = next.fetch_add(BLOCK, Ordering::Relaxed);
@@ -263,12 +319,26 @@ fn first_difference(a: &Disk, b: &Disk, start: u64, end: u64, threads: usize) ->
                 return Ok(());
             }
             let len = (end - off).min(BLOCK) as usize;
-            ra.read(&mut ba, off, sa)?;
-            rb.read(&mut bb, off, sb)?;
-            if ba[..len] == bb[..len] {
-                continue;
-            }
-            if let Some(i) = ba[..len].iter().zip(&bb[..len]).position(|(x, y)| x != y) {
+            let at = match (za.all_zero(off, off + len as u64)?, zb.all_zero(off, off + len as u64)?) {
+                (true, true) => None,
+                (true, false) => {
+                    rb.read(&mut bb, off, sb)?;
+                    bb[..len].iter().position(|&x| x != 0)
+                }
+                (false, true) => {
+                    ra.read(&mut ba, off, sa)?;
+                    ba[..len].iter().position(|&x| x != 0)
+                }
+                (false, false) => {
+                    ra.read(&mut ba, off, sa)?;
+                    rb.read(&mut bb, off, sb)?;
+                    match ba[..len] == bb[..len] {
+                        true => None,
+                        false => ba[..len].iter().zip(&bb[..len]).position(|(x, y)| x != y),
+                    }
+                }
+            };
+            if let Some(i) = at {
                 first.fetch_min(off + i as u64, Ordering::Relaxed);
                 return Ok(());
             }

@@ -19,6 +19,7 @@
 // rustdoc link. The libraries' docs are checked for broken links (scripts/test).
 #![allow(rustdoc::broken_intra_doc_links)]
 
+mod background;
 mod backup;
 mod bench;
 mod bench_conns;
@@ -37,6 +38,7 @@ mod libvirt_virsh;
 mod libvirt_xml;
 mod man;
 mod mount;
+mod password_args;
 mod remote_args;
 mod repo;
 mod repo_copy;
@@ -177,10 +179,13 @@ fn main() {
         (false, 1) => "debug",
         _ => "trace",
     };
-    let logger = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or(level))
-        .format_target(false)
-        .format_timestamp(None)
-        .build();
+    let mut builder = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or(level));
+    builder.format_target(false).format_timestamp(None);
+    // `ferry mount --daemon`'s background process logs where it says once it is up.
+    if matches!(&cli.command, Command::Mount(_)) && background::is_background(mount::DAEMON) {
+        builder.target(env_logger::Target::Pipe(Box::new(background::LogSink)));
+    }
+    let logger = builder.build();
     let max = logger.filter();
     // A failed init means a logger is already set (never, in this binary): keep that one.
     if log::set_boxed_logger(Box::new(NoHttpTrace(logger))).is_ok() {

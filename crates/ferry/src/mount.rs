@@ -37,14 +37,18 @@ pub struct MountArgs {
     /// /etc/fuse.conf must allow (`user_allow_other`) for a user who is not root.
     #[arg(short = 'o', value_name = "allow_other", value_parser = ["allow_other"])]
     options: Vec<String>,
-    /// The repository's passphrase: the first line of FILE (else --password-command,
-    /// FERRY_PASSWORD, FERRY_PASSWORD_FILE, FERRY_PASSWORD_COMMAND, a prompt on a terminal).
-    #[arg(long, value_name = "FILE")]
-    password_file: Option<PathBuf>,
-    /// The passphrase: the first line CMD prints, run by /bin/sh -c (its standard input
-    /// and error are ferry's; a failing CMD is an error).
-    #[arg(long, value_name = "CMD", conflicts_with = "password_file")]
-    password_command: Option<String>,
+    /// Run in the background (as `borg mount` without --foreground): return 0 once the
+    /// file system is mounted, or fail with the error and exit status of a mount that
+    /// could not be made. Its later messages go to syslog (or --log FILE);
+    /// `fusermount3 -u DIR` (root: `umount DIR`) or SIGTERM unmounts it and ends it.
+    #[arg(short = 'd', long)]
+    daemon: bool,
+    /// With --daemon: append the messages of the background process to FILE (each with
+    /// its time) instead of sending them to syslog.
+    #[arg(long, value_name = "FILE", requires = "daemon")]
+    log: Option<PathBuf>,
+    #[command(flatten)]
+    password: crate::password_args::PasswordArgs,
     #[command(flatten)]
     remote: crate::remote_args::RemoteArgs,
 }
@@ -247,7 +251,27 @@ fn line(p: &Partition) -> String {
     format!("part{}  start {}  size {}  type {}{name}\n", p.number, p.start, p.length, p.kind)
 }
 
+/// Set in the environment of the process that `--daemon` starts: that process mounts.
+pub const DAEMON: &str = "FERRY_MOUNT_DAEMON";
+
+/// Where the daemon's messages go once it is up: --log FILE, else syslog. Opened before
+/// anything is mounted, so that one that cannot be had fails the command.
+fn daemon_log(args: &MountArgs) -> Result<Box<dyn std::io::Write + Send>> {
+    Ok(match &args.log {
+        Some(path) => Box::new(crate::background::LogFile::open(path)?),
+        None => Box::new(crate::background::Syslog::connect()?),
+    })
+}
+
 pub fn run(args: MountArgs) -> Result<i32> {
+    let background = args.daemon && crate::background::is_background(DAEMON);
+    if args.daemon && !background {
+        // In this process group: the new process may still ask for the passphrase on the
+        // terminal. It leaves the terminal's session once mounted.
+        return Ok(crate::background::start(DAEMON, false, crate::background::Channel::Stderr, "--daemon")?
+            .map_or_else(|code| code, |_| 0));
+    }
+    let log_to = if background { Some(daemon_log(&args)?) } else { None };
     let (repo, name, id) = match Location::parse(&args.snapshot).with_context(|| format!("{:?}", args.snapshot))? {
         Location::Repo { repo, name, id } => (repo, name, id),
         _ => bail!("{:?} is not a snapshot: write REPO::NAME or REPO::NAME@ID", args.snapshot),
@@ -260,11 +284,10 @@ pub fn run(args: MountArgs) -> Result<i32> {
         ),
         _ => bail!("the mount point {} is not a directory: make it with mkdir", args.dir.display()),
     }
-    ferry_open::repo::set_password_command(args.password_command.as_deref());
     let shown = Location::repo_spec(&repo, &name, id.as_deref());
     let remote = args.remote.remote();
     let on = ferry_open::repo::snapshot_on_rollback(&repo, &name, id.as_deref());
-    let r = ferry_open::repo::open_repository_with(&repo, &remote, args.password_file.as_deref(), on)?;
+    let r = args.password.open(&repo, &remote, on)?;
     let snap = ferry_open::repo::resolve(&r, &name, id.as_deref()).with_context(|| shown.clone())?;
     let image = SnapshotImage::open_with_cache(r, &snap, ferry_open::repo::cache_bytes()?)
         .with_context(|| format!("cannot open the snapshot {shown}"))?;
@@ -311,10 +334,24 @@ pub fn run(args: MountArgs) -> Result<i32> {
         anyhow::Error::new(e).context(format!("cannot mount {shown} on {dir}{hint}"))
     })?;
     watch_signals(dir.clone())?;
-    log::info!(
-        "{shown} mounted on {dir}: {}, partitions.txt; read-only. Ctrl-C (or SIGTERM, or `fusermount3 -u {dir}`) unmounts",
-        names.join(", ")
-    );
+    if let Some(to) = log_to {
+        // No terminal's hangup or Ctrl-C reaches the daemon from now on.
+        rustix::process::setsid().context("--daemon: cannot leave the terminal's session")?;
+        crate::background::redirect(to);
+        crate::background::say_ready(crate::background::Channel::Stderr, &dir);
+        log::info!(
+            "{shown} mounted on {dir} by process {}: {}, partitions.txt; read-only. `fusermount3 -u {dir}` (or \
+             SIGTERM) unmounts",
+            std::process::id(),
+            names.join(", ")
+        );
+    } else {
+        log::info!(
+            "{shown} mounted on {dir}: {}, partitions.txt; read-only. Ctrl-C (or SIGTERM, or `fusermount3 -u {dir}`) \
+             unmounts",
+            names.join(", ")
+        );
+    }
     session.run().with_context(|| format!("the file system on {dir} failed"))?;
     log::info!("{dir} unmounted");
     Ok(0)

@@ -1,6 +1,7 @@
 //! `ferry repo init|list|check|verify|forget|gc|stats|key|repair|unlock|copy`: backup repositories
 //! (crates/repo, its format in crates/repo/FORMAT.md).
 
+use crate::password_args::PasswordArgs;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 use ferry_backend::parse_size;
@@ -10,7 +11,6 @@ use ferry_repo::maint::{self, Policy, Problem, Report, VerifyOptions};
 use ferry_repo::recover::{self, RepairOptions};
 use ferry_repo::retain::Within;
 use ferry_repo::{InitOptions, Repository, SnapshotInfo};
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -83,15 +83,8 @@ struct CommonArgs {
     /// FERRY_REPOSITORY; when written, it is always the first argument.
     #[arg(env = "FERRY_REPOSITORY")]
     repo: String,
-    /// The passphrase of an encrypted repository: the first line of FILE (else
-    /// --password-command, FERRY_PASSWORD, FERRY_PASSWORD_FILE, FERRY_PASSWORD_COMMAND, a
-    /// prompt on a terminal).
-    #[arg(long, value_name = "FILE")]
-    password_file: Option<PathBuf>,
-    /// The passphrase: the first line CMD prints, run by /bin/sh -c (its standard input
-    /// and error are ferry's; a failing CMD is an error).
-    #[arg(long, value_name = "CMD", conflicts_with = "password_file")]
-    password_command: Option<String>,
+    #[command(flatten)]
+    password: PasswordArgs,
     #[command(flatten)]
     remote: crate::remote_args::RemoteArgs,
 }
@@ -103,8 +96,7 @@ impl CommonArgs {
         self.open_with(OnRollback::Warn)
     }
     fn open_with(&self, on: OnRollback) -> Result<Arc<Repository>> {
-        ferry_open::repo::set_password_command(self.password_command.as_deref());
-        ferry_open::repo::open_repository_with(&self.repo, &self.remote.remote(), self.password_file.as_deref(), on)
+        self.password.open(&self.repo, &self.remote.remote(), on)
     }
 }
 
@@ -273,11 +265,8 @@ struct ForgetArgs {
     /// Wait up to SECS for another forget or a gc to end, instead of failing.
     #[arg(long, value_name = "SECS", value_parser = crate::copy::parse_secs)]
     wait: Option<Duration>,
-    #[arg(long, value_name = "FILE")]
-    password_file: Option<PathBuf>,
-    /// The passphrase: the first line CMD prints (see `ferry repo check --help`).
-    #[arg(long, value_name = "CMD", conflicts_with = "password_file")]
-    password_command: Option<String>,
+    #[command(flatten)]
+    password: PasswordArgs,
     /// Forget even though the snapshots went back since this host last used the
     /// repository (a disk's newest gone, a forgotten one back), accepting the store's
     /// state. Without it such a forget is refused.
@@ -322,10 +311,8 @@ struct ProtectArgs {
     /// The snapshot: REPO::NAME@ID (ID a unique prefix of at least 4 hex digits).
     #[arg(value_parser = parse_snapshot_with_id)]
     snapshot: String,
-    /// The passphrase of an encrypted repository: the first line of FILE (else
-    /// FERRY_PASSWORD, else FERRY_PASSWORD_FILE).
-    #[arg(long, value_name = "FILE")]
-    password_file: Option<PathBuf>,
+    #[command(flatten)]
+    password: PasswordArgs,
     /// Wait up to SECS for a forget or a gc to end, instead of failing.
     #[arg(long, value_name = "SECS", value_parser = crate::copy::parse_secs)]
     wait: Option<Duration>,
@@ -506,8 +493,7 @@ fn init(a: InitArgs) -> Result<i32> {
         bail!("--chunk-size must be a power of two from 4K to 1M (64K matches blkhash and dirty bitmaps)");
     }
     let encrypt = if a.encrypt {
-        ferry_open::repo::set_password_command(c.password_command.as_deref());
-        let Some(p) = ferry_open::repo::passphrase(c.password_file.as_deref())? else {
+        let Some(p) = ferry_open::repo::passphrase(c.password.install())? else {
             bail!(
                 "--encrypt needs a passphrase: --password-file FILE (its first line), --password-command CMD, \
                  FERRY_PASSWORD=..., FERRY_PASSWORD_FILE=FILE or FERRY_PASSWORD_COMMAND=CMD"
@@ -515,7 +501,7 @@ fn init(a: InitArgs) -> Result<i32> {
         };
         Some((p, crate::repo_key::kdf_cost(&a.kdf_memory)?))
     } else {
-        if c.password_file.is_some() {
+        if c.password.password_file.is_some() {
             bail!("--password-file without --encrypt: add --encrypt to make an encrypted repository");
         }
         None
@@ -638,8 +624,7 @@ fn list(a: ListArgs) -> Result<i32> {
     }
     // What is running now (or was, when a process died holding its lock).
     for (object, l, stale) in ferry_repo::lock::list(repo.store()).unwrap_or_default() {
-        let kind = serde_json::to_value(l.kind).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
-        let what = format!("{kind} by process {} on {} since {}", l.pid, l.host, shown_time(&l.time));
+        let what = format!("{} by process {} on {} since {}", l.what(), l.pid, l.host, shown_time(&l.time));
         match stale {
             false => eprintln!("running: {what}"),
             true => eprintln!("stale lock {object}: {what} (the process is gone; the next writer removes it)"),
@@ -830,7 +815,6 @@ fn print_problem(p: &Problem) {
 }
 
 fn forget(a: ForgetArgs) -> Result<i32> {
-    ferry_open::repo::set_password_command(a.password_command.as_deref());
     if !a.ids.is_empty() {
         return forget_ids(a);
     }
@@ -857,7 +841,7 @@ fn forget(a: ForgetArgs) -> Result<i32> {
         true => OnRollback::Warn,
         false => removing(a.accept_rollback, name.clone(), &repo_spec, "a forget"),
     };
-    let repo = ferry_open::repo::open_repository_with(&repo_spec, &a.remote.remote(), a.password_file.as_deref(), on)?;
+    let repo = a.password.open(&repo_spec, &a.remote.remote(), on)?;
     let (before, _) = repo.snapshots_lenient().with_context(|| format!("listing {repo_spec}"))?;
     let r = maint::forget_with(&repo, name.as_deref(), &policy, a.dry_run, a.wait)
         .with_context(|| format!("forget in {repo_spec}"))?;
@@ -909,7 +893,7 @@ fn forget_ids(a: ForgetArgs) -> Result<i32> {
         true => OnRollback::Warn,
         false => removing(a.accept_rollback, name.clone(), &repo_spec, "a forget"),
     };
-    let repo = ferry_open::repo::open_repository_with(&repo_spec, &a.remote.remote(), a.password_file.as_deref(), on)?;
+    let repo = a.password.open(&repo_spec, &a.remote.remote(), on)?;
     // A manifest that cannot be read can still be forgotten by its id.
     let (before, _) = repo.snapshots_lenient().with_context(|| format!("listing {repo_spec}"))?;
     let r = maint::forget_ids(&repo, name.as_deref(), &a.ids, a.dry_run, a.wait)
@@ -971,12 +955,7 @@ fn protect(a: ProtectArgs, on: bool) -> Result<i32> {
         Ok(ferry_open::Location::Repo { repo, name, id: Some(id) }) => (repo, name, id),
         _ => bail!("give the snapshot as REPO::NAME@ID (`ferry repo list REPO` shows the ids)"),
     };
-    let repo = ferry_open::repo::open_repository_with(
-        &repo_spec,
-        &a.remote.remote(),
-        a.password_file.as_deref(),
-        OnRollback::Warn,
-    )?;
+    let repo = a.password.open(&repo_spec, &a.remote.remote(), OnRollback::Warn)?;
     let snap = repo.resolve(&name, Some(&id))?;
     let changed = ferry_repo::retain::set_protected(&repo, &snap, on, a.wait)
         .with_context(|| format!("{} {repo_spec}::{name}@{id}", if on { "protecting" } else { "unprotecting" }))?;

@@ -20,10 +20,9 @@ pub struct CopyArgs {
     /// The repository to copy into (made beforehand with `ferry repo init`; its own
     /// chunk size, encryption and key).
     to: String,
-    /// The passphrase of an encrypted source: the first line of FILE (else
-    /// FERRY_PASSWORD, else FERRY_PASSWORD_FILE).
-    #[arg(long, value_name = "FILE")]
-    password_file: Option<PathBuf>,
+    /// The passphrase of an encrypted source.
+    #[command(flatten)]
+    password: crate::password_args::PasswordArgs,
     /// The passphrase of an encrypted destination: the first line of FILE (else
     /// FERRY_TO_PASSWORD, else FERRY_TO_PASSWORD_FILE, else the source's passphrase).
     #[arg(long, value_name = "FILE")]
@@ -93,12 +92,12 @@ pub fn run(a: CopyArgs) -> Result<i32> {
         bail!("the destination is a repository, not a snapshot: write DST without ::NAME (copies keep their names)");
     }
     let remote = a.remote.remote();
-    let src = ferry_open::repo::open_repository_with(&src_repo, &remote, a.password_file.as_deref(), OnRollback::Warn)?;
+    let src = a.password.open(&src_repo, &remote, OnRollback::Warn)?;
     let given = ferry_open::repo::to_passphrase(a.to_password_file.as_deref())?
         .map(|p| (p, to_passphrase_source(a.to_password_file.as_deref())));
     let fallback = match given {
         Some(_) => None,
-        None => ferry_open::repo::passphrase(a.password_file.as_deref())?,
+        None => ferry_open::repo::passphrase(a.password.install())?,
     };
     let keying = Keying {
         given,

@@ -38,22 +38,16 @@ struct KeyCommon {
     /// written).
     #[arg(env = "FERRY_REPOSITORY")]
     repo: String,
-    /// A current passphrase of the repository: the first line of FILE (else
-    /// --password-command, FERRY_PASSWORD, FERRY_PASSWORD_FILE, FERRY_PASSWORD_COMMAND, a
-    /// prompt on a terminal).
-    #[arg(long, value_name = "FILE")]
-    password_file: Option<PathBuf>,
-    /// A current passphrase: the first line CMD prints, run by /bin/sh -c.
-    #[arg(long, value_name = "CMD", conflicts_with = "password_file")]
-    password_command: Option<String>,
+    /// A current passphrase of the repository.
+    #[command(flatten)]
+    password: crate::password_args::PasswordArgs,
     #[command(flatten)]
     remote: crate::remote_args::RemoteArgs,
 }
 
 impl KeyCommon {
     fn open(&self) -> Result<Arc<Repository>> {
-        ferry_open::repo::set_password_command(self.password_command.as_deref());
-        ferry_open::repo::open_repository(&self.repo, &self.remote.remote(), self.password_file.as_deref())
+        ferry_open::repo::open_repository(&self.repo, &self.remote.remote(), self.password.install())
     }
 }
 
@@ -141,8 +135,7 @@ fn change(a: KeyNewArgs, passwd: bool) -> Result<i32> {
     let c = &a.common;
     let cost = kdf_cost(&a.kdf_memory)?;
     let limit = ferry_open::repo::kdf_limit()?;
-    ferry_open::repo::set_password_command(c.password_command.as_deref());
-    let (now, new) = passphrases(&c.repo, c.password_file.as_deref(), a.new_password_file.as_deref())?;
+    let (now, new) = passphrases(&c.repo, c.password.install(), a.new_password_file.as_deref())?;
     let store = ferry_open::repo::repo_store(&c.repo, &c.remote.remote(), false)?;
     let repo = Repository::open_with(store, &|| Ok(now.clone()), limit)
         .with_context(|| format!("cannot open the repository {}", c.repo))?;

@@ -418,56 +418,22 @@ fn write_pid_file(path: &Path) -> std::io::Result<()> {
 /// Set in the environment of the server that `--fork` starts: that process is the server.
 const FORKED: &str = "FERRY_SERVE_FORKED";
 
-/// What the server that `--fork` started writes to its standard output once it listens,
-/// before its URI and a line end.
-const READY: &str = "ready ";
-
-/// The longest line of READY and a URI read from the server.
-const MAX_READY_LINE: u64 = 8192;
-
 /// `--fork`: runs this command line again as the server, in a new process group, and
 /// returns once it says it listens (0, its URI printed on standard output: the port
 /// `-p 0` picked is there), or with its status once it ends without (its error went to
 /// this standard error).
 fn fork() -> Result<i32> {
-    use std::io::{BufRead, Read};
-    use std::os::unix::process::CommandExt;
-    let exe = std::env::current_exe().context("--fork: cannot find ferry's own executable")?;
-    let mut child = Command::new(exe)
-        .args(std::env::args_os().skip(1))
-        .env(FORKED, "1")
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .process_group(0)
-        .spawn()
-        .context("--fork: cannot start the server")?;
-    let out = child.stdout.take().context("--fork: no pipe from the server")?;
-    let mut said = String::new();
-    // The server says READY and its URI, nothing else: one bounded line is read.
-    let _ = std::io::BufReader::new(out).take(MAX_READY_LINE).read_line(&mut said);
-    if let Some(uri) = said.strip_prefix(READY).and_then(|l| l.strip_suffix('\n')) {
-        log::debug!("the server (pid {}) listens on {uri}", child.id());
-        println!("{uri}");
-        return Ok(0);
-    }
-    let status = child.wait().context("--fork: waiting for the server")?;
-    match status.code() {
-        Some(c) if c != 0 => Ok(c),
-        _ => bail!("--fork: the server ended ({status}) before it listened"),
-    }
-}
-
-/// The server `--fork` started tells its parent that it listens, on `uri`, then its
-/// standard output is the parent's pipe no more (nothing else is written to it).
-fn say_ready(uri: &str) {
-    use std::io::Write;
-    let mut out = std::io::stdout().lock();
-    // The parent may be gone (killed): nothing to tell then.
-    let _ = out.write_all(format!("{READY}{uri}\n").as_bytes()).and_then(|()| out.flush());
+    Ok(match crate::background::start(FORKED, true, crate::background::Channel::Stdout, "--fork")? {
+        Ok(uri) => {
+            println!("{uri}");
+            0
+        }
+        Err(code) => code,
+    })
 }
 
 pub fn run(mut args: ServeArgs) -> Result<i32> {
-    let forked = args.fork && std::env::var_os(FORKED).is_some();
+    let forked = args.fork && crate::background::is_background(FORKED);
     if args.fork && !forked {
         return fork();
     }
@@ -632,7 +598,7 @@ pub fn run(mut args: ServeArgs) -> Result<i32> {
         write_pid_file(p).with_context(|| format!("--pid-file {}", p.display()))?;
     }
     if forked {
-        say_ready(&uri);
+        crate::background::say_ready(crate::background::Channel::Stdout, &uri);
     }
 
     let child = match &args.run {

@@ -19,6 +19,7 @@ mod copy_resume;
 mod copy_retry;
 mod dirty_copy;
 mod docs;
+mod everyday;
 mod faults;
 mod hostile_clients;
 mod hostile_remotes;

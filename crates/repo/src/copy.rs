@@ -235,7 +235,7 @@ pub fn copy(
     // A source the copy cannot write (read-only credentials, a read-only mount) is read
     // as restores read, without a lock: a forget or gc of it meanwhile can only make the
     // copy of a snapshot fail (named, with nothing wrong stored).
-    let src_lock = match lock::acquire(&src.store, LockKind::Forget, None, opts.wait_lock) {
+    let src_lock = match lock::acquire_shared(&src.store, opts.wait_lock) {
         Ok(g) => Some(g),
         Err(Error::Store { what, source })
             if matches!(

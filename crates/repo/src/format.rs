@@ -1754,6 +1754,12 @@ pub struct Lock {
     /// ferry's) excludes gc as before.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub condemned: bool,
+    /// A reader's lock (FORMAT.md §8: `repo copy`'s lock on its source): a `forget` lock
+    /// that does not conflict with other shared ones, so readers run side by side while
+    /// every forget and gc waits for them. A ferry that does not know the field takes it
+    /// for a plain forget lock, which holds off the same forgets and gcs.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub shared: bool,
 }
 
 impl Lock {
@@ -1769,7 +1775,20 @@ impl Lock {
             (_, Some(_)) => return err("only a backup lock names a disk"),
             (_, None) => {}
         }
+        if l.shared && l.kind != LockKind::Forget {
+            return err("only a forget lock is shared");
+        }
         Ok(l)
+    }
+    /// What the lock is held for, in messages: `backup`, `forget`, `gc`, or `read` for a
+    /// shared lock.
+    pub fn what(&self) -> &'static str {
+        match self.kind {
+            LockKind::Backup => "backup",
+            LockKind::Forget if self.shared => "read",
+            LockKind::Forget => "forget",
+            LockKind::Gc => "gc",
+        }
     }
     pub fn to_bytes(&self) -> Vec<u8> {
         serde_json::to_vec(self).unwrap_or_default()
@@ -2553,6 +2572,7 @@ mod tests {
             boot: Some("b pid:[1]".into()),
             pid_start: Some(123456),
             condemned: true,
+            shared: false,
         };
         assert_eq!(Lock::parse(&l.to_bytes()).unwrap(), l);
         assert!(String::from_utf8(l.to_bytes()).unwrap().contains(r#""condemned":true"#));
@@ -2572,6 +2592,15 @@ mod tests {
         assert!(Lock::parse(&Lock { disk: None, ..l.clone() }.to_bytes()).is_err());
         assert!(Lock::parse(&Lock { disk: Some("vm1".into()), ..l.clone() }.to_bytes()).is_err());
         assert!(Lock::parse(&Lock { kind: LockKind::Forget, ..l.clone() }.to_bytes()).is_err());
+        // A shared lock is a forget lock; an older ferry reads it as a plain one.
+        let shared = Lock { kind: LockKind::Forget, disk: None, shared: true, ..l.clone() };
+        assert_eq!(Lock::parse(&shared.to_bytes()).unwrap(), shared);
+        assert_eq!(shared.what(), "read");
+        let mut as_older = serde_json::to_value(&shared).unwrap();
+        as_older.as_object_mut().unwrap().remove("shared");
+        assert_eq!(Lock::parse(&serde_json::to_vec(&as_older).unwrap()).unwrap().what(), "forget");
+        assert!(!String::from_utf8(older.to_bytes()).unwrap().contains("shared"));
+        assert!(Lock::parse(&Lock { shared: true, ..gc.clone() }.to_bytes()).is_err());
         assert!(Lock::parse(&Lock { refreshed: "soon".into(), ..l.clone() }.to_bytes()).is_err());
         let mut big = l.to_bytes();
         big.splice(1..1, std::iter::repeat_n(b' ', MAX_LOCK as usize));

@@ -170,16 +170,27 @@ fn now_precise() -> String {
     jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%S%.9fZ").to_string()
 }
 
-/// Whether a lock of `kind` (for disk `disk`; `condemned`: whether it follows the
-/// condemned-pack rules, [`Lock::condemned`]) conflicts with `other`. A gc and a backup
-/// that both follow them run side by side (FORMAT.md §8a).
-pub fn conflicts(kind: LockKind, disk: Option<&str>, condemned: bool, other: &Lock) -> bool {
+/// The lock a process asks for: its kind, its disk's tag (backups), whether it follows
+/// the condemned-pack rules ([`Lock::condemned`]) and whether it is a reader's shared one
+/// ([`Lock::shared`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Wanted<'a> {
+    pub kind: LockKind,
+    pub disk: Option<&'a str>,
+    pub condemned: bool,
+    pub shared: bool,
+}
+
+/// Whether the lock `mine` conflicts with `other`. A gc and a backup that both follow
+/// the condemned-pack rules run side by side (FORMAT.md §8a); so do shared (reader)
+/// locks, which exclude every other forget and gc.
+pub fn conflicts(mine: &Wanted, other: &Lock) -> bool {
     use LockKind::*;
-    match (kind, other.kind) {
-        (Gc, Backup) | (Backup, Gc) => !(condemned && other.condemned),
+    match (mine.kind, other.kind) {
+        (Gc, Backup) | (Backup, Gc) => !(mine.condemned && other.condemned),
         (Gc, _) | (_, Gc) => true,
-        (Backup, Backup) => disk.is_some() && disk == other.disk.as_deref(),
-        (Forget, Forget) => true,
+        (Backup, Backup) => mine.disk.is_some() && mine.disk == other.disk.as_deref(),
+        (Forget, Forget) => !(mine.shared && other.shared),
         _ => false,
     }
 }
@@ -302,12 +313,7 @@ pub fn this_boot() -> Option<String> {
 }
 
 fn describe(name: &str, l: &Lock) -> String {
-    let what = match l.kind {
-        LockKind::Backup => "backup",
-        LockKind::Forget => "forget",
-        LockKind::Gc => "gc",
-    };
-    format!("a {what} by process {} on {} since {} ({name})", l.pid, l.host, l.time)
+    format!("a {} by process {} on {} since {} ({name})", l.what(), l.pid, l.host, l.time)
 }
 
 /// The locks in the store, each with whether it is stale (and why), and the names of
@@ -363,9 +369,7 @@ pub(crate) fn live_locks(store: &Arc<dyn Store>, remove: bool) -> Result<(Vec<(S
 #[allow(clippy::type_complexity)]
 fn conflicting(
     store: &Arc<dyn Store>,
-    kind: LockKind,
-    disk: Option<&str>,
-    condemned: bool,
+    wanted: &Wanted,
     mine: Option<(&str, &Lock)>,
 ) -> Result<(Option<(String, Lock)>, Option<(String, Lock)>)> {
     let mut earliest: Option<(String, Lock)> = None;
@@ -388,7 +392,7 @@ fn conflicting(
             let _ = store.delete(&name);
             continue;
         }
-        if !conflicts(kind, disk, condemned, &l) {
+        if !conflicts(wanted, &l) {
             continue;
         }
         let earlier = match mine {
@@ -420,14 +424,21 @@ pub fn acquire(
     disk: Option<String>,
     wait: Option<Duration>,
 ) -> Result<LockGuard> {
-    acquire_as(store, kind, disk, wait, kind == LockKind::Backup)
+    acquire_as(store, kind, disk, wait, kind == LockKind::Backup, false)
+}
+
+/// A reader's shared lock ([`Lock::shared`], a `forget` lock to ferries that do not know
+/// it): taken by `repo copy` on its source, so that no forget or gc removes what it reads,
+/// while other readers (a second copy to another repository) and backups run beside it.
+pub fn acquire_shared(store: &Arc<dyn Store>, wait: Option<Duration>) -> Result<LockGuard> {
+    acquire_as(store, LockKind::Forget, None, wait, false, true)
 }
 
 /// A `gc` lock that follows the condemned-pack rules: it conflicts with other gc,
 /// forget and repair locks and with backup locks of older ferries, not with the backups
 /// of this one (FORMAT.md §8a).
 pub fn acquire_gc(store: &Arc<dyn Store>, wait: Option<Duration>) -> Result<LockGuard> {
-    acquire_as(store, LockKind::Gc, None, wait, true)
+    acquire_as(store, LockKind::Gc, None, wait, true, false)
 }
 
 fn acquire_as(
@@ -436,6 +447,7 @@ fn acquire_as(
     disk: Option<String>,
     wait: Option<Duration>,
     condemned: bool,
+    shared: bool,
 ) -> Result<LockGuard> {
     // A lock that others cannot parse would hold nobody off.
     let tag_ok = disk
@@ -447,6 +459,7 @@ fn acquire_as(
                 .into(),
         ));
     }
+    let wanted = Wanted { kind, disk: disk.as_deref(), condemned, shared };
     let start = Instant::now();
     let deadline = wait.map(|w| start + w);
     let host = hostname();
@@ -462,7 +475,7 @@ fn acquire_as(
     };
     loop {
         // Wait without writing while a holder is there.
-        if let (Some((name, l)), _) = conflicting(store, kind, disk.as_deref(), condemned, None)? {
+        if let (Some((name, l)), _) = conflicting(store, &wanted, None)? {
             match deadline {
                 Some(d) if Instant::now() < d => {
                     std::thread::sleep(pause.min(d.saturating_duration_since(Instant::now())));
@@ -483,6 +496,7 @@ fn acquire_as(
             boot: this_boot(),
             pid_start: this_start(),
             condemned,
+            shared,
         };
         let name = format!("locks/{}", format::hex(&crate::crypto::random::<16>()));
         let written = boot_clock();
@@ -494,7 +508,7 @@ fn acquire_as(
         // ours was written and holds (then it stays, and ours gives way).
         let settle = Instant::now() + SETTLE;
         let holder = loop {
-            match conflicting(store, kind, disk.as_deref(), condemned, Some((&name, &lock))) {
+            match conflicting(store, &wanted, Some((&name, &lock))) {
                 Ok((None, None)) => return Ok(start_refresh(store.clone(), name, lock, written)),
                 Ok((Some(h), _)) => break h,
                 Ok((None, Some(h))) if Instant::now() >= settle => break h,
@@ -739,6 +753,7 @@ mod tests {
             boot: this_boot(),
             pid_start: Some(start.wrapping_sub(1)),
             condemned: false,
+            shared: false,
         };
         assert!(stale(&l, None).is_some_and(|w| w.contains("reused")));
         assert!(stale(&Lock { pid_start: Some(start), ..l.clone() }, None).is_none());

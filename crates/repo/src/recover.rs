@@ -184,7 +184,7 @@ fn delete(store: &Arc<dyn Store>, name: &str) -> Result<()> {
 #[derive(Debug, Clone, Serialize)]
 pub struct LockShown {
     pub object: String,
-    /// `backup`, `forget` or `gc`; empty for a lock that cannot be read.
+    /// `backup`, `forget`, `gc` or `read` (shared); empty for a lock that cannot be read.
     pub kind: String,
     pub host: String,
     pub pid: u32,
@@ -214,11 +214,7 @@ pub fn unlock(store: &Arc<dyn Store>, force: bool) -> Result<UnlockReport> {
     let mut shown: Vec<(LockShown, bool)> = Vec::new();
     for (object, l, stale) in locks {
         let age_secs = crate::repo::parse_time(&l.time).map(|t| now.duration_since(t).as_secs().max(0) as u64);
-        let kind = match l.kind {
-            LockKind::Backup => "backup",
-            LockKind::Forget => "forget",
-            LockKind::Gc => "gc",
-        };
+        let kind = l.what();
         let go = stale.is_some() || force;
         let state = stale.unwrap_or_else(|| "its holder looks alive (not stale)".into());
         shown.push((

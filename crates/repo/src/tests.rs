@@ -587,6 +587,7 @@ fn stale_lock_of_a_dead_process_is_removed() {
         boot: lock::this_boot(),
         pid_start: None,
         condemned: false,
+        shared: false,
     };
     store.put("locks/00000000000000000000000000000001", &l.to_bytes()).unwrap();
     // An old lock of another host is stale too (written an hour ago by the store's clock).
@@ -924,6 +925,7 @@ fn a_later_lock_that_stays_holds() {
         boot: lock::this_boot(),
         pid_start: None,
         condemned: false,
+        shared: false,
     };
     let name = "locks/0000000000000000000000000000000a".to_string();
     for gone in [None, Some(std::time::Duration::from_millis(300))] {
@@ -1355,6 +1357,7 @@ fn a_dead_pid_of_another_boot_or_namespace_is_not_stale() {
         boot: Some("another-boot pid:[1]".into()),
         pid_start: None,
         condemned: false,
+        shared: false,
     };
     assert!(lock::stale(&l, None).is_none(), "a PID of another namespace was taken for this machine's");
     assert!(lock::stale(&Lock { boot: None, ..l.clone() }, None).is_none());
@@ -1393,6 +1396,7 @@ fn clock_skew_alone_never_makes_a_lock_stale() {
         boot: None,
         pid_start: None,
         condemned: false,
+        shared: false,
     };
     let name = "locks/0000000000000000000000000000000b";
     // The writer's clock is two hours behind: its lock, written just now, says two hours

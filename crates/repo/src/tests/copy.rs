@@ -362,12 +362,9 @@ fn a_manifest_that_cannot_be_read_fails_the_copy_of_one_disk_too() {
     }
 }
 
-#[test]
-fn the_leftover_checkpoint_of_a_finished_copy_is_recognised_and_removed() {
-    let (_, src) = repo_with(CS as u32, None);
-    let a = disk(300 * CS, 7);
-    backup(&src, "a", &a, None);
-    let (_, dst) = repo_with(CS as u32, None);
+/// A copy of every snapshot of `src` into `dst` interrupted once 8 chunks are done, with a
+/// checkpoint after each chunk: it leaves its checkpoint in `dst`.
+fn interrupt_copy(src: &Arc<Repository>, dst: &Arc<Repository>) {
     let cancel = Arc::new(AtomicBool::new(false));
     let opts = CopyOptions {
         threads: 1,
@@ -383,11 +380,20 @@ fn the_leftover_checkpoint_of_a_finished_copy_is_recognised_and_removed() {
             }
             cancel.store(true, Ordering::SeqCst);
         });
-        let r = copy(&src, &dst, &Select::All, &opts, &progress, &|_| {});
+        let r = copy(src, dst, &Select::All, &opts, &progress, &|_| {});
         cancel.store(true, Ordering::SeqCst);
         watch.join().unwrap();
         r
     });
+}
+
+#[test]
+fn the_leftover_checkpoint_of_a_finished_copy_is_recognised_and_removed() {
+    let (_, src) = repo_with(CS as u32, None);
+    let a = disk(300 * CS, 7);
+    backup(&src, "a", &a, None);
+    let (_, dst) = repo_with(CS as u32, None);
+    interrupt_copy(&src, &dst);
     let ck = dst.checkpoint("a").unwrap().unwrap();
     let bytes = dst.store().get(&ck.object, 1 << 30).unwrap();
     let r = run(&src, &dst, Select::All);
@@ -408,26 +414,7 @@ fn a_checkpoint_that_cannot_be_resumed_is_copied_afresh() {
     let a = disk(300 * CS, 8);
     backup(&src, "a", &a, None);
     let (dst_store, dst) = repo_with(CS as u32, None);
-    let cancel = Arc::new(AtomicBool::new(false));
-    let opts = CopyOptions {
-        threads: 1,
-        checkpoint_every: Some(std::time::Duration::ZERO),
-        cancel: Some(cancel.clone()),
-        ..CopyOptions::default()
-    };
-    let progress = Progress::default();
-    let _ = std::thread::scope(|s| {
-        let watch = s.spawn(|| {
-            while progress.done.load(Ordering::Relaxed) < 8 * CS as u64 {
-                std::thread::yield_now();
-            }
-            cancel.store(true, Ordering::SeqCst);
-        });
-        let r = copy(&src, &dst, &Select::All, &opts, &progress, &|_| {});
-        cancel.store(true, Ordering::SeqCst);
-        watch.join().unwrap();
-        r
-    });
+    interrupt_copy(&src, &dst);
     assert!(dst.checkpoint("a").unwrap().is_some());
     // The checkpoint's pages and chunks are lost: it cannot be continued.
     for p in dst_store.list("data/").unwrap() {
@@ -470,4 +457,45 @@ fn a_snapshot_another_copy_stored_meanwhile_is_not_stored_twice() {
     assert_eq!(copies, 1, "one copy of the snapshot of b");
     assert_eq!(all.len(), 3);
     assert_clean(&dst);
+}
+
+/// `repo copy` takes a shared lock on its source: a second copy from the same source
+/// (to another offsite repository) and a backup into the source run beside it, while a
+/// forget or a gc of the source waits for it.
+#[test]
+fn two_copies_from_one_source_run_at_once_and_a_forget_waits_for_both() {
+    let (src, snaps) = source(CS as u32, None);
+    let (_, first) = repo_with(CS as u32, None);
+    let (_, second) = repo_with(CS as u32, Some(b"offsite"));
+    let store = src.store().clone();
+    let beside = AtomicBool::new(false);
+    let on = |e: Event| {
+        if !matches!(e, Event::Copied(_)) || beside.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        // The first copy holds its lock on the source now.
+        assert!(lock::list(&store).unwrap().iter().any(|(_, l, _)| l.what() == "read"));
+        let r = run(&src, &second, Select::All);
+        assert_eq!((r.copied.len(), r.failed.len()), (3, 0), "the second copy ran beside the first: {r:?}");
+        backup(&src, "c", &disk(3 * CS, 5), None);
+        let e = lock::acquire(&store, crate::format::LockKind::Forget, None, None).err().unwrap();
+        assert!(matches!(&e, Error::Locked(m) if m.contains("a read by process")), "{e}");
+        let e = lock::acquire_gc(&store, None).err().unwrap();
+        assert!(matches!(e, Error::Locked(_)), "{e}");
+    };
+    let opts = CopyOptions { threads: 2, ..CopyOptions::default() };
+    let r = copy(&src, &first, &Select::All, &opts, &Progress::default(), &on).unwrap();
+    assert!(beside.load(Ordering::SeqCst));
+    assert_eq!((r.copied.len(), r.failed.len()), (3, 0), "{r:?}");
+    for repo in [&first, &second] {
+        for (snap, data) in &snaps {
+            let (all, _) = repo.snapshots_skipping().unwrap();
+            let copy = all.iter().find(|c| c.manifest.copied_from.as_ref().unwrap().snapshot == snap.id).unwrap();
+            assert_eq!(read_back(repo, copy), *data);
+        }
+        assert_clean(repo);
+    }
+    // Both copies are over: their locks are gone and a forget holds.
+    assert!(lock::list(&store).unwrap().is_empty());
+    drop(lock::acquire(&store, crate::format::LockKind::Forget, None, None).unwrap());
 }

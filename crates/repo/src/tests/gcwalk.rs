@@ -216,6 +216,7 @@ fn an_older_ferrys_backup_lock_excludes_gc() {
         boot: lock::this_boot(),
         pid_start: lock::this_start(),
         condemned: false,
+        shared: false,
     };
     store.put("locks/0123456789abcdef0123456789abcdef", &old.to_bytes()).unwrap();
     assert!(matches!(gc_margin(&repo, Duration::ZERO), Err(Error::Locked(_))));

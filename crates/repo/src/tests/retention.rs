@@ -160,6 +160,7 @@ fn a_gc_dry_run_says_what_gc_frees_and_changes_nothing() {
         boot: crate::lock::this_boot(),
         pid_start: None,
         condemned: false,
+        shared: false,
     };
     store.put("locks/00000000000000000000000000000001", &stale.to_bytes()).unwrap();
     let before: Vec<String> = store.list("").unwrap().into_iter().map(|(n, _)| n).collect();
