@@ -49,6 +49,7 @@ mod repo_base;
 mod repo_bounded;
 mod repo_copy;
 mod repo_crash;
+mod repo_filter;
 mod repo_gc;
 mod repo_heal;
 mod repo_keys;

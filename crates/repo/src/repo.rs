@@ -618,7 +618,7 @@ impl Repository {
         // A listing names a migrated parent by its new id ([`hide_migrated`]): the one whose
         // manifest says it was migrated from the parent this manifest names.
         if let (Some(stored), Some(listed)) = (&summary.parent, &snap.manifest.parent) {
-            if stored != listed && self.migrated_from(listed)?.as_ref() == Some(stored) {
+            if stored != listed && self.migrated_from(&object, listed)?.as_ref() == Some(stored) {
                 summary.parent = Some(listed.clone());
             }
         }
@@ -628,16 +628,30 @@ impl Repository {
         Ok(Arc::new(pages))
     }
 
-    /// The id snapshot `id` was migrated from (its manifest's `migrated_from`), if any; an
-    /// id whose manifest is not there or does not read has none.
-    fn migrated_from(&self, id: &str) -> Result<Option<String>> {
+    /// The id snapshot `id`, listed as the parent of manifest `child`, was migrated from
+    /// (its manifest's `migrated_from`), if any. A manifest of `id` that cannot be read
+    /// now (the store failed: it may work again) is a store error, and one that is
+    /// damaged (or gone since it was listed) is damage of that manifest: both name it and
+    /// `child`, so that neither is taken for damage of `child`.
+    fn migrated_from(&self, child: &str, id: &str) -> Result<Option<String>> {
         if !format::is_hex(id, 64) {
             return Ok(None);
         }
-        match self.read_snapshot(&format!("snapshots/{id}")) {
+        let object = format!("snapshots/{id}");
+        match self.read_snapshot(&object) {
             Ok(s) => Ok(s.manifest.migrated_from),
-            Err(e @ Error::Store { .. }) => Err(e),
-            Err(_) => Ok(None),
+            Err(Error::Store { what, source }) => Err(Error::store(
+                format!(
+                    "{what} (the manifest of the parent of {child}, which its listing names and which must be read \
+                     to check it; a store failure, not damage: try again)"
+                ),
+                source,
+            )),
+            Err(Error::Damaged { why, .. }) => Err(Error::damaged(
+                object,
+                format!("{why}; it is listed as the parent of {child}, which cannot be checked without it"),
+            )),
+            Err(e) => Err(e),
         }
     }
 

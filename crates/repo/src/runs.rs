@@ -33,7 +33,7 @@
 //! [`BlobLookup`] is what readers and writers ask: implemented by the in-memory [`Index`]
 //! (check, verify, gc) and by [`RunIndex`], this cache seen with the damage records and,
 //! for a backup, the packs present in the store.
-use crate::bloom::Bloom;
+use crate::bloom::{self, Bloom};
 use crate::damage::DamageSet;
 use crate::format::{self, BlobKind, Digest, PackBlobs};
 use crate::repo::{par_map, Index, Location, Repository, FETCH_THREADS};
@@ -382,9 +382,16 @@ thread_local! {
     static BLOCK_BUF: std::cell::RefCell<BlockCache> = std::cell::RefCell::new(BlockCache::default());
 }
 
-/// Checks a run given as bytes, and looks up a few ids in it: what fuzzing drives. Never
-/// panics, whatever the bytes.
+/// Checks a run given as bytes, and looks up a few ids in it, and the same bytes as a
+/// list of runs: what fuzzing drives. Never panics, whatever the bytes.
 pub fn fuzz(data: &[u8]) {
+    // The same bytes as a list of runs, for the key its second line names.
+    if let Ok(text) = std::str::from_utf8(data) {
+        let key = text.lines().nth(1).and_then(|l| l.strip_prefix("key ")).unwrap_or_default();
+        if let Listed::Runs(names) = listed_runs(text, key) {
+            assert!(names.iter().all(|n| valid_run_name(n)));
+        }
+    }
     let Ok(meta) = Meta::parse(data, data.len() as u64) else { return };
     let mut cache = BlockCache::default();
     let probes = [[0u8; 32], [0xff; 32], meta.fence.first().copied().unwrap_or_default()];
@@ -393,6 +400,12 @@ pub fn fuzz(data: &[u8]) {
             let _ = e.location(&meta.rows);
         });
     }
+}
+
+/// Checks a stored filter of the local index cache given as bytes (see `bloom`): what
+/// fuzzing drives. Never panics, whatever the bytes.
+pub fn fuzz_filter(data: &[u8]) {
+    bloom::fuzz(data);
 }
 
 /// An open run file, with its filter ([`Bloom`]: `None` for a run too large to have one),
@@ -463,9 +476,14 @@ impl Run {
         if len != want {
             return Err(format!("it has {len} bytes, not {want}"));
         }
-        let mut b = vec![0u8; want as usize];
-        f.read_exact_at(&mut b, 0).map_err(|e| format!("it cannot be read: {e}"))?;
-        Bloom::decode(&b, self.meta.crc, self.meta.entries).map(Some)
+        // The header first, checked against the run; then the bits, read once into the
+        // filter's own buffer (no copy), their size the one the header was checked for.
+        let mut h = [0u8; bloom::HEADER];
+        f.read_exact_at(&mut h, 0).map_err(|e| format!("it cannot be read: {e}"))?;
+        let h = Bloom::check_header(&h, self.meta.crc, self.meta.entries)?;
+        let mut bits = vec![0u8; h.bits_len];
+        f.read_exact_at(&mut bits, bloom::HEADER as u64).map_err(|e| format!("it cannot be read: {e}"))?;
+        Bloom::from_bits(h, bits).map(Some)
     }
 
     /// The filter of every entry of the run, its blocks read and checked.
@@ -482,15 +500,36 @@ impl Run {
     }
 
     /// Writes the filter file (a temporary file renamed: never seen in part). A cache
-    /// that cannot be written keeps the filter in memory only.
+    /// that cannot be written (read-only, full) keeps the filter in memory only, and says
+    /// so once a process: each later run of ferry builds it again from the run.
     fn write_filter(&self, dir: &Path, f: &Bloom) {
         let tmp = dir.join(random_name("tmp-"));
+        let path = dir.join(filter_name(&self.name));
         let r = private_file(&tmp)
-            .and_then(|mut out| out.write_all(&f.encode(self.meta.crc, self.meta.entries)))
-            .and_then(|()| std::fs::rename(&tmp, dir.join(filter_name(&self.name))));
+            .and_then(|mut out| {
+                out.write_all(&f.header(self.meta.crc, self.meta.entries))?;
+                out.write_all(f.bits())
+            })
+            .and_then(|()| std::fs::rename(&tmp, &path));
         if let Err(e) = r {
-            log::debug!("the filter of the index cache's run {} is not written: {e}", self.name);
             let _ = std::fs::remove_file(&tmp);
+            if e.kind() == io::ErrorKind::NotFound {
+                // Its temporary file removed by another process's clean-up of the cache
+                // (which takes it for a stray): the next run writes the filter.
+                log::debug!("the index cache's filter {} is not written: {e}", path.display());
+                return;
+            }
+            static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+            if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                log::warn!(
+                    "the index cache's filter {} cannot be written ({e}): it is kept in memory only, and each \
+                     later run reads its whole run again to build it (lookups of new chunks are slower until the \
+                     cache directory can be written: free space or fix its permissions)",
+                    path.display()
+                );
+            } else {
+                log::debug!("the index cache's filter {} cannot be written: {e}", path.display());
+            }
         }
     }
 
@@ -1178,17 +1217,19 @@ impl Cache {
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Vec::new(),
             Err(_) => String::new(),
         };
-        let mut lines = text.lines();
-        if lines.next() != Some(MANIFEST_HEAD) || lines.next() != Some(&format!("key {key}")) {
-            log::info!("the index cache {} is of another key or damaged: it is built again", self.dir.display());
-            return Vec::new();
-        }
-        let mut runs = Vec::new();
-        for line in lines {
-            let Some(name) = line.strip_prefix("run ").filter(|n| valid_run_name(n)) else {
+        let names = match listed_runs(&text, key) {
+            Listed::Runs(names) => names,
+            Listed::OtherKey => {
+                log::info!("the index cache {} is of another key or damaged: it is built again", self.dir.display());
+                return Vec::new();
+            }
+            Listed::Damaged => {
                 log::warn!("the index cache's list of runs {} is damaged: it is built again", self.dir.display());
                 return Vec::new();
-            };
+            }
+        };
+        let mut runs = Vec::new();
+        for name in names {
             match Run::open(&self.dir, name, None) {
                 Ok(r) => runs.push(r),
                 Err(why) if discard => self.discard(name, &why),
@@ -1333,6 +1374,29 @@ const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 type Listing = Vec<(String, u64)>;
 /// The name of an index object (`index/ID`).
 type IndexObjectName = String;
+
+/// What a list of runs (the `runs` file) says.
+#[derive(Debug, PartialEq, Eq)]
+enum Listed<'a> {
+    /// The runs it names, in order.
+    Runs(Vec<&'a str>),
+    /// It is not a list, or of another key.
+    OtherKey,
+    /// A line after its head is not `run NAME`.
+    Damaged,
+}
+
+/// The list of runs `text`, checked, for the key `key` (pure).
+fn listed_runs<'a>(text: &'a str, key: &str) -> Listed<'a> {
+    let mut lines = text.lines();
+    if lines.next() != Some(MANIFEST_HEAD) || lines.next() != Some(&format!("key {key}")) {
+        return Listed::OtherKey;
+    }
+    lines
+        .map(|line| line.strip_prefix("run ").filter(|n| valid_run_name(n)))
+        .collect::<Option<Vec<_>>>()
+        .map_or(Listed::Damaged, Listed::Runs)
+}
 
 fn valid_run_name(n: &str) -> bool {
     n.strip_prefix("run-").is_some_and(|h| h.len() == 24 && h.bytes().all(|b| b.is_ascii_hexdigit()))

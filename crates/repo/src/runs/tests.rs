@@ -565,3 +565,20 @@ fn filters_are_loaded_only_for_a_backups_lookups() {
     let _ = backup.contains_each(&ids);
     assert_eq!(loaded(&backup), backup.runs(), "a backup's lookups use every run's filter");
 }
+
+/// The list of runs is taken only whole, of its key, every line after its head a run's
+/// name (never a path).
+#[test]
+fn a_list_of_runs_is_taken_only_whole_and_of_its_key() {
+    let (a, b) = (format!("run-{}", "a".repeat(24)), format!("run-{}", "0".repeat(24)));
+    let list = format!("{MANIFEST_HEAD}\nkey k1\nrun {a}\nrun {b}\n");
+    assert_eq!(listed_runs(&list, "k1"), Listed::Runs(vec![a.as_str(), b.as_str()]));
+    assert_eq!(listed_runs(&format!("{MANIFEST_HEAD}\nkey k1\n"), "k1"), Listed::Runs(vec![]));
+    assert_eq!(listed_runs(&list, "k2"), Listed::OtherKey);
+    assert_eq!(listed_runs("", "k1"), Listed::OtherKey);
+    assert_eq!(listed_runs(&list.replacen(MANIFEST_HEAD, "ferry index cache 2", 1), "k1"), Listed::OtherKey);
+    for bad in ["run ../../etc/passwd", "run run-abc", "filter-aaaaaaaaaaaaaaaaaaaaaaaa", "", "run  run-x"] {
+        assert_eq!(listed_runs(&format!("{list}{bad}\n"), "k1"), Listed::Damaged, "{bad:?}");
+    }
+    fuzz(list.as_bytes());
+}

@@ -195,4 +195,49 @@ fn a_backup_opened_before_a_migrate_is_refused() {
     let s2 = backup(&repo, "b", &d1, None);
     assert_eq!(read_back(&repo, &s2), d1);
     assert!(maint::check(&repo).unwrap().problems.is_empty());
+/// The migrated parent a listing names is read again to check a snapshot's pages: a store
+/// that fails to read it gives a store error (a read error's exit status) that names it
+/// and the snapshot and says to try again, and a parent damaged since is damage of that
+/// parent, never of the snapshot.
+#[test]
+fn an_unreadable_migrated_parent_is_a_store_error_and_a_damaged_one_its_own_damage() {
+    let inner = Arc::new(MemStore::new());
+    let store = Arc::new(Hooked::new(inner.clone()));
+    let repo = v1_repo(store.clone());
+    let s1 = backup(&repo, "a", &filled(CS * 20), None);
+    let s2 = backup(&repo, "a", &disk(CS * 20, 2), Some(s1.clone()));
+    let old2 = inner.get(&format!("snapshots/{}", s2.id), 1 << 30).unwrap();
+    crate::migrate::migrate(&repo, false, &mut |_| {}).unwrap();
+    // s2 as a migrate stopped before it got to s2 left it, its parent migrated.
+    let repo = reopen(store.clone());
+    let new2 = repo.snapshots().unwrap().into_iter().find(|s| s.manifest.migrated_from.as_deref() == Some(&s2.id));
+    inner.delete(&format!("snapshots/{}", new2.unwrap().id)).unwrap();
+    inner.put(&format!("snapshots/{}", s2.id), &old2).unwrap();
+    let listed2 = repo.snapshots().unwrap().into_iter().find(|s| s.id == s2.id).unwrap();
+    let parent = format!("snapshots/{}", listed2.manifest.parent.clone().unwrap());
+    assert_ne!(parent, format!("snapshots/{}", s1.id), "listed by its new id");
+
+    let failing = parent.clone();
+    store.set_hook(Some(Box::new(move |_, when, op, name| match (when, op) {
+        (When::Before, Op::Get) if name == failing => Err(std::io::Error::other("connection reset")),
+        _ => Ok(()),
+    })));
+    let e = repo.pages(&listed2).unwrap_err();
+    assert!(matches!(e, Error::Store { .. }), "{e}");
+    assert_eq!(e.failure(), None, "a read error's exit status, not damage's");
+    let msg = e.to_string();
+    assert!(msg.contains(&parent) && msg.contains(&s2.id) && msg.contains("try again"), "{msg}");
+    store.set_hook(None);
+    assert!(repo.pages(&listed2).is_ok(), "it reads once the store does");
+
+    let mut bad = inner.get(&parent, 1 << 30).unwrap();
+    bad[10] ^= 1;
+    inner.put(&parent, &bad).unwrap();
+    match repo.pages(&listed2).unwrap_err() {
+        Error::Damaged { object, why } => {
+            assert_eq!(object, parent, "the parent is damaged, not the snapshot");
+            assert!(why.contains(&s2.id), "{why}");
+        }
+        e => panic!("{e}"),
+    }
 }
