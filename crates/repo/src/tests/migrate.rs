@@ -195,6 +195,8 @@ fn a_backup_opened_before_a_migrate_is_refused() {
     let s2 = backup(&repo, "b", &d1, None);
     assert_eq!(read_back(&repo, &s2), d1);
     assert!(maint::check(&repo).unwrap().problems.is_empty());
+}
+
 /// The migrated parent a listing names is read again to check a snapshot's pages: a store
 /// that fails to read it gives a store error (a read error's exit status) that names it
 /// and the snapshot and says to try again, and a parent damaged since is damage of that
