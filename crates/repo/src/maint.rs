@@ -1498,15 +1498,18 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
     // may start while this gc runs).
     let min_age = temp_age_from_env();
     for prefix in
-        ["data/", "index/", "snapshots/", "checkpoints/", "gc/", "protected/"].into_iter().filter(|_| !dry_run)
+        ["", "data/", "index/", "snapshots/", "checkpoints/", "gc/", "protected/"].into_iter().filter(|_| !dry_run)
     {
         match store.remove_partial(prefix, min_age) {
             Ok((0, _)) => {}
             Ok((n, bytes)) => log::warn!(
-                "removed {n} partly written object(s) ({bytes} bytes) under {prefix} of {}, left by interrupted writers",
+                "removed {n} partly written object(s) ({bytes} bytes) {} of {}, left by interrupted writers",
+                if prefix.is_empty() { "at the top".to_string() } else { format!("under {prefix}") },
                 store.describe()
             ),
-            Err(e) => return Err(Error::store(format!("cannot remove partly written objects from {}", store.describe()), e)),
+            Err(e) => {
+                return Err(Error::store(format!("cannot remove partly written objects from {}", store.describe()), e))
+            }
         }
     }
     // The records of earlier gcs: ripe when every backup they name is gone, no older

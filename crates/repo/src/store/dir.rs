@@ -343,6 +343,17 @@ impl Store for DirStore {
     }
 
     fn remove_partial(&self, prefix: &str, min_age: std::time::Duration) -> io::Result<(u64, u64)> {
+        let mut removed = (0, 0);
+        let before = std::time::SystemTime::now()
+            .checked_sub(min_age)
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map_or(i64::MIN, |d| d.as_secs() as i64);
+        if prefix.is_empty() {
+            // The top level only (`config` is replaced through a temporary file there); its
+            // folders are each asked for by name.
+            self.remove_temps(self.dir.as_fd(), "", MAX_DEPTH - 1, before, &mut removed)?;
+            return Ok(removed);
+        }
         let top = prefix.trim_end_matches('/');
         if top.contains('/') || !valid_name(top) {
             return Err(invalid_name(prefix));
@@ -352,11 +363,6 @@ impl Store for DirStore {
             Err(rustix::io::Errno::NOENT) => return Ok((0, 0)),
             Err(e) => return Err(ctx(e, self.shown(top))),
         };
-        let mut removed = (0, 0);
-        let before = std::time::SystemTime::now()
-            .checked_sub(min_age)
-            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-            .map_or(i64::MIN, |d| d.as_secs() as i64);
         self.remove_temps(fd.as_fd(), &format!("{top}/"), 1, before, &mut removed)?;
         Ok(removed)
     }
@@ -591,6 +597,12 @@ mod tests {
         assert_eq!(s.remove_partial("index/", zero).unwrap(), (1, 4));
         assert_eq!(s.remove_partial("snapshots/", zero).unwrap(), (0, 0));
         assert!(s.remove_partial("../", zero).is_err());
+        // The top level: a killed `repo migrate`'s half-written config goes, nothing in the
+        // folders below (each is asked for by name).
+        std::fs::write(root.join(".tmp-cdef"), b"half a config").unwrap();
+        std::fs::write(root.join("locks/.tmp-4321"), b"being written").unwrap();
+        assert_eq!(s.remove_partial("", zero).unwrap(), (1, 13));
+        assert!(!root.join(".tmp-cdef").exists() && root.join("locks/.tmp-4321").exists());
         assert!(!root.join("data/ab/.tmp-0123").exists() && !root.join("index/.tmp-4567").exists());
         // Objects, foreign files and other prefixes are left alone.
         assert!(root.join("locks/.tmp-89ab").exists() && root.join("data/ab/README").exists());
