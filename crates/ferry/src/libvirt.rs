@@ -84,8 +84,9 @@ pub struct LibvirtArgs {
     /// With a libvirt:DOMAIN source of a running domain: where the backup job's private
     /// directory goes (its Unix socket, and its scratch files: what the guest overwrites
     /// while the job runs, up to the size of the disks backed up). qemu must reach it. For
-    /// a domain of another host it holds only the job's XML: libvirt puts the scratch files
-    /// on that host, beside each disk's image.
+    /// a domain of another host (--connect) it is a directory ON THAT HOST, where qemu
+    /// writes the scratch files (DIR/RUN.TARGET.scratch; default /var/tmp there); ferry
+    /// keeps the job's XML in its own private directory on this host.
     #[arg(long, value_name = "DIR", default_value = DEFAULT_SCRATCH)]
     pub scratch_dir: PathBuf,
     /// With a libvirt:DOMAIN source: back it up although the repository's latest point of
@@ -207,13 +208,13 @@ impl LibvirtArgs {
                  them in clear instead"
             ),
         };
-        let scratch_here = *host == Host::This;
-        let port = match (self.export_port, scratch_here) {
+        let port = match (self.export_port, host) {
             (Some(p), _) => p,
-            (None, true) => 0,
-            (None, false) => NBD_PORT,
+            (None, Host::This) => 0,
+            (None, Host::Other(_)) => NBD_PORT,
         };
-        Ok(Export::Tcp { host: name, port, tls, scratch_here })
+        let remote_scratch = (*host != Host::This).then(|| self.scratch_dir.to_string_lossy().into_owned());
+        Ok(Export::Tcp { host: name, port, tls, remote_scratch })
     }
 
     /// The NBD URI ferry reads disk `target` of the job of directory `dir` at.
@@ -289,16 +290,16 @@ fn open_repo(args: &BackupArgs, quiet: bool) -> Result<Engine> {
 }
 
 /// A private directory for the job's socket and scratch files: 0700, a new random name in
-/// `base` (--scratch-dir), owned by qemu's user when ferry runs as root (qemu creates the
-/// socket and the scratch files; ferry, as root, still reaches them).
-fn rundir(live_xml: &str, base: &Path) -> Result<tempfile::TempDir> {
+/// `base` (--scratch-dir), owned by qemu's user `owner` (uid, gid) when ferry runs as root
+/// (qemu creates the socket and the scratch files; ferry, as root, still reaches them).
+fn rundir(owner: Option<(u32, u32)>, base: &Path) -> Result<tempfile::TempDir> {
     use std::os::unix::fs::PermissionsExt;
     let d = tempfile::Builder::new()
         .prefix(RUNDIR_PREFIX)
         .permissions(std::fs::Permissions::from_mode(0o700))
         .tempdir_in(base)
-        .with_context(|| format!("cannot make a private directory in {} (--scratch-dir)", base.display()))?;
-    if let (Some((uid, gid)), true) = (xml::qemu_owner(live_xml), rustix::process::geteuid().is_root()) {
+        .with_context(|| format!("cannot make a private directory in {}", base.display()))?;
+    if let (Some((uid, gid)), true) = (owner, rustix::process::geteuid().is_root()) {
         std::os::unix::fs::chown(d.path(), Some(uid), Some(gid))
             .with_context(|| format!("cannot give {} to qemu's user", d.path().display()))?;
     }
@@ -376,9 +377,16 @@ pub(crate) fn backup_domain(
     let names: Vec<String> = chosen.iter().map(|d| disk_name(domain, &d.target)).collect::<Result<_>>()?;
     let inactive = h.domain_xml(domain, true).unwrap_or_else(|_| live.clone());
     // A second run at once would take the first one's job for a leftover and end it.
-    let dir = state_dir()?;
-    let _one = one_run(&dir, domain)?;
-    let frozen = dir.join(format!("libvirt-{}.frozen", file_safe(domain)));
+    let state = state_dir()?;
+    let _one = one_run(&state, domain)?;
+    let frozen = state.join(format!("libvirt-{}.frozen", file_safe(domain)));
+    // Where this host's directory of a run's job goes: --scratch-dir, except for a domain
+    // of another host, whose scratch files are in --scratch-dir of that host: its job's
+    // directory here holds only the job's XML, in the state directory.
+    let local_base = match host {
+        Host::This => args.libvirt.scratch_dir.as_path(),
+        Host::Other(_) => state.as_path(),
+    };
     thaw_leftover(h, domain, stopped, &frozen)?;
     let uuid = xml::uuid(&live);
     // Each disk's snapshot id as the listing has it now (`ferry repo migrate` gives new ids).
@@ -398,7 +406,7 @@ pub(crate) fn backup_domain(
     }
     let repo_id = repo.config().id.clone();
     let prefix = format!("{CHECKPOINT_PREFIX}{}-", &repo_id[..16.min(repo_id.len())]);
-    end_leftover_job(h, domain, &args.libvirt.scratch_dir)?;
+    end_leftover_job(h, domain, local_base)?;
     let ours: Vec<String> = h.checkpoints(domain)?.into_iter().filter(|c| c.starts_with(&prefix)).collect();
     // Checkpoints of this repository that no point names: left by a run that failed or
     // was killed. Deleting one merges what it tracked into its parent: nothing is lost.
@@ -428,7 +436,8 @@ pub(crate) fn backup_domain(
     let all: Vec<String> = xml::disks(&live)?.into_iter().map(|d| d.target).collect();
     let checkpoint =
         format!("{prefix}{}", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_nanos());
-    let dir = rundir(&live, &args.libvirt.scratch_dir)?;
+    let owner = if host == Host::This { xml::qemu_owner(&live) } else { None };
+    let dir = rundir(owner, local_base)?;
     if let Export::Tcp { host, port, tls, .. } = &mut export {
         if *port == 0 {
             *port = free_port(host)?;
@@ -697,9 +706,10 @@ fn free_port(host: &str) -> Result<u16> {
 
 /// Ends a backup job a killed ferry left on the domain (marked by the name of a directory
 /// ferry makes: its socket's, or its export names' prefix); refuses one that is not ferry's.
-/// Its directory goes too: the one its XML names, else the one of that name in
-/// `scratch_dir` (a job of another host's domain, whose XML names none of this host).
-fn end_leftover_job(h: &dyn Hypervisor, domain: &str, scratch_dir: &Path) -> Result<()> {
+/// Its directory goes too: the one its XML names (its socket's or its scratch files', for a
+/// domain of this host) if named after the run, else the one of that name in `base` (for
+/// a job of another host's domain, whose scratch files are in a directory of that host).
+fn end_leftover_job(h: &dyn Hypervisor, domain: &str, base: &Path) -> Result<()> {
     let Some(job) = h.backup_xml(domain)? else { return Ok(()) };
     let mark = xml::job_mark(&job).filter(|m| m.starts_with(RUNDIR_PREFIX));
     let Some(mark) = mark else {
@@ -713,9 +723,9 @@ fn end_leftover_job(h: &dyn Hypervisor, domain: &str, scratch_dir: &Path) -> Res
     // Its directory holds the socket and the scratch files (what the guest overwrote
     // while it ran: up to the size of the disks), or for a domain of another host only
     // the job's XML.
-    let dir = xml::job_dir(&job).unwrap_or_else(|| scratch_dir.join(&mark));
-    let dir = Some(dir).filter(|d| d.file_name().is_some_and(|n| n.to_string_lossy() == mark.as_str()));
-    if let Some(dir) = dir.filter(|d| d.exists()) {
+    let named = |d: &PathBuf| d.file_name().is_some_and(|n| n.to_string_lossy() == mark.as_str());
+    let dir = xml::job_dir(&job).filter(named).unwrap_or_else(|| base.join(&mark));
+    if dir.exists() {
         if let Err(e) = std::fs::remove_dir_all(&dir) {
             log::warn!(
                 "{domain}: cannot remove {} that the stopped backup left ({e}): remove it by hand",
@@ -1253,16 +1263,22 @@ mod tests {
         std::fs::create_dir(&run).unwrap();
         std::fs::write(run.join("backup.xml"), "<domainbackup/>").unwrap();
         let modes = [("vda".to_string(), Mode::Full)];
-        // A domain of another host: the job's XML names no directory of this host.
-        let remote = Export::Tcp { host: "kvm1".into(), port: NBD_PORT, tls: true, scratch_here: false };
+        // A domain of another host: backup-dumpxml as libvirt gives it names the scratch
+        // files of that host (in its /var/tmp), no directory of this run.
         let h = Fake::default();
-        *h.job.borrow_mut() = Some(xml::backup_xml(&run.to_string_lossy(), &remote, &modes));
+        *h.job.borrow_mut() = Some(
+            "<domainbackup mode='pull'>\n  <server transport='tcp' tls='yes' name='kvm1' port='10809'/>\n  <disks>\n    \
+             <disk name='vda' backup='yes' type='file' backupmode='full' exportname='ferry-libvirt-Ab12Cd-vda' \
+             index='3'>\n      <driver type='qcow2'/>\n      \
+             <scratch file='/var/tmp/ferry-libvirt-Ab12Cd.vda.scratch'/>\n    </disk>\n  </disks>\n</domainbackup>\n"
+                .to_string(),
+        );
         end_leftover_job(&h, "vm", t.path()).unwrap();
         assert_eq!(*h.calls.borrow(), ["abort"]);
         assert!(!run.exists(), "the killed run's directory is left");
         // One of this host: its scratch files' directory.
         std::fs::create_dir(&run).unwrap();
-        let here = Export::Tcp { host: "127.0.0.1".into(), port: 10900, tls: true, scratch_here: true };
+        let here = Export::Tcp { host: "127.0.0.1".into(), port: 10900, tls: true, remote_scratch: None };
         *h.job.borrow_mut() = Some(xml::backup_xml(&run.to_string_lossy(), &here, &modes));
         end_leftover_job(&h, "vm", Path::new("/nonexistent")).unwrap();
         assert!(!run.exists());
@@ -1285,7 +1301,12 @@ mod tests {
         let msg = e(&LibvirtArgs::default(), &other);
         assert!(msg.contains("--tls-certs") && msg.contains("--insecure-export"), "{msg}");
         let insecure = LibvirtArgs { insecure_export: true, ..Default::default() };
-        let tcp = |host: &str, port, tls, scratch_here| Export::Tcp { host: host.into(), port, tls, scratch_here };
+        let tcp = |host: &str, port, tls, here: bool| Export::Tcp {
+            host: host.into(),
+            port,
+            tls,
+            remote_scratch: (!here).then(|| DEFAULT_SCRATCH.to_string()),
+        };
         assert_eq!(insecure.export(&other).unwrap(), tcp("kvm1", NBD_PORT, false, false));
         let unix = LibvirtArgs { export: Some(ExportKind::Unix), ..Default::default() };
         assert!(e(&unix, &other).contains("--export tcp"));

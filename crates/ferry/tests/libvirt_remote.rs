@@ -116,6 +116,82 @@ fn a_running_domain_backed_up_over_tcp_with_tls() {
     lv.remove(dom);
 }
 
+/// A domain of another host, as ferry sees it: the daemon through `--connect
+/// qemu+tcp://127.0.0.1:PORT/system` (its TCP listener), so the export is TCP with TLS and
+/// each disk's scratch file is in --scratch-dir *of that host*, named after the run
+/// (libvirt refuses a pull-mode job without one). Full, incremental, ferry killed in the
+/// middle (the next run ends the job: libvirt removes its scratch files, ferry its own
+/// directory), and every point restores byte for byte.
+#[test]
+fn a_domain_of_another_host_backed_up_through_a_tcp_connection() {
+    let lv = Libvirt::get();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let dom = "ferry-other-host";
+    lv.remove(dom);
+    let (a, b) = (image(d, "a.qcow2"), image(d, "b.qcow2"));
+    lv.domain(dom, &[("vda", &a), ("vdb", &b)], true, d);
+    let repo_dir = d.join("repo");
+    let repo = repo_dir.to_str().unwrap();
+    run_ok(&mut lv.ferry(&["repo", "init", repo]));
+    let (src, uri, pki) = (format!("libvirt:{dom}"), lv.tcp_uri(), lv.pki());
+    let pki = pki.to_str().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let scratch = d.join("scratch-of-that-host");
+    std::fs::create_dir(&scratch).unwrap();
+    let scratch = scratch.to_str().unwrap();
+    let remote = |extra: &[&str]| -> Vec<String> {
+        let mut v: Vec<&str> = vec!["backup", "--connect", &uri, "--tls-certs", pki, "--export-port", &port];
+        v.extend_from_slice(&["--scratch-dir", scratch]);
+        v.extend_from_slice(extra);
+        v.extend([src.as_str(), repo]);
+        v.into_iter().map(String::from).collect()
+    };
+    let ferry = |argv: &[String]| lv.ferry(&argv.iter().map(String::as_str).collect::<Vec<_>>());
+
+    let mut models: [Model; 2] = Default::default();
+    lv.write(dom, 0, 0x61, 0, MIB);
+    lv.write(dom, 1, 0x62, 3 * MIB, 2 * MIB);
+    models[0].0.push((0x61, 0, MIB));
+    models[1].0.push((0x62, 3 * MIB, 2 * MIB));
+    let day = json(&run_ok(&mut ferry(&remote(&["--json"]))));
+    assert_eq!(reads(&day).iter().map(|r| r.1.as_str()).collect::<Vec<_>>(), ["full", "full"], "{day}");
+    let mut points = vec![(day["point"].as_str().unwrap().to_string(), models.clone())];
+    lv.write(dom, 0, 0x63, 9 * MIB, MIB);
+    models[0].0.push((0x63, 9 * MIB, MIB));
+    let day = json(&run_ok(&mut ferry(&remote(&["--json"]))));
+    assert_eq!(reads(&day), [(MIB, "dirty-bitmap".to_string()), (0, "dirty-bitmap".to_string())], "{day}");
+    points.push((day["point"].as_str().unwrap().to_string(), models.clone()));
+    assert_eq!(std::fs::read_dir(scratch).unwrap().count(), 0, "scratch files are left");
+
+    // Killed (-9) while its job runs: the scratch files are those of --scratch-dir on the
+    // domain's host, named after the run.
+    lv.write(dom, 1, 0x64, 20 * MIB, 4 * MIB);
+    models[1].0.push((0x64, 20 * MIB, 4 * MIB));
+    let slow = remote(&["--rate", "1M"]);
+    let out = interrupt(&lv, dom, &slow.iter().map(String::as_str).collect::<Vec<_>>(), |c| c.kill().unwrap());
+    assert!(!out.status.success());
+    let mut files: Vec<String> =
+        std::fs::read_dir(scratch).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    files.sort();
+    assert_eq!(files.len(), 2, "{files:?}");
+    let mark = files[0].strip_suffix(".vda.scratch").unwrap_or_else(|| panic!("{files:?}")).to_string();
+    assert!(mark.starts_with("ferry-libvirt-") && files[1] == format!("{mark}.vdb.scratch"), "{files:?}");
+    let job = lv.virsh_ok(&["backup-dumpxml", dom]);
+    assert!(job.contains(&format!("{scratch}/{mark}.vda.scratch")), "{job}");
+    let out = run_ok(&mut ferry(&remote(&["--json"])));
+    assert!(out.stderr.contains("ending the backup job a stopped ferry left"), "{}", out.describe());
+    assert_eq!(std::fs::read_dir(scratch).unwrap().count(), 0, "the killed run's scratch files are left");
+    let day = json(&out);
+    assert_eq!(reads(&day), [(0, "dirty-bitmap".to_string()), (4 * MIB, "dirty-bitmap".to_string())], "{day}");
+    points.push((day["point"].as_str().unwrap().to_string(), models.clone()));
+    assert!(!run(&mut lv.virsh(&["backup-dumpxml", dom])).status.success(), "no job is left");
+    for (id, m) in &points {
+        check_point(&lv, repo, dom, id, m, d);
+    }
+    lv.remove(dom);
+}
+
 /// Where scripts/test unpacks Debian's cloud kernel and busybox-static.
 const GUEST: &str = "/var/cache/ferry-tests/guest";
 /// The modules the guest loads, in order, to see its virtio disk (the cloud kernel builds
