@@ -56,7 +56,8 @@ pub struct LibvirtArgs {
     #[arg(long, value_name = "HOST")]
     pub export_host: Option<String>,
     /// With --export tcp: the port qemu listens on. Default: a free one of this host for a
-    /// connection of this host, else 10809 (open it in the domain's host's firewall).
+    /// connection of this host, else 10809 (open it in the domain's host's firewall; runs
+    /// at the same time against one host need one port each).
     #[arg(long, value_name = "PORT", value_parser = clap::value_parser!(u16).range(1..))]
     pub export_port: Option<u16>,
     /// With --export tcp: ferry's TLS credentials, in qemu's layout: ca-cert.pem (the CA
@@ -377,9 +378,12 @@ pub(crate) fn backup_domain(
     let names: Vec<String> = chosen.iter().map(|d| disk_name(domain, &d.target)).collect::<Result<_>>()?;
     let inactive = h.domain_xml(domain, true).unwrap_or_else(|_| live.clone());
     // A second run at once would take the first one's job for a leftover and end it.
+    let uuid = xml::uuid(&live);
     let state = state_dir()?;
-    let _one = one_run(&state, domain)?;
-    let frozen = state.join(format!("libvirt-{}.frozen", file_safe(domain)));
+    let connect = args.libvirt.connect.clone().or_else(|| std::env::var("LIBVIRT_DEFAULT_URI").ok());
+    let key = run_key(&host, connect.as_deref(), domain, uuid.as_deref());
+    let _one = one_run(&state, &key, domain)?;
+    let frozen = state.join(format!("{key}.frozen"));
     // Where this host's directory of a run's job goes: --scratch-dir, except for a domain
     // of another host, whose scratch files are in --scratch-dir of that host: its job's
     // directory here holds only the job's XML, in the state directory.
@@ -388,7 +392,6 @@ pub(crate) fn backup_domain(
         Host::Other(_) => state.as_path(),
     };
     thaw_leftover(h, domain, stopped, &frozen)?;
-    let uuid = xml::uuid(&live);
     // Each disk's snapshot id as the listing has it now (`ferry repo migrate` gives new ids).
     let (listed, _) = repo.snapshots_lenient().context("cannot list the snapshots of the repository")?;
     let (points, bad) = repo.points_of(domain, &listed, true).context("cannot read the points of the repository")?;
@@ -633,11 +636,24 @@ fn private_dir(dir: &Path, uid: u32) -> Result<()> {
     Ok(())
 }
 
-/// Holds the host's lock of `domain`'s backups (a file in `dir`, never followed as a
-/// link, locked while the run lasts).
-fn one_run(dir: &Path, domain: &str) -> Result<std::fs::File> {
+/// The name of the lock and the freeze mark of a domain's runs in the state directory:
+/// `libvirt-HOST-UUID`, HOST the connection's (`local` for this host's, else the host the
+/// URI names, or the URI of an alias) and UUID the domain's (its name if it has none):
+/// vm1 of kvm1 and vm1 of kvm2 are two domains, neither blocks nor thaws the other.
+fn run_key(host: &Host, connect: Option<&str>, domain: &str, uuid: Option<&str>) -> String {
+    let at = match host {
+        Host::This => "local",
+        Host::Other(Some(h)) => h.as_str(),
+        Host::Other(None) => connect.unwrap_or("default"),
+    };
+    format!("libvirt-{}-{}", file_safe(at), file_safe(uuid.unwrap_or(domain)))
+}
+
+/// Holds this host's lock of `domain`'s backups (a file `KEY.lock` in `dir`, `key` from
+/// run_key, never followed as a link, locked while the run lasts).
+fn one_run(dir: &Path, key: &str, domain: &str) -> Result<std::fs::File> {
     use std::os::unix::fs::OpenOptionsExt;
-    let path = dir.join(format!("libvirt-{}.lock", file_safe(domain)));
+    let path = dir.join(format!("{key}.lock"));
     let f = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
@@ -709,6 +725,8 @@ fn free_port(host: &str) -> Result<u16> {
 /// Its directory goes too: the one its XML names (its socket's or its scratch files', for a
 /// domain of this host) if named after the run, else the one of that name in `base` (for
 /// a job of another host's domain, whose scratch files are in a directory of that host).
+/// A job whose directory is not on this host is another ferry's (another backup host's,
+/// of the same domain), maybe running: it is refused, not ended.
 fn end_leftover_job(h: &dyn Hypervisor, domain: &str, base: &Path) -> Result<()> {
     let Some(job) = h.backup_xml(domain)? else { return Ok(()) };
     let mark = xml::job_mark(&job).filter(|m| m.starts_with(RUNDIR_PREFIX));
@@ -718,20 +736,21 @@ fn end_leftover_job(h: &dyn Hypervisor, domain: &str, base: &Path) -> Result<()>
              {domain}`), then back up again"
         );
     };
-    log::info!("{domain}: ending the backup job a stopped ferry left running");
-    h.job_abort(domain).context("cannot end the backup job a stopped ferry left")?;
     // Its directory holds the socket and the scratch files (what the guest overwrote
     // while it ran: up to the size of the disks), or for a domain of another host only
     // the job's XML.
     let named = |d: &PathBuf| d.file_name().is_some_and(|n| n.to_string_lossy() == mark.as_str());
     let dir = xml::job_dir(&job).filter(named).unwrap_or_else(|| base.join(&mark));
-    if dir.exists() {
-        if let Err(e) = std::fs::remove_dir_all(&dir) {
-            log::warn!(
-                "{domain}: cannot remove {} that the stopped backup left ({e}): remove it by hand",
-                dir.display()
-            );
-        }
+    if !dir.exists() {
+        bail!(
+            "another ferry runs a backup of {domain} (job {mark}); wait for it or end it with virsh domjobabort \
+             {domain}"
+        );
+    }
+    log::info!("{domain}: ending the backup job a stopped ferry left running");
+    h.job_abort(domain).context("cannot end the backup job a stopped ferry left")?;
+    if let Err(e) = std::fs::remove_dir_all(&dir) {
+        log::warn!("{domain}: cannot remove {} that the stopped backup left ({e}): remove it by hand", dir.display());
     }
     Ok(())
 }
@@ -802,14 +821,29 @@ impl<'a> Job<'a> {
             std::fs::remove_file(frozen).with_context(|| format!("cannot remove {}", frozen.display()))?;
             r
         };
+        // A TCP export's port another run's export (or any program) holds: say which flag
+        // chooses another (two runs against one host need two ports).
+        let failed = |e: anyhow::Error| {
+            let e = e.context(format!("cannot start the backup job of {domain}"));
+            match export {
+                Export::Tcp { host, port, .. } if format!("{e:#}").contains("Address already in use") => {
+                    e.context(format!(
+                        "port {port} of {host} is in use (by another backup's export, or another program): give each \
+                         run against one host its own --export-port"
+                    ))
+                }
+                _ => e,
+            }
+        };
         let mut modes = modes_of(false);
         if let Err(e) = start(&modes) {
-            if !modes.iter().any(|m| matches!(m.1, Mode::Incremental(_))) {
-                return Err(e.context(format!("cannot start the backup job of {domain}")));
+            let taken = format!("{e:#}").contains("Address already in use");
+            if taken || !modes.iter().any(|m| matches!(m.1, Mode::Incremental(_))) {
+                return Err(failed(e));
             }
             log::info!("{domain}: the incremental backup job did not start ({e:#}): reading every disk whole instead");
             modes = modes_of(true);
-            start(&modes).with_context(|| format!("cannot start the backup job of {domain}"))?;
+            start(&modes).map_err(failed)?;
         }
         Ok(Job {
             h,
@@ -975,6 +1009,8 @@ mod tests {
         job: std::cell::RefCell<Option<String>>,
         /// The freeze mark, which must be there when the guest is frozen.
         mark: Option<PathBuf>,
+        /// What backup-begin fails with, if it does.
+        begin_fails: Option<String>,
     }
 
     impl Hypervisor for Fake {
@@ -996,6 +1032,9 @@ mod tests {
         }
         fn backup_begin(&self, _: &str, backup: &str, _: &str, _: &Path) -> Result<()> {
             self.calls.borrow_mut().push("backup-begin".into());
+            if let Some(e) = &self.begin_fails {
+                bail!("virsh backup-begin on kvm1: {e}");
+            }
             *self.job.borrow_mut() = Some(backup.to_string());
             Ok(())
         }
@@ -1082,6 +1121,28 @@ mod tests {
     }
 
     #[test]
+    fn a_port_in_use_names_export_port_and_is_not_retried_as_a_full_backup() {
+        let dir = tempfile::tempdir().unwrap();
+        let all = ["vda".to_string()];
+        let mut plans = plans();
+        plans[0].mode = Mode::Incremental("ferry-0".into());
+        let tcp = Export::Tcp { host: "kvm1".into(), port: NBD_PORT, tls: true, remote_scratch: Some("/x".into()) };
+        let used = "internal error: unable to execute QEMU command 'nbd-server-start': Failed to bind socket: \
+                    Address already in use";
+        let h = Fake { begin_fails: Some(used.into()), ..Default::default() };
+        let e = Job::begin(&h, "vm", &plans, &all, "ferry-1", dir.path(), &tcp, None).err().unwrap();
+        let e = format!("{e:#}");
+        assert!(e.contains("port 10809 of kvm1 is in use") && e.contains("--export-port"), "{e}");
+        assert!(e.contains("Address already in use"), "libvirt's own words stay: {e}");
+        assert_eq!(*h.calls.borrow(), ["backup-begin"], "a full job would fail the same way");
+        // Another failure says nothing of ports.
+        let h = Fake { begin_fails: Some("some other error".into()), ..Default::default() };
+        let e = format!("{:#}", Job::begin(&h, "vm", &plans, &all, "ferry-1", dir.path(), &tcp, None).err().unwrap());
+        assert!(!e.contains("--export-port"), "{e}");
+        assert_eq!(h.calls.borrow().len(), 2, "the incremental, then a full job");
+    }
+
+    #[test]
     fn the_lock_is_in_a_private_directory_and_never_a_link() {
         use std::os::unix::fs::PermissionsExt;
         let t = tempfile::tempdir().unwrap();
@@ -1090,12 +1151,13 @@ mod tests {
         private_dir(&dir, uid).unwrap();
         assert_eq!(std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777, 0o700);
         private_dir(&dir, uid).unwrap();
-        let lock = one_run(&dir, "vm 1").unwrap();
-        assert!(one_run(&dir, "vm 1").is_err(), "a second run is refused");
+        let key = run_key(&Host::This, None, "vm 1", None);
+        let lock = one_run(&dir, &key, "vm 1").unwrap();
+        assert!(one_run(&dir, &key, "vm 1").is_err(), "a second run is refused");
         drop(lock);
-        std::fs::remove_file(dir.join("libvirt-vm_1.lock")).unwrap();
-        std::os::unix::fs::symlink(t.path().join("target"), dir.join("libvirt-vm_1.lock")).unwrap();
-        assert!(one_run(&dir, "vm 1").is_err(), "a link is not followed");
+        std::fs::remove_file(dir.join("libvirt-local-vm_1.lock")).unwrap();
+        std::os::unix::fs::symlink(t.path().join("target"), dir.join("libvirt-local-vm_1.lock")).unwrap();
+        assert!(one_run(&dir, &key, "vm 1").is_err(), "a link is not followed");
         assert!(!t.path().join("target").exists());
         let open = t.path().join("open");
         std::fs::create_dir(&open).unwrap();
@@ -1290,6 +1352,39 @@ mod tests {
         let e = format!("{:#}", end_leftover_job(&h, "vm", t.path()).unwrap_err());
         assert!(e.contains("ferry did not start"), "{e}");
         assert!(h.calls.borrow().is_empty());
+    }
+
+    #[test]
+    fn a_job_of_another_ferry_is_refused_and_each_host_domain_has_its_own_lock() {
+        // Another backup host's run of the same domain: a ferry mark, but no directory of
+        // that run here. It may be running: neither ended nor cleaned up.
+        let t = tempfile::tempdir().unwrap();
+        let modes = [("vda".to_string(), Mode::Full)];
+        let theirs = Export::Tcp { host: "kvm1".into(), port: NBD_PORT, tls: true, remote_scratch: Some("/x".into()) };
+        let h = Fake::default();
+        *h.job.borrow_mut() = Some(xml::backup_xml("/run/ferry/ferry-libvirt-Zz9", &theirs, &modes));
+        let e = format!("{:#}", end_leftover_job(&h, "vm1", t.path()).unwrap_err());
+        assert!(
+            e.contains("another ferry runs a backup of vm1 (job ferry-libvirt-Zz9)") && e.contains("virsh domjobabort"),
+            "{e}"
+        );
+        assert!(h.calls.borrow().is_empty(), "{:?}", h.calls.borrow());
+        // One lock (and freeze mark) per connection host and domain UUID.
+        let (kvm1, kvm2) = (Host::Other(Some("kvm1".into())), Host::Other(Some("kvm2".into())));
+        let (u1, u2) = (Some("0b7d5e29-3c4f-4a3e-9d1e-0a4f6f1c2b3d"), Some("1c8e6f3a-4d5a-4b4f-8e2f-1b5a7a2d3c4e"));
+        let k1 = run_key(&kvm1, None, "vm1", u1);
+        assert_eq!(k1, "libvirt-kvm1-0b7d5e29-3c4f-4a3e-9d1e-0a4f6f1c2b3d");
+        assert_ne!(k1, run_key(&kvm2, None, "vm1", u2));
+        assert_ne!(k1, run_key(&kvm2, None, "vm1", u1), "a domain's UUID on two hosts");
+        assert_ne!(k1, run_key(&Host::This, None, "vm1", u1));
+        assert_eq!(k1, run_key(&kvm1, None, "vm1-renamed", u1), "one domain, whatever its name");
+        assert_eq!(run_key(&Host::Other(None), Some("myalias"), "vm 1", None), "libvirt-myalias-vm_1");
+        let dir = t.path().join("state");
+        private_dir(&dir, rustix::process::geteuid().as_raw()).unwrap();
+        let lock = one_run(&dir, &k1, "vm1").unwrap();
+        let other = one_run(&dir, &run_key(&kvm2, None, "vm1", u2), "vm1").unwrap();
+        assert!(one_run(&dir, &k1, "vm1").is_err(), "a second run of kvm1's vm1 is refused");
+        drop((lock, other));
     }
 
     #[test]
