@@ -51,8 +51,10 @@ pub struct LibvirtArgs {
     #[arg(long, value_name = "KIND")]
     pub export: Option<ExportKind>,
     /// With --export tcp: the name or address qemu listens on and ferry connects to; the
-    /// host's certificate must name it. Default: the host --connect names (127.0.0.1 for a
-    /// connection of this host).
+    /// host's certificate must name it. A name is resolved on this host and qemu is given
+    /// that address (resolved there, a host's own name may be loopback, an ssh alias
+    /// nothing). Default: the host --connect names (127.0.0.1 for a connection of this
+    /// host).
     #[arg(long, value_name = "HOST")]
     pub export_host: Option<String>,
     /// With --export tcp: the port qemu listens on. Default: a free one of this host for a
@@ -218,8 +220,10 @@ impl LibvirtArgs {
         Ok(Export::Tcp { host: name, port, tls, remote_scratch })
     }
 
-    /// The NBD URI ferry reads disk `target` of the job of directory `dir` at.
-    fn source(&self, export: &Export, dir: &Path, target: &str) -> String {
+    /// The NBD URI ferry reads disk `target` of the job of directory `dir` at; with
+    /// `tls_name`, the name the host's certificate must have (the export's host being the
+    /// address ferry resolved that name to).
+    fn source(&self, export: &Export, dir: &Path, target: &str, tls_name: Option<&str>) -> String {
         let shown = dir.to_string_lossy();
         let name = uri_escape(&export.name(&shown, target));
         match export {
@@ -230,7 +234,11 @@ impl LibvirtArgs {
                 let host = if host.contains(':') { format!("[{host}]") } else { host.clone() };
                 match (tls, &self.tls_certs) {
                     (true, Some(c)) => {
-                        format!("nbds://{host}:{port}/{name}?tls-certificates={}", uri_escape(&c.to_string_lossy()))
+                        let check = tls_name.map(|n| format!("&tls-hostname={}", uri_escape(n))).unwrap_or_default();
+                        format!(
+                            "nbds://{host}:{port}/{name}?tls-certificates={}{check}",
+                            uri_escape(&c.to_string_lossy())
+                        )
                     }
                     _ => format!("nbd://{host}:{port}/{name}"),
                 }
@@ -441,7 +449,16 @@ pub(crate) fn backup_domain(
         format!("{prefix}{}", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_nanos());
     let owner = if host == Host::This { xml::qemu_owner(&live) } else { None };
     let dir = rundir(owner, local_base)?;
+    let mut tls_name = None;
     if let Export::Tcp { host, port, tls, .. } = &mut export {
+        // qemu would resolve a name on the domain's host, where it may mean loopback
+        // (Debian maps a host's own name to 127.0.1.1) or nothing (an ssh alias): it is
+        // given the address the name has here, and the certificate is checked against
+        // the name.
+        if host.parse::<std::net::IpAddr>().is_err() {
+            let ip = resolve(host)?;
+            tls_name = Some(std::mem::replace(host, ip.to_string()));
+        }
         if *port == 0 {
             *port = free_port(host)?;
         }
@@ -460,7 +477,7 @@ pub(crate) fn backup_domain(
     let mut snaps = Vec::new();
     for p in &plans {
         let mode = job.modes.iter().find(|m| m.0 == p.disk.target).map(|m| m.1.clone()).unwrap_or(Mode::Full);
-        let src = args.libvirt.source(&export, dir.path(), &p.disk.target);
+        let src = args.libvirt.source(&export, dir.path(), &p.disk.target, tls_name.as_deref());
         let mut plan = args.plan(src, p.name.clone());
         (plan.map, plan.since) = match mode {
             Mode::Incremental(_) => (Some(Map::DirtyBitmap(format!("backup-{}", p.disk.target))), p.since.clone()),
@@ -709,6 +726,18 @@ fn thaw_leftover(h: &dyn Hypervisor, domain: &str, stopped: bool, frozen: &Path)
         })?;
     }
     std::fs::remove_file(frozen).with_context(|| format!("cannot remove {}", frozen.display()))
+}
+
+/// The address `name` has on this host (its first), for a TCP export.
+fn resolve(name: &str) -> Result<std::net::IpAddr> {
+    use std::net::ToSocketAddrs;
+    let first = (name, 0).to_socket_addrs().ok().and_then(|mut a| a.next());
+    first.map(|a| a.ip()).with_context(|| {
+        format!(
+            "--export tcp: {name} has no address on this host (an ssh alias is not a host name): give the domain's \
+             host's address with --export-host"
+        )
+    })
 }
 
 /// A free TCP port of this host on `host`'s address, for a TCP export of a domain of
@@ -1428,12 +1457,22 @@ mod tests {
         let dir = Path::new("/var/tmp/ferry-libvirt-x y");
         let ex = tcp("fd00::1", 10900, true, false);
         assert_eq!(
-            certs.source(&ex, dir, "vda"),
+            certs.source(&ex, dir, "vda", None),
             format!("nbds://[fd00::1]:10900/ferry-libvirt-x%20y-vda?tls-certificates={}", t.path().display())
         );
-        assert_eq!(insecure.source(&tcp("h", 1, false, false), dir, "vda"), "nbd://h:1/ferry-libvirt-x%20y-vda");
+        assert_eq!(insecure.source(&tcp("h", 1, false, false), dir, "vda", None), "nbd://h:1/ferry-libvirt-x%20y-vda");
+        // A name resolved here: the address is read, the certificate checked against the name.
         assert_eq!(
-            certs.source(&Export::Unix, dir, "vda"),
+            certs.source(&tcp("10.0.0.5", 10900, true, false), dir, "vda", Some("kvm1")),
+            format!(
+                "nbds://10.0.0.5:10900/ferry-libvirt-x%20y-vda?tls-certificates={}&tls-hostname=kvm1",
+                t.path().display()
+            )
+        );
+        assert!(resolve("localhost").unwrap().is_loopback());
+        assert!(format!("{:#}", resolve("no-such-host.invalid").unwrap_err()).contains("--export-host"));
+        assert_eq!(
+            certs.source(&Export::Unix, dir, "vda", None),
             "nbd+unix:///vda?socket=/var/tmp/ferry-libvirt-x%20y/nbd.sock"
         );
         assert!(free_port("127.0.0.1").unwrap() > 0);
