@@ -463,9 +463,11 @@ pub(crate) fn backup_domain(
             *port = free_port(host)?;
         }
         if !*tls {
+            let at = if host.contains(':') { format!("[{host}]:{port}") } else { format!("{host}:{port}") };
             eprintln!(
-                "warning: --insecure-export: the disks of {domain} go over the network without TLS: anyone between \
-                 the hosts can read them and change what is stored"
+                "warning: --insecure-export: the disks of {domain} are exported without TLS: any process that can \
+                 reach {at}, on this host too, can read them while the job runs, and anyone between the hosts can \
+                 change what is stored"
             );
         }
     }
@@ -549,9 +551,9 @@ fn same_domain<'p>(
     let other = |p: &PointRecord| matches!((p.uuid.as_deref(), uuid), (Some(a), Some(b)) if a != b);
     if let Some(last) = named.last().filter(|p| other(p) && !new_domain) {
         bail!(
-            "the latest point of {domain} in {spec} is of another domain of that name: uuid {} on host {} (this one is \
-             {}): back up with --new-domain if this domain replaces it (its history starts over), or give this \
-             domain another name",
+            "the latest point of {domain} in {spec} is of another domain of that name: uuid {}, backed up by ferry \
+             on {} (this one is {}): back up with --new-domain if this domain replaces it (its history starts \
+             over), or give this domain another name",
             last.uuid.as_deref().unwrap_or_default(),
             last.host,
             uuid.unwrap_or_default()
@@ -1207,7 +1209,7 @@ mod tests {
         };
         let points = vec![at(None, "old"), at(Some("aaaa"), "a"), at(Some("bbbb"), "b")];
         let e = format!("{:#}", same_domain(&points, "vm", Some("aaaa"), false, "/r").unwrap_err());
-        assert!(e.contains("bbbb") && e.contains("host b") && e.contains("--new-domain"), "{e}");
+        assert!(e.contains("bbbb") && e.contains("backed up by ferry on b") && e.contains("--new-domain"), "{e}");
         let mine = same_domain(&points, "vm", Some("aaaa"), true, "/r").unwrap();
         assert_eq!(mine.iter().map(|p| p.host.as_str()).collect::<Vec<_>>(), ["old", "a"]);
         assert_eq!(same_domain(&points, "vm", Some("bbbb"), false, "/r").unwrap().len(), 2);
