@@ -693,6 +693,9 @@ fn one_run(dir: &Path, key: &str, domain: &str) -> Result<std::fs::File> {
     }
 }
 
+/// How long an ended job of a run may still be listed before the run ends anyway.
+const JOB_GONE: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// How many times, a pause more apart each time, a thaw is tried.
 const THAW_TRIES: u32 = 4;
 const THAW_PAUSE: std::time::Duration = std::time::Duration::from_millis(if cfg!(test) { 1 } else { 1000 });
@@ -891,7 +894,22 @@ impl<'a> Job<'a> {
     /// it (this one ended by libvirt, another started) is not ours to end.
     fn abort(&self) -> Result<()> {
         match self.h.backup_xml(self.domain)? {
-            Some(x) if self.mark.is_some() && xml::job_mark(&x) == self.mark => self.h.job_abort(self.domain),
+            Some(x) if self.mark.is_some() && xml::job_mark(&x) == self.mark => {
+                self.h.job_abort(self.domain)?;
+                // libvirt ends the job's block jobs after domjobabort returns: until they
+                // are gone the job is still listed, and a run starting then would take it
+                // for another ferry's. Wait for that (up to JOB_GONE).
+                let deadline = std::time::Instant::now() + JOB_GONE;
+                while std::time::Instant::now() < deadline {
+                    match self.h.backup_xml(self.domain) {
+                        Ok(Some(x)) if xml::job_mark(&x) == self.mark => {
+                            std::thread::sleep(std::time::Duration::from_millis(100))
+                        }
+                        _ => break,
+                    }
+                }
+                Ok(())
+            }
             Some(_) => {
                 log::warn!("{}: its backup job is no longer ferry's: leaving it running", self.domain);
                 Ok(())
