@@ -51,12 +51,15 @@ pub struct LibvirtArgs {
     #[arg(long, value_name = "KIND")]
     pub export: Option<ExportKind>,
     /// With --export tcp: the name or address qemu listens on and ferry connects to; the
-    /// host's certificate must name it. Default: the host --connect names (127.0.0.1 for a
-    /// connection of this host).
+    /// host's certificate must name it. A name is resolved on this host and qemu is given
+    /// that address (resolved there, a host's own name may be loopback, an ssh alias
+    /// nothing). Default: the host --connect names (127.0.0.1 for a connection of this
+    /// host).
     #[arg(long, value_name = "HOST")]
     pub export_host: Option<String>,
     /// With --export tcp: the port qemu listens on. Default: a free one of this host for a
-    /// connection of this host, else 10809 (open it in the domain's host's firewall).
+    /// connection of this host, else 10809 (open it in the domain's host's firewall; runs
+    /// at the same time against one host need one port each).
     #[arg(long, value_name = "PORT", value_parser = clap::value_parser!(u16).range(1..))]
     pub export_port: Option<u16>,
     /// With --export tcp: ferry's TLS credentials, in qemu's layout: ca-cert.pem (the CA
@@ -84,8 +87,9 @@ pub struct LibvirtArgs {
     /// With a libvirt:DOMAIN source of a running domain: where the backup job's private
     /// directory goes (its Unix socket, and its scratch files: what the guest overwrites
     /// while the job runs, up to the size of the disks backed up). qemu must reach it. For
-    /// a domain of another host it holds only the job's XML: libvirt puts the scratch files
-    /// on that host, beside each disk's image.
+    /// a domain of another host (--connect) it is a directory ON THAT HOST, where qemu
+    /// writes the scratch files (DIR/RUN.TARGET.scratch; default /var/tmp there); ferry
+    /// keeps the job's XML in its own private directory on this host.
     #[arg(long, value_name = "DIR", default_value = DEFAULT_SCRATCH)]
     pub scratch_dir: PathBuf,
     /// With a libvirt:DOMAIN source: back it up although the repository's latest point of
@@ -207,17 +211,19 @@ impl LibvirtArgs {
                  them in clear instead"
             ),
         };
-        let scratch_here = *host == Host::This;
-        let port = match (self.export_port, scratch_here) {
+        let port = match (self.export_port, host) {
             (Some(p), _) => p,
-            (None, true) => 0,
-            (None, false) => NBD_PORT,
+            (None, Host::This) => 0,
+            (None, Host::Other(_)) => NBD_PORT,
         };
-        Ok(Export::Tcp { host: name, port, tls, scratch_here })
+        let remote_scratch = (*host != Host::This).then(|| self.scratch_dir.to_string_lossy().into_owned());
+        Ok(Export::Tcp { host: name, port, tls, remote_scratch })
     }
 
-    /// The NBD URI ferry reads disk `target` of the job of directory `dir` at.
-    fn source(&self, export: &Export, dir: &Path, target: &str) -> String {
+    /// The NBD URI ferry reads disk `target` of the job of directory `dir` at; with
+    /// `tls_name`, the name the host's certificate must have (the export's host being the
+    /// address ferry resolved that name to).
+    fn source(&self, export: &Export, dir: &Path, target: &str, tls_name: Option<&str>) -> String {
         let shown = dir.to_string_lossy();
         let name = uri_escape(&export.name(&shown, target));
         match export {
@@ -228,7 +234,11 @@ impl LibvirtArgs {
                 let host = if host.contains(':') { format!("[{host}]") } else { host.clone() };
                 match (tls, &self.tls_certs) {
                     (true, Some(c)) => {
-                        format!("nbds://{host}:{port}/{name}?tls-certificates={}", uri_escape(&c.to_string_lossy()))
+                        let check = tls_name.map(|n| format!("&tls-hostname={}", uri_escape(n))).unwrap_or_default();
+                        format!(
+                            "nbds://{host}:{port}/{name}?tls-certificates={}{check}",
+                            uri_escape(&c.to_string_lossy())
+                        )
                     }
                     _ => format!("nbd://{host}:{port}/{name}"),
                 }
@@ -289,16 +299,16 @@ fn open_repo(args: &BackupArgs, quiet: bool) -> Result<Engine> {
 }
 
 /// A private directory for the job's socket and scratch files: 0700, a new random name in
-/// `base` (--scratch-dir), owned by qemu's user when ferry runs as root (qemu creates the
-/// socket and the scratch files; ferry, as root, still reaches them).
-fn rundir(live_xml: &str, base: &Path) -> Result<tempfile::TempDir> {
+/// `base` (--scratch-dir), owned by qemu's user `owner` (uid, gid) when ferry runs as root
+/// (qemu creates the socket and the scratch files; ferry, as root, still reaches them).
+fn rundir(owner: Option<(u32, u32)>, base: &Path) -> Result<tempfile::TempDir> {
     use std::os::unix::fs::PermissionsExt;
     let d = tempfile::Builder::new()
         .prefix(RUNDIR_PREFIX)
         .permissions(std::fs::Permissions::from_mode(0o700))
         .tempdir_in(base)
-        .with_context(|| format!("cannot make a private directory in {} (--scratch-dir)", base.display()))?;
-    if let (Some((uid, gid)), true) = (xml::qemu_owner(live_xml), rustix::process::geteuid().is_root()) {
+        .with_context(|| format!("cannot make a private directory in {}", base.display()))?;
+    if let (Some((uid, gid)), true) = (owner, rustix::process::geteuid().is_root()) {
         std::os::unix::fs::chown(d.path(), Some(uid), Some(gid))
             .with_context(|| format!("cannot give {} to qemu's user", d.path().display()))?;
     }
@@ -373,15 +383,19 @@ pub(crate) fn backup_domain(
     dir: &Path,
 ) -> Result<(String, Vec<(ferry_repo::SnapshotInfo, u64)>)> {
     // A second run at once would take the first one's job for a leftover and end it; the
-    // lock is taken before libvirt is asked, so that no other run changes the answers.
-    let _one = one_run(dir, domain)?;
+    // lock (this host's, of the domain of that connection's host) is taken before libvirt
+    // is asked, so that no other run changes the answers.
+    let host = h.host();
+    let connect = args.libvirt.connect.clone().or_else(|| std::env::var("LIBVIRT_DEFAULT_URI").ok());
+    let key = run_key(&host, connect.as_deref(), domain);
+    let _one = one_run(dir, &key, domain)?;
+    let frozen = dir.join(format!("{key}.frozen"));
     // What this run needs to know of the domain, asked in one go (one virsh process).
     let survey = h.survey(domain);
     let live = survey.live?;
     let state = survey.state?;
     let chosen = choose(xml::disks(&live)?, &args.libvirt, domain)?;
     let stopped = state.starts_with("shut off") || state.starts_with("crashed");
-    let host = h.host();
     if stopped && host != Host::This {
         bail!(
             "{domain} is shut off on another host: ferry reads a shut-off domain's images directly, which are on \
@@ -397,9 +411,15 @@ pub(crate) fn backup_domain(
     let (spec, repo) = (engine.spec(), engine.repository());
     let names: Vec<String> = chosen.iter().map(|d| disk_name(domain, &d.target)).collect::<Result<_>>()?;
     let inactive = survey.inactive.unwrap_or_else(|_| live.clone());
-    let frozen = dir.join(format!("libvirt-{}.frozen", file_safe(domain)));
-    thaw_leftover(h, domain, stopped, &frozen)?;
     let uuid = xml::uuid(&live);
+    // Where this host's directory of a run's job goes: --scratch-dir, except for a domain
+    // of another host, whose scratch files are in --scratch-dir of that host: its job's
+    // directory here holds only the job's XML, in the state directory.
+    let local_base = match host {
+        Host::This => args.libvirt.scratch_dir.as_path(),
+        Host::Other(_) => dir,
+    };
+    thaw_leftover(h, domain, stopped, &frozen)?;
     // Each disk's snapshot id as the listing has it now (`ferry repo migrate` gives new ids).
     let (listed, _) = repo.snapshots_lenient().context("cannot list the snapshots of the repository")?;
     let (points, bad) = repo.points_of(domain, &listed, true).context("cannot read the points of the repository")?;
@@ -417,7 +437,7 @@ pub(crate) fn backup_domain(
     }
     let repo_id = repo.config().id.clone();
     let prefix = format!("{CHECKPOINT_PREFIX}{}-", &repo_id[..16.min(repo_id.len())]);
-    end_leftover_job(h, domain, survey.job?, &args.libvirt.scratch_dir)?;
+    end_leftover_job(h, domain, survey.job?, local_base)?;
     let ours: Vec<String> = survey.checkpoints?.into_iter().filter(|c| c.starts_with(&prefix)).collect();
     // Checkpoints of this repository that no point names: left by a run that failed or
     // was killed. Deleting one merges what it tracked into its parent: nothing is lost.
@@ -455,15 +475,27 @@ pub(crate) fn backup_domain(
     let all: Vec<String> = xml::disks(&live)?.into_iter().map(|d| d.target).collect();
     let checkpoint =
         format!("{prefix}{}", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_nanos());
-    let dir = rundir(&live, &args.libvirt.scratch_dir)?;
+    let owner = if host == Host::This { xml::qemu_owner(&live) } else { None };
+    let dir = rundir(owner, local_base)?;
+    let mut tls_name = None;
     if let Export::Tcp { host, port, tls, .. } = &mut export {
+        // qemu would resolve a name on the domain's host, where it may mean loopback
+        // (Debian maps a host's own name to 127.0.1.1) or nothing (an ssh alias): it is
+        // given the address the name has here, and the certificate is checked against
+        // the name.
+        if host.parse::<std::net::IpAddr>().is_err() {
+            let ip = resolve(host)?;
+            tls_name = Some(std::mem::replace(host, ip.to_string()));
+        }
         if *port == 0 {
             *port = free_port(host)?;
         }
         if !*tls {
+            let at = if host.contains(':') { format!("[{host}]:{port}") } else { format!("{host}:{port}") };
             eprintln!(
-                "warning: --insecure-export: the disks of {domain} go over the network without TLS: anyone between \
-                 the hosts can read them and change what is stored"
+                "warning: --insecure-export: the disks of {domain} are exported without TLS: any process that can \
+                 reach {at}, on this host too, can read them while the job runs, and anyone between the hosts can \
+                 change what is stored"
             );
         }
     }
@@ -476,7 +508,7 @@ pub(crate) fn backup_domain(
     let mut snaps = Vec::new();
     for p in &plans {
         let mode = job.modes.iter().find(|m| m.0 == p.disk.target).map(|m| m.1.clone()).unwrap_or(Mode::Full);
-        let src = args.libvirt.source(&export, dir.path(), &p.disk.target);
+        let src = args.libvirt.source(&export, dir.path(), &p.disk.target, tls_name.as_deref());
         let mut plan = args.plan(src, p.name.clone());
         (plan.map, plan.since) = match mode {
             Mode::Incremental(_) => (Some(Map::DirtyBitmap(format!("backup-{}", p.disk.target))), p.since.clone()),
@@ -548,9 +580,9 @@ fn same_domain<'p>(
     let other = |p: &PointRecord| matches!((p.uuid.as_deref(), uuid), (Some(a), Some(b)) if a != b);
     if let Some(last) = named.last().filter(|p| other(p) && !new_domain) {
         bail!(
-            "the latest point of {domain} in {spec} is of another domain of that name: uuid {} on host {} (this one is \
-             {}): back up with --new-domain if this domain replaces it (its history starts over), or give this \
-             domain another name",
+            "the latest point of {domain} in {spec} is of another domain of that name: uuid {}, backed up by ferry \
+             on {} (this one is {}): back up with --new-domain if this domain replaces it (its history starts \
+             over), or give this domain another name",
             last.uuid.as_deref().unwrap_or_default(),
             last.host,
             uuid.unwrap_or_default()
@@ -648,11 +680,25 @@ fn private_dir(dir: &Path, uid: u32) -> Result<()> {
     Ok(())
 }
 
-/// Holds the host's lock of `domain`'s backups (a file in `dir`, never followed as a
-/// link, locked while the run lasts).
-fn one_run(dir: &Path, domain: &str) -> Result<std::fs::File> {
+/// The name of the lock and the freeze mark of a domain's runs in the state directory:
+/// `libvirt-HOST-DOMAIN`, HOST the connection's (`local` for this host's, else the host the
+/// URI names, or the URI of an alias; a domain's name is unique on its host): vm1 of kvm1
+/// and vm1 of kvm2 are two domains, neither blocks nor thaws the other. Known before
+/// libvirt is asked anything, so the lock is taken first.
+fn run_key(host: &Host, connect: Option<&str>, domain: &str) -> String {
+    let at = match host {
+        Host::This => "local",
+        Host::Other(Some(h)) => h.as_str(),
+        Host::Other(None) => connect.unwrap_or("default"),
+    };
+    format!("libvirt-{}-{}", file_safe(at), file_safe(domain))
+}
+
+/// Holds this host's lock of `domain`'s backups (a file `KEY.lock` in `dir`, `key` from
+/// run_key, never followed as a link, locked while the run lasts).
+fn one_run(dir: &Path, key: &str, domain: &str) -> Result<std::fs::File> {
     use std::os::unix::fs::OpenOptionsExt;
-    let path = dir.join(format!("libvirt-{}.lock", file_safe(domain)));
+    let path = dir.join(format!("{key}.lock"));
     let f = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
@@ -672,6 +718,9 @@ fn one_run(dir: &Path, domain: &str) -> Result<std::fs::File> {
         }
     }
 }
+
+/// How long an ended job of a run may still be listed before the run ends anyway.
+const JOB_GONE: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// How many times, a pause more apart each time, a thaw is tried.
 const THAW_TRIES: u32 = 4;
@@ -710,6 +759,18 @@ fn thaw_leftover(h: &dyn Hypervisor, domain: &str, stopped: bool, frozen: &Path)
     std::fs::remove_file(frozen).with_context(|| format!("cannot remove {}", frozen.display()))
 }
 
+/// The address `name` has on this host (its first), for a TCP export.
+fn resolve(name: &str) -> Result<std::net::IpAddr> {
+    use std::net::ToSocketAddrs;
+    let first = (name, 0).to_socket_addrs().ok().and_then(|mut a| a.next());
+    first.map(|a| a.ip()).with_context(|| {
+        format!(
+            "--export tcp: {name} has no address on this host (an ssh alias is not a host name): give the domain's \
+             host's address with --export-host"
+        )
+    })
+}
+
 /// A free TCP port of this host on `host`'s address, for a TCP export of a domain of
 /// this host (qemu binds it a moment later; one taken meanwhile fails the job's start).
 fn free_port(host: &str) -> Result<u16> {
@@ -722,9 +783,12 @@ fn free_port(host: &str) -> Result<u16> {
 /// Ends a backup job a killed ferry left on the domain (`job`, the domain's running job,
 /// marked by the name of a directory
 /// ferry makes: its socket's, or its export names' prefix); refuses one that is not ferry's.
-/// Its directory goes too: the one its XML names, else the one of that name in
-/// `scratch_dir` (a job of another host's domain, whose XML names none of this host).
-fn end_leftover_job(h: &dyn Hypervisor, domain: &str, job: Option<String>, scratch_dir: &Path) -> Result<()> {
+/// Its directory goes too: the one its XML names (its socket's or its scratch files', for a
+/// domain of this host) if named after the run, else the one of that name in `base` (for
+/// a job of another host's domain, whose scratch files are in a directory of that host).
+/// A job whose directory is not on this host is another ferry's (another backup host's,
+/// of the same domain), maybe running: it is refused, not ended.
+fn end_leftover_job(h: &dyn Hypervisor, domain: &str, job: Option<String>, base: &Path) -> Result<()> {
     let Some(job) = job else { return Ok(()) };
     let mark = xml::job_mark(&job).filter(|m| m.starts_with(RUNDIR_PREFIX));
     let Some(mark) = mark else {
@@ -733,20 +797,21 @@ fn end_leftover_job(h: &dyn Hypervisor, domain: &str, job: Option<String>, scrat
              {domain}`), then back up again"
         );
     };
-    log::info!("{domain}: ending the backup job a stopped ferry left running");
-    h.job_abort(domain).context("cannot end the backup job a stopped ferry left")?;
     // Its directory holds the socket and the scratch files (what the guest overwrote
     // while it ran: up to the size of the disks), or for a domain of another host only
     // the job's XML.
-    let dir = xml::job_dir(&job).unwrap_or_else(|| scratch_dir.join(&mark));
-    let dir = Some(dir).filter(|d| d.file_name().is_some_and(|n| n.to_string_lossy() == mark.as_str()));
-    if let Some(dir) = dir.filter(|d| d.exists()) {
-        if let Err(e) = std::fs::remove_dir_all(&dir) {
-            log::warn!(
-                "{domain}: cannot remove {} that the stopped backup left ({e}): remove it by hand",
-                dir.display()
-            );
-        }
+    let named = |d: &PathBuf| d.file_name().is_some_and(|n| n.to_string_lossy() == mark.as_str());
+    let dir = xml::job_dir(&job).filter(named).unwrap_or_else(|| base.join(&mark));
+    if !dir.exists() {
+        bail!(
+            "another ferry runs a backup of {domain} (job {mark}); wait for it or end it with virsh domjobabort \
+             {domain}"
+        );
+    }
+    log::info!("{domain}: ending the backup job a stopped ferry left running");
+    h.job_abort(domain).context("cannot end the backup job a stopped ferry left")?;
+    if let Err(e) = std::fs::remove_dir_all(&dir) {
+        log::warn!("{domain}: cannot remove {} that the stopped backup left ({e}): remove it by hand", dir.display());
     }
     Ok(())
 }
@@ -819,14 +884,29 @@ impl<'a> Job<'a> {
             std::fs::remove_file(frozen).with_context(|| format!("cannot remove {}", frozen.display()))?;
             r
         };
+        // A TCP export's port another run's export (or any program) holds: say which flag
+        // chooses another (two runs against one host need two ports).
+        let failed = |e: anyhow::Error| {
+            let e = e.context(format!("cannot start the backup job of {domain}"));
+            match export {
+                Export::Tcp { host, port, .. } if format!("{e:#}").contains("Address already in use") => {
+                    e.context(format!(
+                        "port {port} of {host} is in use (by another backup's export, or another program): give each \
+                         run against one host its own --export-port"
+                    ))
+                }
+                _ => e,
+            }
+        };
         let mut modes = modes_of(false);
         if let Err(e) = start(&modes) {
-            if !modes.iter().any(|m| matches!(m.1, Mode::Incremental(_))) {
-                return Err(e.context(format!("cannot start the backup job of {domain}")));
+            let taken = format!("{e:#}").contains("Address already in use");
+            if taken || !modes.iter().any(|m| matches!(m.1, Mode::Incremental(_))) {
+                return Err(failed(e));
             }
             log::info!("{domain}: the incremental backup job did not start ({e:#}): reading every disk whole instead");
             modes = modes_of(true);
-            start(&modes).with_context(|| format!("cannot start the backup job of {domain}"))?;
+            start(&modes).map_err(failed)?;
         }
         Ok(Job {
             h,
@@ -843,7 +923,22 @@ impl<'a> Job<'a> {
     /// it (this one ended by libvirt, another started) is not ours to end.
     fn abort(&self) -> Result<()> {
         match self.h.backup_xml(self.domain)? {
-            Some(x) if self.mark.is_some() && xml::job_mark(&x) == self.mark => self.h.job_abort(self.domain),
+            Some(x) if self.mark.is_some() && xml::job_mark(&x) == self.mark => {
+                self.h.job_abort(self.domain)?;
+                // libvirt ends the job's block jobs after domjobabort returns: until they
+                // are gone the job is still listed, and a run starting then would take it
+                // for another ferry's. Wait for that (up to JOB_GONE).
+                let deadline = std::time::Instant::now() + JOB_GONE;
+                while std::time::Instant::now() < deadline {
+                    match self.h.backup_xml(self.domain) {
+                        Ok(Some(x)) if xml::job_mark(&x) == self.mark => {
+                            std::thread::sleep(std::time::Duration::from_millis(100))
+                        }
+                        _ => break,
+                    }
+                }
+                Ok(())
+            }
             Some(_) => {
                 log::warn!("{}: its backup job is no longer ferry's: leaving it running", self.domain);
                 Ok(())
@@ -992,6 +1087,8 @@ mod tests {
         job: std::cell::RefCell<Option<String>>,
         /// The freeze mark, which must be there when the guest is frozen.
         mark: Option<PathBuf>,
+        /// What backup-begin fails with, if it does.
+        begin_fails: Option<String>,
     }
 
     impl Hypervisor for Fake {
@@ -1013,6 +1110,9 @@ mod tests {
         }
         fn backup_begin(&self, _: &str, backup: &str, _: &str, _: &Path) -> Result<()> {
             self.calls.borrow_mut().push("backup-begin".into());
+            if let Some(e) = &self.begin_fails {
+                bail!("virsh backup-begin on kvm1: {e}");
+            }
             *self.job.borrow_mut() = Some(backup.to_string());
             Ok(())
         }
@@ -1099,6 +1199,28 @@ mod tests {
     }
 
     #[test]
+    fn a_port_in_use_names_export_port_and_is_not_retried_as_a_full_backup() {
+        let dir = tempfile::tempdir().unwrap();
+        let all = ["vda".to_string()];
+        let mut plans = plans();
+        plans[0].mode = Mode::Incremental("ferry-0".into());
+        let tcp = Export::Tcp { host: "kvm1".into(), port: NBD_PORT, tls: true, remote_scratch: Some("/x".into()) };
+        let used = "internal error: unable to execute QEMU command 'nbd-server-start': Failed to bind socket: \
+                    Address already in use";
+        let h = Fake { begin_fails: Some(used.into()), ..Default::default() };
+        let e = Job::begin(&h, "vm", &plans, &all, "ferry-1", dir.path(), &tcp, None).err().unwrap();
+        let e = format!("{e:#}");
+        assert!(e.contains("port 10809 of kvm1 is in use") && e.contains("--export-port"), "{e}");
+        assert!(e.contains("Address already in use"), "libvirt's own words stay: {e}");
+        assert_eq!(*h.calls.borrow(), ["backup-begin"], "a full job would fail the same way");
+        // Another failure says nothing of ports.
+        let h = Fake { begin_fails: Some("some other error".into()), ..Default::default() };
+        let e = format!("{:#}", Job::begin(&h, "vm", &plans, &all, "ferry-1", dir.path(), &tcp, None).err().unwrap());
+        assert!(!e.contains("--export-port"), "{e}");
+        assert_eq!(h.calls.borrow().len(), 2, "the incremental, then a full job");
+    }
+
+    #[test]
     fn the_lock_is_in_a_private_directory_and_never_a_link() {
         use std::os::unix::fs::PermissionsExt;
         let t = tempfile::tempdir().unwrap();
@@ -1107,12 +1229,13 @@ mod tests {
         private_dir(&dir, uid).unwrap();
         assert_eq!(std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777, 0o700);
         private_dir(&dir, uid).unwrap();
-        let lock = one_run(&dir, "vm 1").unwrap();
-        assert!(one_run(&dir, "vm 1").is_err(), "a second run is refused");
+        let key = run_key(&Host::This, None, "vm 1");
+        let lock = one_run(&dir, &key, "vm 1").unwrap();
+        assert!(one_run(&dir, &key, "vm 1").is_err(), "a second run is refused");
         drop(lock);
-        std::fs::remove_file(dir.join("libvirt-vm_1.lock")).unwrap();
-        std::os::unix::fs::symlink(t.path().join("target"), dir.join("libvirt-vm_1.lock")).unwrap();
-        assert!(one_run(&dir, "vm 1").is_err(), "a link is not followed");
+        std::fs::remove_file(dir.join("libvirt-local-vm_1.lock")).unwrap();
+        std::os::unix::fs::symlink(t.path().join("target"), dir.join("libvirt-local-vm_1.lock")).unwrap();
+        assert!(one_run(&dir, &key, "vm 1").is_err(), "a link is not followed");
         assert!(!t.path().join("target").exists());
         let open = t.path().join("open");
         std::fs::create_dir(&open).unwrap();
@@ -1133,7 +1256,7 @@ mod tests {
         };
         let points = vec![at(None, "old"), at(Some("aaaa"), "a"), at(Some("bbbb"), "b")];
         let e = format!("{:#}", same_domain(&points, "vm", Some("aaaa"), false, "/r").unwrap_err());
-        assert!(e.contains("bbbb") && e.contains("host b") && e.contains("--new-domain"), "{e}");
+        assert!(e.contains("bbbb") && e.contains("backed up by ferry on b") && e.contains("--new-domain"), "{e}");
         let mine = same_domain(&points, "vm", Some("aaaa"), true, "/r").unwrap();
         assert_eq!(mine.iter().map(|p| p.host.as_str()).collect::<Vec<_>>(), ["old", "a"]);
         assert_eq!(same_domain(&points, "vm", Some("bbbb"), false, "/r").unwrap().len(), 2);
@@ -1307,16 +1430,22 @@ mod tests {
         std::fs::create_dir(&run).unwrap();
         std::fs::write(run.join("backup.xml"), "<domainbackup/>").unwrap();
         let modes = [("vda".to_string(), Mode::Full)];
-        // A domain of another host: the job's XML names no directory of this host.
-        let remote = Export::Tcp { host: "kvm1".into(), port: NBD_PORT, tls: true, scratch_here: false };
+        // A domain of another host: backup-dumpxml as libvirt gives it names the scratch
+        // files of that host (in its /var/tmp), no directory of this run.
         let h = Fake::default();
-        *h.job.borrow_mut() = Some(xml::backup_xml(&run.to_string_lossy(), &remote, &modes));
+        *h.job.borrow_mut() = Some(
+            "<domainbackup mode='pull'>\n  <server transport='tcp' tls='yes' name='kvm1' port='10809'/>\n  <disks>\n    \
+             <disk name='vda' backup='yes' type='file' backupmode='full' exportname='ferry-libvirt-Ab12Cd-vda' \
+             index='3'>\n      <driver type='qcow2'/>\n      \
+             <scratch file='/var/tmp/ferry-libvirt-Ab12Cd.vda.scratch'/>\n    </disk>\n  </disks>\n</domainbackup>\n"
+                .to_string(),
+        );
         end_leftover_job(&h, "vm", h.backup_xml("vm").unwrap(), t.path()).unwrap();
         assert_eq!(*h.calls.borrow(), ["abort"]);
         assert!(!run.exists(), "the killed run's directory is left");
         // One of this host: its scratch files' directory.
         std::fs::create_dir(&run).unwrap();
-        let here = Export::Tcp { host: "127.0.0.1".into(), port: 10900, tls: true, scratch_here: true };
+        let here = Export::Tcp { host: "127.0.0.1".into(), port: 10900, tls: true, remote_scratch: None };
         *h.job.borrow_mut() = Some(xml::backup_xml(&run.to_string_lossy(), &here, &modes));
         end_leftover_job(&h, "vm", h.backup_xml("vm").unwrap(), Path::new("/nonexistent")).unwrap();
         assert!(!run.exists());
@@ -1331,6 +1460,37 @@ mod tests {
     }
 
     #[test]
+    fn a_job_of_another_ferry_is_refused_and_each_host_domain_has_its_own_lock() {
+        // Another backup host's run of the same domain: a ferry mark, but no directory of
+        // that run here. It may be running: neither ended nor cleaned up.
+        let t = tempfile::tempdir().unwrap();
+        let modes = [("vda".to_string(), Mode::Full)];
+        let theirs = Export::Tcp { host: "kvm1".into(), port: NBD_PORT, tls: true, remote_scratch: Some("/x".into()) };
+        let h = Fake::default();
+        *h.job.borrow_mut() = Some(xml::backup_xml("/run/ferry/ferry-libvirt-Zz9", &theirs, &modes));
+        let e = format!("{:#}", end_leftover_job(&h, "vm1", h.backup_xml("vm1").unwrap(), t.path()).unwrap_err());
+        assert!(
+            e.contains("another ferry runs a backup of vm1 (job ferry-libvirt-Zz9)") && e.contains("virsh domjobabort"),
+            "{e}"
+        );
+        assert!(h.calls.borrow().is_empty(), "{:?}", h.calls.borrow());
+        // One lock (and freeze mark) per connection host and domain.
+        let (kvm1, kvm2) = (Host::Other(Some("kvm1".into())), Host::Other(Some("kvm2".into())));
+        let k1 = run_key(&kvm1, None, "vm1");
+        assert_eq!(k1, "libvirt-kvm1-vm1");
+        assert_ne!(k1, run_key(&kvm2, None, "vm1"), "one name on two hosts");
+        assert_ne!(k1, run_key(&Host::This, None, "vm1"));
+        assert_ne!(k1, run_key(&kvm1, None, "vm2"));
+        assert_eq!(run_key(&Host::Other(None), Some("myalias"), "vm 1"), "libvirt-myalias-vm_1");
+        let dir = t.path().join("state");
+        private_dir(&dir, rustix::process::geteuid().as_raw()).unwrap();
+        let lock = one_run(&dir, &k1, "vm1").unwrap();
+        let other = one_run(&dir, &run_key(&kvm2, None, "vm1"), "vm1").unwrap();
+        assert!(one_run(&dir, &k1, "vm1").is_err(), "a second run of kvm1's vm1 is refused");
+        drop((lock, other));
+    }
+
+    #[test]
     fn a_tcp_export_needs_tls_unless_insecure_and_is_chosen_for_another_host() {
         let other = Host::Other(Some("kvm1".into()));
         let e = |a: &LibvirtArgs, h: &Host| format!("{:#}", a.export(h).unwrap_err());
@@ -1339,7 +1499,12 @@ mod tests {
         let msg = e(&LibvirtArgs::default(), &other);
         assert!(msg.contains("--tls-certs") && msg.contains("--insecure-export"), "{msg}");
         let insecure = LibvirtArgs { insecure_export: true, ..Default::default() };
-        let tcp = |host: &str, port, tls, scratch_here| Export::Tcp { host: host.into(), port, tls, scratch_here };
+        let tcp = |host: &str, port, tls, here: bool| Export::Tcp {
+            host: host.into(),
+            port,
+            tls,
+            remote_scratch: (!here).then(|| DEFAULT_SCRATCH.to_string()),
+        };
         assert_eq!(insecure.export(&other).unwrap(), tcp("kvm1", NBD_PORT, false, false));
         let unix = LibvirtArgs { export: Some(ExportKind::Unix), ..Default::default() };
         assert!(e(&unix, &other).contains("--export tcp"));
@@ -1366,12 +1531,22 @@ mod tests {
         let dir = Path::new("/var/tmp/ferry-libvirt-x y");
         let ex = tcp("fd00::1", 10900, true, false);
         assert_eq!(
-            certs.source(&ex, dir, "vda"),
+            certs.source(&ex, dir, "vda", None),
             format!("nbds://[fd00::1]:10900/ferry-libvirt-x%20y-vda?tls-certificates={}", t.path().display())
         );
-        assert_eq!(insecure.source(&tcp("h", 1, false, false), dir, "vda"), "nbd://h:1/ferry-libvirt-x%20y-vda");
+        assert_eq!(insecure.source(&tcp("h", 1, false, false), dir, "vda", None), "nbd://h:1/ferry-libvirt-x%20y-vda");
+        // A name resolved here: the address is read, the certificate checked against the name.
         assert_eq!(
-            certs.source(&Export::Unix, dir, "vda"),
+            certs.source(&tcp("10.0.0.5", 10900, true, false), dir, "vda", Some("kvm1")),
+            format!(
+                "nbds://10.0.0.5:10900/ferry-libvirt-x%20y-vda?tls-certificates={}&tls-hostname=kvm1",
+                t.path().display()
+            )
+        );
+        assert!(resolve("localhost").unwrap().is_loopback());
+        assert!(format!("{:#}", resolve("no-such-host.invalid").unwrap_err()).contains("--export-host"));
+        assert_eq!(
+            certs.source(&Export::Unix, dir, "vda", None),
             "nbd+unix:///vda?socket=/var/tmp/ferry-libvirt-x%20y/nbd.sock"
         );
         assert!(free_port("127.0.0.1").unwrap() > 0);

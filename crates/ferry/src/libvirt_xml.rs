@@ -150,9 +150,10 @@ pub(crate) enum Export {
         host: String,
         port: u16,
         tls: bool,
-        /// Whether the scratch files go in the job's directory (a domain of this host);
-        /// else libvirt chooses where on the domain's host (beside each disk's image).
-        scratch_here: bool,
+        /// For a domain of another host, the directory of that host its scratch files go
+        /// in (`DIR/MARK.TARGET.scratch`); `None`: in the job's directory (a domain of
+        /// this host). libvirt takes a pull-mode disk only with a scratch file.
+        remote_scratch: Option<String>,
     },
 }
 
@@ -172,15 +173,17 @@ impl Export {
 /// A pull-mode `<domainbackup>` exported as `export` says from the job's directory `dir`,
 /// each disk read as `modes` say (every disk of the domain is named: the others are
 /// `backup='no'`), its scratch file (what the guest overwrites while the job runs)
-/// `dir/TARGET.scratch` unless the export says libvirt chooses it.
+/// `dir/TARGET.scratch`, or for a domain of another host `REMOTE/MARK.TARGET.scratch` on
+/// that host (MARK the name of `dir`): libvirt refuses a pull-mode disk without one.
 pub(crate) fn backup_xml(dir: &str, export: &Export, modes: &[(String, Mode)]) -> String {
-    let (server, scratch) = match export {
-        Export::Unix => (format!("transport='unix' socket='{}/{SOCKET}'", attr(dir)), true),
-        Export::Tcp { host, port, tls, scratch_here } => (
+    let (server, remote) = match export {
+        Export::Unix => (format!("transport='unix' socket='{}/{SOCKET}'", attr(dir)), None),
+        Export::Tcp { host, port, tls, remote_scratch } => (
             format!("transport='tcp' name='{}' port='{port}' tls='{}'", attr(host), if *tls { "yes" } else { "no" }),
-            *scratch_here,
+            remote_scratch.as_deref(),
         ),
     };
+    let mark = std::path::Path::new(dir).file_name().map(|n| n.to_string_lossy()).unwrap_or_default();
     let mut x = format!("<domainbackup mode='pull'>\n  <server {server}/>\n  <disks>\n");
     for (target, mode) in modes {
         let t = attr(target);
@@ -196,13 +199,14 @@ pub(crate) fn backup_xml(dir: &str, export: &Export, modes: &[(String, Mode)]) -
             Export::Unix => String::new(),
             Export::Tcp { .. } => format!(" exportname='{}'", attr(&export.name(dir, target))),
         };
-        let (open, inner) = match scratch {
-            true => {
-                (format!("type='file' {how}{name}>"), format!("<scratch file='{}/{t}.scratch'/></disk>", attr(dir)))
-            }
-            false => (format!("{how}{name}>"), "</disk>".to_string()),
+        let scratch = match remote {
+            None => format!("{dir}/{target}.scratch"),
+            Some(r) => format!("{}/{mark}.{target}.scratch", r.trim_end_matches('/')),
         };
-        x += &format!("    <disk name='{t}' backup='yes' {open}{inner}\n");
+        x += &format!(
+            "    <disk name='{t}' backup='yes' type='file' {how}{name}><scratch file='{}'/></disk>\n",
+            attr(&scratch)
+        );
     }
     x + "  </disks>\n</domainbackup>\n"
 }
@@ -477,27 +481,30 @@ mod tests {
     #[test]
     fn a_tcp_export_names_its_host_port_tls_and_its_run_in_each_export_name() {
         let modes = [("vda".to_string(), Mode::Full), ("vdb".to_string(), Mode::Skip)];
-        let tcp = |scratch_here| Export::Tcp { host: "h<1>".into(), port: 10809, tls: true, scratch_here };
-        let b = backup_xml("/var/tmp/ferry-libvirt-Ab1", &tcp(true), &modes);
+        let tcp = |remote_scratch| Export::Tcp { host: "h<1>".into(), port: 10809, tls: true, remote_scratch };
+        let b = backup_xml("/var/tmp/ferry-libvirt-Ab1", &tcp(None), &modes);
         let doc = roxmltree::Document::parse(&b).unwrap_or_else(|e| panic!("{e}: {b}"));
         let server = doc.descendants().find(|n| n.has_tag_name("server")).unwrap();
         let attrs: Vec<_> = server.attributes().map(|a| (a.name(), a.value())).collect();
         assert_eq!(attrs, [("transport", "tcp"), ("name", "h<1>"), ("port", "10809"), ("tls", "yes")]);
         let vda = doc.descendants().find(|n| n.attribute("name") == Some("vda")).unwrap();
         assert_eq!(vda.attribute("exportname"), Some("ferry-libvirt-Ab1-vda"));
-        assert_eq!(tcp(true).name("/var/tmp/ferry-libvirt-Ab1", "vda"), "ferry-libvirt-Ab1-vda");
+        assert_eq!(tcp(None).name("/var/tmp/ferry-libvirt-Ab1", "vda"), "ferry-libvirt-Ab1-vda");
         assert!(b.contains("<scratch file='/var/tmp/ferry-libvirt-Ab1/vda.scratch'/>"), "{b}");
         assert_eq!(backup_socket(&b), None);
         assert_eq!(job_mark(&b).as_deref(), Some("ferry-libvirt-Ab1"));
         assert_eq!(job_dir(&b), Some("/var/tmp/ferry-libvirt-Ab1".into()));
-        // On another host libvirt chooses where the scratch files go: the job has no local
-        // directory, but still its mark.
-        let b = backup_xml("/var/tmp/ferry-libvirt-Ab1", &tcp(false), &modes);
-        roxmltree::Document::parse(&b).unwrap_or_else(|e| panic!("{e}: {b}"));
-        assert!(!b.contains("scratch") && !b.contains("type='file'"), "{b}");
+        // On another host the scratch files go in --scratch-dir of that host, named after
+        // the run; the job has no local directory, but still its mark.
+        let b = backup_xml("/var/tmp/ferry-libvirt-Ab1", &tcp(Some("/srv/s/".into())), &modes);
+        let doc = roxmltree::Document::parse(&b).unwrap_or_else(|e| panic!("{e}: {b}"));
+        let vda = doc.descendants().find(|n| n.attribute("name") == Some("vda")).unwrap();
+        assert_eq!(vda.attribute("type"), Some("file"), "{b}");
+        let scratch = vda.children().find(|n| n.has_tag_name("scratch")).unwrap();
+        assert_eq!(scratch.attribute("file"), Some("/srv/s/ferry-libvirt-Ab1.vda.scratch"), "{b}");
         assert_eq!(job_mark(&b).as_deref(), Some("ferry-libvirt-Ab1"));
-        assert_eq!(job_dir(&b), None);
-        let plain = Export::Tcp { host: "h".into(), port: 1, tls: false, scratch_here: false };
+        assert_eq!(job_dir(&b), Some("/srv/s".into()), "the scratch files' directory, not the run's");
+        let plain = Export::Tcp { host: "h".into(), port: 1, tls: false, remote_scratch: None };
         assert!(backup_xml("/d", &plain, &modes).contains("tls='no'"));
         // A job of someone else's (export names of their own, or none) has no mark.
         let other = "<domainbackup mode='pull'><server transport='tcp' name='h' port='1'/><disks>\

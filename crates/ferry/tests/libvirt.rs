@@ -25,6 +25,9 @@ struct Daemon {
     pki: tempfile::TempDir,
     child: Child,
     uri: String,
+    /// The same daemon over TCP (`qemu+tcp://127.0.0.1:PORT/system`, no authentication,
+    /// on 127.0.0.1 only): a connection ferry takes for one to another host.
+    tcp_uri: String,
 }
 
 static DAEMON: Mutex<(usize, Option<Daemon>)> = Mutex::new((0, None));
@@ -65,6 +68,12 @@ impl Libvirt {
     pub(crate) fn pki(&self) -> PathBuf {
         let d = DAEMON.lock().unwrap_or_else(|e| e.into_inner());
         d.1.as_ref().unwrap().pki.path().to_path_buf()
+    }
+
+    /// The daemon as a connection to another host (`--connect qemu+tcp://127.0.0.1:PORT/system`).
+    pub(crate) fn tcp_uri(&self) -> String {
+        let d = DAEMON.lock().unwrap_or_else(|e| e.into_inner());
+        d.1.as_ref().unwrap().tcp_uri.clone()
     }
 
     /// The TMPDIR of ferry: where its backup jobs' private directories are.
@@ -171,9 +180,16 @@ fn start_daemon() -> Daemon {
     )
     .unwrap();
     let sock = d.join("sock");
+    // Also on TCP (127.0.0.1 only, no authentication): `qemu+tcp://` is, to ferry, a
+    // connection to another host.
+    let tcp_port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     std::fs::write(
         d.join("libvirtd.conf"),
-        format!("unix_sock_dir = \"{}\"\nauth_unix_rw = \"none\"\nlog_outputs = \"2:stderr\"\n", sock.display()),
+        format!(
+            "unix_sock_dir = \"{}\"\nauth_unix_rw = \"none\"\nlog_outputs = \"2:stderr\"\nlisten_tls = 0\n\
+             listen_tcp = 1\nauth_tcp = \"none\"\nlisten_addr = \"127.0.0.1\"\ntcp_port = \"{tcp_port}\"\n",
+            sock.display()
+        ),
     )
     .unwrap();
     let mounts: String = [
@@ -186,7 +202,7 @@ fn start_daemon() -> Daemon {
     .iter()
     .map(|(s, t)| format!("mkdir -p {t} && mount --bind {}/{s} {t} && ", d.display()))
     .collect();
-    let script = format!("{mounts}exec libvirtd -f {}/libvirtd.conf -p {}/pid", d.display(), d.display());
+    let script = format!("{mounts}exec libvirtd --listen -f {}/libvirtd.conf -p {}/pid", d.display(), d.display());
     let log = std::fs::File::create(d.join("libvirtd.log")).unwrap();
     let child = Command::new("unshare")
         .args(["-m", "--propagation", "private", "sh", "-c", &script])
@@ -210,7 +226,8 @@ fn start_daemon() -> Daemon {
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    Daemon { dir, pki, child, uri }
+    let tcp_uri = format!("qemu+tcp://127.0.0.1:{tcp_port}/system");
+    Daemon { dir, pki, child, uri, tcp_uri }
 }
 
 /// A qcow2 image of `DISK` bytes.
