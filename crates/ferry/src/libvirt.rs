@@ -1381,7 +1381,8 @@ mod tests {
         }
         let h = Stopped { imgs: [PathBuf::from("/nonexistent/a"), PathBuf::from("/nonexistent/b")] };
         let line = Line::try_parse_from(["backup", "--export", "tcp", "libvirt:vm", "/nonexistent/repo"]).unwrap();
-        let e = format!("{:#}", backup_domain(&h, "vm", &line.args, true).unwrap_err());
+        let state = tempfile::tempdir().unwrap();
+        let e = format!("{:#}", backup_domain(&h, "vm", &line.args, true, state.path()).unwrap_err());
         assert!(e.contains("--tls-certs") && !e.contains("/nonexistent/repo"), "{e}");
     }
 
