@@ -402,7 +402,24 @@ pub(crate) fn backup_domain(
     let uuid = xml::uuid(&live);
     // Each disk's snapshot id as the listing has it now (`ferry repo migrate` gives new ids).
     let (listed, _) = repo.snapshots_lenient().context("cannot list the snapshots of the repository")?;
-    let (points, bad) = repo.points_of(domain, &listed, true).context("cannot read the points of the repository")?;
+    // Whether a backup of this host moved every older point (`points/ID`) of `domain` under
+    // its TAG: marked once `points_of` returned, so that a run stopped midway leaves no mark
+    // and the next one reads and moves the rest. The mark names the repository and domain
+    // by their TAG; a host without it (another host, or /run emptied at boot) reads the
+    // older points again, and finds none of the domain's left.
+    let moved_mark = dir.join(format!(
+        "libvirt-points-{}.moved",
+        repo.points_prefix(domain).trim_matches('/').trim_start_matches("points/")
+    ));
+    let moved = moved_mark.exists();
+    let (points, bad) = repo
+        .points_of(domain, &listed, ferry_repo::PointsFor::Backup { moved })
+        .context("cannot read the points of the repository")?;
+    if !moved {
+        if let Err(e) = std::fs::write(&moved_mark, b"") {
+            log::warn!("cannot write {}: {e}; the next backup reads the older points again", moved_mark.display());
+        }
+    }
     for (object, e) in &bad {
         log::warn!("skipping {object}: {e}; disks it named are read whole");
     }
@@ -1258,7 +1275,8 @@ mod tests {
         }
         let h = Stopped { imgs: [PathBuf::from("/nonexistent/a"), PathBuf::from("/nonexistent/b")] };
         let line = Line::try_parse_from(["backup", "--export", "tcp", "libvirt:vm", "/nonexistent/repo"]).unwrap();
-        let e = format!("{:#}", backup_domain(&h, "vm", &line.args, true).unwrap_err());
+        let t = tempfile::tempdir().unwrap();
+        let e = format!("{:#}", backup_domain(&h, "vm", &line.args, true, t.path()).unwrap_err());
         assert!(e.contains("--tls-certs") && !e.contains("/nonexistent/repo"), "{e}");
     }
 
