@@ -836,14 +836,37 @@ impl<'a> Job<'a> {
             std::fs::remove_file(frozen).with_context(|| format!("cannot remove {}", frozen.display()))?;
             r
         };
+        // A start that failed may have started the job all the same (a Ctrl-C at the
+        // terminal kills virsh backup-begin, which runs in ferry's process group, after
+        // libvirtd began the job): a job of this run's mark is ended and its checkpoint
+        // deleted, as a Job's drop does (one that cannot be is the next backup's leftover).
+        let undo = |modes: &[(String, Mode)]| {
+            let ours = xml::job_mark(&xml::backup_xml(&shown, export, modes));
+            let Ok(Some(running)) = h.backup_xml(domain) else { return };
+            if ours.is_none() || xml::job_mark(&running) != ours {
+                return;
+            }
+            log::info!("{domain}: the backup job started although its start failed: ending it");
+            if let Err(e) = h.job_abort(domain) {
+                log::warn!("{domain}: cannot end the backup job ({e:#}); the next backup ends it");
+            }
+            if let Err(e) = h.checkpoint_delete(domain, checkpoint) {
+                log::debug!("{domain}: deleting checkpoint {checkpoint}: {e:#}");
+            }
+        };
         let mut modes = modes_of(false);
         if let Err(e) = start(&modes) {
-            if !modes.iter().any(|m| matches!(m.1, Mode::Incremental(_))) {
+            undo(&modes);
+            // A run asked to stop stops: no second job.
+            if crate::interrupt::received().is_some() || !modes.iter().any(|m| matches!(m.1, Mode::Incremental(_))) {
                 return Err(e.context(format!("cannot start the backup job of {domain}")));
             }
             log::info!("{domain}: the incremental backup job did not start ({e:#}): reading every disk whole instead");
             modes = modes_of(true);
-            start(&modes).with_context(|| format!("cannot start the backup job of {domain}"))?;
+            if let Err(e) = start(&modes) {
+                undo(&modes);
+                return Err(e.context(format!("cannot start the backup job of {domain}")));
+            }
         }
         Ok(Job {
             h,
@@ -1009,6 +1032,9 @@ mod tests {
         job: std::cell::RefCell<Option<String>>,
         /// The freeze mark, which must be there when the guest is frozen.
         mark: Option<PathBuf>,
+        /// backup-begin fails: `Some(true)` having started the job (virsh killed after
+        /// libvirtd began it), `Some(false)` before.
+        begin_fails: std::cell::Cell<Option<bool>>,
     }
 
     impl Hypervisor for Fake {
@@ -1030,7 +1056,13 @@ mod tests {
         }
         fn backup_begin(&self, _: &str, backup: &str, _: &str, _: &Path) -> Result<()> {
             self.calls.borrow_mut().push("backup-begin".into());
+            if self.begin_fails.get() == Some(false) {
+                bail!("refused");
+            }
             *self.job.borrow_mut() = Some(backup.to_string());
+            if self.begin_fails.get() == Some(true) {
+                bail!("virsh was killed");
+            }
             Ok(())
         }
         fn backup_xml(&self, _: &str) -> Result<Option<String>> {
@@ -1113,6 +1145,27 @@ mod tests {
         let job = Job::begin(&h, "vm", &plans(), &all, "ferry-2", dir.path(), &Export::Unix, None).unwrap();
         drop(job);
         assert!(h.calls.borrow().contains(&"abort".to_string()));
+    }
+
+    /// A job that started although its start failed (virsh killed by a Ctrl-C after
+    /// libvirtd began it) is ended and its checkpoint deleted; another's job is left.
+    #[test]
+    fn a_job_whose_start_failed_after_it_began_is_ended() {
+        let dir = tempfile::tempdir().unwrap();
+        let all = ["vda".to_string()];
+        let h = Fake::default();
+        h.begin_fails.set(Some(true));
+        assert!(Job::begin(&h, "vm", &plans(), &all, "ferry-1", dir.path(), &Export::Unix, None).is_err());
+        assert_eq!(*h.calls.borrow(), ["backup-begin", "abort", "checkpoint-delete ferry-1"]);
+        assert!(h.job.borrow().is_none());
+        // A failed start with another's job running leaves it.
+        let h = Fake::default();
+        h.begin_fails.set(Some(false));
+        let other = xml::backup_xml("/elsewhere", &Export::Unix, &[("vda".into(), Mode::Full)]);
+        *h.job.borrow_mut() = Some(other.clone());
+        assert!(Job::begin(&h, "vm", &plans(), &all, "ferry-2", dir.path(), &Export::Unix, None).is_err());
+        assert_eq!(*h.calls.borrow(), ["backup-begin"]);
+        assert_eq!(h.job.borrow().as_deref(), Some(other.as_str()));
     }
 
     #[test]
