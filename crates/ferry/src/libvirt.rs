@@ -392,6 +392,8 @@ pub(crate) fn backup_domain(
     // The export flags are checked whatever the state (a nightly run's flags fail on the
     // first night, not on the first night the domain runs); a shut-off domain has no job.
     let mut export = args.libvirt.export(&host)?;
+    // A Ctrl-C while libvirt answered stops the run before the passphrase is asked for.
+    stop_if_asked(domain)?;
     let engine = open_repo(args, quiet)?;
     stop_if_asked(domain)?;
     let (spec, repo) = (engine.spec(), engine.repository());
