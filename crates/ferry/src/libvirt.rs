@@ -406,6 +406,8 @@ pub(crate) fn backup_domain(
     // The export flags are checked whatever the state (a nightly run's flags fail on the
     // first night, not on the first night the domain runs); a shut-off domain has no job.
     let mut export = args.libvirt.export(&host)?;
+    // A Ctrl-C while libvirt answered stops the run before the passphrase is asked for.
+    stop_if_asked(domain)?;
     let engine = open_repo(args, quiet)?;
     stop_if_asked(domain)?;
     let (spec, repo) = (engine.spec(), engine.repository());
@@ -422,7 +424,24 @@ pub(crate) fn backup_domain(
     thaw_leftover(h, domain, stopped, &frozen)?;
     // Each disk's snapshot id as the listing has it now (`ferry repo migrate` gives new ids).
     let (listed, _) = repo.snapshots_lenient().context("cannot list the snapshots of the repository")?;
-    let (points, bad) = repo.points_of(domain, &listed, true).context("cannot read the points of the repository")?;
+    // Whether a backup of this host moved every older point (`points/ID`) of `domain` under
+    // its TAG: marked once `points_of` returned, so that a run stopped midway leaves no mark
+    // and the next one reads and moves the rest. The mark names the repository and domain
+    // by their TAG; a host without it (another host, or /run emptied at boot) reads the
+    // older points again, and finds none of the domain's left.
+    let moved_mark = dir.join(format!(
+        "libvirt-points-{}.moved",
+        repo.points_prefix(domain).trim_matches('/').trim_start_matches("points/")
+    ));
+    let moved = moved_mark.exists();
+    let (points, bad) = repo
+        .points_of(domain, &listed, ferry_repo::PointsFor::Backup { moved })
+        .context("cannot read the points of the repository")?;
+    if !moved {
+        if let Err(e) = std::fs::write(&moved_mark, b"") {
+            log::warn!("cannot write {}: {e}; the next backup reads the older points again", moved_mark.display());
+        }
+    }
     for (object, e) in &bad {
         log::warn!("skipping {object}: {e}; disks it named are read whole");
     }
@@ -898,15 +917,42 @@ impl<'a> Job<'a> {
                 _ => e,
             }
         };
+        // A start that failed may have started the job all the same (a Ctrl-C at the
+        // terminal kills virsh backup-begin, which runs in ferry's process group, after
+        // libvirtd began the job): a job of this run's mark is ended and its checkpoint
+        // deleted, as a Job's drop does (one that cannot be is the next backup's leftover).
+        let undo = |modes: &[(String, Mode)]| {
+            let ours = xml::job_mark(&xml::backup_xml(&shown, export, modes));
+            let Ok(Some(running)) = h.backup_xml(domain) else { return };
+            if ours.is_none() || xml::job_mark(&running) != ours {
+                return;
+            }
+            log::info!("{domain}: the backup job started although its start failed: ending it");
+            if let Err(e) = h.job_abort(domain) {
+                log::warn!("{domain}: cannot end the backup job ({e:#}); the next backup ends it");
+            }
+            if let Err(e) = h.checkpoint_delete(domain, checkpoint) {
+                log::debug!("{domain}: deleting checkpoint {checkpoint}: {e:#}");
+            }
+        };
         let mut modes = modes_of(false);
         if let Err(e) = start(&modes) {
+            undo(&modes);
+            // A port in use fails the full backup too; a run asked to stop stops: no
+            // second job.
             let taken = format!("{e:#}").contains("Address already in use");
-            if taken || !modes.iter().any(|m| matches!(m.1, Mode::Incremental(_))) {
+            if taken
+                || crate::interrupt::received().is_some()
+                || !modes.iter().any(|m| matches!(m.1, Mode::Incremental(_)))
+            {
                 return Err(failed(e));
             }
             log::info!("{domain}: the incremental backup job did not start ({e:#}): reading every disk whole instead");
             modes = modes_of(true);
-            start(&modes).map_err(failed)?;
+            if let Err(e) = start(&modes) {
+                undo(&modes);
+                return Err(failed(e));
+            }
         }
         Ok(Job {
             h,
@@ -1088,7 +1134,10 @@ mod tests {
         /// The freeze mark, which must be there when the guest is frozen.
         mark: Option<PathBuf>,
         /// What backup-begin fails with, if it does.
-        begin_fails: Option<String>,
+        begin_error: Option<String>,
+        /// backup-begin fails: `Some(true)` having started the job (virsh killed after
+        /// libvirtd began it), `Some(false)` before.
+        begin_fails: std::cell::Cell<Option<bool>>,
     }
 
     impl Hypervisor for Fake {
@@ -1110,10 +1159,16 @@ mod tests {
         }
         fn backup_begin(&self, _: &str, backup: &str, _: &str, _: &Path) -> Result<()> {
             self.calls.borrow_mut().push("backup-begin".into());
-            if let Some(e) = &self.begin_fails {
+            if let Some(e) = &self.begin_error {
                 bail!("virsh backup-begin on kvm1: {e}");
             }
+            if self.begin_fails.get() == Some(false) {
+                bail!("refused");
+            }
             *self.job.borrow_mut() = Some(backup.to_string());
+            if self.begin_fails.get() == Some(true) {
+                bail!("virsh was killed");
+            }
             Ok(())
         }
         fn backup_xml(&self, _: &str) -> Result<Option<String>> {
@@ -1198,6 +1253,27 @@ mod tests {
         assert!(h.calls.borrow().contains(&"abort".to_string()));
     }
 
+    /// A job that started although its start failed (virsh killed by a Ctrl-C after
+    /// libvirtd began it) is ended and its checkpoint deleted; another's job is left.
+    #[test]
+    fn a_job_whose_start_failed_after_it_began_is_ended() {
+        let dir = tempfile::tempdir().unwrap();
+        let all = ["vda".to_string()];
+        let h = Fake::default();
+        h.begin_fails.set(Some(true));
+        assert!(Job::begin(&h, "vm", &plans(), &all, "ferry-1", dir.path(), &Export::Unix, None).is_err());
+        assert_eq!(*h.calls.borrow(), ["backup-begin", "abort", "checkpoint-delete ferry-1"]);
+        assert!(h.job.borrow().is_none());
+        // A failed start with another's job running leaves it.
+        let h = Fake::default();
+        h.begin_fails.set(Some(false));
+        let other = xml::backup_xml("/elsewhere", &Export::Unix, &[("vda".into(), Mode::Full)]);
+        *h.job.borrow_mut() = Some(other.clone());
+        assert!(Job::begin(&h, "vm", &plans(), &all, "ferry-2", dir.path(), &Export::Unix, None).is_err());
+        assert_eq!(*h.calls.borrow(), ["backup-begin"]);
+        assert_eq!(h.job.borrow().as_deref(), Some(other.as_str()));
+    }
+
     #[test]
     fn a_port_in_use_names_export_port_and_is_not_retried_as_a_full_backup() {
         let dir = tempfile::tempdir().unwrap();
@@ -1207,14 +1283,14 @@ mod tests {
         let tcp = Export::Tcp { host: "kvm1".into(), port: NBD_PORT, tls: true, remote_scratch: Some("/x".into()) };
         let used = "internal error: unable to execute QEMU command 'nbd-server-start': Failed to bind socket: \
                     Address already in use";
-        let h = Fake { begin_fails: Some(used.into()), ..Default::default() };
+        let h = Fake { begin_error: Some(used.into()), ..Default::default() };
         let e = Job::begin(&h, "vm", &plans, &all, "ferry-1", dir.path(), &tcp, None).err().unwrap();
         let e = format!("{e:#}");
         assert!(e.contains("port 10809 of kvm1 is in use") && e.contains("--export-port"), "{e}");
         assert!(e.contains("Address already in use"), "libvirt's own words stay: {e}");
         assert_eq!(*h.calls.borrow(), ["backup-begin"], "a full job would fail the same way");
         // Another failure says nothing of ports.
-        let h = Fake { begin_fails: Some("some other error".into()), ..Default::default() };
+        let h = Fake { begin_error: Some("some other error".into()), ..Default::default() };
         let e = format!("{:#}", Job::begin(&h, "vm", &plans, &all, "ferry-1", dir.path(), &tcp, None).err().unwrap());
         assert!(!e.contains("--export-port"), "{e}");
         assert_eq!(h.calls.borrow().len(), 2, "the incremental, then a full job");

@@ -63,7 +63,9 @@ pub fn run(args: RestoreArgs, quiet: bool) -> Result<i32> {
         ferry_repo::known::OnRollback::Warn,
     )?;
     let (listed, _) = repo.snapshots_skipping().context("cannot list the snapshots of the repository")?;
-    let (points, bad) = repo.points_of(&domain, &listed, false).context("cannot read the points of the repository")?;
+    let (points, bad) = repo
+        .points_of(&domain, &listed, ferry_repo::PointsFor::Restore)
+        .context("cannot read the points of the repository")?;
     let there = |p: &ferry_repo::PointRecord| p.disks.iter().all(|d| listed.iter().any(|s| s.id == d.snapshot));
     for (object, e) in &bad {
         log::warn!("skipping {object}: {e}");

@@ -144,6 +144,16 @@ impl Virsh {
 
     /// `virsh [-c URI] -q ARGS`, in the C locale (its words are parsed).
     fn command(&self, args: &[&str]) -> Command {
+        #[cfg(test)]
+        let mut c = tests::FAKE_VIRSH.with_borrow(|f| match f.split_first() {
+            Some((program, first)) => {
+                let mut c = Command::new(program);
+                c.args(first);
+                c
+            }
+            None => Command::new("virsh"),
+        });
+        #[cfg(not(test))]
         let mut c = Command::new("virsh");
         if let Some(u) = &self.uri {
             c.arg("-c").arg(u);
@@ -174,7 +184,9 @@ impl Virsh {
     /// command whatever the ones before did; after each, `echo` and `echo --err` print a
     /// mark (a random nonce and the command's number) on standard output and error, which
     /// split both streams by command: a command failed when its part of standard error
-    /// holds an `error:` line. Each command's standard output, or its error.
+    /// holds an `error:` line. A virsh that reads none of it (one that lacks an option the
+    /// line uses rejects it whole, before it runs any command: no first mark) has each
+    /// command run alone. Each command's standard output, or its error.
     fn batch(&self, calls: &[Vec<&str>]) -> Result<Vec<Result<String>>> {
         if calls.is_empty() {
             return Ok(Vec::new());
@@ -200,6 +212,11 @@ impl Virsh {
             let (Some((out_i, o_rest)), Some((err_i, e_rest))) =
                 (o.split_once(&m), e.split_once(&format!("error: {m}\n")))
             else {
+                if i == 0 {
+                    // virsh ran nothing of the line (or died at once): each command alone.
+                    log::debug!("virsh ran no command of a batch ({}): running each alone", e.trim());
+                    return Ok(calls.iter().map(|c| self.run(c)).collect());
+                }
                 // virsh stopped before this command's mark: this and the next ones failed.
                 let why = self.failed(c, e.trim());
                 answers.extend(calls[i..].iter().map(|_| Err(anyhow::anyhow!("{why}"))));
@@ -412,6 +429,32 @@ mod tests {
         assert_eq!(s.inactive.unwrap(), v.domain_xml("test", true).unwrap());
         assert!(v.survey(odd).live.is_err());
         assert!(v.checkpoint_xmls("test", &[]).is_empty());
+    }
+
+    std::thread_local! {
+        /// The program (and its first arguments) a test's [`Virsh`] runs instead of `virsh`,
+        /// on this test's thread; none: `virsh`.
+        pub(super) static FAKE_VIRSH: std::cell::RefCell<Vec<std::ffi::OsString>> =
+            const { std::cell::RefCell::new(Vec::new()) };
+    }
+
+    /// A virsh whose `echo` lacks `--err` (it rejects the batch's line whole) still answers
+    /// each command: run alone.
+    #[test]
+    fn a_virsh_that_rejects_the_batch_answers_each_command_alone() {
+        let t = tempfile::tempdir().unwrap();
+        let script = t.path().join("virsh");
+        // Echoes its arguments after -q; rejects any line with `--err` as an old virsh does.
+        let text = "case \"$*\" in *--err*) echo \"error: command 'echo' doesn't support option --err\" >&2; exit 1;; \
+                    esac\nshift\ncase \"$1\" in fail) echo 'error: failed' >&2; exit 1;; esac\necho \"$*\"\n";
+        std::fs::write(&script, text).unwrap();
+        FAKE_VIRSH.set(vec!["/bin/sh".into(), script.into()]);
+        let v = Virsh { uri: None };
+        let answers = v.batch(&[vec!["domstate", "--domain", "vm"], vec!["fail"], vec!["dumpxml", "vm"]]).unwrap();
+        FAKE_VIRSH.set(Vec::new());
+        assert_eq!(answers[0].as_ref().unwrap(), "domstate --domain vm\n");
+        assert!(format!("{:#}", answers[1].as_ref().unwrap_err()).contains("failed"));
+        assert_eq!(answers[2].as_ref().unwrap(), "dumpxml vm\n");
     }
 
     #[test]

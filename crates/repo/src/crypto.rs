@@ -394,20 +394,10 @@ fn key_aad(ctx: KeyContext) -> Vec<u8> {
     format!("{} {version} {repo_id} {chunk_size} {page_entries}", format::FORMAT_NAME).into_bytes()
 }
 
-/// How many times this process derived a key from a passphrase (each an Argon2id run).
-static DERIVATIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-/// How many times this process ran the passphrase KDF: a command that opens a repository
-/// once pays it once (`ferry backup libvirt:` with many disks too).
-pub fn derivations() -> u64 {
-    DERIVATIONS.load(std::sync::atomic::Ordering::Relaxed)
-}
-
 /// The key-encryption key: Argon2id (version 0x13) of the passphrase, after the cost is
 /// checked against FORMAT.md's limits, `limit` and this process's memory.
 fn kek(passphrase: &[u8], salt: &[u8], cost: KdfCost, limit: KdfLimit) -> Result<Zeroizing<[u8; 32]>, CryptoError> {
     check_kdf_limit(&cost, limit, crate::memory::limit())?;
-    DERIVATIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     log::debug!("deriving a key from the passphrase (Argon2id, {} KiB, t={}, p={})", cost.m_kib, cost.t, cost.p);
     let params = argon2::Params::new(cost.m_kib, cost.t, cost.p, Some(32))
         .map_err(|e| CryptoError::Invalid(format!("Argon2 parameters: {e}")))?;

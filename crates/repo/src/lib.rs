@@ -216,7 +216,7 @@ mod writer;
 pub use checkpoint::CheckpointInfo;
 pub use damage::{DamageSet, DamagedCopies};
 pub use diff::SnapshotDiff;
-pub use points::{PointDisk, PointRecord};
+pub use points::{PointDisk, PointRecord, PointsFor};
 pub use reader::{default_cache_bytes, max_cache_bytes, SnapshotImage, MIN_CACHE_BYTES};
 pub use repo::{resolve_in, Failures, Index, InitOptions, Location as BlobLocation, Repository, SnapshotInfo};
 pub use runs::{BlobLookup, RunIndex};

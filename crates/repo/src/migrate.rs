@@ -259,7 +259,6 @@ fn present_index(repo: &Arc<Repository>) -> Result<RunIndex> {
     Ok(index.only_present(present))
 }
 
-/// `config` with version 3, after checking it is still the one read; read back.
 /// Refuses to write through `repo` when the stored config no longer has the format it was
 /// opened with: a `ferry repo migrate` ran since (a backup opened before it would write
 /// version 1 pages into a version 3 repository). Called by a backup once it holds its
@@ -285,6 +284,7 @@ pub(crate) fn refuse_if_changed(repo: &Repository) -> Result<()> {
     Ok(())
 }
 
+/// `config` with version 3, after checking it is still the one read; read back.
 fn put_config(repo: &Repository) -> Result<()> {
     repo.replace_config(Config { version: format::LOCATED_CONFIG_VERSION, ..repo.config.clone() }, "")
 }

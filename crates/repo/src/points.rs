@@ -139,6 +139,18 @@ impl PointRecord {
     }
 }
 
+/// Who reads a domain's points ([`Repository::points_of`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PointsFor {
+    /// A restore (or any other reader): every point of the domain, wherever it is; moves
+    /// nothing.
+    Restore,
+    /// A backup, under the host's lock of the domain: moves the domain's older points
+    /// under its TAG. `moved`: an earlier backup's move is known to have finished (the
+    /// caller's record, made once a backup's `points_of` returned).
+    Backup { moved: bool },
+}
+
 impl Repository {
     /// Where the points of `domain` are: `points/TAG/`, TAG the tag (FORMAT.md §8) of
     /// `domain:` and the domain's name (no disk name has a `:`, so no disk's tag is it).
@@ -243,25 +255,27 @@ impl Repository {
     }
 
     /// [`Repository::points_in`] of `domain` alone, and the points that cannot be read
-    /// among those read. A backup (`move_old`: it writes, under the host's lock of
-    /// `domain`) lists `points/TAG/` alone once the domain has a point there: its older
-    /// points (`points/ID`) were moved there by its first backup, and those of other
-    /// domains (and their damage) are not its business. Otherwise (a domain's first backup
-    /// since points had a TAG, and a restore, which must find every point) the points
-    /// stored before points had a TAG (`points/ID`, of any domain: read to tell) are read
-    /// first, then the points under its TAG, listed after, so that one another run moves
-    /// under its TAG meanwhile is found there; a backup then moves each old one of `domain`
-    /// under its TAG, so that its next runs read its points alone.
+    /// among those read. A backup ([`PointsFor::Backup`]: it writes, under the host's lock
+    /// of `domain`) whose earlier backup is known to have moved every older point
+    /// (`points/ID`) of `domain` under its TAG (`moved`) lists `points/TAG/` alone once a
+    /// point there reads well: those of other domains (and their damage) are not its
+    /// business. Otherwise (no backup of the domain is known to have finished the move, and
+    /// a restore, which must find every point) the points stored before points had a TAG
+    /// (`points/ID`, of any domain: read to tell) are read first, then the points under its
+    /// TAG, listed after, so that one another run moves under its TAG meanwhile is found
+    /// there; a backup then moves each old one of `domain` under its TAG, newest first (a
+    /// run stopped midway has moved the point its next run continues), and returns only
+    /// once every one is moved: the caller then records that the move is done.
     pub fn points_of(
         &self,
         domain: &str,
         snaps: &[SnapshotInfo],
-        move_old: bool,
+        reader: PointsFor,
     ) -> Result<(Vec<(String, PointRecord)>, Failures)> {
-        if move_old {
+        if reader == (PointsFor::Backup { moved: true }) {
             let (mine, mut bad) = self.point_objects(&self.points_prefix(domain))?;
-            if !mine.is_empty() || !bad.is_empty() {
-                let (mut good, more, _) = self.read_points(&mine)?;
+            let (mut good, more, _) = self.read_points(&mine)?;
+            if !good.is_empty() {
                 bad.extend(more);
                 follow_migrations(&mut good, snaps);
                 return Ok((good, bad));
@@ -274,9 +288,10 @@ impl Repository {
         let (old, more, _) = self.read_points(&old)?;
         bad.extend(more);
         let old: Vec<_> = old.into_iter().filter(|(_, p)| p.domain == domain).collect();
-        if move_old {
-            // An error: the next backups would not look for it at `points/ID` again.
-            for (id, _) in &old {
+        if matches!(reader, PointsFor::Backup { .. }) {
+            // Newest first: the newest names the checkpoint the next backup continues. An
+            // error: the caller must not record the move as done.
+            for (id, _) in old.iter().rev() {
                 self.move_point(id, domain)?;
             }
         }
@@ -398,6 +413,9 @@ pub fn follow_migrations(points: &mut [(String, PointRecord)], snaps: &[Snapshot
 mod tests {
     use super::*;
 
+    /// A domain's backup before any move is known to have finished.
+    const BACKUP: PointsFor = PointsFor::Backup { moved: false };
+
     fn point() -> PointRecord {
         PointRecord {
             version: POINT_VERSION,
@@ -458,26 +476,26 @@ mod tests {
             }
             let ids = |v: Vec<(String, PointRecord)>| v.into_iter().map(|(id, _)| id).collect::<Vec<_>>();
             // The older points are read (a reader moves nothing)...
-            assert_eq!(ids(repo.points_of("vm1", &[], false).unwrap().0), [old[0].clone()]);
+            assert_eq!(ids(repo.points_of("vm1", &[], PointsFor::Restore).unwrap().0), [old[0].clone()]);
             assert!(store.get(&format!("points/{}", old[0]), MAX_POINT).is_ok());
             assert_eq!(repo.points().unwrap().0.len(), 2);
             // ...and a domain's first backup moves its domain's under its TAG, the ids kept,
             // then stores its own point there.
-            assert_eq!(ids(repo.points_of("vm1", &[], true).unwrap().0), [old[0].clone()]);
+            assert_eq!(ids(repo.points_of("vm1", &[], BACKUP).unwrap().0), [old[0].clone()]);
             let flat = |id: &str| store.get(&format!("points/{id}"), MAX_POINT).is_ok();
             assert!(!flat(&old[0]) && flat(&old[1]));
             let vm1 = repo.put_point(&of("vm1", "2026-11-28T10:00:00Z")).unwrap();
-            assert_eq!(ids(repo.points_of("vm1", &[], true).unwrap().0), [old[0].clone(), vm1.clone()]);
-            assert_eq!(ids(repo.points_of("vm2", &[], true).unwrap().0), [old[1].clone()]);
+            assert_eq!(ids(repo.points_of("vm1", &[], BACKUP).unwrap().0), [old[0].clone(), vm1.clone()]);
+            assert_eq!(ids(repo.points_of("vm2", &[], BACKUP).unwrap().0), [old[1].clone()]);
             assert!(!flat(&old[1]));
             let vm2 = repo.put_point(&of("vm2", "2026-11-28T10:00:00Z")).unwrap();
-            assert_eq!(ids(repo.points_of("vm2", &[], false).unwrap().0), [old[1].clone(), vm2.clone()]);
-            assert_eq!(ids(repo.points_of("vm2", &[], true).unwrap().0), [old[1].clone(), vm2.clone()]);
+            assert_eq!(ids(repo.points_of("vm2", &[], PointsFor::Restore).unwrap().0), [old[1].clone(), vm2.clone()]);
+            assert_eq!(ids(repo.points_of("vm2", &[], BACKUP).unwrap().0), [old[1].clone(), vm2.clone()]);
             // From then on a domain's points are read alone: another domain's damaged
             // point is not even read.
             let theirs = format!("{}{vm2}", repo.points_prefix("vm2"));
             store.put(&theirs, b"not a point").unwrap();
-            let (mine, bad) = repo.points_of("vm1", &[], false).unwrap();
+            let (mine, bad) = repo.points_of("vm1", &[], PointsFor::Restore).unwrap();
             assert_eq!((ids(mine), bad.len()), (vec![old[0].clone(), vm1.clone()], 0));
             assert_eq!(repo.points().unwrap().1.len(), 1, "all points: the damaged one is read");
             // The tag does not show the domain's name, and differs by domain.
@@ -485,7 +503,7 @@ mod tests {
             assert_ne!(repo.points_prefix("vm1"), repo.points_prefix("vm2"));
             // Deleting takes a point from wherever it is.
             repo.delete_point(&vm1, "vm1").unwrap();
-            assert_eq!(ids(repo.points_of("vm1", &[], false).unwrap().0), [old[0].clone()]);
+            assert_eq!(ids(repo.points_of("vm1", &[], PointsFor::Restore).unwrap().0), [old[0].clone()]);
         }
     }
 
@@ -503,19 +521,26 @@ mod tests {
         store.put(&damaged_flat, b"not a point").unwrap();
         let damaged_vm2 = format!("{}{}", repo.points_prefix("vm2"), "e".repeat(64));
         store.put(&damaged_vm2, b"not a point either").unwrap();
-        let bad_of = |domain: &str, backup: bool| {
-            let (good, bad) = repo.points_of(domain, &[], backup).unwrap();
+        let bad_of = |domain: &str, reader: PointsFor| {
+            let (good, bad) = repo.points_of(domain, &[], reader).unwrap();
             (
                 good.into_iter().map(|(id, _)| id).collect::<Vec<_>>(),
                 bad.into_iter().map(|(o, _)| o).collect::<Vec<_>>(),
             )
         };
-        assert_eq!(bad_of("vm1", true), (vec![vm1.clone()], vec![]));
-        assert_eq!(bad_of("vm2", true), (vec![vm2.clone()], vec![damaged_vm2.clone()]));
+        let moved = PointsFor::Backup { moved: true };
+        assert_eq!(bad_of("vm1", moved), (vec![vm1.clone()], vec![]));
+        assert_eq!(bad_of("vm2", moved), (vec![vm2.clone()], vec![damaged_vm2.clone()]));
         // A domain's first backup reads the older points once; a restore reads them always.
-        assert_eq!(bad_of("vm3", true), (vec![], vec![damaged_flat.clone()]));
-        assert_eq!(bad_of("vm1", false).1, [damaged_flat]);
-        assert_eq!(bad_of("vm2", false).1.len(), 2);
+        assert_eq!(bad_of("vm3", BACKUP), (vec![], vec![damaged_flat.clone()]));
+        assert_eq!(bad_of("vm1", PointsFor::Restore).1, std::slice::from_ref(&damaged_flat));
+        assert_eq!(bad_of("vm2", PointsFor::Restore).1.len(), 2);
+        // A backup whose move is recorded as done but whose folder holds no point that
+        // reads well reads the older points too.
+        let damaged_vm4 = format!("{}{}", repo.points_prefix("vm4"), "f".repeat(64));
+        store.put(&damaged_vm4, b"not a point").unwrap();
+        let vm4 = put_flat(&*store, &repo, &of("vm4"));
+        assert_eq!(bad_of("vm4", moved), (vec![vm4], vec![damaged_flat, damaged_vm4]));
     }
 
     /// Stores `p` where ferry stored points before TAG: at `points/ID`; its id.
@@ -543,13 +568,13 @@ mod tests {
         store.set_hook(Some(Box::new(move |_, when, op, name| {
             if (when, op, name) == (When::After, Op::List, "points/") {
                 if let Some(other) = once.take() {
-                    other.points_of("vm1", &[], true).unwrap();
-                    other.points_of("vm2", &[], true).unwrap();
+                    other.points_of("vm1", &[], BACKUP).unwrap();
+                    other.points_of("vm2", &[], BACKUP).unwrap();
                 }
             }
             Ok(())
         })));
-        let (points, bad) = hooked.points_of("vm2", &[], false).unwrap();
+        let (points, bad) = hooked.points_of("vm2", &[], PointsFor::Restore).unwrap();
         assert_eq!(points.into_iter().map(|(i, _)| i).collect::<Vec<_>>(), [id]);
         assert!(bad.is_empty(), "{bad:?}");
     }
@@ -575,9 +600,46 @@ mod tests {
             }
             Ok(())
         })));
-        hooked.points_of("vm1", &[], true).unwrap();
+        hooked.points_of("vm1", &[], BACKUP).unwrap();
         store.set_hook(None);
         assert!(repo.points().unwrap().0.is_empty(), "the forgotten point came back");
+    }
+
+    /// A first backup whose move of the older points fails midway (or is killed) moved
+    /// the newest first; as it returned no success its caller records no finished move, so
+    /// the next backup reads and moves the rest.
+    #[test]
+    fn a_move_stopped_midway_is_finished_by_the_next_backup() {
+        use crate::store::Store;
+        use crate::tests::{Hooked, Op, When};
+        use std::sync::Arc;
+        let (mem, repo) = crate::tests::new_repo(false);
+        let of = |time: &str| PointRecord { time: time.into(), ..point() };
+        let times = ["2026-11-28T08:00:00Z", "2026-11-28T09:00:00Z", "2026-11-28T10:00:00Z"];
+        let old: Vec<String> = times.iter().map(|t| put_flat(&*mem, &repo, &of(t))).collect();
+        let store = Arc::new(Hooked::new(mem.clone()));
+        let hooked = Repository::open(store.clone(), &|| unreachable!()).unwrap();
+        // The second copy stored under the TAG fails.
+        let (prefix, mut puts) = (repo.points_prefix("vm1"), 0);
+        store.set_hook(Some(Box::new(move |_, when, op, name| {
+            if (when, op) == (When::Before, Op::Put) && name.starts_with(&prefix) {
+                puts += 1;
+                if puts == 2 {
+                    return Err(std::io::Error::other("crash"));
+                }
+            }
+            Ok(())
+        })));
+        assert!(hooked.points_of("vm1", &[], BACKUP).is_err());
+        store.set_hook(None);
+        let flat = |id: &str| mem.get(&format!("points/{id}"), MAX_POINT).is_ok();
+        assert_eq!(old.iter().map(|id| flat(id)).collect::<Vec<_>>(), [true, true, false], "newest moved first");
+        let ids = |v: Vec<(String, PointRecord)>| v.into_iter().map(|(id, _)| id).collect::<Vec<_>>();
+        assert_eq!(ids(hooked.points_of("vm1", &[], BACKUP).unwrap().0), old);
+        assert!(old.iter().all(|id| !flat(id)), "the rest moved");
+        // Once the move is done, the TAG's folder alone has every point.
+        let moved = PointsFor::Backup { moved: true };
+        assert_eq!(ids(hooked.points_of("vm1", &[], moved).unwrap().0), old);
     }
 
     #[test]

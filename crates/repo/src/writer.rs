@@ -383,6 +383,8 @@ impl SnapshotWriter {
         let chunks = opts.size.div_ceil(cs);
         let tag = repo.crypto.disk_tag(&opts.name);
         let guard = lock::acquire(&repo.store, LockKind::Backup, Some(tag), opts.wait_lock)?;
+        // A migrate that ran since `repo` was opened (no migrate runs beside the lock).
+        crate::migrate::refuse_if_changed(&repo)?;
         check_fixed_time(&repo, &opts)?;
         // Read again under the lock: another resume may have committed it meanwhile.
         let checkpoint = match repo.checkpoint(&opts.name)? {

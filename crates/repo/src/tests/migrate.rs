@@ -174,6 +174,25 @@ fn pages_follow_a_migrated_parent_and_nothing_else() {
     assert!(matches!(e, Error::Damaged { .. }), "{e}");
 }
 
+/// A resumed backup through a repository opened before a migrate is refused too, before
+/// it writes anything.
+#[test]
+fn a_resume_opened_before_a_migrate_is_refused() {
+    let store = Arc::new(MemStore::new());
+    let repo = v1_repo(store.clone());
+    let d1 = filled(2 << 20);
+    let w = SnapshotWriter::start(repo.clone(), opts("b", d1.len() as u64, None)).unwrap();
+    w.write(&d1[..1 << 20], 0, false).unwrap();
+    w.checkpoint().unwrap();
+    drop(w);
+    let ck = repo.checkpoint("b").unwrap().expect("a checkpoint");
+    crate::migrate::migrate(&reopen(store.clone()), false, &mut |_| {}).unwrap();
+    let before = store.list("").unwrap();
+    let e = SnapshotWriter::resume(repo.clone(), opts("b", d1.len() as u64, None), &ck).err().unwrap();
+    assert!(e.to_string().contains("changed since this command opened it"), "{e}");
+    assert_eq!(store.list("").unwrap(), before, "nothing is written");
+}
+
 /// A backup through a repository opened before a migrate (a libvirt run's second disk,
 /// or a backup that waited for its lock) is refused before it writes anything: it would
 /// store version 1 pages in a version 3 repository. Reopened, it goes on.
