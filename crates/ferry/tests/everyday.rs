@@ -192,6 +192,38 @@ fn compare_does_not_read_holes() {
     assert_eq!(o.stdout, format!("Content mismatch at offset {}!\n", 50u64 << 30), "{}", o.describe());
 }
 
+/// `qemu-nbd` takes one client at a time by default (`-e 1`): compare asks its block
+/// status on the connection it reads with, and so finishes, with one thread, in moments
+/// (a second connection for block status waited for the first until the client gave up).
+#[test]
+fn compare_against_qemu_nbd_serving_one_client() {
+    require("qemu-nbd");
+    let d = tempfile::tempdir().unwrap();
+    let mut data = vec![0u8; 4 * MIB];
+    data[MIB..2 * MIB].copy_from_slice(&Rng::new(6).bytes(MIB));
+    let served = write_sparse_file(d.path(), "served.raw", &data);
+    let mut other = data.clone();
+    other[MIB + 4097] ^= 1;
+    let changed = write_sparse_file(d.path(), "changed.raw", &other);
+    let sock = d.path().join("nbd.sock");
+    let mut server = cmd("qemu-nbd", ["-t", "-r", "-f", "raw", "-k", s(&sock), s(&served)])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    assert!(wait_until(Duration::from_secs(10), || sock.exists()), "qemu-nbd did not start");
+    let uri = format!("nbd+unix:///?socket={}", sock.display());
+    let t0 = Instant::now();
+    let o = run(&mut ferry_cmd(&["compare", "-t", "1", &uri, s(&served)]));
+    let o2 = run(&mut ferry_cmd(&["compare", "-t", "1", &uri, s(&changed)]));
+    let _ = server.kill();
+    let _ = server.wait();
+    assert_eq!((code(&o), o.stdout.as_str()), (0, "Images are identical.\n"), "{}", o.describe());
+    let want = format!("Content mismatch at offset {}!\n", (MIB + 4096));
+    assert_eq!((code(&o2), o2.stdout.as_str()), (1, want.as_str()), "{}", o2.describe());
+    assert!(t0.elapsed() < Duration::from_secs(20), "{:?}", t0.elapsed());
+}
+
 #[test]
 fn protect_and_copy_take_the_passphrase_from_a_command() {
     let d = tempfile::tempdir().unwrap();
