@@ -72,22 +72,32 @@ fn mount_daemon_returns_once_mounted_and_an_unmount_ends_it() {
     fs::create_dir(&dir).unwrap();
     let log = d.path().join("mount.log");
     let t0 = Instant::now();
-    let o = run(&mut ferry_cmd(&[
+    // The repository and the log named relative to the working directory, which the
+    // daemon leaves.
+    let o = run(ferry_cmd(&[
         "mount",
         "--daemon",
         "--log",
-        s(&log),
+        "mount.log",
         "--password-command",
         "echo pw",
-        &format!("{}::vm", repo.display()),
+        "repo::vm",
         s(&dir),
-    ]));
+    ])
+    .current_dir(d.path()));
     assert_eq!(code(&o), 0, "{}", o.describe());
     assert!(t0.elapsed() < Duration::from_secs(60));
     assert!(is_mounted(&dir), "not mounted when --daemon returned: {}", o.describe());
     assert_same_bytes(&fs::read(dir.join("disk.raw")).unwrap(), &data, "disk.raw");
     let pids = processes_naming(s(&dir));
     assert_eq!(pids.len(), 1, "one background process: {pids:?}");
+    // It holds no pipe of the command's nor its terminal: a last error would go to its
+    // log rather than fail on a pipe nobody reads.
+    for fd in 0..3 {
+        let to = fs::read_link(format!("/proc/{}/fd/{fd}", pids[0])).unwrap();
+        assert_eq!(to, Path::new("/dev/null"), "fd {fd}");
+    }
+    assert_eq!(fs::read_link(format!("/proc/{}/cwd", pids[0])).unwrap(), Path::new("/"), "its working directory");
     // Its messages are in the log, not on the terminal it was started from.
     let said = fs::read_to_string(&log).unwrap();
     assert!(said.contains(&format!("mounted on {} by process {}", dir.display(), pids[0])), "{said}");
@@ -98,6 +108,23 @@ fn mount_daemon_returns_once_mounted_and_an_unmount_ends_it() {
     let gone = wait_until(Duration::from_secs(20), || processes_naming(s(&dir)).is_empty());
     assert!(gone, "the background process is still there after the unmount: {}", fs::read_to_string(&log).unwrap());
     assert!(fs::read_to_string(&log).unwrap().contains("unmounted"));
+
+    // Until it is up, the background process has the command's standard input: a password
+    // command (or the prompt) reads it there.
+    let stdin_dir = d.path().join("mnt-stdin");
+    fs::create_dir(&stdin_dir).unwrap();
+    fs::write(d.path().join("answer"), "pw\n").unwrap();
+    let snapshot = format!("{}::vm", repo.display());
+    let args = ["mount", "-d", "--log", s(&log), "--password-command", "head -n1", &snapshot, s(&stdin_dir)];
+    let o = cmd("timeout", [&["60", s(&ferry_bin())][..], &args].concat())
+        .env_remove("FERRY_PASSWORD")
+        .stdin(fs::File::open(d.path().join("answer")).unwrap())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{:?}: {}", o.status, String::from_utf8_lossy(&o.stderr));
+    assert!(is_mounted(&stdin_dir));
+    unmount(&stdin_dir);
+    assert!(wait_until(Duration::from_secs(20), || processes_naming(s(&stdin_dir)).is_empty()));
 
     // A mount that cannot be made: its error and status, and no process left behind.
     let dir = d.path().join("mnt-fails");
@@ -114,6 +141,23 @@ fn mount_daemon_returns_once_mounted_and_an_unmount_ends_it() {
         assert!(!is_mounted(&dir));
         assert!(processes_naming(s(&dir)).is_empty(), "a failed --daemon left a process");
     }
+    // A password command that leaves something behind holding the background process's
+    // standard error (an agent): the failed mount still returns at once, with its status.
+    let t0 = Instant::now();
+    let o = run(ferry_cmd(&[
+        "mount",
+        "-d",
+        "--log",
+        s(&log),
+        "--password-command",
+        "sleep 20 >/dev/null & echo pw",
+        &format!("{}::nope", repo.display()),
+        s(&dir),
+    ])
+    .stdin(Stdio::null()));
+    assert_eq!(code(&o), 1, "{}", o.describe());
+    assert!(o.stderr.contains("nope"), "{}", o.describe());
+    assert!(t0.elapsed() < Duration::from_secs(10), "waited for the agent: {:?}", t0.elapsed());
     // --log without --daemon: a usage error.
     let o = run(&mut ferry_cmd(&["mount", "--log", s(&log), &format!("{}::vm", repo.display()), s(&dir)]));
     assert_eq!(code(&o), 2, "{}", o.describe());

@@ -33,7 +33,8 @@ pub fn set_password_command(cmd: Option<&str>) {
     }
 }
 
-fn is_s3(repo: &str) -> bool {
+/// Whether the repository `repo` is an S3 URL (else it is a directory's path).
+pub fn is_s3(repo: &str) -> bool {
     repo.get(..5).is_some_and(|p| p.eq_ignore_ascii_case("s3://"))
 }
 
