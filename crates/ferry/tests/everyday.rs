@@ -290,4 +290,13 @@ fn protect_and_copy_take_the_passphrase_from_a_command() {
     let list = run_ok(&mut ferry_cmd(&["repo", "list", "--json", s(&dst)]));
     let v: serde_json::Value = serde_json::from_str(&list.stdout).unwrap();
     assert_eq!(v.as_array().unwrap().len(), 1, "{}", list.stdout);
+    // An encrypted destination of the same passphrase: the command runs once, its answer
+    // tried on the destination too.
+    let dst2 = d.path().join("dst2");
+    run_ok(ferry_cmd(&["repo", "init", "--encrypt", "--kdf-memory", "8M", s(&dst2)]).env("FERRY_PASSWORD", "pw"));
+    let runs = d.path().join("runs");
+    let command = format!("echo run >> '{}'; echo pw", runs.display());
+    let o = run(ferry_cmd(&["repo", "copy", "--password-command", &command, s(&src), s(&dst2)]).stdin(Stdio::null()));
+    assert_eq!(code(&o), 0, "{}", o.describe());
+    assert_eq!(fs::read_to_string(&runs).unwrap(), "run\n", "the password command ran more than once");
 }
