@@ -1,6 +1,6 @@
 //! Commands that go to the background once they are up (`ferry serve --fork`, `ferry mount
 //! --daemon`): the command line runs again as a second process, marked by an environment
-//! variable, whose standard output is a pipe to the first. The second says it is up with
+//! variable, whose standard output (or error) is a pipe to the first. The second says it is up with
 //! one line on that pipe; the first returns 0 then, or, when the second ends without saying
 //! so, with its exit status (its errors went to the same standard error).
 //!
@@ -37,40 +37,75 @@ pub fn is_background(marker: &str) -> bool {
     std::env::var_os(marker).is_some()
 }
 
-/// Runs this command line again with `marker` set in its environment, standard input
-/// /dev/null, the `channel` a pipe to this process; in a process group of its own when
-/// `new_group` (else in this one's, so that it can still ask for a passphrase on the
-/// terminal). `flag` names the option, for messages. Returns what the new process said
-/// once it is up (`Ok`), or its exit status once it ended without saying so (`Err`).
+/// Runs this command line again with `marker` set in its environment, the `channel` a pipe
+/// to this process; in a process group of its own when `new_group`, with standard input
+/// /dev/null, else in this one's, with this one's standard input, so that it can still ask
+/// for a passphrase on the terminal (until it is up: [`detach`]). `flag` names the option,
+/// for messages. Returns what the new process said once it is up (`Ok`), or its exit status
+/// once it ended without saying so (`Err`). That it ended is seen even while something it
+/// started (a password command's agent) still holds the pipe open.
 pub fn start(marker: &str, new_group: bool, channel: Channel, flag: &str) -> Result<std::result::Result<String, i32>> {
     use std::io::{BufRead, Read};
     use std::os::unix::process::CommandExt;
     use std::process::Stdio;
+    use std::sync::mpsc::RecvTimeoutError;
     let exe = std::env::current_exe().with_context(|| format!("{flag}: cannot find ferry's own executable"))?;
     let mut cmd = std::process::Command::new(exe);
-    cmd.args(std::env::args_os().skip(1)).env(marker, "1").stdin(Stdio::null());
+    cmd.args(std::env::args_os().skip(1)).env(marker, "1");
     match channel {
         Channel::Stdout => cmd.stdout(Stdio::piped()),
         Channel::Stderr => cmd.stdout(Stdio::null()).stderr(Stdio::piped()),
     };
     if new_group {
-        cmd.process_group(0);
+        cmd.process_group(0).stdin(Stdio::null());
     }
     let mut child = cmd.spawn().with_context(|| format!("{flag}: cannot start the background process"))?;
-    let pipe: Box<dyn Read> = match channel {
+    let pipe: Box<dyn Read + Send> = match channel {
         Channel::Stdout => Box::new(child.stdout.take().with_context(|| format!("{flag}: no pipe"))?),
         Channel::Stderr => Box::new(child.stderr.take().with_context(|| format!("{flag}: no pipe"))?),
     };
+    // The pipe is read on a thread of its own, which sends each line (empty at its end),
+    // so that this one also sees the process end.
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    std::thread::Builder::new()
+        .name("background-pipe".into())
+        .spawn(move || {
+            let mut lines = std::io::BufReader::new(pipe);
+            loop {
+                let mut line = String::new();
+                // Bounded lines: a longer one comes in pieces.
+                let end = !matches!(lines.by_ref().take(MAX_LINE).read_line(&mut line), Ok(n) if n > 0);
+                if tx.send(if end { String::new() } else { line }).is_err() || end {
+                    return;
+                }
+            }
+        })
+        .with_context(|| format!("{flag}: cannot start a thread"))?;
     let ready = if channel == Channel::Stdout { READY } else { READY_ON_STDERR };
-    let mut lines = std::io::BufReader::new(pipe);
-    let mut line = String::new();
+    // Once the process has ended, what it wrote before is still passed on, for a moment.
+    let mut ended_at: Option<std::time::Instant> = None;
     loop {
-        line.clear();
-        // Bounded lines: a longer one comes in pieces.
-        match lines.by_ref().take(MAX_LINE).read_line(&mut line) {
-            Ok(0) | Err(_) => break,
-            Ok(_) => {}
-        }
+        let line = match rx.recv_timeout(std::time::Duration::from_millis(100)) {
+            Ok(line) if line.is_empty() => break,
+            Ok(line) => line,
+            Err(RecvTimeoutError::Disconnected) => break,
+            Err(RecvTimeoutError::Timeout) => {
+                match ended_at {
+                    Some(t) if t.elapsed() > std::time::Duration::from_millis(500) => break,
+                    Some(_) => {}
+                    None => {
+                        if child
+                            .try_wait()
+                            .with_context(|| format!("{flag}: waiting for the background process"))?
+                            .is_some()
+                        {
+                            ended_at = Some(std::time::Instant::now());
+                        }
+                    }
+                }
+                continue;
+            }
+        };
         if let Some(rest) = line.strip_prefix(ready).and_then(|l| l.strip_suffix('\n')) {
             log::debug!("the background process (pid {}) is up: {rest}", child.id());
             return Ok(Ok(rest.to_string()));
@@ -97,6 +132,27 @@ pub fn say_ready(channel: Channel, what: &str) {
         Channel::Stderr => std::io::stderr().lock().write_all(format!("{READY_ON_STDERR}{what}\n").as_bytes()),
     };
     let _ = std::io::stdout().flush();
+}
+
+/// Whether [`detach`] ran: the process's errors go to its log then.
+static DETACHED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The background process, once up and its log lines [`redirect`]ed, lets go of the first
+/// process's pipe and terminal: standard input, output and error become /dev/null (a
+/// later write to the pipe, which the first no longer reads, would fail). Its final error
+/// goes to the log from now on ([`detached`]).
+pub fn detach() -> Result<()> {
+    let null = std::fs::OpenOptions::new().read(true).write(true).open("/dev/null").context("opening /dev/null")?;
+    rustix::stdio::dup2_stdin(&null).context("standard input to /dev/null")?;
+    rustix::stdio::dup2_stdout(&null).context("standard output to /dev/null")?;
+    rustix::stdio::dup2_stderr(&null).context("standard error to /dev/null")?;
+    DETACHED.store(true, std::sync::atomic::Ordering::Relaxed);
+    Ok(())
+}
+
+/// Whether this process has [`detach`]ed: its errors go to the log, not to standard error.
+pub fn detached() -> bool {
+    DETACHED.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// Where the log lines of a background process go: standard error until [`redirect`].

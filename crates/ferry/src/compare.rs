@@ -247,29 +247,23 @@ fn first_allocation_difference(a: &Disk, b: &Disk) -> Result<Option<u64>> {
 }
 
 /// A thread's view of where one disk reads as zeroes (`base:allocation`'s `NBD_STATE_ZERO`),
-/// one extent at a time: blocks that read as zeroes on a side are not read there.
+/// one extent at a time: blocks that read as zeroes on a side are not read there. It asks
+/// on the connection the thread reads with: a server may take one client at a time
+/// (`qemu-nbd` without `-e`).
 struct Zeroes<'a> {
     disk: &'a Disk,
-    conn: Option<Connection>,
     /// The last extent asked for: its start, end and whether it reads as zeroes.
     known: (u64, u64, bool),
 }
 
 impl<'a> Zeroes<'a> {
-    fn of(disk: &'a Disk) -> Result<Zeroes<'a>> {
-        let conn = match disk {
-            Disk::Nbd(u, _) => {
-                let c = Connection::connect(u, &ConnectOptions::default())?;
-                c.can_block_status().then_some(c)
-            }
-            Disk::Image(..) => None,
-        };
-        Ok(Zeroes { disk, conn, known: (0, 0, false) })
+    fn of(disk: &'a Disk) -> Zeroes<'a> {
+        Zeroes { disk, known: (0, 0, false) }
     }
 
     /// Whether `offset..end` reads as zeroes: past the disk's end it does; a disk that
     /// tells no block status is taken to have data everywhere.
-    fn all_zero(&mut self, mut offset: u64, end: u64) -> Result<bool> {
+    fn all_zero(&mut self, reader: &mut Reader, mut offset: u64, end: u64) -> Result<bool> {
         let size = self.disk.size();
         loop {
             if offset >= size || offset >= end {
@@ -278,13 +272,13 @@ impl<'a> Zeroes<'a> {
             let (from, to, _) = self.known;
             if !(from <= offset && offset < to) {
                 let mut out = Vec::new();
-                match (self.disk, &mut self.conn) {
-                    (Disk::Image(b, _), _) => b.extents(offset, size - offset, 1, &mut out)?,
-                    (Disk::Nbd(..), Some(c)) => {
+                match reader {
+                    Reader::Image(b) => b.extents(offset, size - offset, 1, &mut out)?,
+                    Reader::Nbd(c) if c.can_block_status() => {
                         let len = (size - offset).min(c.max_status_length()).min(1 << 30);
                         out = c.block_status(offset, len)?
                     }
-                    (Disk::Nbd(..), None) => return Ok(false),
+                    Reader::Nbd(_) => return Ok(false),
                 }
                 let e = out.first().context("a block status without extents")?;
                 let zero = e.flags & ferry_proto::consts::STATE_ZERO != 0;
@@ -311,7 +305,7 @@ fn first_difference(a: &Disk, b: &Disk, start: u64, end: u64, threads: usize) ->
     let (sa, sb) = (a.size(), b.size());
     let work = || -> Result<()> {
         let (mut ra, mut rb) = (Reader::of(a)?, Reader::of(b)?);
-        let (mut za, mut zb) = (Zeroes::of(a)?, Zeroes::of(b)?);
+        let (mut za, mut zb) = (Zeroes::of(a), Zeroes::of(b));
         let (mut ba, mut bb) = (vec![0u8; BLOCK as usize], vec![0u8; BLOCK as usize]);
         loop {
             let off = next.fetch_add(BLOCK, Ordering::Relaxed);
@@ -319,7 +313,9 @@ fn first_difference(a: &Disk, b: &Disk, start: u64, end: u64, threads: usize) ->
                 return Ok(());
             }
             let len = (end - off).min(BLOCK) as usize;
-            let at = match (za.all_zero(off, off + len as u64)?, zb.all_zero(off, off + len as u64)?) {
+            let (za_zero, zb_zero) =
+                (za.all_zero(&mut ra, off, off + len as u64)?, zb.all_zero(&mut rb, off, off + len as u64)?);
+            let at = match (za_zero, zb_zero) {
                 (true, true) => None,
                 (true, false) => {
                     rb.read(&mut bb, off, sb)?;

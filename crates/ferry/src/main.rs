@@ -211,14 +211,25 @@ fn main() {
         Err(e) => match interrupt::received() {
             // 128 + N, as a shell reports a command a signal ended.
             Some(sig) => {
-                eprintln!("ferry: error: interrupted by {}: {}", interrupt::name(sig), chain(&e));
+                say_error(&format!("interrupted by {}: {}", interrupt::name(sig), chain(&e)));
                 std::process::exit(128 + sig);
             }
             None => {
-                eprintln!("ferry: error: {}", chain(&e));
+                say_error(&chain(&e));
                 std::process::exit(ferry_repo::Error::failure_in(e.as_ref()).map_or(1, exit_status));
             }
         },
+    }
+}
+
+/// The final error: on standard error, or, in a background process that has let go of its
+/// terminal, in its log (--log or syslog).
+fn say_error(what: &str) {
+    if background::detached() {
+        log::error!("{what}");
+        log::logger().flush();
+    } else {
+        eprintln!("ferry: error: {what}");
     }
 }
 

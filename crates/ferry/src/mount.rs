@@ -39,7 +39,8 @@ pub struct MountArgs {
     options: Vec<String>,
     /// Run in the background (as `borg mount` without --foreground): return 0 once the
     /// file system is mounted, or fail with the error and exit status of a mount that
-    /// could not be made. Its later messages go to syslog (or --log FILE);
+    /// could not be made. Until then it may ask for the passphrase on the terminal; its
+    /// later messages (its last error among them) go to syslog (or --log FILE);
     /// `fusermount3 -u DIR` (root: `umount DIR`) or SIGTERM unmounts it and ends it.
     #[arg(short = 'd', long)]
     daemon: bool,
@@ -276,6 +277,19 @@ pub fn run(args: MountArgs) -> Result<i32> {
         Location::Repo { repo, name, id } => (repo, name, id),
         _ => bail!("{:?} is not a snapshot: write REPO::NAME or REPO::NAME@ID", args.snapshot),
     };
+    // The daemon leaves its working directory once up (so that it holds no file system
+    // busy): the repository's directory and the mount point are made absolute first.
+    let mut args = args;
+    let open_at = match background && !ferry_open::repo::is_s3(&repo) {
+        true => std::path::absolute(&repo)
+            .ok()
+            .and_then(|p| p.to_str().map(str::to_string))
+            .context("--daemon: cannot make the repository's path absolute")?,
+        false => repo.clone(),
+    };
+    if background {
+        args.dir = std::path::absolute(&args.dir).context("--daemon: cannot make the mount point's path absolute")?;
+    }
     match std::fs::metadata(&args.dir) {
         Ok(m) if m.is_dir() => {}
         Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => bail!(
@@ -287,7 +301,7 @@ pub fn run(args: MountArgs) -> Result<i32> {
     let shown = Location::repo_spec(&repo, &name, id.as_deref());
     let remote = args.remote.remote();
     let on = ferry_open::repo::snapshot_on_rollback(&repo, &name, id.as_deref());
-    let r = args.password.open(&repo, &remote, on)?;
+    let r = args.password.open(&open_at, &remote, on)?;
     let snap = ferry_open::repo::resolve(&r, &name, id.as_deref()).with_context(|| shown.clone())?;
     let image = SnapshotImage::open_with_cache(r, &snap, ferry_open::repo::cache_bytes()?)
         .with_context(|| format!("cannot open the snapshot {shown}"))?;
@@ -339,6 +353,8 @@ pub fn run(args: MountArgs) -> Result<i32> {
         rustix::process::setsid().context("--daemon: cannot leave the terminal's session")?;
         crate::background::redirect(to);
         crate::background::say_ready(crate::background::Channel::Stderr, &dir);
+        crate::background::detach().context("--daemon")?;
+        std::env::set_current_dir("/").context("--daemon: cannot change to /")?;
         log::info!(
             "{shown} mounted on {dir} by process {}: {}, partitions.txt; read-only. `fusermount3 -u {dir}` (or \
              SIGTERM) unmounts",

@@ -34,4 +34,17 @@ impl PasswordArgs {
         let file = self.install();
         ferry_open::repo::open_repository_with(repo, remote, file, on)
     }
+
+    /// [`PasswordArgs::open`], also returning the passphrase these sources gave (none
+    /// when it was asked on the terminal, or none was needed): each source is asked
+    /// once, a password command run once.
+    pub fn open_giving(
+        &self,
+        repo: &str,
+        remote: &ferry_open::Remote,
+        on: OnRollback,
+    ) -> Result<(Arc<Repository>, Option<ferry_repo::Passphrase>)> {
+        let file = self.install();
+        ferry_open::repo::open_repository_giving(repo, remote, file, on)
+    }
 }

@@ -92,12 +92,13 @@ pub fn run(a: CopyArgs) -> Result<i32> {
         bail!("the destination is a repository, not a snapshot: write DST without ::NAME (copies keep their names)");
     }
     let remote = a.remote.remote();
-    let src = a.password.open(&src_repo, &remote, OnRollback::Warn)?;
+    // The source's passphrase, kept for the destination: a password command runs once.
+    let (src, src_passphrase) = a.password.open_giving(&src_repo, &remote, OnRollback::Warn)?;
     let given = ferry_open::repo::to_passphrase(a.to_password_file.as_deref())?
         .map(|p| (p, to_passphrase_source(a.to_password_file.as_deref())));
     let fallback = match given {
         Some(_) => None,
-        None => ferry_open::repo::passphrase(a.password.install())?,
+        None => src_passphrase,
     };
     let keying = Keying {
         given,

@@ -72,22 +72,32 @@ fn mount_daemon_returns_once_mounted_and_an_unmount_ends_it() {
     fs::create_dir(&dir).unwrap();
     let log = d.path().join("mount.log");
     let t0 = Instant::now();
-    let o = run(&mut ferry_cmd(&[
+    // The repository and the log named relative to the working directory, which the
+    // daemon leaves.
+    let o = run(ferry_cmd(&[
         "mount",
         "--daemon",
         "--log",
-        s(&log),
+        "mount.log",
         "--password-command",
         "echo pw",
-        &format!("{}::vm", repo.display()),
+        "repo::vm",
         s(&dir),
-    ]));
+    ])
+    .current_dir(d.path()));
     assert_eq!(code(&o), 0, "{}", o.describe());
     assert!(t0.elapsed() < Duration::from_secs(60));
     assert!(is_mounted(&dir), "not mounted when --daemon returned: {}", o.describe());
     assert_same_bytes(&fs::read(dir.join("disk.raw")).unwrap(), &data, "disk.raw");
     let pids = processes_naming(s(&dir));
     assert_eq!(pids.len(), 1, "one background process: {pids:?}");
+    // It holds no pipe of the command's nor its terminal: a last error would go to its
+    // log rather than fail on a pipe nobody reads.
+    for fd in 0..3 {
+        let to = fs::read_link(format!("/proc/{}/fd/{fd}", pids[0])).unwrap();
+        assert_eq!(to, Path::new("/dev/null"), "fd {fd}");
+    }
+    assert_eq!(fs::read_link(format!("/proc/{}/cwd", pids[0])).unwrap(), Path::new("/"), "its working directory");
     // Its messages are in the log, not on the terminal it was started from.
     let said = fs::read_to_string(&log).unwrap();
     assert!(said.contains(&format!("mounted on {} by process {}", dir.display(), pids[0])), "{said}");
@@ -98,6 +108,23 @@ fn mount_daemon_returns_once_mounted_and_an_unmount_ends_it() {
     let gone = wait_until(Duration::from_secs(20), || processes_naming(s(&dir)).is_empty());
     assert!(gone, "the background process is still there after the unmount: {}", fs::read_to_string(&log).unwrap());
     assert!(fs::read_to_string(&log).unwrap().contains("unmounted"));
+
+    // Until it is up, the background process has the command's standard input: a password
+    // command (or the prompt) reads it there.
+    let stdin_dir = d.path().join("mnt-stdin");
+    fs::create_dir(&stdin_dir).unwrap();
+    fs::write(d.path().join("answer"), "pw\n").unwrap();
+    let snapshot = format!("{}::vm", repo.display());
+    let args = ["mount", "-d", "--log", s(&log), "--password-command", "head -n1", &snapshot, s(&stdin_dir)];
+    let o = cmd("timeout", [&["60", s(&ferry_bin())][..], &args].concat())
+        .env_remove("FERRY_PASSWORD")
+        .stdin(fs::File::open(d.path().join("answer")).unwrap())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{:?}: {}", o.status, String::from_utf8_lossy(&o.stderr));
+    assert!(is_mounted(&stdin_dir));
+    unmount(&stdin_dir);
+    assert!(wait_until(Duration::from_secs(20), || processes_naming(s(&stdin_dir)).is_empty()));
 
     // A mount that cannot be made: its error and status, and no process left behind.
     let dir = d.path().join("mnt-fails");
@@ -114,6 +141,23 @@ fn mount_daemon_returns_once_mounted_and_an_unmount_ends_it() {
         assert!(!is_mounted(&dir));
         assert!(processes_naming(s(&dir)).is_empty(), "a failed --daemon left a process");
     }
+    // A password command that leaves something behind holding the background process's
+    // standard error (an agent): the failed mount still returns at once, with its status.
+    let t0 = Instant::now();
+    let o = run(ferry_cmd(&[
+        "mount",
+        "-d",
+        "--log",
+        s(&log),
+        "--password-command",
+        "sleep 20 >/dev/null & echo pw",
+        &format!("{}::nope", repo.display()),
+        s(&dir),
+    ])
+    .stdin(Stdio::null()));
+    assert_eq!(code(&o), 1, "{}", o.describe());
+    assert!(o.stderr.contains("nope"), "{}", o.describe());
+    assert!(t0.elapsed() < Duration::from_secs(10), "waited for the agent: {:?}", t0.elapsed());
     // --log without --daemon: a usage error.
     let o = run(&mut ferry_cmd(&["mount", "--log", s(&log), &format!("{}::vm", repo.display()), s(&dir)]));
     assert_eq!(code(&o), 2, "{}", o.describe());
@@ -192,6 +236,38 @@ fn compare_does_not_read_holes() {
     assert_eq!(o.stdout, format!("Content mismatch at offset {}!\n", 50u64 << 30), "{}", o.describe());
 }
 
+/// `qemu-nbd` takes one client at a time by default (`-e 1`): compare asks its block
+/// status on the connection it reads with, and so finishes, with one thread, in moments
+/// (a second connection for block status waited for the first until the client gave up).
+#[test]
+fn compare_against_qemu_nbd_serving_one_client() {
+    require("qemu-nbd");
+    let d = tempfile::tempdir().unwrap();
+    let mut data = vec![0u8; 4 * MIB];
+    data[MIB..2 * MIB].copy_from_slice(&Rng::new(6).bytes(MIB));
+    let served = write_sparse_file(d.path(), "served.raw", &data);
+    let mut other = data.clone();
+    other[MIB + 4097] ^= 1;
+    let changed = write_sparse_file(d.path(), "changed.raw", &other);
+    let sock = d.path().join("nbd.sock");
+    let mut server = cmd("qemu-nbd", ["-t", "-r", "-f", "raw", "-k", s(&sock), s(&served)])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    assert!(wait_until(Duration::from_secs(10), || sock.exists()), "qemu-nbd did not start");
+    let uri = format!("nbd+unix:///?socket={}", sock.display());
+    let t0 = Instant::now();
+    let o = run(&mut ferry_cmd(&["compare", "-t", "1", &uri, s(&served)]));
+    let o2 = run(&mut ferry_cmd(&["compare", "-t", "1", &uri, s(&changed)]));
+    let _ = server.kill();
+    let _ = server.wait();
+    assert_eq!((code(&o), o.stdout.as_str()), (0, "Images are identical.\n"), "{}", o.describe());
+    let want = format!("Content mismatch at offset {}!\n", (MIB + 4096));
+    assert_eq!((code(&o2), o2.stdout.as_str()), (1, want.as_str()), "{}", o2.describe());
+    assert!(t0.elapsed() < Duration::from_secs(20), "{:?}", t0.elapsed());
+}
+
 #[test]
 fn protect_and_copy_take_the_passphrase_from_a_command() {
     let d = tempfile::tempdir().unwrap();
@@ -214,4 +290,13 @@ fn protect_and_copy_take_the_passphrase_from_a_command() {
     let list = run_ok(&mut ferry_cmd(&["repo", "list", "--json", s(&dst)]));
     let v: serde_json::Value = serde_json::from_str(&list.stdout).unwrap();
     assert_eq!(v.as_array().unwrap().len(), 1, "{}", list.stdout);
+    // An encrypted destination of the same passphrase: the command runs once, its answer
+    // tried on the destination too.
+    let dst2 = d.path().join("dst2");
+    run_ok(ferry_cmd(&["repo", "init", "--encrypt", "--kdf-memory", "8M", s(&dst2)]).env("FERRY_PASSWORD", "pw"));
+    let runs = d.path().join("runs");
+    let command = format!("echo run >> '{}'; echo pw", runs.display());
+    let o = run(ferry_cmd(&["repo", "copy", "--password-command", &command, s(&src), s(&dst2)]).stdin(Stdio::null()));
+    assert_eq!(code(&o), 0, "{}", o.describe());
+    assert_eq!(fs::read_to_string(&runs).unwrap(), "run\n", "the password command ran more than once");
 }

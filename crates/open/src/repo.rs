@@ -33,7 +33,8 @@ pub fn set_password_command(cmd: Option<&str>) {
     }
 }
 
-fn is_s3(repo: &str) -> bool {
+/// Whether the repository `repo` is an S3 URL (else it is a directory's path).
+pub fn is_s3(repo: &str) -> bool {
     repo.get(..5).is_some_and(|p| p.eq_ignore_ascii_case("s3://"))
 }
 
@@ -353,14 +354,27 @@ pub fn open_repository_with(
     password_file: Option<&Path>,
     on: OnRollback,
 ) -> Result<Arc<Repository>> {
-    let given = passphrase(password_file)?.map(|p| (p, passphrase_source(password_file)));
+    open_repository_giving(repo, remote, password_file, on).map(|(r, _)| r)
+}
+
+/// [`open_repository_with`], also returning the passphrase given (none when it was
+/// asked on the terminal or none was needed): a command that opens a second repository
+/// (`ferry repo copy`'s destination) tries it there without running a password command
+/// again.
+pub fn open_repository_giving(
+    repo: &str,
+    remote: &Remote,
+    password_file: Option<&Path>,
+    on: OnRollback,
+) -> Result<(Arc<Repository>, Option<Passphrase>)> {
+    let given = passphrase(password_file)?;
     let how = Keying {
-        given,
+        given: given.clone().map(|p| (p, passphrase_source(password_file))),
         fallback: None,
         how: PASSPHRASE_HOW,
         sources: "--password-file, --password-command, FERRY_PASSWORD, FERRY_PASSWORD_FILE or FERRY_PASSWORD_COMMAND",
     };
-    open_repository_keyed(repo, remote, how, on)
+    Ok((open_repository_keyed(repo, remote, how, on)?, given))
 }
 
 /// Where the passphrase of a repository comes from (see [`open_repository_keyed`]).
