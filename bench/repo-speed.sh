@@ -48,7 +48,13 @@ cpu() {
   [ $rc = 0 ] || { echo FAIL; return; }
   tail -1 "$W/time" | awk '{printf "%.2f %.2f", $1, $2 + $3}'
 }
-mbs() { awk -v s="$SIZE" -v t="$1" 'BEGIN { printf "%.0f", s / 1000000 / t }'; }
+# mbs SECONDS: MB/s of a restore of SIZE bytes in SECONDS; a failed one (FAIL) has none.
+mbs() {
+  case $1 in
+    FAIL) echo "-" ;;
+    *) awk -v s="$SIZE" -v t="$1" 'BEGIN { printf "%.0f", s / 1000000 / t }' ;;
+  esac
+}
 # ticks PID: the CPU clock ticks (user + system) the process has used.
 ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 # iops SOCKET PID: "IOPS (CPU us a read)": fio's IOPS, and the server PID's CPU time

@@ -303,7 +303,7 @@ pub fn run(args: MountArgs) -> Result<i32> {
     let on = ferry_open::repo::snapshot_on_rollback(&repo, &name, id.as_deref());
     let r = args.password.open(&open_at, &remote, on)?;
     let snap = ferry_open::repo::resolve(&r, &name, id.as_deref()).with_context(|| shown.clone())?;
-    let image = SnapshotImage::open_with_cache(r, &snap, ferry_open::repo::cache_bytes()?)
+    let image = SnapshotImage::open_with_cache(r, &snap, ferry_open::repo::serve_cache_bytes()?)
         .with_context(|| format!("cannot open the snapshot {shown}"))?;
     let shown = format!("{repo}::{name}@{}", &snap.id[..snap.id.len().min(8)]);
     let size = image.size();

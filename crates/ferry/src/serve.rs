@@ -335,7 +335,8 @@ fn open_snapshots(args: &ServeArgs, remote: &ferry_open::Remote) -> Result<Vec<(
     let mut out = Vec::new();
     for (name, spec) in std::iter::once((default, args.spec.as_str())).chain(named) {
         if let Ok(ferry_open::Location::Repo { repo, name: disk, id }) = ferry_open::Location::parse(spec) {
-            let img = ferry_open::repo::open_snapshot(&repo, &disk, id.as_deref(), remote)
+            let cache = ferry_open::repo::serve_cache_bytes()?;
+            let img = ferry_open::repo::open_snapshot_cached(&repo, &disk, id.as_deref(), remote, cache)
                 .with_context(|| format!("cannot serve {spec:?}"))?;
             // A served disk is read again: what a client reads through in large reads
             // (a boot, a first copy) fills the idle cache for its later small reads.

@@ -439,28 +439,53 @@ pub fn resolve(repo: &Repository, name: &str, id: Option<&str>) -> Result<Snapsh
     repo.resolve(name, id).map_err(anyhow::Error::new)
 }
 
-/// The cache budget of snapshots read in part (`ferry serve`): `FERRY_REPO_CACHE` (a size,
-/// e.g. `4G`; for every snapshot the process has open together, each keeping at least
-/// 16 MiB; at most half the memory the process may use), else a sixteenth of that
-/// memory, at most 1 GiB.
+/// The cache budget of snapshots read in part: `FERRY_REPO_CACHE` (a size, e.g. `4G`; for
+/// every snapshot the process has open together, each keeping at least 16 MiB), else a
+/// sixteenth of the memory the process may use, at most 1 GiB. A budget over half that
+/// memory (where it is known) is cut to that half, with a warning: a restore, a hash or a
+/// compare barely uses the cache, and a value exported for `ferry serve` must not fail them.
 pub fn cache_bytes() -> Result<u64> {
-    cache_bytes_from(std::env::var("FERRY_REPO_CACHE").ok().as_deref(), ferry_repo::max_cache_bytes())
+    cache_bytes_from(std::env::var("FERRY_REPO_CACHE").ok().as_deref(), ferry_repo::max_cache_bytes(), Over::Clamp)
 }
 
-fn cache_bytes_from(var: Option<&str>, max: u64) -> Result<u64> {
+/// As [`cache_bytes`], for what keeps snapshots open to random readers and lives on the
+/// cache (`ferry serve`, `ferry mount`): a budget over half the memory is refused before
+/// anything is served, naming the most.
+pub fn serve_cache_bytes() -> Result<u64> {
+    cache_bytes_from(std::env::var("FERRY_REPO_CACHE").ok().as_deref(), ferry_repo::max_cache_bytes(), Over::Refuse)
+}
+
+/// What a `FERRY_REPO_CACHE` over the most does.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Over {
+    Refuse,
+    Clamp,
+}
+
+fn cache_bytes_from(var: Option<&str>, max: u64, over: Over) -> Result<u64> {
     let bytes = match var {
         None | Some("") => return Ok(ferry_repo::default_cache_bytes().min(max)),
         Some(v) => ferry_backend::parse_size(v)
             .with_context(|| format!("FERRY_REPO_CACHE={v:?}: give a size such as 512M or 4G"))?,
     };
-    if bytes > max {
-        bail!(
+    if bytes <= max {
+        return Ok(bytes);
+    }
+    match over {
+        Over::Refuse => bail!(
             "FERRY_REPO_CACHE={bytes} bytes is more than half the memory this process may use: give at most {max} \
              bytes ({} MiB)",
             max >> 20
-        );
+        ),
+        Over::Clamp => {
+            log::warn!(
+                "FERRY_REPO_CACHE={bytes} bytes is more than half the memory this process may use: using {max} bytes \
+                 ({} MiB)",
+                max >> 20
+            );
+            Ok(max)
+        }
     }
-    Ok(bytes)
 }
 
 /// What reading the snapshot `REPO::NAME[@ID]` does when the store went back: the latest
@@ -482,9 +507,20 @@ pub fn snapshot_on_rollback(repo: &str, name: &str, id: Option<&str>) -> OnRollb
 }
 
 /// A snapshot `REPO::NAME[@ID]`, opened as a read-only image.
+/// Its cache budget is [`cache_bytes`]'s.
 pub fn open_snapshot(repo: &str, name: &str, id: Option<&str>, remote: &Remote) -> Result<Arc<SnapshotImage>> {
+    open_snapshot_cached(repo, name, id, remote, cache_bytes()?)
+}
+
+/// As [`open_snapshot`], with the cache budget `cache` (`ferry serve`: [`serve_cache_bytes`]).
+pub fn open_snapshot_cached(
+    repo: &str,
+    name: &str,
+    id: Option<&str>,
+    remote: &Remote,
+    cache: u64,
+) -> Result<Arc<SnapshotImage>> {
     let shown = crate::Location::repo_spec(repo, name, id);
-    let cache = cache_bytes()?;
     let r = open_repository_with(repo, remote, None, snapshot_on_rollback(repo, name, id))?;
     let snap = resolve(&r, name, id).with_context(|| shown.clone())?;
     SnapshotImage::open_with_cache(r, &snap, cache).with_context(|| format!("cannot open the snapshot {shown}"))
@@ -558,18 +594,22 @@ mod tests {
     #[test]
     fn cache_budget_from_the_environment() {
         let max = u64::MAX;
-        assert_eq!(cache_bytes_from(Some("4G"), max).unwrap(), 4 << 30);
-        assert_eq!(cache_bytes_from(Some("0"), max).unwrap(), 0);
-        assert_eq!(cache_bytes_from(None, max).unwrap(), ferry_repo::default_cache_bytes());
+        for over in [Over::Refuse, Over::Clamp] {
+            assert_eq!(cache_bytes_from(Some("4G"), max, over).unwrap(), 4 << 30);
+            assert_eq!(cache_bytes_from(Some("0"), max, over).unwrap(), 0);
+            assert_eq!(cache_bytes_from(None, max, over).unwrap(), ferry_repo::default_cache_bytes());
+            assert_eq!(cache_bytes_from(Some("4G"), 4 << 30, over).unwrap(), 4 << 30);
+            assert_eq!(cache_bytes_from(None, 20 << 20, over).unwrap(), 20 << 20);
+            let e = format!("{:#}", cache_bytes_from(Some("lots"), max, over).unwrap_err());
+            assert!(e.contains("FERRY_REPO_CACHE") && e.contains("512M"), "{e}");
+        }
         assert!(ferry_repo::default_cache_bytes() >= 16 << 20);
-        // The hard cap: a budget over it is refused before anything is allocated, and
-        // names the most that may be given; the default never exceeds it.
-        let e = format!("{:#}", cache_bytes_from(Some("8G"), 4 << 30).unwrap_err());
-        assert!(e.contains("at most 4294967296 bytes (4096 MiB)"), "{e}");
-        assert_eq!(cache_bytes_from(Some("4G"), 4 << 30).unwrap(), 4 << 30);
-        assert_eq!(cache_bytes_from(None, 20 << 20).unwrap(), 20 << 20);
         assert!(ferry_repo::max_cache_bytes() >= ferry_repo::default_cache_bytes());
-        let e = format!("{:#}", cache_bytes_from(Some("lots"), max).unwrap_err());
-        assert!(e.contains("FERRY_REPO_CACHE") && e.contains("512M"), "{e}");
+        // Serving refuses a budget over the cap before anything is allocated, naming the
+        // most that may be given.
+        let e = format!("{:#}", cache_bytes_from(Some("8G"), 4 << 30, Over::Refuse).unwrap_err());
+        assert!(e.contains("at most 4294967296 bytes (4096 MiB)"), "{e}");
+        // A restore, hash or compare with the same value exported runs, with the cap.
+        assert_eq!(cache_bytes_from(Some("8G"), 4 << 30, Over::Clamp).unwrap(), 4 << 30);
     }
 }

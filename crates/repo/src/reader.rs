@@ -12,8 +12,8 @@
 //! is answered at once, on the connection's thread. Chunks read in part (small random
 //! reads, as a VM booting from `ferry serve` makes) are kept, checked, in a cache shared
 //! by every thread, sized by the memory this process may use ([`default_cache_bytes`]);
-//! chunks read whole (a restore) are not, except by a served snapshot while its cache has
-//! room ([`SnapshotImage::keep_whole_reads`]). A chunk that fails its check is never cached.
+//! chunks read whole (a restore) are not, except by a served snapshot while its cache is
+//! at most half full ([`SnapshotImage::keep_whole_reads`]). A chunk that fails its check is never cached.
 use crate::format::{self, BlobKind, Digest, ZERO};
 use crate::repo::{blkhash_of, pack_name, ChunkHints, Location, Repository, SnapshotInfo};
 use crate::runs::{BlobLookup, RunIndex};
@@ -94,9 +94,12 @@ pub struct SnapshotImage {
     /// The bytes of every snapshot's caches in this process may reach this (each keeps
     /// at least [`MIN_CACHE_BYTES`]).
     cache_budget: u64,
+    /// The bytes cached by every image sharing the budget: the process's ([`CACHED`]);
+    /// a test's own, so that no test depends on what others cache.
+    shared: &'static AtomicU64,
     /// Bytes in this image's cache.
     cached: AtomicU64,
-    /// Chunks read whole are kept too while the cache has room ([`SnapshotImage::keep_whole_reads`]).
+    /// Chunks read whole are kept too while the cache is at most half full ([`SnapshotImage::keep_whole_reads`]).
     keep_whole: AtomicBool,
 }
 
@@ -137,6 +140,17 @@ impl SnapshotImage {
     /// for all the snapshots this process has open together (each keeps at least
     /// [`MIN_CACHE_BYTES`]).
     pub fn open_with_cache(repo: Arc<Repository>, snap: &SnapshotInfo, cache_bytes: u64) -> Result<Arc<SnapshotImage>> {
+        SnapshotImage::open_sharing(repo, snap, cache_bytes, &CACHED)
+    }
+
+    /// As [`SnapshotImage::open_with_cache`], the budget shared with the images opened
+    /// with the same `shared` count only.
+    pub(crate) fn open_sharing(
+        repo: Arc<Repository>,
+        snap: &SnapshotInfo,
+        cache_bytes: u64,
+        shared: &'static AtomicU64,
+    ) -> Result<Arc<SnapshotImage>> {
         let (index, entries, hints) = if snap.manifest.version == format::LOCATED_VERSION {
             let lazy = LazyIndex::new(&repo);
             let got = repo.entries_hinted(&lazy, snap, true);
@@ -155,6 +169,7 @@ impl SnapshotImage {
             me: me.clone(),
             pool: OnceLock::new(),
             cache_budget: cache_bytes,
+            shared,
             cached: AtomicU64::new(0),
             cs: repo.config.chunk_size as u64,
             size: snap.manifest.size,
@@ -365,18 +380,20 @@ impl SnapshotImage {
             return;
         }
         let over = |mine: u64| {
-            mine > MIN_CACHE_BYTES && CACHED.load(Ordering::Relaxed).saturating_add(len) > self.cache_budget
+            mine > MIN_CACHE_BYTES && self.shared.load(Ordering::Relaxed).saturating_add(len) > self.cache_budget
         };
         let cap = self.shard_cap();
         while s.chunks.len() >= cap || (!s.chunks.is_empty() && over(self.cached.load(Ordering::Relaxed))) {
             let Some(freed) = s.evict() else { break };
             self.cached.fetch_sub(freed, Ordering::Relaxed);
-            CACHED.fetch_sub(freed, Ordering::Relaxed);
+            self.shared.fetch_sub(freed, Ordering::Relaxed);
         }
+        self.shared.fetch_add(len, Ordering::Relaxed);
         self.insert(&mut s, ci, chunk);
     }
 
-    /// Puts a chunk into shard `s` (locked), the most recently used, and counts it.
+    /// Puts a chunk into shard `s` (locked), the most recently used, and counts it in
+    /// this image's bytes (the caller has counted it in the shared ones).
     fn insert(&self, s: &mut Shard, ci: u64, chunk: Arc<Vec<u8>>) {
         let len = chunk.len() as u64;
         s.tick += 1;
@@ -384,28 +401,36 @@ impl SnapshotImage {
         s.chunks.insert(ci, (chunk, t));
         s.by_use.insert(t, ci);
         self.cached.fetch_add(len, Ordering::Relaxed);
-        CACHED.fetch_add(len, Ordering::Relaxed);
     }
 
-    /// Keeps a copy of chunk `ci`, read whole and checked (`plain`), when the cache has
-    /// room for it without evicting anything ([`SnapshotImage::keep_whole_reads`]). The
-    /// room is counted before the copy is made.
+    /// Keeps a copy of chunk `ci`, read whole and checked (`plain`), while the caches
+    /// sharing the budget fill at most half of it, without evicting anything
+    /// ([`SnapshotImage::keep_whole_reads`]): one snapshot read through in large reads
+    /// never takes the room other snapshots' small reads need. The room is reserved
+    /// before the copy is made (given back if refused), and the copy is made before the
+    /// shard is locked: cached reads waiting on the lock do not wait for it.
     fn keep_if_room(&self, ci: u64, plain: &[u8]) {
         let len = plain.len() as u64;
-        if CACHED.load(Ordering::Relaxed).saturating_add(len) > self.cache_budget {
+        let before = self.shared.fetch_add(len, Ordering::Relaxed);
+        if before.saturating_add(len) > self.cache_budget / 2 {
+            self.shared.fetch_sub(len, Ordering::Relaxed);
             return;
         }
+        let chunk = Arc::new(plain.to_vec());
         let mut s = self.cache[ci as usize % SHARDS].lock().unwrap_or_else(|e| e.into_inner());
         if s.chunks.len() >= self.shard_cap() || s.chunks.contains_key(&ci) {
+            drop(s);
+            self.shared.fetch_sub(len, Ordering::Relaxed);
             return;
         }
-        self.insert(&mut s, ci, Arc::new(plain.to_vec()));
+        self.insert(&mut s, ci, chunk);
     }
 
-    /// Chunks read whole are kept in the cache too, but only while it has room: a reader
-    /// of large parts of the disk (a VM booting from `ferry serve`, a first copy through
-    /// it) fills an idle cache with checked chunks that later small reads then find, and
-    /// never pushes out the chunks small reads use. For a served snapshot; a restore,
+    /// Chunks read whole are kept in the cache too, but only while it is at most half
+    /// full: a reader of large parts of the disk (a VM booting from `ferry serve`, a first
+    /// copy through it) fills half an idle cache with checked chunks that later small
+    /// reads then find, and never pushes out the chunks small reads use, its own or
+    /// another snapshot's. For a served snapshot; a restore,
     /// which reads each chunk once, leaves it off (its memory stays small).
     pub fn keep_whole_reads(&self) {
         self.keep_whole.store(true, Ordering::Relaxed);
@@ -743,7 +768,7 @@ impl SnapshotImage {
 
 impl Drop for SnapshotImage {
     fn drop(&mut self) {
-        CACHED.fetch_sub(self.cached.load(Ordering::Relaxed), Ordering::Relaxed);
+        self.shared.fetch_sub(self.cached.load(Ordering::Relaxed), Ordering::Relaxed);
     }
 }
 

@@ -4,10 +4,17 @@
 use super::{backup, disk, new_repo, where_is, Gate, CS};
 use crate::{Repository, SnapshotImage};
 use ferry_backend::Backend;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 const MIB: usize = 1 << 20;
+
+/// `snap` opened with a cache budget of `bytes` of its own: what other tests running
+/// beside it cache does not count against it (the process's budget is one for all).
+fn open_alone(repo: Arc<Repository>, snap: &crate::SnapshotInfo, bytes: u64) -> Arc<SnapshotImage> {
+    SnapshotImage::open_sharing(repo, snap, bytes, Box::leak(Box::new(AtomicU64::new(0)))).unwrap()
+}
 
 /// Reads `img` whole in `step`-byte reads from `start` (the bytes before it with one read).
 fn read_in(img: &SnapshotImage, start: usize, step: usize) -> Vec<u8> {
@@ -91,7 +98,7 @@ fn concurrent_small_reads_of_shared_and_evicted_chunks_are_exact() {
     let data = disk(40 * MIB, 5);
     let snap = backup(&repo, "d", &data, None);
     // Budget 0: the image keeps its minimum, 16 MiB, of 40 MiB of chunks.
-    let img = SnapshotImage::open_with_cache(repo, &snap, 0).unwrap();
+    let img = open_alone(repo, &snap, 0);
     let chunks = data.len() / CS;
     std::thread::scope(|s| {
         for t in 0..8usize {
@@ -146,7 +153,7 @@ fn whole_reads_of_a_served_snapshot_fill_the_cache_with_checked_chunks() {
         // Chunk 7 damaged before anything is read.
         let (pack, at) = where_is(&repo, &snap, 7);
         store.tamper(&pack, |v| v[at as usize] ^= 1);
-        let img = SnapshotImage::open_with_cache(repo.clone(), &snap, 1 << 30).unwrap();
+        let img = open_alone(repo.clone(), &snap, 1 << 30);
         img.keep_whole_reads();
         let mut big = vec![0u8; MIB];
         assert!(img.read(&mut big, 0).is_err(), "the damaged chunk 7 fails its read");
@@ -179,7 +186,7 @@ fn whole_reads_of_a_served_snapshot_fill_the_cache_with_checked_chunks() {
             assert!(e.contains(&format!("{}..{}", 7 * CS, 8 * CS)), "{e}");
         }
         // A restore's image (the default) keeps nothing it reads whole.
-        let plain = SnapshotImage::open_with_cache(repo, &snap, 1 << 30).unwrap();
+        let plain = open_alone(repo, &snap, 1 << 30);
         let _ = plain.read(&mut big, 2 * MIB as u64);
         assert_eq!(plain.cached_bytes(), 0);
     }
@@ -187,13 +194,13 @@ fn whole_reads_of_a_served_snapshot_fill_the_cache_with_checked_chunks() {
 
 /// Whole reads fill only the room the cache has: they never evict, so the chunks small
 /// reads brought in stay, and the cache stays within its bound (16 MiB here, the
-/// minimum, for 40 MiB of chunks read whole).
+/// minimum, for 40 MiB of chunks read whole; whole reads fill at most half of it).
 #[test]
 fn whole_reads_never_push_out_what_small_reads_cached() {
     let (store, repo) = new_repo(false);
     let data = disk(40 * MIB, 6);
     let snap = backup(&repo, "d", &data, None);
-    let img = SnapshotImage::open_with_cache(repo.clone(), &snap, crate::MIN_CACHE_BYTES).unwrap();
+    let img = open_alone(repo.clone(), &snap, crate::MIN_CACHE_BYTES);
     img.keep_whole_reads();
     // Small reads of the last few data chunks first (the whole reads reach them last).
     let small: Vec<usize> = data_chunks(&img).into_iter().rev().take(8).collect();
@@ -216,6 +223,40 @@ fn whole_reads_never_push_out_what_small_reads_cached() {
         img.read(&mut b, o as u64).unwrap();
         assert!(b[..] == data[o..o + 4096], "chunk {c}, read small first, was evicted");
     }
+}
+
+/// One served snapshot read through in large reads (an nbdcopy of vm1) keeps chunks
+/// only up to half the budget it shares: another snapshot's small reads (vm2 booting)
+/// still keep their working set, more than the minimum each image is sure of.
+#[test]
+fn whole_reads_of_one_snapshot_leave_room_for_another_s_small_reads() {
+    let (_store, repo) = new_repo(false);
+    let (a_data, b_data) = (disk(64 * MIB, 31), disk(28 * MIB, 32));
+    let (a_snap, b_snap) = (backup(&repo, "a", &a_data, None), backup(&repo, "b", &b_data, None));
+    let budget = 48 * MIB as u64;
+    let shared: &'static AtomicU64 = Box::leak(Box::new(AtomicU64::new(0)));
+    let a = SnapshotImage::open_sharing(repo.clone(), &a_snap, budget, shared).unwrap();
+    let b = SnapshotImage::open_sharing(repo, &b_snap, budget, shared).unwrap();
+    a.keep_whole_reads();
+    b.keep_whole_reads();
+    let mut big = vec![0u8; MIB];
+    for at in (0..a_data.len()).step_by(MIB) {
+        a.read(&mut big, at as u64).unwrap();
+    }
+    assert!(a.cached_bytes() <= budget / 2, "{} bytes kept from whole reads", a.cached_bytes());
+    assert!(a.cached_bytes() > budget / 4, "{} bytes kept from whole reads", a.cached_bytes());
+    let working = (data_chunks(&b).len() * CS) as u64;
+    assert!(working > crate::MIN_CACHE_BYTES);
+    let mut small = vec![0u8; 4096];
+    for c in data_chunks(&b) {
+        let o = c * CS + 100;
+        b.read(&mut small, o as u64).unwrap();
+        assert!(small[..] == b_data[o..o + 4096]);
+    }
+    assert_eq!(b.cached_bytes(), working, "the second snapshot's small reads were pushed out");
+    assert_eq!(shared.load(Ordering::Relaxed), a.cached_bytes() + b.cached_bytes());
+    drop((a, b));
+    assert_eq!(shared.load(Ordering::Relaxed), 0);
 }
 
 /// A small read whose chunks are cached (or zero) is answered as it comes, even while
