@@ -197,6 +197,11 @@ impl Locations {
         Ok((l, pages, bad))
     }
 
+    /// What the sorter of this table wrote to its files.
+    pub fn written(&self) -> crate::spill::Written {
+        self.by_id.written()
+    }
+
     /// A sorter like those of this table (the same directory and budget).
     pub fn sorter<const N: usize>(&self, what: &str) -> Sorter<N> {
         Sorter::new(&self.dir, self.budget, what)
@@ -295,6 +300,8 @@ impl Locations {
         s.next_hint = s.hints.next()?;
         self.each_id(|g| s.upto(Some(&g[0].id), g))?;
         s.upto(None, &[])?;
+        s.joined.uses_written = s.uses.written();
+        s.joined.hints_written = s.hints.written();
         Ok(s.joined)
     }
 }
@@ -359,6 +366,9 @@ pub(crate) struct Joined {
     /// (numbers) that have them.
     pub stale: u64,
     pub stale_reads: HashSet<u32>,
+    /// What the sorters of the uses and of the hints wrote to their files.
+    pub uses_written: crate::spill::Written,
+    pub hints_written: crate::spill::Written,
 }
 
 struct Streams {
