@@ -1012,9 +1012,11 @@ pub(crate) fn verify_in(repo: &Repository, opts: &VerifyOptions, budget: usize) 
     // holds a whole pack (and its trailer) while it checks it.
     let budget = ByteBudget::new(VERIFY_PACK_BYTES.max(opts.threads as u64 * VERIFY_THREAD_BYTES));
     let results = par_map(&todo, opts.threads.max(1), |(p, n)| {
-        // Its bytes, and per blob its trailer entry as stored, plain, parsed and spanned.
+        // Its bytes, and per blob its records read from the table by pack and its entry
+        // made of them, and its trailer entry as stored, plain, parsed and spanned.
         let len = w.listed.get(&pack_name(p)).copied().unwrap_or(0);
-        let per_blob = 2 * format::ENTRY_LEN + std::mem::size_of::<BlobEntry>() + 24;
+        let per_blob =
+            crate::locations::BY_PACK_READ_BYTES + 2 * std::mem::size_of::<BlobEntry>() + 2 * format::ENTRY_LEN + 24;
         let held = len.saturating_add(by_pack.count(*n) * per_blob as u64);
         budget.with(held, || by_pack.blobs(*n).map(|rows| verify_pack(repo, p, &rows)))
     });
