@@ -1258,7 +1258,8 @@ mod tests {
         }
         let h = Stopped { imgs: [PathBuf::from("/nonexistent/a"), PathBuf::from("/nonexistent/b")] };
         let line = Line::try_parse_from(["backup", "--export", "tcp", "libvirt:vm", "/nonexistent/repo"]).unwrap();
-        let e = format!("{:#}", backup_domain(&h, "vm", &line.args, true).unwrap_err());
+        let t = tempfile::tempdir().unwrap();
+        let e = format!("{:#}", backup_domain(&h, "vm", &line.args, true, t.path()).unwrap_err());
         assert!(e.contains("--tls-certs") && !e.contains("/nonexistent/repo"), "{e}");
     }
 
