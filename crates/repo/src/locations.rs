@@ -102,6 +102,10 @@ fn digest_at(r: &[u8], i: usize) -> Digest {
     r[i..i + 32].try_into().unwrap_or([0; 32])
 }
 
+/// Bytes [`ByPack::blobs`] holds per blob besides the entries it returns: the records
+/// as read, and as copied out one by one.
+pub(crate) const BY_PACK_READ_BYTES: usize = 2 * LOC;
+
 /// Records read from a table at a time.
 const BLOCK: usize = 4096;
 
@@ -197,6 +201,11 @@ impl Locations {
         Ok((l, pages, bad))
     }
 
+    /// What the sorter of this table wrote to its files.
+    pub fn written(&self) -> crate::spill::Written {
+        self.by_id.written()
+    }
+
     /// A sorter like those of this table (the same directory and budget).
     pub fn sorter<const N: usize>(&self, what: &str) -> Sorter<N> {
         Sorter::new(&self.dir, self.budget, what)
@@ -258,8 +267,11 @@ impl Locations {
     }
 
     /// The locations in the packs that `want` (by pack number) takes, sorted again by
-    /// pack, then offset.
+    /// pack, then offset: nothing read or sorted where it takes none.
     pub fn by_pack(&self, want: &[bool]) -> Result<ByPack> {
+        if !want.contains(&true) {
+            return Ok(ByPack { table: None, at: Vec::new() });
+        }
         let mut sorter = self.sorter::<LOC>("verify's table of the packs' blobs");
         let mut count = vec![0u64; self.packs.len()];
         self.each_id(|g| {
@@ -278,7 +290,7 @@ impl Locations {
                 (first - n, n)
             })
             .collect();
-        Ok(ByPack { table, at })
+        Ok(ByPack { table: Some(table), at })
     }
 
     /// Joins the locations with the chunks the pages use (records of [`use_record`]) and
@@ -295,13 +307,16 @@ impl Locations {
         s.next_hint = s.hints.next()?;
         self.each_id(|g| s.upto(Some(&g[0].id), g))?;
         s.upto(None, &[])?;
+        s.joined.uses_written = s.uses.written();
+        s.joined.hints_written = s.hints.written();
         Ok(s.joined)
     }
 }
 
 /// Verify's locations by pack, in an unlinked file: each pack's blobs by offset.
 pub(crate) struct ByPack {
-    table: Table<LOC>,
+    /// None where no pack is to be read.
+    table: Option<Table<LOC>>,
     /// Per pack number: its first row and how many it has.
     at: Vec<(u64, u64)>,
 }
@@ -315,10 +330,10 @@ impl ByPack {
     /// The blobs of pack number `pack`, by offset (then the order listed).
     pub fn blobs(&self, pack: u32) -> Result<Vec<BlobEntry>> {
         let (first, n) = self.at.get(pack as usize).copied().unwrap_or((0, 0));
-        if n == 0 {
+        let Some(table) = self.table.as_ref().filter(|_| n > 0) else {
             return Ok(Vec::new());
-        }
-        self.table.read(first, n as usize)?.iter().map(|r| Loc::of_pack_record(r).map(|l| l.entry())).collect()
+        };
+        table.read(first, n as usize)?.iter().map(|r| Loc::of_pack_record(r).map(|l| l.entry())).collect()
     }
 }
 
@@ -359,6 +374,9 @@ pub(crate) struct Joined {
     /// (numbers) that have them.
     pub stale: u64,
     pub stale_reads: HashSet<u32>,
+    /// What the sorters of the uses and of the hints wrote to their files.
+    pub uses_written: crate::spill::Written,
+    pub hints_written: crate::spill::Written,
 }
 
 struct Streams {

@@ -79,6 +79,27 @@ pub(crate) struct Walk {
     /// Page reads made (each distinct page once, unless a page recurs at other positions
     /// after the cache let it go).
     pub(crate) page_reads: u64,
+    /// What the sorters wrote to their files.
+    pub(crate) spilled: Spilled,
+}
+
+/// What check's and verify's sorters wrote to their files, per sorter.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct Spilled {
+    /// The locations by id.
+    pub(crate) locations: crate::spill::Written,
+    /// The chunks the pages use.
+    pub(crate) uses: crate::spill::Written,
+    /// The pages' chunk hints.
+    pub(crate) hints: crate::spill::Written,
+}
+
+impl Spilled {
+    /// Runs written by them all.
+    #[cfg(test)]
+    pub(crate) fn runs(&self) -> u64 {
+        self.locations.runs + self.uses.runs + self.hints.runs
+    }
 }
 
 /// Each snapshot's page digests: those it holds (listed with them), else its manifest read
@@ -281,7 +302,7 @@ pub(crate) fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
 }
 
 /// [`check_walk`] with sorters that hold up to `budget` bytes of records each in memory.
-fn check_walk_in(repo: &Repository, budget: usize) -> Result<(Report, Walk)> {
+pub(crate) fn check_walk_in(repo: &Repository, budget: usize) -> Result<(Report, Walk)> {
     let mut r = Report::default();
     let store = &repo.store;
     let (snaps, bad_snaps) = repo.snapshots_with_pages_lenient()?;
@@ -373,8 +394,19 @@ fn check_walk_in(repo: &Repository, budget: usize) -> Result<(Report, Walk)> {
         damaged.insert(*id, bad_packs[pack]);
     }
     let snap_pages = snapshot_pages(repo, &snaps)?;
-    let mut walk =
-        Walk { snaps: Vec::new(), snap_pages, locs, pages_index, listed, damaged, damage, recorded, page_reads: 0 };
+    let mut walk = Walk {
+        snaps: Vec::new(),
+        snap_pages,
+        locs,
+        pages_index,
+        listed,
+        damaged,
+        damage,
+        recorded,
+        page_reads: 0,
+        spilled: Spilled::default(),
+    };
+    walk.spilled.locations = walk.locs.written();
     let blobs_checked = walk_pages(repo, &mut r, &mut walk, &snaps, &mut index_damaged)?;
     walk.snaps = snaps;
     r.blobs_checked = blobs_checked;
@@ -446,7 +478,9 @@ fn walk_pages(
     }
     // The chunks the pages use and the places their hints name, by id, joined with the
     // locations once every page is read.
-    let mut uses = w.locs.sorter::<USE>("check's list of the chunks the pages use");
+    // One record per chunk on disk, however many pages use it: the join needs only the
+    // first page (position, then snapshot) that uses it, and that is the smallest record.
+    let mut uses = w.locs.sorter::<USE>("check's list of the chunks the pages use").once_per_key(32);
     let mut hints = w.locs.sorter::<HINT>("check's list of the pages' chunk hints");
     let mut hint_reads = 0u32;
     let mut pages_done: HashSet<Digest> = HashSet::new();
@@ -572,6 +606,8 @@ fn walk_pages(
         }
     }
     let joined = w.locs.join(uses, hints)?;
+    w.spilled.uses += joined.uses_written;
+    w.spilled.hints += joined.hints_written;
     // A chunk in no index object: a problem of the snapshot that uses it first (at the
     // first position where it uses one).
     let mut first_missing: HashMap<usize, u64> = HashMap::new();
@@ -976,9 +1012,11 @@ pub(crate) fn verify_in(repo: &Repository, opts: &VerifyOptions, budget: usize) 
     // holds a whole pack (and its trailer) while it checks it.
     let budget = ByteBudget::new(VERIFY_PACK_BYTES.max(opts.threads as u64 * VERIFY_THREAD_BYTES));
     let results = par_map(&todo, opts.threads.max(1), |(p, n)| {
-        // Its bytes, and per blob its trailer entry as stored, plain, parsed and spanned.
+        // Its bytes, and per blob its records read from the table by pack and its entry
+        // made of them, and its trailer entry as stored, plain, parsed and spanned.
         let len = w.listed.get(&pack_name(p)).copied().unwrap_or(0);
-        let per_blob = 2 * format::ENTRY_LEN + std::mem::size_of::<BlobEntry>() + 24;
+        let per_blob =
+            crate::locations::BY_PACK_READ_BYTES + 2 * std::mem::size_of::<BlobEntry>() + 2 * format::ENTRY_LEN + 24;
         let held = len.saturating_add(by_pack.count(*n) * per_blob as u64);
         budget.with(held, || by_pack.blobs(*n).map(|rows| verify_pack(repo, p, &rows)))
     });

@@ -70,6 +70,8 @@ pub(crate) struct Sorter<const N: usize> {
     /// directory), for what an error tells to do.
     in_cache: bool,
     written: Written,
+    /// Records equal in their first `key` bytes are one: the first (smallest) is kept.
+    key: usize,
 }
 
 #[cfg(test)]
@@ -91,7 +93,24 @@ impl<const N: usize> Sorter<N> {
             what: what.into(),
             in_cache: true,
             written: Written::default(),
+            key: N,
         }
+    }
+
+    /// This sorter, keeping of the records equal in their first `key` bytes only the
+    /// first (the smallest), in memory, in each run and in each merge: its files then hold
+    /// one record per distinct key, however often a key is pushed.
+    pub(crate) fn once_per_key(mut self, key: usize) -> Sorter<N> {
+        self.key = key.clamp(1, N);
+        self
+    }
+
+    /// Sorts the records held and keeps one per key.
+    fn sort_held(&mut self) {
+        let key = self.key;
+        self.held.sort_unstable();
+        // `dedup_by` removes the later of two neighbours: the first of a key is kept.
+        self.held.dedup_by(|later, first| later[..key] == first[..key]);
     }
 
     /// A sorter of [`BUDGET`] in the repository's cache directory, else the system's
@@ -140,8 +159,7 @@ impl<const N: usize> Sorter<N> {
         if FAIL_SPILLS_OF.with(|f| f.borrow().is_some_and(|w| self.what.contains(w))) {
             return Err(io::Error::from(io::ErrorKind::StorageFull));
         }
-        self.held.sort_unstable();
-        self.held.dedup();
+        self.sort_held();
         let mut run = write_run(&self.dir, self.held.drain(..).map(Ok), &mut self.written)?;
         run.level = 0;
         self.runs.push(run);
@@ -159,7 +177,7 @@ impl<const N: usize> Sorter<N> {
     /// Merges the last `n` runs into one of `level`.
     fn merge_last(&mut self, n: usize, level: u32) -> io::Result<()> {
         let runs = self.runs.split_off(self.runs.len() - n);
-        let mut merged = Merge::<N>::new(runs, Vec::new())?;
+        let mut merged = Merge::<N>::new(runs, Vec::new(), self.key)?;
         let mut run = write_run(&self.dir, std::iter::from_fn(|| merged.next().transpose()), &mut self.written)?;
         run.level = level;
         self.runs.push(run);
@@ -175,11 +193,10 @@ impl<const N: usize> Sorter<N> {
             let level = self.runs[self.runs.len() - n].level;
             self.merge_last(n, level).map_err(|e| self.fail(e))?;
         }
-        self.held.sort_unstable();
-        self.held.dedup();
+        self.sort_held();
         let held = std::mem::take(&mut self.held);
         let runs = std::mem::take(&mut self.runs);
-        let merge = Merge::new(runs, held).map_err(|e| self.fail(e))?;
+        let merge = Merge::new(runs, held, self.key).map_err(|e| self.fail(e))?;
         Ok(Sorted { merge, sorter: self })
     }
 }
@@ -283,22 +300,23 @@ impl Reader {
 }
 
 /// A k-way merge of runs and the records held in memory (sorted), each distinct record
-/// once.
+/// once (of the records equal in their first `key` bytes, the first).
 struct Merge<const N: usize> {
     readers: Vec<Reader>,
     held: std::vec::IntoIter<[u8; N]>,
     /// The next record of each source (the readers', then `held`'s at `readers.len()`).
     heap: BinaryHeap<std::cmp::Reverse<([u8; N], usize)>>,
     last: Option<[u8; N]>,
+    key: usize,
 }
 
 impl<const N: usize> Merge<N> {
-    fn new(runs: Vec<Run>, held: Vec<[u8; N]>) -> io::Result<Merge<N>> {
+    fn new(runs: Vec<Run>, held: Vec<[u8; N]>, key: usize) -> io::Result<Merge<N>> {
         let readers = runs
             .into_iter()
             .map(|r| Reader { input: BufReader::with_capacity(READ_AHEAD, r.file), left: r.records })
             .collect();
-        let mut m = Merge { readers, held: held.into_iter(), heap: BinaryHeap::new(), last: None };
+        let mut m = Merge { readers, held: held.into_iter(), heap: BinaryHeap::new(), last: None, key };
         for k in 0..=m.readers.len() {
             m.refill(k)?;
         }
@@ -319,7 +337,7 @@ impl<const N: usize> Merge<N> {
     fn next(&mut self) -> io::Result<Option<[u8; N]>> {
         while let Some(std::cmp::Reverse((rec, k))) = self.heap.pop() {
             self.refill(k)?;
-            if self.last != Some(rec) {
+            if self.last.is_none_or(|l| l[..self.key] != rec[..self.key]) {
                 self.last = Some(rec);
                 return Ok(Some(rec));
             }
@@ -447,6 +465,41 @@ mod tests {
         assert!((1.0..=2.5).contains(&small), "{small} bytes written per byte of records");
         assert!((2.0..=3.6).contains(&large), "{large} bytes written per byte of records");
         assert!(large - small <= 1.5, "{small} then {large}: more than one more level");
+    }
+
+    /// Records many times over with other payloads: a sorter keyed on the first bytes
+    /// gives back the smallest record of each key, and writes one record per key to its
+    /// runs however often a key comes again.
+    #[test]
+    fn once_per_key_keeps_the_first_record_of_each_key_and_writes_each_key_once_a_run() {
+        let dir = tempfile::tempdir().unwrap();
+        // 50 keys, each pushed 400 times with payloads in a shuffled order.
+        let recs: Vec<[u8; 9]> = (0..20_000u64)
+            .map(|i| {
+                let mut r = [0u8; 9];
+                r[..4].copy_from_slice(&((i % 50) as u32).to_be_bytes());
+                r[4..8].copy_from_slice(&((i.wrapping_mul(0x9e37_79b9) >> 7) as u32).to_be_bytes());
+                r
+            })
+            .collect();
+        let mut want: Vec<[u8; 9]> = expected(recs.clone());
+        want.dedup_by(|later, first| later[..4] == first[..4]);
+        assert_eq!(want.len(), 50);
+        // 500 records held: each run holds at most 50 (one per key).
+        let mut s = Sorter::<9>::new(dir.path(), 500 * 9, "a test").once_per_key(4);
+        for r in &recs {
+            s.push(*r).unwrap();
+        }
+        let w = s.written();
+        assert!(w.runs >= 39, "{w:?}");
+        assert!(w.bytes <= 50 * 9 * w.runs, "more than one record per key in a run: {w:?}");
+        assert_eq!(drain(s), want);
+        // Keyed on the whole record: as before.
+        let mut s = Sorter::<9>::new(dir.path(), 500 * 9, "a test");
+        for r in &recs {
+            s.push(*r).unwrap();
+        }
+        assert!(s.written().bytes > 50 * 9 * s.written().runs);
     }
 
     #[test]
