@@ -8,7 +8,7 @@
 //! URI and authentication libvirt's client config knows (qemu+ssh://, polkit, SASL), and
 //! its errors are libvirt's own words. The cost is a process start per call (none per
 //! chunk), which was most of a day's time; so the questions a run asks together go to one
-//! process ([`Virsh::batch`]): six processes for an incremental day of two disks, not
+//! process ([`Virsh::batch`]): seven processes for an incremental day of two disks, not
 //! eleven. Swapping in the binding later means one more `impl Hypervisor`.
 
 use anyhow::{bail, Context, Result};
