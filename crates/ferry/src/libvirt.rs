@@ -421,6 +421,10 @@ pub(crate) fn backup_domain(
         Host::This => args.libvirt.scratch_dir.as_path(),
         Host::Other(_) => dir,
     };
+    if host == Host::This {
+        // The mark of a ferry before marks were named by host (a guest it left frozen).
+        thaw_leftover(h, domain, stopped, &dir.join(format!("libvirt-{}.frozen", file_safe(domain))))?;
+    }
     thaw_leftover(h, domain, stopped, &frozen)?;
     // Each disk's snapshot id as the listing has it now (`ferry repo migrate` gives new ids).
     let (listed, _) = repo.snapshots_lenient().context("cannot list the snapshots of the repository")?;
@@ -700,7 +704,7 @@ fn private_dir(dir: &Path, uid: u32) -> Result<()> {
 }
 
 /// The name of the lock and the freeze mark of a domain's runs in the state directory:
-/// `libvirt-HOST-DOMAIN`, HOST the connection's (`local` for this host's, else the host the
+/// `libvirt-HOST+DOMAIN`, HOST the connection's (`local` for this host's, else the host the
 /// URI names, or the URI of an alias; a domain's name is unique on its host): vm1 of kvm1
 /// and vm1 of kvm2 are two domains, neither blocks nor thaws the other. Known before
 /// libvirt is asked anything, so the lock is taken first.
@@ -710,7 +714,17 @@ fn run_key(host: &Host, connect: Option<&str>, domain: &str) -> String {
         Host::Other(Some(h)) => h.as_str(),
         Host::Other(None) => connect.unwrap_or("default"),
     };
-    format!("libvirt-{}-{}", file_safe(at), file_safe(domain))
+    // Each part escaped so that no two (host, domain) pairs give one key: `-` and letters
+    // and digits kept, any other byte `_XX`; `+` (never in a part) between them.
+    let part = |v: &str| -> String {
+        v.bytes()
+            .map(|b| match b {
+                b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' => (b as char).to_string(),
+                _ => format!("_{b:02x}"),
+            })
+            .collect()
+    };
+    format!("libvirt-{}+{}", part(at), part(domain))
 }
 
 /// Holds this host's lock of `domain`'s backups (a file `KEY.lock` in `dir`, `key` from
@@ -740,6 +754,19 @@ fn one_run(dir: &Path, key: &str, domain: &str) -> Result<std::fs::File> {
 
 /// How long an ended job of a run may still be listed before the run ends anyway.
 const JOB_GONE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// libvirt ends a job's block jobs after domjobabort returns: until they are gone the job
+/// is still listed, and a run starting then would take it for another ferry's. Waits for
+/// that (up to [`JOB_GONE`]).
+fn wait_job_gone(h: &dyn Hypervisor, domain: &str, mark: &Option<String>) {
+    let deadline = std::time::Instant::now() + JOB_GONE;
+    while std::time::Instant::now() < deadline {
+        match h.backup_xml(domain) {
+            Ok(Some(x)) if xml::job_mark(&x) == *mark => std::thread::sleep(std::time::Duration::from_millis(100)),
+            _ => break,
+        }
+    }
+}
 
 /// How many times, a pause more apart each time, a thaw is tried.
 const THAW_TRIES: u32 = 4;
@@ -930,6 +957,8 @@ impl<'a> Job<'a> {
             log::info!("{domain}: the backup job started although its start failed: ending it");
             if let Err(e) = h.job_abort(domain) {
                 log::warn!("{domain}: cannot end the backup job ({e:#}); the next backup ends it");
+            } else {
+                wait_job_gone(h, domain, &ours);
             }
             if let Err(e) = h.checkpoint_delete(domain, checkpoint) {
                 log::debug!("{domain}: deleting checkpoint {checkpoint}: {e:#}");
@@ -971,18 +1000,7 @@ impl<'a> Job<'a> {
         match self.h.backup_xml(self.domain)? {
             Some(x) if self.mark.is_some() && xml::job_mark(&x) == self.mark => {
                 self.h.job_abort(self.domain)?;
-                // libvirt ends the job's block jobs after domjobabort returns: until they
-                // are gone the job is still listed, and a run starting then would take it
-                // for another ferry's. Wait for that (up to JOB_GONE).
-                let deadline = std::time::Instant::now() + JOB_GONE;
-                while std::time::Instant::now() < deadline {
-                    match self.h.backup_xml(self.domain) {
-                        Ok(Some(x)) if xml::job_mark(&x) == self.mark => {
-                            std::thread::sleep(std::time::Duration::from_millis(100))
-                        }
-                        _ => break,
-                    }
-                }
+                wait_job_gone(self.h, self.domain, &self.mark);
                 Ok(())
             }
             Some(_) => {
@@ -1309,8 +1327,8 @@ mod tests {
         let lock = one_run(&dir, &key, "vm 1").unwrap();
         assert!(one_run(&dir, &key, "vm 1").is_err(), "a second run is refused");
         drop(lock);
-        std::fs::remove_file(dir.join("libvirt-local-vm_1.lock")).unwrap();
-        std::os::unix::fs::symlink(t.path().join("target"), dir.join("libvirt-local-vm_1.lock")).unwrap();
+        std::fs::remove_file(dir.join("libvirt-local+vm_201.lock")).unwrap();
+        std::os::unix::fs::symlink(t.path().join("target"), dir.join("libvirt-local+vm_201.lock")).unwrap();
         assert!(one_run(&dir, &key, "vm 1").is_err(), "a link is not followed");
         assert!(!t.path().join("target").exists());
         let open = t.path().join("open");
@@ -1554,11 +1572,14 @@ mod tests {
         // One lock (and freeze mark) per connection host and domain.
         let (kvm1, kvm2) = (Host::Other(Some("kvm1".into())), Host::Other(Some("kvm2".into())));
         let k1 = run_key(&kvm1, None, "vm1");
-        assert_eq!(k1, "libvirt-kvm1-vm1");
+        assert_eq!(k1, "libvirt-kvm1+vm1");
         assert_ne!(k1, run_key(&kvm2, None, "vm1"), "one name on two hosts");
         assert_ne!(k1, run_key(&Host::This, None, "vm1"));
         assert_ne!(k1, run_key(&kvm1, None, "vm2"));
-        assert_eq!(run_key(&Host::Other(None), Some("myalias"), "vm 1"), "libvirt-myalias-vm_1");
+        assert_eq!(run_key(&Host::Other(None), Some("myalias"), "vm 1"), "libvirt-myalias+vm_201");
+        let (kvm, kvm_1) = (Host::Other(Some("kvm".into())), Host::Other(Some("kvm-1".into())));
+        assert_ne!(run_key(&kvm, None, "1-web"), run_key(&kvm_1, None, "web"), "no two pairs share a key");
+        assert_ne!(run_key(&kvm, None, "a.b"), run_key(&kvm, None, "a_b"));
         let dir = t.path().join("state");
         private_dir(&dir, rustix::process::geteuid().as_raw()).unwrap();
         let lock = one_run(&dir, &k1, "vm1").unwrap();

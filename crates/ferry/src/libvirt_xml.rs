@@ -95,15 +95,22 @@ pub(crate) fn backup_socket(backup_xml: &str) -> Option<String> {
 /// The name of the directory a backup job ferry starts was made from (its mark, which
 /// tells that job from any other): the directory of its Unix socket, or for a TCP export
 /// the prefix of its export names (`MARK-TARGET`). `None` for a job that has neither.
+/// Only a single path component of letters, digits, `-`, `_` and `.` (not `.` or `..`) is
+/// a mark: the XML may come from another host's libvirt, and a mark names a directory
+/// ferry removes.
 pub(crate) fn job_mark(backup_xml: &str) -> Option<String> {
     let doc = roxmltree::Document::parse(backup_xml).ok()?;
+    let plain = |m: &str| {
+        !m.is_empty() && m != "." && m != ".." && m.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+    };
     if let Some(s) = doc.descendants().find(|n| n.has_tag_name("server")).and_then(|s| s.attribute("socket")) {
-        return Some(std::path::Path::new(s).parent()?.file_name()?.to_string_lossy().into_owned());
+        let mark = std::path::Path::new(s).parent()?.file_name()?.to_str()?;
+        return plain(mark).then(|| mark.to_string());
     }
     doc.descendants().filter(|n| n.has_tag_name("disk") && n.attribute("backup") != Some("no")).find_map(|d| {
         let name = d.attribute("name")?;
         let mark = d.attribute("exportname")?.strip_suffix(name)?.strip_suffix('-')?;
-        (!mark.is_empty()).then(|| mark.to_string())
+        plain(mark).then(|| mark.to_string())
     })
 }
 
@@ -358,6 +365,22 @@ pub(crate) fn has_nvram(domain_xml: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_mark_is_one_plain_path_component() {
+        let job = |export: &str| {
+            format!(
+                "<domainbackup mode='pull'><server transport='tcp' name='kvm1' port='1'/><disks>\
+                 <disk name='vda' backup='yes' type='file' exportname='{export}'/></disks></domainbackup>"
+            )
+        };
+        assert_eq!(job_mark(&job("ferry-libvirt-Ab12_c-vda")).as_deref(), Some("ferry-libvirt-Ab12_c"));
+        for hostile in ["ferry-libvirt-AB12/../../../../etc-vda", "..-vda", "../x-vda", "-vda", "a b-vda"] {
+            assert_eq!(job_mark(&job(hostile)), None, "{hostile}");
+        }
+        let unix = "<domainbackup mode='pull'><server transport='unix' socket='/var/tmp/a b/s'/></domainbackup>";
+        assert_eq!(job_mark(unix), None);
+    }
     use super::*;
 
     const DOM: &str = "<domain type='kvm'><name>vm1</name><uuid>u</uuid><devices>\
@@ -472,7 +495,8 @@ mod tests {
         );
         assert_eq!(backup_socket(&b).as_deref(), Some("/run/x'y/nbd.sock"));
         assert!(b.contains("incremental='ferry-1'") && b.contains("name='vdc' backup='no'"), "{b}");
-        assert_eq!(job_mark(&b).as_deref(), Some("x'y"));
+        // Not a plain name: no mark (ferry's own are `ferry-libvirt-` and letters).
+        assert_eq!(job_mark(&b), None);
         assert_eq!(job_dir(&b), Some("/run/x'y".into()));
         let c = checkpoint_xml("ferry-1", &["vda".into(), "vdb".into()], &["vda".into()]);
         assert_eq!(checkpoint_disks(&c).unwrap(), ["vda"]);
