@@ -952,10 +952,14 @@ fn gc_checks_duplicate_copies_a_pack_range_at_a_time() {
     let repo = Arc::new(Repository::init(store, &init).unwrap());
     let a = disk(4 << 20, 23);
     let start = |name: &str| SnapshotWriter::start(repo.clone(), BackupOptions::new(name, a.len() as u64)).unwrap();
+    // b starts before a commits and writes after: it stores every chunk again (its index
+    // is the one it started with, and a's chunks are no longer claimed), whatever the
+    // timing of a's packs (writing both before either commits left it to timing).
     let (wa, wb) = (start("a"), start("b"));
     write_all(&wa, &a);
+    let sa = wa.commit(a.len() as u64).unwrap();
     write_all(&wb, &a);
-    let (sa, sb) = (wa.commit(a.len() as u64).unwrap(), wb.commit(a.len() as u64).unwrap());
+    let sb = wb.commit(a.len() as u64).unwrap();
     let several = repo.load_index().unwrap().more.len() as u64;
     assert!(several > 40, "{several} blobs with two copies");
     let before = ranged.load(std::sync::atomic::Ordering::Relaxed);
