@@ -14,6 +14,8 @@
 //! by every thread, sized by the memory this process may use ([`default_cache_bytes`]);
 //! chunks read whole (a restore) are not, except by a served snapshot while its cache is
 //! at most half full ([`SnapshotImage::keep_whole_reads`]). A chunk that fails its check is never cached.
+//! Once the cache is full, a miss decodes into the buffer of the chunk its shard last
+//! evicted: no allocation, and no fresh pages for the kernel to zero.
 use crate::format::{self, BlobKind, Digest, ZERO};
 use crate::repo::{blkhash_of, pack_name, ChunkHints, Location, Repository, SnapshotInfo};
 use crate::runs::{BlobLookup, RunIndex};
@@ -110,6 +112,12 @@ struct Shard {
     chunks: HashMap<u64, (Arc<Vec<u8>>, u64)>,
     /// Chunk by the tick of its last use: the least recently used first.
     by_use: BTreeMap<u64, u64>,
+    /// The buffer of the last chunk evicted (unless a reader still held it), for the
+    /// next miss in this shard to decode into: a full cache's miss then neither allocates
+    /// nor faults in fresh pages (the allocator gives freed chunks back to the kernel,
+    /// and faulting 64 KiB in again cost a seventh of a miss's CPU). At most one chunk per
+    /// shard, outside the budget.
+    spare: Option<Vec<u8>>,
 }
 
 impl Shard {
@@ -122,10 +130,15 @@ impl Shard {
         self.by_use.insert(t, ci);
         Some(c.clone())
     }
-    /// Removes the least recently used chunk; its length.
+    /// Removes the least recently used chunk, its buffer kept as the spare; its length.
     fn evict(&mut self) -> Option<u64> {
         let (_, ci) = self.by_use.pop_first()?;
-        self.chunks.remove(&ci).map(|(c, _)| c.len() as u64)
+        let (c, _) = self.chunks.remove(&ci)?;
+        let len = c.len() as u64;
+        if let Ok(v) = Arc::try_unwrap(c) {
+            self.spare = Some(v);
+        }
+        Some(len)
     }
 }
 
@@ -216,13 +229,17 @@ impl SnapshotImage {
         (self.size - ci * self.cs).min(self.cs) as usize
     }
 
-    fn cached(&self, ci: u64) -> Option<Arc<Vec<u8>>> {
-        self.cache[ci as usize % SHARDS].lock().unwrap_or_else(|e| e.into_inner()).get(ci)
-    }
-
     /// Bytes in this image's cache.
     pub fn cached_bytes(&self) -> u64 {
         self.cached.load(Ordering::Relaxed)
+    }
+
+    /// Where the cached copy of chunk `ci` lies in memory, if it is cached: for tests of
+    /// the reuse of evicted chunks' buffers.
+    #[cfg(test)]
+    pub(crate) fn cached_at(&self, ci: u64) -> Option<usize> {
+        let s = self.cache[ci as usize % SHARDS].lock().unwrap_or_else(|e| e.into_inner());
+        s.chunks.get(&ci).map(|(c, _)| c.as_ptr() as usize)
     }
 
     fn is_cached(&self, ci: u64) -> bool {
@@ -231,9 +248,10 @@ impl SnapshotImage {
 
     /// Reads chunks ahead of a sequential reader into the cache; failures are left for
     /// the read that needs the chunk to report.
-    fn fetch_ahead(&self, pack: &str, start: u64, end: u64, wants: &[Want]) -> io::Result<()> {
+    fn fetch_ahead(&self, pack: &str, start: u64, end: u64, wants: &mut [Want]) -> io::Result<()> {
         let bytes = self.repo.store.get_range(pack, start, end - start)?;
-        for (w, plain) in wants.iter().zip(self.decode_run(&bytes, start, wants, None)) {
+        let plains = self.decode_run(&bytes, start, wants, None);
+        for (w, plain) in wants.iter().zip(plains) {
             if let Ok(Some(plain)) = plain {
                 self.remember(w.ci, Arc::new(plain));
             }
@@ -251,7 +269,7 @@ impl SnapshotImage {
         &self,
         bytes: &[u8],
         start: u64,
-        wants: &[Want],
+        wants: &mut [Want],
         mut into: Option<(&mut [u8], u64)>,
     ) -> Vec<Result<Option<Vec<u8>>, String>> {
         let mut scratch = Vec::new();
@@ -266,7 +284,7 @@ impl SnapshotImage {
         let spans: Vec<Option<(usize, usize)>> =
             wants.iter().map(|w| into.as_ref().and_then(|(buf, offset)| whole(w, buf.len(), *offset))).collect();
         let mut out: Vec<Result<Option<Vec<u8>>, String>> = wants
-            .iter()
+            .iter_mut()
             .zip(&spans)
             .map(|(w, span)| {
                 let s = (w.loc.offset as u64 - start) as usize;
@@ -289,15 +307,23 @@ impl SnapshotImage {
                         .map_err(|e| format!("blob {} at offset {}: {e}", format::hex(&w.id), w.loc.offset));
                     }
                 }
-                let plain = self.repo.decode_blob_unchecked(&w.id, &w.loc, BlobKind::Data, stored)?;
-                if plain.len() != self.chunk_len(w.ci) {
-                    return Err(format!(
-                        "chunk {} has {} bytes, not {}",
-                        format::hex(&w.id),
-                        plain.len(),
-                        self.chunk_len(w.ci)
-                    ));
+                let want = self.chunk_len(w.ci);
+                if w.loc.plain_len as usize != want {
+                    return Err(format!("chunk {} has {} bytes, not {want}", format::hex(&w.id), w.loc.plain_len));
                 }
+                // Into an evicted chunk's buffer where there is one (its length is a
+                // chunk's: resizing it writes nothing), else a new one.
+                let mut plain = w.spare.take().unwrap_or_default();
+                plain.resize(want, 0);
+                crate::blob::decode_unchecked_into(
+                    &self.repo.crypto,
+                    BlobKind::Data,
+                    &w.id,
+                    stored,
+                    &mut plain,
+                    &mut scratch,
+                )
+                .map_err(|e| format!("blob {} at offset {}: {e}", format::hex(&w.id), w.loc.offset))?;
                 Ok(Some(plain))
             })
             .collect();
@@ -531,16 +557,25 @@ impl SnapshotImage {
     /// Fills `part` (chunk `ci` from its byte `at`) if it needs no read: a zero chunk, or
     /// one in the cache.
     fn fill_known(&self, ci: u64, part: &mut [u8], at: usize) -> bool {
+        self.fill_or_spare(ci, part, at, false).is_ok()
+    }
+
+    /// [`SnapshotImage::fill_known`]; when the chunk must be read and `spare`, the buffer
+    /// an evicted chunk left in its shard, taken under the lock the lookup holds anyway.
+    fn fill_or_spare(&self, ci: u64, part: &mut [u8], at: usize, spare: bool) -> Result<(), Option<Vec<u8>>> {
         if self.entries[ci as usize] == ZERO {
             part.fill(0);
-            return true;
+            return Ok(());
         }
-        match self.cached(ci) {
+        let mut s = self.cache[ci as usize % SHARDS].lock().unwrap_or_else(|e| e.into_inner());
+        match s.get(ci) {
             Some(c) => {
+                drop(s);
                 part.copy_from_slice(&c[at..at + part.len()]);
-                true
+                Ok(())
             }
-            None => false,
+            None if spare => Err(s.spare.take()),
+            None => Err(None),
         }
     }
 
@@ -617,8 +652,8 @@ impl SnapshotImage {
                     store_error = Some(format!("cannot read {pack}: {e}"));
                 }
                 Ok(bytes) => {
-                    let want = Want { ci, id, loc, ahead: false };
-                    match self.decode_run(&bytes, loc.offset as u64, std::slice::from_ref(&want), None).pop() {
+                    let mut want = Want { ci, id, loc, ahead: false, spare: None };
+                    match self.decode_run(&bytes, loc.offset as u64, std::slice::from_mut(&mut want), None).pop() {
                         Some(Ok(Some(plain))) => return Ok(plain),
                         Some(Ok(None)) => all_gone = false,
                         Some(Err(why)) => {
@@ -670,9 +705,12 @@ impl SnapshotImage {
         let mut wants: Vec<Want> = Vec::new();
         for ci in first..=last {
             let (bs, be, at) = span(ci);
-            if self.fill_known(ci, &mut buf[bs..be], at) {
-                continue;
-            }
+            // A chunk read in part is decoded into a buffer of its own (then cached): an
+            // evicted chunk's, where its shard has one.
+            let spare = match self.fill_or_spare(ci, &mut buf[bs..be], at, be - bs != self.chunk_len(ci)) {
+                Ok(()) => continue,
+                Err(spare) => spare,
+            };
             let id = self.repo.crypto.blob_id(&self.entries[ci as usize]);
             let Some(loc) = self.pick(index, ci, &id) else {
                 return Err(Failure::PackGone(self.damage(
@@ -682,7 +720,7 @@ impl SnapshotImage {
                     format!("its chunk {} is in no index object", format::hex(&id)),
                 )));
             };
-            wants.push(Want { ci, id, loc, ahead: false });
+            wants.push(Want { ci, id, loc, ahead: false, spare });
         }
         // A sequential reader that missed the cache: the chunks after this read come with
         // it, into the cache (one request instead of one per chunk on an object store).
@@ -695,7 +733,7 @@ impl SnapshotImage {
                 }
                 let id = self.repo.crypto.blob_id(d);
                 if let Some(loc) = self.pick(index, ci, &id) {
-                    wants.push(Want { ci, id, loc, ahead: true });
+                    wants.push(Want { ci, id, loc, ahead: true, spare: None });
                 }
             }
         }
@@ -716,7 +754,7 @@ impl SnapshotImage {
             let pack = pack_name(&wants[i].loc.pack);
             if wants[i..j].iter().all(|w| w.ahead) {
                 // Only chunks ahead: fetched when they are read, if they are not here.
-                let _ = self.fetch_ahead(&pack, run_start, run_end, &wants[i..j]);
+                let _ = self.fetch_ahead(&pack, run_start, run_end, &mut wants[i..j]);
                 i = j;
                 continue;
             }
@@ -733,7 +771,7 @@ impl SnapshotImage {
                     _ => Failure::Unreadable(self.unreadable(offset, length, ci, format!("cannot read {pack}: {e}"))),
                 }
             })?;
-            let plains = self.decode_run(&bytes, run_start, &wants[i..j], Some((&mut *buf, offset)));
+            let plains = self.decode_run(&bytes, run_start, &mut wants[i..j], Some((&mut *buf, offset)));
             for (w, plain) in wants[i..j].iter().zip(plains) {
                 let plain = match plain {
                     // Decoded and checked in its place in `buf`.
@@ -973,6 +1011,9 @@ struct Want {
     loc: Location,
     /// Read ahead: into the cache only, and its failures are not this read's.
     ahead: bool,
+    /// A buffer to decode the chunk into (an evicted chunk's), when it is not decoded in
+    /// the read's own buffer.
+    spare: Option<Vec<u8>>,
 }
 
 impl Backend for SnapshotImage {

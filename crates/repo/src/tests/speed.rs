@@ -318,3 +318,49 @@ fn cached_reads_are_answered_while_the_pool_waits() {
         r.unwrap();
     }
 }
+
+/// A miss of a full cache decodes its chunk into the buffer of the chunk its shard last
+/// evicted (no allocation, no fresh pages to fault in): the chunk evicted first lends its
+/// buffer to the next miss of its shard, and the bytes read through it are right; a
+/// damaged chunk decoded into a lent buffer still fails and is not cached.
+#[test]
+fn a_miss_of_a_full_cache_decodes_into_an_evicted_chunk_s_buffer() {
+    let (store, repo) = new_repo(false);
+    let data = disk(24 * MIB, 14);
+    let snap = backup(&repo, "d", &data, None);
+    // The minimum budget: 16 MiB, 16 chunks a shard (of 16); chunks 0, 16, 32... share one.
+    let img = open_alone(repo.clone(), &snap, 0);
+    let shard: Vec<usize> = data_chunks(&img).into_iter().filter(|c| c % 16 == 0).collect();
+    assert!(shard.len() >= 19, "{} data chunks in shard 0", shard.len());
+    let read = |c: usize| {
+        let mut b = vec![0u8; 4096];
+        let o = c * CS + 3000;
+        let r = img.read(&mut b, o as u64);
+        if r.is_ok() {
+            assert!(b[..] == data[o..o + 4096], "chunk {c}");
+        }
+        r
+    };
+    for &c in &shard[..16] {
+        read(c).unwrap();
+    }
+    let first = img.cached_at(shard[0] as u64).expect("chunk cached");
+    // The 17th evicts the first (the least recently used); the 18th is decoded into its buffer.
+    read(shard[16]).unwrap();
+    assert_eq!(img.cached_at(shard[0] as u64), None);
+    // Were the buffer freed, this allocation of its size would take it.
+    let other = vec![1u8; CS];
+    read(shard[17]).unwrap();
+    assert_ne!(other.as_ptr() as usize, first);
+    assert_eq!(img.cached_at(shard[17] as u64), Some(first), "the evicted chunk's buffer was not reused");
+    // A damaged chunk decoded into a lent buffer (shard[1]'s, evicted by shard[17]) fails
+    // its check each time, and is never cached.
+    let (pack, at) = where_is(&repo, &snap, shard[18]);
+    store.tamper(&pack, |v| v[at as usize] ^= 1);
+    for _ in 0..2 {
+        let e = read(shard[18]).unwrap_err().to_string();
+        assert!(e.contains(&format!("{}..", shard[18] * CS)), "{e}");
+        assert_eq!(img.cached_at(shard[18] as u64), None);
+    }
+    assert!(img.cached_bytes() <= crate::MIN_CACHE_BYTES);
+}
