@@ -5,6 +5,7 @@
 #   FERRY_A=old/ferry FERRY_B=target/release/ferry bash bench/repo-speed.sh
 #   SIZE_G=2 ROUNDS=3 FIO_S=5 BENCH_DIR=/var/tmp bash bench/repo-speed.sh
 #   PIN="taskset -c 0,1" ...   # the restores on two cores of a larger machine
+#   RESTORE=no ...             # the served reads alone (no restores)
 #
 # The image is bench/repo.sh's (bench/repo-image.py: holes, random, text-like and sparse
 # binary-like regions), SIZE_G GiB, backed up once by FERRY_A into a plain repository and
@@ -30,6 +31,7 @@ ROUNDS=${ROUNDS:-3}
 FIO_S=${FIO_S:-5}
 # A command the restores run under, e.g. PIN="taskset -c 0,1" (two cores of a larger machine).
 PIN=${PIN:-}
+RESTORE=${RESTORE:-yes}
 W=$(mktemp -d "${BENCH_DIR:-/var/tmp}/repo-speed.XXXX")
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; rm -rf "$W"; }
@@ -92,11 +94,14 @@ for r in $(seq "$ROUNDS"); do
   declare -A N F I
   for x in $order; do
     eval "bin=\$FERRY_$x"
-    N[$x]=$(cpu "$bin" copy "$W/repo::vm" null:)
-    rm -f "$W/out.raw"
-    F[$x]=$(cpu "$bin" copy "$W/repo::vm" "$W/out.raw")
-    cmp -s "$W/out.raw" "$W/disk.raw" || F[$x]="$(echo "${F[$x]}") DIFFERS"
-    rm -f "$W/out.raw"
+    N[$x]=- F[$x]=-
+    if [ "$RESTORE" != no ]; then
+      N[$x]=$(cpu "$bin" copy "$W/repo::vm" null:)
+      rm -f "$W/out.raw"
+      F[$x]=$(cpu "$bin" copy "$W/repo::vm" "$W/out.raw")
+      cmp -s "$W/out.raw" "$W/disk.raw" || F[$x]="$(echo "${F[$x]}") DIFFERS"
+      rm -f "$W/out.raw"
+    fi
     I[$x]=-
     [ $SERVE = yes ] && I[$x]=$(serve_iops "ferry$x" "$bin" serve -r -U "$W/ferry$x.sock" "$W/repo::vm")
   done
@@ -108,8 +113,11 @@ for r in $(seq "$ROUNDS"); do
   echo "| | restore to null: s (CPU s), MB/s | restore to a file: s (CPU s), MB/s | fio 4k randread IOPS (server CPU a read) |"
   echo "|---|---|---|---|"
   for x in A B; do
-    set -- ${N[$x]}; n="$1 ($2), $(mbs "$1")"
-    set -- ${F[$x]}; f="$1 ($2), $(mbs "$1") ${3:-}"
+    n=- f=-
+    if [ "$RESTORE" != no ]; then
+      set -- ${N[$x]}; n="$1 (${2:-}), $(mbs "$1")"
+      set -- ${F[$x]}; f="$1 (${2:-}), $(mbs "$1") ${3:-}"
+    fi
     echo "| ferry $x | $n | $f | ${I[$x]} |"
   done
   echo "| qemu-nbd on the qcow2 | - | - | $Q |"
