@@ -1735,6 +1735,7 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
         let present: HashSet<Digest> = listed.keys().filter_map(|n| pack_id(n)).collect();
         prune_records(repo, &damage, &present)?;
         report.bytes_after = report.bytes_before;
+        report.index_kept = old_index.len() as u64;
         return Ok(report);
     }
     // The live blobs of the repacked packs, read a pack at a time (their entries read from
