@@ -1376,6 +1376,12 @@ pub struct GcReport {
     /// Bytes gc's sorters wrote to temporary files (not in the JSON report).
     #[serde(skip)]
     pub spill_bytes: u64,
+    /// Old index objects this gc kept as they were (not in the JSON report).
+    #[serde(skip)]
+    pub index_kept: u64,
+    /// Old index objects this gc wrote anew and removed (not in the JSON report).
+    #[serde(skip)]
+    pub index_rewritten: u64,
 }
 
 /// Frees what no snapshot references (FORMAT.md §9).
@@ -1601,6 +1607,9 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
     let mut page_objects: Vec<crate::repo::IndexObject> = Vec::new();
     let mut sorter = Sorter::<PACK_ENTRY>::for_repo(repo, "gc's list of the packs' blobs");
     let mut bad_index = None;
+    // What each index object lists (its packs and their entry counts): to tell which of
+    // them step 6 may keep as they are.
+    let mut listings: Vec<ObjectPacks> = Vec::new();
     crate::repo::each_index_object(repo, &index_listing, |name, object| {
         let ps = match object {
             Ok(ps) => ps,
@@ -1609,6 +1618,10 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
                 return Ok(());
             }
         };
+        listings.push(ObjectPacks {
+            name: name.to_string(),
+            packs: ps.iter().map(|p| (p.pack, p.blobs.len() as u32)).collect(),
+        });
         let mut page_packs = Vec::new();
         for p in ps {
             for b in &p.blobs {
@@ -1716,18 +1729,13 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
         && to_condemn.is_empty()
         && ripe.is_empty()
         && condemned.unreadable.is_empty()
-        && old_index.len()
-            <= crate::repo::splits_of(
-                &keep.iter().map(|&i| packs.packs[i].2 as usize).collect::<Vec<_>>(),
-                GC_INDEX_SPLIT,
-            )
-            .len()
-            .max(1)
         && all_present
+        && index_to_rewrite(&listings, &packs, &listed, &HashSet::new()).is_empty()
     {
         let present: HashSet<Digest> = listed.keys().filter_map(|n| pack_id(n)).collect();
         prune_records(repo, &damage, &present)?;
         report.bytes_after = report.bytes_before;
+        report.index_kept = old_index.len() as u64;
         return Ok(report);
     }
     // The live blobs of the repacked packs, read a pack at a time (their entries read from
@@ -1792,19 +1800,38 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
         }
         None => to_condemn.clear(),
     }
-    // 5. Index objects for every pack that stays (the new ones' are stored), all stored
-    // before any old one is removed (several when the repository is large: each stays
-    // readable).
+    // 5. Index objects for every pack that stays and that an old object to be rewritten
+    // lists (the new packs' are stored; an old object that lists only packs that stay,
+    // each whole and nowhere else, is kept as it is), all stored before any old one is
+    // removed (several when the repository is large: each stays readable).
     let deleting: HashSet<Digest> = delete.iter().map(|(p, _)| *p).collect();
-    keep.retain(|&i| !deleting.contains(&packs.packs[i].0));
+    // A pack deleted now is listed by no new object, nor one written again whole (its
+    // name again, step 3): the object stored for it there lists it.
+    let gone: HashSet<Digest> = deleting.iter().chain(named.iter()).copied().collect();
+    let rewrite = index_to_rewrite(&listings, &packs, &listed, &gone);
+    let rewritten_packs: HashSet<Digest> =
+        listings.iter().filter(|o| rewrite.contains(&o.name)).flat_map(|o| o.packs.iter().map(|(p, _)| *p)).collect();
+    drop(listings);
+    keep.retain(|&i| {
+        let p = &packs.packs[i].0;
+        !gone.contains(p) && rewritten_packs.contains(p)
+    });
+    report.index_rewritten = rewrite.len() as u64;
+    report.index_kept = old_index.len() as u64 - report.index_rewritten;
+    log::debug!(
+        "gc keeps {} index object(s) as they are and writes the {} of {} pack(s) anew",
+        report.index_kept,
+        report.index_rewritten,
+        keep.len()
+    );
     new_names.extend(put_new_index(repo, &packs, &keep, GC_INDEX_SPLIT)?);
     drop(keep);
     // Still ours: a gc whose lock was taken for stale stops before it deletes.
     if let Some(l) = &_lock {
         l.check()?;
     }
-    // 6. The old index objects.
-    for name in old_index.iter().filter(|n| !new_names.contains(n)) {
+    // 6. The old index objects rewritten in step 5.
+    for name in old_index.iter().filter(|n| rewrite.contains(*n) && !new_names.contains(n)) {
         store.delete(name).map_err(|e| Error::store(format!("cannot remove {name} from {}", store.describe()), e))?;
     }
     // 7. The packs: condemned by an earlier gc and still unused, or by this one at once.
@@ -2073,6 +2100,66 @@ impl PackEntries {
     fn contains(&self, pack: &Digest) -> bool {
         self.packs.binary_search_by_key(pack, |p| p.0).is_ok()
     }
+}
+
+/// An index object as gc read it: its name, and each pack it lists with the number of
+/// entries it lists for it.
+struct ObjectPacks {
+    name: String,
+    packs: Vec<(Digest, u32)>,
+}
+
+/// An index object of fewer plain bytes than this is rewritten (merged with the others
+/// rewritten) whenever gc rewrites at least two objects: backups store one small object
+/// each, and without this their number would only grow.
+#[cfg(not(test))]
+const GC_INDEX_SMALL: usize = GC_INDEX_SPLIT / 2;
+/// Small in the crate's tests, so that a backup of a few chunks stores an object gc keeps.
+#[cfg(test)]
+const GC_INDEX_SMALL: usize = 512;
+
+/// The old index objects gc rewrites (FORMAT.md §9, step 5), given the packs it deletes
+/// now (`gone`). One is kept as it is only when it says exactly what gc would write for
+/// its packs: each pack it lists is in the store and stays (not `gone`), is listed by no
+/// other object and only once by this one, and its entries are the pack's entries with
+/// none twice (gc's table of the packs' blobs holds each once). The small objects that
+/// would be kept are rewritten too when at least two objects are rewritten in all, merged
+/// into as few as the split allows.
+fn index_to_rewrite(
+    objects: &[ObjectPacks],
+    packs: &PackEntries,
+    listed: &HashMap<String, u64>,
+    gone: &HashSet<Digest>,
+) -> HashSet<String> {
+    let mut listings: HashMap<&Digest, u32> = HashMap::new();
+    for o in objects {
+        for (p, _) in &o.packs {
+            *listings.entry(p).or_default() += 1;
+        }
+    }
+    let exact = |o: &ObjectPacks| {
+        o.packs.iter().all(|(p, n)| {
+            listings.get(p) == Some(&1)
+                && !gone.contains(p)
+                && listed.contains_key(&pack_name(p))
+                && packs.packs.binary_search_by_key(p, |r| r.0).is_ok_and(|i| packs.packs[i].2 == *n)
+        })
+    };
+    let plain_len =
+        |o: &ObjectPacks| 12 + o.packs.iter().map(|(_, n)| 36 + *n as usize * format::ENTRY_LEN).sum::<usize>();
+    let mut rewrite = HashSet::new();
+    let mut small = Vec::new();
+    for o in objects {
+        if !exact(o) {
+            rewrite.insert(o.name.clone());
+        } else if plain_len(o) < GC_INDEX_SMALL {
+            small.push(o.name.clone());
+        }
+    }
+    if rewrite.len() + small.len() >= 2 {
+        rewrite.extend(small);
+    }
+    rewrite
 }
 
 /// Stores index objects for the packs `keep` of `packs` (FORMAT.md §6), each of at most

@@ -22,9 +22,10 @@
 //! Nothing in the cache is trusted blindly: a run whose tables or a block fail their
 //! checks is discarded (with a warning) and built again from the index objects in the
 //! store, which are read (one group at a time, bounded memory) only when no run covers
-//! them: a warm start reads only the index objects that are new since the last one. An
-//! index object that is gone from the store (gc rewrote the index) makes its entries
-//! dead: skipped at lookup, dropped by the next merge. Runs are merged (a streaming k-way
+//! them: a warm start reads only the index objects that are new since the last one (after
+//! a gc, only those it stored: it keeps the others, FORMAT.md §9). An index object that is
+//! gone from the store (gc rewrote it) makes its entries dead: skipped at lookup, dropped
+//! by the next merge. Runs are merged (a streaming k-way
 //! merge) so that there are at most `MAX_RUNS` and each is over 4 times the size of
 //! the runs after it. A `runs` file names the current runs (written atomically), and an
 //! exclusive `flock` of `lock` is held around every update, so that two processes on one

@@ -582,3 +582,46 @@ fn a_list_of_runs_is_taken_only_whole_and_of_its_key() {
     }
     fuzz(list.as_bytes());
 }
+
+/// The update after a gc that removed some index objects and stored one reads that one
+/// alone (the others are covered), skips the removed ones' entries, and once the removed
+/// ones are over a quarter of a run, merges them away.
+#[test]
+fn an_update_after_a_gc_reads_only_what_it_stored_and_drops_what_it_removed() {
+    let (store, repo) = new_repo();
+    let dir = tempfile::tempdir().unwrap();
+    let mut rng = Rng(0x5eed_1de7);
+    let pool = 400;
+    let mut names: Vec<String> = (0..12).map(|_| random_object(&repo, &mut rng, pool)).collect();
+    let counted = Arc::new(crate::tests::Hooked::new(store.clone()));
+    let reads = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let r = reads.clone();
+    counted.set_hook(Some(Box::new(move |_, when, op, name| {
+        if (when, op) == (crate::tests::When::Before, crate::tests::Op::Get) && name.starts_with("index/") {
+            r.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        Ok(())
+    })));
+    let repo = Repository::open(counted, &|| unreachable!()).unwrap();
+    assert!(repo.set_index_cache(Some(Cache { dir: dir.path().to_path_buf(), private: None, build_entries: 1 << 20 })));
+    let repo = Arc::new(repo);
+    drop(RunIndex::open(&repo).unwrap());
+    assert_eq!(reads.swap(0, std::sync::atomic::Ordering::Relaxed), 12);
+    // gc: four objects rewritten into one.
+    std::thread::sleep(std::time::Duration::from_millis(250));
+    for n in names.drain(..4) {
+        store.delete(&n).unwrap();
+    }
+    names.push(random_object(&repo, &mut rng, pool));
+    reads.store(0, std::sync::atomic::Ordering::Relaxed); // random_object reads it back
+    let ix = RunIndex::open(&repo).unwrap();
+    assert_eq!(reads.load(std::sync::atomic::Ordering::Relaxed), 1, "the update read more than the new object");
+    same_as_memory(&repo, &ix, pool);
+    // A third of the entries were dead: the run holding them was merged without them.
+    let covered: HashSet<String> = ix
+        .parts
+        .iter()
+        .flat_map(|p| p.run.as_ref().unwrap().meta.objects.iter().map(|d| format!("index/{}", format::hex(d))))
+        .collect();
+    assert_eq!(covered, names.iter().cloned().collect::<HashSet<_>>());
+}
