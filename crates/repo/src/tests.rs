@@ -961,11 +961,16 @@ fn gc_checks_duplicate_copies_a_pack_range_at_a_time() {
     let start = |name: &str| SnapshotWriter::start(repo.clone(), BackupOptions::new(name, a.len() as u64)).unwrap();
     // b starts before a commits and writes after: it stores every chunk again (its index
     // is the one it started with, and a's chunks are no longer claimed), whatever the
-    // timing of a's packs (writing both before either commits left it to timing).
+    // timing of a's packs (writing both before either commits left it to timing). b
+    // writes its chunks last to first, one thread: its packs then never hold the same
+    // bytes as one of a's (a pack's name is its digest, so an identical pack would be one
+    // copy, not two; three threads made that a matter of timing).
     let (wa, wb) = (start("a"), start("b"));
     write_all(&wa, &a);
     let sa = wa.commit(a.len() as u64).unwrap();
-    write_all(&wb, &a);
+    for (i, piece) in a.chunks(CS).enumerate().rev() {
+        wb.write(piece, (i * CS) as u64, false).unwrap();
+    }
     let sb = wb.commit(a.len() as u64).unwrap();
     let several = repo.load_index().unwrap().more.len() as u64;
     assert!(several > 40, "{several} blobs with two copies");
