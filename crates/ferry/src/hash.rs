@@ -60,11 +60,14 @@ pub fn run(args: HashArgs, quiet: bool) -> Result<i32> {
         let from_index = args.digest == Algorithm::Sha256 && bs == 64 << 10;
         let source = match &loc {
             ferry_open::Location::Repo { repo, name, id } => {
-                let img = ferry_open::repo::open_snapshot(repo, name, id.as_deref(), &remote)?;
-                if let Some(d) = img.blkhash().filter(|_| from_index) {
-                    println!("{}  {}", hex(&d), shown(src));
-                    continue;
-                }
+                let img =
+                    match ferry_open::repo::snapshot_hash_or_image(repo, name, id.as_deref(), &remote, from_index)? {
+                        Ok(d) => {
+                            println!("{}  {}", hex(&d), shown(src));
+                            continue;
+                        }
+                        Err(img) => img,
+                    };
                 let e = ferry_client::copy::BackendEndpoint::new(src.clone(), img);
                 ferry_open::Source::plain(Endpoint::Backend(e))
             }

@@ -741,7 +741,11 @@ fn print_report(repo: &str, r: &Report, read: bool) -> i32 {
         println!("{repo}: no damage found: {} snapshots, {what}", r.snapshots);
         0
     } else {
-        let mut hit: Vec<&str> = r.problems.iter().flat_map(|p| p.hits.iter().map(|h| h.0.as_str())).collect();
+        let mut hit: Vec<&str> = r
+            .problems
+            .iter()
+            .flat_map(|p| p.hits.iter().map(|h| h.0.as_str()).chain(p.more_hits.iter().map(|h| h.0.as_str())))
+            .collect();
         hit.sort();
         hit.dedup();
         // Checkpoints of interrupted backups are checked as snapshots, and counted apart.
@@ -798,17 +802,20 @@ fn print_problem(p: &Problem) {
     snaps.dedup();
     for (id, name) in snaps {
         let ranges: Vec<(u64, u64)> = p.hits.iter().filter(|h| h.0 == id).map(|h| (h.2, h.3)).collect();
-        let bytes: u64 = ranges.iter().map(|r| r.1).sum();
+        // Ranges past those listed (a widely scattered damage) are only counted.
+        let (more, more_bytes) =
+            p.more_hits.iter().filter(|h| h.0 == id).fold((0, 0), |(n, b), h| (n + h.2 as usize, b + h.3));
+        let bytes: u64 = ranges.iter().map(|r| r.1).sum::<u64>() + more_bytes;
         let what = match is_checkpoint(id) {
             true => format!("the interrupted backup of {name} ({id})"),
             false => format!("snapshot {} of {name}", short_id(id)),
         };
-        let mut line = format!("  {what}: {} in {} range(s):", human(bytes), ranges.len());
+        let mut line = format!("  {what}: {} in {} range(s):", human(bytes), ranges.len() + more);
         for (o, l) in ranges.iter().take(RANGES_SHOWN) {
             line.push_str(&format!(" {o}+{l}"));
         }
-        if ranges.len() > RANGES_SHOWN {
-            line.push_str(&format!(" and {} more", ranges.len() - RANGES_SHOWN));
+        if ranges.len() + more > RANGES_SHOWN {
+            line.push_str(&format!(" and {} more", ranges.len() + more - RANGES_SHOWN));
         }
         println!("{line}");
     }

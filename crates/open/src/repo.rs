@@ -526,6 +526,30 @@ pub fn open_snapshot_cached(
     SnapshotImage::open_with_cache(r, &snap, cache).with_context(|| format!("cannot open the snapshot {shown}"))
 }
 
+/// For `ferry hash`: the blkhash of a snapshot from its pages alone (see
+/// [`ferry_repo::snapshot_blkhash`]: without holding its entries) when `blkhash` asks for
+/// it and the repository's chunks are 64 KiB; else the snapshot opened as an image to be
+/// read ([`open_snapshot`]). The repository is opened once either way.
+pub fn snapshot_hash_or_image(
+    repo: &str,
+    name: &str,
+    id: Option<&str>,
+    remote: &Remote,
+    blkhash: bool,
+) -> Result<std::result::Result<ferry_repo::format::Digest, Arc<SnapshotImage>>> {
+    let shown = crate::Location::repo_spec(repo, name, id);
+    let r = open_repository_with(repo, remote, None, snapshot_on_rollback(repo, name, id))?;
+    let snap = resolve(&r, name, id).with_context(|| shown.clone())?;
+    if blkhash {
+        if let Some(d) = ferry_repo::snapshot_blkhash(&r, &snap).with_context(|| format!("cannot hash {shown}"))? {
+            return Ok(Ok(d));
+        }
+    }
+    let img = SnapshotImage::open_with_cache(r, &snap, cache_bytes()?)
+        .with_context(|| format!("cannot open the snapshot {shown}"))?;
+    Ok(Err(img))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -551,6 +551,15 @@ pub fn encode_index(packs: &[PackBlobs]) -> Vec<u8> {
 /// left before anything is allocated for it, every blob against `limits` and its pack's
 /// largest size, no blobs of one pack overlapping, nothing after the last pack.
 pub fn parse_index(plain: &[u8], limits: &Limits) -> Result<Vec<PackBlobs>, FormatError> {
+    let mut packs = Vec::new();
+    each_index_pack(plain, limits, |p| packs.push(p))?;
+    Ok(packs)
+}
+
+/// [`parse_index`] giving each pack to `f` as it is parsed, so that only one pack's
+/// entries are held (the packs before an error in the object have been given: check the
+/// object with a first pass that keeps nothing where that matters).
+pub fn each_index_pack(plain: &[u8], limits: &Limits, mut f: impl FnMut(PackBlobs)) -> Result<(), FormatError> {
     if plain.len() as u64 > MAX_INDEX {
         return err(format!("the index object is {} bytes long; at most {MAX_INDEX} are allowed", plain.len()));
     }
@@ -563,7 +572,6 @@ pub fn parse_index(plain: &[u8], limits: &Limits) -> Result<Vec<PackBlobs>, Form
     if pack_count > rest.len() / 36 {
         return err(format!("the index lists {pack_count} packs, more than its {} bytes can hold", plain.len()));
     }
-    let mut packs = Vec::with_capacity(pack_count);
     for _ in 0..pack_count {
         if rest.len() < 36 {
             return err("the index object ends inside a pack's header");
@@ -583,12 +591,12 @@ pub fn parse_index(plain: &[u8], limits: &Limits) -> Result<Vec<PackBlobs>, Form
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| FormatError(format!("pack {}: {e}", hex(&pack))))?;
         check_overlaps(&blobs).map_err(|e| FormatError(format!("pack {}: {e}", hex(&pack))))?;
-        packs.push(PackBlobs { pack, blobs });
+        f(PackBlobs { pack, blobs });
     }
     if !rest.is_empty() {
         return err(format!("the index object has {} bytes after its last pack", rest.len()));
     }
-    Ok(packs)
+    Ok(())
 }
 
 /// A page's plain bytes: its entries.

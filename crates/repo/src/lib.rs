@@ -217,7 +217,7 @@ pub use checkpoint::CheckpointInfo;
 pub use damage::{DamageSet, DamagedCopies};
 pub use diff::SnapshotDiff;
 pub use points::{PointDisk, PointRecord, PointsFor};
-pub use reader::{default_cache_bytes, max_cache_bytes, SnapshotImage, MIN_CACHE_BYTES};
+pub use reader::{default_cache_bytes, max_cache_bytes, snapshot_blkhash, SnapshotImage, MIN_CACHE_BYTES};
 pub use repo::{resolve_in, Failures, Index, InitOptions, Location as BlobLocation, Repository, SnapshotInfo};
 pub use runs::{BlobLookup, RunIndex};
 /// A passphrase as ferry holds it from where it is read to the KDF: zeroed when dropped.

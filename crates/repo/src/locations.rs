@@ -154,7 +154,7 @@ impl Locations {
                 }
             };
             let mut page_packs = Vec::new();
-            for p in object {
+            object.each(|p| {
                 let next = packs.len() as u32;
                 let pack = *numbers.entry(p.pack).or_insert(next);
                 if pack == next {
@@ -188,7 +188,8 @@ impl Locations {
                 if !page_blobs.is_empty() {
                     page_packs.push(PackBlobs { pack: p.pack, blobs: page_blobs });
                 }
-            }
+                Ok(())
+            })?;
             pages.push((name.to_string(), page_packs));
             Ok(())
         })?;
@@ -295,8 +296,11 @@ impl Locations {
 
     /// Joins the locations with the chunks the pages use (records of [`use_record`]) and
     /// the places their hints name ([`hint_record`]), each sorted by id.
-    pub fn join(&self, uses: Sorter<USE>, hints: Sorter<HINT>) -> Result<Joined> {
+    /// Of the used chunks in no index object, the first `held` (by id) are listed; every
+    /// one is counted per snapshot.
+    pub fn join(&self, uses: Sorter<USE>, hints: Sorter<HINT>, held: usize) -> Result<Joined> {
         let mut s = Streams {
+            held,
             uses: uses.finish()?,
             next_use: None,
             hints: hints.finish()?,
@@ -368,8 +372,11 @@ pub(crate) struct Joined {
     /// The distinct chunks the pages use.
     pub distinct: u64,
     /// Each used chunk that is in no index object: the first page position and snapshot
-    /// that use it, and its id; by id.
+    /// that use it, and its id; by id. The first `held` of [`Locations::join`] only.
     pub missing: Vec<(u64, u32, Digest)>,
+    /// Per snapshot that is the first to use a chunk in no index object: the first page
+    /// position where it does, and how many such chunks (all of them, listed or not).
+    pub missing_by_snap: std::collections::BTreeMap<u32, (u64, u64)>,
     /// The hints that name a place holding no copy of their chunk, and the page reads
     /// (numbers) that have them.
     pub stale: u64,
@@ -380,6 +387,7 @@ pub(crate) struct Joined {
 }
 
 struct Streams {
+    held: usize,
     uses: Sorted<USE>,
     next_use: Option<[u8; USE]>,
     hints: Sorted<HINT>,
@@ -397,7 +405,13 @@ impl Streams {
             self.joined.distinct += 1;
             if id != Some(&this) {
                 let position = u64::from_be_bytes(u[32..40].try_into().unwrap_or([0; 8]));
-                self.joined.missing.push((position, u32_at(&u, 40), this));
+                let snap = u32_at(&u, 40);
+                let at = self.joined.missing_by_snap.entry(snap).or_insert((position, 0));
+                at.0 = at.0.min(position);
+                at.1 += 1;
+                if self.joined.missing.len() < self.held {
+                    self.joined.missing.push((position, snap, this));
+                }
             }
             // The id's later records (other pages that use it) add nothing.
             while self.next_use.is_some_and(|n| n[..32] == this) {

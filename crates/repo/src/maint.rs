@@ -19,9 +19,31 @@ pub struct Problem {
     /// The damaged object (a pack, an index object, a manifest).
     pub object: String,
     pub why: String,
-    /// (snapshot id, disk name, byte offset, length) of every range that reads damaged data.
+    /// (snapshot id, disk name, byte offset, length) of every range that reads damaged data
+    /// (the first [`RANGES_KEPT`] of each snapshot).
     pub hits: Vec<(String, String, u64, u64)>,
+    /// (snapshot id, disk name, ranges, bytes) of the ranges past those in `hits`, only
+    /// counted: memory stays bounded however scattered the damage is.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub more_hits: Vec<(String, String, u64, u64)>,
 }
+
+/// Ranges of one snapshot listed in a problem's hits; past them they are only counted.
+pub const RANGES_KEPT: usize = 1024;
+
+/// What check and verify hold of the damage they find, so that their memory stays
+/// bounded however much there is.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Held {
+    /// Damaged or missing chunks held (by id, with their problem) to find the snapshots
+    /// that read them: past these, they are counted, and said to be.
+    pub(crate) chunks: usize,
+    /// Ranges of one snapshot listed in a problem's hits ([`RANGES_KEPT`]).
+    pub(crate) ranges: usize,
+}
+
+/// 256k chunks (about 16 MB) and [`RANGES_KEPT`] ranges.
+pub(crate) const DAMAGE_HELD: Held = Held { chunks: 1 << 18, ranges: RANGES_KEPT };
 
 #[derive(Debug, Default, Serialize)]
 pub struct Report {
@@ -39,7 +61,7 @@ pub struct Report {
 
 impl Report {
     fn problem(&mut self, object: impl Into<String>, why: impl Into<String>) -> usize {
-        self.problems.push(Problem { object: object.into(), why: why.into(), hits: Vec::new() });
+        self.problems.push(Problem { object: object.into(), why: why.into(), hits: Vec::new(), more_hits: Vec::new() });
         self.problems.len() - 1
     }
 
@@ -70,8 +92,11 @@ pub(crate) struct Walk {
     pages_index: Index,
     /// `data/` as listed: name to length.
     listed: HashMap<String, u64>,
-    /// Damaged or missing blob ids, with the problem each belongs to.
+    /// Damaged or missing blob ids, with the problem each belongs to: at most `held`.
     damaged: HashMap<Digest, usize>,
+    held: Held,
+    /// Damaged or missing blobs not in `damaged` (past `held`): not traced to snapshots.
+    untraced: u64,
     /// The damage records (FORMAT.md §7b).
     damage: DamageSet,
     /// The problems made of recorded damage: those that no snapshot reads become notes.
@@ -92,6 +117,35 @@ pub(crate) struct Spilled {
     pub(crate) uses: crate::spill::Written,
     /// The pages' chunk hints.
     pub(crate) hints: crate::spill::Written,
+}
+
+impl Walk {
+    /// Blob `id` is damaged or missing, a part of problem `p`: held to be traced to the
+    /// snapshots that read it, while fewer than `held` are; else counted.
+    fn mark_damaged(&mut self, id: Digest, p: usize) {
+        mark_damaged(&mut self.damaged, &mut self.untraced, self.held.chunks, id, p);
+    }
+}
+
+/// [`Walk::mark_damaged`] on its fields (for callers that hold others borrowed).
+fn mark_damaged(damaged: &mut HashMap<Digest, usize>, untraced: &mut u64, held: usize, id: Digest, p: usize) {
+    if damaged.len() < held || damaged.contains_key(&id) {
+        damaged.insert(id, p);
+    } else {
+        *untraced += 1;
+    }
+}
+
+/// The note that says how many damaged chunks were not traced to snapshots.
+fn untraced_note(r: &mut Report, w: &Walk) {
+    if w.untraced > 0 {
+        r.notes.push(format!(
+            "{} more damaged or missing chunk(s) were counted but not traced to the snapshots that read them (the \
+             first {} were, to keep memory bounded): the snapshots listed may not be all that are affected; run \
+             check again once the damage above is repaired",
+            w.untraced, w.held.chunks
+        ));
+    }
 }
 
 impl Spilled {
@@ -123,6 +177,26 @@ fn distinct_pages(pages: &[Arc<Pages>], keep: impl Fn(&Digest) -> bool) -> Vec<D
 /// Pages read this many at a time (in parallel), so that a bounded number of them is
 /// held, not all.
 const PAGE_BATCH: usize = 64;
+
+/// gc stops reading pages once this many could not be read (it stops anyway): what it
+/// holds of them stays bounded however much of the index was lost.
+const GC_FAILED_PAGES: usize = 1024;
+
+/// `f` over each snapshot with its page digests, in order, the manifests read again (those
+/// not held) [`FETCH_THREADS`] at a time: only a window of page lists is held at once
+/// (gc, to name the snapshot of a page it could not read).
+fn each_snapshot_pages(
+    repo: &Repository,
+    snaps: &[SnapshotInfo],
+    mut f: impl FnMut(&SnapshotInfo, &Pages) -> Result<()>,
+) -> Result<()> {
+    for window in snaps.chunks(FETCH_THREADS) {
+        for (s, pages) in window.iter().zip(par_map(window, FETCH_THREADS, |s| repo.pages(s))) {
+            f(s, &*pages?)?;
+        }
+    }
+    Ok(())
+}
 
 /// `f` over each of `pages`, read (any copy) a batch at a time, in the order given.
 fn for_pages(
@@ -205,16 +279,32 @@ fn attribute(repo: &Repository, w: &Walk, problems: &mut [Problem]) {
     for (s, sp) in w.snaps.iter().zip(&w.snap_pages) {
         let pe = s.manifest.page_entries as u64;
         let chunks = s.manifest.chunks();
-        // (problem, first chunk, count), merged as they come in order.
-        let mut ranges: Vec<(usize, u64, u64)> = Vec::new();
-        let mut add = |p: usize, first: u64, count: u64| {
-            if let Some(last) = ranges.iter_mut().rev().find(|r| r.0 == p) {
-                if last.1 + last.2 == first {
-                    last.2 += count;
-                    return;
-                }
+        // Per problem: its open range (first chunk, count), merged as they come in order,
+        // and the ranges closed: listed in its hits up to `kept`, then counted with their
+        // bytes.
+        let kept = w.held.ranges;
+        let mut open: BTreeMap<usize, ((u64, u64), usize, u64, u64)> = BTreeMap::new();
+        let close = |problems: &mut [Problem], p: usize, (first, count): (u64, u64), listed: &mut usize| {
+            let (off, len) = chunk_range(s, first, count);
+            if *listed < kept {
+                problems[p].hits.push((s.id.clone(), s.manifest.name.clone(), off, len));
+                *listed += 1;
+                None
+            } else {
+                Some(len)
             }
-            ranges.push((p, first, count));
+        };
+        let mut add = |problems: &mut [Problem], p: usize, first: u64, count: u64| {
+            let (range, listed, more, more_bytes) = open.entry(p).or_insert(((first, 0), 0, 0, 0));
+            if range.0 + range.1 == first {
+                range.1 += count;
+                return;
+            }
+            if let Some(len) = close(problems, p, *range, listed) {
+                *more += 1;
+                *more_bytes += len;
+            }
+            *range = (first, count);
         };
         for (i, d) in sp.iter().enumerate() {
             let d = &d;
@@ -224,16 +314,21 @@ fn attribute(repo: &Repository, w: &Walk, problems: &mut [Problem]) {
             let first = i as u64 * pe;
             let count = chunks.saturating_sub(first).min(pe);
             if let Some(p) = w.damaged.get(&repo.crypto.blob_id(d)) {
-                add(*p, first, count);
+                add(problems, *p, first, count);
             } else if let Some(hits) = page_hits.get(d) {
                 for (j, p) in hits {
-                    add(*p, first + j, 1);
+                    add(problems, *p, first + j, 1);
                 }
             }
         }
-        for (p, first, count) in ranges {
-            let (off, len) = chunk_range(s, first, count);
-            problems[p].hits.push((s.id.clone(), s.manifest.name.clone(), off, len));
+        for (p, (range, mut listed, mut more, mut more_bytes)) in open {
+            if let Some(len) = close(problems, p, range, &mut listed) {
+                more += 1;
+                more_bytes += len;
+            }
+            if more > 0 {
+                problems[p].more_hits.push((s.id.clone(), s.manifest.name.clone(), more, more_bytes));
+            }
         }
     }
 }
@@ -302,7 +397,13 @@ pub(crate) fn check_walk(repo: &Repository) -> Result<(Report, Walk)> {
 }
 
 /// [`check_walk`] with sorters that hold up to `budget` bytes of records each in memory.
+#[cfg(test)]
 pub(crate) fn check_walk_in(repo: &Repository, budget: usize) -> Result<(Report, Walk)> {
+    check_walk_held(repo, budget, DAMAGE_HELD)
+}
+
+/// [`check_walk_in`] holding at most what `held` says of the damage ([`DAMAGE_HELD`]).
+pub(crate) fn check_walk_held(repo: &Repository, budget: usize, held: Held) -> Result<(Report, Walk)> {
     let mut r = Report::default();
     let store = &repo.store;
     let (snaps, bad_snaps) = repo.snapshots_with_pages_lenient()?;
@@ -375,7 +476,7 @@ pub(crate) fn check_walk_in(repo: &Repository, budget: usize) -> Result<(Report,
     }
     // A lost pack whose every blob has a good copy elsewhere (a backup stored them again)
     // loses nothing: gc drops it from the index.
-    let found = index_damage(&locs, &damage, &listed, &bad_packs)?;
+    let found = index_damage(&locs, &damage, &listed, &bad_packs, held.chunks)?;
     for (pack, p) in &bad_packs {
         if !found.unhealed.contains(pack) {
             r.problems[*p].why.push_str(
@@ -389,9 +490,10 @@ pub(crate) fn check_walk_in(repo: &Repository, budget: usize) -> Result<(Report,
     // A blob is lost only when every copy of it is in a missing or short pack (or, below,
     // recorded damaged).
     let mut damaged: HashMap<Digest, usize> = HashMap::new();
-    let recorded = recorded_problems(&mut r, &damage, &found.only, &listed, &mut damaged);
+    let mut untraced = found.lost_more;
+    let recorded = recorded_problems(&mut r, &damage, &found.only, &listed, (&mut damaged, &mut untraced, held.chunks));
     for (id, pack) in &found.lost {
-        damaged.insert(*id, bad_packs[pack]);
+        mark_damaged(&mut damaged, &mut untraced, held.chunks, *id, bad_packs[pack]);
     }
     let snap_pages = snapshot_pages(repo, &snaps)?;
     let mut walk = Walk {
@@ -401,6 +503,8 @@ pub(crate) fn check_walk_in(repo: &Repository, budget: usize) -> Result<(Report,
         pages_index,
         listed,
         damaged,
+        held,
+        untraced,
         damage,
         recorded,
         page_reads: 0,
@@ -598,36 +702,31 @@ fn walk_pages(
                                 p
                             }
                         };
-                        w.damaged.insert(id, p);
+                        w.mark_damaged(id, p);
                     }
                 }
             }
             k = end;
         }
     }
-    let joined = w.locs.join(uses, hints)?;
+    let joined = w.locs.join(uses, hints, w.held.chunks)?;
     w.spilled.uses += joined.uses_written;
     w.spilled.hints += joined.hints_written;
     // A chunk in no index object: a problem of the snapshot that uses it first (at the
     // first position where it uses one).
-    let mut first_missing: HashMap<usize, u64> = HashMap::new();
-    for (i, si, _) in &joined.missing {
-        let at = first_missing.entry(*si as usize).or_insert(*i);
-        *at = (*at).min(*i);
-    }
-    let mut in_order: Vec<(usize, u64)> = first_missing.into_iter().collect();
-    in_order.sort_unstable_by_key(|&(si, i)| (i, si));
-    for (si, i) in in_order {
+    let mut in_order: Vec<(usize, u64, u64)> =
+        joined.missing_by_snap.iter().map(|(si, (i, n))| (*si as usize, *i, *n)).collect();
+    in_order.sort_unstable_by_key(|&(si, i, _)| (i, si));
+    for (si, i, n) in in_order {
         if let Some(sw) = walks[si].as_mut() {
             sw.missing = Some(problem(r, (si, i), sw.object.clone(), String::new()));
+            sw.missing_count = n;
         }
     }
+    w.untraced += joined.missing_by_snap.values().map(|(_, n)| n).sum::<u64>() - joined.missing.len() as u64;
     for (_, si, eid) in &joined.missing {
-        if let Some(sw) = walks[*si as usize].as_mut() {
-            sw.missing_count += 1;
-            if let Some(p) = sw.missing {
-                w.damaged.insert(*eid, p);
-            }
+        if let Some(p) = walks[*si as usize].as_ref().and_then(|sw| sw.missing) {
+            w.mark_damaged(*eid, p);
         }
     }
     unknown_hints.1.extend(joined.stale_reads);
@@ -678,8 +777,9 @@ struct IndexDamage {
     /// The bad packs that hold a blob with no good copy in another pack.
     unhealed: HashSet<u32>,
     /// The blobs whose every copy is in a bad pack, each with the pack of the copy a
-    /// reader tries first.
+    /// reader tries first: the first `held` of [`index_damage`], and how many more.
     lost: Vec<(Digest, u32)>,
+    lost_more: u64,
     /// Per recorded pack in the store: its recorded blobs that have no good copy, sorted.
     only: HashMap<Digest, Vec<Digest>>,
 }
@@ -689,6 +789,7 @@ fn index_damage(
     damage: &DamageSet,
     listed: &HashMap<String, u64>,
     bad_packs: &HashMap<u32, usize>,
+    held: usize,
 ) -> Result<IndexDamage> {
     let mut out = IndexDamage::default();
     let present: Vec<bool> = locs.packs.iter().map(|p| listed.contains_key(&pack_name(p))).collect();
@@ -704,7 +805,9 @@ fn index_damage(
             if !g.iter().any(|l| !bad(l) && !recorded(l)) {
                 out.unhealed.extend(g.iter().filter(|l| bad(l)).map(|l| l.pack));
             }
-            if g.iter().all(bad) {
+            if g.iter().all(bad) && out.lost.len() >= held {
+                out.lost_more += 1;
+            } else if g.iter().all(bad) {
                 let first = g.iter().find(|l| !recorded(l)).unwrap_or(&g[0]);
                 out.lost.push((g[0].id, first.pack));
             }
@@ -731,7 +834,7 @@ fn recorded_problems(
     damage: &DamageSet,
     only: &HashMap<Digest, Vec<Digest>>,
     listed: &HashMap<String, u64>,
-    damaged: &mut HashMap<Digest, usize>,
+    (damaged, untraced, held): (&mut HashMap<Digest, usize>, &mut u64, usize),
 ) -> Vec<usize> {
     let mut out = Vec::new();
     let mut packs: Vec<(&Digest, &DamagedCopies)> = damage.packs.iter().collect();
@@ -763,7 +866,7 @@ fn recorded_problems(
             ),
         );
         for id in only {
-            damaged.insert(*id, p);
+            mark_damaged(damaged, untraced, held, *id, p);
         }
         out.push(p);
     }
@@ -794,9 +897,15 @@ pub fn check(repo: &Repository) -> Result<Report> {
 
 /// [`check`] with sorters that hold up to `budget` bytes of records each in memory.
 pub(crate) fn check_in(repo: &Repository, budget: usize) -> Result<Report> {
-    let (mut r, w) = check_walk_in(repo, budget)?;
+    check_held(repo, budget, DAMAGE_HELD)
+}
+
+/// [`check_in`] holding at most what `held` says of the damage ([`DAMAGE_HELD`]).
+pub(crate) fn check_held(repo: &Repository, budget: usize, held: Held) -> Result<Report> {
+    let (mut r, w) = check_walk_held(repo, budget, held)?;
     attribute(repo, &w, &mut r.problems);
     unread_records_to_notes(&mut r, &w.recorded, &[]);
+    untraced_note(&mut r, &w);
     Ok(r)
 }
 
@@ -981,7 +1090,12 @@ pub fn verify(repo: &Repository, opts: &VerifyOptions) -> Result<Report> {
 
 /// [`verify`] with sorters that hold up to `budget` bytes of records each in memory.
 pub(crate) fn verify_in(repo: &Repository, opts: &VerifyOptions, budget: usize) -> Result<Report> {
-    let (mut r, mut w) = check_walk_in(repo, budget)?;
+    verify_held(repo, opts, budget, DAMAGE_HELD)
+}
+
+/// [`verify_in`] holding at most what `held` says of the damage ([`DAMAGE_HELD`]).
+pub(crate) fn verify_held(repo: &Repository, opts: &VerifyOptions, budget: usize, held: Held) -> Result<Report> {
+    let (mut r, mut w) = check_walk_held(repo, budget, held)?;
     let day = jiff::Timestamp::now().as_second().max(0) as u64 / 86400;
     let locs = &w.locs;
     let present: Vec<(Digest, u32)> = locs
@@ -1060,7 +1174,13 @@ pub(crate) fn verify_in(repo: &Repository, opts: &VerifyOptions, budget: usize) 
         // One problem per pack: what check found in it already (a page) says this too.
         let p = r.problem_once(pack_name(pack), why);
         for id in c.bad_blobs {
-            bad_copies.entry(id).or_default().push((*pack, p));
+            if let Some(v) = bad_copies.get_mut(&id) {
+                v.push((*pack, p));
+            } else if bad_copies.len() < w.held.chunks {
+                bad_copies.insert(id, vec![(*pack, p)]);
+            } else {
+                w.untraced += 1;
+            }
         }
     }
     // A damaged copy hurts the snapshots only when no other copy is good (a reader tries
@@ -1071,7 +1191,8 @@ pub(crate) fn verify_in(repo: &Repository, opts: &VerifyOptions, budget: usize) 
         None => w.damage.is_damaged(pack, id),
     };
     if !bad_copies.is_empty() {
-        let (locs, listed, damaged) = (&w.locs, &w.listed, &mut w.damaged);
+        let (locs, listed, damaged, untraced, held) =
+            (&w.locs, &w.listed, &mut w.damaged, &mut w.untraced, w.held.chunks);
         locs.each_id(|g| {
             let id = &g[0].id;
             let Some(copies) = bad_copies.get(id) else { return Ok(()) };
@@ -1080,8 +1201,8 @@ pub(crate) fn verify_in(repo: &Repository, opts: &VerifyOptions, budget: usize) 
                 .iter()
                 .map(|l| &locs.packs[l.pack as usize])
                 .all(|pack| bad(pack) || recorded_bad(pack, id) || !listed.contains_key(&pack_name(pack)));
-            if lost {
-                damaged.entry(*id).or_insert(copies[0].1);
+            if lost && !damaged.contains_key(id) {
+                mark_damaged(damaged, untraced, held, *id, copies[0].1);
             }
             Ok(())
         })?;
@@ -1115,6 +1236,7 @@ pub(crate) fn verify_in(repo: &Repository, opts: &VerifyOptions, budget: usize) 
     w.damaged.retain(|_, p| !cleared.contains(p));
     attribute(repo, &w, &mut r.problems);
     unread_records_to_notes(&mut r, &w.recorded, &cleared);
+    untraced_note(&mut r, &w);
     Ok(r)
 }
 
@@ -1578,7 +1700,16 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
     let stop =
         |what: String| Error::Invalid(format!("gc stopped before deleting anything: {what}; run `ferry repo check`"));
     // 1. The live set.
-    let mut snaps = repo.snapshots_with_pages().map_err(|e| stop(e.to_string()))?;
+    // The snapshots' distinct pages, by id through a sorter that spills to a file past its
+    // budget, as the manifests are listed (a few at a time): no list of every snapshot's
+    // pages is held (it grows with every snapshot).
+    let mut distinct = Sorter::<32>::for_repo(repo, "gc's list of the snapshots' pages");
+    let mut snaps = repo
+        .snapshots_paging(&mut |_, pages| pages.nonzero().iter().try_for_each(|d| distinct.push(*d)))
+        .map_err(|e| match e {
+        e @ Error::Store { .. } => e,
+        e => stop(e.to_string()),
+    })?;
     if let Some(l) = &_lock {
         crate::migrate::finish_migrated(repo, &snaps, l)?;
     }
@@ -1597,7 +1728,11 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
         checkpoints: checkpoints.iter().map(|c| (c.object.clone(), c.checkpoint.clone())).collect(),
     };
     marked.checkpoints.sort_by(|a, b| a.0.cmp(&b.0));
-    snaps.extend(checkpoints.iter().map(|c| c.as_snapshot()));
+    for c in &checkpoints {
+        let s = c.as_snapshot();
+        repo.pages(&s)?.nonzero().iter().try_for_each(|d| distinct.push(*d))?;
+        snaps.push(s);
+    }
     // 2. The index and the packs: each pack's blobs, once each (a pack indexed twice is
     // listed twice), in pack order, in a table on disk; and an index of the pages alone,
     // to read the snapshots' pages through. The index objects are read a few at a time.
@@ -1623,7 +1758,7 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
             packs: ps.iter().map(|p| (p.pack, p.blobs.len() as u32)).collect(),
         });
         let mut page_packs = Vec::new();
-        for p in ps {
+        ps.each(|p| {
             for b in &p.blobs {
                 sorter.push(pack_entry(&p.pack, b))?;
             }
@@ -1631,7 +1766,8 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
             if !pages.is_empty() {
                 page_packs.push(PackBlobs { pack: p.pack, blobs: pages });
             }
-        }
+            Ok(())
+        })?;
         page_objects.push((name.to_string(), page_packs));
         Ok(())
     })?;
@@ -1658,34 +1794,56 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
     let packs = PackEntries::new(sorter)?;
     let all_present = packs.packs.iter().all(|(p, _, _)| listed.contains_key(&pack_name(p)));
     let index = prefer_good(page_objects, &damage);
-    let snap_pages = snapshot_pages(repo, &snaps)?;
     // The live set: each distinct page read once (a batch at a time), its id and its
     // entries' ids given to a sorter that spills to a file past its budget.
+    let mut distinct = distinct.finish()?;
     let mut live = Sorter::<32>::for_repo(repo, "gc's live set");
-    // A record that cannot be spilled (the directory is full) stops the reading at once.
+    // Pages that cannot be read stop gc: the first few are kept to say which snapshot
+    // they belong to. A record that cannot be spilled (the directory is full) stops the
+    // reading at once.
     let mut failed: HashMap<Digest, String> = HashMap::new();
-    try_for_pages(repo, &index, &distinct_pages(&snap_pages, |_| true), |d, page| match page {
-        Ok(entries) => std::iter::once(d)
-            .chain(entries.iter().filter(|e| **e != ZERO))
-            .try_for_each(|e| live.push(repo.crypto.blob_id(e))),
-        Err(why) => {
-            failed.insert(*d, why);
+    let mut batch: Vec<Digest> = Vec::with_capacity(PAGE_BATCH);
+    while failed.len() < GC_FAILED_PAGES {
+        batch.clear();
+        while let Some(d) = if batch.len() < PAGE_BATCH { distinct.next()? } else { None } {
+            batch.push(d);
+        }
+        if batch.is_empty() {
+            break;
+        }
+        try_for_pages(repo, &index, &batch, |d, page| match page {
+            Ok(entries) => std::iter::once(d)
+                .chain(entries.iter().filter(|e| **e != ZERO))
+                .try_for_each(|e| live.push(repo.crypto.blob_id(e))),
+            Err(why) => {
+                failed.insert(*d, why);
+                Ok(())
+            }
+        })?;
+    }
+    drop(distinct);
+    if !failed.is_empty() {
+        let mut first = None;
+        each_snapshot_pages(repo, &snaps, |s, pages| {
+            if first.is_none() {
+                first = pages.nonzero().iter().find_map(|d| failed.get(d).map(|why| (object_of(s), *d, why.clone())));
+            }
             Ok(())
-        }
-    })?;
-    for (s, sp) in snaps.iter().zip(&snap_pages) {
-        if let Some((d, why)) = sp.nonzero().iter().find_map(|d| failed.get(d).map(|why| (d, why))) {
-            return Err(match index.blobs.contains_key(&repo.crypto.blob_id(d)) {
-                false => stop(format!(
-                    "{}: {why} (where an index object was lost, `ferry repo repair` indexes its packs again)",
-                    object_of(s)
-                )),
-                true => stop(format!("{}: {why}", object_of(s))),
-            });
-        }
+        })?;
+        // A page that only a manifest hidden by its migration lists (read with the others)
+        // stops gc too: nothing is freed on a live set that lacks a page.
+        let (object, d, why) = first.unwrap_or_else(|| {
+            let (d, why) = failed.iter().min_by_key(|(d, _)| **d).map(|(d, w)| (*d, w.clone())).unwrap_or_default();
+            (format!("page {} of a migrated snapshot", format::hex(&d)), d, why)
+        });
+        return Err(match index.blobs.contains_key(&repo.crypto.blob_id(&d)) {
+            false => stop(format!(
+                "{object}: {why} (where an index object was lost, `ferry repo repair` indexes its packs again)"
+            )),
+            true => stop(format!("{object}: {why}")),
+        });
     }
     drop(index);
-    drop(snap_pages);
     let live = live.finish()?;
     // Each blob's copies in packs that are there: good ones before recorded-damaged ones
     // (FORMAT.md §7b), and copies in condemned packs after the others, else in pack order.
@@ -1753,20 +1911,23 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
         if !recorded && sha256(&bytes) != *pack {
             return Err(stop(format!("{name} does not match its name (SHA-256): it is damaged")));
         }
-        let blobs = packs.blobs(i)?;
-        for b in blobs.iter().enumerate().filter(|(j, _)| kept.keeps(i, *j)).map(|(_, b)| b) {
+        packs.each_blob(i, |j, b| {
+            if !kept.keeps(i, j) {
+                return Ok(());
+            }
             let stored = bytes
                 .get(b.offset as usize..b.offset as usize + b.stored_len as usize)
                 .ok_or_else(|| stop(format!("{name} is shorter than its index says")))?;
             if recorded {
-                repo.decode_blob(&b.id, &crate::BlobLocation::of(*pack, b), b.kind, stored)
+                repo.decode_blob(&b.id, &crate::BlobLocation::of(*pack, &b), b.kind, stored)
                     .map_err(|why| stop(format!("{name}: {why}; run `ferry repo verify`")))?;
             }
-            out.add(b, stored);
+            out.add(&b, stored);
             if out.buf.len() >= crate::writer::DEFAULT_PACK_SIZE || out.entries.len() >= GC_PACK_BLOBS {
                 new_index.add(repo, out.close(repo)?, GC_INDEX_SPLIT)?;
             }
-        }
+            Ok(())
+        })?;
         report.packs_repacked += 1;
     }
     drop(kept);
@@ -1960,10 +2121,22 @@ fn classify(
         if !listed.contains_key(&pack_name(pack)) {
             continue; // missing: nothing to keep or delete
         }
-        let blobs = packs.blobs(i)?;
-        let is_live = |j: usize| kept.keeps(i, j);
-        let n_live = (0..blobs.len()).filter(|j| is_live(*j)).count();
-        let n_dead = (blobs.len() - n_live) as u64;
+        // One pass over its blobs: how many are live, their bytes, and whether a live one
+        // is recorded damaged.
+        let recorded = damage.packs.contains_key(pack);
+        let (mut n_all, mut n_live, mut live_bytes, mut all_bytes, mut live_damaged) =
+            (0usize, 0usize, 0u64, 0u64, false);
+        packs.each_blob(i, |j, b| {
+            n_all += 1;
+            all_bytes += b.stored_len as u64;
+            if kept.keeps(i, j) {
+                n_live += 1;
+                live_bytes += b.stored_len as u64;
+                live_damaged |= recorded && damage.is_damaged(pack, &b.id);
+            }
+            Ok(())
+        })?;
+        let n_dead = (n_all - n_live) as u64;
         if ripe.contains(pack) {
             if n_live == 0 {
                 plan.delete.push((*pack, n_dead));
@@ -1977,22 +2150,19 @@ fn classify(
             plan.keep.push(i);
             continue;
         }
-        let live_of = || blobs.iter().enumerate().filter(|(j, _)| is_live(*j)).map(|(_, b)| b);
-        let live_bytes: u64 = live_of().map(|b| b.stored_len as u64).sum();
-        let all_bytes: u64 = blobs.iter().map(|b| b.stored_len as u64).sum();
         let dead_bytes = all_bytes - live_bytes;
         let worth = dead_bytes.saturating_mul(100) >= all_bytes.saturating_mul(repack_percent as u64);
-        if damage.packs.contains_key(pack) && n_live > 0 {
+        if recorded && n_live > 0 {
             // Recorded damage: kept while it holds the only copy of a damaged blob in use;
             // else what is in use is copied out (each blob checked) and it is condemned.
-            if !live_of().any(|b| damage.is_damaged(pack, &b.id)) {
+            if !live_damaged {
                 plan.repack.push((i, live_bytes));
                 plan.condemn.push((*pack, n_dead));
             }
             plan.keep.push(i);
             continue;
         }
-        if n_live == blobs.len() || (n_live > 0 && !worth) {
+        if n_live == n_all || (n_live > 0 && !worth) {
             // Unused blobs below the threshold stay, indexed: still whole, and freed
             // once enough of their pack is unused.
             plan.keep.push(i);
@@ -2054,6 +2224,13 @@ fn blob_of(r: &[u8; PACK_ENTRY]) -> Result<BlobEntry> {
     })
 }
 
+/// Rows of gc's table of the packs' blobs read at a time by [`PackEntries::each_blob`].
+#[cfg(not(test))]
+const PACK_BLOCK: usize = 4096;
+/// A few in the crate's tests, so that every pack in them is read in several blocks.
+#[cfg(test)]
+const PACK_BLOCK: usize = 3;
+
 /// Every pack's blobs, once each (by offset and id), in pack order, then by offset: in a
 /// table on disk, with a row per pack in memory.
 struct PackEntries {
@@ -2089,6 +2266,21 @@ impl PackEntries {
     fn blobs(&self, i: usize) -> Result<Vec<BlobEntry>> {
         let (_, first, n) = self.packs[i];
         self.table.read(first, n as usize)?.iter().map(blob_of).collect()
+    }
+
+    /// `f` over the blobs of pack `i` (their number in it, and the blob), read from the
+    /// table [`PACK_BLOCK`] at a time: a pack of a million tiny blobs costs no list of them.
+    fn each_blob(&self, i: usize, mut f: impl FnMut(usize, BlobEntry) -> Result<()>) -> Result<()> {
+        let (_, first, n) = self.packs[i];
+        let mut j = 0usize;
+        while j < n as usize {
+            let count = (n as usize - j).min(PACK_BLOCK);
+            for r in self.table.read(first + j as u64, count)? {
+                f(j, blob_of(&r)?)?;
+                j += 1;
+            }
+        }
+        Ok(())
     }
 
     /// Blob `j` of pack `i`.
@@ -2258,10 +2450,10 @@ fn copies(
             continue;
         }
         let in_condemned = u8::from(condemned(pack));
-        for (j, b) in packs.blobs(i)?.iter().enumerate() {
+        packs.each_blob(i, |j, b| {
             let rank = 2 * u8::from(damage.is_damaged(pack, &b.id)) + in_condemned;
-            v.push(copy_record(&b.id, rank, i as u32, j as u32))?;
-        }
+            v.push(copy_record(&b.id, rank, i as u32, j as u32))
+        })?;
     }
     v.finish()
 }

@@ -852,6 +852,30 @@ impl BlobLookup for LazyIndex<'_> {
     }
 }
 
+/// The blkhash (SHA-256, 64 KiB blocks) of a snapshot, from its pages alone, read and
+/// checked a window at a time (as [`SnapshotImage::blkhash`] gives it, without holding
+/// its entries: a 1 TiB snapshot's are 512 MiB); `None` when the repository's chunks are
+/// not 64 KiB. What it holds grows with the snapshot's page list only (one digest per
+/// page of its entries). The index is opened only where a page's hint fails (or for a
+/// snapshot that is not located).
+pub fn snapshot_blkhash(repo: &Arc<Repository>, snap: &SnapshotInfo) -> Result<Option<Digest>> {
+    let m = &snap.manifest;
+    if repo.config.chunk_size != 65536 || m.chunk_size != 65536 {
+        return Ok(None);
+    }
+    let lazy = LazyIndex::new(repo);
+    let mut h = crate::repo::BlkHasher::new(m.chunks(), m.size, m.chunk_size);
+    let got = repo.each_page_entries(&lazy, snap, |_, page| {
+        h.feed(page);
+        Ok(())
+    });
+    match (got, lazy.into_parts().1) {
+        (Ok(_), _) => Ok(Some(h.finish())),
+        (Err(_), Some(e)) => Err(e),
+        (Err(e), None) => Err(e),
+    }
+}
+
 /// A job for the pool: runs on one of its threads.
 type Job = Box<dyn FnOnce() + Send>;
 

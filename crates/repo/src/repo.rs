@@ -169,6 +169,7 @@ impl SnapshotInfo {
     pub fn listed(id: String, manifest: ManifestSummary) -> SnapshotInfo {
         SnapshotInfo { id, manifest, pages: None }
     }
+
     /// Its pages, if they are held (else [`Repository::pages`] reads them).
     pub fn held_pages(&self) -> Option<&Arc<Pages>> {
         self.pages.as_ref()
@@ -350,19 +351,57 @@ pub(crate) fn splits_of(counts: &[usize], split: usize) -> Vec<(usize, usize)> {
     out
 }
 
-/// Stored bytes of index objects read side by side (each is held as stored, plain and
-/// parsed bytes while it is read).
+/// What [`Repository::snapshots_paging`] gives each snapshot's pages to.
+pub(crate) type PagesOf<'a> = dyn FnMut(&SnapshotInfo, &Pages) -> Result<()> + 'a;
+
+#[cfg(test)]
+thread_local! {
+    /// The most snapshots' page lists [`Repository::snapshots_paging`] held at once, its
+    /// window's among them (the crate's tests).
+    pub(crate) static PAGE_LISTS_MOST: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Stored bytes of index objects read side by side (each is held as its plain bytes, and
+/// the entries of one of its packs at a time, while it is read).
 const READ_BATCH: u64 = 8 << 20;
+
+/// An index object read and checked whole, held as its plain bytes: its packs are parsed
+/// again one at a time by [`IndexPlain::each`], so that no list of all its entries is
+/// held beside its bytes (a 64 MiB object's would be 68 MiB more).
+pub(crate) struct IndexPlain {
+    plain: Vec<u8>,
+    limits: format::Limits,
+}
+
+impl IndexPlain {
+    /// `f` over its packs, in order, each parsed as it comes.
+    pub(crate) fn each(self, mut f: impl FnMut(format::PackBlobs) -> Result<()>) -> Result<()> {
+        let mut failed = None;
+        // Checked whole when it was read: parsing it again cannot fail.
+        let _ = format::each_index_pack(&self.plain, &self.limits, |p| {
+            if failed.is_none() {
+                failed = f(p).err();
+            }
+        });
+        failed.map_or(Ok(()), Err)
+    }
+}
 
 /// Reads the index objects `names` (name, stored size), a few side by side (up to
 /// [`FETCH_THREADS`] of them, and at most [`READ_BATCH`] stored bytes unless one alone is
-/// larger), and gives each to `f` in order, or why it could not be read. A store that
-/// cannot be read is an error, as in [`Repository::index_objects`].
+/// larger), and gives each to `f` in order, checked whole, or why it could not be read. A
+/// store that cannot be read is an error, as in [`Repository::index_objects`].
 pub(crate) fn each_index_object(
     repo: &Repository,
     names: &[(String, u64)],
-    mut f: impl FnMut(&str, Result<Vec<format::PackBlobs>>) -> Result<()>,
+    mut f: impl FnMut(&str, Result<IndexPlain>) -> Result<()>,
 ) -> Result<()> {
+    let read = |name: &str| -> Result<IndexPlain> {
+        let plain = repo.read_named(name, "index/", format::MAX_INDEX, AAD_INDEX)?;
+        let limits = repo.limits();
+        format::each_index_pack(&plain, &limits, drop).map_err(|e| Error::damaged(name, e.0))?;
+        Ok(IndexPlain { plain, limits })
+    };
     let mut rest = names;
     while !rest.is_empty() {
         let mut n = 0;
@@ -373,7 +412,7 @@ pub(crate) fn each_index_object(
         }
         let (batch, after) = rest.split_at(n);
         rest = after;
-        for ((name, _), r) in batch.iter().zip(par_map(batch, FETCH_THREADS, |(n, _)| repo.read_index_object(n))) {
+        for ((name, _), r) in batch.iter().zip(par_map(batch, FETCH_THREADS, |(n, _)| read(n))) {
             match r {
                 Err(e @ Error::Store { .. }) => return Err(e),
                 r => f(name, r)?,
@@ -662,13 +701,37 @@ impl Repository {
     }
 
     /// [`Self::snapshots_lenient`], each snapshot holding its page digests: for the
-    /// commands that read every snapshot's pages (check, gc, stats), so that each manifest
-    /// is read once, not once to list and again for its pages.
+    /// commands that read every snapshot's pages (check, stats), so that each manifest is
+    /// read once, not once to list and again for its pages. (gc lists them without, and
+    /// reads them again a few at a time: it holds no list of every snapshot's pages.)
     pub(crate) fn snapshots_with_pages_lenient(&self) -> Result<(Vec<SnapshotInfo>, Failures)> {
         self.list_snapshots(true)
     }
 
     fn list_snapshots(&self, with_pages: bool) -> Result<(Vec<SnapshotInfo>, Failures)> {
+        self.list_snapshots_as(with_pages, None)
+    }
+
+    /// [`Self::snapshots`], each snapshot's page digests given to `f` as its manifest is
+    /// read (each manifest read once), none kept: the manifests are read [`FETCH_THREADS`]
+    /// at a time, so that only their page lists are held at once (gc's live set). A
+    /// manifest that a migrated one hides is given too (its pages are kept one gc more).
+    pub(crate) fn snapshots_paging(
+        &self,
+        f: &mut PagesOf,
+    ) -> Result<Vec<SnapshotInfo>> {
+        let (good, mut bad) = self.list_snapshots_as(true, Some(f))?;
+        match bad.pop() {
+            None => Ok(good),
+            Some((_, e)) => Err(e),
+        }
+    }
+
+    fn list_snapshots_as(
+        &self,
+        with_pages: bool,
+        mut on_pages: Option<&mut PagesOf>,
+    ) -> Result<(Vec<SnapshotInfo>, Failures)> {
         let before = self.known.as_ref().map(|k| k.before_listing());
         let names = self
             .store
@@ -677,17 +740,31 @@ impl Repository {
         // A few at a time, and no more bytes at once than [`MANIFEST_BYTES`] (but one):
         // each is parsed into its summary and its JSON dropped before the next is read.
         let budget = ByteBudget::new(MANIFEST_BYTES);
-        let read = par_map(&names, FETCH_THREADS, |(n, len)| {
+        let read_one = |(n, len): &(String, u64)| {
             budget.with(*len, || if with_pages { self.read_snapshot_with_pages(n) } else { self.read_snapshot(n) })
-        });
-        let names: Vec<String> = names.into_iter().map(|(n, _)| n).collect();
+        };
+        // Pages given away are read a window at a time, each window's dropped before the next.
+        let window = if on_pages.is_some() { FETCH_THREADS } else { names.len().max(1) };
         let mut good = Vec::new();
         let mut bad = Vec::new();
-        for (name, r) in names.iter().zip(read) {
-            match r {
-                Ok(s) => good.push(s),
-                Err(e @ Error::Store { .. }) => return Err(e),
-                Err(e) => bad.push((name.clone(), e)),
+        for chunk in names.chunks(window) {
+            #[cfg(test)]
+            if on_pages.is_some() {
+                let held = chunk.len() + good.iter().filter(|s: &&SnapshotInfo| s.pages.is_some()).count();
+                PAGE_LISTS_MOST.with(|m| m.set(m.get().max(held)));
+            }
+            for ((name, _), r) in chunk.iter().zip(par_map(chunk, FETCH_THREADS, read_one)) {
+                match (r, on_pages.as_mut()) {
+                    (Ok(s), Some(f)) => {
+                        if let Some(p) = &s.pages {
+                            f(&s, p)?;
+                        }
+                        good.push(SnapshotInfo { pages: None, ..s });
+                    }
+                    (Ok(s), None) => good.push(s),
+                    (Err(e @ Error::Store { .. }), _) => return Err(e),
+                    (Err(e), _) => bad.push((name.clone(), e)),
+                }
             }
         }
         hide_migrated(&mut good);
@@ -715,15 +792,6 @@ impl Repository {
     /// if any manifest cannot be read (for gc, which must know every snapshot).
     pub fn snapshots(&self) -> Result<Vec<SnapshotInfo>> {
         let (good, mut bad) = self.snapshots_lenient()?;
-        match bad.pop() {
-            None => Ok(good),
-            Some((_, e)) => Err(e),
-        }
-    }
-
-    /// [`Self::snapshots`], each holding its page digests (for gc).
-    pub(crate) fn snapshots_with_pages(&self) -> Result<Vec<SnapshotInfo>> {
-        let (good, mut bad) = self.snapshots_with_pages_lenient()?;
         match bad.pop() {
             None => Ok(good),
             Some((_, e)) => Err(e),

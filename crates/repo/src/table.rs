@@ -62,7 +62,14 @@ impl BlobTable {
         let mut bad = Vec::new();
         each_index_object(repo, &names, |name, r| {
             match r {
-                Ok(object) => pages.push((name.to_string(), t.add_object(object))),
+                Ok(object) => {
+                    let mut packs = Vec::new();
+                    object.each(|p| {
+                        packs.push(p);
+                        Ok(())
+                    })?;
+                    pages.push((name.to_string(), t.add_object(packs)))
+                }
                 Err(e) => bad.push((name.to_string(), e)),
             }
             if t.rows.len() > u32::MAX as usize {

@@ -12,6 +12,7 @@ mod checkmem;
 mod clock;
 mod condemn_split;
 mod copy;
+mod gcmem;
 mod gcwalk;
 mod heal;
 mod hints;
