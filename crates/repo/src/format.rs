@@ -41,6 +41,11 @@ pub const MAX_KEY_OBJECT: u64 = 4 << 10;
 /// The most `keys/` objects a repository may have (each costs a KDF run to try).
 pub const MAX_KEY_OBJECTS: usize = 16;
 pub const MAX_TRAILER_ENTRIES: u32 = 1 << 20;
+/// The most blobs a writer (backup, gc, migrate) puts in one pack, far below
+/// [`MAX_TRAILER_ENTRIES`]: a chunk of a repeated pattern stores in about 20 bytes, so a
+/// pack closed by its bytes alone could list more blobs than any reader accepts, and its
+/// index object and trailer would then both be refused as damaged.
+pub const PACK_BLOBS: usize = 1 << 16;
 pub const MAX_PAGES: u64 = 1 << 24;
 
 /// A format violation: what is wrong, without the object's name (the caller adds it).

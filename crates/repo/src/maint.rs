@@ -1753,12 +1753,10 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
                 return Ok(());
             }
         };
-        listings.push(ObjectPacks {
-            name: name.to_string(),
-            packs: ps.iter().map(|p| (p.pack, p.blobs.len() as u32)).collect(),
-        });
+        let mut listed = Vec::new();
         let mut page_packs = Vec::new();
         ps.each(|p| {
+            listed.push((p.pack, p.blobs.len() as u32));
             for b in &p.blobs {
                 sorter.push(pack_entry(&p.pack, b))?;
             }
@@ -1768,6 +1766,7 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
             }
             Ok(())
         })?;
+        listings.push(ObjectPacks { name: name.to_string(), packs: listed });
         page_objects.push((name.to_string(), page_packs));
         Ok(())
     })?;
@@ -1970,13 +1969,21 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
     // name again, step 3): the object stored for it there lists it.
     let gone: HashSet<Digest> = deleting.iter().chain(named.iter()).copied().collect();
     let rewrite = index_to_rewrite(&listings, &packs, &listed, &gone);
-    let rewritten_packs: HashSet<Digest> =
-        listings.iter().filter(|o| rewrite.contains(&o.name)).flat_map(|o| o.packs.iter().map(|(p, _)| *p)).collect();
+    // The packs of the rewritten objects, in the order those objects list them: the new
+    // objects keep each old one's packs together, so that a later gc that deletes a few
+    // packs again rewrites the objects that list those, not every one (in pack-id order,
+    // each new object would hold packs from all over the repository).
+    let mut rewritten_packs: HashMap<Digest, usize> = HashMap::new();
+    for (p, _) in listings.iter().filter(|o| rewrite.contains(&o.name)).flat_map(|o| o.packs.iter()) {
+        let next = rewritten_packs.len();
+        rewritten_packs.entry(*p).or_insert(next);
+    }
     drop(listings);
     keep.retain(|&i| {
         let p = &packs.packs[i].0;
-        !gone.contains(p) && rewritten_packs.contains(p)
+        !gone.contains(p) && rewritten_packs.contains_key(p)
     });
+    keep.sort_by_key(|&i| rewritten_packs[&packs.packs[i].0]);
     report.index_rewritten = rewrite.len() as u64;
     report.index_kept = old_index.len() as u64 - report.index_rewritten;
     log::debug!(
@@ -2699,7 +2706,7 @@ fn object_of(s: &SnapshotInfo) -> String {
 /// tiny blobs (a few bytes each) would otherwise hold millions, more than a trailer may
 /// list (FORMAT.md §5: [`format::MAX_TRAILER_ENTRIES`]), and its entries and trailer,
 /// held and copied while it is sealed, would cost gc more memory than its bytes.
-const GC_PACK_BLOBS: usize = 1 << 16;
+const GC_PACK_BLOBS: usize = format::PACK_BLOBS;
 
 /// A pack being filled by gc with stored blobs as they are.
 #[derive(Default)]

@@ -338,7 +338,7 @@ impl PackOut<'_> {
         blob::encode_into(&self.repo.crypto, kind, &id, plain, DEFAULT_LEVEL, &mut self.buf);
         let stored_len = self.buf.len() as u32 - offset;
         self.entries.push(BlobEntry { id, kind, offset, stored_len, plain_len: plain.len() as u32 });
-        if self.buf.len() >= PACK_SIZE {
+        if self.buf.len() >= PACK_SIZE || self.entries.len() >= format::PACK_BLOBS {
             self.close(writes)?;
         }
         Ok(())

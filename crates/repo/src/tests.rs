@@ -987,6 +987,37 @@ fn gc_checks_duplicate_copies_a_pack_range_at_a_time() {
     assert!(r.problems.is_empty(), "{r:?}");
 }
 
+/// A backup of many unique chunks that each store in a few bytes (a number, then zeroes)
+/// closes its pack at [`format::PACK_BLOBS`] blobs, not only by bytes: a 32 MiB pack of
+/// them would list more blobs than a trailer or index object may, and both would then be
+/// refused as damaged. Every pack reads back and check finds nothing wrong.
+#[test]
+fn a_pack_of_tiny_blobs_never_lists_more_than_a_reader_accepts() {
+    let mem = Arc::new(MemStore::new());
+    let init = InitOptions { chunk_size: 4096, ..InitOptions::default() };
+    let repo = Arc::new(Repository::init(mem.clone(), &init).unwrap());
+    let n = crate::format::PACK_BLOBS + 100;
+    let size = (n * 4096) as u64;
+    let w = SnapshotWriter::start(repo.clone(), BackupOptions::new("tiny", size)).unwrap();
+    let mut chunk = vec![0u8; 4096];
+    for i in 0..n {
+        chunk[..8].copy_from_slice(&(i as u64 + 1).to_le_bytes());
+        w.write(&chunk, (i * 4096) as u64, false).unwrap();
+    }
+    let s = w.commit(size).unwrap();
+    let (good, bad) = repo.index_objects().unwrap();
+    assert!(bad.is_empty());
+    let counts: Vec<usize> = good.iter().flat_map(|(_, ps)| ps.iter().map(|p| p.blobs.len())).collect();
+    assert!(counts.iter().all(|&c| c <= crate::format::PACK_BLOBS), "{counts:?}");
+    assert!(objects(&mem, "data/").len() >= 2, "{counts:?}");
+    let back = read_back(&repo, &s);
+    for i in [0, n / 2, n - 1] {
+        assert_eq!(back[i * 4096..i * 4096 + 8], (i as u64 + 1).to_le_bytes(), "chunk {i}");
+    }
+    let r = maint::check(&repo).unwrap();
+    assert!(r.problems.is_empty(), "{r:?}");
+}
+
 /// A sorter's spill that fails (a full disk) stops gc at once: no further page is read,
 /// nothing is deleted, and the error names the directory written and what to do.
 #[test]

@@ -854,7 +854,7 @@ impl SnapshotWriter {
                 stored_len: stored.len() as u32,
                 plain_len: plain_len as u32,
             });
-            p.buf.len() >= self.pack_size
+            p.buf.len() >= self.pack_size || p.entries.len() >= format::PACK_BLOBS
         };
         self.counters.new_stored.fetch_add(stored.len() as u64, Ordering::Relaxed);
         if full {
@@ -888,7 +888,8 @@ impl SnapshotWriter {
         let _slot = Slot(&self.uploads);
         let (taken, seq) = {
             let mut p = locked(&self.pack);
-            if p.entries.is_empty() || (!force && p.buf.len() < self.pack_size) {
+            if p.entries.is_empty() || (!force && p.buf.len() < self.pack_size && p.entries.len() < format::PACK_BLOBS)
+            {
                 return Ok(());
             }
             let mut f = locked(&self.flight.0);
