@@ -716,10 +716,7 @@ impl Repository {
     /// read (each manifest read once), none kept: the manifests are read [`FETCH_THREADS`]
     /// at a time, so that only their page lists are held at once (gc's live set). A
     /// manifest that a migrated one hides is given too (its pages are kept one gc more).
-    pub(crate) fn snapshots_paging(
-        &self,
-        f: &mut PagesOf,
-    ) -> Result<Vec<SnapshotInfo>> {
+    pub(crate) fn snapshots_paging(&self, f: &mut PagesOf) -> Result<Vec<SnapshotInfo>> {
         let (good, mut bad) = self.list_snapshots_as(true, Some(f))?;
         match bad.pop() {
             None => Ok(good),
