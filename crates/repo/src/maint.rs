@@ -96,7 +96,7 @@ pub(crate) struct Walk {
     damaged: HashMap<Digest, usize>,
     held: Held,
     /// Damaged or missing blobs not in `damaged` (past `held`): not traced to snapshots.
-    untraced: u64,
+    untraced: Untraced,
     /// The damage records (FORMAT.md §7b).
     damage: DamageSet,
     /// The problems made of recorded damage: those that no snapshot reads become notes.
@@ -127,23 +127,39 @@ impl Walk {
     }
 }
 
+/// The damaged or missing blobs that were counted, not traced to snapshots (past what is
+/// held), and the problems they belong to: a problem with one of them may be read by a
+/// snapshot though none was found to (so recorded damage is never said to be unread).
+#[derive(Debug, Default)]
+struct Untraced {
+    n: u64,
+    problems: HashSet<usize>,
+}
+
+impl Untraced {
+    fn add(&mut self, p: usize) {
+        self.n += 1;
+        self.problems.insert(p);
+    }
+}
+
 /// [`Walk::mark_damaged`] on its fields (for callers that hold others borrowed).
-fn mark_damaged(damaged: &mut HashMap<Digest, usize>, untraced: &mut u64, held: usize, id: Digest, p: usize) {
+fn mark_damaged(damaged: &mut HashMap<Digest, usize>, untraced: &mut Untraced, held: usize, id: Digest, p: usize) {
     if damaged.len() < held || damaged.contains_key(&id) {
         damaged.insert(id, p);
     } else {
-        *untraced += 1;
+        untraced.add(p);
     }
 }
 
 /// The note that says how many damaged chunks were not traced to snapshots.
 fn untraced_note(r: &mut Report, w: &Walk) {
-    if w.untraced > 0 {
+    if w.untraced.n > 0 {
         r.notes.push(format!(
             "{} more damaged or missing chunk(s) were counted but not traced to the snapshots that read them (the \
              first {} were, to keep memory bounded): the snapshots listed may not be all that are affected; run \
              check again once the damage above is repaired",
-            w.untraced, w.held.chunks
+            w.untraced.n, w.held.chunks
         ));
     }
 }
@@ -490,7 +506,7 @@ pub(crate) fn check_walk_held(repo: &Repository, budget: usize, held: Held) -> R
     // A blob is lost only when every copy of it is in a missing or short pack (or, below,
     // recorded damaged).
     let mut damaged: HashMap<Digest, usize> = HashMap::new();
-    let mut untraced = found.lost_more;
+    let mut untraced = Untraced { n: found.lost_more, ..Untraced::default() };
     let recorded = recorded_problems(&mut r, &damage, &found.only, &listed, (&mut damaged, &mut untraced, held.chunks));
     for (id, pack) in &found.lost {
         mark_damaged(&mut damaged, &mut untraced, held.chunks, *id, bad_packs[pack]);
@@ -723,7 +739,7 @@ fn walk_pages(
             sw.missing_count = n;
         }
     }
-    w.untraced += joined.missing_by_snap.values().map(|(_, n)| n).sum::<u64>() - joined.missing.len() as u64;
+    w.untraced.n += joined.missing_by_snap.values().map(|(_, n)| n).sum::<u64>() - joined.missing.len() as u64;
     for (_, si, eid) in &joined.missing {
         if let Some(p) = walks[*si as usize].as_ref().and_then(|sw| sw.missing) {
             w.mark_damaged(*eid, p);
@@ -834,7 +850,7 @@ fn recorded_problems(
     damage: &DamageSet,
     only: &HashMap<Digest, Vec<Digest>>,
     listed: &HashMap<String, u64>,
-    (damaged, untraced, held): (&mut HashMap<Digest, usize>, &mut u64, usize),
+    (damaged, untraced, held): (&mut HashMap<Digest, usize>, &mut Untraced, usize),
 ) -> Vec<usize> {
     let mut out = Vec::new();
     let mut packs: Vec<(&Digest, &DamagedCopies)> = damage.packs.iter().collect();
@@ -873,11 +889,16 @@ fn recorded_problems(
     out
 }
 
-/// Recorded damage that no snapshot reads is said as a note, not as a problem.
-/// Recorded damage that verify found mended (`cleared`) is no problem either.
-fn unread_records_to_notes(r: &mut Report, recorded: &[usize], cleared: &[usize]) {
-    let mut gone: Vec<usize> =
-        recorded.iter().copied().filter(|p| cleared.contains(p) || r.problems[*p].hits.is_empty()).collect();
+/// Recorded damage that no snapshot reads is said as a note, not as a problem; one with
+/// damaged chunks that were counted, not traced (`untraced`), stays a problem, since a
+/// snapshot may read those. Recorded damage that verify found mended (`cleared`) is no
+/// problem either.
+fn unread_records_to_notes(r: &mut Report, recorded: &[usize], cleared: &[usize], untraced: &Untraced) {
+    let mut gone: Vec<usize> = recorded
+        .iter()
+        .copied()
+        .filter(|p| cleared.contains(p) || (r.problems[*p].hits.is_empty() && !untraced.problems.contains(p)))
+        .collect();
     gone.sort_unstable();
     for i in gone.into_iter().rev() {
         let p = r.problems.remove(i);
@@ -904,7 +925,7 @@ pub(crate) fn check_in(repo: &Repository, budget: usize) -> Result<Report> {
 pub(crate) fn check_held(repo: &Repository, budget: usize, held: Held) -> Result<Report> {
     let (mut r, w) = check_walk_held(repo, budget, held)?;
     attribute(repo, &w, &mut r.problems);
-    unread_records_to_notes(&mut r, &w.recorded, &[]);
+    unread_records_to_notes(&mut r, &w.recorded, &[], &w.untraced);
     untraced_note(&mut r, &w);
     Ok(r)
 }
@@ -1179,7 +1200,7 @@ pub(crate) fn verify_held(repo: &Repository, opts: &VerifyOptions, budget: usize
             } else if bad_copies.len() < w.held.chunks {
                 bad_copies.insert(id, vec![(*pack, p)]);
             } else {
-                w.untraced += 1;
+                w.untraced.add(p);
             }
         }
     }
@@ -1235,7 +1256,7 @@ pub(crate) fn verify_held(repo: &Repository, opts: &VerifyOptions, budget: usize
     }
     w.damaged.retain(|_, p| !cleared.contains(p));
     attribute(repo, &w, &mut r.problems);
-    unread_records_to_notes(&mut r, &w.recorded, &cleared);
+    unread_records_to_notes(&mut r, &w.recorded, &cleared, &w.untraced);
     untraced_note(&mut r, &w);
     Ok(r)
 }
