@@ -103,7 +103,9 @@ impl BlobTable {
                 plain_len: b.plain_len,
                 kind: b.kind,
             }));
-            let page_blobs: Vec<BlobEntry> = p.blobs.into_iter().filter(|b| b.kind.is_page()).collect();
+            // Copied out, not collected from `into_iter`: that reuses the pack's whole list (every
+            // blob's capacity kept for its few pages: 550 MB at 10M chunks).
+            let page_blobs: Vec<BlobEntry> = p.blobs.iter().filter(|b| b.kind.is_page()).cloned().collect();
             if !page_blobs.is_empty() {
                 pages.push(PackBlobs { pack: p.pack, blobs: page_blobs });
             }
