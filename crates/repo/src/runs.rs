@@ -73,8 +73,9 @@ const LOCATED_BIT: u32 = 1 << 30;
 const PRUNE_AFTER: Duration = Duration::from_secs(30 * 86400);
 /// Entries gathered from index objects before they are written as a run.
 const BUILD_ENTRIES: usize = 1 << 20;
-/// Stored bytes of index objects read at once (side by side) when runs are built.
-const READ_GROUP_BYTES: u64 = 64 << 20;
+/// Stored bytes of index objects read at once (side by side) when runs are built (or one
+/// larger object alone): each is held parsed until its entries are gathered.
+const READ_GROUP_BYTES: u64 = 16 << 20;
 const MANIFEST: &str = "runs";
 const MANIFEST_HEAD: &str = "ferry index cache 1";
 
@@ -1292,6 +1293,15 @@ impl Cache {
                 match r {
                     Ok(packs) => {
                         let Some(d) = name.strip_prefix("index/").and_then(format::parse_digest) else { continue };
+                        // Written before it would pass its size: what is gathered stays
+                        // within one run's entries, or one object's alone.
+                        let n: usize = packs.iter().map(|p| p.blobs.len()).sum();
+                        if !pending.objects.is_empty() && pending.ents.len() + n > self.build_entries {
+                            match std::mem::take(&mut pending).write(&self.dir) {
+                                Ok(r) => runs.push(r),
+                                Err(e) => return Ok(Err(e)),
+                            }
+                        }
                         pending.add(d, packs);
                     }
                     Err(e @ Error::Store { .. }) => return Err(e),
