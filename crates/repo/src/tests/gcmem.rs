@@ -195,7 +195,7 @@ fn recorded_damage_past_what_is_held_stays_a_problem() {
             if !packs.contains(&name) {
                 continue;
             }
-            let blobs: Vec<(u32, u32)> = p.blobs.iter().map(|b| (b.offset as u32, b.stored_len as u32)).collect();
+            let blobs: Vec<(u32, u32)> = p.blobs.iter().map(|b| (b.offset, b.stored_len)).collect();
             store.tamper(&name, |v| {
                 for (o, l) in &blobs {
                     v[(*o + *l / 2) as usize] ^= 0x55;
