@@ -692,6 +692,9 @@ impl Pending {
         }
         let o = self.objects.len() as u32;
         self.objects.push(name);
+        // Exactly what this object adds: doubling would hold up to twice a large object's
+        // entries (a backup's 64 MiB object lists about 1.5M).
+        self.ents.reserve_exact(packs.iter().map(|p| p.blobs.len()).sum());
         for p in packs {
             let rows = &mut self.rows;
             let row = *self.row_of.entry((o, p.pack)).or_insert_with(|| {
@@ -699,7 +702,6 @@ impl Pending {
                 rows.len() as u32 - 1
             });
             self.rows[row as usize].2 += p.blobs.len() as u32;
-            self.ents.reserve(p.blobs.len());
             for b in p.blobs {
                 let page = match b.kind {
                     BlobKind::Data => 0,
