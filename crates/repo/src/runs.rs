@@ -1282,6 +1282,10 @@ impl Cache {
     fn build(&self, repo: &Repository, new: &[&(String, u64)]) -> Result<io::Result<Vec<Run>>> {
         let mut runs = Vec::new();
         let mut pending = Pending::default();
+        let write = |pending: &mut Pending, runs: &mut Vec<Run>| -> io::Result<()> {
+            runs.push(std::mem::take(pending).write(&self.dir)?);
+            Ok(())
+        };
         let mut i = 0;
         while i < new.len() {
             let mut j = i + 1;
@@ -1299,9 +1303,8 @@ impl Cache {
                         // within one run's entries, or one object's alone.
                         let n: usize = packs.iter().map(|p| p.blobs.len()).sum();
                         if !pending.objects.is_empty() && pending.ents.len() + n > self.build_entries {
-                            match std::mem::take(&mut pending).write(&self.dir) {
-                                Ok(r) => runs.push(r),
-                                Err(e) => return Ok(Err(e)),
+                            if let Err(e) = write(&mut pending, &mut runs) {
+                                return Ok(Err(e));
                             }
                         }
                         pending.add(d, packs);
@@ -1314,9 +1317,8 @@ impl Cache {
             }
             i = j;
             if pending.ents.len() >= self.build_entries || (i == new.len() && !pending.objects.is_empty()) {
-                match std::mem::take(&mut pending).write(&self.dir) {
-                    Ok(r) => runs.push(r),
-                    Err(e) => return Ok(Err(e)),
+                if let Err(e) = write(&mut pending, &mut runs) {
+                    return Ok(Err(e));
                 }
             }
         }
