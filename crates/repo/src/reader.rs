@@ -863,6 +863,7 @@ pub fn snapshot_blkhash(repo: &Arc<Repository>, snap: &SnapshotInfo) -> Result<O
     if repo.config.chunk_size != 65536 || m.chunk_size != 65536 {
         return Ok(None);
     }
+    crate::repo::entry_list_fits(m.chunks(), &crate::repo::snap_object(snap), crate::memory::limit())?;
     let lazy = LazyIndex::new(repo);
     let mut h = crate::repo::BlkHasher::new(m.chunks(), m.size, m.chunk_size);
     let got = repo.each_page_entries(&lazy, snap, |_, page| {

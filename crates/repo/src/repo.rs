@@ -306,11 +306,30 @@ pub(crate) fn entry_list(chunks: u64, object: &str) -> Result<Vec<Digest>> {
 }
 
 pub(crate) fn entry_list_within(chunks: u64, object: &str, memory: Option<u64>) -> Result<Vec<Digest>> {
-    let bytes = chunks.saturating_mul(32);
-    let budget = memory.map_or(u64::MAX, |m| m / 2);
+    entry_list_fits(chunks, object, memory)?;
     let mut v: Vec<Digest> = Vec::new();
-    if bytes > budget || v.try_reserve_exact(chunks as usize).is_err() {
-        return Err(Error::Invalid(format!(
+    if v.try_reserve_exact(chunks as usize).is_err() {
+        return Err(too_large(chunks, object, memory));
+    }
+    Ok(v)
+}
+
+/// Whether a chunk list of `chunks` chunks would fit as [`entry_list_within`] requires,
+/// without allocating it: the same refusal for commands that walk the pages instead (a
+/// snapshot no image can open is not hashed either: a crafted manifest of 2^24 zero pages
+/// would take billions of steps).
+pub(crate) fn entry_list_fits(chunks: u64, object: &str, memory: Option<u64>) -> Result<()> {
+    let budget = memory.map_or(u64::MAX, |m| m / 2);
+    match chunks.saturating_mul(32) > budget {
+        true => Err(too_large(chunks, object, memory)),
+        false => Ok(()),
+    }
+}
+
+fn too_large(chunks: u64, object: &str, memory: Option<u64>) -> Error {
+    let bytes = chunks.saturating_mul(32);
+    {
+        Error::Invalid(format!(
             "{object} describes a disk of {chunks} chunks, whose list of chunk digests ({bytes} bytes) does not fit in \
              the memory this process may use ({}): read it on a machine with more memory, or raise the control \
              group's memory limit (or it is damaged: `ferry repo check`)",
@@ -318,9 +337,8 @@ pub(crate) fn entry_list_within(chunks: u64, object: &str, memory: Option<u64>) 
                 Some(m) => format!("{m} bytes, the machine's or its control group's limit"),
                 None => "unknown".into(),
             }
-        )));
+        ))
     }
-    Ok(v)
 }
 
 /// The index objects [`Repository::put_index_split`] makes of `packs`: ranges of them
@@ -1135,7 +1153,7 @@ impl Repository {
 
 /// The object a snapshot was read from: a checkpoint read as a snapshot has its object
 /// name as its id.
-fn snap_object(snap: &SnapshotInfo) -> String {
+pub(crate) fn snap_object(snap: &SnapshotInfo) -> String {
     if snap.id.contains('/') {
         snap.id.clone()
     } else {
