@@ -8,8 +8,9 @@
 //! there, before the read returns: no copy of it is made, and a chunk that fails its
 //! check fails the read. The requests of one NBD connection run side by side too:
 //! [`Backend::io_queue`] hands them to a pool of threads ([`pool_threads`]: one per core
-//! for a store on this machine, at least 8 for an object store's latency), answered in order; a small one whose chunks are all cached (or zero)
-//! is answered at once, on the connection's thread. Chunks read in part (small random
+//! for a store on this machine, at least 8 for an object store's latency), answered in
+//! order; a small one whose chunks are all cached (or zero) is answered at once, on the
+//! connection's thread. Chunks read in part (small random
 //! reads, as a VM booting from `ferry serve` makes) are kept, checked, in a cache shared
 //! by every thread, sized by the memory this process may use ([`default_cache_bytes`]);
 //! chunks read whole (a restore) are not, except by a served snapshot while its cache is
@@ -137,8 +138,8 @@ impl Shard {
     }
     /// Removes the least recently used chunk, its buffer kept as the spare; its length,
     /// and the spare it displaced, for the caller to free once the shard is unlocked (a
-    /// free may hand memory back to the kernel: a system call that hits of this shard
-    /// would wait on).
+    /// free may hand memory back to the kernel, a system call the hits of this shard
+    /// would otherwise wait on).
     fn evict(&mut self) -> Option<(u64, Option<Vec<u8>>)> {
         let (_, ci) = self.by_use.pop_first()?;
         let (c, _) = self.chunks.remove(&ci)?;
@@ -235,7 +236,8 @@ impl SnapshotImage {
         (self.size - ci * self.cs).min(self.cs) as usize
     }
 
-    /// The threads its connections' reads run on ([`pool_threads`] for its store).
+    /// The threads its connections' reads run on: one a core (at least 2) for a store on
+    /// this machine ([`crate::store::Store::local`]), at least 8 for any other.
     pub fn read_threads(&self) -> usize {
         pool_threads(self.repo.store.local())
     }
