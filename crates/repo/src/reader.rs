@@ -7,15 +7,21 @@
 //! restore's reads) is decoded straight into the reader's buffer and its digest checked
 //! there, before the read returns: no copy of it is made, and a chunk that fails its
 //! check fails the read. The requests of one NBD connection run side by side too:
-//! [`Backend::io_queue`] hands them to a pool of threads (one per core, more for an object
-//! store's latency), answered in order; a small one whose chunks are all cached (or zero)
-//! is answered at once, on the connection's thread. Chunks read in part (small random
+//! [`Backend::io_queue`] hands them to a pool of threads ([`pool_threads`]: one per core
+//! for a store on this machine, at least 8 for an object store's latency), answered in
+//! order; a small one whose chunks are all cached (or zero) is answered at once, on the
+//! connection's thread. Chunks read in part (small random
 //! reads, as a VM booting from `ferry serve` makes) are kept, checked, in a cache shared
 //! by every thread, sized by the memory this process may use ([`default_cache_bytes`]);
 //! chunks read whole (a restore) are not, except by a served snapshot while its cache is
 //! at most half full ([`SnapshotImage::keep_whole_reads`]). A chunk that fails its check is never cached.
 //! Once the cache is full, a miss decodes into the buffer of the chunk its shard last
-//! evicted: no allocation, and no fresh pages for the kernel to zero.
+//! evicted: the decoded chunk takes no new buffer, so no fresh pages for the kernel to
+//! zero. A miss still allocates the buffer the store reads the stored bytes into (their
+//! length: at most a chunk and a blob's header), in an encrypted repository the buffer
+//! they are decrypted into, and lists of a few words per chunk it wants (measured in
+//! docs/benchmarks-history.md §35: reading the stored bytes into a reused buffer changed
+//! neither the page faults nor the CPU of a miss).
 use crate::format::{self, BlobKind, Digest, ZERO};
 use crate::repo::{blkhash_of, pack_name, ChunkHints, Location, Repository, SnapshotInfo};
 use crate::runs::{BlobLookup, RunIndex};
@@ -24,7 +30,7 @@ use ferry_backend::{push_extent, Backend, Capabilities, Extent, IoQueue, DATA, H
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc, Condvar, Mutex, OnceLock, RwLock, Weak};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock, Weak};
 
 /// Cache shards (each with its own lock), and the fewest chunks each keeps.
 const SHARDS: usize = 16;
@@ -130,15 +136,16 @@ impl Shard {
         self.by_use.insert(t, ci);
         Some(c.clone())
     }
-    /// Removes the least recently used chunk, its buffer kept as the spare; its length.
-    fn evict(&mut self) -> Option<u64> {
+    /// Removes the least recently used chunk, its buffer kept as the spare; its length,
+    /// and the spare it displaced, for the caller to free once the shard is unlocked (a
+    /// free may hand memory back to the kernel, a system call the hits of this shard
+    /// would otherwise wait on).
+    fn evict(&mut self) -> Option<(u64, Option<Vec<u8>>)> {
         let (_, ci) = self.by_use.pop_first()?;
         let (c, _) = self.chunks.remove(&ci)?;
         let len = c.len() as u64;
-        if let Ok(v) = Arc::try_unwrap(c) {
-            self.spare = Some(v);
-        }
-        Some(len)
+        let displaced = Arc::try_unwrap(c).ok().and_then(|v| self.spare.replace(v));
+        Some((len, displaced))
     }
 }
 
@@ -229,6 +236,12 @@ impl SnapshotImage {
         (self.size - ci * self.cs).min(self.cs) as usize
     }
 
+    /// The threads its connections' reads run on: one a core (at least 2) for a store on
+    /// this machine ([`crate::store::Store::local`]), at least 8 for any other.
+    pub fn read_threads(&self) -> usize {
+        pool_threads(self.repo.store.local())
+    }
+
     /// Bytes in this image's cache.
     pub fn cached_bytes(&self) -> u64 {
         self.cached.load(Ordering::Relaxed)
@@ -240,6 +253,14 @@ impl SnapshotImage {
     pub(crate) fn cached_at(&self, ci: u64) -> Option<usize> {
         let s = self.cache[ci as usize % SHARDS].lock().unwrap_or_else(|e| e.into_inner());
         s.chunks.get(&ci).map(|(c, _)| c.as_ptr() as usize)
+    }
+
+    /// Where the spare buffer of chunk `ci`'s shard lies in memory, if it has one: for
+    /// tests of the reuse of evicted chunks' buffers.
+    #[cfg(test)]
+    pub(crate) fn spare_at(&self, ci: u64) -> Option<usize> {
+        let s = self.cache[ci as usize % SHARDS].lock().unwrap_or_else(|e| e.into_inner());
+        s.spare.as_ref().map(|v| v.as_ptr() as usize)
     }
 
     fn is_cached(&self, ci: u64) -> bool {
@@ -409,13 +430,17 @@ impl SnapshotImage {
             mine > MIN_CACHE_BYTES && self.shared.load(Ordering::Relaxed).saturating_add(len) > self.cache_budget
         };
         let cap = self.shard_cap();
+        let mut displaced = Vec::new();
         while s.chunks.len() >= cap || (!s.chunks.is_empty() && over(self.cached.load(Ordering::Relaxed))) {
-            let Some(freed) = s.evict() else { break };
+            let Some((freed, spare)) = s.evict() else { break };
             self.cached.fetch_sub(freed, Ordering::Relaxed);
             self.shared.fetch_sub(freed, Ordering::Relaxed);
+            displaced.extend(spare);
         }
         self.shared.fetch_add(len, Ordering::Relaxed);
         self.insert(&mut s, ci, chunk);
+        drop(s);
+        drop(displaced);
     }
 
     /// Puts a chunk into shard `s` (locked), the most recently used, and counts it in
@@ -881,42 +906,70 @@ pub fn snapshot_blkhash(repo: &Arc<Repository>, snap: &SnapshotInfo) -> Result<O
 type Job = Box<dyn FnOnce() + Send>;
 
 /// The threads that serve the [`IoQueue`]s of one image: they end when it is dropped
-/// (its sender with it) and the jobs in hand are done.
+/// and the jobs handed to them are done.
 struct Pool {
-    jobs: Mutex<mpsc::Sender<Job>>,
+    queue: Arc<JobQueue>,
+}
+
+/// The jobs not yet taken, and whether the pool is dropped. One lock and one condition:
+/// a job handed to an idle pool wakes one thread, which takes it (a channel's receiver,
+/// shared behind a lock, woke a second thread for each job, to wait in its place).
+#[derive(Default)]
+struct JobQueue {
+    jobs: Mutex<(VecDeque<Job>, bool)>,
+    cv: Condvar,
 }
 
 impl Pool {
     /// `threads` threads, or `None` when none could be started.
     fn start(threads: usize) -> Option<Pool> {
-        let (tx, rx) = mpsc::channel::<Job>();
-        let rx = Arc::new(Mutex::new(rx));
+        let queue = Arc::new(JobQueue::default());
         let mut started = 0;
         for i in 0..threads {
-            let rx = rx.clone();
+            let q = queue.clone();
             let t = std::thread::Builder::new().name(format!("repo-read-{i}")).spawn(move || loop {
                 // The lock is held only to take a job, not while it runs.
-                let job = rx.lock().unwrap_or_else(|e| e.into_inner()).recv();
-                match job {
-                    Ok(job) => job(),
-                    Err(_) => return,
-                }
+                let mut g = q.jobs.lock().unwrap_or_else(|e| e.into_inner());
+                let job = loop {
+                    match g.0.pop_front() {
+                        Some(job) => break job,
+                        None if g.1 => return,
+                        None => g = q.cv.wait(g).unwrap_or_else(|e| e.into_inner()),
+                    }
+                };
+                drop(g);
+                job();
             });
             started += usize::from(t.is_ok());
         }
-        (started > 0).then(|| Pool { jobs: Mutex::new(tx) })
+        (started > 0).then_some(Pool { queue })
     }
 
-    /// Hands `job` to a thread; it comes back if none is left to take it.
-    fn submit(&self, job: Job) -> std::result::Result<(), Job> {
-        self.jobs.lock().unwrap_or_else(|e| e.into_inner()).send(job).map_err(|e| e.0)
+    /// Hands `job` to a thread.
+    fn submit(&self, job: Job) {
+        self.queue.jobs.lock().unwrap_or_else(|e| e.into_inner()).0.push_back(job);
+        self.queue.cv.notify_one();
     }
 }
 
-/// Threads for a snapshot's reads: decoding is CPU work, so one per core; reads of an
-/// object store wait on the network, so at least 8.
-pub(crate) fn pool_threads() -> usize {
-    std::thread::available_parallelism().map_or(4, |n| n.get()).clamp(crate::repo::FETCH_THREADS, 32)
+impl Drop for Pool {
+    /// The threads take the jobs left, then end.
+    fn drop(&mut self) {
+        self.queue.jobs.lock().unwrap_or_else(|e| e.into_inner()).1 = true;
+        self.queue.cv.notify_all();
+    }
+}
+
+/// Threads for a snapshot's reads, from a store on this machine or not
+/// ([`crate::store::Store::local`]). Decoding and checking a chunk is CPU work: from a
+/// local store, one thread per core (at least 2, so that one reads while another
+/// decodes), as more threads than cores only wake and wait on each other (on 2 cores, 2
+/// threads served 4 KiB random misses faster than 8: docs/benchmarks-history.md §39).
+/// An object store's reads wait on the network: at least [`crate::repo::FETCH_THREADS`]
+/// in flight. At most 32.
+pub(crate) fn pool_threads(local: bool) -> usize {
+    let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
+    cores.clamp(if local { 2 } else { crate::repo::FETCH_THREADS }, 32)
 }
 
 /// A read in flight: its buffer and result once done.
@@ -976,15 +1029,11 @@ impl IoQueue for ReadQueue {
                 });
             slot.finish(buf, r);
         });
-        let job = match self.image.pool.get().and_then(Option::as_ref) {
-            Some(pool) => match pool.submit(job) {
-                Ok(()) => return,
-                Err(job) => job,
-            },
-            None => job,
-        };
-        // No pool to take it: read here.
-        job();
+        match self.image.pool.get().and_then(Option::as_ref) {
+            Some(pool) => pool.submit(job),
+            // No pool to take it: read here.
+            None => job(),
+        }
     }
     fn submit_write(&mut self, buf: Vec<u8>, offset: u64) {
         // Wrapped in ferry_backend::read_only_queue: never called.
@@ -1093,7 +1142,7 @@ impl Backend for SnapshotImage {
     /// The requests of one connection read side by side on a pool of threads.
     fn io_queue(&self) -> Option<Box<dyn IoQueue>> {
         let image = self.me.upgrade()?;
-        self.pool.get_or_init(|| Pool::start(pool_threads())).as_ref()?;
+        self.pool.get_or_init(|| Pool::start(self.read_threads())).as_ref()?;
         Some(ferry_backend::read_only_queue(Box::new(ReadQueue { image, pending: VecDeque::new() })))
     }
     fn flush(&self) -> ferry_backend::Result<()> {

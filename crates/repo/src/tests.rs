@@ -1505,11 +1505,23 @@ struct Gate {
     cv: std::sync::Condvar,
     want: usize,
     met: std::sync::atomic::AtomicBool,
+    /// What [`Store::local`] says (the memory store behind it is local either way).
+    local: bool,
+}
+
+impl Gate {
+    /// A gate before `inner` for `want` ranged reads at once, closed (reads wait).
+    fn new(inner: Arc<MemStore>, want: usize, local: bool) -> Gate {
+        Gate { inner, inside: Mutex::new(0), cv: std::sync::Condvar::new(), want, met: false.into(), local }
+    }
 }
 
 impl Store for Gate {
     fn describe(&self) -> String {
         self.inner.describe()
+    }
+    fn local(&self) -> bool {
+        self.local
     }
     fn get(&self, name: &str, limit: u64) -> std::io::Result<Vec<u8>> {
         self.inner.get(name, limit)
@@ -1550,13 +1562,7 @@ fn a_connections_reads_run_side_by_side_in_order() {
     let (store, repo) = new_repo(false);
     let data = disk(4 << 20, 7);
     let snap = backup(&repo, "d", &data, None);
-    let gate = Arc::new(Gate {
-        inner: store,
-        inside: Mutex::new(0),
-        cv: std::sync::Condvar::new(),
-        want: 4,
-        met: false.into(),
-    });
+    let gate = Arc::new(Gate::new(store, 4, false));
     let repo = Arc::new(Repository::open(gate.clone(), &|| unreachable!()).unwrap());
     let img = SnapshotImage::open(repo, &snap).unwrap();
     let mut q = img.io_queue().expect("a snapshot reads a connection's requests side by side");

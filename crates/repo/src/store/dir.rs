@@ -23,6 +23,18 @@ const MAX_DEPTH: usize = 4;
 pub struct DirStore {
     root: PathBuf,
     dir: OwnedFd,
+    /// Not on a network file system ([`Store::local`]).
+    local: bool,
+}
+
+/// The `statfs` magic numbers of file systems whose reads may cross a network: NFS, SMB
+/// (CIFS and SMB2), 9p, Ceph, AFS and FUSE (sshfs, s3fs and the like).
+const NETWORK_FS: [u32; 7] = [0x6969, 0xFF53_4D42, 0xFE53_4D42, 0x0102_1997, 0x00C3_6400, 0x5346_414F, 0x6573_5546];
+
+/// Whether the file system of `dir` is one of [`NETWORK_FS`] (false where it cannot be told).
+fn on_network_fs(dir: BorrowedFd<'_>) -> bool {
+    // The magic number is 32 bits wide, whatever the width of the field holding it.
+    rustix::fs::fstatfs(dir).is_ok_and(|st| NETWORK_FS.contains(&(st.f_type as u64 as u32)))
 }
 
 fn dir_flags() -> OFlags {
@@ -40,7 +52,8 @@ impl DirStore {
     pub fn open(root: &Path) -> io::Result<DirStore> {
         let dir = rustix::fs::open(root, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())
             .map_err(|e| ctx(e, format!("cannot open the repository directory {}", root.display())))?;
-        Ok(DirStore { root: root.to_path_buf(), dir })
+        let local = !on_network_fs(dir.as_fd());
+        Ok(DirStore { root: root.to_path_buf(), dir, local })
     }
 
     /// Makes `root` (and its parents), which must be absent or an empty directory.
@@ -241,6 +254,11 @@ fn create_temp(at: BorrowedFd<'_>) -> io::Result<(File, String)> {
 impl Store for DirStore {
     fn describe(&self) -> String {
         self.root.display().to_string()
+    }
+
+    /// A directory on this machine's disks; not one on a network file system.
+    fn local(&self) -> bool {
+        self.local
     }
 
     fn get(&self, name: &str, limit: u64) -> io::Result<Vec<u8>> {

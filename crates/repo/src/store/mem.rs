@@ -48,6 +48,9 @@ impl Store for MemStore {
     fn describe(&self) -> String {
         "memory store".into()
     }
+    fn local(&self) -> bool {
+        true
+    }
     fn get(&self, name: &str, limit: u64) -> io::Result<Vec<u8>> {
         let m = self.objects.lock().unwrap();
         let v = m.get(name).ok_or_else(|| not_found(name))?;

@@ -59,6 +59,13 @@ pub trait Store: Send + Sync {
     fn remove_partial(&self, _prefix: &str, _min_age: std::time::Duration) -> io::Result<(u64, u64)> {
         Ok((0, 0))
     }
+    /// Whether reads are served by this machine's own storage (a directory, memory), with
+    /// no network round trip to wait out: a reader then needs about one thread per core,
+    /// where an object store's latency needs many requests in flight. False unless the
+    /// store says so (the many threads are right for a store of unknown kind).
+    fn local(&self) -> bool {
+        false
+    }
 }
 
 /// Whether `name` is an object name a store accepts: non-empty `/`-separated segments of

@@ -2,10 +2,11 @@
 //! buffer (a restore), small reads through the cache from many threads, and none of it
 //! at the cost of a byte unchecked.
 use super::{backup, disk, new_repo, where_is, Gate, CS};
+use crate::store::Store;
 use crate::{Repository, SnapshotImage};
 use ferry_backend::Backend;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const MIB: usize = 1 << 20;
@@ -268,14 +269,8 @@ fn cached_reads_are_answered_while_the_pool_waits() {
     let snap = backup(&repo, "d", &data, None);
     // Ranged reads wait until one more than the pool's threads are in at once: never,
     // so each waits 5 s (opening the image and the first read too).
-    let threads = crate::reader::pool_threads();
-    let gate = Arc::new(Gate {
-        inner: store,
-        inside: Mutex::new(0),
-        cv: Condvar::new(),
-        want: threads + 1,
-        met: false.into(),
-    });
+    let threads = crate::reader::pool_threads(false);
+    let gate = Arc::new(Gate::new(store, threads + 1, false));
     let repo = Arc::new(Repository::open(gate.clone(), &|| unreachable!()).unwrap());
     let img = SnapshotImage::open(repo, &snap).unwrap();
     // Chunk 1 read in part: cached (its read waits out the gate).
@@ -345,14 +340,20 @@ fn a_miss_of_a_full_cache_decodes_into_an_evicted_chunk_s_buffer() {
         read(c).unwrap();
     }
     let first = img.cached_at(shard[0] as u64).expect("chunk cached");
-    // The 17th evicts the first (the least recently used); the 18th is decoded into its buffer.
+    let second = img.cached_at(shard[1] as u64).expect("chunk cached");
+    assert_eq!(img.spare_at(0), None, "no chunk evicted yet");
+    // The 17th evicts the first (the least recently used), whose buffer the shard keeps.
     read(shard[16]).unwrap();
     assert_eq!(img.cached_at(shard[0] as u64), None);
-    // Were the buffer freed, this allocation of its size would take it.
+    assert_eq!(img.spare_at(0), Some(first), "the evicted chunk's buffer was not kept");
+    // The 18th is decoded into it, and evicts the second, whose buffer is the next spare.
+    // (Were the spare dropped instead, its memory could come back for the new chunk: the
+    // allocation here takes it, so that only the reuse puts the chunk at `first`.)
     let other = vec![1u8; CS];
     read(shard[17]).unwrap();
     assert_ne!(other.as_ptr() as usize, first);
     assert_eq!(img.cached_at(shard[17] as u64), Some(first), "the evicted chunk's buffer was not reused");
+    assert_eq!(img.spare_at(0), Some(second), "the spare was not taken by the miss");
     // A damaged chunk decoded into a lent buffer (shard[1]'s, evicted by shard[17]) fails
     // its check each time, and is never cached.
     let (pack, at) = where_is(&repo, &snap, shard[18]);
@@ -363,4 +364,68 @@ fn a_miss_of_a_full_cache_decodes_into_an_evicted_chunk_s_buffer() {
         assert_eq!(img.cached_at(shard[18] as u64), None);
     }
     assert!(img.cached_bytes() <= crate::MIN_CACHE_BYTES);
+}
+
+/// The read pool is sized by the store: one thread per core (at least 2) for a store on
+/// this machine (a directory, memory), where more threads only contend for the cores; at
+/// least 8 for an object store, whose reads wait on the network.
+#[test]
+fn the_read_pool_is_sized_by_the_store() {
+    let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
+    assert_eq!(crate::reader::pool_threads(true), cores.clamp(2, 32));
+    assert_eq!(crate::reader::pool_threads(false), cores.clamp(crate::repo::FETCH_THREADS, 32));
+    // A memory store and a directory (not on a network file system) are local.
+    let (store, repo) = new_repo(false);
+    assert!(store.local());
+    let snap = backup(&repo, "d", &disk(MIB, 3), None);
+    assert_eq!(SnapshotImage::open(repo, &snap).unwrap().read_threads(), cores.clamp(2, 32));
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(crate::store::DirStore::create(&dir.path().join("r")).unwrap());
+    assert!(store.local(), "a temporary directory counts as a network file system");
+    let repo = Arc::new(Repository::init(store, &super::init_opts(false)).unwrap());
+    let snap = backup(&repo, "d", &disk(MIB, 3), None);
+    assert_eq!(SnapshotImage::open(repo, &snap).unwrap().read_threads(), cores.clamp(2, 32));
+    // An S3 store (opening one sends no request) and a store of unknown kind are not.
+    let cfg = ferry_s3::S3Config::with_endpoint("http://127.0.0.1:9", "key", "secret", "us-east-1");
+    let s3 = crate::store::S3Store::open("s3://bucket/repo", &cfg, &Default::default()).unwrap();
+    assert!(!s3.local());
+    let (store, repo) = new_repo(false);
+    let snap = backup(&repo, "d", &disk(MIB, 3), None);
+    let gate = Arc::new(Gate::new(store, 1, false));
+    assert!(!gate.local());
+    let repo = Arc::new(Repository::open(gate, &|| unreachable!()).unwrap());
+    let threads = SnapshotImage::open(repo, &snap).unwrap().read_threads();
+    assert!(threads >= crate::repo::FETCH_THREADS, "{threads} threads for a store of unknown kind");
+}
+
+/// The misses of one connection run side by side on a local store's pool too (one
+/// thread a core, at least 2): every thread of it is in the store at once. Were they run
+/// one at a time, each would wait out the store's gate (5 s).
+#[test]
+fn misses_run_side_by_side_on_a_local_store_s_pool() {
+    let (store, repo) = new_repo(false);
+    let data = disk(8 * MIB, 22);
+    let snap = backup(&repo, "d", &data, None);
+    let threads = crate::reader::pool_threads(true);
+    // Open while the gate stands open; then ranged reads wait until `threads` are in.
+    let gate = Arc::new(Gate::new(store, threads, true));
+    gate.met.store(true, Ordering::SeqCst);
+    let repo = Arc::new(Repository::open(gate.clone(), &|| unreachable!()).unwrap());
+    let img = SnapshotImage::open(repo, &snap).unwrap();
+    assert_eq!(img.read_threads(), threads);
+    gate.met.store(false, Ordering::SeqCst);
+    let mut q = img.io_queue().unwrap();
+    // One small read of each of `threads` data chunks (every fifth chunk is zero).
+    let chunks: Vec<usize> = (0..data.len() / CS).filter(|c| c % 5 != 0).take(threads).collect();
+    let t = Instant::now();
+    for &c in &chunks {
+        q.submit_read(vec![0; 4096], (c * CS + 512) as u64);
+    }
+    for &c in &chunks {
+        let (buf, r) = q.complete().unwrap();
+        r.unwrap();
+        assert!(buf[..] == data[c * CS + 512..c * CS + 512 + 4096], "chunk {c}");
+    }
+    assert!(t.elapsed() < Duration::from_secs(4), "the misses ran one at a time: {:?}", t.elapsed());
+    assert!(gate.met.load(Ordering::SeqCst));
 }
