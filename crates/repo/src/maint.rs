@@ -2917,7 +2917,7 @@ fn hidden_by_migration(snaps: &[SnapshotInfo], paged: Vec<String>) -> Vec<(Strin
 /// What gc names for page `d` that failed and that no snapshot or checkpoint it keeps
 /// lists: the manifest from before a migration that lists it (read again), else what
 /// gc knows of where it came from.
-fn failed_page_object(repo: &Repository, hidden: &[(String, String)], d: &Digest) -> String {
+pub(crate) fn failed_page_object(repo: &Repository, hidden: &[(String, String)], d: &Digest) -> String {
     let page = format::hex(d);
     let migrated = |(old, new): &(String, String)| match new.is_empty() {
         true => format!("snapshots/{old}"),

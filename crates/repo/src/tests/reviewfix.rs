@@ -161,3 +161,24 @@ fn verify_keeps_a_bounded_number_of_damaged_blob_ids_and_counts_the_rest() {
     let want = format!("{} more damaged cop(ies) of chunks were counted", copies - packs);
     assert!(v.notes.iter().any(|n| n.starts_with(&want)), "{want} ({packs} packs): {:?}", v.notes);
 }
+
+/// A failed page that no kept snapshot lists, where no manifest was hidden by a
+/// migration, is named as what it is, not as "a migrated snapshot" (main's words for
+/// every such page); one hidden manifest that no longer lists it is named with its
+/// migration.
+#[test]
+fn gc_names_a_failed_page_no_snapshot_lists_without_calling_it_migrated() {
+    let (_, repo) = new_repo(false);
+    let d = [7u8; 32];
+    let e = crate::maint::failed_page_object(&repo, &[], &d);
+    assert!(e.contains(&crate::format::hex(&d)) && e.contains("no snapshot or checkpoint lists now"), "{e}");
+    assert!(!e.contains("migrat"), "{e}");
+    let hidden = [("0a".repeat(32), "0b".repeat(32))];
+    let e = crate::maint::failed_page_object(&repo, &hidden, &d);
+    let want = format!(
+        "snapshots/{} (the manifest from before its migration to snapshot {}), removed since",
+        "0a".repeat(32),
+        "0b".repeat(32)
+    );
+    assert!(e.contains(&want), "{e}");
+}
