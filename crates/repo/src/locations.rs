@@ -298,11 +298,17 @@ impl Locations {
 
     /// Joins the locations with the chunks the pages use (records of [`use_record`]) and
     /// the places their hints name ([`hint_record`]), each sorted by id.
-    /// Of the used chunks in no index object, the first `held` (by id) are listed; every
-    /// one is counted per snapshot.
-    pub fn join(&self, uses: Sorter<USE>, hints: Sorter<HINT>, held: usize) -> Result<Joined> {
+    /// Of the used chunks in no index object, the first `held` (by id) are listed, the
+    /// others given to `more`; every one is counted per snapshot.
+    pub fn join(
+        &self,
+        uses: Sorter<USE>,
+        hints: Sorter<HINT>,
+        (held, more): (usize, &mut Sorter<32>),
+    ) -> Result<Joined> {
         let mut s = Streams {
             held,
+            more,
             uses: uses.finish()?,
             next_use: None,
             hints: hints.finish()?,
@@ -388,8 +394,10 @@ pub(crate) struct Joined {
     pub hints_written: crate::spill::Written,
 }
 
-struct Streams {
+struct Streams<'a> {
     held: usize,
+    /// The used chunks in no index object past the first `held`.
+    more: &'a mut Sorter<32>,
     uses: Sorted<USE>,
     next_use: Option<[u8; USE]>,
     hints: Sorted<HINT>,
@@ -397,7 +405,7 @@ struct Streams {
     joined: Joined,
 }
 
-impl Streams {
+impl Streams<'_> {
     /// Takes the records of the ids up to `id` (every one left where `None`), whose
     /// locations are `group`: those of smaller ids have none.
     fn upto(&mut self, id: Option<&Digest>, group: &[Loc]) -> Result<()> {
@@ -413,6 +421,8 @@ impl Streams {
                 at.1 += 1;
                 if self.joined.missing.len() < self.held {
                     self.joined.missing.push((position, snap, this));
+                } else {
+                    self.more.push(this)?;
                 }
             }
             // The id's later records (other pages that use it) add nothing.

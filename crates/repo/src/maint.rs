@@ -40,10 +40,13 @@ pub(crate) struct Held {
     pub(crate) chunks: usize,
     /// Ranges of one snapshot listed in a problem's hits ([`RANGES_KEPT`]).
     pub(crate) ranges: usize,
+    /// Damaged blob ids verify keeps of the packs it reads at once (the rest counted),
+    /// and lists in its damage records.
+    pub(crate) ids: usize,
 }
 
-/// 256k chunks (about 16 MB) and [`RANGES_KEPT`] ranges.
-pub(crate) const DAMAGE_HELD: Held = Held { chunks: 1 << 18, ranges: RANGES_KEPT };
+/// 256k chunks (about 16 MB), [`RANGES_KEPT`] ranges and 256k blob ids.
+pub(crate) const DAMAGE_HELD: Held = Held { chunks: 1 << 18, ranges: RANGES_KEPT, ids: 1 << 18 };
 
 #[derive(Debug, Default, Serialize)]
 pub struct Report {
@@ -122,46 +125,85 @@ pub(crate) struct Spilled {
 impl Walk {
     /// Blob `id` is damaged or missing, a part of problem `p`: held to be traced to the
     /// snapshots that read it, while fewer than `held` are; else counted.
-    fn mark_damaged(&mut self, id: Digest, p: usize) {
-        mark_damaged(&mut self.damaged, &mut self.untraced, self.held.chunks, id, p);
+    fn mark_damaged(&mut self, id: Digest, p: usize) -> Result<()> {
+        mark_damaged(&mut self.damaged, &mut self.untraced, self.held.chunks, id, p)
     }
 }
 
-/// The damaged or missing blobs that were counted, not traced to snapshots (past what is
+/// The damaged or missing chunks that were counted, not traced to snapshots (past what is
 /// held), and the problems they belong to: a problem with one of them may be read by a
 /// snapshot though none was found to (so recorded damage is never said to be unread).
-#[derive(Debug, Default)]
+/// Their ids go to a sorter (to a file past its budget), so that each chunk is counted
+/// once however many of its copies are damaged or problems name it.
 struct Untraced {
-    n: u64,
+    ids: Sorter<32>,
     problems: HashSet<usize>,
+    /// Damaged copies past the ids a pack keeps ([`verify_pack`]): counted, not told
+    /// apart by chunk.
+    copies: u64,
 }
 
 impl Untraced {
-    fn add(&mut self, p: usize) {
-        self.n += 1;
-        self.problems.insert(p);
+    fn new(locs: &Locations) -> Untraced {
+        let ids = locs.sorter::<32>("the damaged chunks not traced to snapshots").once_per_key(32);
+        Untraced { ids, problems: HashSet::new(), copies: 0 }
+    }
+
+    /// Chunk `id`, of problem `p` where it has one that a recorded damage may clear.
+    fn add(&mut self, id: Digest, p: Option<usize>) -> Result<()> {
+        self.ids.push(id)?;
+        self.problems.extend(p);
+        Ok(())
+    }
+
+    /// How many distinct chunks were counted.
+    fn count(self) -> Result<u64> {
+        let mut ids = self.ids.finish()?;
+        let mut n = 0u64;
+        while ids.next()?.is_some() {
+            n += 1;
+        }
+        Ok(n)
     }
 }
 
 /// [`Walk::mark_damaged`] on its fields (for callers that hold others borrowed).
-fn mark_damaged(damaged: &mut HashMap<Digest, usize>, untraced: &mut Untraced, held: usize, id: Digest, p: usize) {
+fn mark_damaged(
+    damaged: &mut HashMap<Digest, usize>,
+    untraced: &mut Untraced,
+    held: usize,
+    id: Digest,
+    p: usize,
+) -> Result<()> {
     if damaged.len() < held || damaged.contains_key(&id) {
         damaged.insert(id, p);
+        Ok(())
     } else {
-        untraced.add(p);
+        untraced.add(id, Some(p))
     }
 }
 
-/// The note that says how many damaged chunks were not traced to snapshots.
-fn untraced_note(r: &mut Report, w: &Walk) {
-    if w.untraced.n > 0 {
+/// The note that says how many damaged chunks were not traced to snapshots (each chunk
+/// once, however many of its copies are damaged).
+fn untraced_note(r: &mut Report, w: Walk) -> Result<()> {
+    let held = w.held.chunks;
+    let copies = w.untraced.copies;
+    if copies > 0 {
         r.notes.push(format!(
-            "{} more damaged or missing chunk(s) were counted but not traced to the snapshots that read them (the \
-             first {} were, to keep memory bounded): the snapshots listed may not be all that are affected; run \
-             check again once the damage above is repaired",
-            w.untraced.n, w.held.chunks
+            "{copies} more damaged cop(ies) of chunks were counted but neither listed nor traced to snapshots (their \
+             packs have more damaged blobs than verify keeps, to keep memory bounded): the damage records list part \
+             of them; run verify again once the damage above is repaired"
         ));
     }
+    let n = w.untraced.count()?;
+    if n > 0 {
+        r.notes.push(format!(
+            "{n} more damaged or missing chunk(s) (distinct chunks, not copies) were counted but not traced to the \
+             snapshots that read them (the first {held} were, to keep memory bounded): the snapshots listed may not \
+             be all that are affected; run check again once the damage above is repaired"
+        ));
+    }
+    Ok(())
 }
 
 impl Spilled {
@@ -271,9 +313,10 @@ fn chunk_range(snap: &SnapshotInfo, first: u64, count: u64) -> (u64, u64) {
 
 /// Adds to each problem the ranges of every snapshot that read one of its blobs: a
 /// second pass over the pages, made only when there is damage.
-fn attribute(repo: &Repository, w: &Walk, problems: &mut [Problem]) {
+fn attribute(repo: &Repository, w: &Walk, problems: &mut [Problem]) -> Capped {
+    let mut capped = Capped::default();
     if w.damaged.is_empty() {
-        return;
+        return capped;
     }
     // Per distinct page: which of its entries are damaged (computed once however many
     // snapshots share the page). A page itself damaged hits its whole range below.
@@ -292,6 +335,12 @@ fn attribute(repo: &Repository, w: &Walk, problems: &mut [Problem]) {
             }
         }
     });
+    // The whole report lists at most `cap` ranges in its problems' hits and `cap` counts
+    // in their more_hits (one per problem and snapshot): past them, a problem's ranges
+    // are counted in `capped` alone, however many snapshots read damage.
+    let cap = w.held.chunks;
+    let listed_all = std::cell::Cell::new(0usize);
+    let mut counted_all = 0usize;
     for (s, sp) in w.snaps.iter().zip(&w.snap_pages) {
         let pe = s.manifest.page_entries as u64;
         let chunks = s.manifest.chunks();
@@ -302,9 +351,10 @@ fn attribute(repo: &Repository, w: &Walk, problems: &mut [Problem]) {
         let mut open: BTreeMap<usize, ((u64, u64), usize, u64, u64)> = BTreeMap::new();
         let close = |problems: &mut [Problem], p: usize, (first, count): (u64, u64), listed: &mut usize| {
             let (off, len) = chunk_range(s, first, count);
-            if *listed < kept {
+            if *listed < kept && listed_all.get() < cap {
                 problems[p].hits.push((s.id.clone(), s.manifest.name.clone(), off, len));
                 *listed += 1;
+                listed_all.set(listed_all.get() + 1);
                 None
             } else {
                 Some(len)
@@ -342,11 +392,40 @@ fn attribute(repo: &Repository, w: &Walk, problems: &mut [Problem]) {
                 more += 1;
                 more_bytes += len;
             }
-            if more > 0 {
+            if more > 0 && counted_all < cap {
                 problems[p].more_hits.push((s.id.clone(), s.manifest.name.clone(), more, more_bytes));
+                counted_all += 1;
+            } else if more > 0 {
+                capped.ranges += more;
+                capped.problems.insert(p);
             }
         }
     }
+    capped
+}
+
+/// The damaged ranges that [`attribute`] counted but gave no snapshot (past what the
+/// report holds), and the problems they belong to.
+#[derive(Default)]
+struct Capped {
+    ranges: u64,
+    problems: HashSet<usize>,
+}
+
+/// Attributes the damage to the snapshots that read it ([`attribute`]); a problem whose
+/// ranges were counted past what is held may be read by more snapshots than listed, so
+/// recorded damage among them stays a problem; says so in a note.
+fn attribute_and_say(repo: &Repository, w: &mut Walk, r: &mut Report) {
+    let capped = attribute(repo, w, &mut r.problems);
+    if capped.ranges > 0 {
+        r.notes.push(format!(
+            "{} more damaged range(s) were counted but not given to the snapshots that read them (past the {} \
+             ranges a report lists, to keep memory bounded): more snapshots than listed may be affected; run check \
+             again once the damage above is repaired",
+            capped.ranges, w.held.chunks
+        ));
+    }
+    w.untraced.problems.extend(capped.problems);
 }
 
 /// A page's entries, or why it could not be read, shared by the cache and its readers.
@@ -492,7 +571,8 @@ pub(crate) fn check_walk_held(repo: &Repository, budget: usize, held: Held) -> R
     }
     // A lost pack whose every blob has a good copy elsewhere (a backup stored them again)
     // loses nothing: gc drops it from the index.
-    let found = index_damage(&locs, &damage, &listed, &bad_packs, held.chunks)?;
+    let mut untraced = Untraced::new(&locs);
+    let found = index_damage(&locs, &damage, &listed, &bad_packs, (held.chunks, &mut untraced))?;
     for (pack, p) in &bad_packs {
         if !found.unhealed.contains(pack) {
             r.problems[*p].why.push_str(
@@ -506,10 +586,10 @@ pub(crate) fn check_walk_held(repo: &Repository, budget: usize, held: Held) -> R
     // A blob is lost only when every copy of it is in a missing or short pack (or, below,
     // recorded damaged).
     let mut damaged: HashMap<Digest, usize> = HashMap::new();
-    let mut untraced = Untraced { n: found.lost_more, ..Untraced::default() };
-    let recorded = recorded_problems(&mut r, &damage, &found.only, &listed, (&mut damaged, &mut untraced, held.chunks));
+    let recorded =
+        recorded_problems(&mut r, &damage, &found.only, &listed, (&mut damaged, &mut untraced, held.chunks))?;
     for (id, pack) in &found.lost {
-        mark_damaged(&mut damaged, &mut untraced, held.chunks, *id, bad_packs[pack]);
+        mark_damaged(&mut damaged, &mut untraced, held.chunks, *id, bad_packs[pack])?;
     }
     let snap_pages = snapshot_pages(repo, &snaps)?;
     let mut walk = Walk {
@@ -718,14 +798,14 @@ fn walk_pages(
                                 p
                             }
                         };
-                        w.mark_damaged(id, p);
+                        w.mark_damaged(id, p)?;
                     }
                 }
             }
             k = end;
         }
     }
-    let joined = w.locs.join(uses, hints, w.held.chunks)?;
+    let joined = w.locs.join(uses, hints, (w.held.chunks, &mut w.untraced.ids))?;
     w.spilled.uses += joined.uses_written;
     w.spilled.hints += joined.hints_written;
     // A chunk in no index object: a problem of the snapshot that uses it first (at the
@@ -739,10 +819,9 @@ fn walk_pages(
             sw.missing_count = n;
         }
     }
-    w.untraced.n += joined.missing_by_snap.values().map(|(_, n)| n).sum::<u64>() - joined.missing.len() as u64;
     for (_, si, eid) in &joined.missing {
         if let Some(p) = walks[*si as usize].as_ref().and_then(|sw| sw.missing) {
-            w.mark_damaged(*eid, p);
+            w.mark_damaged(*eid, p)?;
         }
     }
     unknown_hints.1.extend(joined.stale_reads);
@@ -793,11 +872,13 @@ struct IndexDamage {
     /// The bad packs that hold a blob with no good copy in another pack.
     unhealed: HashSet<u32>,
     /// The blobs whose every copy is in a bad pack, each with the pack of the copy a
-    /// reader tries first: the first `held` of [`index_damage`], and how many more.
+    /// reader tries first: the first `held` of [`index_damage`] (the others are given to
+    /// its `untraced`).
     lost: Vec<(Digest, u32)>,
-    lost_more: u64,
-    /// Per recorded pack in the store: its recorded blobs that have no good copy, sorted.
-    only: HashMap<Digest, Vec<Digest>>,
+    /// Per recorded pack in the store: its recorded blobs that have no good copy, sorted
+    /// (the first `held` of [`index_damage`] in all), and how many more it has (given to
+    /// its `untraced`).
+    only: HashMap<Digest, (Vec<Digest>, u64)>,
 }
 
 fn index_damage(
@@ -805,7 +886,7 @@ fn index_damage(
     damage: &DamageSet,
     listed: &HashMap<String, u64>,
     bad_packs: &HashMap<u32, usize>,
-    held: usize,
+    (held, untraced): (usize, &mut Untraced),
 ) -> Result<IndexDamage> {
     let mut out = IndexDamage::default();
     let present: Vec<bool> = locs.packs.iter().map(|p| listed.contains_key(&pack_name(p))).collect();
@@ -815,6 +896,7 @@ fn index_damage(
         return Ok(out);
     }
     let bad = |l: &Loc| bad_packs.contains_key(&l.pack);
+    let mut only_held = 0usize;
     let recorded = |l: &Loc| records[l.pack as usize].is_some_and(|c| c.blobs.contains(&l.id));
     locs.each_id(|g| {
         if g.iter().any(bad) {
@@ -822,20 +904,31 @@ fn index_damage(
                 out.unhealed.extend(g.iter().filter(|l| bad(l)).map(|l| l.pack));
             }
             if g.iter().all(bad) && out.lost.len() >= held {
-                out.lost_more += 1;
+                untraced.add(g[0].id, None)?;
             } else if g.iter().all(bad) {
                 let first = g.iter().find(|l| !recorded(l)).unwrap_or(&g[0]);
                 out.lost.push((g[0].id, first.pack));
             }
         }
         if records_here && !g.iter().any(|l| !recorded(l) && present[l.pack as usize]) {
+            let mut past = false;
             for l in g.iter().filter(|l| recorded(l) && present[l.pack as usize]) {
-                out.only.entry(locs.packs[l.pack as usize]).or_default().push(l.id);
+                let (ids, more) = out.only.entry(locs.packs[l.pack as usize]).or_default();
+                if only_held < held {
+                    ids.push(l.id);
+                    only_held += 1;
+                } else {
+                    *more += 1;
+                    past = true;
+                }
+            }
+            if past {
+                untraced.add(g[0].id, None)?;
             }
         }
         Ok(())
     })?;
-    for v in out.only.values_mut() {
+    for (v, _) in out.only.values_mut() {
         v.sort_unstable();
         v.dedup();
     }
@@ -848,10 +941,10 @@ fn index_damage(
 fn recorded_problems(
     r: &mut Report,
     damage: &DamageSet,
-    only: &HashMap<Digest, Vec<Digest>>,
+    only: &HashMap<Digest, (Vec<Digest>, u64)>,
     listed: &HashMap<String, u64>,
     (damaged, untraced, held): (&mut HashMap<Digest, usize>, &mut Untraced, usize),
-) -> Vec<usize> {
+) -> Result<Vec<usize>> {
     let mut out = Vec::new();
     let mut packs: Vec<(&Digest, &DamagedCopies)> = damage.packs.iter().collect();
     packs.sort_by_key(|(p, _)| **p);
@@ -863,8 +956,8 @@ fn recorded_problems(
         let found = format!("recorded damaged by `ferry repo verify` at {}: {}", copies.time, copies.why);
         // A blob with no good copy: each of its copies, this one among them, is recorded
         // damaged or in a pack missing from the store ([`index_damage`] found them).
-        let only: &[Digest] = only.get(pack).map_or(&[], |v| v.as_slice());
-        if only.is_empty() {
+        let (only, more): (&[Digest], u64) = only.get(pack).map_or((&[], 0), |(v, more)| (v.as_slice(), *more));
+        if only.is_empty() && more == 0 {
             let what = if copies.blobs.is_empty() {
                 "its chunks read well: `ferry repo gc` copies those in use to a new pack and removes it"
             } else {
@@ -878,15 +971,19 @@ fn recorded_problems(
             format!(
                 "{found}; {} chunk(s) in it have no good copy (a backup that reads them from the disk stores them \
                  again; a snapshot that uses them restores once it does, or is damaged until it is forgotten)",
-                only.len()
+                only.len() as u64 + more
             ),
         );
+        // Those past what is held were counted, not traced: a snapshot may read them.
+        if more > 0 {
+            untraced.problems.insert(p);
+        }
         for id in only {
-            mark_damaged(damaged, untraced, held, *id, p);
+            mark_damaged(damaged, untraced, held, *id, p)?;
         }
         out.push(p);
     }
-    out
+    Ok(out)
 }
 
 /// Recorded damage that no snapshot reads is said as a note, not as a problem; one with
@@ -923,10 +1020,10 @@ pub(crate) fn check_in(repo: &Repository, budget: usize) -> Result<Report> {
 
 /// [`check_in`] holding at most what `held` says of the damage ([`DAMAGE_HELD`]).
 pub(crate) fn check_held(repo: &Repository, budget: usize, held: Held) -> Result<Report> {
-    let (mut r, w) = check_walk_held(repo, budget, held)?;
-    attribute(repo, &w, &mut r.problems);
+    let (mut r, mut w) = check_walk_held(repo, budget, held)?;
+    attribute_and_say(repo, &mut w, &mut r);
     unread_records_to_notes(&mut r, &w.recorded, &[], &w.untraced);
-    untraced_note(&mut r, &w);
+    untraced_note(&mut r, w)?;
     Ok(r)
 }
 
@@ -1013,7 +1110,10 @@ struct PackCheck {
     unreadable: bool,
     /// The blobs found damaged (every blob of an unreadable pack), and why the first was:
     /// one reason a pack, not one a blob (a pack may hold a million tiny blobs).
+    /// At most `cap` of [`verify_pack`] are kept; `bad_more` counts the others.
     bad_blobs: Vec<Digest>,
+    bad_more: u64,
+    cap: usize,
     first_bad: Option<String>,
 }
 
@@ -1022,22 +1122,26 @@ impl PackCheck {
         if self.first_bad.is_none() {
             self.first_bad = Some(why());
         }
-        self.bad_blobs.push(id);
+        if self.bad_blobs.len() < self.cap {
+            self.bad_blobs.push(id);
+        } else {
+            self.bad_more += 1;
+        }
     }
 }
 
-/// `rows` are the blobs the index places in the pack, by offset.
-fn verify_pack(repo: &Repository, pack: &Digest, rows: &[BlobEntry]) -> PackCheck {
+/// `rows` are the blobs the index places in the pack, by offset; of its damaged blobs, the
+/// first `cap` are kept, the others counted.
+fn verify_pack(repo: &Repository, pack: &Digest, rows: &[BlobEntry], cap: usize) -> PackCheck {
     let blobs = || rows.iter().copied();
     let name = pack_name(pack);
-    let mut c = PackCheck::default();
+    let mut c = PackCheck { cap, ..PackCheck::default() };
     let bytes = match repo.store.get(&name, format::MAX_PACK) {
         Ok(b) => b,
         Err(e) => {
             c.pack_why = Some(format!("cannot be read: {e}"));
             c.unreadable = true;
-            c.bad_blobs = blobs().map(|b| b.id).collect();
-            c.first_bad = Some("unreadable".to_string());
+            blobs().for_each(|b| c.bad(b.id, || "unreadable".to_string()));
             return c;
         }
     };
@@ -1146,64 +1250,88 @@ pub(crate) fn verify_held(repo: &Repository, opts: &VerifyOptions, budget: usize
     // Packs in flight are bounded by their bytes, not only by the threads: each thread
     // holds a whole pack (and its trailer) while it checks it.
     let budget = ByteBudget::new(VERIFY_PACK_BYTES.max(opts.threads as u64 * VERIFY_THREAD_BYTES));
-    let results = par_map(&todo, opts.threads.max(1), |(p, n)| {
-        // Its bytes, and per blob its records read from the table by pack and its entry
-        // made of them, and its trailer entry as stored, plain, parsed and spanned.
-        let len = w.listed.get(&pack_name(p)).copied().unwrap_or(0);
-        let per_blob =
-            crate::locations::BY_PACK_READ_BYTES + 2 * std::mem::size_of::<BlobEntry>() + 2 * format::ENTRY_LEN + 24;
-        let held = len.saturating_add(by_pack.count(*n) * per_blob as u64);
-        budget.with(held, || by_pack.blobs(*n).map(|rows| verify_pack(repo, p, &rows)))
-    });
-    let results = results.into_iter().collect::<Result<Vec<PackCheck>>>()?;
-    drop(by_pack);
     let mut record: Vec<DamagedPack> = Vec::new();
+    // Damaged blob ids kept for the record, of at most `held.ids` in all.
+    let mut record_ids = 0usize;
     // Recorded packs that read otherwise now: their new state (None: whole again).
     let mut corrected: HashMap<Digest, Option<DamagedCopies>> = HashMap::new();
-    for ((pack, _), c) in todo.iter().zip(results) {
-        r.bytes_read += c.bytes;
-        r.blobs_checked += c.blobs;
-        let bad = &c.bad_blobs;
-        let mut why = c.pack_why.clone().unwrap_or_default();
-        if let Some(first) = &c.first_bad {
-            if !why.is_empty() {
-                why.push_str("; ");
+    // The packs are read a group at a time, and each keeps at most `cap` damaged blob ids
+    // (the rest counted): at most `held.ids` are held at once however much is damaged.
+    // 16 packs a thread: a thread waits for the group's last pack once in 16 (2,048 ids
+    // a pack with 8 threads, more than a default 32 MiB pack of 64 KiB chunks holds).
+    let group = opts.threads.max(1) * 16;
+    let cap = (w.held.ids / group).max(1);
+    for todo in todo.chunks(group) {
+        let results = par_map(todo, opts.threads.max(1), |(p, n)| {
+            // Its bytes, and per blob its records read from the table by pack and its entry
+            // made of them, and its trailer entry as stored, plain, parsed and spanned.
+            let len = w.listed.get(&pack_name(p)).copied().unwrap_or(0);
+            let per_blob = crate::locations::BY_PACK_READ_BYTES
+                + 2 * std::mem::size_of::<BlobEntry>()
+                + 2 * format::ENTRY_LEN
+                + 24;
+            let held = len.saturating_add(by_pack.count(*n) * per_blob as u64);
+            budget.with(held, || by_pack.blobs(*n).map(|rows| verify_pack(repo, p, &rows, cap)))
+        });
+        let results = results.into_iter().collect::<Result<Vec<PackCheck>>>()?;
+        for ((pack, _), c) in todo.iter().zip(results) {
+            r.bytes_read += c.bytes;
+            r.blobs_checked += c.blobs;
+            let bad = &c.bad_blobs;
+            let mut why = c.pack_why.clone().unwrap_or_default();
+            if let Some(first) = &c.first_bad {
+                if !why.is_empty() {
+                    why.push_str("; ");
+                }
+                why.push_str(&format!("{} blob(s) damaged (first: {first})", bad.len() as u64 + c.bad_more));
             }
-            why.push_str(&format!("{} blob(s) damaged (first: {first})", bad.len()));
-        }
-        let whole = c.pack_why.is_none() && bad.is_empty();
-        let short: String = why.chars().take(format::MAX_DAMAGE_WHY / 4).collect();
-        if let Some(rec) = w.damage.packs.get(pack).filter(|_| !c.unreadable) {
-            if whole || rec.blobs.iter().any(|b| !bad.contains(b)) {
-                let now = DamagedCopies {
-                    why: short.clone(),
-                    time: crate::repo::now_seconds(),
-                    blobs: bad.iter().copied().collect(),
-                };
-                corrected.insert(*pack, (!whole).then_some(now));
+            let whole = c.pack_why.is_none() && bad.is_empty();
+            let short: String = why.chars().take(format::MAX_DAMAGE_WHY / 4).collect();
+            // A pack with more damaged blobs than kept never corrects its record (one it
+            // lists may be among those only counted).
+            if let Some(rec) = w.damage.packs.get(pack).filter(|_| !c.unreadable && c.bad_more == 0) {
+                if whole || rec.blobs.iter().any(|b| !bad.contains(b)) {
+                    let now = DamagedCopies {
+                        why: short.clone(),
+                        time: crate::repo::now_seconds(),
+                        blobs: bad.iter().copied().collect(),
+                    };
+                    corrected.insert(*pack, (!whole).then_some(now));
+                }
             }
-        }
-        if whole || (!c.unreadable && w.damage.covers(pack, bad)) {
-            continue; // whole, or recorded already: check_walk said it
-        }
-        if !c.unreadable {
-            let mut blobs: Vec<String> = bad.iter().map(|b| format::hex(b)).collect();
-            blobs.sort();
-            blobs.dedup();
-            record.push(DamagedPack { pack: format::hex(pack), why: short, blobs });
-        }
-        // One problem per pack: what check found in it already (a page) says this too.
-        let p = r.problem_once(pack_name(pack), why);
-        for id in c.bad_blobs {
-            if let Some(v) = bad_copies.get_mut(&id) {
-                v.push((*pack, p));
-            } else if bad_copies.len() < w.held.chunks {
-                bad_copies.insert(id, vec![(*pack, p)]);
-            } else {
-                w.untraced.add(p);
+            if whole || (!c.unreadable && c.bad_more == 0 && w.damage.covers(pack, bad)) {
+                continue; // whole, or recorded already: check_walk said it
+            }
+            // The record lists what is kept, up to `held.ids` in all (a pack past them is
+            // not recorded now: a later verify records it).
+            let room = w.held.ids.saturating_sub(record_ids).min(bad.len());
+            if !c.unreadable && (room > 0 || bad.is_empty()) {
+                record_ids += room;
+                let mut blobs: Vec<String> = bad[..room].iter().map(|b| format::hex(b)).collect();
+                blobs.sort();
+                blobs.dedup();
+                record.push(DamagedPack { pack: format::hex(pack), why: short, blobs });
+            }
+            // One problem per pack: what check found in it already (a page) says this too.
+            let p = r.problem_once(pack_name(pack), why);
+            if c.bad_more > 0 {
+                // Damaged copies only counted: a snapshot may read them.
+                w.untraced.copies += c.bad_more;
+                w.untraced.problems.insert(p);
+            }
+            for id in c.bad_blobs {
+                if let Some(v) = bad_copies.get_mut(&id) {
+                    v.push((*pack, p));
+                } else if bad_copies.len() < w.held.chunks {
+                    bad_copies.insert(id, vec![(*pack, p)]);
+                } else if !w.damaged.contains_key(&id) {
+                    // Each chunk counted once, however many of its copies are damaged.
+                    w.untraced.add(id, Some(p))?;
+                }
             }
         }
     }
+    drop(by_pack);
     // A damaged copy hurts the snapshots only when no other copy is good (a reader tries
     // each): every other copy is in a pack found missing or damaged too, or recorded
     // damaged (and not found whole again now).
@@ -1223,7 +1351,7 @@ pub(crate) fn verify_held(repo: &Repository, opts: &VerifyOptions, budget: usize
                 .map(|l| &locs.packs[l.pack as usize])
                 .all(|pack| bad(pack) || recorded_bad(pack, id) || !listed.contains_key(&pack_name(pack)));
             if lost && !damaged.contains_key(id) {
-                mark_damaged(damaged, untraced, held, *id, copies[0].1);
+                mark_damaged(damaged, untraced, held, *id, copies[0].1)?;
             }
             Ok(())
         })?;
@@ -1255,9 +1383,9 @@ pub(crate) fn verify_held(repo: &Repository, opts: &VerifyOptions, budget: usize
         r.notes.retain(|n| !n.starts_with(&format!("{name}: recorded damaged")));
     }
     w.damaged.retain(|_, p| !cleared.contains(p));
-    attribute(repo, &w, &mut r.problems);
+    attribute_and_say(repo, &mut w, &mut r);
     unread_records_to_notes(&mut r, &w.recorded, &cleared, &w.untraced);
-    untraced_note(&mut r, &w);
+    untraced_note(&mut r, w)?;
     Ok(r)
 }
 
@@ -1725,12 +1853,19 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
     // budget, as the manifests are listed (a few at a time): no list of every snapshot's
     // pages is held (it grows with every snapshot).
     let mut distinct = Sorter::<32>::for_repo(repo, "gc's list of the snapshots' pages");
+    // The ids of the manifests whose pages are in `distinct`: those hidden by their
+    // migration among them (not in `snaps`) are named if one of their pages fails.
+    let mut paged: Vec<String> = Vec::new();
     let mut snaps = repo
-        .snapshots_paging(&mut |_, pages| pages.nonzero().iter().try_for_each(|d| distinct.push(*d)))
+        .snapshots_paging(&mut |s, pages| {
+            paged.push(s.id.clone());
+            pages.nonzero().iter().try_for_each(|d| distinct.push(*d))
+        })
         .map_err(|e| match e {
-        e @ Error::Store { .. } => e,
-        e => stop(e.to_string()),
-    })?;
+            e @ Error::Store { .. } => e,
+            e => stop(e.to_string()),
+        })?;
+    let hidden = hidden_by_migration(&snaps, paged);
     if let Some(l) = &_lock {
         crate::migrate::finish_migrated(repo, &snaps, l)?;
     }
@@ -1854,10 +1989,13 @@ fn gc_run(repo: &Repository, opts: &GcOptions, dry_run: bool) -> Result<GcReport
         })?;
         // A page that only a manifest hidden by its migration lists (read with the others)
         // stops gc too: nothing is freed on a live set that lacks a page.
-        let (object, d, why) = first.unwrap_or_else(|| {
-            let (d, why) = failed.iter().min_by_key(|(d, _)| **d).map(|(d, w)| (*d, w.clone())).unwrap_or_default();
-            (format!("page {} of a migrated snapshot", format::hex(&d)), d, why)
-        });
+        let (object, d, why) = match first {
+            Some(found) => found,
+            None => {
+                let (d, why) = failed.iter().min_by_key(|(d, _)| **d).map(|(d, w)| (*d, w.clone())).unwrap_or_default();
+                (failed_page_object(repo, &hidden, &d), d, why)
+            }
+        };
         return Err(match index.blobs.contains_key(&repo.crypto.blob_id(&d)) {
             false => stop(format!(
                 "{object}: {why} (where an index object was lost, `ferry repo repair` indexes its packs again)"
@@ -2259,7 +2397,7 @@ fn blob_of(r: &[u8; PACK_ENTRY]) -> Result<BlobEntry> {
 const PACK_BLOCK: usize = 4096;
 /// A few in the crate's tests, so that every pack in them is read in several blocks.
 #[cfg(test)]
-const PACK_BLOCK: usize = 3;
+pub(crate) const PACK_BLOCK: usize = 3;
 
 /// Every pack's blobs, once each (by offset and id), in pack order, then by offset: in a
 /// table on disk, with a row per pack in memory.
@@ -2666,16 +2804,19 @@ fn copy_of_place(r: &[u8; 8]) -> CopyRef {
 /// on its own bytes. Any other store error stops gc.
 fn check_copies(repo: &Repository, packs: &PackEntries, i: u32, entries: &[u32]) -> Result<Vec<(u32, Option<String>)>> {
     let pack = &packs.packs[i as usize].0;
-    let blobs = packs.blobs(i as usize)?;
+    // The pack's blobs, read from the table a window at a time (a pack may list up to
+    // [`format::PACK_BLOBS`]): each range's blobs are read again for their checks.
+    let mut window = PackWindow::new(packs, i as usize);
     let name = pack_name(pack);
     let mut out = Vec::with_capacity(entries.len());
     let mut rest = entries;
     while let Some(&j0) = rest.first() {
-        let b0 = blobs.get(j0 as usize).ok_or_else(|| Error::Invalid(format!("{name} has no blob {j0}")))?;
+        let b0 = window.get(j0)?.ok_or_else(|| Error::Invalid(format!("{name} has no blob {j0}")))?;
         let start = b0.offset as u64;
         let mut end = start + b0.stored_len as u64;
         let mut n = 1;
-        while let Some(b) = rest.get(n).and_then(|&j| blobs.get(j as usize)) {
+        while let Some(&j) = rest.get(n) {
+            let Some(b) = window.get(j)? else { break };
             let (s, e) = (b.offset as u64, b.offset as u64 + b.stored_len as u64);
             if s < end || s - end > COPY_GAP || e - start > COPY_SPAN {
                 break;
@@ -2691,16 +2832,56 @@ fn check_copies(repo: &Repository, packs: &PackEntries, i: u32, entries: &[u32])
             Err(e) => return Err(Error::store(format!("cannot read {name} from {}", repo.store.describe()), e)),
         };
         for &j in range {
-            let b = &blobs[j as usize];
+            let b = window.get(j)?.ok_or_else(|| Error::Invalid(format!("{name} has no blob {j}")))?;
             let at = (b.offset as u64 - start) as usize;
             let result = match bytes.as_ref().and_then(|v| v.get(at..at + b.stored_len as usize)) {
-                Some(stored) => repo.decode_blob(&b.id, &crate::BlobLocation::of(*pack, b), b.kind, stored).map(drop),
-                None => read_copy(repo, pack, b)?,
+                Some(stored) => repo.decode_blob(&b.id, &crate::BlobLocation::of(*pack, &b), b.kind, stored).map(drop),
+                None => read_copy(repo, pack, &b)?,
             };
             out.push((j, result.err()));
         }
     }
     Ok(out)
+}
+
+/// The blobs of one pack of gc's table, read [`PACK_BLOCK`] rows at a time as they are
+/// asked for: at most one block of them held.
+struct PackWindow<'a> {
+    packs: &'a PackEntries,
+    pack: usize,
+    /// The number of the first blob held, and the blobs held.
+    first: u32,
+    rows: Vec<BlobEntry>,
+}
+
+impl<'a> PackWindow<'a> {
+    fn new(packs: &'a PackEntries, pack: usize) -> PackWindow<'a> {
+        PackWindow { packs, pack, first: 0, rows: Vec::new() }
+    }
+
+    /// Blob `j` of the pack, `None` past its last; the block that holds it read where it
+    /// is not the one held.
+    fn get(&mut self, j: u32) -> Result<Option<BlobEntry>> {
+        let (_, start, n) = self.packs.packs[self.pack];
+        if j >= n {
+            return Ok(None);
+        }
+        if j < self.first || j - self.first >= self.rows.len() as u32 {
+            let count = ((n - j) as usize).min(PACK_BLOCK);
+            #[cfg(test)]
+            PACK_ROWS_MOST.with(|m| m.set(m.get().max(count)));
+            self.rows = self.packs.table.read(start + j as u64, count)?.iter().map(blob_of).collect::<Result<_>>()?;
+            self.first = j;
+        }
+        Ok(self.rows.get((j - self.first) as usize).copied())
+    }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// The most rows of gc's table of the packs' blobs read at once by this thread to
+    /// check copies (the crate's tests).
+    pub(crate) static PACK_ROWS_MOST: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 /// Reads and checks one copy: `Ok(Err(why))` where it is damaged (a short or unreadable
@@ -2713,6 +2894,54 @@ fn read_copy(repo: &Repository, pack: &Digest, b: &BlobEntry) -> Result<Result<(
             Ok(Err(format!("it cannot be read whole: {e}")))
         }
         Err(e) => Err(Error::store(format!("cannot read {name} from {}", repo.store.describe()), e)),
+    }
+}
+
+/// Of the manifests listed with their pages (`paged`, by id), those that `snaps` lacks
+/// (hidden by their migration: [`crate::repo::hide_migrated`]), each with the id of the
+/// snapshot migrated from it.
+fn hidden_by_migration(snaps: &[SnapshotInfo], paged: Vec<String>) -> Vec<(String, String)> {
+    let shown: HashSet<&str> = snaps.iter().map(|s| s.id.as_str()).collect();
+    let to: HashMap<&str, &str> =
+        snaps.iter().filter_map(|s| s.manifest.migrated_from.as_deref().map(|old| (old, s.id.as_str()))).collect();
+    paged
+        .into_iter()
+        .filter(|id| !shown.contains(id.as_str()))
+        .map(|id| {
+            let new = to.get(id.as_str()).map_or_else(String::new, |n| n.to_string());
+            (id, new)
+        })
+        .collect()
+}
+
+/// What gc names for page `d` that failed and that no snapshot or checkpoint it keeps
+/// lists: the manifest from before a migration that lists it (read again), else what
+/// gc knows of where it came from.
+pub(crate) fn failed_page_object(repo: &Repository, hidden: &[(String, String)], d: &Digest) -> String {
+    let page = format::hex(d);
+    let migrated = |(old, new): &(String, String)| match new.is_empty() {
+        true => format!("snapshots/{old}"),
+        false => format!("snapshots/{old} (the manifest from before its migration to snapshot {new})"),
+    };
+    for h in hidden {
+        let lists = repo.read_snapshot(&format!("snapshots/{}", h.0)).and_then(|s| repo.pages(&s));
+        if lists.is_ok_and(|p| p.nonzero().contains(d)) {
+            return format!("page {page} of {}", migrated(h));
+        }
+    }
+    match hidden {
+        // Only manifests hidden by their migration were listed beside the snapshots kept:
+        // one of them listed it, removed since (this gc finishes migrations first).
+        [h] => format!("page {page} of {}, removed since", migrated(h)),
+        [] => format!(
+            "page {page}, which a manifest listed when gc began and no snapshot or checkpoint lists now (its \
+             manifest was removed meanwhile)"
+        ),
+        _ => format!(
+            "page {page} of one of {} manifests from before their migration, removed since ({}, ...)",
+            hidden.len(),
+            migrated(&hidden[0])
+        ),
     }
 }
 

@@ -18,6 +18,14 @@ use std::sync::Arc;
 /// Packs are closed at this size.
 const PACK_SIZE: usize = 32 << 20;
 
+/// A pack is closed at this many blobs, if it is not full before (FORMAT.md §5): a
+/// reader refuses a trailer of more than [`format::MAX_TRAILER_ENTRIES`].
+#[cfg(not(test))]
+const PACK_BLOBS: usize = format::PACK_BLOBS;
+/// A few in the crate's tests, so that a migration of a few pages splits its packs.
+#[cfg(test)]
+pub(crate) const PACK_BLOBS: usize = 4;
+
 /// What a migrate did, or would do (`dry_run`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct MigrateReport {
@@ -338,7 +346,7 @@ impl PackOut<'_> {
         blob::encode_into(&self.repo.crypto, kind, &id, plain, DEFAULT_LEVEL, &mut self.buf);
         let stored_len = self.buf.len() as u32 - offset;
         self.entries.push(BlobEntry { id, kind, offset, stored_len, plain_len: plain.len() as u32 });
-        if self.buf.len() >= PACK_SIZE || self.entries.len() >= format::PACK_BLOBS {
+        if self.buf.len() >= PACK_SIZE || self.entries.len() >= PACK_BLOBS {
             self.close(writes)?;
         }
         Ok(())

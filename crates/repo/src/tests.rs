@@ -22,6 +22,7 @@ mod migrate;
 mod recover;
 mod resume;
 mod retention;
+mod reviewfix;
 mod scale;
 mod speed;
 
@@ -948,17 +949,11 @@ fn a_later_lock_that_stays_holds() {
     }
 }
 
-/// gc reads the preferred copy of each blob with several in pack order, neighbours in one
-/// ranged read: two disks of the same data backed up side by side (neither saw the other's
-/// chunks, so every chunk has two copies) cost a read per pack, not one a copy; one copy
-/// of each is kept, and both snapshots read back.
-#[test]
-fn gc_checks_duplicate_copies_a_pack_range_at_a_time() {
-    let mem = Arc::new(MemStore::new());
-    let (store, ranged, _) = counting(mem.clone());
+/// A repository in `store` with disks a and b of the same data `a` backed up side by
+/// side: every chunk stored twice, in different packs.
+pub(crate) fn two_copies(store: Arc<dyn Store>, a: &[u8]) -> (Arc<Repository>, [SnapshotInfo; 2]) {
     let init = InitOptions { chunk_size: CS as u32, page_entries: 16, ..InitOptions::default() };
     let repo = Arc::new(Repository::init(store, &init).unwrap());
-    let a = disk(4 << 20, 23);
     let start = |name: &str| SnapshotWriter::start(repo.clone(), BackupOptions::new(name, a.len() as u64)).unwrap();
     // b starts before a commits and writes after: it stores every chunk again (its index
     // is the one it started with, and a's chunks are no longer claimed), whatever the
@@ -967,12 +962,25 @@ fn gc_checks_duplicate_copies_a_pack_range_at_a_time() {
     // bytes as one of a's (a pack's name is its digest, so an identical pack would be one
     // copy, not two; three threads made that a matter of timing).
     let (wa, wb) = (start("a"), start("b"));
-    write_all(&wa, &a);
+    write_all(&wa, a);
     let sa = wa.commit(a.len() as u64).unwrap();
     for (i, piece) in a.chunks(CS).enumerate().rev() {
         wb.write(piece, (i * CS) as u64, false).unwrap();
     }
     let sb = wb.commit(a.len() as u64).unwrap();
+    (repo, [sa, sb])
+}
+
+/// gc reads the preferred copy of each blob with several in pack order, neighbours in one
+/// ranged read: two disks of the same data backed up side by side (neither saw the other's
+/// chunks, so every chunk has two copies) cost a read per pack, not one a copy; one copy
+/// of each is kept, and both snapshots read back.
+#[test]
+fn gc_checks_duplicate_copies_a_pack_range_at_a_time() {
+    let mem = Arc::new(MemStore::new());
+    let (store, ranged, _) = counting(mem.clone());
+    let a = disk(4 << 20, 23);
+    let (repo, [sa, sb]) = two_copies(store, &a);
     let several = repo.load_index().unwrap().more.len() as u64;
     assert!(several > 40, "{several} blobs with two copies");
     let before = ranged.load(std::sync::atomic::Ordering::Relaxed);

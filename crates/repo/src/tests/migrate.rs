@@ -262,3 +262,59 @@ fn an_unreadable_migrated_parent_is_a_store_error_and_a_damaged_one_its_own_dama
         e => panic!("{e}"),
     }
 }
+
+/// A migration whose located pages would fill a pack past the blob cap (a reader refuses
+/// a trailer that lists too many) closes the pack at the cap and opens another: no pack
+/// it writes lists more than [`crate::migrate::PACK_BLOBS`] blobs (4 in the crate's
+/// tests, 65,536 otherwise), and the snapshot reads back whole.
+#[test]
+fn a_migration_splits_its_located_pages_at_the_pack_blob_cap() {
+    let store = Arc::new(MemStore::new());
+    let repo = v1_repo(store.clone());
+    // 14 pages of 16 chunks, each a located page of its own.
+    let data = filled(14 * 16 * CS);
+    backup(&repo, "a", &data, None);
+    crate::migrate::migrate(&repo, false, &mut |_| {}).unwrap();
+    let repo = reopen(store.clone());
+    let (objects, _) = repo.index_objects().unwrap();
+    let located: Vec<usize> = objects
+        .iter()
+        .flat_map(|(_, ps)| ps.iter())
+        .map(|p| p.blobs.iter().filter(|b| b.kind == crate::format::BlobKind::Located).count())
+        .filter(|n| *n > 0)
+        .collect();
+    assert_eq!(located.iter().sum::<usize>(), 14, "{located:?}");
+    assert!(located.iter().all(|n| *n <= crate::migrate::PACK_BLOBS), "{located:?}");
+    assert_eq!(located.len(), 14usize.div_ceil(crate::migrate::PACK_BLOBS), "{located:?}");
+    let listed = repo.snapshots().unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(read_back(&repo, &listed[0]), data);
+    assert!(maint::check(&repo).unwrap().problems.is_empty());
+}
+
+/// A page that only the manifest from before a migration lists, and that cannot be read,
+/// stops gc with the name of that manifest and of the snapshot migrated from it (main
+/// said only "a migrated snapshot", whichever manifest listed it); nothing is deleted.
+#[test]
+fn gc_names_the_old_manifest_whose_page_it_cannot_read() {
+    let store = Arc::new(MemStore::new());
+    let repo = v1_repo(store.clone());
+    let data = filled(2 << 20);
+    let s1 = backup(&repo, "a", &data, None);
+    let page = repo.pages(&s1).unwrap().nonzero()[0];
+    let name = format!("snapshots/{}", s1.id);
+    let old = store.get(&name, 1 << 30).unwrap();
+    crate::migrate::migrate(&repo, false, &mut |_| {}).unwrap();
+    store.put(&name, &old).unwrap();
+    let repo = reopen(store.clone());
+    let new = repo.snapshots().unwrap()[0].id.clone();
+    let loc = repo.load_index().unwrap().blobs[&repo.crypto.blob_id(&page)];
+    store.tamper(&crate::repo::pack_name(&loc.pack), |v| v[loc.offset as usize + loc.stored_len as usize / 2] ^= 0x5a);
+    let packs = store.list("data/").unwrap();
+    let e = maint::gc_opts(&repo, &GcOptions { wait: None, repack_percent: 10, condemn_margin: Duration::ZERO })
+        .unwrap_err()
+        .to_string();
+    let want = format!("page {} of snapshots/{}", crate::format::hex(&page), s1.id);
+    assert!(e.contains(&want) && e.contains(&format!("migration to snapshot {new}")), "{want}: {e}");
+    assert_eq!(store.list("data/").unwrap(), packs, "gc deleted a pack");
+}
