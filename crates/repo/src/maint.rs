@@ -1257,9 +1257,7 @@ pub(crate) fn verify_held(repo: &Repository, opts: &VerifyOptions, budget: usize
     let mut corrected: HashMap<Digest, Option<DamagedCopies>> = HashMap::new();
     // The packs are read a group at a time, and each keeps at most `cap` damaged blob ids
     // (the rest counted): at most `held.ids` are held at once however much is damaged.
-    // 16 packs a thread: a thread waits for the group's last pack once in 16 (2,048 ids
-    // a pack with 8 threads, more than a default 32 MiB pack of 64 KiB chunks holds).
-    let group = opts.threads.max(1) * 16;
+    let group = opts.threads.max(1) * 4;
     let cap = (w.held.ids / group).max(1);
     for todo in todo.chunks(group) {
         let results = par_map(todo, opts.threads.max(1), |(p, n)| {
