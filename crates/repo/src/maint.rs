@@ -40,13 +40,10 @@ pub(crate) struct Held {
     pub(crate) chunks: usize,
     /// Ranges of one snapshot listed in a problem's hits ([`RANGES_KEPT`]).
     pub(crate) ranges: usize,
-    /// Damaged blob ids verify keeps of the packs it reads at once (the rest counted),
-    /// and lists in its damage records.
-    pub(crate) ids: usize,
 }
 
-/// 256k chunks (about 16 MB), [`RANGES_KEPT`] ranges and 256k blob ids.
-pub(crate) const DAMAGE_HELD: Held = Held { chunks: 1 << 18, ranges: RANGES_KEPT, ids: 1 << 18 };
+/// 256k chunks (about 16 MB) and [`RANGES_KEPT`] ranges.
+pub(crate) const DAMAGE_HELD: Held = Held { chunks: 1 << 18, ranges: RANGES_KEPT };
 
 #[derive(Debug, Default, Serialize)]
 pub struct Report {
@@ -138,15 +135,12 @@ impl Walk {
 struct Untraced {
     ids: Sorter<32>,
     problems: HashSet<usize>,
-    /// Damaged copies past the ids a pack keeps ([`verify_pack`]): counted, not told
-    /// apart by chunk.
-    copies: u64,
 }
 
 impl Untraced {
     fn new(locs: &Locations) -> Untraced {
         let ids = locs.sorter::<32>("the damaged chunks not traced to snapshots").once_per_key(32);
-        Untraced { ids, problems: HashSet::new(), copies: 0 }
+        Untraced { ids, problems: HashSet::new() }
     }
 
     /// Chunk `id`, of problem `p` where it has one that a recorded damage may clear.
@@ -187,14 +181,6 @@ fn mark_damaged(
 /// once, however many of its copies are damaged).
 fn untraced_note(r: &mut Report, w: Walk) -> Result<()> {
     let held = w.held.chunks;
-    let copies = w.untraced.copies;
-    if copies > 0 {
-        r.notes.push(format!(
-            "{copies} more damaged cop(ies) of chunks were counted but neither listed nor traced to snapshots (their \
-             packs have more damaged blobs than verify keeps, to keep memory bounded): the damage records list part \
-             of them; run verify again once the damage above is repaired"
-        ));
-    }
     let n = w.untraced.count()?;
     if n > 0 {
         r.notes.push(format!(
@@ -313,10 +299,9 @@ fn chunk_range(snap: &SnapshotInfo, first: u64, count: u64) -> (u64, u64) {
 
 /// Adds to each problem the ranges of every snapshot that read one of its blobs: a
 /// second pass over the pages, made only when there is damage.
-fn attribute(repo: &Repository, w: &Walk, problems: &mut [Problem]) -> Capped {
-    let mut capped = Capped::default();
+fn attribute(repo: &Repository, w: &Walk, problems: &mut [Problem]) {
     if w.damaged.is_empty() {
-        return capped;
+        return;
     }
     // Per distinct page: which of its entries are damaged (computed once however many
     // snapshots share the page). A page itself damaged hits its whole range below.
@@ -335,12 +320,6 @@ fn attribute(repo: &Repository, w: &Walk, problems: &mut [Problem]) -> Capped {
             }
         }
     });
-    // The whole report lists at most `cap` ranges in its problems' hits and `cap` counts
-    // in their more_hits (one per problem and snapshot): past them, a problem's ranges
-    // are counted in `capped` alone, however many snapshots read damage.
-    let cap = w.held.chunks;
-    let listed_all = std::cell::Cell::new(0usize);
-    let mut counted_all = 0usize;
     for (s, sp) in w.snaps.iter().zip(&w.snap_pages) {
         let pe = s.manifest.page_entries as u64;
         let chunks = s.manifest.chunks();
@@ -351,10 +330,9 @@ fn attribute(repo: &Repository, w: &Walk, problems: &mut [Problem]) -> Capped {
         let mut open: BTreeMap<usize, ((u64, u64), usize, u64, u64)> = BTreeMap::new();
         let close = |problems: &mut [Problem], p: usize, (first, count): (u64, u64), listed: &mut usize| {
             let (off, len) = chunk_range(s, first, count);
-            if *listed < kept && listed_all.get() < cap {
+            if *listed < kept {
                 problems[p].hits.push((s.id.clone(), s.manifest.name.clone(), off, len));
                 *listed += 1;
-                listed_all.set(listed_all.get() + 1);
                 None
             } else {
                 Some(len)
@@ -392,40 +370,11 @@ fn attribute(repo: &Repository, w: &Walk, problems: &mut [Problem]) -> Capped {
                 more += 1;
                 more_bytes += len;
             }
-            if more > 0 && counted_all < cap {
+            if more > 0 {
                 problems[p].more_hits.push((s.id.clone(), s.manifest.name.clone(), more, more_bytes));
-                counted_all += 1;
-            } else if more > 0 {
-                capped.ranges += more;
-                capped.problems.insert(p);
             }
         }
     }
-    capped
-}
-
-/// The damaged ranges that [`attribute`] counted but gave no snapshot (past what the
-/// report holds), and the problems they belong to.
-#[derive(Default)]
-struct Capped {
-    ranges: u64,
-    problems: HashSet<usize>,
-}
-
-/// Attributes the damage to the snapshots that read it ([`attribute`]); a problem whose
-/// ranges were counted past what is held may be read by more snapshots than listed, so
-/// recorded damage among them stays a problem; says so in a note.
-fn attribute_and_say(repo: &Repository, w: &mut Walk, r: &mut Report) {
-    let capped = attribute(repo, w, &mut r.problems);
-    if capped.ranges > 0 {
-        r.notes.push(format!(
-            "{} more damaged range(s) were counted but not given to the snapshots that read them (past the {} \
-             ranges a report lists, to keep memory bounded): more snapshots than listed may be affected; run check \
-             again once the damage above is repaired",
-            capped.ranges, w.held.chunks
-        ));
-    }
-    w.untraced.problems.extend(capped.problems);
 }
 
 /// A page's entries, or why it could not be read, shared by the cache and its readers.
@@ -875,10 +824,8 @@ struct IndexDamage {
     /// reader tries first: the first `held` of [`index_damage`] (the others are given to
     /// its `untraced`).
     lost: Vec<(Digest, u32)>,
-    /// Per recorded pack in the store: its recorded blobs that have no good copy, sorted
-    /// (the first `held` of [`index_damage`] in all), and how many more it has (given to
-    /// its `untraced`).
-    only: HashMap<Digest, (Vec<Digest>, u64)>,
+    /// Per recorded pack in the store: its recorded blobs that have no good copy, sorted.
+    only: HashMap<Digest, Vec<Digest>>,
 }
 
 fn index_damage(
@@ -896,7 +843,6 @@ fn index_damage(
         return Ok(out);
     }
     let bad = |l: &Loc| bad_packs.contains_key(&l.pack);
-    let mut only_held = 0usize;
     let recorded = |l: &Loc| records[l.pack as usize].is_some_and(|c| c.blobs.contains(&l.id));
     locs.each_id(|g| {
         if g.iter().any(bad) {
@@ -911,24 +857,13 @@ fn index_damage(
             }
         }
         if records_here && !g.iter().any(|l| !recorded(l) && present[l.pack as usize]) {
-            let mut past = false;
             for l in g.iter().filter(|l| recorded(l) && present[l.pack as usize]) {
-                let (ids, more) = out.only.entry(locs.packs[l.pack as usize]).or_default();
-                if only_held < held {
-                    ids.push(l.id);
-                    only_held += 1;
-                } else {
-                    *more += 1;
-                    past = true;
-                }
-            }
-            if past {
-                untraced.add(g[0].id, None)?;
+                out.only.entry(locs.packs[l.pack as usize]).or_default().push(l.id);
             }
         }
         Ok(())
     })?;
-    for (v, _) in out.only.values_mut() {
+    for v in out.only.values_mut() {
         v.sort_unstable();
         v.dedup();
     }
@@ -941,7 +876,7 @@ fn index_damage(
 fn recorded_problems(
     r: &mut Report,
     damage: &DamageSet,
-    only: &HashMap<Digest, (Vec<Digest>, u64)>,
+    only: &HashMap<Digest, Vec<Digest>>,
     listed: &HashMap<String, u64>,
     (damaged, untraced, held): (&mut HashMap<Digest, usize>, &mut Untraced, usize),
 ) -> Result<Vec<usize>> {
@@ -956,8 +891,8 @@ fn recorded_problems(
         let found = format!("recorded damaged by `ferry repo verify` at {}: {}", copies.time, copies.why);
         // A blob with no good copy: each of its copies, this one among them, is recorded
         // damaged or in a pack missing from the store ([`index_damage`] found them).
-        let (only, more): (&[Digest], u64) = only.get(pack).map_or((&[], 0), |(v, more)| (v.as_slice(), *more));
-        if only.is_empty() && more == 0 {
+        let only: &[Digest] = only.get(pack).map_or(&[], |v| v.as_slice());
+        if only.is_empty() {
             let what = if copies.blobs.is_empty() {
                 "its chunks read well: `ferry repo gc` copies those in use to a new pack and removes it"
             } else {
@@ -971,13 +906,9 @@ fn recorded_problems(
             format!(
                 "{found}; {} chunk(s) in it have no good copy (a backup that reads them from the disk stores them \
                  again; a snapshot that uses them restores once it does, or is damaged until it is forgotten)",
-                only.len() as u64 + more
+                only.len()
             ),
         );
-        // Those past what is held were counted, not traced: a snapshot may read them.
-        if more > 0 {
-            untraced.problems.insert(p);
-        }
         for id in only {
             mark_damaged(damaged, untraced, held, *id, p)?;
         }
@@ -1020,8 +951,8 @@ pub(crate) fn check_in(repo: &Repository, budget: usize) -> Result<Report> {
 
 /// [`check_in`] holding at most what `held` says of the damage ([`DAMAGE_HELD`]).
 pub(crate) fn check_held(repo: &Repository, budget: usize, held: Held) -> Result<Report> {
-    let (mut r, mut w) = check_walk_held(repo, budget, held)?;
-    attribute_and_say(repo, &mut w, &mut r);
+    let (mut r, w) = check_walk_held(repo, budget, held)?;
+    attribute(repo, &w, &mut r.problems);
     unread_records_to_notes(&mut r, &w.recorded, &[], &w.untraced);
     untraced_note(&mut r, w)?;
     Ok(r)
@@ -1110,10 +1041,7 @@ struct PackCheck {
     unreadable: bool,
     /// The blobs found damaged (every blob of an unreadable pack), and why the first was:
     /// one reason a pack, not one a blob (a pack may hold a million tiny blobs).
-    /// At most `cap` of [`verify_pack`] are kept; `bad_more` counts the others.
     bad_blobs: Vec<Digest>,
-    bad_more: u64,
-    cap: usize,
     first_bad: Option<String>,
 }
 
@@ -1122,26 +1050,22 @@ impl PackCheck {
         if self.first_bad.is_none() {
             self.first_bad = Some(why());
         }
-        if self.bad_blobs.len() < self.cap {
-            self.bad_blobs.push(id);
-        } else {
-            self.bad_more += 1;
-        }
+        self.bad_blobs.push(id);
     }
 }
 
-/// `rows` are the blobs the index places in the pack, by offset; of its damaged blobs, the
-/// first `cap` are kept, the others counted.
-fn verify_pack(repo: &Repository, pack: &Digest, rows: &[BlobEntry], cap: usize) -> PackCheck {
+/// `rows` are the blobs the index places in the pack, by offset.
+fn verify_pack(repo: &Repository, pack: &Digest, rows: &[BlobEntry]) -> PackCheck {
     let blobs = || rows.iter().copied();
     let name = pack_name(pack);
-    let mut c = PackCheck { cap, ..PackCheck::default() };
+    let mut c = PackCheck::default();
     let bytes = match repo.store.get(&name, format::MAX_PACK) {
         Ok(b) => b,
         Err(e) => {
             c.pack_why = Some(format!("cannot be read: {e}"));
             c.unreadable = true;
-            blobs().for_each(|b| c.bad(b.id, || "unreadable".to_string()));
+            c.bad_blobs = blobs().map(|b| b.id).collect();
+            c.first_bad = Some("unreadable".to_string());
             return c;
         }
     };
@@ -1250,86 +1174,65 @@ pub(crate) fn verify_held(repo: &Repository, opts: &VerifyOptions, budget: usize
     // Packs in flight are bounded by their bytes, not only by the threads: each thread
     // holds a whole pack (and its trailer) while it checks it.
     let budget = ByteBudget::new(VERIFY_PACK_BYTES.max(opts.threads as u64 * VERIFY_THREAD_BYTES));
+    let results = par_map(&todo, opts.threads.max(1), |(p, n)| {
+        // Its bytes, and per blob its records read from the table by pack and its entry
+        // made of them, and its trailer entry as stored, plain, parsed and spanned.
+        let len = w.listed.get(&pack_name(p)).copied().unwrap_or(0);
+        let per_blob =
+            crate::locations::BY_PACK_READ_BYTES + 2 * std::mem::size_of::<BlobEntry>() + 2 * format::ENTRY_LEN + 24;
+        let held = len.saturating_add(by_pack.count(*n) * per_blob as u64);
+        budget.with(held, || by_pack.blobs(*n).map(|rows| verify_pack(repo, p, &rows)))
+    });
+    let results = results.into_iter().collect::<Result<Vec<PackCheck>>>()?;
+    drop(by_pack);
     let mut record: Vec<DamagedPack> = Vec::new();
-    // Damaged blob ids kept for the record, of at most `held.ids` in all.
-    let mut record_ids = 0usize;
     // Recorded packs that read otherwise now: their new state (None: whole again).
     let mut corrected: HashMap<Digest, Option<DamagedCopies>> = HashMap::new();
-    // The packs are read a group at a time, and each keeps at most `cap` damaged blob ids
-    // (the rest counted): at most `held.ids` are held at once however much is damaged.
-    let group = opts.threads.max(1) * 4;
-    let cap = (w.held.ids / group).max(1);
-    for todo in todo.chunks(group) {
-        let results = par_map(todo, opts.threads.max(1), |(p, n)| {
-            // Its bytes, and per blob its records read from the table by pack and its entry
-            // made of them, and its trailer entry as stored, plain, parsed and spanned.
-            let len = w.listed.get(&pack_name(p)).copied().unwrap_or(0);
-            let per_blob = crate::locations::BY_PACK_READ_BYTES
-                + 2 * std::mem::size_of::<BlobEntry>()
-                + 2 * format::ENTRY_LEN
-                + 24;
-            let held = len.saturating_add(by_pack.count(*n) * per_blob as u64);
-            budget.with(held, || by_pack.blobs(*n).map(|rows| verify_pack(repo, p, &rows, cap)))
-        });
-        let results = results.into_iter().collect::<Result<Vec<PackCheck>>>()?;
-        for ((pack, _), c) in todo.iter().zip(results) {
-            r.bytes_read += c.bytes;
-            r.blobs_checked += c.blobs;
-            let bad = &c.bad_blobs;
-            let mut why = c.pack_why.clone().unwrap_or_default();
-            if let Some(first) = &c.first_bad {
-                if !why.is_empty() {
-                    why.push_str("; ");
-                }
-                why.push_str(&format!("{} blob(s) damaged (first: {first})", bad.len() as u64 + c.bad_more));
+    for ((pack, _), c) in todo.iter().zip(results) {
+        r.bytes_read += c.bytes;
+        r.blobs_checked += c.blobs;
+        let bad = &c.bad_blobs;
+        let mut why = c.pack_why.clone().unwrap_or_default();
+        if let Some(first) = &c.first_bad {
+            if !why.is_empty() {
+                why.push_str("; ");
             }
-            let whole = c.pack_why.is_none() && bad.is_empty();
-            let short: String = why.chars().take(format::MAX_DAMAGE_WHY / 4).collect();
-            // A pack with more damaged blobs than kept never corrects its record (one it
-            // lists may be among those only counted).
-            if let Some(rec) = w.damage.packs.get(pack).filter(|_| !c.unreadable && c.bad_more == 0) {
-                if whole || rec.blobs.iter().any(|b| !bad.contains(b)) {
-                    let now = DamagedCopies {
-                        why: short.clone(),
-                        time: crate::repo::now_seconds(),
-                        blobs: bad.iter().copied().collect(),
-                    };
-                    corrected.insert(*pack, (!whole).then_some(now));
-                }
+            why.push_str(&format!("{} blob(s) damaged (first: {first})", bad.len()));
+        }
+        let whole = c.pack_why.is_none() && bad.is_empty();
+        let short: String = why.chars().take(format::MAX_DAMAGE_WHY / 4).collect();
+        if let Some(rec) = w.damage.packs.get(pack).filter(|_| !c.unreadable) {
+            if whole || rec.blobs.iter().any(|b| !bad.contains(b)) {
+                let now = DamagedCopies {
+                    why: short.clone(),
+                    time: crate::repo::now_seconds(),
+                    blobs: bad.iter().copied().collect(),
+                };
+                corrected.insert(*pack, (!whole).then_some(now));
             }
-            if whole || (!c.unreadable && c.bad_more == 0 && w.damage.covers(pack, bad)) {
-                continue; // whole, or recorded already: check_walk said it
-            }
-            // The record lists what is kept, up to `held.ids` in all (a pack past them is
-            // not recorded now: a later verify records it).
-            let room = w.held.ids.saturating_sub(record_ids).min(bad.len());
-            if !c.unreadable && (room > 0 || bad.is_empty()) {
-                record_ids += room;
-                let mut blobs: Vec<String> = bad[..room].iter().map(|b| format::hex(b)).collect();
-                blobs.sort();
-                blobs.dedup();
-                record.push(DamagedPack { pack: format::hex(pack), why: short, blobs });
-            }
-            // One problem per pack: what check found in it already (a page) says this too.
-            let p = r.problem_once(pack_name(pack), why);
-            if c.bad_more > 0 {
-                // Damaged copies only counted: a snapshot may read them.
-                w.untraced.copies += c.bad_more;
-                w.untraced.problems.insert(p);
-            }
-            for id in c.bad_blobs {
-                if let Some(v) = bad_copies.get_mut(&id) {
-                    v.push((*pack, p));
-                } else if bad_copies.len() < w.held.chunks {
-                    bad_copies.insert(id, vec![(*pack, p)]);
-                } else if !w.damaged.contains_key(&id) {
-                    // Each chunk counted once, however many of its copies are damaged.
-                    w.untraced.add(id, Some(p))?;
-                }
+        }
+        if whole || (!c.unreadable && w.damage.covers(pack, bad)) {
+            continue; // whole, or recorded already: check_walk said it
+        }
+        if !c.unreadable {
+            let mut blobs: Vec<String> = bad.iter().map(|b| format::hex(b)).collect();
+            blobs.sort();
+            blobs.dedup();
+            record.push(DamagedPack { pack: format::hex(pack), why: short, blobs });
+        }
+        // One problem per pack: what check found in it already (a page) says this too.
+        let p = r.problem_once(pack_name(pack), why);
+        for id in c.bad_blobs {
+            if let Some(v) = bad_copies.get_mut(&id) {
+                v.push((*pack, p));
+            } else if bad_copies.len() < w.held.chunks {
+                bad_copies.insert(id, vec![(*pack, p)]);
+            } else if !w.damaged.contains_key(&id) {
+                // Each chunk counted once, however many of its copies are damaged.
+                w.untraced.add(id, Some(p))?;
             }
         }
     }
-    drop(by_pack);
     // A damaged copy hurts the snapshots only when no other copy is good (a reader tries
     // each): every other copy is in a pack found missing or damaged too, or recorded
     // damaged (and not found whole again now).
@@ -1381,7 +1284,7 @@ pub(crate) fn verify_held(repo: &Repository, opts: &VerifyOptions, budget: usize
         r.notes.retain(|n| !n.starts_with(&format!("{name}: recorded damaged")));
     }
     w.damaged.retain(|_, p| !cleared.contains(p));
-    attribute_and_say(repo, &mut w, &mut r);
+    attribute(repo, &w, &mut r.problems);
     unread_records_to_notes(&mut r, &w.recorded, &cleared, &w.untraced);
     untraced_note(&mut r, w)?;
     Ok(r)

@@ -1,7 +1,7 @@
 //! gc, check, verify and hash in memory that does not grow with the repository (issue 35):
 //! what they hold is counted here, not their RSS.
 use super::*;
-use crate::maint::{Held, DAMAGE_HELD, RANGES_KEPT};
+use crate::maint::{Held, RANGES_KEPT};
 
 /// A disk of `chunks` chunks whose even chunks are random (by `seed`) and odd ones zero:
 /// damage to its chunks comes as ranges of one chunk each.
@@ -132,7 +132,7 @@ fn check_and_verify_hold_a_bounded_part_of_much_damage_and_count_the_rest() {
     assert_eq!(bytes, n * CS as u64, "a chunk a range");
     assert!(!full.notes.iter().any(|n| n.contains("not traced")), "{:?}", full.notes);
     // Four damaged chunks held: the same problems, four ranges traced, the rest counted.
-    let few = Held { chunks: 4, ranges: RANGES_KEPT, ..DAMAGE_HELD };
+    let few = Held { chunks: 4, ranges: RANGES_KEPT };
     let r = maint::check_held(&repo, crate::spill::BUDGET, few).unwrap();
     assert_eq!(objects_of(&r), objects_of(&full));
     assert_eq!(ranges_of(&r, &z.id), (4, 4 * CS as u64, 4));
@@ -143,7 +143,7 @@ fn check_and_verify_hold_a_bounded_part_of_much_damage_and_count_the_rest() {
     assert_eq!(objects_of(&v), objects_of(&full));
     assert!(v.notes.iter().any(|x| x.contains("were counted but not traced")), "{:?}", v.notes);
     // One range listed per problem and snapshot: the others counted, with their bytes.
-    let one = Held { chunks: 1 << 18, ranges: 1, ..DAMAGE_HELD };
+    let one = Held { chunks: 1 << 18, ranges: 1 };
     let r = maint::check_held(&repo, crate::spill::BUDGET, one).unwrap();
     assert_eq!(objects_of(&r), objects_of(&full));
     let (n1, bytes1, listed1) = ranges_of(&r, &z.id);
@@ -212,7 +212,7 @@ fn recorded_damage_past_what_is_held_stays_a_problem() {
     assert_eq!(v.problems.len(), packs.len(), "{v:?}");
     let full = maint::check(&repo).unwrap();
     assert_eq!(full.problems.len(), packs.len(), "{full:?}");
-    let few = Held { chunks: 1, ranges: RANGES_KEPT, ..DAMAGE_HELD };
+    let few = Held { chunks: 1, ranges: RANGES_KEPT };
     let r = maint::check_held(&repo, crate::spill::BUDGET, few).unwrap();
     assert_eq!(r.problems.len(), full.problems.len(), "recorded problems said unread past the cap: {:?}", r.notes);
     assert!(!r.notes.iter().any(|n| n.contains("no snapshot reads it")), "{:?}", r.notes);
@@ -222,7 +222,7 @@ fn recorded_damage_past_what_is_held_stays_a_problem() {
     // by z, stay problems (they vanished: "no damage found" while z reads damaged chunks).
     let o2 = orig.clone();
     store.tamper(&lowest, move |v| *v = o2.clone());
-    let four = Held { chunks: 4, ranges: RANGES_KEPT, ..DAMAGE_HELD };
+    let four = Held { chunks: 4, ranges: RANGES_KEPT };
     let vf = maint::verify_held(&repo, &VerifyOptions::all(2), crate::spill::BUDGET, four).unwrap();
     assert_eq!(vf.problems.len(), packs.len() - 1, "{:?}", vf.notes);
 }

@@ -3,7 +3,7 @@
 //! its new index objects keep the old objects' pack order.
 use super::*;
 use crate::format::Digest;
-use crate::maint::{Held, DAMAGE_HELD, RANGES_KEPT};
+use crate::maint::{Held, RANGES_KEPT};
 
 /// Two disks of the same data backed up side by side in a memory store: every chunk
 /// stored twice, in different packs ([`super::two_copies`]).
@@ -14,18 +14,18 @@ fn two_copies(len: usize) -> (Arc<MemStore>, Arc<Repository>, Vec<u8>, [Snapshot
     (mem, repo, a, snaps)
 }
 
-/// Flips a byte in every data blob of every pack: the distinct chunks damaged, and the
-/// damaged copies.
-fn damage_data(mem: &MemStore, repo: &Repository) -> (std::collections::HashSet<Digest>, usize) {
+/// A chunk whose two copies are both damaged is one chunk not traced, not two: verify's
+/// note counts distinct chunks (main counted each damaged copy).
+#[test]
+fn verify_counts_the_chunks_not_traced_not_their_damaged_copies() {
+    let (mem, repo, _, _) = two_copies(2 << 20);
     let mut ids = std::collections::HashSet::new();
-    let mut copies = 0;
     let (objects, _) = repo.index_objects().unwrap();
     for (_, ps) in &objects {
         for p in ps {
             let blobs: Vec<(u32, u32)> =
                 p.blobs.iter().filter(|b| !b.kind.is_page()).map(|b| (b.offset, b.stored_len)).collect();
             ids.extend(p.blobs.iter().filter(|b| !b.kind.is_page()).map(|b| b.id));
-            copies += blobs.len();
             mem.tamper(&crate::repo::pack_name(&p.pack), |v| {
                 for (o, l) in &blobs {
                     v[(*o + *l / 2) as usize] ^= 0x5a;
@@ -33,21 +33,12 @@ fn damage_data(mem: &MemStore, repo: &Repository) -> (std::collections::HashSet<
             });
         }
     }
-    (ids, copies)
-}
-
-/// A chunk whose two copies are both damaged is one chunk not traced, not two: verify's
-/// note counts distinct chunks (main counted each damaged copy).
-#[test]
-fn verify_counts_the_chunks_not_traced_not_their_damaged_copies() {
-    let (mem, repo, _, _) = two_copies(2 << 20);
-    let (ids, _) = damage_data(&mem, &repo);
     // Distinct chunks (the disk repeats none, but has zero chunks, which are not stored).
     let chunks = ids.len();
     assert!(chunks > 16, "{chunks} chunks");
     let copies = repo.load_index().unwrap().more.len();
     assert!(copies * 2 > chunks, "{copies} of {chunks} chunks have a second copy");
-    let one = Held { chunks: 1, ranges: RANGES_KEPT, ..DAMAGE_HELD };
+    let one = Held { chunks: 1, ranges: RANGES_KEPT };
     let v = maint::verify_held(&repo, &VerifyOptions::all(2), crate::spill::BUDGET, one).unwrap();
     assert!(!v.problems.is_empty());
     let want = format!("{} more damaged or missing chunk(s)", chunks - 1);
@@ -107,59 +98,6 @@ fn gc_writes_the_rewritten_objects_packs_in_their_old_order() {
     for (snap, data) in &snaps {
         assert_eq!(&read_back(&repo, snap), data);
     }
-}
-
-/// Damage that many snapshots read is listed up to what the report holds (ranges listed,
-/// and counts of ranges per problem and snapshot, `held.chunks` of each in all), the rest
-/// counted and said in a note; the problem stays (main listed a range for every snapshot
-/// however many there were).
-#[test]
-fn verify_lists_at_most_the_ranges_held_however_many_snapshots_read_the_damage() {
-    let (store, repo) = new_repo(false);
-    let mut data = disk(4 * CS, 41);
-    let mut snaps: Vec<SnapshotInfo> = Vec::new();
-    for s in 0..10u8 {
-        data[3 * CS] = s;
-        let base = snaps.last().cloned();
-        snaps.push(backup(&repo, "d", &data, base));
-    }
-    let (pack, offset) = where_is(&repo, &snaps[0], 1);
-    store.tamper(&pack, |v| v[offset as usize + 8] ^= 0x5a);
-    let count = |r: &maint::Report| -> (usize, usize) {
-        (r.problems.iter().map(|p| p.hits.len()).sum(), r.problems.iter().map(|p| p.more_hits.len()).sum())
-    };
-    let few = Held { chunks: 4, ranges: 1, ..DAMAGE_HELD };
-    let v = maint::verify_held(&repo, &VerifyOptions::all(2), crate::spill::BUDGET, few).unwrap();
-    assert_eq!(v.problems.len(), 1, "{:?}", v.problems);
-    assert_eq!(count(&v), (4, 4), "{:?}", v.problems);
-    let want = "2 more damaged range(s) were counted but not given to the snapshots";
-    assert!(v.notes.iter().any(|n| n.starts_with(want)), "{want}: {:?}", v.notes);
-    // Recorded now: check finds it, held the same way; held whole, every snapshot's range.
-    let c = maint::check_held(&repo, crate::spill::BUDGET, few).unwrap();
-    assert_eq!(c.problems.len(), 1, "{:?}", c.problems);
-    assert_eq!(count(&c), (4, 4), "{:?}", c.problems);
-    let all = maint::check(&repo).unwrap();
-    assert_eq!(count(&all), (10, 0), "{:?}", all.problems);
-}
-
-/// verify keeps a bounded number of damaged blob ids of the packs it reads at once (one
-/// a pack here), the rest counted and said in a note: each pack's problem still counts
-/// every damaged blob in it, and the damage stays a problem (main kept every id).
-#[test]
-fn verify_keeps_a_bounded_number_of_damaged_blob_ids_and_counts_the_rest() {
-    let (mem, repo, _, _) = two_copies(2 << 20);
-    let (_, copies) = damage_data(&mem, &repo);
-    let one = Held { ids: 1, ..DAMAGE_HELD };
-    let v = maint::verify_held(&repo, &VerifyOptions::all(2), crate::spill::BUDGET, one).unwrap();
-    let counted: usize = v
-        .problems
-        .iter()
-        .filter_map(|p| p.why.split(" blob(s) damaged").next()?.rsplit(' ').next()?.parse::<usize>().ok())
-        .sum();
-    assert_eq!(counted, copies, "{:?}", v.problems);
-    let packs = v.problems.len();
-    let want = format!("{} more damaged cop(ies) of chunks were counted", copies - packs);
-    assert!(v.notes.iter().any(|n| n.starts_with(&want)), "{want} ({packs} packs): {:?}", v.notes);
 }
 
 /// A failed page that no kept snapshot lists, where no manifest was hidden by a
