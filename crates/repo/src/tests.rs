@@ -24,6 +24,7 @@ mod resume;
 mod retention;
 mod scale;
 mod speed;
+mod writermem;
 
 const K: usize = 1024;
 const CS: usize = 64 * K;
