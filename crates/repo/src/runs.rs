@@ -1465,9 +1465,10 @@ fn key_fingerprint(repo: &Repository) -> String {
 /// no name in the cache directory (the system's temporary directory where there is none),
 /// which goes when the last handle is closed, however the process ends. Each run keeps its
 /// filter (1.5 bytes an entry) and its fence (about 0.3 bytes an entry) in memory, and they
-/// are merged as the cache's are, so that at most [`MAX_RUNS`] are read by a lookup. A
-/// value is a snapshot: [`OwnRuns::with`] makes the next one, and the runs it replaced
-/// stay readable through any copy still held.
+/// are merged as the cache's are ([`OwnMerge`], beside the backup), so that about
+/// [`MAX_RUNS`] are read by a lookup. A value is a snapshot: [`OwnRuns::with`] and
+/// [`OwnRuns::with_merged`] make the next one, and the runs they replace stay readable
+/// through any copy still held.
 #[derive(Clone, Default)]
 pub(crate) struct OwnRuns {
     runs: Vec<Arc<Run>>,
@@ -1476,9 +1477,8 @@ pub(crate) struct OwnRuns {
 }
 
 impl OwnRuns {
-    /// These runs and the blobs of `packs` (one batch), as new runs in `dir`: the runs
-    /// that the merge plan says are merged into one. The runs' files take about 48 bytes
-    /// an entry, and a merge writes its new run before the old ones go.
+    /// These runs and the blobs of `packs` (one batch) as a new run in `dir` (about 48
+    /// bytes an entry).
     pub(crate) fn with(&self, dir: &Path, packs: Vec<PackBlobs>) -> io::Result<OwnRuns> {
         let mut name = [0u8; 32];
         name[..4].copy_from_slice(&self.batches.to_le_bytes());
@@ -1486,18 +1486,26 @@ impl OwnRuns {
         pending.add(name, packs);
         let mut runs = self.runs.clone();
         runs.push(Arc::new(pending.write_as(dir, true)?));
-        let sizes: Vec<u64> = runs.iter().map(|r| r.meta.entries).collect();
-        if let Some(from) = merge_plan(&sizes) {
-            let srcs: Vec<&Run> = runs[from..].iter().map(|r| &**r).collect();
-            let live: Vec<Vec<bool>> = srcs.iter().map(|r| vec![true; r.meta.rows.len()]).collect();
-            let merged = merge(dir, &srcs, &live, true).map_err(|s| match s {
-                Stop::Io(e) => e,
-                Stop::Bad(k, why) => io::Error::other(format!("run {k} of this backup's own: {why}")),
-            })?;
-            runs.truncate(from);
-            runs.push(Arc::new(merged));
-        }
         Ok(OwnRuns { runs, batches: self.batches + 1 })
+    }
+
+    /// The runs that the merge plan says are merged into one now, if any.
+    pub(crate) fn merge_due(&self) -> Option<OwnMerge> {
+        let sizes: Vec<u64> = self.runs.iter().map(|r| r.meta.entries).collect();
+        merge_plan(&sizes).map(|from| OwnMerge { runs: self.runs[from..].to_vec(), merged: None })
+    }
+
+    /// These runs with those of `m` (merged) replaced by its run, where they are still
+    /// here (runs added since stay after it).
+    pub(crate) fn with_merged(&self, m: &OwnMerge) -> Option<OwnRuns> {
+        let merged = m.merged.clone()?;
+        let n = m.runs.len();
+        let at = (0..=self.runs.len().checked_sub(n)?)
+            .find(|&k| self.runs[k..k + n].iter().zip(&m.runs).all(|(a, b)| Arc::ptr_eq(a, b)))?;
+        let mut runs = self.runs[..at].to_vec();
+        runs.push(merged);
+        runs.extend_from_slice(&self.runs[at + n..]);
+        Some(OwnRuns { runs, batches: self.batches })
     }
 
     /// The entries in the runs.
@@ -1542,6 +1550,12 @@ impl OwnRuns {
         Ok(None)
     }
 
+    /// How many runs a lookup reads (tests).
+    #[cfg(test)]
+    pub(crate) fn runs(&self) -> usize {
+        self.runs.len()
+    }
+
     /// Calls `f` with each entry (its id and place) in a pack that `packs` holds, the
     /// runs read a block at a time.
     pub(crate) fn each_in(
@@ -1567,6 +1581,27 @@ impl OwnRuns {
                 }
             }
         }
+        Ok(())
+    }
+}
+
+/// Runs of a backup's own ([`OwnRuns::merge_due`]) to merge into one: the new run is
+/// written (about 48 bytes an entry, before the old ones go) while the backup goes on.
+pub(crate) struct OwnMerge {
+    runs: Vec<Arc<Run>>,
+    merged: Option<Arc<Run>>,
+}
+
+impl OwnMerge {
+    /// Writes the merged run in `dir` (a file with no name).
+    pub(crate) fn run(&mut self, dir: &Path) -> io::Result<()> {
+        let srcs: Vec<&Run> = self.runs.iter().map(|r| &**r).collect();
+        let live: Vec<Vec<bool>> = srcs.iter().map(|r| vec![true; r.meta.rows.len()]).collect();
+        let merged = merge(dir, &srcs, &live, true).map_err(|s| match s {
+            Stop::Io(e) => e,
+            Stop::Bad(k, why) => io::Error::other(format!("run {k} of this backup's own: {why}")),
+        })?;
+        self.merged = Some(Arc::new(merged));
         Ok(())
     }
 }

@@ -251,7 +251,9 @@ pub struct SnapshotWriter {
     partials: Mutex<HashMap<u64, Partial>>,
     /// The blobs this writer stored or is storing; the condvar is told when one is
     /// appended to a pack.
-    claimed: (Mutex<Claimed>, Condvar),
+    claimed: Arc<(Mutex<Claimed>, Condvar)>,
+    /// Set while a merge of the own runs runs beside the backup ([`Self::move_own`]).
+    merging: Arc<AtomicBool>,
     pack: Mutex<OpenPack>,
     /// The packs this writer stored whose blobs are not in its own runs yet.
     done: Mutex<Vec<PackBlobs>>,
@@ -699,7 +701,8 @@ impl SnapshotWriter {
             index,
             state: Mutex::new(state),
             partials: Mutex::new(partials),
-            claimed: (Mutex::new(Claimed::default()), Condvar::new()),
+            claimed: Arc::new((Mutex::new(Claimed::default()), Condvar::new())),
+            merging: Arc::new(AtomicBool::new(false)),
             pack: Mutex::new(OpenPack { buf: Vec::new(), entries: Vec::new() }),
             done: Mutex::new(Vec::new()),
             indexed: Mutex::new(0),
@@ -888,7 +891,7 @@ impl SnapshotWriter {
     /// blob in a pack). The own runs' filters are asked under the lock (memory only); a
     /// run's block is read without it, only where a filter says the id may be there.
     fn claim(&self, id: &Digest) -> Result<bool> {
-        let (m, c) = &self.claimed;
+        let (m, c) = &*self.claimed;
         let mut cl = locked(m);
         let mut asked = false;
         loop {
@@ -1889,7 +1892,8 @@ impl SnapshotWriter {
     /// Moves the blobs of the packs that an index object lists (`done[..indexed]`) to this
     /// writer's own runs, where there are a quarter of [`Self::own_in_memory`] or more: the
     /// runs first, then they leave `claimed` and `done` (a blob is always in one or the
-    /// other).
+    /// other). Runs due to be merged are merged by a thread of their own, one merge at a
+    /// time.
     fn move_own(&self, indexed: &mut usize) -> Result<()> {
         let packs: Vec<PackBlobs> = {
             let done = locked(&self.done);
@@ -1912,9 +1916,33 @@ impl SnapshotWriter {
             }
         }
         cl.ids.shrink_to_fit();
+        let merge = cl.own.merge_due().filter(|_| !self.merging.swap(true, Ordering::SeqCst));
         drop(cl);
         done.drain(..n);
         *indexed -= n;
+        drop(done);
+        if let Some(mut m) = merge {
+            // Beside the backup: the checkpoints (and so the moves) go on meanwhile. The
+            // runs stay as they are where it fails (lookups read one more).
+            let (claimed, merging, dir, name) =
+                (self.claimed.clone(), self.merging.clone(), self.own_dir.clone(), self.name.clone());
+            let r = std::thread::Builder::new().name("ferry-own-merge".into()).spawn(move || {
+                match m.run(&dir) {
+                    Ok(()) => {
+                        let mut cl = locked(&claimed.0);
+                        if let Some(next) = cl.own.with_merged(&m) {
+                            cl.own = Arc::new(next);
+                        }
+                    }
+                    Err(e) => log::warn!("{}", own_error(&name, e)),
+                }
+                merging.store(false, Ordering::SeqCst);
+            });
+            if let Err(e) = r {
+                self.merging.store(false, Ordering::SeqCst);
+                log::warn!("{}", own_error(&self.name, e));
+            }
+        }
         Ok(())
     }
 

@@ -142,3 +142,56 @@ fn a_backup_killed_after_its_blobs_moved_out_resumes() {
     let r = maint::check(&repo).unwrap();
     assert!(r.problems.is_empty(), "{:?}", r.problems);
 }
+
+/// Own runs merged beside the backup find every blob where it was, and runs added while
+/// the merge ran stay after its run.
+#[test]
+fn own_runs_merged_find_what_they_held() {
+    use crate::format::{BlobEntry, BlobKind, PackBlobs};
+    use crate::runs::OwnRuns;
+    let dir = tempfile::tempdir().unwrap();
+    let batch = |b: u8| -> Vec<PackBlobs> {
+        (0..3u8)
+            .map(|p| PackBlobs {
+                pack: [b * 16 + p; 32],
+                blobs: (0..50u32)
+                    .map(|i| BlobEntry {
+                        id: crate::repo::sha256(&[b, p, i as u8]),
+                        kind: BlobKind::Data,
+                        offset: i * 100,
+                        stored_len: 100,
+                        plain_len: 4096,
+                    })
+                    .collect(),
+            })
+            .collect()
+    };
+    let mut own = OwnRuns::default();
+    let mut all = Vec::new();
+    let mut merged = 0;
+    for b in 0..12u8 {
+        let packs = batch(b);
+        all.extend(packs.iter().flat_map(|p| p.blobs.iter().map(move |e| (p.pack, *e))));
+        own = own.with(dir.path(), packs).unwrap();
+        if let Some(mut m) = own.merge_due() {
+            m.run(dir.path()).unwrap();
+            // A batch added while the merge ran.
+            let later = batch(100 + b);
+            all.extend(later.iter().flat_map(|p| p.blobs.iter().map(move |e| (p.pack, *e))));
+            own = own.with(dir.path(), later).unwrap();
+            own = own.with_merged(&m).expect("the merged runs are still there");
+            merged += 1;
+        }
+        assert!(own.runs() <= 5, "{} runs", own.runs());
+    }
+    assert!(merged > 2);
+    assert_eq!(own.entries(), all.len() as u64);
+    for (pack, e) in &all {
+        assert!(own.may_hold(&e.id));
+        let l = own.find(&e.id).unwrap().expect("a blob moved out is found");
+        assert_eq!((l.pack, l.offset, l.stored_len, l.plain_len), (*pack, e.offset, e.stored_len, e.plain_len));
+    }
+    assert!(own.find(&[7; 32]).unwrap().is_none());
+    // Nothing named is left in the directory: the runs' files have no name.
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+}
