@@ -643,7 +643,7 @@ fn copy_entries(
         let mut wanted: Vec<Digest> = batch.iter().map(|&ci| src[ci as usize]).filter(|d| *d != ZERO).collect();
         wanted.sort_unstable();
         wanted.dedup();
-        let lacks = writer.lacks(&wanted);
+        let lacks = writer.lacks(&wanted)?;
         let missing: HashSet<&Digest> = wanted.iter().zip(&lacks).filter(|(_, l)| **l).map(|(d, _)| d).collect();
         // Each missing digest is read at its first chunk; its other chunks wait for it.
         let mut first_of: HashMap<&Digest, u64> = HashMap::new();

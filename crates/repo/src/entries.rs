@@ -190,9 +190,10 @@ pub(crate) fn remove_stray(dir: &Path) -> usize {
     removed
 }
 
-/// The process of a name [`unlinked`] gives (`.spill-PID-HEX` or `.entries-PID-HEX`).
+/// The process of a name [`unlinked`] gives (`.spill-PID-HEX`, `.entries-PID-HEX` or
+/// `.ownrun-PID-HEX`).
 fn stray_pid(name: &str) -> Option<u32> {
-    let rest = name.strip_prefix(".spill-").or_else(|| name.strip_prefix(".entries-"))?;
+    let rest = [".spill-", ".entries-", ".ownrun-"].iter().find_map(|p| name.strip_prefix(p))?;
     let (pid, random) = rest.split_once('-')?;
     (random.len() == 24 && random.bytes().all(|b| b.is_ascii_hexdigit())).then_some(())?;
     pid.parse().ok()

@@ -546,10 +546,12 @@ impl Run {
     }
 }
 
-/// A run being written: a temporary file, renamed once whole.
+/// A run being written: a temporary file, renamed once whole; or a file with no name
+/// (a backup's own runs, [`OwnRuns`]), which goes when it is closed.
 struct RunOut {
     out: BufWriter<File>,
-    tmp: PathBuf,
+    /// The temporary name; `None` for a file with no name.
+    tmp: Option<PathBuf>,
     objects: Vec<Digest>,
     rows: Vec<Row>,
     block: Vec<u8>,
@@ -574,9 +576,16 @@ fn sync_dir(dir: &Path) -> io::Result<()> {
 
 impl RunOut {
     /// A run of about `expected` entries (what its filter is sized for).
-    fn create(dir: &Path, objects: Vec<Digest>, rows: Vec<Row>, expected: u64) -> io::Result<RunOut> {
-        let tmp = dir.join(random_name("tmp-"));
-        let mut out = BufWriter::with_capacity(1 << 20, private_file(&tmp)?);
+    /// `unlinked`: in a file with no name ([`crate::entries::unlinked`]).
+    fn create(dir: &Path, objects: Vec<Digest>, rows: Vec<Row>, expected: u64, unlinked: bool) -> io::Result<RunOut> {
+        let (file, tmp) = match unlinked {
+            true => (crate::entries::unlinked(dir, "ownrun")?, None),
+            false => {
+                let tmp = dir.join(random_name("tmp-"));
+                (private_file(&tmp)?, Some(tmp))
+            }
+        };
+        let mut out = BufWriter::with_capacity(1 << 20, file);
         out.write_all(&[0u8; HEADER])?;
         for o in &objects {
             out.write_all(o)?;
@@ -629,9 +638,16 @@ impl RunOut {
     fn finish(mut self, dir: &Path) -> io::Result<Run> {
         let r = self.finish_inner(dir);
         if r.is_err() {
-            let _ = std::fs::remove_file(&self.tmp);
+            self.remove();
         }
         r
+    }
+
+    /// Removes the temporary file (one with no name goes when it is closed).
+    fn remove(&self) {
+        if let Some(tmp) = &self.tmp {
+            let _ = std::fs::remove_file(tmp);
+        }
     }
 
     fn finish_inner(&mut self, dir: &Path) -> io::Result<Run> {
@@ -656,13 +672,27 @@ impl RunOut {
         h[32..36].copy_from_slice(&crc.to_le_bytes());
         let file = self.out.get_ref();
         file.write_all_at(&h, 0)?;
-        file.sync_all()?;
-        let name = random_name("run-");
-        std::fs::rename(&self.tmp, dir.join(&name))?;
-        sync_dir(dir)?;
         // The filter as sized for the entries expected, if that is how many came (else
         // it is built again for the count, when the run is opened).
         let filter = self.filter.take().filter(|f| f.sized_for(self.entries));
+        let Some(tmp) = &self.tmp else {
+            // A file with no name, read through this handle, never by another process.
+            let file = file.try_clone()?;
+            let len = file.metadata()?.len();
+            let meta = Meta::parse(&file, len)
+                .map_err(|why| io::Error::other(format!("the run just written (no name): {why}")))?;
+            let run = Run { file, dir: dir.into(), name: String::new(), meta, filter: OnceLock::new() };
+            let f = match filter {
+                Some(f) => Some(f),
+                None => run.build_filter().map_err(io::Error::other)?,
+            };
+            let _ = run.filter.set(f);
+            return Ok(run);
+        };
+        file.sync_all()?;
+        let name = random_name("run-");
+        std::fs::rename(tmp, dir.join(&name))?;
+        sync_dir(dir)?;
         let given = filter.is_some();
         let run = Run::open(dir, &name, filter)
             .map_err(|why| io::Error::other(format!("the run just written, {name}: {why}")))?;
@@ -722,6 +752,11 @@ impl Pending {
     /// Writes the entries, sorted, as one run: its objects sorted by name, its rows by
     /// (object, pack).
     fn write(self, dir: &Path) -> io::Result<Run> {
+        self.write_as(dir, false)
+    }
+
+    /// [`Pending::write`], in a file with no name where `unlinked`.
+    fn write_as(self, dir: &Path, unlinked: bool) -> io::Result<Run> {
         let Pending { objects, rows, mut ents, .. } = self;
         let mut order: Vec<u32> = (0..objects.len() as u32).collect();
         order.sort_by_key(|&o| objects[o as usize]);
@@ -747,7 +782,7 @@ impl Pending {
                 Row { pack, object: ordinal[o as usize], count }
             })
             .collect();
-        let mut out = RunOut::create(dir, names, table, ents.len() as u64)?;
+        let mut out = RunOut::create(dir, names, table, ents.len() as u64, unlinked)?;
         for e in &ents {
             out.push(e)?;
         }
@@ -796,7 +831,8 @@ enum Stop {
 }
 
 /// Merges `runs` (their live rows: `live[k]`) into one, in bounded memory.
-fn merge(dir: &Path, runs: &[&Run], live: &[Vec<bool>]) -> Result<Run, Stop> {
+/// `unlinked`: the new run in a file with no name (a backup's own runs, [`OwnRuns`]).
+fn merge(dir: &Path, runs: &[&Run], live: &[Vec<bool>], unlinked: bool) -> Result<Run, Stop> {
     // The new object table: the live objects of every run, sorted.
     let mut objects: Vec<Digest> = Vec::new();
     for (run, l) in runs.iter().zip(live) {
@@ -845,7 +881,7 @@ fn merge(dir: &Path, runs: &[&Run], live: &[Vec<bool>]) -> Result<Run, Stop> {
         })
         .collect();
     let expected = merged.iter().map(|r| r.count as u64).sum();
-    let mut out = RunOut::create(dir, objects, merged, expected).map_err(Stop::Io)?;
+    let mut out = RunOut::create(dir, objects, merged, expected, unlinked).map_err(Stop::Io)?;
     let mut heap = BinaryHeap::new();
     for (k, s) in sources.iter_mut().enumerate() {
         if let Some(e) = s.next().map_err(|why| Stop::Bad(k, why))? {
@@ -864,7 +900,7 @@ fn merge(dir: &Path, runs: &[&Run], live: &[Vec<bool>]) -> Result<Run, Stop> {
     match r {
         Ok(()) => out.finish(dir).map_err(Stop::Io),
         Err(e) => {
-            let _ = std::fs::remove_file(&out.tmp);
+            out.remove();
             Err(e)
         }
     }
@@ -1366,7 +1402,7 @@ impl Cache {
                 },
             };
             let srcs: Vec<&Run> = runs[from..].iter().collect();
-            let merged = merge(&self.dir, &srcs, &live[from..]).map_err(|s| match s {
+            let merged = merge(&self.dir, &srcs, &live[from..], false).map_err(|s| match s {
                 Stop::Bad(k, why) => Stop::Bad(from + k, why),
                 s => s,
             })?;
@@ -1422,6 +1458,152 @@ fn valid_run_name(n: &str) -> bool {
 fn key_fingerprint(repo: &Repository) -> String {
     let probe = crate::repo::sha256(b"ferry index cache");
     format::hex(&crate::repo::sha256(&repo.crypto.blob_id(&probe)))
+}
+
+/// A backup's own blobs, moved out of its memory once an index object lists them (the
+/// writer's list of the packs it stored): runs of this cache's format, each in a file with
+/// no name in the cache directory (the system's temporary directory where there is none),
+/// which goes when the last handle is closed, however the process ends. Each run keeps its
+/// filter (1.5 bytes an entry) and its fence (about 0.3 bytes an entry) in memory, and they
+/// are merged as the cache's are ([`OwnMerge`], beside the backup), so that about
+/// [`MAX_RUNS`] are read by a lookup. A value is a snapshot: [`OwnRuns::with`] and
+/// [`OwnRuns::with_merged`] make the next one, and the runs they replace stay readable
+/// through any copy still held.
+#[derive(Clone, Default)]
+pub(crate) struct OwnRuns {
+    runs: Vec<Arc<Run>>,
+    /// Batches moved in so far (each is one object of its run).
+    batches: u32,
+}
+
+impl OwnRuns {
+    /// These runs and the blobs of `packs` (one batch) as a new run in `dir` (about 48
+    /// bytes an entry).
+    pub(crate) fn with(&self, dir: &Path, packs: Vec<PackBlobs>) -> io::Result<OwnRuns> {
+        let mut name = [0u8; 32];
+        name[..4].copy_from_slice(&self.batches.to_le_bytes());
+        let mut pending = Pending::default();
+        pending.add(name, packs);
+        let mut runs = self.runs.clone();
+        runs.push(Arc::new(pending.write_as(dir, true)?));
+        Ok(OwnRuns { runs, batches: self.batches + 1 })
+    }
+
+    /// The runs that the merge plan says are merged into one now, if any.
+    pub(crate) fn merge_due(&self) -> Option<OwnMerge> {
+        let sizes: Vec<u64> = self.runs.iter().map(|r| r.meta.entries).collect();
+        merge_plan(&sizes).map(|from| OwnMerge { runs: self.runs[from..].to_vec(), merged: None })
+    }
+
+    /// These runs with those of `m` (merged) replaced by its run, where they are still
+    /// here (runs added since stay after it).
+    pub(crate) fn with_merged(&self, m: &OwnMerge) -> Option<OwnRuns> {
+        let merged = m.merged.clone()?;
+        let n = m.runs.len();
+        let at = (0..=self.runs.len().checked_sub(n)?)
+            .find(|&k| self.runs[k..k + n].iter().zip(&m.runs).all(|(a, b)| Arc::ptr_eq(a, b)))?;
+        let mut runs = self.runs[..at].to_vec();
+        runs.push(merged);
+        runs.extend_from_slice(&self.runs[at + n..]);
+        Some(OwnRuns { runs, batches: self.batches })
+    }
+
+    /// The entries in the runs.
+    pub(crate) fn entries(&self) -> u64 {
+        self.runs.iter().map(|r| r.meta.entries).sum()
+    }
+
+    /// Whether a run may hold `id`: false (most new chunks) is known from the filters in
+    /// memory, without reading a file.
+    pub(crate) fn may_hold(&self, id: &Digest) -> bool {
+        self.runs.iter().any(|r| r.may_hold(id))
+    }
+
+    /// The first place of `id`: in the oldest run that holds it, its first entry.
+    pub(crate) fn find(&self, id: &Digest) -> io::Result<Option<Location>> {
+        let mut caches: Vec<BlockCache> = self.runs.iter().map(|_| BlockCache::default()).collect();
+        self.find_cached(id, &mut caches)
+    }
+
+    /// [`OwnRuns::find`] of each of `ids`, which are sorted: each run's last block read
+    /// is kept from one id to the next.
+    pub(crate) fn find_each(&self, ids: &[Digest]) -> io::Result<Vec<Option<Location>>> {
+        let mut caches: Vec<BlockCache> = self.runs.iter().map(|_| BlockCache::default()).collect();
+        ids.iter().map(|id| self.find_cached(id, &mut caches)).collect()
+    }
+
+    fn find_cached(&self, id: &Digest, caches: &mut [BlockCache]) -> io::Result<Option<Location>> {
+        for (run, cache) in self.runs.iter().zip(caches) {
+            if !run.may_hold(id) {
+                continue;
+            }
+            let mut found = None;
+            run.meta
+                .lookup(&run.file, id, cache, |e| {
+                    found = found.or(Some(e.location(&run.meta.rows)));
+                })
+                .map_err(|why| io::Error::other(format!("a run of this backup's own blobs: {why}")))?;
+            if found.is_some() {
+                return Ok(found);
+            }
+        }
+        Ok(None)
+    }
+
+    /// How many runs a lookup reads (tests).
+    #[cfg(test)]
+    pub(crate) fn runs(&self) -> usize {
+        self.runs.len()
+    }
+
+    /// Calls `f` with each entry (its id and place) in a pack that `packs` holds, the
+    /// runs read a block at a time.
+    pub(crate) fn each_in(
+        &self,
+        packs: &HashSet<&Digest>,
+        mut f: impl FnMut(&Digest, Location) -> crate::Result<()>,
+    ) -> crate::Result<()> {
+        let mut buf = Vec::new();
+        for run in &self.runs {
+            if !run.meta.rows.iter().any(|r| packs.contains(&r.pack)) {
+                continue;
+            }
+            for b in 0..run.meta.fence.len() {
+                let block = run
+                    .meta
+                    .read_block(&run.file, b, &mut buf)
+                    .map_err(|why| Error::Invalid(format!("a run of this backup's own blobs cannot be read: {why}")))?;
+                for e in block.chunks_exact(ENTRY).map(Ent::read) {
+                    let loc = e.location(&run.meta.rows);
+                    if packs.contains(&loc.pack) {
+                        f(&e.id, loc)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Runs of a backup's own ([`OwnRuns::merge_due`]) to merge into one: the new run is
+/// written (about 48 bytes an entry, before the old ones go) while the backup goes on.
+pub(crate) struct OwnMerge {
+    runs: Vec<Arc<Run>>,
+    merged: Option<Arc<Run>>,
+}
+
+impl OwnMerge {
+    /// Writes the merged run in `dir` (a file with no name).
+    pub(crate) fn run(&mut self, dir: &Path) -> io::Result<()> {
+        let srcs: Vec<&Run> = self.runs.iter().map(|r| &**r).collect();
+        let live: Vec<Vec<bool>> = srcs.iter().map(|r| vec![true; r.meta.rows.len()]).collect();
+        let merged = merge(dir, &srcs, &live, true).map_err(|s| match s {
+            Stop::Io(e) => e,
+            Stop::Bad(k, why) => io::Error::other(format!("run {k} of this backup's own: {why}")),
+        })?;
+        self.merged = Some(Arc::new(merged));
+        Ok(())
+    }
 }
 
 /// A part of a [`RunIndex`]: a run file, or the index read into memory (where the cache

@@ -25,6 +25,7 @@ mod retention;
 mod reviewfix;
 mod scale;
 mod speed;
+mod writermem;
 
 const K: usize = 1024;
 const CS: usize = 64 * K;

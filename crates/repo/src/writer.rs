@@ -20,13 +20,13 @@ use crate::format::{
 };
 use crate::lock::{self, LockGuard};
 use crate::repo::{hostname, pack_name, parse_time, sha256, Repository, SnapshotInfo, AAD_SNAPSHOT, AAD_TRAILER};
-use crate::runs::{BlobLookup, RunIndex};
+use crate::runs::{BlobLookup, OwnRuns, RunIndex};
 use crate::{Error, Result};
 use ferry_backend::{Backend, Capabilities, ZeroMode};
 use std::cell::RefCell;
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::io;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -108,6 +108,23 @@ pub const MAX_PACK_SIZE: usize = 512 << 20;
 const UPLOADS: usize = 2;
 /// Chunks hashed side by side.
 const BATCH: usize = 16;
+/// Blobs this writer stored that its memory lists at most before an index object lists
+/// them and they move to its own runs ([`OwnRuns`]): about 48 bytes each in `done` and
+/// 60 in `claimed`, so that a backup holds about 14 MB of them whatever it writes.
+#[cfg(not(test))]
+const OWN_IN_MEMORY: usize = 1 << 17;
+/// A few in the crate's tests, so that their backups move most blobs out.
+#[cfg(test)]
+const OWN_IN_MEMORY: usize = 24;
+/// The least time between two checkpoints that [`OWN_IN_MEMORY`] calls for (one that
+/// fails is not tried again at each write).
+#[cfg(not(test))]
+const CHECKPOINT_GAP: Duration = Duration::from_millis(250);
+#[cfg(test)]
+const CHECKPOINT_GAP: Duration = Duration::ZERO;
+/// Pages whose chunks' own places are looked up at once when located pages are made (their
+/// ids sorted: the runs are read in order).
+const PLACE_WINDOW_PAGES: usize = 128;
 /// Pages a checkpoint copies from the chunk list at once (2 MiB of entries at the
 /// default 256 a page): its memory does not grow with the disk.
 const CHECKPOINT_PAGES: usize = 256;
@@ -188,6 +205,15 @@ struct Flight {
     pending: BTreeSet<u64>,
 }
 
+/// The blobs this writer stored or is storing: the ids in memory, stored (true) or being
+/// stored (false); and the runs ([`OwnRuns`]) of those an index object lists, moved out of
+/// memory (a blob is in one or the other, or both for a moment, never neither).
+#[derive(Default)]
+struct Claimed {
+    ids: HashMap<Digest, bool>,
+    own: Arc<OwnRuns>,
+}
+
 /// A chunk written in part.
 struct Partial {
     buf: Vec<u8>,
@@ -218,17 +244,31 @@ pub struct SnapshotWriter {
     pe: u64,
     chunks: u64,
     /// The index through the local cache, as a backup sees it: copies in present packs
-    /// only, none recorded damaged. This writer's own blobs are in `claimed`.
+    /// only, none recorded damaged. This writer's own blobs are in `claimed` and in its
+    /// own runs.
     index: RunIndex,
     state: Mutex<State>,
     partials: Mutex<HashMap<u64, Partial>>,
-    /// Blob ids stored (true) or being stored (false) by this writer; the condvar is
-    /// told when one is appended to a pack.
-    claimed: (Mutex<HashMap<Digest, bool>>, Condvar),
+    /// The blobs this writer stored or is storing; the condvar is told when one is
+    /// appended to a pack.
+    claimed: Arc<(Mutex<Claimed>, Condvar)>,
+    /// Set while a merge of the own runs runs beside the backup ([`Self::move_own`]).
+    merging: Arc<AtomicBool>,
     pack: Mutex<OpenPack>,
+    /// The packs this writer stored whose blobs are not in its own runs yet.
     done: Mutex<Vec<PackBlobs>>,
-    /// How many of `done` an index object lists already (stored by a checkpoint).
+    /// How many of `done` an index object lists already (stored by a checkpoint, or once
+    /// [`Self::own_in_memory`] blobs wait for one).
     indexed: Mutex<usize>,
+    /// The blobs of `done` after `indexed`.
+    unindexed: AtomicUsize,
+    /// How many of its blobs this writer keeps in memory before they move to its own runs
+    /// ([`OWN_IN_MEMORY`]; fewer in tests).
+    own_in_memory: AtomicUsize,
+    /// Where its own runs are written: the repository's cache directory, else the
+    /// system's temporary directory.
+    own_dir: std::path::PathBuf,
+
     uploads: (Mutex<usize>, Condvar),
     flight: (Mutex<Flight>, Condvar),
     identity: String,
@@ -661,10 +701,15 @@ impl SnapshotWriter {
             index,
             state: Mutex::new(state),
             partials: Mutex::new(partials),
-            claimed: (Mutex::new(HashMap::new()), Condvar::new()),
+            claimed: Arc::new((Mutex::new(Claimed::default()), Condvar::new())),
+            merging: Arc::new(AtomicBool::new(false)),
             pack: Mutex::new(OpenPack { buf: Vec::new(), entries: Vec::new() }),
             done: Mutex::new(Vec::new()),
             indexed: Mutex::new(0),
+            unindexed: AtomicUsize::new(0),
+            own_in_memory: AtomicUsize::new(OWN_IN_MEMORY),
+            own_dir: repo.index_cache().map_or_else(std::env::temp_dir, |c| c.spill_dir().to_path_buf()),
+
             uploads: (Mutex::new(0), Condvar::new()),
             flight: (Mutex::new(Flight::default()), Condvar::new()),
             identity: opts.identity,
@@ -688,6 +733,22 @@ impl SnapshotWriter {
             base_hints,
             repo,
         }))
+    }
+
+    /// Keeps up to `blobs` of its blobs in memory ([`OWN_IN_MEMORY`]; tests).
+    #[cfg(test)]
+    pub(crate) fn keep_in_memory(&self, blobs: usize) {
+        self.own_in_memory.store(blobs, Ordering::Relaxed);
+    }
+
+    /// The ids in `claimed`, the blobs in `done` and the entries in the own runs (tests).
+    #[cfg(test)]
+    pub(crate) fn own_held(&self) -> (usize, usize, u64) {
+        let (ids, own) = {
+            let cl = locked(&self.claimed.0);
+            (cl.ids.len(), cl.own.entries())
+        };
+        (ids, locked(&self.done).iter().map(|p| p.blobs.len()).sum(), own)
     }
 
     /// The byte ranges (offset, length) that the checkpoint this writer resumed had
@@ -722,18 +783,32 @@ impl SnapshotWriter {
     /// For a copy from another repository ([`crate::copy`]): whether each digest's blob
     /// is missing here (no copy in a present pack, none stored by this writer). Looked
     /// up sorted, as [`missing_chunks`] does.
-    pub(crate) fn lacks(&self, digests: &[Digest]) -> Vec<bool> {
+    pub(crate) fn lacks(&self, digests: &[Digest]) -> Result<Vec<bool>> {
         let mut keyed: Vec<(Digest, usize)> =
             digests.iter().enumerate().map(|(i, d)| (self.repo.crypto.blob_id(d), i)).collect();
         keyed.sort_unstable();
         let ids: Vec<Digest> = keyed.iter().map(|k| k.0).collect();
         let found = self.index.contains_each(&ids);
-        let claimed = locked(&self.claimed.0);
+        let (stored, own) = {
+            let claimed = locked(&self.claimed.0);
+            (ids.iter().map(|id| claimed.ids.get(id) == Some(&true)).collect::<Vec<bool>>(), claimed.own.clone())
+        };
         let mut out = vec![false; digests.len()];
-        for ((id, i), f) in keyed.iter().zip(found) {
-            out[*i] = !f && claimed.get(id) != Some(&true);
+        let mut ask: Vec<usize> = Vec::new();
+        for (k, ((id, i), f)) in keyed.iter().zip(found).enumerate() {
+            out[*i] = !f && !stored[k];
+            if out[*i] && own.may_hold(id) {
+                ask.push(k);
+            }
         }
-        out
+        if !ask.is_empty() {
+            let asked: Vec<Digest> = ask.iter().map(|k| ids[*k]).collect();
+            let places = own.find_each(&asked).map_err(|e| own_error(&self.name, e))?;
+            for (k, at) in ask.iter().zip(places) {
+                out[keyed[*k].1] = at.is_none();
+            }
+        }
+        Ok(out)
     }
 
     /// The checks of a write that [`Self::apply`] makes, for the copy's entry points.
@@ -761,7 +836,7 @@ impl SnapshotWriter {
     pub(crate) fn enter_present(&self, first: u64, digests: &[Digest]) -> Result<()> {
         self.writable(first, digests.len() as u64)?;
         let nonzero: Vec<Digest> = digests.iter().filter(|d| **d != ZERO).copied().collect();
-        if let Some(at) = self.lacks(&nonzero).iter().position(|l| *l) {
+        if let Some(at) = self.lacks(&nonzero)?.iter().position(|l| *l) {
             return Err(Error::Invalid(format!(
                 "chunk {} of the copy of {} is not in the repository, and was not stored",
                 format::hex(&nonzero[at]),
@@ -801,28 +876,62 @@ impl SnapshotWriter {
         if self.index.contains(&id) {
             return Ok(());
         }
-        {
-            // A blob another thread is storing is waited for, so that a chunk entered
-            // (and so counted done by a checkpoint) always has its blob in a pack.
-            let (m, c) = &self.claimed;
-            let mut cl = locked(m);
-            match cl.get(&id) {
-                Some(true) => return Ok(()),
+        if !self.claim(&id)? {
+            return Ok(());
+        }
+        let r = self.store_new_blob(&id, kind, plain);
+        locked(&self.claimed.0).ids.insert(id, true);
+        self.claimed.1.notify_all();
+        r
+    }
+
+    /// Whether this thread is to store blob `id` (claimed for it now), or this writer has
+    /// it already: stored, in its own runs, or being stored by another thread (waited
+    /// for, so that a chunk entered, and so counted done by a checkpoint, always has its
+    /// blob in a pack). The own runs' filters are asked under the lock (memory only); a
+    /// run's block is read without it, only where a filter says the id may be there.
+    fn claim(&self, id: &Digest) -> Result<bool> {
+        let (m, c) = &*self.claimed;
+        let mut cl = locked(m);
+        let mut asked = false;
+        loop {
+            match cl.ids.get(id) {
+                Some(true) => return Ok(false),
                 Some(false) => {
-                    while cl.get(&id) == Some(&false) {
+                    while cl.ids.get(id) == Some(&false) {
                         cl = c.wait(cl).unwrap_or_else(|e| e.into_inner());
                     }
-                    return Ok(());
+                    return Ok(false);
+                }
+                None if asked || !cl.own.may_hold(id) => {
+                    cl.ids.insert(*id, false);
+                    return Ok(true);
                 }
                 None => {
-                    cl.insert(id, false);
+                    // A blob moves to the runs before it leaves `ids`: one not in the
+                    // runs now and not in `ids` when the lock is taken again is new.
+                    let own = cl.own.clone();
+                    drop(cl);
+                    if own.find(id).map_err(|e| own_error(&self.name, e))?.is_some() {
+                        return Ok(false);
+                    }
+                    asked = true;
+                    cl = locked(m);
                 }
             }
         }
-        let r = self.store_new_blob(&id, kind, plain);
-        locked(&self.claimed.0).insert(id, true);
-        self.claimed.1.notify_all();
-        r
+    }
+
+    /// Whether this writer stored, or is storing, blob `id`.
+    fn has_own(&self, id: &Digest) -> Result<bool> {
+        let own = {
+            let cl = locked(&self.claimed.0);
+            if cl.ids.contains_key(id) {
+                return Ok(true);
+            }
+            cl.own.clone()
+        };
+        Ok(own.may_hold(id) && own.find(id).map_err(|e| own_error(&self.name, e))?.is_some())
     }
 
     fn store_new_blob(&self, id: &Digest, kind: BlobKind, plain: &[u8]) -> Result<()> {
@@ -917,11 +1026,15 @@ impl SnapshotWriter {
             return Err(e);
         }
         self.counters.new_stored.fetch_add((buf.len() - before) as u64, Ordering::Relaxed);
+        let n = entries.len();
         locked(&self.done).push(PackBlobs { pack: digest, blobs: entries });
+        self.unindexed.fetch_add(n, Ordering::SeqCst);
         buf.clear();
-        let mut pool = locked(&self.pool);
-        if pool.len() < UPLOADS {
-            pool.push(buf);
+        {
+            let mut pool = locked(&self.pool);
+            if pool.len() < UPLOADS {
+                pool.push(buf);
+            }
         }
         Ok(())
     }
@@ -1143,16 +1256,26 @@ impl SnapshotWriter {
                 );
             }
         }
-        let done = locked(&self.done);
-        for p in done.iter() {
-            if let Some(e) = p.blobs.iter().find(|e| e.id == *id) {
-                let loc = loc_of(p.pack, e);
-                return Some(
-                    self.repo.read_blob(id, &loc, e.kind).map_err(|why| Error::damaged(pack_name(&p.pack), why)),
-                );
+        {
+            let done = locked(&self.done);
+            for p in done.iter() {
+                if let Some(e) = p.blobs.iter().find(|e| e.id == *id) {
+                    let loc = loc_of(p.pack, e);
+                    return Some(
+                        self.repo.read_blob(id, &loc, e.kind).map_err(|why| Error::damaged(pack_name(&p.pack), why)),
+                    );
+                }
             }
         }
-        None
+        // Moved to the runs after the look above: they have it.
+        let own = locked(&self.claimed.0).own.clone();
+        match own.find(id) {
+            Ok(Some(loc)) => {
+                Some(self.repo.read_blob(id, &loc, loc.kind).map_err(|why| Error::damaged(pack_name(&loc.pack), why)))
+            }
+            Ok(None) => None,
+            Err(e) => Some(Err(own_error(&self.name, e))),
+        }
     }
 
     /// The entries of page `i` (read into `buf` where the list is in a file).
@@ -1223,6 +1346,8 @@ impl SnapshotWriter {
             self.wait_packs();
         }
         let own = if self.located { self.own_places(BlobKind::Data) } else { Vec::new() };
+        // The places of the chunks moved to the runs, a window of pages at a time.
+        let mut moved: (Option<usize>, Vec<(Digest, format::BlobAt)>) = (None, Vec::new());
         let page_kind = if self.located { BlobKind::Located } else { BlobKind::Page };
         let st = locked(&self.state);
         let pe = self.pe as usize;
@@ -1244,7 +1369,12 @@ impl SnapshotWriter {
                 pages.push(ZERO);
             } else {
                 if self.located {
-                    page_buf = self.located_page(&st, first, slice, &own)?;
+                    let w = i / PLACE_WINDOW_PAGES;
+                    if moved.0 != Some(w) {
+                        let places = self.moved_places(&st, w * PLACE_WINDOW_PAGES, PLACE_WINDOW_PAGES)?;
+                        moved = (Some(w), places);
+                    }
+                    page_buf = self.located_page(&st, first, slice, &own, &moved.1)?;
                 } else {
                     page_buf.clear();
                     slice.iter().for_each(|e| page_buf.extend_from_slice(e));
@@ -1255,18 +1385,19 @@ impl SnapshotWriter {
             }
         }
         drop(own);
+        drop(moved);
         self.store_condemned_again(&st, &pages, page_kind)?;
         self.refuse_lost(&st, &pages)?;
         self.close_pack(true)?;
         let (page_packs, pages) = if self.located {
             self.wait_packs();
-            self.hinted_pages(pages)
+            self.hinted_pages(pages)?
         } else {
             (format::PackIds::default(), pages.into_iter().collect())
         };
         // One index object for every pack of this backup since its last checkpoint.
         self.check_lock()?;
-        self.store_index()?;
+        self.store_index(false)?;
         let blkhash = match self.cs {
             65536 => Some(format::hex(&self.blkhash(&st)?)),
             _ => None,
@@ -1385,7 +1516,8 @@ impl SnapshotWriter {
         self.store_own_condemned_again(&new)?;
         // Every copy in a pack condemned since, and none stored by this backup.
         let doomed = |id: &Digest, locs: &[crate::BlobLocation]| {
-            !locs.is_empty() && locs.iter().all(|l| new.contains(&l.pack)) && !locked(&self.claimed.0).contains_key(id)
+            // One whose own copy cannot be looked up is stored again: always safe.
+            !locs.is_empty() && locs.iter().all(|l| new.contains(&l.pack)) && !self.has_own(id).unwrap_or(false)
         };
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let mut again = 0u64;
@@ -1425,7 +1557,7 @@ impl SnapshotWriter {
                 }
             }
             for id in found {
-                if locked(&self.claimed.0).contains_key(&id) {
+                if self.has_own(&id).unwrap_or(false) {
                     continue;
                 }
                 let plain = self.repo.read_blob_any(&self.index, &id, kind).map_err(|why| {
@@ -1436,7 +1568,7 @@ impl SnapshotWriter {
                     ))
                 })?;
                 self.store_new_blob(&id, kind, &plain)?;
-                locked(&self.claimed.0).insert(id, true);
+                locked(&self.claimed.0).ids.insert(id, true);
                 again += 1;
             }
             Ok(())
@@ -1484,22 +1616,27 @@ impl SnapshotWriter {
     /// backup's lock), so each blob is read from there; the copies made now go to a pack
     /// of another name ([`Self::seal_pack`] sees `condemned_since`).
     fn store_own_condemned_again(&self, new: &HashSet<&Digest>) -> Result<()> {
-        let own: Vec<PackBlobs> = locked(&self.done).iter().filter(|p| new.contains(&p.pack)).cloned().collect();
-        for p in &own {
+        let again = |id: &Digest, loc: crate::BlobLocation| -> Result<()> {
+            let plain = self.repo.read_blob(id, &loc, loc.kind).map_err(|why| {
+                Error::Invalid(format!(
+                    "a pack of the backup of {} took the name of one gc condemned meanwhile, and cannot be read to \
+                     store its blobs again ({why}): nothing was committed; run the backup again",
+                    self.name
+                ))
+            })?;
+            self.store_new_blob(id, loc.kind, &plain)
+        };
+        // Those moved to the runs (read a block at a time), then those in memory.
+        let own = locked(&self.claimed.0).own.clone();
+        own.each_in(new, &again)?;
+        let in_memory: Vec<PackBlobs> = locked(&self.done).iter().filter(|p| new.contains(&p.pack)).cloned().collect();
+        for p in &in_memory {
             log::info!(
                 "a pack of this backup has the name of one gc condemned meanwhile, {}: its blobs are stored again",
                 pack_name(&p.pack)
             );
             for e in &p.blobs {
-                let loc = crate::BlobLocation::of(p.pack, e);
-                let plain = self.repo.read_blob(&e.id, &loc, e.kind).map_err(|why| {
-                    Error::Invalid(format!(
-                        "a pack of the backup of {} took the name of one gc condemned meanwhile, and cannot be read \
-                         to store its blobs again ({why}): nothing was committed; run the backup again",
-                        self.name
-                    ))
-                })?;
-                self.store_new_blob(&e.id, e.kind, &plain)?;
+                again(&e.id, crate::BlobLocation::of(p.pack, e))?;
             }
         }
         Ok(())
@@ -1559,10 +1696,14 @@ impl SnapshotWriter {
     /// base were read through present packs when the writer started.
     fn refuse_lost(&self, st: &State, pages: &[Digest]) -> Result<()> {
         let unread: Vec<u64> = self.lost.iter().flat_map(|[f, n]| *f..f + n).filter(|ci| !st.is_done(*ci)).collect();
-        let page_gone = pages.iter().zip(&st.dirty).filter(|(p, dirty)| **p != ZERO && !**dirty).find(|(p, _)| {
+        let mut page_gone = None;
+        for (p, _) in pages.iter().zip(&st.dirty).filter(|(p, dirty)| **p != ZERO && !**dirty) {
             let id = self.repo.crypto.blob_id(p);
-            !self.index.contains(&id) && !locked(&self.claimed.0).contains_key(&id)
-        });
+            if !self.index.contains(&id) && !self.has_own(&id)? {
+                page_gone = Some((p, ()));
+                break;
+            }
+        }
         if let Some(first) = unread.first() {
             return Err(Error::Invalid(format!(
                 "the snapshot of {} would use {} chunk(s) that are lost from the repository (their packs are \
@@ -1632,14 +1773,24 @@ impl SnapshotWriter {
     /// each chunk's place is where this backup stored it, else the base's hint for the
     /// same chunk (an entry this backup did not write) where its pack is present and not
     /// condemned, else the index's first usable copy.
-    fn located_page(&self, st: &State, first: usize, slice: &[Digest], own: &[(u32, u32)]) -> Result<Vec<u8>> {
+    fn located_page(
+        &self,
+        st: &State,
+        first: usize,
+        slice: &[Digest],
+        own: &[(u32, u32)],
+        moved: &[(Digest, format::BlobAt)],
+    ) -> Result<Vec<u8>> {
         let ids: Vec<Digest> = slice.iter().map(|d| self.repo.crypto.blob_id(d)).collect();
         let mut at: Vec<Option<format::BlobAt>> = {
             let done = locked(&self.done);
             slice
                 .iter()
                 .zip(&ids)
-                .map(|(d, id)| if *d == ZERO { None } else { Self::own_place(&done, own, id) })
+                .map(|(d, id)| match *d == ZERO {
+                    true => None,
+                    false => Self::own_place(&done, own, id).or_else(|| moved_place(moved, id)),
+                })
                 .collect()
         };
         let base = self.base_hints.range(first as u64, slice.len(), &self.name)?;
@@ -1659,8 +1810,10 @@ impl SnapshotWriter {
     /// The manifest's pages with their hints (FORMAT.md §7c): where this backup stored each
     /// page blob, else the index's first usable copy; and the packs they name, in order of
     /// first use.
-    fn hinted_pages(&self, pages: Vec<Digest>) -> (format::PackIds, format::Pages) {
+    fn hinted_pages(&self, pages: Vec<Digest>) -> Result<(format::PackIds, format::Pages)> {
         let own = self.own_places(BlobKind::Located);
+        let ids: Vec<Digest> = pages.iter().filter(|d| **d != ZERO).map(|d| self.repo.crypto.blob_id(d)).collect();
+        let moved = self.moved_places_of(ids, BlobKind::Located)?;
         let done = locked(&self.done);
         let places: Vec<(Digest, Option<format::BlobAt>)> = pages
             .into_iter()
@@ -1669,25 +1822,127 @@ impl SnapshotWriter {
                 let at = (d != ZERO)
                     .then(|| {
                         Self::own_place(&done, &own, &id)
+                            .or_else(|| moved_place(&moved, &id))
                             .or_else(|| crate::repo::first_at(&self.index, &id, BlobKind::Located))
                     })
                     .flatten();
                 (d, at)
             })
             .collect();
-        format::hinted_pages(places)
+        Ok(format::hinted_pages(places))
+    }
+
+    /// The places of the data blobs that this writer moved to its runs, for the non-zero
+    /// chunks of pages `first..first + n`: sorted by id, looked up in order.
+    fn moved_places(&self, st: &State, first: usize, n: usize) -> Result<Vec<(Digest, format::BlobAt)>> {
+        let mut ids = Vec::new();
+        let mut buf = Vec::new();
+        if locked(&self.claimed.0).own.entries() == 0 {
+            return Ok(Vec::new());
+        }
+        for i in first..(first + n).min(st.dirty.len()) {
+            let slice = self.page(st, i, &mut buf)?;
+            ids.extend(slice.iter().filter(|d| **d != ZERO).map(|d| self.repo.crypto.blob_id(d)));
+        }
+        self.moved_places_of(ids, BlobKind::Data)
+    }
+
+    /// [`Self::moved_places`] of `ids`.
+    fn moved_places_of(&self, mut ids: Vec<Digest>, kind: BlobKind) -> Result<Vec<(Digest, format::BlobAt)>> {
+        let own = locked(&self.claimed.0).own.clone();
+        if own.entries() == 0 {
+            return Ok(Vec::new());
+        }
+        ids.retain(|id| own.may_hold(id));
+        ids.sort_unstable();
+        ids.dedup();
+        let found = own.find_each(&ids).map_err(|e| own_error(&self.name, e))?;
+        Ok(ids
+            .into_iter()
+            .zip(found)
+            .filter_map(|(id, l)| {
+                l.filter(|l| l.kind == kind)
+                    .map(|l| (id, format::BlobAt { pack: l.pack, offset: l.offset, stored_len: l.stored_len }))
+            })
+            .collect())
     }
 
     /// Stores the index objects for the packs closed since the last ones.
-    fn store_index(&self) -> Result<()> {
-        let mut indexed = locked(&self.indexed);
+    /// `move_out`: then the blobs they list move to this writer's own runs, where enough
+    /// of them are in memory (never at commit: it holds places by their number in `done`).
+    fn store_index(&self, move_out: bool) -> Result<()> {
+        self.store_index_locked(locked(&self.indexed), move_out)
+    }
+
+    fn store_index_locked(&self, mut indexed: MutexGuard<'_, usize>, move_out: bool) -> Result<()> {
         let packs: Vec<PackBlobs> = locked(&self.done)[*indexed..].to_vec();
-        if packs.is_empty() {
-            return Ok(());
+        if !packs.is_empty() {
+            let (_, stored) = self.repo.put_index(&packs)?;
+            self.counters.new_stored.fetch_add(stored, Ordering::Relaxed);
+            *indexed += packs.len();
+            self.unindexed.fetch_sub(packs.iter().map(|p| p.blobs.len()).sum(), Ordering::SeqCst);
         }
-        let (_, stored) = self.repo.put_index(&packs)?;
-        self.counters.new_stored.fetch_add(stored, Ordering::Relaxed);
-        *indexed += packs.len();
+        drop(packs);
+        if move_out {
+            self.move_own(&mut indexed)?;
+        }
+        Ok(())
+    }
+
+    /// Moves the blobs of the packs that an index object lists (`done[..indexed]`) to this
+    /// writer's own runs, where there are a quarter of [`Self::own_in_memory`] or more: the
+    /// runs first, then they leave `claimed` and `done` (a blob is always in one or the
+    /// other). Runs due to be merged are merged by a thread of their own, one merge at a
+    /// time.
+    fn move_own(&self, indexed: &mut usize) -> Result<()> {
+        let packs: Vec<PackBlobs> = {
+            let done = locked(&self.done);
+            let blobs: usize = done[..*indexed].iter().map(|p| p.blobs.len()).sum();
+            if *indexed == 0 || blobs < self.own_in_memory.load(Ordering::Relaxed) / 4 {
+                return Ok(());
+            }
+            done[..*indexed].to_vec()
+        };
+        let n = packs.len();
+        let own = locked(&self.claimed.0).own.clone();
+        let next = own.with(&self.own_dir, packs).map_err(|e| own_error(&self.name, e))?;
+        // `claimed` is locked before `done` (nowhere else are both held).
+        let mut cl = locked(&self.claimed.0);
+        cl.own = Arc::new(next);
+        let mut done = locked(&self.done);
+        for b in done[..n].iter().flat_map(|p| &p.blobs) {
+            if cl.ids.get(&b.id) == Some(&true) {
+                cl.ids.remove(&b.id);
+            }
+        }
+        cl.ids.shrink_to_fit();
+        let merge = cl.own.merge_due().filter(|_| !self.merging.swap(true, Ordering::SeqCst));
+        drop(cl);
+        done.drain(..n);
+        *indexed -= n;
+        drop(done);
+        if let Some(mut m) = merge {
+            // Beside the backup: the checkpoints (and so the moves) go on meanwhile. The
+            // runs stay as they are where it fails (lookups read one more).
+            let (claimed, merging, dir, name) =
+                (self.claimed.clone(), self.merging.clone(), self.own_dir.clone(), self.name.clone());
+            let r = std::thread::Builder::new().name("ferry-own-merge".into()).spawn(move || {
+                match m.run(&dir) {
+                    Ok(()) => {
+                        let mut cl = locked(&claimed.0);
+                        if let Some(next) = cl.own.with_merged(&m) {
+                            cl.own = Arc::new(next);
+                        }
+                    }
+                    Err(e) => log::warn!("{}", own_error(&name, e)),
+                }
+                merging.store(false, Ordering::SeqCst);
+            });
+            if let Err(e) = r {
+                self.merging.store(false, Ordering::SeqCst);
+                log::warn!("{}", own_error(&self.name, e));
+            }
+        }
         Ok(())
     }
 
@@ -1711,16 +1966,25 @@ impl SnapshotWriter {
         self.checkpoint_locked()
     }
 
-    /// A checkpoint if one is due and none is running (from the write path). A failed
-    /// one is only warned about (the backup goes on), unless the lock is gone: then the
-    /// backup stops, with that error.
+    /// A checkpoint if one is due and none is running (from the write path): every
+    /// `checkpoint_every`, and as soon as [`Self::own_in_memory`] blobs this writer stored
+    /// wait for an index object (the checkpoint stores one, and they move out of memory).
+    /// A failed one is only warned about (the backup goes on), unless the lock is gone:
+    /// then the backup stops, with that error. A writer without checkpoints keeps its
+    /// blobs in memory: an index object alone would list packs that no checkpoint uses,
+    /// which a gc beside it condemns as unused.
     fn maybe_checkpoint(&self) -> Result<()> {
         let Some(every) = self.checkpoint_every else { return Ok(()) };
-        if self.committed.load(Ordering::Relaxed) || locked(&self.last_checkpoint).elapsed() < every {
+        let full = || self.unindexed.load(Ordering::Relaxed) >= self.own_in_memory.load(Ordering::Relaxed);
+        let due = |every: Duration| {
+            let since = locked(&self.last_checkpoint).elapsed();
+            !self.committed.load(Ordering::Relaxed) && (since >= every || full() && since >= CHECKPOINT_GAP)
+        };
+        if !due(every) {
             return Ok(());
         }
         let Ok(_one) = self.checkpointing.try_lock() else { return Ok(()) };
-        if self.committed.load(Ordering::Relaxed) || locked(&self.last_checkpoint).elapsed() < every {
+        if !due(every) {
             return Ok(());
         }
         let r = self.checkpoint_locked();
@@ -1824,7 +2088,7 @@ impl SnapshotWriter {
             return Err(Error::Invalid(format!("a write to the backup failed ({why})")));
         }
         self.check_lock()?;
-        self.store_index()?;
+        self.store_index(true)?;
         let ck = Checkpoint {
             version: format::VERSION,
             name: self.name.clone(),
@@ -2160,6 +2424,19 @@ fn missing_chunks(
 }
 
 /// An error of the file that holds a backup's chunk list ([`crate::entries`]).
+/// The place of `id` in `moved` ([`SnapshotWriter::moved_places`]).
+fn moved_place(moved: &[(Digest, format::BlobAt)], id: &Digest) -> Option<format::BlobAt> {
+    moved.binary_search_by(|m| m.0.cmp(id)).ok().map(|k| moved[k].1)
+}
+
+fn own_error(what: &str, e: io::Error) -> Error {
+    Error::Invalid(format!(
+        "the list of the chunks that the backup of {what} stored, moved to files in the cache directory, cannot be \
+         read or written: {e}; free space there (or set FERRY_CACHE_DIR to a directory with room), then run the \
+         backup again"
+    ))
+}
+
 fn spill_error(what: &str, e: io::Error) -> Error {
     Error::Invalid(format!(
         "the chunk list of {what} cannot be read or written in its file in the cache directory: {e}; free space \

@@ -7,13 +7,18 @@ fn write_range(w: &SnapshotWriter, data: &[u8], start: usize, end: usize) {
     let mut pos = start;
     while pos < end {
         let n = (1 << 20).min(end - pos);
-        let piece = &data[pos..pos + n];
-        if ferry_hash::is_zero(piece) {
-            w.zero(pos as u64, n as u64, ZeroMode::default(), false).unwrap();
-        } else {
-            w.write(piece, pos as u64, false).unwrap();
-        }
+        write_piece(w, data, pos, n);
         pos += n;
+    }
+}
+
+/// Writes `data[pos..pos + n]` in one request (zeroes through `zero`).
+pub(super) fn write_piece(w: &SnapshotWriter, data: &[u8], pos: usize, n: usize) {
+    let piece = &data[pos..pos + n];
+    if ferry_hash::is_zero(piece) {
+        w.zero(pos as u64, n as u64, ZeroMode::default(), false).unwrap();
+    } else {
+        w.write(piece, pos as u64, false).unwrap();
     }
 }
 
