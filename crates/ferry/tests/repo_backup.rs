@@ -180,7 +180,7 @@ fn thirty_days_from_qemu_nbd_dirty_bitmap() {
 }
 
 /// Refusals: a change map without a previous snapshot, a size change with one, a
-/// snapshot as a copy destination or a writable export.
+/// snapshot as a copy destination or a writable export, a read pool of no thread.
 #[test]
 fn refusals_say_what_to_do() {
     let dir = tempfile::tempdir().unwrap();
@@ -209,6 +209,16 @@ fn refusals_say_what_to_do() {
     assert!(out.stderr.contains("ferry backup"), "{}", out.describe());
     let out = run_fails(&mut ferry_cmd(&["serve", "-U", s(&d.join("x.sock")), &t]));
     assert!(out.stderr.contains("--read-only"), "{}", out.describe());
+    // A read pool of no thread (or over 64) is refused before anything is served.
+    for bad in ["0", "65"] {
+        let mut c = ferry_cmd(&["serve", "-r", "-U", s(&d.join("x.sock")), "--run", "true", &t]);
+        let out = run_fails(c.env("FERRY_REPO_READ_THREADS", bad));
+        assert!(
+            out.stderr.contains("FERRY_REPO_READ_THREADS=\"") && out.stderr.contains("from 1 to 64"),
+            "{}",
+            out.describe()
+        );
+    }
     let out = run_fails(&mut ferry_cmd(&["copy", &format!("{t}@0000"), s(&d.join("n.raw"))]));
     assert!(!out.stderr.is_empty(), "{}", out.describe());
 }

@@ -82,6 +82,8 @@ pub struct SnapshotImage {
     /// This image, for the threads of [`Backend::io_queue`].
     me: Weak<SnapshotImage>,
     pool: OnceLock<Option<Pool>>,
+    /// The threads of `pool` ([`SnapshotImage::read_threads`]).
+    threads: usize,
     repo: Arc<Repository>,
     snap: SnapshotInfo,
     /// Reloaded when a pack it names is gone (a gc moved the blobs while we read). A
@@ -119,10 +121,11 @@ struct Shard {
     /// Chunk by the tick of its last use: the least recently used first.
     by_use: BTreeMap<u64, u64>,
     /// The buffer of the last chunk evicted (unless a reader still held it), for the
-    /// next miss in this shard to decode into: a full cache's miss then neither allocates
-    /// nor faults in fresh pages (the allocator gives freed chunks back to the kernel,
-    /// and faulting 64 KiB in again cost a seventh of a miss's CPU). At most one chunk per
-    /// shard, outside the budget.
+    /// next miss in this shard to decode into: a full cache's miss then decodes its chunk
+    /// into no new buffer, and faults in no fresh pages for it (the allocator gives freed
+    /// chunks back to the kernel, and faulting 64 KiB in again cost a seventh of a miss's
+    /// CPU); it still allocates what the module doc says. At most one chunk per shard,
+    /// outside the budget.
     spare: Option<Vec<u8>>,
 }
 
@@ -171,6 +174,10 @@ impl SnapshotImage {
         cache_bytes: u64,
         shared: &'static AtomicU64,
     ) -> Result<Arc<SnapshotImage>> {
+        let threads = match read_threads_from(std::env::var(READ_THREADS_ENV).ok().as_deref())? {
+            Some(n) => n,
+            None => pool_threads(repo.store.local()),
+        };
         let (index, entries, hints) = if snap.manifest.version == format::LOCATED_VERSION {
             let lazy = LazyIndex::new(&repo);
             let got = repo.entries_hinted(&lazy, snap, true);
@@ -188,6 +195,7 @@ impl SnapshotImage {
         Ok(Arc::new_cyclic(|me| SnapshotImage {
             me: me.clone(),
             pool: OnceLock::new(),
+            threads,
             cache_budget: cache_bytes,
             shared,
             cached: AtomicU64::new(0),
@@ -236,10 +244,11 @@ impl SnapshotImage {
         (self.size - ci * self.cs).min(self.cs) as usize
     }
 
-    /// The threads its connections' reads run on: one a core (at least 2) for a store on
-    /// this machine ([`crate::store::Store::local`]), at least 8 for any other.
+    /// The threads its connections' reads run on: `FERRY_REPO_READ_THREADS` where it is
+    /// set, else one a core (at least 4) for a store on this machine
+    /// ([`crate::store::Store::local`]), at least 8 for any other.
     pub fn read_threads(&self) -> usize {
-        pool_threads(self.repo.store.local())
+        self.threads
     }
 
     /// Bytes in this image's cache.
@@ -911,43 +920,84 @@ struct Pool {
     queue: Arc<JobQueue>,
 }
 
-/// The jobs not yet taken, and whether the pool is dropped. One lock and one condition:
-/// a job handed to an idle pool wakes one thread, which takes it (a channel's receiver,
-/// shared behind a lock, woke a second thread for each job, to wait in its place).
+/// The jobs not yet taken, whether the pool is dropped, and how many of its threads are
+/// alive. One lock and one condition: a job handed to an idle pool wakes one thread,
+/// which takes it (a channel's receiver, shared behind a lock, woke a second thread for
+/// each job, to wait in its place).
 #[derive(Default)]
 struct JobQueue {
-    jobs: Mutex<(VecDeque<Job>, bool)>,
+    jobs: Mutex<Jobs>,
     cv: Condvar,
+}
+
+#[derive(Default)]
+struct Jobs {
+    queue: VecDeque<Job>,
+    dropped: bool,
+    /// Threads that have not ended: none left, a job is run by whoever hands it over.
+    live: usize,
+}
+
+/// Held by a pool's thread: counts it out of [`Jobs::live`] however it ends (a panic
+/// too); the last one out runs the jobs still queued, which no thread would take.
+struct Live(Arc<JobQueue>);
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        let left = {
+            let mut g = self.0.jobs.lock().unwrap_or_else(|e| e.into_inner());
+            g.live -= 1;
+            if g.live == 0 {
+                std::mem::take(&mut g.queue)
+            } else {
+                VecDeque::new()
+            }
+        };
+        for job in left {
+            job();
+        }
+    }
 }
 
 impl Pool {
     /// `threads` threads, or `None` when none could be started.
     fn start(threads: usize) -> Option<Pool> {
         let queue = Arc::new(JobQueue::default());
-        let mut started = 0;
         for i in 0..threads {
-            let q = queue.clone();
+            // Counted in before it starts, so that a job handed over meanwhile waits for it.
+            queue.jobs.lock().unwrap_or_else(|e| e.into_inner()).live += 1;
+            let live = Live(queue.clone());
             let t = std::thread::Builder::new().name(format!("repo-read-{i}")).spawn(move || loop {
+                let q = &live.0;
                 // The lock is held only to take a job, not while it runs.
                 let mut g = q.jobs.lock().unwrap_or_else(|e| e.into_inner());
                 let job = loop {
-                    match g.0.pop_front() {
+                    match g.queue.pop_front() {
                         Some(job) => break job,
-                        None if g.1 => return,
+                        None if g.dropped => return,
                         None => g = q.cv.wait(g).unwrap_or_else(|e| e.into_inner()),
                     }
                 };
                 drop(g);
                 job();
             });
-            started += usize::from(t.is_ok());
+            // A thread not started dropped its `Live` with the closure: counted out.
+            drop(t);
         }
+        let started = queue.jobs.lock().unwrap_or_else(|e| e.into_inner()).live;
         (started > 0).then_some(Pool { queue })
     }
 
-    /// Hands `job` to a thread.
+    /// Hands `job` to a thread; runs it here when the pool has no thread left (each one
+    /// ended by a panic outside its job's own catch), where it would wait for ever.
     fn submit(&self, job: Job) {
-        self.queue.jobs.lock().unwrap_or_else(|e| e.into_inner()).0.push_back(job);
+        let mut g = self.queue.jobs.lock().unwrap_or_else(|e| e.into_inner());
+        if g.live == 0 {
+            drop(g);
+            return job();
+        }
+        g.queue.push_back(job);
+        drop(g);
         self.queue.cv.notify_one();
     }
 }
@@ -955,21 +1005,43 @@ impl Pool {
 impl Drop for Pool {
     /// The threads take the jobs left, then end.
     fn drop(&mut self) {
-        self.queue.jobs.lock().unwrap_or_else(|e| e.into_inner()).1 = true;
+        self.queue.jobs.lock().unwrap_or_else(|e| e.into_inner()).dropped = true;
         self.queue.cv.notify_all();
     }
 }
 
 /// Threads for a snapshot's reads, from a store on this machine or not
 /// ([`crate::store::Store::local`]). Decoding and checking a chunk is CPU work: from a
-/// local store, one thread per core (at least 2, so that one reads while another
-/// decodes), as more threads than cores only wake and wait on each other (on 2 cores, 2
-/// threads served 4 KiB random misses faster than 8: docs/benchmarks-history.md §39).
-/// An object store's reads wait on the network: at least [`crate::repo::FETCH_THREADS`]
-/// in flight. At most 32.
+/// local store, one thread per core, as on a warm page cache more threads than cores only
+/// wake and wait on each other (on 2 cores, 2 threads served 4 KiB random misses faster
+/// than 8: docs/benchmarks-history.md §39); but at least 4, as a cold or slow local disk
+/// (a network block device under a local file system, a disk after a reboot) needs reads
+/// in flight. An object store's reads wait on the network: at least
+/// [`crate::repo::FETCH_THREADS`] in flight. At most 32.
 pub(crate) fn pool_threads(local: bool) -> usize {
     let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
-    cores.clamp(if local { 2 } else { crate::repo::FETCH_THREADS }, 32)
+    cores.clamp(if local { 4 } else { crate::repo::FETCH_THREADS }, 32)
+}
+
+/// The variable that sets the threads of a served snapshot's reads.
+pub(crate) const READ_THREADS_ENV: &str = "FERRY_REPO_READ_THREADS";
+
+/// The most threads [`READ_THREADS_ENV`] may ask for.
+pub(crate) const MAX_READ_THREADS: usize = 64;
+
+/// The read threads `var` (the value of [`READ_THREADS_ENV`]) asks for: `None` where it
+/// is unset or empty; an error that names the accepted range where it is not a number
+/// from 1 to [`MAX_READ_THREADS`].
+pub(crate) fn read_threads_from(var: Option<&str>) -> Result<Option<usize>> {
+    match var.map(str::trim) {
+        None | Some("") => Ok(None),
+        Some(v) => match v.parse::<usize>() {
+            Ok(n) if (1..=MAX_READ_THREADS).contains(&n) => Ok(Some(n)),
+            _ => Err(crate::Error::Invalid(format!(
+                "{READ_THREADS_ENV}={v:?}: give a number of threads from 1 to {MAX_READ_THREADS}, or unset it"
+            ))),
+        },
+    }
 }
 
 /// A read in flight: its buffer and result once done.
@@ -1171,5 +1243,48 @@ impl Backend for SnapshotImage {
     }
     fn identity(&self) -> Option<String> {
         Some(format!("ferry-repo:{}:{}", self.repo.config.id, self.snap.id))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Job, Pool};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Barrier};
+    use std::time::{Duration, Instant};
+
+    /// Waits up to 5 s for `flag`.
+    fn set_soon(flag: &AtomicBool) -> bool {
+        let t = Instant::now();
+        while !flag.load(Ordering::SeqCst) && t.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        flag.load(Ordering::SeqCst)
+    }
+
+    /// A pool whose threads have all ended (a panic outside a job's own catch) runs the
+    /// jobs queued when the last one ended, and then each job where it is handed over:
+    /// none waits for ever for a thread.
+    #[test]
+    fn a_pool_with_no_thread_left_still_runs_its_jobs() {
+        let pool = Pool::start(1).unwrap();
+        let (go, queued) = (Arc::new(Barrier::new(2)), Arc::new(AtomicBool::new(false)));
+        let g = go.clone();
+        pool.submit(Box::new(move || {
+            g.wait();
+            panic!("a job that kills its thread (a test)");
+        }));
+        let q = queued.clone();
+        pool.submit(Box::new(move || q.store(true, Ordering::SeqCst)));
+        go.wait();
+        assert!(set_soon(&queued), "the job queued when the pool's last thread ended never ran");
+        while pool.queue.jobs.lock().unwrap_or_else(|e| e.into_inner()).live > 0 {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let later = Arc::new(AtomicBool::new(false));
+        let l = later.clone();
+        let job: Job = Box::new(move || l.store(true, Ordering::SeqCst));
+        pool.submit(job);
+        assert!(later.load(Ordering::SeqCst), "a job handed to a pool with no thread was not run at once");
     }
 }

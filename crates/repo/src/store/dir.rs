@@ -28,13 +28,35 @@ pub struct DirStore {
 }
 
 /// The `statfs` magic numbers of file systems whose reads may cross a network: NFS, SMB
-/// (CIFS and SMB2), 9p, Ceph, AFS and FUSE (sshfs, s3fs and the like).
-const NETWORK_FS: [u32; 7] = [0x6969, 0xFF53_4D42, 0xFE53_4D42, 0x0102_1997, 0x00C3_6400, 0x5346_414F, 0x6573_5546];
+/// (CIFS and SMB2), 9p, Ceph, AFS (OpenAFS's and the kernel's), FUSE (sshfs, s3fs and the
+/// like), Lustre, GPFS, BeeGFS, Coda and OrangeFS.
+const NETWORK_FS: [u32; 13] = [
+    0x6969,
+    0xFF53_4D42,
+    0xFE53_4D42,
+    0x0102_1997,
+    0x00C3_6400,
+    0x5346_414F,
+    0x6B41_4653,
+    0x6573_5546,
+    0x0BD0_0BD0,
+    0x4750_4653,
+    0x1983_0326,
+    0x7375_7245,
+    0x2003_0528,
+];
 
-/// Whether the file system of `dir` is one of [`NETWORK_FS`] (false where it cannot be told).
+/// Whether the file system of `dir` may cross a network: one of [`NETWORK_FS`], or one
+/// whose kind cannot be told ([`Store::local`] is false unless the store is known local).
 fn on_network_fs(dir: BorrowedFd<'_>) -> bool {
     // The magic number is 32 bits wide, whatever the width of the field holding it.
-    rustix::fs::fstatfs(dir).is_ok_and(|st| NETWORK_FS.contains(&(st.f_type as u64 as u32)))
+    network_fs_type(rustix::fs::fstatfs(dir).ok().map(|st| st.f_type as u64 as u32))
+}
+
+/// Whether a file system of `statfs` magic number `f_type` (`None`: unknown) counts as
+/// one that may cross a network.
+fn network_fs_type(f_type: Option<u32>) -> bool {
+    f_type.is_none_or(|t| NETWORK_FS.contains(&t))
 }
 
 fn dir_flags() -> OFlags {
@@ -453,6 +475,22 @@ mod tests {
     fn sorted(mut v: Vec<(String, u64)>) -> Vec<(String, u64)> {
         v.sort();
         v
+    }
+
+    /// Network and cluster file systems are told by their `statfs` magic numbers, and a
+    /// file system whose kind cannot be told counts as one (not local); disks' do not.
+    #[test]
+    fn network_file_systems_are_told_by_their_magic_numbers() {
+        let lustre_gpfs_beegfs_afs_coda_orangefs =
+            [0x0BD0_0BD0, 0x4750_4653, 0x1983_0326, 0x6B41_4653, 0x7375_7245, 0x2003_0528];
+        for t in [0x6969, 0xFF53_4D42, 0x6573_5546].into_iter().chain(lustre_gpfs_beegfs_afs_coda_orangefs) {
+            assert!(network_fs_type(Some(t)), "{t:#x}");
+        }
+        assert!(network_fs_type(None), "a file system of unknown kind counts as local");
+        // ext4, XFS, Btrfs, tmpfs, ZFS.
+        for t in [0xEF53, 0x5846_5342, 0x9123_683E, 0x0102_1994, 0x2FC1_2FC1] {
+            assert!(!network_fs_type(Some(t)), "{t:#x}");
+        }
     }
 
     /// A lock's age is told by the file system's clock alone: its modification time and
