@@ -45,7 +45,7 @@ SIZE_G=${SIZE_G:-4}
 DIRTY_PCT=${DIRTY_PCT:-2}
 RUNS=${RUNS:-3}
 PARTS=${PARTS:-1 2}
-W=$(mktemp -d "${BENCH_DIR:-/var/tmp}/backup.XXXX")
+W=$(mktemp -d "${BENCH_DIR:-/var/tmp}/backup.XXXX") || exit 1
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; rm -rf "$W"; }
 trap cleanup EXIT

@@ -15,7 +15,7 @@ FERRY=${FERRY:-$PWD/target/release/ferry}
 IDLE=${IDLE:-"1000 10000"}
 BUSY=${BUSY:-5}
 ROUNDS=${ROUNDS:-5}
-W=$(mktemp -d /dev/shm/ferry-conns.XXXX)
+W=$(mktemp -d /dev/shm/ferry-conns.XXXX) || exit 1
 trap 'kill $(jobs -p) 2>/dev/null; wait 2>/dev/null; rm -rf "$W"' EXIT
 [ -x "$FERRY" ] || { echo "build ferry first: cargo build --release"; exit 1; }
 . "$(dirname "$0")/lib.sh"

@@ -8,7 +8,7 @@ set -u
 FERRY=${FERRY:-$PWD/target/release/ferry}
 SIZE_G=${SIZE_G:-8}
 ROUNDS=${ROUNDS:-3}
-W=$(mktemp -d /tmp/ferry-conns.XXXX)
+W=$(mktemp -d /tmp/ferry-conns.XXXX) || exit 1
 cleanup() { kill $(jobs -p) 2>/dev/null; wait 2>/dev/null; rm -rf "$W"; }
 trap cleanup EXIT
 "$FERRY" serve -q -U "$W/s.sock" "pattern:${SIZE_G}G" &

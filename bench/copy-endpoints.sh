@@ -18,7 +18,7 @@ OLD=${OLD:?set OLD to the ferry binary to compare against}
 SIZE_G=${SIZE_G:-2}
 ROUNDS=${ROUNDS:-7}
 CASES=${CASES:-0 1 2 3}  # which of the four below
-W=$(mktemp -d /dev/shm/ce.XXXX)
+W=$(mktemp -d /dev/shm/ce.XXXX) || exit 1
 trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$W"' EXIT
 openssl enc -aes-128-ctr -pass pass:endpoints -nosalt -pbkdf2 </dev/zero 2>/dev/null | head -c $((SIZE_G<<30)) > "$W/img"
 cp "$W/img" "$W/dst"

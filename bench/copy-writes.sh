@@ -10,7 +10,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 FERRY=${FERRY:-$PWD/target/release/ferry}
 SIZE_G=${SIZE_G:-4}
 ROUNDS=${ROUNDS:-5}
-W=$(mktemp -d /dev/shm/cw.XXXX)
+W=$(mktemp -d /dev/shm/cw.XXXX) || exit 1
 trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$W"' EXIT
 cc -O2 -o "$W/rawsock" "$HERE/../../shared/bench/rawsock.c"
 raw() { for i in 1 2 3; do "$W/rawsock" 0 4194304 4194304 4096 4194304 | sed 's/.*: \([0-9.]*\) GiB.*/\1/'; done | med; }

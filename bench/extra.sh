@@ -11,7 +11,7 @@ set -u
 FERRY=${FERRY:-$PWD/target/release/ferry}
 SHARED=${SHARED:-$PWD/../shared/bench}
 SIZE_G=${SIZE_G:-4}
-W=$(mktemp -d /dev/shm/ferry-bench.XXXX)
+W=$(mktemp -d /dev/shm/ferry-bench.XXXX) || exit 1
 trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$W"' EXIT
 [ -x "$FERRY" ] || { echo "build ferry first: cargo build --release"; exit 1; }
 

@@ -6,7 +6,7 @@
 set -u
 RW=${1:-randwrite}; ROUNDS=${2:-3}
 FERRY=${FERRY:-$PWD/target/release/ferry}
-W=$(mktemp -d /dev/shm/fio-rounds.XXXX); S=$W/s.sock
+W=$(mktemp -d /dev/shm/fio-rounds.XXXX) || exit 1; S=$W/s.sock
 trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$W"' EXIT
 openssl enc -aes-128-ctr -pass pass:ferry -nosalt -pbkdf2 </dev/zero 2>/dev/null | head -c $((2<<30)) > "$W/img"
 iops() { fio --name=j --ioengine=nbd --uri="nbd+unix:///?socket=$S" --rw="$RW" --bs=4k --iodepth=64 --size=2G \

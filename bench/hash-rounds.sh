@@ -13,7 +13,7 @@ FERRY=${FERRY:-$PWD/target/release/ferry}
 BLKSUM=${BLKSUM:-blksum}
 [ -x "$FERRY" ] || { echo "build ferry first: cargo build --release"; exit 1; }
 command -v "$BLKSUM" >/dev/null || { echo "blksum not found: set BLKSUM"; exit 1; }
-W=$(mktemp -d /dev/shm/hash-rounds.XXXX)
+W=$(mktemp -d /dev/shm/hash-rounds.XXXX) || exit 1
 trap 'rm -rf "$W"' EXIT
 openssl enc -aes-128-ctr -pass pass:ferry -nosalt -pbkdf2 </dev/zero 2>/dev/null | head -c $((2<<30)) > "$W/2g"
 head -c 1G "$W/2g" > "$W/1g"

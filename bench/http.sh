@@ -46,7 +46,7 @@ if ! ls /usr/lib/*/qemu/block-curl.so >/dev/null 2>&1; then
 fi
 
 # ---- images and nginx ------------------------------------------------------------------
-W=$(mktemp -d "${HTTP_DIR:-/var/tmp}/ferry-http.XXXX")
+W=$(mktemp -d "${HTTP_DIR:-/var/tmp}/ferry-http.XXXX") || exit 1
 cleanup() { kill $(jobs -p) 2>/dev/null; wait 2>/dev/null; rm -rf "$W"; }
 trap cleanup EXIT
 mkdir -p "$W/data" "$W/tmp" "$W/logs"

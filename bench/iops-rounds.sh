@@ -8,7 +8,7 @@
 set -u
 FERRY=${FERRY:-$PWD/target/release/ferry}
 ROUNDS=${1:-5}
-W=$(mktemp -d /dev/shm/ferry-iops.XXXX)
+W=$(mktemp -d /dev/shm/ferry-iops.XXXX) || exit 1
 trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$W"' EXIT
 [ -x "$FERRY" ] || { echo "build ferry first: cargo build --release"; exit 1; }
 openssl enc -aes-128-ctr -pass pass:iops -nosalt -pbkdf2 </dev/zero 2>/dev/null | head -c 1G > "$W/1g"

@@ -18,7 +18,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 FERRY=${FERRY:-$PWD/target/release/ferry}
 SIZE_G=${SIZE_G:-1}
 ROUNDS=${ROUNDS:-3}
-W=$(mktemp -d "${BENCH_DIR:-/dev/shm}/q2c.XXXX")
+W=$(mktemp -d "${BENCH_DIR:-/dev/shm}/q2c.XXXX") || exit 1
 trap 'rm -rf "$W"' EXIT
 command -v qemu-img >/dev/null || { echo "missing qemu-img"; exit 1; }
 [ -x /usr/bin/time ] || { echo "missing /usr/bin/time"; exit 1; }

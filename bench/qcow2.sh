@@ -23,7 +23,7 @@ FERRY=${FERRY:-$PWD/target/release/ferry}
 SIZE_G=${SIZE_G:-4}
 COMP_G=${COMP_G:-1}
 RUNS=${RUNS:-3}
-W=$(mktemp -d "${BENCH_DIR:-/dev/shm}/q2.XXXX")
+W=$(mktemp -d "${BENCH_DIR:-/dev/shm}/q2.XXXX") || exit 1
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; rm -rf "$W"; }
 trap cleanup EXIT

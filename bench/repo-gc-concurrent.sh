@@ -31,7 +31,7 @@ R=${1:?usage: repo-gc-concurrent.sh REPO}
 [ -x "$FERRY" ] || { echo "missing $FERRY: cargo build --release -p ferry first"; exit 1; }
 [ -d "$R" ] || { echo "$R: no repository there"; exit 1; }
 mkdir -p "${BENCH_DIR:-/tmp/scale-bench}"
-W=$(mktemp -d "${BENCH_DIR:-/tmp/scale-bench}/gcc.XXXX")
+W=$(mktemp -d "${BENCH_DIR:-/tmp/scale-bench}/gcc.XXXX") || exit 1
 trap 'kill $(jobs -p) 2>/dev/null; wait 2>/dev/null; rm -rf "$W"' EXIT
 trap 'exit 130' INT TERM
 LOG=$W/log

@@ -46,7 +46,7 @@ for f in "$FERRY" "$FERRY_BEFORE"; do
 done
 for c in nbdkit strace openssl /usr/bin/time; do command -v "$c" >/dev/null || { echo "missing $c"; exit 1; }; done
 mkdir -p "${BENCH_DIR:-/tmp/scale-bench}"
-W=$(mktemp -d "${BENCH_DIR:-/tmp/scale-bench}/gcindex.XXXX")
+W=$(mktemp -d "${BENCH_DIR:-/tmp/scale-bench}/gcindex.XXXX") || exit 1
 GPID=
 cleanup() {
   [ -n "$GPID" ] && { kill "$GPID" 2>/dev/null; wait "$GPID" 2>/dev/null; }

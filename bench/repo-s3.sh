@@ -58,8 +58,8 @@ if ! command -v restic >/dev/null; then
     echo "note: could not install restic: its cells will say FAIL"
 fi
 
-W=$(mktemp -d "${BENCH_DIR:-/var/tmp}/repos3.XXXX")
-C=$(mktemp -d "/tmp/repos3-cluster.XXXX")
+W=$(mktemp -d "${BENCH_DIR:-/var/tmp}/repos3.XXXX") || exit 1
+C=$(mktemp -d "/tmp/repos3-cluster.XXXX") || exit 1
 rmdir "$C"
 pids=()
 MOTO_PID=

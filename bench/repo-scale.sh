@@ -129,13 +129,13 @@ $PY -c 'import nbd' || { echo "missing python3-libnbd for $PY"; exit 1; }
 [ -x "$FERRY" ] || { echo "missing $FERRY: cargo build --release -p ferry first"; exit 1; }
 
 mkdir -p "${BENCH_DIR:-/tmp/scale-bench}"
-W=$(mktemp -d "${BENCH_DIR:-/tmp/scale-bench}/run.XXXX")
+W=$(mktemp -d "${BENCH_DIR:-/tmp/scale-bench}/run.XXXX") || exit 1
 # The generator file lives in GEN_DIR, /dev/shm by default (about 4 GiB of memory per 64 GiB
 # of disk): on a file system mounted with `discard`, as this machine's is, removing a file of
 # a million scattered blocks discards them one by one and takes more than ten minutes.
 GEN_DIR=${GEN_DIR:-/dev/shm}
 [ "$GENKIND" = nbdkit ] && GEN_DIR=$W
-GW=$(mktemp -d "$GEN_DIR/scale-gen.XXXX")
+GW=$(mktemp -d "$GEN_DIR/scale-gen.XXXX") || exit 1
 SPID=
 cleanup() {
   [ -n "$SPID" ] && kill "$SPID" 2>/dev/null

@@ -32,7 +32,7 @@ FIO_S=${FIO_S:-5}
 # A command the restores run under, e.g. PIN="taskset -c 0,1" (two cores of a larger machine).
 PIN=${PIN:-}
 RESTORE=${RESTORE:-yes}
-W=$(mktemp -d "${BENCH_DIR:-/var/tmp}/repo-speed.XXXX")
+W=$(mktemp -d "${BENCH_DIR:-/var/tmp}/repo-speed.XXXX") || exit 1
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; rm -rf "$W"; }
 trap cleanup EXIT

@@ -101,7 +101,7 @@ GC_G=${GC_G:-1}
 GC_DAYS=${GC_DAYS:-30}
 GC_KEEP=${GC_KEEP:-7}
 FUSE_JOBS=${FUSE_JOBS:-8}
-W=$(mktemp -d "${BENCH_DIR:-/var/tmp}/repo.XXXX")
+W=$(mktemp -d "${BENCH_DIR:-/var/tmp}/repo.XXXX") || exit 1
 pids=()
 # unmount DIR: a FUSE mount (fusermount3 for libfuse 3's, when installed; fusermount
 # unmounts those too).

@@ -24,7 +24,7 @@ FERRY=${FERRY:-$PWD/target/release/ferry}
 RUNS=${RUNS:-3}
 DOWN=${DOWN:-1}
 for t in nbdkit openssl bc; do command -v $t >/dev/null || { echo "missing $t"; exit 1; }; done
-W=$(mktemp -d /dev/shm/resil.XXXX)
+W=$(mktemp -d /dev/shm/resil.XXXX) || exit 1
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; rm -rf "$W"; }
 trap cleanup EXIT

@@ -17,7 +17,7 @@ BEFORE=${BEFORE:?path of the ferry binary before the change}
 AFTER=${AFTER:-$PWD/target/release/ferry}
 SIZE_G=${SIZE_G:-1}
 RUNS=${RUNS:-3}
-W=$(mktemp -d "${BENCH_DIR:-/dev/shm}/safety.XXXX")
+W=$(mktemp -d "${BENCH_DIR:-/dev/shm}/safety.XXXX") || exit 1
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; rm -rf "$W"; }
 trap cleanup EXIT

@@ -10,7 +10,7 @@
 set -u
 FERRY=${FERRY:-$PWD/target/release/ferry}
 SIZE_G=${SIZE_G:-4}
-W=$(mktemp -d /dev/shm/ferry-tls.XXXX)
+W=$(mktemp -d /dev/shm/ferry-tls.XXXX) || exit 1
 trap 'kill $(jobs -p) 2>/dev/null; wait 2>/dev/null; rm -rf "$W"' EXIT
 [ -x "$FERRY" ] || { echo "build ferry first: cargo build --release"; exit 1; }
 

@@ -8,7 +8,7 @@
 set -u
 SIZE_G=${SIZE_G:-4}; ROUNDS=${ROUNDS:-3}
 FERRY=${FERRY:-$PWD/target/release/ferry}
-W=$(mktemp -d /dev/shm/zerocopy.XXXX)
+W=$(mktemp -d /dev/shm/zerocopy.XXXX) || exit 1
 trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$W"' EXIT
 openssl enc -aes-128-ctr -pass pass:ferry -nosalt -pbkdf2 </dev/zero 2>/dev/null | head -c $((SIZE_G<<30)) > "$W/img"
 PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
