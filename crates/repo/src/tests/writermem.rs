@@ -184,6 +184,36 @@ fn a_backup_whose_own_runs_cannot_be_written_keeps_its_blobs_in_memory() {
     assert!(r.problems.is_empty(), "{:?}", r.problems);
 }
 
+/// A writer dropped while a merge of its own runs runs stops it and waits for its thread.
+#[test]
+fn a_writer_dropped_while_its_runs_merge_joins_the_merge() {
+    let (_store, repo) = new_repo(false);
+    let data = disk(96 * CS, 31);
+    let mut seen = 0;
+    for _ in 0..20 {
+        let w = SnapshotWriter::start(repo.clone(), opts("d", data.len() as u64, None)).unwrap();
+        w.keep_in_memory(1);
+        let mut pos = 0;
+        let mut running = None;
+        while pos < data.len() && running.is_none() {
+            let n = (2 * CS).min(data.len() - pos);
+            super::resume::write_piece(&w, &data, pos, n);
+            pos += n;
+            w.checkpoint().unwrap();
+            let (r, weak) = w.merge_running();
+            running = r.then_some(weak);
+        }
+        let Some(weak) = running else { continue };
+        drop(w);
+        assert!(weak.upgrade().is_none(), "the merge thread outlived its writer");
+        seen += 1;
+        if seen == 3 {
+            break;
+        }
+    }
+    println!("dropped {seen} writers while their runs merged");
+}
+
 /// Own runs merged beside the backup find every blob where it was, and runs added while
 /// the merge ran stay after its run.
 #[test]
