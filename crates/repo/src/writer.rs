@@ -745,8 +745,6 @@ impl SnapshotWriter {
         }))
     }
 
-    /// Keeps up to `blobs` of its blobs in memory ([`OWN_IN_MEMORY`]; tests).
-    #[cfg(test)]
     /// Whether a merge of the own runs runs now, and a handle that outlives the writer
     /// only while its thread does (tests).
     #[cfg(test)]
@@ -754,6 +752,8 @@ impl SnapshotWriter {
         (self.merging.load(Ordering::SeqCst), Arc::downgrade(&self.merging))
     }
 
+    /// Keeps up to `blobs` of its blobs in memory ([`OWN_IN_MEMORY`]; tests).
+    #[cfg(test)]
     pub(crate) fn keep_in_memory(&self, blobs: usize) {
         self.own_in_memory.store(blobs, Ordering::Relaxed);
     }
