@@ -832,7 +832,14 @@ enum Stop {
 
 /// Merges `runs` (their live rows: `live[k]`) into one, in bounded memory.
 /// `unlinked`: the new run in a file with no name (a backup's own runs, [`OwnRuns`]).
-fn merge(dir: &Path, runs: &[&Run], live: &[Vec<bool>], unlinked: bool) -> Result<Run, Stop> {
+/// `cancel`: once set, the merge stops between two entries (its file removed).
+fn merge(
+    dir: &Path,
+    runs: &[&Run],
+    live: &[Vec<bool>],
+    unlinked: bool,
+    cancel: Option<&std::sync::atomic::AtomicBool>,
+) -> Result<Run, Stop> {
     // The new object table: the live objects of every run, sorted.
     let mut objects: Vec<Digest> = Vec::new();
     for (run, l) in runs.iter().zip(live) {
@@ -890,6 +897,9 @@ fn merge(dir: &Path, runs: &[&Run], live: &[Vec<bool>], unlinked: bool) -> Resul
     }
     let r = (|| {
         while let Some(std::cmp::Reverse((_, k, HeapEnt(e)))) = heap.pop() {
+            if cancel.is_some_and(|c| c.load(std::sync::atomic::Ordering::Relaxed)) {
+                return Err(Stop::Io(io::Error::other("the merge was cancelled")));
+            }
             out.push(&e).map_err(Stop::Io)?;
             if let Some(n) = sources[k].next().map_err(|why| Stop::Bad(k, why))? {
                 heap.push(std::cmp::Reverse((n.key(), k, HeapEnt(n))));
@@ -1090,6 +1100,12 @@ impl Cache {
     /// directory, beside its `index`.
     pub(crate) fn spill_dir(&self) -> &Path {
         self.dir.parent().unwrap_or(&self.dir)
+    }
+
+    /// A cache in `dir`, as it is (tests).
+    #[cfg(test)]
+    pub(crate) fn in_dir(dir: PathBuf) -> Cache {
+        Cache::at(dir)
     }
 
     /// A cache in `dir`, as it is (trusted).
@@ -1402,7 +1418,7 @@ impl Cache {
                 },
             };
             let srcs: Vec<&Run> = runs[from..].iter().collect();
-            let merged = merge(&self.dir, &srcs, &live[from..], false).map_err(|s| match s {
+            let merged = merge(&self.dir, &srcs, &live[from..], false, None).map_err(|s| match s {
                 Stop::Bad(k, why) => Stop::Bad(from + k, why),
                 s => s,
             })?;
@@ -1479,14 +1495,26 @@ pub(crate) struct OwnRuns {
 impl OwnRuns {
     /// These runs and the blobs of `packs` (one batch) as a new run in `dir` (about 48
     /// bytes an entry).
+    #[cfg(test)]
     pub(crate) fn with(&self, dir: &Path, packs: Vec<PackBlobs>) -> io::Result<OwnRuns> {
+        Ok(self.and(self.write_batch(dir, packs)?))
+    }
+
+    /// The blobs of `packs` (the next batch after these runs') as a run in `dir`, not
+    /// yet among them ([`OwnRuns::and`] adds it).
+    pub(crate) fn write_batch(&self, dir: &Path, packs: Vec<PackBlobs>) -> io::Result<OwnBatch> {
         let mut name = [0u8; 32];
         name[..4].copy_from_slice(&self.batches.to_le_bytes());
         let mut pending = Pending::default();
         pending.add(name, packs);
+        Ok(OwnBatch(Arc::new(pending.write_as(dir, true)?)))
+    }
+
+    /// These runs and the run `b` after them.
+    pub(crate) fn and(&self, b: OwnBatch) -> OwnRuns {
         let mut runs = self.runs.clone();
-        runs.push(Arc::new(pending.write_as(dir, true)?));
-        Ok(OwnRuns { runs, batches: self.batches + 1 })
+        runs.push(b.0);
+        OwnRuns { runs, batches: self.batches + 1 }
     }
 
     /// The runs that the merge plan says are merged into one now, if any.
@@ -1585,6 +1613,9 @@ impl OwnRuns {
     }
 }
 
+/// A run written by [`OwnRuns::write_batch`].
+pub(crate) struct OwnBatch(Arc<Run>);
+
 /// Runs of a backup's own ([`OwnRuns::merge_due`]) to merge into one: the new run is
 /// written (about 48 bytes an entry, before the old ones go) while the backup goes on.
 pub(crate) struct OwnMerge {
@@ -1593,11 +1624,12 @@ pub(crate) struct OwnMerge {
 }
 
 impl OwnMerge {
-    /// Writes the merged run in `dir` (a file with no name).
-    pub(crate) fn run(&mut self, dir: &Path) -> io::Result<()> {
+    /// Writes the merged run in `dir` (a file with no name); it stops, failing, once
+    /// `cancel` is set.
+    pub(crate) fn run(&mut self, dir: &Path, cancel: &std::sync::atomic::AtomicBool) -> io::Result<()> {
         let srcs: Vec<&Run> = self.runs.iter().map(|r| &**r).collect();
         let live: Vec<Vec<bool>> = srcs.iter().map(|r| vec![true; r.meta.rows.len()]).collect();
-        let merged = merge(dir, &srcs, &live, true).map_err(|s| match s {
+        let merged = merge(dir, &srcs, &live, true, Some(cancel)).map_err(|s| match s {
             Stop::Io(e) => e,
             Stop::Bad(k, why) => io::Error::other(format!("run {k} of this backup's own: {why}")),
         })?;

@@ -254,6 +254,13 @@ pub struct SnapshotWriter {
     claimed: Arc<(Mutex<Claimed>, Condvar)>,
     /// Set while a merge of the own runs runs beside the backup ([`Self::move_own`]).
     merging: Arc<AtomicBool>,
+    /// The thread of the last merge, joined at commit and when the writer is dropped.
+    merge_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Set to stop a merge that runs (it is then not installed).
+    merge_cancel: Arc<AtomicBool>,
+    /// After a move to the own runs failed: the blobs in memory that the next attempt
+    /// waits for (twice as many as then); 0 while none failed.
+    move_again_at: AtomicUsize,
     pack: Mutex<OpenPack>,
     /// The packs this writer stored whose blobs are not in its own runs yet.
     done: Mutex<Vec<PackBlobs>>,
@@ -703,6 +710,9 @@ impl SnapshotWriter {
             partials: Mutex::new(partials),
             claimed: Arc::new((Mutex::new(Claimed::default()), Condvar::new())),
             merging: Arc::new(AtomicBool::new(false)),
+            merge_thread: Mutex::new(None),
+            merge_cancel: Arc::new(AtomicBool::new(false)),
+            move_again_at: AtomicUsize::new(0),
             pack: Mutex::new(OpenPack { buf: Vec::new(), entries: Vec::new() }),
             done: Mutex::new(Vec::new()),
             indexed: Mutex::new(0),
@@ -733,6 +743,13 @@ impl SnapshotWriter {
             base_hints,
             repo,
         }))
+    }
+
+    /// Whether a merge of the own runs runs now, and a handle that outlives the writer
+    /// only while its thread does (tests).
+    #[cfg(test)]
+    pub(crate) fn merge_running(&self) -> (bool, std::sync::Weak<AtomicBool>) {
+        (self.merging.load(Ordering::SeqCst), Arc::downgrade(&self.merging))
     }
 
     /// Keeps up to `blobs` of its blobs in memory ([`OWN_IN_MEMORY`]; tests).
@@ -915,8 +932,9 @@ impl SnapshotWriter {
                     if own.find(id).map_err(|e| own_error(&self.name, e))?.is_some() {
                         return Ok(false);
                     }
-                    asked = true;
                     cl = locked(m);
+                    // Runs installed meanwhile may hold it (moved out of `ids`): ask again.
+                    asked = Arc::ptr_eq(&own, &cl.own);
                 }
             }
         }
@@ -1026,9 +1044,9 @@ impl SnapshotWriter {
             return Err(e);
         }
         self.counters.new_stored.fetch_add((buf.len() - before) as u64, Ordering::Relaxed);
-        let n = entries.len();
+        // Counted before it is in `done`, where an index object may take it (and subtract).
+        self.unindexed.fetch_add(entries.len(), Ordering::SeqCst);
         locked(&self.done).push(PackBlobs { pack: digest, blobs: entries });
-        self.unindexed.fetch_add(n, Ordering::SeqCst);
         buf.clear();
         {
             let mut pool = locked(&self.pool);
@@ -1315,6 +1333,7 @@ impl SnapshotWriter {
 
     fn commit_with(&self, read: u64, origin: Option<&CopyOrigin>) -> Result<SnapshotInfo> {
         let _no_checkpoint = locked(&self.checkpointing);
+        self.stop_merge();
         if self.committed.swap(true, Ordering::SeqCst) {
             return Err(Error::Invalid("this backup is already committed".into()));
         }
@@ -1628,7 +1647,16 @@ impl SnapshotWriter {
         };
         // Those moved to the runs (read a block at a time), then those in memory.
         let own = locked(&self.claimed.0).own.clone();
-        own.each_in(new, &again)?;
+        let mut told = HashSet::new();
+        own.each_in(new, |id, loc| {
+            if told.insert(loc.pack) {
+                log::info!(
+                    "a pack of this backup has the name of one gc condemned meanwhile, {}: its blobs are stored again",
+                    pack_name(&loc.pack)
+                );
+            }
+            again(id, loc)
+        })?;
         let in_memory: Vec<PackBlobs> = locked(&self.done).iter().filter(|p| new.contains(&p.pack)).cloned().collect();
         for p in &in_memory {
             log::info!(
@@ -1895,20 +1923,40 @@ impl SnapshotWriter {
     /// other). Runs due to be merged are merged by a thread of their own, one merge at a
     /// time.
     fn move_own(&self, indexed: &mut usize) -> Result<()> {
-        let packs: Vec<PackBlobs> = {
+        let (packs, blobs) = {
             let done = locked(&self.done);
             let blobs: usize = done[..*indexed].iter().map(|p| p.blobs.len()).sum();
-            if *indexed == 0 || blobs < self.own_in_memory.load(Ordering::Relaxed) / 4 {
+            if *indexed == 0
+                || blobs < self.own_in_memory.load(Ordering::Relaxed) / 4
+                || blobs < self.move_again_at.load(Ordering::Relaxed)
+            {
                 return Ok(());
             }
-            done[..*indexed].to_vec()
+            (done[..*indexed].to_vec(), blobs)
         };
         let n = packs.len();
+        // Only here are runs added (under `indexed`): the batch is the next of `own` now.
         let own = locked(&self.claimed.0).own.clone();
-        let next = own.with(&self.own_dir, packs).map_err(|e| own_error(&self.name, e))?;
+        let batch = match own.write_batch(&self.own_dir, packs) {
+            Ok(b) => b,
+            Err(e) => {
+                // The blobs stay in memory (as they did before they moved): the backup
+                // goes on, and tries again once twice as many wait.
+                if self.move_again_at.swap(blobs.saturating_mul(2), Ordering::Relaxed) == 0 {
+                    log::warn!(
+                        "the backup of {} cannot move the list of the chunks it stored to {} ({e}): it stays in \
+                         memory, and the backup goes on (free space there, or set FERRY_CACHE_DIR, to keep its memory \
+                         bounded)",
+                        self.name,
+                        self.own_dir.display()
+                    );
+                }
+                return Ok(());
+            }
+        };
         // `claimed` is locked before `done` (nowhere else are both held).
         let mut cl = locked(&self.claimed.0);
-        cl.own = Arc::new(next);
+        cl.own = Arc::new(cl.own.and(batch));
         let mut done = locked(&self.done);
         for b in done[..n].iter().flat_map(|p| &p.blobs) {
             if cl.ids.get(&b.id) == Some(&true) {
@@ -1924,26 +1972,49 @@ impl SnapshotWriter {
         if let Some(mut m) = merge {
             // Beside the backup: the checkpoints (and so the moves) go on meanwhile. The
             // runs stay as they are where it fails (lookups read one more).
-            let (claimed, merging, dir, name) =
-                (self.claimed.clone(), self.merging.clone(), self.own_dir.clone(), self.name.clone());
+            let (claimed, merging, cancel, dir, name) = (
+                self.claimed.clone(),
+                self.merging.clone(),
+                self.merge_cancel.clone(),
+                self.own_dir.clone(),
+                self.name.clone(),
+            );
+            // The last merge ended (`merging` was clear): its thread is joined at once.
+            let mut slot = locked(&self.merge_thread);
+            if let Some(t) = slot.take() {
+                let _ = t.join();
+            }
             let r = std::thread::Builder::new().name("ferry-own-merge".into()).spawn(move || {
-                match m.run(&dir) {
+                match m.run(&dir, &cancel) {
                     Ok(()) => {
                         let mut cl = locked(&claimed.0);
                         if let Some(next) = cl.own.with_merged(&m) {
                             cl.own = Arc::new(next);
                         }
                     }
+                    Err(_) if cancel.load(Ordering::Relaxed) => {}
                     Err(e) => log::warn!("{}", own_error(&name, e)),
                 }
                 merging.store(false, Ordering::SeqCst);
             });
-            if let Err(e) = r {
-                self.merging.store(false, Ordering::SeqCst);
-                log::warn!("{}", own_error(&self.name, e));
+            match r {
+                Ok(t) => *slot = Some(t),
+                Err(e) => {
+                    self.merging.store(false, Ordering::SeqCst);
+                    log::warn!("{}", own_error(&self.name, e));
+                }
             }
         }
         Ok(())
+    }
+
+    /// Stops the merge of the own runs that runs beside the backup, if any, and waits for
+    /// its thread: the runs stay as they were.
+    fn stop_merge(&self) {
+        self.merge_cancel.store(true, Ordering::SeqCst);
+        if let Some(t) = locked(&self.merge_thread).take() {
+            let _ = t.join();
+        }
     }
 
     /// Waits until every pack taken from the open pack so far is stored (or failed).
@@ -2465,6 +2536,12 @@ fn add_range(v: &mut Vec<(usize, usize)>, r: (usize, usize)) {
         }
     }
     *v = out;
+}
+
+impl Drop for SnapshotWriter {
+    fn drop(&mut self) {
+        self.stop_merge();
+    }
 }
 
 impl Backend for SnapshotWriter {

@@ -135,12 +135,83 @@ fn a_backup_killed_after_its_blobs_moved_out_resumes() {
     write_in_order(&w, &data, 40 * CS, data.len());
     let snap = w.commit(0).unwrap();
     assert!(read_back(&repo, &snap) == data);
-    // The chunks of 40..96 are those of 8..32 again: the killed backup stored them (its
-    // packs are indexed only where its checkpoint got to), so at most those after its
-    // checkpoint are new.
-    assert!(snap.manifest.stats.new_chunks <= distinct(&data[..32 * CS]) as u64);
+    // The chunks of 40..96 are those of 8..32 again: the killed backup stored each of
+    // them before its checkpoint (which indexed their packs), so none is new.
+    assert_eq!(snap.manifest.stats.new_chunks, 0);
     let r = maint::check(&repo).unwrap();
     assert!(r.problems.is_empty(), "{:?}", r.problems);
+}
+
+/// Where its own runs cannot be written (the cache directory became a file once the
+/// backup started), a backup keeps its blobs in memory: its checkpoints succeed, it
+/// resumes from them, and the snapshot restores.
+#[test]
+fn a_backup_whose_own_runs_cannot_be_written_keeps_its_blobs_in_memory() {
+    let (_store, repo) = new_repo(false);
+    let tmp = tempfile::tempdir().unwrap();
+    let spill = tmp.path().join("cache");
+    std::fs::create_dir(&spill).unwrap();
+    assert!(repo.set_index_cache(Some(crate::runs::Cache::in_dir(spill.join("repo")))));
+    let data = repeating(32 * CS, 3, 14);
+    let len = data.len() as u64;
+    let w = SnapshotWriter::start(repo.clone(), opts("d", len, None)).unwrap();
+    w.keep_in_memory(4);
+    let unusable = || {
+        std::fs::rename(&spill, tmp.path().join("gone")).unwrap();
+        std::fs::write(&spill, b"not a directory").unwrap();
+    };
+    unusable();
+    // A checkpoint every 2 requests: each tries to move the blobs out, and fails.
+    write_checkpointing(&w, &data, 0, 40 * CS, 2);
+    w.checkpoint().unwrap();
+    assert_eq!(w.own_held().2, 0, "{:?}", w.own_held());
+    drop(w);
+    let ck: CheckpointInfo = repo.checkpoint("d").unwrap().expect("a checkpoint");
+    std::fs::remove_file(&spill).unwrap();
+    std::fs::rename(tmp.path().join("gone"), &spill).unwrap();
+    let w = SnapshotWriter::resume(repo.clone(), opts("d", len, None), &ck).unwrap();
+    w.keep_in_memory(4);
+    unusable();
+    assert_eq!(w.done_ranges(), vec![(0, 40 * CS as u64)]);
+    write_checkpointing(&w, &data, 40 * CS, data.len(), 2);
+    let snap = w.commit(0).unwrap();
+    assert!(read_back(&repo, &snap) == data);
+    assert_eq!(snap.manifest.stats.new_chunks, 0);
+    assert_eq!(w.own_held().2, 0, "{:?}", w.own_held());
+    std::fs::remove_file(&spill).unwrap();
+    std::fs::rename(tmp.path().join("gone"), &spill).unwrap();
+    let r = maint::check(&repo).unwrap();
+    assert!(r.problems.is_empty(), "{:?}", r.problems);
+}
+
+/// A writer dropped while a merge of its own runs runs stops it and waits for its thread.
+#[test]
+fn a_writer_dropped_while_its_runs_merge_joins_the_merge() {
+    let (_store, repo) = new_repo(false);
+    let data = disk(96 * CS, 31);
+    let mut seen = 0;
+    for _ in 0..20 {
+        let w = SnapshotWriter::start(repo.clone(), opts("d", data.len() as u64, None)).unwrap();
+        w.keep_in_memory(1);
+        let mut pos = 0;
+        let mut running = None;
+        while pos < data.len() && running.is_none() {
+            let n = (2 * CS).min(data.len() - pos);
+            super::resume::write_piece(&w, &data, pos, n);
+            pos += n;
+            w.checkpoint().unwrap();
+            let (r, weak) = w.merge_running();
+            running = r.then_some(weak);
+        }
+        let Some(weak) = running else { continue };
+        drop(w);
+        assert!(weak.upgrade().is_none(), "the merge thread outlived its writer");
+        seen += 1;
+        if seen == 3 {
+            break;
+        }
+    }
+    println!("dropped {seen} writers while their runs merged");
 }
 
 /// Own runs merged beside the backup find every blob where it was, and runs added while
@@ -174,7 +245,7 @@ fn own_runs_merged_find_what_they_held() {
         all.extend(packs.iter().flat_map(|p| p.blobs.iter().map(move |e| (p.pack, *e))));
         own = own.with(dir.path(), packs).unwrap();
         if let Some(mut m) = own.merge_due() {
-            m.run(dir.path()).unwrap();
+            m.run(dir.path(), &std::sync::atomic::AtomicBool::new(false)).unwrap();
             // A batch added while the merge ran.
             let later = batch(100 + b);
             all.extend(later.iter().flat_map(|p| p.blobs.iter().map(move |e| (p.pack, *e))));
