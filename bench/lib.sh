@@ -27,7 +27,7 @@ qcow2_images() {
 # the cluster, the script's jobs and $W on exit. Needs HERE (the bench directory).
 rbd_setup() {
   W=$(mktemp -d "${RBD_DIR:-/dev/shm}/$1.XXXX") || exit 1
-  C=$(mktemp -d "/tmp/$1-cluster.XXXX") || exit 1
+  C=$(mktemp -d "/tmp/$1-cluster.XXXX") || { rm -rf "$W"; exit 1; }
   rmdir "$C"
   trap rbd_cleanup EXIT
   CEPH_MEMSTORE_BYTES=$(($2 << 30)) "$HERE/../scripts/ceph-cluster" start "$C" >/dev/null || exit 1

@@ -59,7 +59,7 @@ if ! command -v restic >/dev/null; then
 fi
 
 W=$(mktemp -d "${BENCH_DIR:-/var/tmp}/repos3.XXXX") || exit 1
-C=$(mktemp -d "/tmp/repos3-cluster.XXXX") || exit 1
+C=$(mktemp -d "/tmp/repos3-cluster.XXXX") || { rm -rf "$W"; exit 1; }
 rmdir "$C"
 pids=()
 MOTO_PID=

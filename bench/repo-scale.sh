@@ -135,7 +135,7 @@ W=$(mktemp -d "${BENCH_DIR:-/tmp/scale-bench}/run.XXXX") || exit 1
 # a million scattered blocks discards them one by one and takes more than ten minutes.
 GEN_DIR=${GEN_DIR:-/dev/shm}
 [ "$GENKIND" = nbdkit ] && GEN_DIR=$W
-GW=$(mktemp -d "$GEN_DIR/scale-gen.XXXX") || exit 1
+GW=$(mktemp -d "$GEN_DIR/scale-gen.XXXX") || { rm -rf "$W"; exit 1; }
 SPID=
 cleanup() {
   [ -n "$SPID" ] && kill "$SPID" 2>/dev/null

@@ -31,7 +31,7 @@ command -v radosgw >/dev/null || { echo "radosgw is not installed: apt-get insta
 "$PY" -c 'import boto3' 2>/dev/null || { echo "$PY has no boto3: apt-get install python3-boto3 (or pip install boto3)" >&2; exit 1; }
 
 W=$(mktemp -d "${S3_DIR:-/var/tmp}/s3b.XXXX") || exit 1
-C=$(mktemp -d "/tmp/s3b-cluster.XXXX") || exit 1
+C=$(mktemp -d "/tmp/s3b-cluster.XXXX") || { rm -rf "$W"; exit 1; }
 rmdir "$C"
 cleanup() {
   "$HERE/../scripts/ceph-cluster" stop "$C"

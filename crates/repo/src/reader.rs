@@ -7,8 +7,8 @@
 //! restore's reads) is decoded straight into the reader's buffer and its digest checked
 //! there, before the read returns: no copy of it is made, and a chunk that fails its
 //! check fails the read. The requests of one NBD connection run side by side too:
-//! [`Backend::io_queue`] hands them to a pool of threads ([`pool_threads`]: one per core
-//! for a store on this machine, at least 8 for an object store's latency), answered in
+//! [`Backend::io_queue`] hands them to a pool of threads ([`pool_threads`]: one per core,
+//! at least 4, for a store on this machine, at least 8 for an object store's latency), answered in
 //! order; a small one whose chunks are all cached (or zero) is answered at once, on the
 //! connection's thread. Chunks read in part (small random
 //! reads, as a VM booting from `ferry serve` makes) are kept, checked, in a cache shared
@@ -1012,9 +1012,9 @@ impl Drop for Pool {
 
 /// Threads for a snapshot's reads, from a store on this machine or not
 /// ([`crate::store::Store::local`]). Decoding and checking a chunk is CPU work: from a
-/// local store, one thread per core, as on a warm page cache more threads than cores only
-/// wake and wait on each other (on 2 cores, 2 threads served 4 KiB random misses faster
-/// than 8: docs/benchmarks-history.md §39); but at least 4, as a cold or slow local disk
+/// local store, one thread per core (on 2 cores, 2 threads served 4 KiB random misses faster
+/// than 8 on a warm page cache, and 4 no slower than 2: docs/benchmarks-history.md §39);
+/// but at least 4, as a cold or slow local disk
 /// (a network block device under a local file system, a disk after a reboot) needs reads
 /// in flight. An object store's reads wait on the network: at least
 /// [`crate::repo::FETCH_THREADS`] in flight. At most 32.

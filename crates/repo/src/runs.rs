@@ -1378,8 +1378,8 @@ impl Cache {
     }
 
     /// Merges runs until [`merge_plan`] has none to merge; a run whose entries are more
-    /// than a quarter dead (their objects gone from `listed`) is rewritten, one whose
-    /// entries are all dead dropped.
+    /// than a quarter dead (their objects gone from `listed`) is merged with every run written
+    /// after it (none where it is the newest), one whose entries are all dead dropped.
     fn compact(
         &self,
         runs: &mut Vec<Run>,

@@ -2494,7 +2494,6 @@ fn missing_chunks(
     Ok(missing)
 }
 
-/// An error of the file that holds a backup's chunk list ([`crate::entries`]).
 /// The place of `id` in `moved` ([`SnapshotWriter::moved_places`]).
 fn moved_place(moved: &[(Digest, format::BlobAt)], id: &Digest) -> Option<format::BlobAt> {
     moved.binary_search_by(|m| m.0.cmp(id)).ok().map(|k| moved[k].1)
@@ -2508,6 +2507,7 @@ fn own_error(what: &str, e: io::Error) -> Error {
     ))
 }
 
+/// An error of the file that holds a backup's chunk list ([`crate::entries`]).
 fn spill_error(what: &str, e: io::Error) -> Error {
     Error::Invalid(format!(
         "the chunk list of {what} cannot be read or written in its file in the cache directory: {e}; free space \

@@ -486,7 +486,7 @@ mod tests {
         for t in [0x6969, 0xFF53_4D42, 0x6573_5546].into_iter().chain(lustre_gpfs_beegfs_afs_coda_orangefs) {
             assert!(network_fs_type(Some(t)), "{t:#x}");
         }
-        assert!(network_fs_type(None), "a file system of unknown kind counts as local");
+        assert!(network_fs_type(None), "a file system of unknown kind counts as not local");
         // ext4, XFS, Btrfs, tmpfs, ZFS.
         for t in [0xEF53, 0x5846_5342, 0x9123_683E, 0x0102_1994, 0x2FC1_2FC1] {
             assert!(!network_fs_type(Some(t)), "{t:#x}");
