@@ -275,7 +275,6 @@ pub struct SnapshotWriter {
     /// Where its own runs are written: the repository's cache directory, else the
     /// system's temporary directory.
     own_dir: std::path::PathBuf,
-
     uploads: (Mutex<usize>, Condvar),
     flight: (Mutex<Flight>, Condvar),
     identity: String,
@@ -719,7 +718,6 @@ impl SnapshotWriter {
             unindexed: AtomicUsize::new(0),
             own_in_memory: AtomicUsize::new(OWN_IN_MEMORY),
             own_dir: repo.index_cache().map_or_else(std::env::temp_dir, |c| c.spill_dir().to_path_buf()),
-
             uploads: (Mutex::new(0), Condvar::new()),
             flight: (Mutex::new(Flight::default()), Condvar::new()),
             identity: opts.identity,
@@ -1048,11 +1046,9 @@ impl SnapshotWriter {
         self.unindexed.fetch_add(entries.len(), Ordering::SeqCst);
         locked(&self.done).push(PackBlobs { pack: digest, blobs: entries });
         buf.clear();
-        {
-            let mut pool = locked(&self.pool);
-            if pool.len() < UPLOADS {
-                pool.push(buf);
-            }
+        let mut pool = locked(&self.pool);
+        if pool.len() < UPLOADS {
+            pool.push(buf);
         }
         Ok(())
     }
