@@ -152,6 +152,10 @@ pub trait IoQueue: Send {
     /// Waits for the oldest request and hands back its buffer with its result (`None`
     /// when the queue is empty).
     fn complete(&mut self) -> Option<(Vec<u8>, Result<()>)>;
+    /// The caller has submitted what it has for now (the requests of one receive): a
+    /// queue that gathers requests to start several together starts those it holds. It
+    /// also does so before [`IoQueue::complete`] waits.
+    fn submitted(&mut self) {}
 }
 
 /// `inner` for reads, with each write answered in its turn by the error a read-only
@@ -184,6 +188,9 @@ impl IoQueue for ReadOnlyQueue {
             Some(Some(_)) => true,
             None => false,
         }
+    }
+    fn submitted(&mut self) {
+        self.inner.submitted();
     }
     fn complete(&mut self) -> Option<(Vec<u8>, Result<()>)> {
         match self.order.pop_front()? {

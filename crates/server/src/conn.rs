@@ -677,6 +677,11 @@ impl Transmission {
             while !self.disconnect {
                 if self.queue.is_some() {
                     self.queue_reads(ext)?;
+                    // The run of reads at the front of the receive buffer is submitted:
+                    // a queue that gathers them starts the rest now.
+                    if let Some(queue) = self.queue.as_mut() {
+                        queue.submitted();
+                    }
                 }
                 let Some(h) = RequestHeader::parse(&self.rx[self.head..self.tail], ext)? else { break };
                 // Other requests run beside those in flight: the protocol orders no two

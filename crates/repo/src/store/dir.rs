@@ -13,6 +13,8 @@ use std::io::{self, Read, Write};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// Temporary files start with this: never a valid object name, so [`DirStore::list`]
 /// skips them.
@@ -25,7 +27,27 @@ pub struct DirStore {
     dir: OwnedFd,
     /// Not on a network file system ([`Store::local`]).
     local: bool,
+    /// Packs opened for ranged reads lately ([`DirStore::open_pack`]).
+    packs: Mutex<OpenPacks>,
 }
+
+/// Packs (`data/`) opened for ranged reads in the last [`OPEN_PACK_AGE`], at most
+/// [`OPEN_PACKS`]: a served snapshot's misses read the same packs thousands of times a
+/// second, and each open walks the path (an `openat` a directory, the file's, its
+/// `fstat`, and the closes: a tenth of a miss's CPU). A pack is named by the SHA-256 of its
+/// bytes, which never change; one deleted or replaced by another process is read through
+/// the descriptor opened before for at most that age (its bytes are still checked against
+/// their ids, as every blob's are), and one deleted through this store not at all.
+#[derive(Default)]
+struct OpenPacks {
+    files: std::collections::HashMap<String, (Arc<File>, u64, Instant)>,
+    /// Opens of packs for ranged reads, for tests.
+    #[cfg(test)]
+    opened: usize,
+}
+
+const OPEN_PACKS: usize = 64;
+const OPEN_PACK_AGE: Duration = Duration::from_secs(1);
 
 /// The `statfs` magic numbers of file systems whose reads may cross a network: NFS, SMB
 /// (CIFS and SMB2), 9p, Ceph, AFS (OpenAFS's and the kernel's), FUSE (sshfs, s3fs and the
@@ -75,7 +97,7 @@ impl DirStore {
         let dir = rustix::fs::open(root, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())
             .map_err(|e| ctx(e, format!("cannot open the repository directory {}", root.display())))?;
         let local = !on_network_fs(dir.as_fd());
-        Ok(DirStore { root: root.to_path_buf(), dir, local })
+        Ok(DirStore { root: root.to_path_buf(), dir, local, packs: Mutex::default() })
     }
 
     /// Makes `root` (and its parents), which must be absent or an empty directory.
@@ -154,6 +176,41 @@ impl DirStore {
             return Err(io::Error::new(io::ErrorKind::InvalidData, format!("{} is not a file", self.shown(name))));
         }
         Ok((f, meta.len()))
+    }
+
+    /// Pack `name` open for reading, with its length: the descriptor opened for it in the
+    /// last [`OPEN_PACK_AGE`] where there is one ([`OpenPacks`]).
+    fn open_pack(&self, name: &str) -> io::Result<(Arc<File>, u64)> {
+        let now = Instant::now();
+        let fresh = |at: &Instant| now.saturating_duration_since(*at) < OPEN_PACK_AGE;
+        if let Some((f, len, _)) =
+            self.packs.lock().unwrap_or_else(|e| e.into_inner()).files.get(name).filter(|(_, _, at)| fresh(at))
+        {
+            return Ok((f.clone(), *len));
+        }
+        let (f, len) = self.open_object(name)?;
+        let f = Arc::new(f);
+        let mut p = self.packs.lock().unwrap_or_else(|e| e.into_inner());
+        #[cfg(test)]
+        {
+            p.opened += 1;
+        }
+        if p.files.len() >= OPEN_PACKS {
+            p.files.retain(|_, (_, _, at)| fresh(at));
+            while p.files.len() >= OPEN_PACKS {
+                let Some(oldest) = p.files.iter().min_by_key(|(_, (_, _, at))| *at).map(|(n, _)| n.clone()) else {
+                    break;
+                };
+                p.files.remove(&oldest);
+            }
+        }
+        p.files.insert(name.to_string(), (f.clone(), len, now));
+        Ok((f, len))
+    }
+
+    /// Closes the descriptor kept for pack `name`, if any: it is written or deleted.
+    fn forget_pack(&self, name: &str) {
+        self.packs.lock().unwrap_or_else(|e| e.into_inner()).files.remove(name);
     }
 
     /// Each entry of the directory `dir` (whose path from the root is `rel`, ending in `/`
@@ -298,7 +355,12 @@ impl Store for DirStore {
     }
 
     fn get_range(&self, name: &str, offset: u64, len: u64) -> io::Result<Vec<u8>> {
-        let (f, size) = self.open_object(name)?;
+        let (f, size) = if name.starts_with("data/") {
+            self.open_pack(name)?
+        } else {
+            let (f, size) = self.open_object(name)?;
+            (Arc::new(f), size)
+        };
         let end = offset.checked_add(len).filter(|&e| e <= size).ok_or_else(|| {
             io::Error::new(
                 io::ErrorKind::UnexpectedEof,
@@ -321,6 +383,7 @@ impl Store for DirStore {
     }
 
     fn put(&self, name: &str, data: &[u8]) -> io::Result<()> {
+        self.forget_pack(name);
         let (dir, file) = self.parent(name, true)?;
         let at = dir.as_ref().map_or(self.dir.as_fd(), |f| f.as_fd());
         let (mut f, temp) =
@@ -337,6 +400,7 @@ impl Store for DirStore {
     }
 
     fn delete(&self, name: &str) -> io::Result<()> {
+        self.forget_pack(name);
         let (dir, file) = match self.parent(name, false) {
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
             other => other?,
@@ -511,6 +575,49 @@ mod tests {
         assert!((7190..7300).contains(&age), "{age}");
         assert_eq!(s.list("locks/").unwrap().len(), 1);
         assert_eq!(std::fs::read_dir(t.path().join("repo/locks")).unwrap().count(), 1);
+    }
+
+    /// A pack read again and again is opened once (its descriptor kept), and again once its
+    /// descriptor is older than OPEN_PACK_AGE: a pack replaced by another process is read
+    /// anew by then. One deleted or written through the store is never read through an old
+    /// descriptor; other objects (index objects, manifests) are opened for each read.
+    #[test]
+    fn packs_read_often_are_opened_once_a_while() {
+        let (t, s) = store();
+        let opened = || s.packs.lock().unwrap().opened;
+        let pack = "data/ab/ab01";
+        s.put(pack, b"0123456789").unwrap();
+        for _ in 0..50 {
+            assert_eq!(s.get_range(pack, 2, 3).unwrap(), b"234");
+        }
+        assert_eq!(opened(), 1);
+        // Replaced behind the store's back (same name: only a damaged copy's repair would).
+        let path = t.path().join("repo/data/ab/ab01");
+        std::fs::remove_file(&path).unwrap();
+        std::fs::write(&path, b"abcdefghij").unwrap();
+        std::thread::sleep(OPEN_PACK_AGE + Duration::from_millis(50));
+        assert_eq!(s.get_range(pack, 2, 3).unwrap(), b"cde");
+        assert_eq!(opened(), 2);
+        // Deleted through the store: gone at once.
+        s.delete(pack).unwrap();
+        assert_eq!(s.get_range(pack, 2, 3).unwrap_err().kind(), io::ErrorKind::NotFound);
+        // Written through the store: read anew at once.
+        s.put(pack, b"ABCDEFGHIJ").unwrap();
+        assert_eq!(s.get_range(pack, 2, 3).unwrap(), b"CDE");
+        // Not a pack: opened each time.
+        s.put("index/00aa", b"index").unwrap();
+        let before = opened();
+        s.get_range("index/00aa", 0, 5).unwrap();
+        std::fs::write(t.path().join("repo/index/00aa"), b"INDEX").unwrap();
+        assert_eq!(s.get_range("index/00aa", 0, 5).unwrap(), b"INDEX");
+        assert_eq!(opened(), before);
+        // At most OPEN_PACKS kept.
+        for i in 0..OPEN_PACKS + 10 {
+            let n = format!("data/cd/cd{i:04}");
+            s.put(&n, b"x").unwrap();
+            s.get_range(&n, 0, 1).unwrap();
+        }
+        assert!(s.packs.lock().unwrap().files.len() <= OPEN_PACKS);
     }
 
     #[test]

@@ -287,6 +287,8 @@ fn cached_reads_are_answered_while_the_pool_waits() {
         stuck.submit_read(vec![0; 4096], (c * CS) as u64);
         c += 1;
     }
+    // The end of the connection's run of requests: the pool's threads start them.
+    stuck.submitted();
     let inside = || *gate.inside.lock().unwrap();
     let t = Instant::now();
     while inside() < threads && t.elapsed() < Duration::from_secs(4) {
@@ -364,6 +366,59 @@ fn a_miss_of_a_full_cache_decodes_into_an_evicted_chunk_s_buffer() {
     assert!(img.cached_bytes() <= crate::MIN_CACHE_BYTES);
 }
 
+/// Misses queued deeper than the pool's threads (a connection's run of requests while
+/// the threads are busy) are read a few at a time by one thread, their chunks checked
+/// together (SHA-256 side by side): each read gets its own bytes, and a damaged chunk
+/// among them (decoded well, its digest wrong) fails its own read alone and is not
+/// cached. A queue no deeper than the threads is still read one a thread (the tests of
+/// reads side by side above).
+#[test]
+fn misses_queued_deeper_than_the_pool_are_checked_together_each_its_own() {
+    let (store, repo) = new_repo(false);
+    let data = disk(16 * MIB, 23);
+    let snap = backup(&repo, "d", &data, None);
+    let img = open_alone(repo.clone(), &snap, 64 * MIB as u64);
+    let chunks = data_chunks(&img);
+    // Random data (chunk number 2 mod 5) is stored raw: a flipped byte decodes, and only
+    // its digest tells.
+    let bad = chunks.iter().copied().filter(|c| c % 5 == 2).nth(4).unwrap();
+    let (pack, at) = where_is(&repo, &snap, bad);
+    store.tamper(&pack, |v| v[at as usize] ^= 1);
+    let mut q = img.io_queue().unwrap();
+    for &c in &chunks {
+        q.submit_read(vec![0; 4096], (c * CS + 1000) as u64);
+    }
+    q.submitted();
+    for &c in &chunks {
+        let (buf, r) = q.complete().unwrap();
+        if c == bad {
+            let e = r.unwrap_err().to_string();
+            assert!(e.contains(&format!("{}..", c * CS)), "{e}");
+            assert_eq!(img.cached_at(c as u64), None, "a damaged chunk was cached");
+        } else {
+            r.unwrap();
+            assert!(buf[..] == data[c * CS + 1000..c * CS + 5096], "chunk {c}");
+        }
+    }
+    assert!(q.complete().is_none());
+    let (group, largest) = (ferry_hash::sha256_group(), img.largest_batch());
+    assert!(largest <= group, "{largest} chunks checked together, more than {group}");
+    if group > 1 {
+        assert!(
+            largest > 1,
+            "{} misses queued to {} threads were checked one at a time",
+            chunks.len(),
+            img.read_threads()
+        );
+    }
+    // Read again: each from the cache now, the damaged one failing again.
+    for &c in &chunks {
+        let mut b = vec![0u8; 4096];
+        let r = img.read(&mut b, (c * CS + 1000) as u64);
+        assert_eq!(r.is_ok(), c != bad, "chunk {c}");
+    }
+}
+
 /// The read pool is sized by the store: one thread per core (at least 4, for a cold disk's
 /// depth) for a store on this machine (a directory, memory); at least 8 for an object
 /// store, whose reads wait on the network.
@@ -428,6 +483,7 @@ fn misses_run_side_by_side_on_a_local_store_s_pool() {
     for &c in &chunks[..threads - 1] {
         q.submit_read(vec![0; 4096], (c * CS + 512) as u64);
     }
+    q.submitted();
     while *gate.inside.lock().unwrap() < threads - 1 {
         assert!(t.elapsed() < Duration::from_secs(2), "the misses did not reach the store");
         std::thread::sleep(Duration::from_millis(2));
