@@ -10,7 +10,11 @@
 //! [`Backend::io_queue`] hands them to a pool of threads ([`pool_threads`]: one per core,
 //! at least 4, for a store on this machine, at least 8 for an object store's latency), answered in
 //! order; a small one whose chunks are all cached (or zero) is answered at once, on the
-//! connection's thread. Chunks read in part (small random
+//! connection's thread. A connection queues the reads of one receive and then wakes the
+//! pool; a thread that finds more queued than the threads not busy would take one each
+//! takes up to 4 (from a store on this machine) and checks their chunks together, their
+//! SHA-256s side by side ([`ferry_hash::sha256_group`]: a served miss's check alone was a
+//! third of its CPU); fewer queued reads still run one a thread, side by side. Chunks read in part (small random
 //! reads, as a VM booting from `ferry serve` makes) are kept, checked, in a cache shared
 //! by every thread, sized by the memory this process may use ([`default_cache_bytes`]);
 //! chunks read whole (a restore) are not, except by a served snapshot while its cache is

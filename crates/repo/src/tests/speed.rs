@@ -374,13 +374,19 @@ fn a_miss_of_a_full_cache_decodes_into_an_evicted_chunk_s_buffer() {
 /// reads side by side above).
 #[test]
 fn misses_queued_deeper_than_the_pool_are_checked_together_each_its_own() {
-    let (store, repo) = new_repo(false);
+    for encrypt in [false, true] {
+        queued_misses_checked_together(encrypt);
+    }
+}
+
+fn queued_misses_checked_together(encrypt: bool) {
+    let (store, repo) = new_repo(encrypt);
     let data = disk(16 * MIB, 23);
     let snap = backup(&repo, "d", &data, None);
     let img = open_alone(repo.clone(), &snap, 64 * MIB as u64);
     let chunks = data_chunks(&img);
-    // Random data (chunk number 2 mod 5) is stored raw: a flipped byte decodes, and only
-    // its digest tells.
+    // Random data (chunk number 2 mod 5) is stored raw: in a plain repository a flipped
+    // byte decodes, and only its digest tells (in an encrypted one, its tag).
     let bad = chunks.iter().copied().filter(|c| c % 5 == 2).nth(4).unwrap();
     let (pack, at) = where_is(&repo, &snap, bad);
     store.tamper(&pack, |v| v[at as usize] ^= 1);
