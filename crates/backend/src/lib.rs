@@ -137,6 +137,9 @@ pub struct ZeroMode {
 pub trait IoQueue: Send {
     /// Starts filling `buf` (all of it) with the bytes at `offset`, a range already
     /// validated against the size. A failure to start is reported by `complete`, in order.
+    /// A queue may hold it until [`IoQueue::submitted`] or [`IoQueue::complete`] (a
+    /// snapshot's gathers a run of reads to check several chunks at once): a caller that
+    /// polls [`IoQueue::oldest_done`] calls `submitted` first.
     fn submit_read(&mut self, buf: Vec<u8>, offset: u64);
     /// Starts writing `buf` (all of it) at `offset`, a range already validated against
     /// the size; it is durable after a later FLUSH, as [`Backend::write`] without FUA.
@@ -147,7 +150,8 @@ pub trait IoQueue: Send {
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
-    /// The oldest request has finished: [`IoQueue::complete`] returns without waiting.
+    /// The oldest request has finished: [`IoQueue::complete`] returns without waiting
+    /// (a request held until [`IoQueue::submitted`] has not).
     fn oldest_done(&self) -> bool;
     /// Waits for the oldest request and hands back its buffer with its result (`None`
     /// when the queue is empty).

@@ -153,8 +153,9 @@ impl Algorithm {
 /// How many blocks of equal length to gather before [`Algorithm::digest_many`], for a
 /// caller that can wait for a few: 4 where the running CPU's SHA-256 kernel hashes 4 or
 /// more side by side (4 interleaved SHA-NI streams: 4 chunks in the time of 2; the
-/// AVX-512 kernels hand groups of fewer than 16 to those streams), else 1 (gathering buys
-/// nothing).
+/// AVX-512 kernels hand a small remainder to those streams where the CPU has SHA-NI, and
+/// hash it in 16 lanes where it has not), else 1 (gathering buys nothing). The padding of
+/// a last group of 3 in [`Algorithm::digest_many`] is done only with the 4-stream kernel.
 pub fn sha256_group() -> usize {
     if tape_sha256::lane_width() >= SHA256_GROUP {
         SHA256_GROUP

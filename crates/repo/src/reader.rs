@@ -12,9 +12,10 @@
 //! order; a small one whose chunks are all cached (or zero) is answered at once, on the
 //! connection's thread. A connection queues the reads of one receive and then wakes the
 //! pool; a thread that finds more queued than the threads not busy would take one each
-//! takes up to 4 (from a store on this machine) and checks their chunks together, their
-//! SHA-256s side by side ([`ferry_hash::sha256_group`]: a served miss's check alone was a
-//! third of its CPU); fewer queued reads still run one a thread, side by side. Chunks read in part (small random
+//! takes up to 4 small reads (each of part of one chunk, from a store on this machine) and
+//! checks their chunks together, their SHA-256s side by side ([`ferry_hash::sha256_group`]:
+//! a served miss's check alone was a third of its CPU); fewer queued reads, and larger
+//! ones, still run one a thread, side by side. Chunks read in part (small random
 //! reads, as a VM booting from `ferry serve` makes) are kept, checked, in a cache shared
 //! by every thread, sized by the memory this process may use ([`default_cache_bytes`]);
 //! chunks read whole (a restore) are not, except by a served snapshot while its cache is
@@ -421,7 +422,7 @@ impl SnapshotImage {
     /// connections), each result in its read's place. A read of part of one chunk that
     /// misses the cache (a small random read) is fetched and decoded here, and the chunks of
     /// the batch are then checked together: SHA-256 kernels hash several messages of equal
-    /// length side by side ([`ferry_hash::sha256_lanes`]; SHA-NI: 4 chunks in the time of 2),
+    /// length side by side ([`ferry_hash::sha256_group`]; SHA-NI: 4 chunks in the time of 2),
     /// where one miss's check alone was a third of a served miss's CPU. Any other read, and
     /// one whose fetch, decoding or check fails here, takes [`Backend::read`]'s own path,
     /// which reads it again from any copy and says what is wrong.
@@ -459,8 +460,11 @@ impl SnapshotImage {
                 Err(spare) => spare,
             };
             match self.fetch_plain(index.as_deref(), ci, spare, &mut scratch) {
-                Some((id, plain)) => fetched.push(Fetched { k, ci, id, at, plain }),
-                None => results[k] = Some(self.read_after(buf, offset, 0)),
+                Ok(Some((id, plain))) => fetched.push(Fetched { k, ci, id, at, plain }),
+                Ok(None) => results[k] = Some(self.read_after(buf, offset, 0)),
+                // The store failed (not damage): said as [`Backend::read`] says it, not
+                // asked again.
+                Err(why) => results[k] = Some(Err(self.unreadable(offset, length, ci, why))),
             }
         }
         #[cfg(test)]
@@ -494,24 +498,35 @@ impl SnapshotImage {
     }
 
     /// Chunk `ci` (blob id and bytes, decoded into `spare` where given, not yet checked)
-    /// from where [`SnapshotImage::pick`] says it is; `None` when it is not found there or
-    /// does not read or decode, which [`Backend::read`]'s path then reports.
+    /// from where [`SnapshotImage::pick`] says it is; `None` when it is not found there, its
+    /// pack is missing or cut short, or it does not decode: damage, which
+    /// [`Backend::read`]'s path then looks for elsewhere and reports; an error (what failed)
+    /// when the store fails otherwise, as [`SnapshotImage::read_with`] tells them apart.
     fn fetch_plain(
         &self,
         index: Option<&RunIndex>,
         ci: u64,
         spare: Option<Vec<u8>>,
         scratch: &mut Vec<u8>,
-    ) -> Option<(Digest, Vec<u8>)> {
+    ) -> Result<Option<(Digest, Vec<u8>)>, String> {
         let id = self.repo.crypto.blob_id(&self.entries[ci as usize]);
-        let loc = self.pick(index, ci, &id)?;
-        let stored = self.repo.store.get_range(&pack_name(&loc.pack), loc.offset as u64, loc.stored_len as u64).ok()?;
-        if stored.len() != loc.stored_len as usize {
-            return None;
-        }
+        let Some(loc) = self.pick(index, ci, &id) else { return Ok(None) };
+        let pack = pack_name(&loc.pack);
+        let stored = match self.repo.store.get_range(&pack, loc.offset as u64, loc.stored_len as u64) {
+            Ok(b) if b.len() == loc.stored_len as usize => b,
+            Ok(_) => return Ok(None),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::NotFound | io::ErrorKind::UnexpectedEof | io::ErrorKind::InvalidData
+                ) =>
+            {
+                return Ok(None)
+            }
+            Err(e) => return Err(format!("cannot read {pack}: {e}")),
+        };
         let mut w = Want { ci, id, loc, ahead: false, spare };
-        let plain = self.decode_plain(&mut w, &stored, scratch).ok()?;
-        Some((id, plain))
+        Ok(self.decode_plain(&mut w, &stored, scratch).ok().map(|plain| (id, plain)))
     }
 
     /// [`Backend::read`] of a checked range once its read-ahead is known.
@@ -1046,13 +1061,15 @@ pub fn snapshot_blkhash(repo: &Arc<Repository>, snap: &SnapshotInfo) -> Result<O
     }
 }
 
-/// A job for the pool: runs on one of its threads.
 /// A read handed to the pool: where it reads, into what, and where its result goes.
 struct QueuedRead {
     image: Arc<SnapshotImage>,
     buf: Vec<u8>,
     offset: u64,
     slot: Arc<Slot>,
+    /// Of part of one chunk: what [`SnapshotImage::read_batch`] reads and checks with
+    /// others. Only such reads are taken together, so none waits behind a large one.
+    small: bool,
 }
 
 /// What a pool's thread runs.
@@ -1064,6 +1081,16 @@ enum Job {
     /// Anything else (the pool's own tests).
     #[cfg(test)]
     Run(Box<dyn FnOnce() + Send>),
+}
+
+impl Job {
+    fn small(&self) -> bool {
+        match self {
+            Job::Read(r) => r.small,
+            #[cfg(test)]
+            Job::Run(_) => false,
+        }
+    }
 }
 
 /// Runs `jobs`, taken together: the reads of one image as one batch. A batch that
@@ -1090,17 +1117,31 @@ fn run_jobs(jobs: Vec<Job>) {
             io.push((r.buf, r.offset));
             slots.push(r.slot);
         }
-        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| image.read_batch(&mut io))) {
+        // One read alone takes the path of any other read (an object store's reads, a
+        // connection with one in flight): exactly as before batches.
+        let batch = || {
+            if io.len() == 1 {
+                let (buf, offset) = &mut io[0];
+                vec![image.read(buf, *offset)]
+            } else {
+                image.read_batch(&mut io)
+            }
+        };
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(batch)) {
             Ok(results) => {
                 for (((buf, _), slot), r) in io.into_iter().zip(slots).zip(results) {
                     slot.finish(buf, r);
                 }
             }
+            // Each read again alone: one that panics fails alone, not its batch.
             Err(_) => {
-                for ((buf, offset), slot) in io.into_iter().zip(slots) {
-                    let why = io::Error::other("the read of a snapshot failed unexpectedly (see the log)");
-                    let len = buf.len() as u64;
-                    slot.finish(buf, Err(ferry_backend::Error::io("read", offset, len, why)));
+                for ((mut buf, offset), slot) in io.into_iter().zip(slots) {
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| image.read(&mut buf, offset)))
+                        .unwrap_or_else(|_| {
+                            let why = io::Error::other("the read of a snapshot failed unexpectedly (see the log)");
+                            Err(ferry_backend::Error::io("read", offset, buf.len() as u64, why))
+                        });
+                    slot.finish(buf, r);
                 }
             }
         }
@@ -1146,9 +1187,12 @@ impl Jobs {
     /// the free threads is read one job a thread, side by side (a cold disk's reads in
     /// flight together); a deeper one (the threads busy: CPU-bound) in batches whose
     /// chunks are checked together.
+    /// Only small reads are taken together (a run of them at the front of the queue).
     fn take(&self) -> Option<usize> {
         let free = self.live.saturating_sub(self.busy).max(1);
-        (!self.queue.is_empty()).then(|| self.queue.len().div_ceil(free).clamp(1, self.batch.max(1)))
+        let share = self.queue.len().div_ceil(free).clamp(1, self.batch.max(1));
+        let small = self.queue.iter().take(share).take_while(|j| j.small()).count();
+        (!self.queue.is_empty()).then_some(small.max(1))
     }
 }
 
@@ -1226,11 +1270,13 @@ impl Pool {
         g.queue.push_back(job);
     }
 
-    /// Wakes a thread that is not busy for each job queued, as many as there are.
+    /// Wakes a thread for each job queued, at most every thread (one that is busy takes
+    /// jobs when it is done; waking it too costs nothing, and a thread that ended while
+    /// busy leaves `busy` counting it, which must never keep an idle one asleep).
     fn wake(&self) {
         let n = {
             let g = self.queue.jobs.lock().unwrap_or_else(|e| e.into_inner());
-            g.live.saturating_sub(g.busy).min(g.queue.len())
+            g.live.min(g.queue.len())
         };
         for _ in 0..n {
             self.queue.cv.notify_one();
@@ -1341,7 +1387,13 @@ impl IoQueue for ReadQueue {
             slot.finish(buf, Ok(()));
             return;
         }
-        let job = Job::Read(QueuedRead { image: self.image.clone(), buf, offset, slot });
+        let cs = self.image.cs;
+        let small = !buf.is_empty()
+            && offset
+                .checked_add(buf.len() as u64)
+                .is_some_and(|end| end <= self.image.size && (end - 1) / cs == offset / cs)
+            && buf.len() < self.image.chunk_len(offset / cs);
+        let job = Job::Read(QueuedRead { image: self.image.clone(), buf, offset, slot, small });
         match self.image.pool.get().and_then(Option::as_ref) {
             // Started at the end of the run of requests this one is in, or before a wait.
             Some(pool) => pool.queue(job),
@@ -1367,7 +1419,9 @@ impl IoQueue for ReadQueue {
     }
     fn complete(&mut self) -> Option<(Vec<u8>, ferry_backend::Result<()>)> {
         // The oldest may be queued with no thread woken for it yet.
-        self.wake();
+        if !self.oldest_done() {
+            self.wake();
+        }
         self.pending.pop_front().map(|s| s.wait())
     }
 }
@@ -1493,6 +1547,25 @@ mod tests {
             std::thread::sleep(Duration::from_millis(2));
         }
         flag.load(Ordering::SeqCst)
+    }
+
+    /// A pool one of whose threads ended while busy (a panic outside a read's own catch)
+    /// still wakes the others for the jobs handed to it later.
+    #[test]
+    fn a_thread_that_ends_busy_leaves_the_others_woken() {
+        let pool = Pool::start(2, 1).unwrap();
+        pool.submit(Job::Run(Box::new(|| panic!("a job that kills its thread (a test)"))));
+        let live = || pool.queue.jobs.lock().unwrap_or_else(|e| e.into_inner()).live;
+        let t = Instant::now();
+        while live() > 1 && t.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert_eq!(live(), 1, "the thread did not end");
+        std::thread::sleep(Duration::from_millis(20));
+        let ran = Arc::new(AtomicBool::new(false));
+        let r = ran.clone();
+        pool.submit(Job::Run(Box::new(move || r.store(true, Ordering::SeqCst))));
+        assert!(set_soon(&ran), "a job handed to the thread left was never run");
     }
 
     /// A pool whose threads have all ended (a panic outside a job's own catch) runs the

@@ -32,12 +32,16 @@ pub struct DirStore {
 }
 
 /// Packs (`data/`) opened for ranged reads in the last [`OPEN_PACK_AGE`], at most
-/// [`OPEN_PACKS`]: a served snapshot's misses read the same packs thousands of times a
-/// second, and each open walks the path (an `openat` a directory, the file's, its
-/// `fstat`, and the closes: a tenth of a miss's CPU). A pack is named by the SHA-256 of its
-/// bytes, which never change; one deleted or replaced by another process is read through
-/// the descriptor opened before for at most that age (its bytes are still checked against
-/// their ids, as every blob's are), and one deleted through this store not at all.
+/// [`OPEN_PACKS`], on a local file system only: a served snapshot's misses read the same
+/// packs thousands of times a second, and each open walks the path (an `openat` a
+/// directory, the file's, its `fstat`, and the closes: a tenth of a miss's CPU). A pack is
+/// named by the SHA-256 of its bytes, which never change; one deleted or replaced by
+/// another process is read through the descriptor opened before for at most that age (its
+/// bytes are still checked against their ids, as every blob's are), and one deleted or
+/// written through this store not at all. Descriptors older than that are closed at the
+/// next pack opened (a deleted pack's space comes back then, or when the process ends). A
+/// read that fails through a kept descriptor is made again through a new one. A network
+/// file system (NFS: a stale handle once another host deletes the pack) keeps none.
 #[derive(Default)]
 struct OpenPacks {
     files: std::collections::HashMap<String, (Arc<File>, u64, Instant)>,
@@ -178,25 +182,40 @@ impl DirStore {
         Ok((f, meta.len()))
     }
 
-    /// Pack `name` open for reading, with its length: the descriptor opened for it in the
-    /// last [`OPEN_PACK_AGE`] where there is one ([`OpenPacks`]).
-    fn open_pack(&self, name: &str) -> io::Result<(Arc<File>, u64)> {
+    /// Pack `name` open for reading, with its length, and whether the descriptor is one
+    /// kept from an earlier read (opened in the last [`OPEN_PACK_AGE`]: [`OpenPacks`]).
+    fn open_pack(&self, name: &str) -> io::Result<(Arc<File>, u64, bool)> {
+        if !self.local {
+            let (f, len) = self.open_object(name)?;
+            return Ok((Arc::new(f), len, false));
+        }
         let now = Instant::now();
         let fresh = |at: &Instant| now.saturating_duration_since(*at) < OPEN_PACK_AGE;
         if let Some((f, len, _)) =
             self.packs.lock().unwrap_or_else(|e| e.into_inner()).files.get(name).filter(|(_, _, at)| fresh(at))
         {
-            return Ok((f.clone(), *len));
+            return Ok((f.clone(), *len, true));
         }
-        let (f, len) = self.open_object(name)?;
+        let (f, len) = match self.open_object(name) {
+            // Out of descriptors: those kept are given back, and the open tried again.
+            Err(e)
+                if [rustix::io::Errno::MFILE, rustix::io::Errno::NFILE]
+                    .iter()
+                    .any(|n| e.raw_os_error() == Some(n.raw_os_error())) =>
+            {
+                self.packs.lock().unwrap_or_else(|e| e.into_inner()).files.clear();
+                self.open_object(name)?
+            }
+            r => r?,
+        };
         let f = Arc::new(f);
         let mut p = self.packs.lock().unwrap_or_else(|e| e.into_inner());
         #[cfg(test)]
         {
             p.opened += 1;
         }
-        if p.files.len() >= OPEN_PACKS {
-            p.files.retain(|_, (_, _, at)| fresh(at));
+        p.files.retain(|_, (_, _, at)| fresh(at));
+        {
             while p.files.len() >= OPEN_PACKS {
                 let Some(oldest) = p.files.iter().min_by_key(|(_, (_, _, at))| *at).map(|(n, _)| n.clone()) else {
                     break;
@@ -205,7 +224,20 @@ impl DirStore {
             }
         }
         p.files.insert(name.to_string(), (f.clone(), len, now));
-        Ok((f, len))
+        Ok((f, len, false))
+    }
+
+    /// Bytes `offset..offset + len` of object `name`, open as `f`, `size` bytes long.
+    fn range_of(&self, name: &str, f: &File, size: u64, offset: u64, len: u64) -> io::Result<Vec<u8>> {
+        let end = offset.checked_add(len).filter(|&e| e <= size).ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!("{} ends at byte {size}, before byte {}", self.shown(name), offset.saturating_add(len)),
+            )
+        })?;
+        let mut v = vec![0u8; (end - offset) as usize];
+        f.read_exact_at(&mut v, offset).map_err(|e| ctx(e, format!("{} (bytes {offset}..{end})", self.shown(name))))?;
+        Ok(v)
     }
 
     /// Closes the descriptor kept for pack `name`, if any: it is written or deleted.
@@ -355,21 +387,20 @@ impl Store for DirStore {
     }
 
     fn get_range(&self, name: &str, offset: u64, len: u64) -> io::Result<Vec<u8>> {
-        let (f, size) = if name.starts_with("data/") {
-            self.open_pack(name)?
-        } else {
+        if !name.starts_with("data/") {
             let (f, size) = self.open_object(name)?;
-            (Arc::new(f), size)
-        };
-        let end = offset.checked_add(len).filter(|&e| e <= size).ok_or_else(|| {
-            io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                format!("{} ends at byte {size}, before byte {}", self.shown(name), offset.saturating_add(len)),
-            )
-        })?;
-        let mut v = vec![0u8; (end - offset) as usize];
-        f.read_exact_at(&mut v, offset).map_err(|e| ctx(e, format!("{} (bytes {offset}..{end})", self.shown(name))))?;
-        Ok(v)
+            return self.range_of(name, &f, size, offset, len);
+        }
+        let (f, size, kept) = self.open_pack(name)?;
+        match self.range_of(name, &f, size, offset, len) {
+            // Through a descriptor kept from before: again through a new one.
+            Err(_) if kept => {
+                self.forget_pack(name);
+                let (f, size, _) = self.open_pack(name)?;
+                self.range_of(name, &f, size, offset, len)
+            }
+            r => r,
+        }
     }
 
     fn len(&self, name: &str) -> io::Result<u64> {
@@ -392,6 +423,8 @@ impl Store for DirStore {
             .write_all(data)
             .and_then(|()| f.sync_all())
             .and_then(|()| rustix::fs::renameat(at, temp.as_str(), at, file).map_err(io::Error::from));
+        // Again once renamed: a read beside this one may have kept the old file meanwhile.
+        self.forget_pack(name);
         if let Err(e) = written {
             let _ = rustix::fs::unlinkat(at, temp.as_str(), AtFlags::empty());
             return Err(ctx(e, format!("cannot write {}", self.shown(name))));
@@ -406,7 +439,10 @@ impl Store for DirStore {
             other => other?,
         };
         let at = dir.as_ref().map_or(self.dir.as_fd(), |f| f.as_fd());
-        match rustix::fs::unlinkat(at, file, AtFlags::empty()) {
+        let unlinked = rustix::fs::unlinkat(at, file, AtFlags::empty());
+        // Again once unlinked: a read beside this one may have kept the file meanwhile.
+        self.forget_pack(name);
+        match unlinked {
             Ok(()) => {}
             Err(rustix::io::Errno::NOENT) => return Ok(()),
             Err(e) => return Err(ctx(e, format!("cannot delete {}", self.shown(name)))),
@@ -590,6 +626,12 @@ mod tests {
         for _ in 0..50 {
             assert_eq!(s.get_range(pack, 2, 3).unwrap(), b"234");
         }
+        if !s.local {
+            // TMPDIR on a network file system: nothing kept, each read opens the pack.
+            assert_eq!(opened(), 0);
+            assert!(s.packs.lock().unwrap().files.is_empty());
+            return;
+        }
         assert_eq!(opened(), 1);
         // Replaced behind the store's back (same name: only a damaged copy's repair would).
         let path = t.path().join("repo/data/ab/ab01");
@@ -618,6 +660,10 @@ mod tests {
             s.get_range(&n, 0, 1).unwrap();
         }
         assert!(s.packs.lock().unwrap().files.len() <= OPEN_PACKS);
+        // Those older than OPEN_PACK_AGE are closed at the next pack opened.
+        std::thread::sleep(OPEN_PACK_AGE + Duration::from_millis(50));
+        s.get_range(pack, 0, 1).unwrap();
+        assert_eq!(s.packs.lock().unwrap().files.len(), 1);
     }
 
     #[test]
