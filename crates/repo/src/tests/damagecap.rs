@@ -1,0 +1,178 @@
+//! check and verify hold bounded memory however much damage there is (issue 35): every
+//! damaged copy verify finds is recorded, through a sorter on disk, in as many damage
+//! objects as it needs (each below the limit), the same whatever the number of threads;
+//! a later backup stores every damaged chunk again; check counts every recorded chunk
+//! with no good copy.
+use super::*;
+use crate::damage::{PartWriter, DAMAGE_PART_BYTES, DAMAGE_PART_BYTES_SHIPPED};
+use crate::format::{self, Digest};
+use crate::maint::{Held, DAMAGE_HELD};
+use std::collections::HashSet;
+
+/// Damaged copies: (pack, blob id).
+type Copies = HashSet<(Digest, Digest)>;
+
+/// A copy of every object of `store`, opened.
+fn copy(store: &MemStore) -> (Arc<MemStore>, Arc<Repository>) {
+    let to = Arc::new(MemStore::new());
+    for (name, _) in store.list("").unwrap() {
+        to.put(&name, &store.get(&name, u64::MAX).unwrap()).unwrap();
+    }
+    let repo = Repository::open(to.clone(), &|| Ok(crate::Passphrase::new(b"secret words".to_vec()))).unwrap();
+    (to, Arc::new(repo))
+}
+
+/// Damages every data blob copy in the store (a byte flipped in its middle): the
+/// (pack, blob id) of each.
+fn damage_every_chunk(mem: &MemStore, repo: &Repository) -> Copies {
+    let mut copies = HashSet::new();
+    let (objects, _) = repo.index_objects().unwrap();
+    for p in objects.iter().flat_map(|(_, ps)| ps) {
+        let data: Vec<&crate::format::BlobEntry> = p.blobs.iter().filter(|b| !b.kind.is_page()).collect();
+        copies.extend(data.iter().map(|b| (p.pack, b.id)));
+        mem.tamper(&crate::repo::pack_name(&p.pack), |v| {
+            for b in &data {
+                v[(b.offset + b.stored_len / 2) as usize] ^= 0xa5;
+            }
+        });
+    }
+    copies
+}
+
+/// Every damaged copy the records name, and the record objects with their sizes.
+fn recorded(store: &MemStore, repo: &Repository) -> (Copies, Vec<(String, u64)>) {
+    let set = repo.damage().unwrap();
+    let copies = set.packs.iter().flat_map(|(p, c)| c.blobs.iter().map(|b| (*p, *b))).collect();
+    (copies, store.list("damage/").unwrap())
+}
+
+/// A report as text, less the names of the damage objects verify writes (new each time).
+fn text(r: &maint::Report) -> String {
+    let notes: Vec<&String> = r.notes.iter().filter(|n| !n.starts_with("the damage is recorded in")).collect();
+    format!("{} {} {} {:?} {notes:?}", r.packs, r.blobs_checked, r.bytes_read, r.problems)
+}
+
+/// A disk of some hundred chunks backed up once, then every chunk damaged.
+fn damaged_repo() -> (Arc<MemStore>, Arc<Repository>, Vec<u8>, Copies) {
+    let (store, repo) = new_repo(true);
+    let data = disk(8 << 20, 35);
+    backup(&repo, "d", &data, None);
+    let copies = damage_every_chunk(&store, &repo);
+    assert!(copies.len() > 80, "{} copies", copies.len());
+    (store, repo, data, copies)
+}
+
+/// Every damaged copy is recorded, split over several damage objects each at most a
+/// part (main stored one object of them all, over a part, and at the shipped part size
+/// over the limit, so none); a second verify finds them recorded and writes nothing;
+/// repair keeps them; a later backup of the same data stores every damaged chunk again.
+#[test]
+fn every_damaged_copy_is_recorded_in_parts_and_stored_again_by_the_next_backup() {
+    let (store, repo, data, copies) = damaged_repo();
+    let v = maint::verify(&repo, &VerifyOptions::all(2)).unwrap();
+    assert!(!v.problems.is_empty());
+    let (got, objects) = recorded(&store, &repo);
+    assert_eq!(got, copies, "every damaged copy recorded");
+    assert!(objects.len() > 2, "{objects:?}");
+    for (name, len) in &objects {
+        // The part's JSON, sealed (nonce and tag).
+        assert!(*len as usize <= DAMAGE_PART_BYTES + 64, "{name}: {len} bytes");
+    }
+    let note = v.notes.iter().find(|n| n.starts_with("the damage is recorded in")).unwrap();
+    assert!(note.contains(&format!("and {} more object(s) of the same record", objects.len() - 1)), "{note}");
+    // A second verify finds every copy recorded: it writes nothing, says the same.
+    let again = maint::verify(&repo, &VerifyOptions::all(2)).unwrap();
+    assert_eq!(recorded(&store, &repo), (copies.clone(), objects.clone()));
+    assert!(!again.notes.iter().any(|n| n.starts_with("the damage")), "{:?}", again.notes);
+    // repair reads each part (all readable): it removes none.
+    let rep = crate::recover::repair(&repo, &crate::recover::RepairOptions::default()).unwrap();
+    assert!(rep.damage_removed.is_empty(), "{:?}", rep.damage_removed);
+    assert_eq!(recorded(&store, &repo).1, objects);
+    // A backup of the same data stores each damaged chunk again: two copies of each.
+    let fresh = backup(&repo, "d", &data, None);
+    let index = repo.load_index().unwrap();
+    let ids: HashSet<Digest> = copies.iter().map(|(_, id)| *id).collect();
+    for id in &ids {
+        assert_eq!(index.locations(id).count(), 2, "{} stored again", format::hex(id));
+    }
+    assert_eq!(read_back(&repo, &fresh), data);
+    // And check finds every recorded chunk with a good copy now: notes, no problem.
+    let c = maint::check(&repo).unwrap();
+    assert!(c.problems.is_empty(), "{:?}", c.problems);
+}
+
+/// What verify finds and records is the same with one thread and with four.
+#[test]
+fn verify_says_and_records_the_same_with_one_thread_and_four() {
+    let (store, _, _, copies) = damaged_repo();
+    let run = |threads: usize| {
+        let (to, repo) = copy(&store);
+        let few = Held { chunks: 16, ..DAMAGE_HELD };
+        let v = maint::verify_held(&repo, &VerifyOptions::all(threads), 64 * crate::damage::FOUND, few).unwrap();
+        let (got, objects) = recorded(&to, &repo);
+        let c = maint::check_held(&repo, 64 * crate::damage::FOUND, few).unwrap();
+        (text(&v), got, objects.len(), text(&c))
+    };
+    let one = run(1);
+    assert_eq!(one.1, copies);
+    assert_eq!(one, run(4));
+}
+
+/// verify holds a bounded number of damaged ids however many there are (the ids it
+/// traces, its sorters' runs on disk past their budget), and still records every copy;
+/// check then counts every recorded chunk with no good copy, past what it holds.
+#[test]
+fn verify_and_check_hold_bounded_ids_and_count_every_damaged_chunk() {
+    let (store, repo, _, copies) = damaged_repo();
+    let few = Held { chunks: 8, ..DAMAGE_HELD };
+    let budget = 16 * crate::damage::FOUND;
+    let v = maint::verify_held(&repo, &VerifyOptions::all(2), budget, few).unwrap();
+    assert!(v.ids_held <= 8, "{} ids held", v.ids_held);
+    assert!(v.damage_spilled.runs >= 4, "{:?}", v.damage_spilled);
+    let counted: u64 = v
+        .problems
+        .iter()
+        .filter_map(|p| p.why.split(" blob(s) damaged").next()?.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum();
+    assert_eq!(counted as usize, copies.len(), "{:?}", v.problems);
+    assert_eq!(recorded(&store, &repo).0, copies, "every copy recorded, past what verify held");
+    let ids: HashSet<Digest> = copies.iter().map(|(_, id)| *id).collect();
+    let c = maint::check_held(&repo, budget, few).unwrap();
+    let counted: u64 = c
+        .problems
+        .iter()
+        .filter_map(|p| {
+            p.why.split(" chunk(s) in it have no good copy").next()?.rsplit(' ').next()?.parse::<u64>().ok()
+        })
+        .sum();
+    assert_eq!(counted as usize, ids.len(), "{:?}", c.problems);
+    let want = format!("{} more damaged or missing chunk(s)", ids.len() - 8);
+    assert!(c.notes.iter().any(|n| n.starts_with(&want)), "{want}: {:?}", c.notes);
+}
+
+/// A record too large for one object, at the part size ferry ships: 300,000 damaged ids
+/// of one pack (20 MB of JSON, over the 16 MiB limit) are stored as several objects,
+/// each within the limit, and read back whole as one record.
+#[test]
+fn a_record_past_the_object_limit_is_stored_in_parts_at_the_shipped_size() {
+    let (store, repo) = new_repo(false);
+    let pack = [7u8; 32];
+    let mut w = PartWriter::new(&repo, DAMAGE_PART_BYTES_SHIPPED);
+    w.pack(&pack, "every blob flipped").unwrap();
+    let n = 300_000u32;
+    let id = |i: u32| crate::repo::sha256(&i.to_be_bytes());
+    for i in 0..n {
+        w.blob(&id(i)).unwrap();
+    }
+    w.pack(&[8u8; 32], "its trailer is damaged").unwrap();
+    let names = w.finish().unwrap();
+    assert!(names.len() >= 3, "{names:?}");
+    for (name, len) in store.list("damage/").unwrap() {
+        assert!(len <= DAMAGE_PART_BYTES_SHIPPED as u64 + 64 && len <= format::MAX_DAMAGE, "{name}: {len}");
+    }
+    let set = repo.damage().unwrap();
+    assert_eq!(set.packs[&pack].blobs.len(), n as usize);
+    assert!((0..n).all(|i| set.is_damaged(&pack, &id(i))));
+    assert!(set.packs[&[8u8; 32]].blobs.is_empty());
+    assert_eq!(set.objects.len(), names.len());
+}
