@@ -72,17 +72,22 @@ impl Report {
     }
 
     /// A problem of `object`, added to the one found for it already if there is one
-    /// (verify reading a pack that check's walk named: one entry per object).
-    fn problem_once(&mut self, object: String, why: String) -> usize {
-        match self.problems.iter().position(|p| p.object == object) {
-            Some(i) => {
+    /// (verify reading a pack that check's walk named: one entry per object). `by_object`:
+    /// the problems' objects, kept by the caller (a lookup a pack, not a scan).
+    fn problem_once(&mut self, by_object: &mut HashMap<String, usize>, object: String, why: String) -> usize {
+        match by_object.get(&object) {
+            Some(&i) => {
                 let p = &mut self.problems[i];
                 if !p.why.contains(&why) {
                     p.why = format!("{}; {why}", p.why);
                 }
                 i
             }
-            None => self.problem(object, why),
+            None => {
+                let i = self.problem(object.clone(), why);
+                by_object.insert(object, i);
+                i
+            }
         }
     }
 }
@@ -936,21 +941,30 @@ fn recorded_problems(
 /// damaged chunks that were counted, not traced (`untraced`), stays a problem, since a
 /// snapshot may read those. Recorded damage that verify found mended (`cleared`) is no
 /// problem either.
-fn unread_records_to_notes(r: &mut Report, recorded: &[usize], cleared: &[usize], untraced: &Untraced) {
-    let mut gone: Vec<usize> = recorded
+fn unread_records_to_notes(r: &mut Report, recorded: &[usize], cleared: &HashSet<usize>, untraced: &Untraced) {
+    let gone: HashSet<usize> = recorded
         .iter()
         .copied()
         .filter(|p| cleared.contains(p) || (r.problems[*p].hits.is_empty() && !untraced.problems.contains(p)))
         .collect();
-    gone.sort_unstable();
-    for i in gone.into_iter().rev() {
-        let p = r.problems.remove(i);
-        r.notes.push(if cleared.contains(&i) {
-            format!("{}: it was recorded damaged, and reads back whole now: its record is cleared", p.object)
-        } else {
-            format!("{}: {}; no snapshot reads it: `ferry repo gc` removes it", p.object, p.why)
-        });
+    if gone.is_empty() {
+        return;
     }
+    // One pass, however many go (the last first among the notes, as they always were).
+    let mut notes = Vec::new();
+    for (i, p) in std::mem::take(&mut r.problems).into_iter().enumerate() {
+        if !gone.contains(&i) {
+            r.problems.push(p);
+        } else if cleared.contains(&i) {
+            notes.push(format!(
+                "{}: it was recorded damaged, and reads back whole now: its record is cleared",
+                p.object
+            ));
+        } else {
+            notes.push(format!("{}: {}; no snapshot reads it: `ferry repo gc` removes it", p.object, p.why));
+        }
+    }
+    r.notes.extend(notes.into_iter().rev());
 }
 
 /// Metadata only: config, every index object, every manifest and its pages, every
@@ -968,7 +982,7 @@ pub(crate) fn check_in(repo: &Repository, budget: usize) -> Result<Report> {
 pub(crate) fn check_held(repo: &Repository, budget: usize, held: Held) -> Result<Report> {
     let (mut r, w) = check_walk_held(repo, budget, held)?;
     attribute(repo, &w, &mut r.problems);
-    unread_records_to_notes(&mut r, &w.recorded, &[], &w.untraced);
+    unread_records_to_notes(&mut r, &w.recorded, &HashSet::new(), &w.untraced);
     untraced_note(&mut r, w)?;
     Ok(r)
 }
@@ -1264,6 +1278,8 @@ pub(crate) fn verify_held(repo: &Repository, opts: &VerifyOptions, budget: usize
     let mut rewritten: HashSet<Digest> = HashSet::new();
     let mut whole_again: Vec<Digest> = Vec::new();
     let mut problem_of: HashMap<Digest, usize> = HashMap::new();
+    let mut by_object: HashMap<String, usize> =
+        r.problems.iter().enumerate().rev().map(|(i, p)| (p.object.clone(), i)).collect();
     for ((pack, _), c) in todo.iter().zip(results) {
         r.bytes_read += c.bytes;
         r.blobs_checked += c.blobs;
@@ -1288,7 +1304,7 @@ pub(crate) fn verify_held(repo: &Repository, opts: &VerifyOptions, budget: usize
             continue; // whole, or recorded already: check_walk said it
         }
         // One problem per pack: what check found in it already (a page) says this too.
-        problem_of.insert(*pack, r.problem_once(pack_name(pack), why));
+        problem_of.insert(*pack, r.problem_once(&mut by_object, pack_name(pack), why));
     }
     // Each damaged copy, with the problem of its pack (none: a recorded pack whose record
     // is rewritten, traced as a damaged copy only), the first `held` chunks held.
@@ -1356,16 +1372,10 @@ pub(crate) fn verify_held(repo: &Repository, opts: &VerifyOptions, budget: usize
         }
     }
     // Packs recorded damaged that read back whole now are no damage.
-    let cleared: Vec<usize> = w
-        .recorded
-        .iter()
-        .copied()
-        .filter(|p| whole_again.iter().any(|pack| pack_name(pack) == r.problems[*p].object))
-        .collect();
-    for pack in &whole_again {
-        let name = pack_name(pack);
-        r.notes.retain(|n| !n.starts_with(&format!("{name}: recorded damaged")));
-    }
+    let whole_again: HashSet<String> = whole_again.iter().map(pack_name).collect();
+    let cleared: HashSet<usize> =
+        w.recorded.iter().copied().filter(|p| whole_again.contains(&r.problems[*p].object)).collect();
+    r.notes.retain(|n| !n.split_once(": recorded damaged").is_some_and(|(name, _)| whole_again.contains(name)));
     w.damaged.retain(|_, p| !cleared.contains(p));
     attribute(repo, &w, &mut r.problems);
     unread_records_to_notes(&mut r, &w.recorded, &cleared, &w.untraced);

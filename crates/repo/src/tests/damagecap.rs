@@ -25,10 +25,22 @@ fn copy(store: &MemStore) -> (Arc<MemStore>, Arc<Repository>) {
 /// Damages every data blob copy in the store (a byte flipped in its middle): the
 /// (pack, blob id) of each.
 fn damage_every_chunk(mem: &MemStore, repo: &Repository) -> Copies {
+    damage_chunks(mem, repo, |_| true)
+}
+
+/// Damages the data blob copies of each pack whose place in the pack `which` accepts.
+fn damage_chunks(mem: &MemStore, repo: &Repository, which: impl Fn(usize) -> bool) -> Copies {
     let mut copies = HashSet::new();
     let (objects, _) = repo.index_objects().unwrap();
     for p in objects.iter().flat_map(|(_, ps)| ps) {
-        let data: Vec<&crate::format::BlobEntry> = p.blobs.iter().filter(|b| !b.kind.is_page()).collect();
+        let data: Vec<&crate::format::BlobEntry> = p
+            .blobs
+            .iter()
+            .filter(|b| !b.kind.is_page())
+            .enumerate()
+            .filter(|(i, _)| which(*i))
+            .map(|(_, b)| b)
+            .collect();
         copies.extend(data.iter().map(|b| (p.pack, b.id)));
         mem.tamper(&crate::repo::pack_name(&p.pack), |v| {
             for b in &data {
@@ -99,6 +111,34 @@ fn every_damaged_copy_is_recorded_in_parts_and_stored_again_by_the_next_backup()
     // And check finds every recorded chunk with a good copy now: notes, no problem.
     let c = maint::check(&repo).unwrap();
     assert!(c.problems.is_empty(), "{:?}", c.problems);
+}
+
+/// Damage found in packs whose record a verify wrote already (more of their copies
+/// damaged since) is added to it: every copy recorded, past any number a record held
+/// before (the reverted caps kept a pack's first ids every run, and backups went on
+/// using the damaged copies past them).
+#[test]
+fn a_later_verify_records_the_copies_a_record_does_not_list_yet() {
+    // Encrypted: a pack stored again is a new pack (an unencrypted one of the same chunks
+    // in the same order has the same bytes, so the same name: it mends the damaged one).
+    let (store, repo) = new_repo(true);
+    let data = disk(8 << 20, 36);
+    let snap = backup(&repo, "d", &data, None);
+    let first = damage_chunks(&store, &repo, |i| i % 2 == 0);
+    maint::verify(&repo, &VerifyOptions::all(3)).unwrap();
+    assert_eq!(recorded(&store, &repo).0, first);
+    let second = damage_chunks(&store, &repo, |i| i % 2 == 1);
+    assert!(!second.is_empty() && second.is_disjoint(&first));
+    let v = maint::verify(&repo, &VerifyOptions::all(3)).unwrap();
+    let all: Copies = first.union(&second).copied().collect();
+    let (got, objects) = recorded(&store, &repo);
+    assert_eq!(got, all, "{:?}", v.notes);
+    assert!(objects.len() > 2 && objects.iter().all(|(_, len)| *len as usize <= DAMAGE_PART_BYTES + 64));
+    // And the next backup stores each of them again.
+    let fresh = backup(&repo, "d", &data, Some(snap));
+    let index = repo.load_index().unwrap();
+    assert!(all.iter().all(|(_, id)| index.locations(id).count() == 2));
+    assert_eq!(read_back(&repo, &fresh), data);
 }
 
 /// What verify finds and records is the same with one thread and with four.
@@ -175,4 +215,34 @@ fn a_record_past_the_object_limit_is_stored_in_parts_at_the_shipped_size() {
     assert!((0..n).all(|i| set.is_damaged(&pack, &id(i))));
     assert!(set.packs[&[8u8; 32]].blobs.is_empty());
     assert_eq!(set.objects.len(), names.len());
+}
+
+/// A pack mended (its bytes as stored first) after a record in several objects named
+/// it: verify rewrites the records without it, in parts again, every other copy still
+/// recorded, and the old objects removed.
+#[test]
+fn a_mended_pack_leaves_a_record_in_parts_and_the_rest_stays_recorded() {
+    let (store, repo) = new_repo(true);
+    let data = disk(8 << 20, 37);
+    backup(&repo, "d", &data, None);
+    let packs: Vec<(String, Vec<u8>)> =
+        store.list("data/").unwrap().into_iter().map(|(n, _)| (n.clone(), store.get(&n, u64::MAX).unwrap())).collect();
+    let copies = damage_every_chunk(&store, &repo);
+    maint::verify(&repo, &VerifyOptions::all(2)).unwrap();
+    let (_, before) = recorded(&store, &repo);
+    assert!(before.len() > 2, "{before:?}");
+    // Mend the pack with the most damaged copies.
+    let (name, bytes) = packs
+        .iter()
+        .max_by_key(|(n, _)| copies.iter().filter(|(p, _)| crate::repo::pack_name(p) == *n).count())
+        .unwrap();
+    store.put(name, bytes).unwrap();
+    let v = maint::verify(&repo, &VerifyOptions::all(2)).unwrap();
+    assert!(v.notes.iter().any(|n| n.starts_with(&format!("{name}: it was recorded damaged, and reads back whole"))));
+    let rest: Copies = copies.iter().filter(|(p, _)| crate::repo::pack_name(p) != *name).copied().collect();
+    assert!(rest.len() < copies.len());
+    let (got, after) = recorded(&store, &repo);
+    assert_eq!(got, rest);
+    assert!(after.len() > 1 && after.iter().all(|(_, len)| *len as usize <= DAMAGE_PART_BYTES + 64), "{after:?}");
+    assert!(after.iter().all(|o| !before.contains(o)), "the old objects are removed");
 }
