@@ -246,3 +246,18 @@ fn a_mended_pack_leaves_a_record_in_parts_and_the_rest_stays_recorded() {
     assert!(after.len() > 1 && after.iter().all(|(_, len)| *len as usize <= DAMAGE_PART_BYTES + 64), "{after:?}");
     assert!(after.iter().all(|o| !before.contains(o)), "the old objects are removed");
 }
+
+/// A damage object over the limit is refused by its length, before it is parsed (the
+/// parser's first check, as the fuzz target drives it), and one in the store is refused
+/// by the store's read limit, before it is read whole: it is reported, the others read.
+#[test]
+fn a_damage_object_over_the_limit_is_refused_before_it_is_parsed() {
+    let json = vec![b' '; format::MAX_DAMAGE as usize + 1];
+    let e = format::DamageRecord::parse(&json).unwrap_err();
+    assert!(e.0.contains("at most"), "{e:?}");
+    let (store, repo) = new_repo(false);
+    let name = format!("damage/{}", format::hex(&crate::repo::sha256(&json)));
+    store.put(&name, &json).unwrap();
+    let (set, bad) = repo.damage_lenient().unwrap();
+    assert!(set.is_empty() && bad.len() == 1 && bad[0].0 == name, "{bad:?}");
+}
