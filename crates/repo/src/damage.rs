@@ -305,29 +305,38 @@ fn write_merged(
 /// (a recorded pack reads otherwise now), every record is rewritten under a `forget`
 /// lock (no gc rewrites them meanwhile): the packs of `found` and `cleared` (those that
 /// read back whole now) lose what was recorded of them, `found` is added, and the old
-/// objects are removed once the new ones are stored; else `found` is added in objects of
-/// its own. The names stored.
+/// objects are removed once the new ones are stored; else, or where the lock or the
+/// records cannot be had (the error is given back beside the names), `found` is added
+/// in objects of its own: what was found is recorded either way. The names stored.
 pub(crate) fn store_found(
     repo: &Repository,
     found: &[(Digest, String)],
     ids: &mut Sorted<FOUND>,
     rewrite: bool,
     cleared: &[Digest],
-) -> Result<Vec<String>> {
+) -> Result<(Vec<String>, Option<Error>)> {
     let mut w = PartWriter::new(repo, DAMAGE_PART_BYTES);
-    if !rewrite {
-        write_merged(&mut w, &DamageSet::default(), found, Some(ids))?;
-        return w.finish();
-    }
-    let _lock = lock::acquire(&repo.store, LockKind::Forget, None, None)?;
-    let (mut set, _) = repo.damage_lenient()?;
+    let held = match rewrite {
+        false => None,
+        true => match lock::acquire(&repo.store, LockKind::Forget, None, None) {
+            Ok(lock) => Some(repo.damage_lenient().map(|(set, _)| (lock, set))),
+            Err(e) => Some(Err(e)),
+        },
+    };
+    let (_lock, mut set) = match held {
+        Some(Ok(held)) => held,
+        not => {
+            write_merged(&mut w, &DamageSet::default(), found, Some(ids))?;
+            return Ok((w.finish()?, not.and_then(|r| r.err())));
+        }
+    };
     for pack in cleared {
         set.packs.remove(pack);
     }
     write_merged(&mut w, &set, found, Some(ids))?;
     let names = w.finish()?;
     remove_others(repo, &set.objects, &names)?;
-    Ok(names)
+    Ok((names, None))
 }
 
 /// The pack a store name `data/HH/HEX` names.

@@ -1354,8 +1354,18 @@ pub(crate) fn verify_held(repo: &Repository, opts: &VerifyOptions, budget: usize
     if !found.is_empty() || rewrite {
         let mut ids = into_inner(to_record).finish()?;
         r.damage_spilled += ids.written();
-        match crate::damage::store_found(repo, &found, &mut ids, rewrite, &whole_again) {
-            Ok(names) if new_damage => r.notes.push(format!(
+        let (names, not_corrected) = match crate::damage::store_found(repo, &found, &mut ids, rewrite, &whole_again) {
+            Ok(stored) => stored,
+            Err(e) => {
+                r.notes.push(format!("the damage could not be recorded in the repository (run verify again): {e}"));
+                (Vec::new(), None)
+            }
+        };
+        if let Some(e) = not_corrected {
+            r.notes.push(format!("the damage records could not be corrected (run verify again): {e}"));
+        }
+        if new_damage && !names.is_empty() {
+            r.notes.push(format!(
                 "the damage is recorded in {}: the next backup that reads the damaged chunks stores them again, \
                  readers use any good copy, and `ferry repo gc` removes the damaged copies once none is needed",
                 match names.as_slice() {
@@ -1363,12 +1373,7 @@ pub(crate) fn verify_held(repo: &Repository, opts: &VerifyOptions, budget: usize
                     [first, rest @ ..] => format!("{first} and {} more object(s) of the same record", rest.len()),
                     [] => "no object".to_string(),
                 }
-            )),
-            Ok(_) => {}
-            Err(e) if rewrite => {
-                r.notes.push(format!("the damage records could not be corrected (run verify again): {e}"))
-            }
-            Err(e) => r.notes.push(format!("the damage could not be recorded in the repository: {e}")),
+            ));
         }
     }
     // Packs recorded damaged that read back whole now are no damage.

@@ -11,6 +11,8 @@ use std::collections::HashSet;
 
 /// Damaged copies: (pack, blob id).
 type Copies = HashSet<(Digest, Digest)>;
+/// Packs as stored: name and bytes.
+type Packs = Vec<(String, Vec<u8>)>;
 
 /// A copy of every object of `store`, opened.
 fn copy(store: &MemStore) -> (Arc<MemStore>, Arc<Repository>) {
@@ -217,16 +219,22 @@ fn a_record_past_the_object_limit_is_stored_in_parts_at_the_shipped_size() {
     assert_eq!(set.objects.len(), names.len());
 }
 
+/// An encrypted repository with a disk backed up once, and each pack's bytes as stored
+/// (to mend one later).
+fn backed_up(seed: u64) -> (Arc<MemStore>, Arc<Repository>, Packs) {
+    let (store, repo) = new_repo(true);
+    backup(&repo, "d", &disk(8 << 20, seed), None);
+    let packs = store.list("data/").unwrap().into_iter().map(|(n, _)| (n.clone(), store.get(&n, u64::MAX).unwrap()));
+    let packs = packs.collect();
+    (store, repo, packs)
+}
+
 /// A pack mended (its bytes as stored first) after a record in several objects named
 /// it: verify rewrites the records without it, in parts again, every other copy still
 /// recorded, and the old objects removed.
 #[test]
 fn a_mended_pack_leaves_a_record_in_parts_and_the_rest_stays_recorded() {
-    let (store, repo) = new_repo(true);
-    let data = disk(8 << 20, 37);
-    backup(&repo, "d", &data, None);
-    let packs: Vec<(String, Vec<u8>)> =
-        store.list("data/").unwrap().into_iter().map(|(n, _)| (n.clone(), store.get(&n, u64::MAX).unwrap())).collect();
+    let (store, repo, packs) = backed_up(37);
     let copies = damage_every_chunk(&store, &repo);
     maint::verify(&repo, &VerifyOptions::all(2)).unwrap();
     let (_, before) = recorded(&store, &repo);
@@ -260,4 +268,33 @@ fn a_damage_object_over_the_limit_is_refused_before_it_is_parsed() {
     store.put(&name, &json).unwrap();
     let (set, bad) = repo.damage_lenient().unwrap();
     assert!(set.is_empty() && bad.len() == 1 && bad[0].0 == name, "{bad:?}");
+}
+
+/// New damage is recorded even when the records cannot be rewritten (a gc or forget holds
+/// the lock that rewriting needs): it is added in objects of its own, and the note says
+/// the correction is left to the next verify.
+#[test]
+fn new_damage_is_recorded_when_the_records_cannot_be_rewritten() {
+    let (store, repo, packs) = backed_up(38);
+    let even = damage_chunks(&store, &repo, |i| i % 2 == 0);
+    maint::verify(&repo, &VerifyOptions::all(2)).unwrap();
+    // One pack mended, then the odd copies of every pack damaged: that pack's record is
+    // out of date (a rewrite), the others' odd copies are new damage.
+    let (mended, bytes) =
+        packs.iter().find(|(n, _)| even.iter().any(|(p, _)| crate::repo::pack_name(p) == *n)).unwrap();
+    store.put(mended, bytes).unwrap();
+    let odd = damage_chunks(&store, &repo, |i| i % 2 == 1);
+    let held = lock::acquire(repo.store(), LockKind::Forget, None, None).unwrap();
+    let v = maint::verify(&repo, &VerifyOptions::all(2)).unwrap();
+    assert!(v.notes.iter().any(|n| n.starts_with("the damage records could not be corrected")), "{:?}", v.notes);
+    let (got, _) = recorded(&store, &repo);
+    assert!(odd.is_subset(&got), "every new damaged copy recorded");
+    drop(held);
+    // Once the lock is free, the next verify corrects the mended pack's record.
+    maint::verify(&repo, &VerifyOptions::all(2)).unwrap();
+    let want: Copies = odd
+        .union(&even.iter().filter(|(p, _)| crate::repo::pack_name(p) != *mended).copied().collect())
+        .copied()
+        .collect();
+    assert_eq!(recorded(&store, &repo).0, want);
 }
