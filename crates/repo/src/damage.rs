@@ -252,22 +252,43 @@ pub(crate) fn found_of(r: &[u8; FOUND]) -> (Digest, Digest) {
     (pack, id)
 }
 
+/// How [`write_merged`] writes the ids of the packs verify found damaged.
+#[derive(Clone, Copy)]
+enum Merge<'a> {
+    /// Only what is found, as is (gc's rewrite: nothing found).
+    Plain,
+    /// Added in objects of their own: only the ids that `known` (the records verify
+    /// compared with) does not list; a pack it lists with no such id is left out (its
+    /// record is out of date only: a rewrite corrects it).
+    New { known: &'a DamageSet },
+    /// Every record rewritten: each pack's ids found, with those of its entry in `kept`
+    /// (the records as they are now) that `known` did not list where its record was out of
+    /// date (`stale`: recorded meanwhile, by another verify), or all of them elsewhere
+    /// (verify then gives only the ids its record does not list yet).
+    Rewrite { known: &'a DamageSet, stale: &'a HashSet<Digest> },
+}
+
 /// Writes, in pack order, the packs of `kept` (their ids as held) and those of `found`
 /// (sorted by pack, each with why; their ids read from `ids`, records sorted by pack and
-/// id, of those packs only), a pack of `found` taking the place of its entry in `kept`.
+/// id, of those packs only), a pack of `found` taking the place of its entry in `kept`,
+/// its ids merged as `how` says.
 fn write_merged(
     w: &mut PartWriter,
     kept: &DamageSet,
     found: &[(Digest, String)],
     mut ids: Option<&mut Sorted<FOUND>>,
+    how: Merge,
 ) -> Result<()> {
     let ours: HashSet<&Digest> = found.iter().map(|(p, _)| p).collect();
     let mut old: Vec<(&Digest, &DamagedCopies)> = kept.packs.iter().filter(|(p, _)| !ours.contains(p)).collect();
     old.sort_by_key(|(p, _)| **p);
-    let mut next = match ids.as_mut() {
-        Some(s) => s.next()?.map(|r| found_of(&r)),
-        None => None,
+    let mut read = || -> Result<Option<(Digest, Digest)>> {
+        Ok(match ids.as_mut() {
+            Some(s) => s.next()?.map(|r| found_of(&r)),
+            None => None,
+        })
     };
+    let mut next = read()?;
     let (mut i, mut j) = (0, 0);
     while i < old.len() || j < found.len() {
         if j >= found.len() || (i < old.len() && *old[i].0 < found[j].0) {
@@ -282,18 +303,53 @@ fn write_merged(
             continue;
         }
         let (pack, why) = &found[j];
-        w.pack(pack, why)?;
-        while let Some((p, id)) = next {
-            if p > *pack {
-                break;
+        // The ids of its entry now that are written beside those found, sorted.
+        let mut also: Vec<&Digest> = match (how, kept.packs.get(pack)) {
+            (Merge::Rewrite { known, stale }, Some(c)) => {
+                c.blobs.iter().filter(|b| !stale.contains(pack) || !known.is_damaged(pack, b)).collect()
             }
-            if p == *pack {
-                w.blob(&id)?;
+            _ => Vec::new(),
+        };
+        also.sort_unstable();
+        let mut also = also.into_iter().peekable();
+        let skip = |id: &Digest| matches!(how, Merge::New { known } if known.is_damaged(pack, id));
+        // A pack `known` lists is written only with an id it does not list (Merge::New).
+        let mut started = !matches!(how, Merge::New { known } if known.packs.contains_key(pack));
+        if started {
+            w.pack(pack, why)?;
+        }
+        let emit = |w: &mut PartWriter, id: &Digest, started: &mut bool| -> Result<()> {
+            if !*started {
+                w.pack(pack, why)?;
+                *started = true;
             }
-            next = match ids.as_mut() {
-                Some(s) => s.next()?.map(|r| found_of(&r)),
-                None => None,
+            w.blob(id)
+        };
+        loop {
+            let from_found = match next {
+                Some((p, id)) if p == *pack => Some(id),
+                Some((p, _)) if p < *pack => {
+                    next = read()?;
+                    continue;
+                }
+                _ => None,
             };
+            let take_found = match (from_found, also.peek()) {
+                (None, None) => break,
+                (Some(id), a) => a.is_none_or(|a| id <= **a),
+                (None, Some(_)) => false,
+            };
+            if let Some(id) = from_found.filter(|_| take_found) {
+                if also.peek().is_some_and(|a| **a == id) {
+                    also.next();
+                }
+                if !skip(&id) {
+                    emit(w, &id, &mut started)?;
+                }
+                next = read()?;
+            } else if let Some(a) = also.next() {
+                emit(w, a, &mut started)?;
+            }
         }
         j += 1;
     }
@@ -301,24 +357,28 @@ fn write_merged(
 }
 
 /// Stores what verify found in the packs it read: `found` (sorted by pack, with why)
-/// and their damaged copies' ids in `ids` (records sorted by pack and id). Where `rewrite`
-/// (a recorded pack reads otherwise now), every record is rewritten under a `forget`
-/// lock (no gc rewrites them meanwhile): the packs of `found` and `cleared` (those that
-/// read back whole now) lose what was recorded of them, `found` is added, and the old
-/// objects are removed once the new ones are stored; else, or where the lock or the
-/// records cannot be had (the error is given back beside the names), `found` is added
-/// in objects of its own: what was found is recorded either way. The names stored.
+/// and their damaged copies' ids in `ids` (records sorted by pack and id), against
+/// `known`, the records as verify read them. Where `stale` is not empty (recorded packs
+/// that read otherwise now), every record is rewritten under a `forget` lock (no gc
+/// rewrites them meanwhile), read again: the packs of `cleared` (those that read back
+/// whole now) and of `stale` lose what `known` recorded of them, `found` is added, what
+/// was recorded since `known` was read is kept, and the old objects are removed once the
+/// new ones are stored; else, or where the lock or the records cannot be had (the error
+/// is given back beside the names), what `known` does not list yet is added in objects of
+/// its own: what was found is recorded either way. The names stored, and the error that
+/// kept the records from being corrected (none: they were, or needed no correction).
 pub(crate) fn store_found(
     repo: &Repository,
     found: &[(Digest, String)],
     ids: &mut Sorted<FOUND>,
-    rewrite: bool,
+    known: &DamageSet,
+    stale: &HashSet<Digest>,
     cleared: &[Digest],
 ) -> Result<(Vec<String>, Option<Error>)> {
     let mut w = PartWriter::new(repo, DAMAGE_PART_BYTES);
-    let held = match rewrite {
-        false => None,
-        true => match lock::acquire(&repo.store, LockKind::Forget, None, None) {
+    let held = match stale.is_empty() {
+        true => None,
+        false => match lock::acquire(&repo.store, LockKind::Forget, None, None) {
             Ok(lock) => Some(repo.damage_lenient().map(|(set, _)| (lock, set))),
             Err(e) => Some(Err(e)),
         },
@@ -326,17 +386,27 @@ pub(crate) fn store_found(
     let (_lock, mut set) = match held {
         Some(Ok(held)) => held,
         not => {
-            write_merged(&mut w, &DamageSet::default(), found, Some(ids))?;
+            write_merged(&mut w, &DamageSet::default(), found, Some(ids), Merge::New { known })?;
             return Ok((w.finish()?, not.and_then(|r| r.err())));
         }
     };
+    // A mended pack keeps only what was recorded of it since verify read the records.
     for pack in cleared {
-        set.packs.remove(pack);
+        if let Some(c) = set.packs.get_mut(pack) {
+            c.blobs.retain(|b| !known.is_damaged(pack, b));
+            if c.blobs.is_empty() {
+                set.packs.remove(pack);
+            }
+        }
     }
-    write_merged(&mut w, &set, found, Some(ids))?;
+    write_merged(&mut w, &set, found, Some(ids), Merge::Rewrite { known, stale })?;
     let names = w.finish()?;
-    remove_others(repo, &set.objects, &names)?;
-    Ok((names, None))
+    // The new records are stored: a failure to remove the old leaves their union, which
+    // records every copy (and maybe some mended since): not corrected, nothing lost.
+    match remove_others(repo, &set.objects, &names) {
+        Ok(_) => Ok((names, None)),
+        Err(e) => Ok((names, Some(e))),
+    }
 }
 
 /// The pack a store name `data/HH/HEX` names.
@@ -426,7 +496,7 @@ fn store_set(repo: &Repository, set: &DamageSet) -> Result<usize> {
 /// [`store_set`], with the names of the records stored.
 fn store_set_named(repo: &Repository, set: &DamageSet) -> Result<(usize, Vec<String>)> {
     let mut w = PartWriter::new(repo, DAMAGE_PART_BYTES);
-    write_merged(&mut w, set, &[], None)?;
+    write_merged(&mut w, set, &[], None, Merge::Plain)?;
     let new = w.finish()?;
     let removed = remove_others(repo, &set.objects, &new)?;
     Ok((removed, new))

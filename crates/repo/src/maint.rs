@@ -1351,32 +1351,44 @@ pub(crate) fn verify_held(repo: &Repository, opts: &VerifyOptions, budget: usize
     // What was found is recorded: in new objects, or, where a recorded pack reads
     // otherwise now, with every record rewritten.
     let rewrite = !rewritten.is_empty();
+    // Whether the records were rewritten whole (the mended packs' records cleared).
+    let mut corrected = false;
     if !found.is_empty() || rewrite {
         let mut ids = into_inner(to_record).finish()?;
         r.damage_spilled += ids.written();
-        let (names, not_corrected) = match crate::damage::store_found(repo, &found, &mut ids, rewrite, &whole_again) {
-            Ok(stored) => stored,
+        match crate::damage::store_found(repo, &found, &mut ids, &w.damage, &rewritten, &whole_again) {
             Err(e) => {
-                r.notes.push(format!("the damage could not be recorded in the repository (run verify again): {e}"));
-                (Vec::new(), None)
+                r.notes.push(format!("the damage could not be recorded in the repository (run verify again): {e}"))
             }
-        };
-        if let Some(e) = not_corrected {
-            r.notes.push(format!("the damage records could not be corrected (run verify again): {e}"));
-        }
-        if new_damage && !names.is_empty() {
-            r.notes.push(format!(
-                "the damage is recorded in {}: the next backup that reads the damaged chunks stores them again, \
-                 readers use any good copy, and `ferry repo gc` removes the damaged copies once none is needed",
-                match names.as_slice() {
-                    [one] => one.clone(),
-                    [first, rest @ ..] => format!("{first} and {} more object(s) of the same record", rest.len()),
-                    [] => "no object".to_string(),
+            Ok((names, not_corrected)) => {
+                match not_corrected {
+                    Some(e) => {
+                        r.notes.push(format!("the damage records could not be corrected (run verify again): {e}"))
+                    }
+                    None => corrected = rewrite,
                 }
-            ));
+                if new_damage && !names.is_empty() {
+                    r.notes.push(format!(
+                        "the damage is recorded in {}: the next backup that reads the damaged chunks stores them \
+                         again, readers use any good copy, and `ferry repo gc` removes the damaged copies once none \
+                         is needed",
+                        match names.as_slice() {
+                            [one] => one.clone(),
+                            [first, rest @ ..] => {
+                                format!("{first} and {} more object(s) of the same record", rest.len())
+                            }
+                            [] => "no object".to_string(),
+                        }
+                    ));
+                }
+            }
         }
     }
-    // Packs recorded damaged that read back whole now are no damage.
+    // Packs recorded damaged that read back whole now are no damage (once their records
+    // are cleared: else they stay recorded, and are said to be below).
+    if !corrected {
+        whole_again.clear();
+    }
     let whole_again: HashSet<String> = whole_again.iter().map(pack_name).collect();
     let cleared: HashSet<usize> =
         w.recorded.iter().copied().filter(|p| whole_again.contains(&r.problems[*p].object)).collect();

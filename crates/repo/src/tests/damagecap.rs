@@ -298,3 +298,63 @@ fn new_damage_is_recorded_when_the_records_cannot_be_rewritten() {
         .collect();
     assert_eq!(recorded(&store, &repo).0, want);
 }
+
+/// A verify that rewrites the records (a recorded pack mended) keeps what another verify
+/// recorded of a pack after this one read the records and the pack: it writes the ids it
+/// found with those recorded meanwhile (it dropped them, and backups reused the copy).
+#[test]
+fn a_rewrite_keeps_damage_recorded_meanwhile() {
+    use crate::tests::{Hooked, Op, When};
+    let inner = Arc::new(MemStore::new());
+    let store = Arc::new(Hooked::new(inner.clone()));
+    let repo = Arc::new(Repository::init(store.clone(), &init_opts(true)).unwrap());
+    backup(&repo, "d", &disk(8 << 20, 42), None);
+    let (objects, _) = repo.index_objects().unwrap();
+    let per_pack: Vec<(Digest, Vec<format::BlobEntry>)> = objects
+        .iter()
+        .flat_map(|(_, ps)| ps)
+        .map(|p| (p.pack, p.blobs.iter().filter(|b| !b.kind.is_page()).copied().collect::<Vec<_>>()))
+        .filter(|(_, v)| v.len() >= 3)
+        .collect();
+    assert!(per_pack.len() >= 2, "{} packs", per_pack.len());
+    let ((q, qb), (p, pb)) = (per_pack[0].clone(), per_pack[1].clone());
+    let flip = |s: &MemStore, pack: &Digest, b: &format::BlobEntry| {
+        let at = (b.offset + b.stored_len / 2) as usize;
+        s.tamper(&crate::repo::pack_name(pack), |v| v[at] ^= 0xa5)
+    };
+    let qbytes = inner.get(&crate::repo::pack_name(&q), u64::MAX).unwrap();
+    flip(&inner, &q, &qb[0]);
+    flip(&inner, &p, &pb[0]);
+    maint::verify(&repo, &VerifyOptions::all(1)).unwrap();
+    assert!(repo.damage().unwrap().is_damaged(&p, &pb[0].id));
+    inner.put(&crate::repo::pack_name(&q), &qbytes).unwrap(); // Q mended: the next verify rewrites
+    flip(&inner, &p, &pb[1]); // new damage in P
+    let d = pb[2];
+    let name = repo
+        .put_damage(vec![format::DamagedPack {
+            pack: format::hex(&p),
+            why: "found by another verify".into(),
+            blobs: vec![format::hex(&d.id)],
+        }])
+        .unwrap();
+    let obj = inner.get(&name, u64::MAX).unwrap();
+    inner.delete(&name).unwrap();
+    let pn = crate::repo::pack_name(&p);
+    let at = (d.offset + d.stored_len / 2) as usize;
+    let mut done = false;
+    store.set_hook(Some(Box::new(move |s, when, op, n| {
+        if when == When::After && op == Op::Get && n == pn && !done {
+            done = true;
+            // After this verify read P: d rots, and another verify records it.
+            s.tamper(&pn, |v| v[at] ^= 0xa5);
+            s.put(&name, &obj)?;
+        }
+        Ok(())
+    })));
+    let v = maint::verify(&repo, &VerifyOptions::all(1)).unwrap();
+    store.set_hook(None);
+    let set = repo.damage().unwrap();
+    assert!(set.is_damaged(&p, &pb[0].id) && set.is_damaged(&p, &pb[1].id), "{:?}", v.notes);
+    assert!(set.is_damaged(&p, &d.id), "the copy recorded meanwhile is kept: {:?}", v.notes);
+    assert!(!set.packs.contains_key(&q), "the mended pack's record is cleared");
+}
