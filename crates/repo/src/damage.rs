@@ -32,6 +32,9 @@ pub struct DamageSet {
     pub packs: HashMap<Digest, DamagedCopies>,
     /// The record objects it was read from (`damage/ID`).
     pub objects: Vec<String>,
+    /// The ids those objects list, each as often as listed (more than the ids in `packs`
+    /// where several objects list one).
+    pub listed: usize,
 }
 
 impl DamageSet {
@@ -58,6 +61,7 @@ impl DamageSet {
 
     fn add(&mut self, r: &DamageRecord) {
         for p in &r.packs {
+            self.listed += p.blobs.len();
             let Some(pack) = format::parse_digest(&p.pack) else { continue };
             let e = self.packs.entry(pack).or_insert_with(|| DamagedCopies {
                 why: p.why.clone(),
@@ -101,14 +105,18 @@ impl Repository {
         names.sort();
         let mut set = DamageSet::default();
         let mut bad = Vec::new();
-        for (name, r) in names.iter().zip(par_map(&names, FETCH_THREADS, |n| self.read_damage_object(n))) {
-            match r {
-                Ok(r) => {
-                    set.add(&r);
-                    set.objects.push(name.clone());
+        // Read a few objects at a time and merged into the set as they come: what is held
+        // besides the set is a batch's parsed records, not every object's.
+        for batch in names.chunks(FETCH_THREADS) {
+            for (name, r) in batch.iter().zip(par_map(batch, FETCH_THREADS, |n| self.read_damage_object(n))) {
+                match r {
+                    Ok(r) => {
+                        set.add(&r);
+                        set.objects.push(name.clone());
+                    }
+                    Err(e @ Error::Store { .. }) => return Err(e),
+                    Err(e) => bad.push((name.clone(), e)),
                 }
-                Err(e @ Error::Store { .. }) => return Err(e),
-                Err(e) => bad.push((name.clone(), e)),
             }
         }
         Ok((set, bad))
@@ -175,11 +183,14 @@ pub(crate) struct PartWriter<'a> {
     packs: Vec<DamagedPack>,
     bytes: usize,
     names: Vec<String>,
+    /// The ids held in the part now, and the most held at once.
+    ids: usize,
+    pub(crate) most: usize,
 }
 
 impl<'a> PartWriter<'a> {
     pub(crate) fn new(repo: &'a Repository, max: usize) -> PartWriter<'a> {
-        PartWriter { repo, max, packs: Vec::new(), bytes: RECORD_COST, names: Vec::new() }
+        PartWriter { repo, max, packs: Vec::new(), bytes: RECORD_COST, names: Vec::new(), ids: 0, most: 0 }
     }
 
     /// The JSON bytes of a pack's entry with no ids.
@@ -205,20 +216,30 @@ impl<'a> PartWriter<'a> {
         };
         if self.bytes + ID_COST > self.max || last.blobs.len() >= format::MAX_TRAILER_ENTRIES as usize {
             let (pack, why) = (last.pack.clone(), last.why.clone());
-            self.flush()?;
-            self.bytes += Self::pack_cost(&why);
+            // An entry with no id yet moves to the next part whole: an empty list would
+            // say that only the pack as a whole is damaged.
+            if last.blobs.is_empty() {
+                self.packs.pop();
+            }
+            if !self.packs.is_empty() {
+                self.flush()?;
+            }
+            self.bytes = RECORD_COST + Self::pack_cost(&why);
             self.packs.push(DamagedPack { pack, why, blobs: Vec::new() });
         }
         if let Some(last) = self.packs.last_mut() {
             last.blobs.push(format::hex(id));
         }
         self.bytes += ID_COST;
+        self.ids += 1;
+        self.most = self.most.max(self.ids);
         Ok(())
     }
 
     fn flush(&mut self) -> Result<()> {
         let packs = std::mem::take(&mut self.packs);
         self.bytes = RECORD_COST;
+        self.ids = 0;
         self.names.push(self.repo.put_damage(packs)?);
         Ok(())
     }
@@ -366,7 +387,8 @@ fn write_merged(
 /// new ones are stored; else, or where the lock or the records cannot be had (the error
 /// is given back beside the names), what `known` does not list yet is added in objects of
 /// its own: what was found is recorded either way. The names stored, and the error that
-/// kept the records from being corrected (none: they were, or needed no correction).
+/// kept the records from being corrected (none: they were, or needed no correction),
+/// and the most ids it held at once (a part's).
 pub(crate) fn store_found(
     repo: &Repository,
     found: &[(Digest, String)],
@@ -374,7 +396,7 @@ pub(crate) fn store_found(
     known: &DamageSet,
     stale: &HashSet<Digest>,
     cleared: &[Digest],
-) -> Result<(Vec<String>, Option<Error>)> {
+) -> Result<(Vec<String>, Option<Error>, usize)> {
     let mut w = PartWriter::new(repo, DAMAGE_PART_BYTES);
     let held = match stale.is_empty() {
         true => None,
@@ -387,7 +409,8 @@ pub(crate) fn store_found(
         Some(Ok(held)) => held,
         not => {
             write_merged(&mut w, &DamageSet::default(), found, Some(ids), Merge::New { known })?;
-            return Ok((w.finish()?, not.and_then(|r| r.err())));
+            let most = w.most;
+            return Ok((w.finish()?, not.and_then(|r| r.err()), most));
         }
     };
     // A mended pack keeps only what was recorded of it since verify read the records.
@@ -400,13 +423,12 @@ pub(crate) fn store_found(
         }
     }
     write_merged(&mut w, &set, found, Some(ids), Merge::Rewrite { known, stale })?;
+    let most = w.most;
     let names = w.finish()?;
     // The new records are stored: a failure to remove the old leaves their union, which
     // records every copy (and maybe some mended since): not corrected, nothing lost.
-    match remove_others(repo, &set.objects, &names) {
-        Ok(_) => Ok((names, None)),
-        Err(e) => Ok((names, Some(e))),
-    }
+    let not_corrected = remove_others(repo, &set.objects, &names).err();
+    Ok((names, not_corrected, most))
 }
 
 /// The pack a store name `data/HH/HEX` names.
@@ -475,16 +497,26 @@ pub(crate) fn exclude_damaged(index: &mut Index, damage: &DamageSet) -> usize {
     gone
 }
 
-/// After a gc: the records of packs that are gone are dropped (a new record of the rest
-/// is stored before the old ones are removed). `present`: the packs still in the store.
-/// The number of record objects removed.
+/// After a gc: the records of packs that are gone are dropped, and records that take
+/// clearly more objects than their union needs are merged ([`scattered`]): a new record
+/// of the rest is stored before the old ones are removed. `present`: the packs still in
+/// the store. The number of record objects removed.
 pub(crate) fn prune_records(repo: &Repository, damage: &DamageSet, present: &HashSet<Digest>) -> Result<usize> {
-    if damage.objects.is_empty() || damage.packs.keys().all(|p| present.contains(p)) {
+    if damage.objects.is_empty() || (damage.packs.keys().all(|p| present.contains(p)) && !scattered(damage)) {
         return Ok(0);
     }
     let mut rest = damage.clone();
     rest.packs.retain(|p, _| present.contains(p));
     store_set(repo, &rest)
+}
+
+/// Whether the records hold clearly more than their union needs: an id listed by more
+/// than one object, or more objects than the union's parts and one (verifies that each
+/// add a little damage store an object each).
+fn scattered(damage: &DamageSet) -> bool {
+    let ids: usize = damage.packs.values().map(|c| c.blobs.len()).sum();
+    let bytes: usize = damage.packs.values().map(|c| PartWriter::pack_cost(&c.why)).sum::<usize>() + ids * ID_COST;
+    damage.listed > ids || damage.objects.len() > bytes.div_ceil(DAMAGE_PART_BYTES - RECORD_COST) + 1
 }
 
 /// Stores `set` as records (none when it is empty; several objects where it needs
@@ -528,6 +560,7 @@ pub(crate) fn record_found(repo: &Repository, set: &mut DamageSet, found: Vec<(D
     }
     let (_, new) = store_set_named(repo, set)?;
     set.objects = new;
+    set.listed = set.packs.values().map(|c| c.blobs.len()).sum();
     Ok(())
 }
 

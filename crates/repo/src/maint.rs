@@ -57,8 +57,9 @@ pub struct Report {
     pub problems: Vec<Problem>,
     /// Things that are not damage (orphans, stale locks), said once each.
     pub notes: Vec<String>,
-    /// Verify: the damaged copies' ids held in memory at once to trace them (at most the
-    /// chunks [`Held`] says), and what its sorters of damaged copies wrote to their files.
+    /// The most damaged ids held in memory at once outside the sorters (the chunks traced,
+    /// at most what [`Held`] says; a pack's in flight; a damage object's part), and what
+    /// verify's sorters of damaged copies wrote to their files.
     #[serde(skip)]
     pub(crate) ids_held: usize,
     #[serde(skip)]
@@ -550,6 +551,7 @@ pub(crate) fn check_walk_held(repo: &Repository, budget: usize, held: Held) -> R
     for (id, pack) in &found.lost {
         mark_damaged(&mut damaged, &mut untraced, held.chunks, *id, bad_packs[pack])?;
     }
+    r.ids_held = damaged.len().max(found.lost.len());
     let snap_pages = snapshot_pages(repo, &snaps)?;
     let mut walk = Walk {
         snaps: Vec::new(),
@@ -1106,10 +1108,14 @@ fn sort_out(
         return Ok(c);
     }
     c.record = !c.unreadable && (!c.covered || c.stale_record);
-    for (to, yes) in [(record, c.record), (trace, !c.covered || c.stale_record)] {
+    // A record that is not out of date is added to: only the ids it does not list yet
+    // are recorded (not the whole list again each verify).
+    let known = damage.packs.get(pack).filter(|_| !c.stale_record);
+    let new = |id: &Digest| known.is_none_or(|rec| !rec.blobs.contains(id));
+    for (to, yes, to_record) in [(record, c.record, true), (trace, !c.covered || c.stale_record, false)] {
         if yes && !bad.is_empty() {
             let mut to = to.lock().unwrap_or_else(|e| e.into_inner());
-            for id in &bad {
+            for id in bad.iter().filter(|id| !to_record || new(id)) {
                 to.push(found_record(pack, id))?;
             }
         }
@@ -1268,6 +1274,8 @@ pub(crate) fn verify_held(repo: &Repository, opts: &VerifyOptions, budget: usize
         })
     });
     let results = results.into_iter().collect::<Result<Vec<PackCheck>>>()?;
+    // Each pack's damaged ids went to the sorters: none are held past its check.
+    r.ids_held = r.ids_held.max(results.iter().map(|c| c.bad_blobs.len()).sum());
     drop(by_pack);
     let (to_record, to_trace) = sorters;
     // The packs to record (in pack order, as `todo` is), each with why.
@@ -1324,7 +1332,7 @@ pub(crate) fn verify_held(repo: &Repository, opts: &VerifyOptions, budget: usize
         }
     }
     drop(trace);
-    r.ids_held = bad_copies.len();
+    r.ids_held = r.ids_held.max(bad_copies.len());
     // A damaged copy hurts the snapshots only when no other copy is good (a reader tries
     // each): every other copy is in a pack found missing or damaged too, or recorded
     // damaged (and not read otherwise now).
@@ -1360,7 +1368,8 @@ pub(crate) fn verify_held(repo: &Repository, opts: &VerifyOptions, budget: usize
             Err(e) => {
                 r.notes.push(format!("the damage could not be recorded in the repository (run verify again): {e}"))
             }
-            Ok((names, not_corrected)) => {
+            Ok((names, not_corrected, most)) => {
+                r.ids_held = r.ids_held.max(most);
                 match not_corrected {
                     Some(e) => {
                         r.notes.push(format!("the damage records could not be corrected (run verify again): {e}"))
@@ -1394,6 +1403,7 @@ pub(crate) fn verify_held(repo: &Repository, opts: &VerifyOptions, budget: usize
         w.recorded.iter().copied().filter(|p| whole_again.contains(&r.problems[*p].object)).collect();
     r.notes.retain(|n| !n.split_once(": recorded damaged").is_some_and(|(name, _)| whole_again.contains(name)));
     w.damaged.retain(|_, p| !cleared.contains(p));
+    r.ids_held = r.ids_held.max(w.damaged.len());
     attribute(repo, &w, &mut r.problems);
     unread_records_to_notes(&mut r, &w.recorded, &cleared, &w.untraced);
     untraced_note(&mut r, w)?;
