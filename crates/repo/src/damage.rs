@@ -10,6 +10,7 @@
 use crate::format::LockKind;
 use crate::format::{self, DamageRecord, DamagedPack, Digest};
 use crate::repo::{build_index, hostname, par_map, Failures, Index, IndexObject, Location, Repository, FETCH_THREADS};
+use crate::spill::Sorted;
 use crate::{lock, Error, Result};
 use std::collections::{HashMap, HashSet};
 
@@ -31,6 +32,9 @@ pub struct DamageSet {
     pub packs: HashMap<Digest, DamagedCopies>,
     /// The record objects it was read from (`damage/ID`).
     pub objects: Vec<String>,
+    /// The ids those objects list, each as often as listed (more than the ids in `packs`
+    /// where several objects list one).
+    pub listed: usize,
 }
 
 impl DamageSet {
@@ -57,6 +61,7 @@ impl DamageSet {
 
     fn add(&mut self, r: &DamageRecord) {
         for p in &r.packs {
+            self.listed += p.blobs.len();
             let Some(pack) = format::parse_digest(&p.pack) else { continue };
             let e = self.packs.entry(pack).or_insert_with(|| DamagedCopies {
                 why: p.why.clone(),
@@ -68,6 +73,7 @@ impl DamageSet {
     }
 
     /// The record of the packs for which `keep` holds, as stored.
+    #[cfg(test)]
     fn record_of(&self, keep: impl Fn(&Digest) -> bool) -> Vec<DamagedPack> {
         let mut packs: Vec<(&Digest, &DamagedCopies)> = self.packs.iter().filter(|(p, _)| keep(p)).collect();
         packs.sort_by_key(|(p, _)| **p);
@@ -99,14 +105,18 @@ impl Repository {
         names.sort();
         let mut set = DamageSet::default();
         let mut bad = Vec::new();
-        for (name, r) in names.iter().zip(par_map(&names, FETCH_THREADS, |n| self.read_damage_object(n))) {
-            match r {
-                Ok(r) => {
-                    set.add(&r);
-                    set.objects.push(name.clone());
+        // Read a few objects at a time and merged into the set as they come: what is held
+        // besides the set is a batch's parsed records, not every object's.
+        for batch in names.chunks(FETCH_THREADS) {
+            for (name, r) in batch.iter().zip(par_map(batch, FETCH_THREADS, |n| self.read_damage_object(n))) {
+                match r {
+                    Ok(r) => {
+                        set.add(&r);
+                        set.objects.push(name.clone());
+                    }
+                    Err(e @ Error::Store { .. }) => return Err(e),
+                    Err(e) => bad.push((name.clone(), e)),
                 }
-                Err(e @ Error::Store { .. }) => return Err(e),
-                Err(e) => bad.push((name.clone(), e)),
             }
         }
         Ok((set, bad))
@@ -124,7 +134,7 @@ impl Repository {
         Ok(set)
     }
 
-    /// Stores a new damage record of `packs`; its object name.
+    /// Stores one damage object of `packs` (at most [`format::MAX_DAMAGE`] bytes); its name.
     pub(crate) fn put_damage(&self, packs: Vec<DamagedPack>) -> Result<String> {
         let record =
             DamageRecord { version: format::VERSION, time: crate::repo::now_seconds(), host: hostname(), packs };
@@ -142,6 +152,283 @@ impl Repository {
             .map_err(|e| Error::store(format!("cannot store {name} in {}", self.store.describe()), e))?;
         Ok(name)
     }
+}
+
+/// JSON bytes of one damage object that ferry writes at most (FORMAT.md §7b): a record
+/// larger than this is split over several objects, each a record of its own, so that
+/// each stays well below [`format::MAX_DAMAGE`] however much damage there is. A few KiB
+/// in the crate's tests, so that a test with a few hundred damaged blobs splits.
+#[cfg(not(test))]
+pub(crate) const DAMAGE_PART_BYTES: usize = 8 << 20;
+#[cfg(test)]
+pub(crate) const DAMAGE_PART_BYTES: usize = 4 << 10;
+/// [`DAMAGE_PART_BYTES`] as ferry ships it (for the tests that use it).
+#[cfg(test)]
+pub(crate) const DAMAGE_PART_BYTES_SHIPPED: usize = 8 << 20;
+
+/// What a record's JSON takes besides its packs (version, time, host), at most.
+const RECORD_COST: usize = 512;
+/// What a pack's entry takes besides its reason and ids (its id, the keys), at most.
+const PACK_COST: usize = 128;
+/// What one blob id takes in a pack's list: 64 hex digits, quotes and a comma.
+const ID_COST: usize = 67;
+
+/// Writes damage records one part at a time: packs, each followed by its damaged blob
+/// ids, as they come (in order); a part is stored once the next entry would take it past
+/// its size, and a pack whose ids do not fit one part goes on in the next (the same pack
+/// and reason in each). Holds one part at most.
+pub(crate) struct PartWriter<'a> {
+    repo: &'a Repository,
+    max: usize,
+    packs: Vec<DamagedPack>,
+    bytes: usize,
+    names: Vec<String>,
+    /// The ids held in the part now, and the most held at once.
+    ids: usize,
+    pub(crate) most: usize,
+}
+
+impl<'a> PartWriter<'a> {
+    pub(crate) fn new(repo: &'a Repository, max: usize) -> PartWriter<'a> {
+        PartWriter { repo, max, packs: Vec::new(), bytes: RECORD_COST, names: Vec::new(), ids: 0, most: 0 }
+    }
+
+    /// The JSON bytes of a pack's entry with no ids.
+    fn pack_cost(why: &str) -> usize {
+        PACK_COST + serde_json::to_string(why).map_or(6 * why.len() + 2, |s| s.len())
+    }
+
+    /// Starts pack `pack`'s entry (found damaged for `why`): the ids given next are its.
+    pub(crate) fn pack(&mut self, pack: &Digest, why: &str) -> Result<()> {
+        let cost = Self::pack_cost(why);
+        if !self.packs.is_empty() && self.bytes + cost > self.max {
+            self.flush()?;
+        }
+        self.packs.push(DamagedPack { pack: format::hex(pack), why: why.to_string(), blobs: Vec::new() });
+        self.bytes += cost;
+        Ok(())
+    }
+
+    /// Adds a damaged blob id to the pack started last.
+    pub(crate) fn blob(&mut self, id: &Digest) -> Result<()> {
+        let Some(last) = self.packs.last() else {
+            return Err(Error::Invalid("a damaged blob id given before its pack".into()));
+        };
+        if self.bytes + ID_COST > self.max || last.blobs.len() >= format::MAX_TRAILER_ENTRIES as usize {
+            let (pack, why) = (last.pack.clone(), last.why.clone());
+            // An entry with no id yet moves to the next part whole: an empty list would
+            // say that only the pack as a whole is damaged.
+            if last.blobs.is_empty() {
+                self.packs.pop();
+            }
+            if !self.packs.is_empty() {
+                self.flush()?;
+            }
+            self.bytes = RECORD_COST + Self::pack_cost(&why);
+            self.packs.push(DamagedPack { pack, why, blobs: Vec::new() });
+        }
+        if let Some(last) = self.packs.last_mut() {
+            last.blobs.push(format::hex(id));
+        }
+        self.bytes += ID_COST;
+        self.ids += 1;
+        self.most = self.most.max(self.ids);
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        let packs = std::mem::take(&mut self.packs);
+        self.bytes = RECORD_COST;
+        self.ids = 0;
+        self.names.push(self.repo.put_damage(packs)?);
+        Ok(())
+    }
+
+    /// Stores what is left; the names of every part stored.
+    pub(crate) fn finish(mut self) -> Result<Vec<String>> {
+        if !self.packs.is_empty() {
+            self.flush()?;
+        }
+        Ok(self.names)
+    }
+}
+
+/// A damaged copy as verify sorts them on disk: the pack's id, then the blob's.
+pub(crate) const FOUND: usize = 64;
+
+/// The record of the damaged copy of blob `id` in `pack`, sorted by pack, then id.
+pub(crate) fn found_record(pack: &Digest, id: &Digest) -> [u8; FOUND] {
+    let mut r = [0u8; FOUND];
+    r[..32].copy_from_slice(pack);
+    r[32..].copy_from_slice(id);
+    r
+}
+
+/// The pack and blob id of a [`found_record`].
+pub(crate) fn found_of(r: &[u8; FOUND]) -> (Digest, Digest) {
+    let mut pack = [0u8; 32];
+    let mut id = [0u8; 32];
+    pack.copy_from_slice(&r[..32]);
+    id.copy_from_slice(&r[32..]);
+    (pack, id)
+}
+
+/// How [`write_merged`] writes the ids of the packs verify found damaged.
+#[derive(Clone, Copy)]
+enum Merge<'a> {
+    /// Only what is found, as is (gc's rewrite: nothing found).
+    Plain,
+    /// Added in objects of their own: only the ids that `known` (the records verify
+    /// compared with) does not list; a pack it lists with no such id is left out (its
+    /// record is out of date only: a rewrite corrects it).
+    New { known: &'a DamageSet },
+    /// Every record rewritten: each pack's ids found, with those of its entry in `kept`
+    /// (the records as they are now) that `known` did not list where its record was out of
+    /// date (`stale`: recorded meanwhile, by another verify), or all of them elsewhere
+    /// (verify then gives only the ids its record does not list yet).
+    Rewrite { known: &'a DamageSet, stale: &'a HashSet<Digest> },
+}
+
+/// Writes, in pack order, the packs of `kept` (their ids as held) and those of `found`
+/// (sorted by pack, each with why; their ids read from `ids`, records sorted by pack and
+/// id, of those packs only), a pack of `found` taking the place of its entry in `kept`,
+/// its ids merged as `how` says.
+fn write_merged(
+    w: &mut PartWriter,
+    kept: &DamageSet,
+    found: &[(Digest, String)],
+    mut ids: Option<&mut Sorted<FOUND>>,
+    how: Merge,
+) -> Result<()> {
+    let ours: HashSet<&Digest> = found.iter().map(|(p, _)| p).collect();
+    let mut old: Vec<(&Digest, &DamagedCopies)> = kept.packs.iter().filter(|(p, _)| !ours.contains(p)).collect();
+    old.sort_by_key(|(p, _)| **p);
+    let mut read = || -> Result<Option<(Digest, Digest)>> {
+        Ok(match ids.as_mut() {
+            Some(s) => s.next()?.map(|r| found_of(&r)),
+            None => None,
+        })
+    };
+    let mut next = read()?;
+    let (mut i, mut j) = (0, 0);
+    while i < old.len() || j < found.len() {
+        if j >= found.len() || (i < old.len() && *old[i].0 < found[j].0) {
+            let (pack, c) = old[i];
+            w.pack(pack, &c.why)?;
+            let mut blobs: Vec<&Digest> = c.blobs.iter().collect();
+            blobs.sort_unstable();
+            for b in blobs {
+                w.blob(b)?;
+            }
+            i += 1;
+            continue;
+        }
+        let (pack, why) = &found[j];
+        // The ids of its entry now that are written beside those found, sorted.
+        let mut also: Vec<&Digest> = match (how, kept.packs.get(pack)) {
+            (Merge::Rewrite { known, stale }, Some(c)) => {
+                c.blobs.iter().filter(|b| !stale.contains(pack) || !known.is_damaged(pack, b)).collect()
+            }
+            _ => Vec::new(),
+        };
+        also.sort_unstable();
+        let mut also = also.into_iter().peekable();
+        let skip = |id: &Digest| matches!(how, Merge::New { known } if known.is_damaged(pack, id));
+        // A pack `known` lists is written only with an id it does not list (Merge::New).
+        let mut started = !matches!(how, Merge::New { known } if known.packs.contains_key(pack));
+        if started {
+            w.pack(pack, why)?;
+        }
+        let emit = |w: &mut PartWriter, id: &Digest, started: &mut bool| -> Result<()> {
+            if !*started {
+                w.pack(pack, why)?;
+                *started = true;
+            }
+            w.blob(id)
+        };
+        loop {
+            let from_found = match next {
+                Some((p, id)) if p == *pack => Some(id),
+                Some((p, _)) if p < *pack => {
+                    next = read()?;
+                    continue;
+                }
+                _ => None,
+            };
+            let take_found = match (from_found, also.peek()) {
+                (None, None) => break,
+                (Some(id), a) => a.is_none_or(|a| id <= **a),
+                (None, Some(_)) => false,
+            };
+            if let Some(id) = from_found.filter(|_| take_found) {
+                if also.peek().is_some_and(|a| **a == id) {
+                    also.next();
+                }
+                if !skip(&id) {
+                    emit(w, &id, &mut started)?;
+                }
+                next = read()?;
+            } else if let Some(a) = also.next() {
+                emit(w, a, &mut started)?;
+            }
+        }
+        j += 1;
+    }
+    Ok(())
+}
+
+/// Stores what verify found in the packs it read: `found` (sorted by pack, with why)
+/// and their damaged copies' ids in `ids` (records sorted by pack and id), against
+/// `known`, the records as verify read them. Where `stale` is not empty (recorded packs
+/// that read otherwise now), every record is rewritten under a `forget` lock (no gc
+/// rewrites them meanwhile), read again: the packs of `cleared` (those that read back
+/// whole now) and of `stale` lose what `known` recorded of them, `found` is added, what
+/// was recorded since `known` was read is kept, and the old objects are removed once the
+/// new ones are stored; else, or where the lock or the records cannot be had (the error
+/// is given back beside the names), what `known` does not list yet is added in objects of
+/// its own: what was found is recorded either way. The names stored, and the error that
+/// kept the records from being corrected (none: they were, or needed no correction),
+/// and the most ids it held at once (a part's).
+pub(crate) fn store_found(
+    repo: &Repository,
+    found: &[(Digest, String)],
+    ids: &mut Sorted<FOUND>,
+    known: &DamageSet,
+    stale: &HashSet<Digest>,
+    cleared: &[Digest],
+) -> Result<(Vec<String>, Option<Error>, usize)> {
+    let mut w = PartWriter::new(repo, DAMAGE_PART_BYTES);
+    let held = match stale.is_empty() {
+        true => None,
+        false => match lock::acquire(&repo.store, LockKind::Forget, None, None) {
+            Ok(lock) => Some(repo.damage_lenient().map(|(set, _)| (lock, set))),
+            Err(e) => Some(Err(e)),
+        },
+    };
+    let (_lock, mut set) = match held {
+        Some(Ok(held)) => held,
+        not => {
+            write_merged(&mut w, &DamageSet::default(), found, Some(ids), Merge::New { known })?;
+            let most = w.most;
+            return Ok((w.finish()?, not.and_then(|r| r.err()), most));
+        }
+    };
+    // A mended pack keeps only what was recorded of it since verify read the records.
+    for pack in cleared {
+        if let Some(c) = set.packs.get_mut(pack) {
+            c.blobs.retain(|b| !known.is_damaged(pack, b));
+            if c.blobs.is_empty() {
+                set.packs.remove(pack);
+            }
+        }
+    }
+    write_merged(&mut w, &set, found, Some(ids), Merge::Rewrite { known, stale })?;
+    let most = w.most;
+    let names = w.finish()?;
+    // The new records are stored: a failure to remove the old leaves their union, which
+    // records every copy (and maybe some mended since): not corrected, nothing lost.
+    let not_corrected = remove_others(repo, &set.objects, &names).err();
+    Ok((names, not_corrected, most))
 }
 
 /// The pack a store name `data/HH/HEX` names.
@@ -210,11 +497,12 @@ pub(crate) fn exclude_damaged(index: &mut Index, damage: &DamageSet) -> usize {
     gone
 }
 
-/// After a gc: the records of packs that are gone are dropped (a new record of the rest
-/// is stored before the old ones are removed). `present`: the packs still in the store.
-/// The number of record objects removed.
+/// After a gc: the records of packs that are gone are dropped, and records that take
+/// clearly more objects than their union needs are merged ([`scattered`]): a new record
+/// of the rest is stored before the old ones are removed. `present`: the packs still in
+/// the store. The number of record objects removed.
 pub(crate) fn prune_records(repo: &Repository, damage: &DamageSet, present: &HashSet<Digest>) -> Result<usize> {
-    if damage.objects.is_empty() || (damage.objects.len() == 1 && damage.packs.keys().all(|p| present.contains(p))) {
+    if damage.objects.is_empty() || (damage.packs.keys().all(|p| present.contains(p)) && !scattered(damage)) {
         return Ok(0);
     }
     let mut rest = damage.clone();
@@ -222,18 +510,34 @@ pub(crate) fn prune_records(repo: &Repository, damage: &DamageSet, present: &Has
     store_set(repo, &rest)
 }
 
-/// Stores `set` as one record (none when it is empty), then removes the records it was
-/// read from; the number removed.
+/// Whether the records hold clearly more than their union needs: an id listed by more
+/// than one object, or more objects than the union's parts and one (verifies that each
+/// add a little damage store an object each).
+fn scattered(damage: &DamageSet) -> bool {
+    let ids: usize = damage.packs.values().map(|c| c.blobs.len()).sum();
+    let bytes: usize = damage.packs.values().map(|c| PartWriter::pack_cost(&c.why)).sum::<usize>() + ids * ID_COST;
+    damage.listed > ids || damage.objects.len() > bytes.div_ceil(DAMAGE_PART_BYTES - RECORD_COST) + 1
+}
+
+/// Stores `set` as records (none when it is empty; several objects where it needs
+/// them), then removes the records it was read from; the number removed.
 fn store_set(repo: &Repository, set: &DamageSet) -> Result<usize> {
     store_set_named(repo, set).map(|(removed, _)| removed)
 }
 
-/// [`store_set`], with the name of the record stored.
-fn store_set_named(repo: &Repository, set: &DamageSet) -> Result<(usize, Option<String>)> {
-    let rest = set.record_of(|_| true);
-    let new = if rest.is_empty() { None } else { Some(repo.put_damage(rest)?) };
+/// [`store_set`], with the names of the records stored.
+fn store_set_named(repo: &Repository, set: &DamageSet) -> Result<(usize, Vec<String>)> {
+    let mut w = PartWriter::new(repo, DAMAGE_PART_BYTES);
+    write_merged(&mut w, set, &[], None, Merge::Plain)?;
+    let new = w.finish()?;
+    let removed = remove_others(repo, &set.objects, &new)?;
+    Ok((removed, new))
+}
+
+/// Removes the record objects `old` but those in `new`; the number removed.
+fn remove_others(repo: &Repository, old: &[String], new: &[String]) -> Result<usize> {
     let mut removed = 0;
-    for name in set.objects.iter().filter(|n| Some(*n) != new.as_ref()) {
+    for name in old.iter().filter(|n| !new.contains(n)) {
         match repo.store.delete(name) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
                 return Err(Error::store(format!("cannot remove {name} from {}", repo.store.describe()), e))
@@ -241,12 +545,12 @@ fn store_set_named(repo: &Repository, set: &DamageSet) -> Result<(usize, Option<
             _ => removed += 1,
         }
     }
-    Ok((removed, new))
+    Ok(removed)
 }
 
 /// Adds copies found damaged (pack, blob id, why) to `set` and stores it (by a caller
 /// that holds the gc lock, so that no other writer rewrites the records meanwhile);
-/// `set` then names the one record stored.
+/// `set` then names the records stored.
 pub(crate) fn record_found(repo: &Repository, set: &mut DamageSet, found: Vec<(Digest, Digest, String)>) -> Result<()> {
     let time = crate::repo::now_seconds();
     for (pack, id, why) in found {
@@ -255,25 +559,9 @@ pub(crate) fn record_found(repo: &Repository, set: &mut DamageSet, found: Vec<(D
         e.blobs.insert(id);
     }
     let (_, new) = store_set_named(repo, set)?;
-    set.objects = new.into_iter().collect();
+    set.objects = new;
+    set.listed = set.packs.values().map(|c| c.blobs.len()).sum();
     Ok(())
-}
-
-/// What `verify` found in packs that are recorded damaged, where it differs from their
-/// record: a pack's entry replaced by what was found, or dropped (`None`) where the pack
-/// now reads back whole (it was mended, or a read gave wrong bytes once). Holds the
-/// `forget` lock meanwhile, so that no gc rewrites the records at the same time (backups
-/// and readers go on).
-pub(crate) fn correct_records(repo: &Repository, found: &HashMap<Digest, Option<DamagedCopies>>) -> Result<()> {
-    let _lock = lock::acquire(&repo.store, LockKind::Forget, None, None)?;
-    let (mut set, _) = repo.damage_lenient()?;
-    for (pack, now) in found {
-        match now {
-            None => set.packs.remove(pack),
-            Some(c) => set.packs.insert(*pack, c.clone()),
-        };
-    }
-    store_set(repo, &set).map(|_| ())
 }
 
 #[cfg(test)]

@@ -1,6 +1,6 @@
 //! Repository maintenance: check, verify, forget, gc, stats.
-use crate::damage::{pack_id, prefer_good, prune_records, DamageSet, DamagedCopies};
-use crate::format::{self, BlobEntry, DamagedPack, Digest, LockKind, PackBlobs, Pages, ZERO};
+use crate::damage::{found_of, found_record, pack_id, prefer_good, prune_records, DamageSet, DamagedCopies, FOUND};
+use crate::format::{self, BlobEntry, Digest, LockKind, PackBlobs, Pages, ZERO};
 use crate::locations::{hint_record, use_record, Loc, Locations, HINT, USE};
 use crate::repo::{
     pack_name, par_map, parse_time, sha256, BlkHasher, ByteBudget, Index, Repository, SnapshotInfo, AAD_TRAILER,
@@ -11,7 +11,7 @@ use crate::table::BlobTable;
 use crate::{lock, Error, Result};
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// A problem found by check or verify, with the snapshots and ranges it hits.
 #[derive(Debug, Clone, Serialize)]
@@ -57,6 +57,13 @@ pub struct Report {
     pub problems: Vec<Problem>,
     /// Things that are not damage (orphans, stale locks), said once each.
     pub notes: Vec<String>,
+    /// The most damaged ids held in memory at once outside the sorters (the chunks traced,
+    /// at most what [`Held`] says; a pack's in flight; a damage object's part), and what
+    /// verify's sorters of damaged copies wrote to their files.
+    #[serde(skip)]
+    pub(crate) ids_held: usize,
+    #[serde(skip)]
+    pub(crate) damage_spilled: crate::spill::Written,
 }
 
 impl Report {
@@ -66,17 +73,22 @@ impl Report {
     }
 
     /// A problem of `object`, added to the one found for it already if there is one
-    /// (verify reading a pack that check's walk named: one entry per object).
-    fn problem_once(&mut self, object: String, why: String) -> usize {
-        match self.problems.iter().position(|p| p.object == object) {
-            Some(i) => {
+    /// (verify reading a pack that check's walk named: one entry per object). `by_object`:
+    /// the problems' objects, kept by the caller (a lookup a pack, not a scan).
+    fn problem_once(&mut self, by_object: &mut HashMap<String, usize>, object: String, why: String) -> usize {
+        match by_object.get(&object) {
+            Some(&i) => {
                 let p = &mut self.problems[i];
                 if !p.why.contains(&why) {
                     p.why = format!("{}; {why}", p.why);
                 }
                 i
             }
-            None => self.problem(object, why),
+            None => {
+                let i = self.problem(object.clone(), why);
+                by_object.insert(object, i);
+                i
+            }
         }
     }
 }
@@ -535,11 +547,11 @@ pub(crate) fn check_walk_held(repo: &Repository, budget: usize, held: Held) -> R
     // A blob is lost only when every copy of it is in a missing or short pack (or, below,
     // recorded damaged).
     let mut damaged: HashMap<Digest, usize> = HashMap::new();
-    let recorded =
-        recorded_problems(&mut r, &damage, &found.only, &listed, (&mut damaged, &mut untraced, held.chunks))?;
+    let recorded = recorded_problems(&mut r, &damage, found.only, &listed, (&mut damaged, &mut untraced, held.chunks))?;
     for (id, pack) in &found.lost {
         mark_damaged(&mut damaged, &mut untraced, held.chunks, *id, bad_packs[pack])?;
     }
+    r.ids_held = damaged.len().max(found.lost.len());
     let snap_pages = snapshot_pages(repo, &snaps)?;
     let mut walk = Walk {
         snaps: Vec::new(),
@@ -824,8 +836,9 @@ struct IndexDamage {
     /// reader tries first: the first `held` of [`index_damage`] (the others are given to
     /// its `untraced`).
     lost: Vec<(Digest, u32)>,
-    /// Per recorded pack in the store: its recorded blobs that have no good copy, sorted.
-    only: HashMap<Digest, Vec<Digest>>,
+    /// The recorded copies in packs in the store of blobs that have no good copy (pack and
+    /// id, [`found_record`]), sorted on disk: memory stays bounded however many there are.
+    only: Option<Sorter<FOUND>>,
 }
 
 fn index_damage(
@@ -844,6 +857,7 @@ fn index_damage(
     }
     let bad = |l: &Loc| bad_packs.contains_key(&l.pack);
     let recorded = |l: &Loc| records[l.pack as usize].is_some_and(|c| c.blobs.contains(&l.id));
+    let mut only = locs.sorter::<FOUND>("check's recorded copies with no good copy").once_per_key(FOUND);
     locs.each_id(|g| {
         if g.iter().any(bad) {
             if !g.iter().any(|l| !bad(l) && !recorded(l)) {
@@ -858,29 +872,35 @@ fn index_damage(
         }
         if records_here && !g.iter().any(|l| !recorded(l) && present[l.pack as usize]) {
             for l in g.iter().filter(|l| recorded(l) && present[l.pack as usize]) {
-                out.only.entry(locs.packs[l.pack as usize]).or_default().push(l.id);
+                only.push(found_record(&locs.packs[l.pack as usize], &l.id))?;
             }
         }
         Ok(())
     })?;
-    for v in out.only.values_mut() {
-        v.sort_unstable();
-        v.dedup();
-    }
+    out.only = Some(only);
     Ok(out)
 }
 
 /// The damage records' packs that are still in the store: a problem for each whose
-/// damaged copies some blob has no other copy than (its snapshots are named once
-/// attributed), else a note that gc removes them.
+/// damaged copies some blob has no other copy than (`only`, sorted by pack and id; its
+/// snapshots are named once attributed), else a note that gc removes them. Each such blob
+/// counted, the first `held` held.
 fn recorded_problems(
     r: &mut Report,
     damage: &DamageSet,
-    only: &HashMap<Digest, Vec<Digest>>,
+    only: Option<Sorter<FOUND>>,
     listed: &HashMap<String, u64>,
     (damaged, untraced, held): (&mut HashMap<Digest, usize>, &mut Untraced, usize),
 ) -> Result<Vec<usize>> {
     let mut out = Vec::new();
+    let mut only = only.map(|s| s.finish()).transpose()?;
+    let mut next_only = || -> Result<Option<(Digest, Digest)>> {
+        Ok(match only.as_mut() {
+            Some(s) => s.next()?.map(|r| found_of(&r)),
+            None => None,
+        })
+    };
+    let mut next = next_only()?;
     let mut packs: Vec<(&Digest, &DamagedCopies)> = damage.packs.iter().collect();
     packs.sort_by_key(|(p, _)| **p);
     for (pack, copies) in packs {
@@ -891,8 +911,10 @@ fn recorded_problems(
         let found = format!("recorded damaged by `ferry repo verify` at {}: {}", copies.time, copies.why);
         // A blob with no good copy: each of its copies, this one among them, is recorded
         // damaged or in a pack missing from the store ([`index_damage`] found them).
-        let only: &[Digest] = only.get(pack).map_or(&[], |v| v.as_slice());
-        if only.is_empty() {
+        while next.is_some_and(|(p, _)| p < *pack) {
+            next = next_only()?;
+        }
+        if next.is_none_or(|(p, _)| p != *pack) {
             let what = if copies.blobs.is_empty() {
                 "its chunks read well: `ferry repo gc` copies those in use to a new pack and removes it"
             } else {
@@ -901,17 +923,17 @@ fn recorded_problems(
             r.notes.push(format!("{name}: {found}; {what}"));
             continue;
         }
-        let p = r.problem(
-            name,
-            format!(
-                "{found}; {} chunk(s) in it have no good copy (a backup that reads them from the disk stores them \
-                 again; a snapshot that uses them restores once it does, or is damaged until it is forgotten)",
-                only.len()
-            ),
-        );
-        for id in only {
-            mark_damaged(damaged, untraced, held, *id, p)?;
+        let p = r.problem(name, String::new());
+        let mut count = 0u64;
+        while let Some((_, id)) = next.filter(|(p, _)| *p == *pack) {
+            mark_damaged(damaged, untraced, held, id, p)?;
+            count += 1;
+            next = next_only()?;
         }
+        r.problems[p].why = format!(
+            "{found}; {count} chunk(s) in it have no good copy (a backup that reads them from the disk stores them \
+             again; a snapshot that uses them restores once it does, or is damaged until it is forgotten)"
+        );
         out.push(p);
     }
     Ok(out)
@@ -921,21 +943,30 @@ fn recorded_problems(
 /// damaged chunks that were counted, not traced (`untraced`), stays a problem, since a
 /// snapshot may read those. Recorded damage that verify found mended (`cleared`) is no
 /// problem either.
-fn unread_records_to_notes(r: &mut Report, recorded: &[usize], cleared: &[usize], untraced: &Untraced) {
-    let mut gone: Vec<usize> = recorded
+fn unread_records_to_notes(r: &mut Report, recorded: &[usize], cleared: &HashSet<usize>, untraced: &Untraced) {
+    let gone: HashSet<usize> = recorded
         .iter()
         .copied()
         .filter(|p| cleared.contains(p) || (r.problems[*p].hits.is_empty() && !untraced.problems.contains(p)))
         .collect();
-    gone.sort_unstable();
-    for i in gone.into_iter().rev() {
-        let p = r.problems.remove(i);
-        r.notes.push(if cleared.contains(&i) {
-            format!("{}: it was recorded damaged, and reads back whole now: its record is cleared", p.object)
-        } else {
-            format!("{}: {}; no snapshot reads it: `ferry repo gc` removes it", p.object, p.why)
-        });
+    if gone.is_empty() {
+        return;
     }
+    // One pass, however many go (the last first among the notes, as they always were).
+    let mut notes = Vec::new();
+    for (i, p) in std::mem::take(&mut r.problems).into_iter().enumerate() {
+        if !gone.contains(&i) {
+            r.problems.push(p);
+        } else if cleared.contains(&i) {
+            notes.push(format!(
+                "{}: it was recorded damaged, and reads back whole now: its record is cleared",
+                p.object
+            ));
+        } else {
+            notes.push(format!("{}: {}; no snapshot reads it: `ferry repo gc` removes it", p.object, p.why));
+        }
+    }
+    r.notes.extend(notes.into_iter().rev());
 }
 
 /// Metadata only: config, every index object, every manifest and its pages, every
@@ -953,7 +984,7 @@ pub(crate) fn check_in(repo: &Repository, budget: usize) -> Result<Report> {
 pub(crate) fn check_held(repo: &Repository, budget: usize, held: Held) -> Result<Report> {
     let (mut r, w) = check_walk_held(repo, budget, held)?;
     attribute(repo, &w, &mut r.problems);
-    unread_records_to_notes(&mut r, &w.recorded, &[], &w.untraced);
+    unread_records_to_notes(&mut r, &w.recorded, &HashSet::new(), &w.untraced);
     untraced_note(&mut r, w)?;
     Ok(r)
 }
@@ -1040,9 +1071,61 @@ struct PackCheck {
     /// The store could not give the pack (not damage that was seen: not recorded).
     unreadable: bool,
     /// The blobs found damaged (every blob of an unreadable pack), and why the first was:
-    /// one reason a pack, not one a blob (a pack may hold a million tiny blobs).
+    /// one reason a pack, not one a blob (a pack may hold a million tiny blobs). Held
+    /// while the pack is in flight only: [`sort_out`] gives them to verify's sorters.
     bad_blobs: Vec<Digest>,
     first_bad: Option<String>,
+    /// How many blobs were found damaged.
+    bad: u64,
+    /// What [`sort_out`] decided: the pack reads back whole; its damage is recorded
+    /// already (every copy found damaged); its record says otherwise than what was found
+    /// (it is rewritten); what was found is to be recorded.
+    whole: bool,
+    covered: bool,
+    stale_record: bool,
+    record: bool,
+}
+
+/// Gives a pack's damaged copies to verify's sorters (`record`, `trace`) and says what
+/// is to be done with them: recorded (new damage, or a record that says otherwise),
+/// traced to the snapshots that read them (damage not recorded yet, or copies of a
+/// record rewritten). Holds the sorters' locks only for a pack with damage.
+fn sort_out(
+    damage: &DamageSet,
+    pack: &Digest,
+    mut c: PackCheck,
+    (record, trace): &(Mutex<Sorter<FOUND>>, Mutex<Sorter<FOUND>>),
+) -> Result<PackCheck> {
+    let bad = std::mem::take(&mut c.bad_blobs);
+    c.bad = bad.len() as u64;
+    c.whole = c.pack_why.is_none() && bad.is_empty();
+    if let Some(rec) = damage.packs.get(pack).filter(|_| !c.unreadable) {
+        let now: HashSet<&Digest> = bad.iter().collect();
+        c.stale_record = c.whole || rec.blobs.iter().any(|b| !now.contains(b));
+        c.covered = bad.iter().all(|b| rec.blobs.contains(b));
+    }
+    if c.whole {
+        return Ok(c);
+    }
+    c.record = !c.unreadable && (!c.covered || c.stale_record);
+    // A record that is not out of date is added to: only the ids it does not list yet
+    // are recorded (not the whole list again each verify).
+    let known = damage.packs.get(pack).filter(|_| !c.stale_record);
+    let new = |id: &Digest| known.is_none_or(|rec| !rec.blobs.contains(id));
+    for (to, yes, to_record) in [(record, c.record, true), (trace, !c.covered || c.stale_record, false)] {
+        if yes && !bad.is_empty() {
+            let mut to = to.lock().unwrap_or_else(|e| e.into_inner());
+            for id in bad.iter().filter(|id| !to_record || new(id)) {
+                to.push(found_record(pack, id))?;
+            }
+        }
+    }
+    Ok(c)
+}
+
+/// A sorter given back by the threads that filled it.
+fn into_inner(m: Mutex<Sorter<FOUND>>) -> Sorter<FOUND> {
+    m.into_inner().unwrap_or_else(|e| e.into_inner())
 }
 
 impl PackCheck {
@@ -1170,7 +1253,12 @@ pub(crate) fn verify_held(repo: &Repository, opts: &VerifyOptions, budget: usize
         want[*n as usize] = true;
     }
     let by_pack = locs.by_pack(&want)?;
-    let mut bad_copies: HashMap<Digest, Vec<(Digest, usize)>> = HashMap::new();
+    // The damaged copies found, sorted on disk (by pack, then id) as the packs are read:
+    // those to record and those to trace to the snapshots that read them. Memory stays
+    // bounded however much damage there is, and what is found is the same whatever the
+    // number of threads.
+    let sorter = |what: &str| Mutex::new(locs.sorter::<FOUND>(what).once_per_key(FOUND));
+    let sorters = (sorter("verify's damaged copies to record"), sorter("verify's damaged copies to trace"));
     // Packs in flight are bounded by their bytes, not only by the threads: each thread
     // holds a whole pack (and its trailer) while it checks it.
     let budget = ByteBudget::new(VERIFY_PACK_BYTES.max(opts.threads as u64 * VERIFY_THREAD_BYTES));
@@ -1181,109 +1269,141 @@ pub(crate) fn verify_held(repo: &Repository, opts: &VerifyOptions, budget: usize
         let per_blob =
             crate::locations::BY_PACK_READ_BYTES + 2 * std::mem::size_of::<BlobEntry>() + 2 * format::ENTRY_LEN + 24;
         let held = len.saturating_add(by_pack.count(*n) * per_blob as u64);
-        budget.with(held, || by_pack.blobs(*n).map(|rows| verify_pack(repo, p, &rows)))
+        budget.with(held, || {
+            by_pack.blobs(*n).and_then(|rows| sort_out(&w.damage, p, verify_pack(repo, p, &rows), &sorters))
+        })
     });
     let results = results.into_iter().collect::<Result<Vec<PackCheck>>>()?;
+    // Each pack's damaged ids went to the sorters: none are held past its check.
+    r.ids_held = r.ids_held.max(results.iter().map(|c| c.bad_blobs.len()).sum());
     drop(by_pack);
-    let mut record: Vec<DamagedPack> = Vec::new();
-    // Recorded packs that read otherwise now: their new state (None: whole again).
-    let mut corrected: HashMap<Digest, Option<DamagedCopies>> = HashMap::new();
+    let (to_record, to_trace) = sorters;
+    // The packs to record (in pack order, as `todo` is), each with why.
+    let mut found: Vec<(Digest, String)> = Vec::new();
+    let mut new_damage = false;
+    // Recorded packs that read otherwise now (their records are rewritten), and those of
+    // them that read back whole (mended, or read wrong once).
+    let mut rewritten: HashSet<Digest> = HashSet::new();
+    let mut whole_again: Vec<Digest> = Vec::new();
+    let mut problem_of: HashMap<Digest, usize> = HashMap::new();
+    let mut by_object: HashMap<String, usize> =
+        r.problems.iter().enumerate().rev().map(|(i, p)| (p.object.clone(), i)).collect();
     for ((pack, _), c) in todo.iter().zip(results) {
         r.bytes_read += c.bytes;
         r.blobs_checked += c.blobs;
-        let bad = &c.bad_blobs;
         let mut why = c.pack_why.clone().unwrap_or_default();
         if let Some(first) = &c.first_bad {
             if !why.is_empty() {
                 why.push_str("; ");
             }
-            why.push_str(&format!("{} blob(s) damaged (first: {first})", bad.len()));
+            why.push_str(&format!("{} blob(s) damaged (first: {first})", c.bad));
         }
-        let whole = c.pack_why.is_none() && bad.is_empty();
-        let short: String = why.chars().take(format::MAX_DAMAGE_WHY / 4).collect();
-        if let Some(rec) = w.damage.packs.get(pack).filter(|_| !c.unreadable) {
-            if whole || rec.blobs.iter().any(|b| !bad.contains(b)) {
-                let now = DamagedCopies {
-                    why: short.clone(),
-                    time: crate::repo::now_seconds(),
-                    blobs: bad.iter().copied().collect(),
-                };
-                corrected.insert(*pack, (!whole).then_some(now));
+        if c.stale_record {
+            rewritten.insert(*pack);
+            if c.whole {
+                whole_again.push(*pack);
             }
         }
-        if whole || (!c.unreadable && w.damage.covers(pack, bad)) {
+        if c.record {
+            found.push((*pack, why.chars().take(format::MAX_DAMAGE_WHY / 4).collect()));
+            new_damage |= !c.stale_record;
+        }
+        if c.whole || c.covered {
             continue; // whole, or recorded already: check_walk said it
         }
-        if !c.unreadable {
-            let mut blobs: Vec<String> = bad.iter().map(|b| format::hex(b)).collect();
-            blobs.sort();
-            blobs.dedup();
-            record.push(DamagedPack { pack: format::hex(pack), why: short, blobs });
-        }
         // One problem per pack: what check found in it already (a page) says this too.
-        let p = r.problem_once(pack_name(pack), why);
-        for id in c.bad_blobs {
-            if let Some(v) = bad_copies.get_mut(&id) {
-                v.push((*pack, p));
-            } else if bad_copies.len() < w.held.chunks {
-                bad_copies.insert(id, vec![(*pack, p)]);
-            } else if !w.damaged.contains_key(&id) {
-                // Each chunk counted once, however many of its copies are damaged.
-                w.untraced.add(id, Some(p))?;
-            }
+        problem_of.insert(*pack, r.problem_once(&mut by_object, pack_name(pack), why));
+    }
+    // Each damaged copy, with the problem of its pack (none: a recorded pack whose record
+    // is rewritten, traced as a damaged copy only), the first `held` chunks held.
+    let mut bad_copies: HashMap<Digest, Vec<(Digest, Option<usize>)>> = HashMap::new();
+    let mut trace = into_inner(to_trace).finish()?;
+    r.damage_spilled = trace.written();
+    while let Some(rec) = trace.next()? {
+        let (pack, id) = found_of(&rec);
+        let p = problem_of.get(&pack).copied();
+        if let Some(v) = bad_copies.get_mut(&id) {
+            v.push((pack, p));
+        } else if bad_copies.len() < w.held.chunks {
+            bad_copies.insert(id, vec![(pack, p)]);
+        } else if let Some(p) = p.filter(|_| !w.damaged.contains_key(&id)) {
+            // Each chunk counted once, however many of its copies are damaged.
+            w.untraced.add(id, Some(p))?;
         }
     }
+    drop(trace);
+    r.ids_held = r.ids_held.max(bad_copies.len());
     // A damaged copy hurts the snapshots only when no other copy is good (a reader tries
     // each): every other copy is in a pack found missing or damaged too, or recorded
-    // damaged (and not found whole again now).
-    let recorded_bad = |pack: &Digest, id: &Digest| match corrected.get(pack) {
-        Some(now) => now.as_ref().is_some_and(|c| c.blobs.contains(id)),
-        None => w.damage.is_damaged(pack, id),
-    };
+    // damaged (and not read otherwise now).
+    let recorded_bad = |pack: &Digest, id: &Digest| !rewritten.contains(pack) && w.damage.is_damaged(pack, id);
     if !bad_copies.is_empty() {
         let (locs, listed, damaged, untraced, held) =
             (&w.locs, &w.listed, &mut w.damaged, &mut w.untraced, w.held.chunks);
         locs.each_id(|g| {
             let id = &g[0].id;
             let Some(copies) = bad_copies.get(id) else { return Ok(()) };
-            let bad = |pack: &Digest| copies.iter().any(|(p, _)| p == pack);
+            let Some(p) = copies.iter().find_map(|(_, p)| *p) else { return Ok(()) };
+            let bad = |pack: &Digest| copies.iter().any(|(c, _)| c == pack);
             let lost = g
                 .iter()
                 .map(|l| &locs.packs[l.pack as usize])
                 .all(|pack| bad(pack) || recorded_bad(pack, id) || !listed.contains_key(&pack_name(pack)));
             if lost && !damaged.contains_key(id) {
-                mark_damaged(damaged, untraced, held, *id, copies[0].1)?;
+                mark_damaged(damaged, untraced, held, *id, p)?;
             }
             Ok(())
         })?;
     }
-    if !record.is_empty() {
-        match repo.put_damage(record) {
-            Ok(name) => r.notes.push(format!(
-                "the damage is recorded in {name}: the next backup that reads the damaged chunks stores them again, \
-                 readers use any good copy, and `ferry repo gc` removes the damaged copies once none is needed"
-            )),
-            Err(e) => r.notes.push(format!("the damage could not be recorded in the repository: {e}")),
+    drop(bad_copies);
+    // What was found is recorded: in new objects, or, where a recorded pack reads
+    // otherwise now, with every record rewritten.
+    let rewrite = !rewritten.is_empty();
+    // Whether the records were rewritten whole (the mended packs' records cleared).
+    let mut corrected = false;
+    if !found.is_empty() || rewrite {
+        let mut ids = into_inner(to_record).finish()?;
+        r.damage_spilled += ids.written();
+        match crate::damage::store_found(repo, &found, &mut ids, &w.damage, &rewritten, &whole_again) {
+            Err(e) => {
+                r.notes.push(format!("the damage could not be recorded in the repository (run verify again): {e}"))
+            }
+            Ok((names, not_corrected, most)) => {
+                r.ids_held = r.ids_held.max(most);
+                match not_corrected {
+                    Some(e) => {
+                        r.notes.push(format!("the damage records could not be corrected (run verify again): {e}"))
+                    }
+                    None => corrected = rewrite,
+                }
+                if new_damage && !names.is_empty() {
+                    r.notes.push(format!(
+                        "the damage is recorded in {}: the next backup that reads the damaged chunks stores them \
+                         again, readers use any good copy, and `ferry repo gc` removes the damaged copies once none \
+                         is needed",
+                        match names.as_slice() {
+                            [one] => one.clone(),
+                            [first, rest @ ..] => {
+                                format!("{first} and {} more object(s) of the same record", rest.len())
+                            }
+                            [] => "no object".to_string(),
+                        }
+                    ));
+                }
+            }
         }
     }
-    // Packs recorded damaged that read back whole now (mended, or read wrong once) are
-    // no damage; their records, and those of packs that read otherwise, are corrected.
-    let cleared: Vec<usize> = w
-        .recorded
-        .iter()
-        .copied()
-        .filter(|p| corrected.iter().any(|(pack, now)| now.is_none() && pack_name(pack) == r.problems[*p].object))
-        .collect();
-    if !corrected.is_empty() {
-        if let Err(e) = crate::damage::correct_records(repo, &corrected) {
-            r.notes.push(format!("the damage records could not be corrected (run verify again): {e}"));
-        }
+    // Packs recorded damaged that read back whole now are no damage (once their records
+    // are cleared: else they stay recorded, and are said to be below).
+    if !corrected {
+        whole_again.clear();
     }
-    for (pack, _) in corrected.iter().filter(|(_, now)| now.is_none()) {
-        let name = pack_name(pack);
-        r.notes.retain(|n| !n.starts_with(&format!("{name}: recorded damaged")));
-    }
+    let whole_again: HashSet<String> = whole_again.iter().map(pack_name).collect();
+    let cleared: HashSet<usize> =
+        w.recorded.iter().copied().filter(|p| whole_again.contains(&r.problems[*p].object)).collect();
+    r.notes.retain(|n| !n.split_once(": recorded damaged").is_some_and(|(name, _)| whole_again.contains(name)));
     w.damaged.retain(|_, p| !cleared.contains(p));
+    r.ids_held = r.ids_held.max(w.damaged.len());
     attribute(repo, &w, &mut r.problems);
     unread_records_to_notes(&mut r, &w.recorded, &cleared, &w.untraced);
     untraced_note(&mut r, w)?;

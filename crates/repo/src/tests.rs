@@ -12,6 +12,7 @@ mod checkmem;
 mod clock;
 mod condemn_split;
 mod copy;
+mod damagecap;
 mod gcmem;
 mod gcwalk;
 mod heal;
