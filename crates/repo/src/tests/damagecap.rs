@@ -442,20 +442,31 @@ fn a_failure_to_remove_the_old_records_leaves_every_copy_recorded() {
     let first = damage_chunks(&inner, &repo, |i| i % 2 == 0);
     maint::verify(&repo, &VerifyOptions::all(1)).unwrap();
     let mended = mend_one(&inner, &packs, &first);
-    let second = damage_chunks(&inner, &repo, |i| i % 2 == 1);
+    // The mended pack is left out of the second damage: it reads back whole.
+    let saved = inner.get(mended, u64::MAX).unwrap();
+    let second: Copies = damage_chunks(&inner, &repo, |i| i % 2 == 1)
+        .into_iter()
+        .filter(|(p, _)| crate::repo::pack_name(p) != *mended)
+        .collect();
+    inner.put(mended, &saved).unwrap();
+    let of_mended = |c: &Copies| c.iter().filter(|(p, _)| crate::repo::pack_name(p) == *mended).count();
+    assert!(of_mended(&first) > 0 && of_mended(&second) == 0);
     *store.fail_delete.lock().unwrap() = Some("damage/");
     let v = maint::verify(&repo, &VerifyOptions::all(1)).unwrap();
     *store.fail_delete.lock().unwrap() = None;
     assert!(v.notes.iter().any(|n| n.starts_with("the damage records could not be corrected")), "{:?}", v.notes);
     assert!(!v.notes.iter().any(|n| n.contains("could not be recorded") || n.contains("its record is cleared")));
+    // The mended pack reads whole (what is said of it is its record's reason alone), and it
+    // stays recorded, a problem, since its record could not be cleared.
+    assert_eq!(inner.get(mended, u64::MAX).unwrap(), saved);
+    let said = v.problems.iter().find(|p| p.object == *mended).map(|p| p.why.clone()).unwrap_or_default();
+    assert!(said.starts_with("recorded damaged") && said.matches("blob(s) damaged").count() == 1, "{said}");
     let all: Copies = first.union(&second).copied().collect();
     assert!(recorded(&inner, &repo).0 == all, "every copy recorded, the mended pack's too");
-    maint::verify(&repo, &VerifyOptions::all(1)).unwrap();
-    // The mended pack's first copies read well: no longer recorded; its second are.
-    let want: Copies = all
-        .difference(&first.iter().filter(|(p, _)| crate::repo::pack_name(p) == *mended).copied().collect())
-        .copied()
-        .collect();
+    let v = maint::verify(&repo, &VerifyOptions::all(1)).unwrap();
+    assert!(v.notes.iter().any(|n| n.starts_with(mended) && n.contains("its record is cleared")), "{:?}", v.notes);
+    // The mended pack reads well: no longer recorded.
+    let want: Copies = all.iter().filter(|(p, _)| crate::repo::pack_name(p) != *mended).copied().collect();
     assert!(recorded(&inner, &repo).0 == want && want.len() < all.len(), "corrected by the next verify");
 }
 
