@@ -421,8 +421,9 @@ fn write_merged(
 /// `known`, the records as verify read them. Where `stale` is not empty (recorded packs
 /// that read otherwise now), every record is rewritten under a `forget` lock (no gc
 /// rewrites them meanwhile), read again: the packs of `cleared` (those that read back
-/// whole now) and of `stale` lose what `known` recorded of them, `found` is added, what
-/// was recorded since `known` was read is kept, and the old objects are removed once the
+/// whole now) and of `stale` lose what `known` recorded of them, those of `confirmed`
+/// (their record up to date when `known` was read) keep all it recorded of them, `found`
+/// is added, what was recorded since `known` was read is kept, and the old objects are removed once the
 /// new ones are stored; else, or where the lock or the records cannot be had (the error
 /// is given back beside the names), what `known` does not list yet is added in objects of
 /// its own: what was found is recorded either way. The names stored, and the error that
@@ -433,8 +434,7 @@ pub(crate) fn store_found(
     found: &[(Digest, String)],
     ids: &mut Sorted<FOUND>,
     known: &DamageSet,
-    stale: &HashSet<Digest>,
-    cleared: &[Digest],
+    (stale, cleared, confirmed): (&HashSet<Digest>, &[Digest], &[Digest]),
 ) -> Result<(Vec<String>, Option<Error>, usize)> {
     let mut w = PartWriter::new(repo, DAMAGE_PART_BYTES);
     let held = match stale.is_empty() {
@@ -459,6 +459,18 @@ pub(crate) fn store_found(
             if c.blobs.is_empty() {
                 set.packs.remove(pack);
             }
+        }
+    }
+    // A pack whose record was up to date when verify read it had every id it listed found
+    // damaged again: kept even if another verify removed them meanwhile.
+    for pack in confirmed {
+        if let Some(k) = known.packs.get(pack) {
+            let c = set.packs.entry(*pack).or_insert_with(|| DamagedCopies {
+                why: k.why.clone(),
+                time: k.time.clone(),
+                blobs: HashSet::new(),
+            });
+            c.blobs.extend(k.blobs.iter().copied());
         }
     }
     write_merged(&mut w, &set, found, Some(ids), Merge::Rewrite { known, stale })?;

@@ -1304,6 +1304,8 @@ pub(crate) fn verify_held(repo: &Repository, opts: &VerifyOptions, budget: usize
     // them that read back whole (mended, or read wrong once).
     let mut rewritten: HashSet<Digest> = HashSet::new();
     let mut whole_again: Vec<Digest> = Vec::new();
+    // Recorded packs whose record was up to date: every id it lists was found damaged again.
+    let mut confirmed: Vec<Digest> = Vec::new();
     let mut problem_of: HashMap<Digest, usize> = HashMap::new();
     let mut by_object: HashMap<String, usize> =
         r.problems.iter().enumerate().rev().map(|(i, p)| (p.object.clone(), i)).collect();
@@ -1316,6 +1318,9 @@ pub(crate) fn verify_held(repo: &Repository, opts: &VerifyOptions, budget: usize
                 why.push_str("; ");
             }
             why.push_str(&format!("{} blob(s) damaged (first: {first})", c.bad));
+        }
+        if !c.stale_record && !c.unreadable && w.damage.packs.contains_key(pack) {
+            confirmed.push(*pack);
         }
         if c.stale_record {
             rewritten.insert(*pack);
@@ -1383,7 +1388,7 @@ pub(crate) fn verify_held(repo: &Repository, opts: &VerifyOptions, budget: usize
     if !found.is_empty() || rewrite {
         let mut ids = into_inner(to_record).finish()?;
         r.damage_spilled += ids.written();
-        match crate::damage::store_found(repo, &found, &mut ids, &w.damage, &rewritten, &whole_again) {
+        match crate::damage::store_found(repo, &found, &mut ids, &w.damage, (&rewritten, &whole_again, &confirmed)) {
             Err(e) => {
                 r.notes.push(format!("the damage could not be recorded in the repository (run verify again): {e}"))
             }
