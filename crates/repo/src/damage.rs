@@ -95,29 +95,64 @@ impl Repository {
         DamageRecord::parse(&json).map_err(|e| Error::damaged(object, e.0))
     }
 
-    /// Every damage record that reads well, merged, and those that do not with why.
-    pub(crate) fn damage_lenient(&self) -> Result<(DamageSet, Failures)> {
+    /// The names of the damage objects, sorted.
+    fn damage_names(&self) -> Result<Vec<String>> {
         let names = self
             .store
             .list("damage/")
             .map_err(|e| Error::store(format!("cannot list the damage records of {}", self.store.describe()), e))?;
         let mut names: Vec<String> = names.into_iter().map(|(n, _)| n).collect();
         names.sort();
+        Ok(names)
+    }
+
+    /// Whether `object` is missing from the store now.
+    fn vanished(&self, object: &str) -> bool {
+        self.store.len(object).is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound)
+    }
+
+    /// Every damage record that reads well, merged, and those that do not with why.
+    ///
+    /// An object that vanishes between the listing and its read was removed by a rewrite
+    /// of the records (verify's, gc's), which stores the new objects before it removes
+    /// the old: the records are listed again and the objects not read yet are read, until
+    /// none vanishes (at most [`DAMAGE_ROUNDS`] listings). Only an object still listed and
+    /// unreadable, or one that still vanishes after the last round, is a failure.
+    pub(crate) fn damage_lenient(&self) -> Result<(DamageSet, Failures)> {
+        let mut names = self.damage_names()?;
         let mut set = DamageSet::default();
         let mut bad = Vec::new();
-        // Read a few objects at a time and merged into the set as they come: what is held
-        // besides the set is a batch's parsed records, not every object's.
-        for batch in names.chunks(FETCH_THREADS) {
-            for (name, r) in batch.iter().zip(par_map(batch, FETCH_THREADS, |n| self.read_damage_object(n))) {
-                match r {
-                    Ok(r) => {
-                        set.add(&r);
-                        set.objects.push(name.clone());
+        // The objects read, well or not (a vanished one is not: listed again, it is read again).
+        let mut read = HashSet::new();
+        for round in 1.. {
+            let mut vanished = Vec::new();
+            // Read a few objects at a time and merged into the set as they come: what is held
+            // besides the set is a batch's parsed records, not every object's.
+            for batch in names.chunks(FETCH_THREADS) {
+                for (name, r) in batch.iter().zip(par_map(batch, FETCH_THREADS, |n| self.read_damage_object(n))) {
+                    match r {
+                        Ok(r) => {
+                            set.add(&r);
+                            set.objects.push(name.clone());
+                            read.insert(name.clone());
+                        }
+                        Err(e @ Error::Store { .. }) => return Err(e),
+                        Err(e) if self.vanished(name) => vanished.push((name.clone(), e)),
+                        Err(e) => {
+                            bad.push((name.clone(), e));
+                            read.insert(name.clone());
+                        }
                     }
-                    Err(e @ Error::Store { .. }) => return Err(e),
-                    Err(e) => bad.push((name.clone(), e)),
                 }
             }
+            if vanished.is_empty() {
+                break;
+            }
+            if round == DAMAGE_ROUNDS {
+                bad.extend(vanished);
+                break;
+            }
+            names = self.damage_names()?.into_iter().filter(|n| !read.contains(n)).collect();
         }
         Ok((set, bad))
     }
@@ -165,6 +200,10 @@ pub(crate) const DAMAGE_PART_BYTES: usize = 4 << 10;
 /// [`DAMAGE_PART_BYTES`] as ferry ships it (for the tests that use it).
 #[cfg(test)]
 pub(crate) const DAMAGE_PART_BYTES_SHIPPED: usize = 8 << 20;
+
+/// How many times the damage records are listed at most while objects vanish under the
+/// reader (each rewrite that runs meanwhile can make one more listing needed).
+const DAMAGE_ROUNDS: usize = 8;
 
 /// What a record's JSON takes besides its packs (version, time, host), at most.
 const RECORD_COST: usize = 512;
@@ -382,8 +421,9 @@ fn write_merged(
 /// `known`, the records as verify read them. Where `stale` is not empty (recorded packs
 /// that read otherwise now), every record is rewritten under a `forget` lock (no gc
 /// rewrites them meanwhile), read again: the packs of `cleared` (those that read back
-/// whole now) and of `stale` lose what `known` recorded of them, `found` is added, what
-/// was recorded since `known` was read is kept, and the old objects are removed once the
+/// whole now) and of `stale` lose what `known` recorded of them, those of `confirmed`
+/// (their record up to date when `known` was read) keep all it recorded of them, `found`
+/// is added, what was recorded since `known` was read is kept, and the old objects are removed once the
 /// new ones are stored; else, or where the lock or the records cannot be had (the error
 /// is given back beside the names), what `known` does not list yet is added in objects of
 /// its own: what was found is recorded either way. The names stored, and the error that
@@ -394,8 +434,7 @@ pub(crate) fn store_found(
     found: &[(Digest, String)],
     ids: &mut Sorted<FOUND>,
     known: &DamageSet,
-    stale: &HashSet<Digest>,
-    cleared: &[Digest],
+    (stale, cleared, confirmed): (&HashSet<Digest>, &[Digest], &[Digest]),
 ) -> Result<(Vec<String>, Option<Error>, usize)> {
     let mut w = PartWriter::new(repo, DAMAGE_PART_BYTES);
     let held = match stale.is_empty() {
@@ -420,6 +459,18 @@ pub(crate) fn store_found(
             if c.blobs.is_empty() {
                 set.packs.remove(pack);
             }
+        }
+    }
+    // A pack whose record was up to date when verify read it had every id it listed found
+    // damaged again: kept even if another verify removed them meanwhile.
+    for pack in confirmed {
+        if let Some(k) = known.packs.get(pack) {
+            let c = set.packs.entry(*pack).or_insert_with(|| DamagedCopies {
+                why: k.why.clone(),
+                time: k.time.clone(),
+                blobs: HashSet::new(),
+            });
+            c.blobs.extend(k.blobs.iter().copied());
         }
     }
     write_merged(&mut w, &set, found, Some(ids), Merge::Rewrite { known, stale })?;

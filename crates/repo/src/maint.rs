@@ -11,6 +11,7 @@ use crate::table::BlobTable;
 use crate::{lock, Error, Result};
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 
 /// A problem found by check or verify, with the snapshots and ranges it hits.
@@ -1089,12 +1090,28 @@ struct PackCheck {
 /// Gives a pack's damaged copies to verify's sorters (`record`, `trace`) and says what
 /// is to be done with them: recorded (new damage, or a record that says otherwise),
 /// traced to the snapshots that read them (damage not recorded yet, or copies of a
-/// record rewritten). Holds the sorters' locks only for a pack with damage.
+/// record rewritten). Holds the sorters' locks only for a pack with damage. `held` counts
+/// the damaged ids the packs being sorted out hold now, and the most they held at once.
 fn sort_out(
     damage: &DamageSet,
     pack: &Digest,
-    mut c: PackCheck,
+    c: PackCheck,
     (record, trace): &(Mutex<Sorter<FOUND>>, Mutex<Sorter<FOUND>>),
+    held: &(AtomicUsize, AtomicUsize),
+) -> Result<PackCheck> {
+    let n = c.bad_blobs.len();
+    held.1.fetch_max(held.0.fetch_add(n, SeqCst) + n, SeqCst);
+    let r = sort_out_held(damage, pack, c, (record, trace));
+    held.0.fetch_sub(n, SeqCst);
+    r
+}
+
+/// [`sort_out`], its count of the ids held aside.
+fn sort_out_held(
+    damage: &DamageSet,
+    pack: &Digest,
+    mut c: PackCheck,
+    (record, trace): (&Mutex<Sorter<FOUND>>, &Mutex<Sorter<FOUND>>),
 ) -> Result<PackCheck> {
     let bad = std::mem::take(&mut c.bad_blobs);
     c.bad = bad.len() as u64;
@@ -1262,6 +1279,7 @@ pub(crate) fn verify_held(repo: &Repository, opts: &VerifyOptions, budget: usize
     // Packs in flight are bounded by their bytes, not only by the threads: each thread
     // holds a whole pack (and its trailer) while it checks it.
     let budget = ByteBudget::new(VERIFY_PACK_BYTES.max(opts.threads as u64 * VERIFY_THREAD_BYTES));
+    let ids = (AtomicUsize::new(0), AtomicUsize::new(0));
     let results = par_map(&todo, opts.threads.max(1), |(p, n)| {
         // Its bytes, and per blob its records read from the table by pack and its entry
         // made of them, and its trailer entry as stored, plain, parsed and spanned.
@@ -1270,12 +1288,13 @@ pub(crate) fn verify_held(repo: &Repository, opts: &VerifyOptions, budget: usize
             crate::locations::BY_PACK_READ_BYTES + 2 * std::mem::size_of::<BlobEntry>() + 2 * format::ENTRY_LEN + 24;
         let held = len.saturating_add(by_pack.count(*n) * per_blob as u64);
         budget.with(held, || {
-            by_pack.blobs(*n).and_then(|rows| sort_out(&w.damage, p, verify_pack(repo, p, &rows), &sorters))
+            by_pack.blobs(*n).and_then(|rows| sort_out(&w.damage, p, verify_pack(repo, p, &rows), &sorters, &ids))
         })
     });
     let results = results.into_iter().collect::<Result<Vec<PackCheck>>>()?;
-    // Each pack's damaged ids went to the sorters: none are held past its check.
-    r.ids_held = r.ids_held.max(results.iter().map(|c| c.bad_blobs.len()).sum());
+    // Each pack's damaged ids went to the sorters: none are held past its check; the
+    // most held at once were those of the packs being sorted out together.
+    r.ids_held = r.ids_held.max(ids.1.into_inner());
     drop(by_pack);
     let (to_record, to_trace) = sorters;
     // The packs to record (in pack order, as `todo` is), each with why.
@@ -1285,6 +1304,8 @@ pub(crate) fn verify_held(repo: &Repository, opts: &VerifyOptions, budget: usize
     // them that read back whole (mended, or read wrong once).
     let mut rewritten: HashSet<Digest> = HashSet::new();
     let mut whole_again: Vec<Digest> = Vec::new();
+    // Recorded packs whose record was up to date: every id it lists was found damaged again.
+    let mut confirmed: Vec<Digest> = Vec::new();
     let mut problem_of: HashMap<Digest, usize> = HashMap::new();
     let mut by_object: HashMap<String, usize> =
         r.problems.iter().enumerate().rev().map(|(i, p)| (p.object.clone(), i)).collect();
@@ -1297,6 +1318,9 @@ pub(crate) fn verify_held(repo: &Repository, opts: &VerifyOptions, budget: usize
                 why.push_str("; ");
             }
             why.push_str(&format!("{} blob(s) damaged (first: {first})", c.bad));
+        }
+        if !c.stale_record && !c.unreadable && w.damage.packs.contains_key(pack) {
+            confirmed.push(*pack);
         }
         if c.stale_record {
             rewritten.insert(*pack);
@@ -1364,7 +1388,7 @@ pub(crate) fn verify_held(repo: &Repository, opts: &VerifyOptions, budget: usize
     if !found.is_empty() || rewrite {
         let mut ids = into_inner(to_record).finish()?;
         r.damage_spilled += ids.written();
-        match crate::damage::store_found(repo, &found, &mut ids, &w.damage, &rewritten, &whole_again) {
+        match crate::damage::store_found(repo, &found, &mut ids, &w.damage, (&rewritten, &whole_again, &confirmed)) {
             Err(e) => {
                 r.notes.push(format!("the damage could not be recorded in the repository (run verify again): {e}"))
             }

@@ -237,6 +237,22 @@ fn mend_one<'a>(store: &MemStore, packs: &'a Packs, copies: &Copies) -> &'a str 
     name
 }
 
+/// A disk backed up over a [`Hooked`] store, every other data copy of each pack damaged,
+/// and verified (recorded): the store below, the store, the repository, the packs as
+/// stored first, and the copies damaged.
+fn recorded_over_hooks(seed: u64) -> (Arc<MemStore>, Arc<crate::tests::Hooked>, Arc<Repository>, Packs, Copies) {
+    use crate::tests::Hooked;
+    let inner = Arc::new(MemStore::new());
+    let store = Arc::new(Hooked::new(inner.clone()));
+    let repo = Arc::new(Repository::init(store.clone(), &init_opts(true)).unwrap());
+    backup(&repo, "d", &disk(8 << 20, seed), None);
+    let packs: Packs =
+        inner.list("data/").unwrap().into_iter().map(|(n, _)| (n.clone(), inner.get(&n, u64::MAX).unwrap())).collect();
+    let copies = damage_chunks(&inner, &repo, |i| i % 2 == 0);
+    maint::verify(&repo, &VerifyOptions::all(1)).unwrap();
+    (inner, store, repo, packs, copies)
+}
+
 /// A pack mended (its bytes as stored first) after a record in several objects named
 /// it: verify rewrites the records without it, in parts again, every other copy still
 /// recorded, and the old objects removed.
@@ -432,30 +448,33 @@ fn ids_held_stay_bounded_as_the_damage_grows() {
 /// not said cleared; the next verify corrects them.
 #[test]
 fn a_failure_to_remove_the_old_records_leaves_every_copy_recorded() {
-    use crate::tests::Hooked;
-    let inner = Arc::new(MemStore::new());
-    let store = Arc::new(Hooked::new(inner.clone()));
-    let repo = Arc::new(Repository::init(store.clone(), &init_opts(true)).unwrap());
-    backup(&repo, "d", &disk(8 << 20, 43), None);
-    let packs: Packs =
-        inner.list("data/").unwrap().into_iter().map(|(n, _)| (n.clone(), inner.get(&n, u64::MAX).unwrap())).collect();
-    let first = damage_chunks(&inner, &repo, |i| i % 2 == 0);
-    maint::verify(&repo, &VerifyOptions::all(1)).unwrap();
+    let (inner, store, repo, packs, first) = recorded_over_hooks(43);
     let mended = mend_one(&inner, &packs, &first);
-    let second = damage_chunks(&inner, &repo, |i| i % 2 == 1);
+    // The mended pack is left out of the second damage: it reads back whole.
+    let saved = inner.get(mended, u64::MAX).unwrap();
+    let second: Copies = damage_chunks(&inner, &repo, |i| i % 2 == 1)
+        .into_iter()
+        .filter(|(p, _)| crate::repo::pack_name(p) != *mended)
+        .collect();
+    inner.put(mended, &saved).unwrap();
+    let of_mended = |c: &Copies| c.iter().filter(|(p, _)| crate::repo::pack_name(p) == *mended).count();
+    assert!(of_mended(&first) > 0 && of_mended(&second) == 0);
     *store.fail_delete.lock().unwrap() = Some("damage/");
     let v = maint::verify(&repo, &VerifyOptions::all(1)).unwrap();
     *store.fail_delete.lock().unwrap() = None;
     assert!(v.notes.iter().any(|n| n.starts_with("the damage records could not be corrected")), "{:?}", v.notes);
     assert!(!v.notes.iter().any(|n| n.contains("could not be recorded") || n.contains("its record is cleared")));
+    // The mended pack reads whole (what is said of it is its record's reason alone), and it
+    // stays recorded, a problem, since its record could not be cleared.
+    assert_eq!(inner.get(mended, u64::MAX).unwrap(), saved);
+    let said = v.problems.iter().find(|p| p.object == *mended).map(|p| p.why.clone()).unwrap_or_default();
+    assert!(said.starts_with("recorded damaged") && said.matches("blob(s) damaged").count() == 1, "{said}");
     let all: Copies = first.union(&second).copied().collect();
     assert!(recorded(&inner, &repo).0 == all, "every copy recorded, the mended pack's too");
-    maint::verify(&repo, &VerifyOptions::all(1)).unwrap();
-    // The mended pack's first copies read well: no longer recorded; its second are.
-    let want: Copies = all
-        .difference(&first.iter().filter(|(p, _)| crate::repo::pack_name(p) == *mended).copied().collect())
-        .copied()
-        .collect();
+    let v = maint::verify(&repo, &VerifyOptions::all(1)).unwrap();
+    assert!(v.notes.iter().any(|n| n.starts_with(mended) && n.contains("its record is cleared")), "{:?}", v.notes);
+    // The mended pack reads well: no longer recorded.
+    let want: Copies = all.iter().filter(|(p, _)| crate::repo::pack_name(p) != *mended).copied().collect();
     assert!(recorded(&inner, &repo).0 == want && want.len() < all.len(), "corrected by the next verify");
 }
 
@@ -506,4 +525,99 @@ fn a_pack_entry_never_ends_a_part_with_no_ids() {
     }
     let set = repo.damage().unwrap();
     assert_eq!(set.packs[&[2u8; 32]].blobs.len(), 2);
+}
+
+/// A damage object that a rewrite removes between the reader's listing and its read (the
+/// rewrite stored its replacement first) is not skipped: the reader lists the records
+/// again and reads the replacement, so every id stays in its set and nothing is a failure.
+#[test]
+fn a_record_rewritten_while_read_is_read_from_its_replacement() {
+    use crate::format::DamagedPack;
+    use crate::tests::{Hooked, Op, When};
+    let inner = Arc::new(MemStore::new());
+    let store = Arc::new(Hooked::new(inner.clone()));
+    let repo = Arc::new(Repository::init(store.clone(), &init_opts(false)).unwrap());
+    let entry = |pack: u8, blobs: &[u8]| DamagedPack {
+        pack: format::hex(&[pack; 32]),
+        why: "flipped".into(),
+        blobs: blobs.iter().map(|b| format::hex(&[*b; 32])).collect(),
+    };
+    let old: Vec<String> = (1..=3u8).map(|p| repo.put_damage(vec![entry(p, &[p, p + 10])]).unwrap()).collect();
+    // The replacements of the first two objects: one object, then (by a second rewrite
+    // while the first replacement is read) another; stored only by the hooks.
+    let take = |name: String| {
+        let bytes = inner.get(&name, u64::MAX).unwrap();
+        inner.delete(&name).unwrap();
+        (name, bytes)
+    };
+    let first = take(repo.put_damage(vec![entry(1, &[1, 11]), entry(2, &[2, 12, 22])]).unwrap());
+    let second = take(repo.put_damage(vec![entry(1, &[1, 11]), entry(2, &[2, 12, 22]), entry(4, &[4])]).unwrap());
+    let mut rewrites =
+        vec![(first.0.clone(), second, vec![first.0.clone()]), (old[0].clone(), first, old[..2].to_vec())];
+    store.set_hook(Some(Box::new(move |s, when, op, name| {
+        if when == When::Before && op == Op::Get && rewrites.last().is_some_and(|(at, _, _)| at == name) {
+            let (_, (new, bytes), gone) = rewrites.pop().unwrap();
+            s.put(&new, &bytes).unwrap();
+            for g in gone {
+                s.delete(&g).unwrap();
+            }
+        }
+        Ok(())
+    })));
+    let (set, bad) = repo.damage_lenient().unwrap();
+    store.set_hook(None);
+    assert!(bad.is_empty(), "{bad:?}");
+    let ids = |p: u8| set.packs.get(&[p; 32]).map(|c| c.blobs.len());
+    assert_eq!((ids(1), ids(2), ids(3), ids(4)), (Some(2), Some(3), Some(2), Some(1)), "every id read");
+    let last = inner.list("damage/").unwrap().into_iter().map(|(n, _)| n).collect::<HashSet<_>>();
+    assert!(last.iter().all(|n| set.objects.contains(n)), "{:?} read, {last:?} stored", set.objects);
+}
+
+/// Two verifies at once: while verify A runs (a mended pack makes it rewrite the records),
+/// verify B rewrites them without a pack that A finds damaged as its record said (so A
+/// has nothing new to add for it). A's rewrite keeps that pack's ids: they were confirmed.
+#[test]
+fn a_rewrite_keeps_what_it_confirmed_though_another_verify_removed_it() {
+    use crate::format::DamagedPack;
+    use crate::tests::{Op, When};
+    let (inner, store, repo, packs, copies) = recorded_over_hooks(46);
+    let mended = mend_one(&inner, &packs, &copies).to_string();
+    // B's records: every pack but one that stays damaged (`lost`), the mended one still in.
+    let set = repo.damage().unwrap();
+    let lost = *set.packs.keys().find(|p| crate::repo::pack_name(p) != mended).unwrap();
+    let mut others: Vec<DamagedPack> = set
+        .packs
+        .iter()
+        .filter(|(p, _)| **p != lost)
+        .map(|(p, c)| DamagedPack {
+            pack: format::hex(p),
+            why: c.why.clone(),
+            blobs: c.blobs.iter().map(|b| format::hex(b)).collect(),
+        })
+        .collect();
+    others.sort_by(|a, b| a.pack.cmp(&b.pack));
+    let name = repo.put_damage(others).unwrap();
+    let bytes = inner.get(&name, u64::MAX).unwrap();
+    inner.delete(&name).unwrap();
+    let mut lists = 0;
+    store.set_hook(Some(Box::new(move |s, when, op, prefix| {
+        if when == When::Before && op == Op::List && prefix == "damage/" {
+            lists += 1;
+            if lists == 2 {
+                // B's rewrite, between A's start and its rewrite: stored, then the old removed.
+                let old = s.list("damage/").unwrap();
+                s.put(&name, &bytes).unwrap();
+                for (n, _) in old {
+                    s.delete(&n).unwrap();
+                }
+            }
+        }
+        Ok(())
+    })));
+    let v = maint::verify(&repo, &VerifyOptions::all(1)).unwrap();
+    store.set_hook(None);
+    assert!(!v.notes.iter().any(|n| n.contains("could not be")), "{:?}", v.notes);
+    let want: Copies = copies.iter().filter(|(p, _)| crate::repo::pack_name(p) != mended).copied().collect();
+    assert!(want.iter().any(|(p, _)| *p == lost));
+    assert!(recorded(&inner, &repo).0 == want, "the copies A confirmed stay recorded");
 }
