@@ -279,15 +279,24 @@ fn errors_name_the_url_and_never_the_password() {
 // ---------------------------------------------------------------------------------
 
 /// A proxy to nginx that answers every `every`-th request (counted from 1 over all
-/// connections) with a fault, in turn: 503, 416, a dropped connection. Returns its port,
-/// the request count and the fault count.
+/// connections) with a fault, in turn: 503, 416, a dropped connection. A request already
+/// answered with a fault once (the same request line and range) goes through when it is
+/// made again: with several requests in flight in step, a retry could otherwise land on
+/// every `every`-th turn each time and exhaust its retries (a test that failed by chance).
+/// Returns its port, the request count and the fault count.
 fn flaky_proxy(upstream: u16, every: u64) -> (u16, Arc<AtomicU64>, Arc<AtomicU64>) {
     let count = Arc::new(AtomicU64::new(0));
     let faults = Arc::new(AtomicU64::new(0));
+    let faulted = std::sync::Mutex::new(std::collections::HashSet::new());
     let (c, f) = (count.clone(), faults.clone());
-    let port = proxy(upstream, move |_| {
+    let port = proxy(upstream, move |req| {
         let n = c.fetch_add(1, Ordering::SeqCst) + 1;
         if !n.is_multiple_of(every) {
+            return Verdict::Forward;
+        }
+        let line = req.lines().next().unwrap_or("");
+        let range = req.lines().find(|l| l.to_ascii_lowercase().starts_with("range:")).unwrap_or("");
+        if !faulted.lock().unwrap().insert(format!("{line} {range}")) {
             return Verdict::Forward;
         }
         [Verdict::Status503, Verdict::Status416, Verdict::Drop][(f.fetch_add(1, Ordering::SeqCst) % 3) as usize]
